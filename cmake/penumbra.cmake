@@ -1,0 +1,16 @@
+# Helpers shared by every module's CMakeLists.txt.
+
+# penumbra_test(NAME LABELS label... SOURCES src... LIBS lib...)
+# One GoogleTest binary registered with CTest; tests run from the source root so
+# they can find tests/data and ../shared.
+function(penumbra_test name)
+  cmake_parse_arguments(T "" "TIMEOUT" "LABELS;SOURCES;LIBS" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main penumbra_warnings)
+  add_test(NAME ${name} COMMAND ${name} WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 900)
+  endif()
+  set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+endfunction()

@@ -1,0 +1,34 @@
+// Decode attention (one query token per sequence) with GQA over a batch of
+// sequences of different lengths, split-K (flash-decoding).
+//
+// Phase 1: grid (kv head, split, sequence); each block loads its split of K/V
+// once and serves all hq/hkv query heads of the group, writing a partial
+// output and its log-sum-exp to the workspace. Phase 2 merges the splits.
+// Memory bound: reads 2 * sum(lengths) * hkv * d elements once.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime_api.h>
+#include "common/dtype.h"
+
+namespace penumbra::kernels {
+
+struct DecodeAttentionArgs {
+  const void* q = nullptr;           // [batch, hq, d]
+  const void* const* k = nullptr;    // device array [batch]: each sequence's K base ([hkv][head_stride])
+  const void* const* v = nullptr;    // same for V
+  const int32_t* lengths = nullptr;  // device [batch]: keys per sequence (>= 1)
+  void* out = nullptr;               // [batch, hq, d], same dtype as q
+  DType dtype = DType::kBF16;        // dtype of q, k, v and out (f32 or bf16)
+  int64_t head_stride = 0;
+  int batch = 0, hq = 0, hkv = 0, d = 0;
+  int max_length = 0;                // host-side upper bound of lengths (sizes the grid)
+  float scale = 1.0f;
+  void* workspace = nullptr;         // DecodeAttentionWorkspaceBytes() bytes
+  size_t workspace_bytes = 0;
+};
+
+size_t DecodeAttentionWorkspaceBytes(int batch, int hq, int d, int max_length);
+void LaunchDecodeAttention(const DecodeAttentionArgs& args, cudaStream_t stream);
+
+}  // namespace penumbra::kernels

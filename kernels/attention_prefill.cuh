@@ -1,0 +1,29 @@
+// Causal prefill attention with GQA for one sequence, over its KV cache.
+//
+// Queries are the nq tokens at positions q_start .. q_start+nq-1; query i
+// attends keys 0 .. q_start+i (the cache already holds them, including the
+// chunk's own keys). Online softmax (FlashAttention-2 style): each block owns a
+// tile of queries of one query head and streams K/V tiles through shared
+// memory; the fast path uses bf16 tensor-core MMA for d in {64, 128}; a generic
+// path serves f32 and other head dims. Output in q's dtype.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime_api.h>
+#include "common/dtype.h"
+
+namespace penumbra::kernels {
+
+struct PrefillAttentionArgs {
+  const void* q = nullptr;   // [nq, hq, d]
+  const void* k = nullptr;   // cache base of this sequence: [hkv][head_stride] rows of d
+  const void* v = nullptr;   // same layout as k
+  void* out = nullptr;       // [nq, hq, d], same dtype as q
+  DType dtype = DType::kBF16;  // dtype of q, k, v and out (f32 or bf16)
+  int64_t head_stride = 0;   // elements between KV heads (capacity * d)
+  int q_start = 0, nq = 0, hq = 0, hkv = 0, d = 0;
+  float scale = 1.0f;        // usually 1/sqrt(d)
+};
+
+void LaunchPrefillAttention(const PrefillAttentionArgs& args, cudaStream_t stream);
+
+}  // namespace penumbra::kernels

@@ -1,0 +1,9 @@
+// Dtype conversion: dst[i] = dst_dtype(src[i]). Elementwise.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime_api.h>
+#include "common/dtype.h"
+
+namespace penumbra::kernels {
+void LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, cudaStream_t stream);
+}  // namespace penumbra::kernels

@@ -1,0 +1,24 @@
+// Turning CUDA, cuBLAS and cuSOLVER errors into Status at the call site.
+#pragma once
+
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "common/status.h"
+
+namespace penumbra::kernels {
+
+Status CudaStatus(cudaError_t e, const char* what);
+
+}  // namespace penumbra::kernels
+
+#define PENUMBRA_CUDA_RETURN_IF_ERROR(expr) \
+  PENUMBRA_RETURN_IF_ERROR(::penumbra::kernels::CudaStatus((expr), #expr))
+
+// For invariants (a failing launch after validated arguments is a bug).
+#define PENUMBRA_CUDA_CHECK(expr)                                                    \
+  do {                                                                               \
+    cudaError_t _e = (expr);                                                         \
+    CHECK(_e == cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);              \
+  } while (0)

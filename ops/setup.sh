@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs every Debian package the Penumbra build and tests need. Idempotent:
+# packages already present are skipped, so a second run costs a few seconds.
+set -euo pipefail
+pkgs=(
+  build-essential cmake ninja-build pkg-config
+  libopenblas-dev liblapacke-dev
+  libgoogle-glog-dev libgflags-dev
+  libgtest-dev libgmock-dev
+  libyaml-cpp-dev nlohmann-json3-dev
+  libpcre2-dev libxxhash-dev
+  clang libclang-rt-14-dev
+  python3
+)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
+  echo "setup: nvcc not found; building the CPU backend only" >&2
+fi
