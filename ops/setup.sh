@@ -8,7 +8,7 @@ pkgs=(
   libgoogle-glog-dev libgflags-dev
   libgtest-dev libgmock-dev
   libyaml-cpp-dev nlohmann-json3-dev
-  libpcre2-dev libxxhash-dev
+  libpcre2-dev libxxhash-dev libutf8proc-dev
   clang libclang-rt-14-dev
   python3
 )

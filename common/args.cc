@@ -1,0 +1,108 @@
+#include "common/args.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <sstream>
+
+namespace penumbra {
+
+Args& Args::Flag(const std::string& name, const std::string& help) {
+  specs_[name] = {true, help};
+  order_.push_back(name);
+  return *this;
+}
+
+Args& Args::Switch(const std::string& name, const std::string& help) {
+  specs_[name] = {false, help};
+  order_.push_back(name);
+  return *this;
+}
+
+Status Args::Parse(int argc, char** argv, int first) {
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) != 0) return Status::InvalidArgument("unexpected argument '" + a + "'");
+    std::string name = a.substr(2), value;
+    bool inline_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      inline_value = true;
+    }
+    auto it = specs_.find(name);
+    if (it == specs_.end()) return Status::InvalidArgument("unknown flag --" + name);
+    if (it->second.takes_value) {
+      if (!inline_value) {
+        if (i + 1 >= argc) return Status::InvalidArgument("flag --" + name + " needs a value");
+        value = argv[++i];
+      }
+    } else if (inline_value) {
+      return Status::InvalidArgument("flag --" + name + " takes no value");
+    }
+    values_[name] = value;
+  }
+  return Status::OK();
+}
+
+std::string Args::Get(const std::string& name, const std::string& def) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? def : it->second;
+}
+
+Result<int64_t> Args::GetInt(const std::string& name, int64_t def) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return def;
+  const char* s = it->second.c_str();
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(s, &end, 10);
+  if (errno || end == s || *end != '\0') {
+    return Status::InvalidArgument("flag --" + name + ": '" + it->second + "' is not an integer");
+  }
+  return static_cast<int64_t>(v);
+}
+
+Result<double> Args::GetDouble(const std::string& name, double def) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return def;
+  const char* s = it->second.c_str();
+  char* end = nullptr;
+  errno = 0;
+  double v = std::strtod(s, &end);
+  if (errno || end == s || *end != '\0') {
+    return Status::InvalidArgument("flag --" + name + ": '" + it->second + "' is not a number");
+  }
+  return v;
+}
+
+Result<std::vector<int64_t>> Args::GetIntList(const std::string& name) const {
+  std::vector<int64_t> out;
+  auto it = values_.find(name);
+  if (it == values_.end()) return out;
+  std::stringstream ss(it->second);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+    if (b == std::string::npos) return Status::InvalidArgument("flag --" + name + ": empty item in '" + it->second + "'");
+    item = item.substr(b, e - b + 1);
+    char* end = nullptr;
+    errno = 0;
+    long long v = std::strtoll(item.c_str(), &end, 10);
+    if (errno || *end != '\0') {
+      return Status::InvalidArgument("flag --" + name + ": '" + item + "' is not an integer");
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+std::string Args::Help() const {
+  std::ostringstream os;
+  for (const auto& n : order_) {
+    const Spec& s = specs_.at(n);
+    os << "  --" << n << (s.takes_value ? " VALUE" : "") << "\n      " << s.help << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace penumbra

@@ -1,0 +1,44 @@
+// A small command-line parser for subcommand-style tools:
+//   tool SUBCOMMAND --key value --key=value --switch
+// Every flag must be declared; unknown flags, missing values and malformed
+// numbers are InvalidArgument errors that name the flag.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace penumbra {
+
+class Args {
+ public:
+  // Declares a flag taking a value, or a switch (no value).
+  Args& Flag(const std::string& name, const std::string& help);
+  Args& Switch(const std::string& name, const std::string& help);
+
+  // Parses argv[first..argc).
+  Status Parse(int argc, char** argv, int first);
+
+  bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  std::string Get(const std::string& name, const std::string& def = "") const;
+  Result<int64_t> GetInt(const std::string& name, int64_t def) const;
+  Result<double> GetDouble(const std::string& name, double def) const;
+  // "1,2,3" -> {1,2,3}; whitespace allowed around items.
+  Result<std::vector<int64_t>> GetIntList(const std::string& name) const;
+  std::string Help() const;
+
+ private:
+  struct Spec {
+    bool takes_value;
+    std::string help;
+  };
+  std::map<std::string, Spec> specs_;
+  std::vector<std::string> order_;
+  std::map<std::string, std::string> values_;
+};
+
+}  // namespace penumbra

@@ -1,0 +1,178 @@
+// penumbra: the command-line front end.
+//   penumbra generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) ...
+// Errors (bad flags, bad model files, bad prompts) print one line naming what
+// was wrong and exit with status 2 (usage) or 1 (everything else).
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "common/args.h"
+#include "common/logging.h"
+#include "coordinator/cli/text_codec.h"
+#include "worker/engine/engine.h"
+
+namespace penumbra {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: penumbra generate --model DIR (--prompt TEXT | --prompt-ids ID,...) [options]\n"
+    "       penumbra help\n";
+
+void AddEngineFlags(Args& a) {
+  a.Flag("device", "cpu, cuda or auto (default auto: cuda when a GPU is present)")
+      .Flag("dtype", "CUDA compute dtype: bf16 (default) or f32")
+      .Flag("config", "engine YAML (see configs/engine.yaml); flags override it")
+      .Flag("kv-policy", "full (default) or shadowkv")
+      .Flag("prefill-chunk", "tokens per prefill chunk (default 4096)")
+      .Flag("rank", "shadowkv: rank of the pre-RoPE key factors (default 160)")
+      .Flag("chunk-size", "shadowkv: tokens per chunk (default 8)")
+      .Flag("budget", "shadowkv: sparse budget in tokens (default 2048)")
+      .Flag("budget-fraction", "shadowkv: sparse budget as a fraction of the context (overrides --budget)")
+      .Flag("outliers", "shadowkv: outlier chunks per KV head (default 48)")
+      .Flag("local-window", "shadowkv: recent tokens kept exact (default 32)")
+      .Flag("min-prompt", "shadowkv: prompts shorter than this use full attention (default 4096)")
+      .Flag("value-fetch", "shadowkv: zero_copy (default) or staging");
+}
+
+Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
+  if (a.Has("config")) {
+    PENUMBRA_ASSIGN_OR_RETURN(*o, LoadEngineOptionsFile(a.Get("config")));
+  }
+  if (a.Has("device")) o->backend.device = a.Get("device");
+  if (a.Has("dtype")) o->backend.dtype = a.Get("dtype");
+  if (a.Has("kv-policy")) o->kv_policy = a.Get("kv-policy");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t chunk, a.GetInt("prefill-chunk", o->runtime.prefill_chunk));
+  if (chunk < 1 || chunk > (1 << 20)) return Status::InvalidArgument("--prefill-chunk must be in [1, 1048576]");
+  o->runtime.prefill_chunk = static_cast<int>(chunk);
+  ShadowKvOptions& s = o->shadowkv;
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t rank, a.GetInt("rank", s.rank));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t cs, a.GetInt("chunk-size", s.chunk_size));
+  PENUMBRA_ASSIGN_OR_RETURN(s.budget_tokens, a.GetInt("budget", s.budget_tokens));
+  PENUMBRA_ASSIGN_OR_RETURN(s.budget_fraction, a.GetDouble("budget-fraction", s.budget_fraction));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t outl, a.GetInt("outliers", s.outlier_chunks));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t lw, a.GetInt("local-window", s.local_window));
+  PENUMBRA_ASSIGN_OR_RETURN(s.min_prompt_tokens, a.GetInt("min-prompt", s.min_prompt_tokens));
+  if (rank < 1 || cs < 1 || outl < 0 || lw < 1 || rank > (1 << 16) || cs > 1024 || outl > (1 << 20) || lw > (1 << 20)) {
+    return Status::InvalidArgument("shadowkv flags out of range (rank >= 1, chunk-size in [1,1024], outliers >= 0, local-window >= 1)");
+  }
+  if (s.budget_fraction < 0 || s.budget_fraction > 1) return Status::InvalidArgument("--budget-fraction must be in [0, 1]");
+  s.rank = static_cast<int>(rank);
+  s.chunk_size = static_cast<int>(cs);
+  s.outlier_chunks = static_cast<int>(outl);
+  s.local_window = static_cast<int>(lw);
+  if (a.Has("value-fetch")) s.value_fetch = a.Get("value-fetch");
+  return Status::OK();
+}
+
+Status Generate(int argc, char** argv) {
+  Args a;
+  a.Flag("model", "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+      .Flag("prompt", "prompt text (needs tokenizer.json)")
+      .Flag("prompt-file", "read the prompt text from a file")
+      .Flag("prompt-ids", "prompt as comma-separated token ids")
+      .Flag("max-new-tokens", "tokens to generate (default 64)")
+      .Switch("greedy", "greedy decoding (the default when no --temperature is given)")
+      .Flag("temperature", "sampling temperature (default 0 = greedy)")
+      .Flag("top-k", "top-k cut (default 0 = off)")
+      .Flag("top-p", "nucleus cut (default 1 = off)")
+      .Flag("seed", "sampling seed (default 0)")
+      .Flag("stop-ids", "comma-separated ids that end generation (default: the model's eos ids)")
+      .Switch("ignore-eos", "do not stop at the model's eos ids")
+      .Switch("json", "print one JSON object instead of text");
+  AddEngineFlags(a);
+  Status ps = a.Parse(argc, argv, 2);
+  if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
+  if (!a.Has("model")) return Status::InvalidArgument(std::string("--model is required\n") + kUsage);
+  const int given = a.Has("prompt") + a.Has("prompt-ids") + a.Has("prompt-file");
+  if (given != 1) return Status::InvalidArgument("give exactly one of --prompt, --prompt-file, --prompt-ids");
+
+  EngineOptions eo;
+  PENUMBRA_RETURN_IF_ERROR(ApplyEngineFlags(a, &eo));
+  GenerationRequest req;
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_new, a.GetInt("max-new-tokens", 64));
+  if (max_new < 1 || max_new > (int64_t{1} << 30)) return Status::InvalidArgument("--max-new-tokens must be >= 1");
+  req.max_new_tokens = static_cast<int>(max_new);
+  PENUMBRA_ASSIGN_OR_RETURN(double temp, a.GetDouble("temperature", 0.0));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t top_k, a.GetInt("top-k", 0));
+  PENUMBRA_ASSIGN_OR_RETURN(double top_p, a.GetDouble("top-p", 1.0));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
+  if (a.Has("greedy") && a.Has("temperature")) return Status::InvalidArgument("--greedy and --temperature exclude each other");
+  req.sampling = {a.Has("greedy") ? 0.0f : static_cast<float>(temp), static_cast<int>(top_k), static_cast<float>(top_p),
+                  static_cast<uint64_t>(seed)};
+
+  PENUMBRA_ASSIGN_OR_RETURN(auto codec, TextCodec::ForModel(a.Get("model")));
+  if (a.Has("prompt-ids")) {
+    PENUMBRA_ASSIGN_OR_RETURN(auto ids, a.GetIntList("prompt-ids"));
+    for (int64_t id : ids) {
+      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--prompt-ids: id " + std::to_string(id) + " is out of range");
+      req.prompt.push_back(static_cast<int32_t>(id));
+    }
+  } else {
+    std::string text = a.Get("prompt");
+    if (a.Has("prompt-file")) {
+      PENUMBRA_ASSIGN_OR_RETURN(text, ReadFileToString(a.Get("prompt-file")));
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(req.prompt, codec->Encode(text));
+  }
+
+  PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::Open(a.Get("model"), eo));
+  if (a.Has("stop-ids")) {
+    PENUMBRA_ASSIGN_OR_RETURN(auto ids, a.GetIntList("stop-ids"));
+    for (int64_t id : ids) req.stop_ids.push_back(static_cast<int32_t>(id));
+  } else if (!a.Has("ignore-eos")) {
+    req.stop_ids = engine->config().eos_token_ids;
+  }
+  Runtime& rt = engine->runtime();
+  PENUMBRA_ASSIGN_OR_RETURN(auto results, rt.Generate({req}));
+  const GenerationResult& g = results[0];
+  PENUMBRA_ASSIGN_OR_RETURN(std::string text, codec->Decode(g.ids));
+  const RunStats& st = rt.stats();
+  // Decode throughput: tokens after the first (which comes from the prefill).
+  const double decode_tps = st.decode_seconds > 0 ? (st.generated_tokens - 1) / st.decode_seconds : 0.0;
+  if (a.Has("json")) {
+    nlohmann::json j;
+    j["ids"] = g.ids;
+    j["text"] = text;
+    j["finish_reason"] = g.finish_reason;
+    j["prompt_tokens"] = st.prompt_tokens;
+    j["generated_tokens"] = st.generated_tokens;
+    j["prefill_seconds"] = st.prefill_seconds;
+    j["decode_seconds"] = st.decode_seconds;
+    j["tokens_per_s"] = decode_tps;
+    j["device"] = engine->backend().name();
+    j["dtype"] = std::string(DTypeName(engine->backend().act_dtype()));
+    j["kv_policy"] = engine->options().kv_policy;
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+  } else {
+    std::cout << text << "\n";
+    std::fprintf(stderr, "[%lld prompt tokens, %lld generated, prefill %.3f s, decode %.1f tokens/s on %s, kv policy %s]\n",
+                 static_cast<long long>(st.prompt_tokens), static_cast<long long>(st.generated_tokens),
+                 st.prefill_seconds, decode_tps, engine->backend().name().c_str(), engine->options().kv_policy.c_str());
+  }
+  return Status::OK();
+}
+
+}  // namespace
+}  // namespace penumbra
+
+int main(int argc, char** argv) {
+  penumbra::InitLogging(argv[0]);
+  if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
+    std::cout << penumbra::kUsage;
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  penumbra::Status s;
+  if (cmd == "generate") {
+    s = penumbra::Generate(argc, argv);
+  } else {
+    std::cerr << "penumbra: unknown command '" << cmd << "'\n" << penumbra::kUsage;
+    return 2;
+  }
+  if (!s.ok()) {
+    std::cerr << "penumbra: " << s.ToString() << std::endl;
+    return s.code() == penumbra::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}

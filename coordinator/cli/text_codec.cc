@@ -1,0 +1,54 @@
+#include "coordinator/cli/text_codec.h"
+
+#include <nlohmann/json.hpp>
+
+#include "common/file.h"
+
+namespace penumbra {
+
+Result<std::unique_ptr<TextCodec>> TextCodec::ForModel(const std::string& model_dir) {
+  auto c = std::unique_ptr<TextCodec>(new TextCodec);
+  const std::string tok = JoinPath(model_dir, "tokenizer.json");
+  if (FileExists(tok)) {
+    PENUMBRA_ASSIGN_OR_RETURN(c->tokenizer_, Tokenizer::FromFile(tok));
+    return c;
+  }
+  const std::string pieces = JoinPath(model_dir, "vocab_pieces.json");
+  if (FileExists(pieces)) {
+    PENUMBRA_ASSIGN_OR_RETURN(std::string text, ReadFileToString(pieces));
+    nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (!j.is_array()) return Status::InvalidArgument(pieces + ": expected a JSON array of strings");
+    for (const auto& p : j) {
+      if (!p.is_string()) return Status::InvalidArgument(pieces + ": expected a JSON array of strings");
+      c->pieces_.push_back(p.get<std::string>());
+    }
+  }
+  return c;
+}
+
+Result<std::vector<int32_t>> TextCodec::Encode(const std::string& text) const {
+  if (!tokenizer_) return Status::FailedPrecondition("this model directory has no tokenizer.json; use --prompt-ids");
+  return tokenizer_->Encode(text, /*add_special_tokens=*/true);
+}
+
+Result<std::string> TextCodec::Decode(const std::vector<int32_t>& ids) const {
+  if (tokenizer_) return tokenizer_->Decode(ids, /*skip_special_tokens=*/true);
+  std::string out;
+  for (int32_t id : ids) {
+    if (id < 0 || static_cast<size_t>(id) >= pieces_.size()) {
+      if (pieces_.empty()) return std::string();
+      return Status::InvalidArgument("token id " + std::to_string(id) + " is outside the vocabulary");
+    }
+    const std::string& p = pieces_[id];
+    if (p.size() == 6 && p.rfind("<0x", 0) == 0 && p.back() == '>') {
+      out.push_back(static_cast<char>(std::stoi(p.substr(3, 2), nullptr, 16)));
+    } else if (p.find("<s>") != std::string::npos || p.find("</s>") != std::string::npos || p == "<unk>") {
+      continue;  // control pieces
+    } else {
+      out += p;
+    }
+  }
+  return out;
+}
+
+}  // namespace penumbra

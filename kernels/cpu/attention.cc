@@ -1,0 +1,123 @@
+// CPU attention (prefill and decode): f32, exact softmax per (query, head) row,
+// numerically stable (max subtracted before exp). ParallelFor tasks are
+// (query block, KV head) for prefill and (sequence, KV head) for decode; each
+// task computes all scores of its rows (scale * q.k_j), the softmax, then
+// out = sum_j p_j v_j / sum_j p_j, with contiguous inner loops over d.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+
+namespace penumbra::kernels::cpu {
+namespace {
+
+// q.k with 8 independent partial sums, so the compiler can vectorize it
+// without reassociating a single sum.
+float Dot(const float* __restrict a, const float* __restrict b, int d) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int e = 0;
+  for (; e + 8 <= d; e += 8)
+    for (int u = 0; u < 8; ++u) acc[u] += a[e + u] * b[e + u];
+  for (; e < d; ++e) acc[0] += a[e] * b[e];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// o += p * x over d elements (o and x never alias); blocks of 8 so that the
+// -O2 cost model vectorizes it (no runtime trip-count epilogue).
+void Axpy(float p, const float* __restrict x, float* __restrict o, int d) {
+  int e = 0;
+  for (; e + 8 <= d; e += 8)
+    for (int u = 0; u < 8; ++u) o[e + u] += p * x[e + u];
+  for (; e < d; ++e) o[e] += p * x[e];
+}
+
+// Attention for `n_rows` query rows that share one KV head (rows of d
+// contiguous floats at k / v): row r attends keys 0 .. n_keys[r]-1. Keys are
+// the outer loop so each K / V row is read once for all the rows (the group's
+// query heads, and for prefill several queries) while it sits in L1.
+void AttendRows(int n_rows, const float* const* q, const int64_t* n_keys, const float* k, const float* v, int d,
+                float scale, std::vector<float>& scores, float* const* out) {
+  const int64_t max_keys = *std::max_element(n_keys, n_keys + n_rows);
+  scores.resize(static_cast<size_t>(n_rows) * max_keys);
+  for (int64_t j = 0; j < max_keys; ++j) {
+    const float* kj = k + j * d;
+    for (int r = 0; r < n_rows; ++r)
+      if (j < n_keys[r]) scores[r * max_keys + j] = Dot(q[r], kj, d) * scale;
+  }
+  std::vector<float> inv_l(n_rows);
+  for (int r = 0; r < n_rows; ++r) {
+    float* s = scores.data() + r * max_keys;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n_keys[r]; ++j) m = std::max(m, s[j]);
+    float l = 0.0f;
+    for (int64_t j = 0; j < n_keys[r]; ++j) {
+      s[j] = std::exp(s[j] - m);
+      l += s[j];
+    }
+    inv_l[r] = n_keys[r] > 0 ? 1.0f / l : 0.0f;
+    std::fill(out[r], out[r] + d, 0.0f);
+  }
+  for (int64_t j = 0; j < max_keys; ++j) {
+    const float* vj = v + j * d;
+    for (int r = 0; r < n_rows; ++r) {
+      if (j >= n_keys[r]) continue;
+      Axpy(scores[r * max_keys + j], vj, out[r], d);
+    }
+  }
+  for (int r = 0; r < n_rows; ++r)
+    for (int e = 0; e < d; ++e) out[r][e] *= inv_l[r];
+}
+
+// Queries per prefill task (times the group's heads = rows sharing K/V reads).
+constexpr int kQueriesPerTask = 8;
+
+}  // namespace
+
+void PrefillAttention(const PrefillAttentionArgs& a) {
+  if (a.nq <= 0 || a.hq <= 0) return;
+  const int group = a.hq / a.hkv;
+  const int q_blocks = (a.nq + kQueriesPerTask - 1) / kQueriesPerTask;
+  // Task = (query block, kv head); later query blocks (more keys) first.
+  ParallelFor(static_cast<int64_t>(q_blocks) * a.hkv, [&](int64_t task) {
+    thread_local std::vector<float> scores;
+    const int qb = q_blocks - 1 - static_cast<int>(task / a.hkv), kvh = static_cast<int>(task % a.hkv);
+    const int i0 = qb * kQueriesPerTask, i1 = std::min(a.nq, i0 + kQueriesPerTask);
+    std::vector<const float*> q;
+    std::vector<float*> out;
+    std::vector<int64_t> n_keys;
+    for (int i = i0; i < i1; ++i)
+      for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const int64_t off = (static_cast<int64_t>(i) * a.hq + h) * a.d;  // [nq, hq, d]
+        q.push_back(a.q + off);
+        out.push_back(a.out + off);
+        n_keys.push_back(static_cast<int64_t>(a.q_start) + i + 1);
+      }
+    AttendRows(static_cast<int>(q.size()), q.data(), n_keys.data(), a.k + kvh * a.head_stride,
+               a.v + kvh * a.head_stride, a.d, a.scale, scores, out.data());
+  });
+}
+
+void DecodeAttention(const DecodeAttentionArgs& a) {
+  if (a.batch <= 0 || a.hq <= 0) return;
+  const int group = a.hq / a.hkv;
+  // Task = (sequence, kv head): the group's query heads share each K/V read.
+  ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t task) {
+    thread_local std::vector<float> scores;
+    const int b = static_cast<int>(task / a.hkv), kvh = static_cast<int>(task % a.hkv);
+    std::vector<const float*> q;
+    std::vector<float*> out;
+    std::vector<int64_t> n_keys(group, a.lengths[b]);
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+      const int64_t off = (static_cast<int64_t>(b) * a.hq + h) * a.d;  // [batch, hq, d]
+      q.push_back(a.q + off);
+      out.push_back(a.out + off);
+    }
+    AttendRows(group, q.data(), n_keys.data(), a.k[b] + kvh * a.head_stride, a.v[b] + kvh * a.head_stride, a.d,
+               a.scale, scores, out.data());
+  });
+}
+
+}  // namespace penumbra::kernels::cpu

@@ -1,0 +1,183 @@
+#include "kernels/cpu/shadowkv_decode.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <glog/logging.h>
+
+#include "kernels/cpu/ops.h"
+
+namespace penumbra::kernels::cpu {
+
+namespace {
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNegInf = -kInf;
+}  // namespace
+
+uint32_t TopKKey(float v, bool smallest, bool skip_worst_inf) {
+  if (std::isnan(v)) return 0;
+  if (skip_worst_inf && v == (smallest ? kInf : -kInf)) return 0;
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return smallest ? ~key : key;
+}
+
+void TopK(const TopKArgs& a) {
+  ParallelFor(a.rows, [&](int64_t row) {
+    const int n = a.counts ? a.counts[row / a.rows_per_count] : a.uniform_count;
+    const float* v = a.values + row * a.stride;
+    int32_t* out = a.out + row * a.out_stride;
+    std::vector<uint32_t> key(std::max(n, 0));
+    std::vector<int32_t> idx;
+    for (int i = 0; i < n; ++i) {
+      key[i] = TopKKey(v[i], a.smallest, a.skip_worst_inf);
+      if (!(a.skip_worst_inf && key[i] == 0)) idx.push_back(i);
+    }
+    const int cand = static_cast<int>(idx.size());
+    const int take = std::min(a.k, cand);
+    if (take < cand) {
+      auto before = [&](int32_t x, int32_t y) { return key[x] != key[y] ? key[x] > key[y] : x < y; };
+      std::nth_element(idx.begin(), idx.begin() + take, idx.end(), before);
+      idx.resize(take);
+      std::sort(idx.begin(), idx.end());
+    }
+    for (int i = 0; i < a.k; ++i) out[i] = i < take ? idx[i] : -1;
+  });
+}
+
+void ShadowkvScore(const ShadowkvScoreArgs& a) {
+  const int group = a.hq / a.hkv;
+  ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t row) {
+    const int b = static_cast<int>(row / a.hkv), h = static_cast<int>(row % a.hkv);
+    const int n = a.n_chunks[b];
+    const float* land = a.landmarks[b] + static_cast<int64_t>(h) * a.chunk_cap * a.d;
+    const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
+    float* out = a.scores + row * a.score_stride;
+    for (int c = 0; c < a.max_chunks; ++c) out[c] = kNegInf;
+    std::vector<float> logit(std::max(n, 0));
+    for (int g = 0; g < group; ++g) {
+      const float* q = a.q + (static_cast<int64_t>(b) * a.hq + h * group + g) * a.d;
+      float mx = kNegInf;
+      for (int c = 0; c < n; ++c) {
+        if (excl && excl[c]) {
+          logit[c] = kNegInf;
+          continue;
+        }
+        float dot = 0.0f;
+        const float* l = land + static_cast<int64_t>(c) * a.d;
+        for (int j = 0; j < a.d; ++j) dot += q[j] * l[j];
+        logit[c] = dot * a.scale;
+        mx = std::max(mx, logit[c]);
+      }
+      if (mx == kNegInf) continue;  // nothing selectable
+      double sum = 0.0;
+      for (int c = 0; c < n; ++c)
+        if (logit[c] != kNegInf) sum += std::exp(logit[c] - mx);
+      const float fsum = static_cast<float>(sum);
+      for (int c = 0; c < n; ++c)
+        if (logit[c] != kNegInf) out[c] = std::max(out[c], std::exp(logit[c] - mx) / fsum);
+    }
+  });
+}
+
+void ShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a) {
+  const int ks = a.kslots;
+  ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t row) {
+    const int b = static_cast<int>(row / a.hkv), h = static_cast<int>(row % a.hkv);
+    int32_t* map = a.slot_maps[b] + static_cast<int64_t>(h) * ks;
+    const int32_t* sel_in = a.selection + row * a.selection_stride;
+    auto valid = [&](int32_t c) { return c >= 0 && c < a.chunk_cap; };
+    std::vector<char> in_prev(a.chunk_cap, 0), in_sel(a.chunk_cap, 0);
+    for (int s = 0; s < ks; ++s)
+      if (valid(map[s])) in_prev[map[s]] = 1;
+    std::vector<int32_t> sel;
+    if (a.force_keep < 0.0f) {
+      for (int i = 0; i < ks; ++i)
+        if (valid(sel_in[i])) sel.push_back(sel_in[i]);
+    } else {
+      const int keep = static_cast<int>(std::lround(static_cast<double>(a.force_keep) * ks));
+      for (int s = 0; s < ks && static_cast<int>(sel.size()) < keep; ++s)
+        if (valid(map[s])) sel.push_back(map[s]);
+      for (int32_t c : sel) in_sel[c] = 1;
+      for (int i = 0; i < ks && static_cast<int>(sel.size()) < ks; ++i)
+        if (valid(sel_in[i]) && !in_prev[sel_in[i]]) sel.push_back(sel_in[i]);
+      for (int i = 0; i < ks && static_cast<int>(sel.size()) < ks; ++i)
+        if (valid(sel_in[i]) && in_prev[sel_in[i]] && !in_sel[sel_in[i]]) sel.push_back(sel_in[i]);
+    }
+    for (int32_t c : sel) in_sel[c] = 1;
+    std::vector<int32_t> free_slots, misses;
+    for (int s = 0; s < ks; ++s)
+      if (!(valid(map[s]) && in_sel[map[s]])) free_slots.push_back(s);
+    for (int32_t c : sel)
+      if (!in_prev[c]) misses.push_back(c);
+    CHECK_LE(misses.size(), free_slots.size());
+    int32_t* mslot = a.miss_slot + row * ks;
+    int32_t* mchunk = a.miss_chunk + row * ks;
+    for (size_t i = 0; i < free_slots.size(); ++i) map[free_slots[i]] = i < misses.size() ? misses[i] : -1;
+    for (int i = 0; i < ks; ++i) {
+      const bool m = i < static_cast<int>(misses.size());
+      mslot[i] = m ? free_slots[i] : -1;
+      mchunk[i] = m ? misses[i] : -1;
+    }
+    a.miss_count[row] = static_cast<int32_t>(misses.size());
+  });
+}
+
+void ShadowkvRebuildK(const ShadowkvRebuildKArgs& a) {
+  const int half = a.d / 2;
+  ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t row) {
+    const int b = static_cast<int>(row / a.hkv), h = static_cast<int>(row % a.hkv);
+    const float* bh = a.b[b] + static_cast<int64_t>(h) * a.r * a.d;
+    const int32_t offset = a.position_offset ? a.position_offset[b] : 0;
+    std::vector<float> x(a.d);
+    for (int m = 0; m < a.miss_count[row]; ++m) {
+      const int slot = a.miss_slot[row * a.miss_stride + m];
+      const int chunk = a.miss_chunk[row * a.miss_stride + m];
+      for (int i = 0; i < a.chunk_size; ++i) {
+        const int64_t t = static_cast<int64_t>(chunk) * a.chunk_size + i;
+        const float* at = a.a[b] + t * a.r;
+        for (int j = 0; j < a.d; ++j) {
+          float acc = 0.0f;
+          for (int k = 0; k < a.r; ++k) acc += at[k] * bh[static_cast<int64_t>(k) * a.d + j];
+          x[j] = acc;
+        }
+        const int32_t pos = static_cast<int32_t>(t) + offset;
+        float* dst = a.att_k[b] + h * a.att_head_stride +
+                     (static_cast<int64_t>(a.outlier_rows) + static_cast<int64_t>(slot) * a.chunk_size + i) * a.d;
+        for (int j = 0; j < half; ++j) {
+          const float angle = static_cast<float>(pos) * a.inv_freq[j];
+          const float c = std::cos(angle), s = std::sin(angle);
+          dst[j] = x[j] * c - x[j + half] * s;
+          dst[j + half] = x[j + half] * c + x[j] * s;
+        }
+      }
+    }
+  });
+}
+
+void ShadowkvFetchV(const ShadowkvFetchVArgs& a) {
+  const int64_t chunk_elems = static_cast<int64_t>(a.chunk_size) * a.d;
+  for (int64_t row = 0; row < static_cast<int64_t>(a.batch) * a.hkv; ++row) {
+    const int b = static_cast<int>(row / a.hkv), h = static_cast<int>(row % a.hkv);
+    for (int m = 0; m < a.miss_count[row]; ++m) {
+      const int slot = a.miss_slot[row * a.miss_stride + m];
+      const float* src;
+      if (a.staging) {
+        const int64_t base = a.staging_offsets ? a.staging_offsets[row] : row * a.miss_stride;
+        src = a.staging + (base + m) * chunk_elems;
+      } else {
+        const int chunk = a.miss_chunk[row * a.miss_stride + m];
+        src = a.value_store[b] + (static_cast<int64_t>(h) * a.chunk_cap + chunk) * chunk_elems;
+      }
+      float* dst = a.att_v[b] + h * a.att_head_stride +
+                   (static_cast<int64_t>(a.outlier_rows) + static_cast<int64_t>(slot) * a.chunk_size) * a.d;
+      std::memcpy(dst, src, chunk_elems * sizeof(float));
+    }
+  }
+}
+
+}  // namespace penumbra::kernels::cpu

@@ -1,0 +1,93 @@
+// CPU references of the ShadowKV decode kernels (kernels/shadowkv_decode.cuh)
+// and of row-wise top-k (kernels/topk.cuh): f32 tensors, host pointers, same
+// layouts and semantics. Sums over chunks accumulate in double.
+#pragma once
+
+#include <cstdint>
+
+namespace penumbra::kernels::cpu {
+
+// As kernels::TopKArgs (counts is a host array).
+struct TopKArgs {
+  const float* values = nullptr;
+  int64_t stride = 0;
+  int rows = 0;
+  const int32_t* counts = nullptr;
+  int rows_per_count = 1;
+  int uniform_count = 0;
+  int k = 0;
+  bool smallest = false;
+  bool skip_worst_inf = false;
+  int32_t* out = nullptr;
+  int64_t out_stride = 0;
+};
+void TopK(const TopKArgs& a);
+
+// The 32-bit key whose unsigned order is top-k's order (larger = preferred);
+// NaN (and with skip_worst_inf the worst infinity) maps to 0, which ranks
+// last and, with skip_worst_inf, is never selected. The CUDA kernel uses the
+// same mapping.
+uint32_t TopKKey(float v, bool smallest, bool skip_worst_inf = false);
+
+// As kernels::ShadowkvScoreArgs, f32, host arrays.
+struct ShadowkvScoreArgs {
+  const float* q = nullptr;                   // [batch, hq, d]
+  const float* const* landmarks = nullptr;    // [batch] -> [hkv][chunk_cap][d]
+  const uint8_t* const* excluded = nullptr;   // [batch] -> [hkv][chunk_cap]; may be null
+  const int32_t* n_chunks = nullptr;          // [batch]
+  int batch = 0, hq = 0, hkv = 0, d = 0;
+  int chunk_cap = 0, max_chunks = 0;
+  float scale = 1.0f;
+  float* scores = nullptr;  // [batch, hkv, score_stride]
+  int64_t score_stride = 0;
+};
+void ShadowkvScore(const ShadowkvScoreArgs& a);
+
+// As kernels::ShadowkvSlotUpdateArgs, host arrays.
+struct ShadowkvSlotUpdateArgs {
+  const int32_t* selection = nullptr;
+  int64_t selection_stride = 0;
+  int32_t* const* slot_maps = nullptr;
+  int32_t* miss_count = nullptr;
+  int32_t* miss_slot = nullptr;
+  int32_t* miss_chunk = nullptr;
+  int batch = 0, hkv = 0, kslots = 0, chunk_cap = 0;
+  float force_keep = -1.0f;
+};
+void ShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a);
+
+// As kernels::ShadowkvRebuildKArgs, f32, host arrays.
+struct ShadowkvRebuildKArgs {
+  const float* const* a = nullptr;
+  const float* const* b = nullptr;
+  const int32_t* position_offset = nullptr;  // may be null
+  const float* inv_freq = nullptr;
+  const int32_t* miss_count = nullptr;
+  const int32_t* miss_slot = nullptr;
+  const int32_t* miss_chunk = nullptr;
+  int miss_stride = 0;
+  float* const* att_k = nullptr;
+  int64_t att_head_stride = 0;
+  int outlier_rows = 0;
+  int batch = 0, hkv = 0, d = 0, r = 0, chunk_size = 0;
+};
+void ShadowkvRebuildK(const ShadowkvRebuildKArgs& a);
+
+// As kernels::ShadowkvFetchVArgs, f32, host arrays (staging null: FetchV).
+struct ShadowkvFetchVArgs {
+  const float* const* value_store = nullptr;
+  int chunk_cap = 0;
+  const float* staging = nullptr;
+  const int32_t* staging_offsets = nullptr;
+  const int32_t* miss_count = nullptr;
+  const int32_t* miss_slot = nullptr;
+  const int32_t* miss_chunk = nullptr;
+  int miss_stride = 0;
+  float* const* att_v = nullptr;
+  int64_t att_head_stride = 0;
+  int outlier_rows = 0;
+  int batch = 0, hkv = 0, d = 0, chunk_size = 0;
+};
+void ShadowkvFetchV(const ShadowkvFetchVArgs& a);
+
+}  // namespace penumbra::kernels::cpu

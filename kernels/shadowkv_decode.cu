@@ -1,0 +1,750 @@
+// ShadowKV decode kernels; see shadowkv_decode.cuh for the contracts, the
+// parallelization and the expected memory traffic.
+#include "kernels/shadowkv_decode.cuh"
+
+#include <algorithm>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include <cuda_bf16.h>
+#include <glog/logging.h>
+
+#include "kernels/common.cuh"
+#include "kernels/cuda_check.h"
+
+namespace penumbra::kernels {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+
+// Raises a kernel's dynamic shared-memory limit to the device maximum once per
+// (kernel, device) and returns the largest dynamic size a launch may ask for.
+int AllowSharedMemory(const void* kernel) {
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  int dev = 0;
+  PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
+  int optin = 0;
+  PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes attr{};
+  PENUMBRA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const int max_dynamic = optin - static_cast<int>(attr.sharedSizeBytes);
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.insert({kernel, dev}).second)
+    PENUMBRA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dynamic));
+  return max_dynamic;
+}
+
+int MultiProcessorCount() {
+  int dev = 0, sms = 0;
+  PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
+  PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+// 8 consecutive elements loaded with 16-byte loads, kept raw until used so that
+// several loads can be in flight.
+template <typename T> struct Raw8;
+template <> struct Raw8<bf16> {
+  uint4 v;
+  __device__ __forceinline__ void Load(const bf16* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
+  __device__ __forceinline__ void Zero() { v = make_uint4(0, 0, 0, 0); }
+  __device__ __forceinline__ void ToF32(float (&x)[8]) const {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[2 * j] = __uint_as_float(w[j] << 16);
+      x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+  }
+};
+template <> struct Raw8<float> {
+  float4 lo, hi;
+  __device__ __forceinline__ void Load(const float* p) {
+    lo = __ldg(reinterpret_cast<const float4*>(p));
+    hi = __ldg(reinterpret_cast<const float4*>(p + 4));
+  }
+  __device__ __forceinline__ void Zero() { lo = hi = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ __forceinline__ void ToF32(float (&x)[8]) const {
+    x[0] = lo.x; x[1] = lo.y; x[2] = lo.z; x[3] = lo.w;
+    x[4] = hi.x; x[5] = hi.y; x[6] = hi.z; x[7] = hi.w;
+  }
+};
+
+// ============================================================================
+// 1. Scores
+// ============================================================================
+constexpr int kScoreThreads = 256;
+constexpr int kScoreSplit = 256;  // chunks per phase-1 block
+constexpr int kScoreUnroll = 4;   // rows in flight per thread
+constexpr int kScoreFinalPerThread = 4;
+
+size_t AlignUp(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+
+struct ScoreWorkspace {
+  float* logits;   // [batch * hq][max_chunks]
+  float2* splits;  // [batch * hq][n_split] (max, sum exp) per split
+  float2* merged;  // [batch * hq] (max, sum exp)
+};
+int ScoreSplits(int max_chunks) { return std::max(1, (max_chunks + kScoreSplit - 1) / kScoreSplit); }
+ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks) {
+  char* p = static_cast<char*>(base);
+  ScoreWorkspace w{};
+  w.logits = reinterpret_cast<float*>(p);
+  p += AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks, 1));
+  w.splits = reinterpret_cast<float2*>(p);
+  p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(max_chunks));
+  w.merged = reinterpret_cast<float2*>(p);
+  return w;
+}
+
+// Phase 1: grid (split, kv head, sequence). A group of `tpr` lanes owns one
+// landmark row (one 8-element vector per lane), the block walks the split's
+// rows kScoreUnroll at a time.
+template <typename T, int G>
+__global__ void __launch_bounds__(kScoreThreads)
+    ScoreLogitsKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int tpr, int n_split) {
+  __shared__ float s_logit[G][kScoreSplit];
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int n = a.n_chunks[b];
+  const int c0 = split * kScoreSplit;
+  if (c0 >= n) return;  // the merge reads only splits below n
+  const int c1 = min(n, c0 + kScoreSplit);
+  const int tid = threadIdx.x;
+  const int lane_row = tid & (tpr - 1), row_in_pass = tid / tpr, rows_per_pass = kScoreThreads / tpr;
+  const int nvec = a.d / 8;
+  const bool active = lane_row < nvec;
+
+  float qr[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int64_t off = (static_cast<int64_t>(b) * a.hq + h * G + g) * a.d + lane_row * 8;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) qr[g][j] = 0.0f;
+    if (active) {
+      if (a.q_dtype == DType::kF32) {
+        Raw8<float> r;
+        r.Load(static_cast<const float*>(a.q) + off);
+        r.ToF32(qr[g]);
+      } else {
+        Raw8<bf16> r;
+        r.Load(static_cast<const bf16*>(a.q) + off);
+        r.ToF32(qr[g]);
+      }
+    }
+  }
+  const T* land = static_cast<const T*>(a.landmarks[b]) + static_cast<int64_t>(h) * a.chunk_cap * a.d;
+  const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
+
+  for (int base = c0; base < c1; base += rows_per_pass * kScoreUnroll) {
+    Raw8<T> raw[kScoreUnroll];
+    bool ex[kScoreUnroll];
+#pragma unroll
+    for (int u = 0; u < kScoreUnroll; ++u) {
+      const int c = base + u * rows_per_pass + row_in_pass;
+      if (active && c < c1) raw[u].Load(land + static_cast<int64_t>(c) * a.d + lane_row * 8);
+      else raw[u].Zero();
+      ex[u] = lane_row == 0 && c < c1 && excl && excl[c];
+    }
+#pragma unroll
+    for (int u = 0; u < kScoreUnroll; ++u) {
+      float x[8];
+      raw[u].ToF32(x);
+      float dot[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = fmaf(qr[g][j], x[j], s);
+        dot[g] = s;
+      }
+      for (int o = tpr >> 1; o > 0; o >>= 1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+      }
+      const int c = base + u * rows_per_pass + row_in_pass;
+      if (lane_row == 0 && c < c1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) s_logit[g][c - c0] = ex[u] ? NegInf() : dot[g] * a.scale;
+      }
+    }
+  }
+  __syncthreads();
+  const int len = c1 - c0;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float* dst = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + g) * a.max_chunks + c0;
+    for (int i = tid; i < len; i += kScoreThreads) dst[i] = s_logit[g][i];
+  }
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp < G) {
+    float m = NegInf();
+    for (int i = lane; i < len; i += 32) m = fmaxf(m, s_logit[warp][i]);
+    m = WarpMax(m);
+    float s = 0.0f;
+    if (m != NegInf())
+      for (int i = lane; i < len; i += 32) s += expf(s_logit[warp][i] - m);
+    s = WarpSum(s);
+    if (lane == 0) ws.splits[(static_cast<int64_t>(b) * a.hq + h * G + warp) * n_split + split] = make_float2(m, s);
+  }
+}
+
+// Phase 1.5: one warp per (sequence, query head) merges the split statistics.
+__global__ void ScoreMergeKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split) {
+  const int idx = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (idx >= a.batch * a.hq) return;
+  const int b = idx / a.hq;
+  const int ns = (a.n_chunks[b] + kScoreSplit - 1) / kScoreSplit;
+  const float2* st = ws.splits + static_cast<int64_t>(idx) * n_split;
+  float m = NegInf();
+  for (int i = lane; i < ns; i += 32) m = fmaxf(m, st[i].x);
+  m = WarpMax(m);
+  float s = 0.0f;
+  if (m != NegInf())
+    for (int i = lane; i < ns; i += 32)
+      if (st[i].x != NegInf()) s += st[i].y * expf(st[i].x - m);
+  s = WarpSum(s);
+  if (lane == 0) ws.merged[idx] = make_float2(m, s);
+}
+
+// Phase 2: scores = max over the group of exp(logit - max) / sum.
+__global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreArgs a, ScoreWorkspace ws) {
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int group = a.hq / a.hkv;
+  const int n = a.n_chunks[b];
+  float m[8], s[8];
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    m[g] = 0.0f;
+    s[g] = 1.0f;
+    if (g < group) {
+      const float2 v = ws.merged[static_cast<int64_t>(b) * a.hq + h * group + g];
+      m[g] = v.x;
+      s[g] = v.y;
+    }
+  }
+  const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
+  const float* logits = ws.logits + (static_cast<int64_t>(b) * a.hq + h * group) * a.max_chunks;
+  float* out = a.scores + (static_cast<int64_t>(b) * a.hkv + h) * a.score_stride;
+#pragma unroll
+  for (int j = 0; j < kScoreFinalPerThread; ++j) {
+    const int c = (blockIdx.x * kScoreFinalPerThread + j) * kScoreThreads + threadIdx.x;
+    if (c >= a.max_chunks) break;
+    float best = NegInf();
+    if (c < n && !(excl && excl[c])) {
+#pragma unroll
+      for (int g = 0; g < 8; ++g)
+        if (g < group) best = fmaxf(best, expf(logits[static_cast<int64_t>(g) * a.max_chunks + c] - m[g]) / s[g]);
+    }
+    out[c] = best;
+  }
+}
+
+template <typename T>
+void LaunchScoreLogits(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int tpr, int n_split,
+                       cudaStream_t stream) {
+  const dim3 grid(n_split, a.hkv, a.batch);
+  switch (a.hq / a.hkv) {
+#define PENUMBRA_SCORE_CASE(G) \
+  case G: ScoreLogitsKernel<T, G><<<grid, kScoreThreads, 0, stream>>>(a, ws, tpr, n_split); break;
+    PENUMBRA_SCORE_CASE(1)
+    PENUMBRA_SCORE_CASE(2)
+    PENUMBRA_SCORE_CASE(3)
+    PENUMBRA_SCORE_CASE(4)
+    PENUMBRA_SCORE_CASE(5)
+    PENUMBRA_SCORE_CASE(6)
+    PENUMBRA_SCORE_CASE(7)
+    PENUMBRA_SCORE_CASE(8)
+#undef PENUMBRA_SCORE_CASE
+    default: LOG(FATAL) << "ShadowkvScore: unsupported group size " << a.hq / a.hkv;
+  }
+}
+
+// ============================================================================
+// 3. Slot update
+// ============================================================================
+constexpr int kSlotThreads = 256;
+
+__device__ __forceinline__ bool TestBit(const uint32_t* bits, int c) { return (bits[c >> 5] >> (c & 31)) & 1u; }
+__device__ __forceinline__ void SetBit(uint32_t* bits, int c) { atomicOr(&bits[c >> 5], 1u << (c & 31)); }
+
+// Appends, in order, the entries src[i] (i < n) for which pred(src[i]) holds to
+// dst starting at *count, while *count < limit. Run by one full warp.
+template <typename Pred>
+__device__ __forceinline__ void WarpAppend(const int32_t* src, int n, Pred pred, int32_t* dst, int& count,
+                                           int limit, int lane) {
+  const unsigned lower = (1u << lane) - 1u;
+  for (int base = 0; base < n && count < limit; base += 32) {
+    const int i = base + lane;
+    const int32_t c = i < n ? src[i] : -1;
+    const bool ok = i < n && pred(c);
+    const unsigned mask = __ballot_sync(0xffffffffu, ok);
+    const int pos = count + __popc(mask & lower);
+    if (ok && pos < limit) dst[pos] = c;
+    count = min(limit, count + __popc(mask));
+  }
+}
+
+__global__ void __launch_bounds__(kSlotThreads) SlotUpdateKernel(ShadowkvSlotUpdateArgs a) {
+  extern __shared__ __align__(16) uint32_t sm[];
+  const int ks = a.kslots, cap = a.chunk_cap;
+  const int words = (cap + 31) / 32;
+  uint32_t* prev_bits = sm;
+  uint32_t* sel_bits = sm + words;
+  int32_t* prev = reinterpret_cast<int32_t*>(sel_bits + words);  // [ks] previous map
+  int32_t* sel = prev + ks;                                       // [ks] final selection
+  int32_t* free_list = sel + ks;                                  // [ks]
+  int32_t* misses = free_list + ks;                               // [ks]
+  __shared__ int s_nsel, s_nfree, s_nmiss;
+
+  const int row = blockIdx.x;
+  const int b = row / a.hkv, h = row % a.hkv;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int32_t* map = a.slot_maps[b] + static_cast<int64_t>(h) * ks;
+  const int32_t* sel_in = a.selection + static_cast<int64_t>(row) * a.selection_stride;
+  auto valid = [cap](int32_t c) { return c >= 0 && c < cap; };
+
+  for (int i = tid; i < 2 * words; i += kSlotThreads) sm[i] = 0;
+  for (int s = tid; s < ks; s += kSlotThreads) prev[s] = map[s];
+  __syncthreads();
+  for (int s = tid; s < ks; s += kSlotThreads)
+    if (valid(prev[s])) SetBit(prev_bits, prev[s]);
+  __syncthreads();
+
+  if (warp == 0) {
+    int nsel = 0;
+    if (a.force_keep < 0.0f) {
+      WarpAppend(sel_in, ks, valid, sel, nsel, ks, lane);
+    } else {
+      const int keep = min(ks, static_cast<int>(floor(static_cast<double>(a.force_keep) * ks + 0.5)));
+      WarpAppend(prev, ks, valid, sel, nsel, keep, lane);
+      __syncwarp();
+      for (int i = lane; i < nsel; i += 32) SetBit(sel_bits, sel[i]);
+      __syncwarp();
+      WarpAppend(sel_in, ks, [&](int32_t c) { return valid(c) && !TestBit(prev_bits, c); }, sel, nsel, ks, lane);
+      WarpAppend(sel_in, ks,
+                 [&](int32_t c) { return valid(c) && TestBit(prev_bits, c) && !TestBit(sel_bits, c); }, sel,
+                 nsel, ks, lane);
+    }
+    if (lane == 0) s_nsel = nsel;
+  }
+  __syncthreads();
+  const int nsel = s_nsel;
+  for (int i = tid; i < nsel; i += kSlotThreads) SetBit(sel_bits, sel[i]);
+  __syncthreads();
+
+  if (warp == 0) {
+    int nfree = 0, nmiss = 0;
+    // Free slots, ascending: those whose chunk is not in the new selection.
+    const unsigned lower = (1u << lane) - 1u;
+    for (int base = 0; base < ks; base += 32) {
+      const int s = base + lane;
+      const bool is_free = s < ks && !(valid(prev[s]) && TestBit(sel_bits, prev[s]));
+      const unsigned mask = __ballot_sync(0xffffffffu, is_free);
+      if (is_free) free_list[nfree + __popc(mask & lower)] = s;
+      nfree += __popc(mask);
+    }
+    // Misses, in selection order: selected chunks not in the previous map.
+    WarpAppend(sel, nsel, [&](int32_t c) { return !TestBit(prev_bits, c); }, misses, nmiss, ks, lane);
+    if (lane == 0) {
+      s_nfree = nfree;
+      s_nmiss = nmiss;
+    }
+  }
+  __syncthreads();
+  const int nfree = s_nfree, nmiss = s_nmiss;
+  int32_t* mslot = a.miss_slot + static_cast<int64_t>(row) * ks;
+  int32_t* mchunk = a.miss_chunk + static_cast<int64_t>(row) * ks;
+  for (int i = tid; i < ks; i += kSlotThreads) {
+    mslot[i] = i < nmiss ? free_list[i] : -1;
+    mchunk[i] = i < nmiss ? misses[i] : -1;
+  }
+  for (int i = tid; i < nfree; i += kSlotThreads) map[free_list[i]] = i < nmiss ? misses[i] : -1;
+  if (tid == 0) a.miss_count[row] = nmiss;
+}
+
+// ============================================================================
+// 4. Key rebuild
+// ============================================================================
+constexpr int kSimtThreads = 128;
+constexpr int kSimtTokens = 8;  // tokens per inner tile of the SIMT path
+constexpr int kMmaTileRows = 64;
+
+// SIMT path: one block per miss; tiles of 8 tokens; A tile and the pre-RoPE
+// result in shared memory (f32), B read through L1/L2.
+template <typename T>
+__global__ void __launch_bounds__(kSimtThreads) RebuildKSimtKernel(ShadowkvRebuildKArgs a) {
+  extern __shared__ __align__(16) float smf[];
+  const int r = a.r, d = a.d, C = a.chunk_size, half = a.d / 2;
+  float* As = smf;                   // [kSimtTokens][r]
+  float* Xs = smf + kSimtTokens * r; // [kSimtTokens][d]
+  const int row = blockIdx.y, m = blockIdx.x;
+  if (m >= a.miss_count[row]) return;
+  const int b = row / a.hkv, h = row % a.hkv;
+  const int slot = a.miss_slot[static_cast<int64_t>(row) * a.miss_stride + m];
+  const int chunk = a.miss_chunk[static_cast<int64_t>(row) * a.miss_stride + m];
+  const T* A = static_cast<const T*>(a.a[b]);
+  const T* Bh = static_cast<const T*>(a.b[b]) + static_cast<int64_t>(h) * r * d;
+  T* K = static_cast<T*>(a.att_k[b]) + h * a.att_head_stride +
+         (static_cast<int64_t>(a.outlier_rows) + static_cast<int64_t>(slot) * C) * d;
+  const int32_t offset = a.position_offset ? a.position_offset[b] : 0;
+  const int tid = threadIdx.x;
+
+  for (int i0 = 0; i0 < C; i0 += kSimtTokens) {
+    const int nt = min(kSimtTokens, C - i0);
+    const int64_t t0 = static_cast<int64_t>(chunk) * C + i0;
+    for (int idx = tid; idx < kSimtTokens * r; idx += kSimtThreads) {
+      const int u = idx / r, k = idx - u * r;
+      As[idx] = u < nt ? ToF32(A[(t0 + u) * r + k]) : 0.0f;
+    }
+    __syncthreads();
+    for (int j = tid; j < d; j += kSimtThreads) {
+      float acc[kSimtTokens];
+#pragma unroll
+      for (int u = 0; u < kSimtTokens; ++u) acc[u] = 0.0f;
+      for (int k = 0; k < r; ++k) {
+        const float bv = ToF32(Bh[static_cast<int64_t>(k) * d + j]);
+#pragma unroll
+        for (int u = 0; u < kSimtTokens; ++u) acc[u] = fmaf(As[u * r + k], bv, acc[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kSimtTokens; ++u) Xs[u * d + j] = acc[u];
+    }
+    __syncthreads();
+    for (int idx = tid; idx < nt * half; idx += kSimtThreads) {
+      const int u = idx / half, j = idx - u * half;
+      const int32_t pos = static_cast<int32_t>(t0 + u) + offset;
+      float sn, cs;
+      sincosf(static_cast<float>(pos) * a.inv_freq[j], &sn, &cs);
+      const float x1 = Xs[u * d + j], x2 = Xs[u * d + j + half];
+      T* dst = K + static_cast<int64_t>(i0 + u) * d;
+      dst[j] = FromF32<T>(x1 * cs - x2 * sn);
+      dst[j + half] = FromF32<T>(x2 * cs + x1 * sn);
+    }
+    __syncthreads();
+  }
+}
+
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t LoadPair(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Row stride (bf16 elements) of the shared A and B^T tiles: >= r rounded up
+// to 16, and (stride / 2) % 32 == 4 so that the fragment loads of a warp hit 32
+// distinct banks.
+int MmaSmemStride(int r) {
+  const int kpad = (r + 15) / 16 * 16;
+  return std::max(0, (kpad - 8 + 63) / 64) * 64 + 8;
+}
+size_t MmaSmemBytes(int r, int d) {
+  const size_t s = MmaSmemStride(r);
+  const size_t bt = static_cast<size_t>(d) * s * sizeof(bf16);
+  const size_t at = std::max(static_cast<size_t>(kMmaTileRows) * s * sizeof(bf16),
+                             static_cast<size_t>(kMmaTileRows) * (d + 4) * sizeof(float));
+  return bt + at;
+}
+
+// Tensor-core path (bf16, d % 64 == 0): block = 2 * d/64 warps; warp (wm, wn)
+// computes rows [32 wm, 32 wm + 32) x columns [64 wn, 64 wn + 64) of a 64-row
+// tile of miss tokens with m16n8k16 MMAs.
+__global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a, int stride) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int r = a.r, d = a.d, C = a.chunk_size, half = d / 2;
+  const int kpad = (r + 15) / 16 * 16;
+  bf16* Bt = reinterpret_cast<bf16*>(smem);  // [d][stride]
+  bf16* As = Bt + static_cast<int64_t>(d) * stride;  // [64][stride], aliased by Os
+  float* Os = reinterpret_cast<float*>(As);           // [64][d + 4]
+  const int os_stride = d + 4;
+
+  const int row = blockIdx.y;
+  const int count = a.miss_count[row];
+  const int per_tile = kMmaTileRows / C;
+  const int ntiles = (count + per_tile - 1) / per_tile;
+  if (static_cast<int>(blockIdx.x) >= ntiles) return;
+  const int b = row / a.hkv, h = row % a.hkv;
+  const bf16* A = static_cast<const bf16*>(a.a[b]);
+  const bf16* Bh = static_cast<const bf16*>(a.b[b]) + static_cast<int64_t>(h) * r * d;
+  bf16* K = static_cast<bf16*>(a.att_k[b]) + h * a.att_head_stride + static_cast<int64_t>(a.outlier_rows) * d;
+  const int32_t* mslot = a.miss_slot + static_cast<int64_t>(row) * a.miss_stride;
+  const int32_t* mchunk = a.miss_chunk + static_cast<int64_t>(row) * a.miss_stride;
+  const int32_t offset = a.position_offset ? a.position_offset[b] : 0;
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wm = warp & 1, wn = warp >> 1;
+
+  // B[h] transposed into shared memory, zero-padded to kpad along k. 16-byte
+  // loads (8 columns of one k), kStageUnroll in flight per thread.
+  constexpr int kStageUnroll = 4;
+  {
+    const int vecs_per_k = d / 8, total = kpad * vecs_per_k;
+    for (int base = tid; base < total; base += nthreads * kStageUnroll) {
+      uint4 v[kStageUnroll];
+#pragma unroll
+      for (int u = 0; u < kStageUnroll; ++u) {
+        const int idx = base + u * nthreads;
+        const int k = idx / vecs_per_k;
+        v[u] = make_uint4(0, 0, 0, 0);
+        if (idx < total && k < r)
+          v[u] = __ldg(reinterpret_cast<const uint4*>(Bh + static_cast<int64_t>(k) * d) + (idx - k * vecs_per_k));
+      }
+#pragma unroll
+      for (int u = 0; u < kStageUnroll; ++u) {
+        const int idx = base + u * nthreads;
+        if (idx >= total) break;
+        const int k = idx / vecs_per_k, n0 = (idx - k * vecs_per_k) * 8;
+        const bf16* e = reinterpret_cast<const bf16*>(&v[u]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) Bt[(n0 + j) * stride + k] = e[j];
+      }
+    }
+  }
+  const bool vec_a = (r % 8) == 0;
+  const int vpr = kpad / 8;  // 8-element vectors per shared A row
+
+  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const int m0 = tile * per_tile;
+    const int rows_used = min(per_tile, count - m0) * C;
+    // Gather the A rows of the tile's tokens (zero rows past the tile's end),
+    // kStageUnroll 16-byte loads in flight per thread.
+    for (int base = tid; base < kMmaTileRows * vpr; base += nthreads * kStageUnroll) {
+      uint4 v[kStageUnroll];
+#pragma unroll
+      for (int u = 0; u < kStageUnroll; ++u) {
+        const int idx = base + u * nthreads;
+        const int rr = idx / vpr, k0 = (idx - rr * vpr) * 8;
+        v[u] = make_uint4(0, 0, 0, 0);
+        if (idx < kMmaTileRows * vpr && rr < rows_used && k0 < r) {
+          const int64_t t = static_cast<int64_t>(mchunk[m0 + rr / C]) * C + rr % C;
+          const bf16* src = A + t * r + k0;
+          if (vec_a) {
+            v[u] = __ldg(reinterpret_cast<const uint4*>(src));
+          } else {
+            bf16* e = reinterpret_cast<bf16*>(&v[u]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) e[j] = k0 + j < r ? src[j] : __float2bfloat16(0.0f);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kStageUnroll; ++u) {
+        const int idx = base + u * nthreads;
+        if (idx >= kMmaTileRows * vpr) break;
+        const int rr = idx / vpr, k0 = (idx - rr * vpr) * 8;
+        *reinterpret_cast<uint4*>(As + rr * stride + k0) = v[u];
+      }
+    }
+    __syncthreads();
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+    for (int kk = 0; kk < kpad; kk += 16) {
+      uint32_t af[2][4], bfr[8][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const bf16* p0 = As + (32 * wm + 16 * mt + g) * stride + kk + 2 * t4;
+        const bf16* p1 = p0 + 8 * stride;
+        af[mt][0] = LoadPair(p0);
+        af[mt][1] = LoadPair(p1);
+        af[mt][2] = LoadPair(p0 + 8);
+        af[mt][3] = LoadPair(p1 + 8);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const bf16* q = Bt + (64 * wn + 8 * nt + g) * stride + kk + 2 * t4;
+        bfr[nt][0] = LoadPair(q);
+        bfr[nt][1] = LoadPair(q + 8);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) MmaBf16(acc[mt][nt], af[mt], bfr[nt]);
+    }
+    __syncthreads();  // As is about to be overwritten by Os
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int r0 = 32 * wm + 16 * mt + g, col = 64 * wn + 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(&Os[r0 * os_stride + col]) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+        *reinterpret_cast<float2*>(&Os[(r0 + 8) * os_stride + col]) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+      }
+    __syncthreads();
+    // RoPE in f32, two adjacent pairs per thread, bf16x2 stores.
+    const int quads = half / 2;
+    for (int idx = tid; idx < rows_used * quads; idx += nthreads) {
+      const int rr = idx / quads, j = 2 * (idx - rr * quads);
+      const int mi = m0 + rr / C, i = rr % C;
+      const int64_t t = static_cast<int64_t>(mchunk[mi]) * C + i;
+      const float pos = static_cast<float>(static_cast<int32_t>(t) + offset);
+      float s0, c0, s1, c1;
+      sincosf(pos * a.inv_freq[j], &s0, &c0);
+      sincosf(pos * a.inv_freq[j + 1], &s1, &c1);
+      const float* x = Os + rr * os_stride;
+      const float x1a = x[j], x1b = x[j + 1], x2a = x[j + half], x2b = x[j + half + 1];
+      bf16* dst = K + (static_cast<int64_t>(mslot[mi]) * C + i) * d;
+      *reinterpret_cast<__nv_bfloat162*>(dst + j) =
+          __floats2bfloat162_rn(x1a * c0 - x2a * s0, x1b * c1 - x2b * s1);
+      *reinterpret_cast<__nv_bfloat162*>(dst + j + half) =
+          __floats2bfloat162_rn(x2a * c0 + x1a * s0, x2b * c1 + x1b * s1);
+    }
+    __syncthreads();  // Os (aliasing As) is rewritten by the next tile
+  }
+}
+
+// ============================================================================
+// 5./6. Value fetch / scatter
+// ============================================================================
+constexpr int kFetchWarps = 8;
+constexpr int kFetchUnroll = 8;  // 16-byte loads in flight per lane
+
+__global__ void __launch_bounds__(kFetchWarps * 32) FetchVKernel(ShadowkvFetchVArgs a, int elem_bytes) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row = blockIdx.y;
+  const int m = blockIdx.x * kFetchWarps + warp;
+  if (m >= a.miss_count[row]) return;
+  const int b = row / a.hkv, h = row % a.hkv;
+  const int64_t chunk_elems = static_cast<int64_t>(a.chunk_size) * a.d;
+  const int nvec = static_cast<int>(chunk_elems * elem_bytes / 16);
+  const int slot = a.miss_slot[static_cast<int64_t>(row) * a.miss_stride + m];
+  const char* src;
+  if (a.staging) {
+    const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
+    src = static_cast<const char*>(a.staging) + (base + m) * chunk_elems * elem_bytes;
+  } else {
+    const int chunk = a.miss_chunk[static_cast<int64_t>(row) * a.miss_stride + m];
+    src = static_cast<const char*>(a.value_store[b]) +
+          (static_cast<int64_t>(h) * a.chunk_cap + chunk) * chunk_elems * elem_bytes;
+  }
+  char* dst = static_cast<char*>(a.att_v[b]) +
+              (h * a.att_head_stride + (static_cast<int64_t>(a.outlier_rows) + static_cast<int64_t>(slot) * a.chunk_size) * a.d) *
+                  elem_bytes;
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+  uint4* d4 = reinterpret_cast<uint4*>(dst);
+  for (int v0 = 0; v0 < nvec; v0 += 32 * kFetchUnroll) {
+    uint4 buf[kFetchUnroll];
+#pragma unroll
+    for (int u = 0; u < kFetchUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v < nvec) buf[u] = __ldcs(s4 + v);
+    }
+#pragma unroll
+    for (int u = 0; u < kFetchUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v < nvec) d4[v] = buf[u];
+    }
+  }
+}
+
+}  // namespace
+
+// ---- launchers ----------------------------------------------------------------
+
+size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks) {
+  return AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks, 1)) +
+         AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(max_chunks)) +
+         AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq);
+}
+
+void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream) {
+  if (a.batch <= 0 || a.max_chunks <= 0) return;
+  CHECK(a.hkv > 0 && a.hq % a.hkv == 0 && a.hq / a.hkv <= 8) << "ShadowkvScore: hq " << a.hq << " hkv " << a.hkv;
+  CHECK(a.d % 8 == 0 && a.d <= 256) << "ShadowkvScore: d " << a.d;
+  CHECK_GE(a.score_stride, a.max_chunks);
+  CHECK_LE(a.max_chunks, a.chunk_cap);
+  CHECK_GE(a.workspace_bytes, ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks));
+  const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks);
+  const int n_split = ScoreSplits(a.max_chunks);
+  int tpr = 1;
+  while (tpr < a.d / 8) tpr <<= 1;
+  if (a.dtype == DType::kF32) {
+    LaunchScoreLogits<float>(a, ws, tpr, n_split, stream);
+  } else {
+    CHECK(a.dtype == DType::kBF16) << "ShadowkvScore: landmarks must be f32 or bf16";
+    LaunchScoreLogits<bf16>(a, ws, tpr, n_split, stream);
+  }
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+  constexpr int kMergeWarps = 4;
+  ScoreMergeKernel<<<(a.batch * a.hq + kMergeWarps - 1) / kMergeWarps, kMergeWarps * 32, 0, stream>>>(a, ws, n_split);
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+  const int per_block = kScoreThreads * kScoreFinalPerThread;
+  const dim3 grid((a.max_chunks + per_block - 1) / per_block, a.hkv, a.batch);
+  ScoreFinalKernel<<<grid, kScoreThreads, 0, stream>>>(a, ws);
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+}
+
+void LaunchShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a, cudaStream_t stream) {
+  const int rows = a.batch * a.hkv;
+  if (rows <= 0 || a.kslots <= 0) return;
+  CHECK_GE(a.selection_stride, a.kslots);
+  const size_t words = (static_cast<size_t>(a.chunk_cap) + 31) / 32;
+  const size_t smem = (2 * words + 4 * static_cast<size_t>(a.kslots)) * sizeof(uint32_t);
+  const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&SlotUpdateKernel));
+  CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvSlotUpdate: chunk_cap " << a.chunk_cap
+                                                   << " kslots " << a.kslots << " need too much shared memory";
+  SlotUpdateKernel<<<rows, kSlotThreads, smem, stream>>>(a);
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+}
+
+void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) {
+  const int rows = a.batch * a.hkv;
+  if (rows <= 0 || a.max_misses <= 0) return;
+  CHECK(a.d % 2 == 0 && a.d <= 512) << "ShadowkvRebuildK: d " << a.d;
+  CHECK(a.r >= 1 && a.r <= 512) << "ShadowkvRebuildK: r " << a.r;
+  CHECK(a.chunk_size >= 1 && a.chunk_size <= 64) << "ShadowkvRebuildK: chunk_size " << a.chunk_size;
+  CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF32) << "ShadowkvRebuildK: dtype";
+  bool mma = a.algo != RebuildKAlgo::kSimt && a.dtype == DType::kBF16 && a.d % 64 == 0;
+  if (mma) {
+    const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&RebuildKMmaKernel));
+    mma = MmaSmemBytes(a.r, a.d) <= static_cast<size_t>(max_dynamic);
+  }
+  if (mma) {
+    const int per_tile = kMmaTileRows / a.chunk_size;
+    const int max_tiles = (a.max_misses + per_tile - 1) / per_tile;
+    static const int sms = MultiProcessorCount();
+    const int splits = std::clamp((4 * sms + rows - 1) / rows, 1, max_tiles);
+    const dim3 grid(splits, rows);
+    RebuildKMmaKernel<<<grid, 2 * (a.d / 64) * 32, MmaSmemBytes(a.r, a.d), stream>>>(a, MmaSmemStride(a.r));
+  } else {
+    const size_t smem = static_cast<size_t>(kSimtTokens) * (a.r + a.d) * sizeof(float);
+    const dim3 grid(a.max_misses, rows);
+    if (a.dtype == DType::kF32) {
+      AllowSharedMemory(reinterpret_cast<const void*>(&RebuildKSimtKernel<float>));
+      RebuildKSimtKernel<float><<<grid, kSimtThreads, smem, stream>>>(a);
+    } else {
+      AllowSharedMemory(reinterpret_cast<const void*>(&RebuildKSimtKernel<bf16>));
+      RebuildKSimtKernel<bf16><<<grid, kSimtThreads, smem, stream>>>(a);
+    }
+  }
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+}
+
+void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
+  const int rows = a.batch * a.hkv;
+  if (rows <= 0 || a.max_misses <= 0) return;
+  CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF32) << "ShadowkvFetchV: dtype";
+  const int elem_bytes = static_cast<int>(DTypeSize(a.dtype));
+  CHECK_EQ(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes % 16, 0) << "ShadowkvFetchV: chunk bytes";
+  CHECK_EQ(static_cast<int64_t>(a.d) * elem_bytes % 16, 0) << "ShadowkvFetchV: V rows must be 16-byte aligned";
+  const dim3 grid((a.max_misses + kFetchWarps - 1) / kFetchWarps, rows);
+  FetchVKernel<<<grid, kFetchWarps * 32, 0, stream>>>(a, elem_bytes);
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace penumbra::kernels

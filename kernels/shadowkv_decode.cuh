@@ -1,0 +1,159 @@
+// ShadowKV decode step (seed paper, Algorithm 2), batched over sequences.
+// Per sequence and layer the caller holds (dtype T = bf16, or f32 for tests):
+//   landmarks L [hkv][chunk_cap][d] T, n_chunks valid for every head;
+//   excluded    [hkv][chunk_cap] uint8, 1 = outlier chunk of that head (never
+//               selectable, not in the softmax denominator);
+//   A [token_cap][r] T (low-rank pre-RoPE key coordinates, row t = token t);
+//   B [hkv][r][d] T (singular values folded in): pre-RoPE key of token t,
+//               head h = A[t,:] . B[h];
+//   attention buffers K, V [hkv][att_cap][d] T: rows [0, O*C) outliers, then
+//               kslots slots of C rows (slot j = rows O*C + j*C ..), then the
+//               local window;
+//   slot map [hkv][kslots] int32 chunk id per slot, -1 = empty;
+//   value store [hkv][chunk_cap][C*d] T in pinned, mapped host memory.
+// Per-sequence tensors are passed as device arrays of per-sequence base
+// pointers; "row" below means (sequence b, KV head h) = b * hkv + h.
+//
+// One step: ShadowkvScore -> LaunchTopK (topk.cuh, k = kslots, counts =
+// n_chunks, rows_per_count = hkv, skip_worst_inf so excluded chunks are never
+// picked) -> ShadowkvSlotUpdate -> on two streams ShadowkvRebuildK and
+// ShadowkvFetchV (or ShadowkvScatterV) -> attention. A slot whose map entry
+// is -1 (fewer selectable chunks than kslots) holds stale K/V rows: attention
+// must mask it.
+//
+// Kernels and expected traffic:
+//  Score: grid (chunk split, kv head, sequence); each block reads its split of
+//    L once with 16-byte loads and serves the whole query group (G = hq/hkv),
+//    writing scaled logits and per-split (max, sum exp) to the workspace; a
+//    small kernel merges the split statistics per query head; a last pass
+//    writes max over the group of exp(logit - max) / sum. Reads L once
+//    (B*hkv*n*d elements) plus 2 passes over B*hq*n f32 logits.
+//  SlotUpdate: one block per row; shared-memory bitmaps over chunk ids.
+//  RebuildK: grid (tile split, row); a block stages B[h] (transposed) in
+//    shared memory once and loops over tiles of 64 miss tokens: gathers A
+//    rows, multiplies on tensor cores (mma.sync bf16, f32 accumulate), applies
+//    rotate-half RoPE in f32 and writes the K rows. A SIMT path (f32 FMA)
+//    serves f32 and shapes the tensor-core path does not cover.
+//  FetchV / ScatterV: a warp per missed chunk, 16-byte loads, all of a lane's
+//    loads issued before its stores (PCIe latency).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime_api.h>
+#include "common/dtype.h"
+
+namespace penumbra::kernels {
+
+// ---- 1. chunk scores --------------------------------------------------------
+// scores[b][h][c] = max over the query heads g of KV head h of
+//   softmax_c'(q_g . L[h][c'] * scale)[c], the softmax over the chunks
+//   c' < n_chunks[b] that are not excluded. Excluded chunks and chunks in
+//   [n_chunks[b], max_chunks) get -inf; entries >= max_chunks are untouched.
+// Supported: d % 8 == 0, d <= 256; hq % hkv == 0 and hq / hkv <= 8.
+struct ShadowkvScoreArgs {
+  const void* q = nullptr;   // [batch, hq, d] of q_dtype (f32 or bf16)
+  DType q_dtype = DType::kBF16;
+  const void* const* landmarks = nullptr;    // device [batch] -> [hkv][chunk_cap][d] of dtype
+  const uint8_t* const* excluded = nullptr;  // device [batch] -> [hkv][chunk_cap]; null: none excluded
+  DType dtype = DType::kBF16;                // landmarks: f32 or bf16
+  const int32_t* n_chunks = nullptr;         // device [batch], each <= max_chunks
+  int batch = 0, hq = 0, hkv = 0, d = 0;
+  int chunk_cap = 0;   // chunks allocated per head in landmarks / excluded
+  int max_chunks = 0;  // host-side upper bound of n_chunks (sizes the grid), <= chunk_cap
+  float scale = 1.0f;  // usually 1/sqrt(d)
+  float* scores = nullptr;  // [batch, hkv, score_stride] f32
+  int64_t score_stride = 0;  // >= max_chunks
+  void* workspace = nullptr;  // ShadowkvScoreWorkspaceBytes() bytes
+  size_t workspace_bytes = 0;
+};
+size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks);
+void LaunchShadowkvScore(const ShadowkvScoreArgs& args, cudaStream_t stream);
+
+// ---- 3. slot update (hit cache) ---------------------------------------------
+// Per row: the new selection (selection[row][0..kslots), chunk ids, -1 =
+// none; at most kslots valid) against the slot map. Chunks already in a slot
+// (hits) keep their slot. Every selected chunk not present (miss) takes a slot
+// whose chunk is not selected, lowest slot first, misses in selection order;
+// slots left over become -1. Afterwards the slot map holds exactly the
+// selection. Outputs per row: miss_count, and miss_slot / miss_chunk
+// [row][0..miss_count) (entries up to kslots set to -1).
+// force_keep in [0, 1] (< 0 disables) first replaces the selection with:
+// the chunks of the round(force_keep * kslots) lowest valid slots of the
+// previous map (fewer if fewer are valid), then selected chunks that are not
+// in the previous map, in selection order, then selected chunks of the
+// previous map not yet kept, until kslots chunks (emulates a hit rate).
+// Requires chunk ids < chunk_cap; shared memory is chunk_cap / 4 bytes.
+struct ShadowkvSlotUpdateArgs {
+  const int32_t* selection = nullptr;  // [batch * hkv, selection_stride] (LaunchTopK output)
+  int64_t selection_stride = 0;        // >= kslots
+  int32_t* const* slot_maps = nullptr; // device [batch] -> [hkv][kslots], updated in place
+  int32_t* miss_count = nullptr;       // [batch * hkv]
+  int32_t* miss_slot = nullptr;        // [batch * hkv][kslots]
+  int32_t* miss_chunk = nullptr;       // [batch * hkv][kslots]
+  int batch = 0, hkv = 0, kslots = 0, chunk_cap = 0;
+  float force_keep = -1.0f;
+};
+void LaunchShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& args, cudaStream_t stream);
+
+// ---- 4. key rebuild for misses ----------------------------------------------
+// For each miss (row, slot, chunk) and i < chunk_size, token t = chunk *
+// chunk_size + i: k = A[t] . B[h] (f32 accumulate), rotate-half RoPE at
+// position t + position_offset[b] (angle = float(pos) * inv_freq[j] in f32,
+// pairs (j, j + d/2)), written to K row outlier_rows + slot * chunk_size + i
+// of head h. Miss lists are ShadowkvSlotUpdate's outputs.
+// Supported: d even, d <= 512; r <= 512; chunk_size 1..64.
+enum class RebuildKAlgo : uint8_t {
+  kAuto,  // tensor cores when dtype is bf16, d % 64 == 0 and it fits in shared memory
+  kMma,   // tensor-core path (falls back to kSimt where unsupported)
+  kSimt,  // f32 FMA path
+};
+struct ShadowkvRebuildKArgs {
+  const void* const* a = nullptr;         // device [batch] -> A [token_cap][r]
+  const void* const* b = nullptr;         // device [batch] -> B [hkv][r][d]
+  const int32_t* position_offset = nullptr;  // device [batch]; null = 0
+  const float* inv_freq = nullptr;        // device [d/2]
+  const int32_t* miss_count = nullptr;    // [batch * hkv]
+  const int32_t* miss_slot = nullptr;     // [batch * hkv][miss_stride]
+  const int32_t* miss_chunk = nullptr;    // [batch * hkv][miss_stride]
+  int miss_stride = 0;                    // kslots
+  void* const* att_k = nullptr;           // device [batch] -> K [hkv][att_cap][d]
+  int64_t att_head_stride = 0;            // att_cap * d
+  int outlier_rows = 0;                   // O * chunk_size: row of slot 0
+  DType dtype = DType::kBF16;             // A, B and K: bf16 or f32
+  int batch = 0, hkv = 0, d = 0, r = 0, chunk_size = 0;
+  int max_misses = 0;                     // host-side bound of miss_count (sizes the grid)
+  RebuildKAlgo algo = RebuildKAlgo::kAuto;
+};
+void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& args, cudaStream_t stream);
+
+// ---- 5./6. value fetch for misses -------------------------------------------
+// For each miss (row, slot, chunk): copies the chunk's C*d values to V rows
+// outlier_rows + slot * chunk_size .. + chunk_size of head h.
+//  FetchV (staging == null): source value_store[b] + (h * chunk_cap + chunk) *
+//    C*d, a device-accessible pointer to mapped pinned host memory (zero copy).
+//  ScatterV (staging != null): the chunks were already gathered into the
+//    device buffer `staging` in miss-list order: miss m of row x is at chunk
+//    index staging_offsets[x] + m (staging_offsets null: x * miss_stride).
+// Requires C*d*sizeof(dtype) % 16 == 0 and 16-byte aligned bases.
+struct ShadowkvFetchVArgs {
+  const void* const* value_store = nullptr;  // device [batch] -> [hkv][chunk_cap][C*d]
+  int chunk_cap = 0;
+  const void* staging = nullptr;             // ScatterV only
+  const int32_t* staging_offsets = nullptr;  // ScatterV only, device [batch * hkv]
+  const int32_t* miss_count = nullptr;
+  const int32_t* miss_slot = nullptr;
+  const int32_t* miss_chunk = nullptr;
+  int miss_stride = 0;
+  void* const* att_v = nullptr;  // device [batch] -> V [hkv][att_cap][d]
+  int64_t att_head_stride = 0;
+  int outlier_rows = 0;
+  DType dtype = DType::kBF16;  // bf16 or f32 (store, staging and V alike)
+  int batch = 0, hkv = 0, d = 0, chunk_size = 0;
+  int max_misses = 0;
+};
+void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& args, cudaStream_t stream);
+inline void LaunchShadowkvScatterV(const ShadowkvFetchVArgs& args, cudaStream_t stream) {
+  LaunchShadowkvFetchV(args, stream);
+}
+
+}  // namespace penumbra::kernels

@@ -1,0 +1,72 @@
+// ShadowKV prefill, after the layer's full attention (paper Algorithm 1):
+//
+// 1. LaunchChunkLandmarks: for each KV head and each C-token chunk of the
+//    segment's post-RoPE keys, the landmark L = mean of the chunk's keys (f32
+//    math, stored as landmark_dtype) and min_cos = min over the chunk's keys of
+//    cos(L, key) in f32 (the mean used is the f32 one, before rounding).
+//    Cosine: 1 when both vectors are zero, 0 when exactly one is.
+//    One warp per (head, chunk), 8 warps per block; reads K once (the second
+//    pass over the chunk hits L1/L2), writes hkv*n_chunks*(d+1) values.
+// 2. LaunchSelectOutlierChunks: per KV head, the O chunks with the lowest
+//    min_cos (NaN counts as lowest, -0 == +0, ties to the lower chunk index),
+//    written in ascending chunk order. One 1024-thread block per head: a 4-pass
+//    8-bit radix select on order-preserving keys finds the O-th smallest value,
+//    then a block scan in index order emits the chosen chunks. Reads min_cos
+//    5 times (n_chunks floats per head, up to ~131K: L2-resident).
+// 3. LaunchGatherOutliers: copies the outlier chunks' exact post-RoPE K and V
+//    rows into the attention buffer rows [h][j*C .. (j+1)*C) for the j-th
+//    outlier (ascending), and writes the excluded-chunk mask (1 for outliers,
+//    0 for the segment's other chunks). One block per (outlier, head) copies
+//    2*C*d elements; one block per head writes the mask.
+//
+// All launchers take device pointers, do not allocate or synchronize, and
+// expect validated arguments (checked one layer up).
+#pragma once
+#include <cstdint>
+#include <cuda_runtime_api.h>
+#include "common/dtype.h"
+
+namespace penumbra::kernels {
+
+struct ChunkLandmarksArgs {
+  const void* k = nullptr;           // post-RoPE K cache: token t of head h at k + h*k_head_stride + t*d
+  DType kv_dtype = DType::kBF16;     // kF32 or kBF16
+  int64_t k_head_stride = 0;         // elements
+  int64_t first_token = 0;           // token of chunk 0's first key
+  int n_chunks = 0, chunk_tokens = 0, hkv = 0, d = 0;  // d <= 256
+  void* landmarks = nullptr;         // chunk c of head h at landmarks + h*landmark_head_stride + c*d
+  DType landmark_dtype = DType::kBF16;  // kF32 or kBF16
+  int64_t landmark_head_stride = 0;  // elements
+  float* min_cos = nullptr;          // chunk c of head h at min_cos[h*min_cos_head_stride + c]
+  int64_t min_cos_head_stride = 0;
+};
+void LaunchChunkLandmarks(const ChunkLandmarksArgs& args, cudaStream_t stream);
+
+struct SelectOutliersArgs {
+  const float* min_cos = nullptr;    // as ChunkLandmarksArgs::min_cos
+  int64_t min_cos_head_stride = 0;
+  int hkv = 0, n_chunks = 0;
+  int num_outliers = 0;              // 0 <= num_outliers <= n_chunks
+  int32_t* out = nullptr;            // [hkv][num_outliers] ascending chunk indices
+};
+void LaunchSelectOutlierChunks(const SelectOutliersArgs& args, cudaStream_t stream);
+
+struct GatherOutliersArgs {
+  const void* k = nullptr;           // post-RoPE K cache, layout as ChunkLandmarksArgs::k
+  const void* v = nullptr;           // V cache, same layout
+  DType kv_dtype = DType::kBF16;     // of k, v, att_k, att_v (kF32 or kBF16)
+  int64_t kv_head_stride = 0;        // elements
+  int64_t first_token = 0;
+  int chunk_tokens = 0, hkv = 0, d = 0;
+  int n_chunks = 0;                  // chunks of this segment (mask entries written)
+  const int32_t* outliers = nullptr; // [hkv][num_outliers] ascending (LaunchSelectOutlierChunks)
+  int num_outliers = 0;
+  void* att_k = nullptr;             // outlier j of head h at att_k + h*att_head_stride + j*chunk_tokens*d
+  void* att_v = nullptr;
+  int64_t att_head_stride = 0;       // elements
+  uint8_t* excluded = nullptr;       // excluded[h*mask_head_stride + c], c < n_chunks
+  int64_t mask_head_stride = 0;      // typically the chunk capacity
+};
+void LaunchGatherOutliers(const GatherOutliersArgs& args, cudaStream_t stream);
+
+}  // namespace penumbra::kernels

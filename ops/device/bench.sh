@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU-machine run of the throughput benchmarks beside the full-attention
+# peer (../shared/bench/peer_full_attention.py, bundled as .device/peer_full_attention.py).
+# Every line printed is a JSON object; they are collected in $OUT/bench.jsonl.
+# Usage: ops/device/bench.sh full|shadowkv
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+R="bash .device/run"
+J="$OUT/bench.jsonl"
+run() { echo "# $*" >&2; timeout "$1" "${@:2}" 2>>"$OUT/bench.err" | grep '^{' | tee -a "$J"; }
+case "${1:-full}" in
+  full)
+    run 200 python3 .device/peer_full_attention.py decode --context 61440 124928
+    run 150 $R penumbra-bench decode --context 61440,124928 --steps 20
+    run 120 python3 .device/peer_full_attention.py prefill --context 124928
+    run 150 $R penumbra-bench prefill --context 124928
+    ;;
+  shadowkv)
+    run 200 python3 .device/peer_full_attention.py decode --context 124928 61440
+    run 200 $R penumbra-bench decode --kv-policy shadowkv --context 124928 --force-hit-rate 0.6 --steps 20
+    run 120 $R penumbra-bench decode --kv-policy shadowkv --context 124928 --steps 20 --batch 4
+    run 120 $R penumbra-bench decode --kv-policy shadowkv --context 1048576 --steps 5 --batch 1
+    ;;
+esac

@@ -1,0 +1,1 @@
+penumbra_glob_tests(coordinator LIBS penumbra_tokenizer)

@@ -1,0 +1,476 @@
+// CUDA attention (prefill and decode) against the CPU reference run on the same
+// dtype-rounded inputs. Every output element is compared; outputs are poisoned
+// with NaN first and the unused tail of each KV head is NaN, so unwritten
+// outputs and reads past a sequence's keys both fail.
+//
+// With PENUMBRA_KERNEL_BENCH=1, AttentionGpuBench prints prefill TFLOP/s and
+// decode GB/s at the Llama-3.1-8B shape (hq=32, hkv=8, d=128, bf16).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/dtype.h"
+#include "kernels/attention_decode.cuh"
+#include "kernels/attention_prefill.cuh"
+#include "kernels/cpu/ops.h"
+#include "tests/gpu_test_util.h"
+#include "tests/test_util.h"
+
+namespace penumbra::kernels {
+namespace {
+
+using ::penumbra::testing::AllClose;
+
+// Device buffer freed on scope exit.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)) != cudaSuccess) ptr_ = nullptr;
+  }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_;
+};
+
+// Fast deterministic uniform [-1, 1) (splitmix64).
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : s_(seed) {}
+  float Next() {
+    uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+  }
+
+ private:
+  uint64_t s_;
+};
+
+// A tensor of random values held as f32 already rounded to `dtype`, plus its
+// bytes in `dtype`.
+struct HostTensor {
+  std::vector<float> f32;
+  std::vector<uint8_t> raw;
+};
+
+HostTensor MakeTensor(size_t n, DType dtype, Rng& rng) {
+  HostTensor t;
+  t.f32.resize(n);
+  for (auto& x : t.f32) x = rng.Next();
+  t.raw.resize(n * DTypeSize(dtype));
+  ConvertFromF32(t.f32.data(), t.raw.data(), dtype, n);
+  ConvertToF32(t.raw.data(), dtype, t.f32.data(), n);
+  return t;
+}
+
+// KV cache of one sequence: [hkv][capacity][d], keys past `keys` set to NaN.
+HostTensor MakeCache(int hkv, int capacity, int keys, int d, DType dtype, Rng& rng) {
+  const size_t n = static_cast<size_t>(hkv) * capacity * d;
+  HostTensor t;
+  t.f32.resize(n);
+  for (int h = 0; h < hkv; ++h)
+    for (int64_t i = 0; i < static_cast<int64_t>(capacity) * d; ++i)
+      t.f32[h * static_cast<size_t>(capacity) * d + i] = i < static_cast<int64_t>(keys) * d ? rng.Next() : NAN;
+  t.raw.resize(n * DTypeSize(dtype));
+  ConvertFromF32(t.f32.data(), t.raw.data(), dtype, n);
+  ConvertToF32(t.raw.data(), dtype, t.f32.data(), n);
+  return t;
+}
+
+void Upload(const DeviceBuffer& dst, const void* src, size_t bytes) {
+  ASSERT_EQ(cudaMemcpy(dst.get(), src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+// Fills a device buffer with NaN in `dtype` (bf16 0x7fc0, f32 0x7fc00000).
+void PoisonNaN(const DeviceBuffer& buf, size_t n, DType dtype) {
+  std::vector<float> nan(n, NAN);
+  std::vector<uint8_t> raw(n * DTypeSize(dtype));
+  ConvertFromF32(nan.data(), raw.data(), dtype, n);
+  Upload(buf, raw.data(), raw.size());
+}
+
+std::vector<float> Download(const DeviceBuffer& src, size_t n, DType dtype) {
+  std::vector<uint8_t> raw(n * DTypeSize(dtype));
+  EXPECT_EQ(cudaMemcpy(raw.data(), src.get(), raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  std::vector<float> out(n);
+  ConvertToF32(raw.data(), dtype, out.data(), n);
+  return out;
+}
+
+float Tolerance(DType dtype) { return dtype == DType::kF32 ? 1e-4f : 2e-2f; }
+
+// ---- prefill -------------------------------------------------------------------
+
+struct PrefillCase {
+  int q_start, nq, hq, hkv, d;
+  DType dtype;
+};
+
+void RunPrefillCase(const PrefillCase& c, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "prefill q_start " << c.q_start << " nq " << c.nq << " keys "
+                                    << c.q_start + c.nq << " hq " << c.hq << " hkv " << c.hkv << " d " << c.d
+                                    << " dtype " << DTypeName(c.dtype));
+  Rng rng(seed);
+  const int keys = c.q_start + c.nq, capacity = keys + 3;
+  const int64_t head_stride = static_cast<int64_t>(capacity) * c.d;
+  const size_t nq_elems = static_cast<size_t>(c.nq) * c.hq * c.d;
+  HostTensor q = MakeTensor(nq_elems, c.dtype, rng);
+  HostTensor k = MakeCache(c.hkv, capacity, keys, c.d, c.dtype, rng);
+  HostTensor v = MakeCache(c.hkv, capacity, keys, c.d, c.dtype, rng);
+  DeviceBuffer dq(q.raw.size()), dk(k.raw.size()), dv(v.raw.size()), dout(q.raw.size());
+  ASSERT_NE(dq.get(), nullptr);
+  ASSERT_NE(dk.get(), nullptr);
+  ASSERT_NE(dv.get(), nullptr);
+  ASSERT_NE(dout.get(), nullptr);
+  Upload(dq, q.raw.data(), q.raw.size());
+  Upload(dk, k.raw.data(), k.raw.size());
+  Upload(dv, v.raw.data(), v.raw.size());
+  PoisonNaN(dout, nq_elems, c.dtype);
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  PrefillAttentionArgs a;
+  a.q = dq.get();
+  a.k = dk.get();
+  a.v = dv.get();
+  a.out = dout.get();
+  a.dtype = c.dtype;
+  a.head_stride = head_stride;
+  a.q_start = c.q_start;
+  a.nq = c.nq;
+  a.hq = c.hq;
+  a.hkv = c.hkv;
+  a.d = c.d;
+  a.scale = scale;
+  LaunchPrefillAttention(a, nullptr);
+  PENUMBRA_CUDA_OK(cudaGetLastError());
+  PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> got = Download(dout, nq_elems, c.dtype);
+
+  std::vector<float> expect(nq_elems);
+  cpu::PrefillAttentionArgs r;
+  r.q = q.f32.data();
+  r.k = k.f32.data();
+  r.v = v.f32.data();
+  r.out = expect.data();
+  r.head_stride = head_stride;
+  r.q_start = c.q_start;
+  r.nq = c.nq;
+  r.hq = c.hq;
+  r.hkv = c.hkv;
+  r.d = c.d;
+  r.scale = scale;
+  cpu::PrefillAttention(r);
+  if (c.dtype != DType::kF32) {  // the reference output rounded like the kernel's
+    std::vector<uint8_t> raw(nq_elems * DTypeSize(c.dtype));
+    ConvertFromF32(expect.data(), raw.data(), c.dtype, nq_elems);
+    ConvertToF32(raw.data(), c.dtype, expect.data(), nq_elems);
+  }
+  EXPECT_TRUE(AllClose(got, expect, Tolerance(c.dtype), Tolerance(c.dtype)));
+}
+
+TEST(AttentionGpuTest, PrefillBf16FastPath) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const PrefillCase cases[] = {
+      // keys 1, 7, 129, 1000, 4097; nq 1, 17, 200, 640; GQA 1..8.
+      {0, 1, 1, 1, 128, DType::kBF16},       {0, 7, 4, 1, 128, DType::kBF16},
+      {112, 17, 8, 2, 128, DType::kBF16},    {0, 129, 8, 8, 128, DType::kBF16},
+      {800, 200, 32, 8, 128, DType::kBF16},  {3457, 640, 32, 8, 128, DType::kBF16},
+      {4096, 1, 8, 1, 128, DType::kBF16},    {0, 640, 6, 3, 128, DType::kBF16},
+      {360, 640, 14, 2, 128, DType::kBF16},  {0, 1000, 5, 5, 128, DType::kBF16},
+      {0, 1, 2, 1, 64, DType::kBF16},        {0, 200, 16, 2, 64, DType::kBF16},
+      {983, 17, 4, 4, 64, DType::kBF16},     {3457, 640, 8, 1, 64, DType::kBF16},
+      {64, 129, 6, 2, 64, DType::kBF16},
+  };
+  uint64_t seed = 11;
+  for (const auto& c : cases) RunPrefillCase(c, seed++);
+}
+
+TEST(AttentionGpuTest, PrefillGenericPath) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const PrefillCase cases[] = {
+      {0, 1, 1, 1, 8, DType::kF32},       {0, 7, 2, 1, 8, DType::kF32},    {5, 17, 4, 2, 8, DType::kF32},
+      {983, 17, 8, 1, 8, DType::kF32},    {0, 200, 6, 6, 8, DType::kF32},  {0, 129, 4, 4, 64, DType::kF32},
+      {800, 200, 8, 2, 64, DType::kF32},  {3457, 640, 2, 1, 64, DType::kF32}, {7, 17, 4, 1, 128, DType::kF32},
+      {0, 17, 4, 2, 8, DType::kBF16},     {112, 17, 3, 1, 96, DType::kBF16},
+  };
+  uint64_t seed = 101;
+  for (const auto& c : cases) RunPrefillCase(c, seed++);
+}
+
+// ---- decode --------------------------------------------------------------------
+
+struct DecodeCase {
+  std::vector<int32_t> lengths;
+  int hq, hkv, d;
+  DType dtype;
+  int extra_max_length = 0;      // max_length = max(lengths) + this
+  double workspace_fraction = 1;  // < 1: a smaller workspace than asked for
+};
+
+void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
+  const int batch = static_cast<int>(c.lengths.size());
+  const int max_len = *std::max_element(c.lengths.begin(), c.lengths.end());
+  SCOPED_TRACE(::testing::Message() << "decode batch " << batch << " max length " << max_len << " hq " << c.hq
+                                    << " hkv " << c.hkv << " d " << c.d << " dtype " << DTypeName(c.dtype)
+                                    << " workspace fraction " << c.workspace_fraction);
+  Rng rng(seed);
+  const int capacity = max_len + 5;
+  const int64_t head_stride = static_cast<int64_t>(capacity) * c.d;
+  const size_t q_elems = static_cast<size_t>(batch) * c.hq * c.d;
+  HostTensor q = MakeTensor(q_elems, c.dtype, rng);
+  std::vector<HostTensor> k, v;
+  std::vector<std::unique_ptr<DeviceBuffer>> dk, dv;
+  std::vector<const void*> kp, vp;
+  std::vector<const float*> kp_host, vp_host;
+  for (int b = 0; b < batch; ++b) {
+    k.push_back(MakeCache(c.hkv, capacity, c.lengths[b], c.d, c.dtype, rng));
+    v.push_back(MakeCache(c.hkv, capacity, c.lengths[b], c.d, c.dtype, rng));
+    dk.push_back(std::make_unique<DeviceBuffer>(k.back().raw.size()));
+    dv.push_back(std::make_unique<DeviceBuffer>(v.back().raw.size()));
+    ASSERT_NE(dk.back()->get(), nullptr);
+    ASSERT_NE(dv.back()->get(), nullptr);
+    Upload(*dk.back(), k.back().raw.data(), k.back().raw.size());
+    Upload(*dv.back(), v.back().raw.data(), v.back().raw.size());
+    kp.push_back(dk.back()->get());
+    vp.push_back(dv.back()->get());
+    kp_host.push_back(k.back().f32.data());
+    vp_host.push_back(v.back().f32.data());
+  }
+  DeviceBuffer dq(q.raw.size()), dout(q.raw.size());
+  DeviceBuffer dkp(sizeof(void*) * batch), dvp(sizeof(void*) * batch), dlen(sizeof(int32_t) * batch);
+  Upload(dq, q.raw.data(), q.raw.size());
+  Upload(dkp, kp.data(), sizeof(void*) * batch);
+  Upload(dvp, vp.data(), sizeof(void*) * batch);
+  Upload(dlen, c.lengths.data(), sizeof(int32_t) * batch);
+  PoisonNaN(dout, q_elems, c.dtype);
+  const int max_length = max_len + c.extra_max_length;
+  const size_t ws_bytes = static_cast<size_t>(
+      static_cast<double>(DecodeAttentionWorkspaceBytes(batch, c.hq, c.d, max_length)) * c.workspace_fraction);
+  DeviceBuffer ws(ws_bytes);
+  ASSERT_NE(ws.get(), nullptr);
+  PENUMBRA_CUDA_OK(cudaMemset(ws.get(), 0xff, ws_bytes));  // NaN pattern
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  DecodeAttentionArgs a;
+  a.q = dq.get();
+  a.k = static_cast<const void* const*>(dkp.get());
+  a.v = static_cast<const void* const*>(dvp.get());
+  a.lengths = static_cast<const int32_t*>(dlen.get());
+  a.out = dout.get();
+  a.dtype = c.dtype;
+  a.head_stride = head_stride;
+  a.batch = batch;
+  a.hq = c.hq;
+  a.hkv = c.hkv;
+  a.d = c.d;
+  a.max_length = max_length;
+  a.scale = scale;
+  a.workspace = ws.get();
+  a.workspace_bytes = ws_bytes;
+  LaunchDecodeAttention(a, nullptr);
+  PENUMBRA_CUDA_OK(cudaGetLastError());
+  PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> got = Download(dout, q_elems, c.dtype);
+
+  std::vector<float> expect(q_elems);
+  cpu::DecodeAttentionArgs r;
+  r.q = q.f32.data();
+  r.k = kp_host.data();
+  r.v = vp_host.data();
+  r.lengths = c.lengths.data();
+  r.out = expect.data();
+  r.head_stride = head_stride;
+  r.batch = batch;
+  r.hq = c.hq;
+  r.hkv = c.hkv;
+  r.d = c.d;
+  r.scale = scale;
+  cpu::DecodeAttention(r);
+  if (c.dtype != DType::kF32) {
+    std::vector<uint8_t> raw(q_elems * DTypeSize(c.dtype));
+    ConvertFromF32(expect.data(), raw.data(), c.dtype, q_elems);
+    ConvertToF32(raw.data(), c.dtype, expect.data(), q_elems);
+  }
+  EXPECT_TRUE(AllClose(got, expect, Tolerance(c.dtype), Tolerance(c.dtype)));
+}
+
+TEST(AttentionGpuTest, DecodeBf16FastPath) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const DecodeCase cases[] = {
+      {{1, 70000, 129, 4097}, 32, 8, 128, DType::kBF16},
+      {{7, 1000}, 8, 1, 128, DType::kBF16},
+      {{1}, 2, 1, 128, DType::kBF16},
+      {{4097, 1, 300, 256, 257}, 4, 4, 128, DType::kBF16, 100},
+      {{1000, 7, 1, 129}, 16, 8, 128, DType::kBF16},
+      {{70000, 3}, 32, 8, 128, DType::kBF16, 0, 0.05},  // reduced workspace: fewer splits
+      {{6000, 6001, 1, 17, 5999, 4096, 2, 3, 9000}, 32, 4, 128, DType::kBF16},
+  };
+  uint64_t seed = 1001;
+  for (const auto& c : cases) RunDecodeCase(c, seed++);
+}
+
+TEST(AttentionGpuTest, DecodeGenericPath) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const DecodeCase cases[] = {
+      {{1, 7, 129}, 4, 2, 8, DType::kF32},
+      {{1000, 1, 4097}, 8, 2, 64, DType::kF32},
+      {{70000, 5}, 4, 1, 64, DType::kF32},
+      {{129, 1}, 8, 8, 128, DType::kF32},
+      {{300, 1, 4097}, 6, 2, 128, DType::kBF16},  // group 3: generic bf16
+      {{77, 1}, 4, 2, 64, DType::kBF16},
+      {{513}, 2, 1, 8, DType::kBF16, 50},
+  };
+  uint64_t seed = 2001;
+  for (const auto& c : cases) RunDecodeCase(c, seed++);
+}
+
+// The workspace size covers every hkv for the same (batch, hq, d, max_length).
+TEST(AttentionGpuTest, WorkspaceBytesGrowWithSize) {
+  EXPECT_GT(DecodeAttentionWorkspaceBytes(1, 32, 128, 1), 0u);
+  EXPECT_GE(DecodeAttentionWorkspaceBytes(1, 32, 128, 124928), DecodeAttentionWorkspaceBytes(1, 32, 128, 4096));
+  EXPECT_GE(DecodeAttentionWorkspaceBytes(4, 32, 128, 61440), DecodeAttentionWorkspaceBytes(4, 16, 128, 61440));
+}
+
+// ---- benchmark (PENUMBRA_KERNEL_BENCH=1) ------------------------------------------
+
+bool BenchEnabled() {
+  const char* e = std::getenv("PENUMBRA_KERNEL_BENCH");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+
+// Fills a device bf16 buffer with random values.
+void FillRandomBf16(const DeviceBuffer& buf, size_t n, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<uint16_t> h(n);
+  for (auto& x : h) x = F32ToBF16(rng.Next());
+  Upload(buf, h.data(), n * 2);
+}
+
+template <typename Fn>
+float TimeMs(Fn&& fn, int iters) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  fn();
+  fn();
+  cudaEventRecord(e0);
+  for (int i = 0; i < iters; ++i) fn();
+  cudaEventRecord(e1);
+  cudaEventSynchronize(e1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return ms / iters;
+}
+
+TEST(AttentionGpuTest, Bench) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  if (!BenchEnabled()) GTEST_SKIP() << "set PENUMBRA_KERNEL_BENCH=1";
+  const int hq = 32, hkv = 8;
+  cudaDeviceProp prop;
+  PENUMBRA_CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+
+  struct P {
+    int keys, nq, d;
+  };
+  for (const P& p : {P{16384, 8192, 128}, P{32768, 8192, 128}, P{8192, 8192, 128}, P{32768, 8192, 64}}) {
+    const int q_start = p.keys - p.nq;
+    const int64_t head_stride = static_cast<int64_t>(p.keys) * p.d;
+    const size_t q_elems = static_cast<size_t>(p.nq) * hq * p.d, kv_elems = static_cast<size_t>(hkv) * head_stride;
+    DeviceBuffer dq(q_elems * 2), dout(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2);
+    ASSERT_NE(dk.get(), nullptr);
+    FillRandomBf16(dq, q_elems, 1);
+    FillRandomBf16(dk, kv_elems, 2);
+    FillRandomBf16(dv, kv_elems, 3);
+    PrefillAttentionArgs a;
+    a.q = dq.get();
+    a.k = dk.get();
+    a.v = dv.get();
+    a.out = dout.get();
+    a.dtype = DType::kBF16;
+    a.head_stride = head_stride;
+    a.q_start = q_start;
+    a.nq = p.nq;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = p.d;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(p.d));
+    const float ms = TimeMs([&] { LaunchPrefillAttention(a, nullptr); }, 10);
+    PENUMBRA_CUDA_OK(cudaGetLastError());
+    // Attended (query, key) pairs: sum over queries of q_start + i + 1.
+    const double pairs = static_cast<double>(p.nq) * q_start + 0.5 * p.nq * (p.nq + 1.0);
+    const double flops = 4.0 * pairs * p.d * hq;
+    std::printf("prefill keys %6d nq %5d d %3d: %8.3f ms  %6.1f TFLOP/s\n", p.keys, p.nq, p.d, ms,
+                flops / (ms * 1e-3) / 1e12);
+  }
+
+  struct D {
+    int batch, length;
+  };
+  for (const D& p : {D{4, 61440}, D{1, 124928}, D{32, 8192}, D{64, 4096}}) {
+    const int d = 128;
+    const int64_t head_stride = static_cast<int64_t>(p.length) * d;
+    const size_t kv_elems = static_cast<size_t>(hkv) * head_stride;
+    std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+    std::vector<const void*> kp, vp;
+    for (int b = 0; b < p.batch; ++b) {
+      bufs.push_back(std::make_unique<DeviceBuffer>(kv_elems * 2));
+      FillRandomBf16(*bufs.back(), kv_elems, 10 + 2 * b);
+      kp.push_back(bufs.back()->get());
+      bufs.push_back(std::make_unique<DeviceBuffer>(kv_elems * 2));
+      FillRandomBf16(*bufs.back(), kv_elems, 11 + 2 * b);
+      vp.push_back(bufs.back()->get());
+    }
+    const size_t q_elems = static_cast<size_t>(p.batch) * hq * d;
+    DeviceBuffer dq(q_elems * 2), dout(q_elems * 2), dkp(8 * p.batch), dvp(8 * p.batch), dlen(4 * p.batch);
+    FillRandomBf16(dq, q_elems, 5);
+    std::vector<int32_t> lengths(p.batch, p.length);
+    Upload(dkp, kp.data(), 8 * p.batch);
+    Upload(dvp, vp.data(), 8 * p.batch);
+    Upload(dlen, lengths.data(), 4 * p.batch);
+    const size_t ws_bytes = DecodeAttentionWorkspaceBytes(p.batch, hq, d, p.length);
+    DeviceBuffer ws(ws_bytes);
+    DecodeAttentionArgs a;
+    a.q = dq.get();
+    a.k = static_cast<const void* const*>(dkp.get());
+    a.v = static_cast<const void* const*>(dvp.get());
+    a.lengths = static_cast<const int32_t*>(dlen.get());
+    a.out = dout.get();
+    a.dtype = DType::kBF16;
+    a.head_stride = head_stride;
+    a.batch = p.batch;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.max_length = p.length;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    a.workspace = ws.get();
+    a.workspace_bytes = ws_bytes;
+    const float ms = TimeMs([&] { LaunchDecodeAttention(a, nullptr); }, 20);
+    PENUMBRA_CUDA_OK(cudaGetLastError());
+    const double bytes = 2.0 * p.batch * static_cast<double>(p.length) * hkv * d * 2;
+    std::printf("decode batch %3d x %6d: %8.3f ms  %7.1f GB/s (K+V bytes)\n", p.batch, p.length, ms,
+                bytes / (ms * 1e-3) / 1e9);
+  }
+}
+
+}  // namespace
+}  // namespace penumbra::kernels

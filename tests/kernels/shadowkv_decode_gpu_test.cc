@@ -1,0 +1,932 @@
+// CUDA ShadowKV decode kernels and top-k against the CPU references
+// (kernels/cpu/shadowkv_decode.h) on the same dtype-rounded inputs. Every
+// output element is compared; outputs are poisoned first (NaN for floats,
+// 0x7f7f7f7f for ints), so unwritten outputs fail, and rows a kernel must not
+// touch are checked to still hold the poison.
+//
+// With PENUMBRA_KERNEL_BENCH=1, ShadowkvDecodeGpuBench prints times at the
+// Llama-3.1-8B shape (hq=32, hkv=8, d=128, bf16, C=8, r=160, 15616 chunks).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/dtype.h"
+#include "kernels/cpu/shadowkv_decode.h"
+#include "kernels/shadowkv_decode.cuh"
+#include "kernels/topk.cuh"
+#include "tests/gpu_test_util.h"
+#include "tests/test_util.h"
+
+namespace penumbra::kernels {
+namespace {
+
+#define SKV_CUDA(expr)                                                              \
+  do {                                                                              \
+    cudaError_t _e = (expr);                                                        \
+    if (_e != cudaSuccess) {                                                        \
+      ADD_FAILURE() << #expr << ": " << cudaGetErrorString(_e);                     \
+      std::abort();                                                                 \
+    }                                                                               \
+  } while (0)
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr int32_t kIntPoison = 0x7f7f7f7f;
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) { SKV_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16))); }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  template <typename T = void> T* get() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+  void Upload(const void* src, size_t n) { SKV_CUDA(cudaMemcpy(ptr_, src, n, cudaMemcpyHostToDevice)); }
+  template <typename T> void Upload(const std::vector<T>& v) { Upload(v.data(), v.size() * sizeof(T)); }
+  template <typename T> std::vector<T> Download(size_t n) const {
+    std::vector<T> v(n);
+    SKV_CUDA(cudaMemcpy(v.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_;
+};
+
+// Mapped pinned host memory (zero copy) freed on scope exit.
+class MappedHostBuffer {
+ public:
+  explicit MappedHostBuffer(size_t bytes) {
+    SKV_CUDA(cudaHostAlloc(&host_, std::max<size_t>(bytes, 16), cudaHostAllocMapped));
+    SKV_CUDA(cudaHostGetDevicePointer(&dev_, host_, 0));
+  }
+  ~MappedHostBuffer() { cudaFreeHost(host_); }
+  MappedHostBuffer(const MappedHostBuffer&) = delete;
+  MappedHostBuffer& operator=(const MappedHostBuffer&) = delete;
+  void* host() const { return host_; }
+  void* device() const { return dev_; }
+
+ private:
+  void* host_ = nullptr;
+  void* dev_ = nullptr;
+};
+
+template <typename T> std::unique_ptr<DeviceBuffer> ToDevice(const std::vector<T>& v) {
+  auto d = std::make_unique<DeviceBuffer>(v.size() * sizeof(T));
+  d->Upload(v);
+  return d;
+}
+
+// Fast deterministic uniform [-1, 1) (splitmix64).
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : s_(seed) {}
+  uint64_t Bits() {
+    uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  float Next() { return static_cast<float>(Bits() >> 40) * (2.0f / 16777216.0f) - 1.0f; }
+  int Int(int n) { return static_cast<int>(Bits() % static_cast<uint64_t>(n)); }
+
+ private:
+  uint64_t s_;
+};
+
+// Random values as f32 already rounded to `dtype`, and the same in `dtype`.
+struct HostTensor {
+  std::vector<float> f32;
+  std::vector<uint8_t> raw;
+};
+HostTensor MakeTensor(size_t n, DType dtype, Rng& rng, float scale = 1.0f) {
+  HostTensor t;
+  t.f32.resize(n);
+  for (auto& x : t.f32) x = rng.Next() * scale;
+  t.raw.resize(n * DTypeSize(dtype));
+  ConvertFromF32(t.f32.data(), t.raw.data(), dtype, n);
+  ConvertToF32(t.raw.data(), dtype, t.f32.data(), n);
+  return t;
+}
+std::vector<float> DownloadF32(const DeviceBuffer& buf, size_t n, DType dtype) {
+  const auto raw = buf.Download<uint8_t>(n * DTypeSize(dtype));
+  std::vector<float> out(n);
+  ConvertToF32(raw.data(), dtype, out.data(), n);
+  return out;
+}
+std::vector<uint8_t> Poisoned(size_t n, DType dtype) {
+  std::vector<float> f(n, kNaN);
+  std::vector<uint8_t> raw(n * DTypeSize(dtype));
+  ConvertFromF32(f.data(), raw.data(), dtype, n);
+  return raw;
+}
+
+// Every element: NaN expected (untouched poison) needs NaN; otherwise
+// |a - e| <= atol + rtol |e|. Reports the first bad index.
+::testing::AssertionResult CloseOrPoison(const std::vector<float>& got, const std::vector<float>& want, float atol,
+                                         float rtol) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  size_t bad = 0, first = got.size();
+  for (size_t i = 0; i < got.size(); ++i) {
+    bool ok;
+    if (std::isnan(want[i])) ok = std::isnan(got[i]);
+    else ok = !std::isnan(got[i]) && (got[i] == want[i] || std::fabs(got[i] - want[i]) <= atol + rtol * std::fabs(want[i]));
+    if (!ok) {
+      if (first == got.size()) first = i;
+      ++bad;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << got.size() << " differ; first at " << first << ": got "
+                                       << got[first] << " want " << want[first];
+}
+
+::testing::AssertionResult SameInts(const std::vector<int32_t>& got, const std::vector<int32_t>& want) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i])
+      return ::testing::AssertionFailure() << "first difference at " << i << ": got " << got[i] << " want " << want[i];
+  return ::testing::AssertionSuccess();
+}
+
+// ============================================================================
+// Top-k
+// ============================================================================
+
+struct TopKCase {
+  int rows, n, k;
+  bool smallest;
+  int ties;  // 0: distinct random, 1: few distinct values, 2: with NaN / +-inf / -0
+  bool skip = false;
+};
+
+void RunTopK(const TopKCase& c) {
+  SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " n " << c.n << " k " << c.k << " smallest "
+                                    << c.smallest << " ties " << c.ties << " skip " << c.skip);
+  Rng rng(1000 + c.n + c.k);
+  const int64_t stride = c.n + 5;
+  std::vector<float> v(static_cast<size_t>(c.rows) * stride);
+  for (auto& x : v) {
+    if (c.ties == 1) x = static_cast<float>(rng.Int(5));
+    else if (c.ties == 2) {
+      const int s = rng.Int(8);
+      const float inf = std::numeric_limits<float>::infinity();
+      x = s == 0 ? kNaN : s == 1 ? -inf : s == 2 ? -0.0f : s == 3 ? 0.0f : s == 4 ? inf : rng.Next();
+    } else x = rng.Next();
+  }
+  // Two rows share a count; the second group of rows is shorter.
+  const int groups = (c.rows + 1) / 2;
+  std::vector<int32_t> counts(groups);
+  for (int gi = 0; gi < groups; ++gi) counts[gi] = gi % 2 ? std::max(1, c.n - 1 - rng.Int(std::max(1, c.n / 3))) : c.n;
+  const int64_t out_stride = c.k + 3;
+
+  cpu::TopKArgs ca;
+  ca.values = v.data();
+  ca.stride = stride;
+  ca.rows = c.rows;
+  ca.counts = counts.data();
+  ca.rows_per_count = 2;
+  ca.k = c.k;
+  ca.smallest = c.smallest;
+  ca.skip_worst_inf = c.skip;
+  std::vector<int32_t> want(static_cast<size_t>(c.rows) * out_stride, kIntPoison);
+  ca.out = want.data();
+  ca.out_stride = out_stride;
+  cpu::TopK(ca);
+
+  auto dv = ToDevice(v);
+  auto dc = ToDevice(counts);
+  auto dout = ToDevice(std::vector<int32_t>(want.size(), kIntPoison));
+  TopKArgs ga;
+  ga.values = dv->get<float>();
+  ga.stride = stride;
+  ga.rows = c.rows;
+  ga.counts = dc->get<int32_t>();
+  ga.rows_per_count = 2;
+  ga.max_count = c.n;
+  ga.k = c.k;
+  ga.smallest = c.smallest;
+  ga.skip_worst_inf = c.skip;
+  ga.out = dout->get<int32_t>();
+  ga.out_stride = out_stride;
+  LaunchTopK(ga, nullptr);
+  SKV_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(SameInts(dout->Download<int32_t>(want.size()), want));
+}
+
+TEST(TopKGpu, MatchesCpuExactly) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (int n : {1, 7, 129, 5000, 40000, 131072})
+    for (int k : {1, 7, 64, 256, 1024})
+      for (bool smallest : {false, true})
+        for (int ties : {0, 1, 2}) {
+          if (n >= 40000 && ties == 2 && k != 256) continue;  // keep the sweep short
+          RunTopK({5, n, k, smallest, ties});
+          if (ties == 2) RunTopK({5, n, k, smallest, ties, true});
+        }
+  RunTopK({3, 300, 1024, false, 2, true});  // k > n with skipped values: -1 padded
+  RunTopK({3, 300, 4096, false, 0});  // k > n: all, then -1
+  RunTopK({2, 9000, 4096, true, 1});  // largest k
+}
+
+TEST(TopKGpu, UniformCount) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  Rng rng(7);
+  const int rows = 4, n = 1000, k = 33;
+  std::vector<float> v(static_cast<size_t>(rows) * n);
+  for (auto& x : v) x = rng.Next();
+  std::vector<int32_t> want(static_cast<size_t>(rows) * k);
+  cpu::TopKArgs ca;
+  ca.values = v.data();
+  ca.stride = n;
+  ca.rows = rows;
+  ca.uniform_count = n - 10;
+  ca.k = k;
+  ca.out = want.data();
+  ca.out_stride = k;
+  cpu::TopK(ca);
+  auto dv = ToDevice(v);
+  auto dout = ToDevice(std::vector<int32_t>(want.size(), kIntPoison));
+  TopKArgs ga;
+  ga.values = dv->get<float>();
+  ga.stride = n;
+  ga.rows = rows;
+  ga.uniform_count = n - 10;
+  ga.max_count = n - 10;
+  ga.k = k;
+  ga.out = dout->get<int32_t>();
+  ga.out_stride = k;
+  LaunchTopK(ga, nullptr);
+  SKV_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(SameInts(dout->Download<int32_t>(want.size()), want));
+}
+
+// ============================================================================
+// Scores
+// ============================================================================
+
+struct ScoreCase {
+  int batch, hkv, group, d, n;  // n: max_chunks; sequence b has n - b*(n/5) chunks
+  DType dtype, q_dtype;
+  bool with_excluded;
+};
+
+void RunScore(const ScoreCase& c) {
+  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " group " << c.group << " d "
+                                    << c.d << " n " << c.n << " dtype " << DTypeName(c.dtype) << " q "
+                                    << DTypeName(c.q_dtype) << " excluded " << c.with_excluded);
+  Rng rng(77 + c.n + c.d + c.group);
+  const int hq = c.hkv * c.group, cap = c.n + 3, max_chunks = c.n;
+  const int64_t stride = max_chunks + 2;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  // Scaled so that logits spread over a few units (softmax far from uniform).
+  HostTensor q = MakeTensor(static_cast<size_t>(c.batch) * hq * c.d, c.q_dtype, rng, 2.0f);
+  std::vector<HostTensor> land;
+  std::vector<std::vector<uint8_t>> excl(c.batch);
+  std::vector<int32_t> n_chunks(c.batch);
+  for (int b = 0; b < c.batch; ++b) {
+    land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.d, c.dtype, rng, 2.0f));
+    excl[b].assign(static_cast<size_t>(c.hkv) * cap, 0);
+    if (c.with_excluded)
+      for (auto& e : excl[b]) e = rng.Int(7) == 0;
+    n_chunks[b] = std::max(1, c.n - b * (c.n / 5));
+  }
+  // CPU reference.
+  std::vector<const float*> lp;
+  std::vector<const uint8_t*> ep;
+  for (int b = 0; b < c.batch; ++b) {
+    lp.push_back(land[b].f32.data());
+    ep.push_back(excl[b].data());
+  }
+  std::vector<float> want(static_cast<size_t>(c.batch) * c.hkv * stride, kNaN);
+  cpu::ShadowkvScoreArgs ca;
+  ca.q = q.f32.data();
+  ca.landmarks = lp.data();
+  ca.excluded = c.with_excluded ? ep.data() : nullptr;
+  ca.n_chunks = n_chunks.data();
+  ca.batch = c.batch;
+  ca.hq = hq;
+  ca.hkv = c.hkv;
+  ca.d = c.d;
+  ca.chunk_cap = cap;
+  ca.max_chunks = max_chunks;
+  ca.scale = scale;
+  ca.scores = want.data();
+  ca.score_stride = stride;
+  cpu::ShadowkvScore(ca);
+
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  std::vector<const void*> dl;
+  std::vector<const uint8_t*> de;
+  for (int b = 0; b < c.batch; ++b) {
+    keep.push_back(ToDevice(land[b].raw));
+    dl.push_back(keep.back()->get());
+    keep.push_back(ToDevice(excl[b]));
+    de.push_back(keep.back()->get<uint8_t>());
+  }
+  auto dlp = ToDevice(dl);
+  auto dep = ToDevice(de);
+  auto dq = ToDevice(q.raw);
+  auto dn = ToDevice(n_chunks);
+  auto dscores = ToDevice(std::vector<float>(want.size(), kNaN));
+  DeviceBuffer ws(ShadowkvScoreWorkspaceBytes(c.batch, hq, max_chunks));
+  ShadowkvScoreArgs ga;
+  ga.q = dq->get();
+  ga.q_dtype = c.q_dtype;
+  ga.landmarks = dlp->get<const void* const>();
+  ga.excluded = c.with_excluded ? dep->get<const uint8_t* const>() : nullptr;
+  ga.dtype = c.dtype;
+  ga.n_chunks = dn->get<int32_t>();
+  ga.batch = c.batch;
+  ga.hq = hq;
+  ga.hkv = c.hkv;
+  ga.d = c.d;
+  ga.chunk_cap = cap;
+  ga.max_chunks = max_chunks;
+  ga.scale = scale;
+  ga.scores = dscores->get<float>();
+  ga.score_stride = stride;
+  ga.workspace = ws.get();
+  ga.workspace_bytes = ws.bytes();
+  LaunchShadowkvScore(ga, nullptr);
+  SKV_CUDA(cudaDeviceSynchronize());
+  const auto got = dscores->Download<float>(want.size());
+  EXPECT_TRUE(CloseOrPoison(got, want, 1e-30f, 1e-5f));
+}
+
+TEST(ShadowkvScoreGpu, MatchesCpu) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (int n : {1, 7, 129, 5000})
+    for (int group : {1, 3, 4, 8})
+      for (int d : {64, 128}) RunScore({3, 2, group, d, n, DType::kBF16, DType::kBF16, true});
+  RunScore({2, 3, 4, 128, 129, DType::kF32, DType::kF32, true});
+  RunScore({2, 3, 2, 128, 5000, DType::kF32, DType::kBF16, false});
+  RunScore({2, 1, 5, 136, 700, DType::kBF16, DType::kF32, true});   // d not a power of two
+  RunScore({1, 2, 4, 256, 300, DType::kBF16, DType::kBF16, true});
+  RunScore({1, 2, 4, 128, 131072, DType::kBF16, DType::kBF16, true});
+}
+
+// ============================================================================
+// Slot update: a run of steps, CPU and GPU maps and miss lists compared exactly
+// ============================================================================
+
+void RunSlotUpdate(int batch, int hkv, int ks, int cap, float force_keep, int steps) {
+  SCOPED_TRACE(::testing::Message() << "batch " << batch << " hkv " << hkv << " kslots " << ks << " cap " << cap
+                                    << " force_keep " << force_keep);
+  Rng rng(5 + ks + cap);
+  const int rows = batch * hkv;
+  std::vector<std::vector<int32_t>> maps(batch, std::vector<int32_t>(static_cast<size_t>(hkv) * ks, -1));
+  std::vector<std::unique_ptr<DeviceBuffer>> dmaps;
+  std::vector<int32_t*> dmp;
+  for (int b = 0; b < batch; ++b) {
+    dmaps.push_back(ToDevice(maps[b]));
+    dmp.push_back(dmaps.back()->get<int32_t>());
+  }
+  auto dmapp = ToDevice(dmp);
+  const int64_t sel_stride = ks + 1;
+  std::vector<int32_t> prev_sel(static_cast<size_t>(rows) * sel_stride, -1);
+  for (int step = 0; step < steps; ++step) {
+    // Selection: about half of the previous selection kept, rest random;
+    // ascending, distinct, sometimes fewer than kslots (-1 padded).
+    std::vector<int32_t> sel(static_cast<size_t>(rows) * sel_stride, -1);
+    for (int row = 0; row < rows; ++row) {
+      std::set<int32_t> s;
+      const int n = (step + row) % 5 == 4 ? std::max(1, ks / 3) : ks;
+      for (int i = 0; i < ks; ++i) {
+        const int32_t c = prev_sel[row * sel_stride + i];
+        if (c >= 0 && static_cast<int>(s.size()) < n && rng.Int(2)) s.insert(c);
+      }
+      while (static_cast<int>(s.size()) < std::min(n, cap)) s.insert(rng.Int(cap));
+      int i = 0;
+      for (int32_t c : s) sel[row * sel_stride + i++] = c;
+    }
+    prev_sel = sel;
+    std::vector<int32_t> count(rows, kIntPoison), mslot(static_cast<size_t>(rows) * ks, kIntPoison),
+        mchunk(static_cast<size_t>(rows) * ks, kIntPoison);
+    std::vector<int32_t*> mp;
+    for (auto& m : maps) mp.push_back(m.data());
+    cpu::ShadowkvSlotUpdateArgs ca;
+    ca.selection = sel.data();
+    ca.selection_stride = sel_stride;
+    ca.slot_maps = mp.data();
+    ca.miss_count = count.data();
+    ca.miss_slot = mslot.data();
+    ca.miss_chunk = mchunk.data();
+    ca.batch = batch;
+    ca.hkv = hkv;
+    ca.kslots = ks;
+    ca.chunk_cap = cap;
+    ca.force_keep = force_keep;
+    cpu::ShadowkvSlotUpdate(ca);
+
+    auto dsel = ToDevice(sel);
+    auto dcount = ToDevice(std::vector<int32_t>(rows, kIntPoison));
+    auto dslot = ToDevice(std::vector<int32_t>(mslot.size(), kIntPoison));
+    auto dchunk = ToDevice(std::vector<int32_t>(mchunk.size(), kIntPoison));
+    ShadowkvSlotUpdateArgs ga;
+    ga.selection = dsel->get<int32_t>();
+    ga.selection_stride = sel_stride;
+    ga.slot_maps = dmapp->get<int32_t* const>();
+    ga.miss_count = dcount->get<int32_t>();
+    ga.miss_slot = dslot->get<int32_t>();
+    ga.miss_chunk = dchunk->get<int32_t>();
+    ga.batch = batch;
+    ga.hkv = hkv;
+    ga.kslots = ks;
+    ga.chunk_cap = cap;
+    ga.force_keep = force_keep;
+    LaunchShadowkvSlotUpdate(ga, nullptr);
+    SKV_CUDA(cudaDeviceSynchronize());
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    ASSERT_TRUE(SameInts(dcount->Download<int32_t>(rows), count));
+    ASSERT_TRUE(SameInts(dslot->Download<int32_t>(mslot.size()), mslot));
+    ASSERT_TRUE(SameInts(dchunk->Download<int32_t>(mchunk.size()), mchunk));
+    for (int b = 0; b < batch; ++b) ASSERT_TRUE(SameInts(dmaps[b]->Download<int32_t>(maps[b].size()), maps[b]));
+  }
+}
+
+TEST(ShadowkvSlotUpdateGpu, MatchesCpuOverSteps) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  RunSlotUpdate(2, 3, 16, 100, -1.0f, 12);
+  RunSlotUpdate(3, 2, 256, 15616, -1.0f, 8);
+  RunSlotUpdate(2, 2, 256, 15616, 0.6f, 8);
+  RunSlotUpdate(1, 4, 105, 131072, 0.6f, 6);
+  RunSlotUpdate(1, 2, 1024, 131072, 0.25f, 5);
+  RunSlotUpdate(1, 1, 33, 40, 1.0f, 6);
+  RunSlotUpdate(1, 1, 7, 7, 0.0f, 6);  // selection = all chunks
+}
+
+// ============================================================================
+// Key rebuild and value fetch
+// ============================================================================
+
+struct MissLists {
+  std::vector<int32_t> count, slot, chunk;
+};
+// Per row: `misses` distinct slots of [0, ks) and distinct chunks of [0, n_chunks).
+MissLists RandomMisses(Rng& rng, int rows, int ks, int n_chunks, int max_misses) {
+  MissLists m;
+  m.count.resize(rows);
+  m.slot.assign(static_cast<size_t>(rows) * ks, -1);
+  m.chunk.assign(static_cast<size_t>(rows) * ks, -1);
+  for (int row = 0; row < rows; ++row) {
+    const int cnt = row % 4 == 1 ? 0 : std::min(max_misses, 1 + rng.Int(max_misses));
+    m.count[row] = cnt;
+    std::vector<int32_t> slots(ks);
+    std::iota(slots.begin(), slots.end(), 0);
+    for (int i = ks - 1; i > 0; --i) std::swap(slots[i], slots[rng.Int(i + 1)]);
+    std::set<int32_t> chunks;
+    while (static_cast<int>(chunks.size()) < cnt) chunks.insert(rng.Int(n_chunks));
+    std::vector<int32_t> cv(chunks.begin(), chunks.end());
+    for (int i = cnt - 1; i > 0; --i) std::swap(cv[i], cv[rng.Int(i + 1)]);
+    for (int i = 0; i < cnt; ++i) {
+      m.slot[row * ks + i] = slots[i];
+      m.chunk[row * ks + i] = cv[i];
+    }
+  }
+  return m;
+}
+
+struct RebuildCase {
+  int batch, hkv, d, r, C, ks, n_chunks;
+  DType dtype;
+  RebuildKAlgo algo;
+};
+
+void RunRebuildK(const RebuildCase& c) {
+  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " r " << c.r
+                                    << " C " << c.C << " ks " << c.ks << " n_chunks " << c.n_chunks << " dtype "
+                                    << DTypeName(c.dtype) << " algo " << static_cast<int>(c.algo));
+  Rng rng(31 + c.d + c.r + c.C);
+  const int rows = c.batch * c.hkv, O = 3;
+  const int token_cap = c.n_chunks * c.C + 5;
+  const int att_cap = O * c.C + c.ks * c.C + 11;
+  const int64_t head_stride = static_cast<int64_t>(att_cap) * c.d;
+  const float b_scale = 1.0f / std::sqrt(static_cast<float>(c.r));
+  std::vector<HostTensor> A, B;
+  for (int b = 0; b < c.batch; ++b) {
+    A.push_back(MakeTensor(static_cast<size_t>(token_cap) * c.r, c.dtype, rng));
+    B.push_back(MakeTensor(static_cast<size_t>(c.hkv) * c.r * c.d, c.dtype, rng, b_scale * 2.0f));
+  }
+  std::vector<float> inv_freq(c.d / 2);
+  for (int j = 0; j < c.d / 2; ++j) inv_freq[j] = std::pow(500000.0f, -2.0f * j / c.d);
+  std::vector<int32_t> offset(c.batch);
+  for (int b = 0; b < c.batch; ++b) offset[b] = b == 0 ? 0 : 1000003 * b;  // large angles too
+  const MissLists m = RandomMisses(rng, rows, c.ks, c.n_chunks, c.ks);
+
+  std::vector<std::vector<float>> K(c.batch, std::vector<float>(static_cast<size_t>(c.hkv) * head_stride, kNaN));
+  std::vector<const float*> ap, bp;
+  std::vector<float*> kp;
+  for (int b = 0; b < c.batch; ++b) {
+    ap.push_back(A[b].f32.data());
+    bp.push_back(B[b].f32.data());
+    kp.push_back(K[b].data());
+  }
+  cpu::ShadowkvRebuildKArgs ca;
+  ca.a = ap.data();
+  ca.b = bp.data();
+  ca.position_offset = offset.data();
+  ca.inv_freq = inv_freq.data();
+  ca.miss_count = m.count.data();
+  ca.miss_slot = m.slot.data();
+  ca.miss_chunk = m.chunk.data();
+  ca.miss_stride = c.ks;
+  ca.att_k = kp.data();
+  ca.att_head_stride = head_stride;
+  ca.outlier_rows = O * c.C;
+  ca.batch = c.batch;
+  ca.hkv = c.hkv;
+  ca.d = c.d;
+  ca.r = c.r;
+  ca.chunk_size = c.C;
+  cpu::ShadowkvRebuildK(ca);
+
+  std::vector<std::unique_ptr<DeviceBuffer>> keep, dk;
+  std::vector<const void*> dap, dbp;
+  std::vector<void*> dkp;
+  for (int b = 0; b < c.batch; ++b) {
+    keep.push_back(ToDevice(A[b].raw));
+    dap.push_back(keep.back()->get());
+    keep.push_back(ToDevice(B[b].raw));
+    dbp.push_back(keep.back()->get());
+    dk.push_back(ToDevice(Poisoned(static_cast<size_t>(c.hkv) * head_stride, c.dtype)));
+    dkp.push_back(dk.back()->get());
+  }
+  auto da = ToDevice(dap), db = ToDevice(dbp), dkk = ToDevice(dkp);
+  auto doff = ToDevice(offset), dfreq = ToDevice(inv_freq);
+  auto dcount = ToDevice(m.count), dslot = ToDevice(m.slot), dchunk = ToDevice(m.chunk);
+  ShadowkvRebuildKArgs ga;
+  ga.a = da->get<const void* const>();
+  ga.b = db->get<const void* const>();
+  ga.position_offset = doff->get<int32_t>();
+  ga.inv_freq = dfreq->get<float>();
+  ga.miss_count = dcount->get<int32_t>();
+  ga.miss_slot = dslot->get<int32_t>();
+  ga.miss_chunk = dchunk->get<int32_t>();
+  ga.miss_stride = c.ks;
+  ga.att_k = dkk->get<void* const>();
+  ga.att_head_stride = head_stride;
+  ga.outlier_rows = O * c.C;
+  ga.dtype = c.dtype;
+  ga.batch = c.batch;
+  ga.hkv = c.hkv;
+  ga.d = c.d;
+  ga.r = c.r;
+  ga.chunk_size = c.C;
+  ga.max_misses = c.ks;
+  ga.algo = c.algo;
+  LaunchShadowkvRebuildK(ga, nullptr);
+  SKV_CUDA(cudaDeviceSynchronize());
+  // bf16 output: <= 0.5 ulp of rounding plus f32 summation-order effects.
+  const float atol = c.dtype == DType::kBF16 ? 2e-3f : 5e-5f;
+  const float rtol = c.dtype == DType::kBF16 ? 8e-3f : 1e-5f;
+  for (int b = 0; b < c.batch; ++b)
+    EXPECT_TRUE(CloseOrPoison(DownloadF32(*dk[b], K[b].size(), c.dtype), K[b], atol, rtol)) << "sequence " << b;
+}
+
+TEST(ShadowkvRebuildKGpu, MatchesCpu) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (RebuildKAlgo algo : {RebuildKAlgo::kAuto, RebuildKAlgo::kSimt})
+    for (int d : {64, 128})
+      for (int r : {160, 37})
+        for (int C : {8, 16}) RunRebuildK({2, 3, d, r, C, 13, 300, DType::kBF16, algo});
+  for (int C : {1, 7, 64}) RunRebuildK({1, 2, 128, 160, C, 5, 40, DType::kBF16, RebuildKAlgo::kAuto});
+  RunRebuildK({2, 2, 128, 160, 8, 256, 1000, DType::kBF16, RebuildKAlgo::kAuto});  // many tiles per row
+  RunRebuildK({1, 2, 128, 512, 8, 20, 100, DType::kBF16, RebuildKAlgo::kAuto});
+  RunRebuildK({1, 2, 256, 160, 8, 20, 100, DType::kBF16, RebuildKAlgo::kAuto});
+  RunRebuildK({1, 2, 96, 160, 8, 20, 100, DType::kBF16, RebuildKAlgo::kAuto});  // SIMT fallback (d % 64 != 0)
+  RunRebuildK({2, 3, 128, 160, 8, 13, 300, DType::kF32, RebuildKAlgo::kAuto});
+  RunRebuildK({1, 2, 64, 37, 7, 9, 50, DType::kF32, RebuildKAlgo::kAuto});
+}
+
+struct FetchCase {
+  int batch, hkv, d, C, ks, chunk_cap;
+  DType dtype;
+  bool staged;
+};
+
+void RunFetchV(const FetchCase& c) {
+  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " C " << c.C
+                                    << " ks " << c.ks << " dtype " << DTypeName(c.dtype) << " staged " << c.staged);
+  Rng rng(11 + c.d + c.C + c.ks);
+  const int rows = c.batch * c.hkv, O = 2;
+  const int att_cap = O * c.C + c.ks * c.C + 3;
+  const int64_t head_stride = static_cast<int64_t>(att_cap) * c.d;
+  const size_t chunk_elems = static_cast<size_t>(c.C) * c.d;
+  const size_t store_elems = static_cast<size_t>(c.hkv) * c.chunk_cap * chunk_elems;
+  const size_t es = DTypeSize(c.dtype);
+  const MissLists m = RandomMisses(rng, rows, c.ks, c.chunk_cap, c.ks);
+
+  std::vector<HostTensor> store;
+  std::vector<std::unique_ptr<MappedHostBuffer>> hstore;
+  std::vector<const float*> sp;
+  std::vector<const void*> dsp;
+  for (int b = 0; b < c.batch; ++b) {
+    store.push_back(MakeTensor(store_elems, c.dtype, rng));
+    hstore.push_back(std::make_unique<MappedHostBuffer>(store_elems * es));
+    std::memcpy(hstore.back()->host(), store.back().raw.data(), store_elems * es);
+    sp.push_back(store.back().f32.data());
+    dsp.push_back(hstore.back()->device());
+  }
+  // Staging buffer in miss-list order with compact offsets.
+  std::vector<int32_t> offsets(rows);
+  std::vector<float> staging_f32;
+  for (int row = 0, at = 0; row < rows; ++row) {
+    offsets[row] = at;
+    at += m.count[row];
+    for (int i = 0; i < m.count[row]; ++i) {
+      const float* src = sp[row / c.hkv] +
+                         (static_cast<size_t>(row % c.hkv) * c.chunk_cap + m.chunk[row * c.ks + i]) * chunk_elems;
+      staging_f32.insert(staging_f32.end(), src, src + chunk_elems);
+    }
+  }
+  std::vector<uint8_t> staging_raw(staging_f32.size() * es);
+  ConvertFromF32(staging_f32.data(), staging_raw.data(), c.dtype, staging_f32.size());
+
+  std::vector<std::vector<float>> V(c.batch, std::vector<float>(static_cast<size_t>(c.hkv) * head_stride, kNaN));
+  std::vector<float*> vp;
+  for (auto& v : V) vp.push_back(v.data());
+  cpu::ShadowkvFetchVArgs ca;
+  ca.value_store = sp.data();
+  ca.chunk_cap = c.chunk_cap;
+  ca.staging = c.staged ? staging_f32.data() : nullptr;
+  ca.staging_offsets = offsets.data();
+  ca.miss_count = m.count.data();
+  ca.miss_slot = m.slot.data();
+  ca.miss_chunk = m.chunk.data();
+  ca.miss_stride = c.ks;
+  ca.att_v = vp.data();
+  ca.att_head_stride = head_stride;
+  ca.outlier_rows = O * c.C;
+  ca.batch = c.batch;
+  ca.hkv = c.hkv;
+  ca.d = c.d;
+  ca.chunk_size = c.C;
+  cpu::ShadowkvFetchV(ca);
+
+  std::vector<std::unique_ptr<DeviceBuffer>> dv;
+  std::vector<void*> dvp;
+  for (int b = 0; b < c.batch; ++b) {
+    dv.push_back(ToDevice(Poisoned(static_cast<size_t>(c.hkv) * head_stride, c.dtype)));
+    dvp.push_back(dv.back()->get());
+  }
+  auto dstore = ToDevice(dsp), dvv = ToDevice(dvp), dstaging = ToDevice(staging_raw), doffs = ToDevice(offsets);
+  auto dcount = ToDevice(m.count), dslot = ToDevice(m.slot), dchunk = ToDevice(m.chunk);
+  ShadowkvFetchVArgs ga;
+  ga.value_store = dstore->get<const void* const>();
+  ga.chunk_cap = c.chunk_cap;
+  ga.staging = c.staged ? dstaging->get() : nullptr;
+  ga.staging_offsets = doffs->get<int32_t>();
+  ga.miss_count = dcount->get<int32_t>();
+  ga.miss_slot = dslot->get<int32_t>();
+  ga.miss_chunk = dchunk->get<int32_t>();
+  ga.miss_stride = c.ks;
+  ga.att_v = dvv->get<void* const>();
+  ga.att_head_stride = head_stride;
+  ga.outlier_rows = O * c.C;
+  ga.dtype = c.dtype;
+  ga.batch = c.batch;
+  ga.hkv = c.hkv;
+  ga.d = c.d;
+  ga.chunk_size = c.C;
+  ga.max_misses = c.ks;
+  if (c.staged) LaunchShadowkvScatterV(ga, nullptr);
+  else LaunchShadowkvFetchV(ga, nullptr);
+  SKV_CUDA(cudaDeviceSynchronize());
+  for (int b = 0; b < c.batch; ++b)
+    EXPECT_TRUE(CloseOrPoison(DownloadF32(*dv[b], V[b].size(), c.dtype), V[b], 0.0f, 0.0f)) << "sequence " << b;
+}
+
+TEST(ShadowkvFetchVGpu, MatchesCpu) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (bool staged : {false, true}) {
+    RunFetchV({2, 3, 128, 8, 17, 200, DType::kBF16, staged});
+    RunFetchV({1, 2, 64, 16, 40, 100, DType::kBF16, staged});
+    RunFetchV({2, 2, 64, 1, 9, 30, DType::kBF16, staged});
+    RunFetchV({1, 2, 128, 64, 6, 20, DType::kBF16, staged});
+    RunFetchV({1, 2, 128, 8, 300, 2000, DType::kBF16, staged});
+    RunFetchV({2, 2, 64, 7, 11, 50, DType::kF32, staged});
+  }
+}
+
+// ============================================================================
+// Timing harness (PENUMBRA_KERNEL_BENCH=1)
+// ============================================================================
+
+// Fills a device buffer with random bf16 in [-scale, scale) in slices.
+void FillRandomBf16(void* dst, size_t n, Rng& rng, float scale) {
+  constexpr size_t kSlice = size_t{1} << 24;
+  std::vector<uint16_t> buf(std::min(n, kSlice));
+  for (size_t off = 0; off < n; off += kSlice) {
+    const size_t len = std::min(kSlice, n - off);
+    for (size_t i = 0; i < len; ++i) buf[i] = F32ToBF16(rng.Next() * scale);
+    SKV_CUDA(cudaMemcpy(static_cast<uint16_t*>(dst) + off, buf.data(), len * 2, cudaMemcpyHostToDevice));
+  }
+}
+
+template <typename F> float TimeMs(F&& fn, int iters, cudaStream_t stream) {
+  fn();  // warm-up
+  SKV_CUDA(cudaStreamSynchronize(stream));
+  cudaEvent_t e0, e1;
+  SKV_CUDA(cudaEventCreate(&e0));
+  SKV_CUDA(cudaEventCreate(&e1));
+  SKV_CUDA(cudaEventRecord(e0, stream));
+  for (int i = 0; i < iters; ++i) fn();
+  SKV_CUDA(cudaEventRecord(e1, stream));
+  SKV_CUDA(cudaEventSynchronize(e1));
+  float ms = 0;
+  SKV_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return ms / iters;
+}
+
+TEST(ShadowkvDecodeGpuBench, Timings) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const char* env = std::getenv("PENUMBRA_KERNEL_BENCH");
+  if (!env || std::string(env) != "1") GTEST_SKIP() << "set PENUMBRA_KERNEL_BENCH=1";
+  const int batch = 16, hkv = 8, hq = 32, d = 128, n = 15616, C = 8, r = 160, ks = 256, misses = 105;
+  const int rows = batch * hkv;
+  Rng rng(99);
+  cudaStream_t s0, s1;
+  SKV_CUDA(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking));
+  SKV_CUDA(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+
+  // ---- scores: 15616 chunks x 8 heads x batch 16, GQA 4 ----
+  const size_t land_elems = static_cast<size_t>(hkv) * n * d;
+  DeviceBuffer land(batch * land_elems * 2);
+  FillRandomBf16(land.get(), batch * land_elems, rng, 1.0f);
+  std::vector<const void*> lp;
+  for (int b = 0; b < batch; ++b) lp.push_back(land.get<uint16_t>() + b * land_elems);
+  auto dlp = ToDevice(lp);
+  DeviceBuffer q(static_cast<size_t>(batch) * hq * d * 2);
+  FillRandomBf16(q.get(), static_cast<size_t>(batch) * hq * d, rng, 1.0f);
+  auto dn = ToDevice(std::vector<int32_t>(batch, n));
+  DeviceBuffer scores(static_cast<size_t>(rows) * n * 4);
+  DeviceBuffer ws(ShadowkvScoreWorkspaceBytes(batch, hq, n));
+  ShadowkvScoreArgs sa;
+  sa.q = q.get();
+  sa.landmarks = dlp->get<const void* const>();
+  sa.n_chunks = dn->get<int32_t>();
+  sa.batch = batch;
+  sa.hq = hq;
+  sa.hkv = hkv;
+  sa.d = d;
+  sa.chunk_cap = n;
+  sa.max_chunks = n;
+  sa.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  sa.scores = scores.get<float>();
+  sa.score_stride = n;
+  sa.workspace = ws.get();
+  sa.workspace_bytes = ws.bytes();
+  const float score_ms = TimeMs([&] { LaunchShadowkvScore(sa, s0); }, 20, s0);
+  std::printf("[bench] score  %d chunks x %d kv heads x batch %d (d %d, GQA %d): %.3f ms, landmarks %.0f GB/s\n", n,
+              hkv, batch, d, hq / hkv, score_ms, batch * land_elems * 2 / (score_ms * 1e-3) / 1e9);
+
+  // ---- top-k 256 of 15616 for 128 rows ----
+  DeviceBuffer sel(static_cast<size_t>(rows) * ks * 4);
+  TopKArgs ta;
+  ta.values = scores.get<float>();
+  ta.stride = n;
+  ta.rows = rows;
+  ta.uniform_count = n;
+  ta.max_count = n;
+  ta.k = ks;
+  ta.out = sel.get<int32_t>();
+  ta.out_stride = ks;
+  const float topk_ms = TimeMs([&] { LaunchTopK(ta, s0); }, 20, s0);
+  std::printf("[bench] top-k  %d of %d, %d rows: %.3f ms\n", ks, n, rows, topk_ms);
+
+  // ---- rebuild K / fetch V of 16*8*105 misses ----
+  const int token_cap = n * C;
+  const size_t a_elems = static_cast<size_t>(token_cap) * r, b_elems = static_cast<size_t>(hkv) * r * d;
+  const int att_cap = 48 * C + ks * C + 64;
+  const size_t att_elems = static_cast<size_t>(hkv) * att_cap * d;
+  DeviceBuffer A(batch * a_elems * 2), B(batch * b_elems * 2), K(batch * att_elems * 2), V(batch * att_elems * 2);
+  FillRandomBf16(A.get(), batch * a_elems, rng, 1.0f);
+  FillRandomBf16(B.get(), batch * b_elems, rng, 0.1f);
+  const int store_chunks = 2048;  // value store per sequence: 8 heads x 2048 chunks x 2 KiB
+  const size_t store_elems = static_cast<size_t>(hkv) * store_chunks * C * d;
+  MappedHostBuffer store(batch * store_elems * 2);
+  std::memset(store.host(), 0x3c, batch * store_elems * 2);
+  std::vector<const void*> ap, bp, sp;
+  std::vector<void*> kp, vp;
+  for (int b = 0; b < batch; ++b) {
+    ap.push_back(A.get<uint16_t>() + b * a_elems);
+    bp.push_back(B.get<uint16_t>() + b * b_elems);
+    kp.push_back(K.get<uint16_t>() + b * att_elems);
+    vp.push_back(V.get<uint16_t>() + b * att_elems);
+    sp.push_back(static_cast<uint16_t*>(store.device()) + b * store_elems);
+  }
+  auto dap = ToDevice(ap), dbp = ToDevice(bp), dkp = ToDevice(kp), dvp = ToDevice(vp), dsp = ToDevice(sp);
+  std::vector<float> inv_freq(d / 2);
+  for (int j = 0; j < d / 2; ++j) inv_freq[j] = std::pow(500000.0f, -2.0f * j / d);
+  auto dfreq = ToDevice(inv_freq);
+  // Exactly `misses` distinct chunks and slots per row.
+  MissLists full = RandomMisses(rng, rows, ks, store_chunks, misses);
+  {
+    for (int row = 0; row < rows; ++row)
+      if (full.count[row] != misses) {
+        std::set<int32_t> used(full.chunk.begin() + row * ks, full.chunk.begin() + row * ks + full.count[row]);
+        std::set<int32_t> used_slots(full.slot.begin() + row * ks, full.slot.begin() + row * ks + full.count[row]);
+        int next_chunk = 0, next_slot = 0;
+        for (int i = full.count[row]; i < misses; ++i) {
+          while (used.count(next_chunk)) ++next_chunk;
+          while (used_slots.count(next_slot)) ++next_slot;
+          full.chunk[row * ks + i] = next_chunk;
+          full.slot[row * ks + i] = next_slot;
+          used.insert(next_chunk);
+          used_slots.insert(next_slot);
+        }
+        full.count[row] = misses;
+      }
+  }
+  auto dcount = ToDevice(full.count), dslot = ToDevice(full.slot), dchunk = ToDevice(full.chunk);
+  ShadowkvRebuildKArgs ka;
+  ka.a = dap->get<const void* const>();
+  ka.b = dbp->get<const void* const>();
+  ka.inv_freq = dfreq->get<float>();
+  ka.miss_count = dcount->get<int32_t>();
+  ka.miss_slot = dslot->get<int32_t>();
+  ka.miss_chunk = dchunk->get<int32_t>();
+  ka.miss_stride = ks;
+  ka.att_k = dkp->get<void* const>();
+  ka.att_head_stride = static_cast<int64_t>(att_cap) * d;
+  ka.outlier_rows = 48 * C;
+  ka.batch = batch;
+  ka.hkv = hkv;
+  ka.d = d;
+  ka.r = r;
+  ka.chunk_size = C;
+  ka.max_misses = ks;
+  const float rebuild_ms = TimeMs([&] { LaunchShadowkvRebuildK(ka, s0); }, 20, s0);
+  ka.algo = RebuildKAlgo::kSimt;
+  const float rebuild_simt_ms = TimeMs([&] { LaunchShadowkvRebuildK(ka, s0); }, 5, s0);
+  ka.algo = RebuildKAlgo::kAuto;
+  const double flops = 2.0 * rows * misses * C * static_cast<double>(r) * d;
+  std::printf("[bench] rebuild K %d misses (r %d): %.3f ms tensor cores (%.1f TFLOP/s), %.3f ms SIMT\n",
+              rows * misses, r, rebuild_ms, flops / (rebuild_ms * 1e-3) / 1e12, rebuild_simt_ms);
+
+  ShadowkvFetchVArgs fa;
+  fa.value_store = dsp->get<const void* const>();
+  fa.chunk_cap = store_chunks;
+  fa.miss_count = dcount->get<int32_t>();
+  fa.miss_slot = dslot->get<int32_t>();
+  fa.miss_chunk = dchunk->get<int32_t>();
+  fa.miss_stride = ks;
+  fa.att_v = dvp->get<void* const>();
+  fa.att_head_stride = static_cast<int64_t>(att_cap) * d;
+  fa.outlier_rows = 48 * C;
+  fa.batch = batch;
+  fa.hkv = hkv;
+  fa.d = d;
+  fa.chunk_size = C;
+  fa.max_misses = ks;
+  const double fetch_bytes = static_cast<double>(rows) * misses * C * d * 2;
+  const float fetch_ms = TimeMs([&] { LaunchShadowkvFetchV(fa, s1); }, 10, s1);
+  std::printf("[bench] fetch V %d misses (%.1f MB over PCIe, zero copy): %.3f ms, %.1f GB/s\n", rows * misses,
+              fetch_bytes / 1e6, fetch_ms, fetch_bytes / (fetch_ms * 1e-3) / 1e9);
+
+  // Staging variant: chunks already in device memory in miss-list order.
+  DeviceBuffer staging(static_cast<size_t>(rows) * ks * C * d * 2);
+  fa.staging = staging.get();
+  const float scatter_ms = TimeMs([&] { LaunchShadowkvScatterV(fa, s1); }, 20, s1);
+  fa.staging = nullptr;
+  std::printf("[bench] scatter V (staged, device to device) %d misses: %.3f ms\n", rows * misses, scatter_ms);
+
+  // Rebuild K and fetch V concurrently, as in a decode step.
+  cudaEvent_t fork, join;
+  SKV_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  SKV_CUDA(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  const float both_ms = TimeMs(
+      [&] {
+        SKV_CUDA(cudaEventRecord(fork, s0));
+        SKV_CUDA(cudaStreamWaitEvent(s1, fork, 0));
+        LaunchShadowkvFetchV(fa, s1);
+        LaunchShadowkvRebuildK(ka, s0);
+        SKV_CUDA(cudaEventRecord(join, s1));
+        SKV_CUDA(cudaStreamWaitEvent(s0, join, 0));
+      },
+      10, s0);
+  std::printf("[bench] rebuild K || fetch V on two streams: %.3f ms\n", both_ms);
+  cudaEventDestroy(fork);
+  cudaEventDestroy(join);
+  SKV_CUDA(cudaStreamSynchronize(s0));
+  SKV_CUDA(cudaStreamSynchronize(s1));
+  cudaStreamDestroy(s0);
+  cudaStreamDestroy(s1);
+}
+
+}  // namespace
+}  // namespace penumbra::kernels

@@ -1,0 +1,1 @@
+penumbra_glob_tests(storage LIBS penumbra_storage)

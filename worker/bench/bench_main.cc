@@ -1,0 +1,254 @@
+// penumbra-bench: throughput of the engine on a Llama-3.1-8B-shaped model with
+// random weights generated on the device (no checkpoint), comparable to
+// ../shared/bench/peer_full_attention.py. One JSON line per measurement.
+//   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv]
+//   penumbra-bench prefill --context 124928
+// decode fills each sequence's context with random keys and values (through
+// the policy's real compression path for shadowkv), then times `steps` decode
+// steps of the whole model after 2 warm-up steps, greedy sampling included.
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "common/args.h"
+#include "common/logging.h"
+#include "worker/engine/engine.h"
+
+namespace penumbra {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+ModelConfig Llama8BShape(const Args& a, Status* st) {
+  ModelConfig c;
+  c.arch = Architecture::kLlama;
+  auto geti = [&](const char* k, int64_t def) {
+    auto r = a.GetInt(k, def);
+    if (!r.ok()) *st = r.status();
+    return r.ok() ? *r : def;
+  };
+  c.hidden_size = static_cast<int>(geti("hidden", 4096));
+  c.intermediate_size = static_cast<int>(geti("ffn", 14336));
+  c.num_layers = static_cast<int>(geti("layers", 32));
+  c.num_heads = static_cast<int>(geti("heads", 32));
+  c.num_kv_heads = static_cast<int>(geti("kv-heads", 8));
+  c.head_dim = static_cast<int>(geti("head-dim", 128));
+  c.vocab_size = static_cast<int>(geti("vocab", 128256));
+  c.max_position_embeddings = int64_t{1} << 22;
+  c.rope_theta = 500000.0;
+  c.rope_scaling.type = "llama3";
+  c.rope_scaling.factor = 8.0;
+  c.rope_scaling.low_freq_factor = 1.0;
+  c.rope_scaling.high_freq_factor = 4.0;
+  c.rope_scaling.original_max_position_embeddings = 8192;
+  c.rms_norm_eps = 1e-5;
+  c.torch_dtype = DType::kBF16;
+  return c;
+}
+
+struct Common {
+  std::string gpu;
+  nlohmann::json Line(const std::string& mode) const {
+    nlohmann::json j;
+    j["mode"] = mode;
+    j["gpu"] = gpu;
+    return j;
+  }
+};
+
+// Device-to-device copy bandwidth (bytes read + written per second), the
+// practical HBM ceiling used for roofline fractions.
+double MeasureCopyGBps(Backend& b) {
+  const size_t bytes = size_t{2} << 30;
+  auto src = b.Allocate(bytes);
+  auto dst = b.Allocate(bytes);
+  if (!src.ok() || !dst.ok()) return 0;
+  (void)b.CopyDeviceToDevice(dst->get(), src->get(), bytes);
+  (void)b.Synchronize();
+  const double t0 = Now();
+  for (int i = 0; i < 5; ++i) (void)b.CopyDeviceToDevice(dst->get(), src->get(), bytes);
+  (void)b.Synchronize();
+  return 2.0 * bytes * 5 / (Now() - t0) / 1e9;
+}
+
+Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double copy_gbps) {
+  const ModelConfig& c = e.config();
+  Runtime& rt = e.runtime();
+  Backend& b = e.backend();
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t steps, a.GetInt("steps", 100));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t batch, a.GetInt("batch", 0));
+  const int64_t reserve = static_cast<int64_t>(4.0 * (1 << 30));
+  // Find the largest batch that fits by adding sequences until memory runs out
+  // (or the requested batch), leaving `reserve` bytes free for activations.
+  std::vector<int64_t> seqs;
+  const int64_t max_b = batch > 0 ? batch : 4096;
+  Status last;
+  for (int64_t i = 0; i < max_b; ++i) {
+    if (batch == 0 && static_cast<int64_t>(b.FreeMemoryBytes()) < reserve) break;
+    last = rt.AddSequence(i, S, steps + 4);
+    if (!last.ok()) break;
+    last = rt.policy().SynthesizeContext(i, S, 1000 + i);
+    if (!last.ok()) {
+      rt.RemoveSequence(i);
+      break;
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    if (batch == 0 && static_cast<int64_t>(b.FreeMemoryBytes()) < reserve) {
+      rt.RemoveSequence(i);
+      break;
+    }
+    seqs.push_back(i);
+  }
+  if (seqs.empty()) return last.ok() ? Status::ResourceExhausted("not even one sequence fits") : last;
+  if (batch > 0 && static_cast<int64_t>(seqs.size()) < batch) return last;
+  const int B = static_cast<int>(seqs.size());
+  std::string limit = last.ok() ? "gpu-memory-reserve" : last.ToString();
+  std::vector<int32_t> tokens(B, 1);
+  std::vector<SampleParams> greedy(B);
+  std::vector<int32_t> next(B);
+  auto step = [&](int64_t pos) -> Status {
+    std::vector<int64_t> positions(B, pos);
+    PENUMBRA_ASSIGN_OR_RETURN(const float* logits, rt.DecodeStep(seqs, tokens, positions));
+    PENUMBRA_RETURN_IF_ERROR(b.Sample(logits, B, c.vocab_size, greedy, next.data()));
+    tokens = next;
+    return Status::OK();
+  };
+  PENUMBRA_RETURN_IF_ERROR(step(S));
+  PENUMBRA_RETURN_IF_ERROR(step(S + 1));
+  const PolicyStats before = rt.policy().stats();
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  const double t0 = Now();
+  for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step(S + 2 + i));
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  const double dt = (Now() - t0) / steps;
+  const PolicyStats after = rt.policy().stats();
+  nlohmann::json j = cm.Line("decode");
+  j["kv_policy"] = e.options().kv_policy;
+  j["context"] = S;
+  j["batch"] = B;
+  j["steps"] = steps;
+  j["tokens_per_s"] = B / dt;
+  j["ms_per_step"] = dt * 1e3;
+  j["batch_limit"] = batch > 0 ? "requested" : limit;
+  size_t dev_bytes = 0;
+  for (int64_t s : seqs) dev_bytes += rt.policy().DeviceBytes(s);
+  j["kv_device_bytes_per_token"] = static_cast<double>(dev_bytes) / (static_cast<double>(S) * B);
+  if (e.options().kv_policy == "full") {
+    // Bytes a step must read: all weights once + every sequence's K and V.
+    const double kv = 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * DTypeSize(b.act_dtype()) * (S + 2.0 + steps / 2.0) * B;
+    const double bytes = static_cast<double>(e.weights().device_bytes()) + kv;
+    j["hbm_gbps"] = bytes / dt / 1e9;
+    if (copy_gbps > 0) j["hbm_roofline_fraction"] = bytes / dt / 1e9 / (copy_gbps);
+  } else {
+    const int64_t sel = after.selected_chunks - before.selected_chunks;
+    const int64_t hit = after.hit_chunks - before.hit_chunks;
+    j["hit_rate"] = sel ? static_cast<double>(hit) / sel : 0.0;
+    j["force_hit_rate"] = e.options().shadowkv.force_hit_rate;
+    j["value_fetch"] = e.options().shadowkv.value_fetch;
+  }
+  j["hbm_copy_gbps"] = copy_gbps;
+  std::cout << j.dump() << std::endl;
+  for (int64_t s : seqs) rt.RemoveSequence(s);
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  return Status::OK();
+}
+
+Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
+  Runtime& rt = e.runtime();
+  std::vector<int32_t> prompt(S);
+  for (int64_t i = 0; i < S; ++i) prompt[i] = static_cast<int32_t>((i * 7919) % e.config().vocab_size);
+  PENUMBRA_RETURN_IF_ERROR(rt.AddSequence(0, S, 1));
+  // Warm-up on a short prompt so handles and kernels are loaded.
+  std::vector<int32_t> warm(prompt.begin(), prompt.begin() + std::min<int64_t>(S, 1024));
+  PENUMBRA_RETURN_IF_ERROR(rt.AddSequence(1, warm.size(), 1));
+  PENUMBRA_RETURN_IF_ERROR(rt.Prefill(1, warm, nullptr));
+  rt.RemoveSequence(1);
+  const double t0 = Now();
+  PENUMBRA_RETURN_IF_ERROR(rt.Prefill(0, prompt, nullptr));
+  PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
+  const double dt = Now() - t0;
+  nlohmann::json j = cm.Line("prefill");
+  j["kv_policy"] = e.options().kv_policy;
+  j["context"] = S;
+  j["batch"] = 1;
+  j["seconds"] = dt;
+  j["prefill_chunk"] = e.options().runtime.prefill_chunk;
+  std::cout << j.dump() << std::endl;
+  rt.RemoveSequence(0);
+  return Status::OK();
+}
+
+Status Main(int argc, char** argv) {
+  if (argc < 2) return Status::InvalidArgument("usage: penumbra-bench decode|prefill --context N[,N...] [options]");
+  const std::string mode = argv[1];
+  if (mode != "decode" && mode != "prefill") return Status::InvalidArgument("mode must be decode or prefill");
+  Args a;
+  a.Flag("context", "context lengths, comma-separated").Flag("batch", "sequences (default: largest that fits)")
+      .Flag("steps", "timed decode steps (default 100)").Flag("kv-policy", "full or shadowkv")
+      .Flag("force-hit-rate", "shadowkv: keep this fraction of the previous step's chunks")
+      .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
+      .Flag("prefill-chunk", "tokens per prefill chunk").Flag("rank", "shadowkv rank").Flag("budget", "shadowkv budget")
+      .Flag("outliers", "shadowkv outliers").Flag("chunk-size", "shadowkv chunk").Flag("local-window", "shadowkv window")
+      .Flag("value-fetch", "shadowkv: zero_copy or staging").Flag("max-batch", "runtime max batch")
+      .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
+      .Flag("head-dim", "").Flag("vocab", "");
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
+  Status st;
+  ModelConfig c = Llama8BShape(a, &st);
+  PENUMBRA_RETURN_IF_ERROR(st);
+  EngineOptions eo;
+  eo.backend.device = a.Get("device", "cuda");
+  eo.backend.dtype = a.Get("dtype", "bf16");
+  eo.kv_policy = a.Get("kv-policy", "full");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t chunk, a.GetInt("prefill-chunk", 4096));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetInt("max-batch", 256));
+  eo.runtime.prefill_chunk = static_cast<int>(chunk);
+  eo.runtime.max_batch = static_cast<int>(mb);
+  ShadowKvOptions& s = eo.shadowkv;
+  PENUMBRA_ASSIGN_OR_RETURN(s.force_hit_rate, a.GetDouble("force-hit-rate", -1.0));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t rank, a.GetInt("rank", s.rank));
+  PENUMBRA_ASSIGN_OR_RETURN(s.budget_tokens, a.GetInt("budget", s.budget_tokens));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t outl, a.GetInt("outliers", s.outlier_chunks));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t cs, a.GetInt("chunk-size", s.chunk_size));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t lw, a.GetInt("local-window", s.local_window));
+  s.rank = static_cast<int>(rank);
+  s.outlier_chunks = static_cast<int>(outl);
+  s.chunk_size = static_cast<int>(cs);
+  s.local_window = static_cast<int>(lw);
+  s.value_fetch = a.Get("value-fetch", s.value_fetch);
+  s.min_prompt_tokens = 0;
+  PENUMBRA_ASSIGN_OR_RETURN(auto contexts, a.GetIntList("context"));
+  if (contexts.empty()) return Status::InvalidArgument("--context is required");
+  PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::OpenRandom(c, eo, 42));
+  Common cm;
+  cm.gpu = engine->backend().name();
+  const double copy = mode == "decode" && engine->backend().device() == Device::kCUDA ? MeasureCopyGBps(engine->backend()) : 0;
+  for (int64_t S : contexts) {
+    Status r = mode == "decode" ? RunDecode(a, *engine, cm, S, copy) : RunPrefill(a, *engine, cm, S);
+    if (!r.ok()) {
+      nlohmann::json j = cm.Line(mode);
+      j["context"] = S;
+      j["kv_policy"] = eo.kv_policy;
+      j["error"] = r.ToString();
+      std::cout << j.dump() << std::endl;
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+}  // namespace penumbra
+
+int main(int argc, char** argv) {
+  penumbra::InitLogging(argv[0]);
+  penumbra::Status s = penumbra::Main(argc, argv);
+  if (!s.ok()) {
+    std::cerr << "penumbra-bench: " << s.ToString() << std::endl;
+    return 2;
+  }
+  return 0;
+}

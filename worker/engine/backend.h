@@ -1,0 +1,202 @@
+// Backend: the table of device operations the engine is written against.
+//
+// The engine (runtime, KV policies) is written once against this interface;
+// CpuBackend implements it with OpenBLAS and the CPU references in
+// kernels/cpu, CudaBackend with cuBLAS, cuSOLVER and the kernels in kernels/.
+// Every pointer passed to an op is device memory of this backend (host memory
+// for the CPU backend). Ops are asynchronous on the backend's main stream;
+// Synchronize() waits. Ops do not validate shapes: callers (runtime, policies)
+// do, and a violated contract is a bug (CHECK), not a Status.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/status.h"
+// The ShadowKV ops take the kernels' argument structs (plain structs of
+// pointers and sizes); these headers need only the CUDA runtime API headers.
+#include "kernels/lowrank.cuh"
+#include "kernels/shadowkv_decode.cuh"
+#include "kernels/shadowkv_prefill.cuh"
+#include "kernels/topk.cuh"
+
+namespace penumbra {
+
+// An owning allocation on a backend's device (or pinned host memory).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(void* p, size_t bytes, void (*free_fn)(void*)) : p_(p), bytes_(bytes), free_(free_fn) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      p_ = o.p_;
+      bytes_ = o.bytes_;
+      free_ = o.free_;
+      o.p_ = nullptr;
+      o.bytes_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Reset(); }
+  void Reset() {
+    if (p_ && free_) free_(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  void* get() const { return p_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p_); }
+  size_t bytes() const { return bytes_; }
+  explicit operator bool() const { return p_ != nullptr; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+  void (*free_)(void*) = nullptr;
+};
+
+// A linear layer's weight: row-major [out, in] of `dtype`, optional bias [out].
+struct LinearWeight {
+  const void* w = nullptr;
+  const void* bias = nullptr;
+  DType dtype = DType::kF32;
+  int out = 0, in = 0;
+};
+
+struct RopeStoreOp {
+  const float* qkv = nullptr;          // [n, (hq + 2*hkv) * d]
+  const int32_t* positions = nullptr;  // [n]
+  const float* inv_freq = nullptr;     // [d/2]
+  int n = 0, hq = 0, hkv = 0, d = 0;
+  void* q_out = nullptr;               // [n, hq, d] of act dtype
+  void* const* k_dst = nullptr;        // [n] slot address of KV head 0, per token
+  void* const* v_dst = nullptr;
+  int64_t head_stride = 0;             // elements
+  float* pre_rope_k_out = nullptr;     // optional [n, hkv, d] f32
+};
+
+struct PrefillAttentionOp {
+  const void* q = nullptr;             // [nq, hq, d]
+  const void* k = nullptr;             // [hkv][head_stride]
+  const void* v = nullptr;
+  void* out = nullptr;                 // [nq, hq, d]
+  int64_t head_stride = 0;
+  int q_start = 0, nq = 0, hq = 0, hkv = 0, d = 0;
+  float scale = 1.0f;
+};
+
+struct DecodeAttentionOp {
+  const void* q = nullptr;             // [batch, hq, d]
+  const void* const* k = nullptr;      // [batch] per-sequence bases
+  const void* const* v = nullptr;
+  const int32_t* lengths = nullptr;    // [batch]
+  void* out = nullptr;                 // [batch, hq, d]
+  int64_t head_stride = 0;
+  int batch = 0, hq = 0, hkv = 0, d = 0;
+  int max_length = 0;
+  float scale = 1.0f;
+};
+
+struct SampleParams {
+  float temperature = 0.0f;  // <= 0: greedy
+  int top_k = 0;
+  float top_p = 1.0f;
+  float uniform = 0.0f;
+};
+
+// MemAvailable from /proc/meminfo (0 when unknown).
+size_t HostMemAvailableBytes();
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual Device device() const = 0;
+  // dtype of weights, GEMM inputs, attention inputs/outputs and the KV cache.
+  virtual DType act_dtype() const = 0;
+  virtual std::string name() const = 0;  // "cpu" or e.g. "cuda:0 NVIDIA H100 80GB HBM3"
+
+  // ---- memory ----
+  virtual Result<DeviceBuffer> Allocate(size_t bytes) = 0;
+  // Host memory the device can read directly (pinned and mapped on CUDA).
+  virtual Result<DeviceBuffer> AllocateHost(size_t bytes) = 0;
+  // The device address of host memory from AllocateHost (identity on CPU).
+  virtual const void* DeviceAddressOfHost(const void* host) const = 0;
+  virtual Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
+  virtual Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
+  virtual Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) = 0;
+  virtual Status Memset(void* dst, int value, size_t bytes) = 0;
+  virtual Status Synchronize() = 0;
+  // Bytes of device memory free now (SIZE_MAX semantics: host RAM on CPU).
+  virtual size_t FreeMemoryBytes() const = 0;
+
+  // ---- ops ----
+  // out[i] = f32(table[ids[i]]); table [vocab, dim] of `table_dtype`.
+  virtual void Embedding(const void* table, DType table_dtype, const int32_t* ids, int n, int dim,
+                         float* out) = 0;
+  // out (act dtype or f32 when out_f32) = rmsnorm(x) * w.
+  virtual void RmsNorm(const float* x, const void* w, DType w_dtype, int n, int dim, float eps, void* out,
+                       bool out_f32 = false) = 0;
+  // y[n, out] = x[n, in] (act dtype) * W^T (+ y when accumulate) (+ bias).
+  virtual void Linear(const void* x, const LinearWeight& w, int n, float* y, bool accumulate) = 0;
+  virtual void RopeStore(const RopeStoreOp& op) = 0;
+  virtual void SwiGLU(const float* gate_up, int n, int F, void* out) = 0;
+  virtual void PrefillAttention(const PrefillAttentionOp& op) = 0;
+  virtual void DecodeAttention(const DecodeAttentionOp& op) = 0;
+  // Picks one token per row of logits [rows, vocab]; out_host receives the ids.
+  virtual Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
+                        int32_t* out_host) = 0;
+  // Converts n elements between dtypes on the device.
+  virtual void Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) = 0;
+  // Fills n elements of `dtype` with values drawn from N(0, std) (benchmarks' random weights).
+  virtual void FillRandomNormal(void* dst, DType dtype, int64_t n, float std, uint64_t seed) = 0;
+  // 2-D copy (cudaMemcpy2D semantics; kind inferred from the pointers' owners).
+  virtual Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height) = 0;
+
+  // ---- ShadowKV ops (kernels/shadowkv_*.cuh, lowrank.cuh, topk.cuh; dtype
+  // fields of the args are filled in by the backend from act_dtype()) ----
+  virtual Status LowRankFactor(kernels::LowRankArgs args) = 0;
+  virtual void ProjectKeys(kernels::ProjectKeysArgs args) = 0;
+  virtual void ChunkLandmarks(kernels::ChunkLandmarksArgs args) = 0;
+  virtual void SelectOutlierChunks(const kernels::SelectOutliersArgs& args) = 0;
+  virtual void GatherOutliers(kernels::GatherOutliersArgs args) = 0;
+  virtual void ShadowkvScore(kernels::ShadowkvScoreArgs args) = 0;
+  virtual void TopK(const kernels::TopKArgs& args) = 0;
+  virtual void ShadowkvSlotUpdate(const kernels::ShadowkvSlotUpdateArgs& args) = 0;
+  virtual void ShadowkvRebuildK(kernels::ShadowkvRebuildKArgs args) = 0;
+  // On the side stream when forked (V fetch overlaps the K rebuild).
+  virtual void ShadowkvFetchV(kernels::ShadowkvFetchVArgs args, bool staged) = 0;
+  // Work issued between ForkSide() and JoinSide() by ops marked "side" runs
+  // on a second stream that starts after all prior main-stream work; JoinSide
+  // makes the main stream wait for it. No-ops on the CPU.
+  virtual void ForkSide() = 0;
+  virtual void JoinSide() = 0;
+  // Host memory available for pinned allocations (MemAvailable).
+  virtual size_t FreeHostBytes() const { return HostMemAvailableBytes(); }
+};
+
+struct BackendOptions {
+  std::string device = "auto";  // "cpu", "cuda", or "auto" (cuda when a GPU is present). Default: auto.
+  std::string dtype = "auto";   // CUDA compute dtype: "bf16", "f32", or "auto" (bf16). Default: auto.
+  int cuda_device = 0;          // Default: 0.
+  int cpu_threads = 0;          // 0 = all cores. Default: 0.
+};
+
+// Creates the backend named by options; InvalidArgument/Unavailable with a
+// clear message when e.g. CUDA is asked for and no GPU is present.
+Result<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options);
+Result<std::unique_ptr<Backend>> CreateCpuBackend(const BackendOptions& options);
+// Defined only when built with CUDA.
+Result<std::unique_ptr<Backend>> CreateCudaBackend(const BackendOptions& options);
+bool CudaBackendCompiled();
+bool CudaDevicePresent();
+
+}  // namespace penumbra

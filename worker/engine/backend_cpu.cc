@@ -1,0 +1,350 @@
+// CpuBackend: f32 everywhere; GEMMs through OpenBLAS, other ops through the
+// CPU references in kernels/cpu (the reference every CUDA kernel is checked
+// against).
+#include <cblas.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "kernels/cpu/lowrank.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/shadowkv_decode.h"
+#include "kernels/cpu/shadowkv_prefill.h"
+#include "worker/engine/backend.h"
+
+namespace penumbra {
+namespace {
+
+namespace kc = kernels::cpu;
+
+void FreeHost(void* p) { std::free(p); }
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const BackendOptions& o) : threads_(o.cpu_threads) {
+    if (threads_ > 0) openblas_set_num_threads(threads_);
+  }
+
+  Device device() const override { return Device::kCPU; }
+  DType act_dtype() const override { return DType::kF32; }
+  std::string name() const override { return "cpu"; }
+
+  Result<DeviceBuffer> Allocate(size_t bytes) override {
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, bytes == 0 ? 64 : bytes) != 0) {
+      return Status::ResourceExhausted("cpu: cannot allocate " + std::to_string(bytes) + " bytes");
+    }
+    return DeviceBuffer(p, bytes, &FreeHost);
+  }
+  Result<DeviceBuffer> AllocateHost(size_t bytes) override { return Allocate(bytes); }
+  const void* DeviceAddressOfHost(const void* host) const override { return host; }
+  Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return Status::OK();
+  }
+  Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return Status::OK();
+  }
+  Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
+    std::memmove(dst, src, bytes);
+    return Status::OK();
+  }
+  Status Memset(void* dst, int value, size_t bytes) override {
+    std::memset(dst, value, bytes);
+    return Status::OK();
+  }
+  Status Synchronize() override { return Status::OK(); }
+  size_t FreeMemoryBytes() const override {
+    long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
+  }
+
+  void Embedding(const void* table, DType table_dtype, const int32_t* ids, int n, int dim, float* out) override {
+    CHECK(table_dtype == DType::kF32) << "cpu backend keeps tables in f32";
+    kc::Embedding(static_cast<const float*>(table), ids, n, dim, out);
+  }
+  void RmsNorm(const float* x, const void* w, DType w_dtype, int n, int dim, float eps, void* out,
+               bool /*out_f32*/) override {
+    CHECK(w_dtype == DType::kF32);
+    kc::RmsNorm(x, static_cast<const float*>(w), n, dim, eps, static_cast<float*>(out));
+  }
+  void Linear(const void* x, const LinearWeight& w, int n, float* y, bool accumulate) override {
+    CHECK(w.dtype == DType::kF32);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, w.out, w.in, 1.0f, static_cast<const float*>(x), w.in,
+                static_cast<const float*>(w.w), w.in, accumulate ? 1.0f : 0.0f, y, w.out);
+    if (w.bias) kc::AddBias(y, static_cast<const float*>(w.bias), n, w.out);
+  }
+  void RopeStore(const RopeStoreOp& op) override {
+    kc::RopeStoreArgs a;
+    a.qkv = op.qkv;
+    a.positions = op.positions;
+    a.inv_freq = op.inv_freq;
+    a.n = op.n;
+    a.hq = op.hq;
+    a.hkv = op.hkv;
+    a.d = op.d;
+    a.q_out = static_cast<float*>(op.q_out);
+    a.k_dst = reinterpret_cast<float* const*>(op.k_dst);
+    a.v_dst = reinterpret_cast<float* const*>(op.v_dst);
+    a.head_stride = op.head_stride;
+    a.pre_rope_k_out = op.pre_rope_k_out;
+    kc::RopeStore(a);
+  }
+  void SwiGLU(const float* gate_up, int n, int F, void* out) override {
+    kc::SwiGLU(gate_up, n, F, static_cast<float*>(out));
+  }
+  void PrefillAttention(const PrefillAttentionOp& op) override {
+    kc::PrefillAttentionArgs a;
+    a.q = static_cast<const float*>(op.q);
+    a.k = static_cast<const float*>(op.k);
+    a.v = static_cast<const float*>(op.v);
+    a.out = static_cast<float*>(op.out);
+    a.head_stride = op.head_stride;
+    a.q_start = op.q_start;
+    a.nq = op.nq;
+    a.hq = op.hq;
+    a.hkv = op.hkv;
+    a.d = op.d;
+    a.scale = op.scale;
+    kc::PrefillAttention(a);
+  }
+  void DecodeAttention(const DecodeAttentionOp& op) override {
+    kc::DecodeAttentionArgs a;
+    a.q = static_cast<const float*>(op.q);
+    a.k = reinterpret_cast<const float* const*>(op.k);
+    a.v = reinterpret_cast<const float* const*>(op.v);
+    a.lengths = op.lengths;
+    a.out = static_cast<float*>(op.out);
+    a.head_stride = op.head_stride;
+    a.batch = op.batch;
+    a.hq = op.hq;
+    a.hkv = op.hkv;
+    a.d = op.d;
+    a.scale = op.scale;
+    kc::DecodeAttention(a);
+  }
+  Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
+                int32_t* out_host) override {
+    for (int r = 0; r < rows; ++r) {
+      kc::SamplingRow p{params[r].temperature, params[r].top_k, params[r].top_p, params[r].uniform};
+      out_host[r] = kc::Sample(logits + static_cast<int64_t>(r) * vocab, vocab, p);
+    }
+    return Status::OK();
+  }
+  void Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) override {
+    CHECK(dst_dtype == DType::kF32 || src_dtype == DType::kF32);
+    if (dst_dtype == DType::kF32) {
+      ConvertToF32(src, src_dtype, static_cast<float*>(dst), static_cast<size_t>(n));
+    } else {
+      ConvertFromF32(static_cast<const float*>(src), dst, dst_dtype, static_cast<size_t>(n));
+    }
+  }
+  void FillRandomNormal(void* dst, DType dtype, int64_t n, float std, uint64_t seed) override {
+    CHECK(dtype == DType::kF32);
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> dist(0.0f, std);
+    float* p = static_cast<float*>(dst);
+    for (int64_t i = 0; i < n; ++i) p[i] = dist(rng);
+  }
+
+  Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height) override {
+    for (size_t r = 0; r < height; ++r) {
+      std::memmove(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
+    }
+    return Status::OK();
+  }
+
+  Status LowRankFactor(kernels::LowRankArgs a) override {
+    kc::LowRankArgs c;
+    c.keys = static_cast<const float*>(a.keys);
+    c.S = a.S;
+    c.hkv = a.hkv;
+    c.d = a.d;
+    c.rank = a.rank;
+    c.a_out = static_cast<float*>(a.a_out);
+    c.b_out = static_cast<float*>(a.b_out);
+    c.proj_out = a.proj_out;
+    c.sigma_out = a.sigma_out;
+    return kc::LowRankFactor(c);
+  }
+  void ProjectKeys(kernels::ProjectKeysArgs a) override {
+    const int64_t stride = a.a_row_stride ? a.a_row_stride : a.rank;
+    std::vector<float> tmp(static_cast<size_t>(a.n) * a.rank);
+    kc::ProjectKeys(static_cast<const float*>(a.keys), a.n, a.D, a.rank, a.proj, tmp.data());
+    for (int i = 0; i < a.n; ++i) {
+      std::memcpy(static_cast<float*>(a.a_out) + i * stride, tmp.data() + static_cast<size_t>(i) * a.rank,
+                  sizeof(float) * a.rank);
+    }
+  }
+  void ChunkLandmarks(kernels::ChunkLandmarksArgs a) override {
+    kc::ChunkLandmarksArgs c;
+    c.k = static_cast<const float*>(a.k);
+    c.k_head_stride = a.k_head_stride;
+    c.first_token = a.first_token;
+    c.n_chunks = a.n_chunks;
+    c.chunk_tokens = a.chunk_tokens;
+    c.hkv = a.hkv;
+    c.d = a.d;
+    c.landmarks = static_cast<float*>(a.landmarks);
+    c.landmark_head_stride = a.landmark_head_stride;
+    c.min_cos = a.min_cos;
+    c.min_cos_head_stride = a.min_cos_head_stride;
+    kc::ChunkLandmarks(c);
+  }
+  void SelectOutlierChunks(const kernels::SelectOutliersArgs& a) override {
+    kc::SelectOutlierChunks(a.min_cos, a.min_cos_head_stride, a.hkv, a.n_chunks, a.num_outliers, a.out);
+  }
+  void GatherOutliers(kernels::GatherOutliersArgs a) override {
+    kc::GatherOutliersArgs c;
+    c.k = static_cast<const float*>(a.k);
+    c.v = static_cast<const float*>(a.v);
+    c.kv_head_stride = a.kv_head_stride;
+    c.first_token = a.first_token;
+    c.chunk_tokens = a.chunk_tokens;
+    c.hkv = a.hkv;
+    c.d = a.d;
+    c.n_chunks = a.n_chunks;
+    c.outliers = a.outliers;
+    c.num_outliers = a.num_outliers;
+    c.att_k = static_cast<float*>(a.att_k);
+    c.att_v = static_cast<float*>(a.att_v);
+    c.att_head_stride = a.att_head_stride;
+    c.excluded = a.excluded;
+    c.mask_head_stride = a.mask_head_stride;
+    kc::GatherOutliers(c);
+  }
+  void ShadowkvScore(kernels::ShadowkvScoreArgs a) override {
+    kc::ShadowkvScoreArgs c;
+    c.q = static_cast<const float*>(a.q);
+    c.landmarks = reinterpret_cast<const float* const*>(a.landmarks);
+    c.excluded = a.excluded;
+    c.n_chunks = a.n_chunks;
+    c.batch = a.batch;
+    c.hq = a.hq;
+    c.hkv = a.hkv;
+    c.d = a.d;
+    c.chunk_cap = a.chunk_cap;
+    c.max_chunks = a.max_chunks;
+    c.scale = a.scale;
+    c.scores = a.scores;
+    c.score_stride = a.score_stride;
+    kc::ShadowkvScore(c);
+  }
+  void TopK(const kernels::TopKArgs& a) override {
+    kc::TopKArgs c;
+    c.values = a.values;
+    c.stride = a.stride;
+    c.rows = a.rows;
+    c.counts = a.counts;
+    c.rows_per_count = a.rows_per_count;
+    c.uniform_count = a.uniform_count;
+    c.k = a.k;
+    c.smallest = a.smallest;
+    c.out = a.out;
+    c.out_stride = a.out_stride;
+    kc::TopK(c);
+  }
+  void ShadowkvSlotUpdate(const kernels::ShadowkvSlotUpdateArgs& a) override {
+    kc::ShadowkvSlotUpdateArgs c;
+    c.selection = a.selection;
+    c.selection_stride = a.selection_stride;
+    c.slot_maps = a.slot_maps;
+    c.miss_count = a.miss_count;
+    c.miss_slot = a.miss_slot;
+    c.miss_chunk = a.miss_chunk;
+    c.batch = a.batch;
+    c.hkv = a.hkv;
+    c.kslots = a.kslots;
+    c.chunk_cap = a.chunk_cap;
+    c.force_keep = a.force_keep;
+    kc::ShadowkvSlotUpdate(c);
+  }
+  void ShadowkvRebuildK(kernels::ShadowkvRebuildKArgs a) override {
+    kc::ShadowkvRebuildKArgs c;
+    c.a = reinterpret_cast<const float* const*>(a.a);
+    c.b = reinterpret_cast<const float* const*>(a.b);
+    c.position_offset = a.position_offset;
+    c.inv_freq = a.inv_freq;
+    c.miss_count = a.miss_count;
+    c.miss_slot = a.miss_slot;
+    c.miss_chunk = a.miss_chunk;
+    c.miss_stride = a.miss_stride;
+    c.att_k = reinterpret_cast<float* const*>(a.att_k);
+    c.att_head_stride = a.att_head_stride;
+    c.outlier_rows = a.outlier_rows;
+    c.batch = a.batch;
+    c.hkv = a.hkv;
+    c.d = a.d;
+    c.r = a.r;
+    c.chunk_size = a.chunk_size;
+    kc::ShadowkvRebuildK(c);
+  }
+  void ShadowkvFetchV(kernels::ShadowkvFetchVArgs a, bool /*staged*/) override {
+    kc::ShadowkvFetchVArgs c;
+    c.value_store = reinterpret_cast<const float* const*>(a.value_store);
+    c.chunk_cap = a.chunk_cap;
+    c.staging = static_cast<const float*>(a.staging);
+    c.staging_offsets = a.staging_offsets;
+    c.miss_count = a.miss_count;
+    c.miss_slot = a.miss_slot;
+    c.miss_chunk = a.miss_chunk;
+    c.miss_stride = a.miss_stride;
+    c.att_v = reinterpret_cast<float* const*>(a.att_v);
+    c.att_head_stride = a.att_head_stride;
+    c.outlier_rows = a.outlier_rows;
+    c.batch = a.batch;
+    c.hkv = a.hkv;
+    c.d = a.d;
+    c.chunk_size = a.chunk_size;
+    kc::ShadowkvFetchV(c);
+  }
+  void ForkSide() override {}
+  void JoinSide() override {}
+
+ private:
+  int threads_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> CreateCpuBackend(const BackendOptions& options) {
+  if (options.dtype != "auto" && options.dtype != "f32") {
+    return Status::InvalidArgument("the cpu backend computes in f32; --dtype " + options.dtype +
+                                   " is only available with --device cuda");
+  }
+  return std::unique_ptr<Backend>(new CpuBackend(options));
+}
+
+Result<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options) {
+  if (options.device == "cpu") return CreateCpuBackend(options);
+  if (options.device == "cuda" || options.device == "auto") {
+    if (CudaBackendCompiled() && CudaDevicePresent()) return CreateCudaBackend(options);
+    if (options.device == "cuda") {
+      return Status::Unavailable(CudaBackendCompiled() ? "--device cuda: no CUDA device is present"
+                                                       : "--device cuda: this build has no CUDA backend");
+    }
+    return CreateCpuBackend(options);
+  }
+  return Status::InvalidArgument("unknown device '" + options.device + "' (expected cpu, cuda or auto)");
+}
+
+}  // namespace penumbra
+
+namespace penumbra {
+size_t HostMemAvailableBytes() {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  size_t kb = 0;
+  while (std::fgets(line, sizeof(line), f)) {
+    if (std::sscanf(line, "MemAvailable: %zu kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb * 1024;
+}
+}  // namespace penumbra

@@ -1,0 +1,365 @@
+// CudaBackend: bf16 (default) or f32 weights, activations and KV cache; f32
+// residual stream and GEMM outputs. GEMMs through cuBLAS (f32 accumulation,
+// TF32 off in f32 mode so results track the CPU reference), everything else
+// through the kernels in kernels/. All work is issued on one stream.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/add_bias.cuh"
+#include <cusolverDn.h>
+#include "kernels/attention_decode.cuh"
+#include "kernels/attention_prefill.cuh"
+#include "kernels/convert.cuh"
+#include "kernels/cuda_check.h"
+#include "kernels/embedding.cuh"
+#include "kernels/fill_random.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/rope_store.cuh"
+#include "kernels/sample.cuh"
+#include "kernels/swiglu.cuh"
+#include "worker/engine/backend.h"
+
+namespace penumbra {
+namespace {
+
+namespace kn = kernels;
+
+void FreeDevice(void* p) { cudaFree(p); }
+void FreeHostPinned(void* p) { cudaFreeHost(p); }
+
+const char* CublasName(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "success";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "not initialized";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "alloc failed";
+    case CUBLAS_STATUS_INVALID_VALUE: return "invalid value";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "arch mismatch";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "execution failed";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "not supported";
+    default: return "error";
+  }
+}
+
+cudaDataType_t CudaType(DType t) {
+  switch (t) {
+    case DType::kF32: return CUDA_R_32F;
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF16: return CUDA_R_16F;
+    default: LOG(FATAL) << "no cuBLAS type for " << DTypeName(t);
+  }
+  return CUDA_R_32F;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, DType act) : device_(device), act_(act) {}
+  ~CudaBackend() override {
+    if (solver_) cusolverDnDestroy(solver_);
+    if (cublas_) cublasDestroy(cublas_);
+    if (side_) cudaStreamDestroy(side_);
+    if (fork_ev_) cudaEventDestroy(fork_ev_);
+    if (join_ev_) cudaEventDestroy(join_ev_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status Init() {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    cublasStatus_t s = cublasCreate(&cublas_);
+    if (s != CUBLAS_STATUS_SUCCESS) return Status::Internal(std::string("cublasCreate: ") + CublasName(s));
+    cublasSetStream(cublas_, stream_);
+    if (cusolverDnCreate(&solver_) != CUSOLVER_STATUS_SUCCESS) return Status::Internal("cusolverDnCreate failed");
+    cusolverDnSetStream(solver_, stream_);
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&join_ev_, cudaEventDisableTiming));
+    cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH);  // no TF32: f32 mode must track the CPU reference
+    cudaDeviceProp prop{};
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
+    name_ = "cuda:" + std::to_string(device_) + " " + prop.name;
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaMalloc(&sample_params_, sizeof(kn::SamplingRow) * kMaxSampleRows));
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaMalloc(&sample_out_, sizeof(int32_t) * kMaxSampleRows));
+    return Status::OK();
+  }
+
+  Device device() const override { return Device::kCUDA; }
+  DType act_dtype() const override { return act_; }
+  std::string name() const override { return name_; }
+
+  Result<DeviceBuffer> Allocate(size_t bytes) override {
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, bytes == 0 ? 256 : bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::ResourceExhausted("cuda: cannot allocate " + std::to_string(bytes) + " bytes of GPU memory (" +
+                                       cudaGetErrorString(e) + ")");
+    }
+    return DeviceBuffer(p, bytes, &FreeDevice);
+  }
+  Result<DeviceBuffer> AllocateHost(size_t bytes) override {
+    void* p = nullptr;
+    cudaError_t e = cudaHostAlloc(&p, bytes == 0 ? 256 : bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::ResourceExhausted("cuda: cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory (" +
+                                       cudaGetErrorString(e) + ")");
+    }
+    return DeviceBuffer(p, bytes, &FreeHostPinned);
+  }
+  const void* DeviceAddressOfHost(const void* host) const override {
+    void* d = nullptr;
+    PENUMBRA_CUDA_CHECK(cudaHostGetDevicePointer(&d, const_cast<void*>(host), 0));
+    return d;
+  }
+  Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    return Status::OK();
+  }
+  Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return Status::OK();
+  }
+  Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    return Status::OK();
+  }
+  Status Memset(void* dst, int value, size_t bytes) override {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, value, bytes, stream_));
+    return Status::OK();
+  }
+  Status Synchronize() override {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return Status::OK();
+  }
+  size_t FreeMemoryBytes() const override {
+    size_t free_b = 0, total = 0;
+    if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) return 0;
+    return free_b;
+  }
+
+  void Embedding(const void* table, DType table_dtype, const int32_t* ids, int n, int dim, float* out) override {
+    kn::LaunchEmbedding(table, table_dtype, ids, n, dim, out, stream_);
+  }
+  void RmsNorm(const float* x, const void* w, DType w_dtype, int n, int dim, float eps, void* out,
+               bool out_f32) override {
+    kn::LaunchRmsNorm(x, w, w_dtype, n, dim, eps, out, out_f32 ? DType::kF32 : act_, stream_);
+  }
+  void Linear(const void* x, const LinearWeight& w, int n, float* y, bool accumulate) override {
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    // Row-major y[n,out] = x[n,in] W[out,in]^T is column-major y^T = W^T' x^T'.
+    cublasStatus_t s = cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, w.out, n, w.in, &alpha, w.w, CudaType(w.dtype),
+                                    w.in, x, CudaType(w.dtype), w.in, &beta, y, CUDA_R_32F, w.out,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasGemmEx: " << CublasName(s);
+    if (w.bias) kn::LaunchAddBias(y, w.bias, w.dtype, n, w.out, stream_);
+  }
+  void RopeStore(const RopeStoreOp& op) override {
+    kn::RopeStoreArgs a;
+    a.qkv = op.qkv;
+    a.positions = op.positions;
+    a.inv_freq = op.inv_freq;
+    a.n = op.n;
+    a.hq = op.hq;
+    a.hkv = op.hkv;
+    a.d = op.d;
+    a.q_out = op.q_out;
+    a.q_dtype = act_;
+    a.k_dst = op.k_dst;
+    a.v_dst = op.v_dst;
+    a.head_stride = op.head_stride;
+    a.kv_dtype = act_;
+    a.pre_rope_k_out = op.pre_rope_k_out;
+    kn::LaunchRopeStore(a, stream_);
+  }
+  void SwiGLU(const float* gate_up, int n, int F, void* out) override {
+    kn::LaunchSwiGLU(gate_up, n, F, out, act_, stream_);
+  }
+  void PrefillAttention(const PrefillAttentionOp& op) override {
+    kn::PrefillAttentionArgs a;
+    a.q = op.q;
+    a.k = op.k;
+    a.v = op.v;
+    a.out = op.out;
+    a.dtype = act_;
+    a.head_stride = op.head_stride;
+    a.q_start = op.q_start;
+    a.nq = op.nq;
+    a.hq = op.hq;
+    a.hkv = op.hkv;
+    a.d = op.d;
+    a.scale = op.scale;
+    kn::LaunchPrefillAttention(a, stream_);
+  }
+  void DecodeAttention(const DecodeAttentionOp& op) override {
+    const size_t need = kn::DecodeAttentionWorkspaceBytes(op.batch, op.hq, op.d, op.max_length);
+    if (need > decode_ws_.bytes()) {
+      PENUMBRA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      auto buf = Allocate(need);
+      CHECK(buf.ok()) << buf.status();
+      decode_ws_ = std::move(buf).value();
+    }
+    kn::DecodeAttentionArgs a;
+    a.q = op.q;
+    a.k = op.k;
+    a.v = op.v;
+    a.lengths = op.lengths;
+    a.out = op.out;
+    a.dtype = act_;
+    a.head_stride = op.head_stride;
+    a.batch = op.batch;
+    a.hq = op.hq;
+    a.hkv = op.hkv;
+    a.d = op.d;
+    a.max_length = op.max_length;
+    a.scale = op.scale;
+    a.workspace = decode_ws_.get();
+    a.workspace_bytes = decode_ws_.bytes();
+    kn::LaunchDecodeAttention(a, stream_);
+  }
+  Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
+                int32_t* out_host) override {
+    for (int r0 = 0; r0 < rows; r0 += kMaxSampleRows) {
+      const int nr = std::min(kMaxSampleRows, rows - r0);
+      std::vector<kn::SamplingRow> p(nr);
+      for (int i = 0; i < nr; ++i) {
+        const SampleParams& s = params[r0 + i];
+        p[i] = {s.temperature, s.top_k, s.top_p, s.uniform};
+      }
+      PENUMBRA_RETURN_IF_ERROR(CopyToDevice(sample_params_, p.data(), sizeof(kn::SamplingRow) * nr));
+      kn::LaunchSample(logits + static_cast<int64_t>(r0) * vocab, nr, vocab,
+                       static_cast<const kn::SamplingRow*>(sample_params_), static_cast<int32_t*>(sample_out_),
+                       stream_);
+      PENUMBRA_RETURN_IF_ERROR(CopyToHost(out_host + r0, sample_out_, sizeof(int32_t) * nr));
+    }
+    return Status::OK();
+  }
+  void Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) override {
+    kn::LaunchConvert(src, src_dtype, dst, dst_dtype, n, stream_);
+  }
+  void FillRandomNormal(void* dst, DType dtype, int64_t n, float std, uint64_t seed) override {
+    kn::LaunchFillRandomNormal(dst, dtype, n, std, seed, stream_);
+  }
+
+  Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height) override {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault, stream_));
+    return Status::OK();
+  }
+
+  Status LowRankFactor(kn::LowRankArgs a) override {
+    a.key_dtype = DType::kF32;
+    a.factor_dtype = act_;
+    PENUMBRA_ASSIGN_OR_RETURN(size_t need, kn::LowRankWorkspaceBytes(solver_, a.S, a.hkv * a.d, a.rank));
+    if (need > lowrank_ws_.bytes()) {
+      PENUMBRA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+      PENUMBRA_ASSIGN_OR_RETURN(lowrank_ws_, Allocate(need));
+    }
+    a.workspace = lowrank_ws_.get();
+    a.workspace_bytes = lowrank_ws_.bytes();
+    return kn::LowRankFactor(a, cublas_, solver_, stream_);
+  }
+  void ProjectKeys(kn::ProjectKeysArgs a) override {
+    a.key_dtype = DType::kF32;
+    a.out_dtype = act_;
+    kn::LaunchProjectKeys(a, stream_);
+  }
+  void ChunkLandmarks(kn::ChunkLandmarksArgs a) override {
+    a.kv_dtype = act_;
+    a.landmark_dtype = act_;
+    kn::LaunchChunkLandmarks(a, stream_);
+  }
+  void SelectOutlierChunks(const kn::SelectOutliersArgs& a) override { kn::LaunchSelectOutlierChunks(a, stream_); }
+  void GatherOutliers(kn::GatherOutliersArgs a) override {
+    a.kv_dtype = act_;
+    kn::LaunchGatherOutliers(a, stream_);
+  }
+  void ShadowkvScore(kn::ShadowkvScoreArgs a) override {
+    a.q_dtype = act_;
+    a.dtype = act_;
+    const size_t need = kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks);
+    if (need > score_ws_.bytes()) {
+      PENUMBRA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      auto buf = Allocate(need);
+      CHECK(buf.ok()) << buf.status();
+      score_ws_ = std::move(buf).value();
+    }
+    a.workspace = score_ws_.get();
+    a.workspace_bytes = score_ws_.bytes();
+    kn::LaunchShadowkvScore(a, stream_);
+  }
+  void TopK(const kn::TopKArgs& a) override { kn::LaunchTopK(a, stream_); }
+  void ShadowkvSlotUpdate(const kn::ShadowkvSlotUpdateArgs& a) override { kn::LaunchShadowkvSlotUpdate(a, stream_); }
+  void ShadowkvRebuildK(kn::ShadowkvRebuildKArgs a) override {
+    a.dtype = act_;
+    kn::LaunchShadowkvRebuildK(a, stream_);
+  }
+  void ShadowkvFetchV(kn::ShadowkvFetchVArgs a, bool staged) override {
+    a.dtype = act_;
+    cudaStream_t s = forked_ ? side_ : stream_;
+    if (staged) {
+      kn::LaunchShadowkvScatterV(a, s);
+    } else {
+      kn::LaunchShadowkvFetchV(a, s);
+    }
+  }
+  void ForkSide() override {
+    PENUMBRA_CUDA_CHECK(cudaEventRecord(fork_ev_, stream_));
+    PENUMBRA_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_ev_, 0));
+    forked_ = true;
+  }
+  void JoinSide() override {
+    PENUMBRA_CUDA_CHECK(cudaEventRecord(join_ev_, side_));
+    PENUMBRA_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_ev_, 0));
+    forked_ = false;
+  }
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  DeviceBuffer lowrank_ws_, score_ws_;
+  cusolverDnHandle_t solver_ = nullptr;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ev_ = nullptr, join_ev_ = nullptr;
+  bool forked_ = false;
+  static constexpr int kMaxSampleRows = 1024;
+  int device_;
+  DType act_;
+  std::string name_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  void* sample_params_ = nullptr;
+  void* sample_out_ = nullptr;
+  DeviceBuffer decode_ws_;
+};
+
+}  // namespace
+
+bool CudaBackendCompiled() { return true; }
+
+bool CudaDevicePresent() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+Result<std::unique_ptr<Backend>> CreateCudaBackend(const BackendOptions& options) {
+  if (!CudaDevicePresent()) return Status::Unavailable("--device cuda: no CUDA device is present");
+  DType act = DType::kBF16;
+  if (options.dtype == "f32") {
+    act = DType::kF32;
+  } else if (options.dtype != "auto" && options.dtype != "bf16") {
+    return Status::InvalidArgument("unknown dtype '" + options.dtype + "' (expected bf16, f32 or auto)");
+  }
+  auto b = std::make_unique<CudaBackend>(options.cuda_device, act);
+  PENUMBRA_RETURN_IF_ERROR(b->Init());
+  return std::unique_ptr<Backend>(std::move(b));
+}
+
+}  // namespace penumbra

@@ -1,0 +1,216 @@
+// The exact KV cache ("full" attention): each sequence owns one contiguous
+// allocation per K and V laid out [layers][hkv][capacity][d] in act dtype, so
+// head h of layer l is a [capacity, d] matrix the attention kernels stream.
+#include <map>
+
+#include "worker/engine/kv_policy.h"
+
+namespace penumbra {
+namespace {
+
+class FullKvPolicy final : public KvPolicy {
+ public:
+  explicit FullKvPolicy(const PolicyContext& ctx) : ctx_(ctx), esize_(DTypeSize(ctx.backend->act_dtype())) {}
+
+  std::string name() const override { return "full"; }
+
+  Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens) override {
+    if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
+    Seq s;
+    s.capacity = prompt_len + max_new_tokens;
+    const size_t bytes = LayerStride(s) * ctx_.num_layers * esize_;
+    PENUMBRA_ASSIGN_OR_RETURN(s.k, ctx_.backend->Allocate(bytes));
+    PENUMBRA_ASSIGN_OR_RETURN(s.v, ctx_.backend->Allocate(bytes));
+    seqs_.emplace(seq, std::move(s));
+    return Status::OK();
+  }
+
+  void RemoveSequence(int64_t seq) override { seqs_.erase(seq); }
+
+  Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t start, const int32_t* positions,
+                          void* q_scratch, void* out) override {
+    Seq& s = Get(seq);
+    CHECK_LE(start + n, s.capacity);
+    std::vector<void*> ptrs(2 * static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      ptrs[i] = Slot(s.k, s, layer, start + i);
+      ptrs[n + i] = Slot(s.v, s, layer, start + i);
+    }
+    PENUMBRA_RETURN_IF_ERROR(UploadPointers(ptrs));
+    RopeStoreOp r;
+    r.qkv = qkv;
+    r.positions = positions;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = n;
+    r.hq = ctx_.hq;
+    r.hkv = ctx_.hkv;
+    r.d = ctx_.head_dim;
+    r.q_out = q_scratch;
+    r.k_dst = static_cast<void* const*>(ptr_buf_.get());
+    r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
+    r.head_stride = s.capacity * ctx_.head_dim;
+    ctx_.backend->RopeStore(r);
+    PrefillAttentionOp a;
+    a.q = q_scratch;
+    a.k = Slot(s.k, s, layer, 0);
+    a.v = Slot(s.v, s, layer, 0);
+    a.out = out;
+    a.head_stride = s.capacity * ctx_.head_dim;
+    a.q_start = static_cast<int>(start);
+    a.nq = n;
+    a.hq = ctx_.hq;
+    a.hkv = ctx_.hkv;
+    a.d = ctx_.head_dim;
+    a.scale = ctx_.scale;
+    ctx_.backend->PrefillAttention(a);
+    s.length = std::max(s.length, start + n);
+    return Status::OK();
+  }
+
+  Status FinishPrefillLayer(int, int64_t, int64_t) override { return Status::OK(); }
+
+  Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) override {
+    // One upload per step: per layer, the batch's K/V slot pointers (for the
+    // store) and K/V bases (for attention), then the lengths.
+    const size_t B = seqs.size();
+    step_batch_ = static_cast<int>(B);
+    step_max_len_ = 0;
+    step_seqs_.clear();
+    std::vector<void*> ptrs(static_cast<size_t>(ctx_.num_layers) * 4 * B);
+    for (size_t i = 0; i < B; ++i) {
+      Seq& s = Get(seqs[i]);
+      CHECK_LT(positions[i], s.capacity) << "sequence " << seqs[i] << " is full";
+      step_seqs_.push_back(&s);
+      step_max_len_ = std::max<int64_t>(step_max_len_, positions[i] + 1);
+      for (int l = 0; l < ctx_.num_layers; ++l) {
+        void** row = &ptrs[static_cast<size_t>(l) * 4 * B];
+        row[i] = Slot(s.k, s, l, positions[i]);
+        row[B + i] = Slot(s.v, s, l, positions[i]);
+        row[2 * B + i] = Slot(s.k, s, l, 0);
+        row[3 * B + i] = Slot(s.v, s, l, 0);
+      }
+    }
+    // All sequences in one step must share a head stride: use the largest
+    // capacity's layout per sequence via its own base; the kernels take one
+    // head_stride, so the batch is split by capacity in DecodeAttention.
+    std::vector<int32_t> lengths(B);
+    for (size_t i = 0; i < B; ++i) lengths[i] = static_cast<int32_t>(positions[i] + 1);
+    PENUMBRA_RETURN_IF_ERROR(UploadPointers(ptrs, lengths));
+    return Status::OK();
+  }
+
+  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out) override {
+    const int B = step_batch_;
+    void* const* row = static_cast<void* const*>(ptr_buf_.get()) + static_cast<size_t>(layer) * 4 * B;
+    // Sequences of one step may have different capacities (head strides):
+    // run the store and attention once per group of equal capacity.
+    int i = 0;
+    const size_t row_q = static_cast<size_t>(ctx_.hq) * ctx_.head_dim;
+    const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;
+    const auto* lengths = reinterpret_cast<const int32_t*>(static_cast<void* const*>(ptr_buf_.get()) +
+                                                           static_cast<size_t>(ctx_.num_layers) * 4 * B);
+    while (i < B) {
+      int j = i + 1;
+      while (j < B && step_seqs_[j]->capacity == step_seqs_[i]->capacity) ++j;
+      const int nb = j - i;
+      const int64_t stride = step_seqs_[i]->capacity * ctx_.head_dim;
+      RopeStoreOp r;
+      r.qkv = qkv + i * qkv_row;
+      r.positions = positions + i;
+      r.inv_freq = ctx_.inv_freq;
+      r.n = nb;
+      r.hq = ctx_.hq;
+      r.hkv = ctx_.hkv;
+      r.d = ctx_.head_dim;
+      r.q_out = static_cast<char*>(q_scratch) + i * row_q * esize_;
+      r.k_dst = row + i;
+      r.v_dst = row + B + i;
+      r.head_stride = stride;
+      ctx_.backend->RopeStore(r);
+      DecodeAttentionOp a;
+      a.q = r.q_out;
+      a.k = reinterpret_cast<const void* const*>(row + 2 * B + i);
+      a.v = reinterpret_cast<const void* const*>(row + 3 * B + i);
+      a.lengths = lengths + i;
+      a.out = static_cast<char*>(out) + i * row_q * esize_;
+      a.head_stride = stride;
+      a.batch = nb;
+      a.hq = ctx_.hq;
+      a.hkv = ctx_.hkv;
+      a.d = ctx_.head_dim;
+      a.max_length = static_cast<int>(step_max_len_);
+      a.scale = ctx_.scale;
+      ctx_.backend->DecodeAttention(a);
+      i = j;
+    }
+    return Status::OK();
+  }
+
+  Status FinishDecodeStep() override {
+    for (Seq* s : step_seqs_) ++s->length;
+    ++stats_.decode_steps;
+    return Status::OK();
+  }
+
+  Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
+    Seq& s = Get(seq);
+    if (length > s.capacity) return Status::InvalidArgument("synthesized context longer than the sequence's capacity");
+    const int64_t n = LayerStride(s) * ctx_.num_layers;
+    ctx_.backend->FillRandomNormal(s.k.get(), ctx_.backend->act_dtype(), n, 1.0f, seed * 2 + 1);
+    ctx_.backend->FillRandomNormal(s.v.get(), ctx_.backend->act_dtype(), n, 1.0f, seed * 2 + 2);
+    s.length = length;
+    return Status::OK();
+  }
+
+  size_t DeviceBytes(int64_t seq) const override {
+    auto it = seqs_.find(seq);
+    return it == seqs_.end() ? 0 : it->second.k.bytes() + it->second.v.bytes();
+  }
+
+ private:
+  struct Seq {
+    int64_t capacity = 0;
+    int64_t length = 0;
+    DeviceBuffer k, v;
+  };
+
+  Seq& Get(int64_t seq) {
+    auto it = seqs_.find(seq);
+    CHECK(it != seqs_.end()) << "unknown sequence " << seq;
+    return it->second;
+  }
+  int64_t LayerStride(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.capacity * ctx_.head_dim; }
+  void* Slot(const DeviceBuffer& buf, const Seq& s, int layer, int64_t pos) const {
+    return static_cast<char*>(buf.get()) + (layer * LayerStride(s) + pos * ctx_.head_dim) * esize_;
+  }
+
+  // Copies host pointer arrays (and optional int32 tail) into ptr_buf_.
+  Status UploadPointers(const std::vector<void*>& ptrs, const std::vector<int32_t>& tail = {}) {
+    const size_t bytes = ptrs.size() * sizeof(void*) + tail.size() * sizeof(int32_t);
+    if (bytes > ptr_buf_.bytes()) {
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(ptr_buf_, ctx_.backend->Allocate(bytes * 2));
+    }
+    staging_.resize(bytes);
+    std::memcpy(staging_.data(), ptrs.data(), ptrs.size() * sizeof(void*));
+    if (!tail.empty()) std::memcpy(staging_.data() + ptrs.size() * sizeof(void*), tail.data(), tail.size() * 4);
+    // The previous step's kernels may still read ptr_buf_; the copy is on the
+    // same stream, so it is ordered after them.
+    return ctx_.backend->CopyToDevice(ptr_buf_.get(), staging_.data(), bytes);
+  }
+
+  PolicyContext ctx_;
+  size_t esize_;
+  std::map<int64_t, Seq> seqs_;
+  DeviceBuffer ptr_buf_;
+  std::vector<uint8_t> staging_;
+  std::vector<Seq*> step_seqs_;
+  int step_batch_ = 0;
+  int64_t step_max_len_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<KvPolicy> MakeFullKvPolicy(const PolicyContext& ctx) { return std::make_unique<FullKvPolicy>(ctx); }
+
+}  // namespace penumbra

@@ -1,0 +1,87 @@
+// KvPolicy: where a sequence's keys and values live and how attention reads
+// them. The runtime owns the transformer; a policy owns everything from the
+// QKV projection's output to the attention output:
+//   RoPE -> store K/V -> (select) -> attention.
+// Policies: "full" (exact KV cache on the device) and "shadowkv" (low-rank
+// pre-RoPE keys, landmarks, outliers on the device; values in a ValueStore).
+// SpeContext and SpindleKV will plug in here too.
+//
+// Call protocol, per sequence: AddSequence; for each layer in order,
+// PrefillAttention over the prompt's chunks in order, then FinishPrefillLayer;
+// then decode steps: BeginDecodeStep(batch) ; DecodeAttention for each layer ;
+// FinishDecodeStep. RemoveSequence frees everything. Not thread-safe: one
+// runtime thread drives a policy.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "worker/engine/backend.h"
+
+namespace penumbra {
+
+// Model geometry and shared device tables a policy needs.
+struct PolicyContext {
+  Backend* backend = nullptr;
+  int num_layers = 0, hq = 0, hkv = 0, head_dim = 0;
+  const float* inv_freq = nullptr;  // device [head_dim/2]
+  float scale = 1.0f;               // 1/sqrt(head_dim)
+};
+
+struct PolicyStats {
+  int64_t decode_steps = 0;
+  int64_t selected_chunks = 0;  // sparse policies: chunks selected over all steps/layers/heads
+  int64_t hit_chunks = 0;       // ... of which were already on the device
+  std::map<std::string, double> prefill_op_ms;  // when profiling: per-op prefill milliseconds
+  double hit_rate() const { return selected_chunks ? static_cast<double>(hit_chunks) / selected_chunks : 0.0; }
+};
+
+class KvPolicy {
+ public:
+  virtual ~KvPolicy() = default;
+  virtual std::string name() const = 0;
+
+  // Reserves device (and store) memory for a sequence that will hold up to
+  // prompt_len + max_new_tokens tokens. ResourceExhausted leaves nothing behind.
+  virtual Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens) = 0;
+  virtual void RemoveSequence(int64_t seq) = 0;
+
+  // Prefill of tokens [start, start + n) of `seq` at `layer`.
+  //   qkv: [n, (hq + 2*hkv) * d] f32 (bias added); positions: device [n];
+  //   q_scratch: [n, hq*d] act dtype; out: [n, hq*d] act dtype.
+  virtual Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t start,
+                                  const int32_t* positions, void* q_scratch, void* out) = 0;
+  // After the last prefill chunk of `layer` (prompt_len tokens in all).
+  virtual Status FinishPrefillLayer(int layer, int64_t seq, int64_t prompt_len) = 0;
+
+  // Decode: one new token per sequence in `seqs`, the token of seqs[i] at
+  // positions[i] (== the number of tokens the sequence held before it).
+  virtual Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) = 0;
+  //   qkv: [batch, (hq + 2*hkv) * d] f32; q_scratch, out: [batch, hq*d] act dtype.
+  virtual Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch,
+                                 void* out) = 0;
+  virtual Status FinishDecodeStep() = 0;
+
+  // Benchmarks only: leaves `seq` as if a prompt of `length` tokens had been
+  // prefilled, from random keys and values (through the policy's real
+  // compression path where it has one), without running the model.
+  virtual Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) = 0;
+
+  // Device bytes held for `seq` (memory reports).
+  virtual size_t DeviceBytes(int64_t seq) const = 0;
+  virtual PolicyStats stats() const { return stats_; }
+  // Profiling synchronizes after each prefill op to time it (slower).
+  virtual void SetProfiling(bool on) {}
+
+ protected:
+  PolicyStats stats_;
+};
+
+// Exact KV cache: per sequence K and V as [layers][hkv][capacity][d].
+std::unique_ptr<KvPolicy> MakeFullKvPolicy(const PolicyContext& ctx);
+
+}  // namespace penumbra

@@ -1,0 +1,273 @@
+#include "worker/engine/runtime.h"
+
+#include <chrono>
+#include <cmath>
+#include <random>
+
+namespace penumbra {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// A uniform in [0, 1) from 24 random bits: identical on every platform.
+float NextUniform(std::mt19937_64& rng) { return static_cast<float>(rng() >> 40) * (1.0f / 16777216.0f); }
+
+}  // namespace
+
+Result<std::unique_ptr<PolicyContextHolder>> MakePolicyContext(Backend* backend, const ModelConfig& config) {
+  auto h = std::make_unique<PolicyContextHolder>();
+  std::vector<float> inv = config.RopeInvFreq();
+  PENUMBRA_ASSIGN_OR_RETURN(h->inv_freq, backend->Allocate(inv.size() * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(backend->CopyToDevice(h->inv_freq.get(), inv.data(), inv.size() * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(backend->Synchronize());
+  h->ctx.backend = backend;
+  h->ctx.num_layers = config.num_layers;
+  h->ctx.hq = config.num_heads;
+  h->ctx.hkv = config.num_kv_heads;
+  h->ctx.head_dim = config.head_dim;
+  h->ctx.inv_freq = h->inv_freq.as<float>();
+  h->ctx.scale = 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+  return h;
+}
+
+Runtime::Runtime(const RuntimeOptions& o, Backend* b, const ModelWeights* w, std::unique_ptr<KvPolicy> p)
+    : options_(o), backend_(b), weights_(w), policy_(std::move(p)) {}
+
+Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options, Backend* backend,
+                                                 const ModelWeights* weights, std::unique_ptr<KvPolicy> policy) {
+  if (options.prefill_chunk < 1) return Status::InvalidArgument("prefill_chunk must be >= 1");
+  if (options.max_batch < 1) return Status::InvalidArgument("max_batch must be >= 1");
+  std::unique_ptr<Runtime> rt(new Runtime(options, backend, weights, std::move(policy)));
+  PENUMBRA_RETURN_IF_ERROR(rt->AllocateScratch(std::max(options.prefill_chunk, options.max_batch)));
+  return rt;
+}
+
+Status Runtime::AllocateScratch(int rows) {
+  const ModelConfig& c = config();
+  const size_t es = DTypeSize(backend_->act_dtype());
+  const size_t R = static_cast<size_t>(rows);
+  const size_t qd = static_cast<size_t>(c.num_heads) * c.head_dim;
+  const size_t qkvd = static_cast<size_t>(c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+  const size_t batch = static_cast<size_t>(options_.max_batch);
+  PENUMBRA_ASSIGN_OR_RETURN(x_, backend_->Allocate(batch * c.hidden_size * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(h_, backend_->Allocate(R * c.hidden_size * es));
+  PENUMBRA_ASSIGN_OR_RETURN(qkv_, backend_->Allocate(R * qkvd * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(q_, backend_->Allocate(R * qd * es));
+  PENUMBRA_ASSIGN_OR_RETURN(attn_, backend_->Allocate(R * qd * es));
+  PENUMBRA_ASSIGN_OR_RETURN(gu_, backend_->Allocate(R * 2 * c.intermediate_size * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(ffn_, backend_->Allocate(R * c.intermediate_size * es));
+  PENUMBRA_ASSIGN_OR_RETURN(logits_, backend_->Allocate(batch * c.vocab_size * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(ids_, backend_->Allocate(R * sizeof(int32_t)));
+  PENUMBRA_ASSIGN_OR_RETURN(pos_, backend_->Allocate(R * sizeof(int32_t)));
+  scratch_rows_ = rows;
+  return Status::OK();
+}
+
+Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
+  const ModelConfig& c = config();
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const GenerationRequest& q = requests[r];
+    const std::string who = "request " + std::to_string(r) + ": ";
+    if (q.prompt.empty()) return Status::InvalidArgument(who + "the prompt is empty");
+    for (size_t i = 0; i < q.prompt.size(); ++i) {
+      if (q.prompt[i] < 0 || q.prompt[i] >= c.vocab_size) {
+        return Status::InvalidArgument(who + "token id " + std::to_string(q.prompt[i]) + " at prompt position " +
+                                       std::to_string(i) + " is outside the vocabulary [0, " +
+                                       std::to_string(c.vocab_size) + ")");
+      }
+    }
+    if (q.max_new_tokens < 1) return Status::InvalidArgument(who + "max_new_tokens must be >= 1");
+    const int64_t total = static_cast<int64_t>(q.prompt.size()) + q.max_new_tokens;
+    if (total > c.max_position_embeddings) {
+      return Status::InvalidArgument(who + "prompt (" + std::to_string(q.prompt.size()) + " tokens) + max_new_tokens (" +
+                                     std::to_string(q.max_new_tokens) + ") exceeds the model's " +
+                                     std::to_string(c.max_position_embeddings) + "-token context");
+    }
+    if (c.use_sliding_window && c.sliding_window > 0 && total > c.sliding_window) {
+      return Status::InvalidArgument(who + "this model uses sliding-window attention (window " +
+                                     std::to_string(c.sliding_window) +
+                                     ") and sequences longer than the window are not supported yet");
+    }
+    if (q.sampling.temperature > 0 && (q.sampling.top_p <= 0 || q.sampling.top_p > 1)) {
+      return Status::InvalidArgument(who + "top_p must be in (0, 1]");
+    }
+    if (q.sampling.top_k < 0) return Status::InvalidArgument(who + "top_k must be >= 0");
+  }
+  return Status::OK();
+}
+
+Status Runtime::AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens) {
+  return policy_->AddSequence(seq, prompt_len, max_new_tokens);
+}
+
+void Runtime::RemoveSequence(int64_t seq) { policy_->RemoveSequence(seq); }
+
+void Runtime::Mlp(const LayerWeights& L, float* x, int n) {
+  const ModelConfig& c = config();
+  backend_->RmsNorm(x, L.mlp_norm, weights_->dtype(), n, c.hidden_size, static_cast<float>(c.rms_norm_eps), h_.get());
+  backend_->Linear(h_.get(), L.gate_up, n, gu_.as<float>(), false);
+  backend_->SwiGLU(gu_.as<float>(), n, c.intermediate_size, ffn_.get());
+  backend_->Linear(ffn_.get(), L.down, n, x, true);
+}
+
+Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out) {
+  const ModelConfig& c = config();
+  const int64_t S = static_cast<int64_t>(prompt.size());
+  const int H = c.hidden_size;
+  const double t0 = Now();
+  // The whole prompt's hidden states stay on the device across layers.
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer x, backend_->Allocate(static_cast<size_t>(S) * H * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer ids, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer pos, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
+  std::vector<int32_t> positions(S);
+  for (int64_t i = 0; i < S; ++i) positions[i] = static_cast<int32_t>(i);
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(ids.get(), prompt.data(), S * sizeof(int32_t)));
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(pos.get(), positions.data(), S * sizeof(int32_t)));
+  backend_->Embedding(weights_->embed(), weights_->dtype(), ids.as<int32_t>(), static_cast<int>(S), H, x.as<float>());
+  const int chunk = options_.prefill_chunk;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& L = weights_->layers()[l];
+    for (int64_t start = 0; start < S; start += chunk) {
+      const int n = static_cast<int>(std::min<int64_t>(chunk, S - start));
+      float* xs = x.as<float>() + start * H;
+      backend_->RmsNorm(xs, L.attn_norm, weights_->dtype(), n, H, static_cast<float>(c.rms_norm_eps), h_.get());
+      backend_->Linear(h_.get(), L.qkv, n, qkv_.as<float>(), false);
+      PENUMBRA_RETURN_IF_ERROR(policy_->PrefillAttention(l, seq, qkv_.as<float>(), n, start,
+                                                         pos.as<int32_t>() + start, q_.get(), attn_.get()));
+      backend_->Linear(attn_.get(), L.o, n, xs, true);
+      Mlp(L, xs, n);
+    }
+    PENUMBRA_RETURN_IF_ERROR(policy_->FinishPrefillLayer(l, seq, S));
+  }
+  backend_->RmsNorm(x.as<float>() + (S - 1) * H, weights_->final_norm(), weights_->dtype(), 1, H,
+                    static_cast<float>(c.rms_norm_eps), h_.get());
+  backend_->Linear(h_.get(), weights_->lm_head(), 1, logits_.as<float>(), false);
+  if (logits_out) {
+    logits_out->resize(c.vocab_size);
+    PENUMBRA_RETURN_IF_ERROR(backend_->CopyToHost(logits_out->data(), logits_.get(), c.vocab_size * sizeof(float)));
+  }
+  PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
+  stats_.prefill_seconds += Now() - t0;
+  stats_.prompt_tokens += S;
+  return Status::OK();
+}
+
+Result<const float*> Runtime::DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
+                                         const std::vector<int64_t>& positions) {
+  const ModelConfig& c = config();
+  const int B = static_cast<int>(seqs.size());
+  CHECK_LE(B, options_.max_batch);
+  CHECK_EQ(tokens.size(), seqs.size());
+  const int H = c.hidden_size;
+  std::vector<int32_t> pos32(positions.begin(), positions.end());
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(ids_.get(), tokens.data(), B * sizeof(int32_t)));
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(pos_.get(), pos32.data(), B * sizeof(int32_t)));
+  backend_->Embedding(weights_->embed(), weights_->dtype(), ids_.as<int32_t>(), B, H, x_.as<float>());
+  PENUMBRA_RETURN_IF_ERROR(policy_->BeginDecodeStep(seqs, positions));
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& L = weights_->layers()[l];
+    backend_->RmsNorm(x_.as<float>(), L.attn_norm, weights_->dtype(), B, H, static_cast<float>(c.rms_norm_eps),
+                      h_.get());
+    backend_->Linear(h_.get(), L.qkv, B, qkv_.as<float>(), false);
+    PENUMBRA_RETURN_IF_ERROR(policy_->DecodeAttention(l, qkv_.as<float>(), pos_.as<int32_t>(), q_.get(), attn_.get()));
+    backend_->Linear(attn_.get(), L.o, B, x_.as<float>(), true);
+    Mlp(L, x_.as<float>(), B);
+  }
+  backend_->RmsNorm(x_.as<float>(), weights_->final_norm(), weights_->dtype(), B, H,
+                    static_cast<float>(c.rms_norm_eps), h_.get());
+  backend_->Linear(h_.get(), weights_->lm_head(), B, logits_.as<float>(), false);
+  PENUMBRA_RETURN_IF_ERROR(policy_->FinishDecodeStep());
+  return logits_.as<float>();
+}
+
+Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<GenerationRequest>& requests) {
+  PENUMBRA_RETURN_IF_ERROR(Validate(requests));
+  const ModelConfig& c = config();
+  std::vector<GenerationResult> results(requests.size());
+  for (size_t wave = 0; wave < requests.size(); wave += options_.max_batch) {
+    const size_t end = std::min(requests.size(), wave + options_.max_batch);
+    struct Active {
+      size_t r;
+      int64_t seq;
+      std::mt19937_64 rng;
+    };
+    std::vector<Active> active;
+    std::vector<int32_t> last(end - wave);
+    auto params_of = [&](Active& a) {
+      const SamplingOptions& s = requests[a.r].sampling;
+      return SampleParams{s.temperature, s.top_k, s.top_p, NextUniform(a.rng)};
+    };
+    auto emit = [&](Active& a, int32_t id) -> bool {  // true when the sequence is done
+      GenerationResult& g = results[a.r];
+      g.ids.push_back(id);
+      last[a.r - wave] = id;
+      for (int32_t s : requests[a.r].stop_ids) {
+        if (s == id) {
+          g.finish_reason = "stop";
+          return true;
+        }
+      }
+      if (static_cast<int>(g.ids.size()) >= requests[a.r].max_new_tokens) {
+        g.finish_reason = "length";
+        return true;
+      }
+      return false;
+    };
+    // Prefill each request, sampling its first token.
+    for (size_t r = wave; r < end; ++r) {
+      const GenerationRequest& q = requests[r];
+      Active a{r, static_cast<int64_t>(r), std::mt19937_64(q.sampling.seed)};
+      PENUMBRA_RETURN_IF_ERROR(policy_->AddSequence(a.seq, q.prompt.size(), q.max_new_tokens));
+      Status s = Prefill(a.seq, q.prompt, nullptr);
+      if (!s.ok()) {
+        for (auto& x : active) policy_->RemoveSequence(x.seq);
+        policy_->RemoveSequence(a.seq);
+        return s;
+      }
+      int32_t id = 0;
+      PENUMBRA_RETURN_IF_ERROR(backend_->Sample(logits_.as<float>(), 1, c.vocab_size, {params_of(a)}, &id));
+      ++stats_.generated_tokens;
+      if (emit(a, id)) {
+        policy_->RemoveSequence(a.seq);
+      } else {
+        active.push_back(std::move(a));
+      }
+    }
+    // Decode the survivors together.
+    const double t0 = Now();
+    while (!active.empty()) {
+      std::vector<int64_t> seqs, positions;
+      std::vector<int32_t> tokens;
+      std::vector<SampleParams> params;
+      for (Active& a : active) {
+        seqs.push_back(a.seq);
+        tokens.push_back(last[a.r - wave]);
+        positions.push_back(static_cast<int64_t>(requests[a.r].prompt.size() + results[a.r].ids.size()) - 1);
+        params.push_back(params_of(a));
+      }
+      auto logits = DecodeStep(seqs, tokens, positions);
+      if (!logits.ok()) {
+        for (auto& x : active) policy_->RemoveSequence(x.seq);
+        return logits.status();
+      }
+      std::vector<int32_t> ids(active.size());
+      PENUMBRA_RETURN_IF_ERROR(backend_->Sample(*logits, static_cast<int>(active.size()), c.vocab_size, params, ids.data()));
+      stats_.generated_tokens += static_cast<int64_t>(active.size());
+      std::vector<Active> still;
+      for (size_t i = 0; i < active.size(); ++i) {
+        if (emit(active[i], ids[i])) {
+          policy_->RemoveSequence(active[i].seq);
+        } else {
+          still.push_back(std::move(active[i]));
+        }
+      }
+      active = std::move(still);
+    }
+    stats_.decode_seconds += Now() - t0;
+  }
+  return results;
+}
+
+}  // namespace penumbra

@@ -1,0 +1,101 @@
+// Runtime: a decoder-only transformer (Llama, Qwen2, Mistral) over a Backend
+// and a KvPolicy. Prefill is chunked and layer-major (all of a prompt's chunks
+// go through layer l before layer l+1, so a policy can compress layer l as
+// soon as it is done); decode runs a batch of sequences of different lengths,
+// one token each per step, dropping sequences as they finish.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "worker/engine/backend.h"
+#include "worker/engine/kv_policy.h"
+#include "worker/engine/model_weights.h"
+
+namespace penumbra {
+
+struct SamplingOptions {
+  float temperature = 0.0f;  // <= 0: greedy. Default: 0.
+  int top_k = 0;             // 0: off. Default: 0.
+  float top_p = 1.0f;        // 1: off. Default: 1.
+  uint64_t seed = 0;         // seeds this request's random draws. Default: 0.
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  int max_new_tokens = 16;
+  SamplingOptions sampling;
+  std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
+};
+
+struct GenerationResult {
+  std::vector<int32_t> ids;     // generated ids (the stop id included when hit)
+  std::string finish_reason;    // "stop" or "length"
+};
+
+struct RuntimeOptions {
+  int prefill_chunk = 4096;     // tokens per prefill chunk. Default: 4096.
+  int max_batch = 256;          // sequences decoded together at most. Default: 256.
+};
+
+struct RunStats {
+  double prefill_seconds = 0;
+  double decode_seconds = 0;
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;
+};
+
+class Runtime {
+ public:
+  // The policy must have been built with a PolicyContext for this model and
+  // backend (see MakePolicyContext).
+  static Result<std::unique_ptr<Runtime>> Create(const RuntimeOptions& options, Backend* backend,
+                                                 const ModelWeights* weights, std::unique_ptr<KvPolicy> policy);
+
+  // Validates every request (non-empty prompt, ids in the vocabulary, length
+  // within max_position_embeddings) before doing any work.
+  Status Validate(const std::vector<GenerationRequest>& requests) const;
+  Result<std::vector<GenerationResult>> Generate(const std::vector<GenerationRequest>& requests);
+
+  // Lower-level steps (benchmarks, tests).
+  Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens);
+  void RemoveSequence(int64_t seq);
+  // Prefills `prompt` into `seq`; writes the last position's logits to
+  // logits_out (host, vocab floats) when non-null.
+  Status Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out);
+  // One decode step: tokens[i] is fed to seqs[i] at positions[i]; returns
+  // logits [batch, vocab] on the device (valid until the next call).
+  Result<const float*> DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
+                                  const std::vector<int64_t>& positions);
+
+  KvPolicy& policy() { return *policy_; }
+  Backend& backend() { return *backend_; }
+  const ModelConfig& config() const { return weights_->config(); }
+  const RunStats& stats() const { return stats_; }
+
+ private:
+  Runtime(const RuntimeOptions& o, Backend* b, const ModelWeights* w, std::unique_ptr<KvPolicy> p);
+  Status AllocateScratch(int rows);
+  // One transformer layer's MLP and attention residual updates for rows of x.
+  void Mlp(const LayerWeights& L, float* x, int n);
+
+  RuntimeOptions options_;
+  Backend* backend_;
+  const ModelWeights* weights_;
+  std::unique_ptr<KvPolicy> policy_;
+  int scratch_rows_ = 0;
+  DeviceBuffer x_, h_, qkv_, q_, attn_, gu_, ffn_, logits_, ids_, pos_;
+  RunStats stats_;
+};
+
+// Builds the policy context (device RoPE table included) for a model.
+struct PolicyContextHolder {
+  PolicyContext ctx;
+  DeviceBuffer inv_freq;
+};
+Result<std::unique_ptr<PolicyContextHolder>> MakePolicyContext(Backend* backend, const ModelConfig& config);
+
+}  // namespace penumbra

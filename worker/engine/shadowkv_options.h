@@ -1,0 +1,31 @@
+// Options of the ShadowKV KV policy (paper defaults). All are runtime options
+// (YAML under `shadowkv:` and CLI flags); none is a compile-time limit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/config.h"
+#include "common/status.h"
+
+namespace penumbra {
+
+struct ShadowKvOptions {
+  int rank = 160;                  // rank of the pre-RoPE key factors (<= hkv*d). Default: 160.
+  int chunk_size = 8;              // tokens per chunk (landmark granularity). Default: 8.
+  int64_t budget_tokens = 2048;    // selected tokens per KV head per step (multiple of chunk_size). Default: 2048.
+  double budget_fraction = 0.0;    // if > 0, budget = fraction * context, rounded up to a chunk; overrides budget_tokens. Default: 0.
+  int outlier_chunks = 48;         // exact chunks kept per KV head (lowest min-cosine). Default: 48.
+  int local_window = 32;           // most recent tokens always kept exact (at least). Default: 32.
+  int64_t min_prompt_tokens = 4096;  // shorter prompts use full attention. Default: 4096.
+  std::string value_fetch = "zero_copy";  // "zero_copy" (GPU reads pinned host memory) or "staging". Default: zero_copy.
+  double force_hit_rate = -1.0;    // benchmarks only: keep this fraction of the previous step's chunks (< 0: off). Default: -1.
+};
+
+// Reads `shadowkv:` options; errors name the key.
+Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o);
+// Checks options against a model's geometry and a context length; a clear
+// InvalidArgument for impossible combinations.
+Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim);
+
+}  // namespace penumbra

@@ -1,0 +1,853 @@
+// ShadowKV KV policy (seed 000, Algorithms 1-2, appendix A.1 "ShadowKV+").
+//
+// Per sequence and layer, on the device:
+//   A  [token_cap][r]            low-rank coordinates of pre-RoPE keys
+//   B  [hkv][r][d]               singular values folded in (Algorithm 1)
+//   P  [hkv*d][r] f32            projection for new tokens' keys (A.1)
+//   L  [hkv][chunk_cap][d]       landmarks (mean post-RoPE key per chunk)
+//   X  [hkv][chunk_cap] u8       1 = outlier chunk (excluded from selection)
+//   att K/V [hkv][att_cap][d]    rows: O*C outlier rows | kslots*C slot rows | local rows
+//   slot map [hkv][kslots]       chunk held by each slot (-1 empty)
+//   pre-RoPE keys of the local rows [local_cap][hkv*d] f32 (for A.1 projection)
+// and in the value store (pinned host DRAM, zero-copy readable): every
+// chunk's values, [layer][hkv][chunk_cap][C*d].
+//
+// Prefill is layer-major: each layer's exact K/V for the whole prompt live in
+// a temporary buffer while that layer runs full attention; FinishPrefillLayer
+// then factors the pre-RoPE keys (SVD via Gram + eigensolver), builds
+// landmarks, picks outliers, copies outliers and the local window into the
+// attention buffer and writes values to the store, and the temporary is reused
+// by the next layer.
+//
+// Decode per layer: score landmarks, top-k chunks per KV head, compare with
+// the slot map (hits stay), rebuild K = A·B + RoPE for misses on the main
+// stream while the side stream fetches their V from the store, then attention
+// over outliers + slots + local rows. When the local rows reach
+// local_window + C, the oldest C tokens become a chunk: landmark, projected
+// A rows, values to the store (all layers at once), and the local rows shift.
+//
+// Prompts shorter than min_prompt_tokens (or too short to select from) keep
+// every token in the local rows: exact attention through the same path.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <unordered_map>
+
+#include "storage/dram_value_store.h"
+#include "worker/engine/engine.h"
+
+namespace penumbra {
+namespace {
+
+namespace kn = kernels;
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Host allocations for the value store, pinned and mapped when the backend is CUDA.
+class BackendHostAllocator final : public storage::HostAllocator {
+ public:
+  explicit BackendHostAllocator(Backend* b) : b_(b) {}
+  Result<void*> Allocate(size_t bytes) override {
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer buf, b_->AllocateHost(bytes));
+    void* p = buf.get();
+    bufs_.emplace(p, std::move(buf));
+    return p;
+  }
+  void Free(void* p) override { bufs_.erase(p); }
+
+ private:
+  Backend* b_;
+  std::unordered_map<void*, DeviceBuffer> bufs_;
+};
+
+class ShadowKvPolicy final : public KvPolicy {
+  struct Seq;
+
+ public:
+  ShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& o)
+      : ctx_(ctx), o_(o), es_(DTypeSize(ctx.backend->act_dtype())), host_alloc_(ctx.backend),
+        store_(&host_alloc_, storage::DramValueStoreOptions{}) {}
+
+  std::string name() const override { return "shadowkv"; }
+
+  Status AddSequence(int64_t id, int64_t prompt_len, int64_t max_new_tokens) override {
+    if (seqs_.count(id)) return Status::InvalidArgument("sequence " + std::to_string(id) + " already exists");
+    Seq s;
+    s.id = id;
+    s.token_cap = prompt_len + max_new_tokens;
+    const int C = o_.chunk_size;
+    int64_t budget = o_.budget_tokens;
+    if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * prompt_len / C)) * C;
+    const int64_t prompt_chunks = (prompt_len - o_.local_window) / C;
+    s.outliers = static_cast<int>(std::min<int64_t>(o_.outlier_chunks, std::max<int64_t>(prompt_chunks - budget / C, 0)));
+    s.kslots = static_cast<int>(std::min<int64_t>(budget / C, prompt_chunks - s.outliers));
+    s.sparse = prompt_len >= o_.min_prompt_tokens && s.kslots >= 1;
+    if (!s.sparse) {
+      s.outliers = 0;
+      s.kslots = 0;
+      s.local_cap = s.token_cap;
+    } else {
+      s.local_cap = o_.local_window + 2 * C;  // prompt tail (< W + C) plus one chunk of growth
+      s.chunk_cap = static_cast<int>((s.token_cap + C - 1) / C);
+    }
+    s.att_cap = static_cast<int64_t>(s.outliers + s.kslots) * C + s.local_cap;
+    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
+    auto alloc = [&](DeviceBuffer* b, size_t bytes) -> Status {
+      PENUMBRA_ASSIGN_OR_RETURN(*b, ctx_.backend->Allocate(bytes));
+      return Status::OK();
+    };
+    PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_k, AttLayer(s) * L * es_));
+    PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_v, AttLayer(s) * L * es_));
+    if (s.sparse) {
+      const size_t host_need = static_cast<size_t>(L) * H * s.chunk_cap * C * d * es_;
+      const size_t host_free = ctx_.backend->FreeHostBytes();
+      if (host_free > 0 && host_need + (size_t{8} << 30) > host_free) {
+        return Status::ResourceExhausted("shadowkv: the value store needs " + std::to_string(host_need >> 20) +
+                                         " MiB of host memory and only " + std::to_string(host_free >> 20) +
+                                         " MiB are available (8 GiB kept free)");
+      }
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.token_cap * r * es_));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.b, static_cast<size_t>(L) * H * r * d * es_));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.p, static_cast<size_t>(L) * D * r * sizeof(float)));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * s.chunk_cap * d * es_));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t)));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.excl.get(), 0, s.excl.bytes()));
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.slots.get(), 0xff, s.slots.bytes()));
+      storage::SegmentLayout lay{L, H, s.chunk_cap, C, d, ctx_.backend->act_dtype()};
+      PENUMBRA_ASSIGN_OR_RETURN(s.segment, store_.CreateSegment(lay));
+      for (int l = 0; l < L; ++l) {
+        PENUMBRA_ASSIGN_OR_RETURN(const void* base, store_.LayerBase(s.segment, l));
+        s.store_dev.push_back(ctx_.backend->DeviceAddressOfHost(base));
+        s.store_host.push_back(base);
+      }
+    }
+    seqs_.emplace(id, std::move(s));
+    return Status::OK();
+  }
+
+  void RemoveSequence(int64_t id) override {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) return;
+    (void)ctx_.backend->Synchronize();  // kernels may still read its buffers
+    if (it->second.segment) (void)store_.DropSegment(it->second.segment);
+    seqs_.erase(it);
+  }
+
+  // ---------------------------------------------------------------- prefill
+
+  Status PrefillAttention(int layer, int64_t id, const float* qkv, int n, int64_t start, const int32_t* positions,
+                          void* q_scratch, void* out) override {
+    Seq& s = Get(id);
+    Backend& b = *ctx_.backend;
+    const int d = ctx_.head_dim, H = ctx_.hkv, D = H * d;
+    // Dense sequences prefill straight into their local rows; sparse ones
+    // into the per-layer temporary (whole prompt, exact).
+    void* kbase;
+    void* vbase;
+    int64_t stride;
+    if (!s.sparse) {
+      kbase = Row(s.att_k, s, layer, LocalRow0(s));
+      vbase = Row(s.att_v, s, layer, LocalRow0(s));
+      stride = s.att_cap * d;
+    } else {
+      if (start == 0) PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
+      kbase = tmp_k_.get();
+      vbase = tmp_v_.get();
+      stride = tmp_cap_ * d;
+    }
+    std::vector<void*> ptrs(2 * static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      ptrs[i] = static_cast<char*>(kbase) + (start + i) * d * es_;
+      ptrs[n + i] = static_cast<char*>(vbase) + (start + i) * d * es_;
+    }
+    PENUMBRA_RETURN_IF_ERROR(Upload(&ptr_buf_, ptrs.data(), ptrs.size() * sizeof(void*)));
+    RopeStoreOp r;
+    r.qkv = qkv;
+    r.positions = positions;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = n;
+    r.hq = ctx_.hq;
+    r.hkv = H;
+    r.d = d;
+    r.q_out = q_scratch;
+    r.k_dst = static_cast<void* const*>(ptr_buf_.get());
+    r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
+    r.head_stride = stride;
+    r.pre_rope_k_out = s.sparse ? tmp_prek_.as<float>() + start * D : nullptr;
+    b.RopeStore(r);
+    PrefillAttentionOp a;
+    a.q = q_scratch;
+    a.k = kbase;
+    a.v = vbase;
+    a.out = out;
+    a.head_stride = stride;
+    a.q_start = static_cast<int>(start);
+    a.nq = n;
+    a.hq = ctx_.hq;
+    a.hkv = H;
+    a.d = d;
+    a.scale = ctx_.scale;
+    b.PrefillAttention(a);
+    if (!s.sparse) s.local_count = std::max<int64_t>(s.local_count, start + n);
+    return Status::OK();
+  }
+
+  Status FinishPrefillLayer(int layer, int64_t id, int64_t prompt_len) override {
+    Seq& s = Get(id);
+    if (!s.sparse) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(CompressPrompt(s, layer, prompt_len));
+    if (layer == ctx_.num_layers - 1) ReleaseTempIfLarge();
+    return Status::OK();
+  }
+
+  // Algorithm 1 for one layer of one sequence, from the temporaries.
+  Status CompressPrompt(Seq& s, int layer, int64_t S) {
+    Backend& b = *ctx_.backend;
+    const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
+    const int n_chunks = static_cast<int>((S - o_.local_window) / C);
+    double t = Now();
+    auto lap = [&](const char* op) {
+      if (!profile_) return;
+      (void)b.Synchronize();
+      const double now = Now();
+      prefill_ms_[op] += (now - t) * 1e3;
+      t = now;
+    };
+    if (profile_) (void)b.Synchronize(), t = Now();
+    // SVD of the pre-RoPE keys of the prompt (one segment).
+    kn::LowRankArgs lr;
+    lr.keys = tmp_prek_.get();
+    lr.S = S;
+    lr.hkv = H;
+    lr.d = d;
+    lr.rank = r;
+    lr.a_out = Row2(s.a, layer, s.token_cap * r);
+    lr.b_out = Row2(s.b, layer, static_cast<int64_t>(H) * r * d);
+    lr.proj_out = s.p.as<float>() + static_cast<int64_t>(layer) * D * r;
+    PENUMBRA_RETURN_IF_ERROR(b.LowRankFactor(lr));
+    lap("svd");
+    // Landmarks and min cosine similarity per chunk.
+    kn::ChunkLandmarksArgs cl;
+    cl.k = tmp_k_.get();
+    cl.k_head_stride = tmp_cap_ * d;
+    cl.first_token = 0;
+    cl.n_chunks = n_chunks;
+    cl.chunk_tokens = C;
+    cl.hkv = H;
+    cl.d = d;
+    cl.landmarks = Row2(s.lm, layer, static_cast<int64_t>(H) * s.chunk_cap * d);
+    cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
+    cl.min_cos = tmp_cos_.as<float>();
+    cl.min_cos_head_stride = s.chunk_cap;
+    b.ChunkLandmarks(cl);
+    lap("landmarks");
+    // Outliers: lowest min-cosine chunks per head, exact K/V into rows [0, O*C).
+    uint8_t* excl = s.excl.as<uint8_t>() + static_cast<int64_t>(layer) * H * s.chunk_cap;
+    if (s.outliers > 0) {
+      kn::SelectOutliersArgs so;
+      so.min_cos = tmp_cos_.as<float>();
+      so.min_cos_head_stride = s.chunk_cap;
+      so.hkv = H;
+      so.n_chunks = n_chunks;
+      so.num_outliers = s.outliers;
+      so.out = tmp_outl_.as<int32_t>();
+      b.SelectOutlierChunks(so);
+      kn::GatherOutliersArgs go;
+      go.k = tmp_k_.get();
+      go.v = tmp_v_.get();
+      go.kv_head_stride = tmp_cap_ * d;
+      go.first_token = 0;
+      go.chunk_tokens = C;
+      go.hkv = H;
+      go.d = d;
+      go.n_chunks = n_chunks;
+      go.outliers = tmp_outl_.as<int32_t>();
+      go.num_outliers = s.outliers;
+      go.att_k = Row(s.att_k, s, layer, 0);
+      go.att_v = Row(s.att_v, s, layer, 0);
+      go.att_head_stride = s.att_cap * d;
+      go.excluded = excl;
+      go.mask_head_stride = s.chunk_cap;
+      b.GatherOutliers(go);
+    }
+    lap("outliers");
+    // Values of every chunk to the store (outliers too: never selected, and
+    // it keeps each head's chunks one contiguous run).
+    PENUMBRA_RETURN_IF_ERROR(OffloadValues(s, layer, tmp_v_.get(), tmp_cap_ * d, 0, n_chunks, 0));
+    lap("offload");
+    // The tail becomes the local rows (exact K/V and pre-RoPE keys).
+    const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
+    CHECK_LE(tail, s.local_cap);
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
+                                      static_cast<char*>(tmp_k_.get()) + tail0 * d * es_, tmp_cap_ * d * es_,
+                                      tail * d * es_, H));
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
+                                      static_cast<char*>(tmp_v_.get()) + tail0 * d * es_, tmp_cap_ * d * es_,
+                                      tail * d * es_, H));
+    PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
+                                                  tmp_prek_.as<float>() + tail0 * D, tail * D * sizeof(float)));
+    lap("local");
+    s.n_chunks = n_chunks;
+    s.local_count = tail;
+    return Status::OK();
+  }
+
+  // Writes n value chunks of every head of `layer` from a device buffer laid
+  // out [hkv][head_stride] rows of d (starting at row first*C) to store
+  // chunks [store_first, store_first + n), through a pinned staging buffer.
+  Status OffloadValues(Seq& s, int layer, const void* src, int64_t head_stride, int first, int n, int store_first) {
+    Backend& b = *ctx_.backend;
+    const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim;
+    const size_t row = static_cast<size_t>(n) * C * d * es_;
+    if (stage_.bytes() < row * H) {
+      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(row * H));
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage_.get(), row, static_cast<const char*>(src) + first * C * d * es_,
+                                      head_stride * es_, row, H));
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    for (int h = 0; h < H; ++h) {
+      PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, layer, h, store_first, n, stage_.as<char>() + h * row));
+    }
+    return Status::OK();
+  }
+
+  // ----------------------------------------------------------------- decode
+
+  Status BeginDecodeStep(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions) override {
+    const int L = ctx_.num_layers, B = static_cast<int>(ids.size());
+    step_.clear();
+    groups_.clear();
+    for (int i = 0; i < B; ++i) {
+      Seq& s = Get(ids[i]);
+      CHECK_EQ(positions[i], s.n_chunks * int64_t{o_.chunk_size} + s.local_count)
+          << "sequence " << s.id << " decoded out of order";
+      CHECK_LT(s.local_count, s.local_cap) << "sequence " << s.id << " is full";
+      step_.push_back(&s);
+    }
+    // Groups: runs of sequences with equal geometry share kernel launches.
+    for (int i = 0; i < B;) {
+      int j = i + 1;
+      while (j < B && SameGeometry(*step_[i], *step_[j])) ++j;
+      groups_.push_back({i, j - i});
+      i = j;
+    }
+    // One upload per step: per layer and sequence the pointer tables, then
+    // per sequence the attention lengths and chunk counts.
+    const size_t per_layer = static_cast<size_t>(kTables) * B;
+    std::vector<const void*> t(per_layer * L);
+    for (int l = 0; l < L; ++l) {
+      const void** row = &t[per_layer * l];
+      for (int i = 0; i < B; ++i) {
+        Seq& s = *step_[i];
+        row[0 * B + i] = Row(s.att_k, s, l, LocalRow0(s) + s.local_count);  // new K slot
+        row[1 * B + i] = Row(s.att_v, s, l, LocalRow0(s) + s.local_count);
+        row[2 * B + i] = Row(s.att_k, s, l, 0);
+        row[3 * B + i] = Row(s.att_v, s, l, 0);
+        if (s.sparse) {
+          row[4 * B + i] = Row2(s.lm, l, static_cast<int64_t>(ctx_.hkv) * s.chunk_cap * ctx_.head_dim);
+          row[5 * B + i] = s.excl.as<uint8_t>() + static_cast<int64_t>(l) * ctx_.hkv * s.chunk_cap;
+          row[6 * B + i] = s.slots.as<int32_t>() + static_cast<int64_t>(l) * ctx_.hkv * s.kslots;
+          row[7 * B + i] = Row2(s.a, l, s.token_cap * o_.rank);
+          row[8 * B + i] = Row2(s.b, l, static_cast<int64_t>(ctx_.hkv) * o_.rank * ctx_.head_dim);
+          row[9 * B + i] = s.store_dev[l];
+        }
+      }
+    }
+    std::vector<int32_t> ints(2 * B);
+    for (int i = 0; i < B; ++i) {
+      Seq& s = *step_[i];
+      ints[i] = static_cast<int32_t>((s.outliers + s.kslots) * int64_t{o_.chunk_size} + s.local_count + 1);
+      ints[B + i] = s.n_chunks;
+    }
+    std::vector<uint8_t> blob(t.size() * sizeof(void*) + ints.size() * 4);
+    std::memcpy(blob.data(), t.data(), t.size() * sizeof(void*));
+    std::memcpy(blob.data() + t.size() * sizeof(void*), ints.data(), ints.size() * 4);
+    PENUMBRA_RETURN_IF_ERROR(Upload(&step_buf_, blob.data(), blob.size()));
+    step_batch_ = B;
+    // Miss lists and per-layer miss counts (for the hit rate).
+    int max_k = 0;
+    for (Seq* s : step_) max_k = std::max(max_k, s->kslots);
+    const size_t rows = static_cast<size_t>(B) * ctx_.hkv;
+    step_max_k_ = max_k;
+    if (max_k > 0) {
+      const size_t need = rows * max_k * 4 * 3 + rows * 4 * (L + 1);
+      if (miss_buf_.bytes() < need) {
+        PENUMBRA_ASSIGN_OR_RETURN(miss_buf_, ctx_.backend->Allocate(need * 2));
+      }
+      int max_chunks = 0;
+      for (Seq* s : step_) max_chunks = std::max(max_chunks, s->n_chunks);
+      const size_t sneed = rows * static_cast<size_t>(max_chunks + 1) * sizeof(float);
+      if (score_buf_.bytes() < sneed) {
+        PENUMBRA_ASSIGN_OR_RETURN(score_buf_, ctx_.backend->Allocate(sneed * 2));
+      }
+      step_max_chunks_ = max_chunks;
+    }
+    return Status::OK();
+  }
+
+  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out) override {
+    Backend& b = *ctx_.backend;
+    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
+    auto* base = static_cast<void* const*>(step_buf_.get());
+    void* const* tab = base + static_cast<size_t>(layer) * kTables * B;
+    const int32_t* lengths = reinterpret_cast<const int32_t*>(base + static_cast<size_t>(ctx_.num_layers) * kTables * B);
+    const int32_t* nchunks = lengths + B;
+    const size_t qrow = static_cast<size_t>(ctx_.hq) * d;
+    const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * H) * d;
+    for (const auto& [g0, gn] : groups_) {
+      Seq& s0 = *step_[g0];
+      RopeStoreOp r;
+      r.qkv = qkv + g0 * qkv_row;
+      r.positions = positions + g0;
+      r.inv_freq = ctx_.inv_freq;
+      r.n = gn;
+      r.hq = ctx_.hq;
+      r.hkv = H;
+      r.d = d;
+      r.q_out = static_cast<char*>(q_scratch) + g0 * qrow * es_;
+      r.k_dst = tab + 0 * B + g0;
+      r.v_dst = tab + 1 * B + g0;
+      r.head_stride = s0.att_cap * d;
+      r.pre_rope_k_out = nullptr;
+      if (s0.sparse) {
+        // New tokens' pre-RoPE keys go to a [batch][hkv*d] scratch, then to
+        // each sequence's local pre-RoPE rows (for the A.1 projection).
+        r.pre_rope_k_out = PrekScratch(B) + static_cast<size_t>(g0) * H * d;
+      }
+      b.RopeStore(r);
+      if (s0.sparse) {
+        for (int i = g0; i < g0 + gn; ++i) {
+          Seq& s = *step_[i];
+          PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(
+              s.prek.as<float>() + (static_cast<int64_t>(layer) * s.local_cap + s.local_count) * H * d,
+              prek_scratch_.as<float>() + static_cast<size_t>(i) * H * d, H * d * sizeof(float)));
+        }
+        PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, tab, nchunks, r.q_out));
+      }
+      DecodeAttentionOp a;
+      a.q = r.q_out;
+      a.k = reinterpret_cast<const void* const*>(tab + 2 * B + g0);
+      a.v = reinterpret_cast<const void* const*>(tab + 3 * B + g0);
+      a.lengths = lengths + g0;
+      a.out = static_cast<char*>(out) + g0 * qrow * es_;
+      a.head_stride = s0.att_cap * d;
+      a.batch = gn;
+      a.hq = ctx_.hq;
+      a.hkv = H;
+      a.d = d;
+      a.max_length = static_cast<int>(s0.att_cap);
+      a.scale = ctx_.scale;
+      b.DecodeAttention(a);
+    }
+    (void)C;
+    return Status::OK();
+  }
+
+  // Algorithm 2's selection and sparse KV reconstruction for one group.
+  Status Select(int layer, int g0, int gn, void* const* tab, const int32_t* nchunks, const void* q) {
+    Backend& b = *ctx_.backend;
+    Seq& s0 = *step_[g0];
+    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, K = s0.kslots;
+    const int rows = gn * H;
+    int max_chunks = 0;
+    for (int i = g0; i < g0 + gn; ++i) max_chunks = std::max(max_chunks, step_[i]->n_chunks);
+    const int64_t sstride = step_max_chunks_ + 1;
+    float* scores = score_buf_.as<float>();
+    int32_t* sel = miss_buf_.as<int32_t>();
+    int32_t* mslot = sel + static_cast<size_t>(B) * H * step_max_k_;
+    int32_t* mchunk = mslot + static_cast<size_t>(B) * H * step_max_k_;
+    int32_t* mcount = mchunk + static_cast<size_t>(B) * H * step_max_k_ + static_cast<size_t>(layer) * B * H + g0 * H;
+    const size_t off = static_cast<size_t>(g0) * H * K;
+    kn::ShadowkvScoreArgs sc;
+    sc.q = q;
+    sc.landmarks = reinterpret_cast<const void* const*>(tab + 4 * B + g0);
+    sc.excluded = reinterpret_cast<const uint8_t* const*>(tab + 5 * B + g0);
+    sc.n_chunks = nchunks + g0;
+    sc.batch = gn;
+    sc.hq = ctx_.hq;
+    sc.hkv = H;
+    sc.d = d;
+    sc.chunk_cap = s0.chunk_cap;
+    sc.max_chunks = max_chunks;
+    sc.scale = ctx_.scale;
+    sc.scores = scores;
+    sc.score_stride = sstride;
+    b.ShadowkvScore(sc);
+    kn::TopKArgs tk;
+    tk.values = scores;
+    tk.stride = sstride;
+    tk.rows = rows;
+    tk.counts = nchunks + g0;
+    tk.rows_per_count = H;
+    tk.max_count = max_chunks;
+    tk.k = K;
+    tk.out = sel + off;
+    tk.out_stride = K;
+    b.TopK(tk);
+    kn::ShadowkvSlotUpdateArgs su;
+    su.selection = sel + off;
+    su.selection_stride = K;
+    su.slot_maps = reinterpret_cast<int32_t* const*>(tab + 6 * B + g0);
+    su.miss_count = mcount;
+    su.miss_slot = mslot + off;
+    su.miss_chunk = mchunk + off;
+    su.batch = gn;
+    su.hkv = H;
+    su.kslots = K;
+    su.chunk_cap = s0.chunk_cap;
+    su.force_keep = static_cast<float>(o_.force_hit_rate);
+    b.ShadowkvSlotUpdate(su);
+    // Misses: V from the store on the side stream, K rebuilt on the main one.
+    b.ForkSide();
+    kn::ShadowkvFetchVArgs fv;
+    fv.value_store = reinterpret_cast<const void* const*>(tab + 9 * B + g0);
+    fv.chunk_cap = s0.chunk_cap;
+    fv.miss_count = mcount;
+    fv.miss_slot = mslot + off;
+    fv.miss_chunk = mchunk + off;
+    fv.miss_stride = K;
+    fv.att_v = tab + 3 * B + g0;
+    fv.att_head_stride = s0.att_cap * d;
+    fv.outlier_rows = s0.outliers * C;
+    fv.batch = gn;
+    fv.hkv = H;
+    fv.d = d;
+    fv.chunk_size = C;
+    fv.max_misses = K;
+    if (o_.value_fetch == "staging") {
+      PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mslot + off, mchunk + off, &fv));
+      b.ShadowkvFetchV(fv, /*staged=*/true);
+    } else {
+      b.ShadowkvFetchV(fv, /*staged=*/false);
+    }
+    kn::ShadowkvRebuildKArgs rk;
+    rk.a = reinterpret_cast<const void* const*>(tab + 7 * B + g0);
+    rk.b = reinterpret_cast<const void* const*>(tab + 8 * B + g0);
+    rk.inv_freq = ctx_.inv_freq;
+    rk.miss_count = mcount;
+    rk.miss_slot = mslot + off;
+    rk.miss_chunk = mchunk + off;
+    rk.miss_stride = K;
+    rk.att_k = tab + 2 * B + g0;
+    rk.att_head_stride = s0.att_cap * d;
+    rk.outlier_rows = s0.outliers * C;
+    rk.batch = gn;
+    rk.hkv = H;
+    rk.d = d;
+    rk.r = o_.rank;
+    rk.chunk_size = C;
+    rk.max_misses = K;
+    b.ShadowkvRebuildK(rk);
+    b.JoinSide();
+    return Status::OK();
+  }
+
+  // The staging variant: miss lists to the host, CPU gathers the chunks from
+  // the store (checksums verified) into pinned memory, the device scatters.
+  Status StageValues(int layer, int g0, int gn, const int32_t* mcount, const int32_t* mslot, const int32_t* mchunk,
+                     kn::ShadowkvFetchVArgs* fv) {
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, K = step_[g0]->kslots, C = o_.chunk_size, d = ctx_.head_dim;
+    const int rows = gn * H;
+    std::vector<int32_t> counts(rows), chunks(static_cast<size_t>(rows) * K);
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(counts.data(), mcount, rows * 4));
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(chunks.data(), mchunk, chunks.size() * 4));
+    const size_t chunk_bytes = static_cast<size_t>(C) * d * es_;
+    std::vector<int32_t> offsets(rows);
+    size_t total = 0;
+    for (int r = 0; r < rows; ++r) {
+      offsets[r] = static_cast<int32_t>(total);
+      total += counts[r];
+    }
+    if (stage_v_.bytes() < std::max<size_t>(total, 1) * chunk_bytes) {
+      PENUMBRA_ASSIGN_OR_RETURN(stage_v_, b.AllocateHost(static_cast<size_t>(rows) * K * chunk_bytes));
+    }
+    for (int r = 0; r < rows; ++r) {
+      Seq& s = *step_[g0 + r / H];
+      std::vector<storage::ChunkRef> refs;
+      for (int j = 0; j < counts[r]; ++j) refs.push_back({r % H, chunks[static_cast<size_t>(r) * K + j]});
+      if (!refs.empty()) {
+        PENUMBRA_RETURN_IF_ERROR(store_.GatherChunks(s.segment, layer, refs, stage_v_.as<char>() + offsets[r] * chunk_bytes));
+      }
+    }
+    PENUMBRA_RETURN_IF_ERROR(Upload(&stage_off_, offsets.data(), offsets.size() * 4));
+    fv->staging = b.DeviceAddressOfHost(stage_v_.get());
+    fv->staging_offsets = stage_off_.as<int32_t>();
+    (void)mslot;
+    return Status::OK();
+  }
+
+  Status FinishDecodeStep() override {
+    Backend& b = *ctx_.backend;
+    const int B = step_batch_, H = ctx_.hkv, L = ctx_.num_layers;
+    ++stats_.decode_steps;
+    if (step_max_k_ > 0) {
+      std::vector<int32_t> counts(static_cast<size_t>(L) * B * H);
+      const int32_t* mc = miss_buf_.as<int32_t>() + 3 * static_cast<size_t>(B) * H * step_max_k_;
+      PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(counts.data(), mc, counts.size() * 4));
+      for (int l = 0; l < L; ++l) {
+        for (int i = 0; i < B; ++i) {
+          Seq& s = *step_[i];
+          if (!s.sparse) continue;
+          for (int h = 0; h < H; ++h) {
+            const int32_t miss = counts[(static_cast<size_t>(l) * B + i) * H + h];
+            stats_.selected_chunks += s.kslots;
+            stats_.hit_chunks += s.kslots - miss;
+          }
+        }
+      }
+    }
+    for (Seq* s : step_) {
+      ++s->local_count;
+      if (s->sparse && s->local_count >= o_.local_window + o_.chunk_size) PENUMBRA_RETURN_IF_ERROR(CompressOldest(*s));
+    }
+    return Status::OK();
+  }
+
+  // ShadowKV+ (A.1): the oldest C local tokens become a selectable chunk.
+  Status CompressOldest(Seq& s) {
+    Backend& b = *ctx_.backend;
+    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, D = H * d;
+    if (s.n_chunks >= s.chunk_cap) return Status::Internal("shadowkv: chunk capacity exceeded");
+    const int c = s.n_chunks;
+    for (int l = 0; l < L; ++l) {
+      kn::ChunkLandmarksArgs cl;
+      cl.k = Row(s.att_k, s, l, LocalRow0(s));
+      cl.k_head_stride = s.att_cap * d;
+      cl.first_token = 0;
+      cl.n_chunks = 1;
+      cl.chunk_tokens = C;
+      cl.hkv = H;
+      cl.d = d;
+      cl.landmarks = static_cast<char*>(Row2(s.lm, l, static_cast<int64_t>(H) * s.chunk_cap * d)) + c * d * es_;
+      cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
+      cl.min_cos = MinCosScratch(H);
+      cl.min_cos_head_stride = 1;
+      b.ChunkLandmarks(cl);
+      kn::ProjectKeysArgs pk;
+      pk.keys = s.prek.as<float>() + static_cast<int64_t>(l) * s.local_cap * D;
+      pk.n = C;
+      pk.D = D;
+      pk.rank = o_.rank;
+      pk.proj = s.p.as<float>() + static_cast<int64_t>(l) * D * o_.rank;
+      pk.a_out = static_cast<char*>(Row2(s.a, l, s.token_cap * o_.rank)) + static_cast<int64_t>(c) * C * o_.rank * es_;
+      b.ProjectKeys(pk);
+      PENUMBRA_RETURN_IF_ERROR(OffloadValues(s, l, Row(s.att_v, s, l, LocalRow0(s)), s.att_cap * d, 0, 1, c));
+    }
+    // Shift the local rows down by C (all layers and heads in one 2-D copy
+    // each, through a scratch since the ranges overlap).
+    const int64_t keep = s.local_count - C;
+    if (keep > 0) {
+      const size_t w = keep * d * es_, pitch = s.att_cap * d * es_;
+      const size_t hrows = static_cast<size_t>(L) * H;
+      PENUMBRA_RETURN_IF_ERROR(EnsureShiftScratch(hrows * std::max(w, static_cast<size_t>(keep) * D * sizeof(float) / H + 1)));
+      for (DeviceBuffer* buf : {&s.att_k, &s.att_v}) {
+        char* src = static_cast<char*>(Row(*buf, s, 0, LocalRow0(s) + C));
+        char* dst = static_cast<char*>(Row(*buf, s, 0, LocalRow0(s)));
+        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(shift_.get(), w, src, pitch, w, hrows));
+        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(dst, pitch, shift_.get(), w, w, hrows));
+      }
+      const size_t pw = keep * D * sizeof(float), ppitch = s.local_cap * D * sizeof(float);
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(shift_.get(), pw, s.prek.as<float>() + C * D, ppitch, pw, L));
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(s.prek.get(), ppitch, shift_.get(), pw, pw, L));
+    }
+    s.local_count = keep;
+    s.n_chunks = c + 1;
+    return Status::OK();
+  }
+
+  // ------------------------------------------------------------- benchmarks
+
+  Status SynthesizeContext(int64_t id, int64_t length, uint64_t seed) override {
+    Seq& s = Get(id);
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, d = ctx_.head_dim, hq = ctx_.hq;
+    const int64_t qkv_row = static_cast<int64_t>(hq + 2 * H) * d;
+    const int chunk = 8192;
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer qkv, b.Allocate(static_cast<size_t>(chunk) * qkv_row * sizeof(float)));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer q, b.Allocate(static_cast<size_t>(chunk) * hq * d * es_));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer pos, b.Allocate(static_cast<size_t>(chunk) * 4));
+    std::vector<int32_t> p(chunk);
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      if (!s.sparse) break;
+      if (l == 0) PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
+      for (int64_t start = 0; start < length; start += chunk) {
+        const int n = static_cast<int>(std::min<int64_t>(chunk, length - start));
+        for (int i = 0; i < n; ++i) p[i] = static_cast<int32_t>(start + i);
+        PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos.get(), p.data(), n * 4));
+        b.FillRandomNormal(qkv.get(), DType::kF32, n * qkv_row, 1.0f, seed * 1000003 + l * 7919 + start);
+        std::vector<void*> ptrs(2 * static_cast<size_t>(n));
+        for (int i = 0; i < n; ++i) {
+          ptrs[i] = tmp_k_.as<char>() + (start + i) * d * es_;
+          ptrs[n + i] = tmp_v_.as<char>() + (start + i) * d * es_;
+        }
+        PENUMBRA_RETURN_IF_ERROR(Upload(&ptr_buf_, ptrs.data(), ptrs.size() * sizeof(void*)));
+        RopeStoreOp r;
+        r.qkv = qkv.as<float>();
+        r.positions = pos.as<int32_t>();
+        r.inv_freq = ctx_.inv_freq;
+        r.n = n;
+        r.hq = hq;
+        r.hkv = H;
+        r.d = d;
+        r.q_out = q.get();
+        r.k_dst = static_cast<void* const*>(ptr_buf_.get());
+        r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
+        r.head_stride = tmp_cap_ * d;
+        r.pre_rope_k_out = tmp_prek_.as<float>() + start * H * d;
+        b.RopeStore(r);
+      }
+      PENUMBRA_RETURN_IF_ERROR(CompressPrompt(s, l, length));
+    }
+    if (!s.sparse) {
+      const int64_t n = AttLayer(s) * ctx_.num_layers;
+      b.FillRandomNormal(s.att_k.get(), b.act_dtype(), n, 1.0f, seed * 2 + 1);
+      b.FillRandomNormal(s.att_v.get(), b.act_dtype(), n, 1.0f, seed * 2 + 2);
+      s.local_count = length;
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    ReleaseTempIfLarge();
+    return Status::OK();
+  }
+
+  size_t DeviceBytes(int64_t id) const override {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) return 0;
+    const Seq& s = it->second;
+    return s.att_k.bytes() + s.att_v.bytes() + s.a.bytes() + s.b.bytes() + s.p.bytes() + s.lm.bytes() +
+           s.excl.bytes() + s.slots.bytes() + s.prek.bytes();
+  }
+
+  PolicyStats stats() const override {
+    PolicyStats st = stats_;
+    st.prefill_op_ms = prefill_ms_;
+    return st;
+  }
+  void SetProfiling(bool on) override { profile_ = on; }
+
+ private:
+  static constexpr int kTables = 10;
+
+  struct Seq {
+    int64_t id = 0;
+    bool sparse = false;
+    int64_t token_cap = 0;
+    int outliers = 0, kslots = 0, chunk_cap = 0, n_chunks = 0;
+    int64_t local_cap = 0, local_count = 0, att_cap = 0;
+    DeviceBuffer att_k, att_v, a, b, p, lm, excl, slots, prek;
+    storage::SegmentId segment = 0;
+    std::vector<const void*> store_dev, store_host;
+  };
+
+
+  Seq& Get(int64_t id) {
+    auto it = seqs_.find(id);
+    CHECK(it != seqs_.end()) << "unknown sequence " << id;
+    return it->second;
+  }
+  static bool SameGeometry(const Seq& a, const Seq& b) {
+    return a.sparse == b.sparse && a.att_cap == b.att_cap && a.kslots == b.kslots && a.chunk_cap == b.chunk_cap &&
+           a.outliers == b.outliers;
+  }
+  int64_t AttLayer(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.att_cap * ctx_.head_dim; }
+  int64_t LocalRow0(const Seq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }
+  void* Row(const DeviceBuffer& buf, const Seq& s, int layer, int64_t row) const {
+    return static_cast<char*>(buf.get()) + (layer * AttLayer(s) + row * ctx_.head_dim) * es_;
+  }
+  void* Row2(const DeviceBuffer& buf, int layer, int64_t per_layer) const {
+    return static_cast<char*>(buf.get()) + layer * per_layer * es_;
+  }
+
+  Status Upload(DeviceBuffer* dst, const void* src, size_t bytes) {
+    if (dst->bytes() < bytes) {
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(*dst, ctx_.backend->Allocate(std::max<size_t>(bytes * 2, 4096)));
+    }
+    return ctx_.backend->CopyToDevice(dst->get(), src, bytes);
+  }
+
+  Status EnsureTemp(int64_t tokens) {
+    if (tmp_cap_ >= tokens) return Status::OK();
+    Backend& b = *ctx_.backend;
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    tmp_k_.Reset();
+    tmp_v_.Reset();
+    tmp_prek_.Reset();
+    const int H = ctx_.hkv, d = ctx_.head_dim;
+    const size_t kv = static_cast<size_t>(H) * tokens * d * es_;
+    PENUMBRA_ASSIGN_OR_RETURN(tmp_k_, b.Allocate(kv));
+    PENUMBRA_ASSIGN_OR_RETURN(tmp_v_, b.Allocate(kv));
+    PENUMBRA_ASSIGN_OR_RETURN(tmp_prek_, b.Allocate(static_cast<size_t>(tokens) * H * d * sizeof(float)));
+    const int64_t chunks = tokens / o_.chunk_size + 1;
+    PENUMBRA_ASSIGN_OR_RETURN(tmp_cos_, b.Allocate(static_cast<size_t>(H) * chunks * sizeof(float)));
+    PENUMBRA_ASSIGN_OR_RETURN(tmp_outl_, b.Allocate(static_cast<size_t>(H) * (o_.outlier_chunks + 1) * sizeof(int32_t)));
+    tmp_cap_ = tokens;
+    return Status::OK();
+  }
+  // Keeps the prefill temporaries for the next prompt unless they are large.
+  void ReleaseTempIfLarge() {
+    if (tmp_k_.bytes() > (size_t{256} << 20)) {
+      (void)ctx_.backend->Synchronize();
+      tmp_k_.Reset();
+      tmp_v_.Reset();
+      tmp_prek_.Reset();
+      tmp_cap_ = 0;
+    }
+  }
+  float* PrekScratch(int batch) {
+    const size_t need = static_cast<size_t>(batch) * ctx_.hkv * ctx_.head_dim * sizeof(float);
+    if (prek_scratch_.bytes() < need) {
+      auto r = ctx_.backend->Allocate(need * 2);
+      CHECK(r.ok()) << r.status();
+      prek_scratch_ = std::move(r).value();
+    }
+    return prek_scratch_.as<float>();
+  }
+  float* MinCosScratch(int n) {
+    if (mincos_scratch_.bytes() < n * sizeof(float)) {
+      auto r = ctx_.backend->Allocate(n * sizeof(float) * 2);
+      CHECK(r.ok()) << r.status();
+      mincos_scratch_ = std::move(r).value();
+    }
+    return mincos_scratch_.as<float>();
+  }
+  Status EnsureShiftScratch(size_t bytes) {
+    if (shift_.bytes() >= bytes) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+    PENUMBRA_ASSIGN_OR_RETURN(shift_, ctx_.backend->Allocate(bytes * 2));
+    return Status::OK();
+  }
+
+  PolicyContext ctx_;
+  ShadowKvOptions o_;
+  size_t es_;
+  BackendHostAllocator host_alloc_;
+  storage::DramValueStore store_;
+  std::map<int64_t, Seq> seqs_;
+  // prefill temporaries (one layer of one prompt)
+  DeviceBuffer tmp_k_, tmp_v_, tmp_prek_, tmp_cos_, tmp_outl_;
+  int64_t tmp_cap_ = 0;
+  DeviceBuffer ptr_buf_, step_buf_, miss_buf_, score_buf_, prek_scratch_, mincos_scratch_, shift_, stage_off_;
+  DeviceBuffer stage_, stage_v_;
+  std::vector<Seq*> step_;
+  std::vector<std::pair<int, int>> groups_;
+  int step_batch_ = 0, step_max_k_ = 0, step_max_chunks_ = 0;
+  bool profile_ = false;
+  std::map<std::string, double> prefill_ms_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<KvPolicy>> MakeShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& options) {
+  PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(options, ctx.hkv, ctx.head_dim));
+  return std::unique_ptr<KvPolicy>(new ShadowKvPolicy(ctx, options));
+}
+
+}  // namespace penumbra
