@@ -205,9 +205,23 @@ TEST(LowRankGpuTest, MatchesCpuReference) {
     const float atol = (low ? 0.03f : 2e-3f) * rms, rtol = low ? 0.02f : 2e-3f;
     const auto rec_gpu = Reconstruct(a_gpu, b_gpu, c.S, c.hkv, c.d, r);
     const auto rec_ref = Reconstruct(a_ref, b_ref, c.S, c.hkv, c.d, r);
-    EXPECT_TRUE(AllClose(rec_gpu, rec_ref, atol, rtol)) << "A*B, GPU vs CPU";
     if (r == D) {
+      EXPECT_TRUE(AllClose(rec_gpu, rec_ref, atol, rtol)) << "A*B, GPU vs CPU";
       EXPECT_TRUE(AllClose(rec_gpu, k_ref, atol, rtol)) << "full rank A*B vs K";
+    } else {
+      // A truncated SVD is unique only up to rotations inside near-equal
+      // singular values at the cut, so elements may legitimately differ there
+      // (seen on an H200: 20 of 4.2M elements at S=4100, r=160, bf16). What
+      // must hold is optimality (Eckart-Young): the GPU's rank-r error equals
+      // the reference's to within the factors' rounding.
+      double err_gpu = 0, err_ref = 0;
+      for (size_t i = 0; i < k_ref.size(); ++i) {
+        err_gpu += (double(rec_gpu[i]) - k_ref[i]) * (double(rec_gpu[i]) - k_ref[i]);
+        err_ref += (double(rec_ref[i]) - k_ref[i]) * (double(rec_ref[i]) - k_ref[i]);
+      }
+      const double slack = (low ? 1e-2 : 1e-4) * sq;
+      EXPECT_LE(err_gpu, err_ref * 1.02 + slack) << "rank-" << r << " error, GPU " << std::sqrt(err_gpu) << " vs CPU "
+                                                 << std::sqrt(err_ref);
     }
 
     // P maps the keys to A: K P on the host with the GPU's P equals the GPU's

@@ -167,6 +167,7 @@ Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
   PENUMBRA_RETURN_IF_ERROR(rt.AddSequence(1, warm.size(), 1));
   PENUMBRA_RETURN_IF_ERROR(rt.Prefill(1, warm, nullptr));
   rt.RemoveSequence(1);
+  if (a.Has("profile")) rt.policy().SetProfiling(true);
   const double t0 = Now();
   PENUMBRA_RETURN_IF_ERROR(rt.Prefill(0, prompt, nullptr));
   PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
@@ -177,6 +178,14 @@ Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
   j["batch"] = 1;
   j["seconds"] = dt;
   j["prefill_chunk"] = e.options().runtime.prefill_chunk;
+  if (a.Has("profile")) {
+    double ops = 0;
+    for (const auto& [op, ms] : rt.policy().stats().prefill_op_ms) {
+      j["prefill_op_ms"][op] = ms;
+      ops += ms;
+    }
+    j["compression_fraction"] = ops / 1e3 / dt;
+  }
   std::cout << j.dump() << std::endl;
   rt.RemoveSequence(0);
   return Status::OK();
@@ -195,7 +204,8 @@ Status Main(int argc, char** argv) {
       .Flag("outliers", "shadowkv outliers").Flag("chunk-size", "shadowkv chunk").Flag("local-window", "shadowkv window")
       .Flag("value-fetch", "shadowkv: zero_copy or staging").Flag("max-batch", "runtime max batch")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
-      .Flag("head-dim", "").Flag("vocab", "");
+      .Flag("head-dim", "").Flag("vocab", "")
+      .Switch("profile", "prefill: time each ShadowKV compression op (synchronizes after each)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
   Status st;
   ModelConfig c = Llama8BShape(a, &st);
