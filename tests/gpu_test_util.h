@@ -1,8 +1,15 @@
 // For *_gpu_test.cc: skip when no CUDA device is present; check CUDA calls.
 #pragma once
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include <cuda_runtime_api.h>
+#include <glog/logging.h>
 #include <gtest/gtest.h>
+
+#include "common/dtype.h"
 
 #include "tests/test_util.h"
 
@@ -20,3 +27,46 @@
     cudaError_t _e = (expr);                                                   \
     ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);     \
   } while (0)
+
+namespace penumbra::testing {
+
+// An owning device allocation for tests (CHECK-fails when out of memory).
+class GpuBuffer {
+ public:
+  explicit GpuBuffer(size_t bytes) {
+    CHECK(cudaMalloc(&p_, std::max<size_t>(bytes, 1)) == cudaSuccess) << "cudaMalloc " << bytes;
+  }
+  ~GpuBuffer() { (void)cudaFree(p_); }
+  GpuBuffer(GpuBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  GpuBuffer& operator=(GpuBuffer&&) = delete;
+  void* get() const { return p_; }
+  template <typename T> T* as() const { return static_cast<T*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// Host f32 -> device tensor of `dtype`; `rounded` receives the values the
+// device holds, widened back to f32 (the CPU reference's input).
+inline GpuBuffer UploadAs(const std::vector<float>& x, DType dtype, std::vector<float>* rounded) {
+  GpuBuffer buf(x.size() * DTypeSize(dtype));
+  std::vector<char> host(x.size() * DTypeSize(dtype));
+  ConvertFromF32(x.data(), host.data(), dtype, x.size());
+  CHECK(cudaMemcpy(buf.get(), host.data(), host.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+  if (rounded) {
+    rounded->resize(x.size());
+    ConvertToF32(host.data(), dtype, rounded->data(), x.size());
+  }
+  return buf;
+}
+
+// Device tensor of `dtype` -> host f32.
+inline std::vector<float> DownloadAs(const GpuBuffer& buf, DType dtype, size_t n) {
+  std::vector<char> host(n * DTypeSize(dtype));
+  CHECK(cudaMemcpy(host.data(), buf.get(), host.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+  std::vector<float> out(n);
+  ConvertToF32(host.data(), dtype, out.data(), n);
+  return out;
+}
+
+}  // namespace penumbra::testing

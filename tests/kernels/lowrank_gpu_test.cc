@@ -23,43 +23,9 @@ namespace penumbra::kernels {
 namespace {
 
 using penumbra::testing::AllClose;
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) {
-    CHECK(cudaMalloc(&p_, std::max<size_t>(bytes, 1)) == cudaSuccess) << "cudaMalloc " << bytes;
-  }
-  ~DeviceBuffer() { (void)cudaFree(p_); }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
-  void* get() const { return p_; }
-  template <typename T> T* as() const { return static_cast<T*>(p_); }
-
- private:
-  void* p_ = nullptr;
-};
-
-// Host f32 -> device tensor of `dtype`; `rounded` receives the values the
-// device holds, widened back to f32 (the CPU reference's input).
-DeviceBuffer Upload(const std::vector<float>& x, DType dtype, std::vector<float>* rounded) {
-  DeviceBuffer buf(x.size() * DTypeSize(dtype));
-  std::vector<char> host(x.size() * DTypeSize(dtype));
-  ConvertFromF32(x.data(), host.data(), dtype, x.size());
-  CHECK(cudaMemcpy(buf.get(), host.data(), host.size(), cudaMemcpyHostToDevice) == cudaSuccess);
-  if (rounded) {
-    rounded->resize(x.size());
-    ConvertToF32(host.data(), dtype, rounded->data(), x.size());
-  }
-  return buf;
-}
-
-std::vector<float> Download(const DeviceBuffer& buf, DType dtype, size_t n) {
-  std::vector<char> host(n * DTypeSize(dtype));
-  CHECK(cudaMemcpy(host.data(), buf.get(), host.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
-  std::vector<float> out(n);
-  ConvertToF32(host.data(), dtype, out.data(), n);
-  return out;
-}
+using DeviceBuffer = penumbra::testing::GpuBuffer;
+using penumbra::testing::DownloadAs;
+using penumbra::testing::UploadAs;
 
 // Keys with singular values exp(-j/40), halved again past `gap_at`, mixed by
 // three random Householder reflections (a dense orthogonal map) so no
@@ -146,7 +112,7 @@ TEST(LowRankGpuTest, MatchesCpuReference) {
     const int D = c.hkv * c.d, r = c.rank;
     const auto k = SpectrumKeys(c.S, D, r, 1000 + c.S + D + r);
     std::vector<float> k_ref;
-    DeviceBuffer k_dev = Upload(k, c.key_dtype, &k_ref);
+    DeviceBuffer k_dev = UploadAs(k, c.key_dtype, &k_ref);
 
     // CPU reference on the values the GPU sees.
     std::vector<float> a_ref(c.S * r), b_ref(static_cast<size_t>(D) * r), p_ref(static_cast<size_t>(D) * r),
@@ -186,10 +152,10 @@ TEST(LowRankGpuTest, MatchesCpuReference) {
     ASSERT_TRUE(st.ok()) << st;
     PENUMBRA_CUDA_OK(cudaStreamSynchronize(hd.stream));
 
-    const auto a_gpu = Download(a_dev, c.factor_dtype, c.S * r);
-    const auto b_gpu = Download(b_dev, c.factor_dtype, static_cast<size_t>(D) * r);
-    const auto s_gpu = Download(s_dev, f32, r);
-    const auto p_gpu = Download(p_dev, f32, static_cast<size_t>(D) * r);
+    const auto a_gpu = DownloadAs(a_dev, c.factor_dtype, c.S * r);
+    const auto b_gpu = DownloadAs(b_dev, c.factor_dtype, static_cast<size_t>(D) * r);
+    const auto s_gpu = DownloadAs(s_dev, f32, r);
+    const auto p_gpu = DownloadAs(p_dev, f32, static_cast<size_t>(D) * r);
 
     // Singular values: 1e-4 relative for the well-resolved ones; the Gram
     // matrix's f32 rounding (~1e-5 * sigma_0^2) bounds the small ones.
@@ -254,8 +220,8 @@ TEST(LowRankGpuTest, ProjectKeysMatchesCpu) {
     for (auto& v : k) v = n01(rng);
     for (auto& v : p) v = n01(rng) / std::sqrt(float(c.D));
     std::vector<float> k_ref;
-    DeviceBuffer k_dev = Upload(k, c.key_dtype, &k_ref);
-    DeviceBuffer p_dev = Upload(p, DType::kF32, nullptr);
+    DeviceBuffer k_dev = UploadAs(k, c.key_dtype, &k_ref);
+    DeviceBuffer p_dev = UploadAs(p, DType::kF32, nullptr);
     const int64_t stride = c.rank + 3;  // a padded destination row
     DeviceBuffer out(static_cast<size_t>(c.n) * stride * DTypeSize(c.out_dtype));
     PENUMBRA_CUDA_OK(cudaMemset(out.get(), 0, static_cast<size_t>(c.n) * stride * DTypeSize(c.out_dtype)));
@@ -272,7 +238,7 @@ TEST(LowRankGpuTest, ProjectKeysMatchesCpu) {
     LaunchProjectKeys(a, nullptr);
     PENUMBRA_CUDA_OK(cudaGetLastError());
     PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
-    const auto got_padded = Download(out, c.out_dtype, static_cast<size_t>(c.n) * stride);
+    const auto got_padded = DownloadAs(out, c.out_dtype, static_cast<size_t>(c.n) * stride);
     std::vector<float> got(static_cast<size_t>(c.n) * c.rank), want(got.size());
     for (int t = 0; t < c.n; ++t) {
       for (int i = 0; i < c.rank; ++i) got[t * c.rank + i] = got_padded[t * stride + i];

@@ -24,47 +24,15 @@ namespace penumbra::kernels {
 namespace {
 
 using penumbra::testing::AllClose;
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) {
-    CHECK(cudaMalloc(&p_, std::max<size_t>(bytes, 1)) == cudaSuccess) << "cudaMalloc " << bytes;
-  }
-  ~DeviceBuffer() { (void)cudaFree(p_); }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
-  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
-  void* get() const { return p_; }
-  template <typename T> T* as() const { return static_cast<T*>(p_); }
-
- private:
-  void* p_ = nullptr;
-};
-
-DeviceBuffer Upload(const std::vector<float>& x, DType dtype, std::vector<float>* rounded) {
-  DeviceBuffer buf(x.size() * DTypeSize(dtype));
-  std::vector<char> host(x.size() * DTypeSize(dtype));
-  ConvertFromF32(x.data(), host.data(), dtype, x.size());
-  CHECK(cudaMemcpy(buf.get(), host.data(), host.size(), cudaMemcpyHostToDevice) == cudaSuccess);
-  if (rounded) {
-    rounded->resize(x.size());
-    ConvertToF32(host.data(), dtype, rounded->data(), x.size());
-  }
-  return buf;
-}
+using DeviceBuffer = penumbra::testing::GpuBuffer;
+using penumbra::testing::DownloadAs;
+using penumbra::testing::UploadAs;
 
 template <typename T>
 DeviceBuffer UploadRaw(const std::vector<T>& x) {
   DeviceBuffer buf(x.size() * sizeof(T));
   CHECK(cudaMemcpy(buf.get(), x.data(), x.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
   return buf;
-}
-
-std::vector<float> Download(const DeviceBuffer& buf, DType dtype, size_t n) {
-  std::vector<char> host(n * DTypeSize(dtype));
-  CHECK(cudaMemcpy(host.data(), buf.get(), host.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
-  std::vector<float> out(n);
-  ConvertToF32(host.data(), dtype, out.data(), n);
-  return out;
 }
 
 template <typename T>
@@ -101,10 +69,10 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
     for (int h = 0; h < c.hkv; ++h)
       std::fill_n(k.begin() + h * k_stride + c.first_token * c.d, c.C * c.d, 0.0f);
     std::vector<float> k_ref;
-    DeviceBuffer k_dev = Upload(k, c.kv_dtype, &k_ref);
+    DeviceBuffer k_dev = UploadAs(k, c.kv_dtype, &k_ref);
     const std::vector<float> lm_init(c.hkv * l_stride, -3.0f), mc_init(c.hkv * m_stride, -3.0f);
-    DeviceBuffer lm_dev = Upload(lm_init, c.landmark_dtype, nullptr);
-    DeviceBuffer mc_dev = Upload(mc_init, f32, nullptr);
+    DeviceBuffer lm_dev = UploadAs(lm_init, c.landmark_dtype, nullptr);
+    DeviceBuffer mc_dev = UploadAs(mc_init, f32, nullptr);
 
     ChunkLandmarksArgs a;
     a.k = k_dev.get();
@@ -143,8 +111,8 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
       ConvertFromF32(lm_ref.data(), tmp.data(), DType::kBF16, lm_ref.size());
       ConvertToF32(tmp.data(), DType::kBF16, lm_ref.data(), lm_ref.size());
     }
-    const auto lm = Download(lm_dev, c.landmark_dtype, lm_ref.size());
-    const auto mc = Download(mc_dev, f32, mc_ref.size());
+    const auto lm = DownloadAs(lm_dev, c.landmark_dtype, lm_ref.size());
+    const auto mc = DownloadAs(mc_dev, f32, mc_ref.size());
     // Means are summed in the same order on both sides; bf16 may differ by one
     // ulp where the f32 means straddle a rounding boundary.
     const bool low = c.landmark_dtype == DType::kBF16;
@@ -261,7 +229,7 @@ TEST(ShadowKvPrefillGpuTest, LandmarksSelectGatherChainMatchesCpu) {
     std::normal_distribution<float> n01;
     for (auto& x : v) x = n01(rng);
     std::vector<float> k_ref, v_ref;
-    DeviceBuffer k_dev = Upload(k, c.dtype, &k_ref), v_dev = Upload(v, c.dtype, &v_ref);
+    DeviceBuffer k_dev = UploadAs(k, c.dtype, &k_ref), v_dev = UploadAs(v, c.dtype, &v_ref);
 
     // CPU chain.
     const int64_t m_stride = c.n_chunks + 3, l_stride = int64_t(c.n_chunks) * c.d;
@@ -311,8 +279,8 @@ TEST(ShadowKvPrefillGpuTest, LandmarksSelectGatherChainMatchesCpu) {
     // GPU chain.
     DeviceBuffer lm_dev(sizeof(float) * lm_ref.size()), mc_dev(sizeof(float) * mc_ref.size()),
         out_dev(sizeof(int32_t) * out_ref.size());
-    DeviceBuffer ak_dev = Upload(std::vector<float>(ak_ref.size(), 0.0f), c.dtype, nullptr);
-    DeviceBuffer av_dev = Upload(std::vector<float>(av_ref.size(), 0.0f), c.dtype, nullptr);
+    DeviceBuffer ak_dev = UploadAs(std::vector<float>(ak_ref.size(), 0.0f), c.dtype, nullptr);
+    DeviceBuffer av_dev = UploadAs(std::vector<float>(av_ref.size(), 0.0f), c.dtype, nullptr);
     DeviceBuffer mask_dev = UploadRaw(std::vector<uint8_t>(mask_ref.size(), 7));
     ChunkLandmarksArgs gl;
     gl.k = k_dev.get();
@@ -361,8 +329,8 @@ TEST(ShadowKvPrefillGpuTest, LandmarksSelectGatherChainMatchesCpu) {
     const auto out = DownloadRaw<int32_t>(out_dev, out_ref.size());
     for (size_t i = 0; i < out.size(); ++i)
       ASSERT_EQ(out[i], out_ref[i]) << "outlier set differs at head " << i / c.O << " slot " << i % c.O;
-    EXPECT_TRUE(AllClose(Download(ak_dev, c.dtype, ak_ref.size()), ak_ref, 0.0f, 0.0f)) << "att_k";
-    EXPECT_TRUE(AllClose(Download(av_dev, c.dtype, av_ref.size()), av_ref, 0.0f, 0.0f)) << "att_v";
+    EXPECT_TRUE(AllClose(DownloadAs(ak_dev, c.dtype, ak_ref.size()), ak_ref, 0.0f, 0.0f)) << "att_k";
+    EXPECT_TRUE(AllClose(DownloadAs(av_dev, c.dtype, av_ref.size()), av_ref, 0.0f, 0.0f)) << "att_v";
     const auto mask = DownloadRaw<uint8_t>(mask_dev, mask_ref.size());
     for (size_t i = 0; i < mask.size(); ++i)
       ASSERT_EQ(int(mask[i]), int(mask_ref[i])) << "mask differs at head " << i / mask_stride << " chunk "

@@ -161,26 +161,8 @@ class ShadowKvPolicy final : public KvPolicy {
       vbase = tmp_v_.get();
       stride = tmp_cap_ * d;
     }
-    std::vector<void*> ptrs(2 * static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      ptrs[i] = static_cast<char*>(kbase) + (start + i) * d * es_;
-      ptrs[n + i] = static_cast<char*>(vbase) + (start + i) * d * es_;
-    }
-    PENUMBRA_RETURN_IF_ERROR(Upload(&ptr_buf_, ptrs.data(), ptrs.size() * sizeof(void*)));
-    RopeStoreOp r;
-    r.qkv = qkv;
-    r.positions = positions;
-    r.inv_freq = ctx_.inv_freq;
-    r.n = n;
-    r.hq = ctx_.hq;
-    r.hkv = H;
-    r.d = d;
-    r.q_out = q_scratch;
-    r.k_dst = static_cast<void* const*>(ptr_buf_.get());
-    r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
-    r.head_stride = stride;
-    r.pre_rope_k_out = s.sparse ? tmp_prek_.as<float>() + start * D : nullptr;
-    b.RopeStore(r);
+    PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv, positions, n, start, q_scratch, kbase, vbase, stride,
+                                         s.sparse ? tmp_prek_.as<float>() + start * D : nullptr));
     PrefillAttentionOp a;
     a.q = q_scratch;
     a.k = kbase;
@@ -683,26 +665,8 @@ class ShadowKvPolicy final : public KvPolicy {
         for (int i = 0; i < n; ++i) p[i] = static_cast<int32_t>(start + i);
         PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos.get(), p.data(), n * 4));
         b.FillRandomNormal(qkv.get(), DType::kF32, n * qkv_row, 1.0f, seed * 1000003 + l * 7919 + start);
-        std::vector<void*> ptrs(2 * static_cast<size_t>(n));
-        for (int i = 0; i < n; ++i) {
-          ptrs[i] = tmp_k_.as<char>() + (start + i) * d * es_;
-          ptrs[n + i] = tmp_v_.as<char>() + (start + i) * d * es_;
-        }
-        PENUMBRA_RETURN_IF_ERROR(Upload(&ptr_buf_, ptrs.data(), ptrs.size() * sizeof(void*)));
-        RopeStoreOp r;
-        r.qkv = qkv.as<float>();
-        r.positions = pos.as<int32_t>();
-        r.inv_freq = ctx_.inv_freq;
-        r.n = n;
-        r.hq = hq;
-        r.hkv = H;
-        r.d = d;
-        r.q_out = q.get();
-        r.k_dst = static_cast<void* const*>(ptr_buf_.get());
-        r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
-        r.head_stride = tmp_cap_ * d;
-        r.pre_rope_k_out = tmp_prek_.as<float>() + start * H * d;
-        b.RopeStore(r);
+        PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv.as<float>(), pos.as<int32_t>(), n, start, q.get(), tmp_k_.get(),
+                                             tmp_v_.get(), tmp_cap_ * d, tmp_prek_.as<float>() + start * H * d));
       }
       PENUMBRA_RETURN_IF_ERROR(CompressPrompt(s, l, length));
     }
@@ -771,6 +735,35 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_ASSIGN_OR_RETURN(*dst, ctx_.backend->Allocate(std::max<size_t>(bytes * 2, 4096)));
     }
     return ctx_.backend->CopyToDevice(dst->get(), src, bytes);
+  }
+
+  // RoPE + store for tokens [start, start + n) into K/V bases laid out
+  // [hkv][stride] (row t at +t*d); queries to q_out; pre-RoPE keys to
+  // pre_rope (may be null).
+  Status StoreTokens(const float* qkv, const int32_t* positions, int n, int64_t start, void* q_out, void* kbase,
+                     void* vbase, int64_t stride, float* pre_rope) {
+    const int d = ctx_.head_dim;
+    std::vector<void*> ptrs(2 * static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      ptrs[i] = static_cast<char*>(kbase) + (start + i) * d * es_;
+      ptrs[n + i] = static_cast<char*>(vbase) + (start + i) * d * es_;
+    }
+    PENUMBRA_RETURN_IF_ERROR(Upload(&ptr_buf_, ptrs.data(), ptrs.size() * sizeof(void*)));
+    RopeStoreOp r;
+    r.qkv = qkv;
+    r.positions = positions;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = n;
+    r.hq = ctx_.hq;
+    r.hkv = ctx_.hkv;
+    r.d = d;
+    r.q_out = q_out;
+    r.k_dst = static_cast<void* const*>(ptr_buf_.get());
+    r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
+    r.head_stride = stride;
+    r.pre_rope_k_out = pre_rope;
+    ctx_.backend->RopeStore(r);
+    return Status::OK();
   }
 
   Status EnsureTemp(int64_t tokens) {
