@@ -79,8 +79,8 @@ template <> struct Raw8<float> {
 // 1. Scores
 // ============================================================================
 constexpr int kScoreThreads = 256;
-constexpr int kScoreSplit = 256;  // chunks per phase-1 block
-constexpr int kScoreUnroll = 4;   // rows in flight per thread
+constexpr int kScoreSplit = 1024;  // chunks per phase-1 block
+constexpr int kScoreUnroll = 8;   // rows in flight per thread
 constexpr int kScoreFinalPerThread = 4;
 
 size_t AlignUp(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
