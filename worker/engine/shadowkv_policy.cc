@@ -376,7 +376,7 @@ class ShadowKvPolicy final : public KvPolicy {
 
   Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out) override {
     Backend& b = *ctx_.backend;
-    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
+    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim;
     auto* base = static_cast<void* const*>(step_buf_.get());
     void* const* tab = base + static_cast<size_t>(layer) * kTables * B;
     const int32_t* lengths = reinterpret_cast<const int32_t*>(base + static_cast<size_t>(ctx_.num_layers) * kTables * B);
@@ -428,7 +428,6 @@ class ShadowKvPolicy final : public KvPolicy {
       a.scale = ctx_.scale;
       b.DecodeAttention(a);
     }
-    (void)C;
     return Status::OK();
   }
 
@@ -504,7 +503,7 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.chunk_size = C;
     fv.max_misses = K;
     if (o_.value_fetch == "staging") {
-      PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mslot + off, mchunk + off, &fv));
+      PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mchunk + off, &fv));
       b.ShadowkvFetchV(fv, /*staged=*/true);
     } else {
       b.ShadowkvFetchV(fv, /*staged=*/false);
@@ -533,7 +532,7 @@ class ShadowKvPolicy final : public KvPolicy {
 
   // The staging variant: miss lists to the host, CPU gathers the chunks from
   // the store (checksums verified) into pinned memory, the device scatters.
-  Status StageValues(int layer, int g0, int gn, const int32_t* mcount, const int32_t* mslot, const int32_t* mchunk,
+  Status StageValues(int layer, int g0, int gn, const int32_t* mcount, const int32_t* mchunk,
                      kn::ShadowkvFetchVArgs* fv) {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, K = step_[g0]->kslots, C = o_.chunk_size, d = ctx_.head_dim;
@@ -562,7 +561,6 @@ class ShadowKvPolicy final : public KvPolicy {
     PENUMBRA_RETURN_IF_ERROR(Upload(&stage_off_, offsets.data(), offsets.size() * 4));
     fv->staging = b.DeviceAddressOfHost(stage_v_.get());
     fv->staging_offsets = stage_off_.as<int32_t>();
-    (void)mslot;
     return Status::OK();
   }
 
