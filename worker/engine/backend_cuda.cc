@@ -196,13 +196,8 @@ class CudaBackend final : public Backend {
     kn::LaunchPrefillAttention(a, stream_);
   }
   void DecodeAttention(const DecodeAttentionOp& op) override {
-    const size_t need = kn::DecodeAttentionWorkspaceBytes(op.batch, op.hq, op.d, op.max_length);
-    if (need > decode_ws_.bytes()) {
-      PENUMBRA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      auto buf = Allocate(need);
-      CHECK(buf.ok()) << buf.status();
-      decode_ws_ = std::move(buf).value();
-    }
+    const Status grown = GrowWorkspace(&decode_ws_, kn::DecodeAttentionWorkspaceBytes(op.batch, op.hq, op.d, op.max_length));
+    CHECK(grown.ok()) << grown;
     kn::DecodeAttentionArgs a;
     a.q = op.q;
     a.k = op.k;
@@ -254,10 +249,7 @@ class CudaBackend final : public Backend {
     a.key_dtype = DType::kF32;
     a.factor_dtype = act_;
     PENUMBRA_ASSIGN_OR_RETURN(size_t need, kn::LowRankWorkspaceBytes(solver_, a.S, a.hkv * a.d, a.rank));
-    if (need > lowrank_ws_.bytes()) {
-      PENUMBRA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-      PENUMBRA_ASSIGN_OR_RETURN(lowrank_ws_, Allocate(need));
-    }
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&lowrank_ws_, need));
     a.workspace = lowrank_ws_.get();
     a.workspace_bytes = lowrank_ws_.bytes();
     return kn::LowRankFactor(a, cublas_, solver_, stream_);
@@ -280,13 +272,8 @@ class CudaBackend final : public Backend {
   void ShadowkvScore(kn::ShadowkvScoreArgs a) override {
     a.q_dtype = act_;
     a.dtype = act_;
-    const size_t need = kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks);
-    if (need > score_ws_.bytes()) {
-      PENUMBRA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      auto buf = Allocate(need);
-      CHECK(buf.ok()) << buf.status();
-      score_ws_ = std::move(buf).value();
-    }
+    const Status grown = GrowWorkspace(&score_ws_, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks));
+    CHECK(grown.ok()) << grown;
     a.workspace = score_ws_.get();
     a.workspace_bytes = score_ws_.bytes();
     kn::LaunchShadowkvScore(a, stream_);
@@ -320,6 +307,15 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
 
  private:
+  // Reallocates `ws` when it is smaller than `need`, after the stream has
+  // finished with the old one.
+  Status GrowWorkspace(DeviceBuffer* ws, size_t need) {
+    if (need <= ws->bytes()) return Status::OK();
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    PENUMBRA_ASSIGN_OR_RETURN(*ws, Allocate(need));
+    return Status::OK();
+  }
+
   DeviceBuffer lowrank_ws_, score_ws_;
   cusolverDnHandle_t solver_ = nullptr;
   cudaStream_t side_ = nullptr;

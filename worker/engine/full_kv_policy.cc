@@ -90,9 +90,8 @@ class FullKvPolicy final : public KvPolicy {
         row[3 * B + i] = Slot(s.v, s, l, 0);
       }
     }
-    // All sequences in one step must share a head stride: use the largest
-    // capacity's layout per sequence via its own base; the kernels take one
-    // head_stride, so the batch is split by capacity in DecodeAttention.
+    // The kernels take one head stride per launch, so DecodeAttention runs
+    // the store and attention once per run of sequences of equal capacity.
     std::vector<int32_t> lengths(B);
     for (size_t i = 0; i < B; ++i) lengths[i] = static_cast<int32_t>(positions[i] + 1);
     PENUMBRA_RETURN_IF_ERROR(UploadPointers(ptrs, lengths));
