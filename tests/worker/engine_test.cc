@@ -129,6 +129,44 @@ TEST(EngineTest, ShadowKvLossySettingsRunAndCompressGeneratedTokens) {
   EXPECT_GE(st.hit_rate(), 0.0);
 }
 
+// outlier_fraction scales the outlier count with the prompt: 201 tokens,
+// window 8 -> 24 prompt chunks; ceil(0.05 * 24) = 2 outliers, the same policy
+// as outlier_chunks = 2, so the same tokens come out.
+TEST(EngineTest, ShadowKvOutlierFractionMatchesTheEquivalentCount) {
+  auto run = [](int outliers, double fraction) {
+    EngineOptions o;
+    o.backend.device = "cpu";
+    o.kv_policy = "shadowkv";
+    o.shadowkv.rank = 12;
+    o.shadowkv.budget_tokens = 48;
+    o.shadowkv.outlier_chunks = outliers;
+    o.shadowkv.outlier_fraction = fraction;
+    o.shadowkv.min_prompt_tokens = 0;
+    o.shadowkv.local_window = 8;
+    auto e = Open(o);
+    const std::vector<int32_t> g = GoldenIds();
+    GenerationRequest r;
+    r.prompt = {1};
+    r.prompt.insert(r.prompt.end(), g.begin(), g.begin() + 200);
+    r.max_new_tokens = 40;
+    auto res = e->runtime().Generate({r});
+    EXPECT_TRUE(res.ok()) << res.status();
+    return res.ok() ? (*res)[0].ids : std::vector<int32_t>{};
+  };
+  const auto by_count = run(2, 0.0);
+  ASSERT_EQ(by_count.size(), 40u);
+  EXPECT_EQ(run(48, 0.05), by_count);  // the fraction overrides outlier_chunks
+
+  EngineOptions bad;
+  bad.backend.device = "cpu";
+  bad.kv_policy = "shadowkv";
+  bad.shadowkv.rank = 16;
+  bad.shadowkv.outlier_fraction = 1.0;
+  auto e = Engine::Open(Stories(), bad);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("outlier_fraction"), std::string::npos) << e.status();
+}
+
 TEST(EngineTest, BadRequestsAreRefusedWithClearErrors) {
   EngineOptions o;
   o.backend.device = "cpu";

@@ -8,6 +8,7 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.Read("budget_tokens", &o->budget_tokens, 1, int64_t{1} << 32);
   r.Read("budget_fraction", &o->budget_fraction, 0.0, 1.0);
   r.Read("outlier_chunks", &o->outlier_chunks, 0, 1 << 20);
+  r.Read("outlier_fraction", &o->outlier_fraction, 0.0, 0.999);
   r.Read("local_window", &o->local_window, 1, 1 << 20);
   r.Read("min_prompt_tokens", &o->min_prompt_tokens, 0, int64_t{1} << 40);
   r.ReadEnum("value_fetch", &o->value_fetch, {"zero_copy", "staging"});
@@ -27,6 +28,9 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
                                    ") must be a positive multiple of chunk_size (" + std::to_string(o.chunk_size) + ")");
   }
   if (o.outlier_chunks < 0) return Status::InvalidArgument("shadowkv.outlier_chunks must be >= 0");
+  if (o.outlier_fraction < 0 || o.outlier_fraction >= 1) {
+    return Status::InvalidArgument("shadowkv.outlier_fraction must be in [0, 1)");
+  }
   if (o.local_window < 1) return Status::InvalidArgument("shadowkv.local_window must be >= 1");
   if (o.value_fetch != "zero_copy" && o.value_fetch != "staging") {
     return Status::InvalidArgument("shadowkv.value_fetch must be zero_copy or staging, got '" + o.value_fetch + "'");

@@ -16,6 +16,7 @@ struct ShadowKvOptions {
   int64_t budget_tokens = 2048;    // selected tokens per KV head per step (multiple of chunk_size). Default: 2048.
   double budget_fraction = 0.0;    // if > 0, budget = fraction * context, rounded up to a chunk; overrides budget_tokens. Default: 0.
   int outlier_chunks = 48;         // exact chunks kept per KV head (lowest min-cosine). Default: 48.
+  double outlier_fraction = 0.0;   // if > 0, outliers = ceil(fraction * prompt chunks); overrides outlier_chunks. Default: 0.
   int local_window = 32;           // most recent tokens always kept exact (at least). Default: 32.
   int64_t min_prompt_tokens = 4096;  // shorter prompts use full attention. Default: 4096.
   std::string value_fetch = "zero_copy";  // "zero_copy" (GPU reads pinned host memory) or "staging". Default: zero_copy.

@@ -83,7 +83,11 @@ class ShadowKvPolicy final : public KvPolicy {
     int64_t budget = o_.budget_tokens;
     if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * prompt_len / C)) * C;
     const int64_t prompt_chunks = (prompt_len - o_.local_window) / C;
-    s.outliers = static_cast<int>(std::min<int64_t>(o_.outlier_chunks, std::max<int64_t>(prompt_chunks - budget / C, 0)));
+    int64_t want_outliers = o_.outlier_chunks;
+    if (o_.outlier_fraction > 0) {
+      want_outliers = static_cast<int64_t>(std::ceil(o_.outlier_fraction * static_cast<double>(std::max<int64_t>(prompt_chunks, 0))));
+    }
+    s.outliers = static_cast<int>(std::min<int64_t>(want_outliers, std::max<int64_t>(prompt_chunks - budget / C, 0)));
     s.kslots = static_cast<int>(std::min<int64_t>(budget / C, prompt_chunks - s.outliers));
     s.sparse = prompt_len >= o_.min_prompt_tokens && s.kslots >= 1;
     if (!s.sparse) {
@@ -778,7 +782,8 @@ class ShadowKvPolicy final : public KvPolicy {
     PENUMBRA_ASSIGN_OR_RETURN(tmp_prek_, b.Allocate(static_cast<size_t>(tokens) * H * d * sizeof(float)));
     const int64_t chunks = tokens / o_.chunk_size + 1;
     PENUMBRA_ASSIGN_OR_RETURN(tmp_cos_, b.Allocate(static_cast<size_t>(H) * chunks * sizeof(float)));
-    PENUMBRA_ASSIGN_OR_RETURN(tmp_outl_, b.Allocate(static_cast<size_t>(H) * (o_.outlier_chunks + 1) * sizeof(int32_t)));
+    // Outlier ids: at most one per chunk, whichever of outlier_chunks / outlier_fraction applies.
+    PENUMBRA_ASSIGN_OR_RETURN(tmp_outl_, b.Allocate(static_cast<size_t>(H) * (chunks + 1) * sizeof(int32_t)));
     tmp_cap_ = tokens;
     return Status::OK();
   }
