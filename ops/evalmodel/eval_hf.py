@@ -151,6 +151,7 @@ def main(argv=None):
                     "id": rec["id"], "task": rec["task"], "length": rec["length"],
                     "turn": ti, "prediction": pred, "answer": turn["answer"],
                     "correct": ok, "partial": round(part, 4), "tokens": n_in}) + "\n")
+                pred_f.flush()  # a run stopped by a time limit keeps what it did
     if pred_f:
         pred_f.close()
     for (task, length), (n, c, p) in sorted(agg.items(), key=lambda kv: (kv[0][1], kv[0][0] == "all", kv[0][0])):

@@ -87,14 +87,25 @@ def parse_args(argv=None):
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--max-shard-size", default="15MB",
                     help="safetensors shard size (device file transfers allow 16 MiB a file)")
+    ap.add_argument("--auto-minutes", type=float, default=0.0,
+                    help="on a fresh run, time a few steps at every curriculum length and set "
+                         "--total-steps so that training takes about this many minutes; the choice "
+                         "is kept in --out/schedule.json and reused by every later call")
+    ap.add_argument("--export-at-deadline", action="store_true",
+                    help="if this call ends before the last step, export the current weights "
+                         "anyway (training_args.json records the step); for the last call of a budget")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="train the tokenizer and build the token cache, then exit")
     ap.add_argument("--estimate", action="store_true",
                     help="time a few steps per curriculum length, print projection, exit")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model and steps, for checking the pipeline (uses --out as is)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.hidden, args.layers, args.intermediate = 128, 2, 256
-        args.heads, args.kv_heads, args.head_dim = 4, 2, 32
+        # head_dim 64 as in the real model, so the smoke export runs through
+        # the same engine kernels.
+        args.hidden, args.layers, args.intermediate = 256, 2, 512
+        args.heads, args.kv_heads, args.head_dim = 4, 2, 64
         args.total_steps, args.tokens_per_step = 40, 16384
         args.curriculum = "0:1024,0.5:4096"
         args.tokenizer_train_chars = 3_000_000
@@ -196,6 +207,7 @@ def _worker_init(tok_path, corpus_text, tokens_path):
 def build_batch(args, step):
     import numpy as np
 
+    t_gen0 = time.time()
     tok, counter, hay, corpus = _W["tok"], _W["counter"], _W["hay"], _W["tokens"]
     L = seq_len_at(args, step)
     B = max(1, args.tokens_per_step // L)
@@ -235,6 +247,7 @@ def build_batch(args, step):
             ids[b, pos] = _W["bos"]
             ids[b, pos + 1:L] = corpus[off:off + need]
             lm[b, pos + 1:L] = True
+    kinds["_gen_s"] = round(time.time() - t_gen0, 3)
     return step, ids, lm, ans, kinds
 
 
@@ -458,6 +471,8 @@ def main(argv=None):
     if not os.path.exists(tokens_path):
         build_token_cache(tok, docs, tokens_path)
         print(f"token cache built ({time.time() - t_start:.0f}s)", flush=True)
+    if args.prepare_only:
+        return
     corpus_text = "\n\n".join(docs)
     del docs
 
@@ -467,10 +482,18 @@ def main(argv=None):
     if os.path.exists(state_path) and not args.estimate:
         st = torch.load(state_path, map_location="cpu", weights_only=False)
         start = st["step"]
-    if args.estimate:
-        pre = pregenerate_for_estimate(args, tok_path, corpus_text, tokens_path)
-    else:
-        batches = Batches(args, tok_path, corpus_text, tokens_path, start, args.total_steps)
+    sched_path = os.path.join(args.out, "schedule.json")
+    auto = False
+    if os.path.exists(sched_path) and not args.estimate:
+        with open(sched_path) as f:
+            args.total_steps = int(json.load(f)["total_steps"])
+        print(f"schedule: {args.total_steps} steps (from {sched_path})", flush=True)
+    elif args.auto_minutes > 0 and not args.estimate:
+        if st is not None:
+            sys.exit(f"{state_path} exists but {sched_path} does not: cannot resume an auto schedule")
+        auto = True
+    # Batches for timing are made before CUDA is initialized in this process.
+    pre = pregenerate_for_estimate(args, tok_path, corpus_text, tokens_path) if (args.estimate or auto) else None
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -495,6 +518,13 @@ def main(argv=None):
 
     if args.estimate:
         return estimate(args, fwd, opt, pre)
+    if auto:
+        args.total_steps = auto_total_steps(args, fwd, opt, pre)
+        with open(sched_path, "w") as f:
+            json.dump({"total_steps": args.total_steps, "auto_minutes": args.auto_minutes}, f)
+        del pre
+    # Workers fork from a process that already holds CUDA; they never touch it.
+    batches = Batches(args, tok_path, corpus_text, tokens_path, start, args.total_steps)
 
     if start >= args.total_steps:
         print("already at the last step", flush=True)
@@ -564,32 +594,86 @@ def main(argv=None):
         batches.close()
     save(step)
     csv_f.close()
-    if step >= args.total_steps:
-        plot(args, csv_path, os.path.join(args.out, "loss.png"))
+    finished = step >= args.total_steps
+    if finished or args.export_at_deadline:
+        if not finished:
+            args.stopped_at_step = step
+            print(f"exporting at step {step}/{args.total_steps} (--export-at-deadline)", flush=True)
         export(args, model, tok_path, os.path.join(args.out, "model"))
+        try:
+            plot(args, csv_path, os.path.join(args.out, "loss.png"))
+        except Exception as e:  # noqa: BLE001  (a missing plotting library must not lose the model)
+            print(f"plot failed: {e}", flush=True)
+    if finished:
         print("done", flush=True)
     else:
         print(f"stopped at step {step}/{args.total_steps}: run again to resume", flush=True)
 
 
 def pregenerate_for_estimate(args, tok_path, corpus_text, tokens_path):
-    """{seq_len: (n_steps_in_phase, gen_seconds_per_batch, [batches])}."""
+    """{seq_len: (n_steps_in_phase, wall_seconds_per_batch, [batches])}: the first few
+    batches of every curriculum phase, made by one worker pool."""
     lens = sorted({L for _, L in curriculum(args)})
     steps_at = {L: 0 for L in lens}
     for s in range(args.total_steps):
         steps_at[seq_len_at(args, s)] += 1
-    out = {}
+    ctx = mp.get_context("fork")
+    pool = ctx.Pool(args.workers, initializer=_worker_init, initargs=(tok_path, corpus_text, tokens_path))
+    t0 = time.time()
+    pending = {}
     for L in lens:
         if steps_at[L] == 0:
             continue
         first = next(s for s in range(args.total_steps) if seq_len_at(args, s) == L)
-        n = min(6, steps_at[L])
-        t0 = time.time()
-        b = Batches(args, tok_path, corpus_text, tokens_path, first, first + n)
-        got = [b.get(first + i) for i in range(n)]
-        b.close()
-        out[L] = (steps_at[L], (time.time() - t0) / n, got)
+        n = min(4, steps_at[L])
+        pending[L] = [pool.apply_async(build_batch, (args, first + i)) for i in range(n)]
+    out = {}
+    for L, rs in pending.items():
+        got = [r.get() for r in rs]
+        out[L] = (steps_at[L], (time.time() - t0) / len(got), got)
+    pool.terminate()
+    pool.join()
+    print(f"timing batches made in {time.time() - t0:.0f}s", flush=True)
     return out
+
+
+def _time_fwd_bwd(args, model, opt, got):
+    import torch
+
+    dev = torch.device("cuda")
+    times = []
+    for _, ids, lm, ans, _ in got:
+        torch.cuda.synchronize()
+        t0 = time.time()
+        loss, *_ = compute_loss(model, torch.from_numpy(ids).to(dev), torch.from_numpy(lm).to(dev),
+                                torch.from_numpy(ans).to(dev), args.task_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.cuda.synchronize()
+        times.append(time.time() - t0)
+    opt.zero_grad(set_to_none=True)
+    rest = times[1:] or times  # the first call pays one-time costs
+    return sorted(rest)[len(rest) // 2]
+
+
+def auto_total_steps(args, model, opt, pre):
+    """Steps that fit --auto-minutes: per curriculum length, a step costs the larger of
+    the GPU's forward+backward (+5% for the optimizer and logging) and the batch
+    generation time divided by the workers."""
+    per_len = {}
+    for L, (_, _, got) in sorted(pre.items()):
+        t_gpu = _time_fwd_bwd(args, model, opt, got) * 1.05
+        gens = [k.get("_gen_s", 0.0) for *_, k in got]
+        t_gen = (sum(gens) / max(1, len(gens))) / max(1, args.workers)
+        per_len[L] = max(t_gpu, t_gen)
+        print(f"auto: L={L}: {t_gpu:.3f} s/step on the GPU, {t_gen:.3f} s/step of batch generation",
+              flush=True)
+    cur = curriculum(args) + [(1.0, None)]
+    per_step = sum((cur[i + 1][0] - cur[i][0]) * per_len[cur[i][1]] for i in range(len(cur) - 1))
+    n = max(args.warmup + 10, int(args.auto_minutes * 60 / per_step))
+    print(f"auto: {n} steps ({n * args.tokens_per_step / 1e6:.0f}M tokens) for "
+          f"{args.auto_minutes:.1f} min at {per_step:.3f} s/step on average", flush=True)
+    return n
 
 
 def estimate(args, model, opt, pre):
