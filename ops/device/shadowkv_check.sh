@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One GPU-machine run of the independent ShadowKV reference check
+# (tests/reference/README.md): the reference's self-test, then two synthetic
+# inputs sets (the README defaults, and d 64 / hkv 4 / group 2 / S 16384 /
+# rank 40 / budget 256 / outliers 6 / W 32), each run through
+# penumbra-shadowkv-check on cuda/bf16 and cpu/f32 and compared with the
+# reference. Logs and the comparator's JSON summaries go to $OUT; one
+# "PASS|FAIL name" line per check is printed and collected in
+# $OUT/shadowkv_check.txt. Exit status 0 when everything passed.
+# Usage (repository root, bundle in .device):
+#   ops/device/shadowkv_check.sh [BIN]
+# BIN: the penumbra-shadowkv-check binary, or a folder holding it; default:
+# the bundled one through "bash .device/run".
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+R=tests/reference
+if [ -n "${1:-}" ] && [ -d "$1" ]; then
+  TOOL=("$1/penumbra-shadowkv-check")
+elif [ -n "${1:-}" ]; then
+  TOOL=("$1")
+else
+  TOOL=(bash .device/run penumbra-shadowkv-check)
+fi
+WORK=$(mktemp -d /tmp/skvcheck.XXXXXX)
+SUMMARY="$OUT/shadowkv_check.txt"
+: > "$SUMMARY"
+failed=0
+report() {  # report NAME RC
+  local v=PASS; [ "$2" -eq 0 ] || { v=FAIL; failed=1; }
+  echo "$v $1 (rc=$2)" | tee -a "$SUMMARY"
+}
+
+timeout 600 python3 $R/shadowkv_reference.py self-test > "$OUT/selftest.log" 2>&1
+report self-test $?; tail -3 "$OUT/selftest.log"
+
+# name and make-inputs flags of each set
+sets=(
+  "default|--seq 8192 --hkv 8 --group 4 --d 128 --rank 160 --chunk 8 --budget 2048 --outliers 48 --local-window 32 --steps 8"
+  "d64|--seq 16384 --hkv 4 --group 2 --d 64 --rank 40 --chunk 8 --budget 256 --outliers 6 --local-window 32 --steps 8"
+)
+for s in "${sets[@]}"; do
+  name=${s%%|*}; flags=${s#*|}
+  in="$WORK/in_$name.safetensors"
+  # shellcheck disable=SC2086
+  timeout 600 python3 $R/shadowkv_reference.py make-inputs --out "$in" --seed 1 $flags > "$OUT/make_$name.log" 2>&1
+  rc=$?; report "make-inputs $name" $rc; cat "$OUT/make_$name.log"
+  [ $rc -eq 0 ] || continue
+  for mode in cuda:bf16 cpu:f32; do
+    dev=${mode%%:*}; dt=${mode#*:}; tag="${name}_${dev}_${dt}"
+    ours="$WORK/ours_$tag.safetensors"
+    timeout 600 "${TOOL[@]}" --in "$in" --out "$ours" --device "$dev" --dtype "$dt" > "$OUT/tool_$tag.log" 2>&1
+    rc=$?; report "penumbra-shadowkv-check $tag" $rc; tail -2 "$OUT/tool_$tag.log"
+    [ $rc -eq 0 ] || continue
+    tol=(); [ "$dt" = bf16 ] && tol=(--tol-bf16)
+    timeout 900 python3 $R/compare_shadowkv.py --inputs "$in" --ours "$ours" "${tol[@]}" \
+      --json "$OUT/summary_$tag.json" > "$OUT/compare_$tag.log" 2>&1
+    rc=$?; report "compare $tag" $rc; cat "$OUT/compare_$tag.log"
+  done
+done
+rm -rf "$WORK"
+echo "== summary"; cat "$SUMMARY"
+exit $failed
