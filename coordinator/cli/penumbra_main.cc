@@ -1,14 +1,19 @@
 // penumbra: the command-line front end.
 //   penumbra generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) ...
+//   penumbra eval --model DIR --tasks FILE.jsonl ...   (see coordinator/cli/eval.h)
 // Errors (bad flags, bad model files, bad prompts) print one line naming what
 // was wrong and exit with status 2 (usage) or 1 (everything else).
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "common/args.h"
+#include "common/file.h"
 #include "common/logging.h"
+#include "coordinator/cli/eval.h"
 #include "coordinator/cli/text_codec.h"
 #include "worker/engine/engine.h"
 
@@ -17,6 +22,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: penumbra generate --model DIR (--prompt TEXT | --prompt-ids ID,...) [options]\n"
+    "       penumbra eval --model DIR --tasks FILE.jsonl [options]\n"
     "       penumbra help\n";
 
 void AddEngineFlags(Args& a) {
@@ -30,6 +36,7 @@ void AddEngineFlags(Args& a) {
       .Flag("budget", "shadowkv: sparse budget in tokens (default 2048)")
       .Flag("budget-fraction", "shadowkv: sparse budget as a fraction of the context (overrides --budget)")
       .Flag("outliers", "shadowkv: outlier chunks per KV head (default 48)")
+      .Flag("outlier-fraction", "shadowkv: outliers as a fraction of the prompt's chunks (overrides --outliers; default 0 = off)")
       .Flag("local-window", "shadowkv: recent tokens kept exact (default 32)")
       .Flag("min-prompt", "shadowkv: prompts shorter than this use full attention (default 4096)")
       .Flag("value-fetch", "shadowkv: zero_copy (default) or staging");
@@ -51,12 +58,14 @@ Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
   PENUMBRA_ASSIGN_OR_RETURN(s.budget_tokens, a.GetInt("budget", s.budget_tokens));
   PENUMBRA_ASSIGN_OR_RETURN(s.budget_fraction, a.GetDouble("budget-fraction", s.budget_fraction));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t outl, a.GetInt("outliers", s.outlier_chunks));
+  PENUMBRA_ASSIGN_OR_RETURN(s.outlier_fraction, a.GetDouble("outlier-fraction", s.outlier_fraction));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t lw, a.GetInt("local-window", s.local_window));
   PENUMBRA_ASSIGN_OR_RETURN(s.min_prompt_tokens, a.GetInt("min-prompt", s.min_prompt_tokens));
   if (rank < 1 || cs < 1 || outl < 0 || lw < 1 || rank > (1 << 16) || cs > 1024 || outl > (1 << 20) || lw > (1 << 20)) {
     return Status::InvalidArgument("shadowkv flags out of range (rank >= 1, chunk-size in [1,1024], outliers >= 0, local-window >= 1)");
   }
   if (s.budget_fraction < 0 || s.budget_fraction > 1) return Status::InvalidArgument("--budget-fraction must be in [0, 1]");
+  if (!(s.outlier_fraction >= 0 && s.outlier_fraction < 1)) return Status::InvalidArgument("--outlier-fraction must be in [0, 1)");
   s.rank = static_cast<int>(rank);
   s.chunk_size = static_cast<int>(cs);
   s.outlier_chunks = static_cast<int>(outl);
@@ -153,6 +162,123 @@ Status Generate(int argc, char** argv) {
   return Status::OK();
 }
 
+std::vector<std::string> SplitCommaList(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    item = StripPythonWhitespace(item);
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+Status Eval(int argc, char** argv) {
+  Args a;
+  a.Flag("model", "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+      .Flag("tasks", "task set, JSONL (docs/evalmodel.md, \"Records\")")
+      .Flag("limit", "records per (task, length), the first in file order (default 0 = all)")
+      .Flag("only-tasks", "comma-separated tasks to run (default: all)")
+      .Flag("only-lengths", "comma-separated lengths to run (default: all)")
+      .Flag("max-new-tokens", "override the records' max_new_tokens")
+      .Flag("predictions", "write one JSON line per turn here (eval_hf.py's format)")
+      .Switch("json", "print JSON lines (one per (task, length), then a summary) instead of a table");
+  AddEngineFlags(a);
+  Status ps = a.Parse(argc, argv, 2);
+  if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
+  if (!a.Has("model") || !a.Has("tasks")) {
+    return Status::InvalidArgument(std::string("--model and --tasks are required\n") + kUsage);
+  }
+  EngineOptions eo;
+  PENUMBRA_RETURN_IF_ERROR(ApplyEngineFlags(a, &eo));
+  EvalSelection sel;
+  PENUMBRA_ASSIGN_OR_RETURN(sel.limit, a.GetInt("limit", 0));
+  if (sel.limit < 0) return Status::InvalidArgument("--limit must be >= 0");
+  if (a.Has("only-tasks")) sel.tasks = SplitCommaList(a.Get("only-tasks"));
+  if (a.Has("only-lengths")) {
+    PENUMBRA_ASSIGN_OR_RETURN(sel.lengths, a.GetIntList("only-lengths"));
+  }
+  EvalRunOptions ro;
+  ro.progress = true;
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_new, a.GetInt("max-new-tokens", 0));
+  if (a.Has("max-new-tokens") && (max_new < 1 || max_new > (1 << 20))) {
+    return Status::InvalidArgument("--max-new-tokens must be in [1, 1048576]");
+  }
+  ro.max_new_tokens = static_cast<int>(max_new);
+
+  // The whole task file is validated before the model is loaded.
+  PENUMBRA_ASSIGN_OR_RETURN(auto all_records, LoadEvalRecords(a.Get("tasks")));
+  const std::vector<EvalRecord> records = SelectEvalRecords(all_records, sel);
+  if (records.empty()) return Status::InvalidArgument(a.Get("tasks") + ": no records selected");
+  const std::string tok_path = JoinPath(a.Get("model"), "tokenizer.json");
+  if (!FileExists(tok_path)) return Status::InvalidArgument("penumbra eval needs " + tok_path);
+  PENUMBRA_ASSIGN_OR_RETURN(auto tokenizer, Tokenizer::FromFile(tok_path));
+  PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::Open(a.Get("model"), eo));
+  Runtime& rt = engine->runtime();
+  PENUMBRA_ASSIGN_OR_RETURN(auto runner, EvalRunner::Create(&rt, tokenizer.get(), engine->config().eos_token_ids));
+  PENUMBRA_ASSIGN_OR_RETURN(auto encoded, EncodeEvalRecords(*runner, records));
+
+  std::ofstream pred;
+  if (a.Has("predictions")) {
+    pred.open(a.Get("predictions"), std::ios::out | std::ios::trunc);
+    if (!pred) return Status::IOError("cannot write " + a.Get("predictions"));
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(EvalSummary sum, RunEval(*runner, encoded, ro, a.Has("predictions") ? &pred : nullptr));
+  if (pred.is_open()) {
+    pred.close();
+    if (!pred) return Status::IOError("writing " + a.Get("predictions") + " failed");
+  }
+
+  const std::string policy = engine->options().kv_policy;
+  const bool sparse = policy == "shadowkv";
+  const ShadowKvOptions& so = engine->options().shadowkv;
+  const PolicyStats ps_stats = rt.policy().stats();
+  const std::string device = engine->backend().name();
+  const std::string dtype(DTypeName(engine->backend().act_dtype()));
+  if (a.Has("json")) {
+    for (const EvalGroup& g : sum.groups) std::cout << GroupLineJson(g, policy) << "\n";
+    nlohmann::ordered_json j;
+    j["summary"] = true;
+    j["records"] = sum.records;
+    j["turns"] = sum.turns;
+    j["seconds"] = sum.seconds;
+    j["device"] = device;
+    j["dtype"] = dtype;
+    j["kv_policy"] = policy;
+    // ShadowKV settings (null under full attention).
+    auto opt = [&](auto v) { return sparse ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); };
+    j["rank"] = opt(so.rank);
+    j["chunk_size"] = opt(so.chunk_size);
+    j["budget_tokens"] = opt(so.budget_tokens);
+    j["budget_fraction"] = opt(so.budget_fraction);
+    j["outliers"] = opt(so.outlier_chunks);
+    j["outlier_fraction"] = opt(so.outlier_fraction);
+    j["local_window"] = opt(so.local_window);
+    j["min_prompt"] = opt(so.min_prompt_tokens);
+    j["hit_rate"] = sparse && ps_stats.selected_chunks > 0 ? nlohmann::ordered_json(ps_stats.hit_rate())
+                                                            : nlohmann::ordered_json(nullptr);
+    j["selected_chunks"] = ps_stats.selected_chunks;
+    j["hit_chunks"] = ps_stats.hit_chunks;
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+  } else {
+    std::printf("%-18s %8s %6s %9s %8s\n", "task", "length", "n", "accuracy", "partial");
+    for (const EvalGroup& g : sum.groups) {
+      const double n = static_cast<double>(g.n);
+      std::printf("%-18s %8lld %6lld %9.4f %8.4f\n", g.task.c_str(), static_cast<long long>(g.length),
+                  static_cast<long long>(g.n), g.correct / n, g.partial_sum / n);
+    }
+    std::printf("%lld records, %lld turns in %.1f s on %s (%s), kv policy %s", static_cast<long long>(sum.records),
+                static_cast<long long>(sum.turns), sum.seconds, device.c_str(), dtype.c_str(), policy.c_str());
+    if (sparse && ps_stats.selected_chunks > 0) {
+      std::printf(", chunk hit rate %.4f (%lld of %lld)", ps_stats.hit_rate(),
+                  static_cast<long long>(ps_stats.hit_chunks), static_cast<long long>(ps_stats.selected_chunks));
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  return Status::OK();
+}
+
 }  // namespace
 }  // namespace penumbra
 
@@ -166,6 +292,8 @@ int main(int argc, char** argv) {
   penumbra::Status s;
   if (cmd == "generate") {
     s = penumbra::Generate(argc, argv);
+  } else if (cmd == "eval") {
+    s = penumbra::Eval(argc, argv);
   } else {
     std::cerr << "penumbra: unknown command '" << cmd << "'\n" << penumbra::kUsage;
     return 2;

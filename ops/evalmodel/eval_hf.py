@@ -74,18 +74,19 @@ class Runner:
                 out = self._forward(feed, past)
                 past = out.past_key_values
                 gen = []
-                for _ in range(max_new_tokens):
+                for i in range(max_new_tokens):
                     nxt = int(out.logits[0, -1].argmax())
                     gen.append(nxt)
-                    if nxt == self.eos or self.has_newline(nxt):
+                    # The turn's last token (a stop, or the max_new_tokens-th)
+                    # is not forwarded: the next turn feeds it first.
+                    if nxt == self.eos or self.has_newline(nxt) or i + 1 == max_new_tokens:
                         break
                     out = self._forward([nxt], past)
                     past = out.past_key_values
                     total += 1
                 results.append((self.tok.decode(gen, skip_special_tokens=False), total))
-                # The last generated token is not in the cache yet: feed it
-                # first next turn, plus a newline if generation did not end
-                # with one.
+                # The last generated token is not in the cache: feed it first
+                # next turn, plus a newline if it holds none.
                 last = gen[-1]
                 feed = [last] + ([] if self.has_newline(last) else list(self.nl_ids))
         return results
