@@ -3,13 +3,17 @@
 # warm machine (build-evalmodel/ is ignored by git, so what a call leaves there
 # stays for the next call while the machine is held).
 #
-#   call 1  tokenizer + token cache; a smoke model through the whole pipeline
-#           (train -> export -> task set -> transformers -> penumbra eval ->
-#           key analysis), so a broken step shows before the real run; then
-#           the real training starts with an automatic step count.
-#   call 2  training continues; the evaluation task sets are generated.
+#   call 1  tokenizer + token cache; the evaluation task sets (background);
+#           unless SMOKE=0, a smoke model through the whole pipeline (train ->
+#           export -> task set -> transformers -> penumbra eval -> key
+#           analysis), so a broken step shows before the real run; then the
+#           real training starts with an automatic step count.
+#   call 2  (optional) training continues.
 #   call 3  training ends (exporting at the deadline if it must), then every
-#           evaluation runs concurrently on the GPU; the model and results come back.
+#           evaluation and the ShadowKV reference check run concurrently; the
+#           model and results come back.
+# TRAIN_MINUTES sets the whole training's length (default 16), TRAIN_LAST_MIN
+# call 3's share.
 #
 # Usage (device call, carry [".device", "build-evalmodel/data"]):
 #   bash ops/evalmodel/device_run.sh call1|call2|call3
@@ -47,9 +51,15 @@ case "${1:-}" in
   call1)
     log "prepare (tokenizer + token cache)"
     python3 $E/train.py --corpus $CORPUS --out $RUN --prepare-only || { log "prepare failed"; exit 1; }
-    # Smoke model on the real tokenizer and token cache.
+    log "task sets (background)"
+    ( for L in 4096 8192 16384 32768; do
+        nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json --lengths $L \
+          --num 25 --seed 1234 --jobs 2 --out $D/tasks-$L.jsonl.tmp && mv $D/tasks-$L.jsonl.tmp $D/tasks-$L.jsonl
+      done ) >$D/logs/tasks.log 2>&1 &
+    # Smoke model on the real tokenizer and token cache (SMOKE=0 skips it).
     S=$D/smoke
     mkdir -p $S
+    if [ "${SMOKE:-1}" = 1 ]; then
     cp $RUN/tokenizer.json $S/ && ln -sf "$(pwd)/$RUN/corpus_tokens.npy" $S/corpus_tokens.npy
     log "smoke training"
     timeout 180 python3 $E/train.py --corpus $CORPUS --out $S --smoke --workers 14 --max-minutes 2.5 >$D/logs/smoke_train.log 2>&1
@@ -73,14 +83,17 @@ case "${1:-}" in
     else
       log "smoke produced no model"; tail -30 $D/logs/smoke_train.log
     fi
+    fi
     log "training"
     train --max-minutes "$(left_min 20)"
+    wait
+    ls -la $D/tasks-*.jsonl; tail -3 $D/logs/tasks.log
     cp $RUN/tokenizer.json $RUN/schedule.json $RUN/loss.csv "$OUT/" 2>/dev/null
     ;;
   call2)
-    log "task sets (background)"
+    log "task sets (background, those missing)"
     ( for L in 4096 8192 16384 32768; do
-        nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json --lengths $L \
+        [ -f $D/tasks-$L.jsonl ] || nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json --lengths $L \
           --num 25 --seed 1234 --jobs 2 --out $D/tasks-$L.jsonl.tmp && mv $D/tasks-$L.jsonl.tmp $D/tasks-$L.jsonl
       done ) >$D/logs/tasks.log 2>&1 &
     train --workers 12 --max-minutes "$(left_min 10)"
@@ -105,8 +118,9 @@ case "${1:-}" in
     # 16% of hkv*d (40 of 256), chunk 8, outliers 0.3% of the chunks.
     SKV="--kv-policy shadowkv --min-prompt 1024 --budget-fraction 0.0156 --rank 40 --chunk-size 8 --outlier-fraction 0.003"
     log "evaluations"
+    REM=$(( CALL_S - ( $(date +%s) - T0 ) - 30 ))
     PIDS=()
-    ( timeout 420 python3 $E/eval_hf.py --model $RUN/model --tasks $D/tasks-all.jsonl --dtype float32 \
+    ( timeout $REM python3 $E/eval_hf.py --model $RUN/model --tasks $D/tasks-all.jsonl --dtype float32 \
         --predictions $D/results/pred_hf_f32.jsonl >$D/results/eval_hf_f32.jsonl 2>$D/results/eval_hf_f32.err
       echo "hf_f32 exit $?" >>$D/results/status.txt ) &
     PIDS+=($!)
@@ -126,6 +140,9 @@ case "${1:-}" in
       done
       penumbra_eval sweep_base $D/tasks-16384.jsonl --dtype bf16 --limit 10 $SKV
       penumbra_eval sweep_full $D/tasks-16384.jsonl --dtype bf16 --limit 10 --kv-policy full ) &
+    PIDS+=($!)
+    ( OUT=$D/results/skvcheck timeout $REM bash ops/device/shadowkv_check.sh >$D/results/skvcheck.log 2>&1
+      echo "shadowkv_check exit $?" >>$D/results/status.txt ) &
     PIDS+=($!)
     # The waits end at the call's budget even if something hangs.
     ( sleep "$(python3 -c "print(int($CALL_S - ($(date +%s) - $T0) - 25))")"; pkill -f "penumbra eval" ; pkill -f eval_hf.py ) &

@@ -74,9 +74,9 @@ def parse_args(argv=None):
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--task-weight", type=float, default=1.0,
                     help="weight of the answer-token loss relative to the LM loss")
-    ap.add_argument("--task-frac", type=float, default=0.6,
+    ap.add_argument("--task-frac", type=float, default=0.8,
                     help="fraction of sequences that start with a synthetic task sample")
-    ap.add_argument("--curriculum", default="0:2048,0.35:4096,0.6:8192,0.8:16384",
+    ap.add_argument("--curriculum", default="0:1024,0.25:2048,0.45:4096,0.65:8192,0.82:16384",
                     help="comma list of start_fraction:seq_len")
     # Running.
     ap.add_argument("--max-minutes", type=float, default=9.0,
@@ -227,19 +227,18 @@ def build_batch(args, step):
             text, spans, kind = tasks.make_train_sample(rng, hay, counter, tl)
             kinds[kind] = kinds.get(kind, 0) + 1
             enc = tok.encode(text)  # BOS + text
-            n = min(len(enc.ids), L)
-            ids[b, :n] = enc.ids[:n]
-            natural = kind in ("niah", "vt")
-            si = 0
-            for t in range(1, n):
-                s, e = enc.offsets[t]
-                while si < len(spans) and spans[si][1] <= s:
-                    si += 1
-                in_ans = si < len(spans) and s < spans[si][1] and e > spans[si][0]
-                if in_ans:
-                    ans[b, t] = True
-                elif natural:
-                    lm[b, t] = True
+            enc_ids = enc.ids            # (each property access converts the whole list:
+            offs = np.asarray(enc.offsets, dtype=np.int64)  # read them once)
+            n = min(len(enc_ids), L)
+            ids[b, :n] = enc_ids[:n]
+            # A token is an answer token when its characters overlap an answer span.
+            in_ans = np.zeros(n, dtype=np.bool_)
+            for a0, a1 in spans:
+                in_ans |= (offs[:n, 0] < a1) & (offs[:n, 1] > a0)
+            in_ans[0] = False  # BOS
+            ans[b, 1:n] = in_ans[1:n]
+            if kind in ("niah", "vt"):  # natural-text haystacks also train the LM
+                lm[b, 1:n] = ~in_ans[1:n]
             pos = n
         if pos < L:
             need = L - pos - 1
