@@ -1,0 +1,89 @@
+// The shipped evaluation model (models/penumbra-eval, docs/evalmodel.md) on two
+// 4K records of its task suite, on the CPU backend, under both KV policies:
+// an accuracy regression in the runtime, the tokenizer or ShadowKV shows here
+// without a GPU. The records (tests/data/evaltasks/evalmodel_4k.jsonl) are the
+// first niah_single and kv records of the 4K set made with the model's own
+// tokenizer; Hugging Face transformers answered both correctly.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "coordinator/cli/eval.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "tests/test_util.h"
+#include "worker/engine/engine.h"
+
+namespace penumbra {
+namespace {
+
+std::string ModelDir() { return testing::SourceDir() + "/models/penumbra-eval"; }
+
+struct Outcome {
+  std::vector<std::string> predictions;
+  std::vector<bool> correct;
+  double hit_rate = 0;
+};
+
+Outcome RunRecords(const EngineOptions& o) {
+  Outcome out;
+  auto tok = Tokenizer::FromFile(ModelDir() + "/tokenizer.json");
+  EXPECT_TRUE(tok.ok()) << tok.status();
+  auto e = Engine::Open(ModelDir(), o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  auto recs = LoadEvalRecords(testing::SourceDir() + "/tests/data/evaltasks/evalmodel_4k.jsonl");
+  EXPECT_TRUE(recs.ok()) << recs.status();
+  if (!tok.ok() || !e.ok() || !recs.ok()) return out;
+  EXPECT_EQ(recs->size(), 2u);
+  auto runner = EvalRunner::Create(&(*e)->runtime(), tok->get(), (*e)->config().eos_token_ids);
+  EXPECT_TRUE(runner.ok()) << runner.status();
+  if (!runner.ok()) return out;
+  for (const EvalRecord& r : *recs) {
+    auto enc = (*runner)->Encode(r);
+    EXPECT_TRUE(enc.ok()) << enc.status();
+    if (!enc.ok()) return out;
+    auto res = (*runner)->Run(*enc, r.max_new_tokens);
+    EXPECT_TRUE(res.ok()) << res.status();
+    if (!res.ok()) return out;
+    const std::string& p = (*res)[0].prediction;
+    out.predictions.push_back(p);
+    out.correct.push_back(ScorePrediction(p, r.answer).correct);
+  }
+  out.hit_rate = (*e)->runtime().policy().stats().hit_rate();
+  return out;
+}
+
+TEST(EvalModelTest, FullAttentionAnswersBothRecords) {
+  EngineOptions o;
+  o.backend.device = "cpu";
+  const Outcome r = RunRecords(o);
+  ASSERT_EQ(r.correct.size(), 2u);
+  EXPECT_TRUE(r.correct[0]) << "niah_single predicted " << r.predictions[0];
+  EXPECT_TRUE(r.correct[1]) << "kv predicted " << r.predictions[1];
+}
+
+// ShadowKV with rank 40 of 256 (16%), chunk 8, outliers 0.3% of the chunks
+// and a 6.25% budget (at the paper's 1.56% this model loses the needle at 4K;
+// docs/evalmodel.md has the sweep). The needle must be found; the UUID copy of
+// the kv record fails under every sparse budget this model was measured at
+// (docs/evalmodel.md), so only its first 8 characters — found before the
+// selection loses track — are checked.
+TEST(EvalModelTest, ShadowKvFindsTheNeedle) {
+  EngineOptions o;
+  o.backend.device = "cpu";
+  o.kv_policy = "shadowkv";
+  o.shadowkv.rank = 40;
+  o.shadowkv.chunk_size = 8;
+  o.shadowkv.budget_fraction = 0.0625;
+  o.shadowkv.outlier_fraction = 0.003;
+  o.shadowkv.min_prompt_tokens = 1024;
+  const Outcome r = RunRecords(o);
+  ASSERT_EQ(r.correct.size(), 2u);
+  EXPECT_TRUE(r.correct[0]) << "niah_single predicted " << r.predictions[0];
+  EXPECT_EQ(r.predictions[1].substr(0, 8), "d85b02ee") << "kv predicted " << r.predictions[1];
+  // The sparse path really ran: chunks were selected and some were hits.
+  EXPECT_GT(r.hit_rate, 0.0);
+}
+
+}  // namespace
+}  // namespace penumbra
