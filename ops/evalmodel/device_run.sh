@@ -118,6 +118,9 @@ case "${1:-}" in
     # 16% of hkv*d (40 of 256), chunk 8, outliers 0.3% of the chunks.
     SKV="--kv-policy shadowkv --min-prompt 1024 --budget-fraction 0.0156 --rank 40 --chunk-size 8 --outlier-fraction 0.003"
     log "evaluations"
+    # Unpack the bundle once before several processes start from it (its
+    # first-run unpacking is not safe to race).
+    $P help >/dev/null 2>&1
     REM=$(( CALL_S - ( $(date +%s) - T0 ) - 30 ))
     PIDS=()
     ( timeout $REM python3 $E/eval_hf.py --model $RUN/model --tasks $D/tasks-all.jsonl --dtype float32 \
