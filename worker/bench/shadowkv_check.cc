@@ -38,11 +38,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
 #include "storage/dram_value_store.h"
+#include "worker/engine/backend_host_allocator.h"
 #include "worker/engine/shadowkv_options.h"
 #include "worker/model/safetensors.h"
 
@@ -54,23 +54,6 @@ namespace kn = kernels;
 constexpr char kInputsFormat[] = "penumbra-shadowkv-check-inputs/1";
 constexpr char kOutputsFormat[] = "penumbra-shadowkv-check-outputs/1";
 
-// As the policy's BackendHostAllocator: value-store memory pinned and mapped
-// on CUDA, so ShadowkvFetchV reads it in place.
-class BackendHostAllocator final : public storage::HostAllocator {
- public:
-  explicit BackendHostAllocator(Backend* b) : b_(b) {}
-  Result<void*> Allocate(size_t bytes) override {
-    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer buf, b_->AllocateHost(bytes));
-    void* p = buf.get();
-    bufs_.emplace(p, std::move(buf));
-    return p;
-  }
-  void Free(void* p) override { bufs_.erase(p); }
-
- private:
-  Backend* b_;
-  std::unordered_map<void*, DeviceBuffer> bufs_;
-};
 
 std::string Str(int64_t v) { return std::to_string(v); }
 

@@ -33,9 +33,9 @@
 #include <cmath>
 #include <cstring>
 #include <map>
-#include <unordered_map>
 
 #include "storage/dram_value_store.h"
+#include "worker/engine/backend_host_allocator.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {
@@ -47,22 +47,6 @@ double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Host allocations for the value store, pinned and mapped when the backend is CUDA.
-class BackendHostAllocator final : public storage::HostAllocator {
- public:
-  explicit BackendHostAllocator(Backend* b) : b_(b) {}
-  Result<void*> Allocate(size_t bytes) override {
-    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer buf, b_->AllocateHost(bytes));
-    void* p = buf.get();
-    bufs_.emplace(p, std::move(buf));
-    return p;
-  }
-  void Free(void* p) override { bufs_.erase(p); }
-
- private:
-  Backend* b_;
-  std::unordered_map<void*, DeviceBuffer> bufs_;
-};
 
 class ShadowKvPolicy final : public KvPolicy {
   struct Seq;
