@@ -319,9 +319,10 @@ Result<std::vector<EvalTurnResult>> EvalRunner::Run(const EncodedRecord& r, int 
   const int turns = rec.num_turns();
   const int vocab = runtime_->config().vocab_size;
   const int64_t P = static_cast<int64_t>(r.prompt.size());
-  // KV rows needed at most: the prompt, max_new_tokens forwarded per turn,
-  // and per later turn the re-fed last token, a newline and the question.
-  int64_t capacity = P + static_cast<int64_t>(turns) * max_new_tokens;
+  // KV rows needed at most: the prompt, max_new_tokens - 1 forwarded per turn
+  // (a turn's last token is not), and per later turn that last token, a
+  // newline and the question.
+  int64_t capacity = P + static_cast<int64_t>(turns) * (max_new_tokens - 1);
   for (int t = 1; t < turns; ++t) {
     capacity += 1 + static_cast<int64_t>(newline_ids_.size() + r.questions[t].size());
   }

@@ -40,6 +40,13 @@ train() {  # extra args...
   python3 $E/train.py --corpus $CORPUS --out $RUN --auto-minutes "$TRAIN_MINUTES" --workers 14 "$@"
 }
 
+make_tasks() {  # the evaluation sets not made yet, with the model's tokenizer
+  for L in 4096 8192 16384 32768; do
+    [ -f $D/tasks-$L.jsonl ] || { nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json \
+      --lengths $L --num 25 --seed 1234 --jobs 2 --out $D/tasks-$L.jsonl.tmp && mv $D/tasks-$L.jsonl.tmp $D/tasks-$L.jsonl; }
+  done
+}
+
 penumbra_eval() {  # name tasks-file extra-args...
   local name=$1 tasks=$2; shift 2
   $P eval --model $RUN/model --tasks "$tasks" --device cuda --json \
@@ -52,10 +59,7 @@ case "${1:-}" in
     log "prepare (tokenizer + token cache)"
     python3 $E/train.py --corpus $CORPUS --out $RUN --prepare-only || { log "prepare failed"; exit 1; }
     log "task sets (background)"
-    ( for L in 4096 8192 16384 32768; do
-        nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json --lengths $L \
-          --num 25 --seed 1234 --jobs 2 --out $D/tasks-$L.jsonl.tmp && mv $D/tasks-$L.jsonl.tmp $D/tasks-$L.jsonl
-      done ) >$D/logs/tasks.log 2>&1 &
+    make_tasks >$D/logs/tasks.log 2>&1 &
     # Smoke model on the real tokenizer and token cache (SMOKE=0 skips it).
     S=$D/smoke
     mkdir -p $S
@@ -92,10 +96,7 @@ case "${1:-}" in
     ;;
   call2)
     log "task sets (background, those missing)"
-    ( for L in 4096 8192 16384 32768; do
-        [ -f $D/tasks-$L.jsonl ] || nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json --lengths $L \
-          --num 25 --seed 1234 --jobs 2 --out $D/tasks-$L.jsonl.tmp && mv $D/tasks-$L.jsonl.tmp $D/tasks-$L.jsonl
-      done ) >$D/logs/tasks.log 2>&1 &
+    make_tasks >$D/logs/tasks.log 2>&1 &
     train --workers 12 --max-minutes "$(left_min 10)"
     wait
     ls -la $D/tasks-*.jsonl; tail -3 $D/logs/tasks.log
