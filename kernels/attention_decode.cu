@@ -6,15 +6,12 @@
 // their sequence's length exit at once. Phase 2 (merge) runs one block per
 // (query head, sequence) over that sequence's valid splits.
 //
-// Fast phase 1 (bf16, d=128, group hq/hkv in {1, 2, 4, 8}): 256 threads; a
-// half-warp owns one key row (16 lanes x 16 bytes), 8 rows per lane in flight
-// per batch of loads. Keys go in tiles of 256: pass 1 computes the scores of
-// all G query heads of the group (q in registers, pre-scaled by scale*log2 e,
-// 16-lane shuffle reduction) into shared memory; the block takes the tile max
-// per head and turns scores into probabilities (online softmax across tiles,
-// exp2f); pass 2 reads the V rows and accumulates p * v for all G heads in
-// registers (8 dims per lane). K and V are each read once from HBM per group.
-// The 16 half-warp partials are summed through shared memory at the end.
+// Fast phase 1 (bf16, d in {64, 128}, group hq/hkv in {1, 2, 4, 8}): one block
+// of 4 warps per (kv head, split, sequence) serves all G query heads of the
+// group, so K and V are read once from HBM per group. Scores and P.V run on
+// tensor cores (mma.sync) with fragments loaded straight from global memory
+// (layout at DecodeMmaKernel); each warp keeps its own online softmax over its
+// 16-key steps and the 4 warps merge through shared memory at the end.
 //
 // Generic phase 1 (any d, f32/bf16/f16, any group): one block per (query head,
 // split, sequence), one key per thread for the scores, one dim per thread for
@@ -31,6 +28,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/mma.cuh"
 
 namespace penumbra::kernels {
 namespace {
@@ -39,16 +37,17 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // ---- split plan ----------------------------------------------------------------
 
-// Phase-1 blocks to aim for: 8 per SM on a 132-SM H100, i.e. 4 whole waves of
-// the 2 resident fast-path blocks per SM (8 for group 8), so that equal-length
-// batches have no ragged last wave.
-constexpr int64_t kTargetBlocks = 132 * 8;
-constexpr int kDecodeTile = 256;  // keys per fast-path tile; also the shortest chunk
-constexpr int kChunkAlign = 64;   // chunks are multiples of this (finer than a tile: whole waves)
+// Phase-1 blocks to aim for: ~16 waves of the 4 resident fast-path blocks per
+// SM of a 132-SM GPU, so that the ragged last wave costs a few percent at most;
+// chunks of at least kMinChunk keys keep the partials (d + 2 floats per query
+// head and split) well under 1% of the K/V bytes.
+constexpr int64_t kTargetBlocks = 132 * 4 * 16;
+constexpr int kMinChunk = 256;   // keys; also the generic path's tile multiple
+constexpr int kChunkAlign = 64;  // chunks are multiples of this (4 warps x 16-key steps)
 
 struct SplitPlan {
   int splits = 1;
-  int chunk = kDecodeTile;  // keys per split
+  int chunk = kMinChunk;  // keys per split
 };
 
 // Depends on (batch, hkv, max_length) only. splits never grows as hkv grows,
@@ -57,7 +56,7 @@ SplitPlan DecodeSplitPlan(int batch, int hkv, int max_length) {
   const int64_t len = std::max(max_length, 1);
   const int64_t units = std::max<int64_t>(1, static_cast<int64_t>(std::max(batch, 1)) * std::max(hkv, 1));
   int64_t want = (kTargetBlocks + units - 1) / units;
-  const int64_t max_splits = (len + kDecodeTile - 1) / kDecodeTile;
+  const int64_t max_splits = (len + kMinChunk - 1) / kMinChunk;
   want = std::clamp<int64_t>(want, 1, max_splits);
   int64_t chunk = (len + want - 1) / want;
   chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
@@ -71,191 +70,193 @@ size_t WorkspaceBytesFor(int batch, int hq, int d, int splits) {
   return sizeof(float) * static_cast<size_t>(batch) * hq * splits * (static_cast<size_t>(d) + 2);
 }
 
-// ---- fast phase 1: bf16, d = 128 ---------------------------------------------------
+// ---- fast phase 1: bf16 on tensor cores, d in {64, 128}, group in {1, 2, 4, 8} ----
+//
+// Block: 4 warps; warp w takes the 16-key steps w, w + 4, ... of the block's
+// split, with its own online softmax; the 4 warps merge at the end. Per step:
+//   S [16 x 16] = Q [16 x d] . K^T   (rows: the G query heads, zero-padded to 16;
+//                                     2 n-tiles of 8 keys, d/16 k-steps)
+//   O^T [d x 8] += V^T [d x 16] . P^T (rows: dims, d/16 m-tiles; cols: heads,
+//                                     padded to 8; k: the 16 keys)
+// Fragments come straight from global memory in 16-byte loads, with the head
+// dimension permuted (a dot product does not care about the order of its
+// terms, as long as q and k use the same order): lane (r = lane/4, c = lane%4)
+//   K: key row 8*nt + r, 16 bytes at dims 32j + 8c, j < d/32. k-step 2j + h
+//      covers dims 32j + 8c + 4h + {0,1} (k = 2c, 2c+1) and {2,3} (k = 2c+8, 2c+9).
+//   V: key rows 2c, 2c+1, 2c+8, 2c+9, 16 bytes at dims 64q + 8r, q < d/64. The
+//      lane's own dim i (< d/8) is 64(i/8) + 8r + i%8; m-tile t takes i = 2t as
+//      row r and i = 2t + 1 as row r + 8, paired across keys by byte permutes.
+// S's C fragment (row = head r, cols = keys 2c, 2c+1) is exactly the B
+// fragment of P^T, so probabilities never leave registers. Every load of a warp
+// reads whole 32-byte sectors; no shared memory until the final merge.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = 32 * kMmaWarps;
+constexpr int kStepKeys = 16;
 
-constexpr int kFastD = 128;
-constexpr int kFastThreads = 256;
-constexpr int kFastWarps = kFastThreads / 32;
-constexpr int kHalfWarps = kFastThreads / 16;
-constexpr int kRowsPerLane = kDecodeTile / kHalfWarps;  // 16
-// Rows in flight per lane: 8, or 4 for G = 8 (whose q and accumulators take
-// 128 registers already).
-template <int G>
-constexpr int kUnroll = G >= 8 ? 4 : 8;
-// Blocks per SM the register budget is set for.
-template <int G>
-constexpr int kMinBlocks = G >= 8 ? 1 : 2;
-
-__device__ __forceinline__ void Bf16x8ToF32(const uint4& u, float (&f)[8]) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
+__device__ __forceinline__ uint32_t Word(const uint4& u, int w) {
+  return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w;
 }
 
 __device__ __forceinline__ uint4 LoadRow16(const __nv_bfloat16* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-template <int G>
-__global__ void __launch_bounds__(kFastThreads, kMinBlocks<G>)
-    DecodeBf16Kernel(const __nv_bfloat16* __restrict__ q, const void* const* __restrict__ k_ptrs,
-                     const void* const* __restrict__ v_ptrs, const int32_t* __restrict__ lengths,
-                     float* __restrict__ ws_o, float* __restrict__ ws_m, float* __restrict__ ws_l, int64_t head_stride,
-                     int hq, int chunk, int splits, float scale_log2) {
-  static_assert(G >= 1 && G <= kFastWarps, "one warp per head for the tile max");
-  __shared__ float s_p[G][kDecodeTile];
-  __shared__ float s_m[G], s_l[G], s_alpha[G];
-  __shared__ float s_red[kFastWarps][G][kFastD];
+__device__ __forceinline__ uint4 LoadRow16Or0(const __nv_bfloat16* p, bool valid) {
+  return valid ? LoadRow16(p) : make_uint4(0, 0, 0, 0);
+}
+
+// Resident blocks per SM the register budget is set for (d 128 needs ~140
+// registers: 64 of K/V fragments in flight, 32 of O^T, 16 of Q).
+template <int D>
+constexpr int kMmaMinBlocks = D >= 128 ? 3 : 4;
+
+template <int G, int D>
+__global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
+    DecodeMmaKernel(const __nv_bfloat16* __restrict__ q, const void* const* __restrict__ k_ptrs,
+                    const void* const* __restrict__ v_ptrs, const int32_t* __restrict__ lengths,
+                    float* __restrict__ ws_o, float* __restrict__ ws_m, float* __restrict__ ws_l, int64_t head_stride,
+                    int hq, int chunk, int splits, float scale_log2) {
+  static_assert(G == 1 || G == 2 || G == 4 || G == 8, "group must fit the 8 columns of O^T");
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  constexpr int kJ = D / 32;   // K loads per key row and lane
+  constexpr int kQ = D / 64;   // V loads per key row and lane
+  constexpr int kKSteps = D / 16;
+  constexpr int kMTiles = D / 16;
+  __shared__ float s_m[kMmaWarps][8], s_l[kMmaWarps][8];
+  __shared__ float s_o[kMmaWarps][G][D];
 
   const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int len = lengths[b];
   const int start = split * chunk;
   if (start >= len) return;
   const int end = min(start + chunk, len);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int hw = tid >> 4, sl = tid & 15;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r = lane >> 2, c = lane & 3;
 
-  const __nv_bfloat16* kb =
-      static_cast<const __nv_bfloat16*>(k_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride + sl * 8;
-  const __nv_bfloat16* vb =
-      static_cast<const __nv_bfloat16*>(v_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride + sl * 8;
+  const __nv_bfloat16* kb = static_cast<const __nv_bfloat16*>(k_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride;
+  const __nv_bfloat16* vb = static_cast<const __nv_bfloat16*>(v_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride;
 
-  float qf[G][8];
+  // Q's A fragments (rows r < G real, rows r + 8 zero): qa[ks] = {a0, a2}.
+  uint32_t qa[kKSteps][2];
+  {
+    const __nv_bfloat16* qr = q + (static_cast<int64_t>(b) * hq + kvh * G + min(r, G - 1)) * D;
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const __nv_bfloat16* qr = q + (static_cast<int64_t>(b) * hq + kvh * G + g) * kFastD + sl * 8;
-    Bf16x8ToF32(LoadRow16(qr), qf[g]);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qf[g][e] *= scale_log2;
+    for (int j = 0; j < kJ; ++j) {
+      const uint4 u = r < G ? LoadRow16(qr + 32 * j + 8 * c) : make_uint4(0, 0, 0, 0);
+      qa[2 * j][0] = u.x;
+      qa[2 * j][1] = u.y;
+      qa[2 * j + 1][0] = u.z;
+      qa[2 * j + 1][1] = u.w;
+    }
   }
-  if (tid < G) {
-    s_m[tid] = -INFINITY;
-    s_l[tid] = 0.0f;
-  }
-  float acc[G][8];
+  float o[kMTiles][4];
 #pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
+  for (int t = 0; t < kMTiles; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+  float m_run = -INFINITY, l_run = 0.0f;  // head r; l is this lane's partial sum
+  // The lanes holding heads 2c and 2c+1 (for rescaling O^T's columns).
+  const int src0 = (2 * c) * 4, src1 = (2 * c + 1) * 4;
 
-  for (int t0 = start; t0 < end; t0 += kDecodeTile) {
-    // Pass 1: scores of key row (t0 + hw + 16 * r) for all G heads.
 #pragma unroll 1
-    for (int r0 = 0; r0 < kRowsPerLane; r0 += kUnroll<G>) {
-      uint4 kr[kUnroll<G>];
+  for (int key0 = start + warp * kStepKeys; key0 < end; key0 += kMmaWarps * kStepKeys) {
+    uint4 kr[2][kJ], vr[4][kQ];
 #pragma unroll
-      for (int u = 0; u < kUnroll<G>; ++u) {
-        const int key = t0 + hw + kHalfWarps * (r0 + u);
-        kr[u] = key < end ? LoadRow16(kb + static_cast<int64_t>(key) * kFastD) : make_uint4(0, 0, 0, 0);
-      }
+    for (int nt = 0; nt < 2; ++nt) {
+      const int key = key0 + 8 * nt + r;
 #pragma unroll
-      for (int u = 0; u < kUnroll<G>; ++u) {
-        float kf[8];
-        Bf16x8ToF32(kr[u], kf);
-        float s[G];
+      for (int j = 0; j < kJ; ++j) kr[nt][j] = LoadRow16Or0(kb + static_cast<int64_t>(key) * D + 32 * j + 8 * c, key < end);
+    }
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float x = 0.0f;
+    for (int kk = 0; kk < 4; ++kk) {
+      const int key = key0 + 2 * c + (kk & 1) + 8 * (kk >> 1);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) x = fmaf(qf[g][e], kf[e], x);
-          s[g] = x;
-        }
+      for (int qq = 0; qq < kQ; ++qq) vr[kk][qq] = LoadRow16Or0(vb + static_cast<int64_t>(key) * D + 64 * qq + 8 * r, key < end);
+    }
+    // Scores.
+    float s[2][4];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-          for (int o = 8; o > 0; o >>= 1) s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
-        }
-        const int local = hw + kHalfWarps * (r0 + u);
-        const bool valid = t0 + local < end;
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-          if (sl == g) s_p[g][local] = valid ? s[g] : -INFINITY;
+      for (int j = 0; j < kJ; ++j) {
+        MmaBf16(s[nt], qa[2 * j][0], 0u, qa[2 * j][1], 0u, kr[nt][j].x, kr[nt][j].y);
+        MmaBf16(s[nt], qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u, kr[nt][j].z, kr[nt][j].w);
       }
     }
-    __syncthreads();
-    // Tile max and probabilities, one warp per head.
-    if (warp < G) {
-      float mx = -INFINITY;
+    // Online softmax for head r over this step's keys 8nt + 2c + e.
+    float x[4];
+    float mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < kDecodeTile / 32; ++i) mx = fmaxf(mx, s_p[warp][lane + 32 * i]);
-      mx = WarpMax(mx);
-      const float m_old = s_m[warp];
-      const float m_new = fmaxf(m_old, mx);  // finite: key t0 < end is valid
-      float sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kDecodeTile / 32; ++i) {
-        const float p = exp2f(s_p[warp][lane + 32 * i] - m_new);
-        s_p[warp][lane + 32 * i] = p;
-        sum += p;
-      }
-      sum = WarpSum(sum);
-      __syncwarp();
-      if (lane == 0) {
-        const float alpha = exp2f(m_old - m_new);
-        s_alpha[warp] = alpha;
-        s_m[warp] = m_new;
-        s_l[warp] = s_l[warp] * alpha + sum;
-      }
+    for (int i = 0; i < 4; ++i) {
+      const int nt = i >> 1, e = i & 1;
+      const bool valid = key0 + 8 * nt + 2 * c + e < end;
+      x[i] = valid ? s[nt][e] * scale_log2 : -INFINITY;
+      mx = fmaxf(mx, x[i]);
     }
-    __syncthreads();
-    // Pass 2: acc = alpha * acc + sum_rows p * v.
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);  // finite: key0 < end
+    const float alpha = exp2f(m_run - m_new);
+    m_run = m_new;
+    float p[4];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float alpha = s_alpha[g];
+    for (int i = 0; i < 4; ++i) p[i] = r < G ? exp2f(x[i] - m_new) : 0.0f;
+    l_run = l_run * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+    const float alpha0 = __shfl_sync(0xffffffffu, alpha, src0);
+    const float alpha1 = __shfl_sync(0xffffffffu, alpha, src1);
+    const uint32_t pb0 = PackBf16(p[0], p[1]), pb1 = PackBf16(p[2], p[3]);
+    // O^T = alpha * O^T + V^T P^T.
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
+    for (int t = 0; t < kMTiles; ++t) {
+      o[t][0] *= alpha0;
+      o[t][1] *= alpha1;
+      o[t][2] *= alpha0;
+      o[t][3] *= alpha1;
+      const int qq = t / 4, w = t % 4;
+      const uint32_t v0 = Word(vr[0][qq], w), v1 = Word(vr[1][qq], w);
+      const uint32_t v2 = Word(vr[2][qq], w), v3 = Word(vr[3][qq], w);
+      MmaBf16(o[t], __byte_perm(v0, v1, 0x5410), __byte_perm(v0, v1, 0x7632), __byte_perm(v2, v3, 0x5410),
+              __byte_perm(v2, v3, 0x7632), pb0, pb1);
     }
-#pragma unroll 1
-    for (int r0 = 0; r0 < kRowsPerLane; r0 += kUnroll<G>) {
-      uint4 vr[kUnroll<G>];
-#pragma unroll
-      for (int u = 0; u < kUnroll<G>; ++u) {
-        const int key = t0 + hw + kHalfWarps * (r0 + u);
-        vr[u] = key < end ? LoadRow16(vb + static_cast<int64_t>(key) * kFastD) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll<G>; ++u) {
-        float vf[8];
-        Bf16x8ToF32(vr[u], vf);
-        const int local = hw + kHalfWarps * (r0 + u);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float p = s_p[g][local];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
-        }
-      }
-    }
-    __syncthreads();  // s_p is rewritten by the next tile
   }
 
-  // Sum the 16 half-warp partials: the two halves by shuffle, the 8 warps in smem.
+  // Merge the 4 warps: m and l per head, O^T columns 2c and 2c+1.
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  if (c == 0) {
+    s_m[warp][r] = m_run;
+    s_l[warp][r] = l_run;
+  }
 #pragma unroll
-  for (int g = 0; g < G; ++g)
+  for (int t = 0; t < kMTiles; ++t) {
+    const int dim0 = 64 * (t / 4) + 8 * r + 2 * (t % 4);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], 16);
-  if (lane < 16) {
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s_red[warp][g][sl * 8 + e] = acc[g][e];
+    for (int e = 0; e < 2; ++e) {
+      const int head = 2 * c + e;
+      if (head < G) {
+        s_o[warp][head][dim0] = o[t][e];
+        s_o[warp][head][dim0 + 1] = o[t][2 + e];
+      }
+    }
   }
   __syncthreads();
-  for (int idx = tid; idx < G * kFastD; idx += kFastThreads) {
-    const int g = idx / kFastD, dim = idx % kFastD;
-    float sum = 0.0f;
+  for (int idx = threadIdx.x; idx < G * D; idx += kMmaThreads) {
+    const int head = idx / D, dim = idx % D;
+    float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kFastWarps; ++w) sum += s_red[w][g][dim];
-    const int64_t slot = (static_cast<int64_t>(b) * hq + kvh * G + g) * splits + split;
-    ws_o[slot * kFastD + dim] = sum;
-  }
-  if (tid < G) {
-    const int64_t slot = (static_cast<int64_t>(b) * hq + kvh * G + tid) * splits + split;
-    ws_m[slot] = s_m[tid];
-    ws_l[slot] = s_l[tid];
+    for (int w = 0; w < kMmaWarps; ++w) mx = fmaxf(mx, s_m[w][head]);
+    float acc = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) {
+      const float f = exp2f(s_m[w][head] - mx);  // 0 for a warp without keys
+      acc += f * s_o[w][head][dim];
+      l += f * s_l[w][head];
+    }
+    const int64_t slot = (static_cast<int64_t>(b) * hq + kvh * G + head) * splits + split;
+    ws_o[slot * D + dim] = acc;
+    if (dim == 0) {
+      ws_m[slot] = mx;
+      ws_l[slot] = l;
+    }
   }
 }
 
@@ -360,13 +361,25 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
 }
 
-template <int G>
-void LaunchDecodeBf16(const DecodeAttentionArgs& a, const SplitPlan& plan, float* ws_o, float* ws_m, float* ws_l,
-                      cudaStream_t stream) {
+template <int G, int D>
+void LaunchDecodeMma(const DecodeAttentionArgs& a, const SplitPlan& plan, float* ws_o, float* ws_m, float* ws_l,
+                     cudaStream_t stream) {
   const dim3 grid(a.hkv, plan.splits, a.batch);
-  DecodeBf16Kernel<G><<<grid, kFastThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a.q), a.k, a.v,
-                                                        a.lengths, ws_o, ws_m, ws_l, a.head_stride, a.hq, plan.chunk,
-                                                        plan.splits, a.scale * kLog2e);
+  DecodeMmaKernel<G, D><<<grid, kMmaThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a.q), a.k, a.v,
+                                                          a.lengths, ws_o, ws_m, ws_l, a.head_stride, a.hq,
+                                                          plan.chunk, plan.splits, a.scale * kLog2e);
+}
+
+template <int D>
+bool LaunchDecodeMmaFor(int group, const DecodeAttentionArgs& a, const SplitPlan& plan, float* ws_o, float* ws_m,
+                        float* ws_l, cudaStream_t stream) {
+  switch (group) {
+    case 1: LaunchDecodeMma<1, D>(a, plan, ws_o, ws_m, ws_l, stream); return true;
+    case 2: LaunchDecodeMma<2, D>(a, plan, ws_o, ws_m, ws_l, stream); return true;
+    case 4: LaunchDecodeMma<4, D>(a, plan, ws_o, ws_m, ws_l, stream); return true;
+    case 8: LaunchDecodeMma<8, D>(a, plan, ws_o, ws_m, ws_l, stream); return true;
+    default: return false;
+  }
 }
 
 template <typename T>
@@ -403,17 +416,13 @@ void LaunchDecodeAttention(const DecodeAttentionArgs& args, cudaStream_t stream)
   float* ws_m = ws_o + rows * args.d;
   float* ws_l = ws_m + rows;
   const int group = args.hq / args.hkv;
-  if (args.dtype == DType::kBF16 && args.d == kFastD) {
-    switch (group) {
-      case 1: LaunchDecodeBf16<1>(args, plan, ws_o, ws_m, ws_l, stream); break;
-      case 2: LaunchDecodeBf16<2>(args, plan, ws_o, ws_m, ws_l, stream); break;
-      case 4: LaunchDecodeBf16<4>(args, plan, ws_o, ws_m, ws_l, stream); break;
-      case 8: LaunchDecodeBf16<8>(args, plan, ws_o, ws_m, ws_l, stream); break;
-      default: LaunchDecodeGeneric<__nv_bfloat16>(args, plan, ws_o, ws_m, ws_l, stream); break;
-    }
-  } else {
-    PENUMBRA_DISPATCH_FLOAT(args.dtype, T, LaunchDecodeGeneric<T>(args, plan, ws_o, ws_m, ws_l, stream));
+  bool fast = false;
+  if (args.dtype == DType::kBF16 && args.d == 128) {
+    fast = LaunchDecodeMmaFor<128>(group, args, plan, ws_o, ws_m, ws_l, stream);
+  } else if (args.dtype == DType::kBF16 && args.d == 64) {
+    fast = LaunchDecodeMmaFor<64>(group, args, plan, ws_o, ws_m, ws_l, stream);
   }
+  if (!fast) PENUMBRA_DISPATCH_FLOAT(args.dtype, T, LaunchDecodeGeneric<T>(args, plan, ws_o, ws_m, ws_l, stream));
   const dim3 merge_grid(args.hq, args.batch);
   PENUMBRA_DISPATCH_FLOAT(args.dtype, T,
                           (DecodeMergeKernel<T><<<merge_grid, kMergeThreads, 0, stream>>>(

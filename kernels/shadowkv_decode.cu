@@ -11,6 +11,7 @@
 #include <glog/logging.h>
 
 #include "kernels/common.cuh"
+#include "kernels/mma.cuh"
 #include "kernels/cuda_check.h"
 
 namespace penumbra::kernels {
@@ -430,13 +431,6 @@ __global__ void __launch_bounds__(kSimtThreads) RebuildKSimtKernel(ShadowkvRebui
   }
 }
 
-__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 __device__ __forceinline__ uint32_t LoadPair(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 

@@ -2,7 +2,7 @@
 # One GPU-machine run of the throughput benchmarks beside the full-attention
 # peer (../shared/bench/peer_full_attention.py, bundled as .device/peer_full_attention.py).
 # Every line printed is a JSON object; they are collected in $OUT/bench.jsonl.
-# Usage: ops/device/bench.sh full|shadowkv
+# Usage: ops/device/bench.sh full|decode|shadowkv  (decode: full-attention decode only)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -15,6 +15,10 @@ case "${1:-full}" in
     run 150 $R penumbra-bench decode --context 61440,124928 --steps 20
     run 120 python3 .device/peer_full_attention.py prefill --context 124928
     run 150 $R penumbra-bench prefill --context 124928
+    ;;
+  decode)
+    run 200 python3 .device/peer_full_attention.py decode --context 61440 124928
+    run 150 $R penumbra-bench decode --context 61440,124928 --steps 20
     ;;
   shadowkv)
     run 200 python3 .device/peer_full_attention.py decode --context 124928 61440

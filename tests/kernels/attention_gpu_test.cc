@@ -320,6 +320,11 @@ TEST(AttentionGpuTest, DecodeBf16FastPath) {
       {{1000, 7, 1, 129}, 16, 8, 128, DType::kBF16},
       {{70000, 3}, 32, 8, 128, DType::kBF16, 0, 0.05},  // reduced workspace: fewer splits
       {{6000, 6001, 1, 17, 5999, 4096, 2, 3, 9000}, 32, 4, 128, DType::kBF16},
+      // head_dim 64 (the evaluation model's shape), every supported group.
+      {{16384, 1, 63, 65, 4097}, 8, 4, 64, DType::kBF16},
+      {{3000, 15, 16, 17}, 8, 1, 64, DType::kBF16},
+      {{129, 70000}, 4, 4, 64, DType::kBF16},
+      {{1, 2, 255, 257}, 16, 2, 64, DType::kBF16},
   };
   uint64_t seed = 1001;
   for (const auto& c : cases) RunDecodeCase(c, seed++);
@@ -425,7 +430,7 @@ TEST(AttentionGpuTest, Bench) {
   struct D {
     int batch, length;
   };
-  for (const D& p : {D{4, 61440}, D{1, 124928}, D{32, 8192}, D{64, 4096}}) {
+  for (const D& p : {D{4, 61440}, D{15, 61440}, D{1, 124928}, D{7, 124928}, D{32, 8192}, D{64, 4096}}) {
     const int d = 128;
     const int64_t head_stride = static_cast<int64_t>(p.length) * d;
     const size_t kv_elems = static_cast<size_t>(hkv) * head_stride;

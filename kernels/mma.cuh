@@ -1,0 +1,62 @@
+// Tensor-core and async-copy helpers shared by the attention and ShadowKV
+// kernels (sm_80+ instructions: mma.sync, ldmatrix, cp.async). Header-only;
+// included by .cu files only.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+namespace penumbra::kernels {
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; src_bytes = 0 zero-fills.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a (16x16, row) * b (16x8, col); bf16 in, f32 accumulate. Registers
+// only (not volatile), so the compiler may schedule it freely.
+// Fragments (lane = 4 * r + c): a0 = A[r][2c..2c+1], a1 = A[r+8][2c..],
+// a2 = A[r][2c+8..], a3 = A[r+8][2c+8..]; b0 = B[2c..2c+1][r], b1 = B[2c+8..][r];
+// c0,c1 = C[r][2c..2c+1], c2,c3 = C[r+8][2c..2c+1]. Pairs: low half first.
+__device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  MmaBf16(c, a[0], a[1], a[2], a[3], b0, b1);
+}
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  MmaBf16(c, a[0], a[1], a[2], a[3], b[0], b[1]);
+}
+
+// Two floats as a bf16 pair (lo in the low half).
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+}  // namespace penumbra::kernels
