@@ -12,11 +12,18 @@
 #   call 3  training ends (exporting at the deadline if it must), then every
 #           evaluation and the ShadowKV reference check run concurrently; the
 #           model and results come back.
+#   reeval  (separate session) the shipped model (models/penumbra-eval, its
+#           shards carried xz-compressed in build-evalmodel/model-xz because the
+#           call's upload is capped) against task sets regenerated from the
+#           same seed: our engine in f32 and bf16 under full attention,
+#           ShadowKV at the paper's settings on all lengths, the budget and
+#           rank sweeps at 16K, and transformers (f32) on the 32K set.
 # TRAIN_MINUTES sets the whole training's length (default 16), TRAIN_LAST_MIN
 # call 3's share.
 #
 # Usage (device call, carry [".device", "build-evalmodel/data"]):
 #   bash ops/evalmodel/device_run.sh call1|call2|call3
+# reeval: carry [".device", "build-evalmodel/data/corpus-heldout.txt.xz", "build-evalmodel/model-xz"].
 # Needs the bundle (.device/run penumbra ...) and build-evalmodel/data/corpus-*.txt.xz.
 set -u
 T0=$(date +%s)
@@ -40,10 +47,10 @@ train() {  # extra args...
   python3 $E/train.py --corpus $CORPUS --out $RUN --auto-minutes "$TRAIN_MINUTES" --workers 14 "$@"
 }
 
-make_tasks() {  # the evaluation sets not made yet, with the model's tokenizer
+make_tasks() {  # [jobs] the evaluation sets not made yet, with the model's tokenizer
   for L in 4096 8192 16384 32768; do
     [ -f $D/tasks-$L.jsonl ] || { nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json \
-      --lengths $L --num 25 --seed 1234 --jobs 2 --out $D/tasks-$L.jsonl.tmp && mv $D/tasks-$L.jsonl.tmp $D/tasks-$L.jsonl; }
+      --lengths $L --num 25 --seed 1234 --jobs ${1:-2} --out $D/tasks-$L.jsonl.tmp && mv $D/tasks-$L.jsonl.tmp $D/tasks-$L.jsonl; }
   done
 }
 
@@ -167,7 +174,54 @@ EOF
     cat $D/results/status.txt
     ls -la "$OUT"
     ;;
+  reeval)
+    log "model from the repository"
+    mkdir -p $RUN/model $D/results
+    cp models/penumbra-eval/*.json $RUN/model/ && cp models/penumbra-eval/tokenizer.json $RUN/tokenizer.json
+    for f in $D/model-xz/*.xz; do xz -dc "$f" >$RUN/model/"$(basename "$f" .xz)" || exit 1; done
+    ls -la $RUN/model
+    log "task sets (same seed and tokenizer as the first session)"
+    for L in 4096 8192 16384 32768; do
+      ( nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json --lengths $L --num 25 \
+          --seed 1234 --jobs 3 --out $D/tasks-$L.jsonl >$D/logs/tasks-$L.log 2>&1 ) &
+    done
+    wait
+    ls -la $D/tasks-*.jsonl
+    : >$D/results/status.txt
+    $P help >/dev/null 2>&1
+    SKV="--kv-policy shadowkv --min-prompt 1024 --budget-fraction 0.0156 --rank 40 --chunk-size 8 --outlier-fraction 0.003"
+    REM=$(( CALL_S - ( $(date +%s) - T0 ) - 30 ))
+    PIDS=()
+    # transformers f32 on the 32K set, in two halves (its first-session run ran out of time there).
+    head -n 100 $D/tasks-32768.jsonl >$D/tasks-32768-a.jsonl; tail -n +101 $D/tasks-32768.jsonl >$D/tasks-32768-b.jsonl
+    for h in a b; do
+      ( timeout $REM python3 $E/eval_hf.py --model $RUN/model --tasks $D/tasks-32768-$h.jsonl --dtype float32 \
+          --predictions $D/results/pred_hf_f32_32k$h.jsonl >$D/results/eval_hf_f32_32k$h.jsonl 2>$D/results/eval_hf_f32_32k$h.err
+        echo "hf_f32_32k$h exit $?" >>$D/results/status.txt ) &
+      PIDS+=($!)
+    done
+    for L in 4096 8192 16384 32768; do
+      ( penumbra_eval full_f32_$L $D/tasks-$L.jsonl --dtype f32 --kv-policy full ) & PIDS+=($!)
+      ( penumbra_eval full_bf16_$L $D/tasks-$L.jsonl --dtype bf16 --kv-policy full ) & PIDS+=($!)
+      ( penumbra_eval skv_bf16_$L $D/tasks-$L.jsonl --dtype bf16 $SKV ) & PIDS+=($!)
+    done
+    ( for b in 0.0039 0.0078 0.0312 0.0625; do
+        penumbra_eval sweep_b$b $D/tasks-16384.jsonl --dtype bf16 --limit 10 ${SKV/--budget-fraction 0.0156/--budget-fraction $b}
+      done ) & PIDS+=($!)
+    ( for r in 8 16 24 64 128; do
+        penumbra_eval sweep_r$r $D/tasks-16384.jsonl --dtype bf16 --limit 10 ${SKV/--rank 40/--rank $r}
+      done ) & PIDS+=($!)
+    ( penumbra_eval sweep_base $D/tasks-16384.jsonl --dtype bf16 --limit 10 $SKV
+      penumbra_eval sweep_full $D/tasks-16384.jsonl --dtype bf16 --limit 10 --kv-policy full ) & PIDS+=($!)
+    ( sleep "$(python3 -c "print(int($CALL_S - ($(date +%s) - $T0) - 25))")"; pkill -f "penumbra eval" ; pkill -f eval_hf.py ) &
+    KILLER=$!
+    wait "${PIDS[@]}"
+    kill $KILLER 2>/dev/null
+    log "packing"
+    tar -C $D -czf "$OUT/results.tgz" results logs
+    cat $D/results/status.txt
+    ;;
   *)
-    echo "usage: $0 call1|call2|call3" >&2; exit 2;;
+    echo "usage: $0 call1|call2|call3|reeval" >&2; exit 2;;
 esac
 log "end"
