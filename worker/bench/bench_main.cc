@@ -1,14 +1,21 @@
 // penumbra-bench: throughput of the engine on a Llama-3.1-8B-shaped model with
 // random weights generated on the device (no checkpoint), comparable to
 // ../shared/bench/peer_full_attention.py. One JSON line per measurement.
-//   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv]
+//   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv] [--lanes N]
 //   penumbra-bench prefill --context 124928
 // decode fills each sequence's context with random keys and values (through
 // the policy's real compression path for shadowkv), then times `steps` decode
 // steps of the whole model after 2 warm-up steps, greedy sampling included.
+// --lanes N splits the batch over N engine lanes (one weights copy, N streams
+// and policies) driven by N host threads, so lanes overlap on the GPU.
+#include <algorithm>
+#include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -75,20 +82,44 @@ double MeasureCopyGBps(Backend& b) {
   return 2.0 * bytes * 5 / (Now() - t0) / 1e9;
 }
 
+// One lane's share of a decode measurement.
+struct LaneRun {
+  std::vector<int64_t> seqs;
+  Status status;
+  double end = 0;  // when the lane finished its timed steps (Now())
+};
+
+// With --lanes N the batch is split round-robin over N lanes (sequence i on
+// lane i % N), each driven by its own host thread (lane 0 by this one): 2
+// warm-up steps, a barrier, `steps` timed steps and a synchronize per lane.
+// The step time is the wall time from the barrier's release to the last lane
+// finishing, divided by `steps`. N = 1 is the single-pipeline loop.
 Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double copy_gbps) {
   const ModelConfig& c = e.config();
-  Runtime& rt = e.runtime();
-  Backend& b = e.backend();
+  const int N = e.lanes();
+  Backend& b0 = e.backend();
   PENUMBRA_ASSIGN_OR_RETURN(int64_t steps, a.GetInt("steps", 100));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t batch, a.GetInt("batch", 0));
+  if (steps < 1) return Status::InvalidArgument("--steps must be >= 1");
   const int64_t reserve = static_cast<int64_t>(4.0 * (1 << 30));
+  std::vector<LaneRun> runs(N);
+  auto remove_all = [&] {
+    for (int l = 0; l < N; ++l) {
+      for (int64_t s : runs[l].seqs) e.runtime(l).RemoveSequence(s);
+      runs[l].seqs.clear();
+    }
+  };
   // Find the largest batch that fits by adding sequences until memory runs out
   // (or the requested batch), leaving `reserve` bytes free for activations.
-  std::vector<int64_t> seqs;
+  // Free memory is device-wide: lane 0's backend reports it for all lanes.
   const int64_t max_b = batch > 0 ? batch : 4096;
   Status last;
+  int64_t added = 0;
   for (int64_t i = 0; i < max_b; ++i) {
-    if (batch == 0 && static_cast<int64_t>(b.FreeMemoryBytes()) < reserve) break;
+    const int l = static_cast<int>(i % N);
+    Runtime& rt = e.runtime(l);
+    Backend& b = e.backend(l);
+    if (batch == 0 && static_cast<int64_t>(b0.FreeMemoryBytes()) < reserve) break;
     last = rt.AddSequence(i, S, steps + 4);
     if (!last.ok()) break;
     last = rt.policy().SynthesizeContext(i, S, 1000 + i);
@@ -97,63 +128,124 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       break;
     }
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    if (batch == 0 && static_cast<int64_t>(b.FreeMemoryBytes()) < reserve) {
+    if (batch == 0 && static_cast<int64_t>(b0.FreeMemoryBytes()) < reserve) {
       rt.RemoveSequence(i);
       break;
     }
-    seqs.push_back(i);
+    runs[l].seqs.push_back(i);
+    ++added;
   }
-  if (seqs.empty()) return last.ok() ? Status::ResourceExhausted("not even one sequence fits") : last;
-  if (batch > 0 && static_cast<int64_t>(seqs.size()) < batch) return last;
-  const int B = static_cast<int>(seqs.size());
+  if (added == 0) return last.ok() ? Status::ResourceExhausted("not even one sequence fits") : last;
+  if (batch > 0 && added < batch) {
+    remove_all();
+    return last;
+  }
+  const int B = static_cast<int>(added);
   std::string limit = last.ok() ? "gpu-memory-reserve" : last.ToString();
-  std::vector<int32_t> tokens(B, 1);
-  std::vector<SampleParams> greedy(B);
-  std::vector<int32_t> next(B);
-  auto step = [&](int64_t pos) -> Status {
-    std::vector<int64_t> positions(B, pos);
-    PENUMBRA_ASSIGN_OR_RETURN(const float* logits, rt.DecodeStep(seqs, tokens, positions));
-    PENUMBRA_RETURN_IF_ERROR(b.Sample(logits, B, c.vocab_size, greedy, next.data()));
-    tokens = next;
-    return Status::OK();
+
+  std::vector<PolicyStats> before(N);
+  std::atomic<bool> failed{false};
+  double t0 = 0;
+  std::barrier start(N, [&t0]() noexcept { t0 = Now(); });
+  auto drive = [&](int l) {
+    LaneRun& run = runs[l];
+    Runtime& rt = e.runtime(l);
+    Backend& b = e.backend(l);
+    const int lb = static_cast<int>(run.seqs.size());
+    std::vector<int32_t> tokens(lb, 1);
+    std::vector<SampleParams> greedy(lb);
+    std::vector<int32_t> next(lb);
+    auto step = [&](int64_t pos) -> Status {
+      if (lb == 0) return Status::OK();
+      std::vector<int64_t> positions(lb, pos);
+      PENUMBRA_ASSIGN_OR_RETURN(const float* logits, rt.DecodeStep(run.seqs, tokens, positions));
+      PENUMBRA_RETURN_IF_ERROR(b.Sample(logits, lb, c.vocab_size, greedy, next.data()));
+      tokens = next;
+      return Status::OK();
+    };
+    auto warm = [&]() -> Status {
+      PENUMBRA_RETURN_IF_ERROR(step(S));
+      PENUMBRA_RETURN_IF_ERROR(step(S + 1));
+      before[l] = rt.policy().stats();
+      return b.Synchronize();
+    };
+    auto timed = [&]() -> Status {
+      for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step(S + 2 + i));
+      return b.Synchronize();
+    };
+    run.status = warm();
+    if (!run.status.ok()) failed = true;
+    // Every lane arrives, failed or not, so none waits forever; after the
+    // release a lane runs the timed steps only if every warm-up succeeded.
+    start.arrive_and_wait();
+    if (failed) return;
+    run.status = timed();
+    run.end = Now();
   };
-  PENUMBRA_RETURN_IF_ERROR(step(S));
-  PENUMBRA_RETURN_IF_ERROR(step(S + 1));
-  const PolicyStats before = rt.policy().stats();
-  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-  const double t0 = Now();
-  for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step(S + 2 + i));
-  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-  const double dt = (Now() - t0) / steps;
-  const PolicyStats after = rt.policy().stats();
+  std::vector<std::thread> threads;
+  threads.reserve(N - 1);
+  for (int l = 1; l < N; ++l) threads.emplace_back(drive, l);
+  drive(0);
+  for (std::thread& t : threads) t.join();
+  // Every lane's error, under the first failing lane's code.
+  Status first;
+  std::string errors;
+  for (int l = 0; l < N; ++l) {
+    if (runs[l].status.ok()) continue;
+    if (first.ok()) first = runs[l].status;
+    errors += (errors.empty() ? "" : "; ") + ("lane " + std::to_string(l) + ": " + runs[l].status.ToString());
+  }
+  if (!first.ok()) {
+    remove_all();
+    for (int l = 0; l < N; ++l) (void)e.backend(l).Synchronize();
+    return N == 1 ? first : Status(first.code(), errors);
+  }
+  double end = 0;
+  for (const LaneRun& r : runs) end = std::max(end, r.end);
+  const double dt = (end - t0) / steps;
   nlohmann::json j = cm.Line("decode");
   j["kv_policy"] = e.options().kv_policy;
   j["context"] = S;
   j["batch"] = B;
+  if (N > 1) {
+    j["lanes"] = N;
+    std::vector<int> lane_batch;
+    for (const LaneRun& r : runs) lane_batch.push_back(static_cast<int>(r.seqs.size()));
+    j["lane_batch"] = lane_batch;
+  }
   j["steps"] = steps;
   j["tokens_per_s"] = B / dt;
   j["ms_per_step"] = dt * 1e3;
   j["batch_limit"] = batch > 0 ? "requested" : limit;
   size_t dev_bytes = 0;
-  for (int64_t s : seqs) dev_bytes += rt.policy().DeviceBytes(s);
+  for (int l = 0; l < N; ++l) {
+    for (int64_t s : runs[l].seqs) dev_bytes += e.runtime(l).policy().DeviceBytes(s);
+  }
   j["kv_device_bytes_per_token"] = static_cast<double>(dev_bytes) / (static_cast<double>(S) * B);
   if (e.options().kv_policy == "full") {
-    // Bytes a step must read: all weights once + every sequence's K and V.
-    const double kv = 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * DTypeSize(b.act_dtype()) * (S + 2.0 + steps / 2.0) * B;
-    const double bytes = static_cast<double>(e.weights().device_bytes()) + kv;
+    // Bytes a step must read: all weights once per lane with sequences (each
+    // lane's GEMMs stream them) + every sequence's K and V.
+    int busy_lanes = 0;
+    for (const LaneRun& r : runs) busy_lanes += r.seqs.empty() ? 0 : 1;
+    const double kv = 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * DTypeSize(b0.act_dtype()) * (S + 2.0 + steps / 2.0) * B;
+    const double bytes = static_cast<double>(e.weights().device_bytes()) * busy_lanes + kv;
     j["hbm_gbps"] = bytes / dt / 1e9;
     if (copy_gbps > 0) j["hbm_roofline_fraction"] = bytes / dt / 1e9 / (copy_gbps);
   } else {
-    const int64_t sel = after.selected_chunks - before.selected_chunks;
-    const int64_t hit = after.hit_chunks - before.hit_chunks;
+    int64_t sel = 0, hit = 0;
+    for (int l = 0; l < N; ++l) {
+      const PolicyStats after = e.runtime(l).policy().stats();
+      sel += after.selected_chunks - before[l].selected_chunks;
+      hit += after.hit_chunks - before[l].hit_chunks;
+    }
     j["hit_rate"] = sel ? static_cast<double>(hit) / sel : 0.0;
     j["force_hit_rate"] = e.options().shadowkv.force_hit_rate;
     j["value_fetch"] = e.options().shadowkv.value_fetch;
   }
   j["hbm_copy_gbps"] = copy_gbps;
   std::cout << j.dump() << std::endl;
-  for (int64_t s : seqs) rt.RemoveSequence(s);
-  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  remove_all();
+  for (int l = 0; l < N; ++l) PENUMBRA_RETURN_IF_ERROR(e.backend(l).Synchronize());
   return Status::OK();
 }
 
@@ -203,6 +295,7 @@ Status Main(int argc, char** argv) {
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("rank", "shadowkv rank").Flag("budget", "shadowkv budget")
       .Flag("outliers", "shadowkv outliers").Flag("chunk-size", "shadowkv chunk").Flag("local-window", "shadowkv window")
       .Flag("value-fetch", "shadowkv: zero_copy or staging").Flag("max-batch", "runtime max batch")
+      .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
       .Switch("profile", "prefill: time each ShadowKV compression op (synchronizes after each)");
@@ -233,7 +326,11 @@ Status Main(int argc, char** argv) {
   s.min_prompt_tokens = 0;
   PENUMBRA_ASSIGN_OR_RETURN(auto contexts, a.GetIntList("context"));
   if (contexts.empty()) return Status::InvalidArgument("--context is required");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t lanes, a.GetInt("lanes", 1));
+  if (lanes < 1 || lanes > 64) return Status::InvalidArgument("--lanes must be in [1, 64]");
+  if (lanes > 1 && mode != "decode") return Status::InvalidArgument("--lanes applies to decode only");
   PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::OpenRandom(c, eo, 42));
+  for (int64_t l = 1; l < lanes; ++l) PENUMBRA_RETURN_IF_ERROR(engine->AddLane().status());
   Common cm;
   cm.gpu = engine->backend().name();
   const double copy = mode == "decode" && engine->backend().device() == Device::kCUDA ? MeasureCopyGBps(engine->backend()) : 0;

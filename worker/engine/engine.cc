@@ -22,21 +22,66 @@ Result<EngineOptions> LoadEngineOptionsFile(const std::string& path) {
   return o;
 }
 
-Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
-  const ModelConfig& c = e->weights_->config();
-  PENUMBRA_ASSIGN_OR_RETURN(e->policy_ctx_, MakePolicyContext(e->backend_.get(), c));
-  std::unique_ptr<KvPolicy> policy;
-  if (e->options_.kv_policy == "full") {
-    policy = MakeFullKvPolicy(e->policy_ctx_->ctx);
-  } else if (e->options_.kv_policy == "shadowkv") {
-    PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(e->options_.shadowkv, c.num_kv_heads, c.head_dim));
-    PENUMBRA_ASSIGN_OR_RETURN(policy, MakeShadowKvPolicy(e->policy_ctx_->ctx, e->options_.shadowkv));
-  } else {
-    return Status::InvalidArgument("unknown kv policy '" + e->options_.kv_policy + "' (expected full or shadowkv)");
+Engine::~Engine() {
+  // Highest lane first; each lane's runtime and policy before its backend
+  // (Lane's member order). Pending work is drained so no kernel still reads a
+  // buffer being freed.
+  while (!lanes_.empty()) {
+    (void)lanes_.back()->backend->Synchronize();
+    lanes_.pop_back();
   }
-  PENUMBRA_ASSIGN_OR_RETURN(e->runtime_,
-                            Runtime::Create(e->options_.runtime, e->backend_.get(), e->weights_.get(), std::move(policy)));
+  weights_.reset();
+  backend_.reset();
+}
+
+Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> owned, Backend* backend) {
+  auto lane = std::make_unique<Lane>();
+  lane->owned_backend = std::move(owned);
+  lane->backend = backend;
+  const ModelConfig& c = weights_->config();
+  PENUMBRA_ASSIGN_OR_RETURN(lane->policy_ctx, MakePolicyContext(backend, c));
+  std::unique_ptr<KvPolicy> policy;
+  if (options_.kv_policy == "full") {
+    policy = MakeFullKvPolicy(lane->policy_ctx->ctx);
+  } else if (options_.kv_policy == "shadowkv") {
+    PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(options_.shadowkv, c.num_kv_heads, c.head_dim));
+    PENUMBRA_ASSIGN_OR_RETURN(policy, MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
+  } else {
+    return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy + "' (expected full or shadowkv)");
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(lane->runtime, Runtime::Create(options_.runtime, backend, weights_.get(), std::move(policy)));
+  return lane;
+}
+
+Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, e->MakeLane(nullptr, e->backend_.get()));
+  e->lanes_.push_back(std::move(lane));
   return e;
+}
+
+Result<int> Engine::AddLane() {
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Backend> b, CreateBackend(options_.backend));
+  // The weights are in lane 0's memory: a lane must compute on the same kind
+  // of device in the same dtype to read them.
+  if (b->device() != backend_->device() || b->act_dtype() != backend_->act_dtype()) {
+    return Status::Internal("AddLane: the new backend (" + b->name() + ", " + std::string(DTypeName(b->act_dtype())) +
+                            ") differs from lane 0's (" + backend_->name() + ", " +
+                            std::string(DTypeName(backend_->act_dtype())) + ")");
+  }
+  Backend* raw = b.get();
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, MakeLane(std::move(b), raw));
+  lanes_.push_back(std::move(lane));
+  return lanes() - 1;
+}
+
+Runtime& Engine::runtime(int lane) {
+  CHECK(lane >= 0 && lane < lanes()) << "lane " << lane << " of " << lanes();
+  return *lanes_[lane]->runtime;
+}
+
+Backend& Engine::backend(int lane) {
+  CHECK(lane >= 0 && lane < lanes()) << "lane " << lane << " of " << lanes();
+  return *lanes_[lane]->backend;
 }
 
 Result<std::unique_ptr<Engine>> Engine::Open(const std::string& model_dir, const EngineOptions& options) {
