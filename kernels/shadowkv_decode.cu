@@ -605,44 +605,51 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
 // ============================================================================
 // 5./6. Value fetch / scatter
 // ============================================================================
-constexpr int kFetchWarps = 8;
-constexpr int kFetchUnroll = 8;  // 16-byte loads in flight per lane
+// The copy is PCIe-latency bound, not SM bound: a few SMs with enough 16-byte
+// loads in flight (kFetchMaxBlocks x 256 threads x kFetchUnroll x 16 B = 1 MiB)
+// saturate the link, and the rest of the GPU stays free for the K rebuild on
+// the other stream and for other lanes' kernels. (One block per 8 misses, as
+// before, filled every SM with threads waiting on PCIe.) Each thread copies
+// vectors v, v + T, ... of the flattened [row][miss][vector] space.
+constexpr int kFetchThreads = 256;
+constexpr int kFetchUnroll = 8;     // 16-byte loads in flight per thread
+constexpr int kFetchMaxBlocks = 32;
 
-__global__ void __launch_bounds__(kFetchWarps * 32) FetchVKernel(ShadowkvFetchVArgs a, int elem_bytes) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row = blockIdx.y;
-  const int m = blockIdx.x * kFetchWarps + warp;
-  if (m >= a.miss_count[row]) return;
-  const int b = row / a.hkv, h = row % a.hkv;
-  const int64_t chunk_elems = static_cast<int64_t>(a.chunk_size) * a.d;
-  const int nvec = static_cast<int>(chunk_elems * elem_bytes / 16);
-  const int slot = a.miss_slot[static_cast<int64_t>(row) * a.miss_stride + m];
-  const char* src;
-  if (a.staging) {
-    const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
-    src = static_cast<const char*>(a.staging) + (base + m) * chunk_elems * elem_bytes;
-  } else {
-    const int chunk = a.miss_chunk[static_cast<int64_t>(row) * a.miss_stride + m];
-    src = static_cast<const char*>(a.value_store[b]) +
-          (static_cast<int64_t>(h) * a.chunk_cap + chunk) * chunk_elems * elem_bytes;
-  }
-  char* dst = static_cast<char*>(a.att_v[b]) +
-              (h * a.att_head_stride + (static_cast<int64_t>(a.outlier_rows) + static_cast<int64_t>(slot) * a.chunk_size) * a.d) *
-                  elem_bytes;
-  const uint4* s4 = reinterpret_cast<const uint4*>(src);
-  uint4* d4 = reinterpret_cast<uint4*>(dst);
-  for (int v0 = 0; v0 < nvec; v0 += 32 * kFetchUnroll) {
+__global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs a, int nvec, int elem_bytes) {
+  const int64_t total = static_cast<int64_t>(a.batch) * a.hkv * a.max_misses * nvec;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFetchThreads;
+  const int64_t chunk_bytes = static_cast<int64_t>(nvec) * 16;
+  for (int64_t v0 = static_cast<int64_t>(blockIdx.x) * kFetchThreads + threadIdx.x; v0 < total;
+       v0 += stride * kFetchUnroll) {
     uint4 buf[kFetchUnroll];
+    uint4* dst[kFetchUnroll];
 #pragma unroll
     for (int u = 0; u < kFetchUnroll; ++u) {
-      const int v = v0 + u * 32 + lane;
-      if (v < nvec) buf[u] = __ldcs(s4 + v);
+      dst[u] = nullptr;
+      const int64_t v = v0 + u * stride;
+      if (v >= total) continue;
+      const int64_t item = v / nvec;
+      const int vi = static_cast<int>(v - item * nvec);
+      const int row = static_cast<int>(item / a.max_misses);
+      const int m = static_cast<int>(item - static_cast<int64_t>(row) * a.max_misses);
+      if (m >= a.miss_count[row]) continue;
+      const int b = row / a.hkv, h = row % a.hkv;
+      const int64_t at = static_cast<int64_t>(row) * a.miss_stride + m;
+      const char* src;
+      if (a.staging) {
+        const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
+        src = static_cast<const char*>(a.staging) + (base + m) * chunk_bytes;
+      } else {
+        src = static_cast<const char*>(a.value_store[b]) + (static_cast<int64_t>(h) * a.chunk_cap + a.miss_chunk[at]) * chunk_bytes;
+      }
+      const int64_t row0 = a.outlier_rows + static_cast<int64_t>(a.miss_slot[at]) * a.chunk_size;
+      char* d = static_cast<char*>(a.att_v[b]) + (h * a.att_head_stride + row0 * a.d) * elem_bytes;
+      buf[u] = __ldcs(reinterpret_cast<const uint4*>(src) + vi);
+      dst[u] = reinterpret_cast<uint4*>(d) + vi;
     }
 #pragma unroll
-    for (int u = 0; u < kFetchUnroll; ++u) {
-      const int v = v0 + u * 32 + lane;
-      if (v < nvec) d4[v] = buf[u];
-    }
+    for (int u = 0; u < kFetchUnroll; ++u)
+      if (dst[u]) *dst[u] = buf[u];
   }
 }
 
@@ -736,8 +743,11 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int elem_bytes = static_cast<int>(DTypeSize(a.dtype));
   CHECK_EQ(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes % 16, 0) << "ShadowkvFetchV: chunk bytes";
   CHECK_EQ(static_cast<int64_t>(a.d) * elem_bytes % 16, 0) << "ShadowkvFetchV: V rows must be 16-byte aligned";
-  const dim3 grid((a.max_misses + kFetchWarps - 1) / kFetchWarps, rows);
-  FetchVKernel<<<grid, kFetchWarps * 32, 0, stream>>>(a, elem_bytes);
+  const int nvec = static_cast<int>(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes / 16);
+  const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
+  const int64_t per_block = static_cast<int64_t>(kFetchThreads) * kFetchUnroll;
+  const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, kFetchMaxBlocks));
+  FetchVKernel<<<blocks, kFetchThreads, 0, stream>>>(a, nvec, elem_bytes);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }
 

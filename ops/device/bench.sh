@@ -2,7 +2,9 @@
 # One GPU-machine run of the throughput benchmarks beside the full-attention
 # peer (../shared/bench/peer_full_attention.py, bundled as .device/peer_full_attention.py).
 # Every line printed is a JSON object; they are collected in $OUT/bench.jsonl.
-# Usage: ops/device/bench.sh full|decode|shadowkv  (decode: full-attention decode only)
+# Usage: ops/device/bench.sh full|decode|shadowkv|lanes
+#   decode: full-attention decode only; lanes: shadowkv decode split over 1-3
+#   engine lanes (one weights copy, one stream and host thread per lane).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -19,6 +21,14 @@ case "${1:-full}" in
   decode)
     run 200 python3 .device/peer_full_attention.py decode --context 61440 124928
     run 150 $R penumbra-bench decode --context 61440,124928 --steps 20
+    ;;
+  lanes)
+    run 200 python3 .device/peer_full_attention.py decode --context 124928
+    S="$R penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"
+    run 150 $S --force-hit-rate 0.6
+    run 150 $S --force-hit-rate 0.6 --lanes 2
+    run 150 $S
+    run 150 $S --lanes 2
     ;;
   shadowkv)
     run 200 python3 .device/peer_full_attention.py decode --context 124928 61440
