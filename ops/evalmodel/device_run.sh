@@ -18,6 +18,10 @@
 #           same seed: our engine in f32 and bf16 under full attention,
 #           ShadowKV at the paper's settings on all lengths, the budget and
 #           rank sweeps at 16K, and transformers (f32) on the 32K set.
+#   hfbf16  (same carry as reeval) transformers in bf16 on every set (the 32K
+#           one in two concurrent halves): f32 SDPA has no flash kernel and
+#           needs a 32K x 32K score matrix per head, which ran out of time and
+#           memory at 32K.
 # TRAIN_MINUTES sets the whole training's length (default 16), TRAIN_LAST_MIN
 # call 3's share.
 #
@@ -174,20 +178,34 @@ EOF
     cat $D/results/status.txt
     ls -la "$OUT"
     ;;
-  reeval)
+  reeval|hfbf16)
     log "model from the repository"
     mkdir -p $RUN/model $D/results
     cp models/penumbra-eval/*.json $RUN/model/ && cp models/penumbra-eval/tokenizer.json $RUN/tokenizer.json
     for f in $D/model-xz/*.xz; do xz -dc "$f" >$RUN/model/"$(basename "$f" .xz)" || exit 1; done
     ls -la $RUN/model
     log "task sets (same seed and tokenizer as the first session)"
-    for L in 4096 8192 16384 32768; do
+    LENGTHS="4096 8192 16384 32768";     for L in $LENGTHS; do
       ( nice python3 $E/tasks.py --corpus $HELDOUT --tokenizer $RUN/tokenizer.json --lengths $L --num 25 \
-          --seed 1234 --jobs 3 --out $D/tasks-$L.jsonl >$D/logs/tasks-$L.log 2>&1 ) &
+          --seed 1234 --jobs 6 --out $D/tasks-$L.jsonl >$D/logs/tasks-$L.log 2>&1 ) &
     done
     wait
     ls -la $D/tasks-*.jsonl
     : >$D/results/status.txt
+    if [ "$1" = hfbf16 ]; then
+      head -n 100 $D/tasks-32768.jsonl >$D/tasks-32768-a.jsonl; tail -n +101 $D/tasks-32768.jsonl >$D/tasks-32768-b.jsonl
+      REM=$(( CALL_S - ( $(date +%s) - T0 ) - 20 ))
+      for h in 4096 8192 16384 32768-a 32768-b; do
+        ( timeout $REM python3 $E/eval_hf.py --model $RUN/model --tasks $D/tasks-$h.jsonl --dtype bfloat16 \
+            --predictions $D/results/pred_hf_bf16_$h.jsonl >$D/results/eval_hf_bf16_$h.jsonl 2>$D/results/eval_hf_bf16_$h.err
+          echo "hf_bf16_$h exit $?" >>$D/results/status.txt ) &
+      done
+      wait
+      tar -C $D -czf "$OUT/results.tgz" results
+      cat $D/results/status.txt
+      log "end"
+      exit 0
+    fi
     $P help >/dev/null 2>&1
     SKV="--kv-policy shadowkv --min-prompt 1024 --budget-fraction 0.0156 --rank 40 --chunk-size 8 --outlier-fraction 0.003"
     REM=$(( CALL_S - ( $(date +%s) - T0 ) - 30 ))
