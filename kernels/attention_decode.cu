@@ -338,26 +338,60 @@ __global__ void __launch_bounds__(kGenericThreads)
 // ---- phase 2: merge ------------------------------------------------------------
 
 constexpr int kMergeThreads = 128;
+constexpr int kMergeMaxSmemSplits = 8192;  // split weights kept in shared memory (32 KiB)
 
+__device__ __forceinline__ float BlockReduceMerge(float v, float* scratch, bool is_max) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  v = is_max ? WarpMax(v) : WarpSum(v);
+  __syncthreads();  // scratch free from a previous use
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) r = is_max ? fmaxf(r, scratch[w]) : r + scratch[w];
+  return r;
+}
+
+// One block per (query head, sequence). The max and the normalizer over the
+// splits are block reductions (a sequence of 124928 keys at batch 1 has ~500
+// splits: a serial loop per thread over them cost more than phase 1), the
+// per-split weights 2^(m_s - max) / total go to shared memory, then each
+// thread sums its dims over the splits with independent loads.
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     DecodeMergeKernel(const float* __restrict__ ws_o, const float* __restrict__ ws_m, const float* __restrict__ ws_l,
                       const int32_t* __restrict__ lengths, T* __restrict__ out, int hq, int d, int chunk,
                       int splits) {
+  extern __shared__ float w_s[];  // [min(n, kMergeMaxSmemSplits)]
+  __shared__ float scratch[kMergeThreads / 32];
   const int head = blockIdx.x, b = blockIdx.y;
   const int64_t row = static_cast<int64_t>(b) * hq + head;
   const int n = min(splits, (max(lengths[b], 1) + chunk - 1) / chunk);
   const float* m = ws_m + row * splits;
   const float* l = ws_l + row * splits;
   float mx = -INFINITY;
-  for (int s = 0; s < n; ++s) mx = fmaxf(mx, m[s]);
+  for (int s = threadIdx.x; s < n; s += kMergeThreads) mx = fmaxf(mx, m[s]);
+  mx = BlockReduceMerge(mx, scratch, true);
   float total = 0.0f;
-  for (int s = 0; s < n; ++s) total += exp2f(m[s] - mx) * l[s];
+  for (int s = threadIdx.x; s < n; s += kMergeThreads) total += exp2f(m[s] - mx) * l[s];
+  total = BlockReduceMerge(total, scratch, false);
   const float inv = 1.0f / total;
+  const int n_smem = min(n, kMergeMaxSmemSplits);
+  for (int s = threadIdx.x; s < n_smem; s += kMergeThreads) w_s[s] = exp2f(m[s] - mx) * inv;
+  __syncthreads();
+  const float* o = ws_o + row * splits * d;
   for (int e = threadIdx.x; e < d; e += kMergeThreads) {
-    float acc = 0.0f;
-    for (int s = 0; s < n; ++s) acc += exp2f(m[s] - mx) * ws_o[(row * splits + s) * d + e];
-    out[row * d + e] = FromF32<T>(acc * inv);
+    float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
+    int s = 0;
+    for (; s + 4 <= n_smem; s += 4) {
+      acc0 = fmaf(w_s[s], o[static_cast<int64_t>(s) * d + e], acc0);
+      acc1 = fmaf(w_s[s + 1], o[static_cast<int64_t>(s + 1) * d + e], acc1);
+      acc2 = fmaf(w_s[s + 2], o[static_cast<int64_t>(s + 2) * d + e], acc2);
+      acc3 = fmaf(w_s[s + 3], o[static_cast<int64_t>(s + 3) * d + e], acc3);
+    }
+    for (; s < n_smem; ++s) acc0 = fmaf(w_s[s], o[static_cast<int64_t>(s) * d + e], acc0);
+    for (; s < n; ++s) acc0 = fmaf(exp2f(m[s] - mx) * inv, o[static_cast<int64_t>(s) * d + e], acc0);
+    out[row * d + e] = FromF32<T>((acc0 + acc1) + (acc2 + acc3));
   }
 }
 
@@ -424,8 +458,9 @@ void LaunchDecodeAttention(const DecodeAttentionArgs& args, cudaStream_t stream)
   }
   if (!fast) PENUMBRA_DISPATCH_FLOAT(args.dtype, T, LaunchDecodeGeneric<T>(args, plan, ws_o, ws_m, ws_l, stream));
   const dim3 merge_grid(args.hq, args.batch);
+  const size_t merge_smem = sizeof(float) * std::min(plan.splits, kMergeMaxSmemSplits);
   PENUMBRA_DISPATCH_FLOAT(args.dtype, T,
-                          (DecodeMergeKernel<T><<<merge_grid, kMergeThreads, 0, stream>>>(
+                          (DecodeMergeKernel<T><<<merge_grid, kMergeThreads, merge_smem, stream>>>(
                               ws_o, ws_m, ws_l, args.lengths, static_cast<T*>(args.out), args.hq, args.d,
                               plan.chunk, plan.splits)));
 }
