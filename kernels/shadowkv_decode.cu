@@ -246,6 +246,122 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
   }
 }
 
+// Phase 1 on tensor cores (bf16 q and landmarks, d in {64, 128}, group in
+// {1, 2, 4, 8}): the QK^T half of the decode-attention kernel
+// (attention_decode.cu, DecodeMmaKernel): S [16 x 16] = Q [16 x d] . L^T with
+// the group's query heads as rows (zero-padded), fragments straight from
+// global memory with the head dimension permuted, 4 warps each walking 2 x 16
+// landmarks per iteration with its own (max, sum exp) per head, merged per
+// block. Same outputs as ScoreLogitsKernel: logits and per-split statistics.
+constexpr int kScoreMmaWarps = 4;
+
+template <int G, int D>
+__global__ void __launch_bounds__(kScoreMmaWarps * 32)
+    ScoreLogitsMmaKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split) {
+  constexpr int kJ = D / 32;  // 16-byte loads per landmark row and lane
+  __shared__ float s_m[kScoreMmaWarps][8], s_s[kScoreMmaWarps][8];
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int n = a.n_chunks[b];
+  const int c0 = split * kScoreSplit;
+  if (c0 >= n) return;  // the merge reads only splits below n
+  const int c1 = min(n, c0 + kScoreSplit);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r = lane >> 2, c = lane & 3;
+
+  uint32_t qa[2 * kJ][2];  // {a0, a2} per k-step; rows r + 8 are zero
+  {
+    const bf16* qr = static_cast<const bf16*>(a.q) + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * D;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      const uint4 u = r < G ? __ldg(reinterpret_cast<const uint4*>(qr + 32 * j + 8 * c)) : make_uint4(0, 0, 0, 0);
+      qa[2 * j][0] = u.x;
+      qa[2 * j][1] = u.y;
+      qa[2 * j + 1][0] = u.z;
+      qa[2 * j + 1][1] = u.w;
+    }
+  }
+  const bf16* land = static_cast<const bf16*>(a.landmarks[b]) + static_cast<int64_t>(h) * a.chunk_cap * D;
+  const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
+  float* logit_row = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * a.max_chunks;
+  float m_run = NegInf(), s_run = 0.0f;  // head r; s is this lane's partial sum
+
+#pragma unroll 1
+  for (int base = c0 + warp * 32; base < c1; base += kScoreMmaWarps * 32) {
+    uint4 kr[4][kJ];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int row = base + 8 * nt + r;
+#pragma unroll
+      for (int j = 0; j < kJ; ++j)
+        kr[nt][j] = row < c1 ? __ldg(reinterpret_cast<const uint4*>(land + static_cast<int64_t>(row) * D + 32 * j + 8 * c))
+                             : make_uint4(0, 0, 0, 0);
+    }
+    float x[4][2];
+    float mx = NegInf();
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+        MmaBf16(acc, qa[2 * j][0], 0u, qa[2 * j][1], 0u, kr[nt][j].x, kr[nt][j].y);
+        MmaBf16(acc, qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u, kr[nt][j].z, kr[nt][j].w);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int chunk = base + 8 * nt + 2 * c + e;
+        float v = NegInf();
+        if (chunk < c1) {
+          v = (excl && excl[chunk]) ? NegInf() : acc[e] * a.scale;
+          if (r < G) logit_row[chunk] = v;
+        }
+        x[nt][e] = v;
+        mx = fmaxf(mx, v);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    if (m_new != NegInf()) {  // else every chunk so far is excluded: nothing to add
+      s_run *= expf(m_run - m_new);  // 0 on the first finite max (s_run is 0 then)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) s_run += expf(x[nt][0] - m_new) + expf(x[nt][1] - m_new);
+      m_run = m_new;
+    }
+  }
+  s_run += __shfl_xor_sync(0xffffffffu, s_run, 1);
+  s_run += __shfl_xor_sync(0xffffffffu, s_run, 2);
+  if (c == 0) {
+    s_m[warp][r] = m_run;
+    s_s[warp][r] = s_run;
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float m = NegInf();
+#pragma unroll
+    for (int w = 0; w < kScoreMmaWarps; ++w) m = fmaxf(m, s_m[w][g]);
+    float sum = 0.0f;
+    if (m != NegInf()) {
+#pragma unroll
+      for (int w = 0; w < kScoreMmaWarps; ++w)
+        if (s_m[w][g] != NegInf()) sum += s_s[w][g] * expf(s_m[w][g] - m);
+    }
+    ws.splits[(static_cast<int64_t>(b) * a.hq + h * G + g) * n_split + split] = make_float2(m, sum);
+  }
+}
+
+template <int D>
+bool LaunchScoreLogitsMma(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int n_split, cudaStream_t stream) {
+  const dim3 grid(n_split, a.hkv, a.batch);
+  switch (a.hq / a.hkv) {
+    case 1: ScoreLogitsMmaKernel<1, D><<<grid, kScoreMmaWarps * 32, 0, stream>>>(a, ws, n_split); return true;
+    case 2: ScoreLogitsMmaKernel<2, D><<<grid, kScoreMmaWarps * 32, 0, stream>>>(a, ws, n_split); return true;
+    case 4: ScoreLogitsMmaKernel<4, D><<<grid, kScoreMmaWarps * 32, 0, stream>>>(a, ws, n_split); return true;
+    case 8: ScoreLogitsMmaKernel<8, D><<<grid, kScoreMmaWarps * 32, 0, stream>>>(a, ws, n_split); return true;
+    default: return false;
+  }
+}
+
 template <typename T>
 void LaunchScoreLogits(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int tpr, int n_split,
                        cudaStream_t stream) {
@@ -674,7 +790,10 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream) {
   const int n_split = ScoreSplits(a.max_chunks);
   int tpr = 1;
   while (tpr < a.d / 8) tpr <<= 1;
-  if (a.dtype == DType::kF32) {
+  const bool mma_ok = a.dtype == DType::kBF16 && a.q_dtype == DType::kBF16;
+  if (mma_ok && a.d == 128 && LaunchScoreLogitsMma<128>(a, ws, n_split, stream)) {
+  } else if (mma_ok && a.d == 64 && LaunchScoreLogitsMma<64>(a, ws, n_split, stream)) {
+  } else if (a.dtype == DType::kF32) {
     LaunchScoreLogits<float>(a, ws, tpr, n_split, stream);
   } else {
     CHECK(a.dtype == DType::kBF16) << "ShadowkvScore: landmarks must be f32 or bf16";

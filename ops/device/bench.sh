@@ -25,10 +25,9 @@ case "${1:-full}" in
   lanes)
     run 200 python3 .device/peer_full_attention.py decode --context 124928
     S="$R penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"
-    run 150 $S --force-hit-rate 0.6
     run 150 $S --force-hit-rate 0.6 --lanes 2
-    run 150 $S
     run 150 $S --lanes 2
+    run 150 $S --force-hit-rate 0.6
     ;;
   shadowkv)
     run 200 python3 .device/peer_full_attention.py decode --context 124928 61440
