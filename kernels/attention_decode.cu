@@ -264,6 +264,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
 
 constexpr int kGenericThreads = 128;
 
+// Max or sum over a block of 128 threads (every thread gets the result).
 __device__ __forceinline__ float BlockReduce128(float v, float* scratch, bool is_max) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   v = is_max ? WarpMax(v) : WarpSum(v);
@@ -340,17 +341,7 @@ __global__ void __launch_bounds__(kGenericThreads)
 constexpr int kMergeThreads = 128;
 constexpr int kMergeMaxSmemSplits = 8192;  // split weights kept in shared memory (32 KiB)
 
-__device__ __forceinline__ float BlockReduceMerge(float v, float* scratch, bool is_max) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  v = is_max ? WarpMax(v) : WarpSum(v);
-  __syncthreads();  // scratch free from a previous use
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float r = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kMergeThreads / 32; ++w) r = is_max ? fmaxf(r, scratch[w]) : r + scratch[w];
-  return r;
-}
+static_assert(kMergeThreads == kGenericThreads, "the merge uses BlockReduce128");
 
 // One block per (query head, sequence). The max and the normalizer over the
 // splits are block reductions (a sequence of 124928 keys at batch 1 has ~500
@@ -371,10 +362,10 @@ __global__ void __launch_bounds__(kMergeThreads)
   const float* l = ws_l + row * splits;
   float mx = -INFINITY;
   for (int s = threadIdx.x; s < n; s += kMergeThreads) mx = fmaxf(mx, m[s]);
-  mx = BlockReduceMerge(mx, scratch, true);
+  mx = BlockReduce128(mx, scratch, true);
   float total = 0.0f;
   for (int s = threadIdx.x; s < n; s += kMergeThreads) total += exp2f(m[s] - mx) * l[s];
-  total = BlockReduceMerge(total, scratch, false);
+  total = BlockReduce128(total, scratch, false);
   const float inv = 1.0f / total;
   const int n_smem = min(n, kMergeMaxSmemSplits);
   for (int s = threadIdx.x; s < n_smem; s += kMergeThreads) w_s[s] = exp2f(m[s] - mx) * inv;
