@@ -57,6 +57,8 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, DType act) : device_(device), act_(act) {}
   ~CudaBackend() override {
+    if (sample_params_) cudaFree(sample_params_);
+    if (sample_out_) cudaFree(sample_out_);
     if (solver_) cusolverDnDestroy(solver_);
     if (cublas_) cublasDestroy(cublas_);
     if (side_) cudaStreamDestroy(side_);
