@@ -60,6 +60,11 @@ SplitPlan DecodeSplitPlan(int batch, int hkv, int max_length) {
   want = std::clamp<int64_t>(want, 1, max_splits);
   int64_t chunk = (len + want - 1) / want;
   chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  // grid.y (the splits) is at most 65535.
+  constexpr int64_t kMaxSplits = 65535;
+  if ((len + chunk - 1) / chunk > kMaxSplits) {
+    chunk = ((len + kMaxSplits - 1) / kMaxSplits + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  }
   SplitPlan plan;
   plan.chunk = static_cast<int>(chunk);
   plan.splits = static_cast<int>((len + chunk - 1) / chunk);
@@ -162,14 +167,16 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int key = key0 + 8 * nt + r;
+      const __nv_bfloat16* row = kb + static_cast<int64_t>(key) * D + 8 * c;
 #pragma unroll
-      for (int j = 0; j < kJ; ++j) kr[nt][j] = LoadRow16Or0(kb + static_cast<int64_t>(key) * D + 32 * j + 8 * c, key < end);
+      for (int j = 0; j < kJ; ++j) kr[nt][j] = LoadRow16Or0(row + 32 * j, key < end);
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const int key = key0 + 2 * c + (kk & 1) + 8 * (kk >> 1);
+      const __nv_bfloat16* row = vb + static_cast<int64_t>(key) * D + 8 * r;
 #pragma unroll
-      for (int qq = 0; qq < kQ; ++qq) vr[kk][qq] = LoadRow16Or0(vb + static_cast<int64_t>(key) * D + 64 * qq + 8 * r, key < end);
+      for (int qq = 0; qq < kQ; ++qq) vr[kk][qq] = LoadRow16Or0(row + 64 * qq, key < end);
     }
     // Scores.
     float s[2][4];

@@ -291,10 +291,9 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int row = base + 8 * nt + r;
+      const uint4* src = reinterpret_cast<const uint4*>(land + static_cast<int64_t>(row) * D + 8 * c);
 #pragma unroll
-      for (int j = 0; j < kJ; ++j)
-        kr[nt][j] = row < c1 ? __ldg(reinterpret_cast<const uint4*>(land + static_cast<int64_t>(row) * D + 32 * j + 8 * c))
-                             : make_uint4(0, 0, 0, 0);
+      for (int j = 0; j < kJ; ++j) kr[nt][j] = row < c1 ? __ldg(src + 4 * j) : make_uint4(0, 0, 0, 0);
     }
     float x[4][2];
     float mx = NegInf();
@@ -756,7 +755,8 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
         const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
         src = static_cast<const char*>(a.staging) + (base + m) * chunk_bytes;
       } else {
-        src = static_cast<const char*>(a.value_store[b]) + (static_cast<int64_t>(h) * a.chunk_cap + a.miss_chunk[at]) * chunk_bytes;
+        const int64_t chunk = static_cast<int64_t>(h) * a.chunk_cap + a.miss_chunk[at];
+        src = static_cast<const char*>(a.value_store[b]) + chunk * chunk_bytes;
       }
       const int64_t row0 = a.outlier_rows + static_cast<int64_t>(a.miss_slot[at]) * a.chunk_size;
       char* d = static_cast<char*>(a.att_v[b]) + (h * a.att_head_stride + row0 * a.d) * elem_bytes;
