@@ -39,7 +39,8 @@ void AddEngineFlags(Args& a) {
       .Flag("outlier-fraction", "shadowkv: outliers as a fraction of the prompt's chunks (overrides --outliers; default 0 = off)")
       .Flag("local-window", "shadowkv: recent tokens kept exact (default 32)")
       .Flag("min-prompt", "shadowkv: prompts shorter than this use full attention (default 4096)")
-      .Flag("value-fetch", "shadowkv: zero_copy (default) or staging");
+      .Flag("value-fetch", "shadowkv: zero_copy (default) or staging")
+      .Flag("micro-batches", "shadowkv: pipeline each decode batch as this many micro-batches (default 1)");
 }
 
 Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
@@ -71,6 +72,9 @@ Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
   s.outlier_chunks = static_cast<int>(outl);
   s.local_window = static_cast<int>(lw);
   if (a.Has("value-fetch")) s.value_fetch = a.Get("value-fetch");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetInt("micro-batches", s.micro_batches));
+  if (mb < 1 || mb > 16) return Status::InvalidArgument("--micro-batches must be in [1, 16]");
+  s.micro_batches = static_cast<int>(mb);
   return Status::OK();
 }
 

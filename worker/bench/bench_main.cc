@@ -241,6 +241,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     j["hit_rate"] = sel ? static_cast<double>(hit) / sel : 0.0;
     j["force_hit_rate"] = e.options().shadowkv.force_hit_rate;
     j["value_fetch"] = e.options().shadowkv.value_fetch;
+    j["micro_batches"] = e.options().shadowkv.micro_batches;
   }
   j["hbm_copy_gbps"] = copy_gbps;
   std::cout << j.dump() << std::endl;
@@ -295,6 +296,7 @@ Status Main(int argc, char** argv) {
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("rank", "shadowkv rank").Flag("budget", "shadowkv budget")
       .Flag("outliers", "shadowkv outliers").Flag("chunk-size", "shadowkv chunk").Flag("local-window", "shadowkv window")
       .Flag("value-fetch", "shadowkv: zero_copy or staging").Flag("max-batch", "runtime max batch")
+      .Flag("micro-batches", "shadowkv: pipelined micro-batches per decode batch (default 1)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
@@ -323,6 +325,8 @@ Status Main(int argc, char** argv) {
   s.chunk_size = static_cast<int>(cs);
   s.local_window = static_cast<int>(lw);
   s.value_fetch = a.Get("value-fetch", s.value_fetch);
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t micro, a.GetInt("micro-batches", s.micro_batches));
+  s.micro_batches = static_cast<int>(micro);
   s.min_prompt_tokens = 0;
   PENUMBRA_ASSIGN_OR_RETURN(auto contexts, a.GetIntList("context"));
   if (contexts.empty()) return Status::InvalidArgument("--context is required");

@@ -179,6 +179,13 @@ class Backend {
   // makes the main stream wait for it. No-ops on the CPU.
   virtual void ForkSide() = 0;
   virtual void JoinSide() = 0;
+  // Like JoinSide, but the main stream does not wait yet: the side work so far
+  // becomes mark `mark` (0 <= mark < kSideMarks), and WaitSideMark(mark) later
+  // makes the main stream wait for it. Several micro-batches' side work can so
+  // be in flight while the main stream works on the next ones.
+  static constexpr int kSideMarks = 16;
+  virtual void JoinSideLater(int mark) = 0;
+  virtual void WaitSideMark(int mark) = 0;
   // Host memory available for pinned allocations (MemAvailable).
   virtual size_t FreeHostBytes() const { return HostMemAvailableBytes(); }
 };

@@ -305,6 +305,8 @@ class CpuBackend final : public Backend {
   }
   void ForkSide() override {}
   void JoinSide() override {}
+  void JoinSideLater(int mark) override { CHECK(mark >= 0 && mark < kSideMarks) << "side mark " << mark; }
+  void WaitSideMark(int mark) override { CHECK(mark >= 0 && mark < kSideMarks) << "side mark " << mark; }
 
  private:
   int threads_;

@@ -64,6 +64,8 @@ class CudaBackend final : public Backend {
     if (side_) cudaStreamDestroy(side_);
     if (fork_ev_) cudaEventDestroy(fork_ev_);
     if (join_ev_) cudaEventDestroy(join_ev_);
+    for (cudaEvent_t e : marks_)
+      if (e) cudaEventDestroy(e);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -78,6 +80,7 @@ class CudaBackend final : public Backend {
     PENUMBRA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming));
     PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&join_ev_, cudaEventDisableTiming));
+    for (cudaEvent_t& e : marks_) PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH);  // no TF32: f32 mode must track the CPU reference
     cudaDeviceProp prop{};
     PENUMBRA_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device_));
@@ -305,6 +308,15 @@ class CudaBackend final : public Backend {
     PENUMBRA_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_ev_, 0));
     forked_ = false;
   }
+  void JoinSideLater(int mark) override {
+    CHECK(mark >= 0 && mark < kSideMarks) << "side mark " << mark;
+    PENUMBRA_CUDA_CHECK(cudaEventRecord(marks_[mark], side_));
+    forked_ = false;
+  }
+  void WaitSideMark(int mark) override {
+    CHECK(mark >= 0 && mark < kSideMarks) << "side mark " << mark;
+    PENUMBRA_CUDA_CHECK(cudaStreamWaitEvent(stream_, marks_[mark], 0));
+  }
 
   cudaStream_t stream() const { return stream_; }
 
@@ -322,6 +334,7 @@ class CudaBackend final : public Backend {
   cusolverDnHandle_t solver_ = nullptr;
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ev_ = nullptr, join_ev_ = nullptr;
+  cudaEvent_t marks_[kSideMarks] = {};
   bool forked_ = false;
   static constexpr int kMaxSampleRows = 1024;
   int device_;

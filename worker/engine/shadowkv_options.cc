@@ -13,6 +13,7 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.Read("min_prompt_tokens", &o->min_prompt_tokens, 0, int64_t{1} << 40);
   r.ReadEnum("value_fetch", &o->value_fetch, {"zero_copy", "staging"});
   r.Read("force_hit_rate", &o->force_hit_rate, -1.0, 1.0);
+  r.Read("micro_batches", &o->micro_batches, 1, 16);
   return r.Finish();
 }
 
@@ -36,6 +37,9 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
     return Status::InvalidArgument("shadowkv.value_fetch must be zero_copy or staging, got '" + o.value_fetch + "'");
   }
   if (o.force_hit_rate > 1.0) return Status::InvalidArgument("shadowkv.force_hit_rate must be <= 1");
+  if (o.micro_batches < 1 || o.micro_batches > 16) {
+    return Status::InvalidArgument("shadowkv.micro_batches must be in [1, 16], got " + std::to_string(o.micro_batches));
+  }
   return Status::OK();
 }
 

@@ -21,6 +21,12 @@ struct ShadowKvOptions {
   int64_t min_prompt_tokens = 4096;  // shorter prompts use full attention. Default: 4096.
   std::string value_fetch = "zero_copy";  // "zero_copy" (GPU reads pinned host memory) or "staging". Default: zero_copy.
   double force_hit_rate = -1.0;    // benchmarks only: keep this fraction of the previous step's chunks (< 0: off). Default: -1.
+  // Decode: split each batch of same-geometry sequences into this many
+  // micro-batches per layer; one micro-batch's value fetch (side stream)
+  // overlaps the next one's scoring, selection and K rebuild and the previous
+  // one's attention, while the GEMMs still run once for the whole batch.
+  // 1 = off. Not yet measured on a GPU. Default: 1.
+  int micro_batches = 1;
 };
 
 // Reads `shadowkv:` options; errors name the key.

@@ -305,7 +305,14 @@ class ShadowKvPolicy final : public KvPolicy {
     for (int i = 0; i < B;) {
       int j = i + 1;
       while (j < B && SameGeometry(*step_[i], *step_[j])) ++j;
-      groups_.push_back({i, j - i});
+      // Micro-batches (o_.micro_batches > 1): a sparse group split into
+      // near-equal parts whose selection, value fetch and attention are
+      // pipelined in DecodeAttention.
+      const int parts = step_[i]->sparse ? std::min(o_.micro_batches, j - i) : 1;
+      for (int p = 0; p < parts; ++p) {
+        const int a = i + (j - i) * p / parts, e = i + (j - i) * (p + 1) / parts;
+        groups_.push_back({a, e - a});
+      }
       i = j;
     }
     // One upload per step: per layer and sequence the pointer tables, then
@@ -371,7 +378,14 @@ class ShadowKvPolicy final : public KvPolicy {
     const int32_t* nchunks = lengths + B;
     const size_t qrow = static_cast<size_t>(ctx_.hq) * d;
     const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * H) * d;
-    for (const auto& [g0, gn] : groups_) {
+    // With micro-batches, every group's selection is issued first (its value
+    // fetch left running on the side stream as mark gi), then the attentions,
+    // each waiting only for its own group's fetch.
+    const bool pipelined = o_.micro_batches > 1 && groups_.size() > 1 &&
+                           groups_.size() <= static_cast<size_t>(Backend::kSideMarks) && o_.value_fetch == "zero_copy";
+    std::vector<DecodeAttentionOp> attention;
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      const auto [g0, gn] = groups_[gi];
       Seq& s0 = *step_[g0];
       RopeStoreOp r;
       r.qkv = qkv + g0 * qkv_row;
@@ -399,7 +413,7 @@ class ShadowKvPolicy final : public KvPolicy {
               s.prek.as<float>() + (static_cast<int64_t>(layer) * s.local_cap + s.local_count) * H * d,
               prek_scratch_.as<float>() + static_cast<size_t>(i) * H * d, H * d * sizeof(float)));
         }
-        PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, tab, nchunks, r.q_out));
+        PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, tab, nchunks, r.q_out, pipelined ? static_cast<int>(gi) : -1));
       }
       DecodeAttentionOp a;
       a.q = r.q_out;
@@ -414,13 +428,23 @@ class ShadowKvPolicy final : public KvPolicy {
       a.d = d;
       a.max_length = static_cast<int>(s0.att_cap);
       a.scale = ctx_.scale;
-      b.DecodeAttention(a);
+      if (pipelined) {
+        attention.push_back(a);
+      } else {
+        b.DecodeAttention(a);
+      }
+    }
+    for (size_t gi = 0; gi < attention.size(); ++gi) {
+      if (step_[groups_[gi].first]->sparse) b.WaitSideMark(static_cast<int>(gi));
+      b.DecodeAttention(attention[gi]);
     }
     return Status::OK();
   }
 
   // Algorithm 2's selection and sparse KV reconstruction for one group.
-  Status Select(int layer, int g0, int gn, void* const* tab, const int32_t* nchunks, const void* q) {
+  // mark >= 0: the value fetch is left running as side mark `mark` (the
+  // caller waits for it before the group's attention); else joined here.
+  Status Select(int layer, int g0, int gn, void* const* tab, const int32_t* nchunks, const void* q, int mark) {
     Backend& b = *ctx_.backend;
     Seq& s0 = *step_[g0];
     const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, K = s0.kslots;
@@ -514,7 +538,11 @@ class ShadowKvPolicy final : public KvPolicy {
     rk.chunk_size = C;
     rk.max_misses = K;
     b.ShadowkvRebuildK(rk);
-    b.JoinSide();
+    if (mark >= 0) {
+      b.JoinSideLater(mark);
+    } else {
+      b.JoinSide();
+    }
     return Status::OK();
   }
 
