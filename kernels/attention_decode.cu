@@ -83,11 +83,10 @@ size_t WorkspaceBytesFor(int batch, int hq, int d, int splits) {
 //                                     2 n-tiles of 8 keys, d/16 k-steps)
 //   O^T [d x 8] += V^T [d x 16] . P^T (rows: dims, d/16 m-tiles; cols: heads,
 //                                     padded to 8; k: the 16 keys)
-// Fragments come straight from global memory in 16-byte loads, with the head
-// dimension permuted (a dot product does not care about the order of its
-// terms, as long as q and k use the same order): lane (r = lane/4, c = lane%4)
-//   K: key row 8*nt + r, 16 bytes at dims 32j + 8c, j < d/32. k-step 2j + h
-//      covers dims 32j + 8c + 4h + {0,1} (k = 2c, 2c+1) and {2,3} (k = 2c+8, 2c+9).
+// Fragments come straight from global memory in 16-byte loads: lane
+// (r = lane/4, c = lane%4)
+//   Q, K: the permuted head dimension of LoadPermutedQ/K (kernels/mma.cuh);
+//      key row 8*nt + r of n-tile nt.
 //   V: key rows 2c, 2c+1, 2c+8, 2c+9, 16 bytes at dims 64q + 8r, q < d/64. The
 //      lane's own dim i (< d/8) is 64(i/8) + 8r + i%8; m-tile t takes i = 2t as
 //      row r and i = 2t + 1 as row r + 8, paired across keys by byte permutes.
@@ -141,19 +140,9 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
   const __nv_bfloat16* kb = static_cast<const __nv_bfloat16*>(k_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride;
   const __nv_bfloat16* vb = static_cast<const __nv_bfloat16*>(v_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride;
 
-  // Q's A fragments (rows r < G real, rows r + 8 zero): qa[ks] = {a0, a2}.
+  // Q's A fragments (rows r < G real, rows r + 8 zero).
   uint32_t qa[kKSteps][2];
-  {
-    const __nv_bfloat16* qr = q + (static_cast<int64_t>(b) * hq + kvh * G + min(r, G - 1)) * D;
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      const uint4 u = r < G ? LoadRow16(qr + 32 * j + 8 * c) : make_uint4(0, 0, 0, 0);
-      qa[2 * j][0] = u.x;
-      qa[2 * j][1] = u.y;
-      qa[2 * j + 1][0] = u.z;
-      qa[2 * j + 1][1] = u.w;
-    }
-  }
+  LoadPermutedQ<D>(q + (static_cast<int64_t>(b) * hq + kvh * G + min(r, G - 1)) * D, r < G, c, qa);
   float o[kMTiles][4];
 #pragma unroll
   for (int t = 0; t < kMTiles; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
@@ -167,9 +156,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int key = key0 + 8 * nt + r;
-      const __nv_bfloat16* row = kb + static_cast<int64_t>(key) * D + 8 * c;
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) kr[nt][j] = LoadRow16Or0(row + 32 * j, key < end);
+      LoadPermutedK<D>(kb + static_cast<int64_t>(key) * D, key < end, c, kr[nt]);
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -183,11 +170,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) {
-        MmaBf16(s[nt], qa[2 * j][0], 0u, qa[2 * j][1], 0u, kr[nt][j].x, kr[nt][j].y);
-        MmaBf16(s[nt], qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u, kr[nt][j].z, kr[nt][j].w);
-      }
+      MmaPermutedQK<D>(s[nt], qa, kr[nt]);
     }
     // Online softmax for head r over this step's keys 8nt + 2c + e.
     float x[4];

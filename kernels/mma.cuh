@@ -59,4 +59,46 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// ---- Q.K^T for a few query rows, fragments straight from global memory ----
+// Used by decode attention and ShadowKV scoring: S [16 x 8n] = Q [16 x D] . K^T
+// with up to 8 query rows r (rows r + 8 zero). The head dimension is permuted
+// so that every fragment is one 16-byte load (a dot product does not care
+// about the order of its terms, as long as q and k use the same one): lane
+// (r = lane/4, c = lane%4) loads 16 bytes at dims 32j + 8c (j < D/32) of Q row
+// r and of key row r of each n-tile; k-step 2j + h covers dims
+// 32j + 8c + 4h + {0,1} (k = 2c, 2c+1) and + {2,3} (k = 2c+8, 2c+9).
+
+// Q's A fragments {a0, a2} per k-step from `row` (D bf16); zeros if !valid.
+template <int D>
+__device__ __forceinline__ void LoadPermutedQ(const __nv_bfloat16* row, bool valid, int c,
+                                              uint32_t (&qa)[D / 16][2]) {
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) {
+    const uint4 u = valid ? __ldg(reinterpret_cast<const uint4*>(row + 32 * j + 8 * c)) : make_uint4(0, 0, 0, 0);
+    qa[2 * j][0] = u.x;
+    qa[2 * j][1] = u.y;
+    qa[2 * j + 1][0] = u.z;
+    qa[2 * j + 1][1] = u.w;
+  }
+}
+
+// One key row's B fragments (this lane's D/8 elements of `row`); zeros if !valid.
+template <int D>
+__device__ __forceinline__ void LoadPermutedK(const __nv_bfloat16* row, bool valid, int c, uint4 (&k)[D / 32]) {
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j)
+    k[j] = valid ? __ldg(reinterpret_cast<const uint4*>(row + 32 * j + 8 * c)) : make_uint4(0, 0, 0, 0);
+}
+
+// acc (one n-tile of 8 keys) += Q . K^T over all D/16 k-steps.
+template <int D>
+__device__ __forceinline__ void MmaPermutedQK(float (&acc)[4], const uint32_t (&qa)[D / 16][2],
+                                              const uint4 (&k)[D / 32]) {
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) {
+    MmaBf16(acc, qa[2 * j][0], 0u, qa[2 * j][1], 0u, k[j].x, k[j].y);
+    MmaBf16(acc, qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u, k[j].z, k[j].w);
+  }
+}
+
 }  // namespace penumbra::kernels

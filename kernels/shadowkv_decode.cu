@@ -247,10 +247,9 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
 }
 
 // Phase 1 on tensor cores (bf16 q and landmarks, d in {64, 128}, group in
-// {1, 2, 4, 8}): the QK^T half of the decode-attention kernel
-// (attention_decode.cu, DecodeMmaKernel): S [16 x 16] = Q [16 x d] . L^T with
-// the group's query heads as rows (zero-padded), fragments straight from
-// global memory with the head dimension permuted, 4 warps each walking 2 x 16
+// {1, 2, 4, 8}): the QK^T half of the decode-attention kernel, with the same
+// helpers (LoadPermutedQ/K, MmaPermutedQK in kernels/mma.cuh): S = Q . L^T with
+// the group's query heads as rows (zero-padded), 4 warps each walking 2 x 16
 // landmarks per iteration with its own (max, sum exp) per head, merged per
 // block. Same outputs as ScoreLogitsKernel: logits and per-split statistics.
 constexpr int kScoreMmaWarps = 4;
@@ -268,18 +267,9 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 2, c = lane & 3;
 
-  uint32_t qa[2 * kJ][2];  // {a0, a2} per k-step; rows r + 8 are zero
-  {
-    const bf16* qr = static_cast<const bf16*>(a.q) + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * D;
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      const uint4 u = r < G ? __ldg(reinterpret_cast<const uint4*>(qr + 32 * j + 8 * c)) : make_uint4(0, 0, 0, 0);
-      qa[2 * j][0] = u.x;
-      qa[2 * j][1] = u.y;
-      qa[2 * j + 1][0] = u.z;
-      qa[2 * j + 1][1] = u.w;
-    }
-  }
+  uint32_t qa[D / 16][2];  // rows r + 8 are zero
+  LoadPermutedQ<D>(static_cast<const bf16*>(a.q) + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * D,
+                   r < G, c, qa);
   const bf16* land = static_cast<const bf16*>(a.landmarks[b]) + static_cast<int64_t>(h) * a.chunk_cap * D;
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
   float* logit_row = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * a.max_chunks;
@@ -291,20 +281,14 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int row = base + 8 * nt + r;
-      const uint4* src = reinterpret_cast<const uint4*>(land + static_cast<int64_t>(row) * D + 8 * c);
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) kr[nt][j] = row < c1 ? __ldg(src + 4 * j) : make_uint4(0, 0, 0, 0);
+      LoadPermutedK<D>(land + static_cast<int64_t>(row) * D, row < c1, c, kr[nt]);
     }
     float x[4][2];
     float mx = NegInf();
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) {
-        MmaBf16(acc, qa[2 * j][0], 0u, qa[2 * j][1], 0u, kr[nt][j].x, kr[nt][j].y);
-        MmaBf16(acc, qa[2 * j + 1][0], 0u, qa[2 * j + 1][1], 0u, kr[nt][j].z, kr[nt][j].w);
-      }
+      MmaPermutedQK<D>(acc, qa, kr[nt]);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int chunk = base + 8 * nt + 2 * c + e;
