@@ -383,7 +383,8 @@ class ShadowKvPolicy final : public KvPolicy {
     // each waiting only for its own group's fetch.
     const bool pipelined = o_.micro_batches > 1 && groups_.size() > 1 &&
                            groups_.size() <= static_cast<size_t>(Backend::kSideMarks) && o_.value_fetch == "zero_copy";
-    std::vector<DecodeAttentionOp> attention;
+    std::vector<DecodeAttentionOp>& attention = pending_attention_;  // reused: no allocation per layer
+    attention.clear();
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
       const auto [g0, gn] = groups_[gi];
       Seq& s0 = *step_[g0];
@@ -846,6 +847,7 @@ class ShadowKvPolicy final : public KvPolicy {
   DeviceBuffer stage_, stage_v_;
   std::vector<Seq*> step_;
   std::vector<std::pair<int, int>> groups_;
+  std::vector<DecodeAttentionOp> pending_attention_;  // DecodeAttention's, with micro-batches
   int step_batch_ = 0, step_max_k_ = 0, step_max_chunks_ = 0;
   bool profile_ = false;
   std::map<std::string, double> prefill_ms_;
