@@ -29,10 +29,12 @@
 //   Compute bound by ~250x: tensor-core issue rate is what matters.
 #include "kernels/attention_prefill.cuh"
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/wgmma.cuh"
 
 namespace penumbra::kernels {
 namespace {
@@ -272,6 +274,216 @@ void LaunchPrefillBf16(const PrefillAttentionArgs& a, cudaStream_t stream) {
       a.hq, a.hq / a.hkv, a.scale * kLog2e);
 }
 
+// ---- Hopper path: warpgroup MMA (wgmma) ------------------------------------------
+//
+// Grid (hq, query tiles of 128), 2 warpgroups of 128 threads; warpgroup w owns
+// query rows 64 w .. 64 w + 63 of the tile. Q (128 x D) stays in shared memory
+// for the whole block; K/V tiles of 128 keys stream through three stages with
+// cp.async (all 256 threads load, one barrier per tile, tile j + 2 loading while
+// tile j computes). Per tile and warpgroup: S[64 x 128] = Q K^T with Q and K
+// from shared memory (K-major), online softmax on the accumulators in
+// registers, then O[64 x D] += P V with P from registers (bf16, the
+// accumulator layout is the A-fragment layout) and V from shared memory
+// (MN-major). Shared-memory tiles use the 128-byte swizzle (kernels/wgmma.cuh).
+// Same masking, log2-domain softmax and block order as the mma.sync path.
+constexpr int kWgBM = 128;  // query rows per block (2 warpgroups x 64)
+constexpr int kWgBN = 128;  // keys per tile
+constexpr int kWgThreads = 256;
+constexpr int kWgStages = 3;
+
+template <int D>
+constexpr int PrefillWgmmaSmemBytes() {
+  return kWgBM * D * 2 + kWgStages * 2 * kWgBN * D * 2 + 1024;  // + 1024 to align the tiles
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    PrefillWgmmaKernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                       const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int64_t head_stride,
+                       int q_start, int nq, int hq, int group, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(D == 64 || D == 128, "wgmma path is for d in {64, 128}");
+  constexpr int kChunks = D / 8;                 // 16-byte chunks per row
+  constexpr uint32_t kQBytes = kWgBM * D * 2;
+  constexpr uint32_t kTileBytes = kWgBN * D * 2;
+  constexpr uint32_t kStageBytes = 2 * kTileBytes;  // K tile, then V tile
+  extern __shared__ unsigned char smem[];
+  const uint32_t q_s = (SmemAddr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
+  const uint32_t stage0 = q_s + kQBytes;
+
+  const int head = blockIdx.x;
+  const int tile = gridDim.y - 1 - blockIdx.y;
+  const int m0 = tile * kWgBM;
+  const int kvh = head / group;
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
+  const int key_end = q_start + min(m0 + kWgBM, nq);  // keys this block needs, exclusive
+  const int n_tiles = (key_end + kWgBN - 1) / kWgBN;
+  const __nv_bfloat16* kb = k + static_cast<int64_t>(kvh) * head_stride;
+  const __nv_bfloat16* vb = v + static_cast<int64_t>(kvh) * head_stride;
+
+#pragma unroll
+  for (int i = 0; i < kWgBM * kChunks / kWgThreads; ++i) {
+    const int c = tid + i * kWgThreads;
+    const int r = c / kChunks, ch = c % kChunks;
+    const int row = m0 + r;
+    const bool ok = row < nq;
+    const __nv_bfloat16* src = q + (static_cast<int64_t>(ok ? row : 0) * hq + head) * D + ch * 8;
+    CpAsync16(q_s + Sw128Offset(r, ch, kWgBM), src, ok ? 16 : 0);
+  }
+  CpAsyncCommit();
+  auto load_tile = [&](int j, int stage) {
+    const uint32_t dst = stage0 + stage * kStageBytes;
+#pragma unroll
+    for (int i = 0; i < kWgBN * kChunks / kWgThreads; ++i) {
+      const int c = tid + i * kWgThreads;
+      const int r = c / kChunks, ch = c % kChunks;
+      const int key = j * kWgBN + r;
+      const bool ok = key < key_end;
+      const int64_t off = static_cast<int64_t>(ok ? key : 0) * D + ch * 8;
+      CpAsync16(dst + Sw128Offset(r, ch, kWgBN), kb + off, ok ? 16 : 0);
+      CpAsync16(dst + kTileBytes + Sw128Offset(r, ch, kWgBN), vb + off, ok ? 16 : 0);
+    }
+  };
+  load_tile(0, 0);
+  CpAsyncCommit();
+  if (n_tiles > 1) load_tile(1, 1);
+  CpAsyncCommit();
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  float row_m[2] = {-INFINITY, -INFINITY};
+  float row_l[2] = {0.0f, 0.0f};  // per-thread partial sums; quad-reduced at the end
+
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wg_row0 = m0 + wg * 64;                   // first row of this warpgroup
+  const int pos0 = q_start + wg_row0 + warp_in_wg * 16 + g;  // absolute position of row g
+  const int wg_last_pos = q_start + wg_row0 + 63;
+  const bool wg_has_rows = wg_row0 < nq;
+  const uint32_t q_wg = q_s + wg * 64 * 128;          // this warpgroup's 64 rows, column block 0
+
+  int stage = 0;  // j % kWgStages
+  for (int j = 0; j < n_tiles; ++j) {
+    const uint32_t k_s = stage0 + stage * kStageBytes;
+    const uint32_t v_s = k_s + kTileBytes;
+    CpAsyncWait<1>();          // this thread's part of tile j (and Q) has landed
+    FenceProxyAsyncShared();   // ... and is visible to the tensor cores
+    // Tile j is visible to all, and both warpgroups are done with tile j-1's
+    // stage (their wgmma waited), which tile j + 2 now overwrites.
+    __syncthreads();
+    const int refill = stage == 0 ? kWgStages - 1 : stage - 1;
+    if (j + 2 < n_tiles) load_tile(j + 2, refill);
+    CpAsyncCommit();
+    stage = stage == kWgStages - 1 ? 0 : stage + 1;
+
+    const int key0 = j * kWgBN;
+    if (!wg_has_rows || key0 > wg_last_pos) continue;  // uniform over the warpgroup
+
+    float s[kWgBN / 2];
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;  // k16 step inside a column block
+      const uint64_t da = Sw128Desc(q_wg + (kk >> 2) * kWgBM * 128 + col, 0, 1024);
+      const uint64_t db = Sw128Desc(k_s + (kk >> 2) * kWgBN * 128 + col, 0, 1024);
+      WgmmaSS64x128(s, da, db, kk > 0 ? 1 : 0);
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    WgmmaFenceOperands(s);
+
+    // Scale into the log2 domain; mask keys past each row's position.
+    const bool need_mask = key0 + kWgBN - 1 > q_start + wg_row0;
+#pragma unroll
+    for (int i = 0; i < kWgBN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * i + e] * scale_log2;
+        if (need_mask) {
+          const int key = key0 + i * 8 + 2 * t4 + (e & 1);
+          if (key > pos0 + (e >> 1) * 8) x = -INFINITY;
+        }
+        s[4 * i + e] = x;
+      }
+    }
+    // Online softmax for rows g (e = 0, 1) and g + 8 (e = 2, 3).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_m[h];
+#pragma unroll
+      for (int i = 0; i < kWgBN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // Key 0 is visible to every row and tile 0 always runs, so mx is finite.
+      const float alpha = exp2f(row_m[h] - mx);
+      row_m[h] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kWgBN / 8; ++i) {
+        s[4 * i + 2 * h] = exp2f(s[4 * i + 2 * h] - mx);
+        s[4 * i + 2 * h + 1] = exp2f(s[4 * i + 2 * h + 1] - mx);
+        sum += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
+      }
+      row_l[h] = row_l[h] * alpha + sum;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        o[4 * i + 2 * h] *= alpha;
+        o[4 * i + 2 * h + 1] *= alpha;
+      }
+    }
+    // O += P V: P as bf16 A fragments, k16 step kk = accumulator blocks 2 kk, 2 kk + 1.
+    uint32_t p[kWgBN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kWgBN / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) p[kk][r] = PackBf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    }
+    WgmmaFenceOperands(o);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kWgBN / 16; ++kk) {
+      const uint64_t dv = Sw128Desc(v_s + kk * 16 * 128, kWgBN * 128, 1024);
+      if constexpr (D == 128)
+        WgmmaRS64x128T(o, p[kk], dv, 1);
+      else
+        WgmmaRS64x64T(o, p[kk], dv, 1);
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    WgmmaFenceOperands(o);
+  }
+
+  // Epilogue: normalize and store rows g and g + 8 of this warp.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_l[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int row = wg_row0 + warp_in_wg * 16 + g + h * 8;
+    if (row < nq) {
+      __nv_bfloat16* dst = out + (static_cast<int64_t>(row) * hq + head) * D + 2 * t4;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i)
+        *reinterpret_cast<uint32_t*>(dst + i * 8) = PackBf16(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+    }
+  }
+#else
+  __trap();  // built without sm_90a; the launcher never selects this path then
+#endif
+}
+
+template <int D>
+void LaunchPrefillWgmma(const PrefillAttentionArgs& a, cudaStream_t stream) {
+  constexpr int smem = PrefillWgmmaSmemBytes<D>();
+  (void)cudaFuncSetAttribute(PrefillWgmmaKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const dim3 grid(a.hq, (a.nq + kWgBM - 1) / kWgBM);
+  PrefillWgmmaKernel<D><<<grid, kWgThreads, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.q), static_cast<const __nv_bfloat16*>(a.k),
+      static_cast<const __nv_bfloat16*>(a.v), static_cast<__nv_bfloat16*>(a.out), a.head_stride, a.q_start, a.nq,
+      a.hq, a.hq / a.hkv, a.scale * kLog2e);
+}
+
 // ---- generic path ------------------------------------------------------------
 
 constexpr int kGenericWarps = 4;
@@ -341,11 +553,39 @@ void LaunchPrefillGeneric(const PrefillAttentionArgs& a, cudaStream_t stream) {
       a.head_stride, a.q_start, a.nq, a.hq, a.hq / a.hkv, a.d, a.scale * kLog2e);
 }
 
+// True when the current device runs the sm_90a code this library was built with
+// (compute capability 9.0); cached per device.
+bool HasWgmma() {
+  static std::atomic<int> cached[64];  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int known = cached[dev].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    known = major == 9 && minor == 0 ? 1 : 2;
+    cached[dev].store(known, std::memory_order_relaxed);
+  }
+  return known == 1;
+}
+
 }  // namespace
 
 void LaunchPrefillAttention(const PrefillAttentionArgs& args, cudaStream_t stream) {
   if (args.nq <= 0 || args.hq <= 0) return;
-  if (args.dtype == DType::kBF16 && (args.d == 64 || args.d == 128)) {
+  const bool tensor_cores = args.dtype == DType::kBF16 && (args.d == 64 || args.d == 128);
+  PrefillPath path = args.path;
+  if (path == PrefillPath::kAuto) path = !tensor_cores ? PrefillPath::kGeneric : HasWgmma() ? PrefillPath::kWgmma
+                                                                                               : PrefillPath::kMma;
+  if (path == PrefillPath::kWgmma && tensor_cores && HasWgmma()) {
+    if (args.d == 128)
+      LaunchPrefillWgmma<128>(args, stream);
+    else
+      LaunchPrefillWgmma<64>(args, stream);
+    return;
+  }
+  if (path != PrefillPath::kGeneric && tensor_cores) {
     if (args.d == 128)
       LaunchPrefillBf16<128>(args, stream);
     else

@@ -122,8 +122,18 @@ struct PrefillCase {
   DType dtype;
 };
 
-void RunPrefillCase(const PrefillCase& c, uint64_t seed) {
-  SCOPED_TRACE(::testing::Message() << "prefill q_start " << c.q_start << " nq " << c.nq << " keys "
+const char* PathName(PrefillPath p) {
+  switch (p) {
+    case PrefillPath::kAuto: return "auto";
+    case PrefillPath::kWgmma: return "wgmma";
+    case PrefillPath::kMma: return "mma.sync";
+    case PrefillPath::kGeneric: return "generic";
+  }
+  return "?";
+}
+
+void RunPrefillCase(const PrefillCase& c, uint64_t seed, PrefillPath path = PrefillPath::kAuto) {
+  SCOPED_TRACE(::testing::Message() << "prefill path " << PathName(path) << " q_start " << c.q_start << " nq " << c.nq << " keys "
                                     << c.q_start + c.nq << " hq " << c.hq << " hkv " << c.hkv << " d " << c.d
                                     << " dtype " << DTypeName(c.dtype));
   Rng rng(seed);
@@ -157,6 +167,7 @@ void RunPrefillCase(const PrefillCase& c, uint64_t seed) {
   a.hkv = c.hkv;
   a.d = c.d;
   a.scale = scale;
+  a.path = path;
   LaunchPrefillAttention(a, nullptr);
   PENUMBRA_CUDA_OK(cudaGetLastError());
   PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
@@ -195,10 +206,14 @@ TEST(AttentionGpuTest, PrefillBf16FastPath) {
       {360, 640, 14, 2, 128, DType::kBF16},  {0, 1000, 5, 5, 128, DType::kBF16},
       {0, 1, 2, 1, 64, DType::kBF16},        {0, 200, 16, 2, 64, DType::kBF16},
       {983, 17, 4, 4, 64, DType::kBF16},     {3457, 640, 8, 1, 64, DType::kBF16},
-      {64, 129, 6, 2, 64, DType::kBF16},
+      {64, 129, 6, 2, 64, DType::kBF16},     {0, 300, 4, 1, 128, DType::kBF16},
+      {5000, 300, 8, 2, 64, DType::kBF16},
   };
-  uint64_t seed = 11;
-  for (const auto& c : cases) RunPrefillCase(c, seed++);
+  // Both tensor-core kernels (wgmma falls back to mma.sync off Hopper).
+  for (PrefillPath path : {PrefillPath::kWgmma, PrefillPath::kMma}) {
+    uint64_t seed = 11;
+    for (const auto& c : cases) RunPrefillCase(c, seed++, path);
+  }
 }
 
 TEST(AttentionGpuTest, PrefillGenericPath) {
@@ -418,13 +433,16 @@ TEST(AttentionGpuTest, Bench) {
     a.hkv = hkv;
     a.d = p.d;
     a.scale = 1.0f / std::sqrt(static_cast<float>(p.d));
-    const float ms = TimeMs([&] { LaunchPrefillAttention(a, nullptr); }, 10);
-    PENUMBRA_CUDA_OK(cudaGetLastError());
-    // Attended (query, key) pairs: sum over queries of q_start + i + 1.
-    const double pairs = static_cast<double>(p.nq) * q_start + 0.5 * p.nq * (p.nq + 1.0);
-    const double flops = 4.0 * pairs * p.d * hq;
-    std::printf("prefill keys %6d nq %5d d %3d: %8.3f ms  %6.1f TFLOP/s\n", p.keys, p.nq, p.d, ms,
-                flops / (ms * 1e-3) / 1e12);
+    for (PrefillPath path : {PrefillPath::kWgmma, PrefillPath::kMma}) {
+      a.path = path;
+      const float ms = TimeMs([&] { LaunchPrefillAttention(a, nullptr); }, 10);
+      PENUMBRA_CUDA_OK(cudaGetLastError());
+      // Attended (query, key) pairs: sum over queries of q_start + i + 1.
+      const double pairs = static_cast<double>(p.nq) * q_start + 0.5 * p.nq * (p.nq + 1.0);
+      const double flops = 4.0 * pairs * p.d * hq;
+      std::printf("prefill %-8s keys %6d nq %5d d %3d: %8.3f ms  %6.1f TFLOP/s\n", PathName(path), p.keys, p.nq,
+                  p.d, ms, flops / (ms * 1e-3) / 1e12);
+    }
   }
 
   struct D {
