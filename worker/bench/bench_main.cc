@@ -11,9 +11,10 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
-#include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <map>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -22,13 +23,12 @@
 #include "common/args.h"
 #include "common/logging.h"
 #include "worker/engine/engine.h"
+#include "worker/engine/op_profiler.h"
 
 namespace penumbra {
 namespace {
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Now() { return NowSeconds(); }
 
 ModelConfig Llama8BShape(const Args& a, Status* st) {
   ModelConfig c;
@@ -87,7 +87,11 @@ struct LaneRun {
   std::vector<int64_t> seqs;
   Status status;
   double end = 0;  // when the lane finished its timed steps (Now())
+  std::map<std::string, double> profile_ms;  // --profile: per-op ms over kProfileSteps steps
 };
+
+// --profile: steps after the timed ones whose ops are timed one by one.
+constexpr int kProfileSteps = 5;
 
 // With --lanes N the batch is split round-robin over N lanes (sequence i on
 // lane i % N), each driven by its own host thread (lane 0 by this one): 2
@@ -101,6 +105,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   PENUMBRA_ASSIGN_OR_RETURN(int64_t steps, a.GetInt("steps", 100));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t batch, a.GetInt("batch", 0));
   if (steps < 1) return Status::InvalidArgument("--steps must be >= 1");
+  const bool profile = a.Has("profile");
+  if (profile && N > 1) return Status::InvalidArgument("--profile times the ops of one lane: use --lanes 1");
   const int64_t reserve = static_cast<int64_t>(4.0 * (1 << 30));
   std::vector<LaneRun> runs(N);
   auto remove_all = [&] {
@@ -120,7 +126,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     Runtime& rt = e.runtime(l);
     Backend& b = e.backend(l);
     if (batch == 0 && static_cast<int64_t>(b0.FreeMemoryBytes()) < reserve) break;
-    last = rt.AddSequence(i, S, steps + 4);
+    last = rt.AddSequence(i, S, steps + 4 + (profile ? kProfileSteps : 0));
     if (!last.ok()) break;
     last = rt.policy().SynthesizeContext(i, S, 1000 + i);
     if (!last.ok()) {
@@ -163,6 +169,19 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       tokens = next;
       return Status::OK();
     };
+    // After the timed steps: kProfileSteps more with every op timed.
+    auto profiled = [&]() -> Status {
+      OpProfiler prof(&b);
+      rt.SetDecodeProfiler(&prof);
+      Status st;
+      for (int i = 0; i < kProfileSteps && st.ok(); ++i) {
+        st = step(S + 2 + steps + i);
+        prof.Lap("sample");
+      }
+      rt.SetDecodeProfiler(nullptr);
+      run.profile_ms = prof.ms();
+      return st;
+    };
     auto warm = [&]() -> Status {
       PENUMBRA_RETURN_IF_ERROR(step(S));
       PENUMBRA_RETURN_IF_ERROR(step(S + 1));
@@ -181,6 +200,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     if (failed) return;
     run.status = timed();
     run.end = Now();
+    if (profile && run.status.ok()) run.status = profiled();
   };
   std::vector<std::thread> threads;
   threads.reserve(N - 1);
@@ -222,6 +242,15 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     for (int64_t s : runs[l].seqs) dev_bytes += e.runtime(l).policy().DeviceBytes(s);
   }
   j["kv_device_bytes_per_token"] = static_cast<double>(dev_bytes) / (static_cast<double>(S) * B);
+  if (profile) {
+    // Per step, every op synchronized (no overlap): where the time goes.
+    double total = 0;
+    for (const auto& [op, ms] : runs[0].profile_ms) {
+      j["decode_op_ms"][op] = ms / kProfileSteps;
+      total += ms / kProfileSteps;
+    }
+    j["profiled_ms_per_step"] = total;
+  }
   if (e.options().kv_policy == "full") {
     // Bytes a step must read: all weights once per lane with sequences (each
     // lane's GEMMs stream them) + every sequence's K and V.
@@ -300,7 +329,8 @@ Status Main(int argc, char** argv) {
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
-      .Switch("profile", "prefill: time each ShadowKV compression op (synchronizes after each)");
+      .Switch("profile", "prefill: time each ShadowKV compression op; decode: time every op of 5 extra steps "
+                         "(synchronizes after each)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
   Status st;
   ModelConfig c = Llama8BShape(a, &st);

@@ -21,6 +21,7 @@
 
 #include "common/status.h"
 #include "worker/engine/backend.h"
+#include "worker/engine/op_profiler.h"
 
 namespace penumbra {
 
@@ -76,6 +77,8 @@ class KvPolicy {
   virtual PolicyStats stats() const { return stats_; }
   // Profiling synchronizes after each prefill op to time it (slower).
   virtual void SetProfiling(bool on) {}
+  // Decode ops lap into `profiler` (the runtime's timeline) while non-null.
+  virtual void SetDecodeProfiler(OpProfiler* profiler) {}
 
  protected:
   PolicyStats stats_;

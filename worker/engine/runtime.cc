@@ -1,15 +1,10 @@
 #include "worker/engine/runtime.h"
 
-#include <chrono>
 #include <cmath>
 #include <random>
 
 namespace penumbra {
 namespace {
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // A uniform in [0, 1) from 24 random bits: identical on every platform.
 float NextUniform(std::mt19937_64& rng) { return static_cast<float>(rng() >> 40) * (1.0f / 16777216.0f); }
@@ -116,7 +111,7 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
   const ModelConfig& c = config();
   const int64_t S = static_cast<int64_t>(prompt.size());
   const int H = c.hidden_size;
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   // The whole prompt's hidden states stay on the device across layers.
   PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer x, backend_->Allocate(static_cast<size_t>(S) * H * sizeof(float)));
   PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer ids, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
@@ -149,7 +144,7 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
     PENUMBRA_RETURN_IF_ERROR(backend_->CopyToHost(logits_out->data(), logits_.get(), c.vocab_size * sizeof(float)));
   }
   PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
-  stats_.prefill_seconds += Now() - t0;
+  stats_.prefill_seconds += NowSeconds() - t0;
   stats_.prompt_tokens += S;
   return Status::OK();
 }
@@ -161,24 +156,34 @@ Result<const float*> Runtime::DecodeStep(const std::vector<int64_t>& seqs, const
   CHECK_LE(B, options_.max_batch);
   CHECK_EQ(tokens.size(), seqs.size());
   const int H = c.hidden_size;
+  auto lap = [this](const char* op) {
+    if (profiler_) profiler_->Lap(op);
+  };
+  if (profiler_) profiler_->Start();
   std::vector<int32_t> pos32(positions.begin(), positions.end());
   PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(ids_.get(), tokens.data(), B * sizeof(int32_t)));
   PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(pos_.get(), pos32.data(), B * sizeof(int32_t)));
   backend_->Embedding(weights_->embed(), weights_->dtype(), ids_.as<int32_t>(), B, H, x_.as<float>());
   PENUMBRA_RETURN_IF_ERROR(policy_->BeginDecodeStep(seqs, positions));
+  lap("begin_step");
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = weights_->layers()[l];
     backend_->RmsNorm(x_.as<float>(), L.attn_norm, weights_->dtype(), B, H, static_cast<float>(c.rms_norm_eps),
                       h_.get());
     backend_->Linear(h_.get(), L.qkv, B, qkv_.as<float>(), false);
+    lap("qkv_projection");
     PENUMBRA_RETURN_IF_ERROR(policy_->DecodeAttention(l, qkv_.as<float>(), pos_.as<int32_t>(), q_.get(), attn_.get()));
+    lap("attention");  // what the policy did not lap itself
     backend_->Linear(attn_.get(), L.o, B, x_.as<float>(), true);
     Mlp(L, x_.as<float>(), B);
+    lap("o_projection_mlp");
   }
   backend_->RmsNorm(x_.as<float>(), weights_->final_norm(), weights_->dtype(), B, H,
                     static_cast<float>(c.rms_norm_eps), h_.get());
   backend_->Linear(h_.get(), weights_->lm_head(), B, logits_.as<float>(), false);
+  lap("lm_head");
   PENUMBRA_RETURN_IF_ERROR(policy_->FinishDecodeStep());
+  lap("finish_step");
   return logits_.as<float>();
 }
 
@@ -236,7 +241,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
       }
     }
     // Decode the survivors together.
-    const double t0 = Now();
+    const double t0 = NowSeconds();
     while (!active.empty()) {
       std::vector<int64_t> seqs, positions;
       std::vector<int32_t> tokens;
@@ -265,7 +270,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
       }
       active = std::move(still);
     }
-    stats_.decode_seconds += Now() - t0;
+    stats_.decode_seconds += NowSeconds() - t0;
   }
   return results;
 }

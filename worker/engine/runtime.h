@@ -73,6 +73,12 @@ class Runtime {
 
   KvPolicy& policy() { return *policy_; }
   Backend& backend() { return *backend_; }
+  // While non-null, DecodeStep and the policy's decode ops lap into
+  // `profiler` (synchronizing after each op; slower). Not owned.
+  void SetDecodeProfiler(OpProfiler* profiler) {
+    profiler_ = profiler;
+    policy_->SetDecodeProfiler(profiler);
+  }
   const ModelConfig& config() const { return weights_->config(); }
   const RunStats& stats() const { return stats_; }
 
@@ -89,6 +95,7 @@ class Runtime {
   int scratch_rows_ = 0;
   DeviceBuffer x_, h_, qkv_, q_, attn_, gu_, ffn_, logits_, ids_, pos_;
   RunStats stats_;
+  OpProfiler* profiler_ = nullptr;
 };
 
 // Builds the policy context (device RoPE table included) for a model.

@@ -29,7 +29,6 @@
 // Prompts shorter than min_prompt_tokens (or too short to select from) keep
 // every token in the local rows: exact attention through the same path.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -42,10 +41,6 @@ namespace penumbra {
 namespace {
 
 namespace kn = kernels;
-
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 
 class ShadowKvPolicy final : public KvPolicy {
@@ -181,15 +176,15 @@ class ShadowKvPolicy final : public KvPolicy {
     Backend& b = *ctx_.backend;
     const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
     const int n_chunks = static_cast<int>((S - o_.local_window) / C);
-    double t = Now();
+    double t = NowSeconds();
     auto lap = [&](const char* op) {
       if (!profile_) return;
       (void)b.Synchronize();
-      const double now = Now();
+      const double now = NowSeconds();
       prefill_ms_[op] += (now - t) * 1e3;
       t = now;
     };
-    if (profile_) (void)b.Synchronize(), t = Now();
+    if (profile_) (void)b.Synchronize(), t = NowSeconds();
     // SVD of the pre-RoPE keys of the prompt (one segment).
     kn::LowRankArgs lr;
     lr.keys = tmp_prek_.get();
@@ -284,6 +279,29 @@ class ShadowKvPolicy final : public KvPolicy {
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     for (int h = 0; h < H; ++h) {
       PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, layer, h, store_first, n, stage_.as<char>() + h * row));
+    }
+    return Status::OK();
+  }
+
+  // The oldest local chunk's values of every layer and head to the store as
+  // chunk `store_chunk`: one 2-D copy and one synchronization for all layers
+  // (the local rows of all layers and heads share one pitch).
+  Status OffloadLocalChunk(Seq& s, int store_chunk) {
+    Backend& b = *ctx_.backend;
+    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
+    const size_t row = static_cast<size_t>(C) * d * es_, rows = static_cast<size_t>(L) * H;
+    if (stage_.bytes() < row * rows) {
+      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(row * rows));
+    }
+    PENUMBRA_RETURN_IF_ERROR(
+        b.Copy2D(stage_.get(), row, Row(s.att_v, s, 0, LocalRow0(s)), s.att_cap * d * es_, row, rows));
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    for (int l = 0; l < L; ++l) {
+      for (int h = 0; h < H; ++h) {
+        PENUMBRA_RETURN_IF_ERROR(
+            store_.PutChunks(s.segment, l, h, store_chunk, 1, stage_.as<char>() + (static_cast<size_t>(l) * H + h) * row));
+      }
     }
     return Status::OK();
   }
@@ -407,6 +425,7 @@ class ShadowKvPolicy final : public KvPolicy {
         r.pre_rope_k_out = PrekScratch(B) + static_cast<size_t>(g0) * H * d;
       }
       b.RopeStore(r);
+      Lap("rope_store");
       if (s0.sparse) {
         for (int i = g0; i < g0 + gn; ++i) {
           Seq& s = *step_[i];
@@ -414,6 +433,7 @@ class ShadowKvPolicy final : public KvPolicy {
               s.prek.as<float>() + (static_cast<int64_t>(layer) * s.local_cap + s.local_count) * H * d,
               prek_scratch_.as<float>() + static_cast<size_t>(i) * H * d, H * d * sizeof(float)));
         }
+        Lap("pre_rope_key_copy");
         PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, tab, nchunks, r.q_out, pipelined ? static_cast<int>(gi) : -1));
       }
       DecodeAttentionOp a;
@@ -433,11 +453,13 @@ class ShadowKvPolicy final : public KvPolicy {
         attention.push_back(a);
       } else {
         b.DecodeAttention(a);
+        Lap("sparse_attention");
       }
     }
     for (size_t gi = 0; gi < attention.size(); ++gi) {
       if (step_[groups_[gi].first]->sparse) b.WaitSideMark(static_cast<int>(gi));
       b.DecodeAttention(attention[gi]);
+      Lap("sparse_attention");
     }
     return Status::OK();
   }
@@ -474,6 +496,7 @@ class ShadowKvPolicy final : public KvPolicy {
     sc.scores = scores;
     sc.score_stride = sstride;
     b.ShadowkvScore(sc);
+    Lap("score");
     kn::TopKArgs tk;
     tk.values = scores;
     tk.stride = sstride;
@@ -485,6 +508,7 @@ class ShadowKvPolicy final : public KvPolicy {
     tk.out = sel + off;
     tk.out_stride = K;
     b.TopK(tk);
+    Lap("topk");
     kn::ShadowkvSlotUpdateArgs su;
     su.selection = sel + off;
     su.selection_stride = K;
@@ -498,6 +522,7 @@ class ShadowKvPolicy final : public KvPolicy {
     su.chunk_cap = s0.chunk_cap;
     su.force_keep = static_cast<float>(o_.force_hit_rate);
     b.ShadowkvSlotUpdate(su);
+    Lap("slot_update");
     // Misses: V from the store on the side stream, K rebuilt on the main one.
     b.ForkSide();
     kn::ShadowkvFetchVArgs fv;
@@ -543,6 +568,7 @@ class ShadowKvPolicy final : public KvPolicy {
       b.JoinSideLater(mark);
     } else {
       b.JoinSide();
+      Lap("value_fetch_k_rebuild");  // both streams (the main one waits for the side)
     }
     return Status::OK();
   }
@@ -636,8 +662,8 @@ class ShadowKvPolicy final : public KvPolicy {
       pk.proj = s.p.as<float>() + static_cast<int64_t>(l) * D * o_.rank;
       pk.a_out = static_cast<char*>(Row2(s.a, l, s.token_cap * o_.rank)) + static_cast<int64_t>(c) * C * o_.rank * es_;
       b.ProjectKeys(pk);
-      PENUMBRA_RETURN_IF_ERROR(OffloadValues(s, l, Row(s.att_v, s, l, LocalRow0(s)), s.att_cap * d, 0, 1, c));
     }
+    PENUMBRA_RETURN_IF_ERROR(OffloadLocalChunk(s, c));
     // Shift the local rows down by C (all layers and heads in one 2-D copy
     // each, through a scratch since the ranges overlap).
     const int64_t keep = s.local_count - C;
@@ -710,6 +736,10 @@ class ShadowKvPolicy final : public KvPolicy {
     return st;
   }
   void SetProfiling(bool on) override { profile_ = on; }
+  void SetDecodeProfiler(OpProfiler* profiler) override { prof_ = profiler; }
+  void Lap(const char* op) {
+    if (prof_) prof_->Lap(op);
+  }
 
  private:
   static constexpr int kTables = 10;
@@ -850,6 +880,7 @@ class ShadowKvPolicy final : public KvPolicy {
   std::vector<DecodeAttentionOp> pending_attention_;  // DecodeAttention's, with micro-batches
   int step_batch_ = 0, step_max_k_ = 0, step_max_chunks_ = 0;
   bool profile_ = false;
+  OpProfiler* prof_ = nullptr;  // decode laps (runtime's timeline), when profiling
   std::map<std::string, double> prefill_ms_;
 };
 
