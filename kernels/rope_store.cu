@@ -88,6 +88,11 @@ __device__ void RopeToken(const RopeStoreArgs& a, int t, const float* cs) {
         StoreN<float, N>(pre + j, lo);
         StoreN<float, N>(pre + half + j, hi);
       }
+      if (a.pre_rope_k_dst != nullptr) {
+        float* pre = a.pre_rope_k_dst[t] + kh * d;
+        StoreN<float, N>(pre + j, lo);
+        StoreN<float, N>(pre + half + j, hi);
+      }
       TKV* k = k_slot + kh * a.head_stride;
       StoreN<TKV, N>(k + j, out_lo);
       StoreN<TKV, N>(k + half + j, out_hi);

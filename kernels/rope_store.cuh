@@ -26,6 +26,9 @@ struct RopeStoreArgs {
   DType kv_dtype = DType::kBF16;
   // Optional: pre-RoPE keys [n, hkv, d] f32 (for low-rank factorization); may be null.
   float* pre_rope_k_out = nullptr;
+  // Optional: per token, the address of an [hkv, d] f32 row for its pre-RoPE
+  // keys (device array of n pointers); may be null.
+  float* const* pre_rope_k_dst = nullptr;
 };
 
 void LaunchRopeStore(const RopeStoreArgs& args, cudaStream_t stream);

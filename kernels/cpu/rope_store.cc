@@ -38,6 +38,7 @@ void RopeStore(const RopeStoreArgs& a) {
     ApplyRope(q, a.hq, a.d, a.positions[t], a.inv_freq);
     std::vector<float> k(src + a.hq * d, src + (a.hq + a.hkv) * d);
     if (a.pre_rope_k_out != nullptr) std::memcpy(a.pre_rope_k_out + t * a.hkv * d, k.data(), sizeof(float) * k.size());
+    if (a.pre_rope_k_dst != nullptr) std::memcpy(a.pre_rope_k_dst[t], k.data(), sizeof(float) * k.size());
     ApplyRope(k.data(), a.hkv, a.d, a.positions[t], a.inv_freq);
     const float* v = src + (a.hq + a.hkv) * d;
     for (int h = 0; h < a.hkv; ++h) {

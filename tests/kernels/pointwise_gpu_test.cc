@@ -226,7 +226,8 @@ void RunRopeCase(const RopeCase& c, std::mt19937& rng) {
   DeviceBuffer d_qkv(qkv.size() * 4, c.qkv_offset), d_pos(n * 4), d_freq(inv_freq.size() * 4),
       d_q(static_cast<size_t>(n) * hq * d * DTypeSize(c.q_dtype)), d_kc(c.hkv * head_stride * kvs, c.cache_offset),
       d_vc(c.hkv * head_stride * kvs, c.cache_offset), d_pre(static_cast<size_t>(n) * c.hkv * d * 4),
-      d_kptr(n * sizeof(void*)), d_vptr(n * sizeof(void*));
+      d_kptr(n * sizeof(void*)), d_vptr(n * sizeof(void*)), d_pre_rows(static_cast<size_t>(n) * c.hkv * d * 4),
+      d_pre_ptr(n * sizeof(void*));
   d_qkv.Upload(qkv.data());
   d_pos.Upload(positions.data());
   d_freq.Upload(inv_freq.data());
@@ -237,6 +238,10 @@ void RunRopeCase(const RopeCase& c, std::mt19937& rng) {
   }
   d_kptr.Upload(kp.data());
   d_vptr.Upload(vp.data());
+  // pre_rope_k_dst: token t's pre-RoPE keys to row n - 1 - t of another buffer.
+  std::vector<float*> pre_rows(n);
+  for (int t = 0; t < n; ++t) pre_rows[t] = d_pre_rows.as<float>() + static_cast<int64_t>(n - 1 - t) * c.hkv * d;
+  d_pre_ptr.Upload(pre_rows.data());
 
   RopeStoreArgs a;
   a.qkv = d_qkv.as<float>();
@@ -250,6 +255,7 @@ void RunRopeCase(const RopeCase& c, std::mt19937& rng) {
   a.head_stride = head_stride;
   a.kv_dtype = c.kv_dtype;
   a.pre_rope_k_out = c.pre_rope ? d_pre.as<float>() : nullptr;
+  a.pre_rope_k_dst = c.pre_rope ? d_pre_ptr.as<float* const>() : nullptr;
   LaunchRopeStore(a, nullptr);
   EXPECT_LAUNCH_OK();
 
@@ -275,6 +281,11 @@ void RunRopeCase(const RopeCase& c, std::mt19937& rng) {
   EXPECT_TRUE(AllClose(d_q.DownloadF32(c.q_dtype), eq, 1e-5f, RelTol(c.q_dtype, 1e-5f))) << "q_out";
   if (c.pre_rope) {
     EXPECT_TRUE(AllClose(d_pre.DownloadF32(DType::kF32), epre, 0, 0)) << "pre_rope_k_out";
+    const std::vector<float> rows = d_pre_rows.DownloadF32(DType::kF32);
+    std::vector<float> unreversed(rows.size());
+    const size_t w = static_cast<size_t>(c.hkv) * d;
+    for (int t = 0; t < n; ++t) std::copy_n(rows.begin() + (n - 1 - t) * w, w, unreversed.begin() + t * w);
+    EXPECT_TRUE(AllClose(unreversed, epre, 0, 0)) << "pre_rope_k_dst";
   }
   // Cache: written slots must match; every other slot must still be poison.
   for (int which = 0; which < 2; ++which) {

@@ -81,6 +81,7 @@ struct RopeStoreOp {
   void* const* v_dst = nullptr;
   int64_t head_stride = 0;             // elements
   float* pre_rope_k_out = nullptr;     // optional [n, hkv, d] f32
+  float* const* pre_rope_k_dst = nullptr;  // optional [n] address of each token's [hkv, d] f32 row
 };
 
 struct PrefillAttentionOp {

@@ -93,6 +93,7 @@ class CpuBackend final : public Backend {
     a.v_dst = reinterpret_cast<float* const*>(op.v_dst);
     a.head_stride = op.head_stride;
     a.pre_rope_k_out = op.pre_rope_k_out;
+    a.pre_rope_k_dst = op.pre_rope_k_dst;
     kc::RopeStore(a);
   }
   void SwiGLU(const float* gate_up, int n, int F, void* out) override {

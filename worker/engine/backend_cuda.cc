@@ -179,6 +179,7 @@ class CudaBackend final : public Backend {
     a.head_stride = op.head_stride;
     a.kv_dtype = act_;
     a.pre_rope_k_out = op.pre_rope_k_out;
+    a.pre_rope_k_dst = op.pre_rope_k_dst;
     kn::LaunchRopeStore(a, stream_);
   }
   void SwiGLU(const float* gate_up, int n, int F, void* out) override {

@@ -283,29 +283,6 @@ class ShadowKvPolicy final : public KvPolicy {
     return Status::OK();
   }
 
-  // The oldest local chunk's values of every layer and head to the store as
-  // chunk `store_chunk`: one 2-D copy and one synchronization for all layers
-  // (the local rows of all layers and heads share one pitch).
-  Status OffloadLocalChunk(Seq& s, int store_chunk) {
-    Backend& b = *ctx_.backend;
-    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
-    const size_t row = static_cast<size_t>(C) * d * es_, rows = static_cast<size_t>(L) * H;
-    if (stage_.bytes() < row * rows) {
-      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-      PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(row * rows));
-    }
-    PENUMBRA_RETURN_IF_ERROR(
-        b.Copy2D(stage_.get(), row, Row(s.att_v, s, 0, LocalRow0(s)), s.att_cap * d * es_, row, rows));
-    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    for (int l = 0; l < L; ++l) {
-      for (int h = 0; h < H; ++h) {
-        PENUMBRA_RETURN_IF_ERROR(
-            store_.PutChunks(s.segment, l, h, store_chunk, 1, stage_.as<char>() + (static_cast<size_t>(l) * H + h) * row));
-      }
-    }
-    return Status::OK();
-  }
-
   // ----------------------------------------------------------------- decode
 
   Status BeginDecodeStep(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions) override {
@@ -352,6 +329,8 @@ class ShadowKvPolicy final : public KvPolicy {
           row[7 * B + i] = Row2(s.a, l, s.token_cap * o_.rank);
           row[8 * B + i] = Row2(s.b, l, static_cast<int64_t>(ctx_.hkv) * o_.rank * ctx_.head_dim);
           row[9 * B + i] = s.store_dev[l];
+          row[10 * B + i] = s.prek.as<float>() + (static_cast<int64_t>(l) * s.local_cap + s.local_count) * ctx_.hkv *
+                                                     ctx_.head_dim;  // new token's pre-RoPE key row
         }
       }
     }
@@ -419,21 +398,12 @@ class ShadowKvPolicy final : public KvPolicy {
       r.v_dst = tab + 1 * B + g0;
       r.head_stride = s0.att_cap * d;
       r.pre_rope_k_out = nullptr;
-      if (s0.sparse) {
-        // New tokens' pre-RoPE keys go to a [batch][hkv*d] scratch, then to
-        // each sequence's local pre-RoPE rows (for the A.1 projection).
-        r.pre_rope_k_out = PrekScratch(B) + static_cast<size_t>(g0) * H * d;
-      }
+      // New tokens' pre-RoPE keys straight into each sequence's local
+      // pre-RoPE rows (for the A.1 projection when their chunk completes).
+      r.pre_rope_k_dst = s0.sparse ? reinterpret_cast<float* const*>(tab + 10 * B + g0) : nullptr;
       b.RopeStore(r);
       Lap("rope_store");
       if (s0.sparse) {
-        for (int i = g0; i < g0 + gn; ++i) {
-          Seq& s = *step_[i];
-          PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(
-              s.prek.as<float>() + (static_cast<int64_t>(layer) * s.local_cap + s.local_count) * H * d,
-              prek_scratch_.as<float>() + static_cast<size_t>(i) * H * d, H * d * sizeof(float)));
-        }
-        Lap("pre_rope_key_copy");
         PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, tab, nchunks, r.q_out, pipelined ? static_cast<int>(gi) : -1));
       }
       DecodeAttentionOp a;
@@ -627,62 +597,99 @@ class ShadowKvPolicy final : public KvPolicy {
         }
       }
     }
+    std::vector<Seq*> due;
     for (Seq* s : step_) {
       ++s->local_count;
-      if (s->sparse && s->local_count >= o_.local_window + o_.chunk_size) PENUMBRA_RETURN_IF_ERROR(CompressOldest(*s));
+      if (s->sparse && s->local_count >= o_.local_window + o_.chunk_size) due.push_back(s);
     }
+    if (!due.empty()) PENUMBRA_RETURN_IF_ERROR(CompressOldest(due));
     return Status::OK();
   }
 
-  // ShadowKV+ (A.1): the oldest C local tokens become a selectable chunk.
-  Status CompressOldest(Seq& s) {
+  // ShadowKV+ (A.1): the oldest C local tokens of each sequence in `due`
+  // become a selectable chunk. All sequences' landmarks, projections and
+  // value copies are issued first, then one synchronization, the store puts,
+  // and only then the local rows shift and the counts change, so a failed put
+  // leaves every sequence as it was.
+  Status CompressOldest(const std::vector<Seq*>& due) {
     Backend& b = *ctx_.backend;
     const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, D = H * d;
-    if (s.n_chunks >= s.chunk_cap) return Status::Internal("shadowkv: chunk capacity exceeded");
-    const int c = s.n_chunks;
-    for (int l = 0; l < L; ++l) {
-      kn::ChunkLandmarksArgs cl;
-      cl.k = Row(s.att_k, s, l, LocalRow0(s));
-      cl.k_head_stride = s.att_cap * d;
-      cl.first_token = 0;
-      cl.n_chunks = 1;
-      cl.chunk_tokens = C;
-      cl.hkv = H;
-      cl.d = d;
-      cl.landmarks = static_cast<char*>(Row2(s.lm, l, static_cast<int64_t>(H) * s.chunk_cap * d)) + c * d * es_;
-      cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
-      cl.min_cos = MinCosScratch(H);
-      cl.min_cos_head_stride = 1;
-      b.ChunkLandmarks(cl);
-      kn::ProjectKeysArgs pk;
-      pk.keys = s.prek.as<float>() + static_cast<int64_t>(l) * s.local_cap * D;
-      pk.n = C;
-      pk.D = D;
-      pk.rank = o_.rank;
-      pk.proj = s.p.as<float>() + static_cast<int64_t>(l) * D * o_.rank;
-      pk.a_out = static_cast<char*>(Row2(s.a, l, s.token_cap * o_.rank)) + static_cast<int64_t>(c) * C * o_.rank * es_;
-      b.ProjectKeys(pk);
+    const size_t row = static_cast<size_t>(C) * d * es_, per_seq = static_cast<size_t>(L) * H * row;
+    for (Seq* s : due) {
+      if (s->n_chunks >= s->chunk_cap) return Status::Internal("shadowkv: chunk capacity exceeded");
     }
-    PENUMBRA_RETURN_IF_ERROR(OffloadLocalChunk(s, c));
-    // Shift the local rows down by C (all layers and heads in one 2-D copy
-    // each, through a scratch since the ranges overlap).
-    const int64_t keep = s.local_count - C;
-    if (keep > 0) {
-      const size_t w = keep * d * es_, pitch = s.att_cap * d * es_;
-      const size_t hrows = static_cast<size_t>(L) * H;
-      PENUMBRA_RETURN_IF_ERROR(EnsureShiftScratch(hrows * std::max(w, static_cast<size_t>(keep) * D * sizeof(float) / H + 1)));
-      for (DeviceBuffer* buf : {&s.att_k, &s.att_v}) {
-        char* src = static_cast<char*>(Row(*buf, s, 0, LocalRow0(s) + C));
-        char* dst = static_cast<char*>(Row(*buf, s, 0, LocalRow0(s)));
-        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(shift_.get(), w, src, pitch, w, hrows));
-        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(dst, pitch, shift_.get(), w, w, hrows));
+    if (stage_.bytes() < per_seq * due.size()) {
+      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(per_seq * due.size()));
+    }
+    for (size_t k = 0; k < due.size(); ++k) {
+      Seq& s = *due[k];
+      const int c = s.n_chunks;
+      for (int l = 0; l < L; ++l) {
+        kn::ChunkLandmarksArgs cl;
+        cl.k = Row(s.att_k, s, l, LocalRow0(s));
+        cl.k_head_stride = s.att_cap * d;
+        cl.first_token = 0;
+        cl.n_chunks = 1;
+        cl.chunk_tokens = C;
+        cl.hkv = H;
+        cl.d = d;
+        cl.landmarks = static_cast<char*>(Row2(s.lm, l, static_cast<int64_t>(H) * s.chunk_cap * d)) + c * d * es_;
+        cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
+        cl.min_cos = MinCosScratch(H);
+        cl.min_cos_head_stride = 1;
+        b.ChunkLandmarks(cl);
+        kn::ProjectKeysArgs pk;
+        pk.keys = s.prek.as<float>() + static_cast<int64_t>(l) * s.local_cap * D;
+        pk.n = C;
+        pk.D = D;
+        pk.rank = o_.rank;
+        pk.proj = s.p.as<float>() + static_cast<int64_t>(l) * D * o_.rank;
+        pk.a_out =
+            static_cast<char*>(Row2(s.a, l, s.token_cap * o_.rank)) + static_cast<int64_t>(c) * C * o_.rank * es_;
+        b.ProjectKeys(pk);
       }
-      const size_t pw = keep * D * sizeof(float), ppitch = s.local_cap * D * sizeof(float);
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(shift_.get(), pw, s.prek.as<float>() + C * D, ppitch, pw, L));
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(s.prek.get(), ppitch, shift_.get(), pw, pw, L));
+      // The chunk's values of every layer and head in one 2-D copy (the local
+      // rows of all layers and heads share one pitch).
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage_.as<char>() + k * per_seq, row, Row(s.att_v, s, 0, LocalRow0(s)),
+                                        s.att_cap * d * es_, row, static_cast<size_t>(L) * H));
     }
-    s.local_count = keep;
-    s.n_chunks = c + 1;
+    Lap("chunk_compress");
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    for (size_t k = 0; k < due.size(); ++k) {
+      Seq& s = *due[k];
+      for (int l = 0; l < L; ++l) {
+        for (int h = 0; h < H; ++h) {
+          const char* src = stage_.as<char>() + k * per_seq + (static_cast<size_t>(l) * H + h) * row;
+          PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, l, h, s.n_chunks, 1, src));
+        }
+      }
+    }
+    Lap("chunk_value_put");
+    for (Seq* sp : due) {
+      Seq& s = *sp;
+      // Shift the local rows down by C (all layers and heads in one 2-D copy
+      // each, through a scratch since the ranges overlap).
+      const int64_t keep = s.local_count - C;
+      if (keep > 0) {
+        const size_t w = keep * d * es_, pitch = s.att_cap * d * es_;
+        const size_t hrows = static_cast<size_t>(L) * H;
+        PENUMBRA_RETURN_IF_ERROR(
+            EnsureShiftScratch(hrows * std::max(w, static_cast<size_t>(keep) * D * sizeof(float) / H + 1)));
+        for (DeviceBuffer* buf : {&s.att_k, &s.att_v}) {
+          char* src = static_cast<char*>(Row(*buf, s, 0, LocalRow0(s) + C));
+          char* dst = static_cast<char*>(Row(*buf, s, 0, LocalRow0(s)));
+          PENUMBRA_RETURN_IF_ERROR(b.Copy2D(shift_.get(), w, src, pitch, w, hrows));
+          PENUMBRA_RETURN_IF_ERROR(b.Copy2D(dst, pitch, shift_.get(), w, w, hrows));
+        }
+        const size_t pw = keep * D * sizeof(float), ppitch = s.local_cap * D * sizeof(float);
+        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(shift_.get(), pw, s.prek.as<float>() + C * D, ppitch, pw, L));
+        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(s.prek.get(), ppitch, shift_.get(), pw, pw, L));
+      }
+      s.local_count = keep;
+      s.n_chunks += 1;
+    }
+    Lap("chunk_shift");
     return Status::OK();
   }
 
@@ -742,7 +749,7 @@ class ShadowKvPolicy final : public KvPolicy {
   }
 
  private:
-  static constexpr int kTables = 10;
+  static constexpr int kTables = 11;
 
   struct Seq {
     int64_t id = 0;
@@ -840,15 +847,6 @@ class ShadowKvPolicy final : public KvPolicy {
       tmp_cap_ = 0;
     }
   }
-  float* PrekScratch(int batch) {
-    const size_t need = static_cast<size_t>(batch) * ctx_.hkv * ctx_.head_dim * sizeof(float);
-    if (prek_scratch_.bytes() < need) {
-      auto r = ctx_.backend->Allocate(need * 2);
-      CHECK(r.ok()) << r.status();
-      prek_scratch_ = std::move(r).value();
-    }
-    return prek_scratch_.as<float>();
-  }
   float* MinCosScratch(int n) {
     if (mincos_scratch_.bytes() < n * sizeof(float)) {
       auto r = ctx_.backend->Allocate(n * sizeof(float) * 2);
@@ -873,7 +871,7 @@ class ShadowKvPolicy final : public KvPolicy {
   // prefill temporaries (one layer of one prompt)
   DeviceBuffer tmp_k_, tmp_v_, tmp_prek_, tmp_cos_, tmp_outl_;
   int64_t tmp_cap_ = 0;
-  DeviceBuffer ptr_buf_, step_buf_, miss_buf_, score_buf_, prek_scratch_, mincos_scratch_, shift_, stage_off_;
+  DeviceBuffer ptr_buf_, step_buf_, miss_buf_, score_buf_, mincos_scratch_, shift_, stage_off_;
   DeviceBuffer stage_, stage_v_;
   std::vector<Seq*> step_;
   std::vector<std::pair<int, int>> groups_;
