@@ -48,6 +48,88 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// ---- shared by the tensor-core paths --------------------------------------------
+// Both keep a 16-row slice of S and O per warp in the m16n8 accumulator layout
+// (lane = 4 g + t4): x[i][e] is row g + 8 (e / 2), column 8 i + 2 t4 + e % 2.
+
+// Scales S into the log2 domain and, when need_mask, masks keys past each
+// row's position (pos_g: absolute position of row g; key0: the tile's first key).
+template <int NB>
+__device__ __forceinline__ void ScaleAndMask(float (&s)[NB][4], float scale_log2, bool need_mask, int key0, int t4,
+                                             int pos_g) {
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[i][e] * scale_log2;
+      if (need_mask && key0 + i * 8 + 2 * t4 + (e & 1) > pos_g + (e >> 1) * 8) x = -INFINITY;
+      s[i][e] = x;
+    }
+  }
+}
+
+// Online softmax over one tile for rows g (e = 0, 1) and g + 8 (e = 2, 3): S
+// becomes P = exp2(S - running max), O and the per-thread partial sums are
+// rescaled. Key 0 is visible to every row and tile 0 always runs, so the
+// running max is finite after the first tile.
+template <int NB, int NO>
+__device__ __forceinline__ void OnlineSoftmax(float (&s)[NB][4], float (&o)[NO][4], float (&row_m)[2],
+                                              float (&row_l)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = row_m[h];
+#pragma unroll
+    for (int i = 0; i < NB; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float alpha = exp2f(row_m[h] - mx);
+    row_m[h] = mx;
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      s[i][2 * h] = exp2f(s[i][2 * h] - mx);
+      s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - mx);
+      sum += s[i][2 * h] + s[i][2 * h + 1];
+    }
+    row_l[h] = row_l[h] * alpha + sum;
+#pragma unroll
+    for (int i = 0; i < NO; ++i) {
+      o[i][2 * h] *= alpha;
+      o[i][2 * h + 1] *= alpha;
+    }
+  }
+}
+
+// P's bf16 A fragment for k16 step kk (accumulator blocks 2 kk and 2 kk + 1):
+// the accumulator layout is the A-fragment layout.
+template <int NB>
+__device__ __forceinline__ void PackP(const float (&s)[NB][4], int kk, uint32_t (&a)[4]) {
+  a[0] = PackBf16(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = PackBf16(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = PackBf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = PackBf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Normalizes O and stores rows row_g and row_g + 8 (those below nq).
+template <int D>
+__device__ __forceinline__ void StoreRows(const float (&o)[D / 8][4], const float (&row_l)[2], __nv_bfloat16* out,
+                                          int row_g, int nq, int hq, int head, int t4) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_l[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int row = row_g + h * 8;
+    if (row < nq) {
+      __nv_bfloat16* dst = out + (static_cast<int64_t>(row) * hq + head) * D + 2 * t4;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i)
+        *reinterpret_cast<uint32_t*>(dst + i * 8) = PackBf16(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+    }
+  }
+}
+
 // ---- fast path: bf16 tensor cores ---------------------------------------------
 
 constexpr int kBM = 128;             // query rows per block
@@ -190,54 +272,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           MmaBf16(s[2 * np + 1], qf[kk], b[2], b[3]);
         }
       }
-      // Scale into the log2 domain; mask keys past each row's position.
-      const bool need_mask = key0 + kBN - 1 > q_start + warp_row0;
-#pragma unroll
-      for (int i = 0; i < kBN / 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[i][e] * scale_log2;
-          if (need_mask) {
-            const int key = key0 + i * 8 + 2 * t4 + (e & 1);
-            const int pos = pos0 + (e >> 1) * 8;
-            if (key > pos) x = -INFINITY;
-          }
-          s[i][e] = x;
-        }
-      }
-      // Online softmax for rows g (e = 0, 1) and g + 8 (e = 2, 3).
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_m[h];
-#pragma unroll
-        for (int i = 0; i < kBN / 8; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // Key 0 is visible to every row and tile 0 always runs, so mx is finite.
-        const float alpha = exp2f(row_m[h] - mx);
-        row_m[h] = mx;
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kBN / 8; ++i) {
-          s[i][2 * h] = exp2f(s[i][2 * h] - mx);
-          s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - mx);
-          sum += s[i][2 * h] + s[i][2 * h + 1];
-        }
-        row_l[h] = row_l[h] * alpha + sum;
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          o[i][2 * h] *= alpha;
-          o[i][2 * h + 1] *= alpha;
-        }
-      }
+      // Scale into the log2 domain, mask keys past each row's position, softmax.
+      ScaleAndMask(s, scale_log2, key0 + kBN - 1 > q_start + warp_row0, key0, t4, pos0);
+      OnlineSoftmax(s, o, row_m, row_l);
       // O += P V, P from the S accumulators (C layout == A layout, as bf16).
 #pragma unroll
       for (int kk = 0; kk < kBN / 16; ++kk) {
         uint32_t a[4];
-        a[0] = PackBf16(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = PackBf16(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = PackBf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = PackBf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        PackP(s, kk, a);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t b[4];
@@ -249,21 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // Epilogue: normalize and store rows g and g + 8 of this warp.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = row_l[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int row = warp_row0 + g + h * 8;
-    if (row < nq) {
-      __nv_bfloat16* dst = out + (static_cast<int64_t>(row) * hq + head) * D + 2 * t4;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-        *reinterpret_cast<uint32_t*>(dst + i * 8) = PackBf16(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
-    }
-  }
+  StoreRows<D>(o, row_l, out, warp_row0 + g, nq, hq, head, t4);
 }
 
 template <int D>
@@ -353,9 +381,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   if (n_tiles > 1) load_tile(1, 1);
   CpAsyncCommit();
 
-  float o[D / 2];
+  float o[D / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float row_m[2] = {-INFINITY, -INFINITY};
   float row_l[2] = {0.0f, 0.0f};  // per-thread partial sums; quad-reduced at the end
 
@@ -383,7 +411,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int key0 = j * kWgBN;
     if (!wg_has_rows || key0 > wg_last_pos) continue;  // uniform over the warpgroup
 
-    float s[kWgBN / 2];
+    float s[kWgBN / 8][4];
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -396,52 +424,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     WgmmaWait<0>();
     WgmmaFenceOperands(s);
 
-    // Scale into the log2 domain; mask keys past each row's position.
-    const bool need_mask = key0 + kWgBN - 1 > q_start + wg_row0;
-#pragma unroll
-    for (int i = 0; i < kWgBN / 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * i + e] * scale_log2;
-        if (need_mask) {
-          const int key = key0 + i * 8 + 2 * t4 + (e & 1);
-          if (key > pos0 + (e >> 1) * 8) x = -INFINITY;
-        }
-        s[4 * i + e] = x;
-      }
-    }
-    // Online softmax for rows g (e = 0, 1) and g + 8 (e = 2, 3).
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = row_m[h];
-#pragma unroll
-      for (int i = 0; i < kWgBN / 8; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // Key 0 is visible to every row and tile 0 always runs, so mx is finite.
-      const float alpha = exp2f(row_m[h] - mx);
-      row_m[h] = mx;
-      float sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kWgBN / 8; ++i) {
-        s[4 * i + 2 * h] = exp2f(s[4 * i + 2 * h] - mx);
-        s[4 * i + 2 * h + 1] = exp2f(s[4 * i + 2 * h + 1] - mx);
-        sum += s[4 * i + 2 * h] + s[4 * i + 2 * h + 1];
-      }
-      row_l[h] = row_l[h] * alpha + sum;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        o[4 * i + 2 * h] *= alpha;
-        o[4 * i + 2 * h + 1] *= alpha;
-      }
-    }
+    // Scale into the log2 domain, mask keys past each row's position, softmax.
+    ScaleAndMask(s, scale_log2, key0 + kWgBN - 1 > q_start + wg_row0, key0, t4, pos0);
+    OnlineSoftmax(s, o, row_m, row_l);
     // O += P V: P as bf16 A fragments, k16 step kk = accumulator blocks 2 kk, 2 kk + 1.
     uint32_t p[kWgBN / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kWgBN / 16; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) p[kk][r] = PackBf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-    }
+    for (int kk = 0; kk < kWgBN / 16; ++kk) PackP(s, kk, p[kk]);
     WgmmaFenceOperands(o);
     WgmmaFence();
 #pragma unroll
@@ -457,21 +446,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     WgmmaFenceOperands(o);
   }
 
-  // Epilogue: normalize and store rows g and g + 8 of this warp.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = row_l[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int row = wg_row0 + warp_in_wg * 16 + g + h * 8;
-    if (row < nq) {
-      __nv_bfloat16* dst = out + (static_cast<int64_t>(row) * hq + head) * D + 2 * t4;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-        *reinterpret_cast<uint32_t*>(dst + i * 8) = PackBf16(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-    }
-  }
+  StoreRows<D>(o, row_l, out, wg_row0 + warp_in_wg * 16 + g, nq, hq, head, t4);
 #else
   __trap();  // built without sm_90a; the launcher never selects this path then
 #endif
