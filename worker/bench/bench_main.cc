@@ -28,8 +28,6 @@
 namespace penumbra {
 namespace {
 
-double Now() { return NowSeconds(); }
-
 ModelConfig Llama8BShape(const Args& a, Status* st) {
   ModelConfig c;
   c.arch = Architecture::kLlama;
@@ -76,17 +74,17 @@ double MeasureCopyGBps(Backend& b) {
   if (!src.ok() || !dst.ok()) return 0;
   (void)b.CopyDeviceToDevice(dst->get(), src->get(), bytes);
   (void)b.Synchronize();
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   for (int i = 0; i < 5; ++i) (void)b.CopyDeviceToDevice(dst->get(), src->get(), bytes);
   (void)b.Synchronize();
-  return 2.0 * bytes * 5 / (Now() - t0) / 1e9;
+  return 2.0 * bytes * 5 / (NowSeconds() - t0) / 1e9;
 }
 
 // One lane's share of a decode measurement.
 struct LaneRun {
   std::vector<int64_t> seqs;
   Status status;
-  double end = 0;  // when the lane finished its timed steps (Now())
+  double end = 0;  // when the lane finished its timed steps (NowSeconds())
   std::map<std::string, double> profile_ms;  // --profile: per-op ms over kProfileSteps steps
 };
 
@@ -152,7 +150,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   std::vector<PolicyStats> before(N);
   std::atomic<bool> failed{false};
   double t0 = 0;
-  std::barrier start(N, [&t0]() noexcept { t0 = Now(); });
+  std::barrier start(N, [&t0]() noexcept { t0 = NowSeconds(); });
   auto drive = [&](int l) {
     LaneRun& run = runs[l];
     Runtime& rt = e.runtime(l);
@@ -199,7 +197,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     start.arrive_and_wait();
     if (failed) return;
     run.status = timed();
-    run.end = Now();
+    run.end = NowSeconds();
     if (profile && run.status.ok()) run.status = profiled();
   };
   std::vector<std::thread> threads;
@@ -290,10 +288,10 @@ Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
   PENUMBRA_RETURN_IF_ERROR(rt.Prefill(1, warm, nullptr));
   rt.RemoveSequence(1);
   if (a.Has("profile")) rt.policy().SetProfiling(true);
-  const double t0 = Now();
+  const double t0 = NowSeconds();
   PENUMBRA_RETURN_IF_ERROR(rt.Prefill(0, prompt, nullptr));
   PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
-  const double dt = Now() - t0;
+  const double dt = NowSeconds() - t0;
   nlohmann::json j = cm.Line("prefill");
   j["kv_policy"] = e.options().kv_policy;
   j["context"] = S;
