@@ -136,9 +136,13 @@ __global__ void ComponentsKernel(const float* __restrict__ vecs, const float* __
 
 template <typename Tin, typename Tout>
 __global__ void ProjectKeysKernel(const Tin* __restrict__ keys, int D, int rank, const float* __restrict__ proj,
-                                  Tout* __restrict__ out, int64_t out_stride) {
+                                  Tout* __restrict__ out, int64_t out_stride, int64_t keys_batch_stride,
+                                  int64_t proj_batch_stride, int64_t out_batch_stride) {
   extern __shared__ float s_key[];
   const int t = blockIdx.x;
+  keys += blockIdx.z * keys_batch_stride;
+  proj += blockIdx.z * proj_batch_stride;
+  out += blockIdx.z * out_batch_stride;
   for (int k = threadIdx.x; k < D; k += blockDim.x) s_key[k] = ToF32<Tin>(keys[static_cast<size_t>(t) * D + k]);
   __syncthreads();
   const int i = blockIdx.y * blockDim.x + threadIdx.x;
@@ -236,13 +240,16 @@ Status LowRankFactor(const LowRankArgs& a, cublasHandle_t blas, cusolverDnHandle
 void LaunchProjectKeys(const ProjectKeysArgs& a, cudaStream_t stream) {
   if (a.n <= 0) return;
   const int threads = 128;
-  const dim3 grid(a.n, (a.rank + threads - 1) / threads);
+  if (a.batch <= 0) return;
+  CHECK_LE(a.batch, 65535) << "ProjectKeys: batch";
+  const dim3 grid(a.n, (a.rank + threads - 1) / threads, a.batch);
   const size_t smem = sizeof(float) * a.D;
   const int64_t stride = a.a_row_stride > 0 ? a.a_row_stride : a.rank;
   auto launch = [&](auto* keys, auto* out) {
     using Tin = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
     using Tout = std::remove_pointer_t<decltype(out)>;
-    ProjectKeysKernel<Tin, Tout><<<grid, threads, smem, stream>>>(keys, a.D, a.rank, a.proj, out, stride);
+    ProjectKeysKernel<Tin, Tout><<<grid, threads, smem, stream>>>(keys, a.D, a.rank, a.proj, out, stride, a.keys_batch_stride,
+                                                                 a.proj_batch_stride, a.a_batch_stride);
   };
   const bool kb = a.key_dtype == DType::kBF16, ob = a.out_dtype == DType::kBF16;
   if (kb && ob) launch(static_cast<const __nv_bfloat16*>(a.keys), static_cast<__nv_bfloat16*>(a.a_out));

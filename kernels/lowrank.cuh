@@ -61,7 +61,7 @@ Result<size_t> LowRankWorkspaceBytes(cusolverDnHandle_t solver, int64_t S, int D
 Status LowRankFactor(const LowRankArgs& args, cublasHandle_t blas, cusolverDnHandle_t solver, cudaStream_t stream);
 
 // A-rows of new tokens: a_out[i] = k[i] * P, [n, D] x [D, rank] -> [n, rank].
-// One block per (token, 128 outputs); k row staged in shared memory (D <= 8192).
+// One block per (token, 128 outputs, problem); k row staged in shared memory (D <= 8192).
 struct ProjectKeysArgs {
   const void* keys = nullptr;      // [n, D] device
   DType key_dtype = DType::kF32;   // kF32 or kBF16
@@ -70,6 +70,11 @@ struct ProjectKeysArgs {
   void* a_out = nullptr;           // [n, rank] of out_dtype
   int64_t a_row_stride = 0;        // elements between rows of a_out; 0 = rank
   DType out_dtype = DType::kBF16;  // kF32 or kBF16
+  // `batch` independent projections in one launch (e.g. every layer of a
+  // sequence): problem i reads keys + i*keys_batch_stride and proj +
+  // i*proj_batch_stride and writes a_out + i*a_batch_stride (elements).
+  int batch = 1;
+  int64_t keys_batch_stride = 0, proj_batch_stride = 0, a_batch_stride = 0;
 };
 void LaunchProjectKeys(const ProjectKeysArgs& args, cudaStream_t stream);
 

@@ -4,9 +4,10 @@
 
 #include <algorithm>
 #include <mutex>
-#include <set>
+#include <map>
 #include <utility>
 
+#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <glog/logging.h>
 
@@ -26,17 +27,19 @@ __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
 // (kernel, device) and returns the largest dynamic size a launch may ask for.
 int AllowSharedMemory(const void* kernel) {
   static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
+  static std::map<std::pair<const void*, int>, int> done;  // (kernel, device) -> dynamic bytes allowed
   int dev = 0;
   PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = done.find({kernel, dev});
+  if (it != done.end()) return it->second;
   int optin = 0;
   PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   cudaFuncAttributes attr{};
   PENUMBRA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   const int max_dynamic = optin - static_cast<int>(attr.sharedSizeBytes);
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.insert({kernel, dev}).second)
-    PENUMBRA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dynamic));
+  PENUMBRA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dynamic));
+  done.emplace(std::make_pair(kernel, dev), max_dynamic);
   return max_dynamic;
 }
 
@@ -708,14 +711,38 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
 // loads in flight (kFetchMaxBlocks x 256 threads x kFetchUnroll x 16 B = 1 MiB)
 // saturate the link, and the rest of the GPU stays free for the K rebuild on
 // the other stream and for other lanes' kernels. (One block per 8 misses, as
-// before, filled every SM with threads waiting on PCIe.) Each thread copies
-// vectors v, v + T, ... of the flattened [row][miss][vector] space.
+// before, filled every SM with threads waiting on PCIe.)
+// The work is the misses only: each block first scans the per-row miss counts
+// into a prefix in shared memory, then its threads copy vectors v, v + T, ...
+// of the flattened [miss][vector] space, finding each miss's row by binary
+// search. A step with few misses (a high hit rate) costs little more than the
+// launch, where walking the [row][max_misses] space cost ~0.1 ms per layer.
+// Width measured with two lanes at the natural hit rate (124928 x 14, H200):
+// 16 blocks 54.9 ms per step, 32 blocks 51.5, 64 blocks 56.7.
 constexpr int kFetchThreads = 256;
 constexpr int kFetchUnroll = 8;     // 16-byte loads in flight per thread
 constexpr int kFetchMaxBlocks = 32;
 
 __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs a, int nvec, int elem_bytes) {
-  const int64_t total = static_cast<int64_t>(a.batch) * a.hkv * a.max_misses * nvec;
+  extern __shared__ int32_t s_first[];  // [rows + 1]: first miss of each row in the flattened list
+  using Scan = cub::BlockScan<int32_t, kFetchThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  const int rows = a.batch * a.hkv;
+  {
+    const int per = (rows + kFetchThreads - 1) / kFetchThreads;
+    const int lo = min(rows, static_cast<int>(threadIdx.x) * per), hi = min(rows, lo + per);
+    int32_t sum = 0;
+    for (int r = lo; r < hi; ++r) sum += min(max(a.miss_count[r], 0), a.max_misses);
+    int32_t off = 0;
+    Scan(scan_tmp).ExclusiveSum(sum, off);
+    for (int r = lo; r < hi; ++r) {
+      s_first[r] = off;
+      off += min(max(a.miss_count[r], 0), a.max_misses);
+    }
+    if (threadIdx.x == kFetchThreads - 1) s_first[rows] = off;  // its range is the last (or empty): off = total
+  }
+  __syncthreads();
+  const int64_t total = static_cast<int64_t>(s_first[rows]) * nvec;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kFetchThreads;
   const int64_t chunk_bytes = static_cast<int64_t>(nvec) * 16;
   for (int64_t v0 = static_cast<int64_t>(blockIdx.x) * kFetchThreads + threadIdx.x; v0 < total;
@@ -727,11 +754,14 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
       dst[u] = nullptr;
       const int64_t v = v0 + u * stride;
       if (v >= total) continue;
-      const int64_t item = v / nvec;
-      const int vi = static_cast<int>(v - item * nvec);
-      const int row = static_cast<int>(item / a.max_misses);
-      const int m = static_cast<int>(item - static_cast<int64_t>(row) * a.max_misses);
-      if (m >= a.miss_count[row]) continue;
+      const int item = static_cast<int>(v / nvec);
+      const int vi = static_cast<int>(v - static_cast<int64_t>(item) * nvec);
+      int lo = 0, hi = rows;  // the row with s_first[row] <= item < s_first[row + 1]
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (s_first[mid] <= item) lo = mid; else hi = mid;
+      }
+      const int row = lo, m = item - s_first[row];
       const int b = row / a.hkv, h = row % a.hkv;
       const int64_t at = static_cast<int64_t>(row) * a.miss_stride + m;
       const char* src;
@@ -850,7 +880,10 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
   const int64_t per_block = static_cast<int64_t>(kFetchThreads) * kFetchUnroll;
   const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, kFetchMaxBlocks));
-  FetchVKernel<<<blocks, kFetchThreads, 0, stream>>>(a, nvec, elem_bytes);
+  const size_t smem = sizeof(int32_t) * (static_cast<size_t>(rows) + 1);
+  const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&FetchVKernel));
+  CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows (batch x hkv) is too many";
+  FetchVKernel<<<blocks, kFetchThreads, smem, stream>>>(a, nvec, elem_bytes);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }
 

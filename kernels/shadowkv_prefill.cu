@@ -21,12 +21,16 @@ __device__ __forceinline__ float Cosine(float dot, float xx, float yy) {
 
 template <typename T, typename L>
 __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
-  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
-  if (warp >= a.hkv * a.n_chunks) return;
+  const int64_t per_problem = static_cast<int64_t>(a.hkv) * a.n_chunks;
+  if (gwarp >= per_problem * a.batch) return;
+  const int p = static_cast<int>(gwarp / per_problem);
+  const int warp = static_cast<int>(gwarp - p * per_problem);
   const int h = warp / a.n_chunks, c = warp - h * a.n_chunks;
   const int C = a.chunk_tokens, d = a.d;
-  const T* keys = static_cast<const T*>(a.k) + h * a.k_head_stride + (a.first_token + static_cast<int64_t>(c) * C) * d;
+  const T* keys = static_cast<const T*>(a.k) + p * a.k_batch_stride + h * a.k_head_stride +
+                  (a.first_token + static_cast<int64_t>(c) * C) * d;
   float mean[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) mean[i] = 0.0f;
@@ -38,7 +42,8 @@ __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
     }
   }
   float mm = 0.0f;
-  L* out = static_cast<L*>(a.landmarks) + h * a.landmark_head_stride + static_cast<int64_t>(c) * d;
+  L* out = static_cast<L*>(a.landmarks) + p * a.landmark_batch_stride + h * a.landmark_head_stride +
+           static_cast<int64_t>(c) * d;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int j = lane + 32 * i;
@@ -66,7 +71,7 @@ __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
     const float cs = Cosine(dot, mm, kk);
     lo = (isnan(cs) || isnan(lo)) ? NAN : fminf(lo, cs);
   }
-  if (lane == 0) a.min_cos[h * a.min_cos_head_stride + c] = lo;
+  if (lane == 0) a.min_cos[p * a.min_cos_batch_stride + h * a.min_cos_head_stride + c] = lo;
 }
 
 // Order-preserving map of a float to uint32: NaN -> 0 (lowest), -0 == +0.
@@ -169,7 +174,7 @@ __global__ void GatherOutliersKernel(GatherOutliersArgs a) {
 }  // namespace
 
 void LaunchChunkLandmarks(const ChunkLandmarksArgs& a, cudaStream_t stream) {
-  const int64_t warps = static_cast<int64_t>(a.hkv) * a.n_chunks;
+  const int64_t warps = static_cast<int64_t>(a.hkv) * a.n_chunks * a.batch;
   if (warps <= 0) return;
   CHECK(a.d >= 1 && a.d <= kMaxHeadDim) << "ChunkLandmarks: head_dim " << a.d << " > " << kMaxHeadDim;
   const int threads = 256;

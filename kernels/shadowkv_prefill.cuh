@@ -39,6 +39,11 @@ struct ChunkLandmarksArgs {
   int64_t landmark_head_stride = 0;  // elements
   float* min_cos = nullptr;          // chunk c of head h at min_cos[h*min_cos_head_stride + c]
   int64_t min_cos_head_stride = 0;
+  // `batch` independent problems in one launch (e.g. every layer of a
+  // sequence): problem i reads k + i*k_batch_stride and writes landmarks +
+  // i*landmark_batch_stride and min_cos + i*min_cos_batch_stride (elements).
+  int batch = 1;
+  int64_t k_batch_stride = 0, landmark_batch_stride = 0, min_cos_batch_stride = 0;
 };
 void LaunchChunkLandmarks(const ChunkLandmarksArgs& args, cudaStream_t stream);
 

@@ -210,21 +210,26 @@ TEST(LowRankGpuTest, ProjectKeysMatchesCpu) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(77);
   std::normal_distribution<float> n01;
-  struct PCase { int n, D, rank; DType key_dtype, out_dtype; };
+  // batch > 1: several projections in one launch (the decode path batches
+  // layers), each problem at padded strides.
+  struct PCase { int n, D, rank; DType key_dtype, out_dtype; int batch = 1; };
   const PCase cases[] = {{1, 64, 1, DType::kF32, DType::kF32},       {8, 1024, 160, DType::kBF16, DType::kBF16},
                          {7, 384, 37, DType::kF32, DType::kBF16},     {8, 256, 256, DType::kBF16, DType::kF32},
-                         {3, 8192, 129, DType::kF32, DType::kF32}};
+                         {3, 8192, 129, DType::kF32, DType::kF32},    {8, 1024, 160, DType::kF32, DType::kBF16, 32},
+                         {5, 128, 40, DType::kF32, DType::kF32, 3}};
   for (const PCase& c : cases) {
-    SCOPED_TRACE("n " + std::to_string(c.n) + " D " + std::to_string(c.D) + " rank " + std::to_string(c.rank));
-    std::vector<float> k(static_cast<size_t>(c.n) * c.D), p(static_cast<size_t>(c.D) * c.rank);
+    SCOPED_TRACE("n " + std::to_string(c.n) + " D " + std::to_string(c.D) + " rank " + std::to_string(c.rank) +
+                 " batch " + std::to_string(c.batch));
+    const int64_t stride = c.rank + 3;  // a padded destination row
+    const int64_t kb = int64_t(c.n) * c.D + 5, pb = int64_t(c.D) * c.rank + 7, ob = c.n * stride + 2;
+    std::vector<float> k(c.batch * kb), p(c.batch * pb);
     for (auto& v : k) v = n01(rng);
     for (auto& v : p) v = n01(rng) / std::sqrt(float(c.D));
     std::vector<float> k_ref;
     DeviceBuffer k_dev = UploadAs(k, c.key_dtype, &k_ref);
     DeviceBuffer p_dev = UploadAs(p, DType::kF32, nullptr);
-    const int64_t stride = c.rank + 3;  // a padded destination row
-    DeviceBuffer out(static_cast<size_t>(c.n) * stride * DTypeSize(c.out_dtype));
-    PENUMBRA_CUDA_OK(cudaMemset(out.get(), 0, static_cast<size_t>(c.n) * stride * DTypeSize(c.out_dtype)));
+    DeviceBuffer out(static_cast<size_t>(c.batch) * ob * DTypeSize(c.out_dtype));
+    PENUMBRA_CUDA_OK(cudaMemset(out.get(), 0, static_cast<size_t>(c.batch) * ob * DTypeSize(c.out_dtype)));
     ProjectKeysArgs a;
     a.keys = k_dev.get();
     a.key_dtype = c.key_dtype;
@@ -235,18 +240,27 @@ TEST(LowRankGpuTest, ProjectKeysMatchesCpu) {
     a.a_out = out.get();
     a.a_row_stride = stride;
     a.out_dtype = c.out_dtype;
+    a.batch = c.batch;
+    a.keys_batch_stride = kb;
+    a.proj_batch_stride = pb;
+    a.a_batch_stride = ob;
     LaunchProjectKeys(a, nullptr);
     PENUMBRA_CUDA_OK(cudaGetLastError());
     PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
-    const auto got_padded = DownloadAs(out, c.out_dtype, static_cast<size_t>(c.n) * stride);
-    std::vector<float> got(static_cast<size_t>(c.n) * c.rank), want(got.size());
-    for (int t = 0; t < c.n; ++t) {
-      for (int i = 0; i < c.rank; ++i) got[t * c.rank + i] = got_padded[t * stride + i];
-      for (int i = c.rank; i < stride; ++i) ASSERT_EQ(got_padded[t * stride + i], 0.0f) << "padding written";
+    const auto got_all = DownloadAs(out, c.out_dtype, static_cast<size_t>(c.batch) * ob);
+    for (int b = 0; b < c.batch; ++b) {
+      SCOPED_TRACE("problem " + std::to_string(b));
+      const float* got_padded = got_all.data() + b * ob;
+      std::vector<float> got(static_cast<size_t>(c.n) * c.rank), want(got.size());
+      for (int t = 0; t < c.n; ++t) {
+        for (int i = 0; i < c.rank; ++i) got[t * c.rank + i] = got_padded[t * stride + i];
+        for (int i = c.rank; i < stride; ++i) ASSERT_EQ(got_padded[t * stride + i], 0.0f) << "padding written";
+      }
+      for (int i = c.n * stride; i < ob; ++i) ASSERT_EQ(got_padded[i], 0.0f) << "problem padding written";
+      cpu::ProjectKeys(k_ref.data() + b * kb, c.n, c.D, c.rank, p.data() + b * pb, want.data());
+      const bool low = c.out_dtype == DType::kBF16;
+      EXPECT_TRUE(AllClose(got, want, low ? 1e-2f : 1e-4f, low ? 8e-3f : 1e-4f));
     }
-    cpu::ProjectKeys(k_ref.data(), c.n, c.D, c.rank, p.data(), want.data());
-    const bool low = c.out_dtype == DType::kBF16;
-    EXPECT_TRUE(AllClose(got, want, low ? 1e-2f : 1e-4f, low ? 8e-3f : 1e-4f));
   }
 }
 

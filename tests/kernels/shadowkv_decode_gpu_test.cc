@@ -717,6 +717,8 @@ TEST(ShadowkvFetchVGpu, MatchesCpu) {
     RunFetchV({1, 2, 128, 64, 6, 20, DType::kBF16, staged});
     RunFetchV({1, 2, 128, 8, 300, 2000, DType::kBF16, staged});
     RunFetchV({2, 2, 64, 7, 11, 50, DType::kF32, staged});
+    RunFetchV({1, 1, 128, 8, 10, 40, DType::kBF16, staged});  // one row
+    RunFetchV({40, 8, 64, 8, 5, 30, DType::kBF16, staged});   // 320 rows: several per thread in the prefix scan
   }
 }
 

@@ -46,6 +46,7 @@ struct LCase {
   int hkv, d, C, n_chunks;
   int64_t first_token;
   DType kv_dtype, landmark_dtype;
+  int batch = 1;  // problems in one launch (the decode path batches layers)
 };
 
 TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
@@ -54,23 +55,28 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
   const LCase cases[] = {{1, 64, 8, 1, 0, f32, f32},      {2, 128, 16, 7, 16, bf16, bf16},
                          {3, 64, 8, 129, 8, bf16, f32},    {8, 128, 8, 4100, 0, bf16, bf16},
                          {4, 256, 16, 33, 24, f32, bf16},  {5, 64, 16, 1000, 0, f32, f32},
-                         {7, 96, 8, 65, 0, bf16, bf16}};
+                         {7, 96, 8, 65, 0, bf16, bf16},    {8, 128, 8, 1, 0, bf16, bf16, 32},
+                         {3, 64, 16, 5, 16, f32, f32, 3}};
   for (const LCase& c : cases) {
     SCOPED_TRACE("hkv " + std::to_string(c.hkv) + " d " + std::to_string(c.d) + " C " + std::to_string(c.C) +
                  " chunks " + std::to_string(c.n_chunks) + " kv " + std::string(DTypeName(c.kv_dtype)) +
-                 " landmarks " + std::string(DTypeName(c.landmark_dtype)));
+                 " landmarks " + std::string(DTypeName(c.landmark_dtype)) + " batch " + std::to_string(c.batch));
     const int64_t k_stride = (c.first_token + int64_t(c.n_chunks) * c.C + 3) * c.d;
     const int64_t l_stride = int64_t(c.n_chunks + 2) * c.d, m_stride = c.n_chunks + 5;
+    // Padded problem strides, so a launch that ignored them would be caught.
+    const int64_t kb_stride = c.hkv * k_stride + 2 * c.d, lb_stride = c.hkv * l_stride + c.d,
+                  mb_stride = c.hkv * m_stride + 3;
     std::mt19937_64 rng(c.n_chunks * 31 + c.d);
     std::normal_distribution<float> n01;
-    std::vector<float> k(c.hkv * k_stride);
+    std::vector<float> k(c.batch * kb_stride);
     for (auto& v : k) v = n01(rng) + 0.3f;
     // A zero chunk exercises the both-zero cosine.
-    for (int h = 0; h < c.hkv; ++h)
-      std::fill_n(k.begin() + h * k_stride + c.first_token * c.d, c.C * c.d, 0.0f);
+    for (int p = 0; p < c.batch; ++p)
+      for (int h = 0; h < c.hkv; ++h)
+        std::fill_n(k.begin() + p * kb_stride + h * k_stride + c.first_token * c.d, c.C * c.d, 0.0f);
     std::vector<float> k_ref;
     DeviceBuffer k_dev = UploadAs(k, c.kv_dtype, &k_ref);
-    const std::vector<float> lm_init(c.hkv * l_stride, -3.0f), mc_init(c.hkv * m_stride, -3.0f);
+    const std::vector<float> lm_init(c.batch * lb_stride, -3.0f), mc_init(c.batch * mb_stride, -3.0f);
     DeviceBuffer lm_dev = UploadAs(lm_init, c.landmark_dtype, nullptr);
     DeviceBuffer mc_dev = UploadAs(mc_init, f32, nullptr);
 
@@ -88,24 +94,30 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
     a.landmark_head_stride = l_stride;
     a.min_cos = mc_dev.as<float>();
     a.min_cos_head_stride = m_stride;
+    a.batch = c.batch;
+    a.k_batch_stride = kb_stride;
+    a.landmark_batch_stride = lb_stride;
+    a.min_cos_batch_stride = mb_stride;
     LaunchChunkLandmarks(a, nullptr);
     PENUMBRA_CUDA_OK(cudaGetLastError());
     PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
 
     std::vector<float> lm_ref(lm_init), mc_ref(mc_init);
-    cpu::ChunkLandmarksArgs ca;
-    ca.k = k_ref.data();
-    ca.k_head_stride = k_stride;
-    ca.first_token = c.first_token;
-    ca.n_chunks = c.n_chunks;
-    ca.chunk_tokens = c.C;
-    ca.hkv = c.hkv;
-    ca.d = c.d;
-    ca.landmarks = lm_ref.data();
-    ca.landmark_head_stride = l_stride;
-    ca.min_cos = mc_ref.data();
-    ca.min_cos_head_stride = m_stride;
-    cpu::ChunkLandmarks(ca);
+    for (int p = 0; p < c.batch; ++p) {
+      cpu::ChunkLandmarksArgs ca;
+      ca.k = k_ref.data() + p * kb_stride;
+      ca.k_head_stride = k_stride;
+      ca.first_token = c.first_token;
+      ca.n_chunks = c.n_chunks;
+      ca.chunk_tokens = c.C;
+      ca.hkv = c.hkv;
+      ca.d = c.d;
+      ca.landmarks = lm_ref.data() + p * lb_stride;
+      ca.landmark_head_stride = l_stride;
+      ca.min_cos = mc_ref.data() + p * mb_stride;
+      ca.min_cos_head_stride = m_stride;
+      cpu::ChunkLandmarks(ca);
+    }
     if (c.landmark_dtype == DType::kBF16) {  // the GPU rounds the f32 mean once
       std::vector<uint16_t> tmp(lm_ref.size());
       ConvertFromF32(lm_ref.data(), tmp.data(), DType::kBF16, lm_ref.size());

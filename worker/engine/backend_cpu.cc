@@ -176,26 +176,31 @@ class CpuBackend final : public Backend {
   void ProjectKeys(kernels::ProjectKeysArgs a) override {
     const int64_t stride = a.a_row_stride ? a.a_row_stride : a.rank;
     std::vector<float> tmp(static_cast<size_t>(a.n) * a.rank);
-    kc::ProjectKeys(static_cast<const float*>(a.keys), a.n, a.D, a.rank, a.proj, tmp.data());
-    for (int i = 0; i < a.n; ++i) {
-      std::memcpy(static_cast<float*>(a.a_out) + i * stride, tmp.data() + static_cast<size_t>(i) * a.rank,
-                  sizeof(float) * a.rank);
+    for (int p = 0; p < a.batch; ++p) {
+      kc::ProjectKeys(static_cast<const float*>(a.keys) + p * a.keys_batch_stride, a.n, a.D, a.rank,
+                      a.proj + p * a.proj_batch_stride, tmp.data());
+      float* out = static_cast<float*>(a.a_out) + p * a.a_batch_stride;
+      for (int i = 0; i < a.n; ++i) {
+        std::memcpy(out + i * stride, tmp.data() + static_cast<size_t>(i) * a.rank, sizeof(float) * a.rank);
+      }
     }
   }
   void ChunkLandmarks(kernels::ChunkLandmarksArgs a) override {
-    kc::ChunkLandmarksArgs c;
-    c.k = static_cast<const float*>(a.k);
-    c.k_head_stride = a.k_head_stride;
-    c.first_token = a.first_token;
-    c.n_chunks = a.n_chunks;
-    c.chunk_tokens = a.chunk_tokens;
-    c.hkv = a.hkv;
-    c.d = a.d;
-    c.landmarks = static_cast<float*>(a.landmarks);
-    c.landmark_head_stride = a.landmark_head_stride;
-    c.min_cos = a.min_cos;
-    c.min_cos_head_stride = a.min_cos_head_stride;
-    kc::ChunkLandmarks(c);
+    for (int p = 0; p < a.batch; ++p) {
+      kc::ChunkLandmarksArgs c;
+      c.k = static_cast<const float*>(a.k) + p * a.k_batch_stride;
+      c.k_head_stride = a.k_head_stride;
+      c.first_token = a.first_token;
+      c.n_chunks = a.n_chunks;
+      c.chunk_tokens = a.chunk_tokens;
+      c.hkv = a.hkv;
+      c.d = a.d;
+      c.landmarks = static_cast<float*>(a.landmarks) + p * a.landmark_batch_stride;
+      c.landmark_head_stride = a.landmark_head_stride;
+      c.min_cos = a.min_cos + p * a.min_cos_batch_stride;
+      c.min_cos_head_stride = a.min_cos_head_stride;
+      kc::ChunkLandmarks(c);
+    }
   }
   void SelectOutlierChunks(const kernels::SelectOutliersArgs& a) override {
     kc::SelectOutlierChunks(a.min_cos, a.min_cos_head_stride, a.hkv, a.n_chunks, a.num_outliers, a.out);
