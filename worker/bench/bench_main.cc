@@ -147,7 +147,14 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   const int B = static_cast<int>(added);
   std::string limit = last.ok() ? "gpu-memory-reserve" : last.ToString();
 
-  std::vector<PolicyStats> before(N);
+  // --fetch-timeline: every value fetch of the timed steps as a device-timed
+  // interval, to see how busy the PCIe link is (union over lanes).
+  const bool timeline = a.Has("fetch-timeline");
+  if (timeline) {
+    if (e.options().kv_policy != "shadowkv") return Status::InvalidArgument("--fetch-timeline needs --kv-policy shadowkv");
+    for (int l = 0; l < N; ++l) e.backend(l).SetFetchTimeline(true);  // the reference is recorded here, idle
+  }
+  std::vector<PolicyStats> before(N), after(N);
   std::atomic<bool> failed{false};
   double t0 = 0;
   std::barrier start(N, [&t0]() noexcept { t0 = NowSeconds(); });
@@ -187,8 +194,12 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       return b.Synchronize();
     };
     auto timed = [&]() -> Status {
+      if (timeline) b.SetFetchTimeline(true);  // drops the warm-up's intervals
       for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step(S + 2 + i));
-      return b.Synchronize();
+      const Status st = b.Synchronize();
+      after[l] = rt.policy().stats();
+      if (timeline) b.SetFetchTimeline(false);
+      return st;
     };
     run.status = warm();
     if (!run.status.ok()) failed = true;
@@ -261,14 +272,48 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   } else {
     int64_t sel = 0, hit = 0;
     for (int l = 0; l < N; ++l) {
-      const PolicyStats after = e.runtime(l).policy().stats();
-      sel += after.selected_chunks - before[l].selected_chunks;
-      hit += after.hit_chunks - before[l].hit_chunks;
+      sel += after[l].selected_chunks - before[l].selected_chunks;
+      hit += after[l].hit_chunks - before[l].hit_chunks;
     }
     j["hit_rate"] = sel ? static_cast<double>(hit) / sel : 0.0;
+    if (timeline) {
+      std::vector<Backend::Interval> all;
+      double kernel_ms = 0;
+      for (int l = 0; l < N; ++l) {
+        PENUMBRA_ASSIGN_OR_RETURN(std::vector<Backend::Interval> iv, e.backend(l).FetchIntervals());
+        for (const Backend::Interval& x : iv) kernel_ms += x.end_ms - x.start_ms;
+        all.insert(all.end(), iv.begin(), iv.end());
+      }
+      // Sweep over the start/end points: time with >= 1 and >= 2 fetches running.
+      std::vector<std::pair<double, int>> edges;
+      for (const Backend::Interval& x : all) {
+        edges.push_back({x.start_ms, +1});
+        edges.push_back({x.end_ms, -1});
+      }
+      std::sort(edges.begin(), edges.end());
+      double busy_ms = 0, dual_ms = 0, prev = 0;
+      int running = 0;
+      for (const auto& [t, delta] : edges) {
+        if (running >= 1) busy_ms += t - prev;
+        if (running >= 2) dual_ms += t - prev;
+        running += delta;
+        prev = t;
+      }
+      const ShadowKvOptions& o = e.options().shadowkv;
+      const double bytes = static_cast<double>(sel - hit) * o.chunk_size * c.head_dim * DTypeSize(b0.act_dtype());
+      nlohmann::json t;
+      t["fetches_per_step"] = static_cast<double>(all.size()) / steps;
+      t["busy_ms_per_step"] = busy_ms / steps;    // some fetch running (any lane)
+      t["kernel_ms_per_step"] = kernel_ms / steps;  // summed over fetches (overlapping ones counted twice)
+      t["concurrent_ms_per_step"] = dual_ms / steps;  // two or more fetches (lanes) running at once
+      t["bytes_per_step"] = bytes / steps;
+      t["gbps_while_busy"] = busy_ms > 0 ? bytes / (busy_ms * 1e-3) / 1e9 : 0.0;
+      j["fetch_timeline"] = t;
+    }
     j["force_hit_rate"] = e.options().shadowkv.force_hit_rate;
     j["value_fetch"] = e.options().shadowkv.value_fetch;
     j["micro_batches"] = e.options().shadowkv.micro_batches;
+    if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
   }
   j["hbm_copy_gbps"] = copy_gbps;
   std::cout << j.dump() << std::endl;
@@ -324,9 +369,12 @@ Status Main(int argc, char** argv) {
       .Flag("outliers", "shadowkv outliers").Flag("chunk-size", "shadowkv chunk").Flag("local-window", "shadowkv window")
       .Flag("value-fetch", "shadowkv: zero_copy or staging").Flag("max-batch", "runtime max batch")
       .Flag("micro-batches", "shadowkv: pipelined micro-batches per decode batch (default 1)")
+      .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
+      .Switch("fetch-timeline", "decode, shadowkv: time every value fetch of the timed steps on the device and "
+                                "report how long per step the PCIe link was busy (fetch_timeline)")
       .Switch("profile", "prefill: time each ShadowKV compression op; decode: time every op of 5 extra steps "
                          "(synchronizes after each)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
@@ -355,6 +403,11 @@ Status Main(int argc, char** argv) {
   s.value_fetch = a.Get("value-fetch", s.value_fetch);
   PENUMBRA_ASSIGN_OR_RETURN(int64_t micro, a.GetInt("micro-batches", s.micro_batches));
   s.micro_batches = static_cast<int>(micro);
+  if (a.Has("fetch-turns")) {
+    const std::string turns = a.Get("fetch-turns", "on");
+    if (turns != "on" && turns != "off") return Status::InvalidArgument("--fetch-turns must be on or off");
+    s.fetch_turns = turns == "on";
+  }
   s.min_prompt_tokens = 0;
   PENUMBRA_ASSIGN_OR_RETURN(auto contexts, a.GetIntList("context"));
   if (contexts.empty()) return Status::InvalidArgument("--context is required");

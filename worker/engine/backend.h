@@ -189,6 +189,34 @@ class Backend {
   virtual void WaitSideMark(int mark) = 0;
   // Host memory available for pinned allocations (MemAvailable).
   virtual size_t FreeHostBytes() const { return HostMemAvailableBytes(); }
+
+  // Fetch turns between lanes (worker/engine/fetch_turns.h).
+  // PrepareFetchTurns creates the per-layer state (before any lane decodes);
+  // RecordFetchDone marks the end of the side-stream work issued so far as
+  // this backend's fetch of `layer`; WaitFetchDone makes the side stream
+  // (after ForkSide) wait for `other`'s last recorded fetch of `layer`.
+  // `other` is another lane's backend of the same kind. No-ops on the CPU.
+  virtual Status PrepareFetchTurns(int layers) {
+    (void)layers;
+    return Status::OK();
+  }
+  virtual void RecordFetchDone(int layer) { (void)layer; }
+  virtual void WaitFetchDone(Backend& other, int layer) {
+    (void)other;
+    (void)layer;
+  }
+
+  // Diagnostics (penumbra-bench --fetch-timeline): while on, the start and
+  // end of every value fetch are recorded as timed device events, with no
+  // synchronization. FetchIntervals() (after the work has finished) returns
+  // them as [start, end) ms from one process-wide reference, so the intervals
+  // of several lanes can be merged. Turning it on clears earlier intervals.
+  // The CPU backend records nothing.
+  struct Interval {
+    double start_ms = 0, end_ms = 0;
+  };
+  virtual void SetFetchTimeline(bool on) { (void)on; }
+  virtual Result<std::vector<Interval>> FetchIntervals() { return std::vector<Interval>{}; }
 };
 
 struct BackendOptions {

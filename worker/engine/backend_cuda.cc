@@ -7,6 +7,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "kernels/add_bias.cuh"
 #include <cusolverDn.h>
@@ -65,6 +67,10 @@ class CudaBackend final : public Backend {
     if (fork_ev_) cudaEventDestroy(fork_ev_);
     if (join_ev_) cudaEventDestroy(join_ev_);
     for (cudaEvent_t e : marks_)
+      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : timeline_)
+      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : fetch_done_)
       if (e) cudaEventDestroy(e);
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -293,11 +299,55 @@ class CudaBackend final : public Backend {
   void ShadowkvFetchV(kn::ShadowkvFetchVArgs a, bool staged) override {
     a.dtype = act_;
     cudaStream_t s = forked_ ? side_ : stream_;
+    if (timeline_on_) RecordTimeline(s);
     if (staged) {
       kn::LaunchShadowkvScatterV(a, s);
     } else {
       kn::LaunchShadowkvFetchV(a, s);
     }
+    if (timeline_on_) RecordTimeline(s);
+  }
+  Status PrepareFetchTurns(int layers) override {
+    while (static_cast<int>(fetch_done_.size()) < layers) {
+      cudaEvent_t e = nullptr;
+      PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      fetch_done_.push_back(e);
+    }
+    return Status::OK();
+  }
+  void RecordFetchDone(int layer) override {
+    CHECK(layer >= 0 && layer < static_cast<int>(fetch_done_.size())) << "RecordFetchDone: layer " << layer;
+    PENUMBRA_CUDA_CHECK(cudaEventRecord(fetch_done_[layer], side_));
+  }
+  void WaitFetchDone(Backend& other, int layer) override {
+    auto* o = dynamic_cast<CudaBackend*>(&other);
+    CHECK(o != nullptr) << "WaitFetchDone: the other lane's backend is not a CUDA backend";
+    // fetch_done_ is not resized after PrepareFetchTurns, so reading it from
+    // this lane's thread is safe.
+    CHECK(layer >= 0 && layer < static_cast<int>(o->fetch_done_.size())) << "WaitFetchDone: layer " << layer;
+    PENUMBRA_CUDA_CHECK(cudaStreamWaitEvent(side_, o->fetch_done_[layer], 0));
+  }
+  void SetFetchTimeline(bool on) override {
+    timeline_on_ = on;
+    if (!on) return;
+    timeline_used_ = 0;
+    // The process-wide reference: recorded once, before anything it measures.
+    static std::once_flag once;
+    std::call_once(once, [this] {
+      PENUMBRA_CUDA_CHECK(cudaEventCreate(&TimelineReference()));
+      PENUMBRA_CUDA_CHECK(cudaEventRecord(TimelineReference(), stream_));
+    });
+  }
+  Result<std::vector<Interval>> FetchIntervals() override {
+    std::vector<Interval> out;
+    for (size_t i = 0; i + 1 < timeline_used_; i += 2) {
+      float t0 = 0, t1 = 0;
+      PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(timeline_[i + 1]));
+      PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&t0, TimelineReference(), timeline_[i]));
+      PENUMBRA_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&t1, TimelineReference(), timeline_[i + 1]));
+      out.push_back({t0, t1});
+    }
+    return out;
   }
   void ForkSide() override {
     PENUMBRA_CUDA_CHECK(cudaEventRecord(fork_ev_, stream_));
@@ -322,6 +372,19 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
 
  private:
+  static cudaEvent_t& TimelineReference() {
+    static cudaEvent_t ref = nullptr;
+    return ref;
+  }
+  void RecordTimeline(cudaStream_t s) {
+    if (timeline_used_ == timeline_.size()) {
+      cudaEvent_t e = nullptr;
+      PENUMBRA_CUDA_CHECK(cudaEventCreate(&e));
+      timeline_.push_back(e);
+    }
+    PENUMBRA_CUDA_CHECK(cudaEventRecord(timeline_[timeline_used_++], s));
+  }
+
   // Reallocates `ws` when it is smaller than `need`, after the stream has
   // finished with the old one.
   Status GrowWorkspace(DeviceBuffer* ws, size_t need) {
@@ -337,6 +400,10 @@ class CudaBackend final : public Backend {
   cudaEvent_t fork_ev_ = nullptr, join_ev_ = nullptr;
   cudaEvent_t marks_[kSideMarks] = {};
   bool forked_ = false;
+  std::vector<cudaEvent_t> fetch_done_;  // [layer]: this lane's last value fetch of the layer (fetch turns)
+  bool timeline_on_ = false;
+  std::vector<cudaEvent_t> timeline_;  // fetch start/end pairs, reused across runs
+  size_t timeline_used_ = 0;
   static constexpr int kMaxSampleRows = 1024;
   int device_;
   DType act_;

@@ -40,6 +40,11 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
   lane->backend = backend;
   const ModelConfig& c = weights_->config();
   PENUMBRA_ASSIGN_OR_RETURN(lane->policy_ctx, MakePolicyContext(backend, c));
+  if (fetch_turns_) {
+    PENUMBRA_RETURN_IF_ERROR(backend->PrepareFetchTurns(c.num_layers));
+    lane->policy_ctx->ctx.fetch_turns = fetch_turns_.get();
+    lane->policy_ctx->ctx.lane = lanes();  // registered once the lane is built
+  }
   std::unique_ptr<KvPolicy> policy;
   if (options_.kv_policy == "full") {
     policy = MakeFullKvPolicy(lane->policy_ctx->ctx);
@@ -54,8 +59,12 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
 }
 
 Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
+  if (e->options_.kv_policy == "shadowkv" && e->options_.shadowkv.fetch_turns) {
+    e->fetch_turns_ = std::make_unique<FetchTurns>();
+  }
   PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, e->MakeLane(nullptr, e->backend_.get()));
   e->lanes_.push_back(std::move(lane));
+  if (e->fetch_turns_) CHECK_EQ(e->fetch_turns_->AddLane(e->backend_.get()), 0);
   return e;
 }
 
@@ -71,6 +80,7 @@ Result<int> Engine::AddLane() {
   Backend* raw = b.get();
   PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, MakeLane(std::move(b), raw));
   lanes_.push_back(std::move(lane));
+  if (fetch_turns_) CHECK_EQ(fetch_turns_->AddLane(raw), lanes() - 1);
   return lanes() - 1;
 }
 

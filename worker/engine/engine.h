@@ -39,6 +39,7 @@
 #include "common/config.h"
 #include "common/status.h"
 #include "worker/engine/backend.h"
+#include "worker/engine/fetch_turns.h"
 #include "worker/engine/kv_policy.h"
 #include "worker/engine/model_weights.h"
 #include "worker/engine/runtime.h"
@@ -108,6 +109,7 @@ class Engine {
   EngineOptions options_;
   std::unique_ptr<Backend> backend_;  // lane 0's; the weights live in its memory
   std::unique_ptr<ModelWeights> weights_;
+  std::unique_ptr<FetchTurns> fetch_turns_;  // shadowkv.fetch_turns; outlives the lanes
   std::vector<std::unique_ptr<Lane>> lanes_;
 };
 

@@ -26,8 +26,12 @@
 namespace penumbra {
 
 // Model geometry and shared device tables a policy needs.
+class FetchTurns;
+
 struct PolicyContext {
   Backend* backend = nullptr;
+  FetchTurns* fetch_turns = nullptr;  // lanes' turns on the host link (null: none)
+  int lane = 0;                       // this policy's lane in fetch_turns
   int num_layers = 0, hq = 0, hkv = 0, head_dim = 0;
   const float* inv_freq = nullptr;  // device [head_dim/2]
   float scale = 1.0f;               // 1/sqrt(head_dim)
@@ -66,6 +70,10 @@ class KvPolicy {
   virtual Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch,
                                  void* out) = 0;
   virtual Status FinishDecodeStep() = 0;
+  // Called once after every decode step, successful or not (after
+  // FinishDecodeStep, or after the op that failed): ends the step's
+  // participation in cross-lane fetch turns (worker/engine/fetch_turns.h).
+  virtual void EndDecodeStep() {}
 
   // Benchmarks only: leaves `seq` as if a prompt of `length` tokens had been
   // prefilled, from random keys and values (through the policy's real

@@ -151,6 +151,13 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
 
 Result<const float*> Runtime::DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
                                          const std::vector<int64_t>& positions) {
+  Result<const float*> r = DecodeStepImpl(seqs, tokens, positions);
+  policy_->EndDecodeStep();  // on every path
+  return r;
+}
+
+Result<const float*> Runtime::DecodeStepImpl(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
+                                             const std::vector<int64_t>& positions) {
   const ModelConfig& c = config();
   const int B = static_cast<int>(seqs.size());
   CHECK_LE(B, options_.max_batch);

@@ -83,6 +83,8 @@ class Runtime {
   const RunStats& stats() const { return stats_; }
 
  private:
+  Result<const float*> DecodeStepImpl(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
+                                      const std::vector<int64_t>& positions);
   Runtime(const RuntimeOptions& o, Backend* b, const ModelWeights* w, std::unique_ptr<KvPolicy> p);
   Status AllocateScratch(int rows);
   // One transformer layer's MLP and attention residual updates for rows of x.

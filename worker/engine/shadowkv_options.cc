@@ -14,6 +14,7 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.ReadEnum("value_fetch", &o->value_fetch, {"zero_copy", "staging"});
   r.Read("force_hit_rate", &o->force_hit_rate, -1.0, 1.0);
   r.Read("micro_batches", &o->micro_batches, 1, 16);
+  r.Read("fetch_turns", &o->fetch_turns);
   return r.Finish();
 }
 

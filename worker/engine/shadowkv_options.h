@@ -27,6 +27,10 @@ struct ShadowKvOptions {
   // one's attention, while the GEMMs still run once for the whole batch.
   // 1 = off. Not yet measured on a GPU. Default: 1.
   int micro_batches = 1;
+  // Engines with several lanes: lanes take turns on the host link for their
+  // value fetches (worker/engine/fetch_turns.h) instead of fetching in phase.
+  // Default: true.
+  bool fetch_turns = true;
 };
 
 // Reads `shadowkv:` options; errors name the key.

@@ -363,6 +363,9 @@ class ShadowKvPolicy final : public KvPolicy {
       }
       step_max_chunks_ = max_chunks;
     }
+    // Only a step that fetches values takes part in the lanes' fetch turns
+    // (EndDecodeStep ends it on every path).
+    if (ctx_.fetch_turns && step_max_k_ > 0) ctx_.fetch_turns->StepBegin(ctx_.lane);
     return Status::OK();
   }
 
@@ -495,6 +498,10 @@ class ShadowKvPolicy final : public KvPolicy {
     Lap("slot_update");
     // Misses: V from the store on the side stream, K rebuilt on the main one.
     b.ForkSide();
+    // Lanes take turns on the host link: wait for the previous lane's fetch.
+    if (ctx_.fetch_turns) {
+      if (auto turn = ctx_.fetch_turns->Await(ctx_.lane, layer)) b.WaitFetchDone(*turn->backend, turn->layer);
+    }
     kn::ShadowkvFetchVArgs fv;
     fv.value_store = reinterpret_cast<const void* const*>(tab + 9 * B + g0);
     fv.chunk_cap = s0.chunk_cap;
@@ -515,6 +522,10 @@ class ShadowKvPolicy final : public KvPolicy {
       b.ShadowkvFetchV(fv, /*staged=*/true);
     } else {
       b.ShadowkvFetchV(fv, /*staged=*/false);
+    }
+    if (ctx_.fetch_turns) {
+      b.RecordFetchDone(layer);
+      ctx_.fetch_turns->Issued(ctx_.lane, layer);
     }
     kn::ShadowkvRebuildKArgs rk;
     rk.a = reinterpret_cast<const void* const*>(tab + 7 * B + g0);
@@ -577,6 +588,10 @@ class ShadowKvPolicy final : public KvPolicy {
     return Status::OK();
   }
 
+  void EndDecodeStep() override {
+    if (ctx_.fetch_turns) ctx_.fetch_turns->StepEnd(ctx_.lane);
+  }
+
   Status FinishDecodeStep() override {
     Backend& b = *ctx_.backend;
     const int B = step_batch_, H = ctx_.hkv, L = ctx_.num_layers;
@@ -622,33 +637,40 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
       PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(per_seq * due.size()));
     }
+    PENUMBRA_ASSIGN_OR_RETURN(float* min_cos, MinCosScratch(L * H));  // written, not needed here
     for (size_t k = 0; k < due.size(); ++k) {
       Seq& s = *due[k];
       const int c = s.n_chunks;
-      for (int l = 0; l < L; ++l) {
-        kn::ChunkLandmarksArgs cl;
-        cl.k = Row(s.att_k, s, l, LocalRow0(s));
-        cl.k_head_stride = s.att_cap * d;
-        cl.first_token = 0;
-        cl.n_chunks = 1;
-        cl.chunk_tokens = C;
-        cl.hkv = H;
-        cl.d = d;
-        cl.landmarks = static_cast<char*>(Row2(s.lm, l, static_cast<int64_t>(H) * s.chunk_cap * d)) + c * d * es_;
-        cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
-        cl.min_cos = MinCosScratch(H);
-        cl.min_cos_head_stride = 1;
-        b.ChunkLandmarks(cl);
-        kn::ProjectKeysArgs pk;
-        pk.keys = s.prek.as<float>() + static_cast<int64_t>(l) * s.local_cap * D;
-        pk.n = C;
-        pk.D = D;
-        pk.rank = o_.rank;
-        pk.proj = s.p.as<float>() + static_cast<int64_t>(l) * D * o_.rank;
-        pk.a_out =
-            static_cast<char*>(Row2(s.a, l, s.token_cap * o_.rank)) + static_cast<int64_t>(c) * C * o_.rank * es_;
-        b.ProjectKeys(pk);
-      }
+      // One launch per kernel for all layers (the layers are the batch).
+      kn::ChunkLandmarksArgs cl;
+      cl.k = Row(s.att_k, s, 0, LocalRow0(s));
+      cl.k_head_stride = s.att_cap * d;
+      cl.first_token = 0;
+      cl.n_chunks = 1;
+      cl.chunk_tokens = C;
+      cl.hkv = H;
+      cl.d = d;
+      cl.landmarks = static_cast<char*>(s.lm.get()) + c * d * es_;
+      cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
+      cl.min_cos = min_cos;
+      cl.min_cos_head_stride = 1;
+      cl.batch = L;
+      cl.k_batch_stride = AttLayer(s);
+      cl.landmark_batch_stride = static_cast<int64_t>(H) * s.chunk_cap * d;
+      cl.min_cos_batch_stride = H;
+      b.ChunkLandmarks(cl);
+      kn::ProjectKeysArgs pk;
+      pk.keys = s.prek.as<float>();
+      pk.n = C;
+      pk.D = D;
+      pk.rank = o_.rank;
+      pk.proj = s.p.as<float>();
+      pk.a_out = static_cast<char*>(s.a.get()) + static_cast<int64_t>(c) * C * o_.rank * es_;
+      pk.batch = L;
+      pk.keys_batch_stride = s.local_cap * D;
+      pk.proj_batch_stride = static_cast<int64_t>(D) * o_.rank;
+      pk.a_batch_stride = s.token_cap * o_.rank;
+      b.ProjectKeys(pk);
       // The chunk's values of every layer and head in one 2-D copy (the local
       // rows of all layers and heads share one pitch).
       PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage_.as<char>() + k * per_seq, row, Row(s.att_v, s, 0, LocalRow0(s)),
@@ -847,11 +869,10 @@ class ShadowKvPolicy final : public KvPolicy {
       tmp_cap_ = 0;
     }
   }
-  float* MinCosScratch(int n) {
+  Result<float*> MinCosScratch(int n) {
     if (mincos_scratch_.bytes() < n * sizeof(float)) {
-      auto r = ctx_.backend->Allocate(n * sizeof(float) * 2);
-      CHECK(r.ok()) << r.status();
-      mincos_scratch_ = std::move(r).value();
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());  // the old scratch may still be in use
+      PENUMBRA_ASSIGN_OR_RETURN(mincos_scratch_, ctx_.backend->Allocate(n * sizeof(float) * 2));
     }
     return mincos_scratch_.as<float>();
   }
