@@ -5,12 +5,7 @@
 # Usage: ops/device/bench.sh full|decode|shadowkv|lanes|micro
 #   decode: full-attention decode only; lanes: shadowkv decode split over 1-3
 #   engine lanes (one weights copy, one stream and host thread per lane).
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-R="bash .device/run"
-J="$OUT/bench.jsonl"
-run() { echo "# $*" >&2; timeout "$1" "${@:2}" 2>>"$OUT/bench.err" | grep '^{' | tee -a "$J"; }
+source "$(dirname "$0")/bench_common.sh"
 case "${1:-full}" in
   full)
     run 200 python3 .device/peer_full_attention.py decode --context 61440 124928

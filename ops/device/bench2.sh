@@ -1,11 +1,6 @@
 #!/usr/bin/env bash
 # Second GPU run: the rest of the ShadowKV measurements beside the peer.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-R="bash .device/run"
-J="$OUT/bench.jsonl"
-run() { echo "# $*" >&2; timeout "$1" "${@:2}" 2>>"$OUT/bench.err" | grep '^{' | tee -a "$J"; }
+source "$(dirname "$0")/bench_common.sh"
 timeout 120 $R lowrank_gpu_test --gtest_brief=1 > "$OUT/lowrank_gpu_test.log" 2>&1; echo "lowrank rc=$?"; grep -E "PASSED|FAILED" "$OUT/lowrank_gpu_test.log"
 run 150 python3 .device/peer_full_attention.py decode --context 124928 249856
 run 200 $R penumbra-bench decode --kv-policy shadowkv --context 124928 --steps 20

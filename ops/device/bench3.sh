@@ -3,12 +3,7 @@
 # call each: STAGE=1 parity + profile after the batched compression and the
 # compacted fetch; STAGE=2 the fetch timeline (lanes, widths, compute floor);
 # STAGE=3 fetch turns on/off. Our benchmark and the peer in the same call.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-R="bash .device/run"
-J="$OUT/bench.jsonl"
-run() { echo "# $*" >&2; timeout "$1" "${@:2}" 2>>"$OUT/bench.err" | grep '^{' | tee -a "$J"; }
+source "$(dirname "$0")/bench_common.sh"
 B="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"
 PEER="python3 .device/peer_full_attention.py decode --context 124928"
 case "${STAGE:-3}" in
