@@ -30,17 +30,8 @@ void AddEngineFlags(Args& a) {
       .Flag("dtype", "CUDA compute dtype: bf16 (default) or f32")
       .Flag("config", "engine YAML (see configs/engine.yaml); flags override it")
       .Flag("kv-policy", "full (default) or shadowkv")
-      .Flag("prefill-chunk", "tokens per prefill chunk (default 4096)")
-      .Flag("rank", "shadowkv: rank of the pre-RoPE key factors (default 160)")
-      .Flag("chunk-size", "shadowkv: tokens per chunk (default 8)")
-      .Flag("budget", "shadowkv: sparse budget in tokens (default 2048)")
-      .Flag("budget-fraction", "shadowkv: sparse budget as a fraction of the context (overrides --budget)")
-      .Flag("outliers", "shadowkv: outlier chunks per KV head (default 48)")
-      .Flag("outlier-fraction", "shadowkv: outliers as a fraction of the prompt's chunks (overrides --outliers; default 0 = off)")
-      .Flag("local-window", "shadowkv: recent tokens kept exact (default 32)")
-      .Flag("min-prompt", "shadowkv: prompts shorter than this use full attention (default 4096)")
-      .Flag("value-fetch", "shadowkv: zero_copy (default) or staging")
-      .Flag("micro-batches", "shadowkv: pipeline each decode batch as this many micro-batches (default 1)");
+      .Flag("prefill-chunk", "tokens per prefill chunk (default 4096)");
+  AddShadowKvFlags(a);
 }
 
 Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
@@ -53,29 +44,7 @@ Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t chunk, a.GetInt("prefill-chunk", o->runtime.prefill_chunk));
   if (chunk < 1 || chunk > (1 << 20)) return Status::InvalidArgument("--prefill-chunk must be in [1, 1048576]");
   o->runtime.prefill_chunk = static_cast<int>(chunk);
-  ShadowKvOptions& s = o->shadowkv;
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t rank, a.GetInt("rank", s.rank));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t cs, a.GetInt("chunk-size", s.chunk_size));
-  PENUMBRA_ASSIGN_OR_RETURN(s.budget_tokens, a.GetInt("budget", s.budget_tokens));
-  PENUMBRA_ASSIGN_OR_RETURN(s.budget_fraction, a.GetDouble("budget-fraction", s.budget_fraction));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t outl, a.GetInt("outliers", s.outlier_chunks));
-  PENUMBRA_ASSIGN_OR_RETURN(s.outlier_fraction, a.GetDouble("outlier-fraction", s.outlier_fraction));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t lw, a.GetInt("local-window", s.local_window));
-  PENUMBRA_ASSIGN_OR_RETURN(s.min_prompt_tokens, a.GetInt("min-prompt", s.min_prompt_tokens));
-  if (rank < 1 || cs < 1 || outl < 0 || lw < 1 || rank > (1 << 16) || cs > 1024 || outl > (1 << 20) || lw > (1 << 20)) {
-    return Status::InvalidArgument("shadowkv flags out of range (rank >= 1, chunk-size in [1,1024], outliers >= 0, local-window >= 1)");
-  }
-  if (s.budget_fraction < 0 || s.budget_fraction > 1) return Status::InvalidArgument("--budget-fraction must be in [0, 1]");
-  if (!(s.outlier_fraction >= 0 && s.outlier_fraction < 1)) return Status::InvalidArgument("--outlier-fraction must be in [0, 1)");
-  s.rank = static_cast<int>(rank);
-  s.chunk_size = static_cast<int>(cs);
-  s.outlier_chunks = static_cast<int>(outl);
-  s.local_window = static_cast<int>(lw);
-  if (a.Has("value-fetch")) s.value_fetch = a.Get("value-fetch");
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetInt("micro-batches", s.micro_batches));
-  if (mb < 1 || mb > 16) return Status::InvalidArgument("--micro-batches must be in [1, 16]");
-  s.micro_batches = static_cast<int>(mb);
-  return Status::OK();
+  return ApplyShadowKvFlags(a, &o->shadowkv);
 }
 
 Status Generate(int argc, char** argv) {

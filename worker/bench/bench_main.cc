@@ -365,10 +365,7 @@ Status Main(int argc, char** argv) {
       .Flag("steps", "timed decode steps (default 100)").Flag("kv-policy", "full or shadowkv")
       .Flag("force-hit-rate", "shadowkv: keep this fraction of the previous step's chunks")
       .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
-      .Flag("prefill-chunk", "tokens per prefill chunk").Flag("rank", "shadowkv rank").Flag("budget", "shadowkv budget")
-      .Flag("outliers", "shadowkv outliers").Flag("chunk-size", "shadowkv chunk").Flag("local-window", "shadowkv window")
-      .Flag("value-fetch", "shadowkv: zero_copy or staging").Flag("max-batch", "runtime max batch")
-      .Flag("micro-batches", "shadowkv: pipelined micro-batches per decode batch (default 1)")
+      .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
@@ -377,6 +374,7 @@ Status Main(int argc, char** argv) {
                                 "report how long per step the PCIe link was busy (fetch_timeline)")
       .Switch("profile", "prefill: time each ShadowKV compression op; decode: time every op of 5 extra steps "
                          "(synchronizes after each)");
+  AddShadowKvFlags(a);
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
   Status st;
   ModelConfig c = Llama8BShape(a, &st);
@@ -391,24 +389,13 @@ Status Main(int argc, char** argv) {
   eo.runtime.max_batch = static_cast<int>(mb);
   ShadowKvOptions& s = eo.shadowkv;
   PENUMBRA_ASSIGN_OR_RETURN(s.force_hit_rate, a.GetDouble("force-hit-rate", -1.0));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t rank, a.GetInt("rank", s.rank));
-  PENUMBRA_ASSIGN_OR_RETURN(s.budget_tokens, a.GetInt("budget", s.budget_tokens));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t outl, a.GetInt("outliers", s.outlier_chunks));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t cs, a.GetInt("chunk-size", s.chunk_size));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t lw, a.GetInt("local-window", s.local_window));
-  s.rank = static_cast<int>(rank);
-  s.outlier_chunks = static_cast<int>(outl);
-  s.chunk_size = static_cast<int>(cs);
-  s.local_window = static_cast<int>(lw);
-  s.value_fetch = a.Get("value-fetch", s.value_fetch);
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t micro, a.GetInt("micro-batches", s.micro_batches));
-  s.micro_batches = static_cast<int>(micro);
+  s.min_prompt_tokens = 0;  // the benchmark's contexts always take the sparse path unless --min-prompt says so
+  PENUMBRA_RETURN_IF_ERROR(ApplyShadowKvFlags(a, &s));
   if (a.Has("fetch-turns")) {
     const std::string turns = a.Get("fetch-turns", "on");
     if (turns != "on" && turns != "off") return Status::InvalidArgument("--fetch-turns must be on or off");
     s.fetch_turns = turns == "on";
   }
-  s.min_prompt_tokens = 0;
   PENUMBRA_ASSIGN_OR_RETURN(auto contexts, a.GetIntList("context"));
   if (contexts.empty()) return Status::InvalidArgument("--context is required");
   PENUMBRA_ASSIGN_OR_RETURN(int64_t lanes, a.GetInt("lanes", 1));

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/args.h"
 #include "common/config.h"
 #include "common/status.h"
 
@@ -32,6 +33,14 @@ struct ShadowKvOptions {
   // Default: true.
   bool fetch_turns = true;
 };
+
+// The command-line flags of the options (--rank, --chunk-size, --budget,
+// --budget-fraction, --outliers, --outlier-fraction, --local-window,
+// --min-prompt, --value-fetch, --micro-batches), shared by `penumbra` and
+// `penumbra-bench`. Apply overrides `s` only where a flag is given and
+// refuses out-of-range values naming the flag.
+void AddShadowKvFlags(Args& a);
+Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* s);
 
 // Reads `shadowkv:` options; errors name the key.
 Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o);
