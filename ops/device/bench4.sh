@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Fifth session's GPU runs (docs/benchmarks.md, "Skinny linear"), one device
+# call each: STAGE=1 the skinny linear kernel (parity, kernel benchmark
+# against cuBLAS) and decode with --linear auto|cublas, full and shadowkv.
+# Our benchmark and the peer in the same call.
+source "$(dirname "$0")/bench_common.sh"
+B="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"
+F="penumbra-bench decode --kv-policy full --steps 20 --context 124928"
+PEER="python3 .device/peer_full_attention.py decode --context 124928"
+case "${STAGE:-1}" in
+  1)
+    PENUMBRA_KERNEL_BENCH=1 timeout 120 $R linear_skinny_gpu_test > "$OUT/linear_skinny_gpu_test.log" 2>&1
+    echo "linear_skinny_gpu_test rc=$?"; grep -E "PASSED|FAILED|Failure" "$OUT/linear_skinny_gpu_test.log" | head -5
+    grep '^{' "$OUT/linear_skinny_gpu_test.log" | tee -a "$J"
+    run 100 $PEER
+    run 90 $R $B --lanes 2 --force-hit-rate 0.6 --linear auto
+    run 90 $R $B --lanes 2 --force-hit-rate 0.6 --linear cublas
+    run 90 $R $F --linear auto
+    run 90 $R $F --linear cublas
+    run 90 $R $B --lanes 2 --linear auto
+    run 100 $PEER ;;
+esac
