@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fifth session's GPU runs (docs/benchmarks.md, "Skinny linear"), one device
 # call each: STAGE=1 the skinny linear kernel (parity, kernel benchmark
-# against cuBLAS) and decode with --linear auto|cublas, full and shadowkv.
+# against cuBLAS) and decode with --linear auto|cublas, full and shadowkv;
+# it needs commit 0852ece (the kernel was removed after this measurement).
 # Our benchmark and the peer in the same call.
 source "$(dirname "$0")/bench_common.sh"
 B="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"

@@ -315,7 +315,6 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     j["micro_batches"] = e.options().shadowkv.micro_batches;
     if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
   }
-  j["linear"] = e.options().backend.linear;
   j["hbm_copy_gbps"] = copy_gbps;
   std::cout << j.dump() << std::endl;
   remove_all();
@@ -366,7 +365,6 @@ Status Main(int argc, char** argv) {
       .Flag("steps", "timed decode steps (default 100)").Flag("kv-policy", "full or shadowkv")
       .Flag("force-hit-rate", "shadowkv: keep this fraction of the previous step's chunks")
       .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
-      .Flag("linear", "CUDA linear layers: auto (skinny kernel for batches <= 16, default) or cublas")
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
@@ -384,7 +382,6 @@ Status Main(int argc, char** argv) {
   EngineOptions eo;
   eo.backend.device = a.Get("device", "cuda");
   eo.backend.dtype = a.Get("dtype", "bf16");
-  eo.backend.linear = a.Get("linear", "auto");
   eo.kv_policy = a.Get("kv-policy", "full");
   PENUMBRA_ASSIGN_OR_RETURN(int64_t chunk, a.GetInt("prefill-chunk", 4096));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetInt("max-batch", 256));

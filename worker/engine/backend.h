@@ -224,10 +224,6 @@ struct BackendOptions {
   std::string dtype = "auto";   // CUDA compute dtype: "bf16", "f32", or "auto" (bf16). Default: auto.
   int cuda_device = 0;          // Default: 0.
   int cpu_threads = 0;          // 0 = all cores. Default: 0.
-  // CUDA linear layers: "auto" (the skinny tensor-core kernel for bf16 with at
-  // most 16 rows, i.e. decode batches; cuBLAS otherwise) or "cublas" (always).
-  // Default: auto.
-  std::string linear = "auto";
 };
 
 // Creates the backend named by options; InvalidArgument/Unavailable with a
