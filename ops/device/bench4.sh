@@ -3,6 +3,10 @@
 # call each: STAGE=1 the skinny linear kernel (parity, kernel benchmark
 # against cuBLAS) and decode with --linear auto|cublas, full and shadowkv;
 # it needs commit 0852ece (the kernel was removed after this measurement).
+# STAGE=2 and 3: the issue's sweep with 100 steps, two lanes with fetch turns
+# (the default configuration), each context's batch built once and timed at
+# several batch sizes and both hit rates (--batch-sweep, --hit-rates):
+# STAGE=2 61440 and 124928, STAGE=3 249856 and 1048576.
 # Our benchmark and the peer in the same call.
 source "$(dirname "$0")/bench_common.sh"
 B="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"
@@ -20,4 +24,16 @@ case "${STAGE:-1}" in
     run 90 $R $F --linear cublas
     run 90 $R $B --lanes 2 --linear auto
     run 100 $PEER ;;
+  2)
+    SW="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 100 --lanes 2 --hit-rates natural,0.6"
+    run 200 python3 .device/peer_full_attention.py decode --steps 20 --context 124928 61440
+    run 200 $R $SW --context 124928 --batch-sweep 2,4,8,14
+    run 200 $R $SW --context 61440 --batch-sweep 2,4,8,16,28
+    run 200 python3 .device/peer_full_attention.py decode --steps 20 --context 124928 61440 ;;
+  3)
+    SW="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 100 --hit-rates natural,0.6"
+    run 150 python3 .device/peer_full_attention.py decode --steps 20 --context 249856
+    run 200 $R $SW --lanes 2 --context 249856 --batch-sweep 2,4,7
+    run 200 $R $SW --context 1048576 --batch 1
+    run 150 python3 .device/peer_full_attention.py decode --steps 20 --context 249856 ;;
 esac

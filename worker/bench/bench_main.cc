@@ -12,8 +12,10 @@
 #include <atomic>
 #include <barrier>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -91,11 +93,39 @@ struct LaneRun {
 // --profile: steps after the timed ones whose ops are timed one by one.
 constexpr int kProfileSteps = 5;
 
+// --hit-rates: comma-separated forced hit rates, "natural" for none; without
+// the flag, the one of --force-hit-rate.
+Result<std::vector<double>> HitRates(const Args& a, double def) {
+  if (!a.Has("hit-rates")) return std::vector<double>{def};
+  std::vector<double> out;
+  std::stringstream ss(a.Get("hit-rates", ""));
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item == "natural") {
+      out.push_back(-1.0);
+      continue;
+    }
+    char* end = nullptr;
+    const double v = item.empty() ? -1.0 : std::strtod(item.c_str(), &end);
+    if (item.empty() || *end != '\0' || !(v >= 0.0 && v <= 1.0)) {
+      return Status::InvalidArgument("--hit-rates: '" + item + "' is neither 'natural' nor a fraction in [0, 1]");
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) return Status::InvalidArgument("--hit-rates is empty");
+  return out;
+}
+
 // With --lanes N the batch is split round-robin over N lanes (sequence i on
 // lane i % N), each driven by its own host thread (lane 0 by this one): 2
 // warm-up steps, a barrier, `steps` timed steps and a synchronize per lane.
 // The step time is the wall time from the barrier's release to the last lane
 // finishing, divided by `steps`. N = 1 is the single-pipeline loop.
+//
+// The batch is built once (the costly part: SVD, landmarks and offload of
+// every sequence). --batch-sweep times the first b sequences of it for each b
+// (the others wait), and --hit-rates repeats every measurement for each
+// forced hit rate, each a JSON line of its own.
 Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double copy_gbps) {
   const ModelConfig& c = e.config();
   const int N = e.lanes();
@@ -105,6 +135,17 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   if (steps < 1) return Status::InvalidArgument("--steps must be >= 1");
   const bool profile = a.Has("profile");
   if (profile && N > 1) return Status::InvalidArgument("--profile times the ops of one lane: use --lanes 1");
+  const bool shadowkv = e.options().kv_policy == "shadowkv";
+  PENUMBRA_ASSIGN_OR_RETURN(const std::vector<double> rates, HitRates(a, e.options().shadowkv.force_hit_rate));
+  if (a.Has("hit-rates") && !shadowkv) return Status::InvalidArgument("--hit-rates needs --kv-policy shadowkv");
+  PENUMBRA_ASSIGN_OR_RETURN(const std::vector<int64_t> sweep, a.GetIntList("batch-sweep"));
+  for (int64_t nb : sweep) {
+    // A lane without sequences would not step, and lanes with fetch turns
+    // wait (bounded) for each other every step.
+    if (nb < N) return Status::InvalidArgument("--batch-sweep sizes must be >= --lanes");
+  }
+  const int64_t measurements = static_cast<int64_t>(rates.size() * std::max<size_t>(sweep.size(), 1));
+  const int64_t new_tokens = measurements * (steps + 2 + (profile ? kProfileSteps : 0)) + 2;
   const int64_t reserve = static_cast<int64_t>(4.0 * (1 << 30));
   std::vector<LaneRun> runs(N);
   auto remove_all = [&] {
@@ -124,7 +165,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     Runtime& rt = e.runtime(l);
     Backend& b = e.backend(l);
     if (batch == 0 && static_cast<int64_t>(b0.FreeMemoryBytes()) < reserve) break;
-    last = rt.AddSequence(i, S, steps + 4 + (profile ? kProfileSteps : 0));
+    last = rt.AddSequence(i, S, new_tokens);
     if (!last.ok()) break;
     last = rt.policy().SynthesizeContext(i, S, 1000 + i);
     if (!last.ok()) {
@@ -145,7 +186,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     return last;
   }
   const int B = static_cast<int>(added);
-  std::string limit = last.ok() ? "gpu-memory-reserve" : last.ToString();
+  const std::string limit = batch > 0 ? "requested" : last.ok() ? "gpu-memory-reserve" : last.ToString();
+  std::vector<int64_t> pos(B, S);  // next position of each sequence (ids 0..B-1)
 
   // --fetch-timeline: every value fetch of the timed steps as a device-timed
   // interval, to see how busy the PCIe link is (union over lanes).
@@ -154,172 +196,205 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     if (e.options().kv_policy != "shadowkv") return Status::InvalidArgument("--fetch-timeline needs --kv-policy shadowkv");
     for (int l = 0; l < N; ++l) e.backend(l).SetFetchTimeline(true);  // the reference is recorded here, idle
   }
-  std::vector<PolicyStats> before(N), after(N);
-  std::atomic<bool> failed{false};
-  double t0 = 0;
-  std::barrier start(N, [&t0]() noexcept { t0 = NowSeconds(); });
-  auto drive = [&](int l) {
-    LaneRun& run = runs[l];
-    Runtime& rt = e.runtime(l);
-    Backend& b = e.backend(l);
-    const int lb = static_cast<int>(run.seqs.size());
-    std::vector<int32_t> tokens(lb, 1);
-    std::vector<SampleParams> greedy(lb);
-    std::vector<int32_t> next(lb);
-    auto step = [&](int64_t pos) -> Status {
-      if (lb == 0) return Status::OK();
-      std::vector<int64_t> positions(lb, pos);
-      PENUMBRA_ASSIGN_OR_RETURN(const float* logits, rt.DecodeStep(run.seqs, tokens, positions));
-      PENUMBRA_RETURN_IF_ERROR(b.Sample(logits, lb, c.vocab_size, greedy, next.data()));
-      tokens = next;
-      return Status::OK();
-    };
-    // After the timed steps: kProfileSteps more with every op timed.
-    auto profiled = [&]() -> Status {
-      OpProfiler prof(&b);
-      rt.SetDecodeProfiler(&prof);
-      Status st;
-      for (int i = 0; i < kProfileSteps && st.ok(); ++i) {
-        st = step(S + 2 + steps + i);
-        prof.Lap("sample");
-      }
-      rt.SetDecodeProfiler(nullptr);
-      run.profile_ms = prof.ms();
-      return st;
-    };
-    auto warm = [&]() -> Status {
-      PENUMBRA_RETURN_IF_ERROR(step(S));
-      PENUMBRA_RETURN_IF_ERROR(step(S + 1));
-      before[l] = rt.policy().stats();
-      return b.Synchronize();
-    };
-    auto timed = [&]() -> Status {
-      if (timeline) b.SetFetchTimeline(true);  // drops the warm-up's intervals
-      for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step(S + 2 + i));
-      const Status st = b.Synchronize();
-      after[l] = rt.policy().stats();
-      if (timeline) b.SetFetchTimeline(false);
-      return st;
-    };
-    run.status = warm();
-    if (!run.status.ok()) failed = true;
-    // Every lane arrives, failed or not, so none waits forever; after the
-    // release a lane runs the timed steps only if every warm-up succeeded.
-    start.arrive_and_wait();
-    if (failed) return;
-    run.status = timed();
-    run.end = NowSeconds();
-    if (profile && run.status.ok()) run.status = profiled();
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(N - 1);
-  for (int l = 1; l < N; ++l) threads.emplace_back(drive, l);
-  drive(0);
-  for (std::thread& t : threads) t.join();
-  // Every lane's error, under the first failing lane's code.
-  Status first;
-  std::string errors;
-  for (int l = 0; l < N; ++l) {
-    if (runs[l].status.ok()) continue;
-    if (first.ok()) first = runs[l].status;
-    errors += (errors.empty() ? "" : "; ") + ("lane " + std::to_string(l) + ": " + runs[l].status.ToString());
-  }
-  if (!first.ok()) {
-    remove_all();
-    for (int l = 0; l < N; ++l) (void)e.backend(l).Synchronize();
-    return N == 1 ? first : Status(first.code(), errors);
-  }
-  double end = 0;
-  for (const LaneRun& r : runs) end = std::max(end, r.end);
-  const double dt = (end - t0) / steps;
-  nlohmann::json j = cm.Line("decode");
-  j["kv_policy"] = e.options().kv_policy;
-  j["context"] = S;
-  j["batch"] = B;
-  if (N > 1) {
-    j["lanes"] = N;
-    std::vector<int> lane_batch;
-    for (const LaneRun& r : runs) lane_batch.push_back(static_cast<int>(r.seqs.size()));
-    j["lane_batch"] = lane_batch;
-  }
-  j["steps"] = steps;
-  j["tokens_per_s"] = B / dt;
-  j["ms_per_step"] = dt * 1e3;
-  j["batch_limit"] = batch > 0 ? "requested" : limit;
-  size_t dev_bytes = 0;
-  for (int l = 0; l < N; ++l) {
-    for (int64_t s : runs[l].seqs) dev_bytes += e.runtime(l).policy().DeviceBytes(s);
-  }
-  j["kv_device_bytes_per_token"] = static_cast<double>(dev_bytes) / (static_cast<double>(S) * B);
-  if (profile) {
-    // Per step, every op synchronized (no overlap): where the time goes.
-    double total = 0;
-    for (const auto& [op, ms] : runs[0].profile_ms) {
-      j["decode_op_ms"][op] = ms / kProfileSteps;
-      total += ms / kProfileSteps;
-    }
-    j["profiled_ms_per_step"] = total;
-  }
-  if (e.options().kv_policy == "full") {
-    // Bytes a step must read: all weights once per lane with sequences (each
-    // lane's GEMMs stream them) + every sequence's K and V.
-    int busy_lanes = 0;
-    for (const LaneRun& r : runs) busy_lanes += r.seqs.empty() ? 0 : 1;
-    const double kv = 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * DTypeSize(b0.act_dtype()) * (S + 2.0 + steps / 2.0) * B;
-    const double bytes = static_cast<double>(e.weights().device_bytes()) * busy_lanes + kv;
-    j["hbm_gbps"] = bytes / dt / 1e9;
-    if (copy_gbps > 0) j["hbm_roofline_fraction"] = bytes / dt / 1e9 / (copy_gbps);
-  } else {
-    int64_t sel = 0, hit = 0;
+  // Times the first `nb` sequences at forced hit rate `rate` (< 0: natural).
+  auto measure = [&](int nb, double rate) -> Status {
+    std::vector<std::vector<int64_t>> active(N);
     for (int l = 0; l < N; ++l) {
-      sel += after[l].selected_chunks - before[l].selected_chunks;
-      hit += after[l].hit_chunks - before[l].hit_chunks;
+      for (int64_t s : runs[l].seqs)
+        if (s < nb) active[l].push_back(s);
+      if (shadowkv) PENUMBRA_RETURN_IF_ERROR(e.runtime(l).policy().SetForcedHitRate(rate));
     }
-    j["hit_rate"] = sel ? static_cast<double>(hit) / sel : 0.0;
-    if (timeline) {
-      std::vector<Backend::Interval> all;
-      double kernel_ms = 0;
+    std::vector<PolicyStats> before(N), after(N);
+    for (LaneRun& r : runs) {
+      r.status = Status::OK();
+      r.end = 0;
+      r.profile_ms.clear();
+    }
+    std::atomic<bool> failed{false};
+    double t0 = 0;
+    std::barrier start(N, [&t0]() noexcept { t0 = NowSeconds(); });
+    auto drive = [&](int l) {
+      LaneRun& run = runs[l];
+      Runtime& rt = e.runtime(l);
+      Backend& b = e.backend(l);
+      const std::vector<int64_t>& seqs = active[l];
+      const int lb = static_cast<int>(seqs.size());
+      std::vector<int32_t> tokens(lb, 1);
+      std::vector<SampleParams> greedy(lb);
+      std::vector<int32_t> next(lb);
+      std::vector<int64_t> positions(lb);
+      auto step = [&]() -> Status {
+        if (lb == 0) return Status::OK();
+        for (int i = 0; i < lb; ++i) positions[i] = pos[seqs[i]]++;  // this lane's sequences only
+        PENUMBRA_ASSIGN_OR_RETURN(const float* logits, rt.DecodeStep(seqs, tokens, positions));
+        PENUMBRA_RETURN_IF_ERROR(b.Sample(logits, lb, c.vocab_size, greedy, next.data()));
+        tokens = next;
+        return Status::OK();
+      };
+      // After the timed steps: kProfileSteps more with every op timed.
+      auto profiled = [&]() -> Status {
+        OpProfiler prof(&b);
+        rt.SetDecodeProfiler(&prof);
+        Status st;
+        for (int i = 0; i < kProfileSteps && st.ok(); ++i) {
+          st = step();
+          prof.Lap("sample");
+        }
+        rt.SetDecodeProfiler(nullptr);
+        run.profile_ms = prof.ms();
+        return st;
+      };
+      auto warm = [&]() -> Status {
+        PENUMBRA_RETURN_IF_ERROR(step());
+        PENUMBRA_RETURN_IF_ERROR(step());
+        before[l] = rt.policy().stats();
+        return b.Synchronize();
+      };
+      auto timed = [&]() -> Status {
+        if (timeline) b.SetFetchTimeline(true);  // drops the warm-up's intervals
+        for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step());
+        const Status st = b.Synchronize();
+        after[l] = rt.policy().stats();
+        if (timeline) b.SetFetchTimeline(false);
+        return st;
+      };
+      run.status = warm();
+      if (!run.status.ok()) failed = true;
+      // Every lane arrives, failed or not, so none waits forever; after the
+      // release a lane runs the timed steps only if every warm-up succeeded.
+      start.arrive_and_wait();
+      if (failed) return;
+      run.status = timed();
+      run.end = NowSeconds();
+      if (profile && run.status.ok()) run.status = profiled();
+    };
+    std::vector<std::thread> threads;
+    threads.reserve(N - 1);
+    for (int l = 1; l < N; ++l) threads.emplace_back(drive, l);
+    drive(0);
+    for (std::thread& t : threads) t.join();
+    // Every lane's error, under the first failing lane's code.
+    Status first;
+    std::string errors;
+    for (int l = 0; l < N; ++l) {
+      if (runs[l].status.ok()) continue;
+      if (first.ok()) first = runs[l].status;
+      errors += (errors.empty() ? "" : "; ") + ("lane " + std::to_string(l) + ": " + runs[l].status.ToString());
+    }
+    if (!first.ok()) return N == 1 ? first : Status(first.code(), errors);
+    double end = 0;
+    for (const LaneRun& r : runs) end = std::max(end, r.end);
+    const double dt = (end - t0) / steps;
+    nlohmann::json j = cm.Line("decode");
+    j["kv_policy"] = e.options().kv_policy;
+    j["context"] = S;
+    j["batch"] = nb;
+    if (!sweep.empty()) j["built_batch"] = B;  // the sweep's sequences were built once, this many
+    if (N > 1) {
+      j["lanes"] = N;
+      std::vector<int> lane_batch;
+      for (const auto& s : active) lane_batch.push_back(static_cast<int>(s.size()));
+      j["lane_batch"] = lane_batch;
+    }
+    j["steps"] = steps;
+    j["tokens_per_s"] = nb / dt;
+    j["ms_per_step"] = dt * 1e3;
+    j["batch_limit"] = limit;
+    size_t dev_bytes = 0;
+    for (int l = 0; l < N; ++l) {
+      for (int64_t s : active[l]) dev_bytes += e.runtime(l).policy().DeviceBytes(s);
+    }
+    j["kv_device_bytes_per_token"] = static_cast<double>(dev_bytes) / (static_cast<double>(S) * nb);
+    if (profile) {
+      // Per step, every op synchronized (no overlap): where the time goes.
+      double total = 0;
+      for (const auto& [op, ms] : runs[0].profile_ms) {
+        j["decode_op_ms"][op] = ms / kProfileSteps;
+        total += ms / kProfileSteps;
+      }
+      j["profiled_ms_per_step"] = total;
+    }
+    if (e.options().kv_policy == "full") {
+      // Bytes a step must read: all weights once per lane with sequences (each
+      // lane's GEMMs stream them) + every sequence's K and V.
+      int busy_lanes = 0;
+      for (const auto& s : active) busy_lanes += s.empty() ? 0 : 1;
+      const double kv = 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * DTypeSize(b0.act_dtype()) * (S + 2.0 + steps / 2.0) * nb;
+      const double bytes = static_cast<double>(e.weights().device_bytes()) * busy_lanes + kv;
+      j["hbm_gbps"] = bytes / dt / 1e9;
+      if (copy_gbps > 0) j["hbm_roofline_fraction"] = bytes / dt / 1e9 / (copy_gbps);
+    } else {
+      int64_t sel = 0, hit = 0;
       for (int l = 0; l < N; ++l) {
-        PENUMBRA_ASSIGN_OR_RETURN(std::vector<Backend::Interval> iv, e.backend(l).FetchIntervals());
-        for (const Backend::Interval& x : iv) kernel_ms += x.end_ms - x.start_ms;
-        all.insert(all.end(), iv.begin(), iv.end());
+        sel += after[l].selected_chunks - before[l].selected_chunks;
+        hit += after[l].hit_chunks - before[l].hit_chunks;
       }
-      // Sweep over the start/end points: time with >= 1 and >= 2 fetches running.
-      std::vector<std::pair<double, int>> edges;
-      for (const Backend::Interval& x : all) {
-        edges.push_back({x.start_ms, +1});
-        edges.push_back({x.end_ms, -1});
+      j["hit_rate"] = sel ? static_cast<double>(hit) / sel : 0.0;
+      if (timeline) {
+        std::vector<Backend::Interval> all;
+        double kernel_ms = 0;
+        for (int l = 0; l < N; ++l) {
+          PENUMBRA_ASSIGN_OR_RETURN(std::vector<Backend::Interval> iv, e.backend(l).FetchIntervals());
+          for (const Backend::Interval& x : iv) kernel_ms += x.end_ms - x.start_ms;
+          all.insert(all.end(), iv.begin(), iv.end());
+        }
+        // Sweep over the start/end points: time with >= 1 and >= 2 fetches running.
+        std::vector<std::pair<double, int>> edges;
+        for (const Backend::Interval& x : all) {
+          edges.push_back({x.start_ms, +1});
+          edges.push_back({x.end_ms, -1});
+        }
+        std::sort(edges.begin(), edges.end());
+        double busy_ms = 0, dual_ms = 0, prev = 0;
+        int running = 0;
+        for (const auto& [t, delta] : edges) {
+          if (running >= 1) busy_ms += t - prev;
+          if (running >= 2) dual_ms += t - prev;
+          running += delta;
+          prev = t;
+        }
+        const ShadowKvOptions& o = e.options().shadowkv;
+        const double bytes = static_cast<double>(sel - hit) * o.chunk_size * c.head_dim * DTypeSize(b0.act_dtype());
+        nlohmann::json t;
+        t["fetches_per_step"] = static_cast<double>(all.size()) / steps;
+        t["busy_ms_per_step"] = busy_ms / steps;    // some fetch running (any lane)
+        t["kernel_ms_per_step"] = kernel_ms / steps;  // summed over fetches (overlapping ones counted twice)
+        t["concurrent_ms_per_step"] = dual_ms / steps;  // two or more fetches (lanes) running at once
+        t["bytes_per_step"] = bytes / steps;
+        t["gbps_while_busy"] = busy_ms > 0 ? bytes / (busy_ms * 1e-3) / 1e9 : 0.0;
+        j["fetch_timeline"] = t;
       }
-      std::sort(edges.begin(), edges.end());
-      double busy_ms = 0, dual_ms = 0, prev = 0;
-      int running = 0;
-      for (const auto& [t, delta] : edges) {
-        if (running >= 1) busy_ms += t - prev;
-        if (running >= 2) dual_ms += t - prev;
-        running += delta;
-        prev = t;
-      }
-      const ShadowKvOptions& o = e.options().shadowkv;
-      const double bytes = static_cast<double>(sel - hit) * o.chunk_size * c.head_dim * DTypeSize(b0.act_dtype());
-      nlohmann::json t;
-      t["fetches_per_step"] = static_cast<double>(all.size()) / steps;
-      t["busy_ms_per_step"] = busy_ms / steps;    // some fetch running (any lane)
-      t["kernel_ms_per_step"] = kernel_ms / steps;  // summed over fetches (overlapping ones counted twice)
-      t["concurrent_ms_per_step"] = dual_ms / steps;  // two or more fetches (lanes) running at once
-      t["bytes_per_step"] = bytes / steps;
-      t["gbps_while_busy"] = busy_ms > 0 ? bytes / (busy_ms * 1e-3) / 1e9 : 0.0;
-      j["fetch_timeline"] = t;
+      j["force_hit_rate"] = rate;
+      j["value_fetch"] = e.options().shadowkv.value_fetch;
+      j["micro_batches"] = e.options().shadowkv.micro_batches;
+      if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
     }
-    j["force_hit_rate"] = e.options().shadowkv.force_hit_rate;
-    j["value_fetch"] = e.options().shadowkv.value_fetch;
-    j["micro_batches"] = e.options().shadowkv.micro_batches;
-    if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
+    j["hbm_copy_gbps"] = copy_gbps;
+    std::cout << j.dump() << std::endl;
+    return Status::OK();
+  };
+
+  Status st;
+  for (double rate : rates) {
+    for (int64_t nb : sweep.empty() ? std::vector<int64_t>{B} : sweep) {
+      if (nb > B) {
+        nlohmann::json j = cm.Line("decode");
+        j["kv_policy"] = e.options().kv_policy;
+        j["context"] = S;
+        j["batch"] = nb;
+        j["error"] = "batch " + std::to_string(nb) + " does not fit: " + std::to_string(B) + " sequences were built (" +
+                     limit + ")";
+        std::cout << j.dump() << std::endl;
+        continue;
+      }
+      st = measure(static_cast<int>(nb), rate);
+      if (!st.ok()) break;
+    }
+    if (!st.ok()) break;
   }
-  j["hbm_copy_gbps"] = copy_gbps;
-  std::cout << j.dump() << std::endl;
   remove_all();
-  for (int l = 0; l < N; ++l) PENUMBRA_RETURN_IF_ERROR(e.backend(l).Synchronize());
-  return Status::OK();
+  for (int l = 0; l < N; ++l) (void)e.backend(l).Synchronize();
+  return st;
 }
 
 Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
@@ -364,6 +439,9 @@ Status Main(int argc, char** argv) {
   a.Flag("context", "context lengths, comma-separated").Flag("batch", "sequences (default: largest that fits)")
       .Flag("steps", "timed decode steps (default 100)").Flag("kv-policy", "full or shadowkv")
       .Flag("force-hit-rate", "shadowkv: keep this fraction of the previous step's chunks")
+      .Flag("hit-rates", "shadowkv: measure each of these forced hit rates on the same sequences, comma-separated, "
+                         "'natural' for none (e.g. natural,0.6)")
+      .Flag("batch-sweep", "decode: build the batch once, then time the first b sequences for each b, comma-separated")
       .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")

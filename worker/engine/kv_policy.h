@@ -87,6 +87,11 @@ class KvPolicy {
   virtual void SetProfiling(bool on) {}
   // Decode ops lap into `profiler` (the runtime's timeline) while non-null.
   virtual void SetDecodeProfiler(OpProfiler* profiler) {}
+  // Benchmarks: from the next decode step, keep this fraction of the previous
+  // step's selection (< 0: off; see ShadowKvOptions::force_hit_rate).
+  virtual Status SetForcedHitRate(double rate) {
+    return Status::InvalidArgument("the " + name() + " KV policy has no forced hit rate");
+  }
 
  protected:
   PolicyStats stats_;

@@ -766,6 +766,11 @@ class ShadowKvPolicy final : public KvPolicy {
   }
   void SetProfiling(bool on) override { profile_ = on; }
   void SetDecodeProfiler(OpProfiler* profiler) override { prof_ = profiler; }
+  Status SetForcedHitRate(double rate) override {
+    if (!(rate <= 1.0)) return Status::InvalidArgument("forced hit rate must be <= 1 (negative: off)");
+    o_.force_hit_rate = rate;
+    return Status::OK();
+  }
   void Lap(const char* op) {
     if (prof_) prof_->Lap(op);
   }
