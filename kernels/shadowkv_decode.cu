@@ -879,7 +879,8 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int nvec = static_cast<int>(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes / 16);
   const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
   const int64_t per_block = static_cast<int64_t>(kFetchThreads) * kFetchUnroll;
-  const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, kFetchMaxBlocks));
+  const int max_blocks = a.max_blocks > 0 ? a.max_blocks : kFetchMaxBlocks;
+  const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
   const size_t smem = sizeof(int32_t) * (static_cast<size_t>(rows) + 1);
   const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&FetchVKernel));
   CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows (batch x hkv) is too many";

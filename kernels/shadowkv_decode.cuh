@@ -150,6 +150,7 @@ struct ShadowkvFetchVArgs {
   DType dtype = DType::kBF16;  // bf16 or f32 (store, staging and V alike)
   int batch = 0, hkv = 0, d = 0, chunk_size = 0;
   int max_misses = 0;
+  int max_blocks = 0;  // blocks the fetch may use (0: the default, 32)
 };
 void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& args, cudaStream_t stream);
 inline void LaunchShadowkvScatterV(const ShadowkvFetchVArgs& args, cudaStream_t stream) {

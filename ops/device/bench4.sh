@@ -6,7 +6,8 @@
 # STAGE=2 and 3: the issue's sweep with 100 steps, two lanes with fetch turns
 # (the default configuration), each context's batch built once and timed at
 # several batch sizes and both hit rates (--batch-sweep, --hit-rates):
-# STAGE=2 61440 and 124928, STAGE=3 249856 and 1048576.
+# STAGE=2 61440 and 124928, STAGE=3 249856 and 1048576. STAGE=4: the value
+# fetch's width (--fetch-blocks) now that lanes take turns.
 # Our benchmark and the peer in the same call.
 source "$(dirname "$0")/bench_common.sh"
 B="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"
@@ -36,4 +37,10 @@ case "${STAGE:-1}" in
     run 200 $R $SW --lanes 2 --context 249856 --batch-sweep 2,4,7
     run 200 $R $SW --context 1048576 --batch 1
     run 150 python3 .device/peer_full_attention.py decode --steps 20 --context 249856 ;;
+  4)
+    timeout 120 $R shadowkv_decode_gpu_test --gtest_filter='ShadowkvFetchVGpu*' > "$OUT/fetch_gpu_test.log" 2>&1
+    echo "fetch parity rc=$?"; grep -E "PASSED|FAILED" "$OUT/fetch_gpu_test.log" | head -3
+    SW="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 100 --lanes 2 --hit-rates natural,0.6 --context 124928"
+    run 100 python3 .device/peer_full_attention.py decode --steps 20 --context 124928
+    for fb in 64 32 48; do run 130 $R $SW --fetch-blocks $fb; done ;;
 esac

@@ -614,11 +614,13 @@ struct FetchCase {
   int batch, hkv, d, C, ks, chunk_cap;
   DType dtype;
   bool staged;
+  int max_blocks = 0;  // 0: the launcher's default
 };
 
 void RunFetchV(const FetchCase& c) {
   SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " C " << c.C
-                                    << " ks " << c.ks << " dtype " << DTypeName(c.dtype) << " staged " << c.staged);
+                                    << " ks " << c.ks << " dtype " << DTypeName(c.dtype) << " staged " << c.staged
+                                    << " max_blocks " << c.max_blocks);
   Rng rng(11 + c.d + c.C + c.ks);
   const int rows = c.batch * c.hkv, O = 2;
   const int att_cap = O * c.C + c.ks * c.C + 3;
@@ -701,6 +703,7 @@ void RunFetchV(const FetchCase& c) {
   ga.d = c.d;
   ga.chunk_size = c.C;
   ga.max_misses = c.ks;
+  ga.max_blocks = c.max_blocks;
   if (c.staged) LaunchShadowkvScatterV(ga, nullptr);
   else LaunchShadowkvFetchV(ga, nullptr);
   SKV_CUDA(cudaDeviceSynchronize());
@@ -719,6 +722,10 @@ TEST(ShadowkvFetchVGpu, MatchesCpu) {
     RunFetchV({2, 2, 64, 7, 11, 50, DType::kF32, staged});
     RunFetchV({1, 1, 128, 8, 10, 40, DType::kBF16, staged});  // one row
     RunFetchV({40, 8, 64, 8, 5, 30, DType::kBF16, staged});   // 320 rows: several per thread in the prefix scan
+    // Grid-stride loops with fewer and more blocks than the default 32.
+    RunFetchV({2, 3, 128, 8, 17, 200, DType::kBF16, staged, 1});
+    RunFetchV({1, 2, 128, 8, 300, 2000, DType::kBF16, staged, 3});
+    RunFetchV({1, 2, 128, 8, 300, 2000, DType::kBF16, staged, 96});
   }
 }
 

@@ -367,6 +367,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       j["force_hit_rate"] = rate;
       j["value_fetch"] = e.options().shadowkv.value_fetch;
       j["micro_batches"] = e.options().shadowkv.micro_batches;
+    j["fetch_blocks"] = e.options().shadowkv.fetch_blocks;
       if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
     }
     j["hbm_copy_gbps"] = copy_gbps;

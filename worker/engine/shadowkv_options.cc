@@ -12,7 +12,8 @@ void AddShadowKvFlags(Args& a) {
       .Flag("local-window", "shadowkv: recent tokens kept exact (default 32)")
       .Flag("min-prompt", "shadowkv: prompts shorter than this use full attention (default 4096)")
       .Flag("value-fetch", "shadowkv: zero_copy (default) or staging")
-      .Flag("micro-batches", "shadowkv: pipeline each decode batch as this many micro-batches (default 1)");
+      .Flag("micro-batches", "shadowkv: pipeline each decode batch as this many micro-batches (default 1)")
+      .Flag("fetch-blocks", "shadowkv: thread blocks of the zero-copy value fetch (default 32)");
 }
 
 Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
@@ -38,6 +39,9 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetInt("micro-batches", s.micro_batches));
   if (mb < 1 || mb > 16) return Status::InvalidArgument("--micro-batches must be in [1, 16]");
   s.micro_batches = static_cast<int>(mb);
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t fb, a.GetInt("fetch-blocks", s.fetch_blocks));
+  if (fb < 1 || fb > 1024) return Status::InvalidArgument("--fetch-blocks must be in [1, 1024]");
+  s.fetch_blocks = static_cast<int>(fb);
   return Status::OK();
 }
 
@@ -54,6 +58,7 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.Read("force_hit_rate", &o->force_hit_rate, -1.0, 1.0);
   r.Read("micro_batches", &o->micro_batches, 1, 16);
   r.Read("fetch_turns", &o->fetch_turns);
+  r.Read("fetch_blocks", &o->fetch_blocks, 1, 1024);
   return r.Finish();
 }
 
@@ -79,6 +84,9 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
   if (o.force_hit_rate > 1.0) return Status::InvalidArgument("shadowkv.force_hit_rate must be <= 1");
   if (o.micro_batches < 1 || o.micro_batches > 16) {
     return Status::InvalidArgument("shadowkv.micro_batches must be in [1, 16], got " + std::to_string(o.micro_batches));
+  }
+  if (o.fetch_blocks < 1 || o.fetch_blocks > 1024) {
+    return Status::InvalidArgument("shadowkv.fetch_blocks must be in [1, 1024], got " + std::to_string(o.fetch_blocks));
   }
   return Status::OK();
 }

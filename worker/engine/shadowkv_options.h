@@ -32,11 +32,15 @@ struct ShadowKvOptions {
   // value fetches (worker/engine/fetch_turns.h) instead of fetching in phase.
   // Default: true.
   bool fetch_turns = true;
+  // Thread blocks of the zero-copy value fetch kernel: more keep more PCIe
+  // reads in flight but take SMs from the other lane's compute. On the H200,
+  // 32 beat 16, 48 and 64 (docs/benchmarks.md). Default: 32.
+  int fetch_blocks = 32;
 };
 
 // The command-line flags of the options (--rank, --chunk-size, --budget,
 // --budget-fraction, --outliers, --outlier-fraction, --local-window,
-// --min-prompt, --value-fetch, --micro-batches), shared by `penumbra` and
+// --min-prompt, --value-fetch, --micro-batches, --fetch-blocks), shared by `penumbra` and
 // `penumbra-bench`. Apply overrides `s` only where a flag is given and
 // refuses out-of-range values naming the flag.
 void AddShadowKvFlags(Args& a);

@@ -517,6 +517,7 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.d = d;
     fv.chunk_size = C;
     fv.max_misses = K;
+    fv.max_blocks = o_.fetch_blocks;
     if (o_.value_fetch == "staging") {
       PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mchunk + off, &fv));
       b.ShadowkvFetchV(fv, /*staged=*/true);
