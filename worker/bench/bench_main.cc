@@ -493,6 +493,9 @@ Status Main(int argc, char** argv) {
       j["kv_policy"] = eo.kv_policy;
       j["error"] = r.ToString();
       std::cout << j.dump() << std::endl;
+      // A context that cannot run (out of memory) is a result; a bad flag or
+      // option is the caller's error and ends the run with a non-zero exit.
+      if (r.code() == StatusCode::kInvalidArgument) return r;
     }
   }
   return Status::OK();
