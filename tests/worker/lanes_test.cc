@@ -16,31 +16,21 @@
 
 #include "common/file.h"
 #include "tests/test_util.h"
+#include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {
 namespace {
 
-std::string Stories() { return testing::SharedDir() + "/models/stories260K"; }
-
+// The lossy ShadowKV settings (tests/worker/stories_shadowkv.h) under `policy`.
 EngineOptions Options(const std::string& policy) {
-  EngineOptions o;
-  o.backend.device = "cpu";
+  EngineOptions o = testing::LossyShadowKvOptions();
   o.kv_policy = policy;
-  // Sparse and lossy on stories260K (hkv*d = 32): prompts of ~150 tokens have
-  // ~35 chunks of 4; 2 outliers and 6 selected chunks per KV head, a window
-  // of 8, so generated tokens become chunks every 4 steps.
-  o.shadowkv.rank = 12;
-  o.shadowkv.chunk_size = 4;
-  o.shadowkv.budget_tokens = 24;
-  o.shadowkv.outlier_chunks = 2;
-  o.shadowkv.local_window = 8;
-  o.shadowkv.min_prompt_tokens = 0;
   return o;
 }
 
 std::unique_ptr<Engine> Open(const EngineOptions& o) {
-  auto e = Engine::Open(Stories(), o);
+  auto e = Engine::Open(testing::StoriesDir(), o);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(*e) : nullptr;
 }

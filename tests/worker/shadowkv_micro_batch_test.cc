@@ -10,21 +10,14 @@
 #include <algorithm>
 
 #include "tests/test_util.h"
+#include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {
 namespace {
 
 EngineOptions Options(int micro_batches) {
-  EngineOptions o;
-  o.backend.device = "cpu";
-  o.kv_policy = "shadowkv";
-  o.shadowkv.rank = 12;
-  o.shadowkv.chunk_size = 4;
-  o.shadowkv.budget_tokens = 24;
-  o.shadowkv.outlier_chunks = 2;
-  o.shadowkv.local_window = 8;
-  o.shadowkv.min_prompt_tokens = 0;
+  EngineOptions o = testing::LossyShadowKvOptions();
   o.shadowkv.micro_batches = micro_batches;
   return o;
 }
@@ -32,7 +25,7 @@ EngineOptions Options(int micro_batches) {
 // Prefills `n` sequences of equal length (one geometry group) with different
 // tokens, then decodes them together greedily; returns every step's logits.
 std::vector<float> DecodeAll(int micro_batches, int n, int steps, int64_t* misses) {
-  auto e = Engine::Open(testing::SharedDir() + "/models/stories260K", Options(micro_batches));
+  auto e = Engine::Open(testing::StoriesDir(), Options(micro_batches));
   EXPECT_TRUE(e.ok()) << e.status();
   if (!e.ok()) return {};
   Runtime& rt = (*e)->runtime();
@@ -89,7 +82,7 @@ TEST(ShadowkvMicroBatchTest, SameLogitsAsOneBatch) {
 
 TEST(ShadowkvMicroBatchTest, OutOfRangeIsRefused) {
   for (int mb : {0, 17}) {
-    auto e = Engine::Open(testing::SharedDir() + "/models/stories260K", Options(mb));
+    auto e = Engine::Open(testing::StoriesDir(), Options(mb));
     ASSERT_FALSE(e.ok());
     EXPECT_NE(e.status().ToString().find("micro_batches"), std::string::npos) << e.status();
   }

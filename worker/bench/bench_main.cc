@@ -106,7 +106,7 @@ Result<std::vector<double>> HitRates(const Args& a, double def) {
       continue;
     }
     char* end = nullptr;
-    const double v = item.empty() ? -1.0 : std::strtod(item.c_str(), &end);
+    const double v = std::strtod(item.c_str(), &end);
     if (item.empty() || *end != '\0' || !(v >= 0.0 && v <= 1.0)) {
       return Status::InvalidArgument("--hit-rates: '" + item + "' is neither 'natural' nor a fraction in [0, 1]");
     }
@@ -138,6 +138,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   const bool shadowkv = e.options().kv_policy == "shadowkv";
   PENUMBRA_ASSIGN_OR_RETURN(const std::vector<double> rates, HitRates(a, e.options().shadowkv.force_hit_rate));
   if (a.Has("hit-rates") && !shadowkv) return Status::InvalidArgument("--hit-rates needs --kv-policy shadowkv");
+  const bool timeline = a.Has("fetch-timeline");
+  if (timeline && !shadowkv) return Status::InvalidArgument("--fetch-timeline needs --kv-policy shadowkv");
   PENUMBRA_ASSIGN_OR_RETURN(const std::vector<int64_t> sweep, a.GetIntList("batch-sweep"));
   for (int64_t nb : sweep) {
     // A lane without sequences would not step, and lanes with fetch turns
@@ -191,9 +193,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
 
   // --fetch-timeline: every value fetch of the timed steps as a device-timed
   // interval, to see how busy the PCIe link is (union over lanes).
-  const bool timeline = a.Has("fetch-timeline");
   if (timeline) {
-    if (e.options().kv_policy != "shadowkv") return Status::InvalidArgument("--fetch-timeline needs --kv-policy shadowkv");
     for (int l = 0; l < N; ++l) e.backend(l).SetFetchTimeline(true);  // the reference is recorded here, idle
   }
   // Times the first `nb` sequences at forced hit rate `rate` (< 0: natural).
@@ -314,7 +314,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       }
       j["profiled_ms_per_step"] = total;
     }
-    if (e.options().kv_policy == "full") {
+    if (!shadowkv) {
       // Bytes a step must read: all weights once per lane with sequences (each
       // lane's GEMMs stream them) + every sequence's K and V.
       int busy_lanes = 0;
