@@ -1,1 +1,2 @@
-penumbra_glob_tests(worker LIBS penumbra_engine penumbra_shadowkv_check nlohmann_json::nlohmann_json)
+penumbra_glob_tests(worker LIBS penumbra_engine penumbra_shadowkv_check penumbra_kernel_trace
+  nlohmann_json::nlohmann_json)

@@ -25,6 +25,7 @@
 #include "common/args.h"
 #include "common/logging.h"
 #include "worker/engine/engine.h"
+#include "worker/bench/kernel_trace.h"
 #include "worker/engine/op_profiler.h"
 
 namespace penumbra {
@@ -196,6 +197,14 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   if (timeline) {
     for (int l = 0; l < N; ++l) e.backend(l).SetFetchTimeline(true);  // the reference is recorded here, idle
   }
+  // --kernel-trace PATH: the first measurement's timed steps as a device
+  // timeline of every kernel and copy (ops/trace_summary.py reads it).
+  std::string trace_path = a.Get("kernel-trace", "");
+  if (a.Has("kernel-trace") && trace_path.empty()) return Status::InvalidArgument("--kernel-trace needs a file path");
+  if (!trace_path.empty() && profile) return Status::InvalidArgument("--kernel-trace and --profile do not mix");
+  if (!trace_path.empty() && b0.device() != Device::kCUDA) {
+    return Status::InvalidArgument("--kernel-trace traces the CUDA backend's kernels: use --device cuda");
+  }
   // Times the first `nb` sequences at forced hit rate `rate` (< 0: natural).
   auto measure = [&](int nb, double rate) -> Status {
     std::vector<std::vector<int64_t>> active(N);
@@ -212,7 +221,17 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     }
     std::atomic<bool> failed{false};
     double t0 = 0;
-    std::barrier start(N, [&t0]() noexcept { t0 = NowSeconds(); });
+    const bool traced = !trace_path.empty();
+    trace_path.clear();  // only the first measurement
+    std::unique_ptr<KernelTrace> trace;
+    Status trace_status;
+    std::barrier start(N, [&]() noexcept {
+      if (traced && !failed) {
+        auto t = KernelTrace::Start();  // every lane is idle here (warm-up synchronized)
+        if (t.ok()) trace = std::move(*t); else trace_status = t.status();
+      }
+      t0 = NowSeconds();
+    });
     auto drive = [&](int l) {
       LaneRun& run = runs[l];
       Runtime& rt = e.runtime(l);
@@ -282,6 +301,13 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       errors += (errors.empty() ? "" : "; ") + ("lane " + std::to_string(l) + ": " + runs[l].status.ToString());
     }
     if (!first.ok()) return N == 1 ? first : Status(first.code(), errors);
+    PENUMBRA_RETURN_IF_ERROR(trace_status);
+    size_t trace_records = 0;
+    if (trace) {
+      PENUMBRA_ASSIGN_OR_RETURN(std::vector<TraceRecord> recs, trace->Stop());
+      trace_records = recs.size();
+      PENUMBRA_RETURN_IF_ERROR(KernelTrace::Write(recs, a.Get("kernel-trace", "")));
+    }
     double end = 0;
     for (const LaneRun& r : runs) end = std::max(end, r.end);
     const double dt = (end - t0) / steps;
@@ -371,6 +397,10 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
     }
     j["hbm_copy_gbps"] = copy_gbps;
+    if (traced) {
+      j["kernel_trace"] = a.Get("kernel-trace", "");  // this measurement's steps ran traced: slower than untraced
+      j["kernel_trace_records"] = trace_records;
+    }
     std::cout << j.dump() << std::endl;
     return Status::OK();
   };
@@ -449,6 +479,8 @@ Status Main(int argc, char** argv) {
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
+      .Flag("kernel-trace", "decode, CUDA: write every kernel and copy of the first measurement's timed steps "
+                            "to this file, one JSON line each (ops/trace_summary.py summarizes it)")
       .Switch("fetch-timeline", "decode, shadowkv: time every value fetch of the timed steps on the device and "
                                 "report how long per step the PCIe link was busy (fetch_timeline)")
       .Switch("profile", "prefill: time each ShadowKV compression op; decode: time every op of 5 extra steps "
