@@ -235,15 +235,26 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
   const float* logits = ws.logits + (static_cast<int64_t>(b) * a.hq + h * group) * a.max_chunks;
   float* out = a.scores + (static_cast<int64_t>(b) * a.hkv + h) * a.score_stride;
+  // Every load first (predicated, independent), then the math: with the loads
+  // inside the per-chunk branches a thread waited on one load at a time.
+  float lg[kScoreFinalPerThread][8];
+  bool skip[kScoreFinalPerThread];
+#pragma unroll
+  for (int j = 0; j < kScoreFinalPerThread; ++j) {
+    const int c = (blockIdx.x * kScoreFinalPerThread + j) * kScoreThreads + threadIdx.x;
+    skip[j] = c >= n || (excl && excl[c]);
+#pragma unroll
+    for (int g = 0; g < 8; ++g) lg[j][g] = g < group && c < n ? logits[static_cast<int64_t>(g) * a.max_chunks + c] : 0.0f;
+  }
 #pragma unroll
   for (int j = 0; j < kScoreFinalPerThread; ++j) {
     const int c = (blockIdx.x * kScoreFinalPerThread + j) * kScoreThreads + threadIdx.x;
     if (c >= a.max_chunks) break;
     float best = NegInf();
-    if (c < n && !(excl && excl[c])) {
+    if (!skip[j]) {
 #pragma unroll
       for (int g = 0; g < 8; ++g)
-        if (g < group) best = fmaxf(best, expf(logits[static_cast<int64_t>(g) * a.max_chunks + c] - m[g]) / s[g]);
+        if (g < group) best = fmaxf(best, expf(lg[j][g] - m[g]) / s[g]);
     }
     out[c] = best;
   }
@@ -852,7 +863,13 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
     const int per_tile = kMmaTileRows / a.chunk_size;
     const int max_tiles = (a.max_misses + per_tile - 1) / per_tile;
     static const int sms = MultiProcessorCount();
-    const int splits = std::clamp((4 * sms + rows - 1) / rows, 1, max_tiles);
+    // About one block per SM, not more: the rebuild is launched right after
+    // the slot update, beside the value fetch on the side stream, and with
+    // 4 blocks per SM (560 blocks at 7 x 8 rows) its pending blocks took every
+    // SM as they freed, so the fetch (and the other lane's kernels) started
+    // ~55 us late in every layer (penumbra-bench --kernel-trace, 124928 x 14,
+    // two lanes, forced 60%: 497.0 -> 518.9 tok/s with one wave).
+    const int splits = std::clamp((sms + rows - 1) / rows, 1, max_tiles);
     const dim3 grid(splits, rows);
     RebuildKMmaKernel<<<grid, 2 * (a.d / 64) * 32, MmaSmemBytes(a.r, a.d), stream>>>(a, MmaSmemStride(a.r));
   } else {

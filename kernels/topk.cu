@@ -15,7 +15,7 @@ namespace penumbra::kernels {
 
 namespace {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 1024;  // one block per row: the rows of a decode step (batch x KV heads) fill few SMs
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;
 
@@ -52,38 +52,48 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKArgs a, int cached_ke
   const int k_sel = min(k, n);
   const bool cached = n <= cached_keys;
 
+  if (cached) {
+    // The row's keys into shared memory first, kPreload loads in flight per
+    // thread: the histogram passes below synchronize their warps on every
+    // element, which serialized the first pass on one global load at a time.
+    constexpr int kPreload = 8;
+    for (int i0 = 0; i0 < n; i0 += kThreads * kPreload) {
+      float x[kPreload];
+#pragma unroll
+      for (int u = 0; u < kPreload; ++u) {
+        const int i = i0 + u * kThreads + tid;
+        x[u] = i < n ? v[i] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kPreload; ++u) {
+        const int i = i0 + u * kThreads + tid;
+        if (i < n) keys[i] = Key(x[u], a.smallest, a.skip_worst_inf);
+      }
+    }
+    __syncthreads();
+  }
   uint32_t prefix = 0, prefix_mask = 0;
   int k_rem = k_sel;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < kWarps * kBins; i += kThreads) hist[i] = 0;
     __syncthreads();
     uint32_t* my_hist = hist + warp * kBins;
-    // Every lane runs the same number of iterations so that warp-wide
-    // reductions are legal; a warp whose candidates all fall in one bin (the
-    // common case for the leading digits) does one atomic instead of 32.
+    // Every lane runs the same number of iterations so that the warp-wide
+    // ballot and match are legal.
     for (int i0 = 0; i0 < n; i0 += kThreads) {
       const int i = i0 + tid;
       uint32_t key = 0;
       bool cand = false;
       if (i < n) {
-        if (shift == 24) {
-          key = Key(v[i], a.smallest, a.skip_worst_inf);
-          if (cached) keys[i] = key;
-        } else {
-          key = cached ? keys[i] : Key(v[i], a.smallest, a.skip_worst_inf);
-        }
+        key = cached ? keys[i] : Key(v[i], a.smallest, a.skip_worst_inf);
         cand = (key & prefix_mask) == prefix;
       }
       const uint32_t bin = (key >> shift) & 0xffu;
-      const unsigned cand_mask = __ballot_sync(0xffffffffu, cand);
-      if (cand_mask == 0) continue;
-      const uint32_t lo = __reduce_min_sync(0xffffffffu, cand ? bin : 0xffffffffu);
-      const uint32_t hi = __reduce_max_sync(0xffffffffu, cand ? bin : 0u);
-      if (lo == hi) {
-        if (lane == __ffs(cand_mask) - 1) atomicAdd(&my_hist[lo], static_cast<uint32_t>(__popc(cand_mask)));
-      } else if (cand) {
-        atomicAdd(&my_hist[bin], 1u);
-      }
+      if (__ballot_sync(0xffffffffu, cand) == 0) continue;
+      // One atomic per distinct bin of the warp (scores crowd into few bins,
+      // and same-address atomics serialize).
+      const unsigned peers = __match_any_sync(0xffffffffu, cand ? bin : 0x100u);
+      if (cand && lane == __ffs(peers) - 1) atomicAdd(&my_hist[bin], static_cast<uint32_t>(__popc(peers)));
     }
     __syncthreads();
     for (int b = tid; b < kBins; b += kThreads) {

@@ -8,10 +8,11 @@
 // finds the key T of the k-th element and how many elements equal to T are
 // needed; a final pass in index order (warp ballots, one block-wide prefix over
 // warp totals) writes every element with key > T plus the first needed ones
-// with key == T. Rows of up to kTopKSharedKeys elements are cached as keys in
-// shared memory after the first pass; longer rows are re-read from global
-// memory (L2) in each pass. Traffic: 1 read of the row from DRAM, 4 more from
-// shared memory or L2.
+// with key == T. Rows of up to kTopKSharedKeys elements are loaded into shared
+// memory as keys before the first pass (many loads in flight per thread);
+// longer rows are re-read from global memory (L2) in each pass. Traffic: 1
+// read of the row from DRAM, 4 more from shared memory or L2. Histogram
+// updates are aggregated per warp and bin (__match_any_sync).
 #pragma once
 #include <cstddef>
 #include <cstdint>
