@@ -863,13 +863,17 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
     const int per_tile = kMmaTileRows / a.chunk_size;
     const int max_tiles = (a.max_misses + per_tile - 1) / per_tile;
     static const int sms = MultiProcessorCount();
-    // About one block per SM, not more: the rebuild is launched right after
-    // the slot update, beside the value fetch on the side stream, and with
-    // 4 blocks per SM (560 blocks at 7 x 8 rows) its pending blocks took every
-    // SM as they freed, so the fetch (and the other lane's kernels) started
-    // ~55 us late in every layer (penumbra-bench --kernel-trace, 124928 x 14,
-    // two lanes, forced 60%: 497.0 -> 518.9 tok/s with one wave).
-    const int splits = std::clamp((sms + rows - 1) / rows, 1, max_tiles);
+    // About half the SMs (at least one block per row), not more: the rebuild
+    // is launched right after the slot update, beside the value fetch on the
+    // side stream, and its blocks (85 KB of shared memory each at r 160,
+    // d 128) take SMs the other lane's chain needs, while the rebuild itself
+    // has the whole fetch (~280 us) to finish. Measured with
+    // penumbra-bench --kernel-trace at 124928 x 14, two lanes (7 x 8 = 56 rows),
+    // forced 60%: 4 blocks per SM (560) held every SM ~55 us after each slot
+    // update, delaying the fetch and the other lane (497.0 tok/s); one per SM
+    // (168) gave 518.9 and 514.4; 56 blocks (this rule) 530.6 in the same call
+    // as the last. Other row counts follow the rule unmeasured.
+    const int splits = std::clamp(sms / (2 * rows), 1, max_tiles);
     const dim3 grid(splits, rows);
     RebuildKMmaKernel<<<grid, 2 * (a.d / 64) * 32, MmaSmemBytes(a.r, a.d), stream>>>(a, MmaSmemStride(a.r));
   } else {

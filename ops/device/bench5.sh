@@ -14,7 +14,9 @@
 # and per-bin aggregation): parity, kernel benchmarks, traced and untraced
 # decode. STAGE=5: the same build beside Penumbra's full attention, as a
 # check of the machine's speed against the peer's. The peer runs first and
-# last in STAGE=2..5.
+# last in STAGE=2..5. STAGE=6: the CUPTI GPU test, then one block per SM
+# against 56 blocks for the K rebuild (PENUMBRA_EXP_REBUILD_BLOCKS, a hook of
+# that build, removed when 56 blocks = rows became the rule).
 # libcupti travels in .device/lib (the bundle leaves CUDA libraries out).
 source "$(dirname "$0")/bench_common.sh"
 export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -64,4 +66,11 @@ case "${STAGE:-1}" in
     run 90 $R penumbra-bench decode --kv-policy full --steps 20 --context 124928
     run 150 $R $SW --steps 100 --hit-rates 0.6,natural
     run 120 $PEER ;;
+  6)
+    timeout 60 $R kernel_trace_gpu_test > "$OUT/kernel_trace_gpu_test.log" 2>&1
+    echo "kernel_trace_gpu_test rc=$?"; grep -E "PASSED|FAILED|SKIPPED|Failure|Expected|Which" "$OUT/kernel_trace_gpu_test.log" | head -12
+    PEER="python3 .device/peer_full_attention.py decode --steps 20 --context 124928"
+    run 120 $PEER
+    run 120 $R $SW --steps 100 --hit-rates 0.6
+    run 120 env PENUMBRA_EXP_REBUILD_BLOCKS=56 $R $SW --steps 100 --hit-rates 0.6 ;;
 esac
