@@ -6,8 +6,9 @@ copies with GPU start/end times, see worker/bench/kernel_trace.h).
 
 Per decode step it reports: how long the GPU ran anything, each stream's busy
 time and top kernels, how long the host link was busy (the union of the value
-fetch kernels, any stream), and the link's idle gaps attributed to what the
-next fetch waited for (the kernel that ended last before it began). Only the
+fetch kernels, any stream), the link's idle gaps attributed to what the next
+fetch waited for (the kernel that ended last before it began), and per lane
+(fetch stream) the time from the end of one fetch to the start of the next. Only the
 standard library is used, so it runs on the GPU machine as well as here.
 """
 import argparse
@@ -78,6 +79,17 @@ def main():
         d = sorted((e - s) / 1e3 for s, e, _ in fetch)
         out["fetch_us"] = {"p10": d[len(d) // 10], "p50": d[len(d) // 2], "p90": d[9 * len(d) // 10]}
 
+    # Per fetch stream (one lane's side stream): from the end of one fetch to
+    # the start of the lane's next one, the lane's own chain (its attention,
+    # MLP, next layer's projections, scoring, top-k) plus any wait for its turn.
+    out["fetch_to_next_fetch_us"] = {}
+    for st in fetch_streams:
+        own = sorted((s, e) for s, e, x in fetch if x == st)
+        d = sorted((b[0] - a[1]) / 1e3 for a, b in zip(own, own[1:]))
+        if d:
+            out["fetch_to_next_fetch_us"][str(st)] = {"p10": d[len(d) // 10], "p50": d[len(d) // 2],
+                                                      "p90": d[9 * len(d) // 10]}
+
     # Streams: busy time and what runs there.
     streams = collections.defaultdict(list)
     for s, e, st, k, n in recs:
@@ -142,6 +154,9 @@ def main():
                     print(f"    {ms:7.3f} ms  {n[:110]}")
                 for n, ms in d["idle_before_ms_per_step"].items():
                     print(f"    idle {ms:7.3f} ms before {n[:100]}")
+        elif k == "fetch_to_next_fetch_us":
+            for st, q in v.items():
+                print(f"{k} (stream {st}): p10 {q['p10']:.1f}, p50 {q['p50']:.1f}, p90 {q['p90']:.1f}")
         elif isinstance(v, dict):
             print(f"{k}:")
             for n, ms in v.items():

@@ -51,6 +51,7 @@ class TraceSummaryTest(unittest.TestCase):
         self.assertAlmostEqual(s1["idle_ms_per_step"], 80 * ms)  # 50 before B, 30 before C
         self.assertAlmostEqual(s1["idle_before_ms_per_step"]["B"], 50 * ms)
         self.assertEqual(out["streams"]["2"]["role"], "fetch")
+        self.assertEqual(out["fetch_to_next_fetch_us"]["2"]["p50"], 80)
 
     def test_per_step_scaling_and_text(self):
         recs = [rec("A", 0, 100, 1), rec("FetchVKernel", 100, 300, 2)]
@@ -59,6 +60,9 @@ class TraceSummaryTest(unittest.TestCase):
         p = self.summarize(recs, "--steps", "2")
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertIn("link_busy_ms_per_step: 0.100", p.stdout)
+        two = recs + [rec("FetchVKernel", 400, 450, 2)]
+        p = self.summarize(two, "--steps", "1")
+        self.assertIn("fetch_to_next_fetch_us (stream 2): p10 100.0, p50 100.0, p90 100.0", p.stdout)
 
     def test_bad_input_names_the_line(self):
         p = self.summarize([rec("A", 0, 1, 1), {"kind": "kernel"}], "--steps", "1")
