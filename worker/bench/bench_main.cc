@@ -24,8 +24,8 @@
 
 #include "common/args.h"
 #include "common/logging.h"
-#include "worker/engine/engine.h"
 #include "worker/bench/kernel_trace.h"
+#include "worker/engine/engine.h"
 #include "worker/engine/op_profiler.h"
 
 namespace penumbra {
@@ -127,7 +127,8 @@ Result<std::vector<double>> HitRates(const Args& a, double def) {
 // every sequence). --batch-sweep times the first b sequences of it for each b
 // (the others wait), and --hit-rates repeats every measurement for each
 // forced hit rate, each a JSON line of its own.
-Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double copy_gbps) {
+// `trace_pending`: --kernel-trace has not traced a measurement yet (of any context).
+Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double copy_gbps, bool* trace_pending) {
   const ModelConfig& c = e.config();
   const int N = e.lanes();
   Backend& b0 = e.backend();
@@ -197,9 +198,9 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   if (timeline) {
     for (int l = 0; l < N; ++l) e.backend(l).SetFetchTimeline(true);  // the reference is recorded here, idle
   }
-  // --kernel-trace PATH: the first measurement's timed steps as a device
-  // timeline of every kernel and copy (ops/trace_summary.py reads it).
-  std::string trace_path = a.Get("kernel-trace", "");
+  // --kernel-trace PATH: the run's first measurement's timed steps as a
+  // device timeline of every kernel and copy (ops/trace_summary.py reads it).
+  const std::string trace_path = a.Get("kernel-trace", "");
   if (a.Has("kernel-trace") && trace_path.empty()) return Status::InvalidArgument("--kernel-trace needs a file path");
   if (!trace_path.empty() && profile) return Status::InvalidArgument("--kernel-trace and --profile do not mix");
   if (!trace_path.empty() && b0.device() != Device::kCUDA) {
@@ -221,8 +222,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     }
     std::atomic<bool> failed{false};
     double t0 = 0;
-    const bool traced = !trace_path.empty();
-    trace_path.clear();  // only the first measurement
+    const bool traced = *trace_pending;
+    *trace_pending = false;
     std::unique_ptr<KernelTrace> trace;
     Status trace_status;
     std::barrier start(N, [&]() noexcept {
@@ -306,7 +307,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     if (trace) {
       PENUMBRA_ASSIGN_OR_RETURN(std::vector<TraceRecord> recs, trace->Stop());
       trace_records = recs.size();
-      PENUMBRA_RETURN_IF_ERROR(KernelTrace::Write(recs, a.Get("kernel-trace", "")));
+      PENUMBRA_RETURN_IF_ERROR(KernelTrace::Write(recs, trace_path));
     }
     double end = 0;
     for (const LaneRun& r : runs) end = std::max(end, r.end);
@@ -398,7 +399,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     }
     j["hbm_copy_gbps"] = copy_gbps;
     if (traced) {
-      j["kernel_trace"] = a.Get("kernel-trace", "");  // this measurement's steps ran traced: slower than untraced
+      j["kernel_trace"] = trace_path;  // this measurement's steps ran traced: slower than untraced
       j["kernel_trace_records"] = trace_records;
     }
     std::cout << j.dump() << std::endl;
@@ -479,7 +480,7 @@ Status Main(int argc, char** argv) {
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
-      .Flag("kernel-trace", "decode, CUDA: write every kernel and copy of the first measurement's timed steps "
+      .Flag("kernel-trace", "decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
                             "to this file, one JSON line each (ops/trace_summary.py summarizes it)")
       .Switch("fetch-timeline", "decode, shadowkv: time every value fetch of the timed steps on the device and "
                                 "report how long per step the PCIe link was busy (fetch_timeline)")
@@ -517,8 +518,9 @@ Status Main(int argc, char** argv) {
   Common cm;
   cm.gpu = engine->backend().name();
   const double copy = mode == "decode" && engine->backend().device() == Device::kCUDA ? MeasureCopyGBps(engine->backend()) : 0;
+  bool trace_pending = a.Has("kernel-trace");
   for (int64_t S : contexts) {
-    Status r = mode == "decode" ? RunDecode(a, *engine, cm, S, copy) : RunPrefill(a, *engine, cm, S);
+    Status r = mode == "decode" ? RunDecode(a, *engine, cm, S, copy, &trace_pending) : RunPrefill(a, *engine, cm, S);
     if (!r.ok()) {
       nlohmann::json j = cm.Line(mode);
       j["context"] = S;
