@@ -13,6 +13,8 @@
 
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/topk.cuh"
+#include "kernels/topk_block.cuh"
 #include "kernels/cuda_check.h"
 
 namespace penumbra::kernels {
@@ -197,14 +199,10 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
 }
 
-// Phase 1.5: one warp per (sequence, query head) merges the split statistics.
-__global__ void ScoreMergeKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split) {
-  const int idx = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x & 31;
-  if (idx >= a.batch * a.hq) return;
-  const int b = idx / a.hq;
-  const int ns = (a.n_chunks[b] + kScoreSplit - 1) / kScoreSplit;
-  const float2* st = ws.splits + static_cast<int64_t>(idx) * n_split;
+// The (max, sum exp) of one query head's ns splits, reduced by one warp (the
+// merge kernel and the score-and-select kernel share it, so both give the
+// same bits).
+__device__ __forceinline__ float2 MergeSplits(const float2* st, int ns, int lane) {
   float m = NegInf();
   for (int i = lane; i < ns; i += 32) m = fmaxf(m, st[i].x);
   m = WarpMax(m);
@@ -212,8 +210,31 @@ __global__ void ScoreMergeKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_s
   if (m != NegInf())
     for (int i = lane; i < ns; i += 32)
       if (st[i].x != NegInf()) s += st[i].y * expf(st[i].x - m);
-  s = WarpSum(s);
-  if (lane == 0) ws.merged[idx] = make_float2(m, s);
+  return make_float2(m, WarpSum(s));
+}
+
+// Phase 1.5: one warp per (sequence, query head) merges the split statistics.
+__global__ void ScoreMergeKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split) {
+  const int idx = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (idx >= a.batch * a.hq) return;
+  const int b = idx / a.hq;
+  const int ns = (a.n_chunks[b] + kScoreSplit - 1) / kScoreSplit;
+  const float2 ms = MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
+  if (lane == 0) ws.merged[idx] = ms;
+}
+
+// A chunk's score (phase 2): max over the group of exp(logit - max) / sum;
+// -inf when excluded.
+__device__ __forceinline__ float GroupScore(int group, const float (&m)[8], const float (&s)[8], bool skip,
+                                            const float (&lg)[8]) {
+  float best = NegInf();
+  if (!skip) {
+#pragma unroll
+    for (int g = 0; g < 8; ++g)
+      if (g < group) best = fmaxf(best, expf(lg[g] - m[g]) / s[g]);
+  }
+  return best;
 }
 
 // Phase 2: scores = max over the group of exp(logit - max) / sum.
@@ -250,14 +271,55 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
   for (int j = 0; j < kScoreFinalPerThread; ++j) {
     const int c = (blockIdx.x * kScoreFinalPerThread + j) * kScoreThreads + threadIdx.x;
     if (c >= a.max_chunks) break;
-    float best = NegInf();
-    if (!skip[j]) {
-#pragma unroll
-      for (int g = 0; g < 8; ++g)
-        if (g < group) best = fmaxf(best, expf(lg[j][g] - m[g]) / s[g]);
-    }
-    out[c] = best;
+    out[c] = GroupScore(group, m, s, skip[j], lg[j]);
   }
+}
+
+// Phase 1.5 + 2 + top-k in one launch (a selection was asked for and every
+// row's chunks fit in shared memory): one block of topk_block::kThreads per
+// row (sequence, KV head). Warp g merges query head g's split statistics,
+// then the top-k computes each chunk's score from the group's logits exactly
+// as ScoreFinalKernel does, keeps it in shared memory as a key and selects.
+struct GroupScoreSource {
+  const float* logits;  // the group's first head; head g at + g * stride
+  int64_t stride;
+  const uint8_t* excl;  // null: none excluded
+  int group;
+  float m[8], s[8];
+  __device__ __forceinline__ float operator()(int c) const {
+    float lg[8];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) lg[g] = g < group ? logits[g * stride + c] : 0.0f;
+    return GroupScore(group, m, s, excl && excl[c], lg);
+  }
+};
+
+__global__ void __launch_bounds__(topk_block::kThreads)
+    ScoreSelectKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split, int cached_keys) {
+  extern __shared__ __align__(16) uint32_t sel_smem[];
+  __shared__ float2 s_ms[8];
+  const int row = blockIdx.x, b = row / a.hkv, h = row % a.hkv;
+  const int group = a.hq / a.hkv, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = min(a.n_chunks[b], a.max_chunks);
+  if (warp < group) {
+    const int idx = b * a.hq + h * group + warp;
+    const int ns = (n + kScoreSplit - 1) / kScoreSplit;
+    const float2 ms = MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
+    if (lane == 0) s_ms[warp] = ms;
+  }
+  __syncthreads();
+  GroupScoreSource src;
+  src.logits = ws.logits + (static_cast<int64_t>(b) * a.hq + h * group) * a.max_chunks;
+  src.stride = a.max_chunks;
+  src.excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
+  src.group = group;
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    src.m[g] = g < group ? s_ms[g].x : 0.0f;
+    src.s[g] = g < group ? s_ms[g].y : 1.0f;
+  }
+  topk_block::SelectRow(src, n, a.select_k, /*smallest=*/false, /*skip_worst_inf=*/true,
+                        a.selection + static_cast<int64_t>(row) * a.selection_stride, sel_smem, cached_keys);
 }
 
 // Phase 1 on tensor cores (bf16 q and landmarks, d in {64, 128}, group in
@@ -487,7 +549,6 @@ __global__ void __launch_bounds__(kSlotThreads) SlotUpdateKernel(ShadowkvSlotUpd
 // ============================================================================
 constexpr int kSimtThreads = 128;
 constexpr int kSimtTokens = 8;  // tokens per inner tile of the SIMT path
-constexpr int kMmaTileRows = 64;
 
 // SIMT path: one block per miss; tiles of 8 tokens; A tile and the pre-RoPE
 // result in shared memory (f32), B read through L1/L2.
@@ -544,39 +605,51 @@ __global__ void __launch_bounds__(kSimtThreads) RebuildKSimtKernel(ShadowkvRebui
   }
 }
 
+// Tensor-core path (bf16, d % 64 == 0, r % 8 == 0). A block owns tiles of 64
+// miss tokens of one (sequence, KV head) row, tiles blockIdx.x, + gridDim.x, ...
+// Warps: 4 along the tile's rows (16 each) x d/64 along the columns; warp wn
+// owns columns [32 wn, 32 wn + 32) and the same 32 columns of the upper half
+// (+ d/2), so that RoPE's pairs (j, j + d/2) meet in one thread's accumulators
+// and are rotated and stored straight from registers.
+// Shared memory: B[h] as [kpad][d + 8] (k rows, zero past r; fragments by
+// ldmatrix.trans), `stages` A tiles of [64][kpad + 8] gathered by cp.async
+// (the next tile's gather is in flight while this one is multiplied and
+// rotated), and the tile's (chunk, slot) lists, double-buffered. Both row
+// strides are an odd number of 16-byte units, so ldmatrix is conflict-free.
+// Measured before this layout (PENUMBRA_KERNEL_BENCH): one tile at a time with
+// a shared-memory round trip for RoPE took ~8 us per tile, and its blocks
+// held 56 SMs for ~100 us of every lane-layer at 124928 x 14.
+constexpr int kRebuildTileRows = 64;
+constexpr int kRebuildRowWarps = kRebuildTileRows / 16;
 
-__device__ __forceinline__ uint32_t LoadPair(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// Row stride (bf16 elements) of the shared A and B^T tiles: >= r rounded up
-// to 16, and (stride / 2) % 32 == 4 so that the fragment loads of a warp hit 32
-// distinct banks.
-int MmaSmemStride(int r) {
-  const int kpad = (r + 15) / 16 * 16;
-  return std::max(0, (kpad - 8 + 63) / 64) * 64 + 8;
+struct RebuildSmem {
+  int kpad, a_stride, b_stride, stages;
+  size_t b_bytes, a_bytes, idx_bytes;
+  size_t total() const { return b_bytes + static_cast<size_t>(stages) * a_bytes + idx_bytes; }
+};
+RebuildSmem RebuildSmemLayout(int r, int d, int stages) {
+  RebuildSmem s{};
+  s.kpad = (r + 15) / 16 * 16;
+  s.a_stride = s.kpad + 8;
+  s.b_stride = d + 8;
+  s.stages = stages;
+  s.b_bytes = static_cast<size_t>(s.kpad) * s.b_stride * sizeof(bf16);
+  s.a_bytes = static_cast<size_t>(kRebuildTileRows) * s.a_stride * sizeof(bf16);
+  s.idx_bytes = 2 * 2 * kRebuildTileRows * sizeof(int32_t);
+  return s;
 }
-size_t MmaSmemBytes(int r, int d) {
-  const size_t s = MmaSmemStride(r);
-  const size_t bt = static_cast<size_t>(d) * s * sizeof(bf16);
-  const size_t at = std::max(static_cast<size_t>(kMmaTileRows) * s * sizeof(bf16),
-                             static_cast<size_t>(kMmaTileRows) * (d + 4) * sizeof(float));
-  return bt + at;
-}
 
-// Tensor-core path (bf16, d % 64 == 0): block = 2 * d/64 warps; warp (wm, wn)
-// computes rows [32 wm, 32 wm + 32) x columns [64 wn, 64 wn + 64) of a 64-row
-// tile of miss tokens with m16n8k16 MMAs.
-__global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a, int stride) {
+__global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a, RebuildSmem L) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int r = a.r, d = a.d, C = a.chunk_size, half = d / 2;
-  const int kpad = (r + 15) / 16 * 16;
-  bf16* Bt = reinterpret_cast<bf16*>(smem);  // [d][stride]
-  bf16* As = Bt + static_cast<int64_t>(d) * stride;  // [64][stride], aliased by Os
-  float* Os = reinterpret_cast<float*>(As);           // [64][d + 4]
-  const int os_stride = d + 4;
+  const int kpad = L.kpad;
+  bf16* Bs = reinterpret_cast<bf16*>(smem);                               // [kpad][b_stride]
+  bf16* As = reinterpret_cast<bf16*>(smem + L.b_bytes);                  // [stages][64][a_stride]
+  int32_t* s_idx = reinterpret_cast<int32_t*>(smem + L.b_bytes + L.stages * L.a_bytes);  // [2][chunk | slot][64]
 
   const int row = blockIdx.y;
-  const int count = a.miss_count[row];
-  const int per_tile = kMmaTileRows / C;
+  const int count = min(max(a.miss_count[row], 0), a.miss_stride);
+  const int per_tile = kRebuildTileRows / C;
   const int ntiles = (count + per_tile - 1) / per_tile;
   if (static_cast<int>(blockIdx.x) >= ntiles) return;
   const int b = row / a.hkv, h = row % a.hkv;
@@ -589,129 +662,124 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
   const int tid = threadIdx.x, nthreads = blockDim.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int wm = warp & 1, wn = warp >> 1;
+  const int wm = warp % kRebuildRowWarps, wn = warp / kRebuildRowWarps;
+  const int vpr = kpad / 8;  // 16-byte vectors per A row
 
-  // B[h] transposed into shared memory, zero-padded to kpad along k. 16-byte
-  // loads (8 columns of one k), kStageUnroll in flight per thread.
-  constexpr int kStageUnroll = 4;
+  // Issues the cp.async gather of a tile's A rows (rows past the tile's tokens
+  // are left as they are: their results are never stored; columns past r are
+  // zero-filled so that 0 * garbage cannot make NaN).
+  auto issue_a = [&](int tile, int stage, const int32_t* chunks) {
+    const int rows_used = min(per_tile, count - tile * per_tile) * C;
+    bf16* dst = As + static_cast<size_t>(stage) * kRebuildTileRows * L.a_stride;
+    for (int idx = tid; idx < rows_used * vpr; idx += nthreads) {
+      const int rr = idx / vpr, k0 = (idx - rr * vpr) * 8;
+      const int64_t t = static_cast<int64_t>(chunks[rr / C]) * C + rr % C;
+      const bool in = k0 < r;
+      CpAsync16(SmemAddr(dst + rr * L.a_stride + k0), in ? A + t * r + k0 : A, in ? 16 : 0);
+    }
+  };
+  auto load_idx = [&](int tile, int buf) {
+    const int m0 = tile * per_tile, n = min(per_tile, count - m0);
+    for (int i = tid; i < n; i += nthreads) {
+      s_idx[buf * 2 * kRebuildTileRows + i] = mchunk[m0 + i];
+      s_idx[buf * 2 * kRebuildTileRows + kRebuildTileRows + i] = mslot[m0 + i];
+    }
+  };
+
+  // Prologue: B[h] (zero rows past r) and the first tile, one group.
   {
-    const int vecs_per_k = d / 8, total = kpad * vecs_per_k;
-    for (int base = tid; base < total; base += nthreads * kStageUnroll) {
-      uint4 v[kStageUnroll];
-#pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u) {
-        const int idx = base + u * nthreads;
-        const int k = idx / vecs_per_k;
-        v[u] = make_uint4(0, 0, 0, 0);
-        if (idx < total && k < r)
-          v[u] = __ldg(reinterpret_cast<const uint4*>(Bh + static_cast<int64_t>(k) * d) + (idx - k * vecs_per_k));
-      }
-#pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u) {
-        const int idx = base + u * nthreads;
-        if (idx >= total) break;
-        const int k = idx / vecs_per_k, n0 = (idx - k * vecs_per_k) * 8;
-        const bf16* e = reinterpret_cast<const bf16*>(&v[u]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) Bt[(n0 + j) * stride + k] = e[j];
-      }
+    const int vecs = d / 8;
+    for (int idx = tid; idx < kpad * vecs; idx += nthreads) {
+      const int k = idx / vecs, n0 = (idx - k * vecs) * 8;
+      const bool in = k < r;
+      CpAsync16(SmemAddr(Bs + k * L.b_stride + n0), in ? Bh + static_cast<int64_t>(k) * d + n0 : Bh, in ? 16 : 0);
     }
   }
-  const bool vec_a = (r % 8) == 0;
-  const int vpr = kpad / 8;  // 8-element vectors per shared A row
+  int tile = blockIdx.x;
+  load_idx(tile, 0);
+  __syncthreads();
+  issue_a(tile, 0, s_idx);
+  CpAsyncCommit();
 
-  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    const int m0 = tile * per_tile;
-    const int rows_used = min(per_tile, count - m0) * C;
-    // Gather the A rows of the tile's tokens (zero rows past the tile's end),
-    // kStageUnroll 16-byte loads in flight per thread.
-    for (int base = tid; base < kMmaTileRows * vpr; base += nthreads * kStageUnroll) {
-      uint4 v[kStageUnroll];
+  // This thread's frequencies: columns 32 wn + 8 nt + 2 t4 + e of the low half.
+  float freq[4][2];
 #pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u) {
-        const int idx = base + u * nthreads;
-        const int rr = idx / vpr, k0 = (idx - rr * vpr) * 8;
-        v[u] = make_uint4(0, 0, 0, 0);
-        if (idx < kMmaTileRows * vpr && rr < rows_used && k0 < r) {
-          const int64_t t = static_cast<int64_t>(mchunk[m0 + rr / C]) * C + rr % C;
-          const bf16* src = A + t * r + k0;
-          if (vec_a) {
-            v[u] = __ldg(reinterpret_cast<const uint4*>(src));
-          } else {
-            bf16* e = reinterpret_cast<bf16*>(&v[u]);
+  for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int j = 0; j < 8; ++j) e[j] = k0 + j < r ? src[j] : __float2bfloat16(0.0f);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u) {
-        const int idx = base + u * nthreads;
-        if (idx >= kMmaTileRows * vpr) break;
-        const int rr = idx / vpr, k0 = (idx - rr * vpr) * 8;
-        *reinterpret_cast<uint4*>(As + rr * stride + k0) = v[u];
-      }
+    for (int e = 0; e < 2; ++e) freq[nt][e] = a.inv_freq[32 * wn + 8 * nt + 2 * t4 + e];
+
+  for (int it = 0; tile < ntiles; ++it, tile += gridDim.x) {
+    const int next = tile + gridDim.x;
+    const int buf = it & 1, stage = it % L.stages;
+    // The next tile's lists, loaded now and stored after the products.
+    int32_t nchunk = 0, nslot = 0;
+    const bool has_next = next < ntiles;
+    const int nm0 = next * per_tile, nn = has_next ? min(per_tile, count - nm0) : 0;
+    if (tid < nn) {
+      nchunk = mchunk[nm0 + tid];
+      nslot = mslot[nm0 + tid];
     }
-    __syncthreads();
+    CpAsyncWait<0>();
+    __syncthreads();  // the tile's A (every thread's copies) and lists are visible
 
-    float acc[2][8][4];
+    float acc[8][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+    const bf16* At = As + static_cast<size_t>(stage) * kRebuildTileRows * L.a_stride;
+    const uint32_t a_addr = SmemAddr(At + (16 * wm + (lane & 15)) * L.a_stride + (lane >> 4) * 8);
+    const int bk = (lane & 7) + ((lane >> 3) & 1) * 8, bn = (lane >> 4) * 8;
+    const uint32_t b_lo = SmemAddr(Bs + bk * L.b_stride + 32 * wn + bn);
+    const uint32_t b_hi = b_lo + half * static_cast<uint32_t>(sizeof(bf16));
     for (int kk = 0; kk < kpad; kk += 16) {
-      uint32_t af[2][4], bfr[8][2];
+      uint32_t af[4];
+      LdMatrixX4(af, a_addr + kk * static_cast<uint32_t>(sizeof(bf16)));
+      const uint32_t koff = static_cast<uint32_t>(kk) * L.b_stride * static_cast<uint32_t>(sizeof(bf16));
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const bf16* p0 = As + (32 * wm + 16 * mt + g) * stride + kk + 2 * t4;
-        const bf16* p1 = p0 + 8 * stride;
-        af[mt][0] = LoadPair(p0);
-        af[mt][1] = LoadPair(p1);
-        af[mt][2] = LoadPair(p0 + 8);
-        af[mt][3] = LoadPair(p1 + 8);
+      for (int p = 0; p < 2; ++p) {
+        uint32_t bl[4], bh[4];
+        LdMatrixX4Trans(bl, b_lo + koff + p * 16 * static_cast<uint32_t>(sizeof(bf16)));
+        LdMatrixX4Trans(bh, b_hi + koff + p * 16 * static_cast<uint32_t>(sizeof(bf16)));
+        MmaBf16(acc[2 * p], af, bl[0], bl[1]);
+        MmaBf16(acc[2 * p + 1], af, bl[2], bl[3]);
+        MmaBf16(acc[4 + 2 * p], af, bh[0], bh[1]);
+        MmaBf16(acc[4 + 2 * p + 1], af, bh[2], bh[3]);
       }
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const bf16* q = Bt + (64 * wn + 8 * nt + g) * stride + kk + 2 * t4;
-        bfr[nt][0] = LoadPair(q);
-        bfr[nt][1] = LoadPair(q + 8);
-      }
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) MmaBf16(acc[mt][nt], af[mt], bfr[nt]);
     }
-    __syncthreads();  // As is about to be overwritten by Os
+    if (tid < nn) {
+      s_idx[(buf ^ 1) * 2 * kRebuildTileRows + tid] = nchunk;
+      s_idx[(buf ^ 1) * 2 * kRebuildTileRows + kRebuildTileRows + tid] = nslot;
+    }
+    __syncthreads();  // every warp is done with this stage's A; the next lists are visible
+    if (has_next) issue_a(next, (it + 1) % L.stages, s_idx + (buf ^ 1) * 2 * kRebuildTileRows);
+    CpAsyncCommit();
+
+    // RoPE at the true positions, in f32, from the accumulators.
+    const int rows_used = min(per_tile, count - tile * per_tile) * C;
+    const int32_t* chunks = s_idx + buf * 2 * kRebuildTileRows;
+    const int32_t* slots = chunks + kRebuildTileRows;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int r0 = 32 * wm + 16 * mt + g, col = 64 * wn + 8 * nt + 2 * t4;
-        *reinterpret_cast<float2*>(&Os[r0 * os_stride + col]) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
-        *reinterpret_cast<float2*>(&Os[(r0 + 8) * os_stride + col]) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
-      }
-    __syncthreads();
-    // RoPE in f32, two adjacent pairs per thread, bf16x2 stores.
-    const int quads = half / 2;
-    for (int idx = tid; idx < rows_used * quads; idx += nthreads) {
-      const int rr = idx / quads, j = 2 * (idx - rr * quads);
-      const int mi = m0 + rr / C, i = rr % C;
-      const int64_t t = static_cast<int64_t>(mchunk[mi]) * C + i;
+    for (int hr = 0; hr < 2; ++hr) {
+      const int rr = 16 * wm + g + 8 * hr;
+      if (rr >= rows_used) continue;
+      const int mi = rr / C, i = rr - mi * C;
+      const int64_t t = static_cast<int64_t>(chunks[mi]) * C + i;
       const float pos = static_cast<float>(static_cast<int32_t>(t) + offset);
-      float s0, c0, s1, c1;
-      sincosf(pos * a.inv_freq[j], &s0, &c0);
-      sincosf(pos * a.inv_freq[j + 1], &s1, &c1);
-      const float* x = Os + rr * os_stride;
-      const float x1a = x[j], x1b = x[j + 1], x2a = x[j + half], x2b = x[j + half + 1];
-      bf16* dst = K + (static_cast<int64_t>(mslot[mi]) * C + i) * d;
-      *reinterpret_cast<__nv_bfloat162*>(dst + j) =
-          __floats2bfloat162_rn(x1a * c0 - x2a * s0, x1b * c1 - x2b * s1);
-      *reinterpret_cast<__nv_bfloat162*>(dst + j + half) =
-          __floats2bfloat162_rn(x2a * c0 + x1a * s0, x2b * c1 + x1b * s1);
+      bf16* dst = K + (static_cast<int64_t>(slots[mi]) * C + i) * d;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        float s0, c0, s1, c1;
+        sincosf(pos * freq[nt][0], &s0, &c0);
+        sincosf(pos * freq[nt][1], &s1, &c1);
+        const float x1a = acc[nt][2 * hr], x1b = acc[nt][2 * hr + 1];
+        const float x2a = acc[4 + nt][2 * hr], x2b = acc[4 + nt][2 * hr + 1];
+        const int j = 32 * wn + 8 * nt + 2 * t4;
+        *reinterpret_cast<__nv_bfloat162*>(dst + j) = __floats2bfloat162_rn(x1a * c0 - x2a * s0, x1b * c1 - x2b * s1);
+        *reinterpret_cast<__nv_bfloat162*>(dst + j + half) =
+            __floats2bfloat162_rn(x2a * c0 + x1a * s0, x2b * c1 + x1b * s1);
+      }
     }
-    __syncthreads();  // Os (aliasing As) is rewritten by the next tile
   }
 }
 
@@ -811,6 +879,10 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream) {
   CHECK_GE(a.score_stride, a.max_chunks);
   CHECK_LE(a.max_chunks, a.chunk_cap);
   CHECK_GE(a.workspace_bytes, ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks));
+  if (a.select_k > 0) {
+    CHECK(a.select_k <= kTopKMaxK && a.selection != nullptr && a.selection_stride >= a.select_k)
+        << "ShadowkvScore: selection k " << a.select_k << " stride " << a.selection_stride;
+  }
   const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks);
   const int n_split = ScoreSplits(a.max_chunks);
   int tpr = 1;
@@ -825,6 +897,15 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream) {
     LaunchScoreLogits<bf16>(a, ws, tpr, n_split, stream);
   }
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
+  if (a.select_k > 0 && a.max_chunks <= kTopKSharedKeys) {
+    const int cached = a.max_chunks;
+    const size_t smem = topk_block::SharedWords(cached) * sizeof(uint32_t);
+    const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&ScoreSelectKernel));
+    CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvScore: " << cached << " chunks";
+    ScoreSelectKernel<<<a.batch * a.hkv, topk_block::kThreads, smem, stream>>>(a, ws, n_split, cached);
+    PENUMBRA_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   constexpr int kMergeWarps = 4;
   ScoreMergeKernel<<<(a.batch * a.hq + kMergeWarps - 1) / kMergeWarps, kMergeWarps * 32, 0, stream>>>(a, ws, n_split);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
@@ -832,6 +913,20 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream) {
   const dim3 grid((a.max_chunks + per_block - 1) / per_block, a.hkv, a.batch);
   ScoreFinalKernel<<<grid, kScoreThreads, 0, stream>>>(a, ws);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
+  if (a.select_k > 0) {
+    TopKArgs t;
+    t.values = a.scores;
+    t.stride = a.score_stride;
+    t.rows = a.batch * a.hkv;
+    t.counts = a.n_chunks;
+    t.rows_per_count = a.hkv;
+    t.max_count = a.max_chunks;
+    t.k = a.select_k;
+    t.skip_worst_inf = true;
+    t.out = a.selection;
+    t.out_stride = a.selection_stride;
+    LaunchTopK(t, stream);
+  }
 }
 
 void LaunchShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a, cudaStream_t stream) {
@@ -854,28 +949,33 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
   CHECK(a.r >= 1 && a.r <= 512) << "ShadowkvRebuildK: r " << a.r;
   CHECK(a.chunk_size >= 1 && a.chunk_size <= 64) << "ShadowkvRebuildK: chunk_size " << a.chunk_size;
   CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF32) << "ShadowkvRebuildK: dtype";
-  bool mma = a.algo != RebuildKAlgo::kSimt && a.dtype == DType::kBF16 && a.d % 64 == 0;
+  bool mma = a.algo != RebuildKAlgo::kSimt && a.dtype == DType::kBF16 && a.d % 64 == 0 && a.r % 8 == 0;
+  RebuildSmem layout{};
   if (mma) {
     const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&RebuildKMmaKernel));
-    mma = MmaSmemBytes(a.r, a.d) <= static_cast<size_t>(max_dynamic);
+    // Two A stages where they fit (the next tile's gather in flight), else one.
+    layout = RebuildSmemLayout(a.r, a.d, 2);
+    if (layout.total() > static_cast<size_t>(max_dynamic)) layout = RebuildSmemLayout(a.r, a.d, 1);
+    mma = layout.total() <= static_cast<size_t>(max_dynamic);
   }
   if (mma) {
-    const int per_tile = kMmaTileRows / a.chunk_size;
+    const int per_tile = kRebuildTileRows / a.chunk_size;
     const int max_tiles = (a.max_misses + per_tile - 1) / per_tile;
     static const int sms = MultiProcessorCount();
     // About half the SMs (at least one block per row), not more: the rebuild
     // is launched right after the slot update, beside the value fetch on the
-    // side stream, and its blocks (85 KB of shared memory each at r 160,
-    // d 128) take SMs the other lane's chain needs, while the rebuild itself
-    // has the whole fetch (~280 us) to finish. Measured with
+    // side stream, and its blocks take SMs the other lane's chain needs, while
+    // the rebuild itself has the whole fetch (~280 us) to finish. Measured with
     // penumbra-bench --kernel-trace at 124928 x 14, two lanes (7 x 8 = 56 rows),
-    // forced 60%: 4 blocks per SM (560) held every SM ~55 us after each slot
-    // update, delaying the fetch and the other lane (497.0 tok/s); one per SM
-    // (168) gave 518.9 and 514.4; 56 blocks (this rule) 530.6 in the same call
-    // as the last. Other row counts follow the rule unmeasured.
+    // forced 60%, with the previous (one tile at a time) kernel: 4 blocks per
+    // SM (560) held every SM ~55 us after each slot update, delaying the fetch
+    // and the other lane (497.0 tok/s); one per SM (168) gave 518.9 and 514.4;
+    // 56 blocks (this rule) 530.6 in the same call as the last. Other row
+    // counts follow the rule unmeasured.
     const int splits = std::clamp(sms / (2 * rows), 1, max_tiles);
     const dim3 grid(splits, rows);
-    RebuildKMmaKernel<<<grid, 2 * (a.d / 64) * 32, MmaSmemBytes(a.r, a.d), stream>>>(a, MmaSmemStride(a.r));
+    const int threads = kRebuildRowWarps * (a.d / 64) * 32;
+    RebuildKMmaKernel<<<grid, threads, layout.total(), stream>>>(a, layout);
   } else {
     const size_t smem = static_cast<size_t>(kSimtTokens) * (a.r + a.d) * sizeof(float);
     const dim3 grid(a.max_misses, rows);

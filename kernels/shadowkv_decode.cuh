@@ -14,9 +14,9 @@
 // Per-sequence tensors are passed as device arrays of per-sequence base
 // pointers; "row" below means (sequence b, KV head h) = b * hkv + h.
 //
-// One step: ShadowkvScore -> LaunchTopK (topk.cuh, k = kslots, counts =
-// n_chunks, rows_per_count = hkv, skip_worst_inf so excluded chunks are never
-// picked) -> ShadowkvSlotUpdate -> on two streams ShadowkvRebuildK and
+// One step: ShadowkvScore with its selection (the top-k of topk.cuh, k =
+// kslots, skip_worst_inf so excluded chunks are never picked) ->
+// ShadowkvSlotUpdate -> on two streams ShadowkvRebuildK and
 // ShadowkvFetchV (or ShadowkvScatterV) -> attention. A slot whose map entry
 // is -1 (fewer selectable chunks than kslots) holds stale K/V rows: attention
 // must mask it.
@@ -27,13 +27,17 @@
 //    writing scaled logits and per-split (max, sum exp) to the workspace; a
 //    small kernel merges the split statistics per query head; a last pass
 //    writes max over the group of exp(logit - max) / sum. Reads L once
-//    (B*hkv*n*d elements) plus 2 passes over B*hq*n f32 logits.
+//    (B*hkv*n*d elements) plus 2 passes over B*hq*n f32 logits. With a
+//    selection, one block per row (1024 threads) merges its heads' statistics,
+//    computes the row's scores from the logits into shared memory as top-k
+//    keys and selects (one pass over the logits, two launches fewer).
+//  RebuildK: grid (tile split, row); a block stages B[h] in shared memory
+//    once and loops over tiles of 64 miss tokens: gathers A rows (cp.async,
+//    the next tile's in flight), multiplies on tensor cores (mma.sync bf16,
+//    f32 accumulate), applies rotate-half RoPE in f32 on the accumulators and
+//    writes the K rows. A SIMT path (f32 FMA) serves f32 and shapes the
+//    tensor-core path does not cover (d % 64 != 0, r % 8 != 0, B too large).
 //  SlotUpdate: one block per row; shared-memory bitmaps over chunk ids.
-//  RebuildK: grid (tile split, row); a block stages B[h] (transposed) in
-//    shared memory once and loops over tiles of 64 miss tokens: gathers A
-//    rows, multiplies on tensor cores (mma.sync bf16, f32 accumulate), applies
-//    rotate-half RoPE in f32 and writes the K rows. A SIMT path (f32 FMA)
-//    serves f32 and shapes the tensor-core path does not cover.
 //  FetchV / ScatterV: a warp per missed chunk, 16-byte loads, all of a lane's
 //    loads issued before its stores (PCIe latency).
 #pragma once
@@ -65,6 +69,16 @@ struct ShadowkvScoreArgs {
   int64_t score_stride = 0;  // >= max_chunks
   void* workspace = nullptr;  // ShadowkvScoreWorkspaceBytes() bytes
   size_t workspace_bytes = 0;
+  // Optional selection (Algorithm 2's top-k), select_k in [1, kTopKMaxK]: the
+  // indices of each row's select_k best chunks, ascending, never an excluded
+  // chunk, then -1 (topk.cuh with skip_worst_inf), at selection[row *
+  // selection_stride ..]. `scores` is then scratch: where every row's chunks
+  // fit in shared memory (max_chunks <= kTopKSharedKeys) the scores are
+  // computed inside the selection kernel (the merge of the split statistics,
+  // the group maximum and the top-k in one launch) and `scores` is not written.
+  int select_k = 0;
+  int32_t* selection = nullptr;
+  int64_t selection_stride = 0;  // >= select_k
 };
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks);
 void LaunchShadowkvScore(const ShadowkvScoreArgs& args, cudaStream_t stream);

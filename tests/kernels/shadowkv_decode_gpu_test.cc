@@ -363,6 +363,39 @@ void RunScore(const ScoreCase& c) {
   SKV_CUDA(cudaDeviceSynchronize());
   const auto got = dscores->Download<float>(want.size());
   EXPECT_TRUE(CloseOrPoison(got, want, 1e-30f, 1e-5f));
+
+  // With a selection: the same indices as the top-k (skip_worst_inf) of the
+  // scores just checked, exactly (the fused kernel must compute the same bits;
+  // rows beyond kTopKSharedKeys chunks take the unfused path).
+  const int rows = c.batch * c.hkv;
+  for (int k : {1, 37, std::min(max_chunks + 3, kTopKMaxK)}) {
+    SCOPED_TRACE(::testing::Message() << "select_k " << k);
+    const int64_t sel_stride = k + 2;
+    auto dwant = ToDevice(std::vector<int32_t>(static_cast<size_t>(rows) * sel_stride, kIntPoison));
+    TopKArgs ta;
+    ta.values = dscores->get<float>();
+    ta.stride = stride;
+    ta.rows = rows;
+    ta.counts = dn->get<int32_t>();
+    ta.rows_per_count = c.hkv;
+    ta.max_count = max_chunks;
+    ta.k = k;
+    ta.skip_worst_inf = true;
+    ta.out = dwant->get<int32_t>();
+    ta.out_stride = sel_stride;
+    LaunchTopK(ta, nullptr);
+    auto dsel = ToDevice(std::vector<int32_t>(static_cast<size_t>(rows) * sel_stride, kIntPoison));
+    auto scratch = ToDevice(std::vector<float>(want.size(), kNaN));
+    ShadowkvScoreArgs gs = ga;
+    gs.scores = scratch->get<float>();
+    gs.select_k = k;
+    gs.selection = dsel->get<int32_t>();
+    gs.selection_stride = sel_stride;
+    LaunchShadowkvScore(gs, nullptr);
+    SKV_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(SameInts(dsel->Download<int32_t>(static_cast<size_t>(rows) * sel_stride),
+                         dwant->Download<int32_t>(static_cast<size_t>(rows) * sel_stride)));
+  }
 }
 
 TEST(ShadowkvScoreGpu, MatchesCpu) {
@@ -816,6 +849,12 @@ TEST(ShadowkvDecodeGpuBench, Timings) {
   ta.out_stride = ks;
   const float topk_ms = TimeMs([&] { LaunchTopK(ta, s0); }, 20, s0);
   std::printf("[bench] top-k  %d of %d, %d rows: %.3f ms\n", ks, n, rows, topk_ms);
+  ShadowkvScoreArgs ss = sa;
+  ss.select_k = ks;
+  ss.selection = sel.get<int32_t>();
+  ss.selection_stride = ks;
+  const float fused_ms = TimeMs([&] { LaunchShadowkvScore(ss, s0); }, 20, s0);
+  std::printf("[bench] score + top-k fused: %.3f ms (score, then top-k: %.3f ms)\n", fused_ms, score_ms + topk_ms);
 
   // ---- rebuild K / fetch V of 16*8*105 misses ----
   const int token_cap = n * C;

@@ -444,7 +444,6 @@ class ShadowKvPolicy final : public KvPolicy {
     Backend& b = *ctx_.backend;
     Seq& s0 = *step_[g0];
     const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, K = s0.kslots;
-    const int rows = gn * H;
     int max_chunks = 0;
     for (int i = g0; i < g0 + gn; ++i) max_chunks = std::max(max_chunks, step_[i]->n_chunks);
     const int64_t sstride = step_max_chunks_ + 1;
@@ -468,20 +467,11 @@ class ShadowKvPolicy final : public KvPolicy {
     sc.scale = ctx_.scale;
     sc.scores = scores;
     sc.score_stride = sstride;
+    sc.select_k = K;  // the top-k, fused with the scores' last phases on the GPU
+    sc.selection = sel + off;
+    sc.selection_stride = K;
     b.ShadowkvScore(sc);
-    Lap("score");
-    kn::TopKArgs tk;
-    tk.values = scores;
-    tk.stride = sstride;
-    tk.rows = rows;
-    tk.counts = nchunks + g0;
-    tk.rows_per_count = H;
-    tk.max_count = max_chunks;
-    tk.k = K;
-    tk.out = sel + off;
-    tk.out_stride = K;
-    b.TopK(tk);
-    Lap("topk");
+    Lap("score_topk");
     kn::ShadowkvSlotUpdateArgs su;
     su.selection = sel + off;
     su.selection_stride = K;
