@@ -294,8 +294,13 @@ struct GroupScoreSource {
   }
 };
 
+__device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t* sm);  // section 3
+
+// update: the row's slot update (section 3) follows the selection in the same
+// block, reading the selection the block just wrote.
 __global__ void __launch_bounds__(topk_block::kThreads)
-    ScoreSelectKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split, int cached_keys) {
+    ScoreSelectKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split, int cached_keys,
+                      ShadowkvSlotUpdateArgs su, bool update) {
   extern __shared__ __align__(16) uint32_t sel_smem[];
   __shared__ float2 s_ms[8];
   const int row = blockIdx.x, b = row / a.hkv, h = row % a.hkv;
@@ -320,6 +325,9 @@ __global__ void __launch_bounds__(topk_block::kThreads)
   }
   topk_block::SelectRow(src, n, a.select_k, /*smallest=*/false, /*skip_worst_inf=*/true,
                         a.selection + static_cast<int64_t>(row) * a.selection_stride, sel_smem, cached_keys);
+  if (!update) return;
+  __syncthreads();  // the selection (global) and the shared memory, for the slot update
+  SlotUpdateRow(su, row, sel_smem);
 }
 
 // Phase 1 on tensor cores (bf16 q and landmarks, d in {64, 128}, group in
@@ -466,8 +474,10 @@ __device__ __forceinline__ void WarpAppend(const int32_t* src, int n, Pred pred,
   }
 }
 
-__global__ void __launch_bounds__(kSlotThreads) SlotUpdateKernel(ShadowkvSlotUpdateArgs a) {
-  extern __shared__ __align__(16) uint32_t sm[];
+// One row's slot update by the whole block (any blockDim.x that is a multiple
+// of 32); `sm`: SlotUpdateSharedBytes() of dynamic shared memory.
+__device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t* sm) {
+  const int nthreads = blockDim.x;
   const int ks = a.kslots, cap = a.chunk_cap;
   const int words = (cap + 31) / 32;
   uint32_t* prev_bits = sm;
@@ -478,17 +488,16 @@ __global__ void __launch_bounds__(kSlotThreads) SlotUpdateKernel(ShadowkvSlotUpd
   int32_t* misses = free_list + ks;                               // [ks]
   __shared__ int s_nsel, s_nfree, s_nmiss;
 
-  const int row = blockIdx.x;
   const int b = row / a.hkv, h = row % a.hkv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int32_t* map = a.slot_maps[b] + static_cast<int64_t>(h) * ks;
   const int32_t* sel_in = a.selection + static_cast<int64_t>(row) * a.selection_stride;
   auto valid = [cap](int32_t c) { return c >= 0 && c < cap; };
 
-  for (int i = tid; i < 2 * words; i += kSlotThreads) sm[i] = 0;
-  for (int s = tid; s < ks; s += kSlotThreads) prev[s] = map[s];
+  for (int i = tid; i < 2 * words; i += nthreads) sm[i] = 0;
+  for (int s = tid; s < ks; s += nthreads) prev[s] = map[s];
   __syncthreads();
-  for (int s = tid; s < ks; s += kSlotThreads)
+  for (int s = tid; s < ks; s += nthreads)
     if (valid(prev[s])) SetBit(prev_bits, prev[s]);
   __syncthreads();
 
@@ -511,7 +520,7 @@ __global__ void __launch_bounds__(kSlotThreads) SlotUpdateKernel(ShadowkvSlotUpd
   }
   __syncthreads();
   const int nsel = s_nsel;
-  for (int i = tid; i < nsel; i += kSlotThreads) SetBit(sel_bits, sel[i]);
+  for (int i = tid; i < nsel; i += nthreads) SetBit(sel_bits, sel[i]);
   __syncthreads();
 
   if (warp == 0) {
@@ -536,12 +545,22 @@ __global__ void __launch_bounds__(kSlotThreads) SlotUpdateKernel(ShadowkvSlotUpd
   const int nfree = s_nfree, nmiss = s_nmiss;
   int32_t* mslot = a.miss_slot + static_cast<int64_t>(row) * ks;
   int32_t* mchunk = a.miss_chunk + static_cast<int64_t>(row) * ks;
-  for (int i = tid; i < ks; i += kSlotThreads) {
+  for (int i = tid; i < ks; i += nthreads) {
     mslot[i] = i < nmiss ? free_list[i] : -1;
     mchunk[i] = i < nmiss ? misses[i] : -1;
   }
-  for (int i = tid; i < nfree; i += kSlotThreads) map[free_list[i]] = i < nmiss ? misses[i] : -1;
+  for (int i = tid; i < nfree; i += nthreads) map[free_list[i]] = i < nmiss ? misses[i] : -1;
   if (tid == 0) a.miss_count[row] = nmiss;
+}
+
+__global__ void __launch_bounds__(kSlotThreads) SlotUpdateKernel(ShadowkvSlotUpdateArgs a) {
+  extern __shared__ __align__(16) uint32_t sm[];
+  SlotUpdateRow(a, blockIdx.x, sm);
+}
+
+size_t SlotUpdateSharedBytes(const ShadowkvSlotUpdateArgs& a) {
+  const size_t words = (static_cast<size_t>(a.chunk_cap) + 31) / 32;
+  return (2 * words + 4 * static_cast<size_t>(a.kslots)) * sizeof(uint32_t);
 }
 
 // ============================================================================
@@ -872,8 +891,17 @@ size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks) {
          AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq);
 }
 
-void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream) {
-  if (a.batch <= 0 || a.max_chunks <= 0) return;
+void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const ShadowkvSlotUpdateArgs* then_update) {
+  if (then_update) {
+    CHECK(a.select_k > 0 && then_update->selection == a.selection &&
+          then_update->selection_stride == a.selection_stride && then_update->batch == a.batch &&
+          then_update->hkv == a.hkv && then_update->kslots <= a.select_k)
+        << "ShadowkvScore: the slot update must read this selection";
+  }
+  if (a.batch <= 0 || a.max_chunks <= 0) {
+    if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
+    return;
+  }
   CHECK(a.hkv > 0 && a.hq % a.hkv == 0 && a.hq / a.hkv <= 8) << "ShadowkvScore: hq " << a.hq << " hkv " << a.hkv;
   CHECK(a.d % 8 == 0 && a.d <= 256) << "ShadowkvScore: d " << a.d;
   CHECK_GE(a.score_stride, a.max_chunks);
@@ -899,12 +927,15 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream) {
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
   if (a.select_k > 0 && a.max_chunks <= kTopKSharedKeys) {
     const int cached = a.max_chunks;
-    const size_t smem = topk_block::SharedWords(cached) * sizeof(uint32_t);
+    size_t smem = topk_block::SharedWords(cached) * sizeof(uint32_t);
+    if (then_update) smem = std::max(smem, SlotUpdateSharedBytes(*then_update));
     const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&ScoreSelectKernel));
-    CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvScore: " << cached << " chunks";
-    ScoreSelectKernel<<<a.batch * a.hkv, topk_block::kThreads, smem, stream>>>(a, ws, n_split, cached);
-    PENUMBRA_CUDA_CHECK(cudaGetLastError());
-    return;
+    if (smem <= static_cast<size_t>(max_dynamic)) {
+      ScoreSelectKernel<<<a.batch * a.hkv, topk_block::kThreads, smem, stream>>>(
+          a, ws, n_split, cached, then_update ? *then_update : ShadowkvSlotUpdateArgs{}, then_update != nullptr);
+      PENUMBRA_CUDA_CHECK(cudaGetLastError());
+      return;
+    }
   }
   constexpr int kMergeWarps = 4;
   ScoreMergeKernel<<<(a.batch * a.hq + kMergeWarps - 1) / kMergeWarps, kMergeWarps * 32, 0, stream>>>(a, ws, n_split);
@@ -927,14 +958,14 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream) {
     t.out_stride = a.selection_stride;
     LaunchTopK(t, stream);
   }
+  if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
 }
 
 void LaunchShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a, cudaStream_t stream) {
   const int rows = a.batch * a.hkv;
   if (rows <= 0 || a.kslots <= 0) return;
   CHECK_GE(a.selection_stride, a.kslots);
-  const size_t words = (static_cast<size_t>(a.chunk_cap) + 31) / 32;
-  const size_t smem = (2 * words + 4 * static_cast<size_t>(a.kslots)) * sizeof(uint32_t);
+  const size_t smem = SlotUpdateSharedBytes(a);
   const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&SlotUpdateKernel));
   CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvSlotUpdate: chunk_cap " << a.chunk_cap
                                                    << " kslots " << a.kslots << " need too much shared memory";

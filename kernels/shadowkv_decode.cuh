@@ -81,7 +81,12 @@ struct ShadowkvScoreArgs {
   int64_t selection_stride = 0;  // >= select_k
 };
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks);
-void LaunchShadowkvScore(const ShadowkvScoreArgs& args, cudaStream_t stream);
+struct ShadowkvSlotUpdateArgs;
+// then_update (optional, with a selection): the slot update of this
+// selection (its selection, stride, batch and hkv those of args), run in the
+// selection's blocks where the selection is fused, else launched after it.
+void LaunchShadowkvScore(const ShadowkvScoreArgs& args, cudaStream_t stream,
+                         const ShadowkvSlotUpdateArgs* then_update = nullptr);
 
 // ---- 3. slot update (hit cache) ---------------------------------------------
 // Per row: the new selection (selection[row][0..kslots), chunk ids, -1 =

@@ -395,6 +395,52 @@ void RunScore(const ScoreCase& c) {
     SKV_CUDA(cudaDeviceSynchronize());
     EXPECT_TRUE(SameInts(dsel->Download<int32_t>(static_cast<size_t>(rows) * sel_stride),
                          dwant->Download<int32_t>(static_cast<size_t>(rows) * sel_stride)));
+
+    // With the slot update after the selection (in the selection's blocks
+    // where fused): the same maps and miss lists as the two launches.
+    for (float keep : {-1.0f, 0.6f}) {
+      SCOPED_TRACE(::testing::Message() << "slot update, force_keep " << keep);
+      const int ks = k;
+      const size_t miss_words = static_cast<size_t>(rows) * (1 + 2 * ks);
+      std::vector<std::unique_ptr<DeviceBuffer>> maps[2];
+      std::vector<int32_t*> map_ptrs[2];
+      for (int b = 0; b < c.batch; ++b) {
+        std::vector<int32_t> map0(static_cast<size_t>(c.hkv) * ks, -1);  // half full: chunks n-1, n-2, ...
+        for (int h = 0; h < c.hkv; ++h)
+          for (int j = 0; j < std::min(ks / 2, n_chunks[b]); ++j) map0[static_cast<size_t>(h) * ks + j] = n_chunks[b] - 1 - j;
+        for (int v = 0; v < 2; ++v) {
+          maps[v].push_back(ToDevice(map0));
+          map_ptrs[v].push_back(maps[v].back()->get<int32_t>());
+        }
+      }
+      std::unique_ptr<DeviceBuffer> dmaps[2], dmiss[2];
+      ShadowkvSlotUpdateArgs ua[2];
+      for (int v = 0; v < 2; ++v) {
+        dmaps[v] = ToDevice(map_ptrs[v]);
+        dmiss[v] = ToDevice(std::vector<int32_t>(miss_words, kIntPoison));
+        int32_t* m = dmiss[v]->get<int32_t>();
+        ua[v].selection = dsel->get<int32_t>();
+        ua[v].selection_stride = sel_stride;
+        ua[v].slot_maps = dmaps[v]->get<int32_t* const>();
+        ua[v].miss_count = m;
+        ua[v].miss_slot = m + rows;
+        ua[v].miss_chunk = m + rows + static_cast<size_t>(rows) * ks;
+        ua[v].batch = c.batch;
+        ua[v].hkv = c.hkv;
+        ua[v].kslots = ks;
+        ua[v].chunk_cap = cap;
+        ua[v].force_keep = keep;
+      }
+      LaunchShadowkvScore(gs, nullptr, &ua[0]);
+      LaunchShadowkvScore(gs, nullptr);
+      LaunchShadowkvSlotUpdate(ua[1], nullptr);
+      SKV_CUDA(cudaDeviceSynchronize());
+      EXPECT_TRUE(SameInts(dmiss[0]->Download<int32_t>(miss_words), dmiss[1]->Download<int32_t>(miss_words)));
+      for (int b = 0; b < c.batch; ++b)
+        EXPECT_TRUE(SameInts(maps[0][b]->Download<int32_t>(static_cast<size_t>(c.hkv) * ks),
+                             maps[1][b]->Download<int32_t>(static_cast<size_t>(c.hkv) * ks)))
+            << "sequence " << b;
+    }
   }
 }
 

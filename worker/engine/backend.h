@@ -172,6 +172,14 @@ class Backend {
   virtual void ShadowkvScore(kernels::ShadowkvScoreArgs args) = 0;
   virtual void TopK(const kernels::TopKArgs& args) = 0;
   virtual void ShadowkvSlotUpdate(const kernels::ShadowkvSlotUpdateArgs& args) = 0;
+  // Scores with their selection, then the selection's slot update (`update`
+  // reads score.selection). The CUDA backend runs the update in the
+  // selection's blocks (one launch fewer per layer); default: one, then the other.
+  virtual void ShadowkvScoreAndSlotUpdate(kernels::ShadowkvScoreArgs score,
+                                          const kernels::ShadowkvSlotUpdateArgs& update) {
+    ShadowkvScore(score);
+    ShadowkvSlotUpdate(update);
+  }
   virtual void ShadowkvRebuildK(kernels::ShadowkvRebuildKArgs args) = 0;
   // On the side stream when forked (V fetch overlaps the K rebuild).
   virtual void ShadowkvFetchV(kernels::ShadowkvFetchVArgs args, bool staged) = 0;

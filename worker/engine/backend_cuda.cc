@@ -281,14 +281,18 @@ class CudaBackend final : public Backend {
     a.kv_dtype = act_;
     kn::LaunchGatherOutliers(a, stream_);
   }
-  void ShadowkvScore(kn::ShadowkvScoreArgs a) override {
+  void ShadowkvScore(kn::ShadowkvScoreArgs a) override { Score(a, nullptr); }
+  void ShadowkvScoreAndSlotUpdate(kn::ShadowkvScoreArgs a, const kn::ShadowkvSlotUpdateArgs& u) override {
+    Score(a, &u);
+  }
+  void Score(kn::ShadowkvScoreArgs a, const kn::ShadowkvSlotUpdateArgs* then_update) {
     a.q_dtype = act_;
     a.dtype = act_;
     const Status grown = GrowWorkspace(&score_ws_, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks));
     CHECK(grown.ok()) << grown;
     a.workspace = score_ws_.get();
     a.workspace_bytes = score_ws_.bytes();
-    kn::LaunchShadowkvScore(a, stream_);
+    kn::LaunchShadowkvScore(a, stream_, then_update);
   }
   void TopK(const kn::TopKArgs& a) override { kn::LaunchTopK(a, stream_); }
   void ShadowkvSlotUpdate(const kn::ShadowkvSlotUpdateArgs& a) override { kn::LaunchShadowkvSlotUpdate(a, stream_); }

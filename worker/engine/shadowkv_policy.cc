@@ -470,8 +470,6 @@ class ShadowKvPolicy final : public KvPolicy {
     sc.select_k = K;  // the top-k, fused with the scores' last phases on the GPU
     sc.selection = sel + off;
     sc.selection_stride = K;
-    b.ShadowkvScore(sc);
-    Lap("score_topk");
     kn::ShadowkvSlotUpdateArgs su;
     su.selection = sel + off;
     su.selection_stride = K;
@@ -484,8 +482,8 @@ class ShadowKvPolicy final : public KvPolicy {
     su.kslots = K;
     su.chunk_cap = s0.chunk_cap;
     su.force_keep = static_cast<float>(o_.force_hit_rate);
-    b.ShadowkvSlotUpdate(su);
-    Lap("slot_update");
+    b.ShadowkvScoreAndSlotUpdate(sc, su);  // one launch after the logits on the GPU
+    Lap("score_topk_slot_update");
     // Misses: V from the store on the side stream, K rebuilt on the main one.
     b.ForkSide();
     // Lanes take turns on the host link: wait for the previous lane's fetch.
