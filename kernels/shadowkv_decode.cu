@@ -944,20 +944,7 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const dim3 grid((a.max_chunks + per_block - 1) / per_block, a.hkv, a.batch);
   ScoreFinalKernel<<<grid, kScoreThreads, 0, stream>>>(a, ws);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
-  if (a.select_k > 0) {
-    TopKArgs t;
-    t.values = a.scores;
-    t.stride = a.score_stride;
-    t.rows = a.batch * a.hkv;
-    t.counts = a.n_chunks;
-    t.rows_per_count = a.hkv;
-    t.max_count = a.max_chunks;
-    t.k = a.select_k;
-    t.skip_worst_inf = true;
-    t.out = a.selection;
-    t.out_stride = a.selection_stride;
-    LaunchTopK(t, stream);
-  }
+  if (a.select_k > 0) LaunchTopK(ShadowkvSelectionTopK(a), stream);
   if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
 }
 

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 #include "common/dtype.h"
+#include "kernels/topk.cuh"
 
 namespace penumbra::kernels {
 
@@ -81,6 +82,22 @@ struct ShadowkvScoreArgs {
   int64_t selection_stride = 0;  // >= select_k
 };
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks);
+// The selection of `a` as a top-k over a.scores (the unfused path, and the
+// CPU backend's selection).
+inline TopKArgs ShadowkvSelectionTopK(const ShadowkvScoreArgs& a) {
+  TopKArgs t;
+  t.values = a.scores;
+  t.stride = a.score_stride;
+  t.rows = a.batch * a.hkv;
+  t.counts = a.n_chunks;
+  t.rows_per_count = a.hkv;
+  t.max_count = a.max_chunks;
+  t.k = a.select_k;
+  t.skip_worst_inf = true;
+  t.out = a.selection;
+  t.out_stride = a.selection_stride;
+  return t;
+}
 struct ShadowkvSlotUpdateArgs;
 // then_update (optional, with a selection): the slot update of this
 // selection (its selection, stride, batch and hkv those of args), run in the

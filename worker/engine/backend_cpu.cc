@@ -240,19 +240,7 @@ class CpuBackend final : public Backend {
     c.scores = a.scores;
     c.score_stride = a.score_stride;
     kc::ShadowkvScore(c);
-    if (a.select_k > 0) {  // the selection the CUDA kernels fuse (shadowkv_decode.cuh)
-      kc::TopKArgs t;
-      t.values = a.scores;
-      t.stride = a.score_stride;
-      t.rows = a.batch * a.hkv;
-      t.counts = a.n_chunks;
-      t.rows_per_count = a.hkv;
-      t.k = a.select_k;
-      t.skip_worst_inf = true;
-      t.out = a.selection;
-      t.out_stride = a.selection_stride;
-      kc::TopK(t);
-    }
+    if (a.select_k > 0) TopK(kernels::ShadowkvSelectionTopK(a));  // what the CUDA kernels fuse
   }
   void TopK(const kernels::TopKArgs& a) override {
     kc::TopKArgs c;
