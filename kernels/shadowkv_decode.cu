@@ -899,6 +899,8 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
         << "ShadowkvScore: the slot update must read this selection";
   }
   if (a.batch <= 0 || a.max_chunks <= 0) {
+    // No chunks: the selection is still written (all -1, as the CPU backend's).
+    if (a.select_k > 0) LaunchTopK(ShadowkvSelectionTopK(a), stream);
     if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
     return;
   }
