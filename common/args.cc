@@ -62,6 +62,14 @@ Result<int64_t> Args::GetInt(const std::string& name, int64_t def) const {
   return static_cast<int64_t>(v);
 }
 
+Result<bool> Args::GetOnOff(const std::string& name, bool def) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return def;
+  if (it->second == "on") return true;
+  if (it->second == "off") return false;
+  return Status::InvalidArgument("flag --" + name + ": '" + it->second + "' is not on or off");
+}
+
 Result<double> Args::GetDouble(const std::string& name, double def) const {
   auto it = values_.find(name);
   if (it == values_.end()) return def;

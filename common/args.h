@@ -27,6 +27,8 @@ class Args {
   std::string Get(const std::string& name, const std::string& def = "") const;
   Result<int64_t> GetInt(const std::string& name, int64_t def) const;
   Result<double> GetDouble(const std::string& name, double def) const;
+  // "on" -> true, "off" -> false; anything else is InvalidArgument naming the flag.
+  Result<bool> GetOnOff(const std::string& name, bool def) const;
   // "1,2,3" -> {1,2,3}; whitespace allowed around items.
   Result<std::vector<int64_t>> GetIntList(const std::string& name) const;
   std::string Help() const;

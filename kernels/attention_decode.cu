@@ -120,6 +120,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
                     const void* const* __restrict__ v_ptrs, const int32_t* __restrict__ lengths,
                     float* __restrict__ ws_o, float* __restrict__ ws_m, float* __restrict__ ws_l, int64_t head_stride,
                     int hq, int chunk, int splits, float scale_log2) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
   static_assert(G == 1 || G == 2 || G == 4 || G == 8, "group must fit the 8 columns of O^T");
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   constexpr int kJ = D / 32;   // K loads per key row and lane
@@ -343,6 +345,8 @@ __global__ void __launch_bounds__(kMergeThreads)
     DecodeMergeKernel(const float* __restrict__ ws_o, const float* __restrict__ ws_m, const float* __restrict__ ws_l,
                       const int32_t* __restrict__ lengths, T* __restrict__ out, int hq, int d, int chunk,
                       int splits) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
   extern __shared__ float w_s[];  // [min(n, kMergeMaxSmemSplits)]
   __shared__ float scratch[kMergeThreads / 32];
   const int head = blockIdx.x, b = blockIdx.y;
@@ -380,9 +384,8 @@ template <int G, int D>
 void LaunchDecodeMma(const DecodeAttentionArgs& a, const SplitPlan& plan, float* ws_o, float* ws_m, float* ws_l,
                      cudaStream_t stream) {
   const dim3 grid(a.hkv, plan.splits, a.batch);
-  DecodeMmaKernel<G, D><<<grid, kMmaThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a.q), a.k, a.v,
-                                                          a.lengths, ws_o, ws_m, ws_l, a.head_stride, a.hq,
-                                                          plan.chunk, plan.splits, a.scale * kLog2e);
+  LaunchChained(DecodeMmaKernel<G, D>, grid, kMmaThreads, 0, stream, static_cast<const __nv_bfloat16*>(a.q), a.k,
+                a.v, a.lengths, ws_o, ws_m, ws_l, a.head_stride, a.hq, plan.chunk, plan.splits, a.scale * kLog2e);
 }
 
 template <int D>
@@ -441,9 +444,9 @@ void LaunchDecodeAttention(const DecodeAttentionArgs& args, cudaStream_t stream)
   const dim3 merge_grid(args.hq, args.batch);
   const size_t merge_smem = sizeof(float) * std::min(plan.splits, kMergeMaxSmemSplits);
   PENUMBRA_DISPATCH_FLOAT(args.dtype, T,
-                          (DecodeMergeKernel<T><<<merge_grid, kMergeThreads, merge_smem, stream>>>(
-                              ws_o, ws_m, ws_l, args.lengths, static_cast<T*>(args.out), args.hq, args.d,
-                              plan.chunk, plan.splits)));
+                          LaunchChained(DecodeMergeKernel<T>, merge_grid, kMergeThreads, merge_smem, stream, ws_o,
+                                        ws_m, ws_l, args.lengths, static_cast<T*>(args.out), args.hq, args.d,
+                                        plan.chunk, plan.splits));
 }
 
 }  // namespace penumbra::kernels

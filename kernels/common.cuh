@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda_check.h"
+
 namespace penumbra::kernels {
 
 template <typename T> __device__ __forceinline__ float ToF32(T x);
@@ -27,6 +29,46 @@ __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// ---- chained launches (programmatic dependent launch, sm_90+) -----------------
+// A kernel launched with LaunchChained may be scheduled while the kernel before
+// it in the stream is still running: it calls ChainWait() before touching any
+// memory an earlier kernel writes or reads, then ChainRelease() so the next
+// chained kernel can be scheduled in turn (its blocks then wait, resident, in
+// their own ChainWait). Decode runs ~20 dependent kernels per layer and
+// sequence group; chaining hides the launch gap between them. Both device
+// calls are no-ops in a kernel launched the ordinary way.
+__device__ __forceinline__ void ChainWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void ChainRelease() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+
+template <typename... KArgs, typename... Args>
+void LaunchChained(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args... args) {
+  if (!ChainedLaunchEnabled()) {
+    kernel<<<grid, block, smem, stream>>>(static_cast<KArgs>(args)...);
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);  // errors: cudaGetLastError
 }
 
 }  // namespace penumbra::kernels

@@ -11,6 +11,12 @@ namespace penumbra::kernels {
 
 Status CudaStatus(cudaError_t e, const char* what);
 
+// Process-wide launch setting: whether LaunchChained (kernels/common.cuh)
+// launches with programmatic dependent launch. Default on; the CUDA backend
+// sets it from BackendOptions::chained_launch.
+void SetChainedLaunch(bool on);
+bool ChainedLaunchEnabled();
+
 }  // namespace penumbra::kernels
 
 #define PENUMBRA_CUDA_RETURN_IF_ERROR(expr) \

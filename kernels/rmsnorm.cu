@@ -25,6 +25,8 @@ struct alignas(sizeof(T) * N) Pack {
 template <typename TW, typename TO, int N>
 __global__ void __launch_bounds__(kThreads) RmsNormKernel(const float* __restrict__ x, const TW* __restrict__ w,
                                                            int n, int dim, float eps, TO* __restrict__ out) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
   __shared__ float warp_sums[kThreads / 32];
   __shared__ float row_scale;
   const int packs = dim / N;
@@ -68,9 +70,9 @@ void Launch(const float* x, const TW* w, int n, int dim, float eps, TO* out, cud
                    reinterpret_cast<uintptr_t>(out) % (kVec * sizeof(TO)) == 0;
   const int grid = std::min(n, 65535);
   if (vec) {
-    RmsNormKernel<TW, TO, kVec><<<grid, kThreads, 0, stream>>>(x, w, n, dim, eps, out);
+    LaunchChained(RmsNormKernel<TW, TO, kVec>, grid, kThreads, 0, stream, x, w, n, dim, eps, out);
   } else {
-    RmsNormKernel<TW, TO, 1><<<grid, kThreads, 0, stream>>>(x, w, n, dim, eps, out);
+    LaunchChained(RmsNormKernel<TW, TO, 1>, grid, kThreads, 0, stream, x, w, n, dim, eps, out);
   }
 }
 

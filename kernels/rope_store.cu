@@ -111,6 +111,8 @@ __device__ void RopeToken(const RopeStoreArgs& a, int t, const float* cs) {
 
 template <typename TQ, typename TKV>
 __global__ void __launch_bounds__(kThreads) RopeStoreKernel(const RopeStoreArgs a, bool vec) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
   extern __shared__ float cs[];  // cos[d/2], sin[d/2]
   const int half = a.d / 2;
   for (int t = blockIdx.x; t < a.n; t += gridDim.x) {
@@ -140,8 +142,8 @@ void LaunchRopeStore(const RopeStoreArgs& args, cudaStream_t stream) {
   const size_t smem = sizeof(float) * static_cast<size_t>(args.d);
   PENUMBRA_DISPATCH_FLOAT(args.q_dtype, TQ,
                           PENUMBRA_DISPATCH_FLOAT(args.kv_dtype, TKV,
-                                                  RopeStoreKernel<TQ, TKV><<<grid, kThreads, smem, stream>>>(args,
-                                                                                                           vec)));
+                                                  LaunchChained(RopeStoreKernel<TQ, TKV>, grid, kThreads, smem,
+                                                                                stream, args, vec)));
 }
 
 }  // namespace penumbra::kernels

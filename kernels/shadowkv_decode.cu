@@ -85,7 +85,12 @@ template <> struct Raw8<float> {
 // 1. Scores
 // ============================================================================
 constexpr int kScoreThreads = 256;
-constexpr int kScoreSplit = 1024;  // chunks per phase-1 block
+constexpr int kScoreSplit = 1024;  // chunks per phase-1 block of the SIMT kernel (its shared logits)
+constexpr int kScoreMinSplit = 128;  // the workspace holds the statistics of splits this small
+// Chunks per block of the tensor-core kernel. 512 rather than 1024: in the
+// decode pipeline (124928 x 14, two lanes, forced 60%, chained launches) 595.7
+// tok/s against 588.3; 256 measured 593.4 (docs/benchmarks.md, eighth session).
+constexpr int kScoreMmaSplit = 512;
 constexpr int kScoreUnroll = 8;   // rows in flight per thread
 constexpr int kScoreFinalPerThread = 4;
 
@@ -95,15 +100,17 @@ struct ScoreWorkspace {
   float* logits;   // [batch * hq][max_chunks]
   float2* splits;  // [batch * hq][n_split] (max, sum exp) per split
   float2* merged;  // [batch * hq] (max, sum exp)
+  int split;       // chunks per phase-1 block (a multiple of 128)
 };
-int ScoreSplits(int max_chunks) { return std::max(1, (max_chunks + kScoreSplit - 1) / kScoreSplit); }
-ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks) {
+int ScoreSplits(int max_chunks, int split) { return std::max(1, (max_chunks + split - 1) / split); }
+ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks, int split) {
   char* p = static_cast<char*>(base);
   ScoreWorkspace w{};
+  w.split = split;
   w.logits = reinterpret_cast<float*>(p);
   p += AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks, 1));
   w.splits = reinterpret_cast<float2*>(p);
-  p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(max_chunks));
+  p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(max_chunks, kScoreMinSplit));
   w.merged = reinterpret_cast<float2*>(p);
   return w;
 }
@@ -117,9 +124,9 @@ __global__ void __launch_bounds__(kScoreThreads)
   __shared__ float s_logit[G][kScoreSplit];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int n = a.n_chunks[b];
-  const int c0 = split * kScoreSplit;
+  const int c0 = split * ws.split;
   if (c0 >= n) return;  // the merge reads only splits below n
-  const int c1 = min(n, c0 + kScoreSplit);
+  const int c1 = min(n, c0 + ws.split);
   const int tid = threadIdx.x;
   const int lane_row = tid & (tpr - 1), row_in_pass = tid / tpr, rows_per_pass = kScoreThreads / tpr;
   const int nvec = a.d / 8;
@@ -219,7 +226,7 @@ __global__ void ScoreMergeKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_s
   const int lane = threadIdx.x & 31;
   if (idx >= a.batch * a.hq) return;
   const int b = idx / a.hq;
-  const int ns = (a.n_chunks[b] + kScoreSplit - 1) / kScoreSplit;
+  const int ns = (a.n_chunks[b] + ws.split - 1) / ws.split;
   const float2 ms = MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
   if (lane == 0) ws.merged[idx] = ms;
 }
@@ -301,6 +308,8 @@ __device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t
 __global__ void __launch_bounds__(topk_block::kThreads)
     ScoreSelectKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split, int cached_keys,
                       ShadowkvSlotUpdateArgs su, bool update) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
   extern __shared__ __align__(16) uint32_t sel_smem[];
   __shared__ float2 s_ms[8];
   const int row = blockIdx.x, b = row / a.hkv, h = row % a.hkv;
@@ -308,7 +317,7 @@ __global__ void __launch_bounds__(topk_block::kThreads)
   const int n = min(a.n_chunks[b], a.max_chunks);
   if (warp < group) {
     const int idx = b * a.hq + h * group + warp;
-    const int ns = (n + kScoreSplit - 1) / kScoreSplit;
+    const int ns = (n + ws.split - 1) / ws.split;
     const float2 ms = MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
     if (lane == 0) s_ms[warp] = ms;
   }
@@ -339,15 +348,17 @@ __global__ void __launch_bounds__(topk_block::kThreads)
 constexpr int kScoreMmaWarps = 4;
 
 template <int G, int D>
-__global__ void __launch_bounds__(kScoreMmaWarps * 32)
+__global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
     ScoreLogitsMmaKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
   constexpr int kJ = D / 32;  // 16-byte loads per landmark row and lane
   __shared__ float s_m[kScoreMmaWarps][8], s_s[kScoreMmaWarps][8];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int n = a.n_chunks[b];
-  const int c0 = split * kScoreSplit;
+  const int c0 = split * ws.split;
   if (c0 >= n) return;  // the merge reads only splits below n
-  const int c1 = min(n, c0 + kScoreSplit);
+  const int c1 = min(n, c0 + ws.split);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 2, c = lane & 3;
 
@@ -367,6 +378,18 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32)
       const int row = base + 8 * nt + r;
       LoadPermutedK<D>(land + static_cast<int64_t>(row) * D, row < c1, c, kr[nt]);
     }
+    // The exclusion flags of this lane's 8 output chunks, loaded beside the
+    // landmarks (after the products their latency would add to every step).
+    uint32_t ex = 0;  // bit 2 nt + e
+    if (excl) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int chunk = base + 8 * nt + 2 * c + e;
+          if (chunk < c1 && excl[chunk]) ex |= 1u << (2 * nt + e);
+        }
+    }
     float x[4][2];
     float mx = NegInf();
 #pragma unroll
@@ -378,7 +401,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32)
         const int chunk = base + 8 * nt + 2 * c + e;
         float v = NegInf();
         if (chunk < c1) {
-          v = (excl && excl[chunk]) ? NegInf() : acc[e] * a.scale;
+          v = (ex >> (2 * nt + e)) & 1u ? NegInf() : acc[e] * a.scale;
           if (r < G) logit_row[chunk] = v;
         }
         x[nt][e] = v;
@@ -421,10 +444,10 @@ template <int D>
 bool LaunchScoreLogitsMma(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int n_split, cudaStream_t stream) {
   const dim3 grid(n_split, a.hkv, a.batch);
   switch (a.hq / a.hkv) {
-    case 1: ScoreLogitsMmaKernel<1, D><<<grid, kScoreMmaWarps * 32, 0, stream>>>(a, ws, n_split); return true;
-    case 2: ScoreLogitsMmaKernel<2, D><<<grid, kScoreMmaWarps * 32, 0, stream>>>(a, ws, n_split); return true;
-    case 4: ScoreLogitsMmaKernel<4, D><<<grid, kScoreMmaWarps * 32, 0, stream>>>(a, ws, n_split); return true;
-    case 8: ScoreLogitsMmaKernel<8, D><<<grid, kScoreMmaWarps * 32, 0, stream>>>(a, ws, n_split); return true;
+    case 1: LaunchChained(ScoreLogitsMmaKernel<1, D>, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split); return true;
+    case 2: LaunchChained(ScoreLogitsMmaKernel<2, D>, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split); return true;
+    case 4: LaunchChained(ScoreLogitsMmaKernel<4, D>, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split); return true;
+    case 8: LaunchChained(ScoreLogitsMmaKernel<8, D>, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split); return true;
     default: return false;
   }
 }
@@ -659,6 +682,8 @@ RebuildSmem RebuildSmemLayout(int r, int d, int stages) {
 }
 
 __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a, RebuildSmem L) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
   extern __shared__ __align__(16) unsigned char smem[];
   const int r = a.r, d = a.d, C = a.chunk_size, half = d / 2;
   const int kpad = L.kpad;
@@ -887,7 +912,7 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
 
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks) {
   return AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks, 1)) +
-         AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(max_chunks)) +
+         AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(max_chunks, kScoreMinSplit)) +
          AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq);
 }
 
@@ -913,13 +938,17 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
     CHECK(a.select_k <= kTopKMaxK && a.selection != nullptr && a.selection_stride >= a.select_k)
         << "ShadowkvScore: selection k " << a.select_k << " stride " << a.selection_stride;
   }
-  const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks);
-  const int n_split = ScoreSplits(a.max_chunks);
   int tpr = 1;
   while (tpr < a.d / 8) tpr <<= 1;
-  const bool mma_ok = a.dtype == DType::kBF16 && a.q_dtype == DType::kBF16;
-  if (mma_ok && a.d == 128 && LaunchScoreLogitsMma<128>(a, ws, n_split, stream)) {
-  } else if (mma_ok && a.d == 64 && LaunchScoreLogitsMma<64>(a, ws, n_split, stream)) {
+  const int group = a.hq / a.hkv;
+  const bool mma_ok = a.dtype == DType::kBF16 && a.q_dtype == DType::kBF16 && (a.d == 128 || a.d == 64) &&
+                      (group == 1 || group == 2 || group == 4 || group == 8);
+  const int split = mma_ok ? kScoreMmaSplit : kScoreSplit;
+  CHECK(split % kScoreMinSplit == 0 && (mma_ok || split <= kScoreSplit)) << "ShadowkvScore: split " << split;
+  const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, split);
+  const int n_split = ScoreSplits(a.max_chunks, split);
+  if (mma_ok) {
+    CHECK(a.d == 128 ? LaunchScoreLogitsMma<128>(a, ws, n_split, stream) : LaunchScoreLogitsMma<64>(a, ws, n_split, stream));
   } else if (a.dtype == DType::kF32) {
     LaunchScoreLogits<float>(a, ws, tpr, n_split, stream);
   } else {
@@ -933,8 +962,8 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
     if (then_update) smem = std::max(smem, SlotUpdateSharedBytes(*then_update));
     const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&ScoreSelectKernel));
     if (smem <= static_cast<size_t>(max_dynamic)) {
-      ScoreSelectKernel<<<a.batch * a.hkv, topk_block::kThreads, smem, stream>>>(
-          a, ws, n_split, cached, then_update ? *then_update : ShadowkvSlotUpdateArgs{}, then_update != nullptr);
+      LaunchChained(ScoreSelectKernel, a.batch * a.hkv, topk_block::kThreads, smem, stream, a, ws, n_split, cached,
+                    then_update ? *then_update : ShadowkvSlotUpdateArgs{}, then_update != nullptr);
       PENUMBRA_CUDA_CHECK(cudaGetLastError());
       return;
     }
@@ -995,7 +1024,7 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
     const int splits = std::clamp(sms / (2 * rows), 1, max_tiles);
     const dim3 grid(splits, rows);
     const int threads = kRebuildRowWarps * (a.d / 64) * 32;
-    RebuildKMmaKernel<<<grid, threads, layout.total(), stream>>>(a, layout);
+    LaunchChained(RebuildKMmaKernel, grid, threads, layout.total(), stream, a, layout);
   } else {
     const size_t smem = static_cast<size_t>(kSimtTokens) * (a.r + a.d) * sizeof(float);
     const dim3 grid(a.max_misses, rows);

@@ -24,6 +24,8 @@ struct alignas(sizeof(T) * N) Pack {
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) SwiGLUKernel(const float* __restrict__ gate_up, int n, int F,
                                                           T* __restrict__ out) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
   const int packs = F / N;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= packs) return;
@@ -46,9 +48,9 @@ void Launch(const float* gate_up, int n, int F, T* out, cudaStream_t stream) {
   const int packs = vec ? F / kVec : F;
   const dim3 grid((packs + kThreads - 1) / kThreads, std::min(n, 65535));
   if (vec) {
-    SwiGLUKernel<T, kVec><<<grid, kThreads, 0, stream>>>(gate_up, n, F, out);
+    LaunchChained(SwiGLUKernel<T, kVec>, grid, kThreads, 0, stream, gate_up, n, F, out);
   } else {
-    SwiGLUKernel<T, 1><<<grid, kThreads, 0, stream>>>(gate_up, n, F, out);
+    LaunchChained(SwiGLUKernel<T, 1>, grid, kThreads, 0, stream, gate_up, n, F, out);
   }
 }
 

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -67,6 +69,32 @@ inline std::vector<float> DownloadAs(const GpuBuffer& buf, DType dtype, size_t n
   std::vector<float> out(n);
   ConvertToF32(host.data(), dtype, out.data(), n);
   return out;
+}
+
+// Kernel benchmarks run only with PENUMBRA_KERNEL_BENCH=1.
+inline bool KernelBenchEnabled() {
+  const char* e = std::getenv("PENUMBRA_KERNEL_BENCH");
+  return e != nullptr && std::string(e) == "1";
+}
+
+// Mean milliseconds of fn() over `iters` calls on the default stream (two
+// warm-up calls first).
+template <typename Fn>
+float TimeMs(Fn&& fn, int iters) {
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  fn();
+  fn();
+  cudaEventRecord(e0);
+  for (int i = 0; i < iters; ++i) fn();
+  cudaEventRecord(e1);
+  cudaEventSynchronize(e1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return ms / iters;
 }
 
 }  // namespace penumbra::testing

@@ -28,6 +28,8 @@ namespace penumbra::kernels {
 namespace {
 
 using ::penumbra::testing::AllClose;
+using ::penumbra::testing::KernelBenchEnabled;
+using ::penumbra::testing::TimeMs;
 
 // Device buffer freed on scope exit.
 class DeviceBuffer {
@@ -369,11 +371,6 @@ TEST(AttentionGpuTest, WorkspaceBytesGrowWithSize) {
 
 // ---- benchmark (PENUMBRA_KERNEL_BENCH=1) ------------------------------------------
 
-bool BenchEnabled() {
-  const char* e = std::getenv("PENUMBRA_KERNEL_BENCH");
-  return e != nullptr && std::strcmp(e, "1") == 0;
-}
-
 // Fills a device bf16 buffer with random values.
 void FillRandomBf16(const DeviceBuffer& buf, size_t n, uint64_t seed) {
   Rng rng(seed);
@@ -382,27 +379,9 @@ void FillRandomBf16(const DeviceBuffer& buf, size_t n, uint64_t seed) {
   Upload(buf, h.data(), n * 2);
 }
 
-template <typename Fn>
-float TimeMs(Fn&& fn, int iters) {
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  fn();
-  fn();
-  cudaEventRecord(e0);
-  for (int i = 0; i < iters; ++i) fn();
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, e0, e1);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return ms / iters;
-}
-
 TEST(AttentionGpuTest, Bench) {
   PENUMBRA_SKIP_WITHOUT_GPU();
-  if (!BenchEnabled()) GTEST_SKIP() << "set PENUMBRA_KERNEL_BENCH=1";
+  if (!KernelBenchEnabled()) GTEST_SKIP() << "set PENUMBRA_KERNEL_BENCH=1";
   const int hq = 32, hkv = 8;
   cudaDeviceProp prop;
   PENUMBRA_CUDA_OK(cudaGetDeviceProperties(&prop, 0));

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/args.h"
 #include "common/file.h"
 #include "tests/test_util.h"
 #include "worker/engine/engine.h"
@@ -215,6 +216,37 @@ TEST(EngineTest, EngineYamlNamesBadKeys) {
   EngineOptions o;
   Status s = LoadEngineOptions(*r, &o);
   EXPECT_NE(s.message().find("shadowkv.rnak: unknown key"), std::string::npos) << s;
+}
+
+TEST(EngineTest, EngineYamlReadsLinearAndChainedLaunch) {
+  auto r = ConfigReader::FromString("linear: cublas\nchained_launch: false\n", "e.yaml");
+  ASSERT_TRUE(r.ok());
+  EngineOptions o;
+  ASSERT_TRUE(LoadEngineOptions(*r, &o).ok());
+  EXPECT_EQ(o.backend.linear, "cublas");
+  EXPECT_FALSE(o.backend.chained_launch);
+  auto bad = ConfigReader::FromString("linear: fast\n", "e.yaml");
+  ASSERT_TRUE(bad.ok());
+  EngineOptions o2;
+  Status s = LoadEngineOptions(*bad, &o2);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("linear"), std::string::npos) << s;
+}
+
+TEST(EngineTest, OnOffFlagsAreParsedOrRefused) {
+  Args a;
+  a.Flag("chained-launch", "").Flag("fetch-turns", "").Flag("other", "");
+  const char* argv[] = {"penumbra", "cmd", "--chained-launch", "off", "--fetch-turns", "yes"};
+  ASSERT_TRUE(a.Parse(6, const_cast<char**>(argv), 2).ok());
+  auto off = a.GetOnOff("chained-launch", true);
+  ASSERT_TRUE(off.ok());
+  EXPECT_FALSE(*off);
+  auto def = a.GetOnOff("other", true);
+  ASSERT_TRUE(def.ok());
+  EXPECT_TRUE(*def);
+  auto bad = a.GetOnOff("fetch-turns", true);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("--fetch-turns"), std::string::npos) << bad.status();
 }
 
 }  // namespace

@@ -394,9 +394,11 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       j["force_hit_rate"] = rate;
       j["value_fetch"] = e.options().shadowkv.value_fetch;
       j["micro_batches"] = e.options().shadowkv.micro_batches;
-    j["fetch_blocks"] = e.options().shadowkv.fetch_blocks;
+      j["fetch_blocks"] = e.options().shadowkv.fetch_blocks;
       if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
     }
+    j["linear"] = e.options().backend.linear;
+    j["chained_launch"] = e.options().backend.chained_launch;
     j["hbm_copy_gbps"] = copy_gbps;
     if (traced) {
       j["kernel_trace"] = trace_path;  // this measurement's steps ran traced: slower than untraced
@@ -475,6 +477,8 @@ Status Main(int argc, char** argv) {
                          "'natural' for none (e.g. natural,0.6)")
       .Flag("batch-sweep", "decode: build the batch once, then time the first b sequences for each b, comma-separated")
       .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
+      .Flag("linear", "CUDA linear layers: auto (skinny kernel for batches <= 8, default) or cublas")
+      .Flag("chained-launch", "CUDA: decode kernels launched chained, on (default) or off")
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
@@ -494,6 +498,8 @@ Status Main(int argc, char** argv) {
   EngineOptions eo;
   eo.backend.device = a.Get("device", "cuda");
   eo.backend.dtype = a.Get("dtype", "bf16");
+  eo.backend.linear = a.Get("linear", "auto");
+  PENUMBRA_ASSIGN_OR_RETURN(eo.backend.chained_launch, a.GetOnOff("chained-launch", true));
   eo.kv_policy = a.Get("kv-policy", "full");
   PENUMBRA_ASSIGN_OR_RETURN(int64_t chunk, a.GetInt("prefill-chunk", 4096));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetInt("max-batch", 256));
@@ -503,11 +509,7 @@ Status Main(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(s.force_hit_rate, a.GetDouble("force-hit-rate", -1.0));
   s.min_prompt_tokens = 0;  // the benchmark's contexts always take the sparse path unless --min-prompt says so
   PENUMBRA_RETURN_IF_ERROR(ApplyShadowKvFlags(a, &s));
-  if (a.Has("fetch-turns")) {
-    const std::string turns = a.Get("fetch-turns", "on");
-    if (turns != "on" && turns != "off") return Status::InvalidArgument("--fetch-turns must be on or off");
-    s.fetch_turns = turns == "on";
-  }
+  PENUMBRA_ASSIGN_OR_RETURN(s.fetch_turns, a.GetOnOff("fetch-turns", s.fetch_turns));
   PENUMBRA_ASSIGN_OR_RETURN(auto contexts, a.GetIntList("context"));
   if (contexts.empty()) return Status::InvalidArgument("--context is required");
   PENUMBRA_ASSIGN_OR_RETURN(int64_t lanes, a.GetInt("lanes", 1));

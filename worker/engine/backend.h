@@ -232,6 +232,15 @@ struct BackendOptions {
   std::string dtype = "auto";   // CUDA compute dtype: "bf16", "f32", or "auto" (bf16). Default: auto.
   int cuda_device = 0;          // Default: 0.
   int cpu_threads = 0;          // 0 = all cores. Default: 0.
+  // CUDA linear layers: "auto" (the skinny tensor-core kernel of
+  // kernels/linear_skinny.cuh for bf16 with at most 8 rows, i.e. decode
+  // batches; cuBLAS otherwise) or "cublas" (always). Default: auto.
+  std::string linear = "auto";
+  // CUDA: launch the decode kernels chained (programmatic dependent launch,
+  // kernels/common.cuh): each may be scheduled while the one before it in the
+  // stream finishes. Process-wide (the last backend created sets it).
+  // Default: true.
+  bool chained_launch = true;
 };
 
 // Creates the backend named by options; InvalidArgument/Unavailable with a

@@ -18,6 +18,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/embedding.cuh"
 #include "kernels/fill_random.cuh"
+#include "kernels/linear_skinny.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope_store.cuh"
 #include "kernels/sample.cuh"
@@ -57,7 +58,8 @@ cudaDataType_t CudaType(DType t) {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, DType act) : device_(device), act_(act) {}
+  CudaBackend(int device, DType act, bool skinny_linear)
+      : device_(device), act_(act), skinny_linear_(skinny_linear) {}
   ~CudaBackend() override {
     if (sample_params_) cudaFree(sample_params_);
     if (sample_out_) cudaFree(sample_out_);
@@ -161,6 +163,21 @@ class CudaBackend final : public Backend {
     kn::LaunchRmsNorm(x, w, w_dtype, n, dim, eps, out, out_f32 ? DType::kF32 : act_, stream_);
   }
   void Linear(const void* x, const LinearWeight& w, int n, float* y, bool accumulate) override {
+    // Decode-sized batches: the skinny kernel (chained, W streamed into the
+    // tensor cores; docs/benchmarks.md, eighth session). cuBLAS otherwise.
+    kn::SkinnyLinearArgs sk;
+    sk.x = x;
+    sk.w = w.w;
+    sk.n = n;
+    sk.out = w.out;
+    sk.in = w.in;
+    sk.y = y;
+    sk.accumulate = accumulate;
+    if (skinny_linear_ && n <= kSkinnyRows && kn::SkinnyLinearSupported(sk, w.dtype)) {
+      kn::LaunchSkinnyLinear(sk, stream_);
+      if (w.bias) kn::LaunchAddBias(y, w.bias, w.dtype, n, w.out, stream_);
+      return;
+    }
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     // Row-major y[n,out] = x[n,in] W[out,in]^T is column-major y^T = W^T' x^T'.
     cublasStatus_t s = cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, w.out, n, w.in, &alpha, w.w, CudaType(w.dtype),
@@ -411,6 +428,11 @@ class CudaBackend final : public Backend {
   static constexpr int kMaxSampleRows = 1024;
   int device_;
   DType act_;
+  bool skinny_linear_;  // BackendOptions::linear == "auto"
+  // The skinny kernel takes batches up to this many rows: on the H200 it is
+  // within ~10% of cuBLAS on every Llama-8B projection there, and chained;
+  // at 14-16 rows it is 4-18% slower (docs/benchmarks.md, eighth session).
+  static constexpr int kSkinnyRows = 8;
   std::string name_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
@@ -440,7 +462,11 @@ Result<std::unique_ptr<Backend>> CreateCudaBackend(const BackendOptions& options
   } else if (options.dtype != "auto" && options.dtype != "bf16") {
     return Status::InvalidArgument("unknown dtype '" + options.dtype + "' (expected bf16, f32 or auto)");
   }
-  auto b = std::make_unique<CudaBackend>(options.cuda_device, act);
+  if (options.linear != "auto" && options.linear != "cublas") {
+    return Status::InvalidArgument("unknown linear kernel '" + options.linear + "' (expected auto or cublas)");
+  }
+  kn::SetChainedLaunch(options.chained_launch);
+  auto b = std::make_unique<CudaBackend>(options.cuda_device, act, options.linear == "auto");
   PENUMBRA_RETURN_IF_ERROR(b->Init());
   return std::unique_ptr<Backend>(std::move(b));
 }
