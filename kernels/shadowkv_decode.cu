@@ -86,11 +86,12 @@ template <> struct Raw8<float> {
 // ============================================================================
 constexpr int kScoreThreads = 256;
 constexpr int kScoreSplit = 1024;  // chunks per phase-1 block of the SIMT kernel (its shared logits)
-constexpr int kScoreMinSplit = 128;  // the workspace holds the statistics of splits this small
 // Chunks per block of the tensor-core kernel. 512 rather than 1024: in the
 // decode pipeline (124928 x 14, two lanes, forced 60%, chained launches) 595.7
 // tok/s against 588.3; 256 measured 593.4 (docs/benchmarks.md, eighth session).
 constexpr int kScoreMmaSplit = 512;
+// The workspace holds the split statistics of the smaller of the two.
+constexpr int kScoreMinSplit = kScoreMmaSplit < kScoreSplit ? kScoreMmaSplit : kScoreSplit;
 constexpr int kScoreUnroll = 8;   // rows in flight per thread
 constexpr int kScoreFinalPerThread = 4;
 
@@ -100,7 +101,7 @@ struct ScoreWorkspace {
   float* logits;   // [batch * hq][max_chunks]
   float2* splits;  // [batch * hq][n_split] (max, sum exp) per split
   float2* merged;  // [batch * hq] (max, sum exp)
-  int split;       // chunks per phase-1 block (a multiple of 128)
+  int split;       // chunks per phase-1 block: kScoreMmaSplit or kScoreSplit
 };
 int ScoreSplits(int max_chunks, int split) { return std::max(1, (max_chunks + split - 1) / split); }
 ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks, int split) {
@@ -346,6 +347,7 @@ __global__ void __launch_bounds__(topk_block::kThreads)
 // landmarks per iteration with its own (max, sum exp) per head, merged per
 // block. Same outputs as ScoreLogitsKernel: logits and per-split statistics.
 constexpr int kScoreMmaWarps = 4;
+static_assert(kScoreMmaSplit % (kScoreMmaWarps * 32) == 0, "a split is whole passes of the block's warps");
 
 template <int G, int D>
 __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
@@ -944,7 +946,6 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const bool mma_ok = a.dtype == DType::kBF16 && a.q_dtype == DType::kBF16 && (a.d == 128 || a.d == 64) &&
                       (group == 1 || group == 2 || group == 4 || group == 8);
   const int split = mma_ok ? kScoreMmaSplit : kScoreSplit;
-  CHECK(split % kScoreMinSplit == 0 && (mma_ok || split <= kScoreSplit)) << "ShadowkvScore: split " << split;
   const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, split);
   const int n_split = ScoreSplits(a.max_chunks, split);
   if (mma_ok) {

@@ -77,18 +77,19 @@ inline bool KernelBenchEnabled() {
   return e != nullptr && std::string(e) == "1";
 }
 
-// Mean milliseconds of fn() over `iters` calls on the default stream (two
-// warm-up calls first).
+// Mean milliseconds of fn() (work it enqueues on `stream`) over `iters` calls,
+// after two warm-up calls.
 template <typename Fn>
-float TimeMs(Fn&& fn, int iters) {
+float TimeMs(Fn&& fn, int iters, cudaStream_t stream = nullptr) {
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   fn();
   fn();
-  cudaEventRecord(e0);
+  cudaStreamSynchronize(stream);
+  cudaEventRecord(e0, stream);
   for (int i = 0; i < iters; ++i) fn();
-  cudaEventRecord(e1);
+  cudaEventRecord(e1, stream);
   cudaEventSynchronize(e1);
   float ms = 0;
   cudaEventElapsedTime(&ms, e0, e1);

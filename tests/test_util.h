@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -43,6 +44,15 @@ inline ::testing::AssertionResult AllClose(const std::vector<float>& a, const st
   if (a.size() != e.size())
     return ::testing::AssertionFailure() << "size " << a.size() << " vs " << e.size();
   return AllClose(a.data(), e.data(), a.size(), atol, rtol);
+}
+
+// n floats uniform in [-1, 1) from std::mt19937(seed).
+inline std::vector<float> RandomUniform(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = u(rng);
+  return v;
 }
 
 }  // namespace penumbra::testing

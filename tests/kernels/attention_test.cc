@@ -3,7 +3,6 @@
 // KV-cache strides.
 #include <cmath>
 #include <cstdint>
-#include <random>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -16,13 +15,7 @@ namespace {
 
 using ::penumbra::testing::AllClose;
 
-std::vector<float> Random(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = u(rng);
-  return v;
-}
+using ::penumbra::testing::RandomUniform;
 
 // out [d] = softmax(scale * q.K^T) V over keys 0..n_keys-1, in double.
 void NaiveRow(const float* q, const float* k, const float* v, int64_t n_keys, int d, double scale, float* out) {
@@ -59,9 +52,9 @@ TEST(AttentionCpuTest, PrefillMatchesNaive) {
     const int keys = c.q_start + c.nq;
     const int capacity = keys + 5;  // head_stride larger than the keys in use
     const int64_t head_stride = static_cast<int64_t>(capacity) * c.d;
-    auto q = Random(static_cast<size_t>(c.nq) * c.hq * c.d, seed++);
-    auto k = Random(static_cast<size_t>(c.hkv) * head_stride, seed++);
-    auto v = Random(static_cast<size_t>(c.hkv) * head_stride, seed++);
+    auto q = RandomUniform(static_cast<size_t>(c.nq) * c.hq * c.d, seed++);
+    auto k = RandomUniform(static_cast<size_t>(c.hkv) * head_stride, seed++);
+    auto v = RandomUniform(static_cast<size_t>(c.hkv) * head_stride, seed++);
     std::vector<float> out(q.size(), NAN), expect(q.size());
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
     PrefillAttentionArgs a;
@@ -97,12 +90,12 @@ TEST(AttentionCpuTest, DecodeMatchesNaive) {
       const int capacity = 310;
       const int64_t head_stride = static_cast<int64_t>(capacity) * d;
       uint32_t seed = 100 + d + group;
-      auto q = Random(static_cast<size_t>(batch) * hq * d, seed++);
+      auto q = RandomUniform(static_cast<size_t>(batch) * hq * d, seed++);
       std::vector<std::vector<float>> k, v;
       std::vector<const float*> kp, vp;
       for (int b = 0; b < batch; ++b) {
-        k.push_back(Random(static_cast<size_t>(hkv) * head_stride, seed++));
-        v.push_back(Random(static_cast<size_t>(hkv) * head_stride, seed++));
+        k.push_back(RandomUniform(static_cast<size_t>(hkv) * head_stride, seed++));
+        v.push_back(RandomUniform(static_cast<size_t>(hkv) * head_stride, seed++));
         kp.push_back(k.back().data());
         vp.push_back(v.back().data());
       }
@@ -135,7 +128,7 @@ TEST(AttentionCpuTest, DecodeMatchesNaive) {
 // Large scores (sharp softmax) must not overflow: max subtraction.
 TEST(AttentionCpuTest, LargeScoresStayFinite) {
   const int d = 8, keys = 50;
-  auto q = Random(d, 7), k = Random(static_cast<size_t>(keys) * d, 8), v = Random(static_cast<size_t>(keys) * d, 9);
+  auto q = RandomUniform(d, 7), k = RandomUniform(static_cast<size_t>(keys) * d, 8), v = RandomUniform(static_cast<size_t>(keys) * d, 9);
   for (auto& x : q) x *= 100.0f;
   std::vector<float> out(d), expect(d);
   PrefillAttentionArgs a;

@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -28,14 +27,7 @@ using ::penumbra::testing::KernelBenchEnabled;
 using ::penumbra::testing::TimeMs;
 using ::penumbra::testing::GpuBuffer;
 using ::penumbra::testing::UploadAs;
-
-std::vector<float> RandomVector(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = u(rng);
-  return v;
-}
+using ::penumbra::testing::RandomUniform;
 
 struct Case {
   int n, out, in;
@@ -45,10 +37,10 @@ struct Case {
 void RunCase(const Case& c) {
   SCOPED_TRACE(::testing::Message() << "n=" << c.n << " out=" << c.out << " in=" << c.in << " acc=" << c.accumulate);
   std::vector<float> xr, wr;
-  GpuBuffer dx = UploadAs(RandomVector(static_cast<size_t>(c.n) * c.in, 1 + c.n), DType::kBF16, &xr);
-  GpuBuffer dw = UploadAs(RandomVector(static_cast<size_t>(c.out) * c.in, 7 + c.out), DType::kBF16, &wr);
+  GpuBuffer dx = UploadAs(RandomUniform(static_cast<size_t>(c.n) * c.in, 1 + c.n), DType::kBF16, &xr);
+  GpuBuffer dw = UploadAs(RandomUniform(static_cast<size_t>(c.out) * c.in, 7 + c.out), DType::kBF16, &wr);
   const size_t ny = static_cast<size_t>(c.n) * c.out, guard = 64;
-  std::vector<float> y0 = RandomVector(ny, 99);
+  std::vector<float> y0 = RandomUniform(ny, 99);
   std::vector<float> y_init(ny + guard, std::nanf(""));
   if (c.accumulate) std::copy(y0.begin(), y0.end(), y_init.begin());
   GpuBuffer dy((ny + guard) * sizeof(float));

@@ -31,6 +31,8 @@
 namespace penumbra::kernels {
 namespace {
 
+using ::penumbra::testing::TimeMs;
+
 #define SKV_CUDA(expr)                                                              \
   do {                                                                              \
     cudaError_t _e = (expr);                                                        \
@@ -823,27 +825,9 @@ void FillRandomBf16(void* dst, size_t n, Rng& rng, float scale) {
   }
 }
 
-template <typename F> float TimeMs(F&& fn, int iters, cudaStream_t stream) {
-  fn();  // warm-up
-  SKV_CUDA(cudaStreamSynchronize(stream));
-  cudaEvent_t e0, e1;
-  SKV_CUDA(cudaEventCreate(&e0));
-  SKV_CUDA(cudaEventCreate(&e1));
-  SKV_CUDA(cudaEventRecord(e0, stream));
-  for (int i = 0; i < iters; ++i) fn();
-  SKV_CUDA(cudaEventRecord(e1, stream));
-  SKV_CUDA(cudaEventSynchronize(e1));
-  float ms = 0;
-  SKV_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return ms / iters;
-}
-
 TEST(ShadowkvDecodeGpuBench, Timings) {
   PENUMBRA_SKIP_WITHOUT_GPU();
-  const char* env = std::getenv("PENUMBRA_KERNEL_BENCH");
-  if (!env || std::string(env) != "1") GTEST_SKIP() << "set PENUMBRA_KERNEL_BENCH=1";
+  if (!::penumbra::testing::KernelBenchEnabled()) GTEST_SKIP() << "set PENUMBRA_KERNEL_BENCH=1";
   const int batch = 16, hkv = 8, hq = 32, d = 128, n = 15616, C = 8, r = 160, ks = 256, misses = 105;
   const int rows = batch * hkv;
   Rng rng(99);
