@@ -1,6 +1,11 @@
 #include "kernels/cuda_check.h"
 
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include <glog/logging.h>
 
 namespace penumbra::kernels {
 
@@ -17,5 +22,37 @@ std::atomic<bool> g_chained{true};
 
 void SetChainedLaunch(bool on) { g_chained.store(on, std::memory_order_relaxed); }
 bool ChainedLaunchEnabled() { return g_chained.load(std::memory_order_relaxed); }
+
+int DeviceSmCount() {
+  static std::mutex mu;
+  static std::map<int, int> sms;  // device -> SM count
+  int dev = 0;
+  PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = sms.find(dev);
+  if (it != sms.end()) return it->second;
+  int n = 0;
+  PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  sms.emplace(dev, n);
+  return n;
+}
+
+int AllowDynamicSharedMemory(const void* kernel) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> done;  // (kernel, device) -> dynamic bytes allowed
+  int dev = 0;
+  PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = done.find({kernel, dev});
+  if (it != done.end()) return it->second;
+  int optin = 0;
+  PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes attr{};
+  PENUMBRA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const int max_dynamic = optin - static_cast<int>(attr.sharedSizeBytes);
+  PENUMBRA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dynamic));
+  done.emplace(std::make_pair(kernel, dev), max_dynamic);
+  return max_dynamic;
+}
 
 }  // namespace penumbra::kernels

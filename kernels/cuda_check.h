@@ -17,6 +17,13 @@ Status CudaStatus(cudaError_t e, const char* what);
 void SetChainedLaunch(bool on);
 bool ChainedLaunchEnabled();
 
+// The current device's SM count (cached per device).
+int DeviceSmCount();
+
+// Raises `kernel`'s dynamic shared-memory limit to the device maximum once per
+// (kernel, device) and returns the largest dynamic size a launch may ask for.
+int AllowDynamicSharedMemory(const void* kernel);
+
 }  // namespace penumbra::kernels
 
 #define PENUMBRA_CUDA_RETURN_IF_ERROR(expr) \

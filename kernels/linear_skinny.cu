@@ -21,8 +21,20 @@
 //   KS partial tiles meet in shared memory and are summed in a fixed order,
 //   so the result is deterministic.
 //
-// Memory traffic: reads W once (out * in * 2 bytes) plus x from L1/L2;
-// writes (and with accumulate reads) y.
+// Fusions (a decode layer is a chain of dependent kernels, and each kernel of
+// the chain costs a wait besides its work):
+// - SwiGLU epilogue: a warp tile pairs 8 gate rows (MMA rows 0-7) with the up
+//   rows of the same 8 features (rows 8-15), so a feature's two products
+//   meet in one partial tile and leave as silu(gate) * up. The tile count,
+//   hence the k split and every product's bits, equals the unfused kernel's
+//   on the same [2 out, in] W.
+// (An RMSNorm epilogue, where the last block to finish normalized the output
+// rows, and an RMSNorm prologue, where every block normalized its input rows,
+// both measured slower than the separate RMSNorm kernel: docs/benchmarks.md,
+// ninth session.)
+//
+// Memory traffic: reads W once (out * in * 2 bytes) plus x from L1/L2; writes
+// (and with accumulate reads) y, or writes act_out.
 #include "kernels/linear_skinny.cuh"
 
 #include <cstdint>
@@ -55,23 +67,39 @@ __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <int NT, int kUnroll>
-__global__ void __launch_bounds__(kThreads, 2)
-    SkinnyLinearKernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, int n, int out,
-                       int in, float* __restrict__ y, bool accumulate, int rt_per_block) {
+// kSwiGLU: tile rows 0-7 are gate rows, 8-15 the same features' up rows;
+// act_out receives silu(gate) * up.
+template <int NT, int kUnroll, bool kSwiGLU>
+__global__ void __launch_bounds__(kThreads, 2) SkinnyLinearKernel(SkinnyLinearArgs a, int rt_per_block) {
+  constexpr int kOutsPerTile = kSwiGLU ? kTile / 2 : kTile;
   __shared__ float partial[kWarps][kTile][NT * 8];
+  const int n = a.n, out = a.out, in = a.in;
+  const auto* __restrict__ w = static_cast<const __nv_bfloat16*>(a.w);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, c = lane & 3;
   const int RT = rt_per_block, KS = kWarps / RT;
   const int rt = warp % RT, ks = warp / RT;
-  const int row0 = (blockIdx.x * RT + rt) * kTile;
+  const int tile = blockIdx.x * RT + rt;
   const int steps = (in + kStep - 1) / kStep;
   const int s0 = static_cast<int>(static_cast<int64_t>(steps) * ks / KS);
   const int s1 = static_cast<int>(static_cast<int64_t>(steps) * (ks + 1) / KS);
 
-  const bool lo_ok = row0 + g < out, hi_ok = row0 + g + 8 < out;
-  const __nv_bfloat16* w_lo = w + static_cast<int64_t>(lo_ok ? row0 + g : 0) * in + 8 * c;
-  const __nv_bfloat16* w_hi = w + static_cast<int64_t>(hi_ok ? row0 + g + 8 : 0) * in + 8 * c;
+  // The W rows of MMA rows g and g + 8: consecutive rows, or with kSwiGLU the
+  // gate and up rows of feature tile * 8 + g.
+  int lo_row, hi_row;
+  bool lo_ok, hi_ok;
+  if constexpr (kSwiGLU) {
+    lo_row = tile * kOutsPerTile + g;
+    hi_row = out + lo_row;
+    lo_ok = hi_ok = lo_row < out;
+  } else {
+    lo_row = tile * kTile + g;
+    hi_row = lo_row + 8;
+    lo_ok = lo_row < out;
+    hi_ok = hi_row < out;
+  }
+  const __nv_bfloat16* w_lo = w + static_cast<int64_t>(lo_ok ? lo_row : 0) * in + 8 * c;
+  const __nv_bfloat16* w_hi = w + static_cast<int64_t>(hi_ok ? hi_row : 0) * in + 8 * c;
   // W does not depend on the kernels before this one: the warp's first
   // kUnroll steps of it are on their way to L2 while a chained launch waits.
 #pragma unroll
@@ -84,6 +112,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ChainWait();  // launched chained: see LaunchChained
   ChainRelease();
+  const auto* x = static_cast<const __nv_bfloat16*>(a.x);
   const __nv_bfloat16* x_row[NT];
   bool x_ok[NT];
 #pragma unroll
@@ -133,50 +162,58 @@ __global__ void __launch_bounds__(kThreads, 2)
     partial[warp][g + 8][8 * t + 2 * c + 1] = acc[t][3];
   }
   __syncthreads();
-  const int rows = RT * kTile;
-  for (int i = threadIdx.x; i < rows * n; i += kThreads) {
-    const int b = i / rows, rr = i % rows;
-    const int t = rr / kTile, r = rr % kTile;
-    const int row = blockIdx.x * rows + rr;
-    if (row >= out) continue;
+  const int outs = RT * kOutsPerTile;  // this block's outputs per batch row
+  for (int i = threadIdx.x; i < outs * n; i += kThreads) {
+    const int b = i / outs, rr = i % outs;
+    const int t = rr / kOutsPerTile, r = rr % kOutsPerTile;
+    const int o = blockIdx.x * outs + rr;
+    if (o >= out) continue;
     float sum = 0.0f;
     for (int k = 0; k < KS; ++k) sum += partial[k * RT + t][r][b];
-    float* dst = y + static_cast<int64_t>(b) * out + row;
-    *dst = accumulate ? *dst + sum : sum;
+    if constexpr (kSwiGLU) {
+      float up = 0.0f;
+      for (int k = 0; k < KS; ++k) up += partial[k * RT + t][r + 8][b];
+      // SwiGLUKernel's expression (kernels/swiglu.cu).
+      static_cast<__nv_bfloat16*>(a.act_out)[static_cast<int64_t>(b) * out + o] =
+          __float2bfloat16(__fmul_rn(sum / (1.0f + expf(-sum)), up));
+    } else {
+      float* dst = a.y + static_cast<int64_t>(b) * out + o;
+      *dst = a.accumulate ? *dst + sum : sum;
+    }
   }
 }
 
-int MultiProcessorCount() {
-  static thread_local int cached_dev = -1, cached_sms = 0;
-  int dev = 0;
-  PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev != cached_dev) {
-    PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, dev));
-    cached_dev = dev;
+template <int NT, int kUnroll>
+void LaunchVariant(const SkinnyLinearArgs& a, int blocks, int rt, cudaStream_t stream) {
+  if (a.act_out != nullptr) {
+    LaunchChained(SkinnyLinearKernel<NT, kUnroll, true>, blocks, kThreads, 0, stream, a, rt);
+  } else {
+    LaunchChained(SkinnyLinearKernel<NT, kUnroll, false>, blocks, kThreads, 0, stream, a, rt);
   }
-  return cached_sms;
 }
 
 }  // namespace
 
 bool SkinnyLinearSupported(const SkinnyLinearArgs& a, DType dtype) {
-  return dtype == DType::kBF16 && a.n >= 1 && a.n <= kSkinnyLinearMaxRows && a.out >= 1 && a.in >= 8 &&
-         a.in % 8 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w) % 16 == 0 &&
-         a.y != nullptr;
+  const auto aligned = [](const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; };
+  if (dtype != DType::kBF16 || a.n < 1 || a.n > kSkinnyLinearMaxRows || a.out < 1 || a.in < 8 || a.in % 8 != 0 ||
+      a.x == nullptr || !aligned(a.x, 16) || a.w == nullptr || !aligned(a.w, 16)) {
+    return false;
+  }
+  return a.act_out != nullptr ? !a.accumulate : a.y != nullptr;
 }
 
 void LaunchSkinnyLinear(const SkinnyLinearArgs& a, cudaStream_t stream) {
-  const int tiles = (a.out + kTile - 1) / kTile;
-  const int want_blocks = 2 * MultiProcessorCount();
+  // Warp tiles: 16 output rows each, or 8 features (gate + up rows) with SwiGLU.
+  const int tiles = a.act_out ? (a.out + kTile / 2 - 1) / (kTile / 2) : (a.out + kTile - 1) / kTile;
+  const int want_blocks = 2 * DeviceSmCount();
   int rt = kWarps;
   while (rt > 1 && (tiles + rt - 1) / rt < want_blocks) rt /= 2;
   const int blocks = (tiles + rt - 1) / rt;
-  const auto* x = static_cast<const __nv_bfloat16*>(a.x);
-  const auto* w = static_cast<const __nv_bfloat16*>(a.w);
   if (a.n <= 8) {
-    LaunchChained(SkinnyLinearKernel<1, 8>, blocks, kThreads, 0, stream, x, w, a.n, a.out, a.in, a.y, a.accumulate, rt);
+    LaunchVariant<1, 8>(a, blocks, rt, stream);
   } else {
-    LaunchChained(SkinnyLinearKernel<2, 4>, blocks, kThreads, 0, stream, x, w, a.n, a.out, a.in, a.y, a.accumulate, rt);
+    LaunchVariant<2, 4>(a, blocks, rt, stream);
   }
 }
 

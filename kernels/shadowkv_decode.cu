@@ -3,8 +3,6 @@
 #include "kernels/shadowkv_decode.cuh"
 
 #include <algorithm>
-#include <mutex>
-#include <map>
 #include <utility>
 
 #include <cub/block/block_scan.cuh>
@@ -24,33 +22,6 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
-
-// Raises a kernel's dynamic shared-memory limit to the device maximum once per
-// (kernel, device) and returns the largest dynamic size a launch may ask for.
-int AllowSharedMemory(const void* kernel) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> done;  // (kernel, device) -> dynamic bytes allowed
-  int dev = 0;
-  PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = done.find({kernel, dev});
-  if (it != done.end()) return it->second;
-  int optin = 0;
-  PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  cudaFuncAttributes attr{};
-  PENUMBRA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  const int max_dynamic = optin - static_cast<int>(attr.sharedSizeBytes);
-  PENUMBRA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_dynamic));
-  done.emplace(std::make_pair(kernel, dev), max_dynamic);
-  return max_dynamic;
-}
-
-int MultiProcessorCount() {
-  int dev = 0, sms = 0;
-  PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
-  PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
 
 // 8 consecutive elements loaded with 16-byte loads, kept raw until used so that
 // several loads can be in flight.
@@ -961,7 +932,7 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
     const int cached = a.max_chunks;
     size_t smem = topk_block::SharedWords(cached) * sizeof(uint32_t);
     if (then_update) smem = std::max(smem, SlotUpdateSharedBytes(*then_update));
-    const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&ScoreSelectKernel));
+    const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&ScoreSelectKernel));
     if (smem <= static_cast<size_t>(max_dynamic)) {
       LaunchChained(ScoreSelectKernel, a.batch * a.hkv, topk_block::kThreads, smem, stream, a, ws, n_split, cached,
                     then_update ? *then_update : ShadowkvSlotUpdateArgs{}, then_update != nullptr);
@@ -985,7 +956,7 @@ void LaunchShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a, cudaStream_t stre
   if (rows <= 0 || a.kslots <= 0) return;
   CHECK_GE(a.selection_stride, a.kslots);
   const size_t smem = SlotUpdateSharedBytes(a);
-  const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&SlotUpdateKernel));
+  const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&SlotUpdateKernel));
   CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvSlotUpdate: chunk_cap " << a.chunk_cap
                                                    << " kslots " << a.kslots << " need too much shared memory";
   SlotUpdateKernel<<<rows, kSlotThreads, smem, stream>>>(a);
@@ -1002,7 +973,7 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
   bool mma = a.algo != RebuildKAlgo::kSimt && a.dtype == DType::kBF16 && a.d % 64 == 0 && a.r % 8 == 0;
   RebuildSmem layout{};
   if (mma) {
-    const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&RebuildKMmaKernel));
+    const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&RebuildKMmaKernel));
     // Two A stages where they fit (the next tile's gather in flight), else one.
     layout = RebuildSmemLayout(a.r, a.d, 2);
     if (layout.total() > static_cast<size_t>(max_dynamic)) layout = RebuildSmemLayout(a.r, a.d, 1);
@@ -1011,7 +982,7 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
   if (mma) {
     const int per_tile = kRebuildTileRows / a.chunk_size;
     const int max_tiles = (a.max_misses + per_tile - 1) / per_tile;
-    static const int sms = MultiProcessorCount();
+    const int sms = DeviceSmCount();
     // About half the SMs (at least one block per row), not more: the rebuild
     // is launched right after the slot update, beside the value fetch on the
     // side stream, and its blocks take SMs the other lane's chain needs, while
@@ -1030,10 +1001,10 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
     const size_t smem = static_cast<size_t>(kSimtTokens) * (a.r + a.d) * sizeof(float);
     const dim3 grid(a.max_misses, rows);
     if (a.dtype == DType::kF32) {
-      AllowSharedMemory(reinterpret_cast<const void*>(&RebuildKSimtKernel<float>));
+      AllowDynamicSharedMemory(reinterpret_cast<const void*>(&RebuildKSimtKernel<float>));
       RebuildKSimtKernel<float><<<grid, kSimtThreads, smem, stream>>>(a);
     } else {
-      AllowSharedMemory(reinterpret_cast<const void*>(&RebuildKSimtKernel<bf16>));
+      AllowDynamicSharedMemory(reinterpret_cast<const void*>(&RebuildKSimtKernel<bf16>));
       RebuildKSimtKernel<bf16><<<grid, kSimtThreads, smem, stream>>>(a);
     }
   }
@@ -1053,7 +1024,7 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int max_blocks = a.max_blocks > 0 ? a.max_blocks : kFetchMaxBlocks;
   const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
   const size_t smem = sizeof(int32_t) * (static_cast<size_t>(rows) + 1);
-  const int max_dynamic = AllowSharedMemory(reinterpret_cast<const void*>(&FetchVKernel));
+  const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVKernel));
   CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows (batch x hkv) is too many";
   FetchVKernel<<<blocks, kFetchThreads, smem, stream>>>(a, nvec, elem_bytes);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());

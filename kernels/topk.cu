@@ -2,9 +2,6 @@
 #include "kernels/topk.cuh"
 
 #include <algorithm>
-#include <mutex>
-#include <set>
-#include <utility>
 
 #include <glog/logging.h>
 
@@ -32,23 +29,6 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKArgs a, int cached_ke
                         a.skip_worst_inf, a.out + static_cast<int64_t>(row) * a.out_stride, smem, cached_keys);
 }
 
-// Raises a kernel's dynamic shared-memory limit to the device maximum, once per
-// (kernel, device); not stream-ordered, costs nothing after the first call.
-void AllowSharedMemory(const void* kernel) {
-  static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
-  int dev = 0;
-  PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  if (!done.insert({kernel, dev}).second) return;
-  int optin = 0;
-  PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  cudaFuncAttributes attr{};
-  PENUMBRA_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  PENUMBRA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           optin - static_cast<int>(attr.sharedSizeBytes)));
-}
-
 }  // namespace
 
 void LaunchTopK(const TopKArgs& a, cudaStream_t stream) {
@@ -57,7 +37,7 @@ void LaunchTopK(const TopKArgs& a, cudaStream_t stream) {
   CHECK_GE(a.out_stride, a.k);
   const int cached = std::min(std::max(a.max_count, 0), kTopKSharedKeys);
   const int smem = static_cast<int>(topk_block::SharedWords(cached) * sizeof(uint32_t));
-  AllowSharedMemory(reinterpret_cast<const void*>(&TopKKernel));
+  (void)AllowDynamicSharedMemory(reinterpret_cast<const void*>(&TopKKernel));
   TopKKernel<<<a.rows, kThreads, smem, stream>>>(a, cached);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }

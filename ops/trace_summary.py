@@ -2,14 +2,17 @@
 """Summarize a penumbra-bench --kernel-trace file (JSON lines of kernels and
 copies with GPU start/end times, see worker/bench/kernel_trace.h).
 
-  python3 ops/trace_summary.py TRACE.jsonl --steps N [--fetch FetchVKernel] [--json]
+  python3 ops/trace_summary.py TRACE.jsonl --steps N [--fetch FetchVKernel] [--chain] [--json]
 
 Per decode step it reports: how long the GPU ran anything, each stream's busy
 time and top kernels, how long the host link was busy (the union of the value
 fetch kernels, any stream), the link's idle gaps attributed to what the next
 fetch waited for (the kernel that ended last before it began), and per lane
-(fetch stream) the time from the end of one fetch to the start of the next. Only the
-standard library is used, so it runs on the GPU machine as well as here.
+(fetch stream) the time from the end of one fetch to the start of the next.
+With --chain it also lists one sample of a lane's chain: every record between
+the start of a fetch (one from the middle of the first fetch stream's) and the
+end of that stream's next fetch, in microseconds from that fetch's start. Only
+the standard library is used, so it runs on the GPU machine as well as here.
 """
 import argparse
 import collections
@@ -47,6 +50,7 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, required=True, help="decode steps the trace covers (the bench's --steps)")
     ap.add_argument("--fetch", default="FetchVKernel", help="substring naming the value fetch kernel")
+    ap.add_argument("--chain", action="store_true", help="also list one sample of a lane's chain between two fetches")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = ap.parse_args()
 
@@ -142,6 +146,15 @@ def main():
     out["compute_beside_fetch_ms_per_step"] = both / per
     out["compute_busy_ms_per_step"] = union([(s, e) for s, e in other]) / per
 
+    if args.chain and fetch_streams:
+        own = sorted((s, e) for s, e, x in fetch if x == fetch_streams[0])
+        if len(own) >= 2:
+            i = (len(own) - 2) // 2
+            lo, hi = own[i][0], own[i + 1][1]
+            out["chain_sample_us"] = [
+                {"start": (s - lo) / 1e3, "end": (e - lo) / 1e3, "stream": st, "name": n}
+                for s, e, st, k, n in recs if e > lo and s < hi]
+
     if args.json:
         print(json.dumps(out))
         return
@@ -154,6 +167,10 @@ def main():
                     print(f"    {ms:7.3f} ms  {n[:110]}")
                 for n, ms in d["idle_before_ms_per_step"].items():
                     print(f"    idle {ms:7.3f} ms before {n[:100]}")
+        elif k == "chain_sample_us":
+            print("chain sample (us from the fetch's start: start, end, duration, stream, name):")
+            for r in v:
+                print(f"  {r['start']:8.1f} {r['end']:8.1f} {r['end'] - r['start']:7.1f} s{r['stream']} {r['name'][:90]}")
         elif k == "fetch_to_next_fetch_us":
             for st, q in v.items():
                 print(f"{k} (stream {st}): p10 {q['p10']:.1f}, p50 {q['p50']:.1f}, p90 {q['p90']:.1f}")

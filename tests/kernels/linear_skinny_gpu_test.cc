@@ -2,13 +2,16 @@
 // CPU reference on the same bf16 inputs, at awkward sizes (row tails, k tails,
 // every batch size 1..16, k split across warps or not), with and without
 // accumulation; the output is poisoned beforehand and followed by a guard
-// region that must stay untouched. With PENUMBRA_KERNEL_BENCH=1 the Bench case
-// prints GB/s of weights read, against cuBLAS, at the Llama-3.1-8B shapes.
+// region that must stay untouched. Its SwiGLU epilogue gives the bits of the
+// unfused kernels (the kernel on the [2F, in] weight, then LaunchSwiGLU). With
+// PENUMBRA_KERNEL_BENCH=1 the Bench cases print GB/s of weights read against
+// cuBLAS, and fused against unfused, at the Llama-3.1-8B shapes.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -17,6 +20,7 @@
 
 #include "common/dtype.h"
 #include "kernels/linear_skinny.cuh"
+#include "kernels/swiglu.cuh"
 #include "tests/gpu_test_util.h"
 
 namespace penumbra::kernels {
@@ -89,6 +93,69 @@ TEST(SkinnyLinearGpuTest, MatchesReference) {
   RunCase({1, 70001, 32, false});
 }
 
+// ---- SwiGLU epilogue --------------------------------------------------------------
+
+// The fused launch (act_out = SwiGLU(x . W^T)) and the unfused kernel's on
+// the same [2 features, in] W (into gu, f32 [n, 2 features]).
+std::pair<SkinnyLinearArgs, SkinnyLinearArgs> SwiGLUArgs(const void* x, const void* w, int n, int features, int in,
+                                                         void* act, float* gu) {
+  SkinnyLinearArgs f;
+  f.x = x;
+  f.w = w;
+  f.n = n;
+  f.out = features;
+  f.in = in;
+  f.act_out = act;
+  SkinnyLinearArgs u = f;
+  u.act_out = nullptr;
+  u.out = 2 * features;
+  u.y = gu;
+  return {f, u};
+}
+
+// Runs the fused kernel (act_out) and the unfused sequence on the same inputs:
+// the outputs must be the same bits, and the guard past them untouched.
+void RunSwiGLU(int n, int features, int in) {
+  SCOPED_TRACE(::testing::Message() << "n=" << n << " features=" << features << " in=" << in);
+  GpuBuffer dx = UploadAs(RandomUniform(static_cast<size_t>(n) * in, 3 + n), DType::kBF16, nullptr);
+  GpuBuffer dw = UploadAs(RandomUniform(static_cast<size_t>(2) * features * in, 5 + features), DType::kBF16, nullptr);
+  const size_t bytes = static_cast<size_t>(n) * features * 2, guard = 64;
+  const std::vector<uint8_t> poison(bytes + guard, 0xff);
+  GpuBuffer fused(poison.size()), unfused(poison.size()), gu(static_cast<size_t>(n) * 2 * features * sizeof(float));
+  PENUMBRA_CUDA_OK(cudaMemcpy(fused.get(), poison.data(), poison.size(), cudaMemcpyHostToDevice));
+  PENUMBRA_CUDA_OK(cudaMemcpy(unfused.get(), poison.data(), poison.size(), cudaMemcpyHostToDevice));
+
+  const auto [f, u] = SwiGLUArgs(dx.get(), dw.get(), n, features, in, fused.get(), gu.as<float>());
+  ASSERT_TRUE(SkinnyLinearSupported(f, DType::kBF16));
+  LaunchSkinnyLinear(f, nullptr);
+  ASSERT_TRUE(SkinnyLinearSupported(u, DType::kBF16));
+  LaunchSkinnyLinear(u, nullptr);
+  LaunchSwiGLU(gu.as<float>(), n, features, unfused.get(), DType::kBF16, nullptr);
+  PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
+
+  std::vector<uint8_t> got(poison.size()), want(poison.size());
+  PENUMBRA_CUDA_OK(cudaMemcpy(got.data(), fused.get(), got.size(), cudaMemcpyDeviceToHost));
+  PENUMBRA_CUDA_OK(cudaMemcpy(want.data(), unfused.get(), want.size(), cudaMemcpyDeviceToHost));
+  size_t differ = 0;
+  for (size_t k = 0; k < bytes; ++k) differ += got[k] != want[k];
+  EXPECT_EQ(differ, 0u) << "bytes of the fused output differing from the unfused sequence's";
+  for (size_t k = bytes; k < got.size(); ++k) ASSERT_EQ(got[k], 0xff) << "guard byte " << k - bytes;
+  // Not all zeros or NaN: the comparison compared something.
+  std::vector<float> vals(static_cast<size_t>(n) * features);
+  ConvertToF32(got.data(), DType::kBF16, vals.data(), vals.size());
+  size_t finite_nonzero = 0;
+  for (float v : vals) finite_nonzero += std::isfinite(v) && v != 0.0f;
+  EXPECT_GT(finite_nonzero, vals.size() / 2);
+}
+
+TEST(SkinnyLinearGpuTest, FusedSwiGLUGivesTheUnfusedBits) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (int n = 1; n <= kSkinnyLinearMaxRows; ++n) RunSwiGLU(n, 20, 136);  // feature tail (20 % 8), k tail
+  RunSwiGLU(7, 36, 4104);   // k split over warps
+  RunSwiGLU(7, 1000, 4096);
+  RunSwiGLU(5, 9000, 64);   // many features: 8 row tiles per block
+}
+
 TEST(SkinnyLinearGpuTest, RefusesWhatItCannotTake) {
   SkinnyLinearArgs a;
   alignas(16) static uint8_t buf[64];
@@ -113,6 +180,16 @@ TEST(SkinnyLinearGpuTest, RefusesWhatItCannotTake) {
   EXPECT_FALSE(SkinnyLinearSupported(b, DType::kBF16));
   b = a;
   b.x = buf + 2;
+  EXPECT_FALSE(SkinnyLinearSupported(b, DType::kBF16));
+  // The SwiGLU epilogue writes act_out (y unused) and cannot accumulate.
+  SkinnyLinearArgs act = a;
+  act.y = nullptr;
+  act.act_out = buf;
+  EXPECT_TRUE(SkinnyLinearSupported(act, DType::kBF16));
+  act.accumulate = true;
+  EXPECT_FALSE(SkinnyLinearSupported(act, DType::kBF16));
+  b = a;
+  b.y = nullptr;
   EXPECT_FALSE(SkinnyLinearSupported(b, DType::kBF16));
 }
 
@@ -173,6 +250,31 @@ TEST(SkinnyLinearGpuTest, Bench) {
     }
   }
   cublasDestroy(h);
+}
+
+// Fused against unfused at the Llama-3.1-8B gate/up shape (7 rows, a lane of
+// the 124928 x 14 pipeline). Kernels alone, back to back; in the pipeline a
+// kernel fewer also removes a dependent wait.
+TEST(SkinnyLinearGpuTest, BenchSwiGLU) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  if (!KernelBenchEnabled()) GTEST_SKIP() << "set PENUMBRA_KERNEL_BENCH=1";
+  const int n = 7, features = 14336, in = 4096;
+  GpuBuffer dw(static_cast<size_t>(2) * features * in * 2), dx(static_cast<size_t>(n) * in * 2),
+      gu(static_cast<size_t>(n) * 2 * features * 4), act(static_cast<size_t>(n) * features * 2);
+  PENUMBRA_CUDA_OK(cudaMemset(dw.get(), 0x3c, static_cast<size_t>(2) * features * in * 2));
+  PENUMBRA_CUDA_OK(cudaMemset(dx.get(), 0x3c, static_cast<size_t>(n) * in * 2));
+  const auto [f, u] = SwiGLUArgs(dx.get(), dw.get(), n, features, in, act.get(), gu.as<float>());
+  const float fused = TimeMs([&] { LaunchSkinnyLinear(f, nullptr); }, 20);
+  const float unfused = TimeMs(
+      [&] {
+        LaunchSkinnyLinear(u, nullptr);
+        LaunchSwiGLU(gu.as<float>(), n, features, act.get(), DType::kBF16, nullptr);
+      },
+      20);
+  PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
+  std::printf("{\"bench\":\"skinny_swiglu\",\"n\":%d,\"features\":%d,\"in\":%d,\"fused_ms\":%.4f,\"unfused_ms\":%.4f,"
+              "\"speedup\":%.3f}\n",
+              n, features, in, fused, unfused, unfused / fused);
 }
 
 }  // namespace

@@ -64,6 +64,17 @@ class TraceSummaryTest(unittest.TestCase):
         p = self.summarize(two, "--steps", "1")
         self.assertIn("fetch_to_next_fetch_us (stream 2): p10 100.0, p50 100.0, p90 100.0", p.stdout)
 
+    def test_chain_sample(self):
+        recs = [rec("A", 0, 100, 1), rec("B", 150, 200, 1), rec("C", 230, 260, 1),
+                rec("FetchVKernel", 100, 140, 2), rec("FetchVKernel", 220, 300, 2), rec("D", 310, 320, 1)]
+        p = self.summarize(recs, "--steps", "1", "--chain", "--json")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        chain = json.loads(p.stdout)["chain_sample_us"]
+        self.assertEqual([r["name"] for r in chain], ["FetchVKernel", "B", "FetchVKernel", "C"])
+        self.assertEqual((chain[1]["start"], chain[1]["end"]), (50, 100))
+        p = self.summarize(recs, "--steps", "1", "--chain")
+        self.assertIn("      50.0    100.0    50.0 s1 B", p.stdout)
+
     def test_bad_input_names_the_line(self):
         p = self.summarize([rec("A", 0, 1, 1), {"kind": "kernel"}], "--steps", "1")
         self.assertNotEqual(p.returncode, 0)

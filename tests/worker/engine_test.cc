@@ -225,12 +225,28 @@ TEST(EngineTest, EngineYamlReadsLinearAndChainedLaunch) {
   ASSERT_TRUE(LoadEngineOptions(*r, &o).ok());
   EXPECT_EQ(o.backend.linear, "cublas");
   EXPECT_FALSE(o.backend.chained_launch);
+  auto skinny = ConfigReader::FromString("linear: skinny\n", "e.yaml");
+  ASSERT_TRUE(skinny.ok());
+  EngineOptions o1;
+  ASSERT_TRUE(LoadEngineOptions(*skinny, &o1).ok());
+  EXPECT_EQ(o1.backend.linear, "skinny");
   auto bad = ConfigReader::FromString("linear: fast\n", "e.yaml");
   ASSERT_TRUE(bad.ok());
   EngineOptions o2;
   Status s = LoadEngineOptions(*bad, &o2);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("linear"), std::string::npos) << s;
+}
+
+TEST(EngineTest, UnknownLinearKernelIsRefusedOnEveryDevice) {
+  BackendOptions o;
+  o.device = "cpu";
+  o.linear = "fast";
+  auto b = CreateBackend(o);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("unknown linear kernel 'fast'"), std::string::npos) << b.status();
+  o.linear = "skinny";
+  EXPECT_TRUE(CreateBackend(o).ok());
 }
 
 TEST(EngineTest, OnOffFlagsAreParsedOrRefused) {

@@ -477,7 +477,9 @@ Status Main(int argc, char** argv) {
                          "'natural' for none (e.g. natural,0.6)")
       .Flag("batch-sweep", "decode: build the batch once, then time the first b sequences for each b, comma-separated")
       .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
-      .Flag("linear", "CUDA linear layers: auto (skinny kernel for batches <= 8, default) or cublas")
+      .Flag("linear",
+            "CUDA linear layers: auto (skinny kernel for batches <= 8, RMSNorm/SwiGLU fused; default), "
+            "skinny (unfused) or cublas")
       .Flag("chained-launch", "CUDA: decode kernels launched chained, on (default) or off")
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")

@@ -148,6 +148,14 @@ class Backend {
                        bool out_f32 = false) = 0;
   // y[n, out] = x[n, in] (act dtype) * W^T (+ y when accumulate) (+ bias).
   virtual void Linear(const void* x, const LinearWeight& w, int n, float* y, bool accumulate) = 0;
+  // out[n, F] (act dtype) = SwiGLU(x . W^T) for W = gate_up [2F, in] (the
+  // gate rows, then the up rows): the MLP's first half. gu (f32 [n, 2F]) is
+  // the unfused path's scratch; a fused backend may leave it unwritten.
+  // Default: Linear, then SwiGLU.
+  virtual void LinearSwiGLU(const void* x, const LinearWeight& gate_up, int n, float* gu, void* out) {
+    Linear(x, gate_up, n, gu, false);
+    SwiGLU(gu, n, gate_up.out / 2, out);
+  }
   virtual void RopeStore(const RopeStoreOp& op) = 0;
   virtual void SwiGLU(const float* gate_up, int n, int F, void* out) = 0;
   virtual void PrefillAttention(const PrefillAttentionOp& op) = 0;
@@ -234,7 +242,9 @@ struct BackendOptions {
   int cpu_threads = 0;          // 0 = all cores. Default: 0.
   // CUDA linear layers: "auto" (the skinny tensor-core kernel of
   // kernels/linear_skinny.cuh for bf16 with at most 8 rows, i.e. decode
-  // batches; cuBLAS otherwise) or "cublas" (always). Default: auto.
+  // batches, with the SwiGLU fused into it for LinearSwiGLU; cuBLAS
+  // otherwise), "skinny" (the same kernel, never
+  // fused) or "cublas" (always). Default: auto.
   std::string linear = "auto";
   // CUDA: launch the decode kernels chained (programmatic dependent launch,
   // kernels/common.cuh): each may be scheduled while the one before it in the

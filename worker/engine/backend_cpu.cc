@@ -331,6 +331,12 @@ Result<std::unique_ptr<Backend>> CreateCpuBackend(const BackendOptions& options)
 }
 
 Result<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options) {
+  // Checked on every device (the CPU backend has no choice of kernels, but a
+  // misspelt option is still an error).
+  if (options.linear != "auto" && options.linear != "skinny" && options.linear != "cublas") {
+    return Status::InvalidArgument("unknown linear kernel '" + options.linear +
+                                   "' (expected auto, skinny or cublas)");
+  }
   if (options.device == "cpu") return CreateCpuBackend(options);
   if (options.device == "cuda" || options.device == "auto") {
     if (CudaBackendCompiled() && CudaDevicePresent()) return CreateCudaBackend(options);

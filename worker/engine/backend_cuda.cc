@@ -58,8 +58,8 @@ cudaDataType_t CudaType(DType t) {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, DType act, bool skinny_linear)
-      : device_(device), act_(act), skinny_linear_(skinny_linear) {}
+  CudaBackend(int device, DType act, bool skinny_linear, bool fuse_linear)
+      : device_(device), act_(act), skinny_linear_(skinny_linear), fuse_linear_(fuse_linear) {}
   ~CudaBackend() override {
     if (sample_params_) cudaFree(sample_params_);
     if (sample_out_) cudaFree(sample_out_);
@@ -185,6 +185,23 @@ class CudaBackend final : public Backend {
                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasGemmEx: " << CublasName(s);
     if (w.bias) kn::LaunchAddBias(y, w.bias, w.dtype, n, w.out, stream_);
+  }
+  void LinearSwiGLU(const void* x, const LinearWeight& gate_up, int n, float* gu, void* out) override {
+    // The SwiGLU in the skinny kernel's epilogue: a kernel fewer in decode's
+    // chain (docs/benchmarks.md, ninth session).
+    kn::SkinnyLinearArgs sk;
+    sk.x = x;
+    sk.w = gate_up.w;
+    sk.n = n;
+    sk.out = gate_up.out / 2;
+    sk.in = gate_up.in;
+    sk.act_out = out;
+    if (fuse_linear_ && n <= kSkinnyRows && !gate_up.bias && gate_up.out % 2 == 0 &&
+        kn::SkinnyLinearSupported(sk, gate_up.dtype)) {
+      kn::LaunchSkinnyLinear(sk, stream_);
+      return;
+    }
+    Backend::LinearSwiGLU(x, gate_up, n, gu, out);
   }
   void RopeStore(const RopeStoreOp& op) override {
     kn::RopeStoreArgs a;
@@ -428,7 +445,8 @@ class CudaBackend final : public Backend {
   static constexpr int kMaxSampleRows = 1024;
   int device_;
   DType act_;
-  bool skinny_linear_;  // BackendOptions::linear == "auto"
+  bool skinny_linear_;  // BackendOptions::linear: auto or skinny
+  bool fuse_linear_;    // BackendOptions::linear: auto (LinearSwiGLU fused)
   // The skinny kernel takes batches up to this many rows: on the H200 it is
   // within ~10% of cuBLAS on every Llama-8B projection there, and chained;
   // at 14-16 rows it is 4-18% slower (docs/benchmarks.md, eighth session).
@@ -462,11 +480,13 @@ Result<std::unique_ptr<Backend>> CreateCudaBackend(const BackendOptions& options
   } else if (options.dtype != "auto" && options.dtype != "bf16") {
     return Status::InvalidArgument("unknown dtype '" + options.dtype + "' (expected bf16, f32 or auto)");
   }
-  if (options.linear != "auto" && options.linear != "cublas") {
-    return Status::InvalidArgument("unknown linear kernel '" + options.linear + "' (expected auto or cublas)");
+  if (options.linear != "auto" && options.linear != "skinny" && options.linear != "cublas") {
+    return Status::InvalidArgument("unknown linear kernel '" + options.linear +
+                                   "' (expected auto, skinny or cublas)");
   }
   kn::SetChainedLaunch(options.chained_launch);
-  auto b = std::make_unique<CudaBackend>(options.cuda_device, act, options.linear == "auto");
+  auto b = std::make_unique<CudaBackend>(options.cuda_device, act, options.linear != "cublas",
+                                         options.linear == "auto");
   PENUMBRA_RETURN_IF_ERROR(b->Init());
   return std::unique_ptr<Backend>(std::move(b));
 }

@@ -7,7 +7,7 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   r.ReadEnum("dtype", &o->backend.dtype, {"auto", "bf16", "f32"});
   r.Read("cuda_device", &o->backend.cuda_device, 0, 64);
   r.Read("cpu_threads", &o->backend.cpu_threads, 0, 4096);
-  r.ReadEnum("linear", &o->backend.linear, {"auto", "cublas"});
+  r.ReadEnum("linear", &o->backend.linear, {"auto", "skinny", "cublas"});
   r.Read("chained_launch", &o->backend.chained_launch);
   r.Read("prefill_chunk", &o->runtime.prefill_chunk, 1, 1 << 20);
   r.Read("max_batch", &o->runtime.max_batch, 1, 1 << 16);

@@ -102,8 +102,7 @@ void Runtime::RemoveSequence(int64_t seq) { policy_->RemoveSequence(seq); }
 void Runtime::Mlp(const LayerWeights& L, float* x, int n) {
   const ModelConfig& c = config();
   backend_->RmsNorm(x, L.mlp_norm, weights_->dtype(), n, c.hidden_size, static_cast<float>(c.rms_norm_eps), h_.get());
-  backend_->Linear(h_.get(), L.gate_up, n, gu_.as<float>(), false);
-  backend_->SwiGLU(gu_.as<float>(), n, c.intermediate_size, ffn_.get());
+  backend_->LinearSwiGLU(h_.get(), L.gate_up, n, gu_.as<float>(), ffn_.get());
   backend_->Linear(ffn_.get(), L.down, n, x, true);
 }
 
