@@ -50,7 +50,6 @@ __device__ __forceinline__ void ChainRelease() {
 #endif
 }
 
-
 template <typename... KArgs, typename... Args>
 void LaunchChained(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    Args... args) {

@@ -24,17 +24,16 @@ void SetChainedLaunch(bool on) { g_chained.store(on, std::memory_order_relaxed);
 bool ChainedLaunchEnabled() { return g_chained.load(std::memory_order_relaxed); }
 
 int DeviceSmCount() {
-  static std::mutex mu;
-  static std::map<int, int> sms;  // device -> SM count
+  // Asked at every skinny-linear launch: a per-thread cache, no lock (the
+  // lanes' host threads launch concurrently).
+  thread_local int cached_dev = -1, cached_sms = 0;
   int dev = 0;
   PENUMBRA_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = sms.find(dev);
-  if (it != sms.end()) return it->second;
-  int n = 0;
-  PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  sms.emplace(dev, n);
-  return n;
+  if (dev != cached_dev) {
+    PENUMBRA_CUDA_CHECK(cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, dev));
+    cached_dev = dev;
+  }
+  return cached_sms;
 }
 
 int AllowDynamicSharedMemory(const void* kernel) {

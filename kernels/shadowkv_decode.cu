@@ -416,11 +416,15 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
 template <int D>
 bool LaunchScoreLogitsMma(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int n_split, cudaStream_t stream) {
   const dim3 grid(n_split, a.hkv, a.batch);
+  const auto launch = [&](auto kernel) {
+    LaunchChained(kernel, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split);
+    return true;
+  };
   switch (a.hq / a.hkv) {
-    case 1: LaunchChained(ScoreLogitsMmaKernel<1, D>, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split); return true;
-    case 2: LaunchChained(ScoreLogitsMmaKernel<2, D>, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split); return true;
-    case 4: LaunchChained(ScoreLogitsMmaKernel<4, D>, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split); return true;
-    case 8: LaunchChained(ScoreLogitsMmaKernel<8, D>, grid, kScoreMmaWarps * 32, 0, stream, a, ws, n_split); return true;
+    case 1: return launch(ScoreLogitsMmaKernel<1, D>);
+    case 2: return launch(ScoreLogitsMmaKernel<2, D>);
+    case 4: return launch(ScoreLogitsMmaKernel<4, D>);
+    case 8: return launch(ScoreLogitsMmaKernel<8, D>);
     default: return false;
   }
 }
@@ -920,7 +924,8 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, split);
   const int n_split = ScoreSplits(a.max_chunks, split);
   if (mma_ok) {
-    CHECK(a.d == 128 ? LaunchScoreLogitsMma<128>(a, ws, n_split, stream) : LaunchScoreLogitsMma<64>(a, ws, n_split, stream));
+    CHECK(a.d == 128 ? LaunchScoreLogitsMma<128>(a, ws, n_split, stream)
+                     : LaunchScoreLogitsMma<64>(a, ws, n_split, stream));
   } else if (a.dtype == DType::kF32) {
     LaunchScoreLogits<float>(a, ws, tpr, n_split, stream);
   } else {

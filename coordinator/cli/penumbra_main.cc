@@ -29,7 +29,7 @@ void AddEngineFlags(Args& a) {
   a.Flag("device", "cpu, cuda or auto (default auto: cuda when a GPU is present)")
       .Flag("dtype", "CUDA compute dtype: bf16 (default) or f32")
       .Flag("linear",
-            "CUDA linear layers: auto (skinny kernel for decode batches <= 8, RMSNorm/SwiGLU fused; default), "
+            "CUDA linear layers: auto (skinny kernel for decode batches <= 8, SwiGLU fused; default), "
             "skinny (unfused) or cublas")
       .Flag("chained-launch", "CUDA: decode kernels launched chained (programmatic dependent launch), on (default) or off")
       .Flag("config", "engine YAML (see configs/engine.yaml); flags override it")

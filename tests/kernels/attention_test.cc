@@ -128,7 +128,8 @@ TEST(AttentionCpuTest, DecodeMatchesNaive) {
 // Large scores (sharp softmax) must not overflow: max subtraction.
 TEST(AttentionCpuTest, LargeScoresStayFinite) {
   const int d = 8, keys = 50;
-  auto q = RandomUniform(d, 7), k = RandomUniform(static_cast<size_t>(keys) * d, 8), v = RandomUniform(static_cast<size_t>(keys) * d, 9);
+  auto q = RandomUniform(d, 7), k = RandomUniform(static_cast<size_t>(keys) * d, 8),
+       v = RandomUniform(static_cast<size_t>(keys) * d, 9);
   for (auto& x : q) x *= 100.0f;
   std::vector<float> out(d), expect(d);
   PrefillAttentionArgs a;

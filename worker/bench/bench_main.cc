@@ -478,7 +478,7 @@ Status Main(int argc, char** argv) {
       .Flag("batch-sweep", "decode: build the batch once, then time the first b sequences for each b, comma-separated")
       .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
       .Flag("linear",
-            "CUDA linear layers: auto (skinny kernel for batches <= 8, RMSNorm/SwiGLU fused; default), "
+            "CUDA linear layers: auto (skinny kernel for batches <= 8, SwiGLU fused; default), "
             "skinny (unfused) or cublas")
       .Flag("chained-launch", "CUDA: decode kernels launched chained, on (default) or off")
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")

@@ -245,13 +245,18 @@ struct BackendOptions {
   // batches, with the SwiGLU fused into it for LinearSwiGLU; cuBLAS
   // otherwise), "skinny" (the same kernel, never
   // fused) or "cublas" (always). Default: auto.
-  std::string linear = "auto";
+  std::string linear = "auto";  // see ParseLinearKernels
   // CUDA: launch the decode kernels chained (programmatic dependent launch,
   // kernels/common.cuh): each may be scheduled while the one before it in the
   // stream finishes. Process-wide (the last backend created sets it).
   // Default: true.
   bool chained_launch = true;
 };
+
+// BackendOptions::linear as a choice; InvalidArgument naming the value when it
+// is none of auto, skinny, cublas (checked on every device).
+enum class LinearKernels { kAuto, kSkinny, kCublas };
+Result<LinearKernels> ParseLinearKernels(const std::string& name);
 
 // Creates the backend named by options; InvalidArgument/Unavailable with a
 // clear message when e.g. CUDA is asked for and no GPU is present.

@@ -330,13 +330,16 @@ Result<std::unique_ptr<Backend>> CreateCpuBackend(const BackendOptions& options)
   return std::unique_ptr<Backend>(new CpuBackend(options));
 }
 
+Result<LinearKernels> ParseLinearKernels(const std::string& name) {
+  if (name == "auto") return LinearKernels::kAuto;
+  if (name == "skinny") return LinearKernels::kSkinny;
+  if (name == "cublas") return LinearKernels::kCublas;
+  return Status::InvalidArgument("unknown linear kernel '" + name + "' (expected auto, skinny or cublas)");
+}
+
 Result<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options) {
-  // Checked on every device (the CPU backend has no choice of kernels, but a
-  // misspelt option is still an error).
-  if (options.linear != "auto" && options.linear != "skinny" && options.linear != "cublas") {
-    return Status::InvalidArgument("unknown linear kernel '" + options.linear +
-                                   "' (expected auto, skinny or cublas)");
-  }
+  // The CPU backend has no choice of kernels, but a misspelt option is still an error.
+  PENUMBRA_RETURN_IF_ERROR(ParseLinearKernels(options.linear).status());
   if (options.device == "cpu") return CreateCpuBackend(options);
   if (options.device == "cuda" || options.device == "auto") {
     if (CudaBackendCompiled() && CudaDevicePresent()) return CreateCudaBackend(options);

@@ -58,8 +58,7 @@ cudaDataType_t CudaType(DType t) {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, DType act, bool skinny_linear, bool fuse_linear)
-      : device_(device), act_(act), skinny_linear_(skinny_linear), fuse_linear_(fuse_linear) {}
+  CudaBackend(int device, DType act, LinearKernels linear) : device_(device), act_(act), linear_(linear) {}
   ~CudaBackend() override {
     if (sample_params_) cudaFree(sample_params_);
     if (sample_out_) cudaFree(sample_out_);
@@ -165,15 +164,10 @@ class CudaBackend final : public Backend {
   void Linear(const void* x, const LinearWeight& w, int n, float* y, bool accumulate) override {
     // Decode-sized batches: the skinny kernel (chained, W streamed into the
     // tensor cores; docs/benchmarks.md, eighth session). cuBLAS otherwise.
-    kn::SkinnyLinearArgs sk;
-    sk.x = x;
-    sk.w = w.w;
-    sk.n = n;
-    sk.out = w.out;
-    sk.in = w.in;
+    kn::SkinnyLinearArgs sk = SkinnyArgs(x, w, n);
     sk.y = y;
     sk.accumulate = accumulate;
-    if (skinny_linear_ && n <= kSkinnyRows && kn::SkinnyLinearSupported(sk, w.dtype)) {
+    if (linear_ != LinearKernels::kCublas && n <= kSkinnyRows && kn::SkinnyLinearSupported(sk, w.dtype)) {
       kn::LaunchSkinnyLinear(sk, stream_);
       if (w.bias) kn::LaunchAddBias(y, w.bias, w.dtype, n, w.out, stream_);
       return;
@@ -189,19 +183,24 @@ class CudaBackend final : public Backend {
   void LinearSwiGLU(const void* x, const LinearWeight& gate_up, int n, float* gu, void* out) override {
     // The SwiGLU in the skinny kernel's epilogue: a kernel fewer in decode's
     // chain (docs/benchmarks.md, ninth session).
-    kn::SkinnyLinearArgs sk;
-    sk.x = x;
-    sk.w = gate_up.w;
-    sk.n = n;
+    kn::SkinnyLinearArgs sk = SkinnyArgs(x, gate_up, n);
     sk.out = gate_up.out / 2;
-    sk.in = gate_up.in;
     sk.act_out = out;
-    if (fuse_linear_ && n <= kSkinnyRows && !gate_up.bias && gate_up.out % 2 == 0 &&
+    if (linear_ == LinearKernels::kAuto && n <= kSkinnyRows && !gate_up.bias && gate_up.out % 2 == 0 &&
         kn::SkinnyLinearSupported(sk, gate_up.dtype)) {
       kn::LaunchSkinnyLinear(sk, stream_);
       return;
     }
     Backend::LinearSwiGLU(x, gate_up, n, gu, out);
+  }
+  static kn::SkinnyLinearArgs SkinnyArgs(const void* x, const LinearWeight& w, int n) {
+    kn::SkinnyLinearArgs sk;
+    sk.x = x;
+    sk.w = w.w;
+    sk.n = n;
+    sk.out = w.out;
+    sk.in = w.in;
+    return sk;
   }
   void RopeStore(const RopeStoreOp& op) override {
     kn::RopeStoreArgs a;
@@ -445,8 +444,7 @@ class CudaBackend final : public Backend {
   static constexpr int kMaxSampleRows = 1024;
   int device_;
   DType act_;
-  bool skinny_linear_;  // BackendOptions::linear: auto or skinny
-  bool fuse_linear_;    // BackendOptions::linear: auto (LinearSwiGLU fused)
+  LinearKernels linear_;  // BackendOptions::linear: skinny kernel unless kCublas; LinearSwiGLU fused with kAuto
   // The skinny kernel takes batches up to this many rows: on the H200 it is
   // within ~10% of cuBLAS on every Llama-8B projection there, and chained;
   // at 14-16 rows it is 4-18% slower (docs/benchmarks.md, eighth session).
@@ -480,13 +478,9 @@ Result<std::unique_ptr<Backend>> CreateCudaBackend(const BackendOptions& options
   } else if (options.dtype != "auto" && options.dtype != "bf16") {
     return Status::InvalidArgument("unknown dtype '" + options.dtype + "' (expected bf16, f32 or auto)");
   }
-  if (options.linear != "auto" && options.linear != "skinny" && options.linear != "cublas") {
-    return Status::InvalidArgument("unknown linear kernel '" + options.linear +
-                                   "' (expected auto, skinny or cublas)");
-  }
+  PENUMBRA_ASSIGN_OR_RETURN(const LinearKernels linear, ParseLinearKernels(options.linear));
   kn::SetChainedLaunch(options.chained_launch);
-  auto b = std::make_unique<CudaBackend>(options.cuda_device, act, options.linear != "cublas",
-                                         options.linear == "auto");
+  auto b = std::make_unique<CudaBackend>(options.cuda_device, act, linear);
   PENUMBRA_RETURN_IF_ERROR(b->Init());
   return std::unique_ptr<Backend>(std::move(b));
 }
