@@ -1,8 +1,12 @@
 # Helpers shared by every module's CMakeLists.txt.
 
+# Where the build unpacks the test data the repository ships compressed
+# (tests/CMakeLists.txt); tests read it through $PENUMBRA_TEST_DATA_DIR.
+set(PENUMBRA_TEST_DATA_DIR ${CMAKE_BINARY_DIR}/test_data)
+
 # penumbra_test(NAME LABELS label... SOURCES src... LIBS lib...)
 # One GoogleTest binary registered with CTest; tests run from the source root so
-# they can find tests/data and ../shared.
+# they can find tests/data (and the unpacked data in PENUMBRA_TEST_DATA_DIR).
 function(penumbra_test name)
   cmake_parse_arguments(T "" "TIMEOUT" "LABELS;SOURCES;LIBS" ${ARGN})
   add_executable(${name} ${T_SOURCES})
@@ -12,5 +16,5 @@ function(penumbra_test name)
     set(T_TIMEOUT 900)
   endif()
   set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
-    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR}")
 endfunction()

@@ -83,6 +83,26 @@ Result<double> Args::GetDouble(const std::string& name, double def) const {
   return v;
 }
 
+Result<int64_t> Args::GetIntIn(const std::string& name, int64_t def, int64_t lo, int64_t hi) const {
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t v, GetInt(name, def));
+  if (Has(name) && (v < lo || v > hi)) {
+    return Status::InvalidArgument("flag --" + name + ": must be in [" + std::to_string(lo) + ", " +
+                                   std::to_string(hi) + "], got " + Get(name));
+  }
+  return v;
+}
+
+Result<double> Args::GetDoubleIn(const std::string& name, double def, double lo, double hi, bool lo_open) const {
+  PENUMBRA_ASSIGN_OR_RETURN(double v, GetDouble(name, def));
+  const bool in = (lo_open ? v > lo : v >= lo) && v <= hi;  // false for NaN
+  if (Has(name) && !in) {
+    std::ostringstream os;
+    os << "flag --" << name << ": must be in " << (lo_open ? "(" : "[") << lo << ", " << hi << "], got " << Get(name);
+    return Status::InvalidArgument(os.str());
+  }
+  return v;
+}
+
 Result<std::vector<int64_t>> Args::GetIntList(const std::string& name) const {
   std::vector<int64_t> out;
   auto it = values_.find(name);

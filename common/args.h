@@ -27,6 +27,11 @@ class Args {
   std::string Get(const std::string& name, const std::string& def = "") const;
   Result<int64_t> GetInt(const std::string& name, int64_t def) const;
   Result<double> GetDouble(const std::string& name, double def) const;
+  // The same, refusing a value outside [lo, hi] (or (lo, hi] with lo_open)
+  // with InvalidArgument naming the flag, the range and the value; NaN is
+  // outside every range. The default is not checked.
+  Result<int64_t> GetIntIn(const std::string& name, int64_t def, int64_t lo, int64_t hi) const;
+  Result<double> GetDoubleIn(const std::string& name, double def, double lo, double hi, bool lo_open = false) const;
   // "on" -> true, "off" -> false; anything else is InvalidArgument naming the flag.
   Result<bool> GetOnOff(const std::string& name, bool def) const;
   // "1,2,3" -> {1,2,3}; whitespace allowed around items.

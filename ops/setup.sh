@@ -9,6 +9,7 @@ pkgs=(
   libgtest-dev libgmock-dev
   libyaml-cpp-dev nlohmann-json3-dev
   libpcre2-dev libxxhash-dev libutf8proc-dev
+  librocksdb-dev
   clang libclang-rt-14-dev
   python3
 )

@@ -1,9 +1,16 @@
-// Helpers shared by tests: paths, GPU presence, element-by-element comparison.
+// Helpers shared by tests: paths to test data, element-by-element comparison.
+//
+// Test data lives in the repository: tests/data/ (TestData), and files the
+// build unpacks from compressed archives there (UnpackedTestData; see
+// tests/CMakeLists.txt). Nothing is read from outside the checkout. A test
+// whose data is missing fails with one line naming the path (DataExists),
+// never crashes.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <sstream>
 #include <string>
@@ -18,7 +25,44 @@ inline std::string SourceDir() {
   const char* s = std::getenv("PENUMBRA_SOURCE_DIR");
   return s ? s : ".";
 }
-inline std::string SharedDir() { return SourceDir() + "/../shared"; }
+
+// A file or folder shipped under tests/data/.
+inline std::string TestData(const std::string& relative) { return SourceDir() + "/tests/data/" + relative; }
+
+// A file the build unpacks from an archive under tests/data/ into
+// $PENUMBRA_TEST_DATA_DIR (CTest sets it; default build/test_data).
+inline std::string UnpackedTestData(const std::string& relative) {
+  const char* s = std::getenv("PENUMBRA_TEST_DATA_DIR");
+  return (s ? std::string(s) : SourceDir() + "/build/test_data") + "/" + relative;
+}
+
+// Success when `path` exists; otherwise one line naming it. Use as
+// ASSERT_TRUE(DataExists(p)) before reading test data.
+inline ::testing::AssertionResult DataExists(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "test data missing: " << path
+                                       << " (shipped under tests/data/, or unpacked there by the build)";
+}
+
+// The Hugging Face tokenizer.json of `name` (qwen2, llama2), unpacked from
+// tests/data/tokenizer/<name>.tar.xz.
+inline std::string TokenizerFile(const std::string& name) {
+  return UnpackedTestData("tokenizers/" + name + "/tokenizer.json");
+}
+
+// The stories260K model (tests/data/models/stories260K/README.md).
+inline std::string StoriesDir() { return TestData("models/stories260K"); }
+
+// Fixture for tests that read test data: SetUp fails the test with one line
+// per missing path returned by RequiredData(), and the body does not run.
+class DataTest : public ::testing::Test {
+ protected:
+  virtual std::vector<std::string> RequiredData() const = 0;
+  void SetUp() override {
+    for (const std::string& p : RequiredData()) ASSERT_TRUE(DataExists(p));
+  }
+};
 
 // Compares every element: |a - b| <= atol + rtol * |b|. Reports the first bad
 // index and the count of bad elements. NaN never passes.

@@ -80,13 +80,14 @@ Status Generate(int argc, char** argv) {
   EngineOptions eo;
   PENUMBRA_RETURN_IF_ERROR(ApplyEngineFlags(a, &eo));
   GenerationRequest req;
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_new, a.GetInt("max-new-tokens", 64));
-  if (max_new < 1 || max_new > (int64_t{1} << 30)) return Status::InvalidArgument("--max-new-tokens must be >= 1");
+  // Every sampling flag is range-checked here, naming the flag and its range;
+  // the runtime checks the same ranges again for callers of the library.
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_new, a.GetIntIn("max-new-tokens", 64, 1, int64_t{1} << 30));
   req.max_new_tokens = static_cast<int>(max_new);
-  PENUMBRA_ASSIGN_OR_RETURN(double temp, a.GetDouble("temperature", 0.0));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t top_k, a.GetInt("top-k", 0));
-  PENUMBRA_ASSIGN_OR_RETURN(double top_p, a.GetDouble("top-p", 1.0));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
+  PENUMBRA_ASSIGN_OR_RETURN(double temp, a.GetDoubleIn("temperature", 0.0, 0.0, SamplingOptions::kMaxTemperature));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t top_k, a.GetIntIn("top-k", 0, 0, INT32_MAX));
+  PENUMBRA_ASSIGN_OR_RETURN(double top_p, a.GetDoubleIn("top-p", 1.0, 0.0, 1.0, /*lo_open=*/true));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t seed, a.GetIntIn("seed", 0, 0, INT64_MAX));
   if (a.Has("greedy") && a.Has("temperature")) return Status::InvalidArgument("--greedy and --temperature exclude each other");
   req.sampling = {a.Has("greedy") ? 0.0f : static_cast<float>(temp), static_cast<int>(top_k), static_cast<float>(top_p),
                   static_cast<uint64_t>(seed)};
@@ -109,7 +110,10 @@ Status Generate(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::Open(a.Get("model"), eo));
   if (a.Has("stop-ids")) {
     PENUMBRA_ASSIGN_OR_RETURN(auto ids, a.GetIntList("stop-ids"));
-    for (int64_t id : ids) req.stop_ids.push_back(static_cast<int32_t>(id));
+    for (int64_t id : ids) {
+      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--stop-ids: id " + std::to_string(id) + " is out of range");
+      req.stop_ids.push_back(static_cast<int32_t>(id));
+    }
   } else if (!a.Has("ignore-eos")) {
     req.stop_ids = engine->config().eos_token_ids;
   }
@@ -173,18 +177,14 @@ Status Eval(int argc, char** argv) {
   EngineOptions eo;
   PENUMBRA_RETURN_IF_ERROR(ApplyEngineFlags(a, &eo));
   EvalSelection sel;
-  PENUMBRA_ASSIGN_OR_RETURN(sel.limit, a.GetInt("limit", 0));
-  if (sel.limit < 0) return Status::InvalidArgument("--limit must be >= 0");
+  PENUMBRA_ASSIGN_OR_RETURN(sel.limit, a.GetIntIn("limit", 0, 0, INT64_MAX));
   if (a.Has("only-tasks")) sel.tasks = SplitCommaList(a.Get("only-tasks"));
   if (a.Has("only-lengths")) {
     PENUMBRA_ASSIGN_OR_RETURN(sel.lengths, a.GetIntList("only-lengths"));
   }
   EvalRunOptions ro;
   ro.progress = true;
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_new, a.GetInt("max-new-tokens", 0));
-  if (a.Has("max-new-tokens") && (max_new < 1 || max_new > (1 << 20))) {
-    return Status::InvalidArgument("--max-new-tokens must be in [1, 1048576]");
-  }
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_new, a.GetIntIn("max-new-tokens", 0, 1, 1 << 20));
   ro.max_new_tokens = static_cast<int>(max_new);
 
   // The whole task file is validated before the model is loaded.

@@ -37,9 +37,9 @@ void CheckGolden(const std::string& name) {
   const std::string golden = testing::SourceDir() + "/tests/data/tokenizer/" + name + "_golden.jsonl";
   std::ifstream in(golden);
   ASSERT_TRUE(in.good()) << golden << " does not exist. Generate it on a machine with the `tokenizers` "
-                         << "Python package: python3 tests/tools/make_tokenizer_goldens.py ../shared/tokenizers "
-                         << "tests/data/tokenizer";
-  auto tok = Tokenizer::FromFile(testing::SharedDir() + "/tokenizers/" + name + "/tokenizer.json");
+                         << "Python package: python3 tests/tools/make_tokenizer_goldens.py "
+                         << "build/test_data/tokenizers tests/data/tokenizer";
+  auto tok = Tokenizer::FromFile(testing::TokenizerFile(name));
   ASSERT_TRUE(tok.ok()) << tok.status();
 
   std::string line;

@@ -34,7 +34,7 @@ std::string MakeText(size_t bytes) {
 }
 
 void RoundTrip(const std::string& name, const std::string& text) {
-  auto tok = Tokenizer::FromFile(testing::SharedDir() + "/tokenizers/" + name + "/tokenizer.json");
+  auto tok = Tokenizer::FromFile(testing::TokenizerFile(name));
   ASSERT_TRUE(tok.ok()) << tok.status();
   auto ids = (*tok)->Encode(text, false);
   ASSERT_TRUE(ids.ok()) << ids.status();
@@ -60,7 +60,7 @@ TEST(TokenizerLongText, Llama2RoundTrip200KB) {
 }
 
 TEST(TokenizerLongText, LongWhitespaceRun) {
-  auto tok = Tokenizer::FromFile(testing::SharedDir() + "/tokenizers/qwen2/tokenizer.json");
+  auto tok = Tokenizer::FromFile(testing::TokenizerFile("qwen2"));
   ASSERT_TRUE(tok.ok()) << tok.status();
   const std::string text = "a" + std::string(100000, ' ') + "b" + std::string(50000, '\n');
   auto ids = (*tok)->Encode(text, false);

@@ -1,5 +1,5 @@
 // Tokenizer unit tests: ids worked out by hand from the vocabularies of the
-// shared Qwen2 / Llama-2 files and of small synthetic tokenizer.json files,
+// Qwen2 / Llama-2 files shipped in tests/data/tokenizer/ and of small synthetic tokenizer.json files,
 // plus every error path. Exact parity over hundreds of strings is checked by
 // tokenizer_golden_test.cc against `tokenizers` itself.
 #include "coordinator/tokenizer/tokenizer.h"
@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -20,27 +21,59 @@ namespace {
 
 using Ids = std::vector<int32_t>;
 
-std::string SharedTokenizer(const std::string& name) {
-  return testing::SharedDir() + "/tokenizers/" + name + "/tokenizer.json";
+// The shipped Qwen2 / Llama-2 tokenizers, loaded once per process. A
+// tokenizer that fails to load stays null; the fixtures below then fail each
+// test with the load error (one line naming the file) instead of aborting.
+const Tokenizer* LoadShared(const std::string& name, Status* error) {
+  auto t = Tokenizer::FromFile(testing::TokenizerFile(name));
+  if (!t.ok()) {
+    *error = t.status();
+    return nullptr;
+  }
+  return std::move(t).value().release();
 }
 
-const Tokenizer& Qwen2() {
-  static const Tokenizer* tok = [] {
-    auto t = Tokenizer::FromFile(SharedTokenizer("qwen2"));
-    CHECK(t.ok()) << t.status();
-    return std::move(t).value().release();
-  }();
-  return *tok;
+struct SharedTokenizer {
+  const Tokenizer* tokenizer = nullptr;
+  Status error;
+};
+
+const SharedTokenizer& Shared(const std::string& name) {
+  static std::map<std::string, SharedTokenizer>* loaded = new std::map<std::string, SharedTokenizer>;
+  auto it = loaded->find(name);
+  if (it == loaded->end()) {
+    SharedTokenizer s;
+    s.tokenizer = LoadShared(name, &s.error);
+    it = loaded->emplace(name, s).first;
+  }
+  return it->second;
 }
 
-const Tokenizer& Llama2() {
-  static const Tokenizer* tok = [] {
-    auto t = Tokenizer::FromFile(SharedTokenizer("llama2"));
-    CHECK(t.ok()) << t.status();
-    return std::move(t).value().release();
-  }();
-  return *tok;
-}
+const Tokenizer& Qwen2() { return *Shared("qwen2").tokenizer; }
+const Tokenizer& Llama2() { return *Shared("llama2").tokenizer; }
+
+// Fixtures of the tests that use a shipped tokenizer: SetUp fails the test
+// when it did not load, so the body never dereferences a missing one.
+class SharedTokenizerTest : public ::testing::Test {
+ protected:
+  explicit SharedTokenizerTest(std::string name) : name_(std::move(name)) {}
+  void SetUp() override {
+    const SharedTokenizer& s = Shared(name_);
+    ASSERT_NE(s.tokenizer, nullptr) << s.error;
+  }
+
+ private:
+  std::string name_;
+};
+class TokenizerLlama2 : public SharedTokenizerTest {
+ protected:
+  TokenizerLlama2() : SharedTokenizerTest("llama2") {}
+};
+class TokenizerQwen2 : public SharedTokenizerTest {
+ protected:
+  TokenizerQwen2() : SharedTokenizerTest("qwen2") {}
+};
+class TokenizerErrorsShared : public TokenizerQwen2 {};
 
 Ids Enc(const Tokenizer& t, std::string_view s, bool special = false) {
   auto r = t.Encode(s, special);
@@ -55,7 +88,7 @@ std::string Dec(const Tokenizer& t, const Ids& ids, bool skip = false) {
 }
 
 // ---- Llama-2 (SentencePiece-style BPE with byte fallback) --------------------
-TEST(TokenizerLlama2, HelloWorld) {
+TEST_F(TokenizerLlama2, HelloWorld) {
   const Tokenizer& t = Llama2();
   EXPECT_EQ(Enc(t, "Hello world"), (Ids{15043, 3186}));
   // This tokenizer.json's TemplateProcessing adds nothing, so `tokenizers`
@@ -68,7 +101,7 @@ TEST(TokenizerLlama2, HelloWorld) {
   EXPECT_EQ(Dec(t, {1, 15043, 3186}, /*skip=*/true), "Hello world");
 }
 
-TEST(TokenizerLlama2, SpecialTokensInText) {
+TEST_F(TokenizerLlama2, SpecialTokensInText) {
   const Tokenizer& t = Llama2();
   // "<s>" is cut out before the Metaspace pre-tokenizer; every remaining
   // piece gets its own "▁" (prepend_scheme "always").
@@ -77,7 +110,7 @@ TEST(TokenizerLlama2, SpecialTokensInText) {
   EXPECT_EQ(Enc(t, "<s>"), (Ids{1}));
 }
 
-TEST(TokenizerLlama2, ByteFallback) {
+TEST_F(TokenizerLlama2, ByteFallback) {
   const Tokenizer& t = Llama2();
   // U+1F999 is not in the vocabulary: "▁" then its four UTF-8 bytes.
   const Ids ids = Enc(t, "\xF0\x9F\xA6\x99");
@@ -88,7 +121,7 @@ TEST(TokenizerLlama2, ByteFallback) {
   EXPECT_EQ(Dec(t, {243, 162}), "\xEF\xBF\xBD\xEF\xBF\xBD");
 }
 
-TEST(TokenizerLlama2, LeadingSpacesAndEmpty) {
+TEST_F(TokenizerLlama2, LeadingSpacesAndEmpty) {
   const Tokenizer& t = Llama2();
   EXPECT_EQ(Enc(t, ""), Ids{});
   EXPECT_EQ(Enc(t, "", true), Ids{});
@@ -99,7 +132,7 @@ TEST(TokenizerLlama2, LeadingSpacesAndEmpty) {
 }
 
 // ---- Qwen2 (byte-level BPE with a split regex) --------------------------------
-TEST(TokenizerQwen2, HelloWorld) {
+TEST_F(TokenizerQwen2, HelloWorld) {
   const Tokenizer& t = Qwen2();
   EXPECT_EQ(Enc(t, "Hello world"), (Ids{9707, 1879}));
   EXPECT_EQ(Enc(t, "Hello world", true), (Ids{9707, 1879}));  // no post-processor
@@ -114,7 +147,7 @@ TEST(TokenizerQwen2, HelloWorld) {
   EXPECT_FALSE(t.IsSpecial(151657));  // <tool_call> is added but not special
 }
 
-TEST(TokenizerQwen2, ChatMarkup) {
+TEST_F(TokenizerQwen2, ChatMarkup) {
   const Tokenizer& t = Qwen2();
   const Ids ids = Enc(t, "<|im_start|>user\nHi<|im_end|>");
   EXPECT_EQ(ids, (Ids{151644, 872, 198, 13048, 151645}));
@@ -122,14 +155,14 @@ TEST(TokenizerQwen2, ChatMarkup) {
   EXPECT_EQ(Dec(t, ids, /*skip=*/true), "user\nHi");
 }
 
-TEST(TokenizerQwen2, DigitsAndSpaces) {
+TEST_F(TokenizerQwen2, DigitsAndSpaces) {
   const Tokenizer& t = Qwen2();
   EXPECT_EQ(Enc(t, "12"), (Ids{16, 17}));  // \p{N} one digit at a time
   // "a  b": "a", " " (\s+(?!\S) backs off one space), " b".
   EXPECT_EQ(Enc(t, "a  b"), (Ids{64, 220, 293}));
 }
 
-TEST(TokenizerQwen2, NfcBeforeBpe) {
+TEST_F(TokenizerQwen2, NfcBeforeBpe) {
   const Tokenizer& t = Qwen2();
   // "e" + U+0301 is composed to U+00E9 before tokenization.
   EXPECT_EQ(Enc(t, "e\xCC\x81"), Enc(t, "\xC3\xA9"));
@@ -337,7 +370,7 @@ TEST_F(TokenizerErrors, UnsupportedComponentAndBadFields) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
 }
 
-TEST(TokenizerErrorsShared, UnknownIdAndInvalidUtf8) {
+TEST_F(TokenizerErrorsShared, UnknownIdAndInvalidUtf8) {
   const Tokenizer& t = Qwen2();
   auto d = t.Decode(Ids{9707, 999999}, false);
   ASSERT_FALSE(d.ok());

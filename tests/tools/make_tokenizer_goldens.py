@@ -10,7 +10,7 @@ writes one JSON line per string to <out_dir>/<name>_golden.jsonl:
    "decoded": decode(ids, skip_special_tokens=False)}
 
 Usage (on a machine with `pip install tokenizers`, e.g. the GPU machine):
-  python3 tests/tools/make_tokenizer_goldens.py ../shared/tokenizers tests/data/tokenizer
+  python3 tests/tools/make_tokenizer_goldens.py build/test_data/tokenizers tests/data/tokenizer
   python3 tests/tools/make_tokenizer_goldens.py --print-strings   # the inputs only
 
 The string list lives here, not in the test, so the C++ side needs only the
@@ -158,7 +158,7 @@ def all_strings():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("tokenizers_dir", nargs="?", help="folder holding <name>/tokenizer.json (../shared/tokenizers)")
+    ap.add_argument("tokenizers_dir", nargs="?", help="folder holding <name>/tokenizer.json (build/test_data/tokenizers, unpacked by the build from tests/data/tokenizer/<name>.tar.xz)")
     ap.add_argument("out_dir", nargs="?", default="tests/data/tokenizer", help="where <name>_golden.jsonl go")
     ap.add_argument("--names", nargs="+", default=list(NAMES), help="tokenizers to process")
     ap.add_argument("--print-strings", action="store_true", help="print the inputs as JSON lines and exit")

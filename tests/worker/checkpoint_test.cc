@@ -287,7 +287,7 @@ TEST(CheckpointTest, MissingFilesAndBadConfig) {
 }
 
 TEST(CheckpointTest, Stories260K) {
-  const std::string dir = testing::SharedDir() + "/models/stories260K";
+  const std::string dir = testing::StoriesDir();
   Result<Checkpoint> ckpt = Checkpoint::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_TRUE(ckpt->config().tie_word_embeddings);

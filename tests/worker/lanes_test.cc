@@ -22,6 +22,8 @@
 namespace penumbra {
 namespace {
 
+class LanesTest : public testing::StoriesTest {};
+
 // The lossy ShadowKV settings (tests/worker/stories_shadowkv.h) under `policy`.
 EngineOptions Options(const std::string& policy) {
   EngineOptions o = testing::LossyShadowKvOptions();
@@ -156,13 +158,14 @@ void CheckLanesMatchOneLane(const std::string& policy) {
   }
 }
 
-TEST(LanesTest, FullPolicyTwoThreadsMatchOneLane) { CheckLanesMatchOneLane("full"); }
+TEST_F(LanesTest, FullPolicyTwoThreadsMatchOneLane) { CheckLanesMatchOneLane("full"); }
 
-TEST(LanesTest, ShadowKvTwoThreadsMatchOneLane) { CheckLanesMatchOneLane("shadowkv"); }
+TEST_F(LanesTest, ShadowKvTwoThreadsMatchOneLane) { CheckLanesMatchOneLane("shadowkv"); }
 
-TEST(LanesTest, AddLaneServesLikeLaneZeroAndDestroysCleanly) {
+TEST_F(LanesTest, AddLaneServesLikeLaneZeroAndDestroysCleanly) {
   for (const std::string policy : {"full", "shadowkv"}) {
     auto e = Open(Options(policy));
+    ASSERT_NE(e, nullptr);
     ASSERT_TRUE(e);
     EXPECT_EQ(e->lanes(), 1);
     EXPECT_EQ(&e->runtime(0), &e->runtime());

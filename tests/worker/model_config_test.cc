@@ -44,7 +44,7 @@ void ExpectError(const json& j, StatusCode code, const std::string& key) {
 }
 
 TEST(ModelConfigTest, LoadsStories260K) {
-  Result<ModelConfig> c = LoadModelConfig(testing::SharedDir() + "/models/stories260K/config.json");
+  Result<ModelConfig> c = LoadModelConfig(testing::StoriesDir() + "/config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->arch, Architecture::kLlama);
   EXPECT_EQ(c->hidden_size, 64);

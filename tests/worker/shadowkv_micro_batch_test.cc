@@ -16,6 +16,8 @@
 namespace penumbra {
 namespace {
 
+class ShadowkvMicroBatchTest : public testing::StoriesTest {};
+
 EngineOptions Options(int micro_batches) {
   EngineOptions o = testing::LossyShadowKvOptions();
   o.shadowkv.micro_batches = micro_batches;
@@ -64,7 +66,7 @@ std::vector<float> DecodeAll(int micro_batches, int n, int steps, int64_t* misse
   return all;
 }
 
-TEST(ShadowkvMicroBatchTest, SameLogitsAsOneBatch) {
+TEST_F(ShadowkvMicroBatchTest, SameLogitsAsOneBatch) {
   constexpr int kSeqs = 5, kSteps = 10;
   int64_t misses1 = 0;
   const std::vector<float> one = DecodeAll(1, kSeqs, kSteps, &misses1);
@@ -80,7 +82,7 @@ TEST(ShadowkvMicroBatchTest, SameLogitsAsOneBatch) {
   }
 }
 
-TEST(ShadowkvMicroBatchTest, OutOfRangeIsRefused) {
+TEST_F(ShadowkvMicroBatchTest, OutOfRangeIsRefused) {
   for (int mb : {0, 17}) {
     auto e = Engine::Open(testing::StoriesDir(), Options(mb));
     ASSERT_FALSE(e.ok());

@@ -1,15 +1,24 @@
-// Engine options shared by the worker tests that run ShadowKV on the small
-// real model (stories260K, from ../shared/models).
+// What the worker tests that run the small real model (stories260K, shipped
+// in tests/data/models/stories260K) share: a fixture that fails the test with
+// one line when the model is missing, and the lossy ShadowKV options.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "tests/test_util.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra::testing {
 
-inline std::string StoriesDir() { return SharedDir() + "/models/stories260K"; }
+// Tests on stories260K: SetUp fails (one line per missing file) unless the
+// model and its golden are there.
+class StoriesTest : public DataTest {
+ protected:
+  std::vector<std::string> RequiredData() const override {
+    return {StoriesDir() + "/config.json", StoriesDir() + "/model.safetensors", StoriesDir() + "/golden_greedy.json"};
+  }
+};
 
 // CPU engine, sparse and lossy on stories260K (hkv*d = 32): prompts of ~150
 // tokens have ~35 chunks of 4; 2 outliers and 6 selected chunks per KV head, a

@@ -1,6 +1,7 @@
 // penumbra-bench: throughput of the engine on a Llama-3.1-8B-shaped model with
-// random weights generated on the device (no checkpoint), comparable to
-// ../shared/bench/peer_full_attention.py. One JSON line per measurement.
+// random weights generated on the device (no checkpoint), comparable to the
+// developers' full-attention peer (peer_full_attention.py, bundled into
+// .device/ by ops/device/pack.sh). One JSON line per measurement.
 //   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv] [--lanes N]
 //   penumbra-bench prefill --context 124928
 // decode fills each sequence's context with random keys and values (through

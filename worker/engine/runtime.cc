@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <random>
+#include <sstream>
 
 namespace penumbra {
 namespace {
@@ -60,6 +61,19 @@ Status Runtime::AllocateScratch(int rows) {
   return Status::OK();
 }
 
+Status SamplingOptions::Validate() const {
+  auto bad = [](const char* field, const char* range, double v) {
+    std::ostringstream os;
+    os << field << " must be in " << range << ", got " << v;
+    return Status::InvalidArgument(os.str());
+  };
+  // Written so that NaN fails every check.
+  if (!(temperature >= 0 && temperature <= kMaxTemperature)) return bad("temperature", "[0, 100]", temperature);
+  if (!(top_p > 0 && top_p <= 1)) return bad("top_p", "(0, 1]", top_p);
+  if (top_k < 0) return bad("top_k", "[0, 2147483647]", top_k);
+  return Status::OK();
+}
+
 Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
   const ModelConfig& c = config();
   for (size_t r = 0; r < requests.size(); ++r) {
@@ -85,10 +99,13 @@ Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
                                      std::to_string(c.sliding_window) +
                                      ") and sequences longer than the window are not supported yet");
     }
-    if (q.sampling.temperature > 0 && (q.sampling.top_p <= 0 || q.sampling.top_p > 1)) {
-      return Status::InvalidArgument(who + "top_p must be in (0, 1]");
+    if (Status s = q.sampling.Validate(); !s.ok()) return Status::InvalidArgument(who + s.message());
+    for (int32_t id : q.stop_ids) {
+      if (id < 0 || id >= c.vocab_size) {
+        return Status::InvalidArgument(who + "stop id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                       std::to_string(c.vocab_size) + ")");
+      }
     }
-    if (q.sampling.top_k < 0) return Status::InvalidArgument(who + "top_k must be >= 0");
   }
   return Status::OK();
 }

@@ -18,10 +18,13 @@
 namespace penumbra {
 
 struct SamplingOptions {
-  float temperature = 0.0f;  // <= 0: greedy. Default: 0.
-  int top_k = 0;             // 0: off. Default: 0.
-  float top_p = 1.0f;        // 1: off. Default: 1.
+  static constexpr float kMaxTemperature = 100.0f;
+  float temperature = 0.0f;  // in [0, kMaxTemperature]; 0: greedy. Default: 0.
+  int top_k = 0;             // >= 0; 0: off. Default: 0.
+  float top_p = 1.0f;        // in (0, 1]; 1: off. Default: 1.
   uint64_t seed = 0;         // seeds this request's random draws. Default: 0.
+  // InvalidArgument naming the field, its range and the value.
+  Status Validate() const;
 };
 
 struct GenerationRequest {
