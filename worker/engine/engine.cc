@@ -11,6 +11,9 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   r.Read("chained_launch", &o->backend.chained_launch);
   r.Read("prefill_chunk", &o->runtime.prefill_chunk, 1, 1 << 20);
   r.Read("max_batch", &o->runtime.max_batch, 1, 1 << 16);
+  int64_t prefix_cache_bytes = static_cast<int64_t>(o->runtime.prefix_cache_bytes);
+  r.Read("prefix_cache_bytes", &prefix_cache_bytes, 0, int64_t{1} << 50);
+  o->runtime.prefix_cache_bytes = static_cast<size_t>(prefix_cache_bytes);
   r.ReadEnum("kv_policy", &o->kv_policy, {"full", "shadowkv"});
   ConfigReader s = r.Child("shadowkv");
   PENUMBRA_RETURN_IF_ERROR(LoadShadowKvOptions(s, &o->shadowkv));

@@ -56,7 +56,8 @@ struct EngineOptions {
 };
 
 // Reads an engine YAML (keys: device, dtype, cuda_device, cpu_threads,
-// prefill_chunk, max_batch, kv_policy, shadowkv: {...}); errors name the key.
+// prefill_chunk, max_batch, prefix_cache_bytes, kv_policy, shadowkv: {...});
+// errors name the key.
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o);
 Result<EngineOptions> LoadEngineOptionsFile(const std::string& path);
 

@@ -1,12 +1,58 @@
 // The exact KV cache ("full" attention): each sequence owns one contiguous
 // allocation per K and V laid out [layers][hkv][capacity][d] in act dtype, so
 // head h of layer l is a [capacity, d] matrix the attention kernels stream.
+//
+// Prefixes (KvPrefix): the exact K/V of a prompt prefix, [layers][hkv][T][d]
+// per K and V. Attaching one copies it into the sequence's cache (one 2-D
+// copy each for K and V), so attention kernels keep one base per sequence.
+// That is one copy per attached sequence, not one shared copy: reading the
+// prefix in place needs attention over two KV sources (cascade, with a
+// log-sum-exp merge), the next step (docs/architecture.md, "Prefix reuse").
+#include <cstring>
 #include <map>
+#include <sstream>
 
 #include "worker/engine/kv_policy.h"
 
 namespace penumbra {
 namespace {
+
+class FullKvPrefix final : public KvPrefix {
+ public:
+  FullKvPrefix(int64_t tokens, int layers, int hkv, int d, DType dtype, DeviceBuffer k, DeviceBuffer v,
+               Backend* backend)
+      : tokens_(tokens), layers_(layers), hkv_(hkv), d_(d), dtype_(dtype), k_(std::move(k)), v_(std::move(v)),
+        backend_(backend) {}
+  std::string policy() const override { return "full"; }
+  int64_t tokens() const override { return tokens_; }
+  size_t device_bytes() const override { return k_.bytes() + v_.bytes(); }
+  Result<std::map<std::string, std::string>> Export() const override {
+    std::map<std::string, std::string> out;
+    out["meta"] = Meta(tokens_, layers_, hkv_, d_, dtype_);
+    for (const auto& [name, buf] : {std::pair<const char*, const DeviceBuffer*>{"k", &k_}, {"v", &v_}}) {
+      std::string bytes(buf->bytes(), '\0');
+      PENUMBRA_RETURN_IF_ERROR(backend_->CopyToHost(bytes.data(), buf->get(), bytes.size()));
+      out[name] = std::move(bytes);
+    }
+    return out;
+  }
+  // The "meta" blob: what Import checks before reading k and v.
+  static std::string Meta(int64_t tokens, int layers, int hkv, int d, DType dtype) {
+    std::ostringstream os;
+    os << "full-kv-prefix v1 tokens=" << tokens << " layers=" << layers << " kv_heads=" << hkv << " head_dim=" << d
+       << " dtype=" << DTypeName(dtype);
+    return os.str();
+  }
+  const void* k() const { return k_.get(); }
+  const void* v() const { return v_.get(); }
+
+ private:
+  int64_t tokens_;
+  int layers_, hkv_, d_;
+  DType dtype_;
+  DeviceBuffer k_, v_;
+  Backend* backend_;
+};
 
 class FullKvPolicy final : public KvPolicy {
  public:
@@ -68,6 +114,84 @@ class FullKvPolicy final : public KvPolicy {
   }
 
   Status FinishPrefillLayer(int, int64_t, int64_t) override { return Status::OK(); }
+
+  Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(seq) + " does not exist");
+    const Seq& s = it->second;
+    if (tokens < 1 || tokens > s.length) {
+      return Status::InvalidArgument("prefix of " + std::to_string(tokens) + " tokens: sequence " +
+                                     std::to_string(seq) + " holds " + std::to_string(s.length));
+    }
+    const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_;
+    const size_t rows = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv;
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer k, ctx_.backend->Allocate(rows * tokens * row));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer v, ctx_.backend->Allocate(rows * tokens * row));
+    // Each (layer, head) is `capacity` rows in the sequence, `tokens` rows in the prefix.
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(k.get(), tokens * row, s.k.get(), s.capacity * row, tokens * row, rows));
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(v.get(), tokens * row, s.v.get(), s.capacity * row, tokens * row, rows));
+    return std::shared_ptr<const KvPrefix>(std::make_shared<FullKvPrefix>(
+        tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype(), std::move(k), std::move(v),
+        ctx_.backend));
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
+    for (const char* name : {"meta", "k", "v"}) {
+      if (!blobs.count(name)) return Status::InvalidArgument(std::string("full KV prefix: blob '") + name + "' is missing");
+    }
+    const std::string& meta = blobs.at("meta");
+    // The token count is the only free field; the rest must be this model's.
+    int64_t tokens = 0;
+    const std::string head = "full-kv-prefix v1 tokens=";
+    if (meta.rfind(head, 0) != 0) return Status::InvalidArgument("full KV prefix: unknown format '" + meta + "'");
+    {
+      std::istringstream is(meta.substr(head.size()));
+      is >> tokens;
+      if (!is || tokens < 1) return Status::InvalidArgument("full KV prefix: bad token count in '" + meta + "'");
+    }
+    const std::string want = FullKvPrefix::Meta(tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype());
+    if (meta != want) {
+      return Status::InvalidArgument("full KV prefix: made for another geometry or dtype ('" + meta +
+                                     "'; this policy: '" + want + "')");
+    }
+    const size_t bytes = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv * tokens * ctx_.head_dim * esize_;
+    DeviceBuffer kv[2];
+    int i = 0;
+    for (const char* name : {"k", "v"}) {
+      const std::string& b = blobs.at(name);
+      if (b.size() != bytes) {
+        return Status::Corruption(std::string("full KV prefix: blob '") + name + "' holds " + std::to_string(b.size()) +
+                                  " bytes, expected " + std::to_string(bytes));
+      }
+      PENUMBRA_ASSIGN_OR_RETURN(kv[i], ctx_.backend->Allocate(bytes));
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(kv[i].get(), b.data(), bytes));
+      ++i;
+    }
+    return std::shared_ptr<const KvPrefix>(std::make_shared<FullKvPrefix>(
+        tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype(), std::move(kv[0]),
+        std::move(kv[1]), ctx_.backend));
+  }
+
+  Status AttachPrefix(int64_t seq, std::shared_ptr<const KvPrefix> prefix) override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(seq) + " does not exist");
+    Seq& s = it->second;
+    const auto* p = dynamic_cast<const FullKvPrefix*>(prefix.get());
+    if (p == nullptr) return Status::InvalidArgument("a " + prefix->policy() + " prefix cannot attach to a full KV sequence");
+    if (s.length != 0) return Status::FailedPrecondition("sequence " + std::to_string(seq) + " is already prefilled");
+    if (p->tokens() >= s.capacity) {
+      return Status::InvalidArgument("a prefix of " + std::to_string(p->tokens()) + " tokens leaves no room in sequence " +
+                                     std::to_string(seq) + " (capacity " + std::to_string(s.capacity) + ")");
+    }
+    const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_;
+    const size_t rows = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv;
+    const size_t width = p->tokens() * row;
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.k.get(), s.capacity * row, p->k(), width, width, rows));
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.v.get(), s.capacity * row, p->v(), width, width, rows));
+    s.length = p->tokens();
+    s.prefix = std::move(prefix);
+    return Status::OK();
+  }
 
   Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) override {
     // One upload per step: per layer, the batch's K/V slot pointers (for the
@@ -171,6 +295,7 @@ class FullKvPolicy final : public KvPolicy {
     int64_t capacity = 0;
     int64_t length = 0;
     DeviceBuffer k, v;
+    std::shared_ptr<const KvPrefix> prefix;  // attached prefix (held while the sequence lives)
   };
 
   Seq& Get(int64_t seq) {

@@ -25,8 +25,27 @@
 
 namespace penumbra {
 
-// Model geometry and shared device tables a policy needs.
 class FetchTurns;
+
+// The KV state of a prompt prefix, made by a policy from a prefilled sequence
+// and attached to new sequences, which then skip the prefix's prefill (the
+// document cache's unit: one or more leading segments of a prompt; see
+// docs/architecture.md, "Prefix reuse"). Immutable once made; shared by
+// reference (std::shared_ptr) between the cache and every sequence attached
+// to it, so it lives while any of them holds it. It belongs to the policy (and
+// backend) that made or imported it: attach it only there.
+class KvPrefix {
+ public:
+  virtual ~KvPrefix() = default;
+  virtual std::string policy() const = 0;  // the making policy's name()
+  virtual int64_t tokens() const = 0;      // prefix length in tokens
+  virtual size_t device_bytes() const = 0; // device memory it holds
+  // Its state as named host byte blobs (what the persistent document cache
+  // stores); ImportPrefix of the same policy and geometry inverts it.
+  virtual Result<std::map<std::string, std::string>> Export() const = 0;
+};
+
+// Model geometry and shared device tables a policy needs.
 
 struct PolicyContext {
   Backend* backend = nullptr;
@@ -74,6 +93,28 @@ class KvPolicy {
   // FinishDecodeStep, or after the op that failed): ends the step's
   // participation in cross-lane fetch turns (worker/engine/fetch_turns.h).
   virtual void EndDecodeStep() {}
+
+  // ---- Prefix reuse (default: Unimplemented for the policy) ----
+  // A string naming every parameter that changes the KV state this policy
+  // makes for given tokens (part of a prefix's cache key).
+  virtual std::string StateFingerprint() const { return name(); }
+  // The state of the first `tokens` tokens of `seq`, which has been
+  // prefilled at least that far. The sequence is unchanged.
+  virtual Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) {
+    return Status::Unimplemented("the " + name() + " KV policy cannot capture prompt prefixes yet");
+  }
+  // Rebuilds a prefix from KvPrefix::Export's blobs. InvalidArgument (or
+  // Corruption) naming the blob when they do not fit this policy's geometry.
+  virtual Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) {
+    return Status::Unimplemented("the " + name() + " KV policy cannot import prompt prefixes yet");
+  }
+  // Makes `prefix` the first prefix->tokens() tokens of `seq`, which was
+  // just added (AddSequence with the whole prompt's length) and has nothing
+  // prefilled; prefill then continues at position prefix->tokens(). The
+  // sequence holds `prefix` until it is removed.
+  virtual Status AttachPrefix(int64_t seq, std::shared_ptr<const KvPrefix> prefix) {
+    return Status::Unimplemented("the " + name() + " KV policy cannot attach prompt prefixes yet");
+  }
 
   // Benchmarks only: leaves `seq` as if a prompt of `length` tokens had been
   // prefilled, from random keys and values (through the policy's real

@@ -37,6 +37,7 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options, 
   if (options.max_batch < 1) return Status::InvalidArgument("max_batch must be >= 1");
   std::unique_ptr<Runtime> rt(new Runtime(options, backend, weights, std::move(policy)));
   PENUMBRA_RETURN_IF_ERROR(rt->AllocateScratch(std::max(options.prefill_chunk, options.max_batch)));
+  if (options.prefix_cache_bytes > 0) rt->prefix_cache_ = std::make_unique<PrefixCache>(options.prefix_cache_bytes);
   return rt;
 }
 
@@ -100,6 +101,14 @@ Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
                                      ") and sequences longer than the window are not supported yet");
     }
     if (Status s = q.sampling.Validate(); !s.ok()) return Status::InvalidArgument(who + s.message());
+    for (size_t i = 0; i < q.segment_ends.size(); ++i) {
+      const int64_t e = q.segment_ends[i], prev = i ? q.segment_ends[i - 1] : 0;
+      if (e <= prev || e >= static_cast<int64_t>(q.prompt.size())) {
+        return Status::InvalidArgument(who + "segment end " + std::to_string(e) + " (index " + std::to_string(i) +
+                                       ") must be above " + std::to_string(prev) + " and below the prompt's " +
+                                       std::to_string(q.prompt.size()) + " tokens");
+      }
+    }
     for (int32_t id : q.stop_ids) {
       if (id < 0 || id >= c.vocab_size) {
         return Status::InvalidArgument(who + "stop id " + std::to_string(id) + " is outside the vocabulary [0, " +
@@ -123,34 +132,37 @@ void Runtime::Mlp(const LayerWeights& L, float* x, int n) {
   backend_->Linear(ffn_.get(), L.down, n, x, true);
 }
 
-Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out) {
+Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out,
+                        int64_t start) {
   const ModelConfig& c = config();
-  const int64_t S = static_cast<int64_t>(prompt.size());
+  const int64_t total = static_cast<int64_t>(prompt.size());
+  CHECK(start >= 0 && start < total) << "prefill start " << start << " of a " << total << "-token prompt";
+  const int64_t S = total - start;  // rows computed here
   const int H = c.hidden_size;
   const double t0 = NowSeconds();
-  // The whole prompt's hidden states stay on the device across layers.
+  // The hidden states of the rows computed stay on the device across layers.
   PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer x, backend_->Allocate(static_cast<size_t>(S) * H * sizeof(float)));
   PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer ids, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
   PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer pos, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
   std::vector<int32_t> positions(S);
-  for (int64_t i = 0; i < S; ++i) positions[i] = static_cast<int32_t>(i);
-  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(ids.get(), prompt.data(), S * sizeof(int32_t)));
+  for (int64_t i = 0; i < S; ++i) positions[i] = static_cast<int32_t>(start + i);
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(ids.get(), prompt.data() + start, S * sizeof(int32_t)));
   PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(pos.get(), positions.data(), S * sizeof(int32_t)));
   backend_->Embedding(weights_->embed(), weights_->dtype(), ids.as<int32_t>(), static_cast<int>(S), H, x.as<float>());
   const int chunk = options_.prefill_chunk;
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = weights_->layers()[l];
-    for (int64_t start = 0; start < S; start += chunk) {
-      const int n = static_cast<int>(std::min<int64_t>(chunk, S - start));
-      float* xs = x.as<float>() + start * H;
+    for (int64_t off = 0; off < S; off += chunk) {
+      const int n = static_cast<int>(std::min<int64_t>(chunk, S - off));
+      float* xs = x.as<float>() + off * H;
       backend_->RmsNorm(xs, L.attn_norm, weights_->dtype(), n, H, static_cast<float>(c.rms_norm_eps), h_.get());
       backend_->Linear(h_.get(), L.qkv, n, qkv_.as<float>(), false);
-      PENUMBRA_RETURN_IF_ERROR(policy_->PrefillAttention(l, seq, qkv_.as<float>(), n, start,
-                                                         pos.as<int32_t>() + start, q_.get(), attn_.get()));
+      PENUMBRA_RETURN_IF_ERROR(policy_->PrefillAttention(l, seq, qkv_.as<float>(), n, start + off,
+                                                         pos.as<int32_t>() + off, q_.get(), attn_.get()));
       backend_->Linear(attn_.get(), L.o, n, xs, true);
       Mlp(L, xs, n);
     }
-    PENUMBRA_RETURN_IF_ERROR(policy_->FinishPrefillLayer(l, seq, S));
+    PENUMBRA_RETURN_IF_ERROR(policy_->FinishPrefillLayer(l, seq, total));
   }
   backend_->RmsNorm(x.as<float>() + (S - 1) * H, weights_->final_norm(), weights_->dtype(), 1, H,
                     static_cast<float>(c.rms_norm_eps), h_.get());
@@ -161,7 +173,37 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
   }
   PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
   stats_.prefill_seconds += NowSeconds() - t0;
-  stats_.prompt_tokens += S;
+  stats_.prompt_tokens += total;
+  stats_.cached_prompt_tokens += start;
+  return Status::OK();
+}
+
+Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, GenerationResult* result) {
+  const int64_t P = static_cast<int64_t>(q.prompt.size());
+  PENUMBRA_RETURN_IF_ERROR(policy_->AddSequence(seq, P, q.max_new_tokens));
+  std::vector<Hash128> keys;
+  int64_t start = 0;
+  if (prefix_cache_ && !q.segment_ends.empty()) {
+    const std::string fence = policy_->StateFingerprint() + "|dtype=" + std::string(DTypeName(backend_->act_dtype())) +
+                              "|namespace=" + q.cache_namespace;
+    keys = PrefixKeys(fence, q.prompt, q.segment_ends);
+    for (size_t i = keys.size(); i-- > 0;) {
+      if (auto hit = prefix_cache_->Find(keys[i], q.segment_ends[i])) {
+        PENUMBRA_RETURN_IF_ERROR(policy_->AttachPrefix(seq, std::move(hit)));
+        start = q.segment_ends[i];
+        break;
+      }
+    }
+  }
+  PENUMBRA_RETURN_IF_ERROR(Prefill(seq, q.prompt, nullptr, start));
+  result->cached_prompt_tokens = start;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (q.segment_ends[i] <= start || prefix_cache_->Contains(keys[i])) continue;
+    Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, q.segment_ends[i]);
+    if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) break;  // this policy cannot: no reuse
+    PENUMBRA_RETURN_IF_ERROR(p.status());
+    prefix_cache_->Insert(keys[i], std::move(*p));
+  }
   return Status::OK();
 }
 
@@ -247,8 +289,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
     for (size_t r = wave; r < end; ++r) {
       const GenerationRequest& q = requests[r];
       Active a{r, static_cast<int64_t>(r), std::mt19937_64(q.sampling.seed)};
-      PENUMBRA_RETURN_IF_ERROR(policy_->AddSequence(a.seq, q.prompt.size(), q.max_new_tokens));
-      Status s = Prefill(a.seq, q.prompt, nullptr);
+      Status s = AddAndPrefill(a.seq, q, &results[r]);
       if (!s.ok()) {
         for (auto& x : active) policy_->RemoveSequence(x.seq);
         policy_->RemoveSequence(a.seq);

@@ -14,6 +14,7 @@
 #include "worker/engine/backend.h"
 #include "worker/engine/kv_policy.h"
 #include "worker/engine/model_weights.h"
+#include "worker/engine/prefix_cache.h"
 
 namespace penumbra {
 
@@ -32,22 +33,34 @@ struct GenerationRequest {
   int max_new_tokens = 16;
   SamplingOptions sampling;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
+  // Segments of the prompt for prefix reuse: the exclusive ends of its leading
+  // segments (documents), ascending, each < prompt.size(); what follows the
+  // last is the request's own text. With a prefix cache (RuntimeOptions::
+  // prefix_cache_bytes) the longest cached run of leading segments is
+  // attached instead of prefilled, and the leading segments prefilled here are
+  // captured for the next request. Empty: no reuse.
+  std::vector<int64_t> segment_ends;
+  // Prefixes are shared only between requests of one namespace (a tenant).
+  std::string cache_namespace;
 };
 
 struct GenerationResult {
-  std::vector<int32_t> ids;     // generated ids (the stop id included when hit)
-  std::string finish_reason;    // "stop" or "length"
+  std::vector<int32_t> ids;          // generated ids (the stop id included when hit)
+  std::string finish_reason;         // "stop" or "length"
+  int64_t cached_prompt_tokens = 0;  // leading prompt tokens attached from the prefix cache
 };
 
 struct RuntimeOptions {
-  int prefill_chunk = 4096;     // tokens per prefill chunk. Default: 4096.
-  int max_batch = 256;          // sequences decoded together at most. Default: 256.
+  int prefill_chunk = 4096;      // tokens per prefill chunk. Default: 4096.
+  int max_batch = 256;           // sequences decoded together at most. Default: 256.
+  size_t prefix_cache_bytes = 0; // device bytes for captured prompt prefixes; 0: no prefix reuse. Default: 0.
 };
 
 struct RunStats {
   double prefill_seconds = 0;
   double decode_seconds = 0;
-  int64_t prompt_tokens = 0;
+  int64_t prompt_tokens = 0;         // all prompt tokens, prefilled or attached
+  int64_t cached_prompt_tokens = 0;  // ... of which were attached from the prefix cache
   int64_t generated_tokens = 0;
 };
 
@@ -66,9 +79,11 @@ class Runtime {
   // Lower-level steps (benchmarks, tests).
   Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens);
   void RemoveSequence(int64_t seq);
-  // Prefills `prompt` into `seq`; writes the last position's logits to
-  // logits_out (host, vocab floats) when non-null.
-  Status Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out);
+  // Prefills prompt[start, size) into `seq`, whose first `start` tokens are
+  // already there (an attached prefix; 0: none); start < prompt.size().
+  // Writes the last position's logits to logits_out (host, vocab floats)
+  // when non-null.
+  Status Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out, int64_t start = 0);
   // One decode step: tokens[i] is fed to seqs[i] at positions[i]; returns
   // logits [batch, vocab] on the device (valid until the next call).
   Result<const float*> DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
@@ -84,8 +99,13 @@ class Runtime {
   }
   const ModelConfig& config() const { return weights_->config(); }
   const RunStats& stats() const { return stats_; }
+  // Null when prefix reuse is off.
+  PrefixCache* prefix_cache() { return prefix_cache_.get(); }
 
  private:
+  // Adds request `r`'s sequence `seq`, attaches its longest cached prefix,
+  // prefills the rest and captures its new leading segments.
+  Status AddAndPrefill(int64_t seq, const GenerationRequest& r, GenerationResult* result);
   Result<const float*> DecodeStepImpl(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
                                       const std::vector<int64_t>& positions);
   Runtime(const RuntimeOptions& o, Backend* b, const ModelWeights* w, std::unique_ptr<KvPolicy> p);
@@ -101,6 +121,7 @@ class Runtime {
   DeviceBuffer x_, h_, qkv_, q_, attn_, gu_, ffn_, logits_, ids_, pos_;
   RunStats stats_;
   OpProfiler* profiler_ = nullptr;
+  std::unique_ptr<PrefixCache> prefix_cache_;
 };
 
 // Builds the policy context (device RoPE table included) for a model.

@@ -1,0 +1,243 @@
+// Prefix reuse on the CPU backend (f32, stories260K): a request whose leading
+// segments (a document) another request already prefilled attaches their KV
+// state instead of prefilling them, and returns exactly the tokens of a cold
+// run; requests sharing a document in one batch return what each returns
+// alone; keys separate namespaces and preceding text; exported prefixes import
+// into another engine; bad input is refused; PrefixCache evicts only what no
+// sequence holds.
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+#include "tests/worker/stories_shadowkv.h"
+#include "worker/engine/engine.h"
+#include "worker/engine/prefix_cache.h"
+
+namespace penumbra {
+namespace {
+
+class PrefixReuseTest : public testing::StoriesTest {};
+
+std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full") {
+  EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
+  o.backend.device = "cpu";
+  o.kv_policy = policy;
+  o.runtime.prefix_cache_bytes = cache_bytes;
+  auto e = Engine::Open(testing::StoriesDir(), o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+// A 151-token "document" (BOS + ids from a fixed LCG) and short questions.
+std::vector<int32_t> Tokens(int n, uint64_t seed, bool bos) {
+  std::vector<int32_t> t;
+  if (bos) t.push_back(1);
+  uint64_t x = seed;
+  while (static_cast<int>(t.size()) < n) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t.push_back(static_cast<int32_t>(3 + (x >> 33) % 500));
+  }
+  return t;
+}
+
+GenerationRequest Request(const std::vector<int32_t>& doc, const std::vector<int32_t>& question, bool segmented,
+                          const std::string& ns = "") {
+  GenerationRequest r;
+  r.prompt = doc;
+  r.prompt.insert(r.prompt.end(), question.begin(), question.end());
+  r.max_new_tokens = 24;
+  if (segmented) r.segment_ends = {static_cast<int64_t>(doc.size())};
+  r.cache_namespace = ns;
+  return r;
+}
+
+// Greedy ids of `r` on a fresh engine with no prefix cache.
+std::vector<int32_t> Cold(const GenerationRequest& r) {
+  auto e = OpenEngine(0);
+  if (!e) return {};
+  auto res = e->runtime().Generate({r});
+  EXPECT_TRUE(res.ok()) << res.status();
+  return res.ok() ? (*res)[0].ids : std::vector<int32_t>{};
+}
+
+const std::vector<int32_t> kDoc = Tokens(151, 7, true);
+const std::vector<int32_t> kQ1 = Tokens(20, 11, false), kQ2 = Tokens(17, 12, false), kQ3 = Tokens(9, 13, false);
+
+TEST_F(PrefixReuseTest, CachedDocumentGivesTheColdTokens) {
+  auto e = OpenEngine(64 << 20);
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  auto first = rt.Generate({Request(kDoc, kQ1, true)});
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ((*first)[0].cached_prompt_tokens, 0);
+  EXPECT_EQ((*first)[0].ids, Cold(Request(kDoc, kQ1, false)));
+  ASSERT_EQ(rt.prefix_cache()->entries(), 1u);
+
+  auto second = rt.Generate({Request(kDoc, kQ2, true)});
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ((*second)[0].cached_prompt_tokens, 151);
+  EXPECT_EQ((*second)[0].ids, Cold(Request(kDoc, kQ2, false)));
+  EXPECT_EQ(rt.stats().cached_prompt_tokens, 151);
+  EXPECT_EQ(rt.prefix_cache()->stats().hits, 1);
+}
+
+TEST_F(PrefixReuseTest, RequestsSharingADocumentInOneBatchReturnWhatEachReturnsAlone) {
+  auto e = OpenEngine(64 << 20);
+  ASSERT_NE(e, nullptr);
+  auto res = e->runtime().Generate({Request(kDoc, kQ1, true), Request(kDoc, kQ2, true), Request(kDoc, kQ3, true)});
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ((*res)[0].cached_prompt_tokens, 0);
+  EXPECT_EQ((*res)[1].cached_prompt_tokens, 151);
+  EXPECT_EQ((*res)[2].cached_prompt_tokens, 151);
+  EXPECT_EQ((*res)[0].ids, Cold(Request(kDoc, kQ1, false)));
+  EXPECT_EQ((*res)[1].ids, Cold(Request(kDoc, kQ2, false)));
+  EXPECT_EQ((*res)[2].ids, Cold(Request(kDoc, kQ3, false)));
+}
+
+TEST_F(PrefixReuseTest, KeysSeparateNamespacesAndWhatComesBefore) {
+  auto e = OpenEngine(64 << 20);
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  ASSERT_TRUE(rt.Generate({Request(kDoc, kQ1, true, "tenant-a")}).ok());
+  // Another namespace: no hit.
+  auto b = rt.Generate({Request(kDoc, kQ1, true, "tenant-b")});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ((*b)[0].cached_prompt_tokens, 0);
+  // Two documents: the second's key covers the first. d1 + d2 cached; then
+  // d1 + d3 reuses d1 only, and d3 + d2 (other text before d2) nothing.
+  const std::vector<int32_t> d2 = Tokens(40, 21, false), d3 = Tokens(40, 22, false);
+  auto two = [&](const std::vector<int32_t>& a, const std::vector<int32_t>& c) {
+    GenerationRequest r = Request(a, c, false, "tenant-a");
+    r.prompt.insert(r.prompt.end(), kQ2.begin(), kQ2.end());
+    r.segment_ends = {static_cast<int64_t>(a.size()), static_cast<int64_t>(a.size() + c.size())};
+    return r;
+  };
+  auto d12 = rt.Generate({two(kDoc, d2)});
+  ASSERT_TRUE(d12.ok());
+  EXPECT_EQ((*d12)[0].cached_prompt_tokens, 151);  // kDoc from the first request
+  auto d13 = rt.Generate({two(kDoc, d3)});
+  ASSERT_TRUE(d13.ok());
+  EXPECT_EQ((*d13)[0].cached_prompt_tokens, 151);
+  auto again = rt.Generate({two(kDoc, d2)});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)[0].cached_prompt_tokens, 191);
+  EXPECT_EQ((*again)[0].ids, (*d12)[0].ids);
+  std::vector<int32_t> other_doc = kDoc;
+  other_doc[5] += 1;  // one token differs before d2
+  auto d32 = rt.Generate({two(other_doc, d2)});
+  ASSERT_TRUE(d32.ok());
+  EXPECT_EQ((*d32)[0].cached_prompt_tokens, 0);
+}
+
+TEST_F(PrefixReuseTest, ExportedPrefixImportsIntoAnotherEngine) {
+  auto a = OpenEngine(0), b = OpenEngine(0), cold = OpenEngine(0);
+  ASSERT_TRUE(a && b && cold);
+  const GenerationRequest r = Request(kDoc, kQ2, false);
+  const int64_t P = static_cast<int64_t>(r.prompt.size());
+  ASSERT_TRUE(a->runtime().AddSequence(0, 151, 1).ok());
+  ASSERT_TRUE(a->runtime().Prefill(0, kDoc, nullptr).ok());
+  auto captured = a->runtime().policy().CapturePrefix(0, 151);
+  ASSERT_TRUE(captured.ok()) << captured.status();
+  auto blobs = (*captured)->Export();
+  ASSERT_TRUE(blobs.ok()) << blobs.status();
+  a.reset();  // the import must not depend on the exporting engine
+
+  auto imported = b->runtime().policy().ImportPrefix(*blobs);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ((*imported)->tokens(), 151);
+  ASSERT_TRUE(b->runtime().AddSequence(0, P, 1).ok());
+  ASSERT_TRUE(b->runtime().policy().AttachPrefix(0, *imported).ok());
+  std::vector<float> warm, ref;
+  ASSERT_TRUE(b->runtime().Prefill(0, r.prompt, &warm, 151).ok());
+  ASSERT_TRUE(cold->runtime().AddSequence(0, P, 1).ok());
+  ASSERT_TRUE(cold->runtime().Prefill(0, r.prompt, &ref).ok());
+  EXPECT_TRUE(testing::AllClose(warm, ref, 1e-5f, 1e-4f));
+
+  // Damaged or foreign blobs are refused, naming what is wrong.
+  auto bad = *blobs;
+  bad["k"].pop_back();
+  auto r1 = b->runtime().policy().ImportPrefix(bad);
+  ASSERT_FALSE(r1.ok());
+  EXPECT_EQ(r1.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(r1.status().message().find("blob 'k'"), std::string::npos) << r1.status();
+  bad = *blobs;
+  bad["meta"] = "full-kv-prefix v1 tokens=151 layers=9 kv_heads=4 head_dim=8 dtype=f32";
+  auto r2 = b->runtime().policy().ImportPrefix(bad);
+  ASSERT_FALSE(r2.ok());
+  EXPECT_EQ(r2.status().code(), StatusCode::kInvalidArgument);
+  bad.erase("v");
+  EXPECT_FALSE(b->runtime().policy().ImportPrefix(bad).ok());
+  // Attaching to a sequence that already holds tokens is refused.
+  auto prefilled = b->runtime().policy().AttachPrefix(0, *imported);
+  EXPECT_EQ(prefilled.code(), StatusCode::kFailedPrecondition) << prefilled;
+}
+
+TEST_F(PrefixReuseTest, BadSegmentEndsAreRefused) {
+  auto e = OpenEngine(64 << 20);
+  ASSERT_NE(e, nullptr);
+  for (const std::vector<int64_t>& ends : {std::vector<int64_t>{0}, {50, 50}, {171}, {200}, {60, 40}}) {
+    GenerationRequest r = Request(kDoc, kQ1, false);
+    r.segment_ends = ends;
+    auto res = e->runtime().Generate({r});
+    ASSERT_FALSE(res.ok());
+    EXPECT_EQ(res.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(res.status().message().find("segment end"), std::string::npos) << res.status();
+  }
+  EXPECT_TRUE(e->runtime().Generate({Request(kDoc, kQ1, true)}).ok());  // still serving
+}
+
+TEST_F(PrefixReuseTest, PolicyWithoutCaptureRunsColdWithTheCacheOn) {
+  // ShadowKV cannot capture prefixes yet: with a cache configured, requests
+  // still run, every one cold, with the tokens of a run without the cache.
+  auto with = OpenEngine(64 << 20, "shadowkv"), without = OpenEngine(0, "shadowkv");
+  ASSERT_TRUE(with && without);
+  for (int i = 0; i < 2; ++i) {
+    auto a = with->runtime().Generate({Request(kDoc, kQ1, true)});
+    auto b = without->runtime().Generate({Request(kDoc, kQ1, false)});
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ((*a)[0].cached_prompt_tokens, 0);
+    EXPECT_EQ((*a)[0].ids, (*b)[0].ids);
+  }
+  EXPECT_EQ(with->runtime().prefix_cache()->entries(), 0u);
+}
+
+class FakePrefix final : public KvPrefix {
+ public:
+  FakePrefix(int64_t tokens, size_t bytes) : tokens_(tokens), bytes_(bytes) {}
+  std::string policy() const override { return "fake"; }
+  int64_t tokens() const override { return tokens_; }
+  size_t device_bytes() const override { return bytes_; }
+  Result<std::map<std::string, std::string>> Export() const override { return std::map<std::string, std::string>{}; }
+
+ private:
+  int64_t tokens_;
+  size_t bytes_;
+};
+
+TEST(PrefixCacheTest, EvictsLeastRecentlyUsedUnheldEntries) {
+  PrefixCache c(300);
+  auto keys = PrefixKeys("fence", {1, 2, 3, 4, 5}, {1, 2, 3, 4});
+  ASSERT_EQ(keys.size(), 4u);
+  EXPECT_NE(keys[0], keys[1]);
+  EXPECT_EQ(PrefixKeys("fence", {1, 2, 3, 4, 5}, {1, 2})[1], keys[1]);
+  EXPECT_NE(PrefixKeys("other", {1, 2, 3, 4, 5}, {1, 2})[1], keys[1]);
+  EXPECT_NE(PrefixKeys("fence", {1, 9, 3, 4, 5}, {1, 2})[1], keys[1]);
+  // Segment boundaries are part of the key: {1},{2} is not {1,2}.
+  EXPECT_NE(PrefixKeys("fence", {1, 2, 3}, {2})[0], keys[1]);
+
+  EXPECT_TRUE(c.Insert(keys[0], std::make_shared<FakePrefix>(1, 100)));
+  auto held = std::make_shared<FakePrefix>(2, 100);
+  EXPECT_TRUE(c.Insert(keys[1], held));  // held outside the cache, like an attached sequence
+  EXPECT_TRUE(c.Insert(keys[2], std::make_shared<FakePrefix>(3, 100)));
+  EXPECT_NE(c.Find(keys[0], 1), nullptr);  // 0 becomes the most recent
+  EXPECT_EQ(c.Find(keys[0], 2), nullptr);  // a token count that does not match is a miss
+  EXPECT_TRUE(c.Insert(keys[3], std::make_shared<FakePrefix>(4, 100)));
+  // Oldest first, skipping the held entry: 2 went, 0 and 1 stayed.
+  EXPECT_FALSE(c.Contains(keys[2]));
+  EXPECT_TRUE(c.Contains(keys[0]) && c.Contains(keys[1]) && c.Contains(keys[3]));
+  EXPECT_EQ(c.bytes(), 300u);
+  EXPECT_FALSE(c.Insert(PrefixKeys("x", {1}, {1})[0], std::make_shared<FakePrefix>(1, 400)));  // never fits
+  EXPECT_EQ(c.stats().evictions, 1);
+}
+
+}  // namespace
+}  // namespace penumbra

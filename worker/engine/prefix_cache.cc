@@ -1,0 +1,65 @@
+#include "worker/engine/prefix_cache.h"
+
+#include <glog/logging.h>
+
+namespace penumbra {
+
+std::vector<Hash128> PrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
+                                const std::vector<int64_t>& segment_ends) {
+  std::vector<Hash128> keys;
+  keys.reserve(segment_ends.size());
+  Hash128 prev;
+  {
+    Hasher128 h;
+    h.Update("penumbra-prefix-v1\n").Update(fence);
+    prev = h.Digest();
+  }
+  int64_t begin = 0;
+  for (int64_t end : segment_ends) {
+    CHECK(end > begin && end <= static_cast<int64_t>(prompt.size())) << "segment ends must ascend within the prompt";
+    Hasher128 h;
+    const int64_t n = end - begin;
+    h.Update(&prev, sizeof(prev)).Update(&n, sizeof(n)).Update(prompt.data() + begin, n * sizeof(int32_t));
+    prev = h.Digest();
+    keys.push_back(prev);
+    begin = end;
+  }
+  return keys;
+}
+
+std::shared_ptr<const KvPrefix> PrefixCache::Find(const Hash128& key, int64_t tokens) {
+  auto it = index_.find(Key(key));
+  if (it == index_.end() || it->second->prefix->tokens() != tokens) {
+    ++stats_.misses;
+    return nullptr;
+  }
+  lru_.splice(lru_.begin(), lru_, it->second);
+  ++stats_.hits;
+  return it->second->prefix;
+}
+
+void PrefixCache::MakeRoom(size_t need) {
+  for (auto it = lru_.end(); it != lru_.begin() && bytes_ + need > capacity_bytes_;) {
+    --it;
+    if (it->prefix.use_count() > 1) continue;  // a live sequence holds it
+    bytes_ -= it->prefix->device_bytes();
+    index_.erase(it->key);
+    it = lru_.erase(it);
+    ++stats_.evictions;
+  }
+}
+
+bool PrefixCache::Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix) {
+  if (index_.count(Key(key))) return true;
+  const size_t need = prefix->device_bytes();
+  if (need > capacity_bytes_) return false;
+  MakeRoom(need);
+  if (bytes_ + need > capacity_bytes_) return false;
+  lru_.push_front(Entry{Key(key), std::move(prefix)});
+  index_[Key(key)] = lru_.begin();
+  bytes_ += need;
+  ++stats_.inserts;
+  return true;
+}
+
+}  // namespace penumbra

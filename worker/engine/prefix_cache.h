@@ -1,0 +1,78 @@
+// PrefixCache: one lane's index of captured prompt prefixes (KvPrefix), so
+// that a request whose prompt starts with segments another request already
+// prefilled (documents, then its own text) attaches their KV state instead of
+// prefilling them again.
+//
+// Keys are content hashes with exact prefix semantics: the key of a prompt's
+// first i segments covers a fence (what else determines the state: the
+// policy's parameters, the dtype, the model, the tenant namespace) and every
+// token id of those segments, chained segment by segment (PrefixKeys), so a
+// document's key depends on everything before it.
+//
+// Capacity is in device bytes. Inserting past it evicts least-recently-used
+// entries that no sequence holds (an entry held by a live sequence stays: its
+// memory would not be freed anyway); an entry that cannot fit is not kept.
+// Not thread-safe: one runtime thread uses it.
+//
+// This is the in-memory, per-process tier of the document cache; the
+// persistent segment store (storage/, docs/storage.md) sits behind it.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/hash.h"
+#include "common/status.h"
+#include "worker/engine/kv_policy.h"
+
+namespace penumbra {
+
+// keys[i] covers prompt[0, segment_ends[i]); `fence` names everything besides
+// the tokens that the state depends on. segment_ends must be ascending and
+// within the prompt (Runtime::Validate checks requests).
+std::vector<Hash128> PrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
+                                const std::vector<int64_t>& segment_ends);
+
+struct PrefixCacheStats {
+  int64_t hits = 0, misses = 0, inserts = 0, evictions = 0;
+};
+
+class PrefixCache {
+ public:
+  explicit PrefixCache(size_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
+
+  // The prefix stored under `key` with `tokens` tokens (null when absent),
+  // marked most recently used.
+  std::shared_ptr<const KvPrefix> Find(const Hash128& key, int64_t tokens);
+  bool Contains(const Hash128& key) const { return index_.count(Key(key)) > 0; }
+  // Stores `prefix` under `key` (replacing nothing: a key already present is
+  // kept as it is), evicting as above. False when it was not kept.
+  bool Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix);
+
+  size_t bytes() const { return bytes_; }
+  size_t entries() const { return index_.size(); }
+  size_t capacity_bytes() const { return capacity_bytes_; }
+  const PrefixCacheStats& stats() const { return stats_; }
+
+ private:
+  using KeyT = std::pair<uint64_t, uint64_t>;
+  static KeyT Key(const Hash128& h) { return {h.hi, h.lo}; }
+  struct Entry {
+    KeyT key;
+    std::shared_ptr<const KvPrefix> prefix;
+  };
+  // Evicts unheld entries, oldest first, until `need` more bytes fit.
+  void MakeRoom(size_t need);
+
+  size_t capacity_bytes_;
+  size_t bytes_ = 0;
+  std::list<Entry> lru_;  // front: most recently used
+  std::map<KeyT, std::list<Entry>::iterator> index_;
+  PrefixCacheStats stats_;
+};
+
+}  // namespace penumbra
