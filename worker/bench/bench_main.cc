@@ -4,6 +4,7 @@
 // .device/ by ops/device/pack.sh). One JSON line per measurement.
 //   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv] [--lanes N]
 //   penumbra-bench prefill --context 124928
+//   penumbra-bench ttft    --context 124928 [--question 64] [--cache off|hbm]
 // decode fills each sequence's context with random keys and values (through
 // the policy's real compression path for shadowkv), then times `steps` decode
 // steps of the whole model after 2 warm-up steps, greedy sampling included.
@@ -466,10 +467,73 @@ Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
   return Status::OK();
 }
 
+// Time to first token of a question about a document of S tokens (issue 17):
+// a request of S document tokens + --question tokens, max_new_tokens 1,
+// through Runtime::Generate. --cache off: cold (the whole prompt prefilled).
+// --cache hbm: a first request with the same document and another question
+// fills the prefix cache (its TTFT is reported as populate_ttft_ms), then the
+// timed request attaches the document's KV state from device memory and
+// prefills only its question.
+Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
+  const std::string cache = a.Get("cache", "off");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t Q, a.GetIntIn("question", 64, 1, 1 << 20));
+  Runtime& rt = e.runtime();
+  const int V = e.config().vocab_size;
+  auto tokens = [&](int64_t n, int64_t salt) {
+    std::vector<int32_t> t(n);
+    for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>((i * 7919 + salt * 104729) % V);
+    return t;
+  };
+  auto request = [&](int64_t salt) {
+    GenerationRequest r;
+    r.prompt = tokens(S, 0);
+    const std::vector<int32_t> q = tokens(Q, salt);
+    r.prompt.insert(r.prompt.end(), q.begin(), q.end());
+    r.max_new_tokens = 1;
+    if (cache != "off") r.segment_ends = {S};
+    return r;
+  };
+  auto timed = [&](const GenerationRequest& r, int64_t* cached) -> Result<double> {
+    PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
+    const double t0 = NowSeconds();
+    PENUMBRA_ASSIGN_OR_RETURN(auto res, rt.Generate({r}));
+    PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
+    *cached = res[0].cached_prompt_tokens;
+    return (NowSeconds() - t0) * 1e3;
+  };
+  int64_t cached = 0;
+  {  // warm-up: handles, kernels, allocator
+    GenerationRequest w;
+    w.prompt = tokens(std::min<int64_t>(S, 1024), 3);
+    w.max_new_tokens = 1;
+    PENUMBRA_RETURN_IF_ERROR(timed(w, &cached).status());
+  }
+  nlohmann::json j = cm.Line("ttft");
+  j["kv_policy"] = e.options().kv_policy;
+  j["context"] = S;
+  j["question"] = Q;
+  j["cache"] = cache;
+  if (cache == "hbm") {
+    PENUMBRA_ASSIGN_OR_RETURN(double populate, timed(request(1), &cached));
+    j["populate_ttft_ms"] = populate;
+    if (rt.prefix_cache()->entries() == 0) {
+      return Status::FailedPrecondition("the " + e.options().kv_policy + " KV policy captured no prefix");
+    }
+    j["prefix_device_bytes"] = rt.prefix_cache()->bytes();
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(double ms, timed(request(2), &cached));
+  j["ttft_ms"] = ms;
+  j["cached_prompt_tokens"] = cached;
+  std::cout << j.dump() << std::endl;
+  return Status::OK();
+}
+
 Status Main(int argc, char** argv) {
-  if (argc < 2) return Status::InvalidArgument("usage: penumbra-bench decode|prefill --context N[,N...] [options]");
+  if (argc < 2) return Status::InvalidArgument("usage: penumbra-bench decode|prefill|ttft --context N[,N...] [options]");
   const std::string mode = argv[1];
-  if (mode != "decode" && mode != "prefill") return Status::InvalidArgument("mode must be decode or prefill");
+  if (mode != "decode" && mode != "prefill" && mode != "ttft") {
+    return Status::InvalidArgument("mode must be decode, prefill or ttft");
+  }
   Args a;
   a.Flag("context", "context lengths, comma-separated").Flag("batch", "sequences (default: largest that fits)")
       .Flag("steps", "timed decode steps (default 100)").Flag("kv-policy", "full or shadowkv")
@@ -485,6 +549,9 @@ Status Main(int argc, char** argv) {
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
+      .Flag("cache", "ttft: off (cold prefill, default) or hbm (the document's KV state attached from the prefix "
+                     "cache in device memory)")
+      .Flag("question", "ttft: question tokens after the document (default 64)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
       .Flag("kernel-trace", "decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
@@ -508,6 +575,10 @@ Status Main(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetInt("max-batch", 256));
   eo.runtime.prefill_chunk = static_cast<int>(chunk);
   eo.runtime.max_batch = static_cast<int>(mb);
+  const std::string cache = a.Get("cache", "off");
+  if (cache != "off" && cache != "hbm") return Status::InvalidArgument("--cache must be off or hbm, got " + cache);
+  if (a.Has("cache") && mode != "ttft") return Status::InvalidArgument("--cache applies to ttft only");
+  if (cache == "hbm") eo.runtime.prefix_cache_bytes = size_t{1} << 50;  // bounded by device memory
   ShadowKvOptions& s = eo.shadowkv;
   PENUMBRA_ASSIGN_OR_RETURN(s.force_hit_rate, a.GetDouble("force-hit-rate", -1.0));
   s.min_prompt_tokens = 0;  // the benchmark's contexts always take the sparse path unless --min-prompt says so
@@ -525,7 +596,9 @@ Status Main(int argc, char** argv) {
   const double copy = mode == "decode" && engine->backend().device() == Device::kCUDA ? MeasureCopyGBps(engine->backend()) : 0;
   bool trace_pending = a.Has("kernel-trace");
   for (int64_t S : contexts) {
-    Status r = mode == "decode" ? RunDecode(a, *engine, cm, S, copy, &trace_pending) : RunPrefill(a, *engine, cm, S);
+    Status r = mode == "decode"  ? RunDecode(a, *engine, cm, S, copy, &trace_pending)
+               : mode == "ttft" ? RunTtft(a, *engine, cm, S)
+                                : RunPrefill(a, *engine, cm, S);
     if (!r.ok()) {
       nlohmann::json j = cm.Line(mode);
       j["context"] = S;
