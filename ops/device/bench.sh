@@ -1,41 +1,205 @@
 #!/usr/bin/env bash
-# One GPU-machine run of the throughput benchmarks beside the full-attention
-# peer (../shared/bench/peer_full_attention.py, bundled as .device/peer_full_attention.py).
-# Every line printed is a JSON object; they are collected in $OUT/bench.jsonl.
-# Usage: ops/device/bench.sh full|decode|shadowkv|lanes|micro
-#   decode: full-attention decode only; lanes: shadowkv decode split over 1-3
-#   engine lanes (one weights copy, one stream and host thread per lane).
-source "$(dirname "$0")/bench_common.sh"
-case "${1:-full}" in
-  full)
-    run 200 python3 .device/peer_full_attention.py decode --context 61440 124928
-    run 150 $R penumbra-bench decode --context 61440,124928 --steps 20
-    run 120 python3 .device/peer_full_attention.py prefill --context 124928
-    run 150 $R penumbra-bench prefill --context 124928
-    ;;
-  decode)
-    run 200 python3 .device/peer_full_attention.py decode --context 61440 124928
-    run 150 $R penumbra-bench decode --context 61440,124928 --steps 20
-    ;;
-  lanes)
-    run 200 python3 .device/peer_full_attention.py decode --context 124928
-    S="$R penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"
-    run 150 $S --force-hit-rate 0.6 --lanes 2
-    run 150 $S --lanes 2
-    run 150 $S --force-hit-rate 0.6
-    ;;
-  micro)   # ShadowKV micro-batches (one weights read per layer) vs one batch
-    run 200 python3 .device/peer_full_attention.py decode --context 124928
-    S="$R penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 20 --context 124928"
-    run 150 $S --force-hit-rate 0.6
-    run 150 $S --force-hit-rate 0.6 --micro-batches 2
-    run 150 $S --micro-batches 2
-    run 150 $S --force-hit-rate 0.6 --micro-batches 2 --lanes 2
-    ;;
-  shadowkv)
-    run 200 python3 .device/peer_full_attention.py decode --context 124928 61440
-    run 200 $R penumbra-bench decode --kv-policy shadowkv --context 124928 --force-hit-rate 0.6 --steps 20
-    run 120 $R penumbra-bench decode --kv-policy shadowkv --context 124928 --steps 20 --batch 4
-    run 120 $R penumbra-bench decode --kv-policy shadowkv --context 1048576 --steps 5 --batch 1
-    ;;
-esac
+# The GPU machine's one entry point for parity checks and benchmarks, run from
+# the repository root there with the bundle in .device (made here by
+# ops/device/pack.sh; the device call carries [".device"]):
+#
+#   bash ops/device/bench.sh SUITE [SUITE...]
+#
+# Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
+# sweep, 1m, trace, ttft, eval. Every throughput run is beside the
+# full-attention peer (.device/peer_full_attention.py, which device-bundle
+# copies in) in the same call, the peer first and last. Every JSON line is
+# tagged with its suite and appended to $OUT/bench.jsonl; stderr goes to
+# $OUT/bench.err, every other log and output into $OUT/logs.tgz; a summary
+# table is printed last. What
+# each past session ran is in docs/benchmarks.md and in git history (the
+# per-session scripts bench2.sh .. bench8.sh, last present at baefdbe).
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # libcupti for --kernel-trace
+R="bash .device/run"
+J="$OUT/bench.jsonl"
+PEER="python3 .device/peer_full_attention.py"
+SKV="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --lanes 2"
+STORIES=tests/data/models/stories260K
+SUITE=""
+
+usage() {
+  cat <<'EOF'
+usage: bash ops/device/bench.sh SUITE [SUITE...]
+  parity    every *_gpu_test in the bundle; stories260K greedy on CUDA (bf16, f32, --linear auto|skinny|cublas) against its golden
+  check     the independent ShadowKV reference check (ops/device/shadowkv_check.sh, PyTorch)
+  full      full-attention decode at 61440 and 124928 and prefill at 124928, beside the peer (--graph decode, prefill)
+  shadowkv  ShadowKV decode at 124928 x 14, two lanes, 100 steps, forced 60% and natural, the peer (--graph) first and last
+  sweep     ShadowKV context/batch sweep: 61440, 124928, 249856 with --batch-sweep and --hit-rates natural,0.6
+  1m        ShadowKV at 1048576 tokens, batch 1, natural and forced 60%
+  trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain)
+  ttft      time to first token of a 64-token question about a 124928-token document: cold and cached (issue 17)
+  eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
+            must travel: see ops/device/pack.sh)
+EOF
+}
+
+# run TIMEOUT CMD...: CMD's JSON lines, tagged with the suite, into $J.
+run() {
+  echo "# [$SUITE] ${*:2}" >&2
+  timeout "$1" "${@:2}" 2>>"$OUT/bench.err" | SUITE=$SUITE python3 -c '
+import json, os, sys
+for line in sys.stdin:
+    if line.startswith("{"):
+        try:
+            j = json.loads(line)
+        except ValueError:
+            continue
+        j["suite"] = os.environ["SUITE"]
+        print(json.dumps(j), flush=True)
+' | tee -a "$J"
+}
+peer_decode() { run 200 $PEER decode --graph --steps 20 --context "$@"; }
+
+# gpu_test NAME [ARGS...]: one GPU test binary, its log in $OUT/NAME.log.
+gpu_test() {
+  local t=$1; shift
+  timeout 300 $R "$t" "$@" > "$OUT/$t.log" 2>&1
+  local rc=$?
+  echo "$t rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$OUT/$t.log" | tr '\n' ' ')"
+}
+
+suite_parity() {
+  local tests
+  tests=$(tar tzf .device/bundle.tgz | sed -n 's|^bin/\(.*_gpu_test\)$|\1|p' | sort)
+  [ -n "$tests" ] || echo "parity: the bundle carries no *_gpu_test (ops/device/pack.sh packs them)"
+  for t in $tests; do gpu_test "$t"; done
+  for v in "bf16 auto" "bf16 skinny" "bf16 cublas" "f32 auto"; do
+    set -- $v
+    timeout 60 $R penumbra generate --model $STORIES --prompt-ids 1 --max-new-tokens 200 --greedy --json \
+      --device cuda --dtype "$1" --linear "$2" > "$OUT/stories_$1_$2.json" 2> "$OUT/stories_$1_$2.err"
+    echo "stories260K $1 --linear $2 rc=$?"
+  done
+  python3 - "$OUT" "$STORIES" <<'PY'
+import json, sys
+out, stories = sys.argv[1:]
+golden = json.load(open(f'{stories}/golden_greedy.json'))['greedy_ids']
+ids = {}
+for v in ('bf16_auto', 'bf16_skinny', 'bf16_cublas', 'f32_auto'):
+    try:
+        ids[v] = json.load(open(f'{out}/stories_{v}.json'))['ids']
+    except Exception as e:
+        print(f'stories260K {v}: error {e}'); continue
+    first = next((i for i, (a, b) in enumerate(zip(ids[v], golden)) if a != b), None)
+    print(f'stories260K cuda {v}: golden exact={ids[v] == golden} first_divergence={first}')
+if 'bf16_auto' in ids and 'bf16_skinny' in ids:
+    print('bf16 --linear auto (fused SwiGLU) == skinny (unfused):', ids['bf16_auto'] == ids['bf16_skinny'])
+PY
+}
+
+suite_check() {
+  OUT="$OUT/check" timeout 900 bash ops/device/shadowkv_check.sh > "$OUT/shadowkv_check.log" 2>&1
+  echo "shadowkv_check rc=$?"; grep -E '^(PASS|FAIL)' "$OUT/shadowkv_check.log"
+  tar -C "$OUT" -czf "$OUT/shadowkv_check.tar.gz" check && rm -rf "$OUT/check"
+}
+
+suite_full() {
+  peer_decode 61440 124928
+  run 200 $R penumbra-bench decode --context 61440,124928 --steps 20
+  run 150 $PEER prefill --context 124928
+  run 150 $R penumbra-bench prefill --context 124928
+  peer_decode 61440 124928
+}
+
+suite_shadowkv() {
+  peer_decode 124928
+  run 300 $R $SKV --context 124928 --steps 100 --hit-rates 0.6,natural
+  run 200 $R $SKV --context 124928 --steps 100 --hit-rates 0.6
+  peer_decode 124928
+}
+
+suite_sweep() {
+  local S="$SKV --steps 100 --hit-rates natural,0.6"
+  peer_decode 124928 61440
+  run 300 $R $S --context 124928 --batch-sweep 2,4,8,14
+  run 300 $R $S --context 61440 --batch-sweep 2,4,8,16,28
+  peer_decode 249856
+  run 300 $R $S --context 249856 --batch-sweep 2,4,7
+  peer_decode 124928 61440
+}
+
+suite_1m() {
+  run 400 $R penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 100 --hit-rates natural,0.6 \
+    --context 1048576 --batch 1
+}
+
+suite_trace() {
+  run 300 $R $SKV --context 124928 --steps 30 --hit-rates 0.6 --kernel-trace "$OUT/trace.jsonl"
+  python3 ops/trace_summary.py "$OUT/trace.jsonl" --steps 30 --chain > "$OUT/trace.txt" 2>&1
+  grep -E 'fetch_to_next|link_busy|window' "$OUT/trace.txt"
+  gzip -f "$OUT/trace.jsonl"
+}
+
+suite_ttft() {
+  run 200 $PEER prefill --context 124928
+  run 200 $R penumbra-bench ttft --kv-policy full --context 124928 --question 64 --cache off
+  run 200 $R penumbra-bench ttft --kv-policy full --context 124928 --question 64 --cache hbm
+  run 200 $R penumbra-bench ttft --kv-policy shadowkv --context 124928 --question 64 --cache off
+}
+
+suite_eval() {
+  [ -f models/penumbra-eval/config.json ] || { echo "eval: models/penumbra-eval is not here (moved aside for the upload?)"; return; }
+  for p in full shadowkv; do
+    timeout 600 $R penumbra eval --model models/penumbra-eval --tasks tests/data/evaltasks/evalmodel_4k.jsonl \
+      --kv-policy "$p" --min-prompt 1024 --json --predictions "$OUT/eval_$p.jsonl" > "$OUT/eval_$p.log" 2>>"$OUT/bench.err"
+    echo "eval $p rc=$?"; tail -1 "$OUT/eval_$p.log" | SUITE=eval python3 -c '
+import json, os, sys
+for line in sys.stdin:
+    j = json.loads(line); j["suite"] = "eval"; print(json.dumps(j))' | tee -a "$J"
+  done
+}
+
+summary() {
+  [ -s "$J" ] || return 0
+  echo "== summary ($J)"
+  python3 - "$J" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    who = j.get('peer') and 'peer ' + j['peer'] or 'penumbra ' + j.get('kv_policy', '')
+    what = j.get('mode', '?')
+    shape = f"ctx {j.get('context', '-')} x {j.get('batch', '-')}"
+    if 'tokens_per_s' in j:
+        val = f"{j['tokens_per_s']:.1f} tok/s"
+    elif 'ttft_ms' in j:
+        val = f"ttft {j['ttft_ms']:.1f} ms (cache {j.get('cache')})"
+    elif 'seconds' in j:
+        val = f"{j['seconds']:.2f} s"
+    elif 'accuracy' in j:
+        val = f"accuracy {j['accuracy']}"
+    else:
+        val = j.get('error', '')
+    extra = f"hit {j['force_hit_rate']}" if j.get('force_hit_rate', -1) >= 0 else ''
+    print(f"{j.get('suite', ''):9} {who:22} {what:8} {shape:22} {val} {extra}")
+PY
+}
+
+[ $# -gt 0 ] || { usage; exit 0; }
+for s in "$@"; do
+  case "$s" in
+    help|-h|--help) usage; exit 0 ;;
+    parity|check|full|shadowkv|sweep|1m|trace|ttft|eval) ;;
+    *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+[ -f .device/run ] || { echo "no bundle in .device (make it with ops/device/pack.sh and carry it)" >&2; exit 2; }
+nvidia-smi -L | tee "$OUT/gpu.txt"
+for s in "$@"; do
+  SUITE=$s
+  echo "== suite $s"
+  "suite_$s"
+done
+summary
+# A call returns at most 8 files: the per-test logs and stories outputs travel
+# as one archive beside bench.jsonl and bench.err.
+(cd "$OUT" && ls | grep -vE '^(bench\.jsonl|bench\.err|gpu\.txt|console\.log|.*\.tar\.gz|.*\.gz|logs\.tgz)$' > .logs) &&
+  [ -s "$OUT/.logs" ] && tar -C "$OUT" -czf "$OUT/logs.tgz" -T "$OUT/.logs" && (cd "$OUT" && xargs rm -rf < .logs)
+rm -f "$OUT/.logs"
