@@ -1,0 +1,568 @@
+#include "storage/segment_store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/table.h>
+#include <rocksdb/write_batch.h>
+
+namespace penumbra::storage {
+namespace {
+
+constexpr uint32_t kRecordMagic = 0x47455350;  // "PSEG"
+constexpr uint32_t kBlockMagic = 0x4b4c4250;   // "PBLK"
+constexpr size_t kKeyBytes = 16;
+
+// ---- byte encodings (little-endian values, big-endian keys) ----------------
+void PutU32(std::string* s, uint32_t v) { s->append(reinterpret_cast<const char*>(&v), 4); }
+void PutU64(std::string* s, uint64_t v) { s->append(reinterpret_cast<const char*>(&v), 8); }
+void PutStr(std::string* s, const std::string& v) {
+  PutU32(s, static_cast<uint32_t>(v.size()));
+  s->append(v);
+}
+void PutBE32(std::string* s, uint32_t v) {
+  for (int i = 3; i >= 0; --i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutBE64(std::string* s, uint64_t v) {
+  for (int i = 7; i >= 0; --i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetBE64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+
+// Bounds-checked reader: every Get fails (ok() false) past the end.
+class Reader {
+ public:
+  explicit Reader(std::string_view s) : s_(s) {}
+  bool U32(uint32_t* v) { return Raw(v, 4); }
+  bool U64(uint64_t* v) { return Raw(v, 8); }
+  bool I64(int64_t* v) { return Raw(v, 8); }
+  bool U8(uint8_t* v) { return Raw(v, 1); }
+  bool Str(std::string* v) {
+    uint32_t n = 0;
+    if (!U32(&n) || n > s_.size() - pos_) return false;
+    v->assign(s_.substr(pos_, n));
+    pos_ += n;
+    return true;
+  }
+  size_t pos() const { return pos_; }
+  bool done() const { return pos_ == s_.size(); }
+
+ private:
+  bool Raw(void* v, size_t n) {
+    if (n > s_.size() - pos_) return false;
+    std::memcpy(v, s_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  std::string_view s_;
+  size_t pos_ = 0;
+};
+
+std::string KeyBytes(const Hash128& k) {
+  std::string s;
+  PutBE64(&s, k.hi);
+  PutBE64(&s, k.lo);
+  return s;
+}
+Hash128 KeyFrom(const char* p) { return Hash128{GetBE64(p + 8), GetBE64(p)}; }
+std::string BlockKey(const Hash128& k, uint32_t blob, uint32_t block) {
+  std::string s = KeyBytes(k);
+  PutBE32(&s, blob);
+  PutBE32(&s, block);
+  return s;
+}
+// The first key after every key that starts with `prefix`.
+std::string PrefixEnd(std::string prefix) {
+  while (!prefix.empty()) {
+    auto& c = reinterpret_cast<unsigned char&>(prefix.back());
+    if (c != 0xff) {
+      ++c;
+      return prefix;
+    }
+    prefix.pop_back();
+  }
+  return std::string(kKeyBytes + 8, '\xff');
+}
+
+struct BlobMeta {
+  std::string name;
+  uint64_t size = 0;
+  uint32_t blocks = 0;
+};
+
+struct Record {
+  std::string cache_namespace;
+  int64_t tokens = 0;
+  bool pinned = false;
+  uint64_t last_used = 0;
+  std::vector<BlobMeta> blobs;
+  size_t bytes() const {
+    size_t b = 0;
+    for (const auto& m : blobs) b += m.size;
+    return b;
+  }
+};
+
+std::string EncodeRecord(const Record& r) {
+  std::string s;
+  PutU32(&s, kRecordMagic);
+  PutU32(&s, SegmentStore::kFormatVersion);
+  PutStr(&s, r.cache_namespace);
+  PutU64(&s, static_cast<uint64_t>(r.tokens));
+  s.push_back(r.pinned ? 1 : 0);
+  PutU64(&s, r.last_used);
+  PutU32(&s, static_cast<uint32_t>(r.blobs.size()));
+  for (const auto& b : r.blobs) {
+    PutStr(&s, b.name);
+    PutU64(&s, b.size);
+    PutU32(&s, b.blocks);
+  }
+  PutU64(&s, Hash64(s.data(), s.size(), /*seed=*/kRecordMagic));
+  return s;
+}
+
+// kOk, kCorruption (bad bytes) or kUnimplemented (another format version).
+Status DecodeRecord(std::string_view v, Record* r) {
+  Reader in(v);
+  uint32_t magic = 0, version = 0, n = 0;
+  uint8_t pinned = 0;
+  if (!in.U32(&magic) || magic != kRecordMagic) return Status::Corruption("bad record magic");
+  if (!in.U32(&version)) return Status::Corruption("truncated record");
+  if (version != SegmentStore::kFormatVersion) {
+    return Status::Unimplemented("record format version " + std::to_string(version));
+  }
+  if (!in.Str(&r->cache_namespace) || !in.I64(&r->tokens) || !in.U8(&pinned) || !in.U64(&r->last_used) ||
+      !in.U32(&n) || n > (1u << 16)) {
+    return Status::Corruption("truncated record");
+  }
+  r->pinned = pinned != 0;
+  r->blobs.resize(n);
+  for (auto& b : r->blobs) {
+    if (!in.Str(&b.name) || !in.U64(&b.size) || !in.U32(&b.blocks)) return Status::Corruption("truncated record");
+  }
+  const size_t body = in.pos();
+  uint64_t sum = 0;
+  if (!in.U64(&sum) || !in.done()) return Status::Corruption("truncated record");
+  if (sum != Hash64(v.data(), body, kRecordMagic)) return Status::Corruption("record checksum mismatch");
+  return Status::OK();
+}
+
+// Block value: magic, version, segment key, blob, block, payload size,
+// checksum of everything before it and the payload; then the payload.
+std::string EncodeBlock(const Hash128& key, uint32_t blob, uint32_t block, std::string_view payload) {
+  std::string s;
+  PutU32(&s, kBlockMagic);
+  PutU32(&s, SegmentStore::kFormatVersion);
+  s += KeyBytes(key);
+  PutU32(&s, blob);
+  PutU32(&s, block);
+  PutU32(&s, static_cast<uint32_t>(payload.size()));
+  Hasher128 h;
+  h.Update(s).Update(payload);
+  const Hash128 d = h.Digest();
+  PutU64(&s, d.lo ^ d.hi);
+  s.append(payload);
+  return s;
+}
+constexpr size_t kBlockHeader = 4 + 4 + kKeyBytes + 4 + 4 + 4 + 8;
+
+Status CheckBlock(std::string_view v, const Hash128& key, uint32_t blob, uint32_t block, size_t want,
+                  std::string* out) {
+  if (v.size() != kBlockHeader + want) {
+    return Status::Corruption("block " + std::to_string(block) + " of blob " + std::to_string(blob) + " holds " +
+                              std::to_string(v.size()) + " bytes, expected " + std::to_string(kBlockHeader + want));
+  }
+  std::string expect = EncodeBlock(key, blob, block, v.substr(kBlockHeader));
+  if (std::memcmp(expect.data(), v.data(), kBlockHeader) != 0) {
+    return Status::Corruption("block " + std::to_string(block) + " of blob " + std::to_string(blob) +
+                              ": header or checksum mismatch");
+  }
+  out->append(v.substr(kBlockHeader));
+  return Status::OK();
+}
+
+Status FromRocks(const rocksdb::Status& s, const std::string& what) {
+  if (s.ok()) return Status::OK();
+  if (s.IsNotFound()) return Status::NotFound(what + ": " + s.ToString());
+  if (s.IsCorruption()) return Status::Corruption(what + ": " + s.ToString());
+  if (s.IsIOError()) return Status::IOError(what + ": " + s.ToString());
+  if (s.IsInvalidArgument()) return Status::InvalidArgument(what + ": " + s.ToString());
+  return Status::Internal(what + ": " + s.ToString());
+}
+
+}  // namespace
+
+struct SegmentStore::Impl {
+  SegmentStoreOptions options;
+  std::unique_ptr<rocksdb::DB> db;
+  rocksdb::ColumnFamilyHandle* meta = nullptr;
+  rocksdb::ColumnFamilyHandle* blocks = nullptr;
+  rocksdb::ColumnFamilyHandle* pending = nullptr;  // intents: segments whose blocks may be partly written
+  rocksdb::ColumnFamilyHandle* default_cf = nullptr;
+  mutable std::mutex mu;
+  std::map<std::pair<uint64_t, uint64_t>, Record> records;  // committed segments
+  std::map<std::pair<uint64_t, uint64_t>, int> attached;
+  std::map<std::string, size_t> ns_bytes;
+  size_t total_bytes = 0;
+  uint64_t clock = 1;
+  SegmentStoreStats stats;
+
+  static std::pair<uint64_t, uint64_t> K(const Hash128& h) { return {h.hi, h.lo}; }
+
+  ~Impl() {
+    if (db) {
+      for (auto* h : {meta, blocks, pending, default_cf}) {
+        if (h) (void)db->DestroyColumnFamilyHandle(h);
+      }
+      (void)db->Close();
+    }
+  }
+
+  rocksdb::WriteOptions CommitOptions() const {
+    rocksdb::WriteOptions w;
+    w.sync = options.sync_commit;
+    return w;
+  }
+
+  void Account(const Record& r, bool add) {
+    const size_t b = r.bytes();
+    if (add) {
+      total_bytes += b;
+      ns_bytes[r.cache_namespace] += b;
+    } else {
+      total_bytes -= b;
+      ns_bytes[r.cache_namespace] -= b;
+    }
+  }
+
+  // Drops a segment: an intent and the record's deletion in one synced
+  // batch, then its blocks, then the intent. A crash in between leaves the
+  // intent, and Open finishes the removal.
+  Status Remove(const Hash128& key) {
+    auto it = records.find(K(key));
+    rocksdb::WriteBatch batch;
+    batch.Put(pending, KeyBytes(key), "");
+    batch.Delete(meta, KeyBytes(key));
+    PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Write(CommitOptions(), &batch), "segment store: delete"));
+    Account(it->second, false);
+    records.erase(it);
+    return DropBlocks(key);
+  }
+
+  // Deletes every block of `key`, then its intent.
+  Status DropBlocks(const Hash128& key) {
+    const std::string prefix = KeyBytes(key);
+    PENUMBRA_RETURN_IF_ERROR(FromRocks(db->DeleteRange(rocksdb::WriteOptions(), blocks, prefix, PrefixEnd(prefix)),
+                                       "segment store: delete blocks"));
+    return FromRocks(db->Delete(rocksdb::WriteOptions(), pending, prefix), "segment store: delete intent");
+  }
+
+  bool Evictable(const std::pair<uint64_t, uint64_t>& k, const Record& r) const {
+    auto a = attached.find(k);
+    return !r.pinned && (a == attached.end() || a->second == 0);
+  }
+
+  // Evicts least-recently-used evictable segments (of `ns` only when
+  // `same_ns`) until `fits()`; false when it cannot.
+  template <class Fits>
+  Result<bool> MakeRoom(const std::string& ns, bool same_ns, Fits fits) {
+    std::vector<std::pair<uint64_t, std::pair<uint64_t, uint64_t>>> order;
+    for (const auto& [k, r] : records) {
+      if (Evictable(k, r) && (!same_ns || r.cache_namespace == ns)) order.push_back({r.last_used, k});
+    }
+    std::sort(order.begin(), order.end());
+    for (const auto& [used, k] : order) {
+      if (fits()) break;
+      PENUMBRA_RETURN_IF_ERROR(Remove(Hash128{k.second, k.first}));
+      ++stats.evictions;
+    }
+    return fits();
+  }
+
+  Status Load() {
+    // Committed records.
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), meta));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (it->key().size() != kKeyBytes) {
+        ++stats.corruptions_detected;
+        continue;
+      }
+      Record r;
+      Status s = DecodeRecord(std::string_view(it->value().data(), it->value().size()), &r);
+      if (s.code() == StatusCode::kUnimplemented) {
+        ++stats.unknown_versions;
+        continue;
+      }
+      if (!s.ok()) {
+        ++stats.corruptions_detected;
+        continue;
+      }
+      const Hash128 key = KeyFrom(it->key().data());
+      clock = std::max(clock, r.last_used + 1);
+      Account(r, true);
+      records.emplace(K(key), std::move(r));
+    }
+    PENUMBRA_RETURN_IF_ERROR(FromRocks(it->status(), "segment store: reading records"));
+    // Intents: a write or removal that did not finish. Without a committed
+    // record, the segment's blocks are deleted; with one (a write whose
+    // record was committed after its intent), the intent alone goes.
+    std::unique_ptr<rocksdb::Iterator> p(db->NewIterator(rocksdb::ReadOptions(), pending));
+    std::vector<std::string> intents;
+    for (p->SeekToFirst(); p->Valid(); p->Next()) intents.push_back(p->key().ToString());
+    PENUMBRA_RETURN_IF_ERROR(FromRocks(p->status(), "segment store: reading intents"));
+    p.reset();
+    for (const std::string& k : intents) {
+      if (k.size() != kKeyBytes) {
+        PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Delete(rocksdb::WriteOptions(), pending, k), "segment store"));
+        continue;
+      }
+      const Hash128 key = KeyFrom(k.data());
+      if (records.count(K(key))) {
+        PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Delete(rocksdb::WriteOptions(), pending, k), "segment store"));
+      } else {
+        PENUMBRA_RETURN_IF_ERROR(DropBlocks(key));
+        ++stats.orphans_removed;
+      }
+    }
+    return Status::OK();
+  }
+};
+
+SegmentStore::SegmentStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+SegmentStore::~SegmentStore() = default;
+
+Result<std::unique_ptr<SegmentStore>> SegmentStore::Open(const SegmentStoreOptions& o) {
+  if (o.path.empty()) return Status::InvalidArgument("segment store: path is empty");
+  if (o.block_bytes < 4096 || o.block_bytes > (size_t{256} << 20)) {
+    return Status::InvalidArgument("segment store: block_bytes must be in [4096, 268435456], got " +
+                                   std::to_string(o.block_bytes));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = o;
+  rocksdb::DBOptions dbo;
+  dbo.create_if_missing = true;
+  dbo.create_missing_column_families = true;
+  dbo.paranoid_checks = true;  // refuse to open over detected corruption rather than drop data silently
+  dbo.max_open_files = 256;
+  rocksdb::BlockBasedTableOptions table;
+  table.block_cache = rocksdb::NewLRUCache(o.block_cache_bytes);
+  rocksdb::ColumnFamilyOptions meta_cf;
+  meta_cf.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+  rocksdb::ColumnFamilyOptions blocks_cf = meta_cf;
+  blocks_cf.compression = rocksdb::kNoCompression;  // bf16/f32 values barely compress
+  blocks_cf.enable_blob_files = true;               // large values in blob files, not through compactions
+  blocks_cf.min_blob_size = 4096;
+  blocks_cf.blob_compression_type = rocksdb::kNoCompression;
+  blocks_cf.enable_blob_garbage_collection = true;
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+      {rocksdb::kDefaultColumnFamilyName, meta_cf}, {"meta", meta_cf}, {"blocks", blocks_cf}, {"pending", meta_cf}};
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* db = nullptr;
+  PENUMBRA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(dbo, o.path, cfs, &handles, &db), "segment store " + o.path));
+  impl->db.reset(db);
+  impl->default_cf = handles[0];
+  impl->meta = handles[1];
+  impl->blocks = handles[2];
+  impl->pending = handles[3];
+  PENUMBRA_RETURN_IF_ERROR(impl->Load());
+  return std::unique_ptr<SegmentStore>(new SegmentStore(std::move(impl)));
+}
+
+Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t tokens,
+                         const std::map<std::string, std::string>& blobs) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (m.records.count(Impl::K(key))) return Status::OK();
+  if (tokens < 1) return Status::InvalidArgument("segment store: token count must be >= 1");
+  Record r;
+  r.cache_namespace = ns;
+  r.tokens = tokens;
+  size_t bytes = 0;
+  for (const auto& [name, data] : blobs) {
+    if (name.empty()) return Status::InvalidArgument("segment store: a blob has an empty name");
+    const uint32_t n_blocks = static_cast<uint32_t>((data.size() + m.options.block_bytes - 1) / m.options.block_bytes);
+    r.blobs.push_back({name, data.size(), n_blocks});
+    bytes += data.size();
+  }
+  // Room: the namespace's quota first, then the capacity.
+  if (auto q = m.options.namespace_quota_bytes.find(ns); q != m.options.namespace_quota_bytes.end()) {
+    if (bytes > q->second) {
+      return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed namespace '" + ns +
+                                       "' quota of " + std::to_string(q->second));
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(bool ok, m.MakeRoom(ns, true, [&] { return m.ns_bytes[ns] + bytes <= q->second; }));
+    if (!ok) {
+      return Status::ResourceExhausted("segment store: namespace '" + ns +
+                                       "' is at its quota and its segments are pinned or in use");
+    }
+  }
+  if (bytes > m.options.capacity_bytes) {
+    return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed the capacity");
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(bool ok, m.MakeRoom(ns, false, [&] { return m.total_bytes + bytes <= m.options.capacity_bytes; }));
+  if (!ok) return Status::ResourceExhausted("segment store: full, and its segments are pinned or in use");
+  // The intent, then the blocks (no sync: the commit's synced write covers
+  // them, the WAL being one ordered log), then the record with the intent's
+  // removal in one synced batch.
+  PENUMBRA_RETURN_IF_ERROR(
+      FromRocks(m.db->Put(rocksdb::WriteOptions(), m.pending, KeyBytes(key), ""), "segment store: writing an intent"));
+  uint32_t blob_index = 0;
+  for (const auto& [name, data] : blobs) {
+    for (size_t off = 0, block = 0; off < data.size(); off += m.options.block_bytes, ++block) {
+      const size_t n = std::min(m.options.block_bytes, data.size() - off);
+      const std::string v = EncodeBlock(key, blob_index, static_cast<uint32_t>(block), std::string_view(data).substr(off, n));
+      PENUMBRA_RETURN_IF_ERROR(FromRocks(
+          m.db->Put(rocksdb::WriteOptions(), m.blocks, BlockKey(key, blob_index, static_cast<uint32_t>(block)), v),
+          "segment store: writing a block"));
+    }
+    ++blob_index;
+  }
+  r.last_used = m.clock++;
+  rocksdb::WriteBatch commit;
+  commit.Put(m.meta, KeyBytes(key), EncodeRecord(r));
+  commit.Delete(m.pending, KeyBytes(key));
+  PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db->Write(m.CommitOptions(), &commit), "segment store: committing a segment"));
+  m.Account(r, true);
+  m.records.emplace(Impl::K(key), std::move(r));
+  ++m.stats.puts;
+  return Status::OK();
+}
+
+Result<std::map<std::string, std::string>> SegmentStore::Get(const Hash128& key) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  ++m.stats.gets;
+  auto it = m.records.find(Impl::K(key));
+  if (it == m.records.end()) {
+    ++m.stats.misses;
+    return Status::NotFound("segment " + key.Hex() + " is not stored");
+  }
+  Record& r = it->second;
+  std::map<std::string, std::string> out;
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  std::string value;
+  uint32_t blob_index = 0;
+  for (const BlobMeta& b : r.blobs) {
+    std::string data;
+    data.reserve(b.size);
+    for (uint32_t block = 0; block < b.blocks; ++block) {
+      const size_t want = std::min<uint64_t>(m.options.block_bytes, b.size - static_cast<uint64_t>(block) * m.options.block_bytes);
+      rocksdb::Status s = m.db->Get(ro, m.blocks, BlockKey(key, blob_index, block), &value);
+      Status st = s.IsNotFound() ? Status::Corruption("a block of a committed segment is missing")
+                                 : FromRocks(s, "segment store: reading a block");
+      if (st.ok()) st = CheckBlock(value, key, blob_index, block, want, &data);
+      if (!st.ok()) {
+        ++m.stats.corruptions_detected;
+        return Status::Corruption("segment " + key.Hex() + ", blob '" + b.name + "': " + st.message());
+      }
+    }
+    out.emplace(b.name, std::move(data));
+    ++blob_index;
+  }
+  r.last_used = m.clock++;
+  // Recency is persisted without a sync: after a crash it may be older.
+  (void)m.db->Put(rocksdb::WriteOptions(), m.meta, KeyBytes(key), EncodeRecord(r));
+  ++m.stats.hits;
+  return out;
+}
+
+Result<SegmentInfo> SegmentStore::Info(const Hash128& key) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->records.find(Impl::K(key));
+  if (it == impl_->records.end()) return Status::NotFound("segment " + key.Hex() + " is not stored");
+  SegmentInfo i;
+  i.cache_namespace = it->second.cache_namespace;
+  i.tokens = it->second.tokens;
+  i.bytes = it->second.bytes();
+  i.pinned = it->second.pinned;
+  auto a = impl_->attached.find(Impl::K(key));
+  i.attached = a == impl_->attached.end() ? 0 : a->second;
+  i.last_used = it->second.last_used;
+  return i;
+}
+
+bool SegmentStore::Contains(const Hash128& key) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->records.count(Impl::K(key)) > 0;
+}
+
+Status SegmentStore::Attach(const Hash128& key) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->records.count(Impl::K(key))) return Status::NotFound("segment " + key.Hex() + " is not stored");
+  ++impl_->attached[Impl::K(key)];
+  return Status::OK();
+}
+
+Status SegmentStore::Detach(const Hash128& key) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto a = impl_->attached.find(Impl::K(key));
+  if (a == impl_->attached.end() || a->second == 0) {
+    return Status::FailedPrecondition("segment " + key.Hex() + " is not attached");
+  }
+  if (--a->second == 0) impl_->attached.erase(a);
+  return Status::OK();
+}
+
+Status SegmentStore::Pin(const Hash128& key, bool pinned) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  auto it = m.records.find(Impl::K(key));
+  if (it == m.records.end()) return Status::NotFound("segment " + key.Hex() + " is not stored");
+  Record r = it->second;
+  r.pinned = pinned;
+  PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db->Put(m.CommitOptions(), m.meta, KeyBytes(key), EncodeRecord(r)),
+                                     "segment store: pinning"));
+  it->second = std::move(r);
+  return Status::OK();
+}
+
+Status SegmentStore::Erase(const Hash128& key) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  auto it = m.records.find(Impl::K(key));
+  if (it == m.records.end()) return Status::NotFound("segment " + key.Hex() + " is not stored");
+  if (auto a = m.attached.find(Impl::K(key)); a != m.attached.end() && a->second > 0) {
+    return Status::FailedPrecondition("segment " + key.Hex() + " is attached (" + std::to_string(a->second) +
+                                      " users)");
+  }
+  return m.Remove(key);
+}
+
+Status SegmentStore::Flush() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  rocksdb::FlushOptions f;
+  f.wait = true;
+  return FromRocks(impl_->db->Flush(f, {impl_->meta, impl_->blocks}), "segment store: flush");
+}
+
+size_t SegmentStore::bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->total_bytes;
+}
+
+size_t SegmentStore::NamespaceBytes(const std::string& ns) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->ns_bytes.find(ns);
+  return it == impl_->ns_bytes.end() ? 0 : it->second;
+}
+
+std::vector<Hash128> SegmentStore::Keys() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<Hash128> out;
+  for (const auto& [k, r] : impl_->records) out.push_back(Hash128{k.second, k.first});
+  return out;
+}
+
+SegmentStoreStats SegmentStore::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->stats;
+}
+
+}  // namespace penumbra::storage
