@@ -334,6 +334,20 @@ struct SegmentStore::Impl {
   }
 };
 
+Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o) {
+  r.Read("path", &o->path);
+  auto read_bytes = [&](const char* key, size_t* out, int64_t lo, int64_t hi) {
+    int64_t v = static_cast<int64_t>(*out);
+    r.Read(key, &v, lo, hi);
+    *out = static_cast<size_t>(v);
+  };
+  read_bytes("capacity_bytes", &o->capacity_bytes, 1, int64_t{1} << 55);
+  read_bytes("block_bytes", &o->block_bytes, 4096, int64_t{256} << 20);
+  read_bytes("block_cache_bytes", &o->block_cache_bytes, 0, int64_t{1} << 45);
+  r.Read("sync_commit", &o->sync_commit);
+  return r.Finish();
+}
+
 SegmentStore::SegmentStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 SegmentStore::~SegmentStore() = default;
 

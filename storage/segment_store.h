@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "common/config.h"
 #include "common/hash.h"
 #include "common/status.h"
 
@@ -54,6 +55,11 @@ struct SegmentStoreOptions {
   bool sync_commit = true;           // fsync the WAL when a segment is committed. Default: true.
   size_t block_cache_bytes = size_t{64} << 20;  // RocksDB block cache. Default: 64 MiB.
 };
+
+// Reads the keys path, capacity_bytes, block_bytes, sync_commit and
+// block_cache_bytes (configs/storage.yaml, engine.yaml's prefix_store:);
+// errors name the key. Per-namespace quotas come from the tenants' config.
+Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o);
 
 struct SegmentInfo {
   std::string cache_namespace;

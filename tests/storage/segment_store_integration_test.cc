@@ -16,7 +16,6 @@
 
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <set>
 #include <thread>
@@ -30,6 +29,7 @@ namespace penumbra::storage {
 namespace {
 
 using testing::BlobsFor;
+using testing::FlipBytesInFiles;
 using testing::TempDir;
 
 Hash128 Key(uint64_t i) { return HashBytes128(&i, sizeof(i), 7); }
@@ -132,30 +132,6 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
   EXPECT_GT(orphans, 0) << "no kill landed inside a write: the test did not exercise a half-written segment";
 }
 
-// Flips `count` bytes at even spacing inside every file of `dir` whose name
-// ends with `suffix`; returns how many files it changed.
-int FlipBytes(const std::string& dir, const std::string& suffix, int count) {
-  int files = 0;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
-    const auto size = std::filesystem::file_size(e.path());
-    if (size < 256) continue;
-    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
-    for (int i = 1; i <= count; ++i) {
-      const std::streamoff at = static_cast<std::streamoff>(size * i / (count + 1));
-      f.seekg(at);
-      char c = 0;
-      f.read(&c, 1);
-      c ^= 0x5a;
-      f.seekp(at);
-      f.write(&c, 1);
-    }
-    ++files;
-  }
-  return files;
-}
-
 void FillAndClose(const std::string& path, int n) {
   auto st = SegmentStore::Open(Durable(path));
   ASSERT_TRUE(st.ok()) << st.status();
@@ -166,7 +142,7 @@ void FillAndClose(const std::string& path, int n) {
 TEST(SegmentStoreCorruptionTest, FlippedBytesInBlobFilesAreDetectedNeverReturned) {
   TempDir dir;
   FillAndClose(dir.path(), 40);
-  ASSERT_GT(FlipBytes(dir.path(), ".blob", 25), 0) << "no blob file to damage";
+  ASSERT_GT(FlipBytesInFiles(dir.path(), ".blob", 25), 0) << "no blob file to damage";
   auto st = SegmentStore::Open(Durable(dir.path()));
   ASSERT_TRUE(st.ok()) << st.status();
   int exact = 0, corrupt = 0;
@@ -198,7 +174,7 @@ TEST(SegmentStoreCorruptionTest, FlippedBytesInBlobFilesAreDetectedNeverReturned
 TEST(SegmentStoreCorruptionTest, FlippedBytesInTableFilesAreDetectedNeverReturned) {
   TempDir dir;
   FillAndClose(dir.path(), 40);
-  ASSERT_GT(FlipBytes(dir.path(), ".sst", 8), 0) << "no table file to damage";
+  ASSERT_GT(FlipBytesInFiles(dir.path(), ".sst", 8), 0) << "no table file to damage";
   auto st = SegmentStore::Open(Durable(dir.path()));
   if (!st.ok()) {  // refusing the whole store is allowed, if it says so
     EXPECT_EQ(st.status().code(), StatusCode::kCorruption) << st.status();

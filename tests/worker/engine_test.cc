@@ -243,6 +243,36 @@ TEST_F(EngineTest, EngineYamlNamesBadKeys) {
   EXPECT_NE(s.message().find("shadowkv.rnak: unknown key"), std::string::npos) << s;
 }
 
+TEST_F(EngineTest, EngineYamlReadsThePrefixStoreAndNamesBadKeys) {
+  auto r = ConfigReader::FromString(
+      "prefix_cache_bytes: 1048576\nprefix_store:\n  path: /tmp/x\n  capacity_bytes: 2000000\n"
+      "  block_bytes: 65536\n  sync_commit: false\n",
+      "e.yaml");
+  ASSERT_TRUE(r.ok());
+  EngineOptions o;
+  ASSERT_TRUE(LoadEngineOptions(*r, &o).ok());
+  EXPECT_EQ(o.runtime.prefix_cache_bytes, 1048576u);
+  EXPECT_EQ(o.prefix_store.path, "/tmp/x");
+  EXPECT_EQ(o.prefix_store.capacity_bytes, 2000000u);
+  EXPECT_EQ(o.prefix_store.block_bytes, 65536u);
+  EXPECT_FALSE(o.prefix_store.sync_commit);
+  for (const auto& [yaml, want] : std::vector<std::pair<std::string, std::string>>{
+           {"prefix_store:\n  block_bytes: 100\n", "prefix_store.block_bytes"},
+           {"prefix_store:\n  capcity_bytes: 1\n", "prefix_store.capcity_bytes: unknown key"},
+           {"prefix_cache_bytes: -1\n", "prefix_cache_bytes"}}) {
+    auto bad = ConfigReader::FromString(yaml, "e.yaml");
+    ASSERT_TRUE(bad.ok());
+    EngineOptions b;
+    Status st = LoadEngineOptions(*bad, &b);
+    EXPECT_NE(st.message().find(want), std::string::npos) << yaml << " -> " << st;
+  }
+  // The shipped configs load.
+  for (const char* f : {"configs/engine.yaml"}) {
+    auto e = LoadEngineOptionsFile(testing::SourceDir() + "/" + f);
+    EXPECT_TRUE(e.ok()) << f << ": " << e.status();
+  }
+}
+
 TEST_F(EngineTest, EngineYamlReadsLinearAndChainedLaunch) {
   auto r = ConfigReader::FromString("linear: cublas\nchained_launch: false\n", "e.yaml");
   ASSERT_TRUE(r.ok());

@@ -12,20 +12,11 @@ namespace {
 
 class PrefixReuseGpuTest : public testing::StoriesTest {};
 
-std::vector<int32_t> Tokens(int n, uint64_t seed, bool bos) {
-  std::vector<int32_t> t;
-  if (bos) t.push_back(1);
-  uint64_t x = seed;
-  while (static_cast<int>(t.size()) < n) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    t.push_back(static_cast<int32_t>(3 + (x >> 33) % 500));
-  }
-  return t;
-}
+using testing::LcgTokens;
 
 TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
   PENUMBRA_SKIP_WITHOUT_GPU();
-  const std::vector<int32_t> doc = Tokens(151, 7, true);
+  const std::vector<int32_t> doc = LcgTokens(151, 7, true);
   for (const char* dtype : {"f32", "bf16"}) {
     auto open = [&](size_t cache) {
       EngineOptions o;
@@ -41,7 +32,7 @@ TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
     for (uint64_t q = 11; q < 14; ++q) {
       GenerationRequest r;
       r.prompt = doc;
-      const std::vector<int32_t> question = Tokens(20, q, false);
+      const std::vector<int32_t> question = LcgTokens(20, q, false);
       r.prompt.insert(r.prompt.end(), question.begin(), question.end());
       r.max_new_tokens = 24;
       auto c = cold->runtime().Generate({r});

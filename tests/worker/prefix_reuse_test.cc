@@ -7,6 +7,8 @@
 // sequence holds.
 #include <gtest/gtest.h>
 
+#include "storage/segment_store.h"
+#include "tests/storage/segment_store_test_util.h"
 #include "tests/test_util.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
@@ -17,27 +19,20 @@ namespace {
 
 class PrefixReuseTest : public testing::StoriesTest {};
 
-std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full") {
+std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full",
+                                   const std::string& store = "") {
   EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
   o.backend.device = "cpu";
   o.kv_policy = policy;
   o.runtime.prefix_cache_bytes = cache_bytes;
+  o.prefix_store.path = store;
+  o.prefix_store.sync_commit = false;
   auto e = Engine::Open(testing::StoriesDir(), o);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(*e) : nullptr;
 }
 
-// A 151-token "document" (BOS + ids from a fixed LCG) and short questions.
-std::vector<int32_t> Tokens(int n, uint64_t seed, bool bos) {
-  std::vector<int32_t> t;
-  if (bos) t.push_back(1);
-  uint64_t x = seed;
-  while (static_cast<int>(t.size()) < n) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    t.push_back(static_cast<int32_t>(3 + (x >> 33) % 500));
-  }
-  return t;
-}
+using testing::LcgTokens;
 
 GenerationRequest Request(const std::vector<int32_t>& doc, const std::vector<int32_t>& question, bool segmented,
                           const std::string& ns = "") {
@@ -59,8 +54,8 @@ std::vector<int32_t> Cold(const GenerationRequest& r) {
   return res.ok() ? (*res)[0].ids : std::vector<int32_t>{};
 }
 
-const std::vector<int32_t> kDoc = Tokens(151, 7, true);
-const std::vector<int32_t> kQ1 = Tokens(20, 11, false), kQ2 = Tokens(17, 12, false), kQ3 = Tokens(9, 13, false);
+const std::vector<int32_t> kDoc = LcgTokens(151, 7, true);
+const std::vector<int32_t> kQ1 = LcgTokens(20, 11, false), kQ2 = LcgTokens(17, 12, false), kQ3 = LcgTokens(9, 13, false);
 
 TEST_F(PrefixReuseTest, CachedDocumentGivesTheColdTokens) {
   auto e = OpenEngine(64 << 20);
@@ -104,7 +99,7 @@ TEST_F(PrefixReuseTest, KeysSeparateNamespacesAndWhatComesBefore) {
   EXPECT_EQ((*b)[0].cached_prompt_tokens, 0);
   // Two documents: the second's key covers the first. d1 + d2 cached; then
   // d1 + d3 reuses d1 only, and d3 + d2 (other text before d2) nothing.
-  const std::vector<int32_t> d2 = Tokens(40, 21, false), d3 = Tokens(40, 22, false);
+  const std::vector<int32_t> d2 = LcgTokens(40, 21, false), d3 = LcgTokens(40, 22, false);
   auto two = [&](const std::vector<int32_t>& a, const std::vector<int32_t>& c) {
     GenerationRequest r = Request(a, c, false, "tenant-a");
     r.prompt.insert(r.prompt.end(), kQ2.begin(), kQ2.end());
@@ -198,6 +193,69 @@ TEST_F(PrefixReuseTest, PolicyWithoutCaptureRunsColdWithTheCacheOn) {
     EXPECT_EQ((*a)[0].ids, (*b)[0].ids);
   }
   EXPECT_EQ(with->runtime().prefix_cache()->entries(), 0u);
+}
+
+TEST_F(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) {
+  storage::testing::TempDir dir;
+  const std::vector<int32_t> cold = Cold(Request(kDoc, kQ2, false));
+  {  // First process: prefills the document and stores it.
+    auto e = OpenEngine(64 << 20, "full", dir.path());
+    ASSERT_NE(e, nullptr);
+    auto r = e->runtime().Generate({Request(kDoc, kQ1, true)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
+    EXPECT_EQ(e->runtime().stats().prefix_store_errors, 0);
+  }
+  {  // After a restart: the document comes from disk.
+    auto e = OpenEngine(64 << 20, "full", dir.path());
+    ASSERT_NE(e, nullptr);
+    auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
+    EXPECT_EQ((*r)[0].ids, cold);
+    EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
+  }
+  {  // Another namespace does not see it, even on disk.
+    auto e = OpenEngine(64 << 20, "full", dir.path());
+    auto r = e->runtime().Generate({Request(kDoc, kQ2, true, "other")});
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
+  }
+  {  // Move everything from the log into files, then damage the blob files.
+    storage::SegmentStoreOptions so;
+    so.path = dir.path();
+    auto st = storage::SegmentStore::Open(so);
+    ASSERT_TRUE(st.ok()) << st.status();
+    ASSERT_TRUE((*st)->Flush().ok());
+  }
+  ASSERT_GT(storage::testing::FlipBytesInFiles(dir.path(), ".blob", 16), 0);
+  {  // The damaged document is detected, dropped and recomputed: the cold tokens.
+    auto e = OpenEngine(64 << 20, "full", dir.path());
+    ASSERT_NE(e, nullptr);
+    auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
+    EXPECT_EQ((*r)[0].ids, cold);
+    EXPECT_EQ(e->runtime().stats().prefix_store_corruptions, 1);
+  }
+  {  // ... and stored anew by that request.
+    auto e = OpenEngine(64 << 20, "full", dir.path());
+    auto r = e->runtime().Generate({Request(kDoc, kQ3, true)});
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
+    EXPECT_EQ((*r)[0].ids, Cold(Request(kDoc, kQ3, false)));
+  }
+}
+
+TEST_F(PrefixReuseTest, AStoreWithoutADeviceCacheIsRefused) {
+  storage::testing::TempDir dir;
+  EngineOptions o;
+  o.backend.device = "cpu";
+  o.prefix_store.path = dir.path();
+  auto e = Engine::Open(testing::StoriesDir(), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("prefix_cache_bytes"), std::string::npos) << e.status();
 }
 
 class FakePrefix final : public KvPrefix {

@@ -3,6 +3,7 @@
 // one line when the model is missing, and the lossy ShadowKV options.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,19 @@ class StoriesTest : public DataTest {
     return {StoriesDir() + "/config.json", StoriesDir() + "/model.safetensors", StoriesDir() + "/golden_greedy.json"};
   }
 };
+
+// n token ids from a fixed LCG (3..502, inside stories260K's vocabulary),
+// after a BOS (1) when `bos`: documents and questions for tests.
+inline std::vector<int32_t> LcgTokens(int n, uint64_t seed, bool bos) {
+  std::vector<int32_t> t;
+  if (bos) t.push_back(1);
+  uint64_t x = seed;
+  while (static_cast<int>(t.size()) < n) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t.push_back(static_cast<int32_t>(3 + (x >> 33) % 500));
+  }
+  return t;
+}
 
 // CPU engine, sparse and lossy on stories260K (hkv*d = 32): prompts of ~150
 // tokens have ~35 chunks of 4; 2 outliers and 6 selected chunks per KV head, a

@@ -1,5 +1,8 @@
 #include "worker/engine/engine.h"
 
+#include "common/file.h"
+#include "common/hash.h"
+
 namespace penumbra {
 
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
@@ -17,6 +20,8 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   r.ReadEnum("kv_policy", &o->kv_policy, {"full", "shadowkv"});
   ConfigReader s = r.Child("shadowkv");
   PENUMBRA_RETURN_IF_ERROR(LoadShadowKvOptions(s, &o->shadowkv));
+  ConfigReader ps = r.Child("prefix_store");
+  PENUMBRA_RETURN_IF_ERROR(storage::LoadSegmentStoreOptions(ps, &o->prefix_store));
   return r.Finish();
 }
 
@@ -60,10 +65,17 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
     return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy + "' (expected full or shadowkv)");
   }
   PENUMBRA_ASSIGN_OR_RETURN(lane->runtime, Runtime::Create(options_.runtime, backend, weights_.get(), std::move(policy)));
+  if (prefix_store_) lane->runtime->SetPrefixStore(prefix_store_.get(), model_identity_);
   return lane;
 }
 
 Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
+  if (!e->options_.prefix_store.path.empty()) {
+    if (e->options_.runtime.prefix_cache_bytes == 0) {
+      return Status::InvalidArgument("prefix_store needs prefix_cache_bytes > 0 (the device tier it fills)");
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(e->prefix_store_, storage::SegmentStore::Open(e->options_.prefix_store));
+  }
   if (e->options_.kv_policy == "shadowkv" && e->options_.shadowkv.fetch_turns) {
     e->fetch_turns_ = std::make_unique<FetchTurns>();
   }
@@ -107,6 +119,21 @@ Result<std::unique_ptr<Engine>> Engine::Open(const std::string& model_dir, const
   PENUMBRA_ASSIGN_OR_RETURN(e->backend_, CreateBackend(options.backend));
   PENUMBRA_ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::Load(ckpt, *e->backend_));
   e->weights_ = std::make_unique<ModelWeights>(std::move(w));
+  if (!options.prefix_store.path.empty()) {
+    // Every byte of config.json and of every tensor (files and tensors in
+    // their stored order): a stored prefix is never attached to another
+    // model, however alike in shape. Reads the whole checkpoint once.
+    Hasher128 h;
+    PENUMBRA_ASSIGN_OR_RETURN(std::string config, ReadFileToString(JoinPath(model_dir, "config.json")));
+    h.Update(config);
+    for (const auto& file : ckpt.files()) {
+      for (const TensorInfo& t : file->tensors()) {
+        h.Update(t.name).Update(t.dtype_name).Update(t.shape.data(), t.shape.size() * sizeof(int64_t));
+        h.Update(t.data, t.bytes);
+      }
+    }
+    e->model_identity_ = "checkpoint:" + h.Digest().Hex();
+  }
   return Assemble(std::move(e));
 }
 
@@ -117,6 +144,10 @@ Result<std::unique_ptr<Engine>> Engine::OpenRandom(const ModelConfig& config, co
   PENUMBRA_ASSIGN_OR_RETURN(e->backend_, CreateBackend(options.backend));
   PENUMBRA_ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::Random(config, *e->backend_, seed));
   e->weights_ = std::make_unique<ModelWeights>(std::move(w));
+  if (!options.prefix_store.path.empty()) {
+    e->model_identity_ = "random:" + std::to_string(seed) + ":" + std::to_string(config.num_layers) + "x" +
+                         std::to_string(config.hidden_size) + "x" + std::to_string(config.vocab_size);
+  }
   return Assemble(std::move(e));
 }
 

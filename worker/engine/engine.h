@@ -38,6 +38,7 @@
 
 #include "common/config.h"
 #include "common/status.h"
+#include "storage/segment_store.h"
 #include "worker/engine/backend.h"
 #include "worker/engine/fetch_turns.h"
 #include "worker/engine/kv_policy.h"
@@ -53,11 +54,16 @@ struct EngineOptions {
   RuntimeOptions runtime;
   std::string kv_policy = "full";  // "full" or "shadowkv". Default: full.
   ShadowKvOptions shadowkv;
+  // The persistent tier of prefix reuse (storage/segment_store.h): with a
+  // path, captured prefixes are also stored on disk, and a prefix missing
+  // from a lane's device cache is looked up there, so documents survive a
+  // restart. Needs runtime.prefix_cache_bytes > 0. Default: no path (off).
+  storage::SegmentStoreOptions prefix_store;
 };
 
 // Reads an engine YAML (keys: device, dtype, cuda_device, cpu_threads,
-// prefill_chunk, max_batch, prefix_cache_bytes, kv_policy, shadowkv: {...});
-// errors name the key.
+// prefill_chunk, max_batch, prefix_cache_bytes, kv_policy, shadowkv: {...},
+// prefix_store: {...}); errors name the key.
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o);
 Result<EngineOptions> LoadEngineOptionsFile(const std::string& path);
 
@@ -91,6 +97,9 @@ class Engine {
   const ModelConfig& config() const { return weights_->config(); }
   const ModelWeights& weights() const { return *weights_; }
   const EngineOptions& options() const { return options_; }
+  // Content hash of the model (config and every weight byte; "random:..."
+  // for OpenRandom), computed when a prefix store is configured, else "".
+  const std::string& model_identity() const { return model_identity_; }
 
  private:
   // One decode pipeline. Members are destroyed bottom-up: the runtime (and the
@@ -111,6 +120,8 @@ class Engine {
   std::unique_ptr<Backend> backend_;  // lane 0's; the weights live in its memory
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<FetchTurns> fetch_turns_;  // shadowkv.fetch_turns; outlives the lanes
+  std::unique_ptr<storage::SegmentStore> prefix_store_;  // shared by the lanes' runtimes; outlives them
+  std::string model_identity_;
   std::vector<std::unique_ptr<Lane>> lanes_;
 };
 

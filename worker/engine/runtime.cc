@@ -185,10 +185,12 @@ Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, Generatio
   int64_t start = 0;
   if (prefix_cache_ && !q.segment_ends.empty()) {
     const std::string fence = policy_->StateFingerprint() + "|dtype=" + std::string(DTypeName(backend_->act_dtype())) +
-                              "|namespace=" + q.cache_namespace;
+                              "|model=" + model_identity_ + "|namespace=" + q.cache_namespace;
     keys = PrefixKeys(fence, q.prompt, q.segment_ends);
     for (size_t i = keys.size(); i-- > 0;) {
-      if (auto hit = prefix_cache_->Find(keys[i], q.segment_ends[i])) {
+      std::shared_ptr<const KvPrefix> hit = prefix_cache_->Find(keys[i], q.segment_ends[i]);
+      if (!hit && prefix_store_) hit = LoadStoredPrefix(keys[i], q.segment_ends[i]);
+      if (hit) {
         PENUMBRA_RETURN_IF_ERROR(policy_->AttachPrefix(seq, std::move(hit)));
         start = q.segment_ends[i];
         break;
@@ -202,9 +204,38 @@ Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, Generatio
     Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, q.segment_ends[i]);
     if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) break;  // this policy cannot: no reuse
     PENUMBRA_RETURN_IF_ERROR(p.status());
+    if (prefix_store_) {
+      // A store that fails costs this request nothing but the reuse.
+      auto blobs = (*p)->Export();
+      Status stored = blobs.status();
+      if (stored.ok()) stored = prefix_store_->Put(keys[i], q.cache_namespace, q.segment_ends[i], *blobs);
+      if (!stored.ok()) {
+        ++stats_.prefix_store_errors;
+        LOG(WARNING) << "prefix store: not stored: " << stored;
+      }
+    }
     prefix_cache_->Insert(keys[i], std::move(*p));
   }
   return Status::OK();
+}
+
+std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, int64_t tokens) {
+  auto info = prefix_store_->Info(key);
+  if (!info.ok() || info->tokens != tokens) return nullptr;
+  auto blobs = prefix_store_->Get(key);
+  Result<std::shared_ptr<const KvPrefix>> prefix = blobs.ok() ? policy_->ImportPrefix(*blobs)
+                                                              : Result<std::shared_ptr<const KvPrefix>>(blobs.status());
+  if (!prefix.ok()) {
+    // Damaged (or, impossibly under the key's fence, foreign): never
+    // attached; dropped so that this request's capture stores it anew.
+    ++stats_.prefix_store_corruptions;
+    LOG(WARNING) << "prefix store: segment " << key.Hex() << " dropped: " << prefix.status();
+    (void)prefix_store_->Erase(key);
+    return nullptr;
+  }
+  ++stats_.prefix_store_hits;
+  prefix_cache_->Insert(key, *prefix);
+  return *prefix;
 }
 
 Result<const float*> Runtime::DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,

@@ -14,6 +14,7 @@
 #include "worker/engine/backend.h"
 #include "worker/engine/kv_policy.h"
 #include "worker/engine/model_weights.h"
+#include "storage/segment_store.h"
 #include "worker/engine/prefix_cache.h"
 
 namespace penumbra {
@@ -62,6 +63,9 @@ struct RunStats {
   int64_t prompt_tokens = 0;         // all prompt tokens, prefilled or attached
   int64_t cached_prompt_tokens = 0;  // ... of which were attached from the prefix cache
   int64_t generated_tokens = 0;
+  int64_t prefix_store_hits = 0;         // prefixes imported from the persistent store
+  int64_t prefix_store_corruptions = 0;  // stored prefixes found damaged (dropped, recomputed)
+  int64_t prefix_store_errors = 0;       // stores that failed (the request went on)
 };
 
 class Runtime {
@@ -101,6 +105,13 @@ class Runtime {
   const RunStats& stats() const { return stats_; }
   // Null when prefix reuse is off.
   PrefixCache* prefix_cache() { return prefix_cache_.get(); }
+  // The persistent tier behind the prefix cache (not owned; shared by the
+  // engine's lanes) and the model's identity, part of every key. Needs a
+  // prefix cache.
+  void SetPrefixStore(storage::SegmentStore* store, std::string model_identity) {
+    prefix_store_ = store;
+    model_identity_ = std::move(model_identity);
+  }
 
  private:
   // Adds request `r`'s sequence `seq`, attaches its longest cached prefix,
@@ -121,7 +132,13 @@ class Runtime {
   DeviceBuffer x_, h_, qkv_, q_, attn_, gu_, ffn_, logits_, ids_, pos_;
   RunStats stats_;
   OpProfiler* profiler_ = nullptr;
+  // The prefix stored under `key` with `tokens` tokens, imported into this
+  // policy and the device cache; null when absent or damaged (dropped).
+  std::shared_ptr<const KvPrefix> LoadStoredPrefix(const Hash128& key, int64_t tokens);
+
   std::unique_ptr<PrefixCache> prefix_cache_;
+  storage::SegmentStore* prefix_store_ = nullptr;
+  std::string model_identity_;
 };
 
 // Builds the policy context (device RoPE table included) for a model.
