@@ -345,6 +345,7 @@ Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o) {
   read_bytes("block_bytes", &o->block_bytes, 4096, int64_t{256} << 20);
   read_bytes("block_cache_bytes", &o->block_cache_bytes, 0, int64_t{1} << 45);
   r.Read("sync_commit", &o->sync_commit);
+  r.Read("direct_reads", &o->direct_reads);
   return r.Finish();
 }
 
@@ -364,6 +365,7 @@ Result<std::unique_ptr<SegmentStore>> SegmentStore::Open(const SegmentStoreOptio
   dbo.create_missing_column_families = true;
   dbo.paranoid_checks = true;  // refuse to open over detected corruption rather than drop data silently
   dbo.max_open_files = 256;
+  dbo.use_direct_reads = o.direct_reads;
   rocksdb::BlockBasedTableOptions table;
   table.block_cache = rocksdb::NewLRUCache(o.block_cache_bytes);
   rocksdb::ColumnFamilyOptions meta_cf;

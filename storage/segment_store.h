@@ -54,10 +54,11 @@ struct SegmentStoreOptions {
   std::map<std::string, size_t> namespace_quota_bytes;
   bool sync_commit = true;           // fsync the WAL when a segment is committed. Default: true.
   size_t block_cache_bytes = size_t{64} << 20;  // RocksDB block cache. Default: 64 MiB.
+  bool direct_reads = false;         // read files with O_DIRECT (bypassing the page cache). Default: false.
 };
 
-// Reads the keys path, capacity_bytes, block_bytes, sync_commit and
-// block_cache_bytes (configs/storage.yaml, engine.yaml's prefix_store:);
+// Reads the keys path, capacity_bytes, block_bytes, sync_commit,
+// block_cache_bytes and direct_reads (configs/storage.yaml, engine.yaml's prefix_store:);
 // errors name the key. Per-namespace quotas come from the tenants' config.
 Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o);
 

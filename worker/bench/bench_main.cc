@@ -4,7 +4,7 @@
 // .device/ by ops/device/pack.sh). One JSON line per measurement.
 //   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv] [--lanes N]
 //   penumbra-bench prefill --context 124928
-//   penumbra-bench ttft    --context 124928 [--question 64] [--cache off|hbm]
+//   penumbra-bench ttft    --context 124928 [--question 64] [--cache off|hbm|disk] [--store-dir DIR]
 // decode fills each sequence's context with random keys and values (through
 // the policy's real compression path for shadowkv), then times `steps` decode
 // steps of the whole model after 2 warm-up steps, greedy sampling included.
@@ -15,6 +15,7 @@
 #include <barrier>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -473,7 +474,11 @@ Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
 // --cache hbm: a first request with the same document and another question
 // fills the prefix cache (its TTFT is reported as populate_ttft_ms), then the
 // timed request attaches the document's KV state from device memory and
-// prefills only its question.
+// prefills only its question. --cache disk: the same, with the prefix also
+// stored on disk (--store-dir, emptied first, synced commits, O_DIRECT
+// reads); before the timed request the device cache is cleared, as after a
+// restart, so the document is read back from disk (restore_gb_per_s: stored
+// bytes over the checked read's time).
 Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
   const std::string cache = a.Get("cache", "off");
   PENUMBRA_ASSIGN_OR_RETURN(int64_t Q, a.GetIntIn("question", 64, 1, 1 << 20));
@@ -513,7 +518,7 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
   j["context"] = S;
   j["question"] = Q;
   j["cache"] = cache;
-  if (cache == "hbm") {
+  if (cache != "off") {
     PENUMBRA_ASSIGN_OR_RETURN(double populate, timed(request(1), &cached));
     j["populate_ttft_ms"] = populate;
     if (rt.prefix_cache()->entries() == 0) {
@@ -521,8 +526,22 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
     }
     j["prefix_device_bytes"] = rt.prefix_cache()->bytes();
   }
+  if (cache == "disk") {
+    if (rt.stats().prefix_store_errors > 0) return Status::Internal("the prefix was not stored (see the log)");
+    rt.prefix_cache()->Clear();
+  }
+  const RunStats before = rt.stats();
   PENUMBRA_ASSIGN_OR_RETURN(double ms, timed(request(2), &cached));
   j["ttft_ms"] = ms;
+  if (cache == "disk") {
+    const RunStats& after = rt.stats();
+    const double read_s = after.prefix_store_read_seconds - before.prefix_store_read_seconds;
+    const double bytes = static_cast<double>(after.prefix_store_read_bytes - before.prefix_store_read_bytes);
+    j["store_read_ms"] = read_s * 1e3;
+    j["import_ms"] = (after.prefix_import_seconds - before.prefix_import_seconds) * 1e3;
+    j["store_read_bytes"] = bytes;
+    j["restore_gb_per_s"] = read_s > 0 ? bytes / read_s / 1e9 : 0.0;
+  }
   j["cached_prompt_tokens"] = cached;
   std::cout << j.dump() << std::endl;
   return Status::OK();
@@ -549,8 +568,10 @@ Status Main(int argc, char** argv) {
       .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
-      .Flag("cache", "ttft: off (cold prefill, default) or hbm (the document's KV state attached from the prefix "
-                     "cache in device memory)")
+      .Flag("cache", "ttft: off (cold prefill, default), hbm (the document's KV state attached from the prefix "
+                     "cache in device memory) or disk (read back from the prefix store, as after a restart)")
+      .Flag("store-dir", "ttft --cache disk: the prefix store's directory, emptied first "
+                         "(default /tmp/penumbra-ttft-store)")
       .Flag("question", "ttft: question tokens after the document (default 64)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
@@ -576,9 +597,18 @@ Status Main(int argc, char** argv) {
   eo.runtime.prefill_chunk = static_cast<int>(chunk);
   eo.runtime.max_batch = static_cast<int>(mb);
   const std::string cache = a.Get("cache", "off");
-  if (cache != "off" && cache != "hbm") return Status::InvalidArgument("--cache must be off or hbm, got " + cache);
+  if (cache != "off" && cache != "hbm" && cache != "disk") {
+    return Status::InvalidArgument("--cache must be off, hbm or disk, got " + cache);
+  }
   if (a.Has("cache") && mode != "ttft") return Status::InvalidArgument("--cache applies to ttft only");
-  if (cache == "hbm") eo.runtime.prefix_cache_bytes = size_t{1} << 50;  // bounded by device memory
+  if (cache != "off") eo.runtime.prefix_cache_bytes = size_t{1} << 50;  // bounded by device memory
+  if (cache == "disk") {
+    eo.prefix_store.path = a.Get("store-dir", "/tmp/penumbra-ttft-store");
+    std::error_code ec;
+    std::filesystem::remove_all(eo.prefix_store.path, ec);
+    eo.prefix_store.capacity_bytes = size_t{1} << 40;
+    eo.prefix_store.direct_reads = true;
+  }
   ShadowKvOptions& s = eo.shadowkv;
   PENUMBRA_ASSIGN_OR_RETURN(s.force_hit_rate, a.GetDouble("force-hit-rate", -1.0));
   s.min_prompt_tokens = 0;  // the benchmark's contexts always take the sparse path unless --min-prompt says so

@@ -49,6 +49,18 @@ void PrefixCache::MakeRoom(size_t need) {
   }
 }
 
+void PrefixCache::Clear() {
+  for (auto it = lru_.begin(); it != lru_.end();) {
+    if (it->prefix.use_count() > 1) {
+      ++it;
+      continue;
+    }
+    bytes_ -= it->prefix->device_bytes();
+    index_.erase(it->key);
+    it = lru_.erase(it);
+  }
+}
+
 bool PrefixCache::Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix) {
   if (index_.count(Key(key))) return true;
   const size_t need = prefix->device_bytes();

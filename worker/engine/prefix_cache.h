@@ -53,6 +53,9 @@ class PrefixCache {
   // kept as it is), evicting as above. False when it was not kept.
   bool Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix);
 
+  // Drops every entry no sequence holds.
+  void Clear();
+
   size_t bytes() const { return bytes_; }
   size_t entries() const { return index_.size(); }
   size_t capacity_bytes() const { return capacity_bytes_; }

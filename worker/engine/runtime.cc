@@ -222,9 +222,16 @@ Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, Generatio
 std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, int64_t tokens) {
   auto info = prefix_store_->Info(key);
   if (!info.ok() || info->tokens != tokens) return nullptr;
+  const double t0 = NowSeconds();
   auto blobs = prefix_store_->Get(key);
+  const double t1 = NowSeconds();
   Result<std::shared_ptr<const KvPrefix>> prefix = blobs.ok() ? policy_->ImportPrefix(*blobs)
                                                               : Result<std::shared_ptr<const KvPrefix>>(blobs.status());
+  stats_.prefix_store_read_seconds += t1 - t0;
+  stats_.prefix_import_seconds += NowSeconds() - t1;
+  if (blobs.ok()) {
+    for (const auto& [name, b] : *blobs) stats_.prefix_store_read_bytes += static_cast<int64_t>(b.size());
+  }
   if (!prefix.ok()) {
     // Damaged (or, impossibly under the key's fence, foreign): never
     // attached; dropped so that this request's capture stores it anew.

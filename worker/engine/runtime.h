@@ -66,6 +66,9 @@ struct RunStats {
   int64_t prefix_store_hits = 0;         // prefixes imported from the persistent store
   int64_t prefix_store_corruptions = 0;  // stored prefixes found damaged (dropped, recomputed)
   int64_t prefix_store_errors = 0;       // stores that failed (the request went on)
+  double prefix_store_read_seconds = 0;  // reading stored prefixes (checked) from disk
+  double prefix_import_seconds = 0;      // ... and importing them into the policy (to the device)
+  int64_t prefix_store_read_bytes = 0;
 };
 
 class Runtime {
