@@ -869,8 +869,13 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
         const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
         src = static_cast<const char*>(a.staging) + (base + m) * chunk_bytes;
       } else {
-        const int64_t chunk = static_cast<int64_t>(h) * a.chunk_cap + a.miss_chunk[at];
-        src = static_cast<const char*>(a.value_store[b]) + chunk * chunk_bytes;
+        const int64_t c = a.miss_chunk[at];
+        if (c < a.shared_chunks) {
+          src = static_cast<const char*>(a.shared_store[b]) + (static_cast<int64_t>(h) * a.shared_chunks + c) * chunk_bytes;
+        } else {
+          src = static_cast<const char*>(a.value_store[b]) +
+                (static_cast<int64_t>(h) * a.chunk_cap + c - a.shared_chunks) * chunk_bytes;
+        }
       }
       const int64_t row0 = a.outlier_rows + static_cast<int64_t>(a.miss_slot[at]) * a.chunk_size;
       char* d = static_cast<char*>(a.att_v[b]) + (h * a.att_head_stride + row0 * a.d) * elem_bytes;

@@ -166,14 +166,20 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& args, cudaStream_t strea
 // For each miss (row, slot, chunk): copies the chunk's C*d values to V rows
 // outlier_rows + slot * chunk_size .. + chunk_size of head h.
 //  FetchV (staging == null): source value_store[b] + (h * chunk_cap + chunk) *
-//    C*d, a device-accessible pointer to mapped pinned host memory (zero copy).
+//    C*d (or the shared store's row, below), a device-accessible pointer to
+//    mapped pinned host memory (zero copy).
 //  ScatterV (staging != null): the chunks were already gathered into the
 //    device buffer `staging` in miss-list order: miss m of row x is at chunk
 //    index staging_offsets[x] + m (staging_offsets null: x * miss_stride).
 // Requires C*d*sizeof(dtype) % 16 == 0 and 16-byte aligned bases.
 struct ShadowkvFetchVArgs {
+  // Chunks below shared_chunks come from shared_store[b] (a prefix's values,
+  // [hkv][shared_chunks][C*d], held by every sequence attached to it); chunk
+  // c >= shared_chunks from value_store[b] as row c - shared_chunks.
   const void* const* value_store = nullptr;  // device [batch] -> [hkv][chunk_cap][C*d]
   int chunk_cap = 0;
+  const void* const* shared_store = nullptr;  // device [batch]; may be null when shared_chunks == 0
+  int shared_chunks = 0;
   const void* staging = nullptr;             // ScatterV only
   const int32_t* staging_offsets = nullptr;  // ScatterV only, device [batch * hkv]
   const int32_t* miss_count = nullptr;

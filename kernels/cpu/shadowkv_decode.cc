@@ -171,7 +171,11 @@ void ShadowkvFetchV(const ShadowkvFetchVArgs& a) {
         src = a.staging + (base + m) * chunk_elems;
       } else {
         const int chunk = a.miss_chunk[row * a.miss_stride + m];
-        src = a.value_store[b] + (static_cast<int64_t>(h) * a.chunk_cap + chunk) * chunk_elems;
+        if (chunk < a.shared_chunks) {
+          src = a.shared_store[b] + (static_cast<int64_t>(h) * a.shared_chunks + chunk) * chunk_elems;
+        } else {
+          src = a.value_store[b] + (static_cast<int64_t>(h) * a.chunk_cap + chunk - a.shared_chunks) * chunk_elems;
+        }
       }
       float* dst = a.att_v[b] + h * a.att_head_stride +
                    (static_cast<int64_t>(a.outlier_rows) + static_cast<int64_t>(slot) * a.chunk_size) * a.d;

@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, eval. Every throughput run is beside the
 # full-attention peer (.device/peer_full_attention.py, which device-bundle
 # copies in) in the same call, the peer first and last. Every JSON line is
 # tagged with its suite and appended to $OUT/bench.jsonl; stderr goes to
@@ -36,7 +36,10 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   sweep     ShadowKV context/batch sweep: 61440, 124928, 249856 with --batch-sweep and --hit-rates natural,0.6
   1m        ShadowKV at 1048576 tokens, batch 1, natural and forced 60%
   trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain)
-  ttft      time to first token of a 64-token question about a 124928-token document: cold and cached (issue 17)
+  ttft      time to first token of a 64-token question about a 124928-token document, cold and cached in memory,
+            full and shadowkv (issue 17), after prefix_reuse_gpu_test
+  ttft_disk the same cached only on disk (read back after the memory cache is cleared), beside the disk's raw
+            direct-I/O bandwidth (dd)
   eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
             must travel: see ops/device/pack.sh)
 EOF
@@ -138,11 +141,50 @@ suite_trace() {
   gzip -f "$OUT/trace.jsonl"
 }
 
+# disk_raw DIR: the raw direct-I/O bandwidth of DIR's disk (a 4 GiB file,
+# dd oflag/iflag=direct), one JSON line.
+disk_raw() {
+  local f=$1/dd.bin
+  mkdir -p "$1"
+  df -h "$1" >&2
+  dd if=/dev/zero of="$f" bs=64M count=64 oflag=direct 2> "$OUT/dd_write.txt"
+  sync
+  dd if="$f" of=/dev/null bs=64M iflag=direct 2> "$OUT/dd_read.txt"
+  rm -f "$f"
+  SUITE=$SUITE python3 - "$OUT" "$1" <<'PY' | tee -a "$J"
+import json, os, re, sys
+out, path = sys.argv[1:]
+j = {"mode": "disk_raw", "path": path, "suite": os.environ["SUITE"]}
+for kind in ("write", "read"):
+    text = open(f"{out}/dd_{kind}.txt").read()
+    m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", text)
+    if m:
+        j[f"{kind}_bytes"] = int(m.group(1))
+        j[f"{kind}_gb_per_s"] = int(m.group(1)) / float(m.group(2)) / 1e9
+    else:
+        j[f"{kind}_error"] = text.strip()[-200:]
+print(json.dumps(j), flush=True)
+PY
+}
+
 suite_ttft() {
+  gpu_test prefix_reuse_gpu_test
   run 200 $PEER prefill --context 124928
-  run 200 $R penumbra-bench ttft --kv-policy full --context 124928 --question 64 --cache off
-  run 200 $R penumbra-bench ttft --kv-policy full --context 124928 --question 64 --cache hbm
-  run 200 $R penumbra-bench ttft --kv-policy shadowkv --context 124928 --question 64 --cache off
+  for p in shadowkv full; do
+    run 240 $R penumbra-bench ttft --kv-policy $p --context 124928 --question 64 --cache off
+    run 240 $R penumbra-bench ttft --kv-policy $p --context 124928 --question 64 --cache hbm
+  done
+}
+
+# The store lives on the disk of the working copy (not /tmp, which may be
+# memory), beside the raw bandwidth of that disk.
+suite_ttft_disk() {
+  local store=$PWD/.ttft-store
+  disk_raw "$store"
+  for p in shadowkv full; do
+    run 400 $R penumbra-bench ttft --kv-policy $p --context 124928 --question 64 --cache disk --store-dir "$store"
+  done
+  rm -rf "$store"
 }
 
 suite_eval() {
@@ -171,6 +213,8 @@ for line in open(sys.argv[1]):
         val = f"{j['tokens_per_s']:.1f} tok/s"
     elif 'ttft_ms' in j:
         val = f"ttft {j['ttft_ms']:.1f} ms (cache {j.get('cache')})"
+    elif 'read_gb_per_s' in j:
+        val = f"disk direct I/O read {j['read_gb_per_s']:.2f} GB/s, write {j.get('write_gb_per_s', 0):.2f} GB/s"
     elif 'seconds' in j:
         val = f"{j['seconds']:.2f} s"
     elif 'accuracy' in j:
@@ -186,7 +230,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|sweep|1m|trace|ttft|eval) ;;
+    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

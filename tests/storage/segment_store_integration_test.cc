@@ -2,10 +2,11 @@
 // real files:
 //  - Crash: a child process (this binary, re-executed) stores segments with
 //    synced commits and reports each acknowledged key on a pipe; the parent
-//    kills it with SIGKILL at random moments, 50 times, and after every kill
-//    reopens the store: every acknowledged segment reads back exactly, every
-//    visible segment is complete and valid (none half-written), and the
-//    blocks of interrupted writes are removed.
+//    kills it with SIGKILL at a random moment after its first
+//    acknowledgement, 50 times (more, up to 200, until a kill has interrupted
+//    a write), and after every kill reopens the store: every acknowledged
+//    segment reads back exactly, every visible segment is complete and valid
+//    (none half-written), and the blocks of interrupted writes are removed.
 //  - Corruption: bytes flipped in RocksDB's blob and table files after a
 //    flush are reported as Corruption (or make Open refuse the store, naming
 //    it); no read ever returns bytes that were not stored.
@@ -34,6 +35,10 @@ using testing::TempDir;
 
 Hash128 Key(uint64_t i) { return HashBytes128(&i, sizeof(i), 7); }
 size_t SizeOf(uint64_t i) { return 1 + (i * 7919) % 12000; }
+// The crash test's segments: up to 24 blocks of 4 KiB, so that a good share
+// of each write is spent between its intent and its synced commit (where a
+// kill leaves a half-written segment to clean up).
+size_t CrashSizeOf(uint64_t i) { return 1 + (i * 7919) % 98304; }
 
 SegmentStoreOptions Durable(const std::string& path) {
   SegmentStoreOptions o;
@@ -55,7 +60,7 @@ TEST(SegmentStoreCrashChild, Run) {
   auto st = SegmentStore::Open(Durable(dir));
   if (!st.ok()) _exit(3);
   for (;; ++i) {
-    if (!(*st)->Put(Key(i), "ns", static_cast<int64_t>(i), BlobsFor(i, SizeOf(i))).ok()) _exit(4);
+    if (!(*st)->Put(Key(i), "ns", static_cast<int64_t>(i), BlobsFor(i, CrashSizeOf(i))).ok()) _exit(4);
     if (write(fd, &i, sizeof(i)) != sizeof(i)) _exit(5);
   }
 }
@@ -68,7 +73,12 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
   int64_t orphans = 0;
   const auto t0 = std::chrono::steady_clock::now();
   constexpr int kKills = 50;
-  for (int kill_no = 0; kill_no < kKills; ++kill_no) {
+  // At least kKills kills, and more (up to kMaxKills) until one has landed
+  // inside a write: the half-written case must be exercised, not hoped for.
+  constexpr int kMaxKills = 200;
+  int kills = 0;
+  for (int kill_no = 0; kill_no < kKills || (orphans == 0 && kill_no < kMaxKills); ++kill_no) {
+    kills = kill_no + 1;
     int p[2];
     ASSERT_EQ(pipe(p), 0);
     const pid_t pid = fork();
@@ -83,7 +93,14 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
       _exit(127);
     }
     close(p[1]);
-    std::this_thread::sleep_for(std::chrono::milliseconds(30 + rng() % 150));
+    // Kill inside the write loop, not during the child's start-up (which a
+    // loaded machine can stretch past any fixed sleep): wait for its first
+    // acknowledgement, then a random moment.
+    uint64_t first = 0;
+    ASSERT_EQ(read(p[0], &first, sizeof(first)), static_cast<ssize_t>(sizeof(first)))
+        << "kill " << kill_no << ": the child stopped before storing anything";
+    acked.insert(first);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 60000));
     ASSERT_EQ(kill(pid, SIGKILL), 0);
     int status = 0;
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
@@ -100,7 +117,7 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
     for (uint64_t a : acked) {
       auto got = s.Get(Key(a));
       ASSERT_TRUE(got.ok()) << "kill " << kill_no << ": acknowledged segment " << a << ": " << got.status();
-      ASSERT_EQ(*got, BlobsFor(a, SizeOf(a))) << "kill " << kill_no << ": segment " << a;
+      ASSERT_EQ(*got, BlobsFor(a, CrashSizeOf(a))) << "kill " << kill_no << ": segment " << a;
     }
     // Whatever is visible is whole: keys the child attempted, exact bytes.
     std::set<Hash128, bool (*)(const Hash128&, const Hash128&)> visible(
@@ -114,7 +131,7 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
       if (it == visible.end()) continue;
       auto got = s.Get(Key(c));
       ASSERT_TRUE(got.ok()) << "kill " << kill_no << ": visible segment " << c << ": " << got.status();
-      ASSERT_EQ(*got, BlobsFor(c, SizeOf(c))) << "kill " << kill_no << ": visible segment " << c << " is not whole";
+      ASSERT_EQ(*got, BlobsFor(c, CrashSizeOf(c))) << "kill " << kill_no << ": visible segment " << c << " is not whole";
       visible.erase(it);
       max_seen = std::max(max_seen, c);
     }
@@ -126,7 +143,7 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   RecordProperty("acknowledged", static_cast<int>(acked.size()));
   RecordProperty("orphans_removed", static_cast<int>(orphans));
-  std::printf("%d kills, %zu acknowledged segments, %lld interrupted writes cleaned, %.1f s\n", kKills, acked.size(),
+  std::printf("%d kills, %zu acknowledged segments, %lld interrupted writes cleaned, %.1f s\n", kills, acked.size(),
               static_cast<long long>(orphans), seconds);
   EXPECT_GT(acked.size(), static_cast<size_t>(kKills));
   EXPECT_GT(orphans, 0) << "no kill landed inside a write: the test did not exercise a half-written segment";

@@ -245,13 +245,15 @@ TEST_F(EngineTest, EngineYamlNamesBadKeys) {
 
 TEST_F(EngineTest, EngineYamlReadsThePrefixStoreAndNamesBadKeys) {
   auto r = ConfigReader::FromString(
-      "prefix_cache_bytes: 1048576\nprefix_store:\n  path: /tmp/x\n  capacity_bytes: 2000000\n"
+      "prefix_cache_bytes: 1048576\nprefix_cache_host_bytes: 4096\nprefix_store:\n  path: /tmp/x\n"
+      "  capacity_bytes: 2000000\n"
       "  block_bytes: 65536\n  sync_commit: false\n",
       "e.yaml");
   ASSERT_TRUE(r.ok());
   EngineOptions o;
   ASSERT_TRUE(LoadEngineOptions(*r, &o).ok());
   EXPECT_EQ(o.runtime.prefix_cache_bytes, 1048576u);
+  EXPECT_EQ(o.runtime.prefix_cache_host_bytes, 4096u);
   EXPECT_EQ(o.prefix_store.path, "/tmp/x");
   EXPECT_EQ(o.prefix_store.capacity_bytes, 2000000u);
   EXPECT_EQ(o.prefix_store.block_bytes, 65536u);
@@ -259,7 +261,8 @@ TEST_F(EngineTest, EngineYamlReadsThePrefixStoreAndNamesBadKeys) {
   for (const auto& [yaml, want] : std::vector<std::pair<std::string, std::string>>{
            {"prefix_store:\n  block_bytes: 100\n", "prefix_store.block_bytes"},
            {"prefix_store:\n  capcity_bytes: 1\n", "prefix_store.capcity_bytes: unknown key"},
-           {"prefix_cache_bytes: -1\n", "prefix_cache_bytes"}}) {
+           {"prefix_cache_bytes: -1\n", "prefix_cache_bytes"},
+           {"prefix_cache_host_bytes: x\n", "prefix_cache_host_bytes"}}) {
     auto bad = ConfigReader::FromString(yaml, "e.yaml");
     ASSERT_TRUE(bad.ok());
     EngineOptions b;

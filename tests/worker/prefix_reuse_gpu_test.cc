@@ -1,6 +1,9 @@
-// Prefix reuse on the CUDA backend (stories260K, full policy): a request whose
-// document was captured by an earlier request attaches it (device 2-D copies
-// of K and V) and returns the tokens of a cold run, in f32 and bf16.
+// Prefix reuse on the CUDA backend (stories260K), f32 and bf16, for the full
+// and the shadowkv policies: a request whose document was captured by an
+// earlier request attaches it and returns the tokens of the same request run
+// with no cache; and the shadowkv continuation (every chunk's K rebuilt by the
+// GPU kernels, values fetched from pinned host memory in place) at full rank
+// sees what full attention sees.
 #include <gtest/gtest.h>
 
 #include "tests/gpu_test_util.h"
@@ -14,35 +17,62 @@ class PrefixReuseGpuTest : public testing::StoriesTest {};
 
 using testing::LcgTokens;
 
+std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& dtype, size_t cache, int rank = 12) {
+  EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
+  o.kv_policy = policy;
+  o.shadowkv.rank = rank;
+  o.backend.device = "cuda";
+  o.backend.dtype = dtype;
+  o.runtime.prefix_cache_bytes = cache;
+  auto e = Engine::Open(testing::StoriesDir(), o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
 TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> doc = LcgTokens(151, 7, true);
-  for (const char* dtype : {"f32", "bf16"}) {
-    auto open = [&](size_t cache) {
-      EngineOptions o;
-      o.backend.device = "cuda";
-      o.backend.dtype = dtype;
-      o.runtime.prefix_cache_bytes = cache;
-      auto e = Engine::Open(testing::StoriesDir(), o);
-      EXPECT_TRUE(e.ok()) << e.status();
-      return e.ok() ? std::move(*e) : nullptr;
-    };
-    auto warm = open(64 << 20), cold = open(0);
-    ASSERT_TRUE(warm && cold);
-    for (uint64_t q = 11; q < 14; ++q) {
-      GenerationRequest r;
-      r.prompt = doc;
-      const std::vector<int32_t> question = LcgTokens(20, q, false);
-      r.prompt.insert(r.prompt.end(), question.begin(), question.end());
-      r.max_new_tokens = 24;
-      auto c = cold->runtime().Generate({r});
-      r.segment_ends = {151};
-      auto w = warm->runtime().Generate({r});
-      ASSERT_TRUE(c.ok() && w.ok()) << c.status() << " " << w.status();
-      EXPECT_EQ((*w)[0].cached_prompt_tokens, q == 11 ? 0 : 151) << dtype;
-      EXPECT_EQ((*w)[0].ids, (*c)[0].ids) << dtype << " question " << q;
+  for (const char* policy : {"full", "shadowkv"}) {
+    for (const char* dtype : {"f32", "bf16"}) {
+      auto warm = OpenCuda(policy, dtype, 64 << 20), cold = OpenCuda(policy, dtype, 0);
+      ASSERT_TRUE(warm && cold);
+      for (uint64_t q = 11; q < 14; ++q) {
+        GenerationRequest r;
+        r.prompt = doc;
+        const std::vector<int32_t> question = LcgTokens(20, q, false);
+        r.prompt.insert(r.prompt.end(), question.begin(), question.end());
+        r.max_new_tokens = 24;
+        r.segment_ends = {151};
+        auto c = cold->runtime().Generate({r});
+        auto w = warm->runtime().Generate({r});
+        ASSERT_TRUE(c.ok() && w.ok()) << c.status() << " " << w.status();
+        EXPECT_EQ((*w)[0].cached_prompt_tokens, q == 11 ? 0 : 151) << policy << " " << dtype;
+        EXPECT_EQ((*w)[0].ids, (*c)[0].ids) << policy << " " << dtype << " question " << q;
+      }
     }
   }
+}
+
+TEST_F(PrefixReuseGpuTest, ShadowKvContinuationAtFullRankMatchesFullAttention) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  std::vector<int32_t> prompt = LcgTokens(151, 7, true);
+  const std::vector<int32_t> question = LcgTokens(20, 11, false);
+  prompt.insert(prompt.end(), question.begin(), question.end());
+  const int64_t P = static_cast<int64_t>(prompt.size());
+  auto full = OpenCuda("full", "f32", 0), skv = OpenCuda("shadowkv", "f32", 0, 32);
+  ASSERT_TRUE(full && skv);
+  std::vector<float> want, got;
+  ASSERT_TRUE(full->runtime().AddSequence(0, P, 1).ok());
+  ASSERT_TRUE(full->runtime().Prefill(0, prompt, &want).ok());
+  SequenceSpec spec;
+  spec.prompt_len = P;
+  spec.max_new_tokens = 1;
+  spec.first_prefill = 151;
+  ASSERT_TRUE(skv->runtime().policy().AddSequence(0, spec).ok());
+  ASSERT_TRUE(skv->runtime().Prefill(0, prompt, nullptr, 0, 151).ok());
+  ASSERT_TRUE(skv->runtime().Prefill(0, prompt, &got, 151).ok());
+  // f32 on the GPU: other reduction orders, the SVD through cuSOLVER.
+  EXPECT_TRUE(testing::AllClose(got, want, 2e-3f, 2e-3f));
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
-// Prefix reuse on the CPU backend (f32, stories260K): a request whose leading
-// segments (a document) another request already prefilled attaches their KV
-// state instead of prefilling them, and returns exactly the tokens of a cold
-// run; requests sharing a document in one batch return what each returns
-// alone; keys separate namespaces and preceding text; exported prefixes import
-// into another engine; bad input is refused; PrefixCache evicts only what no
-// sequence holds.
+// Prefix reuse on the CPU backend (f32, stories260K), for the full and the
+// shadowkv policies: a request whose leading segments (a document) another
+// request already prefilled attaches their KV state instead of prefilling
+// them, and returns exactly the tokens of the same request run with no cache;
+// requests sharing a document in one batch return what each returns alone;
+// keys separate namespaces and preceding text; exported prefixes import into
+// another engine; stored prefixes survive a restart and damaged ones are
+// recomputed; bad input is refused; PrefixCache evicts only what no sequence
+// holds.
 #include <gtest/gtest.h>
 
 #include "storage/segment_store.h"
@@ -17,13 +19,17 @@
 namespace penumbra {
 namespace {
 
-class PrefixReuseTest : public testing::StoriesTest {};
+// Parameter: the KV policy ("full", "shadowkv", "shadowkv-staging": the
+// staged value fetch, "shadowkv-dense": documents under min_prompt_tokens).
+class PrefixReuseTest : public testing::StoriesTest, public ::testing::WithParamInterface<std::string> {};
 
 std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full",
                                    const std::string& store = "") {
   EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
   o.backend.device = "cpu";
-  o.kv_policy = policy;
+  o.kv_policy = policy == "full" ? "full" : "shadowkv";
+  if (policy == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
+  if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
   o.runtime.prefix_cache_bytes = cache_bytes;
   o.prefix_store.path = store;
   o.prefix_store.sync_commit = false;
@@ -45,9 +51,9 @@ GenerationRequest Request(const std::vector<int32_t>& doc, const std::vector<int
   return r;
 }
 
-// Greedy ids of `r` on a fresh engine with no prefix cache.
-std::vector<int32_t> Cold(const GenerationRequest& r) {
-  auto e = OpenEngine(0);
+// Greedy ids of `r` on a fresh engine of `policy` with no prefix cache.
+std::vector<int32_t> Cold(const GenerationRequest& r, const std::string& policy) {
+  auto e = OpenEngine(0, policy);
   if (!e) return {};
   auto res = e->runtime().Generate({r});
   EXPECT_TRUE(res.ok()) << res.status();
@@ -57,39 +63,44 @@ std::vector<int32_t> Cold(const GenerationRequest& r) {
 const std::vector<int32_t> kDoc = LcgTokens(151, 7, true);
 const std::vector<int32_t> kQ1 = LcgTokens(20, 11, false), kQ2 = LcgTokens(17, 12, false), kQ3 = LcgTokens(9, 13, false);
 
-TEST_F(PrefixReuseTest, CachedDocumentGivesTheColdTokens) {
-  auto e = OpenEngine(64 << 20);
+TEST_P(PrefixReuseTest, CachedDocumentGivesTheColdTokens) {
+  auto e = OpenEngine(64 << 20, GetParam());
   ASSERT_NE(e, nullptr);
   Runtime& rt = e->runtime();
   auto first = rt.Generate({Request(kDoc, kQ1, true)});
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ((*first)[0].cached_prompt_tokens, 0);
-  EXPECT_EQ((*first)[0].ids, Cold(Request(kDoc, kQ1, false)));
+  EXPECT_EQ((*first)[0].ids, Cold(Request(kDoc, kQ1, true), GetParam()));
   ASSERT_EQ(rt.prefix_cache()->entries(), 1u);
 
   auto second = rt.Generate({Request(kDoc, kQ2, true)});
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ((*second)[0].cached_prompt_tokens, 151);
-  EXPECT_EQ((*second)[0].ids, Cold(Request(kDoc, kQ2, false)));
+  EXPECT_EQ((*second)[0].ids, Cold(Request(kDoc, kQ2, true), GetParam()));
   EXPECT_EQ(rt.stats().cached_prompt_tokens, 151);
+  EXPECT_EQ(rt.stats().prompt_tokens, 2 * 151 + 20 + 17);
   EXPECT_EQ(rt.prefix_cache()->stats().hits, 1);
+  if (GetParam() == "full") {
+    // Exact attention: segments change nothing.
+    EXPECT_EQ((*second)[0].ids, Cold(Request(kDoc, kQ2, false), "full"));
+  }
 }
 
-TEST_F(PrefixReuseTest, RequestsSharingADocumentInOneBatchReturnWhatEachReturnsAlone) {
-  auto e = OpenEngine(64 << 20);
+TEST_P(PrefixReuseTest, RequestsSharingADocumentInOneBatchReturnWhatEachReturnsAlone) {
+  auto e = OpenEngine(64 << 20, GetParam());
   ASSERT_NE(e, nullptr);
   auto res = e->runtime().Generate({Request(kDoc, kQ1, true), Request(kDoc, kQ2, true), Request(kDoc, kQ3, true)});
   ASSERT_TRUE(res.ok()) << res.status();
   EXPECT_EQ((*res)[0].cached_prompt_tokens, 0);
   EXPECT_EQ((*res)[1].cached_prompt_tokens, 151);
   EXPECT_EQ((*res)[2].cached_prompt_tokens, 151);
-  EXPECT_EQ((*res)[0].ids, Cold(Request(kDoc, kQ1, false)));
-  EXPECT_EQ((*res)[1].ids, Cold(Request(kDoc, kQ2, false)));
-  EXPECT_EQ((*res)[2].ids, Cold(Request(kDoc, kQ3, false)));
+  EXPECT_EQ((*res)[0].ids, Cold(Request(kDoc, kQ1, true), GetParam()));
+  EXPECT_EQ((*res)[1].ids, Cold(Request(kDoc, kQ2, true), GetParam()));
+  EXPECT_EQ((*res)[2].ids, Cold(Request(kDoc, kQ3, true), GetParam()));
 }
 
-TEST_F(PrefixReuseTest, KeysSeparateNamespacesAndWhatComesBefore) {
-  auto e = OpenEngine(64 << 20);
+TEST_P(PrefixReuseTest, KeysSeparateNamespacesAndWhatComesBefore) {
+  auto e = OpenEngine(64 << 20, GetParam());
   ASSERT_NE(e, nullptr);
   Runtime& rt = e->runtime();
   ASSERT_TRUE(rt.Generate({Request(kDoc, kQ1, true, "tenant-a")}).ok());
@@ -109,6 +120,7 @@ TEST_F(PrefixReuseTest, KeysSeparateNamespacesAndWhatComesBefore) {
   auto d12 = rt.Generate({two(kDoc, d2)});
   ASSERT_TRUE(d12.ok());
   EXPECT_EQ((*d12)[0].cached_prompt_tokens, 151);  // kDoc from the first request
+  EXPECT_EQ((*d12)[0].ids, Cold(two(kDoc, d2), GetParam()));
   auto d13 = rt.Generate({two(kDoc, d3)});
   ASSERT_TRUE(d13.ok());
   EXPECT_EQ((*d13)[0].cached_prompt_tokens, 151);
@@ -123,8 +135,9 @@ TEST_F(PrefixReuseTest, KeysSeparateNamespacesAndWhatComesBefore) {
   EXPECT_EQ((*d32)[0].cached_prompt_tokens, 0);
 }
 
-TEST_F(PrefixReuseTest, ExportedPrefixImportsIntoAnotherEngine) {
-  auto a = OpenEngine(0), b = OpenEngine(0), cold = OpenEngine(0);
+TEST_P(PrefixReuseTest, ExportedPrefixImportsIntoAnotherEngine) {
+  const std::string policy = GetParam();
+  auto a = OpenEngine(0, policy), b = OpenEngine(0, policy), cold = OpenEngine(0, policy);
   ASSERT_TRUE(a && b && cold);
   const GenerationRequest r = Request(kDoc, kQ2, false);
   const int64_t P = static_cast<int64_t>(r.prompt.size());
@@ -136,35 +149,161 @@ TEST_F(PrefixReuseTest, ExportedPrefixImportsIntoAnotherEngine) {
   ASSERT_TRUE(blobs.ok()) << blobs.status();
   a.reset();  // the import must not depend on the exporting engine
 
-  auto imported = b->runtime().policy().ImportPrefix(*blobs);
+  KvPolicy& pb = b->runtime().policy();
+  auto imported = pb.ImportPrefix(*blobs);
   ASSERT_TRUE(imported.ok()) << imported.status();
   EXPECT_EQ((*imported)->tokens(), 151);
-  ASSERT_TRUE(b->runtime().AddSequence(0, P, 1).ok());
-  ASSERT_TRUE(b->runtime().policy().AttachPrefix(0, *imported).ok());
+  SequenceSpec spec;
+  spec.prompt_len = P;
+  spec.max_new_tokens = 1;
+  spec.prefix = *imported;
+  ASSERT_TRUE(pb.AddSequence(0, spec).ok());
   std::vector<float> warm, ref;
   ASSERT_TRUE(b->runtime().Prefill(0, r.prompt, &warm, 151).ok());
-  ASSERT_TRUE(cold->runtime().AddSequence(0, P, 1).ok());
-  ASSERT_TRUE(cold->runtime().Prefill(0, r.prompt, &ref).ok());
-  EXPECT_TRUE(testing::AllClose(warm, ref, 1e-5f, 1e-4f));
+  SequenceSpec cold_spec;
+  cold_spec.prompt_len = P;
+  cold_spec.max_new_tokens = 1;
+  cold_spec.first_prefill = 151;
+  ASSERT_TRUE(cold->runtime().policy().AddSequence(0, cold_spec).ok());
+  ASSERT_TRUE(cold->runtime().Prefill(0, r.prompt, nullptr, 0, 151).ok());
+  ASSERT_TRUE(cold->runtime().Prefill(0, r.prompt, &ref, 151).ok());
+  EXPECT_EQ(warm, ref);
 
   // Damaged or foreign blobs are refused, naming what is wrong.
+  std::string victim;  // the largest blob
+  for (const auto& [name, bytes] : *blobs) {
+    if (name != "meta" && (victim.empty() || bytes.size() > blobs->at(victim).size())) victim = name;
+  }
   auto bad = *blobs;
-  bad["k"].pop_back();
-  auto r1 = b->runtime().policy().ImportPrefix(bad);
+  bad[victim].pop_back();
+  auto r1 = pb.ImportPrefix(bad);
   ASSERT_FALSE(r1.ok());
   EXPECT_EQ(r1.status().code(), StatusCode::kCorruption);
-  EXPECT_NE(r1.status().message().find("blob 'k'"), std::string::npos) << r1.status();
+  EXPECT_NE(r1.status().message().find("blob '" + victim + "'"), std::string::npos) << r1.status();
   bad = *blobs;
-  bad["meta"] = "full-kv-prefix v1 tokens=151 layers=9 kv_heads=4 head_dim=8 dtype=f32";
-  auto r2 = b->runtime().policy().ImportPrefix(bad);
+  const size_t at = bad["meta"].find("layers=");
+  ASSERT_NE(at, std::string::npos);
+  bad["meta"].replace(at, 8, "layers=9");
+  auto r2 = pb.ImportPrefix(bad);
   ASSERT_FALSE(r2.ok());
-  EXPECT_EQ(r2.status().code(), StatusCode::kInvalidArgument);
-  bad.erase("v");
-  EXPECT_FALSE(b->runtime().policy().ImportPrefix(bad).ok());
-  // Attaching to a sequence that already holds tokens is refused.
-  auto prefilled = b->runtime().policy().AttachPrefix(0, *imported);
-  EXPECT_EQ(prefilled.code(), StatusCode::kFailedPrecondition) << prefilled;
+  EXPECT_EQ(r2.status().code(), StatusCode::kInvalidArgument) << r2.status();
+  bad.erase(victim);
+  EXPECT_FALSE(pb.ImportPrefix(bad).ok());
+  // A sequence id in use, or a prefix that leaves nothing to prefill, is refused.
+  EXPECT_EQ(pb.AddSequence(0, spec).code(), StatusCode::kInvalidArgument);
+  spec.prompt_len = 151;
+  EXPECT_EQ(pb.AddSequence(1, spec).code(), StatusCode::kInvalidArgument);
+  pb.RemoveSequence(0);
 }
+
+TEST_P(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) {
+  const std::string policy = GetParam();
+  storage::testing::TempDir dir;
+  const std::vector<int32_t> cold = Cold(Request(kDoc, kQ2, true), policy);
+  {  // First process: prefills the document and stores it.
+    auto e = OpenEngine(64 << 20, policy, dir.path());
+    ASSERT_NE(e, nullptr);
+    auto r = e->runtime().Generate({Request(kDoc, kQ1, true)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
+    EXPECT_EQ(e->runtime().stats().prefix_store_errors, 0);
+  }
+  {  // After a restart: the document comes from disk.
+    auto e = OpenEngine(64 << 20, policy, dir.path());
+    ASSERT_NE(e, nullptr);
+    auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
+    EXPECT_EQ((*r)[0].ids, cold);
+    EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
+  }
+  {  // Another namespace does not see it, even on disk.
+    auto e = OpenEngine(64 << 20, policy, dir.path());
+    auto r = e->runtime().Generate({Request(kDoc, kQ2, true, "other")});
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
+  }
+  {  // Move everything from the log into files, then damage the blob files.
+    storage::SegmentStoreOptions so;
+    so.path = dir.path();
+    auto st = storage::SegmentStore::Open(so);
+    ASSERT_TRUE(st.ok()) << st.status();
+    ASSERT_TRUE((*st)->Flush().ok());
+  }
+  ASSERT_GT(storage::testing::FlipBytesInFiles(dir.path(), ".blob", 16), 0);
+  {  // The damaged document is detected, dropped and recomputed: the cold tokens.
+    auto e = OpenEngine(64 << 20, policy, dir.path());
+    ASSERT_NE(e, nullptr);
+    auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
+    EXPECT_EQ((*r)[0].ids, cold);
+    EXPECT_EQ(e->runtime().stats().prefix_store_corruptions, 1);
+  }
+  {  // ... and stored anew by that request.
+    auto e = OpenEngine(64 << 20, policy, dir.path());
+    auto r = e->runtime().Generate({Request(kDoc, kQ3, true)});
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
+    EXPECT_EQ((*r)[0].ids, Cold(Request(kDoc, kQ3, true), policy));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
+                         ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string n = i.param;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
+
+// The continuation's own accuracy, against an independent reference: at
+// full rank (hkv*d = 32) a chunk's K rebuilt from A·B is its exact K, so a
+// question prefilled after a factored document (every chunk rebuilt, the
+// outliers' exact keys put back at their places, every value restored from
+// the store and the attached prefix) must see what full attention sees.
+class ShadowKvContinuationTest : public PrefixReuseTest {};
+
+TEST_P(ShadowKvContinuationTest, AtFullRankItMatchesFullAttention) {
+  const GenerationRequest r = Request(kDoc, kQ1, true);
+  const int64_t P = static_cast<int64_t>(r.prompt.size());
+  auto full = OpenEngine(0, "full");
+  ASSERT_NE(full, nullptr);
+  std::vector<float> want;
+  ASSERT_TRUE(full->runtime().AddSequence(0, P, 1).ok());
+  ASSERT_TRUE(full->runtime().Prefill(0, r.prompt, &want).ok());
+  EngineOptions o = testing::LossyShadowKvOptions();
+  o.shadowkv.rank = 32;
+  if (GetParam() == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
+  o.runtime.prefix_cache_bytes = 64 << 20;
+  auto e = Engine::Open(testing::StoriesDir(), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  Runtime& rt = (*e)->runtime();
+  SequenceSpec spec;
+  spec.prompt_len = P;
+  spec.max_new_tokens = 1;
+  spec.first_prefill = 151;
+  ASSERT_TRUE(rt.policy().AddSequence(0, spec).ok());
+  ASSERT_TRUE(rt.Prefill(0, r.prompt, nullptr, 0, 151).ok());
+  auto prefix = rt.policy().CapturePrefix(0, 151);
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  std::vector<float> got;
+  ASSERT_TRUE(rt.Prefill(0, r.prompt, &got, 151).ok());
+  EXPECT_TRUE(testing::AllClose(got, want, 1e-4f, 1e-4f));
+  // The same from the captured prefix (values read from the prefix in place).
+  spec.prefix = *prefix;
+  ASSERT_TRUE(rt.policy().AddSequence(1, spec).ok());
+  std::vector<float> attached;
+  ASSERT_TRUE(rt.Prefill(1, r.prompt, &attached, 151).ok());
+  EXPECT_EQ(attached, got);
+  // A capture must be of all the sequence holds.
+  EXPECT_EQ(rt.policy().CapturePrefix(1, 151).status().code(), StatusCode::kFailedPrecondition);
+}
+
+INSTANTIATE_TEST_SUITE_P(ValueFetch, ShadowKvContinuationTest, ::testing::Values("shadowkv", "shadowkv-staging"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           return i.param == "shadowkv" ? std::string("zero_copy") : std::string("staging");
+                         });
 
 TEST_F(PrefixReuseTest, BadSegmentEndsAreRefused) {
   auto e = OpenEngine(64 << 20);
@@ -180,73 +319,6 @@ TEST_F(PrefixReuseTest, BadSegmentEndsAreRefused) {
   EXPECT_TRUE(e->runtime().Generate({Request(kDoc, kQ1, true)}).ok());  // still serving
 }
 
-TEST_F(PrefixReuseTest, PolicyWithoutCaptureRunsColdWithTheCacheOn) {
-  // ShadowKV cannot capture prefixes yet: with a cache configured, requests
-  // still run, every one cold, with the tokens of a run without the cache.
-  auto with = OpenEngine(64 << 20, "shadowkv"), without = OpenEngine(0, "shadowkv");
-  ASSERT_TRUE(with && without);
-  for (int i = 0; i < 2; ++i) {
-    auto a = with->runtime().Generate({Request(kDoc, kQ1, true)});
-    auto b = without->runtime().Generate({Request(kDoc, kQ1, false)});
-    ASSERT_TRUE(a.ok() && b.ok());
-    EXPECT_EQ((*a)[0].cached_prompt_tokens, 0);
-    EXPECT_EQ((*a)[0].ids, (*b)[0].ids);
-  }
-  EXPECT_EQ(with->runtime().prefix_cache()->entries(), 0u);
-}
-
-TEST_F(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) {
-  storage::testing::TempDir dir;
-  const std::vector<int32_t> cold = Cold(Request(kDoc, kQ2, false));
-  {  // First process: prefills the document and stores it.
-    auto e = OpenEngine(64 << 20, "full", dir.path());
-    ASSERT_NE(e, nullptr);
-    auto r = e->runtime().Generate({Request(kDoc, kQ1, true)});
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
-    EXPECT_EQ(e->runtime().stats().prefix_store_errors, 0);
-  }
-  {  // After a restart: the document comes from disk.
-    auto e = OpenEngine(64 << 20, "full", dir.path());
-    ASSERT_NE(e, nullptr);
-    auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
-    EXPECT_EQ((*r)[0].ids, cold);
-    EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
-  }
-  {  // Another namespace does not see it, even on disk.
-    auto e = OpenEngine(64 << 20, "full", dir.path());
-    auto r = e->runtime().Generate({Request(kDoc, kQ2, true, "other")});
-    ASSERT_TRUE(r.ok());
-    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
-  }
-  {  // Move everything from the log into files, then damage the blob files.
-    storage::SegmentStoreOptions so;
-    so.path = dir.path();
-    auto st = storage::SegmentStore::Open(so);
-    ASSERT_TRUE(st.ok()) << st.status();
-    ASSERT_TRUE((*st)->Flush().ok());
-  }
-  ASSERT_GT(storage::testing::FlipBytesInFiles(dir.path(), ".blob", 16), 0);
-  {  // The damaged document is detected, dropped and recomputed: the cold tokens.
-    auto e = OpenEngine(64 << 20, "full", dir.path());
-    ASSERT_NE(e, nullptr);
-    auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
-    EXPECT_EQ((*r)[0].ids, cold);
-    EXPECT_EQ(e->runtime().stats().prefix_store_corruptions, 1);
-  }
-  {  // ... and stored anew by that request.
-    auto e = OpenEngine(64 << 20, "full", dir.path());
-    auto r = e->runtime().Generate({Request(kDoc, kQ3, true)});
-    ASSERT_TRUE(r.ok());
-    EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
-    EXPECT_EQ((*r)[0].ids, Cold(Request(kDoc, kQ3, false)));
-  }
-}
-
 TEST_F(PrefixReuseTest, AStoreWithoutADeviceCacheIsRefused) {
   storage::testing::TempDir dir;
   EngineOptions o;
@@ -260,15 +332,16 @@ TEST_F(PrefixReuseTest, AStoreWithoutADeviceCacheIsRefused) {
 
 class FakePrefix final : public KvPrefix {
  public:
-  FakePrefix(int64_t tokens, size_t bytes) : tokens_(tokens), bytes_(bytes) {}
+  FakePrefix(int64_t tokens, size_t bytes, size_t host = 0) : tokens_(tokens), bytes_(bytes), host_(host) {}
   std::string policy() const override { return "fake"; }
   int64_t tokens() const override { return tokens_; }
   size_t device_bytes() const override { return bytes_; }
+  size_t host_bytes() const override { return host_; }
   Result<std::map<std::string, std::string>> Export() const override { return std::map<std::string, std::string>{}; }
 
  private:
   int64_t tokens_;
-  size_t bytes_;
+  size_t bytes_, host_;
 };
 
 TEST(PrefixCacheTest, EvictsLeastRecentlyUsedUnheldEntries) {
@@ -295,6 +368,19 @@ TEST(PrefixCacheTest, EvictsLeastRecentlyUsedUnheldEntries) {
   EXPECT_EQ(c.bytes(), 300u);
   EXPECT_FALSE(c.Insert(PrefixKeys("x", {1}, {1})[0], std::make_shared<FakePrefix>(1, 400)));  // never fits
   EXPECT_EQ(c.stats().evictions, 1);
+}
+
+TEST(PrefixCacheTest, HostBytesAreBoundedToo) {
+  PrefixCache c(1000, 250);
+  auto keys = PrefixKeys("fence", {1, 2, 3, 4}, {1, 2, 3});
+  EXPECT_TRUE(c.Insert(keys[0], std::make_shared<FakePrefix>(1, 10, 100)));
+  EXPECT_TRUE(c.Insert(keys[1], std::make_shared<FakePrefix>(2, 10, 100)));
+  EXPECT_EQ(c.host_bytes(), 200u);
+  EXPECT_TRUE(c.Insert(keys[2], std::make_shared<FakePrefix>(3, 10, 100)));  // evicts the oldest by host bytes
+  EXPECT_FALSE(c.Contains(keys[0]));
+  EXPECT_EQ(c.host_bytes(), 200u);
+  EXPECT_EQ(c.bytes(), 20u);
+  EXPECT_FALSE(c.Insert(PrefixKeys("x", {1}, {1})[0], std::make_shared<FakePrefix>(1, 1, 300)));  // never fits
 }
 
 }  // namespace

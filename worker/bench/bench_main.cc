@@ -525,6 +525,7 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
       return Status::FailedPrecondition("the " + e.options().kv_policy + " KV policy captured no prefix");
     }
     j["prefix_device_bytes"] = rt.prefix_cache()->bytes();
+    j["prefix_host_bytes"] = rt.prefix_cache()->host_bytes();
   }
   if (cache == "disk") {
     if (rt.stats().prefix_store_errors > 0) return Status::Internal("the prefix was not stored (see the log)");

@@ -296,6 +296,8 @@ class CpuBackend final : public Backend {
     kc::ShadowkvFetchVArgs c;
     c.value_store = reinterpret_cast<const float* const*>(a.value_store);
     c.chunk_cap = a.chunk_cap;
+    c.shared_store = reinterpret_cast<const float* const*>(a.shared_store);
+    c.shared_chunks = a.shared_chunks;
     c.staging = static_cast<const float*>(a.staging);
     c.staging_offsets = a.staging_offsets;
     c.miss_count = a.miss_count;

@@ -3,7 +3,7 @@
 // head h of layer l is a [capacity, d] matrix the attention kernels stream.
 //
 // Prefixes (KvPrefix): the exact K/V of a prompt prefix, [layers][hkv][T][d]
-// per K and V. Attaching one copies it into the sequence's cache (one 2-D
+// per K and V. Attaching one (AddSequence with SequenceSpec::prefix) copies it into the sequence's cache (one 2-D
 // copy each for K and V), so attention kernels keep one base per sequence.
 // That is one copy per attached sequence, not one shared copy: reading the
 // prefix in place needs attention over two KV sources (cascade, with a
@@ -60,13 +60,33 @@ class FullKvPolicy final : public KvPolicy {
 
   std::string name() const override { return "full"; }
 
-  Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens) override {
+  Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
     if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
     Seq s;
-    s.capacity = prompt_len + max_new_tokens;
+    s.capacity = spec.prompt_len + spec.max_new_tokens;
+    const FullKvPrefix* p = nullptr;
+    if (spec.prefix) {
+      p = dynamic_cast<const FullKvPrefix*>(spec.prefix.get());
+      if (p == nullptr) {
+        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a full KV sequence");
+      }
+      if (p->tokens() >= spec.prompt_len) {
+        return Status::InvalidArgument("a prefix of " + std::to_string(p->tokens()) + " tokens leaves nothing of the " +
+                                       std::to_string(spec.prompt_len) + "-token prompt to prefill");
+      }
+    }
     const size_t bytes = LayerStride(s) * ctx_.num_layers * esize_;
     PENUMBRA_ASSIGN_OR_RETURN(s.k, ctx_.backend->Allocate(bytes));
     PENUMBRA_ASSIGN_OR_RETURN(s.v, ctx_.backend->Allocate(bytes));
+    if (p != nullptr) {
+      const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_;
+      const size_t rows = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv;
+      const size_t width = p->tokens() * row;
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.k.get(), s.capacity * row, p->k(), width, width, rows));
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.v.get(), s.capacity * row, p->v(), width, width, rows));
+      s.length = p->tokens();
+      s.prefix = spec.prefix;
+    }
     seqs_.emplace(seq, std::move(s));
     return Status::OK();
   }
@@ -170,27 +190,6 @@ class FullKvPolicy final : public KvPolicy {
     return std::shared_ptr<const KvPrefix>(std::make_shared<FullKvPrefix>(
         tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype(), std::move(kv[0]),
         std::move(kv[1]), ctx_.backend));
-  }
-
-  Status AttachPrefix(int64_t seq, std::shared_ptr<const KvPrefix> prefix) override {
-    auto it = seqs_.find(seq);
-    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(seq) + " does not exist");
-    Seq& s = it->second;
-    const auto* p = dynamic_cast<const FullKvPrefix*>(prefix.get());
-    if (p == nullptr) return Status::InvalidArgument("a " + prefix->policy() + " prefix cannot attach to a full KV sequence");
-    if (s.length != 0) return Status::FailedPrecondition("sequence " + std::to_string(seq) + " is already prefilled");
-    if (p->tokens() >= s.capacity) {
-      return Status::InvalidArgument("a prefix of " + std::to_string(p->tokens()) + " tokens leaves no room in sequence " +
-                                     std::to_string(seq) + " (capacity " + std::to_string(s.capacity) + ")");
-    }
-    const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_;
-    const size_t rows = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv;
-    const size_t width = p->tokens() * row;
-    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.k.get(), s.capacity * row, p->k(), width, width, rows));
-    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.v.get(), s.capacity * row, p->v(), width, width, rows));
-    s.length = p->tokens();
-    s.prefix = std::move(prefix);
-    return Status::OK();
   }
 
   Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) override {

@@ -6,8 +6,10 @@
 // pre-RoPE keys, landmarks, outliers on the device; values in a ValueStore).
 // SpeContext and SpindleKV will plug in here too.
 //
-// Call protocol, per sequence: AddSequence; for each layer in order,
-// PrefillAttention over the prompt's chunks in order, then FinishPrefillLayer;
+// Call protocol, per sequence: AddSequence; then one or more prefills, each
+// a contiguous run of the prompt (the first from 0, or from an attached
+// prefix's end): for each layer in order, PrefillAttention over the run's
+// chunks in order, then FinishPrefillLayer;
 // then decode steps: BeginDecodeStep(batch) ; DecodeAttention for each layer ;
 // FinishDecodeStep. RemoveSequence frees everything. Not thread-safe: one
 // runtime thread drives a policy.
@@ -40,6 +42,7 @@ class KvPrefix {
   virtual std::string policy() const = 0;  // the making policy's name()
   virtual int64_t tokens() const = 0;      // prefix length in tokens
   virtual size_t device_bytes() const = 0; // device memory it holds
+  virtual size_t host_bytes() const { return 0; }  // host memory it holds (values in DRAM)
   // Its state as named host byte blobs (what the persistent document cache
   // stores); ImportPrefix of the same policy and geometry inverts it.
   virtual Result<std::map<std::string, std::string>> Export() const = 0;
@@ -64,14 +67,37 @@ struct PolicyStats {
   double hit_rate() const { return selected_chunks ? static_cast<double>(hit_chunks) / selected_chunks : 0.0; }
 };
 
+// What a new sequence will hold (KvPolicy::AddSequence).
+struct SequenceSpec {
+  int64_t prompt_len = 0;
+  int64_t max_new_tokens = 0;
+  // Tokens of the sequence's first prefill (its first segment, or the
+  // attached prefix): where a compressing policy factors the prompt; what
+  // follows is prefilled as a continuation over that state. 0: the whole
+  // prompt.
+  int64_t first_prefill = 0;
+  // A prefix made by this policy to start from (null: none): the sequence
+  // holds its tokens as if prefilled and holds the prefix until removed;
+  // prefill continues at position prefix->tokens() < prompt_len.
+  std::shared_ptr<const KvPrefix> prefix;
+};
+
 class KvPolicy {
  public:
   virtual ~KvPolicy() = default;
   virtual std::string name() const = 0;
 
   // Reserves device (and store) memory for a sequence that will hold up to
-  // prompt_len + max_new_tokens tokens. ResourceExhausted leaves nothing behind.
-  virtual Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens) = 0;
+  // prompt_len + max_new_tokens tokens and attaches spec.prefix.
+  // ResourceExhausted (or a prefix that does not fit: InvalidArgument) leaves
+  // nothing behind.
+  virtual Status AddSequence(int64_t seq, const SequenceSpec& spec) = 0;
+  Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens) {
+    SequenceSpec spec;
+    spec.prompt_len = prompt_len;
+    spec.max_new_tokens = max_new_tokens;
+    return AddSequence(seq, spec);
+  }
   virtual void RemoveSequence(int64_t seq) = 0;
 
   // Prefill of tokens [start, start + n) of `seq` at `layer`.
@@ -99,7 +125,10 @@ class KvPolicy {
   // makes for given tokens (part of a prefix's cache key).
   virtual std::string StateFingerprint() const { return name(); }
   // The state of the first `tokens` tokens of `seq`, which has been
-  // prefilled at least that far. The sequence is unchanged.
+  // prefilled at least that far. The sequence is unchanged. A compressing
+  // policy (shadowkv) captures only all that `seq` holds, right after a
+  // prefill ended there (FailedPrecondition otherwise): its state at a
+  // position depends on where prefills ended.
   virtual Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) {
     return Status::Unimplemented("the " + name() + " KV policy cannot capture prompt prefixes yet");
   }
@@ -108,14 +137,6 @@ class KvPolicy {
   virtual Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) {
     return Status::Unimplemented("the " + name() + " KV policy cannot import prompt prefixes yet");
   }
-  // Makes `prefix` the first prefix->tokens() tokens of `seq`, which was
-  // just added (AddSequence with the whole prompt's length) and has nothing
-  // prefilled; prefill then continues at position prefix->tokens(). The
-  // sequence holds `prefix` until it is removed.
-  virtual Status AttachPrefix(int64_t seq, std::shared_ptr<const KvPrefix> prefix) {
-    return Status::Unimplemented("the " + name() + " KV policy cannot attach prompt prefixes yet");
-  }
-
   // Benchmarks only: leaves `seq` as if a prompt of `length` tokens had been
   // prefilled, from random keys and values (through the policy's real
   // compression path where it has one), without running the model.

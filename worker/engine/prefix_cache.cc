@@ -38,11 +38,13 @@ std::shared_ptr<const KvPrefix> PrefixCache::Find(const Hash128& key, int64_t to
   return it->second->prefix;
 }
 
-void PrefixCache::MakeRoom(size_t need) {
-  for (auto it = lru_.end(); it != lru_.begin() && bytes_ + need > capacity_bytes_;) {
+void PrefixCache::MakeRoom(size_t need, size_t host_need) {
+  for (auto it = lru_.end();
+       it != lru_.begin() && (bytes_ + need > capacity_bytes_ || host_bytes_ + host_need > host_capacity_bytes_);) {
     --it;
     if (it->prefix.use_count() > 1) continue;  // a live sequence holds it
     bytes_ -= it->prefix->device_bytes();
+    host_bytes_ -= it->prefix->host_bytes();
     index_.erase(it->key);
     it = lru_.erase(it);
     ++stats_.evictions;
@@ -56,6 +58,7 @@ void PrefixCache::Clear() {
       continue;
     }
     bytes_ -= it->prefix->device_bytes();
+    host_bytes_ -= it->prefix->host_bytes();
     index_.erase(it->key);
     it = lru_.erase(it);
   }
@@ -63,13 +66,14 @@ void PrefixCache::Clear() {
 
 bool PrefixCache::Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix) {
   if (index_.count(Key(key))) return true;
-  const size_t need = prefix->device_bytes();
-  if (need > capacity_bytes_) return false;
-  MakeRoom(need);
-  if (bytes_ + need > capacity_bytes_) return false;
+  const size_t need = prefix->device_bytes(), host_need = prefix->host_bytes();
+  if (need > capacity_bytes_ || host_need > host_capacity_bytes_) return false;
+  MakeRoom(need, host_need);
+  if (bytes_ + need > capacity_bytes_ || host_bytes_ + host_need > host_capacity_bytes_) return false;
   lru_.push_front(Entry{Key(key), std::move(prefix)});
   index_[Key(key)] = lru_.begin();
   bytes_ += need;
+  host_bytes_ += host_need;
   ++stats_.inserts;
   return true;
 }

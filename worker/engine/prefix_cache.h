@@ -9,7 +9,8 @@
 // token id of those segments, chained segment by segment (PrefixKeys), so a
 // document's key depends on everything before it.
 //
-// Capacity is in device bytes. Inserting past it evicts least-recently-used
+// Capacity is in device bytes and, separately, host bytes (a shadowkv
+// prefix's values live in host memory). Inserting past either evicts least-recently-used
 // entries that no sequence holds (an entry held by a live sequence stays: its
 // memory would not be freed anyway); an entry that cannot fit is not kept.
 // Not thread-safe: one runtime thread uses it.
@@ -43,7 +44,8 @@ struct PrefixCacheStats {
 
 class PrefixCache {
  public:
-  explicit PrefixCache(size_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
+  explicit PrefixCache(size_t capacity_bytes, size_t host_capacity_bytes = SIZE_MAX)
+      : capacity_bytes_(capacity_bytes), host_capacity_bytes_(host_capacity_bytes) {}
 
   // The prefix stored under `key` with `tokens` tokens (null when absent),
   // marked most recently used.
@@ -56,7 +58,8 @@ class PrefixCache {
   // Drops every entry no sequence holds.
   void Clear();
 
-  size_t bytes() const { return bytes_; }
+  size_t bytes() const { return bytes_; }  // device bytes held
+  size_t host_bytes() const { return host_bytes_; }
   size_t entries() const { return index_.size(); }
   size_t capacity_bytes() const { return capacity_bytes_; }
   const PrefixCacheStats& stats() const { return stats_; }
@@ -68,11 +71,12 @@ class PrefixCache {
     KeyT key;
     std::shared_ptr<const KvPrefix> prefix;
   };
-  // Evicts unheld entries, oldest first, until `need` more bytes fit.
-  void MakeRoom(size_t need);
+  // Evicts unheld entries, oldest first, until `need` more device bytes and
+  // `host_need` more host bytes fit.
+  void MakeRoom(size_t need, size_t host_need);
 
-  size_t capacity_bytes_;
-  size_t bytes_ = 0;
+  size_t capacity_bytes_, host_capacity_bytes_;
+  size_t bytes_ = 0, host_bytes_ = 0;
   std::list<Entry> lru_;  // front: most recently used
   std::map<KeyT, std::list<Entry>::iterator> index_;
   PrefixCacheStats stats_;

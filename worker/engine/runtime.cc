@@ -37,7 +37,10 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options, 
   if (options.max_batch < 1) return Status::InvalidArgument("max_batch must be >= 1");
   std::unique_ptr<Runtime> rt(new Runtime(options, backend, weights, std::move(policy)));
   PENUMBRA_RETURN_IF_ERROR(rt->AllocateScratch(std::max(options.prefill_chunk, options.max_batch)));
-  if (options.prefix_cache_bytes > 0) rt->prefix_cache_ = std::make_unique<PrefixCache>(options.prefix_cache_bytes);
+  if (options.prefix_cache_bytes > 0) {
+    rt->prefix_cache_ = std::make_unique<PrefixCache>(
+        options.prefix_cache_bytes, options.prefix_cache_host_bytes > 0 ? options.prefix_cache_host_bytes : SIZE_MAX);
+  }
   return rt;
 }
 
@@ -133,10 +136,11 @@ void Runtime::Mlp(const LayerWeights& L, float* x, int n) {
 }
 
 Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out,
-                        int64_t start) {
+                        int64_t start, int64_t end) {
   const ModelConfig& c = config();
-  const int64_t total = static_cast<int64_t>(prompt.size());
-  CHECK(start >= 0 && start < total) << "prefill start " << start << " of a " << total << "-token prompt";
+  const int64_t total = end < 0 ? static_cast<int64_t>(prompt.size()) : end;
+  CHECK(start >= 0 && start < total && total <= static_cast<int64_t>(prompt.size()))
+      << "prefill of [" << start << ", " << total << ") of a " << prompt.size() << "-token prompt";
   const int64_t S = total - start;  // rows computed here
   const int H = c.hidden_size;
   const double t0 = NowSeconds();
@@ -173,42 +177,66 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
   }
   PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
   stats_.prefill_seconds += NowSeconds() - t0;
-  stats_.prompt_tokens += total;
-  stats_.cached_prompt_tokens += start;
+  stats_.prompt_tokens += S;
   return Status::OK();
 }
 
 Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, GenerationResult* result) {
   const int64_t P = static_cast<int64_t>(q.prompt.size());
-  PENUMBRA_RETURN_IF_ERROR(policy_->AddSequence(seq, P, q.max_new_tokens));
   std::vector<Hash128> keys;
+  std::shared_ptr<const KvPrefix> hit;
   int64_t start = 0;
   if (prefix_cache_ && !q.segment_ends.empty()) {
     const std::string fence = policy_->StateFingerprint() + "|dtype=" + std::string(DTypeName(backend_->act_dtype())) +
                               "|model=" + model_identity_ + "|namespace=" + q.cache_namespace;
     keys = PrefixKeys(fence, q.prompt, q.segment_ends);
-    for (size_t i = keys.size(); i-- > 0;) {
-      std::shared_ptr<const KvPrefix> hit = prefix_cache_->Find(keys[i], q.segment_ends[i]);
+    for (size_t i = keys.size(); i-- > 0 && !hit;) {
+      hit = prefix_cache_->Find(keys[i], q.segment_ends[i]);
       if (!hit && prefix_store_) hit = LoadStoredPrefix(keys[i], q.segment_ends[i]);
-      if (hit) {
-        PENUMBRA_RETURN_IF_ERROR(policy_->AttachPrefix(seq, std::move(hit)));
-        start = q.segment_ends[i];
-        break;
-      }
+      if (hit) start = q.segment_ends[i];
     }
   }
-  PENUMBRA_RETURN_IF_ERROR(Prefill(seq, q.prompt, nullptr, start));
+  SequenceSpec spec;
+  spec.prompt_len = P;
+  spec.max_new_tokens = q.max_new_tokens;
+  spec.first_prefill = q.segment_ends.empty() ? 0 : q.segment_ends[0];
+  spec.prefix = hit;
+  Status added = policy_->AddSequence(seq, spec);
+  if (!added.ok() && hit && added.code() == StatusCode::kInvalidArgument) {
+    // A prefix this sequence cannot take (the cache key's fence makes this
+    // unexpected): computed instead.
+    LOG(WARNING) << "prefix not attached, prefilled instead: " << added;
+    spec.prefix = nullptr;
+    start = 0;
+    added = policy_->AddSequence(seq, spec);
+  }
+  PENUMBRA_RETURN_IF_ERROR(added);
+  stats_.prompt_tokens += start;
+  stats_.cached_prompt_tokens += start;
   result->cached_prompt_tokens = start;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (q.segment_ends[i] <= start || prefix_cache_->Contains(keys[i])) continue;
-    Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, q.segment_ends[i]);
-    if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) break;  // this policy cannot: no reuse
+  // One prefill per segment, so that the state at each segment's end is the
+  // same whether it was computed here or attached (a compressing policy
+  // factors the first segment and continues over it); each new leading
+  // segment is captured as soon as it is prefilled.
+  bool capture = !keys.empty();
+  int64_t at = start;
+  for (size_t i = 0; i < q.segment_ends.size(); ++i) {
+    const int64_t e = q.segment_ends[i];
+    if (e <= at) continue;
+    PENUMBRA_RETURN_IF_ERROR(Prefill(seq, q.prompt, nullptr, at, e));
+    at = e;
+    if (!capture || prefix_cache_->Contains(keys[i])) continue;
+    Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, e);
+    if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {
+      capture = false;  // this policy cannot: no reuse
+      continue;
+    }
     PENUMBRA_RETURN_IF_ERROR(p.status());
     if (prefix_store_) {
       // A store that fails costs this request nothing but the reuse.
       auto blobs = (*p)->Export();
       Status stored = blobs.status();
-      if (stored.ok()) stored = prefix_store_->Put(keys[i], q.cache_namespace, q.segment_ends[i], *blobs);
+      if (stored.ok()) stored = prefix_store_->Put(keys[i], q.cache_namespace, e, *blobs);
       if (!stored.ok()) {
         ++stats_.prefix_store_errors;
         LOG(WARNING) << "prefix store: not stored: " << stored;
@@ -216,7 +244,7 @@ Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, Generatio
     }
     prefix_cache_->Insert(keys[i], std::move(*p));
   }
-  return Status::OK();
+  return Prefill(seq, q.prompt, nullptr, at, P);
 }
 
 std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, int64_t tokens) {

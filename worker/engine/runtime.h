@@ -55,6 +55,9 @@ struct RuntimeOptions {
   int prefill_chunk = 4096;      // tokens per prefill chunk. Default: 4096.
   int max_batch = 256;           // sequences decoded together at most. Default: 256.
   size_t prefix_cache_bytes = 0; // device bytes for captured prompt prefixes; 0: no prefix reuse. Default: 0.
+  // Host bytes for them (a shadowkv prefix's values); 0: bounded only by the
+  // device bytes. Default: 0.
+  size_t prefix_cache_host_bytes = 0;
 };
 
 struct RunStats {
@@ -86,11 +89,13 @@ class Runtime {
   // Lower-level steps (benchmarks, tests).
   Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens);
   void RemoveSequence(int64_t seq);
-  // Prefills prompt[start, size) into `seq`, whose first `start` tokens are
-  // already there (an attached prefix; 0: none); start < prompt.size().
-  // Writes the last position's logits to logits_out (host, vocab floats)
-  // when non-null.
-  Status Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out, int64_t start = 0);
+  // Prefills prompt[start, end) into `seq`, whose first `start` tokens are
+  // already there (attached or prefilled before; 0: none); end < 0 means
+  // prompt.size(). Writes the last row's logits to logits_out (host, vocab
+  // floats) when non-null. A sequence's first prefill must end at its
+  // SequenceSpec::first_prefill.
+  Status Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out, int64_t start = 0,
+                 int64_t end = -1);
   // One decode step: tokens[i] is fed to seqs[i] at positions[i]; returns
   // logits [batch, vocab] on the device (valid until the next call).
   Result<const float*> DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,

@@ -33,7 +33,13 @@
 #include <cstring>
 #include <map>
 
+#include <functional>
+#include <span>
+#include <sstream>
+#include <thread>
+
 #include "storage/dram_value_store.h"
+#include "worker/engine/shadowkv_prefix.h"
 #include "worker/engine/backend_host_allocator.h"
 #include "worker/engine/engine.h"
 
@@ -53,29 +59,35 @@ class ShadowKvPolicy final : public KvPolicy {
 
   std::string name() const override { return "shadowkv"; }
 
-  Status AddSequence(int64_t id, int64_t prompt_len, int64_t max_new_tokens) override {
+  Status AddSequence(int64_t id, const SequenceSpec& spec) override {
     if (seqs_.count(id)) return Status::InvalidArgument("sequence " + std::to_string(id) + " already exists");
+    const ShadowKvPrefix* prefix = nullptr;
+    if (spec.prefix) {
+      prefix = dynamic_cast<const ShadowKvPrefix*>(spec.prefix.get());
+      if (prefix == nullptr) {
+        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a shadowkv sequence");
+      }
+      if (prefix->tokens() >= spec.prompt_len) {
+        return Status::InvalidArgument("a prefix of " + std::to_string(prefix->tokens()) +
+                                       " tokens leaves nothing of the " + std::to_string(spec.prompt_len) +
+                                       "-token prompt to prefill");
+      }
+    }
     Seq s;
     s.id = id;
-    s.token_cap = prompt_len + max_new_tokens;
+    SequenceSpec shape = spec;
+    if (prefix) shape.first_prefill = prefix->geometry().factored;
+    Shape(shape, &s);
     const int C = o_.chunk_size;
-    int64_t budget = o_.budget_tokens;
-    if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * prompt_len / C)) * C;
-    const int64_t prompt_chunks = (prompt_len - o_.local_window) / C;
-    int64_t want_outliers = o_.outlier_chunks;
-    if (o_.outlier_fraction > 0) {
-      want_outliers = static_cast<int64_t>(std::ceil(o_.outlier_fraction * static_cast<double>(std::max<int64_t>(prompt_chunks, 0))));
-    }
-    s.outliers = static_cast<int>(std::min<int64_t>(want_outliers, std::max<int64_t>(prompt_chunks - budget / C, 0)));
-    s.kslots = static_cast<int>(std::min<int64_t>(budget / C, prompt_chunks - s.outliers));
-    s.sparse = prompt_len >= o_.min_prompt_tokens && s.kslots >= 1;
-    if (!s.sparse) {
-      s.outliers = 0;
-      s.kslots = 0;
-      s.local_cap = s.token_cap;
-    } else {
-      s.local_cap = o_.local_window + 2 * C;  // prompt tail (< W + C) plus one chunk of growth
-      s.chunk_cap = static_cast<int>((s.token_cap + C - 1) / C);
+    if (prefix) {
+      const ShadowKvPrefixGeometry& g = prefix->geometry();
+      if (g.sparse != s.sparse || g.outliers != s.outliers || g.tail > s.local_cap ||
+          (s.sparse && g.n_chunks >= s.chunk_cap)) {
+        return Status::InvalidArgument("the shadowkv prefix (" + g.Meta() +
+                                       ") does not fit this policy's options for a sequence of " +
+                                       std::to_string(s.token_cap) + " tokens");
+      }
+      s.shared_chunks = g.n_chunks;
     }
     s.att_cap = static_cast<int64_t>(s.outliers + s.kslots) * C + s.local_cap;
     const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
@@ -86,7 +98,10 @@ class ShadowKvPolicy final : public KvPolicy {
     PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_k, AttLayer(s) * L * es_));
     PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_v, AttLayer(s) * L * es_));
     if (s.sparse) {
-      const size_t host_need = static_cast<size_t>(L) * H * s.chunk_cap * C * d * es_;
+      // The store holds the chunks this sequence makes; an attached prefix's
+      // are read in place from the prefix.
+      const int own_chunks = s.chunk_cap - s.shared_chunks;
+      const size_t host_need = static_cast<size_t>(L) * H * own_chunks * C * d * es_;
       const size_t host_free = ctx_.backend->FreeHostBytes();
       if (host_free > 0 && host_need + (size_t{8} << 30) > host_free) {
         return Status::ResourceExhausted("shadowkv: the value store needs " + std::to_string(host_need >> 20) +
@@ -102,7 +117,7 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.excl.get(), 0, s.excl.bytes()));
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.slots.get(), 0xff, s.slots.bytes()));
-      storage::SegmentLayout lay{L, H, s.chunk_cap, C, d, ctx_.backend->act_dtype()};
+      storage::SegmentLayout lay{L, H, own_chunks, C, d, ctx_.backend->act_dtype()};
       PENUMBRA_ASSIGN_OR_RETURN(s.segment, store_.CreateSegment(lay));
       for (int l = 0; l < L; ++l) {
         PENUMBRA_ASSIGN_OR_RETURN(const void* base, store_.LayerBase(s.segment, l));
@@ -110,8 +125,46 @@ class ShadowKvPolicy final : public KvPolicy {
         s.store_host.push_back(base);
       }
     }
+    if (prefix) {
+      Status st = AttachState(s, *prefix);
+      if (!st.ok()) {
+        if (s.segment) (void)store_.DropSegment(s.segment);
+        return st;
+      }
+      s.prefix = std::static_pointer_cast<const ShadowKvPrefix>(spec.prefix);
+    }
     seqs_.emplace(id, std::move(s));
     return Status::OK();
+  }
+
+  // A new sequence's geometry (outliers, slots, capacities). It follows
+  // from the tokens of the first prefill alone (where the keys are
+  // factored), so every sequence that starts with the same document,
+  // attached or prefilled, has the same outliers and budget.
+  void Shape(const SequenceSpec& spec, Seq* out) const {
+    Seq& s = *out;
+    s.token_cap = spec.prompt_len + spec.max_new_tokens;
+    s.first_prefill = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
+    const int64_t F = s.first_prefill;
+    const int C = o_.chunk_size;
+    int64_t budget = o_.budget_tokens;
+    if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * F / C)) * C;
+    const int64_t first_chunks = (F - o_.local_window) / C;
+    int64_t want_outliers = o_.outlier_chunks;
+    if (o_.outlier_fraction > 0) {
+      want_outliers = static_cast<int64_t>(std::ceil(o_.outlier_fraction * static_cast<double>(std::max<int64_t>(first_chunks, 0))));
+    }
+    s.outliers = static_cast<int>(std::min<int64_t>(want_outliers, std::max<int64_t>(first_chunks - budget / C, 0)));
+    s.kslots = static_cast<int>(std::min<int64_t>(budget / C, first_chunks - s.outliers));
+    s.sparse = F >= o_.min_prompt_tokens && s.kslots >= 1;
+    if (!s.sparse) {
+      s.outliers = 0;
+      s.kslots = 0;
+      s.local_cap = s.token_cap;
+    } else {
+      s.local_cap = o_.local_window + 2 * C;  // prompt tail (< W + C) plus one chunk of growth
+      s.chunk_cap = static_cast<int>((s.token_cap + C - 1) / C);
+    }
   }
 
   void RemoveSequence(int64_t id) override {
@@ -139,7 +192,22 @@ class ShadowKvPolicy final : public KvPolicy {
       vbase = Row(s.att_v, s, layer, LocalRow0(s));
       stride = s.att_cap * d;
     } else {
-      if (start == 0) PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
+      if (!s.compressed) {
+        if (start == 0) PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
+      } else {
+        // A continuation: the first chunk of each layer rebuilds what the
+        // sequence holds into the temporaries, so the new tokens attend to
+        // all of it.
+        const int64_t held = Held(s);
+        if (start < held) {
+          return Status::InvalidArgument("sequence " + std::to_string(id) + " holds " + std::to_string(held) +
+                                         " tokens; a prefill cannot start at " + std::to_string(start));
+        }
+        if (start == held) {
+          PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
+          PENUMBRA_RETURN_IF_ERROR(RebuildIntoTemp(s, layer));
+        }
+      }
       kbase = tmp_k_.get();
       vbase = tmp_v_.get();
       stride = tmp_cap_ * d;
@@ -166,8 +234,174 @@ class ShadowKvPolicy final : public KvPolicy {
   Status FinishPrefillLayer(int layer, int64_t id, int64_t prompt_len) override {
     Seq& s = Get(id);
     if (!s.sparse) return Status::OK();
-    PENUMBRA_RETURN_IF_ERROR(CompressPrompt(s, layer, prompt_len));
-    if (layer == ctx_.num_layers - 1) ReleaseTempIfLarge();
+    if (!s.compressed) {
+      if (prompt_len != s.first_prefill) {
+        return Status::InvalidArgument("sequence " + std::to_string(id) + ": its first prefill must end at " +
+                                       std::to_string(s.first_prefill) + " tokens (AddSequence's first_prefill), not " +
+                                       std::to_string(prompt_len));
+      }
+      PENUMBRA_RETURN_IF_ERROR(CompressPrompt(s, layer, prompt_len));
+    } else {
+      PENUMBRA_RETURN_IF_ERROR(ContinuePrompt(s, layer, prompt_len));
+    }
+    if (layer == ctx_.num_layers - 1) {
+      s.compressed = true;
+      ReleaseTempIfLarge();
+    }
+    return Status::OK();
+  }
+
+  // Tokens the sequence holds (after its last prefill or decode step).
+  int64_t Held(const Seq& s) const { return static_cast<int64_t>(s.n_chunks) * o_.chunk_size + s.local_count; }
+
+  // Rebuilds layer `layer` of a compressed sequence into the prefill
+  // temporaries: every chunk's K from its low-rank factors (the outliers'
+  // exact K over them), every chunk's values from the store, the local rows'
+  // exact K/V and pre-RoPE keys after them. Row t of the temporaries is then
+  // token t, as in a first prefill.
+  Status RebuildIntoTemp(Seq& s, int layer) {
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, D = H * d, n = s.n_chunks;
+    const int64_t rows = static_cast<int64_t>(n) * C;
+    if (n > 0) {
+      // One "miss" per chunk into row chunk*C (slot = chunk, no outlier rows).
+      if (all_chunks_n_ != n) {
+        std::vector<int32_t> lists(static_cast<size_t>(H) * (1 + 2 * n));
+        for (int h = 0; h < H; ++h) {
+          lists[h] = n;
+          for (int c = 0; c < n; ++c) lists[H + static_cast<size_t>(h) * n + c] = c;
+        }
+        std::copy(lists.begin() + H, lists.begin() + H + static_cast<size_t>(H) * n,
+                  lists.begin() + H + static_cast<size_t>(H) * n);
+        PENUMBRA_RETURN_IF_ERROR(Upload(&all_chunks_, lists.data(), lists.size() * sizeof(int32_t)));
+        all_chunks_n_ = n;
+      }
+      const int32_t* count = all_chunks_.as<int32_t>();
+      const int32_t* slot = count + H;
+      const int32_t* chunk = slot + static_cast<size_t>(H) * n;
+      const void* ptrs[5] = {Row2(s.a, layer, s.token_cap * o_.rank),
+                             Row2(s.b, layer, static_cast<int64_t>(H) * o_.rank * d), tmp_k_.get(), tmp_v_.get(),
+                             s.store_dev[layer]};
+      const void* shared = s.prefix ? s.prefix->values_device(layer) : nullptr;
+      std::vector<const void*> table(std::begin(ptrs), std::end(ptrs));
+      table.push_back(shared);
+      PENUMBRA_RETURN_IF_ERROR(Upload(&rebuild_ptrs_, table.data(), table.size() * sizeof(void*)));
+      auto* dev = static_cast<void* const*>(rebuild_ptrs_.get());
+      kn::ShadowkvRebuildKArgs rk;
+      rk.a = reinterpret_cast<const void* const*>(dev + 0);
+      rk.b = reinterpret_cast<const void* const*>(dev + 1);
+      rk.inv_freq = ctx_.inv_freq;
+      rk.miss_count = count;
+      rk.miss_slot = slot;
+      rk.miss_chunk = chunk;
+      rk.miss_stride = n;
+      rk.att_k = dev + 2;
+      rk.att_head_stride = tmp_cap_ * d;
+      rk.outlier_rows = 0;
+      rk.batch = 1;
+      rk.hkv = H;
+      rk.d = d;
+      rk.r = o_.rank;
+      rk.chunk_size = C;
+      rk.max_misses = n;
+      b.ShadowkvRebuildK(rk);
+      kn::ShadowkvFetchVArgs fv;
+      fv.value_store = reinterpret_cast<const void* const*>(dev + 4);
+      fv.chunk_cap = s.chunk_cap - s.shared_chunks;
+      fv.shared_store = reinterpret_cast<const void* const*>(dev + 5);
+      fv.shared_chunks = s.shared_chunks;
+      fv.miss_count = count;
+      fv.miss_slot = slot;
+      fv.miss_chunk = chunk;
+      fv.miss_stride = n;
+      fv.att_v = dev + 3;
+      fv.att_head_stride = tmp_cap_ * d;
+      fv.outlier_rows = 0;
+      fv.batch = 1;
+      fv.hkv = H;
+      fv.d = d;
+      fv.chunk_size = C;
+      fv.max_misses = n;
+      fv.max_blocks = kRestoreFetchBlocks;
+      b.ShadowkvFetchV(fv, /*staged=*/false);
+      // The outliers' exact keys over their rebuilt ones.
+      const size_t crow = static_cast<size_t>(C) * d * es_;
+      for (int h = 0; h < H; ++h) {
+        for (int j = 0; j < s.outliers; ++j) {
+          const int c = s.outlier_ids[(static_cast<size_t>(layer) * H + h) * s.outliers + j];
+          PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(
+              static_cast<char*>(tmp_k_.get()) + (h * tmp_cap_ + static_cast<int64_t>(c) * C) * d * es_,
+              static_cast<char*>(Row(s.att_k, s, layer, 0)) + (h * s.att_cap + static_cast<int64_t>(j) * C) * d * es_,
+              crow));
+        }
+      }
+    }
+    // The local rows after the chunks.
+    if (s.local_count > 0) {
+      const size_t w = s.local_count * d * es_;
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(tmp_k_.get()) + rows * d * es_, tmp_cap_ * d * es_,
+                                        Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(tmp_v_.get()) + rows * d * es_, tmp_cap_ * d * es_,
+                                        Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(tmp_prek_.as<float>() + rows * D,
+                                                    s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
+                                                    s.local_count * D * sizeof(float)));
+    }
+    return Status::OK();
+  }
+
+  // The end of a continuation prefill at `layer` (tokens [Held(s), end) are
+  // in the temporaries after the rebuilt ones): the completed chunks become
+  // selectable as decode's do (ShadowKV+, A.1: landmarks, A rows projected
+  // with the first prefill's P, values to the store), the rest become the
+  // local rows. The counts change after the last layer.
+  Status ContinuePrompt(Seq& s, int layer, int64_t end) {
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, D = H * d;
+    const int first = s.n_chunks;
+    const int total = static_cast<int>(std::max<int64_t>((end - o_.local_window) / C, first));
+    const int k = total - first;
+    if (total > s.chunk_cap) return Status::Internal("shadowkv: chunk capacity exceeded");
+    if (k > 0) {
+      PENUMBRA_ASSIGN_OR_RETURN(float* min_cos, MinCosScratch(H * k));  // written, not needed
+      kn::ChunkLandmarksArgs cl;
+      cl.k = tmp_k_.get();
+      cl.k_head_stride = tmp_cap_ * d;
+      cl.first_token = static_cast<int64_t>(first) * C;
+      cl.n_chunks = k;
+      cl.chunk_tokens = C;
+      cl.hkv = H;
+      cl.d = d;
+      cl.landmarks = static_cast<char*>(Row2(s.lm, layer, static_cast<int64_t>(H) * s.chunk_cap * d)) + first * d * es_;
+      cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
+      cl.min_cos = min_cos;
+      cl.min_cos_head_stride = k;
+      b.ChunkLandmarks(cl);
+      kn::ProjectKeysArgs pk;
+      pk.keys = tmp_prek_.as<float>() + static_cast<int64_t>(first) * C * D;
+      pk.n = k * C;
+      pk.D = D;
+      pk.rank = o_.rank;
+      pk.proj = s.p.as<float>() + static_cast<int64_t>(layer) * D * o_.rank;
+      pk.a_out = static_cast<char*>(Row2(s.a, layer, s.token_cap * o_.rank)) +
+                 static_cast<int64_t>(first) * C * o_.rank * es_;
+      b.ProjectKeys(pk);
+      PENUMBRA_RETURN_IF_ERROR(
+          OffloadValues(s, layer, tmp_v_.get(), tmp_cap_ * d, first, k, first - s.shared_chunks));
+    }
+    const int64_t tail0 = static_cast<int64_t>(total) * C, tail = end - tail0;
+    if (tail > s.local_cap) return Status::Internal("shadowkv: local rows overflow");
+    const size_t w = tail * d * es_;
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
+                                      static_cast<char*>(tmp_k_.get()) + tail0 * d * es_, tmp_cap_ * d * es_, w, H));
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
+                                      static_cast<char*>(tmp_v_.get()) + tail0 * d * es_, tmp_cap_ * d * es_, w, H));
+    PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
+                                                  tmp_prek_.as<float>() + tail0 * D, tail * D * sizeof(float)));
+    if (layer == ctx_.num_layers - 1) {
+      s.n_chunks = total;
+      s.local_count = tail;
+    }
     return Status::OK();
   }
 
@@ -240,6 +474,11 @@ class ShadowKvPolicy final : public KvPolicy {
       go.excluded = excl;
       go.mask_head_stride = s.chunk_cap;
       b.GatherOutliers(go);
+      // Their chunk ids on the host too (a continuation's rebuild puts the
+      // exact keys back at their places).
+      if (s.outlier_ids.empty()) s.outlier_ids.resize(static_cast<size_t>(ctx_.num_layers) * H * s.outliers);
+      PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(s.outlier_ids.data() + static_cast<size_t>(layer) * H * s.outliers,
+                                            tmp_outl_.get(), static_cast<size_t>(H) * s.outliers * sizeof(int32_t)));
     }
     lap("outliers");
     // Values of every chunk to the store (outliers too: never selected, and
@@ -331,6 +570,7 @@ class ShadowKvPolicy final : public KvPolicy {
           row[9 * B + i] = s.store_dev[l];
           row[10 * B + i] = s.prek.as<float>() + (static_cast<int64_t>(l) * s.local_cap + s.local_count) * ctx_.hkv *
                                                      ctx_.head_dim;  // new token's pre-RoPE key row
+          row[11 * B + i] = s.prefix ? s.prefix->values_device(l) : nullptr;  // an attached prefix's values
         }
       }
     }
@@ -492,7 +732,9 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     kn::ShadowkvFetchVArgs fv;
     fv.value_store = reinterpret_cast<const void* const*>(tab + 9 * B + g0);
-    fv.chunk_cap = s0.chunk_cap;
+    fv.chunk_cap = s0.chunk_cap - s0.shared_chunks;
+    fv.shared_store = reinterpret_cast<const void* const*>(tab + 11 * B + g0);
+    fv.shared_chunks = s0.shared_chunks;
     fv.miss_count = mcount;
     fv.miss_slot = mslot + off;
     fv.miss_chunk = mchunk + off;
@@ -565,10 +807,17 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     for (int r = 0; r < rows; ++r) {
       Seq& s = *step_[g0 + r / H];
-      std::vector<storage::ChunkRef> refs;
-      for (int j = 0; j < counts[r]; ++j) refs.push_back({r % H, chunks[static_cast<size_t>(r) * K + j]});
-      if (!refs.empty()) {
-        PENUMBRA_RETURN_IF_ERROR(store_.GatherChunks(s.segment, layer, refs, stage_v_.as<char>() + offsets[r] * chunk_bytes));
+      const int h = r % H;
+      for (int j = 0; j < counts[r]; ++j) {
+        const int c = chunks[static_cast<size_t>(r) * K + j];
+        char* dst = stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes;
+        if (c < s.shared_chunks) {  // an attached prefix's chunk
+          std::memcpy(dst, s.prefix->values_host(layer) + (static_cast<size_t>(h) * s.shared_chunks + c) * chunk_bytes,
+                      chunk_bytes);
+        } else {
+          const storage::ChunkRef ref{h, c - s.shared_chunks};
+          PENUMBRA_RETURN_IF_ERROR(store_.GatherChunks(s.segment, layer, std::span(&ref, 1), dst));
+        }
       }
     }
     PENUMBRA_RETURN_IF_ERROR(Upload(&stage_off_, offsets.data(), offsets.size() * 4));
@@ -672,7 +921,7 @@ class ShadowKvPolicy final : public KvPolicy {
       for (int l = 0; l < L; ++l) {
         for (int h = 0; h < H; ++h) {
           const char* src = stage_.as<char>() + k * per_seq + (static_cast<size_t>(l) * H + h) * row;
-          PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, l, h, s.n_chunks, 1, src));
+          PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, l, h, s.n_chunks - s.shared_chunks, 1, src));
         }
       }
     }
@@ -702,6 +951,158 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     Lap("chunk_shift");
     return Status::OK();
+  }
+
+  // ----------------------------------------------------------- prefix reuse
+
+  std::string StateFingerprint() const override {
+    std::ostringstream os;
+    os << "shadowkv v1 rank=" << o_.rank << " chunk=" << o_.chunk_size << " budget=" << o_.budget_tokens
+       << " budget_fraction=" << o_.budget_fraction << " outliers=" << o_.outlier_chunks
+       << " outlier_fraction=" << o_.outlier_fraction << " window=" << o_.local_window
+       << " min_prompt=" << o_.min_prompt_tokens;
+    return os.str();
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t id, int64_t tokens) override {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(id) + " does not exist");
+    Seq& s = it->second;
+    if (s.sparse && !s.compressed) return Status::FailedPrecondition("sequence " + std::to_string(id) + " is not prefilled");
+    if (tokens != Held(s) || tokens < 1) {
+      return Status::FailedPrecondition("shadowkv captures all that sequence " + std::to_string(id) + " holds (" +
+                                        std::to_string(Held(s)) + " tokens), not " + std::to_string(tokens));
+    }
+    Backend& b = *ctx_.backend;
+    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, C = o_.chunk_size, D = H * d;
+    ShadowKvPrefixGeometry g = PrefixGeometry();
+    g.tokens = tokens;
+    g.factored = s.first_prefill;
+    g.sparse = s.sparse;
+    g.n_chunks = s.n_chunks;
+    g.outliers = s.outliers;
+    g.tail = s.local_count;
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, ShadowKvPrefix::Allocate(g, &b));
+    const int n = s.n_chunks;
+    const size_t LH = static_cast<size_t>(L) * H, att_pitch = s.att_cap * d * es_;
+    auto copy2d = [&](const DeviceBuffer& dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                      size_t height) -> Status {
+      if (width == 0 || height == 0) return Status::OK();
+      return b.Copy2D(dst.get(), dpitch, src, spitch, width, height);
+    };
+    if (s.sparse) {
+      const size_t arow = static_cast<size_t>(n) * C * r * es_;
+      PENUMBRA_RETURN_IF_ERROR(copy2d(p->a, arow, s.a.get(), s.token_cap * r * es_, arow, L));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(p->b.get(), s.b.get(), p->b.bytes()));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(p->p.get(), s.p.get(), p->p.bytes()));
+      PENUMBRA_RETURN_IF_ERROR(copy2d(p->lm, n * d * es_, s.lm.get(), s.chunk_cap * d * es_, n * d * es_, LH));
+      PENUMBRA_RETURN_IF_ERROR(copy2d(p->excl, n, s.excl.get(), s.chunk_cap, n, LH));
+      const size_t orow = static_cast<size_t>(s.outliers) * C * d * es_;
+      PENUMBRA_RETURN_IF_ERROR(copy2d(p->out_k, orow, s.att_k.get(), att_pitch, orow, LH));
+      PENUMBRA_RETURN_IF_ERROR(copy2d(p->out_v, orow, s.att_v.get(), att_pitch, orow, LH));
+      const size_t prow = s.local_count * D * sizeof(float);
+      PENUMBRA_RETURN_IF_ERROR(copy2d(p->tail_prek, prow, s.prek.get(), s.local_cap * D * sizeof(float), prow, L));
+      p->outlier_ids = s.outlier_ids;
+    }
+    const size_t trow = s.local_count * d * es_;
+    PENUMBRA_RETURN_IF_ERROR(copy2d(p->tail_k, trow, Row(s.att_k, s, 0, LocalRow0(s)), att_pitch, trow, LH));
+    PENUMBRA_RETURN_IF_ERROR(copy2d(p->tail_v, trow, Row(s.att_v, s, 0, LocalRow0(s)), att_pitch, trow, LH));
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    if (n > 0) {
+      // Values: the attached prefix's chunks, then the store's, per (layer,
+      // head) one run [n][C*d]; layers copied in parallel.
+      const size_t cb = static_cast<size_t>(C) * d * es_, own_cap = s.chunk_cap - s.shared_chunks;
+      auto copy_layer = [&](int l) {
+        char* dst = const_cast<char*>(p->values_host(l));
+        for (int h = 0; h < H; ++h) {
+          char* row = dst + static_cast<size_t>(h) * n * cb;
+          if (s.shared_chunks > 0) {
+            std::memcpy(row, s.prefix->values_host(l) + static_cast<size_t>(h) * s.shared_chunks * cb,
+                        s.shared_chunks * cb);
+          }
+          std::memcpy(row + s.shared_chunks * cb, static_cast<const char*>(s.store_host[l]) + h * own_cap * cb,
+                      (n - s.shared_chunks) * cb);
+        }
+      };
+      ParallelFor(L, copy_layer);
+    }
+    return std::shared_ptr<const KvPrefix>(std::move(p));
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p,
+                              ShadowKvPrefix::Import(blobs, PrefixGeometry(), ctx_.backend));
+    // What this policy's options make of a first prefill of that length.
+    const ShadowKvPrefixGeometry& g = p->geometry();
+    Seq probe;
+    SequenceSpec spec;
+    spec.prompt_len = g.tokens + 1;
+    spec.first_prefill = g.factored;
+    Shape(spec, &probe);
+    if (probe.sparse != g.sparse || (g.sparse && probe.outliers != g.outliers)) {
+      return Status::Corruption("shadowkv prefix: '" + g.Meta() + "' is not what this policy's options make");
+    }
+    return std::shared_ptr<const KvPrefix>(std::move(p));
+  }
+
+  // Copies a prefix's device state into the fresh sequence `s` (shaped for
+  // it by AddSequence); its values stay where they are.
+  Status AttachState(Seq& s, const ShadowKvPrefix& p) {
+    Backend& b = *ctx_.backend;
+    const ShadowKvPrefixGeometry& g = p.geometry();
+    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, C = o_.chunk_size, D = H * d;
+    const int n = g.n_chunks;
+    const size_t LH = static_cast<size_t>(L) * H, att_pitch = s.att_cap * d * es_;
+    auto copy2d = [&](void* dst, size_t dpitch, const DeviceBuffer& src, size_t spitch, size_t width,
+                      size_t height) -> Status {
+      if (width == 0 || height == 0) return Status::OK();
+      return b.Copy2D(dst, dpitch, src.get(), spitch, width, height);
+    };
+    if (s.sparse) {
+      const size_t arow = static_cast<size_t>(n) * C * r * es_;
+      PENUMBRA_RETURN_IF_ERROR(copy2d(s.a.get(), s.token_cap * r * es_, p.a, arow, arow, L));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.b.get(), p.b.get(), p.b.bytes()));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.p.get(), p.p.get(), p.p.bytes()));
+      PENUMBRA_RETURN_IF_ERROR(copy2d(s.lm.get(), s.chunk_cap * d * es_, p.lm, n * d * es_, n * d * es_, LH));
+      PENUMBRA_RETURN_IF_ERROR(copy2d(s.excl.get(), s.chunk_cap, p.excl, n, n, LH));
+      const size_t orow = static_cast<size_t>(g.outliers) * C * d * es_;
+      PENUMBRA_RETURN_IF_ERROR(copy2d(s.att_k.get(), att_pitch, p.out_k, orow, orow, LH));
+      PENUMBRA_RETURN_IF_ERROR(copy2d(s.att_v.get(), att_pitch, p.out_v, orow, orow, LH));
+      const size_t prow = g.tail * D * sizeof(float);
+      PENUMBRA_RETURN_IF_ERROR(copy2d(s.prek.get(), s.local_cap * D * sizeof(float), p.tail_prek, prow, prow, L));
+      s.outlier_ids = p.outlier_ids;
+      s.n_chunks = n;
+      s.compressed = true;
+    }
+    const size_t trow = g.tail * d * es_;
+    PENUMBRA_RETURN_IF_ERROR(copy2d(Row(s.att_k, s, 0, LocalRow0(s)), att_pitch, p.tail_k, trow, trow, LH));
+    PENUMBRA_RETURN_IF_ERROR(copy2d(Row(s.att_v, s, 0, LocalRow0(s)), att_pitch, p.tail_v, trow, trow, LH));
+    s.local_count = g.tail;
+    return Status::OK();
+  }
+
+  // The geometry fields every prefix of this policy shares.
+  ShadowKvPrefixGeometry PrefixGeometry() const {
+    ShadowKvPrefixGeometry g;
+    g.layers = ctx_.num_layers;
+    g.hkv = ctx_.hkv;
+    g.head_dim = ctx_.head_dim;
+    g.rank = o_.rank;
+    g.chunk_size = o_.chunk_size;
+    g.dtype = ctx_.backend->act_dtype();
+    return g;
+  }
+
+  // Runs f(0..n-1) on up to 8 threads.
+  static void ParallelFor(int n, const std::function<void(int)>& f) {
+    const int threads = std::max(1, std::min<int>(n, std::min(8u, std::max(1u, std::thread::hardware_concurrency()))));
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        for (int i = t; i < n; i += threads) f(i);
+      });
+    }
+    for (auto& th : pool) th.join();
   }
 
   // ------------------------------------------------------------- benchmarks
@@ -737,6 +1138,7 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     ReleaseTempIfLarge();
+    s.compressed = s.sparse;
     return Status::OK();
   }
 
@@ -765,11 +1167,21 @@ class ShadowKvPolicy final : public KvPolicy {
   }
 
  private:
-  static constexpr int kTables = 11;
+  static constexpr int kTables = 12;
+  // Thread blocks of the value fetch that restores a whole layer's values
+  // for a continuation prefill (no decode to share the SMs with).
+  static constexpr int kRestoreFetchBlocks = 1024;
 
   struct Seq {
     int64_t id = 0;
     bool sparse = false;
+    bool compressed = false;    // its first prefill is factored (later prefills continue it)
+    int64_t first_prefill = 0;  // tokens of the first prefill (sets sparse, outliers, kslots)
+    std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers] ascending chunk ids
+    // An attached prefix: its values are this sequence's chunks [0, shared_chunks),
+    // read in place; the store segment holds chunks from shared_chunks on.
+    std::shared_ptr<const ShadowKvPrefix> prefix;
+    int shared_chunks = 0;
     int64_t token_cap = 0;
     int outliers = 0, kslots = 0, chunk_cap = 0, n_chunks = 0;
     int64_t local_cap = 0, local_count = 0, att_cap = 0;
@@ -786,7 +1198,7 @@ class ShadowKvPolicy final : public KvPolicy {
   }
   static bool SameGeometry(const Seq& a, const Seq& b) {
     return a.sparse == b.sparse && a.att_cap == b.att_cap && a.kslots == b.kslots && a.chunk_cap == b.chunk_cap &&
-           a.outliers == b.outliers;
+           a.outliers == b.outliers && a.shared_chunks == b.shared_chunks;
   }
   int64_t AttLayer(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.att_cap * ctx_.head_dim; }
   int64_t LocalRow0(const Seq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }
@@ -887,6 +1299,8 @@ class ShadowKvPolicy final : public KvPolicy {
   DeviceBuffer tmp_k_, tmp_v_, tmp_prek_, tmp_cos_, tmp_outl_;
   int64_t tmp_cap_ = 0;
   DeviceBuffer ptr_buf_, step_buf_, miss_buf_, score_buf_, mincos_scratch_, shift_, stage_off_;
+  DeviceBuffer all_chunks_, rebuild_ptrs_;  // continuation rebuilds: every chunk as a miss; pointer table
+  int all_chunks_n_ = -1;
   DeviceBuffer stage_, stage_v_;
   std::vector<Seq*> step_;
   std::vector<std::pair<int, int>> groups_;

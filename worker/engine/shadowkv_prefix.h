@@ -1,0 +1,82 @@
+// The ShadowKV state of a prompt prefix (a KvPrefix of the shadowkv policy):
+// what a sequence holds right after a prefill ended at `tokens`, minus the
+// per-sequence parts (selection slots, capacity). Per layer:
+//   a          [n_chunks*C][r]     low-rank coordinates of the chunks' pre-RoPE keys
+//   b          [hkv][r][d]         the factor they multiply (singular values folded in)
+//   p          [hkv*d][r] f32      projection of later tokens' keys (ShadowKV+, A.1)
+//   lm         [hkv][n_chunks][d]  landmarks
+//   excl       [hkv][n_chunks] u8  1 = outlier chunk
+//   out_k/v    [hkv][O*C][d]       the outlier chunks' exact K/V, in ascending chunk order
+//   tail_k/v   [hkv][tail][d]      the exact local rows
+//   tail_prek  [tail][hkv*d] f32   their pre-RoPE keys
+//   values     [hkv][n_chunks][C*d] every chunk's values, in pinned host memory
+// (a dense prefix, under min_prompt_tokens, is only its tail rows). Device
+// buffers are copied into each attached sequence (they are small beside the
+// values: a is r/(2*hkv*d) of the exact K); the values are read in place by
+// every attached sequence (ShadowkvFetchVArgs::shared_store): one copy in
+// DRAM however many sequences use it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "worker/engine/kv_policy.h"
+
+namespace penumbra {
+
+struct ShadowKvPrefixGeometry {
+  int64_t tokens = 0;    // prefix length
+  int64_t factored = 0;  // tokens of the first prefill, where the keys were factored (sets sparse and outliers)
+  bool sparse = false;
+  int n_chunks = 0, outliers = 0;
+  int64_t tail = 0;  // exact local rows: tokens - n_chunks * chunk_size
+  int layers = 0, hkv = 0, head_dim = 0, rank = 0, chunk_size = 0;
+  DType dtype = DType::kF32;
+
+  // Bytes of each blob (Export's names).
+  std::map<std::string, size_t> BlobBytes() const;
+  // The "meta" blob; ParseMeta inverts it (InvalidArgument naming the field).
+  std::string Meta() const;
+  static Result<ShadowKvPrefixGeometry> ParseMeta(const std::string& meta);
+  // InvalidArgument naming the first inconsistent field.
+  Status Validate() const;
+};
+
+class ShadowKvPrefix final : public KvPrefix {
+ public:
+  // Allocates every buffer of `g` (device, and pinned host for the values).
+  static Result<std::shared_ptr<ShadowKvPrefix>> Allocate(const ShadowKvPrefixGeometry& g, Backend* backend);
+  // From Export's blobs: InvalidArgument when the meta does not describe
+  // `expect` (its tokens, factored, sparse, n_chunks, outliers and tail are
+  // free), Corruption when a blob's size or the outlier table is wrong.
+  static Result<std::shared_ptr<ShadowKvPrefix>> Import(const std::map<std::string, std::string>& blobs,
+                                                        const ShadowKvPrefixGeometry& expect, Backend* backend);
+
+  std::string policy() const override { return "shadowkv"; }
+  int64_t tokens() const override { return g_.tokens; }
+  size_t device_bytes() const override;
+  size_t host_bytes() const override { return values.bytes() + outlier_ids.size() * sizeof(int32_t); }
+  Result<std::map<std::string, std::string>> Export() const override;
+
+  const ShadowKvPrefixGeometry& geometry() const { return g_; }
+  // Device address of layer l's values ([hkv][n_chunks][C*d]).
+  const void* values_device(int layer) const;
+  const char* values_host(int layer) const;
+
+  // The state (written by the policy that captures or imports it).
+  DeviceBuffer a, b, p, lm, excl, out_k, out_v, tail_k, tail_v, tail_prek, values;
+  std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers], ascending per (layer, head)
+
+ private:
+  ShadowKvPrefix(const ShadowKvPrefixGeometry& g, Backend* backend) : g_(g), backend_(backend) {}
+  // (name, buffer, on the host) of every buffer blob.
+  std::vector<std::tuple<std::string, const DeviceBuffer*, bool>> Buffers() const;
+
+  ShadowKvPrefixGeometry g_;
+  Backend* backend_;
+};
+
+}  // namespace penumbra
