@@ -55,10 +55,11 @@ struct SegmentStoreOptions {
   bool sync_commit = true;           // fsync the WAL when a segment is committed. Default: true.
   size_t block_cache_bytes = size_t{64} << 20;  // RocksDB block cache. Default: 64 MiB.
   bool direct_reads = false;         // read files with O_DIRECT (bypassing the page cache). Default: false.
+  size_t read_threads = 8;           // blocks a Get reads at once (in [1, 256]). Default: 8.
 };
 
 // Reads the keys path, capacity_bytes, block_bytes, sync_commit,
-// block_cache_bytes and direct_reads (configs/storage.yaml, engine.yaml's prefix_store:);
+// block_cache_bytes, direct_reads and read_threads (configs/storage.yaml, engine.yaml's prefix_store:);
 // errors name the key. Per-namespace quotas come from the tenants' config.
 Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o);
 
@@ -97,7 +98,8 @@ class SegmentStore {
   // is stored.
   Status Put(const Hash128& key, const std::string& cache_namespace, int64_t tokens,
              const std::map<std::string, std::string>& blobs);
-  // The blobs of a committed segment, every block verified; marks it used.
+  // The blobs of a committed segment, every block verified (read_threads
+  // blocks read at once); marks it used.
   // NotFound when absent, Corruption when a check fails (the segment stays:
   // the caller may Erase it and recompute).
   Result<std::map<std::string, std::string>> Get(const Hash128& key);

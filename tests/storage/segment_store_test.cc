@@ -62,6 +62,11 @@ TEST(SegmentStoreTest, BadInputIsRefusedAndStoresNothing) {
   o.block_bytes = 10;
   EXPECT_EQ(SegmentStore::Open(o).status().code(), StatusCode::kInvalidArgument);
   o = Small(dir.path());
+  o.read_threads = 0;
+  auto no_threads = SegmentStore::Open(o);
+  EXPECT_EQ(no_threads.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_threads.status().message().find("read_threads"), std::string::npos) << no_threads.status();
+  o = Small(dir.path());
   o.capacity_bytes = 1000;
   o.namespace_quota_bytes["small"] = 100;
   auto st = SegmentStore::Open(o);

@@ -15,6 +15,7 @@
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/prefix_cache.h"
+#include "worker/engine/prefix_store_writer.h"
 
 namespace penumbra {
 namespace {
@@ -206,7 +207,9 @@ TEST_P(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) 
     auto r = e->runtime().Generate({Request(kDoc, kQ1, true)});
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
+    e->runtime().DrainPrefixStores();  // written in the background
     EXPECT_EQ(e->runtime().stats().prefix_store_errors, 0);
+    EXPECT_EQ(e->runtime().stats().prefix_stores, 1);
   }
   {  // After a restart: the document comes from disk.
     auto e = OpenEngine(64 << 20, policy, dir.path());
@@ -381,6 +384,36 @@ TEST(PrefixCacheTest, HostBytesAreBoundedToo) {
   EXPECT_EQ(c.host_bytes(), 200u);
   EXPECT_EQ(c.bytes(), 20u);
   EXPECT_FALSE(c.Insert(PrefixKeys("x", {1}, {1})[0], std::make_shared<FakePrefix>(1, 1, 300)));  // never fits
+}
+
+TEST(PrefixStoreWriterTest, WritesInTheBackgroundBoundsItsQueueAndCountsFailures) {
+  storage::testing::TempDir dir;
+  storage::SegmentStoreOptions so;
+  so.path = dir.path();
+  so.sync_commit = false;
+  so.capacity_bytes = 5000;
+  auto store = storage::SegmentStore::Open(so);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto keys = PrefixKeys("w", {1, 2, 3, 4}, {1, 2, 3});
+  {
+    PrefixStoreWriter w(store->get(), 8000);
+    EXPECT_TRUE(w.Enqueue(keys[0], "ns", 1, {{"a", std::string(1000, 'x')}}));
+    EXPECT_FALSE(w.Enqueue(keys[1], "ns", 2, {{"a", std::string(9000, 'y')}}));  // over the queue bound
+    w.Drain();
+    EXPECT_TRUE(w.Enqueue(keys[1], "ns", 2, {{"a", std::string(7500, 'y')}}));  // fits the queue, not the store
+    EXPECT_TRUE(w.Enqueue(keys[2], "ns", 3, {{"a", std::string(500, 'z')}}));
+    w.Drain();
+    EXPECT_EQ(w.stored(), 2);
+    EXPECT_EQ(w.skipped(), 1);
+    EXPECT_EQ(w.errors(), 1);  // ResourceExhausted from the store: counted, not fatal
+    EXPECT_TRUE(w.Enqueue(PrefixKeys("w", {9}, {1})[0], "ns", 1, {{"a", std::string(100, 'q')}}));
+  }  // the destructor finishes the queued write
+  EXPECT_TRUE((*store)->Contains(keys[0]));
+  EXPECT_FALSE((*store)->Contains(keys[1]));
+  EXPECT_TRUE((*store)->Contains(PrefixKeys("w", {9}, {1})[0]));
+  auto got = (*store)->Get(keys[2]);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->at("a"), std::string(500, 'z'));
 }
 
 }  // namespace

@@ -20,6 +20,9 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   int64_t prefix_cache_host_bytes = static_cast<int64_t>(o->runtime.prefix_cache_host_bytes);
   r.Read("prefix_cache_host_bytes", &prefix_cache_host_bytes, 0, int64_t{1} << 50);
   o->runtime.prefix_cache_host_bytes = static_cast<size_t>(prefix_cache_host_bytes);
+  int64_t queue = static_cast<int64_t>(o->runtime.prefix_store_queue_bytes);
+  r.Read("prefix_store_queue_bytes", &queue, 0, int64_t{1} << 50);
+  o->runtime.prefix_store_queue_bytes = static_cast<size_t>(queue);
   r.ReadEnum("kv_policy", &o->kv_policy, {"full", "shadowkv"});
   ConfigReader s = r.Child("shadowkv");
   PENUMBRA_RETURN_IF_ERROR(LoadShadowKvOptions(s, &o->shadowkv));

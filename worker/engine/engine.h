@@ -62,7 +62,7 @@ struct EngineOptions {
 };
 
 // Reads an engine YAML (keys: device, dtype, cuda_device, cpu_threads,
-// prefill_chunk, max_batch, prefix_cache_bytes, prefix_cache_host_bytes,
+// prefill_chunk, max_batch, prefix_cache_bytes, prefix_cache_host_bytes, prefix_store_queue_bytes,
 // kv_policy, shadowkv: {...},
 // prefix_store: {...}); errors name the key.
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o);

@@ -232,19 +232,38 @@ Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, Generatio
       continue;
     }
     PENUMBRA_RETURN_IF_ERROR(p.status());
-    if (prefix_store_) {
-      // A store that fails costs this request nothing but the reuse.
+    if (prefix_writer_) {
+      // Written in the background; a store that fails costs this request
+      // nothing but the reuse after a restart.
       auto blobs = (*p)->Export();
-      Status stored = blobs.status();
-      if (stored.ok()) stored = prefix_store_->Put(keys[i], q.cache_namespace, e, *blobs);
-      if (!stored.ok()) {
+      if (blobs.ok()) {
+        prefix_writer_->Enqueue(keys[i], q.cache_namespace, e, std::move(*blobs));
+      } else {
         ++stats_.prefix_store_errors;
-        LOG(WARNING) << "prefix store: not stored: " << stored;
+        LOG(WARNING) << "prefix store: not exported: " << blobs.status();
       }
     }
     prefix_cache_->Insert(keys[i], std::move(*p));
   }
   return Prefill(seq, q.prompt, nullptr, at, P);
+}
+
+void Runtime::SetPrefixStore(storage::SegmentStore* store, std::string model_identity) {
+  prefix_writer_.reset();  // drains writes to the previous store
+  prefix_store_ = store;
+  model_identity_ = std::move(model_identity);
+  if (store) prefix_writer_ = std::make_unique<PrefixStoreWriter>(store, options_.prefix_store_queue_bytes);
+}
+
+RunStats Runtime::stats() const {
+  RunStats s = stats_;
+  if (prefix_writer_) {
+    s.prefix_store_errors += prefix_writer_->errors();
+    s.prefix_stores = prefix_writer_->stored();
+    s.prefix_store_skipped = prefix_writer_->skipped();
+    s.prefix_store_write_seconds = prefix_writer_->write_seconds();
+  }
+  return s;
 }
 
 std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, int64_t tokens) {

@@ -16,6 +16,7 @@
 #include "worker/engine/model_weights.h"
 #include "storage/segment_store.h"
 #include "worker/engine/prefix_cache.h"
+#include "worker/engine/prefix_store_writer.h"
 
 namespace penumbra {
 
@@ -58,6 +59,9 @@ struct RuntimeOptions {
   // Host bytes for them (a shadowkv prefix's values); 0: bounded only by the
   // device bytes. Default: 0.
   size_t prefix_cache_host_bytes = 0;
+  // Host bytes of captured prefixes waiting to be written to the persistent
+  // store; a capture beyond it is not stored. Default: 16 GiB.
+  size_t prefix_store_queue_bytes = size_t{16} << 30;
 };
 
 struct RunStats {
@@ -69,6 +73,9 @@ struct RunStats {
   int64_t prefix_store_hits = 0;         // prefixes imported from the persistent store
   int64_t prefix_store_corruptions = 0;  // stored prefixes found damaged (dropped, recomputed)
   int64_t prefix_store_errors = 0;       // stores that failed (the request went on)
+  int64_t prefix_stores = 0;             // prefixes written to the persistent store
+  int64_t prefix_store_skipped = 0;      // not stored: the write queue was full
+  double prefix_store_write_seconds = 0; // writing them (on the writer thread)
   double prefix_store_read_seconds = 0;  // reading stored prefixes (checked) from disk
   double prefix_import_seconds = 0;      // ... and importing them into the policy (to the device)
   int64_t prefix_store_read_bytes = 0;
@@ -110,16 +117,19 @@ class Runtime {
     policy_->SetDecodeProfiler(profiler);
   }
   const ModelConfig& config() const { return weights_->config(); }
-  const RunStats& stats() const { return stats_; }
+  // The persistent store's writer counts are folded in at each call.
+  RunStats stats() const;
+  // Blocks until every queued write to the persistent store has finished.
+  void DrainPrefixStores() {
+    if (prefix_writer_) prefix_writer_->Drain();
+  }
   // Null when prefix reuse is off.
   PrefixCache* prefix_cache() { return prefix_cache_.get(); }
   // The persistent tier behind the prefix cache (not owned; shared by the
   // engine's lanes) and the model's identity, part of every key. Needs a
   // prefix cache.
-  void SetPrefixStore(storage::SegmentStore* store, std::string model_identity) {
-    prefix_store_ = store;
-    model_identity_ = std::move(model_identity);
-  }
+  // Captured prefixes are written to it in the background (PrefixStoreWriter).
+  void SetPrefixStore(storage::SegmentStore* store, std::string model_identity);
 
  private:
   // Adds request `r`'s sequence `seq`, attaches its longest cached prefix,
@@ -146,6 +156,7 @@ class Runtime {
 
   std::unique_ptr<PrefixCache> prefix_cache_;
   storage::SegmentStore* prefix_store_ = nullptr;
+  std::unique_ptr<PrefixStoreWriter> prefix_writer_;  // destroyed (drained) before the store
   std::string model_identity_;
 };
 

@@ -1,0 +1,75 @@
+#include "worker/engine/prefix_store_writer.h"
+
+#include <glog/logging.h>
+
+#include "worker/engine/op_profiler.h"  // NowSeconds
+
+namespace penumbra {
+
+PrefixStoreWriter::PrefixStoreWriter(storage::SegmentStore* store, size_t max_queued_bytes)
+    : store_(store), max_queued_bytes_(max_queued_bytes), thread_([this] { Run(); }) {}
+
+PrefixStoreWriter::~PrefixStoreWriter() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+bool PrefixStoreWriter::Enqueue(const Hash128& key, std::string cache_namespace, int64_t tokens,
+                                std::map<std::string, std::string> blobs) {
+  size_t bytes = 0;
+  for (const auto& [name, b] : blobs) bytes += b.size();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (queued_bytes_ + bytes > max_queued_bytes_) {
+      ++skipped_;
+      return false;
+    }
+    queued_bytes_ += bytes;
+    queue_.push_back(Item{key, std::move(cache_namespace), tokens, std::move(blobs), bytes});
+  }
+  cv_.notify_all();
+  return true;
+}
+
+void PrefixStoreWriter::Drain() {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return queue_.empty() && !busy_; });
+}
+
+double PrefixStoreWriter::write_seconds() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return write_seconds_;
+}
+
+void PrefixStoreWriter::Run() {
+  std::unique_lock<std::mutex> l(mu_);
+  for (;;) {
+    cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, everything written
+    Item item = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    l.unlock();
+    const double t0 = NowSeconds();
+    Status s = store_->Put(item.key, item.ns, item.tokens, item.blobs);
+    const double dt = NowSeconds() - t0;
+    if (s.ok()) {
+      ++stored_;
+    } else {
+      ++errors_;
+      LOG(WARNING) << "prefix store: not stored: " << s;
+    }
+    item.blobs.clear();
+    l.lock();
+    write_seconds_ += dt;
+    queued_bytes_ -= item.bytes;
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace penumbra

@@ -1,0 +1,67 @@
+// PrefixStoreWriter: stores captured prefixes in the persistent segment store
+// on a background thread, so that the request that prefilled a document is
+// not held up by writing it (gigabytes at disk speed). The runtime exports a
+// prefix (its blobs, host copies) and queues them; the thread Puts them in
+// order. A queue over its byte bound refuses the prefix (counted as skipped:
+// the document is still cached in memory and recomputed after a restart).
+// The destructor finishes every queued write. Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common/hash.h"
+#include "storage/segment_store.h"
+
+namespace penumbra {
+
+class PrefixStoreWriter {
+ public:
+  // `store` must outlive the writer.
+  PrefixStoreWriter(storage::SegmentStore* store, size_t max_queued_bytes);
+  ~PrefixStoreWriter();
+  PrefixStoreWriter(const PrefixStoreWriter&) = delete;
+  PrefixStoreWriter& operator=(const PrefixStoreWriter&) = delete;
+
+  // Queues a Put; false (and nothing queued) when the queue's bytes would
+  // exceed the bound.
+  bool Enqueue(const Hash128& key, std::string cache_namespace, int64_t tokens,
+               std::map<std::string, std::string> blobs);
+  // Blocks until every queued write has finished.
+  void Drain();
+
+  int64_t stored() const { return stored_; }
+  int64_t errors() const { return errors_; }    // Puts that failed (logged)
+  int64_t skipped() const { return skipped_; }  // refused by the queue bound
+  double write_seconds() const;                 // time spent in Put
+
+ private:
+  struct Item {
+    Hash128 key;
+    std::string ns;
+    int64_t tokens;
+    std::map<std::string, std::string> blobs;
+    size_t bytes;
+  };
+  void Run();
+
+  storage::SegmentStore* const store_;
+  const size_t max_queued_bytes_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;    // guarded by mu_
+  size_t queued_bytes_ = 0;   // guarded by mu_ (the item being written included)
+  bool busy_ = false;         // guarded by mu_: an item is being written
+  bool stop_ = false;         // guarded by mu_
+  double write_seconds_ = 0;  // guarded by mu_
+  std::atomic<int64_t> stored_{0}, errors_{0}, skipped_{0};
+  std::thread thread_;
+};
+
+}  // namespace penumbra
