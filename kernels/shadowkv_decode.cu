@@ -55,6 +55,38 @@ template <> struct Raw8<float> {
 // ============================================================================
 // 1. Scores
 // ============================================================================
+// Row c of head h's landmarks of sequence b: below a.shared_chunks from the
+// attached prefix's (shared by its sequences), else from the sequence's own.
+template <typename T>
+struct LandmarkRows {
+  const T* shared;
+  const T* own;
+  int split, d;
+  __device__ LandmarkRows(const ShadowkvScoreArgs& a, int b, int h) : split(a.shared_chunks), d(a.d) {
+    const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
+    own = static_cast<const T*>(a.landmarks[b]) + h * cap * a.d;
+    shared = split > 0 ? static_cast<const T*>(a.shared_landmarks[b]) + static_cast<int64_t>(h) * split * a.d : own;
+  }
+  __device__ const T* Row(int c) const {
+    return c < split ? shared + static_cast<int64_t>(c) * d : own + static_cast<int64_t>(c - split) * d;
+  }
+};
+
+// Token t's A row of sequence b (see ShadowkvRebuildKArgs).
+template <typename T>
+struct ARows {
+  const T* shared;
+  const T* own;
+  int64_t split;
+  int r;
+  __device__ ARows(const ShadowkvRebuildKArgs& a, int b)
+      : split(static_cast<int64_t>(a.shared_chunks) * a.chunk_size), r(a.r) {
+    own = static_cast<const T*>(a.a[b]);
+    shared = split > 0 ? static_cast<const T*>(a.shared_a[b]) : own;
+  }
+  __device__ const T* Row(int64_t t) const { return t < split ? shared + t * r : own + (t - split) * r; }
+};
+
 constexpr int kScoreThreads = 256;
 constexpr int kScoreSplit = 1024;  // chunks per phase-1 block of the SIMT kernel (its shared logits)
 // Chunks per block of the tensor-core kernel. 512 rather than 1024: in the
@@ -122,7 +154,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       }
     }
   }
-  const T* land = static_cast<const T*>(a.landmarks[b]) + static_cast<int64_t>(h) * a.chunk_cap * a.d;
+  const LandmarkRows<T> land(a, b, h);
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
 
   for (int base = c0; base < c1; base += rows_per_pass * kScoreUnroll) {
@@ -131,7 +163,7 @@ __global__ void __launch_bounds__(kScoreThreads)
 #pragma unroll
     for (int u = 0; u < kScoreUnroll; ++u) {
       const int c = base + u * rows_per_pass + row_in_pass;
-      if (active && c < c1) raw[u].Load(land + static_cast<int64_t>(c) * a.d + lane_row * 8);
+      if (active && c < c1) raw[u].Load(land.Row(c) + lane_row * 8);
       else raw[u].Zero();
       ex[u] = lane_row == 0 && c < c1 && excl && excl[c];
     }
@@ -338,7 +370,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
   uint32_t qa[D / 16][2];  // rows r + 8 are zero
   LoadPermutedQ<D>(static_cast<const bf16*>(a.q) + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * D,
                    r < G, c, qa);
-  const bf16* land = static_cast<const bf16*>(a.landmarks[b]) + static_cast<int64_t>(h) * a.chunk_cap * D;
+  const LandmarkRows<bf16> land(a, b, h);
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
   float* logit_row = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * a.max_chunks;
   float m_run = NegInf(), s_run = 0.0f;  // head r; s is this lane's partial sum
@@ -349,7 +381,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int row = base + 8 * nt + r;
-      LoadPermutedK<D>(land + static_cast<int64_t>(row) * D, row < c1, c, kr[nt]);
+      LoadPermutedK<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
     }
     // The exclusion flags of this lane's 8 output chunks, loaded beside the
     // landmarks (after the products their latency would add to every step).
@@ -582,7 +614,7 @@ __global__ void __launch_bounds__(kSimtThreads) RebuildKSimtKernel(ShadowkvRebui
   const int b = row / a.hkv, h = row % a.hkv;
   const int slot = a.miss_slot[static_cast<int64_t>(row) * a.miss_stride + m];
   const int chunk = a.miss_chunk[static_cast<int64_t>(row) * a.miss_stride + m];
-  const T* A = static_cast<const T*>(a.a[b]);
+  const ARows<T> A(a, b);
   const T* Bh = static_cast<const T*>(a.b[b]) + static_cast<int64_t>(h) * r * d;
   T* K = static_cast<T*>(a.att_k[b]) + h * a.att_head_stride +
          (static_cast<int64_t>(a.outlier_rows) + static_cast<int64_t>(slot) * C) * d;
@@ -594,7 +626,7 @@ __global__ void __launch_bounds__(kSimtThreads) RebuildKSimtKernel(ShadowkvRebui
     const int64_t t0 = static_cast<int64_t>(chunk) * C + i0;
     for (int idx = tid; idx < kSimtTokens * r; idx += kSimtThreads) {
       const int u = idx / r, k = idx - u * r;
-      As[idx] = u < nt ? ToF32(A[(t0 + u) * r + k]) : 0.0f;
+      As[idx] = u < nt ? ToF32(A.Row(t0 + u)[k]) : 0.0f;
     }
     __syncthreads();
     for (int j = tid; j < d; j += kSimtThreads) {
@@ -674,7 +706,7 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
   const int ntiles = (count + per_tile - 1) / per_tile;
   if (static_cast<int>(blockIdx.x) >= ntiles) return;
   const int b = row / a.hkv, h = row % a.hkv;
-  const bf16* A = static_cast<const bf16*>(a.a[b]);
+  const ARows<bf16> A(a, b);
   const bf16* Bh = static_cast<const bf16*>(a.b[b]) + static_cast<int64_t>(h) * r * d;
   bf16* K = static_cast<bf16*>(a.att_k[b]) + h * a.att_head_stride + static_cast<int64_t>(a.outlier_rows) * d;
   const int32_t* mslot = a.miss_slot + static_cast<int64_t>(row) * a.miss_stride;
@@ -696,7 +728,8 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
       const int rr = idx / vpr, k0 = (idx - rr * vpr) * 8;
       const int64_t t = static_cast<int64_t>(chunks[rr / C]) * C + rr % C;
       const bool in = k0 < r;
-      CpAsync16(SmemAddr(dst + rr * L.a_stride + k0), in ? A + t * r + k0 : A, in ? 16 : 0);
+      const bf16* arow = A.Row(t);
+      CpAsync16(SmemAddr(dst + rr * L.a_stride + k0), in ? arow + k0 : arow, in ? 16 : 0);
     }
   };
   auto load_idx = [&](int tile, int buf) {

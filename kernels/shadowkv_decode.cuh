@@ -63,7 +63,14 @@ struct ShadowkvScoreArgs {
   DType dtype = DType::kBF16;                // landmarks: f32 or bf16
   const int32_t* n_chunks = nullptr;         // device [batch], each <= max_chunks
   int batch = 0, hq = 0, hkv = 0, d = 0;
-  int chunk_cap = 0;   // chunks allocated per head in landmarks / excluded
+  int chunk_cap = 0;   // chunks allocated per head in excluded (and in landmarks unless landmark_cap > 0)
+  // Chunks below shared_chunks have their landmarks at shared_landmarks[b]
+  // ([hkv][shared_chunks][d]: an attached prefix's, read by every sequence
+  // attached to it); chunk c >= shared_chunks at landmarks[b] row
+  // c - shared_chunks of landmark_cap rows per head.
+  const void* const* shared_landmarks = nullptr;  // device [batch]; may be null when shared_chunks == 0
+  int shared_chunks = 0;
+  int landmark_cap = 0;  // 0: chunk_cap
   int max_chunks = 0;  // host-side upper bound of n_chunks (sizes the grid), <= chunk_cap
   float scale = 1.0f;  // usually 1/sqrt(d)
   float* scores = nullptr;  // [batch, hkv, score_stride] f32
@@ -144,7 +151,11 @@ enum class RebuildKAlgo : uint8_t {
   kSimt,  // f32 FMA path
 };
 struct ShadowkvRebuildKArgs {
+  // Token t's A row: shared_a[b] + t*r for t < shared_chunks*C (an attached
+  // prefix's), else a[b] + (t - shared_chunks*C)*r.
   const void* const* a = nullptr;         // device [batch] -> A [token_cap][r]
+  const void* const* shared_a = nullptr;  // device [batch]; may be null when shared_chunks == 0
+  int shared_chunks = 0;
   const void* const* b = nullptr;         // device [batch] -> B [hkv][r][d]
   const int32_t* position_offset = nullptr;  // device [batch]; null = 0
   const float* inv_freq = nullptr;        // device [d/2]

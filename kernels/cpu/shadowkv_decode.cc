@@ -54,7 +54,10 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
   ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t row) {
     const int b = static_cast<int>(row / a.hkv), h = static_cast<int>(row % a.hkv);
     const int n = a.n_chunks[b];
-    const float* land = a.landmarks[b] + static_cast<int64_t>(h) * a.chunk_cap * a.d;
+    const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
+    const float* own = a.landmarks[b] + h * cap * a.d;
+    const float* shared =
+        a.shared_chunks > 0 ? a.shared_landmarks[b] + static_cast<int64_t>(h) * a.shared_chunks * a.d : own;
     const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
     float* out = a.scores + row * a.score_stride;
     for (int c = 0; c < a.max_chunks; ++c) out[c] = kNegInf;
@@ -68,7 +71,8 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
           continue;
         }
         float dot = 0.0f;
-        const float* l = land + static_cast<int64_t>(c) * a.d;
+        const float* l = c < a.shared_chunks ? shared + static_cast<int64_t>(c) * a.d
+                                             : own + static_cast<int64_t>(c - a.shared_chunks) * a.d;
         for (int j = 0; j < a.d; ++j) dot += q[j] * l[j];
         logit[c] = dot * a.scale;
         mx = std::max(mx, logit[c]);
@@ -139,7 +143,8 @@ void ShadowkvRebuildK(const ShadowkvRebuildKArgs& a) {
       const int chunk = a.miss_chunk[row * a.miss_stride + m];
       for (int i = 0; i < a.chunk_size; ++i) {
         const int64_t t = static_cast<int64_t>(chunk) * a.chunk_size + i;
-        const float* at = a.a[b] + t * a.r;
+        const int64_t split = static_cast<int64_t>(a.shared_chunks) * a.chunk_size;
+        const float* at = t < split ? a.shared_a[b] + t * a.r : a.a[b] + (t - split) * a.r;
         for (int j = 0; j < a.d; ++j) {
           float acc = 0.0f;
           for (int k = 0; k < a.r; ++k) acc += at[k] * bh[static_cast<int64_t>(k) * a.d + j];

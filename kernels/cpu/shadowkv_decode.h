@@ -37,6 +37,10 @@ struct ShadowkvScoreArgs {
   const int32_t* n_chunks = nullptr;          // [batch]
   int batch = 0, hq = 0, hkv = 0, d = 0;
   int chunk_cap = 0, max_chunks = 0;
+  // An attached prefix's landmarks for chunks below shared_chunks (see the
+  // CUDA header); landmark_cap: own rows per head (0: chunk_cap).
+  const float* const* shared_landmarks = nullptr;
+  int shared_chunks = 0, landmark_cap = 0;
   float scale = 1.0f;
   float* scores = nullptr;  // [batch, hkv, score_stride]
   int64_t score_stride = 0;
@@ -59,6 +63,8 @@ void ShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a);
 // As kernels::ShadowkvRebuildKArgs, f32, host arrays.
 struct ShadowkvRebuildKArgs {
   const float* const* a = nullptr;
+  const float* const* shared_a = nullptr;  // an attached prefix's A rows (see the CUDA header)
+  int shared_chunks = 0;
   const float* const* b = nullptr;
   const int32_t* position_offset = nullptr;  // may be null
   const float* inv_freq = nullptr;

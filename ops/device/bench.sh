@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, ttft_disk, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, shared, eval. Every throughput run is beside the
 # full-attention peer (.device/peer_full_attention.py, which device-bundle
 # copies in) in the same call, the peer first and last. Every JSON line is
 # tagged with its suite and appended to $OUT/bench.jsonl; stderr goes to
@@ -40,6 +40,8 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             full and shadowkv (issue 17), after prefix_reuse_gpu_test
   ttft_disk the same cached only on disk (read back after the memory cache is cleared), beside the disk's raw
             direct-I/O bandwidth (dd)
+  shared    64 questions over one shared 124928-token document decoded as one batch (shadowkv), beside the
+            peer's --shared-prefix --graph mode
   eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
             must travel: see ops/device/pack.sh)
 EOF
@@ -176,6 +178,15 @@ suite_ttft() {
   done
 }
 
+# 64 questions over one shared 124928-token document, decoded as one batch,
+# beside the peer's cascade attention over one copy of the document's KV.
+suite_shared() {
+  run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
+  run 400 $R penumbra-bench shared --kv-policy shadowkv --prefill-chunk 1024 --context 124928 --batch 64 \
+    --question 64 --steps 20
+  run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
+}
+
 # The store lives on the disk of the working copy (not /tmp, which may be
 # memory), beside the raw bandwidth of that disk.
 suite_ttft_disk() {
@@ -230,7 +241,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|eval) ;;
+    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

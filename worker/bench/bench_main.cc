@@ -5,6 +5,7 @@
 //   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv] [--lanes N]
 //   penumbra-bench prefill --context 124928
 //   penumbra-bench ttft    --context 124928 [--question 64] [--cache off|hbm|disk] [--store-dir DIR]
+//   penumbra-bench shared  --context 124928 [--batch 64] [--question 64] [--steps 20] (one shared document)
 // decode fills each sequence's context with random keys and values (through
 // the policy's real compression path for shadowkv), then times `steps` decode
 // steps of the whole model after 2 warm-up steps, greedy sampling included.
@@ -556,11 +557,113 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
   return Status::OK();
 }
 
+// shared: --batch sequences over ONE copy of a document (the issue 17
+// shared-document decode). The document (--context tokens, real prefill of
+// synthetic ids) is prefilled once and captured; each sequence attaches it
+// (SequenceSpec::prefix) and prefills its own --question tokens; then
+// --steps decode steps of the whole batch are timed after 2 warm-up steps,
+// greedy sampling included. Reports device bytes per attached sequence and
+// the prefix's device and host bytes.
+Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
+  Runtime& rt = e.runtime();
+  Backend& b = e.backend();
+  KvPolicy& policy = rt.policy();
+  const int V = e.config().vocab_size;
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t B, a.GetIntIn("batch", 64, 1, 4096));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t steps, a.GetIntIn("steps", 20, 1, 100000));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t Q, a.GetIntIn("question", 64, 1, 1 << 20));
+  auto tokens = [&](int64_t n, int64_t salt) {
+    std::vector<int32_t> t(n);
+    for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>((i * 7919 + salt * 104729) % V);
+    return t;
+  };
+  const std::vector<int32_t> doc = tokens(S, 0);
+  const int64_t new_tokens = steps + 4;
+  double t0 = NowSeconds();
+  SequenceSpec spec;
+  spec.prompt_len = S + Q;
+  spec.max_new_tokens = new_tokens;
+  spec.first_prefill = S;
+  const int64_t doc_seq = 1 << 30;
+  PENUMBRA_RETURN_IF_ERROR(policy.AddSequence(doc_seq, spec));
+  Status st = rt.Prefill(doc_seq, doc, nullptr, 0, S);
+  Result<std::shared_ptr<const KvPrefix>> prefix = st.ok() ? policy.CapturePrefix(doc_seq, S)
+                                                           : Result<std::shared_ptr<const KvPrefix>>(st);
+  rt.RemoveSequence(doc_seq);
+  PENUMBRA_RETURN_IF_ERROR(prefix.status());
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  const double document_s = NowSeconds() - t0;
+  t0 = NowSeconds();
+  std::vector<int64_t> seqs;
+  auto remove_all = [&] {
+    for (int64_t q : seqs) rt.RemoveSequence(q);
+  };
+  spec.prefix = *prefix;
+  for (int64_t i = 0; i < B; ++i) {
+    std::vector<int32_t> prompt = doc;
+    const std::vector<int32_t> q = tokens(Q, i + 1);
+    prompt.insert(prompt.end(), q.begin(), q.end());
+    Status added = policy.AddSequence(i, spec);
+    if (added.ok()) {
+      seqs.push_back(i);
+      added = rt.Prefill(i, prompt, nullptr, S);
+    }
+    if (!added.ok()) {
+      remove_all();
+      return added;
+    }
+  }
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  const double questions_s = NowSeconds() - t0;
+  std::vector<int32_t> next(B, 1);
+  std::vector<int64_t> positions(B, S + Q);
+  const std::vector<SampleParams> greedy(B);
+  const PolicyStats before = policy.stats();
+  double timed = 0;
+  for (int64_t step = 0; step < steps + 2; ++step) {
+    if (step == 2) {
+      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+      timed = NowSeconds();
+    }
+    auto logits = rt.DecodeStep(seqs, next, positions);
+    if (!logits.ok()) {
+      remove_all();
+      return logits.status();
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.Sample(*logits, static_cast<int>(B), V, greedy, next.data()));
+    for (int64_t& p : positions) ++p;
+  }
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  const double dt = (NowSeconds() - timed) / static_cast<double>(steps);
+  const PolicyStats after = policy.stats();
+  nlohmann::json j = cm.Line("decode");
+  j["shared_document"] = true;
+  j["kv_policy"] = e.options().kv_policy;
+  j["context"] = S;
+  j["batch"] = B;
+  j["question"] = Q;
+  j["steps"] = steps;
+  j["tokens_per_s"] = static_cast<double>(B) / dt;
+  j["ms_per_step"] = dt * 1e3;
+  j["document_prefill_s"] = document_s;
+  j["questions_prefill_s"] = questions_s;
+  j["prefix_device_bytes"] = (*prefix)->device_bytes();
+  j["prefix_host_bytes"] = (*prefix)->host_bytes();
+  j["device_bytes_per_sequence"] = policy.DeviceBytes(seqs[0]);
+  const int64_t sel = after.selected_chunks - before.selected_chunks;
+  if (sel > 0) j["hit_rate"] = static_cast<double>(after.hit_chunks - before.hit_chunks) / static_cast<double>(sel);
+  remove_all();
+  std::cout << j.dump() << std::endl;
+  return Status::OK();
+}
+
 Status Main(int argc, char** argv) {
-  if (argc < 2) return Status::InvalidArgument("usage: penumbra-bench decode|prefill|ttft --context N[,N...] [options]");
+  if (argc < 2) {
+    return Status::InvalidArgument("usage: penumbra-bench decode|prefill|ttft|shared --context N[,N...] [options]");
+  }
   const std::string mode = argv[1];
-  if (mode != "decode" && mode != "prefill" && mode != "ttft") {
-    return Status::InvalidArgument("mode must be decode, prefill or ttft");
+  if (mode != "decode" && mode != "prefill" && mode != "ttft" && mode != "shared") {
+    return Status::InvalidArgument("mode must be decode, prefill, ttft or shared");
   }
   Args a;
   a.Flag("context", "context lengths, comma-separated").Flag("batch", "sequences (default: largest that fits)")
@@ -581,7 +684,7 @@ Status Main(int argc, char** argv) {
                      "cache in device memory) or disk (read back from the prefix store, as after a restart)")
       .Flag("store-dir", "ttft --cache disk: the prefix store's directory, emptied first "
                          "(default /tmp/penumbra-ttft-store)")
-      .Flag("question", "ttft: question tokens after the document (default 64)")
+      .Flag("question", "ttft, shared: question tokens after the document (default 64)")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
       .Flag("kernel-trace", "decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
@@ -635,9 +738,10 @@ Status Main(int argc, char** argv) {
   const double copy = mode == "decode" && engine->backend().device() == Device::kCUDA ? MeasureCopyGBps(engine->backend()) : 0;
   bool trace_pending = a.Has("kernel-trace");
   for (int64_t S : contexts) {
-    Status r = mode == "decode"  ? RunDecode(a, *engine, cm, S, copy, &trace_pending)
-               : mode == "ttft" ? RunTtft(a, *engine, cm, S)
-                                : RunPrefill(a, *engine, cm, S);
+    Status r = mode == "decode"   ? RunDecode(a, *engine, cm, S, copy, &trace_pending)
+               : mode == "ttft"   ? RunTtft(a, *engine, cm, S)
+               : mode == "shared" ? RunShared(a, *engine, cm, S)
+                                  : RunPrefill(a, *engine, cm, S);
     if (!r.ok()) {
       nlohmann::json j = cm.Line(mode);
       j["context"] = S;

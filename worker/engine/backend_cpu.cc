@@ -236,6 +236,9 @@ class CpuBackend final : public Backend {
     c.d = a.d;
     c.chunk_cap = a.chunk_cap;
     c.max_chunks = a.max_chunks;
+    c.shared_landmarks = reinterpret_cast<const float* const*>(a.shared_landmarks);
+    c.shared_chunks = a.shared_chunks;
+    c.landmark_cap = a.landmark_cap;
     c.scale = a.scale;
     c.scores = a.scores;
     c.score_stride = a.score_stride;
@@ -275,6 +278,8 @@ class CpuBackend final : public Backend {
   void ShadowkvRebuildK(kernels::ShadowkvRebuildKArgs a) override {
     kc::ShadowkvRebuildKArgs c;
     c.a = reinterpret_cast<const float* const*>(a.a);
+    c.shared_a = reinterpret_cast<const float* const*>(a.shared_a);
+    c.shared_chunks = a.shared_chunks;
     c.b = reinterpret_cast<const float* const*>(a.b);
     c.position_offset = a.position_offset;
     c.inv_freq = a.inv_freq;

@@ -108,10 +108,14 @@ class ShadowKvPolicy final : public KvPolicy {
                                          " MiB of host memory and only " + std::to_string(host_free >> 20) +
                                          " MiB are available (8 GiB kept free)");
       }
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.token_cap * r * es_));
+      // A rows and landmarks of the chunks this sequence makes; an attached
+      // prefix's are read in place from the prefix.
+      s.a_rows = s.token_cap - static_cast<int64_t>(s.shared_chunks) * C;
+      s.lm_cap = s.chunk_cap - s.shared_chunks;
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.a_rows * r * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.b, static_cast<size_t>(L) * H * r * d * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.p, static_cast<size_t>(L) * D * r * sizeof(float)));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * s.chunk_cap * d * es_));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * s.lm_cap * d * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t)));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
@@ -279,16 +283,18 @@ class ShadowKvPolicy final : public KvPolicy {
       const int32_t* count = all_chunks_.as<int32_t>();
       const int32_t* slot = count + H;
       const int32_t* chunk = slot + static_cast<size_t>(H) * n;
-      const void* ptrs[5] = {Row2(s.a, layer, s.token_cap * o_.rank),
+      const void* ptrs[5] = {ALayer(s, layer),
                              Row2(s.b, layer, static_cast<int64_t>(H) * o_.rank * d), tmp_k_.get(), tmp_v_.get(),
                              s.store_dev[layer]};
-      const void* shared = s.prefix ? s.prefix->values_device(layer) : nullptr;
       std::vector<const void*> table(std::begin(ptrs), std::end(ptrs));
-      table.push_back(shared);
+      table.push_back(s.prefix ? s.prefix->values_device(layer) : nullptr);
+      table.push_back(s.prefix ? s.prefix->a_layer(layer) : nullptr);
       PENUMBRA_RETURN_IF_ERROR(Upload(&rebuild_ptrs_, table.data(), table.size() * sizeof(void*)));
       auto* dev = static_cast<void* const*>(rebuild_ptrs_.get());
       kn::ShadowkvRebuildKArgs rk;
       rk.a = reinterpret_cast<const void* const*>(dev + 0);
+      rk.shared_a = reinterpret_cast<const void* const*>(dev + 6);
+      rk.shared_chunks = s.shared_chunks;
       rk.b = reinterpret_cast<const void* const*>(dev + 1);
       rk.inv_freq = ctx_.inv_freq;
       rk.miss_count = count;
@@ -372,8 +378,8 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.chunk_tokens = C;
       cl.hkv = H;
       cl.d = d;
-      cl.landmarks = static_cast<char*>(Row2(s.lm, layer, static_cast<int64_t>(H) * s.chunk_cap * d)) + first * d * es_;
-      cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
+      cl.landmarks = static_cast<char*>(LmLayer(s, layer)) + static_cast<int64_t>(first - s.shared_chunks) * d * es_;
+      cl.landmark_head_stride = static_cast<int64_t>(s.lm_cap) * d;
       cl.min_cos = min_cos;
       cl.min_cos_head_stride = k;
       b.ChunkLandmarks(cl);
@@ -383,8 +389,8 @@ class ShadowKvPolicy final : public KvPolicy {
       pk.D = D;
       pk.rank = o_.rank;
       pk.proj = s.p.as<float>() + static_cast<int64_t>(layer) * D * o_.rank;
-      pk.a_out = static_cast<char*>(Row2(s.a, layer, s.token_cap * o_.rank)) +
-                 static_cast<int64_t>(first) * C * o_.rank * es_;
+      pk.a_out = static_cast<char*>(ALayer(s, layer)) +
+                 static_cast<int64_t>(first - s.shared_chunks) * C * o_.rank * es_;
       b.ProjectKeys(pk);
       PENUMBRA_RETURN_IF_ERROR(
           OffloadValues(s, layer, tmp_v_.get(), tmp_cap_ * d, first, k, first - s.shared_chunks));
@@ -426,7 +432,7 @@ class ShadowKvPolicy final : public KvPolicy {
     lr.hkv = H;
     lr.d = d;
     lr.rank = r;
-    lr.a_out = Row2(s.a, layer, s.token_cap * r);
+    lr.a_out = ALayer(s, layer);
     lr.b_out = Row2(s.b, layer, static_cast<int64_t>(H) * r * d);
     lr.proj_out = s.p.as<float>() + static_cast<int64_t>(layer) * D * r;
     PENUMBRA_RETURN_IF_ERROR(b.LowRankFactor(lr));
@@ -440,8 +446,8 @@ class ShadowKvPolicy final : public KvPolicy {
     cl.chunk_tokens = C;
     cl.hkv = H;
     cl.d = d;
-    cl.landmarks = Row2(s.lm, layer, static_cast<int64_t>(H) * s.chunk_cap * d);
-    cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
+    cl.landmarks = LmLayer(s, layer);
+    cl.landmark_head_stride = static_cast<int64_t>(s.lm_cap) * d;
     cl.min_cos = tmp_cos_.as<float>();
     cl.min_cos_head_stride = s.chunk_cap;
     b.ChunkLandmarks(cl);
@@ -562,15 +568,17 @@ class ShadowKvPolicy final : public KvPolicy {
         row[2 * B + i] = Row(s.att_k, s, l, 0);
         row[3 * B + i] = Row(s.att_v, s, l, 0);
         if (s.sparse) {
-          row[4 * B + i] = Row2(s.lm, l, static_cast<int64_t>(ctx_.hkv) * s.chunk_cap * ctx_.head_dim);
+          row[4 * B + i] = LmLayer(s, l);
           row[5 * B + i] = s.excl.as<uint8_t>() + static_cast<int64_t>(l) * ctx_.hkv * s.chunk_cap;
           row[6 * B + i] = s.slots.as<int32_t>() + static_cast<int64_t>(l) * ctx_.hkv * s.kslots;
-          row[7 * B + i] = Row2(s.a, l, s.token_cap * o_.rank);
+          row[7 * B + i] = ALayer(s, l);
           row[8 * B + i] = Row2(s.b, l, static_cast<int64_t>(ctx_.hkv) * o_.rank * ctx_.head_dim);
           row[9 * B + i] = s.store_dev[l];
           row[10 * B + i] = s.prek.as<float>() + (static_cast<int64_t>(l) * s.local_cap + s.local_count) * ctx_.hkv *
                                                      ctx_.head_dim;  // new token's pre-RoPE key row
-          row[11 * B + i] = s.prefix ? s.prefix->values_device(l) : nullptr;  // an attached prefix's values
+          row[11 * B + i] = s.prefix ? s.prefix->values_device(l) : nullptr;  // an attached prefix's values,
+          row[12 * B + i] = s.prefix ? s.prefix->lm_layer(l) : nullptr;      // landmarks
+          row[13 * B + i] = s.prefix ? s.prefix->a_layer(l) : nullptr;       // and A rows
         }
       }
     }
@@ -703,6 +711,9 @@ class ShadowKvPolicy final : public KvPolicy {
     sc.hkv = H;
     sc.d = d;
     sc.chunk_cap = s0.chunk_cap;
+    sc.landmark_cap = s0.lm_cap;
+    sc.shared_landmarks = reinterpret_cast<const void* const*>(tab + 12 * B + g0);
+    sc.shared_chunks = s0.shared_chunks;
     sc.max_chunks = max_chunks;
     sc.scale = ctx_.scale;
     sc.scores = scores;
@@ -760,6 +771,8 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     kn::ShadowkvRebuildKArgs rk;
     rk.a = reinterpret_cast<const void* const*>(tab + 7 * B + g0);
+    rk.shared_a = reinterpret_cast<const void* const*>(tab + 13 * B + g0);
+    rk.shared_chunks = s0.shared_chunks;
     rk.b = reinterpret_cast<const void* const*>(tab + 8 * B + g0);
     rk.inv_freq = ctx_.inv_freq;
     rk.miss_count = mcount;
@@ -888,13 +901,13 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.chunk_tokens = C;
       cl.hkv = H;
       cl.d = d;
-      cl.landmarks = static_cast<char*>(s.lm.get()) + c * d * es_;
-      cl.landmark_head_stride = static_cast<int64_t>(s.chunk_cap) * d;
+      cl.landmarks = static_cast<char*>(s.lm.get()) + static_cast<int64_t>(c - s.shared_chunks) * d * es_;
+      cl.landmark_head_stride = static_cast<int64_t>(s.lm_cap) * d;
       cl.min_cos = min_cos;
       cl.min_cos_head_stride = 1;
       cl.batch = L;
       cl.k_batch_stride = AttLayer(s);
-      cl.landmark_batch_stride = static_cast<int64_t>(H) * s.chunk_cap * d;
+      cl.landmark_batch_stride = static_cast<int64_t>(H) * s.lm_cap * d;
       cl.min_cos_batch_stride = H;
       b.ChunkLandmarks(cl);
       kn::ProjectKeysArgs pk;
@@ -903,11 +916,11 @@ class ShadowKvPolicy final : public KvPolicy {
       pk.D = D;
       pk.rank = o_.rank;
       pk.proj = s.p.as<float>();
-      pk.a_out = static_cast<char*>(s.a.get()) + static_cast<int64_t>(c) * C * o_.rank * es_;
+      pk.a_out = static_cast<char*>(s.a.get()) + static_cast<int64_t>(c - s.shared_chunks) * C * o_.rank * es_;
       pk.batch = L;
       pk.keys_batch_stride = s.local_cap * D;
       pk.proj_batch_stride = static_cast<int64_t>(D) * o_.rank;
-      pk.a_batch_stride = s.token_cap * o_.rank;
+      pk.a_batch_stride = s.a_rows * o_.rank;
       b.ProjectKeys(pk);
       // The chunk's values of every layer and head in one 2-D copy (the local
       // rows of all layers and heads share one pitch).
@@ -992,10 +1005,20 @@ class ShadowKvPolicy final : public KvPolicy {
     };
     if (s.sparse) {
       const size_t arow = static_cast<size_t>(n) * C * r * es_;
-      PENUMBRA_RETURN_IF_ERROR(copy2d(p->a, arow, s.a.get(), s.token_cap * r * es_, arow, L));
+      // A rows and landmarks: the attached prefix's chunks, then the sequence's own.
+      const int sh = s.shared_chunks;
+      const size_t ash = static_cast<size_t>(sh) * C * r * es_, lsh = static_cast<size_t>(sh) * d * es_;
+      if (sh > 0) {
+        PENUMBRA_RETURN_IF_ERROR(copy2d(p->a, arow, s.prefix->a.get(), ash, ash, L));
+        PENUMBRA_RETURN_IF_ERROR(copy2d(p->lm, n * d * es_, s.prefix->lm.get(), lsh, lsh, LH));
+      }
+      if (n > sh) {
+        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(p->a.as<char>() + ash, arow, s.a.get(), s.a_rows * r * es_, arow - ash, L));
+        PENUMBRA_RETURN_IF_ERROR(
+            b.Copy2D(p->lm.as<char>() + lsh, n * d * es_, s.lm.get(), s.lm_cap * d * es_, n * d * es_ - lsh, LH));
+      }
       PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(p->b.get(), s.b.get(), p->b.bytes()));
       PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(p->p.get(), s.p.get(), p->p.bytes()));
-      PENUMBRA_RETURN_IF_ERROR(copy2d(p->lm, n * d * es_, s.lm.get(), s.chunk_cap * d * es_, n * d * es_, LH));
       PENUMBRA_RETURN_IF_ERROR(copy2d(p->excl, n, s.excl.get(), s.chunk_cap, n, LH));
       const size_t orow = static_cast<size_t>(s.outliers) * C * d * es_;
       PENUMBRA_RETURN_IF_ERROR(copy2d(p->out_k, orow, s.att_k.get(), att_pitch, orow, LH));
@@ -1045,12 +1068,13 @@ class ShadowKvPolicy final : public KvPolicy {
     return std::shared_ptr<const KvPrefix>(std::move(p));
   }
 
-  // Copies a prefix's device state into the fresh sequence `s` (shaped for
-  // it by AddSequence); its values stay where they are.
+  // Copies a prefix's small device state (b, p, exclusion mask, outlier and
+  // local rows) into the fresh sequence `s` (shaped for it by AddSequence);
+  // its A rows, landmarks and values are read in place.
   Status AttachState(Seq& s, const ShadowKvPrefix& p) {
     Backend& b = *ctx_.backend;
     const ShadowKvPrefixGeometry& g = p.geometry();
-    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, C = o_.chunk_size, D = H * d;
+    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, D = H * d;
     const int n = g.n_chunks;
     const size_t LH = static_cast<size_t>(L) * H, att_pitch = s.att_cap * d * es_;
     auto copy2d = [&](void* dst, size_t dpitch, const DeviceBuffer& src, size_t spitch, size_t width,
@@ -1059,11 +1083,8 @@ class ShadowKvPolicy final : public KvPolicy {
       return b.Copy2D(dst, dpitch, src.get(), spitch, width, height);
     };
     if (s.sparse) {
-      const size_t arow = static_cast<size_t>(n) * C * r * es_;
-      PENUMBRA_RETURN_IF_ERROR(copy2d(s.a.get(), s.token_cap * r * es_, p.a, arow, arow, L));
       PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.b.get(), p.b.get(), p.b.bytes()));
       PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.p.get(), p.p.get(), p.p.bytes()));
-      PENUMBRA_RETURN_IF_ERROR(copy2d(s.lm.get(), s.chunk_cap * d * es_, p.lm, n * d * es_, n * d * es_, LH));
       PENUMBRA_RETURN_IF_ERROR(copy2d(s.excl.get(), s.chunk_cap, p.excl, n, n, LH));
       const size_t orow = static_cast<size_t>(g.outliers) * C * d * es_;
       PENUMBRA_RETURN_IF_ERROR(copy2d(s.att_k.get(), att_pitch, p.out_k, orow, orow, LH));
@@ -1167,7 +1188,7 @@ class ShadowKvPolicy final : public KvPolicy {
   }
 
  private:
-  static constexpr int kTables = 12;
+  static constexpr int kTables = 14;
   // Thread blocks of the value fetch that restores a whole layer's values
   // for a continuation prefill (no decode to share the SMs with).
   static constexpr int kRestoreFetchBlocks = 1024;
@@ -1185,6 +1206,8 @@ class ShadowKvPolicy final : public KvPolicy {
     int64_t token_cap = 0;
     int outliers = 0, kslots = 0, chunk_cap = 0, n_chunks = 0;
     int64_t local_cap = 0, local_count = 0, att_cap = 0;
+    int64_t a_rows = 0;  // A rows held per layer (the tokens after shared_chunks' chunks)
+    int lm_cap = 0;      // landmark rows held per head (the chunks from shared_chunks on)
     DeviceBuffer att_k, att_v, a, b, p, lm, excl, slots, prek;
     storage::SegmentId segment = 0;
     std::vector<const void*> store_dev, store_host;
@@ -1204,6 +1227,10 @@ class ShadowKvPolicy final : public KvPolicy {
   int64_t LocalRow0(const Seq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }
   void* Row(const DeviceBuffer& buf, const Seq& s, int layer, int64_t row) const {
     return static_cast<char*>(buf.get()) + (layer * AttLayer(s) + row * ctx_.head_dim) * es_;
+  }
+  void* ALayer(const Seq& s, int layer) const { return Row2(s.a, layer, s.a_rows * o_.rank); }
+  void* LmLayer(const Seq& s, int layer) const {
+    return Row2(s.lm, layer, static_cast<int64_t>(ctx_.hkv) * s.lm_cap * ctx_.head_dim);
   }
   void* Row2(const DeviceBuffer& buf, int layer, int64_t per_layer) const {
     return static_cast<char*>(buf.get()) + layer * per_layer * es_;

@@ -154,6 +154,16 @@ const void* ShadowKvPrefix::values_device(int layer) const {
          values.bytes() / g_.layers * layer;
 }
 
+const void* ShadowKvPrefix::a_layer(int layer) const {
+  if (!a.get()) return nullptr;
+  return a.as<const char>() + a.bytes() / g_.layers * layer;
+}
+
+const void* ShadowKvPrefix::lm_layer(int layer) const {
+  if (!lm.get()) return nullptr;
+  return lm.as<const char>() + lm.bytes() / g_.layers * layer;
+}
+
 const char* ShadowKvPrefix::values_host(int layer) const {
   if (!values.get()) return nullptr;
   return values.as<char>() + values.bytes() / g_.layers * layer;

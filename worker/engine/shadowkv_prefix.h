@@ -10,11 +10,13 @@
 //   tail_k/v   [hkv][tail][d]      the exact local rows
 //   tail_prek  [tail][hkv*d] f32   their pre-RoPE keys
 //   values     [hkv][n_chunks][C*d] every chunk's values, in pinned host memory
-// (a dense prefix, under min_prompt_tokens, is only its tail rows). Device
-// buffers are copied into each attached sequence (they are small beside the
-// values: a is r/(2*hkv*d) of the exact K); the values are read in place by
-// every attached sequence (ShadowkvFetchVArgs::shared_store): one copy in
-// DRAM however many sequences use it.
+// (a dense prefix, under min_prompt_tokens, is only its tail rows). The big
+// parts are read in place by every attached sequence: the values
+// (ShadowkvFetchVArgs::shared_store), the A rows (ShadowkvRebuildKArgs::
+// shared_a) and the landmarks (ShadowkvScoreArgs::shared_landmarks): one copy
+// however many sequences use the document. The small ones (b, p, excl, the
+// outlier and local rows) are copied into each sequence, whose kernels read
+// them from its own buffers.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +67,10 @@ class ShadowKvPrefix final : public KvPrefix {
   // Device address of layer l's values ([hkv][n_chunks][C*d]).
   const void* values_device(int layer) const;
   const char* values_host(int layer) const;
+  // Device addresses of layer l's A rows ([n_chunks*C][r]) and landmarks
+  // ([hkv][n_chunks][d]); null for a dense prefix.
+  const void* a_layer(int layer) const;
+  const void* lm_layer(int layer) const;
 
   // The state (written by the policy that captures or imports it).
   DeviceBuffer a, b, p, lm, excl, out_k, out_v, tail_k, tail_v, tail_prek, values;
