@@ -343,8 +343,8 @@ static_assert(kMergeThreads == kGenericThreads, "the merge uses BlockReduce128")
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     DecodeMergeKernel(const float* __restrict__ ws_o, const float* __restrict__ ws_m, const float* __restrict__ ws_l,
-                      const int32_t* __restrict__ lengths, T* __restrict__ out, int hq, int d, int chunk,
-                      int splits) {
+                      const int32_t* __restrict__ lengths, T* __restrict__ out, float* __restrict__ lse, int hq,
+                      int d, int chunk, int splits) {
   ChainWait();  // launched chained: see LaunchChained
   ChainRelease();
   extern __shared__ float w_s[];  // [min(n, kMergeMaxSmemSplits)]
@@ -361,6 +361,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int s = threadIdx.x; s < n; s += kMergeThreads) total += exp2f(m[s] - mx) * l[s];
   total = BlockReduce128(total, scratch, false);
   const float inv = 1.0f / total;
+  if (lse != nullptr && threadIdx.x == 0) lse[row] = (mx + log2f(total)) * 0.6931471805599453f;  // log2 -> ln
   const int n_smem = min(n, kMergeMaxSmemSplits);
   for (int s = threadIdx.x; s < n_smem; s += kMergeThreads) w_s[s] = exp2f(m[s] - mx) * inv;
   __syncthreads();
@@ -445,7 +446,7 @@ void LaunchDecodeAttention(const DecodeAttentionArgs& args, cudaStream_t stream)
   const size_t merge_smem = sizeof(float) * std::min(plan.splits, kMergeMaxSmemSplits);
   PENUMBRA_DISPATCH_FLOAT(args.dtype, T,
                           LaunchChained(DecodeMergeKernel<T>, merge_grid, kMergeThreads, merge_smem, stream, ws_o,
-                                        ws_m, ws_l, args.lengths, static_cast<T*>(args.out), args.hq, args.d,
+                                        ws_m, ws_l, args.lengths, static_cast<T*>(args.out), args.lse, args.hq, args.d,
                                         plan.chunk, plan.splits));
 }
 

@@ -19,6 +19,7 @@ struct DecodeAttentionArgs {
   const void* const* v = nullptr;    // same for V
   const int32_t* lengths = nullptr;  // device [batch]: keys per sequence (>= 1)
   void* out = nullptr;               // [batch, hq, d], same dtype as q
+  float* lse = nullptr;              // optional [batch, hq]: ln sum exp(scale q.k) (cascade merges, attention_prefix.cuh)
   DType dtype = DType::kBF16;        // dtype of q, k, v and out (f32 or bf16)
   int64_t head_stride = 0;
   int batch = 0, hq = 0, hkv = 0, d = 0;

@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "kernels/attention_tile.cuh"
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/wgmma.cuh"
@@ -43,77 +44,17 @@
 namespace penumbra::kernels {
 namespace {
 
+using namespace attention_tile;
+
 // ---- PTX wrappers ------------------------------------------------------------
 
 
-constexpr float kLog2e = 1.4426950408889634f;
-
-// ---- shared by the tensor-core paths --------------------------------------------
-// Both keep a 16-row slice of S and O per warp in the m16n8 accumulator layout
-// (lane = 4 g + t4): x[i][e] is row g + 8 (e / 2), column 8 i + 2 t4 + e % 2.
-
-// Scales S into the log2 domain and, when need_mask, masks keys past each
-// row's position (pos_g: absolute position of row g; key0: the tile's first key).
-template <int NB>
-__device__ __forceinline__ void ScaleAndMask(float (&s)[NB][4], float scale_log2, bool need_mask, int key0, int t4,
-                                             int pos_g) {
-#pragma unroll
-  for (int i = 0; i < NB; ++i) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = s[i][e] * scale_log2;
-      if (need_mask && key0 + i * 8 + 2 * t4 + (e & 1) > pos_g + (e >> 1) * 8) x = -INFINITY;
-      s[i][e] = x;
-    }
-  }
-}
-
-// Online softmax over one tile for rows g (e = 0, 1) and g + 8 (e = 2, 3): S
-// becomes P = exp2(S - running max), O and the per-thread partial sums are
-// rescaled. Key 0 is visible to every row and tile 0 always runs, so the
-// running max is finite after the first tile.
-template <int NB, int NO>
-__device__ __forceinline__ void OnlineSoftmax(float (&s)[NB][4], float (&o)[NO][4], float (&row_m)[2],
-                                              float (&row_l)[2]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx = row_m[h];
-#pragma unroll
-    for (int i = 0; i < NB; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float alpha = exp2f(row_m[h] - mx);
-    row_m[h] = mx;
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NB; ++i) {
-      s[i][2 * h] = exp2f(s[i][2 * h] - mx);
-      s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - mx);
-      sum += s[i][2 * h] + s[i][2 * h + 1];
-    }
-    row_l[h] = row_l[h] * alpha + sum;
-#pragma unroll
-    for (int i = 0; i < NO; ++i) {
-      o[i][2 * h] *= alpha;
-      o[i][2 * h + 1] *= alpha;
-    }
-  }
-}
-
-// P's bf16 A fragment for k16 step kk (accumulator blocks 2 kk and 2 kk + 1):
-// the accumulator layout is the A-fragment layout.
-template <int NB>
-__device__ __forceinline__ void PackP(const float (&s)[NB][4], int kk, uint32_t (&a)[4]) {
-  a[0] = PackBf16(s[2 * kk][0], s[2 * kk][1]);
-  a[1] = PackBf16(s[2 * kk][2], s[2 * kk][3]);
-  a[2] = PackBf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-  a[3] = PackBf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-}
-
-// Normalizes O and stores rows row_g and row_g + 8 (those below nq).
+// Normalizes O and stores rows row_g and row_g + 8 (those below nq), and
+// with lse their ln-sum-exp ([nq, hq]; row_m is in the log2 domain).
 template <int D>
-__device__ __forceinline__ void StoreRows(const float (&o)[D / 8][4], const float (&row_l)[2], __nv_bfloat16* out,
-                                          int row_g, int nq, int hq, int head, int t4) {
+__device__ __forceinline__ void StoreRows(const float (&o)[D / 8][4], const float (&row_m)[2], const float (&row_l)[2],
+                                          __nv_bfloat16* out, float* lse, int row_g, int nq, int hq, int head,
+                                          int t4) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = row_l[h];
@@ -126,6 +67,7 @@ __device__ __forceinline__ void StoreRows(const float (&o)[D / 8][4], const floa
 #pragma unroll
       for (int i = 0; i < D / 8; ++i)
         *reinterpret_cast<uint32_t*>(dst + i * 8) = PackBf16(o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
+      if (lse != nullptr && t4 == 0) lse[static_cast<int64_t>(row) * hq + head] = (row_m[h] + log2f(l)) * kLn2;
     }
   }
 }
@@ -160,8 +102,8 @@ constexpr int PrefillSmemBytes() {
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1)
     PrefillBf16Kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                      const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int64_t head_stride,
-                      int q_start, int nq, int hq, int group, float scale_log2) {
+                      const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, float* __restrict__ lse,
+                      int64_t head_stride, int q_start, int nq, int hq, int group, float scale_log2) {
   static_assert(D == 64 || D == 128, "fast path is for d in {64, 128}");
   static_assert(kBM * D == 2 * kBN * D, "Q tile must fit one K/V stage");
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
@@ -291,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  StoreRows<D>(o, row_l, out, warp_row0 + g, nq, hq, head, t4);
+  StoreRows<D>(o, row_m, row_l, out, lse, warp_row0 + g, nq, hq, head, t4);
 }
 
 template <int D>
@@ -302,7 +244,7 @@ void LaunchPrefillBf16(const PrefillAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(a.hq, (a.nq + kBM - 1) / kBM);
   PrefillBf16Kernel<D><<<grid, kThreads, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(a.q), static_cast<const __nv_bfloat16*>(a.k),
-      static_cast<const __nv_bfloat16*>(a.v), static_cast<__nv_bfloat16*>(a.out), a.head_stride, a.q_start, a.nq,
+      static_cast<const __nv_bfloat16*>(a.v), static_cast<__nv_bfloat16*>(a.out), a.lse, a.head_stride, a.q_start, a.nq,
       a.hq, a.hq / a.hkv, a.scale * kLog2e);
 }
 
@@ -331,8 +273,8 @@ constexpr int PrefillWgmmaSmemBytes() {
 template <int D>
 __global__ void __launch_bounds__(kWgThreads, 1)
     PrefillWgmmaKernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                       const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, int64_t head_stride,
-                       int q_start, int nq, int hq, int group, float scale_log2) {
+                       const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, float* __restrict__ lse,
+                       int64_t head_stride, int q_start, int nq, int hq, int group, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(D == 64 || D == 128, "wgmma path is for d in {64, 128}");
   constexpr int kChunks = D / 8;                 // 16-byte chunks per row
@@ -411,42 +353,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int key0 = j * kWgBN;
     if (!wg_has_rows || key0 > wg_last_pos) continue;  // uniform over the warpgroup
 
-    float s[kWgBN / 8][4];
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;  // k16 step inside a column block
-      const uint64_t da = Sw128Desc(q_wg + (kk >> 2) * kWgBM * 128 + col, 0, 1024);
-      const uint64_t db = Sw128Desc(k_s + (kk >> 2) * kWgBN * 128 + col, 0, 1024);
-      WgmmaSS64x128(s, da, db, kk > 0 ? 1 : 0);
-    }
-    WgmmaCommit();
-    WgmmaWait<0>();
-    WgmmaFenceOperands(s);
-
-    // Scale into the log2 domain, mask keys past each row's position, softmax.
-    ScaleAndMask(s, scale_log2, key0 + kWgBN - 1 > q_start + wg_row0, key0, t4, pos0);
-    OnlineSoftmax(s, o, row_m, row_l);
-    // O += P V: P as bf16 A fragments, k16 step kk = accumulator blocks 2 kk, 2 kk + 1.
-    uint32_t p[kWgBN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kWgBN / 16; ++kk) PackP(s, kk, p[kk]);
-    WgmmaFenceOperands(o);
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kWgBN / 16; ++kk) {
-      const uint64_t dv = Sw128Desc(v_s + kk * 16 * 128, kWgBN * 128, 1024);
-      if constexpr (D == 128)
-        WgmmaRS64x128T(o, p[kk], dv, 1);
-      else
-        WgmmaRS64x64T(o, p[kk], dv, 1);
-    }
-    WgmmaCommit();
-    WgmmaWait<0>();
-    WgmmaFenceOperands(o);
+    // Scale into the log2 domain and mask keys past each row's position.
+    const bool need_mask = key0 + kWgBN - 1 > q_start + wg_row0;
+    WgmmaAttendTile<D, kWgBM>(q_wg, k_s, v_s, o, row_m, row_l, [&](float(&s)[kWgBN / 8][4]) {
+      ScaleAndMask(s, scale_log2, need_mask, key0, t4, pos0);
+    });
   }
 
-  StoreRows<D>(o, row_l, out, wg_row0 + warp_in_wg * 16 + g, nq, hq, head, t4);
+  StoreRows<D>(o, row_m, row_l, out, lse, wg_row0 + warp_in_wg * 16 + g, nq, hq, head, t4);
 #else
   __trap();  // built without sm_90a; the launcher never selects this path then
 #endif
@@ -459,7 +373,7 @@ void LaunchPrefillWgmma(const PrefillAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(a.hq, (a.nq + kWgBM - 1) / kWgBM);
   PrefillWgmmaKernel<D><<<grid, kWgThreads, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(a.q), static_cast<const __nv_bfloat16*>(a.k),
-      static_cast<const __nv_bfloat16*>(a.v), static_cast<__nv_bfloat16*>(a.out), a.head_stride, a.q_start, a.nq,
+      static_cast<const __nv_bfloat16*>(a.v), static_cast<__nv_bfloat16*>(a.out), a.lse, a.head_stride, a.q_start, a.nq,
       a.hq, a.hq / a.hkv, a.scale * kLog2e);
 }
 
@@ -470,7 +384,7 @@ constexpr int kGenericWarps = 4;
 template <typename T>
 __global__ void __launch_bounds__(kGenericWarps * 32)
     PrefillGenericKernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-                         int64_t head_stride, int q_start, int nq, int hq, int group, int d, float scale_log2) {
+                         float* __restrict__ lse, int64_t head_stride, int q_start, int nq, int hq, int group, int d, float scale_log2) {
   extern __shared__ float gsmem[];  // per warp: q [d], o [d], p [32]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + warp;  // (query, head) pair
@@ -517,6 +431,7 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
   const float inv = 1.0f / l;
   T* orow = out + row * d;
   for (int e = lane; e < d; e += 32) orow[e] = FromF32<T>(os[e] * inv);
+  if (lse != nullptr && lane == 0) lse[row] = (m + log2f(l)) * kLn2;
 }
 
 template <typename T>
@@ -529,24 +444,7 @@ void LaunchPrefillGeneric(const PrefillAttentionArgs& a, cudaStream_t stream) {
                                static_cast<int>(smem));
   PrefillGenericKernel<T><<<blocks, kGenericWarps * 32, smem, stream>>>(
       static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), static_cast<T*>(a.out),
-      a.head_stride, a.q_start, a.nq, a.hq, a.hq / a.hkv, a.d, a.scale * kLog2e);
-}
-
-// True when the current device runs the sm_90a code this library was built with
-// (compute capability 9.0); cached per device.
-bool HasWgmma() {
-  static std::atomic<int> cached[64];  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int known = cached[dev].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    known = major == 9 && minor == 0 ? 1 : 2;
-    cached[dev].store(known, std::memory_order_relaxed);
-  }
-  return known == 1;
+      a.lse, a.head_stride, a.q_start, a.nq, a.hq, a.hq / a.hkv, a.d, a.scale * kLog2e);
 }
 
 }  // namespace
@@ -555,9 +453,9 @@ void LaunchPrefillAttention(const PrefillAttentionArgs& args, cudaStream_t strea
   if (args.nq <= 0 || args.hq <= 0) return;
   const bool tensor_cores = args.dtype == DType::kBF16 && (args.d == 64 || args.d == 128);
   PrefillPath path = args.path;
-  if (path == PrefillPath::kAuto) path = !tensor_cores ? PrefillPath::kGeneric : HasWgmma() ? PrefillPath::kWgmma
+  if (path == PrefillPath::kAuto) path = !tensor_cores ? PrefillPath::kGeneric : DeviceHasWgmma() ? PrefillPath::kWgmma
                                                                                                : PrefillPath::kMma;
-  if (path == PrefillPath::kWgmma && tensor_cores && HasWgmma()) {
+  if (path == PrefillPath::kWgmma && tensor_cores && DeviceHasWgmma()) {
     if (args.d == 128)
       LaunchPrefillWgmma<128>(args, stream);
     else

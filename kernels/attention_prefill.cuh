@@ -24,6 +24,7 @@ struct PrefillAttentionArgs {
   const void* k = nullptr;   // cache base of this sequence: [hkv][head_stride] rows of d
   const void* v = nullptr;   // same layout as k
   void* out = nullptr;       // [nq, hq, d], same dtype as q
+  float* lse = nullptr;      // optional [nq, hq]: ln sum exp(scale q.k) over each row's keys (cascade merges)
   DType dtype = DType::kBF16;  // dtype of q, k, v and out (f32 or bf16)
   int64_t head_stride = 0;   // elements between KV heads (capacity * d)
   int q_start = 0, nq = 0, hq = 0, hkv = 0, d = 0;

@@ -36,6 +36,21 @@ int DeviceSmCount() {
   return cached_sms;
 }
 
+bool DeviceHasWgmma() {
+  static std::atomic<int> cached[64];  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int known = cached[dev].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    known = major == 9 && minor == 0 ? 1 : 2;
+    cached[dev].store(known, std::memory_order_relaxed);
+  }
+  return known == 1;
+}
+
 int AllowDynamicSharedMemory(const void* kernel) {
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, int> done;  // (kernel, device) -> dynamic bytes allowed

@@ -20,6 +20,10 @@ bool ChainedLaunchEnabled();
 // The current device's SM count (cached per device).
 int DeviceSmCount();
 
+// True when the current device runs the sm_90a (warpgroup MMA) code this
+// library was built with: compute capability 9.0 (cached per device).
+bool DeviceHasWgmma();
+
 // Raises `kernel`'s dynamic shared-memory limit to the device maximum once per
 // (kernel, device) and returns the largest dynamic size a launch may ask for.
 int AllowDynamicSharedMemory(const void* kernel);

@@ -38,8 +38,9 @@ void Axpy(float p, const float* __restrict x, float* __restrict o, int d) {
 // contiguous floats at k / v): row r attends keys 0 .. n_keys[r]-1. Keys are
 // the outer loop so each K / V row is read once for all the rows (the group's
 // query heads, and for prefill several queries) while it sits in L1.
+// With lse, lse[r] = ln sum_j exp(scale q_r.k_j) (cascade merges).
 void AttendRows(int n_rows, const float* const* q, const int64_t* n_keys, const float* k, const float* v, int d,
-                float scale, std::vector<float>& scores, float* const* out) {
+                float scale, std::vector<float>& scores, float* const* out, float* const* lse = nullptr) {
   const int64_t max_keys = *std::max_element(n_keys, n_keys + n_rows);
   scores.resize(static_cast<size_t>(n_rows) * max_keys);
   for (int64_t j = 0; j < max_keys; ++j) {
@@ -58,6 +59,7 @@ void AttendRows(int n_rows, const float* const* q, const int64_t* n_keys, const 
       l += s[j];
     }
     inv_l[r] = n_keys[r] > 0 ? 1.0f / l : 0.0f;
+    if (lse != nullptr) *lse[r] = m + std::log(l);
     std::fill(out[r], out[r] + d, 0.0f);
   }
   for (int64_t j = 0; j < max_keys; ++j) {
@@ -86,17 +88,18 @@ void PrefillAttention(const PrefillAttentionArgs& a) {
     const int qb = q_blocks - 1 - static_cast<int>(task / a.hkv), kvh = static_cast<int>(task % a.hkv);
     const int i0 = qb * kQueriesPerTask, i1 = std::min(a.nq, i0 + kQueriesPerTask);
     std::vector<const float*> q;
-    std::vector<float*> out;
+    std::vector<float*> out, lse;
     std::vector<int64_t> n_keys;
     for (int i = i0; i < i1; ++i)
       for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
         const int64_t off = (static_cast<int64_t>(i) * a.hq + h) * a.d;  // [nq, hq, d]
         q.push_back(a.q + off);
         out.push_back(a.out + off);
+        if (a.lse != nullptr) lse.push_back(a.lse + static_cast<int64_t>(i) * a.hq + h);
         n_keys.push_back(static_cast<int64_t>(a.q_start) + i + 1);
       }
     AttendRows(static_cast<int>(q.size()), q.data(), n_keys.data(), a.k + kvh * a.head_stride,
-               a.v + kvh * a.head_stride, a.d, a.scale, scores, out.data());
+               a.v + kvh * a.head_stride, a.d, a.scale, scores, out.data(), a.lse != nullptr ? lse.data() : nullptr);
   });
 }
 
@@ -108,15 +111,59 @@ void DecodeAttention(const DecodeAttentionArgs& a) {
     thread_local std::vector<float> scores;
     const int b = static_cast<int>(task / a.hkv), kvh = static_cast<int>(task % a.hkv);
     std::vector<const float*> q;
-    std::vector<float*> out;
+    std::vector<float*> out, lse;
     std::vector<int64_t> n_keys(group, a.lengths[b]);
     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
       const int64_t off = (static_cast<int64_t>(b) * a.hq + h) * a.d;  // [batch, hq, d]
       q.push_back(a.q + off);
       out.push_back(a.out + off);
+      if (a.lse != nullptr) lse.push_back(a.lse + static_cast<int64_t>(b) * a.hq + h);
     }
     AttendRows(group, q.data(), n_keys.data(), a.k[b] + kvh * a.head_stride, a.v[b] + kvh * a.head_stride, a.d,
-               a.scale, scores, out.data());
+               a.scale, scores, out.data(), a.lse != nullptr ? lse.data() : nullptr);
+  });
+}
+
+void PrefixAttention(const PrefixAttentionArgs& a) {
+  if (a.n <= 0 || a.hq <= 0 || a.keys <= 0) return;
+  const int group = a.hq / a.hkv;
+  // Task = (block of sequences, kv head): every row of the block and of the
+  // group's heads reads each prefix K/V row once.
+  const int blocks = (a.n + kQueriesPerTask - 1) / kQueriesPerTask;
+  ParallelFor(static_cast<int64_t>(blocks) * a.hkv, [&](int64_t task) {
+    thread_local std::vector<float> scores, part, part_lse;
+    const int blk = static_cast<int>(task / a.hkv), kvh = static_cast<int>(task % a.hkv);
+    const int i0 = blk * kQueriesPerTask, i1 = std::min(a.n, i0 + kQueriesPerTask);
+    const int n_rows = (i1 - i0) * group;
+    part.resize(static_cast<size_t>(n_rows) * a.d);
+    part_lse.resize(n_rows);
+    std::vector<const float*> q;
+    std::vector<float*> out, lse;
+    for (int i = i0; i < i1; ++i)
+      for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const int r = static_cast<int>(q.size());
+        q.push_back(a.q + (static_cast<int64_t>(a.rows[i]) * a.hq + h) * a.d);
+        out.push_back(part.data() + static_cast<size_t>(r) * a.d);
+        lse.push_back(part_lse.data() + r);
+      }
+    const std::vector<int64_t> n_keys(n_rows, a.keys);
+    AttendRows(n_rows, q.data(), n_keys.data(), a.k + kvh * a.head_stride, a.v + kvh * a.head_stride, a.d, a.scale,
+               scores, out.data(), lse.data());
+    int r = 0;
+    for (int i = i0; i < i1; ++i)
+      for (int h = kvh * group; h < (kvh + 1) * group; ++h, ++r) {
+        const int64_t row = static_cast<int64_t>(a.rows[i]) * a.hq + h;
+        float* dst = a.out + row * a.d;
+        const float* src = part.data() + static_cast<size_t>(r) * a.d;
+        if (a.own_lse == nullptr) {
+          std::copy(src, src + a.d, dst);
+          continue;
+        }
+        const float mx = std::max(part_lse[r], a.own_lse[row]);
+        const float wp = std::exp(part_lse[r] - mx), wo = std::exp(a.own_lse[row] - mx);
+        const float inv = 1.0f / (wp + wo);
+        for (int e = 0; e < a.d; ++e) dst[e] = (wp * src[e] + wo * dst[e]) * inv;
+      }
   });
 }
 

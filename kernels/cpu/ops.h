@@ -46,6 +46,7 @@ struct PrefillAttentionArgs {
   const float* k = nullptr;
   const float* v = nullptr;
   float* out = nullptr;
+  float* lse = nullptr;  // optional [nq, hq]: ln sum exp(scale q.k)
   int64_t head_stride = 0;
   int q_start = 0, nq = 0, hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
@@ -58,11 +59,31 @@ struct DecodeAttentionArgs {
   const float* const* v = nullptr;
   const int32_t* lengths = nullptr;
   float* out = nullptr;
+  float* lse = nullptr;  // optional [batch, hq]: ln sum exp(scale q.k)
   int64_t head_stride = 0;
   int batch = 0, hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
 };
 void DecodeAttention(const DecodeAttentionArgs& a);
+
+// Prefix attention (kernels/attention_prefix.cuh): rows rows[0..n) of q
+// ([batch, hq, d]) attend to all `keys` keys of one shared K/V block; with
+// own_lse the result is merged by log-sum-exp into out (each row's attention
+// over its own keys), else it overwrites out.
+struct PrefixAttentionArgs {
+  const float* q = nullptr;
+  const int32_t* rows = nullptr;
+  int n = 0;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t head_stride = 0;
+  int keys = 0;
+  float* out = nullptr;
+  const float* own_lse = nullptr;
+  int hq = 0, hkv = 0, d = 0;
+  float scale = 1.0f;
+};
+void PrefixAttention(const PrefixAttentionArgs& a);
 
 struct SamplingRow {
   float temperature = 0.0f;

@@ -40,8 +40,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             full and shadowkv (issue 17), after prefix_reuse_gpu_test
   ttft_disk the same cached only on disk (read back after the memory cache is cleared), beside the disk's raw
             direct-I/O bandwidth (dd)
-  shared    64 questions over one shared 124928-token document decoded as one batch (shadowkv), beside the
-            peer's --shared-prefix --graph mode
+  shared    64 questions over one shared 124928-token document decoded as one batch (full: cascade over one
+            copy of its exact KV; shadowkv), beside the peer's --shared-prefix --graph mode; the prefix-attention
+            kernel's bench first
   eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
             must travel: see ops/device/pack.sh)
 EOF
@@ -179,11 +180,18 @@ suite_ttft() {
 }
 
 # 64 questions over one shared 124928-token document, decoded as one batch,
-# beside the peer's cascade attention over one copy of the document's KV.
+# beside the peer's cascade attention over one copy of the document's KV:
+# full (cascade over the document's exact KV, held once) and shadowkv; the
+# prefix-attention kernel's own timing first (attention_gpu_test's bench).
 suite_shared() {
+  PENUMBRA_KERNEL_BENCH=1 timeout 300 $R attention_gpu_test --gtest_filter=AttentionGpuTest.Bench \
+    > "$OUT/attention_bench.log" 2>&1
+  grep -E '^(device|prefix|decode batch)' "$OUT/attention_bench.log"
   run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
-  run 400 $R penumbra-bench shared --kv-policy shadowkv --prefill-chunk 1024 --context 124928 --batch 64 \
-    --question 64 --steps 20
+  for p in full shadowkv; do
+    run 400 $R penumbra-bench shared --kv-policy $p --prefill-chunk 1024 --context 124928 --batch 64 \
+      --question 64 --steps 20
+  done
   run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
 }
 

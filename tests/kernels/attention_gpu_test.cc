@@ -20,6 +20,7 @@
 #include "common/dtype.h"
 #include "kernels/attention_decode.cuh"
 #include "kernels/attention_prefill.cuh"
+#include "kernels/attention_prefix.cuh"
 #include "kernels/cpu/ops.h"
 #include "tests/gpu_test_util.h"
 #include "tests/test_util.h"
@@ -154,6 +155,9 @@ void RunPrefillCase(const PrefillCase& c, uint64_t seed, PrefillPath path = Pref
   Upload(dk, k.raw.data(), k.raw.size());
   Upload(dv, v.raw.data(), v.raw.size());
   PoisonNaN(dout, nq_elems, c.dtype);
+  const size_t lse_n = static_cast<size_t>(c.nq) * c.hq;
+  DeviceBuffer dlse(lse_n * sizeof(float));
+  PoisonNaN(dlse, lse_n, DType::kF32);
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
   PrefillAttentionArgs a;
@@ -170,10 +174,12 @@ void RunPrefillCase(const PrefillCase& c, uint64_t seed, PrefillPath path = Pref
   a.d = c.d;
   a.scale = scale;
   a.path = path;
+  a.lse = static_cast<float*>(dlse.get());
   LaunchPrefillAttention(a, nullptr);
   PENUMBRA_CUDA_OK(cudaGetLastError());
   PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> got = Download(dout, nq_elems, c.dtype);
+  std::vector<float> got_lse = Download(dlse, lse_n, DType::kF32);
 
   std::vector<float> expect(nq_elems);
   cpu::PrefillAttentionArgs r;
@@ -188,7 +194,10 @@ void RunPrefillCase(const PrefillCase& c, uint64_t seed, PrefillPath path = Pref
   r.hkv = c.hkv;
   r.d = c.d;
   r.scale = scale;
+  std::vector<float> expect_lse(lse_n);
+  r.lse = expect_lse.data();
   cpu::PrefillAttention(r);
+  EXPECT_TRUE(AllClose(got_lse, expect_lse, 1e-3f, 1e-4f)) << "log-sum-exp";
   if (c.dtype != DType::kF32) {  // the reference output rounded like the kernel's
     std::vector<uint8_t> raw(nq_elems * DTypeSize(c.dtype));
     ConvertFromF32(expect.data(), raw.data(), c.dtype, nq_elems);
@@ -282,6 +291,9 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   DeviceBuffer ws(ws_bytes);
   ASSERT_NE(ws.get(), nullptr);
   PENUMBRA_CUDA_OK(cudaMemset(ws.get(), 0xff, ws_bytes));  // NaN pattern
+  const size_t lse_n = static_cast<size_t>(batch) * c.hq;
+  DeviceBuffer dlse(lse_n * sizeof(float));
+  PoisonNaN(dlse, lse_n, DType::kF32);
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
   DecodeAttentionArgs a;
@@ -300,10 +312,12 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   a.scale = scale;
   a.workspace = ws.get();
   a.workspace_bytes = ws_bytes;
+  a.lse = static_cast<float*>(dlse.get());
   LaunchDecodeAttention(a, nullptr);
   PENUMBRA_CUDA_OK(cudaGetLastError());
   PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> got = Download(dout, q_elems, c.dtype);
+  std::vector<float> got_lse = Download(dlse, lse_n, DType::kF32);
 
   std::vector<float> expect(q_elems);
   cpu::DecodeAttentionArgs r;
@@ -318,7 +332,10 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   r.hkv = c.hkv;
   r.d = c.d;
   r.scale = scale;
+  std::vector<float> expect_lse(lse_n);
+  r.lse = expect_lse.data();
   cpu::DecodeAttention(r);
+  EXPECT_TRUE(AllClose(got_lse, expect_lse, 1e-3f, 1e-4f)) << "log-sum-exp";
   if (c.dtype != DType::kF32) {
     std::vector<uint8_t> raw(q_elems * DTypeSize(c.dtype));
     ConvertFromF32(expect.data(), raw.data(), c.dtype, q_elems);
@@ -360,6 +377,190 @@ TEST(AttentionGpuTest, DecodeGenericPath) {
   };
   uint64_t seed = 2001;
   for (const auto& c : cases) RunDecodeCase(c, seed++);
+}
+
+// ---- prefix attention (cascade) ------------------------------------------------
+
+struct PrefixCase {
+  int batch, keys;                 // sequences in the batch, prefix keys
+  std::vector<int32_t> rows;       // attached rows
+  int hq, hkv, d;
+  DType dtype;
+  bool own = true;                 // merge into an own part (decode with lse) or overwrite
+  PrefixPath path = PrefixPath::kAuto;
+};
+
+// Runs the own part (decode over each sequence's own keys, with its lse) and
+// PrefixAttention on the GPU and the same two CPU reference ops, and compares
+// every output row (rows not attached keep their own part).
+void RunPrefixCase(const PrefixCase& c, uint64_t seed) {
+  const int n = static_cast<int>(c.rows.size());
+  SCOPED_TRACE(::testing::Message() << "prefix batch " << c.batch << " attached " << n << " keys " << c.keys
+                                    << " hq " << c.hq << " hkv " << c.hkv << " d " << c.d << " dtype "
+                                    << DTypeName(c.dtype) << " own " << c.own << " path "
+                                    << (c.path == PrefixPath::kGeneric ? "generic" : "auto"));
+  Rng rng(seed);
+  const int own_cap = 40;
+  const int64_t own_stride = static_cast<int64_t>(own_cap) * c.d, pre_stride = static_cast<int64_t>(c.keys + 3) * c.d;
+  const size_t q_elems = static_cast<size_t>(c.batch) * c.hq * c.d;
+  HostTensor q = MakeTensor(q_elems, c.dtype, rng);
+  HostTensor pk = MakeCache(c.hkv, c.keys + 3, c.keys, c.d, c.dtype, rng);
+  HostTensor pv = MakeCache(c.hkv, c.keys + 3, c.keys, c.d, c.dtype, rng);
+  std::vector<int32_t> lengths(c.batch);
+  std::vector<HostTensor> k, v;
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  std::vector<const void*> kp, vp;
+  std::vector<const float*> kp_host, vp_host;
+  for (int b = 0; b < c.batch; ++b) {
+    lengths[b] = 1 + static_cast<int>((rng.Next() + 1.0f) * 0.5f * (own_cap - 1));
+    k.push_back(MakeCache(c.hkv, own_cap, lengths[b], c.d, c.dtype, rng));
+    v.push_back(MakeCache(c.hkv, own_cap, lengths[b], c.d, c.dtype, rng));
+    for (HostTensor* t : {&k.back(), &v.back()}) {
+      bufs.push_back(std::make_unique<DeviceBuffer>(t->raw.size()));
+      Upload(*bufs.back(), t->raw.data(), t->raw.size());
+    }
+    kp.push_back(bufs[bufs.size() - 2]->get());
+    vp.push_back(bufs.back()->get());
+    kp_host.push_back(k.back().f32.data());
+    vp_host.push_back(v.back().f32.data());
+  }
+  DeviceBuffer dq(q.raw.size()), dout(q.raw.size()), dpk(pk.raw.size()), dpv(pv.raw.size());
+  DeviceBuffer dkp(sizeof(void*) * c.batch), dvp(sizeof(void*) * c.batch), dlen(sizeof(int32_t) * c.batch);
+  DeviceBuffer drows(sizeof(int32_t) * n), dlse(sizeof(float) * c.batch * c.hq);
+  Upload(dq, q.raw.data(), q.raw.size());
+  Upload(dpk, pk.raw.data(), pk.raw.size());
+  Upload(dpv, pv.raw.data(), pv.raw.size());
+  Upload(dkp, kp.data(), sizeof(void*) * c.batch);
+  Upload(dvp, vp.data(), sizeof(void*) * c.batch);
+  Upload(dlen, lengths.data(), sizeof(int32_t) * c.batch);
+  Upload(drows, c.rows.data(), sizeof(int32_t) * n);
+  PoisonNaN(dout, q_elems, c.dtype);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+
+  std::vector<float> expect(q_elems, 0.0f), expect_lse(static_cast<size_t>(c.batch) * c.hq);
+  if (c.own) {
+    DecodeAttentionArgs a;
+    a.q = dq.get();
+    a.k = static_cast<const void* const*>(dkp.get());
+    a.v = static_cast<const void* const*>(dvp.get());
+    a.lengths = static_cast<const int32_t*>(dlen.get());
+    a.out = dout.get();
+    a.lse = static_cast<float*>(dlse.get());
+    a.dtype = c.dtype;
+    a.head_stride = own_stride;
+    a.batch = c.batch;
+    a.hq = c.hq;
+    a.hkv = c.hkv;
+    a.d = c.d;
+    a.max_length = own_cap;
+    a.scale = scale;
+    const size_t ws_bytes = DecodeAttentionWorkspaceBytes(c.batch, c.hq, c.d, own_cap);
+    DeviceBuffer ws(ws_bytes);
+    a.workspace = ws.get();
+    a.workspace_bytes = ws_bytes;
+    LaunchDecodeAttention(a, nullptr);
+    PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
+    cpu::DecodeAttentionArgs r;
+    r.q = q.f32.data();
+    r.k = kp_host.data();
+    r.v = vp_host.data();
+    r.lengths = lengths.data();
+    r.out = expect.data();
+    r.lse = expect_lse.data();
+    r.head_stride = own_stride;
+    r.batch = c.batch;
+    r.hq = c.hq;
+    r.hkv = c.hkv;
+    r.d = c.d;
+    r.scale = scale;
+    cpu::DecodeAttention(r);
+    // The GPU's own part is rounded to the dtype before the merge.
+    std::vector<uint8_t> raw(q_elems * DTypeSize(c.dtype));
+    ConvertFromF32(expect.data(), raw.data(), c.dtype, q_elems);
+    ConvertToF32(raw.data(), c.dtype, expect.data(), q_elems);
+  }
+  PrefixAttentionArgs a;
+  a.q = dq.get();
+  a.rows = static_cast<const int32_t*>(drows.get());
+  a.n = n;
+  a.k = dpk.get();
+  a.v = dpv.get();
+  a.head_stride = pre_stride;
+  a.keys = c.keys;
+  a.out = dout.get();
+  a.own_lse = c.own ? static_cast<const float*>(dlse.get()) : nullptr;
+  a.dtype = c.dtype;
+  a.hq = c.hq;
+  a.hkv = c.hkv;
+  a.d = c.d;
+  a.scale = scale;
+  a.path = c.path;
+  const size_t ws_bytes = PrefixAttentionWorkspaceBytes(n, c.hq, c.hkv, c.d, c.keys);
+  DeviceBuffer ws(ws_bytes);
+  ASSERT_NE(ws.get(), nullptr);
+  PENUMBRA_CUDA_OK(cudaMemset(ws.get(), 0xff, ws_bytes));
+  a.workspace = ws.get();
+  a.workspace_bytes = ws_bytes;
+  LaunchPrefixAttention(a, nullptr);
+  PENUMBRA_CUDA_OK(cudaGetLastError());
+  PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> got = Download(dout, q_elems, c.dtype);
+
+  cpu::PrefixAttentionArgs r;
+  r.q = q.f32.data();
+  r.rows = c.rows.data();
+  r.n = n;
+  r.k = pk.f32.data();
+  r.v = pv.f32.data();
+  r.head_stride = pre_stride;
+  r.keys = c.keys;
+  r.out = expect.data();
+  r.own_lse = c.own ? expect_lse.data() : nullptr;
+  r.hq = c.hq;
+  r.hkv = c.hkv;
+  r.d = c.d;
+  r.scale = scale;
+  cpu::PrefixAttention(r);
+  if (!c.own) {  // rows not attached were never written: compare the attached ones only
+    std::vector<float> g2, e2;
+    for (int32_t row : c.rows) {
+      const size_t off = static_cast<size_t>(row) * c.hq * c.d;
+      g2.insert(g2.end(), got.begin() + off, got.begin() + off + static_cast<size_t>(c.hq) * c.d);
+      e2.insert(e2.end(), expect.begin() + off, expect.begin() + off + static_cast<size_t>(c.hq) * c.d);
+    }
+    got.swap(g2);
+    expect.swap(e2);
+  }
+  if (c.dtype != DType::kF32) {
+    std::vector<uint8_t> raw(expect.size() * DTypeSize(c.dtype));
+    ConvertFromF32(expect.data(), raw.data(), c.dtype, expect.size());
+    ConvertToF32(raw.data(), c.dtype, expect.data(), expect.size());
+  }
+  EXPECT_TRUE(AllClose(got, expect, Tolerance(c.dtype), Tolerance(c.dtype)));
+}
+
+TEST(AttentionGpuTest, PrefixAttention) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const std::vector<PrefixCase> cases = {
+      // Tensor-core path (Hopper): Llama-8B and evaluation-model shapes, row
+      // tiles part full, keys not a multiple of the tile, a subset of rows.
+      {64, 20000, {}, 32, 8, 128, DType::kBF16},
+      {5, 1, {4, 0, 2}, 8, 2, 128, DType::kBF16},
+      {3, 129, {2, 1, 0}, 4, 4, 64, DType::kBF16},
+      {40, 5000, {}, 8, 4, 64, DType::kBF16},
+      {9, 70000, {8, 7, 1}, 16, 2, 128, DType::kBF16, false},
+      // Generic: f32, other head dims, forced.
+      {6, 300, {5, 3, 1}, 4, 2, 8, DType::kF32},
+      {4, 2000, {}, 8, 8, 64, DType::kF32},
+      {7, 777, {6, 0}, 6, 3, 96, DType::kBF16},
+      {12, 3000, {}, 32, 8, 128, DType::kBF16, true, PrefixPath::kGeneric},
+  };
+  uint64_t seed = 3001;
+  for (PrefixCase c : cases) {
+    if (c.rows.empty())
+      for (int b = 0; b < c.batch; ++b) c.rows.push_back(b);
+    RunPrefixCase(c, seed++);
+  }
 }
 
 // The workspace size covers every hkv for the same (batch, hq, d, max_length).
@@ -471,6 +672,46 @@ TEST(AttentionGpuTest, Bench) {
     const double bytes = 2.0 * p.batch * static_cast<double>(p.length) * hkv * d * 2;
     std::printf("decode batch %3d x %6d: %8.3f ms  %7.1f GB/s (K+V bytes)\n", p.batch, p.length, ms,
                 bytes / (ms * 1e-3) / 1e9);
+  }
+  // Prefix attention: `batch` sequences over one shared prefix (the shared-
+  // document decode's attention), beside decode over `batch` separate copies.
+  for (const D& p : {D{64, 124928}, D{16, 124928}, D{64, 32768}}) {
+    const int d = 128;
+    const int64_t head_stride = static_cast<int64_t>(p.length) * d;
+    const size_t kv_elems = static_cast<size_t>(hkv) * head_stride;
+    DeviceBuffer dk(kv_elems * 2), dv(kv_elems * 2);
+    ASSERT_NE(dv.get(), nullptr);
+    FillRandomBf16(dk, kv_elems, 40);
+    FillRandomBf16(dv, kv_elems, 41);
+    const size_t q_elems = static_cast<size_t>(p.batch) * hq * d;
+    DeviceBuffer dq(q_elems * 2), dout(q_elems * 2), drows(4 * p.batch);
+    FillRandomBf16(dq, q_elems, 42);
+    std::vector<int32_t> rows(p.batch);
+    std::iota(rows.begin(), rows.end(), 0);
+    Upload(drows, rows.data(), 4 * p.batch);
+    const size_t ws_bytes = PrefixAttentionWorkspaceBytes(p.batch, hq, hkv, d, p.length);
+    DeviceBuffer ws(ws_bytes);
+    PrefixAttentionArgs a;
+    a.q = dq.get();
+    a.rows = static_cast<const int32_t*>(drows.get());
+    a.n = p.batch;
+    a.k = dk.get();
+    a.v = dv.get();
+    a.head_stride = head_stride;
+    a.keys = p.length;
+    a.out = dout.get();
+    a.dtype = DType::kBF16;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    a.workspace = ws.get();
+    a.workspace_bytes = ws_bytes;
+    const float ms = TimeMs([&] { LaunchPrefixAttention(a, nullptr); }, 20);
+    PENUMBRA_CUDA_OK(cudaGetLastError());
+    const double flops = 4.0 * p.batch * static_cast<double>(p.length) * hq * d;
+    std::printf("prefix batch %3d x %6d: %8.3f ms  %6.1f TFLOP/s  (x 32 layers: %.1f ms per step)\n", p.batch,
+                p.length, ms, flops / (ms * 1e-3) / 1e12, 32 * ms);
   }
 }
 

@@ -1,6 +1,7 @@
 // CPU attention (cpu::PrefillAttention, cpu::DecodeAttention) against a naive
 // double-precision softmax attention, over head dims, GQA ratios, q_start and
 // KV-cache strides.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -146,6 +147,153 @@ TEST(AttentionCpuTest, LargeScoresStayFinite) {
   a.scale = 10.0f;
   PrefillAttention(a);
   NaiveRow(q.data(), k.data(), v.data(), keys, d, 10.0, expect.data());
+  EXPECT_TRUE(AllClose(out, expect, 1e-5f, 1e-4f));
+}
+
+
+// Head kvh's keys (or values) of a sequence laid end to end: the first `base`
+// rows from a shared prefix ([hkv][P][d]), then its own rows ([hkv][own_cap][d]).
+std::vector<float> Concat(const std::vector<float>& prefix, int P, const std::vector<float>& own, int own_cap,
+                          int base, int keys, int kvh, int d) {
+  std::vector<float> out(static_cast<size_t>(keys) * d);
+  for (int j = 0; j < keys; ++j)
+    for (int e = 0; e < d; ++e)
+      out[static_cast<size_t>(j) * d + e] = j < base ? prefix[(static_cast<size_t>(kvh) * P + j) * d + e]
+                                                      : own[(static_cast<size_t>(kvh) * own_cap + (j - base)) * d + e];
+  return out;
+}
+
+// Cascade: a sequence's keys split into a shared prefix (P keys, one copy for
+// several sequences) and its own keys; the own part (decode with lse) merged
+// with PrefixAttention equals attention over all keys, for decode (one query
+// per sequence, rows a permuted subset of the batch) and for a prefill chunk.
+TEST(AttentionCpuTest, CascadeDecodeEqualsAttentionOverAllKeys) {
+  const int hq = 8, hkv = 2, d = 16, group = hq / hkv;
+  const int P = 37, batch = 5;
+  const int own_len[batch] = {1, 4, 9, 2, 6};
+  const int32_t rows[] = {3, 0, 4, 1};  // sequence 2 has no prefix: its own part stays as is
+  const int n = 4;
+  const int own_cap = 12;
+  const float scale = 0.3f;
+  uint32_t seed = 11;
+  auto q = RandomUniform(static_cast<size_t>(batch) * hq * d, seed++);
+  auto pk = RandomUniform(static_cast<size_t>(hkv) * P * d, seed++);
+  auto pv = RandomUniform(static_cast<size_t>(hkv) * P * d, seed++);
+  std::vector<std::vector<float>> ok(batch), ov(batch);
+  std::vector<const float*> kp(batch), vp(batch);
+  for (int b = 0; b < batch; ++b) {
+    ok[b] = RandomUniform(static_cast<size_t>(hkv) * own_cap * d, seed++);
+    ov[b] = RandomUniform(static_cast<size_t>(hkv) * own_cap * d, seed++);
+    kp[b] = ok[b].data();
+    vp[b] = ov[b].data();
+  }
+  std::vector<int32_t> lengths(own_len, own_len + batch);
+  std::vector<float> out(q.size(), NAN), lse(static_cast<size_t>(batch) * hq, NAN);
+  DecodeAttentionArgs da;
+  da.q = q.data();
+  da.k = kp.data();
+  da.v = vp.data();
+  da.lengths = lengths.data();
+  da.out = out.data();
+  da.lse = lse.data();
+  da.head_stride = static_cast<int64_t>(own_cap) * d;
+  da.batch = batch;
+  da.hq = hq;
+  da.hkv = hkv;
+  da.d = d;
+  da.scale = scale;
+  DecodeAttention(da);
+  PrefixAttentionArgs pa;
+  pa.q = q.data();
+  pa.rows = rows;
+  pa.n = n;
+  pa.k = pk.data();
+  pa.v = pv.data();
+  pa.head_stride = static_cast<int64_t>(P) * d;
+  pa.keys = P;
+  pa.out = out.data();
+  pa.own_lse = lse.data();
+  pa.hq = hq;
+  pa.hkv = hkv;
+  pa.d = d;
+  pa.scale = scale;
+  PrefixAttention(pa);
+  std::vector<float> expect(q.size());
+  for (int b = 0; b < batch; ++b) {
+    const bool attached = std::find(rows, rows + n, b) != rows + n;
+    const int base = attached ? P : 0;
+    const int keys = base + own_len[b];
+    for (int h = 0; h < hq; ++h) {
+      const std::vector<float> k = Concat(pk, P, ok[b], own_cap, base, keys, h / group, d);
+      const std::vector<float> v = Concat(pv, P, ov[b], own_cap, base, keys, h / group, d);
+      const int64_t off = (static_cast<int64_t>(b) * hq + h) * d;
+      NaiveRow(q.data() + off, k.data(), v.data(), keys, d, scale, expect.data() + off);
+    }
+  }
+  EXPECT_TRUE(AllClose(out, expect, 1e-5f, 1e-4f));
+  // Without an own part, PrefixAttention alone is attention over the prefix.
+  std::vector<float> only(q.size(), 0.0f), only_expect(q.size(), 0.0f);
+  pa.out = only.data();
+  pa.own_lse = nullptr;
+  PrefixAttention(pa);
+  for (int i = 0; i < n; ++i)
+    for (int h = 0; h < hq; ++h) {
+      const int64_t off = (static_cast<int64_t>(rows[i]) * hq + h) * d;
+      const size_t kv = static_cast<size_t>(h / group) * P * d;
+      NaiveRow(q.data() + off, pk.data() + kv, pv.data() + kv, P, d, scale, only_expect.data() + off);
+    }
+  EXPECT_TRUE(AllClose(only, only_expect, 1e-5f, 1e-4f));
+}
+
+TEST(AttentionCpuTest, CascadePrefillEqualsAttentionOverAllKeys) {
+  const int hq = 4, hkv = 4, d = 8, P = 50, start = 3, nq = 6, own_cap = 16;  // own rows 0..start+nq-1
+  const float scale = 0.5f;
+  auto q = RandomUniform(static_cast<size_t>(nq) * hq * d, 21);
+  auto pk = RandomUniform(static_cast<size_t>(hkv) * P * d, 22);
+  auto pv = RandomUniform(static_cast<size_t>(hkv) * P * d, 23);
+  auto okk = RandomUniform(static_cast<size_t>(hkv) * own_cap * d, 24);
+  auto ovv = RandomUniform(static_cast<size_t>(hkv) * own_cap * d, 25);
+  std::vector<float> out(q.size(), NAN), lse(static_cast<size_t>(nq) * hq, NAN);
+  PrefillAttentionArgs a;
+  a.q = q.data();
+  a.k = okk.data();
+  a.v = ovv.data();
+  a.out = out.data();
+  a.lse = lse.data();
+  a.head_stride = static_cast<int64_t>(own_cap) * d;
+  a.q_start = start;
+  a.nq = nq;
+  a.hq = hq;
+  a.hkv = hkv;
+  a.d = d;
+  a.scale = scale;
+  PrefillAttention(a);
+  std::vector<int32_t> rows(nq);
+  for (int i = 0; i < nq; ++i) rows[i] = i;
+  PrefixAttentionArgs pa;
+  pa.q = q.data();
+  pa.rows = rows.data();
+  pa.n = nq;
+  pa.k = pk.data();
+  pa.v = pv.data();
+  pa.head_stride = static_cast<int64_t>(P) * d;
+  pa.keys = P;
+  pa.out = out.data();
+  pa.own_lse = lse.data();
+  pa.hq = hq;
+  pa.hkv = hkv;
+  pa.d = d;
+  pa.scale = scale;
+  PrefixAttention(pa);
+  std::vector<float> expect(q.size());
+  for (int i = 0; i < nq; ++i)
+    for (int h = 0; h < hq; ++h) {
+      const int keys = P + start + i + 1;
+      const std::vector<float> k = Concat(pk, P, okk, own_cap, P, keys, h, d);
+      const std::vector<float> v = Concat(pv, P, ovv, own_cap, P, keys, h, d);
+      const int64_t off = (static_cast<int64_t>(i) * hq + h) * d;
+      NaiveRow(q.data() + off, k.data(), v.data(), keys, d, scale, expect.data() + off);
+    }
   EXPECT_TRUE(AllClose(out, expect, 1e-5f, 1e-4f));
 }
 

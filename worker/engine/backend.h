@@ -89,6 +89,7 @@ struct PrefillAttentionOp {
   const void* k = nullptr;             // [hkv][head_stride]
   const void* v = nullptr;
   void* out = nullptr;                 // [nq, hq, d]
+  float* lse = nullptr;                // optional [nq, hq] f32: ln sum exp(scale q.k) over each row's keys
   int64_t head_stride = 0;
   int q_start = 0, nq = 0, hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
@@ -100,9 +101,28 @@ struct DecodeAttentionOp {
   const void* const* v = nullptr;
   const int32_t* lengths = nullptr;    // [batch]
   void* out = nullptr;                 // [batch, hq, d]
+  float* lse = nullptr;                // optional [batch, hq] f32: ln sum exp(scale q.k) over the keys
   int64_t head_stride = 0;
   int batch = 0, hq = 0, hkv = 0, d = 0;
   int max_length = 0;
+  float scale = 1.0f;
+};
+
+// Cascade attention's shared half (kernels/attention_prefix.cuh): the rows
+// `rows` of q (sequences attached to one prefix) attend to all `keys` keys of
+// the prefix's K/V, held once; merged by log-sum-exp into out, which holds
+// each row's attention over its own keys (own_lse from DecodeAttentionOp::lse).
+struct PrefixAttentionOp {
+  const void* q = nullptr;             // [batch, hq, d]
+  const int32_t* rows = nullptr;       // device [n]: batch rows attached to the prefix
+  int n = 0;
+  const void* k = nullptr;             // the prefix's K of one layer, [hkv][head_stride]
+  const void* v = nullptr;
+  int64_t head_stride = 0;
+  int keys = 0;
+  void* out = nullptr;                 // [batch, hq, d]
+  const float* own_lse = nullptr;      // [batch, hq]; null: out is overwritten with the prefix's part
+  int hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
 };
 
@@ -160,6 +180,7 @@ class Backend {
   virtual void SwiGLU(const float* gate_up, int n, int F, void* out) = 0;
   virtual void PrefillAttention(const PrefillAttentionOp& op) = 0;
   virtual void DecodeAttention(const DecodeAttentionOp& op) = 0;
+  virtual void PrefixAttention(const PrefixAttentionOp& op) = 0;
   // Picks one token per row of logits [rows, vocab]; out_host receives the ids.
   virtual Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                         int32_t* out_host) = 0;

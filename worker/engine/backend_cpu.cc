@@ -105,6 +105,7 @@ class CpuBackend final : public Backend {
     a.k = static_cast<const float*>(op.k);
     a.v = static_cast<const float*>(op.v);
     a.out = static_cast<float*>(op.out);
+    a.lse = op.lse;
     a.head_stride = op.head_stride;
     a.q_start = op.q_start;
     a.nq = op.nq;
@@ -121,6 +122,7 @@ class CpuBackend final : public Backend {
     a.v = reinterpret_cast<const float* const*>(op.v);
     a.lengths = op.lengths;
     a.out = static_cast<float*>(op.out);
+    a.lse = op.lse;
     a.head_stride = op.head_stride;
     a.batch = op.batch;
     a.hq = op.hq;
@@ -128,6 +130,23 @@ class CpuBackend final : public Backend {
     a.d = op.d;
     a.scale = op.scale;
     kc::DecodeAttention(a);
+  }
+  void PrefixAttention(const PrefixAttentionOp& op) override {
+    kc::PrefixAttentionArgs a;
+    a.q = static_cast<const float*>(op.q);
+    a.rows = op.rows;
+    a.n = op.n;
+    a.k = static_cast<const float*>(op.k);
+    a.v = static_cast<const float*>(op.v);
+    a.head_stride = op.head_stride;
+    a.keys = op.keys;
+    a.out = static_cast<float*>(op.out);
+    a.own_lse = op.own_lse;
+    a.hq = op.hq;
+    a.hkv = op.hkv;
+    a.d = op.d;
+    a.scale = op.scale;
+    kc::PrefixAttention(a);
   }
   Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                 int32_t* out_host) override {

@@ -14,6 +14,7 @@
 #include <cusolverDn.h>
 #include "kernels/attention_decode.cuh"
 #include "kernels/attention_prefill.cuh"
+#include "kernels/attention_prefix.cuh"
 #include "kernels/convert.cuh"
 #include "kernels/cuda_check.h"
 #include "kernels/embedding.cuh"
@@ -231,6 +232,7 @@ class CudaBackend final : public Backend {
     a.v = op.v;
     a.out = op.out;
     a.dtype = act_;
+    a.lse = op.lse;
     a.head_stride = op.head_stride;
     a.q_start = op.q_start;
     a.nq = op.nq;
@@ -249,6 +251,7 @@ class CudaBackend final : public Backend {
     a.v = op.v;
     a.lengths = op.lengths;
     a.out = op.out;
+    a.lse = op.lse;
     a.dtype = act_;
     a.head_stride = op.head_stride;
     a.batch = op.batch;
@@ -260,6 +263,29 @@ class CudaBackend final : public Backend {
     a.workspace = decode_ws_.get();
     a.workspace_bytes = decode_ws_.bytes();
     kn::LaunchDecodeAttention(a, stream_);
+  }
+  void PrefixAttention(const PrefixAttentionOp& op) override {
+    const Status grown =
+        GrowWorkspace(&prefix_ws_, kn::PrefixAttentionWorkspaceBytes(op.n, op.hq, op.hkv, op.d, op.keys));
+    CHECK(grown.ok()) << grown;
+    kn::PrefixAttentionArgs a;
+    a.q = op.q;
+    a.rows = op.rows;
+    a.n = op.n;
+    a.k = op.k;
+    a.v = op.v;
+    a.head_stride = op.head_stride;
+    a.keys = op.keys;
+    a.out = op.out;
+    a.own_lse = op.own_lse;
+    a.dtype = act_;
+    a.hq = op.hq;
+    a.hkv = op.hkv;
+    a.d = op.d;
+    a.scale = op.scale;
+    a.workspace = prefix_ws_.get();
+    a.workspace_bytes = prefix_ws_.bytes();
+    kn::LaunchPrefixAttention(a, stream_);
   }
   Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                 int32_t* out_host) override {
@@ -455,6 +481,7 @@ class CudaBackend final : public Backend {
   void* sample_params_ = nullptr;
   void* sample_out_ = nullptr;
   DeviceBuffer decode_ws_;
+  DeviceBuffer prefix_ws_;
 };
 
 }  // namespace

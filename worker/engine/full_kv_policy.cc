@@ -1,13 +1,15 @@
 // The exact KV cache ("full" attention): each sequence owns one contiguous
-// allocation per K and V laid out [layers][hkv][capacity][d] in act dtype, so
-// head h of layer l is a [capacity, d] matrix the attention kernels stream.
+// allocation per K and V laid out [layers][hkv][rows][d] in act dtype, so
+// head h of layer l is a [rows, d] matrix the attention kernels stream.
 //
 // Prefixes (KvPrefix): the exact K/V of a prompt prefix, [layers][hkv][T][d]
-// per K and V. Attaching one (AddSequence with SequenceSpec::prefix) copies it into the sequence's cache (one 2-D
-// copy each for K and V), so attention kernels keep one base per sequence.
-// That is one copy per attached sequence, not one shared copy: reading the
-// prefix in place needs attention over two KV sources (cascade, with a
-// log-sum-exp merge), the next step (docs/architecture.md, "Prefix reuse").
+// per K and V, held once in device memory and read in place by every
+// sequence attached to it (cascade attention): an attached sequence's rows
+// are only its own tokens (position T on), and attention is the sequence's
+// own keys (decode or prefill kernel, with their log-sum-exp) merged with the
+// prefix's keys (PrefixAttention: one launch per prefix and layer for all the
+// step's sequences attached to it, so 64 questions over one document read
+// its K/V once per step, as one tall matrix product on tensor cores).
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -75,18 +77,14 @@ class FullKvPolicy final : public KvPolicy {
                                        std::to_string(spec.prompt_len) + "-token prompt to prefill");
       }
     }
+    if (p != nullptr) {
+      s.base = s.length = p->tokens();
+      s.fp = p;
+      s.prefix = spec.prefix;
+    }
     const size_t bytes = LayerStride(s) * ctx_.num_layers * esize_;
     PENUMBRA_ASSIGN_OR_RETURN(s.k, ctx_.backend->Allocate(bytes));
     PENUMBRA_ASSIGN_OR_RETURN(s.v, ctx_.backend->Allocate(bytes));
-    if (p != nullptr) {
-      const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_;
-      const size_t rows = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv;
-      const size_t width = p->tokens() * row;
-      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.k.get(), s.capacity * row, p->k(), width, width, rows));
-      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.v.get(), s.capacity * row, p->v(), width, width, rows));
-      s.length = p->tokens();
-      s.prefix = spec.prefix;
-    }
     seqs_.emplace(seq, std::move(s));
     return Status::OK();
   }
@@ -97,12 +95,17 @@ class FullKvPolicy final : public KvPolicy {
                           void* q_scratch, void* out) override {
     Seq& s = Get(seq);
     CHECK_LE(start + n, s.capacity);
+    CHECK_GE(start, s.base) << "prefill inside the attached prefix";
     std::vector<void*> ptrs(2 * static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
       ptrs[i] = Slot(s.k, s, layer, start + i);
       ptrs[n + i] = Slot(s.v, s, layer, start + i);
     }
-    PENUMBRA_RETURN_IF_ERROR(UploadPointers(ptrs));
+    // With a prefix, the chunk's rows 0..n-1 then attend to it as the
+    // "sequences" of a PrefixAttention: their indices follow the pointers.
+    std::vector<int32_t> iota(s.fp != nullptr ? n : 0);
+    for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int32_t>(i);
+    PENUMBRA_RETURN_IF_ERROR(UploadPointers(ptrs, iota));
     RopeStoreOp r;
     r.qkv = qkv;
     r.positions = positions;
@@ -114,21 +117,31 @@ class FullKvPolicy final : public KvPolicy {
     r.q_out = q_scratch;
     r.k_dst = static_cast<void* const*>(ptr_buf_.get());
     r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
-    r.head_stride = s.capacity * ctx_.head_dim;
+    r.head_stride = OwnRows(s) * ctx_.head_dim;
     ctx_.backend->RopeStore(r);
+    // The chunk over the sequence's own keys (causal; with its log-sum-exp
+    // when a prefix's part is merged in next).
     PrefillAttentionOp a;
     a.q = q_scratch;
-    a.k = Slot(s.k, s, layer, 0);
-    a.v = Slot(s.v, s, layer, 0);
+    a.k = Slot(s.k, s, layer, s.base);
+    a.v = Slot(s.v, s, layer, s.base);
     a.out = out;
-    a.head_stride = s.capacity * ctx_.head_dim;
-    a.q_start = static_cast<int>(start);
+    a.head_stride = OwnRows(s) * ctx_.head_dim;
+    a.q_start = static_cast<int>(start - s.base);
     a.nq = n;
     a.hq = ctx_.hq;
     a.hkv = ctx_.hkv;
     a.d = ctx_.head_dim;
     a.scale = ctx_.scale;
+    if (s.fp != nullptr) {
+      PENUMBRA_RETURN_IF_ERROR(GrowLse(n));
+      a.lse = lse_.as<float>();
+    }
     ctx_.backend->PrefillAttention(a);
+    if (s.fp != nullptr) {
+      const auto* rows = reinterpret_cast<const int32_t*>(static_cast<void* const*>(ptr_buf_.get()) + ptrs.size());
+      PrefixPart(layer, *s.fp, q_scratch, rows, n, out);
+    }
     s.length = std::max(s.length, start + n);
     return Status::OK();
   }
@@ -143,13 +156,27 @@ class FullKvPolicy final : public KvPolicy {
       return Status::InvalidArgument("prefix of " + std::to_string(tokens) + " tokens: sequence " +
                                      std::to_string(seq) + " holds " + std::to_string(s.length));
     }
+    if (s.fp != nullptr && tokens == s.base) return s.prefix;  // exactly the attached prefix
     const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_;
     const size_t rows = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv;
     PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer k, ctx_.backend->Allocate(rows * tokens * row));
     PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer v, ctx_.backend->Allocate(rows * tokens * row));
-    // Each (layer, head) is `capacity` rows in the sequence, `tokens` rows in the prefix.
-    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(k.get(), tokens * row, s.k.get(), s.capacity * row, tokens * row, rows));
-    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(v.get(), tokens * row, s.v.get(), s.capacity * row, tokens * row, rows));
+    // Each (layer, head) is `tokens` rows in the new prefix: the attached
+    // prefix's first ones (base rows per head there), then the sequence's own
+    // (OwnRows per head).
+    const int64_t from_base = std::min(tokens, s.base);
+    if (from_base > 0) {
+      const size_t w = from_base * row, pitch = s.base * row;
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(k.get(), tokens * row, s.fp->k(), pitch, w, rows));
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(v.get(), tokens * row, s.fp->v(), pitch, w, rows));
+    }
+    if (tokens > s.base) {
+      const size_t w = (tokens - s.base) * row, off = s.base * row, pitch = OwnRows(s) * row;
+      PENUMBRA_RETURN_IF_ERROR(
+          ctx_.backend->Copy2D(k.as<char>() + off, tokens * row, s.k.get(), pitch, w, rows));
+      PENUMBRA_RETURN_IF_ERROR(
+          ctx_.backend->Copy2D(v.as<char>() + off, tokens * row, s.v.get(), pitch, w, rows));
+    }
     return std::shared_ptr<const KvPrefix>(std::make_shared<FullKvPrefix>(
         tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype(), std::move(k), std::move(v),
         ctx_.backend));
@@ -194,48 +221,57 @@ class FullKvPolicy final : public KvPolicy {
 
   Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) override {
     // One upload per step: per layer, the batch's K/V slot pointers (for the
-    // store) and K/V bases (for attention), then the lengths.
+    // store) and own K/V bases (for attention); then the own lengths, then
+    // per attached prefix the batch rows attached to it.
     const size_t B = seqs.size();
     step_batch_ = static_cast<int>(B);
     step_max_len_ = 0;
     step_seqs_.clear();
+    step_prefixes_.clear();
     std::vector<void*> ptrs(static_cast<size_t>(ctx_.num_layers) * 4 * B);
+    std::vector<int32_t> tail(B);
+    std::map<const FullKvPrefix*, std::vector<int32_t>> attached;
     for (size_t i = 0; i < B; ++i) {
       Seq& s = Get(seqs[i]);
       CHECK_LT(positions[i], s.capacity) << "sequence " << seqs[i] << " is full";
+      CHECK_GE(positions[i], s.base);
       step_seqs_.push_back(&s);
-      step_max_len_ = std::max<int64_t>(step_max_len_, positions[i] + 1);
+      tail[i] = static_cast<int32_t>(positions[i] + 1 - s.base);  // own keys, the new one included
+      step_max_len_ = std::max<int64_t>(step_max_len_, tail[i]);
+      if (s.fp != nullptr) attached[s.fp].push_back(static_cast<int32_t>(i));
       for (int l = 0; l < ctx_.num_layers; ++l) {
         void** row = &ptrs[static_cast<size_t>(l) * 4 * B];
         row[i] = Slot(s.k, s, l, positions[i]);
         row[B + i] = Slot(s.v, s, l, positions[i]);
-        row[2 * B + i] = Slot(s.k, s, l, 0);
-        row[3 * B + i] = Slot(s.v, s, l, 0);
+        row[2 * B + i] = Slot(s.k, s, l, s.base);
+        row[3 * B + i] = Slot(s.v, s, l, s.base);
       }
     }
-    // The kernels take one head stride per launch, so DecodeAttention runs
-    // the store and attention once per run of sequences of equal capacity.
-    std::vector<int32_t> lengths(B);
-    for (size_t i = 0; i < B; ++i) lengths[i] = static_cast<int32_t>(positions[i] + 1);
-    PENUMBRA_RETURN_IF_ERROR(UploadPointers(ptrs, lengths));
+    for (auto& [p, rows] : attached) {
+      step_prefixes_.push_back({p, static_cast<int>(tail.size()), static_cast<int>(rows.size())});
+      tail.insert(tail.end(), rows.begin(), rows.end());
+    }
+    if (!attached.empty()) PENUMBRA_RETURN_IF_ERROR(GrowLse(static_cast<int>(B)));
+    PENUMBRA_RETURN_IF_ERROR(UploadPointers(ptrs, tail));
     return Status::OK();
   }
 
   Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out) override {
     const int B = step_batch_;
     void* const* row = static_cast<void* const*>(ptr_buf_.get()) + static_cast<size_t>(layer) * 4 * B;
-    // Sequences of one step may have different capacities (head strides):
-    // run the store and attention once per group of equal capacity.
+    // Sequences of one step may hold different numbers of rows (head
+    // strides): run the store and attention once per run of equal strides.
     int i = 0;
     const size_t row_q = static_cast<size_t>(ctx_.hq) * ctx_.head_dim;
     const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;
-    const auto* lengths = reinterpret_cast<const int32_t*>(static_cast<void* const*>(ptr_buf_.get()) +
-                                                           static_cast<size_t>(ctx_.num_layers) * 4 * B);
+    const auto* tail = reinterpret_cast<const int32_t*>(static_cast<void* const*>(ptr_buf_.get()) +
+                                                        static_cast<size_t>(ctx_.num_layers) * 4 * B);
+    float* lse = step_prefixes_.empty() ? nullptr : lse_.as<float>();
     while (i < B) {
       int j = i + 1;
-      while (j < B && step_seqs_[j]->capacity == step_seqs_[i]->capacity) ++j;
+      while (j < B && OwnRows(*step_seqs_[j]) == OwnRows(*step_seqs_[i])) ++j;
       const int nb = j - i;
-      const int64_t stride = step_seqs_[i]->capacity * ctx_.head_dim;
+      const int64_t stride = OwnRows(*step_seqs_[i]) * ctx_.head_dim;
       RopeStoreOp r;
       r.qkv = qkv + i * qkv_row;
       r.positions = positions + i;
@@ -253,8 +289,9 @@ class FullKvPolicy final : public KvPolicy {
       a.q = r.q_out;
       a.k = reinterpret_cast<const void* const*>(row + 2 * B + i);
       a.v = reinterpret_cast<const void* const*>(row + 3 * B + i);
-      a.lengths = lengths + i;
+      a.lengths = tail + i;
       a.out = static_cast<char*>(out) + i * row_q * esize_;
+      a.lse = lse != nullptr ? lse + static_cast<size_t>(i) * ctx_.hq : nullptr;
       a.head_stride = stride;
       a.batch = nb;
       a.hq = ctx_.hq;
@@ -265,6 +302,7 @@ class FullKvPolicy final : public KvPolicy {
       ctx_.backend->DecodeAttention(a);
       i = j;
     }
+    for (const StepPrefix& sp : step_prefixes_) PrefixPart(layer, *sp.prefix, q_scratch, tail + sp.offset, sp.n, out);
     return Status::OK();
   }
 
@@ -277,11 +315,33 @@ class FullKvPolicy final : public KvPolicy {
   Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
     Seq& s = Get(seq);
     if (length > s.capacity) return Status::InvalidArgument("synthesized context longer than the sequence's capacity");
+    if (s.base > 0) return Status::InvalidArgument("cannot synthesize the context of a sequence attached to a prefix");
     const int64_t n = LayerStride(s) * ctx_.num_layers;
     ctx_.backend->FillRandomNormal(s.k.get(), ctx_.backend->act_dtype(), n, 1.0f, seed * 2 + 1);
     ctx_.backend->FillRandomNormal(s.v.get(), ctx_.backend->act_dtype(), n, 1.0f, seed * 2 + 2);
     s.length = length;
     return Status::OK();
+  }
+
+  // Merges prefix `p`'s part of `layer` into out for the rows `rows` (device
+  // [n]) of q; lse_ holds their own parts' log-sum-exp.
+  void PrefixPart(int layer, const FullKvPrefix& p, const void* q, const int32_t* rows, int n, void* out) {
+    const int64_t per_layer = static_cast<int64_t>(ctx_.hkv) * p.tokens() * ctx_.head_dim;
+    PrefixAttentionOp a;
+    a.q = q;
+    a.rows = rows;
+    a.n = n;
+    a.k = static_cast<const char*>(p.k()) + layer * per_layer * esize_;
+    a.v = static_cast<const char*>(p.v()) + layer * per_layer * esize_;
+    a.head_stride = p.tokens() * ctx_.head_dim;
+    a.keys = static_cast<int>(p.tokens());
+    a.out = out;
+    a.own_lse = lse_.as<float>();
+    a.hq = ctx_.hq;
+    a.hkv = ctx_.hkv;
+    a.d = ctx_.head_dim;
+    a.scale = ctx_.scale;
+    ctx_.backend->PrefixAttention(a);
   }
 
   size_t DeviceBytes(int64_t seq) const override {
@@ -291,10 +351,16 @@ class FullKvPolicy final : public KvPolicy {
 
  private:
   struct Seq {
-    int64_t capacity = 0;
+    int64_t capacity = 0;  // tokens, the attached prefix's included
     int64_t length = 0;
-    DeviceBuffer k, v;
-    std::shared_ptr<const KvPrefix> prefix;  // attached prefix (held while the sequence lives)
+    int64_t base = 0;      // the attached prefix's tokens: rows from `base` on are the sequence's own
+    DeviceBuffer k, v;     // own rows: [layers][hkv][capacity - base][d]
+    const FullKvPrefix* fp = nullptr;        // the attached prefix (null: none)
+    std::shared_ptr<const KvPrefix> prefix;  // ... held while the sequence lives
+  };
+  struct StepPrefix {
+    const FullKvPrefix* prefix;
+    int offset, n;  // its rows in the step's upload tail
   };
 
   Seq& Get(int64_t seq) {
@@ -302,9 +368,19 @@ class FullKvPolicy final : public KvPolicy {
     CHECK(it != seqs_.end()) << "unknown sequence " << seq;
     return it->second;
   }
-  int64_t LayerStride(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.capacity * ctx_.head_dim; }
+  static int64_t OwnRows(const Seq& s) { return s.capacity - s.base; }
+  int64_t LayerStride(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * OwnRows(s) * ctx_.head_dim; }
+  // Token `pos` (>= s.base) of `layer`, head 0.
   void* Slot(const DeviceBuffer& buf, const Seq& s, int layer, int64_t pos) const {
-    return static_cast<char*>(buf.get()) + (layer * LayerStride(s) + pos * ctx_.head_dim) * esize_;
+    return static_cast<char*>(buf.get()) + (layer * LayerStride(s) + (pos - s.base) * ctx_.head_dim) * esize_;
+  }
+  // lse_ holds at least `rows` rows of hq floats.
+  Status GrowLse(int rows) {
+    const size_t bytes = static_cast<size_t>(rows) * ctx_.hq * sizeof(float);
+    if (bytes <= lse_.bytes()) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());  // the previous step may still read it
+    PENUMBRA_ASSIGN_OR_RETURN(lse_, ctx_.backend->Allocate(bytes * 2));
+    return Status::OK();
   }
 
   // Copies host pointer arrays (and optional int32 tail) into ptr_buf_.
@@ -328,6 +404,8 @@ class FullKvPolicy final : public KvPolicy {
   DeviceBuffer ptr_buf_;
   std::vector<uint8_t> staging_;
   std::vector<Seq*> step_seqs_;
+  std::vector<StepPrefix> step_prefixes_;
+  DeviceBuffer lse_;  // [rows][hq] f32: own parts' log-sum-exp for the prefix merges
   int step_batch_ = 0;
   int64_t step_max_len_ = 0;
 };
