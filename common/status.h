@@ -31,6 +31,7 @@ enum class StatusCode : uint8_t {
   kInternal,           // a bug or an unexpected library failure
   kIOError,
   kCancelled,
+  kPermissionDenied,   // the caller may not do this (another tenant's, a bad key)
 };
 
 std::string_view StatusCodeName(StatusCode code);
@@ -52,6 +53,7 @@ class [[nodiscard]] Status {
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
   static Status IOError(std::string m) { return {StatusCode::kIOError, std::move(m)}; }
   static Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
+  static Status PermissionDenied(std::string m) { return {StatusCode::kPermissionDenied, std::move(m)}; }
 
   bool ok() const { return rep_ == nullptr; }
   StatusCode code() const { return rep_ ? rep_->code : StatusCode::kOk; }

@@ -1,32 +1,76 @@
 #!/usr/bin/env bash
-# The main job on its embedded default: set up, build, and ask the project's
-# own long-context model (models/penumbra-eval, docs/evalmodel.md) a question
-# about a 4K-token document (ops/examples/needle_4k.txt: Python
-# documentation with one hidden fact), on the GPU when there is one, else on
-# the CPU. Set-up and build print one line each (their output goes to
-# build/logs/, shown in full only on failure); then the answer and the speed.
-# Extra arguments go to `penumbra generate` (e.g. --kv-policy shadowkv
-# --min-prompt 1024). PENUMBRA_MODEL=DIR runs another model from token id 1.
+# The main job on its embedded default: set up, build, start the service on
+# loopback (`penumbra serve`: a coordinator and one worker serving the
+# project's own long-context model, models/penumbra-eval, on the GPU when
+# there is one, else on the CPU), put a 4K-token document once
+# (ops/examples/kv_4k.txt: 66 keys and their values), ask it two questions
+# through the public API, print the answers and their usage (the document's
+# tokens come from the document cache, not prefilled again), and stop the
+# service. Set-up and build print one line each (their output goes to
+# build/logs/, shown in full only on failure).
+#   bash ops/run.sh [--kv-policy shadowkv ...]   extra arguments go to the worker
+#   PENUMBRA_MODEL=DIR bash ops/run.sh           another model, offline, from token id 1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ops/quiet.sh
 LOGS=build/logs
 quiet_step "setup: Debian packages (log: $LOGS/setup.log)" "$LOGS/setup.log" bash ops/setup.sh
-quiet_step "build: penumbra (log: $LOGS/build.log; the first build takes a few minutes)" "$LOGS/build.log" \
-  bash ops/build.sh penumbra
+quiet_step "build: penumbra, penumbra-worker, penumbra-coordinator (log: $LOGS/build.log; the first build takes a few minutes)" \
+  "$LOGS/build.log" bash ops/build.sh penumbra
 if [ -n "${PENUMBRA_MODEL:-}" ]; then
   exec ./build/bin/penumbra generate --model "$PENUMBRA_MODEL" --prompt-ids 1 --max-new-tokens 200 --greedy "$@"
 fi
-echo
-echo "Q: What is the special magic number for witty-pond? (asked about a 4K-token document; expected 3652018)"
-# Stops at the end of the answer line (token 201 is "\n") or at EOS (1).
-./build/bin/penumbra generate --model models/penumbra-eval --prompt-file ops/examples/needle_4k.txt \
-  --max-new-tokens 16 --greedy --stop-ids 201,1 --json "$@" > build/logs/answer.json
-python3 - build/logs/answer.json <<'PY'
+
+RUN=build/run/main
+rm -rf "$RUN"
+mkdir -p "$RUN"
+./build/bin/penumbra serve --config configs/service.yaml --port 0 --metrics-port 0 --run-dir "$RUN" \
+  --port-file "$RUN/serve.json" --worker-args "$*" > "$RUN/serve.log" 2>&1 &
+SERVE=$!
+trap 'kill -TERM $SERVE 2>/dev/null; wait $SERVE 2>/dev/null || true' EXIT
+printf 'serve: a coordinator and a worker on loopback (logs: %s) ... ' "$RUN"
+t0=$SECONDS
+until [ -f "$RUN/serve.json" ]; do
+  if ! kill -0 $SERVE 2>/dev/null; then
+    echo "failed"; cat "$RUN/serve.log"; exit 1
+  fi
+  sleep 0.2
+done
+echo "done ($((SECONDS - t0))s)"
+PORT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["port"])' "$RUN/serve.json")
+export PENUMBRA_ADDRESS=127.0.0.1:$PORT
+
+DOC=$(./build/bin/penumbra doc put ops/examples/kv_4k.txt --name kv_4k --json)
+python3 - "$DOC" <<'PY'
+import json, sys
+d = json.loads(sys.argv[1])
+print(f'put: ops/examples/kv_4k.txt -> {d["id"]} ({d["tokens"]} tokens, factored once in {d["factor_seconds"]:.2f} s '
+      f'on worker {d["worker"]})')
+PY
+ID=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["id"])' "$DOC")
+
+ask() {  # ask KEY EXPECTED
+  local q="Q: What is the value of key $1?"
+  echo
+  echo "$q   (expected $2)"
+  ./build/bin/penumbra ask --docs "$ID" --question "$q\\nA:" --max-new-tokens 40 --stop '\n' --json > "$RUN/answer.json"
+  python3 - "$RUN/answer.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
+u = r["usage"]
 print("A:", r["text"].strip())
-print(f'({r["prompt_tokens"]} prompt tokens, prefill {r["prefill_seconds"]:.2f} s; '
-      f'{r["generated_tokens"]} tokens generated, decode {r["tokens_per_s"]:.1f} tokens/s; '
-      f'{r["device"]} {r["dtype"]}, KV policy {r["kv_policy"]})')
+print(f'   ({u["prompt_tokens"]} prompt tokens, {u["cached_prompt_tokens"]} of them from the document cache; '
+      f'{u["generated_tokens"]} generated; first token {u["ttft_seconds"]:.3f} s; {r["tokens_per_s"]:.1f} tokens/s)')
+PY
+}
+ask 311e272d-9985-36ed-e20f-9904e233dbda d85b02ee-e3b0-bd45-7c00-29173587570a
+ask 3cfe7289-723b-0583-912a-ba88e99d9671 f02460d8-7556-e45a-c890-89134e15e17f
+echo
+./build/bin/penumbra stats --json > "$RUN/stats.json"
+python3 - "$RUN/stats.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+w = s["workers"][0]
+print(f'stats: {s["requests"]} requests, {s["cached_prompt_tokens"]} of {s["prompt_tokens"]} prompt tokens from the '
+      f'document cache; worker {w["name"]} on {w["backend"]}, KV policy {w["kv_policy"]}')
 PY

@@ -1,6 +1,7 @@
 // penumbra: the command-line front end.
-//   penumbra generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) ...
+//   penumbra generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) ...   (offline, in this process)
 //   penumbra eval --model DIR --tasks FILE.jsonl ...   (see coordinator/cli/eval.h)
+//   penumbra serve | doc | ask | stats                  (the service; coordinator/cli/service_cli.h)
 // Errors (bad flags, bad model files, bad prompts) print one line naming what
 // was wrong and exit with status 2 (usage) or 1 (everything else).
 #include <cstdio>
@@ -14,8 +15,10 @@
 #include "common/file.h"
 #include "common/logging.h"
 #include "coordinator/cli/eval.h"
-#include "coordinator/cli/text_codec.h"
+#include "coordinator/cli/service_cli.h"
+#include "coordinator/tokenizer/text_codec.h"
 #include "worker/engine/engine.h"
+#include "worker/engine/engine_flags.h"
 
 namespace penumbra {
 namespace {
@@ -23,37 +26,12 @@ namespace {
 constexpr const char* kUsage =
     "usage: penumbra generate --model DIR (--prompt TEXT | --prompt-ids ID,...) [options]\n"
     "       penumbra eval --model DIR --tasks FILE.jsonl [options]\n"
+    "       penumbra serve [--config configs/service.yaml]      a coordinator and its workers\n"
+    "       penumbra doc put FILE [--name N] | doc ls | doc get ID | doc rm ID\n"
+    "       penumbra ask --docs ID[,ID...] --question TEXT [options]   streams the answer\n"
+    "       penumbra stats\n"
+    "       (client commands: --address HOST:PORT, default $PENUMBRA_ADDRESS or 127.0.0.1:7700; --api-key K)\n"
     "       penumbra help\n";
-
-void AddEngineFlags(Args& a) {
-  a.Flag("device", "cpu, cuda or auto (default auto: cuda when a GPU is present)")
-      .Flag("dtype", "CUDA compute dtype: bf16 (default) or f32")
-      .Flag("linear",
-            "CUDA linear layers: auto (skinny kernel for decode batches <= 8, SwiGLU fused; default), "
-            "skinny (unfused) or cublas")
-      .Flag("chained-launch", "CUDA: decode kernels launched chained (programmatic dependent launch), on (default) or off")
-      .Flag("config", "engine YAML (see configs/engine.yaml); flags override it")
-      .Flag("kv-policy", "full (default) or shadowkv")
-      .Flag("prefill-chunk", "tokens per prefill chunk (default 4096)");
-  AddShadowKvFlags(a);
-}
-
-Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
-  if (a.Has("config")) {
-    PENUMBRA_ASSIGN_OR_RETURN(*o, LoadEngineOptionsFile(a.Get("config")));
-  }
-  if (a.Has("device")) o->backend.device = a.Get("device");
-  if (a.Has("dtype")) o->backend.dtype = a.Get("dtype");
-  if (a.Has("linear")) o->backend.linear = a.Get("linear");
-  if (a.Has("chained-launch")) {
-    PENUMBRA_ASSIGN_OR_RETURN(o->backend.chained_launch, a.GetOnOff("chained-launch", true));
-  }
-  if (a.Has("kv-policy")) o->kv_policy = a.Get("kv-policy");
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t chunk, a.GetInt("prefill-chunk", o->runtime.prefill_chunk));
-  if (chunk < 1 || chunk > (1 << 20)) return Status::InvalidArgument("--prefill-chunk must be in [1, 1048576]");
-  o->runtime.prefill_chunk = static_cast<int>(chunk);
-  return ApplyShadowKvFlags(a, &o->shadowkv);
-}
 
 Status Generate(int argc, char** argv) {
   Args a;
@@ -275,6 +253,14 @@ int main(int argc, char** argv) {
     s = penumbra::Generate(argc, argv);
   } else if (cmd == "eval") {
     s = penumbra::Eval(argc, argv);
+  } else if (cmd == "serve") {
+    s = penumbra::ServeCommand(argc, argv);
+  } else if (cmd == "doc") {
+    s = penumbra::DocCommand(argc, argv);
+  } else if (cmd == "ask") {
+    s = penumbra::AskCommand(argc, argv);
+  } else if (cmd == "stats") {
+    s = penumbra::StatsCommand(argc, argv);
   } else {
     std::cerr << "penumbra: unknown command '" << cmd << "'\n" << penumbra::kUsage;
     return 2;

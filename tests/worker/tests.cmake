@@ -1,2 +1,2 @@
-penumbra_glob_tests(worker LIBS penumbra_engine penumbra_shadowkv_check penumbra_kernel_trace
+penumbra_glob_tests(worker LIBS penumbra_engine penumbra_service penumbra_shadowkv_check penumbra_kernel_trace
   nlohmann_json::nlohmann_json)

@@ -120,6 +120,11 @@ class KvPolicy {
   // participation in cross-lane fetch turns (worker/engine/fetch_turns.h).
   virtual void EndDecodeStep() {}
 
+  // Whether a run of the prompt may be prefilled in several calls (at
+  // prefill-chunk boundaries) with the same result as in one: true for the
+  // exact cache; a compressing policy's state depends on where prefills end.
+  virtual bool PrefillSplits() const { return true; }
+
   // ---- Prefix reuse (default: Unimplemented for the policy) ----
   // A string naming every parameter that changes the KV state this policy
   // makes for given tokens (part of a prefix's cache key).

@@ -78,4 +78,14 @@ bool PrefixCache::Insert(const Hash128& key, std::shared_ptr<const KvPrefix> pre
   return true;
 }
 
+bool PrefixCache::Erase(const Hash128& key) {
+  auto it = index_.find(Key(key));
+  if (it == index_.end()) return false;
+  bytes_ -= it->second->prefix->device_bytes();
+  host_bytes_ -= it->second->prefix->host_bytes();
+  lru_.erase(it->second);
+  index_.erase(it);
+  return true;
+}
+
 }  // namespace penumbra

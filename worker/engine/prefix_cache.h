@@ -55,6 +55,9 @@ class PrefixCache {
   // kept as it is), evicting as above. False when it was not kept.
   bool Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix);
 
+  // Drops the entry under `key` (sequences attached to it keep their
+  // reference until they end). False when absent.
+  bool Erase(const Hash128& key);
   // Drops every entry no sequence holds.
   void Clear();
 

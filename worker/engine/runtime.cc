@@ -1,16 +1,17 @@
 #include "worker/engine/runtime.h"
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <sstream>
 
 namespace penumbra {
-namespace {
 
-// A uniform in [0, 1) from 24 random bits: identical on every platform.
 float NextUniform(std::mt19937_64& rng) { return static_cast<float>(rng() >> 40) * (1.0f / 16777216.0f); }
 
-}  // namespace
+SampleParams SamplingDraw(const SamplingOptions& s, std::mt19937_64& rng) {
+  return SampleParams{s.temperature, s.top_k, s.top_p, NextUniform(rng)};
+}
 
 Result<std::unique_ptr<PolicyContextHolder>> MakePolicyContext(Backend* backend, const ModelConfig& config) {
   auto h = std::make_unique<PolicyContextHolder>();
@@ -91,7 +92,8 @@ Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
                                        std::to_string(c.vocab_size) + ")");
       }
     }
-    if (q.max_new_tokens < 1) return Status::InvalidArgument(who + "max_new_tokens must be >= 1");
+    // 0: prefill only (a document put): the last segment may end with the prompt.
+    if (q.max_new_tokens < 0) return Status::InvalidArgument(who + "max_new_tokens must be >= 0");
     const int64_t total = static_cast<int64_t>(q.prompt.size()) + q.max_new_tokens;
     if (total > c.max_position_embeddings) {
       return Status::InvalidArgument(who + "prompt (" + std::to_string(q.prompt.size()) + " tokens) + max_new_tokens (" +
@@ -106,9 +108,11 @@ Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
     if (Status s = q.sampling.Validate(); !s.ok()) return Status::InvalidArgument(who + s.message());
     for (size_t i = 0; i < q.segment_ends.size(); ++i) {
       const int64_t e = q.segment_ends[i], prev = i ? q.segment_ends[i - 1] : 0;
-      if (e <= prev || e >= static_cast<int64_t>(q.prompt.size())) {
+      const int64_t limit = static_cast<int64_t>(q.prompt.size()) - (q.max_new_tokens > 0 ? 1 : 0);
+      if (e <= prev || e > limit) {
         return Status::InvalidArgument(who + "segment end " + std::to_string(e) + " (index " + std::to_string(i) +
-                                       ") must be above " + std::to_string(prev) + " and below the prompt's " +
+                                       ") must be above " + std::to_string(prev) +
+                                       (q.max_new_tokens > 0 ? " and below the prompt's " : " and at most the prompt's ") +
                                        std::to_string(q.prompt.size()) + " tokens");
       }
     }
@@ -181,18 +185,39 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
   return Status::OK();
 }
 
-Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, GenerationResult* result) {
+std::string Runtime::PrefixFence(const std::string& cache_namespace) const {
+  return policy_->StateFingerprint() + "|dtype=" + std::string(DTypeName(backend_->act_dtype())) +
+         "|model=" + model_identity_ + "|namespace=" + cache_namespace;
+}
+
+int Runtime::ForgetPrefixes(const GenerationRequest& q) {
+  if (!prefix_cache_ || q.segment_ends.empty()) return 0;
+  int dropped = 0;
+  DrainPrefixStores();  // a write still queued would store it again
+  for (const Hash128& key : PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends)) {
+    if (prefix_cache_->Erase(key)) ++dropped;
+    if (prefix_store_ && prefix_store_->Info(key).ok()) {
+      Status s = prefix_store_->Erase(key);
+      if (s.ok()) {
+        ++dropped;
+      } else {
+        LOG(WARNING) << "prefix store: segment " << key.Hex() << " not erased: " << s;
+      }
+    }
+  }
+  return dropped;
+}
+
+Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result) {
   const int64_t P = static_cast<int64_t>(q.prompt.size());
-  std::vector<Hash128> keys;
+  *st = PrefillState{};
   std::shared_ptr<const KvPrefix> hit;
   int64_t start = 0;
   if (prefix_cache_ && !q.segment_ends.empty()) {
-    const std::string fence = policy_->StateFingerprint() + "|dtype=" + std::string(DTypeName(backend_->act_dtype())) +
-                              "|model=" + model_identity_ + "|namespace=" + q.cache_namespace;
-    keys = PrefixKeys(fence, q.prompt, q.segment_ends);
-    for (size_t i = keys.size(); i-- > 0 && !hit;) {
-      hit = prefix_cache_->Find(keys[i], q.segment_ends[i]);
-      if (!hit && prefix_store_) hit = LoadStoredPrefix(keys[i], q.segment_ends[i]);
+    st->keys = PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends);
+    for (size_t i = st->keys.size(); i-- > 0 && !hit;) {
+      hit = prefix_cache_->Find(st->keys[i], q.segment_ends[i]);
+      if (!hit && prefix_store_) hit = LoadStoredPrefix(st->keys[i], q.segment_ends[i]);
       if (hit) start = q.segment_ends[i];
     }
   }
@@ -214,38 +239,60 @@ Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, Generatio
   stats_.prompt_tokens += start;
   stats_.cached_prompt_tokens += start;
   result->cached_prompt_tokens = start;
-  // One prefill per segment, so that the state at each segment's end is the
-  // same whether it was computed here or attached (a compressing policy
-  // factors the first segment and continues over it); each new leading
-  // segment is captured as soon as it is prefilled.
-  bool capture = !keys.empty();
-  int64_t at = start;
-  for (size_t i = 0; i < q.segment_ends.size(); ++i) {
-    const int64_t e = q.segment_ends[i];
-    if (e <= at) continue;
-    PENUMBRA_RETURN_IF_ERROR(Prefill(seq, q.prompt, nullptr, at, e));
-    at = e;
-    if (!capture || prefix_cache_->Contains(keys[i])) continue;
-    Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, e);
-    if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {
-      capture = false;  // this policy cannot: no reuse
-      continue;
-    }
-    PENUMBRA_RETURN_IF_ERROR(p.status());
-    if (prefix_writer_) {
-      // Written in the background; a store that fails costs this request
-      // nothing but the reuse after a restart.
-      auto blobs = (*p)->Export();
-      if (blobs.ok()) {
-        prefix_writer_->Enqueue(keys[i], q.cache_namespace, e, std::move(*blobs));
-      } else {
-        ++stats_.prefix_store_errors;
-        LOG(WARNING) << "prefix store: not exported: " << blobs.status();
-      }
-    }
-    prefix_cache_->Insert(keys[i], std::move(*p));
+  st->at = start;
+  st->capture = !st->keys.empty();
+  return Status::OK();
+}
+
+Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, PrefillState* st, int64_t max_tokens) {
+  const int64_t P = static_cast<int64_t>(q.prompt.size());
+  CHECK_LT(st->at, P) << "the prompt is already prefilled";
+  // One prefill per segment at least, so that the state at each segment's
+  // end is the same whether it was computed here or attached (a compressing
+  // policy factors the first segment and continues over it); each new
+  // leading segment is captured as soon as it is prefilled.
+  size_t seg = 0;
+  while (seg < q.segment_ends.size() && q.segment_ends[seg] <= st->at) ++seg;
+  const int64_t boundary = seg < q.segment_ends.size() ? q.segment_ends[seg] : P;
+  int64_t end = boundary;
+  if (policy_->PrefillSplits()) {
+    // Whole prefill chunks: the same rows per chunk as one unsplit prefill.
+    const int64_t chunk = options_.prefill_chunk;
+    const int64_t piece = std::max<int64_t>(chunk, max_tokens / chunk * chunk);
+    end = std::min(boundary, st->at + piece);
   }
-  return Prefill(seq, q.prompt, nullptr, at, P);
+  PENUMBRA_RETURN_IF_ERROR(Prefill(seq, q.prompt, nullptr, st->at, end));
+  st->at = end;
+  if (end == boundary && seg < q.segment_ends.size() && st->capture && !prefix_cache_->Contains(st->keys[seg])) {
+    Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, end);
+    if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {
+      st->capture = false;  // this policy cannot: no reuse
+    } else {
+      PENUMBRA_RETURN_IF_ERROR(p.status());
+      if (prefix_writer_) {
+        // Written in the background; a store that fails costs this request
+        // nothing but the reuse after a restart.
+        auto blobs = (*p)->Export();
+        if (blobs.ok()) {
+          prefix_writer_->Enqueue(st->keys[seg], q.cache_namespace, end, std::move(*blobs));
+        } else {
+          ++stats_.prefix_store_errors;
+          LOG(WARNING) << "prefix store: not exported: " << blobs.status();
+        }
+      }
+      prefix_cache_->Insert(st->keys[seg], std::move(*p));
+    }
+  }
+  return st->at == P;
+}
+
+Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, GenerationResult* result) {
+  PrefillState st;
+  PENUMBRA_RETURN_IF_ERROR(BeginPrefill(seq, q, &st, result));
+  for (;;) {
+    PENUMBRA_ASSIGN_OR_RETURN(bool done, PrefillStep(seq, q, &st, std::numeric_limits<int64_t>::max()));
+    if (done) return Status::OK();
+  }
 }
 
 void Runtime::SetPrefixStore(storage::SegmentStore* store, std::string model_identity) {
@@ -352,7 +399,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
     std::vector<int32_t> last(end - wave);
     auto params_of = [&](Active& a) {
       const SamplingOptions& s = requests[a.r].sampling;
-      return SampleParams{s.temperature, s.top_k, s.top_p, NextUniform(a.rng)};
+      return SamplingDraw(s, a.rng);
     };
     auto emit = [&](Active& a, int32_t id) -> bool {  // true when the sequence is done
       GenerationResult& g = results[a.r];
@@ -379,6 +426,11 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
         for (auto& x : active) policy_->RemoveSequence(x.seq);
         policy_->RemoveSequence(a.seq);
         return s;
+      }
+      if (q.max_new_tokens == 0) {  // prefill only
+        results[r].finish_reason = "prefilled";
+        policy_->RemoveSequence(a.seq);
+        continue;
       }
       int32_t id = 0;
       PENUMBRA_RETURN_IF_ERROR(backend_->Sample(logits_.as<float>(), 1, c.vocab_size, {params_of(a)}, &id));

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -30,8 +31,18 @@ struct SamplingOptions {
   Status Validate() const;
 };
 
+// A uniform in [0, 1) from 24 random bits: identical on every platform.
+float NextUniform(std::mt19937_64& rng);
+// One token's sampling parameters for a request whose random stream is `rng`
+// (seeded with SamplingOptions::seed): every runner of a request (Generate,
+// the scheduler) draws the same sequence, so seeded sampling repeats.
+SampleParams SamplingDraw(const SamplingOptions& s, std::mt19937_64& rng);
+
 struct GenerationRequest {
   std::vector<int32_t> prompt;
+  // 0: prefill only (a document put): the prompt's segments are prefilled and
+  // captured, nothing is generated ("prefilled"), and the last segment may end
+  // with the prompt.
   int max_new_tokens = 16;
   SamplingOptions sampling;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
@@ -48,7 +59,7 @@ struct GenerationRequest {
 
 struct GenerationResult {
   std::vector<int32_t> ids;          // generated ids (the stop id included when hit)
-  std::string finish_reason;         // "stop" or "length"
+  std::string finish_reason;         // "stop", "length" or "prefilled" (max_new_tokens 0)
   int64_t cached_prompt_tokens = 0;  // leading prompt tokens attached from the prefix cache
 };
 
@@ -93,6 +104,32 @@ class Runtime {
   Status Validate(const std::vector<GenerationRequest>& requests) const;
   Result<std::vector<GenerationResult>> Generate(const std::vector<GenerationRequest>& requests);
 
+  // A request's prefill in steps, for continuous batching (the scheduler
+  // runs decode steps of other sequences between them). BeginPrefill
+  // validates nothing (see Validate), attaches the longest cached run of
+  // leading segments and reserves the sequence (ResourceExhausted when it
+  // does not fit now: nothing is left behind); PrefillStep prefills the next
+  // piece, never past a segment's end and, where the policy allows splitting
+  // (KvPolicy::PrefillSplits), at most max_tokens (rounded down to whole
+  // prefill chunks, so the result is the same as one unsplit prefill),
+  // capturing each leading segment it completes; it returns true when the
+  // whole prompt is in, the last row's logits then in LastLogits() until the
+  // next runtime call. Generate uses the same steps.
+  struct PrefillState {
+    int64_t at = 0;              // prompt tokens the sequence holds
+    std::vector<Hash128> keys;   // the leading segments' cache keys (empty: no reuse)
+    bool capture = false;        // capture the segments completed here
+  };
+  Status BeginPrefill(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result);
+  Result<bool> PrefillStep(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
+  // Drops the cached state of `r`'s leading segments (each one the prompt's
+  // segment_ends name) from the prefix cache and the persistent store, so a
+  // deleted document is not served again; sequences attached now keep their
+  // reference until they end. Returns the entries dropped (cache and store).
+  int ForgetPrefixes(const GenerationRequest& r);
+  // Device logits [vocab] of the last prefilled row.
+  const float* LastLogits() const { return logits_.as<float>(); }
+
   // Lower-level steps (benchmarks, tests).
   Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens);
   void RemoveSequence(int64_t seq);
@@ -117,6 +154,7 @@ class Runtime {
     policy_->SetDecodeProfiler(profiler);
   }
   const ModelConfig& config() const { return weights_->config(); }
+  int max_batch() const { return options_.max_batch; }
   // The persistent store's writer counts are folded in at each call.
   RunStats stats() const;
   // Blocks until every queued write to the persistent store has finished.
@@ -132,6 +170,9 @@ class Runtime {
   void SetPrefixStore(storage::SegmentStore* store, std::string model_identity);
 
  private:
+  // What every prefix key of this runtime names besides the tokens: the
+  // policy's state-shaping options, the dtype, the model and the namespace.
+  std::string PrefixFence(const std::string& cache_namespace) const;
   // Adds request `r`'s sequence `seq`, attaches its longest cached prefix,
   // prefills the rest and captures its new leading segments.
   Status AddAndPrefill(int64_t seq, const GenerationRequest& r, GenerationResult* result);

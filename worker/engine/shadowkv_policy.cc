@@ -968,6 +968,10 @@ class ShadowKvPolicy final : public KvPolicy {
 
   // ----------------------------------------------------------- prefix reuse
 
+  // Where a prefill ends shapes the state (the first one is factored, later
+  // ones become chunks), so a run is prefilled in one call.
+  bool PrefillSplits() const override { return false; }
+
   std::string StateFingerprint() const override {
     std::ostringstream os;
     os << "shadowkv v1 rank=" << o_.rank << " chunk=" << o_.chunk_size << " budget=" << o_.budget_tokens

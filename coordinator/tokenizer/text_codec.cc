@@ -1,4 +1,4 @@
-#include "coordinator/cli/text_codec.h"
+#include "coordinator/tokenizer/text_codec.h"
 
 #include <nlohmann/json.hpp>
 

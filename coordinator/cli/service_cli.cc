@@ -1,0 +1,612 @@
+#include "coordinator/cli/service_cli.h"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include "common/args.h"
+#include "common/file.h"
+#include "common/process.h"
+#include "coordinator/client/client.h"
+
+namespace penumbra {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+// ---- client commands -----------------------------------------------------------
+
+void AddClientFlags(Args& a) {
+  a.Flag("address", "the coordinator, host:port (default $PENUMBRA_ADDRESS, else 127.0.0.1:7700)")
+      .Flag("api-key", "API key (default $PENUMBRA_API_KEY)")
+      .Flag("timeout-ms", "connect and call timeout (default 30000)");
+}
+
+Result<std::unique_ptr<client::Client>> ConnectFromFlags(const Args& a) {
+  client::ClientOptions o;
+  const char* env_addr = std::getenv("PENUMBRA_ADDRESS");
+  const std::string address = a.Get("address", env_addr ? env_addr : "127.0.0.1:7700");
+  PENUMBRA_RETURN_IF_ERROR(client::ParseAddress(address, &o));
+  const char* env_key = std::getenv("PENUMBRA_API_KEY");
+  o.api_key = a.Get("api-key", env_key ? env_key : "");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t t, a.GetIntIn("timeout-ms", 30000, 1, 3600000));
+  o.timeout = milliseconds(t);
+  return client::Client::Connect(o);
+}
+
+const char* StateName(rpc::DocumentState::type s) {
+  switch (s) {
+    case rpc::DocumentState::FACTORING: return "factoring";
+    case rpc::DocumentState::READY: return "ready";
+    case rpc::DocumentState::FAILED: return "failed";
+  }
+  return "?";
+}
+
+nlohmann::json ToJson(const rpc::DocumentInfo& d) {
+  nlohmann::json j = {{"id", d.id},           {"name", d.name},     {"tokens", d.tokens},
+                      {"state", StateName(d.state)}, {"worker", d.worker}, {"factor_seconds", d.factor_seconds},
+                      {"created_unix_ms", d.created_unix_ms}};
+  if (d.__isset.error) j["error"] = d.error;
+  return j;
+}
+
+nlohmann::json ToJson(const rpc::Usage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},       {"cached_prompt_tokens", u.cached_prompt_tokens},
+          {"generated_tokens", u.generated_tokens}, {"queue_seconds", u.queue_seconds},
+          {"ttft_seconds", u.ttft_seconds}};
+}
+
+// A one-line progress bar on stderr, redrawn in place on a terminal.
+void ShowProgress(const rpc::DocumentInfo& d, Clock::time_point t0, bool tty) {
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double frac = d.tokens > 0 ? static_cast<double>(d.factored_tokens) / static_cast<double>(d.tokens) : 0;
+  const int width = 30, filled = static_cast<int>(frac * width + 0.5);
+  std::string bar(filled, '#');
+  bar.resize(width, '.');
+  if (tty || d.state != rpc::DocumentState::FACTORING) {
+    std::fprintf(stderr, "%sfactoring %s [%s] %lld/%lld tokens %.1f s%s", tty ? "\r" : "", d.name.c_str(), bar.c_str(),
+                 static_cast<long long>(d.factored_tokens), static_cast<long long>(d.tokens), secs,
+                 d.state == rpc::DocumentState::FACTORING ? "" : "\n");
+    std::fflush(stderr);
+  }
+}
+
+Status DocPut(int argc, char** argv) {
+  Args a;
+  a.Flag("name", "the document's name (default: the file's name)")
+      .Flag("ids", "the document as comma-separated token ids instead of a file")
+      .Switch("no-wait", "return at once (state factoring); see `penumbra doc get`")
+      .Switch("json", "print the document as JSON");
+  AddClientFlags(a);
+  std::string file;
+  int first = 3;
+  if (argc > 3 && std::string(argv[3]).rfind("--", 0) != 0) {
+    file = argv[3];
+    first = 4;
+  }
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, first));
+  if (file.empty() == !a.Has("ids")) return Status::InvalidArgument("doc put: give a FILE or --ids, not both");
+  std::string text;
+  std::vector<int32_t> ids;
+  if (!file.empty()) {
+    PENUMBRA_ASSIGN_OR_RETURN(text, ReadFileToString(file));
+  } else {
+    PENUMBRA_ASSIGN_OR_RETURN(auto list, a.GetIntList("ids"));
+    for (int64_t id : list) {
+      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--ids: id " + std::to_string(id) + " is out of range");
+      ids.push_back(static_cast<int32_t>(id));
+    }
+  }
+  const std::string name = a.Get("name", file.empty() ? "ids" : std::filesystem::path(file).filename().string());
+  PENUMBRA_ASSIGN_OR_RETURN(auto c, ConnectFromFlags(a));
+  const Clock::time_point t0 = Clock::now();
+  const bool tty = isatty(2);
+  std::function<void(const rpc::DocumentInfo&)> progress;
+  if (!a.Has("json") && !a.Has("no-wait")) progress = [&](const rpc::DocumentInfo& d) { ShowProgress(d, t0, tty); };
+  PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo d, c->PutDocument(name, file.empty() ? nullptr : &text,
+                                                               file.empty() ? &ids : nullptr, !a.Has("no-wait"),
+                                                               milliseconds(0), progress));
+  if (a.Has("json")) {
+    std::cout << ToJson(d).dump() << std::endl;
+  } else if (d.state == rpc::DocumentState::FAILED) {
+    return Status::Internal("document " + d.id + " failed to factor: " + (d.__isset.error ? d.error : ""));
+  } else {
+    std::printf("%s\t%s\t%lld tokens\t%s%s\n", d.id.c_str(), d.name.c_str(), static_cast<long long>(d.tokens),
+                StateName(d.state),
+                d.factor_seconds >= 0 ? (" in " + std::to_string(d.factor_seconds).substr(0, 5) + " s").c_str() : "");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status DocCommand(int argc, char** argv) {
+  const std::string sub = argc > 2 ? argv[2] : "";
+  if (sub == "put") return DocPut(argc, argv);
+  Args a;
+  a.Switch("json", "print JSON");
+  AddClientFlags(a);
+  std::string id;
+  int first = 3;
+  if ((sub == "get" || sub == "rm") && argc > 3) {
+    id = argv[3];
+    first = 4;
+  }
+  if (sub != "ls" && sub != "get" && sub != "rm") {
+    return Status::InvalidArgument("usage: penumbra doc put FILE [--name N] | ls | get ID | rm ID [--address A] [--api-key K]");
+  }
+  if (sub != "ls" && id.empty()) return Status::InvalidArgument("penumbra doc " + sub + " ID");
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, first));
+  PENUMBRA_ASSIGN_OR_RETURN(auto c, ConnectFromFlags(a));
+  if (sub == "rm") {
+    PENUMBRA_RETURN_IF_ERROR(c->DeleteDocument(id));
+    std::printf("deleted %s\n", id.c_str());
+    return Status::OK();
+  }
+  std::vector<rpc::DocumentInfo> docs;
+  if (sub == "get") {
+    PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo d, c->GetDocument(id));
+    docs.push_back(d);
+  } else {
+    PENUMBRA_ASSIGN_OR_RETURN(docs, c->ListDocuments());
+  }
+  for (const auto& d : docs) {
+    if (a.Has("json")) {
+      std::cout << ToJson(d).dump() << "\n";
+    } else {
+      std::printf("%s\t%s\t%lld tokens\t%s\t%s\n", d.id.c_str(), d.name.c_str(), static_cast<long long>(d.tokens),
+                  StateName(d.state), d.worker.c_str());
+    }
+  }
+  return Status::OK();
+}
+
+Status AskCommand(int argc, char** argv) {
+  Args a;
+  a.Flag("docs", "comma-separated document ids the question is about")
+      .Flag("question", "the question's text (\\n for a newline)")
+      .Flag("question-ids", "the question as comma-separated token ids")
+      .Flag("max-new-tokens", "tokens to generate at most (default 256)")
+      .Flag("temperature", "sampling temperature (default 0 = greedy)")
+      .Flag("top-k", "top-k cut (default 0 = off)")
+      .Flag("top-p", "nucleus cut (default 1 = off)")
+      .Flag("seed", "sampling seed (default 0)")
+      .Flag("stop", "a string that ends the answer (\\n for a newline)")
+      .Flag("stop-ids", "comma-separated ids that end the answer")
+      .Switch("ignore-eos", "do not stop at the model's end-of-text ids")
+      .Flag("kv-policy", "run on workers of this KV policy only: full or shadowkv")
+      .Flag("deadline-ms", "give up after this long (default none)")
+      .Switch("json", "print one JSON object at the end instead of streaming text");
+  AddClientFlags(a);
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
+  if (a.Has("question") == a.Has("question-ids")) return Status::InvalidArgument("give --question or --question-ids");
+  rpc::GenerateRequest r;
+  if (a.Has("docs")) {
+    std::stringstream s(a.Get("docs"));
+    std::string id;
+    while (std::getline(s, id, ',')) {
+      if (!id.empty()) r.document_ids.push_back(id);
+    }
+  }
+  if (a.Has("question")) {
+    r.__set_text(Unescape(a.Get("question")));
+  } else {
+    PENUMBRA_ASSIGN_OR_RETURN(auto list, a.GetIntList("question-ids"));
+    std::vector<int32_t> ids;
+    for (int64_t id : list) {
+      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--question-ids: id " + std::to_string(id) + " is out of range");
+      ids.push_back(static_cast<int32_t>(id));
+    }
+    r.__set_token_ids(ids);
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_new, a.GetIntIn("max-new-tokens", 256, 1, 1 << 20));
+  r.max_new_tokens = static_cast<int32_t>(max_new);
+  PENUMBRA_ASSIGN_OR_RETURN(r.sampling.temperature, a.GetDoubleIn("temperature", 0.0, 0.0, 100.0));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t top_k, a.GetIntIn("top-k", 0, 0, INT32_MAX));
+  r.sampling.top_k = static_cast<int32_t>(top_k);
+  PENUMBRA_ASSIGN_OR_RETURN(r.sampling.top_p, a.GetDoubleIn("top-p", 1.0, 0.0, 1.0, /*lo_open=*/true));
+  PENUMBRA_ASSIGN_OR_RETURN(r.sampling.seed, a.GetIntIn("seed", 0, 0, INT64_MAX));
+  if (a.Has("stop")) r.stop.push_back(Unescape(a.Get("stop")));
+  if (a.Has("stop-ids")) {
+    PENUMBRA_ASSIGN_OR_RETURN(auto list, a.GetIntList("stop-ids"));
+    for (int64_t id : list) {
+      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--stop-ids: id " + std::to_string(id) + " is out of range");
+      r.stop_ids.push_back(static_cast<int32_t>(id));
+    }
+  }
+  r.ignore_eos = a.Has("ignore-eos");
+  r.kv_policy = a.Get("kv-policy", "");
+  PENUMBRA_ASSIGN_OR_RETURN(r.deadline_ms, a.GetIntIn("deadline-ms", 0, 0, INT64_MAX / 2));
+  PENUMBRA_ASSIGN_OR_RETURN(auto c, ConnectFromFlags(a));
+  const Clock::time_point t0 = Clock::now();
+  double first_text = -1;
+  Result<rpc::GenerateChunk> last = c->Stream(r, [&](const std::string& delta) {
+    if (first_text < 0) first_text = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (!a.Has("json")) {
+      std::cout << delta << std::flush;
+    }
+  });
+  PENUMBRA_RETURN_IF_ERROR(last.status());
+  const double total = std::chrono::duration<double>(Clock::now() - t0).count();
+  const rpc::GenerateChunk& g = *last;
+  if (g.finish_reason == "error" || g.finish_reason == "deadline") {
+    if (!a.Has("json")) std::cout << "\n";
+    rpc::PenumbraError e;
+    e.code = g.__isset.error_code ? g.error_code : rpc::ErrorCode::INTERNAL;
+    e.message = g.__isset.error_message ? g.error_message : g.finish_reason;
+    return transport::FromRpcError(e);
+  }
+  const double decode_tps = g.usage.generated_tokens > 1 && total > g.usage.ttft_seconds && g.usage.ttft_seconds >= 0
+                                ? (g.usage.generated_tokens - 1) / (total - g.usage.ttft_seconds)
+                                : 0;
+  if (a.Has("json")) {
+    nlohmann::json j = {{"request_id", g.request_id}, {"text", g.text}, {"finish_reason", g.finish_reason},
+                        {"usage", ToJson(g.usage)}, {"seconds", total}, {"tokens_per_s", decode_tps}};
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+  } else {
+    std::cout << "\n";
+    std::fprintf(stderr,
+                 "[%lld prompt tokens, %lld from the document cache; %lld generated (%s); first token %.3f s, "
+                 "%.1f tokens/s]\n",
+                 static_cast<long long>(g.usage.prompt_tokens), static_cast<long long>(g.usage.cached_prompt_tokens),
+                 static_cast<long long>(g.usage.generated_tokens), g.finish_reason.c_str(), g.usage.ttft_seconds,
+                 decode_tps);
+  }
+  return Status::OK();
+}
+
+Status StatsCommand(int argc, char** argv) {
+  Args a;
+  a.Switch("json", "print JSON");
+  AddClientFlags(a);
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
+  PENUMBRA_ASSIGN_OR_RETURN(auto c, ConnectFromFlags(a));
+  PENUMBRA_ASSIGN_OR_RETURN(rpc::StatsResponse s, c->Stats());
+  nlohmann::json workers = nlohmann::json::array();
+  for (const auto& w : s.workers) {
+    workers.push_back({{"name", w.name}, {"address", w.address}, {"healthy", w.healthy}, {"kv_policy", w.kv_policy},
+                       {"backend", w.backend}, {"running", w.running}, {"documents", w.documents}});
+  }
+  nlohmann::json j = {{"requests", s.requests},           {"requests_failed", s.requests_failed},
+                      {"requests_running", s.requests_running}, {"documents", s.documents},
+                      {"prompt_tokens", s.prompt_tokens}, {"cached_prompt_tokens", s.cached_prompt_tokens},
+                      {"generated_tokens", s.generated_tokens}, {"workers", workers}};
+  std::cout << (a.Has("json") ? j.dump() : j.dump(2)) << std::endl;
+  return Status::OK();
+}
+
+// ---- serve ---------------------------------------------------------------------
+
+namespace {
+
+// This executable's folder: penumbra-worker and penumbra-coordinator are its siblings.
+std::string ExeDir() {
+  char buf[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return ".";
+  buf[n] = '\0';
+  return std::filesystem::path(buf).parent_path().string();
+}
+
+struct Child {
+  std::string name;
+  pid_t pid = -1;
+  std::string log, port_file;
+  int port = 0, metrics_port = -1;
+};
+
+Result<Child> Spawn(const std::string& name, std::vector<std::string> argv, const std::string& dir) {
+  Child c;
+  c.name = name;
+  c.log = dir + "/" + name + ".log";
+  c.port_file = dir + "/" + name + ".port";
+  std::filesystem::remove(c.port_file);
+  argv.insert(argv.end(), {"--port-file", c.port_file});
+  std::vector<char*> args;
+  for (auto& s : argv) args.push_back(s.data());
+  args.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) return Status::Internal("fork failed");
+  if (pid == 0) {
+    const int fd = open(c.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  c.pid = pid;
+  return c;
+}
+
+std::string Tail(const std::string& path, size_t bytes = 4000) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  std::string t = s.str();
+  return t.size() > bytes ? "..." + t.substr(t.size() - bytes) : t;
+}
+
+// Waits until `c` wrote its port file; fails with its log when it exits first.
+Status WaitServing(Child& c, milliseconds timeout) {
+  const Clock::time_point until = Clock::now() + timeout;
+  while (Clock::now() < until) {
+    std::ifstream f(c.port_file);
+    if (f) {
+      try {
+        nlohmann::json j = nlohmann::json::parse(f);
+        c.port = j.at("port").get<int>();
+        c.metrics_port = j.at("metrics_port").get<int>();
+        return Status::OK();
+      } catch (const std::exception&) {
+      }
+    }
+    int st = 0;
+    if (waitpid(c.pid, &st, WNOHANG) == c.pid) {
+      c.pid = -1;
+      return Status::Unavailable(c.name + " exited before serving; its log (" + c.log + "):\n" + Tail(c.log));
+    }
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  return Status::DeadlineExceeded(c.name + " not serving after " + std::to_string(timeout.count() / 1000) +
+                                  " s; its log: " + c.log);
+}
+
+// SIGTERM, then SIGKILL after `grace`.
+void StopChild(Child& c, milliseconds grace) {
+  if (c.pid <= 0) return;
+  kill(c.pid, SIGTERM);
+  const Clock::time_point until = Clock::now() + grace;
+  int st = 0;
+  while (Clock::now() < until) {
+    if (waitpid(c.pid, &st, WNOHANG) == c.pid) {
+      c.pid = -1;
+      return;
+    }
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  kill(c.pid, SIGKILL);
+  waitpid(c.pid, &st, 0);
+  c.pid = -1;
+}
+
+}  // namespace
+
+std::string Unescape(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 1 < s.size()) {
+      const char n = s[i + 1];
+      if (n == 'n' || n == 't' || n == '\\') {
+        out += n == 'n' ? '\n' : n == 't' ? '\t' : '\\';
+        ++i;
+        continue;
+      }
+    }
+    out += s[i];
+  }
+  return out;
+}
+
+namespace {
+
+// Unknown keys are errors naming them (a typo must not be ignored).
+Status CheckKeys(const YAML::Node& n, const std::vector<std::string>& allowed, const std::string& where) {
+  if (!n.IsMap()) return Status::InvalidArgument(where + " must be a map");
+  for (const auto& kv : n) {
+    const std::string key = kv.first.as<std::string>();
+    if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+      return Status::InvalidArgument(where + ": unknown key '" + key + "'");
+    }
+  }
+  return Status::OK();
+}
+
+template <typename T>
+Status ReadKey(const YAML::Node& n, const std::string& key, const std::string& where, T* out) {
+  if (!n[key]) return Status::OK();
+  try {
+    *out = n[key].as<T>();
+  } catch (const YAML::Exception&) {
+    return Status::InvalidArgument(where + "." + key + ": not a valid value");
+  }
+  return Status::OK();
+}
+
+Status ReadPort(const YAML::Node& n, const std::string& key, const std::string& where, int lo, int* out) {
+  PENUMBRA_RETURN_IF_ERROR(ReadKey(n, key, where, out));
+  if (*out < lo || *out > 65535) {
+    return Status::InvalidArgument(where + "." + key + " must be in [" + std::to_string(lo) + ", 65535], got " +
+                                   std::to_string(*out));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    return Status::InvalidArgument(path + ": " + e.what());
+  }
+  ServiceTopology t;
+  PENUMBRA_RETURN_IF_ERROR(CheckKeys(root, {"model", "api_keys", "coordinator", "workers"}, path));
+  PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "model", path, &t.model));
+  PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "api_keys", path, &t.api_keys));
+  if (root["coordinator"]) {
+    const YAML::Node c = root["coordinator"];
+    const std::string where = path + ": coordinator";
+    PENUMBRA_RETURN_IF_ERROR(CheckKeys(c, {"host", "port", "metrics_port", "args"}, where));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "host", where, &t.host));
+    PENUMBRA_RETURN_IF_ERROR(ReadPort(c, "port", where, 0, &t.port));
+    PENUMBRA_RETURN_IF_ERROR(ReadPort(c, "metrics_port", where, -1, &t.metrics_port));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "args", where, &t.coordinator_args));
+  }
+  const YAML::Node ws = root["workers"];
+  if (!ws || !ws.IsSequence() || ws.size() == 0) return Status::InvalidArgument(path + ": workers must be a non-empty list");
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const std::string where = path + ": workers[" + std::to_string(i) + "]";
+    WorkerProcessSpec s;
+    s.name = "w" + std::to_string(i);
+    PENUMBRA_RETURN_IF_ERROR(CheckKeys(ws[i], {"name", "host", "port", "metrics_port", "args"}, where));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "name", where, &s.name));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "host", where, &s.host));
+    PENUMBRA_RETURN_IF_ERROR(ReadPort(ws[i], "port", where, 0, &s.port));
+    PENUMBRA_RETURN_IF_ERROR(ReadPort(ws[i], "metrics_port", where, -1, &s.metrics_port));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "args", where, &s.args));
+    if (s.name.empty() || s.name.find_first_of(",=: /") != std::string::npos) {
+      return Status::InvalidArgument(where + ".name '" + s.name + "' must be non-empty, without , = : / or spaces");
+    }
+    for (const auto& other : t.workers) {
+      if (other.name == s.name) return Status::InvalidArgument(where + ": two workers named " + s.name);
+    }
+    t.workers.push_back(std::move(s));
+  }
+  return t;
+}
+
+Status ServeCommand(int argc, char** argv) {
+  Args a;
+  a.Flag("config", "the service topology YAML (default configs/service.yaml)")
+      .Flag("model", "override the topology's model")
+      .Flag("port", "override the coordinator's port (0: the OS picks)")
+      .Flag("metrics-port", "override the coordinator's metrics port (0: the OS picks, -1: off)")
+      .Flag("worker-args", "more flags for every worker, space-separated (e.g. \"--kv-policy shadowkv\")")
+      .Flag("port-file", "write {\"port\": P, \"metrics_port\": M, \"pid\": N} of the coordinator here once serving")
+      .Flag("run-dir", "logs and port files of the processes (default build/run/serve-PID)")
+      .Flag("start-timeout-s", "how long each process may take to start (default 300)");
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
+  PENUMBRA_ASSIGN_OR_RETURN(ServiceTopology t, LoadServiceTopology(a.Get("config", "configs/service.yaml")));
+  if (a.Has("model")) t.model = a.Get("model");
+  if (a.Has("port")) {
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t p, a.GetIntIn("port", 0, 0, 65535));
+    t.port = static_cast<int>(p);
+  }
+  if (a.Has("metrics-port")) {
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t p, a.GetIntIn("metrics-port", 0, -1, 65535));
+    t.metrics_port = static_cast<int>(p);
+  }
+  if (a.Has("worker-args")) {
+    std::stringstream words(a.Get("worker-args"));
+    std::string w;
+    std::vector<std::string> extra;
+    while (words >> w) extra.push_back(w);
+    for (auto& spec : t.workers) spec.args.insert(spec.args.end(), extra.begin(), extra.end());
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t start_s, a.GetIntIn("start-timeout-s", 300, 1, 86400));
+  const std::string dir = a.Get("run-dir", "build/run/serve-" + std::to_string(getpid()));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::IOError("cannot create " + dir + ": " + ec.message());
+  const std::string bin = ExeDir();
+
+  BlockTerminationSignals();  // the children start with a clean mask (Spawn)
+  std::vector<Child> workers;
+  Child coordinator;
+  auto stop_all = [&] {
+    StopChild(coordinator, milliseconds(35000));
+    for (auto& w : workers) StopChild(w, milliseconds(35000));
+  };
+  for (const WorkerProcessSpec& s : t.workers) {
+    std::vector<std::string> argv = {bin + "/penumbra-worker", "--model", t.model, "--name", s.name, "--host", s.host,
+                                     "--port", std::to_string(s.port), "--metrics-port", std::to_string(s.metrics_port)};
+    argv.insert(argv.end(), s.args.begin(), s.args.end());
+    Result<Child> c = Spawn(s.name, argv, dir);
+    if (!c.ok()) {
+      stop_all();
+      return c.status();
+    }
+    workers.push_back(*c);
+  }
+  std::string list;
+  for (auto& w : workers) {
+    Status s = WaitServing(w, std::chrono::seconds(start_s));
+    if (!s.ok()) {
+      stop_all();
+      return s;
+    }
+    const auto& spec = t.workers[&w - workers.data()];
+    list += (list.empty() ? "" : ",") + w.name + "=" + spec.host + ":" + std::to_string(w.port);
+    std::fprintf(stderr, "serve: worker %s on %s:%d (metrics %d), log %s\n", w.name.c_str(), spec.host.c_str(), w.port,
+                 w.metrics_port, w.log.c_str());
+  }
+  std::vector<std::string> cargv = {bin + "/penumbra-coordinator", "--model", t.model, "--workers", list,
+                                    "--host", t.host, "--port", std::to_string(t.port), "--metrics-port",
+                                    std::to_string(t.metrics_port)};
+  if (!t.api_keys.empty()) cargv.insert(cargv.end(), {"--api-keys", t.api_keys});
+  cargv.insert(cargv.end(), t.coordinator_args.begin(), t.coordinator_args.end());
+  Result<Child> c = Spawn("coordinator", cargv, dir);
+  if (!c.ok()) {
+    stop_all();
+    return c.status();
+  }
+  coordinator = *c;
+  if (Status s = WaitServing(coordinator, std::chrono::seconds(60)); !s.ok()) {
+    stop_all();
+    return s;
+  }
+  if (a.Has("port-file")) {
+    nlohmann::json j = {{"port", coordinator.port}, {"metrics_port", coordinator.metrics_port},
+                        {"pid", static_cast<int64_t>(getpid())}};
+    if (Status s = WriteFileAtomically(a.Get("port-file"), j.dump() + "\n"); !s.ok()) {
+      stop_all();
+      return s;
+    }
+  }
+  std::fprintf(stderr, "serve: coordinator on %s:%d (metrics %d), log %s; Ctrl-C or SIGTERM stops everything\n",
+               t.host.c_str(), coordinator.port, coordinator.metrics_port, coordinator.log.c_str());
+
+  // Until a signal, or until a child dies (then everything stops: exit 1).
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGHUP);
+  Status result = Status::OK();
+  for (;;) {
+    timespec tick{0, 200 * 1000 * 1000};
+    if (sigtimedwait(&set, nullptr, &tick) > 0) break;
+    bool died = false;
+    for (Child* ch : [&] {
+           std::vector<Child*> v{&coordinator};
+           for (auto& w : workers) v.push_back(&w);
+           return v;
+         }()) {
+      int st = 0;
+      if (ch->pid > 0 && waitpid(ch->pid, &st, WNOHANG) == ch->pid) {
+        ch->pid = -1;
+        result = Status::Unavailable(ch->name + " exited unexpectedly; its log (" + ch->log + "):\n" + Tail(ch->log));
+        died = true;
+      }
+    }
+    if (died) break;
+  }
+  std::fprintf(stderr, "serve: stopping (the coordinator, then the workers, each draining)\n");
+  stop_all();
+  return result;
+}
+
+}  // namespace penumbra

@@ -1,0 +1,48 @@
+// `penumbra` subcommands for a person using the service:
+//   penumbra serve [--config configs/service.yaml]   a coordinator and its workers
+//   penumbra doc put FILE [--name N] | doc ls | doc get ID | doc rm ID
+//   penumbra ask --docs ID[,ID] --question TEXT      streams the answer
+//   penumbra stats
+// Client commands reach the coordinator at --address (default
+// $PENUMBRA_ADDRESS, else 127.0.0.1:7700) with --api-key (default
+// $PENUMBRA_API_KEY).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace penumbra {
+
+// The processes `penumbra serve` starts (configs/service.yaml).
+struct WorkerProcessSpec {
+  std::string name = "w0";
+  std::string host = "127.0.0.1";
+  int port = 0;          // 0: the OS picks
+  int metrics_port = 0;  // 0: the OS picks; -1: off
+  std::vector<std::string> args;  // more penumbra-worker flags (--device cpu, --config engine.yaml, ...)
+};
+
+struct ServiceTopology {
+  std::string model = "models/penumbra-eval";
+  std::string api_keys;  // file of `keys: {KEY: TENANT}`; "": none
+  std::string host = "127.0.0.1";
+  int port = 7700;
+  int metrics_port = 7701;
+  std::vector<std::string> coordinator_args;
+  std::vector<WorkerProcessSpec> workers;
+};
+
+// Reads a topology YAML; errors name the file and the key.
+Result<ServiceTopology> LoadServiceTopology(const std::string& path);
+
+Status ServeCommand(int argc, char** argv);
+Status DocCommand(int argc, char** argv);
+Status AskCommand(int argc, char** argv);
+Status StatsCommand(int argc, char** argv);
+
+// "a\nb" escapes (\n \t \\) in a command-line string, as a shell user types them.
+std::string Unescape(const std::string& s);
+
+}  // namespace penumbra

@@ -1,0 +1,171 @@
+#include "coordinator/client/client.h"
+
+#include <thread>
+
+namespace penumbra::client {
+namespace {
+
+using std::chrono::milliseconds;
+constexpr milliseconds kPollMargin{10000};
+constexpr int32_t kStreamWaitMs = 1000;
+
+}  // namespace
+
+Status ParseAddress(const std::string& address, ClientOptions* options) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 >= address.size()) {
+    return Status::InvalidArgument("address '" + address + "' is not host:port");
+  }
+  const std::string port = address.substr(colon + 1);
+  if (port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos || std::stoi(port) < 1 ||
+      std::stoi(port) > 65535) {
+    return Status::InvalidArgument("address '" + address + "': port must be in [1, 65535]");
+  }
+  options->host = address.substr(0, colon);
+  options->port = std::stoi(port);
+  return Status::OK();
+}
+
+Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto c = std::unique_ptr<Client>(new Client(options));
+  PENUMBRA_RETURN_IF_ERROR(c->Reconnect());
+  return c;
+}
+
+void Client::SetTimeout(milliseconds t) {
+  if (!c_) (void)Reconnect();
+  if (c_) c_->SetTimeout(t);
+}
+
+Status Client::Reconnect() {
+  c_.reset();
+  PENUMBRA_ASSIGN_OR_RETURN(c_, transport::ThriftClient<rpc::PenumbraClient>::Connect(o_.host, o_.port, o_.timeout));
+  return Status::OK();
+}
+
+Status Client::Call(const std::string& what, const std::function<void()>& call) {
+  if (!c_) PENUMBRA_RETURN_IF_ERROR(Reconnect());
+  try {
+    call();
+    return Status::OK();
+  } catch (const rpc::PenumbraError& e) {
+    return transport::FromRpcError(e);
+  } catch (const std::exception& e) {
+    c_.reset();  // a reply may still be on its way: the next call reconnects
+    return transport::FromThriftException(e, what);
+  }
+}
+
+Result<rpc::DocumentInfo> Client::PutDocument(const std::string& name, const std::string* text,
+                                              const std::vector<int32_t>* ids, bool wait, milliseconds deadline,
+                                              const std::function<void(const rpc::DocumentInfo&)>& progress) {
+  rpc::PutDocumentRequest r;
+  r.api_key = o_.api_key;
+  r.name = name;
+  if (text) r.__set_text(*text);
+  if (ids) r.__set_token_ids(*ids);
+  r.deadline_ms = deadline.count();
+  // With a progress callback the put returns at once and is watched here.
+  r.wait = wait && !progress;
+  rpc::DocumentInfo info;
+  SetTimeout(r.wait ? (deadline.count() > 0 ? deadline : milliseconds(std::chrono::hours(1))) + kPollMargin
+                        : o_.timeout);
+  PENUMBRA_RETURN_IF_ERROR(Call("put document", [&] { (*c_)->PutDocument(info, r); }));
+  SetTimeout(o_.timeout);
+  if (!wait || r.wait) return info;
+  while (info.state == rpc::DocumentState::FACTORING) {
+    progress(info);
+    std::this_thread::sleep_for(milliseconds(500));
+    PENUMBRA_ASSIGN_OR_RETURN(info, GetDocument(info.id));
+  }
+  progress(info);
+  return info;
+}
+
+Result<rpc::DocumentInfo> Client::GetDocument(const std::string& id) {
+  rpc::DocumentInfo info;
+  PENUMBRA_RETURN_IF_ERROR(Call("get document", [&] { (*c_)->GetDocument(info, o_.api_key, id, 0); }));
+  return info;
+}
+
+Result<std::vector<rpc::DocumentInfo>> Client::ListDocuments(int page_size) {
+  std::vector<rpc::DocumentInfo> all;
+  rpc::ListDocumentsRequest r;
+  r.api_key = o_.api_key;
+  r.page_size = page_size;
+  for (;;) {
+    rpc::DocumentList page;
+    PENUMBRA_RETURN_IF_ERROR(Call("list documents", [&] { (*c_)->ListDocuments(page, r); }));
+    all.insert(all.end(), page.documents.begin(), page.documents.end());
+    if (page.next_page_token.empty()) return all;
+    r.page_token = page.next_page_token;
+  }
+}
+
+Status Client::DeleteDocument(const std::string& id) {
+  return Call("delete document", [&] { (*c_)->DeleteDocument(o_.api_key, id, 0); });
+}
+
+Result<std::string> Client::Generate(rpc::GenerateRequest request) {
+  request.api_key = o_.api_key;
+  std::string id;
+  PENUMBRA_RETURN_IF_ERROR(Call("generate", [&] { (*c_)->Generate(id, request); }));
+  return id;
+}
+
+Result<rpc::GenerateChunk> Client::Poll(const std::string& request_id, int64_t offset, int32_t wait_ms) {
+  rpc::GenerateChunk chunk;
+  SetTimeout(milliseconds(wait_ms) + kPollMargin);
+  Status s = Call("poll", [&] { (*c_)->Poll(chunk, o_.api_key, request_id, offset, wait_ms); });
+  SetTimeout(o_.timeout);
+  PENUMBRA_RETURN_IF_ERROR(s);
+  return chunk;
+}
+
+Result<rpc::GenerateChunk> Client::Stream(rpc::GenerateRequest request,
+                                          const std::function<void(const std::string& delta)>& on_text) {
+  PENUMBRA_ASSIGN_OR_RETURN(std::string id, Generate(std::move(request)));
+  int64_t offset = 0;
+  size_t shown = 0;
+  for (;;) {
+    PENUMBRA_ASSIGN_OR_RETURN(rpc::GenerateChunk c, Poll(id, offset, kStreamWaitMs));
+    offset += static_cast<int64_t>(c.ids.size());
+    // The text so far is re-decoded each time: only its new end is shown
+    // (a stop string can cut what was not shown yet, never what was).
+    if (c.text.size() > shown && on_text) on_text(c.text.substr(shown));
+    shown = std::max(shown, c.text.size());
+    if (c.done) {
+      c.ids.clear();
+      return c;
+    }
+  }
+}
+
+Result<rpc::GenerateChunk> Client::Complete(rpc::GenerateRequest request) {
+  request.api_key = o_.api_key;
+  rpc::GenerateChunk chunk;
+  SetTimeout(request.deadline_ms > 0 ? milliseconds(request.deadline_ms) + kPollMargin
+                                         : milliseconds(std::chrono::hours(1)));
+  Status s = Call("complete", [&] { (*c_)->Complete(chunk, request); });
+  SetTimeout(o_.timeout);
+  PENUMBRA_RETURN_IF_ERROR(s);
+  return chunk;
+}
+
+Status Client::Cancel(const std::string& request_id) {
+  return Call("cancel", [&] { (*c_)->Cancel(o_.api_key, request_id); });
+}
+
+Result<rpc::HealthResponse> Client::Health() {
+  rpc::HealthResponse h;
+  PENUMBRA_RETURN_IF_ERROR(Call("health", [&] { (*c_)->Health(h); }));
+  return h;
+}
+
+Result<rpc::StatsResponse> Client::Stats() {
+  rpc::StatsResponse s;
+  PENUMBRA_RETURN_IF_ERROR(Call("stats", [&] { (*c_)->Stats(s, o_.api_key); }));
+  return s;
+}
+
+}  // namespace penumbra::client

@@ -1,0 +1,72 @@
+// The C++ client of Penumbra's public API (transport/penumbra.thrift): one
+// connection to a coordinator, errors as Status (the server's typed codes;
+// a connection failure is Unavailable, a timeout DeadlineExceeded). Not
+// thread-safe: one Client per thread.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "gen-cpp/Penumbra.h"
+#include "transport/thrift_util.h"
+
+namespace penumbra::client {
+
+struct ClientOptions {
+  std::string host = "127.0.0.1";
+  int port = 7700;
+  std::string api_key;
+  // Connect and call timeout (long polls add their wait; puts that wait use
+  // their deadline).
+  std::chrono::milliseconds timeout{30000};
+};
+
+// "host:port" -> options.host/port; InvalidArgument naming the text.
+Status ParseAddress(const std::string& address, ClientOptions* options);
+
+class Client {
+ public:
+  static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+
+  // A document from text or token ids (exactly one non-empty). wait: returns
+  // when READY or FAILED, calling `progress` (if set) with the document's
+  // state every half second meanwhile.
+  Result<rpc::DocumentInfo> PutDocument(const std::string& name, const std::string* text,
+                                        const std::vector<int32_t>* ids, bool wait = true,
+                                        std::chrono::milliseconds deadline = std::chrono::milliseconds(0),
+                                        const std::function<void(const rpc::DocumentInfo&)>& progress = {});
+  Result<rpc::DocumentInfo> GetDocument(const std::string& id);
+  // Every page.
+  Result<std::vector<rpc::DocumentInfo>> ListDocuments(int page_size = 100);
+  Status DeleteDocument(const std::string& id);
+
+  // request.api_key is filled in.
+  Result<std::string> Generate(rpc::GenerateRequest request);
+  Result<rpc::GenerateChunk> Poll(const std::string& request_id, int64_t offset, int32_t wait_ms);
+  // Generate, then long polls until the end, calling on_text with each new
+  // piece of the answer's text as it arrives; returns the last chunk (the
+  // whole text, usage).
+  Result<rpc::GenerateChunk> Stream(rpc::GenerateRequest request,
+                                    const std::function<void(const std::string& delta)>& on_text);
+  // The blocking call: the whole answer.
+  Result<rpc::GenerateChunk> Complete(rpc::GenerateRequest request);
+  Status Cancel(const std::string& request_id);
+  Result<rpc::HealthResponse> Health();
+  Result<rpc::StatsResponse> Stats();
+
+ private:
+  explicit Client(const ClientOptions& o) : o_(o) {}
+  Status Reconnect();
+  // Runs one RPC; after a transport failure the connection is dropped and
+  // the next call opens a new one.
+  Status Call(const std::string& what, const std::function<void()>& call);
+  void SetTimeout(std::chrono::milliseconds t);
+  ClientOptions o_;
+  std::unique_ptr<transport::ThriftClient<rpc::PenumbraClient>> c_;
+};
+
+}  // namespace penumbra::client

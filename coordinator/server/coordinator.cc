@@ -1,0 +1,697 @@
+#include "coordinator/server/coordinator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <random>
+
+#include <glog/logging.h>
+#include <yaml-cpp/yaml.h>
+
+#include "transport/thrift_util.h"
+
+namespace penumbra::coordinator {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+[[noreturn]] void Throw(const Status& s) { throw transport::ToRpcError(s); }
+
+template <typename T>
+T OrThrow(Result<T> r) {
+  if (!r.ok()) Throw(r.status());
+  return std::move(*r);
+}
+
+std::string NewRequestId() {
+  static std::mutex mu;
+  static std::mt19937_64 rng(std::random_device{}());
+  std::lock_guard<std::mutex> lk(mu);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "req-%016llx", static_cast<unsigned long long>(rng()));
+  return buf;
+}
+
+// The time left before `deadline_ms` from now (0: `fallback`).
+Clock::time_point DeadlineOf(int64_t deadline_ms, milliseconds fallback) {
+  return Clock::now() + (deadline_ms > 0 ? milliseconds(deadline_ms) : fallback);
+}
+
+milliseconds Left(Clock::time_point deadline) {
+  return std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+}
+
+const std::vector<double> kLatencyBuckets = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+const std::vector<double> kTokenBuckets = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1};
+
+}  // namespace
+
+struct Coordinator::Request {
+  std::string id, tenant;
+  int worker = -1;
+  int64_t wid = 0;  // the worker's request id
+  std::vector<std::string> stop;
+  Clock::time_point created, finished;
+  std::mutex mu;  // the fields below
+  std::vector<int32_t> ids;
+  std::string text;
+  bool done = false;
+  std::string finish_reason;
+  Status error;
+  rpc::Usage usage;
+};
+
+Status CoordinatorOptions::Validate() const {
+  for (const auto& [key, tenant] : api_keys) {
+    if (key.empty() || tenant.empty()) return Status::InvalidArgument("api keys and tenants must not be empty");
+  }
+  if (max_documents_per_tenant < 1) return Status::InvalidArgument("max_documents_per_tenant must be >= 1");
+  if (max_text_bytes < 1) return Status::InvalidArgument("max_text_bytes must be >= 1");
+  if (max_new_tokens < 1) return Status::InvalidArgument("max_new_tokens must be >= 1");
+  if (max_running_requests < 1) return Status::InvalidArgument("max_running_requests must be >= 1");
+  return Status::OK();
+}
+
+Result<std::map<std::string, std::string>> LoadApiKeys(const std::string& path) {
+  std::map<std::string, std::string> keys;
+  try {
+    YAML::Node root = YAML::LoadFile(path);
+    if (!root.IsMap() || !root["keys"] || !root["keys"].IsMap()) {
+      return Status::InvalidArgument(path + ": expected a map `keys: {KEY: TENANT, ...}`");
+    }
+    for (const auto& kv : root["keys"]) {
+      const std::string key = kv.first.as<std::string>(), tenant = kv.second.as<std::string>();
+      if (key.empty() || tenant.empty()) return Status::InvalidArgument(path + ": an empty key or tenant");
+      keys[key] = tenant;
+    }
+  } catch (const YAML::Exception& e) {
+    return Status::InvalidArgument(path + ": " + e.what());
+  }
+  if (keys.empty()) return Status::InvalidArgument(path + ": no keys");
+  return keys;
+}
+
+Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<TextCodec> codec, std::string model,
+                         WorkerPool* workers)
+    : o_(options),
+      codec_(std::move(codec)),
+      model_(std::move(model)),
+      workers_(workers),
+      docs_(options.max_documents_per_tenant),
+      registry_(std::make_shared<prometheus::Registry>()) {
+  using namespace prometheus;
+  requests_total_ = &BuildCounter()
+                         .Name("penumbra_coordinator_requests_total")
+                         .Help("Generations ended, by finish reason (stop, length, cancelled, deadline, error).")
+                         .Register(*registry_);
+  auto counter = [&](const char* name, const char* help) -> Counter& {
+    return BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
+  };
+  auto histogram = [&](const char* name, const char* help, const std::vector<double>& b) -> Histogram& {
+    return BuildHistogram().Name(name).Help(help).Register(*registry_).Add({}, b);
+  };
+  prompt_tokens_ = &counter("penumbra_coordinator_prompt_tokens_total", "Prompt tokens of ended generations.");
+  cached_tokens_ = &counter("penumbra_coordinator_cached_prompt_tokens_total",
+                            "Of them, attached from the document cache.");
+  generated_tokens_ = &counter("penumbra_coordinator_generated_tokens_total", "Tokens generated.");
+  documents_put_ = &counter("penumbra_coordinator_documents_put_total", "Documents put.");
+  ttft_ = &histogram("penumbra_coordinator_ttft_seconds", "Time to first token (worker: submitted to first token).",
+                     kLatencyBuckets);
+  tpot_ = &histogram("penumbra_coordinator_time_per_output_token_seconds",
+                     "Per generated token after the first, per request.", kTokenBuckets);
+  duration_ = &histogram("penumbra_coordinator_request_seconds", "Generate to the end.", kLatencyBuckets);
+  factor_ = &histogram("penumbra_coordinator_document_factor_seconds", "Put to ready.", kLatencyBuckets);
+  running_gauge_ = &BuildGauge().Name("penumbra_coordinator_requests_running").Help("Generations not ended.")
+                        .Register(*registry_).Add({});
+  documents_gauge_ = &BuildGauge().Name("penumbra_coordinator_documents").Help("Documents in the registry.")
+                          .Register(*registry_).Add({});
+  worker_up_ = &BuildGauge().Name("penumbra_coordinator_worker_up").Help("1 when the worker answers and serves.")
+                    .Register(*registry_);
+  worker_routed_ = &BuildGauge().Name("penumbra_coordinator_worker_routed")
+                        .Help("Generations routed to the worker and not ended.").Register(*registry_);
+  last_sweep_ = Clock::now();
+}
+
+Coordinator::~Coordinator() {
+  for (auto& t : puts_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+// ---- validation ------------------------------------------------------------
+
+Result<std::string> Coordinator::Tenant(const std::string& api_key) const {
+  if (o_.api_keys.empty()) return std::string("default");
+  auto it = o_.api_keys.find(api_key);
+  if (it == o_.api_keys.end()) return Status::PermissionDenied("the API key is not valid");
+  return it->second;
+}
+
+Result<std::vector<int32_t>> Coordinator::TextOrIds(const std::string& what, const std::string* text,
+                                                    const std::vector<int32_t>* ids) const {
+  if ((text != nullptr) == (ids != nullptr)) {
+    return Status::InvalidArgument(what + ": give exactly one of text and token_ids");
+  }
+  std::vector<int32_t> out;
+  if (text) {
+    if (static_cast<int64_t>(text->size()) > o_.max_text_bytes) {
+      return Status::InvalidArgument(what + ": text of " + std::to_string(text->size()) + " bytes is over the limit of " +
+                                     std::to_string(o_.max_text_bytes));
+    }
+    if (!codec_->can_encode()) {
+      return Status::InvalidArgument(what + ": this model has no tokenizer.json; send token_ids");
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(out, codec_->Encode(*text));
+  } else {
+    out = *ids;
+  }
+  if (out.empty()) return Status::InvalidArgument(what + " is empty");
+  // The vocabulary and the context length are known from the workers.
+  int32_t vocab = 0;
+  for (const WorkerState& w : workers_->states()) vocab = std::max(vocab, w.health.vocab_size);
+  for (int32_t id : out) {
+    if (id < 0 || (vocab > 0 && id >= vocab)) {
+      return Status::InvalidArgument(what + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                     std::to_string(vocab) + ")");
+    }
+  }
+  return out;
+}
+
+rpc::DocumentInfo Coordinator::ToInfo(const DocumentView& d) const {
+  rpc::DocumentInfo i;
+  i.id = d.id;
+  i.name = d.name;
+  i.tokens = d.tokens;
+  i.state = d.state == DocumentState::kReady     ? rpc::DocumentState::READY
+            : d.state == DocumentState::kFailed  ? rpc::DocumentState::FAILED
+                                                 : rpc::DocumentState::FACTORING;
+  i.created_unix_ms = d.created_unix_ms;
+  if (!d.workers.empty()) i.worker = workers_->state(*d.workers.begin()).endpoint.name;
+  if (d.state == DocumentState::kFailed) i.__set_error(d.error);
+  i.factor_seconds = d.factor_seconds;
+  i.factored_tokens = d.factored_tokens;
+  return i;
+}
+
+std::vector<int> Coordinator::Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const {
+  std::vector<WorkerState> s = workers_->states();
+  std::vector<int> holders, others;
+  for (int i = 0; i < static_cast<int>(s.size()); ++i) {
+    if (!s[i].healthy || (!kv_policy.empty() && s[i].health.kv_policy != kv_policy)) continue;
+    const bool holds = !docs.empty() && docs.front().workers.count(i) > 0;
+    (holds ? holders : others).push_back(i);
+  }
+  // Least loaded first; among equals, the one holding fewest documents (new
+  // documents spread over the workers' caches).
+  const std::map<int, int64_t> held = docs_.held_per_worker();
+  auto held_by = [&](int w) {
+    auto it = held.find(w);
+    return it == held.end() ? int64_t{0} : it->second;
+  };
+  auto by_load = [&](int a, int b) {
+    if (s[a].routed != s[b].routed) return s[a].routed < s[b].routed;
+    if (held_by(a) != held_by(b)) return held_by(a) < held_by(b);
+    return a < b;
+  };
+  std::sort(holders.begin(), holders.end(), by_load);
+  std::sort(others.begin(), others.end(), by_load);
+  holders.insert(holders.end(), others.begin(), others.end());
+  return holders;
+}
+
+// ---- documents -------------------------------------------------------------
+
+Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
+  PENUMBRA_ASSIGN_OR_RETURN(std::string tenant, Tenant(r.api_key));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (draining_) return Status::Unavailable("the coordinator is draining: not accepting documents");
+  }
+  if (r.name.empty() || r.name.size() > 256) {
+    return Status::InvalidArgument("name must be 1 to 256 bytes, got " + std::to_string(r.name.size()));
+  }
+  if (r.deadline_ms < 0) return Status::InvalidArgument("deadline_ms must be >= 0");
+  PENUMBRA_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
+                            TextOrIds("document", r.__isset.text ? &r.text : nullptr,
+                                      r.__isset.token_ids ? &r.token_ids : nullptr));
+  int64_t context = 0;
+  for (const WorkerState& w : workers_->states()) {
+    if (w.healthy) context = std::max(context, w.health.max_context);
+  }
+  if (context == 0) return Status::Unavailable("no healthy worker");
+  if (static_cast<int64_t>(ids.size()) >= context) {
+    return Status::InvalidArgument("document of " + std::to_string(ids.size()) +
+                                   " tokens leaves no room for a question in the model's " + std::to_string(context) +
+                                   "-token context");
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_.Add(tenant, r.name, std::move(ids)));
+  documents_put_->Increment();
+  const Clock::time_point deadline = DeadlineOf(r.deadline_ms, o_.put_timeout);
+  if (!r.wait) {
+    std::lock_guard<std::mutex> lk(mu_);
+    puts_.emplace_back([this, d, deadline] { Factor(d, deadline); });
+    return ToInfo(d);
+  }
+  Factor(d, deadline);
+  PENUMBRA_ASSIGN_OR_RETURN(DocumentView now, docs_.Get(tenant, d.id));
+  if (now.state == DocumentState::kFailed && now.error_code == StatusCode::kInvalidArgument) {
+    // Refused by the worker as input (not a failure of the service): not kept.
+    (void)docs_.Remove(tenant, d.id);
+    return Status::InvalidArgument(now.error);
+  }
+  return ToInfo(now);
+}
+
+void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
+  const Clock::time_point t0 = Clock::now();
+  Status last = Status::Unavailable("no healthy worker");
+  for (int w : Route("", {})) {
+    rpc::WorkerGenerateRequest g;
+    g.prompt = *d.ids;
+    g.segment_ends = {d.tokens};
+    g.cache_namespace = d.tenant;
+    g.max_new_tokens = 0;  // prefill only: factored into the document cache
+    g.deadline_ms = std::max<int64_t>(1, Left(deadline).count());
+    int64_t wid = 0;
+    Status s = workers_->Call(w, "put " + d.id, [&](rpc::WorkerClient& c) { wid = c.Generate(g); });
+    if (!s.ok()) {
+      last = s;
+      if (s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kUnavailable) continue;
+      break;
+    }
+    workers_->AddRouted(w, 1);
+    rpc::TokenChunk ch;
+    while (!ch.done) {
+      // Short waits: the progress (tokens prefilled) is refreshed for GetDocument.
+      const milliseconds wait = std::min(milliseconds(500), Left(deadline) + milliseconds(1000));
+      s = workers_->Call(w, "put " + d.id, [&](rpc::WorkerClient& c) {
+        c.Poll(ch, wid, 0, static_cast<int32_t>(wait.count()));
+      }, wait + milliseconds(10000));
+      if (!s.ok() && s.code() != StatusCode::kDeadlineExceeded) break;
+      if (s.ok()) docs_.SetProgress(d.id, ch.usage.prefilled_tokens);
+      if (!s.ok() && Clock::now() > deadline + std::chrono::seconds(30)) {
+        (void)workers_->Call(w, "cancel", [&](rpc::WorkerClient& c) { c.Cancel(wid); });
+        break;  // the worker does not answer past the deadline
+      }
+    }
+    workers_->AddRouted(w, -1);
+    if (!s.ok()) {
+      last = s;
+      continue;  // the worker went away: the next one
+    }
+    (void)workers_->Call(w, "release", [&](rpc::WorkerClient& c) { c.Release(wid); });
+    if (ch.finish_reason == "prefilled") {
+      const double secs = Seconds(Clock::now() - t0);
+      factor_->Observe(secs);
+      docs_.SetReady(d.id, w, secs);
+      LOG(INFO) << "document " << d.id << " (" << d.tokens << " tokens) factored on worker "
+                << workers_->state(w).endpoint.name << " in " << secs << " s";
+      return;
+    }
+    last = ch.__isset.error_code ? transport::FromRpcError([&] {
+      rpc::PenumbraError e;
+      e.code = ch.error_code;
+      e.message = ch.__isset.error_message ? ch.error_message : ch.finish_reason;
+      return e;
+    }())
+                                 : Status::Internal("the worker ended the put: " + ch.finish_reason);
+    if (last.code() != StatusCode::kResourceExhausted) break;
+  }
+  LOG(WARNING) << "document " << d.id << " not factored: " << last;
+  docs_.SetFailed(d.id, last);
+}
+
+void Coordinator::PutDocument(rpc::DocumentInfo& out, const rpc::PutDocumentRequest& request) {
+  out = OrThrow(DoPut(request));
+}
+
+void Coordinator::GetDocument(rpc::DocumentInfo& out, const std::string& api_key, const std::string& document_id,
+                              int64_t) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  out = ToInfo(OrThrow(docs_.Get(tenant, document_id)));
+}
+
+void Coordinator::ListDocuments(rpc::DocumentList& out, const rpc::ListDocumentsRequest& request) {
+  const std::string tenant = OrThrow(Tenant(request.api_key));
+  if (request.page_size < 1 || request.page_size > 1000) {
+    Throw(Status::InvalidArgument("page_size must be in [1, 1000], got " + std::to_string(request.page_size)));
+  }
+  DocumentPage p = OrThrow(docs_.List(tenant, request.page_token, request.page_size));
+  out.documents.clear();
+  for (const auto& d : p.documents) out.documents.push_back(ToInfo(d));
+  out.next_page_token = p.next_page_token;
+}
+
+void Coordinator::DeleteDocument(const std::string& api_key, const std::string& document_id, int64_t) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  DocumentView d = OrThrow(docs_.Remove(tenant, document_id));
+  // Its cached state goes too (requests attached now keep theirs until they end).
+  for (int w : d.workers) {
+    int32_t dropped = 0;
+    Status s = workers_->Call(w, "forget " + d.id, [&](rpc::WorkerClient& c) {
+      dropped = c.ForgetPrefixes(*d.ids, {d.tokens}, d.tenant);
+    });
+    if (!s.ok()) LOG(WARNING) << "document " << d.id << ": cached state not dropped: " << s;
+  }
+}
+
+// ---- generation --------------------------------------------------------------
+
+Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc::GenerateRequest& r) {
+  PENUMBRA_ASSIGN_OR_RETURN(std::string tenant, Tenant(r.api_key));
+  DropExpired();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (draining_) return Status::Unavailable("the coordinator is draining: not accepting requests");
+    if (running_ >= o_.max_running_requests) {
+      return Status::ResourceExhausted(std::to_string(running_) + " requests are running, the most this coordinator "
+                                       "takes; retry later");
+    }
+  }
+  std::vector<DocumentView> docs;
+  for (const std::string& id : r.document_ids) {
+    PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_.Get(tenant, id));
+    if (d.state == DocumentState::kFactoring) {
+      return Status::FailedPrecondition("document '" + id + "' is still being factored; retry when it is READY");
+    }
+    if (d.state == DocumentState::kFailed) {
+      return Status::FailedPrecondition("document '" + id + "' failed to factor: " + d.error);
+    }
+    docs.push_back(std::move(d));
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(std::vector<int32_t> question,
+                            TextOrIds("question", r.__isset.text ? &r.text : nullptr,
+                                      r.__isset.token_ids ? &r.token_ids : nullptr));
+  if (r.max_new_tokens < 1 || r.max_new_tokens > o_.max_new_tokens) {
+    return Status::InvalidArgument("max_new_tokens must be in [1, " + std::to_string(o_.max_new_tokens) + "], got " +
+                                   std::to_string(r.max_new_tokens));
+  }
+  if (static_cast<int>(r.stop.size()) > o_.max_stop_strings) {
+    return Status::InvalidArgument("at most " + std::to_string(o_.max_stop_strings) + " stop strings");
+  }
+  for (const std::string& s : r.stop) {
+    if (s.empty() || static_cast<int>(s.size()) > o_.max_stop_string_bytes) {
+      return Status::InvalidArgument("a stop string must be 1 to " + std::to_string(o_.max_stop_string_bytes) +
+                                     " bytes");
+    }
+  }
+  if (!r.kv_policy.empty() && r.kv_policy != "full" && r.kv_policy != "shadowkv") {
+    return Status::InvalidArgument("kv_policy must be \"\", \"full\" or \"shadowkv\", got \"" + r.kv_policy + "\"");
+  }
+  if (r.deadline_ms < 0) return Status::InvalidArgument("deadline_ms must be >= 0");
+
+  rpc::WorkerGenerateRequest g;
+  for (const DocumentView& d : docs) {
+    g.prompt.insert(g.prompt.end(), d.ids->begin(), d.ids->end());
+    g.segment_ends.push_back(static_cast<int64_t>(g.prompt.size()));
+  }
+  g.prompt.insert(g.prompt.end(), question.begin(), question.end());
+  g.cache_namespace = tenant;
+  g.max_new_tokens = r.max_new_tokens;
+  g.sampling = r.sampling;
+  g.deadline_ms = r.deadline_ms;
+
+  Status last = Status::Unavailable(r.kv_policy.empty() ? "no healthy worker"
+                                                        : "no healthy worker of kv policy " + r.kv_policy);
+  auto q = std::make_shared<Request>();
+  for (int w : Route(r.kv_policy, docs)) {
+    g.stop_ids = r.stop_ids;
+    if (!r.ignore_eos) {
+      const auto eos = workers_->state(w).health.eos_ids;
+      g.stop_ids.insert(g.stop_ids.end(), eos.begin(), eos.end());
+    }
+    int64_t wid = 0;
+    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { wid = c.Generate(g); });
+    if (s.ok()) {
+      q->worker = w;
+      q->wid = wid;
+      break;
+    }
+    last = s;
+    // Full or gone: the next worker; anything else is about the request.
+    if (s.code() != StatusCode::kResourceExhausted && s.code() != StatusCode::kUnavailable) return s;
+  }
+  if (q->worker < 0) return last;
+  workers_->AddRouted(q->worker, 1);
+  for (const DocumentView& d : docs) docs_.AddWorker(d.id, q->worker);
+  q->id = NewRequestId();
+  q->tenant = tenant;
+  q->stop = r.stop;
+  q->created = Clock::now();
+  q->usage.prompt_tokens = static_cast<int64_t>(g.prompt.size());
+  q->usage.queue_seconds = -1;
+  q->usage.ttft_seconds = -1;
+  std::lock_guard<std::mutex> lk(mu_);
+  requests_[q->id] = q;
+  ++running_;
+  ++counts_[tenant].requests;
+  return q;
+}
+
+Result<std::shared_ptr<Coordinator::Request>> Coordinator::Find(const std::string& tenant, const std::string& id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->tenant != tenant) {
+    return Status::NotFound("request '" + id + "' is unknown (or ended more than " +
+                            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.keep_finished).count()) +
+                            " s ago)");
+  }
+  return it->second;
+}
+
+Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
+  if (q.done || static_cast<int64_t>(q.ids.size()) > offset) return Status::OK();
+  rpc::TokenChunk ch;
+  const int64_t from = static_cast<int64_t>(q.ids.size());
+  Status s = workers_->Call(q.worker, "poll", [&](rpc::WorkerClient& c) {
+    c.Poll(ch, q.wid, from, static_cast<int32_t>(wait.count()));
+  }, wait + milliseconds(10000));
+  if (!s.ok()) {
+    if (s.code() == StatusCode::kDeadlineExceeded) return Status::OK();  // nothing new in time
+    Finalize(q, "error", Status::Unavailable("worker " + workers_->state(q.worker).endpoint.name +
+                                             " lost the request: " + s.message()));
+    return Status::OK();
+  }
+  q.ids.insert(q.ids.end(), ch.ids.begin(), ch.ids.end());
+  const int64_t prompt = q.usage.prompt_tokens;
+  q.usage = ch.usage;
+  q.usage.prompt_tokens = prompt;
+  if (!ch.ids.empty()) {
+    Result<std::string> text = codec_->Decode(q.ids);
+    if (text.ok()) q.text = std::move(*text);
+    size_t cut = std::string::npos;
+    for (const std::string& stop : q.stop) cut = std::min(cut, q.text.find(stop));
+    if (cut != std::string::npos) {
+      q.text.resize(cut);
+      Finalize(q, "stop", Status::OK());  // Release cancels it on the worker
+      return Status::OK();
+    }
+  }
+  if (ch.done) {
+    Status err = Status::OK();
+    if (ch.__isset.error_code) {
+      rpc::PenumbraError e;
+      e.code = ch.error_code;
+      e.message = ch.__isset.error_message ? ch.error_message : ch.finish_reason;
+      err = transport::FromRpcError(e);
+    }
+    Finalize(q, ch.finish_reason, err);
+  }
+  return Status::OK();
+}
+
+void Coordinator::Finalize(Request& q, const std::string& reason, const Status& error) {
+  if (q.done) return;
+  q.done = true;
+  q.finish_reason = reason;
+  q.error = error;
+  q.finished = Clock::now();
+  // Forgotten on the worker (cancelled first if it still runs there).
+  (void)workers_->Call(q.worker, "release", [&](rpc::WorkerClient& c) { c.Release(q.wid); });
+  workers_->AddRouted(q.worker, -1);
+  requests_total_->Add({{"reason", reason}}).Increment();
+  prompt_tokens_->Increment(static_cast<double>(q.usage.prompt_tokens));
+  cached_tokens_->Increment(static_cast<double>(q.usage.cached_prompt_tokens));
+  generated_tokens_->Increment(static_cast<double>(q.usage.generated_tokens));
+  const double total = Seconds(q.finished - q.created);
+  duration_->Observe(total);
+  if (q.usage.ttft_seconds >= 0) ttft_->Observe(q.usage.ttft_seconds);
+  if (q.usage.generated_tokens > 1 && q.usage.ttft_seconds >= 0 && total > q.usage.ttft_seconds) {
+    tpot_->Observe((total - q.usage.ttft_seconds) / static_cast<double>(q.usage.generated_tokens - 1));
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  --running_;
+  TenantCounts& c = counts_[q.tenant];
+  if (reason == "error" || reason == "deadline") ++c.failed;
+  c.prompt += q.usage.prompt_tokens;
+  c.cached += q.usage.cached_prompt_tokens;
+  c.generated += q.usage.generated_tokens;
+  idle_cv_.notify_all();
+}
+
+void Coordinator::ToChunk(const Request& q, int64_t offset, rpc::GenerateChunk* out) const {
+  out->request_id = q.id;
+  out->ids.assign(q.ids.begin() + offset, q.ids.end());
+  out->text = q.text;
+  out->offset = offset;
+  out->done = q.done;
+  out->finish_reason = q.finish_reason;
+  if (!q.error.ok()) {
+    const rpc::PenumbraError e = transport::ToRpcError(q.error);
+    out->__set_error_code(e.code);
+    out->__set_error_message(e.message);
+  }
+  out->usage = q.usage;
+}
+
+void Coordinator::Generate(std::string& out, const rpc::GenerateRequest& request) {
+  out = OrThrow(DoGenerate(request))->id;
+}
+
+void Coordinator::Poll(rpc::GenerateChunk& out, const std::string& api_key, const std::string& request_id,
+                       int64_t offset, int32_t wait_ms) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
+    Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
+                                  std::to_string(wait_ms)));
+  }
+  std::shared_ptr<Request> q = OrThrow(Find(tenant, request_id));
+  std::lock_guard<std::mutex> lk(q->mu);
+  if (offset < 0 || offset > static_cast<int64_t>(q->ids.size())) {
+    Throw(Status::InvalidArgument("offset " + std::to_string(offset) + " is outside [0, " +
+                                  std::to_string(q->ids.size()) + "], the tokens made so far"));
+  }
+  Status s = Advance(*q, offset, milliseconds(wait_ms));
+  if (!s.ok()) Throw(s);
+  ToChunk(*q, offset, &out);
+}
+
+void Coordinator::Cancel(const std::string& api_key, const std::string& request_id) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  std::shared_ptr<Request> q = OrThrow(Find(tenant, request_id));
+  Status s;
+  {
+    std::lock_guard<std::mutex> lk(q->mu);
+    if (q->done) return;
+    s = workers_->Call(q->worker, "cancel", [&](rpc::WorkerClient& c) { c.Cancel(q->wid); });
+  }
+  if (!s.ok() && s.code() != StatusCode::kNotFound) Throw(s);
+}
+
+void Coordinator::Complete(rpc::GenerateChunk& out, const rpc::GenerateRequest& request) {
+  std::shared_ptr<Request> q = OrThrow(DoGenerate(request));
+  std::lock_guard<std::mutex> lk(q->mu);
+  while (!q->done) {
+    Status s = Advance(*q, static_cast<int64_t>(q->ids.size()), milliseconds(kMaxWaitMs));
+    if (!s.ok()) Throw(s);
+  }
+  if (q->finish_reason == "error" || q->finish_reason == "deadline") Throw(q->error);
+  ToChunk(*q, 0, &out);
+}
+
+// ---- service -------------------------------------------------------------------
+
+void Coordinator::DropExpired() {
+  std::vector<std::shared_ptr<Request>> unpolled;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    const Clock::time_point now = Clock::now();
+    if (now - last_sweep_ < std::chrono::seconds(1)) return;
+    last_sweep_ = now;
+    for (auto it = requests_.begin(); it != requests_.end();) {
+      Request& q = *it->second;
+      std::unique_lock<std::mutex> ql(q.mu, std::try_to_lock);
+      if (ql.owns_lock() && q.done && now - q.finished > o_.keep_finished) {
+        ql.unlock();
+        it = requests_.erase(it);
+        continue;
+      }
+      if (ql.owns_lock() && !q.done) unpolled.push_back(it->second);
+      ++it;
+    }
+  }
+  // Generations nobody polls still end on their worker: learn of it, so they
+  // stop counting as running.
+  for (auto& q : unpolled) {
+    std::unique_lock<std::mutex> ql(q->mu, std::try_to_lock);
+    if (ql.owns_lock()) (void)Advance(*q, static_cast<int64_t>(q->ids.size()), milliseconds(0));
+  }
+}
+
+bool Coordinator::Drain(milliseconds max_wait) {
+  std::unique_lock<std::mutex> lk(mu_);
+  draining_ = true;
+  const Clock::time_point until = Clock::now() + max_wait;
+  while (running_ > 0) {
+    lk.unlock();
+    DropExpired();  // learns of generations nobody polls
+    lk.lock();
+    if (running_ == 0 || Clock::now() >= until) break;
+    idle_cv_.wait_for(lk, milliseconds(200));
+  }
+  return running_ == 0;
+}
+
+void Coordinator::Health(rpc::HealthResponse& out) {
+  out.model = model_;
+  out.workers.clear();
+  bool any = false;
+  const auto held = docs_.held_per_worker();
+  std::vector<WorkerState> s = workers_->states();
+  for (int i = 0; i < static_cast<int>(s.size()); ++i) {
+    rpc::WorkerStatus w;
+    w.name = s[i].endpoint.name;
+    w.address = s[i].endpoint.address();
+    w.healthy = s[i].healthy;
+    w.kv_policy = s[i].health.kv_policy;
+    w.backend = s[i].health.backend;
+    w.running = s[i].stats.queued + s[i].stats.prefilling + s[i].stats.decoding;
+    auto h = held.find(i);
+    w.documents = h == held.end() ? 0 : h->second;
+    if (!s[i].healthy) w.__set_error(s[i].error);
+    any = any || s[i].healthy;
+    out.workers.push_back(std::move(w));
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  out.serving = any && !draining_;
+}
+
+void Coordinator::Stats(rpc::StatsResponse& out, const std::string& api_key) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  rpc::HealthResponse h;
+  Health(h);
+  out.workers = h.workers;
+  out.documents = docs_.count(tenant);
+  std::lock_guard<std::mutex> lk(mu_);
+  const TenantCounts c = counts_[tenant];
+  out.requests = c.requests;
+  out.requests_failed = c.failed;
+  int64_t running = 0;
+  for (const auto& [id, q] : requests_) {
+    std::unique_lock<std::mutex> ql(q->mu, std::try_to_lock);
+    if (q->tenant == tenant && (!ql.owns_lock() || !q->done)) ++running;
+  }
+  out.requests_running = running;
+  out.prompt_tokens = c.prompt;
+  out.cached_prompt_tokens = c.cached;
+  out.generated_tokens = c.generated;
+}
+
+void Coordinator::RefreshMetrics() {
+  DropExpired();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    running_gauge_->Set(static_cast<double>(running_));
+  }
+  documents_gauge_->Set(static_cast<double>(docs_.count()));
+  for (const WorkerState& w : workers_->states()) {
+    worker_up_->Add({{"worker", w.endpoint.name}}).Set(w.healthy ? 1 : 0);
+    worker_routed_->Add({{"worker", w.endpoint.name}}).Set(static_cast<double>(w.routed));
+  }
+}
+
+}  // namespace penumbra::coordinator

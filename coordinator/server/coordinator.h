@@ -1,0 +1,134 @@
+// The coordinator: Penumbra's public API (transport/penumbra.thrift) in front
+// of N workers. It authenticates (API key -> tenant), validates and tokenizes
+// every request, keeps the document registry, routes each generation to the
+// worker that holds its documents (else the least loaded healthy one of the
+// asked KV policy; a worker that is full or gone is skipped for the next),
+// streams tokens to clients by long polling (applying stop strings, which
+// workers do not see), and counts everything for /metrics.
+//
+// Threading: Thrift runs each client connection on its own thread; every
+// member is safe to call from any of them. A request's state has its own
+// mutex: concurrent polls of one request are served one after another.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "common/status.h"
+#include "coordinator/server/document_registry.h"
+#include "coordinator/server/worker_pool.h"
+#include "coordinator/tokenizer/text_codec.h"
+#include "gen-cpp/Penumbra.h"
+
+namespace penumbra::coordinator {
+
+struct CoordinatorOptions {
+  // API key -> tenant. Empty: no authentication, every caller is tenant
+  // "default" (a local or trusted deployment).
+  std::map<std::string, std::string> api_keys;
+  int64_t max_documents_per_tenant = 10000;
+  int64_t max_text_bytes = 32 << 20;      // one document's or question's text
+  int max_stop_strings = 16;
+  int max_stop_string_bytes = 256;
+  int max_new_tokens = 1 << 20;
+  int64_t max_running_requests = 4096;    // generations not yet finished, all tenants
+  std::chrono::milliseconds keep_finished{std::chrono::minutes(10)};
+  std::chrono::milliseconds put_timeout{std::chrono::minutes(30)};  // a put without a deadline
+  Status Validate() const;
+};
+
+// Reads an API-key file (YAML: `keys: {KEY: TENANT, ...}`); errors name the
+// file and the entry.
+Result<std::map<std::string, std::string>> LoadApiKeys(const std::string& path);
+
+class Coordinator : public rpc::PenumbraIf {
+ public:
+  Coordinator(const CoordinatorOptions& options, std::unique_ptr<TextCodec> codec, std::string model,
+              WorkerPool* workers);
+  ~Coordinator() override;  // waits for background puts
+
+  void PutDocument(rpc::DocumentInfo& out, const rpc::PutDocumentRequest& request) override;
+  void GetDocument(rpc::DocumentInfo& out, const std::string& api_key, const std::string& document_id,
+                   int64_t deadline_ms) override;
+  void ListDocuments(rpc::DocumentList& out, const rpc::ListDocumentsRequest& request) override;
+  void DeleteDocument(const std::string& api_key, const std::string& document_id, int64_t deadline_ms) override;
+  void Generate(std::string& out, const rpc::GenerateRequest& request) override;
+  void Poll(rpc::GenerateChunk& out, const std::string& api_key, const std::string& request_id, int64_t offset,
+            int32_t wait_ms) override;
+  void Cancel(const std::string& api_key, const std::string& request_id) override;
+  void Complete(rpc::GenerateChunk& out, const rpc::GenerateRequest& request) override;
+  void Health(rpc::HealthResponse& out) override;
+  void Stats(rpc::StatsResponse& out, const std::string& api_key) override;
+
+  // Stops taking documents and generations (Unavailable) and waits until the
+  // running generations are done, at most `max_wait`; true when they are.
+  bool Drain(std::chrono::milliseconds max_wait);
+  std::shared_ptr<prometheus::Registry> metrics() const { return registry_; }
+  // Refreshes the gauges (before a scrape).
+  void RefreshMetrics();
+
+  static constexpr int32_t kMaxWaitMs = 60000;
+
+ private:
+  struct Request;
+  // The Result-returning bodies of the calls (the overrides throw).
+  Result<std::string> Tenant(const std::string& api_key) const;
+  Result<std::vector<int32_t>> TextOrIds(const std::string& what, const std::string* text,
+                                         const std::vector<int32_t>* ids) const;
+  Result<rpc::DocumentInfo> DoPut(const rpc::PutDocumentRequest& r);
+  void Factor(DocumentView doc, std::chrono::steady_clock::time_point deadline);
+  Result<std::shared_ptr<Request>> DoGenerate(const rpc::GenerateRequest& r);
+  Result<std::shared_ptr<Request>> Find(const std::string& tenant, const std::string& id);
+  // Brings `q` up to date from its worker, waiting up to `wait` when it has
+  // no tokens past `offset` (q->mu held).
+  Status Advance(Request& q, int64_t offset, std::chrono::milliseconds wait);
+  // Ends q (q->mu held): releases it on its worker, counts it.
+  void Finalize(Request& q, const std::string& reason, const Status& error);
+  void ToChunk(const Request& q, int64_t offset, rpc::GenerateChunk* out) const;
+  // Candidate workers for a request of `kv_policy` over `docs` (holders of the
+  // first document first, then the others by load).
+  std::vector<int> Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const;
+  rpc::DocumentInfo ToInfo(const DocumentView& d) const;
+  void DropExpired();
+
+  CoordinatorOptions o_;
+  std::unique_ptr<TextCodec> codec_;
+  std::string model_;
+  WorkerPool* workers_;
+  DocumentRegistry docs_;
+
+  mutable std::mutex mu_;  // requests_, draining_, counters below
+  std::condition_variable idle_cv_;
+  std::map<std::string, std::shared_ptr<Request>> requests_;
+  int64_t running_ = 0;
+  bool draining_ = false;
+  std::chrono::steady_clock::time_point last_sweep_;
+  struct TenantCounts {
+    int64_t requests = 0, failed = 0, prompt = 0, cached = 0, generated = 0;
+  };
+  std::map<std::string, TenantCounts> counts_;
+  std::vector<std::thread> puts_;  // background puts (wait = false)
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* requests_total_;
+  prometheus::Counter *prompt_tokens_, *cached_tokens_, *generated_tokens_, *documents_put_;
+  prometheus::Histogram *ttft_, *tpot_, *duration_, *factor_;
+  prometheus::Gauge *running_gauge_, *documents_gauge_;
+  prometheus::Family<prometheus::Gauge>* worker_up_;
+  prometheus::Family<prometheus::Gauge>* worker_routed_;
+};
+
+}  // namespace penumbra::coordinator

@@ -1,0 +1,130 @@
+// penumbra-coordinator: the public API (transport/penumbra.thrift) in front
+// of N penumbra-worker processes, with its own Prometheus /metrics.
+//
+//   penumbra-coordinator --model DIR --workers [NAME=]HOST:PORT,... [--port 0] [--port-file F]
+//
+// --model names the model the workers serve (its tokenizer.json tokenizes
+// requests here). Prints one line when serving; with --port-file it writes
+// {"port": P, "metrics_port": M, "pid": N} there (atomically). SIGTERM or
+// SIGINT: stops taking requests, lets running generations end (at most
+// --drain-seconds), exits 0.
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include "common/args.h"
+#include "common/logging.h"
+#include "common/process.h"
+#include "coordinator/server/coordinator.h"
+#include "coordinator/server/worker_pool.h"
+#include "transport/metrics_http.h"
+#include "transport/thrift_util.h"
+
+namespace penumbra {
+namespace {
+
+constexpr const char* kUsage = "usage: penumbra-coordinator --model DIR --workers [NAME=]HOST:PORT,... [options]\n";
+
+Status Run(int argc, char** argv) {
+  Args a;
+  a.Flag("model", "the workers' model directory (its tokenizer tokenizes requests)")
+      .Flag("workers", "comma-separated [NAME=]HOST:PORT of the workers' control API")
+      .Flag("host", "address to listen on (default 127.0.0.1)")
+      .Flag("port", "public API port (default 0: one the OS picks)")
+      .Flag("metrics-port", "Prometheus /metrics port (default 0: one the OS picks; -1: off)")
+      .Flag("port-file", "write {\"port\": P, \"metrics_port\": M, \"pid\": N} here once serving")
+      .Flag("api-keys", "YAML file `keys: {KEY: TENANT, ...}` (default: none, every caller is tenant \"default\")")
+      .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
+      .Flag("max-running", "generations running at once, all tenants (default 4096)")
+      .Flag("max-documents", "documents per tenant (default 10000)")
+      .Flag("health-interval-ms", "how often each worker is checked (default 1000)")
+      .Flag("drain-seconds", "on SIGTERM, how long running generations may finish (default 30)");
+  Status ps = a.Parse(argc, argv, 1);
+  if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
+  if (!a.Has("model") || !a.Has("workers")) {
+    return Status::InvalidArgument(std::string("--model and --workers are required\n") + kUsage);
+  }
+  coordinator::CoordinatorOptions co;
+  if (a.Has("api-keys")) {
+    PENUMBRA_ASSIGN_OR_RETURN(co.api_keys, coordinator::LoadApiKeys(a.Get("api-keys")));
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(co.max_running_requests, a.GetIntIn("max-running", co.max_running_requests, 1, 1 << 24));
+  PENUMBRA_ASSIGN_OR_RETURN(co.max_documents_per_tenant,
+                            a.GetIntIn("max-documents", co.max_documents_per_tenant, 1, int64_t{1} << 32));
+  PENUMBRA_RETURN_IF_ERROR(co.Validate());
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t metrics_port, a.GetIntIn("metrics-port", 0, -1, 65535));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t frame_mb, a.GetIntIn("max-frame-mb", 64, 1, 1024));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t drain_s, a.GetIntIn("drain-seconds", 30, 0, 86400));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t health_ms, a.GetIntIn("health-interval-ms", 1000, 10, 600000));
+  const std::string host = a.Get("host", "127.0.0.1");
+
+  std::vector<coordinator::WorkerEndpoint> endpoints;
+  std::stringstream list(a.Get("workers"));
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    if (item.empty()) continue;
+    PENUMBRA_ASSIGN_OR_RETURN(auto e, coordinator::ParseWorkerEndpoint(item, "w" + std::to_string(endpoints.size())));
+    endpoints.push_back(e);
+  }
+  coordinator::WorkerPoolOptions wo;
+  wo.health_interval = std::chrono::milliseconds(health_ms);
+  wo.limits.max_frame_bytes = static_cast<int32_t>(frame_mb << 20);
+  wo.limits.max_string_bytes = wo.limits.max_frame_bytes;
+  PENUMBRA_ASSIGN_OR_RETURN(auto pool, coordinator::WorkerPool::Create(endpoints, wo));
+  PENUMBRA_ASSIGN_OR_RETURN(auto codec, TextCodec::ForModel(a.Get("model")));
+  auto handler = std::make_shared<coordinator::Coordinator>(co, std::move(codec), a.Get("model"), pool.get());
+  transport::ThriftLimits limits = wo.limits;
+  PENUMBRA_ASSIGN_OR_RETURN(auto server,
+                            transport::ThriftServer::Start(std::make_shared<rpc::PenumbraProcessor>(handler), host,
+                                                           static_cast<int>(port), limits));
+  std::unique_ptr<transport::MetricsServer> metrics;
+  if (metrics_port >= 0) {
+    coordinator::Coordinator* h = handler.get();
+    PENUMBRA_ASSIGN_OR_RETURN(metrics, transport::MetricsServer::Start(handler->metrics(), host,
+                                                                       static_cast<int>(metrics_port),
+                                                                       [h] { h->RefreshMetrics(); }));
+  }
+  const int mport = metrics ? metrics->port() : -1;
+  if (a.Has("port-file")) {
+    nlohmann::json j = {{"port", server->port()}, {"metrics_port", mport}, {"pid", static_cast<int64_t>(getpid())}};
+    PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(a.Get("port-file"), j.dump() + "\n"));
+  }
+  int healthy = 0;
+  for (const auto& w : pool->states()) healthy += w.healthy;
+  std::printf("penumbra-coordinator: serving %s with %d of %d workers healthy on %s:%d, metrics on %d%s\n",
+              a.Get("model").c_str(), healthy, pool->size(), host.c_str(), server->port(), mport,
+              co.api_keys.empty() ? " (no API keys: every caller is tenant \"default\")" : "");
+  std::fflush(stdout);
+
+  const int sig = WaitForTerminationSignal();
+  LOG(INFO) << "penumbra-coordinator: signal " << sig << ", draining (at most " << drain_s << " s)";
+  if (!handler->Drain(std::chrono::seconds(drain_s))) {
+    LOG(WARNING) << "penumbra-coordinator: generations still running after " << drain_s << " s";
+  }
+  server->Stop();
+  if (metrics) metrics->Stop();
+  std::printf("penumbra-coordinator: stopped\n");
+  return Status::OK();
+}
+
+}  // namespace
+}  // namespace penumbra
+
+int main(int argc, char** argv) {
+  penumbra::BlockTerminationSignals();  // before any thread starts
+  penumbra::InitLogging(argv[0]);
+  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "help")) {
+    std::cout << penumbra::kUsage;
+    return 0;
+  }
+  penumbra::Status s = penumbra::Run(argc, argv);
+  if (!s.ok()) {
+    std::cerr << "penumbra-coordinator: " << s.ToString() << std::endl;
+    return s.code() == penumbra::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,94 @@
+// The coordinator's view of its workers: one control-API connection pool per
+// worker (Thrift clients are not thread-safe: a call borrows one), health
+// checked in the background, and the load the coordinator itself placed on
+// each (requests routed there and not yet finished), which routing reads.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "gen-cpp/Worker.h"
+#include "transport/thrift_util.h"
+
+namespace penumbra::coordinator {
+
+struct WorkerEndpoint {
+  std::string name;
+  std::string host;
+  int port = 0;
+  std::string address() const { return host + ":" + std::to_string(port); }
+};
+
+// "host:port" or "name=host:port"; InvalidArgument naming the text.
+Result<WorkerEndpoint> ParseWorkerEndpoint(const std::string& text, const std::string& default_name);
+
+struct WorkerPoolOptions {
+  std::chrono::milliseconds connect_timeout{2000};
+  std::chrono::milliseconds call_timeout{30000};
+  std::chrono::milliseconds health_interval{1000};
+  transport::ThriftLimits limits;
+};
+
+struct WorkerState {
+  WorkerEndpoint endpoint;
+  bool healthy = false;
+  std::string error;                // why not healthy
+  rpc::WorkerHealth health;         // the last answered
+  rpc::WorkerStats stats;
+  int64_t routed = 0;               // requests placed here by the coordinator and not finished
+};
+
+using WorkerClient = transport::ThriftClient<rpc::WorkerClient>;
+
+class WorkerPool {
+ public:
+  // Checks every worker once (an unreachable one starts unhealthy) and
+  // starts the health thread.
+  static Result<std::unique_ptr<WorkerPool>> Create(std::vector<WorkerEndpoint> workers,
+                                                    const WorkerPoolOptions& options);
+  ~WorkerPool();
+
+  int size() const { return static_cast<int>(workers_.size()); }
+  WorkerState state(int i) const;
+  std::vector<WorkerState> states() const;
+
+  // Runs `call` on a pooled connection of worker i with `timeout` (0: the
+  // pool's call timeout). PenumbraErrors come back as their Status; a
+  // transport failure drops the connection and marks the worker unhealthy
+  // (Unavailable), a timeout is DeadlineExceeded.
+  Status Call(int i, const std::string& what, const std::function<void(rpc::WorkerClient&)>& call,
+              std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  void AddRouted(int i, int64_t delta);
+  // Checks worker i now (as the health thread does).
+  void CheckNow(int i);
+
+ private:
+  struct Worker {
+    WorkerEndpoint endpoint;
+    mutable std::mutex mu;
+    std::vector<std::unique_ptr<WorkerClient>> idle;
+    WorkerState state;
+  };
+  explicit WorkerPool(const WorkerPoolOptions& o) : o_(o) {}
+  void HealthLoop();
+  Result<std::unique_ptr<WorkerClient>> Borrow(Worker& w);
+  void MarkUnhealthy(Worker& w, const std::string& why);
+
+  WorkerPoolOptions o_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread health_;
+};
+
+}  // namespace penumbra::coordinator

@@ -1,0 +1,242 @@
+// Real Penumbra processes on loopback for the service integration tests:
+// penumbra-worker and penumbra-coordinator started from the build's bin/
+// ($PENUMBRA_BIN_DIR) on ports the OS picks, read back from their port
+// files. Every process is killed (SIGKILL) when its handle goes, so a failing
+// test leaves nothing running; logs stay in the cluster's temporary folder
+// and are printed when a test fails.
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "coordinator/client/client.h"
+#include "gen-cpp/Worker.h"
+#include "tests/test_util.h"
+#include "transport/thrift_util.h"
+
+namespace penumbra::testing {
+
+inline std::string BinDir() {
+  const char* s = std::getenv("PENUMBRA_BIN_DIR");
+  return s ? s : SourceDir() + "/build/bin";
+}
+
+class Process {
+ public:
+  // Starts argv[0] with its output to `log`.
+  static std::unique_ptr<Process> Start(const std::vector<std::string>& argv, const std::string& log) {
+    auto p = std::unique_ptr<Process>(new Process());
+    p->log_ = log;
+    p->name_ = std::filesystem::path(argv[0]).filename();
+    // Everything the child needs is made before fork (no allocation after it).
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+      }
+      // The test may block signals in its threads; the child starts clean.
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+    p->pid_ = pid;
+    return p;
+  }
+  ~Process() {
+    if (pid_ > 0 && !exited_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+  void Signal(int sig) { kill(pid_, sig); }
+  // The exit status (or -signal), or nullopt when still running after `timeout`.
+  std::optional<int> Wait(std::chrono::milliseconds timeout) {
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      int st = 0;
+      const pid_t r = waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) {
+        exited_ = true;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
+      }
+      if (std::chrono::steady_clock::now() >= until) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  bool running() {
+    if (exited_) return false;
+    int st = 0;
+    if (waitpid(pid_, &st, WNOHANG) == pid_) exited_ = true;
+    return !exited_;
+  }
+  std::string Log() const {
+    std::ifstream f(log_);
+    std::stringstream s;
+    s << f.rdbuf();
+    return s.str();
+  }
+  const std::string& name() const { return name_; }
+
+ private:
+  Process() = default;
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  std::string log_, name_;
+};
+
+struct Served {
+  std::unique_ptr<Process> process;
+  int port = 0, metrics_port = 0;
+};
+
+// Waits for `port_file` (written once serving); fails the test with the
+// process's log when it exits first or the wait times out.
+inline bool WaitServing(Served& s, const std::string& port_file,
+                        std::chrono::milliseconds timeout = std::chrono::seconds(120)) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    std::ifstream f(port_file);
+    if (f) {
+      try {
+        nlohmann::json j = nlohmann::json::parse(f);
+        s.port = j.at("port").get<int>();
+        s.metrics_port = j.at("metrics_port").get<int>();
+        return true;
+      } catch (const std::exception&) {
+      }
+    }
+    if (!s.process->running()) {
+      ADD_FAILURE() << s.process->name() << " exited before serving:\n" << s.process->Log();
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ADD_FAILURE() << s.process->name() << " not serving after " << timeout.count() << " ms:\n" << s.process->Log();
+  return false;
+}
+
+struct ClusterOptions {
+  int workers = 1;
+  std::string model;                          // default: stories260K
+  std::vector<std::string> worker_flags;      // extra flags of every worker
+  std::vector<std::string> coordinator_flags;
+  std::string api_keys_yaml;                  // non-empty: --api-keys with this file
+};
+
+// N workers and a coordinator.
+class Cluster {
+ public:
+  explicit Cluster(ClusterOptions o) : o_(std::move(o)) {
+    if (o_.model.empty()) o_.model = StoriesDir();
+    char tmpl[] = "/tmp/penumbra-service-test-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+  }
+  ~Cluster() {
+    if (::testing::Test::HasFailure()) {
+      for (auto* s : all()) {
+        if (s->process) std::cerr << "---- " << s->process->name() << " log:\n" << s->process->Log() << "\n";
+      }
+    }
+    workers_.clear();
+    coordinator_ = Served{};
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  bool Start() {
+    for (int i = 0; i < o_.workers; ++i) {
+      if (!StartWorker(i)) return false;
+    }
+    return StartCoordinator();
+  }
+  bool StartWorker(int i) {
+    const std::string pf = dir_ + "/worker" + std::to_string(i) + ".port";
+    std::vector<std::string> argv = {BinDir() + "/penumbra-worker", "--model", o_.model, "--device", "cpu",
+                                     "--name", "w" + std::to_string(i), "--port", "0", "--metrics-port", "0",
+                                     "--port-file", pf};
+    argv.insert(argv.end(), o_.worker_flags.begin(), o_.worker_flags.end());
+    if (static_cast<int>(workers_.size()) <= i) workers_.resize(i + 1);
+    workers_[i].process = Process::Start(argv, dir_ + "/worker" + std::to_string(i) + ".log");
+    return WaitServing(workers_[i], pf);
+  }
+  bool StartCoordinator() {
+    const std::string pf = dir_ + "/coordinator.port";
+    std::string list;
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      list += (i ? "," : "") + std::string("w") + std::to_string(i) + "=127.0.0.1:" + std::to_string(workers_[i].port);
+    }
+    std::vector<std::string> argv = {BinDir() + "/penumbra-coordinator", "--model", o_.model, "--workers", list,
+                                     "--port", "0", "--metrics-port", "0", "--port-file", pf,
+                                     "--health-interval-ms", "200"};
+    if (!o_.api_keys_yaml.empty()) {
+      std::ofstream(dir_ + "/keys.yaml") << o_.api_keys_yaml;
+      argv.insert(argv.end(), {"--api-keys", dir_ + "/keys.yaml"});
+    }
+    argv.insert(argv.end(), o_.coordinator_flags.begin(), o_.coordinator_flags.end());
+    coordinator_.process = Process::Start(argv, dir_ + "/coordinator.log");
+    return WaitServing(coordinator_, pf);
+  }
+
+  std::unique_ptr<client::Client> Client(const std::string& api_key = "") {
+    client::ClientOptions o;
+    o.port = coordinator_.port;
+    o.api_key = api_key;
+    auto c = client::Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  // A direct control-API connection to worker i.
+  std::unique_ptr<transport::ThriftClient<rpc::WorkerClient>> WorkerClient(int i) {
+    auto c = transport::ThriftClient<rpc::WorkerClient>::Connect("127.0.0.1", workers_[i].port,
+                                                                 std::chrono::seconds(30));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  rpc::WorkerStats WorkerStats(int i) {
+    rpc::WorkerStats s;
+    auto c = WorkerClient(i);
+    if (c) (*c)->Stats(s);
+    return s;
+  }
+  Served& worker(int i) { return workers_[i]; }
+  Served& coordinator() { return coordinator_; }
+  const std::string& dir() const { return dir_; }
+  const std::string& model() const { return o_.model; }
+
+ private:
+  std::vector<Served*> all() {
+    std::vector<Served*> v;
+    for (auto& w : workers_) v.push_back(&w);
+    v.push_back(&coordinator_);
+    return v;
+  }
+  ClusterOptions o_;
+  std::string dir_;
+  std::vector<Served> workers_;
+  Served coordinator_;
+};
+
+}  // namespace penumbra::testing

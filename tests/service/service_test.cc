@@ -1,0 +1,519 @@
+// The service end to end with real processes on loopback (CPU backend,
+// stories260K): penumbra-worker and penumbra-coordinator started by the test
+// on ports the OS picks, driven through the C++ client (and raw sockets for
+// bad frames). Each TEST is its own CTest (label `service`, see tests.cmake).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include <httplib.h>
+
+#include "tests/service/service_cluster.h"
+#include "tests/worker/stories_shadowkv.h"
+#include "worker/engine/engine.h"
+
+namespace penumbra::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+class Service : public StoriesTest {};
+
+// The offline engine's greedy (or seeded) answer: the same model and
+// options as the worker, one request alone.
+class Offline {
+ public:
+  explicit Offline(const std::string& policy = "full") {
+    EngineOptions o = policy == "full" ? EngineOptions{} : LossyShadowKvOptions();
+    o.backend.device = "cpu";
+    o.kv_policy = policy;
+    auto e = Engine::Open(StoriesDir(), o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (e.ok()) engine_ = std::move(*e);
+  }
+  std::vector<int32_t> Answer(const GenerationRequest& r) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto res = engine_->runtime().Generate({r});
+    EXPECT_TRUE(res.ok()) << res.status();
+    return res.ok() ? (*res)[0].ids : std::vector<int32_t>{};
+  }
+
+ private:
+  std::mutex mu_;
+  std::unique_ptr<Engine> engine_;
+};
+
+rpc::GenerateRequest Ask(const std::vector<std::string>& docs, const std::vector<int32_t>& question, int max_new) {
+  rpc::GenerateRequest r;
+  r.document_ids = docs;
+  r.__set_token_ids(question);
+  r.max_new_tokens = max_new;
+  r.ignore_eos = true;
+  return r;
+}
+
+// Long polls until done; every chunk's ids continue the previous ones.
+rpc::GenerateChunk Follow(client::Client& c, const std::string& id, std::vector<int32_t>* ids = nullptr) {
+  int64_t offset = 0;
+  for (int i = 0; i < 10000; ++i) {
+    auto ch = c.Poll(id, offset, 2000);
+    EXPECT_TRUE(ch.ok()) << ch.status();
+    if (!ch.ok()) return {};
+    EXPECT_EQ(ch->offset, offset);
+    if (ids) ids->insert(ids->end(), ch->ids.begin(), ch->ids.end());
+    offset += static_cast<int64_t>(ch->ids.size());
+    if (ch->done) return *ch;
+  }
+  ADD_FAILURE() << "request " << id << " never ended";
+  return {};
+}
+
+rpc::DocumentInfo Put(client::Client& c, const std::string& name, const std::vector<int32_t>& ids) {
+  auto d = c.PutDocument(name, nullptr, &ids);
+  EXPECT_TRUE(d.ok()) << d.status();
+  if (!d.ok()) return {};
+  EXPECT_EQ(d->state, rpc::DocumentState::READY) << (d->__isset.error ? d->error : "");
+  EXPECT_EQ(d->tokens, static_cast<int64_t>(ids.size()));
+  return *d;
+}
+
+// 16 clients x 10 requests of mixed lengths, half of them about one of two
+// documents put once: every answer equals the offline engine's for the same
+// prompt (continuous batching, interleaved prefill and the document cache
+// change no token).
+TEST_F(Service, ConcurrentClientsGetTheOfflineAnswers) {
+  Cluster cluster({});
+  ASSERT_TRUE(cluster.Start());
+  auto c0 = cluster.Client();
+  ASSERT_TRUE(c0);
+  const std::vector<int32_t> doc_a = LcgTokens(180, 11, true), doc_b = LcgTokens(97, 12, true);
+  const std::string a = Put(*c0, "a", doc_a).id, b = Put(*c0, "b", doc_b).id;
+  ASSERT_FALSE(a.empty());
+  ASSERT_FALSE(b.empty());
+
+  struct Case {
+    rpc::GenerateRequest req;
+    GenerationRequest offline;
+  };
+  std::vector<std::vector<Case>> cases(16);
+  for (int client = 0; client < 16; ++client) {
+    for (int i = 0; i < 10; ++i) {
+      const uint64_t seed = 1000 + client * 10 + i;
+      const int kind = (client + i) % 4;  // 0, 1: no document; 2: a; 3: b
+      const int qlen = 5 + static_cast<int>(seed * 7 % 150);
+      const int max_new = 3 + static_cast<int>(seed % 14);
+      const std::vector<int32_t> q = LcgTokens(qlen, seed, kind < 2);
+      Case c;
+      c.req = Ask(kind == 2 ? std::vector<std::string>{a} : kind == 3 ? std::vector<std::string>{b}
+                                                                    : std::vector<std::string>{},
+                  q, max_new);
+      if (kind == 1) {  // seeded sampling
+        c.req.sampling.temperature = 0.8;
+        c.req.sampling.top_k = 40;
+        c.req.sampling.seed = static_cast<int64_t>(seed);
+      }
+      GenerationRequest& g = c.offline;
+      if (kind >= 2) {
+        g.prompt = kind == 2 ? doc_a : doc_b;
+        g.segment_ends = {static_cast<int64_t>(g.prompt.size())};
+      }
+      g.prompt.insert(g.prompt.end(), q.begin(), q.end());
+      g.max_new_tokens = max_new;
+      g.sampling.temperature = static_cast<float>(c.req.sampling.temperature);
+      g.sampling.top_k = c.req.sampling.top_k;
+      g.sampling.seed = static_cast<uint64_t>(c.req.sampling.seed);
+      cases[client].push_back(std::move(c));
+    }
+  }
+  std::vector<std::vector<rpc::GenerateChunk>> got(16);
+  std::vector<std::thread> threads;
+  for (int client = 0; client < 16; ++client) {
+    threads.emplace_back([&, client] {
+      auto c = cluster.Client();
+      if (!c) return;
+      for (auto& k : cases[client]) {
+        // Streamed (Generate + Poll) and blocking (Complete), alternately.
+        if (got[client].size() % 2 == 0) {
+          auto id = c->Generate(k.req);
+          EXPECT_TRUE(id.ok()) << id.status();
+          if (!id.ok()) return;
+          std::vector<int32_t> ids;
+          rpc::GenerateChunk last = Follow(*c, *id, &ids);
+          last.ids = ids;
+          got[client].push_back(last);
+        } else {
+          auto r = c->Complete(k.req);
+          EXPECT_TRUE(r.ok()) << r.status();
+          got[client].push_back(r.ok() ? *r : rpc::GenerateChunk{});
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  Offline offline;
+  int64_t cached = 0;
+  for (int client = 0; client < 16; ++client) {
+    ASSERT_EQ(got[client].size(), cases[client].size());
+    for (size_t i = 0; i < cases[client].size(); ++i) {
+      const Case& k = cases[client][i];
+      const rpc::GenerateChunk& g = got[client][i];
+      EXPECT_EQ(g.finish_reason, "length") << "client " << client << " request " << i;
+      EXPECT_EQ(g.ids, offline.Answer(k.offline)) << "client " << client << " request " << i;
+      EXPECT_EQ(g.usage.prompt_tokens, static_cast<int64_t>(k.offline.prompt.size()));
+      EXPECT_EQ(g.usage.generated_tokens, k.offline.max_new_tokens);
+      EXPECT_GE(g.usage.ttft_seconds, 0);
+      if (!k.offline.segment_ends.empty()) {
+        EXPECT_EQ(g.usage.cached_prompt_tokens, k.offline.segment_ends[0]) << "client " << client << " request " << i;
+      }
+      cached += g.usage.cached_prompt_tokens;
+    }
+  }
+  EXPECT_EQ(cached, 40 * 180 + 40 * 97);
+  const rpc::WorkerStats ws = cluster.WorkerStats(0);
+  EXPECT_EQ(ws.failed, 0);
+  EXPECT_GT(ws.decode_steps, 0);
+}
+
+// A request arriving while a long one decodes joins the running batch and
+// finishes first.
+TEST_F(Service, ARequestAdmittedMidDecodeFinishesBeforeAnEarlierLongOne) {
+  Cluster cluster({});
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto long_id = c->Generate(Ask({}, LcgTokens(40, 1, true), 440));
+  ASSERT_TRUE(long_id.ok()) << long_id.status();
+  // Wait until it decodes.
+  int64_t have = 0;
+  while (have < 5) {
+    auto ch = c->Poll(*long_id, have, 2000);
+    ASSERT_TRUE(ch.ok()) << ch.status();
+    ASSERT_FALSE(ch->done);
+    have += static_cast<int64_t>(ch->ids.size());
+  }
+  auto c2 = cluster.Client();
+  auto short_answer = c2->Complete(Ask({}, LcgTokens(30, 2, true), 4));
+  ASSERT_TRUE(short_answer.ok()) << short_answer.status();
+  EXPECT_EQ(short_answer->usage.generated_tokens, 4);
+  auto still = c->Poll(*long_id, 0, 0);
+  ASSERT_TRUE(still.ok());
+  EXPECT_FALSE(still->done) << "the long request ended first (" << still->ids.size() << " tokens)";
+  rpc::GenerateChunk last = Follow(*c, *long_id);
+  EXPECT_EQ(last.usage.generated_tokens, 440);
+  // They decoded together: fewer steps than one after the other.
+  const rpc::WorkerStats ws = cluster.WorkerStats(0);
+  EXPECT_LT(ws.decode_steps, 439 + 3);
+}
+
+// Two worker processes: documents spread over them, and the requests about a
+// document go to the worker that holds it (its cached state attached there).
+TEST_F(Service, RequestsAboutADocumentGoToTheWorkerHoldingIt) {
+  Cluster cluster({.workers = 2});
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto health = c->Health();
+  ASSERT_TRUE(health.ok());
+  ASSERT_EQ(health->workers.size(), 2u);
+  const std::vector<int32_t> doc_a = LcgTokens(200, 21, true), doc_b = LcgTokens(150, 22, true);
+  const rpc::DocumentInfo a = Put(*c, "a", doc_a), b = Put(*c, "b", doc_b);
+  ASSERT_NE(a.worker, b.worker) << "two documents on one worker while the other held none";
+  const int wa = a.worker == "w0" ? 0 : 1, wb = 1 - wa;
+  const rpc::WorkerStats before_a = cluster.WorkerStats(wa), before_b = cluster.WorkerStats(wb);
+  for (int i = 0; i < 4; ++i) {
+    auto r = c->Complete(Ask({a.id}, LcgTokens(12, 300 + i, false), 5));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->usage.cached_prompt_tokens, 200);
+    auto s = c->Complete(Ask({b.id}, LcgTokens(12, 400 + i, false), 5));
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->usage.cached_prompt_tokens, 150);
+  }
+  const rpc::WorkerStats after_a = cluster.WorkerStats(wa), after_b = cluster.WorkerStats(wb);
+  EXPECT_EQ(after_a.submitted - before_a.submitted, 4);
+  EXPECT_EQ(after_b.submitted - before_b.submitted, 4);
+  EXPECT_EQ(after_a.cached_prompt_tokens - before_a.cached_prompt_tokens, 4 * 200);
+  EXPECT_EQ(after_b.cached_prompt_tokens - before_b.cached_prompt_tokens, 4 * 150);
+
+  // The holder of a goes away: a's requests are served by the other worker
+  // (prefilled there once, then cached there too).
+  cluster.worker(wa).process->Signal(SIGKILL);
+  ASSERT_TRUE(cluster.worker(wa).process->Wait(10s).has_value());
+  std::this_thread::sleep_for(600ms);  // the health check notices
+  for (int i = 0; i < 2; ++i) {
+    auto r = c->Complete(Ask({a.id}, LcgTokens(12, 500 + i, false), 5));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->usage.cached_prompt_tokens, i == 0 ? 0 : 200);
+  }
+}
+
+// Writes `bytes` to host:port and closes; true when the connection was made.
+bool SendRaw(int port, const std::string& bytes) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return false;
+  }
+  (void)!write(fd, bytes.data(), bytes.size());
+  // Read whatever comes back (nothing, or an exception frame) until closed.
+  timeval tv{2, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char buf[4096];
+  while (read(fd, buf, sizeof buf) > 0) {
+  }
+  close(fd);
+  return true;
+}
+
+void ExpectCode(const Status& s, StatusCode code, const std::string& what) {
+  EXPECT_EQ(s.code(), code) << what << ": " << s;
+}
+
+// Bad input on both ports: random bytes, truncated and oversized frames, and
+// bad requests through the API: each refused (typed), the servers keep
+// serving, and the stored document is intact.
+TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
+  Cluster cluster({.worker_flags = {"--max-frame-mb", "1"}, .coordinator_flags = {"--max-frame-mb", "1"}});
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  const std::vector<int32_t> doc = LcgTokens(120, 31, true);
+  const rpc::DocumentInfo d = Put(*c, "doc", doc);
+  auto before = c->Complete(Ask({d.id}, LcgTokens(10, 32, false), 8));
+  ASSERT_TRUE(before.ok()) << before.status();
+
+  std::mt19937_64 rng(5);
+  for (int port : {cluster.coordinator().port, cluster.worker(0).port}) {
+    SCOPED_TRACE("port " + std::to_string(port));
+    std::string junk(4096, '\0');
+    for (char& ch : junk) ch = static_cast<char>(rng());
+    EXPECT_TRUE(SendRaw(port, junk));                                   // random bytes
+    EXPECT_TRUE(SendRaw(port, std::string("\x00\x00\x01\x00", 4) + "abc"));  // truncated frame
+    EXPECT_TRUE(SendRaw(port, std::string("\x7f\xff\xff\xff", 4) + std::string(64, 'x')));  // 2 GiB frame
+    EXPECT_TRUE(SendRaw(port, std::string("\x00\x20\x00\x00", 4) + std::string(1 << 16, 'x')));  // 2 MiB > limit
+    // A well-framed message that is not a valid call.
+    EXPECT_TRUE(SendRaw(port, std::string("\x00\x00\x00\x08", 4) + std::string("\x80\x01\x00\x01\x00\x00\x00\x05", 8)));
+  }
+  // A request over the frame limit through the client: refused, connection dropped.
+  {
+    auto big = cluster.Client();
+    std::vector<int32_t> huge(400000, 5);
+    auto r = big->Generate(Ask({}, huge, 4));
+    EXPECT_FALSE(r.ok());
+  }
+
+  // Typed errors through the API.
+  ExpectCode(c->Generate(Ask({"doc-0123456789abcdef"}, {5, 6}, 4)).status(), StatusCode::kNotFound, "unknown document");
+  ExpectCode(c->Generate(Ask({"not-an-id"}, {5, 6}, 4)).status(), StatusCode::kNotFound, "malformed document id");
+  ExpectCode(c->Generate(Ask({}, {}, 4)).status(), StatusCode::kInvalidArgument, "empty prompt");
+  ExpectCode(c->Generate(Ask({}, LcgTokens(600, 3, true), 4)).status(), StatusCode::kInvalidArgument,
+             "over-long prompt");
+  ExpectCode(c->Generate(Ask({d.id}, LcgTokens(400, 3, false), 4)).status(), StatusCode::kInvalidArgument,
+             "document + question over the context");
+  ExpectCode(c->Generate(Ask({}, {5, 9999}, 4)).status(), StatusCode::kInvalidArgument, "id outside the vocabulary");
+  ExpectCode(c->Generate(Ask({}, {5, -1}, 4)).status(), StatusCode::kInvalidArgument, "negative id");
+  {
+    auto r = Ask({}, {5, 6}, 4);
+    r.sampling.temperature = -1;
+    ExpectCode(c->Generate(r).status(), StatusCode::kInvalidArgument, "temperature -1");
+    r.sampling.temperature = 0;
+    r.sampling.top_p = 2;
+    ExpectCode(c->Generate(r).status(), StatusCode::kInvalidArgument, "top_p 2");
+    r.sampling.top_p = 1;
+    r.max_new_tokens = 0;
+    ExpectCode(c->Generate(r).status(), StatusCode::kInvalidArgument, "max_new_tokens 0");
+    r.max_new_tokens = 4;
+    r.kv_policy = "nonsense";
+    ExpectCode(c->Generate(r).status(), StatusCode::kInvalidArgument, "kv_policy");
+    r.kv_policy = "shadowkv";
+    ExpectCode(c->Generate(r).status(), StatusCode::kUnavailable, "no worker of that policy");
+    r.kv_policy = "";
+    r.stop = {""};
+    ExpectCode(c->Generate(r).status(), StatusCode::kInvalidArgument, "empty stop string");
+    r.stop = {};
+    r.__set_text("a question");
+    ExpectCode(c->Generate(r).status(), StatusCode::kInvalidArgument, "both text and token ids");
+  }
+  ExpectCode(c->Poll("req-0000000000000000", 0, 10).status(), StatusCode::kNotFound, "unknown request");
+  {
+    auto id = c->Generate(Ask({}, {5, 6, 7}, 4));
+    ASSERT_TRUE(id.ok());
+    ExpectCode(c->Poll(*id, 99, 10).status(), StatusCode::kInvalidArgument, "offset past the tokens");
+    ExpectCode(c->Poll(*id, 0, 600000).status(), StatusCode::kInvalidArgument, "wait_ms too long");
+    Follow(*c, *id);
+  }
+  ExpectCode(c->PutDocument("", nullptr, &doc).status(), StatusCode::kInvalidArgument, "empty name");
+  {
+    const std::vector<int32_t> empty;
+    ExpectCode(c->PutDocument("e", nullptr, &empty).status(), StatusCode::kInvalidArgument, "empty document");
+    const std::vector<int32_t> too_long = LcgTokens(512, 3, true);
+    ExpectCode(c->PutDocument("l", nullptr, &too_long).status(), StatusCode::kInvalidArgument, "document too long");
+    const std::string text = "stories260K has no tokenizer.json";
+    ExpectCode(c->PutDocument("t", &text, nullptr).status(), StatusCode::kInvalidArgument, "text without tokenizer");
+  }
+  {
+    rpc::ListDocumentsRequest r;
+    r.page_token = "garbage";
+    rpc::DocumentList out;
+    auto raw = transport::ThriftClient<rpc::PenumbraClient>::Connect("127.0.0.1", cluster.coordinator().port, 10s);
+    ASSERT_TRUE(raw.ok());
+    ExpectCode(transport::CallRpc("list", [&] { (**raw)->ListDocuments(out, r); }), StatusCode::kInvalidArgument,
+               "bad page token");
+    r.page_token = "";
+    r.page_size = 0;
+    ExpectCode(transport::CallRpc("list", [&] { (**raw)->ListDocuments(out, r); }), StatusCode::kInvalidArgument,
+               "page size 0");
+  }
+  // The worker's own control API refuses bad requests too.
+  {
+    auto w = cluster.WorkerClient(0);
+    ASSERT_TRUE(w);
+    rpc::WorkerGenerateRequest g;
+    g.prompt = {5, 6};
+    g.segment_ends = {5};
+    ExpectCode(transport::CallRpc("generate", [&] { (*w)->Generate(g); }), StatusCode::kInvalidArgument,
+               "segment end past the prompt");
+    rpc::TokenChunk ch;
+    ExpectCode(transport::CallRpc("poll", [&] { (*w)->Poll(ch, 424242, 0, 0); }), StatusCode::kNotFound,
+               "unknown worker request");
+  }
+
+  // Still serving, the document intact: the same answer as before.
+  auto after = c->Complete(Ask({d.id}, LcgTokens(10, 32, false), 8));
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->ids, before->ids);
+  EXPECT_EQ(after->usage.cached_prompt_tokens, 120);
+  auto docs = c->ListDocuments();
+  ASSERT_TRUE(docs.ok());
+  ASSERT_EQ(docs->size(), 1u);
+  EXPECT_EQ((*docs)[0].state, rpc::DocumentState::READY);
+  EXPECT_TRUE(cluster.coordinator().process->running());
+  EXPECT_TRUE(cluster.worker(0).process->running());
+}
+
+// Documents: put, get, list in pages, delete; tenants see only their own;
+// a bad API key is refused; streaming with stop strings; cancel.
+TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
+  Cluster cluster({.api_keys_yaml = "keys:\n  key-alice: alice\n  key-bob: bob\n"});
+  ASSERT_TRUE(cluster.Start());
+  auto alice = cluster.Client("key-alice"), bob = cluster.Client("key-bob"), nobody = cluster.Client("wrong");
+  ASSERT_TRUE(alice && bob && nobody);
+  ExpectCode(nobody->ListDocuments().status(), StatusCode::kPermissionDenied, "bad key");
+  ExpectCode(nobody->Generate(Ask({}, {5, 6}, 2)).status(), StatusCode::kPermissionDenied, "bad key");
+
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(Put(*alice, "doc" + std::to_string(i), LcgTokens(60 + i, 40 + i, true)).id);
+  auto page = alice->ListDocuments(/*page_size=*/1);
+  ASSERT_TRUE(page.ok());
+  ASSERT_EQ(page->size(), 3u);
+  std::set<std::string> listed;
+  for (const auto& d : *page) listed.insert(d.id);
+  EXPECT_EQ(listed, std::set<std::string>(ids.begin(), ids.end()));
+  auto bobs = bob->ListDocuments();
+  ASSERT_TRUE(bobs.ok());
+  EXPECT_TRUE(bobs->empty());
+  ExpectCode(bob->GetDocument(ids[0]).status(), StatusCode::kNotFound, "another tenant's document");
+  ExpectCode(bob->DeleteDocument(ids[0]), StatusCode::kNotFound, "another tenant's delete");
+  ExpectCode(bob->Generate(Ask({ids[0]}, {5, 6}, 2)).status(), StatusCode::kNotFound, "another tenant's generate");
+
+  // Streaming: text arrives in pieces that add up to the whole answer.
+  std::string streamed;
+  int pieces = 0;
+  auto last = alice->Stream(Ask({ids[1]}, LcgTokens(8, 50, false), 24), [&](const std::string& delta) {
+    streamed += delta;
+    ++pieces;
+  });
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(streamed, last->text);
+  EXPECT_GT(pieces, 1);
+  EXPECT_EQ(last->usage.cached_prompt_tokens, 61);
+  // A stop string cuts the text before it and ends the request.
+  ASSERT_GT(last->text.size(), 12u) << last->text;
+  {
+    const std::string stop = last->text.substr(8, 3);
+    auto r = Ask({ids[1]}, LcgTokens(8, 50, false), 24);
+    r.stop = {stop};
+    auto cut = alice->Complete(r);
+    ASSERT_TRUE(cut.ok()) << cut.status();
+    EXPECT_EQ(cut->finish_reason, "stop");
+    EXPECT_EQ(cut->text, last->text.substr(0, last->text.find(stop)));
+  }
+
+  // Cancel a long request.
+  auto id = alice->Generate(Ask({}, LcgTokens(20, 60, true), 480));
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(alice->Poll(*id, 0, 5000).ok());
+  ExpectCode(bob->Cancel(*id), StatusCode::kNotFound, "another tenant's cancel");
+  ASSERT_TRUE(alice->Cancel(*id).ok());
+  rpc::GenerateChunk end = Follow(*alice, *id);
+  EXPECT_EQ(end.finish_reason, "cancelled");
+  EXPECT_LT(end.usage.generated_tokens, 480);
+
+  // Delete: gone from the registry and from the worker's cache.
+  ASSERT_TRUE(alice->DeleteDocument(ids[2]).ok());
+  ExpectCode(alice->GetDocument(ids[2]).status(), StatusCode::kNotFound, "deleted");
+  ExpectCode(alice->Generate(Ask({ids[2]}, {5}, 2)).status(), StatusCode::kNotFound, "deleted generate");
+  auto stats = alice->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->documents, 2);
+  EXPECT_GE(stats->requests, 3);
+
+  // Both processes export Prometheus metrics.
+  httplib::Client coord("127.0.0.1", cluster.coordinator().metrics_port), worker("127.0.0.1", cluster.worker(0).metrics_port);
+  auto cm = coord.Get("/metrics");
+  ASSERT_TRUE(cm);
+  EXPECT_EQ(cm->status, 200);
+  EXPECT_NE(cm->body.find("penumbra_coordinator_requests_total{reason=\"length\"}"), std::string::npos) << cm->body;
+  EXPECT_NE(cm->body.find("penumbra_coordinator_ttft_seconds_bucket"), std::string::npos);
+  EXPECT_NE(cm->body.find("penumbra_coordinator_worker_up{worker=\"w0\"} 1"), std::string::npos);
+  auto wm = worker.Get("/metrics");
+  ASSERT_TRUE(wm);
+  EXPECT_NE(wm->body.find("penumbra_worker_generated_tokens_total"), std::string::npos);
+  auto hz = worker.Get("/healthz");
+  ASSERT_TRUE(hz);
+  EXPECT_EQ(hz->status, 200);
+}
+
+// SIGTERM: the worker stops taking requests and lets the running ones finish;
+// the coordinator then drains and both exit 0.
+TEST_F(Service, SigtermDrainsRunningRequests) {
+  Cluster cluster({});
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto id = c->Generate(Ask({}, LcgTokens(30, 70, true), 440));
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(c->Poll(*id, 0, 5000).ok());
+  cluster.worker(0).process->Signal(SIGTERM);
+  // New requests are refused while it drains (typed, retryable).
+  bool refused = false;
+  for (int i = 0; i < 50 && !refused; ++i) {
+    auto w = cluster.WorkerClient(0);
+    rpc::WorkerGenerateRequest g;
+    g.prompt = {1, 5, 6};
+    g.max_new_tokens = 2;
+    Status s = transport::CallRpc("generate", [&] { (*w)->Generate(g); });
+    refused = s.code() == StatusCode::kUnavailable;
+    if (!refused) std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_TRUE(refused);
+  rpc::GenerateChunk end = Follow(*c, *id);
+  EXPECT_EQ(end.finish_reason, "length");
+  EXPECT_EQ(end.usage.generated_tokens, 440);
+  EXPECT_EQ(cluster.worker(0).process->Wait(30s), std::optional<int>(0));
+  cluster.coordinator().process->Signal(SIGTERM);
+  EXPECT_EQ(cluster.coordinator().process->Wait(30s), std::optional<int>(0));
+}
+
+}  // namespace
+}  // namespace penumbra::testing

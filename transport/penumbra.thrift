@@ -1,0 +1,140 @@
+// Penumbra's public API: application services, the `penumbra` CLI and the
+// Python client to the coordinator (penumbra-coordinator). Framed binary
+// protocol; frames and strings are bounded by the server's limits.
+//
+// Every call that acts for a caller carries its API key (the tenant: a
+// tenant sees only its own documents and requests, and its documents are
+// cached in its own namespace) and a deadline in milliseconds (0: the
+// server's default). Errors are PenumbraErrors with a typed code (see
+// common.thrift): fix the request, retry after retry_after_ms, or give up.
+include "common.thrift"
+
+namespace cpp penumbra.rpc
+namespace py penumbra.rpc.api
+
+enum DocumentState {
+  FACTORING = 1,  // being prefilled into the document cache
+  READY = 2,      // usable by generate
+  FAILED = 3,     // factoring failed: see error
+}
+
+struct DocumentInfo {
+  1: string id,
+  2: string name,
+  3: i64 tokens,
+  4: DocumentState state,
+  5: i64 created_unix_ms,
+  6: string worker,              // the worker that holds its cached state
+  7: optional string error,      // FAILED: why
+  8: double factor_seconds = -1, // put -> ready; < 0 until then
+  9: i64 factored_tokens,        // FACTORING: tokens prefilled so far (progress)
+}
+
+// A document: text (tokenized by the coordinator with the model's tokenizer)
+// or token ids; exactly one of them.
+struct PutDocumentRequest {
+  1: string api_key,
+  2: string name,                // 1..256 bytes
+  3: optional string text,
+  4: optional list<i32> token_ids,
+  // true: return when the document is READY (or FAILED); false: return at
+  // once (FACTORING) and poll GetDocument.
+  5: bool wait = true,
+  6: i64 deadline_ms = 0,
+}
+
+struct ListDocumentsRequest {
+  1: string api_key,
+  2: string page_token = "",     // "" for the first page; then next_page_token
+  3: i32 page_size = 100,        // 1..1000
+  4: i64 deadline_ms = 0,
+}
+
+struct DocumentList {
+  1: list<DocumentInfo> documents,  // by id
+  2: string next_page_token,        // "" on the last page
+}
+
+struct GenerateRequest {
+  1: string api_key,
+  // Documents (by id, in order) the request's text follows; they are
+  // attached from the document cache, not prefilled again.
+  2: list<string> document_ids,
+  // The request's own text (a question), or its token ids: exactly one.
+  3: optional string text,
+  4: optional list<i32> token_ids,
+  5: i32 max_new_tokens = 256,
+  6: common.SamplingOptions sampling,
+  // Generation ends when the text contains one of these (the answer's text
+  // stops before it) or at one of these ids (kept); the model's end-of-text
+  // ids always stop it unless ignore_eos.
+  7: list<string> stop,
+  8: list<i32> stop_ids,
+  9: bool ignore_eos = false,
+  // "full" or "shadowkv" to run only on workers of that policy; "": any.
+  10: string kv_policy = "",
+  11: i64 deadline_ms = 0,
+}
+
+// The answer so far, from an offset (tokens).
+struct GenerateChunk {
+  1: list<i32> ids,              // generated ids from `offset`
+  2: string text,                // the answer's whole text so far (stop strings cut)
+  3: i64 offset,
+  4: bool done,
+  5: string finish_reason,       // once done: stop, length, cancelled, deadline, error
+  6: optional common.ErrorCode error_code,
+  7: optional string error_message,
+  8: common.Usage usage,
+  9: string request_id,
+}
+
+struct WorkerStatus {
+  1: string name,
+  2: string address,             // host:port
+  3: bool healthy,
+  4: string kv_policy,
+  5: string backend,
+  6: i64 running,                // requests queued or running there
+  7: i64 documents,              // documents it holds
+  8: optional string error,      // why not healthy
+}
+
+struct HealthResponse {
+  1: bool serving,               // false while draining or with no healthy worker
+  2: string model,
+  3: list<WorkerStatus> workers,
+}
+
+struct StatsResponse {
+  1: i64 requests,
+  2: i64 requests_failed,
+  3: i64 requests_running,
+  4: i64 documents,              // this tenant's
+  5: i64 prompt_tokens,
+  6: i64 cached_prompt_tokens,
+  7: i64 generated_tokens,
+  8: list<WorkerStatus> workers,
+}
+
+service Penumbra {
+  DocumentInfo PutDocument(1: PutDocumentRequest request) throws (1: common.PenumbraError error),
+  DocumentInfo GetDocument(1: string api_key, 2: string document_id, 3: i64 deadline_ms)
+      throws (1: common.PenumbraError error),
+  DocumentList ListDocuments(1: ListDocumentsRequest request) throws (1: common.PenumbraError error),
+  void DeleteDocument(1: string api_key, 2: string document_id, 3: i64 deadline_ms)
+      throws (1: common.PenumbraError error),
+
+  // Starts a generation; returns its request id. Tokens by Poll.
+  string Generate(1: GenerateRequest request) throws (1: common.PenumbraError error),
+  // The answer from `offset`, waiting up to wait_ms (0..60000) for more
+  // tokens or the end (long polling).
+  GenerateChunk Poll(1: string api_key, 2: string request_id, 3: i64 offset, 4: i32 wait_ms)
+      throws (1: common.PenumbraError error),
+  void Cancel(1: string api_key, 2: string request_id) throws (1: common.PenumbraError error),
+  // Generate, wait for the end, return the whole answer (blocking).
+  GenerateChunk Complete(1: GenerateRequest request) throws (1: common.PenumbraError error),
+
+  HealthResponse Health(),
+  StatsResponse Stats(1: string api_key) throws (1: common.PenumbraError error),
+}

@@ -1,0 +1,71 @@
+// The control API: the coordinator (or a test, or `penumbra`'s local mode)
+// to one worker process. Requests are token ids (the coordinator tokenizes);
+// the worker batches them continuously (worker/service/scheduler.h).
+include "common.thrift"
+
+namespace cpp penumbra.rpc
+namespace py penumbra.rpc.worker
+
+// max_new_tokens 0: prefill only (a document put): the prompt's segments are
+// factored into the document cache, nothing is generated ("prefilled"), and
+// the last segment may end with the prompt.
+struct WorkerGenerateRequest {
+  1: list<i32> prompt,
+  // Exclusive ends of the prompt's leading segments (documents), ascending:
+  // the document cache's unit (reused across requests of one namespace).
+  2: list<i64> segment_ends,
+  3: string cache_namespace,
+  4: i32 max_new_tokens = 16,
+  5: common.SamplingOptions sampling,
+  6: list<i32> stop_ids,
+  // Milliseconds from the worker's receipt after which the request ends with
+  // DEADLINE_EXCEEDED (0: none).
+  7: i64 deadline_ms = 0,
+}
+
+struct WorkerHealth {
+  1: bool serving,        // false while draining
+  2: string model,        // the model directory
+  3: string backend,      // e.g. "cpu", "cuda:0 NVIDIA H100 80GB HBM3"
+  4: string kv_policy,
+  5: i64 max_context,     // the model's max_position_embeddings
+  6: i32 vocab_size,
+  7: list<i32> eos_ids,   // the model's end-of-text ids
+}
+
+struct WorkerStats {
+  1: i64 submitted,
+  2: i64 finished,
+  3: i64 failed,
+  4: i64 cancelled,
+  5: i64 queued,
+  6: i64 prefilling,
+  7: i64 decoding,
+  8: i64 decode_steps,
+  9: i64 interleaved_decode_steps,
+  10: i64 prompt_tokens,
+  11: i64 cached_prompt_tokens,
+  12: i64 generated_tokens,
+  13: i64 admission_waits,
+}
+
+service Worker {
+  // Queues a request; returns its id. INVALID_ARGUMENT for a bad request,
+  // RESOURCE_EXHAUSTED (retry_after_ms) when the queue is full, UNAVAILABLE
+  // while draining.
+  i64 Generate(1: WorkerGenerateRequest request) throws (1: common.PenumbraError error),
+  // Tokens from `offset`, waiting up to wait_ms (<= 60000) for more or the end.
+  common.TokenChunk Poll(1: i64 request_id, 2: i64 offset, 3: i32 wait_ms)
+      throws (1: common.PenumbraError error),
+  void Cancel(1: i64 request_id) throws (1: common.PenumbraError error),
+  // Forgets a request: a finished one at once, a running one is cancelled
+  // and forgotten when it ends. A draining worker waits (a while) until the
+  // answers of its finished requests are released before it exits.
+  void Release(1: i64 request_id) throws (1: common.PenumbraError error),
+  // Drops the cached state (prefix cache and persistent store) of the
+  // prompt's leading segments: a deleted document. Returns the entries dropped.
+  i32 ForgetPrefixes(1: list<i32> prompt, 2: list<i64> segment_ends, 3: string cache_namespace)
+      throws (1: common.PenumbraError error),
+  WorkerHealth Health(),
+  WorkerStats Stats(),
+}

@@ -1,0 +1,414 @@
+#include "worker/service/scheduler.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <glog/logging.h>
+
+namespace penumbra::service {
+namespace {
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// How long the idle loop sleeps between looks at deadlines and kept answers.
+constexpr std::chrono::milliseconds kIdleTick{50};
+
+}  // namespace
+
+Status SchedulerOptions::Validate() const {
+  if (max_batch < 1) return Status::InvalidArgument("scheduler.max_batch must be >= 1, got " + std::to_string(max_batch));
+  if (prefill_tokens_per_step < 1) {
+    return Status::InvalidArgument("scheduler.prefill_tokens_per_step must be >= 1, got " +
+                                   std::to_string(prefill_tokens_per_step));
+  }
+  if (max_queue < 1) return Status::InvalidArgument("scheduler.max_queue must be >= 1, got " + std::to_string(max_queue));
+  if (keep_finished.count() < 0) return Status::InvalidArgument("scheduler.keep_finished must be >= 0");
+  return Status::OK();
+}
+
+Result<std::unique_ptr<Scheduler>> Scheduler::Create(Runtime* runtime, const SchedulerOptions& options) {
+  PENUMBRA_RETURN_IF_ERROR(options.Validate());
+  if (runtime == nullptr) return Status::InvalidArgument("scheduler: no runtime");
+  return std::unique_ptr<Scheduler>(new Scheduler(runtime, options));
+}
+
+Scheduler::Scheduler(Runtime* runtime, const SchedulerOptions& options) : rt_(runtime), o_(options) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Scheduler::~Scheduler() { Stop(); }
+
+void Scheduler::Stop() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  // The loop has stopped: the runtime is this thread's now.
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& t : tasks_) t(*rt_);  // their callers are waiting
+  tasks_.clear();
+  for (auto* list : {&queue_, &prefilling_}) {
+    for (auto& r : *list) Finish(*r, "cancelled", Status::Cancelled("the worker stopped"));
+    list->clear();
+  }
+  for (auto& r : decoding_) Finish(*r, "cancelled", Status::Cancelled("the worker stopped"));
+  decoding_.clear();
+  done_cv_.notify_all();
+}
+
+Result<uint64_t> Scheduler::Submit(GenerationRequest request, const SubmitOptions& options) {
+  PENUMBRA_RETURN_IF_ERROR(rt_->Validate({request}));  // reads the model's config only
+  auto r = std::make_shared<Request>();
+  r->req = std::move(request);
+  r->opts = options;
+  r->submitted = Clock::now();
+  r->rng.seed(r->req.sampling.seed);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_ || draining_) return Status::Unavailable("the scheduler is draining: not accepting requests");
+    if (static_cast<int>(queue_.size()) >= o_.max_queue) {
+      return Status::ResourceExhausted("the scheduler's queue is full (" + std::to_string(o_.max_queue) +
+                                       " requests waiting); retry later");
+    }
+    r->id = next_id_++;
+    requests_[r->id] = r;
+    queue_.push_back(r);
+    ++stats_.submitted;
+  }
+  work_cv_.notify_all();
+  return r->id;
+}
+
+Result<RequestUpdate> Scheduler::Poll(uint64_t id, int64_t offset, std::chrono::milliseconds wait) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return Status::NotFound("request " + std::to_string(id) + " is unknown");
+  std::shared_ptr<Request> r = it->second;
+  if (offset < 0 || offset > static_cast<int64_t>(r->ids.size())) {
+    return Status::InvalidArgument("offset " + std::to_string(offset) + " is past the " +
+                                   std::to_string(r->ids.size()) + " tokens made so far");
+  }
+  done_cv_.wait_for(lk, wait, [&] { return r->done || static_cast<int64_t>(r->ids.size()) > offset; });
+  return Snapshot(*r, offset);
+}
+
+Result<RequestUpdate> Scheduler::Wait(uint64_t id) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return Status::NotFound("request " + std::to_string(id) + " is unknown");
+  std::shared_ptr<Request> r = it->second;
+  done_cv_.wait(lk, [&] { return r->done; });
+  return Snapshot(*r, 0);
+}
+
+Status Scheduler::Cancel(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return Status::NotFound("request " + std::to_string(id) + " is unknown");
+    Request& r = *it->second;
+    if (r.done) return Status::OK();
+    auto q = std::find(queue_.begin(), queue_.end(), it->second);
+    if (q != queue_.end()) {  // never admitted: ended here
+      queue_.erase(q);
+      Finish(r, "cancelled", Status::Cancelled("cancelled by the client"));
+      return Status::OK();
+    }
+    r.cancel = true;  // running: the loop ends it between two steps
+  }
+  work_cv_.notify_all();
+  return Status::OK();
+}
+
+Status Scheduler::Release(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return Status::NotFound("request " + std::to_string(id) + " is unknown");
+  if (!it->second->done) {
+    // Running: cancelled, and forgotten when it ends.
+    it->second->cancel = true;
+    it->second->release_when_done = true;
+    work_cv_.notify_all();
+    return Status::OK();
+  }
+  requests_.erase(it);
+  done_cv_.notify_all();
+  return Status::OK();
+}
+
+bool Scheduler::WaitReleased(std::chrono::milliseconds max_wait) {
+  std::unique_lock<std::mutex> lk(mu_);
+  return done_cv_.wait_for(lk, max_wait, [&] { return requests_.empty(); });
+}
+
+bool Scheduler::Drain(std::chrono::milliseconds max_wait) {
+  std::unique_lock<std::mutex> lk(mu_);
+  draining_ = true;
+  auto idle = [&] { return queue_.empty() && prefilling_.empty() && decoding_.empty(); };
+  if (max_wait == std::chrono::milliseconds::max()) {
+    done_cv_.wait(lk, idle);
+    return true;
+  }
+  return done_cv_.wait_for(lk, max_wait, idle);
+}
+
+bool Scheduler::accepting() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return !stop_ && !draining_;
+}
+
+SchedulerStats Scheduler::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  SchedulerStats s = stats_;
+  s.queued = static_cast<int64_t>(queue_.size());
+  s.prefilling = static_cast<int64_t>(prefilling_.size());
+  s.decoding = static_cast<int64_t>(decoding_.size());
+  return s;
+}
+
+bool Scheduler::HasWork() const {
+  return !queue_.empty() || !prefilling_.empty() || !decoding_.empty() || !tasks_.empty();
+}
+
+Status Scheduler::RunOnLoop(std::function<Status(Runtime&)> task) {
+  std::packaged_task<Status(Runtime&)> t(std::move(task));
+  std::future<Status> f = t.get_future();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) return Status::Unavailable("the scheduler has stopped");
+    tasks_.push_back(std::move(t));
+  }
+  work_cv_.notify_all();
+  return f.get();
+}
+
+void Scheduler::RunTasks() {
+  for (;;) {
+    std::packaged_task<Status(Runtime&)> t;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (tasks_.empty()) return;
+      t = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    t(*rt_);
+  }
+}
+
+void Scheduler::Loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    work_cv_.wait_for(lk, kIdleTick, [&] { return stop_ || HasWork(); });
+    if (stop_) return;
+    DropExpiredAnswers(Clock::now());
+    if (!HasWork()) continue;
+    lk.unlock();
+    RunTasks();
+    Reap();
+    Admit();
+    PrefillOne();
+    DecodeOnce();
+    lk.lock();
+  }
+}
+
+void Scheduler::Reap() {
+  std::lock_guard<std::mutex> lk(mu_);
+  const Clock::time_point now = Clock::now();
+  auto ended = [&](Request& r) {
+    if (r.cancel) {
+      Finish(r, "cancelled", Status::Cancelled("cancelled by the client"));
+      return true;
+    }
+    if (r.opts.deadline && now >= *r.opts.deadline) {
+      Finish(r, "deadline", Status::DeadlineExceeded("the request's deadline passed after " +
+                                                     std::to_string(r.ids.size()) + " generated tokens"));
+      return true;
+    }
+    return false;
+  };
+  auto reap = [&](auto& list) {
+    list.erase(std::remove_if(list.begin(), list.end(), [&](const std::shared_ptr<Request>& r) { return ended(*r); }),
+               list.end());
+  };
+  reap(queue_);
+  reap(prefilling_);
+  reap(decoding_);
+}
+
+void Scheduler::Admit() {
+  std::shared_ptr<Request> r;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    // One prompt in prefill at a time (first come, first served); the next
+    // is admitted when it is in.
+    if (queue_.empty() || !prefilling_.empty()) return;
+    if (static_cast<int>(decoding_.size()) >= std::min(o_.max_batch, rt_->max_batch())) return;
+    r = queue_.front();
+  }
+  r->seq = next_seq_++;
+  GenerationResult admitted;
+  Status s = rt_->BeginPrefill(r->seq, r->req, &r->prefill, &admitted);
+  std::lock_guard<std::mutex> lk(mu_);
+  if (s.ok()) {
+    queue_.pop_front();
+    r->admitted = Clock::now();
+    r->cached_prompt_tokens = admitted.cached_prompt_tokens;
+    r->prefilled = r->prefill.at;
+    r->added = true;
+    stats_.prompt_tokens += static_cast<int64_t>(r->req.prompt.size());
+    stats_.cached_prompt_tokens += admitted.cached_prompt_tokens;
+    prefilling_.push_back(r);
+    return;
+  }
+  if (s.code() == StatusCode::kResourceExhausted && !decoding_.empty()) {
+    // Does not fit next to the running sequences: waits for one to finish.
+    if (!r->waited) {
+      r->waited = true;
+      ++stats_.admission_waits;
+    }
+    return;
+  }
+  // Cannot fit even alone, or a request the runtime refuses: it ends here.
+  queue_.pop_front();
+  Finish(*r, "error", s);
+}
+
+void Scheduler::PrefillOne() {
+  std::shared_ptr<Request> r;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (prefilling_.empty()) return;
+    r = prefilling_.front();
+  }
+  Result<bool> done = rt_->PrefillStep(r->seq, r->req, &r->prefill, o_.prefill_tokens_per_step);
+  int32_t id = 0;
+  Status sampled = Status::OK();
+  const bool prefill_only = r->req.max_new_tokens == 0;
+  if (done.ok() && *done && !prefill_only) {
+    sampled = rt_->backend().Sample(rt_->LastLogits(), 1, rt_->config().vocab_size,
+                                    {SamplingDraw(r->req.sampling, r->rng)}, &id);
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  ++stats_.prefill_pieces;
+  r->prefilled = r->prefill.at;
+  if (done.ok() && !*done) return;
+  prefilling_.pop_front();
+  if (!done.ok() || !sampled.ok()) {
+    Finish(*r, "error", done.ok() ? sampled : done.status());
+    return;
+  }
+  r->ttft_seconds = Seconds(Clock::now() - r->submitted);
+  if (prefill_only) {
+    Finish(*r, "prefilled", Status::OK());
+  } else if (!Emit(*r, id)) {
+    decoding_.push_back(r);
+  }
+}
+
+void Scheduler::DecodeOnce() {
+  std::vector<std::shared_ptr<Request>> batch;
+  bool interleaved = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    batch = decoding_;
+    interleaved = !prefilling_.empty() && prefilling_.front()->prefill.at > 0 &&
+                  prefilling_.front()->prefill.at < static_cast<int64_t>(prefilling_.front()->req.prompt.size());
+  }
+  if (batch.empty()) return;
+  // Only this thread writes a running request's ids: read without the lock.
+  std::vector<int64_t> seqs, positions;
+  std::vector<int32_t> tokens;
+  std::vector<SampleParams> params;
+  for (const auto& r : batch) {
+    seqs.push_back(r->seq);
+    tokens.push_back(r->ids.back());
+    positions.push_back(static_cast<int64_t>(r->req.prompt.size() + r->ids.size()) - 1);
+    params.push_back(SamplingDraw(r->req.sampling, r->rng));
+  }
+  Result<const float*> logits = rt_->DecodeStep(seqs, tokens, positions);
+  std::vector<int32_t> ids(batch.size());
+  Status sampled = logits.ok() ? rt_->backend().Sample(*logits, static_cast<int>(batch.size()),
+                                                        rt_->config().vocab_size, params, ids.data())
+                               : logits.status();
+  std::lock_guard<std::mutex> lk(mu_);
+  ++stats_.decode_steps;
+  if (interleaved) ++stats_.interleaved_decode_steps;
+  if (!sampled.ok()) {
+    // The step failed for all of them; the loop goes on with the others.
+    LOG(WARNING) << "scheduler: a decode step of " << batch.size() << " sequences failed: " << sampled;
+    for (auto& r : batch) Finish(*r, "error", sampled);
+    decoding_.erase(std::remove_if(decoding_.begin(), decoding_.end(),
+                                   [](const std::shared_ptr<Request>& r) { return r->done; }),
+                    decoding_.end());
+    return;
+  }
+  for (size_t i = 0; i < batch.size(); ++i) Emit(*batch[i], ids[i]);
+  decoding_.erase(std::remove_if(decoding_.begin(), decoding_.end(),
+                                 [](const std::shared_ptr<Request>& r) { return r->done; }),
+                  decoding_.end());
+}
+
+bool Scheduler::Emit(Request& r, int32_t id) {
+  r.ids.push_back(id);
+  ++stats_.generated_tokens;
+  done_cv_.notify_all();
+  for (int32_t s : r.req.stop_ids) {
+    if (s == id) {
+      Finish(r, "stop", Status::OK());
+      return true;
+    }
+  }
+  if (static_cast<int>(r.ids.size()) >= r.req.max_new_tokens) {
+    Finish(r, "length", Status::OK());
+    return true;
+  }
+  return false;
+}
+
+void Scheduler::Finish(Request& r, const std::string& reason, Status error) {
+  if (r.done) return;
+  r.done = true;
+  r.finish_reason = reason;
+  r.error = std::move(error);
+  r.finished = Clock::now();
+  if (r.added) {
+    rt_->RemoveSequence(r.seq);
+    r.added = false;
+  }
+  ++stats_.finished;
+  if (r.release_when_done) requests_.erase(r.id);
+  if (reason == "cancelled") ++stats_.cancelled;
+  if (reason == "error" || reason == "deadline") ++stats_.failed;
+  done_cv_.notify_all();
+}
+
+RequestUpdate Scheduler::Snapshot(const Request& r, int64_t offset) const {
+  RequestUpdate u;
+  u.offset = offset;
+  u.ids.assign(r.ids.begin() + offset, r.ids.end());
+  u.done = r.done;
+  u.finish_reason = r.finish_reason;
+  u.error = r.error;
+  u.prompt_tokens = static_cast<int64_t>(r.req.prompt.size());
+  u.cached_prompt_tokens = r.cached_prompt_tokens;
+  u.generated_tokens = static_cast<int64_t>(r.ids.size());
+  u.queue_seconds = r.admitted.time_since_epoch().count() > 0 ? Seconds(r.admitted - r.submitted) : -1;
+  u.ttft_seconds = r.ttft_seconds;
+  u.prefilled_tokens = r.prefilled;
+  return u;
+}
+
+void Scheduler::DropExpiredAnswers(Clock::time_point now) {
+  for (auto it = requests_.begin(); it != requests_.end();) {
+    if (it->second->done && now - it->second->finished > o_.keep_finished) {
+      it = requests_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace penumbra::service

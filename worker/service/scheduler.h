@@ -1,0 +1,199 @@
+// Scheduler: continuous batching over one Runtime (one engine lane).
+//
+// Requests are submitted from any thread and run on the scheduler's own
+// thread, the only one that touches the runtime. One loop: between two decode
+// steps of the running batch it admits waiting requests (first come, first
+// served) and prefills one piece of the oldest admitted prompt (at most
+// prefill_tokens_per_step tokens where the policy allows splitting, else one
+// segment), so a long prompt does not stall everyone's decoding for its whole
+// prefill, and requests join and leave the batch between steps. Admission is
+// the policy's own memory check (KvPolicy::AddSequence: device memory, host
+// memory for the value store): a request that does not fit waits until a
+// running one finishes, and one that cannot fit even alone finishes with
+// ResourceExhausted. Nothing a request does can stop the loop: its errors end
+// that request (or, for a failed decode step, the requests of that step).
+//
+// Clients read tokens as they are made by polling with an offset (Poll waits
+// up to wait_ms for tokens past the offset or for the end), can cancel, and
+// get usage with every answer: prompt tokens, of which attached from the
+// document cache, generated tokens, time to first token.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "worker/engine/runtime.h"
+
+namespace penumbra::service {
+
+struct SchedulerOptions {
+  // Sequences decoding together at most (<= the runtime's max_batch). Default: 64.
+  int max_batch = 64;
+  // Prompt tokens prefilled between two decode steps (rounded down to whole
+  // prefill chunks; a policy that cannot split a prefill does one segment).
+  // Default: 8192.
+  int64_t prefill_tokens_per_step = 8192;
+  // Requests waiting for admission at most; Submit beyond it is
+  // ResourceExhausted. Default: 1024.
+  int max_queue = 1024;
+  // A finished request's answer is kept for polling this long, then dropped
+  // (Release drops it at once). Default: 10 minutes.
+  std::chrono::milliseconds keep_finished{std::chrono::minutes(10)};
+  // InvalidArgument naming the field.
+  Status Validate() const;
+};
+
+using Clock = std::chrono::steady_clock;
+
+struct SubmitOptions {
+  // The request is cancelled with DeadlineExceeded if it has not finished by
+  // then (none: no deadline).
+  std::optional<Clock::time_point> deadline;
+};
+
+// What a poll returns: the tokens from the asked offset on, and the state.
+struct RequestUpdate {
+  std::vector<int32_t> ids;      // generated ids from `offset`
+  int64_t offset = 0;            // the offset asked for
+  bool done = false;
+  // "stop", "length", "prefilled" (max_new_tokens 0), "cancelled", "deadline"
+  // or "error" once done.
+  std::string finish_reason;
+  Status error;                  // why, for "error" and "deadline"
+  int64_t prompt_tokens = 0;
+  int64_t cached_prompt_tokens = 0;  // of them, attached from the document cache
+  int64_t generated_tokens = 0;      // all so far
+  double queue_seconds = 0;          // submitted -> admitted
+  double ttft_seconds = -1;          // submitted -> first token; < 0 until then
+  int64_t prefilled_tokens = 0;      // prompt tokens in the sequence so far
+};
+
+struct SchedulerStats {
+  int64_t submitted = 0, finished = 0, failed = 0, cancelled = 0;
+  int64_t queued = 0, prefilling = 0, decoding = 0;  // now
+  int64_t decode_steps = 0;
+  // Decode steps taken while a prompt was part-way through its prefill.
+  int64_t interleaved_decode_steps = 0;
+  int64_t prefill_pieces = 0;
+  int64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
+  // Admissions deferred because the request did not fit next to the running ones.
+  int64_t admission_waits = 0;
+};
+
+class Scheduler {
+ public:
+  // Starts the loop thread. `runtime` is used only from it from now on.
+  static Result<std::unique_ptr<Scheduler>> Create(Runtime* runtime, const SchedulerOptions& options);
+  ~Scheduler();  // Stop()
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Validates the request (prompt, ids, lengths, sampling) and queues it.
+  // InvalidArgument for a bad request, ResourceExhausted when the queue is
+  // full, Unavailable while draining.
+  Result<uint64_t> Submit(GenerationRequest request, const SubmitOptions& options = {});
+  // Tokens from `offset` (<= the number generated so far) and the state;
+  // waits up to `wait` for more tokens or the end. NotFound for an unknown
+  // (or released) id, InvalidArgument for an offset past the tokens made.
+  Result<RequestUpdate> Poll(uint64_t id, int64_t offset, std::chrono::milliseconds wait);
+  // Ends a queued or running request ("cancelled"); a finished one is left
+  // as it is. NotFound for an unknown id.
+  Status Cancel(uint64_t id);
+  // Forgets a request: a finished one at once (its answer was read), a
+  // queued or running one is cancelled and forgotten when it ends.
+  Status Release(uint64_t id);
+  // Blocks until the request is done; its whole answer.
+  Result<RequestUpdate> Wait(uint64_t id);
+  // Runs `task` on the loop thread between two steps (the only thread that
+  // may touch the runtime) and returns what it returned: maintenance such as
+  // dropping a deleted document's cached state. Unavailable once stopped.
+  Status RunOnLoop(std::function<Status(Runtime&)> task);
+  // Stops admitting new requests (Submit: Unavailable) and waits until every
+  // queued and running request has finished, at most `max_wait`; true when
+  // they all have (the rest go on; destroying the scheduler cancels them).
+  bool Drain(std::chrono::milliseconds max_wait = std::chrono::milliseconds::max());
+  // Waits until every finished request has been released (its answer read
+  // by the coordinator) or dropped, at most `max_wait`: a draining worker
+  // keeps answering polls until then. True when none is left.
+  bool WaitReleased(std::chrono::milliseconds max_wait);
+  // Ends every queued and running request ("cancelled"; pollers wake) and
+  // joins the loop; Submit is Unavailable from then on. Polls, Wait and
+  // Release keep working on the answers.
+  void Stop();
+  // False once draining or stopped.
+  bool accepting() const;
+  SchedulerStats stats() const;
+
+ private:
+  struct Request {
+    uint64_t id = 0;
+    GenerationRequest req;
+    SubmitOptions opts;
+    Clock::time_point submitted, admitted;
+    // Written by the loop under mu_, read by pollers.
+    std::vector<int32_t> ids;
+    bool done = false;
+    bool cancel = false;
+    bool release_when_done = false;
+    std::string finish_reason;
+    Status error;
+    int64_t cached_prompt_tokens = 0;
+    double ttft_seconds = -1;
+    int64_t prefilled = 0;  // prompt tokens in (a copy of prefill.at for pollers)
+    Clock::time_point finished;
+    // The loop's own.
+    int64_t seq = -1;
+    bool added = false;   // the runtime holds its sequence
+    bool waited = false;  // admission was deferred once (counted once)
+    std::mt19937_64 rng;
+    Runtime::PrefillState prefill;
+  };
+
+  Scheduler(Runtime* runtime, const SchedulerOptions& options);
+  void Loop();
+  // One iteration's parts (loop thread; mu_ not held while the runtime runs).
+  void Admit();
+  void PrefillOne();
+  void DecodeOnce();
+  // Ends the cancelled and the expired among the queued and running.
+  void Reap();
+  // Appends a token (under mu_); true when the request is done with it.
+  bool Emit(Request& r, int32_t id);
+  // Ends `r` (under mu_) and frees its sequence.
+  void Finish(Request& r, const std::string& reason, Status error);
+  RequestUpdate Snapshot(const Request& r, int64_t offset) const;
+  void DropExpiredAnswers(Clock::time_point now);  // under mu_
+  bool HasWork() const;                              // under mu_
+  void RunTasks();                                   // loop thread
+
+  Runtime* rt_;
+  SchedulerOptions o_;
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;  // the loop waits for requests
+  std::condition_variable done_cv_;  // pollers wait for tokens and ends
+  std::map<uint64_t, std::shared_ptr<Request>> requests_;
+  std::deque<std::shared_ptr<Request>> queue_;       // waiting for admission
+  std::deque<std::shared_ptr<Request>> prefilling_;  // admitted, prompt part-way in
+  std::vector<std::shared_ptr<Request>> decoding_;
+  std::deque<std::packaged_task<Status(Runtime&)>> tasks_;
+  uint64_t next_id_ = 1;
+  int64_t next_seq_ = 0;
+  bool stop_ = false, draining_ = false;
+  SchedulerStats stats_;
+  std::thread thread_;
+};
+
+}  // namespace penumbra::service

@@ -1,0 +1,209 @@
+// penumbra-worker: one engine (one GPU, or the CPU) behind the control API
+// (transport/worker.thrift), batching requests continuously, with its own
+// Prometheus /metrics. Started by `penumbra serve` or by hand:
+//
+//   penumbra-worker --model DIR [--config engine.yaml] [--port 0] [--port-file F]
+//
+// Prints one line when serving ("penumbra-worker: serving ... on HOST:PORT");
+// with --port-file it also writes {"port": P, "metrics_port": M} there (atomically).
+// SIGTERM or SIGINT: stops accepting, lets running requests finish (at most
+// --drain-seconds; the rest end "cancelled" for the coordinator to retry),
+// then exits 0.
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+
+#include "common/args.h"
+#include "common/logging.h"
+#include "common/process.h"
+#include "transport/metrics_http.h"
+#include "worker/engine/engine.h"
+#include "worker/engine/engine_flags.h"
+#include "worker/service/scheduler.h"
+#include "worker/service/worker_server.h"
+
+namespace penumbra {
+namespace {
+
+constexpr const char* kUsage = "usage: penumbra-worker --model DIR [options]\n";
+
+// Scheduler counters mirrored into Prometheus at each scrape.
+class WorkerMetrics {
+ public:
+  explicit WorkerMetrics(service::Scheduler* s) : s_(s), registry_(std::make_shared<prometheus::Registry>()) {
+    auto counter = [&](const std::string& name, const std::string& help) -> prometheus::Counter& {
+      return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
+    };
+    auto gauge = [&](const std::string& name, const std::string& help) -> prometheus::Gauge& {
+      return prometheus::BuildGauge().Name(name).Help(help).Register(*registry_).Add({});
+    };
+    submitted_ = &counter("penumbra_worker_requests_submitted_total", "Requests accepted by the scheduler.");
+    finished_ = &counter("penumbra_worker_requests_finished_total", "Requests ended (any reason).");
+    failed_ = &counter("penumbra_worker_requests_failed_total", "Requests ended by an error or their deadline.");
+    cancelled_ = &counter("penumbra_worker_requests_cancelled_total", "Requests cancelled.");
+    decode_steps_ = &counter("penumbra_worker_decode_steps_total", "Batched decode steps.");
+    interleaved_ = &counter("penumbra_worker_interleaved_decode_steps_total",
+                            "Decode steps taken while a prompt was part-way through its prefill.");
+    prefill_pieces_ = &counter("penumbra_worker_prefill_pieces_total", "Prefill pieces run between decode steps.");
+    prompt_ = &counter("penumbra_worker_prompt_tokens_total", "Prompt tokens of admitted requests.");
+    cached_ = &counter("penumbra_worker_cached_prompt_tokens_total",
+                       "Prompt tokens attached from the document cache instead of prefilled.");
+    generated_ = &counter("penumbra_worker_generated_tokens_total", "Tokens generated.");
+    waits_ = &counter("penumbra_worker_admission_waits_total",
+                      "Admissions deferred because the request did not fit beside the running ones.");
+    queued_ = &gauge("penumbra_worker_requests_queued", "Requests waiting for admission.");
+    prefilling_ = &gauge("penumbra_worker_requests_prefilling", "Requests in prefill.");
+    decoding_ = &gauge("penumbra_worker_requests_decoding", "Requests in the decode batch.");
+  }
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  // Called at each scrape (the HTTP server's threads).
+  void Refresh() {
+    std::lock_guard<std::mutex> lk(mu_);
+    const service::SchedulerStats n = s_->stats();
+    auto bump = [](prometheus::Counter* c, int64_t now, int64_t& last) {
+      if (now > last) c->Increment(static_cast<double>(now - last));
+      last = now;
+    };
+    bump(submitted_, n.submitted, last_.submitted);
+    bump(finished_, n.finished, last_.finished);
+    bump(failed_, n.failed, last_.failed);
+    bump(cancelled_, n.cancelled, last_.cancelled);
+    bump(decode_steps_, n.decode_steps, last_.decode_steps);
+    bump(interleaved_, n.interleaved_decode_steps, last_.interleaved_decode_steps);
+    bump(prefill_pieces_, n.prefill_pieces, last_.prefill_pieces);
+    bump(prompt_, n.prompt_tokens, last_.prompt_tokens);
+    bump(cached_, n.cached_prompt_tokens, last_.cached_prompt_tokens);
+    bump(generated_, n.generated_tokens, last_.generated_tokens);
+    bump(waits_, n.admission_waits, last_.admission_waits);
+    queued_->Set(static_cast<double>(n.queued));
+    prefilling_->Set(static_cast<double>(n.prefilling));
+    decoding_->Set(static_cast<double>(n.decoding));
+  }
+
+ private:
+  service::Scheduler* s_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::mutex mu_;
+  service::SchedulerStats last_;
+  prometheus::Counter *submitted_, *finished_, *failed_, *cancelled_, *decode_steps_, *interleaved_,
+      *prefill_pieces_, *prompt_, *cached_, *generated_, *waits_;
+  prometheus::Gauge *queued_, *prefilling_, *decoding_;
+};
+
+Status Run(int argc, char** argv) {
+  Args a;
+  a.Flag("model", "Hugging Face model directory")
+      .Flag("name", "this worker's name in logs and metrics (default worker)")
+      .Flag("host", "address to listen on (default 127.0.0.1)")
+      .Flag("port", "control API port (default 0: one the OS picks)")
+      .Flag("metrics-port", "Prometheus /metrics port (default 0: one the OS picks; -1: off)")
+      .Flag("port-file", "write {\"port\": P, \"metrics_port\": M} here once serving")
+      .Flag("max-batch", "sequences decoding together at most (default: the engine's max_batch)")
+      .Flag("prefill-tokens-per-step", "prompt tokens prefilled between two decode steps (default 8192)")
+      .Flag("max-queue", "requests waiting for admission at most (default 1024)")
+      .Flag("prefix-cache-mb", "device MiB for cached documents (default: the config's prefix_cache_bytes, "
+                               "else 4096)")
+      .Flag("prefix-store", "directory of the persistent document store (RocksDB; default: the config's)")
+      .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
+      .Flag("drain-seconds", "on SIGTERM, how long running requests may finish (default 30)");
+  AddEngineFlags(a);
+  Status ps = a.Parse(argc, argv, 1);
+  if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
+  if (!a.Has("model")) return Status::InvalidArgument(std::string("--model is required\n") + kUsage);
+
+  EngineOptions eo;
+  PENUMBRA_RETURN_IF_ERROR(ApplyEngineFlags(a, &eo));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t cache_mb, a.GetIntIn("prefix-cache-mb", 0, 1, int64_t{1} << 30));
+  if (a.Has("prefix-cache-mb")) {
+    eo.runtime.prefix_cache_bytes = static_cast<size_t>(cache_mb) << 20;
+  } else if (eo.runtime.prefix_cache_bytes == 0) {
+    eo.runtime.prefix_cache_bytes = size_t{4096} << 20;  // a worker serves documents
+  }
+  if (a.Has("prefix-store")) eo.prefix_store.path = a.Get("prefix-store");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t metrics_port, a.GetIntIn("metrics-port", 0, -1, 65535));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t frame_mb, a.GetIntIn("max-frame-mb", 64, 1, 1024));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t drain_s, a.GetIntIn("drain-seconds", 30, 0, 86400));
+  service::SchedulerOptions so;
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t batch, a.GetIntIn("max-batch", eo.runtime.max_batch, 1, 4096));
+  so.max_batch = static_cast<int>(batch);
+  eo.runtime.max_batch = std::max(eo.runtime.max_batch, so.max_batch);
+  PENUMBRA_ASSIGN_OR_RETURN(so.prefill_tokens_per_step,
+                            a.GetIntIn("prefill-tokens-per-step", so.prefill_tokens_per_step, 1, int64_t{1} << 30));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t queue, a.GetIntIn("max-queue", so.max_queue, 1, 1 << 20));
+  so.max_queue = static_cast<int>(queue);
+  const std::string host = a.Get("host", "127.0.0.1");
+  const std::string name = a.Get("name", "worker");
+
+  PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::Open(a.Get("model"), eo));
+  PENUMBRA_ASSIGN_OR_RETURN(auto scheduler, service::Scheduler::Create(&engine->runtime(), so));
+  service::WorkerIdentity id;
+  id.model = a.Get("model");
+  id.backend = engine->backend().name();
+  id.kv_policy = engine->options().kv_policy;
+  id.max_context = engine->config().max_position_embeddings;
+  id.vocab_size = engine->config().vocab_size;
+  id.eos_ids = engine->config().eos_token_ids;
+  transport::ThriftLimits limits;
+  limits.max_frame_bytes = static_cast<int32_t>(frame_mb << 20);
+  limits.max_string_bytes = limits.max_frame_bytes;
+  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, host,
+                                                                      static_cast<int>(port), limits));
+  WorkerMetrics metrics(scheduler.get());
+  std::unique_ptr<transport::MetricsServer> metrics_server;
+  if (metrics_port >= 0) {
+    service::Scheduler* s = scheduler.get();
+    PENUMBRA_ASSIGN_OR_RETURN(metrics_server,
+                              transport::MetricsServer::Start(metrics.registry(), host, static_cast<int>(metrics_port),
+                                                              [&metrics] { metrics.Refresh(); },
+                                                              [s] { return s->accepting(); }));
+  }
+  const int mport = metrics_server ? metrics_server->port() : -1;
+  if (a.Has("port-file")) {
+    nlohmann::json j = {{"port", server->port()}, {"metrics_port", mport}, {"pid", static_cast<int64_t>(getpid())}};
+    PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(a.Get("port-file"), j.dump() + "\n"));
+  }
+  std::printf("penumbra-worker %s: serving %s (%s, kv policy %s) on %s:%d, metrics on %d\n", name.c_str(),
+              id.model.c_str(), id.backend.c_str(), id.kv_policy.c_str(), host.c_str(), server->port(), mport);
+  std::fflush(stdout);
+
+  const int sig = WaitForTerminationSignal();
+  LOG(INFO) << "penumbra-worker " << name << ": signal " << sig << ", draining (at most " << drain_s << " s)";
+  // Drain: no new requests; the running ones finish unless they outlast the
+  // limit, then the scheduler's destruction ends them "cancelled".
+  if (!scheduler->Drain(std::chrono::seconds(drain_s))) {
+    LOG(WARNING) << "penumbra-worker " << name << ": requests still running after " << drain_s << " s; cancelled";
+  }
+  // The answers of what finished are read before the port closes.
+  if (!scheduler->WaitReleased(std::chrono::seconds(std::min<int64_t>(drain_s, 10)))) {
+    LOG(WARNING) << "penumbra-worker " << name << ": answers not read by their clients; dropped";
+  }
+  scheduler->Stop();  // cancels what is left; pollers see "cancelled"
+  server->Stop();
+  if (metrics_server) metrics_server->Stop();
+  engine->runtime().DrainPrefixStores();  // documents being stored are kept
+  std::printf("penumbra-worker %s: stopped\n", name.c_str());
+  return Status::OK();
+}
+
+}  // namespace
+}  // namespace penumbra
+
+int main(int argc, char** argv) {
+  penumbra::BlockTerminationSignals();  // before any thread starts
+  penumbra::InitLogging(argv[0]);
+  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "help")) {
+    std::cout << penumbra::kUsage;
+    return 0;
+  }
+  penumbra::Status s = penumbra::Run(argc, argv);
+  if (!s.ok()) {
+    std::cerr << "penumbra-worker: " << s.ToString() << std::endl;
+    return s.code() == penumbra::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,145 @@
+#include "worker/service/worker_server.h"
+
+#include <limits>
+
+namespace penumbra::service {
+namespace {
+
+[[noreturn]] void Throw(const Status& s) { throw transport::ToRpcError(s); }
+
+}  // namespace
+
+Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r) {
+  GenerationRequest g;
+  g.prompt = r.prompt;
+  g.segment_ends = r.segment_ends;
+  g.cache_namespace = r.cache_namespace;
+  if (r.max_new_tokens < 0) {
+    return Status::InvalidArgument("max_new_tokens must be >= 0 (0: prefill only), got " + std::to_string(r.max_new_tokens));
+  }
+  g.max_new_tokens = r.max_new_tokens;
+  // Doubles narrowed to the engine's floats after a range check (NaN fails it).
+  auto as_float = [](double x, const char* name, double lo, double hi) -> Result<float> {
+    if (!(x >= lo && x <= hi)) {
+      return Status::InvalidArgument(std::string("sampling.") + name + " must be in [" + std::to_string(lo) + ", " +
+                                     std::to_string(hi) + "], got " + std::to_string(x));
+    }
+    return static_cast<float>(x);
+  };
+  PENUMBRA_ASSIGN_OR_RETURN(g.sampling.temperature,
+                            as_float(r.sampling.temperature, "temperature", 0.0, SamplingOptions::kMaxTemperature));
+  PENUMBRA_ASSIGN_OR_RETURN(g.sampling.top_p, as_float(r.sampling.top_p, "top_p", 0.0, 1.0));
+  g.sampling.top_k = r.sampling.top_k;
+  if (r.sampling.seed < 0) return Status::InvalidArgument("sampling.seed must be >= 0");
+  g.sampling.seed = static_cast<uint64_t>(r.sampling.seed);
+  g.stop_ids = r.stop_ids;
+  return g;
+}
+
+void ToRpc(const RequestUpdate& u, rpc::TokenChunk* out) {
+  out->ids = u.ids;
+  out->offset = u.offset;
+  out->done = u.done;
+  out->finish_reason = u.finish_reason;
+  if (!u.error.ok()) {
+    const rpc::PenumbraError e = transport::ToRpcError(u.error);
+    out->__set_error_code(e.code);
+    out->__set_error_message(e.message);
+  }
+  out->usage.prompt_tokens = u.prompt_tokens;
+  out->usage.cached_prompt_tokens = u.cached_prompt_tokens;
+  out->usage.generated_tokens = u.generated_tokens;
+  out->usage.queue_seconds = u.queue_seconds;
+  out->usage.ttft_seconds = u.ttft_seconds;
+  out->usage.prefilled_tokens = u.prefilled_tokens;
+}
+
+int64_t WorkerHandler::Generate(const rpc::WorkerGenerateRequest& request) {
+  Result<GenerationRequest> g = FromRpc(request);
+  if (!g.ok()) Throw(g.status());
+  if (request.deadline_ms < 0) Throw(Status::InvalidArgument("deadline_ms must be >= 0"));
+  SubmitOptions o;
+  if (request.deadline_ms > 0) o.deadline = Clock::now() + std::chrono::milliseconds(request.deadline_ms);
+  Result<uint64_t> id = s_->Submit(std::move(*g), o);
+  if (!id.ok()) Throw(id.status());
+  return static_cast<int64_t>(*id);
+}
+
+void WorkerHandler::Poll(rpc::TokenChunk& out, int64_t request_id, int64_t offset, int32_t wait_ms) {
+  if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
+    Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
+                                  std::to_string(wait_ms)));
+  }
+  if (request_id <= 0) Throw(Status::NotFound("request " + std::to_string(request_id) + " is unknown"));
+  Result<RequestUpdate> u = s_->Poll(static_cast<uint64_t>(request_id), offset, std::chrono::milliseconds(wait_ms));
+  if (!u.ok()) Throw(u.status());
+  ToRpc(*u, &out);
+}
+
+void WorkerHandler::Cancel(int64_t request_id) {
+  if (request_id <= 0) Throw(Status::NotFound("request " + std::to_string(request_id) + " is unknown"));
+  Status s = s_->Cancel(static_cast<uint64_t>(request_id));
+  if (!s.ok()) Throw(s);
+}
+
+void WorkerHandler::Release(int64_t request_id) {
+  if (request_id <= 0) Throw(Status::NotFound("request " + std::to_string(request_id) + " is unknown"));
+  Status s = s_->Release(static_cast<uint64_t>(request_id));
+  if (!s.ok()) Throw(s);
+}
+
+int32_t WorkerHandler::ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& segment_ends,
+                                      const std::string& cache_namespace) {
+  GenerationRequest g;
+  g.prompt = prompt;
+  g.segment_ends = segment_ends;
+  g.cache_namespace = cache_namespace;
+  g.max_new_tokens = 0;
+  int dropped = 0;
+  Status s = s_->RunOnLoop([&](Runtime& rt) -> Status {
+    PENUMBRA_RETURN_IF_ERROR(rt.Validate({g}));  // the checks of a put of this prompt
+    dropped = rt.ForgetPrefixes(g);
+    return Status::OK();
+  });
+  if (!s.ok()) Throw(s);
+  return dropped;
+}
+
+void WorkerHandler::Health(rpc::WorkerHealth& out) {
+  out.serving = s_->accepting();
+  out.model = id_.model;
+  out.backend = id_.backend;
+  out.kv_policy = id_.kv_policy;
+  out.max_context = id_.max_context;
+  out.vocab_size = id_.vocab_size;
+  out.eos_ids = id_.eos_ids;
+}
+
+void WorkerHandler::Stats(rpc::WorkerStats& out) {
+  const SchedulerStats s = s_->stats();
+  out.submitted = s.submitted;
+  out.finished = s.finished;
+  out.failed = s.failed;
+  out.cancelled = s.cancelled;
+  out.queued = s.queued;
+  out.prefilling = s.prefilling;
+  out.decoding = s.decoding;
+  out.decode_steps = s.decode_steps;
+  out.interleaved_decode_steps = s.interleaved_decode_steps;
+  out.prompt_tokens = s.prompt_tokens;
+  out.cached_prompt_tokens = s.cached_prompt_tokens;
+  out.generated_tokens = s.generated_tokens;
+  out.admission_waits = s.admission_waits;
+}
+
+Result<std::unique_ptr<WorkerServer>> WorkerServer::Start(Scheduler* scheduler, WorkerIdentity identity,
+                                                          const std::string& host, int port,
+                                                          const transport::ThriftLimits& limits) {
+  auto handler = std::make_shared<WorkerHandler>(scheduler, std::move(identity));
+  auto processor = std::make_shared<rpc::WorkerProcessor>(handler);
+  auto w = std::unique_ptr<WorkerServer>(new WorkerServer());
+  PENUMBRA_ASSIGN_OR_RETURN(w->server_, transport::ThriftServer::Start(processor, host, port, limits));
+  return w;
+}
+
+}  // namespace penumbra::service
