@@ -1,11 +1,16 @@
 #include "common/process.h"
 
+#include <fcntl.h>
+
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 
 #include <pthread.h>
 #include <unistd.h>
+
+#include "common/logging.h"
 
 namespace penumbra {
 namespace {
@@ -49,6 +54,45 @@ Status WriteFileAtomically(const std::string& path, const std::string& contents)
     return Status::IOError("cannot rename " + tmp + " to " + path);
   }
   return Status::OK();
+}
+
+Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& log) {
+  if (argv.empty()) return Status::InvalidArgument("SpawnProcess: no program");
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const char* log_path = log.c_str();
+  const pid_t pid = fork();
+  if (pid < 0) return Status::Internal("fork failed");
+  if (pid == 0) {
+    const int fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+int ServerMain(const char* name, const char* usage, int argc, char** argv,
+               const std::function<Status(int, char**)>& run) {
+  BlockTerminationSignals();  // before any thread starts
+  InitLogging(argv[0]);
+  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "help")) {
+    std::cout << usage;
+    return 0;
+  }
+  const Status s = run(argc, argv);
+  if (!s.ok()) {
+    std::cerr << name << ": " << s.ToString() << std::endl;
+    return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
 }
 
 }  // namespace penumbra

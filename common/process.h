@@ -3,7 +3,11 @@
 // and tell whoever started it which ports the OS picked.
 #pragma once
 
+#include <sys/types.h>
+
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -19,5 +23,17 @@ int WaitForTerminationSignal();
 // Writes `contents` to `path` atomically (a temporary file beside it, then
 // rename): a reader sees the whole file or none.
 Status WriteFileAtomically(const std::string& path, const std::string& contents);
+
+// Starts argv[0] (a path) with argv, its stdout and stderr to `log`
+// (truncated), every signal unblocked; returns its pid. Everything the child
+// needs is made before fork, so it is safe from a multi-threaded process.
+Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& log);
+
+// The main() of a long-running server program `name`: blocks the termination
+// signals before any thread starts, sets up logging, answers --help with
+// `usage`, runs `run` and maps its Status to the exit code (0; 2 for
+// InvalidArgument, 1 otherwise) with one line on stderr.
+int ServerMain(const char* name, const char* usage, int argc, char** argv,
+               const std::function<Status(int, char**)>& run);
 
 }  // namespace penumbra

@@ -1,6 +1,5 @@
 #include "coordinator/cli/service_cli.h"
 
-#include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -319,24 +318,7 @@ Result<Child> Spawn(const std::string& name, std::vector<std::string> argv, cons
   c.port_file = dir + "/" + name + ".port";
   std::filesystem::remove(c.port_file);
   argv.insert(argv.end(), {"--port-file", c.port_file});
-  std::vector<char*> args;
-  for (auto& s : argv) args.push_back(s.data());
-  args.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) return Status::Internal("fork failed");
-  if (pid == 0) {
-    const int fd = open(c.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  c.pid = pid;
+  PENUMBRA_ASSIGN_OR_RETURN(c.pid, SpawnProcess(argv, c.log));
   return c;
 }
 

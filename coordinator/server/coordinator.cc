@@ -55,6 +55,7 @@ struct Coordinator::Request {
   int64_t wid = 0;  // the worker's request id
   std::vector<std::string> stop;
   Clock::time_point created, finished;
+  std::optional<Clock::time_point> deadline;  // enforced here too (the worker checks between steps)
   std::mutex mu;  // the fields below
   std::vector<int32_t> ids;
   std::string text;
@@ -151,7 +152,7 @@ Result<std::string> Coordinator::Tenant(const std::string& api_key) const {
 }
 
 Result<std::vector<int32_t>> Coordinator::TextOrIds(const std::string& what, const std::string* text,
-                                                    const std::vector<int32_t>* ids) const {
+                                                    const std::vector<int32_t>* ids, bool starts_prompt) const {
   if ((text != nullptr) == (ids != nullptr)) {
     return Status::InvalidArgument(what + ": give exactly one of text and token_ids");
   }
@@ -161,10 +162,13 @@ Result<std::vector<int32_t>> Coordinator::TextOrIds(const std::string& what, con
       return Status::InvalidArgument(what + ": text of " + std::to_string(text->size()) + " bytes is over the limit of " +
                                      std::to_string(o_.max_text_bytes));
     }
-    if (!codec_->can_encode()) {
-      return Status::InvalidArgument(what + ": this model has no tokenizer.json; send token_ids");
+    if (text->empty()) return Status::InvalidArgument(what + " is empty");
+    if (!codec_ || !codec_->can_encode()) {
+      return Status::InvalidArgument(what + ": the coordinator has no tokenizer for this model (no tokenizer.json); "
+                                     "send token_ids");
     }
-    PENUMBRA_ASSIGN_OR_RETURN(out, codec_->Encode(*text));
+    // The tokenizer's template (a BOS) only where the prompt starts.
+    PENUMBRA_ASSIGN_OR_RETURN(out, codec_->Encode(*text, starts_prompt));
   } else {
     out = *ids;
   }
@@ -237,7 +241,10 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
   if (r.deadline_ms < 0) return Status::InvalidArgument("deadline_ms must be >= 0");
   PENUMBRA_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
                             TextOrIds("document", r.__isset.text ? &r.text : nullptr,
-                                      r.__isset.token_ids ? &r.token_ids : nullptr));
+                                      r.__isset.token_ids ? &r.token_ids : nullptr, /*starts_prompt=*/true));
+  // A text document starts with the template's special tokens (a BOS); where
+  // it follows another document they are left out.
+  const int leading_special = r.__isset.text && codec_ ? codec_->LeadingSpecialTokens(ids) : 0;
   int64_t context = 0;
   for (const WorkerState& w : workers_->states()) {
     if (w.healthy) context = std::max(context, w.health.max_context);
@@ -248,7 +255,7 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
                                    " tokens leaves no room for a question in the model's " + std::to_string(context) +
                                    "-token context");
   }
-  PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_.Add(tenant, r.name, std::move(ids)));
+  PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_.Add(tenant, r.name, std::move(ids), leading_special));
   documents_put_->Increment();
   const Clock::time_point deadline = DeadlineOf(r.deadline_ms, o_.put_timeout);
   if (!r.wait) {
@@ -385,13 +392,17 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
   }
   PENUMBRA_ASSIGN_OR_RETURN(std::vector<int32_t> question,
                             TextOrIds("question", r.__isset.text ? &r.text : nullptr,
-                                      r.__isset.token_ids ? &r.token_ids : nullptr));
+                                      r.__isset.token_ids ? &r.token_ids : nullptr, /*starts_prompt=*/docs.empty()));
   if (r.max_new_tokens < 1 || r.max_new_tokens > o_.max_new_tokens) {
     return Status::InvalidArgument("max_new_tokens must be in [1, " + std::to_string(o_.max_new_tokens) + "], got " +
                                    std::to_string(r.max_new_tokens));
   }
   if (static_cast<int>(r.stop.size()) > o_.max_stop_strings) {
     return Status::InvalidArgument("at most " + std::to_string(o_.max_stop_strings) + " stop strings");
+  }
+  if (!r.stop.empty() && !codec_) {
+    return Status::InvalidArgument("stop strings need the model's tokenizer, which the coordinator does not have; "
+                                   "use stop_ids");
   }
   for (const std::string& s : r.stop) {
     if (s.empty() || static_cast<int>(s.size()) > o_.max_stop_string_bytes) {
@@ -406,7 +417,8 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
 
   rpc::WorkerGenerateRequest g;
   for (const DocumentView& d : docs) {
-    g.prompt.insert(g.prompt.end(), d.ids->begin(), d.ids->end());
+    const int64_t skip = g.prompt.empty() ? 0 : d.leading_special;
+    g.prompt.insert(g.prompt.end(), d.ids->begin() + skip, d.ids->end());
     g.segment_ends.push_back(static_cast<int64_t>(g.prompt.size()));
   }
   g.prompt.insert(g.prompt.end(), question.begin(), question.end());
@@ -442,6 +454,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
   q->tenant = tenant;
   q->stop = r.stop;
   q->created = Clock::now();
+  if (r.deadline_ms > 0) q->deadline = q->created + milliseconds(r.deadline_ms);
   q->usage.prompt_tokens = static_cast<int64_t>(g.prompt.size());
   q->usage.queue_seconds = -1;
   q->usage.ttft_seconds = -1;
@@ -465,13 +478,25 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::Find(const std::strin
 
 Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
   if (q.done || static_cast<int64_t>(q.ids.size()) > offset) return Status::OK();
+  auto expire = [&] {
+    if (q.deadline && !q.done && Clock::now() >= *q.deadline) {
+      Finalize(q, "deadline", Status::DeadlineExceeded("the request's deadline passed after " +
+                                                       std::to_string(q.ids.size()) + " generated tokens"));
+    }
+  };
+  expire();
+  if (q.done) return Status::OK();
+  if (q.deadline) wait = std::min(wait, Left(*q.deadline));
   rpc::TokenChunk ch;
   const int64_t from = static_cast<int64_t>(q.ids.size());
   Status s = workers_->Call(q.worker, "poll", [&](rpc::WorkerClient& c) {
     c.Poll(ch, q.wid, from, static_cast<int32_t>(wait.count()));
   }, wait + milliseconds(10000));
   if (!s.ok()) {
-    if (s.code() == StatusCode::kDeadlineExceeded) return Status::OK();  // nothing new in time
+    if (s.code() == StatusCode::kDeadlineExceeded) {  // nothing new in time
+      expire();
+      return Status::OK();
+    }
     Finalize(q, "error", Status::Unavailable("worker " + workers_->state(q.worker).endpoint.name +
                                              " lost the request: " + s.message()));
     return Status::OK();
@@ -481,8 +506,10 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
   q.usage = ch.usage;
   q.usage.prompt_tokens = prompt;
   if (!ch.ids.empty()) {
-    Result<std::string> text = codec_->Decode(q.ids);
-    if (text.ok()) q.text = std::move(*text);
+    if (codec_) {
+      Result<std::string> text = codec_->Decode(q.ids);
+      if (text.ok()) q.text = std::move(*text);
+    }
     size_t cut = std::string::npos;
     for (const std::string& stop : q.stop) cut = std::min(cut, q.text.find(stop));
     if (cut != std::string::npos) {
@@ -501,6 +528,7 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
     }
     Finalize(q, ch.finish_reason, err);
   }
+  expire();
   return Status::OK();
 }
 
@@ -537,6 +565,23 @@ void Coordinator::ToChunk(const Request& q, int64_t offset, rpc::GenerateChunk* 
   out->request_id = q.id;
   out->ids.assign(q.ids.begin() + offset, q.ids.end());
   out->text = q.text;
+  if (!q.done) {
+    // The streamed text only grows: an ending that may still become a stop
+    // string, or a character whose bytes have not all come (decoded as
+    // U+FFFD for now), waits for the next chunk.
+    size_t keep = out->text.size();
+    static const std::string kReplacement = "\xEF\xBF\xBD";
+    if (keep >= 3 && out->text.compare(keep - 3, 3, kReplacement) == 0) keep -= 3;
+    for (const std::string& stop : q.stop) {
+      for (size_t n = std::min(stop.size() - 1, keep); n > 0; --n) {
+        if (out->text.compare(keep - n, n, stop, 0, n) == 0) {
+          keep -= n;
+          break;
+        }
+      }
+    }
+    out->text.resize(keep);
+  }
   out->offset = offset;
   out->done = q.done;
   out->finish_reason = q.finish_reason;

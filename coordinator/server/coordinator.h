@@ -56,6 +56,8 @@ Result<std::map<std::string, std::string>> LoadApiKeys(const std::string& path);
 
 class Coordinator : public rpc::PenumbraIf {
  public:
+  // `codec` may be null (no tokenizer: requests carry token ids, answers
+  // have no text, stop strings are refused).
   Coordinator(const CoordinatorOptions& options, std::unique_ptr<TextCodec> codec, std::string model,
               WorkerPool* workers);
   ~Coordinator() override;  // waits for background puts
@@ -86,8 +88,10 @@ class Coordinator : public rpc::PenumbraIf {
   struct Request;
   // The Result-returning bodies of the calls (the overrides throw).
   Result<std::string> Tenant(const std::string& api_key) const;
+  // Text is tokenized with the template's special tokens only when it
+  // `starts_prompt`.
   Result<std::vector<int32_t>> TextOrIds(const std::string& what, const std::string* text,
-                                         const std::vector<int32_t>* ids) const;
+                                         const std::vector<int32_t>* ids, bool starts_prompt) const;
   Result<rpc::DocumentInfo> DoPut(const rpc::PutDocumentRequest& r);
   void Factor(DocumentView doc, std::chrono::steady_clock::time_point deadline);
   Result<std::shared_ptr<Request>> DoGenerate(const rpc::GenerateRequest& r);

@@ -75,7 +75,12 @@ Status Run(int argc, char** argv) {
   wo.limits.max_frame_bytes = static_cast<int32_t>(frame_mb << 20);
   wo.limits.max_string_bytes = wo.limits.max_frame_bytes;
   PENUMBRA_ASSIGN_OR_RETURN(auto pool, coordinator::WorkerPool::Create(endpoints, wo));
-  PENUMBRA_ASSIGN_OR_RETURN(auto codec, TextCodec::ForModel(a.Get("model")));
+  std::unique_ptr<TextCodec> codec;
+  if (Result<std::unique_ptr<TextCodec>> c = TextCodec::ForModel(a.Get("model")); c.ok()) {
+    codec = std::move(*c);
+  } else {
+    LOG(WARNING) << "no tokenizer (" << c.status() << "): requests must carry token ids";
+  }
   auto handler = std::make_shared<coordinator::Coordinator>(co, std::move(codec), a.Get("model"), pool.get());
   transport::ThriftLimits limits = wo.limits;
   PENUMBRA_ASSIGN_OR_RETURN(auto server,
@@ -115,16 +120,5 @@ Status Run(int argc, char** argv) {
 }  // namespace penumbra
 
 int main(int argc, char** argv) {
-  penumbra::BlockTerminationSignals();  // before any thread starts
-  penumbra::InitLogging(argv[0]);
-  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "help")) {
-    std::cout << penumbra::kUsage;
-    return 0;
-  }
-  penumbra::Status s = penumbra::Run(argc, argv);
-  if (!s.ok()) {
-    std::cerr << "penumbra-coordinator: " << s.ToString() << std::endl;
-    return s.code() == penumbra::StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  return 0;
+  return penumbra::ServerMain("penumbra-coordinator", penumbra::kUsage, argc, argv, penumbra::Run);
 }

@@ -33,7 +33,7 @@ const char* DocumentStateName(DocumentState s) {
 }
 
 Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std::string& name,
-                                           std::vector<int32_t> ids) {
+                                           std::vector<int32_t> ids, int64_t leading_special) {
   std::lock_guard<std::mutex> lk(mu_);
   if (per_tenant_[tenant] >= max_per_tenant_) {
     return Status::ResourceExhausted("tenant has " + std::to_string(max_per_tenant_) +
@@ -46,6 +46,7 @@ Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std:
   d.tenant = tenant;
   d.name = name;
   d.tokens = static_cast<int64_t>(ids.size());
+  d.leading_special = leading_special;
   d.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::system_clock::now().time_since_epoch())
                           .count();

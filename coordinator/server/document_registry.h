@@ -26,6 +26,7 @@ enum class DocumentState { kFactoring, kReady, kFailed };
 struct DocumentView {
   std::string id, tenant, name;
   int64_t tokens = 0;
+  int64_t leading_special = 0;   // its first tokens that are the tokenizer's (a BOS)
   DocumentState state = DocumentState::kFactoring;
   std::string error;             // kFailed: why
   StatusCode error_code = StatusCode::kOk;
@@ -47,7 +48,8 @@ class DocumentRegistry {
 
   // A new document (FACTORING) with a fresh random id. ResourceExhausted when
   // the tenant has max_documents_per_tenant already.
-  Result<DocumentView> Add(const std::string& tenant, const std::string& name, std::vector<int32_t> ids);
+  Result<DocumentView> Add(const std::string& tenant, const std::string& name, std::vector<int32_t> ids,
+                           int64_t leading_special = 0);
   // NotFound for an unknown id or another tenant's.
   Result<DocumentView> Get(const std::string& tenant, const std::string& id) const;
   // Documents of `tenant` by id, after `page_token` (the last id of the

@@ -26,9 +26,15 @@ Result<std::unique_ptr<TextCodec>> TextCodec::ForModel(const std::string& model_
   return c;
 }
 
-Result<std::vector<int32_t>> TextCodec::Encode(const std::string& text) const {
+Result<std::vector<int32_t>> TextCodec::Encode(const std::string& text, bool add_special_tokens) const {
   if (!tokenizer_) return Status::FailedPrecondition("this model directory has no tokenizer.json; use --prompt-ids");
-  return tokenizer_->Encode(text, /*add_special_tokens=*/true);
+  return tokenizer_->Encode(text, add_special_tokens);
+}
+
+int TextCodec::LeadingSpecialTokens(const std::vector<int32_t>& ids) const {
+  int n = 0;
+  while (tokenizer_ && n < static_cast<int>(ids.size()) && tokenizer_->IsSpecial(ids[n])) ++n;
+  return n;
 }
 
 Result<std::string> TextCodec::Decode(const std::vector<int32_t>& ids) const {

@@ -16,7 +16,11 @@ class TextCodec {
  public:
   static Result<std::unique_ptr<TextCodec>> ForModel(const std::string& model_dir);
   bool can_encode() const { return tokenizer_ != nullptr; }
-  Result<std::vector<int32_t>> Encode(const std::string& text) const;
+  // With add_special_tokens the tokenizer's template applies (e.g. a BOS
+  // before the text): the start of a prompt. Without: text that continues one.
+  Result<std::vector<int32_t>> Encode(const std::string& text, bool add_special_tokens = true) const;
+  // How many of `ids`' first tokens are special (a BOS the template added).
+  int LeadingSpecialTokens(const std::vector<int32_t>& ids) const;
   Result<std::string> Decode(const std::vector<int32_t>& ids) const;
 
  private:

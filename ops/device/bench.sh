@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, ttft_disk, shared, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, shared, service, eval. Every throughput run is beside the
 # full-attention peer (.device/peer_full_attention.py, which device-bundle
 # copies in) in the same call, the peer first and last. Every JSON line is
 # tagged with its suite and appended to $OUT/bench.jsonl; stderr goes to
@@ -43,6 +43,12 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   shared    64 questions over one shared 124928-token document decoded as one batch (full: cascade over one
             copy of its exact KV; shadowkv), beside the peer's --shared-prefix --graph mode; the prefix-attention
             kernel's bench first
+  service   the service on the GPU (penumbra-worker with Llama-3.1-8B-shaped random weights, shadowkv, and
+            penumbra-coordinator on loopback) measured by penumbra-service-bench: put a 124864-token document,
+            time to first token of a 64-token question about it, then 14 such questions decoding together
+            (sequences of 124928 tokens), and (shadowkv) a second document put while they decode (the longest
+            token gap they see); beside penumbra-bench shared and decode at the same shape, and the
+            peer (--shared-prefix --graph) first and last; SERVICE_POLICY=full for the full policy
   eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
             must travel: see ops/device/pack.sh)
 EOF
@@ -195,6 +201,35 @@ suite_shared() {
   run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
 }
 
+# The service through its public API beside the engine alone at the same
+# shape (issue 18): penumbra-bench shared (the same 14 questions over one
+# document, in-process) and decode (14 independent sequences), one lane each.
+# SERVICE_POLICY=full: the full policy instead (cascade over the document's
+# exact KV; no independent-sequence decode line: 14 x 124928 full KV does not fit).
+suite_service() {
+  local P=${SERVICE_POLICY:-shadowkv}
+  local M=configs/bench/llama-3.1-8b D="$OUT/service-$P" SKVO="--kv-policy $P --prefill-chunk 1024"
+  mkdir -p "$D"
+  run 300 $PEER decode --shared-prefix --graph --batch 14 --context 124928 --steps 20
+  run 400 $R penumbra-bench shared $SKVO --context 124864 --question 64 --batch 14 --steps 100
+  [ "$P" = shadowkv ] &&
+    run 400 $R penumbra-bench decode $SKVO --context 124928 --batch 14 --lanes 1 --steps 100 --hit-rates natural
+  $R penumbra-worker --model $M --random-weights 1 --device cuda $SKVO --max-batch 16 --prefix-cache-mb 60000 \
+    --port-file "$D/worker.json" > "$D/worker.log" 2>&1 &
+  local wpid=$!
+  for _ in $(seq 1 600); do [ -f "$D/worker.json" ] && break; sleep 0.5; done
+  local wport; wport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/worker.json")
+  $R penumbra-coordinator --model $M --workers 127.0.0.1:$wport --port-file "$D/coordinator.json" \
+    > "$D/coordinator.log" 2>&1 &
+  local cpid=$!
+  for _ in $(seq 1 100); do [ -f "$D/coordinator.json" ] && break; sleep 0.2; done
+  local cport; cport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/coordinator.json")
+  run 600 $R penumbra-service-bench --address 127.0.0.1:$cport --context 124928 --question 64 --batch 14 \
+    --max-new-tokens 2048 --window-s 20 --vocab 128256 $([ "$P" = shadowkv ] && echo --put-during-decode)
+  kill -TERM $cpid $wpid; wait $cpid $wpid
+  run 300 $PEER decode --shared-prefix --graph --batch 14 --context 124928 --steps 20
+}
+
 # The store lives on the disk of the working copy (not /tmp, which may be
 # memory), beside the raw bandwidth of that disk.
 suite_ttft_disk() {
@@ -230,6 +265,8 @@ for line in open(sys.argv[1]):
     shape = f"ctx {j.get('context', '-')} x {j.get('batch', '-')}"
     if 'tokens_per_s' in j:
         val = f"{j['tokens_per_s']:.1f} tok/s"
+    elif 'ttft_client_s' in j:
+        val = f"ttft {j['ttft_client_s'] * 1e3:.1f} ms (client; worker {j['ttft_worker_s'] * 1e3:.1f} ms), put {j['document_put_s']:.1f} s"
     elif 'ttft_ms' in j:
         val = f"ttft {j['ttft_ms']:.1f} ms (cache {j.get('cache')})"
     elif 'read_gb_per_s' in j:
@@ -249,7 +286,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|eval) ;;
+    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|service|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

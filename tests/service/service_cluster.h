@@ -6,7 +6,6 @@
 // and are printed when a test fails.
 #pragma once
 
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -24,6 +23,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/process.h"
 #include "coordinator/client/client.h"
 #include "gen-cpp/Worker.h"
 #include "tests/test_util.h"
@@ -43,25 +43,10 @@ class Process {
     auto p = std::unique_ptr<Process>(new Process());
     p->log_ = log;
     p->name_ = std::filesystem::path(argv[0]).filename();
-    // Everything the child needs is made before fork (no allocation after it).
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    const pid_t pid = fork();
-    if (pid == 0) {
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-      }
-      // The test may block signals in its threads; the child starts clean.
-      sigset_t none;
-      sigemptyset(&none);
-      sigprocmask(SIG_SETMASK, &none, nullptr);
-      execv(args[0], args.data());
-      _exit(127);
-    }
-    p->pid_ = pid;
+    auto pid = SpawnProcess(argv, log);
+    EXPECT_TRUE(pid.ok()) << pid.status();
+    p->pid_ = pid.ok() ? *pid : -1;
+    p->exited_ = !pid.ok();
     return p;
   }
   ~Process() {

@@ -343,6 +343,9 @@ TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
     r.stop = {};
     r.__set_text("a question");
     ExpectCode(c->Generate(r).status(), StatusCode::kInvalidArgument, "both text and token ids");
+    rpc::GenerateRequest empty_text;
+    empty_text.__set_text("");
+    ExpectCode(c->Generate(empty_text).status(), StatusCode::kInvalidArgument, "empty text");
   }
   ExpectCode(c->Poll("req-0000000000000000", 0, 10).status(), StatusCode::kNotFound, "unknown request");
   {
@@ -459,6 +462,15 @@ TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
   EXPECT_EQ(end.finish_reason, "cancelled");
   EXPECT_LT(end.usage.generated_tokens, 480);
 
+  // A deadline is kept by the coordinator too: typed, on time.
+  {
+    auto r = Ask({}, LcgTokens(20, 61, true), 480);
+    r.deadline_ms = 30;
+    const auto t0 = std::chrono::steady_clock::now();
+    ExpectCode(alice->Complete(r).status(), StatusCode::kDeadlineExceeded, "deadline");
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  }
+
   // Delete: gone from the registry and from the worker's cache.
   ASSERT_TRUE(alice->DeleteDocument(ids[2]).ok());
   ExpectCode(alice->GetDocument(ids[2]).status(), StatusCode::kNotFound, "deleted");
@@ -502,8 +514,12 @@ TEST_F(Service, SigtermDrainsRunningRequests) {
     rpc::WorkerGenerateRequest g;
     g.prompt = {1, 5, 6};
     g.max_new_tokens = 2;
-    Status s = transport::CallRpc("generate", [&] { (*w)->Generate(g); });
+    int64_t wid = 0;
+    Status s = transport::CallRpc("generate", [&] { wid = (*w)->Generate(g); });
     refused = s.code() == StatusCode::kUnavailable;
+    // Taken before the signal arrived: released, or the draining worker
+    // would wait for its answer to be read.
+    if (s.ok()) (void)transport::CallRpc("release", [&] { (*w)->Release(wid); });
     if (!refused) std::this_thread::sleep_for(20ms);
   }
   EXPECT_TRUE(refused);

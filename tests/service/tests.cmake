@@ -13,3 +13,16 @@ foreach(case ConcurrentClientsGetTheOfflineAnswers ARequestAdmittedMidDecodeFini
   set_tests_properties(service_${case} PROPERTIES LABELS service TIMEOUT 600
     ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
 endforeach()
+
+# penumbra serve + penumbra-service-bench at a small size (the GPU
+# measurement's tool, kept working on the CPU).
+add_test(NAME service_bench_cpu COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/service_bench_test.sh ${CMAKE_BINARY_DIR}/bin
+  WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(service_bench_cpu PROPERTIES LABELS service TIMEOUT 300)
+# The Python client (coordinator/client/python) against real processes.
+add_test(NAME service_python_client
+  COMMAND /usr/bin/python3 ${CMAKE_CURRENT_LIST_DIR}/python_client_test.py --build ${CMAKE_BINARY_DIR}
+    --model ${PROJECT_SOURCE_DIR}/models/penumbra-eval
+  WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(service_python_client PROPERTIES LABELS service TIMEOUT 600
+  ENVIRONMENT "PENUMBRA_GEN_PY=${CMAKE_BINARY_DIR}/transport/gen-py")

@@ -182,6 +182,31 @@ TEST_F(SchedulerTest, ALongPrefillIsInterleavedWithDecodeSteps) {
   EXPECT_GT(st.interleaved_decode_steps, 0) << "a decoded nothing while b's prompt went in";
 }
 
+// ShadowKV factors a segment whole: its prefill is split by layers instead,
+// and the tokens are those of one unsplit prefill.
+TEST_F(SchedulerTest, AShadowKvPrefillIsSplitByLayers) {
+  auto e = OpenEngine("shadowkv");
+  ASSERT_TRUE(e);
+  SchedulerOptions so;
+  so.prefill_tokens_per_step = 60;  // a 300-token segment: 1 of 5 layers per step
+  auto s = Start(*e, so);
+  ASSERT_TRUE(s);
+  const GenerationRequest a = Req(40, 80, 5), b = Req(300, 6, 6);
+  auto ida = s->Submit(a);
+  ASSERT_TRUE(ida.ok());
+  ASSERT_FALSE(WaitForTokens(*s, *ida, 1).done);
+  auto idb = s->Submit(b);
+  ASSERT_TRUE(idb.ok());
+  auto ub = s->Wait(*idb);
+  auto ua = s->Wait(*ida);
+  ASSERT_TRUE(ua.ok() && ub.ok());
+  EXPECT_EQ(ub->ids, Offline(b, "shadowkv"));
+  EXPECT_EQ(ua->ids, Offline(a, "shadowkv"));
+  const SchedulerStats st = s->stats();
+  EXPECT_GE(st.prefill_pieces, 1 + 5);  // a at once, b one layer per step
+  EXPECT_GE(st.interleaved_decode_steps, 4) << "a decoded nothing while b's layers went in";
+}
+
 TEST_F(SchedulerTest, TokensStreamByPollingWithOffsets) {
   auto e = OpenEngine();
   ASSERT_TRUE(e);

@@ -83,7 +83,8 @@ Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
   const ModelConfig& c = config();
   for (size_t r = 0; r < requests.size(); ++r) {
     const GenerationRequest& q = requests[r];
-    const std::string who = "request " + std::to_string(r) + ": ";
+    // A batch's messages name the request; a single request's do not.
+    const std::string who = requests.size() > 1 ? "request " + std::to_string(r) + ": " : "";
     if (q.prompt.empty()) return Status::InvalidArgument(who + "the prompt is empty");
     for (size_t i = 0; i < q.prompt.size(); ++i) {
       if (q.prompt[i] < 0 || q.prompt[i] >= c.vocab_size) {
@@ -141,38 +142,69 @@ void Runtime::Mlp(const LayerWeights& L, float* x, int n) {
 
 Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out,
                         int64_t start, int64_t end) {
-  const ModelConfig& c = config();
   const int64_t total = end < 0 ? static_cast<int64_t>(prompt.size()) : end;
   CHECK(start >= 0 && start < total && total <= static_cast<int64_t>(prompt.size()))
       << "prefill of [" << start << ", " << total << ") of a " << prompt.size() << "-token prompt";
-  const int64_t S = total - start;  // rows computed here
-  const int H = c.hidden_size;
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<PartialPrefill> p, StartPrefill(prompt, start, total));
+  PENUMBRA_RETURN_IF_ERROR(PrefillLayers(seq, p.get(), config().num_layers));
+  return FinishPrefill(p.get(), logits_out);
+}
+
+Result<std::unique_ptr<Runtime::PartialPrefill>> Runtime::StartPrefill(const std::vector<int32_t>& prompt,
+                                                                        int64_t start, int64_t end) {
   const double t0 = NowSeconds();
+  auto p = std::make_unique<PartialPrefill>();
+  p->start = start;
+  p->end = end;
+  const int64_t S = end - start;  // rows computed here
+  const int H = config().hidden_size;
   // The hidden states of the rows computed stay on the device across layers.
-  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer x, backend_->Allocate(static_cast<size_t>(S) * H * sizeof(float)));
-  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer ids, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
-  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer pos, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
+  PENUMBRA_ASSIGN_OR_RETURN(p->x, backend_->Allocate(static_cast<size_t>(S) * H * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(p->ids, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
+  PENUMBRA_ASSIGN_OR_RETURN(p->pos, backend_->Allocate(static_cast<size_t>(S) * sizeof(int32_t)));
   std::vector<int32_t> positions(S);
   for (int64_t i = 0; i < S; ++i) positions[i] = static_cast<int32_t>(start + i);
-  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(ids.get(), prompt.data() + start, S * sizeof(int32_t)));
-  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(pos.get(), positions.data(), S * sizeof(int32_t)));
-  backend_->Embedding(weights_->embed(), weights_->dtype(), ids.as<int32_t>(), static_cast<int>(S), H, x.as<float>());
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(p->ids.get(), prompt.data() + start, S * sizeof(int32_t)));
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(p->pos.get(), positions.data(), S * sizeof(int32_t)));
+  backend_->Embedding(weights_->embed(), weights_->dtype(), p->ids.as<int32_t>(), static_cast<int>(S), H,
+                      p->x.as<float>());
+  p->seconds += NowSeconds() - t0;
+  return p;
+}
+
+Status Runtime::PrefillLayers(int64_t seq, PartialPrefill* p, int layers) {
+  const ModelConfig& c = config();
+  const double t0 = NowSeconds();
+  const int64_t S = p->end - p->start;
+  const int H = c.hidden_size;
   const int chunk = options_.prefill_chunk;
-  for (int l = 0; l < c.num_layers; ++l) {
+  const int stop = std::min(c.num_layers, p->layer + layers);
+  for (; p->layer < stop; ++p->layer) {
+    const int l = p->layer;
     const LayerWeights& L = weights_->layers()[l];
     for (int64_t off = 0; off < S; off += chunk) {
       const int n = static_cast<int>(std::min<int64_t>(chunk, S - off));
-      float* xs = x.as<float>() + off * H;
+      float* xs = p->x.as<float>() + off * H;
       backend_->RmsNorm(xs, L.attn_norm, weights_->dtype(), n, H, static_cast<float>(c.rms_norm_eps), h_.get());
       backend_->Linear(h_.get(), L.qkv, n, qkv_.as<float>(), false);
-      PENUMBRA_RETURN_IF_ERROR(policy_->PrefillAttention(l, seq, qkv_.as<float>(), n, start + off,
-                                                         pos.as<int32_t>() + off, q_.get(), attn_.get()));
+      PENUMBRA_RETURN_IF_ERROR(policy_->PrefillAttention(l, seq, qkv_.as<float>(), n, p->start + off,
+                                                         p->pos.as<int32_t>() + off, q_.get(), attn_.get()));
       backend_->Linear(attn_.get(), L.o, n, xs, true);
       Mlp(L, xs, n);
     }
-    PENUMBRA_RETURN_IF_ERROR(policy_->FinishPrefillLayer(l, seq, total));
+    PENUMBRA_RETURN_IF_ERROR(policy_->FinishPrefillLayer(l, seq, p->end));
   }
-  backend_->RmsNorm(x.as<float>() + (S - 1) * H, weights_->final_norm(), weights_->dtype(), 1, H,
+  p->seconds += NowSeconds() - t0;
+  return Status::OK();
+}
+
+Status Runtime::FinishPrefill(PartialPrefill* p, std::vector<float>* logits_out) {
+  const ModelConfig& c = config();
+  const double t0 = NowSeconds();
+  CHECK_EQ(p->layer, c.num_layers) << "the prefill has layers left";
+  const int64_t S = p->end - p->start;
+  const int H = c.hidden_size;
+  backend_->RmsNorm(p->x.as<float>() + (S - 1) * H, weights_->final_norm(), weights_->dtype(), 1, H,
                     static_cast<float>(c.rms_norm_eps), h_.get());
   backend_->Linear(h_.get(), weights_->lm_head(), 1, logits_.as<float>(), false);
   if (logits_out) {
@@ -180,7 +212,7 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
     PENUMBRA_RETURN_IF_ERROR(backend_->CopyToHost(logits_out->data(), logits_.get(), c.vocab_size * sizeof(float)));
   }
   PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
-  stats_.prefill_seconds += NowSeconds() - t0;
+  stats_.prefill_seconds += p->seconds + (NowSeconds() - t0);
   stats_.prompt_tokens += S;
   return Status::OK();
 }
@@ -260,30 +292,51 @@ Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, Prefi
     const int64_t chunk = options_.prefill_chunk;
     const int64_t piece = std::max<int64_t>(chunk, max_tokens / chunk * chunk);
     end = std::min(boundary, st->at + piece);
-  }
-  PENUMBRA_RETURN_IF_ERROR(Prefill(seq, q.prompt, nullptr, st->at, end));
-  st->at = end;
-  if (end == boundary && seg < q.segment_ends.size() && st->capture && !prefix_cache_->Contains(st->keys[seg])) {
-    Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, end);
-    if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {
-      st->capture = false;  // this policy cannot: no reuse
-    } else {
-      PENUMBRA_RETURN_IF_ERROR(p.status());
-      if (prefix_writer_) {
-        // Written in the background; a store that fails costs this request
-        // nothing but the reuse after a restart.
-        auto blobs = (*p)->Export();
-        if (blobs.ok()) {
-          prefix_writer_->Enqueue(st->keys[seg], q.cache_namespace, end, std::move(*blobs));
-        } else {
-          ++stats_.prefix_store_errors;
-          LOG(WARNING) << "prefix store: not exported: " << blobs.status();
-        }
-      }
-      prefix_cache_->Insert(st->keys[seg], std::move(*p));
+    PENUMBRA_RETURN_IF_ERROR(Prefill(seq, q.prompt, nullptr, st->at, end));
+  } else {
+    // The segment whole, a few layers per step: max_tokens tokens' worth of
+    // work through every layer (at least one layer).
+    const int L = config().num_layers;
+    if (!st->partial) {
+      PENUMBRA_ASSIGN_OR_RETURN(st->partial, StartPrefill(q.prompt, st->at, end));
     }
+    const int64_t rows = end - st->at;
+    // (max_tokens * L row-layers; no overflow: max_tokens < rows there.)
+    const int64_t layers = max_tokens >= rows ? L : std::clamp<int64_t>(max_tokens * L / rows, 1, L);
+    PENUMBRA_RETURN_IF_ERROR(PrefillLayers(seq, st->partial.get(), static_cast<int>(layers)));
+    if (st->partial->layer < L) return false;
+    Status finished = FinishPrefill(st->partial.get(), nullptr);
+    st->partial.reset();
+    PENUMBRA_RETURN_IF_ERROR(finished);
+  }
+  st->at = end;
+  if (end == boundary && seg < q.segment_ends.size() && st->capture) {
+    PENUMBRA_RETURN_IF_ERROR(CaptureSegment(seq, q, st, seg, end));
   }
   return st->at == P;
+}
+
+Status Runtime::CaptureSegment(int64_t seq, const GenerationRequest& q, PrefillState* st, size_t seg, int64_t end) {
+  if (prefix_cache_->Contains(st->keys[seg])) return Status::OK();
+  Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, end);
+  if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {
+    st->capture = false;  // this policy cannot: no reuse
+    return Status::OK();
+  }
+  PENUMBRA_RETURN_IF_ERROR(p.status());
+  if (prefix_writer_) {
+    // Written in the background; a store that fails costs this request
+    // nothing but the reuse after a restart.
+    auto blobs = (*p)->Export();
+    if (blobs.ok()) {
+      prefix_writer_->Enqueue(st->keys[seg], q.cache_namespace, end, std::move(*blobs));
+    } else {
+      ++stats_.prefix_store_errors;
+      LOG(WARNING) << "prefix store: not exported: " << blobs.status();
+    }
+  }
+  prefix_cache_->Insert(st->keys[seg], std::move(*p));
+  return Status::OK();
 }
 
 Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, GenerationResult* result) {

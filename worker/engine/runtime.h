@@ -111,14 +111,31 @@ class Runtime {
   // does not fit now: nothing is left behind); PrefillStep prefills the next
   // piece, never past a segment's end and, where the policy allows splitting
   // (KvPolicy::PrefillSplits), at most max_tokens (rounded down to whole
-  // prefill chunks, so the result is the same as one unsplit prefill),
+  // prefill chunks, so the result is the same as one unsplit prefill); where
+  // it does not, the segment goes in a few layers per step (the work of
+  // max_tokens tokens through every layer, at least one layer; the same ops
+  // in the same order as one unsplit prefill), the rows' hidden states kept
+  // in the state between steps,
   // capturing each leading segment it completes; it returns true when the
   // whole prompt is in, the last row's logits then in LastLogits() until the
   // next runtime call. Generate uses the same steps.
+  // A prefill of prompt rows [start, end) part-way through the model's layers
+  // (layer-major: the rows' hidden states stay on the device between steps).
+  struct PartialPrefill {
+    DeviceBuffer x, ids, pos;
+    int64_t start = 0, end = 0;
+    int layer = 0;  // the next layer to run
+    double seconds = 0;
+  };
   struct PrefillState {
     int64_t at = 0;              // prompt tokens the sequence holds
     std::vector<Hash128> keys;   // the leading segments' cache keys (empty: no reuse)
     bool capture = false;        // capture the segments completed here
+    // A policy that cannot split a prefill by tokens (ShadowKV factors a
+    // segment whole) is split by layers instead: the segment in progress.
+    std::unique_ptr<PartialPrefill> partial;
+    // Part-way through the prompt (some of it in, or a segment between layers).
+    bool in_progress(int64_t prompt_len) const { return partial != nullptr || (at > 0 && at < prompt_len); }
   };
   Status BeginPrefill(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result);
   Result<bool> PrefillStep(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
@@ -170,6 +187,14 @@ class Runtime {
   void SetPrefixStore(storage::SegmentStore* store, std::string model_identity);
 
  private:
+  // Prefill's three parts: the rows' embeddings, `layers` more layers, and the
+  // last row's logits (then the stats).
+  Result<std::unique_ptr<PartialPrefill>> StartPrefill(const std::vector<int32_t>& prompt, int64_t start, int64_t end);
+  Status PrefillLayers(int64_t seq, PartialPrefill* p, int layers);
+  Status FinishPrefill(PartialPrefill* p, std::vector<float>* logits_out);
+  // Captures segment `seg` of `r` (ending at `end`) into the prefix cache
+  // (and the persistent store) unless present.
+  Status CaptureSegment(int64_t seq, const GenerationRequest& r, PrefillState* st, size_t seg, int64_t end);
   // What every prefix key of this runtime names besides the tokens: the
   // policy's state-shaping options, the dtype, the model and the namespace.
   std::string PrefixFence(const std::string& cache_namespace) const;

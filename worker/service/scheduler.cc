@@ -306,6 +306,7 @@ void Scheduler::PrefillOne() {
   } else if (!Emit(*r, id)) {
     decoding_.push_back(r);
   }
+  done_cv_.notify_all();
 }
 
 void Scheduler::DecodeOnce() {
@@ -314,8 +315,8 @@ void Scheduler::DecodeOnce() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     batch = decoding_;
-    interleaved = !prefilling_.empty() && prefilling_.front()->prefill.at > 0 &&
-                  prefilling_.front()->prefill.at < static_cast<int64_t>(prefilling_.front()->req.prompt.size());
+    interleaved = !prefilling_.empty() &&
+                  prefilling_.front()->prefill.in_progress(static_cast<int64_t>(prefilling_.front()->req.prompt.size()));
   }
   if (batch.empty()) return;
   // Only this thread writes a running request's ids: read without the lock.
@@ -346,15 +347,16 @@ void Scheduler::DecodeOnce() {
     return;
   }
   for (size_t i = 0; i < batch.size(); ++i) Emit(*batch[i], ids[i]);
+  done_cv_.notify_all();
   decoding_.erase(std::remove_if(decoding_.begin(), decoding_.end(),
                                  [](const std::shared_ptr<Request>& r) { return r->done; }),
                   decoding_.end());
 }
 
 bool Scheduler::Emit(Request& r, int32_t id) {
+  // Pollers are woken by the caller, once per step (not once per token).
   r.ids.push_back(id);
   ++stats_.generated_tokens;
-  done_cv_.notify_all();
   for (int32_t s : r.req.stop_ids) {
     if (s == id) {
       Finish(r, "stop", Status::OK());

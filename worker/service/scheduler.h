@@ -4,8 +4,8 @@
 // thread, the only one that touches the runtime. One loop: between two decode
 // steps of the running batch it admits waiting requests (first come, first
 // served) and prefills one piece of the oldest admitted prompt (at most
-// prefill_tokens_per_step tokens where the policy allows splitting, else one
-// segment), so a long prompt does not stall everyone's decoding for its whole
+// prefill_tokens_per_step tokens where the policy allows splitting, else
+// that much work of one segment, a few of its layers), so a long prompt does not stall everyone's decoding for its whole
 // prefill, and requests join and leave the batch between steps. Admission is
 // the policy's own memory check (KvPolicy::AddSequence: device memory, host
 // memory for the value store): a request that does not fit waits until a
@@ -43,7 +43,9 @@ struct SchedulerOptions {
   // Sequences decoding together at most (<= the runtime's max_batch). Default: 64.
   int max_batch = 64;
   // Prompt tokens prefilled between two decode steps (rounded down to whole
-  // prefill chunks; a policy that cannot split a prefill does one segment).
+  // prefill chunks; a policy that cannot split a prefill by tokens runs that
+  // much work of a segment: tokens x layers / the segment's tokens layers of
+  // it, at least one).
   // Default: 8192.
   int64_t prefill_tokens_per_step = 8192;
   // Requests waiting for admission at most; Submit beyond it is

@@ -109,7 +109,9 @@ Status Run(int argc, char** argv) {
                                "else 4096)")
       .Flag("prefix-store", "directory of the persistent document store (RocksDB; default: the config's)")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
-      .Flag("drain-seconds", "on SIGTERM, how long running requests may finish (default 30)");
+      .Flag("drain-seconds", "on SIGTERM, how long running requests may finish (default 30)")
+      .Flag("random-weights", "benchmarks only: the model's shape from --model DIR/config.json, its weights "
+                              "random from this seed (generated on the device; no safetensors read)");
   AddEngineFlags(a);
   Status ps = a.Parse(argc, argv, 1);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
@@ -139,10 +141,17 @@ Status Run(int argc, char** argv) {
   const std::string host = a.Get("host", "127.0.0.1");
   const std::string name = a.Get("name", "worker");
 
-  PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::Open(a.Get("model"), eo));
+  std::unique_ptr<Engine> engine;
+  if (a.Has("random-weights")) {
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t seed, a.GetIntIn("random-weights", 0, 0, INT64_MAX));
+    PENUMBRA_ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(a.Get("model") + "/config.json"));
+    PENUMBRA_ASSIGN_OR_RETURN(engine, Engine::OpenRandom(c, eo, static_cast<uint64_t>(seed)));
+  } else {
+    PENUMBRA_ASSIGN_OR_RETURN(engine, Engine::Open(a.Get("model"), eo));
+  }
   PENUMBRA_ASSIGN_OR_RETURN(auto scheduler, service::Scheduler::Create(&engine->runtime(), so));
   service::WorkerIdentity id;
-  id.model = a.Get("model");
+  id.model = a.Get("model") + (a.Has("random-weights") ? " (random weights)" : "");
   id.backend = engine->backend().name();
   id.kv_policy = engine->options().kv_policy;
   id.max_context = engine->config().max_position_embeddings;
@@ -194,16 +203,5 @@ Status Run(int argc, char** argv) {
 }  // namespace penumbra
 
 int main(int argc, char** argv) {
-  penumbra::BlockTerminationSignals();  // before any thread starts
-  penumbra::InitLogging(argv[0]);
-  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "help")) {
-    std::cout << penumbra::kUsage;
-    return 0;
-  }
-  penumbra::Status s = penumbra::Run(argc, argv);
-  if (!s.ok()) {
-    std::cerr << "penumbra-worker: " << s.ToString() << std::endl;
-    return s.code() == penumbra::StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  return 0;
+  return penumbra::ServerMain("penumbra-worker", penumbra::kUsage, argc, argv, penumbra::Run);
 }

@@ -1,0 +1,241 @@
+// penumbra-service-bench: measures the service through its public API (a
+// running coordinator), as a client sees it. Token ids only (works with a
+// coordinator that has no tokenizer, e.g. a random-weights benchmark model).
+//
+//   penumbra-service-bench --address HOST:PORT --context S [--question Q] [--batch B]
+//       [--max-new-tokens M] [--window-s W] [--vocab V]
+//
+// 1. Puts one document of S - Q random token ids (timed: prefill into the
+//    document cache) and asks one Q-token question about it: time to first
+//    token as the client sees it (Generate to the first token polled) and as
+//    the worker reports it. One JSON line {"bench": "service-ttft", ...}.
+// 2. B questions about that document at once (each sequence S tokens long,
+//    max_new_tokens M, greedy, end-of-text ignored), each followed by its own
+//    long-polling client; once all of them decode, the tokens all of them
+//    make in W seconds: {"bench": "service-decode", "context": S, "batch": B,
+//    "kv_policy": ..., "tokens_per_s": ...}.
+// 3. With --put-during-decode: while they decode, a second document of the
+//    same size is put (its prefill interleaved with their decode steps): the
+//    longest gap any of them saw between two tokens, and their tokens/s
+//    meanwhile: {"bench": "service-decode-during-put", ...}. Then they are
+//    cancelled.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/args.h"
+#include "common/logging.h"
+#include "coordinator/client/client.h"
+
+namespace penumbra {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::vector<int32_t> Tokens(int64_t n, int64_t salt, int32_t vocab) {
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(3 + (i * 7919 + salt * 104729) % (vocab - 3));
+  return t;
+}
+
+Status Run(int argc, char** argv) {
+  Args a;
+  a.Flag("address", "the coordinator, host:port").Flag("api-key", "API key")
+      .Flag("context", "tokens per sequence: document + question (default 124928)")
+      .Flag("question", "question tokens (default 64)")
+      .Flag("batch", "questions decoded together (default 14)")
+      .Flag("max-new-tokens", "per question (default 4096; they are cancelled after the window)")
+      .Flag("window-s", "decode measurement window in seconds (default 20)")
+      .Flag("settle-s", "wait this long after all questions decode before the window (default 1)")
+      .Flag("vocab", "token ids are drawn from [3, vocab) (default: the model's, from /health's workers: 32000)")
+      .Flag("put-timeout-s", "how long the document's put may take (default 1800)")
+      .Switch("put-during-decode", "3: put a second document while the questions decode; the longest token gap");
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
+  client::ClientOptions o;
+  PENUMBRA_RETURN_IF_ERROR(client::ParseAddress(a.Get("address", "127.0.0.1:7700"), &o));
+  o.api_key = a.Get("api-key", "");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t S, a.GetIntIn("context", 124928, 2, int64_t{1} << 24));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t Q, a.GetIntIn("question", 64, 1, S - 1));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t B, a.GetIntIn("batch", 14, 1, 4096));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t M, a.GetIntIn("max-new-tokens", 4096, 1, 1 << 20));
+  PENUMBRA_ASSIGN_OR_RETURN(double W, a.GetDoubleIn("window-s", 20, 0.01, 3600));
+  PENUMBRA_ASSIGN_OR_RETURN(double settle, a.GetDoubleIn("settle-s", 1, 0, 3600));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t V, a.GetIntIn("vocab", 32000, 4, INT32_MAX));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t put_s, a.GetIntIn("put-timeout-s", 1800, 1, 86400));
+  PENUMBRA_ASSIGN_OR_RETURN(auto c, client::Client::Connect(o));
+  PENUMBRA_ASSIGN_OR_RETURN(rpc::HealthResponse h, c->Health());
+  if (h.workers.empty()) return Status::Unavailable("the coordinator has no workers");
+  const std::string policy = h.workers[0].kv_policy, backend = h.workers[0].backend;
+
+  // 1. The document, once; then one question's time to first token.
+  const std::vector<int32_t> doc = Tokens(S - Q, 0, static_cast<int32_t>(V));
+  Clock::time_point t0 = Clock::now();
+  PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo d, c->PutDocument("bench", nullptr, &doc, true,
+                                                               std::chrono::seconds(put_s)));
+  const double put_seconds = Since(t0);
+  if (d.state != rpc::DocumentState::READY) {
+    return Status::Internal("the document did not factor: " + (d.__isset.error ? d.error : std::string("?")));
+  }
+  auto ask = [&](int64_t salt, int64_t max_new) {
+    rpc::GenerateRequest r;
+    r.document_ids = {d.id};
+    r.__set_token_ids(Tokens(Q, salt, static_cast<int32_t>(V)));
+    r.max_new_tokens = static_cast<int32_t>(max_new);
+    r.ignore_eos = true;
+    return r;
+  };
+  t0 = Clock::now();
+  PENUMBRA_ASSIGN_OR_RETURN(std::string id, c->Generate(ask(1, 2)));
+  double client_ttft = -1;
+  rpc::GenerateChunk ch;
+  int64_t offset = 0;
+  while (!ch.done) {
+    PENUMBRA_ASSIGN_OR_RETURN(ch, c->Poll(id, offset, 10000));
+    offset += static_cast<int64_t>(ch.ids.size());
+    if (client_ttft < 0 && offset > 0) client_ttft = Since(t0);
+  }
+  nlohmann::json ttft = {{"bench", "service-ttft"},        {"context", S},
+                         {"question", Q},                  {"kv_policy", policy},
+                         {"backend", backend},             {"document_put_s", put_seconds},
+                         {"ttft_client_s", client_ttft},   {"ttft_worker_s", ch.usage.ttft_seconds},
+                         {"cached_prompt_tokens", ch.usage.cached_prompt_tokens},
+                         {"prompt_tokens", ch.usage.prompt_tokens}};
+  std::cout << ttft.dump() << std::endl;
+
+  // 2. B questions decoding together, each followed by its own client.
+  struct Follower {
+    std::string id;
+    std::atomic<int64_t> tokens{0};
+    std::atomic<bool> done{false};
+    Status error;
+    // The longest wait between two token arrivals since the last reset (ns).
+    std::atomic<int64_t> max_gap_ns{0};
+  };
+  std::vector<std::unique_ptr<Follower>> fs;
+  for (int64_t i = 0; i < B; ++i) {
+    auto f = std::make_unique<Follower>();
+    PENUMBRA_ASSIGN_OR_RETURN(f->id, c->Generate(ask(100 + i, M)));
+    fs.push_back(std::move(f));
+  }
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> threads;
+  for (auto& f : fs) {
+    threads.emplace_back([&, fp = f.get()] {
+      auto own = client::Client::Connect(o);
+      if (!own.ok()) {
+        fp->error = own.status();
+        fp->done = true;
+        return;
+      }
+      int64_t off = 0;
+      Clock::time_point last = Clock::now();
+      while (!stop) {
+        Result<rpc::GenerateChunk> p = (*own)->Poll(fp->id, off, 1000);
+        if (!p.ok()) {
+          fp->error = p.status();
+          break;
+        }
+        if (!p->ids.empty()) {
+          const Clock::time_point now = Clock::now();
+          const int64_t gap = std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
+          if (off > 0 && gap > fp->max_gap_ns) fp->max_gap_ns = gap;
+          last = now;
+        }
+        off += static_cast<int64_t>(p->ids.size());
+        fp->tokens = off;
+        if (p->done) break;
+      }
+      fp->done = true;
+    });
+  }
+  auto total = [&] {
+    int64_t n = 0;
+    for (auto& f : fs) n += f->tokens;
+    return n;
+  };
+  auto all_decoding = [&] {
+    for (auto& f : fs) {
+      if (f->tokens < 2) return false;
+    }
+    return true;
+  };
+  Status result = Status::OK();
+  const Clock::time_point start = Clock::now();
+  while (!all_decoding()) {
+    for (auto& f : fs) {
+      if (f->done && f->tokens < 2) result = f->error.ok() ? Status::Internal("a question ended early") : f->error;
+    }
+    if (!result.ok() || Since(start) > 3600) break;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  double tps = 0, joined_s = Since(start);
+  int64_t window_tokens = 0;
+  bool early = false;
+  if (result.ok()) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(settle));
+    const int64_t n1 = total();
+    const Clock::time_point t1 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::duration<double>(W));
+    const int64_t n2 = total();
+    const double dt = Since(t1);
+    for (auto& f : fs) early = early || f->done;
+    window_tokens = n2 - n1;
+    tps = static_cast<double>(window_tokens) / dt;
+  }
+  nlohmann::json during;
+  if (result.ok() && !early && a.Has("put-during-decode")) {
+    for (auto& f : fs) f->max_gap_ns = 0;
+    const int64_t n1 = total();
+    const Clock::time_point t1 = Clock::now();
+    const std::vector<int32_t> doc2 = Tokens(S - Q, 7, static_cast<int32_t>(V));
+    Result<rpc::DocumentInfo> d2 = c->PutDocument("bench-2", nullptr, &doc2, true, std::chrono::seconds(put_s));
+    const double dt = Since(t1);
+    const int64_t n2 = total();
+    int64_t gap = 0;
+    for (auto& f : fs) {
+      gap = std::max<int64_t>(gap, f->max_gap_ns);
+      early = early || f->done;
+    }
+    if (!d2.ok()) {
+      result = d2.status();
+    } else {
+      during = {{"bench", "service-decode-during-put"}, {"context", S},       {"batch", B},
+                {"kv_policy", policy},                  {"backend", backend}, {"document_put_s", dt},
+                {"tokens_per_s", static_cast<double>(n2 - n1) / dt},   {"max_token_gap_s", gap * 1e-9}};
+    }
+  }
+  stop = true;
+  for (auto& f : fs) (void)c->Cancel(f->id);
+  for (auto& t : threads) t.join();
+  PENUMBRA_RETURN_IF_ERROR(result);
+  if (early) return Status::FailedPrecondition("a question ended inside the window: raise --max-new-tokens");
+  nlohmann::json j = {{"bench", "service-decode"},   {"context", S},          {"batch", B},
+                      {"kv_policy", policy},         {"backend", backend},    {"shared_document", true},
+                      {"question", Q},               {"window_s", W},         {"window_tokens", window_tokens},
+                      {"tokens_per_s", tps},         {"all_joined_s", joined_s}};
+  std::cout << j.dump() << std::endl;
+  if (!during.is_null()) std::cout << during.dump() << std::endl;
+  return Status::OK();
+}
+
+}  // namespace
+}  // namespace penumbra
+
+int main(int argc, char** argv) {
+  penumbra::InitLogging(argv[0]);
+  penumbra::Status s = penumbra::Run(argc, argv);
+  if (!s.ok()) {
+    std::cerr << "penumbra-service-bench: " << s.ToString() << std::endl;
+    return s.code() == penumbra::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,318 @@
+#!/usr/bin/python3
+"""Integration test of the Python client (coordinator/client/python) against a
+real penumbra-worker (CPU) and penumbra-coordinator on loopback.
+
+    /usr/bin/python3 tests/service/python_client_test.py [--build BUILD_DIR] [--model MODEL_DIR] [unittest args]
+
+Defaults: <repo>/build and <repo>/models/penumbra-eval. The generated Thrift
+code is taken from $PENUMBRA_GEN_PY, else BUILD_DIR/transport/gen-py. Both
+processes are started with OS-picked ports and stopped at the end (SIGTERM,
+then SIGKILL after 10 s), also on failure or interruption; the whole run is
+bounded (a watchdog stops the servers after WATCHDOG_S seconds).
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import time
+import unittest
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLIENT_DIR = os.path.join(REPO, "coordinator", "client", "python")
+
+
+def _parse_args():
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap.add_argument("--model", default=os.path.join(REPO, "models", "penumbra-eval"))
+    args, rest = ap.parse_known_args()
+    return os.path.abspath(args.build), os.path.abspath(args.model), rest
+
+
+BUILD_DIR, MODEL_DIR, UNITTEST_ARGV = _parse_args()
+if not os.environ.get("PENUMBRA_GEN_PY"):
+    os.environ["PENUMBRA_GEN_PY"] = os.path.join(BUILD_DIR, "transport", "gen-py")
+sys.path.insert(0, CLIENT_DIR)
+
+import penumbra_client as pc  # noqa: E402
+import penumbra_local  # noqa: E402
+from penumbra_client import PenumbraClient  # noqa: E402
+
+KEY_A, TENANT_A = "test-key-alpha", "tenant-alpha"
+KEY_B, TENANT_B = "test-key-beta", "tenant-beta"
+QUESTION = "\n\nQuestion: What did Ben find in the park?\nAnswer:"
+WATCHDOG_S = 170  # the whole test stays under 3 minutes
+WAIT_S = 30.0     # bound of each polling loop
+
+
+def _watchdog(signum, frame):
+    # Stopping the servers makes every pending call fail at once.
+    sys.stderr.write("python_client_test: watchdog: %d s elapsed; stopping the servers\n" % WATCHDOG_S)
+    penumbra_local._stop_all_at_exit()
+    raise TimeoutError("test ran longer than %d s" % WATCHDOG_S)
+
+
+class PythonClientTest(unittest.TestCase):
+    svc = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.svc = penumbra_local.LocalService(
+            BUILD_DIR, MODEL_DIR, api_keys={KEY_A: TENANT_A, KEY_B: TENANT_B},
+            worker_args=["--drain-seconds", "2"], coordinator_args=["--drain-seconds", "2"],
+            start_timeout_s=60.0)
+        cls.svc.start()
+        cls.a = PenumbraClient("127.0.0.1", cls.svc.port, api_key=KEY_A, timeout_s=30.0, long_call_timeout_s=90.0)
+        cls.b = PenumbraClient("127.0.0.1", cls.svc.port, api_key=KEY_B, timeout_s=30.0, long_call_timeout_s=90.0)
+        cls.doc_text = penumbra_local.story_text(4000, seed=7)
+        cls._doc = None
+
+    @classmethod
+    def tearDownClass(cls):
+        for c in (getattr(cls, "a", None), getattr(cls, "b", None)):
+            if c is not None:
+                c.close()
+        if cls.svc is not None:
+            codes = cls.svc.stop(remove_workdir=False)
+            sys.stderr.write("servers stopped: exit statuses %s\n" % codes)
+
+    def doc(self):
+        """Tenant A's document (put once)."""
+        cls = type(self)
+        if cls._doc is None:
+            cls._doc = self.a.put_document("story", text=self.doc_text, wait=True)
+        return cls._doc
+
+    def logs(self):
+        return "\n" + self.svc.logs(2000)
+
+    def poll_until_done(self, client, request_id, offset=0):
+        end = time.monotonic() + WAIT_S
+        while True:
+            chunk = client.poll(request_id, offset, 1000)
+            offset = chunk.offset + len(chunk.ids or [])
+            if chunk.done:
+                return chunk
+            self.assertLess(time.monotonic(), end, "request %s not done after %.0f s" % (request_id, WAIT_S))
+
+    # ------------------------------------------------------------------ cases
+
+    def test_health(self):
+        h = self.a.health()
+        self.assertTrue(h.serving, h)
+        self.assertEqual(len(h.workers), 1, h)
+        self.assertTrue(h.workers[0].healthy, h)
+        self.assertTrue(h.model, h)
+
+    def test_put_document(self):
+        d = self.doc()
+        self.assertEqual(pc.state_name(d.state), "READY", d)
+        self.assertGreater(d.tokens, 0, d)
+        self.assertLess(d.tokens, len(self.doc_text), d)
+        self.assertEqual(d.name, "story")
+        self.assertTrue(d.id)
+        g = self.a.get_document(d.id)
+        self.assertEqual((g.id, g.name, g.tokens, g.state), (d.id, d.name, d.tokens, d.state))
+
+    def test_ask_twice_reuses_document(self):
+        d = self.doc()
+        r1 = self.a.ask([d.id], text=QUESTION, max_new_tokens=16)
+        r2 = self.a.ask([d.id], text=QUESTION, max_new_tokens=16)
+        for r in (r1, r2):
+            self.assertTrue(r.done, r)
+            self.assertIn(r.finish_reason, ("stop", "length"), r)
+            self.assertGreater(r.usage.generated_tokens, 0, r)
+            self.assertLessEqual(r.usage.generated_tokens, 16, r)
+            self.assertGreater(r.usage.prompt_tokens, d.tokens, r)
+            self.assertTrue(r.request_id, r)
+        self.assertEqual(r1.text, r2.text)
+        self.assertEqual(r1.ids, r2.ids)
+        self.assertEqual(r2.usage.cached_prompt_tokens, d.tokens, r2.usage)
+
+    def test_stream_matches_ask(self):
+        d = self.doc()
+        rid = self.a.generate([d.id], text=QUESTION, max_new_tokens=16)
+        self.assertTrue(rid)
+        deltas, ids, last = [], [], None
+        for delta, chunk in self.a.stream(rid, wait_ms=1000):
+            deltas.append(delta)
+            ids.extend(chunk.ids or [])
+            last = chunk
+        self.assertIsNotNone(last)
+        self.assertTrue(last.done, last)
+        self.assertEqual("".join(deltas), last.text)
+        self.assertEqual(len(ids), last.usage.generated_tokens, last)
+        full = self.a.ask([d.id], text=QUESTION, max_new_tokens=16)
+        self.assertEqual(full.text, last.text)
+        self.assertEqual(full.ids, ids)
+
+    def test_stream_with_stop_string(self):
+        # A stop string that spans two tokens: its first token's text must not
+        # be streamed and then taken back (the streamed text only grows).
+        d = self.doc()
+        full = self.a.ask([d.id], text=QUESTION, max_new_tokens=24, ignore_eos=True)
+        stop = None
+        for k in range(2, 20):
+            head = self.a.ask([d.id], text=QUESTION, max_new_tokens=k, ignore_eos=True).text
+            nxt = self.a.ask([d.id], text=QUESTION, max_new_tokens=k + 1, ignore_eos=True).text
+            if head and len(nxt) > len(head) and nxt.startswith(head) and full.text.startswith(nxt):
+                cand = head[-1] + nxt[len(head)]
+                if full.text.find(cand) == len(head) - 1:
+                    stop = cand
+                    break
+        if stop is None:
+            self.skipTest("no stop string spanning two tokens in %r" % full.text)
+        expected = full.text[:len(head) - 1]
+        rid = self.a.generate([d.id], text=QUESTION, max_new_tokens=24, ignore_eos=True, stop=[stop])
+        texts, deltas, last = [], [], None
+        for delta, chunk in self.a.stream(rid, wait_ms=1000):
+            texts.append(chunk.text)
+            deltas.append(delta)
+            last = chunk
+        self.assertEqual(last.finish_reason, "stop", last)
+        self.assertEqual(last.text, expected, (stop, last))
+        revised = [t for t in texts if not last.text.startswith(t)]
+        self.assertEqual(revised, [], "streamed text later taken back (stop %r): chunk texts %r" % (stop, texts))
+        self.assertEqual("".join(deltas), last.text)
+
+    def test_list_documents_pages(self):
+        docs = [self.b.put_document("page-%d" % i, text=penumbra_local.story_text(300, seed=100 + i))
+                for i in range(3)]
+        try:
+            listed = [x.id for x in self.b.list_documents(page_size=1)]
+            for x in docs:
+                self.assertEqual(listed.count(x.id), 1, (x.id, listed))
+            self.assertEqual(len(listed), len(set(listed)), listed)
+            self.assertEqual(len(listed), 3, listed)  # tenant B has only these
+        finally:
+            for x in docs:
+                self.b.delete_document(x.id)
+
+    def test_other_tenant_cannot_use_document(self):
+        d = self.doc()
+        with self.assertRaises(pc.NotFound):
+            self.b.get_document(d.id)
+        with self.assertRaises(pc.NotFound):
+            self.b.delete_document(d.id)
+        with self.assertRaises(pc.NotFound):
+            self.b.ask([d.id], text=QUESTION, max_new_tokens=4)
+        with self.assertRaises(pc.NotFound):
+            self.b.generate([d.id], text=QUESTION, max_new_tokens=4)
+        self.assertNotIn(d.id, [x.id for x in self.b.list_documents()])
+        self.assertEqual(self.a.get_document(d.id).id, d.id)  # still there for its tenant
+
+    def test_other_tenant_cannot_see_request(self):
+        d = self.doc()
+        rid = self.a.generate([d.id], text=QUESTION, max_new_tokens=8)
+        with self.assertRaises(pc.NotFound):
+            self.b.poll(rid, 0, 0)
+        with self.assertRaises(pc.NotFound):
+            self.b.cancel(rid)
+        self.assertIn(self.poll_until_done(self.a, rid).finish_reason, ("stop", "length"))
+
+    def test_unknown_api_key(self):
+        c = PenumbraClient("127.0.0.1", self.svc.port, api_key="no-such-key", timeout_s=30.0)
+        with c:
+            with self.assertRaises(pc.PermissionDenied):
+                c.stats()
+            with self.assertRaises(pc.PermissionDenied):
+                list(c.list_documents())
+            with self.assertRaises(pc.PermissionDenied):
+                c.put_document("x", text="Once upon a time.")
+            with self.assertRaises(pc.PermissionDenied):
+                c.get_document(self.doc().id)
+            with self.assertRaises(pc.PermissionDenied):
+                c.ask([self.doc().id], text=QUESTION, max_new_tokens=4)
+            self.assertTrue(c.health().serving)  # Health needs no key
+
+    def test_unknown_document(self):
+        with self.assertRaises(pc.NotFound):
+            self.a.get_document("no-such-document")
+        with self.assertRaises(pc.NotFound):
+            self.a.delete_document("no-such-document")
+        with self.assertRaises(pc.NotFound):
+            self.a.ask(["no-such-document"], text=QUESTION, max_new_tokens=4)
+
+    def test_empty_question(self):
+        with self.assertRaises(pc.InvalidArgument):
+            self.a.ask([self.doc().id], text="", max_new_tokens=4)
+
+    def test_negative_temperature(self):
+        with self.assertRaises(pc.InvalidArgument):
+            self.a.ask([self.doc().id], text=QUESTION, max_new_tokens=4, temperature=-1.0)
+        with self.assertRaises(pc.InvalidArgument):
+            self.a.generate([self.doc().id], text=QUESTION, max_new_tokens=4, temperature=-1.0)
+
+    def test_delete_then_get(self):
+        d = self.a.put_document("to-delete", text=penumbra_local.story_text(500, seed=3))
+        self.assertEqual(pc.state_name(d.state), "READY", d)
+        self.a.delete_document(d.id)
+        with self.assertRaises(pc.NotFound):
+            self.a.get_document(d.id)
+        with self.assertRaises(pc.NotFound):
+            self.a.ask([d.id], text=QUESTION, max_new_tokens=4)
+        self.assertNotIn(d.id, [x.id for x in self.a.list_documents()])
+
+    def test_cancel_running_request(self):
+        d = self.doc()
+        rid = self.a.generate([d.id], text=QUESTION, max_new_tokens=2000, ignore_eos=True)
+        end = time.monotonic() + WAIT_S
+        offset = 0
+        while offset == 0:  # running: some tokens out
+            chunk = self.a.poll(rid, 0, 1000)
+            self.assertFalse(chunk.done, chunk)
+            offset = len(chunk.ids or [])
+            self.assertLess(time.monotonic(), end, "no token after %.0f s" % WAIT_S)
+        self.a.cancel(rid)
+        last = self.poll_until_done(self.a, rid, offset)
+        self.assertEqual(last.finish_reason, "cancelled", last)
+        self.assertLess(last.usage.generated_tokens, 2000, last)
+
+    def test_stats_counts_requests(self):
+        d = self.doc()
+        s0 = self.a.stats()
+        r = self.a.ask([d.id], text=QUESTION, max_new_tokens=4)
+        s1 = self.a.stats()
+        self.assertGreaterEqual(s1.requests, s0.requests + 1, (s0, s1))
+        self.assertGreaterEqual(s1.generated_tokens, s0.generated_tokens + r.usage.generated_tokens, (s0, s1))
+        self.assertGreaterEqual(s1.prompt_tokens, s0.prompt_tokens + r.usage.prompt_tokens, (s0, s1))
+        self.assertGreaterEqual(s1.documents, 1, s1)
+        self.assertEqual(len(s1.workers), 1, s1)
+
+    def test_metrics(self):
+        self.assertGreater(self.svc.metrics_port, 0)
+        url = "http://127.0.0.1:%d/metrics" % self.svc.metrics_port
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            self.assertEqual(resp.status, 200)
+            body = resp.read().decode("utf-8")
+        self.assertIn("penumbra_coordinator_", body)
+        self.assertTrue(any(line.startswith("# TYPE penumbra_coordinator_") for line in body.splitlines()),
+                        body[:2000])
+
+
+def main():
+    penumbra_local.install_sigterm_exit(interrupt=True)
+    signal.signal(signal.SIGALRM, _watchdog)
+    signal.alarm(WATCHDOG_S)
+    for name in ("penumbra-worker", "penumbra-coordinator"):
+        path = os.path.join(BUILD_DIR, "bin", name)
+        if not os.access(path, os.X_OK):
+            sys.stderr.write("python_client_test: %s is missing (build it first)\n" % path)
+            return 1
+    prog = unittest.main(argv=[sys.argv[0]] + UNITTEST_ARGV, exit=False, verbosity=2)
+    signal.alarm(0)
+    ok = prog.result.wasSuccessful()
+    svc = PythonClientTest.svc
+    if svc is not None:
+        if ok:
+            shutil.rmtree(svc.workdir, ignore_errors=True)
+        else:
+            sys.stderr.write("server logs kept in %s\n" % svc.workdir)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
