@@ -1,1 +1,1 @@
-penumbra_glob_tests(coordinator LIBS penumbra_tokenizer penumbra_eval nlohmann_json::nlohmann_json)
+penumbra_glob_tests(coordinator LIBS penumbra_tokenizer penumbra_eval penumbra_coordinator nlohmann_json::nlohmann_json)
