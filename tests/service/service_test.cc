@@ -215,7 +215,9 @@ TEST_F(Service, ARequestAdmittedMidDecodeFinishesBeforeAnEarlierLongOne) {
 // Two worker processes: documents spread over them, and the requests about a
 // document go to the worker that holds it (its cached state attached there).
 TEST_F(Service, RequestsAboutADocumentGoToTheWorkerHoldingIt) {
-  Cluster cluster({.workers = 2});
+  ClusterOptions o;
+  o.workers = 2;
+  Cluster cluster(o);
   ASSERT_TRUE(cluster.Start());
   auto c = cluster.Client();
   ASSERT_TRUE(c);
@@ -283,7 +285,10 @@ void ExpectCode(const Status& s, StatusCode code, const std::string& what) {
 // bad requests through the API: each refused (typed), the servers keep
 // serving, and the stored document is intact.
 TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
-  Cluster cluster({.worker_flags = {"--max-frame-mb", "1"}, .coordinator_flags = {"--max-frame-mb", "1"}});
+  ClusterOptions o;
+  o.worker_flags = {"--max-frame-mb", "1"};
+  o.coordinator_flags = {"--max-frame-mb", "1"};
+  Cluster cluster(o);
   ASSERT_TRUE(cluster.Start());
   auto c = cluster.Client();
   ASSERT_TRUE(c);
@@ -407,7 +412,9 @@ TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
 // Documents: put, get, list in pages, delete; tenants see only their own;
 // a bad API key is refused; streaming with stop strings; cancel.
 TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
-  Cluster cluster({.api_keys_yaml = "keys:\n  key-alice: alice\n  key-bob: bob\n"});
+  ClusterOptions o;
+  o.api_keys_yaml = "keys:\n  key-alice: alice\n  key-bob: bob\n";
+  Cluster cluster(o);
   ASSERT_TRUE(cluster.Start());
   auto alice = cluster.Client("key-alice"), bob = cluster.Client("key-bob"), nobody = cluster.Client("wrong");
   ASSERT_TRUE(alice && bob && nobody);
