@@ -137,8 +137,8 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
 }
 
 Coordinator::~Coordinator() {
-  for (auto& t : puts_) {
-    if (t.joinable()) t.join();
+  for (auto& p : puts_) {
+    if (p.thread.joinable()) p.thread.join();
   }
 }
 
@@ -260,7 +260,20 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
   const Clock::time_point deadline = DeadlineOf(r.deadline_ms, o_.put_timeout);
   if (!r.wait) {
     std::lock_guard<std::mutex> lk(mu_);
-    puts_.emplace_back([this, d, deadline] { Factor(d, deadline); });
+    for (auto it = puts_.begin(); it != puts_.end();) {
+      if (*it->done) {
+        it->thread.join();
+        it = puts_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    puts_.push_back({std::thread([this, d, deadline, done] {
+                       Factor(d, deadline);
+                       *done = true;
+                     }),
+                     done});
     return ToInfo(d);
   }
   Factor(d, deadline);

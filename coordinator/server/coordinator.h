@@ -124,7 +124,12 @@ class Coordinator : public rpc::PenumbraIf {
     int64_t requests = 0, failed = 0, prompt = 0, cached = 0, generated = 0;
   };
   std::map<std::string, TenantCounts> counts_;
-  std::vector<std::thread> puts_;  // background puts (wait = false)
+  // Background puts (wait = false); finished ones are joined at the next put.
+  struct BackgroundPut {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<BackgroundPut> puts_;
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_;

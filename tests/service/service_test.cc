@@ -423,6 +423,22 @@ TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
 
   std::vector<std::string> ids;
   for (int i = 0; i < 3; ++i) ids.push_back(Put(*alice, "doc" + std::to_string(i), LcgTokens(60 + i, 40 + i, true)).id);
+  // A put that returns at once (FACTORING), then READY when polled.
+  {
+    const std::vector<int32_t> ids = LcgTokens(300, 45, true);
+    auto d = alice->PutDocument("async", nullptr, &ids, /*wait=*/false);
+    ASSERT_TRUE(d.ok()) << d.status();
+    rpc::DocumentInfo info = *d;
+    for (int i = 0; i < 500 && info.state == rpc::DocumentState::FACTORING; ++i) {
+      std::this_thread::sleep_for(10ms);
+      auto g = alice->GetDocument(d->id);
+      ASSERT_TRUE(g.ok()) << g.status();
+      info = *g;
+    }
+    EXPECT_EQ(info.state, rpc::DocumentState::READY);
+    EXPECT_EQ(info.factored_tokens, 300);
+    ASSERT_TRUE(alice->DeleteDocument(d->id).ok());
+  }
   auto page = alice->ListDocuments(/*page_size=*/1);
   ASSERT_TRUE(page.ok());
   ASSERT_EQ(page->size(), 3u);
