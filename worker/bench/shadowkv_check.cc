@@ -516,7 +516,7 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
     sc.scale = in.scale;
     sc.scores = score_buf.as<float>();
     sc.score_stride = sstride;
-    b.ShadowkvScore(sc);
+    PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
     kn::TopKArgs tk;
     tk.values = score_buf.as<float>();
     tk.stride = sstride;
@@ -592,7 +592,7 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
     at.d = d;
     at.max_length = static_cast<int>(att_cap);
     at.scale = in.scale;
-    b.DecodeAttention(at);
+    PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(at));
 
     // ---- Results of the step.
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());

@@ -179,8 +179,10 @@ class Backend {
   virtual void RopeStore(const RopeStoreOp& op) = 0;
   virtual void SwiGLU(const float* gate_up, int n, int F, void* out) = 0;
   virtual void PrefillAttention(const PrefillAttentionOp& op) = 0;
-  virtual void DecodeAttention(const DecodeAttentionOp& op) = 0;
-  virtual void PrefixAttention(const PrefixAttentionOp& op) = 0;
+  // These three grow a device workspace with the batch: ResourceExhausted
+  // (nothing launched) when the device has no room for it, never a crash.
+  virtual Status DecodeAttention(const DecodeAttentionOp& op) = 0;
+  virtual Status PrefixAttention(const PrefixAttentionOp& op) = 0;
   // Picks one token per row of logits [rows, vocab]; out_host receives the ids.
   virtual Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                         int32_t* out_host) = 0;
@@ -198,16 +200,17 @@ class Backend {
   virtual void ChunkLandmarks(kernels::ChunkLandmarksArgs args) = 0;
   virtual void SelectOutlierChunks(const kernels::SelectOutliersArgs& args) = 0;
   virtual void GatherOutliers(kernels::GatherOutliersArgs args) = 0;
-  virtual void ShadowkvScore(kernels::ShadowkvScoreArgs args) = 0;
+  virtual Status ShadowkvScore(kernels::ShadowkvScoreArgs args) = 0;
   virtual void TopK(const kernels::TopKArgs& args) = 0;
   virtual void ShadowkvSlotUpdate(const kernels::ShadowkvSlotUpdateArgs& args) = 0;
   // Scores with their selection, then the selection's slot update (`update`
   // reads score.selection). The CUDA backend runs the update in the
   // selection's blocks (one launch fewer per layer); default: one, then the other.
-  virtual void ShadowkvScoreAndSlotUpdate(kernels::ShadowkvScoreArgs score,
-                                          const kernels::ShadowkvSlotUpdateArgs& update) {
-    ShadowkvScore(score);
+  virtual Status ShadowkvScoreAndSlotUpdate(kernels::ShadowkvScoreArgs score,
+                                            const kernels::ShadowkvSlotUpdateArgs& update) {
+    PENUMBRA_RETURN_IF_ERROR(ShadowkvScore(score));
     ShadowkvSlotUpdate(update);
+    return Status::OK();
   }
   virtual void ShadowkvRebuildK(kernels::ShadowkvRebuildKArgs args) = 0;
   // On the side stream when forked (V fetch overlaps the K rebuild).

@@ -115,7 +115,7 @@ class CpuBackend final : public Backend {
     a.scale = op.scale;
     kc::PrefillAttention(a);
   }
-  void DecodeAttention(const DecodeAttentionOp& op) override {
+  Status DecodeAttention(const DecodeAttentionOp& op) override {
     kc::DecodeAttentionArgs a;
     a.q = static_cast<const float*>(op.q);
     a.k = reinterpret_cast<const float* const*>(op.k);
@@ -130,8 +130,9 @@ class CpuBackend final : public Backend {
     a.d = op.d;
     a.scale = op.scale;
     kc::DecodeAttention(a);
+    return Status::OK();
   }
-  void PrefixAttention(const PrefixAttentionOp& op) override {
+  Status PrefixAttention(const PrefixAttentionOp& op) override {
     kc::PrefixAttentionArgs a;
     a.q = static_cast<const float*>(op.q);
     a.rows = op.rows;
@@ -147,6 +148,7 @@ class CpuBackend final : public Backend {
     a.d = op.d;
     a.scale = op.scale;
     kc::PrefixAttention(a);
+    return Status::OK();
   }
   Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                 int32_t* out_host) override {
@@ -243,7 +245,7 @@ class CpuBackend final : public Backend {
     c.mask_head_stride = a.mask_head_stride;
     kc::GatherOutliers(c);
   }
-  void ShadowkvScore(kernels::ShadowkvScoreArgs a) override {
+  Status ShadowkvScore(kernels::ShadowkvScoreArgs a) override {
     kc::ShadowkvScoreArgs c;
     c.q = static_cast<const float*>(a.q);
     c.landmarks = reinterpret_cast<const float* const*>(a.landmarks);
@@ -263,6 +265,7 @@ class CpuBackend final : public Backend {
     c.score_stride = a.score_stride;
     kc::ShadowkvScore(c);
     if (a.select_k > 0) TopK(kernels::ShadowkvSelectionTopK(a));  // what the CUDA kernels fuse
+    return Status::OK();
   }
   void TopK(const kernels::TopKArgs& a) override {
     kc::TopKArgs c;

@@ -242,9 +242,9 @@ class CudaBackend final : public Backend {
     a.scale = op.scale;
     kn::LaunchPrefillAttention(a, stream_);
   }
-  void DecodeAttention(const DecodeAttentionOp& op) override {
-    const Status grown = GrowWorkspace(&decode_ws_, kn::DecodeAttentionWorkspaceBytes(op.batch, op.hq, op.d, op.max_length));
-    CHECK(grown.ok()) << grown;
+  Status DecodeAttention(const DecodeAttentionOp& op) override {
+    PENUMBRA_RETURN_IF_ERROR(
+        GrowWorkspace(&decode_ws_, kn::DecodeAttentionWorkspaceBytes(op.batch, op.hq, op.d, op.max_length)));
     kn::DecodeAttentionArgs a;
     a.q = op.q;
     a.k = op.k;
@@ -263,11 +263,11 @@ class CudaBackend final : public Backend {
     a.workspace = decode_ws_.get();
     a.workspace_bytes = decode_ws_.bytes();
     kn::LaunchDecodeAttention(a, stream_);
+    return Status::OK();
   }
-  void PrefixAttention(const PrefixAttentionOp& op) override {
-    const Status grown =
-        GrowWorkspace(&prefix_ws_, kn::PrefixAttentionWorkspaceBytes(op.n, op.hq, op.hkv, op.d, op.keys));
-    CHECK(grown.ok()) << grown;
+  Status PrefixAttention(const PrefixAttentionOp& op) override {
+    PENUMBRA_RETURN_IF_ERROR(
+        GrowWorkspace(&prefix_ws_, kn::PrefixAttentionWorkspaceBytes(op.n, op.hq, op.hkv, op.d, op.keys)));
     kn::PrefixAttentionArgs a;
     a.q = op.q;
     a.rows = op.rows;
@@ -286,6 +286,7 @@ class CudaBackend final : public Backend {
     a.workspace = prefix_ws_.get();
     a.workspace_bytes = prefix_ws_.bytes();
     kn::LaunchPrefixAttention(a, stream_);
+    return Status::OK();
   }
   Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                 int32_t* out_host) override {
@@ -340,18 +341,18 @@ class CudaBackend final : public Backend {
     a.kv_dtype = act_;
     kn::LaunchGatherOutliers(a, stream_);
   }
-  void ShadowkvScore(kn::ShadowkvScoreArgs a) override { Score(a, nullptr); }
-  void ShadowkvScoreAndSlotUpdate(kn::ShadowkvScoreArgs a, const kn::ShadowkvSlotUpdateArgs& u) override {
-    Score(a, &u);
+  Status ShadowkvScore(kn::ShadowkvScoreArgs a) override { return Score(a, nullptr); }
+  Status ShadowkvScoreAndSlotUpdate(kn::ShadowkvScoreArgs a, const kn::ShadowkvSlotUpdateArgs& u) override {
+    return Score(a, &u);
   }
-  void Score(kn::ShadowkvScoreArgs a, const kn::ShadowkvSlotUpdateArgs* then_update) {
+  Status Score(kn::ShadowkvScoreArgs a, const kn::ShadowkvSlotUpdateArgs* then_update) {
     a.q_dtype = act_;
     a.dtype = act_;
-    const Status grown = GrowWorkspace(&score_ws_, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks));
-    CHECK(grown.ok()) << grown;
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&score_ws_, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks)));
     a.workspace = score_ws_.get();
     a.workspace_bytes = score_ws_.bytes();
     kn::LaunchShadowkvScore(a, stream_, then_update);
+    return Status::OK();
   }
   void TopK(const kn::TopKArgs& a) override { kn::LaunchTopK(a, stream_); }
   void ShadowkvSlotUpdate(const kn::ShadowkvSlotUpdateArgs& a) override { kn::LaunchShadowkvSlotUpdate(a, stream_); }

@@ -140,7 +140,7 @@ class FullKvPolicy final : public KvPolicy {
     ctx_.backend->PrefillAttention(a);
     if (s.fp != nullptr) {
       const auto* rows = reinterpret_cast<const int32_t*>(static_cast<void* const*>(ptr_buf_.get()) + ptrs.size());
-      PrefixPart(layer, *s.fp, q_scratch, rows, n, out);
+      PENUMBRA_RETURN_IF_ERROR(PrefixPart(layer, *s.fp, q_scratch, rows, n, out));
     }
     s.length = std::max(s.length, start + n);
     return Status::OK();
@@ -299,10 +299,12 @@ class FullKvPolicy final : public KvPolicy {
       a.d = ctx_.head_dim;
       a.max_length = static_cast<int>(step_max_len_);
       a.scale = ctx_.scale;
-      ctx_.backend->DecodeAttention(a);
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->DecodeAttention(a));
       i = j;
     }
-    for (const StepPrefix& sp : step_prefixes_) PrefixPart(layer, *sp.prefix, q_scratch, tail + sp.offset, sp.n, out);
+    for (const StepPrefix& sp : step_prefixes_) {
+      PENUMBRA_RETURN_IF_ERROR(PrefixPart(layer, *sp.prefix, q_scratch, tail + sp.offset, sp.n, out));
+    }
     return Status::OK();
   }
 
@@ -325,7 +327,7 @@ class FullKvPolicy final : public KvPolicy {
 
   // Merges prefix `p`'s part of `layer` into out for the rows `rows` (device
   // [n]) of q; lse_ holds their own parts' log-sum-exp.
-  void PrefixPart(int layer, const FullKvPrefix& p, const void* q, const int32_t* rows, int n, void* out) {
+  Status PrefixPart(int layer, const FullKvPrefix& p, const void* q, const int32_t* rows, int n, void* out) {
     const int64_t per_layer = static_cast<int64_t>(ctx_.hkv) * p.tokens() * ctx_.head_dim;
     PrefixAttentionOp a;
     a.q = q;
@@ -341,7 +343,7 @@ class FullKvPolicy final : public KvPolicy {
     a.hkv = ctx_.hkv;
     a.d = ctx_.head_dim;
     a.scale = ctx_.scale;
-    ctx_.backend->PrefixAttention(a);
+    return ctx_.backend->PrefixAttention(a);
   }
 
   size_t DeviceBytes(int64_t seq) const override {

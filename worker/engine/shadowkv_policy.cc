@@ -673,13 +673,13 @@ class ShadowKvPolicy final : public KvPolicy {
       if (pipelined) {
         attention.push_back(a);
       } else {
-        b.DecodeAttention(a);
+        PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(a));
         Lap("sparse_attention");
       }
     }
     for (size_t gi = 0; gi < attention.size(); ++gi) {
       if (step_[groups_[gi].first]->sparse) b.WaitSideMark(static_cast<int>(gi));
-      b.DecodeAttention(attention[gi]);
+      PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(attention[gi]));
       Lap("sparse_attention");
     }
     return Status::OK();
@@ -733,7 +733,7 @@ class ShadowKvPolicy final : public KvPolicy {
     su.kslots = K;
     su.chunk_cap = s0.chunk_cap;
     su.force_keep = static_cast<float>(o_.force_hit_rate);
-    b.ShadowkvScoreAndSlotUpdate(sc, su);  // one launch after the logits on the GPU
+    PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScoreAndSlotUpdate(sc, su));  // one launch after the logits on the GPU
     Lap("score_topk_slot_update");
     // Misses: V from the store on the side stream, K rebuilt on the main one.
     b.ForkSide();
