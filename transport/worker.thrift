@@ -47,6 +47,7 @@ struct WorkerStats {
   11: i64 cached_prompt_tokens,
   12: i64 generated_tokens,
   13: i64 admission_waits,
+  14: double prefill_piece_max_seconds,  // the longest prefill piece (the running batch waited that long)
 }
 
 service Worker {

@@ -318,7 +318,10 @@ Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, Prefi
 
 Status Runtime::CaptureSegment(int64_t seq, const GenerationRequest& q, PrefillState* st, size_t seg, int64_t end) {
   if (prefix_cache_->Contains(st->keys[seg])) return Status::OK();
+  const double t0 = NowSeconds();
   Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, end);
+  const double captured = NowSeconds() - t0;
+  if (captured > 0.2) LOG(INFO) << "captured a " << end << "-token prefix in " << captured << " s";
   if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {
     st->capture = false;  // this policy cannot: no reuse
     return Status::OK();

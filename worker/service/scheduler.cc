@@ -283,7 +283,16 @@ void Scheduler::PrefillOne() {
     if (prefilling_.empty()) return;
     r = prefilling_.front();
   }
+  const Clock::time_point t0 = Clock::now();
+  const int64_t from = r->prefill.at;
   Result<bool> done = rt_->PrefillStep(r->seq, r->req, &r->prefill, o_.prefill_tokens_per_step);
+  const double piece = Seconds(Clock::now() - t0);
+  if (piece > 0.5) {
+    // How long the running batch waited: worth seeing in the log.
+    LOG(INFO) << "scheduler: a prefill piece of request " << r->id << " took " << piece << " s (tokens " << from
+              << " -> " << r->prefill.at << " of " << r->req.prompt.size()
+              << (r->prefill.partial ? ", layer " + std::to_string(r->prefill.partial->layer) : std::string()) << ")";
+  }
   int32_t id = 0;
   Status sampled = Status::OK();
   const bool prefill_only = r->req.max_new_tokens == 0;
@@ -293,6 +302,7 @@ void Scheduler::PrefillOne() {
   }
   std::lock_guard<std::mutex> lk(mu_);
   ++stats_.prefill_pieces;
+  stats_.prefill_piece_max_seconds = std::max(stats_.prefill_piece_max_seconds, piece);
   r->prefilled = r->prefill.at;
   if (done.ok() && !*done) return;
   prefilling_.pop_front();

@@ -90,6 +90,8 @@ struct SchedulerStats {
   // Decode steps taken while a prompt was part-way through its prefill.
   int64_t interleaved_decode_steps = 0;
   int64_t prefill_pieces = 0;
+  // The longest prefill piece: the longest the running batch waited for one.
+  double prefill_piece_max_seconds = 0;
   int64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
   // Admissions deferred because the request did not fit next to the running ones.
   int64_t admission_waits = 0;

@@ -58,6 +58,8 @@ class WorkerMetrics {
     queued_ = &gauge("penumbra_worker_requests_queued", "Requests waiting for admission.");
     prefilling_ = &gauge("penumbra_worker_requests_prefilling", "Requests in prefill.");
     decoding_ = &gauge("penumbra_worker_requests_decoding", "Requests in the decode batch.");
+    piece_max_ = &gauge("penumbra_worker_prefill_piece_max_seconds",
+                        "The longest prefill piece so far: the longest the running batch waited for one.");
   }
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   // Called at each scrape (the HTTP server's threads).
@@ -82,6 +84,7 @@ class WorkerMetrics {
     queued_->Set(static_cast<double>(n.queued));
     prefilling_->Set(static_cast<double>(n.prefilling));
     decoding_->Set(static_cast<double>(n.decoding));
+    piece_max_->Set(n.prefill_piece_max_seconds);
   }
 
  private:
@@ -91,7 +94,7 @@ class WorkerMetrics {
   service::SchedulerStats last_;
   prometheus::Counter *submitted_, *finished_, *failed_, *cancelled_, *decode_steps_, *interleaved_,
       *prefill_pieces_, *prompt_, *cached_, *generated_, *waits_;
-  prometheus::Gauge *queued_, *prefilling_, *decoding_;
+  prometheus::Gauge *queued_, *prefilling_, *decoding_, *piece_max_;
 };
 
 Status Run(int argc, char** argv) {

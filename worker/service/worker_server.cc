@@ -130,6 +130,7 @@ void WorkerHandler::Stats(rpc::WorkerStats& out) {
   out.cached_prompt_tokens = s.cached_prompt_tokens;
   out.generated_tokens = s.generated_tokens;
   out.admission_waits = s.admission_waits;
+  out.prefill_piece_max_seconds = s.prefill_piece_max_seconds;
 }
 
 Result<std::unique_ptr<WorkerServer>> WorkerServer::Start(Scheduler* scheduler, WorkerIdentity identity,
