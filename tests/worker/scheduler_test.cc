@@ -446,3 +446,46 @@ TEST_F(SchedulerTest, ReleasingARunningRequestCancelsAndForgetsIt) {
 
 }  // namespace
 }  // namespace penumbra::service
+
+namespace penumbra::service {
+namespace {
+
+// Cancels racing admissions: a queued request cancelled while the loop is
+// admitting it (or the one behind it) ends, and no other request is lost.
+TEST_F(SchedulerTest, CancellingWhileAdmittingLosesNoRequest) {
+  auto e = OpenEngine();
+  ASSERT_TRUE(e);
+  SchedulerOptions so;
+  so.max_batch = 1;
+  auto s = Start(*e, so);
+  ASSERT_TRUE(s);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<uint64_t> ids;
+    for (int i = 0; i < 4; ++i) {
+      auto id = s->Submit(Req(30 + i, 3, 1000 + round * 4 + i));
+      ASSERT_TRUE(id.ok()) << id.status();
+      ids.push_back(*id);
+    }
+    // Cancel all but the last, as fast as possible, while the loop admits.
+    for (int i = 0; i + 1 < 4; ++i) ASSERT_TRUE(s->Cancel(ids[i]).ok());
+    for (uint64_t id : ids) {
+      RequestUpdate u;
+      int64_t have = 0;
+      for (int t = 0; t < 300 && !u.done; ++t) {  // 30 s at most
+        auto p = s->Poll(id, have, 100ms);
+        ASSERT_TRUE(p.ok()) << p.status();
+        u = *p;
+        have += static_cast<int64_t>(p->ids.size());
+      }
+      ASSERT_TRUE(u.done) << "round " << round << ": request " << id << " never ended";
+    }
+    auto last = s->Poll(ids.back(), 0, 0ms);
+    ASSERT_TRUE(last.ok());
+    EXPECT_EQ(last->finish_reason, "length") << "round " << round;
+  }
+  const SchedulerStats st = s->stats();
+  EXPECT_EQ(st.queued + st.prefilling + st.decoding, 0);
+}
+
+}  // namespace
+}  // namespace penumbra::service

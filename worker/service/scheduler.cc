@@ -252,8 +252,16 @@ void Scheduler::Admit() {
   GenerationResult admitted;
   Status s = rt_->BeginPrefill(r->seq, r->req, &r->prefill, &admitted);
   std::lock_guard<std::mutex> lk(mu_);
+  // The lock was not held while the runtime worked: a client may have
+  // cancelled r meanwhile (Cancel ends a queued request and takes it out of
+  // the queue), so r is looked up, never assumed to be the queue's front.
+  auto it = std::find(queue_.begin(), queue_.end(), r);
+  if (it == queue_.end() || r->done) {
+    if (s.ok()) rt_->RemoveSequence(r->seq);
+    return;
+  }
   if (s.ok()) {
-    queue_.pop_front();
+    queue_.erase(it);
     r->admitted = Clock::now();
     r->cached_prompt_tokens = admitted.cached_prompt_tokens;
     r->prefilled = r->prefill.at;
@@ -272,7 +280,7 @@ void Scheduler::Admit() {
     return;
   }
   // Cannot fit even alone, or a request the runtime refuses: it ends here.
-  queue_.pop_front();
+  queue_.erase(it);
   Finish(*r, "error", s);
 }
 
