@@ -904,7 +904,7 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
       } else {
         const int64_t c = a.miss_chunk[at];
         if (c < a.shared_chunks) {
-          src = static_cast<const char*>(a.shared_store[b]) + (static_cast<int64_t>(h) * a.shared_chunks + c) * chunk_bytes;
+          src = static_cast<const char*>(a.shared_store[b]) + (static_cast<int64_t>(h) * a.shared_stride + c) * chunk_bytes;
         } else {
           src = static_cast<const char*>(a.value_store[b]) +
                 (static_cast<int64_t>(h) * a.chunk_cap + c - a.shared_chunks) * chunk_bytes;

@@ -185,12 +185,13 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& args, cudaStream_t strea
 // Requires C*d*sizeof(dtype) % 16 == 0 and 16-byte aligned bases.
 struct ShadowkvFetchVArgs {
   // Chunks below shared_chunks come from shared_store[b] (a prefix's values,
-  // [hkv][shared_chunks][C*d], held by every sequence attached to it); chunk
+  // [hkv][shared_stride][C*d], held by every sequence attached to it); chunk
   // c >= shared_chunks from value_store[b] as row c - shared_chunks.
   const void* const* value_store = nullptr;  // device [batch] -> [hkv][chunk_cap][C*d]
   int chunk_cap = 0;
   const void* const* shared_store = nullptr;  // device [batch]; may be null when shared_chunks == 0
   int shared_chunks = 0;
+  int shared_stride = 0;                     // rows from one head's shared values to the next's (>= shared_chunks)
   const void* staging = nullptr;             // ScatterV only
   const int32_t* staging_offsets = nullptr;  // ScatterV only, device [batch * hkv]
   const int32_t* miss_count = nullptr;

@@ -44,7 +44,7 @@ std::string SegmentLayout::ToString() const {
 struct DramValueStore::Segment {
   SegmentLayout layout;
   size_t row_bytes = 0;
-  char* data = nullptr;
+  std::vector<char*> layers;  // one allocation per layer; null until allocated
   // Per row ((layer * kv_heads + head) * chunk_capacity + chunk). Distinct rows
   // are distinct objects, so concurrent puts of different rows do not race.
   std::vector<uint64_t> checksum;
@@ -53,7 +53,12 @@ struct DramValueStore::Segment {
   size_t Row(int layer, int head, int chunk) const {
     return (static_cast<size_t>(layer) * layout.kv_heads + head) * layout.chunk_capacity + chunk;
   }
-  char* RowPtr(size_t row) const { return data + row * row_bytes; }
+  // Rows of an allocated layer only (callers check Allocated first).
+  char* RowPtr(size_t row) const {
+    const size_t per_layer = layout.chunks_per_layer();
+    return layers[row / per_layer] + row % per_layer * row_bytes;
+  }
+  bool Allocated(int layer) const { return layers[static_cast<size_t>(layer)] != nullptr; }
 };
 
 namespace {
@@ -76,7 +81,16 @@ DramValueStore::DramValueStore(HostAllocator* allocator, DramValueStoreOptions o
 }
 
 DramValueStore::~DramValueStore() {
-  for (auto& [id, seg] : segments_) allocator_->Free(seg->data);
+  for (auto& [id, seg] : segments_) {
+    for (char* p : seg->layers) {
+      if (p) allocator_->Free(p);
+    }
+  }
+}
+
+Status DramValueStore::NotAllocated(SegmentId id, int layer, const char* op) {
+  return Status::FailedPrecondition(std::string(op) + ": layer " + std::to_string(layer) + " of segment " +
+                                    std::to_string(id) + " is not allocated (AllocateLayer)");
 }
 
 Result<DramValueStore::Segment*> DramValueStore::Find(SegmentId id) const {
@@ -86,6 +100,18 @@ Result<DramValueStore::Segment*> DramValueStore::Find(SegmentId id) const {
 }
 
 Result<SegmentId> DramValueStore::CreateSegment(const SegmentLayout& layout) {
+  PENUMBRA_ASSIGN_OR_RETURN(SegmentId id, ReserveSegment(layout));
+  for (int l = 0; l < layout.layers; ++l) {
+    Result<const void*> base = AllocateLayer(id, l);
+    if (!base.ok()) {
+      (void)DropSegment(id);
+      return base.status();
+    }
+  }
+  return id;
+}
+
+Result<SegmentId> DramValueStore::ReserveSegment(const SegmentLayout& layout) {
   PENUMBRA_RETURN_IF_ERROR(layout.Validate());
   const size_t bytes = layout.total_bytes();
   std::unique_lock lock(mu_);
@@ -93,11 +119,10 @@ Result<SegmentId> DramValueStore::CreateSegment(const SegmentLayout& layout) {
     return Status::ResourceExhausted("value store: segment of " + std::to_string(bytes) + " bytes does not fit (" +
                                      std::to_string(bytes_used_) + " of " + std::to_string(options_.capacity_bytes) +
                                      " used)");
-  PENUMBRA_ASSIGN_OR_RETURN(void* data, allocator_->Allocate(bytes));
   auto seg = std::make_unique<Segment>();
   seg->layout = layout;
   seg->row_bytes = layout.chunk_bytes();
-  seg->data = static_cast<char*>(data);
+  seg->layers.assign(static_cast<size_t>(layout.layers), nullptr);
   const size_t rows = layout.chunks_per_layer() * static_cast<size_t>(layout.layers);
   seg->checksum.assign(rows, 0);
   seg->written.assign(rows, 0);
@@ -105,6 +130,31 @@ Result<SegmentId> DramValueStore::CreateSegment(const SegmentLayout& layout) {
   segments_.emplace(id, std::move(seg));
   bytes_used_ += bytes;
   return id;
+}
+
+Result<const void*> DramValueStore::AllocateLayer(SegmentId id, int layer) {
+  size_t bytes = 0;
+  {
+    std::shared_lock lock(mu_);
+    PENUMBRA_ASSIGN_OR_RETURN(const Segment* s, Find(id));
+    if (layer < 0 || layer >= s->layout.layers)
+      return Status::InvalidArgument("AllocateLayer: layer " + std::to_string(layer) + " out of range for " +
+                                     s->layout.ToString());
+    if (s->Allocated(layer)) return static_cast<const void*>(s->layers[static_cast<size_t>(layer)]);
+    bytes = s->layout.layer_bytes();
+  }
+  // Allocated without the lock (pinning a layer of a long segment takes
+  // tenths of a second; other segments are read meanwhile).
+  PENUMBRA_ASSIGN_OR_RETURN(void* mem, allocator_->Allocate(bytes));
+  std::unique_lock lock(mu_);
+  Result<Segment*> s = Find(id);
+  if (!s.ok() || (*s)->Allocated(layer)) {  // dropped, or allocated by a racing call
+    allocator_->Free(mem);
+    if (!s.ok()) return s.status();
+    return static_cast<const void*>((*s)->layers[static_cast<size_t>(layer)]);
+  }
+  (*s)->layers[static_cast<size_t>(layer)] = static_cast<char*>(mem);
+  return static_cast<const void*>(mem);
 }
 
 Result<SegmentLayout> DramValueStore::Layout(SegmentId id) const {
@@ -124,6 +174,7 @@ Status DramValueStore::PutChunks(SegmentId id, int layer, int kv_head, int first
                                    std::to_string(kv_head) + ", chunks [" + std::to_string(first_chunk) + ", +" +
                                    std::to_string(n_chunks) + ") out of range for " + l.ToString());
   if (n_chunks > 0 && src == nullptr) return Status::InvalidArgument("PutChunks: null src");
+  if (!s->Allocated(layer)) return NotAllocated(id, layer, "PutChunks");
   const size_t first = s->Row(layer, kv_head, first_chunk);
   const char* in = static_cast<const char*>(src);
   for (int i = 0; i < n_chunks; ++i) {
@@ -150,6 +201,7 @@ Status DramValueStore::GatherChunks(SegmentId id, int layer, std::span<const Chu
     return Status::InvalidArgument("GatherChunks: layer " + std::to_string(layer) + " out of range for " +
                                    l.ToString());
   if (!refs.empty() && dst == nullptr) return Status::InvalidArgument("GatherChunks: null dst");
+  if (!refs.empty() && !s->Allocated(layer)) return NotAllocated(id, layer, "GatherChunks");
   for (size_t i = 0; i < refs.size(); ++i) {
     const ChunkRef& r = refs[i];
     if (r.kv_head < 0 || r.kv_head >= l.kv_heads || r.chunk < 0 || r.chunk >= l.chunk_capacity)
@@ -184,13 +236,29 @@ Status DramValueStore::Verify(SegmentId id) const {
 }
 
 Status DramValueStore::DropSegment(SegmentId id) {
+  std::unique_ptr<Segment> seg;
+  {
+    std::unique_lock lock(mu_);
+    auto it = segments_.find(id);
+    if (it == segments_.end()) return Status::NotFound("value store: no segment " + std::to_string(id));
+    seg = std::move(it->second);
+    bytes_used_ -= seg->layout.total_bytes();
+    segments_.erase(it);
+  }
+  for (char* p : seg->layers) {
+    if (p) allocator_->Free(p);
+  }
+  return Status::OK();
+}
+
+Result<std::vector<void*>> DramValueStore::DetachSegment(SegmentId id) {
   std::unique_lock lock(mu_);
   auto it = segments_.find(id);
   if (it == segments_.end()) return Status::NotFound("value store: no segment " + std::to_string(id));
-  allocator_->Free(it->second->data);
+  std::vector<void*> layers(it->second->layers.begin(), it->second->layers.end());
   bytes_used_ -= it->second->layout.total_bytes();
   segments_.erase(it);
-  return Status::OK();
+  return layers;
 }
 
 size_t DramValueStore::bytes_used() const {
@@ -204,7 +272,8 @@ Result<const void*> DramValueStore::LayerBase(SegmentId id, int layer) const {
   if (layer < 0 || layer >= s->layout.layers)
     return Status::InvalidArgument("LayerBase: layer " + std::to_string(layer) + " out of range for " +
                                    s->layout.ToString());
-  return static_cast<const void*>(s->data + static_cast<size_t>(layer) * s->layout.layer_bytes());
+  if (!s->Allocated(layer)) return NotAllocated(id, layer, "LayerBase");
+  return static_cast<const void*>(s->layers[static_cast<size_t>(layer)]);
 }
 
 }  // namespace penumbra::storage

@@ -177,7 +177,7 @@ void ShadowkvFetchV(const ShadowkvFetchVArgs& a) {
       } else {
         const int chunk = a.miss_chunk[row * a.miss_stride + m];
         if (chunk < a.shared_chunks) {
-          src = a.shared_store[b] + (static_cast<int64_t>(h) * a.shared_chunks + chunk) * chunk_elems;
+          src = a.shared_store[b] + (static_cast<int64_t>(h) * a.shared_stride + chunk) * chunk_elems;
         } else {
           src = a.value_store[b] + (static_cast<int64_t>(h) * a.chunk_cap + chunk - a.shared_chunks) * chunk_elems;
         }

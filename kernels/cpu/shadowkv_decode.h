@@ -85,6 +85,7 @@ struct ShadowkvFetchVArgs {
   int chunk_cap = 0;
   const float* const* shared_store = nullptr;  // chunks below shared_chunks (see the CUDA header)
   int shared_chunks = 0;
+  int shared_stride = 0;
   const float* staging = nullptr;
   const int32_t* staging_offsets = nullptr;
   const int32_t* miss_count = nullptr;

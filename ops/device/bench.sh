@@ -48,7 +48,8 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             time to first token of a 64-token question about it, then 14 such questions decoding together
             (sequences of 124928 tokens), and (shadowkv) a second document put while they decode (the longest
             token gap they see); beside penumbra-bench shared and decode at the same shape, and the
-            peer (--shared-prefix --graph) first and last; SERVICE_POLICY=full for the full policy
+            peer (--shared-prefix --graph) first and last; SERVICE_POLICY=full for the full policy;
+            SERVICE_COMPARE=0 runs the service alone (the peer once), then prints the worker's slow steps
   eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
             must travel: see ops/device/pack.sh)
 EOF
@@ -211,9 +212,11 @@ suite_service() {
   local M=configs/bench/llama-3.1-8b D="$OUT/service-$P" SKVO="--kv-policy $P --prefill-chunk 1024"
   mkdir -p "$D"
   run 300 $PEER decode --shared-prefix --graph --batch 14 --context 124928 --steps 20
-  run 400 $R penumbra-bench shared $SKVO --context 124864 --question 64 --batch 14 --steps 100
-  [ "$P" = shadowkv ] &&
-    run 400 $R penumbra-bench decode $SKVO --context 124928 --batch 14 --lanes 1 --steps 100 --hit-rates natural
+  if [ "${SERVICE_COMPARE:-1}" = 1 ]; then
+    run 400 $R penumbra-bench shared $SKVO --context 124864 --question 64 --batch 14 --steps 100
+    [ "$P" = shadowkv ] &&
+      run 400 $R penumbra-bench decode $SKVO --context 124928 --batch 14 --lanes 1 --steps 100 --hit-rates natural
+  fi
   $R penumbra-worker --model $M --random-weights 1 --device cuda $SKVO --max-batch 16 --prefix-cache-mb 60000 \
     --port-file "$D/worker.json" > "$D/worker.log" 2>&1 &
   local wpid=$!
@@ -227,7 +230,8 @@ suite_service() {
   run 600 $R penumbra-service-bench --address 127.0.0.1:$cport --context 124928 --question 64 --batch 14 \
     --max-new-tokens 2048 --window-s 20 --vocab 128256 $([ "$P" = shadowkv ] && echo --put-during-decode)
   kill -TERM $cpid $wpid; wait $cpid $wpid
-  run 300 $PEER decode --shared-prefix --graph --batch 14 --context 124928 --steps 20
+  [ "${SERVICE_COMPARE:-1}" = 1 ] && run 300 $PEER decode --shared-prefix --graph --batch 14 --context 124928 --steps 20
+  grep -E 'admitting|captured|prefill piece' "$D/worker.log" | tail -40
 }
 
 # The store lives on the disk of the working copy (not /tmp, which may be

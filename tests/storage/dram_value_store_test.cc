@@ -67,7 +67,7 @@ TEST(DramValueStoreTest, PutGatherRoundTripAndLayerBase) {
   // Zero-copy view: row (head 2, chunk 1) of layer 1.
   auto base = store.LayerBase(*id, 1);
   ASSERT_TRUE(base.ok());
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(*base) % AlignedHostAllocator::kAlignment, l.layer_bytes() % 4096);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(*base) % AlignedHostAllocator::kAlignment, 0u);  // one allocation per layer
   EXPECT_EQ(0, std::memcmp(static_cast<const char*>(*base) + (2 * l.chunk_capacity + 1) * rb, rows.data(), rb));
   EXPECT_TRUE(store.Verify(*id).ok());
   ASSERT_TRUE(store.DropSegment(*id).ok());
@@ -128,11 +128,95 @@ TEST(DramValueStoreTest, CapacityAndAllocatorFailureReserveNothing) {
   ASSERT_TRUE(store.DropSegment(*a).ok());
   EXPECT_TRUE(store.CreateSegment(l).ok());
 
-  FailingAllocator failing(1);
+  // 2 layers per segment: the second segment gets its first layer, fails on
+  // its second, and gives the first back.
+  FailingAllocator failing(3);
   DramValueStore store2(&failing, {});
   ASSERT_TRUE(store2.CreateSegment(l).ok());
   EXPECT_EQ(store2.CreateSegment(l).status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(store2.bytes_used(), l.total_bytes());
+}
+
+// Counts live allocations, so a test can see what is pinned when.
+class CountingAllocator final : public HostAllocator {
+ public:
+  Result<void*> Allocate(size_t bytes) override {
+    ++live;
+    return real_.Allocate(bytes);
+  }
+  void Free(void* p) override {
+    --live;
+    real_.Free(p);
+  }
+  int live = 0;
+
+ private:
+  AlignedHostAllocator real_;
+};
+
+TEST(DramValueStoreTest, ReservedSegmentAllocatesLayersAsTheyAreReached) {
+  const SegmentLayout l = SmallLayout();
+  CountingAllocator alloc;
+  DramValueStore store(&alloc, {.capacity_bytes = l.total_bytes() + 10});
+  auto id = store.ReserveSegment(l);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(alloc.live, 0);
+  EXPECT_EQ(store.bytes_used(), l.total_bytes());  // counted from the start
+  EXPECT_EQ(store.ReserveSegment(l).status().code(), StatusCode::kResourceExhausted);
+  std::mt19937_64 rng(3);
+  auto rows = RandomRows(rng, 2, l.chunk_bytes());
+  const ChunkRef ref{0, 0};
+  std::vector<char> out(l.chunk_bytes());
+  // Layer 1 is not there yet: every access is refused, naming it.
+  const Status put = store.PutChunks(*id, 1, 0, 0, 2, rows.data());
+  EXPECT_EQ(put.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(put.message().find("layer 1"), std::string::npos) << put;
+  EXPECT_EQ(store.GatherChunks(*id, 1, std::span(&ref, 1), out.data()).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store.LayerBase(*id, 1).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(store.Verify(*id).ok());
+  auto base1 = store.AllocateLayer(*id, 1);
+  ASSERT_TRUE(base1.ok()) << base1.status();
+  EXPECT_EQ(alloc.live, 1);
+  auto again = store.AllocateLayer(*id, 1);  // idempotent
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *base1);
+  EXPECT_EQ(alloc.live, 1);
+  EXPECT_EQ(store.AllocateLayer(*id, 2).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(store.PutChunks(*id, 1, 2, 3, 2, rows.data()).ok());
+  const ChunkRef r{2, 4};
+  ASSERT_TRUE(store.GatherChunks(*id, 1, std::span(&r, 1), out.data()).ok());
+  EXPECT_EQ(0, std::memcmp(out.data(), rows.data() + l.chunk_bytes(), l.chunk_bytes()));
+  EXPECT_EQ(store.LayerBase(*id, 0).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(store.Verify(*id).ok());
+  ASSERT_TRUE(store.DropSegment(*id).ok());
+  EXPECT_EQ(alloc.live, 0);
+  EXPECT_EQ(store.bytes_used(), 0u);
+}
+
+TEST(DramValueStoreTest, DetachHandsTheLayersOverUnfreed) {
+  const SegmentLayout l = SmallLayout();
+  CountingAllocator alloc;
+  DramValueStore store(&alloc, {});
+  auto id = store.ReserveSegment(l);
+  ASSERT_TRUE(id.ok());
+  auto base0 = store.AllocateLayer(*id, 0);
+  ASSERT_TRUE(base0.ok());
+  std::mt19937_64 rng(4);
+  auto rows = RandomRows(rng, 1, l.chunk_bytes());
+  ASSERT_TRUE(store.PutChunks(*id, 0, 1, 2, 1, rows.data()).ok());
+  auto layers = store.DetachSegment(*id);
+  ASSERT_TRUE(layers.ok()) << layers.status();
+  ASSERT_EQ(layers->size(), 2u);
+  EXPECT_EQ((*layers)[0], *base0);
+  EXPECT_EQ((*layers)[1], nullptr);  // never allocated
+  EXPECT_EQ(store.bytes_used(), 0u);
+  EXPECT_EQ(alloc.live, 1);  // the caller owns it now
+  EXPECT_EQ(0, std::memcmp(static_cast<const char*>((*layers)[0]) + (1 * l.chunk_capacity + 2) * l.chunk_bytes(),
+                           rows.data(), l.chunk_bytes()));
+  EXPECT_EQ(store.LayerBase(*id, 0).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(store.DropSegment(*id).code(), StatusCode::kNotFound);
+  alloc.Free((*layers)[0]);
+  EXPECT_EQ(alloc.live, 0);
 }
 
 TEST(DramValueStoreTest, DetectsCorruption) {

@@ -16,6 +16,7 @@
 #include "worker/engine/engine.h"
 #include "worker/engine/prefix_cache.h"
 #include "worker/engine/prefix_store_writer.h"
+#include "worker/engine/shadowkv_prefix.h"
 
 namespace penumbra {
 namespace {
@@ -212,6 +213,69 @@ TEST_P(PrefixReuseTest, ExportedPrefixImportsIntoAnotherEngine) {
   spec.prompt_len = 151;
   EXPECT_EQ(pb.AddSequence(1, spec).code(), StatusCode::kInvalidArgument);
   pb.RemoveSequence(0);
+}
+
+// A document's put (a prefill-only request) ends its sequence there, so the
+// policy may move the sequence's state into the prefix instead of copying it
+// (shadowkv: the value store's rows become the prefix's, strided by the
+// store's capacity). The moved prefix exports the same bytes as a copied one,
+// and a question attached to it gets the cold tokens.
+TEST_P(PrefixReuseTest, APutDocumentsStateMovesIntoTheCacheUnchanged) {
+  const std::string policy = GetParam();
+  auto e = OpenEngine(0, policy);
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  KvPolicy& pol = rt.policy();
+  for (int64_t seq : {0, 1}) {
+    ASSERT_TRUE(rt.AddSequence(seq, 151, 0).ok());
+    ASSERT_TRUE(rt.Prefill(seq, kDoc, nullptr).ok());
+  }
+  auto copied = pol.CapturePrefix(0, 151);
+  ASSERT_TRUE(copied.ok()) << copied.status();
+  auto moved = pol.TakePrefix(1, 151);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  if (policy == "shadowkv" || policy == "shadowkv-staging") {
+    const auto* sp = dynamic_cast<const ShadowKvPrefix*>(moved->get());
+    ASSERT_NE(sp, nullptr);
+    EXPECT_GT(sp->value_stride(), sp->geometry().n_chunks);  // the store's rows, not a copy
+    EXPECT_EQ(dynamic_cast<const ShadowKvPrefix*>(copied->get())->value_stride(), sp->geometry().n_chunks);
+    EXPECT_EQ(pol.CapturePrefix(1, 151).status().code(), StatusCode::kFailedPrecondition);
+  }
+  pol.RemoveSequence(1);  // the prefix keeps what it took
+  pol.RemoveSequence(0);
+  auto a = (*copied)->Export(), b = (*moved)->Export();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(*a == *b);
+
+  // A question attached to either gives the same logits.
+  const GenerationRequest r = Request(kDoc, kQ1, false);
+  const int64_t P = static_cast<int64_t>(r.prompt.size());
+  std::vector<float> logits[2];
+  for (int i = 0; i < 2; ++i) {
+    SequenceSpec spec;
+    spec.prompt_len = P;
+    spec.max_new_tokens = 1;
+    spec.prefix = i == 0 ? *copied : *moved;
+    ASSERT_TRUE(pol.AddSequence(10 + i, spec).ok());
+    ASSERT_TRUE(rt.Prefill(10 + i, r.prompt, &logits[i], 151).ok());
+    pol.RemoveSequence(10 + i);
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+
+  // Through the runtime: a put (max_new_tokens 0) then a question about it.
+  auto cached = OpenEngine(64 << 20, policy);
+  ASSERT_NE(cached, nullptr);
+  GenerationRequest put = Request(kDoc, {}, true);
+  put.max_new_tokens = 0;
+  auto p = cached->runtime().Generate({put});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)[0].finish_reason, "prefilled");
+  for (const auto& q : {kQ1, kQ2}) {
+    auto g = cached->runtime().Generate({Request(kDoc, q, true)});
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ((*g)[0].cached_prompt_tokens, 151);
+    EXPECT_EQ((*g)[0].ids, Cold(Request(kDoc, q, true), policy));
+  }
 }
 
 TEST_P(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) {

@@ -325,6 +325,7 @@ class CpuBackend final : public Backend {
     c.chunk_cap = a.chunk_cap;
     c.shared_store = reinterpret_cast<const float* const*>(a.shared_store);
     c.shared_chunks = a.shared_chunks;
+    c.shared_stride = a.shared_stride;
     c.staging = static_cast<const float*>(a.staging);
     c.staging_offsets = a.staging_offsets;
     c.miss_count = a.miss_count;

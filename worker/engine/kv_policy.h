@@ -137,6 +137,12 @@ class KvPolicy {
   virtual Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) {
     return Status::Unimplemented("the " + name() + " KV policy cannot capture prompt prefixes yet");
   }
+  // As CapturePrefix, for a sequence that ends there (a document's put): the
+  // policy may move the sequence's state into the prefix instead of copying
+  // it, after which the sequence may only be removed. The default copies.
+  virtual Result<std::shared_ptr<const KvPrefix>> TakePrefix(int64_t seq, int64_t tokens) {
+    return CapturePrefix(seq, tokens);
+  }
   // Rebuilds a prefix from KvPrefix::Export's blobs. InvalidArgument (or
   // Corruption) naming the blob when they do not fit this policy's geometry.
   virtual Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) {

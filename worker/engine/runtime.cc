@@ -319,7 +319,10 @@ Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, Prefi
 Status Runtime::CaptureSegment(int64_t seq, const GenerationRequest& q, PrefillState* st, size_t seg, int64_t end) {
   if (prefix_cache_->Contains(st->keys[seg])) return Status::OK();
   const double t0 = NowSeconds();
-  Result<std::shared_ptr<const KvPrefix>> p = policy_->CapturePrefix(seq, end);
+  // A prefill-only request (a document's put) ends here: its state moves
+  // into the prefix rather than being copied.
+  const bool last = end == static_cast<int64_t>(q.prompt.size()) && q.max_new_tokens == 0;
+  Result<std::shared_ptr<const KvPrefix>> p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
   const double captured = NowSeconds() - t0;
   if (captured > 0.2) LOG(INFO) << "captured a " << end << "-token prefix in " << captured << " s";
   if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {

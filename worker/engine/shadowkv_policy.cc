@@ -88,6 +88,7 @@ class ShadowKvPolicy final : public KvPolicy {
                                        std::to_string(s.token_cap) + " tokens");
       }
       s.shared_chunks = g.n_chunks;
+      s.shared_stride = prefix->value_stride();
     }
     s.att_cap = static_cast<int64_t>(s.outliers + s.kslots) * C + s.local_cap;
     const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
@@ -122,12 +123,12 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.excl.get(), 0, s.excl.bytes()));
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.slots.get(), 0xff, s.slots.bytes()));
       storage::SegmentLayout lay{L, H, own_chunks, C, d, ctx_.backend->act_dtype()};
-      PENUMBRA_ASSIGN_OR_RETURN(s.segment, store_.CreateSegment(lay));
-      for (int l = 0; l < L; ++l) {
-        PENUMBRA_ASSIGN_OR_RETURN(const void* base, store_.LayerBase(s.segment, l));
-        s.store_dev.push_back(ctx_.backend->DeviceAddressOfHost(base));
-        s.store_host.push_back(base);
-      }
+      // Reserved now, each layer pinned when the prefill reaches it
+      // (EnsureStoreLayer): a long prompt's 8 GB are not pinned all at once
+      // while the running batch waits.
+      PENUMBRA_ASSIGN_OR_RETURN(s.segment, store_.ReserveSegment(lay));
+      s.store_dev.assign(static_cast<size_t>(L), nullptr);
+      s.store_host.assign(static_cast<size_t>(L), nullptr);
     }
     if (prefix) {
       Status st = AttachState(s, *prefix);
@@ -184,6 +185,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Status PrefillAttention(int layer, int64_t id, const float* qkv, int n, int64_t start, const int32_t* positions,
                           void* q_scratch, void* out) override {
     Seq& s = Get(id);
+    PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
     Backend& b = *ctx_.backend;
     const int d = ctx_.head_dim, H = ctx_.hkv, D = H * d;
     // Dense sequences prefill straight into their local rows; sparse ones
@@ -238,6 +240,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Status FinishPrefillLayer(int layer, int64_t id, int64_t prompt_len) override {
     Seq& s = Get(id);
     if (!s.sparse) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
     if (!s.compressed) {
       if (prompt_len != s.first_prefill) {
         return Status::InvalidArgument("sequence " + std::to_string(id) + ": its first prefill must end at " +
@@ -316,6 +319,7 @@ class ShadowKvPolicy final : public KvPolicy {
       fv.chunk_cap = s.chunk_cap - s.shared_chunks;
       fv.shared_store = reinterpret_cast<const void* const*>(dev + 5);
       fv.shared_chunks = s.shared_chunks;
+      fv.shared_stride = s.shared_stride;
       fv.miss_count = count;
       fv.miss_slot = slot;
       fv.miss_chunk = chunk;
@@ -512,6 +516,7 @@ class ShadowKvPolicy final : public KvPolicy {
   // out [hkv][head_stride] rows of d (starting at row first*C) to store
   // chunks [store_first, store_first + n), through a pinned staging buffer.
   Status OffloadValues(Seq& s, int layer, const void* src, int64_t head_stride, int first, int n, int store_first) {
+    PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
     Backend& b = *ctx_.backend;
     const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim;
     const size_t row = static_cast<size_t>(n) * C * d * es_;
@@ -539,6 +544,7 @@ class ShadowKvPolicy final : public KvPolicy {
       CHECK_EQ(positions[i], s.n_chunks * int64_t{o_.chunk_size} + s.local_count)
           << "sequence " << s.id << " decoded out of order";
       CHECK_LT(s.local_count, s.local_cap) << "sequence " << s.id << " is full";
+      for (int l = 0; l < L; ++l) PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, l));
       step_.push_back(&s);
     }
     // Groups: runs of sequences with equal geometry share kernel launches.
@@ -746,6 +752,7 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.chunk_cap = s0.chunk_cap - s0.shared_chunks;
     fv.shared_store = reinterpret_cast<const void* const*>(tab + 11 * B + g0);
     fv.shared_chunks = s0.shared_chunks;
+    fv.shared_stride = s0.shared_stride;
     fv.miss_count = mcount;
     fv.miss_slot = mslot + off;
     fv.miss_chunk = mchunk + off;
@@ -825,7 +832,7 @@ class ShadowKvPolicy final : public KvPolicy {
         const int c = chunks[static_cast<size_t>(r) * K + j];
         char* dst = stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes;
         if (c < s.shared_chunks) {  // an attached prefix's chunk
-          std::memcpy(dst, s.prefix->values_host(layer) + (static_cast<size_t>(h) * s.shared_chunks + c) * chunk_bytes,
+          std::memcpy(dst, s.prefix->values_host(layer) + (static_cast<size_t>(h) * s.shared_stride + c) * chunk_bytes,
                       chunk_bytes);
         } else {
           const storage::ChunkRef ref{h, c - s.shared_chunks};
@@ -982,9 +989,22 @@ class ShadowKvPolicy final : public KvPolicy {
   }
 
   Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t id, int64_t tokens) override {
+    return Capture(id, tokens, false);
+  }
+
+  // The values move with the state when the sequence holds them all in its
+  // own store (nothing attached): the store's segment becomes the prefix's
+  // value buffer, rows strided by the segment's capacity. A 124K-token
+  // document's 8 GB are then neither allocated nor copied a second time.
+  Result<std::shared_ptr<const KvPrefix>> TakePrefix(int64_t id, int64_t tokens) override {
+    return Capture(id, tokens, true);
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> Capture(int64_t id, int64_t tokens, bool take) {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(id) + " does not exist");
     Seq& s = it->second;
+    if (s.taken) return Status::FailedPrecondition("sequence " + std::to_string(id) + " was taken into a prefix");
     if (s.sparse && !s.compressed) return Status::FailedPrecondition("sequence " + std::to_string(id) + " is not prefilled");
     if (tokens != Held(s) || tokens < 1) {
       return Status::FailedPrecondition("shadowkv captures all that sequence " + std::to_string(id) + " holds (" +
@@ -999,8 +1019,9 @@ class ShadowKvPolicy final : public KvPolicy {
     g.n_chunks = s.n_chunks;
     g.outliers = s.outliers;
     g.tail = s.local_count;
-    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, ShadowKvPrefix::Allocate(g, &b));
     const int n = s.n_chunks;
+    const bool move_values = take && s.sparse && s.shared_chunks == 0 && n > 0;
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, ShadowKvPrefix::Allocate(g, &b, !move_values));
     const size_t LH = static_cast<size_t>(L) * H, att_pitch = s.att_cap * d * es_;
     auto copy2d = [&](const DeviceBuffer& dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                       size_t height) -> Status {
@@ -1035,7 +1056,16 @@ class ShadowKvPolicy final : public KvPolicy {
     PENUMBRA_RETURN_IF_ERROR(copy2d(p->tail_k, trow, Row(s.att_k, s, 0, LocalRow0(s)), att_pitch, trow, LH));
     PENUMBRA_RETURN_IF_ERROR(copy2d(p->tail_v, trow, Row(s.att_v, s, 0, LocalRow0(s)), att_pitch, trow, LH));
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    if (n > 0) {
+    if (move_values) {
+      PENUMBRA_ASSIGN_OR_RETURN(std::vector<void*> bases, store_.DetachSegment(s.segment));
+      s.segment = 0;
+      s.store_dev.clear();
+      s.store_host.clear();
+      s.taken = true;
+      std::vector<DeviceBuffer> layers;
+      for (void* base : bases) layers.push_back(base ? host_alloc_.Take(base) : DeviceBuffer());
+      PENUMBRA_RETURN_IF_ERROR(p->AdoptValues(std::move(layers), s.chunk_cap));
+    } else if (n > 0) {
       // Values: the attached prefix's chunks, then the store's, per (layer,
       // head) one run [n][C*d]; layers copied in parallel.
       const size_t cb = static_cast<size_t>(C) * d * es_, own_cap = s.chunk_cap - s.shared_chunks;
@@ -1044,7 +1074,7 @@ class ShadowKvPolicy final : public KvPolicy {
         for (int h = 0; h < H; ++h) {
           char* row = dst + static_cast<size_t>(h) * n * cb;
           if (s.shared_chunks > 0) {
-            std::memcpy(row, s.prefix->values_host(l) + static_cast<size_t>(h) * s.shared_chunks * cb,
+            std::memcpy(row, s.prefix->values_host(l) + static_cast<size_t>(h) * s.shared_stride * cb,
                         s.shared_chunks * cb);
           }
           std::memcpy(row + s.shared_chunks * cb, static_cast<const char*>(s.store_host[l]) + h * own_cap * cb,
@@ -1201,12 +1231,14 @@ class ShadowKvPolicy final : public KvPolicy {
     int64_t id = 0;
     bool sparse = false;
     bool compressed = false;    // its first prefill is factored (later prefills continue it)
+    bool taken = false;         // its values moved into a prefix (TakePrefix): it may only be removed
     int64_t first_prefill = 0;  // tokens of the first prefill (sets sparse, outliers, kslots)
     std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers] ascending chunk ids
     // An attached prefix: its values are this sequence's chunks [0, shared_chunks),
     // read in place; the store segment holds chunks from shared_chunks on.
     std::shared_ptr<const ShadowKvPrefix> prefix;
     int shared_chunks = 0;
+    int shared_stride = 0;  // the prefix's value rows from one head to the next (>= shared_chunks)
     int64_t token_cap = 0;
     int outliers = 0, kslots = 0, chunk_cap = 0, n_chunks = 0;
     int64_t local_cap = 0, local_count = 0, att_cap = 0;
@@ -1218,6 +1250,15 @@ class ShadowKvPolicy final : public KvPolicy {
   };
 
 
+  // Pins the store's `layer` for s when it is not yet (its values are
+  // written or read from here on).
+  Status EnsureStoreLayer(Seq& s, int layer) {
+    if (s.segment == 0 || s.store_host[static_cast<size_t>(layer)] != nullptr) return Status::OK();
+    PENUMBRA_ASSIGN_OR_RETURN(const void* base, store_.AllocateLayer(s.segment, layer));
+    s.store_host[static_cast<size_t>(layer)] = base;
+    s.store_dev[static_cast<size_t>(layer)] = ctx_.backend->DeviceAddressOfHost(base);
+    return Status::OK();
+  }
   Seq& Get(int64_t id) {
     auto it = seqs_.find(id);
     CHECK(it != seqs_.end()) << "unknown sequence " << id;
@@ -1225,7 +1266,8 @@ class ShadowKvPolicy final : public KvPolicy {
   }
   static bool SameGeometry(const Seq& a, const Seq& b) {
     return a.sparse == b.sparse && a.att_cap == b.att_cap && a.kslots == b.kslots && a.chunk_cap == b.chunk_cap &&
-           a.outliers == b.outliers && a.shared_chunks == b.shared_chunks;
+           a.outliers == b.outliers && a.shared_chunks == b.shared_chunks &&
+           a.shared_stride == b.shared_stride;
   }
   int64_t AttLayer(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.att_cap * ctx_.head_dim; }
   int64_t LocalRow0(const Seq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }

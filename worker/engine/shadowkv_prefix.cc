@@ -115,13 +115,14 @@ Status ShadowKvPrefixGeometry::Validate() const {
   return Status::OK();
 }
 
-Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Allocate(const ShadowKvPrefixGeometry& g, Backend* backend) {
+Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Allocate(const ShadowKvPrefixGeometry& g, Backend* backend,
+                                                                 bool values) {
   PENUMBRA_RETURN_IF_ERROR(g.Validate());
   std::shared_ptr<ShadowKvPrefix> p(new ShadowKvPrefix(g, backend));
   const std::map<std::string, size_t> bytes = g.BlobBytes();
   for (auto& [name, buf, host] : p->Buffers()) {
     const size_t n = bytes.at(name);
-    if (n == 0) continue;
+    if (n == 0 || (host && !values)) continue;
     auto* b = const_cast<DeviceBuffer*>(buf);
     if (host) {
       PENUMBRA_ASSIGN_OR_RETURN(*b, backend->AllocateHost(n));
@@ -131,6 +132,28 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Allocate(const ShadowKvP
   }
   p->outlier_ids.assign(static_cast<size_t>(g.layers) * g.hkv * g.outliers, 0);
   return p;
+}
+
+Status ShadowKvPrefix::AdoptValues(std::vector<DeviceBuffer> layers, int stride) {
+  const size_t row = static_cast<size_t>(g_.chunk_size) * g_.head_dim * DTypeSize(g_.dtype);
+  const size_t want = row * g_.hkv * static_cast<size_t>(std::max(stride, 0));
+  bool fits = stride >= g_.n_chunks && g_.n_chunks > 0 && layers.size() == static_cast<size_t>(g_.layers);
+  for (const DeviceBuffer& b : layers) fits = fits && b.get() && b.bytes() == want;
+  if (!fits) {
+    return Status::InvalidArgument("shadowkv prefix: " + std::to_string(layers.size()) +
+                                   " layers of values with a stride of " + std::to_string(stride) +
+                                   " chunks do not fit '" + g_.Meta() + "'");
+  }
+  values = DeviceBuffer();
+  value_layers_ = std::move(layers);
+  value_stride_ = stride;
+  return Status::OK();
+}
+
+size_t ShadowKvPrefix::host_bytes() const {
+  size_t n = values.bytes() + outlier_ids.size() * sizeof(int32_t);
+  for (const DeviceBuffer& b : value_layers_) n += b.bytes();
+  return n;
 }
 
 std::vector<std::tuple<std::string, const DeviceBuffer*, bool>> ShadowKvPrefix::Buffers() const {
@@ -149,9 +172,8 @@ size_t ShadowKvPrefix::device_bytes() const {
 }
 
 const void* ShadowKvPrefix::values_device(int layer) const {
-  if (!values.get()) return nullptr;
-  return static_cast<const char*>(backend_->DeviceAddressOfHost(values.get())) +
-         values.bytes() / g_.layers * layer;
+  const char* h = values_host(layer);
+  return h ? backend_->DeviceAddressOfHost(h) : nullptr;
 }
 
 const void* ShadowKvPrefix::a_layer(int layer) const {
@@ -165,6 +187,7 @@ const void* ShadowKvPrefix::lm_layer(int layer) const {
 }
 
 const char* ShadowKvPrefix::values_host(int layer) const {
+  if (!value_layers_.empty()) return value_layers_[static_cast<size_t>(layer)].as<char>();
   if (!values.get()) return nullptr;
   return values.as<char>() + values.bytes() / g_.layers * layer;
 }
@@ -174,8 +197,19 @@ Result<std::map<std::string, std::string>> ShadowKvPrefix::Export() const {
   out["meta"] = g_.Meta();
   PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
   for (const auto& [name, buf, host] : Buffers()) {
-    std::string bytes(buf->bytes(), '\0');
-    if (buf->bytes() > 0) {
+    const bool adopted = host && !value_layers_.empty();
+    std::string bytes(adopted ? g_.BlobBytes().at(name) : buf->bytes(), '\0');
+    if (adopted) {
+      // Each head's first n_chunks rows of each layer's buffer (adopted
+      // values keep room to grow).
+      const size_t row = static_cast<size_t>(g_.chunk_size) * g_.head_dim * DTypeSize(g_.dtype);
+      const size_t used = row * g_.n_chunks, pitch = row * value_stride_;
+      for (int l = 0; l < g_.layers; ++l) {
+        for (int h = 0; h < g_.hkv; ++h) {
+          std::memcpy(bytes.data() + (static_cast<size_t>(l) * g_.hkv + h) * used, values_host(l) + h * pitch, used);
+        }
+      }
+    } else if (buf->bytes() > 0) {
       if (host) {
         std::memcpy(bytes.data(), buf->get(), bytes.size());
       } else {

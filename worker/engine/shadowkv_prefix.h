@@ -9,7 +9,11 @@
 //   out_k/v    [hkv][O*C][d]       the outlier chunks' exact K/V, in ascending chunk order
 //   tail_k/v   [hkv][tail][d]      the exact local rows
 //   tail_prek  [tail][hkv*d] f32   their pre-RoPE keys
-//   values     [hkv][n_chunks][C*d] every chunk's values, in pinned host memory
+//   values     [hkv][stride][C*d]  every chunk's values (rows [0, n_chunks) of each
+//                                  head), in pinned host memory; stride = n_chunks, or
+//                                  more when the values were adopted from a finished
+//                                  sequence's store (AdoptValues, one buffer per layer)
+//                                  instead of copied
 // (a dense prefix, under min_prompt_tokens, is only its tail rows). The big
 // parts are read in place by every attached sequence: the values
 // (ShadowkvFetchVArgs::shared_store), the A rows (ShadowkvRebuildKArgs::
@@ -49,8 +53,10 @@ struct ShadowKvPrefixGeometry {
 
 class ShadowKvPrefix final : public KvPrefix {
  public:
-  // Allocates every buffer of `g` (device, and pinned host for the values).
-  static Result<std::shared_ptr<ShadowKvPrefix>> Allocate(const ShadowKvPrefixGeometry& g, Backend* backend);
+  // Allocates every buffer of `g` (device, and pinned host for the values
+  // unless `values` is false: then AdoptValues must give them).
+  static Result<std::shared_ptr<ShadowKvPrefix>> Allocate(const ShadowKvPrefixGeometry& g, Backend* backend,
+                                                          bool values = true);
   // From Export's blobs: InvalidArgument when the meta does not describe
   // `expect` (its tokens, factored, sparse, n_chunks, outliers and tail are
   // free), Corruption when a blob's size or the outlier table is wrong.
@@ -60,11 +66,18 @@ class ShadowKvPrefix final : public KvPrefix {
   std::string policy() const override { return "shadowkv"; }
   int64_t tokens() const override { return g_.tokens; }
   size_t device_bytes() const override;
-  size_t host_bytes() const override { return values.bytes() + outlier_ids.size() * sizeof(int32_t); }
+  size_t host_bytes() const override;
   Result<std::map<std::string, std::string>> Export() const override;
 
   const ShadowKvPrefixGeometry& geometry() const { return g_; }
-  // Device address of layer l's values ([hkv][n_chunks][C*d]).
+  // Takes `layers` (pinned host, one buffer per layer, each [hkv][stride]
+  // [C*d] with stride >= n_chunks; rows [0, n_chunks) of each head are the
+  // values) as the values. InvalidArgument when their count or sizes are
+  // not that.
+  Status AdoptValues(std::vector<DeviceBuffer> layers, int stride);
+  // Chunk rows from one head's values to the next's.
+  int value_stride() const { return value_stride_; }
+  // Device address of layer l's values ([hkv][value_stride][C*d]).
   const void* values_device(int layer) const;
   const char* values_host(int layer) const;
   // Device addresses of layer l's A rows ([n_chunks*C][r]) and landmarks
@@ -77,12 +90,15 @@ class ShadowKvPrefix final : public KvPrefix {
   std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers], ascending per (layer, head)
 
  private:
-  ShadowKvPrefix(const ShadowKvPrefixGeometry& g, Backend* backend) : g_(g), backend_(backend) {}
+  ShadowKvPrefix(const ShadowKvPrefixGeometry& g, Backend* backend)
+      : g_(g), backend_(backend), value_stride_(g.n_chunks) {}
   // (name, buffer, on the host) of every buffer blob.
   std::vector<std::tuple<std::string, const DeviceBuffer*, bool>> Buffers() const;
 
   ShadowKvPrefixGeometry g_;
   Backend* backend_;
+  int value_stride_;
+  std::vector<DeviceBuffer> value_layers_;  // adopted values, one per layer (else `values` holds them)
 };
 
 }  // namespace penumbra

@@ -250,7 +250,15 @@ void Scheduler::Admit() {
   }
   r->seq = next_seq_++;
   GenerationResult admitted;
+  const Clock::time_point t0 = Clock::now();
   Status s = rt_->BeginPrefill(r->seq, r->req, &r->prefill, &admitted);
+  const double took = Seconds(Clock::now() - t0);
+  if (took > 0.5) {
+    // Memory for a long prompt (the value store's pinned host rows) is
+    // reserved here, while the running batch waits.
+    LOG(INFO) << "scheduler: admitting request " << r->id << " (" << r->req.prompt.size() << " tokens) took " << took
+              << " s";
+  }
   std::lock_guard<std::mutex> lk(mu_);
   // The lock was not held while the runtime worked: a client may have
   // cancelled r meanwhile (Cancel ends a queued request and takes it out of

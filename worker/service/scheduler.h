@@ -46,8 +46,8 @@ struct SchedulerOptions {
   // prefill chunks; a policy that cannot split a prefill by tokens runs that
   // much work of a segment: tokens x layers / the segment's tokens layers of
   // it, at least one).
-  // Default: 8192.
-  int64_t prefill_tokens_per_step = 8192;
+  // Default: 4096.
+  int64_t prefill_tokens_per_step = 4096;
   // Requests waiting for admission at most; Submit beyond it is
   // ResourceExhausted. Default: 1024.
   int max_queue = 1024;

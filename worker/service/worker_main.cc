@@ -106,7 +106,7 @@ Status Run(int argc, char** argv) {
       .Flag("metrics-port", "Prometheus /metrics port (default 0: one the OS picks; -1: off)")
       .Flag("port-file", "write {\"port\": P, \"metrics_port\": M} here once serving")
       .Flag("max-batch", "sequences decoding together at most (default: the engine's max_batch)")
-      .Flag("prefill-tokens-per-step", "prompt tokens prefilled between two decode steps (default 8192)")
+      .Flag("prefill-tokens-per-step", "prompt tokens prefilled between two decode steps (default 4096)")
       .Flag("max-queue", "requests waiting for admission at most (default 1024)")
       .Flag("prefix-cache-mb", "device MiB for cached documents (default: the config's prefix_cache_bytes, "
                                "else 4096)")
