@@ -9,7 +9,7 @@ pkgs=(
   libgtest-dev libgmock-dev
   libyaml-cpp-dev nlohmann-json3-dev
   libpcre2-dev libxxhash-dev libutf8proc-dev
-  librocksdb-dev
+  librocksdb-dev libssl-dev
   thrift-compiler libthrift-dev libboost-dev python3-thrift libcpp-httplib-dev prometheus-cpp-dev
   clang libclang-rt-14-dev
   python3

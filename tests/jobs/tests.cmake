@@ -1,0 +1,5 @@
+penumbra_glob_tests(jobs LIBS penumbra_jobs)
+# Tests that kill real processes with SIGKILL also carry the label "crash".
+if(TEST job_store_integration_test)
+  set_property(TEST job_store_integration_test APPEND PROPERTY LABELS crash)
+endif()

@@ -1,0 +1,1 @@
+penumbra_glob_tests(tenants LIBS penumbra_tenants)
