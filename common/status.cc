@@ -48,7 +48,14 @@ std::string Status::ToString() const {
 
 Status Status::WithContext(std::string_view context) const {
   if (ok()) return *this;
-  return Status(code(), std::string(context) + ": " + message());
+  return Status(code(), std::string(context) + ": " + message()).WithRetryAfter(retry_after_ms());
+}
+
+Status Status::WithRetryAfter(int32_t ms) const {
+  if (ok()) return *this;
+  Status s;
+  s.rep_ = std::make_shared<const Rep>(Rep{code(), message(), ms});
+  return s;
 }
 
 std::ostream& operator<<(std::ostream& os, const Status& s) { return os << s.ToString(); }

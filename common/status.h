@@ -64,11 +64,18 @@ class [[nodiscard]] Status {
   std::string ToString() const;
   // Returns a copy whose message is "context: message" (no-op when OK).
   Status WithContext(std::string_view context) const;
+  // When the same call may succeed again (a quota's refill, a busy server),
+  // in milliseconds; 0 when not said. Travels to clients as
+  // PenumbraError.retry_after_ms.
+  int32_t retry_after_ms() const { return rep_ ? rep_->retry_after_ms : 0; }
+  // A copy carrying `ms` as retry_after_ms (no-op when OK).
+  Status WithRetryAfter(int32_t ms) const;
 
  private:
   struct Rep {
     StatusCode code;
     std::string message;
+    int32_t retry_after_ms = 0;
   };
   std::shared_ptr<const Rep> rep_;
 };

@@ -70,6 +70,9 @@ class Results(object):
 
 
 def client_loop(pc, args, doc_id, index, stop_at, hard_stop_at, results, counter):
+    """One client: generates about doc_id and streams each answer until stop_at (cancelling a request still
+    running at hard_stop_at), adding to results. Reads args.host, port, api_key, timeout, max_new_tokens,
+    temperature, ignore_eos and wait_ms (ops/fairness.py passes one such namespace per tenant)."""
     r = results
     client = pc.PenumbraClient(args.host, args.port, api_key=args.api_key, timeout_s=args.timeout)
     try:

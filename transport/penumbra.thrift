@@ -117,6 +117,76 @@ struct StatsResponse {
   8: list<WorkerStatus> workers,
 }
 
+// ---- batch jobs --------------------------------------------------------------
+// A job: many generations submitted at once, run in the background (items
+// over the same document are routed to the worker that holds it and batch
+// there), results fetched later. Durable: a coordinator restarted (even after
+// kill -9) resumes every unfinished job, and each item's result is recorded
+// exactly once. Needs a coordinator with a data directory.
+
+enum JobStatus {
+  VALIDATING = 1,
+  IN_PROGRESS = 2,
+  FINALIZING = 3,
+  COMPLETED = 4,   // every item has a result (some may have failed)
+  FAILED = 5,
+  CANCELLING = 6,  // cancelled while items were running; CANCELLED once none is
+  CANCELLED = 7,
+  EXPIRED = 8,     // its completion window passed: unfinished items failed with "expired"
+}
+
+struct JobItem {
+  1: string custom_id,          // the caller's name for it: unique in the job, 1..256 bytes
+  // What to generate, as for Generate (its api_key and deadline_ms are not
+  // used: the job's key and window apply).
+  2: GenerateRequest request,
+}
+
+struct SubmitJobRequest {
+  1: string api_key,
+  2: list<JobItem> items,         // 1..50000
+  3: i64 completion_window_s = 0, // 0: 24 hours
+  4: string metadata = "",        // kept with the job, returned as given
+  5: i64 deadline_ms = 0,
+}
+
+struct JobInfo {
+  1: string id,
+  2: JobStatus status,
+  3: i64 created_unix_s,
+  4: i64 expires_unix_s,
+  5: i64 finished_unix_s,         // 0 until final
+  6: i64 total,
+  7: i64 pending,
+  8: i64 running,
+  9: i64 completed,               // items that succeeded
+  10: i64 failed,
+  11: i64 cancelled,
+  12: string metadata,
+}
+
+struct JobList {
+  1: list<JobInfo> jobs,          // oldest first
+  2: string next_page_token,      // "" on the last page
+}
+
+struct JobItemResult {
+  1: string custom_id,
+  2: bool ok,
+  3: string state,                // succeeded, failed, cancelled
+  4: string text,                 // the answer (ok)
+  5: list<i32> ids,               // its token ids (ok)
+  6: string finish_reason,        // stop, length (ok)
+  7: optional common.ErrorCode error_code,
+  8: string error,                // why not ok
+  9: common.Usage usage,
+}
+
+struct JobResults {
+  1: list<JobItemResult> results, // finished items, by custom_id (bytewise)
+  2: string next_after,           // pass as after_custom_id for the next page; "" on the last
+}
+
 service Penumbra {
   DocumentInfo PutDocument(1: PutDocumentRequest request) throws (1: common.PenumbraError error),
   DocumentInfo GetDocument(1: string api_key, 2: string document_id, 3: i64 deadline_ms)
@@ -134,6 +204,15 @@ service Penumbra {
   void Cancel(1: string api_key, 2: string request_id) throws (1: common.PenumbraError error),
   // Generate, wait for the end, return the whole answer (blocking).
   GenerateChunk Complete(1: GenerateRequest request) throws (1: common.PenumbraError error),
+
+  JobInfo SubmitJob(1: SubmitJobRequest request) throws (1: common.PenumbraError error),
+  JobInfo GetJob(1: string api_key, 2: string job_id) throws (1: common.PenumbraError error),
+  JobList ListJobs(1: string api_key, 2: string page_token, 3: i32 page_size) throws (1: common.PenumbraError error),
+  JobResults GetJobResults(1: string api_key, 2: string job_id, 3: string after_custom_id, 4: i32 page_size)
+      throws (1: common.PenumbraError error),
+  JobInfo CancelJob(1: string api_key, 2: string job_id) throws (1: common.PenumbraError error),
+  // A finished job and its results; FAILED_PRECONDITION while it runs.
+  void DeleteJob(1: string api_key, 2: string job_id) throws (1: common.PenumbraError error),
 
   HealthResponse Health(),
   StatsResponse Stats(1: string api_key) throws (1: common.PenumbraError error),

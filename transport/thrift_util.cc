@@ -52,7 +52,7 @@ rpc::PenumbraError ToRpcError(const Status& s, int32_t retry_after_ms) {
     case StatusCode::kPermissionDenied: e.code = rpc::ErrorCode::PERMISSION_DENIED; break;
     case StatusCode::kResourceExhausted:
       e.code = rpc::ErrorCode::RESOURCE_EXHAUSTED;
-      e.__set_retry_after_ms(retry_after_ms);
+      e.__set_retry_after_ms(s.retry_after_ms() > 0 ? s.retry_after_ms() : retry_after_ms);
       break;
     case StatusCode::kUnavailable: e.code = rpc::ErrorCode::UNAVAILABLE; break;
     case StatusCode::kDeadlineExceeded: e.code = rpc::ErrorCode::DEADLINE_EXCEEDED; break;
@@ -68,7 +68,8 @@ Status FromRpcError(const rpc::PenumbraError& e) {
     case rpc::ErrorCode::INVALID_ARGUMENT: return Status::InvalidArgument(e.message);
     case rpc::ErrorCode::NOT_FOUND: return Status::NotFound(e.message);
     case rpc::ErrorCode::PERMISSION_DENIED: return Status::PermissionDenied(e.message);
-    case rpc::ErrorCode::RESOURCE_EXHAUSTED: return Status::ResourceExhausted(e.message);
+    case rpc::ErrorCode::RESOURCE_EXHAUSTED:
+      return Status::ResourceExhausted(e.message).WithRetryAfter(e.__isset.retry_after_ms ? e.retry_after_ms : 0);
     case rpc::ErrorCode::UNAVAILABLE: return Status::Unavailable(e.message);
     case rpc::ErrorCode::DEADLINE_EXCEEDED: return Status::DeadlineExceeded(e.message);
     case rpc::ErrorCode::FAILED_PRECONDITION: return Status::FailedPrecondition(e.message);

@@ -21,6 +21,9 @@ struct WorkerGenerateRequest {
   // Milliseconds from the worker's receipt after which the request ends with
   // DEADLINE_EXCEEDED (0: none).
   7: i64 deadline_ms = 0,
+  // The tenant's (cache_namespace's) fair share of admission, > 0: under
+  // load, tenants' waiting requests are admitted in proportion to it.
+  8: double share_weight = 1.0,
 }
 
 struct WorkerHealth {

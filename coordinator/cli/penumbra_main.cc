@@ -1,7 +1,7 @@
 // penumbra: the command-line front end.
 //   penumbra generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) ...   (offline, in this process)
 //   penumbra eval --model DIR --tasks FILE.jsonl ...   (see coordinator/cli/eval.h)
-//   penumbra serve | doc | ask | stats                  (the service; coordinator/cli/service_cli.h)
+//   penumbra serve | doc | ask | job | stats            (the service; coordinator/cli/service_cli.h)
 // Errors (bad flags, bad model files, bad prompts) print one line naming what
 // was wrong and exit with status 2 (usage) or 1 (everything else).
 #include <cstdio>
@@ -29,7 +29,10 @@ constexpr const char* kUsage =
     "       penumbra serve [--config configs/service.yaml]      a coordinator and its workers\n"
     "       penumbra doc put FILE [--name N] | doc ls | doc get ID | doc rm ID\n"
     "       penumbra ask --docs ID[,ID...] --question TEXT [options]   streams the answer\n"
+    "       penumbra job submit FILE.jsonl [--detach] [--window-s N] [--metadata S]   a batch job\n"
+    "       penumbra job status ID | job results ID [--out FILE] | job cancel ID | job ls | job rm ID\n"
     "       penumbra stats\n"
+    "       penumbra tenant hash-key KEY                      the sha256:... form of an API key for tenants.yaml\n"
     "       (client commands: --address HOST:PORT, default $PENUMBRA_ADDRESS or 127.0.0.1:7700; --api-key K)\n"
     "       penumbra help\n";
 
@@ -259,8 +262,12 @@ int main(int argc, char** argv) {
     s = penumbra::DocCommand(argc, argv);
   } else if (cmd == "ask") {
     s = penumbra::AskCommand(argc, argv);
+  } else if (cmd == "job") {
+    s = penumbra::JobCommand(argc, argv);
   } else if (cmd == "stats") {
     s = penumbra::StatsCommand(argc, argv);
+  } else if (cmd == "tenant") {
+    s = penumbra::TenantCommand(argc, argv);
   } else {
     std::cerr << "penumbra: unknown command '" << cmd << "'\n" << penumbra::kUsage;
     return 2;

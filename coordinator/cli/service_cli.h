@@ -2,6 +2,9 @@
 //   penumbra serve [--config configs/service.yaml]   a coordinator and its workers
 //   penumbra doc put FILE [--name N] | doc ls | doc get ID | doc rm ID
 //   penumbra ask --docs ID[,ID] --question TEXT      streams the answer
+//   penumbra job submit FILE.jsonl [--detach]        a batch job (FILE: coordinator/cli/job_file.h);
+//                                                    waits with a progress line unless --detach
+//   penumbra job status ID | results ID [--out F] | cancel ID | ls | rm ID
 //   penumbra stats
 // Client commands reach the coordinator at --address (default
 // $PENUMBRA_ADDRESS, else 127.0.0.1:7700) with --api-key (default
@@ -26,7 +29,9 @@ struct WorkerProcessSpec {
 
 struct ServiceTopology {
   std::string model = "models/penumbra-eval";
-  std::string api_keys;  // file of `keys: {KEY: TENANT}`; "": none
+  std::string api_keys;  // file of `keys: {KEY: TENANT}` in plain text (development); "": none
+  std::string tenants;   // tenants file (configs/tenants.yaml: hashed keys, quotas); "": none
+  std::string data_dir;  // the coordinator's --data-dir (batch jobs, kept across restarts); "": jobs off
   std::string host = "127.0.0.1";
   int port = 7700;
   int metrics_port = 7701;
@@ -39,7 +44,13 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path);
 
 Status ServeCommand(int argc, char** argv);
 Status DocCommand(int argc, char** argv);
+// penumbra tenant hash-key KEY: prints the form tenants.yaml keeps (sha256:...).
+Status TenantCommand(int argc, char** argv);
 Status AskCommand(int argc, char** argv);
+// `penumbra job ...`: submit (waits for the end unless --detach: exit 0 when
+// the job completed, even with failed items; 1 when it was cancelled,
+// expired or failed), status, results (JSON lines), cancel, ls, rm.
+Status JobCommand(int argc, char** argv);
 Status StatsCommand(int argc, char** argv);
 
 // "a\nb" escapes (\n \t \\) in a command-line string, as a shell user types them.

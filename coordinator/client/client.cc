@@ -168,4 +168,52 @@ Result<rpc::StatsResponse> Client::Stats() {
   return s;
 }
 
+Result<rpc::JobInfo> Client::SubmitJob(rpc::SubmitJobRequest request) {
+  request.api_key = o_.api_key;
+  rpc::JobInfo j;
+  PENUMBRA_RETURN_IF_ERROR(Call("submit job", [&] { (*c_)->SubmitJob(j, request); }));
+  return j;
+}
+
+Result<rpc::JobInfo> Client::GetJob(const std::string& job_id) {
+  rpc::JobInfo j;
+  PENUMBRA_RETURN_IF_ERROR(Call("get job", [&] { (*c_)->GetJob(j, o_.api_key, job_id); }));
+  return j;
+}
+
+Result<std::vector<rpc::JobInfo>> Client::ListJobs(int page_size) {
+  std::vector<rpc::JobInfo> all;
+  std::string token;
+  do {
+    rpc::JobList page;
+    PENUMBRA_RETURN_IF_ERROR(Call("list jobs", [&] { (*c_)->ListJobs(page, o_.api_key, token, page_size); }));
+    all.insert(all.end(), page.jobs.begin(), page.jobs.end());
+    token = page.next_page_token;
+  } while (!token.empty());
+  return all;
+}
+
+Result<std::vector<rpc::JobItemResult>> Client::JobResults(const std::string& job_id, int page_size) {
+  std::vector<rpc::JobItemResult> all;
+  std::string after;
+  do {
+    rpc::JobResults page;
+    PENUMBRA_RETURN_IF_ERROR(
+        Call("job results", [&] { (*c_)->GetJobResults(page, o_.api_key, job_id, after, page_size); }));
+    all.insert(all.end(), page.results.begin(), page.results.end());
+    after = page.next_after;
+  } while (!after.empty());
+  return all;
+}
+
+Result<rpc::JobInfo> Client::CancelJob(const std::string& job_id) {
+  rpc::JobInfo j;
+  PENUMBRA_RETURN_IF_ERROR(Call("cancel job", [&] { (*c_)->CancelJob(j, o_.api_key, job_id); }));
+  return j;
+}
+
+Status Client::DeleteJob(const std::string& job_id) {
+  return Call("delete job", [&] { (*c_)->DeleteJob(o_.api_key, job_id); });
+}
+
 }  // namespace penumbra::client

@@ -58,6 +58,16 @@ class Client {
   Result<rpc::HealthResponse> Health();
   Result<rpc::StatsResponse> Stats();
 
+  // Batch jobs (request.api_key is filled in).
+  Result<rpc::JobInfo> SubmitJob(rpc::SubmitJobRequest request);
+  Result<rpc::JobInfo> GetJob(const std::string& job_id);
+  // Every page.
+  Result<std::vector<rpc::JobInfo>> ListJobs(int page_size = 100);
+  // Every finished item's result, by custom_id.
+  Result<std::vector<rpc::JobItemResult>> JobResults(const std::string& job_id, int page_size = 500);
+  Result<rpc::JobInfo> CancelJob(const std::string& job_id);
+  Status DeleteJob(const std::string& job_id);
+
  private:
   explicit Client(const ClientOptions& o) : o_(o) {}
   Status Reconnect();

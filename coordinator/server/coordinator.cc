@@ -47,6 +47,11 @@ milliseconds Left(Clock::time_point deadline) {
 const std::vector<double> kLatencyBuckets = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
 const std::vector<double> kTokenBuckets = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1};
 
+// A quota's refusal as a Status that carries its retry-after.
+Status QuotaStatus(const tenants::QuotaDecision& d) {
+  return d.ok() ? Status::OK() : d.status.WithRetryAfter(d.retry_after_ms());
+}
+
 }  // namespace
 
 struct Coordinator::Request {
@@ -63,9 +68,13 @@ struct Coordinator::Request {
   std::string finish_reason;
   Status error;
   rpc::Usage usage;
+  tenants::Lease sequence;  // the tenant's concurrent-sequence quota, held until Finalize
 };
 
 Status CoordinatorOptions::Validate() const {
+  if (tenants && !api_keys.empty()) {
+    return Status::InvalidArgument("tenants and plain API keys are exclusive: give one of them");
+  }
   for (const auto& [key, tenant] : api_keys) {
     if (key.empty() || tenant.empty()) return Status::InvalidArgument("api keys and tenants must not be empty");
   }
@@ -96,12 +105,13 @@ Result<std::map<std::string, std::string>> LoadApiKeys(const std::string& path) 
 }
 
 Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<TextCodec> codec, std::string model,
-                         WorkerPool* workers)
+                         WorkerPool* workers, std::unique_ptr<DocumentRegistry> documents)
     : o_(options),
       codec_(std::move(codec)),
       model_(std::move(model)),
       workers_(workers),
-      docs_(options.max_documents_per_tenant),
+      docs_(documents ? std::move(documents)
+                      : std::make_unique<DocumentRegistry>(options.max_documents_per_tenant)),
       registry_(std::make_shared<prometheus::Registry>()) {
   using namespace prometheus;
   requests_total_ = &BuildCounter()
@@ -134,9 +144,26 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
   worker_routed_ = &BuildGauge().Name("penumbra_coordinator_worker_routed")
                         .Help("Generations routed to the worker and not ended.").Register(*registry_);
   last_sweep_ = Clock::now();
+  if (o_.tenants) {
+    // Documents kept from before a restart count against their tenants'
+    // stored-bytes quotas.
+    for (const tenants::TenantConfig& t : o_.tenants->config()->tenants) {
+      std::string token;
+      do {
+        Result<DocumentPage> p = docs_->List(t.name, token, 1000);
+        if (!p.ok()) break;
+        for (const DocumentView& d : p->documents) {
+          (void)o_.tenants->ReserveDocumentBytes(t.name, d.tokens * static_cast<int64_t>(sizeof(int32_t)));
+        }
+        token = p->next_page_token;
+      } while (!token.empty());
+    }
+  }
 }
 
 Coordinator::~Coordinator() {
+  stopping_ = true;
+  if (jobs_) jobs_->Stop();
   for (auto& p : puts_) {
     if (p.thread.joinable()) p.thread.join();
   }
@@ -145,6 +172,7 @@ Coordinator::~Coordinator() {
 // ---- validation ------------------------------------------------------------
 
 Result<std::string> Coordinator::Tenant(const std::string& api_key) const {
+  if (o_.tenants) return o_.tenants->Authenticate(api_key);
   if (o_.api_keys.empty()) return std::string("default");
   auto it = o_.api_keys.find(api_key);
   if (it == o_.api_keys.end()) return Status::PermissionDenied("the API key is not valid");
@@ -211,7 +239,7 @@ std::vector<int> Coordinator::Route(const std::string& kv_policy, const std::vec
   }
   // Least loaded first; among equals, the one holding fewest documents (new
   // documents spread over the workers' caches).
-  const std::map<int, int64_t> held = docs_.held_per_worker();
+  const std::map<int, int64_t> held = docs_->held_per_worker();
   auto held_by = [&](int w) {
     auto it = held.find(w);
     return it == held.end() ? int64_t{0} : it->second;
@@ -255,7 +283,15 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
                                    " tokens leaves no room for a question in the model's " + std::to_string(context) +
                                    "-token context");
   }
-  PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_.Add(tenant, r.name, std::move(ids), leading_special));
+  // Stored document bytes: its token ids, as the coordinator keeps them.
+  const int64_t doc_bytes = static_cast<int64_t>(ids.size() * sizeof(int32_t));
+  if (o_.tenants) PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->ReserveDocumentBytes(tenant, doc_bytes)));
+  Result<DocumentView> added = docs_->Add(tenant, r.name, std::move(ids), leading_special);
+  if (!added.ok()) {
+    if (o_.tenants) o_.tenants->ReleaseDocumentBytes(tenant, doc_bytes);
+    return added.status();
+  }
+  DocumentView d = std::move(*added);
   documents_put_->Increment();
   const Clock::time_point deadline = DeadlineOf(r.deadline_ms, o_.put_timeout);
   if (!r.wait) {
@@ -277,10 +313,10 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
     return ToInfo(d);
   }
   Factor(d, deadline);
-  PENUMBRA_ASSIGN_OR_RETURN(DocumentView now, docs_.Get(tenant, d.id));
+  PENUMBRA_ASSIGN_OR_RETURN(DocumentView now, docs_->Get(tenant, d.id));
   if (now.state == DocumentState::kFailed && now.error_code == StatusCode::kInvalidArgument) {
     // Refused by the worker as input (not a failure of the service): not kept.
-    (void)docs_.Remove(tenant, d.id);
+    (void)docs_->Remove(tenant, d.id);
     return Status::InvalidArgument(now.error);
   }
   return ToInfo(now);
@@ -312,7 +348,7 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
         c.Poll(ch, wid, 0, static_cast<int32_t>(wait.count()));
       }, wait + milliseconds(10000));
       if (!s.ok() && s.code() != StatusCode::kDeadlineExceeded) break;
-      if (s.ok()) docs_.SetProgress(d.id, ch.usage.prefilled_tokens);
+      if (s.ok()) docs_->SetProgress(d.id, ch.usage.prefilled_tokens);
       if (!s.ok() && Clock::now() > deadline + std::chrono::seconds(30)) {
         (void)workers_->Call(w, "cancel", [&](rpc::WorkerClient& c) { c.Cancel(wid); });
         break;  // the worker does not answer past the deadline
@@ -327,7 +363,7 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
     if (ch.finish_reason == "prefilled") {
       const double secs = Seconds(Clock::now() - t0);
       factor_->Observe(secs);
-      docs_.SetReady(d.id, w, secs);
+      docs_->SetReady(d.id, w, secs);
       LOG(INFO) << "document " << d.id << " (" << d.tokens << " tokens) factored on worker "
                 << workers_->state(w).endpoint.name << " in " << secs << " s";
       return;
@@ -342,7 +378,7 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
     if (last.code() != StatusCode::kResourceExhausted) break;
   }
   LOG(WARNING) << "document " << d.id << " not factored: " << last;
-  docs_.SetFailed(d.id, last);
+  docs_->SetFailed(d.id, last);
 }
 
 void Coordinator::PutDocument(rpc::DocumentInfo& out, const rpc::PutDocumentRequest& request) {
@@ -352,7 +388,7 @@ void Coordinator::PutDocument(rpc::DocumentInfo& out, const rpc::PutDocumentRequ
 void Coordinator::GetDocument(rpc::DocumentInfo& out, const std::string& api_key, const std::string& document_id,
                               int64_t) {
   const std::string tenant = OrThrow(Tenant(api_key));
-  out = ToInfo(OrThrow(docs_.Get(tenant, document_id)));
+  out = ToInfo(OrThrow(docs_->Get(tenant, document_id)));
 }
 
 void Coordinator::ListDocuments(rpc::DocumentList& out, const rpc::ListDocumentsRequest& request) {
@@ -360,7 +396,7 @@ void Coordinator::ListDocuments(rpc::DocumentList& out, const rpc::ListDocuments
   if (request.page_size < 1 || request.page_size > 1000) {
     Throw(Status::InvalidArgument("page_size must be in [1, 1000], got " + std::to_string(request.page_size)));
   }
-  DocumentPage p = OrThrow(docs_.List(tenant, request.page_token, request.page_size));
+  DocumentPage p = OrThrow(docs_->List(tenant, request.page_token, request.page_size));
   out.documents.clear();
   for (const auto& d : p.documents) out.documents.push_back(ToInfo(d));
   out.next_page_token = p.next_page_token;
@@ -368,7 +404,8 @@ void Coordinator::ListDocuments(rpc::DocumentList& out, const rpc::ListDocuments
 
 void Coordinator::DeleteDocument(const std::string& api_key, const std::string& document_id, int64_t) {
   const std::string tenant = OrThrow(Tenant(api_key));
-  DocumentView d = OrThrow(docs_.Remove(tenant, document_id));
+  DocumentView d = OrThrow(docs_->Remove(tenant, document_id));
+  if (o_.tenants) o_.tenants->ReleaseDocumentBytes(tenant, d.tokens * static_cast<int64_t>(sizeof(int32_t)));
   // Its cached state goes too (requests attached now keep theirs until they end).
   for (int w : d.workers) {
     int32_t dropped = 0;
@@ -383,6 +420,11 @@ void Coordinator::DeleteDocument(const std::string& api_key, const std::string& 
 
 Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc::GenerateRequest& r) {
   PENUMBRA_ASSIGN_OR_RETURN(std::string tenant, Tenant(r.api_key));
+  return DoGenerateAs(tenant, r);
+}
+
+Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const std::string& tenant,
+                                                                        const rpc::GenerateRequest& r) {
   DropExpired();
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -393,8 +435,58 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
     }
   }
   std::vector<DocumentView> docs;
+  PENUMBRA_ASSIGN_OR_RETURN(rpc::WorkerGenerateRequest g, PrepareGenerate(tenant, r, &docs));
+  tenants::Lease sequence;
+  if (o_.tenants) {
+    PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->CheckTokens(tenant)));
+    PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->AcquireSequence(tenant, &sequence)));
+  }
+
+  Status last = Status::Unavailable(r.kv_policy.empty() ? "no healthy worker"
+                                                        : "no healthy worker of kv policy " + r.kv_policy);
+  auto q = std::make_shared<Request>();
+  for (int w : Route(r.kv_policy, docs)) {
+    g.stop_ids = r.stop_ids;
+    if (!r.ignore_eos) {
+      const auto eos = workers_->state(w).health.eos_ids;
+      g.stop_ids.insert(g.stop_ids.end(), eos.begin(), eos.end());
+    }
+    int64_t wid = 0;
+    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { wid = c.Generate(g); });
+    if (s.ok()) {
+      q->worker = w;
+      q->wid = wid;
+      break;
+    }
+    last = s;
+    // Full or gone: the next worker; anything else is about the request.
+    if (s.code() != StatusCode::kResourceExhausted && s.code() != StatusCode::kUnavailable) return s;
+  }
+  if (q->worker < 0) return last;
+  workers_->AddRouted(q->worker, 1);
+  for (const DocumentView& d : docs) docs_->AddWorker(d.id, q->worker);
+  q->id = NewRequestId();
+  q->tenant = tenant;
+  q->stop = r.stop;
+  q->created = Clock::now();
+  if (r.deadline_ms > 0) q->deadline = q->created + milliseconds(r.deadline_ms);
+  q->usage.prompt_tokens = static_cast<int64_t>(g.prompt.size());
+  q->usage.queue_seconds = -1;
+  q->usage.ttft_seconds = -1;
+  q->sequence = std::move(sequence);
+  std::lock_guard<std::mutex> lk(mu_);
+  requests_[q->id] = q;
+  ++running_;
+  ++counts_[tenant].requests;
+  return q;
+}
+
+Result<rpc::WorkerGenerateRequest> Coordinator::PrepareGenerate(const std::string& tenant,
+                                                                const rpc::GenerateRequest& r,
+                                                                std::vector<DocumentView>* out_docs) const {
+  std::vector<DocumentView>& docs = *out_docs;
   for (const std::string& id : r.document_ids) {
-    PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_.Get(tenant, id));
+    PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_->Get(tenant, id));
     if (d.state == DocumentState::kFactoring) {
       return Status::FailedPrecondition("document '" + id + "' is still being factored; retry when it is READY");
     }
@@ -427,6 +519,18 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
     return Status::InvalidArgument("kv_policy must be \"\", \"full\" or \"shadowkv\", got \"" + r.kv_policy + "\"");
   }
   if (r.deadline_ms < 0) return Status::InvalidArgument("deadline_ms must be >= 0");
+  // The sampling ranges of common.thrift (the worker checks them too; a job
+  // item must be refused here, at submission, not when it runs). Written so
+  // that NaN fails.
+  const rpc::SamplingOptions& sp = r.sampling;
+  if (!(sp.temperature >= 0 && sp.temperature <= 100)) {
+    return Status::InvalidArgument("temperature must be in [0, 100], got " + std::to_string(sp.temperature));
+  }
+  if (!(sp.top_p > 0 && sp.top_p <= 1)) {
+    return Status::InvalidArgument("top_p must be in (0, 1], got " + std::to_string(sp.top_p));
+  }
+  if (sp.top_k < 0) return Status::InvalidArgument("top_k must be >= 0, got " + std::to_string(sp.top_k));
+  if (sp.seed < 0) return Status::InvalidArgument("seed must be >= 0, got " + std::to_string(sp.seed));
 
   rpc::WorkerGenerateRequest g;
   for (const DocumentView& d : docs) {
@@ -439,43 +543,13 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
   g.max_new_tokens = r.max_new_tokens;
   g.sampling = r.sampling;
   g.deadline_ms = r.deadline_ms;
-
-  Status last = Status::Unavailable(r.kv_policy.empty() ? "no healthy worker"
-                                                        : "no healthy worker of kv policy " + r.kv_policy);
-  auto q = std::make_shared<Request>();
-  for (int w : Route(r.kv_policy, docs)) {
-    g.stop_ids = r.stop_ids;
-    if (!r.ignore_eos) {
-      const auto eos = workers_->state(w).health.eos_ids;
-      g.stop_ids.insert(g.stop_ids.end(), eos.begin(), eos.end());
+  g.share_weight = 1.0;
+  if (o_.tenants) {
+    for (const tenants::TenantConfig& t : o_.tenants->config()->tenants) {
+      if (t.name == tenant) g.share_weight = t.weight;
     }
-    int64_t wid = 0;
-    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { wid = c.Generate(g); });
-    if (s.ok()) {
-      q->worker = w;
-      q->wid = wid;
-      break;
-    }
-    last = s;
-    // Full or gone: the next worker; anything else is about the request.
-    if (s.code() != StatusCode::kResourceExhausted && s.code() != StatusCode::kUnavailable) return s;
   }
-  if (q->worker < 0) return last;
-  workers_->AddRouted(q->worker, 1);
-  for (const DocumentView& d : docs) docs_.AddWorker(d.id, q->worker);
-  q->id = NewRequestId();
-  q->tenant = tenant;
-  q->stop = r.stop;
-  q->created = Clock::now();
-  if (r.deadline_ms > 0) q->deadline = q->created + milliseconds(r.deadline_ms);
-  q->usage.prompt_tokens = static_cast<int64_t>(g.prompt.size());
-  q->usage.queue_seconds = -1;
-  q->usage.ttft_seconds = -1;
-  std::lock_guard<std::mutex> lk(mu_);
-  requests_[q->id] = q;
-  ++running_;
-  ++counts_[tenant].requests;
-  return q;
+  return g;
 }
 
 Result<std::shared_ptr<Coordinator::Request>> Coordinator::Find(const std::string& tenant, const std::string& id) {
@@ -554,6 +628,10 @@ void Coordinator::Finalize(Request& q, const std::string& reason, const Status& 
   // Forgotten on the worker (cancelled first if it still runs there).
   (void)workers_->Call(q.worker, "release", [&](rpc::WorkerClient& c) { c.Release(q.wid); });
   workers_->AddRouted(q.worker, -1);
+  q.sequence.Release();
+  // Generated tokens count against the tenant's rate (a debt past it delays
+  // its next admission: CheckTokens).
+  if (o_.tenants) (void)o_.tenants->ChargeTokens(q.tenant, q.usage.generated_tokens);
   requests_total_->Add({{"reason", reason}}).Increment();
   prompt_tokens_->Increment(static_cast<double>(q.usage.prompt_tokens));
   cached_tokens_->Increment(static_cast<double>(q.usage.cached_prompt_tokens));
@@ -680,6 +758,120 @@ void Coordinator::DropExpired() {
   }
 }
 
+// ---- batch jobs ----------------------------------------------------------------
+
+Status Coordinator::StartJobs(JobServiceOptions options) {
+  if (jobs_) return Status::FailedPrecondition("jobs are already started");
+  PENUMBRA_ASSIGN_OR_RETURN(jobs_, JobService::Start(options, [this](const std::string& tenant,
+                                                                     const rpc::GenerateRequest& r) {
+                              return RunItem(tenant, r);
+                            }));
+  return Status::OK();
+}
+
+Result<JobService*> Coordinator::Jobs() const {
+  if (!jobs_) {
+    return Status::FailedPrecondition("batch jobs need a coordinator with a data directory (--data-dir)");
+  }
+  return jobs_.get();
+}
+
+ItemOutcome Coordinator::RunItem(const std::string& tenant, const rpc::GenerateRequest& request) {
+  ItemOutcome out;
+  rpc::GenerateRequest r = request;
+  r.deadline_ms = 0;  // the job's window applies
+  Result<std::shared_ptr<Request>> started = DoGenerateAs(tenant, r);
+  if (!started.ok()) {
+    out.status = started.status();
+    return out;
+  }
+  Request& q = **started;
+  std::lock_guard<std::mutex> lk(q.mu);
+  while (!q.done) {
+    if (stopping_) {
+      out.status = Status::Unavailable("the coordinator is stopping");
+      return out;
+    }
+    Status s = Advance(q, static_cast<int64_t>(q.ids.size()), milliseconds(1000));
+    if (!s.ok()) {
+      out.status = s;
+      return out;
+    }
+  }
+  rpc::GenerateChunk c;
+  ToChunk(q, 0, &c);
+  if (q.finish_reason == "error" || q.finish_reason == "deadline") {
+    out.status = q.error.ok() ? Status::Internal("the generation failed") : q.error;
+    return out;
+  }
+  out.text = c.text;
+  out.ids = c.ids;
+  out.finish_reason = c.finish_reason;
+  out.usage = c.usage;
+  return out;
+}
+
+std::optional<int64_t> Coordinator::JobQuota(const std::string& tenant) const {
+  if (!o_.tenants) return std::nullopt;
+  for (const tenants::TenantConfig& t : o_.tenants->config()->tenants) {
+    if (t.name == tenant) return t.quotas.max_jobs_in_flight;
+  }
+  return std::nullopt;
+}
+
+Status Coordinator::ReloadTenants(const tenants::TenantsConfig& config) {
+  if (!o_.tenants) return Status::FailedPrecondition("the coordinator was started without tenants");
+  return o_.tenants->Reload(config);
+}
+
+void Coordinator::SubmitJob(rpc::JobInfo& out, const rpc::SubmitJobRequest& request) {
+  const std::string tenant = OrThrow(Tenant(request.api_key));
+  JobService* jobs = OrThrow(Jobs());
+  if (std::optional<int64_t> quota = JobQuota(tenant)) {
+    // Counted from the store (unfinished jobs survive restarts; a lease in
+    // memory would not).
+    const int64_t unfinished = OrThrow(jobs->Unfinished(tenant));
+    if (unfinished >= *quota) {
+      Throw(Status::ResourceExhausted("tenant '" + tenant + "' has " + std::to_string(unfinished) +
+                                      " jobs in flight, its quota (max_jobs_in_flight " + std::to_string(*quota) +
+                                      "); retry when one finishes")
+                .WithRetryAfter(5000));
+    }
+  }
+  out = OrThrow(jobs->Submit(tenant, request, [&](const rpc::GenerateRequest& r) -> Status {
+    std::vector<DocumentView> docs;
+    return PrepareGenerate(tenant, r, &docs).status();
+  }));
+}
+
+void Coordinator::GetJob(rpc::JobInfo& out, const std::string& api_key, const std::string& job_id) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  out = OrThrow(OrThrow(Jobs())->Get(tenant, job_id));
+}
+
+void Coordinator::ListJobs(rpc::JobList& out, const std::string& api_key, const std::string& page_token,
+                           int32_t page_size) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  out = OrThrow(OrThrow(Jobs())->List(tenant, page_token, page_size));
+}
+
+void Coordinator::GetJobResults(rpc::JobResults& out, const std::string& api_key, const std::string& job_id,
+                                const std::string& after_custom_id, int32_t page_size) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  out = OrThrow(OrThrow(Jobs())->Results(tenant, job_id, after_custom_id, page_size));
+}
+
+void Coordinator::CancelJob(rpc::JobInfo& out, const std::string& api_key, const std::string& job_id) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  out = OrThrow(OrThrow(Jobs())->Cancel(tenant, job_id));
+}
+
+void Coordinator::DeleteJob(const std::string& api_key, const std::string& job_id) {
+  const std::string tenant = OrThrow(Tenant(api_key));
+  Status s = OrThrow(Jobs())->Delete(tenant, job_id);
+  if (!s.ok()) Throw(s);
+}
+
 bool Coordinator::Drain(milliseconds max_wait) {
   std::unique_lock<std::mutex> lk(mu_);
   draining_ = true;
@@ -698,7 +890,7 @@ void Coordinator::Health(rpc::HealthResponse& out) {
   out.model = model_;
   out.workers.clear();
   bool any = false;
-  const auto held = docs_.held_per_worker();
+  const auto held = docs_->held_per_worker();
   std::vector<WorkerState> s = workers_->states();
   for (int i = 0; i < static_cast<int>(s.size()); ++i) {
     rpc::WorkerStatus w;
@@ -723,7 +915,7 @@ void Coordinator::Stats(rpc::StatsResponse& out, const std::string& api_key) {
   rpc::HealthResponse h;
   Health(h);
   out.workers = h.workers;
-  out.documents = docs_.count(tenant);
+  out.documents = docs_->count(tenant);
   std::lock_guard<std::mutex> lk(mu_);
   const TenantCounts c = counts_[tenant];
   out.requests = c.requests;
@@ -745,7 +937,7 @@ void Coordinator::RefreshMetrics() {
     std::lock_guard<std::mutex> lk(mu_);
     running_gauge_->Set(static_cast<double>(running_));
   }
-  documents_gauge_->Set(static_cast<double>(docs_.count()));
+  documents_gauge_->Set(static_cast<double>(docs_->count()));
   for (const WorkerState& w : workers_->states()) {
     worker_up_->Add({{"worker", w.endpoint.name}}).Set(w.healthy ? 1 : 0);
     worker_routed_->Add({{"worker", w.endpoint.name}}).Set(static_cast<double>(w.routed));

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,8 @@
 
 #include "common/status.h"
 #include "coordinator/server/document_registry.h"
+#include "coordinator/server/job_service.h"
+#include "coordinator/tenants/tenants.h"
 #include "coordinator/server/worker_pool.h"
 #include "coordinator/tokenizer/text_codec.h"
 #include "gen-cpp/Penumbra.h"
@@ -36,8 +39,13 @@
 namespace penumbra::coordinator {
 
 struct CoordinatorOptions {
-  // API key -> tenant. Empty: no authentication, every caller is tenant
-  // "default" (a local or trusted deployment).
+  // Tenants (configs/tenants.yaml): API keys stored hashed, quotas
+  // (concurrent sequences, generated tokens per minute, stored document
+  // bytes, jobs in flight). Set: every call is authenticated by it.
+  std::shared_ptr<tenants::TenantRegistry> tenants;
+  // Without `tenants`: API key -> tenant in plain text (a development
+  // convenience, no quotas). Both empty: no authentication, every caller is
+  // tenant "default" (a local or trusted deployment).
   std::map<std::string, std::string> api_keys;
   int64_t max_documents_per_tenant = 10000;
   int64_t max_text_bytes = 32 << 20;      // one document's or question's text
@@ -58,8 +66,10 @@ class Coordinator : public rpc::PenumbraIf {
  public:
   // `codec` may be null (no tokenizer: requests carry token ids, answers
   // have no text, stop strings are refused).
+  // `documents`: the document registry (DocumentRegistry::Open for one that
+  // survives restarts); null: one in memory.
   Coordinator(const CoordinatorOptions& options, std::unique_ptr<TextCodec> codec, std::string model,
-              WorkerPool* workers);
+              WorkerPool* workers, std::unique_ptr<DocumentRegistry> documents = nullptr);
   ~Coordinator() override;  // waits for background puts
 
   void PutDocument(rpc::DocumentInfo& out, const rpc::PutDocumentRequest& request) override;
@@ -72,8 +82,24 @@ class Coordinator : public rpc::PenumbraIf {
             int32_t wait_ms) override;
   void Cancel(const std::string& api_key, const std::string& request_id) override;
   void Complete(rpc::GenerateChunk& out, const rpc::GenerateRequest& request) override;
+  void SubmitJob(rpc::JobInfo& out, const rpc::SubmitJobRequest& request) override;
+  void GetJob(rpc::JobInfo& out, const std::string& api_key, const std::string& job_id) override;
+  void ListJobs(rpc::JobList& out, const std::string& api_key, const std::string& page_token,
+                int32_t page_size) override;
+  void GetJobResults(rpc::JobResults& out, const std::string& api_key, const std::string& job_id,
+                     const std::string& after_custom_id, int32_t page_size) override;
+  void CancelJob(rpc::JobInfo& out, const std::string& api_key, const std::string& job_id) override;
+  void DeleteJob(const std::string& api_key, const std::string& job_id) override;
   void Health(rpc::HealthResponse& out) override;
   void Stats(rpc::StatsResponse& out, const std::string& api_key) override;
+
+  // Batch jobs (off until started: the job calls are FAILED_PRECONDITION):
+  // opens the job store at options.store.path, resumes unfinished jobs.
+  Status StartJobs(JobServiceOptions options);
+  JobService* jobs() const { return jobs_.get(); }
+
+  // Rereads the tenants (SIGHUP): see TenantRegistry::Reload.
+  Status ReloadTenants(const tenants::TenantsConfig& config);
 
   // Stops taking documents and generations (Unavailable) and waits until the
   // running generations are done, at most `max_wait`; true when they are.
@@ -95,6 +121,15 @@ class Coordinator : public rpc::PenumbraIf {
   Result<rpc::DocumentInfo> DoPut(const rpc::PutDocumentRequest& r);
   void Factor(DocumentView doc, std::chrono::steady_clock::time_point deadline);
   Result<std::shared_ptr<Request>> DoGenerate(const rpc::GenerateRequest& r);
+  Result<std::shared_ptr<Request>> DoGenerateAs(const std::string& tenant, const rpc::GenerateRequest& r);
+  // Validates r for `tenant` and builds the worker's request (docs: r's documents).
+  Result<rpc::WorkerGenerateRequest> PrepareGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
+                                                     std::vector<DocumentView>* docs) const;
+  // A job item: generates to the end (or until the coordinator stops).
+  ItemOutcome RunItem(const std::string& tenant, const rpc::GenerateRequest& r);
+  Result<JobService*> Jobs() const;
+  // The tenant's limit on jobs in flight (nullopt: none).
+  std::optional<int64_t> JobQuota(const std::string& tenant) const;
   Result<std::shared_ptr<Request>> Find(const std::string& tenant, const std::string& id);
   // Brings `q` up to date from its worker, waiting up to `wait` when it has
   // no tokens past `offset` (q->mu held).
@@ -112,7 +147,7 @@ class Coordinator : public rpc::PenumbraIf {
   std::unique_ptr<TextCodec> codec_;
   std::string model_;
   WorkerPool* workers_;
-  DocumentRegistry docs_;
+  std::unique_ptr<DocumentRegistry> docs_;
 
   mutable std::mutex mu_;  // requests_, draining_, counters below
   std::condition_variable idle_cv_;
@@ -130,6 +165,8 @@ class Coordinator : public rpc::PenumbraIf {
     std::shared_ptr<std::atomic<bool>> done;
   };
   std::vector<BackgroundPut> puts_;
+  std::atomic<bool> stopping_{false};  // the destructor runs: job items stop waiting
+  std::unique_ptr<JobService> jobs_;
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_;

@@ -4,11 +4,16 @@
 //   penumbra-coordinator --model DIR --workers [NAME=]HOST:PORT,... [--port 0] [--port-file F]
 //
 // --model names the model the workers serve (its tokenizer.json tokenizes
-// requests here). Prints one line when serving; with --port-file it writes
+// requests here). --data-dir DIR keeps what survives a restart there
+// (RocksDB): the documents (DIR/documents: their tokens; the workers' own
+// document stores keep their factored states) and the batch jobs (DIR/jobs),
+// which a restarted coordinator resumes. Prints one line when serving; with --port-file it writes
 // {"port": P, "metrics_port": M, "pid": N} there (atomically). SIGTERM or
 // SIGINT: stops taking requests, lets running generations end (at most
 // --drain-seconds), exits 0.
+#include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
@@ -36,12 +41,17 @@ Status Run(int argc, char** argv) {
       .Flag("port", "public API port (default 0: one the OS picks)")
       .Flag("metrics-port", "Prometheus /metrics port (default 0: one the OS picks; -1: off)")
       .Flag("port-file", "write {\"port\": P, \"metrics_port\": M, \"pid\": N} here once serving")
-      .Flag("api-keys", "YAML file `keys: {KEY: TENANT, ...}` (default: none, every caller is tenant \"default\")")
+      .Flag("tenants", "tenants YAML (configs/tenants.yaml: hashed API keys, quotas); reread on SIGHUP")
+      .Flag("api-keys", "YAML file `keys: {KEY: TENANT, ...}` in plain text, no quotas: for development (default: "
+                        "none, every caller is tenant \"default\")")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
       .Flag("max-running", "generations running at once, all tenants (default 4096)")
       .Flag("max-documents", "documents per tenant (default 10000)")
       .Flag("health-interval-ms", "how often each worker is checked (default 1000)")
-      .Flag("drain-seconds", "on SIGTERM, how long running generations may finish (default 30)");
+      .Flag("drain-seconds", "on SIGTERM, how long running generations may finish (default 30)")
+      .Flag("data-dir", "directory for what survives a restart: documents and batch jobs (default: none: documents "
+                        "in memory, jobs off)")
+      .Flag("job-concurrency", "job items generating at once, all jobs (default 16)");
   Status ps = a.Parse(argc, argv, 1);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
   if (!a.Has("model") || !a.Has("workers")) {
@@ -50,6 +60,11 @@ Status Run(int argc, char** argv) {
   coordinator::CoordinatorOptions co;
   if (a.Has("api-keys")) {
     PENUMBRA_ASSIGN_OR_RETURN(co.api_keys, coordinator::LoadApiKeys(a.Get("api-keys")));
+  }
+  if (a.Has("tenants")) {
+    PENUMBRA_ASSIGN_OR_RETURN(tenants::TenantsConfig tc, tenants::LoadTenantsConfig(a.Get("tenants")));
+    PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<tenants::TenantRegistry> reg, tenants::TenantRegistry::Create(tc));
+    co.tenants = std::move(reg);
   }
   PENUMBRA_ASSIGN_OR_RETURN(co.max_running_requests, a.GetIntIn("max-running", co.max_running_requests, 1, 1 << 24));
   PENUMBRA_ASSIGN_OR_RETURN(co.max_documents_per_tenant,
@@ -81,7 +96,23 @@ Status Run(int argc, char** argv) {
   } else {
     LOG(WARNING) << "no tokenizer (" << c.status() << "): requests must carry token ids";
   }
-  auto handler = std::make_shared<coordinator::Coordinator>(co, std::move(codec), a.Get("model"), pool.get());
+  std::unique_ptr<coordinator::DocumentRegistry> documents;
+  if (a.Has("data-dir")) {
+    std::error_code ec;
+    std::filesystem::create_directories(a.Get("data-dir"), ec);
+    if (ec) return Status::IOError("--data-dir " + a.Get("data-dir") + ": " + ec.message());
+    PENUMBRA_ASSIGN_OR_RETURN(documents, coordinator::DocumentRegistry::Open(a.Get("data-dir") + "/documents",
+                                                                               co.max_documents_per_tenant));
+  }
+  auto handler = std::make_shared<coordinator::Coordinator>(co, std::move(codec), a.Get("model"), pool.get(),
+                                                            std::move(documents));
+  if (a.Has("data-dir")) {
+    coordinator::JobServiceOptions jo;
+    jo.store.path = a.Get("data-dir") + "/jobs";
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t conc, a.GetIntIn("job-concurrency", jo.max_running_items, 1, 4096));
+    jo.max_running_items = static_cast<int>(conc);
+    PENUMBRA_RETURN_IF_ERROR(handler->StartJobs(jo));
+  }
   transport::ThriftLimits limits = wo.limits;
   PENUMBRA_ASSIGN_OR_RETURN(auto server,
                             transport::ThriftServer::Start(std::make_shared<rpc::PenumbraProcessor>(handler), host,
@@ -102,10 +133,21 @@ Status Run(int argc, char** argv) {
   for (const auto& w : pool->states()) healthy += w.healthy;
   std::printf("penumbra-coordinator: serving %s with %d of %d workers healthy on %s:%d, metrics on %d%s\n",
               a.Get("model").c_str(), healthy, pool->size(), host.c_str(), server->port(), mport,
-              co.api_keys.empty() ? " (no API keys: every caller is tenant \"default\")" : "");
+              co.api_keys.empty() && !co.tenants ? " (no API keys: every caller is tenant \"default\")" : "");
   std::fflush(stdout);
 
-  const int sig = WaitForTerminationSignal();
+  int sig = WaitForTerminationSignal();
+  while (sig == SIGHUP && co.tenants) {
+    Result<tenants::TenantsConfig> tc = tenants::LoadTenantsConfig(a.Get("tenants"));
+    Status s = tc.ok() ? handler->ReloadTenants(*tc) : tc.status();
+    if (s.ok()) {
+      LOG(INFO) << "penumbra-coordinator: SIGHUP: tenants reloaded from " << a.Get("tenants") << " ("
+                << tc->tenants.size() << " tenants)";
+    } else {
+      LOG(ERROR) << "penumbra-coordinator: SIGHUP: tenants not reloaded, the old ones stay: " << s;
+    }
+    sig = WaitForTerminationSignal();
+  }
   LOG(INFO) << "penumbra-coordinator: signal " << sig << ", draining (at most " << drain_s << " s)";
   if (!handler->Drain(std::chrono::seconds(drain_s))) {
     LOG(WARNING) << "penumbra-coordinator: generations still running after " << drain_s << " s";

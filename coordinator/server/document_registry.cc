@@ -1,27 +1,232 @@
 #include "coordinator/server/document_registry.h"
 
+#include <bit>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <random>
+#include <string_view>
+
+#include <glog/logging.h>
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+
+#include "common/hash.h"
 
 namespace penumbra::coordinator {
 namespace {
 
+// Ids are "doc-" and 16 hex digits of a random 64-bit number. The generator
+// is seeded with 256 bits, so a coordinator and its successor after a restart
+// do not draw the same sequence; the caller still checks that an id is free.
 std::string NewId() {
   static std::mutex mu;
-  static std::mt19937_64 rng(std::random_device{}());
+  static std::mt19937_64 rng = [] {
+    std::random_device rd;
+    std::seed_seq seed{rd(), rd(), rd(), rd(), rd(), rd(), rd(), rd()};
+    return std::mt19937_64(seed);
+  }();
   std::lock_guard<std::mutex> lk(mu);
   char buf[32];
   std::snprintf(buf, sizeof buf, "doc-%016llx", static_cast<unsigned long long>(rng()));
   return buf;
 }
 
-bool WellFormedId(const std::string& id) {
-  if (id.size() != 20 || id.compare(0, 4, "doc-") != 0) return false;
-  return id.find_first_not_of("0123456789abcdef", 4) == std::string::npos;
+bool WellFormedId(std::string_view id) {
+  if (id.size() != 20 || id.substr(0, 4) != "doc-") return false;
+  return id.find_first_not_of("0123456789abcdef", 4) == std::string_view::npos;
+}
+
+// ---- records -------------------------------------------------------------------
+// Key: 'd' and the document id. Value, numbers little-endian:
+//   u32 format version
+//   tenant, name (each u32 length, bytes)
+//   i64 tokens, i64 leading_special, i64 created_unix_ms, f64 factor_seconds
+//   u32 n, n x i32 token ids (n == tokens)
+//   u64 checksum: Hash64 of everything before it, seeded with Hash64(key),
+//       so a value read under another key fails too.
+static_assert(std::endian::native == std::endian::little, "records are written in the host's byte order");
+constexpr uint32_t kFormatVersion = 1;
+constexpr char kDocumentKind = 'd';
+
+std::string DocumentKey(const std::string& id) { return std::string(1, kDocumentKind) + id; }
+
+template <typename T>
+void Append(std::string* s, T v) {
+  s->append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+void AppendStr(std::string* s, const std::string& v) {
+  Append(s, static_cast<uint32_t>(v.size()));
+  s->append(v);
+}
+
+std::string Encode(const std::string& key, const DocumentView& d) {
+  const std::vector<int32_t>& ids = *d.ids;
+  std::string s;
+  s.reserve(64 + d.tenant.size() + d.name.size() + 4 * ids.size());
+  Append(&s, kFormatVersion);
+  AppendStr(&s, d.tenant);
+  AppendStr(&s, d.name);
+  Append(&s, d.tokens);
+  Append(&s, d.leading_special);
+  Append(&s, d.created_unix_ms);
+  Append(&s, d.factor_seconds);
+  Append(&s, static_cast<uint32_t>(ids.size()));
+  s.append(reinterpret_cast<const char*>(ids.data()), 4 * ids.size());
+  Append(&s, Hash64(s.data(), s.size(), Hash64(key)));
+  return s;
+}
+
+// Bounds-checked reads over a value's fields: each fails (false) past the end.
+class Reader {
+ public:
+  explicit Reader(std::string_view s) : s_(s) {}
+  template <typename T>
+  bool Get(T* v) {
+    if (sizeof(T) > s_.size() - pos_) return false;
+    std::memcpy(v, s_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  bool Str(std::string* v) {
+    uint32_t n = 0;
+    if (!Get(&n) || n > s_.size() - pos_) return false;
+    v->assign(s_.substr(pos_, n));
+    pos_ += n;
+    return true;
+  }
+  bool Ids(std::vector<int32_t>* v) {
+    uint32_t n = 0;
+    if (!Get(&n) || n > (s_.size() - pos_) / 4) return false;
+    v->resize(n);
+    std::memcpy(v->data(), s_.data() + pos_, 4 * size_t{n});
+    pos_ += 4 * size_t{n};
+    return true;
+  }
+  bool done() const { return pos_ == s_.size(); }
+
+ private:
+  std::string_view s_;
+  size_t pos_ = 0;
+};
+
+// A stored document (READY, no worker), or Corruption saying which check failed.
+Status Decode(std::string_view key, std::string_view value, DocumentView* d) {
+  if (key.empty() || key[0] != kDocumentKind || !WellFormedId(key.substr(1))) {
+    return Status::Corruption("not a document key");
+  }
+  if (value.size() < 12) return Status::Corruption("truncated value (" + std::to_string(value.size()) + " bytes)");
+  uint64_t sum = 0;
+  std::memcpy(&sum, value.data() + value.size() - 8, 8);
+  if (sum != Hash64(value.data(), value.size() - 8, Hash64(key))) return Status::Corruption("checksum mismatch");
+  uint32_t version = 0;
+  std::memcpy(&version, value.data(), 4);
+  if (version != kFormatVersion) {
+    return Status::Corruption("format version " + std::to_string(version) + ", this binary reads " +
+                              std::to_string(kFormatVersion));
+  }
+  Reader in(value.substr(4, value.size() - 12));
+  auto ids = std::make_shared<std::vector<int32_t>>();
+  if (!in.Str(&d->tenant) || !in.Str(&d->name) || !in.Get(&d->tokens) || !in.Get(&d->leading_special) ||
+      !in.Get(&d->created_unix_ms) || !in.Get(&d->factor_seconds) || !in.Ids(ids.get()) || !in.done()) {
+    return Status::Corruption("malformed fields");
+  }
+  if (d->tokens != static_cast<int64_t>(ids->size())) {
+    return Status::Corruption(std::to_string(d->tokens) + " tokens but " + std::to_string(ids->size()) + " token ids");
+  }
+  if (d->leading_special < 0 || d->leading_special > d->tokens) {
+    return Status::Corruption("leading_special " + std::to_string(d->leading_special) + " of " +
+                              std::to_string(d->tokens) + " tokens");
+  }
+  d->id = std::string(key.substr(1));
+  d->state = DocumentState::kReady;
+  d->factored_tokens = d->tokens;
+  d->ids = std::move(ids);
+  return Status::OK();
+}
+
+// A key for a log line: printable, cut short.
+std::string Printable(std::string_view key) {
+  std::string s;
+  for (char c : key.substr(0, 64)) s.push_back(c >= 0x20 && c < 0x7f ? c : '?');
+  return "'" + s + (key.size() > 64 ? "...'" : "'");
 }
 
 }  // namespace
+
+struct DocumentRegistry::Store {
+  std::string path;
+  std::unique_ptr<rocksdb::DB> db;
+
+  ~Store() {
+    if (db) (void)db->Close();
+  }
+};
+
+DocumentRegistry::DocumentRegistry(int64_t max_documents_per_tenant) : max_per_tenant_(max_documents_per_tenant) {}
+
+DocumentRegistry::~DocumentRegistry() = default;
+
+Result<std::unique_ptr<DocumentRegistry>> DocumentRegistry::Open(const std::string& path,
+                                                                 int64_t max_documents_per_tenant) {
+  if (path.empty()) return Status::InvalidArgument("document registry: path is empty");
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);  // RocksDB creates the last level only
+  if (ec) return Status::IOError("document registry " + path + ": cannot create the directory: " + ec.message());
+  auto store = std::make_unique<Store>();
+  store->path = path;
+  rocksdb::Options o;
+  o.create_if_missing = true;
+  o.paranoid_checks = true;  // refuse to open over detected corruption rather than drop data silently
+  o.max_open_files = 64;
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status rs = rocksdb::DB::Open(o, path, &db);
+  if (!rs.ok()) return Status::IOError("document registry " + path + ": cannot open RocksDB: " + rs.ToString());
+  store->db.reset(db);
+  auto reg = std::make_unique<DocumentRegistry>(max_documents_per_tenant);
+  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const std::string_view key = it->key().ToStringView();
+    DocumentView d;
+    Status s = Decode(key, it->value().ToStringView(), &d);
+    if (!s.ok()) {
+      LOG(ERROR) << "document registry " << path << ": record " << Printable(key) << " skipped: " << s.message();
+      ++reg->corrupt_records_;
+      if (!key.empty() && WellFormedId(key.substr(1))) reg->stale_ids_.insert(std::string(key.substr(1)));
+      continue;
+    }
+    ++reg->per_tenant_[d.tenant];
+    std::string id = d.id;
+    reg->docs_.emplace(std::move(id), std::move(d));
+  }
+  rs = it->status();
+  if (!rs.ok()) return Status::IOError("document registry " + path + ": reading records: " + rs.ToString());
+  it.reset();
+  LOG(INFO) << "document registry " << path << ": " << reg->docs_.size() << " documents"
+            << (reg->corrupt_records_ ? ", " + std::to_string(reg->corrupt_records_) + " damaged records skipped"
+                                      : std::string());
+  reg->store_ = std::move(store);
+  return reg;
+}
+
+std::unique_lock<std::mutex> DocumentRegistry::LockWrites() {
+  return store_ ? std::unique_lock<std::mutex>(write_mu_) : std::unique_lock<std::mutex>();
+}
+
+void DocumentRegistry::Persist(const std::string& id, const std::string* value, const char* what) {
+  rocksdb::WriteOptions w;
+  w.sync = true;
+  const std::string key = DocumentKey(id);
+  const rocksdb::Status rs = value ? store_->db->Put(w, key, *value) : store_->db->Delete(w, key);
+  if (rs.ok()) return;
+  LOG(ERROR) << "document registry " << store_->path << ": " << what << " document " << id << " failed ("
+             << (value ? "it is missing after the next restart" : "it is back after the next restart")
+             << "): " << rs.ToString();
+  std::lock_guard<std::mutex> lk(mu_);
+  ++persist_errors_;
+  stale_ids_.insert(id);
+}
 
 const char* DocumentStateName(DocumentState s) {
   switch (s) {
@@ -42,7 +247,7 @@ Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std:
   DocumentView d;
   do {
     d.id = NewId();
-  } while (docs_.count(d.id));
+  } while (docs_.count(d.id) || stale_ids_.count(d.id));
   d.tenant = tenant;
   d.name = name;
   d.tokens = static_cast<int64_t>(ids.size());
@@ -82,8 +287,17 @@ Result<DocumentPage> DocumentRegistry::List(const std::string& tenant, const std
 }
 
 Result<DocumentView> DocumentRegistry::Remove(const std::string& tenant, const std::string& id) {
+  std::unique_lock<std::mutex> writes = LockWrites();
+  bool stored = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = docs_.find(id);
+    if (it == docs_.end() || it->second.tenant != tenant) return Status::NotFound("document '" + id + "' is unknown");
+    stored = store_ && it->second.state == DocumentState::kReady;
+  }
+  if (stored) Persist(id, nullptr, "deleting");
   std::lock_guard<std::mutex> lk(mu_);
-  auto it = docs_.find(id);
+  auto it = docs_.find(id);  // in memory, another Remove may have come between
   if (it == docs_.end() || it->second.tenant != tenant) return Status::NotFound("document '" + id + "' is unknown");
   DocumentView d = std::move(it->second);
   docs_.erase(it);
@@ -92,9 +306,22 @@ Result<DocumentView> DocumentRegistry::Remove(const std::string& tenant, const s
 }
 
 void DocumentRegistry::SetReady(const std::string& id, int worker, double factor_seconds) {
+  std::unique_lock<std::mutex> writes = LockWrites();
+  if (store_) {
+    DocumentView stored;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = docs_.find(id);
+      if (it == docs_.end()) return;  // deleted meanwhile
+      stored = it->second;  // the token ids are shared, not copied
+    }
+    stored.factor_seconds = factor_seconds;
+    const std::string value = Encode(DocumentKey(id), stored);
+    Persist(id, &value, "storing");
+  }
   std::lock_guard<std::mutex> lk(mu_);
   auto it = docs_.find(id);
-  if (it == docs_.end()) return;  // deleted meanwhile
+  if (it == docs_.end()) return;  // deleted meanwhile (in memory; durable: Remove waits for `writes`)
   it->second.state = DocumentState::kReady;
   it->second.factor_seconds = factor_seconds;
   it->second.factored_tokens = it->second.tokens;
@@ -102,6 +329,17 @@ void DocumentRegistry::SetReady(const std::string& id, int worker, double factor
 }
 
 void DocumentRegistry::SetFailed(const std::string& id, const Status& error) {
+  std::unique_lock<std::mutex> writes = LockWrites();
+  if (store_) {
+    bool stored = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = docs_.find(id);
+      if (it == docs_.end()) return;
+      stored = it->second.state == DocumentState::kReady;
+    }
+    if (stored) Persist(id, nullptr, "deleting failed");
+  }
   std::lock_guard<std::mutex> lk(mu_);
   auto it = docs_.find(id);
   if (it == docs_.end()) return;
@@ -140,6 +378,33 @@ std::map<int, int64_t> DocumentRegistry::held_per_worker() const {
     for (int w : d.workers) ++m[w];
   }
   return m;
+}
+
+int64_t DocumentRegistry::persist_errors() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return persist_errors_;
+}
+
+int64_t DocumentRegistry::corrupt_records() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return corrupt_records_;
+}
+
+Status DocumentRegistry::CorruptRecordForTest(const std::string& id) {
+  if (!store_) return Status::FailedPrecondition("document registry: in memory, nothing is stored");
+  std::unique_lock<std::mutex> writes = LockWrites();
+  const std::string key = DocumentKey(id);
+  std::string value;
+  rocksdb::Status rs = store_->db->Get(rocksdb::ReadOptions(), key, &value);
+  if (rs.IsNotFound()) return Status::NotFound("document registry: document '" + id + "' has no record");
+  if (rs.ok()) {
+    value[value.size() / 2] ^= 0x40;
+    rocksdb::WriteOptions w;
+    w.sync = true;
+    rs = store_->db->Put(w, key, value);
+  }
+  if (!rs.ok()) return Status::IOError("document registry " + store_->path + ": " + rs.ToString());
+  return Status::OK();
 }
 
 }  // namespace penumbra::coordinator

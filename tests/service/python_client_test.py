@@ -6,7 +6,8 @@ real penumbra-worker (CPU) and penumbra-coordinator on loopback.
 
 Defaults: <repo>/build and <repo>/models/penumbra-eval. The generated Thrift
 code is taken from $PENUMBRA_GEN_PY, else BUILD_DIR/transport/gen-py. Both
-processes are started with OS-picked ports and stopped at the end (SIGTERM,
+processes are started with OS-picked ports (the coordinator with a --data-dir
+in the service's work directory, so batch jobs are on) and stopped at the end (SIGTERM,
 then SIGKILL after 10 s), also on failure or interruption; the whole run is
 bounded (a watchdog stops the servers after WATCHDOG_S seconds).
 """
@@ -15,6 +16,7 @@ import argparse
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import unittest
@@ -63,7 +65,7 @@ class PythonClientTest(unittest.TestCase):
         cls.svc = penumbra_local.LocalService(
             BUILD_DIR, MODEL_DIR, api_keys={KEY_A: TENANT_A, KEY_B: TENANT_B},
             worker_args=["--drain-seconds", "2"], coordinator_args=["--drain-seconds", "2"],
-            start_timeout_s=60.0)
+            start_timeout_s=60.0, data_dir=True)  # <workdir>/data: batch jobs on
         cls.svc.start()
         cls.a = PenumbraClient("127.0.0.1", cls.svc.port, api_key=KEY_A, timeout_s=30.0, long_call_timeout_s=90.0)
         cls.b = PenumbraClient("127.0.0.1", cls.svc.port, api_key=KEY_B, timeout_s=30.0, long_call_timeout_s=90.0)
@@ -291,6 +293,132 @@ class PythonClientTest(unittest.TestCase):
         self.assertIn("penumbra_coordinator_", body)
         self.assertTrue(any(line.startswith("# TYPE penumbra_coordinator_") for line in body.splitlines()),
                         body[:2000])
+
+
+    # ------------------------------------------------------------------ batch jobs
+
+    def test_job_answers_match_complete(self):
+        d = self.doc()
+        questions = {
+            "q-ben": QUESTION,
+            "q-lily": "\n\nQuestion: Who is Lily?\nAnswer:",
+            "q-park": "\n\nQuestion: Where did they play?\nAnswer:",
+            "q-feel": "\n\nQuestion: How did Tom feel?\nAnswer:",
+            "q-night": "\n\nQuestion: What happened at night?\nAnswer:",
+        }
+        ids = sorted(questions)
+        items = [  # the three shapes submit_job takes
+            {"custom_id": ids[0], "document_ids": [d.id], "text": questions[ids[0]], "max_new_tokens": 8},
+            (ids[1], [d.id], questions[ids[1]], {"max_new_tokens": 8}),
+            pc.job_item(ids[2], [d.id], questions[ids[2]], max_new_tokens=8),
+        ] + [(cid, d.id, questions[cid], {"max_new_tokens": 8}) for cid in ids[3:]]
+        job = self.a.submit_job(items, metadata="python-client-test")
+        self.assertTrue(job.id, job)
+        self.assertEqual(job.total, 5, job)
+        self.assertEqual(job.metadata, "python-client-test", job)
+        seen = []
+        done = self.a.wait_job(job.id, poll_s=0.2, timeout_s=WAIT_S, on_progress=seen.append)
+        self.assertEqual(pc.job_status_name(done.status), "COMPLETED", (done, self.logs()))
+        self.assertEqual((done.total, done.completed, done.failed, done.cancelled, done.pending, done.running),
+                         (5, 5, 0, 0, 0, 0), done)
+        self.assertGreater(done.finished_unix_s, 0, done)
+        self.assertTrue(seen, "on_progress never called")
+        self.assertEqual(seen[-1].status, done.status, seen)
+        self.assertEqual(self.a.get_job(job.id).status, done.status)
+
+        results = list(self.a.job_results(job.id, page_size=2))  # 3 pages
+        self.assertEqual([r.custom_id for r in results], ids, results)
+        for r in results:
+            self.assertTrue(r.ok, r)
+            self.assertIsNone(pc.job_result_error(r), r)
+            self.assertEqual(r.state, "succeeded", r)
+            self.assertIn(r.finish_reason, ("stop", "length"), r)
+            self.assertGreater(len(r.ids), 0, r)
+            self.assertEqual(r.usage.generated_tokens, len(r.ids), r)
+            alone = self.a.ask([d.id], text=questions[r.custom_id], max_new_tokens=8)  # greedy
+            self.assertEqual(list(r.ids), list(alone.ids), (r.custom_id, r.text, alone.text))
+            self.assertEqual(r.text, alone.text, r.custom_id)
+
+        self.assertEqual([j.id for j in self.a.list_jobs(page_size=1)].count(job.id), 1)
+        # Another tenant sees nothing of it.
+        self.assertNotIn(job.id, [j.id for j in self.b.list_jobs()])
+        with self.assertRaises(pc.NotFound):
+            self.b.get_job(job.id)
+        with self.assertRaises(pc.NotFound):
+            list(self.b.job_results(job.id))
+        with self.assertRaises(pc.NotFound):
+            self.b.cancel_job(job.id)
+        with self.assertRaises(pc.NotFound):
+            self.b.delete_job(job.id)
+        # Over: it cannot be cancelled; it can be deleted (once).
+        with self.assertRaises(pc.FailedPrecondition):
+            self.a.cancel_job(job.id)
+        self.a.delete_job(job.id)
+        with self.assertRaises(pc.NotFound):
+            self.a.get_job(job.id)
+        with self.assertRaises(pc.NotFound):
+            list(self.a.job_results(job.id))
+        with self.assertRaises(pc.NotFound):
+            self.a.delete_job(job.id)
+        self.assertNotIn(job.id, [j.id for j in self.a.list_jobs()])
+
+    def test_job_with_a_bad_item_is_refused_whole(self):
+        d = self.doc()
+        before = [j.id for j in self.a.list_jobs()]
+        good = ("good", [d.id], QUESTION, {"max_new_tokens": 4})
+        with self.assertRaises(pc.NotFound) as cm:
+            self.a.submit_job([good, ("bad", ["no-such-document"], QUESTION)])
+        self.assertIn("bad", cm.exception.message)
+        with self.assertRaises(pc.InvalidArgument):
+            self.a.submit_job([good, good])  # custom_id twice
+        with PenumbraClient("127.0.0.1", self.svc.port, api_key="no-such-key") as c:
+            with self.assertRaises(pc.PermissionDenied):
+                c.submit_job([good])
+            with self.assertRaises(pc.PermissionDenied):
+                list(c.list_jobs())
+        with self.assertRaises(TypeError):  # refused here, before any call
+            self.a.submit_job([{"custom_id": "x", "document_ids": [d.id], "question": QUESTION}])
+        with self.assertRaises(TypeError):
+            self.a.submit_job(good)  # one item, not a list of them
+        self.assertEqual([j.id for j in self.a.list_jobs()], before)
+
+    def test_job_item_that_fails(self):
+        # A negative temperature: refused at submit, or (the coordinator leaves
+        # sampling to the worker) that item's result is INVALID_ARGUMENT while
+        # the other item succeeds and the job completes.
+        d = self.doc()
+        items = [("fine", [d.id], QUESTION, {"max_new_tokens": 4}),
+                 ("negative", [d.id], QUESTION, {"max_new_tokens": 4, "temperature": -1.0})]
+        try:
+            job = self.a.submit_job(items)
+        except pc.InvalidArgument as e:
+            self.assertIn("negative", e.message)
+            return
+        try:
+            done = self.a.wait_job(job.id, poll_s=0.2, timeout_s=WAIT_S)
+            self.assertEqual(pc.job_status_name(done.status), "COMPLETED", done)
+            self.assertEqual((done.completed, done.failed), (1, 1), done)
+            fine, negative = list(self.a.job_results(job.id))
+            self.assertEqual((fine.custom_id, fine.ok, fine.state), ("fine", True, "succeeded"), fine)
+            self.assertEqual((negative.custom_id, negative.ok, negative.state), ("negative", False, "failed"),
+                             negative)
+            self.assertIsInstance(pc.job_result_error(negative), pc.InvalidArgument, negative)
+            self.assertIn("temperature", negative.error, negative)
+        finally:
+            self.a.delete_job(job.id)
+
+    def test_batch_job_example(self):
+        self.doc()  # the model is warm
+        script = os.path.join(CLIENT_DIR, "batch_job.py")
+        p = subprocess.run([sys.executable, script, "--port", str(self.svc.port), "--api-key", KEY_A,
+                            "--max-new-tokens", "4", "--poll-s", "0.2", "--timeout-s", str(WAIT_S)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=WAIT_S + 30)
+        out, err = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
+        self.assertEqual(p.returncode, 0, "stdout:\n%s\nstderr:\n%s" % (out, err))
+        for cid in ("d0-q0", "d0-q1", "d0-q2"):
+            self.assertIn("[%s]" % cid, out)
+        self.assertIn("COMPLETED", err)
+        self.assertNotIn("batch_job.py", [j.metadata for j in self.a.list_jobs()])  # it deleted its job
 
 
 def main():

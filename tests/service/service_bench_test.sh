@@ -9,7 +9,7 @@ BIN=${1:?usage: service_bench_test.sh BIN_DIR}
 MODEL=tests/data/models/stories260K
 [ -f "$MODEL/model.safetensors" ] || { echo "test data missing: $MODEL/model.safetensors"; exit 1; }
 RUN=$(mktemp -d /tmp/penumbra-service-bench-test-XXXXXX)
-"$BIN/penumbra" serve --model "$MODEL" --port 0 --metrics-port 0 --run-dir "$RUN" --port-file "$RUN/serve.json" \
+"$BIN/penumbra" serve --model "$MODEL" --data-dir "" --port 0 --metrics-port 0 --run-dir "$RUN" --port-file "$RUN/serve.json" \
   --worker-args "--device cpu" > "$RUN/serve.log" 2>&1 &
 SERVE=$!
 cleanup() { kill -TERM $SERVE 2>/dev/null; wait $SERVE 2>/dev/null; rm -rf "$RUN"; }

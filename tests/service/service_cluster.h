@@ -129,6 +129,7 @@ struct ClusterOptions {
   std::vector<std::string> worker_flags;      // extra flags of every worker
   std::vector<std::string> coordinator_flags;
   std::string api_keys_yaml;                  // non-empty: --api-keys with this file
+  std::string tenants_yaml;                   // non-empty: --tenants with this file (tenants_path())
 };
 
 // N workers and a coordinator.
@@ -157,18 +158,24 @@ class Cluster {
     }
     return StartCoordinator();
   }
-  bool StartWorker(int i) {
+  // `port` 0: one the OS picks (a restarted worker takes its old one, which
+  // the coordinator's worker list names).
+  bool StartWorker(int i, int port = 0) {
     const std::string pf = dir_ + "/worker" + std::to_string(i) + ".port";
+    std::remove(pf.c_str());
     std::vector<std::string> argv = {BinDir() + "/penumbra-worker", "--model", o_.model, "--device", "cpu",
-                                     "--name", "w" + std::to_string(i), "--port", "0", "--metrics-port", "0",
-                                     "--port-file", pf};
+                                     "--name", "w" + std::to_string(i), "--port", std::to_string(port),
+                                     "--metrics-port", "0", "--port-file", pf};
     argv.insert(argv.end(), o_.worker_flags.begin(), o_.worker_flags.end());
     if (static_cast<int>(workers_.size()) <= i) workers_.resize(i + 1);
     workers_[i].process = Process::Start(argv, dir_ + "/worker" + std::to_string(i) + ".log");
     return WaitServing(workers_[i], pf);
   }
-  bool StartCoordinator() {
+  // `flags`: besides ClusterOptions::coordinator_flags (e.g. a data directory
+  // for a restarted coordinator).
+  bool StartCoordinator(const std::vector<std::string>& flags = {}) {
     const std::string pf = dir_ + "/coordinator.port";
+    std::remove(pf.c_str());  // a restart waits for the new process's file
     std::string list;
     for (size_t i = 0; i < workers_.size(); ++i) {
       list += (i ? "," : "") + std::string("w") + std::to_string(i) + "=127.0.0.1:" + std::to_string(workers_[i].port);
@@ -180,7 +187,12 @@ class Cluster {
       std::ofstream(dir_ + "/keys.yaml") << o_.api_keys_yaml;
       argv.insert(argv.end(), {"--api-keys", dir_ + "/keys.yaml"});
     }
+    if (!o_.tenants_yaml.empty()) {
+      if (!std::filesystem::exists(tenants_path())) std::ofstream(tenants_path()) << o_.tenants_yaml;
+      argv.insert(argv.end(), {"--tenants", tenants_path()});
+    }
     argv.insert(argv.end(), o_.coordinator_flags.begin(), o_.coordinator_flags.end());
+    argv.insert(argv.end(), flags.begin(), flags.end());
     coordinator_.process = Process::Start(argv, dir_ + "/coordinator.log");
     return WaitServing(coordinator_, pf);
   }
@@ -209,6 +221,7 @@ class Cluster {
   Served& worker(int i) { return workers_[i]; }
   Served& coordinator() { return coordinator_; }
   const std::string& dir() const { return dir_; }
+  std::string tenants_path() const { return dir_ + "/tenants.yaml"; }
   const std::string& model() const { return o_.model; }
 
  private:

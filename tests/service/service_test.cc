@@ -554,5 +554,337 @@ TEST_F(Service, SigtermDrainsRunningRequests) {
   EXPECT_EQ(cluster.coordinator().process->Wait(30s), std::optional<int>(0));
 }
 
+// A batch job of 24 items over two documents: bad submissions are refused
+// naming the item; the coordinator is killed (SIGKILL) twice while the job
+// runs and restarted on the same data directory; the job completes, every
+// custom_id has exactly one result, each equals the offline engine's answer
+// for that item alone, and another tenant sees none of it.
+TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
+  ClusterOptions o;
+  o.api_keys_yaml = "keys:\n  alice-key: alice\n  bob-key: bob\n";
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());  // no data directory: jobs are off
+  {
+    auto c = cluster.Client("alice-key");
+    ASSERT_TRUE(c);
+    ExpectCode(c->ListJobs().status(), StatusCode::kFailedPrecondition, "jobs without --data-dir");
+  }
+  cluster.coordinator().process->Signal(SIGKILL);
+  ASSERT_TRUE(cluster.coordinator().process->Wait(10s).has_value());
+  const std::vector<std::string> flags = {"--data-dir", cluster.dir() + "/data", "--job-concurrency", "4"};
+  ASSERT_TRUE(cluster.StartCoordinator(flags));
+  auto alice = cluster.Client("alice-key");
+  ASSERT_TRUE(alice);
+  const std::vector<int32_t> doc_a = LcgTokens(160, 31, true), doc_b = LcgTokens(120, 32, true);
+  const std::string a = Put(*alice, "a", doc_a).id, b = Put(*alice, "b", doc_b).id;
+  ASSERT_FALSE(a.empty());
+  ASSERT_FALSE(b.empty());
+
+  rpc::SubmitJobRequest job;
+  std::map<std::string, GenerationRequest> offline;
+  for (int i = 0; i < 24; ++i) {
+    const bool on_a = i % 2 == 0;
+    const std::vector<int32_t> q = LcgTokens(6 + i % 9, 700 + i, false);
+    rpc::JobItem it;
+    char name[16];
+    std::snprintf(name, sizeof name, "item-%02d", i);
+    it.custom_id = name;
+    it.request = Ask({on_a ? a : b}, q, 4 + i % 5);
+    job.items.push_back(it);
+    GenerationRequest& g = offline[name];
+    g.prompt = on_a ? doc_a : doc_b;
+    g.segment_ends = {static_cast<int64_t>(g.prompt.size())};
+    g.prompt.insert(g.prompt.end(), q.begin(), q.end());
+    g.max_new_tokens = it.request.max_new_tokens;
+  }
+  // Bad submissions store nothing and name the item.
+  {
+    rpc::SubmitJobRequest dup = job;
+    dup.items[5].custom_id = dup.items[3].custom_id;
+    const Status s = alice->SubmitJob(dup).status();
+    ExpectCode(s, StatusCode::kInvalidArgument, "duplicate custom_id");
+    EXPECT_NE(s.message().find("item-03"), std::string::npos) << s;
+    rpc::SubmitJobRequest unknown = job;
+    unknown.items[7].request.document_ids = {"doc-nope"};
+    const Status u = alice->SubmitJob(unknown).status();
+    ExpectCode(u, StatusCode::kNotFound, "unknown document");
+    EXPECT_NE(u.message().find("items[7]"), std::string::npos) << u;
+    rpc::SubmitJobRequest empty;
+    ExpectCode(alice->SubmitJob(empty).status(), StatusCode::kInvalidArgument, "no items");
+    auto none = alice->ListJobs();
+    ASSERT_TRUE(none.ok()) << none.status();
+    EXPECT_TRUE(none->empty());
+  }
+  auto submitted = alice->SubmitJob(job);
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const std::string id = submitted->id;
+  EXPECT_EQ(submitted->total, 24);
+
+  // Two kills while it runs, each after some progress.
+  for (int kill = 0; kill < 2; ++kill) {
+    const int64_t want = 4 + 8 * kill;
+    for (int i = 0; i < 3000; ++i) {
+      auto j = alice->GetJob(id);
+      if (j.ok() && (j->completed >= want || j->status != rpc::JobStatus::IN_PROGRESS)) break;
+      std::this_thread::sleep_for(20ms);
+    }
+    cluster.coordinator().process->Signal(SIGKILL);
+    ASSERT_TRUE(cluster.coordinator().process->Wait(10s).has_value());
+    ASSERT_TRUE(cluster.StartCoordinator(flags));
+    alice = cluster.Client("alice-key");
+    ASSERT_TRUE(alice);
+  }
+  rpc::JobInfo done;
+  for (int i = 0; i < 6000; ++i) {
+    auto j = alice->GetJob(id);
+    ASSERT_TRUE(j.ok()) << j.status();
+    done = *j;
+    if (done.status != rpc::JobStatus::IN_PROGRESS) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_EQ(done.status, rpc::JobStatus::COMPLETED);
+  EXPECT_EQ(done.completed, 24);
+  EXPECT_EQ(done.failed, 0);
+  auto results = alice->JobResults(id, 5);  // paged
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), 24u);
+  Offline engine;
+  std::set<std::string> seen;
+  for (const rpc::JobItemResult& r : *results) {
+    EXPECT_TRUE(seen.insert(r.custom_id).second) << "two results for " << r.custom_id;
+    ASSERT_TRUE(offline.count(r.custom_id)) << r.custom_id;
+    EXPECT_TRUE(r.ok) << r.custom_id << ": " << r.error;
+    EXPECT_EQ(r.state, "succeeded");
+    EXPECT_EQ(r.finish_reason, "length");
+    EXPECT_EQ(r.ids, engine.Answer(offline[r.custom_id])) << r.custom_id;
+    EXPECT_EQ(r.usage.prompt_tokens, static_cast<int64_t>(offline[r.custom_id].prompt.size()));
+  }
+  // Another tenant sees nothing of it.
+  auto bob = cluster.Client("bob-key");
+  ASSERT_TRUE(bob);
+  ExpectCode(bob->GetJob(id).status(), StatusCode::kNotFound, "bob gets alice's job");
+  ExpectCode(bob->JobResults(id).status(), StatusCode::kNotFound, "bob reads alice's results");
+  ExpectCode(bob->CancelJob(id).status(), StatusCode::kNotFound, "bob cancels alice's job");
+  ExpectCode(bob->DeleteJob(id), StatusCode::kNotFound, "bob deletes alice's job");
+  auto bobs = bob->ListJobs();
+  ASSERT_TRUE(bobs.ok());
+  EXPECT_TRUE(bobs->empty());
+  // Alice lists it, and deletes it once it is done.
+  auto mine = alice->ListJobs();
+  ASSERT_TRUE(mine.ok());
+  ASSERT_EQ(mine->size(), 1u);
+  EXPECT_EQ((*mine)[0].id, id);
+  EXPECT_TRUE(alice->DeleteJob(id).ok());
+  ExpectCode(alice->GetJob(id).status(), StatusCode::kNotFound, "a deleted job");
+}
+
+// Tenants from a tenants.yaml (hashed keys, quotas): a wrong or missing key
+// is refused; each quota, when exceeded, is RESOURCE_EXHAUSTED with a
+// retry-after while the other tenant's requests keep completing; neither
+// tenant sees the other's documents or jobs; SIGHUP rereads the file.
+TEST_F(Service, TenantQuotasRefuseWithRetryAfterAndIsolate) {
+  const std::string small_key = "small-tenant-key-0001", big_key = "big-tenant-key-00001";
+  auto config = [](int jobs) {
+    return "tenants:\n"
+           "  - name: small\n"
+           "    api_keys: [sha256:3ae968478f62aa810eea089d1cdca70d9749f63405bb63aa8aac8b8e1c08082b]\n"
+           "    quotas:\n"
+           "      max_concurrent_sequences: 1\n"
+           "      generated_tokens_per_minute: 30\n"
+           "      stored_document_bytes: 2000\n"
+           "      max_jobs_in_flight: " + std::to_string(jobs) + "\n"
+           "  - name: big\n"
+           "    api_keys: [sha256:b8d61951ce9d4d9248b758d49f453e276bec66de821d81943f0e1e8d84cbe4aa]\n";
+  };
+  ClusterOptions o;
+  o.tenants_yaml = config(1);
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.StartWorker(0));
+  ASSERT_TRUE(cluster.StartCoordinator({"--data-dir", cluster.dir() + "/data"}));
+  for (const std::string& bad : {std::string(), std::string("nope-nope-nope-nope"), std::string("small")}) {
+    auto c = cluster.Client(bad);
+    ASSERT_TRUE(c);
+    const Status s = c->ListDocuments().status();
+    ExpectCode(s, StatusCode::kPermissionDenied, "key '" + bad + "'");
+    if (!bad.empty()) EXPECT_EQ(s.message().find(bad), std::string::npos) << "the key echoed: " << s;
+  }
+  auto small = cluster.Client(small_key);
+  auto big = cluster.Client(big_key);
+  ASSERT_TRUE(small && big);
+
+  // Stored document bytes: 300 tokens (1200 bytes) fit, 300 more do not.
+  const std::vector<int32_t> doc = LcgTokens(300, 41, true);
+  const std::string d = Put(*small, "d", doc).id;
+  ASSERT_FALSE(d.empty());
+  const Status full = small->PutDocument("d2", nullptr, &doc).status();
+  ExpectCode(full, StatusCode::kResourceExhausted, "document bytes over the quota");
+  EXPECT_GT(full.retry_after_ms(), 0);
+  const std::string bd = Put(*big, "bd", doc).id;  // the other tenant is unaffected
+  ASSERT_FALSE(bd.empty());
+
+  // Concurrent sequences: one running (nobody polls it yet), a second refused.
+  auto first = small->Generate(Ask({d}, LcgTokens(8, 42, false), 150));
+  ASSERT_TRUE(first.ok()) << first.status();
+  const Status second = small->Generate(Ask({d}, LcgTokens(8, 43, false), 5)).status();
+  ExpectCode(second, StatusCode::kResourceExhausted, "a second sequence");
+  EXPECT_GT(second.retry_after_ms(), 0);
+  auto bigs = big->Complete(Ask({bd}, LcgTokens(8, 44, false), 5));
+  ASSERT_TRUE(bigs.ok()) << bigs.status();
+  EXPECT_EQ(bigs->usage.generated_tokens, 5);
+  // The first ends (150 tokens, over the 30 per minute): the token bucket is
+  // in debt, so the next one is refused until it refills.
+  rpc::GenerateChunk ended = Follow(*small, *first);
+  EXPECT_EQ(ended.usage.generated_tokens, 150);
+  const Status rate = small->Generate(Ask({d}, LcgTokens(8, 45, false), 5)).status();
+  ExpectCode(rate, StatusCode::kResourceExhausted, "generated tokens per minute");
+  EXPECT_GE(rate.retry_after_ms(), 60 * 1000) << "150 tokens at 30 per minute repay in minutes";
+  auto bigs2 = big->Complete(Ask({bd}, LcgTokens(8, 46, false), 5));
+  ASSERT_TRUE(bigs2.ok()) << bigs2.status();
+
+  // Jobs in flight: small's first job cannot run (its bucket is in debt), so a
+  // second is refused; the file is reread on SIGHUP with room for two.
+  rpc::SubmitJobRequest job;
+  rpc::JobItem it;
+  it.custom_id = "only";
+  it.request = Ask({d}, LcgTokens(8, 47, false), 3);
+  job.items = {it};
+  auto j1 = small->SubmitJob(job);
+  ASSERT_TRUE(j1.ok()) << j1.status();
+  const Status j2 = small->SubmitJob(job).status();
+  ExpectCode(j2, StatusCode::kResourceExhausted, "a second job in flight");
+  EXPECT_GT(j2.retry_after_ms(), 0);
+  auto bj = big->SubmitJob(job);
+  ExpectCode(bj.status(), StatusCode::kNotFound, "big's job over small's document");
+  std::ofstream(cluster.tenants_path()) << config(2);
+  cluster.coordinator().process->Signal(SIGHUP);
+  Status again = Status::Internal("not tried");
+  for (int i = 0; i < 100 && !again.ok(); ++i) {
+    std::this_thread::sleep_for(50ms);
+    again = small->SubmitJob(job).status();
+  }
+  EXPECT_TRUE(again.ok()) << again;
+  EXPECT_TRUE(cluster.coordinator().process->running()) << "SIGHUP stopped the coordinator";
+
+  // Isolation: neither sees the other's documents or jobs.
+  ExpectCode(big->GetDocument(d).status(), StatusCode::kNotFound, "big reads small's document");
+  ExpectCode(big->GetJob(j1->id).status(), StatusCode::kNotFound, "big reads small's job");
+  auto big_docs = big->ListDocuments();
+  ASSERT_TRUE(big_docs.ok());
+  ASSERT_EQ(big_docs->size(), 1u);
+  EXPECT_EQ((*big_docs)[0].id, bd);
+  auto big_jobs = big->ListJobs();
+  ASSERT_TRUE(big_jobs.ok());
+  EXPECT_TRUE(big_jobs->empty());
+  // Deleting gives the bytes back.
+  ASSERT_TRUE(small->DeleteDocument(d).ok());
+  EXPECT_TRUE(small->PutDocument("d3", nullptr, &doc).ok());
+}
+
+// Chaos: a 60-item job over three documents on two workers, while the
+// coordinator is killed (SIGKILL) 5 times and a worker 2 times, at random
+// moments (seeded), each restarted on the same data directory or port. The
+// job completes, every custom_id has exactly one result, and each equals
+// the offline engine's answer for that item alone.
+TEST_F(Service, BatchJobChaosKillsCoordinatorAndWorkers) {
+  ClusterOptions o;
+  o.workers = 2;
+  Cluster cluster(o);
+  const std::vector<std::string> flags = {"--data-dir", cluster.dir() + "/data", "--job-concurrency", "4"};
+  for (int w = 0; w < 2; ++w) ASSERT_TRUE(cluster.StartWorker(w));
+  ASSERT_TRUE(cluster.StartCoordinator(flags));
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  std::vector<std::vector<int32_t>> docs;
+  std::vector<std::string> ids;
+  for (int d = 0; d < 3; ++d) {
+    docs.push_back(LcgTokens(100 + 40 * d, 51 + d, true));
+    ids.push_back(Put(*c, "doc" + std::to_string(d), docs.back()).id);
+    ASSERT_FALSE(ids.back().empty());
+  }
+  rpc::SubmitJobRequest job;
+  std::map<std::string, GenerationRequest> offline;
+  for (int i = 0; i < 60; ++i) {
+    const int d = i % 3;
+    const std::vector<int32_t> q = LcgTokens(5 + i % 11, 900 + i, false);
+    char name[16];
+    std::snprintf(name, sizeof name, "c%02d", i);
+    rpc::JobItem it;
+    it.custom_id = name;
+    it.request = Ask({ids[d]}, q, 16 + i % 17);
+    job.items.push_back(it);
+    GenerationRequest& g = offline[name];
+    g.prompt = docs[d];
+    g.segment_ends = {static_cast<int64_t>(g.prompt.size())};
+    g.prompt.insert(g.prompt.end(), q.begin(), q.end());
+    g.max_new_tokens = it.request.max_new_tokens;
+  }
+  auto submitted = c->SubmitJob(job);
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const std::string id = submitted->id;
+
+  // 5 coordinator kills and 2 worker kills in a seeded random order, each
+  // after a random pause, while the job has items left.
+  std::vector<int> events = {-1, -1, -1, -1, -1, 0, 1};  // -1: the coordinator; w: worker w
+  std::mt19937 rng(20261125);
+  std::shuffle(events.begin(), events.end(), rng);
+  int kills = 0, during = 0;
+  for (int e : events) {
+    // The k-th kill once about 7k items are done, after a random pause: all
+    // of them while the job runs.
+    for (int i = 0; i < 2000; ++i) {
+      auto j = c->GetJob(id);
+      if (j.ok() && j->completed + j->failed >= 2 + 7 * kills) break;
+      std::this_thread::sleep_for(10ms);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 60)(rng)));
+    {
+      auto j = c->GetJob(id);
+      ASSERT_TRUE(j.ok()) << j.status();
+      during += j->status == rpc::JobStatus::IN_PROGRESS;
+    }
+    if (e < 0) {
+      cluster.coordinator().process->Signal(SIGKILL);
+      ASSERT_TRUE(cluster.coordinator().process->Wait(10s).has_value());
+      ASSERT_TRUE(cluster.StartCoordinator(flags));
+      c = cluster.Client();
+      ASSERT_TRUE(c);
+    } else {
+      const int port = cluster.worker(e).port;
+      cluster.worker(e).process->Signal(SIGKILL);
+      ASSERT_TRUE(cluster.worker(e).process->Wait(10s).has_value());
+      ASSERT_TRUE(cluster.StartWorker(e, port));
+    }
+    ++kills;
+    auto j = c->GetJob(id);
+    ASSERT_TRUE(j.ok()) << j.status();
+    LOG(INFO) << "chaos: after kill " << kills << " (" << (e < 0 ? "coordinator" : "worker") << "): " << j->completed
+              << " of 60 done";
+  }
+  rpc::JobInfo done;
+  for (int i = 0; i < 2400; ++i) {
+    auto j = c->GetJob(id);
+    ASSERT_TRUE(j.ok()) << j.status();
+    done = *j;
+    if (done.status != rpc::JobStatus::IN_PROGRESS) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_EQ(done.status, rpc::JobStatus::COMPLETED);
+  EXPECT_EQ(done.completed, 60);
+  EXPECT_EQ(done.failed, 0);
+  EXPECT_EQ(during, 7) << "kills that came after the job had finished";
+  auto results = c->JobResults(id, 7);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), 60u);
+  Offline engine;
+  std::set<std::string> seen;
+  for (const rpc::JobItemResult& r : *results) {
+    EXPECT_TRUE(seen.insert(r.custom_id).second) << "two results for " << r.custom_id;
+    ASSERT_TRUE(offline.count(r.custom_id)) << r.custom_id;
+    EXPECT_TRUE(r.ok) << r.custom_id << ": " << r.error;
+    EXPECT_EQ(r.ids, engine.Answer(offline[r.custom_id])) << r.custom_id;
+  }
+  EXPECT_EQ(seen.size(), 60u);
+}
+
 }  // namespace
 }  // namespace penumbra::testing

@@ -7,7 +7,9 @@ target_link_libraries(service_test PRIVATE penumbra_client penumbra_engine nlohm
 add_dependencies(service_test penumbra-worker penumbra-coordinator)
 foreach(case ConcurrentClientsGetTheOfflineAnswers ARequestAdmittedMidDecodeFinishesBeforeAnEarlierLongOne
         RequestsAboutADocumentGoToTheWorkerHoldingIt BadInputIsRefusedAndTheServersKeepServing
-        DocumentsTenantsStreamingAndCancel SigtermDrainsRunningRequests)
+        DocumentsTenantsStreamingAndCancel SigtermDrainsRunningRequests
+        BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce TenantQuotasRefuseWithRetryAfterAndIsolate
+        BatchJobChaosKillsCoordinatorAndWorkers)
   add_test(NAME service_${case} COMMAND service_test --gtest_filter=Service.${case}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   set_tests_properties(service_${case} PROPERTIES LABELS service TIMEOUT 600
@@ -26,3 +28,13 @@ add_test(NAME service_python_client
   WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
 set_tests_properties(service_python_client PROPERTIES LABELS service TIMEOUT 600
   ENVIRONMENT "PENUMBRA_GEN_PY=${CMAKE_BINARY_DIR}/transport/gen-py")
+# `penumbra job` (batch jobs through the CLI) against `penumbra serve` with a
+# data_dir: tests/service/job_cli_test.sh.
+add_test(NAME service_job_cli COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/job_cli_test.sh ${CMAKE_BINARY_DIR}/bin
+  WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(service_job_cli PROPERTIES LABELS service TIMEOUT 180)
+# Real processes killed with SIGKILL during a batch job, and the tenants'
+# isolation and quotas, also carry the labels of issue 19.
+set_property(TEST service_BatchJobChaosKillsCoordinatorAndWorkers service_BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce
+  APPEND PROPERTY LABELS chaos)
+set_property(TEST service_TenantQuotasRefuseWithRetryAfterAndIsolate APPEND PROPERTY LABELS tenants)

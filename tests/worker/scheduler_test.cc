@@ -7,6 +7,7 @@
 // deadlines end one request and nothing else, bad requests are refused with
 // typed errors, documents are reused through the scheduler, and requests that
 // do not fit wait or are refused.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -288,6 +289,96 @@ TEST_F(SchedulerTest, AQueuedRequestCancelledBeforeAdmissionNeverRuns) {
   EXPECT_EQ(u->finish_reason, "cancelled");
   EXPECT_EQ(u->generated_tokens, 0);
   EXPECT_EQ(s->Wait(*first)->generated_tokens, 100);
+}
+
+// Fair share of admission between tenants (cache namespaces): tenant a has
+// 10 requests waiting when b's 2 arrive; b's are admitted 2nd and 4th (a
+// idle tenant comes back at the current virtual time and alternates with
+// the backlogged one), not after all of a's. With weights 3:1 a backlogged
+// pair is admitted 3:1.
+TEST_F(SchedulerTest, WaitingTenantsAreAdmittedByFairShare) {
+  auto e = OpenEngine();
+  ASSERT_TRUE(e);
+  for (const double weight_a : {1.0, 3.0}) {
+    SchedulerOptions one;
+    one.max_batch = 1;
+    auto s = Start(*e, one);
+    ASSERT_TRUE(s);
+    auto sub = [&](const std::string& tenant, int max_new, uint64_t seed, double weight) {
+      GenerationRequest r = Req(12, max_new, seed);
+      r.cache_namespace = tenant;
+      SubmitOptions o;
+      o.share_weight = weight;
+      auto id = s->Submit(std::move(r), o);
+      EXPECT_TRUE(id.ok()) << id.status();
+      return std::make_pair(*id, std::chrono::steady_clock::now());
+    };
+    auto first = sub("a", 60, 1, weight_a);
+    ASSERT_FALSE(WaitForTokens(*s, first.first, 1).done);  // the batch of one is full
+    std::vector<std::pair<std::string, std::pair<uint64_t, std::chrono::steady_clock::time_point>>> waiting;
+    for (int i = 0; i < 10; ++i) waiting.push_back({"a", sub("a", 2, 10 + i, weight_a)});
+    const int nb = weight_a == 1.0 ? 2 : 10;
+    for (int i = 0; i < nb; ++i) waiting.push_back({"b", sub("b", 2, 30 + i, 1.0)});
+    // Admission order: each request's submit time plus its queue time.
+    std::vector<std::pair<double, std::string>> admitted;
+    for (auto& [tenant, w] : waiting) {
+      auto u = s->Wait(w.first);
+      ASSERT_TRUE(u.ok()) << u.status();
+      ASSERT_EQ(u->generated_tokens, 2);
+      admitted.push_back({std::chrono::duration<double>(w.second.time_since_epoch()).count() + u->queue_seconds,
+                          tenant});
+    }
+    std::sort(admitted.begin(), admitted.end());
+    std::string order;
+    for (auto& [t, tenant] : admitted) order += tenant;
+    if (weight_a == 1.0) {
+      EXPECT_EQ(order.substr(0, 4), "baba") << order;  // b re-enters at a's current virtual time
+    } else {
+      // a (weight 3) and b (weight 1) both backlogged: 3 of a's per one of b's.
+      const std::string first8 = order.substr(0, 8);
+      EXPECT_EQ(std::count(first8.begin(), first8.end(), 'a'), 6) << order;
+    }
+  }
+}
+
+// Fair share of the batch: tenant a floods a batch of 4 while b is active
+// (b sent a request within the share window): a holds at most half of it,
+// so b's next request is admitted at once, beside a's running ones, and
+// finishes long before them. Alone (b long idle: window 0), a takes all 4.
+TEST_F(SchedulerTest, AFloodingTenantLeavesTheOthersShareOfTheBatchFree) {
+  auto e = OpenEngine();
+  ASSERT_TRUE(e);
+  for (const bool caps : {true, false}) {
+    SchedulerOptions so;
+    so.max_batch = 4;
+    so.share_window = caps ? std::chrono::milliseconds(60000) : std::chrono::milliseconds(0);
+    auto s = Start(*e, so);
+    ASSERT_TRUE(s);
+    auto sub = [&](const std::string& tenant, int max_new, uint64_t seed) {
+      GenerationRequest r = Req(12, max_new, seed);
+      r.cache_namespace = tenant;
+      auto id = s->Submit(std::move(r));
+      EXPECT_TRUE(id.ok()) << id.status();
+      return *id;
+    };
+    ASSERT_TRUE(s->Wait(sub("b", 2, 1)).ok());  // b is active from now on
+    std::vector<uint64_t> flood;
+    for (int i = 0; i < 6; ++i) flood.push_back(sub("a", 300, 10 + i));
+    ASSERT_FALSE(WaitForTokens(*s, flood[0], 2).done);
+    std::this_thread::sleep_for(50ms);
+    const SchedulerStats st = s->stats();
+    EXPECT_EQ(st.decoding + st.prefilling, caps ? 2 : 4) << "a's sequences in the batch";
+    const uint64_t steady = sub("b", 3, 2);
+    auto u = s->Wait(steady);
+    ASSERT_TRUE(u.ok()) << u.status();
+    auto first = s->Poll(flood[0], 0, 0ms);
+    ASSERT_TRUE(first.ok());
+    if (caps) {
+      EXPECT_LT(u->queue_seconds, 0.5) << "b waited for a slot";
+      EXPECT_FALSE(first->done) << "a's first request ended before b's short one";
+    }
+    for (uint64_t id : flood) ASSERT_TRUE(s->Cancel(id).ok());
+  }
 }
 
 TEST_F(SchedulerTest, BadRequestsAreRefusedAndTheSchedulerKeepsServing) {

@@ -1,6 +1,7 @@
 #include "worker/service/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include <glog/logging.h>
@@ -23,6 +24,7 @@ Status SchedulerOptions::Validate() const {
   }
   if (max_queue < 1) return Status::InvalidArgument("scheduler.max_queue must be >= 1, got " + std::to_string(max_queue));
   if (keep_finished.count() < 0) return Status::InvalidArgument("scheduler.keep_finished must be >= 0");
+  if (share_window.count() < 0) return Status::InvalidArgument("scheduler.share_window must be >= 0");
   return Status::OK();
 }
 
@@ -75,6 +77,12 @@ Result<uint64_t> Scheduler::Submit(GenerationRequest request, const SubmitOption
     r->id = next_id_++;
     requests_[r->id] = r;
     queue_.push_back(r);
+    TenantActivity& a = activity_[r->req.cache_namespace];
+    a.last = r->submitted;
+    a.weight = r->opts.share_weight;
+    if (activity_.size() > 4096) {  // namespaces long idle are forgotten
+      std::erase_if(activity_, [&](const auto& kv) { return r->submitted - kv.second.last > o_.share_window; });
+    }
     ++stats_.submitted;
   }
   work_cv_.notify_all();
@@ -242,11 +250,12 @@ void Scheduler::Admit() {
   std::shared_ptr<Request> r;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    // One prompt in prefill at a time (first come, first served); the next
-    // is admitted when it is in.
+    // One prompt in prefill at a time (by fair share between tenants, first
+    // come first served within one); the next is admitted when it is in.
     if (queue_.empty() || !prefilling_.empty()) return;
     if (static_cast<int>(decoding_.size()) >= std::min(o_.max_batch, rt_->max_batch())) return;
-    r = queue_.front();
+    r = NextByShare(Clock::now());
+    if (!r) return;  // every waiting tenant is at its share of the batch
   }
   r->seq = next_seq_++;
   GenerationResult admitted;
@@ -270,6 +279,7 @@ void Scheduler::Admit() {
   }
   if (s.ok()) {
     queue_.erase(it);
+    ChargeShare(*r);
     r->admitted = Clock::now();
     r->cached_prompt_tokens = admitted.cached_prompt_tokens;
     r->prefilled = r->prefill.at;
@@ -290,6 +300,53 @@ void Scheduler::Admit() {
   // Cannot fit even alone, or a request the runtime refuses: it ends here.
   queue_.erase(it);
   Finish(*r, "error", s);
+}
+
+std::shared_ptr<Scheduler::Request> Scheduler::NextByShare(Clock::time_point now) const {
+  // Sequences each tenant holds (admitted, prefilling or decoding).
+  std::map<std::string, int> held;
+  for (const auto* list : {&prefilling_}) {
+    for (const auto& r : *list) ++held[r->req.cache_namespace];
+  }
+  for (const auto& r : decoding_) ++held[r->req.cache_namespace];
+  // The active tenants and their weights: a request held or waiting, or one
+  // sent within the window.
+  std::map<std::string, double> active;
+  if (o_.share_window.count() > 0) {
+    for (const auto& [tenant, a] : activity_) {
+      if (held.count(tenant) || now - a.last <= o_.share_window) active[tenant] = a.weight;
+    }
+    for (const auto& r : queue_) active[r->req.cache_namespace] = r->opts.share_weight;
+  }
+  double total = 0;
+  for (const auto& [tenant, w] : active) total += w;
+  const int batch = std::min(o_.max_batch, rt_->max_batch());
+  auto under_cap = [&](const std::string& tenant) {
+    if (active.size() < 2) return true;
+    const double w = active.count(tenant) ? active.at(tenant) : 1.0;
+    const int cap = std::max(1, static_cast<int>(std::ceil(batch * w / total - 1e-9)));
+    auto h = held.find(tenant);
+    return h == held.end() || h->second < cap;
+  };
+  std::shared_ptr<Request> best;
+  double best_start = 0;
+  for (const std::shared_ptr<Request>& r : queue_) {
+    if (!under_cap(r->req.cache_namespace)) continue;
+    auto t = share_time_.find(r->req.cache_namespace);
+    const double start = std::max(t == share_time_.end() ? 0.0 : t->second, share_now_);
+    if (!best || start < best_start) {  // ties: the earlier arrival
+      best = r;
+      best_start = start;
+    }
+  }
+  return best;
+}
+
+void Scheduler::ChargeShare(const Request& r) {
+  double& t = share_time_[r.req.cache_namespace];
+  const double start = std::max(t, share_now_);
+  share_now_ = start;
+  t = start + 1.0 / std::max(r.opts.share_weight, 1e-6);
 }
 
 void Scheduler::PrefillOne() {

@@ -54,6 +54,15 @@ struct SchedulerOptions {
   // A finished request's answer is kept for polling this long, then dropped
   // (Release drops it at once). Default: 10 minutes.
   std::chrono::milliseconds keep_finished{std::chrono::minutes(10)};
+  // Fair share of the batch between tenants (requests' cache namespaces): a
+  // tenant that sent a request within this window counts as active, and
+  // while two or more are active each may hold at most
+  // ceil(max_batch x its weight / the active tenants' weights) of the
+  // batch's sequences, so a flooding tenant leaves the others' share free
+  // (there is no preemption: a share taken while the others were idle is
+  // given back as its requests end). 0: no caps (admission order alone is
+  // fair). Default: 10 s.
+  std::chrono::milliseconds share_window{std::chrono::seconds(10)};
   // InvalidArgument naming the field.
   Status Validate() const;
 };
@@ -64,6 +73,9 @@ struct SubmitOptions {
   // The request is cancelled with DeadlineExceeded if it has not finished by
   // then (none: no deadline).
   std::optional<Clock::time_point> deadline;
+  // The fair share of admission of the request's tenant (its
+  // cache_namespace), > 0. Default: 1.
+  double share_weight = 1.0;
 };
 
 // What a poll returns: the tokens from the asked offset on, and the state.
@@ -181,6 +193,11 @@ class Scheduler {
   RequestUpdate Snapshot(const Request& r, int64_t offset) const;
   void DropExpiredAnswers(Clock::time_point now);  // under mu_
   bool HasWork() const;                              // under mu_
+  // The queued request to admit next (under mu_; null when none may be):
+  // the earliest of the tenant whose share of admissions is the most behind,
+  // among the tenants under their cap of the batch (share_window).
+  std::shared_ptr<Request> NextByShare(Clock::time_point now) const;
+  void ChargeShare(const Request& r);                // under mu_: r was admitted
   void RunTasks();                                   // loop thread
 
   Runtime* rt_;
@@ -189,7 +206,18 @@ class Scheduler {
   std::condition_variable work_cv_;  // the loop waits for requests
   std::condition_variable done_cv_;  // pollers wait for tokens and ends
   std::map<uint64_t, std::shared_ptr<Request>> requests_;
-  std::deque<std::shared_ptr<Request>> queue_;       // waiting for admission
+  std::deque<std::shared_ptr<Request>> queue_;       // waiting for admission, in arrival order
+  // Fair share between tenants (start-time fair queuing on admissions): a
+  // tenant's virtual time advances by 1 / its weight per admission; the
+  // waiting tenant with the smallest is admitted next, and one that was idle
+  // comes back at share_now_ (no credit for idling).
+  std::map<std::string, double> share_time_;
+  double share_now_ = 0;
+  struct TenantActivity {
+    Clock::time_point last;  // its latest Submit
+    double weight = 1.0;
+  };
+  std::map<std::string, TenantActivity> activity_;  // guarded by mu_
   std::deque<std::shared_ptr<Request>> prefilling_;  // admitted, prompt part-way in
   std::vector<std::shared_ptr<Request>> decoding_;
   std::deque<std::packaged_task<Status(Runtime&)>> tasks_;

@@ -108,6 +108,8 @@ Status Run(int argc, char** argv) {
       .Flag("max-batch", "sequences decoding together at most (default: the engine's max_batch)")
       .Flag("prefill-tokens-per-step", "prompt tokens prefilled between two decode steps (default 4096)")
       .Flag("max-queue", "requests waiting for admission at most (default 1024)")
+      .Flag("share-window-ms", "a tenant that sent a request this recently keeps its fair share of the batch free "
+                               "(default 10000; 0: no caps)")
       .Flag("prefix-cache-mb", "device MiB for cached documents (default: the config's prefix_cache_bytes, "
                                "else 4096)")
       .Flag("prefix-store", "directory of the persistent document store (RocksDB; default: the config's)")
@@ -141,6 +143,9 @@ Status Run(int argc, char** argv) {
                             a.GetIntIn("prefill-tokens-per-step", so.prefill_tokens_per_step, 1, int64_t{1} << 30));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t queue, a.GetIntIn("max-queue", so.max_queue, 1, 1 << 20));
   so.max_queue = static_cast<int>(queue);
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t window_ms,
+                            a.GetIntIn("share-window-ms", so.share_window.count(), 0, int64_t{1} << 40));
+  so.share_window = std::chrono::milliseconds(window_ms);
   const std::string host = a.Get("host", "127.0.0.1");
   const std::string name = a.Get("name", "worker");
 

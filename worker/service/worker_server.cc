@@ -58,7 +58,11 @@ int64_t WorkerHandler::Generate(const rpc::WorkerGenerateRequest& request) {
   Result<GenerationRequest> g = FromRpc(request);
   if (!g.ok()) Throw(g.status());
   if (request.deadline_ms < 0) Throw(Status::InvalidArgument("deadline_ms must be >= 0"));
+  if (!(request.share_weight > 0) || request.share_weight > 1e6) {
+    Throw(Status::InvalidArgument("share_weight must be in (0, 1e6], got " + std::to_string(request.share_weight)));
+  }
   SubmitOptions o;
+  o.share_weight = request.share_weight;
   if (request.deadline_ms > 0) o.deadline = Clock::now() + std::chrono::milliseconds(request.deadline_ms);
   Result<uint64_t> id = s_->Submit(std::move(*g), o);
   if (!id.ok()) Throw(id.status());

@@ -1,12 +1,22 @@
 """Python client of Penumbra's public API (transport/penumbra.thrift).
 
-    from penumbra_client import PenumbraClient, NotFound
+    from penumbra_client import PenumbraClient, NotFound, job_result_error, job_status_name
 
     with PenumbraClient("127.0.0.1", 7700, api_key="my-key") as c:
         doc = c.put_document("manual", text=open("manual.txt").read())
         for delta, chunk in c.stream(c.generate([doc.id], text="What does it say?")):
             print(delta, end="", flush=True)
         print(chunk.usage)
+
+        # A batch job (a coordinator started with --data-dir): items run in the
+        # background; results are fetched once it is over.
+        job = c.submit_job([{"custom_id": "q1", "document_ids": [doc.id], "text": "Who?", "max_new_tokens": 32},
+                            ("q2", [doc.id], "Where?", {"max_new_tokens": 32})])
+        job = c.wait_job(job.id, poll_s=1.0, timeout_s=600,
+                         on_progress=lambda j: print(job_status_name(j.status), j.completed, "/", j.total))
+        for r in c.job_results(job.id):      # by custom_id
+            print(r.custom_id, r.text if r.ok else job_result_error(r))
+        c.delete_job(job.id)
 
 The Thrift code is generated from transport/*.thrift at build time (thrift
 --gen py): this module finds it in $PENUMBRA_GEN_PY if set, else in
@@ -77,6 +87,11 @@ DocumentInfo = api_types.DocumentInfo
 DocumentState = api_types.DocumentState
 GenerateChunk = api_types.GenerateChunk
 ErrorCode = common_types.ErrorCode
+JobStatus = api_types.JobStatus
+JobInfo = api_types.JobInfo
+JobItem = api_types.JobItem
+JobItemResult = api_types.JobItemResult
+JOB_FINAL_STATUSES = frozenset([JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED])
 
 # $PENUMBRA_PORT, else 7700 (configs/service.yaml's, as the `penumbra` CLI).
 DEFAULT_PORT = int(os.environ["PENUMBRA_PORT"]) if os.environ.get("PENUMBRA_PORT") else 7700
@@ -85,6 +100,8 @@ __all__ = [
     "PenumbraClient", "PenumbraClientError", "InvalidArgument", "NotFound", "PermissionDenied",
     "ResourceExhausted", "Unavailable", "DeadlineExceeded", "FailedPrecondition", "Cancelled", "Internal",
     "DocumentInfo", "DocumentState", "GenerateChunk", "ErrorCode", "chunk_error", "DEFAULT_PORT",
+    "JobStatus", "JobInfo", "JobItem", "JobItemResult", "JOB_FINAL_STATUSES", "job_item", "job_status_name",
+    "job_final", "job_result_error", "state_name",
 ]
 
 
@@ -182,6 +199,95 @@ def chunk_error(chunk):
     if code is None:
         code = ErrorCode.DEADLINE_EXCEEDED if chunk.finish_reason == "deadline" else ErrorCode.INTERNAL
     return error_from_code(code, chunk.error_message or chunk.finish_reason)
+
+
+# --------------------------------------------------------------------------- requests
+
+# generate()'s keyword arguments (after document_ids), which job items take too.
+GENERATE_OPTIONS = ("text", "token_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                    "stop_ids", "ignore_eos", "kv_policy")
+
+
+def _generate_request(api_key, document_ids, text=None, token_ids=None, max_new_tokens=256, temperature=0.0,
+                      top_k=0, top_p=1.0, seed=0, stop=(), stop_ids=(), ignore_eos=False, kv_policy="",
+                      deadline_ms=0):
+    if isinstance(document_ids, str):
+        document_ids = [document_ids]
+    if isinstance(stop, str):
+        stop = [stop]
+    return api_types.GenerateRequest(
+        api_key=api_key,
+        document_ids=list(document_ids or []),
+        text=text,
+        token_ids=list(token_ids) if token_ids is not None else None,
+        max_new_tokens=int(max_new_tokens),
+        sampling=common_types.SamplingOptions(temperature=float(temperature), top_k=int(top_k),
+                                              top_p=float(top_p), seed=int(seed)),
+        stop=list(stop or []),
+        stop_ids=list(stop_ids or []),
+        ignore_eos=bool(ignore_eos),
+        kv_policy=kv_policy or "",
+        deadline_ms=int(deadline_ms))
+
+
+def job_item(custom_id, document_ids, text=None, **options):
+    """One item of a batch job: a generation named `custom_id` (unique in
+    the job, 1..256 bytes), with generate()'s arguments (document ids, the
+    question as text or token_ids=, max_new_tokens=, temperature=, stop=,
+    ...). The job's key and completion window apply, so there is no
+    deadline_ms."""
+    unknown = sorted(set(options) - set(GENERATE_OPTIONS))
+    if unknown:
+        hint = " (the question is 'text')" if "question" in unknown else ""
+        raise TypeError("job item %r: unknown option(s) %s%s; known: custom_id, document_ids, %s" %
+                        (custom_id, ", ".join(unknown), hint, ", ".join(GENERATE_OPTIONS)))
+    if not isinstance(custom_id, str):
+        raise TypeError("job item: custom_id must be a str, got %r" % (custom_id,))
+    return api_types.JobItem(custom_id=custom_id,
+                             request=_generate_request("", document_ids, text=text, **options))
+
+
+def _to_job_item(item):
+    """A JobItem from a JobItem, a dict (custom_id, document_ids and
+    generate()'s keyword arguments), or a tuple (custom_id, document_ids,
+    text[, {options}])."""
+    if isinstance(item, api_types.JobItem):
+        return item
+    if isinstance(item, dict):
+        d = dict(item)
+        if "custom_id" not in d or "document_ids" not in d:
+            raise TypeError("job item %r: a dict needs custom_id and document_ids" % (item,))
+        return job_item(d.pop("custom_id"), d.pop("document_ids"), **d)
+    if isinstance(item, (tuple, list)) and len(item) in (3, 4):
+        options = item[3] if len(item) == 4 else {}
+        if not isinstance(options, dict):
+            raise TypeError("job item %r: the 4th element must be a dict of options" % (item,))
+        return job_item(item[0], item[1], item[2], **options)
+    raise TypeError("job item %r: give a dict, a (custom_id, document_ids, text[, options]) tuple or a "
+                    "job_item()" % (item,))
+
+
+def job_status_name(status):
+    """"COMPLETED" for JobStatus.COMPLETED, etc."""
+    return JobStatus._VALUES_TO_NAMES.get(status, str(status))
+
+
+def job_final(info_or_status):
+    """Whether a job (a JobInfo, or its JobStatus) is over: COMPLETED,
+    FAILED, CANCELLED or EXPIRED. (CANCELLING is not: items still run.)"""
+    status = getattr(info_or_status, "status", info_or_status)
+    return status in JOB_FINAL_STATUSES
+
+
+def job_result_error(result):
+    """The exception a JobItemResult that is not ok stands for (its
+    error_code, else Internal; a cancelled item: Cancelled), or None."""
+    if result is None or result.ok:
+        return None
+    code = result.error_code
+    if code is None:
+        code = ErrorCode.CANCELLED if result.state == "cancelled" else ErrorCode.INTERNAL
+    return error_from_code(code, result.error or result.state or "failed")
 
 
 # --------------------------------------------------------------------------- client
@@ -352,23 +458,8 @@ class PenumbraClient(object):
     def _generate_request(self, document_ids, text=None, token_ids=None, max_new_tokens=256, temperature=0.0,
                           top_k=0, top_p=1.0, seed=0, stop=(), stop_ids=(), ignore_eos=False, kv_policy="",
                           deadline_ms=0):
-        if isinstance(document_ids, str):
-            document_ids = [document_ids]
-        if isinstance(stop, str):
-            stop = [stop]
-        return api_types.GenerateRequest(
-            api_key=self.api_key,
-            document_ids=list(document_ids or []),
-            text=text,
-            token_ids=list(token_ids) if token_ids is not None else None,
-            max_new_tokens=int(max_new_tokens),
-            sampling=common_types.SamplingOptions(temperature=float(temperature), top_k=int(top_k),
-                                                  top_p=float(top_p), seed=int(seed)),
-            stop=list(stop or []),
-            stop_ids=list(stop_ids or []),
-            ignore_eos=bool(ignore_eos),
-            kv_policy=kv_policy or "",
-            deadline_ms=int(deadline_ms))
+        return _generate_request(self.api_key, document_ids, text, token_ids, max_new_tokens, temperature, top_k,
+                                 top_p, seed, stop, stop_ids, ignore_eos, kv_policy, deadline_ms)
 
     def generate(self, document_ids, text=None, token_ids=None, max_new_tokens=256, temperature=0.0, top_k=0,
                  top_p=1.0, seed=0, stop=(), stop_ids=(), ignore_eos=False, kv_policy="", deadline_ms=0):
@@ -424,6 +515,91 @@ class PenumbraClient(object):
 
     def cancel(self, request_id):
         self._call("Cancel", self.api_key, request_id)
+
+    # -- batch jobs (a coordinator started with --data-dir; else FailedPrecondition)
+
+    def submit_job(self, items, completion_window_s=0, metadata="", deadline_ms=0):
+        """Submits a batch job; returns its JobInfo (id, status, counts).
+
+        items: each a dict {"custom_id": ..., "document_ids": [...], "text":
+        ..., and any other generate() keyword: "max_new_tokens",
+        "temperature", "stop", ...}, a tuple (custom_id, document_ids, text)
+        or (custom_id, document_ids, text, {options}), or a job_item().
+        custom_ids are unique in the job. completion_window_s: 0 is 24 hours;
+        items unfinished by then fail ("expired"). metadata: kept with the job.
+        The whole job is refused (InvalidArgument, NotFound, ...) when an item
+        is bad; the message names it. Not retried on a lost connection (the
+        job may exist: see list_jobs)."""
+        if isinstance(items, (dict, api_types.JobItem)):
+            raise TypeError("submit_job: items is a list of items, got a single one")
+        req = api_types.SubmitJobRequest(
+            api_key=self.api_key, items=[_to_job_item(x) for x in items],
+            completion_window_s=int(completion_window_s), metadata=metadata or "", deadline_ms=int(deadline_ms))
+        return self._call("SubmitJob", req, timeout_s=self._wait_timeout(deadline_ms))
+
+    def get_job(self, job_id):
+        """The job's JobInfo: status (see job_status_name), total, pending,
+        running, completed (succeeded), failed, cancelled, times, metadata."""
+        return self._call("GetJob", self.api_key, job_id)
+
+    def list_jobs(self, page_size=100):
+        """Iterates over all of this tenant's jobs (oldest first), page by page."""
+        token = ""
+        while True:
+            page = self._call("ListJobs", self.api_key, token, int(page_size))
+            for j in page.jobs or []:
+                yield j
+            token = page.next_page_token or ""
+            if not token:
+                return
+
+    def job_results(self, job_id, page_size=500, after_custom_id=""):
+        """Iterates over the job's finished items' JobItemResults (custom_id,
+        ok, state: "succeeded"/"failed"/"cancelled", text, ids,
+        finish_reason, error_code, error, usage), by custom_id (bytewise),
+        page by page from after `after_custom_id`. While the job runs, only
+        the items finished so far; `list(...)` for all of them at once."""
+        after = after_custom_id or ""
+        while True:
+            page = self._call("GetJobResults", self.api_key, job_id, after, int(page_size))
+            for r in page.results or []:
+                yield r
+            after = page.next_after or ""
+            if not after:
+                return
+
+    def cancel_job(self, job_id):
+        """Cancels the job's pending items (running ones end first: CANCELLING,
+        then CANCELLED); returns its JobInfo. FailedPrecondition when the job
+        is already over."""
+        return self._call("CancelJob", self.api_key, job_id)
+
+    def delete_job(self, job_id):
+        """Deletes a finished job and its results (FailedPrecondition while it
+        runs: cancel it first)."""
+        self._call("DeleteJob", self.api_key, job_id)
+
+    def wait_job(self, job_id, poll_s=1.0, timeout_s=3600.0, on_progress=None):
+        """Polls get_job every poll_s until the job is over (job_final) and
+        returns its JobInfo; DeadlineExceeded after timeout_s.
+        on_progress(info) is called with the first JobInfo and each one whose
+        status or counts changed (the last one included)."""
+        end = time.monotonic() + timeout_s
+        last_key = None
+        while True:
+            info = self.get_job(job_id)
+            key = (info.status, info.pending, info.running, info.completed, info.failed, info.cancelled)
+            if on_progress is not None and key != last_key:
+                on_progress(info)
+            last_key = key
+            if job_final(info):
+                return info
+            left = end - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded("DEADLINE_EXCEEDED", "job %s still %s after %.0f s (%d of %d items done)" % (
+                    job_id, job_status_name(info.status), timeout_s, info.completed + info.failed + info.cancelled,
+                    info.total))
+            time.sleep(min(poll_s, left))
 
     # -- service
 

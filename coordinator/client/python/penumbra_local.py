@@ -178,11 +178,15 @@ class LocalService(object):
     api_keys: {key: tenant} (written to an --api-keys file), or None for the
     coordinator's default. port / metrics_port: the coordinator's; the
     worker's are in .worker. workdir: logs and port files (a temporary
-    directory, removed by stop() unless keep_workdir).
+    directory, removed by stop() unless keep_workdir). data_dir: the
+    coordinator's --data-dir (batch jobs), True for <workdir>/data, or None
+    (no jobs). tenants: a tenants YAML (configs/tenants.yaml: hashed keys,
+    quotas, weights) passed as the coordinator's --tenants, or None (none).
     """
 
     def __init__(self, build_dir=DEFAULT_BUILD_DIR, model_dir=DEFAULT_MODEL_DIR, api_keys=None, device="cpu",
-                 worker_args=(), coordinator_args=(), workdir=None, keep_workdir=False, start_timeout_s=60.0):
+                 worker_args=(), coordinator_args=(), workdir=None, keep_workdir=False, start_timeout_s=60.0,
+                 data_dir=None, tenants=None):
         self.build_dir = os.path.abspath(build_dir)
         self.model_dir = os.path.abspath(model_dir)
         self.api_keys = dict(api_keys) if api_keys else None
@@ -193,6 +197,8 @@ class LocalService(object):
         self.workdir = workdir or tempfile.mkdtemp(prefix="penumbra-local-")
         self.keep_workdir = keep_workdir
         self.start_timeout_s = start_timeout_s
+        self.data_dir = os.path.join(self.workdir, "data") if data_dir is True else data_dir
+        self.tenants = os.path.abspath(tenants) if tenants else None
         self.worker = None
         self.coordinator = None
 
@@ -219,6 +225,10 @@ class LocalService(object):
                 keys = os.path.join(self.workdir, "api_keys.yaml")
                 write_api_keys(keys, self.api_keys)
                 argv += ["--api-keys", keys]
+            if self.data_dir:
+                argv += ["--data-dir", self.data_dir]
+            if self.tenants:
+                argv += ["--tenants", self.tenants]
             self.coordinator = LocalProcess("coordinator", argv + self.coordinator_args, self.workdir)
             self.coordinator.start(self.start_timeout_s)
         except BaseException:
