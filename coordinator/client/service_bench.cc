@@ -19,10 +19,19 @@
 //    longest gap any of them saw between two tokens, and their tokens/s
 //    meanwhile: {"bench": "service-decode-during-put", ...}. Then they are
 //    cancelled.
+//
+// With --job-documents N (instead of the above): N documents of S - Q
+// tokens are put, then --job-questions K questions of Q tokens about each
+// (N x K, max_new_tokens M, greedy) are asked one at a time through the
+// blocking generate call, then all of them again as one batch job (the
+// coordinator needs --data-dir); wall time and generated tokens/s of both,
+// and how many of the job's answers equal the one-at-a-time ones:
+// {"bench": "service-job", ...}.
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -47,6 +56,84 @@ std::vector<int32_t> Tokens(int64_t n, int64_t salt, int32_t vocab) {
   return t;
 }
 
+// N documents x K questions: one at a time through Complete, then as one job.
+Status JobBench(client::Client& c, int64_t N, int64_t K, int64_t S, int64_t Q, int64_t M, int64_t V, int64_t put_s,
+                const std::string& policy, const std::string& backend) {
+  std::vector<std::string> docs;
+  Clock::time_point t0 = Clock::now();
+  for (int64_t d = 0; d < N; ++d) {
+    const std::vector<int32_t> doc = Tokens(S - Q, 1000 + d, static_cast<int32_t>(V));
+    PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo info, c.PutDocument("job-doc-" + std::to_string(d), nullptr, &doc,
+                                                                    true, std::chrono::seconds(put_s)));
+    if (info.state != rpc::DocumentState::READY) return Status::Internal("document " + std::to_string(d) + " failed");
+    docs.push_back(info.id);
+  }
+  const double put_seconds = Since(t0);
+  rpc::SubmitJobRequest job;
+  for (int64_t d = 0; d < N; ++d) {
+    for (int64_t k = 0; k < K; ++k) {
+      rpc::JobItem it;
+      char name[32];
+      std::snprintf(name, sizeof name, "d%03lld-q%03lld", static_cast<long long>(d), static_cast<long long>(k));
+      it.custom_id = name;
+      it.request.document_ids = {docs[static_cast<size_t>(d)]};
+      it.request.__set_token_ids(Tokens(Q, 50000 + d * K + k, static_cast<int32_t>(V)));
+      it.request.max_new_tokens = static_cast<int32_t>(M);
+      it.request.ignore_eos = true;
+      job.items.push_back(it);
+    }
+  }
+  // One at a time.
+  std::map<std::string, std::vector<int32_t>> alone;
+  int64_t alone_tokens = 0;
+  t0 = Clock::now();
+  for (const rpc::JobItem& it : job.items) {
+    PENUMBRA_ASSIGN_OR_RETURN(rpc::GenerateChunk ch, c.Complete(it.request));
+    alone[it.custom_id] = ch.ids;
+    alone_tokens += ch.usage.generated_tokens;
+  }
+  const double alone_s = Since(t0);
+  // As one job.
+  t0 = Clock::now();
+  PENUMBRA_ASSIGN_OR_RETURN(rpc::JobInfo info, c.SubmitJob(job));
+  while (info.status == rpc::JobStatus::IN_PROGRESS) {
+    std::this_thread::sleep_for(milliseconds(20));
+    PENUMBRA_ASSIGN_OR_RETURN(info, c.GetJob(info.id));
+  }
+  const double job_s = Since(t0);
+  PENUMBRA_ASSIGN_OR_RETURN(std::vector<rpc::JobItemResult> results, c.JobResults(info.id));
+  int64_t job_tokens = 0, equal = 0, failed = 0;
+  for (const rpc::JobItemResult& r : results) {
+    job_tokens += r.usage.generated_tokens;
+    failed += r.ok ? 0 : 1;
+    equal += r.ok && r.ids == alone[r.custom_id] ? 1 : 0;
+  }
+  (void)c.DeleteJob(info.id);
+  for (const std::string& d : docs) (void)c.DeleteDocument(d);
+  nlohmann::json j = {{"bench", "service-job"},
+                      {"documents", N},
+                      {"questions_per_document", K},
+                      {"context", S},
+                      {"question", Q},
+                      {"max_new_tokens", M},
+                      {"kv_policy", policy},
+                      {"backend", backend},
+                      {"put_s", put_seconds},
+                      {"one_at_a_time_wall_s", alone_s},
+                      {"one_at_a_time_tokens_per_s", static_cast<double>(alone_tokens) / alone_s},
+                      {"job_wall_s", job_s},
+                      {"job_tokens_per_s", static_cast<double>(job_tokens) / job_s},
+                      {"job_status", static_cast<int>(info.status)},
+                      {"items", static_cast<int64_t>(results.size())},
+                      {"failed_items", failed},
+                      {"answers_equal", equal}};
+  std::cout << j.dump() << std::endl;
+  if (info.status != rpc::JobStatus::COMPLETED || failed > 0) {
+    return Status::Internal("the job did not complete cleanly (" + std::to_string(failed) + " items failed)");
+  }
+  return Status::OK();
+}
+
 Status Run(int argc, char** argv) {
   Args a;
   a.Flag("address", "the coordinator, host:port").Flag("api-key", "API key")
@@ -58,7 +145,9 @@ Status Run(int argc, char** argv) {
       .Flag("settle-s", "wait this long after all questions decode before the window (default 1)")
       .Flag("vocab", "token ids are drawn from [3, vocab) (default: the model's, from /health's workers: 32000)")
       .Flag("put-timeout-s", "how long the document's put may take (default 1800)")
-      .Switch("put-during-decode", "3: put a second document while the questions decode; the longest token gap");
+      .Switch("put-during-decode", "3: put a second document while the questions decode; the longest token gap")
+      .Flag("job-documents", "instead: a batch job over this many documents (see the top of the source)")
+      .Flag("job-questions", "with --job-documents: questions per document (default 16)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
   client::ClientOptions o;
   PENUMBRA_RETURN_IF_ERROR(client::ParseAddress(a.Get("address", "127.0.0.1:7700"), &o));
@@ -75,6 +164,12 @@ Status Run(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(rpc::HealthResponse h, c->Health());
   if (h.workers.empty()) return Status::Unavailable("the coordinator has no workers");
   const std::string policy = h.workers[0].kv_policy, backend = h.workers[0].backend;
+
+  if (a.Has("job-documents")) {
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t N, a.GetIntIn("job-documents", 8, 1, 4096));
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t K, a.GetIntIn("job-questions", 16, 1, 4096));
+    return JobBench(*c, N, K, S, Q, M, V, put_s, policy, backend);
+  }
 
   // 1. The document, once; then one question's time to first token.
   const std::vector<int32_t> doc = Tokens(S - Q, 0, static_cast<int32_t>(V));

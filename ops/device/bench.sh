@@ -50,6 +50,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             token gap they see); beside penumbra-bench shared and decode at the same shape, and the
             peer (--shared-prefix --graph) first and last; SERVICE_POLICY=full for the full policy;
             SERVICE_COMPARE=0 runs the service alone (the peer once), then prints the worker's slow steps
+  jobs      8 documents of 32768 tokens x 16 questions: one at a time through the generate call, then as one batch
+            job (service-job: wall time and tokens/s of both, answers compared); the peer's shared-prefix decode
+            at 16 x 32768 beside; JOBS_POLICY=shadowkv for ShadowKV
   eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
             must travel: see ops/device/pack.sh)
 EOF
@@ -234,6 +237,30 @@ suite_service() {
   grep -E 'admitting|captured|prefill piece' "$D/worker.log" | tail -40
 }
 
+# Batch jobs through the service (issue 19): 8 documents of 32K tokens x 16
+# questions each, one at a time through the blocking generate call, then as
+# one job (the coordinator with --data-dir, 16 items at once); beside the
+# peer's shared-prefix decode at 16 x 32768. JOBS_POLICY=shadowkv for ShadowKV.
+suite_jobs() {
+  local P=${JOBS_POLICY:-full}
+  local M=configs/bench/llama-3.1-8b D="$OUT/jobs-$P"
+  mkdir -p "$D"
+  run 300 $PEER decode --shared-prefix --graph --batch 16 --context 32768 --steps 20
+  $R penumbra-worker --model $M --random-weights 1 --device cuda --kv-policy $P --prefill-chunk 1024 --max-batch 32 \
+    --prefix-cache-mb 50000 --port-file "$D/worker.json" > "$D/worker.log" 2>&1 &
+  local wpid=$!
+  for _ in $(seq 1 600); do [ -f "$D/worker.json" ] && break; sleep 0.5; done
+  local wport; wport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/worker.json")
+  $R penumbra-coordinator --model $M --workers 127.0.0.1:$wport --data-dir "$D/data" --job-concurrency 16 \
+    --port-file "$D/coordinator.json" > "$D/coordinator.log" 2>&1 &
+  local cpid=$!
+  for _ in $(seq 1 100); do [ -f "$D/coordinator.json" ] && break; sleep 0.2; done
+  local cport; cport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/coordinator.json")
+  run 600 $R penumbra-service-bench --address 127.0.0.1:$cport --context 32768 --question 64 --max-new-tokens 64 \
+    --vocab 128256 --job-documents 8 --job-questions 16
+  kill -TERM $cpid $wpid; wait $cpid $wpid
+}
+
 # The store lives on the disk of the working copy (not /tmp, which may be
 # memory), beside the raw bandwidth of that disk.
 suite_ttft_disk() {
@@ -275,6 +302,10 @@ for line in open(sys.argv[1]):
         val = f"ttft {j['ttft_ms']:.1f} ms (cache {j.get('cache')})"
     elif 'read_gb_per_s' in j:
         val = f"disk direct I/O read {j['read_gb_per_s']:.2f} GB/s, write {j.get('write_gb_per_s', 0):.2f} GB/s"
+    elif 'job_tokens_per_s' in j:
+        val = (f"job {j['job_tokens_per_s']:.1f} tok/s in {j['job_wall_s']:.1f} s; one at a time "
+               f"{j['one_at_a_time_tokens_per_s']:.1f} tok/s in {j['one_at_a_time_wall_s']:.1f} s; "
+               f"{j['answers_equal']}/{j['items']} answers equal")
     elif 'seconds' in j:
         val = f"{j['seconds']:.2f} s"
     elif 'accuracy' in j:
@@ -290,7 +321,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|service|eval) ;;
+    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|service|jobs|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

@@ -2,14 +2,15 @@
 # penumbra serve (a coordinator and a CPU worker on stories260K, ports the OS
 # picks) measured by penumbra-service-bench at a small size: its JSON lines
 # (service-ttft, service-decode, service-decode-during-put) come out with the document served from the
-# cache, and serve stops on SIGTERM with nothing left running.
+# cache, its batch-job mode (service-job) gives the one-at-a-time answers, and
+# serve stops on SIGTERM with nothing left running.
 #   tests/service/service_bench_test.sh BIN_DIR   (from the repository root)
 set -u
 BIN=${1:?usage: service_bench_test.sh BIN_DIR}
 MODEL=tests/data/models/stories260K
 [ -f "$MODEL/model.safetensors" ] || { echo "test data missing: $MODEL/model.safetensors"; exit 1; }
 RUN=$(mktemp -d /tmp/penumbra-service-bench-test-XXXXXX)
-"$BIN/penumbra" serve --model "$MODEL" --data-dir "" --port 0 --metrics-port 0 --run-dir "$RUN" --port-file "$RUN/serve.json" \
+"$BIN/penumbra" serve --model "$MODEL" --data-dir "$RUN/data" --port 0 --metrics-port 0 --run-dir "$RUN" --port-file "$RUN/serve.json" \
   --worker-args "--device cpu" > "$RUN/serve.log" 2>&1 &
 SERVE=$!
 cleanup() { kill -TERM $SERVE 2>/dev/null; wait $SERVE 2>/dev/null; rm -rf "$RUN"; }
@@ -32,6 +33,18 @@ t, d, p = lines
 assert t["bench"] == "service-ttft" and t["cached_prompt_tokens"] == 284 and t["ttft_client_s"] > 0, t
 assert d["bench"] == "service-decode" and d["batch"] == 4 and d["context"] == 300 and d["tokens_per_s"] > 0, d
 assert p["bench"] == "service-decode-during-put" and p["max_token_gap_s"] > 0 and p["tokens_per_s"] > 0, p
+print("ok")
+PY
+# The batch-job mode: 2 documents x 3 questions, one at a time and as a job.
+"$BIN/penumbra-service-bench" --address 127.0.0.1:$PORT --context 200 --question 8 --max-new-tokens 5 \
+  --vocab 512 --job-documents 2 --job-questions 3 > "$RUN/job.jsonl" || {
+  echo "penumbra-service-bench --job-documents failed"; cat "$RUN/job.jsonl" "$RUN"/*.log; exit 1; }
+cat "$RUN/job.jsonl"
+python3 - "$RUN/job.jsonl" <<'PY' || exit 1
+import json, sys
+j = json.loads(open(sys.argv[1]).read())
+assert j["bench"] == "service-job" and j["items"] == 6 and j["failed_items"] == 0, j
+assert j["answers_equal"] == 6 and j["job_tokens_per_s"] > 0 and j["one_at_a_time_tokens_per_s"] > 0, j
 print("ok")
 PY
 kill -TERM $SERVE
