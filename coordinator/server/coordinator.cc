@@ -48,8 +48,11 @@ const std::vector<double> kLatencyBuckets = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 const std::vector<double> kTokenBuckets = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1};
 
 // A quota's refusal as a Status that carries its retry-after.
-Status QuotaStatus(const tenants::QuotaDecision& d) {
-  return d.ok() ? Status::OK() : d.status.WithRetryAfter(d.retry_after_ms());
+Status QuotaStatus(const tenants::QuotaDecision& d, prometheus::Family<prometheus::Counter>* refusals,
+                   const std::string& tenant) {
+  if (d.ok()) return Status::OK();
+  if (d.status.code() == StatusCode::kResourceExhausted) refusals->Add({{"tenant", tenant}}).Increment();
+  return d.status.WithRetryAfter(d.retry_after_ms());
 }
 
 }  // namespace
@@ -116,19 +119,23 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
   using namespace prometheus;
   requests_total_ = &BuildCounter()
                          .Name("penumbra_coordinator_requests_total")
-                         .Help("Generations ended, by finish reason (stop, length, cancelled, deadline, error).")
+                         .Help("Generations ended, by tenant and finish reason (stop, length, cancelled, deadline, "
+                               "error).")
                          .Register(*registry_);
+  auto per_tenant = [&](const char* name, const char* help) { return &BuildCounter().Name(name).Help(help).Register(*registry_); };
   auto counter = [&](const char* name, const char* help) -> Counter& {
     return BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
   };
   auto histogram = [&](const char* name, const char* help, const std::vector<double>& b) -> Histogram& {
     return BuildHistogram().Name(name).Help(help).Register(*registry_).Add({}, b);
   };
-  prompt_tokens_ = &counter("penumbra_coordinator_prompt_tokens_total", "Prompt tokens of ended generations.");
-  cached_tokens_ = &counter("penumbra_coordinator_cached_prompt_tokens_total",
-                            "Of them, attached from the document cache.");
-  generated_tokens_ = &counter("penumbra_coordinator_generated_tokens_total", "Tokens generated.");
-  documents_put_ = &counter("penumbra_coordinator_documents_put_total", "Documents put.");
+  prompt_tokens_ = per_tenant("penumbra_coordinator_prompt_tokens_total", "Prompt tokens of ended generations, by tenant.");
+  cached_tokens_ = per_tenant("penumbra_coordinator_cached_prompt_tokens_total",
+                              "Of them, attached from the document cache, by tenant.");
+  generated_tokens_ = per_tenant("penumbra_coordinator_generated_tokens_total", "Tokens generated, by tenant.");
+  documents_put_ = per_tenant("penumbra_coordinator_documents_put_total", "Documents put, by tenant.");
+  quota_refusals_ = per_tenant("penumbra_coordinator_quota_refusals_total",
+                               "Calls refused by a tenant's quota (RESOURCE_EXHAUSTED), by tenant.");
   ttft_ = &histogram("penumbra_coordinator_ttft_seconds", "Time to first token (worker: submitted to first token).",
                      kLatencyBuckets);
   tpot_ = &histogram("penumbra_coordinator_time_per_output_token_seconds",
@@ -285,14 +292,14 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
   }
   // Stored document bytes: its token ids, as the coordinator keeps them.
   const int64_t doc_bytes = static_cast<int64_t>(ids.size() * sizeof(int32_t));
-  if (o_.tenants) PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->ReserveDocumentBytes(tenant, doc_bytes)));
+  if (o_.tenants) PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->ReserveDocumentBytes(tenant, doc_bytes), quota_refusals_, tenant));
   Result<DocumentView> added = docs_->Add(tenant, r.name, std::move(ids), leading_special);
   if (!added.ok()) {
     if (o_.tenants) o_.tenants->ReleaseDocumentBytes(tenant, doc_bytes);
     return added.status();
   }
   DocumentView d = std::move(*added);
-  documents_put_->Increment();
+  documents_put_->Add({{"tenant", tenant}}).Increment();
   const Clock::time_point deadline = DeadlineOf(r.deadline_ms, o_.put_timeout);
   if (!r.wait) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -438,8 +445,8 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   PENUMBRA_ASSIGN_OR_RETURN(rpc::WorkerGenerateRequest g, PrepareGenerate(tenant, r, &docs));
   tenants::Lease sequence;
   if (o_.tenants) {
-    PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->CheckTokens(tenant)));
-    PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->AcquireSequence(tenant, &sequence)));
+    PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->CheckTokens(tenant), quota_refusals_, tenant));
+    PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->AcquireSequence(tenant, &sequence), quota_refusals_, tenant));
   }
 
   Status last = Status::Unavailable(r.kv_policy.empty() ? "no healthy worker"
@@ -632,10 +639,10 @@ void Coordinator::Finalize(Request& q, const std::string& reason, const Status& 
   // Generated tokens count against the tenant's rate (a debt past it delays
   // its next admission: CheckTokens).
   if (o_.tenants) (void)o_.tenants->ChargeTokens(q.tenant, q.usage.generated_tokens);
-  requests_total_->Add({{"reason", reason}}).Increment();
-  prompt_tokens_->Increment(static_cast<double>(q.usage.prompt_tokens));
-  cached_tokens_->Increment(static_cast<double>(q.usage.cached_prompt_tokens));
-  generated_tokens_->Increment(static_cast<double>(q.usage.generated_tokens));
+  requests_total_->Add({{"tenant", q.tenant}, {"reason", reason}}).Increment();
+  prompt_tokens_->Add({{"tenant", q.tenant}}).Increment(static_cast<double>(q.usage.prompt_tokens));
+  cached_tokens_->Add({{"tenant", q.tenant}}).Increment(static_cast<double>(q.usage.cached_prompt_tokens));
+  generated_tokens_->Add({{"tenant", q.tenant}}).Increment(static_cast<double>(q.usage.generated_tokens));
   const double total = Seconds(q.finished - q.created);
   duration_->Observe(total);
   if (q.usage.ttft_seconds >= 0) ttft_->Observe(q.usage.ttft_seconds);
@@ -832,6 +839,7 @@ void Coordinator::SubmitJob(rpc::JobInfo& out, const rpc::SubmitJobRequest& requ
     // memory would not).
     const int64_t unfinished = OrThrow(jobs->Unfinished(tenant));
     if (unfinished >= *quota) {
+      quota_refusals_->Add({{"tenant", tenant}}).Increment();
       Throw(Status::ResourceExhausted("tenant '" + tenant + "' has " + std::to_string(unfinished) +
                                       " jobs in flight, its quota (max_jobs_in_flight " + std::to_string(*quota) +
                                       "); retry when one finishes")

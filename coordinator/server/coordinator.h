@@ -170,7 +170,8 @@ class Coordinator : public rpc::PenumbraIf {
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_;
-  prometheus::Counter *prompt_tokens_, *cached_tokens_, *generated_tokens_, *documents_put_;
+  prometheus::Family<prometheus::Counter>*prompt_tokens_, *cached_tokens_, *generated_tokens_, *documents_put_,
+      *quota_refusals_;  // by tenant
   prometheus::Histogram *ttft_, *tpot_, *duration_, *factor_;
   prometheus::Gauge *running_gauge_, *documents_gauge_;
   prometheus::Family<prometheus::Gauge>* worker_up_;

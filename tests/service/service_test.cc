@@ -508,7 +508,8 @@ TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
   auto cm = coord.Get("/metrics");
   ASSERT_TRUE(cm);
   EXPECT_EQ(cm->status, 200);
-  EXPECT_NE(cm->body.find("penumbra_coordinator_requests_total{reason=\"length\"}"), std::string::npos) << cm->body;
+  EXPECT_NE(cm->body.find("penumbra_coordinator_requests_total{reason=\"length\",tenant=\""), std::string::npos)
+      << cm->body;
   EXPECT_NE(cm->body.find("penumbra_coordinator_ttft_seconds_bucket"), std::string::npos);
   EXPECT_NE(cm->body.find("penumbra_coordinator_worker_up{worker=\"w0\"} 1"), std::string::npos);
   auto wm = worker.Get("/metrics");
@@ -775,6 +776,39 @@ TEST_F(Service, TenantQuotasRefuseWithRetryAfterAndIsolate) {
   auto big_jobs = big->ListJobs();
   ASSERT_TRUE(big_jobs.ok());
   EXPECT_TRUE(big_jobs->empty());
+  // Every call on the other tenant's ids is NOT_FOUND.
+  ExpectCode(big->DeleteDocument(d), StatusCode::kNotFound, "big deletes small's document");
+  ExpectCode(big->Generate(Ask({d}, LcgTokens(8, 48, false), 2)).status(), StatusCode::kNotFound,
+             "big asks about small's document");
+  ExpectCode(big->Poll(*first, 0, 0).status(), StatusCode::kNotFound, "big polls small's request");
+  ExpectCode(big->Cancel(*first), StatusCode::kNotFound, "big cancels small's request");
+  ExpectCode(big->CancelJob(j1->id).status(), StatusCode::kNotFound, "big cancels small's job");
+  ExpectCode(big->DeleteJob(j1->id), StatusCode::kNotFound, "big deletes small's job");
+  ExpectCode(big->JobResults(j1->id).status(), StatusCode::kNotFound, "big reads small's job results");
+  // The cache is per tenant: big's prompt made of small's document's tokens
+  // attaches nothing of small's (so its timing cannot tell whether small put it).
+  {
+    rpc::GenerateRequest raw;
+    std::vector<int32_t> prompt = doc;
+    const std::vector<int32_t> q = LcgTokens(8, 49, false);
+    prompt.insert(prompt.end(), q.begin(), q.end());
+    raw.__set_token_ids(prompt);
+    raw.max_new_tokens = 2;
+    raw.ignore_eos = true;
+    auto r = big->Complete(raw);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->usage.cached_prompt_tokens, 0);
+  }
+  // Per-tenant metrics, refusals included.
+  {
+    httplib::Client m("127.0.0.1", cluster.coordinator().metrics_port);
+    auto body = m.Get("/metrics");
+    ASSERT_TRUE(body);
+    EXPECT_NE(body->body.find("penumbra_coordinator_generated_tokens_total{tenant=\"small\"} 150"), std::string::npos)
+        << body->body;
+    EXPECT_NE(body->body.find("penumbra_coordinator_quota_refusals_total{tenant=\"small\"}"), std::string::npos);
+    EXPECT_NE(body->body.find("penumbra_coordinator_documents_put_total{tenant=\"big\"} 1"), std::string::npos);
+  }
   // Deleting gives the bytes back.
   ASSERT_TRUE(small->DeleteDocument(d).ok());
   EXPECT_TRUE(small->PutDocument("d3", nullptr, &doc).ok());
