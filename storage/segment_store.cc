@@ -11,6 +11,8 @@
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
 
+#include "common/record.h"
+
 namespace penumbra::storage {
 namespace {
 
@@ -25,58 +27,19 @@ void PutStr(std::string* s, const std::string& v) {
   PutU32(s, static_cast<uint32_t>(v.size()));
   s->append(v);
 }
-void PutBE32(std::string* s, uint32_t v) {
-  for (int i = 3; i >= 0; --i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-void PutBE64(std::string* s, uint64_t v) {
-  for (int i = 7; i >= 0; --i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-uint64_t GetBE64(const char* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
-}
-
-// Bounds-checked reader: every Get fails (ok() false) past the end.
-class Reader {
- public:
-  explicit Reader(std::string_view s) : s_(s) {}
-  bool U32(uint32_t* v) { return Raw(v, 4); }
-  bool U64(uint64_t* v) { return Raw(v, 8); }
-  bool I64(int64_t* v) { return Raw(v, 8); }
-  bool U8(uint8_t* v) { return Raw(v, 1); }
-  bool Str(std::string* v) {
-    uint32_t n = 0;
-    if (!U32(&n) || n > s_.size() - pos_) return false;
-    v->assign(s_.substr(pos_, n));
-    pos_ += n;
-    return true;
-  }
-  size_t pos() const { return pos_; }
-  bool done() const { return pos_ == s_.size(); }
-
- private:
-  bool Raw(void* v, size_t n) {
-    if (n > s_.size() - pos_) return false;
-    std::memcpy(v, s_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  std::string_view s_;
-  size_t pos_ = 0;
-};
+using Reader = RecordReader;
 
 std::string KeyBytes(const Hash128& k) {
   std::string s;
-  PutBE64(&s, k.hi);
-  PutBE64(&s, k.lo);
+  PutBigEndian64(&s, k.hi);
+  PutBigEndian64(&s, k.lo);
   return s;
 }
-Hash128 KeyFrom(const char* p) { return Hash128{GetBE64(p + 8), GetBE64(p)}; }
+Hash128 KeyFrom(const char* p) { return Hash128{GetBigEndian64(p + 8), GetBigEndian64(p)}; }
 std::string BlockKey(const Hash128& k, uint32_t blob, uint32_t block) {
   std::string s = KeyBytes(k);
-  PutBE32(&s, blob);
-  PutBE32(&s, block);
+  PutBigEndian32(&s, blob);
+  PutBigEndian32(&s, block);
   return s;
 }
 // The first key after every key that starts with `prefix`.

@@ -13,6 +13,7 @@
 #include <rocksdb/write_batch.h>
 
 #include "common/hash.h"
+#include "common/record.h"
 
 namespace penumbra::jobs {
 namespace {
@@ -43,18 +44,10 @@ const char* KindName(char kind) {
   }
 }
 
-void PutBE32(std::string* s, uint32_t v) {
-  for (int i = 3; i >= 0; --i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-uint32_t GetBE32(const char* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
-  return v;
-}
 std::string JobKey(char kind, const std::string& job_id) { return std::string(1, kind) + job_id; }
 std::string ItemKey(char kind, const std::string& job_id, uint32_t index) {
   std::string k = JobKey(kind, job_id);
-  PutBE32(&k, index);
+  PutBigEndian32(&k, index);
   return k;
 }
 
@@ -107,95 +100,12 @@ bool JobIdSeq(std::string_view id, uint64_t salt, uint64_t* seq) {
 }
 
 // ---- values -------------------------------------------------------------------
-// Every value: format version (u32), fields (little-endian numbers,
-// u32-length-prefixed strings), then a checksum (u64) of everything before
-// it, seeded with a hash of the key, so a value read under another key fails.
-class Writer {
- public:
-  Writer() { U32(JobStore::kFormatVersion); }
-  Writer& U8(uint8_t v) { return Raw(&v, 1); }
-  Writer& U32(uint32_t v) { return Raw(&v, 4); }
-  Writer& U64(uint64_t v) { return Raw(&v, 8); }
-  Writer& I64(int64_t v) { return Raw(&v, 8); }
-  Writer& F64(double v) { return Raw(&v, 8); }
-  Writer& Str(std::string_view v) {
-    U32(static_cast<uint32_t>(v.size()));
-    s_.append(v);
-    return *this;
-  }
-  Writer& Strs(const std::vector<std::string>& v) {
-    U32(static_cast<uint32_t>(v.size()));
-    for (const auto& x : v) Str(x);
-    return *this;
-  }
-  // The value: the fields and their checksum (the writer is left empty).
-  std::string Seal(std::string_view key) {
-    const uint64_t sum = Hash64(s_.data(), s_.size(), Hash64(key));
-    Raw(&sum, 8);
-    return std::move(s_);
-  }
-
- private:
-  Writer& Raw(const void* p, size_t n) {
-    s_.append(static_cast<const char*>(p), n);
-    return *this;
-  }
-  std::string s_;
-};
-
-// Bounds-checked reader over a verified value's fields: each read fails
-// (returns false) past the end.
-class Reader {
- public:
-  explicit Reader(std::string_view s) : s_(s) {}
-  bool U8(uint8_t* v) { return Raw(v, 1); }
-  bool U32(uint32_t* v) { return Raw(v, 4); }
-  bool U64(uint64_t* v) { return Raw(v, 8); }
-  bool I64(int64_t* v) { return Raw(v, 8); }
-  bool F64(double* v) { return Raw(v, 8); }
-  bool Str(std::string* v) {
-    uint32_t n = 0;
-    if (!U32(&n) || n > s_.size() - pos_) return false;
-    v->assign(s_.substr(pos_, n));
-    pos_ += n;
-    return true;
-  }
-  bool Strs(std::vector<std::string>* v) {
-    uint32_t n = 0;
-    if (!U32(&n) || n > (s_.size() - pos_) / 4) return false;  // each string takes 4 bytes at least
-    v->resize(n);
-    for (auto& x : *v) {
-      if (!Str(&x)) return false;
-    }
-    return true;
-  }
-  bool done() const { return pos_ == s_.size(); }
-
- private:
-  bool Raw(void* v, size_t n) {
-    if (n > s_.size() - pos_) return false;
-    std::memcpy(v, s_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  std::string_view s_;
-  size_t pos_ = 0;
-};
-
-// Checks a value's version and checksum; *fields is what lies between them.
+// common/record.h records (format version, fields, a checksum seeded with the
+// key) of format JobStore::kFormatVersion.
+RecordWriter Writer() { return RecordWriter(JobStore::kFormatVersion); }
+using Reader = RecordReader;
 Status Unseal(std::string_view key, std::string_view value, std::string_view* fields) {
-  if (value.size() < 12) return Status::Corruption("truncated value (" + std::to_string(value.size()) + " bytes)");
-  uint32_t version = 0;
-  std::memcpy(&version, value.data(), 4);
-  uint64_t sum = 0;
-  std::memcpy(&sum, value.data() + value.size() - 8, 8);
-  if (sum != Hash64(value.data(), value.size() - 8, Hash64(key))) return Status::Corruption("checksum mismatch");
-  if (version != JobStore::kFormatVersion) {
-    return Status::Corruption("format version " + std::to_string(version) + ", this binary reads " +
-                              std::to_string(JobStore::kFormatVersion));
-  }
-  *fields = value.substr(4, value.size() - 12);
-  return Status::OK();
+  return UnsealRecord(key, value, JobStore::kFormatVersion, fields);
 }
 
 Status Truncated() { return Status::Corruption("malformed fields"); }
@@ -289,7 +199,7 @@ struct ItemRecord {
   ItemResult result;  // stored for finished items only
 };
 std::string Encode(const std::string& key, const ItemRecord& r) {
-  Writer w;
+  RecordWriter w = Writer();
   w.Str(r.custom_id).U8(static_cast<uint8_t>(r.state)).U32(r.attempt);
   if (IsFinished(r.state)) {
     const ItemResult& x = r.result;
@@ -646,7 +556,7 @@ Status JobStore::Impl::Load() {
       continue;
     }
     const std::string job_id = key.substr(1, kJobIdBytes);
-    const uint32_t index = GetBE32(key.data() + 1 + kJobIdBytes);
+    const uint32_t index = GetBigEndian32(key.data() + 1 + kJobIdBytes);
     auto j = jobs.find(job_id);
     if (j == jobs.end()) {
       LOG(ERROR) << "job store: an item state record of job " << job_id << ", which has no job record";

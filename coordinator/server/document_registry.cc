@@ -13,6 +13,7 @@
 #include <rocksdb/options.h>
 
 #include "common/hash.h"
+#include "common/record.h"
 
 namespace penumbra::coordinator {
 namespace {
@@ -46,90 +47,31 @@ bool WellFormedId(std::string_view id) {
 //   u32 n, n x i32 token ids (n == tokens)
 //   u64 checksum: Hash64 of everything before it, seeded with Hash64(key),
 //       so a value read under another key fails too.
-static_assert(std::endian::native == std::endian::little, "records are written in the host's byte order");
 constexpr uint32_t kFormatVersion = 1;
 constexpr char kDocumentKind = 'd';
 
 std::string DocumentKey(const std::string& id) { return std::string(1, kDocumentKind) + id; }
 
-template <typename T>
-void Append(std::string* s, T v) {
-  s->append(reinterpret_cast<const char*>(&v), sizeof v);
-}
-void AppendStr(std::string* s, const std::string& v) {
-  Append(s, static_cast<uint32_t>(v.size()));
-  s->append(v);
-}
-
 std::string Encode(const std::string& key, const DocumentView& d) {
   const std::vector<int32_t>& ids = *d.ids;
-  std::string s;
-  s.reserve(64 + d.tenant.size() + d.name.size() + 4 * ids.size());
-  Append(&s, kFormatVersion);
-  AppendStr(&s, d.tenant);
-  AppendStr(&s, d.name);
-  Append(&s, d.tokens);
-  Append(&s, d.leading_special);
-  Append(&s, d.created_unix_ms);
-  Append(&s, d.factor_seconds);
-  Append(&s, static_cast<uint32_t>(ids.size()));
-  s.append(reinterpret_cast<const char*>(ids.data()), 4 * ids.size());
-  Append(&s, Hash64(s.data(), s.size(), Hash64(key)));
-  return s;
+  RecordWriter w(kFormatVersion);
+  w.Reserve(64 + d.tenant.size() + d.name.size() + 4 * ids.size());
+  w.Str(d.tenant).Str(d.name).I64(d.tokens).I64(d.leading_special).I64(d.created_unix_ms).F64(d.factor_seconds);
+  w.I32s(ids);
+  return w.Seal(key);
 }
-
-// Bounds-checked reads over a value's fields: each fails (false) past the end.
-class Reader {
- public:
-  explicit Reader(std::string_view s) : s_(s) {}
-  template <typename T>
-  bool Get(T* v) {
-    if (sizeof(T) > s_.size() - pos_) return false;
-    std::memcpy(v, s_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return true;
-  }
-  bool Str(std::string* v) {
-    uint32_t n = 0;
-    if (!Get(&n) || n > s_.size() - pos_) return false;
-    v->assign(s_.substr(pos_, n));
-    pos_ += n;
-    return true;
-  }
-  bool Ids(std::vector<int32_t>* v) {
-    uint32_t n = 0;
-    if (!Get(&n) || n > (s_.size() - pos_) / 4) return false;
-    v->resize(n);
-    std::memcpy(v->data(), s_.data() + pos_, 4 * size_t{n});
-    pos_ += 4 * size_t{n};
-    return true;
-  }
-  bool done() const { return pos_ == s_.size(); }
-
- private:
-  std::string_view s_;
-  size_t pos_ = 0;
-};
 
 // A stored document (READY, no worker), or Corruption saying which check failed.
 Status Decode(std::string_view key, std::string_view value, DocumentView* d) {
   if (key.empty() || key[0] != kDocumentKind || !WellFormedId(key.substr(1))) {
     return Status::Corruption("not a document key");
   }
-  if (value.size() < 12) return Status::Corruption("truncated value (" + std::to_string(value.size()) + " bytes)");
-  uint64_t sum = 0;
-  std::memcpy(&sum, value.data() + value.size() - 8, 8);
-  if (sum != Hash64(value.data(), value.size() - 8, Hash64(key))) return Status::Corruption("checksum mismatch");
-  uint32_t version = 0;
-  std::memcpy(&version, value.data(), 4);
-  if (version != kFormatVersion) {
-    return Status::Corruption("format version " + std::to_string(version) + ", this binary reads " +
-                              std::to_string(kFormatVersion));
-  }
-  Reader in(value.substr(4, value.size() - 12));
+  std::string_view fields;
+  PENUMBRA_RETURN_IF_ERROR(UnsealRecord(key, value, kFormatVersion, &fields));
+  RecordReader in(fields);
   auto ids = std::make_shared<std::vector<int32_t>>();
-  if (!in.Str(&d->tenant) || !in.Str(&d->name) || !in.Get(&d->tokens) || !in.Get(&d->leading_special) ||
-      !in.Get(&d->created_unix_ms) || !in.Get(&d->factor_seconds) || !in.Ids(ids.get()) || !in.done()) {
+  if (!in.Str(&d->tenant) || !in.Str(&d->name) || !in.I64(&d->tokens) || !in.I64(&d->leading_special) ||
+      !in.I64(&d->created_unix_ms) || !in.F64(&d->factor_seconds) || !in.I32s(ids.get()) || !in.done()) {
     return Status::Corruption("malformed fields");
   }
   if (d->tokens != static_cast<int64_t>(ids->size())) {
