@@ -29,6 +29,7 @@
 #include <gtest/gtest.h>
 
 #include "coordinator/server/document_registry.h"
+#include "tests/crash_child.h"
 #include "tests/storage/segment_store_test_util.h"
 
 namespace penumbra::coordinator {
@@ -146,20 +147,11 @@ TEST(DocumentRegistryCrashTest, AcknowledgedDocumentsSurviveSigkill) {
   for (int kill_no = 0; kill_no < kKills || (in_flight_kills == 0 && kill_no < kMaxKills); ++kill_no) {
     kills = kill_no + 1;
     SCOPED_TRACE("kill " + std::to_string(kill_no));
-    int p[2];
-    ASSERT_EQ(pipe(p), 0);
-    const pid_t pid = fork();
+    int p[2] = {-1, -1};
+    const pid_t pid = ::penumbra::testing::SpawnCrashChild("DocumentRegistryCrashChild.Run",
+                                      {{"PENUMBRA_DOCS_CRASH_DIR", dir.path()}, {"PENUMBRA_DOCS_CRASH_START", std::to_string(next)}},
+                                      "PENUMBRA_DOCS_CRASH_FD", &p[0]);
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      close(p[0]);
-      setenv("PENUMBRA_DOCS_CRASH_DIR", dir.path().c_str(), 1);
-      setenv("PENUMBRA_DOCS_CRASH_FD", std::to_string(p[1]).c_str(), 1);
-      setenv("PENUMBRA_DOCS_CRASH_START", std::to_string(next).c_str(), 1);
-      execl("/proc/self/exe", "document_registry_integration_test", "--gtest_filter=DocumentRegistryCrashChild.Run",
-            static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    close(p[1]);
     Report last;
     auto take = [&](const Report& r) {
       Tracked& t = docs[r.n];

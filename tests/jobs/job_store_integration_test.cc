@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include "coordinator/jobs/job_store.h"
+#include "tests/crash_child.h"
 #include "tests/storage/segment_store_test_util.h"
 
 namespace penumbra::jobs {
@@ -172,20 +173,11 @@ TEST(JobStoreCrashTest, AcknowledgedJobsAndResultsSurviveSigkillExactlyOnce) {
   for (int kill_no = 0; kill_no < kKills || (recoveries == 0 && kill_no < kMaxKills); ++kill_no) {
     kills = kill_no + 1;
     SCOPED_TRACE("kill " + std::to_string(kill_no));
-    int p[2];
-    ASSERT_EQ(pipe(p), 0);
-    const pid_t pid = fork();
+    int p[2] = {-1, -1};
+    const pid_t pid = ::penumbra::testing::SpawnCrashChild("JobStoreCrashChild.Run",
+                                      {{"PENUMBRA_JOBS_CRASH_DIR", dir.path()}, {"PENUMBRA_JOBS_CRASH_START", std::to_string(next)}},
+                                      "PENUMBRA_JOBS_CRASH_FD", &p[0]);
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      close(p[0]);
-      setenv("PENUMBRA_JOBS_CRASH_DIR", dir.path().c_str(), 1);
-      setenv("PENUMBRA_JOBS_CRASH_FD", std::to_string(p[1]).c_str(), 1);
-      setenv("PENUMBRA_JOBS_CRASH_START", std::to_string(next).c_str(), 1);
-      execl("/proc/self/exe", "job_store_integration_test", "--gtest_filter=JobStoreCrashChild.Run",
-            static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    close(p[1]);
     auto take = [&](const Ack& a) {
       Tracked& t = jobs[a.n];
       const std::string id(a.job_id);

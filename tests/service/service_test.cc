@@ -707,7 +707,9 @@ TEST_F(Service, TenantQuotasRefuseWithRetryAfterAndIsolate) {
     ASSERT_TRUE(c);
     const Status s = c->ListDocuments().status();
     ExpectCode(s, StatusCode::kPermissionDenied, "key '" + bad + "'");
-    if (!bad.empty()) EXPECT_EQ(s.message().find(bad), std::string::npos) << "the key echoed: " << s;
+    if (!bad.empty()) {
+      EXPECT_EQ(s.message().find(bad), std::string::npos) << "the key echoed: " << s;
+    }
   }
   auto small = cluster.Client(small_key);
   auto big = cluster.Client(big_key);

@@ -24,6 +24,7 @@
 #include <gtest/gtest.h>
 
 #include "storage/segment_store.h"
+#include "tests/crash_child.h"
 #include "tests/storage/segment_store_test_util.h"
 
 namespace penumbra::storage {
@@ -79,20 +80,11 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
   int kills = 0;
   for (int kill_no = 0; kill_no < kKills || (orphans == 0 && kill_no < kMaxKills); ++kill_no) {
     kills = kill_no + 1;
-    int p[2];
-    ASSERT_EQ(pipe(p), 0);
-    const pid_t pid = fork();
+    int p[2] = {-1, -1};
+    const pid_t pid = ::penumbra::testing::SpawnCrashChild("SegmentStoreCrashChild.Run",
+                                      {{"PENUMBRA_CRASH_DIR", dir.path()}, {"PENUMBRA_CRASH_START", std::to_string(next)}},
+                                      "PENUMBRA_CRASH_FD", &p[0]);
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      close(p[0]);
-      setenv("PENUMBRA_CRASH_DIR", dir.path().c_str(), 1);
-      setenv("PENUMBRA_CRASH_FD", std::to_string(p[1]).c_str(), 1);
-      setenv("PENUMBRA_CRASH_START", std::to_string(next).c_str(), 1);
-      execl("/proc/self/exe", "segment_store_integration_test", "--gtest_filter=SegmentStoreCrashChild.Run",
-            static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    close(p[1]);
     // Kill inside the write loop, not during the child's start-up (which a
     // loaded machine can stretch past any fixed sleep): wait for its first
     // acknowledgement, then a random moment.
