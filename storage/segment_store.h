@@ -59,7 +59,7 @@ struct SegmentStoreOptions {
 };
 
 // Reads the keys path, capacity_bytes, block_bytes, sync_commit,
-// block_cache_bytes, direct_reads and read_threads (configs/storage.yaml, engine.yaml's prefix_store:);
+// block_cache_bytes, direct_reads and read_threads (engine.yaml's prefix_store:, configs/engine.yaml);
 // errors name the key. Per-namespace quotas come from the tenants' config.
 Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o);
 

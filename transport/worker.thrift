@@ -24,6 +24,10 @@ struct WorkerGenerateRequest {
   // The tenant's (cache_namespace's) fair share of admission, > 0: under
   // load, tenants' waiting requests are admitted in proportion to it.
   8: double share_weight = 1.0,
+  // Whose request it is, for the fair share ("": cache_namespace). Differs
+  // from cache_namespace when the documents are a corpus another tenant
+  // publishes to this one.
+  9: string tenant = "",
 }
 
 struct WorkerHealth {

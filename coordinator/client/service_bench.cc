@@ -73,7 +73,7 @@ Status JobBench(client::Client& c, int64_t N, int64_t K, int64_t S, int64_t Q, i
   for (int64_t d = 0; d < N; ++d) {
     for (int64_t k = 0; k < K; ++k) {
       rpc::JobItem it;
-      char name[32];
+      char name[64];
       std::snprintf(name, sizeof name, "d%03lld-q%03lld", static_cast<long long>(d), static_cast<long long>(k));
       it.custom_id = name;
       it.request.document_ids = {docs[static_cast<size_t>(d)]};

@@ -122,14 +122,14 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
                          .Help("Generations ended, by tenant and finish reason (stop, length, cancelled, deadline, "
                                "error).")
                          .Register(*registry_);
-  auto per_tenant = [&](const char* name, const char* help) { return &BuildCounter().Name(name).Help(help).Register(*registry_); };
-  auto counter = [&](const char* name, const char* help) -> Counter& {
-    return BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
+  auto per_tenant = [&](const char* name, const char* help) {
+    return &BuildCounter().Name(name).Help(help).Register(*registry_);
   };
   auto histogram = [&](const char* name, const char* help, const std::vector<double>& b) -> Histogram& {
     return BuildHistogram().Name(name).Help(help).Register(*registry_).Add({}, b);
   };
-  prompt_tokens_ = per_tenant("penumbra_coordinator_prompt_tokens_total", "Prompt tokens of ended generations, by tenant.");
+  prompt_tokens_ =
+      per_tenant("penumbra_coordinator_prompt_tokens_total", "Prompt tokens of ended generations, by tenant.");
   cached_tokens_ = per_tenant("penumbra_coordinator_cached_prompt_tokens_total",
                               "Of them, attached from the document cache, by tenant.");
   generated_tokens_ = per_tenant("penumbra_coordinator_generated_tokens_total", "Tokens generated, by tenant.");
@@ -492,8 +492,17 @@ Result<rpc::WorkerGenerateRequest> Coordinator::PrepareGenerate(const std::strin
                                                                 const rpc::GenerateRequest& r,
                                                                 std::vector<DocumentView>* out_docs) const {
   std::vector<DocumentView>& docs = *out_docs;
+  // Documents are the tenant's own, or a corpus another tenant publishes to
+  // it (publishes_to), read in the owner's cache namespace; one request's
+  // documents all have one owner, so nothing of one tenant is cached under
+  // another's namespace.
+  auto may_read = [&](const std::string& owner) { return o_.tenants && o_.tenants->CanRead(tenant, owner); };
   for (const std::string& id : r.document_ids) {
-    PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_->Get(tenant, id));
+    PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_->GetReadable(tenant, id, may_read));
+    if (!docs.empty() && d.tenant != docs.front().tenant) {
+      return Status::InvalidArgument("documents of one request must have one owner: '" + docs.front().id +
+                                     "' and '" + id + "' do not");
+    }
     if (d.state == DocumentState::kFactoring) {
       return Status::FailedPrecondition("document '" + id + "' is still being factored; retry when it is READY");
     }
@@ -546,11 +555,12 @@ Result<rpc::WorkerGenerateRequest> Coordinator::PrepareGenerate(const std::strin
     g.segment_ends.push_back(static_cast<int64_t>(g.prompt.size()));
   }
   g.prompt.insert(g.prompt.end(), question.begin(), question.end());
-  g.cache_namespace = tenant;
+  g.cache_namespace = docs.empty() ? tenant : docs.front().tenant;
   g.max_new_tokens = r.max_new_tokens;
   g.sampling = r.sampling;
   g.deadline_ms = r.deadline_ms;
   g.share_weight = 1.0;
+  g.tenant = tenant;
   if (o_.tenants) {
     for (const tenants::TenantConfig& t : o_.tenants->config()->tenants) {
       if (t.name == tenant) g.share_weight = t.weight;

@@ -210,6 +210,16 @@ Result<DocumentView> DocumentRegistry::Get(const std::string& tenant, const std:
   return it->second;
 }
 
+Result<DocumentView> DocumentRegistry::GetReadable(const std::string& reader, const std::string& id,
+                                                  const std::function<bool(const std::string&)>& may_read) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = docs_.find(id);
+  if (it == docs_.end() || (it->second.tenant != reader && !may_read(it->second.tenant))) {
+    return Status::NotFound("document '" + id + "' is unknown");
+  }
+  return it->second;
+}
+
 Result<DocumentPage> DocumentRegistry::List(const std::string& tenant, const std::string& page_token,
                                             int page_size) const {
   if (!page_token.empty() && !WellFormedId(page_token)) {

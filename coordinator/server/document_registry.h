@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,6 +94,10 @@ class DocumentRegistry {
                            int64_t leading_special = 0);
   // NotFound for an unknown id or another tenant's.
   Result<DocumentView> Get(const std::string& tenant, const std::string& id) const;
+  // As Get, for reading only: also another tenant's document when
+  // may_read(its tenant) (a corpus its owner publishes to `reader`).
+  Result<DocumentView> GetReadable(const std::string& reader, const std::string& id,
+                                   const std::function<bool(const std::string&)>& may_read) const;
   // Documents of `tenant` by id, after `page_token` (the last id of the
   // previous page; InvalidArgument when malformed).
   Result<DocumentPage> List(const std::string& tenant, const std::string& page_token, int page_size) const;

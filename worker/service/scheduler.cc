@@ -77,7 +77,7 @@ Result<uint64_t> Scheduler::Submit(GenerationRequest request, const SubmitOption
     r->id = next_id_++;
     requests_[r->id] = r;
     queue_.push_back(r);
-    TenantActivity& a = activity_[r->req.cache_namespace];
+    TenantActivity& a = activity_[ShareKey(*r)];
     a.last = r->submitted;
     a.weight = r->opts.share_weight;
     if (activity_.size() > 4096) {  // namespaces long idle are forgotten
@@ -306,9 +306,9 @@ std::shared_ptr<Scheduler::Request> Scheduler::NextByShare(Clock::time_point now
   // Sequences each tenant holds (admitted, prefilling or decoding).
   std::map<std::string, int> held;
   for (const auto* list : {&prefilling_}) {
-    for (const auto& r : *list) ++held[r->req.cache_namespace];
+    for (const auto& r : *list) ++held[ShareKey(*r)];
   }
-  for (const auto& r : decoding_) ++held[r->req.cache_namespace];
+  for (const auto& r : decoding_) ++held[ShareKey(*r)];
   // The active tenants and their weights: a request held or waiting, or one
   // sent within the window.
   std::map<std::string, double> active;
@@ -316,7 +316,7 @@ std::shared_ptr<Scheduler::Request> Scheduler::NextByShare(Clock::time_point now
     for (const auto& [tenant, a] : activity_) {
       if (held.count(tenant) || now - a.last <= o_.share_window) active[tenant] = a.weight;
     }
-    for (const auto& r : queue_) active[r->req.cache_namespace] = r->opts.share_weight;
+    for (const auto& r : queue_) active[ShareKey(*r)] = r->opts.share_weight;
   }
   double total = 0;
   for (const auto& [tenant, w] : active) total += w;
@@ -331,8 +331,8 @@ std::shared_ptr<Scheduler::Request> Scheduler::NextByShare(Clock::time_point now
   std::shared_ptr<Request> best;
   double best_start = 0;
   for (const std::shared_ptr<Request>& r : queue_) {
-    if (!under_cap(r->req.cache_namespace)) continue;
-    auto t = share_time_.find(r->req.cache_namespace);
+    if (!under_cap(ShareKey(*r))) continue;
+    auto t = share_time_.find(ShareKey(*r));
     const double start = std::max(t == share_time_.end() ? 0.0 : t->second, share_now_);
     if (!best || start < best_start) {  // ties: the earlier arrival
       best = r;
@@ -343,7 +343,7 @@ std::shared_ptr<Scheduler::Request> Scheduler::NextByShare(Clock::time_point now
 }
 
 void Scheduler::ChargeShare(const Request& r) {
-  double& t = share_time_[r.req.cache_namespace];
+  double& t = share_time_[ShareKey(r)];
   const double start = std::max(t, share_now_);
   share_now_ = start;
   t = start + 1.0 / std::max(r.opts.share_weight, 1e-6);

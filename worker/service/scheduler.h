@@ -76,6 +76,9 @@ struct SubmitOptions {
   // The fair share of admission of the request's tenant (its
   // cache_namespace), > 0. Default: 1.
   double share_weight = 1.0;
+  // Whose request it is, for the fair share ("": the request's
+  // cache_namespace). Default: "".
+  std::string tenant;
 };
 
 // What a poll returns: the tokens from the asked offset on, and the state.
@@ -198,6 +201,9 @@ class Scheduler {
   // among the tenants under their cap of the batch (share_window).
   std::shared_ptr<Request> NextByShare(Clock::time_point now) const;
   void ChargeShare(const Request& r);                // under mu_: r was admitted
+  static const std::string& ShareKey(const Request& r) {
+    return r.opts.tenant.empty() ? r.req.cache_namespace : r.opts.tenant;
+  }
   void RunTasks();                                   // loop thread
 
   Runtime* rt_;

@@ -63,6 +63,7 @@ int64_t WorkerHandler::Generate(const rpc::WorkerGenerateRequest& request) {
   }
   SubmitOptions o;
   o.share_weight = request.share_weight;
+  o.tenant = request.tenant;
   if (request.deadline_ms > 0) o.deadline = Clock::now() + std::chrono::milliseconds(request.deadline_ms);
   Result<uint64_t> id = s_->Submit(std::move(*g), o);
   if (!id.ok()) Throw(id.status());
