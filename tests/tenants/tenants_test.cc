@@ -1,10 +1,10 @@
-// Tenants (coordinator/tenants/tenants.h, fair_queue.h): the shipped config
+// Tenants (coordinator/tenants/tenants.h): the shipped config
 // loads and every bad key is refused by name; API keys hash (SHA-256 known
 // answers) and authenticate without echoing; each quota refuses past its limit
 // with a retry-after and leaves other tenants alone; the token bucket refills
 // on a fake clock; Reload keeps usage; leases hold under 8 threads; a random
-// sequence of quota operations matches a plain model; publishes_to; fair
-// share.
+// sequence of quota operations matches a plain model; publishes_to. (The
+// fair share itself is the worker scheduler's: tests/worker/scheduler_test.cc.)
 #include <algorithm>
 #include <atomic>
 #include <map>
@@ -15,7 +15,6 @@
 
 #include <gtest/gtest.h>
 
-#include "coordinator/tenants/fair_queue.h"
 #include "coordinator/tenants/tenants.h"
 #include "tests/test_util.h"
 
@@ -606,77 +605,6 @@ TEST(Registry, CanReadItsOwnAndWhatIsPublishedToIt) {
   ASSERT_TRUE(reg->Reload(c).ok());
   EXPECT_FALSE(reg->CanRead("b", "a"));
   EXPECT_TRUE(reg->CanRead("c", "a"));
-}
-
-// ---- fair share ---------------------------------------------------------------------
-
-TEST(FairQueue, AFloodingTenantDoesNotStarveAnother) {
-  FairQueue<int> q;
-  for (int i = 0; i < 1000; ++i) q.Push("a", i);
-  for (int i = 0; i < 10; ++i) q.Push("b", i);
-  EXPECT_EQ(q.size(), 1010u);
-  int b_seen = 0, last_b_pick = -1, next_a = 0, next_b = 0;
-  for (int pick = 0; !q.empty(); ++pick) {
-    auto p = q.Pop();
-    ASSERT_TRUE(p.has_value());
-    if (p->tenant == "b") {
-      EXPECT_EQ(p->item, next_b++);  // FIFO within a tenant
-      ++b_seen;
-      last_b_pick = pick;
-    } else {
-      EXPECT_EQ(p->item, next_a++);
-    }
-  }
-  EXPECT_EQ(b_seen, 10);
-  EXPECT_LT(last_b_pick, 20);
-  EXPECT_EQ(next_a, 1000);
-  EXPECT_FALSE(q.Pop().has_value());
-}
-
-TEST(FairQueue, ALateTenantIsServedPromptlyAndIdlenessEarnsNoCredit) {
-  FairQueue<int> q;
-  for (int i = 0; i < 1000; ++i) q.Push("a", i);
-  for (int i = 0; i < 500; ++i) ASSERT_EQ(q.Pop()->tenant, "a");
-  // b arrives after a has been served 500 times: it neither waits behind a's
-  // remaining 500 nor gets 500 picks in a row for having been idle.
-  for (int i = 0; i < 100; ++i) q.Push("b", i);
-  int b_in_first_20 = 0;
-  for (int pick = 0; pick < 20; ++pick) b_in_first_20 += q.Pop()->tenant == "b";
-  EXPECT_GE(b_in_first_20, 9);
-  EXPECT_LE(b_in_first_20, 11);
-}
-
-TEST(FairQueue, WeightsThreeToOneServeThreeToOne) {
-  FairQueue<int> q;
-  q.SetWeight("a", 3.0);
-  q.SetWeight("b", 1.0);
-  for (int i = 0; i < 10000; ++i) {
-    q.Push("a", i);
-    q.Push("b", i);
-  }
-  int a = 0, b = 0;
-  for (int pick = 0; pick < 8000; ++pick) (q.Pop()->tenant == "a" ? a : b)++;
-  ASSERT_GT(b, 0);
-  const double ratio = static_cast<double>(a) / b;
-  EXPECT_NEAR(ratio, 3.0, 0.15) << a << ":" << b;
-  // Over any short window too, neither lane runs away.
-  int a_window = 0;
-  for (int pick = 0; pick < 40; ++pick) a_window += q.Pop()->tenant == "a";
-  EXPECT_GE(a_window, 28);
-  EXPECT_LE(a_window, 32);
-}
-
-TEST(FairQueue, CostCountsAgainstTheShare) {
-  FairQueue<int> q;
-  // a's items cost 4 each, b's 1: with equal weights b is served 4x as often.
-  for (int i = 0; i < 1000; ++i) {
-    q.Push("a", i, 4.0);
-    q.Push("b", i, 1.0);
-  }
-  int a = 0, b = 0;
-  for (int pick = 0; pick < 1000; ++pick) (q.Pop()->tenant == "a" ? a : b)++;
-  EXPECT_NEAR(static_cast<double>(b) / a, 4.0, 0.2) << a << ":" << b;
-  EXPECT_EQ(q.size("a") + q.size("b"), 1000u);
 }
 
 }  // namespace
