@@ -12,6 +12,7 @@
 #include <rocksdb/write_batch.h>
 
 #include "common/record.h"
+#include "storage/rocksdb_status.h"
 
 namespace penumbra::storage {
 namespace {
@@ -159,15 +160,6 @@ Status CheckBlock(std::string_view v, const Hash128& key, uint32_t blob, uint32_
   }
   std::memcpy(out, v.data() + kBlockHeader, want);
   return Status::OK();
-}
-
-Status FromRocks(const rocksdb::Status& s, const std::string& what) {
-  if (s.ok()) return Status::OK();
-  if (s.IsNotFound()) return Status::NotFound(what + ": " + s.ToString());
-  if (s.IsCorruption()) return Status::Corruption(what + ": " + s.ToString());
-  if (s.IsIOError()) return Status::IOError(what + ": " + s.ToString());
-  if (s.IsInvalidArgument()) return Status::InvalidArgument(what + ": " + s.ToString());
-  return Status::Internal(what + ": " + s.ToString());
 }
 
 }  // namespace

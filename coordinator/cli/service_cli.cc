@@ -91,6 +91,16 @@ void ShowProgress(const rpc::DocumentInfo& d, Clock::time_point t0, bool tty) {
   }
 }
 
+// `penumbra CMD SUB [ARG] --flags`: ARG (argv[3] when it is not a flag) into
+// *arg; returns where the flags start.
+int Positional(int argc, char** argv, std::string* arg) {
+  if (argc > 3 && std::string(argv[3]).rfind("--", 0) != 0) {
+    *arg = argv[3];
+    return 4;
+  }
+  return 3;
+}
+
 Status DocPut(int argc, char** argv) {
   Args a;
   a.Flag("name", "the document's name (default: the file's name)")
@@ -99,12 +109,7 @@ Status DocPut(int argc, char** argv) {
       .Switch("json", "print the document as JSON");
   AddClientFlags(a);
   std::string file;
-  int first = 3;
-  if (argc > 3 && std::string(argv[3]).rfind("--", 0) != 0) {
-    file = argv[3];
-    first = 4;
-  }
-  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, first));
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, Positional(argc, argv, &file)));
   if (file.empty() == !a.Has("ids")) return Status::InvalidArgument("doc put: give a FILE or --ids, not both");
   std::string text;
   std::vector<int32_t> ids;
@@ -468,12 +473,7 @@ Status JobSubmit(int argc, char** argv) {
       .Switch("json", "print the job as JSON");
   AddClientFlags(a);
   std::string file;
-  int first = 3;
-  if (argc > 3 && std::string(argv[3]).rfind("--", 0) != 0) {
-    file = argv[3];
-    first = 4;
-  }
-  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, first));
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, Positional(argc, argv, &file)));
   if (file.empty()) return Status::InvalidArgument(kJobUsage);
   rpc::SubmitJobRequest r;
   // The whole file is checked before anything is sent.
@@ -549,14 +549,8 @@ Status JobCommand(int argc, char** argv) {
   }
   AddClientFlags(a);
   std::string id;
-  int first = 3;
-  if (sub != "ls") {
-    if (argc <= 3 || std::string(argv[3]).rfind("--", 0) == 0) {
-      return Status::InvalidArgument("usage: penumbra job " + sub + " ID");
-    }
-    id = argv[3];
-    first = 4;
-  }
+  const int first = sub == "ls" ? 3 : Positional(argc, argv, &id);
+  if (sub != "ls" && id.empty()) return Status::InvalidArgument("usage: penumbra job " + sub + " ID");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, first));
   PENUMBRA_ASSIGN_OR_RETURN(auto c, ConnectFromFlags(a));
   if (sub == "results") return JobResultsCommand(*c, id, a);

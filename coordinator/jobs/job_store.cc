@@ -14,9 +14,12 @@
 
 #include "common/hash.h"
 #include "common/record.h"
+#include "storage/rocksdb_status.h"
 
 namespace penumbra::jobs {
 namespace {
+
+using storage::FromRocks;
 
 // ---- keys -------------------------------------------------------------------
 // m                        the store's record: the id salt and the next job sequence number
@@ -238,15 +241,6 @@ Status DecodeIndex(std::string_view key, std::string_view value, uint32_t* index
   Reader in(f);
   if (!in.U32(index) || !in.done()) return Truncated();
   return Status::OK();
-}
-
-Status FromRocks(const rocksdb::Status& s, const std::string& what) {
-  if (s.ok()) return Status::OK();
-  if (s.IsNotFound()) return Status::NotFound(what + ": " + s.ToString());
-  if (s.IsCorruption()) return Status::Corruption(what + ": " + s.ToString());
-  if (s.IsIOError()) return Status::IOError(what + ": " + s.ToString());
-  if (s.IsInvalidArgument()) return Status::InvalidArgument(what + ": " + s.ToString());
-  return Status::Internal(what + ": " + s.ToString());
 }
 
 // A custom_id for an error message: quoted, long ones cut short.
@@ -1025,6 +1019,15 @@ Status JobStore::Delete(const std::string& tenant, const std::string& job_id) {
   m.jobs.erase(job_id);
   ++m.stats.deletes;
   return Status::OK();
+}
+
+int64_t JobStore::Unfinished(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto t = impl_->by_tenant.find(tenant);
+  if (t == impl_->by_tenant.end()) return 0;
+  int64_t n = 0;
+  for (const auto& [seq, id] : t->second) n += IsFinal(impl_->jobs.at(id).rec.status) ? 0 : 1;
+  return n;
 }
 
 JobStoreStats JobStore::stats() const {

@@ -265,6 +265,9 @@ class JobStore {
   // FailedPrecondition while it is in_progress or cancelling.
   Status Delete(const std::string& tenant, const std::string& job_id);
 
+  // The tenant's jobs not final yet (in progress or cancelling), from memory.
+  int64_t Unfinished(const std::string& tenant) const;
+
   JobStoreStats stats() const;
 
   // ---- tests only ----

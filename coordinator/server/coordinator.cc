@@ -559,12 +559,10 @@ Result<rpc::WorkerGenerateRequest> Coordinator::PrepareGenerate(const std::strin
   g.max_new_tokens = r.max_new_tokens;
   g.sampling = r.sampling;
   g.deadline_ms = r.deadline_ms;
-  g.share_weight = 1.0;
   g.tenant = tenant;
+  g.share_weight = 1.0;
   if (o_.tenants) {
-    for (const tenants::TenantConfig& t : o_.tenants->config()->tenants) {
-      if (t.name == tenant) g.share_weight = t.weight;
-    }
+    if (Result<tenants::TenantConfig> t = o_.tenants->Tenant(tenant); t.ok()) g.share_weight = t->weight;
   }
   return g;
 }
@@ -830,10 +828,8 @@ ItemOutcome Coordinator::RunItem(const std::string& tenant, const rpc::GenerateR
 
 std::optional<int64_t> Coordinator::JobQuota(const std::string& tenant) const {
   if (!o_.tenants) return std::nullopt;
-  for (const tenants::TenantConfig& t : o_.tenants->config()->tenants) {
-    if (t.name == tenant) return t.quotas.max_jobs_in_flight;
-  }
-  return std::nullopt;
+  Result<tenants::TenantConfig> t = o_.tenants->Tenant(tenant);
+  return t.ok() ? t->quotas.max_jobs_in_flight : std::nullopt;
 }
 
 Status Coordinator::ReloadTenants(const tenants::TenantsConfig& config) {
@@ -847,7 +843,7 @@ void Coordinator::SubmitJob(rpc::JobInfo& out, const rpc::SubmitJobRequest& requ
   if (std::optional<int64_t> quota = JobQuota(tenant)) {
     // Counted from the store (unfinished jobs survive restarts; a lease in
     // memory would not).
-    const int64_t unfinished = OrThrow(jobs->Unfinished(tenant));
+    const int64_t unfinished = jobs->Unfinished(tenant);
     if (unfinished >= *quota) {
       quota_refusals_->Add({{"tenant", tenant}}).Increment();
       Throw(Status::ResourceExhausted("tenant '" + tenant + "' has " + std::to_string(unfinished) +

@@ -1,5 +1,8 @@
 #include "coordinator/server/job_service.h"
 
+#include <algorithm>
+#include <iterator>
+
 #include <glog/logging.h>
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/transport/TBufferTransports.h>
@@ -101,33 +104,26 @@ void JobService::Stop() {
   }
   cv_.notify_all();
   if (loop_.joinable()) loop_.join();
-  std::vector<std::thread> items;
+  std::vector<ItemThread> items;
   {
     std::lock_guard<std::mutex> lk(mu_);
     items.swap(items_);
-    items_done_.clear();
   }
-  for (std::thread& t : items) t.join();
+  for (ItemThread& t : items) t.thread.join();
 }
 
 void JobService::Loop() {
   auto last_expiry = std::chrono::steady_clock::time_point();
   while (true) {
-    std::vector<std::thread> finished;
+    std::vector<ItemThread> finished;
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (stop_) return;
-      for (size_t i = 0; i < items_.size();) {
-        if (items_done_[i]->load()) {
-          finished.push_back(std::move(items_[i]));
-          items_.erase(items_.begin() + static_cast<std::ptrdiff_t>(i));
-          items_done_.erase(items_done_.begin() + static_cast<std::ptrdiff_t>(i));
-        } else {
-          ++i;
-        }
-      }
+      auto done = std::partition(items_.begin(), items_.end(), [](const ItemThread& t) { return !t.done->load(); });
+      std::move(done, items_.end(), std::back_inserter(finished));
+      items_.erase(done, items_.end());
     }
-    for (std::thread& t : finished) t.join();
+    for (ItemThread& t : finished) t.thread.join();
     const auto now = std::chrono::steady_clock::now();
     if (now - last_expiry >= std::chrono::seconds(1)) {
       last_expiry = now;
@@ -146,13 +142,13 @@ void JobService::Loop() {
           ++running_;
           auto done = std::make_shared<std::atomic<bool>>(false);
           std::lock_guard<std::mutex> lk(mu_);
-          items_done_.push_back(done);
-          items_.emplace_back([this, lease = std::move(l), done]() mutable {
-            Run(std::move(lease));
-            --running_;
-            done->store(true);
-            cv_.notify_all();
-          });
+          items_.push_back({std::thread([this, lease = std::move(l), done]() mutable {
+                              Run(std::move(lease));
+                              --running_;
+                              done->store(true);
+                              cv_.notify_all();
+                            }),
+                            done});
         }
       }
     }
@@ -276,17 +272,6 @@ Result<rpc::JobInfo> JobService::Cancel(const std::string& tenant, const std::st
 
 Status JobService::Delete(const std::string& tenant, const std::string& job_id) {
   return store_->Delete(tenant, job_id);
-}
-
-Result<int64_t> JobService::Unfinished(const std::string& tenant) const {
-  int64_t n = 0;
-  std::string token;
-  do {
-    PENUMBRA_ASSIGN_OR_RETURN(jobs::JobPage p, store_->List(tenant, token, jobs::kMaxPageSize));
-    for (const jobs::JobInfo& j : p.jobs) n += jobs::IsFinal(j.status) ? 0 : 1;
-    token = p.next_page_token;
-  } while (!token.empty());
-  return n;
 }
 
 }  // namespace penumbra::coordinator

@@ -73,7 +73,7 @@ class JobService {
   Result<rpc::JobInfo> Cancel(const std::string& tenant, const std::string& job_id);
   Status Delete(const std::string& tenant, const std::string& job_id);
   // The tenant's jobs not final yet (in progress or cancelling).
-  Result<int64_t> Unfinished(const std::string& tenant) const;
+  int64_t Unfinished(const std::string& tenant) const { return store_->Unfinished(tenant); }
 
   jobs::JobStoreStats stats() const { return store_->stats(); }
   int64_t running_items() const { return running_.load(); }
@@ -90,8 +90,11 @@ class JobService {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
-  std::vector<std::thread> items_;  // guarded by mu_: item threads (joined when done or at Stop)
-  std::vector<std::shared_ptr<std::atomic<bool>>> items_done_;
+  struct ItemThread {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<ItemThread> items_;  // guarded by mu_: item threads (joined when done or at Stop)
   std::thread loop_;
 };
 

@@ -404,6 +404,12 @@ Result<const TenantRegistry::Entry*> TenantRegistry::Find(const Snapshot& snap, 
   return &it->second;
 }
 
+Result<TenantConfig> TenantRegistry::Tenant(const std::string& tenant) const {
+  const std::shared_ptr<const Snapshot> snap = Current();
+  PENUMBRA_ASSIGN_OR_RETURN(const Entry* e, Find(*snap, tenant));
+  return e->config;
+}
+
 Result<std::string> TenantRegistry::Authenticate(const std::string& api_key) const {
   if (api_key.empty()) return Status::PermissionDenied("no API key was given");
   const Digest presented = Sha256(api_key);
@@ -459,7 +465,7 @@ QuotaDecision TenantRegistry::AcquireJob(const std::string& tenant, Lease* lease
   return Acquire(tenant, Lease::Kind::kJob, lease);
 }
 
-QuotaDecision TenantRegistry::CheckTokens(const std::string& tenant) {
+QuotaDecision TenantRegistry::Bucket(const std::string& tenant, int64_t charge) {
   const std::shared_ptr<const Snapshot> snap = Current();
   Result<const Entry*> e = Find(*snap, tenant);
   if (!e.ok()) return Deny(e.status());
@@ -471,28 +477,22 @@ QuotaDecision TenantRegistry::CheckTokens(const std::string& tenant) {
     return Allow();
   }
   Refill(u, *rate, clock_());
-  if (u.bucket_tokens >= 1.0) return Allow();
-  return Refuse(tenant, "generated_tokens_per_minute of " + std::to_string(*rate) + " used up",
-                SecondsUntilOneToken(u, *rate));
-}
-
-QuotaDecision TenantRegistry::ChargeTokens(const std::string& tenant, int64_t n) {
-  if (n < 0) return Deny(Status::InvalidArgument("a token charge must be >= 0, got " + std::to_string(n)));
-  const std::shared_ptr<const Snapshot> snap = Current();
-  Result<const Entry*> e = Find(*snap, tenant);
-  if (!e.ok()) return Deny(e.status());
-  const std::optional<int64_t>& rate = (*e)->config.quotas.generated_tokens_per_minute;
-  internal::TenantUsageState& u = *(*e)->usage;
-  std::lock_guard<std::mutex> lock(u.mu);
-  if (!rate) {
-    u.bucket_started = false;
-    return Allow();
+  if (charge < 0) {  // a check: one token available
+    if (u.bucket_tokens >= 1.0) return Allow();
+    return Refuse(tenant, "generated_tokens_per_minute of " + std::to_string(*rate) + " used up",
+                  SecondsUntilOneToken(u, *rate));
   }
-  Refill(u, *rate, clock_());
-  u.bucket_tokens -= static_cast<double>(n);
+  u.bucket_tokens -= static_cast<double>(charge);
   if (u.bucket_tokens >= 0) return Allow();
   return Refuse(tenant, "past generated_tokens_per_minute of " + std::to_string(*rate),
                 SecondsUntilOneToken(u, *rate));
+}
+
+QuotaDecision TenantRegistry::CheckTokens(const std::string& tenant) { return Bucket(tenant, -1); }
+
+QuotaDecision TenantRegistry::ChargeTokens(const std::string& tenant, int64_t n) {
+  if (n < 0) return Deny(Status::InvalidArgument("a token charge must be >= 0, got " + std::to_string(n)));
+  return Bucket(tenant, n);
 }
 
 QuotaDecision TenantRegistry::ReserveDocumentBytes(const std::string& tenant, int64_t bytes) {

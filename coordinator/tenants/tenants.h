@@ -185,6 +185,8 @@ class TenantRegistry {
 
   // The configuration in force now (a snapshot; later Reloads do not change it).
   std::shared_ptr<const TenantsConfig> config() const;
+  // One tenant's configuration now; PermissionDenied when it is not configured.
+  Result<TenantConfig> Tenant(const std::string& tenant) const;
 
   // True when `reader` may read `owner`'s corpora: its own namespace, or
   // `owner` is configured and lists `reader` in publishes_to.
@@ -225,6 +227,8 @@ class TenantRegistry {
   // The tenant's entry in `snap`, or PermissionDenied.
   static Result<const Entry*> Find(const Snapshot& snap, const std::string& tenant);
   QuotaDecision Acquire(const std::string& tenant, Lease::Kind kind, Lease* lease);
+  // The token bucket: charge < 0 checks for one token; else takes `charge`.
+  QuotaDecision Bucket(const std::string& tenant, int64_t charge);
 
   const std::function<double()> clock_;
   mutable std::mutex mu_;  // guards snapshot_ (the pointer, not what it points to)

@@ -555,6 +555,20 @@ TEST_F(Service, SigtermDrainsRunningRequests) {
   EXPECT_EQ(cluster.coordinator().process->Wait(30s), std::optional<int>(0));
 }
 
+// Polls job `id` until it is no longer in progress (at most `tries` x 50 ms).
+rpc::JobInfo WaitForJob(client::Client& c, const std::string& id, int tries) {
+  rpc::JobInfo info;
+  for (int i = 0; i < tries; ++i) {
+    auto j = c.GetJob(id);
+    EXPECT_TRUE(j.ok()) << j.status();
+    if (!j.ok()) break;
+    info = *j;
+    if (info.status != rpc::JobStatus::IN_PROGRESS) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  return info;
+}
+
 // A batch job of 24 items over two documents: bad submissions are refused
 // naming the item; the coordinator is killed (SIGKILL) twice while the job
 // runs and restarted on the same data directory; the job completes, every
@@ -635,14 +649,7 @@ TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
     alice = cluster.Client("alice-key");
     ASSERT_TRUE(alice);
   }
-  rpc::JobInfo done;
-  for (int i = 0; i < 6000; ++i) {
-    auto j = alice->GetJob(id);
-    ASSERT_TRUE(j.ok()) << j.status();
-    done = *j;
-    if (done.status != rpc::JobStatus::IN_PROGRESS) break;
-    std::this_thread::sleep_for(50ms);
-  }
+  const rpc::JobInfo done = WaitForJob(*alice, id, 6000);
   ASSERT_EQ(done.status, rpc::JobStatus::COMPLETED);
   EXPECT_EQ(done.completed, 24);
   EXPECT_EQ(done.failed, 0);
@@ -910,14 +917,7 @@ TEST_F(Service, BatchJobChaosKillsCoordinatorAndWorkers) {
     LOG(INFO) << "chaos: after kill " << kills << " (" << (e < 0 ? "coordinator" : "worker") << "): " << j->completed
               << " of 60 done";
   }
-  rpc::JobInfo done;
-  for (int i = 0; i < 2400; ++i) {
-    auto j = c->GetJob(id);
-    ASSERT_TRUE(j.ok()) << j.status();
-    done = *j;
-    if (done.status != rpc::JobStatus::IN_PROGRESS) break;
-    std::this_thread::sleep_for(50ms);
-  }
+  const rpc::JobInfo done = WaitForJob(*c, id, 2400);
   ASSERT_EQ(done.status, rpc::JobStatus::COMPLETED);
   EXPECT_EQ(done.completed, 60);
   EXPECT_EQ(done.failed, 0);

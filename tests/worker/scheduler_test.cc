@@ -365,9 +365,16 @@ TEST_F(SchedulerTest, AFloodingTenantLeavesTheOthersShareOfTheBatchFree) {
     std::vector<uint64_t> flood;
     for (int i = 0; i < 6; ++i) flood.push_back(sub("a", 300, 10 + i));
     ASSERT_FALSE(WaitForTokens(*s, flood[0], 2).done);
+    // a's admissions come one per loop iteration: wait until the batch holds
+    // as many as it will (a loaded machine may take a while), then a little
+    // longer, so that a cap overrun would show.
+    const int64_t want = caps ? 2 : 4;
+    for (int i = 0; i < 1000 && s->stats().decoding + s->stats().prefilling < want; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
     std::this_thread::sleep_for(50ms);
     const SchedulerStats st = s->stats();
-    EXPECT_EQ(st.decoding + st.prefilling, caps ? 2 : 4) << "a's sequences in the batch";
+    EXPECT_EQ(st.decoding + st.prefilling, want) << "a's sequences in the batch";
     const uint64_t steady = sub("b", 3, 2);
     auto u = s->Wait(steady);
     ASSERT_TRUE(u.ok()) << u.status();
