@@ -994,6 +994,23 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
 }
 
+__global__ void MaxRowsKernel(MaxRowsArgs a) {
+  for (int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; c < a.cols; c += int64_t{gridDim.x} * blockDim.x) {
+    float m = a.accumulate ? a.out[c] : -INFINITY;
+    for (int r = 0; r < a.rows; ++r) m = fmaxf(m, a.in[r * a.row_stride + c]);
+    a.out[c] = m;
+  }
+}
+
+void LaunchMaxRows(const MaxRowsArgs& a, cudaStream_t stream) {
+  if (a.rows <= 0 || a.cols <= 0) return;
+  CHECK_GE(a.row_stride, a.cols);
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((a.cols + threads - 1) / threads, 4096);
+  MaxRowsKernel<<<static_cast<int>(blocks), threads, 0, stream>>>(a);
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+}
+
 void LaunchShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a, cudaStream_t stream) {
   const int rows = a.batch * a.hkv;
   if (rows <= 0 || a.kslots <= 0) return;

@@ -112,6 +112,20 @@ struct ShadowkvSlotUpdateArgs;
 void LaunchShadowkvScore(const ShadowkvScoreArgs& args, cudaStream_t stream,
                          const ShadowkvSlotUpdateArgs* then_update = nullptr);
 
+// The element-wise maximum over rows: out[c] = max(out[c] when accumulate,
+// in[r * row_stride + c] for r in [0, rows)), c in [0, cols). A sparse
+// continuation's selection scores (the maximum of several query rows'
+// ShadowkvScore scores per chunk).
+struct MaxRowsArgs {
+  const float* in = nullptr;
+  int rows = 0;
+  int64_t row_stride = 0;  // >= cols
+  int64_t cols = 0;
+  float* out = nullptr;    // [cols]
+  bool accumulate = false;
+};
+void LaunchMaxRows(const MaxRowsArgs& args, cudaStream_t stream);
+
 // ---- 3. slot update (hit cache) ---------------------------------------------
 // Per row: the new selection (selection[row][0..kslots), chunk ids, -1 =
 // none; at most kslots valid) against the slot map. Chunks already in a slot

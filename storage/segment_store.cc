@@ -8,6 +8,7 @@
 
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
+#include <rocksdb/snapshot.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
 
@@ -56,18 +57,18 @@ std::string PrefixEnd(std::string prefix) {
   return std::string(kKeyBytes + 8, '\xff');
 }
 
-struct BlobMeta {
-  std::string name;
-  uint64_t size = 0;
-  uint32_t blocks = 0;
-};
+constexpr size_t kMinBlockBytes = SegmentStore::kMinBlockBytes;
+constexpr size_t kMaxBlockBytes = SegmentStore::kMaxBlockBytes;
+
+uint64_t BlocksFor(uint64_t size, size_t block_bytes) { return (size + block_bytes - 1) / block_bytes; }
 
 struct Record {
   std::string cache_namespace;
   int64_t tokens = 0;
   bool pinned = false;
   uint64_t last_used = 0;
-  std::vector<BlobMeta> blobs;
+  bool last_used_unsaved = false;  // in memory only: a ReadBlob marked it used since the record was written
+  std::vector<BlobLayout> blobs;
   size_t bytes() const {
     size_t b = 0;
     for (const auto& m : blobs) b += m.size;
@@ -87,6 +88,7 @@ std::string EncodeRecord(const Record& r) {
   for (const auto& b : r.blobs) {
     PutStr(&s, b.name);
     PutU64(&s, b.size);
+    PutU32(&s, static_cast<uint32_t>(b.block_bytes));
     PutU32(&s, b.blocks);
   }
   PutU64(&s, Hash64(s.data(), s.size(), /*seed=*/kRecordMagic));
@@ -110,12 +112,23 @@ Status DecodeRecord(std::string_view v, Record* r) {
   r->pinned = pinned != 0;
   r->blobs.resize(n);
   for (auto& b : r->blobs) {
-    if (!in.Str(&b.name) || !in.U64(&b.size) || !in.U32(&b.blocks)) return Status::Corruption("truncated record");
+    uint32_t block_bytes = 0;
+    if (!in.Str(&b.name) || !in.U64(&b.size) || !in.U32(&block_bytes) || !in.U32(&b.blocks)) {
+      return Status::Corruption("truncated record");
+    }
+    b.block_bytes = block_bytes;
   }
   const size_t body = in.pos();
   uint64_t sum = 0;
   if (!in.U64(&sum) || !in.done()) return Status::Corruption("truncated record");
   if (sum != Hash64(v.data(), body, kRecordMagic)) return Status::Corruption("record checksum mismatch");
+  // Reads place blocks by these fields: they must agree.
+  for (const auto& b : r->blobs) {
+    if (b.block_bytes < kMinBlockBytes || b.block_bytes > kMaxBlockBytes || b.blocks != BlocksFor(b.size, b.block_bytes)) {
+      return Status::Corruption("record: blob '" + b.name + "' of " + std::to_string(b.size) + " bytes has " +
+                                std::to_string(b.blocks) + " blocks of " + std::to_string(b.block_bytes) + " bytes");
+    }
+  }
   return Status::OK();
 }
 
@@ -145,9 +158,10 @@ std::string EncodeBlock(const Hash128& key, uint32_t blob, uint32_t block, std::
 }
 constexpr size_t kBlockHeader = 4 + 4 + kKeyBytes + 4 + 4 + 4 + 8;
 
-// Checks a block read back (its fields and checksum) and copies its payload
-// to `out` (want bytes).
-Status CheckBlock(std::string_view v, const Hash128& key, uint32_t blob, uint32_t block, size_t want, char* out) {
+// Checks a block read back (its fields and checksum; its payload want bytes)
+// and copies payload bytes [from, from + n) to `out`.
+Status CheckBlock(std::string_view v, const Hash128& key, uint32_t blob, uint32_t block, size_t want, size_t from,
+                  size_t n, char* out) {
   if (v.size() != kBlockHeader + want) {
     return Status::Corruption("block " + std::to_string(block) + " of blob " + std::to_string(blob) + " holds " +
                               std::to_string(v.size()) + " bytes, expected " + std::to_string(kBlockHeader + want));
@@ -158,9 +172,18 @@ Status CheckBlock(std::string_view v, const Hash128& key, uint32_t blob, uint32_
     return Status::Corruption("block " + std::to_string(block) + " of blob " + std::to_string(blob) +
                               ": header or checksum mismatch");
   }
-  std::memcpy(out, v.data() + kBlockHeader, want);
+  std::memcpy(out, v.data() + kBlockHeader + from, n);
   return Status::OK();
 }
+
+// One block to read: payload bytes [from, from + n) of block `block` of blob
+// `blob` (named *name; the block's payload is want bytes) go to dst.
+struct BlockRead {
+  uint32_t blob, block;
+  size_t want, from, n;
+  char* dst;
+  const std::string* name;
+};
 
 }  // namespace
 
@@ -183,6 +206,13 @@ struct SegmentStore::Impl {
 
   ~Impl() {
     if (db) {
+      // Recency that ReadBlob marked in memory only (unsynced, as every
+      // recency write).
+      rocksdb::WriteBatch recency;
+      for (const auto& [k, r] : records) {
+        if (r.last_used_unsaved) recency.Put(meta, KeyBytes(Hash128{k.second, k.first}), EncodeRecord(r));
+      }
+      if (recency.Count() > 0) (void)db->Write(rocksdb::WriteOptions(), &recency);
       for (auto* h : {meta, blocks, pending, default_cf}) {
         if (h) (void)db->DestroyColumnFamilyHandle(h);
       }
@@ -227,6 +257,102 @@ struct SegmentStore::Impl {
     PENUMBRA_RETURN_IF_ERROR(FromRocks(db->DeleteRange(rocksdb::WriteOptions(), blocks, prefix, PrefixEnd(prefix)),
                                        "segment store: delete blocks"));
     return FromRocks(db->Delete(rocksdb::WriteOptions(), pending, prefix), "segment store: delete intent");
+  }
+
+  // Reads, checks and copies `jobs`, up to read_threads at once, all as of
+  // `snapshot`; the first failure, as Corruption naming the segment and blob.
+  // Takes no lock: the caller holds the snapshot taken with the record's
+  // lookup, so the blocks are the ones that record describes.
+  Status ReadBlocks(const Hash128& key, const rocksdb::Snapshot* snapshot, const std::vector<BlockRead>& jobs) const {
+    std::atomic<size_t> next{0};
+    std::mutex err_mu;
+    Status first_error;
+    auto worker = [&] {
+      rocksdb::ReadOptions ro;
+      ro.verify_checksums = true;
+      ro.snapshot = snapshot;
+      rocksdb::PinnableSlice value;
+      for (size_t j; (j = next.fetch_add(1)) < jobs.size();) {
+        const BlockRead& job = jobs[j];
+        value.Reset();
+        rocksdb::Status s = db->Get(ro, blocks, BlockKey(key, job.blob, job.block), &value);
+        Status st = s.IsNotFound() ? Status::Corruption("a block of a committed segment is missing")
+                                   : FromRocks(s, "segment store: reading a block");
+        if (st.ok()) st = CheckBlock(value.ToStringView(), key, job.blob, job.block, job.want, job.from, job.n, job.dst);
+        if (!st.ok()) {
+          std::lock_guard<std::mutex> l(err_mu);
+          if (first_error.ok()) {
+            first_error = Status::Corruption("segment " + key.Hex() + ", blob '" + *job.name + "': " + st.message());
+          }
+          next = jobs.size();  // stop the others early
+        }
+      }
+    };
+    const size_t threads = std::min<size_t>(options.read_threads, jobs.size());
+    std::vector<std::thread> pool;
+    for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+    worker();
+    for (auto& t : pool) t.join();
+    return first_error;
+  }
+
+  // Get and Get(key, only): the blobs named in *only, or all.
+  Result<std::map<std::string, std::string>> Get(const Hash128& key, const std::set<std::string>* only) {
+    // Under the lock: the record's blobs to read and a snapshot of the
+    // blocks it describes. The reads go without it.
+    std::vector<std::pair<uint32_t, BlobLayout>> want;  // blob index, layout
+    std::unique_ptr<rocksdb::ManagedSnapshot> snapshot;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++stats.gets;
+      auto it = records.find(K(key));
+      if (it == records.end()) {
+        ++stats.misses;
+        return Status::NotFound("segment " + key.Hex() + " is not stored");
+      }
+      const Record& r = it->second;
+      if (only) {
+        for (const std::string& name : *only) {
+          if (std::none_of(r.blobs.begin(), r.blobs.end(), [&](const BlobLayout& b) { return b.name == name; })) {
+            return Status::InvalidArgument("segment " + key.Hex() + " has no blob '" + name + "'");
+          }
+        }
+      }
+      for (uint32_t bi = 0; bi < r.blobs.size(); ++bi) {
+        if (!only || only->count(r.blobs[bi].name)) want.emplace_back(bi, r.blobs[bi]);
+      }
+      snapshot = std::make_unique<rocksdb::ManagedSnapshot>(db.get());
+    }
+    // Every block of every blob, read and checked by up to read_threads
+    // threads at once (large reads in flight: what NVMe needs), each written
+    // in place into its blob.
+    std::map<std::string, std::string> out;
+    std::vector<BlockRead> jobs;
+    for (const auto& [bi, b] : want) {
+      std::string& d = out[b.name];
+      d.resize(b.size);
+      for (uint32_t block = 0; block < b.blocks; ++block) {
+        const uint64_t off = static_cast<uint64_t>(block) * b.block_bytes;
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(b.block_bytes, b.size - off));
+        jobs.push_back({bi, block, n, 0, n, d.data() + off, &b.name});
+      }
+    }
+    const Status read = ReadBlocks(key, snapshot->snapshot(), jobs);
+    snapshot.reset();
+    std::lock_guard<std::mutex> lock(mu);
+    if (!read.ok()) {
+      ++stats.corruptions_detected;
+      return read;
+    }
+    ++stats.hits;
+    // Recency is persisted without a sync: after a crash it may be older.
+    // Not for a record erased since the lookup (that would bring it back).
+    if (auto it = records.find(K(key)); it != records.end()) {
+      it->second.last_used = clock++;
+      it->second.last_used_unsaved = false;
+      (void)db->Put(rocksdb::WriteOptions(), meta, KeyBytes(key), EncodeRecord(it->second));
+    }
+    return out;
   }
 
   bool Evictable(const std::pair<uint64_t, uint64_t>& k, const Record& r) const {
@@ -308,7 +434,7 @@ Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o) {
     *out = static_cast<size_t>(v);
   };
   read_bytes("capacity_bytes", &o->capacity_bytes, 1, int64_t{1} << 55);
-  read_bytes("block_bytes", &o->block_bytes, 4096, int64_t{256} << 20);
+  read_bytes("block_bytes", &o->block_bytes, kMinBlockBytes, kMaxBlockBytes);
   int64_t threads = static_cast<int64_t>(o->read_threads);
   r.Read("read_threads", &threads, 1, 256);
   o->read_threads = static_cast<size_t>(threads);
@@ -323,9 +449,9 @@ SegmentStore::~SegmentStore() = default;
 
 Result<std::unique_ptr<SegmentStore>> SegmentStore::Open(const SegmentStoreOptions& o) {
   if (o.path.empty()) return Status::InvalidArgument("segment store: path is empty");
-  if (o.block_bytes < 4096 || o.block_bytes > (size_t{256} << 20)) {
-    return Status::InvalidArgument("segment store: block_bytes must be in [4096, 268435456], got " +
-                                   std::to_string(o.block_bytes));
+  if (o.block_bytes < kMinBlockBytes || o.block_bytes > kMaxBlockBytes) {
+    return Status::InvalidArgument("segment store: block_bytes must be in [" + std::to_string(kMinBlockBytes) + ", " +
+                                   std::to_string(kMaxBlockBytes) + "], got " + std::to_string(o.block_bytes));
   }
   if (o.read_threads < 1 || o.read_threads > 256) {
     return Status::InvalidArgument("segment store: read_threads must be in [1, 256], got " +
@@ -364,19 +490,32 @@ Result<std::unique_ptr<SegmentStore>> SegmentStore::Open(const SegmentStoreOptio
 }
 
 Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t tokens,
-                         const std::map<std::string, std::string>& blobs) {
+                         const std::map<std::string, std::string>& blobs,
+                         const std::map<std::string, size_t>& blob_block_bytes) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   if (m.records.count(Impl::K(key))) return Status::OK();
   if (tokens < 1) return Status::InvalidArgument("segment store: token count must be >= 1");
+  for (const auto& [name, block_bytes] : blob_block_bytes) {
+    if (!blobs.count(name)) {
+      return Status::InvalidArgument("segment store: blob_block_bytes names '" + name +
+                                     "', which is not a blob of the segment");
+    }
+    if (block_bytes < kMinBlockBytes || block_bytes > kMaxBlockBytes) {
+      return Status::InvalidArgument("segment store: block bytes of blob '" + name + "' must be in [" +
+                                     std::to_string(kMinBlockBytes) + ", " + std::to_string(kMaxBlockBytes) +
+                                     "], got " + std::to_string(block_bytes));
+    }
+  }
   Record r;
   r.cache_namespace = ns;
   r.tokens = tokens;
   size_t bytes = 0;
   for (const auto& [name, data] : blobs) {
     if (name.empty()) return Status::InvalidArgument("segment store: a blob has an empty name");
-    const uint32_t n_blocks = static_cast<uint32_t>((data.size() + m.options.block_bytes - 1) / m.options.block_bytes);
-    r.blobs.push_back({name, data.size(), n_blocks});
+    auto given = blob_block_bytes.find(name);
+    const size_t block_bytes = given == blob_block_bytes.end() ? m.options.block_bytes : given->second;
+    r.blobs.push_back({name, data.size(), block_bytes, static_cast<uint32_t>(BlocksFor(data.size(), block_bytes))});
     bytes += data.size();
   }
   // Room: the namespace's quota first, then the capacity.
@@ -403,8 +542,9 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
       FromRocks(m.db->Put(rocksdb::WriteOptions(), m.pending, KeyBytes(key), ""), "segment store: writing an intent"));
   uint32_t blob_index = 0;
   for (const auto& [name, data] : blobs) {
-    for (size_t off = 0, block = 0; off < data.size(); off += m.options.block_bytes, ++block) {
-      const size_t n = std::min(m.options.block_bytes, data.size() - off);
+    const size_t block_bytes = r.blobs[blob_index].block_bytes;
+    for (size_t off = 0, block = 0; off < data.size(); off += block_bytes, ++block) {
+      const size_t n = std::min(block_bytes, data.size() - off);
       const std::string v = EncodeBlock(key, blob_index, static_cast<uint32_t>(block), std::string_view(data).substr(off, n));
       PENUMBRA_RETURN_IF_ERROR(FromRocks(
           m.db->Put(rocksdb::WriteOptions(), m.blocks, BlockKey(key, blob_index, static_cast<uint32_t>(block)), v),
@@ -423,75 +563,68 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
   return Status::OK();
 }
 
-Result<std::map<std::string, std::string>> SegmentStore::Get(const Hash128& key) {
+Result<std::map<std::string, std::string>> SegmentStore::Get(const Hash128& key) { return impl_->Get(key, nullptr); }
+
+Result<std::map<std::string, std::string>> SegmentStore::Get(const Hash128& key, const std::set<std::string>& only) {
+  return impl_->Get(key, &only);
+}
+
+Status SegmentStore::ReadBlob(const Hash128& key, const std::string& blob, uint64_t offset, uint64_t length,
+                              void* dst) {
   Impl& m = *impl_;
+  // Under the lock: the blob's layout and a snapshot of its blocks.
+  uint32_t index = 0;
+  BlobLayout b;
+  std::unique_ptr<rocksdb::ManagedSnapshot> snapshot;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    auto it = m.records.find(Impl::K(key));
+    if (it == m.records.end()) return Status::NotFound("segment " + key.Hex() + " is not stored");
+    const std::vector<BlobLayout>& blobs = it->second.blobs;
+    while (index < blobs.size() && blobs[index].name != blob) ++index;
+    if (index == blobs.size()) return Status::InvalidArgument("segment " + key.Hex() + " has no blob '" + blob + "'");
+    b = blobs[index];
+    if (offset > b.size || length > b.size - offset) {
+      return Status::InvalidArgument("segment " + key.Hex() + ", blob '" + blob + "': " + std::to_string(length) +
+                                     " bytes at offset " + std::to_string(offset) + " end past its " +
+                                     std::to_string(b.size) + " bytes");
+    }
+    if (length > 0) snapshot = std::make_unique<rocksdb::ManagedSnapshot>(m.db.get());
+  }
+  // The blocks covering [offset, end), each read whole (its checksum covers
+  // it) and the covered part copied straight to dst.
+  std::vector<BlockRead> jobs;
+  const uint64_t end = offset + length;
+  for (uint64_t block = offset / b.block_bytes; length > 0 && block * b.block_bytes < end; ++block) {
+    const uint64_t start = block * b.block_bytes;
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(b.block_bytes, b.size - start));
+    const uint64_t from = std::max(offset, start) - start;
+    const uint64_t to = std::min<uint64_t>(end, start + want) - start;
+    jobs.push_back({index, static_cast<uint32_t>(block), want, static_cast<size_t>(from),
+                    static_cast<size_t>(to - from), static_cast<char*>(dst) + (start + from - offset), &b.name});
+  }
+  const Status read = jobs.empty() ? Status::OK() : m.ReadBlocks(key, snapshot->snapshot(), jobs);
+  snapshot.reset();
   std::lock_guard<std::mutex> lock(m.mu);
-  ++m.stats.gets;
-  auto it = m.records.find(Impl::K(key));
-  if (it == m.records.end()) {
-    ++m.stats.misses;
-    return Status::NotFound("segment " + key.Hex() + " is not stored");
-  }
-  Record& r = it->second;
-  // Every block of every blob, read and checked by up to read_threads
-  // threads at once (large reads in flight: what NVMe needs), each written
-  // in place into its blob.
-  std::map<std::string, std::string> out;
-  struct Job {
-    uint32_t blob, block;
-    size_t want;
-    char* dst;
-  };
-  std::vector<Job> jobs;
-  std::vector<std::string*> data;
-  for (uint32_t bi = 0; bi < r.blobs.size(); ++bi) {
-    const BlobMeta& b = r.blobs[bi];
-    std::string& d = out[b.name];
-    d.resize(b.size);
-    for (uint32_t block = 0; block < b.blocks; ++block) {
-      const uint64_t off = static_cast<uint64_t>(block) * m.options.block_bytes;
-      jobs.push_back({bi, block, static_cast<size_t>(std::min<uint64_t>(m.options.block_bytes, b.size - off)),
-                      d.data() + off});
-    }
-  }
-  std::atomic<size_t> next{0};
-  std::mutex err_mu;
-  Status first_error;
-  auto worker = [&] {
-    rocksdb::ReadOptions ro;
-    ro.verify_checksums = true;
-    rocksdb::PinnableSlice value;
-    for (size_t j; (j = next.fetch_add(1)) < jobs.size();) {
-      const Job& job = jobs[j];
-      value.Reset();
-      rocksdb::Status s = m.db->Get(ro, m.blocks, BlockKey(key, job.blob, job.block), &value);
-      Status st = s.IsNotFound() ? Status::Corruption("a block of a committed segment is missing")
-                                 : FromRocks(s, "segment store: reading a block");
-      if (st.ok()) st = CheckBlock(value.ToStringView(), key, job.blob, job.block, job.want, job.dst);
-      if (!st.ok()) {
-        std::lock_guard<std::mutex> l(err_mu);
-        if (first_error.ok()) {
-          first_error = Status::Corruption("segment " + key.Hex() + ", blob '" + r.blobs[job.blob].name + "': " +
-                                           st.message());
-        }
-        next = jobs.size();  // stop the others early
-      }
-    }
-  };
-  const size_t threads = std::min<size_t>(m.options.read_threads, jobs.size());
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
-  if (!first_error.ok()) {
+  if (!read.ok()) {
     ++m.stats.corruptions_detected;
-    return first_error;
+    return read;
   }
-  r.last_used = m.clock++;
-  // Recency is persisted without a sync: after a crash it may be older.
-  (void)m.db->Put(rocksdb::WriteOptions(), m.meta, KeyBytes(key), EncodeRecord(r));
-  ++m.stats.hits;
-  return out;
+  ++m.stats.blob_reads;
+  // Recency in memory only (a write per small read would cost more than the
+  // read); persisted by the next Get, Pin, or at close.
+  if (auto it = m.records.find(Impl::K(key)); it != m.records.end()) {
+    it->second.last_used = m.clock++;
+    it->second.last_used_unsaved = true;
+  }
+  return Status::OK();
+}
+
+Result<std::vector<BlobLayout>> SegmentStore::Layout(const Hash128& key) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->records.find(Impl::K(key));
+  if (it == impl_->records.end()) return Status::NotFound("segment " + key.Hex() + " is not stored");
+  return it->second.blobs;
 }
 
 Result<SegmentInfo> SegmentStore::Info(const Hash128& key) const {
@@ -538,6 +671,7 @@ Status SegmentStore::Pin(const Hash128& key, bool pinned) {
   if (it == m.records.end()) return Status::NotFound("segment " + key.Hex() + " is not stored");
   Record r = it->second;
   r.pinned = pinned;
+  r.last_used_unsaved = false;
   PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db->Put(m.CommitOptions(), m.meta, KeyBytes(key), EncodeRecord(r)),
                                      "segment store: pinning"));
   it->second = std::move(r);

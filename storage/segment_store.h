@@ -3,12 +3,15 @@
 // byte blobs) is stored under its 128-bit content key in RocksDB on local disk
 // and survives restarts and kill -9.
 //
-// Layout (docs/storage.md): column family "meta" holds one record per
-// segment (format version, namespace, token count, blob names and sizes,
-// bytes, pinned, last use); "blocks" holds the blobs cut into blocks of
-// block_bytes, each with a header carrying its own XXH3 checksum, stored as
-// BlobDB blob files (large values kept out of the LSM's compactions);
-// "pending" holds intents, the keys of writes and removals under way.
+// Layout (docs/storage.md, format version 2): column family "meta" holds one
+// record per segment (format version, namespace, token count, per blob its
+// name, size, block size and block count, pinned, last use); "blocks" holds
+// each blob cut into blocks of its own block size (options.block_bytes unless
+// Put names another for that blob), each with a header carrying its own XXH3
+// checksum, stored as BlobDB blob files (large values kept out of the LSM's
+// compactions); "pending" holds intents, the keys of writes and removals
+// under way. Reads use the block size the record holds, so a store reopened
+// with another block_bytes reads what it stored.
 //
 // Commit protocol: Put writes an intent, every block, then the segment's meta
 // record together with the intent's removal in one synced write (WAL on,
@@ -21,8 +24,12 @@
 // Integrity: every block read back is checked against its checksum, its
 // segment key, blob index and block number, and every record against its
 // format version; a mismatch is Corruption (counted in stats), never bytes
-// that were not stored. A record of an unknown format version is treated as
-// absent and counted.
+// that were not stored. A record of another format version (1 included) is
+// treated as absent and counted; its blocks are left alone.
+//
+// Reads: Get reads whole blobs, ReadBlob a byte range of one blob (only the
+// blocks that cover it: the engine reads a document's values lazily, the
+// chunks a question selects first).
 //
 // Space: per-namespace byte quotas and a total capacity. Put makes room by
 // evicting least-recently-used segments that are neither pinned nor attached;
@@ -30,12 +37,19 @@
 // Attach/Detach count in memory the users of a segment (a running request);
 // Erase refuses an attached segment.
 //
-// Thread-safe: one mutex serializes every call.
+// Thread-safe. One mutex serializes every call except the block reads of Get
+// and ReadBlob: those run outside it, on a RocksDB snapshot taken with the
+// record's lookup, so concurrent reads proceed in parallel and a segment
+// erased or evicted under a read still reads back whole. A caller that reads
+// a segment over several calls (ReadBlob) Attaches it first, so that it
+// stays stored between them. Put holds the mutex while it writes its blocks:
+// a read that starts meanwhile waits for it to finish.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -48,14 +62,16 @@ namespace penumbra::storage {
 struct SegmentStoreOptions {
   std::string path;                  // RocksDB directory (created when missing). Required.
   size_t capacity_bytes = size_t{64} << 30;  // stored blob bytes at most. Default: 64 GiB.
-  size_t block_bytes = size_t{4} << 20;      // blob bytes per block (a RocksDB value). Default: 4 MiB.
+  // Blob bytes per block (a RocksDB value) for blobs Put gives no block size;
+  // in [4096, 256 MiB]. Default: 4 MiB.
+  size_t block_bytes = size_t{4} << 20;
   // Bytes per namespace at most; a namespace not named has no quota beyond
   // the capacity. Default: none.
   std::map<std::string, size_t> namespace_quota_bytes;
   bool sync_commit = true;           // fsync the WAL when a segment is committed. Default: true.
   size_t block_cache_bytes = size_t{64} << 20;  // RocksDB block cache. Default: 64 MiB.
   bool direct_reads = false;         // read files with O_DIRECT (bypassing the page cache). Default: false.
-  size_t read_threads = 8;           // blocks a Get reads at once (in [1, 256]). Default: 8.
+  size_t read_threads = 8;           // blocks one Get or ReadBlob reads at once (in [1, 256]). Default: 8.
 };
 
 // Reads the keys path, capacity_bytes, block_bytes, sync_commit,
@@ -77,11 +93,23 @@ struct SegmentStoreStats {
   int64_t corruptions_detected = 0;  // blocks or records that failed a check
   int64_t unknown_versions = 0;      // records of another format version, ignored
   int64_t orphans_removed = 0;       // unfinished writes or removals cleaned up at Open
+  int64_t blob_reads = 0;            // ReadBlob calls that returned their bytes
+};
+
+// One blob of a stored segment, as its record holds it.
+struct BlobLayout {
+  std::string name;
+  uint64_t size = 0;                 // bytes
+  size_t block_bytes = 0;            // bytes per block (the last one holds the rest)
+  uint32_t blocks = 0;
 };
 
 class SegmentStore {
  public:
-  static constexpr uint32_t kFormatVersion = 1;
+  static constexpr uint32_t kFormatVersion = 2;
+  // The range of block sizes, store-wide (block_bytes) or per blob.
+  static constexpr size_t kMinBlockBytes = 4096;
+  static constexpr size_t kMaxBlockBytes = size_t{256} << 20;
 
   // Opens (or creates) the store and finishes or undoes what a crash
   // interrupted (intents). IOError or
@@ -92,17 +120,38 @@ class SegmentStore {
   SegmentStore(const SegmentStore&) = delete;
   SegmentStore& operator=(const SegmentStore&) = delete;
 
-  // Stores a segment (blobs: name -> bytes; names are non-empty). A key
-  // already present is left as it is (OK). ResourceExhausted when the
-  // namespace quota or the capacity cannot be met by eviction; then nothing
-  // is stored.
+  // Stores a segment (blobs: name -> bytes; names are non-empty), each blob
+  // cut into blocks of blob_block_bytes[name] bytes when given (in
+  // [kMinBlockBytes, kMaxBlockBytes]; every name a blob of the segment), else
+  // options.block_bytes. A key already present is left as it is (OK).
+  // ResourceExhausted when the namespace quota or the capacity cannot be met
+  // by eviction; then nothing is stored.
   Status Put(const Hash128& key, const std::string& cache_namespace, int64_t tokens,
-             const std::map<std::string, std::string>& blobs);
+             const std::map<std::string, std::string>& blobs,
+             const std::map<std::string, size_t>& blob_block_bytes = {});
   // The blobs of a committed segment, every block verified (read_threads
   // blocks read at once); marks it used.
   // NotFound when absent, Corruption when a check fails (the segment stays:
   // the caller may Erase it and recompute).
   Result<std::map<std::string, std::string>> Get(const Hash128& key);
+  // As Get, reading only the blobs named in `only` (the others are absent
+  // from the result). InvalidArgument naming a name that is not a blob of
+  // the segment.
+  Result<std::map<std::string, std::string>> Get(const Hash128& key, const std::set<std::string>& only);
+  // Copies bytes [offset, offset + length) of one blob into dst (length
+  // bytes, any memory: pinned host memory is written in place), reading and
+  // verifying only the blocks that cover them, read_threads at once; marks
+  // the segment used (in memory; persisted by Get, Pin and at close).
+  // NotFound when the segment is absent; InvalidArgument when it has no such
+  // blob or the range ends past the blob's size; Corruption when a check
+  // fails (then dst holds no valid bytes). Thread-safe and parallel: many
+  // ReadBlob calls run at once. A caller reading a segment piece by piece
+  // Attaches it first (Erase and eviction then leave it in place); an
+  // unattached segment may go between two calls (NotFound), never within one.
+  Status ReadBlob(const Hash128& key, const std::string& blob, uint64_t offset, uint64_t length, void* dst);
+  // The blobs of a committed segment (in blob index order: by name) and how
+  // they are cut into blocks. NotFound when absent.
+  Result<std::vector<BlobLayout>> Layout(const Hash128& key) const;
   Result<SegmentInfo> Info(const Hash128& key) const;
   bool Contains(const Hash128& key) const;
 

@@ -293,6 +293,22 @@ Result<EncodedRecord> EvalRunner::Encode(const EvalRecord& rec) const {
     inputs += 1 + static_cast<int64_t>(e.questions[t].size());  // previous answer's last token + question
   }
   if (e.prompt.empty()) return Status::InvalidArgument(who + ": the prompt encodes to no tokens");
+  if (segmented_) {
+    // The first question: turns[0]'s, else the prompt's last line that starts with "Q: ".
+    size_t q_at = std::string::npos;
+    if (!rec.turns.empty()) {
+      q_at = rec.prompt.size() - rec.turns[0].question.size();
+    } else if (const size_t nl = rec.prompt.rfind("\nQ: "); nl != std::string::npos) {
+      q_at = nl + 1;
+    }
+    auto doc = q_at == std::string::npos || q_at == 0
+                   ? Result<std::vector<int32_t>>(Status::NotFound("no question"))
+                   : tokenizer_->Encode(rec.prompt.substr(0, q_at), /*add_special_tokens=*/true);
+    if (doc.ok() && !doc->empty() && doc->size() < e.prompt.size() &&
+        std::equal(doc->begin(), doc->end(), e.prompt.begin())) {
+      e.document_tokens = static_cast<int64_t>(doc->size());
+    }
+  }
   auto check_ids = [&](const std::vector<int32_t>& ids, const std::string& what) -> Status {
     for (int32_t id : ids) {
       if (id < 0 || id >= c.vocab_size) {
@@ -327,14 +343,28 @@ Result<std::vector<EvalTurnResult>> EvalRunner::Run(const EncodedRecord& r, int 
     capacity += 1 + static_cast<int64_t>(newline_ids_.size() + r.questions[t].size());
   }
   const int64_t seq = next_seq_++;
-  PENUMBRA_RETURN_IF_ERROR(runtime_->AddSequence(seq, P, capacity - P));
+  const int64_t doc = r.document_tokens;
+  if (doc > 0) {
+    SequenceSpec spec;
+    spec.prompt_len = P;
+    spec.max_new_tokens = capacity - P;
+    spec.first_prefill = doc;
+    PENUMBRA_RETURN_IF_ERROR(runtime_->policy().AddSequence(seq, spec));
+  } else {
+    PENUMBRA_RETURN_IF_ERROR(runtime_->AddSequence(seq, P, capacity - P));
+  }
   struct Remove {
     Runtime* rt;
     int64_t seq;
     ~Remove() { rt->RemoveSequence(seq); }
   } remove{runtime_, seq};
 
-  PENUMBRA_RETURN_IF_ERROR(runtime_->Prefill(seq, r.prompt, &logits_));
+  if (doc > 0) {
+    PENUMBRA_RETURN_IF_ERROR(runtime_->Prefill(seq, r.prompt, nullptr, 0, doc));
+    PENUMBRA_RETURN_IF_ERROR(runtime_->Prefill(seq, r.prompt, &logits_, doc));
+  } else {
+    PENUMBRA_RETURN_IF_ERROR(runtime_->Prefill(seq, r.prompt, &logits_));
+  }
   int64_t pos = P;      // next position (= rows in the cache)
   int64_t total = P;    // eval_hf.py's input token count
   auto forward = [&](int32_t token) -> Status {

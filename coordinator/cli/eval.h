@@ -89,6 +89,10 @@ struct EncodedRecord {
   const EvalRecord* record = nullptr;
   std::vector<int32_t> prompt;
   std::vector<std::vector<int32_t>> questions;  // [turn]; questions[0] unused (part of the prompt)
+  // With SetSegmented: the tokens of the prompt's context (the prompt less
+  // its first question: turns[0].question, else from the last line that
+  // starts with "Q: ") when they are the prompt's first tokens, else 0.
+  int64_t document_tokens = 0;
 };
 
 struct EvalTurnResult {
@@ -117,6 +121,12 @@ class EvalRunner {
   // True when the token's text (specials kept) contains '\n'.
   bool HasNewline(int32_t id) const;
 
+  // Segmented prompts (--segmented): the context is prefilled first and the
+  // first question continues it, as a question about a cached document is
+  // served (for shadowkv: the context factored, the question a continuation,
+  // shadowkv.continuation dense or sparse).
+  void SetSegmented(bool on) { segmented_ = on; }
+
  private:
   EvalRunner() = default;
   int32_t Argmax(const float* logits_host) const;  // ties to the lowest id
@@ -127,6 +137,7 @@ class EvalRunner {
   std::vector<int32_t> newline_ids_;     // Encode("\n") without specials
   std::vector<int8_t> token_has_newline_;  // [vocab]
   int64_t next_seq_ = 0;
+  bool segmented_ = false;
   std::vector<float> logits_;
 };
 

@@ -148,7 +148,9 @@ Status Eval(int argc, char** argv) {
       .Flag("only-lengths", "comma-separated lengths to run (default: all)")
       .Flag("max-new-tokens", "override the records' max_new_tokens")
       .Flag("predictions", "write one JSON line per turn here (eval_hf.py's format)")
-      .Switch("json", "print JSON lines (one per (task, length), then a summary) instead of a table");
+      .Switch("json", "print JSON lines (one per (task, length), then a summary) instead of a table")
+      .Switch("segmented", "prefill each record's context first and continue it with the question "
+                           "(as a question about a cached document is served)");
   AddEngineFlags(a);
   Status ps = a.Parse(argc, argv, 2);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
@@ -178,6 +180,7 @@ Status Eval(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::Open(a.Get("model"), eo));
   Runtime& rt = engine->runtime();
   PENUMBRA_ASSIGN_OR_RETURN(auto runner, EvalRunner::Create(&rt, tokenizer.get(), engine->config().eos_token_ids));
+  runner->SetSegmented(a.Has("segmented"));
   PENUMBRA_ASSIGN_OR_RETURN(auto encoded, EncodeEvalRecords(*runner, records));
 
   std::ofstream pred;
@@ -217,6 +220,9 @@ Status Eval(int argc, char** argv) {
     j["outlier_fraction"] = opt(so.outlier_fraction);
     j["local_window"] = opt(so.local_window);
     j["min_prompt"] = opt(so.min_prompt_tokens);
+    j["segmented"] = a.Has("segmented");
+    j["continuation"] = opt(so.continuation);
+    j["continuation_budget_tokens"] = opt(so.continuation_budget_tokens);
     j["hit_rate"] = sparse && ps_stats.selected_chunks > 0 ? nlohmann::ordered_json(ps_stats.hit_rate())
                                                             : nlohmann::ordered_json(nullptr);
     j["selected_chunks"] = ps_stats.selected_chunks;

@@ -88,6 +88,14 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
   });
 }
 
+void MaxRows(const float* in, int rows, int64_t row_stride, int64_t cols, float* out, bool accumulate) {
+  for (int64_t c = 0; c < cols; ++c) {
+    float m = accumulate ? out[c] : kNegInf;
+    for (int r = 0; r < rows; ++r) m = std::max(m, in[r * row_stride + c]);
+    out[c] = m;
+  }
+}
+
 void ShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a) {
   const int ks = a.kslots;
   ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t row) {

@@ -46,6 +46,8 @@ struct ShadowkvScoreArgs {
   int64_t score_stride = 0;
 };
 void ShadowkvScore(const ShadowkvScoreArgs& a);
+// out[c] = max(out[c] when accumulate, in[r * row_stride + c] over r < rows), c < cols.
+void MaxRows(const float* in, int rows, int64_t row_stride, int64_t cols, float* out, bool accumulate);
 
 // As kernels::ShadowkvSlotUpdateArgs, host arrays.
 struct ShadowkvSlotUpdateArgs {

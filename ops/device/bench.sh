@@ -38,8 +38,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain)
   ttft      time to first token of a 64-token question about a 124928-token document, cold and cached in memory,
             full and shadowkv (issue 17), after prefix_reuse_gpu_test
-  ttft_disk the same cached only on disk (read back after the memory cache is cleared), beside the disk's raw
-            direct-I/O bandwidth (dd)
+  ttft_disk the same cached only on disk (read back after the memory cache is cleared; shadowkv cold, then
+            with sparse and dense continuations: values read lazily), beside the disk's raw direct-I/O
+            bandwidth (dd); TTFT_DISK_FULL=0 skips the full policy
   shared    64 questions over one shared 124928-token document decoded as one batch (full: cascade over one
             copy of its exact KV; shadowkv), beside the peer's --shared-prefix --graph mode; the prefix-attention
             kernel's bench first
@@ -266,9 +267,17 @@ suite_jobs() {
 suite_ttft_disk() {
   local store=$PWD/.ttft-store
   disk_raw "$store"
-  for p in shadowkv full; do
-    run 400 $R penumbra-bench ttft --kv-policy $p --context 124928 --question 64 --cache disk --store-dir "$store"
+  # shadowkv: cold beside the stored document read back lazily, the question
+  # continuing it sparse (reads only the values it selects before the first
+  # token) and dense (waits for every value); TTFT_DISK_FULL=0 skips full.
+  run 400 $R penumbra-bench ttft --kv-policy shadowkv --context 124928 --question 64 --cache off
+  for c in ${TTFT_DISK_CONTINUATIONS:-sparse dense}; do
+    run 400 $R penumbra-bench ttft --kv-policy shadowkv --continuation $c --context 124928 --question 64 \
+      --cache disk --store-dir "$store" ${TTFT_DISK_ARGS:-}
   done
+  if [ "${TTFT_DISK_FULL:-1}" = 1 ]; then
+    run 400 $R penumbra-bench ttft --kv-policy full --context 124928 --question 64 --cache disk --store-dir "$store"
+  fi
   rm -rf "$store"
 }
 

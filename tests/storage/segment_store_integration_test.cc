@@ -9,7 +9,8 @@
 //    (none half-written), and the blocks of interrupted writes are removed.
 //  - Corruption: bytes flipped in RocksDB's blob and table files after a
 //    flush are reported as Corruption (or make Open refuse the store, naming
-//    it); no read ever returns bytes that were not stored.
+//    it); no read, whole (Get) or ranged (ReadBlob), ever returns bytes that
+//    were not stored.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -20,6 +21,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -36,6 +38,11 @@ using testing::TempDir;
 
 Hash128 Key(uint64_t i) { return HashBytes128(&i, sizeof(i), 7); }
 size_t SizeOf(uint64_t i) { return 1 + (i * 7919) % 12000; }
+// The corruption tests' block sizes: blob "k" of every other segment in 8 KiB
+// blocks, the rest in the store's 4 KiB.
+std::map<std::string, size_t> BlockBytesOf(uint64_t i) {
+  return i % 2 ? std::map<std::string, size_t>{{"k", 8192}} : std::map<std::string, size_t>{};
+}
 // The crash test's segments: up to 24 blocks of 4 KiB, so that a good share
 // of each write is spent between its intent and its synced commit (where a
 // kill leaves a half-written segment to clean up).
@@ -144,7 +151,7 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
 void FillAndClose(const std::string& path, int n) {
   auto st = SegmentStore::Open(Durable(path));
   ASSERT_TRUE(st.ok()) << st.status();
-  for (int i = 1; i <= n; ++i) ASSERT_TRUE((*st)->Put(Key(i), "ns", i, BlobsFor(i, SizeOf(i))).ok());
+  for (int i = 1; i <= n; ++i) ASSERT_TRUE((*st)->Put(Key(i), "ns", i, BlobsFor(i, SizeOf(i)), BlockBytesOf(i)).ok());
   ASSERT_TRUE((*st)->Flush().ok());
 }
 
@@ -155,6 +162,7 @@ TEST(SegmentStoreCorruptionTest, FlippedBytesInBlobFilesAreDetectedNeverReturned
   auto st = SegmentStore::Open(Durable(dir.path()));
   ASSERT_TRUE(st.ok()) << st.status();
   int exact = 0, corrupt = 0;
+  std::set<int> damaged;
   for (int i = 1; i <= 40; ++i) {
     auto got = (*st)->Get(Key(i));
     if (got.ok()) {
@@ -163,21 +171,59 @@ TEST(SegmentStoreCorruptionTest, FlippedBytesInBlobFilesAreDetectedNeverReturned
     } else {
       ASSERT_EQ(got.status().code(), StatusCode::kCorruption) << got.status();
       ++corrupt;
+      damaged.insert(i);
     }
   }
   EXPECT_GT(corrupt, 0);
   EXPECT_EQ((*st)->stats().corruptions_detected, corrupt);
+  // Ranged reads of the same blocks: each exact or Corruption, and they agree
+  // with Get (the files do not change between the reads): a segment Get read
+  // whole reads whole by ranges, and a damaged one has a range refused.
+  std::mt19937_64 rng(99);
+  int ranges_exact = 0, ranges_corrupt = 0;
+  for (int i = 1; i <= 40; ++i) {
+    const auto blobs = BlobsFor(i, SizeOf(i));
+    auto layout = (*st)->Layout(Key(i));
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    std::vector<std::tuple<std::string, uint64_t, uint64_t>> ranges;  // blob, offset, length
+    for (const BlobLayout& b : *layout) {
+      ranges.emplace_back(b.name, 0, b.size);
+      for (int r = 0; r < 4; ++r) {
+        const uint64_t offset = rng() % (b.size + 1);
+        ranges.emplace_back(b.name, offset, rng() % (b.size - offset + 1));
+      }
+    }
+    int refused = 0;
+    for (const auto& [name, offset, length] : ranges) {
+      std::string buf(length, '\0');
+      const Status r = (*st)->ReadBlob(Key(i), name, offset, length, buf.data());
+      if (r.ok()) {
+        ASSERT_EQ(buf, blobs.at(name).substr(offset, length))
+            << "segment " << i << ", blob '" << name << "' [" << offset << ", +" << length
+            << "): wrong bytes returned as valid";
+        ++ranges_exact;
+      } else {
+        ASSERT_EQ(r.code(), StatusCode::kCorruption) << r;
+        ++ranges_corrupt;
+        ++refused;
+      }
+    }
+    EXPECT_EQ(refused > 0, damaged.count(i) > 0) << "segment " << i << ": Get and ReadBlob disagree";
+  }
+  EXPECT_GT(ranges_corrupt, 0);
+  EXPECT_EQ((*st)->stats().corruptions_detected, corrupt + ranges_corrupt);
   // A corrupt segment can be erased (the caller recomputes and stores it again).
   for (int i = 1; i <= 40; ++i) {
     if (!(*st)->Get(Key(i)).ok()) {
       ASSERT_TRUE((*st)->Erase(Key(i)).ok());
-      ASSERT_TRUE((*st)->Put(Key(i), "ns", i, BlobsFor(i, SizeOf(i))).ok());
+      ASSERT_TRUE((*st)->Put(Key(i), "ns", i, BlobsFor(i, SizeOf(i)), BlockBytesOf(i)).ok());
       auto again = (*st)->Get(Key(i));
       ASSERT_TRUE(again.ok()) << again.status();
       EXPECT_EQ(*again, BlobsFor(i, SizeOf(i)));
     }
   }
-  std::printf("blob files damaged: %d segments exact, %d reported corrupt\n", exact, corrupt);
+  std::printf("blob files damaged: %d segments exact, %d reported corrupt; %d ranged reads exact, %d corrupt\n", exact,
+              corrupt, ranges_exact, ranges_corrupt);
 }
 
 TEST(SegmentStoreCorruptionTest, FlippedBytesInTableFilesAreDetectedNeverReturned) {
@@ -197,6 +243,14 @@ TEST(SegmentStoreCorruptionTest, FlippedBytesInTableFilesAreDetectedNeverReturne
     } else {
       EXPECT_TRUE(got.status().code() == StatusCode::kCorruption || got.status().code() == StatusCode::kNotFound)
           << got.status();
+    }
+    const std::string want = BlobsFor(i, SizeOf(i)).at("k");
+    std::string buf(want.size() - 1, '\0');
+    const Status r = (*st)->ReadBlob(Key(i), "k", 1, buf.size(), buf.data());
+    if (r.ok()) {
+      ASSERT_EQ(buf, want.substr(1)) << "segment " << i << ": wrong bytes returned as valid";
+    } else {
+      EXPECT_TRUE(r.code() == StatusCode::kCorruption || r.code() == StatusCode::kNotFound) << r;
     }
   }
 }

@@ -47,6 +47,17 @@ inline std::map<std::string, std::string> BlobsFor(uint64_t key, size_t bytes) {
 // XORs `count` bytes, evenly spaced, inside every file of `dir` whose name
 // ends with `suffix` and that holds at least 256 bytes; returns how many
 // files it changed.
+// Flips (xor 0x5a) the byte at `at` of `path`.
+inline void FlipByteAt(const std::filesystem::path& path, std::streamoff at) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  char c = 0;
+  f.seekg(at);
+  f.read(&c, 1);
+  c ^= 0x5a;
+  f.seekp(at);
+  f.write(&c, 1);
+}
+
 inline int FlipBytesInFiles(const std::string& dir, const std::string& suffix, int count) {
   int files = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
@@ -54,16 +65,7 @@ inline int FlipBytesInFiles(const std::string& dir, const std::string& suffix, i
     if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
     const auto size = std::filesystem::file_size(e.path());
     if (size < 256) continue;
-    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
-    for (int i = 1; i <= count; ++i) {
-      const std::streamoff at = static_cast<std::streamoff>(size * i / (count + 1));
-      char c = 0;
-      f.seekg(at);
-      f.read(&c, 1);
-      c ^= 0x5a;
-      f.seekp(at);
-      f.write(&c, 1);
-    }
+    for (int i = 1; i <= count; ++i) FlipByteAt(e.path(), static_cast<std::streamoff>(size * i / (count + 1)));
     ++files;
   }
   return files;

@@ -21,9 +21,16 @@ class PrefixReuseGpuTest : public testing::StoriesTest {};
 
 using testing::LcgTokens;
 
-std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& dtype, size_t cache, int rank = 12) {
+// policy: "full", "shadowkv" or "shadowkv-sparse" (sparse continuations,
+// `continuation_budget` tokens selected; 0: the decode budget).
+std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& dtype, size_t cache, int rank = 12,
+                                 int64_t continuation_budget = 0) {
   EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
-  o.kv_policy = policy;
+  o.kv_policy = policy == "full" ? "full" : "shadowkv";
+  if (policy == "shadowkv-sparse") {
+    o.shadowkv.continuation = "sparse";
+    o.shadowkv.continuation_budget_tokens = continuation_budget;
+  }
   o.shadowkv.rank = rank;
   o.backend.device = "cuda";
   o.backend.dtype = dtype;
@@ -36,7 +43,7 @@ std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& d
 TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> doc = LcgTokens(151, 7, true);
-  for (const char* policy : {"full", "shadowkv"}) {
+  for (const char* policy : {"full", "shadowkv", "shadowkv-sparse"}) {
     for (const char* dtype : {"f32", "bf16"}) {
       auto warm = OpenCuda(policy, dtype, 64 << 20), cold = OpenCuda(policy, dtype, 0);
       ASSERT_TRUE(warm && cold);
@@ -78,20 +85,27 @@ TEST_F(PrefixReuseGpuTest, ShadowKvContinuationAtFullRankMatchesFullAttention) {
   const std::vector<int32_t> question = LcgTokens(20, 11, false);
   prompt.insert(prompt.end(), question.begin(), question.end());
   const int64_t P = static_cast<int64_t>(prompt.size());
-  auto full = OpenCuda("full", "f32", 0), skv = OpenCuda("shadowkv", "f32", 0, 32);
-  ASSERT_TRUE(full && skv);
-  std::vector<float> want, got;
+  auto full = OpenCuda("full", "f32", 0);
+  ASSERT_TRUE(full);
+  std::vector<float> want;
   ASSERT_TRUE(full->runtime().AddSequence(0, P, 1).ok());
   ASSERT_TRUE(full->runtime().Prefill(0, prompt, &want).ok());
-  SequenceSpec spec;
-  spec.prompt_len = P;
-  spec.max_new_tokens = 1;
-  spec.first_prefill = 151;
-  ASSERT_TRUE(skv->runtime().policy().AddSequence(0, spec).ok());
-  ASSERT_TRUE(skv->runtime().Prefill(0, prompt, nullptr, 0, 151).ok());
-  ASSERT_TRUE(skv->runtime().Prefill(0, prompt, &got, 151).ok());
-  // f32 on the GPU: other reduction orders, the SVD through cuSOLVER.
-  EXPECT_TRUE(testing::AllClose(got, want, 2e-3f, 2e-3f));
+  // Dense, and sparse with a budget that selects every chunk (the same keys
+  // in decode's row order: attention does not depend on the order).
+  for (const char* policy : {"shadowkv", "shadowkv-sparse"}) {
+    auto skv = OpenCuda(policy, "f32", 0, 32, 1000);
+    ASSERT_TRUE(skv);
+    std::vector<float> got;
+    SequenceSpec spec;
+    spec.prompt_len = P;
+    spec.max_new_tokens = 1;
+    spec.first_prefill = 151;
+    ASSERT_TRUE(skv->runtime().policy().AddSequence(0, spec).ok());
+    ASSERT_TRUE(skv->runtime().Prefill(0, prompt, nullptr, 0, 151).ok());
+    ASSERT_TRUE(skv->runtime().Prefill(0, prompt, &got, 151).ok());
+    // f32 on the GPU: other reduction orders, the SVD through cuSOLVER.
+    EXPECT_TRUE(testing::AllClose(got, want, 2e-3f, 2e-3f)) << policy;
+  }
 }
 
 }  // namespace

@@ -9,6 +9,10 @@
 // holds.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
 #include "storage/segment_store.h"
 #include "tests/storage/segment_store_test_util.h"
 #include "tests/test_util.h"
@@ -22,7 +26,8 @@ namespace penumbra {
 namespace {
 
 // Parameter: the KV policy ("full", "shadowkv", "shadowkv-staging": the
-// staged value fetch, "shadowkv-dense": documents under min_prompt_tokens).
+// staged value fetch, "shadowkv-dense": documents under min_prompt_tokens,
+// "shadowkv-sparse": sparse continuations).
 class PrefixReuseTest : public testing::StoriesTest, public ::testing::WithParamInterface<std::string> {};
 
 std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full",
@@ -32,15 +37,35 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   o.kv_policy = policy == "full" ? "full" : "shadowkv";
   if (policy == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
   if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
+  if (policy == "shadowkv-sparse") o.shadowkv.continuation = "sparse";
+  if (policy == "shadowkv-sparse-all") {  // a sparse continuation that selects every chunk
+    o.shadowkv.continuation = "sparse";
+    o.shadowkv.continuation_budget_tokens = 1000;
+    o.runtime.prefix_store_lazy_block_bytes = 4096;
+  }
   o.runtime.prefix_cache_bytes = cache_bytes;
   o.prefix_store.path = store;
   o.prefix_store.sync_commit = false;
+  // Every blob but the few a prefix is checked against read from the store
+  // by the policy itself, as the large ones of a real document are.
+  o.runtime.prefix_store_eager_blob_bytes = 4096;
   auto e = Engine::Open(testing::StoriesDir(), o);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(*e) : nullptr;
 }
 
 using testing::LcgTokens;
+
+// Adds sequence `seq` for `r` (first prefill: the 151-token document) and
+// prefills the document: what a question then continues.
+void AddFactoredDocument(Runtime& rt, int64_t seq, const GenerationRequest& r) {
+  SequenceSpec spec;
+  spec.prompt_len = static_cast<int64_t>(r.prompt.size());
+  spec.max_new_tokens = 1;
+  spec.first_prefill = 151;
+  ASSERT_TRUE(rt.policy().AddSequence(seq, spec).ok());
+  ASSERT_TRUE(rt.Prefill(seq, r.prompt, nullptr, 0, 151).ok());
+}
 
 GenerationRequest Request(const std::vector<int32_t>& doc, const std::vector<int32_t>& question, bool segmented,
                           const std::string& ns = "") {
@@ -300,6 +325,25 @@ TEST_P(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) 
     EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
     EXPECT_EQ((*r)[0].ids, cold);
     EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
+    if (policy != "full" && policy != "shadowkv-dense") {
+      // ShadowKV values are read lazily: a sparse continuation reads the
+      // blocks of the chunks it selects before the rest; every block is
+      // read in the end.
+      auto prefixes = e->runtime().prefix_cache()->Prefixes();
+      ASSERT_EQ(prefixes.size(), 1u);
+      const auto* p = dynamic_cast<const ShadowKvPrefix*>(prefixes[0].get());
+      ASSERT_NE(p, nullptr);
+      ASSERT_NE(p->lazy_values(), nullptr);
+      ASSERT_TRUE(p->EnsureAllValues().ok());
+      EXPECT_TRUE(p->values_complete());
+      EXPECT_EQ(p->lazy_values()->blocks_read(), p->lazy_values()->blocks());
+      // (This model's values are a few blocks, all of which the question
+      // and its answer select; LazyBlobTest checks that only covering
+      // blocks are read.)
+      if (policy == "shadowkv-sparse") {
+        EXPECT_GT(p->lazy_values()->blocks_on_demand(), 0);
+      }
+    }
   }
   {  // Another namespace does not see it, even on disk.
     auto e = OpenEngine(64 << 20, policy, dir.path());
@@ -333,8 +377,48 @@ TEST_P(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) 
   }
 }
 
+// A value block read lazily (after a restart) that fails its check while a
+// question's prefill needs it: the document is dropped from memory and disk,
+// and the request starts over without it, returning a fresh prefill's tokens.
+TEST_F(PrefixReuseTest, ALazilyReadValueThatFailsItsCheckIsRecomputedNotServed) {
+  const std::string policy = "shadowkv-sparse-all";
+  storage::testing::TempDir dir;
+  {
+    auto e = OpenEngine(64 << 20, policy, dir.path());
+    ASSERT_NE(e, nullptr);
+    ASSERT_TRUE(e->runtime().Generate({Request(kDoc, kQ1, true)}).ok());
+    e->runtime().DrainPrefixStores();
+    ASSERT_EQ(e->runtime().stats().prefix_stores, 1);
+  }
+  {
+    storage::SegmentStoreOptions so;
+    so.path = dir.path();
+    auto st = storage::SegmentStore::Open(so);
+    ASSERT_TRUE(st.ok()) << st.status();
+    ASSERT_TRUE((*st)->Flush().ok());
+  }
+  // The values are the segment's last blob ("values" sorts last), so the
+  // newest blob file ends with their last block: one byte of its payload
+  // flipped (before the 32-byte file footer).
+  std::filesystem::path newest;
+  for (const auto& f : std::filesystem::directory_iterator(dir.path())) {
+    if (f.path().extension() == ".blob" && (newest.empty() || f.path().filename() > newest.filename())) newest = f.path();
+  }
+  ASSERT_FALSE(newest.empty());
+  storage::testing::FlipByteAt(newest, static_cast<std::streamoff>(std::filesystem::file_size(newest)) - 32 - 100);
+  auto e = OpenEngine(64 << 20, policy, dir.path());
+  ASSERT_NE(e, nullptr);
+  auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].ids, Cold(Request(kDoc, kQ2, true), policy));
+  EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);  // started over without it
+  EXPECT_EQ(e->runtime().stats().prefix_store_corruptions, 1);
+  EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);  // it was imported (lazily) first
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
-                         ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense"),
+                         ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense",
+                                           "shadowkv-sparse"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -359,6 +443,12 @@ TEST_P(ShadowKvContinuationTest, AtFullRankItMatchesFullAttention) {
   EngineOptions o = testing::LossyShadowKvOptions();
   o.shadowkv.rank = 32;
   if (GetParam() == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
+  if (GetParam() == "shadowkv-sparse") {
+    // Every chunk selected: the same keys in decode's row order (outliers,
+    // selected chunks, local rows), which attention does not depend on.
+    o.shadowkv.continuation = "sparse";
+    o.shadowkv.continuation_budget_tokens = 1000;
+  }
   o.runtime.prefix_cache_bytes = 64 << 20;
   auto e = Engine::Open(testing::StoriesDir(), o);
   ASSERT_TRUE(e.ok()) << e.status();
@@ -384,10 +474,32 @@ TEST_P(ShadowKvContinuationTest, AtFullRankItMatchesFullAttention) {
   EXPECT_EQ(rt.policy().CapturePrefix(1, 151).status().code(), StatusCode::kFailedPrecondition);
 }
 
-INSTANTIATE_TEST_SUITE_P(ValueFetch, ShadowKvContinuationTest, ::testing::Values("shadowkv", "shadowkv-staging"),
+INSTANTIATE_TEST_SUITE_P(ValueFetch, ShadowKvContinuationTest,
+                         ::testing::Values("shadowkv", "shadowkv-staging", "shadowkv-sparse"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
-                           return i.param == "shadowkv" ? std::string("zero_copy") : std::string("staging");
+                           return i.param == "shadowkv" ? std::string("zero_copy") : i.param.substr(9);
                          });
+
+// A sparse continuation under its budget attends to the chunks the
+// question's queries select, not to all of them: its logits are finite and
+// differ from the dense continuation's.
+TEST_F(PrefixReuseTest, ASparseContinuationAttendsToTheChunksTheQuestionSelects) {
+  const GenerationRequest r = Request(kDoc, kQ1, true);
+  std::vector<std::vector<float>> logits;
+  for (const char* mode : {"dense", "sparse"}) {
+    EngineOptions o = testing::LossyShadowKvOptions();
+    o.shadowkv.continuation = mode;
+    auto e = Engine::Open(testing::StoriesDir(), o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    Runtime& rt = (*e)->runtime();
+    AddFactoredDocument(rt, 0, r);
+    std::vector<float> got;
+    ASSERT_TRUE(rt.Prefill(0, r.prompt, &got, 151).ok());
+    for (float v : got) ASSERT_TRUE(std::isfinite(v));
+    logits.push_back(got);
+  }
+  EXPECT_FALSE(testing::AllClose(logits[0], logits[1], 1e-3f, 1e-3f));
+}
 
 TEST_F(PrefixReuseTest, BadSegmentEndsAreRefused) {
   auto e = OpenEngine(64 << 20);

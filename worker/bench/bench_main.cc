@@ -31,6 +31,7 @@
 #include "worker/bench/kernel_trace.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/op_profiler.h"
+#include "worker/engine/shadowkv_prefix.h"
 
 namespace penumbra {
 namespace {
@@ -519,6 +520,13 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
   j["context"] = S;
   j["question"] = Q;
   j["cache"] = cache;
+  if (e.options().kv_policy == "shadowkv") j["continuation"] = e.options().shadowkv.continuation;
+  if (cache == "disk") {
+    j["store_read_threads"] = e.options().prefix_store.read_threads;
+    j["lazy_reads"] = e.options().runtime.prefix_store_lazy_reads;
+    j["lazy_threads"] = e.options().runtime.prefix_store_lazy_threads;
+    j["lazy_block_bytes"] = e.options().runtime.prefix_store_lazy_block_bytes;
+  }
   if (cache != "off") {
     PENUMBRA_ASSIGN_OR_RETURN(double populate, timed(request(1), &cached));
     j["populate_ttft_ms"] = populate;
@@ -541,8 +549,30 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
     rt.prefix_cache()->Clear();
   }
   const RunStats before = rt.stats();
+  const double t_request = NowSeconds();
   PENUMBRA_ASSIGN_OR_RETURN(double ms, timed(request(2), &cached));
   j["ttft_ms"] = ms;
+  if (cache == "disk" && e.options().runtime.prefix_store_lazy_reads) {
+    // Values read lazily: what the question read before its first token,
+    // then the whole document's restore (from the request's start).
+    int64_t lazy_bytes = 0, demand_bytes = 0, device_bytes = 0;
+    for (const auto& p : rt.prefix_cache()->Prefixes()) {
+      const auto* skv = dynamic_cast<const ShadowKvPrefix*>(p.get());
+      if (!skv || !skv->lazy_values()) continue;
+      const storage::LazyBlob& lb = *skv->lazy_values();
+      demand_bytes += lb.blocks_on_demand() * static_cast<int64_t>(lb.block_bytes());
+      PENUMBRA_RETURN_IF_ERROR(skv->EnsureAllValues());
+      lazy_bytes += static_cast<int64_t>(lb.size());
+      device_bytes += static_cast<int64_t>(skv->device_bytes());
+    }
+    const double restore_s = NowSeconds() - t_request;
+    j["lazy_demand_bytes"] = demand_bytes;
+    j["lazy_value_bytes"] = lazy_bytes;
+    j["restore_complete_ms"] = restore_s * 1e3;
+    // Every byte of the stored document: its device state (read at the
+    // import) and its values.
+    j["restore_all_gb_per_s"] = static_cast<double>(device_bytes + lazy_bytes) / restore_s / 1e9;
+  }
   if (cache == "disk") {
     const RunStats& after = rt.stats();
     const double read_s = after.prefix_store_read_seconds - before.prefix_store_read_seconds;
@@ -685,6 +715,9 @@ Status Main(int argc, char** argv) {
       .Flag("store-dir", "ttft --cache disk: the prefix store's directory, emptied first "
                          "(default /tmp/penumbra-ttft-store)")
       .Flag("question", "ttft, shared: question tokens after the document (default 64)")
+      .Flag("store-read-threads", "ttft --cache disk: blocks read at once when a stored prefix is read (default 32)")
+      .Flag("lazy-threads", "ttft --cache disk: reads in flight for lazily read values (default 64)")
+      .Flag("lazy-reads", "ttft --cache disk: on (default): values read lazily; off: read whole before the first token")
       .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
       .Flag("head-dim", "").Flag("vocab", "")
       .Flag("kernel-trace", "decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
@@ -720,6 +753,12 @@ Status Main(int argc, char** argv) {
     std::filesystem::remove_all(eo.prefix_store.path, ec);
     eo.prefix_store.capacity_bytes = size_t{1} << 40;
     eo.prefix_store.direct_reads = true;
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t rt, a.GetIntIn("store-read-threads", 32, 1, 256));
+    eo.prefix_store.read_threads = static_cast<size_t>(rt);
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t lt, a.GetIntIn("lazy-threads", 64, 1, 256));
+    eo.runtime.prefix_store_lazy_threads = static_cast<int>(lt);
+    PENUMBRA_ASSIGN_OR_RETURN(eo.runtime.prefix_store_lazy_reads,
+                              a.GetOnOff("lazy-reads", eo.runtime.prefix_store_lazy_reads));
   }
   ShadowKvOptions& s = eo.shadowkv;
   PENUMBRA_ASSIGN_OR_RETURN(s.force_hit_rate, a.GetDouble("force-hit-rate", -1.0));

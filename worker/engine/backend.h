@@ -149,6 +149,11 @@ class Backend {
   virtual Result<DeviceBuffer> Allocate(size_t bytes) = 0;
   // Host memory the device can read directly (pinned and mapped on CUDA).
   virtual Result<DeviceBuffer> AllocateHost(size_t bytes) = 0;
+  // Pins (and maps for the device) host memory not from AllocateHost, e.g.
+  // a value buffer filled from disk before it is pinned; UnregisterHost
+  // undoes it before the memory is freed. No-ops on the CPU.
+  virtual Status RegisterHost(void* p, size_t bytes) = 0;
+  virtual void UnregisterHost(void* p) = 0;
   // The device address of host memory from AllocateHost (identity on CPU).
   virtual const void* DeviceAddressOfHost(const void* host) const = 0;
   virtual Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
@@ -202,6 +207,7 @@ class Backend {
   virtual void GatherOutliers(kernels::GatherOutliersArgs args) = 0;
   virtual Status ShadowkvScore(kernels::ShadowkvScoreArgs args) = 0;
   virtual void TopK(const kernels::TopKArgs& args) = 0;
+  virtual void MaxRows(const kernels::MaxRowsArgs& args) = 0;
   virtual void ShadowkvSlotUpdate(const kernels::ShadowkvSlotUpdateArgs& args) = 0;
   // Scores with their selection, then the selection's slot update (`update`
   // reads score.selection). The CUDA backend runs the update in the

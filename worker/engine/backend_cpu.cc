@@ -41,6 +41,8 @@ class CpuBackend final : public Backend {
     return DeviceBuffer(p, bytes, &FreeHost);
   }
   Result<DeviceBuffer> AllocateHost(size_t bytes) override { return Allocate(bytes); }
+  Status RegisterHost(void*, size_t) override { return Status::OK(); }
+  void UnregisterHost(void*) override {}
   const void* DeviceAddressOfHost(const void* host) const override { return host; }
   Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
     std::memcpy(dst, src, bytes);
@@ -281,6 +283,9 @@ class CpuBackend final : public Backend {
     c.out = a.out;
     c.out_stride = a.out_stride;
     kc::TopK(c);
+  }
+  void MaxRows(const kernels::MaxRowsArgs& a) override {
+    kc::MaxRows(a.in, a.rows, a.row_stride, a.cols, a.out, a.accumulate);
   }
   void ShadowkvSlotUpdate(const kernels::ShadowkvSlotUpdateArgs& a) override {
     kc::ShadowkvSlotUpdateArgs c;

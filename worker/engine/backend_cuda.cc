@@ -122,6 +122,11 @@ class CudaBackend final : public Backend {
     }
     return DeviceBuffer(p, bytes, &FreeHostPinned);
   }
+  Status RegisterHost(void* p, size_t bytes) override {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
+    return Status::OK();
+  }
+  void UnregisterHost(void* p) override { (void)cudaHostUnregister(p); }
   const void* DeviceAddressOfHost(const void* host) const override {
     void* d = nullptr;
     PENUMBRA_CUDA_CHECK(cudaHostGetDevicePointer(&d, const_cast<void*>(host), 0));
@@ -355,6 +360,7 @@ class CudaBackend final : public Backend {
     return Status::OK();
   }
   void TopK(const kn::TopKArgs& a) override { kn::LaunchTopK(a, stream_); }
+  void MaxRows(const kn::MaxRowsArgs& a) override { kn::LaunchMaxRows(a, stream_); }
   void ShadowkvSlotUpdate(const kn::ShadowkvSlotUpdateArgs& a) override { kn::LaunchShadowkvSlotUpdate(a, stream_); }
   void ShadowkvRebuildK(kn::ShadowkvRebuildKArgs a) override {
     a.dtype = act_;

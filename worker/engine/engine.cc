@@ -23,6 +23,11 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   int64_t queue = static_cast<int64_t>(o->runtime.prefix_store_queue_bytes);
   r.Read("prefix_store_queue_bytes", &queue, 0, int64_t{1} << 50);
   o->runtime.prefix_store_queue_bytes = static_cast<size_t>(queue);
+  r.Read("prefix_store_lazy_reads", &o->runtime.prefix_store_lazy_reads);
+  int64_t lazy_block = static_cast<int64_t>(o->runtime.prefix_store_lazy_block_bytes);
+  r.Read("prefix_store_lazy_block_bytes", &lazy_block, 4096, int64_t{256} << 20);
+  o->runtime.prefix_store_lazy_block_bytes = static_cast<size_t>(lazy_block);
+  r.Read("prefix_store_lazy_threads", &o->runtime.prefix_store_lazy_threads, 1, 256);
   r.ReadEnum("kv_policy", &o->kv_policy, {"full", "shadowkv"});
   ConfigReader s = r.Child("shadowkv");
   PENUMBRA_RETURN_IF_ERROR(LoadShadowKvOptions(s, &o->shadowkv));

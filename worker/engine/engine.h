@@ -63,6 +63,7 @@ struct EngineOptions {
 
 // Reads an engine YAML (keys: device, dtype, cuda_device, cpu_threads,
 // prefill_chunk, max_batch, prefix_cache_bytes, prefix_cache_host_bytes, prefix_store_queue_bytes,
+// prefix_store_lazy_reads, prefix_store_lazy_block_bytes, prefix_store_lazy_threads,
 // kv_policy, shadowkv: {...},
 // prefix_store: {...}); errors name the key.
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o);

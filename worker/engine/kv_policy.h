@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "storage/lazy_blob.h"
 #include "worker/engine/backend.h"
 #include "worker/engine/op_profiler.h"
 
@@ -46,6 +47,9 @@ class KvPrefix {
   // Its state as named host byte blobs (what the persistent document cache
   // stores); ImportPrefix of the same policy and geometry inverts it.
   virtual Result<std::map<std::string, std::string>> Export() const = 0;
+  // OK unless part of it, read lazily from the persistent store, failed a
+  // check (then it must not be attached again: the runtime drops it).
+  virtual Status health() const { return Status::OK(); }
 };
 
 // Model geometry and shared device tables a policy needs.
@@ -147,6 +151,20 @@ class KvPolicy {
   // Corruption) naming the blob when they do not fit this policy's geometry.
   virtual Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) {
     return Status::Unimplemented("the " + name() + " KV policy cannot import prompt prefixes yet");
+  }
+  // Blobs of its exported prefixes this policy can read lazily (after the
+  // import, as requests need them): e.g. a ShadowKV document's values.
+  virtual std::vector<std::string> LazyBlobs() const { return {}; }
+  // ImportPrefix from some of the blobs (`blobs`: at least the small ones)
+  // and a reader of the stored segment (`lazy`): the policy reads the other
+  // blobs from it, its LazyBlobs on demand (`read_threads` at once) and,
+  // once a request has used the prefix, in the background.
+  virtual Result<std::shared_ptr<const KvPrefix>> ImportPrefixLazy(const std::map<std::string, std::string>& blobs,
+                                                                   std::shared_ptr<storage::BlobReader> lazy,
+                                                                   int read_threads) {
+    (void)lazy;
+    (void)read_threads;
+    return ImportPrefix(blobs);
   }
   // Benchmarks only: leaves `seq` as if a prompt of `length` tokens had been
   // prefilled, from random keys and values (through the policy's real

@@ -51,6 +51,12 @@ void PrefixCache::MakeRoom(size_t need, size_t host_need) {
   }
 }
 
+std::vector<std::shared_ptr<const KvPrefix>> PrefixCache::Prefixes() const {
+  std::vector<std::shared_ptr<const KvPrefix>> out;
+  for (const Entry& e : lru_) out.push_back(e.prefix);
+  return out;
+}
+
 void PrefixCache::Clear() {
   for (auto it = lru_.begin(); it != lru_.end();) {
     if (it->prefix.use_count() > 1) {

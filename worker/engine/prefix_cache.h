@@ -60,6 +60,8 @@ class PrefixCache {
   bool Erase(const Hash128& key);
   // Drops every entry no sequence holds.
   void Clear();
+  // Every entry's prefix, most recently used first.
+  std::vector<std::shared_ptr<const KvPrefix>> Prefixes() const;
 
   size_t bytes() const { return bytes_; }  // device bytes held
   size_t host_bytes() const { return host_bytes_; }

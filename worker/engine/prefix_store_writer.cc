@@ -6,8 +6,12 @@
 
 namespace penumbra {
 
-PrefixStoreWriter::PrefixStoreWriter(storage::SegmentStore* store, size_t max_queued_bytes)
-    : store_(store), max_queued_bytes_(max_queued_bytes), thread_([this] { Run(); }) {}
+PrefixStoreWriter::PrefixStoreWriter(storage::SegmentStore* store, size_t max_queued_bytes,
+                                     std::map<std::string, size_t> blob_block_bytes)
+    : store_(store),
+      max_queued_bytes_(max_queued_bytes),
+      blob_block_bytes_(std::move(blob_block_bytes)),
+      thread_([this] { Run(); }) {}
 
 PrefixStoreWriter::~PrefixStoreWriter() {
   {
@@ -55,7 +59,11 @@ void PrefixStoreWriter::Run() {
     busy_ = true;
     l.unlock();
     const double t0 = NowSeconds();
-    Status s = store_->Put(item.key, item.ns, item.tokens, item.blobs);
+    std::map<std::string, size_t> block_bytes;
+    for (const auto& [name, bytes] : blob_block_bytes_) {
+      if (item.blobs.count(name)) block_bytes[name] = bytes;
+    }
+    Status s = store_->Put(item.key, item.ns, item.tokens, item.blobs, block_bytes);
     const double dt = NowSeconds() - t0;
     if (s.ok()) {
       ++stored_;

@@ -24,7 +24,9 @@ namespace penumbra {
 class PrefixStoreWriter {
  public:
   // `store` must outlive the writer.
-  PrefixStoreWriter(storage::SegmentStore* store, size_t max_queued_bytes);
+  // blob_block_bytes: block sizes of named blobs (SegmentStore::Put).
+  PrefixStoreWriter(storage::SegmentStore* store, size_t max_queued_bytes,
+                    std::map<std::string, size_t> blob_block_bytes = {});
   ~PrefixStoreWriter();
   PrefixStoreWriter(const PrefixStoreWriter&) = delete;
   PrefixStoreWriter& operator=(const PrefixStoreWriter&) = delete;
@@ -53,6 +55,7 @@ class PrefixStoreWriter {
 
   storage::SegmentStore* const store_;
   const size_t max_queued_bytes_;
+  const std::map<std::string, size_t> blob_block_bytes_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;    // guarded by mu_

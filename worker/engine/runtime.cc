@@ -1,7 +1,11 @@
 #include "worker/engine/runtime.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <chrono>
+#include <set>
+#include <thread>
 #include <random>
 #include <sstream>
 
@@ -241,16 +245,28 @@ int Runtime::ForgetPrefixes(const GenerationRequest& q) {
 }
 
 Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result) {
+  return BeginPrefillImpl(seq, q, st, result, /*reuse=*/true);
+}
+
+Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result,
+                                 bool reuse) {
   const int64_t P = static_cast<int64_t>(q.prompt.size());
   *st = PrefillState{};
   std::shared_ptr<const KvPrefix> hit;
   int64_t start = 0;
-  if (prefix_cache_ && !q.segment_ends.empty()) {
+  if (prefix_cache_ && !q.segment_ends.empty() && reuse) {
     st->keys = PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends);
     for (size_t i = st->keys.size(); i-- > 0 && !hit;) {
       hit = prefix_cache_->Find(st->keys[i], q.segment_ends[i]);
+      if (hit && !hit->health().ok()) {
+        DropDamagedPrefix(st->keys[i], hit->health());
+        hit = nullptr;
+      }
       if (!hit && prefix_store_) hit = LoadStoredPrefix(st->keys[i], q.segment_ends[i]);
-      if (hit) start = q.segment_ends[i];
+      if (hit) {
+        start = q.segment_ends[i];
+        st->attached_segment = i;
+      }
     }
   }
   SequenceSpec spec;
@@ -271,12 +287,49 @@ Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillSta
   stats_.prompt_tokens += start;
   stats_.cached_prompt_tokens += start;
   result->cached_prompt_tokens = start;
+  st->result = result;
+  st->attached = start > 0 ? hit : nullptr;
   st->at = start;
   st->capture = !st->keys.empty();
   return Status::OK();
 }
 
 Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, PrefillState* st, int64_t max_tokens) {
+  Result<bool> r = PrefillStepImpl(seq, q, st, max_tokens);
+  if (r.ok() || !st->attached || st->attached->health().ok()) return r;
+  // The attached prefix failed a check while its values were read from disk
+  // (nothing of it reached attention): dropped, and the request prefilled
+  // from its first token instead.
+  DropDamagedPrefix(st->keys[st->attached_segment], st->attached->health());
+  const int64_t start = st->result->cached_prompt_tokens;
+  stats_.prompt_tokens -= start;
+  stats_.cached_prompt_tokens -= start;
+  policy_->RemoveSequence(seq);
+  // Without the cache (nothing captured either: a reader of the damaged
+  // segment may still hold it on disk for a moment).
+  PENUMBRA_RETURN_IF_ERROR(BeginPrefillImpl(seq, q, st, st->result, /*reuse=*/false));
+  return PrefillStepImpl(seq, q, st, max_tokens);
+}
+
+void Runtime::DropDamagedPrefix(const Hash128& key, const Status& why) {
+  ++stats_.prefix_store_corruptions;
+  LOG(WARNING) << "prefix " << key.Hex() << " dropped (recomputed): " << why;
+  prefix_cache_->Erase(key);
+  if (!prefix_store_) return;
+  // A lazy reader of it lets go once its reads in flight end (a failed
+  // block stops it): briefly retried, so that the next capture stores it anew.
+  Status erased = prefix_store_->Erase(key);
+  for (int i = 0; i < 200 && erased.code() == StatusCode::kFailedPrecondition; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    erased = prefix_store_->Erase(key);
+  }
+  if (!erased.ok() && erased.code() != StatusCode::kNotFound) {
+    LOG(WARNING) << "prefix " << key.Hex() << " not erased from the store: " << erased;
+  }
+}
+
+Result<bool> Runtime::PrefillStepImpl(int64_t seq, const GenerationRequest& q, PrefillState* st,
+                                      int64_t max_tokens) {
   const int64_t P = static_cast<int64_t>(q.prompt.size());
   CHECK_LT(st->at, P) << "the prompt is already prefilled";
   // One prefill per segment at least, so that the state at each segment's
@@ -358,7 +411,14 @@ void Runtime::SetPrefixStore(storage::SegmentStore* store, std::string model_ide
   prefix_writer_.reset();  // drains writes to the previous store
   prefix_store_ = store;
   model_identity_ = std::move(model_identity);
-  if (store) prefix_writer_ = std::make_unique<PrefixStoreWriter>(store, options_.prefix_store_queue_bytes);
+  if (store) {
+    std::map<std::string, size_t> block_bytes;  // small blocks for what is read lazily
+    if (options_.prefix_store_lazy_reads) {
+      for (const std::string& b : policy_->LazyBlobs()) block_bytes[b] = options_.prefix_store_lazy_block_bytes;
+    }
+    prefix_writer_ =
+        std::make_unique<PrefixStoreWriter>(store, options_.prefix_store_queue_bytes, std::move(block_bytes));
+  }
 }
 
 RunStats Runtime::stats() const {
@@ -376,10 +436,37 @@ std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, in
   auto info = prefix_store_->Info(key);
   if (!info.ok() || info->tokens != tokens) return nullptr;
   const double t0 = NowSeconds();
-  auto blobs = prefix_store_->Get(key);
+  // The blobs the policy reads lazily stay on disk for now: a reader of
+  // the segment (which keeps it attached) goes with the prefix.
+  const std::vector<std::string> lazy =
+      options_.prefix_store_lazy_reads ? policy_->LazyBlobs() : std::vector<std::string>{};
+  Result<std::map<std::string, std::string>> blobs = Status::Internal("prefix store: not read");
+  std::shared_ptr<storage::BlobReader> reader;
+  if (lazy.empty()) {
+    blobs = prefix_store_->Get(key);
+  } else {
+    auto layout = prefix_store_->Layout(key);
+    auto opened = layout.ok() ? storage::OpenSegmentReader(prefix_store_, key)
+                              : Result<std::shared_ptr<storage::BlobReader>>(layout.status());
+    if (opened.ok()) {
+      reader = *opened;
+      // Small blobs now; the policy reads large ones from the reader itself
+      // (straight into their destination).
+      std::set<std::string> eager;
+      for (const storage::BlobLayout& b : *layout) {
+        if (b.size <= options_.prefix_store_eager_blob_bytes && std::find(lazy.begin(), lazy.end(), b.name) == lazy.end()) eager.insert(b.name);
+      }
+      blobs = prefix_store_->Get(key, eager);
+    } else {
+      blobs = opened.status();
+    }
+  }
   const double t1 = NowSeconds();
-  Result<std::shared_ptr<const KvPrefix>> prefix = blobs.ok() ? policy_->ImportPrefix(*blobs)
-                                                              : Result<std::shared_ptr<const KvPrefix>>(blobs.status());
+  Result<std::shared_ptr<const KvPrefix>> prefix =
+      !blobs.ok() ? Result<std::shared_ptr<const KvPrefix>>(blobs.status())
+      : reader    ? policy_->ImportPrefixLazy(*blobs, std::move(reader), options_.prefix_store_lazy_threads)
+                  : policy_->ImportPrefix(*blobs);
+  reader.reset();
   stats_.prefix_store_read_seconds += t1 - t0;
   stats_.prefix_import_seconds += NowSeconds() - t1;
   if (blobs.ok()) {

@@ -73,6 +73,19 @@ struct RuntimeOptions {
   // Host bytes of captured prefixes waiting to be written to the persistent
   // store; a capture beyond it is not stored. Default: 16 GiB.
   size_t prefix_store_queue_bytes = size_t{16} << 30;
+  // The blobs a policy can read lazily (KvPolicy::LazyBlobs: a ShadowKV
+  // document's values) are stored in blocks of prefix_store_lazy_block_bytes
+  // and, when a stored prefix is imported, read on demand (the chunks a
+  // request selects, first) and then in the background, by
+  // prefix_store_lazy_threads threads, instead of before the first token.
+  // Defaults: true, 16 KiB, 32.
+  bool prefix_store_lazy_reads = true;
+  size_t prefix_store_lazy_block_bytes = 16384;
+  int prefix_store_lazy_threads = 32;
+  // With lazy reads, blobs up to this size are read whole first; larger ones
+  // the policy reads from the segment straight into their destination
+  // (tests set it to 0 to take that path with small models). Default: 16 MiB.
+  uint64_t prefix_store_eager_blob_bytes = uint64_t{16} << 20;
 };
 
 struct RunStats {
@@ -131,6 +144,9 @@ class Runtime {
     int64_t at = 0;              // prompt tokens the sequence holds
     std::vector<Hash128> keys;   // the leading segments' cache keys (empty: no reuse)
     bool capture = false;        // capture the segments completed here
+    std::shared_ptr<const KvPrefix> attached;  // the prefix the sequence started from (null: none)
+    size_t attached_segment = 0;               // ... the index of its last segment
+    GenerationResult* result = nullptr;        // BeginPrefill's
     // A policy that cannot split a prefill by tokens (ShadowKV factors a
     // segment whole) is split by layers instead: the segment in progress.
     std::unique_ptr<PartialPrefill> partial;
@@ -138,6 +154,9 @@ class Runtime {
     bool in_progress(int64_t prompt_len) const { return partial != nullptr || (at > 0 && at < prompt_len); }
   };
   Status BeginPrefill(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result);
+  // A step that fails because the attached prefix failed a check while it
+  // was read lazily drops that prefix (cache and store) and starts the
+  // request over without it.
   Result<bool> PrefillStep(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
   // Drops the cached state of `r`'s leading segments (each one the prompt's
   // segment_ends name) from the prefix cache and the persistent store, so a
@@ -219,6 +238,12 @@ class Runtime {
   // The prefix stored under `key` with `tokens` tokens, imported into this
   // policy and the device cache; null when absent or damaged (dropped).
   std::shared_ptr<const KvPrefix> LoadStoredPrefix(const Hash128& key, int64_t tokens);
+  Result<bool> PrefillStepImpl(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
+  // reuse false: no prefix looked up nor captured.
+  Status BeginPrefillImpl(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result,
+                          bool reuse);
+  // A prefix that failed a check: out of the cache and the store, counted.
+  void DropDamagedPrefix(const Hash128& key, const Status& why);
 
   std::unique_ptr<PrefixCache> prefix_cache_;
   storage::SegmentStore* prefix_store_ = nullptr;

@@ -13,7 +13,9 @@ void AddShadowKvFlags(Args& a) {
       .Flag("min-prompt", "shadowkv: prompts shorter than this use full attention (default 4096)")
       .Flag("value-fetch", "shadowkv: zero_copy (default) or staging")
       .Flag("micro-batches", "shadowkv: pipeline each decode batch as this many micro-batches (default 1)")
-      .Flag("fetch-blocks", "shadowkv: thread blocks of the zero-copy value fetch (default 32)");
+      .Flag("fetch-blocks", "shadowkv: thread blocks of the zero-copy value fetch (default 32)")
+      .Flag("continuation", "shadowkv: a prefill after a factored prompt attends dense (default) or sparse")
+      .Flag("continuation-budget", "shadowkv: tokens a sparse continuation selects per KV head (default 0 = --budget)");
 }
 
 Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
@@ -42,6 +44,14 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t fb, a.GetInt("fetch-blocks", s.fetch_blocks));
   if (fb < 1 || fb > 1024) return Status::InvalidArgument("--fetch-blocks must be in [1, 1024]");
   s.fetch_blocks = static_cast<int>(fb);
+  if (a.Has("continuation")) s.continuation = a.Get("continuation");
+  if (s.continuation != "dense" && s.continuation != "sparse") {
+    return Status::InvalidArgument("--continuation must be dense or sparse, got '" + s.continuation + "'");
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(s.continuation_budget_tokens, a.GetInt("continuation-budget", s.continuation_budget_tokens));
+  if (s.continuation_budget_tokens < 0 || s.continuation_budget_tokens > (int64_t{1} << 32)) {
+    return Status::InvalidArgument("--continuation-budget must be in [0, 2^32]");
+  }
   return Status::OK();
 }
 
@@ -59,6 +69,8 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.Read("micro_batches", &o->micro_batches, 1, 16);
   r.Read("fetch_turns", &o->fetch_turns);
   r.Read("fetch_blocks", &o->fetch_blocks, 1, 1024);
+  r.ReadEnum("continuation", &o->continuation, {"dense", "sparse"});
+  r.Read("continuation_budget_tokens", &o->continuation_budget_tokens, 0, int64_t{1} << 32);
   return r.Finish();
 }
 
@@ -87,6 +99,15 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
   }
   if (o.fetch_blocks < 1 || o.fetch_blocks > 1024) {
     return Status::InvalidArgument("shadowkv.fetch_blocks must be in [1, 1024], got " + std::to_string(o.fetch_blocks));
+  }
+  if (o.continuation != "dense" && o.continuation != "sparse") {
+    return Status::InvalidArgument("shadowkv.continuation must be dense or sparse, got '" + o.continuation + "'");
+  }
+  if (o.continuation_budget_tokens < 0 || o.continuation_budget_tokens % o.chunk_size != 0 ||
+      o.continuation_budget_tokens / o.chunk_size > 4096) {
+    return Status::InvalidArgument("shadowkv.continuation_budget_tokens (" +
+                                   std::to_string(o.continuation_budget_tokens) +
+                                   ") must be 0 or a multiple of chunk_size of at most 4096 chunks");
   }
   return Status::OK();
 }

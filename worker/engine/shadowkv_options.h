@@ -36,11 +36,25 @@ struct ShadowKvOptions {
   // reads in flight but take SMs from the other lane's compute. On the H200,
   // 32 beat 16, 48 and 64 (docs/benchmarks.md). Default: 32.
   int fetch_blocks = 32;
+  // How a prefill that continues a factored prompt (a question after a cached
+  // document, a later document) attends to what the sequence holds:
+  // "dense": every chunk (low-rank K rebuilt, every value read back), exact
+  // at full rank; "sparse": per layer and KV head, the chunks the new tokens'
+  // queries select from the landmarks (as decode selects, the score's maximum
+  // over the first prefill piece's rows), plus the outliers and the local
+  // rows. Sparse reads only the selected values: a document restored from
+  // disk answers before its values are read back (docs/architecture.md,
+  // "Prefix reuse"). Default: dense.
+  std::string continuation = "dense";
+  // Chunks a sparse continuation selects per KV head, in tokens (multiple of
+  // chunk_size); 0: the decode budget. Default: 0.
+  int64_t continuation_budget_tokens = 0;
 };
 
 // The command-line flags of the options (--rank, --chunk-size, --budget,
 // --budget-fraction, --outliers, --outlier-fraction, --local-window,
-// --min-prompt, --value-fetch, --micro-batches, --fetch-blocks), shared by `penumbra` and
+// --min-prompt, --value-fetch, --micro-batches, --fetch-blocks, --continuation,
+// --continuation-budget), shared by `penumbra` and
 // `penumbra-bench`. Apply overrides `s` only where a flag is given and
 // refuses out-of-range values naming the flag.
 void AddShadowKvFlags(Args& a);

@@ -193,6 +193,7 @@ class ShadowKvPolicy final : public KvPolicy {
     void* kbase;
     void* vbase;
     int64_t stride;
+    int64_t row0 = start;  // the temporaries' row of token `start`
     if (!s.sparse) {
       kbase = Row(s.att_k, s, layer, LocalRow0(s));
       vbase = Row(s.att_v, s, layer, LocalRow0(s));
@@ -201,32 +202,48 @@ class ShadowKvPolicy final : public KvPolicy {
       if (!s.compressed) {
         if (start == 0) PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
       } else {
-        // A continuation: the first chunk of each layer rebuilds what the
-        // sequence holds into the temporaries, so the new tokens attend to
-        // all of it.
+        // A continuation: the first piece of each layer rebuilds what the
+        // sequence holds into the temporaries (dense: every chunk, row t =
+        // token t; sparse: the outliers, the chunks the piece's queries
+        // select and the local rows, in decode's row order, so token t is
+        // row t + cont_shift), and the new tokens attend to all of it.
         const int64_t held = Held(s);
         if (start < held) {
           return Status::InvalidArgument("sequence " + std::to_string(id) + " holds " + std::to_string(held) +
                                          " tokens; a prefill cannot start at " + std::to_string(start));
         }
         if (start == held) {
-          PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
-          PENUMBRA_RETURN_IF_ERROR(RebuildIntoTemp(s, layer));
+          s.cont_k = 0;
+          s.cont_shift = 0;
+          if (o_.continuation == "sparse") {
+            const int want = o_.continuation_budget_tokens > 0
+                                 ? static_cast<int>(o_.continuation_budget_tokens / o_.chunk_size)
+                                 : s.kslots;
+            s.cont_k = std::max(1, std::min(want, s.n_chunks - s.outliers));
+            s.cont_shift = static_cast<int64_t>(s.outliers + s.cont_k - s.n_chunks) * o_.chunk_size;
+          }
+          PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap + s.cont_shift));
+          if (s.cont_k == 0) PENUMBRA_RETURN_IF_ERROR(RebuildIntoTemp(s, layer));
         }
+        row0 = start + s.cont_shift;
       }
       kbase = tmp_k_.get();
       vbase = tmp_v_.get();
       stride = tmp_cap_ * d;
     }
-    PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv, positions, n, start, q_scratch, kbase, vbase, stride,
-                                         s.sparse ? tmp_prek_.as<float>() + start * D : nullptr));
+    PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv, positions, n, row0, q_scratch, kbase, vbase, stride,
+                                         s.sparse ? tmp_prek_.as<float>() + row0 * D : nullptr));
+    if (s.sparse && s.compressed && s.cont_k > 0 && start == Held(s)) {
+      PENUMBRA_RETURN_IF_ERROR(SelectForContinuation(s, layer, q_scratch, n));
+      PENUMBRA_RETURN_IF_ERROR(RebuildSelectedIntoTemp(s, layer));
+    }
     PrefillAttentionOp a;
     a.q = q_scratch;
     a.k = kbase;
     a.v = vbase;
     a.out = out;
     a.head_stride = stride;
-    a.q_start = static_cast<int>(start);
+    a.q_start = static_cast<int>(row0);
     a.nq = n;
     a.hq = ctx_.hq;
     a.hkv = H;
@@ -254,6 +271,9 @@ class ShadowKvPolicy final : public KvPolicy {
     if (layer == ctx_.num_layers - 1) {
       s.compressed = true;
       ReleaseTempIfLarge();
+      // A prefix read lazily from disk: its first request is answered; the
+      // rest of its values now come in the background.
+      if (s.prefix) s.prefix->StartValueRestore();
     }
     return Status::OK();
   }
@@ -262,14 +282,13 @@ class ShadowKvPolicy final : public KvPolicy {
   int64_t Held(const Seq& s) const { return static_cast<int64_t>(s.n_chunks) * o_.chunk_size + s.local_count; }
 
   // Rebuilds layer `layer` of a compressed sequence into the prefill
-  // temporaries: every chunk's K from its low-rank factors (the outliers'
-  // exact K over them), every chunk's values from the store, the local rows'
-  // exact K/V and pre-RoPE keys after them. Row t of the temporaries is then
-  // token t, as in a first prefill.
+  // temporaries for a dense continuation: every chunk's K from its low-rank
+  // factors (the outliers' exact K over them), every chunk's values from the
+  // store, the local rows' exact K/V and pre-RoPE keys after them. Row t of
+  // the temporaries is then token t, as in a first prefill.
   Status RebuildIntoTemp(Seq& s, int layer) {
     Backend& b = *ctx_.backend;
-    const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, D = H * d, n = s.n_chunks;
-    const int64_t rows = static_cast<int64_t>(n) * C;
+    const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, n = s.n_chunks;
     if (n > 0) {
       // One "miss" per chunk into row chunk*C (slot = chunk, no outlier rows).
       if (all_chunks_n_ != n) {
@@ -285,55 +304,9 @@ class ShadowKvPolicy final : public KvPolicy {
       }
       const int32_t* count = all_chunks_.as<int32_t>();
       const int32_t* slot = count + H;
-      const int32_t* chunk = slot + static_cast<size_t>(H) * n;
-      const void* ptrs[5] = {ALayer(s, layer),
-                             Row2(s.b, layer, static_cast<int64_t>(H) * o_.rank * d), tmp_k_.get(), tmp_v_.get(),
-                             s.store_dev[layer]};
-      std::vector<const void*> table(std::begin(ptrs), std::end(ptrs));
-      table.push_back(s.prefix ? s.prefix->values_device(layer) : nullptr);
-      table.push_back(s.prefix ? s.prefix->a_layer(layer) : nullptr);
-      PENUMBRA_RETURN_IF_ERROR(Upload(&rebuild_ptrs_, table.data(), table.size() * sizeof(void*)));
-      auto* dev = static_cast<void* const*>(rebuild_ptrs_.get());
-      kn::ShadowkvRebuildKArgs rk;
-      rk.a = reinterpret_cast<const void* const*>(dev + 0);
-      rk.shared_a = reinterpret_cast<const void* const*>(dev + 6);
-      rk.shared_chunks = s.shared_chunks;
-      rk.b = reinterpret_cast<const void* const*>(dev + 1);
-      rk.inv_freq = ctx_.inv_freq;
-      rk.miss_count = count;
-      rk.miss_slot = slot;
-      rk.miss_chunk = chunk;
-      rk.miss_stride = n;
-      rk.att_k = dev + 2;
-      rk.att_head_stride = tmp_cap_ * d;
-      rk.outlier_rows = 0;
-      rk.batch = 1;
-      rk.hkv = H;
-      rk.d = d;
-      rk.r = o_.rank;
-      rk.chunk_size = C;
-      rk.max_misses = n;
-      b.ShadowkvRebuildK(rk);
-      kn::ShadowkvFetchVArgs fv;
-      fv.value_store = reinterpret_cast<const void* const*>(dev + 4);
-      fv.chunk_cap = s.chunk_cap - s.shared_chunks;
-      fv.shared_store = reinterpret_cast<const void* const*>(dev + 5);
-      fv.shared_chunks = s.shared_chunks;
-      fv.shared_stride = s.shared_stride;
-      fv.miss_count = count;
-      fv.miss_slot = slot;
-      fv.miss_chunk = chunk;
-      fv.miss_stride = n;
-      fv.att_v = dev + 3;
-      fv.att_head_stride = tmp_cap_ * d;
-      fv.outlier_rows = 0;
-      fv.batch = 1;
-      fv.hkv = H;
-      fv.d = d;
-      fv.chunk_size = C;
-      fv.max_misses = n;
-      fv.max_blocks = kRestoreFetchBlocks;
-      b.ShadowkvFetchV(fv, /*staged=*/false);
+      if (s.prefix) PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureAllValues());  // read lazily from disk
+      PENUMBRA_RETURN_IF_ERROR(
+          GatherChunksIntoTemp(s, layer, count, slot, slot + static_cast<size_t>(H) * n, n, /*first_row=*/0));
       // The outliers' exact keys over their rebuilt ones.
       const size_t crow = static_cast<size_t>(C) * d * es_;
       for (int h = 0; h < H; ++h) {
@@ -346,18 +319,238 @@ class ShadowKvPolicy final : public KvPolicy {
         }
       }
     }
-    // The local rows after the chunks.
-    if (s.local_count > 0) {
-      const size_t w = s.local_count * d * es_;
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(tmp_k_.get()) + rows * d * es_, tmp_cap_ * d * es_,
-                                        Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(tmp_v_.get()) + rows * d * es_, tmp_cap_ * d * es_,
-                                        Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
-      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(tmp_prek_.as<float>() + rows * D,
-                                                    s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
-                                                    s.local_count * D * sizeof(float)));
+    return CopyLocalIntoTemp(s, layer, static_cast<int64_t>(n) * C);
+  }
+
+  // The sparse continuation's rebuild of layer `layer`, in decode's row
+  // order: the outliers' exact K/V (rows [0, O*C)), the chunks
+  // SelectForContinuation chose (K rebuilt, values from the store; rows
+  // O*C + j*C), the local rows after them.
+  Status RebuildSelectedIntoTemp(Seq& s, int layer) {
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, O = s.outliers, k = s.cont_k;
+    if (cont_lists_k_ != k) {  // count k per head, slot j for the j-th selected chunk
+      std::vector<int32_t> lists(static_cast<size_t>(H) * (1 + k));
+      for (int h = 0; h < H; ++h) {
+        lists[h] = k;
+        for (int j = 0; j < k; ++j) lists[H + static_cast<size_t>(h) * k + j] = j;
+      }
+      PENUMBRA_RETURN_IF_ERROR(Upload(&cont_lists_, lists.data(), lists.size() * sizeof(int32_t)));
+      cont_lists_k_ = k;
+    }
+    if (O > 0) {
+      const size_t w = static_cast<size_t>(O) * C * d * es_;
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(tmp_k_.get(), tmp_cap_ * d * es_, Row(s.att_k, s, layer, 0),
+                                        s.att_cap * d * es_, w, H));
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(tmp_v_.get(), tmp_cap_ * d * es_, Row(s.att_v, s, layer, 0),
+                                        s.att_cap * d * es_, w, H));
+    }
+    // Values read lazily from disk: the selected chunks' now, ahead of the
+    // background restore, and through the host (not pinned yet).
+    const bool staged = s.prefix && !s.prefix->values_complete();
+    if (staged) PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureValues(layer, cont_sel_host_.data(), k));
+    const int32_t* count = cont_lists_.as<int32_t>();
+    PENUMBRA_RETURN_IF_ERROR(GatherChunksIntoTemp(s, layer, count, count + H, cont_sel_.as<int32_t>(), k,
+                                                  static_cast<int64_t>(O) * C,
+                                                  staged ? cont_sel_host_.data() : nullptr));
+    return CopyLocalIntoTemp(s, layer, static_cast<int64_t>(O + k) * C);
+  }
+
+  // Rebuilt K and fetched values of per-head chunk lists (count[h] chunks
+  // chunk[h * per_head + j] into rows first_row + slot[h * per_head + j] * C
+  // of the temporaries). host_chunks (the same lists on the host, every
+  // head's count per_head): the values go through pinned staging on the
+  // host instead of being read in place (an attached prefix's values not
+  // yet pinned).
+  Status GatherChunksIntoTemp(Seq& s, int layer, const int32_t* count, const int32_t* slot, const int32_t* chunk,
+                              int per_head, int64_t first_row, const int32_t* host_chunks = nullptr) {
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
+    const void* ptrs[5] = {ALayer(s, layer), Row2(s.b, layer, static_cast<int64_t>(H) * o_.rank * d), tmp_k_.get(),
+                           tmp_v_.get(), s.store_dev[layer]};
+    std::vector<const void*> table(std::begin(ptrs), std::end(ptrs));
+    table.push_back(s.prefix ? s.prefix->values_device(layer) : nullptr);
+    table.push_back(s.prefix ? s.prefix->a_layer(layer) : nullptr);
+    PENUMBRA_RETURN_IF_ERROR(Upload(&rebuild_ptrs_, table.data(), table.size() * sizeof(void*)));
+    auto* dev = static_cast<void* const*>(rebuild_ptrs_.get());
+    kn::ShadowkvRebuildKArgs rk;
+    rk.a = reinterpret_cast<const void* const*>(dev + 0);
+    rk.shared_a = reinterpret_cast<const void* const*>(dev + 6);
+    rk.shared_chunks = s.shared_chunks;
+    rk.b = reinterpret_cast<const void* const*>(dev + 1);
+    rk.inv_freq = ctx_.inv_freq;
+    rk.miss_count = count;
+    rk.miss_slot = slot;
+    rk.miss_chunk = chunk;
+    rk.miss_stride = per_head;
+    rk.att_k = dev + 2;
+    rk.att_head_stride = tmp_cap_ * d;
+    rk.outlier_rows = first_row;
+    rk.batch = 1;
+    rk.hkv = H;
+    rk.d = d;
+    rk.r = o_.rank;
+    rk.chunk_size = C;
+    rk.max_misses = per_head;
+    b.ShadowkvRebuildK(rk);
+    kn::ShadowkvFetchVArgs fv;
+    fv.value_store = reinterpret_cast<const void* const*>(dev + 4);
+    fv.chunk_cap = s.chunk_cap - s.shared_chunks;
+    fv.shared_store = reinterpret_cast<const void* const*>(dev + 5);
+    fv.shared_chunks = s.shared_chunks;
+    fv.shared_stride = s.shared_stride;
+    fv.miss_count = count;
+    fv.miss_slot = slot;
+    fv.miss_chunk = chunk;
+    fv.miss_stride = per_head;
+    fv.att_v = dev + 3;
+    fv.att_head_stride = tmp_cap_ * d;
+    fv.outlier_rows = first_row;
+    fv.batch = 1;
+    fv.hkv = H;
+    fv.d = d;
+    fv.chunk_size = C;
+    fv.max_misses = per_head;
+    fv.max_blocks = kRestoreFetchBlocks;
+    if (host_chunks != nullptr) {
+      const size_t cb = static_cast<size_t>(C) * d * es_, n = static_cast<size_t>(H) * per_head;
+      if (stage_v_.bytes() < n * cb) {
+        PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+        PENUMBRA_ASSIGN_OR_RETURN(stage_v_, b.AllocateHost(n * cb));
+      }
+      for (size_t i = 0; i < n; ++i) {
+        PENUMBRA_RETURN_IF_ERROR(CopyChunkToHost(s, layer, static_cast<int>(i / per_head), host_chunks[i],
+                                                 stage_v_.as<char>() + i * cb));
+      }
+      fv.staging = b.DeviceAddressOfHost(stage_v_.get());  // row h's chunks at h * per_head
+      b.ShadowkvFetchV(fv, /*staged=*/true);
+    } else {
+      b.ShadowkvFetchV(fv, /*staged=*/false);
     }
     return Status::OK();
+  }
+
+  // Chunk c of head h of `layer` of s (an attached prefix's, from its host
+  // values, or one of s's own, checked by the store) into host memory.
+  Status CopyChunkToHost(Seq& s, int layer, int h, int c, char* dst) {
+    const size_t cb = static_cast<size_t>(o_.chunk_size) * ctx_.head_dim * es_;
+    if (c < s.shared_chunks) {
+      std::memcpy(dst, s.prefix->values_host(layer) + (static_cast<size_t>(h) * s.shared_stride + c) * cb, cb);
+      return Status::OK();
+    }
+    const storage::ChunkRef ref{h, c - s.shared_chunks};
+    return store_.GatherChunks(s.segment, layer, std::span(&ref, 1), dst);
+  }
+
+  // The local rows' exact K/V and pre-RoPE keys into the temporaries from row `row`.
+  Status CopyLocalIntoTemp(Seq& s, int layer, int64_t row) {
+    if (s.local_count == 0) return Status::OK();
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, d = ctx_.head_dim, D = H * d;
+    const size_t w = s.local_count * d * es_;
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(tmp_k_.get()) + row * d * es_, tmp_cap_ * d * es_,
+                                      Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(tmp_v_.get()) + row * d * es_, tmp_cap_ * d * es_,
+                                      Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
+    return b.CopyDeviceToDevice(tmp_prek_.as<float>() + row * D,
+                                s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
+                                s.local_count * D * sizeof(float));
+  }
+
+  // A sparse continuation's selection at `layer`: cont_k chunks per KV
+  // head, chosen together. A chunk's score is the maximum, over the piece's
+  // `rows` query rows (q: [rows][hq][d], after RoPE) and over the heads, of
+  // decode's score (ShadowkvScore: the group's maximum of the softmax over
+  // the landmarks); each head takes the best-scoring chunks that are not its
+  // own outliers. One list for every head (up to their outliers) is what
+  // lets values stored chunk-major (ShadowKvPrefix, format v2) be read from
+  // disk one chunk of all heads per read. Into cont_sel_host_ and cont_sel_
+  // ([hkv][cont_k], ascending).
+  Status SelectForContinuation(Seq& s, int layer, const void* q, int rows) {
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, d = ctx_.head_dim, n = s.n_chunks, k = s.cont_k;
+    constexpr int kRowsPerScore = 64;  // rows scored per launch (bounds the scores' scratch)
+    const int rb = std::min(rows, kRowsPerScore);
+    std::vector<const void*> t(3 * static_cast<size_t>(rb));
+    for (int i = 0; i < rb; ++i) {
+      t[i] = LmLayer(s, layer);
+      t[rb + i] = s.excl.as<uint8_t>() + static_cast<int64_t>(layer) * H * s.chunk_cap;
+      t[2 * rb + i] = s.prefix ? s.prefix->lm_layer(layer) : nullptr;
+    }
+    std::vector<uint8_t> blob(t.size() * sizeof(void*) + static_cast<size_t>(rb) * 4);
+    std::memcpy(blob.data(), t.data(), t.size() * sizeof(void*));
+    std::vector<int32_t> counts(static_cast<size_t>(rb), n);
+    std::memcpy(blob.data() + t.size() * sizeof(void*), counts.data(), counts.size() * 4);
+    PENUMBRA_RETURN_IF_ERROR(Upload(&cont_tab_, blob.data(), blob.size()));
+    auto grow = [&](DeviceBuffer* buf, size_t bytes) -> Status {
+      if (buf->bytes() >= bytes) return Status::OK();
+      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(*buf, b.Allocate(bytes));
+      return Status::OK();
+    };
+    const size_t per_row = static_cast<size_t>(H) * n;
+    PENUMBRA_RETURN_IF_ERROR(grow(&cont_scores_, per_row * rb * sizeof(float)));
+    PENUMBRA_RETURN_IF_ERROR(grow(&cont_max_, (per_row + n) * sizeof(float)));
+    PENUMBRA_RETURN_IF_ERROR(grow(&cont_sel_, static_cast<size_t>(H) * k * sizeof(int32_t)));
+    auto* tab = static_cast<void* const*>(cont_tab_.get());
+    for (int r0 = 0; r0 < rows; r0 += rb) {
+      const int nr = std::min(rb, rows - r0);
+      kn::ShadowkvScoreArgs sc;
+      sc.q = static_cast<const char*>(q) + static_cast<size_t>(r0) * ctx_.hq * d * es_;
+      sc.landmarks = reinterpret_cast<const void* const*>(tab);
+      sc.excluded = reinterpret_cast<const uint8_t* const*>(tab + rb);
+      sc.shared_landmarks = reinterpret_cast<const void* const*>(tab + 2 * rb);
+      sc.n_chunks = reinterpret_cast<const int32_t*>(tab + 3 * rb);
+      sc.batch = nr;
+      sc.hq = ctx_.hq;
+      sc.hkv = H;
+      sc.d = d;
+      sc.chunk_cap = s.chunk_cap;
+      sc.landmark_cap = s.lm_cap;
+      sc.shared_chunks = s.shared_chunks;
+      sc.max_chunks = n;
+      sc.scale = ctx_.scale;
+      sc.scores = cont_scores_.as<float>();
+      sc.score_stride = n;
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+      kn::MaxRowsArgs mr;
+      mr.in = cont_scores_.as<float>();
+      mr.rows = nr;
+      mr.row_stride = static_cast<int64_t>(per_row);
+      mr.cols = static_cast<int64_t>(per_row);
+      mr.out = cont_max_.as<float>();
+      mr.accumulate = r0 > 0;
+      b.MaxRows(mr);
+    }
+    kn::MaxRowsArgs heads;  // ... and over the heads
+    heads.in = cont_max_.as<float>();
+    heads.rows = H;
+    heads.row_stride = n;
+    heads.cols = n;
+    heads.out = cont_max_.as<float>() + per_row;
+    b.MaxRows(heads);
+    std::vector<float> score(static_cast<size_t>(n));
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(score.data(), heads.out, score.size() * sizeof(float)));
+    // The k + O best (ties: the lower chunk), then per head the first k of
+    // them that are not its outliers (it has O: k of them always remain).
+    const int O = s.outliers, want = std::min(n, k + O);
+    std::vector<int32_t> order(static_cast<size_t>(n));
+    for (int c = 0; c < n; ++c) order[c] = c;
+    std::partial_sort(order.begin(), order.begin() + want, order.end(), [&](int32_t x, int32_t y) {
+      return score[x] > score[y] || (score[x] == score[y] && x < y);
+    });
+    cont_sel_host_.assign(static_cast<size_t>(H) * k, 0);
+    for (int h = 0; h < H; ++h) {
+      const int32_t* outl = s.outlier_ids.data() + (static_cast<size_t>(layer) * H + h) * O;
+      int32_t* dst = cont_sel_host_.data() + static_cast<size_t>(h) * k;
+      int taken = 0;
+      for (int i = 0; i < want && taken < k; ++i) {
+        if (!std::binary_search(outl, outl + O, order[i])) dst[taken++] = order[i];
+      }
+      if (taken != k) return Status::Internal("shadowkv: a continuation selected too few chunks");
+      std::sort(dst, dst + k);
+    }
+    return Upload(&cont_sel_, cont_sel_host_.data(), cont_sel_host_.size() * sizeof(int32_t));
   }
 
   // The end of a continuation prefill at `layer` (tokens [Held(s), end) are
@@ -371,13 +564,14 @@ class ShadowKvPolicy final : public KvPolicy {
     const int first = s.n_chunks;
     const int total = static_cast<int>(std::max<int64_t>((end - o_.local_window) / C, first));
     const int k = total - first;
+    const int64_t row0 = static_cast<int64_t>(first) * C + s.cont_shift;  // the temporaries' row of chunk `first`
     if (total > s.chunk_cap) return Status::Internal("shadowkv: chunk capacity exceeded");
     if (k > 0) {
       PENUMBRA_ASSIGN_OR_RETURN(float* min_cos, MinCosScratch(H * k));  // written, not needed
       kn::ChunkLandmarksArgs cl;
       cl.k = tmp_k_.get();
       cl.k_head_stride = tmp_cap_ * d;
-      cl.first_token = static_cast<int64_t>(first) * C;
+      cl.first_token = row0;
       cl.n_chunks = k;
       cl.chunk_tokens = C;
       cl.hkv = H;
@@ -388,7 +582,7 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.min_cos_head_stride = k;
       b.ChunkLandmarks(cl);
       kn::ProjectKeysArgs pk;
-      pk.keys = tmp_prek_.as<float>() + static_cast<int64_t>(first) * C * D;
+      pk.keys = tmp_prek_.as<float>() + row0 * D;
       pk.n = k * C;
       pk.D = D;
       pk.rank = o_.rank;
@@ -397,17 +591,18 @@ class ShadowKvPolicy final : public KvPolicy {
                  static_cast<int64_t>(first - s.shared_chunks) * C * o_.rank * es_;
       b.ProjectKeys(pk);
       PENUMBRA_RETURN_IF_ERROR(
-          OffloadValues(s, layer, tmp_v_.get(), tmp_cap_ * d, first, k, first - s.shared_chunks));
+          OffloadValues(s, layer, tmp_v_.get(), tmp_cap_ * d, row0, k, first - s.shared_chunks));
     }
     const int64_t tail0 = static_cast<int64_t>(total) * C, tail = end - tail0;
+    const int64_t trow = tail0 + s.cont_shift;  // its row in the temporaries
     if (tail > s.local_cap) return Status::Internal("shadowkv: local rows overflow");
     const size_t w = tail * d * es_;
     PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                      static_cast<char*>(tmp_k_.get()) + tail0 * d * es_, tmp_cap_ * d * es_, w, H));
+                                      static_cast<char*>(tmp_k_.get()) + trow * d * es_, tmp_cap_ * d * es_, w, H));
     PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                      static_cast<char*>(tmp_v_.get()) + tail0 * d * es_, tmp_cap_ * d * es_, w, H));
+                                      static_cast<char*>(tmp_v_.get()) + trow * d * es_, tmp_cap_ * d * es_, w, H));
     PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
-                                                  tmp_prek_.as<float>() + tail0 * D, tail * D * sizeof(float)));
+                                                  tmp_prek_.as<float>() + trow * D, tail * D * sizeof(float)));
     if (layer == ctx_.num_layers - 1) {
       s.n_chunks = total;
       s.local_count = tail;
@@ -513,9 +708,10 @@ class ShadowKvPolicy final : public KvPolicy {
   }
 
   // Writes n value chunks of every head of `layer` from a device buffer laid
-  // out [hkv][head_stride] rows of d (starting at row first*C) to store
+  // out [hkv][head_stride] rows of d (starting at row src_row) to store
   // chunks [store_first, store_first + n), through a pinned staging buffer.
-  Status OffloadValues(Seq& s, int layer, const void* src, int64_t head_stride, int first, int n, int store_first) {
+  Status OffloadValues(Seq& s, int layer, const void* src, int64_t head_stride, int64_t src_row, int n,
+                       int store_first) {
     PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
     Backend& b = *ctx_.backend;
     const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim;
@@ -524,7 +720,7 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
       PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(row * H));
     }
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage_.get(), row, static_cast<const char*>(src) + first * C * d * es_,
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage_.get(), row, static_cast<const char*>(src) + src_row * d * es_,
                                       head_stride * es_, row, H));
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     for (int h = 0; h < H; ++h) {
@@ -766,7 +962,9 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.chunk_size = C;
     fv.max_misses = K;
     fv.max_blocks = o_.fetch_blocks;
-    if (o_.value_fetch == "staging") {
+    bool lazy = false;  // an attached prefix's values still being read from disk: through the host
+    for (int i = g0; i < g0 + gn; ++i) lazy = lazy || (step_[i]->prefix && !step_[i]->prefix->values_complete());
+    if (o_.value_fetch == "staging" || lazy) {
       PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mchunk + off, &fv));
       b.ShadowkvFetchV(fv, /*staged=*/true);
     } else {
@@ -822,22 +1020,24 @@ class ShadowKvPolicy final : public KvPolicy {
       offsets[r] = static_cast<int32_t>(total);
       total += counts[r];
     }
+    // An attached prefix's values read lazily from disk: the missed ones now.
+    for (int i = 0; i < gn; ++i) {
+      Seq& s = *step_[g0 + i];
+      if (!s.prefix || s.prefix->values_complete()) continue;
+      std::vector<int32_t> want(static_cast<size_t>(H) * K, -1);
+      for (int h = 0; h < H; ++h) {
+        const size_t r = static_cast<size_t>(i) * H + h;
+        for (int j = 0; j < counts[r]; ++j) want[static_cast<size_t>(h) * K + j] = chunks[r * K + j];
+      }
+      PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureValues(layer, want.data(), K));
+    }
     if (stage_v_.bytes() < std::max<size_t>(total, 1) * chunk_bytes) {
       PENUMBRA_ASSIGN_OR_RETURN(stage_v_, b.AllocateHost(static_cast<size_t>(rows) * K * chunk_bytes));
     }
     for (int r = 0; r < rows; ++r) {
-      Seq& s = *step_[g0 + r / H];
-      const int h = r % H;
       for (int j = 0; j < counts[r]; ++j) {
-        const int c = chunks[static_cast<size_t>(r) * K + j];
-        char* dst = stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes;
-        if (c < s.shared_chunks) {  // an attached prefix's chunk
-          std::memcpy(dst, s.prefix->values_host(layer) + (static_cast<size_t>(h) * s.shared_stride + c) * chunk_bytes,
-                      chunk_bytes);
-        } else {
-          const storage::ChunkRef ref{h, c - s.shared_chunks};
-          PENUMBRA_RETURN_IF_ERROR(store_.GatherChunks(s.segment, layer, std::span(&ref, 1), dst));
-        }
+        PENUMBRA_RETURN_IF_ERROR(CopyChunkToHost(*step_[g0 + r / H], layer, r % H, chunks[static_cast<size_t>(r) * K + j],
+                                                 stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes));
       }
     }
     PENUMBRA_RETURN_IF_ERROR(Upload(&stage_off_, offsets.data(), offsets.size() * 4));
@@ -984,7 +1184,8 @@ class ShadowKvPolicy final : public KvPolicy {
     os << "shadowkv v1 rank=" << o_.rank << " chunk=" << o_.chunk_size << " budget=" << o_.budget_tokens
        << " budget_fraction=" << o_.budget_fraction << " outliers=" << o_.outlier_chunks
        << " outlier_fraction=" << o_.outlier_fraction << " window=" << o_.local_window
-       << " min_prompt=" << o_.min_prompt_tokens;
+       << " min_prompt=" << o_.min_prompt_tokens << " continuation=" << o_.continuation << ":"
+       << o_.continuation_budget_tokens;
     return os.str();
   }
 
@@ -1020,6 +1221,7 @@ class ShadowKvPolicy final : public KvPolicy {
     g.outliers = s.outliers;
     g.tail = s.local_count;
     const int n = s.n_chunks;
+    if (s.prefix) PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureAllValues());  // copied below
     const bool move_values = take && s.sparse && s.shared_chunks == 0 && n > 0;
     PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, ShadowKvPrefix::Allocate(g, &b, !move_values));
     const size_t LH = static_cast<size_t>(L) * H, att_pitch = s.att_cap * d * es_;
@@ -1087,8 +1289,15 @@ class ShadowKvPolicy final : public KvPolicy {
   }
 
   Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
+    return ImportPrefixLazy(blobs, nullptr, 0);
+  }
+  std::vector<std::string> LazyBlobs() const override { return {"values"}; }
+  Result<std::shared_ptr<const KvPrefix>> ImportPrefixLazy(const std::map<std::string, std::string>& blobs,
+                                                           std::shared_ptr<storage::BlobReader> lazy,
+                                                           int read_threads) override {
     PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p,
-                              ShadowKvPrefix::Import(blobs, PrefixGeometry(), ctx_.backend));
+                              ShadowKvPrefix::Import(blobs, PrefixGeometry(), ctx_.backend, std::move(lazy),
+                                                     read_threads));
     // What this policy's options make of a first prefill of that length.
     const ShadowKvPrefixGeometry& g = p->geometry();
     Seq probe;
@@ -1244,6 +1453,10 @@ class ShadowKvPolicy final : public KvPolicy {
     int64_t local_cap = 0, local_count = 0, att_cap = 0;
     int64_t a_rows = 0;  // A rows held per layer (the tokens after shared_chunks' chunks)
     int lm_cap = 0;      // landmark rows held per head (the chunks from shared_chunks on)
+    // The continuation prefill under way: chunks a sparse one selected per
+    // head (0: dense), and the temporaries' row of token t minus t.
+    int cont_k = 0;
+    int64_t cont_shift = 0;
     DeviceBuffer att_k, att_v, a, b, p, lm, excl, slots, prek;
     storage::SegmentId segment = 0;
     std::vector<const void*> store_dev, store_host;
@@ -1374,6 +1587,10 @@ class ShadowKvPolicy final : public KvPolicy {
   DeviceBuffer ptr_buf_, step_buf_, miss_buf_, score_buf_, mincos_scratch_, shift_, stage_off_;
   DeviceBuffer all_chunks_, rebuild_ptrs_;  // continuation rebuilds: every chunk as a miss; pointer table
   int all_chunks_n_ = -1;
+  // sparse continuations: count/slot lists, score tables, scores, their maximum, the selection
+  DeviceBuffer cont_lists_, cont_tab_, cont_scores_, cont_max_, cont_sel_;
+  std::vector<int32_t> cont_sel_host_;
+  int cont_lists_k_ = -1;
   DeviceBuffer stage_, stage_v_;
   std::vector<Seq*> step_;
   std::vector<std::pair<int, int>> groups_;

@@ -1,5 +1,11 @@
 #include "worker/engine/shadowkv_prefix.h"
 
+#include <glog/logging.h>
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <tuple>
@@ -7,7 +13,47 @@
 namespace penumbra {
 namespace {
 
-constexpr const char* kMetaHead = "shadowkv-prefix v1";
+// v2: the "values" blob is chunk-major ([layer][chunk][hkv][C*d]: one chunk
+// of every head together, what a question that selects chunks reads).
+constexpr const char* kMetaHead = "shadowkv-prefix v2";
+
+// Reads blob `name` (n bytes) from `r` into device memory `dst` in pieces
+// through two pinned staging buffers (*staging; allocated on first use): a
+// piece is read while the one before it is copied, and no pageable copy of
+// the blob is made (first touches of fresh memory cost more than the disk).
+Status StreamToDevice(storage::BlobReader& r, const std::string& name, size_t n, void* dst, Backend* backend,
+                      std::vector<DeviceBuffer>* staging) {
+  constexpr size_t kPiece = size_t{128} << 20;
+  if (staging->empty()) {
+    for (int i = 0; i < 2; ++i) {
+      PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer b, backend->AllocateHost(kPiece));
+      staging->push_back(std::move(b));
+    }
+  }
+  for (size_t off = 0, i = 0; off < n; off += kPiece, ++i) {
+    const size_t len = std::min(kPiece, n - off);
+    DeviceBuffer& buf = (*staging)[i % 2];
+    if (i >= 2) PENUMBRA_RETURN_IF_ERROR(backend->Synchronize());  // its previous copy is done
+    PENUMBRA_RETURN_IF_ERROR(r.Read(name, off, len, buf.get()));
+    PENUMBRA_RETURN_IF_ERROR(backend->CopyToDevice(static_cast<char*>(dst) + off, buf.get(), len));
+  }
+  return backend->Synchronize();
+}
+
+// Bytes [offset, offset + length) of a chunk-major "values" blob
+// ([layer][chunk][hkv][C*d]) into a value buffer laid out [layer][hkv]
+// [n_chunks][C*d].
+void ValuesFromChunkMajor(const ShadowKvPrefixGeometry& g, uint64_t offset, const char* data, size_t length,
+                          char* values) {
+  const uint64_t row = static_cast<uint64_t>(g.chunk_size) * g.head_dim * DTypeSize(g.dtype);
+  const uint64_t n = g.n_chunks, H = g.hkv;
+  for (uint64_t pos = offset, end = offset + length; pos < end;) {
+    const uint64_t r = pos / row, in = pos % row, take = std::min(row - in, end - pos);
+    const uint64_t h = r % H, c = (r / H) % n, l = r / H / n;
+    std::memcpy(values + ((l * H + h) * n + c) * row + in, data + (pos - offset), take);
+    pos += take;
+  }
+}
 
 }  // namespace
 
@@ -171,7 +217,13 @@ size_t ShadowKvPrefix::device_bytes() const {
   return n;
 }
 
+ShadowKvPrefix::~ShadowKvPrefix() {
+  lazy_.reset();  // its threads write into `values`
+  if (registered_) backend_->UnregisterHost(values.get());
+}
+
 const void* ShadowKvPrefix::values_device(int layer) const {
+  if (!values_complete()) return nullptr;  // not pinned yet
   const char* h = values_host(layer);
   return h ? backend_->DeviceAddressOfHost(h) : nullptr;
 }
@@ -192,21 +244,50 @@ const char* ShadowKvPrefix::values_host(int layer) const {
   return values.as<char>() + values.bytes() / g_.layers * layer;
 }
 
+Status ShadowKvPrefix::EnsureValues(int layer, const int32_t* chunk, int per_head) const {
+  if (values_complete()) return Status::OK();
+  const uint64_t row = static_cast<uint64_t>(g_.chunk_size) * g_.head_dim * DTypeSize(g_.dtype);
+  std::vector<storage::LazyBlob::Range> ranges;
+  ranges.reserve(static_cast<size_t>(g_.hkv) * per_head);
+  for (int h = 0; h < g_.hkv; ++h) {
+    for (int j = 0; j < per_head; ++j) {
+      const int32_t c = chunk[static_cast<size_t>(h) * per_head + j];
+      if (c < 0 || c >= g_.n_chunks) continue;
+      ranges.push_back({((static_cast<uint64_t>(layer) * g_.n_chunks + c) * g_.hkv + h) * row, row});  // chunk-major
+    }
+  }
+  return lazy_->Ensure(ranges);
+}
+
+void ShadowKvPrefix::StartValueRestore() const {
+  if (lazy_) lazy_->StartRestore();
+}
+
+Status ShadowKvPrefix::EnsureAllValues() const {
+  if (!lazy_) return Status::OK();
+  PENUMBRA_RETURN_IF_ERROR(lazy_->EnsureAll());
+  if (!registered_.load()) return Status::Internal("shadowkv prefix: its values could not be pinned (see the log)");
+  return Status::OK();
+}
+
 Result<std::map<std::string, std::string>> ShadowKvPrefix::Export() const {
+  PENUMBRA_RETURN_IF_ERROR(EnsureAllValues());
   std::map<std::string, std::string> out;
   out["meta"] = g_.Meta();
   PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
   for (const auto& [name, buf, host] : Buffers()) {
-    const bool adopted = host && !value_layers_.empty();
-    std::string bytes(adopted ? g_.BlobBytes().at(name) : buf->bytes(), '\0');
-    if (adopted) {
-      // Each head's first n_chunks rows of each layer's buffer (adopted
-      // values keep room to grow).
+    std::string bytes(host ? g_.BlobBytes().at(name) : buf->bytes(), '\0');
+    if (host && !bytes.empty()) {
+      // The values chunk-major (format v2), from each head's first n_chunks
+      // rows of each layer (adopted values keep room to grow).
       const size_t row = static_cast<size_t>(g_.chunk_size) * g_.head_dim * DTypeSize(g_.dtype);
-      const size_t used = row * g_.n_chunks, pitch = row * value_stride_;
+      const size_t n = g_.n_chunks, H = g_.hkv;
       for (int l = 0; l < g_.layers; ++l) {
-        for (int h = 0; h < g_.hkv; ++h) {
-          std::memcpy(bytes.data() + (static_cast<size_t>(l) * g_.hkv + h) * used, values_host(l) + h * pitch, used);
+        const char* src = values_host(l);
+        for (size_t c = 0; c < n; ++c) {
+          for (size_t h = 0; h < H; ++h) {
+            std::memcpy(bytes.data() + ((l * n + c) * H + h) * row, src + (h * value_stride_ + c) * row, row);
+          }
         }
       }
     } else if (buf->bytes() > 0) {
@@ -223,8 +304,29 @@ Result<std::map<std::string, std::string>> ShadowKvPrefix::Export() const {
   return out;
 }
 
-Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<std::string, std::string>& blobs,
-                                                               const ShadowKvPrefixGeometry& expect, Backend* backend) {
+Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<std::string, std::string>& given,
+                                                               const ShadowKvPrefixGeometry& expect, Backend* backend,
+                                                               std::shared_ptr<storage::BlobReader> lazy_values,
+                                                               int read_threads) {
+  // The blobs checked on the host (meta, the exclusion mask, the outlier
+  // table) are read from the reader when they were not given.
+  std::map<std::string, std::string> own;
+  const std::map<std::string, std::string>* src = &given;
+  if (lazy_values) {
+    for (const char* name : {"meta", "excl", "outlier_ids"}) {
+      if (given.count(name)) continue;
+      if (src == &given) {
+        own = given;
+        src = &own;
+      }
+      PENUMBRA_ASSIGN_OR_RETURN(uint64_t size, lazy_values->Size(name));
+      if (size > (uint64_t{1} << 32)) return Status::Corruption(std::string("shadowkv prefix: blob '") + name + "' is too large");
+      std::string& b = own[name];
+      b.resize(size);
+      PENUMBRA_RETURN_IF_ERROR(lazy_values->Read(name, 0, size, b.data()));
+    }
+  }
+  const std::map<std::string, std::string>& blobs = *src;
   auto meta = blobs.find("meta");
   if (meta == blobs.end()) return Status::InvalidArgument("shadowkv prefix: blob 'meta' is missing");
   PENUMBRA_ASSIGN_OR_RETURN(ShadowKvPrefixGeometry g, ShadowKvPrefixGeometry::ParseMeta(meta->second));
@@ -242,6 +344,15 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
   }
   const std::map<std::string, size_t> bytes = g.BlobBytes();
   for (const auto& [name, n] : bytes) {
+    // With a reader: the values, and any blob not given, come from it.
+    if (lazy_values && (name == "values" || !blobs.count(name))) {
+      PENUMBRA_ASSIGN_OR_RETURN(uint64_t size, lazy_values->Size(name));
+      if (size != n) {
+        return Status::Corruption("shadowkv prefix: blob '" + name + "' holds " + std::to_string(size) +
+                                  " bytes, expected " + std::to_string(n));
+      }
+      continue;
+    }
     auto it = blobs.find(name);
     if (it == blobs.end()) return Status::InvalidArgument("shadowkv prefix: blob '" + name + "' is missing");
     if (it->second.size() != n) {
@@ -249,8 +360,9 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
                                 " bytes, expected " + std::to_string(n));
     }
   }
-  PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, Allocate(g, backend));
+  PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, Allocate(g, backend, /*values=*/!lazy_values));
   std::memcpy(p->outlier_ids.data(), blobs.at("outlier_ids").data(), bytes.at("outlier_ids"));
+  std::vector<DeviceBuffer> staging;  // StreamToDevice's, freed after the copies
   // The outlier table must name, per (layer, head), ascending chunks that
   // are exactly the ones the exclusion mask marks.
   const std::string& excl = blobs.at("excl");
@@ -272,11 +384,43 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
     }
   }
   for (auto& [name, buf, host] : p->Buffers()) {
+    if (lazy_values && name == "values") {
+      const size_t n = bytes.at(name);
+      if (n == 0) continue;
+      PENUMBRA_ASSIGN_OR_RETURN(size_t block, lazy_values->BlockBytes(name));
+      // Plain host memory now, pinned when every block is in (on_complete);
+      // huge pages where the kernel gives them (fewer faults as blocks land).
+      constexpr size_t kHuge = size_t{2} << 20;
+      const size_t alloc = (n + kHuge - 1) / kHuge * kHuge;
+      void* mem = std::aligned_alloc(kHuge, alloc);
+      if (mem == nullptr) return Status::ResourceExhausted("shadowkv prefix: no host memory for its values");
+      (void)madvise(mem, alloc, MADV_HUGEPAGE);
+      p->values = DeviceBuffer(mem, n, [](void* q) { std::free(q); });
+      ShadowKvPrefix* self = p.get();
+      p->lazy_ = std::make_unique<storage::LazyBlob>(
+          std::move(lazy_values), name, p->values.as<char>(), n, block, read_threads,
+          [self, backend] {
+            Status st = backend->RegisterHost(self->values.get(), self->values.bytes());
+            if (st.ok()) {
+              self->registered_ = true;
+            } else {
+              LOG(WARNING) << "shadowkv prefix: values not pinned (read through the host): " << st;
+            }
+          },
+          [self, g](uint64_t offset, const char* data, size_t length) {
+            ValuesFromChunkMajor(g, offset, data, length, self->values.as<char>());
+          });
+      continue;
+    }
+    if (lazy_values && !blobs.count(name)) {  // a large device blob, streamed from the reader
+      PENUMBRA_RETURN_IF_ERROR(StreamToDevice(*lazy_values, name, bytes.at(name), buf->get(), backend, &staging));
+      continue;
+    }
     const std::string& src = blobs.at(name);
     if (src.empty()) continue;
     auto* b = const_cast<DeviceBuffer*>(buf);
     if (host) {
-      std::memcpy(b->get(), src.data(), src.size());
+      ValuesFromChunkMajor(g, 0, src.data(), src.size(), b->as<char>());
     } else {
       PENUMBRA_RETURN_IF_ERROR(backend->CopyToDevice(b->get(), src.data(), src.size()));
     }

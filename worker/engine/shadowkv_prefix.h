@@ -23,12 +23,14 @@
 // them from its own buffers.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "storage/lazy_blob.h"
 #include "worker/engine/kv_policy.h"
 
 namespace penumbra {
@@ -53,6 +55,7 @@ struct ShadowKvPrefixGeometry {
 
 class ShadowKvPrefix final : public KvPrefix {
  public:
+  ~ShadowKvPrefix() override;
   // Allocates every buffer of `g` (device, and pinned host for the values
   // unless `values` is false: then AdoptValues must give them).
   static Result<std::shared_ptr<ShadowKvPrefix>> Allocate(const ShadowKvPrefixGeometry& g, Backend* backend,
@@ -60,14 +63,22 @@ class ShadowKvPrefix final : public KvPrefix {
   // From Export's blobs: InvalidArgument when the meta does not describe
   // `expect` (its tokens, factored, sparse, n_chunks, outliers and tail are
   // free), Corruption when a blob's size or the outlier table is wrong.
-  static Result<std::shared_ptr<ShadowKvPrefix>> Import(const std::map<std::string, std::string>& blobs,
-                                                        const ShadowKvPrefixGeometry& expect, Backend* backend);
+  // With `lazy_values` (a reader of the stored segment), `given` may lack
+  // blobs: the values are read from it on demand (EnsureValues,
+  // `read_threads` at once) and in the background (StartValueRestore), any
+  // other missing blob now (device blobs through pinned staging, straight
+  // into place); Corruption when a blob's size is not the geometry's.
+  static Result<std::shared_ptr<ShadowKvPrefix>> Import(const std::map<std::string, std::string>& given,
+                                                        const ShadowKvPrefixGeometry& expect, Backend* backend,
+                                                        std::shared_ptr<storage::BlobReader> lazy_values = nullptr,
+                                                        int read_threads = 8);
 
   std::string policy() const override { return "shadowkv"; }
   int64_t tokens() const override { return g_.tokens; }
   size_t device_bytes() const override;
   size_t host_bytes() const override;
   Result<std::map<std::string, std::string>> Export() const override;
+  Status health() const override { return lazy_ ? lazy_->error() : Status::OK(); }
 
   const ShadowKvPrefixGeometry& geometry() const { return g_; }
   // Takes `layers` (pinned host, one buffer per layer, each [hkv][stride]
@@ -85,6 +96,24 @@ class ShadowKvPrefix final : public KvPrefix {
   const void* a_layer(int layer) const;
   const void* lm_layer(int layer) const;
 
+  // Lazily read values (Import with lazy_values). They go to host memory
+  // that is not pinned (allocating 8 GB of pinned memory takes seconds,
+  // which a first token need not wait for) and is pinned once every block
+  // is in: until then values_device is null and values_complete false, and
+  // readers take the host path (values_host, after EnsureValues).
+  // values_complete: every chunk in pinned memory (always, without lazy
+  // values); EnsureValues makes the chunks chunk[h * per_head + j] of each
+  // head h of `layer` present in values_host (entries < 0 ignored), reading
+  // what is missing now; StartValueRestore reads the rest in the
+  // background; EnsureAllValues waits for all of it, pinned. A read error
+  // (Corruption: a block failed its checksum) is returned by every later
+  // call: the caller drops the prefix and recomputes.
+  bool values_complete() const { return !lazy_ || (lazy_->complete() && registered_.load()); }
+  Status EnsureValues(int layer, const int32_t* chunk, int per_head) const;
+  void StartValueRestore() const;
+  Status EnsureAllValues() const;
+  const storage::LazyBlob* lazy_values() const { return lazy_.get(); }
+
   // The state (written by the policy that captures or imports it).
   DeviceBuffer a, b, p, lm, excl, out_k, out_v, tail_k, tail_v, tail_prek, values;
   std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers], ascending per (layer, head)
@@ -99,6 +128,8 @@ class ShadowKvPrefix final : public KvPrefix {
   Backend* backend_;
   int value_stride_;
   std::vector<DeviceBuffer> value_layers_;  // adopted values, one per layer (else `values` holds them)
+  std::unique_ptr<storage::LazyBlob> lazy_;  // reads `values` from a stored segment (Import with lazy_values)
+  std::atomic<bool> registered_{false};      // `values` (not from AllocateHost) pinned by RegisterHost
 };
 
 }  // namespace penumbra
