@@ -5,6 +5,7 @@
 // GPU kernels, values fetched from pinned host memory in place) at full rank
 // sees what full attention sees.
 #include <algorithm>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,7 @@ using testing::LcgTokens;
 // policy: "full", "shadowkv" or "shadowkv-sparse" (sparse continuations,
 // `continuation_budget` tokens selected; 0: the decode budget).
 std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& dtype, size_t cache, int rank = 12,
-                                 int64_t continuation_budget = 0) {
+                                 int64_t continuation_budget = 0, const std::string& store = "") {
   EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
   o.kv_policy = policy == "full" ? "full" : "shadowkv";
   if (policy == "shadowkv-sparse") {
@@ -35,6 +36,10 @@ std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& d
   o.backend.device = "cuda";
   o.backend.dtype = dtype;
   o.runtime.prefix_cache_bytes = cache;
+  o.prefix_store.path = store;
+  o.prefix_store.sync_commit = false;
+  o.runtime.prefix_store_eager_blob_bytes = 4096;  // the device blobs streamed, as a real document's are
+  o.runtime.prefix_store_lazy_block_bytes = 4096;
   auto e = Engine::Open(testing::StoriesDir(), o);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(*e) : nullptr;
@@ -76,6 +81,46 @@ TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
         }
       }
     }
+  }
+}
+
+// After a restart the document comes from disk: its device state streamed
+// through pinned staging into device memory, its values read lazily into
+// unpinned memory and gathered through host staging until they are all in
+// (the continuation's selected chunks, then decode's); the tokens are the
+// cold request's (f32).
+TEST_F(PrefixReuseGpuTest, ADocumentReadLazilyFromDiskGivesTheColdTokens) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> doc = LcgTokens(151, 7, true);
+  auto request = [&](uint64_t q) {
+    GenerationRequest r;
+    r.prompt = doc;
+    const std::vector<int32_t> question = LcgTokens(20, q, false);
+    r.prompt.insert(r.prompt.end(), question.begin(), question.end());
+    r.max_new_tokens = 24;
+    r.segment_ends = {151};
+    return r;
+  };
+  for (const char* policy : {"shadowkv", "shadowkv-sparse"}) {
+    const std::string dir = ::testing::TempDir() + "/penumbra-gpu-lazy-" + policy;
+    std::filesystem::remove_all(dir);
+    {
+      auto first = OpenCuda(policy, "f32", 64 << 20, 12, 0, dir);
+      ASSERT_TRUE(first);
+      ASSERT_TRUE(first->runtime().Generate({request(11)}).ok());
+      first->runtime().DrainPrefixStores();
+      ASSERT_EQ(first->runtime().stats().prefix_stores, 1) << policy;
+    }
+    auto cold = OpenCuda(policy, "f32", 0);
+    auto again = OpenCuda(policy, "f32", 64 << 20, 12, 0, dir);
+    ASSERT_TRUE(cold && again);
+    auto c = cold->runtime().Generate({request(12)});
+    auto w = again->runtime().Generate({request(12)});
+    ASSERT_TRUE(c.ok() && w.ok()) << c.status() << " " << w.status();
+    EXPECT_EQ((*w)[0].cached_prompt_tokens, 151) << policy;
+    EXPECT_EQ(again->runtime().stats().prefix_store_hits, 1) << policy;
+    EXPECT_EQ((*w)[0].ids, (*c)[0].ids) << policy;
+    std::filesystem::remove_all(dir);
   }
 }
 

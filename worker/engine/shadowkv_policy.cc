@@ -741,6 +741,9 @@ class ShadowKvPolicy final : public KvPolicy {
           << "sequence " << s.id << " decoded out of order";
       CHECK_LT(s.local_count, s.local_cap) << "sequence " << s.id << " is full";
       for (int l = 0; l < L; ++l) PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, l));
+      // Decided once per step: the pointer tables below hold the prefix's
+      // device address only once its values are complete (pinned).
+      s.values_staged = s.prefix && !s.prefix->values_complete();
       step_.push_back(&s);
     }
     // Groups: runs of sequences with equal geometry share kernel launches.
@@ -831,8 +834,13 @@ class ShadowKvPolicy final : public KvPolicy {
     // With micro-batches, every group's selection is issued first (its value
     // fetch left running on the side stream as mark gi), then the attentions,
     // each waiting only for its own group's fetch.
+    // (Not while an attached prefix's values are still read from disk: its
+    // groups take the staging path, whose one host buffer the groups share.)
+    bool restoring = false;
+    for (const Seq* q : step_) restoring = restoring || q->values_staged;
     const bool pipelined = o_.micro_batches > 1 && groups_.size() > 1 &&
-                           groups_.size() <= static_cast<size_t>(Backend::kSideMarks) && o_.value_fetch == "zero_copy";
+                           groups_.size() <= static_cast<size_t>(Backend::kSideMarks) &&
+                           o_.value_fetch == "zero_copy" && !restoring;
     std::vector<DecodeAttentionOp>& attention = pending_attention_;  // reused: no allocation per layer
     attention.clear();
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -963,7 +971,7 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.max_misses = K;
     fv.max_blocks = o_.fetch_blocks;
     bool lazy = false;  // an attached prefix's values still being read from disk: through the host
-    for (int i = g0; i < g0 + gn; ++i) lazy = lazy || (step_[i]->prefix && !step_[i]->prefix->values_complete());
+    for (int i = g0; i < g0 + gn; ++i) lazy = lazy || step_[i]->values_staged;
     if (o_.value_fetch == "staging" || lazy) {
       PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mchunk + off, &fv));
       b.ShadowkvFetchV(fv, /*staged=*/true);
@@ -1023,7 +1031,7 @@ class ShadowKvPolicy final : public KvPolicy {
     // An attached prefix's values read lazily from disk: the missed ones now.
     for (int i = 0; i < gn; ++i) {
       Seq& s = *step_[g0 + i];
-      if (!s.prefix || s.prefix->values_complete()) continue;
+      if (!s.values_staged) continue;
       std::vector<int32_t> want(static_cast<size_t>(H) * K, -1);
       for (int h = 0; h < H; ++h) {
         const size_t r = static_cast<size_t>(i) * H + h;
@@ -1457,6 +1465,9 @@ class ShadowKvPolicy final : public KvPolicy {
     // head (0: dense), and the temporaries' row of token t minus t.
     int cont_k = 0;
     int64_t cont_shift = 0;
+    // This decode step reads the attached prefix's values through the host
+    // (they are still being read from disk; set by BeginDecodeStep).
+    bool values_staged = false;
     DeviceBuffer att_k, att_v, a, b, p, lm, excl, slots, prek;
     storage::SegmentId segment = 0;
     std::vector<const void*> store_dev, store_host;
