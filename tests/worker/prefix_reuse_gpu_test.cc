@@ -45,6 +45,17 @@ std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& d
   return e.ok() ? std::move(*e) : nullptr;
 }
 
+// Question q (20 tokens) about the 151-token document, 24 tokens to generate.
+GenerationRequest QuestionAbout(const std::vector<int32_t>& doc, uint64_t q) {
+  GenerationRequest r;
+  r.prompt = doc;
+  const std::vector<int32_t> question = LcgTokens(20, q, false);
+  r.prompt.insert(r.prompt.end(), question.begin(), question.end());
+  r.max_new_tokens = 24;
+  r.segment_ends = {151};
+  return r;
+}
+
 TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> doc = LcgTokens(151, 7, true);
@@ -53,12 +64,7 @@ TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
       auto warm = OpenCuda(policy, dtype, 64 << 20), cold = OpenCuda(policy, dtype, 0);
       ASSERT_TRUE(warm && cold);
       for (uint64_t q = 11; q < 14; ++q) {
-        GenerationRequest r;
-        r.prompt = doc;
-        const std::vector<int32_t> question = LcgTokens(20, q, false);
-        r.prompt.insert(r.prompt.end(), question.begin(), question.end());
-        r.max_new_tokens = 24;
-        r.segment_ends = {151};
+        const GenerationRequest r = QuestionAbout(doc, q);
         auto c = cold->runtime().Generate({r});
         auto w = warm->runtime().Generate({r});
         ASSERT_TRUE(c.ok() && w.ok()) << c.status() << " " << w.status();
@@ -92,15 +98,7 @@ TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
 TEST_F(PrefixReuseGpuTest, ADocumentReadLazilyFromDiskGivesTheColdTokens) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> doc = LcgTokens(151, 7, true);
-  auto request = [&](uint64_t q) {
-    GenerationRequest r;
-    r.prompt = doc;
-    const std::vector<int32_t> question = LcgTokens(20, q, false);
-    r.prompt.insert(r.prompt.end(), question.begin(), question.end());
-    r.max_new_tokens = 24;
-    r.segment_ends = {151};
-    return r;
-  };
+  auto request = [&](uint64_t q) { return QuestionAbout(doc, q); };
   for (const char* policy : {"shadowkv", "shadowkv-sparse"}) {
     const std::string dir = ::testing::TempDir() + "/penumbra-gpu-lazy-" + policy;
     std::filesystem::remove_all(dir);
