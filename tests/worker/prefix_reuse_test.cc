@@ -402,7 +402,8 @@ TEST_F(PrefixReuseTest, ALazilyReadValueThatFailsItsCheckIsRecomputedNotServed) 
   // flipped (before the 32-byte file footer).
   std::filesystem::path newest;
   for (const auto& f : std::filesystem::directory_iterator(dir.path())) {
-    if (f.path().extension() == ".blob" && (newest.empty() || f.path().filename() > newest.filename())) newest = f.path();
+    const bool newer = newest.empty() || f.path().filename() > newest.filename();
+    if (f.path().extension() == ".blob" && newer) newest = f.path();
   }
   ASSERT_FALSE(newest.empty());
   storage::testing::FlipByteAt(newest, static_cast<std::streamoff>(std::filesystem::file_size(newest)) - 32 - 100);

@@ -454,7 +454,8 @@ std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, in
       // (straight into their destination).
       std::set<std::string> eager;
       for (const storage::BlobLayout& b : *layout) {
-        if (b.size <= options_.prefix_store_eager_blob_bytes && std::find(lazy.begin(), lazy.end(), b.name) == lazy.end()) eager.insert(b.name);
+        const bool is_lazy = std::find(lazy.begin(), lazy.end(), b.name) != lazy.end();
+        if (b.size <= options_.prefix_store_eager_blob_bytes && !is_lazy) eager.insert(b.name);
       }
       blobs = prefix_store_->Get(key, eager);
     } else {

@@ -48,7 +48,8 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
   if (s.continuation != "dense" && s.continuation != "sparse") {
     return Status::InvalidArgument("--continuation must be dense or sparse, got '" + s.continuation + "'");
   }
-  PENUMBRA_ASSIGN_OR_RETURN(s.continuation_budget_tokens, a.GetInt("continuation-budget", s.continuation_budget_tokens));
+  PENUMBRA_ASSIGN_OR_RETURN(s.continuation_budget_tokens,
+                            a.GetInt("continuation-budget", s.continuation_budget_tokens));
   if (s.continuation_budget_tokens < 0 || s.continuation_budget_tokens > (int64_t{1} << 32)) {
     return Status::InvalidArgument("--continuation-budget must be in [0, 2^32]");
   }

@@ -290,23 +290,11 @@ class ShadowKvPolicy final : public KvPolicy {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, n = s.n_chunks;
     if (n > 0) {
-      // One "miss" per chunk into row chunk*C (slot = chunk, no outlier rows).
-      if (all_chunks_n_ != n) {
-        std::vector<int32_t> lists(static_cast<size_t>(H) * (1 + 2 * n));
-        for (int h = 0; h < H; ++h) {
-          lists[h] = n;
-          for (int c = 0; c < n; ++c) lists[H + static_cast<size_t>(h) * n + c] = c;
-        }
-        std::copy(lists.begin() + H, lists.begin() + H + static_cast<size_t>(H) * n,
-                  lists.begin() + H + static_cast<size_t>(H) * n);
-        PENUMBRA_RETURN_IF_ERROR(Upload(&all_chunks_, lists.data(), lists.size() * sizeof(int32_t)));
-        all_chunks_n_ = n;
-      }
-      const int32_t* count = all_chunks_.as<int32_t>();
-      const int32_t* slot = count + H;
+      // One "miss" per chunk into row chunk*C: slot = chunk, no outlier rows.
+      PENUMBRA_ASSIGN_OR_RETURN(const int32_t* count, IotaLists(n));
+      const int32_t* iota = count + H;
       if (s.prefix) PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureAllValues());  // read lazily from disk
-      PENUMBRA_RETURN_IF_ERROR(
-          GatherChunksIntoTemp(s, layer, count, slot, slot + static_cast<size_t>(H) * n, n, /*first_row=*/0));
+      PENUMBRA_RETURN_IF_ERROR(GatherChunksIntoTemp(s, layer, count, iota, iota, n, /*first_row=*/0));
       // The outliers' exact keys over their rebuilt ones.
       const size_t crow = static_cast<size_t>(C) * d * es_;
       for (int h = 0; h < H; ++h) {
@@ -329,15 +317,6 @@ class ShadowKvPolicy final : public KvPolicy {
   Status RebuildSelectedIntoTemp(Seq& s, int layer) {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, O = s.outliers, k = s.cont_k;
-    if (cont_lists_k_ != k) {  // count k per head, slot j for the j-th selected chunk
-      std::vector<int32_t> lists(static_cast<size_t>(H) * (1 + k));
-      for (int h = 0; h < H; ++h) {
-        lists[h] = k;
-        for (int j = 0; j < k; ++j) lists[H + static_cast<size_t>(h) * k + j] = j;
-      }
-      PENUMBRA_RETURN_IF_ERROR(Upload(&cont_lists_, lists.data(), lists.size() * sizeof(int32_t)));
-      cont_lists_k_ = k;
-    }
     if (O > 0) {
       const size_t w = static_cast<size_t>(O) * C * d * es_;
       PENUMBRA_RETURN_IF_ERROR(b.Copy2D(tmp_k_.get(), tmp_cap_ * d * es_, Row(s.att_k, s, layer, 0),
@@ -349,11 +328,27 @@ class ShadowKvPolicy final : public KvPolicy {
     // background restore, and through the host (not pinned yet).
     const bool staged = s.prefix && !s.prefix->values_complete();
     if (staged) PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureValues(layer, cont_sel_host_.data(), k));
-    const int32_t* count = cont_lists_.as<int32_t>();
+    PENUMBRA_ASSIGN_OR_RETURN(const int32_t* count, IotaLists(k));  // slot j: the j-th selected chunk
     PENUMBRA_RETURN_IF_ERROR(GatherChunksIntoTemp(s, layer, count, count + H, cont_sel_.as<int32_t>(), k,
                                                   static_cast<int64_t>(O) * C,
                                                   staged ? cont_sel_host_.data() : nullptr));
     return CopyLocalIntoTemp(s, layer, static_cast<int64_t>(O + k) * C);
+  }
+
+  // Device lists for a continuation's rebuild: per head the count k, then
+  // per head 0..k-1 (kept while k stays the same).
+  Result<const int32_t*> IotaLists(int k) {
+    const int H = ctx_.hkv;
+    if (iota_k_ != k) {
+      std::vector<int32_t> lists(static_cast<size_t>(H) * (1 + k));
+      for (int h = 0; h < H; ++h) {
+        lists[h] = k;
+        for (int j = 0; j < k; ++j) lists[H + static_cast<size_t>(h) * k + j] = j;
+      }
+      PENUMBRA_RETURN_IF_ERROR(Upload(&iota_lists_, lists.data(), lists.size() * sizeof(int32_t)));
+      iota_k_ = k;
+    }
+    return iota_lists_.as<int32_t>();
   }
 
   // Rebuilt K and fetched values of per-head chunk lists (count[h] chunks
@@ -490,7 +485,7 @@ class ShadowKvPolicy final : public KvPolicy {
     };
     const size_t per_row = static_cast<size_t>(H) * n;
     PENUMBRA_RETURN_IF_ERROR(grow(&cont_scores_, per_row * rb * sizeof(float)));
-    PENUMBRA_RETURN_IF_ERROR(grow(&cont_max_, (per_row + n) * sizeof(float)));
+    PENUMBRA_RETURN_IF_ERROR(grow(&cont_max_, static_cast<size_t>(n) * sizeof(float)));
     PENUMBRA_RETURN_IF_ERROR(grow(&cont_sel_, static_cast<size_t>(H) * k * sizeof(int32_t)));
     auto* tab = static_cast<void* const*>(cont_tab_.get());
     for (int r0 = 0; r0 < rows; r0 += rb) {
@@ -513,24 +508,17 @@ class ShadowKvPolicy final : public KvPolicy {
       sc.scores = cont_scores_.as<float>();
       sc.score_stride = n;
       PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
-      kn::MaxRowsArgs mr;
+      kn::MaxRowsArgs mr;  // over the rows and the heads: scores are [row][head][chunk]
       mr.in = cont_scores_.as<float>();
-      mr.rows = nr;
-      mr.row_stride = static_cast<int64_t>(per_row);
-      mr.cols = static_cast<int64_t>(per_row);
+      mr.rows = nr * H;
+      mr.row_stride = n;
+      mr.cols = n;
       mr.out = cont_max_.as<float>();
       mr.accumulate = r0 > 0;
       b.MaxRows(mr);
     }
-    kn::MaxRowsArgs heads;  // ... and over the heads
-    heads.in = cont_max_.as<float>();
-    heads.rows = H;
-    heads.row_stride = n;
-    heads.cols = n;
-    heads.out = cont_max_.as<float>() + per_row;
-    b.MaxRows(heads);
     std::vector<float> score(static_cast<size_t>(n));
-    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(score.data(), heads.out, score.size() * sizeof(float)));
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(score.data(), cont_max_.get(), score.size() * sizeof(float)));
     // The k + O best (ties: the lower chunk), then per head the first k of
     // them that are not its outliers (it has O: k of them always remain).
     const int O = s.outliers, want = std::min(n, k + O);
@@ -1044,8 +1032,9 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     for (int r = 0; r < rows; ++r) {
       for (int j = 0; j < counts[r]; ++j) {
-        PENUMBRA_RETURN_IF_ERROR(CopyChunkToHost(*step_[g0 + r / H], layer, r % H, chunks[static_cast<size_t>(r) * K + j],
-                                                 stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes));
+        const int c = chunks[static_cast<size_t>(r) * K + j];
+        PENUMBRA_RETURN_IF_ERROR(
+            CopyChunkToHost(*step_[g0 + r / H], layer, r % H, c, stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes));
       }
     }
     PENUMBRA_RETURN_IF_ERROR(Upload(&stage_off_, offsets.data(), offsets.size() * 4));
@@ -1596,12 +1585,11 @@ class ShadowKvPolicy final : public KvPolicy {
   DeviceBuffer tmp_k_, tmp_v_, tmp_prek_, tmp_cos_, tmp_outl_;
   int64_t tmp_cap_ = 0;
   DeviceBuffer ptr_buf_, step_buf_, miss_buf_, score_buf_, mincos_scratch_, shift_, stage_off_;
-  DeviceBuffer all_chunks_, rebuild_ptrs_;  // continuation rebuilds: every chunk as a miss; pointer table
-  int all_chunks_n_ = -1;
-  // sparse continuations: count/slot lists, score tables, scores, their maximum, the selection
-  DeviceBuffer cont_lists_, cont_tab_, cont_scores_, cont_max_, cont_sel_;
+  DeviceBuffer iota_lists_, rebuild_ptrs_;  // continuation rebuilds: IotaLists(iota_k_); pointer table
+  int iota_k_ = -1;
+  // sparse continuations: score tables, scores, their maximum per chunk, the selection
+  DeviceBuffer cont_tab_, cont_scores_, cont_max_, cont_sel_;
   std::vector<int32_t> cont_sel_host_;
-  int cont_lists_k_ = -1;
   DeviceBuffer stage_, stage_v_;
   std::vector<Seq*> step_;
   std::vector<std::pair<int, int>> groups_;

@@ -320,7 +320,9 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
         src = &own;
       }
       PENUMBRA_ASSIGN_OR_RETURN(uint64_t size, lazy_values->Size(name));
-      if (size > (uint64_t{1} << 32)) return Status::Corruption(std::string("shadowkv prefix: blob '") + name + "' is too large");
+      if (size > (uint64_t{1} << 32)) {
+        return Status::Corruption(std::string("shadowkv prefix: blob '") + name + "' is too large");
+      }
       std::string& b = own[name];
       b.resize(size);
       PENUMBRA_RETURN_IF_ERROR(lazy_values->Read(name, 0, size, b.data()));
@@ -398,7 +400,7 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
       p->values = DeviceBuffer(mem, n, [](void* q) { std::free(q); });
       ShadowKvPrefix* self = p.get();
       p->lazy_ = std::make_unique<storage::LazyBlob>(
-          std::move(lazy_values), name, p->values.as<char>(), n, block, read_threads,
+          lazy_values, name, /*dst=*/nullptr, n, block, read_threads,
           [self, backend] {
             Status st = backend->RegisterHost(self->values.get(), self->values.bytes());
             if (st.ok()) {
