@@ -40,6 +40,10 @@ class ConfigReader {
 
   // OK, or the first error: a bad value, or a key that no Read asked for.
   Status Finish();
+  // InvalidArgument "<origin>: <path>.<key>: <what>", for checks across keys.
+  Status Error(const std::string& key, const std::string& what) const {
+    return Status::InvalidArgument(origin_ + ": " + KeyPath(key) + ": " + what);
+  }
 
  private:
   std::string KeyPath(const std::string& key) const;

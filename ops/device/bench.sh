@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, ttft_disk, shared, service, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, service, eval. Every throughput run is beside the
 # full-attention peer (.device/peer_full_attention.py, which device-bundle
 # copies in) in the same call, the peer first and last. Every JSON line is
 # tagged with its suite and appended to $OUT/bench.jsonl; stderr goes to
@@ -44,6 +44,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   shared    64 questions over one shared 124928-token document decoded as one batch (full: cascade over one
             copy of its exact KV; shadowkv), beside the peer's --shared-prefix --graph mode; the prefix-attention
             kernel's bench first
+  tier0     shadowkv's shared decode (64 x 124928) with the document's values copied to spare device memory
+            (--tier0 on) and left in host memory (off), between two peer --shared-prefix runs; then the TTFT of
+            a question about a document already in tier 0 (TIER0_TTFT=0 skips it)
   service   the service on the GPU (penumbra-worker with Llama-3.1-8B-shaped random weights, shadowkv, and
             penumbra-coordinator on loopback) measured by penumbra-service-bench: put a 124864-token document,
             time to first token of a 64-token question about it, then 14 such questions decoding together
@@ -206,6 +209,21 @@ suite_shared() {
   run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
 }
 
+# Tier 0 (issue 17): 64 questions over one shared 124928-token document with
+# shadowkv, the document's values copied to spare device memory (--tier0 on)
+# and left in pinned host memory (off), between two peer runs of the same
+# shape; then the TTFT of a question about a document already in tier 0.
+suite_tier0() {
+  gpu_test prefix_reuse_gpu_test
+  run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
+  for t in on off; do
+    run 400 $R penumbra-bench shared --kv-policy shadowkv --prefill-chunk 1024 --context 124928 --batch 64 \
+      --question 64 --steps 20 --tier0 $t
+  done
+  [ "${TIER0_TTFT:-1}" = 1 ] && run 240 $R penumbra-bench ttft --kv-policy shadowkv --context 124928 --question 64 --cache hbm
+  run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
+}
+
 # The service through its public API beside the engine alone at the same
 # shape (issue 18): penumbra-bench shared (the same 14 questions over one
 # document, in-process) and decode (14 independent sequences), one lane each.
@@ -330,7 +348,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|service|jobs|eval) ;;
+    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|tier0|service|jobs|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

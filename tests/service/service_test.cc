@@ -515,6 +515,14 @@ TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
   auto wm = worker.Get("/metrics");
   ASSERT_TRUE(wm);
   EXPECT_NE(wm->body.find("penumbra_worker_generated_tokens_total"), std::string::npos);
+  // The document cache's figures: the documents asked about are cached.
+  const size_t at = wm->body.find("\npenumbra_worker_documents_cached ");
+  ASSERT_NE(at, std::string::npos) << wm->body;
+  EXPECT_GE(std::stod(wm->body.substr(at + std::string("\npenumbra_worker_documents_cached ").size())), 1.0);
+  for (const char* m : {"penumbra_worker_documents_host_bytes", "penumbra_worker_documents_tier0_bytes",
+                        "penumbra_worker_documents_tier0_promotions_total", "penumbra_worker_documents_store_hits_total"}) {
+    EXPECT_NE(wm->body.find(m), std::string::npos) << m;
+  }
   auto hz = worker.Get("/healthz");
   ASSERT_TRUE(hz);
   EXPECT_EQ(hz->status, 200);

@@ -243,37 +243,71 @@ TEST_F(EngineTest, EngineYamlNamesBadKeys) {
   EXPECT_NE(s.message().find("shadowkv.rnak: unknown key"), std::string::npos) << s;
 }
 
-TEST_F(EngineTest, EngineYamlReadsThePrefixStoreAndNamesBadKeys) {
+TEST_F(EngineTest, StorageYamlReadsTheTiersAndNamesBadKeys) {
   auto r = ConfigReader::FromString(
-      "prefix_cache_bytes: 1048576\nprefix_cache_host_bytes: 4096\nprefix_store:\n  path: /tmp/x\n"
-      "  capacity_bytes: 2000000\n"
-      "  block_bytes: 65536\n  sync_commit: false\n",
+      "storage:\n"
+      "  gpu:\n    capacity_bytes: 1073741824\n    reserve_bytes: 0\n    high_watermark: 0.9\n"
+      "    low_watermark: 0.5\n    promote_min_reads: 7\n    heat_half_life_steps: 3\n    replace_ratio: 4\n"
+      "  dram:\n    device_bytes: 1048576\n    host_bytes: 4096\n    low_watermark: 0.75\n"
+      "  disk:\n    path: /tmp/x\n    capacity_bytes: 2000000\n    block_bytes: 65536\n    sync_commit: false\n"
+      "    queue_bytes: 123456\n    lazy_reads: false\n    lazy_block_bytes: 8192\n    lazy_threads: 5\n",
       "e.yaml");
   ASSERT_TRUE(r.ok());
   EngineOptions o;
-  ASSERT_TRUE(LoadEngineOptions(*r, &o).ok());
+  Status loaded = LoadEngineOptions(*r, &o);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  EXPECT_EQ(o.runtime.tiers.gpu_capacity_bytes, size_t{1} << 30);
+  EXPECT_EQ(o.runtime.tiers.gpu_reserve_bytes, 0u);
+  EXPECT_DOUBLE_EQ(o.runtime.tiers.gpu_high_watermark, 0.9);
+  EXPECT_DOUBLE_EQ(o.runtime.tiers.gpu_low_watermark, 0.5);
+  EXPECT_EQ(o.runtime.tiers.promote_min_reads, 7);
+  EXPECT_DOUBLE_EQ(o.runtime.tiers.heat_half_life_steps, 3);
+  EXPECT_DOUBLE_EQ(o.runtime.tiers.replace_ratio, 4);
   EXPECT_EQ(o.runtime.prefix_cache_bytes, 1048576u);
   EXPECT_EQ(o.runtime.prefix_cache_host_bytes, 4096u);
+  EXPECT_DOUBLE_EQ(o.runtime.prefix_cache_low_watermark, 0.75);
   EXPECT_EQ(o.prefix_store.path, "/tmp/x");
   EXPECT_EQ(o.prefix_store.capacity_bytes, 2000000u);
   EXPECT_EQ(o.prefix_store.block_bytes, 65536u);
   EXPECT_FALSE(o.prefix_store.sync_commit);
+  EXPECT_EQ(o.runtime.prefix_store_queue_bytes, 123456u);
+  EXPECT_FALSE(o.runtime.prefix_store_lazy_reads);
+  EXPECT_EQ(o.runtime.prefix_store_lazy_block_bytes, 8192u);
+  EXPECT_EQ(o.runtime.prefix_store_lazy_threads, 5);
   for (const auto& [yaml, want] : std::vector<std::pair<std::string, std::string>>{
-           {"prefix_store:\n  block_bytes: 100\n", "prefix_store.block_bytes"},
-           {"prefix_store:\n  capcity_bytes: 1\n", "prefix_store.capcity_bytes: unknown key"},
-           {"prefix_cache_bytes: -1\n", "prefix_cache_bytes"},
-           {"prefix_cache_host_bytes: x\n", "prefix_cache_host_bytes"}}) {
+           {"storage:\n  disk:\n    block_bytes: 100\n", "storage.disk.block_bytes"},
+           {"storage:\n  disk:\n    capcity_bytes: 1\n", "storage.disk.capcity_bytes: unknown key"},
+           {"storage:\n  disk:\n    lazy_block_bytes: 1073741824\n", "storage.disk.lazy_block_bytes"},
+           {"storage:\n  dram:\n    device_bytes: -1\n", "storage.dram.device_bytes"},
+           {"storage:\n  dram:\n    host_bytes: x\n", "storage.dram.host_bytes"},
+           {"storage:\n  gpu:\n    low_watermark: 0.9\n    high_watermark: 0.5\n", "storage.gpu.low_watermark"},
+           {"storage:\n  gpu:\n    replace_ratio: 0.5\n", "storage.gpu.replace_ratio"},
+           {"storage:\n  tape: {}\n", "storage.tape: unknown key"},
+           {"prefix_cache_bytes: 1\n", "prefix_cache_bytes: unknown key"}}) {
     auto bad = ConfigReader::FromString(yaml, "e.yaml");
     ASSERT_TRUE(bad.ok());
     EngineOptions b;
     Status st = LoadEngineOptions(*bad, &b);
     EXPECT_NE(st.message().find(want), std::string::npos) << yaml << " -> " << st;
   }
-  // The shipped configs load.
-  for (const char* f : {"configs/engine.yaml"}) {
-    auto e = LoadEngineOptionsFile(testing::SourceDir() + "/" + f);
-    EXPECT_TRUE(e.ok()) << f << ": " << e.status();
-  }
+  // The shipped configs load; configs/storage.yaml states the defaults.
+  auto e = LoadEngineOptionsFile(testing::SourceDir() + "/configs/engine.yaml");
+  ASSERT_TRUE(e.ok()) << e.status();
+  EngineOptions shipped = *e;
+  Status st = LoadStorageOptionsFile(testing::SourceDir() + "/configs/storage.yaml", &shipped);
+  ASSERT_TRUE(st.ok()) << st;
+  const EngineOptions defaults;
+  EXPECT_EQ(shipped.runtime.tiers.gpu_capacity_bytes, defaults.runtime.tiers.gpu_capacity_bytes);
+  EXPECT_EQ(shipped.runtime.tiers.gpu_reserve_bytes, defaults.runtime.tiers.gpu_reserve_bytes);
+  EXPECT_EQ(shipped.runtime.tiers.promote_min_reads, defaults.runtime.tiers.promote_min_reads);
+  EXPECT_EQ(shipped.runtime.prefix_cache_bytes, defaults.runtime.prefix_cache_bytes);
+  EXPECT_EQ(shipped.runtime.prefix_store_queue_bytes, defaults.runtime.prefix_store_queue_bytes);
+  EXPECT_EQ(shipped.runtime.prefix_store_lazy_block_bytes, defaults.runtime.prefix_store_lazy_block_bytes);
+  EXPECT_EQ(shipped.prefix_store.capacity_bytes, defaults.prefix_store.capacity_bytes);
+  EXPECT_EQ(shipped.prefix_store.block_bytes, defaults.prefix_store.block_bytes);
+  EXPECT_EQ(shipped.prefix_store.read_threads, defaults.prefix_store.read_threads);
+  Status missing = LoadStorageOptionsFile("/nonexistent/storage.yaml", &shipped);
+  EXPECT_FALSE(missing.ok());
 }
 
 TEST_F(EngineTest, EngineYamlReadsLinearAndChainedLaunch) {

@@ -5,6 +5,7 @@
 // GPU kernels, values fetched from pinned host memory in place) at full rank
 // sees what full attention sees.
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "tests/gpu_test_util.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
+#include "worker/engine/shadowkv_prefix.h"
 
 namespace penumbra {
 namespace {
@@ -40,6 +42,8 @@ std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& d
   o.prefix_store.sync_commit = false;
   o.runtime.prefix_store_eager_blob_bytes = 4096;  // the device blobs streamed, as a real document's are
   o.runtime.prefix_store_lazy_block_bytes = 4096;
+  o.runtime.tiers.promote_min_reads = 1;  // tier 0 (on by default on CUDA): any read makes a document hot
+  o.runtime.tiers.gpu_reserve_bytes = size_t{1} << 30;
   auto e = Engine::Open(testing::StoriesDir(), o);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(*e) : nullptr;
@@ -148,6 +152,40 @@ TEST_F(PrefixReuseGpuTest, ShadowKvContinuationAtFullRankMatchesFullAttention) {
     ASSERT_TRUE(skv->runtime().Prefill(0, prompt, &got, 151).ok());
     // f32 on the GPU: other reduction orders, the SVD through cuSOLVER.
     EXPECT_TRUE(testing::AllClose(got, want, 2e-3f, 2e-3f)) << policy;
+  }
+}
+
+// Tier 0: the document's values copied to device memory while questions
+// decode over it (layer by layer, one per step); what the next questions
+// read is the device copy (the host values scribbled over change nothing),
+// and their tokens are the cold ones.
+TEST_F(PrefixReuseGpuTest, ADocumentsValuesCopiedToTheDeviceGiveTheColdTokens) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> doc = LcgTokens(151, 7, true);
+  for (const char* policy : {"shadowkv", "shadowkv-sparse"}) {
+    auto warm = OpenCuda(policy, "f32", 64 << 20), cold = OpenCuda(policy, "f32", 0);
+    ASSERT_TRUE(warm && cold);
+    Runtime& rt = warm->runtime();
+    ASSERT_TRUE(rt.prefix_cache() != nullptr);
+    for (uint64_t q = 11; q < 15; ++q) {
+      const GenerationRequest r = QuestionAbout(doc, q);
+      auto c = cold->runtime().Generate({r});
+      auto w = rt.Generate({r});
+      ASSERT_TRUE(c.ok() && w.ok()) << c.status() << " " << w.status();
+      EXPECT_EQ((*w)[0].ids, (*c)[0].ids) << policy << " question " << q;
+      if (q == 12) {
+        const TierStats t = rt.stats().tiers;
+        ASSERT_EQ(t.promotions, 1) << policy;
+        const auto* p = dynamic_cast<const ShadowKvPrefix*>(rt.prefix_cache()->Prefixes()[0].get());
+        ASSERT_NE(p, nullptr);
+        const auto& g = p->geometry();
+        for (int l = 0; l < g.layers; ++l) {
+          ASSERT_TRUE(p->values_on_device(l));
+          std::memset(const_cast<char*>(p->values_host(l)), 0x7f,
+                      static_cast<size_t>(g.hkv) * p->value_stride() * g.chunk_size * g.head_dim * DTypeSize(g.dtype));
+        }
+      }
+    }
   }
 }
 

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -38,6 +39,11 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   if (policy == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
   if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
   if (policy == "shadowkv-sparse") o.shadowkv.continuation = "sparse";
+  if (policy == "shadowkv-tier0") {  // hot documents' values copied to "device" memory (here: host memory)
+    o.runtime.tiers.on_host_backend = true;
+    o.runtime.tiers.gpu_reserve_bytes = 0;
+    o.runtime.tiers.promote_min_reads = 1;
+  }
   if (policy == "shadowkv-sparse-all") {  // a sparse continuation that selects every chunk
     o.shadowkv.continuation = "sparse";
     o.shadowkv.continuation_budget_tokens = 1000;
@@ -110,6 +116,29 @@ TEST_P(PrefixReuseTest, CachedDocumentGivesTheColdTokens) {
   if (GetParam() == "full") {
     // Exact attention: segments change nothing.
     EXPECT_EQ((*second)[0].ids, Cold(Request(kDoc, kQ2, false), "full"));
+  }
+  if (GetParam() == "shadowkv-tier0") {
+    // The question's reads made the document hot: its values were copied
+    // layer by layer while it decoded; a third question reads the copy.
+    const TierStats t = rt.stats().tiers;
+    EXPECT_EQ(t.promotions, 1);
+    EXPECT_EQ(t.documents, 1);
+    EXPECT_EQ(t.promoted_bytes, rt.prefix_cache()->Prefixes()[0]->promotable_bytes());
+    const auto* doc = dynamic_cast<const ShadowKvPrefix*>(rt.prefix_cache()->Prefixes()[0].get());
+    ASSERT_NE(doc, nullptr);
+    EXPECT_TRUE(doc->values_on_device(0));
+    EXPECT_NE(doc->values_device(0), static_cast<const void*>(doc->values_host(0)));
+    // What is read is the copy: the host values scribbled over change nothing.
+    const auto& g = doc->geometry();
+    for (int l = 0; l < g.layers; ++l) {
+      std::memset(const_cast<char*>(doc->values_host(l)), 0x7f,
+                  static_cast<size_t>(g.hkv) * doc->value_stride() * g.chunk_size * g.head_dim * DTypeSize(g.dtype));
+    }
+    auto third = rt.Generate({Request(kDoc, kQ3, true)});
+    ASSERT_TRUE(third.ok()) << third.status();
+    EXPECT_EQ((*third)[0].cached_prompt_tokens, 151);
+    EXPECT_EQ((*third)[0].ids, Cold(Request(kDoc, kQ3, true), GetParam()));
+    EXPECT_GT(doc->total_reads(), 0);
   }
 }
 
@@ -419,7 +448,7 @@ TEST_F(PrefixReuseTest, ALazilyReadValueThatFailsItsCheckIsRecomputedNotServed) 
 
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
                          ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense",
-                                           "shadowkv-sparse"),
+                                           "shadowkv-sparse", "shadowkv-tier0"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -578,6 +607,29 @@ TEST(PrefixCacheTest, HostBytesAreBoundedToo) {
   EXPECT_EQ(c.host_bytes(), 200u);
   EXPECT_EQ(c.bytes(), 20u);
   EXPECT_FALSE(c.Insert(PrefixKeys("x", {1}, {1})[0], std::make_shared<FakePrefix>(1, 1, 300)));  // never fits
+}
+
+TEST(PrefixCacheTest, AnInsertThatMustEvictEvictsDownToTheLowWatermark) {
+  PrefixCache c(1000, SIZE_MAX, 0.5);
+  auto keys = PrefixKeys("fence", {1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 5, 6});
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(c.Insert(keys[i], std::make_shared<FakePrefix>(i + 1, 200)));
+  EXPECT_EQ(c.bytes(), 800u);  // fits: nothing evicted
+  EXPECT_EQ(c.stats().evictions, 0);
+  // 800 + 300 > 1000: evicted oldest first until 300 more fit under 500.
+  EXPECT_TRUE(c.Insert(keys[4], std::make_shared<FakePrefix>(5, 300)));
+  EXPECT_EQ(c.bytes(), 500u);
+  EXPECT_EQ(c.stats().evictions, 3);
+  EXPECT_TRUE(c.Contains(keys[3]) && c.Contains(keys[4]));
+  // An entry larger than the low watermark leaves only room for itself.
+  EXPECT_TRUE(c.Insert(keys[5], std::make_shared<FakePrefix>(6, 700)));
+  EXPECT_EQ(c.bytes(), 700u);
+  EXPECT_TRUE(c.Contains(keys[5]));
+  // At 1 (the default) only what is needed.
+  PrefixCache d(1000);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(d.Insert(keys[i], std::make_shared<FakePrefix>(i + 1, 250)));
+  EXPECT_TRUE(d.Insert(keys[4], std::make_shared<FakePrefix>(5, 250)));
+  EXPECT_EQ(d.stats().evictions, 1);
+  EXPECT_EQ(d.bytes(), 1000u);
 }
 
 TEST(PrefixStoreWriterTest, WritesInTheBackgroundBoundsItsQueueAndCountsFailures) {

@@ -5,7 +5,8 @@
 //   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv] [--lanes N]
 //   penumbra-bench prefill --context 124928
 //   penumbra-bench ttft    --context 124928 [--question 64] [--cache off|hbm|disk] [--store-dir DIR]
-//   penumbra-bench shared  --context 124928 [--batch 64] [--question 64] [--steps 20] (one shared document)
+//   penumbra-bench shared  --context 124928 [--batch 64] [--question 64] [--steps 20] [--tier0 on|off]
+//                          (one shared document)
 // decode fills each sequence's context with random keys and values (through
 // the policy's real compression path for shadowkv), then times `steps` decode
 // steps of the whole model after 2 warm-up steps, greedy sampling included.
@@ -17,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -98,6 +100,32 @@ struct LaneRun {
 
 // --profile: steps after the timed ones whose ops are timed one by one.
 constexpr int kProfileSteps = 5;
+
+// kProfileSteps calls of `step` with every op of rt timed (synchronized: no
+// overlap), sampling included: per-op milliseconds over all of them.
+Status ProfileSteps(Backend& b, Runtime& rt, const std::function<Status()>& step,
+                    std::map<std::string, double>* ms) {
+  OpProfiler prof(&b);
+  rt.SetDecodeProfiler(&prof);
+  Status st;
+  for (int i = 0; i < kProfileSteps && st.ok(); ++i) {
+    st = step();
+    prof.Lap("sample");
+  }
+  rt.SetDecodeProfiler(nullptr);
+  *ms = prof.ms();
+  return st;
+}
+
+// Per step: where the time goes (ProfileSteps' milliseconds), into j.
+void AddProfile(const std::map<std::string, double>& ms, nlohmann::json& j) {
+  double total = 0;
+  for (const auto& [op, t] : ms) {
+    j["decode_op_ms"][op] = t / kProfileSteps;
+    total += t / kProfileSteps;
+  }
+  j["profiled_ms_per_step"] = total;
+}
 
 // --hit-rates: comma-separated forced hit rates, "natural" for none; without
 // the flag, the one of --force-hit-rate.
@@ -257,18 +285,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
         return Status::OK();
       };
       // After the timed steps: kProfileSteps more with every op timed.
-      auto profiled = [&]() -> Status {
-        OpProfiler prof(&b);
-        rt.SetDecodeProfiler(&prof);
-        Status st;
-        for (int i = 0; i < kProfileSteps && st.ok(); ++i) {
-          st = step();
-          prof.Lap("sample");
-        }
-        rt.SetDecodeProfiler(nullptr);
-        run.profile_ms = prof.ms();
-        return st;
-      };
+      auto profiled = [&]() -> Status { return ProfileSteps(b, rt, step, &run.profile_ms); };
       auto warm = [&]() -> Status {
         PENUMBRA_RETURN_IF_ERROR(step());
         PENUMBRA_RETURN_IF_ERROR(step());
@@ -337,15 +354,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       for (int64_t s : active[l]) dev_bytes += e.runtime(l).policy().DeviceBytes(s);
     }
     j["kv_device_bytes_per_token"] = static_cast<double>(dev_bytes) / (static_cast<double>(S) * nb);
-    if (profile) {
-      // Per step, every op synchronized (no overlap): where the time goes.
-      double total = 0;
-      for (const auto& [op, ms] : runs[0].profile_ms) {
-        j["decode_op_ms"][op] = ms / kProfileSteps;
-        total += ms / kProfileSteps;
-      }
-      j["profiled_ms_per_step"] = total;
-    }
+    if (profile) AddProfile(runs[0].profile_ms, j);
     if (!shadowkv) {
       // Bytes a step must read: all weights once per lane with sequences (each
       // lane's GEMMs stream them) + every sequence's K and V.
@@ -583,6 +592,19 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
     j["restore_gb_per_s"] = read_s > 0 ? bytes / read_s / 1e9 : 0.0;
   }
   j["cached_prompt_tokens"] = cached;
+  if (cache == "hbm" && e.options().runtime.tiers.gpu_capacity_bytes > 0 && e.backend().device() == Device::kCUDA) {
+    // Tier 0: the question's reads made the document hot; once its values
+    // are copied to the device, another question's TTFT.
+    const double t0 = NowSeconds();
+    for (int i = 0; i < 1024 && rt.stats().tiers.promotions == 0; ++i) rt.PlaceDocuments();
+    PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
+    j["tier0_promote_ms"] = (NowSeconds() - t0) * 1e3;
+    j["tier0_promoted_bytes"] = rt.stats().tiers.promoted_bytes;
+    if (rt.stats().tiers.promotions > 0) {
+      PENUMBRA_ASSIGN_OR_RETURN(double t0_ms, timed(request(3), &cached));
+      j["ttft_tier0_ms"] = t0_ms;
+    }
+  }
   std::cout << j.dump() << std::endl;
   return Status::OK();
 }
@@ -591,9 +613,10 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
 // shared-document decode). The document (--context tokens, real prefill of
 // synthetic ids) is prefilled once and captured; each sequence attaches it
 // (SequenceSpec::prefix) and prefills its own --question tokens; then
-// --steps decode steps of the whole batch are timed after 2 warm-up steps,
-// greedy sampling included. Reports device bytes per attached sequence and
-// the prefix's device and host bytes.
+// --steps decode steps of the whole batch are timed after 2 warm-up steps
+// (with tier 0, after the steps that copy the document's values to the
+// device), greedy sampling included. Reports device bytes per attached
+// sequence and the prefix's device and host bytes.
 Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   Runtime& rt = e.runtime();
   Backend& b = e.backend();
@@ -608,7 +631,13 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
     return t;
   };
   const std::vector<int32_t> doc = tokens(S, 0);
-  const int64_t new_tokens = steps + 4;
+  // With tier 0 the document is copied to the device one layer per step
+  // while the batch decodes: those steps come before the timed ones.
+  const bool tier0 = rt.prefix_cache() != nullptr && e.options().runtime.tiers.gpu_capacity_bytes > 0 &&
+                     b.device() == Device::kCUDA;
+  constexpr int64_t kMaxTier0Steps = 256;
+  const bool profile = a.Has("profile");
+  const int64_t new_tokens = steps + 4 + (tier0 ? kMaxTier0Steps : 0) + (profile ? kProfileSteps : 0);
   double t0 = NowSeconds();
   SequenceSpec spec;
   spec.prompt_len = S + Q;
@@ -623,6 +652,10 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   PENUMBRA_RETURN_IF_ERROR(prefix.status());
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
   const double document_s = NowSeconds() - t0;
+  // In the runtime's document cache (where tier 0 finds it), as a put would leave it.
+  if (rt.prefix_cache() != nullptr && !rt.prefix_cache()->Insert(PrefixKeys("bench-shared", doc, {S})[0], *prefix)) {
+    return Status::ResourceExhausted("the document does not fit in the prefix cache");
+  }
   t0 = NowSeconds();
   std::vector<int64_t> seqs;
   auto remove_all = [&] {
@@ -648,13 +681,7 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   std::vector<int32_t> next(B, 1);
   std::vector<int64_t> positions(B, S + Q);
   const std::vector<SampleParams> greedy(B);
-  const PolicyStats before = policy.stats();
-  double timed = 0;
-  for (int64_t step = 0; step < steps + 2; ++step) {
-    if (step == 2) {
-      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-      timed = NowSeconds();
-    }
+  auto step = [&]() -> Status {
     auto logits = rt.DecodeStep(seqs, next, positions);
     if (!logits.ok()) {
       remove_all();
@@ -662,12 +689,28 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
     }
     PENUMBRA_RETURN_IF_ERROR(b.Sample(*logits, static_cast<int>(B), V, greedy, next.data()));
     for (int64_t& p : positions) ++p;
+    return Status::OK();
+  };
+  // Warm-up: 2 steps, and with tier 0 until the document's copy is complete.
+  int64_t warmup = 0;
+  const double warm_t0 = NowSeconds();
+  while (warmup < 2 || (tier0 && rt.stats().tiers.promotions == 0 && warmup < kMaxTier0Steps)) {
+    PENUMBRA_RETURN_IF_ERROR(step());
+    ++warmup;
   }
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  const double warmup_s = NowSeconds() - warm_t0;
+  const PolicyStats before = policy.stats();
+  const double timed = NowSeconds();
+  for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step());
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
   const double dt = (NowSeconds() - timed) / static_cast<double>(steps);
   const PolicyStats after = policy.stats();
+  std::map<std::string, double> profile_ms;
+  if (profile) PENUMBRA_RETURN_IF_ERROR(ProfileSteps(b, rt, step, &profile_ms));
   nlohmann::json j = cm.Line("decode");
   j["shared_document"] = true;
+  if (profile) AddProfile(profile_ms, j);
   j["kv_policy"] = e.options().kv_policy;
   j["context"] = S;
   j["batch"] = B;
@@ -682,6 +725,15 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   j["device_bytes_per_sequence"] = policy.DeviceBytes(seqs[0]);
   const int64_t sel = after.selected_chunks - before.selected_chunks;
   if (sel > 0) j["hit_rate"] = static_cast<double>(after.hit_chunks - before.hit_chunks) / static_cast<double>(sel);
+  const TierStats t = rt.stats().tiers;
+  j["tier0"] = tier0;
+  j["warmup_steps"] = warmup;
+  j["warmup_s"] = warmup_s;
+  if (tier0) {
+    j["tier0_promotions"] = t.promotions;
+    j["tier0_promoted_bytes"] = t.promoted_bytes;
+    j["tier0_size_bytes"] = t.size_bytes;
+  }
   remove_all();
   std::cout << j.dump() << std::endl;
   return Status::OK();
@@ -715,6 +767,8 @@ Status Main(int argc, char** argv) {
       .Flag("store-dir", "ttft --cache disk: the prefix store's directory, emptied first "
                          "(default /tmp/penumbra-ttft-store)")
       .Flag("question", "ttft, shared: question tokens after the document (default 64)")
+      .Flag("tier0", "shared, ttft: on (default): a hot document's values are copied to spare device memory "
+                     "(configs/storage.yaml gpu:); off: they stay in host memory")
       .Flag("store-read-threads", "ttft --cache disk: blocks read at once when a stored prefix is read (default 32)")
       .Flag("lazy-threads", "ttft --cache disk: reads in flight for lazily read values (default 64)")
       .Flag("lazy-reads", "ttft --cache disk: on (default): values read lazily; off: read whole before the first token")
@@ -746,7 +800,9 @@ Status Main(int argc, char** argv) {
     return Status::InvalidArgument("--cache must be off, hbm or disk, got " + cache);
   }
   if (a.Has("cache") && mode != "ttft") return Status::InvalidArgument("--cache applies to ttft only");
-  if (cache != "off") eo.runtime.prefix_cache_bytes = size_t{1} << 50;  // bounded by device memory
+  if (cache != "off" || mode == "shared") eo.runtime.prefix_cache_bytes = size_t{1} << 50;  // bounded by device memory
+  PENUMBRA_ASSIGN_OR_RETURN(bool tier0, a.GetOnOff("tier0", true));
+  if (!tier0) eo.runtime.tiers.gpu_capacity_bytes = 0;
   if (cache == "disk") {
     eo.prefix_store.path = a.Get("store-dir", "/tmp/penumbra-ttft-store");
     std::error_code ec;

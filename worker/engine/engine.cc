@@ -3,6 +3,8 @@
 #include "common/file.h"
 #include "common/hash.h"
 
+#include <algorithm>
+
 namespace penumbra {
 
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
@@ -14,26 +16,58 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   r.Read("chained_launch", &o->backend.chained_launch);
   r.Read("prefill_chunk", &o->runtime.prefill_chunk, 1, 1 << 20);
   r.Read("max_batch", &o->runtime.max_batch, 1, 1 << 16);
-  int64_t prefix_cache_bytes = static_cast<int64_t>(o->runtime.prefix_cache_bytes);
-  r.Read("prefix_cache_bytes", &prefix_cache_bytes, 0, int64_t{1} << 50);
-  o->runtime.prefix_cache_bytes = static_cast<size_t>(prefix_cache_bytes);
-  int64_t prefix_cache_host_bytes = static_cast<int64_t>(o->runtime.prefix_cache_host_bytes);
-  r.Read("prefix_cache_host_bytes", &prefix_cache_host_bytes, 0, int64_t{1} << 50);
-  o->runtime.prefix_cache_host_bytes = static_cast<size_t>(prefix_cache_host_bytes);
-  int64_t queue = static_cast<int64_t>(o->runtime.prefix_store_queue_bytes);
-  r.Read("prefix_store_queue_bytes", &queue, 0, int64_t{1} << 50);
-  o->runtime.prefix_store_queue_bytes = static_cast<size_t>(queue);
-  r.Read("prefix_store_lazy_reads", &o->runtime.prefix_store_lazy_reads);
-  int64_t lazy_block = static_cast<int64_t>(o->runtime.prefix_store_lazy_block_bytes);
-  r.Read("prefix_store_lazy_block_bytes", &lazy_block, 4096, int64_t{256} << 20);
-  o->runtime.prefix_store_lazy_block_bytes = static_cast<size_t>(lazy_block);
-  r.Read("prefix_store_lazy_threads", &o->runtime.prefix_store_lazy_threads, 1, 256);
   r.ReadEnum("kv_policy", &o->kv_policy, {"full", "shadowkv"});
   ConfigReader s = r.Child("shadowkv");
   PENUMBRA_RETURN_IF_ERROR(LoadShadowKvOptions(s, &o->shadowkv));
-  ConfigReader ps = r.Child("prefix_store");
-  PENUMBRA_RETURN_IF_ERROR(storage::LoadSegmentStoreOptions(ps, &o->prefix_store));
+  ConfigReader st = r.Child("storage");
+  PENUMBRA_RETURN_IF_ERROR(LoadStorageOptions(st, o));
   return r.Finish();
+}
+
+Status LoadStorageOptions(ConfigReader& r, EngineOptions* o) {
+  auto read_bytes = [](ConfigReader& c, const char* key, size_t* out, int64_t lo) {
+    int64_t v = static_cast<int64_t>(std::min<size_t>(*out, size_t{1} << 55));
+    c.Read(key, &v, lo, int64_t{1} << 55);
+    *out = static_cast<size_t>(v);
+  };
+  // Tier 0: spare device memory.
+  TierOptions& t = o->runtime.tiers;
+  ConfigReader g = r.Child("gpu");
+  read_bytes(g, "capacity_bytes", &t.gpu_capacity_bytes, 0);
+  read_bytes(g, "reserve_bytes", &t.gpu_reserve_bytes, 0);
+  g.Read("high_watermark", &t.gpu_high_watermark, 0.01, 1.0);
+  g.Read("low_watermark", &t.gpu_low_watermark, 0.01, 1.0);
+  g.Read("promote_min_reads", &t.promote_min_reads, 0, int64_t{1} << 50);
+  g.Read("heat_half_life_steps", &t.heat_half_life_steps, 0.001, 1e9);
+  g.Read("replace_ratio", &t.replace_ratio, 1.0, 1e9);
+  PENUMBRA_RETURN_IF_ERROR(g.Finish());
+  if (t.gpu_low_watermark > t.gpu_high_watermark) {
+    return g.Error("low_watermark", "must be at most high_watermark (" + std::to_string(t.gpu_high_watermark) +
+                                        "), got " + std::to_string(t.gpu_low_watermark));
+  }
+  // Tier 1: this process's memory.
+  RuntimeOptions& rt = o->runtime;
+  ConfigReader d = r.Child("dram");
+  read_bytes(d, "device_bytes", &rt.prefix_cache_bytes, 0);
+  read_bytes(d, "host_bytes", &rt.prefix_cache_host_bytes, 0);
+  d.Read("low_watermark", &rt.prefix_cache_low_watermark, 0.01, 1.0);
+  PENUMBRA_RETURN_IF_ERROR(d.Finish());
+  // Tier 2: the persistent store.
+  ConfigReader k = r.Child("disk");
+  read_bytes(k, "queue_bytes", &rt.prefix_store_queue_bytes, 0);
+  k.Read("lazy_reads", &rt.prefix_store_lazy_reads);
+  read_bytes(k, "lazy_block_bytes", &rt.prefix_store_lazy_block_bytes, 4096);
+  if (rt.prefix_store_lazy_block_bytes > (size_t{256} << 20)) {
+    return k.Error("lazy_block_bytes", "must be at most 268435456");
+  }
+  k.Read("lazy_threads", &rt.prefix_store_lazy_threads, 1, 256);
+  PENUMBRA_RETURN_IF_ERROR(storage::LoadSegmentStoreOptions(k, &o->prefix_store));
+  return r.Finish();
+}
+
+Status LoadStorageOptionsFile(const std::string& path, EngineOptions* o) {
+  PENUMBRA_ASSIGN_OR_RETURN(ConfigReader r, ConfigReader::FromFile(path));
+  return LoadStorageOptions(r, o);
 }
 
 Result<EngineOptions> LoadEngineOptionsFile(const std::string& path) {

@@ -62,12 +62,19 @@ struct EngineOptions {
 };
 
 // Reads an engine YAML (keys: device, dtype, cuda_device, cpu_threads,
-// prefill_chunk, max_batch, prefix_cache_bytes, prefix_cache_host_bytes, prefix_store_queue_bytes,
-// prefix_store_lazy_reads, prefix_store_lazy_block_bytes, prefix_store_lazy_threads,
-// kv_policy, shadowkv: {...},
-// prefix_store: {...}); errors name the key.
+// linear, chained_launch, prefill_chunk, max_batch, kv_policy, shadowkv:
+// {...}, storage: {...}); errors name the key.
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o);
 Result<EngineOptions> LoadEngineOptionsFile(const std::string& path);
+// Reads the document cache's tiers (configs/storage.yaml; an engine YAML's
+// `storage:`): gpu {capacity_bytes, reserve_bytes, high_watermark,
+// low_watermark, promote_min_reads, heat_half_life_steps, replace_ratio}
+// (runtime.tiers), dram {device_bytes, host_bytes, low_watermark}
+// (runtime.prefix_cache_*), disk {queue_bytes, lazy_reads,
+// lazy_block_bytes, lazy_threads, and prefix_store's keys}. Only the keys
+// present change *o; errors name the key.
+Status LoadStorageOptions(ConfigReader& r, EngineOptions* o);
+Status LoadStorageOptionsFile(const std::string& path, EngineOptions* o);
 
 Result<std::unique_ptr<KvPolicy>> MakeShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& options);
 

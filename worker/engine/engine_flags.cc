@@ -10,6 +10,7 @@ void AddEngineFlags(Args& a) {
             "skinny (unfused) or cublas")
       .Flag("chained-launch", "CUDA: decode kernels launched chained (programmatic dependent launch), on (default) or off")
       .Flag("config", "engine YAML (see configs/engine.yaml); flags override it")
+      .Flag("storage-config", "the document cache's tiers (see configs/storage.yaml); over the engine YAML's storage:")
       .Flag("kv-policy", "full (default) or shadowkv")
       .Flag("prefill-chunk", "tokens per prefill chunk (default 4096)");
   AddShadowKvFlags(a);
@@ -19,6 +20,7 @@ Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
   if (a.Has("config")) {
     PENUMBRA_ASSIGN_OR_RETURN(*o, LoadEngineOptionsFile(a.Get("config")));
   }
+  if (a.Has("storage-config")) PENUMBRA_RETURN_IF_ERROR(LoadStorageOptionsFile(a.Get("storage-config"), o));
   if (a.Has("device")) o->backend.device = a.Get("device");
   if (a.Has("dtype")) o->backend.dtype = a.Get("dtype");
   if (a.Has("linear")) o->backend.linear = a.Get("linear");

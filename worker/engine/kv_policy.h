@@ -50,6 +50,32 @@ class KvPrefix {
   // OK unless part of it, read lazily from the persistent store, failed a
   // check (then it must not be attached again: the runtime drops it).
   virtual Status health() const { return Status::OK(); }
+
+  // ---- placement (worker/engine/value_tiers.h) ----
+  // A prefix whose state lives partly in host memory (shadowkv's values) can
+  // keep a copy of that part in spare device memory (tier 0), so sequences
+  // attached to it read it there instead of over the host link. Placement is
+  // not part of the prefix's content (what it attaches as is the same
+  // wherever it is), so these are const; they are called only by the thread
+  // that drives the policy owning the prefix, between steps (no kernel of
+  // that policy in flight reads what Demote frees).
+  // Device bytes a complete tier-0 copy takes (0: nothing to promote, e.g.
+  // full's K/V, already on the device; or host state not complete yet).
+  virtual size_t promotable_bytes() const { return 0; }
+  // Device bytes of the tier-0 copy now (a promotion goes layer by layer).
+  virtual size_t promoted_bytes() const { return 0; }
+  // Copies one more part (a layer) to the device, at most `max_bytes`;
+  // returns true once the copy is complete. ResourceExhausted when the
+  // device has no room (nothing held by this call).
+  virtual Result<bool> PromoteStep(size_t max_bytes) const { return true; }
+  // Frees the tier-0 copy (readers go back to the host copy).
+  virtual void Demote() const {}
+  // Host-state rows the engine read from this prefix since the last call
+  // (shadowkv: value chunks fetched by decode steps and continuations): the
+  // tier manager's measure of how much a device copy would save.
+  virtual int64_t TakeReads() const { return 0; }
+  // Rows read from it so far (not reset by TakeReads).
+  virtual int64_t total_reads() const { return 0; }
 };
 
 // Model geometry and shared device tables a policy needs.

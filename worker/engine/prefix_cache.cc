@@ -1,5 +1,7 @@
 #include "worker/engine/prefix_cache.h"
 
+#include <algorithm>
+
 #include <glog/logging.h>
 
 namespace penumbra {
@@ -38,9 +40,14 @@ std::shared_ptr<const KvPrefix> PrefixCache::Find(const Hash128& key, int64_t to
   return it->second->prefix;
 }
 
-void PrefixCache::MakeRoom(size_t need, size_t host_need) {
-  for (auto it = lru_.end();
-       it != lru_.begin() && (bytes_ + need > capacity_bytes_ || host_bytes_ + host_need > host_capacity_bytes_);) {
+void PrefixCache::MakeRoom(size_t need, size_t host_need, double fraction) {
+  // What may be held after the insert: the scaled capacity, but at least the
+  // new entry (a large one does not empty the cache below it).
+  auto target = [fraction](size_t cap, size_t n) {
+    return cap == SIZE_MAX ? cap : std::max(n, static_cast<size_t>(static_cast<double>(cap) * fraction));
+  };
+  const size_t cap = target(capacity_bytes_, need), host_cap = target(host_capacity_bytes_, host_need);
+  for (auto it = lru_.end(); it != lru_.begin() && (bytes_ + need > cap || host_bytes_ + host_need > host_cap);) {
     --it;
     if (it->prefix.use_count() > 1) continue;  // a live sequence holds it
     bytes_ -= it->prefix->device_bytes();
@@ -74,7 +81,9 @@ bool PrefixCache::Insert(const Hash128& key, std::shared_ptr<const KvPrefix> pre
   if (index_.count(Key(key))) return true;
   const size_t need = prefix->device_bytes(), host_need = prefix->host_bytes();
   if (need > capacity_bytes_ || host_need > host_capacity_bytes_) return false;
-  MakeRoom(need, host_need);
+  if (bytes_ + need > capacity_bytes_ || host_bytes_ + host_need > host_capacity_bytes_) {
+    MakeRoom(need, host_need, low_watermark_);
+  }
   if (bytes_ + need > capacity_bytes_ || host_bytes_ + host_need > host_capacity_bytes_) return false;
   lru_.push_front(Entry{Key(key), std::move(prefix)});
   index_[Key(key)] = lru_.begin();

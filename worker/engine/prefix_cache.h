@@ -12,13 +12,19 @@
 // Capacity is in device bytes and, separately, host bytes (a shadowkv
 // prefix's values live in host memory). Inserting past either evicts least-recently-used
 // entries that no sequence holds (an entry held by a live sequence stays: its
-// memory would not be freed anyway); an entry that cannot fit is not kept.
+// memory would not be freed anyway) until the new entry fits under
+// low_watermark x capacity (the DRAM tier's low watermark: evicting a little
+// more than needed leaves room for the next documents without evicting at
+// every insert; 1: only what is needed), or at least under the capacity; an
+// entry that cannot fit is not kept. What is evicted stays in the persistent
+// store when one is configured (the runtime's tier behind this one).
 // Not thread-safe: one runtime thread uses it.
 //
 // This is the in-memory, per-process tier of the document cache; the
 // persistent segment store (storage/, docs/storage.md) sits behind it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -44,8 +50,9 @@ struct PrefixCacheStats {
 
 class PrefixCache {
  public:
-  explicit PrefixCache(size_t capacity_bytes, size_t host_capacity_bytes = SIZE_MAX)
-      : capacity_bytes_(capacity_bytes), host_capacity_bytes_(host_capacity_bytes) {}
+  explicit PrefixCache(size_t capacity_bytes, size_t host_capacity_bytes = SIZE_MAX, double low_watermark = 1.0)
+      : capacity_bytes_(capacity_bytes), host_capacity_bytes_(host_capacity_bytes),
+        low_watermark_(std::clamp(low_watermark, 0.0, 1.0)) {}
 
   // The prefix stored under `key` with `tokens` tokens (null when absent),
   // marked most recently used.
@@ -77,10 +84,11 @@ class PrefixCache {
     std::shared_ptr<const KvPrefix> prefix;
   };
   // Evicts unheld entries, oldest first, until `need` more device bytes and
-  // `host_need` more host bytes fit.
-  void MakeRoom(size_t need, size_t host_need);
+  // `host_need` more host bytes fit under the capacities scaled by `fraction`.
+  void MakeRoom(size_t need, size_t host_need, double fraction);
 
   size_t capacity_bytes_, host_capacity_bytes_;
+  double low_watermark_;
   size_t bytes_ = 0, host_bytes_ = 0;
   std::list<Entry> lru_;  // front: most recently used
   std::map<KeyT, std::list<Entry>::iterator> index_;

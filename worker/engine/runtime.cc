@@ -44,7 +44,11 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options, 
   PENUMBRA_RETURN_IF_ERROR(rt->AllocateScratch(std::max(options.prefill_chunk, options.max_batch)));
   if (options.prefix_cache_bytes > 0) {
     rt->prefix_cache_ = std::make_unique<PrefixCache>(
-        options.prefix_cache_bytes, options.prefix_cache_host_bytes > 0 ? options.prefix_cache_host_bytes : SIZE_MAX);
+        options.prefix_cache_bytes, options.prefix_cache_host_bytes > 0 ? options.prefix_cache_host_bytes : SIZE_MAX,
+        options.prefix_cache_low_watermark);
+    PENUMBRA_RETURN_IF_ERROR(options.tiers.Validate());
+    rt->tiers_ = std::make_unique<ValueTiers>(options.tiers, backend->device() == Device::kCPU,
+                                              [backend] { return backend->FreeMemoryBytes(); });
   }
   return rt;
 }
@@ -283,6 +287,10 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
     start = 0;
     added = policy_->AddSequence(seq, spec);
   }
+  if (added.code() == StatusCode::kResourceExhausted && tiers_ && tiers_->Release(SIZE_MAX) > 0) {
+    // Device memory held by tier 0 is spare memory: a sequence comes first.
+    added = policy_->AddSequence(seq, spec);
+  }
   PENUMBRA_RETURN_IF_ERROR(added);
   stats_.prompt_tokens += start;
   stats_.cached_prompt_tokens += start;
@@ -294,7 +302,12 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
   return Status::OK();
 }
 
+void Runtime::PlaceDocuments() {
+  if (tiers_ && tiers_->enabled()) tiers_->Step(prefix_cache_->Prefixes());
+}
+
 Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, PrefillState* st, int64_t max_tokens) {
+  PlaceDocuments();
   Result<bool> r = PrefillStepImpl(seq, q, st, max_tokens);
   if (r.ok() || !st->attached || st->attached->health().ok()) return r;
   // The attached prefix failed a check while its values were read from disk
@@ -376,6 +389,10 @@ Status Runtime::CaptureSegment(int64_t seq, const GenerationRequest& q, PrefillS
   // into the prefix rather than being copied.
   const bool last = end == static_cast<int64_t>(q.prompt.size()) && q.max_new_tokens == 0;
   Result<std::shared_ptr<const KvPrefix>> p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
+  if (!p.ok() && p.status().code() == StatusCode::kResourceExhausted && tiers_ && tiers_->Release(SIZE_MAX) > 0) {
+    // Tier 0 holds only spare device memory: a new document comes first.
+    p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
+  }
   const double captured = NowSeconds() - t0;
   if (captured > 0.2) LOG(INFO) << "captured a " << end << "-token prefix in " << captured << " s";
   if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {
@@ -423,6 +440,7 @@ void Runtime::SetPrefixStore(storage::SegmentStore* store, std::string model_ide
 
 RunStats Runtime::stats() const {
   RunStats s = stats_;
+  if (tiers_) s.tiers = tiers_->stats();
   if (prefix_writer_) {
     s.prefix_store_errors += prefix_writer_->errors();
     s.prefix_stores = prefix_writer_->stored();
@@ -488,6 +506,7 @@ std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, in
 
 Result<const float*> Runtime::DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
                                          const std::vector<int64_t>& positions) {
+  PlaceDocuments();
   Result<const float*> r = DecodeStepImpl(seqs, tokens, positions);
   policy_->EndDecodeStep();  // on every path
   return r;

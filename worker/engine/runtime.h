@@ -18,6 +18,7 @@
 #include "storage/segment_store.h"
 #include "worker/engine/prefix_cache.h"
 #include "worker/engine/prefix_store_writer.h"
+#include "worker/engine/value_tiers.h"
 
 namespace penumbra {
 
@@ -70,6 +71,9 @@ struct RuntimeOptions {
   // Host bytes for them (a shadowkv prefix's values); 0: bounded only by the
   // device bytes. Default: 0.
   size_t prefix_cache_host_bytes = 0;
+  // An insert that must evict evicts down to this fraction of the
+  // capacities (PrefixCache). Default: 1 (only what is needed).
+  double prefix_cache_low_watermark = 1.0;
   // Host bytes of captured prefixes waiting to be written to the persistent
   // store; a capture beyond it is not stored. Default: 16 GiB.
   size_t prefix_store_queue_bytes = size_t{16} << 30;
@@ -86,6 +90,9 @@ struct RuntimeOptions {
   // the policy reads from the segment straight into their destination
   // (tests set it to 0 to take that path with small models). Default: 16 MiB.
   uint64_t prefix_store_eager_blob_bytes = uint64_t{16} << 20;
+  // Tier 0: hot cached documents' host-resident state (shadowkv values) in
+  // spare device memory (worker/engine/value_tiers.h). Default: off.
+  TierOptions tiers;
 };
 
 struct RunStats {
@@ -103,6 +110,7 @@ struct RunStats {
   double prefix_store_read_seconds = 0;  // reading stored prefixes (checked) from disk
   double prefix_import_seconds = 0;      // ... and importing them into the policy (to the device)
   int64_t prefix_store_read_bytes = 0;
+  TierStats tiers;  // tier 0 (device copies of hot documents' values)
 };
 
 class Runtime {
@@ -199,6 +207,10 @@ class Runtime {
   }
   // Null when prefix reuse is off.
   PrefixCache* prefix_cache() { return prefix_cache_.get(); }
+  // One placement step of the cached documents over the tiers (ValueTiers:
+  // tier 0 copies of hot documents' values). Every prefill and decode step
+  // runs one first; a caller may run more between steps (an idle worker).
+  void PlaceDocuments();
   // The persistent tier behind the prefix cache (not owned; shared by the
   // engine's lanes) and the model's identity, part of every key. Needs a
   // prefix cache.
@@ -246,6 +258,7 @@ class Runtime {
   void DropDamagedPrefix(const Hash128& key, const Status& why);
 
   std::unique_ptr<PrefixCache> prefix_cache_;
+  std::unique_ptr<ValueTiers> tiers_;  // with the prefix cache; placement of its documents
   storage::SegmentStore* prefix_store_ = nullptr;
   std::unique_ptr<PrefixStoreWriter> prefix_writer_;  // destroyed (drained) before the store
   std::string model_identity_;

@@ -293,7 +293,10 @@ class ShadowKvPolicy final : public KvPolicy {
       // One "miss" per chunk into row chunk*C: slot = chunk, no outlier rows.
       PENUMBRA_ASSIGN_OR_RETURN(const int32_t* count, IotaLists(n));
       const int32_t* iota = count + H;
-      if (s.prefix) PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureAllValues());  // read lazily from disk
+      if (s.prefix) {
+        PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureAllValues());  // read lazily from disk
+        s.prefix->NoteReads(static_cast<int64_t>(s.shared_chunks) * H);
+      }
       PENUMBRA_RETURN_IF_ERROR(GatherChunksIntoTemp(s, layer, count, iota, iota, n, /*first_row=*/0));
       // The outliers' exact keys over their rebuilt ones.
       const size_t crow = static_cast<size_t>(C) * d * es_;
@@ -328,6 +331,7 @@ class ShadowKvPolicy final : public KvPolicy {
     // background restore, and through the host (not pinned yet).
     const bool staged = s.prefix && !s.prefix->values_complete();
     if (staged) PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureValues(layer, cont_sel_host_.data(), k));
+    if (s.prefix) s.prefix->NoteReads(static_cast<int64_t>(k) * H);
     PENUMBRA_ASSIGN_OR_RETURN(const int32_t* count, IotaLists(k));  // slot j: the j-th selected chunk
     PENUMBRA_RETURN_IF_ERROR(GatherChunksIntoTemp(s, layer, count, count + H, cont_sel_.as<int32_t>(), k,
                                                   static_cast<int64_t>(O) * C,
@@ -959,7 +963,15 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.max_misses = K;
     fv.max_blocks = o_.fetch_blocks;
     bool lazy = false;  // an attached prefix's values still being read from disk: through the host
-    for (int i = g0; i < g0 + gn; ++i) lazy = lazy || step_[i]->values_staged;
+    bool on_device = true;  // every sequence's document values in device memory (tier 0)
+    for (int i = g0; i < g0 + gn; ++i) {
+      const Seq& q = *step_[i];
+      lazy = lazy || q.values_staged;
+      on_device = on_device && q.prefix && q.prefix->values_on_device(layer);
+    }
+    // From device memory the fetch is not bound by the host link: as many
+    // blocks as the restore's.
+    if (on_device) fv.max_blocks = kRestoreFetchBlocks;
     if (o_.value_fetch == "staging" || lazy) {
       PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mchunk + off, &fv));
       b.ShadowkvFetchV(fv, /*staged=*/true);
@@ -1059,11 +1071,17 @@ class ShadowKvPolicy final : public KvPolicy {
         for (int i = 0; i < B; ++i) {
           Seq& s = *step_[i];
           if (!s.sparse) continue;
+          int64_t misses = 0;
           for (int h = 0; h < H; ++h) {
             const int32_t miss = counts[(static_cast<size_t>(l) * B + i) * H + h];
             stats_.selected_chunks += s.kslots;
             stats_.hit_chunks += s.kslots - miss;
+            misses += miss;
           }
+          // The tier manager's heat: chunks fetched, nearly all from the
+          // attached document (a sequence's own chunks are its generated
+          // tokens').
+          if (s.prefix) s.prefix->NoteReads(misses);
         }
       }
     }

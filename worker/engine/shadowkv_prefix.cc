@@ -223,9 +223,47 @@ ShadowKvPrefix::~ShadowKvPrefix() {
 }
 
 const void* ShadowKvPrefix::values_device(int layer) const {
+  if (values_on_device(layer)) return tier0_[static_cast<size_t>(layer)].get();
   if (!values_complete()) return nullptr;  // not pinned yet
   const char* h = values_host(layer);
   return h ? backend_->DeviceAddressOfHost(h) : nullptr;
+}
+
+size_t ShadowKvPrefix::LayerValueBytes() const {
+  return static_cast<size_t>(g_.hkv) * value_stride_ * g_.chunk_size * g_.head_dim * DTypeSize(g_.dtype);
+}
+
+size_t ShadowKvPrefix::promotable_bytes() const {
+  if (!g_.sparse || g_.n_chunks == 0 || !values_complete()) return 0;
+  return LayerValueBytes() * static_cast<size_t>(g_.layers);
+}
+
+Result<bool> ShadowKvPrefix::PromoteStep(size_t max_bytes) const {
+  if (promotable_bytes() == 0) return false;
+  const size_t bytes = LayerValueBytes(), row = bytes / g_.hkv;
+  if (tier0_.empty()) tier0_.resize(static_cast<size_t>(g_.layers));
+  for (int l = 0; l < g_.layers; ++l) {
+    DeviceBuffer& dst = tier0_[static_cast<size_t>(l)];
+    if (dst.get()) continue;
+    if (bytes > max_bytes) {
+      return Status::ResourceExhausted("tier 0: a layer of values (" + std::to_string(bytes) +
+                                       " bytes) does not fit in " + std::to_string(max_bytes));
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer buf, backend_->Allocate(bytes));
+    // Rows [0, n_chunks) of each head (the rest of a stride are unused);
+    // ordered before the work issued after it on the policy's stream.
+    const size_t used = static_cast<size_t>(g_.n_chunks) * g_.chunk_size * g_.head_dim * DTypeSize(g_.dtype);
+    PENUMBRA_RETURN_IF_ERROR(backend_->Copy2D(buf.get(), row, values_host(l), row, used, g_.hkv));
+    dst = std::move(buf);
+    tier0_bytes_ += bytes;
+    return l + 1 == g_.layers;
+  }
+  return true;
+}
+
+void ShadowKvPrefix::Demote() const {
+  tier0_.clear();  // frees after the device's work (cudaFree synchronizes)
+  tier0_bytes_ = 0;
 }
 
 const void* ShadowKvPrefix::a_layer(int layer) const {

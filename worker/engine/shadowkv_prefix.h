@@ -114,6 +114,27 @@ class ShadowKvPrefix final : public KvPrefix {
   Status EnsureAllValues() const;
   const storage::LazyBlob* lazy_values() const { return lazy_.get(); }
 
+  // Tier 0 (KvPrefix's placement calls): the values copied to device memory
+  // layer by layer, each [hkv][value_stride][C*d] like the host copy; once a
+  // layer is there values_device returns its device copy. Only complete
+  // values (values_complete) of a sparse prefix are promoted.
+  size_t promotable_bytes() const override;
+  size_t promoted_bytes() const override { return tier0_bytes_; }
+  Result<bool> PromoteStep(size_t max_bytes) const override;
+  void Demote() const override;
+  int64_t TakeReads() const override { return reads_.exchange(0); }
+  int64_t total_reads() const override { return total_reads_.load(); }
+  // Counts `rows` value chunks read by an attached sequence (decode misses,
+  // a continuation's selection).
+  void NoteReads(int64_t rows) const {
+    reads_ += rows;
+    total_reads_ += rows;
+  }
+  // Layer l's values are in device memory (tier 0).
+  bool values_on_device(int layer) const {
+    return static_cast<size_t>(layer) < tier0_.size() && tier0_[static_cast<size_t>(layer)].get() != nullptr;
+  }
+
   // The state (written by the policy that captures or imports it).
   DeviceBuffer a, b, p, lm, excl, out_k, out_v, tail_k, tail_v, tail_prek, values;
   std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers], ascending per (layer, head)
@@ -130,6 +151,11 @@ class ShadowKvPrefix final : public KvPrefix {
   std::vector<DeviceBuffer> value_layers_;  // adopted values, one per layer (else `values` holds them)
   std::unique_ptr<storage::LazyBlob> lazy_;  // reads `values` from a stored segment (Import with lazy_values)
   std::atomic<bool> registered_{false};      // `values` (not from AllocateHost) pinned by RegisterHost
+  // Placement state (mutable: see KvPrefix), touched by the policy's thread only.
+  size_t LayerValueBytes() const;
+  mutable std::vector<DeviceBuffer> tier0_;  // per layer: the device copy of its values, or empty
+  mutable size_t tier0_bytes_ = 0;
+  mutable std::atomic<int64_t> reads_{0}, total_reads_{0};
 };
 
 }  // namespace penumbra

@@ -167,6 +167,23 @@ bool Scheduler::accepting() const {
   return !stop_ && !draining_;
 }
 
+SchedulerStats::Documents Scheduler::DocumentSnapshot() const {
+  SchedulerStats::Documents d;
+  const RunStats rs = rt_->stats();
+  if (const PrefixCache* c = rt_->prefix_cache()) {
+    d.cached = static_cast<int64_t>(c->entries());
+    d.device_bytes = static_cast<int64_t>(c->bytes());
+    d.host_bytes = static_cast<int64_t>(c->host_bytes());
+  }
+  d.tier0_bytes = static_cast<int64_t>(rs.tiers.promoted_bytes);
+  d.tier0_documents = rs.tiers.documents;
+  d.tier0_promotions = rs.tiers.promotions;
+  d.tier0_demotions = rs.tiers.demotions;
+  d.store_hits = rs.prefix_store_hits;
+  d.store_corruptions = rs.prefix_store_corruptions;
+  return d;
+}
+
 SchedulerStats Scheduler::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   SchedulerStats s = stats_;
@@ -373,7 +390,9 @@ void Scheduler::PrefillOne() {
     sampled = rt_->backend().Sample(rt_->LastLogits(), 1, rt_->config().vocab_size,
                                     {SamplingDraw(r->req.sampling, r->rng)}, &id);
   }
+  const SchedulerStats::Documents docs = DocumentSnapshot();
   std::lock_guard<std::mutex> lk(mu_);
+  stats_.documents = docs;
   ++stats_.prefill_pieces;
   stats_.prefill_piece_max_seconds = std::max(stats_.prefill_piece_max_seconds, piece);
   r->prefilled = r->prefill.at;
@@ -417,7 +436,9 @@ void Scheduler::DecodeOnce() {
   Status sampled = logits.ok() ? rt_->backend().Sample(*logits, static_cast<int>(batch.size()),
                                                         rt_->config().vocab_size, params, ids.data())
                                : logits.status();
+  const SchedulerStats::Documents docs = DocumentSnapshot();
   std::lock_guard<std::mutex> lk(mu_);
+  stats_.documents = docs;
   ++stats_.decode_steps;
   if (interleaved) ++stats_.interleaved_decode_steps;
   if (!sampled.ok()) {

@@ -110,6 +110,14 @@ struct SchedulerStats {
   int64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
   // Admissions deferred because the request did not fit next to the running ones.
   int64_t admission_waits = 0;
+  // The document cache, as of the loop's last step.
+  struct Documents {
+    int64_t cached = 0;                        // documents in memory (tier 1)
+    int64_t device_bytes = 0, host_bytes = 0;  // ... their device state and host values
+    int64_t tier0_bytes = 0, tier0_documents = 0;  // copies of hot documents' values on the device
+    int64_t tier0_promotions = 0, tier0_demotions = 0;
+    int64_t store_hits = 0, store_corruptions = 0;  // read back from disk; found damaged (recomputed)
+  } documents;
 };
 
 class Scheduler {
@@ -187,6 +195,8 @@ class Scheduler {
   void Admit();
   void PrefillOne();
   void DecodeOnce();
+  // The document cache's figures (on the loop thread, which owns the runtime).
+  SchedulerStats::Documents DocumentSnapshot() const;
   // Ends the cancelled and the expired among the queued and running.
   void Reap();
   // Appends a token (under mu_); true when the request is done with it.

@@ -60,6 +60,19 @@ class WorkerMetrics {
     decoding_ = &gauge("penumbra_worker_requests_decoding", "Requests in the decode batch.");
     piece_max_ = &gauge("penumbra_worker_prefill_piece_max_seconds",
                         "The longest prefill piece so far: the longest the running batch waited for one.");
+    documents_ = &gauge("penumbra_worker_documents_cached", "Documents in the memory tier of the document cache.");
+    document_device_ = &gauge("penumbra_worker_documents_device_bytes", "Device bytes of the cached documents' state.");
+    document_host_ = &gauge("penumbra_worker_documents_host_bytes", "Host bytes of the cached documents' values.");
+    tier0_bytes_ = &gauge("penumbra_worker_documents_tier0_bytes",
+                          "Device bytes of hot documents' values copied to spare GPU memory (tier 0).");
+    tier0_documents_ = &gauge("penumbra_worker_documents_tier0", "Documents with a copy in tier 0.");
+    tier0_promotions_ = &counter("penumbra_worker_documents_tier0_promotions_total",
+                                 "Documents' values copied to tier 0 (completed copies).");
+    tier0_demotions_ = &counter("penumbra_worker_documents_tier0_demotions_total",
+                                "Tier-0 copies freed (over the watermark, replaced, evicted, or for an admission).");
+    store_hits_ = &counter("penumbra_worker_documents_store_hits_total", "Documents read back from the disk tier.");
+    store_corruptions_ = &counter("penumbra_worker_documents_store_corruptions_total",
+                                  "Stored documents found damaged (dropped and recomputed, never served).");
   }
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   // Called at each scrape (the HTTP server's threads).
@@ -85,6 +98,16 @@ class WorkerMetrics {
     prefilling_->Set(static_cast<double>(n.prefilling));
     decoding_->Set(static_cast<double>(n.decoding));
     piece_max_->Set(n.prefill_piece_max_seconds);
+    const service::SchedulerStats::Documents& d = n.documents;
+    documents_->Set(static_cast<double>(d.cached));
+    document_device_->Set(static_cast<double>(d.device_bytes));
+    document_host_->Set(static_cast<double>(d.host_bytes));
+    tier0_bytes_->Set(static_cast<double>(d.tier0_bytes));
+    tier0_documents_->Set(static_cast<double>(d.tier0_documents));
+    bump(tier0_promotions_, d.tier0_promotions, last_.documents.tier0_promotions);
+    bump(tier0_demotions_, d.tier0_demotions, last_.documents.tier0_demotions);
+    bump(store_hits_, d.store_hits, last_.documents.store_hits);
+    bump(store_corruptions_, d.store_corruptions, last_.documents.store_corruptions);
   }
 
  private:
@@ -95,6 +118,8 @@ class WorkerMetrics {
   prometheus::Counter *submitted_, *finished_, *failed_, *cancelled_, *decode_steps_, *interleaved_,
       *prefill_pieces_, *prompt_, *cached_, *generated_, *waits_;
   prometheus::Gauge *queued_, *prefilling_, *decoding_, *piece_max_;
+  prometheus::Gauge *documents_, *document_device_, *document_host_, *tier0_bytes_, *tier0_documents_;
+  prometheus::Counter *tier0_promotions_, *tier0_demotions_, *store_hits_, *store_corruptions_;
 };
 
 Status Run(int argc, char** argv) {
