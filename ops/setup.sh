@@ -11,6 +11,7 @@ pkgs=(
   libpcre2-dev libxxhash-dev libutf8proc-dev
   librocksdb-dev libssl-dev
   thrift-compiler libthrift-dev libboost-dev python3-thrift libcpp-httplib-dev prometheus-cpp-dev
+  libucx-dev
   clang libclang-rt-14-dev
   python3
 )

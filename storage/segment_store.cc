@@ -13,6 +13,7 @@
 #include <rocksdb/write_batch.h>
 
 #include "common/record.h"
+#include "storage/lazy_blob.h"
 #include "storage/rocksdb_status.h"
 
 namespace penumbra::storage {
@@ -676,6 +677,10 @@ Status SegmentStore::Pin(const Hash128& key, bool pinned) {
                                      "segment store: pinning"));
   it->second = std::move(r);
   return Status::OK();
+}
+
+Result<std::shared_ptr<BlobReader>> SegmentStore::OpenReader(const Hash128& key) {
+  return OpenSegmentReader(this, key);
 }
 
 Status SegmentStore::Erase(const Hash128& key) {

@@ -56,6 +56,7 @@
 #include "common/config.h"
 #include "common/hash.h"
 #include "common/status.h"
+#include "storage/document_store.h"
 
 namespace penumbra::storage {
 
@@ -79,15 +80,6 @@ struct SegmentStoreOptions {
 // errors name the key. Per-namespace quotas come from the tenants' config.
 Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o);
 
-struct SegmentInfo {
-  std::string cache_namespace;
-  int64_t tokens = 0;
-  size_t bytes = 0;                  // blob bytes
-  bool pinned = false;
-  int attached = 0;                  // in-memory users (0 after a reopen)
-  uint64_t last_used = 0;            // logical clock, larger = more recent
-};
-
 struct SegmentStoreStats {
   int64_t puts = 0, gets = 0, hits = 0, misses = 0, evictions = 0;
   int64_t corruptions_detected = 0;  // blocks or records that failed a check
@@ -96,15 +88,7 @@ struct SegmentStoreStats {
   int64_t blob_reads = 0;            // ReadBlob calls that returned their bytes
 };
 
-// One blob of a stored segment, as its record holds it.
-struct BlobLayout {
-  std::string name;
-  uint64_t size = 0;                 // bytes
-  size_t block_bytes = 0;            // bytes per block (the last one holds the rest)
-  uint32_t blocks = 0;
-};
-
-class SegmentStore {
+class SegmentStore final : public DocumentStore {
  public:
   static constexpr uint32_t kFormatVersion = 2;
   // The range of block sizes, store-wide (block_bytes) or per blob.
@@ -128,16 +112,16 @@ class SegmentStore {
   // by eviction; then nothing is stored.
   Status Put(const Hash128& key, const std::string& cache_namespace, int64_t tokens,
              const std::map<std::string, std::string>& blobs,
-             const std::map<std::string, size_t>& blob_block_bytes = {});
+             const std::map<std::string, size_t>& blob_block_bytes = {}) override;
   // The blobs of a committed segment, every block verified (read_threads
   // blocks read at once); marks it used.
   // NotFound when absent, Corruption when a check fails (the segment stays:
   // the caller may Erase it and recompute).
-  Result<std::map<std::string, std::string>> Get(const Hash128& key);
+  Result<std::map<std::string, std::string>> Get(const Hash128& key) override;
   // As Get, reading only the blobs named in `only` (the others are absent
   // from the result). InvalidArgument naming a name that is not a blob of
   // the segment.
-  Result<std::map<std::string, std::string>> Get(const Hash128& key, const std::set<std::string>& only);
+  Result<std::map<std::string, std::string>> Get(const Hash128& key, const std::set<std::string>& only) override;
   // Copies bytes [offset, offset + length) of one blob into dst (length
   // bytes, any memory: pinned host memory is written in place), reading and
   // verifying only the blocks that cover them, read_threads at once; marks
@@ -151,15 +135,17 @@ class SegmentStore {
   Status ReadBlob(const Hash128& key, const std::string& blob, uint64_t offset, uint64_t length, void* dst);
   // The blobs of a committed segment (in blob index order: by name) and how
   // they are cut into blocks. NotFound when absent.
-  Result<std::vector<BlobLayout>> Layout(const Hash128& key) const;
-  Result<SegmentInfo> Info(const Hash128& key) const;
+  Result<std::vector<BlobLayout>> Layout(const Hash128& key) const override;
+  Result<SegmentInfo> Info(const Hash128& key) const override;
   bool Contains(const Hash128& key) const;
 
   Status Attach(const Hash128& key);  // NotFound when absent
   Status Detach(const Hash128& key);  // FailedPrecondition when not attached
   Status Pin(const Hash128& key, bool pinned);
   // Removes a segment. FailedPrecondition while attached; NotFound when absent.
-  Status Erase(const Hash128& key);
+  Status Erase(const Hash128& key) override;
+  // A reader that keeps the segment attached while it lives (OpenSegmentReader).
+  Result<std::shared_ptr<BlobReader>> OpenReader(const Hash128& key) override;
 
   // Writes memtables to files (blob and SST); committed data is durable
   // without it (WAL), this only moves it out of the log.

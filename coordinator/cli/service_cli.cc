@@ -711,6 +711,21 @@ Status ReadPort(const YAML::Node& n, const std::string& key, const std::string& 
   return Status::OK();
 }
 
+// A process's name (its log, port file and metrics label): non-empty,
+// without separators, and not another worker's or node's.
+Status CheckProcessName(const ServiceTopology& t, const std::string& where, const std::string& name) {
+  if (name.empty() || name.find_first_of(",=: /") != std::string::npos) {
+    return Status::InvalidArgument(where + ".name '" + name + "' must be non-empty, without , = : / or spaces");
+  }
+  for (const auto& w : t.workers) {
+    if (w.name == name) return Status::InvalidArgument(where + ": two processes named " + name);
+  }
+  for (const auto& n : t.store_nodes) {
+    if (n.name == name) return Status::InvalidArgument(where + ": two processes named " + name);
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
@@ -722,7 +737,7 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
   }
   ServiceTopology t;
   PENUMBRA_RETURN_IF_ERROR(
-      CheckKeys(root, {"model", "api_keys", "tenants", "data_dir", "coordinator", "workers"}, path));
+      CheckKeys(root, {"model", "api_keys", "tenants", "data_dir", "coordinator", "workers", "store_nodes"}, path));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "model", path, &t.model));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "api_keys", path, &t.api_keys));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "tenants", path, &t.tenants));
@@ -751,13 +766,25 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
     PENUMBRA_RETURN_IF_ERROR(ReadPort(ws[i], "port", where, 0, &s.port));
     PENUMBRA_RETURN_IF_ERROR(ReadPort(ws[i], "metrics_port", where, -1, &s.metrics_port));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "args", where, &s.args));
-    if (s.name.empty() || s.name.find_first_of(",=: /") != std::string::npos) {
-      return Status::InvalidArgument(where + ".name '" + s.name + "' must be non-empty, without , = : / or spaces");
-    }
-    for (const auto& other : t.workers) {
-      if (other.name == s.name) return Status::InvalidArgument(where + ": two workers named " + s.name);
-    }
+    PENUMBRA_RETURN_IF_ERROR(CheckProcessName(t, where, s.name));
     t.workers.push_back(std::move(s));
+  }
+  if (const YAML::Node ns = root["store_nodes"]) {
+    if (!ns.IsSequence()) return Status::InvalidArgument(path + ": store_nodes must be a list");
+    for (size_t i = 0; i < ns.size(); ++i) {
+      const std::string where = path + ": store_nodes[" + std::to_string(i) + "]";
+      StoreNodeSpec s;
+      s.name = "s" + std::to_string(i);
+      PENUMBRA_RETURN_IF_ERROR(CheckKeys(ns[i], {"name", "host", "port", "path", "args"}, where));
+      PENUMBRA_RETURN_IF_ERROR(ReadKey(ns[i], "name", where, &s.name));
+      PENUMBRA_RETURN_IF_ERROR(ReadKey(ns[i], "host", where, &s.host));
+      PENUMBRA_RETURN_IF_ERROR(ReadPort(ns[i], "port", where, 0, &s.port));
+      PENUMBRA_RETURN_IF_ERROR(ReadKey(ns[i], "path", where, &s.path));
+      PENUMBRA_RETURN_IF_ERROR(ReadKey(ns[i], "args", where, &s.args));
+      if (s.path.empty()) return Status::InvalidArgument(where + ".path is required (the node's RocksDB directory)");
+      PENUMBRA_RETURN_IF_ERROR(CheckProcessName(t, where, s.name));
+      t.store_nodes.push_back(std::move(s));
+    }
   }
   return t;
 }
@@ -800,15 +827,37 @@ Status ServeCommand(int argc, char** argv) {
   const std::string bin = ExeDir();
 
   BlockTerminationSignals();  // the children start with a clean mask (Spawn)
-  std::vector<Child> workers;
+  std::vector<Child> workers, nodes;
   Child coordinator;
   auto stop_all = [&] {
     StopChild(coordinator, milliseconds(35000));
     for (auto& w : workers) StopChild(w, milliseconds(35000));
+    for (auto& n : nodes) StopChild(n, milliseconds(35000));
   };
+  // Value-store nodes first: the workers connect to them.
+  std::string store_list;
+  for (const StoreNodeSpec& s : t.store_nodes) {
+    std::vector<std::string> argv = {bin + "/penumbra-store", "--path", s.path, "--host", s.host,
+                                     "--port", std::to_string(s.port)};
+    argv.insert(argv.end(), s.args.begin(), s.args.end());
+    Result<Child> c = Spawn(s.name, argv, dir);
+    if (!c.ok()) {
+      stop_all();
+      return c.status();
+    }
+    nodes.push_back(*c);
+    if (Status st = WaitServing(nodes.back(), std::chrono::seconds(start_s)); !st.ok()) {
+      stop_all();
+      return st;
+    }
+    store_list += (store_list.empty() ? "" : ",") + s.host + ":" + std::to_string(nodes.back().port);
+    std::fprintf(stderr, "serve: store node %s on %s:%d (%s), log %s\n", s.name.c_str(), s.host.c_str(),
+                 nodes.back().port, s.path.c_str(), nodes.back().log.c_str());
+  }
   for (const WorkerProcessSpec& s : t.workers) {
     std::vector<std::string> argv = {bin + "/penumbra-worker", "--model", t.model, "--name", s.name, "--host", s.host,
                                      "--port", std::to_string(s.port), "--metrics-port", std::to_string(s.metrics_port)};
+    if (!store_list.empty()) argv.insert(argv.end(), {"--store-node", store_list});
     argv.insert(argv.end(), s.args.begin(), s.args.end());
     Result<Child> c = Spawn(s.name, argv, dir);
     if (!c.ok()) {
@@ -871,6 +920,7 @@ Status ServeCommand(int argc, char** argv) {
     for (Child* ch : [&] {
            std::vector<Child*> v{&coordinator};
            for (auto& w : workers) v.push_back(&w);
+           for (auto& n : nodes) v.push_back(&n);
            return v;
          }()) {
       int st = 0;
@@ -882,7 +932,7 @@ Status ServeCommand(int argc, char** argv) {
     }
     if (died) break;
   }
-  std::fprintf(stderr, "serve: stopping (the coordinator, then the workers, each draining)\n");
+  std::fprintf(stderr, "serve: stopping (the coordinator, then the workers, each draining, then the store nodes)\n");
   stop_all();
   return result;
 }

@@ -27,6 +27,16 @@ struct WorkerProcessSpec {
   std::vector<std::string> args;  // more penumbra-worker flags (--device cpu, --config engine.yaml, ...)
 };
 
+// A value-store node `penumbra serve` starts (penumbra-store; documents on
+// its disk, reached by every worker over UCX).
+struct StoreNodeSpec {
+  std::string name = "s0";
+  std::string host = "127.0.0.1";
+  int port = 0;                   // 0: the OS picks
+  std::string path;               // its RocksDB directory (required)
+  std::vector<std::string> args;  // more penumbra-store flags
+};
+
 struct ServiceTopology {
   std::string model = "models/penumbra-eval";
   std::string api_keys;  // file of `keys: {KEY: TENANT}` in plain text (development); "": none
@@ -37,6 +47,8 @@ struct ServiceTopology {
   int metrics_port = 7701;
   std::vector<std::string> coordinator_args;
   std::vector<WorkerProcessSpec> workers;
+  // Started first; every worker gets --store-node with all of them.
+  std::vector<StoreNodeSpec> store_nodes;
 };
 
 // Reads a topology YAML; errors name the file and the key.

@@ -6,7 +6,8 @@
 # submitted); a 6-item job (4 single items and a 2-question line) submitted
 # and waited for, its results (6 lines, distinct custom ids, all ok) on stdout
 # and in a file; status, ls; a detached job followed to its end; the finished
-# jobs still listed after serve restarts on the same data_dir; rm, and
+# jobs still listed after serve restarts on the same data_dir (the worker's
+# documents kept on a value-store node serve starts); rm, and
 # NOT_FOUND for a removed or unknown id.
 #   tests/service/job_cli_test.sh BIN_DIR   (from the repository root)
 set -u
@@ -37,6 +38,9 @@ coordinator:
 workers:
   - name: w0
     args: ["--device", "cpu", "--drain-seconds", "2"]
+store_nodes:
+  - name: s0
+    path: $RUN/store
 EOF
 
 start_serve() {
@@ -146,6 +150,10 @@ grep -qP "\tcompleted\t1/1 done \(1 completed, 0 failed, 0 cancelled\)" "$RUN/ou
 # What the data directory keeps: both jobs and their results, after a restart.
 stop_serve
 start_serve
+# The worker keeps its documents on the value-store node serve started; the
+# node, restarted on its directory, still holds them.
+grep -qE "serving $RUN/store \(([1-9][0-9]*) documents\)" "$RUN/run/s0.log" ||
+  fail "the store node holds no document after the restart: $(cat "$RUN/run/s0.log")"
 pen job ls || fail "job ls: $(cat "$RUN/err")"
 [ "$(cut -f1 "$RUN/out" | tr '\n' ' ')" = "$JOB $JOB2 " ] || fail "job ls after restart: $(cat "$RUN/out")"
 pen job results "$JOB" || fail "job results after restart: $(cat "$RUN/err")"

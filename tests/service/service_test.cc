@@ -255,6 +255,46 @@ TEST_F(Service, RequestsAboutADocumentGoToTheWorkerHoldingIt) {
   }
 }
 
+// Two workers keeping their documents on one value-store node (penumbra-store
+// over UCX): the holder of a document is killed (SIGKILL), and the other
+// worker answers about it from the node (attached, not prefilled) with the
+// tokens the holder gave.
+TEST_F(Service, ALostWorkersDocumentsComeBackFromTheStoreNode) {
+  char tmpl[] = "/tmp/penumbra-store-node-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  Served node;
+  node.process = Process::Start({BinDir() + "/penumbra-store", "--path", dir + "/db", "--port-file", dir + "/port"},
+                                dir + "/store.log");
+  ASSERT_TRUE(WaitServing(node, dir + "/port"));
+  ClusterOptions o;
+  o.workers = 2;
+  o.worker_flags = {"--store-node", "127.0.0.1:" + std::to_string(node.port)};
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  const std::vector<int32_t> doc = LcgTokens(200, 23, true);
+  const rpc::DocumentInfo a = Put(*c, "a", doc);
+  const int wa = a.worker == "w0" ? 0 : 1;
+  auto before = c->Complete(Ask({a.id}, LcgTokens(12, 600, false), 8));
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->usage.cached_prompt_tokens, 200);
+  std::this_thread::sleep_for(1500ms);  // the holder's background write to the node
+  cluster.worker(wa).process->Signal(SIGKILL);
+  ASSERT_TRUE(cluster.worker(wa).process->Wait(10s).has_value());
+  std::this_thread::sleep_for(600ms);  // the health check notices
+  auto after = c->Complete(Ask({a.id}, LcgTokens(12, 600, false), 8));
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->usage.cached_prompt_tokens, 200);  // from the node, not prefilled
+  EXPECT_EQ(after->ids, before->ids);
+  const rpc::WorkerStats ws = cluster.WorkerStats(1 - wa);
+  EXPECT_EQ(ws.cached_prompt_tokens, 200);
+  node.process->Signal(SIGTERM);
+  EXPECT_TRUE(node.process->Wait(20s).has_value());
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
 // Writes `bytes` to host:port and closes; true when the connection was made.
 bool SendRaw(int port, const std::string& bytes) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);

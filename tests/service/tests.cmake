@@ -4,17 +4,18 @@
 add_executable(service_test ${CMAKE_CURRENT_LIST_DIR}/service_test.cc)
 target_link_libraries(service_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
-add_dependencies(service_test penumbra-worker penumbra-coordinator)
+add_dependencies(service_test penumbra-worker penumbra-coordinator penumbra-store)
 foreach(case ConcurrentClientsGetTheOfflineAnswers ARequestAdmittedMidDecodeFinishesBeforeAnEarlierLongOne
         RequestsAboutADocumentGoToTheWorkerHoldingIt BadInputIsRefusedAndTheServersKeepServing
         DocumentsTenantsStreamingAndCancel SigtermDrainsRunningRequests
         BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce TenantQuotasRefuseWithRetryAfterAndIsolate
-        BatchJobChaosKillsCoordinatorAndWorkers)
+        BatchJobChaosKillsCoordinatorAndWorkers ALostWorkersDocumentsComeBackFromTheStoreNode)
   add_test(NAME service_${case} COMMAND service_test --gtest_filter=Service.${case}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   set_tests_properties(service_${case} PROPERTIES LABELS service TIMEOUT 600
     ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
 endforeach()
+set_property(TEST service_ALostWorkersDocumentsComeBackFromTheStoreNode APPEND PROPERTY LABELS distributed)
 
 # penumbra serve + penumbra-service-bench at a small size (the GPU
 # measurement's tool, kept working on the CPU).

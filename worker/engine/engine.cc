@@ -115,10 +115,18 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
 }
 
 Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
-  if (!e->options_.prefix_store.path.empty()) {
+  if (e->options_.document_store && !e->options_.prefix_store.path.empty()) {
+    return Status::InvalidArgument("a document store is given and storage.disk.path is set: one or the other");
+  }
+  if (e->options_.document_store || !e->options_.prefix_store.path.empty()) {
     if (e->options_.runtime.prefix_cache_bytes == 0) {
-      return Status::InvalidArgument("prefix_store needs prefix_cache_bytes > 0 (the device tier it fills)");
+      return Status::InvalidArgument("a persistent document store needs storage.dram.device_bytes > 0 (the memory "
+                                     "tier in front of it)");
     }
+  }
+  if (e->options_.document_store) {
+    e->prefix_store_ = e->options_.document_store;
+  } else if (!e->options_.prefix_store.path.empty()) {
     PENUMBRA_ASSIGN_OR_RETURN(e->prefix_store_, storage::SegmentStore::Open(e->options_.prefix_store));
   }
   if (e->options_.kv_policy == "shadowkv" && e->options_.shadowkv.fetch_turns) {
@@ -164,7 +172,7 @@ Result<std::unique_ptr<Engine>> Engine::Open(const std::string& model_dir, const
   PENUMBRA_ASSIGN_OR_RETURN(e->backend_, CreateBackend(options.backend));
   PENUMBRA_ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::Load(ckpt, *e->backend_));
   e->weights_ = std::make_unique<ModelWeights>(std::move(w));
-  if (!options.prefix_store.path.empty()) {
+  if (!options.prefix_store.path.empty() || options.document_store) {
     // Every byte of config.json and of every tensor (files and tensors in
     // their stored order): a stored prefix is never attached to another
     // model, however alike in shape. Reads the whole checkpoint once.
@@ -189,7 +197,7 @@ Result<std::unique_ptr<Engine>> Engine::OpenRandom(const ModelConfig& config, co
   PENUMBRA_ASSIGN_OR_RETURN(e->backend_, CreateBackend(options.backend));
   PENUMBRA_ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::Random(config, *e->backend_, seed));
   e->weights_ = std::make_unique<ModelWeights>(std::move(w));
-  if (!options.prefix_store.path.empty()) {
+  if (!options.prefix_store.path.empty() || options.document_store) {
     e->model_identity_ = "random:" + std::to_string(seed) + ":" + std::to_string(config.num_layers) + "x" +
                          std::to_string(config.hidden_size) + "x" + std::to_string(config.vocab_size);
   }

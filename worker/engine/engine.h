@@ -59,6 +59,9 @@ struct EngineOptions {
   // from a lane's device cache is looked up there, so documents survive a
   // restart. Needs runtime.prefix_cache_bytes > 0. Default: no path (off).
   storage::SegmentStoreOptions prefix_store;
+  // Or a persistent tier given by the caller (e.g. a value-store node's
+  // client, transport/store_node.h), shared by the lanes; not with a path.
+  std::shared_ptr<storage::DocumentStore> document_store;
 };
 
 // Reads an engine YAML (keys: device, dtype, cuda_device, cpu_threads,
@@ -107,7 +110,7 @@ class Engine {
   const ModelWeights& weights() const { return *weights_; }
   const EngineOptions& options() const { return options_; }
   // Content hash of the model (config and every weight byte; "random:..."
-  // for OpenRandom), computed when a prefix store is configured, else "".
+  // for OpenRandom), computed when a persistent store is configured, else "".
   const std::string& model_identity() const { return model_identity_; }
 
  private:
@@ -129,7 +132,7 @@ class Engine {
   std::unique_ptr<Backend> backend_;  // lane 0's; the weights live in its memory
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<FetchTurns> fetch_turns_;  // shadowkv.fetch_turns; outlives the lanes
-  std::unique_ptr<storage::SegmentStore> prefix_store_;  // shared by the lanes' runtimes; outlives them
+  std::shared_ptr<storage::DocumentStore> prefix_store_;  // shared by the lanes' runtimes; outlives them
   std::string model_identity_;
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

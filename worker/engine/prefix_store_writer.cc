@@ -6,7 +6,7 @@
 
 namespace penumbra {
 
-PrefixStoreWriter::PrefixStoreWriter(storage::SegmentStore* store, size_t max_queued_bytes,
+PrefixStoreWriter::PrefixStoreWriter(storage::DocumentStore* store, size_t max_queued_bytes,
                                      std::map<std::string, size_t> blob_block_bytes)
     : store_(store),
       max_queued_bytes_(max_queued_bytes),

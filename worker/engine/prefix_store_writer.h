@@ -25,7 +25,7 @@ class PrefixStoreWriter {
  public:
   // `store` must outlive the writer.
   // blob_block_bytes: block sizes of named blobs (SegmentStore::Put).
-  PrefixStoreWriter(storage::SegmentStore* store, size_t max_queued_bytes,
+  PrefixStoreWriter(storage::DocumentStore* store, size_t max_queued_bytes,
                     std::map<std::string, size_t> blob_block_bytes = {});
   ~PrefixStoreWriter();
   PrefixStoreWriter(const PrefixStoreWriter&) = delete;
@@ -53,7 +53,7 @@ class PrefixStoreWriter {
   };
   void Run();
 
-  storage::SegmentStore* const store_;
+  storage::DocumentStore* const store_;
   const size_t max_queued_bytes_;
   const std::map<std::string, size_t> blob_block_bytes_;
   mutable std::mutex mu_;

@@ -424,7 +424,7 @@ Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, Generatio
   }
 }
 
-void Runtime::SetPrefixStore(storage::SegmentStore* store, std::string model_identity) {
+void Runtime::SetPrefixStore(storage::DocumentStore* store, std::string model_identity) {
   prefix_writer_.reset();  // drains writes to the previous store
   prefix_store_ = store;
   model_identity_ = std::move(model_identity);
@@ -464,7 +464,7 @@ std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, in
     blobs = prefix_store_->Get(key);
   } else {
     auto layout = prefix_store_->Layout(key);
-    auto opened = layout.ok() ? storage::OpenSegmentReader(prefix_store_, key)
+    auto opened = layout.ok() ? prefix_store_->OpenReader(key)
                               : Result<std::shared_ptr<storage::BlobReader>>(layout.status());
     if (opened.ok()) {
       reader = *opened;

@@ -215,7 +215,7 @@ class Runtime {
   // engine's lanes) and the model's identity, part of every key. Needs a
   // prefix cache.
   // Captured prefixes are written to it in the background (PrefixStoreWriter).
-  void SetPrefixStore(storage::SegmentStore* store, std::string model_identity);
+  void SetPrefixStore(storage::DocumentStore* store, std::string model_identity);
 
  private:
   // Prefill's three parts: the rows' embeddings, `layers` more layers, and the
@@ -259,7 +259,7 @@ class Runtime {
 
   std::unique_ptr<PrefixCache> prefix_cache_;
   std::unique_ptr<ValueTiers> tiers_;  // with the prefix cache; placement of its documents
-  storage::SegmentStore* prefix_store_ = nullptr;
+  storage::DocumentStore* prefix_store_ = nullptr;
   std::unique_ptr<PrefixStoreWriter> prefix_writer_;  // destroyed (drained) before the store
   std::string model_identity_;
 };

@@ -21,6 +21,7 @@
 #include "common/logging.h"
 #include "common/process.h"
 #include "transport/metrics_http.h"
+#include "transport/store_node.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"
 #include "worker/service/scheduler.h"
@@ -138,6 +139,8 @@ Status Run(int argc, char** argv) {
       .Flag("prefix-cache-mb", "device MiB for cached documents (default: the config's prefix_cache_bytes, "
                                "else 4096)")
       .Flag("prefix-store", "directory of the persistent document store (RocksDB; default: the config's)")
+      .Flag("store-node", "HOST:PORT[,HOST:PORT...] of value-store nodes (penumbra-store) to keep documents on "
+                          "instead of a local directory (each document on one node, by its key)")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
       .Flag("drain-seconds", "on SIGTERM, how long running requests may finish (default 30)")
       .Flag("random-weights", "benchmarks only: the model's shape from --model DIR/config.json, its weights "
@@ -156,6 +159,11 @@ Status Run(int argc, char** argv) {
     eo.runtime.prefix_cache_bytes = size_t{4096} << 20;  // a worker serves documents
   }
   if (a.Has("prefix-store")) eo.prefix_store.path = a.Get("prefix-store");
+  if (a.Has("store-node")) {
+    if (a.Has("prefix-store")) return Status::InvalidArgument("--store-node and --prefix-store: one or the other");
+    eo.prefix_store.path.clear();
+    PENUMBRA_ASSIGN_OR_RETURN(eo.document_store, transport::ConnectStoreNodes(a.Get("store-node")));
+  }
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t metrics_port, a.GetIntIn("metrics-port", 0, -1, 65535));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t frame_mb, a.GetIntIn("max-frame-mb", 64, 1, 1024));

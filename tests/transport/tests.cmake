@@ -1,0 +1,11 @@
+# The UCX data plane and value-store nodes (UCX over TCP and shared memory on
+# loopback). Tests that start real processes carry the label "distributed".
+penumbra_glob_tests(transport LIBS penumbra_ucx penumbra_store_node penumbra_engine nlohmann_json::nlohmann_json)
+foreach(t ucx_rpc_test store_node_integration_test)
+  if(TEST ${t})
+    set_property(TEST ${t} APPEND PROPERTY LABELS distributed)
+  endif()
+endforeach()
+if(TARGET store_node_integration_test)
+  add_dependencies(store_node_integration_test penumbra-store)
+endif()

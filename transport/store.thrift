@@ -1,0 +1,62 @@
+// The value-store node's messages (penumbra-store; transport/store_node.h),
+// carried over the UCX plane (transport/ucx_rpc.h) rather than a Thrift
+// transport: a request's method is the UCX message's, its body one of
+// these structs in Thrift's binary protocol. A READ's reply is the bytes
+// themselves (no struct around them: the data path). Documents go up in
+// parts and come back through readers, so none needs one message of its
+// size (a 124928-token ShadowKV document is 10.6 GB).
+
+namespace cpp penumbra.rpc.store
+namespace py penumbra.rpc.store
+
+enum StoreMethod {
+  PUT_BEGIN = 1,   // key, cache_namespace, tokens, sizes, block_bytes -> upload
+  PUT_PART = 2,    // upload, blob, offset, data (parts of at most 64 MiB)
+  PUT_COMMIT = 3,  // upload: stored once every byte of every blob came
+  LAYOUT = 4,      // key -> layout
+  INFO = 5,        // key -> info
+  ERASE = 6,       // key
+  OPEN = 7,        // key -> reader, layout: the segment stays attached while the reader lives
+  READ = 8,        // reader, blob, offset, length -> the bytes (raw; at most 64 MiB)
+  CLOSE = 9,       // reader
+}
+
+struct StoreKey {
+  1: i64 hi,
+  2: i64 lo,
+}
+
+struct StoreBlobLayout {
+  1: string name,
+  2: i64 size,
+  3: i64 block_bytes,
+  4: i32 blocks,
+}
+
+struct StoreInfo {
+  1: string cache_namespace,
+  2: i64 tokens,
+  3: i64 bytes,
+  4: bool pinned,
+}
+
+struct StoreRequest {
+  1: StoreKey key,
+  2: string cache_namespace,
+  3: i64 tokens,
+  4: map<string, i64> sizes,
+  5: map<string, i64> block_bytes,
+  6: i64 upload,
+  7: i64 reader,
+  8: string blob,
+  9: i64 offset,
+  10: i64 length,
+  11: binary data,
+}
+
+struct StoreReply {
+  1: StoreInfo info,
+  2: list<StoreBlobLayout> layout,
+  3: i64 reader,
+  4: i64 upload,
+}

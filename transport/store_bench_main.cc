@@ -1,0 +1,192 @@
+// penumbra-store-bench: the bandwidth of reading a stored document's values
+// from a value-store node (another process, over UCX) beside reading them
+// from the local disk store and beside a gather from local DRAM (what a
+// worker does when the values are in its own memory). One JSON line.
+//
+//   penumbra-store-bench [--mb 1024] [--block-bytes 16384] [--threads 32] [--dir /tmp/...]
+//
+// The document is one blob of --mb MiB stored in --block-bytes blocks (the
+// lazy values' layout); reads are block-sized, --threads at once, in a
+// random order (a question's chunks), then whole (64 MiB reads, one thread:
+// a background restore).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/args.h"
+#include "common/hash.h"
+#include "common/logging.h"
+#include "common/process.h"
+#include "storage/lazy_blob.h"
+#include "storage/segment_store.h"
+#include "transport/store_node.h"
+
+namespace penumbra {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Reads blocks `order` of `reader`'s blob with `threads` threads; seconds.
+Result<double> ReadBlocks(storage::BlobReader& reader, uint64_t size, size_t block, const std::vector<uint32_t>& order,
+                          int threads, char* dst) {
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  Status first;
+  std::mutex mu;
+  const double t0 = Now();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&] {
+      for (size_t i = next++; i < order.size() && !failed; i = next++) {
+        const uint64_t off = static_cast<uint64_t>(order[i]) * block;
+        const uint64_t n = std::min<uint64_t>(block, size - off);
+        Status s = reader.Read("values", off, n, dst + off);
+        if (!s.ok()) {
+          std::lock_guard<std::mutex> lk(mu);
+          if (!failed.exchange(true)) first = s;
+        }
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  if (failed) return first;
+  return Now() - t0;
+}
+
+Status Run(int argc, char** argv) {
+  Args a;
+  a.Flag("mb", "MiB of values (default 1024)").Flag("block-bytes", "bytes per block (default 16384)")
+      .Flag("threads", "reads in flight (default 32)").Flag("dir", "a scratch directory (default: a new one in /tmp)");
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetIntIn("mb", 1024, 1, 1 << 20));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t block, a.GetIntIn("block-bytes", 16384, 4096, 64 << 20));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t threads, a.GetIntIn("threads", 32, 1, 1024));
+  std::string dir = a.Get("dir", "");
+  if (dir.empty()) {
+    char tmpl[] = "/tmp/penumbra-store-bench-XXXXXX";
+    dir = mkdtemp(tmpl);
+  }
+  const uint64_t size = static_cast<uint64_t>(mb) << 20;
+  const size_t B = static_cast<size_t>(block);
+  std::string values(size, '\0');
+  for (uint64_t i = 0; i < size; i += 8) {
+    const uint64_t v = i * 0x9E3779B97F4A7C15ull;
+    std::memcpy(values.data() + i, &v, std::min<uint64_t>(8, size - i));
+  }
+  const Hash128 key = Hasher128().Update("store-bench").Digest();
+  storage::SegmentStoreOptions so;
+  so.path = dir + "/db";
+  so.capacity_bytes = size * 2 + (size_t{1} << 30);
+  so.read_threads = static_cast<size_t>(threads);
+  nlohmann::json j = {{"bench", "store-gather"}, {"bytes", size}, {"block_bytes", B}, {"threads", threads}};
+  const uint32_t blocks = static_cast<uint32_t>((size + B - 1) / B);
+  std::vector<uint32_t> order(blocks);
+  std::iota(order.begin(), order.end(), 0u);
+  std::shuffle(order.begin(), order.end(), std::mt19937(7));
+  std::vector<char> dst(size);
+  {
+    // Local DRAM: the same blocks gathered from memory (memcpy), one thread per stream.
+    const double t0 = Now();
+    std::vector<std::thread> pool;
+    std::atomic<size_t> next{0};
+    for (int t = 0; t < std::min<int64_t>(threads, std::thread::hardware_concurrency()); ++t) {
+      pool.emplace_back([&] {
+        for (size_t i = next++; i < order.size(); i = next++) {
+          const uint64_t off = static_cast<uint64_t>(order[i]) * B;
+          std::memcpy(dst.data() + off, values.data() + off, std::min<uint64_t>(B, size - off));
+        }
+      });
+    }
+    for (auto& t : pool) t.join();
+    j["dram_gather_gb_per_s"] = static_cast<double>(size) / (Now() - t0) / 1e9;
+  }
+  {
+    // Local disk: the store in this process.
+    PENUMBRA_ASSIGN_OR_RETURN(auto store, storage::SegmentStore::Open(so));
+    const double t0 = Now();
+    PENUMBRA_RETURN_IF_ERROR(store->Put(key, "", 1, {{"values", values}}, {{"values", B}}));
+    PENUMBRA_RETURN_IF_ERROR(store->Flush());
+    j["put_gb_per_s"] = static_cast<double>(size) / (Now() - t0) / 1e9;
+    PENUMBRA_ASSIGN_OR_RETURN(auto reader, store->OpenReader(key));
+    std::fill(dst.begin(), dst.end(), 0);
+    PENUMBRA_ASSIGN_OR_RETURN(double s, ReadBlocks(*reader, size, B, order, static_cast<int>(threads), dst.data()));
+    if (std::memcmp(dst.data(), values.data(), size) != 0) return Status::Internal("local read: wrong bytes");
+    j["local_blocks_gb_per_s"] = static_cast<double>(size) / s / 1e9;
+  }
+  // The node: another process on the same directory.
+  const std::string port_file = dir + "/port.json";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const std::string bin = std::filesystem::read_symlink("/proc/self/exe").parent_path().string() + "/penumbra-store";
+    const std::string th = std::to_string(std::max<int64_t>(8, threads));
+    execl(bin.c_str(), "penumbra-store", "--path", so.path.c_str(), "--port-file", port_file.c_str(), "--threads",
+          th.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int port = 0;
+  for (int i = 0; i < 600 && port == 0; ++i) {
+    std::ifstream f(port_file);
+    auto pj = nlohmann::json::parse(f, nullptr, false);
+    if (!pj.is_discarded() && pj.contains("port")) port = pj["port"].get<int>();
+    if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  Status result = Status::OK();
+  if (port == 0) {
+    result = Status::Unavailable("penumbra-store did not start");
+  } else {
+    transport::RemoteStoreOptions ro;
+    ro.port = port;
+    auto remote = transport::RemoteDocumentStore::Connect(ro);
+    auto reader = remote.ok() ? (*remote)->OpenReader(key) : Result<std::shared_ptr<storage::BlobReader>>(remote.status());
+    if (!reader.ok()) {
+      result = reader.status();
+    } else {
+      std::fill(dst.begin(), dst.end(), 0);
+      auto s = ReadBlocks(**reader, size, B, order, static_cast<int>(threads), dst.data());
+      if (!s.ok() || std::memcmp(dst.data(), values.data(), size) != 0) {
+        result = s.ok() ? Status::Internal("node read: wrong bytes") : s.status();
+      } else {
+        j["node_blocks_gb_per_s"] = static_cast<double>(size) / *s / 1e9;
+        std::fill(dst.begin(), dst.end(), 0);
+        const double t0 = Now();
+        Status w = (*reader)->Read("values", 0, size, dst.data());
+        if (!w.ok() || std::memcmp(dst.data(), values.data(), size) != 0) {
+          result = w.ok() ? Status::Internal("node read: wrong bytes") : w;
+        } else {
+          j["node_whole_gb_per_s"] = static_cast<double>(size) / (Now() - t0) / 1e9;
+        }
+      }
+    }
+  }
+  kill(pid, SIGTERM);
+  waitpid(pid, nullptr, 0);
+  std::error_code ec;
+  if (!a.Has("dir")) std::filesystem::remove_all(dir, ec);
+  PENUMBRA_RETURN_IF_ERROR(result);
+  std::printf("%s\n", j.dump().c_str());
+  return Status::OK();
+}
+
+}  // namespace
+}  // namespace penumbra
+
+int main(int argc, char** argv) {
+  return penumbra::ServerMain("penumbra-store-bench", "usage: penumbra-store-bench [--mb N] [--block-bytes B] "
+                              "[--threads T] [--dir D]\n", argc, argv, penumbra::Run);
+}

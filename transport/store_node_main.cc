@@ -1,0 +1,92 @@
+// penumbra-store: a value-store node. Holds stored documents in a RocksDB
+// directory (storage::SegmentStore) and serves them to workers over UCX
+// (transport/store_node.h); workers reach it with --store-node HOST:PORT.
+//
+//   penumbra-store --path DIR [--host 127.0.0.1] [--port 0] [--port-file F]
+//                  [--storage-config configs/storage.yaml] [--threads 8]
+//
+// With --port-file it writes {"port": P, "metrics_port": -1, "pid": N} there
+// (atomically) once
+// serving. SIGTERM or SIGINT stops it (what was acknowledged is on disk).
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/args.h"
+#include "common/config.h"
+#include "common/logging.h"
+#include "common/process.h"
+#include "storage/segment_store.h"
+#include "transport/store_node.h"
+
+namespace penumbra {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: penumbra-store --path DIR [--host 127.0.0.1] [--port 0] [--port-file F] "
+    "[--storage-config FILE] [--threads 8]\n";
+
+Status Run(int argc, char** argv) {
+  Args a;
+  a.Flag("path", "the store's RocksDB directory (created when missing)")
+      .Flag("host", "address to listen on (default 127.0.0.1)")
+      .Flag("port", "port (default 0: one the OS picks)")
+      .Flag("port-file", "write {\"port\": P, \"pid\": N} here once serving")
+      .Flag("storage-config", "the store's options: the disk: section of a storage YAML (configs/storage.yaml)")
+      .Flag("threads", "requests served at once (default 8)")
+      .Flag("reader-idle-seconds", "a reader a worker left idle this long is closed (default 120)");
+  Status ps = a.Parse(argc, argv, 1);
+  if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
+  storage::SegmentStoreOptions so;
+  if (a.Has("storage-config")) {
+    PENUMBRA_ASSIGN_OR_RETURN(ConfigReader r, ConfigReader::FromFile(a.Get("storage-config")));
+    ConfigReader disk = r.Child("disk");
+    // The node stores; the worker-side keys of the section are the workers'.
+    bool ignored_b = false;
+    int64_t ignored_i = 0;
+    disk.Read("queue_bytes", &ignored_i, 0, int64_t{1} << 55);
+    disk.Read("lazy_reads", &ignored_b);
+    disk.Read("lazy_block_bytes", &ignored_i, 0, int64_t{1} << 55);
+    disk.Read("lazy_threads", &ignored_i, 0, 1 << 20);
+    PENUMBRA_RETURN_IF_ERROR(storage::LoadSegmentStoreOptions(disk, &so));
+    (void)r.Child("gpu");
+    (void)r.Child("dram");
+    PENUMBRA_RETURN_IF_ERROR(r.Finish());
+  }
+  if (a.Has("path")) so.path = a.Get("path");
+  if (so.path.empty()) return Status::InvalidArgument(std::string("--path is required\n") + kUsage);
+  transport::StoreNodeOptions no;
+  no.host = a.Get("host", "127.0.0.1");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
+  no.port = static_cast<int>(port);
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t threads, a.GetIntIn("threads", no.threads, 1, 256));
+  no.threads = static_cast<int>(threads);
+  PENUMBRA_ASSIGN_OR_RETURN(no.reader_idle_seconds, a.GetDouble("reader-idle-seconds", no.reader_idle_seconds));
+  if (!(no.reader_idle_seconds > 0)) return Status::InvalidArgument("--reader-idle-seconds must be > 0");
+
+  PENUMBRA_ASSIGN_OR_RETURN(auto store, storage::SegmentStore::Open(so));
+  PENUMBRA_ASSIGN_OR_RETURN(auto node, transport::StoreNode::Start(store.get(), no));
+  if (a.Has("port-file")) {
+    nlohmann::json j = {{"port", node->port()}, {"metrics_port", -1}, {"pid", static_cast<int64_t>(getpid())}};
+    PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(a.Get("port-file"), j.dump() + "\n"));
+  }
+  std::printf("penumbra-store: serving %s (%zu documents) on %s:%d\n", so.path.c_str(), store->Keys().size(),
+              no.host.c_str(), node->port());
+  std::fflush(stdout);
+  const int sig = WaitForTerminationSignal();
+  LOG(INFO) << "penumbra-store: signal " << sig << ", stopping";
+  node->Stop();
+  PENUMBRA_RETURN_IF_ERROR(store->Flush());
+  std::printf("penumbra-store: stopped\n");
+  return Status::OK();
+}
+
+}  // namespace
+}  // namespace penumbra
+
+int main(int argc, char** argv) {
+  return penumbra::ServerMain("penumbra-store", penumbra::kUsage, argc, argv, penumbra::Run);
+}
