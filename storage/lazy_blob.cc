@@ -77,45 +77,59 @@ void LazyBlob::StartThreadsLocked() {
 }
 
 void LazyBlob::Work() {
-  std::vector<char> scratch(place_ ? block_bytes_ : 0);  // a block read before it is placed
+  std::vector<uint32_t> batch;  // blocks claimed together (one ReadMany)
+  std::vector<char> scratch;    // with place_: the blocks read before they are placed
   for (;;) {
-    uint32_t b = 0;
+    batch.clear();
     std::shared_ptr<BlobReader> reader;
     {
       std::unique_lock<std::mutex> l(mu_);
       for (;;) {
         if (stop_ || !error_.ok() || present_ == static_cast<int64_t>(state_.size())) return;
-        bool found = false;
-        while (!demand_.empty() && !found) {
-          b = demand_.front();
+        const size_t want = static_cast<size_t>(std::max(1, reader_ ? reader_->batch_blocks() : 1));
+        // Demand first (a reader waits for it), then the restore's next blocks.
+        while (!demand_.empty() && batch.size() < want) {
+          const uint32_t b = demand_.front();
           demand_.pop_front();
-          found = state_[b] == kAbsent;
-          if (found) ++on_demand_;
+          if (state_[b] == kAbsent) {
+            state_[b] = kLoading;
+            ++on_demand_;
+            batch.push_back(b);
+          }
         }
-        while (!found && restoring_ && cursor_ < state_.size()) {
-          b = cursor_++;
-          found = state_[b] == kAbsent;
+        while (batch.size() < want && restoring_ && cursor_ < state_.size()) {
+          const uint32_t b = cursor_++;
+          if (state_[b] == kAbsent) {
+            state_[b] = kLoading;
+            batch.push_back(b);
+          }
         }
-        if (found) break;
+        if (!batch.empty()) break;
         work_cv_.wait(l);
       }
-      state_[b] = kLoading;
       reader = reader_;
     }
-    const uint64_t off = static_cast<uint64_t>(b) * block_bytes_;
-    const uint64_t len = std::min<uint64_t>(block_bytes_, size_ - off);
-    Status st = reader->Read(blob_, off, len, place_ ? scratch.data() : dst_ + off);
+    std::vector<BlobReader::Piece> pieces(batch.size());
+    if (place_) scratch.resize(batch.size() * block_bytes_);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const uint64_t off = static_cast<uint64_t>(batch[i]) * block_bytes_;
+      pieces[i] = {off, std::min<uint64_t>(block_bytes_, size_ - off),
+                   place_ ? scratch.data() + i * block_bytes_ : dst_ + off};
+    }
+    Status st = reader ? reader->ReadMany(blob_, pieces) : Status::Cancelled("lazy blob: no reader");
     reader.reset();
-    if (st.ok() && place_) place_(off, scratch.data(), len);
+    if (st.ok() && place_) {
+      for (const BlobReader::Piece& p : pieces) place_(p.offset, p.dst, p.length);
+    }
     bool last = false;
     {
       std::lock_guard<std::mutex> l(mu_);
+      for (uint32_t b : batch) state_[b] = st.ok() ? kPresent : kAbsent;
       if (st.ok()) {
-        state_[b] = kPresent;
-        last = ++present_ == static_cast<int64_t>(state_.size());
+        present_ += static_cast<int64_t>(batch.size());
+        last = present_ == static_cast<int64_t>(state_.size());
         if (last) reader_.reset();  // detaches the segment
       } else {
-        state_[b] = kAbsent;
         if (error_.ok()) error_ = st;
         reader_.reset();  // nothing more is read: the segment is detached (the caller may erase it)
       }

@@ -35,6 +35,22 @@ class BlobReader {
  public:
   virtual ~BlobReader() = default;
   virtual Status Read(const std::string& blob, uint64_t offset, uint64_t length, void* dst) = 0;
+  // Several ranges of one blob, each into its dst. Default: one Read each;
+  // a reader of a remote store asks for them in one message.
+  struct Piece {
+    uint64_t offset = 0, length = 0;
+    char* dst = nullptr;
+  };
+  virtual Status ReadMany(const std::string& blob, std::span<const Piece> pieces) {
+    for (const Piece& p : pieces) {
+      Status s = Read(blob, p.offset, p.length, p.dst);
+      if (!s.ok()) return s;
+    }
+    return Status::OK();
+  }
+  // Blocks worth asking for in one ReadMany (a LazyBlob's reading threads
+  // take this many at once): 1 for a local disk, more across a network.
+  virtual int batch_blocks() const { return 1; }
   // The blob's size and block size; NotFound when the segment has no such blob.
   virtual Result<uint64_t> Size(const std::string& blob) const = 0;
   virtual Result<size_t> BlockBytes(const std::string& blob) const = 0;

@@ -19,6 +19,7 @@ enum StoreMethod {
   OPEN = 7,        // key -> reader, layout: the segment stays attached while the reader lives
   READ = 8,        // reader, blob, offset, length -> the bytes (raw; at most 64 MiB)
   CLOSE = 9,       // reader
+  READV = 10,      // reader, blob, offsets, lengths -> the ranges' bytes, concatenated (raw; at most 64 MiB)
 }
 
 struct StoreKey {
@@ -52,6 +53,8 @@ struct StoreRequest {
   9: i64 offset,
   10: i64 length,
   11: binary data,
+  12: list<i64> offsets,
+  13: list<i64> lengths,
 }
 
 struct StoreReply {

@@ -22,7 +22,7 @@ using apache::thrift::TConfiguration;
 using apache::thrift::protocol::TBinaryProtocol;
 using apache::thrift::transport::TMemoryBuffer;
 
-constexpr uint64_t kMaxPart = uint64_t{64} << 20;  // bytes of one PUT_PART or READ
+constexpr uint64_t kMaxPart = uint64_t{64} << 20;  // bytes of one PUT_PART, READ or READV
 
 template <typename T>
 std::string Serialize(const T& t) {
@@ -40,7 +40,7 @@ Status Deserialize(const std::string& bytes, T* out, const char* what) {
                                                static_cast<uint32_t>(bytes.size()), TMemoryBuffer::OBSERVE, config);
     TBinaryProtocol proto(buf);
     proto.setStringSizeLimit(static_cast<int32_t>(kMaxPart + 4096));
-    proto.setContainerSizeLimit(1 << 20);
+    proto.setContainerSizeLimit(1 << 22);
     out->read(&proto);
   } catch (const std::exception& e) {
     return Status::InvalidArgument(std::string("store node: a malformed ") + what + ": " + e.what());
@@ -120,6 +120,38 @@ class RemoteReader final : public storage::BlobReader {
     }
     return Status::OK();
   }
+  // One message per 64 MiB of pieces (a decode step's or a restore's blocks).
+  Status ReadMany(const std::string& blob, std::span<const Piece> pieces) override {
+    PENUMBRA_ASSIGN_OR_RETURN(uint64_t size, Size(blob));
+    for (size_t i = 0; i < pieces.size();) {
+      st::StoreRequest q;
+      q.reader = id_;
+      q.blob = blob;
+      uint64_t total = 0;
+      size_t j = i;
+      for (; j < pieces.size() && (j == i || total + pieces[j].length <= kMaxPart); ++j) {
+        const Piece& p = pieces[j];
+        if (p.offset > size || p.length > size - p.offset || p.length > kMaxPart) {
+          return Status::InvalidArgument("store node: a range past blob '" + blob + "'");
+        }
+        q.offsets.push_back(static_cast<int64_t>(p.offset));
+        q.lengths.push_back(static_cast<int64_t>(p.length));
+        total += p.length;
+      }
+      PENUMBRA_ASSIGN_OR_RETURN(std::string bytes, store_->Call(st::StoreMethod::READV, Serialize(q)));
+      if (bytes.size() != total) {
+        return Status::Corruption("store node: a read of " + std::to_string(total) + " bytes of '" + blob +
+                                  "' returned " + std::to_string(bytes.size()));
+      }
+      for (size_t at = 0; i < j; ++i) {
+        std::memcpy(pieces[i].dst, bytes.data() + at, pieces[i].length);
+        at += pieces[i].length;
+      }
+    }
+    return Status::OK();
+  }
+  // Across a network: many blocks per message.
+  int batch_blocks() const override { return 64; }
   Result<uint64_t> Size(const std::string& blob) const override {
     for (const auto& b : layout_) {
       if (b.name == blob) return b.size;
@@ -185,6 +217,14 @@ void StoreNode::CloseIdleReaders() {
   for (auto it = uploads_.begin(); it != uploads_.end();) {
     it = now - it->second.used > idle ? uploads_.erase(it) : std::next(it);
   }
+}
+
+Result<std::shared_ptr<storage::BlobReader>> StoreNode::UseReader(int64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = readers_.find(id);
+  if (it == readers_.end()) return Status::NotFound("store node: no reader " + std::to_string(id));
+  it->second.used = std::chrono::steady_clock::now();
+  return it->second.reader;
 }
 
 Result<std::string> StoreNode::Handle(uint32_t method, std::string payload) {
@@ -276,17 +316,39 @@ Result<std::string> StoreNode::Handle(uint32_t method, std::string payload) {
         return Status::InvalidArgument("store node: a read of " + std::to_string(q.length) + " bytes at " +
                                        std::to_string(q.offset));
       }
-      std::shared_ptr<storage::BlobReader> reader;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        auto it = readers_.find(q.reader);
-        if (it == readers_.end()) return Status::NotFound("store node: no reader " + std::to_string(q.reader));
-        it->second.used = std::chrono::steady_clock::now();
-        reader = it->second.reader;
-      }
+      PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<storage::BlobReader> reader, UseReader(q.reader));
       std::string bytes(static_cast<size_t>(q.length), '\0');
       PENUMBRA_RETURN_IF_ERROR(
           reader->Read(q.blob, static_cast<uint64_t>(q.offset), static_cast<uint64_t>(q.length), bytes.data()));
+      return bytes;
+    }
+    case st::StoreMethod::READV: {
+      if (q.offsets.size() != q.lengths.size()) {
+        return Status::InvalidArgument("store node: " + std::to_string(q.offsets.size()) + " offsets and " +
+                                       std::to_string(q.lengths.size()) + " lengths");
+      }
+      uint64_t total = 0;
+      for (size_t i = 0; i < q.offsets.size(); ++i) {
+        if (q.offsets[i] < 0 || q.lengths[i] < 0) return Status::InvalidArgument("store node: a negative range");
+        total += static_cast<uint64_t>(q.lengths[i]);
+      }
+      if (total > kMaxPart) return Status::InvalidArgument("store node: a read of " + std::to_string(total) + " bytes");
+      PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<storage::BlobReader> reader, UseReader(q.reader));
+      std::string bytes(static_cast<size_t>(total), '\0');
+      // Adjacent ranges (a restore's consecutive blocks) read as one.
+      std::vector<storage::BlobReader::Piece> pieces;
+      uint64_t at = 0;
+      for (size_t i = 0; i < q.offsets.size(); ++i) {
+        const uint64_t off = static_cast<uint64_t>(q.offsets[i]), len = static_cast<uint64_t>(q.lengths[i]);
+        if (!pieces.empty() && pieces.back().offset + pieces.back().length == off &&
+            pieces.back().dst + pieces.back().length == bytes.data() + at) {
+          pieces.back().length += len;
+        } else {
+          pieces.push_back({off, len, bytes.data() + at});
+        }
+        at += len;
+      }
+      PENUMBRA_RETURN_IF_ERROR(reader->ReadMany(q.blob, pieces));
       return bytes;
     }
     case st::StoreMethod::CLOSE: {

@@ -52,6 +52,8 @@ class StoreNode {
   StoreNode(storage::SegmentStore* store, const StoreNodeOptions& options) : store_(store), o_(options) {}
   Result<std::string> Handle(uint32_t method, std::string payload);
   void CloseIdleReaders();
+  // Reader `id`, marked used; NotFound when closed (or idle too long).
+  Result<std::shared_ptr<storage::BlobReader>> UseReader(int64_t id);
 
   storage::SegmentStore* store_;
   StoreNodeOptions o_;

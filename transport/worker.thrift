@@ -28,6 +28,11 @@ struct WorkerGenerateRequest {
   // from cache_namespace when the documents are a corpus another tenant
   // publishes to this one.
   9: string tenant = "",
+  // Random draws the request's sampling stream has made already: a request
+  // resumed on another worker (its prompt then ends with the tokens
+  // generated so far) continues the same stream, so seeded sampling gives
+  // what it would have given without the move.
+  10: i64 draws_done = 0,
 }
 
 struct WorkerHealth {

@@ -72,6 +72,14 @@ struct Coordinator::Request {
   Status error;
   rpc::Usage usage;
   tenants::Lease sequence;  // the tenant's concurrent-sequence quota, held until Finalize
+  // To resume it on another worker when its worker is lost: what was sent,
+  // its documents and policy, the tokens it had made before the current
+  // worker's (base), and how often it moved.
+  rpc::WorkerGenerateRequest gen;
+  std::vector<DocumentView> docs;
+  std::string kv_policy;
+  int64_t base = 0;
+  int resumes = 0;
 };
 
 Status CoordinatorOptions::Validate() const {
@@ -133,6 +141,11 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
   cached_tokens_ = per_tenant("penumbra_coordinator_cached_prompt_tokens_total",
                               "Of them, attached from the document cache, by tenant.");
   generated_tokens_ = per_tenant("penumbra_coordinator_generated_tokens_total", "Tokens generated, by tenant.");
+  resumed_ = &BuildCounter()
+                  .Name("penumbra_coordinator_requests_resumed_total")
+                  .Help("Generations moved to another worker after theirs was lost (continued where they were).")
+                  .Register(*registry_)
+                  .Add({});
   documents_put_ = per_tenant("penumbra_coordinator_documents_put_total", "Documents put, by tenant.");
   quota_refusals_ = per_tenant("penumbra_coordinator_quota_refusals_total",
                                "Calls refused by a tenant's quota (RESOURCE_EXHAUSTED), by tenant.");
@@ -481,6 +494,9 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   q->usage.queue_seconds = -1;
   q->usage.ttft_seconds = -1;
   q->sequence = std::move(sequence);
+  q->gen = std::move(g);
+  q->docs = std::move(docs);
+  q->kv_policy = r.kv_policy;
   std::lock_guard<std::mutex> lk(mu_);
   requests_[q->id] = q;
   ++running_;
@@ -590,7 +606,7 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
   if (q.done) return Status::OK();
   if (q.deadline) wait = std::min(wait, Left(*q.deadline));
   rpc::TokenChunk ch;
-  const int64_t from = static_cast<int64_t>(q.ids.size());
+  const int64_t from = static_cast<int64_t>(q.ids.size()) - q.base;  // the current worker's offset
   Status s = workers_->Call(q.worker, "poll", [&](rpc::WorkerClient& c) {
     c.Poll(ch, q.wid, from, static_cast<int32_t>(wait.count()));
   }, wait + milliseconds(10000));
@@ -599,14 +615,20 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
       expire();
       return Status::OK();
     }
-    Finalize(q, "error", Status::Unavailable("worker " + workers_->state(q.worker).endpoint.name +
-                                             " lost the request: " + s.message()));
+    const std::string lost = "worker " + workers_->state(q.worker).endpoint.name + " lost the request: " + s.message();
+    if (!Resume(q, lost)) Finalize(q, "error", Status::Unavailable(lost));
     return Status::OK();
   }
   q.ids.insert(q.ids.end(), ch.ids.begin(), ch.ids.end());
   const int64_t prompt = q.usage.prompt_tokens;
+  const double queued = q.usage.queue_seconds, ttft = q.usage.ttft_seconds;
   q.usage = ch.usage;
   q.usage.prompt_tokens = prompt;
+  q.usage.generated_tokens = static_cast<int64_t>(q.ids.size());
+  if (q.resumes > 0) {  // the first worker's timings are the request's
+    if (queued >= 0) q.usage.queue_seconds = queued;
+    if (ttft >= 0) q.usage.ttft_seconds = ttft;
+  }
   if (!ch.ids.empty()) {
     if (codec_) {
       Result<std::string> text = codec_->Decode(q.ids);
@@ -632,6 +654,41 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
   }
   expire();
   return Status::OK();
+}
+
+bool Coordinator::Resume(Request& q, const std::string& why) {
+  const int64_t made = static_cast<int64_t>(q.ids.size());
+  const int64_t left = q.gen.max_new_tokens - made;
+  if (q.resumes >= kMaxResumes || left < 1 || q.gen.max_new_tokens < 1) return false;
+  if (q.deadline && Clock::now() >= *q.deadline) return false;
+  // The same request with what it generated so far as part of its prompt
+  // (the documents stay leading segments: another worker attaches them from
+  // its cache or a value-store node), the rest of its budget, and its random
+  // stream where it was.
+  rpc::WorkerGenerateRequest g = q.gen;
+  g.prompt.insert(g.prompt.end(), q.ids.begin(), q.ids.end());
+  g.max_new_tokens = static_cast<int32_t>(left);
+  g.draws_done = q.gen.draws_done + made;
+  if (q.deadline) g.deadline_ms = std::max<int64_t>(1, Left(*q.deadline).count());
+  const int dead = q.worker;
+  for (int w : Route(q.kv_policy, q.docs)) {
+    if (w == dead) continue;
+    int64_t wid = 0;
+    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { wid = c.Generate(g); });
+    if (!s.ok()) continue;
+    LOG(WARNING) << "request " << q.id << ": " << why << "; resumed on worker " << workers_->state(w).endpoint.name
+                 << " after " << made << " tokens";
+    workers_->AddRouted(dead, -1);
+    workers_->AddRouted(w, 1);
+    for (const DocumentView& d : q.docs) docs_->AddWorker(d.id, w);
+    q.worker = w;
+    q.wid = wid;
+    q.base = made;
+    ++q.resumes;
+    resumed_->Increment();
+    return true;
+  }
+  return false;
 }
 
 void Coordinator::Finalize(Request& q, const std::string& reason, const Status& error) {

@@ -136,6 +136,10 @@ class Coordinator : public rpc::PenumbraIf {
   Status Advance(Request& q, int64_t offset, std::chrono::milliseconds wait);
   // Ends q (q->mu held): releases it on its worker, counts it.
   void Finalize(Request& q, const std::string& reason, const Status& error);
+  // q's worker was lost (q->mu held): q goes on on another worker from the
+  // tokens it has (kMaxResumes times at most). False when it cannot.
+  bool Resume(Request& q, const std::string& why);
+  static constexpr int kMaxResumes = 3;
   void ToChunk(const Request& q, int64_t offset, rpc::GenerateChunk* out) const;
   // Candidate workers for a request of `kv_policy` over `docs` (holders of the
   // first document first, then the others by load).
@@ -170,6 +174,7 @@ class Coordinator : public rpc::PenumbraIf {
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_;
+  prometheus::Counter* resumed_;
   prometheus::Family<prometheus::Counter>*prompt_tokens_, *cached_tokens_, *generated_tokens_, *documents_put_,
       *quota_refusals_;  // by tenant
   prometheus::Histogram *ttft_, *tpot_, *duration_, *factor_;

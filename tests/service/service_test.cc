@@ -295,6 +295,75 @@ TEST_F(Service, ALostWorkersDocumentsComeBackFromTheStoreNode) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// A worker killed (SIGKILL) in the middle of a generation: the coordinator
+// moves the request to the other worker, which goes on from the tokens it
+// had (its prompt then ends with them; its seeded random stream where it
+// was). No request is lost and no token is wrong: the client's stream holds
+// the first worker's tokens up to the move, then exactly what the engine
+// generates from the prompt and those tokens.
+TEST_F(Service, AWorkerLostMidGenerationIsResumedOnAnother) {
+  ClusterOptions o;
+  o.workers = 2;
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  const std::vector<int32_t> prompt = LcgTokens(30, 88, true);
+  rpc::GenerateRequest r = Ask({}, prompt, 480);
+  r.sampling.temperature = 0.8;
+  r.sampling.top_k = 40;
+  r.sampling.seed = 4242;
+  auto id = c->Generate(r);
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Some tokens first, then the worker generating them goes.
+  std::vector<int32_t> ids;
+  int64_t offset = 0;
+  while (ids.size() < 40) {
+    auto ch = c->Poll(*id, offset, 2000);
+    ASSERT_TRUE(ch.ok()) << ch.status();
+    ASSERT_FALSE(ch->done) << "finished before the kill: " << ch->finish_reason;
+    ids.insert(ids.end(), ch->ids.begin(), ch->ids.end());
+    offset += static_cast<int64_t>(ch->ids.size());
+  }
+  int victim = -1;
+  for (int w = 0; w < 2 && victim < 0; ++w) {
+    if (cluster.WorkerStats(w).decoding > 0) victim = w;
+  }
+  ASSERT_GE(victim, 0);
+  const int64_t before = cluster.WorkerStats(1 - victim).prompt_tokens;
+  cluster.worker(victim).process->Signal(SIGKILL);
+  ASSERT_TRUE(cluster.worker(victim).process->Wait(10s).has_value());
+  rpc::GenerateChunk end = Follow(*c, *id, nullptr);
+  auto whole_stream = c->Poll(*id, 0, 0);
+  ASSERT_TRUE(whole_stream.ok()) << whole_stream.status();
+  const std::vector<int32_t> all = whole_stream->ids;  // the stream from 0
+  EXPECT_EQ(end.finish_reason, "length") << (end.__isset.error_message ? end.error_message : "");
+  ASSERT_EQ(all.size(), 480u);
+  EXPECT_TRUE(std::equal(ids.begin(), ids.end(), all.begin()));  // what was streamed stays
+  // Where it moved: the other worker's prompt was the prompt and j tokens.
+  const int64_t j = cluster.WorkerStats(1 - victim).prompt_tokens - before - static_cast<int64_t>(prompt.size());
+  ASSERT_GE(j, static_cast<int64_t>(ids.size()));
+  ASSERT_LT(j, 480);
+  Offline offline;
+  GenerationRequest whole;
+  whole.prompt = prompt;
+  whole.max_new_tokens = 480;
+  whole.sampling.temperature = 0.8f;
+  whole.sampling.top_k = 40;
+  whole.sampling.seed = 4242;
+  const std::vector<int32_t> uninterrupted = offline.Answer(whole);
+  EXPECT_TRUE(std::equal(all.begin(), all.begin() + j, uninterrupted.begin())) << "the first worker's tokens";
+  GenerationRequest resumed = whole;
+  resumed.prompt.insert(resumed.prompt.end(), all.begin(), all.begin() + j);
+  resumed.max_new_tokens = 480 - static_cast<int>(j);
+  resumed.draws_done = j;
+  const std::vector<int32_t> rest = offline.Answer(resumed);
+  EXPECT_TRUE(std::equal(all.begin() + j, all.end(), rest.begin(), rest.end())) << "moved after " << j << " tokens";
+  auto cm = httplib::Client("127.0.0.1", cluster.coordinator().metrics_port).Get("/metrics");
+  ASSERT_TRUE(cm);
+  EXPECT_NE(cm->body.find("penumbra_coordinator_requests_resumed_total 1"), std::string::npos) << cm->body;
+}
+
 // Writes `bytes` to host:port and closes; true when the connection was made.
 bool SendRaw(int port, const std::string& bytes) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);

@@ -21,8 +21,15 @@ namespace {
 // Serves `data`; block reads of `bad_block` (at block_bytes) fail with Corruption.
 class MemoryReader final : public BlobReader {
  public:
-  MemoryReader(std::string data, size_t block_bytes, int64_t bad_block = -1)
-      : data_(std::move(data)), block_bytes_(block_bytes), bad_block_(bad_block) {}
+  MemoryReader(std::string data, size_t block_bytes, int64_t bad_block = -1, int batch = 1)
+      : data_(std::move(data)), block_bytes_(block_bytes), bad_block_(bad_block), batch_(batch) {}
+  Status ReadMany(const std::string& blob, std::span<const Piece> pieces) override {
+    EXPECT_LE(pieces.size(), static_cast<size_t>(batch_));
+    calls_.fetch_add(1);
+    return BlobReader::ReadMany(blob, pieces);
+  }
+  int batch_blocks() const override { return batch_; }
+  int64_t calls() const { return calls_.load(); }
   Status Read(const std::string& blob, uint64_t offset, uint64_t length, void* dst) override {
     EXPECT_EQ(blob, "values");
     EXPECT_EQ(offset % block_bytes_, 0u);
@@ -43,7 +50,8 @@ class MemoryReader final : public BlobReader {
   std::string data_;
   size_t block_bytes_;
   int64_t bad_block_;
-  std::atomic<int64_t> reads_{0};
+  int batch_;
+  std::atomic<int64_t> reads_{0}, calls_{0};
 };
 
 std::string RandomBytes(size_t n, uint32_t seed) {
@@ -104,6 +112,32 @@ TEST(LazyBlobTest, ConcurrentEnsuresDuringTheRestoreAllSeeTheirBytes) {
   ASSERT_TRUE(lb.EnsureAll().ok());
   EXPECT_EQ(dst, data);
   EXPECT_EQ(reader->reads(), 512);  // each block read once
+}
+
+// A reader across a network asks for several blocks per call
+// (BlobReader::batch_blocks): demand first, then the restore's, each block
+// once; a failing block fails its whole batch and everything after.
+TEST(LazyBlobTest, ABatchingReaderGetsSeveralBlocksPerCall) {
+  const size_t bb = 4096, size = 256 * bb;
+  const std::string data = RandomBytes(size, 6);
+  auto reader = std::make_shared<MemoryReader>(data, bb, -1, /*batch=*/8);
+  std::string dst(size, '\0');
+  LazyBlob lb(reader, "values", dst.data(), size, bb, 4);
+  std::vector<LazyBlob::Range> scattered;
+  for (uint64_t b = 3; b < 256; b += 17) scattered.push_back({b * bb + 5, 10});
+  ASSERT_TRUE(lb.Ensure(scattered).ok());
+  for (const auto& r : scattered) EXPECT_EQ(dst.substr(r.offset, r.length), data.substr(r.offset, r.length));
+  EXPECT_EQ(lb.blocks_on_demand(), static_cast<int64_t>(scattered.size()));
+  ASSERT_TRUE(lb.EnsureAll().ok());
+  EXPECT_EQ(dst, data);
+  EXPECT_EQ(reader->reads(), 256);       // each block once
+  EXPECT_LE(reader->calls(), 256 / 8 + 8 * 2);  // batched (a few part-filled batches at the seams)
+  auto bad = std::make_shared<MemoryReader>(data, bb, /*bad_block=*/100, 8);
+  std::string dst2(size, '\0');
+  LazyBlob lb2(bad, "values", dst2.data(), size, bb, 2);
+  EXPECT_EQ(lb2.EnsureAll().code(), StatusCode::kCorruption);
+  EXPECT_FALSE(lb2.complete());
+  EXPECT_EQ(dst2.substr(100 * bb, bb), std::string(bb, '\0'));
 }
 
 TEST(LazyBlobTest, ABlockThatFailsItsCheckFailsEveryLaterCallAndIsNeverPresent) {

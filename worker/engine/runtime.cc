@@ -587,6 +587,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
     for (size_t r = wave; r < end; ++r) {
       const GenerationRequest& q = requests[r];
       Active a{r, static_cast<int64_t>(r), std::mt19937_64(q.sampling.seed)};
+      a.rng.discard(static_cast<unsigned long long>(std::max<int64_t>(0, q.draws_done)));
       Status s = AddAndPrefill(a.seq, q, &results[r]);
       if (!s.ok()) {
         for (auto& x : active) policy_->RemoveSequence(x.seq);

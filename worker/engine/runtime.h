@@ -56,6 +56,10 @@ struct GenerationRequest {
   std::vector<int64_t> segment_ends;
   // Prefixes are shared only between requests of one namespace (a tenant).
   std::string cache_namespace;
+  // Draws of the sampling stream (one per generated token) made already:
+  // skipped. A request resumed on another worker, its prompt then ending
+  // with the tokens generated so far, continues its stream. Default: 0.
+  int64_t draws_done = 0;
 };
 
 struct GenerationResult {

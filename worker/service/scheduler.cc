@@ -67,6 +67,7 @@ Result<uint64_t> Scheduler::Submit(GenerationRequest request, const SubmitOption
   r->opts = options;
   r->submitted = Clock::now();
   r->rng.seed(r->req.sampling.seed);
+  r->rng.discard(static_cast<unsigned long long>(std::max<int64_t>(0, r->req.draws_done)));  // one per token
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_ || draining_) return Status::Unavailable("the scheduler is draining: not accepting requests");

@@ -33,6 +33,8 @@ Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r) {
   if (r.sampling.seed < 0) return Status::InvalidArgument("sampling.seed must be >= 0");
   g.sampling.seed = static_cast<uint64_t>(r.sampling.seed);
   g.stop_ids = r.stop_ids;
+  if (r.draws_done < 0) return Status::InvalidArgument("draws_done must be >= 0, got " + std::to_string(r.draws_done));
+  g.draws_done = r.draws_done;
   return g;
 }
 
