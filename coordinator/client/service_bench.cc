@@ -27,12 +27,15 @@
 // coordinator needs --data-dir); wall time and generated tokens/s of both,
 // and how many of the job's answers equal the one-at-a-time ones:
 // {"bench": "service-job", ...}.
+//
+// With --dp-documents N: data-parallel scaling over N workers (DpBench).
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -55,6 +58,10 @@ std::vector<int32_t> Tokens(int64_t n, int64_t salt, int32_t vocab) {
   for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(3 + (i * 7919 + salt * 104729) % (vocab - 3));
   return t;
 }
+
+Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int64_t B, int64_t S, int64_t Q,
+               int64_t M, int64_t V, double W, double settle, int64_t put_s, const std::string& policy,
+               const std::string& backend);
 
 // N documents x K questions: one at a time through Complete, then as one job.
 Status JobBench(client::Client& c, int64_t N, int64_t K, int64_t S, int64_t Q, int64_t M, int64_t V, int64_t put_s,
@@ -147,7 +154,9 @@ Status Run(int argc, char** argv) {
       .Flag("put-timeout-s", "how long the document's put may take (default 1800)")
       .Switch("put-during-decode", "3: put a second document while the questions decode; the longest token gap")
       .Flag("job-documents", "instead: a batch job over this many documents (see the top of the source)")
-      .Flag("job-questions", "with --job-documents: questions per document (default 16)");
+      .Flag("job-questions", "with --job-documents: questions per document (default 16)")
+      .Flag("dp-documents", "instead: data-parallel scaling over this many documents, one per worker (see "
+                            "DpBench)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
   client::ClientOptions o;
   PENUMBRA_RETURN_IF_ERROR(client::ParseAddress(a.Get("address", "127.0.0.1:7700"), &o));
@@ -165,6 +174,10 @@ Status Run(int argc, char** argv) {
   if (h.workers.empty()) return Status::Unavailable("the coordinator has no workers");
   const std::string policy = h.workers[0].kv_policy, backend = h.workers[0].backend;
 
+  if (a.Has("dp-documents")) {
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t N, a.GetIntIn("dp-documents", 2, 1, 64));
+    return DpBench(o, *c, N, B, S, Q, M, V, W, settle, put_s, policy, backend);
+  }
   if (a.Has("job-documents")) {
     PENUMBRA_ASSIGN_OR_RETURN(int64_t N, a.GetIntIn("job-documents", 8, 1, 4096));
     PENUMBRA_ASSIGN_OR_RETURN(int64_t K, a.GetIntIn("job-questions", 16, 1, 4096));
@@ -319,6 +332,122 @@ Status Run(int argc, char** argv) {
                       {"tokens_per_s", tps},         {"all_joined_s", joined_s}};
   std::cout << j.dump() << std::endl;
   if (!during.is_null()) std::cout << during.dump() << std::endl;
+  return Status::OK();
+}
+
+// Data-parallel scaling (--dp-documents N): N documents, which the
+// coordinator spreads over its workers; B questions about the first alone
+// (one worker's tokens/s), then B about each of them at once (all workers'),
+// each question followed by its own long-polling client, tokens counted in
+// a window of W seconds once all decode. {"bench": "dp-scaling",
+// "workers": distinct workers holding the documents, "speedup": ...}.
+Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int64_t B, int64_t S, int64_t Q,
+               int64_t M, int64_t V, double W, double settle, int64_t put_s, const std::string& policy,
+               const std::string& backend) {
+  std::vector<rpc::DocumentInfo> docs;
+  for (int64_t d = 0; d < N; ++d) {
+    const std::vector<int32_t> ids = Tokens(S - Q, 2000 + d, static_cast<int32_t>(V));
+    PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo info, c.PutDocument("dp-doc-" + std::to_string(d), nullptr, &ids,
+                                                                    true, std::chrono::seconds(put_s)));
+    if (info.state != rpc::DocumentState::READY) return Status::Internal("document " + std::to_string(d) + " failed");
+    docs.push_back(info);
+  }
+  std::set<std::string> workers;
+  for (const auto& d : docs) workers.insert(d.worker);
+  // B questions about each of `on` at once: tokens/s in the window.
+  auto measure = [&](int64_t on) -> Result<double> {
+    struct F {
+      std::string id;
+      std::atomic<int64_t> tokens{0};
+      std::atomic<bool> done{false};
+      Status error;
+    };
+    std::vector<std::unique_ptr<F>> fs;
+    for (int64_t d = 0; d < on; ++d) {
+      for (int64_t i = 0; i < B; ++i) {
+        rpc::GenerateRequest r;
+        r.document_ids = {docs[static_cast<size_t>(d)].id};
+        r.__set_token_ids(Tokens(Q, 9000 + d * B + i, static_cast<int32_t>(V)));
+        r.max_new_tokens = static_cast<int32_t>(M);
+        r.ignore_eos = true;
+        auto f = std::make_unique<F>();
+        PENUMBRA_ASSIGN_OR_RETURN(f->id, c.Generate(r));
+        fs.push_back(std::move(f));
+      }
+    }
+    std::atomic<bool> stop{false};
+    std::vector<std::thread> threads;
+    for (auto& f : fs) {
+      threads.emplace_back([&, fp = f.get()] {
+        auto own = client::Client::Connect(o);
+        int64_t off = 0;
+        while (own.ok() && !stop) {
+          Result<rpc::GenerateChunk> p = (*own)->Poll(fp->id, off, 1000);
+          if (!p.ok()) {
+            fp->error = p.status();
+            break;
+          }
+          off += static_cast<int64_t>(p->ids.size());
+          fp->tokens = off;
+          if (p->done) break;
+        }
+        if (!own.ok()) fp->error = own.status();
+        fp->done = true;
+      });
+    }
+    auto total = [&] {
+      int64_t n = 0;
+      for (auto& f : fs) n += f->tokens;
+      return n;
+    };
+    Status st = Status::OK();
+    const Clock::time_point start = Clock::now();
+    for (;;) {
+      bool all = true;
+      for (auto& f : fs) {
+        all = all && f->tokens >= 2;
+        if (f->done && f->tokens < 2) st = f->error.ok() ? Status::Internal("a question ended early") : f->error;
+      }
+      if (all || !st.ok() || Since(start) > 3600) break;
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    double tps = 0;
+    if (st.ok()) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(settle));
+      const int64_t n1 = total();
+      const Clock::time_point t1 = Clock::now();
+      std::this_thread::sleep_for(std::chrono::duration<double>(W));
+      tps = static_cast<double>(total() - n1) / Since(t1);
+      for (auto& f : fs) {
+        if (f->done) st = Status::FailedPrecondition("a question ended inside the window: raise --max-new-tokens");
+      }
+    }
+    stop = true;
+    for (auto& f : fs) (void)c.Cancel(f->id);
+    for (auto& t : threads) t.join();
+    PENUMBRA_RETURN_IF_ERROR(st);
+    return tps;
+  };
+  PENUMBRA_ASSIGN_OR_RETURN(double one, measure(1));
+  PENUMBRA_ASSIGN_OR_RETURN(double all, measure(N));
+  for (const auto& d : docs) (void)c.DeleteDocument(d.id);
+  nlohmann::json j = {{"bench", "dp-scaling"},
+                      {"workers", static_cast<int64_t>(workers.size())},
+                      {"documents", N},
+                      {"batch_per_document", B},
+                      {"context", S},
+                      {"question", Q},
+                      {"kv_policy", policy},
+                      {"backend", backend},
+                      {"window_s", W},
+                      {"one_worker_tokens_per_s", one},
+                      {"tokens_per_s", all},
+                      {"speedup", one > 0 ? all / one : 0.0}};
+  std::cout << j.dump() << std::endl;
+  if (static_cast<int64_t>(workers.size()) != N) {
+    return Status::FailedPrecondition("the documents are on " + std::to_string(workers.size()) +
+                                      " workers, not one each");
+  }
   return Status::OK();
 }
 

@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, service, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, service, eval. Every throughput run is beside the
 # full-attention peer (.device/peer_full_attention.py, which device-bundle
 # copies in) in the same call, the peer first and last. Every JSON line is
 # tagged with its suite and appended to $OUT/bench.jsonl; stderr goes to
@@ -47,6 +47,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   tier0     shadowkv's shared decode (64 x 124928) with the document's values copied to spare device memory
             (--tier0 on) and left in host memory (off), between two peer --shared-prefix runs; then the TTFT of
             a question about a document already in tier 0 (TIER0_TTFT=0 skips it)
+  dp        data-parallel scaling on a 2-GPU machine (kind nvidia-h100-x2): one worker per GPU behind one
+            coordinator; 16 questions about one 32K-token document (one worker), then about each of two (both):
+            the speedup (penumbra-service-bench --dp-documents 2); DP_POLICY=shadowkv for ShadowKV
   service   the service on the GPU (penumbra-worker with Llama-3.1-8B-shaped random weights, shadowkv, and
             penumbra-coordinator on loopback) measured by penumbra-service-bench: put a 124864-token document,
             time to first token of a 64-token question about it, then 14 such questions decoding together
@@ -224,6 +227,39 @@ suite_tier0() {
   run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
 }
 
+# Data-parallel scaling (issue 21) on a 2-GPU machine (kind nvidia-h100-x2):
+# one worker per GPU (Llama-3.1-8B-shaped random weights), one coordinator;
+# penumbra-service-bench --dp-documents 2 puts two 32K-token documents (one
+# per worker), times 16 questions about the first alone (one worker), then
+# 16 about each at once (both): {"bench": "dp-scaling", "speedup": ...}.
+# The peer's shared-prefix decode at 16 x 32768 on GPU 0 first, for scale
+# (DP_PEER=0 skips it). DP_POLICY=shadowkv for ShadowKV.
+suite_dp() {
+  local P=${DP_POLICY:-full} M=configs/bench/llama-3.1-8b D="$OUT/dp"
+  mkdir -p "$D"
+  [ "${DP_PEER:-1}" = 1 ] &&
+    CUDA_VISIBLE_DEVICES=0 run 300 $PEER decode --shared-prefix --graph --batch 16 --context 32768 --steps 20
+  $R penumbra-worker --help > /dev/null 2>&1 || true  # unpacks the bundle once (two at once would race)
+  local pids=() list=""
+  for g in 0 1; do
+    CUDA_VISIBLE_DEVICES=$g $R penumbra-worker --model $M --random-weights 1 --device cuda --kv-policy $P \
+      --prefill-chunk 4096 --max-batch 64 --prefix-cache-mb 30000 --name w$g --port-file "$D/w$g.json" \
+      > "$D/w$g.log" 2>&1 &
+    pids+=($!)
+  done
+  for g in 0 1; do
+    for _ in $(seq 1 600); do [ -f "$D/w$g.json" ] && break; sleep 0.5; done
+    list="$list${list:+,}w$g=127.0.0.1:$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/w$g.json")"
+  done
+  $R penumbra-coordinator --model $M --workers "$list" --port-file "$D/coordinator.json" > "$D/coordinator.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 1 100); do [ -f "$D/coordinator.json" ] && break; sleep 0.2; done
+  local cport; cport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/coordinator.json")
+  run 900 $R penumbra-service-bench --address 127.0.0.1:$cport --dp-documents 2 --context 32768 --question 64 \
+    --batch 16 --max-new-tokens 4096 --window-s 20 --vocab 128256
+  kill -TERM "${pids[@]}"; wait "${pids[@]}"
+}
+
 # The service through its public API beside the engine alone at the same
 # shape (issue 18): penumbra-bench shared (the same 14 questions over one
 # document, in-process) and decode (14 independent sequences), one lane each.
@@ -348,7 +384,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|tier0|service|jobs|eval) ;;
+    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|service|jobs|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done
