@@ -1,5 +1,8 @@
 #include "common/config.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <sstream>
 
 #include "common/file.h"
@@ -73,6 +76,13 @@ void ConfigReader::Read(const std::string& key, double* out, double min, double 
     return Fail(key, os.str());
   }
   *out = v;
+}
+
+void ConfigReader::Read(const std::string& key, size_t* out, size_t min, size_t max) {
+  constexpr size_t kMax = static_cast<size_t>(std::numeric_limits<int64_t>::max());
+  int64_t v = -1;  // set only when the key is there and valid
+  Read(key, &v, static_cast<int64_t>(std::min(min, kMax)), static_cast<int64_t>(std::min(max, kMax)));
+  if (v >= 0) *out = static_cast<size_t>(v);
 }
 
 void ConfigReader::Read(const std::string& key, int64_t* out, int64_t min, int64_t max) {

@@ -33,6 +33,8 @@ class ConfigReader {
   void Read(const std::string& key, double* out, double min, double max);
   void Read(const std::string& key, int64_t* out, int64_t min, int64_t max);
   void Read(const std::string& key, int* out, int min, int max);
+  // A non-negative integer (a size in bytes or a count), in [min, max].
+  void Read(const std::string& key, size_t* out, size_t min, size_t max);
   // A string that must be one of `choices`.
   void ReadEnum(const std::string& key, std::string* out, const std::vector<std::string>& choices);
   // A nested map (empty when absent). The caller must Finish() it too.

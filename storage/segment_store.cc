@@ -429,17 +429,10 @@ struct SegmentStore::Impl {
 
 Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o) {
   r.Read("path", &o->path);
-  auto read_bytes = [&](const char* key, size_t* out, int64_t lo, int64_t hi) {
-    int64_t v = static_cast<int64_t>(*out);
-    r.Read(key, &v, lo, hi);
-    *out = static_cast<size_t>(v);
-  };
-  read_bytes("capacity_bytes", &o->capacity_bytes, 1, int64_t{1} << 55);
-  read_bytes("block_bytes", &o->block_bytes, kMinBlockBytes, kMaxBlockBytes);
-  int64_t threads = static_cast<int64_t>(o->read_threads);
-  r.Read("read_threads", &threads, 1, 256);
-  o->read_threads = static_cast<size_t>(threads);
-  read_bytes("block_cache_bytes", &o->block_cache_bytes, 0, int64_t{1} << 45);
+  r.Read("capacity_bytes", &o->capacity_bytes, 1, size_t{1} << 55);
+  r.Read("block_bytes", &o->block_bytes, kMinBlockBytes, kMaxBlockBytes);
+  r.Read("read_threads", &o->read_threads, 1, 256);
+  r.Read("block_cache_bytes", &o->block_cache_bytes, 0, size_t{1} << 45);
   r.Read("sync_commit", &o->sync_commit);
   r.Read("direct_reads", &o->direct_reads);
   return r.Finish();

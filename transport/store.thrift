@@ -1,7 +1,7 @@
 // The value-store node's messages (penumbra-store; transport/store_node.h),
 // carried over the UCX plane (transport/ucx_rpc.h) rather than a Thrift
 // transport: a request's method is the UCX message's, its body one of
-// these structs in Thrift's binary protocol. A READ's reply is the bytes
+// these structs in Thrift's binary protocol. A READV's reply is the bytes
 // themselves (no struct around them: the data path). Documents go up in
 // parts and come back through readers, so none needs one message of its
 // size (a 124928-token ShadowKV document is 10.6 GB).
@@ -17,9 +17,9 @@ enum StoreMethod {
   INFO = 5,        // key -> info
   ERASE = 6,       // key
   OPEN = 7,        // key -> reader, layout: the segment stays attached while the reader lives
-  READ = 8,        // reader, blob, offset, length -> the bytes (raw; at most 64 MiB)
   CLOSE = 9,       // reader
   READV = 10,      // reader, blob, offsets, lengths -> the ranges' bytes, concatenated (raw; at most 64 MiB)
+  // (8 was READ, one range: READV with one range does it)
 }
 
 struct StoreKey {
@@ -51,7 +51,6 @@ struct StoreRequest {
   7: i64 reader,
   8: string blob,
   9: i64 offset,
-  10: i64 length,
   11: binary data,
   12: list<i64> offsets,
   13: list<i64> lengths,

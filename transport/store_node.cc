@@ -22,7 +22,7 @@ using apache::thrift::TConfiguration;
 using apache::thrift::protocol::TBinaryProtocol;
 using apache::thrift::transport::TMemoryBuffer;
 
-constexpr uint64_t kMaxPart = uint64_t{64} << 20;  // bytes of one PUT_PART, READ or READV
+constexpr uint64_t kMaxPart = uint64_t{64} << 20;  // bytes of one PUT_PART or READV
 
 template <typename T>
 std::string Serialize(const T& t) {
@@ -97,28 +97,13 @@ class RemoteReader final : public storage::BlobReader {
     Result<std::string> r = store_->Call(st::StoreMethod::CLOSE, Serialize(q));
     if (!r.ok()) VLOG(1) << "store node: closing reader " << id_ << ": " << r.status();
   }
+  // As READV pieces of at most 64 MiB (a whole blob comes back this way).
   Status Read(const std::string& blob, uint64_t offset, uint64_t length, void* dst) override {
-    PENUMBRA_ASSIGN_OR_RETURN(uint64_t size, Size(blob));
-    if (offset > size || length > size - offset) {
-      return Status::InvalidArgument("store node: bytes [" + std::to_string(offset) + ", " +
-                                     std::to_string(offset + length) + ") are past blob '" + blob + "'");
+    std::vector<Piece> pieces;
+    for (uint64_t done = 0; done < length; done += kMaxPart) {
+      pieces.push_back({offset + done, std::min(kMaxPart, length - done), static_cast<char*>(dst) + done});
     }
-    for (uint64_t done = 0; done < length;) {
-      const uint64_t n = std::min(kMaxPart, length - done);
-      st::StoreRequest q;
-      q.reader = id_;
-      q.blob = blob;
-      q.offset = static_cast<int64_t>(offset + done);
-      q.length = static_cast<int64_t>(n);
-      PENUMBRA_ASSIGN_OR_RETURN(std::string bytes, store_->Call(st::StoreMethod::READ, Serialize(q)));
-      if (bytes.size() != n) {
-        return Status::Corruption("store node: a read of " + std::to_string(n) + " bytes of '" + blob + "' returned " +
-                                  std::to_string(bytes.size()));
-      }
-      std::memcpy(static_cast<char*>(dst) + done, bytes.data(), n);
-      done += n;
-    }
-    return Status::OK();
+    return ReadMany(blob, pieces);
   }
   // One message per 64 MiB of pieces (a decode step's or a restore's blocks).
   Status ReadMany(const std::string& blob, std::span<const Piece> pieces) override {
@@ -152,6 +137,7 @@ class RemoteReader final : public storage::BlobReader {
   }
   // Across a network: many blocks per message.
   int batch_blocks() const override { return 64; }
+  const std::vector<storage::BlobLayout>& layout() const { return layout_; }
   Result<uint64_t> Size(const std::string& blob) const override {
     for (const auto& b : layout_) {
       if (b.name == blob) return b.size;
@@ -311,17 +297,6 @@ Result<std::string> StoreNode::Handle(uint32_t method, std::string payload) {
       readers_[reply.reader] = Reader{std::move(reader), std::chrono::steady_clock::now()};
       return Serialize(reply);
     }
-    case st::StoreMethod::READ: {
-      if (q.offset < 0 || q.length < 0 || static_cast<uint64_t>(q.length) > kMaxPart) {
-        return Status::InvalidArgument("store node: a read of " + std::to_string(q.length) + " bytes at " +
-                                       std::to_string(q.offset));
-      }
-      PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<storage::BlobReader> reader, UseReader(q.reader));
-      std::string bytes(static_cast<size_t>(q.length), '\0');
-      PENUMBRA_RETURN_IF_ERROR(
-          reader->Read(q.blob, static_cast<uint64_t>(q.offset), static_cast<uint64_t>(q.length), bytes.data()));
-      return bytes;
-    }
     case st::StoreMethod::READV: {
       if (q.offsets.size() != q.lengths.size()) {
         return Status::InvalidArgument("store node: " + std::to_string(q.offsets.size()) + " offsets and " +
@@ -424,17 +399,23 @@ Status RemoteDocumentStore::Put(const Hash128& key, const std::string& cache_nam
 }
 
 Result<std::map<std::string, std::string>> RemoteDocumentStore::Get(const Hash128& key) {
-  PENUMBRA_ASSIGN_OR_RETURN(auto layout, Layout(key));
-  std::set<std::string> all;
-  for (const auto& b : layout) all.insert(b.name);
-  return Get(key, all);
+  return ReadBlobs(key, nullptr);
 }
 
 Result<std::map<std::string, std::string>> RemoteDocumentStore::Get(const Hash128& key,
                                                                     const std::set<std::string>& only) {
+  return ReadBlobs(key, &only);
+}
+
+Result<std::map<std::string, std::string>> RemoteDocumentStore::ReadBlobs(const Hash128& key,
+                                                                          const std::set<std::string>* only) {
   PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<storage::BlobReader> reader, OpenReader(key));
+  std::set<std::string> all;  // every blob: the names OPEN returned
+  if (only == nullptr) {
+    for (const auto& b : static_cast<const RemoteReader&>(*reader).layout()) all.insert(b.name);
+  }
   std::map<std::string, std::string> out;
-  for (const std::string& name : only) {
+  for (const std::string& name : only ? *only : all) {
     auto size = reader->Size(name);
     if (!size.ok()) return Status::InvalidArgument("store node: the segment has no blob '" + name + "'");
     std::string bytes(*size, '\0');

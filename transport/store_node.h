@@ -108,6 +108,8 @@ class RemoteDocumentStore final : public storage::DocumentStore,
  private:
   explicit RemoteDocumentStore(const RemoteStoreOptions& o, std::unique_ptr<UcxClient> c)
       : o_(o), client_(std::move(c)) {}
+  // The blobs named in *only, or all (null), through one reader.
+  Result<std::map<std::string, std::string>> ReadBlobs(const Hash128& key, const std::set<std::string>* only);
   RemoteStoreOptions o_;
   std::unique_ptr<UcxClient> client_;
 };

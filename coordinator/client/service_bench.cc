@@ -29,6 +29,7 @@
 // {"bench": "service-job", ...}.
 //
 // With --dp-documents N: data-parallel scaling over N workers (DpBench).
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -37,6 +38,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -58,6 +60,114 @@ std::vector<int32_t> Tokens(int64_t n, int64_t salt, int32_t vocab) {
   for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(3 + (i * 7919 + salt * 104729) % (vocab - 3));
   return t;
 }
+
+// Requests each followed by its own long-polling client: the tokens each
+// has made, and the longest wait between two of its token arrivals since the
+// last ResetGaps.
+class Followers {
+ public:
+  Followers(const client::ClientOptions& o, client::Client& c) : o_(o), c_(c) {}
+  ~Followers() { Stop(); }
+  // Starts `r` and its client.
+  Status Add(const rpc::GenerateRequest& r) {
+    auto f = std::make_unique<F>();
+    PENUMBRA_ASSIGN_OR_RETURN(f->id, c_.Generate(r));
+    F* fp = f.get();
+    fs_.push_back(std::move(f));
+    threads_.emplace_back([this, fp] { Follow(*fp); });
+    return Status::OK();
+  }
+  // Until every request has made two tokens; an error when one ended first.
+  Status WaitAllDecoding() {
+    const Clock::time_point start = Clock::now();
+    for (;;) {
+      bool all = true;
+      for (auto& f : fs_) {
+        all = all && f->tokens >= 2;
+        if (f->done && f->tokens < 2) return f->error.ok() ? Status::Internal("a question ended early") : f->error;
+      }
+      if (all) return Status::OK();
+      if (Since(start) > 3600) return Status::DeadlineExceeded("the questions did not all decode within an hour");
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+  }
+  int64_t total() const {
+    int64_t n = 0;
+    for (auto& f : fs_) n += f->tokens;
+    return n;
+  }
+  bool any_done() const {
+    for (auto& f : fs_) {
+      if (f->done) return true;
+    }
+    return false;
+  }
+  int64_t max_gap_ns() const {
+    int64_t g = 0;
+    for (auto& f : fs_) g = std::max<int64_t>(g, f->max_gap_ns);
+    return g;
+  }
+  void ResetGaps() {
+    for (auto& f : fs_) f->max_gap_ns = 0;
+  }
+  // Tokens made in `seconds` (after `settle`), and the seconds measured.
+  std::pair<int64_t, double> Window(double settle, double seconds) const {
+    std::this_thread::sleep_for(std::chrono::duration<double>(settle));
+    const int64_t n1 = total();
+    const Clock::time_point t1 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    return {total() - n1, Since(t1)};
+  }
+  // Cancels every request and joins the clients.
+  void Stop() {
+    stop_ = true;
+    for (auto& f : fs_) (void)c_.Cancel(f->id);
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  struct F {
+    std::string id;
+    std::atomic<int64_t> tokens{0};
+    std::atomic<bool> done{false};
+    Status error;
+    std::atomic<int64_t> max_gap_ns{0};
+  };
+  void Follow(F& f) {
+    auto own = client::Client::Connect(o_);
+    if (!own.ok()) {
+      f.error = own.status();
+      f.done = true;
+      return;
+    }
+    int64_t off = 0;
+    Clock::time_point last = Clock::now();
+    while (!stop_) {
+      Result<rpc::GenerateChunk> p = (*own)->Poll(f.id, off, 1000);
+      if (!p.ok()) {
+        f.error = p.status();
+        break;
+      }
+      if (!p->ids.empty()) {
+        const Clock::time_point now = Clock::now();
+        const int64_t gap = std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
+        if (off > 0 && gap > f.max_gap_ns) f.max_gap_ns = gap;
+        last = now;
+      }
+      off += static_cast<int64_t>(p->ids.size());
+      f.tokens = off;
+      if (p->done) break;
+    }
+    f.done = true;
+  }
+
+  const client::ClientOptions& o_;
+  client::Client& c_;
+  std::vector<std::unique_ptr<F>> fs_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+};
 
 Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int64_t B, int64_t S, int64_t Q,
                int64_t M, int64_t V, double W, double settle, int64_t put_s, const std::string& policy,
@@ -220,99 +330,30 @@ Status Run(int argc, char** argv) {
   std::cout << ttft.dump() << std::endl;
 
   // 2. B questions decoding together, each followed by its own client.
-  struct Follower {
-    std::string id;
-    std::atomic<int64_t> tokens{0};
-    std::atomic<bool> done{false};
-    Status error;
-    // The longest wait between two token arrivals since the last reset (ns).
-    std::atomic<int64_t> max_gap_ns{0};
-  };
-  std::vector<std::unique_ptr<Follower>> fs;
-  for (int64_t i = 0; i < B; ++i) {
-    auto f = std::make_unique<Follower>();
-    PENUMBRA_ASSIGN_OR_RETURN(f->id, c->Generate(ask(100 + i, M)));
-    fs.push_back(std::move(f));
-  }
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> threads;
-  for (auto& f : fs) {
-    threads.emplace_back([&, fp = f.get()] {
-      auto own = client::Client::Connect(o);
-      if (!own.ok()) {
-        fp->error = own.status();
-        fp->done = true;
-        return;
-      }
-      int64_t off = 0;
-      Clock::time_point last = Clock::now();
-      while (!stop) {
-        Result<rpc::GenerateChunk> p = (*own)->Poll(fp->id, off, 1000);
-        if (!p.ok()) {
-          fp->error = p.status();
-          break;
-        }
-        if (!p->ids.empty()) {
-          const Clock::time_point now = Clock::now();
-          const int64_t gap = std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
-          if (off > 0 && gap > fp->max_gap_ns) fp->max_gap_ns = gap;
-          last = now;
-        }
-        off += static_cast<int64_t>(p->ids.size());
-        fp->tokens = off;
-        if (p->done) break;
-      }
-      fp->done = true;
-    });
-  }
-  auto total = [&] {
-    int64_t n = 0;
-    for (auto& f : fs) n += f->tokens;
-    return n;
-  };
-  auto all_decoding = [&] {
-    for (auto& f : fs) {
-      if (f->tokens < 2) return false;
-    }
-    return true;
-  };
-  Status result = Status::OK();
+  Followers fs(o, *c);
+  for (int64_t i = 0; i < B; ++i) PENUMBRA_RETURN_IF_ERROR(fs.Add(ask(100 + i, M)));
   const Clock::time_point start = Clock::now();
-  while (!all_decoding()) {
-    for (auto& f : fs) {
-      if (f->done && f->tokens < 2) result = f->error.ok() ? Status::Internal("a question ended early") : f->error;
-    }
-    if (!result.ok() || Since(start) > 3600) break;
-    std::this_thread::sleep_for(milliseconds(5));
-  }
+  Status result = fs.WaitAllDecoding();
   double tps = 0, joined_s = Since(start);
   int64_t window_tokens = 0;
   bool early = false;
   if (result.ok()) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(settle));
-    const int64_t n1 = total();
-    const Clock::time_point t1 = Clock::now();
-    std::this_thread::sleep_for(std::chrono::duration<double>(W));
-    const int64_t n2 = total();
-    const double dt = Since(t1);
-    for (auto& f : fs) early = early || f->done;
-    window_tokens = n2 - n1;
+    const auto [tokens, dt] = fs.Window(settle, W);
+    early = fs.any_done();
+    window_tokens = tokens;
     tps = static_cast<double>(window_tokens) / dt;
   }
   nlohmann::json during;
   if (result.ok() && !early && a.Has("put-during-decode")) {
-    for (auto& f : fs) f->max_gap_ns = 0;
-    const int64_t n1 = total();
+    fs.ResetGaps();
+    const int64_t n1 = fs.total();
     const Clock::time_point t1 = Clock::now();
     const std::vector<int32_t> doc2 = Tokens(S - Q, 7, static_cast<int32_t>(V));
     Result<rpc::DocumentInfo> d2 = c->PutDocument("bench-2", nullptr, &doc2, true, std::chrono::seconds(put_s));
     const double dt = Since(t1);
-    const int64_t n2 = total();
-    int64_t gap = 0;
-    for (auto& f : fs) {
-      gap = std::max<int64_t>(gap, f->max_gap_ns);
-      early = early || f->done;
-    }
+    const int64_t n2 = fs.total();
+    const int64_t gap = fs.max_gap_ns();
+    early = early || fs.any_done();
     if (!d2.ok()) {
       result = d2.status();
     } else {
@@ -321,9 +362,7 @@ Status Run(int argc, char** argv) {
                 {"tokens_per_s", static_cast<double>(n2 - n1) / dt},   {"max_token_gap_s", gap * 1e-9}};
     }
   }
-  stop = true;
-  for (auto& f : fs) (void)c->Cancel(f->id);
-  for (auto& t : threads) t.join();
+  fs.Stop();
   PENUMBRA_RETURN_IF_ERROR(result);
   if (early) return Status::FailedPrecondition("a question ended inside the window: raise --max-new-tokens");
   nlohmann::json j = {{"bench", "service-decode"},   {"context", S},          {"batch", B},
@@ -356,13 +395,7 @@ Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int
   for (const auto& d : docs) workers.insert(d.worker);
   // B questions about each of `on` at once: tokens/s in the window.
   auto measure = [&](int64_t on) -> Result<double> {
-    struct F {
-      std::string id;
-      std::atomic<int64_t> tokens{0};
-      std::atomic<bool> done{false};
-      Status error;
-    };
-    std::vector<std::unique_ptr<F>> fs;
+    Followers fs(o, c);
     for (int64_t d = 0; d < on; ++d) {
       for (int64_t i = 0; i < B; ++i) {
         rpc::GenerateRequest r;
@@ -370,63 +403,13 @@ Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int
         r.__set_token_ids(Tokens(Q, 9000 + d * B + i, static_cast<int32_t>(V)));
         r.max_new_tokens = static_cast<int32_t>(M);
         r.ignore_eos = true;
-        auto f = std::make_unique<F>();
-        PENUMBRA_ASSIGN_OR_RETURN(f->id, c.Generate(r));
-        fs.push_back(std::move(f));
+        PENUMBRA_RETURN_IF_ERROR(fs.Add(r));
       }
     }
-    std::atomic<bool> stop{false};
-    std::vector<std::thread> threads;
-    for (auto& f : fs) {
-      threads.emplace_back([&, fp = f.get()] {
-        auto own = client::Client::Connect(o);
-        int64_t off = 0;
-        while (own.ok() && !stop) {
-          Result<rpc::GenerateChunk> p = (*own)->Poll(fp->id, off, 1000);
-          if (!p.ok()) {
-            fp->error = p.status();
-            break;
-          }
-          off += static_cast<int64_t>(p->ids.size());
-          fp->tokens = off;
-          if (p->done) break;
-        }
-        if (!own.ok()) fp->error = own.status();
-        fp->done = true;
-      });
-    }
-    auto total = [&] {
-      int64_t n = 0;
-      for (auto& f : fs) n += f->tokens;
-      return n;
-    };
-    Status st = Status::OK();
-    const Clock::time_point start = Clock::now();
-    for (;;) {
-      bool all = true;
-      for (auto& f : fs) {
-        all = all && f->tokens >= 2;
-        if (f->done && f->tokens < 2) st = f->error.ok() ? Status::Internal("a question ended early") : f->error;
-      }
-      if (all || !st.ok() || Since(start) > 3600) break;
-      std::this_thread::sleep_for(milliseconds(5));
-    }
-    double tps = 0;
-    if (st.ok()) {
-      std::this_thread::sleep_for(std::chrono::duration<double>(settle));
-      const int64_t n1 = total();
-      const Clock::time_point t1 = Clock::now();
-      std::this_thread::sleep_for(std::chrono::duration<double>(W));
-      tps = static_cast<double>(total() - n1) / Since(t1);
-      for (auto& f : fs) {
-        if (f->done) st = Status::FailedPrecondition("a question ended inside the window: raise --max-new-tokens");
-      }
-    }
-    stop = true;
-    for (auto& f : fs) (void)c.Cancel(f->id);
-    for (auto& t : threads) t.join();
-    PENUMBRA_RETURN_IF_ERROR(st);
-    return tps;
+    PENUMBRA_RETURN_IF_ERROR(fs.WaitAllDecoding());
+    const auto [tokens, dt] = fs.Window(settle, W);
+    if (fs.any_done()) return Status::FailedPrecondition("a question ended inside the window: raise --max-new-tokens");
+    return static_cast<double>(tokens) / dt;
   };
   PENUMBRA_ASSIGN_OR_RETURN(double one, measure(1));
   PENUMBRA_ASSIGN_OR_RETURN(double all, measure(N));

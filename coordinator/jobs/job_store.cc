@@ -645,13 +645,8 @@ Status JobStore::Impl::Recover(Job& job) {
 Status LoadJobStoreOptions(ConfigReader& r, JobStoreOptions* o) {
   r.Read("path", &o->path);
   r.Read("sync_writes", &o->sync_writes);
-  auto read_size = [&](const char* key, size_t* out, int64_t lo, int64_t hi) {
-    int64_t v = static_cast<int64_t>(*out);
-    r.Read(key, &v, lo, hi);
-    *out = static_cast<size_t>(v);
-  };
-  read_size("max_items_per_job", &o->max_items_per_job, 1, int64_t{1} << 24);
-  read_size("max_question_bytes", &o->max_question_bytes, 1, int64_t{1} << 30);
+  r.Read("max_items_per_job", &o->max_items_per_job, 1, size_t{1} << 24);
+  r.Read("max_question_bytes", &o->max_question_bytes, 1, size_t{1} << 30);
   r.Read("default_completion_window_s", &o->default_completion_window_s, 1, int64_t{366} * 86400);
   return r.Finish();
 }

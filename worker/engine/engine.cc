@@ -3,8 +3,6 @@
 #include "common/file.h"
 #include "common/hash.h"
 
-#include <algorithm>
-
 namespace penumbra {
 
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
@@ -25,16 +23,12 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
 }
 
 Status LoadStorageOptions(ConfigReader& r, EngineOptions* o) {
-  auto read_bytes = [](ConfigReader& c, const char* key, size_t* out, int64_t lo) {
-    int64_t v = static_cast<int64_t>(std::min<size_t>(*out, size_t{1} << 55));
-    c.Read(key, &v, lo, int64_t{1} << 55);
-    *out = static_cast<size_t>(v);
-  };
+  constexpr size_t kMaxBytes = size_t{1} << 55;
   // Tier 0: spare device memory.
   TierOptions& t = o->runtime.tiers;
   ConfigReader g = r.Child("gpu");
-  read_bytes(g, "capacity_bytes", &t.gpu_capacity_bytes, 0);
-  read_bytes(g, "reserve_bytes", &t.gpu_reserve_bytes, 0);
+  g.Read("capacity_bytes", &t.gpu_capacity_bytes, 0, kMaxBytes);
+  g.Read("reserve_bytes", &t.gpu_reserve_bytes, 0, kMaxBytes);
   g.Read("high_watermark", &t.gpu_high_watermark, 0.01, 1.0);
   g.Read("low_watermark", &t.gpu_low_watermark, 0.01, 1.0);
   g.Read("promote_min_reads", &t.promote_min_reads, 0, int64_t{1} << 50);
@@ -48,18 +42,15 @@ Status LoadStorageOptions(ConfigReader& r, EngineOptions* o) {
   // Tier 1: this process's memory.
   RuntimeOptions& rt = o->runtime;
   ConfigReader d = r.Child("dram");
-  read_bytes(d, "device_bytes", &rt.prefix_cache_bytes, 0);
-  read_bytes(d, "host_bytes", &rt.prefix_cache_host_bytes, 0);
+  d.Read("device_bytes", &rt.prefix_cache_bytes, 0, kMaxBytes);
+  d.Read("host_bytes", &rt.prefix_cache_host_bytes, 0, kMaxBytes);
   d.Read("low_watermark", &rt.prefix_cache_low_watermark, 0.01, 1.0);
   PENUMBRA_RETURN_IF_ERROR(d.Finish());
   // Tier 2: the persistent store.
   ConfigReader k = r.Child("disk");
-  read_bytes(k, "queue_bytes", &rt.prefix_store_queue_bytes, 0);
+  k.Read("queue_bytes", &rt.prefix_store_queue_bytes, 0, kMaxBytes);
   k.Read("lazy_reads", &rt.prefix_store_lazy_reads);
-  read_bytes(k, "lazy_block_bytes", &rt.prefix_store_lazy_block_bytes, 4096);
-  if (rt.prefix_store_lazy_block_bytes > (size_t{256} << 20)) {
-    return k.Error("lazy_block_bytes", "must be at most 268435456");
-  }
+  k.Read("lazy_block_bytes", &rt.prefix_store_lazy_block_bytes, 4096, size_t{256} << 20);
   k.Read("lazy_threads", &rt.prefix_store_lazy_threads, 1, 256);
   PENUMBRA_RETURN_IF_ERROR(storage::LoadSegmentStoreOptions(k, &o->prefix_store));
   return r.Finish();

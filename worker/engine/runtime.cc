@@ -287,10 +287,7 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
     start = 0;
     added = policy_->AddSequence(seq, spec);
   }
-  if (added.code() == StatusCode::kResourceExhausted && tiers_ && tiers_->Release(SIZE_MAX) > 0) {
-    // Device memory held by tier 0 is spare memory: a sequence comes first.
-    added = policy_->AddSequence(seq, spec);
-  }
+  if (FreedTier0For(added)) added = policy_->AddSequence(seq, spec);
   PENUMBRA_RETURN_IF_ERROR(added);
   stats_.prompt_tokens += start;
   stats_.cached_prompt_tokens += start;
@@ -304,6 +301,12 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
 
 void Runtime::PlaceDocuments() {
   if (tiers_ && tiers_->enabled()) tiers_->Step(prefix_cache_->Prefixes());
+}
+
+bool Runtime::FreedTier0For(const Status& s) {
+  // Tier 0 holds only spare device memory: a sequence or a new document
+  // comes first.
+  return s.code() == StatusCode::kResourceExhausted && tiers_ && tiers_->Release(SIZE_MAX) > 0;
 }
 
 Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, PrefillState* st, int64_t max_tokens) {
@@ -389,10 +392,7 @@ Status Runtime::CaptureSegment(int64_t seq, const GenerationRequest& q, PrefillS
   // into the prefix rather than being copied.
   const bool last = end == static_cast<int64_t>(q.prompt.size()) && q.max_new_tokens == 0;
   Result<std::shared_ptr<const KvPrefix>> p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
-  if (!p.ok() && p.status().code() == StatusCode::kResourceExhausted && tiers_ && tiers_->Release(SIZE_MAX) > 0) {
-    // Tier 0 holds only spare device memory: a new document comes first.
-    p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
-  }
+  if (FreedTier0For(p.status())) p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
   const double captured = NowSeconds() - t0;
   if (captured > 0.2) LOG(INFO) << "captured a " << end << "-token prefix in " << captured << " s";
   if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {

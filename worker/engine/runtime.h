@@ -263,6 +263,9 @@ class Runtime {
 
   std::unique_ptr<PrefixCache> prefix_cache_;
   std::unique_ptr<ValueTiers> tiers_;  // with the prefix cache; placement of its documents
+  // After `s`, an allocation that failed for device memory: true when tier 0
+  // gave some back (the caller tries once more).
+  bool FreedTier0For(const Status& s);
   storage::DocumentStore* prefix_store_ = nullptr;
   std::unique_ptr<PrefixStoreWriter> prefix_writer_;  // destroyed (drained) before the store
   std::string model_identity_;

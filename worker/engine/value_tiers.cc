@@ -53,6 +53,29 @@ double ValueTiers::heat(const KvPrefix* p) const {
   return 0;
 }
 
+std::pair<std::shared_ptr<const KvPrefix>, double> ValueTiers::Coldest(const KvPrefix* except) const {
+  std::shared_ptr<const KvPrefix> best;
+  double best_density = 0;
+  for (const auto& [w, d] : docs_) {
+    auto p = d.prefix.lock();
+    if (!p || p.get() == except || p->promoted_bytes() == 0) continue;
+    const double density = Density(d, *p);
+    if (!best || density < best_density) {
+      best = p;
+      best_density = density;
+    }
+  }
+  return {best, best_density};
+}
+
+bool ValueTiers::AnyCandidate() const {
+  for (const auto& [w, d] : docs_) {
+    auto p = d.prefix.lock();
+    if (p && p->promotable_bytes() > 0 && d.heat >= static_cast<double>(o_.promote_min_reads)) return true;
+  }
+  return false;
+}
+
 void ValueTiers::Demote(const KvPrefix& p, bool released) {
   if (p.promoted_bytes() == 0) return;
   p.Demote();
@@ -85,8 +108,9 @@ void ValueTiers::Step(const std::vector<std::shared_ptr<const KvPrefix>>& cached
     it = docs_.erase(it);
   }
 
-  // The tier's size: spare device memory only, re-read every step.
   size_t held = Held();
+  if (held == 0 && !AnyCandidate()) return;  // nothing to place: no device-memory query on the step's path
+  // The tier's size: spare device memory only, re-read every step.
   const size_t free = free_device_bytes_();
   const size_t spare = free > SIZE_MAX - held ? SIZE_MAX : free + held;
   const size_t size = std::min(o_.gpu_capacity_bytes, spare > o_.gpu_reserve_bytes ? spare - o_.gpu_reserve_bytes : 0);
@@ -94,25 +118,9 @@ void ValueTiers::Step(const std::vector<std::shared_ptr<const KvPrefix>>& cached
   const double high = static_cast<double>(size) * o_.gpu_high_watermark;
   const double low = static_cast<double>(size) * o_.gpu_low_watermark;
 
-  // The coldest document holding a copy (null: none), `except` skipped.
-  auto coldest = [&](const KvPrefix* except) {
-    std::shared_ptr<const KvPrefix> best;
-    double best_density = 0;
-    for (const auto& [w, d] : docs_) {
-      auto p = d.prefix.lock();
-      if (!p || p.get() == except || p->promoted_bytes() == 0) continue;
-      const double density = Density(d, *p);
-      if (!best || density < best_density) {
-        best = p;
-        best_density = density;
-      }
-    }
-    return std::make_pair(best, best_density);
-  };
-
   if (static_cast<double>(held) > high) {
     while (static_cast<double>(held) > low) {
-      auto [victim, density] = coldest(nullptr);
+      auto [victim, density] = Coldest(nullptr);
       if (!victim) break;
       Demote(*victim, false);
       held = Held();
@@ -145,8 +153,8 @@ void ValueTiers::Step(const std::vector<std::shared_ptr<const KvPrefix>>& cached
     if (static_cast<double>(held + next->promotable_bytes()) > high) {
       // No room: the coldest complete copy gives way if the candidate is
       // much hotter (its promotion starts at the next step).
-      auto [victim, density] = coldest(next.get());
-      if (victim && victim != promoting_.lock() && density * o_.replace_ratio < best_density &&
+      auto [victim, density] = Coldest(next.get());
+      if (victim && density * o_.replace_ratio < best_density &&
           static_cast<double>(held - victim->promoted_bytes() + next->promotable_bytes()) <= high) {
         VLOG(1) << "tier 0: a copy (heat " << density << "/B) gives way to a hotter document (" << best_density
                 << "/B, heat " << best_doc->heat << ")";
@@ -176,19 +184,7 @@ void ValueTiers::Step(const std::vector<std::shared_ptr<const KvPrefix>>& cached
 size_t ValueTiers::Release(size_t need) {
   size_t freed = 0;
   while (freed < need) {
-    const KvPrefix* victim = nullptr;
-    double victim_density = 0;
-    std::shared_ptr<const KvPrefix> hold;
-    for (const auto& [w, d] : docs_) {
-      auto p = d.prefix.lock();
-      if (!p || p->promoted_bytes() == 0) continue;
-      const double density = Density(d, *p);
-      if (!victim || density < victim_density) {
-        victim = p.get();
-        victim_density = density;
-        hold = p;
-      }
-    }
+    const std::shared_ptr<const KvPrefix> victim = Coldest(nullptr).first;
     if (!victim) break;
     freed += victim->promoted_bytes();
     Demote(*victim, true);

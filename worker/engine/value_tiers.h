@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <utility>
 #include <memory>
 #include <vector>
 
@@ -67,7 +68,7 @@ struct TierStats {
   int64_t demotions = 0;         // copies freed (over the watermark, replaced, released, evicted)
   int64_t released = 0;          // ... of which for an admission that needed the memory
   size_t promoted_bytes = 0;     // device bytes the tier holds now
-  size_t size_bytes = 0;         // the tier's size at the last step
+  size_t size_bytes = 0;         // the tier's size at the last step that needed it (one with a copy or a candidate)
   int documents = 0;             // documents with a copy (complete or in progress)
 };
 
@@ -100,6 +101,11 @@ class ValueTiers {
   size_t Held() const;
   // Heat per byte a complete copy would take.
   static double Density(const Doc& d, const KvPrefix& p);
+  // The coldest document holding a copy and its density (null: none),
+  // `except` skipped.
+  std::pair<std::shared_ptr<const KvPrefix>, double> Coldest(const KvPrefix* except) const;
+  // A document without a copy hot enough for one.
+  bool AnyCandidate() const;
   void Demote(const KvPrefix& p, bool released);
 
   TierOptions o_;
