@@ -17,6 +17,7 @@
 #include "coordinator/cli/eval.h"
 #include "coordinator/cli/service_cli.h"
 #include "coordinator/tokenizer/text_codec.h"
+#include "transport/context_group.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"
 
@@ -52,6 +53,8 @@ Status Generate(int argc, char** argv) {
       .Switch("ignore-eos", "do not stop at the model's eos ids")
       .Switch("json", "print one JSON object instead of text");
   AddEngineFlags(a);
+  // One sequence across processes (GPUs): docs/operations.md, "Context parallel".
+  AddContextGroupFlags(a);
   Status ps = a.Parse(argc, argv, 2);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
   if (!a.Has("model")) return Status::InvalidArgument(std::string("--model is required\n") + kUsage);
@@ -99,6 +102,8 @@ Status Generate(int argc, char** argv) {
     req.stop_ids = engine->config().eos_token_ids;
   }
   Runtime& rt = engine->runtime();
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Collective> group, JoinContextGroup(a, &engine->backend()));
+  if (group) PENUMBRA_RETURN_IF_ERROR(rt.SetContextGroup(group.get()));
   PENUMBRA_ASSIGN_OR_RETURN(auto results, rt.Generate({req}));
   const GenerationResult& g = results[0];
   PENUMBRA_ASSIGN_OR_RETURN(std::string text, codec->Decode(g.ids));
@@ -118,6 +123,10 @@ Status Generate(int argc, char** argv) {
     j["device"] = engine->backend().name();
     j["dtype"] = std::string(DTypeName(engine->backend().act_dtype()));
     j["kv_policy"] = engine->options().kv_policy;
+    if (group) {
+      j["cp_rank"] = group->rank();
+      j["cp_world"] = group->world();
+    }
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else {
     std::cout << text << "\n";

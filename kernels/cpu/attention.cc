@@ -167,4 +167,24 @@ void PrefixAttention(const PrefixAttentionArgs& a) {
   });
 }
 
+void MergeAttention(const float* x, int64_t x_part_stride, const float* lse, int64_t lse_part_stride, int parts,
+                    int rows, int d, float* out, float* lse_out) {
+  std::vector<float> acc(static_cast<size_t>(d));
+  for (int r = 0; r < rows; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < parts; ++p) m = std::max(m, lse[p * lse_part_stride + r]);
+    const bool none = std::isinf(m) && m < 0;
+    float total = 0.0f;
+    for (int p = 0; p < parts; ++p) total += none ? 0.0f : std::exp(lse[p * lse_part_stride + r] - m);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int p = 0; p < parts; ++p) {
+      const float w = none ? 0.0f : std::exp(lse[p * lse_part_stride + r] - m) / total;
+      const float* xp = x + p * x_part_stride + static_cast<int64_t>(r) * d;
+      for (int j = 0; j < d; ++j) acc[j] += w * xp[j];
+    }
+    std::copy(acc.begin(), acc.end(), out + static_cast<int64_t>(r) * d);
+    if (lse_out != nullptr) lse_out[r] = none ? m : m + std::log(total);
+  }
+}
+
 }  // namespace penumbra::kernels::cpu

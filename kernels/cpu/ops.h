@@ -85,6 +85,10 @@ struct PrefixAttentionArgs {
 };
 void PrefixAttention(const PrefixAttentionArgs& a);
 
+// Same contract as kernels::LaunchMergeAttention (attention_merge.cuh), f32.
+void MergeAttention(const float* x, int64_t x_part_stride, const float* lse, int64_t lse_part_stride, int parts,
+                    int rows, int d, float* out, float* lse_out);
+
 struct SamplingRow {
   float temperature = 0.0f;
   int top_k = 0;

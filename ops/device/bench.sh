@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, service, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, cp, service, eval. Every throughput run is beside the
 # full-attention peer (.device/peer_full_attention.py, which device-bundle
 # copies in) in the same call, the peer first and last. Every JSON line is
 # tagged with its suite and appended to $OUT/bench.jsonl; stderr goes to
@@ -50,6 +50,12 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   dp        data-parallel scaling on a 2-GPU machine (kind nvidia-h100-x2): one worker per GPU behind one
             coordinator; 16 questions about one 32K-token document (one worker), then about each of two (both):
             the speedup (penumbra-service-bench --dp-documents 2); DP_POLICY=shadowkv for ShadowKV
+  cp        context parallel on a 2-GPU machine (kind nvidia-h100-x2): context_parallel_gpu_test (2 GPUs give
+            the one-GPU tokens), then one ShadowKV sequence decoding across both GPUs (penumbra-bench cp-decode,
+            one rank per GPU over NCCL) at 1048576 and 2097152 tokens, beside 1048576 on one GPU and the peer
+            (--graph, batch 1, the longest contexts it holds); CP_CONTEXTS overrides the 2-GPU contexts,
+            CP_SINGLE the one-GPU ones (empty: none), CP_TEST=0 skips the test, CP_STEPS the timed steps (50),
+            CP_POLICY=full for full attention, CP_PEER=0 skips the peer
   service   the service on the GPU (penumbra-worker with Llama-3.1-8B-shaped random weights, shadowkv, and
             penumbra-coordinator on loopback) measured by penumbra-service-bench: put a 124864-token document,
             time to first token of a 64-token question about it, then 14 such questions decoding together
@@ -260,6 +266,35 @@ suite_dp() {
   kill -TERM "${pids[@]}"; wait "${pids[@]}"
 }
 
+# Context parallel (issue 21) on a 2-GPU machine: one sequence, its shards
+# on both GPUs (one penumbra-bench process per GPU, rank 0 on GPU 0 listening
+# on a port the OS picks), every decode step's attention merged over NCCL:
+# {"bench": "cp-decode", "gpus": 2, "context": N, "tokens_per_s": ...}.
+# Beside it: the same code on one GPU (gpus 1, 1048576) and the peer at the
+# longest contexts its full KV cache fits (batch 1, --graph).
+suite_cp() {
+  local D="$OUT/cp" CP="penumbra-bench cp-decode --kv-policy ${CP_POLICY:-shadowkv} --prefill-chunk 1024 --steps ${CP_STEPS:-50}"
+  mkdir -p "$D"
+  [ "${CP_TEST:-1}" = 1 ] && gpu_test context_parallel_gpu_test
+  [ "${CP_PEER:-1}" = 1 ] &&
+    CUDA_VISIBLE_DEVICES=0 run 300 $PEER decode --graph --steps 20 --batch 1 --context 124928 262144
+  $R penumbra-bench --help > /dev/null 2>&1 || true  # unpacks the bundle once (two at once would race)
+  for S in ${CP_SINGLE-1048576}; do run 600 $R $CP --context "$S"; done
+  for S in ${CP_CONTEXTS:-1048576 2097152}; do
+    rm -f "$D/port.json"
+    run 600 $R $CP --context "$S" --cuda-device 0 --cp-world 2 --cp-rank 0 --cp-rendezvous 127.0.0.1:0 \
+      --cp-port-file "$D/port.json" --cp-timeout-s 300 &
+    local p0=$!
+    for _ in $(seq 1 600); do [ -f "$D/port.json" ] && break; sleep 0.2; done
+    local port; port=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/port.json")
+    timeout 600 $R $CP --context "$S" --cuda-device 1 --cp-world 2 --cp-rank 1 \
+      --cp-rendezvous 127.0.0.1:$port --cp-timeout-s 300 > "$D/rank1-$S.log" 2>&1
+    echo "cp rank 1 at $S: rc=$? $(tail -c 300 "$D/rank1-$S.log")"
+    wait $p0
+  done
+  free -g | tee "$D/free.txt"
+}
+
 # The service through its public API beside the engine alone at the same
 # shape (issue 18): penumbra-bench shared (the same 14 questions over one
 # document, in-process) and decode (14 independent sequences), one lane each.
@@ -384,7 +419,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|service|jobs|eval) ;;
+    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|service|jobs|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

@@ -19,6 +19,7 @@
 
 #include "common/dtype.h"
 #include "kernels/attention_decode.cuh"
+#include "kernels/attention_merge.cuh"
 #include "kernels/attention_prefill.cuh"
 #include "kernels/attention_prefix.cuh"
 #include "kernels/cpu/ops.h"
@@ -564,6 +565,61 @@ TEST(AttentionGpuTest, PrefixAttention) {
 }
 
 // The workspace size covers every hkv for the same (batch, hq, d, max_length).
+// The context-parallel merge on the GPU against the CPU reference: parts
+// laid out as messages (outputs, then log-sum-exps), one part empty for a
+// row (-inf), out aliasing part 0, f32 and bf16.
+TEST(AttentionGpuTest, MergeAttentionMatchesCpu) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const int parts = 3, rows = 70, d = 128;
+  const int64_t stride = static_cast<int64_t>(rows) * d + rows;  // floats per part (f32 layout)
+  std::vector<float> msg(static_cast<size_t>(parts) * stride);
+  uint32_t seed = 5;
+  for (int p = 0; p < parts; ++p) {
+    auto x = ::penumbra::testing::RandomUniform(static_cast<size_t>(rows) * d, seed++);
+    std::copy(x.begin(), x.end(), msg.begin() + p * stride);
+    for (int r = 0; r < rows; ++r) msg[p * stride + static_cast<int64_t>(rows) * d + r] = (r % 7) * 1.5f - 3.0f + p;
+  }
+  msg[1 * stride + static_cast<int64_t>(rows) * d + 3] = -INFINITY;  // part 1 saw no key of row 3
+  std::vector<float> want(static_cast<size_t>(rows) * d), want_lse(rows);
+  cpu::MergeAttention(msg.data(), stride, msg.data() + static_cast<int64_t>(rows) * d, stride, parts, rows, d,
+                      want.data(), want_lse.data());
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dt));
+    const size_t es = DTypeSize(dt);
+    // The device message: outputs in dt, then f32 log-sum-exps, per part.
+    const size_t part_bytes = static_cast<size_t>(rows) * d * es + rows * sizeof(float);
+    std::vector<uint8_t> host(parts * part_bytes);
+    for (int p = 0; p < parts; ++p) {
+      ConvertFromF32(msg.data() + p * stride, host.data() + p * part_bytes, dt, static_cast<size_t>(rows) * d);
+      std::memcpy(host.data() + p * part_bytes + static_cast<size_t>(rows) * d * es,
+                  msg.data() + p * stride + static_cast<int64_t>(rows) * d, rows * sizeof(float));
+    }
+    ::penumbra::testing::GpuBuffer dev(host.size()), lse_out(rows * sizeof(float));
+    PENUMBRA_CUDA_OK(cudaMemcpy(dev.get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+    MergeAttentionArgs a;
+    a.x = dev.get();
+    a.x_part_stride = static_cast<int64_t>(part_bytes / es);
+    a.lse = reinterpret_cast<const float*>(static_cast<char*>(dev.get()) + static_cast<size_t>(rows) * d * es);
+    a.lse_part_stride = static_cast<int64_t>(part_bytes / sizeof(float));
+    a.parts = parts;
+    a.rows = rows;
+    a.d = d;
+    a.out = dev.get();  // aliases part 0
+    a.lse_out = static_cast<float*>(lse_out.get());
+    a.dtype = dt;
+    LaunchMergeAttention(a, nullptr);
+    PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint8_t> back(static_cast<size_t>(rows) * d * es);
+    std::vector<float> got(static_cast<size_t>(rows) * d), got_lse(rows);
+    PENUMBRA_CUDA_OK(cudaMemcpy(back.data(), dev.get(), back.size(), cudaMemcpyDeviceToHost));
+    PENUMBRA_CUDA_OK(cudaMemcpy(got_lse.data(), lse_out.get(), rows * sizeof(float), cudaMemcpyDeviceToHost));
+    ConvertToF32(back.data(), dt, got.data(), got.size());
+    const float tol = dt == DType::kF32 ? 1e-5f : 2e-2f;
+    EXPECT_TRUE(AllClose(got, want, tol, tol));
+    EXPECT_TRUE(AllClose(got_lse, want_lse, 1e-5f, 1e-4f));
+  }
+}
+
 TEST(AttentionGpuTest, WorkspaceBytesGrowWithSize) {
   EXPECT_GT(DecodeAttentionWorkspaceBytes(1, 32, 128, 1), 0u);
   EXPECT_GE(DecodeAttentionWorkspaceBytes(1, 32, 128, 124928), DecodeAttentionWorkspaceBytes(1, 32, 128, 4096));

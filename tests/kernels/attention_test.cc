@@ -245,6 +245,84 @@ TEST(AttentionCpuTest, CascadeDecodeEqualsAttentionOverAllKeys) {
   EXPECT_TRUE(AllClose(only, only_expect, 1e-5f, 1e-4f));
 }
 
+// Context parallel's merge: the keys split into 3 disjoint parts (one empty
+// for some rows: lse -inf), each part's decode attention with its
+// log-sum-exp, laid out as one message per part (outputs, then
+// log-sum-exps); MergeAttention gives attention over all the keys and their
+// log-sum-exp.
+TEST(AttentionCpuTest, MergeOfDisjointKeyPartsEqualsAttentionOverAllKeys) {
+  const int hq = 4, hkv = 2, d = 16, group = hq / hkv, batch = 3, parts = 3;
+  const int len[parts][batch] = {{5, 1, 7}, {3, 0, 2}, {9, 4, 1}};  // part 1 holds no key of sequence 1
+  const int cap = 9;
+  const float scale = 0.25f;
+  uint32_t seed = 31;
+  auto q = RandomUniform(static_cast<size_t>(batch) * hq * d, seed++);
+  std::vector<std::vector<float>> k(parts * batch), v(parts * batch);
+  const int rows = batch * hq;
+  const int64_t stride = static_cast<int64_t>(rows) * d + rows;  // a part: outputs, then log-sum-exps
+  std::vector<float> msg(static_cast<size_t>(parts) * stride, NAN);
+  for (int p = 0; p < parts; ++p) {
+    std::vector<const float*> kp(batch), vp(batch);
+    std::vector<int32_t> lengths(batch);
+    for (int b = 0; b < batch; ++b) {
+      k[p * batch + b] = RandomUniform(static_cast<size_t>(hkv) * cap * d, seed++);
+      v[p * batch + b] = RandomUniform(static_cast<size_t>(hkv) * cap * d, seed++);
+      kp[b] = k[p * batch + b].data();
+      vp[b] = v[p * batch + b].data();
+      lengths[b] = len[p][b];
+    }
+    DecodeAttentionArgs da;
+    da.q = q.data();
+    da.k = kp.data();
+    da.v = vp.data();
+    da.lengths = lengths.data();
+    da.out = msg.data() + p * stride;
+    da.lse = msg.data() + p * stride + static_cast<int64_t>(rows) * d;
+    da.head_stride = static_cast<int64_t>(cap) * d;
+    da.batch = batch;
+    da.hq = hq;
+    da.hkv = hkv;
+    da.d = d;
+    da.scale = scale;
+    DecodeAttention(da);
+    for (int b = 0; b < batch; ++b) {  // a part with no key: weight 0, whatever its output
+      if (len[p][b] > 0) continue;
+      for (int h = 0; h < hq; ++h) {
+        msg[p * stride + static_cast<int64_t>(rows) * d + b * hq + h] = -INFINITY;
+        std::fill_n(msg.data() + p * stride + (static_cast<int64_t>(b) * hq + h) * d, d, 1e30f);
+      }
+    }
+  }
+  std::vector<float> out(q.size(), NAN), lse(rows, NAN);
+  MergeAttention(msg.data(), stride, msg.data() + static_cast<int64_t>(rows) * d, stride, parts, rows, d, out.data(),
+                 lse.data());
+  std::vector<float> expect(q.size()), expect_lse(rows);
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < hq; ++h) {
+      std::vector<float> kk, vv;
+      for (int p = 0; p < parts; ++p) {
+        const size_t off = static_cast<size_t>(h / group) * cap * d;
+        kk.insert(kk.end(), k[p * batch + b].begin() + off, k[p * batch + b].begin() + off + len[p][b] * d);
+        vv.insert(vv.end(), v[p * batch + b].begin() + off, v[p * batch + b].begin() + off + len[p][b] * d);
+      }
+      const int keys = static_cast<int>(kk.size()) / d;
+      const int64_t o = (static_cast<int64_t>(b) * hq + h) * d;
+      NaiveRow(q.data() + o, kk.data(), vv.data(), keys, d, scale, expect.data() + o);
+      double m = -INFINITY, sum = 0;
+      std::vector<double> sc(keys);
+      for (int j = 0; j < keys; ++j) {
+        double x = 0;
+        for (int e = 0; e < d; ++e) x += static_cast<double>(q[o + e]) * kk[j * d + e];
+        m = std::max(m, sc[j] = x * scale);
+      }
+      for (double x : sc) sum += std::exp(x - m);
+      expect_lse[b * hq + h] = static_cast<float>(m + std::log(sum));
+    }
+  }
+  EXPECT_TRUE(AllClose(out, expect, 1e-5f, 1e-4f));
+  EXPECT_TRUE(AllClose(lse, expect_lse, 1e-5f, 1e-4f));
+}
+
 TEST(AttentionCpuTest, CascadePrefillEqualsAttentionOverAllKeys) {
   const int hq = 4, hkv = 4, d = 8, P = 50, start = 3, nq = 6, own_cap = 16;  // own rows 0..start+nq-1
   const float scale = 0.5f;

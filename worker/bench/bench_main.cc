@@ -7,6 +7,9 @@
 //   penumbra-bench ttft    --context 124928 [--question 64] [--cache off|hbm|disk] [--store-dir DIR]
 //   penumbra-bench shared  --context 124928 [--batch 64] [--question 64] [--steps 20] [--tier0 on|off]
 //                          (one shared document)
+//   penumbra-bench cp-decode --context 2097152 --cp-world 2 --cp-rank R --cp-rendezvous H:P [--cuda-device R]
+//                          (one sequence across the ranks of a context-parallel group, one process per
+//                          GPU; --cp-world 1 or absent: the same on one GPU; rank 0 prints the line)
 // decode fills each sequence's context with random keys and values (through
 // the policy's real compression path for shadowkv), then times `steps` decode
 // steps of the whole model after 2 warm-up steps, greedy sampling included.
@@ -30,6 +33,7 @@
 
 #include "common/args.h"
 #include "common/logging.h"
+#include "transport/context_group.h"
 #include "worker/bench/kernel_trace.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/op_profiler.h"
@@ -445,6 +449,98 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   return st;
 }
 
+// One sequence (or --batch of them) of S tokens decoding across the ranks of
+// a context-parallel group (`group`, null: this process alone): each rank
+// synthesizes its shard (random keys and values through the policy's real
+// compression path) and every rank runs the same steps; the step time is
+// rank 0's wall time over `steps` steps after 2 warm-up steps, all ranks
+// synchronized at its start and end.
+Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collective* group) {
+  const ModelConfig& c = e.config();
+  Runtime& rt = e.runtime();
+  Backend& b = e.backend();
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t steps, a.GetIntIn("steps", 20, 1, 100000));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t batch, a.GetIntIn("batch", 1, 1, rt.max_batch()));
+  const int rank = group ? group->rank() : 0, world = group ? group->world() : 1;
+  const Runtime::Shard shard = Runtime::ShardOf(S, rank, world);
+  const int64_t new_tokens = steps + 4;
+  const double t_setup = NowSeconds();
+  std::vector<int64_t> seqs;
+  Status st;
+  for (int64_t i = 0; i < batch && st.ok(); ++i) {
+    st = rt.AddSequence(i, S, new_tokens);
+    if (st.ok()) {
+      seqs.push_back(i);
+      st = rt.policy().SynthesizeContext(i, shard.end - shard.begin, 1000 + i);
+    }
+  }
+  if (st.ok()) st = b.Synchronize();
+  // Every rank reports whether its shards fit before any decodes.
+  if (group) {
+    std::vector<int32_t> ok(static_cast<size_t>(world));
+    const int32_t mine = st.ok() ? 1 : 0;
+    PENUMBRA_RETURN_IF_ERROR(group->AllGatherHost(&mine, ok.data(), sizeof(mine)));
+    for (int r = 0; r < world && st.ok(); ++r) {
+      if (!ok[r]) st = Status::ResourceExhausted("rank " + std::to_string(r) + " could not hold its shard");
+    }
+  }
+  auto remove_all = [&] {
+    for (int64_t s : seqs) rt.RemoveSequence(s);
+  };
+  if (!st.ok()) {
+    remove_all();
+    return st;
+  }
+  const double setup_s = NowSeconds() - t_setup;
+  std::vector<int32_t> tokens(seqs.size(), 1), next(seqs.size());
+  std::vector<int64_t> positions(seqs.size(), S);
+  std::vector<SampleParams> greedy(seqs.size());
+  auto step = [&]() -> Status {
+    PENUMBRA_ASSIGN_OR_RETURN(const float* logits, rt.DecodeStep(seqs, tokens, positions));
+    PENUMBRA_RETURN_IF_ERROR(b.Sample(logits, static_cast<int>(seqs.size()), c.vocab_size, greedy, next.data()));
+    if (group) PENUMBRA_RETURN_IF_ERROR(group->BroadcastHost(next.data(), next.size() * sizeof(int32_t), 0));
+    tokens = next;
+    for (int64_t& p : positions) ++p;
+    return Status::OK();
+  };
+  auto run = [&]() -> Result<double> {
+    PENUMBRA_RETURN_IF_ERROR(step());
+    PENUMBRA_RETURN_IF_ERROR(step());
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    if (group) PENUMBRA_RETURN_IF_ERROR(group->Barrier());
+    const double t0 = NowSeconds();
+    for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step());
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    if (group) PENUMBRA_RETURN_IF_ERROR(group->Barrier());
+    return NowSeconds() - t0;
+  };
+  Result<double> dt = run();
+  const PolicyStats ps = rt.policy().stats();
+  size_t dev = 0;
+  for (int64_t s : seqs) dev += rt.policy().DeviceBytes(s);
+  remove_all();
+  PENUMBRA_RETURN_IF_ERROR(dt.status());
+  if (rank != 0) return Status::OK();
+  nlohmann::json j = cm.Line("cp-decode");
+  j["bench"] = "cp-decode";
+  j["gpus"] = world;
+  j["context"] = S;
+  j["shard_tokens"] = shard.end - shard.begin;  // rank 0's
+  j["batch"] = seqs.size();
+  j["steps"] = steps;
+  j["tokens_per_s"] = static_cast<double>(seqs.size()) * steps / *dt;
+  j["ms_per_step"] = *dt / steps * 1e3;
+  j["setup_s"] = setup_s;
+  j["kv_policy"] = e.options().kv_policy;
+  j["kv_device_bytes_rank0"] = dev;
+  if (e.options().kv_policy == "shadowkv") {
+    j["budget_tokens"] = e.options().shadowkv.budget_tokens;
+    j["hit_rate_rank0"] = ps.hit_rate();
+  }
+  std::cout << j.dump() << std::endl;
+  return Status::OK();
+}
+
 Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
   Runtime& rt = e.runtime();
   std::vector<int32_t> prompt(S);
@@ -741,11 +837,12 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
 
 Status Main(int argc, char** argv) {
   if (argc < 2) {
-    return Status::InvalidArgument("usage: penumbra-bench decode|prefill|ttft|shared --context N[,N...] [options]");
+    return Status::InvalidArgument(
+        "usage: penumbra-bench decode|prefill|ttft|shared|cp-decode --context N[,N...] [options]");
   }
   const std::string mode = argv[1];
-  if (mode != "decode" && mode != "prefill" && mode != "ttft" && mode != "shared") {
-    return Status::InvalidArgument("mode must be decode, prefill, ttft or shared");
+  if (mode != "decode" && mode != "prefill" && mode != "ttft" && mode != "shared" && mode != "cp-decode") {
+    return Status::InvalidArgument("mode must be decode, prefill, ttft, shared or cp-decode");
   }
   Args a;
   a.Flag("context", "context lengths, comma-separated").Flag("batch", "sequences (default: largest that fits)")
@@ -755,6 +852,7 @@ Status Main(int argc, char** argv) {
                          "'natural' for none (e.g. natural,0.6)")
       .Flag("batch-sweep", "decode: build the batch once, then time the first b sequences for each b, comma-separated")
       .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
+      .Flag("cuda-device", "CUDA device ordinal (default 0)")
       .Flag("linear",
             "CUDA linear layers: auto (skinny kernel for batches <= 8, SwiGLU fused; default), "
             "skinny (unfused) or cublas")
@@ -781,13 +879,17 @@ Status Main(int argc, char** argv) {
       .Switch("profile", "prefill: time each ShadowKV compression op; decode: time every op of 5 extra steps "
                          "(synchronizes after each)");
   AddShadowKvFlags(a);
+  AddContextGroupFlags(a);
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
+  if (a.Has("cp-world") && mode != "cp-decode") return Status::InvalidArgument("--cp-world applies to cp-decode only");
   Status st;
   ModelConfig c = Llama8BShape(a, &st);
   PENUMBRA_RETURN_IF_ERROR(st);
   EngineOptions eo;
   eo.backend.device = a.Get("device", "cuda");
   eo.backend.dtype = a.Get("dtype", "bf16");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t ordinal, a.GetIntIn("cuda-device", 0, 0, 1023));
+  eo.backend.cuda_device = static_cast<int>(ordinal);
   eo.backend.linear = a.Get("linear", "auto");
   PENUMBRA_ASSIGN_OR_RETURN(eo.backend.chained_launch, a.GetOnOff("chained-launch", true));
   eo.kv_policy = a.Get("kv-policy", "full");
@@ -828,6 +930,9 @@ Status Main(int argc, char** argv) {
   if (lanes > 1 && mode != "decode") return Status::InvalidArgument("--lanes applies to decode only");
   PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::OpenRandom(c, eo, 42));
   for (int64_t l = 1; l < lanes; ++l) PENUMBRA_RETURN_IF_ERROR(engine->AddLane().status());
+  // cp-decode: this process is one rank of a context-parallel group.
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Collective> group, JoinContextGroup(a, &engine->backend()));
+  if (group) PENUMBRA_RETURN_IF_ERROR(engine->runtime().SetContextGroup(group.get()));
   Common cm;
   cm.gpu = engine->backend().name();
   const double copy = mode == "decode" && engine->backend().device() == Device::kCUDA ? MeasureCopyGBps(engine->backend()) : 0;
@@ -836,6 +941,7 @@ Status Main(int argc, char** argv) {
     Status r = mode == "decode"   ? RunDecode(a, *engine, cm, S, copy, &trace_pending)
                : mode == "ttft"   ? RunTtft(a, *engine, cm, S)
                : mode == "shared" ? RunShared(a, *engine, cm, S)
+               : mode == "cp-decode" ? RunCpDecode(a, *engine, cm, S, group.get())
                                   : RunPrefill(a, *engine, cm, S);
     if (!r.ok()) {
       nlohmann::json j = cm.Line(mode);

@@ -188,6 +188,24 @@ class Backend {
   // (nothing launched) when the device has no room for it, never a crash.
   virtual Status DecodeAttention(const DecodeAttentionOp& op) = 0;
   virtual Status PrefixAttention(const PrefixAttentionOp& op) = 0;
+  // Context parallel: merges `parts` partial attentions of the same rows,
+  // each over a disjoint part of the keys, exactly by log-sum-exp:
+  // out[r] = sum_p exp(lse[p][r] - m) * x[p][r] / sum_p exp(lse[p][r] - m),
+  // m = max_p lse[p][r], for rows r in [0, rows) of d elements.
+  //   x: part p's rows at x + p * x_part_stride elements ([rows][d] act
+  //   dtype); lse: part p's at lse + p * lse_part_stride (f32 [rows]; -inf:
+  //   that part saw no key, weight 0); out: [rows][d] act dtype (may alias
+  //   part 0); lse_out (optional, [rows]): the merged log-sum-exp.
+  struct MergeParts {
+    const void* x = nullptr;
+    int64_t x_part_stride = 0;
+    const float* lse = nullptr;
+    int64_t lse_part_stride = 0;
+    int parts = 0, rows = 0, d = 0;
+    void* out = nullptr;
+    float* lse_out = nullptr;
+  };
+  virtual void MergeAttentionParts(const MergeParts& m) = 0;
   // Picks one token per row of logits [rows, vocab]; out_host receives the ids.
   virtual Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                         int32_t* out_host) = 0;
@@ -233,6 +251,11 @@ class Backend {
   static constexpr int kSideMarks = 16;
   virtual void JoinSideLater(int mark) = 0;
   virtual void WaitSideMark(int mark) = 0;
+  // The backend's main stream (cudaStream_t on CUDA; null on the CPU): for
+  // collectives that order their work with the backend's (transport/).
+  virtual void* native_stream() const { return nullptr; }
+  // The device index (CUDA ordinal; 0 on the CPU).
+  virtual int device_index() const { return 0; }
   // Host memory available for pinned allocations (MemAvailable).
   virtual size_t FreeHostBytes() const { return HostMemAvailableBytes(); }
 

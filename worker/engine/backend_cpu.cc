@@ -152,6 +152,10 @@ class CpuBackend final : public Backend {
     kc::PrefixAttention(a);
     return Status::OK();
   }
+  void MergeAttentionParts(const MergeParts& m) override {
+    kc::MergeAttention(static_cast<const float*>(m.x), m.x_part_stride, m.lse, m.lse_part_stride, m.parts, m.rows, m.d,
+                       static_cast<float*>(m.out), m.lse_out);
+  }
   Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                 int32_t* out_host) override {
     for (int r = 0; r < rows; ++r) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/add_bias.cuh"
+#include "kernels/attention_merge.cuh"
 #include <cusolverDn.h>
 #include "kernels/attention_decode.cuh"
 #include "kernels/attention_prefill.cuh"
@@ -293,6 +294,20 @@ class CudaBackend final : public Backend {
     kn::LaunchPrefixAttention(a, stream_);
     return Status::OK();
   }
+  void MergeAttentionParts(const MergeParts& m) override {
+    kn::MergeAttentionArgs a;
+    a.x = m.x;
+    a.x_part_stride = m.x_part_stride;
+    a.lse = m.lse;
+    a.lse_part_stride = m.lse_part_stride;
+    a.parts = m.parts;
+    a.rows = m.rows;
+    a.d = m.d;
+    a.out = m.out;
+    a.lse_out = m.lse_out;
+    a.dtype = act_;
+    kn::LaunchMergeAttention(a, stream_);
+  }
   Status Sample(const float* logits, int rows, int vocab, const std::vector<SampleParams>& params,
                 int32_t* out_host) override {
     for (int r0 = 0; r0 < rows; r0 += kMaxSampleRows) {
@@ -440,6 +455,8 @@ class CudaBackend final : public Backend {
   }
 
   cudaStream_t stream() const { return stream_; }
+  void* native_stream() const override { return stream_; }
+  int device_index() const override { return device_; }
 
  private:
   static cudaEvent_t& TimelineReference() {

@@ -4,6 +4,7 @@ namespace penumbra {
 
 void AddEngineFlags(Args& a) {
   a.Flag("device", "cpu, cuda or auto (default auto: cuda when a GPU is present)")
+      .Flag("cuda-device", "CUDA device ordinal (default 0)")
       .Flag("dtype", "CUDA compute dtype: bf16 (default) or f32")
       .Flag("linear",
             "CUDA linear layers: auto (skinny kernel for decode batches <= 8, SwiGLU fused; default), "
@@ -23,6 +24,8 @@ Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
   if (a.Has("storage-config")) PENUMBRA_RETURN_IF_ERROR(LoadStorageOptionsFile(a.Get("storage-config"), o));
   if (a.Has("device")) o->backend.device = a.Get("device");
   if (a.Has("dtype")) o->backend.dtype = a.Get("dtype");
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t ordinal, a.GetIntIn("cuda-device", o->backend.cuda_device, 0, 1023));
+  o->backend.cuda_device = static_cast<int>(ordinal);
   if (a.Has("linear")) o->backend.linear = a.Get("linear");
   if (a.Has("chained-launch")) {
     PENUMBRA_ASSIGN_OR_RETURN(o->backend.chained_launch, a.GetOnOff("chained-launch", true));

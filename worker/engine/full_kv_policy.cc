@@ -66,6 +66,16 @@ class FullKvPolicy final : public KvPolicy {
     if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
     Seq s;
     s.capacity = spec.prompt_len + spec.max_new_tokens;
+    if (spec.shard.sharded()) {
+      // A context-parallel shard: its rows start at its first position (the
+      // keys before it are other ranks'), as after an attached prefix. A
+      // closed shard keeps one spare row: decode steps' RopeStore writes the
+      // new token's K/V there (never attended to here) and the queries out.
+      if (spec.prefix) return Status::Unimplemented("full KV: a context-parallel shard cannot attach a prefix");
+      s.base = s.length = spec.shard.position_base;
+      s.capacity = s.base + spec.prompt_len + (spec.shard.closed ? 1 : spec.max_new_tokens);
+      s.closed = spec.shard.closed;
+    }
     const FullKvPrefix* p = nullptr;
     if (spec.prefix) {
       p = dynamic_cast<const FullKvPrefix*>(spec.prefix.get());
@@ -92,8 +102,11 @@ class FullKvPolicy final : public KvPolicy {
   void RemoveSequence(int64_t seq) override { seqs_.erase(seq); }
 
   Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t start, const int32_t* positions,
-                          void* q_scratch, void* out) override {
+                          void* q_scratch, void* out, float* lse) override {
     Seq& s = Get(seq);
+    if (lse != nullptr && s.fp != nullptr) {
+      return Status::Unimplemented("full KV: the log-sum-exp of a sequence attached to a prefix");
+    }
     CHECK_LE(start + n, s.capacity);
     CHECK_GE(start, s.base) << "prefill inside the attached prefix";
     std::vector<void*> ptrs(2 * static_cast<size_t>(n));
@@ -136,6 +149,8 @@ class FullKvPolicy final : public KvPolicy {
     if (s.fp != nullptr) {
       PENUMBRA_RETURN_IF_ERROR(GrowLse(n));
       a.lse = lse_.as<float>();
+    } else {
+      a.lse = lse;
     }
     ctx_.backend->PrefillAttention(a);
     if (s.fp != nullptr) {
@@ -155,6 +170,9 @@ class FullKvPolicy final : public KvPolicy {
     if (tokens < 1 || tokens > s.length) {
       return Status::InvalidArgument("prefix of " + std::to_string(tokens) + " tokens: sequence " +
                                      std::to_string(seq) + " holds " + std::to_string(s.length));
+    }
+    if (s.fp == nullptr && s.base > 0) {
+      return Status::Unimplemented("full KV: a context-parallel shard cannot be captured as a prefix");
     }
     if (s.fp != nullptr && tokens == s.base) return s.prefix;  // exactly the attached prefix
     const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_;
@@ -233,16 +251,18 @@ class FullKvPolicy final : public KvPolicy {
     std::map<const FullKvPrefix*, std::vector<int32_t>> attached;
     for (size_t i = 0; i < B; ++i) {
       Seq& s = Get(seqs[i]);
-      CHECK_LT(positions[i], s.capacity) << "sequence " << seqs[i] << " is full";
+      // A closed shard's new K/V go to its spare row and are not attended.
+      const int64_t at = s.closed ? s.length : positions[i];
+      CHECK_LT(at, s.capacity) << "sequence " << seqs[i] << " is full";
       CHECK_GE(positions[i], s.base);
       step_seqs_.push_back(&s);
-      tail[i] = static_cast<int32_t>(positions[i] + 1 - s.base);  // own keys, the new one included
+      tail[i] = static_cast<int32_t>(s.closed ? s.length - s.base : positions[i] + 1 - s.base);  // own keys, the new one included
       step_max_len_ = std::max<int64_t>(step_max_len_, tail[i]);
       if (s.fp != nullptr) attached[s.fp].push_back(static_cast<int32_t>(i));
       for (int l = 0; l < ctx_.num_layers; ++l) {
         void** row = &ptrs[static_cast<size_t>(l) * 4 * B];
-        row[i] = Slot(s.k, s, l, positions[i]);
-        row[B + i] = Slot(s.v, s, l, positions[i]);
+        row[i] = Slot(s.k, s, l, at);
+        row[B + i] = Slot(s.v, s, l, at);
         row[2 * B + i] = Slot(s.k, s, l, s.base);
         row[3 * B + i] = Slot(s.v, s, l, s.base);
       }
@@ -256,7 +276,11 @@ class FullKvPolicy final : public KvPolicy {
     return Status::OK();
   }
 
-  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out) override {
+  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
+                         float* lse_out) override {
+    if (lse_out != nullptr && !step_prefixes_.empty()) {
+      return Status::Unimplemented("full KV: the log-sum-exp of sequences attached to a prefix");
+    }
     const int B = step_batch_;
     void* const* row = static_cast<void* const*>(ptr_buf_.get()) + static_cast<size_t>(layer) * 4 * B;
     // Sequences of one step may hold different numbers of rows (head
@@ -266,7 +290,7 @@ class FullKvPolicy final : public KvPolicy {
     const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;
     const auto* tail = reinterpret_cast<const int32_t*>(static_cast<void* const*>(ptr_buf_.get()) +
                                                         static_cast<size_t>(ctx_.num_layers) * 4 * B);
-    float* lse = step_prefixes_.empty() ? nullptr : lse_.as<float>();
+    float* lse = step_prefixes_.empty() ? lse_out : lse_.as<float>();
     while (i < B) {
       int j = i + 1;
       while (j < B && OwnRows(*step_seqs_[j]) == OwnRows(*step_seqs_[i])) ++j;
@@ -309,19 +333,24 @@ class FullKvPolicy final : public KvPolicy {
   }
 
   Status FinishDecodeStep() override {
-    for (Seq* s : step_seqs_) ++s->length;
+    for (Seq* s : step_seqs_) {
+      if (!s->closed) ++s->length;
+    }
     ++stats_.decode_steps;
     return Status::OK();
   }
 
   Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
     Seq& s = Get(seq);
-    if (length > s.capacity) return Status::InvalidArgument("synthesized context longer than the sequence's capacity");
-    if (s.base > 0) return Status::InvalidArgument("cannot synthesize the context of a sequence attached to a prefix");
+    // A shard's `length` tokens follow its first position.
+    if (s.base + length > s.capacity) {
+      return Status::InvalidArgument("synthesized context longer than the sequence's capacity");
+    }
+    if (s.fp != nullptr) return Status::InvalidArgument("cannot synthesize the context of a sequence attached to a prefix");
     const int64_t n = LayerStride(s) * ctx_.num_layers;
     ctx_.backend->FillRandomNormal(s.k.get(), ctx_.backend->act_dtype(), n, 1.0f, seed * 2 + 1);
     ctx_.backend->FillRandomNormal(s.v.get(), ctx_.backend->act_dtype(), n, 1.0f, seed * 2 + 2);
-    s.length = length;
+    s.length = s.base + length;
     return Status::OK();
   }
 
@@ -357,6 +386,7 @@ class FullKvPolicy final : public KvPolicy {
     int64_t length = 0;
     int64_t base = 0;      // the attached prefix's tokens: rows from `base` on are the sequence's own
     DeviceBuffer k, v;     // own rows: [layers][hkv][capacity - base][d]
+    bool closed = false;   // a closed context-parallel shard (ShardSpec::closed)
     const FullKvPrefix* fp = nullptr;        // the attached prefix (null: none)
     std::shared_ptr<const KvPrefix> prefix;  // ... held while the sequence lives
   };

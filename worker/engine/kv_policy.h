@@ -97,6 +97,24 @@ struct PolicyStats {
   double hit_rate() const { return selected_chunks ? static_cast<double>(hit_chunks) / selected_chunks : 0.0; }
 };
 
+// Context parallel (docs/architecture.md, "Context parallel"): a sequence
+// split into contiguous shards over the ranks of a group, each rank's policy
+// holding one shard as a sequence of its own. Positions passed to the
+// policy stay the whole sequence's (RoPE, the decode order); the shard's
+// first token is at position_base.
+struct ShardSpec {
+  int64_t position_base = 0;
+  // A shard that is not the last: decode steps attend to its tokens and store
+  // nothing in it (the new tokens go to the last shard). prompt_len and
+  // max_new_tokens then count only the shard's own tokens.
+  bool closed = false;
+  // The shard's part of the whole sequence's prompt, in (0, 1]: a sparse
+  // policy with a budget in tokens gives the shard this share of it (a budget
+  // that is a fraction of the prompt is proportional already).
+  double share = 1.0;
+  bool sharded() const { return position_base > 0 || closed || share != 1.0; }
+};
+
 // What a new sequence will hold (KvPolicy::AddSequence).
 struct SequenceSpec {
   int64_t prompt_len = 0;
@@ -110,6 +128,11 @@ struct SequenceSpec {
   // holds its tokens as if prefilled and holds the prefix until removed;
   // prefill continues at position prefix->tokens() < prompt_len.
   std::shared_ptr<const KvPrefix> prefix;
+  // Context parallel: the shard of a longer sequence this one is (default:
+  // a whole sequence). prompt_len counts from position_base: the shard's
+  // tokens are positions [position_base, position_base + prompt_len).
+  // Policies that cannot hold a shard refuse it with Unimplemented.
+  ShardSpec shard;
 };
 
 class KvPolicy {
@@ -132,18 +155,22 @@ class KvPolicy {
 
   // Prefill of tokens [start, start + n) of `seq` at `layer`.
   //   qkv: [n, (hq + 2*hkv) * d] f32 (bias added); positions: device [n];
-  //   q_scratch: [n, hq*d] act dtype; out: [n, hq*d] act dtype.
+  //   q_scratch: [n, hq*d] act dtype, the queries with RoPE applied on return;
+  //   out: [n, hq*d] act dtype;
+  //   lse: null, or [n, hq] f32 receiving each row's log-sum-exp over the
+  //   keys it attended to (a context-parallel rank merges other ranks' keys in).
   virtual Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t start,
-                                  const int32_t* positions, void* q_scratch, void* out) = 0;
+                                  const int32_t* positions, void* q_scratch, void* out, float* lse) = 0;
   // After the last prefill chunk of `layer` (prompt_len tokens in all).
   virtual Status FinishPrefillLayer(int layer, int64_t seq, int64_t prompt_len) = 0;
 
   // Decode: one new token per sequence in `seqs`, the token of seqs[i] at
   // positions[i] (== the number of tokens the sequence held before it).
   virtual Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) = 0;
-  //   qkv: [batch, (hq + 2*hkv) * d] f32; q_scratch, out: [batch, hq*d] act dtype.
+  //   qkv: [batch, (hq + 2*hkv) * d] f32; q_scratch, out: [batch, hq*d] act dtype;
+  //   lse: null, or [batch, hq] f32 as for PrefillAttention.
   virtual Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch,
-                                 void* out) = 0;
+                                 void* out, float* lse) = 0;
   virtual Status FinishDecodeStep() = 0;
   // Called once after every decode step, successful or not (after
   // FinishDecodeStep, or after the op that failed): ends the step's

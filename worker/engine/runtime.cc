@@ -136,7 +136,147 @@ Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
 }
 
 Status Runtime::AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens) {
-  return policy_->AddSequence(seq, prompt_len, max_new_tokens);
+  if (cp_ == nullptr) return policy_->AddSequence(seq, prompt_len, max_new_tokens);
+  const int rank = cp_->rank(), world = cp_->world();
+  const Shard sh = ShardOf(prompt_len, rank, world);
+  SequenceSpec spec;
+  spec.prompt_len = sh.end - sh.begin;
+  spec.max_new_tokens = rank == world - 1 ? max_new_tokens : 0;
+  spec.shard.position_base = sh.begin;
+  spec.shard.closed = rank < world - 1;
+  spec.shard.share = static_cast<double>(sh.end - sh.begin) / static_cast<double>(prompt_len);
+  return policy_->AddSequence(seq, spec);
+}
+
+Runtime::Shard Runtime::ShardOf(int64_t tokens, int rank, int world) {
+  const int64_t align = tokens >= int64_t{64} * world ? 64 : 1;
+  auto bound = [&](int i) -> int64_t {
+    return i >= world ? tokens : tokens * i / world / align * align;
+  };
+  return Shard{bound(rank), bound(rank + 1)};
+}
+
+Status Runtime::SetContextGroup(Collective* group) {
+  if (group != nullptr && group->world() > 1 && prefix_cache_) {
+    return Status::Unimplemented("context parallel with prefix reuse (the document cache) is not supported yet");
+  }
+  cp_ = group != nullptr && group->world() > 1 ? group : nullptr;
+  if (cp_ == nullptr) return Status::OK();
+  const ModelConfig& c = config();
+  const size_t W = static_cast<size_t>(cp_->world());
+  const size_t rows = static_cast<size_t>(std::max(options_.prefill_chunk, options_.max_batch)) * c.num_heads;
+  const size_t batch_rows = static_cast<size_t>(options_.max_batch) * c.num_heads;
+  const size_t part = batch_rows * (c.head_dim * DTypeSize(backend_->act_dtype()) + sizeof(float));
+  PENUMBRA_ASSIGN_OR_RETURN(cp_lse_, backend_->Allocate(rows * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(cp_part_, backend_->Allocate(part));
+  PENUMBRA_ASSIGN_OR_RETURN(cp_parts_, backend_->Allocate(W * part));
+  std::vector<int32_t> iota(static_cast<size_t>(options_.prefill_chunk));
+  for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int32_t>(i);
+  PENUMBRA_ASSIGN_OR_RETURN(cp_iota_, backend_->Allocate(iota.size() * sizeof(int32_t)));
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(cp_iota_.get(), iota.data(), iota.size() * sizeof(int32_t)));
+  const std::vector<float> inv = c.RopeInvFreq();
+  PENUMBRA_ASSIGN_OR_RETURN(cp_inv_freq_, backend_->Allocate(inv.size() * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(cp_inv_freq_.get(), inv.data(), inv.size() * sizeof(float)));
+  return backend_->Synchronize();
+}
+
+float* Runtime::RankPartLse(int rows) const {
+  return reinterpret_cast<float*>(cp_part_.as<char>() +
+                                  static_cast<size_t>(rows) * config().head_dim * DTypeSize(backend_->act_dtype()));
+}
+
+Status Runtime::MergeRanks(int rows) {
+  const size_t es = DTypeSize(backend_->act_dtype());
+  const int d = config().head_dim;
+  // A part is the output rows then their log-sum-exps (d even: the floats
+  // stay aligned), so one all-gather per layer carries both.
+  const size_t out_bytes = static_cast<size_t>(rows) * d * es;
+  const size_t part = out_bytes + static_cast<size_t>(rows) * sizeof(float);
+  PENUMBRA_RETURN_IF_ERROR(cp_->AllGather(cp_part_.get(), cp_parts_.get(), part));
+  Backend::MergeParts m;
+  m.x = cp_parts_.get();
+  m.x_part_stride = static_cast<int64_t>(part / es);
+  m.lse = reinterpret_cast<const float*>(cp_parts_.as<char>() + out_bytes);
+  m.lse_part_stride = static_cast<int64_t>(part / sizeof(float));
+  m.parts = cp_->world();
+  m.rows = rows;
+  m.d = d;
+  m.out = attn_.get();
+  backend_->MergeAttentionParts(m);
+  return Status::OK();
+}
+
+Status Runtime::GatherEarlierKeys(PartialPrefill* p, int l, int64_t prompt_end) {
+  const ModelConfig& c = config();
+  const LayerWeights& L = weights_->layers()[l];
+  const int W = cp_->world(), rank = cp_->rank(), hkv = c.num_kv_heads, d = c.head_dim, H = c.hidden_size;
+  const size_t es = DTypeSize(backend_->act_dtype());
+  const int64_t S = p->end - p->start;
+  int64_t smax = 0;
+  for (int j = 0; j < W; ++j) {
+    const Shard sh = ShardOf(prompt_end, j, W);
+    smax = std::max(smax, sh.end - sh.begin);
+  }
+  const size_t head = static_cast<size_t>(smax) * d * es;     // one head's rows of one rank
+  const size_t block = 2 * static_cast<size_t>(hkv) * head;   // a rank's K then V
+  if (cp_kv_.bytes() < block) {
+    PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
+    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_, backend_->Allocate(block));
+    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_all_, backend_->Allocate(block * W));
+    cp_kv_ptrs_.Reset();
+  }
+  if (!cp_kv_ptrs_ || cp_kv_ptrs_.bytes() < 2 * static_cast<size_t>(S) * sizeof(void*) || l == 0) {
+    // RopeStore's destinations: token i's K at row i of head 0 (heads smax rows apart), V a block later.
+    std::vector<void*> ptrs(2 * static_cast<size_t>(S));
+    for (int64_t i = 0; i < S; ++i) {
+      ptrs[i] = cp_kv_.as<char>() + i * d * es;
+      ptrs[S + i] = cp_kv_.as<char>() + hkv * head + i * d * es;
+    }
+    PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
+    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_ptrs_, backend_->Allocate(ptrs.size() * sizeof(void*)));
+    PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(cp_kv_ptrs_.get(), ptrs.data(), ptrs.size() * sizeof(void*)));
+  }
+  // This rank's keys and values of layer l (the QKV projection once more:
+  // the attention of every rank's first chunk needs every earlier rank's).
+  const int chunk = options_.prefill_chunk;
+  for (int64_t off = 0; off < S; off += chunk) {
+    const int n = static_cast<int>(std::min<int64_t>(chunk, S - off));
+    backend_->RmsNorm(p->x.as<float>() + off * H, L.attn_norm, weights_->dtype(), n, H,
+                      static_cast<float>(c.rms_norm_eps), h_.get());
+    backend_->Linear(h_.get(), L.qkv, n, qkv_.as<float>(), false);
+    RopeStoreOp r;
+    r.qkv = qkv_.as<float>();
+    r.positions = p->pos.as<int32_t>() + off;
+    r.inv_freq = cp_inv_freq_.as<float>();
+    r.n = n;
+    r.hq = c.num_heads;
+    r.hkv = hkv;
+    r.d = d;
+    r.q_out = q_.get();
+    r.k_dst = cp_kv_ptrs_.as<void*>() + off;
+    r.v_dst = cp_kv_ptrs_.as<void*>() + S + off;
+    r.head_stride = smax * d;
+    backend_->RopeStore(r);
+  }
+  PENUMBRA_RETURN_IF_ERROR(cp_->AllGather(cp_kv_.get(), cp_kv_all_.get(), block));
+  if (rank == 0) return Status::OK();
+  // The earlier ranks' rows, position order, one [hkv][p->start][d] block each for K and V.
+  const size_t want = static_cast<size_t>(hkv) * p->start * d * es;
+  if (cp_prefix_k_.bytes() < want) {
+    PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
+    PENUMBRA_ASSIGN_OR_RETURN(cp_prefix_k_, backend_->Allocate(want));
+    PENUMBRA_ASSIGN_OR_RETURN(cp_prefix_v_, backend_->Allocate(want));
+  }
+  const size_t dpitch = static_cast<size_t>(p->start) * d * es;
+  for (int j = 0; j < rank; ++j) {
+    const Shard sh = ShardOf(prompt_end, j, W);
+    const char* src = cp_kv_all_.as<char>() + j * block;
+    const size_t width = static_cast<size_t>(sh.end - sh.begin) * d * es, at = static_cast<size_t>(sh.begin) * d * es;
+    PENUMBRA_RETURN_IF_ERROR(backend_->Copy2D(cp_prefix_k_.as<char>() + at, dpitch, src, head, width, hkv));
+    PENUMBRA_RETURN_IF_ERROR(
+        backend_->Copy2D(cp_prefix_v_.as<char>() + at, dpitch, src + hkv * head, head, width, hkv));
+  }
+  return Status::OK();
 }
 
 void Runtime::RemoveSequence(int64_t seq) { policy_->RemoveSequence(seq); }
@@ -153,6 +293,15 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
   const int64_t total = end < 0 ? static_cast<int64_t>(prompt.size()) : end;
   CHECK(start >= 0 && start < total && total <= static_cast<int64_t>(prompt.size()))
       << "prefill of [" << start << ", " << total << ") of a " << prompt.size() << "-token prompt";
+  if (cp_ != nullptr) {
+    // Each rank prefills its shard's rows (AddSequence gave it that shard).
+    if (start != 0) return Status::Unimplemented("context parallel: a prompt is prefilled in one call, from 0");
+    const Shard sh = ShardOf(total, cp_->rank(), cp_->world());
+    PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<PartialPrefill> p, StartPrefill(prompt, sh.begin, sh.end));
+    p->prompt_end = total;
+    PENUMBRA_RETURN_IF_ERROR(PrefillLayers(seq, p.get(), config().num_layers));
+    return FinishPrefill(p.get(), logits_out);
+  }
   PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<PartialPrefill> p, StartPrefill(prompt, start, total));
   PENUMBRA_RETURN_IF_ERROR(PrefillLayers(seq, p.get(), config().num_layers));
   return FinishPrefill(p.get(), logits_out);
@@ -190,13 +339,34 @@ Status Runtime::PrefillLayers(int64_t seq, PartialPrefill* p, int layers) {
   for (; p->layer < stop; ++p->layer) {
     const int l = p->layer;
     const LayerWeights& L = weights_->layers()[l];
+    // Context parallel: the rows attend to the earlier ranks' keys as well.
+    const bool earlier = cp_ != nullptr && cp_->rank() > 0;
+    if (cp_ != nullptr) PENUMBRA_RETURN_IF_ERROR(GatherEarlierKeys(p, l, p->prompt_end));
     for (int64_t off = 0; off < S; off += chunk) {
       const int n = static_cast<int>(std::min<int64_t>(chunk, S - off));
       float* xs = p->x.as<float>() + off * H;
       backend_->RmsNorm(xs, L.attn_norm, weights_->dtype(), n, H, static_cast<float>(c.rms_norm_eps), h_.get());
       backend_->Linear(h_.get(), L.qkv, n, qkv_.as<float>(), false);
       PENUMBRA_RETURN_IF_ERROR(policy_->PrefillAttention(l, seq, qkv_.as<float>(), n, p->start + off,
-                                                         p->pos.as<int32_t>() + off, q_.get(), attn_.get()));
+                                                         p->pos.as<int32_t>() + off, q_.get(), attn_.get(),
+                                                         earlier ? cp_lse_.as<float>() : nullptr));
+      if (earlier) {
+        PrefixAttentionOp a;
+        a.q = q_.get();
+        a.rows = cp_iota_.as<int32_t>();
+        a.n = n;
+        a.k = cp_prefix_k_.get();
+        a.v = cp_prefix_v_.get();
+        a.head_stride = p->start * c.head_dim;
+        a.keys = static_cast<int>(p->start);
+        a.out = attn_.get();
+        a.own_lse = cp_lse_.as<float>();
+        a.hq = c.num_heads;
+        a.hkv = c.num_kv_heads;
+        a.d = c.head_dim;
+        a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+        PENUMBRA_RETURN_IF_ERROR(backend_->PrefixAttention(a));
+      }
       backend_->Linear(attn_.get(), L.o, n, xs, true);
       Mlp(L, xs, n);
     }
@@ -215,6 +385,11 @@ Status Runtime::FinishPrefill(PartialPrefill* p, std::vector<float>* logits_out)
   backend_->RmsNorm(p->x.as<float>() + (S - 1) * H, weights_->final_norm(), weights_->dtype(), 1, H,
                     static_cast<float>(c.rms_norm_eps), h_.get());
   backend_->Linear(h_.get(), weights_->lm_head(), 1, logits_.as<float>(), false);
+  // Context parallel: the prompt's last row is the last rank's.
+  if (cp_ != nullptr) {
+    PENUMBRA_RETURN_IF_ERROR(
+        cp_->Broadcast(logits_.get(), static_cast<size_t>(c.vocab_size) * sizeof(float), cp_->world() - 1));
+  }
   if (logits_out) {
     logits_out->resize(c.vocab_size);
     PENUMBRA_RETURN_IF_ERROR(backend_->CopyToHost(logits_out->data(), logits_.get(), c.vocab_size * sizeof(float)));
@@ -249,6 +424,7 @@ int Runtime::ForgetPrefixes(const GenerationRequest& q) {
 }
 
 Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result) {
+  if (cp_ != nullptr) return Status::Unimplemented("context parallel: prefill steps (the scheduler) are not supported yet");
   return BeginPrefillImpl(seq, q, st, result, /*reuse=*/true);
 }
 
@@ -535,8 +711,15 @@ Result<const float*> Runtime::DecodeStepImpl(const std::vector<int64_t>& seqs, c
                       h_.get());
     backend_->Linear(h_.get(), L.qkv, B, qkv_.as<float>(), false);
     lap("qkv_projection");
-    PENUMBRA_RETURN_IF_ERROR(policy_->DecodeAttention(l, qkv_.as<float>(), pos_.as<int32_t>(), q_.get(), attn_.get()));
+    // Context parallel: the policy's part goes to this rank's message.
+    PENUMBRA_RETURN_IF_ERROR(policy_->DecodeAttention(l, qkv_.as<float>(), pos_.as<int32_t>(), q_.get(),
+                                                      cp_ != nullptr ? RankPart() : attn_.get(),
+                                                      cp_ != nullptr ? RankPartLse(B * c.num_heads) : nullptr));
     lap("attention");  // what the policy did not lap itself
+    if (cp_ != nullptr) {
+      PENUMBRA_RETURN_IF_ERROR(MergeRanks(B * c.num_heads));
+      lap("context_parallel_merge");
+    }
     backend_->Linear(attn_.get(), L.o, B, x_.as<float>(), true);
     Mlp(L, x_.as<float>(), B);
     lap("o_projection_mlp");
@@ -588,7 +771,10 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
       const GenerationRequest& q = requests[r];
       Active a{r, static_cast<int64_t>(r), std::mt19937_64(q.sampling.seed)};
       a.rng.discard(static_cast<unsigned long long>(std::max<int64_t>(0, q.draws_done)));
-      Status s = AddAndPrefill(a.seq, q, &results[r]);
+      // Context parallel: this rank's shard, prefilled in one call (no reuse).
+      Status s = cp_ == nullptr ? AddAndPrefill(a.seq, q, &results[r])
+                                : AddSequence(a.seq, static_cast<int64_t>(q.prompt.size()), q.max_new_tokens);
+      if (s.ok() && cp_ != nullptr) s = Prefill(a.seq, q.prompt, nullptr);
       if (!s.ok()) {
         for (auto& x : active) policy_->RemoveSequence(x.seq);
         policy_->RemoveSequence(a.seq);
@@ -601,6 +787,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
       }
       int32_t id = 0;
       PENUMBRA_RETURN_IF_ERROR(backend_->Sample(logits_.as<float>(), 1, c.vocab_size, {params_of(a)}, &id));
+      if (cp_ != nullptr) PENUMBRA_RETURN_IF_ERROR(cp_->BroadcastHost(&id, sizeof(id), 0));  // rank 0's token
       ++stats_.generated_tokens;
       if (emit(a, id)) {
         policy_->RemoveSequence(a.seq);
@@ -627,6 +814,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
       }
       std::vector<int32_t> ids(active.size());
       PENUMBRA_RETURN_IF_ERROR(backend_->Sample(*logits, static_cast<int>(active.size()), c.vocab_size, params, ids.data()));
+      if (cp_ != nullptr) PENUMBRA_RETURN_IF_ERROR(cp_->BroadcastHost(ids.data(), ids.size() * sizeof(int32_t), 0));
       stats_.generated_tokens += static_cast<int64_t>(active.size());
       std::vector<Active> still;
       for (size_t i = 0; i < active.size(); ++i) {

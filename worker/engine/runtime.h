@@ -13,6 +13,7 @@
 
 #include "common/status.h"
 #include "worker/engine/backend.h"
+#include "worker/engine/collective.h"
 #include "worker/engine/kv_policy.h"
 #include "worker/engine/model_weights.h"
 #include "storage/segment_store.h"
@@ -151,6 +152,7 @@ class Runtime {
     int64_t start = 0, end = 0;
     int layer = 0;  // the next layer to run
     double seconds = 0;
+    int64_t prompt_end = 0;  // context parallel: the end of the whole prefill (all ranks' rows)
   };
   struct PrefillState {
     int64_t at = 0;              // prompt tokens the sequence holds
@@ -178,7 +180,29 @@ class Runtime {
   // Device logits [vocab] of the last prefilled row.
   const float* LastLogits() const { return logits_.as<float>(); }
 
-  // Lower-level steps (benchmarks, tests).
+  // ---- Context parallel (docs/architecture.md, "Context parallel") ----
+  // Makes this runtime rank group->rank() of a group whose ranks each hold a
+  // contiguous shard of every sequence (ShardOf): the ranks make the same
+  // calls with the same arguments (Generate, or AddSequence, Prefill and
+  // DecodeStep); each prefills only its shard's rows, attending to the
+  // earlier shards' keys of each layer (gathered from their ranks), and each
+  // decode step's attention is every rank's part over its own shard, merged
+  // exactly by log-sum-exp; the new tokens are stored by the last rank.
+  // Every rank computes the same logits; the tokens sampled by rank 0 are
+  // everybody's. Not with prefix reuse, nor with the scheduler's prefill
+  // steps (Unimplemented). group outlives the runtime; null: none.
+  Status SetContextGroup(Collective* group);
+  struct Shard {
+    int64_t begin = 0, end = 0;  // prompt positions [begin, end)
+  };
+  // Rank `rank`'s shard of a prompt of `tokens` tokens: near-equal
+  // contiguous parts, boundaries at multiples of 64 tokens where each part
+  // still gets some.
+  static Shard ShardOf(int64_t tokens, int rank, int world);
+  Collective* context_group() const { return cp_; }
+
+  // Lower-level steps (benchmarks, tests). Under a context group,
+  // AddSequence adds this rank's shard of the sequence.
   Status AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens);
   void RemoveSequence(int64_t seq);
   // Prefills prompt[start, end) into `seq`, whose first `start` tokens are
@@ -227,6 +251,15 @@ class Runtime {
   Result<std::unique_ptr<PartialPrefill>> StartPrefill(const std::vector<int32_t>& prompt, int64_t start, int64_t end);
   Status PrefillLayers(int64_t seq, PartialPrefill* p, int layers);
   Status FinishPrefill(PartialPrefill* p, std::vector<float>* logits_out);
+  // Context parallel: layer l's K/V of the prefill's rows are gathered from
+  // every rank; earlier ranks' land in cp_prefix_k_/v_ ([hkv][p->start][d]).
+  Status GatherEarlierKeys(PartialPrefill* p, int l, int64_t prompt_end);
+  // Context parallel, decode: where this rank's attention part of `rows`
+  // rows goes (its output, then its log-sum-exps: one message per layer),
+  // and the merge of every rank's part into attn_.
+  void* RankPart() const { return cp_part_.get(); }
+  float* RankPartLse(int rows) const;
+  Status MergeRanks(int rows);
   // Captures segment `seg` of `r` (ending at `end`) into the prefix cache
   // (and the persistent store) unless present.
   Status CaptureSegment(int64_t seq, const GenerationRequest& r, PrefillState* st, size_t seg, int64_t end);
@@ -251,6 +284,14 @@ class Runtime {
   DeviceBuffer x_, h_, qkv_, q_, attn_, gu_, ffn_, logits_, ids_, pos_;
   RunStats stats_;
   OpProfiler* profiler_ = nullptr;
+  Collective* cp_ = nullptr;  // context group (null: none)
+  // Context parallel scratch: prefill rows' own log-sum-exps [rows][hq];
+  // decode: this rank's part (RankPart) and every rank's, gathered; prefill:
+  // this rank's layer K/V [2][hkv][rows][d] with its RopeStore pointer
+  // table, all ranks' gathered, the earlier ranks' K and V contiguous, row
+  // indices 0..n-1, the RoPE table.
+  DeviceBuffer cp_lse_, cp_part_, cp_parts_, cp_kv_, cp_kv_ptrs_, cp_kv_all_, cp_prefix_k_, cp_prefix_v_, cp_iota_,
+      cp_inv_freq_;
   // The prefix stored under `key` with `tokens` tokens, imported into this
   // policy and the device cache; null when absent or damaged (dropped).
   std::shared_ptr<const KvPrefix> LoadStoredPrefix(const Hash128& key, int64_t tokens);

@@ -73,8 +73,16 @@ class ShadowKvPolicy final : public KvPolicy {
                                        "-token prompt to prefill");
       }
     }
+    if (spec.shard.sharded() && spec.prefix) {
+      return Status::Unimplemented("shadowkv: a context-parallel shard cannot attach a prefix");
+    }
+    if (!(spec.shard.share > 0 && spec.shard.share <= 1)) {
+      return Status::InvalidArgument("shadowkv: a shard's share of its sequence must be in (0, 1]");
+    }
     Seq s;
     s.id = id;
+    s.pos0 = spec.shard.position_base;
+    s.closed = spec.shard.closed;
     SequenceSpec shape = spec;
     if (prefix) shape.first_prefill = prefix->geometry().factored;
     Shape(shape, &s);
@@ -148,12 +156,18 @@ class ShadowKvPolicy final : public KvPolicy {
   // attached or prefilled, has the same outliers and budget.
   void Shape(const SequenceSpec& spec, Seq* out) const {
     Seq& s = *out;
-    s.token_cap = spec.prompt_len + spec.max_new_tokens;
+    // A closed shard (context parallel) keeps one spare row: decode steps'
+    // RopeStore writes the new token's K/V there, never attended to.
+    s.token_cap = spec.prompt_len + (spec.shard.closed ? 1 : spec.max_new_tokens);
     s.first_prefill = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
     const int64_t F = s.first_prefill;
     const int C = o_.chunk_size;
     int64_t budget = o_.budget_tokens;
     if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * F / C)) * C;
+    // A shard's share of its whole sequence's budget, at least one chunk.
+    if (spec.shard.share < 1.0 && o_.budget_fraction <= 0) {
+      budget = std::max<int64_t>(C, static_cast<int64_t>(std::llround(spec.shard.share * budget / C)) * C);
+    }
     const int64_t first_chunks = (F - o_.local_window) / C;
     int64_t want_outliers = o_.outlier_chunks;
     if (o_.outlier_fraction > 0) {
@@ -182,9 +196,16 @@ class ShadowKvPolicy final : public KvPolicy {
 
   // ---------------------------------------------------------------- prefill
 
-  Status PrefillAttention(int layer, int64_t id, const float* qkv, int n, int64_t start, const int32_t* positions,
-                          void* q_scratch, void* out) override {
+  Status PrefillAttention(int layer, int64_t id, const float* qkv, int n, int64_t global_start,
+                          const int32_t* positions, void* q_scratch, void* out, float* lse) override {
     Seq& s = Get(id);
+    // A shard's rows count from its first position (positions, for RoPE,
+    // stay the whole sequence's).
+    const int64_t start = global_start - s.pos0;
+    if (start < 0) return Status::InvalidArgument("shadowkv: a prefill before the shard's first position");
+    if (s.pos0 > 0 && s.compressed) {
+      return Status::Unimplemented("shadowkv: a context-parallel shard takes one prefill (no continuation)");
+    }
     PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
     Backend& b = *ctx_.backend;
     const int d = ctx_.head_dim, H = ctx_.hkv, D = H * d;
@@ -249,13 +270,15 @@ class ShadowKvPolicy final : public KvPolicy {
     a.hkv = H;
     a.d = d;
     a.scale = ctx_.scale;
+    a.lse = lse;
     b.PrefillAttention(a);
     if (!s.sparse) s.local_count = std::max<int64_t>(s.local_count, start + n);
     return Status::OK();
   }
 
-  Status FinishPrefillLayer(int layer, int64_t id, int64_t prompt_len) override {
+  Status FinishPrefillLayer(int layer, int64_t id, int64_t prompt_end) override {
     Seq& s = Get(id);
+    const int64_t prompt_len = prompt_end - s.pos0;  // the shard's own tokens
     if (!s.sparse) return Status::OK();
     PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
     if (!s.compressed) {
@@ -729,8 +752,11 @@ class ShadowKvPolicy final : public KvPolicy {
     groups_.clear();
     for (int i = 0; i < B; ++i) {
       Seq& s = Get(ids[i]);
-      CHECK_EQ(positions[i], s.n_chunks * int64_t{o_.chunk_size} + s.local_count)
-          << "sequence " << s.id << " decoded out of order";
+      // A closed shard holds fixed tokens before every decode position.
+      if (!s.closed) {
+        CHECK_EQ(positions[i], s.pos0 + s.n_chunks * int64_t{o_.chunk_size} + s.local_count)
+            << "sequence " << s.id << " decoded out of order";
+      }
       CHECK_LT(s.local_count, s.local_cap) << "sequence " << s.id << " is full";
       for (int l = 0; l < L; ++l) PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, l));
       // Decided once per step: the pointer tables below hold the prefix's
@@ -779,11 +805,17 @@ class ShadowKvPolicy final : public KvPolicy {
         }
       }
     }
-    std::vector<int32_t> ints(2 * B);
+    // Per sequence: attention length (a closed shard's new row is not
+    // attended), chunk count, first position (the rebuilt keys' RoPE offset).
+    std::vector<int32_t> ints(3 * B);
+    step_offsets_ = false;
     for (int i = 0; i < B; ++i) {
       Seq& s = *step_[i];
-      ints[i] = static_cast<int32_t>((s.outliers + s.kslots) * int64_t{o_.chunk_size} + s.local_count + 1);
+      ints[i] = static_cast<int32_t>((s.outliers + s.kslots) * int64_t{o_.chunk_size} + s.local_count +
+                                     (s.closed ? 0 : 1));
       ints[B + i] = s.n_chunks;
+      ints[2 * B + i] = static_cast<int32_t>(s.pos0);
+      step_offsets_ = step_offsets_ || s.pos0 != 0;
     }
     std::vector<uint8_t> blob(t.size() * sizeof(void*) + ints.size() * 4);
     std::memcpy(blob.data(), t.data(), t.size() * sizeof(void*));
@@ -814,7 +846,8 @@ class ShadowKvPolicy final : public KvPolicy {
     return Status::OK();
   }
 
-  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out) override {
+  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
+                         float* lse) override {
     Backend& b = *ctx_.backend;
     const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim;
     auto* base = static_cast<void* const*>(step_buf_.get());
@@ -872,6 +905,7 @@ class ShadowKvPolicy final : public KvPolicy {
       a.d = d;
       a.max_length = static_cast<int>(s0.att_cap);
       a.scale = ctx_.scale;
+      a.lse = lse != nullptr ? lse + static_cast<size_t>(g0) * ctx_.hq : nullptr;
       if (pipelined) {
         attention.push_back(a);
       } else {
@@ -988,6 +1022,7 @@ class ShadowKvPolicy final : public KvPolicy {
     rk.shared_chunks = s0.shared_chunks;
     rk.b = reinterpret_cast<const void* const*>(tab + 8 * B + g0);
     rk.inv_freq = ctx_.inv_freq;
+    rk.position_offset = step_offsets_ ? nchunks + B + g0 : nullptr;  // shards: their first positions
     rk.miss_count = mcount;
     rk.miss_slot = mslot + off;
     rk.miss_chunk = mchunk + off;
@@ -1087,6 +1122,7 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     std::vector<Seq*> due;
     for (Seq* s : step_) {
+      if (s->closed) continue;  // its new row is overwritten by the next step
       ++s->local_count;
       if (s->sparse && s->local_count >= o_.local_window + o_.chunk_size) due.push_back(s);
     }
@@ -1221,6 +1257,9 @@ class ShadowKvPolicy final : public KvPolicy {
     if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(id) + " does not exist");
     Seq& s = it->second;
     if (s.taken) return Status::FailedPrecondition("sequence " + std::to_string(id) + " was taken into a prefix");
+    if (s.pos0 > 0 || s.closed) {
+      return Status::Unimplemented("shadowkv: a context-parallel shard cannot be captured as a prefix");
+    }
     if (s.sparse && !s.compressed) return Status::FailedPrecondition("sequence " + std::to_string(id) + " is not prefilled");
     if (tokens != Held(s) || tokens < 1) {
       return Status::FailedPrecondition("shadowkv captures all that sequence " + std::to_string(id) + " holds (" +
@@ -1401,7 +1440,7 @@ class ShadowKvPolicy final : public KvPolicy {
       if (l == 0) PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
       for (int64_t start = 0; start < length; start += chunk) {
         const int n = static_cast<int>(std::min<int64_t>(chunk, length - start));
-        for (int i = 0; i < n; ++i) p[i] = static_cast<int32_t>(start + i);
+        for (int i = 0; i < n; ++i) p[i] = static_cast<int32_t>(s.pos0 + start + i);  // a shard's positions
         PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos.get(), p.data(), n * 4));
         b.FillRandomNormal(qkv.get(), DType::kF32, n * qkv_row, 1.0f, seed * 1000003 + l * 7919 + start);
         PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv.as<float>(), pos.as<int32_t>(), n, start, q.get(), tmp_k_.get(),
@@ -1457,6 +1496,10 @@ class ShadowKvPolicy final : public KvPolicy {
     bool compressed = false;    // its first prefill is factored (later prefills continue it)
     bool taken = false;         // its values moved into a prefix (TakePrefix): it may only be removed
     int64_t first_prefill = 0;  // tokens of the first prefill (sets sparse, outliers, kslots)
+    // Context parallel (ShardSpec): the shard's first position; closed: no
+    // decode token is stored in it.
+    int64_t pos0 = 0;
+    bool closed = false;
     std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers] ascending chunk ids
     // An attached prefix: its values are this sequence's chunks [0, shared_chunks),
     // read in place; the store segment holds chunks from shared_chunks on.
@@ -1611,7 +1654,8 @@ class ShadowKvPolicy final : public KvPolicy {
   DeviceBuffer stage_, stage_v_;
   std::vector<Seq*> step_;
   std::vector<std::pair<int, int>> groups_;
-  std::vector<DecodeAttentionOp> pending_attention_;  // DecodeAttention's, with micro-batches
+  std::vector<DecodeAttentionOp> pending_attention_;
+  bool step_offsets_ = false;  // a sequence of this step is a shard after position 0  // DecodeAttention's, with micro-batches
   int step_batch_ = 0, step_max_k_ = 0, step_max_chunks_ = 0;
   bool profile_ = false;
   OpProfiler* prof_ = nullptr;  // decode laps (runtime's timeline), when profiling

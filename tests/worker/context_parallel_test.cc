@@ -1,0 +1,185 @@
+// Context parallel on the CPU backend (stories260K, f32), the ranks as
+// threads (tests/worker/thread_group.h): a sequence split into contiguous
+// shards over 2 or 3 runtimes gives the greedy tokens of the same sequence
+// unsharded (full attention; ShadowKV configured to select every chunk at
+// full rank, so that it is exact too); lossy ShadowKV shards agree on every
+// token across ranks and start with the unsharded first token (the prefill
+// is exact); what a shard cannot do is refused. The same over real processes
+// and TCP: tests/service/context_parallel_integration_test.cc.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "tests/worker/stories_shadowkv.h"
+#include "tests/worker/thread_group.h"
+#include "worker/engine/engine.h"
+
+namespace penumbra {
+namespace {
+
+class ContextParallelTest : public testing::StoriesTest {};
+
+EngineOptions FullOptions() {
+  EngineOptions o;
+  o.backend.device = "cpu";
+  o.backend.cpu_threads = 1;
+  o.kv_policy = "full";
+  o.runtime.prefill_chunk = 48;  // several chunks per shard
+  return o;
+}
+
+// ShadowKV that loses nothing: full rank (hkv * d = 32), no outliers and a
+// budget above every shard's chunks (every chunk selected, its keys rebuilt
+// from the factors with RoPE at the shard's positions). Chunks of 32 with a
+// window of 8: a 300-token prompt and its 64-aligned shards end with 12
+// local tokens, so 24 new tokens make no new chunk (a chunk made while
+// decoding would take a slot from the prompt's: no longer exact).
+EngineOptions ExactShadowKvOptions() {
+  EngineOptions o = testing::LossyShadowKvOptions();
+  o.backend.cpu_threads = 1;
+  o.shadowkv.rank = 32;
+  o.shadowkv.chunk_size = 32;
+  o.shadowkv.local_window = 8;
+  o.shadowkv.outlier_chunks = 0;
+  o.shadowkv.budget_tokens = 4096;
+  o.runtime.prefill_chunk = 48;
+  return o;
+}
+
+std::vector<GenerationRequest> Requests(const std::vector<int>& lengths, int new_tokens) {
+  std::vector<GenerationRequest> out;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    GenerationRequest r;
+    r.prompt = testing::LcgTokens(lengths[i], 100 + i, true);
+    r.max_new_tokens = new_tokens;
+    out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> Unsharded(const EngineOptions& o, const std::vector<GenerationRequest>& reqs) {
+  auto e = Engine::Open(testing::StoriesDir(), o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (!e.ok()) return {};
+  auto r = (*e)->runtime().Generate(reqs);
+  EXPECT_TRUE(r.ok()) << r.status();
+  std::vector<std::vector<int32_t>> ids;
+  if (r.ok()) {
+    for (const auto& g : *r) ids.push_back(g.ids);
+  }
+  return ids;
+}
+
+// Every rank's tokens (ranks as threads, each with its own engine).
+std::vector<std::vector<std::vector<int32_t>>> Sharded(const EngineOptions& o, int world,
+                                                       const std::vector<GenerationRequest>& reqs) {
+  testing::ThreadGroup group(world);
+  std::vector<std::vector<std::vector<int32_t>>> ids(static_cast<size_t>(world));
+  std::vector<Status> status(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<Collective> member = group.Member(r);
+      auto e = Engine::Open(testing::StoriesDir(), o);
+      if (!e.ok()) {
+        status[r] = e.status();
+        std::abort();  // the others would wait at the barrier forever
+      }
+      status[r] = (*e)->runtime().SetContextGroup(member.get());
+      if (!status[r].ok()) std::abort();
+      auto g = (*e)->runtime().Generate(reqs);
+      status[r] = g.status();
+      if (g.ok()) {
+        for (const auto& x : *g) ids[r].push_back(x.ids);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  return ids;
+}
+
+TEST(ShardOfTest, SplitsIntoContiguousNonEmptyAlignedShards) {
+  for (int world : {1, 2, 3, 5}) {
+    for (int64_t tokens : {int64_t{5}, int64_t{64}, int64_t{300}, int64_t{2097152}, int64_t{2097153}}) {
+      if (tokens < world) continue;
+      int64_t at = 0;
+      for (int r = 0; r < world; ++r) {
+        const Runtime::Shard s = Runtime::ShardOf(tokens, r, world);
+        EXPECT_EQ(s.begin, at) << tokens << " tokens, rank " << r << " of " << world;
+        EXPECT_GT(s.end, s.begin) << tokens << " tokens, rank " << r << " of " << world;
+        if (tokens >= 64 * world && r > 0) {
+          EXPECT_EQ(s.begin % 64, 0);
+        }
+        at = s.end;
+      }
+      EXPECT_EQ(at, tokens);
+    }
+  }
+  EXPECT_EQ(Runtime::ShardOf(2097152, 1, 2).begin, 1048576);
+}
+
+TEST_F(ContextParallelTest, FullAttentionShardedGivesTheUnshardedTokens) {
+  const auto reqs = Requests({300, 190}, 24);
+  const auto want = Unsharded(FullOptions(), reqs);
+  ASSERT_EQ(want.size(), 2u);
+  for (int world : {2, 3}) {
+    const auto got = Sharded(FullOptions(), world, reqs);
+    for (int r = 0; r < world; ++r) EXPECT_EQ(got[r], want) << "rank " << r << " of " << world;
+  }
+}
+
+TEST_F(ContextParallelTest, ExactShadowKvShardedGivesTheUnshardedTokens) {
+  const auto reqs = Requests({300}, 24);
+  const auto want = Unsharded(ExactShadowKvOptions(), reqs);
+  const auto full = Unsharded(FullOptions(), reqs);
+  ASSERT_EQ(want.size(), 1u);
+  EXPECT_EQ(want, full) << "the exact ShadowKV configuration is not exact";
+  for (int world : {2, 3}) {
+    const auto got = Sharded(ExactShadowKvOptions(), world, reqs);
+    for (int r = 0; r < world; ++r) EXPECT_EQ(got[r], want) << "rank " << r << " of " << world;
+  }
+}
+
+TEST_F(ContextParallelTest, LossyShadowKvShardsAgreeAndStartWithTheExactToken) {
+  EngineOptions o = testing::LossyShadowKvOptions();
+  o.backend.cpu_threads = 1;
+  const auto reqs = Requests({300}, 30);  // the last shard makes chunks of its new tokens
+  const auto want = Unsharded(o, reqs);
+  ASSERT_EQ(want.size(), 1u);
+  const auto got = Sharded(o, 2, reqs);
+  ASSERT_EQ(got[0].size(), 1u);
+  EXPECT_EQ(got[0], got[1]);
+  ASSERT_EQ(got[0][0].size(), 30u);
+  EXPECT_EQ(got[0][0][0], want[0][0]);  // from the prefill, exact under both
+}
+
+TEST_F(ContextParallelTest, WhatAShardCannotDoIsRefused) {
+  testing::ThreadGroup group(2);
+  auto member = group.Member(1);
+  EngineOptions o = FullOptions();
+  o.runtime.prefix_cache_bytes = 1 << 20;
+  auto e = Engine::Open(testing::StoriesDir(), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ((*e)->runtime().SetContextGroup(member.get()).code(), StatusCode::kUnimplemented);
+
+  auto plain = Engine::Open(testing::StoriesDir(), FullOptions());
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  Runtime& rt = (*plain)->runtime();
+  ASSERT_TRUE(rt.SetContextGroup(member.get()).ok());
+  GenerationRequest r = Requests({200}, 4)[0];
+  Runtime::PrefillState st;
+  GenerationResult res;
+  EXPECT_EQ(rt.BeginPrefill(0, r, &st, &res).code(), StatusCode::kUnimplemented);
+  // A shard is not a prefix.
+  SequenceSpec spec;
+  spec.prompt_len = 100;
+  spec.shard.position_base = 100;
+  spec.shard.closed = true;
+  ASSERT_TRUE(rt.policy().AddSequence(7, spec).ok());
+  EXPECT_EQ(rt.policy().CapturePrefix(7, 100).status().code(), StatusCode::kUnimplemented);
+  rt.policy().RemoveSequence(7);
+}
+
+}  // namespace
+}  // namespace penumbra
