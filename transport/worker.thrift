@@ -60,6 +60,9 @@ struct WorkerStats {
   12: i64 generated_tokens,
   13: i64 admission_waits,
   14: double prefill_piece_max_seconds,  // the longest prefill piece (the running batch waited that long)
+  // Free memory of the worker's device (host RAM on a CPU worker), sampled
+  // about once a second; -1 not known yet. The coordinator places by it.
+  15: i64 memory_free_bytes = -1,
 }
 
 service Worker {

@@ -1,4 +1,5 @@
 #include "coordinator/server/coordinator.h"
+#include "coordinator/server/placement.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -93,6 +94,7 @@ Status CoordinatorOptions::Validate() const {
   if (max_text_bytes < 1) return Status::InvalidArgument("max_text_bytes must be >= 1");
   if (max_new_tokens < 1) return Status::InvalidArgument("max_new_tokens must be >= 1");
   if (max_running_requests < 1) return Status::InvalidArgument("max_running_requests must be >= 1");
+  if (min_free_memory_bytes < 0) return Status::InvalidArgument("min_free_memory_bytes must be >= 0");
   return Status::OK();
 }
 
@@ -251,28 +253,20 @@ rpc::DocumentInfo Coordinator::ToInfo(const DocumentView& d) const {
 
 std::vector<int> Coordinator::Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const {
   std::vector<WorkerState> s = workers_->states();
-  std::vector<int> holders, others;
+  const std::map<int, int64_t> held = docs_->held_per_worker();
+  std::vector<PlacementCandidate> c;
   for (int i = 0; i < static_cast<int>(s.size()); ++i) {
     if (!s[i].healthy || (!kv_policy.empty() && s[i].health.kv_policy != kv_policy)) continue;
-    const bool holds = !docs.empty() && docs.front().workers.count(i) > 0;
-    (holds ? holders : others).push_back(i);
+    PlacementCandidate w;
+    w.worker = i;
+    w.holds_document = !docs.empty() && docs.front().workers.count(i) > 0;
+    w.routed = s[i].routed;
+    auto it = held.find(i);
+    w.documents_held = it == held.end() ? 0 : it->second;
+    w.memory_free_bytes = s[i].stats.memory_free_bytes;
+    c.push_back(w);
   }
-  // Least loaded first; among equals, the one holding fewest documents (new
-  // documents spread over the workers' caches).
-  const std::map<int, int64_t> held = docs_->held_per_worker();
-  auto held_by = [&](int w) {
-    auto it = held.find(w);
-    return it == held.end() ? int64_t{0} : it->second;
-  };
-  auto by_load = [&](int a, int b) {
-    if (s[a].routed != s[b].routed) return s[a].routed < s[b].routed;
-    if (held_by(a) != held_by(b)) return held_by(a) < held_by(b);
-    return a < b;
-  };
-  std::sort(holders.begin(), holders.end(), by_load);
-  std::sort(others.begin(), others.end(), by_load);
-  holders.insert(holders.end(), others.begin(), others.end());
-  return holders;
+  return OrderWorkers(std::move(c), o_.min_free_memory_bytes);
 }
 
 // ---- documents -------------------------------------------------------------

@@ -55,6 +55,9 @@ struct CoordinatorOptions {
   int64_t max_running_requests = 4096;    // generations not yet finished, all tenants
   std::chrono::milliseconds keep_finished{std::chrono::minutes(10)};
   std::chrono::milliseconds put_timeout{std::chrono::minutes(30)};  // a put without a deadline
+  // Placement (coordinator/server/placement.h): a worker reporting less free
+  // device memory than this is tried after the others of its group.
+  int64_t min_free_memory_bytes = int64_t{2} << 30;
   Status Validate() const;
 };
 

@@ -46,6 +46,8 @@ Status Run(int argc, char** argv) {
                         "none, every caller is tenant \"default\")")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
       .Flag("max-running", "generations running at once, all tenants (default 4096)")
+      .Flag("min-free-memory-mb", "placement: workers reporting less free device memory are tried after the others "
+                                  "(default 2048)")
       .Flag("max-documents", "documents per tenant (default 10000)")
       .Flag("health-interval-ms", "how often each worker is checked (default 1000)")
       .Flag("drain-seconds", "on SIGTERM, how long running generations may finish (default 30)")
@@ -67,6 +69,9 @@ Status Run(int argc, char** argv) {
     co.tenants = std::move(reg);
   }
   PENUMBRA_ASSIGN_OR_RETURN(co.max_running_requests, a.GetIntIn("max-running", co.max_running_requests, 1, 1 << 24));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t min_free_mb, a.GetIntIn("min-free-memory-mb", co.min_free_memory_bytes >> 20, 0,
+                                                            int64_t{1} << 30));
+  co.min_free_memory_bytes = min_free_mb << 20;
   PENUMBRA_ASSIGN_OR_RETURN(co.max_documents_per_tenant,
                             a.GetIntIn("max-documents", co.max_documents_per_tenant, 1, int64_t{1} << 32));
   PENUMBRA_RETURN_IF_ERROR(co.Validate());

@@ -672,6 +672,60 @@ TEST_F(Service, SigtermDrainsRunningRequests) {
   EXPECT_EQ(cluster.coordinator().process->Wait(30s), std::optional<int>(0));
 }
 
+// Maintenance of one of two workers: SIGTERM drains it (it finishes what it
+// runs and refuses new work; the coordinator routes around it) while
+// clients keep asking; no request fails, each gets all its tokens, the
+// drained worker exits 0 and the other served what came after. Both
+// workers report their free memory (what placement reads).
+TEST_F(Service, DrainingAWorkerLosesNoRequest) {
+  ClusterOptions o;
+  o.workers = 2;
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  for (int w = 0; w < 2; ++w) {
+    int64_t free = -1;
+    for (int i = 0; i < 100 && free < 0; ++i) {
+      free = cluster.WorkerStats(w).memory_free_bytes;
+      if (free < 0) std::this_thread::sleep_for(50ms);
+    }
+    EXPECT_GT(free, 0) << "worker " << w;
+  }
+  // Long answers on both workers (placement spreads them by load).
+  std::vector<std::string> before;
+  for (int i = 0; i < 4; ++i) {
+    auto id = c->Generate(Ask({}, LcgTokens(20, 900 + i, true), 300));
+    ASSERT_TRUE(id.ok()) << id.status();
+    before.push_back(*id);
+  }
+  for (const auto& id : before) ASSERT_TRUE(c->Poll(id, 0, 5000).ok());
+  const int64_t w1_before = cluster.WorkerStats(1).submitted;
+  EXPECT_GE(cluster.WorkerStats(0).submitted, 1);
+  cluster.worker(0).process->Signal(SIGTERM);
+  // Requests during and after the drain: every one is served (by worker 1
+  // once the coordinator sees worker 0 draining, or passed on by it).
+  std::vector<std::string> after;
+  for (int i = 0; i < 6; ++i) {
+    auto id = c->Generate(Ask({}, LcgTokens(12, 950 + i, true), 20));
+    ASSERT_TRUE(id.ok()) << id.status();
+    after.push_back(*id);
+    std::this_thread::sleep_for(100ms);
+  }
+  for (const auto& id : before) {
+    rpc::GenerateChunk end = Follow(*c, id);
+    EXPECT_EQ(end.finish_reason, "length") << id;
+    EXPECT_EQ(end.usage.generated_tokens, 300) << id;
+  }
+  for (const auto& id : after) {
+    rpc::GenerateChunk end = Follow(*c, id);
+    EXPECT_EQ(end.finish_reason, "length") << id;
+    EXPECT_EQ(end.usage.generated_tokens, 20) << id;
+  }
+  EXPECT_EQ(cluster.worker(0).process->Wait(60s), std::optional<int>(0));
+  EXPECT_GE(cluster.WorkerStats(1).submitted - w1_before, 6);
+}
+
 // Polls job `id` until it is no longer in progress (at most `tries` x 50 ms).
 rpc::JobInfo WaitForJob(client::Client& c, const std::string& id, int tries) {
   rpc::JobInfo info;

@@ -29,14 +29,7 @@ class ContextParallelGpuTest : public testing::StoriesTest {
 
 EngineOptions Options(const std::string& policy, const std::string& dtype) {
   EngineOptions o;
-  if (policy == "shadowkv") {
-    o = testing::LossyShadowKvOptions();
-    o.shadowkv.rank = 32;
-    o.shadowkv.chunk_size = 32;
-    o.shadowkv.local_window = 8;
-    o.shadowkv.outlier_chunks = 0;
-    o.shadowkv.budget_tokens = 4096;
-  }
+  if (policy == "shadowkv") o = testing::ExactShadowKvOptions();
   o.backend.device = "cuda";
   o.backend.dtype = dtype;
   o.runtime.prefill_chunk = 48;

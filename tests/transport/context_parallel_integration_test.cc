@@ -124,14 +124,9 @@ std::vector<int32_t> InProcess(const std::vector<int32_t>& prompt, const std::ve
   EngineOptions o;
   o.backend.device = "cpu";
   o.runtime.prefill_chunk = 48;
-  if (policy.size() > 1) {  // the exact ShadowKV flags below
-    o = testing::LossyShadowKvOptions();
+  if (policy[1] == "shadowkv") {  // the exact ShadowKV flags below
+    o = testing::ExactShadowKvOptions();
     o.runtime.prefill_chunk = 48;
-    o.shadowkv.rank = 32;
-    o.shadowkv.chunk_size = 32;
-    o.shadowkv.local_window = 8;
-    o.shadowkv.outlier_chunks = 0;
-    o.shadowkv.budget_tokens = 4096;
   }
   auto e = Engine::Open(testing::StoriesDir(), o);
   EXPECT_TRUE(e.ok()) << e.status();
@@ -144,7 +139,7 @@ std::vector<int32_t> InProcess(const std::vector<int32_t>& prompt, const std::ve
   return g.ok() ? (*g)[0].ids : std::vector<int32_t>{};
 }
 
-// ShadowKV at full rank selecting every chunk (tests/worker/context_parallel_test.cc).
+// testing::ExactShadowKvOptions as flags.
 const std::vector<std::string> kExactShadowKv = {"--kv-policy", "shadowkv", "--rank", "32", "--chunk-size", "32",
                                                  "--local-window", "8", "--outliers", "0", "--budget", "4096",
                                                  "--min-prompt", "0"};

@@ -28,20 +28,10 @@ EngineOptions FullOptions() {
   return o;
 }
 
-// ShadowKV that loses nothing: full rank (hkv * d = 32), no outliers and a
-// budget above every shard's chunks (every chunk selected, its keys rebuilt
-// from the factors with RoPE at the shard's positions). Chunks of 32 with a
-// window of 8: a 300-token prompt and its 64-aligned shards end with 12
-// local tokens, so 24 new tokens make no new chunk (a chunk made while
-// decoding would take a slot from the prompt's: no longer exact).
+// ShadowKV that loses nothing (stories_shadowkv.h).
 EngineOptions ExactShadowKvOptions() {
-  EngineOptions o = testing::LossyShadowKvOptions();
+  EngineOptions o = testing::ExactShadowKvOptions();
   o.backend.cpu_threads = 1;
-  o.shadowkv.rank = 32;
-  o.shadowkv.chunk_size = 32;
-  o.shadowkv.local_window = 8;
-  o.shadowkv.outlier_chunks = 0;
-  o.shadowkv.budget_tokens = 4096;
   o.runtime.prefill_chunk = 48;
   return o;
 }

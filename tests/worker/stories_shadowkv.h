@@ -50,4 +50,21 @@ inline EngineOptions LossyShadowKvOptions() {
   return o;
 }
 
+// ShadowKV that loses nothing on stories260K: full rank (hkv * d = 32), no
+// outliers and a budget above every chunk (every chunk selected, its keys
+// rebuilt from the factors with RoPE at their positions). Chunks of 32 with
+// a window of 8: a 300-token prompt and its 64-aligned context-parallel
+// shards end with 12 local tokens, so up to 27 new tokens make no new chunk
+// (a chunk made while decoding would take a slot from the prompt's: no
+// longer exact). The context-parallel tests' exact configuration.
+inline EngineOptions ExactShadowKvOptions() {
+  EngineOptions o = LossyShadowKvOptions();
+  o.shadowkv.rank = 32;
+  o.shadowkv.chunk_size = 32;
+  o.shadowkv.local_window = 8;
+  o.shadowkv.outlier_chunks = 0;
+  o.shadowkv.budget_tokens = 4096;
+  return o;
+}
+
 }  // namespace penumbra::testing

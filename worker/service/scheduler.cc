@@ -1,6 +1,7 @@
 #include "worker/service/scheduler.h"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <utility>
 
@@ -13,6 +14,9 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 // How long the idle loop sleeps between looks at deadlines and kept answers.
 constexpr std::chrono::milliseconds kIdleTick{50};
+// How often the loop samples its device's free memory (a query of the
+// driver: not on every step).
+constexpr std::chrono::seconds kMemorySampleEvery{1};
 
 }  // namespace
 
@@ -228,6 +232,14 @@ void Scheduler::Loop() {
   for (;;) {
     work_cv_.wait_for(lk, kIdleTick, [&] { return stop_ || HasWork(); });
     if (stop_) return;
+    if (Clock::now() - memory_sampled_ >= kMemorySampleEvery) {
+      lk.unlock();  // the loop is the runtime's only thread
+      const size_t free = rt_->backend().FreeMemoryBytes();
+      lk.lock();
+      memory_sampled_ = Clock::now();
+      stats_.memory_free_bytes = static_cast<int64_t>(std::min<size_t>(free, std::numeric_limits<int64_t>::max()));
+      if (stop_) return;
+    }
     DropExpiredAnswers(Clock::now());
     if (!HasWork()) continue;
     lk.unlock();

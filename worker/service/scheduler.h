@@ -110,6 +110,10 @@ struct SchedulerStats {
   int64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
   // Admissions deferred because the request did not fit next to the running ones.
   int64_t admission_waits = 0;
+  // Free memory of the runtime's device (host RAM on the CPU backend),
+  // sampled by the loop about once a second (the coordinator places requests
+  // by it); -1 before the first sample.
+  int64_t memory_free_bytes = -1;
   // The document cache, as of the loop's last step.
   struct Documents {
     int64_t cached = 0;                        // documents in memory (tier 1)
@@ -241,6 +245,7 @@ class Scheduler {
   int64_t next_seq_ = 0;
   bool stop_ = false, draining_ = false;
   SchedulerStats stats_;
+  Clock::time_point memory_sampled_{};  // the loop's last SchedulerStats::memory_free_bytes
   std::thread thread_;
 };
 

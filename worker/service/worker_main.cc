@@ -61,6 +61,8 @@ class WorkerMetrics {
     decoding_ = &gauge("penumbra_worker_requests_decoding", "Requests in the decode batch.");
     piece_max_ = &gauge("penumbra_worker_prefill_piece_max_seconds",
                         "The longest prefill piece so far: the longest the running batch waited for one.");
+    memory_free_ = &gauge("penumbra_worker_memory_free_bytes",
+                          "Free memory of the worker's device (host RAM on a CPU worker), sampled about once a second.");
     documents_ = &gauge("penumbra_worker_documents_cached", "Documents in the memory tier of the document cache.");
     document_device_ = &gauge("penumbra_worker_documents_device_bytes", "Device bytes of the cached documents' state.");
     document_host_ = &gauge("penumbra_worker_documents_host_bytes", "Host bytes of the cached documents' values.");
@@ -99,6 +101,7 @@ class WorkerMetrics {
     prefilling_->Set(static_cast<double>(n.prefilling));
     decoding_->Set(static_cast<double>(n.decoding));
     piece_max_->Set(n.prefill_piece_max_seconds);
+    if (n.memory_free_bytes >= 0) memory_free_->Set(static_cast<double>(n.memory_free_bytes));
     const service::SchedulerStats::Documents& d = n.documents;
     documents_->Set(static_cast<double>(d.cached));
     document_device_->Set(static_cast<double>(d.device_bytes));
@@ -118,7 +121,7 @@ class WorkerMetrics {
   service::SchedulerStats last_;
   prometheus::Counter *submitted_, *finished_, *failed_, *cancelled_, *decode_steps_, *interleaved_,
       *prefill_pieces_, *prompt_, *cached_, *generated_, *waits_;
-  prometheus::Gauge *queued_, *prefilling_, *decoding_, *piece_max_;
+  prometheus::Gauge *queued_, *prefilling_, *decoding_, *piece_max_, *memory_free_;
   prometheus::Gauge *documents_, *document_device_, *document_host_, *tier0_bytes_, *tier0_documents_;
   prometheus::Counter *tier0_promotions_, *tier0_demotions_, *store_hits_, *store_corruptions_;
 };

@@ -138,6 +138,7 @@ void WorkerHandler::Stats(rpc::WorkerStats& out) {
   out.generated_tokens = s.generated_tokens;
   out.admission_waits = s.admission_waits;
   out.prefill_piece_max_seconds = s.prefill_piece_max_seconds;
+  out.memory_free_bytes = s.memory_free_bytes;
 }
 
 Result<std::unique_ptr<WorkerServer>> WorkerServer::Start(Scheduler* scheduler, WorkerIdentity identity,
