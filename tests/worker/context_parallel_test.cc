@@ -157,6 +157,8 @@ TEST_F(ContextParallelTest, WhatAShardCannotDoIsRefused) {
   ASSERT_TRUE(plain.ok()) << plain.status();
   Runtime& rt = (*plain)->runtime();
   ASSERT_TRUE(rt.SetContextGroup(member.get()).ok());
+  // Too short to split: refused before anything is held (every rank alike).
+  EXPECT_EQ(rt.AddSequence(3, 1, 4).code(), StatusCode::kInvalidArgument);
   GenerationRequest r = Requests({200}, 4)[0];
   Runtime::PrefillState st;
   GenerationResult res;

@@ -138,6 +138,10 @@ Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
 Status Runtime::AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tokens) {
   if (cp_ == nullptr) return policy_->AddSequence(seq, prompt_len, max_new_tokens);
   const int rank = cp_->rank(), world = cp_->world();
+  if (prompt_len < world) {
+    return Status::InvalidArgument("context parallel: a " + std::to_string(prompt_len) +
+                                   "-token prompt cannot be split over " + std::to_string(world) + " ranks");
+  }
   const Shard sh = ShardOf(prompt_len, rank, world);
   SequenceSpec spec;
   spec.prompt_len = sh.end - sh.begin;
