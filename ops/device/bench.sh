@@ -55,7 +55,8 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             one rank per GPU over NCCL) at 1048576 and 2097152 tokens, beside 1048576 on one GPU and the peer
             (--graph, batch 1, the longest contexts it holds); CP_CONTEXTS overrides the 2-GPU contexts,
             CP_SINGLE the one-GPU ones (empty: none), CP_TEST=0 skips the test, CP_STEPS the timed steps (50),
-            CP_POLICY=full for full attention, CP_PEER=0 skips the peer
+            CP_POLICY=full for full attention, CP_PEER=0 skips the peer, CP_PREFILL the prompt lengths
+            prefilled (full attention) on one GPU and across both (default: none)
   service   the service on the GPU (penumbra-worker with Llama-3.1-8B-shaped random weights, shadowkv, and
             penumbra-coordinator on loopback) measured by penumbra-service-bench: put a 124864-token document,
             time to first token of a 64-token question about it, then 14 such questions decoding together
@@ -280,19 +281,31 @@ suite_cp() {
     CUDA_VISIBLE_DEVICES=0 run 300 $PEER decode --graph --steps 20 --batch 1 --context 124928 262144
   $R penumbra-bench --help > /dev/null 2>&1 || true  # unpacks the bundle once (two at once would race)
   for S in ${CP_SINGLE-1048576}; do run 600 $R $CP --context "$S"; done
-  for S in ${CP_CONTEXTS:-1048576 2097152}; do
-    rm -f "$D/port.json"
-    run 600 $R $CP --context "$S" --cuda-device 0 --cp-world 2 --cp-rank 0 --cp-rendezvous 127.0.0.1:0 \
-      --cp-port-file "$D/port.json" --cp-timeout-s 300 &
-    local p0=$!
-    for _ in $(seq 1 600); do [ -f "$D/port.json" ] && break; sleep 0.2; done
-    local port; port=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/port.json")
-    timeout 600 $R $CP --context "$S" --cuda-device 1 --cp-world 2 --cp-rank 1 \
-      --cp-rendezvous 127.0.0.1:$port --cp-timeout-s 300 > "$D/rank1-$S.log" 2>&1
-    echo "cp rank 1 at $S: rc=$? $(tail -c 300 "$D/rank1-$S.log")"
-    wait $p0
+  for S in ${CP_CONTEXTS-1048576 2097152}; do cp_pair "$S" $CP --context "$S"; done
+  # CP_PREFILL: prompts prefilled on one GPU and across both (full attention).
+  local PF="penumbra-bench prefill --kv-policy full --prefill-chunk 4096"
+  for S in ${CP_PREFILL-}; do
+    run 600 $R $PF --context "$S"
+    cp_pair "prefill-$S" $PF --context "$S"
   done
   free -g | tee "$D/free.txt"
+}
+
+# cp_pair TAG CMD...: CMD as rank 0 on GPU 0 (its JSON lines through run) and
+# rank 1 on GPU 1 (its log in $D/rank1-TAG.log), rank 0 listening on a port
+# the OS picks.
+cp_pair() {
+  local tag=$1; shift
+  rm -f "$D/port.json"
+  run 600 $R "$@" --cuda-device 0 --cp-world 2 --cp-rank 0 --cp-rendezvous 127.0.0.1:0 \
+    --cp-port-file "$D/port.json" --cp-timeout-s 300 &
+  local p0=$!
+  for _ in $(seq 1 600); do [ -f "$D/port.json" ] && break; sleep 0.2; done
+  local port; port=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/port.json")
+  timeout 600 $R "$@" --cuda-device 1 --cp-world 2 --cp-rank 1 --cp-rendezvous 127.0.0.1:$port \
+    --cp-timeout-s 300 > "$D/rank1-$tag.log" 2>&1
+  echo "cp rank 1 ($tag): rc=$? $(tail -c 300 "$D/rank1-$tag.log")"
+  wait $p0
 }
 
 # The service through its public API beside the engine alone at the same
@@ -433,6 +446,9 @@ done
 summary
 # A call returns at most 8 files: the per-test logs and stories outputs travel
 # as one archive beside bench.jsonl and bench.err.
-(cd "$OUT" && ls | grep -vE '^(bench\.jsonl|bench\.err|gpu\.txt|console\.log|.*\.tar\.gz|.*\.gz|logs\.tgz)$' > .logs) &&
-  [ -s "$OUT/.logs" ] && tar -C "$OUT" -czf "$OUT/logs.tgz" -T "$OUT/.logs" && (cd "$OUT" && xargs rm -rf < .logs)
+# A second run in the same call (same $OUT) keeps the first's archive: logs-2.tgz, ...
+logs=logs.tgz; n=2
+while [ -e "$OUT/$logs" ]; do logs=logs-$n.tgz; n=$((n + 1)); done
+(cd "$OUT" && ls | grep -vE '^(bench\.jsonl|bench\.err|gpu\.txt|console\.log|.*\.tar\.gz|.*\.gz|logs(-[0-9]+)?\.tgz)$' > .logs) &&
+  [ -s "$OUT/.logs" ] && tar -C "$OUT" -czf "$OUT/$logs" -T "$OUT/.logs" && (cd "$OUT" && xargs rm -rf < .logs)
 rm -f "$OUT/.logs"

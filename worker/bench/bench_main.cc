@@ -3,7 +3,7 @@
 // developers' full-attention peer (peer_full_attention.py, bundled into
 // .device/ by ops/device/pack.sh). One JSON line per measurement.
 //   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv] [--lanes N]
-//   penumbra-bench prefill --context 124928
+//   penumbra-bench prefill --context 124928 [--cp-world 2 --cp-rank R --cp-rendezvous H:P]
 //   penumbra-bench ttft    --context 124928 [--question 64] [--cache off|hbm|disk] [--store-dir DIR]
 //   penumbra-bench shared  --context 124928 [--batch 64] [--question 64] [--steps 20] [--tier0 on|off]
 //                          (one shared document)
@@ -541,7 +541,9 @@ Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collec
   return Status::OK();
 }
 
-Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
+// With a context group (--cp-world): the prompt's shards prefilled by the
+// ranks together (each attends to the earlier shards' keys); rank 0 prints.
+Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S, Collective* group) {
   Runtime& rt = e.runtime();
   std::vector<int32_t> prompt(S);
   for (int64_t i = 0; i < S; ++i) prompt[i] = static_cast<int32_t>((i * 7919) % e.config().vocab_size);
@@ -552,11 +554,18 @@ Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S) {
   PENUMBRA_RETURN_IF_ERROR(rt.Prefill(1, warm, nullptr));
   rt.RemoveSequence(1);
   if (a.Has("profile")) rt.policy().SetProfiling(true);
+  if (group) PENUMBRA_RETURN_IF_ERROR(group->Barrier());
   const double t0 = NowSeconds();
   PENUMBRA_RETURN_IF_ERROR(rt.Prefill(0, prompt, nullptr));
   PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
+  if (group) PENUMBRA_RETURN_IF_ERROR(group->Barrier());
   const double dt = NowSeconds() - t0;
+  if (group && group->rank() != 0) {
+    rt.RemoveSequence(0);
+    return Status::OK();
+  }
   nlohmann::json j = cm.Line("prefill");
+  j["gpus"] = group ? group->world() : 1;
   j["kv_policy"] = e.options().kv_policy;
   j["context"] = S;
   j["batch"] = 1;
@@ -881,7 +890,9 @@ Status Main(int argc, char** argv) {
   AddShadowKvFlags(a);
   AddContextGroupFlags(a);
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
-  if (a.Has("cp-world") && mode != "cp-decode") return Status::InvalidArgument("--cp-world applies to cp-decode only");
+  if (a.Has("cp-world") && mode != "cp-decode" && mode != "prefill") {
+    return Status::InvalidArgument("--cp-world applies to cp-decode and prefill only");
+  }
   Status st;
   ModelConfig c = Llama8BShape(a, &st);
   PENUMBRA_RETURN_IF_ERROR(st);
@@ -942,7 +953,7 @@ Status Main(int argc, char** argv) {
                : mode == "ttft"   ? RunTtft(a, *engine, cm, S)
                : mode == "shared" ? RunShared(a, *engine, cm, S)
                : mode == "cp-decode" ? RunCpDecode(a, *engine, cm, S, group.get())
-                                  : RunPrefill(a, *engine, cm, S);
+                                  : RunPrefill(a, *engine, cm, S, group.get());
     if (!r.ok()) {
       nlohmann::json j = cm.Line(mode);
       j["context"] = S;
