@@ -49,7 +49,10 @@ Result<std::unique_ptr<Collective>> JoinContextGroup(const Args& a, Backend* bac
       PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(a.Get("cp-port-file"), j.dump() + "\n"));
     }
   }
-  return ConnectCollective(backend, o, std::move(listener));
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Collective> group, ConnectCollective(backend, o, std::move(listener)));
+  LOG(INFO) << "context group: rank " << rank << " of " << world << " joined (data plane: "
+            << (backend != nullptr && backend->device() == Device::kCUDA ? "NCCL" : "TCP") << ")";
+  return group;
 }
 
 }  // namespace penumbra
