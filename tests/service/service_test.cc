@@ -295,6 +295,87 @@ TEST_F(Service, ALostWorkersDocumentsComeBackFromTheStoreNode) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// A coordinator, 2 workers and 2 value-store nodes (documents spread over
+// the nodes by rendezvous hashing): every answer equals the offline
+// engine's; a store node killed (SIGKILL) while answers are being generated
+// loses none of them; then the holder of every document is killed too, and
+// questions about each document are answered by the other worker, from the
+// surviving node (attached) or prefilled again (its node is gone), with the
+// offline tokens every time.
+TEST_F(Service, TwoStoreNodesAndTwoWorkersSurviveKills) {
+  char tmpl[] = "/tmp/penumbra-store-nodes-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  Served nodes[2];
+  std::string list;
+  for (int n = 0; n < 2; ++n) {
+    const std::string d = dir + "/n" + std::to_string(n);
+    std::filesystem::create_directories(d);
+    nodes[n].process = Process::Start(
+        {BinDir() + "/penumbra-store", "--path", d + "/db", "--port-file", d + ".port"}, d + ".log");
+    ASSERT_TRUE(WaitServing(nodes[n], d + ".port"));
+    list += (n ? "," : "") + std::string("127.0.0.1:") + std::to_string(nodes[n].port);
+  }
+  ClusterOptions o;
+  o.workers = 2;
+  o.worker_flags = {"--store-node", list};
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  Offline offline;
+  struct Doc {
+    std::vector<int32_t> ids;
+    rpc::DocumentInfo info;
+  };
+  std::vector<Doc> docs(4);
+  for (int i = 0; i < 4; ++i) {
+    docs[i].ids = LcgTokens(150 + 10 * i, 40 + i, true);
+    docs[i].info = Put(*c, "d" + std::to_string(i), docs[i].ids);
+  }
+  auto expected = [&](int i, const std::vector<int32_t>& q, int max_new) {
+    GenerationRequest g;
+    g.prompt = docs[i].ids;
+    g.segment_ends = {static_cast<int64_t>(g.prompt.size())};
+    g.prompt.insert(g.prompt.end(), q.begin(), q.end());
+    g.max_new_tokens = max_new;
+    return offline.Answer(g);
+  };
+  // Long answers about every document; a node dies while they run.
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) {
+    auto id = c->Generate(Ask({docs[i].info.id}, LcgTokens(10, 700 + i, false), 300));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  for (const auto& id : ids) ASSERT_TRUE(c->Poll(id, 0, 5000).ok());
+  nodes[0].process->Signal(SIGKILL);  // the puts' writes to it may be cut short too
+  ASSERT_TRUE(nodes[0].process->Wait(10s).has_value());
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int32_t> got;
+    rpc::GenerateChunk end = Follow(*c, ids[i], &got);
+    EXPECT_EQ(end.finish_reason, "length") << "document " << i;
+    EXPECT_EQ(got, expected(i, LcgTokens(10, 700 + i, false), 300)) << "document " << i;
+  }
+  // Every document's holder goes: the worker holding document 0, then the
+  // questions (about all four) go to the survivor.
+  const int lost = docs[0].info.worker == "w0" ? 0 : 1;
+  cluster.worker(lost).process->Signal(SIGKILL);
+  ASSERT_TRUE(cluster.worker(lost).process->Wait(10s).has_value());
+  std::this_thread::sleep_for(1500ms);  // the health check notices
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<int32_t> q = LcgTokens(8, 800 + i, false);
+    auto r = c->Complete(Ask({docs[i].info.id}, q, 12));
+    ASSERT_TRUE(r.ok()) << "document " << i << ": " << r.status();
+    EXPECT_EQ(r->ids, expected(i, q, 12)) << "document " << i;
+  }
+  const rpc::WorkerStats survivor = cluster.WorkerStats(1 - lost);
+  EXPECT_GE(survivor.finished, 4);
+  nodes[1].process->Signal(SIGTERM);
+  EXPECT_TRUE(nodes[1].process->Wait(20s).has_value());
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
 // A worker killed (SIGKILL) in the middle of a generation: the coordinator
 // moves the request to the other worker, which goes on from the tokens it
 // had (its prompt then ends with them; its seeded random stream where it

@@ -10,14 +10,14 @@ foreach(case ConcurrentClientsGetTheOfflineAnswers ARequestAdmittedMidDecodeFini
         DocumentsTenantsStreamingAndCancel SigtermDrainsRunningRequests
         BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce TenantQuotasRefuseWithRetryAfterAndIsolate
         BatchJobChaosKillsCoordinatorAndWorkers ALostWorkersDocumentsComeBackFromTheStoreNode
-        AWorkerLostMidGenerationIsResumedOnAnother DrainingAWorkerLosesNoRequest)
+        AWorkerLostMidGenerationIsResumedOnAnother DrainingAWorkerLosesNoRequest TwoStoreNodesAndTwoWorkersSurviveKills)
   add_test(NAME service_${case} COMMAND service_test --gtest_filter=Service.${case}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   set_tests_properties(service_${case} PROPERTIES LABELS service TIMEOUT 600
     ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
 endforeach()
 set_property(TEST service_ALostWorkersDocumentsComeBackFromTheStoreNode service_AWorkerLostMidGenerationIsResumedOnAnother
-  service_DrainingAWorkerLosesNoRequest APPEND PROPERTY LABELS distributed)
+  service_DrainingAWorkerLosesNoRequest service_TwoStoreNodesAndTwoWorkersSurviveKills APPEND PROPERTY LABELS distributed)
 
 # penumbra serve + penumbra-service-bench at a small size (the GPU
 # measurement's tool, kept working on the CPU).
