@@ -100,7 +100,7 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
   } else {
     return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy + "' (expected full or shadowkv)");
   }
-  PENUMBRA_ASSIGN_OR_RETURN(lane->runtime, Runtime::Create(options_.runtime, backend, weights_.get(), std::move(policy)));
+  PENUMBRA_ASSIGN_OR_RETURN(lane->runtime, Runtime::Create(options_.runtime, lane->policy_ctx->ctx, weights_.get(), std::move(policy)));
   if (prefix_store_) lane->runtime->SetPrefixStore(prefix_store_.get(), model_identity_);
   return lane;
 }

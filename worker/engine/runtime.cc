@@ -33,14 +33,17 @@ Result<std::unique_ptr<PolicyContextHolder>> MakePolicyContext(Backend* backend,
   return h;
 }
 
-Runtime::Runtime(const RuntimeOptions& o, Backend* b, const ModelWeights* w, std::unique_ptr<KvPolicy> p)
-    : options_(o), backend_(b), weights_(w), policy_(std::move(p)) {}
+Runtime::Runtime(const RuntimeOptions& o, const PolicyContext& ctx, const ModelWeights* w,
+                 std::unique_ptr<KvPolicy> p)
+    : options_(o), backend_(ctx.backend), inv_freq_(ctx.inv_freq), attn_scale_(ctx.scale), weights_(w),
+      policy_(std::move(p)) {}
 
-Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options, Backend* backend,
+Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options, const PolicyContext& ctx,
                                                  const ModelWeights* weights, std::unique_ptr<KvPolicy> policy) {
+  Backend* backend = ctx.backend;
   if (options.prefill_chunk < 1) return Status::InvalidArgument("prefill_chunk must be >= 1");
   if (options.max_batch < 1) return Status::InvalidArgument("max_batch must be >= 1");
-  std::unique_ptr<Runtime> rt(new Runtime(options, backend, weights, std::move(policy)));
+  std::unique_ptr<Runtime> rt(new Runtime(options, ctx, weights, std::move(policy)));
   PENUMBRA_RETURN_IF_ERROR(rt->AllocateScratch(std::max(options.prefill_chunk, options.max_batch)));
   if (options.prefix_cache_bytes > 0) {
     rt->prefix_cache_ = std::make_unique<PrefixCache>(
@@ -178,9 +181,6 @@ Status Runtime::SetContextGroup(Collective* group) {
   for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int32_t>(i);
   PENUMBRA_ASSIGN_OR_RETURN(cp_iota_, backend_->Allocate(iota.size() * sizeof(int32_t)));
   PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(cp_iota_.get(), iota.data(), iota.size() * sizeof(int32_t)));
-  const std::vector<float> inv = c.RopeInvFreq();
-  PENUMBRA_ASSIGN_OR_RETURN(cp_inv_freq_, backend_->Allocate(inv.size() * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(cp_inv_freq_.get(), inv.data(), inv.size() * sizeof(float)));
   return backend_->Synchronize();
 }
 
@@ -210,36 +210,49 @@ Status Runtime::MergeRanks(int rows) {
   return Status::OK();
 }
 
-Status Runtime::GatherEarlierKeys(PartialPrefill* p, int l, int64_t prompt_end) {
+int64_t Runtime::MaxShardRows(int64_t prompt_end) const {
+  int64_t rows = 0;
+  for (int j = 0; j < cp_->world(); ++j) {
+    const Shard sh = ShardOf(prompt_end, j, cp_->world());
+    rows = std::max(rows, sh.end - sh.begin);
+  }
+  return rows;
+}
+
+Status Runtime::PrepareKeyExchange(const PartialPrefill& p) {
+  const ModelConfig& c = config();
+  const int hkv = c.num_kv_heads, d = c.head_dim;
+  const size_t es = DTypeSize(backend_->act_dtype());
+  const int64_t S = p.end - p.start;
+  const size_t head = static_cast<size_t>(MaxShardRows(p.prompt_end)) * d * es;  // one head's rows of one rank
+  const size_t block = 2 * static_cast<size_t>(hkv) * head;                      // a rank's K then V
+  PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());  // the previous prefill's kernels may read these
+  if (cp_kv_.bytes() < block) {
+    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_, backend_->Allocate(block));
+    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_all_, backend_->Allocate(block * cp_->world()));
+  }
+  // RopeStore's destinations: token i's K at row i of head 0 (heads a rank's
+  // most rows apart), its V a block of K later.
+  std::vector<void*> ptrs(2 * static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) {
+    ptrs[i] = cp_kv_.as<char>() + i * d * es;
+    ptrs[S + i] = cp_kv_.as<char>() + hkv * head + i * d * es;
+  }
+  if (cp_kv_ptrs_.bytes() < ptrs.size() * sizeof(void*)) {
+    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_ptrs_, backend_->Allocate(ptrs.size() * sizeof(void*)));
+  }
+  return backend_->CopyToDevice(cp_kv_ptrs_.get(), ptrs.data(), ptrs.size() * sizeof(void*));
+}
+
+Status Runtime::GatherEarlierKeys(PartialPrefill* p, int l) {
   const ModelConfig& c = config();
   const LayerWeights& L = weights_->layers()[l];
   const int W = cp_->world(), rank = cp_->rank(), hkv = c.num_kv_heads, d = c.head_dim, H = c.hidden_size;
   const size_t es = DTypeSize(backend_->act_dtype());
   const int64_t S = p->end - p->start;
-  int64_t smax = 0;
-  for (int j = 0; j < W; ++j) {
-    const Shard sh = ShardOf(prompt_end, j, W);
-    smax = std::max(smax, sh.end - sh.begin);
-  }
-  const size_t head = static_cast<size_t>(smax) * d * es;     // one head's rows of one rank
-  const size_t block = 2 * static_cast<size_t>(hkv) * head;   // a rank's K then V
-  if (cp_kv_.bytes() < block) {
-    PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
-    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_, backend_->Allocate(block));
-    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_all_, backend_->Allocate(block * W));
-    cp_kv_ptrs_.Reset();
-  }
-  if (!cp_kv_ptrs_ || cp_kv_ptrs_.bytes() < 2 * static_cast<size_t>(S) * sizeof(void*) || l == 0) {
-    // RopeStore's destinations: token i's K at row i of head 0 (heads smax rows apart), V a block later.
-    std::vector<void*> ptrs(2 * static_cast<size_t>(S));
-    for (int64_t i = 0; i < S; ++i) {
-      ptrs[i] = cp_kv_.as<char>() + i * d * es;
-      ptrs[S + i] = cp_kv_.as<char>() + hkv * head + i * d * es;
-    }
-    PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
-    PENUMBRA_ASSIGN_OR_RETURN(cp_kv_ptrs_, backend_->Allocate(ptrs.size() * sizeof(void*)));
-    PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(cp_kv_ptrs_.get(), ptrs.data(), ptrs.size() * sizeof(void*)));
-  }
+  const int64_t smax = MaxShardRows(p->prompt_end);
+  const size_t head = static_cast<size_t>(smax) * d * es;
+  const size_t block = 2 * static_cast<size_t>(hkv) * head;
   // This rank's keys and values of layer l (the QKV projection once more:
   // the attention of every rank's first chunk needs every earlier rank's).
   const int chunk = options_.prefill_chunk;
@@ -251,7 +264,7 @@ Status Runtime::GatherEarlierKeys(PartialPrefill* p, int l, int64_t prompt_end) 
     RopeStoreOp r;
     r.qkv = qkv_.as<float>();
     r.positions = p->pos.as<int32_t>() + off;
-    r.inv_freq = cp_inv_freq_.as<float>();
+    r.inv_freq = inv_freq_;
     r.n = n;
     r.hq = c.num_heads;
     r.hkv = hkv;
@@ -273,7 +286,7 @@ Status Runtime::GatherEarlierKeys(PartialPrefill* p, int l, int64_t prompt_end) 
   }
   const size_t dpitch = static_cast<size_t>(p->start) * d * es;
   for (int j = 0; j < rank; ++j) {
-    const Shard sh = ShardOf(prompt_end, j, W);
+    const Shard sh = ShardOf(p->prompt_end, j, W);
     const char* src = cp_kv_all_.as<char>() + j * block;
     const size_t width = static_cast<size_t>(sh.end - sh.begin) * d * es, at = static_cast<size_t>(sh.begin) * d * es;
     PENUMBRA_RETURN_IF_ERROR(backend_->Copy2D(cp_prefix_k_.as<char>() + at, dpitch, src, head, width, hkv));
@@ -303,6 +316,7 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
     const Shard sh = ShardOf(total, cp_->rank(), cp_->world());
     PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<PartialPrefill> p, StartPrefill(prompt, sh.begin, sh.end));
     p->prompt_end = total;
+    PENUMBRA_RETURN_IF_ERROR(PrepareKeyExchange(*p));
     PENUMBRA_RETURN_IF_ERROR(PrefillLayers(seq, p.get(), config().num_layers));
     return FinishPrefill(p.get(), logits_out);
   }
@@ -345,7 +359,7 @@ Status Runtime::PrefillLayers(int64_t seq, PartialPrefill* p, int layers) {
     const LayerWeights& L = weights_->layers()[l];
     // Context parallel: the rows attend to the earlier ranks' keys as well.
     const bool earlier = cp_ != nullptr && cp_->rank() > 0;
-    if (cp_ != nullptr) PENUMBRA_RETURN_IF_ERROR(GatherEarlierKeys(p, l, p->prompt_end));
+    if (cp_ != nullptr) PENUMBRA_RETURN_IF_ERROR(GatherEarlierKeys(p, l));
     for (int64_t off = 0; off < S; off += chunk) {
       const int n = static_cast<int>(std::min<int64_t>(chunk, S - off));
       float* xs = p->x.as<float>() + off * H;
@@ -368,7 +382,7 @@ Status Runtime::PrefillLayers(int64_t seq, PartialPrefill* p, int layers) {
         a.hq = c.num_heads;
         a.hkv = c.num_kv_heads;
         a.d = c.head_dim;
-        a.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+        a.scale = attn_scale_;
         PENUMBRA_RETURN_IF_ERROR(backend_->PrefixAttention(a));
       }
       backend_->Linear(attn_.get(), L.o, n, xs, true);

@@ -120,9 +120,10 @@ struct RunStats {
 
 class Runtime {
  public:
-  // The policy must have been built with a PolicyContext for this model and
-  // backend (see MakePolicyContext).
-  static Result<std::unique_ptr<Runtime>> Create(const RuntimeOptions& options, Backend* backend,
+  // The policy must have been built with `ctx` (MakePolicyContext for this
+  // model and backend), which outlives the runtime: its backend, RoPE table
+  // and attention scale are the runtime's too.
+  static Result<std::unique_ptr<Runtime>> Create(const RuntimeOptions& options, const PolicyContext& ctx,
                                                  const ModelWeights* weights, std::unique_ptr<KvPolicy> policy);
 
   // Validates every request (non-empty prompt, ids in the vocabulary, length
@@ -251,9 +252,14 @@ class Runtime {
   Result<std::unique_ptr<PartialPrefill>> StartPrefill(const std::vector<int32_t>& prompt, int64_t start, int64_t end);
   Status PrefillLayers(int64_t seq, PartialPrefill* p, int layers);
   Status FinishPrefill(PartialPrefill* p, std::vector<float>* logits_out);
-  // Context parallel: layer l's K/V of the prefill's rows are gathered from
-  // every rank; earlier ranks' land in cp_prefix_k_/v_ ([hkv][p->start][d]).
-  Status GatherEarlierKeys(PartialPrefill* p, int l, int64_t prompt_end);
+  // Context parallel, prefill: the most rows any rank holds of a prompt of
+  // `prompt_end` tokens; the exchange's buffers and RopeStore pointer table
+  // for a prefill (once, before its first layer); then, per layer, the K/V of
+  // every rank's rows gathered, the earlier ranks' in cp_prefix_k_/v_
+  // ([hkv][p->start][d]).
+  int64_t MaxShardRows(int64_t prompt_end) const;
+  Status PrepareKeyExchange(const PartialPrefill& p);
+  Status GatherEarlierKeys(PartialPrefill* p, int l);
   // Context parallel, decode: where this rank's attention part of `rows`
   // rows goes (its output, then its log-sum-exps: one message per layer),
   // and the merge of every rank's part into attn_.
@@ -271,13 +277,15 @@ class Runtime {
   Status AddAndPrefill(int64_t seq, const GenerationRequest& r, GenerationResult* result);
   Result<const float*> DecodeStepImpl(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
                                       const std::vector<int64_t>& positions);
-  Runtime(const RuntimeOptions& o, Backend* b, const ModelWeights* w, std::unique_ptr<KvPolicy> p);
+  Runtime(const RuntimeOptions& o, const PolicyContext& ctx, const ModelWeights* w, std::unique_ptr<KvPolicy> p);
   Status AllocateScratch(int rows);
   // One transformer layer's MLP and attention residual updates for rows of x.
   void Mlp(const LayerWeights& L, float* x, int n);
 
   RuntimeOptions options_;
   Backend* backend_;
+  const float* inv_freq_;  // the policy context's device RoPE table
+  float attn_scale_;       // ... and 1/sqrt(head_dim)
   const ModelWeights* weights_;
   std::unique_ptr<KvPolicy> policy_;
   int scratch_rows_ = 0;
@@ -289,9 +297,9 @@ class Runtime {
   // decode: this rank's part (RankPart) and every rank's, gathered; prefill:
   // this rank's layer K/V [2][hkv][rows][d] with its RopeStore pointer
   // table, all ranks' gathered, the earlier ranks' K and V contiguous, row
-  // indices 0..n-1, the RoPE table.
-  DeviceBuffer cp_lse_, cp_part_, cp_parts_, cp_kv_, cp_kv_ptrs_, cp_kv_all_, cp_prefix_k_, cp_prefix_v_, cp_iota_,
-      cp_inv_freq_;
+  // indices 0..n-1.
+  DeviceBuffer cp_lse_, cp_part_, cp_parts_, cp_kv_, cp_kv_ptrs_, cp_kv_all_, cp_prefix_k_, cp_prefix_v_,
+      cp_iota_;
   // The prefix stored under `key` with `tokens` tokens, imported into this
   // policy and the device cache; null when absent or damaged (dropped).
   std::shared_ptr<const KvPrefix> LoadStoredPrefix(const Hash128& key, int64_t tokens);
