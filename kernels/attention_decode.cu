@@ -17,6 +17,16 @@
 // split, sequence), one key per thread for the scores, one dim per thread for
 // p * v. Writes the same partials, merged by the same phase 2.
 //
+// Slot mask (ShadowKV's empty slots, DecodeAttentionArgs::slot_maps): both
+// phase-1 kernels treat a masked key as past the end: its K and V rows are not
+// read (they may hold stale or uninitialized bytes) and its score is -inf.
+// Masking can empty a 16-key step, a warp's keys, a split or a whole sequence,
+// so every online-softmax update and merge takes its exponent base as 0 while
+// the running max is -inf (no inf - inf), and an empty (sequence, head) comes
+// out of phase 2 as out = 0, lse = -inf. The tensor-core kernel takes the mask
+// as a template parameter, so the unmasked one is compiled as before (the
+// generic kernel's extra work is one uniform branch per tile).
+//
 // Workspace (f32): partial o [batch][hq][splits][d] (unnormalized, relative to
 // its own max), then m [batch][hq][splits] (log2 domain) and l [batch][hq][splits].
 //
@@ -109,17 +119,39 @@ __device__ __forceinline__ uint4 LoadRow16Or0(const __nv_bfloat16* p, bool valid
   return valid ? LoadRow16(p) : make_uint4(0, 0, 0, 0);
 }
 
+// DecodeAttentionArgs' slot mask as the phase-1 kernels take it.
+struct SlotMask {
+  const int32_t* const* maps;  // null: no mask
+  int row0, count, rows;
+  // The slot map of sequence b, KV head h; null without a mask.
+  __device__ __forceinline__ const int32_t* Map(int b, int h) const {
+    return maps != nullptr ? maps[b] + static_cast<int64_t>(h) * count : nullptr;
+  }
+  // Whether key `key` lies in an empty slot of `map`.
+  __device__ __forceinline__ bool Masked(const int32_t* map, int key) const {
+    return key >= row0 && key - row0 < count * rows && __ldg(map + (key - row0) / rows) < 0;
+  }
+};
+
+// The exponent base of an online-softmax update whose running max is m: m,
+// or 0 while every key so far is masked (m = -inf), so that exp2(x - base) is
+// 0 for masked scores and the rescale of the (empty) running sums is 0, not NaN.
+__device__ __forceinline__ float SoftmaxBase(float m) { return m == -INFINITY ? 0.0f : m; }
+
 // Resident blocks per SM the register budget is set for (d 128 needs ~140
 // registers: 64 of K/V fragments in flight, 32 of O^T, 16 of Q).
 template <int D>
 constexpr int kMmaMinBlocks = D >= 128 ? 3 : 4;
 
-template <int G, int D>
+// kMask: compiled with the slot mask (DecodeAttentionArgs::slot_maps); without
+// it the kernel is the unmasked one, keys live below `end` and the running max
+// finite (the mask's bookkeeping cost 1% at 7 x 124928 on the H200).
+template <int G, int D, bool kMask>
 __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
     DecodeMmaKernel(const __nv_bfloat16* __restrict__ q, const void* const* __restrict__ k_ptrs,
                     const void* const* __restrict__ v_ptrs, const int32_t* __restrict__ lengths,
                     float* __restrict__ ws_o, float* __restrict__ ws_m, float* __restrict__ ws_l, int64_t head_stride,
-                    int hq, int chunk, int splits, float scale_log2) {
+                    int hq, int chunk, int splits, float scale_log2, SlotMask mask) {
   ChainWait();  // launched chained: see LaunchChained
   ChainRelease();
   static_assert(G == 1 || G == 2 || G == 4 || G == 8, "group must fit the 8 columns of O^T");
@@ -141,6 +173,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
 
   const __nv_bfloat16* kb = static_cast<const __nv_bfloat16*>(k_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride;
   const __nv_bfloat16* vb = static_cast<const __nv_bfloat16*>(v_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride;
+  [[maybe_unused]] const int32_t* slot_map = mask.Map(b, kvh);
 
   // Q's A fragments (rows r < G real, rows r + 8 zero).
   uint32_t qa[kKSteps][2];
@@ -154,18 +187,29 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
 
 #pragma unroll 1
   for (int key0 = start + warp * kStepKeys; key0 < end; key0 += kMmaWarps * kStepKeys) {
+    // Bit j: key key0 + j is attended (below end and not in an empty slot);
+    // lanes 16..31 repeat the lookups of lanes 0..15.
+    uint32_t live = 0;
+    if constexpr (kMask) {
+      live = key0 + kStepKeys <= end ? 0xffffu : (1u << (end - key0)) - 1u;
+      live &= ~__ballot_sync(0xffffffffu, mask.Masked(slot_map, key0 + (lane & 15)));
+    }
+    const auto attended = [&](int j) -> bool {
+      if constexpr (kMask) return (live >> j) & 1u;
+      return key0 + j < end;
+    };
     uint4 kr[2][kJ], vr[4][kQ];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const int key = key0 + 8 * nt + r;
-      LoadPermutedK<D>(kb + static_cast<int64_t>(key) * D, key < end, c, kr[nt]);
+      const int j = 8 * nt + r;
+      LoadPermutedK<D>(kb + static_cast<int64_t>(key0 + j) * D, attended(j), c, kr[nt]);
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      const int key = key0 + 2 * c + (kk & 1) + 8 * (kk >> 1);
-      const __nv_bfloat16* row = vb + static_cast<int64_t>(key) * D + 8 * r;
+      const int j = 2 * c + (kk & 1) + 8 * (kk >> 1);
+      const __nv_bfloat16* row = vb + static_cast<int64_t>(key0 + j) * D + 8 * r;
 #pragma unroll
-      for (int qq = 0; qq < kQ; ++qq) vr[kk][qq] = LoadRow16Or0(row + 64 * qq, key < end);
+      for (int qq = 0; qq < kQ; ++qq) vr[kk][qq] = LoadRow16Or0(row + 64 * qq, attended(j));
     }
     // Scores.
     float s[2][4];
@@ -180,18 +224,18 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int nt = i >> 1, e = i & 1;
-      const bool valid = key0 + 8 * nt + 2 * c + e < end;
-      x[i] = valid ? s[nt][e] * scale_log2 : -INFINITY;
+      x[i] = attended(8 * nt + 2 * c + e) ? s[nt][e] * scale_log2 : -INFINITY;
       mx = fmaxf(mx, x[i]);
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run, mx);  // finite: key0 < end
-    const float alpha = exp2f(m_run - m_new);
+    const float m_new = fmaxf(m_run, mx);  // masked: -inf while every key so far is masked
+    const float base = kMask ? SoftmaxBase(m_new) : m_new;
+    const float alpha = exp2f(m_run - base);
     m_run = m_new;
     float p[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] = r < G ? exp2f(x[i] - m_new) : 0.0f;
+    for (int i = 0; i < 4; ++i) p[i] = r < G ? exp2f(x[i] - base) : 0.0f;
     l_run = l_run * alpha + (p[0] + p[1]) + (p[2] + p[3]);
     const float alpha0 = __shfl_sync(0xffffffffu, alpha, src0);
     const float alpha1 = __shfl_sync(0xffffffffu, alpha, src1);
@@ -236,10 +280,11 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) mx = fmaxf(mx, s_m[w][head]);
+    const float base = SoftmaxBase(mx);
     float acc = 0.0f, l = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) {
-      const float f = exp2f(s_m[w][head] - mx);  // 0 for a warp without keys
+      const float f = exp2f(s_m[w][head] - base);  // 0 for a warp without live keys
       acc += f * s_o[w][head][dim];
       l += f * s_l[w][head];
     }
@@ -274,8 +319,10 @@ __global__ void __launch_bounds__(kGenericThreads)
     DecodeGenericKernel(const T* __restrict__ q, const void* const* __restrict__ k_ptrs,
                         const void* const* __restrict__ v_ptrs, const int32_t* __restrict__ lengths,
                         float* __restrict__ ws_o, float* __restrict__ ws_m, float* __restrict__ ws_l,
-                        int64_t head_stride, int hq, int group, int d, int chunk, int splits, float scale_log2) {
+                        int64_t head_stride, int hq, int group, int d, int chunk, int splits, float scale_log2,
+                        SlotMask mask) {
   extern __shared__ float gsmem[];  // q [d], acc [d], p [128], scratch [4]
+  __shared__ uint32_t s_live[kGenericThreads / 32];  // with a mask: bit j of word j / 32, key t0 + j is attended
   const int head = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int len = lengths[b];
   const int start = split * chunk;
@@ -289,6 +336,7 @@ __global__ void __launch_bounds__(kGenericThreads)
   const int kvh = head / group;
   const T* kb = static_cast<const T*>(k_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride;
   const T* vb = static_cast<const T*>(v_ptrs[b]) + static_cast<int64_t>(kvh) * head_stride;
+  const int32_t* slot_map = mask.Map(b, kvh);
   const int64_t row = static_cast<int64_t>(b) * hq + head;
   for (int e = tid; e < d; e += kGenericThreads) {
     qs[e] = ToF32(q[row * d + e]) * scale_log2;
@@ -298,27 +346,40 @@ __global__ void __launch_bounds__(kGenericThreads)
   float m = -INFINITY, l = 0.0f;
   for (int t0 = start; t0 < end; t0 += kGenericThreads) {
     const int key = t0 + tid;
+    bool live = key < end;
+    if (slot_map != nullptr) {
+      live = live && !mask.Masked(slot_map, key);
+      const uint32_t bits = __ballot_sync(0xffffffffu, live);
+      if ((tid & 31) == 0) s_live[tid >> 5] = bits;
+    }
     float s = -INFINITY;
-    if (key < end) {
+    if (live) {
       const T* kr = kb + static_cast<int64_t>(key) * d;
       float x = 0.0f;
       for (int e = 0; e < d; ++e) x += qs[e] * ToF32(kr[e]);
       s = x;
     }
-    const float m_new = fmaxf(m, BlockReduce128(s, scratch, true));  // finite: key t0 is valid
-    const float alpha = exp2f(m - m_new);
-    const float p = key < end ? exp2f(s - m_new) : 0.0f;
+    const float m_new = fmaxf(m, BlockReduce128(s, scratch, true));  // -inf while every key so far is masked
+    const float base = SoftmaxBase(m_new);
+    const float alpha = exp2f(m - base);
+    const float p = live ? exp2f(s - base) : 0.0f;
     ps[tid] = p;
-    l = l * alpha + BlockReduce128(p, scratch, false);  // its barriers also publish ps
+    l = l * alpha + BlockReduce128(p, scratch, false);  // its barriers also publish ps and s_live
     m = m_new;
     const int n = min(kGenericThreads, end - t0);
     for (int e = tid; e < d; e += kGenericThreads) {
       float a = accs[e] * alpha;
       const T* vc = vb + static_cast<int64_t>(t0) * d + e;
-      for (int j = 0; j < n; ++j) a += ps[j] * ToF32(vc[static_cast<int64_t>(j) * d]);
+      if (slot_map == nullptr) {
+        for (int j = 0; j < n; ++j) a += ps[j] * ToF32(vc[static_cast<int64_t>(j) * d]);
+      } else {
+        // A masked key's V row is skipped, not multiplied by p = 0: it may hold NaN.
+        for (int j = 0; j < n; ++j)
+          if ((s_live[j >> 5] >> (j & 31)) & 1u) a += ps[j] * ToF32(vc[static_cast<int64_t>(j) * d]);
+      }
       accs[e] = a;
     }
-    __syncthreads();  // ps is rewritten by the next tile
+    __syncthreads();  // ps and s_live are rewritten by the next tile
   }
   const int64_t slot = row * splits + split;
   for (int e = tid; e < d; e += kGenericThreads) ws_o[slot * d + e] = accs[e];
@@ -339,7 +400,9 @@ static_assert(kMergeThreads == kGenericThreads, "the merge uses BlockReduce128")
 // splits are block reductions (a sequence of 124928 keys at batch 1 has ~500
 // splits: a serial loop per thread over them cost more than phase 1), the
 // per-split weights 2^(m_s - max) / total go to shared memory, then each
-// thread sums its dims over the splits with independent loads.
+// thread sums its dims over the splits with independent loads. A (sequence,
+// head) whose every key is masked (every split's m = -inf, l = 0) gets out = 0
+// and lse = -inf.
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     DecodeMergeKernel(const float* __restrict__ ws_o, const float* __restrict__ ws_m, const float* __restrict__ ws_l,
@@ -357,13 +420,15 @@ __global__ void __launch_bounds__(kMergeThreads)
   float mx = -INFINITY;
   for (int s = threadIdx.x; s < n; s += kMergeThreads) mx = fmaxf(mx, m[s]);
   mx = BlockReduce128(mx, scratch, true);
+  const float base = SoftmaxBase(mx);
   float total = 0.0f;
-  for (int s = threadIdx.x; s < n; s += kMergeThreads) total += exp2f(m[s] - mx) * l[s];
+  for (int s = threadIdx.x; s < n; s += kMergeThreads) total += exp2f(m[s] - base) * l[s];
   total = BlockReduce128(total, scratch, false);
-  const float inv = 1.0f / total;
-  if (lse != nullptr && threadIdx.x == 0) lse[row] = (mx + log2f(total)) * 0.6931471805599453f;  // log2 -> ln
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  if (lse != nullptr && threadIdx.x == 0)
+    lse[row] = total > 0.0f ? (mx + log2f(total)) * 0.6931471805599453f : -INFINITY;  // log2 -> ln
   const int n_smem = min(n, kMergeMaxSmemSplits);
-  for (int s = threadIdx.x; s < n_smem; s += kMergeThreads) w_s[s] = exp2f(m[s] - mx) * inv;
+  for (int s = threadIdx.x; s < n_smem; s += kMergeThreads) w_s[s] = exp2f(m[s] - base) * inv;
   __syncthreads();
   const float* o = ws_o + row * splits * d;
   for (int e = threadIdx.x; e < d; e += kMergeThreads) {
@@ -376,17 +441,28 @@ __global__ void __launch_bounds__(kMergeThreads)
       acc3 = fmaf(w_s[s + 3], o[static_cast<int64_t>(s + 3) * d + e], acc3);
     }
     for (; s < n_smem; ++s) acc0 = fmaf(w_s[s], o[static_cast<int64_t>(s) * d + e], acc0);
-    for (; s < n; ++s) acc0 = fmaf(exp2f(m[s] - mx) * inv, o[static_cast<int64_t>(s) * d + e], acc0);
+    for (; s < n; ++s) acc0 = fmaf(exp2f(m[s] - base) * inv, o[static_cast<int64_t>(s) * d + e], acc0);
     out[row * d + e] = FromF32<T>((acc0 + acc1) + (acc2 + acc3));
   }
+}
+
+SlotMask SlotMaskOf(const DecodeAttentionArgs& a) {
+  return SlotMask{a.slot_maps, a.slot_row0, a.slot_count, a.slot_rows};
 }
 
 template <int G, int D>
 void LaunchDecodeMma(const DecodeAttentionArgs& a, const SplitPlan& plan, float* ws_o, float* ws_m, float* ws_l,
                      cudaStream_t stream) {
   const dim3 grid(a.hkv, plan.splits, a.batch);
-  LaunchChained(DecodeMmaKernel<G, D>, grid, kMmaThreads, 0, stream, static_cast<const __nv_bfloat16*>(a.q), a.k,
-                a.v, a.lengths, ws_o, ws_m, ws_l, a.head_stride, a.hq, plan.chunk, plan.splits, a.scale * kLog2e);
+  const auto launch = [&](auto kernel) {
+    LaunchChained(kernel, grid, kMmaThreads, 0, stream, static_cast<const __nv_bfloat16*>(a.q), a.k, a.v, a.lengths,
+                  ws_o, ws_m, ws_l, a.head_stride, a.hq, plan.chunk, plan.splits, a.scale * kLog2e, SlotMaskOf(a));
+  };
+  if (a.slot_maps != nullptr) {
+    launch(DecodeMmaKernel<G, D, true>);
+  } else {
+    launch(DecodeMmaKernel<G, D, false>);
+  }
 }
 
 template <int D>
@@ -412,7 +488,7 @@ void LaunchDecodeGeneric(const DecodeAttentionArgs& a, const SplitPlan& plan, fl
   DecodeGenericKernel<T><<<grid, kGenericThreads, smem, stream>>>(static_cast<const T*>(a.q), a.k, a.v, a.lengths,
                                                                  ws_o, ws_m, ws_l, a.head_stride, a.hq,
                                                                  a.hq / a.hkv, a.d, plan.chunk, plan.splits,
-                                                                 a.scale * kLog2e);
+                                                                 a.scale * kLog2e, SlotMaskOf(a));
 }
 
 }  // namespace

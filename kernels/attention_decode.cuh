@@ -25,6 +25,13 @@ struct DecodeAttentionArgs {
   int batch = 0, hq = 0, hkv = 0, d = 0;
   int max_length = 0;                // host-side upper bound of lengths (sizes the grid)
   float scale = 1.0f;
+  // Optional (ShadowKV's selection slots): key j of sequence b, KV head h in
+  // [slot_row0, slot_row0 + slot_count * slot_rows) is not attended when
+  // slot_maps[b][h * slot_count + (j - slot_row0) / slot_rows] < 0 (an empty
+  // slot). A (sequence, query head) whose keys are all masked gets out = 0 and
+  // lse = -inf.
+  const int32_t* const* slot_maps = nullptr;  // device [batch] -> [hkv][slot_count]
+  int slot_row0 = 0, slot_count = 0, slot_rows = 0;
   void* workspace = nullptr;         // DecodeAttentionWorkspaceBytes() bytes
   size_t workspace_bytes = 0;
 };

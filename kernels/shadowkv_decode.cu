@@ -3,6 +3,7 @@
 #include "kernels/shadowkv_decode.cuh"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include <cub/block/block_scan.cuh>
@@ -224,15 +225,42 @@ __device__ __forceinline__ float2 MergeSplits(const float2* st, int ns, int lane
   return make_float2(m, WarpSum(s));
 }
 
-// Phase 1.5: one warp per (sequence, query head) merges the split statistics.
+// The second of two calls (stats_in): query head idx's (max, sum exp)
+// combined over every shard's statistics, reduced by one warp (shared by the
+// same two kernels as MergeSplits, for the same reason).
+__device__ __forceinline__ float2 CombineParts(const ShadowkvScoreArgs& a, int64_t idx, int lane) {
+  const float* st = a.stats_in + idx * 2;
+  float m = NegInf();
+  for (int p = lane; p < a.stats_parts; p += 32) m = fmaxf(m, st[p * a.stats_part_stride]);
+  m = WarpMax(m);
+  float s = 0.0f;
+  if (m != NegInf()) {
+    for (int p = lane; p < a.stats_parts; p += 32) {
+      const float mp = st[p * a.stats_part_stride];
+      if (mp != NegInf()) s += st[p * a.stats_part_stride + 1] * expf(mp - m);
+    }
+  }
+  return make_float2(m, WarpSum(s));
+}
+
+// Phase 1.5: one warp per (sequence, query head) merges the split statistics
+// (with stats_in: combines the parts' instead) into ws.merged, or into
+// stats_out for the first of two calls.
 __global__ void ScoreMergeKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split) {
   const int idx = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (idx >= a.batch * a.hq) return;
   const int b = idx / a.hq;
   const int ns = (a.n_chunks[b] + ws.split - 1) / ws.split;
-  const float2 ms = MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
-  if (lane == 0) ws.merged[idx] = ms;
+  const float2 ms = a.stats_in != nullptr ? CombineParts(a, idx, lane)
+                                          : MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
+  if (lane != 0) return;
+  if (a.stats_out != nullptr) {
+    a.stats_out[2 * static_cast<int64_t>(idx)] = ms.x;
+    a.stats_out[2 * static_cast<int64_t>(idx) + 1] = ms.y;
+  } else {
+    ws.merged[idx] = ms;
+  }
 }
 
 // A chunk's score (phase 2): max over the group of exp(logit - max) / sum;
@@ -307,8 +335,10 @@ struct GroupScoreSource {
 
 __device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t* sm);  // section 3
 
-// update: the row's slot update (section 3) follows the selection in the same
-// block, reading the selection the block just wrote.
+// With selection_scores, the selected chunks' scores are computed again by the
+// same functor (the same bits as the keys). update: the row's slot update
+// (section 3) follows in the same block, reading the selection the block just
+// wrote.
 __global__ void __launch_bounds__(topk_block::kThreads)
     ScoreSelectKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split, int cached_keys,
                       ShadowkvSlotUpdateArgs su, bool update) {
@@ -322,7 +352,8 @@ __global__ void __launch_bounds__(topk_block::kThreads)
   if (warp < group) {
     const int idx = b * a.hq + h * group + warp;
     const int ns = (n + ws.split - 1) / ws.split;
-    const float2 ms = MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
+    const float2 ms = a.stats_in != nullptr ? CombineParts(a, idx, lane)
+                                            : MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
     if (lane == 0) s_ms[warp] = ms;
   }
   __syncthreads();
@@ -336,11 +367,31 @@ __global__ void __launch_bounds__(topk_block::kThreads)
     src.m[g] = g < group ? s_ms[g].x : 0.0f;
     src.s[g] = g < group ? s_ms[g].y : 1.0f;
   }
-  topk_block::SelectRow(src, n, a.select_k, /*smallest=*/false, /*skip_worst_inf=*/true,
-                        a.selection + static_cast<int64_t>(row) * a.selection_stride, sel_smem, cached_keys);
-  if (!update) return;
-  __syncthreads();  // the selection (global) and the shared memory, for the slot update
-  SlotUpdateRow(su, row, sel_smem);
+  int32_t* sel = a.selection + static_cast<int64_t>(row) * a.selection_stride;
+  topk_block::SelectRow(src, n, a.select_k, /*smallest=*/false, /*skip_worst_inf=*/true, sel, sel_smem, cached_keys);
+  if (a.selection_scores == nullptr && !update) return;
+  __syncthreads();  // the selection (global, written by other threads) and the shared memory, for what follows
+  if (a.selection_scores != nullptr) {
+    float* out = a.selection_scores + static_cast<int64_t>(row) * a.selection_stride;
+    for (int64_t i = threadIdx.x; i < a.selection_stride; i += blockDim.x) {
+      const int32_t c = i < a.select_k ? sel[i] : -1;
+      out[i] = c >= 0 ? src(c) : NegInf();
+    }
+  }
+  if (update) SlotUpdateRow(su, row, sel_smem);
+}
+
+// The unfused path's selection scores: one block per row reads the selected
+// chunks' scores.
+__global__ void SelectionScoresKernel(ShadowkvScoreArgs a) {
+  const int64_t row = blockIdx.x;
+  const int32_t* sel = a.selection + row * a.selection_stride;
+  const float* scores = a.scores + row * a.score_stride;
+  float* out = a.selection_scores + row * a.selection_stride;
+  for (int64_t i = threadIdx.x; i < a.selection_stride; i += blockDim.x) {
+    const int32_t c = i < a.select_k ? sel[i] : -1;
+    out[i] = c >= 0 ? scores[c] : NegInf();
+  }
 }
 
 // Phase 1 on tensor cores (bf16 q and landmarks, d in {64, 128}, group in
@@ -479,6 +530,57 @@ void LaunchScoreLogits(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int
 #undef PENUMBRA_SCORE_CASE
     default: LOG(FATAL) << "ShadowkvScore: unsupported group size " << a.hq / a.hkv;
   }
+}
+
+// ============================================================================
+// 2b. Global selection (context parallel)
+// ============================================================================
+// Candidate i of a row: part i / cand_stride's proposal i % cand_stride, so
+// that top-k's ties to the lower index go to the lower part, then the lower i.
+struct CandidateSource {
+  const float* row0;  // part 0's proposal scores of the row
+  int64_t part_stride;
+  int cand_stride;
+  __device__ __forceinline__ float operator()(int i) const {
+    const int p = i / cand_stride;
+    return row0[p * part_stride + (i - p * cand_stride)];
+  }
+};
+
+// One block of topk_block::kThreads per row: the top-k over every part's
+// proposals into the row's winners, then this rank's winners mapped to its
+// chunk ids, then (update) the row's slot update, as in ScoreSelectKernel.
+__global__ void __launch_bounds__(topk_block::kThreads)
+    GlobalSelectKernel(ShadowkvGlobalSelectArgs a, int cached_keys, ShadowkvSlotUpdateArgs su, bool update) {
+  ChainWait();  // launched chained: see LaunchChained
+  ChainRelease();
+  extern __shared__ __align__(16) uint32_t gsel_smem[];
+  const int row = blockIdx.x;
+  const CandidateSource src{a.candidates + static_cast<int64_t>(row) * a.cand_stride, a.part_stride, a.cand_stride};
+  int32_t* win = a.winners + static_cast<int64_t>(row) * a.k;
+  topk_block::SelectRow(src, a.parts * a.cand_stride, a.k, /*smallest=*/false, /*skip_worst_inf=*/true, win,
+                        gsel_smem, cached_keys);
+  __syncthreads();  // the winners (global, written by other threads)
+  // The winners ascend, so this rank's, [lo, hi), are one run after the
+  // `before` winners of lower ranks; `mine` of them.
+  const int lo = a.rank * a.cand_stride, hi = lo + a.cand_stride;
+  int before = 0, mine = 0;
+  for (int i0 = 0; i0 < a.k; i0 += blockDim.x) {
+    const int i = i0 + threadIdx.x;
+    const int32_t w = i < a.k ? win[i] : -1;
+    before += __syncthreads_count(w >= 0 && w < lo);
+    mine += __syncthreads_count(w >= lo && w < hi);
+  }
+  int32_t* sel = a.selection + static_cast<int64_t>(row) * a.selection_stride;
+  const int32_t* prop = a.proposals + static_cast<int64_t>(row) * a.cand_stride;
+  for (int i = threadIdx.x; i < a.k; i += blockDim.x) {
+    const int32_t w = win[i];
+    if (w >= lo && w < hi && i - before < a.selection_len) sel[i - before] = prop[w - lo];
+  }
+  for (int j = mine + threadIdx.x; j < a.selection_len; j += blockDim.x) sel[j] = -1;
+  if (!update) return;
+  __syncthreads();  // the selection (global, written by other threads), for the slot update
+  SlotUpdateRow(su, row, gsel_smem);
 }
 
 // ============================================================================
@@ -932,15 +1034,40 @@ size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks) {
 }
 
 void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const ShadowkvSlotUpdateArgs* then_update) {
+  CHECK(a.stats_out == nullptr || a.stats_in == nullptr) << "ShadowkvScore: stats_out and stats_in are two calls";
+  CHECK(a.stats_out == nullptr || then_update == nullptr)
+      << "ShadowkvScore: a statistics-only call (stats_out) selects nothing to update the slots with";
+  if (a.stats_in != nullptr) {
+    CHECK(a.stats_parts >= 1 && (a.stats_parts == 1 || a.stats_part_stride >= 2 * static_cast<int64_t>(a.batch) * a.hq))
+        << "ShadowkvScore: stats_parts " << a.stats_parts << " stats_part_stride " << a.stats_part_stride;
+  }
   if (then_update) {
     CHECK(a.select_k > 0 && then_update->selection == a.selection &&
           then_update->selection_stride == a.selection_stride && then_update->batch == a.batch &&
           then_update->hkv == a.hkv && then_update->kslots <= a.select_k)
         << "ShadowkvScore: the slot update must read this selection";
   }
-  if (a.batch <= 0 || a.max_chunks <= 0) {
-    // No chunks: the selection is still written (all -1, as the CPU backend's).
-    if (a.select_k > 0) LaunchTopK(ShadowkvSelectionTopK(a), stream);
+  if (a.batch <= 0) return;
+  // The first of two calls (stats_out) selects nothing.
+  const bool with_selection = a.select_k > 0 && a.stats_out == nullptr;
+  const bool with_selection_scores = with_selection && a.selection_scores != nullptr;
+  constexpr int kMergeWarps = 4;
+  const int merge_blocks = (a.batch * a.hq + kMergeWarps - 1) / kMergeWarps;
+  if (a.max_chunks <= 0) {
+    // No chunks: the statistics are (-inf, 0) (the merge reads no split); the
+    // selection is still written (all -1, as the CPU backend's).
+    if (a.stats_out != nullptr) {
+      ScoreWorkspace none{};
+      none.split = kScoreSplit;
+      ScoreMergeKernel<<<merge_blocks, kMergeWarps * 32, 0, stream>>>(a, none, 0);
+      PENUMBRA_CUDA_CHECK(cudaGetLastError());
+      return;
+    }
+    if (with_selection) LaunchTopK(ShadowkvSelectionTopK(a), stream);
+    if (with_selection_scores) {
+      SelectionScoresKernel<<<a.batch * a.hkv, kScoreThreads, 0, stream>>>(a);
+      PENUMBRA_CUDA_CHECK(cudaGetLastError());
+    }
     if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
     return;
   }
@@ -949,7 +1076,7 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   CHECK_GE(a.score_stride, a.max_chunks);
   CHECK_LE(a.max_chunks, a.chunk_cap);
   CHECK_GE(a.workspace_bytes, ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks));
-  if (a.select_k > 0) {
+  if (with_selection) {
     CHECK(a.select_k <= kTopKMaxK && a.selection != nullptr && a.selection_stride >= a.select_k)
         << "ShadowkvScore: selection k " << a.select_k << " stride " << a.selection_stride;
   }
@@ -961,17 +1088,26 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const int split = mma_ok ? kScoreMmaSplit : kScoreSplit;
   const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, split);
   const int n_split = ScoreSplits(a.max_chunks, split);
-  if (mma_ok) {
-    CHECK(a.d == 128 ? LaunchScoreLogitsMma<128>(a, ws, n_split, stream)
-                     : LaunchScoreLogitsMma<64>(a, ws, n_split, stream));
-  } else if (a.dtype == DType::kF32) {
-    LaunchScoreLogits<float>(a, ws, tpr, n_split, stream);
-  } else {
-    CHECK(a.dtype == DType::kBF16) << "ShadowkvScore: landmarks must be f32 or bf16";
-    LaunchScoreLogits<bf16>(a, ws, tpr, n_split, stream);
+  // The second call (stats_in) reuses the logits the first left in the
+  // workspace: same arguments, so the same split and layout.
+  if (a.stats_in == nullptr) {
+    if (mma_ok) {
+      CHECK(a.d == 128 ? LaunchScoreLogitsMma<128>(a, ws, n_split, stream)
+                       : LaunchScoreLogitsMma<64>(a, ws, n_split, stream));
+    } else if (a.dtype == DType::kF32) {
+      LaunchScoreLogits<float>(a, ws, tpr, n_split, stream);
+    } else {
+      CHECK(a.dtype == DType::kBF16) << "ShadowkvScore: landmarks must be f32 or bf16";
+      LaunchScoreLogits<bf16>(a, ws, tpr, n_split, stream);
+    }
+    PENUMBRA_CUDA_CHECK(cudaGetLastError());
   }
-  PENUMBRA_CUDA_CHECK(cudaGetLastError());
-  if (a.select_k > 0 && a.max_chunks <= kTopKSharedKeys) {
+  if (a.stats_out != nullptr) {
+    ScoreMergeKernel<<<merge_blocks, kMergeWarps * 32, 0, stream>>>(a, ws, n_split);
+    PENUMBRA_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  if (with_selection && a.max_chunks <= kTopKSharedKeys) {
     const int cached = a.max_chunks;
     size_t smem = topk_block::SharedWords(cached) * sizeof(uint32_t);
     if (then_update) smem = std::max(smem, SlotUpdateSharedBytes(*then_update));
@@ -983,14 +1119,17 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
       return;
     }
   }
-  constexpr int kMergeWarps = 4;
-  ScoreMergeKernel<<<(a.batch * a.hq + kMergeWarps - 1) / kMergeWarps, kMergeWarps * 32, 0, stream>>>(a, ws, n_split);
+  ScoreMergeKernel<<<merge_blocks, kMergeWarps * 32, 0, stream>>>(a, ws, n_split);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
   const int per_block = kScoreThreads * kScoreFinalPerThread;
   const dim3 grid((a.max_chunks + per_block - 1) / per_block, a.hkv, a.batch);
   ScoreFinalKernel<<<grid, kScoreThreads, 0, stream>>>(a, ws);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
-  if (a.select_k > 0) LaunchTopK(ShadowkvSelectionTopK(a), stream);
+  if (with_selection) LaunchTopK(ShadowkvSelectionTopK(a), stream);
+  if (with_selection_scores) {
+    SelectionScoresKernel<<<a.batch * a.hkv, kScoreThreads, 0, stream>>>(a);
+    PENUMBRA_CUDA_CHECK(cudaGetLastError());
+  }
   if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
 }
 
@@ -1008,6 +1147,44 @@ void LaunchMaxRows(const MaxRowsArgs& a, cudaStream_t stream) {
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((a.cols + threads - 1) / threads, 4096);
   MaxRowsKernel<<<static_cast<int>(blocks), threads, 0, stream>>>(a);
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+}
+
+void LaunchShadowkvGlobalSelect(const ShadowkvGlobalSelectArgs& a, cudaStream_t stream,
+                                const ShadowkvSlotUpdateArgs* then_update) {
+  if (a.rows <= 0) return;
+  CHECK(a.k >= 1 && a.k <= kTopKMaxK) << "ShadowkvGlobalSelect: k " << a.k;
+  CHECK(a.parts >= 1 && a.rank >= 0 && a.rank < a.parts) << "ShadowkvGlobalSelect: rank " << a.rank << " of "
+                                                        << a.parts << " parts";
+  const int64_t n = static_cast<int64_t>(a.parts) * a.cand_stride;
+  CHECK(a.cand_stride >= 0 && n <= std::numeric_limits<int32_t>::max())
+      << "ShadowkvGlobalSelect: " << a.parts << " parts of " << a.cand_stride << " candidates";
+  CHECK(a.parts == 1 || a.part_stride >= static_cast<int64_t>(a.rows) * a.cand_stride)
+      << "ShadowkvGlobalSelect: part_stride " << a.part_stride;
+  CHECK(a.selection_len >= 0 && a.selection_len <= a.selection_stride)
+      << "ShadowkvGlobalSelect: selection_len " << a.selection_len << " stride " << a.selection_stride;
+  CHECK(a.winners != nullptr && a.selection != nullptr && a.selection != a.proposals)
+      << "ShadowkvGlobalSelect: winners and a selection apart from the proposals";
+  if (then_update) {
+    CHECK(then_update->selection == a.selection && then_update->selection_stride == a.selection_stride &&
+          then_update->batch * then_update->hkv == a.rows && then_update->kslots <= a.selection_len)
+        << "ShadowkvGlobalSelect: the slot update must read this selection";
+  }
+  const auto smem_for = [&](int cached_keys) {
+    size_t smem = topk_block::SharedWords(cached_keys) * sizeof(uint32_t);
+    if (then_update) smem = std::max(smem, SlotUpdateSharedBytes(*then_update));
+    return smem;
+  };
+  const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&GlobalSelectKernel));
+  int cached = n <= kTopKSharedKeys ? static_cast<int>(n) : 0;
+  // Where the keys and the slot update's bitmaps do not fit together, the
+  // top-k re-reads the candidates (L2) in every pass instead.
+  if (smem_for(cached) > static_cast<size_t>(max_dynamic)) cached = 0;
+  const size_t smem = smem_for(cached);
+  CHECK_LE(smem, static_cast<size_t>(max_dynamic))
+      << "ShadowkvGlobalSelect: the slot update needs too much shared memory";
+  LaunchChained(GlobalSelectKernel, a.rows, topk_block::kThreads, smem, stream, a, cached,
+                then_update ? *then_update : ShadowkvSlotUpdateArgs{}, then_update != nullptr);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -37,6 +37,13 @@
 //    f32 accumulate), applies rotate-half RoPE in f32 on the accumulators and
 //    writes the K rows. A SIMT path (f32 FMA) serves f32 and shapes the
 //    tensor-core path does not cover (d % 64 != 0, r % 8 != 0, B too large).
+//  Context parallel's two-call score (stats_out, then stats_in after the
+//    statistics' exchange): the first runs phase 1 and the split merge only;
+//    the second skips phase 1 (the logits stay in the workspace) and combines
+//    the parts' statistics where the split statistics were merged.
+//  GlobalSelect: one block per row, the top-k of the row's parts * cand_stride
+//    proposal scores (block top-k, keys in shared memory when they fit), this
+//    rank's run of winners mapped to chunk ids, then the fused slot update.
 //  SlotUpdate: one block per row; shared-memory bitmaps over chunk ids.
 //  FetchV / ScatterV: a warp per missed chunk, 16-byte loads, all of a lane's
 //    loads issued before its stores (PCIe latency).
@@ -87,6 +94,32 @@ struct ShadowkvScoreArgs {
   int select_k = 0;
   int32_t* selection = nullptr;
   int64_t selection_stride = 0;  // >= select_k
+  // With a selection: the score of each selected chunk,
+  // selection_scores[row * selection_stride + i] for i < selection_stride
+  // (-inf where the selection is -1 and for i >= select_k); null: not written.
+  float* selection_scores = nullptr;
+
+  // ---- context parallel: scores normalized over every shard (global top-k,
+  // docs/architecture.md "Context parallel"), two calls around an exchange of
+  // each query head's softmax statistics.
+  // stats_out != null: the first call. Writes each (sequence b, query head g)'s
+  // (max, sum exp) of the scaled logits over its selectable chunks to
+  // stats_out[(b * hq + g) * 2 + {0, 1}] ((-inf, 0) when there are none) and
+  // nothing else (no scores, no selection).
+  float* stats_out = nullptr;
+  // stats_in != null: the second call. The softmax of every head uses the
+  // combination over p < stats_parts of the statistics stats_in + p *
+  // stats_part_stride (floats), same layout: m = max m_p, s = sum s_p exp(m_p - m)
+  // (parts with m_p = -inf ignored). Its other arguments equal the first
+  // call's; on the GPU it reuses the first call's logits (the same workspace:
+  // workspace_part, below), on the CPU it recomputes them.
+  const float* stats_in = nullptr;
+  int stats_parts = 0;
+  int64_t stats_part_stride = 0;
+  // Which of the CUDA backend's score workspaces the call uses (calls that
+  // are in flight together, e.g. a first call's logits kept for its second
+  // call while other groups score, name different parts). CPU: ignored.
+  int workspace_part = 0;
 };
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks);
 // The selection of `a` as a top-k over a.scores (the unfused path, and the
@@ -125,6 +158,38 @@ struct MaxRowsArgs {
   bool accumulate = false;
 };
 void LaunchMaxRows(const MaxRowsArgs& args, cudaStream_t stream);
+
+// ---- 2b. global selection (context parallel) ---------------------------------
+// The shards of a sequence (one per rank of a group) each proposed their best
+// chunks per KV head: a ShadowkvScore selection (scores normalized over every
+// shard: stats_in) with its selection_scores, all-gathered. Part p's proposal
+// scores are at candidates + p * part_stride, [row * cand_stride + i] (-inf:
+// none). Per row the k best of the parts * cand_stride proposals (ties to the
+// lower part, then the lower i; -inf never) are the sequence's selection; this
+// rank (part `rank`) keeps its own winners:
+//   selection[row * selection_stride + j], j < selection_len: the chunk ids
+//   proposals[row * cand_stride + i] of the winning i of part `rank`,
+//   ascending, then -1.
+// Every rank computes the same winners from the same candidates, so the
+// shards agree on one top-k. winners: scratch, [rows][k] int32.
+// Supported: 1 <= k <= kTopKMaxK; parts * cand_stride <= 2^31 - 1.
+struct ShadowkvGlobalSelectArgs {
+  const float* candidates = nullptr;  // [parts][part_stride] f32
+  int parts = 0, rank = 0;
+  int64_t part_stride = 0;            // >= rows * cand_stride
+  int rows = 0;                       // batch * hkv
+  int cand_stride = 0;                // proposals per row and part
+  int k = 0;                          // the whole sequence's budget in chunks
+  const int32_t* proposals = nullptr;  // this rank's chunk ids, [rows][cand_stride] (-1: none)
+  int32_t* winners = nullptr;         // scratch [rows][k]
+  int32_t* selection = nullptr;       // [rows][selection_stride]; must not alias proposals
+  int64_t selection_stride = 0;
+  int selection_len = 0;              // <= selection_stride; >= this rank's proposals per row
+};
+// then_update (optional): the slot update of this selection (its selection,
+// stride, batch * hkv = rows), run after it (in the same blocks on the GPU).
+void LaunchShadowkvGlobalSelect(const ShadowkvGlobalSelectArgs& args, cudaStream_t stream,
+                                const ShadowkvSlotUpdateArgs* then_update = nullptr);
 
 // ---- 3. slot update (hit cache) ---------------------------------------------
 // Per row: the new selection (selection[row][0..kslots), chunk ids, -1 =

@@ -108,19 +108,37 @@ void DecodeAttention(const DecodeAttentionArgs& a) {
   const int group = a.hq / a.hkv;
   // Task = (sequence, kv head): the group's query heads share each K/V read.
   ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t task) {
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scores, live_k, live_v;
     const int b = static_cast<int>(task / a.hkv), kvh = static_cast<int>(task % a.hkv);
     std::vector<const float*> q;
     std::vector<float*> out, lse;
-    std::vector<int64_t> n_keys(group, a.lengths[b]);
+    const float* k = a.k[b] + kvh * a.head_stride;
+    const float* v = a.v[b] + kvh * a.head_stride;
+    int64_t len = a.lengths[b];
+    if (a.slot_maps != nullptr) {
+      // The rows of empty slots left out: the live rows, copied in order.
+      const int32_t* map = a.slot_maps[b] + static_cast<int64_t>(kvh) * a.slot_count;
+      const int64_t s0 = a.slot_row0, s1 = s0 + static_cast<int64_t>(a.slot_count) * a.slot_rows;
+      live_k.clear();
+      live_v.clear();
+      for (int64_t j = 0; j < len; ++j) {
+        if (j >= s0 && j < s1 && map[(j - s0) / a.slot_rows] < 0) continue;
+        live_k.insert(live_k.end(), k + j * a.d, k + (j + 1) * a.d);
+        live_v.insert(live_v.end(), v + j * a.d, v + (j + 1) * a.d);
+      }
+      len = static_cast<int64_t>(live_k.size()) / a.d;
+      k = live_k.data();
+      v = live_v.data();
+    }
+    std::vector<int64_t> n_keys(group, len);
     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
       const int64_t off = (static_cast<int64_t>(b) * a.hq + h) * a.d;  // [batch, hq, d]
       q.push_back(a.q + off);
       out.push_back(a.out + off);
       if (a.lse != nullptr) lse.push_back(a.lse + static_cast<int64_t>(b) * a.hq + h);
     }
-    AttendRows(group, q.data(), n_keys.data(), a.k[b] + kvh * a.head_stride, a.v[b] + kvh * a.head_stride, a.d,
-               a.scale, scores, out.data(), a.lse != nullptr ? lse.data() : nullptr);
+    AttendRows(group, q.data(), n_keys.data(), k, v, a.d, a.scale, scores, out.data(),
+               a.lse != nullptr ? lse.data() : nullptr);
   });
 }
 

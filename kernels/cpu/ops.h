@@ -63,6 +63,9 @@ struct DecodeAttentionArgs {
   int64_t head_stride = 0;
   int batch = 0, hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
+  // Masked rows of empty slots (kernels/attention_decode.cuh).
+  const int32_t* const* slot_maps = nullptr;
+  int slot_row0 = 0, slot_count = 0, slot_rows = 0;
 };
 void DecodeAttention(const DecodeAttentionArgs& a);
 

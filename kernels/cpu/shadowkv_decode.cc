@@ -60,7 +60,8 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
         a.shared_chunks > 0 ? a.shared_landmarks[b] + static_cast<int64_t>(h) * a.shared_chunks * a.d : own;
     const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
     float* out = a.scores + row * a.score_stride;
-    for (int c = 0; c < a.max_chunks; ++c) out[c] = kNegInf;
+    if (a.stats_out == nullptr)
+      for (int c = 0; c < a.max_chunks; ++c) out[c] = kNegInf;
     std::vector<float> logit(std::max(n, 0));
     for (int g = 0; g < group; ++g) {
       const float* q = a.q + (static_cast<int64_t>(b) * a.hq + h * group + g) * a.d;
@@ -77,14 +78,78 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
         logit[c] = dot * a.scale;
         mx = std::max(mx, logit[c]);
       }
-      if (mx == kNegInf) continue;  // nothing selectable
       double sum = 0.0;
-      for (int c = 0; c < n; ++c)
-        if (logit[c] != kNegInf) sum += std::exp(logit[c] - mx);
+      if (mx != kNegInf)
+        for (int c = 0; c < n; ++c)
+          if (logit[c] != kNegInf) sum += std::exp(logit[c] - mx);
+      const int64_t head = static_cast<int64_t>(b) * a.hq + h * group + g;
+      if (a.stats_out != nullptr) {  // the first of two calls: statistics only
+        a.stats_out[head * 2] = mx;
+        a.stats_out[head * 2 + 1] = static_cast<float>(sum);
+        continue;
+      }
+      if (a.stats_in != nullptr) {  // normalized over every part (shard)
+        float m = kNegInf;
+        for (int p = 0; p < a.stats_parts; ++p) m = std::max(m, a.stats_in[p * a.stats_part_stride + head * 2]);
+        double s = 0.0;
+        if (m != kNegInf) {
+          for (int p = 0; p < a.stats_parts; ++p) {
+            const float* st = a.stats_in + p * a.stats_part_stride + head * 2;
+            if (st[0] != kNegInf) s += static_cast<double>(st[1]) * std::exp(static_cast<double>(st[0]) - m);
+          }
+        }
+        mx = m;
+        sum = s;
+      }
+      if (mx == kNegInf) continue;  // nothing selectable
       const float fsum = static_cast<float>(sum);
       for (int c = 0; c < n; ++c)
         if (logit[c] != kNegInf) out[c] = std::max(out[c], std::exp(logit[c] - mx) / fsum);
     }
+  });
+}
+
+void SelectionScores(const float* scores, int64_t score_stride, const int32_t* selection, int64_t stride, int rows,
+                     int k, float* out) {
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t i = 0; i < stride; ++i) {
+      const int32_t c = i < k ? selection[row * stride + i] : -1;
+      out[row * stride + i] = c >= 0 ? scores[row * score_stride + c] : kNegInf;
+    }
+  }
+}
+
+void ShadowkvGlobalSelect(const ShadowkvGlobalSelectArgs& a) {
+  const int64_t n = static_cast<int64_t>(a.parts) * a.cand_stride;
+  ParallelFor(a.rows, [&](int64_t row) {
+    // The row's proposals of every part, in (part, index) order.
+    std::vector<float> all(n);
+    for (int p = 0; p < a.parts; ++p)
+      for (int i = 0; i < a.cand_stride; ++i)
+        all[static_cast<size_t>(p) * a.cand_stride + i] = a.candidates[p * a.part_stride + row * a.cand_stride + i];
+    // The top-k of the one row, as TopK orders it (ties to the lower index).
+    std::vector<uint32_t> key(n);
+    std::vector<int32_t> idx;
+    for (int64_t i = 0; i < n; ++i) {
+      key[i] = TopKKey(all[i], false, true);
+      if (key[i] != 0) idx.push_back(static_cast<int32_t>(i));
+    }
+    const int take = std::min<int>(a.k, static_cast<int>(idx.size()));
+    auto before = [&](int32_t x, int32_t y) { return key[x] != key[y] ? key[x] > key[y] : x < y; };
+    std::nth_element(idx.begin(), idx.begin() + take, idx.end(), before);
+    idx.resize(take);
+    std::sort(idx.begin(), idx.end());
+    int32_t* win = a.winners + row * a.k;
+    for (int i = 0; i < a.k; ++i) win[i] = i < take ? idx[i] : -1;
+    int32_t* sel = a.selection + row * a.selection_stride;
+    int m = 0;
+    const int64_t lo = static_cast<int64_t>(a.rank) * a.cand_stride, hi = lo + a.cand_stride;
+    for (int i = 0; i < take; ++i) {
+      if (idx[i] < lo || idx[i] >= hi) continue;
+      CHECK_LT(m, a.selection_len) << "ShadowkvGlobalSelect: more winners than selection_len";
+      sel[m++] = a.proposals[row * a.cand_stride + (idx[i] - lo)];
+    }
+    for (; m < a.selection_len; ++m) sel[m] = -1;
   });
 }
 

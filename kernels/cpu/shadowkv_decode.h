@@ -44,8 +44,33 @@ struct ShadowkvScoreArgs {
   float scale = 1.0f;
   float* scores = nullptr;  // [batch, hkv, score_stride]
   int64_t score_stride = 0;
+  // Context parallel (see the CUDA header): stats_out: write each head's
+  // (max, sum exp) and nothing else; stats_in: normalize with the combination
+  // of stats_parts parts (logits recomputed here).
+  float* stats_out = nullptr;
+  const float* stats_in = nullptr;
+  int stats_parts = 0;
+  int64_t stats_part_stride = 0;
 };
 void ShadowkvScore(const ShadowkvScoreArgs& a);
+// A selection's scores: out[row * stride + i] = scores[row][selection[row *
+// stride + i]] for i < k, -inf where the selection is -1 and for k <= i < stride.
+void SelectionScores(const float* scores, int64_t score_stride, const int32_t* selection, int64_t stride, int rows,
+                     int k, float* out);
+
+// As kernels::ShadowkvGlobalSelectArgs, host arrays.
+struct ShadowkvGlobalSelectArgs {
+  const float* candidates = nullptr;
+  int parts = 0, rank = 0;
+  int64_t part_stride = 0;
+  int rows = 0, cand_stride = 0, k = 0;
+  const int32_t* proposals = nullptr;
+  int32_t* winners = nullptr;
+  int32_t* selection = nullptr;
+  int64_t selection_stride = 0;
+  int selection_len = 0;
+};
+void ShadowkvGlobalSelect(const ShadowkvGlobalSelectArgs& a);
 // out[c] = max(out[c] when accumulate, in[r * row_stride + c] over r < rows), c < cols.
 void MaxRows(const float* in, int rows, int64_t row_stride, int64_t cols, float* out, bool accumulate);
 

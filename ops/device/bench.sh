@@ -56,7 +56,8 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             (--graph, batch 1, the longest contexts it holds); CP_CONTEXTS overrides the 2-GPU contexts,
             CP_SINGLE the one-GPU ones (empty: none), CP_TEST=0 skips the test, CP_STEPS the timed steps (50),
             CP_POLICY=full for full attention, CP_PEER=0 skips the peer, CP_PREFILL the prompt lengths
-            prefilled (full attention) on one GPU and across both (default: none)
+            prefilled (full attention) on one GPU and across both (default: none), CP_FLAGS more
+            penumbra-bench flags (e.g. --shard-selection local)
   service   the service on the GPU (penumbra-worker with Llama-3.1-8B-shaped random weights, shadowkv, and
             penumbra-coordinator on loopback) measured by penumbra-service-bench: put a 124864-token document,
             time to first token of a 64-token question about it, then 14 such questions decoding together
@@ -274,7 +275,7 @@ suite_dp() {
 # Beside it: the same code on one GPU (gpus 1, 1048576) and the peer at the
 # longest contexts its full KV cache fits (batch 1, --graph).
 suite_cp() {
-  local D="$OUT/cp" CP="penumbra-bench cp-decode --kv-policy ${CP_POLICY:-shadowkv} --prefill-chunk 1024 --steps ${CP_STEPS:-50}"
+  local D="$OUT/cp" CP="penumbra-bench cp-decode --kv-policy ${CP_POLICY:-shadowkv} --prefill-chunk 1024 --steps ${CP_STEPS:-50} ${CP_FLAGS:-}"
   mkdir -p "$D"
   [ "${CP_TEST:-1}" = 1 ] && gpu_test context_parallel_gpu_test
   [ "${CP_PEER:-1}" = 1 ] &&

@@ -1,7 +1,8 @@
 // CUDA attention (prefill and decode) against the CPU reference run on the same
 // dtype-rounded inputs. Every output element is compared; outputs are poisoned
 // with NaN first and the unused tail of each KV head is NaN, so unwritten
-// outputs and reads past a sequence's keys both fail.
+// outputs and reads past a sequence's keys both fail. Decode with a slot mask
+// also holds NaN in the masked (empty-slot) rows, so reading one fails too.
 //
 // With PENUMBRA_KERNEL_BENCH=1, AttentionGpuBench prints prefill TFLOP/s and
 // decode GB/s at the Llama-3.1-8B shape (hq=32, hkv=8, d=128, bf16).
@@ -242,20 +243,43 @@ TEST(AttentionGpuTest, PrefillGenericPath) {
 
 // ---- decode --------------------------------------------------------------------
 
+// A decode case's slot mask (DecodeAttentionArgs::slot_maps): keys [row0,
+// row0 + count * rows) form `count` slots of `rows` keys; slot s of sequence
+// b, KV head h is empty when empty(b, h, s). count 0: no mask.
+struct DecodeMask {
+  int row0 = 0, count = 0, rows = 0;
+  bool (*empty)(int b, int h, int s) = nullptr;
+};
+
 struct DecodeCase {
   std::vector<int32_t> lengths;
   int hq, hkv, d;
   DType dtype;
   int extra_max_length = 0;      // max_length = max(lengths) + this
   double workspace_fraction = 1;  // < 1: a smaller workspace than asked for
+  DecodeMask mask = {};
 };
+
+// Sets the rows of empty slots of one sequence's cache ([hkv][capacity][d])
+// to NaN: a kernel that reads one into the result fails the comparison.
+void PoisonEmptySlots(HostTensor& t, const DecodeMask& m, int b, int hkv, int capacity, int d, DType dtype) {
+  for (int h = 0; h < hkv; ++h)
+    for (int s = 0; s < m.count; ++s) {
+      if (!m.empty(b, h, s)) continue;
+      const int64_t r0 = m.row0 + static_cast<int64_t>(s) * m.rows, r1 = std::min<int64_t>(r0 + m.rows, capacity);
+      for (int64_t r = r0; r < r1; ++r)
+        std::fill_n(t.f32.begin() + (static_cast<int64_t>(h) * capacity + r) * d, d, NAN);
+    }
+  ConvertFromF32(t.f32.data(), t.raw.data(), dtype, t.f32.size());
+}
 
 void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   const int batch = static_cast<int>(c.lengths.size());
   const int max_len = *std::max_element(c.lengths.begin(), c.lengths.end());
   SCOPED_TRACE(::testing::Message() << "decode batch " << batch << " max length " << max_len << " hq " << c.hq
                                     << " hkv " << c.hkv << " d " << c.d << " dtype " << DTypeName(c.dtype)
-                                    << " workspace fraction " << c.workspace_fraction);
+                                    << " workspace fraction " << c.workspace_fraction << " slots " << c.mask.count
+                                    << " x " << c.mask.rows << " from row " << c.mask.row0);
   Rng rng(seed);
   const int capacity = max_len + 5;
   const int64_t head_stride = static_cast<int64_t>(capacity) * c.d;
@@ -265,9 +289,24 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   std::vector<std::unique_ptr<DeviceBuffer>> dk, dv;
   std::vector<const void*> kp, vp;
   std::vector<const float*> kp_host, vp_host;
+  // Slot maps: an empty slot -1, else any chunk id (its own index).
+  std::vector<std::vector<int32_t>> maps;
+  std::vector<std::unique_ptr<DeviceBuffer>> dmaps;
+  std::vector<const int32_t*> mp, mp_host;
   for (int b = 0; b < batch; ++b) {
     k.push_back(MakeCache(c.hkv, capacity, c.lengths[b], c.d, c.dtype, rng));
     v.push_back(MakeCache(c.hkv, capacity, c.lengths[b], c.d, c.dtype, rng));
+    if (c.mask.count > 0) {
+      PoisonEmptySlots(k.back(), c.mask, b, c.hkv, capacity, c.d, c.dtype);
+      PoisonEmptySlots(v.back(), c.mask, b, c.hkv, capacity, c.d, c.dtype);
+      maps.emplace_back(static_cast<size_t>(c.hkv) * c.mask.count);
+      for (int h = 0; h < c.hkv; ++h)
+        for (int s = 0; s < c.mask.count; ++s) maps.back()[h * c.mask.count + s] = c.mask.empty(b, h, s) ? -1 : s;
+      dmaps.push_back(std::make_unique<DeviceBuffer>(maps.back().size() * sizeof(int32_t)));
+      Upload(*dmaps.back(), maps.back().data(), maps.back().size() * sizeof(int32_t));
+      mp.push_back(static_cast<const int32_t*>(dmaps.back()->get()));
+      mp_host.push_back(maps.back().data());
+    }
     dk.push_back(std::make_unique<DeviceBuffer>(k.back().raw.size()));
     dv.push_back(std::make_unique<DeviceBuffer>(v.back().raw.size()));
     ASSERT_NE(dk.back()->get(), nullptr);
@@ -281,9 +320,11 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   }
   DeviceBuffer dq(q.raw.size()), dout(q.raw.size());
   DeviceBuffer dkp(sizeof(void*) * batch), dvp(sizeof(void*) * batch), dlen(sizeof(int32_t) * batch);
+  DeviceBuffer dmp(sizeof(void*) * batch);
   Upload(dq, q.raw.data(), q.raw.size());
   Upload(dkp, kp.data(), sizeof(void*) * batch);
   Upload(dvp, vp.data(), sizeof(void*) * batch);
+  if (c.mask.count > 0) Upload(dmp, mp.data(), sizeof(void*) * batch);
   Upload(dlen, c.lengths.data(), sizeof(int32_t) * batch);
   PoisonNaN(dout, q_elems, c.dtype);
   const int max_length = max_len + c.extra_max_length;
@@ -314,6 +355,12 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   a.workspace = ws.get();
   a.workspace_bytes = ws_bytes;
   a.lse = static_cast<float*>(dlse.get());
+  if (c.mask.count > 0) {
+    a.slot_maps = static_cast<const int32_t* const*>(dmp.get());
+    a.slot_row0 = c.mask.row0;
+    a.slot_count = c.mask.count;
+    a.slot_rows = c.mask.rows;
+  }
   LaunchDecodeAttention(a, nullptr);
   PENUMBRA_CUDA_OK(cudaGetLastError());
   PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
@@ -335,6 +382,12 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   r.scale = scale;
   std::vector<float> expect_lse(lse_n);
   r.lse = expect_lse.data();
+  if (c.mask.count > 0) {
+    r.slot_maps = mp_host.data();
+    r.slot_row0 = c.mask.row0;
+    r.slot_count = c.mask.count;
+    r.slot_rows = c.mask.rows;
+  }
   cpu::DecodeAttention(r);
   EXPECT_TRUE(AllClose(got_lse, expect_lse, 1e-3f, 1e-4f)) << "log-sum-exp";
   if (c.dtype != DType::kF32) {
@@ -377,6 +430,43 @@ TEST(AttentionGpuTest, DecodeGenericPath) {
       {{513}, 2, 1, 8, DType::kBF16, 50},
   };
   uint64_t seed = 2001;
+  for (const auto& c : cases) RunDecodeCase(c, seed++);
+}
+
+// Slot-mask patterns (DecodeMask::empty).
+// Every third slot, a run of 700 slots (whole splits of masked keys) and every
+// slot of sequence 2's KV head 5 (only its rows below the slots remain).
+bool EmptyThirdsAndRun(int b, int h, int s) { return s % 3 == 0 || (s >= 1000 && s < 1700) || (b == 2 && h == 5); }
+// Every slot of sequence 0 (with row0 = 0 and length count * rows: no key
+// left, out 0 and lse -inf), odd slots elsewhere.
+bool EmptyAllOfFirst(int b, int h, int s) { return b == 0 || s % 2 == 1; }
+// A few slots, and every slot of KV head 0 in sequence 1.
+bool EmptySome(int b, int h, int s) { return s % 7 == 2 || s % 11 == 5 || (b == 1 && h == 0); }
+
+TEST(AttentionGpuTest, DecodeSlotMaskBf16FastPath) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const DecodeCase cases[] = {
+      // Outlier rows [0, 24), 4096 slots of 8 keys, then the window.
+      {{1, 70000, 4097, 300}, 32, 8, 128, DType::kBF16, 0, 1, {24, 4096, 8, EmptyThirdsAndRun}},
+      {{64, 1000, 40}, 8, 2, 128, DType::kBF16, 0, 1, {0, 8, 8, EmptyAllOfFirst}},
+      {{5000, 17, 129}, 16, 4, 128, DType::kBF16, 0, 1, {16, 300, 16, EmptySome}},
+      {{5000, 17}, 16, 4, 64, DType::kBF16, 0, 1, {16, 300, 16, EmptySome}},
+      {{64, 3}, 4, 1, 64, DType::kBF16, 0, 1, {0, 8, 8, EmptyAllOfFirst}},
+  };
+  uint64_t seed = 3001;
+  for (const auto& c : cases) RunDecodeCase(c, seed++);
+}
+
+TEST(AttentionGpuTest, DecodeSlotMaskGenericPath) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const DecodeCase cases[] = {
+      {{1000, 129, 4097}, 8, 2, 64, DType::kF32, 0, 1, {8, 100, 8, EmptySome}},
+      {{64, 300}, 4, 2, 8, DType::kF32, 0, 1, {0, 8, 8, EmptyAllOfFirst}},
+      {{20000, 5, 9000}, 4, 1, 64, DType::kF32, 0, 1, {8, 2000, 8, EmptyThirdsAndRun}},
+      {{300, 77}, 6, 2, 128, DType::kBF16, 0, 1, {5, 30, 8, EmptySome}},  // group 3: generic bf16
+      {{64, 2000}, 6, 2, 128, DType::kBF16, 0, 1, {0, 8, 8, EmptyAllOfFirst}},
+  };
+  uint64_t seed = 4001;
   for (const auto& c : cases) RunDecodeCase(c, seed++);
 }
 

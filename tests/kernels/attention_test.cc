@@ -126,6 +126,93 @@ TEST(AttentionCpuTest, DecodeMatchesNaive) {
   }
 }
 
+// Slots a slot map marks empty are not attended: the result is attention over
+// the buffer with those rows removed, whatever the rows hold (NaN here); a
+// sequence whose every key is masked gets 0 and lse -inf.
+TEST(AttentionCpuTest, DecodeMasksEmptySlots) {
+  const int d = 16, group = 2, hkv = 2, hq = hkv * group, batch = 2, C = 4, slots = 5, row0 = 8;
+  const std::vector<int32_t> lengths = {row0 + slots * C + 3, slots * C};
+  const int capacity = 40;
+  const int64_t head_stride = static_cast<int64_t>(capacity) * d;
+  uint32_t seed = 5;
+  auto q = RandomUniform(static_cast<size_t>(batch) * hq * d, seed++);
+  std::vector<std::vector<float>> k, v;
+  std::vector<const float*> kp, vp;
+  for (int b = 0; b < batch; ++b) {
+    k.push_back(RandomUniform(static_cast<size_t>(hkv) * head_stride, seed++));
+    v.push_back(RandomUniform(static_cast<size_t>(hkv) * head_stride, seed++));
+  }
+  // Sequence 0: slots 1 and 3 of head 0, slot 4 of head 1 empty; sequence 1
+  // (its slots from row 0): every slot empty.
+  std::vector<std::vector<int32_t>> maps = {{7, -1, 9, -1, 11, 1, 2, 3, 4, -1}, std::vector<int32_t>(2 * slots, -1)};
+  const std::vector<int> seq_row0 = {row0, 0};
+  for (int b = 0; b < batch; ++b)
+    for (int h = 0; h < hkv; ++h)
+      for (int s = 0; s < slots; ++s)
+        if (maps[b][h * slots + s] < 0)
+          for (int i = 0; i < C * d; ++i) {
+            const int64_t at = h * head_stride + (seq_row0[b] + s * C) * static_cast<int64_t>(d) + i;
+            k[b][at] = NAN;
+            v[b][at] = NAN;
+          }
+  for (int b = 0; b < batch; ++b) {
+    kp.push_back(k[b].data());
+    vp.push_back(v[b].data());
+  }
+  std::vector<const int32_t*> mp = {maps[0].data(), maps[1].data()};
+  std::vector<float> out(q.size(), NAN), lse(static_cast<size_t>(batch) * hq, NAN);
+  const float scale = 0.5f;
+  for (int b = 0; b < batch; ++b) {
+    DecodeAttentionArgs a;
+    a.q = q.data() + static_cast<size_t>(b) * hq * d;
+    a.k = kp.data() + b;
+    a.v = vp.data() + b;
+    a.lengths = lengths.data() + b;
+    a.out = out.data() + static_cast<size_t>(b) * hq * d;
+    a.lse = lse.data() + static_cast<size_t>(b) * hq;
+    a.head_stride = head_stride;
+    a.batch = 1;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.scale = scale;
+    a.slot_maps = mp.data() + b;
+    a.slot_row0 = seq_row0[b];
+    a.slot_count = slots;
+    a.slot_rows = C;
+    DecodeAttention(a);
+  }
+  // Sequence 0 against naive attention over the live rows only.
+  for (int h = 0; h < hq; ++h) {
+    const int kvh = h / group;
+    std::vector<float> lk, lv;
+    for (int j = 0; j < lengths[0]; ++j) {
+      const bool in_slots = j >= row0 && j < row0 + slots * C;
+      if (in_slots && maps[0][kvh * slots + (j - row0) / C] < 0) continue;
+      const int64_t at = kvh * head_stride + static_cast<int64_t>(j) * d;
+      lk.insert(lk.end(), k[0].begin() + at, k[0].begin() + at + d);
+      lv.insert(lv.end(), v[0].begin() + at, v[0].begin() + at + d);
+    }
+    std::vector<float> expect(d);
+    const int live = static_cast<int>(lk.size()) / d;
+    NaiveRow(q.data() + static_cast<size_t>(h) * d, lk.data(), lv.data(), live, d, scale, expect.data());
+    const std::vector<float> got(out.begin() + h * d, out.begin() + (h + 1) * d);
+    EXPECT_TRUE(AllClose(got, expect, 1e-5f, 1e-4f)) << "head " << h;
+    double sum = 0;
+    for (int j = 0; j < live; ++j) {
+      double dot = 0;
+      for (int e = 0; e < d; ++e) dot += double(q[h * d + e]) * lk[j * d + e];
+      sum += std::exp(dot * scale);
+    }
+    EXPECT_NEAR(lse[h], std::log(sum), 1e-4) << "head " << h;
+  }
+  // Sequence 1: nothing live.
+  for (int h = 0; h < hq; ++h) {
+    EXPECT_EQ(lse[hq + h], -INFINITY) << "head " << h;
+    for (int e = 0; e < d; ++e) EXPECT_EQ(out[(hq + h) * d + e], 0.0f) << "head " << h;
+  }
+}
+
 // Large scores (sharp softmax) must not overflow: max subtraction.
 TEST(AttentionCpuTest, LargeScoresStayFinite) {
   const int d = 8, keys = 50;

@@ -459,6 +459,246 @@ TEST(ShadowkvScoreGpu, MatchesCpu) {
 }
 
 // ============================================================================
+// Scores in two calls (context parallel): each shard's statistics, then one
+// shard's scores normalized over every shard's
+// ============================================================================
+
+struct ScorePartsCase {
+  int parts, batch, hkv, group, d, n;  // n: max_chunks of every part
+  DType dtype;                         // landmarks and q
+};
+
+// One shard (part) of the sequences: its landmarks, exclusions and chunk
+// counts, on the host and the device, and its own score workspace (which
+// keeps the first call's logits for the second).
+struct ScorePart {
+  std::vector<HostTensor> land;
+  std::vector<std::vector<uint8_t>> excl;
+  std::vector<int32_t> n_chunks;
+  std::vector<const float*> land_ptrs;
+  std::vector<const uint8_t*> excl_ptrs;
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  std::unique_ptr<DeviceBuffer> dland, dexcl, dn, ws;
+};
+
+void RunScoreParts(const ScorePartsCase& c) {
+  SCOPED_TRACE(::testing::Message() << "parts " << c.parts << " batch " << c.batch << " hkv " << c.hkv << " group "
+                                    << c.group << " d " << c.d << " n " << c.n << " dtype " << DTypeName(c.dtype));
+  Rng rng(501 + c.parts + c.n + c.d + c.group);
+  const int hq = c.hkv * c.group, cap = c.n + 3, rows = c.batch * c.hkv;
+  const int64_t stride = c.n + 2;
+  const size_t score_n = static_cast<size_t>(rows) * stride;
+  // Poison between the parts' statistics: a write past a part's heads fails.
+  const int64_t stats_stride = 2 * static_cast<int64_t>(c.batch) * hq + 6;
+  const size_t stats_n = static_cast<size_t>(c.parts) * stats_stride;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  // One query, attending to every shard.
+  HostTensor q = MakeTensor(static_cast<size_t>(c.batch) * hq * c.d, c.dtype, rng, 2.0f);
+  auto dq = ToDevice(q.raw);
+  std::vector<ScorePart> part(c.parts);
+  for (int p = 0; p < c.parts; ++p) {
+    ScorePart& s = part[p];
+    std::vector<const void*> dl;
+    std::vector<const uint8_t*> de;
+    for (int b = 0; b < c.batch; ++b) {
+      s.land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.d, c.dtype, rng, 2.0f));
+      s.excl.emplace_back(static_cast<size_t>(c.hkv) * cap, 0);
+      for (auto& e : s.excl[b]) e = rng.Int(7) == 0;
+      // Sequence 1 has no chunks in part 1 (its statistics (-inf, 0) are left
+      // out of the combination); KV head 0 of sequence 2 has no selectable
+      // chunk in any part (scores -inf, selection -1).
+      if (b == 2) std::fill(s.excl[b].begin(), s.excl[b].begin() + cap, 1);
+      s.n_chunks.push_back(b == 1 && p == 1 ? 0 : std::max(1, c.n - (p + b) * (c.n / 7)));
+      s.land_ptrs.push_back(s.land[b].f32.data());
+      s.excl_ptrs.push_back(s.excl[b].data());
+      s.keep.push_back(ToDevice(s.land[b].raw));
+      dl.push_back(s.keep.back()->get());
+      s.keep.push_back(ToDevice(s.excl[b]));
+      de.push_back(s.keep.back()->get<uint8_t>());
+    }
+    s.dland = ToDevice(dl);
+    s.dexcl = ToDevice(de);
+    s.dn = ToDevice(s.n_chunks);
+    s.ws = std::make_unique<DeviceBuffer>(ShadowkvScoreWorkspaceBytes(c.batch, hq, c.n));
+  }
+  const auto gpu_args = [&](int p) {
+    ShadowkvScoreArgs a;
+    a.q = dq->get();
+    a.q_dtype = c.dtype;
+    a.landmarks = part[p].dland->get<const void* const>();
+    a.excluded = part[p].dexcl->get<const uint8_t* const>();
+    a.dtype = c.dtype;
+    a.n_chunks = part[p].dn->get<int32_t>();
+    a.batch = c.batch;
+    a.hq = hq;
+    a.hkv = c.hkv;
+    a.d = c.d;
+    a.chunk_cap = cap;
+    a.max_chunks = c.n;
+    a.scale = scale;
+    a.score_stride = stride;
+    a.workspace = part[p].ws->get();
+    a.workspace_bytes = part[p].ws->bytes();
+    return a;
+  };
+  const auto cpu_args = [&](int p) {
+    cpu::ShadowkvScoreArgs a;
+    a.q = q.f32.data();
+    a.landmarks = part[p].land_ptrs.data();
+    a.excluded = part[p].excl_ptrs.data();
+    a.n_chunks = part[p].n_chunks.data();
+    a.batch = c.batch;
+    a.hq = hq;
+    a.hkv = c.hkv;
+    a.d = c.d;
+    a.chunk_cap = cap;
+    a.max_chunks = c.n;
+    a.scale = scale;
+    a.score_stride = stride;
+    return a;
+  };
+
+  // First calls: every part's statistics, and nothing else (the outputs of a
+  // selection are passed and must keep their poison).
+  auto dstats = ToDevice(std::vector<float>(stats_n, kNaN));
+  std::vector<float> want_stats(stats_n, kNaN);
+  {
+    const int64_t sel_stride = 40;
+    const size_t sel_n = static_cast<size_t>(rows) * sel_stride;
+    auto dscores = ToDevice(std::vector<float>(score_n, kNaN));
+    auto dsel = ToDevice(std::vector<int32_t>(sel_n, kIntPoison));
+    auto dsel_scores = ToDevice(std::vector<float>(sel_n, kNaN));
+    std::vector<float> cpu_scores(score_n);
+    for (int p = 0; p < c.parts; ++p) {
+      ShadowkvScoreArgs ga = gpu_args(p);
+      ga.scores = dscores->get<float>();
+      ga.select_k = 37;
+      ga.selection = dsel->get<int32_t>();
+      ga.selection_stride = sel_stride;
+      ga.selection_scores = dsel_scores->get<float>();
+      ga.stats_out = dstats->get<float>() + p * stats_stride;
+      LaunchShadowkvScore(ga, nullptr);
+      cpu::ShadowkvScoreArgs ca = cpu_args(p);
+      ca.scores = cpu_scores.data();
+      ca.stats_out = want_stats.data() + p * stats_stride;
+      cpu::ShadowkvScore(ca);
+    }
+    SKV_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(CloseOrPoison(dscores->Download<float>(score_n), std::vector<float>(score_n, kNaN), 0.0f, 0.0f))
+        << "scores of a statistics-only call";
+    EXPECT_TRUE(SameInts(dsel->Download<int32_t>(sel_n), std::vector<int32_t>(sel_n, kIntPoison)))
+        << "selection of a statistics-only call";
+    EXPECT_TRUE(CloseOrPoison(dsel_scores->Download<float>(sel_n), std::vector<float>(sel_n, kNaN), 0.0f, 0.0f))
+        << "selection scores of a statistics-only call";
+  }
+  const std::vector<float> stats = dstats->Download<float>(stats_n);
+  EXPECT_TRUE(CloseOrPoison(stats, want_stats, 1e-5f, 1e-5f)) << "statistics (max, sum exp) per part";
+
+  // Second calls, by each part in turn, with every part's statistics (the
+  // GPU's: the exchange hands every shard the same bytes).
+  for (int p = 0; p < c.parts; ++p) {
+    SCOPED_TRACE(::testing::Message() << "second call of part " << p);
+    std::vector<float> want(score_n, kNaN);
+    cpu::ShadowkvScoreArgs ca = cpu_args(p);
+    ca.scores = want.data();
+    ca.stats_in = stats.data();
+    ca.stats_parts = c.parts;
+    ca.stats_part_stride = stats_stride;
+    cpu::ShadowkvScore(ca);
+    // The scores alone (no selection: always written), from the logits the
+    // first call left in the part's workspace.
+    ShadowkvScoreArgs ga = gpu_args(p);
+    ga.stats_in = dstats->get<float>();
+    ga.stats_parts = c.parts;
+    ga.stats_part_stride = stats_stride;
+    auto dscores = ToDevice(std::vector<float>(score_n, kNaN));
+    ga.scores = dscores->get<float>();
+    LaunchShadowkvScore(ga, nullptr);
+    SKV_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> scores = dscores->Download<float>(score_n);
+    EXPECT_TRUE(CloseOrPoison(scores, want, 1e-30f, 1e-5f));
+
+    // With a selection and its scores (fused where max_chunks <=
+    // kTopKSharedKeys): the top-k of the scores just checked, and those
+    // scores, exactly; with the slot update in the same call, the maps and
+    // miss lists of a separate update of that selection.
+    for (int k : {1, 37, std::min(c.n + 3, kTopKMaxK)}) {
+      SCOPED_TRACE(::testing::Message() << "select_k " << k);
+      const int64_t sel_stride = k + 2;
+      const size_t sel_n = static_cast<size_t>(rows) * sel_stride;
+      auto dwant = ToDevice(std::vector<int32_t>(sel_n, kIntPoison));
+      TopKArgs ta = ShadowkvSelectionTopK(ga);
+      ta.k = k;
+      ta.out = dwant->get<int32_t>();
+      ta.out_stride = sel_stride;
+      LaunchTopK(ta, nullptr);
+      SKV_CUDA(cudaDeviceSynchronize());
+      const std::vector<int32_t> want_sel = dwant->Download<int32_t>(sel_n);
+      std::vector<float> want_sel_scores(sel_n);
+      cpu::SelectionScores(scores.data(), stride, want_sel.data(), sel_stride, rows, k, want_sel_scores.data());
+
+      const std::vector<int32_t> map0(static_cast<size_t>(c.hkv) * k, -1);  // every slot empty: all misses
+      std::vector<std::unique_ptr<DeviceBuffer>> maps[2];
+      std::vector<int32_t*> map_ptrs[2];
+      std::unique_ptr<DeviceBuffer> dmaps[2], dmiss[2];
+      const size_t miss_words = static_cast<size_t>(rows) * (1 + 2 * k);
+      ShadowkvSlotUpdateArgs ua[2];
+      for (int v = 0; v < 2; ++v) {
+        for (int b = 0; b < c.batch; ++b) {
+          maps[v].push_back(ToDevice(map0));
+          map_ptrs[v].push_back(maps[v].back()->get<int32_t>());
+        }
+        dmaps[v] = ToDevice(map_ptrs[v]);
+        dmiss[v] = ToDevice(std::vector<int32_t>(miss_words, kIntPoison));
+        int32_t* m = dmiss[v]->get<int32_t>();
+        ua[v].slot_maps = dmaps[v]->get<int32_t* const>();
+        ua[v].miss_count = m;
+        ua[v].miss_slot = m + rows;
+        ua[v].miss_chunk = m + rows + static_cast<size_t>(rows) * k;
+        ua[v].batch = c.batch;
+        ua[v].hkv = c.hkv;
+        ua[v].kslots = k;
+        ua[v].chunk_cap = cap;
+        ua[v].selection_stride = sel_stride;
+      }
+      auto dsel = ToDevice(std::vector<int32_t>(sel_n, kIntPoison));
+      auto dsel_scores = ToDevice(std::vector<float>(sel_n, kNaN));
+      auto scratch = ToDevice(std::vector<float>(score_n, kNaN));
+      ShadowkvScoreArgs gs = ga;
+      gs.scores = scratch->get<float>();
+      gs.select_k = k;
+      gs.selection = dsel->get<int32_t>();
+      gs.selection_stride = sel_stride;
+      gs.selection_scores = dsel_scores->get<float>();
+      ua[0].selection = dsel->get<int32_t>();
+      ua[1].selection = dwant->get<int32_t>();
+      LaunchShadowkvScore(gs, nullptr, &ua[0]);
+      LaunchShadowkvSlotUpdate(ua[1], nullptr);
+      SKV_CUDA(cudaDeviceSynchronize());
+      EXPECT_TRUE(SameInts(dsel->Download<int32_t>(sel_n), want_sel)) << "selection";
+      EXPECT_TRUE(CloseOrPoison(dsel_scores->Download<float>(sel_n), want_sel_scores, 0.0f, 0.0f))
+          << "selection scores";
+      EXPECT_TRUE(SameInts(dmiss[0]->Download<int32_t>(miss_words), dmiss[1]->Download<int32_t>(miss_words)))
+          << "miss lists";
+      for (int b = 0; b < c.batch; ++b)
+        EXPECT_TRUE(SameInts(maps[0][b]->Download<int32_t>(map0.size()), maps[1][b]->Download<int32_t>(map0.size())))
+            << "slot map of sequence " << b;
+    }
+  }
+}
+
+TEST(ShadowkvScoreGpu, TwoCallsMatchCpu) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  // Tensor-core phase 1 (bf16, d 128, GQA 4) and the SIMT one (f32); fused
+  // selection (max_chunks <= kTopKSharedKeys) and unfused (40000 chunks).
+  RunScoreParts({3, 3, 8, 4, 128, 5000, DType::kBF16});
+  RunScoreParts({2, 3, 8, 4, 128, 129, DType::kBF16});
+  RunScoreParts({2, 1, 8, 4, 128, 40000, DType::kBF16});
+  RunScoreParts({3, 3, 2, 4, 128, 3000, DType::kF32});
+  RunScoreParts({3, 1, 2, 4, 128, 40000, DType::kF32});
+}
+
+// ============================================================================
 // Slot update: a run of steps, CPU and GPU maps and miss lists compared exactly
 // ============================================================================
 
@@ -546,6 +786,162 @@ TEST(ShadowkvSlotUpdateGpu, MatchesCpuOverSteps) {
   RunSlotUpdate(1, 2, 1024, 131072, 0.25f, 5);
   RunSlotUpdate(1, 1, 33, 40, 1.0f, 6);
   RunSlotUpdate(1, 1, 7, 7, 0.0f, 6);  // selection = all chunks
+}
+
+// ============================================================================
+// Global selection (context parallel): winners and this rank's selection
+// exactly as the CPU's, then the slot update of that selection
+// ============================================================================
+
+struct GlobalSelectCase {
+  int parts, rank, batch, hkv, cand_stride, k;
+  bool update;
+};
+
+void RunGlobalSelect(const GlobalSelectCase& c) {
+  SCOPED_TRACE(::testing::Message() << "parts " << c.parts << " rank " << c.rank << " rows " << c.batch << " x "
+                                    << c.hkv << " cand_stride " << c.cand_stride << " k " << c.k << " update "
+                                    << c.update);
+  Rng rng(900 + 31 * c.parts + 7 * c.rank + c.cand_stride + c.k);
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int rows = c.batch * c.hkv, cs = c.cand_stride;
+  const int chunk_cap = 4 * cs + 50;
+  // +inf between the parts: a candidate read past a part's rows would win.
+  const int64_t part_stride = static_cast<int64_t>(rows) * cs + 5;
+  std::vector<float> cand(static_cast<size_t>(c.parts) * part_stride, kInf);
+  std::vector<int32_t> prop(static_cast<size_t>(rows) * cs, -1);
+  for (int row = 0; row < rows; ++row) {
+    for (int p = 0; p < c.parts; ++p) {
+      // Each part proposes `count` chunks, then -inf. Row 1: none from this
+      // rank (it wins nothing); row 2: few from every part (fewer than k in
+      // all: the winners end in -1); row 3: all equal (ties to the lower part,
+      // then the lower index); row 4: this rank's best; even rows: few
+      // distinct values (ties across parts).
+      int count = cs - rng.Int(cs / 4 + 1);
+      if (row == 1 && p == c.rank) count = 0;
+      if (row == 2) count = std::min(count, std::max(1, c.k / (2 * c.parts)));
+      float* v = cand.data() + p * part_stride + static_cast<int64_t>(row) * cs;
+      for (int i = 0; i < cs; ++i) {
+        float x = -kInf;
+        if (i < count) {
+          if (row == 3) x = 0.5f;
+          else if (row % 2 == 0) x = 0.125f * static_cast<float>(rng.Int(5));
+          else x = 0.01f * (rng.Next() + 1.0f);
+          if (row == 4 && p == c.rank) x += 1.0f;
+        }
+        v[i] = x;
+      }
+      if (p == c.rank) {  // its chunk ids: distinct and ascending (a selection), then -1
+        std::set<int32_t> ids;
+        while (static_cast<int>(ids.size()) < count) ids.insert(rng.Int(chunk_cap));
+        int i = 0;
+        for (int32_t id : ids) prop[static_cast<size_t>(row) * cs + i++] = id;
+      }
+    }
+  }
+  const int sel_len = cs;  // this rank's proposals per row, at most
+  const int64_t sel_stride = sel_len + 3;  // entries past selection_len keep their poison
+  const size_t win_n = static_cast<size_t>(rows) * c.k, sel_n = static_cast<size_t>(rows) * sel_stride;
+
+  std::vector<int32_t> want_win(win_n, kIntPoison), want_sel(sel_n, kIntPoison);
+  cpu::ShadowkvGlobalSelectArgs ca;
+  ca.candidates = cand.data();
+  ca.parts = c.parts;
+  ca.rank = c.rank;
+  ca.part_stride = part_stride;
+  ca.rows = rows;
+  ca.cand_stride = cs;
+  ca.k = c.k;
+  ca.proposals = prop.data();
+  ca.winners = want_win.data();
+  ca.selection = want_sel.data();
+  ca.selection_stride = sel_stride;
+  ca.selection_len = sel_len;
+  cpu::ShadowkvGlobalSelect(ca);
+
+  auto dcand = ToDevice(cand), dprop = ToDevice(prop);
+  auto dwin = ToDevice(std::vector<int32_t>(win_n, kIntPoison));
+  auto dsel = ToDevice(std::vector<int32_t>(sel_n, kIntPoison));
+  ShadowkvGlobalSelectArgs ga;
+  ga.candidates = dcand->get<float>();
+  ga.parts = c.parts;
+  ga.rank = c.rank;
+  ga.part_stride = part_stride;
+  ga.rows = rows;
+  ga.cand_stride = cs;
+  ga.k = c.k;
+  ga.proposals = dprop->get<int32_t>();
+  ga.winners = dwin->get<int32_t>();
+  ga.selection = dsel->get<int32_t>();
+  ga.selection_stride = sel_stride;
+  ga.selection_len = sel_len;
+
+  // The slot update: maps half full of chunks (some of them selected again).
+  const int ks = sel_len;
+  std::vector<std::vector<int32_t>> maps(c.batch, std::vector<int32_t>(static_cast<size_t>(c.hkv) * ks, -1));
+  for (auto& m : maps)
+    for (size_t i = 0; i < m.size(); i += 2) m[i] = static_cast<int32_t>((i / 2 * 3) % chunk_cap);
+  std::vector<std::unique_ptr<DeviceBuffer>> dmaps;
+  std::vector<int32_t*> dmp, hmp;
+  for (auto& m : maps) {
+    dmaps.push_back(ToDevice(m));
+    dmp.push_back(dmaps.back()->get<int32_t>());
+    hmp.push_back(m.data());
+  }
+  auto dmapp = ToDevice(dmp);
+  const size_t miss_n = static_cast<size_t>(rows) * ks;
+  auto dcount = ToDevice(std::vector<int32_t>(rows, kIntPoison));
+  auto dslot = ToDevice(std::vector<int32_t>(miss_n, kIntPoison));
+  auto dchunk = ToDevice(std::vector<int32_t>(miss_n, kIntPoison));
+  ShadowkvSlotUpdateArgs ua;
+  ua.selection = dsel->get<int32_t>();
+  ua.selection_stride = sel_stride;
+  ua.slot_maps = dmapp->get<int32_t* const>();
+  ua.miss_count = dcount->get<int32_t>();
+  ua.miss_slot = dslot->get<int32_t>();
+  ua.miss_chunk = dchunk->get<int32_t>();
+  ua.batch = c.batch;
+  ua.hkv = c.hkv;
+  ua.kslots = ks;
+  ua.chunk_cap = chunk_cap;
+
+  LaunchShadowkvGlobalSelect(ga, nullptr, c.update ? &ua : nullptr);
+  SKV_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(SameInts(dwin->Download<int32_t>(win_n), want_win)) << "winners";
+  EXPECT_TRUE(SameInts(dsel->Download<int32_t>(sel_n), want_sel)) << "selection";
+  if (!c.update) return;
+  std::vector<int32_t> count(rows, kIntPoison), mslot(miss_n, kIntPoison), mchunk(miss_n, kIntPoison);
+  cpu::ShadowkvSlotUpdateArgs cu;
+  cu.selection = want_sel.data();
+  cu.selection_stride = sel_stride;
+  cu.slot_maps = hmp.data();
+  cu.miss_count = count.data();
+  cu.miss_slot = mslot.data();
+  cu.miss_chunk = mchunk.data();
+  cu.batch = c.batch;
+  cu.hkv = c.hkv;
+  cu.kslots = ks;
+  cu.chunk_cap = chunk_cap;
+  cpu::ShadowkvSlotUpdate(cu);
+  EXPECT_TRUE(SameInts(dcount->Download<int32_t>(rows), count)) << "miss counts";
+  EXPECT_TRUE(SameInts(dslot->Download<int32_t>(miss_n), mslot)) << "miss slots";
+  EXPECT_TRUE(SameInts(dchunk->Download<int32_t>(miss_n), mchunk)) << "miss chunks";
+  for (int b = 0; b < c.batch; ++b)
+    EXPECT_TRUE(SameInts(dmaps[b]->Download<int32_t>(maps[b].size()), maps[b])) << "slot map of sequence " << b;
+}
+
+TEST(ShadowkvGlobalSelectGpu, MatchesCpuExactly) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (bool update : {false, true})
+    for (int parts : {2, 3})
+      for (int rank = 0; rank < parts; ++rank) {
+        RunGlobalSelect({parts, rank, 2, 4, 64, 64, update});    // k = one part's proposals
+        RunGlobalSelect({parts, rank, 1, 6, 40, 7, update});     // few winners
+        RunGlobalSelect({parts, rank, 3, 2, 37, 1000, update});  // k above every candidate
+      }
+  RunGlobalSelect({3, 1, 1, 6, 4000, 4096, true});   // largest k
+  RunGlobalSelect({3, 2, 1, 6, 12000, 300, false});  // 36000 candidates: keys re-read, not kept in shared memory
+  RunGlobalSelect({1, 0, 2, 3, 50, 20, true});       // one part
 }
 
 // ============================================================================

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -235,6 +236,170 @@ std::vector<int32_t> RandomSelection(std::mt19937& rng, const SlotRun& run, cons
     for (int32_t c : s) sel[row * run.ks + i++] = c;
   }
   return sel;
+}
+
+// Context parallel: a sequence's chunks split into parts (shards), each
+// scored in two calls around the exchange of the heads' statistics, gives
+// each chunk the score it has when the whole sequence is scored at once; the
+// proposals' scores are the selected chunks' scores.
+TEST(ShadowkvScoreCpu, TwoCallsOverPartsEqualOneCallOverTheWhole) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int hkv = 2, group = 3, hq = hkv * group, d = 16, n = 90, k = 5;
+  const float scale = 0.25f;
+  std::vector<float> q(static_cast<size_t>(hq) * d), land(static_cast<size_t>(hkv) * n * d);
+  std::vector<uint8_t> excl(static_cast<size_t>(hkv) * n);
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : land) x = nd(rng);
+  for (auto& x : excl) x = (rng() % 7) == 0;
+  // The whole sequence at once.
+  // The per-sequence arrays of one call (batch 1), kept alive across calls.
+  const float* lp = nullptr;
+  const uint8_t* ep = nullptr;
+  int32_t count = 0;
+  auto score = [&](const float* l, const uint8_t* e, int cap, int chunks, float* out, int64_t stride) {
+    lp = l;
+    ep = e;
+    count = chunks;
+    ShadowkvScoreArgs a;
+    a.q = q.data();
+    a.landmarks = &lp;
+    a.excluded = &ep;
+    a.n_chunks = &count;
+    a.batch = 1;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.chunk_cap = cap;
+    a.max_chunks = chunks;
+    a.scale = scale;
+    a.scores = out;
+    a.score_stride = stride;
+    return a;
+  };
+  std::vector<float> whole(static_cast<size_t>(hkv) * n);
+  ShadowkvScore(score(land.data(), excl.data(), n, n, whole.data(), n));
+  // Parts [0, 20), [20, 64), [64, 90), each with its own landmark rows.
+  const std::vector<int> cut = {0, 20, 64, n};
+  const int parts = static_cast<int>(cut.size()) - 1;
+  std::vector<std::vector<float>> pl(parts);
+  std::vector<std::vector<uint8_t>> pe(parts);
+  std::vector<float> stats(static_cast<size_t>(parts) * hq * 2, 99.0f);
+  for (int p = 0; p < parts; ++p) {
+    const int m = cut[p + 1] - cut[p];
+    for (int h = 0; h < hkv; ++h) {
+      pl[p].insert(pl[p].end(), land.begin() + (static_cast<size_t>(h) * n + cut[p]) * d,
+                   land.begin() + (static_cast<size_t>(h) * n + cut[p + 1]) * d);
+      pe[p].insert(pe[p].end(), excl.begin() + h * n + cut[p], excl.begin() + h * n + cut[p + 1]);
+    }
+    std::vector<float> untouched(static_cast<size_t>(hkv) * m, 5.0f);
+    ShadowkvScoreArgs a = score(pl[p].data(), pe[p].data(), m, m, untouched.data(), m);
+    a.stats_out = stats.data() + static_cast<size_t>(p) * hq * 2;
+    ShadowkvScore(a);
+    for (float x : untouched) ASSERT_EQ(x, 5.0f) << "a statistics call wrote scores";
+  }
+  for (int p = 0; p < parts; ++p) {
+    const int m = cut[p + 1] - cut[p];
+    std::vector<float> got(static_cast<size_t>(hkv) * m);
+    ShadowkvScoreArgs a = score(pl[p].data(), pe[p].data(), m, m, got.data(), m);
+    a.stats_in = stats.data();
+    a.stats_parts = parts;
+    a.stats_part_stride = hq * 2;
+    ShadowkvScore(a);
+    for (int h = 0; h < hkv; ++h)
+      for (int c = 0; c < m; ++c) {
+        const float w = whole[static_cast<size_t>(h) * n + cut[p] + c], g = got[static_cast<size_t>(h) * m + c];
+        if (w == -kInf) {
+          EXPECT_EQ(g, -kInf);
+        } else {
+          EXPECT_NEAR(g, w, 1e-6f + 1e-5f * w) << "part " << p << " head " << h << " chunk " << c;
+        }
+      }
+    // The proposals' scores.
+    std::vector<int32_t> sel(static_cast<size_t>(hkv) * (k + 2));
+    TopKArgs t;
+    t.values = got.data();
+    t.stride = m;
+    t.rows = hkv;
+    t.uniform_count = m;
+    t.k = k;
+    t.skip_worst_inf = true;
+    t.out = sel.data();
+    t.out_stride = k + 2;
+    TopK(t);
+    std::vector<float> ss(sel.size(), 1.0f);
+    SelectionScores(got.data(), m, sel.data(), k + 2, hkv, k, ss.data());
+    for (int h = 0; h < hkv; ++h)
+      for (int i = 0; i < k + 2; ++i) {
+        const int32_t c = i < k ? sel[h * (k + 2) + i] : -1;
+        EXPECT_EQ(ss[h * (k + 2) + i], c >= 0 ? got[static_cast<size_t>(h) * m + c] : -kInf);
+      }
+  }
+}
+
+// The global selection: every rank, from the same all-gathered proposals,
+// keeps its own winners; together they are the top-k of all the proposals
+// (ties to the lower part), and a rank's selection is ascending then -1.
+TEST(ShadowkvGlobalSelectCpu, RanksKeepTheirWinnersOfOneTopK) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> small(0, 9);
+  for (int parts : {1, 2, 3}) {
+    for (int k : {1, 4, 9, 40}) {
+      const int rows = 5, cs = 6;  // cand_stride
+      const int64_t part_stride = rows * cs + 3;
+      std::vector<float> cand(static_cast<size_t>(parts) * part_stride, 77.0f);
+      std::vector<std::vector<int32_t>> prop(parts, std::vector<int32_t>(static_cast<size_t>(rows) * cs));
+      for (int p = 0; p < parts; ++p)
+        for (int r = 0; r < rows; ++r) {
+          // Row 0: part 0 proposes nothing; row 1: every part proposes 2.
+          const int have = r == 0 && p == 0 ? 0 : r == 1 ? 2 : cs - (r + p) % 3;
+          for (int i = 0; i < cs; ++i) {
+            const bool on = i < have;
+            prop[p][r * cs + i] = on ? 1000 * p + 10 * i + r : -1;
+            cand[p * part_stride + r * cs + i] = on ? static_cast<float>(small(rng)) / 10.0f : -kInf;  // ties
+          }
+        }
+      std::vector<std::vector<int32_t>> got(parts);
+      for (int rank = 0; rank < parts; ++rank) {
+        const int len = cs + 1;
+        std::vector<int32_t> winners(static_cast<size_t>(rows) * k, 55);
+        got[rank].assign(static_cast<size_t>(rows) * (len + 1), 66);
+        ShadowkvGlobalSelectArgs a;
+        a.candidates = cand.data();
+        a.parts = parts;
+        a.rank = rank;
+        a.part_stride = part_stride;
+        a.rows = rows;
+        a.cand_stride = cs;
+        a.k = k;
+        a.proposals = prop[rank].data();
+        a.winners = winners.data();
+        a.selection = got[rank].data();
+        a.selection_stride = len + 1;
+        a.selection_len = len;
+        ShadowkvGlobalSelect(a);
+        for (int r = 0; r < rows; ++r) EXPECT_EQ(got[rank][r * (len + 1) + len], 66) << "wrote past selection_len";
+      }
+      for (int r = 0; r < rows; ++r) {
+        // The model: the top-k of (score, part, index) over all proposals.
+        std::vector<std::tuple<float, int, int>> all;
+        for (int p = 0; p < parts; ++p)
+          for (int i = 0; i < cs; ++i)
+            if (cand[p * part_stride + r * cs + i] != -kInf) all.emplace_back(cand[p * part_stride + r * cs + i], p, i);
+        std::stable_sort(all.begin(), all.end(), [](const auto& x, const auto& y) { return std::get<0>(x) > std::get<0>(y); });
+        all.resize(std::min<size_t>(all.size(), k));
+        for (int rank = 0; rank < parts; ++rank) {
+          std::vector<int32_t> want;
+          for (const auto& [v, p, i] : all)
+            if (p == rank) want.push_back(prop[p][r * cs + i]);
+          std::sort(want.begin(), want.end());
+          want.resize(cs + 1, -1);
+          const std::vector<int32_t> sel(got[rank].begin() + r * (cs + 2), got[rank].begin() + r * (cs + 2) + cs + 1);
+          EXPECT_EQ(sel, want) << "parts " << parts << " k " << k << " rank " << rank << " row " << r;
+        }
+      }
+    }
+  }
 }
 
 TEST(ShadowkvSlotUpdateCpu, MapHoldsSelectionHitsStayMissesFillFreeSlots) {

@@ -2,9 +2,11 @@
 // threads (tests/worker/thread_group.h): a sequence split into contiguous
 // shards over 2 or 3 runtimes gives the greedy tokens of the same sequence
 // unsharded (full attention; ShadowKV configured to select every chunk at
-// full rank, so that it is exact too); lossy ShadowKV shards agree on every
-// token across ranks and start with the unsharded first token (the prefill
-// is exact); what a shard cannot do is refused. The same over real processes
+// full rank, so that it is exact too); lossy ShadowKV with the global
+// selection over the shards gives the unsharded lossy tokens; with the local
+// selection the shards agree on every token across ranks and start with the
+// unsharded first token (the prefill is exact); what a shard cannot do is
+// refused. The same over real processes
 // and TCP: tests/service/context_parallel_integration_test.cc.
 #include <gtest/gtest.h>
 
@@ -131,9 +133,31 @@ TEST_F(ContextParallelTest, ExactShadowKvShardedGivesTheUnshardedTokens) {
   }
 }
 
+EngineOptions GlobalSelectionOptions() {
+  EngineOptions o = testing::GlobalSelectionShadowKvOptions();
+  o.backend.cpu_threads = 1;
+  return o;
+}
+
+TEST_F(ContextParallelTest, LossyShadowKvWithGlobalSelectionGivesTheUnshardedTokens) {
+  // Two sequences of different geometry (two groups per step, each with its
+  // own score workspace between the exchanges); shards at multiples of 64.
+  const auto reqs = Requests({300, 260}, 24);
+  const EngineOptions o = GlobalSelectionOptions();
+  const auto want = Unsharded(o, reqs);
+  ASSERT_EQ(want.size(), 2u);
+  // The configuration is lossy: the selection matters.
+  EXPECT_NE(want, Unsharded(FullOptions(), reqs));
+  for (int world : {2, 3}) {
+    const auto got = Sharded(o, world, reqs);
+    for (int r = 0; r < world; ++r) EXPECT_EQ(got[r], want) << "rank " << r << " of " << world;
+  }
+}
+
 TEST_F(ContextParallelTest, LossyShadowKvShardsAgreeAndStartWithTheExactToken) {
   EngineOptions o = testing::LossyShadowKvOptions();
   o.backend.cpu_threads = 1;
+  o.shadowkv.shard_selection = "local";
   const auto reqs = Requests({300}, 30);  // the last shard makes chunks of its new tokens
   const auto want = Unsharded(o, reqs);
   ASSERT_EQ(want.size(), 1u);

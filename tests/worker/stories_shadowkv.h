@@ -67,4 +67,20 @@ inline EngineOptions ExactShadowKvOptions() {
   return o;
 }
 
+// Lossy ShadowKV (6 of ~70 chunks of 4 selected per KV head of a 300-token
+// prompt) whose context-parallel shards hold exactly what the unsharded
+// sequence holds: full rank (the rebuilt keys are the exact ones), no
+// outliers (a shard would pick its own), shard boundaries at multiples of 64
+// (chunk boundaries; a closed shard has no local window). With the global
+// selection the shards agree on the unsharded top-k every step, so sharded
+// and unsharded give the same greedy tokens.
+inline EngineOptions GlobalSelectionShadowKvOptions() {
+  EngineOptions o = LossyShadowKvOptions();
+  o.runtime.prefill_chunk = 48;
+  o.shadowkv.rank = 32;  // hkv * d: full rank
+  o.shadowkv.outlier_chunks = 0;
+  o.shadowkv.shard_selection = "global";
+  return o;
+}
+
 }  // namespace penumbra::testing

@@ -535,7 +535,9 @@ Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collec
   j["kv_device_bytes_rank0"] = dev;
   if (e.options().kv_policy == "shadowkv") {
     j["budget_tokens"] = e.options().shadowkv.budget_tokens;
-    j["hit_rate_rank0"] = ps.hit_rate();
+    j["shard_selection"] = e.options().shadowkv.shard_selection;
+    // Under the global selection a shard's live slots vary: no hit rate.
+    if (world == 1 || e.options().shadowkv.shard_selection == "local") j["hit_rate_rank0"] = ps.hit_rate();
   }
   std::cout << j.dump() << std::endl;
   return Status::OK();

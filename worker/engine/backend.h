@@ -106,6 +106,11 @@ struct DecodeAttentionOp {
   int batch = 0, hq = 0, hkv = 0, d = 0;
   int max_length = 0;
   float scale = 1.0f;
+  // Optional: rows of empty slots (slot map entry < 0) not attended
+  // (kernels/attention_decode.cuh): ShadowKV's selection slots under a global
+  // top-k, where a shard may hold fewer selected chunks than slots.
+  const int32_t* const* slot_maps = nullptr;  // [batch] -> [hkv][slot_count]
+  int slot_row0 = 0, slot_count = 0, slot_rows = 0;
 };
 
 // Cascade attention's shared half (kernels/attention_prefix.cuh): the rows
@@ -236,6 +241,11 @@ class Backend {
     ShadowkvSlotUpdate(update);
     return Status::OK();
   }
+  // Context parallel's global top-k (kernels::ShadowkvGlobalSelectArgs),
+  // then the slot update of the selection it writes (`update` reads
+  // select.selection); on the GPU in one launch.
+  virtual void ShadowkvGlobalSelectAndSlotUpdate(const kernels::ShadowkvGlobalSelectArgs& select,
+                                                 const kernels::ShadowkvSlotUpdateArgs& update) = 0;
   virtual void ShadowkvRebuildK(kernels::ShadowkvRebuildKArgs args) = 0;
   // On the side stream when forked (V fetch overlaps the K rebuild).
   virtual void ShadowkvFetchV(kernels::ShadowkvFetchVArgs args, bool staged) = 0;

@@ -131,6 +131,10 @@ class CpuBackend final : public Backend {
     a.hkv = op.hkv;
     a.d = op.d;
     a.scale = op.scale;
+    a.slot_maps = op.slot_maps;
+    a.slot_row0 = op.slot_row0;
+    a.slot_count = op.slot_count;
+    a.slot_rows = op.slot_rows;
     kc::DecodeAttention(a);
     return Status::OK();
   }
@@ -269,9 +273,38 @@ class CpuBackend final : public Backend {
     c.scale = a.scale;
     c.scores = a.scores;
     c.score_stride = a.score_stride;
+    c.stats_out = a.stats_out;
+    c.stats_in = a.stats_in;
+    c.stats_parts = a.stats_parts;
+    c.stats_part_stride = a.stats_part_stride;
     kc::ShadowkvScore(c);
-    if (a.select_k > 0) TopK(kernels::ShadowkvSelectionTopK(a));  // what the CUDA kernels fuse
+    if (a.stats_out != nullptr) return Status::OK();  // statistics only
+    if (a.select_k > 0) {
+      TopK(kernels::ShadowkvSelectionTopK(a));  // what the CUDA kernels fuse
+      if (a.selection_scores != nullptr) {
+        kc::SelectionScores(a.scores, a.score_stride, a.selection, a.selection_stride, a.batch * a.hkv, a.select_k,
+                            a.selection_scores);
+      }
+    }
     return Status::OK();
+  }
+  void ShadowkvGlobalSelectAndSlotUpdate(const kernels::ShadowkvGlobalSelectArgs& a,
+                                         const kernels::ShadowkvSlotUpdateArgs& u) override {
+    kc::ShadowkvGlobalSelectArgs c;
+    c.candidates = a.candidates;
+    c.parts = a.parts;
+    c.rank = a.rank;
+    c.part_stride = a.part_stride;
+    c.rows = a.rows;
+    c.cand_stride = a.cand_stride;
+    c.k = a.k;
+    c.proposals = a.proposals;
+    c.winners = a.winners;
+    c.selection = a.selection;
+    c.selection_stride = a.selection_stride;
+    c.selection_len = a.selection_len;
+    kc::ShadowkvGlobalSelect(c);
+    ShadowkvSlotUpdate(u);
   }
   void TopK(const kernels::TopKArgs& a) override {
     kc::TopKArgs c;

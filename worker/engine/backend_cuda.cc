@@ -266,6 +266,10 @@ class CudaBackend final : public Backend {
     a.d = op.d;
     a.max_length = op.max_length;
     a.scale = op.scale;
+    a.slot_maps = op.slot_maps;
+    a.slot_row0 = op.slot_row0;
+    a.slot_count = op.slot_count;
+    a.slot_rows = op.slot_rows;
     a.workspace = decode_ws_.get();
     a.workspace_bytes = decode_ws_.bytes();
     kn::LaunchDecodeAttention(a, stream_);
@@ -368,11 +372,22 @@ class CudaBackend final : public Backend {
   Status Score(kn::ShadowkvScoreArgs a, const kn::ShadowkvSlotUpdateArgs* then_update) {
     a.q_dtype = act_;
     a.dtype = act_;
-    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&score_ws_, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks)));
-    a.workspace = score_ws_.get();
-    a.workspace_bytes = score_ws_.bytes();
+    // A context-parallel score's first call keeps its logits in its part's
+    // workspace until its second call (other groups score in between).
+    if (a.workspace_part < 0 || a.workspace_part >= kMaxScoreParts) {
+      return Status::InvalidArgument("ShadowkvScore: workspace_part out of range");
+    }
+    if (static_cast<int>(score_ws_.size()) <= a.workspace_part) score_ws_.resize(a.workspace_part + 1);
+    DeviceBuffer& ws = score_ws_[a.workspace_part];
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&ws, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks)));
+    a.workspace = ws.get();
+    a.workspace_bytes = ws.bytes();
     kn::LaunchShadowkvScore(a, stream_, then_update);
     return Status::OK();
+  }
+  void ShadowkvGlobalSelectAndSlotUpdate(const kn::ShadowkvGlobalSelectArgs& a,
+                                         const kn::ShadowkvSlotUpdateArgs& u) override {
+    kn::LaunchShadowkvGlobalSelect(a, stream_, &u);
   }
   void TopK(const kn::TopKArgs& a) override { kn::LaunchTopK(a, stream_); }
   void MaxRows(const kn::MaxRowsArgs& a) override { kn::LaunchMaxRows(a, stream_); }
@@ -481,7 +496,9 @@ class CudaBackend final : public Backend {
     return Status::OK();
   }
 
-  DeviceBuffer lowrank_ws_, score_ws_;
+  static constexpr int kMaxScoreParts = 64;
+  DeviceBuffer lowrank_ws_;
+  std::vector<DeviceBuffer> score_ws_;  // per workspace_part
   cusolverDnHandle_t solver_ = nullptr;
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ev_ = nullptr, join_ev_ = nullptr;

@@ -28,6 +28,7 @@
 
 namespace penumbra {
 
+class Collective;
 class FetchTurns;
 
 // The KV state of a prompt prefix, made by a policy from a prefilled sequence
@@ -112,6 +113,12 @@ struct ShardSpec {
   // policy with a budget in tokens gives the shard this share of it (a budget
   // that is a fraction of the prompt is proportional already).
   double share = 1.0;
+  // The whole sequence's prompt tokens (0: unknown), and the group of ranks
+  // holding its shards (null: none). A policy whose decode agrees across the
+  // shards (ShadowKV's global top-k) exchanges through the group; every rank
+  // makes the same calls for the same steps.
+  int64_t sequence_tokens = 0;
+  Collective* group = nullptr;
   bool sharded() const { return position_base > 0 || closed || share != 1.0; }
 };
 

@@ -152,6 +152,8 @@ Status Runtime::AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tok
   spec.shard.position_base = sh.begin;
   spec.shard.closed = rank < world - 1;
   spec.shard.share = static_cast<double>(sh.end - sh.begin) / static_cast<double>(prompt_len);
+  spec.shard.sequence_tokens = prompt_len;
+  spec.shard.group = cp_;
   return policy_->AddSequence(seq, spec);
 }
 

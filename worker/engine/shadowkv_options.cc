@@ -15,7 +15,8 @@ void AddShadowKvFlags(Args& a) {
       .Flag("micro-batches", "shadowkv: pipeline each decode batch as this many micro-batches (default 1)")
       .Flag("fetch-blocks", "shadowkv: thread blocks of the zero-copy value fetch (default 32)")
       .Flag("continuation", "shadowkv: a prefill after a factored prompt attends dense (default) or sparse")
-      .Flag("continuation-budget", "shadowkv: tokens a sparse continuation selects per KV head (default 0 = --budget)");
+      .Flag("continuation-budget", "shadowkv: tokens a sparse continuation selects per KV head (default 0 = --budget)")
+      .Flag("shard-selection", "shadowkv: context parallel: one global top-k over the shards (default) or local");
 }
 
 Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
@@ -53,6 +54,10 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
   if (s.continuation_budget_tokens < 0 || s.continuation_budget_tokens > (int64_t{1} << 32)) {
     return Status::InvalidArgument("--continuation-budget must be in [0, 2^32]");
   }
+  if (a.Has("shard-selection")) s.shard_selection = a.Get("shard-selection");
+  if (s.shard_selection != "global" && s.shard_selection != "local") {
+    return Status::InvalidArgument("--shard-selection must be global or local, got '" + s.shard_selection + "'");
+  }
   return Status::OK();
 }
 
@@ -72,6 +77,7 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.Read("fetch_blocks", &o->fetch_blocks, 1, 1024);
   r.ReadEnum("continuation", &o->continuation, {"dense", "sparse"});
   r.Read("continuation_budget_tokens", &o->continuation_budget_tokens, 0, int64_t{1} << 32);
+  r.ReadEnum("shard_selection", &o->shard_selection, {"global", "local"});
   return r.Finish();
 }
 
@@ -109,6 +115,9 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
     return Status::InvalidArgument("shadowkv.continuation_budget_tokens (" +
                                    std::to_string(o.continuation_budget_tokens) +
                                    ") must be 0 or a multiple of chunk_size of at most 4096 chunks");
+  }
+  if (o.shard_selection != "global" && o.shard_selection != "local") {
+    return Status::InvalidArgument("shadowkv.shard_selection must be global or local, got '" + o.shard_selection + "'");
   }
   return Status::OK();
 }

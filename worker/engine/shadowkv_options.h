@@ -49,12 +49,19 @@ struct ShadowKvOptions {
   // Chunks a sparse continuation selects per KV head, in tokens (multiple of
   // chunk_size); 0: the decode budget. Default: 0.
   int64_t continuation_budget_tokens = 0;
+  // Context parallel (a sequence split into shards over a group of ranks):
+  // "global": every decode step the shards agree on one top-k of the whole
+  // sequence's budget (scores normalized over every shard, each shard's best
+  // chunks exchanged; two small all-gathers per layer), as one GPU would
+  // select; "local": each shard selects its share of the budget (split by
+  // shard length) from its own chunks, no exchange. Default: global.
+  std::string shard_selection = "global";
 };
 
 // The command-line flags of the options (--rank, --chunk-size, --budget,
 // --budget-fraction, --outliers, --outlier-fraction, --local-window,
 // --min-prompt, --value-fetch, --micro-batches, --fetch-blocks, --continuation,
-// --continuation-budget), shared by `penumbra` and
+// --continuation-budget, --shard-selection), shared by `penumbra` and
 // `penumbra-bench`. Apply overrides `s` only where a flag is given and
 // refuses out-of-range values naming the flag.
 void AddShadowKvFlags(Args& a);

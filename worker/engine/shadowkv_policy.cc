@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 
 #include <functional>
@@ -41,6 +42,7 @@
 #include "storage/dram_value_store.h"
 #include "worker/engine/shadowkv_prefix.h"
 #include "worker/engine/backend_host_allocator.h"
+#include "worker/engine/collective.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {
@@ -86,6 +88,11 @@ class ShadowKvPolicy final : public KvPolicy {
     SequenceSpec shape = spec;
     if (prefix) shape.first_prefill = prefix->geometry().factored;
     Shape(shape, &s);
+    if (s.global_k > kn::kTopKMaxK) {
+      return Status::InvalidArgument("shadowkv: a global selection over the shards of " +
+                                     std::to_string(s.global_k) + " chunks is more than " +
+                                     std::to_string(kn::kTopKMaxK) + " (lower the budget)");
+    }
     const int C = o_.chunk_size;
     if (prefix) {
       const ShadowKvPrefixGeometry& g = prefix->geometry();
@@ -162,20 +169,36 @@ class ShadowKvPolicy final : public KvPolicy {
     s.first_prefill = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
     const int64_t F = s.first_prefill;
     const int C = o_.chunk_size;
+    // Context parallel with a global selection: the budget, the sparse
+    // decision and the exchange width are the whole sequence's, the same on
+    // every rank.
+    const bool global = spec.shard.group != nullptr && o_.shard_selection == "global";
+    const int64_t whole = global && spec.shard.sequence_tokens > 0 ? spec.shard.sequence_tokens : F;
     int64_t budget = o_.budget_tokens;
-    if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * F / C)) * C;
-    // A shard's share of its whole sequence's budget, at least one chunk.
-    if (spec.shard.share < 1.0 && o_.budget_fraction <= 0) {
+    if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * whole / C)) * C;
+    // Local selection: a shard's share of its whole sequence's budget, at
+    // least one chunk.
+    if (!global && spec.shard.share < 1.0 && o_.budget_fraction <= 0) {
       budget = std::max<int64_t>(C, static_cast<int64_t>(std::llround(spec.shard.share * budget / C)) * C);
     }
-    const int64_t first_chunks = (F - o_.local_window) / C;
+    // The local window is the sequence's most recent tokens: a closed shard
+    // (all but the last) has none, its whole prompt is chunks.
+    s.window = spec.shard.closed ? 0 : o_.local_window;
+    const int64_t first_chunks = (F - s.window) / C;
     int64_t want_outliers = o_.outlier_chunks;
+    if (global) want_outliers = std::llround(spec.shard.share * o_.outlier_chunks);  // the sequence's, split
     if (o_.outlier_fraction > 0) {
       want_outliers = static_cast<int64_t>(std::ceil(o_.outlier_fraction * static_cast<double>(std::max<int64_t>(first_chunks, 0))));
     }
     s.outliers = static_cast<int>(std::min<int64_t>(want_outliers, std::max<int64_t>(first_chunks - budget / C, 0)));
     s.kslots = static_cast<int>(std::min<int64_t>(budget / C, first_chunks - s.outliers));
-    s.sparse = F >= o_.min_prompt_tokens && s.kslots >= 1;
+    s.sparse = whole >= o_.min_prompt_tokens && s.kslots >= 1;
+    // The shards exchange when the whole sequence is sparse (every rank
+    // decides alike; a shard too short to select from takes part with no
+    // proposals).
+    const bool exchange = global && whole >= o_.min_prompt_tokens;
+    s.global_k = exchange ? static_cast<int>(std::min<int64_t>(budget / C, int64_t{1} << 30)) : 0;
+    s.group = exchange ? spec.shard.group : nullptr;
     if (!s.sparse) {
       s.outliers = 0;
       s.kslots = 0;
@@ -629,7 +652,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Status CompressPrompt(Seq& s, int layer, int64_t S) {
     Backend& b = *ctx_.backend;
     const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
-    const int n_chunks = static_cast<int>((S - o_.local_window) / C);
+    const int n_chunks = static_cast<int>((S - s.window) / C);
     double t = NowSeconds();
     auto lap = [&](const char* op) {
       if (!profile_) return;
@@ -708,14 +731,16 @@ class ShadowKvPolicy final : public KvPolicy {
     // The tail becomes the local rows (exact K/V and pre-RoPE keys).
     const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
     CHECK_LE(tail, s.local_cap);
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                      static_cast<char*>(tmp_k_.get()) + tail0 * d * es_, tmp_cap_ * d * es_,
-                                      tail * d * es_, H));
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                      static_cast<char*>(tmp_v_.get()) + tail0 * d * es_, tmp_cap_ * d * es_,
-                                      tail * d * es_, H));
-    PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
-                                                  tmp_prek_.as<float>() + tail0 * D, tail * D * sizeof(float)));
+    if (tail > 0) {  // a closed shard's prompt may be whole chunks
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
+                                        static_cast<char*>(tmp_k_.get()) + tail0 * d * es_, tmp_cap_ * d * es_,
+                                        tail * d * es_, H));
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
+                                        static_cast<char*>(tmp_v_.get()) + tail0 * d * es_, tmp_cap_ * d * es_,
+                                        tail * d * es_, H));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
+                                                    tmp_prek_.as<float>() + tail0 * D, tail * D * sizeof(float)));
+    }
     lap("local");
     s.n_chunks = n_chunks;
     s.local_count = tail;
@@ -840,6 +865,10 @@ class ShadowKvPolicy final : public KvPolicy {
       }
       step_max_chunks_ = max_chunks;
     }
+    // A context-parallel group's global selection: its exchange buffers.
+    xgroup_ = nullptr;
+    for (const Seq* s : step_) xgroup_ = s->group != nullptr ? s->group : xgroup_;
+    if (xgroup_ != nullptr) PENUMBRA_RETURN_IF_ERROR(PrepareExchange());
     // Only a step that fetches values takes part in the lanes' fetch turns
     // (EndDecodeStep ends it on every path).
     if (ctx_.fetch_turns && step_max_k_ > 0) ctx_.fetch_turns->StepBegin(ctx_.lane);
@@ -848,14 +877,8 @@ class ShadowKvPolicy final : public KvPolicy {
 
   Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
                          float* lse) override {
+    if (xgroup_ != nullptr) return DecodeAttentionGlobal(layer, qkv, positions, q_scratch, out, lse);
     Backend& b = *ctx_.backend;
-    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim;
-    auto* base = static_cast<void* const*>(step_buf_.get());
-    void* const* tab = base + static_cast<size_t>(layer) * kTables * B;
-    const int32_t* lengths = reinterpret_cast<const int32_t*>(base + static_cast<size_t>(ctx_.num_layers) * kTables * B);
-    const int32_t* nchunks = lengths + B;
-    const size_t qrow = static_cast<size_t>(ctx_.hq) * d;
-    const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * H) * d;
     // With micro-batches, every group's selection is issued first (its value
     // fetch left running on the side stream as mark gi), then the attentions,
     // each waiting only for its own group's fetch.
@@ -870,42 +893,11 @@ class ShadowKvPolicy final : public KvPolicy {
     attention.clear();
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
       const auto [g0, gn] = groups_[gi];
-      Seq& s0 = *step_[g0];
-      RopeStoreOp r;
-      r.qkv = qkv + g0 * qkv_row;
-      r.positions = positions + g0;
-      r.inv_freq = ctx_.inv_freq;
-      r.n = gn;
-      r.hq = ctx_.hq;
-      r.hkv = H;
-      r.d = d;
-      r.q_out = static_cast<char*>(q_scratch) + g0 * qrow * es_;
-      r.k_dst = tab + 0 * B + g0;
-      r.v_dst = tab + 1 * B + g0;
-      r.head_stride = s0.att_cap * d;
-      r.pre_rope_k_out = nullptr;
-      // New tokens' pre-RoPE keys straight into each sequence's local
-      // pre-RoPE rows (for the A.1 projection when their chunk completes).
-      r.pre_rope_k_dst = s0.sparse ? reinterpret_cast<float* const*>(tab + 10 * B + g0) : nullptr;
-      b.RopeStore(r);
-      Lap("rope_store");
-      if (s0.sparse) {
-        PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, tab, nchunks, r.q_out, pipelined ? static_cast<int>(gi) : -1));
+      const void* q = RopeStoreGroup(layer, g0, gn, qkv, positions, q_scratch);
+      if (step_[g0]->sparse) {
+        PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, q, pipelined ? static_cast<int>(gi) : -1));
       }
-      DecodeAttentionOp a;
-      a.q = r.q_out;
-      a.k = reinterpret_cast<const void* const*>(tab + 2 * B + g0);
-      a.v = reinterpret_cast<const void* const*>(tab + 3 * B + g0);
-      a.lengths = lengths + g0;
-      a.out = static_cast<char*>(out) + g0 * qrow * es_;
-      a.head_stride = s0.att_cap * d;
-      a.batch = gn;
-      a.hq = ctx_.hq;
-      a.hkv = H;
-      a.d = d;
-      a.max_length = static_cast<int>(s0.att_cap);
-      a.scale = ctx_.scale;
-      a.lse = lse != nullptr ? lse + static_cast<size_t>(g0) * ctx_.hq : nullptr;
+      const DecodeAttentionOp a = AttentionOf(layer, g0, gn, q, out, lse, /*mask_slots=*/false);
       if (pipelined) {
         attention.push_back(a);
       } else {
@@ -921,57 +913,268 @@ class ShadowKvPolicy final : public KvPolicy {
     return Status::OK();
   }
 
-  // Algorithm 2's selection and sparse KV reconstruction for one group.
-  // mark >= 0: the value fetch is left running as side mark `mark` (the
-  // caller waits for it before the group's attention); else joined here.
-  Status Select(int layer, int g0, int gn, void* const* tab, const int32_t* nchunks, const void* q, int mark) {
+  // The global selection over the shards of a context-parallel group (the
+  // step's sequences are all shards of it; every rank runs the same groups of
+  // the same sequences). Per layer, for the whole step:
+  //  1. each group's scores of its own chunks, only their softmax statistics
+  //     kept (stats_out; the logits stay in the group's score workspace);
+  //  2. one all-gather of the statistics: every shard normalizes its scores
+  //     over the whole sequence;
+  //  3. each group's top-k of its own chunks under that normalization (the
+  //     shard's proposals, with their scores);
+  //  4. one all-gather of the proposals' scores;
+  //  5. each group's global top-k of every shard's proposals (the same on
+  //     every rank), this shard keeping its winners, then the slot update,
+  //     the misses' values and keys, and attention over outliers + live
+  //     slots + local rows (empty slots masked: a shard may win fewer chunks
+  //     than it has slots).
+  Status DecodeAttentionGlobal(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
+                               float* lse) {
     Backend& b = *ctx_.backend;
-    Seq& s0 = *step_[g0];
-    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, K = s0.kslots;
+    const int B = step_batch_, H = ctx_.hkv, hq = ctx_.hq, W = xgroup_->world();
+    const size_t stats = static_cast<size_t>(B) * hq * 2, cand = static_cast<size_t>(B) * H * xk_;
+    float* stats_send = x_buf_.as<float>();
+    float* stats_recv = stats_send + stats;
+    float* cand_send = stats_recv + stats * W;
+    float* cand_recv = cand_send + cand;
+    int32_t* proposals = reinterpret_cast<int32_t*>(cand_recv + cand * W);
+    int32_t* winners = proposals + cand;
+    int32_t* selection = winners + cand;
+    std::vector<const void*>& q = group_q_;
+    q.assign(groups_.size(), nullptr);
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      const auto [g0, gn] = groups_[gi];
+      q[gi] = RopeStoreGroup(layer, g0, gn, qkv, positions, q_scratch);
+      if (!step_[g0]->sparse) continue;
+      kn::ShadowkvScoreArgs sc = ScoreArgsOf(layer, g0, gn, q[gi]);
+      sc.stats_out = stats_send + static_cast<size_t>(g0) * hq * 2;
+      sc.workspace_part = static_cast<int>(gi);
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+    }
+    PENUMBRA_RETURN_IF_ERROR(xgroup_->AllGather(stats_send, stats_recv, stats * sizeof(float)));
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      const auto [g0, gn] = groups_[gi];
+      if (!step_[g0]->sparse) continue;
+      const size_t off = static_cast<size_t>(g0) * H * xk_;
+      kn::ShadowkvScoreArgs sc = ScoreArgsOf(layer, g0, gn, q[gi]);
+      sc.stats_in = stats_recv + static_cast<size_t>(g0) * hq * 2;
+      sc.stats_parts = W;
+      sc.stats_part_stride = static_cast<int64_t>(stats);
+      sc.workspace_part = static_cast<int>(gi);
+      sc.selection = proposals + off;
+      sc.selection_stride = xk_;
+      sc.selection_scores = cand_send + off;
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+    }
+    Lap("score_topk");
+    PENUMBRA_RETURN_IF_ERROR(xgroup_->AllGather(cand_send, cand_recv, cand * sizeof(float)));
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      const auto [g0, gn] = groups_[gi];
+      const Seq& s0 = *step_[g0];
+      if (s0.sparse) {
+        const size_t off = static_cast<size_t>(g0) * H * xk_;
+        kn::ShadowkvGlobalSelectArgs gs;
+        gs.candidates = cand_recv + off;
+        gs.parts = W;
+        gs.rank = xgroup_->rank();
+        gs.part_stride = static_cast<int64_t>(cand);
+        gs.rows = gn * H;
+        gs.cand_stride = xk_;
+        gs.k = s0.global_k;
+        gs.proposals = proposals + off;
+        gs.winners = winners + off;
+        gs.selection = selection + off;
+        gs.selection_stride = xk_;
+        gs.selection_len = s0.kslots;
+        b.ShadowkvGlobalSelectAndSlotUpdate(gs, SlotUpdateOf(layer, g0, gn, selection + off, xk_));
+        Lap("global_select_slot_update");
+        PENUMBRA_RETURN_IF_ERROR(FetchMisses(layer, g0, gn, /*mark=*/-1));
+      }
+      PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(AttentionOf(layer, g0, gn, q[gi], out, lse, /*mask_slots=*/true)));
+      Lap("sparse_attention");
+    }
+    return Status::OK();
+  }
+
+  // The step's exchange buffers for a global selection (xgroup_ set): per
+  // sequence, query head statistics and KV head proposals (xk_ wide). Rows a
+  // sparse group never writes (a shard too short to be sparse) hold "no
+  // statistics" and "no proposal" for the whole step.
+  Status PrepareExchange() {
+    const int B = static_cast<int>(step_.size()), H = ctx_.hkv, hq = ctx_.hq, W = xgroup_->world();
+    xk_ = 0;
+    for (const Seq* s : step_) {
+      // Beside the group's shards only dense sequences (too short to select
+      // from), whose rows propose nothing.
+      if (s->group != xgroup_ && !(s->group == nullptr && !s->sparse)) {
+        return Status::Internal("shadowkv: a decode step mixes shards of a context-parallel group with other sequences");
+      }
+      xk_ = std::max(xk_, s->global_k);
+    }
+    const size_t stats = static_cast<size_t>(B) * hq * 2, cand = static_cast<size_t>(B) * H * xk_;
+    const size_t bytes = sizeof(float) * (stats * (1 + W) + cand * (1 + W)) + sizeof(int32_t) * 3 * cand;
+    if (x_buf_.bytes() < bytes) {
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(x_buf_, ctx_.backend->Allocate(bytes * 2));
+    }
+    constexpr float kNone = -std::numeric_limits<float>::infinity();
+    std::vector<float> init(stats);
+    for (size_t i = 0; i < stats; i += 2) init[i] = kNone, init[i + 1] = 0.0f;
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(x_buf_.get(), init.data(), stats * sizeof(float)));
+    init.assign(cand, kNone);
+    return ctx_.backend->CopyToDevice(x_buf_.as<float>() + stats * (1 + W), init.data(), cand * sizeof(float));
+  }
+
+  // The step's pointer table of `layer` and the per-sequence ints after the
+  // tables (attention lengths, chunk counts, first positions).
+  void* const* StepTable(int layer) const {
+    auto* base = static_cast<void* const*>(step_buf_.get());
+    return base + static_cast<size_t>(layer) * kTables * step_batch_;
+  }
+  const int32_t* StepInts() const {
+    auto* base = static_cast<void* const*>(step_buf_.get());
+    return reinterpret_cast<const int32_t*>(base + static_cast<size_t>(ctx_.num_layers) * kTables * step_batch_);
+  }
+
+  // RoPE of a group's new tokens, their K/V into the attention rows; returns
+  // the rotated queries.
+  const void* RopeStoreGroup(int layer, int g0, int gn, const float* qkv, const int32_t* positions, void* q_scratch) {
+    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim;
+    void* const* tab = StepTable(layer);
+    const Seq& s0 = *step_[g0];
+    const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * H) * d;
+    RopeStoreOp r;
+    r.qkv = qkv + g0 * qkv_row;
+    r.positions = positions + g0;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = gn;
+    r.hq = ctx_.hq;
+    r.hkv = H;
+    r.d = d;
+    r.q_out = static_cast<char*>(q_scratch) + g0 * static_cast<size_t>(ctx_.hq) * d * es_;
+    r.k_dst = tab + 0 * B + g0;
+    r.v_dst = tab + 1 * B + g0;
+    r.head_stride = s0.att_cap * d;
+    r.pre_rope_k_out = nullptr;
+    // New tokens' pre-RoPE keys straight into each sequence's local
+    // pre-RoPE rows (for the A.1 projection when their chunk completes).
+    r.pre_rope_k_dst = s0.sparse ? reinterpret_cast<float* const*>(tab + 10 * B + g0) : nullptr;
+    ctx_.backend->RopeStore(r);
+    Lap("rope_store");
+    return r.q_out;
+  }
+
+  // A group's attention over its rows; mask_slots: empty slots not attended.
+  DecodeAttentionOp AttentionOf(int layer, int g0, int gn, const void* q, void* out, float* lse, bool mask_slots) const {
+    const int B = step_batch_, d = ctx_.head_dim;
+    void* const* tab = StepTable(layer);
+    const Seq& s0 = *step_[g0];
+    DecodeAttentionOp a;
+    a.q = q;
+    a.k = reinterpret_cast<const void* const*>(tab + 2 * B + g0);
+    a.v = reinterpret_cast<const void* const*>(tab + 3 * B + g0);
+    a.lengths = StepInts() + g0;
+    a.out = static_cast<char*>(out) + g0 * static_cast<size_t>(ctx_.hq) * d * es_;
+    a.head_stride = s0.att_cap * d;
+    a.batch = gn;
+    a.hq = ctx_.hq;
+    a.hkv = ctx_.hkv;
+    a.d = d;
+    a.max_length = static_cast<int>(s0.att_cap);
+    a.scale = ctx_.scale;
+    a.lse = lse != nullptr ? lse + static_cast<size_t>(g0) * ctx_.hq : nullptr;
+    if (mask_slots && s0.sparse) {
+      a.slot_maps = reinterpret_cast<const int32_t* const*>(tab + 6 * B + g0);
+      a.slot_row0 = s0.outliers * o_.chunk_size;
+      a.slot_count = s0.kslots;
+      a.slot_rows = o_.chunk_size;
+    }
+    return a;
+  }
+
+  // A sparse group's chunk scores (Algorithm 2), selecting s0.kslots chunks
+  // into the step's selection rows.
+  kn::ShadowkvScoreArgs ScoreArgsOf(int layer, int g0, int gn, const void* q) const {
+    const int B = step_batch_, H = ctx_.hkv, K = step_[g0]->kslots;
+    void* const* tab = StepTable(layer);
+    const Seq& s0 = *step_[g0];
     int max_chunks = 0;
     for (int i = g0; i < g0 + gn; ++i) max_chunks = std::max(max_chunks, step_[i]->n_chunks);
-    const int64_t sstride = step_max_chunks_ + 1;
-    float* scores = score_buf_.as<float>();
-    int32_t* sel = miss_buf_.as<int32_t>();
-    int32_t* mslot = sel + static_cast<size_t>(B) * H * step_max_k_;
-    int32_t* mchunk = mslot + static_cast<size_t>(B) * H * step_max_k_;
-    int32_t* mcount = mchunk + static_cast<size_t>(B) * H * step_max_k_ + static_cast<size_t>(layer) * B * H + g0 * H;
-    const size_t off = static_cast<size_t>(g0) * H * K;
     kn::ShadowkvScoreArgs sc;
     sc.q = q;
     sc.landmarks = reinterpret_cast<const void* const*>(tab + 4 * B + g0);
     sc.excluded = reinterpret_cast<const uint8_t* const*>(tab + 5 * B + g0);
-    sc.n_chunks = nchunks + g0;
+    sc.n_chunks = StepInts() + B + g0;
     sc.batch = gn;
     sc.hq = ctx_.hq;
     sc.hkv = H;
-    sc.d = d;
+    sc.d = ctx_.head_dim;
     sc.chunk_cap = s0.chunk_cap;
     sc.landmark_cap = s0.lm_cap;
     sc.shared_landmarks = reinterpret_cast<const void* const*>(tab + 12 * B + g0);
     sc.shared_chunks = s0.shared_chunks;
     sc.max_chunks = max_chunks;
     sc.scale = ctx_.scale;
-    sc.scores = scores;
-    sc.score_stride = sstride;
+    sc.scores = score_buf_.as<float>();
+    sc.score_stride = step_max_chunks_ + 1;
     sc.select_k = K;  // the top-k, fused with the scores' last phases on the GPU
-    sc.selection = sel + off;
+    sc.selection = miss_buf_.as<int32_t>() + static_cast<size_t>(g0) * H * K;
     sc.selection_stride = K;
+    return sc;
+  }
+
+  // The miss lists of a group (step rows, stride kslots) and the slot update
+  // of `selection` into them.
+  int32_t* MissSlots(int g0) const {
+    return miss_buf_.as<int32_t>() + static_cast<size_t>(step_batch_) * ctx_.hkv * step_max_k_ +
+           static_cast<size_t>(g0) * ctx_.hkv * step_[g0]->kslots;
+  }
+  int32_t* MissChunks(int g0) const {
+    return MissSlots(g0) + static_cast<size_t>(step_batch_) * ctx_.hkv * step_max_k_;
+  }
+  int32_t* MissCounts(int layer, int g0) const {
+    return miss_buf_.as<int32_t>() + 3 * static_cast<size_t>(step_batch_) * ctx_.hkv * step_max_k_ +
+           static_cast<size_t>(layer) * step_batch_ * ctx_.hkv + static_cast<size_t>(g0) * ctx_.hkv;
+  }
+  kn::ShadowkvSlotUpdateArgs SlotUpdateOf(int layer, int g0, int gn, const int32_t* selection, int64_t stride) const {
+    const Seq& s0 = *step_[g0];
     kn::ShadowkvSlotUpdateArgs su;
-    su.selection = sel + off;
-    su.selection_stride = K;
-    su.slot_maps = reinterpret_cast<int32_t* const*>(tab + 6 * B + g0);
-    su.miss_count = mcount;
-    su.miss_slot = mslot + off;
-    su.miss_chunk = mchunk + off;
+    su.selection = selection;
+    su.selection_stride = stride;
+    su.slot_maps = reinterpret_cast<int32_t* const*>(StepTable(layer) + 6 * step_batch_ + g0);
+    su.miss_count = MissCounts(layer, g0);
+    su.miss_slot = MissSlots(g0);
+    su.miss_chunk = MissChunks(g0);
     su.batch = gn;
-    su.hkv = H;
-    su.kslots = K;
+    su.hkv = ctx_.hkv;
+    su.kslots = s0.kslots;
     su.chunk_cap = s0.chunk_cap;
     su.force_keep = static_cast<float>(o_.force_hit_rate);
-    PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScoreAndSlotUpdate(sc, su));  // one launch after the logits on the GPU
+    return su;
+  }
+
+  // Algorithm 2's selection and sparse KV reconstruction for one group.
+  // mark >= 0: the value fetch is left running as side mark `mark` (the
+  // caller waits for it before the group's attention); else joined here.
+  Status Select(int layer, int g0, int gn, const void* q, int mark) {
+    const kn::ShadowkvScoreArgs sc = ScoreArgsOf(layer, g0, gn, q);
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->ShadowkvScoreAndSlotUpdate(
+        sc, SlotUpdateOf(layer, g0, gn, sc.selection, sc.selection_stride)));  // one launch after the logits on the GPU
     Lap("score_topk_slot_update");
-    // Misses: V from the store on the side stream, K rebuilt on the main one.
+    return FetchMisses(layer, g0, gn, mark);
+  }
+
+  // The slot update's misses: V from the store on the side stream, K rebuilt
+  // on the main one.
+  Status FetchMisses(int layer, int g0, int gn, int mark) {
+    Backend& b = *ctx_.backend;
+    Seq& s0 = *step_[g0];
+    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, K = s0.kslots;
+    void* const* tab = StepTable(layer);
+    const int32_t* nchunks = StepInts() + B;
+    const int32_t* mcount = MissCounts(layer, g0);
+    const int32_t* mslot = MissSlots(g0);
+    const int32_t* mchunk = MissChunks(g0);
     b.ForkSide();
     // Lanes take turns on the host link: wait for the previous lane's fetch.
     if (ctx_.fetch_turns) {
@@ -984,8 +1187,8 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.shared_chunks = s0.shared_chunks;
     fv.shared_stride = s0.shared_stride;
     fv.miss_count = mcount;
-    fv.miss_slot = mslot + off;
-    fv.miss_chunk = mchunk + off;
+    fv.miss_slot = mslot;
+    fv.miss_chunk = mchunk;
     fv.miss_stride = K;
     fv.att_v = tab + 3 * B + g0;
     fv.att_head_stride = s0.att_cap * d;
@@ -1007,7 +1210,7 @@ class ShadowKvPolicy final : public KvPolicy {
     // blocks as the restore's.
     if (on_device) fv.max_blocks = kRestoreFetchBlocks;
     if (o_.value_fetch == "staging" || lazy) {
-      PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mchunk + off, &fv));
+      PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mchunk, &fv));
       b.ShadowkvFetchV(fv, /*staged=*/true);
     } else {
       b.ShadowkvFetchV(fv, /*staged=*/false);
@@ -1024,8 +1227,8 @@ class ShadowKvPolicy final : public KvPolicy {
     rk.inv_freq = ctx_.inv_freq;
     rk.position_offset = step_offsets_ ? nchunks + B + g0 : nullptr;  // shards: their first positions
     rk.miss_count = mcount;
-    rk.miss_slot = mslot + off;
-    rk.miss_chunk = mchunk + off;
+    rk.miss_slot = mslot;
+    rk.miss_chunk = mchunk;
     rk.miss_stride = K;
     rk.att_k = tab + 2 * B + g0;
     rk.att_head_stride = s0.att_cap * d;
@@ -1105,7 +1308,9 @@ class ShadowKvPolicy final : public KvPolicy {
       for (int l = 0; l < L; ++l) {
         for (int i = 0; i < B; ++i) {
           Seq& s = *step_[i];
-          if (!s.sparse) continue;
+          // Under a global selection a shard's live slots vary per step and
+          // head (not counted on the host): no hit rate.
+          if (!s.sparse || s.global_k > 0) continue;
           int64_t misses = 0;
           for (int h = 0; h < H; ++h) {
             const int32_t miss = counts[(static_cast<size_t>(l) * B + i) * H + h];
@@ -1500,6 +1705,12 @@ class ShadowKvPolicy final : public KvPolicy {
     // decode token is stored in it.
     int64_t pos0 = 0;
     bool closed = false;
+    int window = 0;  // the local window: o_.local_window, 0 for a closed shard
+    // A global selection over the shards (ShadowKvOptions::shard_selection):
+    // the whole sequence's budget in chunks (0: the shard selects alone) and
+    // the group exchanging the proposals.
+    int global_k = 0;
+    Collective* group = nullptr;
     std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers] ascending chunk ids
     // An attached prefix: its values are this sequence's chunks [0, shared_chunks),
     // read in place; the store segment holds chunks from shared_chunks on.
@@ -1541,7 +1752,7 @@ class ShadowKvPolicy final : public KvPolicy {
   static bool SameGeometry(const Seq& a, const Seq& b) {
     return a.sparse == b.sparse && a.att_cap == b.att_cap && a.kslots == b.kslots && a.chunk_cap == b.chunk_cap &&
            a.outliers == b.outliers && a.shared_chunks == b.shared_chunks &&
-           a.shared_stride == b.shared_stride;
+           a.shared_stride == b.shared_stride && a.global_k == b.global_k;
   }
   int64_t AttLayer(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.att_cap * ctx_.head_dim; }
   int64_t LocalRow0(const Seq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }
@@ -1655,6 +1866,13 @@ class ShadowKvPolicy final : public KvPolicy {
   std::vector<Seq*> step_;
   std::vector<std::pair<int, int>> groups_;
   std::vector<DecodeAttentionOp> pending_attention_;
+  // A global selection over a context-parallel group's shards (this step's
+  // sequences are shards of xgroup_; null: none): the exchange buffers
+  // (PrepareExchange), the proposals per row (xk_) and each group's queries.
+  Collective* xgroup_ = nullptr;
+  DeviceBuffer x_buf_;
+  int xk_ = 0;
+  std::vector<const void*> group_q_;
   bool step_offsets_ = false;  // a sequence of this step is a shard after position 0  // DecodeAttention's, with micro-batches
   int step_batch_ = 0, step_max_k_ = 0, step_max_chunks_ = 0;
   bool profile_ = false;
