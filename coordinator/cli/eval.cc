@@ -439,6 +439,22 @@ std::string GroupLineJson(const EvalGroup& g, const std::string& kv_policy) {
   return DumpPythonStyle(j);
 }
 
+EvalOverall OverallOf(const EvalSummary& sum) {
+  int64_t correct = 0, turns = 0;
+  std::vector<int64_t> lengths;
+  for (const EvalGroup& g : sum.groups) {
+    if (g.task == "all") continue;
+    correct += g.correct;
+    turns += g.n;
+    if (std::find(lengths.begin(), lengths.end(), g.length) == lengths.end()) lengths.push_back(g.length);
+  }
+  std::sort(lengths.begin(), lengths.end());
+  EvalOverall o;
+  o.accuracy_percent = turns > 0 ? 100.0 * static_cast<double>(correct) / static_cast<double>(turns) : 0.0;
+  for (int64_t l : lengths) o.lengths += (o.lengths.empty() ? "" : ",") + std::to_string(l);
+  return o;
+}
+
 Result<std::vector<EncodedRecord>> EncodeEvalRecords(const EvalRunner& runner, const std::vector<EvalRecord>& records) {
   std::vector<EncodedRecord> encoded;
   encoded.reserve(records.size());

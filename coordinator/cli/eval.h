@@ -181,4 +181,13 @@ std::string PredictionLineJson(const EvalRecord& record, int turn, const EvalTur
 // "accuracy", "partial"} (no newline).
 std::string GroupLineJson(const EvalGroup& group, const std::string& kv_policy);
 
+// A run's overall figures for its summary line: the percent of turns
+// answered exactly over every task and length (the "all" groups left out),
+// and the lengths run, ascending, comma-separated ("16384,32768").
+struct EvalOverall {
+  double accuracy_percent = 0.0;
+  std::string lengths;
+};
+EvalOverall OverallOf(const EvalSummary& summary);
+
 }  // namespace penumbra

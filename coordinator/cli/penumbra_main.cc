@@ -4,6 +4,7 @@
 //   penumbra serve | doc | ask | job | stats            (the service; coordinator/cli/service_cli.h)
 // Errors (bad flags, bad model files, bad prompts) print one line naming what
 // was wrong and exit with status 2 (usage) or 1 (everything else).
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -211,8 +212,14 @@ Status Eval(int argc, char** argv) {
   const std::string dtype(DTypeName(engine->backend().act_dtype()));
   if (a.Has("json")) {
     for (const EvalGroup& g : sum.groups) std::cout << GroupLineJson(g, policy) << "\n";
+    // The overall accuracy and what was run: one line names a comparison's run.
+    const EvalOverall overall = OverallOf(sum);
     nlohmann::ordered_json j;
     j["summary"] = true;
+    j["accuracy"] = overall.accuracy_percent;
+    j["model"] = a.Get("model");
+    j["lengths"] = overall.lengths;
+    j["tasks_file"] = a.Get("tasks");
     j["records"] = sum.records;
     j["turns"] = sum.turns;
     j["seconds"] = sum.seconds;

@@ -208,6 +208,17 @@ TEST(EvalOutputTest, LinesHaveEvalHfFields) {
             R"("accuracy": 0.3333, "partial": 0.6667})");
 }
 
+TEST(EvalOutputTest, OverallAccuracyIsOverEveryTurnOfEveryTaskAndLength) {
+  EvalSummary s;
+  s.groups = {{"kv", 4096, 3, 2, 2.0},   {"niah", 4096, 1, 1, 1.0}, {"all", 4096, 4, 3, 3.0},
+              {"kv", 16384, 4, 0, 1.0},  {"all", 16384, 4, 0, 1.0}};
+  const EvalOverall o = OverallOf(s);
+  EXPECT_DOUBLE_EQ(o.accuracy_percent, 100.0 * 3 / 8);  // not a mean of the groups' accuracies
+  EXPECT_EQ(o.lengths, "4096,16384");
+  EXPECT_EQ(OverallOf(EvalSummary{}).lengths, "");
+  EXPECT_EQ(OverallOf(EvalSummary{}).accuracy_percent, 0.0);
+}
+
 // ------------------------------------------------- the evalmodel tokenizer
 
 std::string FixtureTokenizer() { return testing::SourceDir() + "/tests/data/tokenizer/evalmodel_tokenizer.json"; }
