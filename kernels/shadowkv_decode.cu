@@ -276,6 +276,37 @@ __device__ __forceinline__ float GroupScore(int group, const float (&m)[8], cons
   return best;
 }
 
+// A chunk's score from the group's logits (the fused selection's keys, and
+// the unfused path with successors).
+struct GroupScoreSource {
+  const float* logits;  // the group's first head; head g at + g * stride
+  int64_t stride;
+  const uint8_t* excl;  // null: none excluded
+  int group;
+  float m[8], s[8];
+  __device__ __forceinline__ float operator()(int c) const {
+    float lg[8];
+#pragma unroll
+    for (int g = 0; g < 8; ++g) lg[g] = g < group ? logits[g * stride + c] : 0.0f;
+    return GroupScore(group, m, s, excl && excl[c], lg);
+  }
+};
+
+// ShadowkvScoreArgs::successors: a selectable chunk's score is the best of
+// its own and its `successors` predecessors' (an excluded chunk, -inf, stays
+// so and passes nothing on).
+template <class Src>
+struct SuccessorScoreSource {
+  Src base;
+  int successors;
+  __device__ __forceinline__ float operator()(int c) const {
+    float best = base(c);
+    if (best == NegInf()) return best;
+    for (int j = 1; j <= successors && c - j >= 0; ++j) best = fmaxf(best, base(c - j));
+    return best;
+  }
+};
+
 // Phase 2: scores = max over the group of exp(logit - max) / sum.
 __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreArgs a, ScoreWorkspace ws) {
   const int h = blockIdx.y, b = blockIdx.z;
@@ -295,6 +326,18 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
   const float* logits = ws.logits + (static_cast<int64_t>(b) * a.hq + h * group) * a.max_chunks;
   float* out = a.scores + (static_cast<int64_t>(b) * a.hkv + h) * a.score_stride;
+  if (a.successors > 0) {  // each chunk's score from its own and its predecessors' logits
+    GroupScoreSource src{logits, a.max_chunks, excl, group, {}, {}};
+#pragma unroll
+    for (int g = 0; g < 8; ++g) src.m[g] = m[g], src.s[g] = s[g];
+    const SuccessorScoreSource<GroupScoreSource> smoothed{src, a.successors};
+    for (int j = 0; j < kScoreFinalPerThread; ++j) {
+      const int c = (blockIdx.x * kScoreFinalPerThread + j) * kScoreThreads + threadIdx.x;
+      if (c >= a.max_chunks) break;
+      out[c] = c < n ? smoothed(c) : NegInf();
+    }
+    return;
+  }
   // Every load first (predicated, independent), then the math: with the loads
   // inside the per-chunk branches a thread waited on one load at a time.
   float lg[kScoreFinalPerThread][8];
@@ -314,27 +357,33 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
   }
 }
 
+__device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t* sm);  // section 3
+
+// The selection of one row from `src`, then its selection_scores from the
+// same functor (the same bits as the keys) and the slot update.
+template <class Src>
+__device__ __forceinline__ void SelectScoreUpdateRow(const Src& src, const ShadowkvScoreArgs& a, int row, int n,
+                                                     uint32_t* smem, int cached_keys,
+                                                     const ShadowkvSlotUpdateArgs& su, bool update) {
+  int32_t* sel = a.selection + static_cast<int64_t>(row) * a.selection_stride;
+  topk_block::SelectRow(src, n, a.select_k, /*smallest=*/false, /*skip_worst_inf=*/true, sel, smem, cached_keys);
+  if (a.selection_scores == nullptr && !update) return;
+  __syncthreads();  // the selection (global, written by other threads) and the shared memory, for what follows
+  if (a.selection_scores != nullptr) {
+    float* out = a.selection_scores + static_cast<int64_t>(row) * a.selection_stride;
+    for (int64_t i = threadIdx.x; i < a.selection_stride; i += blockDim.x) {
+      const int32_t c = i < a.select_k ? sel[i] : -1;
+      out[i] = c >= 0 ? src(c) : NegInf();
+    }
+  }
+  if (update) SlotUpdateRow(su, row, smem);
+}
+
 // Phase 1.5 + 2 + top-k in one launch (a selection was asked for and every
 // row's chunks fit in shared memory): one block of topk_block::kThreads per
 // row (sequence, KV head). Warp g merges query head g's split statistics,
 // then the top-k computes each chunk's score from the group's logits exactly
 // as ScoreFinalKernel does, keeps it in shared memory as a key and selects.
-struct GroupScoreSource {
-  const float* logits;  // the group's first head; head g at + g * stride
-  int64_t stride;
-  const uint8_t* excl;  // null: none excluded
-  int group;
-  float m[8], s[8];
-  __device__ __forceinline__ float operator()(int c) const {
-    float lg[8];
-#pragma unroll
-    for (int g = 0; g < 8; ++g) lg[g] = g < group ? logits[g * stride + c] : 0.0f;
-    return GroupScore(group, m, s, excl && excl[c], lg);
-  }
-};
-
-__device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t* sm);  // section 3
-
 // With selection_scores, the selected chunks' scores are computed again by the
 // same functor (the same bits as the keys). update: the row's slot update
 // (section 3) follows in the same block, reading the selection the block just
@@ -367,18 +416,12 @@ __global__ void __launch_bounds__(topk_block::kThreads)
     src.m[g] = g < group ? s_ms[g].x : 0.0f;
     src.s[g] = g < group ? s_ms[g].y : 1.0f;
   }
-  int32_t* sel = a.selection + static_cast<int64_t>(row) * a.selection_stride;
-  topk_block::SelectRow(src, n, a.select_k, /*smallest=*/false, /*skip_worst_inf=*/true, sel, sel_smem, cached_keys);
-  if (a.selection_scores == nullptr && !update) return;
-  __syncthreads();  // the selection (global, written by other threads) and the shared memory, for what follows
-  if (a.selection_scores != nullptr) {
-    float* out = a.selection_scores + static_cast<int64_t>(row) * a.selection_stride;
-    for (int64_t i = threadIdx.x; i < a.selection_stride; i += blockDim.x) {
-      const int32_t c = i < a.select_k ? sel[i] : -1;
-      out[i] = c >= 0 ? src(c) : NegInf();
-    }
+  if (a.successors > 0) {
+    SelectScoreUpdateRow(SuccessorScoreSource<GroupScoreSource>{src, a.successors}, a, row, n, sel_smem, cached_keys,
+                         su, update);
+  } else {
+    SelectScoreUpdateRow(src, a, row, n, sel_smem, cached_keys, su, update);
   }
-  if (update) SlotUpdateRow(su, row, sel_smem);
 }
 
 // The unfused path's selection scores: one block per row reads the selected

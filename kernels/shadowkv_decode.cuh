@@ -80,6 +80,13 @@ struct ShadowkvScoreArgs {
   int landmark_cap = 0;  // 0: chunk_cap
   int max_chunks = 0;  // host-side upper bound of n_chunks (sizes the grid), <= chunk_cap
   float scale = 1.0f;  // usually 1/sqrt(d)
+  // > 0: a selectable chunk scores as high as its best of the `successors`
+  // chunks before it too (score'(c) = max over 0 <= j <= successors, c - j
+  // >= 0, of score(c - j); excluded chunks stay -inf and pass nothing on), so
+  // a selected chunk brings the chunks after it: a run of text the answer
+  // copies continues past its first chunk's end. Applies to scores, the
+  // selection and selection_scores alike.
+  int successors = 0;
   float* scores = nullptr;  // [batch, hkv, score_stride] f32
   int64_t score_stride = 0;  // >= max_chunks
   void* workspace = nullptr;  // ShadowkvScoreWorkspaceBytes() bytes

@@ -106,6 +106,14 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
       for (int c = 0; c < n; ++c)
         if (logit[c] != kNegInf) out[c] = std::max(out[c], std::exp(logit[c] - mx) / fsum);
     }
+    if (a.successors > 0 && a.stats_out == nullptr) {
+      // Each selectable chunk as high as its best of `successors` predecessors.
+      const std::vector<float> own(out, out + std::max(n, 0));
+      for (int c = 0; c < n; ++c) {
+        if (own[c] == kNegInf) continue;
+        for (int j = 1; j <= a.successors && c - j >= 0; ++j) out[c] = std::max(out[c], own[c - j]);
+      }
+    }
   });
 }
 

@@ -282,12 +282,14 @@ struct ScoreCase {
   int batch, hkv, group, d, n;  // n: max_chunks; sequence b has n - b*(n/5) chunks
   DType dtype, q_dtype;
   bool with_excluded;
+  int successors = 0;  // ShadowkvScoreArgs::successors
 };
 
 void RunScore(const ScoreCase& c) {
   SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " group " << c.group << " d "
                                     << c.d << " n " << c.n << " dtype " << DTypeName(c.dtype) << " q "
-                                    << DTypeName(c.q_dtype) << " excluded " << c.with_excluded);
+                                    << DTypeName(c.q_dtype) << " excluded " << c.with_excluded << " successors "
+                                    << c.successors);
   Rng rng(77 + c.n + c.d + c.group);
   const int hq = c.hkv * c.group, cap = c.n + 3, max_chunks = c.n;
   const int64_t stride = max_chunks + 2;
@@ -324,6 +326,7 @@ void RunScore(const ScoreCase& c) {
   ca.chunk_cap = cap;
   ca.max_chunks = max_chunks;
   ca.scale = scale;
+  ca.successors = c.successors;
   ca.scores = want.data();
   ca.score_stride = stride;
   cpu::ShadowkvScore(ca);
@@ -357,6 +360,7 @@ void RunScore(const ScoreCase& c) {
   ga.chunk_cap = cap;
   ga.max_chunks = max_chunks;
   ga.scale = scale;
+  ga.successors = c.successors;
   ga.scores = dscores->get<float>();
   ga.score_stride = stride;
   ga.workspace = ws.get();
@@ -456,6 +460,11 @@ TEST(ShadowkvScoreGpu, MatchesCpu) {
   RunScore({2, 1, 5, 136, 700, DType::kBF16, DType::kF32, true});   // d not a power of two
   RunScore({1, 2, 4, 256, 300, DType::kBF16, DType::kBF16, true});
   RunScore({1, 2, 4, 128, 131072, DType::kBF16, DType::kBF16, true});
+  // Successors: fused (tensor-core logits, then SIMT) and unfused (beyond
+  // kTopKSharedKeys chunks), scores and selections.
+  RunScore({3, 2, 4, 128, 5000, DType::kBF16, DType::kBF16, true, 2});
+  RunScore({2, 3, 4, 128, 129, DType::kF32, DType::kF32, true, 1});
+  RunScore({1, 2, 4, 128, 40000, DType::kBF16, DType::kBF16, true, 3});
 }
 
 // ============================================================================

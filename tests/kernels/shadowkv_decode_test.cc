@@ -168,6 +168,74 @@ TEST(ShadowkvScoreCpu, MatchesExplicitSoftmax) {
   }
 }
 
+// One sequence's (batch 1) score arguments over host arrays; the pointer
+// arrays the arguments point to live in this object across calls.
+struct OneSequenceScore {
+  const float* landmarks = nullptr;
+  const uint8_t* excluded = nullptr;
+  int32_t chunks = 0;
+  ShadowkvScoreArgs Args(const float* q, int hq, int hkv, int d, float scale, const float* l, const uint8_t* e,
+                         int cap, int n, int max_chunks, float* out, int64_t stride) {
+    landmarks = l;
+    excluded = e;
+    chunks = n;
+    ShadowkvScoreArgs a;
+    a.q = q;
+    a.landmarks = &landmarks;
+    a.excluded = &excluded;
+    a.n_chunks = &chunks;
+    a.batch = 1;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.chunk_cap = cap;
+    a.max_chunks = max_chunks;
+    a.scale = scale;
+    a.scores = out;
+    a.score_stride = stride;
+    return a;
+  }
+};
+
+// successors: a selectable chunk scores as high as its best of the
+// `successors` chunks before it; an excluded chunk stays -inf and passes
+// nothing on; chunks past n_chunks stay -inf.
+TEST(ShadowkvScoreCpu, SuccessorsTakeTheBestOfThePredecessors) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int hkv = 2, group = 2, hq = hkv * group, d = 8, n = 40, cap = 44, stride = 45;
+  std::vector<float> q(static_cast<size_t>(hq) * d), land(static_cast<size_t>(hkv) * cap * d);
+  std::vector<uint8_t> excl(static_cast<size_t>(hkv) * cap, 0);
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : land) x = nd(rng);
+  excl[5] = excl[6] = excl[cap + 20] = 1;
+  OneSequenceScore one;
+  auto run = [&](int successors) {
+    std::vector<float> out(static_cast<size_t>(hkv) * stride, 9.0f);
+    ShadowkvScoreArgs a = one.Args(q.data(), hq, hkv, d, 0.5f, land.data(), excl.data(), cap, n, n + 2, out.data(), stride);
+    a.successors = successors;
+    ShadowkvScore(a);
+    return out;
+  };
+  const std::vector<float> own = run(0);
+  for (int succ : {1, 3}) {
+    const std::vector<float> got = run(succ);
+    for (int h = 0; h < hkv; ++h) {
+      for (int c = 0; c < n + 2; ++c) {
+        const float* o = own.data() + h * stride;
+        float want = o[c];
+        if (c < n && o[c] != -kInf)
+          for (int j = 1; j <= succ && c - j >= 0; ++j) want = std::max(want, o[c - j]);
+        EXPECT_EQ(got[h * stride + c], want) << "successors " << succ << " head " << h << " chunk " << c;
+      }
+    }
+    EXPECT_EQ(got[5], -kInf);
+    EXPECT_EQ(got[6], -kInf);
+    EXPECT_EQ(got[stride + 20], -kInf);
+    EXPECT_EQ(got[7], std::max(own[7], succ >= 3 ? own[4] : -kInf));  // nothing from the excluded 5 and 6
+  }
+}
+
 TEST(ShadowkvScoreCpu, AllExcludedGivesMinusInf) {
   std::vector<float> q(4, 1.0f), land(3 * 4, 1.0f), scores(3, 0.0f);
   std::vector<uint8_t> excl(3, 1);
@@ -252,31 +320,11 @@ TEST(ShadowkvScoreCpu, TwoCallsOverPartsEqualOneCallOverTheWhole) {
   for (auto& x : q) x = nd(rng);
   for (auto& x : land) x = nd(rng);
   for (auto& x : excl) x = (rng() % 7) == 0;
-  // The whole sequence at once.
-  // The per-sequence arrays of one call (batch 1), kept alive across calls.
-  const float* lp = nullptr;
-  const uint8_t* ep = nullptr;
-  int32_t count = 0;
+  OneSequenceScore one;
   auto score = [&](const float* l, const uint8_t* e, int cap, int chunks, float* out, int64_t stride) {
-    lp = l;
-    ep = e;
-    count = chunks;
-    ShadowkvScoreArgs a;
-    a.q = q.data();
-    a.landmarks = &lp;
-    a.excluded = &ep;
-    a.n_chunks = &count;
-    a.batch = 1;
-    a.hq = hq;
-    a.hkv = hkv;
-    a.d = d;
-    a.chunk_cap = cap;
-    a.max_chunks = chunks;
-    a.scale = scale;
-    a.scores = out;
-    a.score_stride = stride;
-    return a;
+    return one.Args(q.data(), hq, hkv, d, scale, l, e, cap, chunks, chunks, out, stride);
   };
+  // The whole sequence at once.
   std::vector<float> whole(static_cast<size_t>(hkv) * n);
   ShadowkvScore(score(land.data(), excl.data(), n, n, whole.data(), n));
   // Parts [0, 20), [20, 64), [64, 90), each with its own landmark rows.

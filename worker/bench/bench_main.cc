@@ -413,6 +413,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       j["value_fetch"] = e.options().shadowkv.value_fetch;
       j["micro_batches"] = e.options().shadowkv.micro_batches;
       j["fetch_blocks"] = e.options().shadowkv.fetch_blocks;
+      j["chunk_size"] = e.options().shadowkv.chunk_size;
+      j["successor_chunks"] = e.options().shadowkv.successor_chunks;
       if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
     }
     j["linear"] = e.options().backend.linear;

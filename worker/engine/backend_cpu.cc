@@ -273,6 +273,7 @@ class CpuBackend final : public Backend {
     c.scale = a.scale;
     c.scores = a.scores;
     c.score_stride = a.score_stride;
+    c.successors = a.successors;
     c.stats_out = a.stats_out;
     c.stats_in = a.stats_in;
     c.stats_parts = a.stats_parts;

@@ -16,7 +16,8 @@ void AddShadowKvFlags(Args& a) {
       .Flag("fetch-blocks", "shadowkv: thread blocks of the zero-copy value fetch (default 32)")
       .Flag("continuation", "shadowkv: a prefill after a factored prompt attends dense (default) or sparse")
       .Flag("continuation-budget", "shadowkv: tokens a sparse continuation selects per KV head (default 0 = --budget)")
-      .Flag("shard-selection", "shadowkv: context parallel: one global top-k over the shards (default) or local");
+      .Flag("shard-selection", "shadowkv: context parallel: one global top-k over the shards (default) or local")
+      .Flag("successor-chunks", "shadowkv: a chunk scores as high as its best of this many predecessors (default 0)");
 }
 
 Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
@@ -54,6 +55,9 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
   if (s.continuation_budget_tokens < 0 || s.continuation_budget_tokens > (int64_t{1} << 32)) {
     return Status::InvalidArgument("--continuation-budget must be in [0, 2^32]");
   }
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t succ, a.GetInt("successor-chunks", s.successor_chunks));
+  if (succ < 0 || succ > 64) return Status::InvalidArgument("--successor-chunks must be in [0, 64]");
+  s.successor_chunks = static_cast<int>(succ);
   if (a.Has("shard-selection")) s.shard_selection = a.Get("shard-selection");
   if (s.shard_selection != "global" && s.shard_selection != "local") {
     return Status::InvalidArgument("--shard-selection must be global or local, got '" + s.shard_selection + "'");
@@ -78,6 +82,7 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.ReadEnum("continuation", &o->continuation, {"dense", "sparse"});
   r.Read("continuation_budget_tokens", &o->continuation_budget_tokens, 0, int64_t{1} << 32);
   r.ReadEnum("shard_selection", &o->shard_selection, {"global", "local"});
+  r.Read("successor_chunks", &o->successor_chunks, 0, 64);
   return r.Finish();
 }
 
@@ -115,6 +120,10 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
     return Status::InvalidArgument("shadowkv.continuation_budget_tokens (" +
                                    std::to_string(o.continuation_budget_tokens) +
                                    ") must be 0 or a multiple of chunk_size of at most 4096 chunks");
+  }
+  if (o.successor_chunks < 0 || o.successor_chunks > 64) {
+    return Status::InvalidArgument("shadowkv.successor_chunks must be in [0, 64], got " +
+                                   std::to_string(o.successor_chunks));
   }
   if (o.shard_selection != "global" && o.shard_selection != "local") {
     return Status::InvalidArgument("shadowkv.shard_selection must be global or local, got '" + o.shard_selection + "'");

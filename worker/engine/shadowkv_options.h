@@ -56,12 +56,18 @@ struct ShadowKvOptions {
   // select; "local": each shard selects its share of the budget (split by
   // shard length) from its own chunks, no exchange. Default: global.
   std::string shard_selection = "global";
+  // Decode's selection: a chunk also scores as high as its best of this many
+  // chunks before it, so a selected chunk brings the chunks that follow it
+  // (an answer copying a run of text, a UUID, a number, a line of code, needs
+  // the run's continuation, which its own landmark may not point to). The
+  // budget is unchanged. 0 = the paper's selection. Default: 0.
+  int successor_chunks = 0;
 };
 
 // The command-line flags of the options (--rank, --chunk-size, --budget,
 // --budget-fraction, --outliers, --outlier-fraction, --local-window,
 // --min-prompt, --value-fetch, --micro-batches, --fetch-blocks, --continuation,
-// --continuation-budget, --shard-selection), shared by `penumbra` and
+// --continuation-budget, --shard-selection, --successor-chunks), shared by `penumbra` and
 // `penumbra-bench`. Apply overrides `s` only where a flag is given and
 // refuses out-of-range values naming the flag.
 void AddShadowKvFlags(Args& a);

@@ -1115,6 +1115,7 @@ class ShadowKvPolicy final : public KvPolicy {
     sc.shared_chunks = s0.shared_chunks;
     sc.max_chunks = max_chunks;
     sc.scale = ctx_.scale;
+    sc.successors = o_.successor_chunks;
     sc.scores = score_buf_.as<float>();
     sc.score_stride = step_max_chunks_ + 1;
     sc.select_k = K;  // the top-k, fused with the scores' last phases on the GPU
