@@ -1,0 +1,71 @@
+// ShadowKV's options from the command line (ApplyShadowKvFlags) and YAML
+// (LoadShadowKvOptions): values reach the options, a flag that is not given
+// leaves its option as it was, and an out-of-range or unknown value is an
+// InvalidArgument naming the flag or key.
+#include "worker/engine/shadowkv_options.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace penumbra {
+namespace {
+
+Status Apply(std::vector<std::string> flags, ShadowKvOptions* o) {
+  Args a;
+  AddShadowKvFlags(a);
+  flags.insert(flags.begin(), {"penumbra", "eval"});
+  std::vector<char*> argv;
+  for (std::string& f : flags) argv.push_back(f.data());
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(static_cast<int>(argv.size()), argv.data(), 2));
+  return ApplyShadowKvFlags(a, o);
+}
+
+Status Load(const std::string& yaml, ShadowKvOptions* o) {
+  PENUMBRA_ASSIGN_OR_RETURN(ConfigReader r, ConfigReader::FromString(yaml, "test.yaml"));
+  return LoadShadowKvOptions(r, o);
+}
+
+TEST(ShadowKvOptionsTest, FlagsSetTheirOptionsAndLeaveTheOthers) {
+  ShadowKvOptions o;
+  o.budget_tokens = 1024;
+  ASSERT_TRUE(Apply({"--chunk-size", "4", "--successor-chunks", "2", "--shard-selection", "local"}, &o).ok());
+  EXPECT_EQ(o.chunk_size, 4);
+  EXPECT_EQ(o.successor_chunks, 2);
+  EXPECT_EQ(o.shard_selection, "local");
+  EXPECT_EQ(o.budget_tokens, 1024);  // not given: unchanged
+  EXPECT_EQ(o.rank, ShadowKvOptions{}.rank);
+}
+
+TEST(ShadowKvOptionsTest, BadFlagsAreRefusedNamingTheFlag) {
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--shard-selection", "everywhere"}, {"--successor-chunks", "-1"}, {"--successor-chunks", "65"},
+           {"--continuation", "maybe"}, {"--micro-batches", "0"}}) {
+    ShadowKvOptions o;
+    const Status st = Apply({flag, value}, &o);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << flag << " " << value << ": " << st;
+    EXPECT_NE(st.message().find(flag), std::string::npos) << st;
+  }
+}
+
+TEST(ShadowKvOptionsTest, YamlKeysAreReadAndCheckedAgainstTheModel) {
+  ShadowKvOptions o;
+  ASSERT_TRUE(Load("successor_chunks: 1\nshard_selection: local\nchunk_size: 4\n", &o).ok());
+  EXPECT_EQ(o.successor_chunks, 1);
+  EXPECT_EQ(o.shard_selection, "local");
+  EXPECT_EQ(o.chunk_size, 4);
+  EXPECT_TRUE(ValidateShadowKvOptions(o, 8, 128).ok());
+  for (const std::string bad : {"shard_selection: sideways\n", "successor_chunks: 100\n", "no_such_key: 1\n"}) {
+    ShadowKvOptions b;
+    const Status st = Load(bad, &b);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find(bad.substr(0, bad.find(':'))), std::string::npos) << st;
+  }
+  ShadowKvOptions r;
+  r.rank = 2000;  // over hkv * d = 1024
+  EXPECT_EQ(ValidateShadowKvOptions(r, 8, 128).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace penumbra
