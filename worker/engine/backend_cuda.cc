@@ -496,7 +496,9 @@ class CudaBackend final : public Backend {
     return Status::OK();
   }
 
-  static constexpr int kMaxScoreParts = 64;
+  // A step's groups name one part each (ShadowKvPolicy's global selection),
+  // at most one per sequence of the batch; the bound only catches a bad part.
+  static constexpr int kMaxScoreParts = 1 << 16;
   DeviceBuffer lowrank_ws_;
   std::vector<DeviceBuffer> score_ws_;  // per workspace_part
   cusolverDnHandle_t solver_ = nullptr;
