@@ -110,8 +110,9 @@ struct ShardSpec {
   // max_new_tokens then count only the shard's own tokens.
   bool closed = false;
   // The shard's part of the whole sequence's prompt, in (0, 1]: a sparse
-  // policy with a budget in tokens gives the shard this share of it (a budget
-  // that is a fraction of the prompt is proportional already).
+  // policy whose shards select alone gives the shard this share of a budget
+  // in tokens (a budget that is a fraction of the prompt is proportional
+  // already); ShadowKV's global selection splits only its outliers by it.
   double share = 1.0;
   // The whole sequence's prompt tokens (0: unknown), and the group of ranks
   // holding its shards (null: none). A policy whose decode agrees across the
