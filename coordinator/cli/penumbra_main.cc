@@ -4,7 +4,6 @@
 //   penumbra serve | doc | ask | job | stats            (the service; coordinator/cli/service_cli.h)
 // Errors (bad flags, bad model files, bad prompts) print one line naming what
 // was wrong and exit with status 2 (usage) or 1 (everything else).
-#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>

@@ -130,32 +130,31 @@ void SelectionScores(const float* scores, int64_t score_stride, const int32_t* s
 void ShadowkvGlobalSelect(const ShadowkvGlobalSelectArgs& a) {
   const int64_t n = static_cast<int64_t>(a.parts) * a.cand_stride;
   ParallelFor(a.rows, [&](int64_t row) {
-    // The row's proposals of every part, in (part, index) order.
+    // The row's proposals of every part, in (part, index) order, and their
+    // top-k as TopK orders it (ties to the lower index: the lower part).
     std::vector<float> all(n);
     for (int p = 0; p < a.parts; ++p)
       for (int i = 0; i < a.cand_stride; ++i)
         all[static_cast<size_t>(p) * a.cand_stride + i] = a.candidates[p * a.part_stride + row * a.cand_stride + i];
-    // The top-k of the one row, as TopK orders it (ties to the lower index).
-    std::vector<uint32_t> key(n);
-    std::vector<int32_t> idx;
-    for (int64_t i = 0; i < n; ++i) {
-      key[i] = TopKKey(all[i], false, true);
-      if (key[i] != 0) idx.push_back(static_cast<int32_t>(i));
-    }
-    const int take = std::min<int>(a.k, static_cast<int>(idx.size()));
-    auto before = [&](int32_t x, int32_t y) { return key[x] != key[y] ? key[x] > key[y] : x < y; };
-    std::nth_element(idx.begin(), idx.begin() + take, idx.end(), before);
-    idx.resize(take);
-    std::sort(idx.begin(), idx.end());
     int32_t* win = a.winners + row * a.k;
-    for (int i = 0; i < a.k; ++i) win[i] = i < take ? idx[i] : -1;
+    TopKArgs t;
+    t.values = all.data();
+    t.stride = n;
+    t.rows = 1;
+    t.uniform_count = static_cast<int>(n);
+    t.k = a.k;
+    t.skip_worst_inf = true;
+    t.out = win;
+    t.out_stride = a.k;
+    TopK(t);
+    // This rank's winners (ascending, so its proposals' order) as chunk ids.
     int32_t* sel = a.selection + row * a.selection_stride;
     int m = 0;
     const int64_t lo = static_cast<int64_t>(a.rank) * a.cand_stride, hi = lo + a.cand_stride;
-    for (int i = 0; i < take; ++i) {
-      if (idx[i] < lo || idx[i] >= hi) continue;
+    for (int i = 0; i < a.k && win[i] >= 0; ++i) {
+      if (win[i] < lo || win[i] >= hi) continue;
       CHECK_LT(m, a.selection_len) << "ShadowkvGlobalSelect: more winners than selection_len";
-      sel[m++] = a.proposals[row * a.cand_stride + (idx[i] - lo)];
+      sel[m++] = a.proposals[row * a.cand_stride + (win[i] - lo)];
     }
     for (; m < a.selection_len; ++m) sel[m] = -1;
   });

@@ -931,15 +931,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Status DecodeAttentionGlobal(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
                                float* lse) {
     Backend& b = *ctx_.backend;
-    const int B = step_batch_, H = ctx_.hkv, hq = ctx_.hq, W = xgroup_->world();
-    const size_t stats = static_cast<size_t>(B) * hq * 2, cand = static_cast<size_t>(B) * H * xk_;
-    float* stats_send = x_buf_.as<float>();
-    float* stats_recv = stats_send + stats;
-    float* cand_send = stats_recv + stats * W;
-    float* cand_recv = cand_send + cand;
-    int32_t* proposals = reinterpret_cast<int32_t*>(cand_recv + cand * W);
-    int32_t* winners = proposals + cand;
-    int32_t* selection = winners + cand;
+    const int H = ctx_.hkv, hq = ctx_.hq, W = xgroup_->world();
     std::vector<const void*>& q = group_q_;
     q.assign(groups_.size(), nullptr);
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -947,46 +939,46 @@ class ShadowKvPolicy final : public KvPolicy {
       q[gi] = RopeStoreGroup(layer, g0, gn, qkv, positions, q_scratch);
       if (!step_[g0]->sparse) continue;
       kn::ShadowkvScoreArgs sc = ScoreArgsOf(layer, g0, gn, q[gi]);
-      sc.stats_out = stats_send + static_cast<size_t>(g0) * hq * 2;
+      sc.stats_out = x_.stats_send + static_cast<size_t>(g0) * hq * 2;
       sc.workspace_part = static_cast<int>(gi);
       PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
     }
-    PENUMBRA_RETURN_IF_ERROR(xgroup_->AllGather(stats_send, stats_recv, stats * sizeof(float)));
+    PENUMBRA_RETURN_IF_ERROR(xgroup_->AllGather(x_.stats_send, x_.stats_recv, x_.stats * sizeof(float)));
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
       const auto [g0, gn] = groups_[gi];
       if (!step_[g0]->sparse) continue;
       const size_t off = static_cast<size_t>(g0) * H * xk_;
       kn::ShadowkvScoreArgs sc = ScoreArgsOf(layer, g0, gn, q[gi]);
-      sc.stats_in = stats_recv + static_cast<size_t>(g0) * hq * 2;
+      sc.stats_in = x_.stats_recv + static_cast<size_t>(g0) * hq * 2;
       sc.stats_parts = W;
-      sc.stats_part_stride = static_cast<int64_t>(stats);
+      sc.stats_part_stride = static_cast<int64_t>(x_.stats);
       sc.workspace_part = static_cast<int>(gi);
-      sc.selection = proposals + off;
+      sc.selection = x_.proposals + off;
       sc.selection_stride = xk_;
-      sc.selection_scores = cand_send + off;
+      sc.selection_scores = x_.cand_send + off;
       PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
     }
     Lap("score_topk");
-    PENUMBRA_RETURN_IF_ERROR(xgroup_->AllGather(cand_send, cand_recv, cand * sizeof(float)));
+    PENUMBRA_RETURN_IF_ERROR(xgroup_->AllGather(x_.cand_send, x_.cand_recv, x_.cand * sizeof(float)));
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
       const auto [g0, gn] = groups_[gi];
       const Seq& s0 = *step_[g0];
       if (s0.sparse) {
         const size_t off = static_cast<size_t>(g0) * H * xk_;
         kn::ShadowkvGlobalSelectArgs gs;
-        gs.candidates = cand_recv + off;
+        gs.candidates = x_.cand_recv + off;
         gs.parts = W;
         gs.rank = xgroup_->rank();
-        gs.part_stride = static_cast<int64_t>(cand);
+        gs.part_stride = static_cast<int64_t>(x_.cand);
         gs.rows = gn * H;
         gs.cand_stride = xk_;
         gs.k = s0.global_k;
-        gs.proposals = proposals + off;
-        gs.winners = winners + off;
-        gs.selection = selection + off;
+        gs.proposals = x_.proposals + off;
+        gs.winners = x_.winners + off;
+        gs.selection = x_.selection + off;
         gs.selection_stride = xk_;
         gs.selection_len = s0.kslots;
-        b.ShadowkvGlobalSelectAndSlotUpdate(gs, SlotUpdateOf(layer, g0, gn, selection + off, xk_));
+        b.ShadowkvGlobalSelectAndSlotUpdate(gs, SlotUpdateOf(layer, g0, gn, x_.selection + off, xk_));
         Lap("global_select_slot_update");
         PENUMBRA_RETURN_IF_ERROR(FetchMisses(layer, g0, gn, /*mark=*/-1));
       }
@@ -1017,12 +1009,21 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
       PENUMBRA_ASSIGN_OR_RETURN(x_buf_, ctx_.backend->Allocate(bytes * 2));
     }
+    x_.stats = stats;
+    x_.cand = cand;
+    x_.stats_send = x_buf_.as<float>();
+    x_.stats_recv = x_.stats_send + stats;
+    x_.cand_send = x_.stats_recv + stats * W;
+    x_.cand_recv = x_.cand_send + cand;
+    x_.proposals = reinterpret_cast<int32_t*>(x_.cand_recv + cand * W);
+    x_.winners = x_.proposals + cand;
+    x_.selection = x_.winners + cand;
     constexpr float kNone = -std::numeric_limits<float>::infinity();
     std::vector<float> init(stats);
     for (size_t i = 0; i < stats; i += 2) init[i] = kNone, init[i + 1] = 0.0f;
-    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(x_buf_.get(), init.data(), stats * sizeof(float)));
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(x_.stats_send, init.data(), stats * sizeof(float)));
     init.assign(cand, kNone);
-    return ctx_.backend->CopyToDevice(x_buf_.as<float>() + stats * (1 + W), init.data(), cand * sizeof(float));
+    return ctx_.backend->CopyToDevice(x_.cand_send, init.data(), cand * sizeof(float));
   }
 
   // The step's pointer table of `layer` and the per-sequence ints after the
@@ -1873,6 +1874,15 @@ class ShadowKvPolicy final : public KvPolicy {
   Collective* xgroup_ = nullptr;
   DeviceBuffer x_buf_;
   int xk_ = 0;
+  // x_buf_ carved for the step: per sequence, query heads' (max, sum) sent
+  // and received (stats floats per rank), KV heads' proposal scores sent and
+  // received (cand per rank), the proposals' chunk ids, the global top-k's
+  // winners and this rank's selection (cand each).
+  struct Exchange {
+    size_t stats = 0, cand = 0;
+    float *stats_send = nullptr, *stats_recv = nullptr, *cand_send = nullptr, *cand_recv = nullptr;
+    int32_t *proposals = nullptr, *winners = nullptr, *selection = nullptr;
+  } x_;
   std::vector<const void*> group_q_;
   bool step_offsets_ = false;  // a sequence of this step is a shard after position 0  // DecodeAttention's, with micro-batches
   int step_batch_ = 0, step_max_k_ = 0, step_max_chunks_ = 0;
