@@ -56,15 +56,17 @@ template <> struct Raw8<float> {
 // ============================================================================
 // 1. Scores
 // ============================================================================
-// Row c of head h's landmarks of sequence b: below a.shared_chunks from the
-// attached prefix's (shared by its sequences), else from the sequence's own.
+// Landmark row v of head h of sequence b (chunk v / landmarks_per_chunk):
+// below the attached prefix's chunks from its landmarks (shared by its
+// sequences), else from the sequence's own.
 template <typename T>
 struct LandmarkRows {
   const T* shared;
   const T* own;
   int split, d;
-  __device__ LandmarkRows(const ShadowkvScoreArgs& a, int b, int h) : split(a.shared_chunks), d(a.d) {
-    const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
+  __device__ LandmarkRows(const ShadowkvScoreArgs& a, int b, int h)
+      : split(a.shared_chunks * a.landmarks_per_chunk), d(a.d) {
+    const int64_t cap = (a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap) * int64_t{a.landmarks_per_chunk};
     own = static_cast<const T*>(a.landmarks[b]) + h * cap * a.d;
     shared = split > 0 ? static_cast<const T*>(a.shared_landmarks[b]) + static_cast<int64_t>(h) * split * a.d : own;
   }
@@ -101,21 +103,32 @@ constexpr int kScoreFinalPerThread = 4;
 
 size_t AlignUp(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
+// Phase 1 scores landmark rows: landmarks_per_chunk (S) per chunk, row v of
+// chunk v >> shift; phase 2 scores chunks, each by its best row.
 struct ScoreWorkspace {
-  float* logits;   // [batch * hq][max_chunks]
+  float* logits;   // [batch * hq][rows]
   float2* splits;  // [batch * hq][n_split] (max, sum exp) per split
   float2* merged;  // [batch * hq] (max, sum exp)
-  int split;       // chunks per phase-1 block: kScoreMmaSplit or kScoreSplit
+  int split;       // landmark rows per phase-1 block: kScoreMmaSplit or kScoreSplit
+  int rows;        // logits per head: max_chunks * S
+  int shift;       // log2(S)
 };
-int ScoreSplits(int max_chunks, int split) { return std::max(1, (max_chunks + split - 1) / split); }
-ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks, int split) {
+int ScoreSplits(int max_rows, int split) { return std::max(1, (max_rows + split - 1) / split); }
+int Log2(int s) {
+  int l = 0;
+  while ((1 << l) < s) ++l;
+  return l;
+}
+ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks, int per_chunk, int split) {
   char* p = static_cast<char*>(base);
   ScoreWorkspace w{};
   w.split = split;
+  w.rows = max_chunks * per_chunk;
+  w.shift = Log2(per_chunk);
   w.logits = reinterpret_cast<float*>(p);
-  p += AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks, 1));
+  p += AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(w.rows, 1));
   w.splits = reinterpret_cast<float2*>(p);
-  p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(max_chunks, kScoreMinSplit));
+  p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(w.rows, kScoreMinSplit));
   w.merged = reinterpret_cast<float2*>(p);
   return w;
 }
@@ -128,7 +141,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     ScoreLogitsKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int tpr, int n_split) {
   __shared__ float s_logit[G][kScoreSplit];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int n = a.n_chunks[b];
+  const int n = a.n_chunks[b] << ws.shift;  // landmark rows
   const int c0 = split * ws.split;
   if (c0 >= n) return;  // the merge reads only splits below n
   const int c1 = min(n, c0 + ws.split);
@@ -166,7 +179,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       const int c = base + u * rows_per_pass + row_in_pass;
       if (active && c < c1) raw[u].Load(land.Row(c) + lane_row * 8);
       else raw[u].Zero();
-      ex[u] = lane_row == 0 && c < c1 && excl && excl[c];
+      ex[u] = lane_row == 0 && c < c1 && excl && excl[c >> ws.shift];
     }
 #pragma unroll
     for (int u = 0; u < kScoreUnroll; ++u) {
@@ -195,7 +208,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int len = c1 - c0;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    float* dst = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + g) * a.max_chunks + c0;
+    float* dst = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + g) * ws.rows + c0;
     for (int i = tid; i < len; i += kScoreThreads) dst[i] = s_logit[g][i];
   }
   const int warp = tid >> 5, lane = tid & 31;
@@ -251,7 +264,7 @@ __global__ void ScoreMergeKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_s
   const int lane = threadIdx.x & 31;
   if (idx >= a.batch * a.hq) return;
   const int b = idx / a.hq;
-  const int ns = (a.n_chunks[b] + ws.split - 1) / ws.split;
+  const int ns = ((a.n_chunks[b] << ws.shift) + ws.split - 1) / ws.split;
   const float2 ms = a.stats_in != nullptr ? CombineParts(a, idx, lane)
                                           : MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
   if (lane != 0) return;
@@ -277,18 +290,26 @@ __device__ __forceinline__ float GroupScore(int group, const float (&m)[8], cons
 }
 
 // A chunk's score from the group's logits (the fused selection's keys, and
-// the unfused path with successors).
+// the unfused path with successors or several landmarks per chunk): the best
+// of its landmark rows c * per_chunk ...
 struct GroupScoreSource {
   const float* logits;  // the group's first head; head g at + g * stride
   int64_t stride;
   const uint8_t* excl;  // null: none excluded
   int group;
+  int per_chunk;
   float m[8], s[8];
   __device__ __forceinline__ float operator()(int c) const {
-    float lg[8];
+    const bool skip = excl && excl[c];
+    float best = NegInf();
+    for (int j = 0; j < per_chunk; ++j) {
+      const int64_t v = static_cast<int64_t>(c) * per_chunk + j;
+      float lg[8];
 #pragma unroll
-    for (int g = 0; g < 8; ++g) lg[g] = g < group ? logits[g * stride + c] : 0.0f;
-    return GroupScore(group, m, s, excl && excl[c], lg);
+      for (int g = 0; g < 8; ++g) lg[g] = g < group ? logits[g * stride + v] : 0.0f;
+      best = fmaxf(best, GroupScore(group, m, s, skip, lg));
+    }
+    return best;
   }
 };
 
@@ -324,10 +345,10 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
     }
   }
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
-  const float* logits = ws.logits + (static_cast<int64_t>(b) * a.hq + h * group) * a.max_chunks;
+  const float* logits = ws.logits + (static_cast<int64_t>(b) * a.hq + h * group) * ws.rows;
   float* out = a.scores + (static_cast<int64_t>(b) * a.hkv + h) * a.score_stride;
-  if (a.successors > 0) {  // each chunk's score from its own and its predecessors' logits
-    GroupScoreSource src{logits, a.max_chunks, excl, group, {}, {}};
+  if (a.successors > 0 || ws.shift > 0) {  // each chunk's score from several logits
+    GroupScoreSource src{logits, ws.rows, excl, group, 1 << ws.shift, {}, {}};
 #pragma unroll
     for (int g = 0; g < 8; ++g) src.m[g] = m[g], src.s[g] = s[g];
     const SuccessorScoreSource<GroupScoreSource> smoothed{src, a.successors};
@@ -347,7 +368,7 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
     const int c = (blockIdx.x * kScoreFinalPerThread + j) * kScoreThreads + threadIdx.x;
     skip[j] = c >= n || (excl && excl[c]);
 #pragma unroll
-    for (int g = 0; g < 8; ++g) lg[j][g] = g < group && c < n ? logits[static_cast<int64_t>(g) * a.max_chunks + c] : 0.0f;
+    for (int g = 0; g < 8; ++g) lg[j][g] = g < group && c < n ? logits[static_cast<int64_t>(g) * ws.rows + c] : 0.0f;
   }
 #pragma unroll
   for (int j = 0; j < kScoreFinalPerThread; ++j) {
@@ -400,17 +421,18 @@ __global__ void __launch_bounds__(topk_block::kThreads)
   const int n = min(a.n_chunks[b], a.max_chunks);
   if (warp < group) {
     const int idx = b * a.hq + h * group + warp;
-    const int ns = (n + ws.split - 1) / ws.split;
+    const int ns = ((n << ws.shift) + ws.split - 1) / ws.split;
     const float2 ms = a.stats_in != nullptr ? CombineParts(a, idx, lane)
                                             : MergeSplits(ws.splits + static_cast<int64_t>(idx) * n_split, ns, lane);
     if (lane == 0) s_ms[warp] = ms;
   }
   __syncthreads();
   GroupScoreSource src;
-  src.logits = ws.logits + (static_cast<int64_t>(b) * a.hq + h * group) * a.max_chunks;
-  src.stride = a.max_chunks;
+  src.logits = ws.logits + (static_cast<int64_t>(b) * a.hq + h * group) * ws.rows;
+  src.stride = ws.rows;
   src.excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
   src.group = group;
+  src.per_chunk = 1 << ws.shift;
 #pragma unroll
   for (int g = 0; g < 8; ++g) {
     src.m[g] = g < group ? s_ms[g].x : 0.0f;
@@ -454,7 +476,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
   constexpr int kJ = D / 32;  // 16-byte loads per landmark row and lane
   __shared__ float s_m[kScoreMmaWarps][8], s_s[kScoreMmaWarps][8];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int n = a.n_chunks[b];
+  const int n = a.n_chunks[b] << ws.shift;  // landmark rows
   const int c0 = split * ws.split;
   if (c0 >= n) return;  // the merge reads only splits below n
   const int c1 = min(n, c0 + ws.split);
@@ -466,7 +488,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
                    r < G, c, qa);
   const LandmarkRows<bf16> land(a, b, h);
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
-  float* logit_row = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * a.max_chunks;
+  float* logit_row = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * ws.rows;
   float m_run = NegInf(), s_run = 0.0f;  // head r; s is this lane's partial sum
 
 #pragma unroll 1
@@ -486,7 +508,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int chunk = base + 8 * nt + 2 * c + e;
-          if (chunk < c1 && excl[chunk]) ex |= 1u << (2 * nt + e);
+          if (chunk < c1 && excl[chunk >> ws.shift]) ex |= 1u << (2 * nt + e);
         }
     }
     float x[4][2];
@@ -1070,9 +1092,10 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
 
 // ---- launchers ----------------------------------------------------------------
 
-size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks) {
-  return AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks, 1)) +
-         AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(max_chunks, kScoreMinSplit)) +
+size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk) {
+  const int rows = max_chunks * landmarks_per_chunk;
+  return AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(rows, 1)) +
+         AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(rows, kScoreMinSplit)) +
          AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq);
 }
 
@@ -1118,7 +1141,10 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   CHECK(a.d % 8 == 0 && a.d <= 256) << "ShadowkvScore: d " << a.d;
   CHECK_GE(a.score_stride, a.max_chunks);
   CHECK_LE(a.max_chunks, a.chunk_cap);
-  CHECK_GE(a.workspace_bytes, ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks));
+  const int per_chunk = a.landmarks_per_chunk;
+  CHECK(per_chunk >= 1 && per_chunk <= 16 && (per_chunk & (per_chunk - 1)) == 0)
+      << "ShadowkvScore: landmarks_per_chunk " << per_chunk << " (a power of two up to 16)";
+  CHECK_GE(a.workspace_bytes, ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks, per_chunk));
   if (with_selection) {
     CHECK(a.select_k <= kTopKMaxK && a.selection != nullptr && a.selection_stride >= a.select_k)
         << "ShadowkvScore: selection k " << a.select_k << " stride " << a.selection_stride;
@@ -1129,8 +1155,8 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const bool mma_ok = a.dtype == DType::kBF16 && a.q_dtype == DType::kBF16 && (a.d == 128 || a.d == 64) &&
                       (group == 1 || group == 2 || group == 4 || group == 8);
   const int split = mma_ok ? kScoreMmaSplit : kScoreSplit;
-  const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, split);
-  const int n_split = ScoreSplits(a.max_chunks, split);
+  const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, per_chunk, split);
+  const int n_split = ScoreSplits(ws.rows, split);
   // The second call (stats_in) reuses the logits the first left in the
   // workspace: same arguments, so the same split and layout.
   if (a.stats_in == nullptr) {

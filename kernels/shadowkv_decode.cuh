@@ -87,6 +87,16 @@ struct ShadowkvScoreArgs {
   // copies continues past its first chunk's end. Applies to scores, the
   // selection and selection_scores alike.
   int successors = 0;
+  // > 1 (a power of two, <= 16): each chunk has this many landmarks, chunk c's
+  // at landmark rows c * landmarks_per_chunk + j (chunk_cap, landmark_cap and
+  // shared_chunks still count chunks: the arrays hold that many times as many
+  // rows), the means of the chunk's consecutive runs of keys
+  // (ChunkLandmarksArgs::landmarks_per_chunk). Each row is scored as a chunk
+  // is (the softmax runs over every row of the selectable chunks), and a
+  // chunk's score is its best row's: a chunk holding one key that matches the
+  // query scores as that key's run does, not as the mean of the whole chunk.
+  // Selection and fetch stay per chunk.
+  int landmarks_per_chunk = 1;
   float* scores = nullptr;  // [batch, hkv, score_stride] f32
   int64_t score_stride = 0;  // >= max_chunks
   void* workspace = nullptr;  // ShadowkvScoreWorkspaceBytes() bytes
@@ -128,7 +138,7 @@ struct ShadowkvScoreArgs {
   // call while other groups score, name different parts). CPU: ignored.
   int workspace_part = 0;
 };
-size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks);
+size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk = 1);
 // The selection of `a` as a top-k over a.scores (the unfused path, and the
 // CPU backend's selection).
 inline TopKArgs ShadowkvSelectionTopK(const ShadowkvScoreArgs& a) {

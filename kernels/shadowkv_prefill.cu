@@ -42,15 +42,36 @@ __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
     }
   }
   float mm = 0.0f;
+  const int S = a.landmarks_per_chunk;
   L* out = static_cast<L*>(a.landmarks) + p * a.landmark_batch_stride + h * a.landmark_head_stride +
-           static_cast<int64_t>(c) * d;
+           static_cast<int64_t>(c) * S * d;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int j = lane + 32 * i;
     if (j < d) {
       mean[i] = mean[i] / static_cast<float>(C);
       mm += mean[i] * mean[i];
-      out[j] = FromF32<L>(mean[i]);
+      if (S <= 1) out[j] = FromF32<L>(mean[i]);
+    }
+  }
+  if (S > 1) {  // the means of the chunk's S runs of C / S keys (second pass: L1/L2)
+    const int run = C / S;
+    for (int s = 0; s < S; ++s) {
+      float part[kPerLane];
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) part[i] = 0.0f;
+      for (int t = s * run; t < (s + 1) * run; ++t) {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          const int j = lane + 32 * i;
+          if (j < d) part[i] += ToF32<T>(keys[static_cast<int64_t>(t) * d + j]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int j = lane + 32 * i;
+        if (j < d) out[static_cast<int64_t>(s) * d + j] = FromF32<L>(part[i] / static_cast<float>(run));
+      }
     }
   }
   mm = WarpSum(mm);
@@ -177,6 +198,8 @@ void LaunchChunkLandmarks(const ChunkLandmarksArgs& a, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(a.hkv) * a.n_chunks * a.batch;
   if (warps <= 0) return;
   CHECK(a.d >= 1 && a.d <= kMaxHeadDim) << "ChunkLandmarks: head_dim " << a.d << " > " << kMaxHeadDim;
+  CHECK(a.landmarks_per_chunk >= 1 && a.chunk_tokens % a.landmarks_per_chunk == 0)
+      << "ChunkLandmarks: " << a.landmarks_per_chunk << " landmarks per chunk of " << a.chunk_tokens;
   const int threads = 256;
   const int blocks = static_cast<int>((warps + threads / 32 - 1) / (threads / 32));
   const bool kb = a.kv_dtype == DType::kBF16, lb = a.landmark_dtype == DType::kBF16;

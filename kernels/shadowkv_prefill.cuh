@@ -6,7 +6,9 @@
 //    cos(L, key) in f32 (the mean used is the f32 one, before rounding).
 //    Cosine: 1 when both vectors are zero, 0 when exactly one is.
 //    One warp per (head, chunk), 8 warps per block; reads K once (the second
-//    pass over the chunk hits L1/L2), writes hkv*n_chunks*(d+1) values.
+//    pass over the chunk hits L1/L2), writes hkv*n_chunks*(d+1) values. With
+//    landmarks_per_chunk = S > 1 the landmarks are the means of the chunk's
+//    S runs of C/S keys instead (hkv*n_chunks*(S*d+1) values).
 // 2. LaunchSelectOutlierChunks: per KV head, the O chunks with the lowest
 //    min_cos (NaN counts as lowest, -0 == +0, ties to the lower chunk index),
 //    written in ascending chunk order. One 1024-thread block per head: a 4-pass
@@ -44,6 +46,12 @@ struct ChunkLandmarksArgs {
   // i*landmark_batch_stride and min_cos + i*min_cos_batch_stride (elements).
   int batch = 1;
   int64_t k_batch_stride = 0, landmark_batch_stride = 0, min_cos_batch_stride = 0;
+  // > 1 (a power of two dividing chunk_tokens): each chunk has this many
+  // landmarks, the means of its consecutive runs of chunk_tokens /
+  // landmarks_per_chunk keys, at rows c * landmarks_per_chunk + j (so
+  // landmark_head_stride covers that many rows per chunk). min_cos is still
+  // over the chunk's own mean (the outlier criterion does not change).
+  int landmarks_per_chunk = 1;
 };
 void LaunchChunkLandmarks(const ChunkLandmarksArgs& args, cudaStream_t stream);
 

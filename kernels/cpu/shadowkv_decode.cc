@@ -54,34 +54,36 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
   ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t row) {
     const int b = static_cast<int>(row / a.hkv), h = static_cast<int>(row % a.hkv);
     const int n = a.n_chunks[b];
-    const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
+    // Landmark rows: S per chunk (chunk c's at rows c * S ..), scored as rows;
+    // a chunk's score is its best row's.
+    const int S = std::max(1, a.landmarks_per_chunk);
+    const int rows = n * S, split = a.shared_chunks * S;
+    const int64_t cap = (a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap) * int64_t{S};
     const float* own = a.landmarks[b] + h * cap * a.d;
-    const float* shared =
-        a.shared_chunks > 0 ? a.shared_landmarks[b] + static_cast<int64_t>(h) * a.shared_chunks * a.d : own;
+    const float* shared = split > 0 ? a.shared_landmarks[b] + static_cast<int64_t>(h) * split * a.d : own;
     const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
     float* out = a.scores + row * a.score_stride;
     if (a.stats_out == nullptr)
       for (int c = 0; c < a.max_chunks; ++c) out[c] = kNegInf;
-    std::vector<float> logit(std::max(n, 0));
+    std::vector<float> logit(std::max(rows, 0));
     for (int g = 0; g < group; ++g) {
       const float* q = a.q + (static_cast<int64_t>(b) * a.hq + h * group + g) * a.d;
       float mx = kNegInf;
-      for (int c = 0; c < n; ++c) {
-        if (excl && excl[c]) {
-          logit[c] = kNegInf;
+      for (int v = 0; v < rows; ++v) {
+        if (excl && excl[v / S]) {
+          logit[v] = kNegInf;
           continue;
         }
         float dot = 0.0f;
-        const float* l = c < a.shared_chunks ? shared + static_cast<int64_t>(c) * a.d
-                                             : own + static_cast<int64_t>(c - a.shared_chunks) * a.d;
+        const float* l = v < split ? shared + static_cast<int64_t>(v) * a.d : own + static_cast<int64_t>(v - split) * a.d;
         for (int j = 0; j < a.d; ++j) dot += q[j] * l[j];
-        logit[c] = dot * a.scale;
-        mx = std::max(mx, logit[c]);
+        logit[v] = dot * a.scale;
+        mx = std::max(mx, logit[v]);
       }
       double sum = 0.0;
       if (mx != kNegInf)
-        for (int c = 0; c < n; ++c)
-          if (logit[c] != kNegInf) sum += std::exp(logit[c] - mx);
+        for (int v = 0; v < rows; ++v)
+          if (logit[v] != kNegInf) sum += std::exp(logit[v] - mx);
       const int64_t head = static_cast<int64_t>(b) * a.hq + h * group + g;
       if (a.stats_out != nullptr) {  // the first of two calls: statistics only
         a.stats_out[head * 2] = mx;
@@ -103,8 +105,8 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
       }
       if (mx == kNegInf) continue;  // nothing selectable
       const float fsum = static_cast<float>(sum);
-      for (int c = 0; c < n; ++c)
-        if (logit[c] != kNegInf) out[c] = std::max(out[c], std::exp(logit[c] - mx) / fsum);
+      for (int v = 0; v < rows; ++v)
+        if (logit[v] != kNegInf) out[v / S] = std::max(out[v / S], std::exp(logit[v] - mx) / fsum);
     }
     if (a.successors > 0 && a.stats_out == nullptr) {
       // Each selectable chunk as high as its best of `successors` predecessors.

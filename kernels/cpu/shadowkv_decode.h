@@ -43,6 +43,7 @@ struct ShadowkvScoreArgs {
   int shared_chunks = 0, landmark_cap = 0;
   float scale = 1.0f;
   int successors = 0;  // see the CUDA header
+  int landmarks_per_chunk = 1;  // see the CUDA header
   float* scores = nullptr;  // [batch, hkv, score_stride]
   int64_t score_stride = 0;
   // Context parallel (see the CUDA header): stats_out: write each head's

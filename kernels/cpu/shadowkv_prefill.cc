@@ -41,7 +41,20 @@ void ChunkLandmarks(const ChunkLandmarksArgs& a) {
       const float cs = ChunkCosine(dot, mm, kk);
       lo = std::isnan(cs) || std::isnan(lo) ? NAN : std::min(lo, cs);
     }
-    std::copy(mean.begin(), mean.end(), a.landmarks + h * a.landmark_head_stride + static_cast<int64_t>(c) * d);
+    const int S = a.landmarks_per_chunk;
+    float* out = a.landmarks + h * a.landmark_head_stride + static_cast<int64_t>(c) * S * d;
+    if (S <= 1) {
+      std::copy(mean.begin(), mean.end(), out);
+    } else {  // the means of the chunk's S runs of C / S keys
+      const int run = C / S;
+      for (int j = 0; j < S; ++j) {
+        float* o = out + static_cast<int64_t>(j) * d;
+        std::fill(o, o + d, 0.0f);
+        for (int t = j * run; t < (j + 1) * run; ++t)
+          for (int i = 0; i < d; ++i) o[i] += keys[static_cast<int64_t>(t) * d + i];
+        for (int i = 0; i < d; ++i) o[i] /= static_cast<float>(run);
+      }
+    }
     a.min_cos[h * a.min_cos_head_stride + c] = lo;
   });
 }

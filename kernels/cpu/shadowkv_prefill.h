@@ -16,6 +16,7 @@ struct ChunkLandmarksArgs {
   int64_t landmark_head_stride = 0;
   float* min_cos = nullptr;      // chunk c of head h at min_cos[h*min_cos_head_stride + c]
   int64_t min_cos_head_stride = 0;
+  int landmarks_per_chunk = 1;   // see the CUDA header
 };
 void ChunkLandmarks(const ChunkLandmarksArgs& a);
 

@@ -33,6 +33,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   check     the independent ShadowKV reference check (ops/device/shadowkv_check.sh, PyTorch)
   full      full-attention decode at 61440 and 124928 and prefill at 124928, beside the peer (--graph decode, prefill)
   shadowkv  ShadowKV decode at 124928 x 14, two lanes, 100 steps, forced 60% and natural, the peer (--graph) first and last
+  variants  ShadowKV decode at 124928 x 14 (natural, forced 60%) for each flag set of VARIANTS ('|'-separated;
+            default: --landmarks-per-chunk 1|2|4), VARIANT_ROUNDS rounds (2) in turn, the peer first and last;
+            the lines, with their "variant", also in $OUT/variants.jsonl
   sweep     ShadowKV context/batch sweep: 61440, 124928, 249856 with --batch-sweep and --hit-rates natural,0.6
   1m        ShadowKV at 1048576 tokens, batch 1, natural and forced 60%
   trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain)
@@ -144,6 +147,31 @@ suite_shadowkv() {
   peer_decode 124928
   run 300 $R $SKV --context 124928 --steps 100 --hit-rates 0.6,natural
   run 200 $R $SKV --context 124928 --steps 100 --hit-rates 0.6
+  peer_decode 124928
+}
+
+# Decode throughput of option variants at 124928 x 14 (natural and forced 60%),
+# in alternating rounds, the peer first and last: VARIANTS is a list of
+# penumbra-bench flag sets separated by '|' (default: landmarks per chunk 1, 2
+# and 4), VARIANT_ROUNDS how often the list runs (2), VARIANT_STEPS the timed
+# steps (50). Each line records its flags in "variant".
+suite_variants() {
+  local IFS_OLD=$IFS v r
+  local list=${VARIANTS:-"--landmarks-per-chunk 1|--landmarks-per-chunk 2|--landmarks-per-chunk 4"}
+  peer_decode 124928
+  for ((r = 0; r < ${VARIANT_ROUNDS:-2}; ++r)); do
+    IFS='|'
+    for v in $list; do
+      IFS=$IFS_OLD
+      run 300 $R $SKV --context 124928 --steps "${VARIANT_STEPS:-50}" --hit-rates natural,0.6 $v |
+        VARIANT="$v" ROUND=$r python3 -c '
+import json, os, sys
+for line in sys.stdin:
+    j = json.loads(line); j["variant"] = os.environ["VARIANT"]; j["round"] = int(os.environ["ROUND"]); print(json.dumps(j))
+' >> "$OUT/variants.jsonl"
+    done
+    IFS=$IFS_OLD
+  done
   peer_decode 124928
 }
 
@@ -433,7 +461,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|service|jobs|eval) ;;
+    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|service|jobs|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

@@ -283,13 +283,14 @@ struct ScoreCase {
   DType dtype, q_dtype;
   bool with_excluded;
   int successors = 0;  // ShadowkvScoreArgs::successors
+  int per_chunk = 1;   // ShadowkvScoreArgs::landmarks_per_chunk
 };
 
 void RunScore(const ScoreCase& c) {
   SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " group " << c.group << " d "
                                     << c.d << " n " << c.n << " dtype " << DTypeName(c.dtype) << " q "
                                     << DTypeName(c.q_dtype) << " excluded " << c.with_excluded << " successors "
-                                    << c.successors);
+                                    << c.successors << " landmarks per chunk " << c.per_chunk);
   Rng rng(77 + c.n + c.d + c.group);
   const int hq = c.hkv * c.group, cap = c.n + 3, max_chunks = c.n;
   const int64_t stride = max_chunks + 2;
@@ -300,7 +301,7 @@ void RunScore(const ScoreCase& c) {
   std::vector<std::vector<uint8_t>> excl(c.batch);
   std::vector<int32_t> n_chunks(c.batch);
   for (int b = 0; b < c.batch; ++b) {
-    land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.d, c.dtype, rng, 2.0f));
+    land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.per_chunk * c.d, c.dtype, rng, 2.0f));
     excl[b].assign(static_cast<size_t>(c.hkv) * cap, 0);
     if (c.with_excluded)
       for (auto& e : excl[b]) e = rng.Int(7) == 0;
@@ -327,6 +328,7 @@ void RunScore(const ScoreCase& c) {
   ca.max_chunks = max_chunks;
   ca.scale = scale;
   ca.successors = c.successors;
+  ca.landmarks_per_chunk = c.per_chunk;
   ca.scores = want.data();
   ca.score_stride = stride;
   cpu::ShadowkvScore(ca);
@@ -345,7 +347,7 @@ void RunScore(const ScoreCase& c) {
   auto dq = ToDevice(q.raw);
   auto dn = ToDevice(n_chunks);
   auto dscores = ToDevice(std::vector<float>(want.size(), kNaN));
-  DeviceBuffer ws(ShadowkvScoreWorkspaceBytes(c.batch, hq, max_chunks));
+  DeviceBuffer ws(ShadowkvScoreWorkspaceBytes(c.batch, hq, max_chunks, c.per_chunk));
   ShadowkvScoreArgs ga;
   ga.q = dq->get();
   ga.q_dtype = c.q_dtype;
@@ -361,6 +363,7 @@ void RunScore(const ScoreCase& c) {
   ga.max_chunks = max_chunks;
   ga.scale = scale;
   ga.successors = c.successors;
+  ga.landmarks_per_chunk = c.per_chunk;
   ga.scores = dscores->get<float>();
   ga.score_stride = stride;
   ga.workspace = ws.get();
@@ -465,6 +468,14 @@ TEST(ShadowkvScoreGpu, MatchesCpu) {
   RunScore({3, 2, 4, 128, 5000, DType::kBF16, DType::kBF16, true, 2});
   RunScore({2, 3, 4, 128, 129, DType::kF32, DType::kF32, true, 1});
   RunScore({1, 2, 4, 128, 40000, DType::kBF16, DType::kBF16, true, 3});
+  // Several landmarks per chunk: tensor-core and SIMT logits, fused and
+  // unfused selection, with successors too.
+  RunScore({3, 2, 4, 128, 5000, DType::kBF16, DType::kBF16, true, 0, 2});
+  RunScore({3, 2, 4, 64, 129, DType::kBF16, DType::kBF16, true, 0, 4});
+  RunScore({2, 3, 4, 128, 129, DType::kF32, DType::kF32, true, 0, 2});
+  RunScore({2, 1, 5, 136, 700, DType::kBF16, DType::kF32, true, 0, 8});
+  RunScore({1, 2, 4, 128, 40000, DType::kBF16, DType::kBF16, true, 0, 2});
+  RunScore({2, 2, 4, 128, 3000, DType::kBF16, DType::kBF16, true, 1, 2});
 }
 
 // ============================================================================
@@ -475,6 +486,7 @@ TEST(ShadowkvScoreGpu, MatchesCpu) {
 struct ScorePartsCase {
   int parts, batch, hkv, group, d, n;  // n: max_chunks of every part
   DType dtype;                         // landmarks and q
+  int per_chunk = 1;                   // landmarks per chunk
 };
 
 // One shard (part) of the sequences: its landmarks, exclusions and chunk
@@ -492,7 +504,8 @@ struct ScorePart {
 
 void RunScoreParts(const ScorePartsCase& c) {
   SCOPED_TRACE(::testing::Message() << "parts " << c.parts << " batch " << c.batch << " hkv " << c.hkv << " group "
-                                    << c.group << " d " << c.d << " n " << c.n << " dtype " << DTypeName(c.dtype));
+                                    << c.group << " d " << c.d << " n " << c.n << " dtype " << DTypeName(c.dtype)
+                                    << " landmarks per chunk " << c.per_chunk);
   Rng rng(501 + c.parts + c.n + c.d + c.group);
   const int hq = c.hkv * c.group, cap = c.n + 3, rows = c.batch * c.hkv;
   const int64_t stride = c.n + 2;
@@ -510,7 +523,7 @@ void RunScoreParts(const ScorePartsCase& c) {
     std::vector<const void*> dl;
     std::vector<const uint8_t*> de;
     for (int b = 0; b < c.batch; ++b) {
-      s.land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.d, c.dtype, rng, 2.0f));
+      s.land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.per_chunk * c.d, c.dtype, rng, 2.0f));
       s.excl.emplace_back(static_cast<size_t>(c.hkv) * cap, 0);
       for (auto& e : s.excl[b]) e = rng.Int(7) == 0;
       // Sequence 1 has no chunks in part 1 (its statistics (-inf, 0) are left
@@ -528,7 +541,7 @@ void RunScoreParts(const ScorePartsCase& c) {
     s.dland = ToDevice(dl);
     s.dexcl = ToDevice(de);
     s.dn = ToDevice(s.n_chunks);
-    s.ws = std::make_unique<DeviceBuffer>(ShadowkvScoreWorkspaceBytes(c.batch, hq, c.n));
+    s.ws = std::make_unique<DeviceBuffer>(ShadowkvScoreWorkspaceBytes(c.batch, hq, c.n, c.per_chunk));
   }
   const auto gpu_args = [&](int p) {
     ShadowkvScoreArgs a;
@@ -544,6 +557,7 @@ void RunScoreParts(const ScorePartsCase& c) {
     a.d = c.d;
     a.chunk_cap = cap;
     a.max_chunks = c.n;
+    a.landmarks_per_chunk = c.per_chunk;
     a.scale = scale;
     a.score_stride = stride;
     a.workspace = part[p].ws->get();
@@ -562,6 +576,7 @@ void RunScoreParts(const ScorePartsCase& c) {
     a.d = c.d;
     a.chunk_cap = cap;
     a.max_chunks = c.n;
+    a.landmarks_per_chunk = c.per_chunk;
     a.scale = scale;
     a.score_stride = stride;
     return a;
@@ -705,6 +720,8 @@ TEST(ShadowkvScoreGpu, TwoCallsMatchCpu) {
   RunScoreParts({2, 1, 8, 4, 128, 40000, DType::kBF16});
   RunScoreParts({3, 3, 2, 4, 128, 3000, DType::kF32});
   RunScoreParts({3, 1, 2, 4, 128, 40000, DType::kF32});
+  RunScoreParts({3, 3, 8, 4, 128, 3000, DType::kBF16, 2});
+  RunScoreParts({2, 1, 2, 4, 128, 20000, DType::kF32, 4});
 }
 
 // ============================================================================

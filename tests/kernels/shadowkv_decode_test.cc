@@ -236,6 +236,80 @@ TEST(ShadowkvScoreCpu, SuccessorsTakeTheBestOfThePredecessors) {
   }
 }
 
+// landmarks_per_chunk S: the landmark rows are scored as chunks are (one
+// softmax over every row of the selectable chunks) and a chunk scores as its
+// best row. So S rows per chunk over n chunks give, per chunk, the maximum of
+// the scores of S = 1 over n * S "chunks" (the rows, each excluded with its
+// chunk), bit for bit; the same holds with an attached prefix's landmarks
+// (shared_chunks) and for the statistics of context parallel's first call.
+TEST(ShadowkvScoreCpu, SeveralLandmarksPerChunkScoreAChunkAsItsBestRow) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int hkv = 2, group = 3, hq = hkv * group, d = 16, n = 37, cap = 41;
+  for (int S : {2, 4}) {
+    for (int shared : {0, 9}) {
+      SCOPED_TRACE("S " + std::to_string(S) + " shared " + std::to_string(shared));
+      const int rows = cap * S;
+      std::vector<float> q(static_cast<size_t>(hq) * d);
+      for (auto& x : q) x = nd(rng);
+      // Rows below shared * S in the prefix's array, the rest in the sequence's.
+      std::vector<float> pre(static_cast<size_t>(hkv) * std::max(shared, 1) * S * d), own(static_cast<size_t>(hkv) * (cap - shared) * S * d);
+      for (auto& x : pre) x = nd(rng);
+      for (auto& x : own) x = nd(rng);
+      std::vector<uint8_t> excl(static_cast<size_t>(hkv) * cap, 0), row_excl(static_cast<size_t>(hkv) * rows, 0);
+      for (int i : {3, 20, cap + 8}) excl[i] = 1;
+      for (int h = 0; h < hkv; ++h)
+        for (int v = 0; v < rows; ++v) row_excl[h * rows + v] = excl[h * cap + v / S];
+      const float* pre_p = pre.data();
+      const float* own_p = own.data();
+      const uint8_t* e_p = excl.data();
+      const uint8_t* re_p = row_excl.data();
+      int32_t chunks = n, row_count = n * S;
+      auto args = [&](bool as_rows, float* out, int64_t stride) {
+        ShadowkvScoreArgs a;
+        a.q = q.data();
+        a.landmarks = &own_p;
+        a.shared_landmarks = &pre_p;
+        a.excluded = as_rows ? &re_p : &e_p;
+        a.n_chunks = as_rows ? &row_count : &chunks;
+        a.batch = 1;
+        a.hq = hq;
+        a.hkv = hkv;
+        a.d = d;
+        a.chunk_cap = as_rows ? rows : cap;
+        a.landmark_cap = as_rows ? (cap - shared) * S : cap - shared;
+        a.shared_chunks = as_rows ? shared * S : shared;
+        a.max_chunks = as_rows ? rows : cap;
+        a.landmarks_per_chunk = as_rows ? 1 : S;
+        a.scale = 0.25f;
+        a.scores = out;
+        a.score_stride = stride;
+        return a;
+      };
+      std::vector<float> got(static_cast<size_t>(hkv) * cap, 9.0f), per_row(static_cast<size_t>(hkv) * rows, 9.0f);
+      ShadowkvScore(args(false, got.data(), cap));
+      ShadowkvScore(args(true, per_row.data(), rows));
+      for (int h = 0; h < hkv; ++h)
+        for (int c = 0; c < cap; ++c) {
+          float want = -kInf;
+          if (c < n)
+            for (int j = 0; j < S; ++j) want = std::max(want, per_row[h * rows + c * S + j]);
+          EXPECT_EQ(got[h * cap + c], want) << "head " << h << " chunk " << c;
+        }
+      EXPECT_EQ(got[3], -kInf);
+      EXPECT_EQ(got[cap + 8], -kInf);
+      // The statistics of a first call (context parallel).
+      std::vector<float> st(2 * hq, 0.0f), st_rows(2 * hq, 1.0f);
+      ShadowkvScoreArgs a = args(false, got.data(), cap), b = args(true, per_row.data(), rows);
+      a.stats_out = st.data();
+      b.stats_out = st_rows.data();
+      ShadowkvScore(a);
+      ShadowkvScore(b);
+      EXPECT_EQ(st, st_rows);
+    }
+  }
+}
+
 TEST(ShadowkvScoreCpu, AllExcludedGivesMinusInf) {
   std::vector<float> q(4, 1.0f), land(3 * 4, 1.0f), scores(3, 0.0f);
   std::vector<uint8_t> excl(3, 1);

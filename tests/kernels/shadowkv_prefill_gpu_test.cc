@@ -47,6 +47,7 @@ struct LCase {
   int64_t first_token;
   DType kv_dtype, landmark_dtype;
   int batch = 1;  // problems in one launch (the decode path batches layers)
+  int per_chunk = 1;  // landmarks per chunk
 };
 
 TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
@@ -56,13 +57,16 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
                          {3, 64, 8, 129, 8, bf16, f32},    {8, 128, 8, 4100, 0, bf16, bf16},
                          {4, 256, 16, 33, 24, f32, bf16},  {5, 64, 16, 1000, 0, f32, f32},
                          {7, 96, 8, 65, 0, bf16, bf16},    {8, 128, 8, 1, 0, bf16, bf16, 32},
-                         {3, 64, 16, 5, 16, f32, f32, 3}};
+                         {3, 64, 16, 5, 16, f32, f32, 3},  {8, 128, 8, 300, 8, bf16, bf16, 1, 2},
+                         {2, 64, 8, 33, 0, f32, f32, 2, 4}, {4, 128, 16, 17, 16, bf16, f32, 1, 16},
+                         {3, 64, 8, 9, 0, f32, bf16, 3, 8}};
   for (const LCase& c : cases) {
     SCOPED_TRACE("hkv " + std::to_string(c.hkv) + " d " + std::to_string(c.d) + " C " + std::to_string(c.C) +
                  " chunks " + std::to_string(c.n_chunks) + " kv " + std::string(DTypeName(c.kv_dtype)) +
-                 " landmarks " + std::string(DTypeName(c.landmark_dtype)) + " batch " + std::to_string(c.batch));
+                 " landmarks " + std::string(DTypeName(c.landmark_dtype)) + " batch " + std::to_string(c.batch) +
+                 " per chunk " + std::to_string(c.per_chunk));
     const int64_t k_stride = (c.first_token + int64_t(c.n_chunks) * c.C + 3) * c.d;
-    const int64_t l_stride = int64_t(c.n_chunks + 2) * c.d, m_stride = c.n_chunks + 5;
+    const int64_t l_stride = int64_t(c.n_chunks + 2) * c.per_chunk * c.d, m_stride = c.n_chunks + 5;
     // Padded problem strides, so a launch that ignored them would be caught.
     const int64_t kb_stride = c.hkv * k_stride + 2 * c.d, lb_stride = c.hkv * l_stride + c.d,
                   mb_stride = c.hkv * m_stride + 3;
@@ -98,6 +102,7 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
     a.k_batch_stride = kb_stride;
     a.landmark_batch_stride = lb_stride;
     a.min_cos_batch_stride = mb_stride;
+    a.landmarks_per_chunk = c.per_chunk;
     LaunchChunkLandmarks(a, nullptr);
     PENUMBRA_CUDA_OK(cudaGetLastError());
     PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
@@ -116,6 +121,7 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
       ca.landmark_head_stride = l_stride;
       ca.min_cos = mc_ref.data() + p * mb_stride;
       ca.min_cos_head_stride = m_stride;
+      ca.landmarks_per_chunk = c.per_chunk;
       cpu::ChunkLandmarks(ca);
     }
     if (c.landmark_dtype == DType::kBF16) {  // the GPU rounds the f32 mean once

@@ -66,6 +66,56 @@ TEST(ShadowKvPrefillCpuTest, LandmarksAndMinCosMatchNaive) {
   }
 }
 
+// landmarks_per_chunk S: chunk c's landmark rows c*S .. c*S+S-1 are the means
+// of its S runs of C/S keys; min_cos stays the chunk's (over its own mean).
+TEST(ShadowKvPrefillCpuTest, SeveralLandmarksPerChunkAreTheMeansOfItsRuns) {
+  const int hkv = 2, d = 16, C = 8, n = 5;
+  const int64_t first = 8, k_stride = (first + n * C + 3) * d;
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> n01;
+  std::vector<float> k(hkv * k_stride);
+  for (auto& v : k) v = n01(rng);
+  auto run = [&](int S, std::vector<float>* lm, std::vector<float>* mc) {
+    const int64_t l_stride = int64_t(n + 1) * S * d;
+    lm->assign(hkv * l_stride, -7.0f);
+    mc->assign(hkv * (n + 1), -7.0f);
+    ChunkLandmarksArgs a;
+    a.k = k.data();
+    a.k_head_stride = k_stride;
+    a.first_token = first;
+    a.n_chunks = n;
+    a.chunk_tokens = C;
+    a.hkv = hkv;
+    a.d = d;
+    a.landmarks = lm->data();
+    a.landmark_head_stride = l_stride;
+    a.min_cos = mc->data();
+    a.min_cos_head_stride = n + 1;
+    a.landmarks_per_chunk = S;
+    ChunkLandmarks(a);
+    return l_stride;
+  };
+  std::vector<float> lm1, mc1;
+  run(1, &lm1, &mc1);
+  for (int S : {2, 4, 8}) {
+    SCOPED_TRACE("S " + std::to_string(S));
+    std::vector<float> lm, mc;
+    const int64_t l_stride = run(S, &lm, &mc);
+    EXPECT_EQ(mc, mc1);  // the outlier criterion does not change
+    std::vector<float> want(lm.size(), -7.0f);
+    const int len = C / S;
+    for (int h = 0; h < hkv; ++h)
+      for (int c = 0; c < n; ++c)
+        for (int s = 0; s < S; ++s)
+          for (int j = 0; j < d; ++j) {
+            double sum = 0;
+            for (int t = 0; t < len; ++t) sum += k[h * k_stride + (first + int64_t(c) * C + s * len + t) * d + j];
+            want[h * l_stride + (int64_t(c) * S + s) * d + j] = float(sum / len);
+          }
+    EXPECT_TRUE(AllClose(lm, want, 1e-6f, 1e-5f));  // the last chunk's padding rows stay -7
+  }
+}
+
 TEST(ShadowKvPrefillCpuTest, CosineEdgeCases) {
   EXPECT_EQ(ChunkCosine(0, 0, 0), 1.0f);
   EXPECT_EQ(ChunkCosine(0, 0, 2), 0.0f);

@@ -154,6 +154,19 @@ TEST_F(ContextParallelTest, LossyShadowKvWithGlobalSelectionGivesTheUnshardedTok
   }
 }
 
+// The same with two landmarks per chunk: the shards' statistics and
+// proposals come from scoring landmark rows, the selection stays per chunk.
+TEST_F(ContextParallelTest, GlobalSelectionWithTwoLandmarksPerChunkGivesTheUnshardedTokens) {
+  const auto reqs = Requests({300, 260}, 24);
+  EngineOptions o = GlobalSelectionOptions();
+  o.shadowkv.landmarks_per_chunk = 2;
+  const auto want = Unsharded(o, reqs);
+  ASSERT_EQ(want.size(), 2u);
+  EXPECT_NE(want, Unsharded(FullOptions(), reqs));
+  const auto got = Sharded(o, 2, reqs);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(got[r], want) << "rank " << r;
+}
+
 TEST_F(ContextParallelTest, LossyShadowKvShardsAgreeAndStartWithTheExactToken) {
   EngineOptions o = testing::LossyShadowKvOptions();
   o.backend.cpu_threads = 1;

@@ -28,7 +28,9 @@ namespace {
 
 // Parameter: the KV policy ("full", "shadowkv", "shadowkv-staging": the
 // staged value fetch, "shadowkv-dense": documents under min_prompt_tokens,
-// "shadowkv-sparse": sparse continuations).
+// "shadowkv-sparse": sparse continuations, "shadowkv-tier0": hot values in
+// "device" memory, "shadowkv-landmarks" and "shadowkv-sparse-landmarks": two
+// landmarks per chunk).
 class PrefixReuseTest : public testing::StoriesTest, public ::testing::WithParamInterface<std::string> {};
 
 std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full",
@@ -38,7 +40,10 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   o.kv_policy = policy == "full" ? "full" : "shadowkv";
   if (policy == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
   if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
-  if (policy == "shadowkv-sparse") o.shadowkv.continuation = "sparse";
+  if (policy == "shadowkv-sparse" || policy == "shadowkv-sparse-landmarks") o.shadowkv.continuation = "sparse";
+  // Two landmarks per chunk: an attached document's landmark rows read in
+  // place, captured, stored and imported at twice the rows.
+  if (policy.find("landmarks") != std::string::npos) o.shadowkv.landmarks_per_chunk = 2;
   if (policy == "shadowkv-tier0") {  // hot documents' values copied to "device" memory (here: host memory)
     o.runtime.tiers.on_host_backend = true;
     o.runtime.tiers.gpu_reserve_bytes = 0;
@@ -448,7 +453,8 @@ TEST_F(PrefixReuseTest, ALazilyReadValueThatFailsItsCheckIsRecomputedNotServed) 
 
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
                          ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense",
-                                           "shadowkv-sparse", "shadowkv-tier0"),
+                                           "shadowkv-sparse", "shadowkv-tier0", "shadowkv-landmarks",
+                                           "shadowkv-sparse-landmarks"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -569,6 +575,40 @@ class FakePrefix final : public KvPrefix {
   int64_t tokens_;
   size_t bytes_, host_;
 };
+
+// A prefix's meta names its landmarks per chunk when there are several; a
+// meta without the field (documents stored before it) reads as one, and a
+// count that does not divide the chunk is refused naming the field.
+TEST(ShadowKvPrefixGeometryTest, MetaCarriesLandmarksPerChunk) {
+  ShadowKvPrefixGeometry g;
+  g.tokens = 100;
+  g.factored = 100;
+  g.sparse = true;
+  g.n_chunks = 20;
+  g.outliers = 2;
+  g.tail = 20;
+  g.layers = 2;
+  g.hkv = 4;
+  g.head_dim = 8;
+  g.rank = 12;
+  g.chunk_size = 4;
+  const std::string one = g.Meta();
+  EXPECT_EQ(one.find("landmarks_per_chunk"), std::string::npos);
+  auto back = ShadowKvPrefixGeometry::ParseMeta(one);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->landmarks_per_chunk, 1);
+  g.landmarks_per_chunk = 2;
+  EXPECT_EQ(g.BlobBytes().at("lm"), 2 * 4 * 20 * 2 * 8 * sizeof(float));
+  back = ShadowKvPrefixGeometry::ParseMeta(g.Meta());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->landmarks_per_chunk, 2);
+  EXPECT_EQ(back->Meta(), g.Meta());
+  for (const char* bad : {" landmarks_per_chunk=3", " landmarks_per_chunk=0", " landmarks_per_chunk=x"}) {
+    const auto st = ShadowKvPrefixGeometry::ParseMeta(one + bad).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find("landmarks_per_chunk"), std::string::npos) << st;
+  }
+}
 
 TEST(PrefixCacheTest, EvictsLeastRecentlyUsedUnheldEntries) {
   PrefixCache c(300);

@@ -30,9 +30,13 @@ Status Load(const std::string& yaml, ShadowKvOptions* o) {
 TEST(ShadowKvOptionsTest, FlagsSetTheirOptionsAndLeaveTheOthers) {
   ShadowKvOptions o;
   o.budget_tokens = 1024;
-  ASSERT_TRUE(Apply({"--chunk-size", "4", "--successor-chunks", "2", "--shard-selection", "local"}, &o).ok());
+  ASSERT_TRUE(Apply({"--chunk-size", "4", "--successor-chunks", "2", "--shard-selection", "local",
+                     "--landmarks-per-chunk", "2"},
+                    &o)
+                  .ok());
   EXPECT_EQ(o.chunk_size, 4);
   EXPECT_EQ(o.successor_chunks, 2);
+  EXPECT_EQ(o.landmarks_per_chunk, 2);
   EXPECT_EQ(o.shard_selection, "local");
   EXPECT_EQ(o.budget_tokens, 1024);  // not given: unchanged
   EXPECT_EQ(o.rank, ShadowKvOptions{}.rank);
@@ -41,7 +45,8 @@ TEST(ShadowKvOptionsTest, FlagsSetTheirOptionsAndLeaveTheOthers) {
 TEST(ShadowKvOptionsTest, BadFlagsAreRefusedNamingTheFlag) {
   for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--shard-selection", "everywhere"}, {"--successor-chunks", "-1"}, {"--successor-chunks", "65"},
-           {"--continuation", "maybe"}, {"--micro-batches", "0"}}) {
+           {"--continuation", "maybe"}, {"--micro-batches", "0"}, {"--landmarks-per-chunk", "3"},
+           {"--landmarks-per-chunk", "0"}, {"--landmarks-per-chunk", "32"}}) {
     ShadowKvOptions o;
     const Status st = Apply({flag, value}, &o);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << flag << " " << value << ": " << st;
@@ -51,12 +56,14 @@ TEST(ShadowKvOptionsTest, BadFlagsAreRefusedNamingTheFlag) {
 
 TEST(ShadowKvOptionsTest, YamlKeysAreReadAndCheckedAgainstTheModel) {
   ShadowKvOptions o;
-  ASSERT_TRUE(Load("successor_chunks: 1\nshard_selection: local\nchunk_size: 4\n", &o).ok());
+  ASSERT_TRUE(Load("successor_chunks: 1\nshard_selection: local\nchunk_size: 4\nlandmarks_per_chunk: 4\n", &o).ok());
   EXPECT_EQ(o.successor_chunks, 1);
+  EXPECT_EQ(o.landmarks_per_chunk, 4);
   EXPECT_EQ(o.shard_selection, "local");
   EXPECT_EQ(o.chunk_size, 4);
   EXPECT_TRUE(ValidateShadowKvOptions(o, 8, 128).ok());
-  for (const std::string bad : {"shard_selection: sideways\n", "successor_chunks: 100\n", "no_such_key: 1\n"}) {
+  for (const std::string bad :
+       {"shard_selection: sideways\n", "successor_chunks: 100\n", "landmarks_per_chunk: 17\n", "no_such_key: 1\n"}) {
     ShadowKvOptions b;
     const Status st = Load(bad, &b);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
@@ -65,6 +72,13 @@ TEST(ShadowKvOptionsTest, YamlKeysAreReadAndCheckedAgainstTheModel) {
   ShadowKvOptions r;
   r.rank = 2000;  // over hkv * d = 1024
   EXPECT_EQ(ValidateShadowKvOptions(r, 8, 128).code(), StatusCode::kInvalidArgument);
+  for (int lpc : {3, 16}) {  // not a power of two; more landmarks than the chunk's 8 keys
+    ShadowKvOptions l;
+    l.landmarks_per_chunk = lpc;
+    const Status st = ValidateShadowKvOptions(l, 8, 128);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << lpc;
+    EXPECT_NE(st.message().find("landmarks_per_chunk"), std::string::npos) << st;
+  }
 }
 
 }  // namespace

@@ -230,6 +230,7 @@ class CpuBackend final : public Backend {
       c.landmark_head_stride = a.landmark_head_stride;
       c.min_cos = a.min_cos + p * a.min_cos_batch_stride;
       c.min_cos_head_stride = a.min_cos_head_stride;
+      c.landmarks_per_chunk = a.landmarks_per_chunk;
       kc::ChunkLandmarks(c);
     }
   }
@@ -274,6 +275,7 @@ class CpuBackend final : public Backend {
     c.scores = a.scores;
     c.score_stride = a.score_stride;
     c.successors = a.successors;
+    c.landmarks_per_chunk = a.landmarks_per_chunk;
     c.stats_out = a.stats_out;
     c.stats_in = a.stats_in;
     c.stats_parts = a.stats_parts;

@@ -17,7 +17,8 @@ void AddShadowKvFlags(Args& a) {
       .Flag("continuation", "shadowkv: a prefill after a factored prompt attends dense (default) or sparse")
       .Flag("continuation-budget", "shadowkv: tokens a sparse continuation selects per KV head (default 0 = --budget)")
       .Flag("shard-selection", "shadowkv: context parallel: one global top-k over the shards (default) or local")
-      .Flag("successor-chunks", "shadowkv: a chunk scores as high as its best of this many predecessors (default 0)");
+      .Flag("successor-chunks", "shadowkv: a chunk scores as high as its best of this many predecessors (default 0)")
+      .Flag("landmarks-per-chunk", "shadowkv: landmarks per chunk, a chunk scoring as its best (default 1)");
 }
 
 Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
@@ -58,6 +59,11 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t succ, a.GetInt("successor-chunks", s.successor_chunks));
   if (succ < 0 || succ > 64) return Status::InvalidArgument("--successor-chunks must be in [0, 64]");
   s.successor_chunks = static_cast<int>(succ);
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t lpc, a.GetInt("landmarks-per-chunk", s.landmarks_per_chunk));
+  if (lpc < 1 || lpc > 16 || (lpc & (lpc - 1)) != 0) {
+    return Status::InvalidArgument("--landmarks-per-chunk must be 1, 2, 4, 8 or 16, got " + std::to_string(lpc));
+  }
+  s.landmarks_per_chunk = static_cast<int>(lpc);
   if (a.Has("shard-selection")) s.shard_selection = a.Get("shard-selection");
   if (s.shard_selection != "global" && s.shard_selection != "local") {
     return Status::InvalidArgument("--shard-selection must be global or local, got '" + s.shard_selection + "'");
@@ -83,6 +89,7 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.Read("continuation_budget_tokens", &o->continuation_budget_tokens, 0, int64_t{1} << 32);
   r.ReadEnum("shard_selection", &o->shard_selection, {"global", "local"});
   r.Read("successor_chunks", &o->successor_chunks, 0, 64);
+  r.Read("landmarks_per_chunk", &o->landmarks_per_chunk, 1, 16);
   return r.Finish();
 }
 
@@ -127,6 +134,11 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
   }
   if (o.shard_selection != "global" && o.shard_selection != "local") {
     return Status::InvalidArgument("shadowkv.shard_selection must be global or local, got '" + o.shard_selection + "'");
+  }
+  const int lpc = o.landmarks_per_chunk;
+  if (lpc < 1 || lpc > 16 || (lpc & (lpc - 1)) != 0 || o.chunk_size % lpc != 0) {
+    return Status::InvalidArgument("shadowkv.landmarks_per_chunk must be a power of two up to 16 dividing chunk_size (" +
+                                   std::to_string(o.chunk_size) + "), got " + std::to_string(lpc));
   }
   return Status::OK();
 }

@@ -62,12 +62,20 @@ struct ShadowKvOptions {
   // the run's continuation, which its own landmark may not point to). The
   // budget is unchanged. 0 = the paper's selection. Default: 0.
   int successor_chunks = 0;
+  // Landmarks per chunk: > 1 keeps this many landmarks for each chunk, the
+  // means of its consecutive runs of chunk_size / landmarks_per_chunk keys,
+  // and a chunk scores as its best landmark (the paper's landmark is the mean
+  // of the whole chunk, which averages away the one key a query matches).
+  // Selection, fetch and the budget stay per chunk; scoring reads this many
+  // times the landmarks. A power of two dividing chunk_size, at most 16.
+  // Default: 1.
+  int landmarks_per_chunk = 1;
 };
 
 // The command-line flags of the options (--rank, --chunk-size, --budget,
 // --budget-fraction, --outliers, --outlier-fraction, --local-window,
 // --min-prompt, --value-fetch, --micro-batches, --fetch-blocks, --continuation,
-// --continuation-budget, --shard-selection, --successor-chunks), shared by `penumbra` and
+// --continuation-budget, --shard-selection, --successor-chunks, --landmarks-per-chunk), shared by `penumbra` and
 // `penumbra-bench`. Apply overrides `s` only where a flag is given and
 // refuses out-of-range values naming the flag.
 void AddShadowKvFlags(Args& a);

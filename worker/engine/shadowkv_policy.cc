@@ -97,7 +97,7 @@ class ShadowKvPolicy final : public KvPolicy {
     if (prefix) {
       const ShadowKvPrefixGeometry& g = prefix->geometry();
       if (g.sparse != s.sparse || g.outliers != s.outliers || g.tail > s.local_cap ||
-          (s.sparse && g.n_chunks >= s.chunk_cap)) {
+          (s.sparse && g.n_chunks >= s.chunk_cap) || (s.sparse && g.landmarks_per_chunk != o_.landmarks_per_chunk)) {
         return Status::InvalidArgument("the shadowkv prefix (" + g.Meta() +
                                        ") does not fit this policy's options for a sequence of " +
                                        std::to_string(s.token_cap) + " tokens");
@@ -131,7 +131,7 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.a_rows * r * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.b, static_cast<size_t>(L) * H * r * d * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.p, static_cast<size_t>(L) * D * r * sizeof(float)));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * s.lm_cap * d * es_));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * LmRows(s) * d * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t)));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
@@ -552,6 +552,7 @@ class ShadowKvPolicy final : public KvPolicy {
       sc.d = d;
       sc.chunk_cap = s.chunk_cap;
       sc.landmark_cap = s.lm_cap;
+      sc.landmarks_per_chunk = o_.landmarks_per_chunk;
       sc.shared_chunks = s.shared_chunks;
       sc.max_chunks = n;
       sc.scale = ctx_.scale;
@@ -614,8 +615,10 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.chunk_tokens = C;
       cl.hkv = H;
       cl.d = d;
-      cl.landmarks = static_cast<char*>(LmLayer(s, layer)) + static_cast<int64_t>(first - s.shared_chunks) * d * es_;
-      cl.landmark_head_stride = static_cast<int64_t>(s.lm_cap) * d;
+      cl.landmarks = static_cast<char*>(LmLayer(s, layer)) +
+                     static_cast<int64_t>(first - s.shared_chunks) * o_.landmarks_per_chunk * d * es_;
+      cl.landmark_head_stride = LmRows(s) * d;
+      cl.landmarks_per_chunk = o_.landmarks_per_chunk;
       cl.min_cos = min_cos;
       cl.min_cos_head_stride = k;
       b.ChunkLandmarks(cl);
@@ -684,7 +687,8 @@ class ShadowKvPolicy final : public KvPolicy {
     cl.hkv = H;
     cl.d = d;
     cl.landmarks = LmLayer(s, layer);
-    cl.landmark_head_stride = static_cast<int64_t>(s.lm_cap) * d;
+    cl.landmark_head_stride = LmRows(s) * d;
+    cl.landmarks_per_chunk = o_.landmarks_per_chunk;
     cl.min_cos = tmp_cos_.as<float>();
     cl.min_cos_head_stride = s.chunk_cap;
     b.ChunkLandmarks(cl);
@@ -1112,6 +1116,7 @@ class ShadowKvPolicy final : public KvPolicy {
     sc.d = ctx_.head_dim;
     sc.chunk_cap = s0.chunk_cap;
     sc.landmark_cap = s0.lm_cap;
+    sc.landmarks_per_chunk = o_.landmarks_per_chunk;
     sc.shared_landmarks = reinterpret_cast<const void* const*>(tab + 12 * B + g0);
     sc.shared_chunks = s0.shared_chunks;
     sc.max_chunks = max_chunks;
@@ -1366,13 +1371,15 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.chunk_tokens = C;
       cl.hkv = H;
       cl.d = d;
-      cl.landmarks = static_cast<char*>(s.lm.get()) + static_cast<int64_t>(c - s.shared_chunks) * d * es_;
-      cl.landmark_head_stride = static_cast<int64_t>(s.lm_cap) * d;
+      cl.landmarks =
+          static_cast<char*>(s.lm.get()) + static_cast<int64_t>(c - s.shared_chunks) * o_.landmarks_per_chunk * d * es_;
+      cl.landmark_head_stride = LmRows(s) * d;
+      cl.landmarks_per_chunk = o_.landmarks_per_chunk;
       cl.min_cos = min_cos;
       cl.min_cos_head_stride = 1;
       cl.batch = L;
       cl.k_batch_stride = AttLayer(s);
-      cl.landmark_batch_stride = static_cast<int64_t>(H) * s.lm_cap * d;
+      cl.landmark_batch_stride = static_cast<int64_t>(H) * LmRows(s) * d;
       cl.min_cos_batch_stride = H;
       b.ChunkLandmarks(cl);
       kn::ProjectKeysArgs pk;
@@ -1444,6 +1451,7 @@ class ShadowKvPolicy final : public KvPolicy {
        << " outlier_fraction=" << o_.outlier_fraction << " window=" << o_.local_window
        << " min_prompt=" << o_.min_prompt_tokens << " continuation=" << o_.continuation << ":"
        << o_.continuation_budget_tokens;
+    if (o_.landmarks_per_chunk != 1) os << " landmarks_per_chunk=" << o_.landmarks_per_chunk;
     return os.str();
   }
 
@@ -1495,15 +1503,17 @@ class ShadowKvPolicy final : public KvPolicy {
       const size_t arow = static_cast<size_t>(n) * C * r * es_;
       // A rows and landmarks: the attached prefix's chunks, then the sequence's own.
       const int sh = s.shared_chunks;
-      const size_t ash = static_cast<size_t>(sh) * C * r * es_, lsh = static_cast<size_t>(sh) * d * es_;
+      // Landmark rows: landmarks_per_chunk per chunk.
+      const size_t lrow = static_cast<size_t>(o_.landmarks_per_chunk) * d * es_;
+      const size_t ash = static_cast<size_t>(sh) * C * r * es_, lsh = static_cast<size_t>(sh) * lrow;
       if (sh > 0) {
         PENUMBRA_RETURN_IF_ERROR(copy2d(p->a, arow, s.prefix->a.get(), ash, ash, L));
-        PENUMBRA_RETURN_IF_ERROR(copy2d(p->lm, n * d * es_, s.prefix->lm.get(), lsh, lsh, LH));
+        PENUMBRA_RETURN_IF_ERROR(copy2d(p->lm, n * lrow, s.prefix->lm.get(), lsh, lsh, LH));
       }
       if (n > sh) {
         PENUMBRA_RETURN_IF_ERROR(b.Copy2D(p->a.as<char>() + ash, arow, s.a.get(), s.a_rows * r * es_, arow - ash, L));
         PENUMBRA_RETURN_IF_ERROR(
-            b.Copy2D(p->lm.as<char>() + lsh, n * d * es_, s.lm.get(), s.lm_cap * d * es_, n * d * es_ - lsh, LH));
+            b.Copy2D(p->lm.as<char>() + lsh, n * lrow, s.lm.get(), s.lm_cap * lrow, n * lrow - lsh, LH));
       }
       PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(p->b.get(), s.b.get(), p->b.bytes()));
       PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(p->p.get(), s.p.get(), p->p.bytes()));
@@ -1614,6 +1624,7 @@ class ShadowKvPolicy final : public KvPolicy {
     g.head_dim = ctx_.head_dim;
     g.rank = o_.rank;
     g.chunk_size = o_.chunk_size;
+    g.landmarks_per_chunk = o_.landmarks_per_chunk;
     g.dtype = ctx_.backend->act_dtype();
     return g;
   }
@@ -1723,7 +1734,7 @@ class ShadowKvPolicy final : public KvPolicy {
     int outliers = 0, kslots = 0, chunk_cap = 0, n_chunks = 0;
     int64_t local_cap = 0, local_count = 0, att_cap = 0;
     int64_t a_rows = 0;  // A rows held per layer (the tokens after shared_chunks' chunks)
-    int lm_cap = 0;      // landmark rows held per head (the chunks from shared_chunks on)
+    int lm_cap = 0;      // chunks whose landmarks are held per head (from shared_chunks on; LmRows rows)
     // The continuation prefill under way: chunks a sparse one selected per
     // head (0: dense), and the temporaries' row of token t minus t.
     int cont_k = 0;
@@ -1757,13 +1768,15 @@ class ShadowKvPolicy final : public KvPolicy {
            a.shared_stride == b.shared_stride && a.global_k == b.global_k;
   }
   int64_t AttLayer(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.att_cap * ctx_.head_dim; }
+  // Landmark rows held per head: landmarks_per_chunk for each chunk from shared_chunks on.
+  int64_t LmRows(const Seq& s) const { return static_cast<int64_t>(s.lm_cap) * o_.landmarks_per_chunk; }
   int64_t LocalRow0(const Seq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }
   void* Row(const DeviceBuffer& buf, const Seq& s, int layer, int64_t row) const {
     return static_cast<char*>(buf.get()) + (layer * AttLayer(s) + row * ctx_.head_dim) * es_;
   }
   void* ALayer(const Seq& s, int layer) const { return Row2(s.a, layer, s.a_rows * o_.rank); }
   void* LmLayer(const Seq& s, int layer) const {
-    return Row2(s.lm, layer, static_cast<int64_t>(ctx_.hkv) * s.lm_cap * ctx_.head_dim);
+    return Row2(s.lm, layer, static_cast<int64_t>(ctx_.hkv) * LmRows(s) * ctx_.head_dim);
   }
   void* Row2(const DeviceBuffer& buf, int layer, int64_t per_layer) const {
     return static_cast<char*>(buf.get()) + layer * per_layer * es_;

@@ -64,7 +64,7 @@ std::map<std::string, size_t> ShadowKvPrefixGeometry::BlobBytes() const {
       {"a", L * n * C * r * es},
       {"b", sparse ? L * H * r * d * es : 0},
       {"p", sparse ? L * D * r * sizeof(float) : 0},
-      {"lm", L * H * n * d * es},
+      {"lm", L * H * n * static_cast<size_t>(landmarks_per_chunk) * d * es},
       {"excl", L * H * n},
       {"out_k", L * H * O * C * d * es},
       {"out_v", L * H * O * C * d * es},
@@ -82,6 +82,7 @@ std::string ShadowKvPrefixGeometry::Meta() const {
      << " chunks=" << n_chunks << " outliers=" << outliers << " tail=" << tail << " layers=" << layers
      << " kv_heads=" << hkv << " head_dim=" << head_dim << " rank=" << rank << " chunk_size=" << chunk_size
      << " dtype=" << DTypeName(dtype);
+  if (landmarks_per_chunk != 1) os << " landmarks_per_chunk=" << landmarks_per_chunk;
   return os.str();
 }
 
@@ -132,6 +133,10 @@ Result<ShadowKvPrefixGeometry> ShadowKvPrefixGeometry::ParseMeta(const std::stri
   g.head_dim = static_cast<int>(d);
   g.rank = static_cast<int>(rank);
   g.chunk_size = static_cast<int>(C);
+  if (kv.count("landmarks_per_chunk")) {
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t lpc, num("landmarks_per_chunk", 1, 16));
+    g.landmarks_per_chunk = static_cast<int>(lpc);
+  }
   auto dt = kv.find("dtype");
   if (dt == kv.end()) return Status::InvalidArgument("shadowkv prefix: field 'dtype' is missing");
   if (dt->second == DTypeName(DType::kF32)) {
@@ -152,6 +157,9 @@ Status ShadowKvPrefixGeometry::Validate() const {
   if (!sparse) {
     if (n_chunks != 0 || outliers != 0 || tail != tokens) return bad("a dense prefix is only its tail rows");
     return Status::OK();
+  }
+  if (landmarks_per_chunk < 1 || chunk_size % landmarks_per_chunk != 0) {
+    return bad("landmarks_per_chunk must divide chunk_size");
   }
   if (n_chunks < 1) return bad("a sparse prefix needs at least one chunk");
   if (outliers < 0 || outliers >= n_chunks) return bad("outliers must be in [0, chunks)");
@@ -371,13 +379,15 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
   if (meta == blobs.end()) return Status::InvalidArgument("shadowkv prefix: blob 'meta' is missing");
   PENUMBRA_ASSIGN_OR_RETURN(ShadowKvPrefixGeometry g, ShadowKvPrefixGeometry::ParseMeta(meta->second));
   if (g.layers != expect.layers || g.hkv != expect.hkv || g.head_dim != expect.head_dim || g.rank != expect.rank ||
-      g.chunk_size != expect.chunk_size || g.dtype != expect.dtype) {
+      g.chunk_size != expect.chunk_size || g.landmarks_per_chunk != expect.landmarks_per_chunk ||
+      g.dtype != expect.dtype) {
     ShadowKvPrefixGeometry want = g;
     want.layers = expect.layers;
     want.hkv = expect.hkv;
     want.head_dim = expect.head_dim;
     want.rank = expect.rank;
     want.chunk_size = expect.chunk_size;
+    want.landmarks_per_chunk = expect.landmarks_per_chunk;
     want.dtype = expect.dtype;
     return Status::InvalidArgument("shadowkv prefix: made for another geometry or dtype ('" + meta->second +
                                    "'; this policy: '" + want.Meta() + "')");

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU-machine side of issue 20's second evaluation model (train.py
+# --preset paper: 8 KV heads x 128, GQA 4, ~109M parameters, to 32K),
+# trained over several device sessions.
+#
+# Within one session the machine stays warm between calls and build-paper/run
+# (ignored by git) keeps the whole state (weights, optimizer, schedule): each
+# `train` call continues exactly. Across sessions only the exported bf16
+# weights travel (a call brings back at most 64 MiB, 16 MiB a file, 8 files;
+# the ~220 MB of weights take four calls each way), and the next session
+# continues from them with fresh optimizer moments (train.py --init-from).
+#
+# Device calls (run from the repository root, the first model moved aside:
+# the upload is capped at 64 MiB):
+#   train    carry ["build-paper/in"]: build-paper/in/corpus-train.txt.xz and
+#            build-paper/in/tokenizer.json (the first model's: both models
+#            read the same task sets). Trains until CALL_S seconds are used. Where
+#            build-paper/init holds a previous session's export and there is
+#            no state yet, starts from it.
+#   get N    (after the session's last train call, which exports) copies the
+#            export's files N*4 .. N*4+3 (sorted; the shards, then the small
+#            files in one tar) to $OUT, a file over 16 MB in pieces
+#            (NAME.partNN); repeat for N = 0, 1, ... until it says the last
+#            part. Here: join the pieces (cat NAME.part* > NAME), untar
+#            meta.tgz, keep the directory beside the repository (not in it:
+#            ~210 MB), e.g. /work/paper-ckpt/model.
+#   stage DIR  (here, in a later session) splits that directory into
+#            build-paper/init/part0, part1, ... of at most 40 MB each. Carry
+#            ["build-paper/init/partK"] in one call each (command `true`; the
+#            parts stay on the warm machine), then `train` starts from them
+#            (train.py --init-from: fresh optimizer moments, the LR re-warmed).
+set -u
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+E=ops/evalmodel
+D=build-paper
+RUN=$D/run
+CALL_S=${CALL_S:-570}                  # this call's wall budget (the device limit is 600 s)
+TRAIN_MINUTES=${TRAIN_MINUTES:-45}     # the whole training, over every session
+mkdir -p "$RUN" "$D/logs"
+log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+
+merge_init() {  # build-paper/init/part*/* -> build-paper/init/model
+  [ -d $D/init ] || return 0
+  mkdir -p $D/init/model
+  for p in $D/init/part*; do [ -d "$p" ] && cp "$p"/* $D/init/model/; done
+  for f in $D/init/model/*.part00; do  # files that travelled in pieces
+    [ -e "$f" ] || continue
+    cat "${f%.part00}".part* > "${f%.part00}" && rm "${f%.part00}".part*
+  done
+  if [ -f $D/init/model/meta.tgz ]; then tar -C $D/init/model -xzf $D/init/model/meta.tgz; fi
+  ls -la $D/init/model
+  [ -f $D/init/model/training_state.json ] || { log "build-paper/init: no training_state.json"; exit 2; }
+}
+
+case "${1:-}" in
+  train)
+    INIT=()
+    if [ ! -f $RUN/state.pt ] && [ -d $D/init ]; then
+      merge_init
+      INIT=(--init-from $D/init/model)
+    fi
+    left=$(python3 -c "print(max(1.0, ($CALL_S - ($(date +%s) - $T0)) / 60))")
+    log "train for $left min"
+    python3 $E/train.py --preset paper --corpus $D/in/corpus-train.txt.xz --tokenizer $D/in/tokenizer.json \
+      --out $RUN --auto-minutes "$TRAIN_MINUTES" --max-minutes "$left" --workers 14 --export-at-deadline \
+      "${INIT[@]}" 2>&1 | tee -a $D/logs/train.log
+    cp $RUN/loss.csv "$OUT/" 2>/dev/null
+    ls -la $RUN/model 2>/dev/null
+    ;;
+  get)
+    N=${2:?part number}
+    M=$RUN/model
+    tar -C $M -czf $D/meta.tgz $(cd $M && ls | grep -v '\.safetensors$')
+    mapfile -t files < <( (ls $M/*.safetensors; echo $D/meta.tgz) | sort )
+    for ((i = N * 4; i < N * 4 + 4 && i < ${#files[@]}; ++i)); do cp "${files[$i]}" "$OUT/"; done
+    # A file over the 16 MiB a file that comes back (the embedding shard is
+    # 16 MiB + 136 bytes) travels in pieces: cat NAME.part* > NAME.
+    for f in "$OUT"/*; do
+      if [ "$(stat -c %s "$f")" -gt 16000000 ]; then split -b 15000000 -d "$f" "$f.part" && rm "$f"; fi
+    done
+    log "part $N of $(( (${#files[@]} + 3) / 4 )): $(ls $OUT | tr '\n' ' ')"
+    ;;
+  stage)
+    SRC=${2:?exported model directory}
+    rm -rf $D/init
+    k=0; used=0
+    mkdir -p $D/init/part0
+    for f in "$SRC"/*; do
+      n=$(stat -c %s "$f")
+      if [ $used -gt 0 ] && [ $((used + n)) -gt 40000000 ]; then k=$((k + 1)); used=0; mkdir -p $D/init/part$k; fi
+      cp "$f" $D/init/part$k/
+      used=$((used + n))
+    done
+    du -sh $D/init/part*
+    ;;
+  *)
+    echo "usage: $0 train|get N|stage DIR" >&2
+    exit 2
+    ;;
+esac
