@@ -442,15 +442,20 @@ std::string GroupLineJson(const EvalGroup& g, const std::string& kv_policy) {
 EvalOverall OverallOf(const EvalSummary& sum) {
   int64_t correct = 0, turns = 0;
   std::vector<int64_t> lengths;
+  std::map<std::string, std::pair<int64_t, int64_t>> tasks;  // task -> (correct, turns)
   for (const EvalGroup& g : sum.groups) {
     if (g.task == "all") continue;
     correct += g.correct;
     turns += g.n;
+    tasks[g.task].first += g.correct;
+    tasks[g.task].second += g.n;
     if (std::find(lengths.begin(), lengths.end(), g.length) == lengths.end()) lengths.push_back(g.length);
   }
   std::sort(lengths.begin(), lengths.end());
   EvalOverall o;
-  o.accuracy_percent = turns > 0 ? 100.0 * static_cast<double>(correct) / static_cast<double>(turns) : 0.0;
+  auto percent = [](int64_t c, int64_t n) { return n > 0 ? 100.0 * static_cast<double>(c) / static_cast<double>(n) : 0.0; };
+  o.accuracy_percent = percent(correct, turns);
+  for (const auto& [task, cn] : tasks) o.per_task_percent.emplace_back(task, percent(cn.first, cn.second));
   for (int64_t l : lengths) o.lengths += (o.lengths.empty() ? "" : ",") + std::to_string(l);
   return o;
 }

@@ -13,6 +13,7 @@
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -183,9 +184,11 @@ std::string GroupLineJson(const EvalGroup& group, const std::string& kv_policy);
 
 // A run's overall figures for its summary line: the percent of turns
 // answered exactly over every task and length (the "all" groups left out),
-// and the lengths run, ascending, comma-separated ("16384,32768").
+// the same per task over every length (by task name; issue 20's rule is per
+// task), and the lengths run, ascending, comma-separated ("16384,32768").
 struct EvalOverall {
   double accuracy_percent = 0.0;
+  std::vector<std::pair<std::string, double>> per_task_percent;
   std::string lengths;
 };
 EvalOverall OverallOf(const EvalSummary& summary);

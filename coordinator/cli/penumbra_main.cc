@@ -216,6 +216,9 @@ Status Eval(int argc, char** argv) {
     nlohmann::ordered_json j;
     j["summary"] = true;
     j["accuracy"] = overall.accuracy_percent;
+    nlohmann::ordered_json per_task = nlohmann::ordered_json::object();
+    for (const auto& [task, pct] : overall.per_task_percent) per_task[task] = pct;
+    j["per_task"] = per_task;
     j["model"] = a.Get("model");
     j["lengths"] = overall.lengths;
     j["tasks_file"] = a.Get("tasks");

@@ -478,6 +478,6 @@ summary
 # A second run in the same call (same $OUT) keeps the first's archive: logs-2.tgz, ...
 logs=logs.tgz; n=2
 while [ -e "$OUT/$logs" ]; do logs=logs-$n.tgz; n=$((n + 1)); done
-(cd "$OUT" && ls | grep -vE '^(bench\.jsonl|bench\.err|gpu\.txt|console\.log|.*\.tar\.gz|.*\.gz|logs(-[0-9]+)?\.tgz)$' > .logs) &&
+(cd "$OUT" && ls | grep -vE '^(bench\.jsonl|variants\.jsonl|bench\.err|gpu\.txt|console\.log|.*\.tar\.gz|.*\.gz|logs(-[0-9]+)?\.tgz)$' > .logs) &&
   [ -s "$OUT/.logs" ] && tar -C "$OUT" -czf "$OUT/$logs" -T "$OUT/.logs" && (cd "$OUT" && xargs rm -rf < .logs)
 rm -f "$OUT/.logs"

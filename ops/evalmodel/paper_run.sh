@@ -25,7 +25,9 @@
 #            meta.tgz, keep the directory beside the repository (not in it:
 #            ~210 MB), e.g. /work/paper-ckpt/model.
 #   stage DIR  (here, in a later session) splits that directory into
-#            build-paper/init/part0, part1, ... of at most 40 MB each. Carry
+#            build-paper/init/part0, part1, ... of at most PART_BYTES (40 MB;
+#            the tracked tree, without the first model and with
+#            tests/data/models moved aside too, is 10 MB: 50 MB parts fit). Carry
 #            ["build-paper/init/partK"] in one call each (command `true`; the
 #            parts stay on the warm machine), then `train` starts from them
 #            (train.py --init-from: fresh optimizer moments, the LR re-warmed).
@@ -90,7 +92,7 @@ case "${1:-}" in
     mkdir -p $D/init/part0
     for f in "$SRC"/*; do
       n=$(stat -c %s "$f")
-      if [ $used -gt 0 ] && [ $((used + n)) -gt 40000000 ]; then k=$((k + 1)); used=0; mkdir -p $D/init/part$k; fi
+      if [ $used -gt 0 ] && [ $((used + n)) -gt "${PART_BYTES:-40000000}" ]; then k=$((k + 1)); used=0; mkdir -p $D/init/part$k; fi
       cp "$f" $D/init/part$k/
       used=$((used + n))
     done

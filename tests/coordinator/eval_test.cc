@@ -215,6 +215,12 @@ TEST(EvalOutputTest, OverallAccuracyIsOverEveryTurnOfEveryTaskAndLength) {
   const EvalOverall o = OverallOf(s);
   EXPECT_DOUBLE_EQ(o.accuracy_percent, 100.0 * 3 / 8);  // not a mean of the groups' accuracies
   EXPECT_EQ(o.lengths, "4096,16384");
+  ASSERT_EQ(o.per_task_percent.size(), 2u);  // by task name, over every length
+  EXPECT_EQ(o.per_task_percent[0].first, "kv");
+  EXPECT_DOUBLE_EQ(o.per_task_percent[0].second, 100.0 * 2 / 7);
+  EXPECT_EQ(o.per_task_percent[1].first, "niah");
+  EXPECT_DOUBLE_EQ(o.per_task_percent[1].second, 100.0);
+  EXPECT_TRUE(OverallOf(EvalSummary{}).per_task_percent.empty());
   EXPECT_EQ(OverallOf(EvalSummary{}).lengths, "");
   EXPECT_EQ(OverallOf(EvalSummary{}).accuracy_percent, 0.0);
 }
