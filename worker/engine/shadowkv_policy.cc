@@ -4,7 +4,8 @@
 //   A  [token_cap][r]            low-rank coordinates of pre-RoPE keys
 //   B  [hkv][r][d]               singular values folded in (Algorithm 1)
 //   P  [hkv*d][r] f32            projection for new tokens' keys (A.1)
-//   L  [hkv][chunk_cap][d]       landmarks (mean post-RoPE key per chunk)
+//   L  [hkv][chunk_cap*S][d]     landmarks: mean post-RoPE key of each of a chunk's
+//                                S = landmarks_per_chunk runs of C/S keys (S = 1: the paper)
 //   X  [hkv][chunk_cap] u8       1 = outlier chunk (excluded from selection)
 //   att K/V [hkv][att_cap][d]    rows: O*C outlier rows | kslots*C slot rows | local rows
 //   slot map [hkv][kslots]       chunk held by each slot (-1 empty)
@@ -615,8 +616,7 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.chunk_tokens = C;
       cl.hkv = H;
       cl.d = d;
-      cl.landmarks = static_cast<char*>(LmLayer(s, layer)) +
-                     static_cast<int64_t>(first - s.shared_chunks) * o_.landmarks_per_chunk * d * es_;
+      cl.landmarks = LmChunk(s, layer, first);
       cl.landmark_head_stride = LmRows(s) * d;
       cl.landmarks_per_chunk = o_.landmarks_per_chunk;
       cl.min_cos = min_cos;
@@ -1371,8 +1371,7 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.chunk_tokens = C;
       cl.hkv = H;
       cl.d = d;
-      cl.landmarks =
-          static_cast<char*>(s.lm.get()) + static_cast<int64_t>(c - s.shared_chunks) * o_.landmarks_per_chunk * d * es_;
+      cl.landmarks = LmChunk(s, 0, c);
       cl.landmark_head_stride = LmRows(s) * d;
       cl.landmarks_per_chunk = o_.landmarks_per_chunk;
       cl.min_cos = min_cos;
@@ -1777,6 +1776,11 @@ class ShadowKvPolicy final : public KvPolicy {
   void* ALayer(const Seq& s, int layer) const { return Row2(s.a, layer, s.a_rows * o_.rank); }
   void* LmLayer(const Seq& s, int layer) const {
     return Row2(s.lm, layer, static_cast<int64_t>(ctx_.hkv) * LmRows(s) * ctx_.head_dim);
+  }
+  // Head 0's first landmark row of chunk `chunk` (>= shared_chunks) at `layer`.
+  void* LmChunk(const Seq& s, int layer, int chunk) const {
+    return static_cast<char*>(LmLayer(s, layer)) +
+           static_cast<int64_t>(chunk - s.shared_chunks) * o_.landmarks_per_chunk * ctx_.head_dim * es_;
   }
   void* Row2(const DeviceBuffer& buf, int layer, int64_t per_layer) const {
     return static_cast<char*>(buf.get()) + layer * per_layer * es_;
