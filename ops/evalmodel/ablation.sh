@@ -14,8 +14,8 @@
 # CONFIGS: '|'-separated; each is a KV policy and its flags. Out ($OUT):
 # summaries.jsonl (each config's summary line, with "flags", "command",
 # "tasks_made_by" and "tasks_sha256"), preds.tgz (every config's predictions,
-# pred<N>.jsonl in CONFIGS order), eval.log; "per_task" in each summary is
-# the accuracy (%) of every task from its predictions. The same TASKS give
+# pred<N>.jsonl in CONFIGS order), eval.log; each summary is penumbra eval's
+# (with "per_task", every task's accuracy in %). The same TASKS give
 # the same records (tasks.py is deterministic), so two calls compare. A call
 # brings back at most 8 files: give each run of this script in one call its
 # own folder under $OUT (OUT=$OUT/a ...), at most two runs per call.
@@ -52,8 +52,8 @@ for c in "${configs[@]}"; do
   log "config $i: $c"
   bash .device/run $cmd > "$WORK/eval$i.log" 2>>"$OUT/eval.log"
   rc=$?
-  tail -1 "$WORK/eval$i.log" | FLAGS="$c" CMD="$cmd" GEN="$gen" SHA="$sha" PRED="pred$i.jsonl" RC=$rc WORK=$WORK python3 -c '
-import collections, json, os, sys
+  tail -1 "$WORK/eval$i.log" | FLAGS="$c" CMD="$cmd" GEN="$gen" SHA="$sha" PRED="pred$i.jsonl" RC=$rc python3 -c '
+import json, os, sys
 line = sys.stdin.read().strip()
 try:
     j = json.loads(line)
@@ -61,15 +61,6 @@ except ValueError:
     j = {"error": "no summary line", "rc": int(os.environ["RC"])}
 j.update(flags=os.environ["FLAGS"], command=os.environ["CMD"], tasks_made_by=os.environ["GEN"],
          tasks_sha256=os.environ["SHA"], predictions=os.environ["PRED"])
-# Per-task accuracy (%) from the predictions (every turn an answer).
-acc = collections.defaultdict(list)
-try:
-    for p in open(os.path.join(os.environ["WORK"], os.environ["PRED"])):
-        p = json.loads(p)
-        acc[p["task"]].append(bool(p["correct"]))
-except (OSError, ValueError, KeyError):
-    pass
-j["per_task"] = {t: round(100.0 * sum(v) / len(v), 2) for t, v in sorted(acc.items())}
 print(json.dumps(j))' | tee -a "$OUT/summaries.jsonl" | python3 -c '
 import json, sys
 j = json.loads(sys.stdin.read())
