@@ -24,9 +24,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 MODEL=${MODEL:-models/penumbra-eval}
 TASKS=${TASKS:---tasks kv,niah_multivalue,cwe --lengths 16384 --num 25 --seed 5151}
-CONFIGS=${CONFIGS:-full|shadowkv}
+CONFIGS=${CONFIGS-full|shadowkv}     # unset: these two; empty (CONFIGS=""): only make the task set
 HAYSTACK=tests/data/evaltasks/haystack_kjv.txt
-WORK=build-ablation
+WORK=${WORK:-build-ablation}           # one per concurrent run of this script
 mkdir -p $WORK
 T0=$(date +%s)
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/eval.log"; }
@@ -34,7 +34,8 @@ log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/eval.log"; }
 [ -f "$MODEL/config.json" ] || { log "no model at $MODEL (moved aside for the upload?)"; exit 2; }
 gen="ops/evalmodel/tasks.py --corpus $HAYSTACK --tokenizer $MODEL/tokenizer.json $TASKS"
 key=$(echo "$gen" | sha256sum | cut -c1-16)
-tasks=$WORK/tasks-$key.jsonl
+mkdir -p build-ablation
+tasks=build-ablation/tasks-$key.jsonl   # shared by concurrent runs (CONFIGS="" only makes it)
 if [ ! -f "$tasks" ]; then
   python3 $gen --jobs 12 --out "$tasks.tmp" >>"$OUT/eval.log" 2>&1 && mv "$tasks.tmp" "$tasks" ||
     { log "task generation failed: $gen"; exit 2; }
@@ -67,6 +68,7 @@ j = json.loads(sys.stdin.read())
 pt = j.get("per_task", {})
 parts = ["%s=%s" % (t, v) for t, v in sorted(pt.items())]
 print("  accuracy", j.get("accuracy"), " ".join(parts), "hit_rate", j.get("hit_rate"))' | tee -a "$OUT/eval.log"
+  # After every config, so a call that runs out of time keeps what finished.
+  tar -C $WORK -czf "$OUT/preds.tgz" $(cd $WORK && ls pred*.jsonl 2>/dev/null)
 done
-tar -C $WORK -czf "$OUT/preds.tgz" $(cd $WORK && ls pred*.jsonl 2>/dev/null)
 log "done"

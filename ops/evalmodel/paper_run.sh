@@ -85,6 +85,35 @@ case "${1:-}" in
     done
     log "part $N of $(( (${#files[@]} + 3) / 4 )): $(ls $OUT | tr '\n' ' ')"
     ;;
+  card)
+    # The model card's parity: Hugging Face transformers (the independent
+    # reference) and `penumbra eval` under full attention, at one dtype, on
+    # one task set (every task, 25 records, seed 5151, the held-out KJV
+    # haystack: the set ablation.sh makes for the same length). Needs the
+    # bundle in .device and the model (MODEL, default the staged export,
+    # merged on first use). Out: $OUT/card-LEN-DTYPE.tgz (both prediction
+    # files, both summaries, compare_predictions.py's agreement, logs).
+    LEN=${2:?length}; DT=${3:-bf16}
+    case $DT in bf16) HFDT=bfloat16 ;; f32) HFDT=float32 ;; *) echo "dtype: bf16 or f32" >&2; exit 2 ;; esac
+    M=${MODEL:-$D/init/model}
+    [ -f "$M/config.json" ] || [ "$M" != "$D/init/model" ] || merge_init >/dev/null
+    [ -f "$M/config.json" ] || { log "no model at $M"; exit 2; }
+    W=$D/card-$LEN-$DT
+    rm -rf "$W"; mkdir -p "$W"
+    gen="$E/tasks.py --corpus tests/data/evaltasks/haystack_kjv.txt --tokenizer $M/tokenizer.json --lengths $LEN --num 25 --seed 5151"
+    python3 $gen --jobs 12 --out "$W/tasks.jsonl" > "$W/tasks.log" 2>&1 || { log "task generation failed"; exit 2; }
+    echo "$gen" > "$W/tasks_made_by.txt"; sha256sum "$W/tasks.jsonl" >> "$W/tasks_made_by.txt"
+    python3 $E/eval_hf.py --model "$M" --tasks "$W/tasks.jsonl" --dtype $HFDT \
+      --predictions "$W/pred_hf.jsonl" > "$W/hf.jsonl" 2> "$W/hf.log" &
+    bash .device/run penumbra eval --model "$M" --tasks "$W/tasks.jsonl" --device cuda --dtype $DT --json \
+      --kv-policy full --predictions "$W/pred_ours.jsonl" > "$W/ours.jsonl" 2> "$W/ours.log" &
+    wait
+    python3 $E/compare_predictions.py "$W/pred_hf.jsonl" "$W/pred_ours.jsonl" > "$W/agreement.jsonl" 2>&1
+    log "card $LEN $DT: HF $(tail -1 "$W/hf.jsonl" | cut -c1-200)"
+    log "card $LEN $DT: ours $(tail -1 "$W/ours.jsonl" | cut -c1-200)"
+    log "card $LEN $DT: agreement $(tail -1 "$W/agreement.jsonl")"
+    tar -C $D -czf "$OUT/card-$LEN-$DT.tgz" "card-$LEN-$DT"
+    ;;
   stage)
     SRC=${2:?exported model directory}
     rm -rf $D/init
@@ -99,7 +128,7 @@ case "${1:-}" in
     du -sh $D/init/part*
     ;;
   *)
-    echo "usage: $0 train|get N|stage DIR" >&2
+    echo "usage: $0 train|get N|card LEN [bf16|f32]|stage DIR" >&2
     exit 2
     ;;
 esac

@@ -26,7 +26,8 @@ using testing::LcgTokens;
 
 // policy: "full", "shadowkv" or "shadowkv-sparse" (sparse continuations,
 // `continuation_budget` tokens selected; 0: the decode budget), with
-// "-landmarks": two landmarks per chunk.
+// "-paper": the paper's one landmark per chunk (the others have two, as
+// LossyShadowKvOptions).
 std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& dtype, size_t cache, int rank = 12,
                                  int64_t continuation_budget = 0, const std::string& store = "") {
   EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
@@ -35,7 +36,7 @@ std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& d
     o.shadowkv.continuation = "sparse";
     o.shadowkv.continuation_budget_tokens = continuation_budget;
   }
-  if (policy.find("-landmarks") != std::string::npos) o.shadowkv.landmarks_per_chunk = 2;
+  if (policy.find("-paper") != std::string::npos) o.shadowkv.landmarks_per_chunk = 1;
   o.shadowkv.rank = rank;
   o.backend.device = "cuda";
   o.backend.dtype = dtype;
@@ -66,7 +67,7 @@ TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> doc = LcgTokens(151, 7, true);
   for (const char* policy :
-       {"full", "shadowkv", "shadowkv-sparse", "shadowkv-landmarks", "shadowkv-sparse-landmarks"}) {
+       {"full", "shadowkv", "shadowkv-sparse", "shadowkv-paper", "shadowkv-sparse-paper"}) {
     for (const char* dtype : {"f32", "bf16"}) {
       auto warm = OpenCuda(policy, dtype, 64 << 20), cold = OpenCuda(policy, dtype, 0);
       ASSERT_TRUE(warm && cold);

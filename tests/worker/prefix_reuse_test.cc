@@ -29,8 +29,8 @@ namespace {
 // Parameter: the KV policy ("full", "shadowkv", "shadowkv-staging": the
 // staged value fetch, "shadowkv-dense": documents under min_prompt_tokens,
 // "shadowkv-sparse": sparse continuations, "shadowkv-tier0": hot values in
-// "device" memory, "shadowkv-landmarks" and "shadowkv-sparse-landmarks": two
-// landmarks per chunk).
+// "device" memory, "shadowkv-paper" and "shadowkv-sparse-paper": the paper's
+// one landmark per chunk; the others have two, as LossyShadowKvOptions).
 class PrefixReuseTest : public testing::StoriesTest, public ::testing::WithParamInterface<std::string> {};
 
 std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full",
@@ -40,10 +40,11 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   o.kv_policy = policy == "full" ? "full" : "shadowkv";
   if (policy == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
   if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
-  if (policy == "shadowkv-sparse" || policy == "shadowkv-sparse-landmarks") o.shadowkv.continuation = "sparse";
-  // Two landmarks per chunk: an attached document's landmark rows read in
-  // place, captured, stored and imported at twice the rows.
-  if (policy.find("landmarks") != std::string::npos) o.shadowkv.landmarks_per_chunk = 2;
+  if (policy == "shadowkv-sparse" || policy == "shadowkv-sparse-paper") o.shadowkv.continuation = "sparse";
+  // One landmark per chunk (the paper's): an attached document's landmark rows
+  // read in place, captured, stored and imported at one row per chunk, where
+  // the other policies keep two.
+  if (policy.find("-paper") != std::string::npos) o.shadowkv.landmarks_per_chunk = 1;
   if (policy == "shadowkv-tier0") {  // hot documents' values copied to "device" memory (here: host memory)
     o.runtime.tiers.on_host_backend = true;
     o.runtime.tiers.gpu_reserve_bytes = 0;
@@ -453,8 +454,8 @@ TEST_F(PrefixReuseTest, ALazilyReadValueThatFailsItsCheckIsRecomputedNotServed) 
 
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
                          ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense",
-                                           "shadowkv-sparse", "shadowkv-tier0", "shadowkv-landmarks",
-                                           "shadowkv-sparse-landmarks"),
+                                           "shadowkv-sparse", "shadowkv-tier0", "shadowkv-paper",
+                                           "shadowkv-sparse-paper"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;

@@ -47,6 +47,9 @@ inline EngineOptions LossyShadowKvOptions() {
   o.shadowkv.outlier_chunks = 2;
   o.shadowkv.local_window = 8;
   o.shadowkv.min_prompt_tokens = 0;
+  // Two landmarks per chunk of 4 (runs of 2 keys): the several-landmark path
+  // of the default (4, which at chunks of 4 would make each landmark one key).
+  o.shadowkv.landmarks_per_chunk = 2;
   return o;
 }
 

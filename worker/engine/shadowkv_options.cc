@@ -18,7 +18,7 @@ void AddShadowKvFlags(Args& a) {
       .Flag("continuation-budget", "shadowkv: tokens a sparse continuation selects per KV head (default 0 = --budget)")
       .Flag("shard-selection", "shadowkv: context parallel: one global top-k over the shards (default) or local")
       .Flag("successor-chunks", "shadowkv: a chunk scores as high as its best of this many predecessors (default 0)")
-      .Flag("landmarks-per-chunk", "shadowkv: landmarks per chunk, a chunk scoring as its best (default 1)");
+      .Flag("landmarks-per-chunk", "shadowkv: landmarks per chunk, a chunk scoring as its best (default 4; 1: the paper's)");
 }
 
 Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
@@ -137,8 +137,9 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
   }
   const int lpc = o.landmarks_per_chunk;
   if (lpc < 1 || lpc > 16 || (lpc & (lpc - 1)) != 0 || o.chunk_size % lpc != 0) {
-    return Status::InvalidArgument("shadowkv.landmarks_per_chunk must be a power of two up to 16 dividing chunk_size (" +
-                                   std::to_string(o.chunk_size) + "), got " + std::to_string(lpc));
+    return Status::InvalidArgument("shadowkv.landmarks_per_chunk (--landmarks-per-chunk, default 4) must be a power "
+                                   "of two up to 16 dividing chunk_size (" + std::to_string(o.chunk_size) + "), got " +
+                                   std::to_string(lpc));
   }
   return Status::OK();
 }

@@ -62,14 +62,18 @@ struct ShadowKvOptions {
   // the run's continuation, which its own landmark may not point to). The
   // budget is unchanged. 0 = the paper's selection. Default: 0.
   int successor_chunks = 0;
-  // Landmarks per chunk: > 1 keeps this many landmarks for each chunk, the
-  // means of its consecutive runs of chunk_size / landmarks_per_chunk keys,
-  // and a chunk scores as its best landmark (the paper's landmark is the mean
-  // of the whole chunk, which averages away the one key a query matches).
-  // Selection, fetch and the budget stay per chunk; scoring reads this many
-  // times the landmarks. A power of two dividing chunk_size, at most 16.
-  // Default: 1.
-  int landmarks_per_chunk = 1;
+  // Landmarks per chunk: keeps this many landmarks for each chunk, the means
+  // of its consecutive runs of chunk_size / landmarks_per_chunk keys, and a
+  // chunk scores as its best landmark. 1 is the paper's landmark, the mean of
+  // the whole chunk, which averages away the one key a query matches: on both
+  // evaluation models it loses 6-11 points to full attention at the 2048-token
+  // budget and most exact copies (docs/evalmodel.md); 4 matches full
+  // attention. Selection, fetch and the budget stay per chunk; scoring reads
+  // this many times the landmarks, which costs decode throughput (9% natural,
+  // 26% with 60% of chunks forced to miss, at 124928 x 14 on an H200) and GPU
+  // memory (2.15x per token: docs/operations.md). A power of two dividing
+  // chunk_size, at most 16. Default: 4.
+  int landmarks_per_chunk = 4;
 };
 
 // The command-line flags of the options (--rank, --chunk-size, --budget,
