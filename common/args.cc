@@ -39,6 +39,12 @@ Status Args::Parse(int argc, char** argv, int first) {
     } else if (inline_value) {
       return Status::InvalidArgument("flag --" + name + " takes no value");
     }
+    // A flag given twice is a mistake in a script or a config line; taking
+    // either value silently would hide it.
+    if (auto prev = values_.find(name); prev != values_.end()) {
+      return Status::InvalidArgument("flag --" + name + " given twice" +
+                                     (it->second.takes_value ? " ('" + prev->second + "', then '" + value + "')" : ""));
+    }
     values_[name] = value;
   }
   return Status::OK();
@@ -131,6 +137,42 @@ std::string Args::Help() const {
     os << "  --" << n << (s.takes_value ? " VALUE" : "") << "\n      " << s.help << "\n";
   }
   return os.str();
+}
+
+namespace {
+
+// Words grouped as flags: a flag with its value (if the next word does not
+// start with "--"), or a word that is no flag on its own. The name is the
+// flag's, without "--" and "=value"; "" for a lone word.
+std::vector<std::pair<std::string, std::vector<std::string>>> FlagGroups(const std::vector<std::string>& words) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> out;
+  for (size_t i = 0; i < words.size(); ++i) {
+    const std::string& w = words[i];
+    if (w.rfind("--", 0) != 0) {
+      out.push_back({"", {w}});
+      continue;
+    }
+    const size_t eq = w.find('=');
+    std::string name = w.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    std::vector<std::string> g = {w};
+    if (eq == std::string::npos && i + 1 < words.size() && words[i + 1].rfind("--", 0) != 0) g.push_back(words[++i]);
+    out.push_back({std::move(name), std::move(g)});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> OverrideFlags(const std::vector<std::string>& base, const std::vector<std::string>& overrides) {
+  const auto over = FlagGroups(overrides);
+  std::vector<std::string> out;
+  for (const auto& [name, words] : FlagGroups(base)) {
+    bool replaced = false;
+    for (const auto& o : over) replaced = replaced || (!name.empty() && o.first == name);
+    if (!replaced) out.insert(out.end(), words.begin(), words.end());
+  }
+  out.insert(out.end(), overrides.begin(), overrides.end());
+  return out;
 }
 
 }  // namespace penumbra

@@ -1,7 +1,7 @@
 // A small command-line parser for subcommand-style tools:
 //   tool SUBCOMMAND --key value --key=value --switch
-// Every flag must be declared; unknown flags, missing values and malformed
-// numbers are InvalidArgument errors that name the flag.
+// Every flag must be declared; unknown flags, a flag given twice, missing
+// values and malformed numbers are InvalidArgument errors that name the flag.
 #pragma once
 
 #include <cstdint>
@@ -47,5 +47,14 @@ class Args {
   std::vector<std::string> order_;
   std::map<std::string, std::string> values_;
 };
+
+// Another process's command line with overrides: the flags of `overrides`
+// replace the same flags of `base` (a "--flag value" pair, "--flag=value" or
+// a switch; a word after a flag that does not start with "--" is its value),
+// the rest of `overrides` is appended. For a launcher that passes a user's
+// extra flags to processes it starts with flags of its own (penumbra serve
+// --worker-args over the topology's args), since a flag given twice is
+// refused.
+std::vector<std::string> OverrideFlags(const std::vector<std::string>& base, const std::vector<std::string>& overrides);
 
 }  // namespace penumbra

@@ -796,7 +796,8 @@ Status ServeCommand(int argc, char** argv) {
       .Flag("data-dir", "override the topology's data_dir (batch jobs; \"\" = off)")
       .Flag("port", "override the coordinator's port (0: the OS picks)")
       .Flag("metrics-port", "override the coordinator's metrics port (0: the OS picks, -1: off)")
-      .Flag("worker-args", "more flags for every worker, space-separated (e.g. \"--kv-policy shadowkv\")")
+      .Flag("worker-args", "more flags for every worker, space-separated (e.g. \"--kv-policy shadowkv\"); "
+                           "they replace the topology's same flags")
       .Flag("port-file", "write {\"port\": P, \"metrics_port\": M, \"pid\": N} of the coordinator here once serving")
       .Flag("run-dir", "logs and port files of the processes (default build/run/serve-PID)")
       .Flag("start-timeout-s", "how long each process may take to start (default 300)");
@@ -817,7 +818,7 @@ Status ServeCommand(int argc, char** argv) {
     std::string w;
     std::vector<std::string> extra;
     while (words >> w) extra.push_back(w);
-    for (auto& spec : t.workers) spec.args.insert(spec.args.end(), extra.begin(), extra.end());
+    for (auto& spec : t.workers) spec.args = OverrideFlags(spec.args, extra);
   }
   PENUMBRA_ASSIGN_OR_RETURN(int64_t start_s, a.GetIntIn("start-timeout-s", 300, 1, 86400));
   const std::string dir = a.Get("run-dir", "build/run/serve-" + std::to_string(getpid()));
