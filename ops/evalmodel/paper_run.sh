@@ -24,6 +24,9 @@
 #            part. Here: join the pieces (cat NAME.part* > NAME), untar
 #            meta.tgz, keep the directory beside the repository (not in it:
 #            ~210 MB), e.g. /work/paper-ckpt/model.
+#   card LEN [bf16|f32]  (the bundle with penumbra in .device, the model
+#            staged or MODEL=DIR) transformers vs `penumbra eval` under full
+#            attention on one task set; $OUT/card-LEN-DTYPE.tgz.
 #   stage DIR  (here, in a later session) splits that directory into
 #            build-paper/init/part0, part1, ... of at most PART_BYTES (40 MB;
 #            the tracked tree, without the first model and with
