@@ -11,7 +11,8 @@
 // write and is never stored either. `failed` is kept for job-level failures
 // a caller may declare; this store never sets it. Cancel cancels the
 // pending items at once; the job is `cancelling` while leased items still
-// run and `cancelled` once none does. A job not finished when its
+// run and `cancelled` once none does (the coordinator's JobService stops
+// them and releases their leases, which cancels them). A job not finished when its
 // completion window has passed (now >= created_at + window, checked by
 // ExpireDue) is `expired`: its unfinished items fail with error "expired",
 // results already recorded stay. Completed, failed, cancelled and expired

@@ -829,8 +829,9 @@ void Coordinator::DropExpired() {
 Status Coordinator::StartJobs(JobServiceOptions options) {
   if (jobs_) return Status::FailedPrecondition("jobs are already started");
   PENUMBRA_ASSIGN_OR_RETURN(jobs_, JobService::Start(options, [this](const std::string& tenant,
-                                                                     const rpc::GenerateRequest& r) {
-                              return RunItem(tenant, r);
+                                                                     const rpc::GenerateRequest& r,
+                                                                     const std::atomic<bool>& cancel) {
+                              return RunItem(tenant, r, cancel);
                             }));
   return Status::OK();
 }
@@ -842,7 +843,8 @@ Result<JobService*> Coordinator::Jobs() const {
   return jobs_.get();
 }
 
-ItemOutcome Coordinator::RunItem(const std::string& tenant, const rpc::GenerateRequest& request) {
+ItemOutcome Coordinator::RunItem(const std::string& tenant, const rpc::GenerateRequest& request,
+                                 const std::atomic<bool>& cancel) {
   ItemOutcome out;
   rpc::GenerateRequest r = request;
   r.deadline_ms = 0;  // the job's window applies
@@ -853,12 +855,20 @@ ItemOutcome Coordinator::RunItem(const std::string& tenant, const rpc::GenerateR
   }
   Request& q = **started;
   std::lock_guard<std::mutex> lk(q.mu);
+  bool cancel_sent = false;
   while (!q.done) {
     if (stopping_) {
       out.status = Status::Unavailable("the coordinator is stopping");
       return out;
     }
-    Status s = Advance(q, static_cast<int64_t>(q.ids.size()), milliseconds(1000));
+    if (cancel.load() && !cancel_sent) {
+      // Its job was cancelled: the worker stops it as a client's Cancel
+      // would, and the generation ends as "cancelled".
+      cancel_sent = true;
+      Status c = workers_->Call(q.worker, "cancel", [&](rpc::WorkerClient& w) { w.Cancel(q.wid); });
+      if (!c.ok() && c.code() != StatusCode::kNotFound) LOG(WARNING) << "jobs: cancelling a job's item: " << c;
+    }
+    Status s = Advance(q, static_cast<int64_t>(q.ids.size()), milliseconds(cancel_sent ? 100 : 200));
     if (!s.ok()) {
       out.status = s;
       return out;

@@ -129,7 +129,7 @@ class Coordinator : public rpc::PenumbraIf {
   Result<rpc::WorkerGenerateRequest> PrepareGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
                                                      std::vector<DocumentView>* docs) const;
   // A job item: generates to the end (or until the coordinator stops).
-  ItemOutcome RunItem(const std::string& tenant, const rpc::GenerateRequest& r);
+  ItemOutcome RunItem(const std::string& tenant, const rpc::GenerateRequest& r, const std::atomic<bool>& cancel);
   Result<JobService*> Jobs() const;
   // The tenant's limit on jobs in flight (nullopt: none).
   std::optional<int64_t> JobQuota(const std::string& tenant) const;

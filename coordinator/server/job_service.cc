@@ -133,6 +133,9 @@ void JobService::Loop() {
     bool claimed = false;
     const int64_t free = o_.max_running_items - running_.load();
     if (free > 0) {
+      // Leased and listed under one lock, so that Cancel either finds the
+      // item in items_ or its job already cancelling (then Claim skips it).
+      std::lock_guard<std::mutex> lk(mu_);
       Result<std::vector<jobs::ItemLease>> leases = store_->Claim(static_cast<size_t>(free));
       if (!leases.ok()) {
         LOG(ERROR) << "jobs: leasing items: " << leases.status();
@@ -141,14 +144,15 @@ void JobService::Loop() {
           claimed = true;
           ++running_;
           auto done = std::make_shared<std::atomic<bool>>(false);
-          std::lock_guard<std::mutex> lk(mu_);
-          items_.push_back({std::thread([this, lease = std::move(l), done]() mutable {
-                              Run(std::move(lease));
+          auto cancel = std::make_shared<std::atomic<bool>>(false);
+          std::string job_id = l.job_id;
+          items_.push_back({std::thread([this, lease = std::move(l), done, cancel]() mutable {
+                              Run(std::move(lease), *cancel);
                               --running_;
                               done->store(true);
                               cv_.notify_all();
                             }),
-                            done});
+                            done, std::move(job_id), cancel});
         }
       }
     }
@@ -159,14 +163,21 @@ void JobService::Loop() {
   }
 }
 
-void JobService::Run(jobs::ItemLease lease) {
+void JobService::Run(jobs::ItemLease lease, const std::atomic<bool>& cancel) {
   const std::string where = lease.job_id + " item " + std::to_string(lease.item_index) + " ('" + lease.custom_id + "')";
   jobs::ItemResult r;
   Result<rpc::GenerateRequest> req = Deserialize<rpc::GenerateRequest>(lease.options, "the request of " + where);
   if (!req.ok()) {
     r.error = req.status().ToString();
   } else {
-    ItemOutcome out = run_(lease.tenant, *req);
+    ItemOutcome out = run_(lease.tenant, *req, cancel);
+    if (cancel.load() && (!out.status.ok() || out.finish_reason == "cancelled")) {
+      // Stopped by its job's cancel: the released lease of a cancelling
+      // job's item ends as cancelled (JobStore::Release).
+      Status s = store_->Release(lease.job_id, lease.item_index, lease.attempt);
+      if (!s.ok()) LOG(ERROR) << "jobs: releasing cancelled " << where << ": " << s;
+      return;
+    }
     if (!out.status.ok() && Retryable(out.status)) {
       // Leased again after a pause (or, when the coordinator stops
       // meanwhile, by the next one: the store recovers running items).
@@ -266,7 +277,13 @@ Result<rpc::JobResults> JobService::Results(const std::string& tenant, const std
 }
 
 Result<rpc::JobInfo> JobService::Cancel(const std::string& tenant, const std::string& job_id) {
-  PENUMBRA_RETURN_IF_ERROR(store_->Cancel(tenant, job_id));
+  {
+    std::lock_guard<std::mutex> lk(mu_);  // see Loop
+    PENUMBRA_RETURN_IF_ERROR(store_->Cancel(tenant, job_id));
+    for (ItemThread& t : items_) {
+      if (t.job_id == job_id) t.cancel->store(true);
+    }
+  }
   return Get(tenant, job_id);
 }
 

@@ -50,8 +50,11 @@ struct ItemOutcome {
 
 class JobService {
  public:
-  // Runs one generation for `tenant` to its end (blocking).
-  using RunItem = std::function<ItemOutcome(const std::string& tenant, const rpc::GenerateRequest& request)>;
+  // Runs one generation for `tenant` to its end (blocking). `cancel` turns
+  // true when the item's job is cancelled while it runs: the generation
+  // should then stop (finish reason "cancelled") and return soon.
+  using RunItem = std::function<ItemOutcome(const std::string& tenant, const rpc::GenerateRequest& request,
+                                            const std::atomic<bool>& cancel)>;
 
   // Opens the store (recovering what a crash left leased) and starts the
   // runner.
@@ -70,6 +73,8 @@ class JobService {
   Result<rpc::JobList> List(const std::string& tenant, const std::string& page_token, int32_t page_size) const;
   Result<rpc::JobResults> Results(const std::string& tenant, const std::string& job_id,
                                   const std::string& after_custom_id, int32_t page_size);
+  // Cancels the pending items at once and stops the job's running items
+  // (their generations are cancelled; their leases end as cancelled).
   Result<rpc::JobInfo> Cancel(const std::string& tenant, const std::string& job_id);
   Status Delete(const std::string& tenant, const std::string& job_id);
   // The tenant's jobs not final yet (in progress or cancelling).
@@ -81,7 +86,7 @@ class JobService {
  private:
   JobService(const JobServiceOptions& options, std::unique_ptr<jobs::JobStore> store, RunItem run);
   void Loop();
-  void Run(jobs::ItemLease lease);
+  void Run(jobs::ItemLease lease, const std::atomic<bool>& cancel);
 
   JobServiceOptions o_;
   std::unique_ptr<jobs::JobStore> store_;
@@ -93,6 +98,8 @@ class JobService {
   struct ItemThread {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;
+    std::string job_id;
+    std::shared_ptr<std::atomic<bool>> cancel;  // set by Cancel of its job
   };
   std::vector<ItemThread> items_;  // guarded by mu_: item threads (joined when done or at Stop)
   std::thread loop_;

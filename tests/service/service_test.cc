@@ -947,6 +947,65 @@ TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
   ExpectCode(alice->GetJob(id).status(), StatusCode::kNotFound, "a deleted job");
 }
 
+// Cancelling a batch job stops the item that is running, not only the
+// pending ones: its generation is cancelled on the worker and the item ends
+// as cancelled, with no answer recorded (before, it ran to its end and
+// counted as succeeded).
+TEST_F(Service, CancellingABatchJobStopsItsRunningItem) {
+  ClusterOptions o;
+  o.api_keys_yaml = "keys:\n  alice-key: alice\n";
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.StartWorker(0));
+  ASSERT_TRUE(cluster.StartCoordinator({"--data-dir", cluster.dir() + "/data", "--job-concurrency", "1"}));
+  auto alice = cluster.Client("alice-key");
+  ASSERT_TRUE(alice);
+  rpc::SubmitJobRequest job;
+  for (int i = 0; i < 3; ++i) {
+    rpc::JobItem it;
+    it.custom_id = "long-" + std::to_string(i);
+    it.request = Ask({}, LcgTokens(20, 80 + i, true), 480);
+    job.items.push_back(it);
+  }
+  auto submitted = alice->SubmitJob(job);
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  const std::string id = submitted->id;
+  bool running = false;
+  for (int i = 0; i < 500 && !running; ++i) {
+    auto j = alice->GetJob(id);
+    ASSERT_TRUE(j.ok()) << j.status();
+    running = j->running == 1;
+    if (!running) std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE(running) << "no item started";
+  auto cancelling = alice->CancelJob(id);
+  ASSERT_TRUE(cancelling.ok()) << cancelling.status();
+  EXPECT_EQ(cancelling->cancelled, 2);  // the pending ones, at once
+  rpc::JobInfo end;
+  for (int i = 0; i < 500; ++i) {
+    auto j = alice->GetJob(id);
+    ASSERT_TRUE(j.ok()) << j.status();
+    end = *j;
+    if (end.status == rpc::JobStatus::CANCELLED) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_EQ(end.status, rpc::JobStatus::CANCELLED);
+  EXPECT_EQ(end.completed, 0);
+  EXPECT_EQ(end.cancelled, 3);
+  EXPECT_EQ(end.running, 0);
+  auto results = alice->JobResults(id);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), 3u);
+  for (const rpc::JobItemResult& r : *results) {
+    EXPECT_EQ(r.state, "cancelled") << r.custom_id;
+    EXPECT_FALSE(r.ok) << r.custom_id;
+    EXPECT_TRUE(r.ids.empty()) << r.custom_id;
+  }
+  // The worker is free again: a request completes.
+  auto after = alice->Complete(Ask({}, LcgTokens(8, 90, true), 4));
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->finish_reason, "length");
+}
+
 // Tenants from a tenants.yaml (hashed keys, quotas): a wrong or missing key
 // is refused; each quota, when exceeded, is RESOURCE_EXHAUSTED with a
 // retry-after while the other tenant's requests keep completing; neither
