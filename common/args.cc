@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <set>
 #include <sstream>
 
 namespace penumbra {
@@ -164,12 +165,13 @@ std::vector<std::pair<std::string, std::vector<std::string>>> FlagGroups(const s
 }  // namespace
 
 std::vector<std::string> OverrideFlags(const std::vector<std::string>& base, const std::vector<std::string>& overrides) {
-  const auto over = FlagGroups(overrides);
+  std::set<std::string> replaced;
+  for (const auto& group : FlagGroups(overrides)) {
+    if (!group.first.empty()) replaced.insert(group.first);
+  }
   std::vector<std::string> out;
   for (const auto& [name, words] : FlagGroups(base)) {
-    bool replaced = false;
-    for (const auto& o : over) replaced = replaced || (!name.empty() && o.first == name);
-    if (!replaced) out.insert(out.end(), words.begin(), words.end());
+    if (name.empty() || !replaced.count(name)) out.insert(out.end(), words.begin(), words.end());
   }
   out.insert(out.end(), overrides.begin(), overrides.end());
   return out;

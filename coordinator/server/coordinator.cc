@@ -364,7 +364,7 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
       if (!s.ok() && s.code() != StatusCode::kDeadlineExceeded) break;
       if (s.ok()) docs_->SetProgress(d.id, ch.usage.prefilled_tokens);
       if (!s.ok() && Clock::now() > deadline + std::chrono::seconds(30)) {
-        (void)workers_->Call(w, "cancel", [&](rpc::WorkerClient& c) { c.Cancel(wid); });
+        (void)CancelOnWorker(w, wid);
         break;  // the worker does not answer past the deadline
       }
     }
@@ -779,9 +779,14 @@ void Coordinator::Cancel(const std::string& api_key, const std::string& request_
   {
     std::lock_guard<std::mutex> lk(q->mu);
     if (q->done) return;
-    s = workers_->Call(q->worker, "cancel", [&](rpc::WorkerClient& c) { c.Cancel(q->wid); });
+    s = CancelOnWorker(q->worker, q->wid);
   }
-  if (!s.ok() && s.code() != StatusCode::kNotFound) Throw(s);
+  if (!s.ok()) Throw(s);
+}
+
+Status Coordinator::CancelOnWorker(int w, int64_t wid) {
+  Status s = workers_->Call(w, "cancel", [&](rpc::WorkerClient& c) { c.Cancel(wid); });
+  return s.code() == StatusCode::kNotFound ? Status::OK() : s;
 }
 
 void Coordinator::Complete(rpc::GenerateChunk& out, const rpc::GenerateRequest& request) {
@@ -865,10 +870,11 @@ ItemOutcome Coordinator::RunItem(const std::string& tenant, const rpc::GenerateR
       // Its job was cancelled: the worker stops it as a client's Cancel
       // would, and the generation ends as "cancelled".
       cancel_sent = true;
-      Status c = workers_->Call(q.worker, "cancel", [&](rpc::WorkerClient& w) { w.Cancel(q.wid); });
-      if (!c.ok() && c.code() != StatusCode::kNotFound) LOG(WARNING) << "jobs: cancelling a job's item: " << c;
+      Status c = CancelOnWorker(q.worker, q.wid);
+      if (!c.ok()) LOG(WARNING) << "jobs: cancelling a job's item: " << c;
     }
-    Status s = Advance(q, static_cast<int64_t>(q.ids.size()), milliseconds(cancel_sent ? 100 : 200));
+    // Short waits: a cancel of the job is noticed within one.
+    Status s = Advance(q, static_cast<int64_t>(q.ids.size()), milliseconds(200));
     if (!s.ok()) {
       out.status = s;
       return out;

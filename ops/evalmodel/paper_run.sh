@@ -24,6 +24,7 @@
 #            part. Here: join the pieces (cat NAME.part* > NAME), untar
 #            meta.tgz, keep the directory beside the repository (not in it:
 #            ~210 MB), e.g. /work/paper-ckpt/model.
+#   merge    the uploaded parts into build-paper/init/model (for ablation.sh).
 #   card LEN [bf16|f32]  (the bundle with penumbra in .device, the model
 #            staged or MODEL=DIR) transformers vs `penumbra eval` under full
 #            attention on one task set; $OUT/card-LEN-DTYPE.tgz.
@@ -88,6 +89,11 @@ case "${1:-}" in
     done
     log "part $N of $(( (${#files[@]} + 3) / 4 )): $(ls $OUT | tr '\n' ' ')"
     ;;
+  merge)
+    # The staged parts into build-paper/init/model (train and card do it on
+    # first use; ablation.sh needs it done: MODEL=build-paper/init/model).
+    merge_init
+    ;;
   card)
     # The model card's parity: Hugging Face transformers (the independent
     # reference) and `penumbra eval` under full attention, at one dtype, on
@@ -99,7 +105,7 @@ case "${1:-}" in
     LEN=${2:?length}; DT=${3:-bf16}
     case $DT in bf16) HFDT=bfloat16 ;; f32) HFDT=float32 ;; *) echo "dtype: bf16 or f32" >&2; exit 2 ;; esac
     M=${MODEL:-$D/init/model}
-    [ -f "$M/config.json" ] || [ "$M" != "$D/init/model" ] || merge_init >/dev/null
+    if [ ! -f "$M/config.json" ] && [ "$M" = $D/init/model ]; then merge_init >/dev/null; fi
     [ -f "$M/config.json" ] || { log "no model at $M"; exit 2; }
     W=$D/card-$LEN-$DT
     rm -rf "$W"; mkdir -p "$W"
@@ -131,7 +137,7 @@ case "${1:-}" in
     du -sh $D/init/part*
     ;;
   *)
-    echo "usage: $0 train|get N|card LEN [bf16|f32]|stage DIR" >&2
+    echo "usage: $0 train|get N|merge|card LEN [bf16|f32]|stage DIR" >&2
     exit 2
     ;;
 esac

@@ -40,7 +40,7 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   o.kv_policy = policy == "full" ? "full" : "shadowkv";
   if (policy == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
   if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
-  if (policy == "shadowkv-sparse" || policy == "shadowkv-sparse-paper") o.shadowkv.continuation = "sparse";
+  if (policy.rfind("shadowkv-sparse", 0) == 0) o.shadowkv.continuation = "sparse";
   // One landmark per chunk (the paper's): an attached document's landmark rows
   // read in place, captured, stored and imported at one row per chunk, where
   // the other policies keep two.
