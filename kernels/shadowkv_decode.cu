@@ -1273,7 +1273,7 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
   const int rows = a.batch * a.hkv;
   if (rows <= 0 || a.max_misses <= 0) return;
   CHECK(a.d % 2 == 0 && a.d <= 512) << "ShadowkvRebuildK: d " << a.d;
-  CHECK(a.r >= 1 && a.r <= 512) << "ShadowkvRebuildK: r " << a.r;
+  CHECK(a.r >= 1 && a.r <= kShadowkvMaxRebuildRank) << "ShadowkvRebuildK: r " << a.r;
   CHECK(a.chunk_size >= 1 && a.chunk_size <= 64) << "ShadowkvRebuildK: chunk_size " << a.chunk_size;
   CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF32) << "ShadowkvRebuildK: dtype";
   bool mma = a.algo != RebuildKAlgo::kSimt && a.dtype == DType::kBF16 && a.d % 64 == 0 && a.r % 8 == 0;

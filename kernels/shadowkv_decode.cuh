@@ -240,7 +240,8 @@ void LaunchShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& args, cudaStream_t s
 // position t + position_offset[b] (angle = float(pos) * inv_freq[j] in f32,
 // pairs (j, j + d/2)), written to K row outlier_rows + slot * chunk_size + i
 // of head h. Miss lists are ShadowkvSlotUpdate's outputs.
-// Supported: d even, d <= 512; r <= 512; chunk_size 1..64.
+// Supported: d even, d <= 512; r <= kShadowkvMaxRebuildRank; chunk_size 1..64.
+inline constexpr int kShadowkvMaxRebuildRank = 512;
 enum class RebuildKAlgo : uint8_t {
   kAuto,  // tensor cores when dtype is bf16, d % 64 == 0 and it fits in shared memory
   kMma,   // tensor-core path (falls back to kSimt where unsupported)

@@ -227,10 +227,13 @@ void ShadowkvRebuildK(const ShadowkvRebuildKArgs& a) {
         const int64_t t = static_cast<int64_t>(chunk) * a.chunk_size + i;
         const int64_t split = static_cast<int64_t>(a.shared_chunks) * a.chunk_size;
         const float* at = t < split ? a.shared_a[b] + t * a.r : a.a[b] + (t - split) * a.r;
-        for (int j = 0; j < a.d; ++j) {
-          float acc = 0.0f;
-          for (int k = 0; k < a.r; ++k) acc += at[k] * bh[static_cast<int64_t>(k) * a.d + j];
-          x[j] = acc;
+        // x = at . B, each x[j] summed over k in order (as before), with the
+        // inner loop along B's contiguous rows so that it vectorizes.
+        std::fill(x.begin(), x.end(), 0.0f);
+        for (int k = 0; k < a.r; ++k) {
+          const float ak = at[k];
+          const float* bk = bh + static_cast<int64_t>(k) * a.d;
+          for (int j = 0; j < a.d; ++j) x[j] += ak * bk[j];
         }
         const int32_t pos = static_cast<int32_t>(t) + offset;
         float* dst = a.att_k[b] + h * a.att_head_stride +

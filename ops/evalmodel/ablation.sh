@@ -19,6 +19,16 @@
 # the same records (tasks.py is deterministic), so two calls compare. A call
 # brings back at most 8 files: give each run of this script in one call its
 # own folder under $OUT (OUT=$OUT/a ...), at most two runs per call.
+#
+# Runs longer than a call's 600 s (a 64K set: about 450 s with three runs
+# sharing the GPU) start in their own session so that they outlive the call,
+# with OUT and WORK under build-ablation/ (the machine empties $OUT before
+# each call), and a later call on the same held machine collects them:
+#   (setsid nohup env CONFIGS="shadowkv --rank 512" WORK=build-ablation/wa \
+#      OUT=build-ablation/oa ... bash ops/evalmodel/ablation.sh \
+#      > build-ablation/a.log 2>&1 < /dev/null &)
+# The machine goes back 30 s after a call ends with none in flight: chain
+# the calls (a waiting call: poll build-ablation/o*/eval.log for "done").
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -42,6 +52,13 @@ if [ ! -f "$tasks" ]; then
 fi
 sha=$(sha256sum "$tasks" | cut -d' ' -f1)
 log "tasks: $gen -> $(wc -l < "$tasks") records, sha256 $sha"
+
+# The bundle unpacks itself on first use (.device/run: into a fixed
+# temporary name, then renamed); concurrent first uses collide, so unpack it
+# once under a lock before any config runs.
+lock=(); command -v flock >/dev/null && lock=(flock build-ablation/.unpack)
+"${lock[@]}" bash .device/run penumbra --help >/dev/null 2>&1 ||
+  { log "the bundle does not run (bash .device/run penumbra --help)"; exit 2; }
 
 rm -f $WORK/pred*.jsonl
 i=0

@@ -2,14 +2,35 @@
 """Agreement of two prediction files (eval_hf.py --predictions or penumbra's).
 
 Matches records by (id, turn) and prints JSON lines: the fraction of identical
-predictions per (task, length) and overall ("same greedy answers").
+predictions per (task, length) and overall ("same greedy answers"); then one
+"paired" line: both files' accuracy on the common samples (exact answers, as
+`penumbra eval` scores), the gap A - B in points, its paired standard error
+(of the per-sample differences, in points) and the samples right in only one
+of them. A gap within about two standard errors is not evidence that the two
+differ.
 
   python3 ops/evalmodel/compare_predictions.py pred_hf.jsonl pred_penumbra.jsonl
 """
 
 import collections
 import json
+import math
 import sys
+
+
+def paired(a, b, keys):
+    """Accuracy of a and b over keys, the gap a - b and its standard error (points)."""
+    d = [int(bool(a[k].get("correct"))) - int(bool(b[k].get("correct"))) for k in keys]
+    n = len(d)
+    if n == 0:
+        return {"paired": True, "n": 0}
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    acc_a = 100.0 * sum(int(bool(a[k].get("correct"))) for k in keys) / n
+    acc_b = 100.0 * sum(int(bool(b[k].get("correct"))) for k in keys) / n
+    return {"paired": True, "n": n, "accuracy_a": round(acc_a, 2), "accuracy_b": round(acc_b, 2),
+            "gap_points": round(100.0 * mean, 2), "se_points": round(100.0 * math.sqrt(var / n), 2),
+            "right_only_a": sum(x > 0 for x in d), "right_only_b": sum(x < 0 for x in d)}
 
 
 def load(path):
@@ -37,6 +58,7 @@ def main(argv=None):
             agg[g][1] += int(same)
     for (task, length), (n, s) in sorted(agg.items(), key=lambda kv: str(kv[0])):
         print(json.dumps({"task": task, "length": length, "n": n, "agreement": round(s / n, 4)}))
+    print(json.dumps(paired(a, b, keys)))
     missing = len(set(a) ^ set(b))
     if missing:
         print(f"{missing} (id, turn) pairs present in only one file", file=sys.stderr)

@@ -35,6 +35,8 @@
 #            ["build-paper/init/partK"] in one call each (command `true`; the
 #            parts stay on the warm machine), then `train` starts from them
 #            (train.py --init-from: fresh optimizer moments, the LR re-warmed).
+#   stage-xz DIR  (here) the same as one xz archive in pieces: three calls
+#            instead of five for the 210 MB model (see the case below).
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}
@@ -48,7 +50,14 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-45}     # the whole training, over every session
 mkdir -p "$RUN" "$D/logs"
 log() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
-merge_init() {  # build-paper/init/part*/* -> build-paper/init/model
+merge_init() {  # build-paper/up (stage-xz) or build-paper/init/part*/* -> build-paper/init/model
+  if ls $D/up/q*/m.xz.* >/dev/null 2>&1; then
+    mkdir -p $D/init/model $D/x
+    cat $(ls $D/up/q*/m.xz.* | sort -t. -k3 -n) |
+      python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('$D/x')" ||
+      { log "build-paper/up: the pieces do not make one archive (one missing?)"; exit 2; }
+    cp $D/x/*/* $D/init/model/ && rm -rf $D/x
+  fi
   [ -d $D/init ] || return 0
   mkdir -p $D/init/model
   for p in $D/init/part*; do [ -d "$p" ] && cp "$p"/* $D/init/model/; done
@@ -136,8 +145,26 @@ case "${1:-}" in
     done
     du -sh $D/init/part*
     ;;
+  stage-xz)
+    # Fewer calls than stage: one xz archive of the directory (about 73% of
+    # its bytes) in pieces of PART_BYTES under build-paper/up/q1, q2, ...,
+    # and its tokenizer.json and config.json in build-paper/up/q0, small
+    # enough to travel with the bundle (the first call can make the task
+    # sets: ablation.sh CONFIGS="" with MODEL=build-paper/init/model after
+    # copying q0 there). With the tracked tree at 12 MB (the first model and
+    # the tiny test models moved aside), 51.5 MB pieces fit: the 210 MB model
+    # takes three calls. merge joins and unpacks them.
+    SRC=${2:?exported model directory}
+    rm -rf $D/up && mkdir -p $D/up/q0
+    cp "$SRC"/tokenizer.json "$SRC"/config.json $D/up/q0/
+    tar -C "$(dirname "$SRC")" -cf - "$(basename "$SRC")" | xz -T0 -6 |
+      split -b "${PART_BYTES:-51500000}" -d -a 2 - $D/up/m.xz.
+    k=1
+    for f in $(ls $D/up/m.xz.* | sort -t. -k3 -n); do mkdir -p $D/up/q$k && mv "$f" $D/up/q$k/; k=$((k + 1)); done
+    du -sh $D/up/q*
+    ;;
   *)
-    echo "usage: $0 train|get N|merge|card LEN [bf16|f32]|stage DIR" >&2
+    echo "usage: $0 train|get N|merge|card LEN [bf16|f32]|stage DIR|stage-xz DIR" >&2
     exit 2
     ;;
 esac

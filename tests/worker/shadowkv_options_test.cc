@@ -72,6 +72,16 @@ TEST(ShadowKvOptionsTest, YamlKeysAreReadAndCheckedAgainstTheModel) {
   ShadowKvOptions r;
   r.rank = 2000;  // over hkv * d = 1024
   EXPECT_EQ(ValidateShadowKvOptions(r, 8, 128).code(), StatusCode::kInvalidArgument);
+  // Full rank (1024) is a valid option on the CPU backend; the CUDA key
+  // rebuild takes at most 512, refused with a typed error naming the rank
+  // instead of a kernel's check failure (which took an eval process down).
+  r.rank = 1024;
+  EXPECT_TRUE(ValidateShadowKvOptions(r, 8, 128).ok());
+  const Status cuda = ValidateShadowKvOptions(r, 8, 128, Device::kCUDA);
+  EXPECT_EQ(cuda.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(cuda.message().find("shadowkv.rank 1024"), std::string::npos) << cuda;
+  r.rank = 512;
+  EXPECT_TRUE(ValidateShadowKvOptions(r, 8, 128, Device::kCUDA).ok());
   for (int lpc : {3, 16}) {  // not a power of two; more landmarks than the chunk's 8 keys
     ShadowKvOptions l;
     l.landmarks_per_chunk = lpc;

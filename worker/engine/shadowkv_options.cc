@@ -1,9 +1,11 @@
 #include "worker/engine/shadowkv_options.h"
 
+#include "kernels/shadowkv_decode.cuh"
+
 namespace penumbra {
 
 void AddShadowKvFlags(Args& a) {
-  a.Flag("rank", "shadowkv: rank of the pre-RoPE key factors (default 160)")
+  a.Flag("rank", "shadowkv: rank of the pre-RoPE key factors (default 160; at most 512 on CUDA)")
       .Flag("chunk-size", "shadowkv: tokens per chunk (default 8)")
       .Flag("budget", "shadowkv: sparse budget in tokens (default 2048)")
       .Flag("budget-fraction", "shadowkv: sparse budget as a fraction of the context (overrides --budget)")
@@ -93,11 +95,16 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   return r.Finish();
 }
 
-Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) {
+Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim, Device device) {
   const int full_rank = hkv * head_dim;
   if (o.rank < 1 || o.rank > full_rank) {
     return Status::InvalidArgument("shadowkv.rank must be in [1, hkv*head_dim = " + std::to_string(full_rank) +
                                    "], got " + std::to_string(o.rank));
+  }
+  if (device == Device::kCUDA && o.rank > kernels::kShadowkvMaxRebuildRank) {
+    return Status::InvalidArgument("shadowkv.rank " + std::to_string(o.rank) + " is above " +
+                                   std::to_string(kernels::kShadowkvMaxRebuildRank) +
+                                   ", the most the CUDA backend's key rebuild takes");
   }
   if (o.chunk_size < 1) return Status::InvalidArgument("shadowkv.chunk_size must be >= 1");
   if (o.budget_fraction <= 0 && (o.budget_tokens < o.chunk_size || o.budget_tokens % o.chunk_size != 0)) {

@@ -7,6 +7,7 @@
 
 #include "common/args.h"
 #include "common/config.h"
+#include "common/dtype.h"
 #include "common/status.h"
 
 namespace penumbra {
@@ -87,8 +88,9 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* s);
 
 // Reads `shadowkv:` options; errors name the key.
 Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o);
-// Checks options against a model's geometry and a context length; a clear
-// InvalidArgument for impossible combinations.
-Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim);
+// Checks options against a model's geometry and the device's kernels; a clear
+// InvalidArgument for impossible combinations (on CUDA the key rebuild takes a
+// rank of at most kernels::kShadowkvMaxRebuildRank).
+Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim, Device device = Device::kCPU);
 
 }  // namespace penumbra

@@ -1911,7 +1911,8 @@ class ShadowKvPolicy final : public KvPolicy {
 }  // namespace
 
 Result<std::unique_ptr<KvPolicy>> MakeShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& options) {
-  PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(options, ctx.hkv, ctx.head_dim));
+  PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(options, ctx.hkv, ctx.head_dim,
+                                                   ctx.backend ? ctx.backend->device() : Device::kCPU));
   return std::unique_ptr<KvPolicy>(new ShadowKvPolicy(ctx, options));
 }
 
