@@ -10,6 +10,7 @@
 #include "common/args.h"
 #include "common/file.h"
 #include "tests/test_util.h"
+#include "tests/worker/model_test_util.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
 
@@ -233,6 +234,41 @@ TEST_F(EngineTest, ImpossibleShadowKvOptionsAreRefused) {
   e = Engine::Open(Stories(), o);
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("budget_tokens"), std::string::npos) << e.status();
+}
+
+// A budget that is a fraction of the prompt grows with it: past the 4096
+// chunks a selection takes (the GPU's top-k; the CPU keeps the same limit)
+// the request is refused with a typed error and the engine keeps serving.
+TEST_F(EngineTest, ABudgetFractionPastTheSelectionLimitRefusesTheRequest) {
+  testing::TempDir dir;
+  testing::TinyModelSpec spec;
+  spec.max_positions = 8192;
+  testing::WriteStringToFile(dir.File("config.json"), testing::TinyConfigJson(spec).dump(2));
+  testing::WriteStringToFile(dir.File("model.safetensors"),
+                             testing::BuildSafetensors(testing::TinyModelTensors(spec), {{"format", "pt"}}));
+  EngineOptions o;
+  o.backend.device = "cpu";
+  o.kv_policy = "shadowkv";
+  o.shadowkv.rank = 4;  // hkv * d
+  o.shadowkv.chunk_size = 1;
+  o.shadowkv.landmarks_per_chunk = 1;
+  o.shadowkv.budget_fraction = 0.95;
+  o.shadowkv.min_prompt_tokens = 64;
+  auto e = Engine::Open(dir.path(), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  GenerationRequest big;
+  big.prompt = testing::LcgTokens(4600, 3, false);
+  for (int32_t& t : big.prompt) t %= spec.vocab;
+  big.max_new_tokens = 2;
+  auto r = (*e)->runtime().Generate({big});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("lower shadowkv.budget_fraction"), std::string::npos) << r.status();
+  GenerationRequest small = big;
+  small.prompt.resize(1000);  // 950 chunks selected
+  auto ok = (*e)->runtime().Generate({small});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)[0].ids.size(), 2u);
 }
 
 TEST_F(EngineTest, EngineYamlNamesBadKeys) {

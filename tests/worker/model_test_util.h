@@ -110,6 +110,7 @@ struct TinyModelSpec {
   bool tie_word_embeddings = false;
   bool qkv_bias = false;
   int hidden = 8, intermediate = 12, layers = 2, heads = 2, kv_heads = 1, head_dim = 4, vocab = 16;
+  int max_positions = 128;
 };
 
 inline nlohmann::json TinyConfigJson(const TinyModelSpec& s) {
@@ -122,7 +123,7 @@ inline nlohmann::json TinyConfigJson(const TinyModelSpec& s) {
       {"num_key_value_heads", s.kv_heads},
       {"head_dim", s.head_dim},
       {"vocab_size", s.vocab},
-      {"max_position_embeddings", 128},
+      {"max_position_embeddings", s.max_positions},
       {"rope_theta", 10000.0},
       {"rms_norm_eps", 1e-5},
       {"tie_word_embeddings", s.tie_word_embeddings},

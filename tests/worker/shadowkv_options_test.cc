@@ -72,16 +72,6 @@ TEST(ShadowKvOptionsTest, YamlKeysAreReadAndCheckedAgainstTheModel) {
   ShadowKvOptions r;
   r.rank = 2000;  // over hkv * d = 1024
   EXPECT_EQ(ValidateShadowKvOptions(r, 8, 128).code(), StatusCode::kInvalidArgument);
-  // Full rank (1024) is a valid option on the CPU backend; the CUDA key
-  // rebuild takes at most 512, refused with a typed error naming the rank
-  // instead of a kernel's check failure (which took an eval process down).
-  r.rank = 1024;
-  EXPECT_TRUE(ValidateShadowKvOptions(r, 8, 128).ok());
-  const Status cuda = ValidateShadowKvOptions(r, 8, 128, Device::kCUDA);
-  EXPECT_EQ(cuda.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(cuda.message().find("shadowkv.rank 1024"), std::string::npos) << cuda;
-  r.rank = 512;
-  EXPECT_TRUE(ValidateShadowKvOptions(r, 8, 128, Device::kCUDA).ok());
   for (int lpc : {3, 16}) {  // not a power of two; more landmarks than the chunk's 8 keys
     ShadowKvOptions l;
     l.landmarks_per_chunk = lpc;
@@ -89,6 +79,45 @@ TEST(ShadowKvOptionsTest, YamlKeysAreReadAndCheckedAgainstTheModel) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << lpc;
     EXPECT_NE(st.message().find("landmarks_per_chunk"), std::string::npos) << st;
   }
+}
+
+// What the kernels take, per device: a configuration the CUDA kernels cannot
+// run is a typed error naming the limit when the engine starts, not a kernel's
+// check failure (a rank of 1024 took an eval process down that way).
+TEST(ShadowKvOptionsTest, DeviceLimitsAreTypedErrors) {
+  const auto on = [](const ShadowKvOptions& o, Device dev, int hq = 32, int hkv = 8, int d = 128) {
+    return ValidateShadowKvOnDevice(o, hq, hkv, d, dev);
+  };
+  const auto refused = [](const Status& st, const std::string& what) {
+    return st.code() == StatusCode::kInvalidArgument && st.message().find(what) != std::string::npos;
+  };
+  ShadowKvOptions o;  // the defaults run everywhere
+  EXPECT_TRUE(on(o, Device::kCPU).ok());
+  EXPECT_TRUE(on(o, Device::kCUDA).ok());
+  ShadowKvOptions r;
+  r.rank = 1024;  // full rank: fine on the CPU, above the CUDA key rebuild's 512
+  EXPECT_TRUE(ValidateShadowKvOptions(r, 8, 128).ok());
+  EXPECT_TRUE(on(r, Device::kCPU).ok());
+  EXPECT_TRUE(refused(on(r, Device::kCUDA), "shadowkv.rank 1024")) << on(r, Device::kCUDA);
+  r.rank = 512;
+  EXPECT_TRUE(on(r, Device::kCUDA).ok());
+  ShadowKvOptions c;
+  c.chunk_size = 128;
+  c.landmarks_per_chunk = 1;
+  EXPECT_TRUE(on(c, Device::kCPU).ok());
+  EXPECT_TRUE(refused(on(c, Device::kCUDA), "shadowkv.chunk_size 128"));
+  // The selection's 4096 chunks hold on both devices.
+  ShadowKvOptions b;
+  b.budget_tokens = 8 * kShadowKvMaxSelectedChunks;
+  EXPECT_TRUE(on(b, Device::kCUDA).ok());
+  b.budget_tokens += 8;
+  EXPECT_TRUE(refused(on(b, Device::kCPU), "shadowkv.budget_tokens"));
+  EXPECT_TRUE(refused(on(b, Device::kCUDA), "shadowkv.budget_tokens"));
+  // Model geometry the CUDA scores do not take.
+  EXPECT_TRUE(on(o, Device::kCPU, 128, 8).ok());
+  EXPECT_TRUE(refused(on(o, Device::kCUDA, 128, 8), "128 over 8"));  // 16 query heads per KV head
+  EXPECT_TRUE(refused(on(o, Device::kCUDA, 32, 8, 512), "head_dim"));
+  EXPECT_TRUE(refused(on(o, Device::kCUDA, 32, 8, 100), "head_dim"));
 }
 
 }  // namespace

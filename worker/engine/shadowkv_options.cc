@@ -95,16 +95,11 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   return r.Finish();
 }
 
-Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim, Device device) {
+Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) {
   const int full_rank = hkv * head_dim;
   if (o.rank < 1 || o.rank > full_rank) {
     return Status::InvalidArgument("shadowkv.rank must be in [1, hkv*head_dim = " + std::to_string(full_rank) +
                                    "], got " + std::to_string(o.rank));
-  }
-  if (device == Device::kCUDA && o.rank > kernels::kShadowkvMaxRebuildRank) {
-    return Status::InvalidArgument("shadowkv.rank " + std::to_string(o.rank) + " is above " +
-                                   std::to_string(kernels::kShadowkvMaxRebuildRank) +
-                                   ", the most the CUDA backend's key rebuild takes");
   }
   if (o.chunk_size < 1) return Status::InvalidArgument("shadowkv.chunk_size must be >= 1");
   if (o.budget_fraction <= 0 && (o.budget_tokens < o.chunk_size || o.budget_tokens % o.chunk_size != 0)) {
@@ -147,6 +142,34 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim, 
     return Status::InvalidArgument("shadowkv.landmarks_per_chunk (--landmarks-per-chunk, default 4) must be a power "
                                    "of two up to 16 dividing chunk_size (" + std::to_string(o.chunk_size) + "), got " +
                                    std::to_string(lpc));
+  }
+  return Status::OK();
+}
+
+Status ValidateShadowKvOnDevice(const ShadowKvOptions& o, int hq, int hkv, int head_dim, Device device) {
+  static_assert(kShadowKvMaxSelectedChunks == kernels::kTopKMaxK, "the selection's limit is the GPU top-k's");
+  if (o.budget_fraction <= 0 && o.chunk_size >= 1 && o.budget_tokens / o.chunk_size > kShadowKvMaxSelectedChunks) {
+    return Status::InvalidArgument("shadowkv.budget_tokens " + std::to_string(o.budget_tokens) + " is " +
+                                   std::to_string(o.budget_tokens / o.chunk_size) + " chunks; a selection takes at most " +
+                                   std::to_string(kShadowKvMaxSelectedChunks) + " per KV head");
+  }
+  if (device != Device::kCUDA) return Status::OK();
+  if (o.rank > kernels::kShadowkvMaxRebuildRank) {
+    return Status::InvalidArgument("shadowkv.rank " + std::to_string(o.rank) + " is above " +
+                                   std::to_string(kernels::kShadowkvMaxRebuildRank) +
+                                   ", the most the CUDA backend's key rebuild takes");
+  }
+  if (o.chunk_size > 64) {
+    return Status::InvalidArgument("shadowkv.chunk_size " + std::to_string(o.chunk_size) +
+                                   " is above 64, the most the CUDA backend's key rebuild takes");
+  }
+  if (head_dim % 8 != 0 || head_dim > 256) {
+    return Status::InvalidArgument("shadowkv on CUDA needs head_dim a multiple of 8 up to 256; the model has " +
+                                   std::to_string(head_dim));
+  }
+  if (hkv < 1 || hq % hkv != 0 || hq / hkv > 8) {
+    return Status::InvalidArgument("shadowkv on CUDA takes at most 8 query heads per KV head; the model has " +
+                                   std::to_string(hq) + " over " + std::to_string(hkv));
   }
   return Status::OK();
 }

@@ -88,9 +88,18 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* s);
 
 // Reads `shadowkv:` options; errors name the key.
 Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o);
-// Checks options against a model's geometry and the device's kernels; a clear
-// InvalidArgument for impossible combinations (on CUDA the key rebuild takes a
-// rank of at most kernels::kShadowkvMaxRebuildRank).
-Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim, Device device = Device::kCPU);
+// Checks options against a model's geometry; a clear InvalidArgument for
+// impossible combinations.
+Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim);
+
+// What the device's kernels take, checked when an engine starts so that a
+// configuration they cannot run is a typed error naming the limit, not a
+// kernel's check failure: on CUDA a rank of at most 512 (the key rebuild),
+// chunks of at most 64 tokens, head_dim a multiple of 8 up to 256 and at most
+// 8 query heads per KV head (the scores); on every device a budget of at most
+// kShadowKvMaxSelectedChunks chunks (the GPU's top-k; the CPU keeps the same
+// limit so that a request behaves alike on both).
+inline constexpr int kShadowKvMaxSelectedChunks = 4096;
+Status ValidateShadowKvOnDevice(const ShadowKvOptions& o, int hq, int hkv, int head_dim, Device device);
 
 }  // namespace penumbra

@@ -89,6 +89,16 @@ class ShadowKvPolicy final : public KvPolicy {
     SequenceSpec shape = spec;
     if (prefix) shape.first_prefill = prefix->geometry().factored;
     Shape(shape, &s);
+    // A budget that is a fraction of the prompt grows with it (the fixed one
+    // is checked when the engine starts): the request is refused, the engine
+    // keeps serving.
+    if (s.sparse && s.kslots > kShadowKvMaxSelectedChunks) {
+      return Status::InvalidArgument("shadowkv: a budget of " + std::to_string(s.kslots) + " chunks (" +
+                                     std::to_string(int64_t{s.kslots} * o_.chunk_size) +
+                                     " tokens) for this prompt is more than the " +
+                                     std::to_string(kShadowKvMaxSelectedChunks) +
+                                     " a selection takes (lower shadowkv.budget_fraction)");
+    }
     if (s.global_k > kn::kTopKMaxK) {
       return Status::InvalidArgument("shadowkv: a global selection over the shards of " +
                                      std::to_string(s.global_k) + " chunks is more than " +
@@ -1911,8 +1921,9 @@ class ShadowKvPolicy final : public KvPolicy {
 }  // namespace
 
 Result<std::unique_ptr<KvPolicy>> MakeShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& options) {
-  PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(options, ctx.hkv, ctx.head_dim,
-                                                   ctx.backend ? ctx.backend->device() : Device::kCPU));
+  PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(options, ctx.hkv, ctx.head_dim));
+  PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOnDevice(options, ctx.hq, ctx.hkv, ctx.head_dim,
+                                                    ctx.backend ? ctx.backend->device() : Device::kCPU));
   return std::unique_ptr<KvPolicy>(new ShadowKvPolicy(ctx, options));
 }
 
