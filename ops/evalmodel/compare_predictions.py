@@ -20,15 +20,16 @@ import sys
 
 def paired(a, b, keys):
     """Accuracy of a and b over keys, the gap a - b and its standard error (points)."""
-    d = [int(bool(a[k].get("correct"))) - int(bool(b[k].get("correct"))) for k in keys]
+    ra = [int(bool(a[k].get("correct"))) for k in keys]
+    rb = [int(bool(b[k].get("correct"))) for k in keys]
+    d = [x - y for x, y in zip(ra, rb)]
     n = len(d)
     if n == 0:
         return {"paired": True, "n": 0}
     mean = sum(d) / n
     var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
-    acc_a = 100.0 * sum(int(bool(a[k].get("correct"))) for k in keys) / n
-    acc_b = 100.0 * sum(int(bool(b[k].get("correct"))) for k in keys) / n
-    return {"paired": True, "n": n, "accuracy_a": round(acc_a, 2), "accuracy_b": round(acc_b, 2),
+    return {"paired": True, "n": n, "accuracy_a": round(100.0 * sum(ra) / n, 2),
+            "accuracy_b": round(100.0 * sum(rb) / n, 2),
             "gap_points": round(100.0 * mean, 2), "se_points": round(100.0 * math.sqrt(var / n), 2),
             "right_only_a": sum(x > 0 for x in d), "right_only_b": sum(x < 0 for x in d)}
 

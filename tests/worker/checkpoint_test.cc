@@ -23,12 +23,8 @@ using testing::TestTensor;
 using testing::TinyConfigJson;
 using testing::TinyModelSpec;
 using testing::TinyModelTensors;
+using testing::WriteModel;
 using testing::WriteStringToFile;
-
-void WriteModel(const TempDir& dir, const TinyModelSpec& spec, const std::vector<TestTensor>& tensors) {
-  WriteStringToFile(dir.File("config.json"), TinyConfigJson(spec).dump(2));
-  WriteStringToFile(dir.File("model.safetensors"), BuildSafetensors(tensors, {{"format", "pt"}}));
-}
 
 // Splits `tensors` round-robin over `shards` files plus an index, as
 // save_pretrained does with a small max_shard_size.

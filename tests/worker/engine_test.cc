@@ -243,9 +243,7 @@ TEST_F(EngineTest, ABudgetFractionPastTheSelectionLimitRefusesTheRequest) {
   testing::TempDir dir;
   testing::TinyModelSpec spec;
   spec.max_positions = 8192;
-  testing::WriteStringToFile(dir.File("config.json"), testing::TinyConfigJson(spec).dump(2));
-  testing::WriteStringToFile(dir.File("model.safetensors"),
-                             testing::BuildSafetensors(testing::TinyModelTensors(spec), {{"format", "pt"}}));
+  testing::WriteModel(dir, spec, testing::TinyModelTensors(spec));
   EngineOptions o;
   o.backend.device = "cpu";
   o.kv_policy = "shadowkv";

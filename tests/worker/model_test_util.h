@@ -162,4 +162,10 @@ inline std::vector<TestTensor> TinyModelTensors(const TinyModelSpec& s, const st
   return t;
 }
 
+// The tiny model's config.json and a single model.safetensors in `dir`.
+inline void WriteModel(const TempDir& dir, const TinyModelSpec& spec, const std::vector<TestTensor>& tensors) {
+  WriteStringToFile(dir.File("config.json"), TinyConfigJson(spec).dump(2));
+  WriteStringToFile(dir.File("model.safetensors"), BuildSafetensors(tensors, {{"format", "pt"}}));
+}
+
 }  // namespace penumbra::testing

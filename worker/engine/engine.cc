@@ -95,9 +95,7 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
   if (options_.kv_policy == "full") {
     policy = MakeFullKvPolicy(lane->policy_ctx->ctx);
   } else if (options_.kv_policy == "shadowkv") {
-    PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(options_.shadowkv, c.num_kv_heads, c.head_dim));
-    PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOnDevice(options_.shadowkv, c.num_heads, c.num_kv_heads,
-                                                      c.head_dim, backend->device()));
+    // Validates the options against the model and the device first.
     PENUMBRA_ASSIGN_OR_RETURN(policy, MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
   } else {
     return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy + "' (expected full or shadowkv)");
