@@ -90,6 +90,48 @@ __device__ __forceinline__ void LoadPermutedK(const __nv_bfloat16* row, bool val
     k[j] = valid ? __ldg(reinterpret_cast<const uint4*>(row + 32 * j + 8 * c)) : make_uint4(0, 0, 0, 0);
 }
 
+// fp8 (e4m3) key rows (ShadowKV's fp8 landmarks): a lane's D/8 elements come
+// from 16-byte loads of 16 codes (row + 64 j + 16 c), so Q's fragments take
+// its elements in the matching order: k-step pair j holds elements 64 (j/2) +
+// 16 c + 8 (j%2) ..
+template <int D>
+__device__ __forceinline__ void LoadPermutedQForFp8K(const __nv_bfloat16* row, bool valid, int c,
+                                                     uint32_t (&qa)[D / 16][2]) {
+  static_assert(D % 64 == 0, "fp8 rows are loaded 64 codes per step of the four lanes");
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) {
+    const __nv_bfloat16* p = row + 64 * (j >> 1) + 16 * c + 8 * (j & 1);
+    const uint4 u = valid ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+    qa[2 * j][0] = u.x;
+    qa[2 * j][1] = u.y;
+    qa[2 * j + 1][0] = u.z;
+    qa[2 * j + 1][1] = u.w;
+  }
+}
+
+// Codes 2i, 2i+1 of w (i = 0: bytes 0, 1; i = 1: bytes 2, 3) as a bf16 pair
+// whose values are the codes' times 2^-120, exactly: the sign to bit 15, the
+// exponent and mantissa fields below it (bf16 has e4m3's 3 mantissa bits and
+// more; a bias of 127 instead of 7 is the 2^-120).
+__device__ __forceinline__ uint32_t E4M3PairToBf16(uint32_t w, int i) {
+  const uint32_t t = __byte_perm(w, 0u, i == 0 ? 0x1404u : 0x3424u);  // codes to bytes 1 and 3
+  return (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+}
+
+// One fp8 key row's B fragments for MmaPermutedQK (with Q from
+// LoadPermutedQForFp8K); the products come out 2^-120 times the codes'.
+template <int D>
+__device__ __forceinline__ void LoadPermutedKFp8(const uint8_t* row, bool valid, int c, uint4 (&k)[D / 32]) {
+#pragma unroll
+  for (int j = 0; j < D / 64; ++j) {
+    const uint4 u = valid ? __ldg(reinterpret_cast<const uint4*>(row + 64 * j + 16 * c)) : make_uint4(0, 0, 0, 0);
+    k[2 * j] = make_uint4(E4M3PairToBf16(u.x, 0), E4M3PairToBf16(u.x, 1), E4M3PairToBf16(u.y, 0),
+                          E4M3PairToBf16(u.y, 1));
+    k[2 * j + 1] = make_uint4(E4M3PairToBf16(u.z, 0), E4M3PairToBf16(u.z, 1), E4M3PairToBf16(u.w, 0),
+                              E4M3PairToBf16(u.w, 1));
+  }
+}
+
 // acc (one n-tile of 8 keys) += Q . K^T over all D/16 k-steps.
 template <int D>
 __device__ __forceinline__ void MmaPermutedQK(float (&acc)[4], const uint32_t (&qa)[D / 16][2],

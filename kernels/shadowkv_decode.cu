@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include <cub/block/block_scan.cuh>
@@ -11,6 +12,7 @@
 #include <glog/logging.h>
 
 #include "kernels/common.cuh"
+#include "kernels/landmark_format.h"
 #include "kernels/mma.cuh"
 #include "kernels/topk.cuh"
 #include "kernels/topk_block.cuh"
@@ -53,25 +55,69 @@ template <> struct Raw8<float> {
   }
 };
 
+// The landmark type of fp8 records (kernels/landmark_format.h): e4m3 codes.
+struct Fp8 {};
+template <typename T> struct LandmarkElem { using type = T; };
+template <> struct LandmarkElem<Fp8> { using type = uint8_t; };
+
+// An e4m3 code's value times 2^-120, exactly, by moving its fields into an
+// f32's (a normal code's exponent field e, biased by 7, becomes an f32 field
+// of e with bias 127; a subnormal code becomes an f32 subnormal): a shift and
+// two masks instead of a conversion. Callers multiply by 2^120 once per
+// row, folded into the record's scale (LandmarkRows::RowScale).
+__device__ __forceinline__ float E4M3Raw(uint32_t b) {
+  return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
+}
+template <> struct Raw8<Fp8> {
+  uint2 v;
+  __device__ __forceinline__ void Load(const uint8_t* p) { v = __ldg(reinterpret_cast<const uint2*>(p)); }
+  __device__ __forceinline__ void Zero() { v = make_uint2(0, 0); }
+  __device__ __forceinline__ void ToF32(float (&x)[8]) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[j] = E4M3Raw((v.x >> (8 * j)) & 0xffu);
+      x[4 + j] = E4M3Raw((v.y >> (8 * j)) & 0xffu);
+    }
+  }
+};
+constexpr float kE4M3RawScale = 0x1p120f;  // undoes E4M3Raw's (and E4M3PairToBf16's) 2^-120
+
 // ============================================================================
 // 1. Scores
 // ============================================================================
 // Landmark row v of head h of sequence b (chunk v / landmarks_per_chunk):
 // below the attached prefix's chunks from its landmarks (shared by its
-// sequences), else from the sequence's own.
+// sequences), else from the sequence's own. Chunk records as in
+// landmark_format.h (T = Fp8: e4m3 codes and a scale per record).
 template <typename T>
 struct LandmarkRows {
-  const T* shared;
-  const T* own;
-  int split, d;
+  using E = typename LandmarkElem<T>::type;
+  static constexpr bool kFp8 = std::is_same_v<T, Fp8>;
+  const E* shared;
+  const E* own;
+  int shared_chunks, d, shift, per_chunk;
+  int64_t rec;  // elements per chunk record
   __device__ LandmarkRows(const ShadowkvScoreArgs& a, int b, int h)
-      : split(a.shared_chunks * a.landmarks_per_chunk), d(a.d) {
-    const int64_t cap = (a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap) * int64_t{a.landmarks_per_chunk};
-    own = static_cast<const T*>(a.landmarks[b]) + h * cap * a.d;
-    shared = split > 0 ? static_cast<const T*>(a.shared_landmarks[b]) + static_cast<int64_t>(h) * split * a.d : own;
+      : shared_chunks(a.shared_chunks), d(a.d), shift(0), per_chunk(a.landmarks_per_chunk),
+        rec(LandmarkChunkElems(a.landmarks_per_chunk, a.d, kFp8)) {
+    while ((1 << shift) < per_chunk) ++shift;  // a power of two (checked at launch)
+    const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
+    own = static_cast<const E*>(a.landmarks[b]) + h * cap * rec;
+    shared = shared_chunks > 0 ? static_cast<const E*>(a.shared_landmarks[b]) + h * shared_chunks * rec : own;
   }
-  __device__ const T* Row(int c) const {
-    return c < split ? shared + static_cast<int64_t>(c) * d : own + static_cast<int64_t>(c - split) * d;
+  __device__ const E* Record(int chunk) const {
+    return chunk < shared_chunks ? shared + chunk * rec : own + (chunk - shared_chunks) * rec;
+  }
+  __device__ const E* Row(int v) const { return Record(v >> shift) + static_cast<int64_t>(v & (per_chunk - 1)) * d; }
+  // What row v's products with its raw elements (Raw8::ToF32,
+  // E4M3PairToBf16) are multiplied by: 1, or the record's scale * 2^120.
+  __device__ float RowScale(int v) const {
+    if constexpr (kFp8) {
+      return __ldg(reinterpret_cast<const float*>(Record(v >> shift) + static_cast<int64_t>(per_chunk) * d)) *
+             kE4M3RawScale;
+    } else {
+      return 1.0f;
+    }
   }
 };
 
@@ -174,12 +220,14 @@ __global__ void __launch_bounds__(kScoreThreads)
   for (int base = c0; base < c1; base += rows_per_pass * kScoreUnroll) {
     Raw8<T> raw[kScoreUnroll];
     bool ex[kScoreUnroll];
+    float rs[kScoreUnroll];
 #pragma unroll
     for (int u = 0; u < kScoreUnroll; ++u) {
       const int c = base + u * rows_per_pass + row_in_pass;
       if (active && c < c1) raw[u].Load(land.Row(c) + lane_row * 8);
       else raw[u].Zero();
       ex[u] = lane_row == 0 && c < c1 && excl && excl[c >> ws.shift];
+      rs[u] = lane_row == 0 && c < c1 ? land.RowScale(c) : 1.0f;
     }
 #pragma unroll
     for (int u = 0; u < kScoreUnroll; ++u) {
@@ -200,7 +248,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       const int c = base + u * rows_per_pass + row_in_pass;
       if (lane_row == 0 && c < c1) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) s_logit[g][c - c0] = ex[u] ? NegInf() : dot[g] * a.scale;
+        for (int g = 0; g < G; ++g) s_logit[g][c - c0] = ex[u] ? NegInf() : dot[g] * (rs[u] * a.scale);
       }
     }
   }
@@ -468,7 +516,7 @@ __global__ void SelectionScoresKernel(ShadowkvScoreArgs a) {
 constexpr int kScoreMmaWarps = 4;
 static_assert(kScoreMmaSplit % (kScoreMmaWarps * 32) == 0, "a split is whole passes of the block's warps");
 
-template <int G, int D>
+template <int G, int D, bool F8>
 __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
     ScoreLogitsMmaKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split) {
   ChainWait();  // launched chained: see LaunchChained
@@ -484,9 +532,10 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
   const int r = lane >> 2, c = lane & 3;
 
   uint32_t qa[D / 16][2];  // rows r + 8 are zero
-  LoadPermutedQ<D>(static_cast<const bf16*>(a.q) + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * D,
-                   r < G, c, qa);
-  const LandmarkRows<bf16> land(a, b, h);
+  const bf16* q_row = static_cast<const bf16*>(a.q) + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * D;
+  if constexpr (F8) LoadPermutedQForFp8K<D>(q_row, r < G, c, qa);
+  else LoadPermutedQ<D>(q_row, r < G, c, qa);
+  const LandmarkRows<std::conditional_t<F8, Fp8, bf16>> land(a, b, h);
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
   float* logit_row = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * ws.rows;
   float m_run = NegInf(), s_run = 0.0f;  // head r; s is this lane's partial sum
@@ -497,8 +546,18 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int row = base + 8 * nt + r;
-      LoadPermutedK<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
+      if constexpr (F8) LoadPermutedKFp8<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
+      else LoadPermutedK<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
     }
+    // fp8: the scales of this lane's 8 output rows (1 otherwise).
+    float rs[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int chunk = base + 8 * nt + 2 * c + e;
+        rs[nt][e] = F8 && chunk < c1 ? land.RowScale(chunk) : 1.0f;
+      }
     // The exclusion flags of this lane's 8 output chunks, loaded beside the
     // landmarks (after the products their latency would add to every step).
     uint32_t ex = 0;  // bit 2 nt + e
@@ -522,7 +581,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
         const int chunk = base + 8 * nt + 2 * c + e;
         float v = NegInf();
         if (chunk < c1) {
-          v = (ex >> (2 * nt + e)) & 1u ? NegInf() : acc[e] * a.scale;
+          v = (ex >> (2 * nt + e)) & 1u ? NegInf() : acc[e] * (rs[nt][e] * a.scale);
           if (r < G) logit_row[chunk] = v;
         }
         x[nt][e] = v;
@@ -561,7 +620,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
   }
 }
 
-template <int D>
+template <int D, bool F8>
 bool LaunchScoreLogitsMma(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int n_split, cudaStream_t stream) {
   const dim3 grid(n_split, a.hkv, a.batch);
   const auto launch = [&](auto kernel) {
@@ -569,10 +628,10 @@ bool LaunchScoreLogitsMma(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, 
     return true;
   };
   switch (a.hq / a.hkv) {
-    case 1: return launch(ScoreLogitsMmaKernel<1, D>);
-    case 2: return launch(ScoreLogitsMmaKernel<2, D>);
-    case 4: return launch(ScoreLogitsMmaKernel<4, D>);
-    case 8: return launch(ScoreLogitsMmaKernel<8, D>);
+    case 1: return launch(ScoreLogitsMmaKernel<1, D, F8>);
+    case 2: return launch(ScoreLogitsMmaKernel<2, D, F8>);
+    case 4: return launch(ScoreLogitsMmaKernel<4, D, F8>);
+    case 8: return launch(ScoreLogitsMmaKernel<8, D, F8>);
     default: return false;
   }
 }
@@ -1152,7 +1211,9 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   int tpr = 1;
   while (tpr < a.d / 8) tpr <<= 1;
   const int group = a.hq / a.hkv;
-  const bool mma_ok = a.dtype == DType::kBF16 && a.q_dtype == DType::kBF16 && (a.d == 128 || a.d == 64) &&
+  const bool fp8 = a.landmark_fp8;
+  CHECK(!fp8 || a.d % 8 == 0) << "ShadowkvScore: fp8 landmarks need d % 8 == 0, got " << a.d;
+  const bool mma_ok = (fp8 || a.dtype == DType::kBF16) && a.q_dtype == DType::kBF16 && (a.d == 128 || a.d == 64) &&
                       (group == 1 || group == 2 || group == 4 || group == 8);
   const int split = mma_ok ? kScoreMmaSplit : kScoreSplit;
   const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, per_chunk, split);
@@ -1160,9 +1221,14 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   // The second call (stats_in) reuses the logits the first left in the
   // workspace: same arguments, so the same split and layout.
   if (a.stats_in == nullptr) {
-    if (mma_ok) {
-      CHECK(a.d == 128 ? LaunchScoreLogitsMma<128>(a, ws, n_split, stream)
-                       : LaunchScoreLogitsMma<64>(a, ws, n_split, stream));
+    if (mma_ok && fp8) {
+      CHECK((a.d == 128 ? LaunchScoreLogitsMma<128, true>(a, ws, n_split, stream)
+                        : LaunchScoreLogitsMma<64, true>(a, ws, n_split, stream)));
+    } else if (mma_ok) {
+      CHECK((a.d == 128 ? LaunchScoreLogitsMma<128, false>(a, ws, n_split, stream)
+                        : LaunchScoreLogitsMma<64, false>(a, ws, n_split, stream)));
+    } else if (fp8) {
+      LaunchScoreLogits<Fp8>(a, ws, tpr, n_split, stream);
     } else if (a.dtype == DType::kF32) {
       LaunchScoreLogits<float>(a, ws, tpr, n_split, stream);
     } else {

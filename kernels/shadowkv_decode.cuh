@@ -1,6 +1,7 @@
 // ShadowKV decode step (seed paper, Algorithm 2), batched over sequences.
 // Per sequence and layer the caller holds (dtype T = bf16, or f32 for tests):
-//   landmarks L [hkv][chunk_cap][d] T, n_chunks valid for every head;
+//   landmarks L [hkv][chunk_cap] records of S rows of d T (or fp8 codes and a
+//               scale: kernels/landmark_format.h), n_chunks valid for every head;
 //   excluded    [hkv][chunk_cap] uint8, 1 = outlier chunk of that head (never
 //               selectable, not in the softmax denominator);
 //   A [token_cap][r] T (low-rank pre-RoPE key coordinates, row t = token t);
@@ -27,7 +28,10 @@
 //    writing scaled logits and per-split (max, sum exp) to the workspace; a
 //    small kernel merges the split statistics per query head; a last pass
 //    writes max over the group of exp(logit - max) / sum. Reads L once
-//    (B*hkv*n*d elements) plus 2 passes over B*hq*n f32 logits. With a
+//    (B*hkv*n*S*d elements: 1 byte each for fp8 records, plus a 16-byte
+//    scale per chunk) plus 2 passes over B*hq*n*S f32 logits. fp8 codes
+//    become bf16 (tensor cores) or f32 (SIMT) by moving their bit fields
+//    (exact, times 2^-120, folded into the logit with the scale). With a
 //    selection, one block per row (1024 threads) merges its heads' statistics,
 //    computes the row's scores from the logits into shared memory as top-k
 //    keys and selects (one pass over the logits, two launches fewer).
@@ -65,16 +69,22 @@ namespace penumbra::kernels {
 struct ShadowkvScoreArgs {
   const void* q = nullptr;   // [batch, hq, d] of q_dtype (f32 or bf16)
   DType q_dtype = DType::kBF16;
-  const void* const* landmarks = nullptr;    // device [batch] -> [hkv][chunk_cap][d] of dtype
+  const void* const* landmarks = nullptr;    // device [batch] -> [hkv][chunk_cap] chunk records (below)
   const uint8_t* const* excluded = nullptr;  // device [batch] -> [hkv][chunk_cap]; null: none excluded
-  DType dtype = DType::kBF16;                // landmarks: f32 or bf16
+  DType dtype = DType::kBF16;                // landmarks: f32 or bf16 (ignored with landmark_fp8)
+  // Landmarks as fp8 records (kernels/landmark_format.h): each chunk's
+  // landmarks_per_chunk rows of e4m3 codes and their scale; a row's logit is
+  // q . codes * scale * `scale`. Needs d % 16 == 0 for the tensor-core path
+  // (bf16 q, d 64 or 128), d % 8 otherwise. Either way chunk c's record is at
+  // c * LandmarkChunkElems(landmarks_per_chunk, d, landmark_fp8) elements.
+  bool landmark_fp8 = false;
   const int32_t* n_chunks = nullptr;         // device [batch], each <= max_chunks
   int batch = 0, hq = 0, hkv = 0, d = 0;
   int chunk_cap = 0;   // chunks allocated per head in excluded (and in landmarks unless landmark_cap > 0)
   // Chunks below shared_chunks have their landmarks at shared_landmarks[b]
-  // ([hkv][shared_chunks][d]: an attached prefix's, read by every sequence
-  // attached to it); chunk c >= shared_chunks at landmarks[b] row
-  // c - shared_chunks of landmark_cap rows per head.
+  // ([hkv][shared_chunks] records: an attached prefix's, read by every
+  // sequence attached to it); chunk c >= shared_chunks at landmarks[b]
+  // record c - shared_chunks of landmark_cap records per head.
   const void* const* shared_landmarks = nullptr;  // device [batch]; may be null when shared_chunks == 0
   int shared_chunks = 0;
   int landmark_cap = 0;  // 0: chunk_cap

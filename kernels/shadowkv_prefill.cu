@@ -1,10 +1,14 @@
 #include "kernels/shadowkv_prefill.cuh"
 
+#include <type_traits>
+
 #include <cub/block/block_scan.cuh>
+#include <cuda_fp8.h>
 
 #include <glog/logging.h>
 
 #include "kernels/common.cuh"
+#include "kernels/landmark_format.h"
 
 namespace penumbra::kernels {
 namespace {
@@ -19,8 +23,10 @@ __device__ __forceinline__ float Cosine(float dot, float xx, float yy) {
   return dot / (sqrtf(xx) * sqrtf(yy));
 }
 
+// L: the landmark type (float, bf16, or uint8_t for fp8 records).
 template <typename T, typename L>
 __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
+  constexpr bool kFp8 = std::is_same_v<L, uint8_t>;
   const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   const int64_t per_problem = static_cast<int64_t>(a.hkv) * a.n_chunks;
@@ -31,46 +37,76 @@ __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
   const int C = a.chunk_tokens, d = a.d;
   const T* keys = static_cast<const T*>(a.k) + p * a.k_batch_stride + h * a.k_head_stride +
                   (a.first_token + static_cast<int64_t>(c) * C) * d;
-  float mean[kPerLane];
+  const int S = a.landmarks_per_chunk, run = C / S;
+  // The mean of keys [t0, t0 + n) (this lane's elements), summed in token order.
+  const auto mean_of = [&](int t0, int n, float (&out)[kPerLane]) {
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) mean[i] = 0.0f;
-  for (int t = 0; t < C; ++t) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int j = lane + 32 * i;
-      if (j < d) mean[i] += ToF32<T>(keys[static_cast<int64_t>(t) * d + j]);
-    }
-  }
-  float mm = 0.0f;
-  const int S = a.landmarks_per_chunk;
-  L* out = static_cast<L*>(a.landmarks) + p * a.landmark_batch_stride + h * a.landmark_head_stride +
-           static_cast<int64_t>(c) * S * d;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int j = lane + 32 * i;
-    if (j < d) {
-      mean[i] = mean[i] / static_cast<float>(C);
-      mm += mean[i] * mean[i];
-      if (S <= 1) out[j] = FromF32<L>(mean[i]);
-    }
-  }
-  if (S > 1) {  // the means of the chunk's S runs of C / S keys (second pass: L1/L2)
-    const int run = C / S;
-    for (int s = 0; s < S; ++s) {
-      float part[kPerLane];
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) part[i] = 0.0f;
-      for (int t = s * run; t < (s + 1) * run; ++t) {
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          const int j = lane + 32 * i;
-          if (j < d) part[i] += ToF32<T>(keys[static_cast<int64_t>(t) * d + j]);
-        }
-      }
+    for (int i = 0; i < kPerLane; ++i) out[i] = 0.0f;
+    for (int t = t0; t < t0 + n; ++t) {
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
         const int j = lane + 32 * i;
-        if (j < d) out[static_cast<int64_t>(s) * d + j] = FromF32<L>(part[i] / static_cast<float>(run));
+        if (j < d) out[i] += ToF32<T>(keys[static_cast<int64_t>(t) * d + j]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) out[i] = out[i] / static_cast<float>(n);
+  };
+  float mean[kPerLane];
+  mean_of(0, C, mean);
+  float mm = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if (lane + 32 * i < d) mm += mean[i] * mean[i];
+  L* out = static_cast<L*>(a.landmarks) + p * a.landmark_batch_stride + h * a.landmark_head_stride +
+           c * LandmarkChunkElems(S, d, kFp8);
+  // Row s of the chunk: the mean of its s-th run of C / S keys (S = 1: the chunk's mean).
+  const auto row_of = [&](int s, float (&row)[kPerLane]) {
+    if (S <= 1) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) row[i] = mean[i];
+    } else {
+      mean_of(s * run, run, row);
+    }
+  };
+  if constexpr (kFp8) {
+    // The record's scale needs its largest value: the rows twice (the second
+    // pass over the chunk's keys hits L1).
+    float amax = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      float row[kPerLane];
+      row_of(s, row);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i)
+        if (lane + 32 * i < d) amax = fmaxf(amax, fabsf(row[i]));
+    }
+    amax = WarpMax(amax);
+    const float inv = amax > 0.0f ? kE4M3Max / amax : 1.0f;
+    const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+    for (int s = 0; s < S; ++s) {
+      float row[kPerLane];
+      row_of(s, row);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int j = lane + 32 * i;
+        if (j < d) {
+          out[static_cast<int64_t>(s) * d + j] = __nv_cvt_float_to_fp8(row[i] * inv, __NV_SATFINITE, __NV_E4M3);
+        }
+      }
+    }
+    // The scale and the zero padding (4-byte stores: a record is 8-byte
+    // aligned when d is not a multiple of 16).
+    if (lane < kLandmarkFp8Tail / 4) {
+      reinterpret_cast<float*>(out + static_cast<int64_t>(S) * d)[lane] = lane == 0 ? scale : 0.0f;
+    }
+  } else {
+    for (int s = 0; s < S; ++s) {
+      float row[kPerLane];
+      row_of(s, row);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int j = lane + 32 * i;
+        if (j < d) out[static_cast<int64_t>(s) * d + j] = FromF32<L>(row[i]);
       }
     }
   }
@@ -203,6 +239,12 @@ void LaunchChunkLandmarks(const ChunkLandmarksArgs& a, cudaStream_t stream) {
   const int threads = 256;
   const int blocks = static_cast<int>((warps + threads / 32 - 1) / (threads / 32));
   const bool kb = a.kv_dtype == DType::kBF16, lb = a.landmark_dtype == DType::kBF16;
+  if (a.landmark_fp8) {
+    CHECK(a.d % 8 == 0) << "ChunkLandmarks: fp8 landmarks need head_dim a multiple of 8, got " << a.d;
+    if (kb) ChunkLandmarksKernel<__nv_bfloat16, uint8_t><<<blocks, threads, 0, stream>>>(a);
+    else ChunkLandmarksKernel<float, uint8_t><<<blocks, threads, 0, stream>>>(a);
+    return;
+  }
   if (kb && lb) ChunkLandmarksKernel<__nv_bfloat16, __nv_bfloat16><<<blocks, threads, 0, stream>>>(a);
   if (kb && !lb) ChunkLandmarksKernel<__nv_bfloat16, float><<<blocks, threads, 0, stream>>>(a);
   if (!kb && lb) ChunkLandmarksKernel<float, __nv_bfloat16><<<blocks, threads, 0, stream>>>(a);

@@ -8,7 +8,10 @@
 //    One warp per (head, chunk), 8 warps per block; reads K once (the second
 //    pass over the chunk hits L1/L2), writes hkv*n_chunks*(d+1) values. With
 //    landmarks_per_chunk = S > 1 the landmarks are the means of the chunk's
-//    S runs of C/S keys instead (hkv*n_chunks*(S*d+1) values).
+//    S runs of C/S keys instead (hkv*n_chunks*(S*d+1) values). With
+//    landmark_fp8 each chunk's S rows are one e4m3 record with its scale
+//    (kernels/landmark_format.h; a second pass over the runs encodes them
+//    once their largest value is known).
 // 2. LaunchSelectOutlierChunks: per KV head, the O chunks with the lowest
 //    min_cos (NaN counts as lowest, -0 == +0, ties to the lower chunk index),
 //    written in ascending chunk order. One 1024-thread block per head: a 4-pass
@@ -36,9 +39,13 @@ struct ChunkLandmarksArgs {
   int64_t k_head_stride = 0;         // elements
   int64_t first_token = 0;           // token of chunk 0's first key
   int n_chunks = 0, chunk_tokens = 0, hkv = 0, d = 0;  // d <= 256
-  void* landmarks = nullptr;         // chunk c of head h at landmarks + h*landmark_head_stride + c*d
-  DType landmark_dtype = DType::kBF16;  // kF32 or kBF16
-  int64_t landmark_head_stride = 0;  // elements
+  // Chunk c of head h's record (kernels/landmark_format.h) at landmarks +
+  // h*landmark_head_stride + c*LandmarkChunkElems(landmarks_per_chunk, d,
+  // landmark_fp8) elements of the landmark type (bytes for fp8).
+  void* landmarks = nullptr;
+  DType landmark_dtype = DType::kBF16;  // kF32 or kBF16; ignored with landmark_fp8
+  bool landmark_fp8 = false;         // e4m3 codes and a scale per record (landmark_format.h)
+  int64_t landmark_head_stride = 0;  // elements of the landmark type
   float* min_cos = nullptr;          // chunk c of head h at min_cos[h*min_cos_head_stride + c]
   int64_t min_cos_head_stride = 0;
   // `batch` independent problems in one launch (e.g. every layer of a

@@ -9,6 +9,7 @@
 #include <glog/logging.h>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/landmark_format.h"
 
 namespace penumbra::kernels::cpu {
 
@@ -57,29 +58,51 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
     // Landmark rows: S per chunk (chunk c's at rows c * S ..), scored as rows;
     // a chunk's score is its best row's.
     const int S = std::max(1, a.landmarks_per_chunk);
-    const int rows = n * S, split = a.shared_chunks * S;
-    const int64_t cap = (a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap) * int64_t{S};
-    const float* own = a.landmarks[b] + h * cap * a.d;
-    const float* shared = split > 0 ? a.shared_landmarks[b] + static_cast<int64_t>(h) * split * a.d : own;
+    const int rows = n * S;
+    const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
+    const bool fp8 = a.landmarks_fp8 != nullptr;
+    const int64_t rec = LandmarkChunkElems(S, a.d, fp8);  // elements per chunk record
+    // Row v's values (fp8: decoded, times its record's scale) into `buf`.
+    std::vector<float> buf(a.d);
+    const auto landmark_row = [&](int v) -> const float* {
+      const int64_t chunk = v / S, j = v % S;
+      if (!fp8) {
+        const float* base = chunk < a.shared_chunks ? a.shared_landmarks[b] + (h * a.shared_chunks + chunk) * rec
+                                                    : a.landmarks[b] + h * cap * rec + (chunk - a.shared_chunks) * rec;
+        return base + j * a.d;
+      }
+      const uint8_t* base = chunk < a.shared_chunks
+                                ? a.shared_landmarks_fp8[b] + (h * a.shared_chunks + chunk) * rec
+                                : a.landmarks_fp8[b] + h * cap * rec + (chunk - a.shared_chunks) * rec;
+      float scale;
+      std::memcpy(&scale, base + static_cast<int64_t>(S) * a.d, sizeof(float));
+      const float* lut = E4M3Table();
+      for (int i = 0; i < a.d; ++i) buf[i] = lut[base[j * a.d + i]] * scale;
+      return buf.data();
+    };
     const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
     float* out = a.scores + row * a.score_stride;
     if (a.stats_out == nullptr)
       for (int c = 0; c < a.max_chunks; ++c) out[c] = kNegInf;
-    std::vector<float> logit(std::max(rows, 0));
-    for (int g = 0; g < group; ++g) {
-      const float* q = a.q + (static_cast<int64_t>(b) * a.hq + h * group + g) * a.d;
-      float mx = kNegInf;
-      for (int v = 0; v < rows; ++v) {
-        if (excl && excl[v / S]) {
-          logit[v] = kNegInf;
-          continue;
-        }
+    // Every query head's logits, each landmark row read (and decoded) once.
+    std::vector<float> logits(static_cast<size_t>(group) * std::max(rows, 0));
+    const float* q0 = a.q + (static_cast<int64_t>(b) * a.hq + h * group) * a.d;
+    for (int v = 0; v < rows; ++v) {
+      const bool excluded = excl && excl[v / S];
+      const float* l = excluded ? nullptr : landmark_row(v);
+      for (int g = 0; g < group; ++g) {
         float dot = 0.0f;
-        const float* l = v < split ? shared + static_cast<int64_t>(v) * a.d : own + static_cast<int64_t>(v - split) * a.d;
-        for (int j = 0; j < a.d; ++j) dot += q[j] * l[j];
-        logit[v] = dot * a.scale;
-        mx = std::max(mx, logit[v]);
+        if (!excluded) {
+          const float* q = q0 + static_cast<int64_t>(g) * a.d;
+          for (int j = 0; j < a.d; ++j) dot += q[j] * l[j];
+        }
+        logits[static_cast<size_t>(g) * rows + v] = excluded ? kNegInf : dot * a.scale;
       }
+    }
+    for (int g = 0; g < group; ++g) {
+      const float* logit = logits.data() + static_cast<size_t>(g) * rows;
+      float mx = kNegInf;
+      for (int v = 0; v < rows; ++v) mx = std::max(mx, logit[v]);
       double sum = 0.0;
       if (mx != kNegInf)
         for (int v = 0; v < rows; ++v)

@@ -41,6 +41,10 @@ struct ShadowkvScoreArgs {
   // CUDA header); landmark_cap: own rows per head (0: chunk_cap).
   const float* const* shared_landmarks = nullptr;
   int shared_chunks = 0, landmark_cap = 0;
+  // Set instead of landmarks / shared_landmarks: fp8 chunk records
+  // (kernels/landmark_format.h), the same records per head.
+  const uint8_t* const* landmarks_fp8 = nullptr;
+  const uint8_t* const* shared_landmarks_fp8 = nullptr;
   float scale = 1.0f;
   int successors = 0;  // see the CUDA header
   int landmarks_per_chunk = 1;  // see the CUDA header

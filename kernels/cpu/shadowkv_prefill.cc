@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/landmark_format.h"
 
 namespace penumbra::kernels::cpu {
 
@@ -41,19 +42,24 @@ void ChunkLandmarks(const ChunkLandmarksArgs& a) {
       const float cs = ChunkCosine(dot, mm, kk);
       lo = std::isnan(cs) || std::isnan(lo) ? NAN : std::min(lo, cs);
     }
-    const int S = a.landmarks_per_chunk;
-    float* out = a.landmarks + h * a.landmark_head_stride + static_cast<int64_t>(c) * S * d;
+    // The chunk's S rows: the means of its runs of C / S keys (S = 1: `mean`).
+    const int S = a.landmarks_per_chunk, run = C / S;
+    std::vector<float> rows(static_cast<size_t>(S) * d);
     if (S <= 1) {
-      std::copy(mean.begin(), mean.end(), out);
-    } else {  // the means of the chunk's S runs of C / S keys
-      const int run = C / S;
+      std::copy(mean.begin(), mean.end(), rows.begin());
+    } else {
       for (int j = 0; j < S; ++j) {
-        float* o = out + static_cast<int64_t>(j) * d;
-        std::fill(o, o + d, 0.0f);
+        float* o = rows.data() + static_cast<int64_t>(j) * d;
         for (int t = j * run; t < (j + 1) * run; ++t)
           for (int i = 0; i < d; ++i) o[i] += keys[static_cast<int64_t>(t) * d + i];
         for (int i = 0; i < d; ++i) o[i] /= static_cast<float>(run);
       }
+    }
+    if (a.landmarks_fp8 != nullptr) {
+      EncodeLandmarkFp8(rows.data(), static_cast<int64_t>(S) * d,
+                        a.landmarks_fp8 + h * a.landmark_head_stride + c * LandmarkChunkElems(S, d, true));
+    } else {
+      std::copy(rows.begin(), rows.end(), a.landmarks + h * a.landmark_head_stride + static_cast<int64_t>(c) * S * d);
     }
     a.min_cos[h * a.min_cos_head_stride + c] = lo;
   });

@@ -12,8 +12,11 @@ struct ChunkLandmarksArgs {
   int64_t k_head_stride = 0;
   int64_t first_token = 0;       // token of chunk 0's first key
   int n_chunks = 0, chunk_tokens = 0, hkv = 0, d = 0;
-  float* landmarks = nullptr;    // chunk c of head h at landmarks + h*landmark_head_stride + c*d
-  int64_t landmark_head_stride = 0;
+  float* landmarks = nullptr;    // chunk c of head h at landmarks + h*landmark_head_stride + c*S*d
+  // Set instead of `landmarks`: fp8 records (kernels/landmark_format.h),
+  // chunk c of head h at landmarks_fp8 + h*landmark_head_stride + c*(S*d + 16).
+  uint8_t* landmarks_fp8 = nullptr;
+  int64_t landmark_head_stride = 0;  // elements of the landmarks' type (bytes for fp8)
   float* min_cos = nullptr;      // chunk c of head h at min_cos[h*min_cos_head_stride + c]
   int64_t min_cos_head_stride = 0;
   int landmarks_per_chunk = 1;   // see the CUDA header

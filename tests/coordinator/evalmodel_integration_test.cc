@@ -92,14 +92,28 @@ TEST(EvalModelTest, ShadowKvWithThePapersLandmarkFindsTheNeedle) {
   EXPECT_GT(r.hit_rate, 0.0);
 }
 
-// The same with the default four landmarks per chunk
-// (shadowkv.landmarks_per_chunk, issue 20): a chunk scores as its best run of
-// 2 keys instead of the mean of 8, and the UUID is copied exactly (with one
-// landmark per chunk it goes astray after its first group; with two, one
-// character is wrong: measured on this machine).
+// The same with the defaults: four landmarks per chunk
+// (shadowkv.landmarks_per_chunk, issue 20), stored as fp8: a chunk scores as
+// its best run of 2 keys instead of the mean of 8, and the UUID is copied
+// exactly (with one landmark per chunk it goes astray after its first group;
+// with two, one character is wrong: measured on this machine).
 TEST(EvalModelTest, ShadowKvWithTheDefaultFourLandmarksPerChunkCopiesTheUuid) {
   const EngineOptions o = SparseOptions();
   ASSERT_EQ(o.shadowkv.landmarks_per_chunk, 4);
+  ASSERT_EQ(o.shadowkv.landmark_format, "fp8");
+  const Outcome r = RunRecords(o);
+  ASSERT_EQ(r.correct.size(), 2u);
+  EXPECT_TRUE(r.correct[0]) << "niah_single predicted " << r.predictions[0];
+  EXPECT_TRUE(r.correct[1]) << "kv predicted " << r.predictions[1];
+  EXPECT_GT(r.hit_rate, 0.0);
+}
+
+// The same with the landmarks in the model's dtype (f32 here) instead of the
+// default fp8 records (shadowkv.landmark_format: e4m3 codes and a scale per
+// chunk, half the bytes of bf16): the two copy the UUID alike.
+TEST(EvalModelTest, ShadowKvWithLandmarksInTheModelsDtypeCopiesTheUuid) {
+  EngineOptions o = SparseOptions();
+  o.shadowkv.landmark_format = "model";
   const Outcome r = RunRecords(o);
   ASSERT_EQ(r.correct.size(), 2u);
   EXPECT_TRUE(r.correct[0]) << "niah_single predicted " << r.predictions[0];

@@ -24,6 +24,7 @@
 #include "common/dtype.h"
 #include "kernels/cpu/shadowkv_decode.h"
 #include "kernels/shadowkv_decode.cuh"
+#include "kernels/landmark_format.h"
 #include "kernels/topk.cuh"
 #include "tests/gpu_test_util.h"
 #include "tests/test_util.h"
@@ -284,13 +285,14 @@ struct ScoreCase {
   bool with_excluded;
   int successors = 0;  // ShadowkvScoreArgs::successors
   int per_chunk = 1;   // ShadowkvScoreArgs::landmarks_per_chunk
+  bool fp8 = false;    // ShadowkvScoreArgs::landmark_fp8 (dtype unused)
 };
 
 void RunScore(const ScoreCase& c) {
   SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " group " << c.group << " d "
                                     << c.d << " n " << c.n << " dtype " << DTypeName(c.dtype) << " q "
                                     << DTypeName(c.q_dtype) << " excluded " << c.with_excluded << " successors "
-                                    << c.successors << " landmarks per chunk " << c.per_chunk);
+                                    << c.successors << " landmarks per chunk " << c.per_chunk << " fp8 " << c.fp8);
   Rng rng(77 + c.n + c.d + c.group);
   const int hq = c.hkv * c.group, cap = c.n + 3, max_chunks = c.n;
   const int64_t stride = max_chunks + 2;
@@ -298,10 +300,19 @@ void RunScore(const ScoreCase& c) {
   // Scaled so that logits spread over a few units (softmax far from uniform).
   HostTensor q = MakeTensor(static_cast<size_t>(c.batch) * hq * c.d, c.q_dtype, rng, 2.0f);
   std::vector<HostTensor> land;
+  std::vector<std::vector<uint8_t>> land8(c.batch);  // fp8: the records of land's values
+  const int64_t rec8 = LandmarkChunkElems(c.per_chunk, c.d, true);
   std::vector<std::vector<uint8_t>> excl(c.batch);
   std::vector<int32_t> n_chunks(c.batch);
   for (int b = 0; b < c.batch; ++b) {
-    land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.per_chunk * c.d, c.dtype, rng, 2.0f));
+    land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.per_chunk * c.d, c.fp8 ? DType::kF32 : c.dtype,
+                              rng, 2.0f));
+    if (c.fp8) {
+      land8[b].resize(static_cast<size_t>(c.hkv) * cap * rec8);
+      for (int i = 0; i < c.hkv * cap; ++i)
+        EncodeLandmarkFp8(land[b].f32.data() + static_cast<size_t>(i) * c.per_chunk * c.d,
+                          static_cast<int64_t>(c.per_chunk) * c.d, land8[b].data() + i * rec8);
+    }
     excl[b].assign(static_cast<size_t>(c.hkv) * cap, 0);
     if (c.with_excluded)
       for (auto& e : excl[b]) e = rng.Int(7) == 0;
@@ -309,15 +320,17 @@ void RunScore(const ScoreCase& c) {
   }
   // CPU reference.
   std::vector<const float*> lp;
-  std::vector<const uint8_t*> ep;
+  std::vector<const uint8_t*> lp8, ep;
   for (int b = 0; b < c.batch; ++b) {
     lp.push_back(land[b].f32.data());
+    lp8.push_back(land8[b].data());
     ep.push_back(excl[b].data());
   }
   std::vector<float> want(static_cast<size_t>(c.batch) * c.hkv * stride, kNaN);
   cpu::ShadowkvScoreArgs ca;
   ca.q = q.f32.data();
-  ca.landmarks = lp.data();
+  if (c.fp8) ca.landmarks_fp8 = lp8.data();
+  else ca.landmarks = lp.data();
   ca.excluded = c.with_excluded ? ep.data() : nullptr;
   ca.n_chunks = n_chunks.data();
   ca.batch = c.batch;
@@ -337,7 +350,7 @@ void RunScore(const ScoreCase& c) {
   std::vector<const void*> dl;
   std::vector<const uint8_t*> de;
   for (int b = 0; b < c.batch; ++b) {
-    keep.push_back(ToDevice(land[b].raw));
+    keep.push_back(c.fp8 ? ToDevice(land8[b]) : ToDevice(land[b].raw));
     dl.push_back(keep.back()->get());
     keep.push_back(ToDevice(excl[b]));
     de.push_back(keep.back()->get<uint8_t>());
@@ -354,6 +367,7 @@ void RunScore(const ScoreCase& c) {
   ga.landmarks = dlp->get<const void* const>();
   ga.excluded = c.with_excluded ? dep->get<const uint8_t* const>() : nullptr;
   ga.dtype = c.dtype;
+  ga.landmark_fp8 = c.fp8;
   ga.n_chunks = dn->get<int32_t>();
   ga.batch = c.batch;
   ga.hq = hq;
@@ -476,6 +490,14 @@ TEST(ShadowkvScoreGpu, MatchesCpu) {
   RunScore({2, 1, 5, 136, 700, DType::kBF16, DType::kF32, true, 0, 8});
   RunScore({1, 2, 4, 128, 40000, DType::kBF16, DType::kBF16, true, 0, 2});
   RunScore({2, 2, 4, 128, 3000, DType::kBF16, DType::kBF16, true, 1, 2});
+  // fp8 landmarks (records of e4m3 codes and a scale): tensor-core logits (bf16
+  // q, d 64 and 128), SIMT (f32 q; d 136), fused and unfused selection.
+  for (int S : {1, 4})
+    for (int d : {64, 128}) RunScore({3, 2, 4, d, 5000, DType::kBF16, DType::kBF16, true, 0, S, true});
+  RunScore({2, 2, 8, 128, 129, DType::kBF16, DType::kBF16, true, 0, 8, true});
+  RunScore({2, 3, 4, 128, 700, DType::kBF16, DType::kF32, true, 0, 4, true});
+  RunScore({2, 1, 5, 136, 700, DType::kBF16, DType::kF32, true, 0, 2, true});
+  RunScore({1, 2, 4, 128, 40000, DType::kBF16, DType::kBF16, true, 1, 4, true});
 }
 
 // ============================================================================

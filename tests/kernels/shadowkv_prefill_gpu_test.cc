@@ -3,6 +3,7 @@
 // included), and the whole landmarks -> select -> gather chain on keys built
 // without near-ties.
 #include "kernels/shadowkv_prefill.cuh"
+#include "kernels/landmark_format.h"
 
 #include <algorithm>
 #include <cmath>
@@ -50,6 +51,52 @@ struct LCase {
   int per_chunk = 1;  // landmarks per chunk
 };
 
+// Strides of a case's buffers (elements of each buffer's type): per head
+// (k, l, m) and per problem (kb, lb, mb) of the keys, landmarks, min_cos.
+struct LStrides {
+  int64_t k, l, m, kb, lb, mb;
+};
+
+ChunkLandmarksArgs GpuLandmarkArgs(const LCase& c, const LStrides& st, const void* k, void* lm, float* mc) {
+  ChunkLandmarksArgs a;
+  a.k = k;
+  a.kv_dtype = c.kv_dtype;
+  a.k_head_stride = st.k;
+  a.first_token = c.first_token;
+  a.n_chunks = c.n_chunks;
+  a.chunk_tokens = c.C;
+  a.hkv = c.hkv;
+  a.d = c.d;
+  a.landmarks = lm;
+  a.landmark_dtype = c.landmark_dtype;
+  a.landmark_head_stride = st.l;
+  a.min_cos = mc;
+  a.min_cos_head_stride = st.m;
+  a.batch = c.batch;
+  a.k_batch_stride = st.kb;
+  a.landmark_batch_stride = st.lb;
+  a.min_cos_batch_stride = st.mb;
+  a.landmarks_per_chunk = c.per_chunk;
+  return a;
+}
+
+// The CPU reference's arguments for problem p (the caller sets the landmarks).
+cpu::ChunkLandmarksArgs CpuLandmarkArgs(const LCase& c, const LStrides& st, const float* k, float* mc, int p) {
+  cpu::ChunkLandmarksArgs ca;
+  ca.k = k + p * st.kb;
+  ca.k_head_stride = st.k;
+  ca.first_token = c.first_token;
+  ca.n_chunks = c.n_chunks;
+  ca.chunk_tokens = c.C;
+  ca.hkv = c.hkv;
+  ca.d = c.d;
+  ca.landmark_head_stride = st.l;
+  ca.min_cos = mc + p * st.mb;
+  ca.min_cos_head_stride = st.m;
+  ca.landmarks_per_chunk = c.per_chunk;
+  return ca;
+}
+
 TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const DType f32 = DType::kF32, bf16 = DType::kBF16;
@@ -84,44 +131,15 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
     DeviceBuffer lm_dev = UploadAs(lm_init, c.landmark_dtype, nullptr);
     DeviceBuffer mc_dev = UploadAs(mc_init, f32, nullptr);
 
-    ChunkLandmarksArgs a;
-    a.k = k_dev.get();
-    a.kv_dtype = c.kv_dtype;
-    a.k_head_stride = k_stride;
-    a.first_token = c.first_token;
-    a.n_chunks = c.n_chunks;
-    a.chunk_tokens = c.C;
-    a.hkv = c.hkv;
-    a.d = c.d;
-    a.landmarks = lm_dev.get();
-    a.landmark_dtype = c.landmark_dtype;
-    a.landmark_head_stride = l_stride;
-    a.min_cos = mc_dev.as<float>();
-    a.min_cos_head_stride = m_stride;
-    a.batch = c.batch;
-    a.k_batch_stride = kb_stride;
-    a.landmark_batch_stride = lb_stride;
-    a.min_cos_batch_stride = mb_stride;
-    a.landmarks_per_chunk = c.per_chunk;
-    LaunchChunkLandmarks(a, nullptr);
+    const LStrides st{k_stride, l_stride, m_stride, kb_stride, lb_stride, mb_stride};
+    LaunchChunkLandmarks(GpuLandmarkArgs(c, st, k_dev.get(), lm_dev.get(), mc_dev.as<float>()), nullptr);
     PENUMBRA_CUDA_OK(cudaGetLastError());
     PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
 
     std::vector<float> lm_ref(lm_init), mc_ref(mc_init);
     for (int p = 0; p < c.batch; ++p) {
-      cpu::ChunkLandmarksArgs ca;
-      ca.k = k_ref.data() + p * kb_stride;
-      ca.k_head_stride = k_stride;
-      ca.first_token = c.first_token;
-      ca.n_chunks = c.n_chunks;
-      ca.chunk_tokens = c.C;
-      ca.hkv = c.hkv;
-      ca.d = c.d;
+      cpu::ChunkLandmarksArgs ca = CpuLandmarkArgs(c, st, k_ref.data(), mc_ref.data(), p);
       ca.landmarks = lm_ref.data() + p * lb_stride;
-      ca.landmark_head_stride = l_stride;
-      ca.min_cos = mc_ref.data() + p * mb_stride;
-      ca.min_cos_head_stride = m_stride;
-      ca.landmarks_per_chunk = c.per_chunk;
       cpu::ChunkLandmarks(ca);
     }
     if (c.landmark_dtype == DType::kBF16) {  // the GPU rounds the f32 mean once
@@ -136,6 +154,70 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
     const bool low = c.landmark_dtype == DType::kBF16;
     EXPECT_TRUE(AllClose(lm, lm_ref, 1e-6f, low ? 8e-3f : 1e-6f)) << "landmarks";
     EXPECT_TRUE(AllClose(mc, mc_ref, 2e-5f, 0.0f)) << "min_cos";
+  }
+}
+
+// fp8 records (kernels/landmark_format.h): the GPU's codes, scales and
+// padding as the CPU's, from the same keys (means summed in the same order;
+// a mean on a rounding boundary may move one code).
+TEST(ShadowKvPrefillGpuTest, Fp8LandmarkRecordsMatchCpu) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const DType f32 = DType::kF32, bf16 = DType::kBF16;
+  const LCase cases[] = {{8, 128, 8, 300, 8, bf16, bf16, 2, 4}, {2, 64, 8, 33, 0, f32, f32, 1, 1},
+                         {3, 136, 16, 17, 16, bf16, bf16, 1, 8}, {4, 128, 8, 1000, 0, bf16, bf16, 1, 8}};
+  for (const LCase& c : cases) {
+    SCOPED_TRACE("hkv " + std::to_string(c.hkv) + " d " + std::to_string(c.d) + " chunks " +
+                 std::to_string(c.n_chunks) + " per chunk " + std::to_string(c.per_chunk));
+    const int64_t rec = LandmarkChunkElems(c.per_chunk, c.d, true);
+    const int64_t k_stride = (c.first_token + int64_t(c.n_chunks) * c.C) * c.d;
+    const int64_t l_stride = (c.n_chunks + 1) * rec, m_stride = c.n_chunks;
+    const int64_t kb_stride = c.hkv * k_stride, lb_stride = c.hkv * l_stride + 16, mb_stride = c.hkv * m_stride;
+    std::mt19937_64 rng(c.n_chunks * 7 + c.d);
+    std::normal_distribution<float> n01;
+    std::vector<float> k(c.batch * kb_stride);
+    for (auto& v : k) v = 4 * n01(rng);
+    std::vector<float> k_ref;
+    DeviceBuffer k_dev = UploadAs(k, c.kv_dtype, &k_ref);
+    const std::vector<uint8_t> lm_init(c.batch * lb_stride, 0xaa);
+    DeviceBuffer lm_dev = UploadRaw(lm_init);
+    DeviceBuffer mc_dev = UploadAs(std::vector<float>(c.batch * mb_stride, -3.0f), f32, nullptr);
+    const LStrides st{k_stride, l_stride, m_stride, kb_stride, lb_stride, mb_stride};
+    ChunkLandmarksArgs a = GpuLandmarkArgs(c, st, k_dev.get(), lm_dev.get(), mc_dev.as<float>());
+    a.landmark_fp8 = true;
+    LaunchChunkLandmarks(a, nullptr);
+    PENUMBRA_CUDA_OK(cudaGetLastError());
+    PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint8_t> want(lm_init);
+    std::vector<float> mc_ref(c.batch * mb_stride);
+    for (int p = 0; p < c.batch; ++p) {
+      cpu::ChunkLandmarksArgs ca = CpuLandmarkArgs(c, st, k_ref.data(), mc_ref.data(), p);
+      ca.landmarks_fp8 = want.data() + p * lb_stride;
+      cpu::ChunkLandmarks(ca);
+    }
+    const auto got = DownloadRaw<uint8_t>(lm_dev, want.size());
+    size_t differ = 0, codes = 0;
+    for (int p = 0; p < c.batch; ++p)
+      for (int h = 0; h < c.hkv; ++h)
+        for (int ch = 0; ch <= c.n_chunks; ++ch) {
+          const size_t r0 = p * lb_stride + h * l_stride + ch * rec;
+          if (ch == c.n_chunks) {  // past the last chunk: untouched
+            for (int64_t i = 0; i < rec; ++i) ASSERT_EQ(got[r0 + i], 0xaa);
+            continue;
+          }
+          float gs, ws;
+          std::memcpy(&gs, &got[r0 + rec - kLandmarkFp8Tail], 4);
+          std::memcpy(&ws, &want[r0 + rec - kLandmarkFp8Tail], 4);
+          ASSERT_NEAR(gs, ws, 1e-6f * ws) << "scale of head " << h << " chunk " << ch;
+          for (int i = 4; i < kLandmarkFp8Tail; ++i) ASSERT_EQ(got[r0 + rec - kLandmarkFp8Tail + i], 0);
+          for (int64_t i = 0; i < rec - kLandmarkFp8Tail; ++i, ++codes) {
+            const uint8_t g = got[r0 + i], w = want[r0 + i];
+            if (g == w) continue;
+            ++differ;
+            ASSERT_EQ(g & 0x80, w & 0x80);
+            ASSERT_LE(std::abs(int(g & 0x7f) - int(w & 0x7f)), 1) << "head " << h << " chunk " << ch << " code " << i;
+          }
+        }
+    EXPECT_LE(differ, codes / 1000) << differ << " of " << codes << " codes differ";
   }
 }
 

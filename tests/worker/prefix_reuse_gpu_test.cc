@@ -27,7 +27,8 @@ using testing::LcgTokens;
 // policy: "full", "shadowkv" or "shadowkv-sparse" (sparse continuations,
 // `continuation_budget` tokens selected; 0: the decode budget), with
 // "-paper": the paper's one landmark per chunk (the others have two, as
-// LossyShadowKvOptions).
+// LossyShadowKvOptions), with "-model": the landmarks stored in the model's
+// dtype (the default: fp8 records).
 std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& dtype, size_t cache, int rank = 12,
                                  int64_t continuation_budget = 0, const std::string& store = "") {
   EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
@@ -37,6 +38,7 @@ std::unique_ptr<Engine> OpenCuda(const std::string& policy, const std::string& d
     o.shadowkv.continuation_budget_tokens = continuation_budget;
   }
   if (policy.find("-paper") != std::string::npos) o.shadowkv.landmarks_per_chunk = 1;
+  if (policy.find("-model") != std::string::npos) o.shadowkv.landmark_format = "model";
   o.shadowkv.rank = rank;
   o.backend.device = "cuda";
   o.backend.dtype = dtype;
@@ -67,7 +69,8 @@ TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> doc = LcgTokens(151, 7, true);
   for (const char* policy :
-       {"full", "shadowkv", "shadowkv-sparse", "shadowkv-paper", "shadowkv-sparse-paper"}) {
+       {"full", "shadowkv", "shadowkv-sparse", "shadowkv-paper", "shadowkv-sparse-paper", "shadowkv-model",
+        "shadowkv-sparse-model"}) {
     for (const char* dtype : {"f32", "bf16"}) {
       auto warm = OpenCuda(policy, dtype, 64 << 20), cold = OpenCuda(policy, dtype, 0);
       ASSERT_TRUE(warm && cold);

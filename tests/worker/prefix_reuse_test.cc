@@ -30,7 +30,9 @@ namespace {
 // staged value fetch, "shadowkv-dense": documents under min_prompt_tokens,
 // "shadowkv-sparse": sparse continuations, "shadowkv-tier0": hot values in
 // "device" memory, "shadowkv-paper" and "shadowkv-sparse-paper": the paper's
-// one landmark per chunk; the others have two, as LossyShadowKvOptions).
+// one landmark per chunk; the others have two, as LossyShadowKvOptions;
+// "shadowkv-model" and "shadowkv-sparse-model": landmarks stored in the
+// model's dtype instead of the default fp8).
 class PrefixReuseTest : public testing::StoriesTest, public ::testing::WithParamInterface<std::string> {};
 
 std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full",
@@ -45,6 +47,10 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   // read in place, captured, stored and imported at one row per chunk, where
   // the other policies keep two.
   if (policy.find("-paper") != std::string::npos) o.shadowkv.landmarks_per_chunk = 1;
+  // Landmarks in the model's dtype (the default is fp8 records: e4m3 codes
+  // and a scale per chunk) captured, stored, imported and read in place the
+  // same way.
+  if (policy.find("-model") != std::string::npos) o.shadowkv.landmark_format = "model";
   if (policy == "shadowkv-tier0") {  // hot documents' values copied to "device" memory (here: host memory)
     o.runtime.tiers.on_host_backend = true;
     o.runtime.tiers.gpu_reserve_bytes = 0;
@@ -412,6 +418,36 @@ TEST_P(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) 
   }
 }
 
+// A document stored by an engine whose landmarks are in the model's dtype
+// (the default before fp8) is not attached by one storing fp8 records, nor
+// the other way round: the landmark format is part of the state's
+// fingerprint, so each computes its own (the cold tokens) and then finds
+// its own on disk.
+TEST_F(PrefixReuseTest, ADocumentStoredWithTheOtherLandmarkFormatIsRecomputed) {
+  storage::testing::TempDir dir;
+  for (const std::string policy : {"shadowkv-model", "shadowkv"}) {
+    SCOPED_TRACE(policy);
+    const std::vector<int32_t> cold = Cold(Request(kDoc, kQ2, true), policy);
+    {
+      auto e = OpenEngine(64 << 20, policy, dir.path());
+      ASSERT_NE(e, nullptr);
+      auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);  // the other format's document is not this one's
+      EXPECT_EQ((*r)[0].ids, cold);
+      e->runtime().DrainPrefixStores();
+      EXPECT_EQ(e->runtime().stats().prefix_stores, 1);
+    }
+    auto e = OpenEngine(64 << 20, policy, dir.path());
+    ASSERT_NE(e, nullptr);
+    auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
+    EXPECT_EQ((*r)[0].ids, cold);
+    EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
+  }
+}
+
 // A value block read lazily (after a restart) that fails its check while a
 // question's prefill needs it: the document is dropped from memory and disk,
 // and the request starts over without it, returning a fresh prefill's tokens.
@@ -455,7 +491,7 @@ TEST_F(PrefixReuseTest, ALazilyReadValueThatFailsItsCheckIsRecomputedNotServed) 
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
                          ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense",
                                            "shadowkv-sparse", "shadowkv-tier0", "shadowkv-paper",
-                                           "shadowkv-sparse-paper"),
+                                           "shadowkv-sparse-paper", "shadowkv-model", "shadowkv-sparse-model"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -609,6 +645,17 @@ TEST(ShadowKvPrefixGeometryTest, MetaCarriesLandmarksPerChunk) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(st.message().find("landmarks_per_chunk"), std::string::npos) << st;
   }
+  // fp8 landmarks: a record of 2 x 8 codes and a 16-byte tail per chunk.
+  EXPECT_EQ(g.Meta().find("landmark_format"), std::string::npos);
+  g.landmark_fp8 = true;
+  EXPECT_EQ(g.BlobBytes().at("lm"), 2 * 4 * 20 * (2 * 8 + 16));
+  back = ShadowKvPrefixGeometry::ParseMeta(g.Meta());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->landmark_fp8);
+  EXPECT_EQ(back->Meta(), g.Meta());
+  const auto st = ShadowKvPrefixGeometry::ParseMeta(one + " landmark_format=int4").status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("landmark_format"), std::string::npos) << st;
 }
 
 TEST(PrefixCacheTest, EvictsLeastRecentlyUsedUnheldEntries) {

@@ -31,9 +31,11 @@ TEST(ShadowKvOptionsTest, FlagsSetTheirOptionsAndLeaveTheOthers) {
   ShadowKvOptions o;
   o.budget_tokens = 1024;
   ASSERT_TRUE(Apply({"--chunk-size", "4", "--successor-chunks", "2", "--shard-selection", "local",
-                     "--landmarks-per-chunk", "2"},
+                     "--landmarks-per-chunk", "2", "--landmark-format", "model"},
                     &o)
                   .ok());
+  EXPECT_EQ(o.landmark_format, "model");
+  EXPECT_FALSE(o.landmark_fp8());
   EXPECT_EQ(o.chunk_size, 4);
   EXPECT_EQ(o.successor_chunks, 2);
   EXPECT_EQ(o.landmarks_per_chunk, 2);
@@ -46,7 +48,7 @@ TEST(ShadowKvOptionsTest, BadFlagsAreRefusedNamingTheFlag) {
   for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--shard-selection", "everywhere"}, {"--successor-chunks", "-1"}, {"--successor-chunks", "65"},
            {"--continuation", "maybe"}, {"--micro-batches", "0"}, {"--landmarks-per-chunk", "3"},
-           {"--landmarks-per-chunk", "0"}, {"--landmarks-per-chunk", "32"}}) {
+           {"--landmarks-per-chunk", "0"}, {"--landmarks-per-chunk", "32"}, {"--landmark-format", "fp4"}}) {
     ShadowKvOptions o;
     const Status st = Apply({flag, value}, &o);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << flag << " " << value << ": " << st;
@@ -56,19 +58,32 @@ TEST(ShadowKvOptionsTest, BadFlagsAreRefusedNamingTheFlag) {
 
 TEST(ShadowKvOptionsTest, YamlKeysAreReadAndCheckedAgainstTheModel) {
   ShadowKvOptions o;
-  ASSERT_TRUE(Load("successor_chunks: 1\nshard_selection: local\nchunk_size: 4\nlandmarks_per_chunk: 4\n", &o).ok());
+  EXPECT_EQ(o.landmark_format, "fp8");  // the default
+  EXPECT_TRUE(o.landmark_fp8());
+  ASSERT_TRUE(Load("successor_chunks: 1\nshard_selection: local\nchunk_size: 4\nlandmarks_per_chunk: 4\n"
+                   "landmark_format: model\n",
+                   &o)
+                  .ok());
+  EXPECT_EQ(o.landmark_format, "model");
   EXPECT_EQ(o.successor_chunks, 1);
   EXPECT_EQ(o.landmarks_per_chunk, 4);
   EXPECT_EQ(o.shard_selection, "local");
   EXPECT_EQ(o.chunk_size, 4);
   EXPECT_TRUE(ValidateShadowKvOptions(o, 8, 128).ok());
   for (const std::string bad :
-       {"shard_selection: sideways\n", "successor_chunks: 100\n", "landmarks_per_chunk: 17\n", "no_such_key: 1\n"}) {
+       {"shard_selection: sideways\n", "successor_chunks: 100\n", "landmarks_per_chunk: 17\n", "no_such_key: 1\n",
+        "landmark_format: int8\n"}) {
     ShadowKvOptions b;
     const Status st = Load(bad, &b);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(st.message().find(bad.substr(0, bad.find(':'))), std::string::npos) << st;
   }
+  ShadowKvOptions f;  // fp8 records take any head size on the CPU (CUDA: head_dim % 8, as for all of ShadowKV)
+  f.landmark_format = "fp8";
+  f.rank = 8;
+  EXPECT_TRUE(ValidateShadowKvOptions(f, 8, 128).ok());
+  EXPECT_TRUE(ValidateShadowKvOptions(f, 2, 4).ok());
+  EXPECT_EQ(ValidateShadowKvOnDevice(f, 4, 2, 4, Device::kCUDA).code(), StatusCode::kInvalidArgument);
   ShadowKvOptions r;
   r.rank = 2000;  // over hkv * d = 1024
   EXPECT_EQ(ValidateShadowKvOptions(r, 8, 128).code(), StatusCode::kInvalidArgument);

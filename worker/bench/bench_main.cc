@@ -416,6 +416,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       j["chunk_size"] = e.options().shadowkv.chunk_size;
       j["successor_chunks"] = e.options().shadowkv.successor_chunks;
       j["landmarks_per_chunk"] = e.options().shadowkv.landmarks_per_chunk;
+      j["landmark_format"] = e.options().shadowkv.landmark_format;
       if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
     }
     j["linear"] = e.options().backend.linear;

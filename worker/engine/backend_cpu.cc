@@ -226,7 +226,8 @@ class CpuBackend final : public Backend {
       c.chunk_tokens = a.chunk_tokens;
       c.hkv = a.hkv;
       c.d = a.d;
-      c.landmarks = static_cast<float*>(a.landmarks) + p * a.landmark_batch_stride;
+      if (a.landmark_fp8) c.landmarks_fp8 = static_cast<uint8_t*>(a.landmarks) + p * a.landmark_batch_stride;
+      else c.landmarks = static_cast<float*>(a.landmarks) + p * a.landmark_batch_stride;
       c.landmark_head_stride = a.landmark_head_stride;
       c.min_cos = a.min_cos + p * a.min_cos_batch_stride;
       c.min_cos_head_stride = a.min_cos_head_stride;
@@ -259,7 +260,13 @@ class CpuBackend final : public Backend {
   Status ShadowkvScore(kernels::ShadowkvScoreArgs a) override {
     kc::ShadowkvScoreArgs c;
     c.q = static_cast<const float*>(a.q);
-    c.landmarks = reinterpret_cast<const float* const*>(a.landmarks);
+    if (a.landmark_fp8) {
+      c.landmarks_fp8 = reinterpret_cast<const uint8_t* const*>(a.landmarks);
+      c.shared_landmarks_fp8 = reinterpret_cast<const uint8_t* const*>(a.shared_landmarks);
+    } else {
+      c.landmarks = reinterpret_cast<const float* const*>(a.landmarks);
+      c.shared_landmarks = reinterpret_cast<const float* const*>(a.shared_landmarks);
+    }
     c.excluded = a.excluded;
     c.n_chunks = a.n_chunks;
     c.batch = a.batch;
@@ -268,7 +275,6 @@ class CpuBackend final : public Backend {
     c.d = a.d;
     c.chunk_cap = a.chunk_cap;
     c.max_chunks = a.max_chunks;
-    c.shared_landmarks = reinterpret_cast<const float* const*>(a.shared_landmarks);
     c.shared_chunks = a.shared_chunks;
     c.landmark_cap = a.landmark_cap;
     c.scale = a.scale;

@@ -20,7 +20,10 @@ void AddShadowKvFlags(Args& a) {
       .Flag("continuation-budget", "shadowkv: tokens a sparse continuation selects per KV head (default 0 = --budget)")
       .Flag("shard-selection", "shadowkv: context parallel: one global top-k over the shards (default) or local")
       .Flag("successor-chunks", "shadowkv: a chunk scores as high as its best of this many predecessors (default 0)")
-      .Flag("landmarks-per-chunk", "shadowkv: landmarks per chunk, a chunk scoring as its best (default 4; 1: the paper's)");
+      .Flag("landmarks-per-chunk",
+            "shadowkv: landmarks per chunk, a chunk scoring as its best (default 4; 1: the paper's)")
+      .Flag("landmark-format", "shadowkv: how landmarks are stored: fp8 (default: e4m3 with a scale per chunk, "
+                               "half the bytes of bf16) or model (the model's dtype)");
 }
 
 Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
@@ -66,6 +69,10 @@ Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* o) {
     return Status::InvalidArgument("--landmarks-per-chunk must be 1, 2, 4, 8 or 16, got " + std::to_string(lpc));
   }
   s.landmarks_per_chunk = static_cast<int>(lpc);
+  if (a.Has("landmark-format")) s.landmark_format = a.Get("landmark-format");
+  if (s.landmark_format != "model" && s.landmark_format != "fp8") {
+    return Status::InvalidArgument("--landmark-format must be model or fp8, got '" + s.landmark_format + "'");
+  }
   if (a.Has("shard-selection")) s.shard_selection = a.Get("shard-selection");
   if (s.shard_selection != "global" && s.shard_selection != "local") {
     return Status::InvalidArgument("--shard-selection must be global or local, got '" + s.shard_selection + "'");
@@ -92,6 +99,7 @@ Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o) {
   r.ReadEnum("shard_selection", &o->shard_selection, {"global", "local"});
   r.Read("successor_chunks", &o->successor_chunks, 0, 64);
   r.Read("landmarks_per_chunk", &o->landmarks_per_chunk, 1, 16);
+  r.ReadEnum("landmark_format", &o->landmark_format, {"model", "fp8"});
   return r.Finish();
 }
 
@@ -136,6 +144,9 @@ Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim) 
   }
   if (o.shard_selection != "global" && o.shard_selection != "local") {
     return Status::InvalidArgument("shadowkv.shard_selection must be global or local, got '" + o.shard_selection + "'");
+  }
+  if (o.landmark_format != "model" && o.landmark_format != "fp8") {
+    return Status::InvalidArgument("shadowkv.landmark_format must be model or fp8, got '" + o.landmark_format + "'");
   }
   const int lpc = o.landmarks_per_chunk;
   if (lpc < 1 || lpc > 16 || (lpc & (lpc - 1)) != 0 || o.chunk_size % lpc != 0) {

@@ -4,8 +4,10 @@
 //   A  [token_cap][r]            low-rank coordinates of pre-RoPE keys
 //   B  [hkv][r][d]               singular values folded in (Algorithm 1)
 //   P  [hkv*d][r] f32            projection for new tokens' keys (A.1)
-//   L  [hkv][chunk_cap*S][d]     landmarks: mean post-RoPE key of each of a chunk's
-//                                S = landmarks_per_chunk runs of C/S keys (S = 1: the paper)
+//   L  [hkv][chunk_cap] records  landmarks: mean post-RoPE key of each of a chunk's
+//                                S = landmarks_per_chunk runs of C/S keys (S = 1: the paper),
+//                                S rows of d per chunk (model dtype, or fp8 codes and a scale:
+//                                kernels/landmark_format.h)
 //   X  [hkv][chunk_cap] u8       1 = outlier chunk (excluded from selection)
 //   att K/V [hkv][att_cap][d]    rows: O*C outlier rows | kslots*C slot rows | local rows
 //   slot map [hkv][kslots]       chunk held by each slot (-1 empty)
@@ -40,6 +42,7 @@
 #include <sstream>
 #include <thread>
 
+#include "kernels/landmark_format.h"
 #include "storage/dram_value_store.h"
 #include "worker/engine/shadowkv_prefix.h"
 #include "worker/engine/backend_host_allocator.h"
@@ -57,7 +60,10 @@ class ShadowKvPolicy final : public KvPolicy {
 
  public:
   ShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& o)
-      : ctx_(ctx), o_(o), es_(DTypeSize(ctx.backend->act_dtype())), host_alloc_(ctx.backend),
+      : ctx_(ctx), o_(o), es_(DTypeSize(ctx.backend->act_dtype())),
+        lm_es_(o.landmark_fp8() ? 1 : es_),
+        lm_rec_(kn::LandmarkChunkElems(o.landmarks_per_chunk, ctx.head_dim, o.landmark_fp8())),
+        host_alloc_(ctx.backend),
         store_(&host_alloc_, storage::DramValueStoreOptions{}) {}
 
   std::string name() const override { return "shadowkv"; }
@@ -108,7 +114,8 @@ class ShadowKvPolicy final : public KvPolicy {
     if (prefix) {
       const ShadowKvPrefixGeometry& g = prefix->geometry();
       if (g.sparse != s.sparse || g.outliers != s.outliers || g.tail > s.local_cap ||
-          (s.sparse && g.n_chunks >= s.chunk_cap) || (s.sparse && g.landmarks_per_chunk != o_.landmarks_per_chunk)) {
+          (s.sparse && g.n_chunks >= s.chunk_cap) ||
+          (s.sparse && (g.landmarks_per_chunk != o_.landmarks_per_chunk || g.landmark_fp8 != o_.landmark_fp8()))) {
         return Status::InvalidArgument("the shadowkv prefix (" + g.Meta() +
                                        ") does not fit this policy's options for a sequence of " +
                                        std::to_string(s.token_cap) + " tokens");
@@ -142,7 +149,7 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.a_rows * r * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.b, static_cast<size_t>(L) * H * r * d * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.p, static_cast<size_t>(L) * D * r * sizeof(float)));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * LmRows(s) * d * es_));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * LmHead(s) * lm_es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t)));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
@@ -564,6 +571,7 @@ class ShadowKvPolicy final : public KvPolicy {
       sc.chunk_cap = s.chunk_cap;
       sc.landmark_cap = s.lm_cap;
       sc.landmarks_per_chunk = o_.landmarks_per_chunk;
+      sc.landmark_fp8 = o_.landmark_fp8();
       sc.shared_chunks = s.shared_chunks;
       sc.max_chunks = n;
       sc.scale = ctx_.scale;
@@ -627,8 +635,9 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.hkv = H;
       cl.d = d;
       cl.landmarks = LmChunk(s, layer, first);
-      cl.landmark_head_stride = LmRows(s) * d;
+      cl.landmark_head_stride = LmHead(s);
       cl.landmarks_per_chunk = o_.landmarks_per_chunk;
+      cl.landmark_fp8 = o_.landmark_fp8();
       cl.min_cos = min_cos;
       cl.min_cos_head_stride = k;
       b.ChunkLandmarks(cl);
@@ -697,8 +706,9 @@ class ShadowKvPolicy final : public KvPolicy {
     cl.hkv = H;
     cl.d = d;
     cl.landmarks = LmLayer(s, layer);
-    cl.landmark_head_stride = LmRows(s) * d;
+    cl.landmark_head_stride = LmHead(s);
     cl.landmarks_per_chunk = o_.landmarks_per_chunk;
+    cl.landmark_fp8 = o_.landmark_fp8();
     cl.min_cos = tmp_cos_.as<float>();
     cl.min_cos_head_stride = s.chunk_cap;
     b.ChunkLandmarks(cl);
@@ -1127,6 +1137,7 @@ class ShadowKvPolicy final : public KvPolicy {
     sc.chunk_cap = s0.chunk_cap;
     sc.landmark_cap = s0.lm_cap;
     sc.landmarks_per_chunk = o_.landmarks_per_chunk;
+    sc.landmark_fp8 = o_.landmark_fp8();
     sc.shared_landmarks = reinterpret_cast<const void* const*>(tab + 12 * B + g0);
     sc.shared_chunks = s0.shared_chunks;
     sc.max_chunks = max_chunks;
@@ -1382,13 +1393,14 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.hkv = H;
       cl.d = d;
       cl.landmarks = LmChunk(s, 0, c);
-      cl.landmark_head_stride = LmRows(s) * d;
+      cl.landmark_head_stride = LmHead(s);
       cl.landmarks_per_chunk = o_.landmarks_per_chunk;
+      cl.landmark_fp8 = o_.landmark_fp8();
       cl.min_cos = min_cos;
       cl.min_cos_head_stride = 1;
       cl.batch = L;
       cl.k_batch_stride = AttLayer(s);
-      cl.landmark_batch_stride = static_cast<int64_t>(H) * LmRows(s) * d;
+      cl.landmark_batch_stride = static_cast<int64_t>(H) * LmHead(s);
       cl.min_cos_batch_stride = H;
       b.ChunkLandmarks(cl);
       kn::ProjectKeysArgs pk;
@@ -1461,6 +1473,7 @@ class ShadowKvPolicy final : public KvPolicy {
        << " min_prompt=" << o_.min_prompt_tokens << " continuation=" << o_.continuation << ":"
        << o_.continuation_budget_tokens;
     if (o_.landmarks_per_chunk != 1) os << " landmarks_per_chunk=" << o_.landmarks_per_chunk;
+    if (o_.landmark_fp8()) os << " landmark_format=fp8";
     return os.str();
   }
 
@@ -1512,8 +1525,8 @@ class ShadowKvPolicy final : public KvPolicy {
       const size_t arow = static_cast<size_t>(n) * C * r * es_;
       // A rows and landmarks: the attached prefix's chunks, then the sequence's own.
       const int sh = s.shared_chunks;
-      // Landmark rows: landmarks_per_chunk per chunk.
-      const size_t lrow = static_cast<size_t>(o_.landmarks_per_chunk) * d * es_;
+      // Landmarks: one record of landmarks_per_chunk rows per chunk.
+      const size_t lrow = static_cast<size_t>(lm_rec_) * lm_es_;
       const size_t ash = static_cast<size_t>(sh) * C * r * es_, lsh = static_cast<size_t>(sh) * lrow;
       if (sh > 0) {
         PENUMBRA_RETURN_IF_ERROR(copy2d(p->a, arow, s.prefix->a.get(), ash, ash, L));
@@ -1634,6 +1647,7 @@ class ShadowKvPolicy final : public KvPolicy {
     g.rank = o_.rank;
     g.chunk_size = o_.chunk_size;
     g.landmarks_per_chunk = o_.landmarks_per_chunk;
+    g.landmark_fp8 = o_.landmark_fp8();
     g.dtype = ctx_.backend->act_dtype();
     return g;
   }
@@ -1743,7 +1757,7 @@ class ShadowKvPolicy final : public KvPolicy {
     int outliers = 0, kslots = 0, chunk_cap = 0, n_chunks = 0;
     int64_t local_cap = 0, local_count = 0, att_cap = 0;
     int64_t a_rows = 0;  // A rows held per layer (the tokens after shared_chunks' chunks)
-    int lm_cap = 0;      // chunks whose landmarks are held per head (from shared_chunks on; LmRows rows)
+    int lm_cap = 0;      // chunks whose landmarks are held per head (from shared_chunks on; LmHead elements)
     // The continuation prefill under way: chunks a sparse one selected per
     // head (0: dense), and the temporaries' row of token t minus t.
     int cont_k = 0;
@@ -1777,20 +1791,20 @@ class ShadowKvPolicy final : public KvPolicy {
            a.shared_stride == b.shared_stride && a.global_k == b.global_k;
   }
   int64_t AttLayer(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.att_cap * ctx_.head_dim; }
-  // Landmark rows held per head: landmarks_per_chunk for each chunk from shared_chunks on.
-  int64_t LmRows(const Seq& s) const { return static_cast<int64_t>(s.lm_cap) * o_.landmarks_per_chunk; }
+  // Landmark elements (bytes for fp8) held per head: a record
+  // (kernels/landmark_format.h) for each chunk from shared_chunks on.
+  int64_t LmHead(const Seq& s) const { return static_cast<int64_t>(s.lm_cap) * lm_rec_; }
   int64_t LocalRow0(const Seq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }
   void* Row(const DeviceBuffer& buf, const Seq& s, int layer, int64_t row) const {
     return static_cast<char*>(buf.get()) + (layer * AttLayer(s) + row * ctx_.head_dim) * es_;
   }
   void* ALayer(const Seq& s, int layer) const { return Row2(s.a, layer, s.a_rows * o_.rank); }
   void* LmLayer(const Seq& s, int layer) const {
-    return Row2(s.lm, layer, static_cast<int64_t>(ctx_.hkv) * LmRows(s) * ctx_.head_dim);
+    return static_cast<char*>(s.lm.get()) + layer * ctx_.hkv * LmHead(s) * static_cast<int64_t>(lm_es_);
   }
-  // Head 0's first landmark row of chunk `chunk` (>= shared_chunks) at `layer`.
+  // Head 0's record of chunk `chunk` (>= shared_chunks) at `layer`.
   void* LmChunk(const Seq& s, int layer, int chunk) const {
-    return static_cast<char*>(LmLayer(s, layer)) +
-           static_cast<int64_t>(chunk - s.shared_chunks) * o_.landmarks_per_chunk * ctx_.head_dim * es_;
+    return static_cast<char*>(LmLayer(s, layer)) + (chunk - s.shared_chunks) * lm_rec_ * static_cast<int64_t>(lm_es_);
   }
   void* Row2(const DeviceBuffer& buf, int layer, int64_t per_layer) const {
     return static_cast<char*>(buf.get()) + layer * per_layer * es_;
@@ -1879,6 +1893,8 @@ class ShadowKvPolicy final : public KvPolicy {
   PolicyContext ctx_;
   ShadowKvOptions o_;
   size_t es_;
+  size_t lm_es_;    // bytes per landmark element: es_, or 1 for fp8
+  int64_t lm_rec_;  // landmark elements per chunk record
   BackendHostAllocator host_alloc_;
   storage::DramValueStore store_;
   std::map<int64_t, Seq> seqs_;

@@ -10,6 +10,8 @@
 #include <sstream>
 #include <tuple>
 
+#include "kernels/landmark_format.h"
+
 namespace penumbra {
 namespace {
 
@@ -64,7 +66,8 @@ std::map<std::string, size_t> ShadowKvPrefixGeometry::BlobBytes() const {
       {"a", L * n * C * r * es},
       {"b", sparse ? L * H * r * d * es : 0},
       {"p", sparse ? L * D * r * sizeof(float) : 0},
-      {"lm", L * H * n * static_cast<size_t>(landmarks_per_chunk) * d * es},
+      {"lm", L * H * n * static_cast<size_t>(kernels::LandmarkChunkElems(landmarks_per_chunk, head_dim, landmark_fp8)) *
+                 (landmark_fp8 ? 1 : es)},
       {"excl", L * H * n},
       {"out_k", L * H * O * C * d * es},
       {"out_v", L * H * O * C * d * es},
@@ -83,6 +86,7 @@ std::string ShadowKvPrefixGeometry::Meta() const {
      << " kv_heads=" << hkv << " head_dim=" << head_dim << " rank=" << rank << " chunk_size=" << chunk_size
      << " dtype=" << DTypeName(dtype);
   if (landmarks_per_chunk != 1) os << " landmarks_per_chunk=" << landmarks_per_chunk;
+  if (landmark_fp8) os << " landmark_format=fp8";
   return os.str();
 }
 
@@ -136,6 +140,12 @@ Result<ShadowKvPrefixGeometry> ShadowKvPrefixGeometry::ParseMeta(const std::stri
   if (kv.count("landmarks_per_chunk")) {
     PENUMBRA_ASSIGN_OR_RETURN(int64_t lpc, num("landmarks_per_chunk", 1, 16));
     g.landmarks_per_chunk = static_cast<int>(lpc);
+  }
+  if (auto lf = kv.find("landmark_format"); lf != kv.end()) {
+    if (lf->second != "fp8") {
+      return Status::InvalidArgument("shadowkv prefix: unknown landmark_format '" + lf->second + "'");
+    }
+    g.landmark_fp8 = true;
   }
   auto dt = kv.find("dtype");
   if (dt == kv.end()) return Status::InvalidArgument("shadowkv prefix: field 'dtype' is missing");
@@ -380,7 +390,7 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
   PENUMBRA_ASSIGN_OR_RETURN(ShadowKvPrefixGeometry g, ShadowKvPrefixGeometry::ParseMeta(meta->second));
   if (g.layers != expect.layers || g.hkv != expect.hkv || g.head_dim != expect.head_dim || g.rank != expect.rank ||
       g.chunk_size != expect.chunk_size || g.landmarks_per_chunk != expect.landmarks_per_chunk ||
-      g.dtype != expect.dtype) {
+      g.landmark_fp8 != expect.landmark_fp8 || g.dtype != expect.dtype) {
     ShadowKvPrefixGeometry want = g;
     want.layers = expect.layers;
     want.hkv = expect.hkv;
@@ -388,6 +398,7 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
     want.rank = expect.rank;
     want.chunk_size = expect.chunk_size;
     want.landmarks_per_chunk = expect.landmarks_per_chunk;
+    want.landmark_fp8 = expect.landmark_fp8;
     want.dtype = expect.dtype;
     return Status::InvalidArgument("shadowkv prefix: made for another geometry or dtype ('" + meta->second +
                                    "'; this policy: '" + want.Meta() + "')");

@@ -4,7 +4,9 @@
 //   a          [n_chunks*C][r]     low-rank coordinates of the chunks' pre-RoPE keys
 //   b          [hkv][r][d]         the factor they multiply (singular values folded in)
 //   p          [hkv*d][r] f32      projection of later tokens' keys (ShadowKV+, A.1)
-//   lm         [hkv][n_chunks*S][d] landmarks (S = landmarks_per_chunk per chunk)
+//   lm         [hkv][n_chunks] landmark records (kernels/landmark_format.h: S =
+//                                  landmarks_per_chunk rows of d per chunk, of
+//                                  dtype, or fp8 codes and a scale)
 //   excl       [hkv][n_chunks] u8  1 = outlier chunk
 //   out_k/v    [hkv][O*C][d]       the outlier chunks' exact K/V, in ascending chunk order
 //   tail_k/v   [hkv][tail][d]      the exact local rows
@@ -43,6 +45,7 @@ struct ShadowKvPrefixGeometry {
   int64_t tail = 0;  // exact local rows: tokens - n_chunks * chunk_size
   int layers = 0, hkv = 0, head_dim = 0, rank = 0, chunk_size = 0;
   int landmarks_per_chunk = 1;  // in the meta only when > 1 (documents stored before it parse as 1)
+  bool landmark_fp8 = false;    // landmark_format=fp8 in the meta (absent: the model's dtype)
   DType dtype = DType::kF32;
 
   // Bytes of each blob (Export's names).
@@ -93,7 +96,7 @@ class ShadowKvPrefix final : public KvPrefix {
   const void* values_device(int layer) const;
   const char* values_host(int layer) const;
   // Device addresses of layer l's A rows ([n_chunks*C][r]) and landmarks
-  // ([hkv][n_chunks*S][d]); null for a dense prefix.
+  // ([hkv][n_chunks] records); null for a dense prefix.
   const void* a_layer(int layer) const;
   const void* lm_layer(int layer) const;
 
