@@ -29,6 +29,14 @@
 #      > build-ablation/a.log 2>&1 < /dev/null &)
 # The machine goes back 30 s after a call ends with none in flight: chain
 # the calls (a waiting call: poll build-ablation/o*/eval.log for "done").
+#
+# More records for a set already run (a smaller standard error): records
+# 25..99 of the 100-record set in three pieces run side by side, e.g.
+#   TASKS="--lengths 64000 --num 50 --first 25 --seed 5151", then --num 75
+#   --first 50, then --num 100 --first 75 (tasks.py: a record depends only on
+#   its seed, task, length and index), and the pieces' prediction files
+#   concatenated with the first 25's are the 100-record run
+#   (compare_predictions.py matches them by id).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -40,6 +40,11 @@ Usage:
   python3 ops/evalmodel/tasks.py --corpus build-evalmodel/data/corpus-heldout.txt.xz \\
       --tokenizer MODEL_DIR/tokenizer.json --lengths 4096,8192,16384,32768 \\
       --num 25 --seed 1234 --out tasks.jsonl
+
+A record depends only on (seed, task, length, index), so `--num 100 --first
+25` gives records 25..99 of the 100-record set: more records for a set
+already run with --num 25, in pieces that can run apart (their ids are
+distinct, so their prediction files concatenate into the whole set's).
 """
 
 import argparse
@@ -540,10 +545,11 @@ def make_record(task, length, base_seed, index, hay, counter):
     return rec
 
 
-def generate_set(tasks, lengths, num, base_seed, hay, counter):
+def generate_set(tasks, lengths, num, base_seed, hay, counter, first=0):
+    """Records first..num-1 of each task and length."""
     for length in lengths:
         for task in tasks:
-            for i in range(num):
+            for i in range(first, num):
                 yield make_record(task, length, base_seed, i, hay, counter)
 
 
@@ -641,6 +647,8 @@ def main(argv=None):
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--num", type=int, default=25, help="records per task and length")
+    ap.add_argument("--first", type=int, default=0,
+                    help="first record index: records first..num-1 (those of the --num set)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default="-")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (output is identical)")
@@ -651,13 +659,15 @@ def main(argv=None):
         if t not in TASKS:
             ap.error(f"unknown task {t}")
     lengths = [int(x) for x in args.lengths.split(",") if x]
+    if not 0 <= args.first < args.num:
+        ap.error(f"--first {args.first} must be in [0, --num {args.num})")
     out = sys.stdout if args.out == "-" else open(args.out, "w", encoding="utf-8")
     n = 0
     name = None
     if args.jobs > 1:
         import multiprocessing
 
-        specs = [(t, L, args.seed, i) for L in lengths for t in tasks for i in range(args.num)]
+        specs = [(t, L, args.seed, i) for L in lengths for t in tasks for i in range(args.first, args.num)]
         with multiprocessing.Pool(args.jobs, _job_init, (args.corpus, args.tokenizer)) as pool:
             records = pool.imap(_job, specs, chunksize=1)
             for rec in records:
@@ -668,7 +678,7 @@ def main(argv=None):
         hay = Haystack.from_file(args.corpus)
         counter = make_counter(args.tokenizer)
         name = counter.name
-        for rec in generate_set(tasks, lengths, args.num, args.seed, hay, counter):
+        for rec in generate_set(tasks, lengths, args.num, args.seed, hay, counter, args.first):
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
             n += 1
     if out is not sys.stdout:

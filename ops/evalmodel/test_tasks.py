@@ -45,6 +45,23 @@ class TasksTest(unittest.TestCase):
         # A record does not depend on how many others are generated.
         one = self.gen(num=1)
         self.assertEqual([r for r in a if r["id"].endswith("-0")], one)
+        # --first: the later records of the same set, nothing else.
+        later = list(tasks.generate_set(tasks.TASKS, [512, 2048], 2, 1234, self.hay, self.counter, first=1))
+        self.assertEqual([r for r in a if r["id"].endswith("-1")], later)
+
+    def test_first_on_the_command_line(self):
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            def run(*extra):
+                out = os.path.join(d, "t.jsonl")
+                tasks.main(["--corpus", HAYSTACK, "--tasks", "kv,niah_single", "--lengths", "512", "--seed", "5",
+                            "--out", out, *extra])
+                return [json.loads(line) for line in open(out, encoding="utf-8")]
+            whole = run("--num", "3")
+            part = run("--num", "3", "--first", "2", "--jobs", "2")
+            self.assertEqual([r for r in whole if r["id"].endswith("-2")], part)
+            with self.assertRaises(SystemExit):
+                run("--num", "3", "--first", "3")
 
     def test_fields_and_lengths(self):
         for r in self.gen(lengths=(512, 4096, 8192)):
