@@ -27,6 +27,10 @@ inline constexpr float kE4M3Max = 448.0f;      // the largest finite e4m3 value
 constexpr int64_t LandmarkChunkElems(int landmarks_per_chunk, int d, bool fp8) {
   return static_cast<int64_t>(landmarks_per_chunk) * d + (fp8 ? kLandmarkFp8Tail : 0);
 }
+// Bytes of one chunk's record; model_elem_bytes: the model dtype's size.
+constexpr int64_t LandmarkChunkBytes(int landmarks_per_chunk, int d, bool fp8, size_t model_elem_bytes) {
+  return LandmarkChunkElems(landmarks_per_chunk, d, fp8) * static_cast<int64_t>(fp8 ? 1 : model_elem_bytes);
+}
 
 // f32 -> e4m3, round to nearest even, saturating at +-448 (what CUDA's
 // __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) gives); NaN -> 0x7f.

@@ -97,10 +97,10 @@ struct LandmarkRows {
   const E* own;
   int shared_chunks, d, shift, per_chunk;
   int64_t rec;  // elements per chunk record
-  __device__ LandmarkRows(const ShadowkvScoreArgs& a, int b, int h)
-      : shared_chunks(a.shared_chunks), d(a.d), shift(0), per_chunk(a.landmarks_per_chunk),
+  // row_shift: log2(landmarks_per_chunk) (ScoreWorkspace::shift).
+  __device__ LandmarkRows(const ShadowkvScoreArgs& a, int b, int h, int row_shift)
+      : shared_chunks(a.shared_chunks), d(a.d), shift(row_shift), per_chunk(a.landmarks_per_chunk),
         rec(LandmarkChunkElems(a.landmarks_per_chunk, a.d, kFp8)) {
-    while ((1 << shift) < per_chunk) ++shift;  // a power of two (checked at launch)
     const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
     own = static_cast<const E*>(a.landmarks[b]) + h * cap * rec;
     shared = shared_chunks > 0 ? static_cast<const E*>(a.shared_landmarks[b]) + h * shared_chunks * rec : own;
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kScoreThreads)
       }
     }
   }
-  const LandmarkRows<T> land(a, b, h);
+  const LandmarkRows<T> land(a, b, h, ws.shift);
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
 
   for (int base = c0; base < c1; base += rows_per_pass * kScoreUnroll) {
@@ -535,7 +535,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
   const bf16* q_row = static_cast<const bf16*>(a.q) + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * D;
   if constexpr (F8) LoadPermutedQForFp8K<D>(q_row, r < G, c, qa);
   else LoadPermutedQ<D>(q_row, r < G, c, qa);
-  const LandmarkRows<std::conditional_t<F8, Fp8, bf16>> land(a, b, h);
+  const LandmarkRows<std::conditional_t<F8, Fp8, bf16>> land(a, b, h, ws.shift);
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
   float* logit_row = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * ws.rows;
   float m_run = NegInf(), s_run = 0.0f;  // head r; s is this lane's partial sum

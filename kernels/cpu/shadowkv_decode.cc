@@ -66,14 +66,11 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
     std::vector<float> buf(a.d);
     const auto landmark_row = [&](int v) -> const float* {
       const int64_t chunk = v / S, j = v % S;
-      if (!fp8) {
-        const float* base = chunk < a.shared_chunks ? a.shared_landmarks[b] + (h * a.shared_chunks + chunk) * rec
-                                                    : a.landmarks[b] + h * cap * rec + (chunk - a.shared_chunks) * rec;
-        return base + j * a.d;
-      }
-      const uint8_t* base = chunk < a.shared_chunks
-                                ? a.shared_landmarks_fp8[b] + (h * a.shared_chunks + chunk) * rec
-                                : a.landmarks_fp8[b] + h * cap * rec + (chunk - a.shared_chunks) * rec;
+      // Below shared_chunks in the attached prefix's records, else in the sequence's own.
+      const bool pre = chunk < a.shared_chunks;
+      const int64_t at = (pre ? h * a.shared_chunks + chunk : h * cap + chunk - a.shared_chunks) * rec;
+      if (!fp8) return (pre ? a.shared_landmarks[b] : a.landmarks[b]) + at + j * a.d;
+      const uint8_t* base = (pre ? a.shared_landmarks_fp8[b] : a.landmarks_fp8[b]) + at;
       float scale;
       std::memcpy(&scale, base + static_cast<int64_t>(S) * a.d, sizeof(float));
       const float* lut = E4M3Table();

@@ -61,8 +61,8 @@ class ShadowKvPolicy final : public KvPolicy {
  public:
   ShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& o)
       : ctx_(ctx), o_(o), es_(DTypeSize(ctx.backend->act_dtype())),
-        lm_es_(o.landmark_fp8() ? 1 : es_),
         lm_rec_(kn::LandmarkChunkElems(o.landmarks_per_chunk, ctx.head_dim, o.landmark_fp8())),
+        lm_rec_bytes_(kn::LandmarkChunkBytes(o.landmarks_per_chunk, ctx.head_dim, o.landmark_fp8(), es_)),
         host_alloc_(ctx.backend),
         store_(&host_alloc_, storage::DramValueStoreOptions{}) {}
 
@@ -149,7 +149,7 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.a_rows * r * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.b, static_cast<size_t>(L) * H * r * d * es_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.p, static_cast<size_t>(L) * D * r * sizeof(float)));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * LmHead(s) * lm_es_));
+      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * s.lm_cap * lm_rec_bytes_));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t)));
       PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
@@ -1526,7 +1526,7 @@ class ShadowKvPolicy final : public KvPolicy {
       // A rows and landmarks: the attached prefix's chunks, then the sequence's own.
       const int sh = s.shared_chunks;
       // Landmarks: one record of landmarks_per_chunk rows per chunk.
-      const size_t lrow = static_cast<size_t>(lm_rec_) * lm_es_;
+      const size_t lrow = static_cast<size_t>(lm_rec_bytes_);
       const size_t ash = static_cast<size_t>(sh) * C * r * es_, lsh = static_cast<size_t>(sh) * lrow;
       if (sh > 0) {
         PENUMBRA_RETURN_IF_ERROR(copy2d(p->a, arow, s.prefix->a.get(), ash, ash, L));
@@ -1800,11 +1800,11 @@ class ShadowKvPolicy final : public KvPolicy {
   }
   void* ALayer(const Seq& s, int layer) const { return Row2(s.a, layer, s.a_rows * o_.rank); }
   void* LmLayer(const Seq& s, int layer) const {
-    return static_cast<char*>(s.lm.get()) + layer * ctx_.hkv * LmHead(s) * static_cast<int64_t>(lm_es_);
+    return static_cast<char*>(s.lm.get()) + static_cast<int64_t>(layer) * ctx_.hkv * s.lm_cap * lm_rec_bytes_;
   }
   // Head 0's record of chunk `chunk` (>= shared_chunks) at `layer`.
   void* LmChunk(const Seq& s, int layer, int chunk) const {
-    return static_cast<char*>(LmLayer(s, layer)) + (chunk - s.shared_chunks) * lm_rec_ * static_cast<int64_t>(lm_es_);
+    return static_cast<char*>(LmLayer(s, layer)) + (chunk - s.shared_chunks) * lm_rec_bytes_;
   }
   void* Row2(const DeviceBuffer& buf, int layer, int64_t per_layer) const {
     return static_cast<char*>(buf.get()) + layer * per_layer * es_;
@@ -1893,8 +1893,8 @@ class ShadowKvPolicy final : public KvPolicy {
   PolicyContext ctx_;
   ShadowKvOptions o_;
   size_t es_;
-  size_t lm_es_;    // bytes per landmark element: es_, or 1 for fp8
-  int64_t lm_rec_;  // landmark elements per chunk record
+  int64_t lm_rec_;        // landmark elements (bytes for fp8) per chunk record: the kernels' strides
+  int64_t lm_rec_bytes_;  // bytes per chunk record: the buffers' sizes and offsets
   BackendHostAllocator host_alloc_;
   storage::DramValueStore store_;
   std::map<int64_t, Seq> seqs_;
