@@ -66,7 +66,8 @@ std::map<std::string, size_t> ShadowKvPrefixGeometry::BlobBytes() const {
       {"a", L * n * C * r * es},
       {"b", sparse ? L * H * r * d * es : 0},
       {"p", sparse ? L * D * r * sizeof(float) : 0},
-      {"lm", L * H * n * static_cast<size_t>(kernels::LandmarkChunkBytes(landmarks_per_chunk, head_dim, landmark_fp8, es))},
+      {"lm", L * H * n *
+                 static_cast<size_t>(kernels::LandmarkChunkBytes(landmarks_per_chunk, head_dim, landmark_fp8, es))},
       {"excl", L * H * n},
       {"out_k", L * H * O * C * d * es},
       {"out_v", L * H * O * C * d * es},
