@@ -35,8 +35,9 @@
 #   TASKS="--lengths 64000 --num 50 --first 25 --seed 5151", then --num 75
 #   --first 50, then --num 100 --first 75 (tasks.py: a record depends only on
 #   its seed, task, length and index), and the pieces' prediction files
-#   concatenated with the first 25's are the 100-record run
-#   (compare_predictions.py matches them by id).
+#   with the first 25's are the 100-record run: compare_predictions.py reads
+#   a comma-separated list of files as their concatenation, e.g.
+#   compare_predictions.py full-0.jsonl,full-25.jsonl,... skv-0.jsonl,...).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -6,10 +6,15 @@ predictions per (task, length) and overall ("same greedy answers"); then one
 "paired" line: both files' accuracy on the common samples (exact answers, as
 `penumbra eval` scores), the gap A - B in points, its paired standard error
 (of the per-sample differences, in points) and the samples right in only one
-of them. A gap within about two standard errors is not evidence that the two
-differ.
+of them, and per task both accuracies and the gap ("per_task"). A gap within
+about two standard errors is not evidence that the two differ.
+
+Either side may be several files, comma-separated: one run in pieces (e.g.
+records 0-24, then 25-49 ... of a set made with tasks.py --first), read as
+their concatenation. A sample (id, turn) twice on one side is an error.
 
   python3 ops/evalmodel/compare_predictions.py pred_hf.jsonl pred_penumbra.jsonl
+  python3 ops/evalmodel/compare_predictions.py full-0.jsonl,full-25.jsonl skv-0.jsonl,skv-25.jsonl
 """
 
 import collections
@@ -19,7 +24,8 @@ import sys
 
 
 def paired(a, b, keys):
-    """Accuracy of a and b over keys, the gap a - b and its standard error (points)."""
+    """Accuracy of a and b over keys, the gap a - b and its standard error
+    (points), and per task the two accuracies and the gap."""
     ra = [int(bool(a[k].get("correct"))) for k in keys]
     rb = [int(bool(b[k].get("correct"))) for k in keys]
     d = [x - y for x, y in zip(ra, rb)]
@@ -28,18 +34,50 @@ def paired(a, b, keys):
         return {"paired": True, "n": 0}
     mean = sum(d) / n
     var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    tasks = collections.defaultdict(lambda: [0, 0, 0])  # n, right in a, right in b
+    for k, x, y in zip(keys, ra, rb):
+        t = tasks[a[k].get("task", "?")]
+        t[0] += 1
+        t[1] += x
+        t[2] += y
+    per_task = {task: {"n": tn, "accuracy_a": round(100.0 * ta / tn, 2), "accuracy_b": round(100.0 * tb / tn, 2),
+                       "gap_points": round(100.0 * (ta - tb) / tn, 2)}
+                for task, (tn, ta, tb) in sorted(tasks.items())}
     return {"paired": True, "n": n, "accuracy_a": round(100.0 * sum(ra) / n, 2),
             "accuracy_b": round(100.0 * sum(rb) / n, 2),
             "gap_points": round(100.0 * mean, 2), "se_points": round(100.0 * math.sqrt(var / n), 2),
-            "right_only_a": sum(x > 0 for x in d), "right_only_b": sum(x < 0 for x in d)}
+            "right_only_a": sum(x > 0 for x in d), "right_only_b": sum(x < 0 for x in d),
+            "per_task": per_task}
 
 
-def load(path):
-    out = {}
-    for line in open(path, encoding="utf-8"):
-        if line.strip():
-            r = json.loads(line)
-            out[(r["id"], r.get("turn", 0))] = r
+class InputError(Exception):
+    pass
+
+
+def load(paths):
+    """The samples of one side: the files of a comma-separated list, in order."""
+    out, where = {}, {}
+    for path in paths.split(","):
+        try:
+            f = open(path, encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"{path}: {e.strerror}")
+        with f:
+            for no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                    key = (r["id"], r.get("turn", 0))
+                    r["prediction"], r["task"], r["length"]
+                except ValueError as e:
+                    raise InputError(f"{path}:{no}: not valid JSON ({e})")
+                except (KeyError, TypeError) as e:
+                    raise InputError(f"{path}:{no}: not a prediction record (missing {e})")
+                if key in out:
+                    raise InputError(f"{path}:{no}: sample {key[0]} turn {key[1]} is also at {where[key]}")
+                out[key] = r
+                where[key] = f"{path}:{no}"
     return out
 
 
@@ -48,7 +86,11 @@ def main(argv=None):
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    a, b = load(argv[0]), load(argv[1])
+    try:
+        a, b = load(argv[0]), load(argv[1])
+    except InputError as e:
+        print(f"compare_predictions: {e}", file=sys.stderr)
+        return 2
     keys = sorted(set(a) & set(b))
     agg = collections.defaultdict(lambda: [0, 0])
     for k in keys:
