@@ -56,7 +56,8 @@ class TasksTest(unittest.TestCase):
                 out = os.path.join(d, "t.jsonl")
                 tasks.main(["--corpus", HAYSTACK, "--tasks", "kv,niah_single", "--lengths", "512", "--seed", "5",
                             "--out", out, *extra])
-                return [json.loads(line) for line in open(out, encoding="utf-8")]
+                with open(out, encoding="utf-8") as f:
+                    return [json.loads(line) for line in f]
             whole = run("--num", "3")
             part = run("--num", "3", "--first", "2", "--jobs", "2")
             self.assertEqual([r for r in whole if r["id"].endswith("-2")], part)
