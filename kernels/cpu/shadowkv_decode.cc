@@ -64,6 +64,7 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
     const int64_t rec = LandmarkChunkElems(S, a.d, fp8);  // elements per chunk record
     // Row v's values (fp8: decoded, times its record's scale) into `buf`.
     std::vector<float> buf(a.d);
+    const float* lut = fp8 ? E4M3Table() : nullptr;
     const auto landmark_row = [&](int v) -> const float* {
       const int64_t chunk = v / S, j = v % S;
       // Below shared_chunks in the attached prefix's records, else in the sequence's own.
@@ -73,7 +74,6 @@ void ShadowkvScore(const ShadowkvScoreArgs& a) {
       const uint8_t* base = (pre ? a.shared_landmarks_fp8[b] : a.landmarks_fp8[b]) + at;
       float scale;
       std::memcpy(&scale, base + static_cast<int64_t>(S) * a.d, sizeof(float));
-      const float* lut = E4M3Table();
       for (int i = 0; i < a.d; ++i) buf[i] = lut[base[j * a.d + i]] * scale;
       return buf.data();
     };

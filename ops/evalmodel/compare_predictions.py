@@ -36,7 +36,7 @@ def paired(a, b, keys):
     var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
     tasks = collections.defaultdict(lambda: [0, 0, 0])  # n, right in a, right in b
     for k, x, y in zip(keys, ra, rb):
-        t = tasks[a[k].get("task", "?")]
+        t = tasks[a[k]["task"]]
         t[0] += 1
         t[1] += x
         t[2] += y
@@ -54,6 +54,9 @@ class InputError(Exception):
     pass
 
 
+RECORD_FIELDS = ("id", "prediction", "task", "length")  # what a prediction line must have
+
+
 def load(paths):
     """The samples of one side: the files of a comma-separated list, in order."""
     out, where = {}, {}
@@ -68,12 +71,12 @@ def load(paths):
                     continue
                 try:
                     r = json.loads(line)
-                    key = (r["id"], r.get("turn", 0))
-                    r["prediction"], r["task"], r["length"]
                 except ValueError as e:
                     raise InputError(f"{path}:{no}: not valid JSON ({e})")
-                except (KeyError, TypeError) as e:
-                    raise InputError(f"{path}:{no}: not a prediction record (missing {e})")
+                missing = [f for f in RECORD_FIELDS if not isinstance(r, dict) or f not in r]
+                if missing:
+                    raise InputError(f"{path}:{no}: not a prediction record (missing '{missing[0]}')")
+                key = (r["id"], r.get("turn", 0))
                 if key in out:
                     raise InputError(f"{path}:{no}: sample {key[0]} turn {key[1]} is also at {where[key]}")
                 out[key] = r
