@@ -1,33 +1,37 @@
 #!/usr/bin/env bash
-# Builds the safetensors parser fuzzer with clang (libFuzzer + ASan + UBSan)
-# and runs it for a fixed time from a small generated seed corpus.
-#   .ci/fuzz.sh [seconds]        default 60
-# Env: FUZZ_WORK (scratch dir; default a fresh mktemp dir, removed on exit).
+# Builds every libFuzzer target of the tree (penumbra_fuzzer() in CMake: the
+# parsers an attacker or a bad file reaches — safetensors, the public API's
+# and the control API's requests, the store node's messages) with clang,
+# libFuzzer, ASan and UBSan, and runs each for a fixed time from its seed
+# corpus. Any finding (a crash, a sanitizer report, a leak, a timeout) fails
+# the run; the input is kept in the work folder.
+#   .ci/fuzz.sh [seconds per fuzzer]     default 30
+# Env: FUZZ_WORK (corpora and findings; default build/fuzz/work, emptied
+# first), FUZZ_BUILD (the clang build; default build/fuzz, kept: incremental),
+# FUZZ_ONLY (run only these fuzzers, space-separated).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-SECONDS_TO_RUN="${1:-60}"
-CXX="${CXX_FUZZ:-clang++}"
-if [[ -n "${FUZZ_WORK:-}" ]]; then
-  WORK="$FUZZ_WORK"
-  mkdir -p "$WORK"
-else
-  WORK="$(mktemp -d)"
-  trap 'rm -rf "$WORK"' EXIT
+SECONDS_TO_RUN="${1:-30}"
+BUILD="${FUZZ_BUILD:-$ROOT/build/fuzz}"
+WORK="${FUZZ_WORK:-$BUILD/work}"
+rm -rf "$WORK"
+mkdir -p "$WORK"
+
+echo "== building the fuzzers with clang (log: $BUILD/build.log)"
+mkdir -p "$BUILD"
+if ! { cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+         -DPENUMBRA_FUZZ=ON -DPENUMBRA_CUDA=OFF -DPENUMBRA_SANITIZE="address;undefined" \
+         -DCMAKE_CXX_FLAGS="-fno-sanitize-recover=undefined" &&
+       ninja -C "$BUILD" -j"$(nproc)" fuzzers; } > "$BUILD/build.log" 2>&1; then
+  tail -50 "$BUILD/build.log"
+  echo "== fuzz: the build failed"
+  exit 1
 fi
 
-echo "== building safetensors_fuzz with $CXX"
-"$CXX" -std=c++20 -O1 -g -fno-omit-frame-pointer \
-  -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -I"$ROOT" \
-  "$ROOT/worker/model/fuzz/safetensors_fuzz.cc" \
-  "$ROOT/worker/model/safetensors.cc" \
-  "$ROOT/common/status.cc" "$ROOT/common/dtype.cc" "$ROOT/common/file.cc" \
-  -lglog -o "$WORK/safetensors_fuzz"
-
-echo "== generating seed corpus"
-mkdir -p "$WORK/corpus"
-python3 - "$WORK/corpus" <<'PY'
+# Seeds of the safetensors parser: small valid files of every dtype.
+mkdir -p "$WORK/corpus/safetensors_fuzz"
+python3 - "$WORK/corpus/safetensors_fuzz" <<'PY'
 import json, struct, sys, os
 out = sys.argv[1]
 
@@ -55,10 +59,27 @@ write("mixed", [("model.embed_tokens.weight", "BF16", [4, 2], bytes(range(16))),
                 ("z", "F32", [0, 3], b"")], {"format": "pt", "k": "v"}, pad=False)
 write("i64_f64", [("a", "I64", [1], struct.pack("<q", 5)), ("b", "F64", [1], struct.pack("<d", 1.5))])
 PY
-ls -l "$WORK/corpus"
 
-echo "== fuzzing for ${SECONDS_TO_RUN}s"
-# Writes any crashing input to $WORK/crash-*; a finding makes the run fail.
-"$WORK/safetensors_fuzz" -max_total_time="$SECONDS_TO_RUN" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
-  -print_final_stats=1 -artifact_prefix="$WORK/" "$WORK/corpus"
-echo "== fuzz: no findings"
+status=0
+for bin in "$BUILD"/bin/*_fuzz; do
+  name="$(basename "$bin")"
+  if [[ -n "${FUZZ_ONLY:-}" && " $FUZZ_ONLY " != *" $name "* ]]; then continue; fi
+  corpus="$WORK/corpus/$name"
+  mkdir -p "$corpus" "$WORK/findings/$name"
+  if [[ -d "$ROOT/tests/fuzz/$name" ]]; then cp "$ROOT/tests/fuzz/$name"/* "$corpus/" 2>/dev/null || true; fi
+  # A fuzzer may write seeds of its own (valid messages made by our code).
+  PENUMBRA_FUZZ_SEEDS="$corpus" "$bin" -runs=0 "$corpus" > "$WORK/findings/$name/seeds.log" 2>&1 || true
+  echo "== fuzzing $name for ${SECONDS_TO_RUN}s ($(ls "$corpus" | wc -l) seeds)"
+  if ! "$bin" -max_total_time="$SECONDS_TO_RUN" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+       -print_final_stats=1 -artifact_prefix="$WORK/findings/$name/" "$corpus" \
+       > "$WORK/findings/$name/fuzz.log" 2>&1; then
+    tail -60 "$WORK/findings/$name/fuzz.log"
+    echo "== fuzz: $name found a failure (inputs: $WORK/findings/$name/)"
+    status=1
+  else
+    grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb" "$WORK/findings/$name/fuzz.log" | tr '\n' ' '
+    echo
+  fi
+done
+[[ $status -eq 0 ]] && echo "== fuzz: no findings"
+exit $status

@@ -18,3 +18,21 @@ function(penumbra_test name)
   set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
     ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR}")
 endfunction()
+
+# penumbra_fuzzer(NAME SOURCES src... LIBS lib...)
+# A libFuzzer target, built only when PENUMBRA_FUZZ is ON (with clang; every
+# target is then compiled with -fsanitize=fuzzer-no-link and the sanitizers
+# of PENUMBRA_SANITIZE). `ninja fuzzers` builds them all; .ci/fuzz.sh runs
+# each for a bounded time from its seed corpus (tests/fuzz/NAME/ when it
+# exists; a fuzzer may also write its own seeds when run with
+# PENUMBRA_FUZZ_SEEDS=DIR: see tests/fuzz/README.md).
+function(penumbra_fuzzer name)
+  if(NOT PENUMBRA_FUZZ)
+    return()
+  endif()
+  cmake_parse_arguments(F "" "" "SOURCES;LIBS" ${ARGN})
+  add_executable(${name} ${F_SOURCES})
+  target_link_libraries(${name} PRIVATE ${F_LIBS} penumbra_warnings)
+  target_link_options(${name} PRIVATE -fsanitize=fuzzer)
+  add_dependencies(fuzzers ${name})
+endfunction()

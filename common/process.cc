@@ -1,5 +1,7 @@
 #include "common/process.h"
 
+#include <sys/resource.h>
+
 #include <fcntl.h>
 
 #include <csignal>
@@ -79,10 +81,21 @@ Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::stri
   return pid;
 }
 
+void RaiseFileLimit() {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur >= r.rlim_max) return;
+  const rlim_t before = r.rlim_cur;
+  r.rlim_cur = r.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &r) == 0) {
+    VLOG(1) << "open files: limit raised from " << before << " to " << r.rlim_max;
+  }
+}
+
 int ServerMain(const char* name, const char* usage, int argc, char** argv,
                const std::function<Status(int, char**)>& run) {
   BlockTerminationSignals();  // before any thread starts
   InitLogging(argv[0]);
+  RaiseFileLimit();
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "help")) {
     std::cout << usage;
     return 0;

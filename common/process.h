@@ -29,8 +29,13 @@ Status WriteFileAtomically(const std::string& path, const std::string& contents)
 // needs is made before fork, so it is safe from a multi-threaded process.
 Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& log);
 
+// Raises this process's limit of open files to its hard limit (a server
+// holds one descriptor per connection).
+void RaiseFileLimit();
+
 // The main() of a long-running server program `name`: blocks the termination
-// signals before any thread starts, sets up logging, answers --help with
+// signals before any thread starts, sets up logging, raises the open-file
+// limit, answers --help with
 // `usage`, runs `run` and maps its Status to the exit code (0; 2 for
 // InvalidArgument, 1 otherwise) with one line on stderr.
 int ServerMain(const char* name, const char* usage, int argc, char** argv,

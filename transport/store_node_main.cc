@@ -21,6 +21,7 @@
 #include "common/process.h"
 #include "storage/segment_store.h"
 #include "transport/store_node.h"
+#include "transport/tls.h"
 
 namespace penumbra {
 namespace {
@@ -38,6 +39,7 @@ Status Run(int argc, char** argv) {
       .Flag("storage-config", "the store's options: the disk: section of a storage YAML (configs/storage.yaml)")
       .Flag("threads", "requests served at once (default 8)")
       .Flag("reader-idle-seconds", "a reader a worker left idle this long is closed (default 120)");
+  transport::AddSecurityFlags(a);
   Status ps = a.Parse(argc, argv, 1);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
   storage::SegmentStoreOptions so;
@@ -58,8 +60,12 @@ Status Run(int argc, char** argv) {
   }
   if (a.Has("path")) so.path = a.Get("path");
   if (so.path.empty()) return Status::InvalidArgument(std::string("--path is required\n") + kUsage);
+  PENUMBRA_ASSIGN_OR_RETURN(transport::ProcessSecurity security, transport::SecurityFromFlags(a));
   transport::StoreNodeOptions no;
   no.host = a.Get("host", "127.0.0.1");
+  // The store plane is authenticated by the cluster secret (UCX has no TLS).
+  PENUMBRA_RETURN_IF_ERROR(transport::CheckPlaintextBind("the store plane", no.host,
+                                                         !security.cluster_secret_file.empty(), security.insecure));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
   no.port = static_cast<int>(port);
   PENUMBRA_ASSIGN_OR_RETURN(int64_t threads, a.GetIntIn("threads", no.threads, 1, 256));

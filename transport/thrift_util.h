@@ -1,14 +1,31 @@
 // Thrift plumbing shared by every Penumbra server and client: the framed
 // binary protocol with size limits (a frame, a string or a container past
 // them is refused before it is allocated), errors mapped between Status and
-// the IDL's PenumbraError at the boundary, a server that binds loopback port 0
-// and reports the port the OS picked, and clients with connect and call
-// timeouts (the deadline of every call).
+// the IDL's PenumbraError at the boundary, TLS (transport/tls.h) with the
+// caller's identity available to handlers, servers bounded against floods,
+// and clients with connect and call timeouts (the deadline of every call).
+//
+// A server is a thread per connection (a long poll blocks only its own
+// connection) with these bounds, each a ThriftLimits field:
+// - at most max_connections open connections, max_connections_per_peer of
+//   them from one address; past either a new connection is closed at once
+//   (the others are not delayed);
+// - a connection must finish its TLS handshake and send its first request
+//   within handshake_timeout, and may then idle idle_timeout between
+//   requests; a reply must be taken within send_timeout;
+// - the request frames all connections are reading hold at most
+//   max_buffered_frame_bytes (a frame that would pass it closes its
+//   connection), so many clients announcing large frames cannot exhaust
+//   memory before any key is checked;
+// - an accept that fails (EMFILE: no file descriptors left) is retried, the
+//   server keeps serving.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -16,11 +33,11 @@
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/server/TThreadedServer.h>
 #include <thrift/transport/TBufferTransports.h>
-#include <thrift/transport/TServerSocket.h>
 #include <thrift/transport/TSocket.h>
 
 #include "common/status.h"
 #include "gen-cpp/common_types.h"
+#include "transport/tls.h"
 
 namespace penumbra::transport {
 
@@ -28,7 +45,14 @@ struct ThriftLimits {
   int32_t max_frame_bytes = 64 << 20;        // one framed message
   int32_t max_string_bytes = 64 << 20;       // one string or binary field
   int32_t max_container_elements = 1 << 24;  // one list, set or map
-  int32_t max_connections = 256;             // concurrent clients of a server
+  // Servers only:
+  int32_t max_connections = 4096;            // open connections, all peers
+  int32_t max_connections_per_peer = 1024;   // open connections from one address
+  int64_t max_buffered_frame_bytes = int64_t{1} << 30;  // request frames being read, all connections
+  std::chrono::milliseconds handshake_timeout{10000};   // connect -> TLS handshake and first request
+  std::chrono::milliseconds idle_timeout{300000};       // between two requests of a connection
+  std::chrono::milliseconds send_timeout{60000};        // writing one reply
+  Status Validate() const;
 };
 
 // Status -> the IDL's error (RESOURCE_EXHAUSTED carries retry_after_ms).
@@ -41,25 +65,69 @@ Status FromThriftException(const std::exception& e, const std::string& what);
 
 std::shared_ptr<apache::thrift::TConfiguration> MakeConfiguration(const ThriftLimits& limits);
 
-// A Thrift server on its own threads (one per connection, up to
-// max_connections; long polls block only their connection's thread).
+// The caller of the request being served on this thread: its verified
+// certificate's role and name under TLS, else only its address. Outside a
+// server's handler, an empty identity.
+const PeerIdentity& CurrentPeer();
+
+struct ThriftServerStats {
+  int64_t open_connections = 0;
+  int64_t accepted = 0;
+  int64_t refused_over_limit = 0;     // closed at accept: max_connections or per peer
+  int64_t refused_frame_budget = 0;   // closed: a frame past max_buffered_frame_bytes
+  int64_t accept_errors = 0;          // accept() failures retried (EMFILE...)
+};
+
+struct ThriftServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;                         // 0: one the OS picks (port() says which)
+  ThriftLimits limits;
+  std::optional<TlsServerOptions> tls;  // none: plaintext
+  std::string name = "thrift server";   // in log lines
+};
+
+// A Thrift server on its own threads (see the file comment).
 class ThriftServer {
  public:
-  // Binds host:port (port 0: one the OS picks) and starts serving.
   static Result<std::unique_ptr<ThriftServer>> Start(std::shared_ptr<apache::thrift::TProcessor> processor,
-                                                     const std::string& host, int port, const ThriftLimits& limits);
+                                                     const ThriftServerOptions& options);
   ~ThriftServer();  // Stop()
   int port() const { return port_; }
+  bool tls() const { return tls_; }
+  ThriftServerStats stats() const;
   // Stops accepting, closes connections, joins.
   void Stop();
+
+  struct Shared;  // the limits' counters, shared with live connections
 
  private:
   ThriftServer() = default;
   std::shared_ptr<apache::thrift::server::TThreadedServer> server_;
+  std::shared_ptr<Shared> shared_;
   std::thread thread_;
   int port_ = 0;
+  bool tls_ = false;
   bool stopped_ = false;
 };
+
+// A client's TLS settings, loaded once (the CA, certificate and key read and
+// checked) and shared by its connections.
+class TlsClientContext {
+ public:
+  static Result<std::shared_ptr<const TlsClientContext>> Create(const TlsClientOptions& options);
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  explicit TlsClientContext(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+// A connected socket to host:port, over TLS when `tls` is set (the
+// handshake and the server's checks done before it returns).
+Result<std::shared_ptr<apache::thrift::transport::TSocket>> ConnectSocket(
+    const std::string& host, int port, std::chrono::milliseconds timeout,
+    std::shared_ptr<apache::thrift::TConfiguration> config, const std::shared_ptr<const TlsClientContext>& tls);
 
 // A connected client of service `Client` (a generated *Client class) with
 // per-call timeouts.
@@ -68,23 +136,20 @@ class ThriftClient {
  public:
   static Result<std::unique_ptr<ThriftClient>> Connect(const std::string& host, int port,
                                                        std::chrono::milliseconds timeout,
-                                                       const ThriftLimits& limits = {}) {
+                                                       const ThriftLimits& limits = {},
+                                                       std::shared_ptr<const TlsClientContext> tls = nullptr) {
     auto c = std::unique_ptr<ThriftClient>(new ThriftClient());
+    auto config = MakeConfiguration(limits);
+    PENUMBRA_ASSIGN_OR_RETURN(c->socket_, ConnectSocket(host, port, timeout, config, tls));
     try {
-      auto config = MakeConfiguration(limits);
-      c->socket_ = std::make_shared<apache::thrift::transport::TSocket>(host, port, config);
-      const int ms = static_cast<int>(timeout.count());
-      c->socket_->setConnTimeout(ms);
-      c->socket_->setRecvTimeout(ms);
-      c->socket_->setSendTimeout(ms);
       c->transport_ = std::make_shared<apache::thrift::transport::TFramedTransport>(c->socket_, config);
       auto protocol = std::make_shared<apache::thrift::protocol::TBinaryProtocol>(
           c->transport_, limits.max_string_bytes, limits.max_container_elements, true, true);
       c->client_ = std::make_unique<Client>(protocol);
-      c->transport_->open();
     } catch (const std::exception& e) {
       return FromThriftException(e, "connect to " + host + ":" + std::to_string(port));
     }
+    c->last_used_ = std::chrono::steady_clock::now();
     return c;
   }
   ~ThriftClient() {
@@ -93,19 +158,29 @@ class ThriftClient {
     } catch (...) {
     }
   }
-  Client& operator*() { return *client_; }
-  Client* operator->() { return client_.get(); }
+  Client& operator*() {
+    last_used_ = std::chrono::steady_clock::now();
+    return *client_;
+  }
+  Client* operator->() {
+    last_used_ = std::chrono::steady_clock::now();
+    return client_.get();
+  }
   // The timeout of the next calls (a long poll needs its wait plus a margin).
   void SetTimeout(std::chrono::milliseconds timeout) {
     socket_->setRecvTimeout(static_cast<int>(timeout.count()));
     socket_->setSendTimeout(static_cast<int>(timeout.count()));
   }
+  // When a call last used the connection (a pool drops connections idle
+  // for longer than the server keeps them).
+  std::chrono::steady_clock::time_point last_used() const { return last_used_; }
 
  private:
   ThriftClient() = default;
   std::shared_ptr<apache::thrift::transport::TSocket> socket_;
   std::shared_ptr<apache::thrift::transport::TTransport> transport_;
   std::unique_ptr<Client> client_;
+  std::chrono::steady_clock::time_point last_used_;
 };
 
 // Runs `call` (a lambda making one RPC) and maps what it throws to Status.

@@ -31,7 +31,8 @@ struct WorkerGenerateRequest {
   // Random draws the request's sampling stream has made already: a request
   // resumed on another worker (its prompt then ends with the tokens
   // generated so far) continues the same stream, so seeded sampling gives
-  // what it would have given without the move.
+  // what it would have given without the move. At most the prompt's length
+  // (each draw made one of its tokens).
   10: i64 draws_done = 0,
 }
 
@@ -65,19 +66,23 @@ struct WorkerStats {
   15: i64 memory_free_bytes = -1,
 }
 
+// Every call needs the caller's certificate of role coordinator when the
+// worker runs with TLS (mutual TLS; docs/operations.md, "Security").
 service Worker {
-  // Queues a request; returns its id. INVALID_ARGUMENT for a bad request,
+  // Queues a request; returns its handle: 128 random bits as 32 hex digits,
+  // known only to the caller that made it (another caller's Poll, Cancel or
+  // Release of it is NOT_FOUND). INVALID_ARGUMENT for a bad request,
   // RESOURCE_EXHAUSTED (retry_after_ms) when the queue is full, UNAVAILABLE
   // while draining.
-  i64 Generate(1: WorkerGenerateRequest request) throws (1: common.PenumbraError error),
+  string Generate(1: WorkerGenerateRequest request) throws (1: common.PenumbraError error),
   // Tokens from `offset`, waiting up to wait_ms (<= 60000) for more or the end.
-  common.TokenChunk Poll(1: i64 request_id, 2: i64 offset, 3: i32 wait_ms)
+  common.TokenChunk Poll(1: string request_id, 2: i64 offset, 3: i32 wait_ms)
       throws (1: common.PenumbraError error),
-  void Cancel(1: i64 request_id) throws (1: common.PenumbraError error),
+  void Cancel(1: string request_id) throws (1: common.PenumbraError error),
   // Forgets a request: a finished one at once, a running one is cancelled
   // and forgotten when it ends. A draining worker waits (a while) until the
   // answers of its finished requests are released before it exits.
-  void Release(1: i64 request_id) throws (1: common.PenumbraError error),
+  void Release(1: string request_id) throws (1: common.PenumbraError error),
   // Drops the cached state (prefix cache and persistent store) of the
   // prompt's leading segments: a deleted document. Returns the entries dropped.
   i32 ForgetPrefixes(1: list<i32> prompt, 2: list<i64> segment_ends, 3: string cache_namespace)

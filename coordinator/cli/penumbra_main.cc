@@ -33,8 +33,11 @@ constexpr const char* kUsage =
     "       penumbra job submit FILE.jsonl [--detach] [--window-s N] [--metadata S]   a batch job\n"
     "       penumbra job status ID | job results ID [--out FILE] | job cancel ID | job ls | job rm ID\n"
     "       penumbra stats\n"
+    "       penumbra cert init DIR [--topology F] [--hosts H,...]   a CA, a certificate per process, the cluster secret\n"
+    "       penumbra cert issue DIR --role R --name N [--hosts H,...]   one more certificate from DIR's CA\n"
     "       penumbra tenant hash-key KEY                      the sha256:... form of an API key for tenants.yaml\n"
-    "       (client commands: --address HOST:PORT, default $PENUMBRA_ADDRESS or 127.0.0.1:7700; --api-key K)\n"
+    "       (client commands: --address HOST:PORT, default $PENUMBRA_ADDRESS or 127.0.0.1:7700;\n"
+    "        --api-key-file F or $PENUMBRA_API_KEY; --tls-ca CA for TLS)\n"
     "       penumbra help\n";
 
 Status Generate(int argc, char** argv) {
@@ -293,6 +296,8 @@ int main(int argc, char** argv) {
     s = penumbra::JobCommand(argc, argv);
   } else if (cmd == "stats") {
     s = penumbra::StatsCommand(argc, argv);
+  } else if (cmd == "cert") {
+    s = penumbra::CertCommand(argc, argv);
   } else if (cmd == "tenant") {
     s = penumbra::TenantCommand(argc, argv);
   } else {

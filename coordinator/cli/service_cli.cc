@@ -37,8 +37,17 @@ using Clock = std::chrono::steady_clock;
 
 void AddClientFlags(Args& a) {
   a.Flag("address", "the coordinator, host:port (default $PENUMBRA_ADDRESS, else 127.0.0.1:7700)")
-      .Flag("api-key", "API key (default $PENUMBRA_API_KEY)")
+      .Flag("api-key-file", "a file holding the API key (default $PENUMBRA_API_KEY_FILE; else the key in "
+                            "$PENUMBRA_API_KEY). Never on the command line: other users can read it there")
+      .Flag("tls-ca", "the CA of the coordinator's certificate: TLS on (default $PENUMBRA_TLS_CA)")
+      .Flag("tls-cert", "a client certificate, for a tenant that requires one (default $PENUMBRA_TLS_CERT)")
+      .Flag("tls-key", "its private key (default $PENUMBRA_TLS_KEY)")
       .Flag("timeout-ms", "connect and call timeout (default 30000)");
+}
+
+std::string FlagOrEnv(const Args& a, const std::string& flag, const char* env) {
+  const char* e = std::getenv(env);
+  return a.Get(flag, e ? e : "");
 }
 
 Result<std::unique_ptr<client::Client>> ConnectFromFlags(const Args& a) {
@@ -46,8 +55,17 @@ Result<std::unique_ptr<client::Client>> ConnectFromFlags(const Args& a) {
   const char* env_addr = std::getenv("PENUMBRA_ADDRESS");
   const std::string address = a.Get("address", env_addr ? env_addr : "127.0.0.1:7700");
   PENUMBRA_RETURN_IF_ERROR(client::ParseAddress(address, &o));
-  const char* env_key = std::getenv("PENUMBRA_API_KEY");
-  o.api_key = a.Get("api-key", env_key ? env_key : "");
+  if (const std::string key_file = FlagOrEnv(a, "api-key-file", "PENUMBRA_API_KEY_FILE"); !key_file.empty()) {
+    PENUMBRA_ASSIGN_OR_RETURN(std::string key, ReadFileToString(key_file));
+    while (!key.empty() && std::isspace(static_cast<unsigned char>(key.back()))) key.pop_back();
+    if (key.empty()) return Status::InvalidArgument("--api-key-file " + key_file + " is empty");
+    o.api_key = key;
+  } else if (const char* env_key = std::getenv("PENUMBRA_API_KEY")) {
+    o.api_key = env_key;
+  }
+  o.tls_ca = FlagOrEnv(a, "tls-ca", "PENUMBRA_TLS_CA");
+  o.tls_cert = FlagOrEnv(a, "tls-cert", "PENUMBRA_TLS_CERT");
+  o.tls_key = FlagOrEnv(a, "tls-key", "PENUMBRA_TLS_KEY");
   PENUMBRA_ASSIGN_OR_RETURN(int64_t t, a.GetIntIn("timeout-ms", 30000, 1, 3600000));
   o.timeout = milliseconds(t);
   return client::Client::Connect(o);
@@ -168,7 +186,7 @@ Status DocCommand(int argc, char** argv) {
     first = 4;
   }
   if (sub != "ls" && sub != "get" && sub != "rm") {
-    return Status::InvalidArgument("usage: penumbra doc put FILE [--name N] | ls | get ID | rm ID [--address A] [--api-key K]");
+    return Status::InvalidArgument("usage: penumbra doc put FILE [--name N] | ls | get ID | rm ID [--address A] [--api-key-file F] [--tls-ca CA]");
   }
   if (sub != "ls" && id.empty()) return Status::InvalidArgument("penumbra doc " + sub + " ID");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, first));
@@ -453,7 +471,7 @@ Result<rpc::JobInfo> WaitForJob(client::Client& c, rpc::JobInfo j, JobProgress* 
 constexpr const char* kJobUsage =
     "usage: penumbra job submit FILE.jsonl [--detach] [--window-s N] [--metadata S] [--json]\n"
     "       penumbra job status ID | results ID [--out FILE] | cancel ID | ls | rm ID   [--json]\n"
-    "       (and --address HOST:PORT, --api-key K; FILE.jsonl: see coordinator/cli/job_file.h)";
+    "       (and --address HOST:PORT, --api-key-file F, --tls-ca CA; FILE.jsonl: see coordinator/cli/job_file.h)";
 
 // The server names a refused item "items[I] ..."; this adds the file's name
 // and the item's line in front.
@@ -717,6 +735,10 @@ Status CheckProcessName(const ServiceTopology& t, const std::string& where, cons
   if (name.empty() || name.find_first_of(",=: /") != std::string::npos) {
     return Status::InvalidArgument(where + ".name '" + name + "' must be non-empty, without , = : / or spaces");
   }
+  // Certificates are named after processes (penumbra cert init).
+  for (const char* reserved : {"coordinator", "admin", "client", "ca", "cluster"}) {
+    if (name == reserved) return Status::InvalidArgument(where + ".name '" + name + "' is reserved");
+  }
   for (const auto& w : t.workers) {
     if (w.name == name) return Status::InvalidArgument(where + ": two processes named " + name);
   }
@@ -737,13 +759,20 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
   }
   ServiceTopology t;
   PENUMBRA_RETURN_IF_ERROR(
-      CheckKeys(root, {"model", "api_keys", "tenants", "data_dir", "coordinator", "workers", "store_nodes"}, path));
+      CheckKeys(root, {"model", "api_keys", "tenants", "data_dir", "security", "coordinator", "workers", "store_nodes"},
+                path));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "model", path, &t.model));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "api_keys", path, &t.api_keys));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "tenants", path, &t.tenants));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "data_dir", path, &t.data_dir));
   if (!t.api_keys.empty() && !t.tenants.empty()) {
     return Status::InvalidArgument(path + ": api_keys and tenants are exclusive: give one of them");
+  }
+  if (const YAML::Node sec = root["security"]) {
+    const std::string where = path + ": security";
+    PENUMBRA_RETURN_IF_ERROR(CheckKeys(sec, {"certs", "insecure"}, where));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(sec, "certs", where, &t.certs));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(sec, "insecure", where, &t.insecure));
   }
   if (root["coordinator"]) {
     const YAML::Node c = root["coordinator"];
@@ -787,6 +816,16 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
     }
   }
   return t;
+}
+
+std::vector<std::string> SecurityArgs(const ServiceTopology& t, const std::string& name) {
+  std::vector<std::string> args;
+  if (!t.certs.empty()) {
+    args = {"--tls-ca",  JoinPath(t.certs, "ca.pem"),   "--tls-cert",           JoinPath(t.certs, name + ".pem"),
+            "--tls-key", JoinPath(t.certs, name + ".key"), "--cluster-secret-file", JoinPath(t.certs, "cluster.secret")};
+  }
+  if (t.insecure) args.push_back("--insecure");
+  return args;
 }
 
 Status ServeCommand(int argc, char** argv) {
@@ -840,6 +879,7 @@ Status ServeCommand(int argc, char** argv) {
   for (const StoreNodeSpec& s : t.store_nodes) {
     std::vector<std::string> argv = {bin + "/penumbra-store", "--path", s.path, "--host", s.host,
                                      "--port", std::to_string(s.port)};
+    for (const std::string& f : SecurityArgs(t, s.name)) argv.push_back(f);
     argv.insert(argv.end(), s.args.begin(), s.args.end());
     Result<Child> c = Spawn(s.name, argv, dir);
     if (!c.ok()) {
@@ -859,6 +899,7 @@ Status ServeCommand(int argc, char** argv) {
     std::vector<std::string> argv = {bin + "/penumbra-worker", "--model", t.model, "--name", s.name, "--host", s.host,
                                      "--port", std::to_string(s.port), "--metrics-port", std::to_string(s.metrics_port)};
     if (!store_list.empty()) argv.insert(argv.end(), {"--store-node", store_list});
+    for (const std::string& f : SecurityArgs(t, s.name)) argv.push_back(f);
     argv.insert(argv.end(), s.args.begin(), s.args.end());
     Result<Child> c = Spawn(s.name, argv, dir);
     if (!c.ok()) {
@@ -885,6 +926,7 @@ Status ServeCommand(int argc, char** argv) {
   if (!t.api_keys.empty()) cargv.insert(cargv.end(), {"--api-keys", t.api_keys});
   if (!t.tenants.empty()) cargv.insert(cargv.end(), {"--tenants", t.tenants});
   if (!t.data_dir.empty()) cargv.insert(cargv.end(), {"--data-dir", t.data_dir});
+  for (const std::string& f : SecurityArgs(t, "coordinator")) cargv.push_back(f);
   cargv.insert(cargv.end(), t.coordinator_args.begin(), t.coordinator_args.end());
   Result<Child> c = Spawn("coordinator", cargv, dir);
   if (!c.ok()) {

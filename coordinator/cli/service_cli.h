@@ -7,8 +7,9 @@
 //   penumbra job status ID | results ID [--out F] | cancel ID | ls | rm ID
 //   penumbra stats
 // Client commands reach the coordinator at --address (default
-// $PENUMBRA_ADDRESS, else 127.0.0.1:7700) with --api-key (default
-// $PENUMBRA_API_KEY).
+// $PENUMBRA_ADDRESS, else 127.0.0.1:7700) with the API key of
+// --api-key-file (default $PENUMBRA_API_KEY_FILE, else $PENUMBRA_API_KEY),
+// over TLS with --tls-ca (default $PENUMBRA_TLS_CA).
 #pragma once
 
 #include <string>
@@ -42,6 +43,11 @@ struct ServiceTopology {
   std::string api_keys;  // file of `keys: {KEY: TENANT}` in plain text (development); "": none
   std::string tenants;   // tenants file (configs/tenants.yaml: hashed keys, quotas); "": none
   std::string data_dir;  // the coordinator's --data-dir (batch jobs, kept across restarts); "": jobs off
+  // security.certs: a folder of `penumbra cert init` (ca.pem, <name>.pem and
+  // .key per process, cluster.secret); each process gets its own files. "":
+  // no TLS (every process on loopback, a development setup).
+  std::string certs;
+  bool insecure = false;  // security.insecure: plaintext off loopback (never in production)
   std::string host = "127.0.0.1";
   int port = 7700;
   int metrics_port = 7701;
@@ -64,6 +70,11 @@ Status AskCommand(int argc, char** argv);
 // expired or failed), status, results (JSON lines), cancel, ls, rm.
 Status JobCommand(int argc, char** argv);
 Status StatsCommand(int argc, char** argv);
+// penumbra cert init DIR [--topology F] | cert issue DIR --role R --name N (coordinator/cli/cert_cli.cc).
+Status CertCommand(int argc, char** argv);
+// The security flags of process `name` under topology `t` (its certificate,
+// the CA and the cluster secret from t.certs; --insecure).
+std::vector<std::string> SecurityArgs(const ServiceTopology& t, const std::string& name);
 
 // "a\nb" escapes (\n \t \\) in a command-line string, as a shell user types them.
 std::string Unescape(const std::string& s);

@@ -28,6 +28,15 @@ Status ParseAddress(const std::string& address, ClientOptions* options) {
 
 Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   auto c = std::unique_ptr<Client>(new Client(options));
+  if (!options.tls_ca.empty() || !options.tls_cert.empty() || !options.tls_key.empty()) {
+    if (options.tls_ca.empty()) return Status::InvalidArgument("TLS: a client certificate needs the CA (tls_ca) too");
+    transport::TlsClientOptions t;
+    t.files.ca_file = options.tls_ca;
+    t.files.cert_file = options.tls_cert;
+    t.files.key_file = options.tls_key;
+    t.server_roles = {transport::role::kCoordinator};
+    PENUMBRA_ASSIGN_OR_RETURN(c->tls_, transport::TlsClientContext::Create(t));
+  }
   PENUMBRA_RETURN_IF_ERROR(c->Reconnect());
   return c;
 }
@@ -39,7 +48,7 @@ void Client::SetTimeout(milliseconds t) {
 
 Status Client::Reconnect() {
   c_.reset();
-  PENUMBRA_ASSIGN_OR_RETURN(c_, transport::ThriftClient<rpc::PenumbraClient>::Connect(o_.host, o_.port, o_.timeout));
+  PENUMBRA_ASSIGN_OR_RETURN(c_, transport::ThriftClient<rpc::PenumbraClient>::Connect(o_.host, o_.port, o_.timeout, {}, tls_));
   return Status::OK();
 }
 

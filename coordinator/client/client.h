@@ -20,6 +20,10 @@ struct ClientOptions {
   std::string host = "127.0.0.1";
   int port = 7700;
   std::string api_key;
+  // TLS (the coordinator's public API with TLS on): the CA its certificate
+  // must chain to (and name `host`); a client certificate and key (role
+  // client) for a tenant that requires one. All empty: plaintext.
+  std::string tls_ca, tls_cert, tls_key;
   // Connect and call timeout (long polls add their wait; puts that wait use
   // their deadline).
   std::chrono::milliseconds timeout{30000};
@@ -76,6 +80,7 @@ class Client {
   Status Call(const std::string& what, const std::function<void()>& call);
   void SetTimeout(std::chrono::milliseconds t);
   ClientOptions o_;
+  std::shared_ptr<const transport::TlsClientContext> tls_;
   std::unique_ptr<transport::ThriftClient<rpc::PenumbraClient>> c_;
 };
 

@@ -61,7 +61,7 @@ Status QuotaStatus(const tenants::QuotaDecision& d, prometheus::Family<prometheu
 struct Coordinator::Request {
   std::string id, tenant;
   int worker = -1;
-  int64_t wid = 0;  // the worker's request id
+  std::string wid;  // the worker's handle of its generation
   std::vector<std::string> stop;
   Clock::time_point created, finished;
   std::optional<Clock::time_point> deadline;  // enforced here too (the worker checks between steps)
@@ -346,8 +346,8 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
     g.cache_namespace = d.tenant;
     g.max_new_tokens = 0;  // prefill only: factored into the document cache
     g.deadline_ms = std::max<int64_t>(1, Left(deadline).count());
-    int64_t wid = 0;
-    Status s = workers_->Call(w, "put " + d.id, [&](rpc::WorkerClient& c) { wid = c.Generate(g); });
+    std::string wid;
+    Status s = workers_->Call(w, "put " + d.id, [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
     if (!s.ok()) {
       last = s;
       if (s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kUnavailable) continue;
@@ -465,8 +465,8 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
       const auto eos = workers_->state(w).health.eos_ids;
       g.stop_ids.insert(g.stop_ids.end(), eos.begin(), eos.end());
     }
-    int64_t wid = 0;
-    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { wid = c.Generate(g); });
+    std::string wid;
+    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
     if (s.ok()) {
       q->worker = w;
       q->wid = wid;
@@ -667,8 +667,8 @@ bool Coordinator::Resume(Request& q, const std::string& why) {
   const int dead = q.worker;
   for (int w : Route(q.kv_policy, q.docs)) {
     if (w == dead) continue;
-    int64_t wid = 0;
-    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { wid = c.Generate(g); });
+    std::string wid;
+    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
     if (!s.ok()) continue;
     LOG(WARNING) << "request " << q.id << ": " << why << "; resumed on worker " << workers_->state(w).endpoint.name
                  << " after " << made << " tokens";
@@ -784,7 +784,7 @@ void Coordinator::Cancel(const std::string& api_key, const std::string& request_
   if (!s.ok()) Throw(s);
 }
 
-Status Coordinator::CancelOnWorker(int w, int64_t wid) {
+Status Coordinator::CancelOnWorker(int w, const std::string& wid) {
   Status s = workers_->Call(w, "cancel", [&](rpc::WorkerClient& c) { c.Cancel(wid); });
   return s.code() == StatusCode::kNotFound ? Status::OK() : s;
 }

@@ -139,7 +139,7 @@ class Coordinator : public rpc::PenumbraIf {
   Status Advance(Request& q, int64_t offset, std::chrono::milliseconds wait);
   // Asks worker `w` to stop its generation `wid` (a request it no longer
   // has, NOT_FOUND, counts as stopped).
-  Status CancelOnWorker(int w, int64_t wid);
+  Status CancelOnWorker(int w, const std::string& wid);
   // Ends q (q->mu held): releases it on its worker, counts it.
   void Finalize(Request& q, const std::string& reason, const Status& error);
   // q's worker was lost (q->mu held): q goes on on another worker from the

@@ -27,6 +27,7 @@
 #include "coordinator/server/worker_pool.h"
 #include "transport/metrics_http.h"
 #include "transport/thrift_util.h"
+#include "transport/tls.h"
 
 namespace penumbra {
 namespace {
@@ -37,9 +38,8 @@ Status Run(int argc, char** argv) {
   Args a;
   a.Flag("model", "the workers' model directory (its tokenizer tokenizes requests)")
       .Flag("workers", "comma-separated [NAME=]HOST:PORT of the workers' control API")
-      .Flag("host", "address to listen on (default 127.0.0.1)")
+      .Flag("host", "address of the public API (default 127.0.0.1; any other needs TLS and tenants, or --insecure)")
       .Flag("port", "public API port (default 0: one the OS picks)")
-      .Flag("metrics-port", "Prometheus /metrics port (default 0: one the OS picks; -1: off)")
       .Flag("port-file", "write {\"port\": P, \"metrics_port\": M, \"pid\": N} here once serving")
       .Flag("tenants", "tenants YAML (configs/tenants.yaml: hashed API keys, quotas); reread on SIGHUP")
       .Flag("api-keys", "YAML file `keys: {KEY: TENANT, ...}` in plain text, no quotas: for development (default: "
@@ -53,7 +53,11 @@ Status Run(int argc, char** argv) {
       .Flag("drain-seconds", "on SIGTERM, how long running generations may finish (default 30)")
       .Flag("data-dir", "directory for what survives a restart: documents and batch jobs (default: none: documents "
                         "in memory, jobs off)")
-      .Flag("job-concurrency", "job items generating at once, all jobs (default 16)");
+      .Flag("job-concurrency", "job items generating at once, all jobs (default 16)")
+      .Flag("max-connections", "open connections of the public API (default 4096)")
+      .Flag("max-connections-per-peer", "open connections of the public API from one address (default 1024)");
+  transport::AddSecurityFlags(a);
+  transport::AddAdminFlags(a);
   Status ps = a.Parse(argc, argv, 1);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
   if (!a.Has("model") || !a.Has("workers")) {
@@ -76,11 +80,22 @@ Status Run(int argc, char** argv) {
                             a.GetIntIn("max-documents", co.max_documents_per_tenant, 1, int64_t{1} << 32));
   PENUMBRA_RETURN_IF_ERROR(co.Validate());
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t metrics_port, a.GetIntIn("metrics-port", 0, -1, 65535));
+  PENUMBRA_ASSIGN_OR_RETURN(transport::ProcessSecurity security, transport::SecurityFromFlags(a));
+  PENUMBRA_ASSIGN_OR_RETURN(transport::AdminHttpOptions admin, transport::AdminFromFlags(a, security));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t frame_mb, a.GetIntIn("max-frame-mb", 64, 1, 1024));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t drain_s, a.GetIntIn("drain-seconds", 30, 0, 86400));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t health_ms, a.GetIntIn("health-interval-ms", 1000, 10, 600000));
   const std::string host = a.Get("host", "127.0.0.1");
+  const bool tls = security.tls.enabled();
+  PENUMBRA_RETURN_IF_ERROR(transport::CheckPlaintextBind("the public API", host, tls, security.insecure));
+  const bool authenticated = co.tenants || !co.api_keys.empty();
+  if (!authenticated) {
+    if (!transport::IsLoopbackHost(host) && !security.insecure) {
+      return Status::InvalidArgument("the public API on " + host + " without tenants: refused (give --tenants; "
+                                     "--insecure lets anyone who reaches it use the service)");
+    }
+    LOG(WARNING) << "no tenants: every caller of the public API is tenant \"default\" (a development setup)";
+  }
 
   std::vector<coordinator::WorkerEndpoint> endpoints;
   std::stringstream list(a.Get("workers"));
@@ -94,6 +109,17 @@ Status Run(int argc, char** argv) {
   wo.health_interval = std::chrono::milliseconds(health_ms);
   wo.limits.max_frame_bytes = static_cast<int32_t>(frame_mb << 20);
   wo.limits.max_string_bytes = wo.limits.max_frame_bytes;
+  if (tls) {
+    transport::TlsClientOptions to;
+    to.files = security.tls;
+    to.server_roles = {transport::role::kWorker};
+    PENUMBRA_ASSIGN_OR_RETURN(wo.tls, transport::TlsClientContext::Create(to));
+  } else {
+    for (const auto& e : endpoints) {
+      PENUMBRA_RETURN_IF_ERROR(transport::CheckPlaintextBind("the control API of worker " + e.name, e.host, false,
+                                                             security.insecure));
+    }
+  }
   PENUMBRA_ASSIGN_OR_RETURN(auto pool, coordinator::WorkerPool::Create(endpoints, wo));
   std::unique_ptr<TextCodec> codec;
   if (Result<std::unique_ptr<TextCodec>> c = TextCodec::ForModel(a.Get("model")); c.ok()) {
@@ -118,15 +144,30 @@ Status Run(int argc, char** argv) {
     jo.max_running_items = static_cast<int>(conc);
     PENUMBRA_RETURN_IF_ERROR(handler->StartJobs(jo));
   }
-  transport::ThriftLimits limits = wo.limits;
+  transport::ThriftServerOptions so;
+  so.host = host;
+  so.port = static_cast<int>(port);
+  so.name = "public API";
+  so.limits = wo.limits;
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_conn, a.GetIntIn("max-connections", so.limits.max_connections, 1, 1 << 20));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_peer, a.GetIntIn("max-connections-per-peer",
+                                                         so.limits.max_connections_per_peer, 1, 1 << 20));
+  so.limits.max_connections = static_cast<int32_t>(max_conn);
+  so.limits.max_connections_per_peer = static_cast<int32_t>(max_peer);
+  if (tls) {
+    // Server TLS; a client certificate is optional (a tenant may require
+    // one), and one given must be of role client or admin.
+    transport::TlsServerOptions t;
+    t.files = security.tls;
+    t.client_roles = {transport::role::kClient, transport::role::kAdmin};
+    so.tls = t;
+  }
   PENUMBRA_ASSIGN_OR_RETURN(auto server,
-                            transport::ThriftServer::Start(std::make_shared<rpc::PenumbraProcessor>(handler), host,
-                                                           static_cast<int>(port), limits));
+                            transport::ThriftServer::Start(std::make_shared<rpc::PenumbraProcessor>(handler), so));
   std::unique_ptr<transport::MetricsServer> metrics;
-  if (metrics_port >= 0) {
+  if (admin.port >= 0) {
     coordinator::Coordinator* h = handler.get();
-    PENUMBRA_ASSIGN_OR_RETURN(metrics, transport::MetricsServer::Start(handler->metrics(), host,
-                                                                       static_cast<int>(metrics_port),
+    PENUMBRA_ASSIGN_OR_RETURN(metrics, transport::MetricsServer::Start(handler->metrics(), admin,
                                                                        [h] { h->RefreshMetrics(); }));
   }
   const int mport = metrics ? metrics->port() : -1;
@@ -136,9 +177,10 @@ Status Run(int argc, char** argv) {
   }
   int healthy = 0;
   for (const auto& w : pool->states()) healthy += w.healthy;
-  std::printf("penumbra-coordinator: serving %s with %d of %d workers healthy on %s:%d, metrics on %d%s\n",
-              a.Get("model").c_str(), healthy, pool->size(), host.c_str(), server->port(), mport,
-              co.api_keys.empty() && !co.tenants ? " (no API keys: every caller is tenant \"default\")" : "");
+  std::printf("penumbra-coordinator: serving %s with %d of %d workers healthy on %s:%d (%s), admin on %s:%d%s\n",
+              a.Get("model").c_str(), healthy, pool->size(), host.c_str(), server->port(),
+              tls ? "TLS" : "plaintext", admin.host.c_str(), mport,
+              authenticated ? "" : " (no API keys: every caller is tenant \"default\")");
   std::fflush(stdout);
 
   int sig = WaitForTerminationSignal();

@@ -74,13 +74,14 @@ void WorkerPool::AddRouted(int i, int64_t delta) {
 Result<std::unique_ptr<WorkerClient>> WorkerPool::Borrow(Worker& w) {
   {
     std::lock_guard<std::mutex> lk(w.mu);
-    if (!w.idle.empty()) {
+    const auto now = std::chrono::steady_clock::now();
+    while (!w.idle.empty()) {
       auto c = std::move(w.idle.back());
       w.idle.pop_back();
-      return c;
+      if (now - c->last_used() < o_.max_idle) return c;
     }
   }
-  return WorkerClient::Connect(w.endpoint.host, w.endpoint.port, o_.connect_timeout, o_.limits);
+  return WorkerClient::Connect(w.endpoint.host, w.endpoint.port, o_.connect_timeout, o_.limits, o_.tls);
 }
 
 void WorkerPool::MarkUnhealthy(Worker& w, const std::string& why) {

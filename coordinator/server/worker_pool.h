@@ -36,6 +36,13 @@ struct WorkerPoolOptions {
   std::chrono::milliseconds call_timeout{30000};
   std::chrono::milliseconds health_interval{1000};
   transport::ThriftLimits limits;
+  // Mutual TLS to the workers (their certificates must have role worker and
+  // name the host dialled); null: plaintext (a loopback development setup).
+  std::shared_ptr<const transport::TlsClientContext> tls;
+  // A pooled connection idle longer than this is closed instead of reused
+  // (workers close connections idle past their idle timeout, 300 s by
+  // default; reusing one the worker has closed would fail the call).
+  std::chrono::milliseconds max_idle{60000};
 };
 
 struct WorkerState {

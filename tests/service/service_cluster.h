@@ -23,10 +23,12 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/crypto.h"
 #include "common/process.h"
 #include "coordinator/client/client.h"
 #include "gen-cpp/Worker.h"
 #include "tests/test_util.h"
+#include "transport/certs.h"
 #include "transport/thrift_util.h"
 
 namespace penumbra::testing {
@@ -130,7 +132,41 @@ struct ClusterOptions {
   std::vector<std::string> coordinator_flags;
   std::string api_keys_yaml;                  // non-empty: --api-keys with this file
   std::string tenants_yaml;                   // non-empty: --tenants with this file (tenants_path())
+  // TLS everywhere: a CA and a certificate per process in dir()/certs
+  // (MakeCertificates), mutual TLS to the workers, clients checking the CA.
+  bool tls = false;
 };
+
+// A CA and certificates as `penumbra cert init` makes them, in `dir`: ca.pem,
+// coordinator, w0..w(workers-1), s0..s(store_nodes-1), client, admin (each
+// .pem and .key, naming 127.0.0.1 and localhost), and cluster.secret.
+inline bool MakeCertificates(const std::string& dir, int workers, int store_nodes = 0) {
+  std::filesystem::create_directories(dir);
+  Status s = transport::CreateCertificateAuthority(dir + "/ca.pem", dir + "/ca.key", "penumbra-test");
+  auto issue = [&](const char* role, const std::string& name) {
+    if (!s.ok()) return;
+    transport::CertificateSpec spec;
+    spec.role = role;
+    spec.name = name;
+    spec.hosts = {"127.0.0.1", "localhost"};
+    s = transport::IssueCertificate(dir + "/ca.pem", dir + "/ca.key", spec, dir + "/" + name + ".pem",
+                                    dir + "/" + name + ".key");
+  };
+  issue(transport::role::kCoordinator, "coordinator");
+  for (int i = 0; i < workers; ++i) issue(transport::role::kWorker, "w" + std::to_string(i));
+  for (int i = 0; i < store_nodes; ++i) issue(transport::role::kStore, "s" + std::to_string(i));
+  issue(transport::role::kClient, "client");
+  issue(transport::role::kAdmin, "admin");
+  if (s.ok()) s = ClusterSecret::Create(dir + "/cluster.secret", true);
+  EXPECT_TRUE(s.ok()) << s;
+  return s.ok();
+}
+
+// The security flags of process `name` with the certificates in `dir`.
+inline std::vector<std::string> TlsFlags(const std::string& dir, const std::string& name) {
+  return {"--tls-ca", dir + "/ca.pem", "--tls-cert", dir + "/" + name + ".pem", "--tls-key", dir + "/" + name + ".key",
+          "--cluster-secret-file", dir + "/cluster.secret"};
+}
 
 // N workers and a coordinator.
 class Cluster {
@@ -139,6 +175,7 @@ class Cluster {
     if (o_.model.empty()) o_.model = StoriesDir();
     char tmpl[] = "/tmp/penumbra-service-test-XXXXXX";
     dir_ = mkdtemp(tmpl);
+    if (o_.tls) MakeCertificates(certs_dir(), std::max(o_.workers, 8), 4);
   }
   ~Cluster() {
     if (::testing::Test::HasFailure()) {
@@ -166,6 +203,9 @@ class Cluster {
     std::vector<std::string> argv = {BinDir() + "/penumbra-worker", "--model", o_.model, "--device", "cpu",
                                      "--name", "w" + std::to_string(i), "--port", std::to_string(port),
                                      "--metrics-port", "0", "--port-file", pf};
+    if (o_.tls) {
+      for (const auto& f : TlsFlags(certs_dir(), "w" + std::to_string(i))) argv.push_back(f);
+    }
     argv.insert(argv.end(), o_.worker_flags.begin(), o_.worker_flags.end());
     if (static_cast<int>(workers_.size()) <= i) workers_.resize(i + 1);
     workers_[i].process = Process::Start(argv, dir_ + "/worker" + std::to_string(i) + ".log");
@@ -191,24 +231,48 @@ class Cluster {
       if (!std::filesystem::exists(tenants_path())) std::ofstream(tenants_path()) << o_.tenants_yaml;
       argv.insert(argv.end(), {"--tenants", tenants_path()});
     }
+    if (o_.tls) {
+      for (const auto& f : TlsFlags(certs_dir(), "coordinator")) argv.push_back(f);
+    }
     argv.insert(argv.end(), o_.coordinator_flags.begin(), o_.coordinator_flags.end());
     argv.insert(argv.end(), flags.begin(), flags.end());
     coordinator_.process = Process::Start(argv, dir_ + "/coordinator.log");
     return WaitServing(coordinator_, pf);
   }
 
-  std::unique_ptr<client::Client> Client(const std::string& api_key = "") {
+  // A client of the public API (under TLS: checking the CA; `cert` names a
+  // client certificate of certs_dir() to present, "" none).
+  std::unique_ptr<client::Client> Client(const std::string& api_key = "", const std::string& cert = "") {
     client::ClientOptions o;
     o.port = coordinator_.port;
     o.api_key = api_key;
+    if (o_.tls) {
+      o.tls_ca = certs_dir() + "/ca.pem";
+      if (!cert.empty()) {
+        o.tls_cert = certs_dir() + "/" + cert + ".pem";
+        o.tls_key = certs_dir() + "/" + cert + ".key";
+      }
+    }
     auto c = client::Client::Connect(o);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
   }
-  // A direct control-API connection to worker i.
-  std::unique_ptr<transport::ThriftClient<rpc::WorkerClient>> WorkerClient(int i) {
+  // A direct control-API connection to worker i (under TLS with the
+  // certificate `cert` of certs_dir(): the coordinator's by default).
+  std::unique_ptr<transport::ThriftClient<rpc::WorkerClient>> WorkerClient(int i,
+                                                                           const std::string& cert = "coordinator") {
+    std::shared_ptr<const transport::TlsClientContext> tls;
+    if (o_.tls) {
+      transport::TlsClientOptions t;
+      t.files = {certs_dir() + "/ca.pem", certs_dir() + "/" + cert + ".pem", certs_dir() + "/" + cert + ".key"};
+      t.server_roles = {transport::role::kWorker};
+      auto ctx = transport::TlsClientContext::Create(t);
+      EXPECT_TRUE(ctx.ok()) << ctx.status();
+      if (!ctx.ok()) return nullptr;
+      tls = *ctx;
+    }
     auto c = transport::ThriftClient<rpc::WorkerClient>::Connect("127.0.0.1", workers_[i].port,
-                                                                 std::chrono::seconds(30));
+                                                                 std::chrono::seconds(30), {}, tls);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
   }
@@ -221,6 +285,7 @@ class Cluster {
   Served& worker(int i) { return workers_[i]; }
   Served& coordinator() { return coordinator_; }
   const std::string& dir() const { return dir_; }
+  std::string certs_dir() const { return dir_ + "/certs"; }
   std::string tenants_path() const { return dir_ + "/tenants.yaml"; }
   const std::string& model() const { return o_.model; }
 

@@ -579,10 +579,11 @@ TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
     rpc::WorkerGenerateRequest g;
     g.prompt = {5, 6};
     g.segment_ends = {5};
-    ExpectCode(transport::CallRpc("generate", [&] { (*w)->Generate(g); }), StatusCode::kInvalidArgument,
+    std::string handle;
+    ExpectCode(transport::CallRpc("generate", [&] { (*w)->Generate(handle, g); }), StatusCode::kInvalidArgument,
                "segment end past the prompt");
     rpc::TokenChunk ch;
-    ExpectCode(transport::CallRpc("poll", [&] { (*w)->Poll(ch, 424242, 0, 0); }), StatusCode::kNotFound,
+    ExpectCode(transport::CallRpc("poll", [&] { (*w)->Poll(ch, "0123456789abcdef0123456789abcdef", 0, 0); }), StatusCode::kNotFound,
                "unknown worker request");
   }
 
@@ -736,8 +737,8 @@ TEST_F(Service, SigtermDrainsRunningRequests) {
     rpc::WorkerGenerateRequest g;
     g.prompt = {1, 5, 6};
     g.max_new_tokens = 2;
-    int64_t wid = 0;
-    Status s = transport::CallRpc("generate", [&] { wid = (*w)->Generate(g); });
+    std::string wid;
+    Status s = transport::CallRpc("generate", [&] { (*w)->Generate(wid, g); });
     refused = s.code() == StatusCode::kUnavailable;
     // Taken before the signal arrived: released, or the draining worker
     // would wait for its answer to be read.

@@ -128,6 +128,17 @@ Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
                                        std::to_string(q.prompt.size()) + " tokens");
       }
     }
+    // Each draw made one generated token, now part of the prompt: more is
+    // not a resumed request (and would cost a linear skip of the stream).
+    if (q.draws_done < 0 || q.draws_done > static_cast<int64_t>(q.prompt.size())) {
+      return Status::InvalidArgument(who + "draws_done must be in [0, the prompt's " +
+                                     std::to_string(q.prompt.size()) + " tokens], got " +
+                                     std::to_string(q.draws_done));
+    }
+    if (static_cast<int64_t>(q.stop_ids.size()) > GenerationRequest::kMaxStopIds) {
+      return Status::InvalidArgument(who + std::to_string(q.stop_ids.size()) + " stop ids: at most " +
+                                     std::to_string(GenerationRequest::kMaxStopIds));
+    }
     for (int32_t id : q.stop_ids) {
       if (id < 0 || id >= c.vocab_size) {
         return Status::InvalidArgument(who + "stop id " + std::to_string(id) + " is outside the vocabulary [0, " +

@@ -47,7 +47,8 @@ struct GenerationRequest {
   // with the prompt.
   int max_new_tokens = 16;
   SamplingOptions sampling;
-  std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
+  static constexpr int64_t kMaxStopIds = 1024;
+  std::vector<int32_t> stop_ids;  // generation ends after emitting one of these (at most kMaxStopIds)
   // Segments of the prompt for prefix reuse: the exclusive ends of its leading
   // segments (documents), ascending, each < prompt.size(); what follows the
   // last is the request's own text. With a prefix cache (RuntimeOptions::

@@ -151,6 +151,11 @@ Status Scheduler::Release(uint64_t id) {
   return Status::OK();
 }
 
+bool Scheduler::Contains(uint64_t id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return requests_.count(id) > 0;
+}
+
 bool Scheduler::WaitReleased(std::chrono::milliseconds max_wait) {
   std::unique_lock<std::mutex> lk(mu_);
   return done_cv_.wait_for(lk, max_wait, [&] { return requests_.empty(); });

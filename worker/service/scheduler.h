@@ -146,6 +146,9 @@ class Scheduler {
   // Forgets a request: a finished one at once (its answer was read), a
   // queued or running one is cancelled and forgotten when it ends.
   Status Release(uint64_t id);
+  // Whether the scheduler still has request `id` (queued, running, or a
+  // finished answer not yet released or expired).
+  bool Contains(uint64_t id) const;
   // Blocks until the request is done; its whole answer.
   Result<RequestUpdate> Wait(uint64_t id);
   // Runs `task` on the loop thread between two steps (the only thread that

@@ -22,6 +22,7 @@
 #include "common/process.h"
 #include "transport/metrics_http.h"
 #include "transport/store_node.h"
+#include "transport/tls.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"
 #include "worker/service/scheduler.h"
@@ -130,9 +131,8 @@ Status Run(int argc, char** argv) {
   Args a;
   a.Flag("model", "Hugging Face model directory")
       .Flag("name", "this worker's name in logs and metrics (default worker)")
-      .Flag("host", "address to listen on (default 127.0.0.1)")
+      .Flag("host", "address of the control API (default 127.0.0.1; any other needs TLS, or --insecure)")
       .Flag("port", "control API port (default 0: one the OS picks)")
-      .Flag("metrics-port", "Prometheus /metrics port (default 0: one the OS picks; -1: off)")
       .Flag("port-file", "write {\"port\": P, \"metrics_port\": M} here once serving")
       .Flag("max-batch", "sequences decoding together at most (default: the engine's max_batch)")
       .Flag("prefill-tokens-per-step", "prompt tokens prefilled between two decode steps (default 4096)")
@@ -149,6 +149,8 @@ Status Run(int argc, char** argv) {
       .Flag("random-weights", "benchmarks only: the model's shape from --model DIR/config.json, its weights "
                               "random from this seed (generated on the device; no safetensors read)");
   AddEngineFlags(a);
+  transport::AddSecurityFlags(a);
+  transport::AddAdminFlags(a);
   Status ps = a.Parse(argc, argv, 1);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
   if (!a.Has("model")) return Status::InvalidArgument(std::string("--model is required\n") + kUsage);
@@ -168,7 +170,8 @@ Status Run(int argc, char** argv) {
     PENUMBRA_ASSIGN_OR_RETURN(eo.document_store, transport::ConnectStoreNodes(a.Get("store-node")));
   }
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t metrics_port, a.GetIntIn("metrics-port", 0, -1, 65535));
+  PENUMBRA_ASSIGN_OR_RETURN(transport::ProcessSecurity security, transport::SecurityFromFlags(a));
+  PENUMBRA_ASSIGN_OR_RETURN(transport::AdminHttpOptions admin, transport::AdminFromFlags(a, security));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t frame_mb, a.GetIntIn("max-frame-mb", 64, 1, 1024));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t drain_s, a.GetIntIn("drain-seconds", 30, 0, 86400));
   service::SchedulerOptions so;
@@ -184,6 +187,8 @@ Status Run(int argc, char** argv) {
   so.share_window = std::chrono::milliseconds(window_ms);
   const std::string host = a.Get("host", "127.0.0.1");
   const std::string name = a.Get("name", "worker");
+  PENUMBRA_RETURN_IF_ERROR(
+      transport::CheckPlaintextBind("the control API", host, security.tls.enabled(), security.insecure));
 
   std::unique_ptr<Engine> engine;
   if (a.Has("random-weights")) {
@@ -201,17 +206,26 @@ Status Run(int argc, char** argv) {
   id.max_context = engine->config().max_position_embeddings;
   id.vocab_size = engine->config().vocab_size;
   id.eos_ids = engine->config().eos_token_ids;
-  transport::ThriftLimits limits;
-  limits.max_frame_bytes = static_cast<int32_t>(frame_mb << 20);
-  limits.max_string_bytes = limits.max_frame_bytes;
-  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, host,
-                                                                      static_cast<int>(port), limits));
+  transport::ThriftServerOptions to;
+  to.host = host;
+  to.port = static_cast<int>(port);
+  to.name = "control API";
+  to.limits.max_frame_bytes = static_cast<int32_t>(frame_mb << 20);
+  to.limits.max_string_bytes = to.limits.max_frame_bytes;
+  if (security.tls.enabled()) {
+    transport::TlsServerOptions t;  // mutual TLS: only coordinators
+    t.files = security.tls;
+    t.require_client_certificate = true;
+    t.client_roles = {transport::role::kCoordinator};
+    to.tls = t;
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to));
   WorkerMetrics metrics(scheduler.get());
   std::unique_ptr<transport::MetricsServer> metrics_server;
-  if (metrics_port >= 0) {
+  if (admin.port >= 0) {
     service::Scheduler* s = scheduler.get();
     PENUMBRA_ASSIGN_OR_RETURN(metrics_server,
-                              transport::MetricsServer::Start(metrics.registry(), host, static_cast<int>(metrics_port),
+                              transport::MetricsServer::Start(metrics.registry(), admin,
                                                               [&metrics] { metrics.Refresh(); },
                                                               [s] { return s->accepting(); }));
   }
@@ -220,8 +234,9 @@ Status Run(int argc, char** argv) {
     nlohmann::json j = {{"port", server->port()}, {"metrics_port", mport}, {"pid", static_cast<int64_t>(getpid())}};
     PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(a.Get("port-file"), j.dump() + "\n"));
   }
-  std::printf("penumbra-worker %s: serving %s (%s, kv policy %s) on %s:%d, metrics on %d\n", name.c_str(),
-              id.model.c_str(), id.backend.c_str(), id.kv_policy.c_str(), host.c_str(), server->port(), mport);
+  std::printf("penumbra-worker %s: serving %s (%s, kv policy %s) on %s:%d (%s), admin on %s:%d\n", name.c_str(),
+              id.model.c_str(), id.backend.c_str(), id.kv_policy.c_str(), host.c_str(), server->port(),
+              security.tls.enabled() ? "mutual TLS" : "plaintext", admin.host.c_str(), mport);
   std::fflush(stdout);
 
   const int sig = WaitForTerminationSignal();

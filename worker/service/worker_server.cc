@@ -2,6 +2,8 @@
 
 #include <limits>
 
+#include "common/crypto.h"
+
 namespace penumbra::service {
 namespace {
 
@@ -56,10 +58,49 @@ void ToRpc(const RequestUpdate& u, rpc::TokenChunk* out) {
   out->usage.prefilled_tokens = u.prefilled_tokens;
 }
 
-int64_t WorkerHandler::Generate(const rpc::WorkerGenerateRequest& request) {
+namespace {
+
+// The owner a handle is bound to: the verified peer, or no one in
+// particular without TLS (a loopback development setup).
+std::string Owner() {
+  const transport::PeerIdentity& p = transport::CurrentPeer();
+  return p.verified ? p.ToString() : "";
+}
+
+Status UnknownHandle(const std::string& handle) {
+  // The handle is not echoed past its first characters (it is a capability).
+  return Status::NotFound("request " + handle.substr(0, 8) + "... is unknown");
+}
+
+}  // namespace
+
+Result<uint64_t> WorkerHandler::Lookup(const std::string& handle) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end() || it->second.owner != Owner()) return UnknownHandle(handle);
+  return it->second.id;
+}
+
+void WorkerHandler::Forget(const std::string& handle) {
+  std::lock_guard<std::mutex> lk(mu_);
+  handles_.erase(handle);
+}
+
+void WorkerHandler::Sweep() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto it = handles_.begin(); it != handles_.end();) {
+    it = s_->Contains(it->second.id) ? std::next(it) : handles_.erase(it);
+  }
+  since_sweep_ = 0;
+}
+
+void WorkerHandler::Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) {
   Result<GenerationRequest> g = FromRpc(request);
   if (!g.ok()) Throw(g.status());
-  if (request.deadline_ms < 0) Throw(Status::InvalidArgument("deadline_ms must be >= 0"));
+  if (request.deadline_ms < 0 || request.deadline_ms > kMaxDeadlineMs) {
+    Throw(Status::InvalidArgument("deadline_ms must be in [0, " + std::to_string(kMaxDeadlineMs) + "], got " +
+                                  std::to_string(request.deadline_ms)));
+  }
   if (!(request.share_weight > 0) || request.share_weight > 1e6) {
     Throw(Status::InvalidArgument("share_weight must be in (0, 1e6], got " + std::to_string(request.share_weight)));
   }
@@ -69,30 +110,46 @@ int64_t WorkerHandler::Generate(const rpc::WorkerGenerateRequest& request) {
   if (request.deadline_ms > 0) o.deadline = Clock::now() + std::chrono::milliseconds(request.deadline_ms);
   Result<uint64_t> id = s_->Submit(std::move(*g), o);
   if (!id.ok()) Throw(id.status());
-  return static_cast<int64_t>(*id);
+  handle = RandomHandle();
+  bool sweep = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    handles_[handle] = Entry{*id, Owner()};
+    sweep = ++since_sweep_ >= 1024;
+  }
+  if (sweep) Sweep();
 }
 
-void WorkerHandler::Poll(rpc::TokenChunk& out, int64_t request_id, int64_t offset, int32_t wait_ms) {
+void WorkerHandler::Poll(rpc::TokenChunk& out, const std::string& handle, int64_t offset, int32_t wait_ms) {
   if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
     Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
                                   std::to_string(wait_ms)));
   }
-  if (request_id <= 0) Throw(Status::NotFound("request " + std::to_string(request_id) + " is unknown"));
-  Result<RequestUpdate> u = s_->Poll(static_cast<uint64_t>(request_id), offset, std::chrono::milliseconds(wait_ms));
-  if (!u.ok()) Throw(u.status());
+  if (offset < 0) Throw(Status::InvalidArgument("offset must be >= 0, got " + std::to_string(offset)));
+  Result<uint64_t> id = Lookup(handle);
+  if (!id.ok()) Throw(id.status());
+  Result<RequestUpdate> u = s_->Poll(*id, offset, std::chrono::milliseconds(wait_ms));
+  if (!u.ok()) {
+    if (u.status().code() == StatusCode::kNotFound) Forget(handle);
+    Throw(u.status().code() == StatusCode::kNotFound ? UnknownHandle(handle) : u.status());
+  }
   ToRpc(*u, &out);
 }
 
-void WorkerHandler::Cancel(int64_t request_id) {
-  if (request_id <= 0) Throw(Status::NotFound("request " + std::to_string(request_id) + " is unknown"));
-  Status s = s_->Cancel(static_cast<uint64_t>(request_id));
-  if (!s.ok()) Throw(s);
+void WorkerHandler::Cancel(const std::string& handle) {
+  Result<uint64_t> id = Lookup(handle);
+  if (!id.ok()) Throw(id.status());
+  Status s = s_->Cancel(*id);
+  if (s.code() == StatusCode::kNotFound) Forget(handle);
+  if (!s.ok()) Throw(s.code() == StatusCode::kNotFound ? UnknownHandle(handle) : s);
 }
 
-void WorkerHandler::Release(int64_t request_id) {
-  if (request_id <= 0) Throw(Status::NotFound("request " + std::to_string(request_id) + " is unknown"));
-  Status s = s_->Release(static_cast<uint64_t>(request_id));
-  if (!s.ok()) Throw(s);
+void WorkerHandler::Release(const std::string& handle) {
+  Result<uint64_t> id = Lookup(handle);
+  if (!id.ok()) Throw(id.status());
+  Status s = s_->Release(*id);
+  Forget(handle);
+  if (!s.ok()) Throw(s.code() == StatusCode::kNotFound ? UnknownHandle(handle) : s);
 }
 
 int32_t WorkerHandler::ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& segment_ends,
@@ -142,12 +199,11 @@ void WorkerHandler::Stats(rpc::WorkerStats& out) {
 }
 
 Result<std::unique_ptr<WorkerServer>> WorkerServer::Start(Scheduler* scheduler, WorkerIdentity identity,
-                                                          const std::string& host, int port,
-                                                          const transport::ThriftLimits& limits) {
+                                                          const transport::ThriftServerOptions& options) {
   auto handler = std::make_shared<WorkerHandler>(scheduler, std::move(identity));
   auto processor = std::make_shared<rpc::WorkerProcessor>(handler);
   auto w = std::unique_ptr<WorkerServer>(new WorkerServer());
-  PENUMBRA_ASSIGN_OR_RETURN(w->server_, transport::ThriftServer::Start(processor, host, port, limits));
+  PENUMBRA_ASSIGN_OR_RETURN(w->server_, transport::ThriftServer::Start(processor, options));
   return w;
 }
 
