@@ -6,9 +6,10 @@
 //
 // Off loopback it needs TLS with client certificates of role admin (a
 // Prometheus server scrapes with one: `tls_config` in its scrape job), or
-// --insecure. One thread per connection (at most max_connections), each
-// reading its request within read_timeout, so idle or slow connections
-// delay no one else's scrape.
+// --insecure. One event loop (Boost.Beast) holds every connection, each
+// with read_timeout to finish its handshake and send its request (at most
+// max_connections at once), so idle or slow connections delay no one else's
+// scrape.
 #pragma once
 
 #include <atomic>
@@ -24,17 +25,13 @@
 #include "common/status.h"
 #include "transport/tls.h"
 
-namespace httplib {
-class Server;
-}
-
 namespace penumbra::transport {
 
 struct AdminHttpOptions {
   std::string host = "127.0.0.1";
   int port = 0;                          // 0: one the OS picks (port() says which)
   std::optional<TlsServerOptions> tls;   // none: plaintext (loopback, or insecure)
-  int max_connections = 1024;            // connections served at once; past it, closed at once
+  int max_connections = 4096;            // connections open at once; past it, closed at once
   std::chrono::milliseconds read_timeout{2000};
 };
 
@@ -51,10 +48,11 @@ class MetricsServer {
   int port() const { return port_; }
   void Stop();
 
+  struct Impl;  // transport/metrics_http.cc
+
  private:
   MetricsServer() = default;
-  std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
+  std::unique_ptr<Impl> impl_;
   int port_ = 0;
 };
 

@@ -332,10 +332,15 @@ class GuardedServerSocket final : public apache::thrift::transport::TServerSocke
 // frame being read against the server-wide budget.
 class BudgetedFramedTransport final : public apache::thrift::transport::TFramedTransport {
  public:
+  // A connection's buffer up to this size is its own (kept between frames,
+  // not counted: max_connections bounds them); a larger one is counted.
+  static constexpr uint32_t kSmall = 64 << 10;
+  static int64_t Counted(uint32_t size) { return size > kSmall ? size : 0; }
+
   BudgetedFramedTransport(std::shared_ptr<TTransport> t, std::shared_ptr<TConfiguration> config,
                           std::shared_ptr<Shared> shared)
       : TFramedTransport(std::move(t), std::move(config)), shared_(std::move(shared)) {}
-  ~BudgetedFramedTransport() override { shared_->Unreserve(rBufSize_); }
+  ~BudgetedFramedTransport() override { shared_->Unreserve(Counted(rBufSize_)); }
 
  protected:
   bool readFrame() override {
@@ -357,17 +362,17 @@ class BudgetedFramedTransport final : public apache::thrift::transport::TFramedT
                                     std::to_string(maxFrameSize_));
     }
     const uint32_t want = static_cast<uint32_t>(sz);
-    constexpr uint32_t kKeep = 64 << 10;  // a buffer this small is kept between frames
-    if (want > rBufSize_ || (rBufSize_ > kKeep && want <= kKeep)) {
+    if (want > rBufSize_ || (rBufSize_ > kSmall && want <= kSmall)) {
       const uint32_t size = std::max(want, uint32_t{4096});
-      if (size > rBufSize_ && !shared_->Reserve(size - rBufSize_)) {
+      const int64_t more = Counted(size) - Counted(rBufSize_);
+      if (more > 0 && !shared_->Reserve(more)) {
         ++shared_->refused_frame_budget;
         LOG_EVERY_T(WARNING, 1) << shared_->name << ": a frame of " << want << " bytes refused: the frames being "
                                 << "read hold " << shared_->frame_bytes.load() << " of "
                                 << shared_->limits.max_buffered_frame_bytes << " bytes";
         throw TTransportException(TTransportException::CORRUPTED_DATA, "the server's frame budget is spent");
       }
-      if (size < rBufSize_) shared_->Unreserve(rBufSize_ - size);
+      if (more < 0) shared_->Unreserve(-more);
       rBuf_.reset(new uint8_t[size]);
       rBufSize_ = size;
     }

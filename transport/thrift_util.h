@@ -13,9 +13,9 @@
 // - a connection must finish its TLS handshake and send its first request
 //   within handshake_timeout, and may then idle idle_timeout between
 //   requests; a reply must be taken within send_timeout;
-// - the request frames all connections are reading hold at most
-//   max_buffered_frame_bytes (a frame that would pass it closes its
-//   connection), so many clients announcing large frames cannot exhaust
+// - the request frames over 64 KiB that connections are reading hold at
+//   most max_buffered_frame_bytes together (a frame that would pass it closes
+//   its connection), so many clients announcing large frames cannot exhaust
 //   memory before any key is checked;
 // - an accept that fails (EMFILE: no file descriptors left) is retried, the
 //   server keeps serving.

@@ -1,7 +1,7 @@
 # The UCX data plane and value-store nodes (UCX over TCP and shared memory on
 # loopback), the context-parallel process groups (TCP on loopback; NCCL on 2
 # GPUs). Tests that start real processes carry the label "distributed".
-penumbra_glob_tests(transport LIBS penumbra_ucx penumbra_store_node penumbra_collective penumbra_engine
+penumbra_glob_tests(transport LIBS penumbra_transport penumbra_ucx penumbra_store_node penumbra_collective penumbra_engine
   nlohmann_json::nlohmann_json)
 foreach(t ucx_rpc_test store_node_integration_test collective_test context_parallel_integration_test)
   if(TEST ${t})
