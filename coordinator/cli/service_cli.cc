@@ -777,8 +777,9 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
   if (root["coordinator"]) {
     const YAML::Node c = root["coordinator"];
     const std::string where = path + ": coordinator";
-    PENUMBRA_RETURN_IF_ERROR(CheckKeys(c, {"host", "port", "metrics_port", "args"}, where));
+    PENUMBRA_RETURN_IF_ERROR(CheckKeys(c, {"host", "port", "metrics_port", "admin_host", "args"}, where));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "host", where, &t.host));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "admin_host", where, &t.admin_host));
     PENUMBRA_RETURN_IF_ERROR(ReadPort(c, "port", where, 0, &t.port));
     PENUMBRA_RETURN_IF_ERROR(ReadPort(c, "metrics_port", where, -1, &t.metrics_port));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "args", where, &t.coordinator_args));
@@ -789,9 +790,10 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
     const std::string where = path + ": workers[" + std::to_string(i) + "]";
     WorkerProcessSpec s;
     s.name = "w" + std::to_string(i);
-    PENUMBRA_RETURN_IF_ERROR(CheckKeys(ws[i], {"name", "host", "port", "metrics_port", "args"}, where));
+    PENUMBRA_RETURN_IF_ERROR(CheckKeys(ws[i], {"name", "host", "port", "metrics_port", "admin_host", "args"}, where));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "name", where, &s.name));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "host", where, &s.host));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "admin_host", where, &s.admin_host));
     PENUMBRA_RETURN_IF_ERROR(ReadPort(ws[i], "port", where, 0, &s.port));
     PENUMBRA_RETURN_IF_ERROR(ReadPort(ws[i], "metrics_port", where, -1, &s.metrics_port));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "args", where, &s.args));
@@ -897,7 +899,8 @@ Status ServeCommand(int argc, char** argv) {
   }
   for (const WorkerProcessSpec& s : t.workers) {
     std::vector<std::string> argv = {bin + "/penumbra-worker", "--model", t.model, "--name", s.name, "--host", s.host,
-                                     "--port", std::to_string(s.port), "--metrics-port", std::to_string(s.metrics_port)};
+                                     "--port", std::to_string(s.port), "--metrics-port", std::to_string(s.metrics_port),
+                                     "--admin-host", s.admin_host};
     if (!store_list.empty()) argv.insert(argv.end(), {"--store-node", store_list});
     for (const std::string& f : SecurityArgs(t, s.name)) argv.push_back(f);
     argv.insert(argv.end(), s.args.begin(), s.args.end());
@@ -922,7 +925,7 @@ Status ServeCommand(int argc, char** argv) {
   }
   std::vector<std::string> cargv = {bin + "/penumbra-coordinator", "--model", t.model, "--workers", list,
                                     "--host", t.host, "--port", std::to_string(t.port), "--metrics-port",
-                                    std::to_string(t.metrics_port)};
+                                    std::to_string(t.metrics_port), "--admin-host", t.admin_host};
   if (!t.api_keys.empty()) cargv.insert(cargv.end(), {"--api-keys", t.api_keys});
   if (!t.tenants.empty()) cargv.insert(cargv.end(), {"--tenants", t.tenants});
   if (!t.data_dir.empty()) cargv.insert(cargv.end(), {"--data-dir", t.data_dir});

@@ -24,7 +24,8 @@ struct WorkerProcessSpec {
   std::string name = "w0";
   std::string host = "127.0.0.1";
   int port = 0;          // 0: the OS picks
-  int metrics_port = 0;  // 0: the OS picks; -1: off
+  int metrics_port = 0;  // the admin endpoint (/metrics, /healthz); 0: the OS picks; -1: off
+  std::string admin_host = "127.0.0.1";  // where the admin endpoint listens (off loopback: TLS, role admin)
   std::vector<std::string> args;  // more penumbra-worker flags (--device cpu, --config engine.yaml, ...)
 };
 
@@ -50,7 +51,8 @@ struct ServiceTopology {
   bool insecure = false;  // security.insecure: plaintext off loopback (never in production)
   std::string host = "127.0.0.1";
   int port = 7700;
-  int metrics_port = 7701;
+  int metrics_port = 7701;  // the coordinator's admin endpoint
+  std::string admin_host = "127.0.0.1";
   std::vector<std::string> coordinator_args;
   std::vector<WorkerProcessSpec> workers;
   // Started first; every worker gets --store-node with all of them.
