@@ -373,6 +373,12 @@ class BudgetedFramedTransport final : public apache::thrift::transport::TFramedT
     }
     transport_->readAll(rBuf_.get(), want);
     setReadBuffer(rBuf_.get(), want);
+    // Thrift's message-size accounting is per frame: the next message may
+    // read at most this frame's bytes (a list's claimed size is checked
+    // against them), and what earlier frames consumed does not count (else a
+    // connection is dropped once its requests total max_frame_bytes).
+    resetConsumedMessageSize();
+    updateKnownMessageSize(want);
     return true;
   }
 
