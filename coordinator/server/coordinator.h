@@ -2,10 +2,10 @@
 // of N workers. It authenticates (API key -> tenant, and the tenant's client
 // certificate where it requires one), validates every request against its
 // limits before any work proportional to it (validation.h), tokenizes,
-// reserves a generation's tokens from its tenant's quota up front, keeps the document registry, routes each generation to the
-// worker that holds its documents (else the least loaded healthy one of the
-// asked KV policy; a worker that is full or gone is skipped for the next),
-// streams tokens to clients by long polling (applying stop strings, which
+// reserves a generation's tokens from its tenant's quota up front, keeps the
+// document registry, routes each generation to the worker that holds its
+// documents (else the least loaded healthy one of the asked KV policy; a
+// worker that is full or gone is skipped for the next), streams tokens to clients by long polling (applying stop strings, which
 // workers do not see), and counts everything for /metrics.
 //
 // What callers see of the service: Health (no key) says only whether it

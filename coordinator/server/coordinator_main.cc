@@ -107,8 +107,9 @@ Status Run(int argc, char** argv) {
     PENUMBRA_ASSIGN_OR_RETURN(l.max_job_items, a.GetIntIn("max-job-items", l.max_job_items, 1, int64_t{1} << 24));
     PENUMBRA_ASSIGN_OR_RETURN(l.max_job_metadata_bytes,
                               a.GetIntIn("max-job-metadata-bytes", l.max_job_metadata_bytes, 0, int64_t{1} << 26));
-    PENUMBRA_ASSIGN_OR_RETURN(l.max_completion_window_s,
-                              a.GetIntIn("max-completion-window-s", l.max_completion_window_s, 1, int64_t{365} * 86400));
+    PENUMBRA_ASSIGN_OR_RETURN(
+        l.max_completion_window_s,
+        a.GetIntIn("max-completion-window-s", l.max_completion_window_s, 1, int64_t{365} * 86400));
     PENUMBRA_ASSIGN_OR_RETURN(int64_t puts, a.GetIntIn("max-background-puts", co.max_background_puts_per_tenant, 1,
                                                        4096));
     l.max_document_ids = static_cast<int>(docs);

@@ -139,8 +139,9 @@ std::string Excerpt(std::string_view s, size_t max) {
 
 Status RequestLimits::Validate() const {
   auto at_least = [](const char* name, int64_t v, int64_t lo) -> Status {
-    if (v < lo) return Status::InvalidArgument(std::string(name) + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
-    return Status::OK();
+    if (v >= lo) return Status::OK();
+    return Status::InvalidArgument(std::string(name) + " must be >= " + std::to_string(lo) + ", got " +
+                                   std::to_string(v));
   };
   PENUMBRA_RETURN_IF_ERROR(at_least("max_document_ids", max_document_ids, 1));
   PENUMBRA_RETURN_IF_ERROR(at_least("max_text_bytes", max_text_bytes, 1));

@@ -592,7 +592,9 @@ QuotaDecision TenantRegistry::CheckTokens(const std::string& tenant) { return Bu
 QuotaDecision TenantRegistry::ReserveTokens(const std::string& tenant, int64_t tokens,
                                             TokenReservation* reservation) {
   *reservation = TokenReservation();
-  if (tokens < 0) return Deny(Status::InvalidArgument("a token reservation must be >= 0, got " + std::to_string(tokens)));
+  if (tokens < 0) {
+    return Deny(Status::InvalidArgument("a token reservation must be >= 0, got " + std::to_string(tokens)));
+  }
   const std::shared_ptr<const Snapshot> snap = Current();
   Result<const Entry*> e = Find(*snap, tenant);
   if (!e.ok()) return Deny(e.status());
@@ -622,7 +624,9 @@ QuotaDecision TenantRegistry::ReserveTokens(const std::string& tenant, int64_t t
 }
 
 QuotaDecision TenantRegistry::CheckTokensFit(const std::string& tenant, int64_t tokens) const {
-  if (tokens < 0) return Deny(Status::InvalidArgument("a token reservation must be >= 0, got " + std::to_string(tokens)));
+  if (tokens < 0) {
+    return Deny(Status::InvalidArgument("a token reservation must be >= 0, got " + std::to_string(tokens)));
+  }
   const std::shared_ptr<const Snapshot> snap = Current();
   Result<const Entry*> e = Find(*snap, tenant);
   if (!e.ok()) return Deny(e.status());
