@@ -5,8 +5,9 @@
 // reserves a generation's tokens from its tenant's quota up front, keeps the
 // document registry, routes each generation to the worker that holds its
 // documents (else the least loaded healthy one of the asked KV policy; a
-// worker that is full or gone is skipped for the next), streams tokens to clients by long polling (applying stop strings, which
-// workers do not see), and counts everything for /metrics.
+// worker that is full or gone is skipped for the next), streams tokens to
+// clients by long polling (applying stop strings, which workers do not see),
+// and counts everything for /metrics.
 //
 // What callers see of the service: Health (no key) says only whether it
 // serves and the model's name; the workers (names, addresses, health, load)
