@@ -159,7 +159,7 @@ def main():
     if args.start:
         penumbra_local.install_sigterm_exit()
         if not args.api_key:
-            args.api_key = "loadtest-key"
+            args.api_key = "loadtest-key-0123456789"  # --api-keys: 16 bytes or more
         svc = penumbra_local.LocalService(args.build, args.start, api_keys={args.api_key: "loadtest"},
                                           device=args.device, worker_args=["--drain-seconds", "5"],
                                           coordinator_args=["--drain-seconds", "5"])

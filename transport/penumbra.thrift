@@ -4,9 +4,17 @@
 //
 // Every call that acts for a caller carries its API key (the tenant: a
 // tenant sees only its own documents and requests, and its documents are
-// cached in its own namespace) and a deadline in milliseconds (0: the
-// server's default). Errors are PenumbraErrors with a typed code (see
+// cached in its own namespace; a tenant may also require a TLS client
+// certificate of its own) and a deadline in milliseconds (0: the server's
+// default; at most a week). Errors are PenumbraErrors with a typed code (see
 // common.thrift): fix the request, retry after retry_after_ms, or give up.
+//
+// Every input is bounded (the coordinator's RequestLimits, flags of
+// penumbra-coordinator; coordinator/server/validation.h): a call past a
+// bound is INVALID_ARGUMENT naming the field and the limit, checked before
+// any work proportional to the input. Ids (documents, requests, jobs) and
+// page tokens are at most 256 bytes; another tenant's id is NOT_FOUND, as an
+// id that does not exist.
 include "common.thrift"
 
 namespace cpp penumbra.rpc
@@ -58,16 +66,23 @@ struct DocumentList {
 struct GenerateRequest {
   1: string api_key,
   // Documents (by id, in order) the request's text follows; they are
-  // attached from the document cache, not prefilled again.
+  // attached from the document cache, not prefilled again. At most 64, each
+  // once; the documents, the question and max_new_tokens fit the model's
+  // context.
   2: list<string> document_ids,
   // The request's own text (a question), or its token ids: exactly one.
   3: optional string text,
   4: optional list<i32> token_ids,
+  // With a tenant quota of generated tokens per minute, this many (less what
+  // the context leaves) are reserved when the request is admitted and the
+  // unused part is given back when it ends: more than the quota holds is
+  // INVALID_ARGUMENT, more than it holds now RESOURCE_EXHAUSTED.
   5: i32 max_new_tokens = 256,
   6: common.SamplingOptions sampling,
   // Generation ends when the text contains one of these (the answer's text
   // stops before it) or at one of these ids (kept); the model's end-of-text
-  // ids always stop it unless ignore_eos.
+  // ids always stop it unless ignore_eos. At most 16 stop strings of 1..256
+  // bytes; at most 1000 stop ids, in the vocabulary.
   7: list<string> stop,
   8: list<i32> stop_ids,
   9: bool ignore_eos = false,
@@ -89,6 +104,8 @@ struct GenerateChunk {
   9: string request_id,
 }
 
+// A worker, as Stats shows it to an admin tenant (or to every caller of a
+// coordinator without authentication).
 struct WorkerStatus {
   1: string name,
   2: string address,             // host:port
@@ -100,10 +117,11 @@ struct WorkerStatus {
   8: optional string error,      // why not healthy
 }
 
+// Public (no key): nothing about the deployment's hosts or paths.
 struct HealthResponse {
   1: bool serving,               // false while draining or with no healthy worker
-  2: string model,
-  3: list<WorkerStatus> workers,
+  2: string model,               // the model's name (its directory's name, not its path)
+  3: list<WorkerStatus> workers, // always empty: the workers are in Stats, for an admin tenant
 }
 
 struct StatsResponse {
@@ -114,7 +132,7 @@ struct StatsResponse {
   5: i64 prompt_tokens,
   6: i64 cached_prompt_tokens,
   7: i64 generated_tokens,
-  8: list<WorkerStatus> workers,
+  8: list<WorkerStatus> workers, // an admin tenant's (tenants file: admin: true) or without authentication; else empty
 }
 
 // ---- batch jobs --------------------------------------------------------------
@@ -145,8 +163,8 @@ struct JobItem {
 struct SubmitJobRequest {
   1: string api_key,
   2: list<JobItem> items,         // 1..50000
-  3: i64 completion_window_s = 0, // 0: 24 hours
-  4: string metadata = "",        // kept with the job, returned as given
+  3: i64 completion_window_s = 0, // 0: 24 hours; at most a week
+  4: string metadata = "",        // kept with the job, returned as given; at most 16 KiB
   5: i64 deadline_ms = 0,
 }
 

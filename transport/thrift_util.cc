@@ -378,6 +378,12 @@ class BudgetedFramedTransport final : public apache::thrift::transport::TFramedT
     }
     transport_->readAll(rBuf_.get(), want);
     setReadBuffer(rBuf_.get(), want);
+    // Thrift's message-size accounting is per frame: the next message may
+    // read at most this frame's bytes (a list's claimed size is checked
+    // against them), and what earlier frames consumed does not count (else a
+    // connection is dropped once its requests total max_frame_bytes).
+    resetConsumedMessageSize();
+    updateKnownMessageSize(want);
     return true;
   }
 
@@ -548,6 +554,131 @@ std::shared_ptr<TConfiguration> MakeConfiguration(const ThriftLimits& limits) {
   return std::make_shared<TConfiguration>(limits.max_frame_bytes, limits.max_frame_bytes);
 }
 
+namespace {
+
+using apache::thrift::protocol::TMessageType;
+using apache::thrift::protocol::TProtocolException;
+using apache::thrift::protocol::TType;
+
+// The wire's type code as a TType, or INVALID_DATA.
+TType CheckedType(int8_t code) {
+  switch (code) {
+    case apache::thrift::protocol::T_STOP:
+    case apache::thrift::protocol::T_VOID:
+    case apache::thrift::protocol::T_BOOL:
+    case apache::thrift::protocol::T_BYTE:
+    case apache::thrift::protocol::T_DOUBLE:
+    case apache::thrift::protocol::T_I16:
+    case apache::thrift::protocol::T_I32:
+    case apache::thrift::protocol::T_U64:
+    case apache::thrift::protocol::T_I64:
+    case apache::thrift::protocol::T_STRING:
+    case apache::thrift::protocol::T_STRUCT:
+    case apache::thrift::protocol::T_MAP:
+    case apache::thrift::protocol::T_SET:
+    case apache::thrift::protocol::T_LIST:
+    case apache::thrift::protocol::T_UTF8:
+    case apache::thrift::protocol::T_UTF16:
+      return static_cast<TType>(code);
+    default:
+      throw TProtocolException(TProtocolException::INVALID_DATA, "unknown type code " + std::to_string(code));
+  }
+}
+
+// The fewest bytes one element of `type` takes on the wire (Thrift's own
+// table; an unknown type was refused already).
+int64_t MinBytes(TType type) {
+  switch (type) {
+    case apache::thrift::protocol::T_BOOL:
+    case apache::thrift::protocol::T_BYTE:
+    case apache::thrift::protocol::T_STRUCT:  // at least its T_STOP
+      return 1;
+    case apache::thrift::protocol::T_I16:
+      return 2;
+    case apache::thrift::protocol::T_I32:
+    case apache::thrift::protocol::T_STRING:
+    case apache::thrift::protocol::T_MAP:
+    case apache::thrift::protocol::T_SET:
+    case apache::thrift::protocol::T_LIST:
+      return 4;
+    case apache::thrift::protocol::T_DOUBLE:
+    case apache::thrift::protocol::T_I64:
+      return 8;
+    default:
+      return 1;
+  }
+}
+
+}  // namespace
+
+uint32_t CheckedBinaryProtocol::ReadContainerSize(int64_t min_element_bytes) {
+  int32_t size = 0;
+  readI32(size);
+  if (size < 0) throw TProtocolException(TProtocolException::NEGATIVE_SIZE);
+  if (container_limit_ != 0 && size > container_limit_) throw TProtocolException(TProtocolException::SIZE_LIMIT);
+  ptrans_->checkReadBytesAvailable(static_cast<long>(size * min_element_bytes));
+  return static_cast<uint32_t>(size);
+}
+
+uint32_t CheckedBinaryProtocol::readMessageBegin_virt(std::string& name, TMessageType& type, int32_t& seqid) {
+  int32_t header = 0;
+  uint32_t n = readI32(header);
+  if (header >= 0 || (header & VERSION_MASK) != VERSION_1) {
+    throw TProtocolException(TProtocolException::BAD_VERSION, "a message without the version header");
+  }
+  const int32_t t = header & 0xff;
+  if (t < apache::thrift::protocol::T_CALL || t > apache::thrift::protocol::T_ONEWAY) {
+    throw TProtocolException(TProtocolException::INVALID_DATA, "unknown message type " + std::to_string(t));
+  }
+  type = static_cast<TMessageType>(t);
+  n += readString(name);
+  n += readI32(seqid);
+  return n;
+}
+
+uint32_t CheckedBinaryProtocol::readFieldBegin_virt(std::string&, TType& type, int16_t& id) {
+  int8_t code = 0;
+  uint32_t n = readByte(code);
+  type = CheckedType(code);
+  if (type == apache::thrift::protocol::T_STOP) {
+    id = 0;
+    return n;
+  }
+  return n + readI16(id);
+}
+
+uint32_t CheckedBinaryProtocol::readMapBegin_virt(TType& key, TType& value, uint32_t& size) {
+  int8_t k = 0, v = 0;
+  readByte(k);
+  readByte(v);
+  key = CheckedType(k);
+  value = CheckedType(v);
+  size = ReadContainerSize(MinBytes(key) + MinBytes(value));
+  return 6;
+}
+
+uint32_t CheckedBinaryProtocol::readListBegin_virt(TType& elem, uint32_t& size) {
+  int8_t e = 0;
+  readByte(e);
+  elem = CheckedType(e);
+  size = ReadContainerSize(MinBytes(elem));
+  return 5;
+}
+
+uint32_t CheckedBinaryProtocol::readSetBegin_virt(TType& elem, uint32_t& size) {
+  int8_t e = 0;
+  readByte(e);
+  elem = CheckedType(e);
+  size = ReadContainerSize(MinBytes(elem));
+  return 5;
+}
+
+uint32_t CheckedBinaryProtocol::skip_virt(TType type) {
+  // Through the virtual calls above (Thrift's own skip would call the
+  // unchecked reads of TBinaryProtocol directly).
+  return apache::thrift::protocol::skip(static_cast<apache::thrift::protocol::TProtocol&>(*this), type);
+}
+
 Result<std::unique_ptr<ThriftServer>> ThriftServer::Start(std::shared_ptr<TProcessor> processor,
                                                           const ThriftServerOptions& o) {
   if (o.port < 0 || o.port > 65535) return Status::InvalidArgument("port must be in [0, 65535], got " + std::to_string(o.port));
@@ -578,8 +709,7 @@ Result<std::unique_ptr<ThriftServer>> ThriftServer::Start(std::shared_ptr<TProce
   s->server_ = std::make_shared<apache::thrift::server::TThreadedServer>(
       std::make_shared<ConnectionProcessorFactory>(std::move(processor), o.limits.idle_timeout), socket,
       std::make_shared<BudgetedFramedTransportFactory>(config, s->shared_),
-      std::make_shared<apache::thrift::protocol::TBinaryProtocolFactory>(o.limits.max_string_bytes,
-                                                                         o.limits.max_container_elements, true, true));
+      std::make_shared<CheckedBinaryProtocolFactory>(o.limits.max_string_bytes, o.limits.max_container_elements));
   // Our own limits apply at accept (closing what is over them at once);
   // Thrift's would stop accepting and leave new clients in the backlog.
   s->server_->setConcurrentClientLimit(std::numeric_limits<int64_t>::max());

@@ -65,6 +65,44 @@ Status FromThriftException(const std::exception& e, const std::string& what);
 
 std::shared_ptr<apache::thrift::TConfiguration> MakeConfiguration(const ThriftLimits& limits);
 
+// The binary protocol as every server reads requests: Thrift's TBinaryProtocol
+// with a type code (of a field, list, set or map) or a message type outside
+// Thrift's refused (TProtocolException INVALID_DATA) before it is stored in an
+// enum -- Thrift's own reader casts the wire byte unchecked, which is
+// undefined behaviour and a type that means nothing. Only the versioned
+// (strict) message header is read. Skipping unknown fields goes through the
+// same checks.
+class CheckedBinaryProtocol final : public apache::thrift::protocol::TBinaryProtocol {
+ public:
+  using apache::thrift::protocol::TBinaryProtocol::TBinaryProtocolT;
+  uint32_t readMessageBegin_virt(std::string& name, apache::thrift::protocol::TMessageType& type,
+                                 int32_t& seqid) override;
+  uint32_t readFieldBegin_virt(std::string& name, apache::thrift::protocol::TType& type, int16_t& id) override;
+  uint32_t readMapBegin_virt(apache::thrift::protocol::TType& key, apache::thrift::protocol::TType& value,
+                             uint32_t& size) override;
+  uint32_t readListBegin_virt(apache::thrift::protocol::TType& elem, uint32_t& size) override;
+  uint32_t readSetBegin_virt(apache::thrift::protocol::TType& elem, uint32_t& size) override;
+  uint32_t skip_virt(apache::thrift::protocol::TType type) override;
+
+ private:
+  // A container's size: not negative, within the container limit and the
+  // bytes left in the message.
+  uint32_t ReadContainerSize(int64_t min_element_bytes);
+};
+
+class CheckedBinaryProtocolFactory final : public apache::thrift::protocol::TProtocolFactory {
+ public:
+  CheckedBinaryProtocolFactory(int32_t string_limit, int32_t container_limit)
+      : string_limit_(string_limit), container_limit_(container_limit) {}
+  std::shared_ptr<apache::thrift::protocol::TProtocol> getProtocol(
+      std::shared_ptr<apache::thrift::transport::TTransport> trans) override {
+    return std::make_shared<CheckedBinaryProtocol>(std::move(trans), string_limit_, container_limit_, true, true);
+  }
+
+ private:
+  int32_t string_limit_, container_limit_;
+};
+
 // The caller of the request being served on this thread: its verified
 // certificate's role and name under TLS, else only its address. Outside a
 // server's handler, an empty identity.

@@ -35,7 +35,8 @@ constexpr const char* kUsage =
     "       penumbra stats\n"
     "       penumbra cert init DIR [--topology F] [--hosts H,...]   a CA, a certificate per process, the cluster secret\n"
     "       penumbra cert issue DIR --role R --name N [--hosts H,...]   one more certificate from DIR's CA\n"
-    "       penumbra tenant hash-key KEY                      the sha256:... form of an API key for tenants.yaml\n"
+    "       penumbra tenant new-key                           a new API key and its sha256:... hash for tenants.yaml\n"
+    "       penumbra tenant hash-key < KEYFILE                the sha256:... hash of a key read from stdin\n"
     "       (client commands: --address HOST:PORT, default $PENUMBRA_ADDRESS or 127.0.0.1:7700;\n"
     "        --api-key-file F or $PENUMBRA_API_KEY; --tls-ca CA for TLS)\n"
     "       penumbra help\n";

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <sstream>
 #include <thread>
 
@@ -164,13 +165,38 @@ Status DocPut(int argc, char** argv) {
 }  // namespace
 
 Status TenantCommand(int argc, char** argv) {
-  if (argc != 4 || std::string(argv[2]) != "hash-key") {
-    return Status::InvalidArgument("usage: penumbra tenant hash-key KEY   (KEY: at least " +
-                                   std::to_string(tenants::kMinApiKeyBytes) + " bytes)");
+  const std::string usage =
+      "usage: penumbra tenant new-key     a new random API key and its sha256: hash (for tenants.yaml)\n"
+      "       penumbra tenant hash-key    the sha256: hash of the key read from stdin (at least " +
+      std::to_string(tenants::kMinApiKeyBytes) + " bytes; a key is never given on the command line)";
+  const std::string sub = argc > 2 ? argv[2] : "";
+  if (sub == "new-key" && argc == 3) {
+    // The key is printed once, here; only its hash goes into tenants.yaml.
+    const std::string key = tenants::NewApiKey();
+    PENUMBRA_ASSIGN_OR_RETURN(std::string hash, tenants::HashApiKey(key));
+    std::printf("%s\n%s\n", key.c_str(), hash.c_str());
+    std::fflush(stdout);
+    std::fprintf(stderr, "line 1: the key (give it to the tenant, e.g. in a file for --api-key-file; it is not "
+                         "kept anywhere); line 2: its hash, for the tenant's api_keys in tenants.yaml\n");
+    return Status::OK();
   }
-  PENUMBRA_ASSIGN_OR_RETURN(std::string hash, tenants::HashApiKey(argv[3]));
-  std::printf("%s\n", hash.c_str());
-  return Status::OK();
+  if (sub == "hash-key" && argc == 3) {
+    // From stdin: a key in argv would be in the shell's history and in ps.
+    std::string key((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+    if (!std::cin.eof() && std::cin.fail()) return Status::IOError("penumbra tenant hash-key: reading stdin failed");
+    // One trailing line end (echo, a file) is not part of the key.
+    if (!key.empty() && key.back() == '\n') key.pop_back();
+    if (!key.empty() && key.back() == '\r') key.pop_back();
+    PENUMBRA_ASSIGN_OR_RETURN(std::string hash, tenants::HashApiKey(key));
+    std::printf("%s\n", hash.c_str());
+    return Status::OK();
+  }
+  if (sub == "hash-key") {
+    // Not echoed: the argument may be a key.
+    return Status::InvalidArgument("penumbra tenant hash-key takes the key on stdin, not as an argument "
+                                   "(e.g. `penumbra tenant hash-key < key.txt`)\n" + usage);
+  }
+  return Status::InvalidArgument(usage);
 }
 
 Status DocCommand(int argc, char** argv) {
@@ -315,15 +341,22 @@ Status StatsCommand(int argc, char** argv) {
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
   PENUMBRA_ASSIGN_OR_RETURN(auto c, ConnectFromFlags(a));
   PENUMBRA_ASSIGN_OR_RETURN(rpc::StatsResponse s, c->Stats());
-  nlohmann::json workers = nlohmann::json::array();
-  for (const auto& w : s.workers) {
-    workers.push_back({{"name", w.name}, {"address", w.address}, {"healthy", w.healthy}, {"kv_policy", w.kv_policy},
-                       {"backend", w.backend}, {"running", w.running}, {"documents", w.documents}});
-  }
   nlohmann::json j = {{"requests", s.requests},           {"requests_failed", s.requests_failed},
                       {"requests_running", s.requests_running}, {"documents", s.documents},
                       {"prompt_tokens", s.prompt_tokens}, {"cached_prompt_tokens", s.cached_prompt_tokens},
-                      {"generated_tokens", s.generated_tokens}, {"workers", workers}};
+                      {"generated_tokens", s.generated_tokens}};
+  // The workers are shown to an admin tenant (or without authentication).
+  if (!s.workers.empty()) {
+    nlohmann::json workers = nlohmann::json::array();
+    for (const auto& w : s.workers) {
+      nlohmann::json o = {{"name", w.name},         {"address", w.address}, {"healthy", w.healthy},
+                          {"kv_policy", w.kv_policy}, {"backend", w.backend}, {"running", w.running},
+                          {"documents", w.documents}};
+      if (w.__isset.error) o["error"] = w.error;
+      workers.push_back(std::move(o));
+    }
+    j["workers"] = std::move(workers);
+  }
   std::cout << (a.Has("json") ? j.dump() : j.dump(2)) << std::endl;
   return Status::OK();
 }

@@ -64,7 +64,9 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path);
 
 Status ServeCommand(int argc, char** argv);
 Status DocCommand(int argc, char** argv);
-// penumbra tenant hash-key KEY: prints the form tenants.yaml keeps (sha256:...).
+// penumbra tenant new-key: prints a new random key and its hash (the key once);
+// penumbra tenant hash-key: the hash (the form tenants.yaml keeps, sha256:...)
+// of a key read from stdin.
 Status TenantCommand(int argc, char** argv);
 Status AskCommand(int argc, char** argv);
 // `penumbra job ...`: submit (waits for the end unless --detach: exit 0 when

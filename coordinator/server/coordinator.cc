@@ -3,12 +3,13 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <optional>
-#include <random>
 
 #include <glog/logging.h>
 #include <yaml-cpp/yaml.h>
 
+#include "common/crypto.h"
 #include "transport/thrift_util.h"
 
 namespace penumbra::coordinator {
@@ -27,13 +28,21 @@ T OrThrow(Result<T> r) {
   return std::move(*r);
 }
 
-std::string NewRequestId() {
-  static std::mutex mu;
-  static std::mt19937_64 rng(std::random_device{}());
-  std::lock_guard<std::mutex> lk(mu);
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "req-%016llx", static_cast<unsigned long long>(rng()));
-  return buf;
+void Check(const Status& s) {
+  if (!s.ok()) Throw(s);
+}
+
+// 128 bits from the CSPRNG: a request id is not guessable (and is scoped to
+// its tenant besides).
+std::string NewRequestId() { return "req-" + RandomHandle(); }
+
+// The model's name as Health shows it: its directory's last component, not
+// the path.
+std::string ModelName(const std::string& model) {
+  std::filesystem::path p(model);
+  while (p.has_parent_path() && p.filename().empty()) p = p.parent_path();
+  const std::string name = p.filename().string();
+  return name.empty() ? model : name;
 }
 
 // The time left before `deadline_ms` from now (0: `fallback`).
@@ -73,6 +82,7 @@ struct Coordinator::Request {
   Status error;
   rpc::Usage usage;
   tenants::Lease sequence;  // the tenant's concurrent-sequence quota, held until Finalize
+  tenants::TokenReservation tokens;  // its generated tokens, reserved at admission; settled by Finalize
   // To resume it on another worker when its worker is lost: what was sent,
   // its documents and policy, the tokens it had made before the current
   // worker's (base), and how often it moved.
@@ -88,12 +98,17 @@ Status CoordinatorOptions::Validate() const {
     return Status::InvalidArgument("tenants and plain API keys are exclusive: give one of them");
   }
   for (const auto& [key, tenant] : api_keys) {
-    if (key.empty() || tenant.empty()) return Status::InvalidArgument("api keys and tenants must not be empty");
+    if (key.size() < tenants::kMinApiKeyBytes || tenant.empty()) {
+      return Status::InvalidArgument("api keys must be at least " + std::to_string(tenants::kMinApiKeyBytes) +
+                                     " bytes and tenants not empty (tenant '" + tenant + "')");
+    }
   }
+  PENUMBRA_RETURN_IF_ERROR(limits.Validate());
   if (max_documents_per_tenant < 1) return Status::InvalidArgument("max_documents_per_tenant must be >= 1");
-  if (max_text_bytes < 1) return Status::InvalidArgument("max_text_bytes must be >= 1");
-  if (max_new_tokens < 1) return Status::InvalidArgument("max_new_tokens must be >= 1");
   if (max_running_requests < 1) return Status::InvalidArgument("max_running_requests must be >= 1");
+  if (max_background_puts_per_tenant < 1) {
+    return Status::InvalidArgument("max_background_puts_per_tenant must be >= 1");
+  }
   if (min_free_memory_bytes < 0) return Status::InvalidArgument("min_free_memory_bytes must be >= 0");
   return Status::OK();
 }
@@ -105,9 +120,18 @@ Result<std::map<std::string, std::string>> LoadApiKeys(const std::string& path) 
     if (!root.IsMap() || !root["keys"] || !root["keys"].IsMap()) {
       return Status::InvalidArgument(path + ": expected a map `keys: {KEY: TENANT, ...}`");
     }
+    size_t i = 0;
     for (const auto& kv : root["keys"]) {
       const std::string key = kv.first.as<std::string>(), tenant = kv.second.as<std::string>();
-      if (key.empty() || tenant.empty()) return Status::InvalidArgument(path + ": an empty key or tenant");
+      const std::string at = path + ": keys entry " + std::to_string(i++);
+      if (tenant.empty()) return Status::InvalidArgument(at + ": the tenant is empty");
+      // The key itself is never echoed.
+      if (key.size() < tenants::kMinApiKeyBytes || key.size() > tenants::kMaxApiKeyBytes) {
+        return Status::InvalidArgument(at + " (tenant '" + tenant + "'): a key must be " +
+                                       std::to_string(tenants::kMinApiKeyBytes) + " to " +
+                                       std::to_string(tenants::kMaxApiKeyBytes) + " bytes, got " +
+                                       std::to_string(key.size()) + " (`penumbra tenant new-key` makes one)");
+      }
       keys[key] = tenant;
     }
   } catch (const YAML::Exception& e) {
@@ -121,7 +145,7 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
                          WorkerPool* workers, std::unique_ptr<DocumentRegistry> documents)
     : o_(options),
       codec_(std::move(codec)),
-      model_(std::move(model)),
+      model_(ModelName(model)),
       workers_(workers),
       docs_(documents ? std::move(documents)
                       : std::make_unique<DocumentRegistry>(options.max_documents_per_tenant)),
@@ -194,42 +218,58 @@ Coordinator::~Coordinator() {
 // ---- validation ------------------------------------------------------------
 
 Result<std::string> Coordinator::Tenant(const std::string& api_key) const {
-  if (o_.tenants) return o_.tenants->Authenticate(api_key);
+  // The caller's client certificate, when it presented a verified one of role
+  // client (a tenant may require it).
+  const transport::PeerIdentity& peer = transport::CurrentPeer();
+  const std::string cert = peer.verified && peer.role == transport::role::kClient ? peer.name : std::string();
+  if (o_.tenants) return o_.tenants->Authenticate(api_key, cert);
   if (o_.api_keys.empty()) return std::string("default");
-  auto it = o_.api_keys.find(api_key);
-  if (it == o_.api_keys.end()) return Status::PermissionDenied("the API key is not valid");
-  return it->second;
+  // Every key is compared (in constant time), so the time taken does not
+  // tell which matched.
+  const std::string* tenant = nullptr;
+  if (api_key.size() <= tenants::kMaxApiKeyBytes) {
+    for (const auto& [key, t] : o_.api_keys) {
+      if (ConstantTimeEquals(key, api_key)) tenant = &t;
+    }
+  }
+  if (!tenant) return Status::PermissionDenied(std::string(tenants::TenantRegistry::kNotAuthorized));
+  return *tenant;
+}
+
+bool Coordinator::SeesInternals(const std::string& tenant) const {
+  if (o_.tenants) {
+    Result<tenants::TenantConfig> t = o_.tenants->Tenant(tenant);
+    return t.ok() && t->admin;
+  }
+  return o_.api_keys.empty();  // no authentication: a development setup
+}
+
+ModelLimits Coordinator::model_limits() const {
+  ModelLimits m;
+  for (const WorkerState& w : workers_->states()) {
+    m.vocab_size = std::max(m.vocab_size, w.health.vocab_size);
+    if (w.healthy) m.max_context = std::max(m.max_context, w.health.max_context);
+  }
+  m.can_encode = codec_ && codec_->can_encode();
+  m.can_decode = codec_ != nullptr;
+  return m;
 }
 
 Result<std::vector<int32_t>> Coordinator::TextOrIds(const std::string& what, const std::string* text,
-                                                    const std::vector<int32_t>* ids, bool starts_prompt) const {
-  if ((text != nullptr) == (ids != nullptr)) {
-    return Status::InvalidArgument(what + ": give exactly one of text and token_ids");
+                                                    const std::vector<int32_t>* ids, bool starts_prompt,
+                                                    const ModelLimits& model) const {
+  if (!text) return *ids;  // validated: count and vocabulary
+  if (!codec_ || !codec_->can_encode()) {
+    return Status::InvalidArgument(what + ": the coordinator has no tokenizer for this model; send token_ids");
   }
-  std::vector<int32_t> out;
-  if (text) {
-    if (static_cast<int64_t>(text->size()) > o_.max_text_bytes) {
-      return Status::InvalidArgument(what + ": text of " + std::to_string(text->size()) + " bytes is over the limit of " +
-                                     std::to_string(o_.max_text_bytes));
-    }
-    if (text->empty()) return Status::InvalidArgument(what + " is empty");
-    if (!codec_ || !codec_->can_encode()) {
-      return Status::InvalidArgument(what + ": the coordinator has no tokenizer for this model (no tokenizer.json); "
-                                     "send token_ids");
-    }
-    // The tokenizer's template (a BOS) only where the prompt starts.
-    PENUMBRA_ASSIGN_OR_RETURN(out, codec_->Encode(*text, starts_prompt));
-  } else {
-    out = *ids;
-  }
+  // The tokenizer's template (a BOS) only where the prompt starts.
+  PENUMBRA_ASSIGN_OR_RETURN(std::vector<int32_t> out, codec_->Encode(*text, starts_prompt));
   if (out.empty()) return Status::InvalidArgument(what + " is empty");
-  // The vocabulary and the context length are known from the workers.
-  int32_t vocab = 0;
-  for (const WorkerState& w : workers_->states()) vocab = std::max(vocab, w.health.vocab_size);
   for (int32_t id : out) {
-    if (id < 0 || (vocab > 0 && id >= vocab)) {
-      return Status::InvalidArgument(what + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                                     std::to_string(vocab) + ")");
+    if (id < 0 || (model.vocab_size > 0 && id >= model.vocab_size)) {
+      return Status::InvalidArgument(what + ": the tokenizer gave id " + std::to_string(id) +
+                                     ", outside the workers' vocabulary [0, " + std::to_string(model.vocab_size) +
+                                     ")");
     }
   }
   return out;
@@ -277,21 +317,27 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
     std::lock_guard<std::mutex> lk(mu_);
     if (draining_) return Status::Unavailable("the coordinator is draining: not accepting documents");
   }
-  if (r.name.empty() || r.name.size() > 256) {
-    return Status::InvalidArgument("name must be 1 to 256 bytes, got " + std::to_string(r.name.size()));
+  const ModelLimits model = model_limits();
+  PENUMBRA_RETURN_IF_ERROR(ValidatePutDocumentRequest(r, o_.limits, model));
+  const int64_t context = model.max_context;
+  if (context == 0) return Status::Unavailable("no healthy worker");
+  if (!r.wait) {
+    std::lock_guard<std::mutex> lk(mu_);
+    int in_flight = 0;
+    for (const BackgroundPut& p : puts_) in_flight += p.tenant == tenant && !*p.done;
+    if (in_flight >= o_.max_background_puts_per_tenant) {
+      return Status::ResourceExhausted("tenant '" + tenant + "' has " + std::to_string(in_flight) +
+                                       " documents being factored in the background, the most at once "
+                                       "(max_background_puts_per_tenant); retry when one is READY")
+          .WithRetryAfter(1000);
+    }
   }
-  if (r.deadline_ms < 0) return Status::InvalidArgument("deadline_ms must be >= 0");
   PENUMBRA_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
                             TextOrIds("document", r.__isset.text ? &r.text : nullptr,
-                                      r.__isset.token_ids ? &r.token_ids : nullptr, /*starts_prompt=*/true));
+                                      r.__isset.token_ids ? &r.token_ids : nullptr, /*starts_prompt=*/true, model));
   // A text document starts with the template's special tokens (a BOS); where
   // it follows another document they are left out.
   const int leading_special = r.__isset.text && codec_ ? codec_->LeadingSpecialTokens(ids) : 0;
-  int64_t context = 0;
-  for (const WorkerState& w : workers_->states()) {
-    if (w.healthy) context = std::max(context, w.health.max_context);
-  }
-  if (context == 0) return Status::Unavailable("no healthy worker");
   if (static_cast<int64_t>(ids.size()) >= context) {
     return Status::InvalidArgument("document of " + std::to_string(ids.size()) +
                                    " tokens leaves no room for a question in the model's " + std::to_string(context) +
@@ -323,7 +369,7 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
                        Factor(d, deadline);
                        *done = true;
                      }),
-                     done});
+                     done, tenant});
     return ToInfo(d);
   }
   Factor(d, deadline);
@@ -400,24 +446,28 @@ void Coordinator::PutDocument(rpc::DocumentInfo& out, const rpc::PutDocumentRequ
 }
 
 void Coordinator::GetDocument(rpc::DocumentInfo& out, const std::string& api_key, const std::string& document_id,
-                              int64_t) {
+                              int64_t deadline_ms) {
   const std::string tenant = OrThrow(Tenant(api_key));
+  Check(ValidateId("document_id", document_id, o_.limits));
+  Check(ValidateDeadline("deadline_ms", deadline_ms, o_.limits));
   out = ToInfo(OrThrow(docs_->Get(tenant, document_id)));
 }
 
 void Coordinator::ListDocuments(rpc::DocumentList& out, const rpc::ListDocumentsRequest& request) {
   const std::string tenant = OrThrow(Tenant(request.api_key));
-  if (request.page_size < 1 || request.page_size > 1000) {
-    Throw(Status::InvalidArgument("page_size must be in [1, 1000], got " + std::to_string(request.page_size)));
-  }
+  Check(ValidatePageSize(request.page_size, o_.limits));
+  Check(ValidateId("page_token", request.page_token, o_.limits));
+  Check(ValidateDeadline("deadline_ms", request.deadline_ms, o_.limits));
   DocumentPage p = OrThrow(docs_->List(tenant, request.page_token, request.page_size));
   out.documents.clear();
   for (const auto& d : p.documents) out.documents.push_back(ToInfo(d));
   out.next_page_token = p.next_page_token;
 }
 
-void Coordinator::DeleteDocument(const std::string& api_key, const std::string& document_id, int64_t) {
+void Coordinator::DeleteDocument(const std::string& api_key, const std::string& document_id, int64_t deadline_ms) {
   const std::string tenant = OrThrow(Tenant(api_key));
+  Check(ValidateId("document_id", document_id, o_.limits));
+  Check(ValidateDeadline("deadline_ms", deadline_ms, o_.limits));
   DocumentView d = OrThrow(docs_->Remove(tenant, document_id));
   if (o_.tenants) o_.tenants->ReleaseDocumentBytes(tenant, d.tokens * static_cast<int64_t>(sizeof(int32_t)));
   // Its cached state goes too (requests attached now keep theirs until they end).
@@ -439,6 +489,10 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
 
 Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const std::string& tenant,
                                                                         const rpc::GenerateRequest& r) {
+  // The request's own bounds first: nothing below (a lookup, tokenizing,
+  // concatenating, a worker) runs for a request past them.
+  const ModelLimits model = model_limits();
+  PENUMBRA_RETURN_IF_ERROR(ValidateGenerateRequest(r, o_.limits, model));
   DropExpired();
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -448,13 +502,18 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
                                        "takes; retry later");
     }
   }
-  std::vector<DocumentView> docs;
-  PENUMBRA_ASSIGN_OR_RETURN(rpc::WorkerGenerateRequest g, PrepareGenerate(tenant, r, &docs));
+  PENUMBRA_ASSIGN_OR_RETURN(Checked checked, CheckGenerate(tenant, r, model));
+  // Quotas: the tokens it may generate are reserved now (the unused part
+  // comes back when it ends), then one concurrent sequence.
+  tenants::TokenReservation tokens;
   tenants::Lease sequence;
   if (o_.tenants) {
-    PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->CheckTokens(tenant), quota_refusals_, tenant));
+    PENUMBRA_RETURN_IF_ERROR(
+        QuotaStatus(o_.tenants->ReserveTokens(tenant, checked.generated_bound, &tokens), quota_refusals_, tenant));
     PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->AcquireSequence(tenant, &sequence), quota_refusals_, tenant));
   }
+  rpc::WorkerGenerateRequest g = BuildGenerate(tenant, r, checked);
+  std::vector<DocumentView> docs = std::move(checked.docs);
 
   Status last = Status::Unavailable(r.kv_policy.empty() ? "no healthy worker"
                                                         : "no healthy worker of kv policy " + r.kv_policy);
@@ -462,8 +521,9 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   for (int w : Route(r.kv_policy, docs)) {
     g.stop_ids = r.stop_ids;
     if (!r.ignore_eos) {
-      const auto eos = workers_->state(w).health.eos_ids;
-      g.stop_ids.insert(g.stop_ids.end(), eos.begin(), eos.end());
+      for (int32_t eos : workers_->state(w).health.eos_ids) {
+        if (std::find(g.stop_ids.begin(), g.stop_ids.end(), eos) == g.stop_ids.end()) g.stop_ids.push_back(eos);
+      }
     }
     std::string wid;
     Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
@@ -488,6 +548,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   q->usage.queue_seconds = -1;
   q->usage.ttft_seconds = -1;
   q->sequence = std::move(sequence);
+  q->tokens = std::move(tokens);
   q->gen = std::move(g);
   q->docs = std::move(docs);
   q->kv_policy = r.kv_policy;
@@ -498,19 +559,19 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   return q;
 }
 
-Result<rpc::WorkerGenerateRequest> Coordinator::PrepareGenerate(const std::string& tenant,
-                                                                const rpc::GenerateRequest& r,
-                                                                std::vector<DocumentView>* out_docs) const {
-  std::vector<DocumentView>& docs = *out_docs;
+Result<Coordinator::Checked> Coordinator::CheckGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
+                                                        const ModelLimits& model) const {
+  Checked c;
   // Documents are the tenant's own, or a corpus another tenant publishes to
   // it (publishes_to), read in the owner's cache namespace; one request's
   // documents all have one owner, so nothing of one tenant is cached under
-  // another's namespace.
+  // another's namespace. (At most max_document_ids of them, each once.)
   auto may_read = [&](const std::string& owner) { return o_.tenants && o_.tenants->CanRead(tenant, owner); };
+  int64_t document_tokens = 0;
   for (const std::string& id : r.document_ids) {
     PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_->GetReadable(tenant, id, may_read));
-    if (!docs.empty() && d.tenant != docs.front().tenant) {
-      return Status::InvalidArgument("documents of one request must have one owner: '" + docs.front().id +
+    if (!c.docs.empty() && d.tenant != c.docs.front().tenant) {
+      return Status::InvalidArgument("documents of one request must have one owner: '" + c.docs.front().id +
                                      "' and '" + id + "' do not");
     }
     if (d.state == DocumentState::kFactoring) {
@@ -519,53 +580,38 @@ Result<rpc::WorkerGenerateRequest> Coordinator::PrepareGenerate(const std::strin
     if (d.state == DocumentState::kFailed) {
       return Status::FailedPrecondition("document '" + id + "' failed to factor: " + d.error);
     }
-    docs.push_back(std::move(d));
+    // As BuildGenerate concatenates them: a document after the first
+    // without its leading special tokens.
+    document_tokens += d.tokens - (c.docs.empty() ? 0 : d.leading_special);
+    c.docs.push_back(std::move(d));
   }
-  PENUMBRA_ASSIGN_OR_RETURN(std::vector<int32_t> question,
-                            TextOrIds("question", r.__isset.text ? &r.text : nullptr,
-                                      r.__isset.token_ids ? &r.token_ids : nullptr, /*starts_prompt=*/docs.empty()));
-  if (r.max_new_tokens < 1 || r.max_new_tokens > o_.max_new_tokens) {
-    return Status::InvalidArgument("max_new_tokens must be in [1, " + std::to_string(o_.max_new_tokens) + "], got " +
-                                   std::to_string(r.max_new_tokens));
+  // The documents alone must leave room: checked before the question is
+  // tokenized and before anything is concatenated.
+  if (model.max_context > 0 && document_tokens + r.max_new_tokens >= model.max_context) {
+    return Status::InvalidArgument("the documents (" + std::to_string(document_tokens) + " tokens) + max_new_tokens (" +
+                                   std::to_string(r.max_new_tokens) + ") leave no room for a question in the model's " +
+                                   std::to_string(model.max_context) + "-token context");
   }
-  if (static_cast<int>(r.stop.size()) > o_.max_stop_strings) {
-    return Status::InvalidArgument("at most " + std::to_string(o_.max_stop_strings) + " stop strings");
-  }
-  if (!r.stop.empty() && !codec_) {
-    return Status::InvalidArgument("stop strings need the model's tokenizer, which the coordinator does not have; "
-                                   "use stop_ids");
-  }
-  for (const std::string& s : r.stop) {
-    if (s.empty() || static_cast<int>(s.size()) > o_.max_stop_string_bytes) {
-      return Status::InvalidArgument("a stop string must be 1 to " + std::to_string(o_.max_stop_string_bytes) +
-                                     " bytes");
-    }
-  }
-  if (!r.kv_policy.empty() && r.kv_policy != "full" && r.kv_policy != "shadowkv") {
-    return Status::InvalidArgument("kv_policy must be \"\", \"full\" or \"shadowkv\", got \"" + r.kv_policy + "\"");
-  }
-  if (r.deadline_ms < 0) return Status::InvalidArgument("deadline_ms must be >= 0");
-  // The sampling ranges of common.thrift (the worker checks them too; a job
-  // item must be refused here, at submission, not when it runs). Written so
-  // that NaN fails.
-  const rpc::SamplingOptions& sp = r.sampling;
-  if (!(sp.temperature >= 0 && sp.temperature <= 100)) {
-    return Status::InvalidArgument("temperature must be in [0, 100], got " + std::to_string(sp.temperature));
-  }
-  if (!(sp.top_p > 0 && sp.top_p <= 1)) {
-    return Status::InvalidArgument("top_p must be in (0, 1], got " + std::to_string(sp.top_p));
-  }
-  if (sp.top_k < 0) return Status::InvalidArgument("top_k must be >= 0, got " + std::to_string(sp.top_k));
-  if (sp.seed < 0) return Status::InvalidArgument("seed must be >= 0, got " + std::to_string(sp.seed));
+  PENUMBRA_ASSIGN_OR_RETURN(c.question, TextOrIds("question", r.__isset.text ? &r.text : nullptr,
+                                                  r.__isset.token_ids ? &r.token_ids : nullptr,
+                                                  /*starts_prompt=*/c.docs.empty(), model));
+  c.prompt_tokens = document_tokens + static_cast<int64_t>(c.question.size());
+  PENUMBRA_RETURN_IF_ERROR(ValidatePromptLength(c.prompt_tokens, r.max_new_tokens, model));
+  c.generated_bound = GeneratedTokensBound(c.prompt_tokens, r.max_new_tokens, model);
+  return c;
+}
 
+rpc::WorkerGenerateRequest Coordinator::BuildGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
+                                                      const Checked& c) const {
   rpc::WorkerGenerateRequest g;
-  for (const DocumentView& d : docs) {
+  g.prompt.reserve(static_cast<size_t>(c.prompt_tokens));
+  for (const DocumentView& d : c.docs) {
     const int64_t skip = g.prompt.empty() ? 0 : d.leading_special;
     g.prompt.insert(g.prompt.end(), d.ids->begin() + skip, d.ids->end());
     g.segment_ends.push_back(static_cast<int64_t>(g.prompt.size()));
   }
-  g.prompt.insert(g.prompt.end(), question.begin(), question.end());
-  g.cache_namespace = docs.empty() ? tenant : docs.front().tenant;
+  g.prompt.insert(g.prompt.end(), c.question.begin(), c.question.end());
+  g.cache_namespace = c.docs.empty() ? tenant : c.docs.front().tenant;
   g.max_new_tokens = r.max_new_tokens;
   g.sampling = r.sampling;
   g.deadline_ms = r.deadline_ms;
@@ -581,7 +627,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::Find(const std::strin
   std::lock_guard<std::mutex> lk(mu_);
   auto it = requests_.find(id);
   if (it == requests_.end() || it->second->tenant != tenant) {
-    return Status::NotFound("request '" + id + "' is unknown (or ended more than " +
+    return Status::NotFound("request '" + Excerpt(id, 40) + "' is unknown (or ended more than " +
                             std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.keep_finished).count()) +
                             " s ago)");
   }
@@ -695,9 +741,9 @@ void Coordinator::Finalize(Request& q, const std::string& reason, const Status& 
   (void)workers_->Call(q.worker, "release", [&](rpc::WorkerClient& c) { c.Release(q.wid); });
   workers_->AddRouted(q.worker, -1);
   q.sequence.Release();
-  // Generated tokens count against the tenant's rate (a debt past it delays
-  // its next admission: CheckTokens).
-  if (o_.tenants) (void)o_.tenants->ChargeTokens(q.tenant, q.usage.generated_tokens);
+  // The tokens reserved at admission and not generated go back to the
+  // tenant's bucket.
+  q.tokens.Settle(q.usage.generated_tokens);
   requests_total_->Add({{"tenant", q.tenant}, {"reason", reason}}).Increment();
   prompt_tokens_->Add({{"tenant", q.tenant}}).Increment(static_cast<double>(q.usage.prompt_tokens));
   cached_tokens_->Add({{"tenant", q.tenant}}).Increment(static_cast<double>(q.usage.cached_prompt_tokens));
@@ -757,10 +803,8 @@ void Coordinator::Generate(std::string& out, const rpc::GenerateRequest& request
 void Coordinator::Poll(rpc::GenerateChunk& out, const std::string& api_key, const std::string& request_id,
                        int64_t offset, int32_t wait_ms) {
   const std::string tenant = OrThrow(Tenant(api_key));
-  if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
-    Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
-                                  std::to_string(wait_ms)));
-  }
+  Check(ValidateWaitMs(wait_ms, o_.limits));
+  Check(ValidateId("request_id", request_id, o_.limits));
   std::shared_ptr<Request> q = OrThrow(Find(tenant, request_id));
   std::lock_guard<std::mutex> lk(q->mu);
   if (offset < 0 || offset > static_cast<int64_t>(q->ids.size())) {
@@ -774,6 +818,7 @@ void Coordinator::Poll(rpc::GenerateChunk& out, const std::string& api_key, cons
 
 void Coordinator::Cancel(const std::string& api_key, const std::string& request_id) {
   const std::string tenant = OrThrow(Tenant(api_key));
+  Check(ValidateId("request_id", request_id, o_.limits));
   std::shared_ptr<Request> q = OrThrow(Find(tenant, request_id));
   Status s;
   {
@@ -793,7 +838,7 @@ void Coordinator::Complete(rpc::GenerateChunk& out, const rpc::GenerateRequest& 
   std::shared_ptr<Request> q = OrThrow(DoGenerate(request));
   std::lock_guard<std::mutex> lk(q->mu);
   while (!q->done) {
-    Status s = Advance(*q, static_cast<int64_t>(q->ids.size()), milliseconds(kMaxWaitMs));
+    Status s = Advance(*q, static_cast<int64_t>(q->ids.size()), milliseconds(60000));
     if (!s.ok()) Throw(s);
   }
   if (q->finish_reason == "error" || q->finish_reason == "deadline") Throw(q->error);
@@ -907,6 +952,10 @@ Status Coordinator::ReloadTenants(const tenants::TenantsConfig& config) {
 void Coordinator::SubmitJob(rpc::JobInfo& out, const rpc::SubmitJobRequest& request) {
   const std::string tenant = OrThrow(Tenant(request.api_key));
   JobService* jobs = OrThrow(Jobs());
+  // Every item's shape (as Generate checks it) and the job's own bounds,
+  // before any item is looked at further.
+  const ModelLimits model = model_limits();
+  Check(ValidateSubmitJobRequest(request, o_.limits, model));
   if (std::optional<int64_t> quota = JobQuota(tenant)) {
     // Counted from the store (unfinished jobs survive restarts; a lease in
     // memory would not).
@@ -920,35 +969,47 @@ void Coordinator::SubmitJob(rpc::JobInfo& out, const rpc::SubmitJobRequest& requ
     }
   }
   out = OrThrow(jobs->Submit(tenant, request, [&](const rpc::GenerateRequest& r) -> Status {
-    std::vector<DocumentView> docs;
-    return PrepareGenerate(tenant, r, &docs).status();
+    // Its documents, its prompt's length and whether its tokens can ever fit
+    // the tenant's rate; nothing is concatenated or reserved here (each item
+    // reserves when it runs).
+    PENUMBRA_ASSIGN_OR_RETURN(Checked c, CheckGenerate(tenant, r, model));
+    if (o_.tenants) return o_.tenants->CheckTokensFit(tenant, c.generated_bound).status;
+    return Status::OK();
   }));
 }
 
 void Coordinator::GetJob(rpc::JobInfo& out, const std::string& api_key, const std::string& job_id) {
   const std::string tenant = OrThrow(Tenant(api_key));
+  Check(ValidateId("job_id", job_id, o_.limits));
   out = OrThrow(OrThrow(Jobs())->Get(tenant, job_id));
 }
 
 void Coordinator::ListJobs(rpc::JobList& out, const std::string& api_key, const std::string& page_token,
                            int32_t page_size) {
   const std::string tenant = OrThrow(Tenant(api_key));
+  Check(ValidatePageSize(page_size, o_.limits));
+  Check(ValidateId("page_token", page_token, o_.limits));
   out = OrThrow(OrThrow(Jobs())->List(tenant, page_token, page_size));
 }
 
 void Coordinator::GetJobResults(rpc::JobResults& out, const std::string& api_key, const std::string& job_id,
                                 const std::string& after_custom_id, int32_t page_size) {
   const std::string tenant = OrThrow(Tenant(api_key));
+  Check(ValidateId("job_id", job_id, o_.limits));
+  Check(ValidatePageSize(page_size, o_.limits));
+  Check(ValidateId("after_custom_id", after_custom_id, o_.limits));
   out = OrThrow(OrThrow(Jobs())->Results(tenant, job_id, after_custom_id, page_size));
 }
 
 void Coordinator::CancelJob(rpc::JobInfo& out, const std::string& api_key, const std::string& job_id) {
   const std::string tenant = OrThrow(Tenant(api_key));
+  Check(ValidateId("job_id", job_id, o_.limits));
   out = OrThrow(OrThrow(Jobs())->Cancel(tenant, job_id));
 }
 
 void Coordinator::DeleteJob(const std::string& api_key, const std::string& job_id) {
   const std::string tenant = OrThrow(Tenant(api_key));
+  Check(ValidateId("job_id", job_id, o_.limits));
   Status s = OrThrow(Jobs())->Delete(tenant, job_id);
   if (!s.ok()) Throw(s);
 }
@@ -968,34 +1029,37 @@ bool Coordinator::Drain(milliseconds max_wait) {
 }
 
 void Coordinator::Health(rpc::HealthResponse& out) {
+  // Anyone may call it (no key): whether it serves and the model's name,
+  // nothing about the workers or the host (their details are in Stats for an
+  // admin tenant).
   out.model = model_;
   out.workers.clear();
   bool any = false;
-  const auto held = docs_->held_per_worker();
-  std::vector<WorkerState> s = workers_->states();
-  for (int i = 0; i < static_cast<int>(s.size()); ++i) {
-    rpc::WorkerStatus w;
-    w.name = s[i].endpoint.name;
-    w.address = s[i].endpoint.address();
-    w.healthy = s[i].healthy;
-    w.kv_policy = s[i].health.kv_policy;
-    w.backend = s[i].health.backend;
-    w.running = s[i].stats.queued + s[i].stats.prefilling + s[i].stats.decoding;
-    auto h = held.find(i);
-    w.documents = h == held.end() ? 0 : h->second;
-    if (!s[i].healthy) w.__set_error(s[i].error);
-    any = any || s[i].healthy;
-    out.workers.push_back(std::move(w));
-  }
+  for (const WorkerState& w : workers_->states()) any = any || w.healthy;
   std::lock_guard<std::mutex> lk(mu_);
   out.serving = any && !draining_;
 }
 
 void Coordinator::Stats(rpc::StatsResponse& out, const std::string& api_key) {
   const std::string tenant = OrThrow(Tenant(api_key));
-  rpc::HealthResponse h;
-  Health(h);
-  out.workers = h.workers;
+  out.workers.clear();
+  if (SeesInternals(tenant)) {
+    const auto held = docs_->held_per_worker();
+    std::vector<WorkerState> s = workers_->states();
+    for (int i = 0; i < static_cast<int>(s.size()); ++i) {
+      rpc::WorkerStatus w;
+      w.name = s[i].endpoint.name;
+      w.address = s[i].endpoint.address();
+      w.healthy = s[i].healthy;
+      w.kv_policy = s[i].health.kv_policy;
+      w.backend = s[i].health.backend;
+      w.running = s[i].stats.queued + s[i].stats.prefilling + s[i].stats.decoding;
+      auto h = held.find(i);
+      w.documents = h == held.end() ? 0 : h->second;
+      if (!s[i].healthy) w.__set_error(s[i].error);
+      out.workers.push_back(std::move(w));
+    }
+  }
   out.documents = docs_->count(tenant);
   std::lock_guard<std::mutex> lk(mu_);
   const TenantCounts c = counts_[tenant];

@@ -1,10 +1,20 @@
 // The coordinator: Penumbra's public API (transport/penumbra.thrift) in front
-// of N workers. It authenticates (API key -> tenant), validates and tokenizes
-// every request, keeps the document registry, routes each generation to the
-// worker that holds its documents (else the least loaded healthy one of the
-// asked KV policy; a worker that is full or gone is skipped for the next),
-// streams tokens to clients by long polling (applying stop strings, which
-// workers do not see), and counts everything for /metrics.
+// of N workers. It authenticates (API key -> tenant, and the tenant's client
+// certificate where it requires one), validates every request against its
+// limits before any work proportional to it (validation.h), tokenizes,
+// reserves a generation's tokens from its tenant's quota up front, keeps the
+// document registry, routes each generation to the worker that holds its
+// documents (else the least loaded healthy one of the asked KV policy; a
+// worker that is full or gone is skipped for the next), streams tokens to
+// clients by long polling (applying stop strings, which workers do not see),
+// and counts everything for /metrics.
+//
+// What callers see of the service: Health (no key) says only whether it
+// serves and the model's name; the workers (names, addresses, health, load)
+// are in Stats for an admin tenant, or for everyone when the coordinator runs
+// without authentication (a loopback development setup). Request ids are 128
+// random bits and, like every id, scoped to their tenant (another tenant's is
+// NOT_FOUND).
 //
 // Threading: Thrift runs each client connection on its own thread; every
 // member is safe to call from any of them. A request's state has its own
@@ -31,6 +41,7 @@
 #include "common/status.h"
 #include "coordinator/server/document_registry.h"
 #include "coordinator/server/job_service.h"
+#include "coordinator/server/validation.h"
 #include "coordinator/tenants/tenants.h"
 #include "coordinator/server/worker_pool.h"
 #include "coordinator/tokenizer/text_codec.h"
@@ -44,17 +55,23 @@ struct CoordinatorOptions {
   // bytes, jobs in flight). Set: every call is authenticated by it.
   std::shared_ptr<tenants::TenantRegistry> tenants;
   // Without `tenants`: API key -> tenant in plain text (a development
-  // convenience, no quotas). Both empty: no authentication, every caller is
-  // tenant "default" (a local or trusted deployment).
+  // convenience, no quotas; keys of at least tenants::kMinApiKeyBytes). Both
+  // empty: no authentication, every caller is tenant "default" (a local or
+  // trusted deployment).
   std::map<std::string, std::string> api_keys;
+  // Bounds on every call's inputs (validation.h: one comment and default each).
+  RequestLimits limits;
+  // Documents one tenant may hold. Default: 10000.
   int64_t max_documents_per_tenant = 10000;
-  int64_t max_text_bytes = 32 << 20;      // one document's or question's text
-  int max_stop_strings = 16;
-  int max_stop_string_bytes = 256;
-  int max_new_tokens = 1 << 20;
-  int64_t max_running_requests = 4096;    // generations not yet finished, all tenants
+  // Generations not yet finished, all tenants. Default: 4096.
+  int64_t max_running_requests = 4096;
+  // Puts with wait = false being factored at once, per tenant (each is a
+  // thread here); past it RESOURCE_EXHAUSTED. Default: 16.
+  int max_background_puts_per_tenant = 16;
+  // How long an ended generation stays readable by Poll. Default: 10 min.
   std::chrono::milliseconds keep_finished{std::chrono::minutes(10)};
-  std::chrono::milliseconds put_timeout{std::chrono::minutes(30)};  // a put without a deadline
+  // A put's deadline when it names none. Default: 30 min.
+  std::chrono::milliseconds put_timeout{std::chrono::minutes(30)};
   // Placement (coordinator/server/placement.h): a worker reporting less free
   // device memory than this is tried after the others of its group.
   int64_t min_free_memory_bytes = int64_t{2} << 30;
@@ -62,7 +79,8 @@ struct CoordinatorOptions {
 };
 
 // Reads an API-key file (YAML: `keys: {KEY: TENANT, ...}`); errors name the
-// file and the entry.
+// file and the entry (never the key). Keys shorter than
+// tenants::kMinApiKeyBytes are refused.
 Result<std::map<std::string, std::string>> LoadApiKeys(const std::string& path);
 
 class Coordinator : public rpc::PenumbraIf {
@@ -111,23 +129,42 @@ class Coordinator : public rpc::PenumbraIf {
   // Refreshes the gauges (before a scrape).
   void RefreshMetrics();
 
-  static constexpr int32_t kMaxWaitMs = 60000;
+  // What the workers report about the model (and whether text can be encoded here).
+  ModelLimits model_limits() const;
 
  private:
   struct Request;
-  // The Result-returning bodies of the calls (the overrides throw).
+  // A generation checked and ready to build: its documents (looked up), its
+  // question's tokens, the prompt's length and the tokens it may generate.
+  struct Checked {
+    std::vector<DocumentView> docs;
+    std::vector<int32_t> question;
+    int64_t prompt_tokens = 0;
+    int64_t generated_bound = 0;
+  };
+  // The caller's tenant (its key, and its client certificate when the tenant
+  // requires one).
   Result<std::string> Tenant(const std::string& api_key) const;
+  // Whether `tenant` may see the workers (Stats).
+  bool SeesInternals(const std::string& tenant) const;
   // Text is tokenized with the template's special tokens only when it
-  // `starts_prompt`.
+  // `starts_prompt`; both have been validated (ValidateGenerateRequest or
+  // ValidatePutDocumentRequest).
   Result<std::vector<int32_t>> TextOrIds(const std::string& what, const std::string* text,
-                                         const std::vector<int32_t>* ids, bool starts_prompt) const;
+                                         const std::vector<int32_t>* ids, bool starts_prompt,
+                                         const ModelLimits& model) const;
   Result<rpc::DocumentInfo> DoPut(const rpc::PutDocumentRequest& r);
   void Factor(DocumentView doc, std::chrono::steady_clock::time_point deadline);
   Result<std::shared_ptr<Request>> DoGenerate(const rpc::GenerateRequest& r);
   Result<std::shared_ptr<Request>> DoGenerateAs(const std::string& tenant, const rpc::GenerateRequest& r);
-  // Validates r for `tenant` and builds the worker's request (docs: r's documents).
-  Result<rpc::WorkerGenerateRequest> PrepareGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
-                                                     std::vector<DocumentView>* docs) const;
+  // Checks r for `tenant` (validation, its documents, the prompt's length
+  // against the context, counted before anything is concatenated); r itself
+  // has passed ValidateGenerateRequest.
+  Result<Checked> CheckGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
+                                const ModelLimits& model) const;
+  // The worker's request: the documents and the question concatenated.
+  rpc::WorkerGenerateRequest BuildGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
+                                           const Checked& c) const;
   // A job item: generates to the end (or until the coordinator stops).
   ItemOutcome RunItem(const std::string& tenant, const rpc::GenerateRequest& r, const std::atomic<bool>& cancel);
   Result<JobService*> Jobs() const;
@@ -173,6 +210,7 @@ class Coordinator : public rpc::PenumbraIf {
   struct BackgroundPut {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;
+    std::string tenant;
   };
   std::vector<BackgroundPut> puts_;
   std::atomic<bool> stopping_{false};  // the destructor runs: job items stop waiting

@@ -42,8 +42,8 @@ Status Run(int argc, char** argv) {
       .Flag("port", "public API port (default 0: one the OS picks)")
       .Flag("port-file", "write {\"port\": P, \"metrics_port\": M, \"pid\": N} here once serving")
       .Flag("tenants", "tenants YAML (configs/tenants.yaml: hashed API keys, quotas); reread on SIGHUP")
-      .Flag("api-keys", "YAML file `keys: {KEY: TENANT, ...}` in plain text, no quotas: for development (default: "
-                        "none, every caller is tenant \"default\")")
+      .Flag("api-keys", "YAML file `keys: {KEY: TENANT, ...}` in plain text (keys of 16+ bytes), no quotas: for "
+                        "development only (default: none, every caller is tenant \"default\")")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
       .Flag("max-running", "generations running at once, all tenants (default 4096)")
       .Flag("min-free-memory-mb", "placement: workers reporting less free device memory are tried after the others "
@@ -55,7 +55,20 @@ Status Run(int argc, char** argv) {
                         "in memory, jobs off)")
       .Flag("job-concurrency", "job items generating at once, all jobs (default 16)")
       .Flag("max-connections", "open connections of the public API (default 4096)")
-      .Flag("max-connections-per-peer", "open connections of the public API from one address (default 1024)");
+      .Flag("max-connections-per-peer", "open connections of the public API from one address (default 1024)")
+      // Request limits (coordinator/server/validation.h RequestLimits): past
+      // one a call is INVALID_ARGUMENT naming it.
+      .Flag("max-document-ids", "documents one generation may follow (default 64)")
+      .Flag("max-new-tokens", "a generation's max_new_tokens at most (default 1048576)")
+      .Flag("max-stop-ids", "stop_ids of one generation (default 1000, at most 1000)")
+      .Flag("max-stop-strings", "stop strings of one generation (default 16)")
+      .Flag("max-text-bytes", "bytes of one document's or question's text (default 33554432)")
+      .Flag("max-deadline-s", "deadline_ms of any call at most this, in seconds (default 604800: a week)")
+      .Flag("max-job-items", "items of one batch job (default 50000)")
+      .Flag("max-job-metadata-bytes", "bytes of a batch job's metadata (default 16384)")
+      .Flag("max-completion-window-s", "a batch job's completion window at most (default 604800: a week)")
+      .Flag("max-background-puts", "documents one tenant may have factoring in the background (wait = false) "
+                                   "at once (default 16)");
   transport::AddSecurityFlags(a);
   transport::AddAdminFlags(a);
   Status ps = a.Parse(argc, argv, 1);
@@ -66,6 +79,8 @@ Status Run(int argc, char** argv) {
   coordinator::CoordinatorOptions co;
   if (a.Has("api-keys")) {
     PENUMBRA_ASSIGN_OR_RETURN(co.api_keys, coordinator::LoadApiKeys(a.Get("api-keys")));
+    LOG(WARNING) << "--api-keys: plain-text API keys without quotas, admin or client certificates (a development "
+                    "setup); deployments use --tenants (configs/tenants.yaml: hashed keys)";
   }
   if (a.Has("tenants")) {
     PENUMBRA_ASSIGN_OR_RETURN(tenants::TenantsConfig tc, tenants::LoadTenantsConfig(a.Get("tenants")));
@@ -78,6 +93,31 @@ Status Run(int argc, char** argv) {
   co.min_free_memory_bytes = min_free_mb << 20;
   PENUMBRA_ASSIGN_OR_RETURN(co.max_documents_per_tenant,
                             a.GetIntIn("max-documents", co.max_documents_per_tenant, 1, int64_t{1} << 32));
+  {
+    coordinator::RequestLimits& l = co.limits;
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t docs, a.GetIntIn("max-document-ids", l.max_document_ids, 1, 4096));
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t new_tokens, a.GetIntIn("max-new-tokens", l.max_new_tokens, 1, 1 << 30));
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t stop_ids, a.GetIntIn("max-stop-ids", l.max_stop_ids, 0,
+                                                           coordinator::RequestLimits::kMaxStopIdsLimit));
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t stops, a.GetIntIn("max-stop-strings", l.max_stop_strings, 0, 1024));
+    PENUMBRA_ASSIGN_OR_RETURN(l.max_text_bytes, a.GetIntIn("max-text-bytes", l.max_text_bytes, 1, int64_t{1} << 31));
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t deadline_s, a.GetIntIn("max-deadline-s", l.max_deadline_ms / 1000, 1,
+                                                             int64_t{365} * 86400));
+    l.max_deadline_ms = deadline_s * 1000;
+    PENUMBRA_ASSIGN_OR_RETURN(l.max_job_items, a.GetIntIn("max-job-items", l.max_job_items, 1, int64_t{1} << 24));
+    PENUMBRA_ASSIGN_OR_RETURN(l.max_job_metadata_bytes,
+                              a.GetIntIn("max-job-metadata-bytes", l.max_job_metadata_bytes, 0, int64_t{1} << 26));
+    PENUMBRA_ASSIGN_OR_RETURN(
+        l.max_completion_window_s,
+        a.GetIntIn("max-completion-window-s", l.max_completion_window_s, 1, int64_t{365} * 86400));
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t puts, a.GetIntIn("max-background-puts", co.max_background_puts_per_tenant, 1,
+                                                       4096));
+    l.max_document_ids = static_cast<int>(docs);
+    l.max_new_tokens = static_cast<int>(new_tokens);
+    l.max_stop_ids = static_cast<int>(stop_ids);
+    l.max_stop_strings = static_cast<int>(stops);
+    co.max_background_puts_per_tenant = static_cast<int>(puts);
+  }
   PENUMBRA_RETURN_IF_ERROR(co.Validate());
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
   PENUMBRA_ASSIGN_OR_RETURN(transport::ProcessSecurity security, transport::SecurityFromFlags(a));
@@ -140,6 +180,7 @@ Status Run(int argc, char** argv) {
   if (a.Has("data-dir")) {
     coordinator::JobServiceOptions jo;
     jo.store.path = a.Get("data-dir") + "/jobs";
+    jo.store.max_items_per_job = static_cast<size_t>(co.limits.max_job_items);
     PENUMBRA_ASSIGN_OR_RETURN(int64_t conc, a.GetIntIn("job-concurrency", jo.max_running_items, 1, 4096));
     jo.max_running_items = static_cast<int>(conc);
     PENUMBRA_RETURN_IF_ERROR(handler->StartJobs(jo));

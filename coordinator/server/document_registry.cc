@@ -5,34 +5,24 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <random>
 #include <string_view>
 
 #include <glog/logging.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 
+#include "common/crypto.h"
 #include "common/hash.h"
 #include "common/record.h"
 
 namespace penumbra::coordinator {
 namespace {
 
-// Ids are "doc-" and 16 hex digits of a random 64-bit number. The generator
-// is seeded with 256 bits, so a coordinator and its successor after a restart
-// do not draw the same sequence; the caller still checks that an id is free.
-std::string NewId() {
-  static std::mutex mu;
-  static std::mt19937_64 rng = [] {
-    std::random_device rd;
-    std::seed_seq seed{rd(), rd(), rd(), rd(), rd(), rd(), rd(), rd()};
-    return std::mt19937_64(seed);
-  }();
-  std::lock_guard<std::mutex> lk(mu);
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "doc-%016llx", static_cast<unsigned long long>(rng()));
-  return buf;
-}
+// Ids are "doc-" and 16 hex digits: 64 bits from the CSPRNG (not guessable
+// from other ids; a document is found only by its tenant or a tenant it is
+// published to, so they are not capabilities). The format is the stored
+// one; the caller still checks that an id is free.
+std::string NewId() { return "doc-" + HexOf(RandomBytes(8)); }
 
 bool WellFormedId(std::string_view id) {
   if (id.size() != 20 || id.substr(0, 4) != "doc-") return false;

@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <utility>
 
 #include <glog/logging.h>
 #include <openssl/crypto.h>
@@ -15,6 +16,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "common/config.h"
+#include "common/crypto.h"
 #include "common/file.h"
 
 namespace penumbra::tenants {
@@ -30,7 +32,8 @@ struct TenantUsageState {
   int64_t document_bytes = 0;
   bool bucket_started = false;  // false: full at the next use
   double bucket_tokens = 0;
-  double bucket_time = 0;  // clock seconds of the last refill
+  double bucket_time = 0;      // clock seconds of the last refill
+  double bucket_capacity = 0;  // generated_tokens_per_minute at the last refill
 };
 
 }  // namespace internal
@@ -81,6 +84,15 @@ std::optional<Digest> ParseKeyHash(const std::string& s) {
   return d;
 }
 
+// A certificate name (CN) as client_certificate may give it.
+bool ValidCertificateName(const std::string& name) {
+  if (name.empty() || name.size() > 64) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
+           c == '.';
+  });
+}
+
 bool ValidName(const std::string& name) {
   if (name.empty() || name.size() > 64) return false;
   return std::all_of(name.begin(), name.end(), [](char c) {
@@ -127,7 +139,9 @@ void ReadQuota(ConfigReader& r, const std::string& key, std::optional<int64_t>* 
 Status ParseTenant(const YAML::Node& node, const std::string& key_path, const std::string& origin,
                    TenantConfig* t) {
   if (!node.IsMap()) {
-    return KeyError(key_path, "expected a map (name, api_keys, quotas, weight, publishes_to)").WithContext(origin);
+    return KeyError(key_path, "expected a map (name, api_keys, quotas, weight, publishes_to, admin, "
+                              "client_certificate)")
+        .WithContext(origin);
   }
   PENUMBRA_RETURN_IF_ERROR(
       ReadStringList(node["api_keys"], key_path + ".api_keys", &t->api_keys).WithContext(origin));
@@ -143,6 +157,8 @@ Status ParseTenant(const YAML::Node& node, const std::string& key_path, const st
   ConfigReader r(rest, key_path, origin);
   r.Read("name", &t->name);
   r.Read("weight", &t->weight, -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
+  r.Read("admin", &t->admin);
+  r.Read("client_certificate", &t->client_certificate);
   ConfigReader q = r.Child("quotas");
   ReadQuota(q, "max_concurrent_sequences", &t->quotas.max_concurrent_sequences);
   ReadQuota(q, "generated_tokens_per_minute", &t->quotas.generated_tokens_per_minute);
@@ -211,6 +227,10 @@ Status ValidateTenantsConfig(const TenantsConfig& config) {
     if (t.api_keys.empty()) return KeyError(at + ".api_keys", "expected at least one key hash");
     for (size_t j = 0; j < t.api_keys.size(); ++j) {
       const std::string key_at = Indexed(at + ".api_keys", j);
+      if (t.api_keys[j].compare(0, kApiKeyPlaceholder.size(), kApiKeyPlaceholder) == 0) {
+        return KeyError(key_at, "a placeholder of the example file: replace it with the hash of a key of your own "
+                                "(`penumbra tenant new-key` prints a new key and its hash)");
+      }
       // The value is never echoed: a plaintext key pasted here by mistake
       // must not reach a log.
       std::optional<Digest> d = ParseKeyHash(t.api_keys[j]);
@@ -238,6 +258,11 @@ Status ValidateTenantsConfig(const TenantsConfig& config) {
       std::snprintf(buf, sizeof buf, "must be > 0 and <= 1e6, got %g", t.weight);
       return KeyError(at + ".weight", buf);
     }
+    if (!t.client_certificate.empty() && !ValidCertificateName(t.client_certificate)) {
+      return KeyError(at + ".client_certificate",
+                      "must be 1 to 64 characters of [A-Za-z0-9._-] (a client certificate's name), got '" +
+                          t.client_certificate.substr(0, 64) + "'");
+    }
     std::set<std::string> readers;
     for (size_t j = 0; j < t.publishes_to.size(); ++j) {
       const std::string& reader = t.publishes_to[j];
@@ -260,6 +285,25 @@ Result<std::string> HashApiKey(const std::string& key) {
                                    " bytes, got " + std::to_string(key.size()));
   }
   return std::string(kHashPrefix) + Sha256Hex(key);
+}
+
+std::string NewApiKey() {
+  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+  const std::string bytes = RandomBytes(kNewApiKeyRandomBytes);
+  std::string out = "pk-";
+  // base64url without padding: 6 bits a character.
+  uint32_t acc = 0;
+  int bits = 0;
+  for (unsigned char b : bytes) {
+    acc = (acc << 8) | b;
+    bits += 8;
+    while (bits >= 6) {
+      bits -= 6;
+      out.push_back(kAlphabet[(acc >> bits) & 63]);
+    }
+  }
+  if (bits > 0) out.push_back(kAlphabet[(acc << (6 - bits)) & 63]);
+  return out;
 }
 
 // ---- quotas ---------------------------------------------------------------------
@@ -287,6 +331,7 @@ QuotaDecision Deny(Status s) { return QuotaDecision{std::move(s), 0}; }
 // per_minute / 60 a second. The caller holds u.mu.
 void Refill(internal::TenantUsageState& u, int64_t per_minute, double now) {
   const double capacity = static_cast<double>(per_minute);
+  u.bucket_capacity = capacity;
   if (!u.bucket_started) {
     u.bucket_started = true;
     u.bucket_tokens = capacity;
@@ -298,9 +343,22 @@ void Refill(internal::TenantUsageState& u, int64_t per_minute, double now) {
   u.bucket_time = std::max(u.bucket_time, now);
 }
 
-// Seconds until the bucket holds one token again.
+// Seconds until the bucket holds `n` tokens.
+double SecondsUntilTokens(const internal::TenantUsageState& u, int64_t per_minute, double n) {
+  return std::max(0.0, (n - u.bucket_tokens) * 60.0 / static_cast<double>(per_minute));
+}
+
 double SecondsUntilOneToken(const internal::TenantUsageState& u, int64_t per_minute) {
-  return std::max(0.0, (1.0 - u.bucket_tokens) * 60.0 / static_cast<double>(per_minute));
+  return SecondsUntilTokens(u, per_minute, 1.0);
+}
+
+// InvalidArgument when a generation of up to `tokens` can never be admitted
+// under a bucket of `per_minute`.
+Status TokensNeverFit(const std::string& tenant, int64_t tokens, int64_t per_minute) {
+  return Status::InvalidArgument("tenant '" + tenant + "': a generation of up to " + std::to_string(tokens) +
+                                 " tokens can never fit its generated_tokens_per_minute quota of " +
+                                 std::to_string(per_minute) + "; ask for at most " + std::to_string(per_minute) +
+                                 " (max_new_tokens)");
 }
 
 }  // namespace
@@ -319,6 +377,38 @@ Lease& Lease::operator=(Lease&& other) noexcept {
 }
 
 Lease::~Lease() { Release(); }
+
+TokenReservation::TokenReservation(std::shared_ptr<internal::TenantUsageState> usage, int64_t reserved)
+    : usage_(std::move(usage)), reserved_(reserved) {}
+
+TokenReservation::TokenReservation(TokenReservation&& other) noexcept
+    : usage_(std::move(other.usage_)), reserved_(std::exchange(other.reserved_, 0)) {}
+
+TokenReservation& TokenReservation::operator=(TokenReservation&& other) noexcept {
+  if (this != &other) {
+    Settle(0);
+    usage_ = std::move(other.usage_);
+    reserved_ = std::exchange(other.reserved_, 0);
+  }
+  return *this;
+}
+
+TokenReservation::~TokenReservation() { Settle(0); }
+
+void TokenReservation::Settle(int64_t used) {
+  if (!usage_) return;
+  {
+    std::lock_guard<std::mutex> lock(usage_->mu);
+    // A bucket stopped meanwhile (the quota removed by a Reload) starts full
+    // at its next use: nothing to give back.
+    if (usage_->bucket_started) {
+      const double back = static_cast<double>(reserved_) - static_cast<double>(std::max<int64_t>(used, 0));
+      usage_->bucket_tokens = std::min(usage_->bucket_capacity, usage_->bucket_tokens + back);
+    }
+  }
+  usage_.reset();
+  reserved_ = 0;
+}
 
 void Lease::Release() {
   if (!usage_) return;
@@ -410,8 +500,11 @@ Result<TenantConfig> TenantRegistry::Tenant(const std::string& tenant) const {
   return e->config;
 }
 
-Result<std::string> TenantRegistry::Authenticate(const std::string& api_key) const {
+Result<std::string> TenantRegistry::Authenticate(const std::string& api_key,
+                                                 std::string_view client_certificate) const {
   if (api_key.empty()) return Status::PermissionDenied("no API key was given");
+  const Status refused = Status::PermissionDenied(std::string(kNotAuthorized));
+  if (api_key.size() > kMaxApiKeyBytes) return refused;
   const Digest presented = Sha256(api_key);
   const std::shared_ptr<const Snapshot> snap = Current();
   const std::string* tenant = nullptr;
@@ -420,7 +513,13 @@ Result<std::string> TenantRegistry::Authenticate(const std::string& api_key) con
     const bool match = CRYPTO_memcmp(k.digest.data(), presented.data(), presented.size()) == 0;
     if (match) tenant = &k.tenant;
   }
-  if (!tenant) return Status::PermissionDenied("the API key is not valid");
+  if (!tenant) return refused;
+  auto it = snap->tenants.find(*tenant);
+  if (it == snap->tenants.end()) return refused;
+  const std::string& required = it->second.config.client_certificate;
+  // The same refusal as an unknown key's: a caller without the certificate
+  // learns nothing about the key.
+  if (!required.empty() && required != client_certificate) return refused;
   return *tenant;
 }
 
@@ -489,6 +588,52 @@ QuotaDecision TenantRegistry::Bucket(const std::string& tenant, int64_t charge) 
 }
 
 QuotaDecision TenantRegistry::CheckTokens(const std::string& tenant) { return Bucket(tenant, -1); }
+
+QuotaDecision TenantRegistry::ReserveTokens(const std::string& tenant, int64_t tokens,
+                                            TokenReservation* reservation) {
+  *reservation = TokenReservation();
+  if (tokens < 0) {
+    return Deny(Status::InvalidArgument("a token reservation must be >= 0, got " + std::to_string(tokens)));
+  }
+  const std::shared_ptr<const Snapshot> snap = Current();
+  Result<const Entry*> e = Find(*snap, tenant);
+  if (!e.ok()) return Deny(e.status());
+  const std::optional<int64_t>& rate = (*e)->config.quotas.generated_tokens_per_minute;
+  internal::TenantUsageState& u = *(*e)->usage;
+  {
+    std::lock_guard<std::mutex> lock(u.mu);
+    if (!rate) {
+      u.bucket_started = false;
+      return Allow();
+    }
+    if (tokens > *rate) return Deny(TokensNeverFit(tenant, tokens, *rate));
+    Refill(u, *rate, clock_());
+    const double want = static_cast<double>(tokens);
+    if (u.bucket_tokens < want) {
+      return Refuse(tenant,
+                    "generated_tokens_per_minute of " + std::to_string(*rate) + ": " + std::to_string(tokens) +
+                        " tokens asked (max_new_tokens), " +
+                        std::to_string(static_cast<int64_t>(std::max(0.0, std::floor(u.bucket_tokens)))) +
+                        " available",
+                    SecondsUntilTokens(u, *rate, want));
+    }
+    u.bucket_tokens -= want;
+  }
+  *reservation = TokenReservation((*e)->usage, tokens);
+  return Allow();
+}
+
+QuotaDecision TenantRegistry::CheckTokensFit(const std::string& tenant, int64_t tokens) const {
+  if (tokens < 0) {
+    return Deny(Status::InvalidArgument("a token reservation must be >= 0, got " + std::to_string(tokens)));
+  }
+  const std::shared_ptr<const Snapshot> snap = Current();
+  Result<const Entry*> e = Find(*snap, tenant);
+  if (!e.ok()) return Deny(e.status());
+  const std::optional<int64_t>& rate = (*e)->config.quotas.generated_tokens_per_minute;
+  if (rate && tokens > *rate) return Deny(TokensNeverFit(tenant, tokens, *rate));
+  return Allow();
+}
 
 QuotaDecision TenantRegistry::ChargeTokens(const std::string& tenant, int64_t n) {
   if (n < 0) return Deny(Status::InvalidArgument("a token charge must be >= 0, got " + std::to_string(n)));

@@ -12,6 +12,11 @@
 // Quota refusals are ResourceExhausted. Status has no room for a retry-after,
 // so quota calls return a QuotaDecision: the Status plus retry_after_s.
 //
+// Generated tokens are reserved before a generation runs (ReserveTokens: its
+// most possible tokens) and the unused part is given back when it ends
+// (TokenReservation::Settle), so a tenant never generates more than its
+// bucket holds.
+//
 // This header pulls in no crypto library: SHA-256 comes from OpenSSL's
 // libcrypto, used only in tenants.cc.
 #pragma once
@@ -58,6 +63,13 @@ struct TenantConfig {
   double weight = 1.0;
   // Tenants that may read this tenant's published corpora. Default: none.
   std::vector<std::string> publishes_to;
+  // Sees the service's internals (the workers' names, addresses, health and
+  // load in Stats). Default: false.
+  bool admin = false;
+  // Non-empty: the tenant's keys are accepted only on a TLS connection whose
+  // verified client certificate (role client) has this name (CN); 1 to 64
+  // characters of [A-Za-z0-9._-]. Default: "" (any connection).
+  std::string client_certificate;
 };
 
 struct TenantsConfig {
@@ -68,7 +80,9 @@ struct TenantsConfig {
 // Parses and validates configs/tenants.yaml-style YAML. Unknown keys, wrong
 // types, bad values, a repeated tenant name and a key hash given twice are
 // InvalidArgument naming the origin and the key path. An API key entry that is
-// not a hash is refused without echoing it (it may be a plaintext key).
+// not a hash is refused without echoing it (it may be a plaintext key); the
+// example file's placeholders (kApiKeyPlaceholder) are refused with an error
+// saying to replace them.
 Result<TenantsConfig> LoadTenantsConfig(const std::string& path);
 Result<TenantsConfig> LoadTenantsConfigFromString(const std::string& text,
                                                   const std::string& origin = "<string>");
@@ -79,8 +93,16 @@ Status ValidateTenantsConfig(const TenantsConfig& config);
 
 // ---- API keys -----------------------------------------------------------------
 
-// Keys shorter than this are refused by HashApiKey.
+// Keys shorter than this are refused by HashApiKey (and by the coordinator's
+// plain --api-keys).
 inline constexpr size_t kMinApiKeyBytes = 16;
+// A presented key longer than this is not valid (refused before hashing).
+inline constexpr size_t kMaxApiKeyBytes = 4096;
+// What configs/tenants.yaml ships in place of key hashes: an entry starting
+// with this is refused at load (replace it: `penumbra tenant new-key`).
+inline constexpr std::string_view kApiKeyPlaceholder = "sha256:REPLACE";
+// Random bytes of a key made by NewApiKey.
+inline constexpr size_t kNewApiKeyRandomBytes = 32;
 
 // SHA-256 of `data` as 64 lowercase hex digits.
 std::string Sha256Hex(std::string_view data);
@@ -89,6 +111,10 @@ std::string Sha256Hex(std::string_view data);
 // `penumbra tenant hash-key`). InvalidArgument for a key shorter than
 // kMinApiKeyBytes; the message never contains the key.
 Result<std::string> HashApiKey(const std::string& key);
+
+// A fresh API key: kNewApiKeyRandomBytes from the CSPRNG, base64url without
+// padding (43 characters of [A-Za-z0-9_-]), prefixed "pk-".
+std::string NewApiKey();
 
 // ---- quotas -------------------------------------------------------------------
 
@@ -139,6 +165,36 @@ class Lease {
   Kind kind_ = Kind::kSequence;
 };
 
+// Generated tokens taken from a tenant's generated_tokens_per_minute bucket
+// before a generation runs (TenantRegistry::ReserveTokens). Move-only.
+// Settle(used) keeps `used` of them and gives the rest back to the bucket
+// (never above its capacity); destroyed unsettled, it gives all of them back
+// (the generation never ran). Empty (reserved() 0) for a tenant without that
+// quota. Safe past a Reload and past the registry, as Lease; one owner at a
+// time.
+class TokenReservation {
+ public:
+  TokenReservation() = default;
+  TokenReservation(TokenReservation&& other) noexcept;
+  TokenReservation& operator=(TokenReservation&& other) noexcept;  // gives back what this held first
+  TokenReservation(const TokenReservation&) = delete;
+  TokenReservation& operator=(const TokenReservation&) = delete;
+  ~TokenReservation();
+
+  // Ends the reservation: `used` (>= 0) tokens were generated. Used beyond
+  // the reservation are taken too (the bucket may go negative). No-op when
+  // empty or settled.
+  void Settle(int64_t used);
+  int64_t reserved() const { return reserved_; }
+
+ private:
+  friend class TenantRegistry;
+  TokenReservation(std::shared_ptr<internal::TenantUsageState> usage, int64_t reserved);
+
+  std::shared_ptr<internal::TenantUsageState> usage_;
+  int64_t reserved_ = 0;
+};
+
 // One tenant's live usage, for metrics and tests.
 struct TenantUsage {
   int64_t sequences = 0;       // sequence leases held
@@ -170,11 +226,20 @@ class TenantRegistry {
   TenantRegistry(const TenantRegistry&) = delete;
   TenantRegistry& operator=(const TenantRegistry&) = delete;
 
-  // The tenant whose key this is. PermissionDenied for an empty or unknown
-  // key; the message never contains the key. The presented key is hashed and
-  // compared with every configured hash without stopping at a match, so the
-  // time taken does not depend on which key (if any) matched.
-  Result<std::string> Authenticate(const std::string& api_key) const;
+  // The tenant whose key this is. PermissionDenied for an empty, unknown or
+  // over-long key; the message never contains the key. The presented key is
+  // hashed and compared with every configured hash without stopping at a
+  // match, so the time taken does not depend on which key (if any) matched.
+  //
+  // `client_certificate`: the name (CN) of the caller's verified client
+  // certificate of role client, "" when it presented none. A tenant with a
+  // client_certificate is authenticated only when it matches; otherwise the
+  // refusal is the same PermissionDenied as for an unknown key (it does not
+  // tell whether the key was valid).
+  Result<std::string> Authenticate(const std::string& api_key, std::string_view client_certificate = {}) const;
+  // The message of every authentication refusal but the empty key's.
+  static constexpr std::string_view kNotAuthorized =
+      "the API key is not valid, or not accepted on this connection (a client certificate its tenant requires)";
 
   // Replaces the configuration atomically. Tenants still present keep their
   // usage (held leases, reserved bytes, token bucket) and get the new limits:
@@ -197,14 +262,25 @@ class TenantRegistry {
   // One job of max_jobs_in_flight into *lease (left empty on refusal).
   QuotaDecision AcquireJob(const std::string& tenant, Lease* lease);
 
-  // Before admitting a generation: OK when at least one token is in the
-  // bucket; else ResourceExhausted with the time until one is.
+  // Before admitting a generation that may produce up to `tokens` (>= 0):
+  // takes them from the bucket into *reservation (left empty on refusal, and
+  // for a tenant without generated_tokens_per_minute). InvalidArgument naming
+  // the quota when `tokens` exceeds the bucket's capacity (it could never be
+  // admitted); ResourceExhausted with the time until the bucket holds them
+  // when it holds fewer now.
+  QuotaDecision ReserveTokens(const std::string& tenant, int64_t tokens, TokenReservation* reservation);
+  // ReserveTokens' InvalidArgument check alone (nothing is taken): whether a
+  // generation of up to `tokens` can ever be admitted (a job's items, at
+  // submission).
+  QuotaDecision CheckTokensFit(const std::string& tenant, int64_t tokens) const;
+
+  // OK when at least one token is in the bucket; else ResourceExhausted with
+  // the time until one is.
   QuotaDecision CheckTokens(const std::string& tenant);
-  // Records n (>= 0) tokens already generated. They are always taken from the
-  // bucket, which may go negative (a debt repaid by the refill before the next
-  // admission); the result is ResourceExhausted when the tenant is now past its
-  // rate, with the time until CheckTokens passes again, so the caller may stop
-  // the sequence. Callers charge as tokens arrive (per step or chunk).
+  // Records n (>= 0) tokens generated without a reservation. They are always
+  // taken from the bucket, which may go negative (a debt repaid by the refill
+  // before the next admission); the result is ResourceExhausted when the
+  // tenant is now past its rate, with the time until CheckTokens passes again.
   QuotaDecision ChargeTokens(const std::string& tenant, int64_t n);
 
   // Reserves `bytes` (>= 0) of stored_document_bytes for a document about to

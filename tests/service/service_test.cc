@@ -221,9 +221,10 @@ TEST_F(Service, RequestsAboutADocumentGoToTheWorkerHoldingIt) {
   ASSERT_TRUE(cluster.Start());
   auto c = cluster.Client();
   ASSERT_TRUE(c);
-  auto health = c->Health();
-  ASSERT_TRUE(health.ok());
-  ASSERT_EQ(health->workers.size(), 2u);
+  // Without authentication (this loopback setup) Stats shows the workers.
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->workers.size(), 2u);
   const std::vector<int32_t> doc_a = LcgTokens(200, 21, true), doc_b = LcgTokens(150, 22, true);
   const rpc::DocumentInfo a = Put(*c, "a", doc_a), b = Put(*c, "b", doc_b);
   ASSERT_NE(a.worker, b.worker) << "two documents on one worker while the other held none";
@@ -604,10 +605,11 @@ TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
 // a bad API key is refused; streaming with stop strings; cancel.
 TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
   ClusterOptions o;
-  o.api_keys_yaml = "keys:\n  key-alice: alice\n  key-bob: bob\n";
+  o.api_keys_yaml = "keys:\n  key-alice-0123456789: alice\n  key-bob-00123456789: bob\n";
   Cluster cluster(o);
   ASSERT_TRUE(cluster.Start());
-  auto alice = cluster.Client("key-alice"), bob = cluster.Client("key-bob"), nobody = cluster.Client("wrong");
+  auto alice = cluster.Client("key-alice-0123456789"), bob = cluster.Client("key-bob-00123456789");
+  auto nobody = cluster.Client("wrong-key-0123456789");
   ASSERT_TRUE(alice && bob && nobody);
   ExpectCode(nobody->ListDocuments().status(), StatusCode::kPermissionDenied, "bad key");
   ExpectCode(nobody->Generate(Ask({}, {5, 6}, 2)).status(), StatusCode::kPermissionDenied, "bad key");
@@ -838,11 +840,11 @@ rpc::JobInfo WaitForJob(client::Client& c, const std::string& id, int tries) {
 // for that item alone, and another tenant sees none of it.
 TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
   ClusterOptions o;
-  o.api_keys_yaml = "keys:\n  alice-key: alice\n  bob-key: bob\n";
+  o.api_keys_yaml = "keys:\n  alice-key-0123456789: alice\n  bob-key-00123456789: bob\n";
   Cluster cluster(o);
   ASSERT_TRUE(cluster.Start());  // no data directory: jobs are off
   {
-    auto c = cluster.Client("alice-key");
+    auto c = cluster.Client("alice-key-0123456789");
     ASSERT_TRUE(c);
     ExpectCode(c->ListJobs().status(), StatusCode::kFailedPrecondition, "jobs without --data-dir");
   }
@@ -850,7 +852,7 @@ TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
   ASSERT_TRUE(cluster.coordinator().process->Wait(10s).has_value());
   const std::vector<std::string> flags = {"--data-dir", cluster.dir() + "/data", "--job-concurrency", "4"};
   ASSERT_TRUE(cluster.StartCoordinator(flags));
-  auto alice = cluster.Client("alice-key");
+  auto alice = cluster.Client("alice-key-0123456789");
   ASSERT_TRUE(alice);
   const std::vector<int32_t> doc_a = LcgTokens(160, 31, true), doc_b = LcgTokens(120, 32, true);
   const std::string a = Put(*alice, "a", doc_a).id, b = Put(*alice, "b", doc_b).id;
@@ -908,7 +910,7 @@ TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
     cluster.coordinator().process->Signal(SIGKILL);
     ASSERT_TRUE(cluster.coordinator().process->Wait(10s).has_value());
     ASSERT_TRUE(cluster.StartCoordinator(flags));
-    alice = cluster.Client("alice-key");
+    alice = cluster.Client("alice-key-0123456789");
     ASSERT_TRUE(alice);
   }
   const rpc::JobInfo done = WaitForJob(*alice, id, 6000);
@@ -930,7 +932,7 @@ TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
     EXPECT_EQ(r.usage.prompt_tokens, static_cast<int64_t>(offline[r.custom_id].prompt.size()));
   }
   // Another tenant sees nothing of it.
-  auto bob = cluster.Client("bob-key");
+  auto bob = cluster.Client("bob-key-00123456789");
   ASSERT_TRUE(bob);
   ExpectCode(bob->GetJob(id).status(), StatusCode::kNotFound, "bob gets alice's job");
   ExpectCode(bob->JobResults(id).status(), StatusCode::kNotFound, "bob reads alice's results");
@@ -954,11 +956,11 @@ TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
 // counted as succeeded).
 TEST_F(Service, CancellingABatchJobStopsItsRunningItem) {
   ClusterOptions o;
-  o.api_keys_yaml = "keys:\n  alice-key: alice\n";
+  o.api_keys_yaml = "keys:\n  alice-key-0123456789: alice\n";
   Cluster cluster(o);
   ASSERT_TRUE(cluster.StartWorker(0));
   ASSERT_TRUE(cluster.StartCoordinator({"--data-dir", cluster.dir() + "/data", "--job-concurrency", "1"}));
-  auto alice = cluster.Client("alice-key");
+  auto alice = cluster.Client("alice-key-0123456789");
   ASSERT_TRUE(alice);
   rpc::SubmitJobRequest job;
   for (int i = 0; i < 3; ++i) {
@@ -1055,30 +1057,44 @@ TEST_F(Service, TenantQuotasRefuseWithRetryAfterAndIsolate) {
   ASSERT_FALSE(bd.empty());
 
   // Concurrent sequences: one running (nobody polls it yet), a second refused.
-  auto first = small->Generate(Ask({d}, LcgTokens(8, 42, false), 150));
+  // The first reserves 20 of small's 30 tokens a minute as it is admitted.
+  auto first = small->Generate(Ask({d}, LcgTokens(8, 42, false), 20));
   ASSERT_TRUE(first.ok()) << first.status();
   const Status second = small->Generate(Ask({d}, LcgTokens(8, 43, false), 5)).status();
   ExpectCode(second, StatusCode::kResourceExhausted, "a second sequence");
+  EXPECT_NE(second.message().find("max_concurrent_sequences"), std::string::npos) << second;
   EXPECT_GT(second.retry_after_ms(), 0);
   auto bigs = big->Complete(Ask({bd}, LcgTokens(8, 44, false), 5));
   ASSERT_TRUE(bigs.ok()) << bigs.status();
   EXPECT_EQ(bigs->usage.generated_tokens, 5);
-  // The first ends (150 tokens, over the 30 per minute): the token bucket is
-  // in debt, so the next one is refused until it refills.
+  // The first ends (20 tokens): a request that may generate 30 must wait
+  // for the bucket to refill (at 0.5 a second from about 10), and one
+  // asking for more than the bucket ever holds is refused as such.
   rpc::GenerateChunk ended = Follow(*small, *first);
-  EXPECT_EQ(ended.usage.generated_tokens, 150);
-  const Status rate = small->Generate(Ask({d}, LcgTokens(8, 45, false), 5)).status();
+  EXPECT_EQ(ended.usage.generated_tokens, 20);
+  const Status rate = small->Generate(Ask({d}, LcgTokens(8, 45, false), 30)).status();
   ExpectCode(rate, StatusCode::kResourceExhausted, "generated tokens per minute");
-  EXPECT_GE(rate.retry_after_ms(), 60 * 1000) << "150 tokens at 30 per minute repay in minutes";
+  EXPECT_NE(rate.message().find("generated_tokens_per_minute"), std::string::npos) << rate;
+  EXPECT_GE(rate.retry_after_ms(), 15 * 1000) << "20 of 30 tokens refill at 0.5 a second";
+  const Status never = small->Generate(Ask({d}, LcgTokens(8, 45, false), 31)).status();
+  ExpectCode(never, StatusCode::kInvalidArgument, "more tokens than the quota ever holds");
+  EXPECT_NE(never.message().find("generated_tokens_per_minute quota of 30"), std::string::npos) << never;
   auto bigs2 = big->Complete(Ask({bd}, LcgTokens(8, 46, false), 5));
   ASSERT_TRUE(bigs2.ok()) << bigs2.status();
 
-  // Jobs in flight: small's first job cannot run (its bucket is in debt), so a
-  // second is refused; the file is reread on SIGHUP with room for two.
+  // Jobs in flight: small's first job cannot run yet (its item reserves 30
+  // tokens, the whole bucket, which holds about 10), so a second is refused; the file is
+  // reread on SIGHUP with room for two. An item that could never fit the
+  // quota refuses its job at submission.
   rpc::SubmitJobRequest job;
   rpc::JobItem it;
   it.custom_id = "only";
-  it.request = Ask({d}, LcgTokens(8, 47, false), 3);
+  it.request = Ask({d}, LcgTokens(8, 47, false), 31);
+  job.items = {it};
+  const Status never_job = small->SubmitJob(job).status();
+  ExpectCode(never_job, StatusCode::kInvalidArgument, "a job item over the quota");
+  EXPECT_NE(never_job.message().find("items[0] (custom_id 'only')"), std::string::npos) << never_job;
+  it.request = Ask({d}, LcgTokens(8, 47, false), 30);
   job.items = {it};
   auto j1 = small->SubmitJob(job);
   ASSERT_TRUE(j1.ok()) << j1.status();
@@ -1148,7 +1164,7 @@ TEST_F(Service, TenantQuotasRefuseWithRetryAfterAndIsolate) {
     httplib::Client m("127.0.0.1", cluster.coordinator().metrics_port);
     auto body = m.Get("/metrics");
     ASSERT_TRUE(body);
-    EXPECT_NE(body->body.find("penumbra_coordinator_generated_tokens_total{tenant=\"small\"} 150"), std::string::npos)
+    EXPECT_NE(body->body.find("penumbra_coordinator_generated_tokens_total{tenant=\"small\"} 20"), std::string::npos)
         << body->body;
     EXPECT_NE(body->body.find("penumbra_coordinator_quota_refusals_total{tenant=\"small\"}"), std::string::npos);
     EXPECT_NE(body->body.find("penumbra_coordinator_documents_put_total{tenant=\"big\"} 1"), std::string::npos);

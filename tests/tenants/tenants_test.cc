@@ -1,6 +1,9 @@
-// Tenants (coordinator/tenants/tenants.h): the shipped config
-// loads and every bad key is refused by name; API keys hash (SHA-256 known
-// answers) and authenticate without echoing; each quota refuses past its limit
+// Tenants (coordinator/tenants/tenants.h): the shipped config holds
+// placeholders that are refused until replaced, and every bad key is refused
+// by name; API keys hash (SHA-256 known
+// answers), new keys are random, and keys authenticate without echoing (and
+// only with their tenant's client certificate where it requires one); tokens
+// are reserved up front and refunded; each quota refuses past its limit
 // with a retry-after and leaves other tenants alone; the token bucket refills
 // on a fake clock; Reload keeps usage; leases hold under 8 threads; a random
 // sequence of quota operations matches a plain model; publishes_to. (The
@@ -8,23 +11,21 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <cctype>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "common/file.h"
 #include "coordinator/tenants/tenants.h"
 #include "tests/test_util.h"
 
 namespace penumbra::tenants {
 namespace {
-
-// The shipped dev-only example keys (configs/tenants.yaml states them).
-constexpr char kResearchKey1[] = "research-dev-key-0001";
-constexpr char kResearchKey2[] = "research-dev-key-0002";
-constexpr char kSupportKey[] = "support-dev-key-0001";
 
 std::string HashOf(const std::string& key) {
   Result<std::string> h = HashApiKey(key);
@@ -63,36 +64,89 @@ TenantUsage UsageOf(const TenantRegistry& reg, const std::string& tenant) {
 
 // ---- configuration ----------------------------------------------------------------
 
-TEST(TenantsConfig, ShippedConfigLoadsAndItsDevKeysAuthenticate) {
+// The shipped example holds placeholders that cannot work: loading it is
+// refused with an error saying to replace them. With the placeholders
+// replaced by the hashes of new keys (as its comments say), it loads, every
+// key authenticates, and support's keys need its client certificate.
+TEST(TenantsConfig, ShippedConfigIsRefusedUntilItsPlaceholdersAreReplaced) {
   const std::string path = testing::SourceDir() + "/configs/tenants.yaml";
   ASSERT_TRUE(testing::DataExists(path));
-  Result<TenantsConfig> c = LoadTenantsConfig(path);
+  Result<TenantsConfig> shipped = LoadTenantsConfig(path);
+  ASSERT_FALSE(shipped.ok()) << "the shipped tenants.yaml loads: it must hold no working keys";
+  EXPECT_EQ(shipped.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(shipped.status().message().find("tenants[0].api_keys[0]"), std::string::npos) << shipped.status();
+  EXPECT_NE(shipped.status().message().find("placeholder"), std::string::npos) << shipped.status();
+  EXPECT_NE(shipped.status().message().find("penumbra tenant new-key"), std::string::npos) << shipped.status();
+
+  Result<std::string> text = ReadFileToString(path);
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::string research_key = NewApiKey(), support_key = NewApiKey();
+  std::string replaced = *text;
+  int placeholders = 0;
+  for (const std::string& key : {research_key, support_key}) {
+    const size_t at = replaced.find(std::string(kApiKeyPlaceholder));
+    ASSERT_NE(at, std::string::npos);
+    const size_t end = replaced.find_first_of(" \n", at);
+    replaced.replace(at, end - at, HashOf(key));
+    ++placeholders;
+  }
+  EXPECT_EQ(replaced.find(std::string(kApiKeyPlaceholder)), std::string::npos) << "more than two placeholders";
+  EXPECT_EQ(placeholders, 2);
+  Result<TenantsConfig> c = LoadTenantsConfigFromString(replaced, path);
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_EQ(c->tenants.size(), 2u);
   const TenantConfig& research = c->tenants[0];
   const TenantConfig& support = c->tenants[1];
   EXPECT_EQ(research.name, "research");
-  EXPECT_EQ(research.api_keys.size(), 2u);
   EXPECT_EQ(research.quotas.max_concurrent_sequences, 64);
   EXPECT_EQ(research.quotas.generated_tokens_per_minute, 600000);
   EXPECT_EQ(research.quotas.stored_document_bytes, int64_t{64} << 30);
   EXPECT_EQ(research.quotas.max_jobs_in_flight, 8);
   EXPECT_EQ(research.weight, 3.0);
   EXPECT_EQ(research.publishes_to, std::vector<std::string>{"support"});
+  EXPECT_TRUE(research.admin);
+  EXPECT_TRUE(research.client_certificate.empty());
   EXPECT_EQ(support.name, "support");
   EXPECT_EQ(support.quotas.max_concurrent_sequences, 16);
   EXPECT_FALSE(support.quotas.stored_document_bytes.has_value());
   EXPECT_FALSE(support.quotas.max_jobs_in_flight.has_value());
   EXPECT_EQ(support.weight, 1.0);
   EXPECT_TRUE(support.publishes_to.empty());
+  EXPECT_FALSE(support.admin);
+  EXPECT_EQ(support.client_certificate, "support-app");
 
   auto reg = MakeRegistry(*c);
   ASSERT_TRUE(reg);
-  for (const auto& [key, tenant] : std::vector<std::pair<std::string, std::string>>{
-           {kResearchKey1, "research"}, {kResearchKey2, "research"}, {kSupportKey, "support"}}) {
-    Result<std::string> who = reg->Authenticate(key);
-    ASSERT_TRUE(who.ok()) << key << ": " << who.status();
-    EXPECT_EQ(*who, tenant) << key;
+  EXPECT_EQ(reg->Authenticate(research_key).value(), "research");
+  EXPECT_EQ(reg->Authenticate(support_key, "support-app").value(), "support");
+  EXPECT_EQ(reg->Authenticate(support_key).status().code(), StatusCode::kPermissionDenied);
+}
+
+TEST(TenantsConfig, APlaceholderIsRefusedWhereverItIs) {
+  const std::string h0 = HashOf("key-zero-0123456789");
+  Result<TenantsConfig> r = LoadTenantsConfigFromString(
+      "tenants:\n  - name: a\n    api_keys: [" + h0 + ", " + std::string(kApiKeyPlaceholder) + "-ME]\n", "t.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("t.yaml: tenants[0].api_keys[1]: a placeholder"), std::string::npos)
+      << r.status();
+}
+
+TEST(TenantsConfig, AdminAndClientCertificateAreReadAndChecked) {
+  const std::string h0 = HashOf("key-zero-0123456789");
+  Result<TenantsConfig> c = LoadTenantsConfigFromString("tenants:\n  - name: a\n    api_keys: [" + h0 +
+                                                        "]\n    admin: true\n    client_certificate: app-1.prod\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->tenants[0].admin);
+  EXPECT_EQ(c->tenants[0].client_certificate, "app-1.prod");
+  for (const auto& [yaml, key] : std::vector<std::pair<std::string, std::string>>{
+           {"    admin: maybe\n", "tenants[0].admin"},
+           {"    client_certificate: \"a b\"\n", "tenants[0].client_certificate"},
+           {"    client_certificate: \"" + std::string(65, 'x') + "\"\n", "tenants[0].client_certificate"},
+           {"    client_certificate: [x]\n", "tenants[0].client_certificate"}}) {
+    Result<TenantsConfig> r =
+        LoadTenantsConfigFromString("tenants:\n  - name: a\n    api_keys: [" + h0 + "]\n" + yaml, "bad.yaml");
+    ASSERT_FALSE(r.ok()) << yaml;
+    EXPECT_NE(r.status().message().find(key), std::string::npos) << r.status();
   }
 }
 
@@ -239,6 +293,51 @@ TEST(ApiKeys, AuthenticateFindsTheTenantAndRefusesOthersWithoutEchoingTheKey) {
       EXPECT_EQ(r.status().message().find(key), std::string::npos) << r.status();
     }
   }
+}
+
+TEST(ApiKeys, NewApiKeyIsRandomUrlSafeAndHashable) {
+  std::set<std::string> seen;
+  for (int i = 0; i < 64; ++i) {
+    const std::string key = NewApiKey();
+    ASSERT_EQ(key.rfind("pk-", 0), 0u) << key;
+    // 32 random bytes in base64url without padding: 43 characters.
+    ASSERT_EQ(key.size(), 3u + 43u) << key;
+    for (char ch : key.substr(3)) {
+      ASSERT_TRUE(std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' || ch == '_') << key;
+    }
+    EXPECT_TRUE(HashApiKey(key).ok());
+    EXPECT_TRUE(seen.insert(key).second) << "a key came twice: " << key;
+  }
+  // Every character position takes many values: not a fixed pattern.
+  std::set<char> first;
+  for (const std::string& k : seen) first.insert(k[3]);
+  EXPECT_GT(first.size(), 16u);
+}
+
+// A tenant with client_certificate: its key works only with that
+// certificate's name; without it, or with another, the refusal is the same
+// as for a key that is not valid at all.
+TEST(ApiKeys, AClientCertificateTenantNeedsItsCertificateAndTheRefusalRevealsNothing) {
+  TenantsConfig c;
+  c.tenants = {Tenant("a", "tenant-a-key-0123456789"), Tenant("b", "tenant-b-key-0123456789")};
+  c.tenants[1].client_certificate = "app-b";
+  auto reg = MakeRegistry(c);
+  ASSERT_TRUE(reg);
+  EXPECT_EQ(reg->Authenticate("tenant-a-key-0123456789").value(), "a");
+  EXPECT_EQ(reg->Authenticate("tenant-a-key-0123456789", "app-b").value(), "a");  // a requires none
+  EXPECT_EQ(reg->Authenticate("tenant-b-key-0123456789", "app-b").value(), "b");
+  const Result<std::string> unknown = reg->Authenticate("tenant-x-key-0123456789", "app-b");
+  ASSERT_FALSE(unknown.ok());
+  for (const std::string& cert : {std::string(), std::string("app-a"), std::string("app-b2"), std::string("APP-B")}) {
+    Result<std::string> r = reg->Authenticate("tenant-b-key-0123456789", cert);
+    ASSERT_FALSE(r.ok()) << cert;
+    EXPECT_EQ(r.status().code(), StatusCode::kPermissionDenied);
+    EXPECT_EQ(r.status().message(), unknown.status().message()) << "the refusal tells a valid key apart";
+  }
+  // An over-long key is refused as any other (before it is hashed).
+  Result<std::string> long_key = reg->Authenticate(std::string(kMaxApiKeyBytes + 1, 'k'));
+  ASSERT_FALSE(long_key.ok());
+  EXPECT_EQ(long_key.status().message(), unknown.status().message());
 }
 
 // ---- quotas -------------------------------------------------------------------------
@@ -397,6 +496,127 @@ TEST(Quotas, TokenBucketRetryAfterFollowsTheRate) {
   EXPECT_DOUBLE_EQ(d.retry_after_s, 5.5);  // from -10 to 1 at 2/s
   clock.now += d.retry_after_s;
   EXPECT_TRUE(reg->CheckTokens("a").ok());
+}
+
+// Tokens are taken when a generation is admitted, not when it ends: a tenant
+// of 100 tokens a minute cannot have more than 100 (plus the refill) in
+// generations at once, and what a generation did not use comes back.
+TEST(Quotas, TokensAreReservedUpFrontAndTheUnusedPartIsRefunded) {
+  FakeClock clock;
+  TenantsConfig c;
+  c.tenants = {Tenant("a", "tenant-a-key-0123456789"), Tenant("u", "tenant-u-key-0123456789")};
+  c.tenants[0].quotas.generated_tokens_per_minute = 100;
+  auto reg = MakeRegistry(c, &clock);
+  ASSERT_TRUE(reg);
+
+  TokenReservation r1, r2, r3;
+  ASSERT_TRUE(reg->ReserveTokens("a", 60, &r1).ok());
+  EXPECT_EQ(r1.reserved(), 60);
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 40.0);
+  // 50 more do not fit now: refused whole, with the time until they do.
+  QuotaDecision d = reg->ReserveTokens("a", 50, &r2);
+  EXPECT_EQ(d.status.code(), StatusCode::kResourceExhausted) << d.status;
+  EXPECT_NE(d.status.message().find("generated_tokens_per_minute"), std::string::npos) << d.status;
+  EXPECT_DOUBLE_EQ(d.retry_after_s, 6.0);  // 10 tokens at 100 a minute
+  EXPECT_EQ(r2.reserved(), 0);
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 40.0);
+  // More than the bucket ever holds: InvalidArgument naming the quota.
+  d = reg->ReserveTokens("a", 101, &r2);
+  EXPECT_EQ(d.status.code(), StatusCode::kInvalidArgument) << d.status;
+  EXPECT_NE(d.status.message().find("generated_tokens_per_minute quota of 100"), std::string::npos) << d.status;
+  EXPECT_EQ(reg->CheckTokensFit("a", 101).status.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(reg->CheckTokensFit("a", 100).ok());
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 40.0);  // CheckTokensFit takes nothing
+
+  // r1 used 15 of its 60: 45 come back.
+  r1.Settle(15);
+  EXPECT_EQ(r1.reserved(), 0);
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 85.0);
+  r1.Settle(0);  // settled already: nothing more
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 85.0);
+  // A reservation dropped unsettled (the generation never ran) gives all back.
+  {
+    TokenReservation dropped;
+    ASSERT_TRUE(reg->ReserveTokens("a", 80, &dropped).ok());
+    EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 5.0);
+  }
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 85.0);
+  // A refund never fills the bucket past its capacity.
+  ASSERT_TRUE(reg->ReserveTokens("a", 50, &r3).ok());
+  clock.now += 60.0;  // refilled to 100 meanwhile
+  r3.Settle(0);
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 100.0);
+  // Moving a reservation moves what it holds.
+  TokenReservation moved;
+  ASSERT_TRUE(reg->ReserveTokens("a", 30, &r3).ok());
+  moved = std::move(r3);
+  EXPECT_EQ(moved.reserved(), 30);
+  EXPECT_EQ(r3.reserved(), 0);
+  moved.Settle(30);
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 70.0);
+
+  // A tenant without the quota reserves nothing and is never refused.
+  TokenReservation u;
+  EXPECT_TRUE(reg->ReserveTokens("u", 1 << 30, &u).ok());
+  EXPECT_EQ(u.reserved(), 0);
+  EXPECT_TRUE(reg->CheckTokensFit("u", int64_t{1} << 40).ok());
+  EXPECT_EQ(reg->ReserveTokens("a", -1, &u).status.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg->ReserveTokens("z", 1, &u).status.code(), StatusCode::kPermissionDenied);
+}
+
+// The case: 100 tokens a minute, generations that each ask for up to
+// 100 and use all of it, admitted as soon as the quota lets them, for ten
+// minutes: never more than 100 a minute plus the first minute's bucket.
+TEST(Quotas, HundredTokensAMinuteNeverProduceFifteenHundred) {
+  FakeClock clock;
+  TenantsConfig c;
+  c.tenants = {Tenant("a", "tenant-a-key-0123456789")};
+  c.tenants[0].quotas.generated_tokens_per_minute = 100;
+  auto reg = MakeRegistry(c, &clock);
+  ASSERT_TRUE(reg);
+  const double start = clock.now;
+  int64_t generated = 0;
+  std::vector<TokenReservation> running;
+  while (clock.now - start < 600.0) {
+    TokenReservation r;
+    QuotaDecision d = reg->ReserveTokens("a", 100, &r);
+    if (d.ok()) {
+      running.push_back(std::move(r));
+    } else {
+      ASSERT_EQ(d.status.code(), StatusCode::kResourceExhausted) << d.status;
+      ASSERT_GT(d.retry_after_s, 0);
+    }
+    // Generations end after 5 s, each having used its whole reservation.
+    clock.now += 5.0;
+    for (TokenReservation& done : running) {
+      generated += done.reserved();
+      done.Settle(done.reserved());
+    }
+    running.clear();
+  }
+  EXPECT_LE(generated, 100 + 10 * 100) << "generated past the rate";
+  EXPECT_GE(generated, 10 * 100 - 100) << "the quota admitted less than its rate";
+}
+
+TEST(Quotas, AReservationSurvivesAReloadThatRemovesTheQuota) {
+  FakeClock clock;
+  TenantsConfig c;
+  c.tenants = {Tenant("a", "tenant-a-key-0123456789")};
+  c.tenants[0].quotas.generated_tokens_per_minute = 100;
+  auto reg = MakeRegistry(c, &clock);
+  ASSERT_TRUE(reg);
+  TokenReservation r;
+  ASSERT_TRUE(reg->ReserveTokens("a", 70, &r).ok());
+  c.tenants[0].quotas.generated_tokens_per_minute.reset();
+  ASSERT_TRUE(reg->Reload(c).ok());
+  TokenReservation u;
+  EXPECT_TRUE(reg->ReserveTokens("a", 1000, &u).ok());  // unlimited now
+  r.Settle(10);                                          // harmless
+  c.tenants[0].quotas.generated_tokens_per_minute = 100;
+  ASSERT_TRUE(reg->Reload(c).ok());
+  EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 100.0);  // starts full again
+  reg.reset();
+  u.Settle(0);  // past the registry: harmless
 }
 
 TEST(Quotas, AnUnconfiguredTenantIsPermissionDenied) {

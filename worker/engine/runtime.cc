@@ -90,61 +90,69 @@ Status SamplingOptions::Validate() const {
   return Status::OK();
 }
 
+Status ValidateGenerationRequest(const GenerationRequest& q, const ModelConfig& c) {
+  // Sizes before contents: each loop below is bounded by a limit checked first.
+  if (q.prompt.empty()) return Status::InvalidArgument("the prompt is empty");
+  // 0: prefill only (a document put): the last segment may end with the prompt.
+  if (q.max_new_tokens < 0) return Status::InvalidArgument("max_new_tokens must be >= 0");
+  const int64_t total = static_cast<int64_t>(q.prompt.size()) + q.max_new_tokens;
+  if (total > c.max_position_embeddings) {
+    return Status::InvalidArgument("prompt (" + std::to_string(q.prompt.size()) + " tokens) + max_new_tokens (" +
+                                   std::to_string(q.max_new_tokens) + ") exceeds the model's " +
+                                   std::to_string(c.max_position_embeddings) + "-token context");
+  }
+  if (c.use_sliding_window && c.sliding_window > 0 && total > c.sliding_window) {
+    return Status::InvalidArgument("this model uses sliding-window attention (window " +
+                                   std::to_string(c.sliding_window) +
+                                   ") and sequences longer than the window are not supported yet");
+  }
+  for (size_t i = 0; i < q.prompt.size(); ++i) {
+    if (q.prompt[i] < 0 || q.prompt[i] >= c.vocab_size) {
+      return Status::InvalidArgument("token id " + std::to_string(q.prompt[i]) + " at prompt position " +
+                                     std::to_string(i) + " is outside the vocabulary [0, " +
+                                     std::to_string(c.vocab_size) + ")");
+    }
+  }
+  PENUMBRA_RETURN_IF_ERROR(q.sampling.Validate());
+  if (q.segment_ends.size() > q.prompt.size()) {
+    return Status::InvalidArgument(std::to_string(q.segment_ends.size()) + " segment ends for a prompt of " +
+                                   std::to_string(q.prompt.size()) + " tokens");
+  }
+  for (size_t i = 0; i < q.segment_ends.size(); ++i) {
+    const int64_t e = q.segment_ends[i], prev = i ? q.segment_ends[i - 1] : 0;
+    const int64_t limit = static_cast<int64_t>(q.prompt.size()) - (q.max_new_tokens > 0 ? 1 : 0);
+    if (e <= prev || e > limit) {
+      return Status::InvalidArgument("segment end " + std::to_string(e) + " (index " + std::to_string(i) +
+                                     ") must be above " + std::to_string(prev) +
+                                     (q.max_new_tokens > 0 ? " and below the prompt's " : " and at most the prompt's ") +
+                                     std::to_string(q.prompt.size()) + " tokens");
+    }
+  }
+  // Each draw made one generated token, now part of the prompt: more is
+  // not a resumed request (and would cost a linear skip of the stream).
+  if (q.draws_done < 0 || q.draws_done > static_cast<int64_t>(q.prompt.size())) {
+    return Status::InvalidArgument("draws_done must be in [0, the prompt's " + std::to_string(q.prompt.size()) +
+                                   " tokens], got " + std::to_string(q.draws_done));
+  }
+  if (static_cast<int64_t>(q.stop_ids.size()) > GenerationRequest::kMaxStopIds) {
+    return Status::InvalidArgument(std::to_string(q.stop_ids.size()) + " stop ids: at most " +
+                                   std::to_string(GenerationRequest::kMaxStopIds));
+  }
+  for (int32_t id : q.stop_ids) {
+    if (id < 0 || id >= c.vocab_size) {
+      return Status::InvalidArgument("stop id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                     std::to_string(c.vocab_size) + ")");
+    }
+  }
+  return Status::OK();
+}
+
 Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
-  const ModelConfig& c = config();
   for (size_t r = 0; r < requests.size(); ++r) {
-    const GenerationRequest& q = requests[r];
+    Status s = ValidateGenerationRequest(requests[r], config());
     // A batch's messages name the request; a single request's do not.
-    const std::string who = requests.size() > 1 ? "request " + std::to_string(r) + ": " : "";
-    if (q.prompt.empty()) return Status::InvalidArgument(who + "the prompt is empty");
-    for (size_t i = 0; i < q.prompt.size(); ++i) {
-      if (q.prompt[i] < 0 || q.prompt[i] >= c.vocab_size) {
-        return Status::InvalidArgument(who + "token id " + std::to_string(q.prompt[i]) + " at prompt position " +
-                                       std::to_string(i) + " is outside the vocabulary [0, " +
-                                       std::to_string(c.vocab_size) + ")");
-      }
-    }
-    // 0: prefill only (a document put): the last segment may end with the prompt.
-    if (q.max_new_tokens < 0) return Status::InvalidArgument(who + "max_new_tokens must be >= 0");
-    const int64_t total = static_cast<int64_t>(q.prompt.size()) + q.max_new_tokens;
-    if (total > c.max_position_embeddings) {
-      return Status::InvalidArgument(who + "prompt (" + std::to_string(q.prompt.size()) + " tokens) + max_new_tokens (" +
-                                     std::to_string(q.max_new_tokens) + ") exceeds the model's " +
-                                     std::to_string(c.max_position_embeddings) + "-token context");
-    }
-    if (c.use_sliding_window && c.sliding_window > 0 && total > c.sliding_window) {
-      return Status::InvalidArgument(who + "this model uses sliding-window attention (window " +
-                                     std::to_string(c.sliding_window) +
-                                     ") and sequences longer than the window are not supported yet");
-    }
-    if (Status s = q.sampling.Validate(); !s.ok()) return Status::InvalidArgument(who + s.message());
-    for (size_t i = 0; i < q.segment_ends.size(); ++i) {
-      const int64_t e = q.segment_ends[i], prev = i ? q.segment_ends[i - 1] : 0;
-      const int64_t limit = static_cast<int64_t>(q.prompt.size()) - (q.max_new_tokens > 0 ? 1 : 0);
-      if (e <= prev || e > limit) {
-        return Status::InvalidArgument(who + "segment end " + std::to_string(e) + " (index " + std::to_string(i) +
-                                       ") must be above " + std::to_string(prev) +
-                                       (q.max_new_tokens > 0 ? " and below the prompt's " : " and at most the prompt's ") +
-                                       std::to_string(q.prompt.size()) + " tokens");
-      }
-    }
-    // Each draw made one generated token, now part of the prompt: more is
-    // not a resumed request (and would cost a linear skip of the stream).
-    if (q.draws_done < 0 || q.draws_done > static_cast<int64_t>(q.prompt.size())) {
-      return Status::InvalidArgument(who + "draws_done must be in [0, the prompt's " +
-                                     std::to_string(q.prompt.size()) + " tokens], got " +
-                                     std::to_string(q.draws_done));
-    }
-    if (static_cast<int64_t>(q.stop_ids.size()) > GenerationRequest::kMaxStopIds) {
-      return Status::InvalidArgument(who + std::to_string(q.stop_ids.size()) + " stop ids: at most " +
-                                     std::to_string(GenerationRequest::kMaxStopIds));
-    }
-    for (int32_t id : q.stop_ids) {
-      if (id < 0 || id >= c.vocab_size) {
-        return Status::InvalidArgument(who + "stop id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                                       std::to_string(c.vocab_size) + ")");
-      }
-    }
+    if (!s.ok() && requests.size() > 1) return Status(s.code(), "request " + std::to_string(r) + ": " + s.message());
+    PENUMBRA_RETURN_IF_ERROR(s);
   }
   return Status::OK();
 }

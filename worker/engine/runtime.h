@@ -64,6 +64,16 @@ struct GenerationRequest {
   int64_t draws_done = 0;
 };
 
+// The checks every request passes before any work (Runtime::Validate runs
+// them for each request): a non-empty prompt within the model's context with
+// max_new_tokens (>= 0; 0: prefill only), its ids and the stop ids
+// (at most GenerationRequest::kMaxStopIds) in the vocabulary, the sampling
+// options, segment ends ascending inside the prompt, draws_done within the
+// prompt. Sizes are checked before contents. A pure function of the request
+// and the model's configuration (no weights): the worker API's fuzzer runs it.
+// InvalidArgument naming the field and the limit.
+Status ValidateGenerationRequest(const GenerationRequest& request, const ModelConfig& config);
+
 struct GenerationResult {
   std::vector<int32_t> ids;          // generated ids (the stop id included when hit)
   std::string finish_reason;         // "stop", "length" or "prefilled" (max_new_tokens 0)
@@ -127,8 +137,8 @@ class Runtime {
   static Result<std::unique_ptr<Runtime>> Create(const RuntimeOptions& options, const PolicyContext& ctx,
                                                  const ModelWeights* weights, std::unique_ptr<KvPolicy> policy);
 
-  // Validates every request (non-empty prompt, ids in the vocabulary, length
-  // within max_position_embeddings) before doing any work.
+  // Validates every request (ValidateGenerationRequest against this model's
+  // configuration; a batch's errors name the request) before doing any work.
   Status Validate(const std::vector<GenerationRequest>& requests) const;
   Result<std::vector<GenerationResult>> Generate(const std::vector<GenerationRequest>& requests);
 

@@ -12,6 +12,18 @@ namespace {
 }  // namespace
 
 Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r) {
+  // The request's own ranges, and the stop ids' count before they are copied.
+  if (r.deadline_ms < 0 || r.deadline_ms > WorkerHandler::kMaxDeadlineMs) {
+    return Status::InvalidArgument("deadline_ms must be in [0, " + std::to_string(WorkerHandler::kMaxDeadlineMs) +
+                                   "], got " + std::to_string(r.deadline_ms));
+  }
+  if (!(r.share_weight > 0) || r.share_weight > 1e6) {
+    return Status::InvalidArgument("share_weight must be in (0, 1e6], got " + std::to_string(r.share_weight));
+  }
+  if (static_cast<int64_t>(r.stop_ids.size()) > GenerationRequest::kMaxStopIds) {
+    return Status::InvalidArgument(std::to_string(r.stop_ids.size()) + " stop ids: at most " +
+                                   std::to_string(GenerationRequest::kMaxStopIds));
+  }
   GenerationRequest g;
   g.prompt = r.prompt;
   g.segment_ends = r.segment_ends;
@@ -97,13 +109,6 @@ void WorkerHandler::Sweep() {
 void WorkerHandler::Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) {
   Result<GenerationRequest> g = FromRpc(request);
   if (!g.ok()) Throw(g.status());
-  if (request.deadline_ms < 0 || request.deadline_ms > kMaxDeadlineMs) {
-    Throw(Status::InvalidArgument("deadline_ms must be in [0, " + std::to_string(kMaxDeadlineMs) + "], got " +
-                                  std::to_string(request.deadline_ms)));
-  }
-  if (!(request.share_weight > 0) || request.share_weight > 1e6) {
-    Throw(Status::InvalidArgument("share_weight must be in (0, 1e6], got " + std::to_string(request.share_weight)));
-  }
   SubmitOptions o;
   o.share_weight = request.share_weight;
   o.tenant = request.tenant;

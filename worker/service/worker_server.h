@@ -73,8 +73,11 @@ class WorkerServer {
   std::unique_ptr<transport::ThriftServer> server_;
 };
 
-// The request as the engine takes it (ids, lengths and options are validated
-// by Scheduler::Submit).
+// The request as the engine takes it. Checks what is the control API's own
+// (deadline_ms in [0, a week], share_weight in (0, 1e6], the stop ids' count,
+// sampling ranges, draws_done >= 0); the request against the model
+// (ValidateGenerationRequest: ids, lengths, segments) is Scheduler::Submit's.
+// InvalidArgument naming the field.
 Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r);
 void ToRpc(const RequestUpdate& u, rpc::TokenChunk* out);
 

@@ -604,11 +604,13 @@ class PenumbraClient(object):
     # -- service
 
     def health(self):
-        """HealthResponse: serving, model, workers (no API key needed)."""
+        """HealthResponse: serving and the model's name (no API key needed). The
+        workers are in stats(), shown to an admin tenant."""
         return self._call("Health")
 
     def stats(self):
-        """StatsResponse of this tenant (requests, tokens, documents, workers)."""
+        """StatsResponse of this tenant (requests, tokens, documents; the workers
+        for an admin tenant or a coordinator without authentication)."""
         return self._call("Stats", self.api_key)
 
 

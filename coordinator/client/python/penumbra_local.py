@@ -3,7 +3,7 @@ on loopback with OS-picked ports, for tests and ops/loadtest.py.
 
     from penumbra_local import LocalService
 
-    with LocalService(build_dir, model_dir, api_keys={"key-a": "tenant-a"}) as svc:
+    with LocalService(build_dir, model_dir, api_keys={"key-a-0123456789ab": "tenant-a"}) as svc:
         client = PenumbraClient("127.0.0.1", svc.port, api_key="key-a")
 
 Each process writes a port file ({"port", "metrics_port", "pid"}) once it is
