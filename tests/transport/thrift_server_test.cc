@@ -260,6 +260,27 @@ TEST(ThriftServer, ConnectionsAreCappedInTotalAndPerAddress) {
   for (int fd : b) ::close(fd);
 }
 
+// Answers Health with 600 KB.
+class BigHealth : public rpc::WorkerNull {
+ public:
+  void Health(rpc::WorkerHealth& out) override { out.model.assign(600 << 10, 'x'); }
+};
+
+TEST(ThriftServer, AConnectionOutlivesRepliesTotallingMoreThanAFrame) {
+  ThriftServerOptions o;
+  o.limits.max_frame_bytes = 1 << 20;
+  o.limits.max_string_bytes = 1 << 20;
+  auto server = ThriftServer::Start(std::make_shared<rpc::WorkerProcessor>(std::make_shared<BigHealth>()), o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto c = ThriftClient<rpc::WorkerClient>::Connect("127.0.0.1", (*server)->port(), 5s, o.limits);
+  ASSERT_TRUE(c.ok());
+  for (int i = 0; i < 5; ++i) {  // 3 MB of replies on one connection with 1 MiB frames
+    rpc::WorkerHealth h;
+    ASSERT_TRUE(CallRpc("health", [&] { (**c)->Health(h); }).ok()) << "reply " << i;
+    EXPECT_EQ(h.model.size(), size_t{600} << 10);
+  }
+}
+
 TEST(ThriftServer, StopDoesNotWaitForIdleClients) {
   auto server = ThriftServer::Start(Processor(), {});
   ASSERT_TRUE(server.ok()) << server.status();
