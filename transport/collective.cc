@@ -1078,6 +1078,7 @@ Status TcpCollective::Listen(std::unique_ptr<CollectiveListener> listener, Clock
     int rank = -1;
     switch (Step(p, &why, &rank)) {
       case Next::kJoined:
+        LOG(INFO) << "collective: rank " << rank << " joined from " << p.who;
         peers_[rank] = std::move(p.conn);
         welcome[rank] = std::move(p.welcome);
         ++joined;

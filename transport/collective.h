@@ -42,10 +42,12 @@
 // fails its handshake or certificate check, sends bytes that are not a
 // hello of this protocol (wrong magic, wrong size), or names a rank out of
 // range or already taken, a different world, or a wrong secret; it keeps
-// waiting for the real ranks until timeout_s. A refused peer that passed
-// the TLS check (one of ours, misconfigured) is told why and fails with
-// that error. Every length read from a peer is checked against the call's
-// or the protocol's own before anything is allocated or read.
+// waiting for the real ranks until timeout_s. A peer refused for its
+// certificate's role, its rank, world or secret is told why (a rank of
+// ours, misconfigured, fails with that error); one that fails the
+// handshake or says no valid hello is only closed. Every length read from
+// a peer is checked against the call's or the protocol's own before
+// anything is allocated or read.
 #pragma once
 
 #include <memory>
