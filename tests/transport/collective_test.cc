@@ -187,7 +187,9 @@ class Certificates : public ::testing::Environment {
       s = transport::IssueCertificate(dir_ + "/" + ca + ".pem", dir_ + "/" + ca + ".key", spec,
                                       dir_ + "/" + name + ".pem", dir_ + "/" + name + ".key");
     };
-    for (int i = 0; i < 4; ++i) issue("ca", transport::role::kWorker, "w" + std::to_string(i), {"127.0.0.1", "localhost"});
+    for (int i = 0; i < 4; ++i) {
+      issue("ca", transport::role::kWorker, "w" + std::to_string(i), {"127.0.0.1", "localhost"});
+    }
     issue("ca", transport::role::kClient, "c0", {"127.0.0.1", "localhost"});
     issue("ca", transport::role::kWorker, "wfar", {"10.9.9.9"});
     issue("x-ca", transport::role::kWorker, "x0", {"127.0.0.1", "localhost"});
