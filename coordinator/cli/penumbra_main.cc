@@ -18,6 +18,7 @@
 #include "coordinator/cli/service_cli.h"
 #include "coordinator/tokenizer/text_codec.h"
 #include "transport/context_group.h"
+#include "transport/tls.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"
 
@@ -57,10 +58,13 @@ Status Generate(int argc, char** argv) {
       .Switch("ignore-eos", "do not stop at the model's eos ids")
       .Switch("json", "print one JSON object instead of text");
   AddEngineFlags(a);
-  // One sequence across processes (GPUs): docs/operations.md, "Context parallel".
+  // One sequence across processes (GPUs): docs/operations.md, "Context parallel";
+  // the group's TLS certificates (role worker) and --insecure.
   AddContextGroupFlags(a);
+  transport::AddSecurityFlags(a);
   Status ps = a.Parse(argc, argv, 2);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
+  PENUMBRA_ASSIGN_OR_RETURN(const transport::ProcessSecurity security, transport::SecurityFromFlags(a));
   if (!a.Has("model")) return Status::InvalidArgument(std::string("--model is required\n") + kUsage);
   const int given = a.Has("prompt") + a.Has("prompt-ids") + a.Has("prompt-file");
   if (given != 1) return Status::InvalidArgument("give exactly one of --prompt, --prompt-file, --prompt-ids");
@@ -106,7 +110,7 @@ Status Generate(int argc, char** argv) {
     req.stop_ids = engine->config().eos_token_ids;
   }
   Runtime& rt = engine->runtime();
-  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Collective> group, JoinContextGroup(a, &engine->backend()));
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Collective> group, JoinContextGroup(a, &engine->backend(), security));
   if (group) PENUMBRA_RETURN_IF_ERROR(rt.SetContextGroup(group.get()));
   PENUMBRA_ASSIGN_OR_RETURN(auto results, rt.Generate({req}));
   const GenerationResult& g = results[0];

@@ -1,10 +1,12 @@
 // Context parallel with real processes (label distributed): two `penumbra
 // generate` ranks on the CPU backend, joined over TCP on loopback (rank 0
-// binds port 0 and writes it to --cp-port-file), give the greedy tokens of
-// the same prompt generated in one process, for full attention and for
-// ShadowKV configured to lose nothing; a rank killed with SIGKILL ends the
-// other with an error in bounded time, never a hang; a rank whose partner
-// never comes gives up after --cp-timeout-s.
+// binds port 0 and writes it to --cp-port-file), in plaintext and over
+// mutual TLS (worker certificates from a CA the test makes), give the
+// greedy tokens of the same prompt generated in one process, for full
+// attention and for ShadowKV configured to lose nothing; a rank killed with
+// SIGKILL ends the other with an error in bounded time, never a hang; a
+// rank whose partner never comes gives up after --cp-timeout-s. (The group
+// under attack: tests/security/context_group_test.cc.)
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -20,6 +22,8 @@
 #include "common/file.h"
 #include "common/process.h"
 #include "tests/worker/stories_shadowkv.h"
+#include "transport/certs.h"
+#include "transport/tls.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {
@@ -101,19 +105,45 @@ class ContextParallelProcessTest : public testing::StoriesTest {
     }
     return {};
   }
-  // Both ranks of a 2-rank group; their exit codes.
-  std::pair<int, int> RunPair(const std::vector<int32_t>& prompt, const std::vector<std::string>& flags) {
+  // Both ranks of a 2-rank group (with `tls`, certificates w0 and w1);
+  // their exit codes.
+  std::pair<int, int> RunPair(const std::vector<int32_t>& prompt, const std::vector<std::string>& flags,
+                              bool tls = false) {
     std::vector<std::string> r0 = {"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:0",
                                    "--cp-port-file", (dir_ / "port.json").string()};
     r0.insert(r0.end(), flags.begin(), flags.end());
+    if (tls) Append(&r0, TlsFlags("w0"));
     const pid_t p0 = Start(prompt, r0, "rank0.log");
     const int port = PortOf("port.json");
     EXPECT_GT(port, 0) << Log("rank0.log");
     std::vector<std::string> r1 = {"--cp-world", "2", "--cp-rank", "1", "--cp-rendezvous",
                                    "127.0.0.1:" + std::to_string(port)};
     r1.insert(r1.end(), flags.begin(), flags.end());
+    if (tls) Append(&r1, TlsFlags("w1"));
     const pid_t p1 = Start(prompt, r1, "rank1.log");
     return {Wait(p0, 120s), Wait(p1, 120s)};
+  }
+  static void Append(std::vector<std::string>* to, const std::vector<std::string>& more) {
+    to->insert(to->end(), more.begin(), more.end());
+  }
+  // A CA and worker certificates w0, w1 (for 127.0.0.1) in dir_/certs, made
+  // once per test; the flags naming `name`'s.
+  std::vector<std::string> TlsFlags(const std::string& name) {
+    const std::string d = (dir_ / "certs").string();
+    if (!std::filesystem::exists(d + "/ca.pem")) {
+      std::filesystem::create_directories(d);
+      Status s = transport::CreateCertificateAuthority(d + "/ca.pem", d + "/ca.key", "penumbra-test");
+      for (const char* w : {"w0", "w1"}) {
+        transport::CertificateSpec spec;
+        spec.role = transport::role::kWorker;
+        spec.name = w;
+        spec.hosts = {"127.0.0.1", "localhost"};
+        if (s.ok()) s = transport::IssueCertificate(d + "/ca.pem", d + "/ca.key", spec, d + "/" + w + ".pem",
+                                                    d + "/" + w + ".key");
+      }
+      EXPECT_TRUE(s.ok()) << s;
+    }
+    return {"--tls-ca", d + "/ca.pem", "--tls-cert", d + "/" + name + ".pem", "--tls-key", d + "/" + name + ".key"};
   }
 
   std::filesystem::path dir_;
@@ -144,37 +174,48 @@ const std::vector<std::string> kExactShadowKv = {"--kv-policy", "shadowkv", "--r
                                                  "--local-window", "8", "--outliers", "0", "--budget", "4096",
                                                  "--min-prompt", "0"};
 
-TEST_F(ContextParallelProcessTest, TwoRanksGiveTheOneProcessTokens) {
+// Plaintext or mutual TLS.
+class ContextParallelTransportTest : public ContextParallelProcessTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(ContextParallelTransportTest, TwoRanksGiveTheOneProcessTokens) {
+  const bool tls = GetParam();
   const auto prompt = testing::LcgTokens(300, 11, true);
   for (const auto& policy : {std::vector<std::string>{"--kv-policy", "full"}, kExactShadowKv}) {
     const auto want = InProcess(prompt, policy);
     ASSERT_EQ(want.size(), 24u);
-    const auto [rc0, rc1] = RunPair(prompt, policy);
+    const auto [rc0, rc1] = RunPair(prompt, policy, tls);
     ASSERT_EQ(rc0, 0) << Log("rank0.log");
     ASSERT_EQ(rc1, 0) << Log("rank1.log");
     EXPECT_EQ(Ids("rank0.log"), want) << policy[1] << "\n" << Log("rank0.log");
     EXPECT_EQ(Ids("rank1.log"), want) << policy[1] << "\n" << Log("rank1.log");
+    for (const char* log : {"rank0.log", "rank1.log"}) {
+      EXPECT_NE(Log(log).find(tls ? "joined (data plane: TCP, mutual TLS)" : "joined (data plane: TCP, plaintext)"),
+                std::string::npos)
+          << Log(log);
+    }
     std::filesystem::remove(dir_ / "port.json");
   }
 }
 
-TEST_F(ContextParallelProcessTest, AKilledRankEndsTheOtherWithAnError) {
+TEST_P(ContextParallelTransportTest, AKilledRankEndsTheOtherWithAnError) {
   // Rank 1 is killed as soon as it has joined (its log says so), while the
   // ranks prefill and decode the model's whole context together. On a fast
   // machine the pair may finish first: then the attempt is repeated.
+  const bool tls = GetParam();
   const auto prompt = testing::LcgTokens(300, 12, true);
   bool killed_mid_run = false;
   for (int attempt = 0; attempt < 3 && !killed_mid_run; ++attempt) {
     std::filesystem::remove(dir_ / "port.json");
-    const std::vector<std::string> r0 = {"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:0",
-                                         "--cp-port-file", (dir_ / "port.json").string(), "--cp-timeout-s", "10"};
+    std::vector<std::string> r0 = {"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:0",
+                                   "--cp-port-file", (dir_ / "port.json").string(), "--cp-timeout-s", "10"};
+    if (tls) Append(&r0, TlsFlags("w0"));
     const pid_t p0 = Start(prompt, r0, "rank0.log", 200);
     const int port = PortOf("port.json");
     ASSERT_GT(port, 0) << Log("rank0.log");
-    const pid_t p1 = Start(prompt,
-                           {"--cp-world", "2", "--cp-rank", "1", "--cp-rendezvous",
-                            "127.0.0.1:" + std::to_string(port), "--cp-timeout-s", "10"},
-                           "rank1.log", 200);
+    std::vector<std::string> r1 = {"--cp-world", "2", "--cp-rank", "1", "--cp-rendezvous",
+                                   "127.0.0.1:" + std::to_string(port), "--cp-timeout-s", "10"};
+    if (tls) Append(&r1, TlsFlags("w1"));
+    const pid_t p1 = Start(prompt, r1, "rank1.log", 200);
     for (int i = 0; i < 6000 && Log("rank1.log").find("joined") == std::string::npos; ++i) {
       std::this_thread::sleep_for(1ms);
     }
@@ -188,6 +229,9 @@ TEST_F(ContextParallelProcessTest, AKilledRankEndsTheOtherWithAnError) {
   }
   EXPECT_TRUE(killed_mid_run) << "the kill never landed before the pair finished";
 }
+
+INSTANTIATE_TEST_SUITE_P(Transport, ContextParallelTransportTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Tls" : "Plain"; });
 
 TEST_F(ContextParallelProcessTest, ARankAloneGivesUpAfterItsTimeout) {
   const auto prompt = testing::LcgTokens(100, 13, true);

@@ -7,7 +7,8 @@
 // selection the shards agree on every token across ranks and start with the
 // unsharded first token (the prefill is exact); what a shard cannot do is
 // refused. The same over real processes
-// and TCP: tests/service/context_parallel_integration_test.cc.
+// and TCP (plaintext and mutual TLS):
+// tests/transport/context_parallel_integration_test.cc.
 #include <gtest/gtest.h>
 
 #include <thread>

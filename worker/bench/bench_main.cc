@@ -9,7 +9,8 @@
 //                          (one shared document)
 //   penumbra-bench cp-decode --context 2097152 --cp-world 2 --cp-rank R --cp-rendezvous H:P [--cuda-device R]
 //                          (one sequence across the ranks of a context-parallel group, one process per
-//                          GPU; --cp-world 1 or absent: the same on one GPU; rank 0 prints the line)
+//                          GPU; --cp-world 1 or absent: the same on one GPU; rank 0 prints the line;
+//                          --tls-ca/--tls-cert/--tls-key: the group's mutual TLS, --cp-secret-file its secret)
 // decode fills each sequence's context with random keys and values (through
 // the policy's real compression path for shadowkv), then times `steps` decode
 // steps of the whole model after 2 warm-up steps, greedy sampling included.
@@ -895,10 +896,12 @@ Status Main(int argc, char** argv) {
                          "(synchronizes after each)");
   AddShadowKvFlags(a);
   AddContextGroupFlags(a);
+  transport::AddSecurityFlags(a);  // the context group's TLS certificates (role worker), --insecure
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
   if (a.Has("cp-world") && mode != "cp-decode" && mode != "prefill") {
     return Status::InvalidArgument("--cp-world applies to cp-decode and prefill only");
   }
+  PENUMBRA_ASSIGN_OR_RETURN(const transport::ProcessSecurity security, transport::SecurityFromFlags(a));
   Status st;
   ModelConfig c = Llama8BShape(a, &st);
   PENUMBRA_RETURN_IF_ERROR(st);
@@ -948,7 +951,7 @@ Status Main(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(auto engine, Engine::OpenRandom(c, eo, 42));
   for (int64_t l = 1; l < lanes; ++l) PENUMBRA_RETURN_IF_ERROR(engine->AddLane().status());
   // cp-decode: this process is one rank of a context-parallel group.
-  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Collective> group, JoinContextGroup(a, &engine->backend()));
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Collective> group, JoinContextGroup(a, &engine->backend(), security));
   if (group) PENUMBRA_RETURN_IF_ERROR(engine->runtime().SetContextGroup(group.get()));
   Common cm;
   cm.gpu = engine->backend().name();
