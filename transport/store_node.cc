@@ -10,6 +10,7 @@
 #include <cstring>
 #include <sstream>
 #include <tuple>
+#include <type_traits>
 #include <unistd.h>
 
 #include "common/crypto.h"
@@ -35,8 +36,187 @@ std::string Serialize(const T& t) {
   return buf->getBufferAsString();
 }
 
+// Thrift's binary protocol, walked without building anything, as the
+// generated readers will read it. Thrift's reader casts every type byte to
+// its TType enum before checking it (undefined behaviour outside the enum),
+// and a generated reader reads a container field's elements as the IDL's
+// types whatever types the wire names; so peers' bytes are walked here first,
+// with the messages' schema: every type byte one Thrift defines, every size
+// non-negative and within the bytes left, known fields' elements as their
+// IDL types, unknown fields as the wire says (Thrift skips those the same
+// way), nesting bounded.
+enum : uint8_t {
+  kStop = 0, kBool = 2, kByte = 3, kDouble = 4, kI16 = 6, kI32 = 8, kI64 = 10, kString = 11, kStruct = 12,
+  kMap = 13, kSet = 14, kList = 15,
+};
+struct FieldSpec;
+// A type of the IDL: its wire type, and for containers and structs what is
+// inside.
+struct TypeSpec {
+  uint8_t type;
+  const TypeSpec* key = nullptr;                 // map key; list or set element
+  const TypeSpec* value = nullptr;               // map value
+  const std::vector<FieldSpec>* fields = nullptr;  // struct
+};
+struct FieldSpec {
+  int16_t id;
+  TypeSpec type;
+};
+
+// transport/store.thrift, field by field (kept in step with it: the fuzzer,
+// store_node_fuzz, finds a divergence as undefined behaviour in Thrift).
+const TypeSpec kI64Type{kI64}, kStringType{kString};
+const std::vector<FieldSpec> kStoreKeyFields = {{1, {kI64}}, {2, {kI64}}};
+const std::vector<FieldSpec> kStoreBlobLayoutFields = {{1, {kString}}, {2, {kI64}}, {3, {kI64}}, {4, {kI32}}};
+const std::vector<FieldSpec> kStoreInfoFields = {{1, {kString}}, {2, {kI64}}, {3, {kI64}}, {4, {kBool}}};
+const TypeSpec kLayoutType{kStruct, nullptr, nullptr, &kStoreBlobLayoutFields};
+const std::vector<FieldSpec> kStoreRequestFields = {
+    {1, {kStruct, nullptr, nullptr, &kStoreKeyFields}},
+    {2, {kString}},
+    {3, {kI64}},
+    {4, {kMap, &kStringType, &kI64Type}},
+    {5, {kMap, &kStringType, &kI64Type}},
+    {8, {kString}},
+    {9, {kI64}},
+    {11, {kString}},
+    {12, {kList, &kI64Type}},
+    {13, {kList, &kI64Type}},
+    {14, {kString}},
+    {15, {kString}},
+};
+const std::vector<FieldSpec> kStoreReplyFields = {
+    {1, {kStruct, nullptr, nullptr, &kStoreInfoFields}},
+    {2, {kList, &kLayoutType}},
+    {5, {kString}},
+    {6, {kString}},
+};
+
+class ThriftWalker {
+ public:
+  explicit ThriftWalker(std::string_view b) : b_(b) {}
+  // A struct of `fields` (null: unknown, walked as the wire says).
+  bool Struct(const std::vector<FieldSpec>* fields, int depth) {
+    if (depth <= 0) return false;
+    for (;;) {
+      uint8_t type = 0;
+      if (!U8(&type)) return false;
+      if (type == kStop) return true;
+      if (!Known(type) || b_.size() - at_ < 2) return false;
+      const auto* p = reinterpret_cast<const unsigned char*>(b_.data() + at_);
+      const auto id = static_cast<int16_t>((uint16_t{p[0]} << 8) | p[1]);
+      at_ += 2;
+      const TypeSpec* spec = nullptr;
+      if (fields != nullptr) {
+        for (const FieldSpec& f : *fields) {
+          if (f.id == id && f.type.type == type) spec = &f.type;
+        }
+      }
+      if (!(spec ? Typed(*spec, depth) : Wire(type, depth))) return false;
+    }
+  }
+
+ private:
+  bool U8(uint8_t* v) {
+    if (at_ >= b_.size()) return false;
+    *v = static_cast<uint8_t>(b_[at_++]);
+    return true;
+  }
+  bool Size(uint32_t* n) {
+    if (b_.size() - at_ < 4) return false;
+    const auto* p = reinterpret_cast<const unsigned char*>(b_.data() + at_);
+    const auto v = static_cast<int32_t>((uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3]);
+    at_ += 4;
+    if (v < 0) return false;
+    *n = static_cast<uint32_t>(v);
+    return true;
+  }
+  bool Skip(size_t n) {
+    if (b_.size() - at_ < n) return false;
+    at_ += n;
+    return true;
+  }
+  static bool Known(uint8_t t) {
+    return t == kBool || t == kByte || t == kDouble || t == kI16 || t == kI32 || t == kI64 || t == kString ||
+           t == kStruct || t == kMap || t == kSet || t == kList;
+  }
+  bool Scalar(uint8_t type) {
+    switch (type) {
+      case kBool:
+      case kByte: return Skip(1);
+      case kI16: return Skip(2);
+      case kI32: return Skip(4);
+      case kDouble:
+      case kI64: return Skip(8);
+      case kString: {
+        uint32_t n = 0;
+        return Size(&n) && Skip(n);
+      }
+      default: return false;
+    }
+  }
+  // A value read as the IDL says (a known field's).
+  bool Typed(const TypeSpec& t, int depth) {
+    switch (t.type) {
+      case kStruct: return Struct(t.fields, depth - 1);
+      case kMap: {
+        uint8_t k = 0, v = 0;
+        uint32_t n = 0;
+        if (!U8(&k) || !U8(&v) || !Known(k) || !Known(v) || !Size(&n)) return false;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (!Typed(*t.key, depth - 1) || !Typed(*t.value, depth - 1)) return false;
+        }
+        return true;
+      }
+      case kSet:
+      case kList: {
+        uint8_t e = 0;
+        uint32_t n = 0;
+        if (!U8(&e) || !Known(e) || !Size(&n)) return false;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (!Typed(*t.key, depth - 1)) return false;
+        }
+        return true;
+      }
+      default: return Scalar(t.type);
+    }
+  }
+  // A value read as the wire says (an unknown field's, as Thrift skips it).
+  bool Wire(uint8_t type, int depth) {
+    switch (type) {
+      case kStruct: return Struct(nullptr, depth - 1);
+      case kMap: {
+        uint8_t k = 0, v = 0;
+        uint32_t n = 0;
+        if (!U8(&k) || !U8(&v) || !Known(k) || !Known(v) || !Size(&n)) return false;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (!Wire(k, depth - 1) || !Wire(v, depth - 1)) return false;
+        }
+        return true;
+      }
+      case kSet:
+      case kList: {
+        uint8_t e = 0;
+        uint32_t n = 0;
+        if (!U8(&e) || !Known(e) || !Size(&n)) return false;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (!Wire(e, depth - 1)) return false;
+        }
+        return true;
+      }
+      default: return Scalar(type);
+    }
+  }
+  std::string_view b_;
+  size_t at_ = 0;
+};
+
 template <typename T>
 Status Deserialize(const std::string& bytes, T* out, const char* what) {
+  const bool request = std::is_same_v<T, st::StoreRequest>;
+  if (!IsWellFormedStoreMessage(bytes, request)) {
+    return Status::InvalidArgument(std::string("store node: a malformed ") + what +
+                                   " (not a struct in Thrift's binary protocol)");
+  }
   try {
     auto config = std::make_shared<TConfiguration>(INT_MAX, INT_MAX, 64);
     auto buf = std::make_shared<TMemoryBuffer>(reinterpret_cast<uint8_t*>(const_cast<char*>(bytes.data())),
@@ -161,6 +341,10 @@ class RemoteReader final : public storage::BlobReader {
 };
 
 }  // namespace
+
+bool IsWellFormedStoreMessage(std::string_view bytes, bool request) {
+  return ThriftWalker(bytes).Struct(request ? &kStoreRequestFields : &kStoreReplyFields, 16);
+}
 
 // ------------------------------------------------------------------- node
 

@@ -35,6 +35,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -113,6 +114,15 @@ class StoreService {
   std::map<std::string, std::shared_ptr<Upload>> uploads_;
   uint64_t upload_bytes_ = 0;
 };
+
+// Whether `bytes` begin with a well-formed StoreRequest (request) or
+// StoreReply in Thrift's binary protocol, as the generated reader would read
+// it: every type byte one Thrift defines, every size non-negative and within
+// the bytes, known fields' elements of their IDL types, nesting bounded. The
+// node walks every request (and the client every reply) with it before
+// Thrift reads them: Thrift's reader casts type bytes to its enum before
+// checking them (undefined behaviour on hostile bytes).
+bool IsWellFormedStoreMessage(std::string_view bytes, bool request);
 
 // The store plane's defaults for a node: 8 handler threads (disk reads).
 inline UcxServerOptions StorePlaneDefaults() {

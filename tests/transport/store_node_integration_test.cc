@@ -540,5 +540,58 @@ TEST(StoreNodeClientTest, UploadsAreBoundedBeforeAnythingIsAllocated) {
             StatusCode::kInvalidArgument);
 }
 
+// Requests are walked as Thrift's generated reader would read them before
+// Thrift reads them: truncated messages, type bytes Thrift does not define
+// (which its reader casts to an enum first: undefined behaviour) and
+// container elements of other types than the IDL's are refused with
+// InvalidArgument, never read.
+TEST(StoreNodeClientTest, MalformedMessagesAreRefusedBeforeThriftReadsThem) {
+  using namespace std::string_literals;
+  st::StoreRequest q;
+  q.key = KeyOf(Hasher128().Update("k").Digest());
+  q.cache_namespace = "ns";
+  q.tokens = 3;
+  q.sizes = {{"a", 1}, {"b", 2}};
+  q.block_bytes = {{"a", 4096}};
+  q.upload = RandomHandle();
+  q.reader = RandomHandle();
+  q.blob = "a";
+  q.offset = 5;
+  q.data = "bytes";
+  q.offsets = {1, 2};
+  q.lengths = {3, 4};
+  const std::string whole = Ser(q);
+  EXPECT_TRUE(transport::IsWellFormedStoreMessage(whole, true));
+  for (size_t n = 0; n < whole.size(); ++n) {
+    ASSERT_FALSE(transport::IsWellFormedStoreMessage(whole.substr(0, n), true)) << "truncated at " << n;
+  }
+  // A type byte Thrift does not define, at a field and inside a container.
+  std::string bad = whole;
+  bad[0] = 0x21;
+  EXPECT_FALSE(transport::IsWellFormedStoreMessage(bad, true));
+  // Field 4 (map<string, i64>) announcing bool values: Thrift reads i64s
+  // anyway, so the bytes after are read as it would, and here they end early.
+  const std::string mismatched = "\x0d\x00\x04\x0b\x02\x00\x00\x00\x01"s + "\x00\x00\x00\x01x"s + "\x01\x00"s;
+  EXPECT_FALSE(transport::IsWellFormedStoreMessage(mismatched, true));
+  // ... and where the bytes after decode, as a field of an undefined type.
+  const std::string undefined = "\x0d\x00\x04\x0b\x02\x00\x00\x00\x01"s + "\x00\x00\x00\x01x"s +
+                                std::string(8, '\0') + "\x21\x00\x01\x00"s;
+  EXPECT_FALSE(transport::IsWellFormedStoreMessage(undefined, true));
+  EXPECT_TRUE(transport::IsWellFormedStoreMessage(undefined.substr(0, undefined.size() - 4) + '\0', true))
+      << "the same bytes ending with a stop are a message (Thrift reads it)";
+  // Negative sizes; unknown fields are walked as the wire says.
+  EXPECT_FALSE(transport::IsWellFormedStoreMessage("\x0b\x00\x02\xff\xff\xff\xff\x00"s, true));
+  EXPECT_TRUE(transport::IsWellFormedStoreMessage("\x0f\x00\x63\x08\x00\x00\x00\x01\x00\x00\x00\x07\x00"s, true));
+  // Through the node: a typed error, and the node serves on.
+  storage::testing::TempDir tmp;
+  LocalNode n(tmp.path() + "/db");
+  auto c = Client(n.node->port());
+  ASSERT_NE(c, nullptr);
+  for (const std::string& m : {bad, mismatched, undefined}) {
+    EXPECT_EQ(c->Call(st::StoreMethod::PUT_BEGIN, m).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_TRUE(c->Put(Hasher128().Update("fine").Digest(), "", 1, {{"v", "fine"}}).ok());
+}
+
 }  // namespace
 }  // namespace penumbra
