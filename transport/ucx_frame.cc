@@ -1,6 +1,8 @@
 #include "transport/ucx_frame.h"
 
+#include <openssl/core_names.h>
 #include <openssl/evp.h>
+#include <openssl/params.h>
 
 #include <algorithm>
 #include <array>
@@ -39,10 +41,6 @@ uint64_t Get64(const char* p) {
 
 std::string Bytes(const Sha256Digest& d, size_t n = 32) { return std::string(reinterpret_cast<const char*>(d.data()), n); }
 
-std::string HeaderMac(const std::string& key, std::string_view signed_bytes) {
-  return Bytes(HmacSha256(key, signed_bytes), kMacBytes);
-}
-
 // The GCM nonce of frame `seq` of a direction: the direction, then seq.
 std::array<unsigned char, 12> Nonce(uint32_t direction, uint64_t seq) {
   std::array<unsigned char, 12> n{};
@@ -51,67 +49,114 @@ std::array<unsigned char, 12> Nonce(uint32_t direction, uint64_t seq) {
   return n;
 }
 
-struct CipherCtx {
-  EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
-  ~CipherCtx() { EVP_CIPHER_CTX_free(ctx); }
+}  // namespace
+
+// One direction's keys made ready once (an HMAC context keyed, AES key
+// schedules expanded); each frame copies them (thread-safe: the templates
+// are only read).
+class FrameCrypto {
+ public:
+  explicit FrameCrypto(const DirectionKeys& k) : direction_(k.direction) {
+    CHECK_EQ(k.header_key.size(), 32u);
+    CHECK_EQ(k.body_key.size(), 32u);
+    EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+    CHECK(mac != nullptr) << "OpenSSL has no HMAC";
+    mac_ = EVP_MAC_CTX_new(mac);
+    EVP_MAC_free(mac);
+    char digest[] = "SHA256";
+    OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0), OSSL_PARAM_construct_end()};
+    CHECK(mac_ != nullptr && EVP_MAC_init(mac_, reinterpret_cast<const unsigned char*>(k.header_key.data()),
+                                          k.header_key.size(), params) == 1);
+    const auto* key = reinterpret_cast<const unsigned char*>(k.body_key.data());
+    enc_ = EVP_CIPHER_CTX_new();
+    dec_ = EVP_CIPHER_CTX_new();
+    CHECK(enc_ != nullptr && EVP_EncryptInit_ex(enc_, EVP_aes_256_gcm(), nullptr, key, nullptr) == 1);
+    CHECK(dec_ != nullptr && EVP_DecryptInit_ex(dec_, EVP_aes_256_gcm(), nullptr, key, nullptr) == 1);
+  }
+  ~FrameCrypto() {
+    EVP_MAC_CTX_free(mac_);
+    EVP_CIPHER_CTX_free(enc_);
+    EVP_CIPHER_CTX_free(dec_);
+  }
+  FrameCrypto(const FrameCrypto&) = delete;
+  FrameCrypto& operator=(const FrameCrypto&) = delete;
+
+  // HMAC-SHA256 of the signed header bytes, its first kMacBytes.
+  std::string Mac(std::string_view signed_bytes) const {
+    EVP_MAC_CTX* ctx = EVP_MAC_CTX_dup(mac_);
+    CHECK(ctx != nullptr);
+    unsigned char d[32];
+    size_t n = 0;
+    CHECK(EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(signed_bytes.data()), signed_bytes.size()) == 1 &&
+          EVP_MAC_final(ctx, d, &n, sizeof d) == 1 && n == sizeof d);
+    EVP_MAC_CTX_free(ctx);
+    return std::string(reinterpret_cast<const char*>(d), kMacBytes);
+  }
+
+  // Encrypts *data in place with AES-256-GCM and appends the tag.
+  void Seal(uint64_t seq, std::string_view aad, std::string* data) const {
+    Ctx c;
+    const auto nonce = Nonce(direction_, seq);
+    CHECK(c.ctx != nullptr && EVP_CIPHER_CTX_copy(c.ctx, enc_) == 1 &&
+          EVP_EncryptInit_ex(c.ctx, nullptr, nullptr, nullptr, nonce.data()) == 1);
+    int n = 0;
+    CHECK(EVP_EncryptUpdate(c.ctx, nullptr, &n, reinterpret_cast<const unsigned char*>(aad.data()),
+                            static_cast<int>(aad.size())) == 1);
+    auto* p = reinterpret_cast<unsigned char*>(data->data());
+    for (size_t at = 0; at < data->size();) {
+      const int chunk = static_cast<int>(std::min<size_t>(data->size() - at, size_t{1} << 30));
+      CHECK(EVP_EncryptUpdate(c.ctx, p + at, &n, p + at, chunk) == 1 && n == chunk);
+      at += static_cast<size_t>(chunk);
+    }
+    unsigned char tail[16];
+    CHECK(EVP_EncryptFinal_ex(c.ctx, tail, &n) == 1 && n == 0);
+    unsigned char tag[kTagBytes];
+    CHECK(EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_GET_TAG, kTagBytes, tag) == 1);
+    data->append(reinterpret_cast<const char*>(tag), kTagBytes);
+  }
+
+  // Decrypts *data (ciphertext, then the tag) in place; false when the tag
+  // does not verify (then *data holds nothing to use).
+  bool Open(uint64_t seq, std::string_view aad, std::string* data) const {
+    if (data->size() < kTagBytes) return false;
+    const size_t n_text = data->size() - kTagBytes;
+    unsigned char tag[kTagBytes];
+    std::memcpy(tag, data->data() + n_text, kTagBytes);
+    Ctx c;
+    const auto nonce = Nonce(direction_, seq);
+    if (c.ctx == nullptr || EVP_CIPHER_CTX_copy(c.ctx, dec_) != 1 ||
+        EVP_DecryptInit_ex(c.ctx, nullptr, nullptr, nullptr, nonce.data()) != 1) {
+      return false;
+    }
+    int n = 0;
+    if (EVP_DecryptUpdate(c.ctx, nullptr, &n, reinterpret_cast<const unsigned char*>(aad.data()),
+                          static_cast<int>(aad.size())) != 1) {
+      return false;
+    }
+    auto* p = reinterpret_cast<unsigned char*>(data->data());
+    for (size_t at = 0; at < n_text;) {
+      const int chunk = static_cast<int>(std::min<size_t>(n_text - at, size_t{1} << 30));
+      if (EVP_DecryptUpdate(c.ctx, p + at, &n, p + at, chunk) != 1 || n != chunk) return false;
+      at += static_cast<size_t>(chunk);
+    }
+    if (EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, kTagBytes, tag) != 1) return false;
+    unsigned char tail[16];
+    if (EVP_DecryptFinal_ex(c.ctx, tail, &n) != 1) return false;
+    data->resize(n_text);
+    return true;
+  }
+
+ private:
+  struct Ctx {
+    EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+    ~Ctx() { EVP_CIPHER_CTX_free(ctx); }
+  };
+  uint32_t direction_;
+  EVP_MAC_CTX* mac_ = nullptr;
+  EVP_CIPHER_CTX *enc_ = nullptr, *dec_ = nullptr;
 };
 
-// Encrypts *data in place with AES-256-GCM and appends the tag.
-void GcmSeal(const std::string& key, uint32_t direction, uint64_t seq, std::string_view aad, std::string* data) {
-  CHECK_EQ(key.size(), 32u);
-  CipherCtx c;
-  CHECK(c.ctx != nullptr);
-  const auto nonce = Nonce(direction, seq);
-  CHECK(EVP_EncryptInit_ex(c.ctx, EVP_aes_256_gcm(), nullptr, reinterpret_cast<const unsigned char*>(key.data()),
-                           nonce.data()) == 1);
-  int n = 0;
-  CHECK(EVP_EncryptUpdate(c.ctx, nullptr, &n, reinterpret_cast<const unsigned char*>(aad.data()),
-                          static_cast<int>(aad.size())) == 1);
-  auto* p = reinterpret_cast<unsigned char*>(data->data());
-  for (size_t at = 0; at < data->size();) {
-    const int chunk = static_cast<int>(std::min<size_t>(data->size() - at, size_t{1} << 30));
-    CHECK(EVP_EncryptUpdate(c.ctx, p + at, &n, p + at, chunk) == 1 && n == chunk);
-    at += static_cast<size_t>(chunk);
-  }
-  unsigned char tail[16];
-  CHECK(EVP_EncryptFinal_ex(c.ctx, tail, &n) == 1 && n == 0);
-  unsigned char tag[kTagBytes];
-  CHECK(EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_GET_TAG, kTagBytes, tag) == 1);
-  data->append(reinterpret_cast<const char*>(tag), kTagBytes);
-}
-
-// Decrypts *data (ciphertext, then the tag) in place; false when the tag
-// does not verify (then *data holds nothing to use).
-bool GcmOpen(const std::string& key, uint32_t direction, uint64_t seq, std::string_view aad, std::string* data) {
-  if (data->size() < kTagBytes || key.size() != 32) return false;
-  const size_t n_text = data->size() - kTagBytes;
-  unsigned char tag[kTagBytes];
-  std::memcpy(tag, data->data() + n_text, kTagBytes);
-  CipherCtx c;
-  if (c.ctx == nullptr) return false;
-  const auto nonce = Nonce(direction, seq);
-  if (EVP_DecryptInit_ex(c.ctx, EVP_aes_256_gcm(), nullptr, reinterpret_cast<const unsigned char*>(key.data()),
-                         nonce.data()) != 1) {
-    return false;
-  }
-  int n = 0;
-  if (EVP_DecryptUpdate(c.ctx, nullptr, &n, reinterpret_cast<const unsigned char*>(aad.data()),
-                        static_cast<int>(aad.size())) != 1) {
-    return false;
-  }
-  auto* p = reinterpret_cast<unsigned char*>(data->data());
-  for (size_t at = 0; at < n_text;) {
-    const int chunk = static_cast<int>(std::min<size_t>(n_text - at, size_t{1} << 30));
-    if (EVP_DecryptUpdate(c.ctx, p + at, &n, p + at, chunk) != 1 || n != chunk) return false;
-    at += static_cast<size_t>(chunk);
-  }
-  if (EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, kTagBytes, tag) != 1) return false;
-  unsigned char tail[16];
-  const bool ok = EVP_DecryptFinal_ex(c.ctx, tail, &n) == 1;
-  if (!ok) return false;
-  data->resize(n_text);
-  return true;
-}
+namespace {
 
 Status Refuse(Refusal* why, Refusal r, const std::string& message) {
   if (why != nullptr) *why = r;
@@ -199,8 +244,14 @@ Refusal ReplayWindow::Admit(uint64_t seq) {
   return Refusal::kNone;
 }
 
+FrameSealer::FrameSealer(std::shared_ptr<const DirectionKeys> keys)
+    : crypto_(keys ? std::make_shared<const FrameCrypto>(*keys) : nullptr) {}
+
+FrameOpener::FrameOpener(std::shared_ptr<const DirectionKeys> keys, size_t max_body)
+    : crypto_(keys ? std::make_shared<const FrameCrypto>(*keys) : nullptr), max_body_(max_body) {}
+
 std::string FrameSealer::Seal(FrameHeader h, std::string* body) {
-  h.sealed = keys_ != nullptr;
+  h.sealed = crypto_ != nullptr;
   if (!h.sealed) {
     h.seq = 0;
     h.body_bytes = body->size();
@@ -213,8 +264,8 @@ std::string FrameSealer::Seal(FrameHeader h, std::string* body) {
   h.body_bytes = body->size() + kTagBytes;
   std::string header = EncodeHeader(h);
   const std::string_view signed_bytes(header.data(), kSignedHeaderBytes);
-  GcmSeal(keys_->body_key, keys_->direction, h.seq, signed_bytes, body);
-  const std::string mac = HeaderMac(keys_->header_key, signed_bytes);
+  crypto_->Seal(h.seq, signed_bytes, body);
+  const std::string mac = crypto_->Mac(signed_bytes);
   std::memcpy(header.data() + kSignedHeaderBytes, mac.data(), kMacBytes);
   return header;
 }
@@ -228,9 +279,9 @@ Result<FrameHeader> FrameOpener::Check(std::string_view header, size_t announced
   const char* p = header.data();
   const std::string_view signed_bytes(p, kSignedHeaderBytes);
   const std::string_view mac(p + kSignedHeaderBytes, kMacBytes);
-  if (keys_ != nullptr) {
+  if (crypto_ != nullptr) {
     // Nothing in the header is read before its MAC verifies.
-    if (!ConstantTimeEquals(mac, HeaderMac(keys_->header_key, signed_bytes))) {
+    if (!ConstantTimeEquals(mac, crypto_->Mac(signed_bytes))) {
       return Refuse(why, Refusal::kBadMac, "a header whose MAC does not verify");
     }
   } else if (mac.find_first_not_of('\0') != std::string_view::npos) {
@@ -256,9 +307,9 @@ Result<FrameHeader> FrameOpener::Check(std::string_view header, size_t announced
   h.code = static_cast<int32_t>(Get32(p + 24));
   h.body_bytes = Get64(p + 32);
   h.checksum = Get64(p + 40);
-  if (h.sealed != (keys_ != nullptr)) {
-    return Refuse(why, keys_ ? Refusal::kBadMac : Refusal::kMalformed,
-                  keys_ ? "a plain frame on a sealed connection" : "a sealed frame on a plain connection");
+  if (h.sealed != (crypto_ != nullptr)) {
+    return Refuse(why, crypto_ ? Refusal::kBadMac : Refusal::kMalformed,
+                  crypto_ ? "a plain frame on a sealed connection" : "a sealed frame on a plain connection");
   }
   if (h.body_bytes > max_body_) {
     return Refuse(why, Refusal::kTooLarge, "a body of " + std::to_string(h.body_bytes) + " bytes (at most " +
@@ -289,14 +340,13 @@ Result<std::string> FrameOpener::Open(const FrameHeader& h, std::string body) co
     return Status::Corruption("ucx frame: a body of " + std::to_string(body.size()) + " bytes, its header says " +
                               std::to_string(h.body_bytes));
   }
-  if (h.sealed != (keys_ != nullptr)) return Status::Corruption("ucx frame: sealed and plain mixed");
+  if (h.sealed != (crypto_ != nullptr)) return Status::Corruption("ucx frame: sealed and plain mixed");
   if (!h.sealed) {
     if (Hash64(body) != h.checksum) return Status::Corruption("ucx frame: a body's checksum does not match");
     return body;
   }
   const std::string header = EncodeHeader(h);
-  if (!GcmOpen(keys_->body_key, keys_->direction, h.seq, std::string_view(header.data(), kSignedHeaderBytes),
-               &body)) {
+  if (!crypto_->Open(h.seq, std::string_view(header.data(), kSignedHeaderBytes), &body)) {
     return Status::Corruption("ucx frame: a sealed body does not verify (tampered, or not from the peer)");
   }
   return body;

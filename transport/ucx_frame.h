@@ -125,19 +125,21 @@ class ReplayWindow {
   std::bitset<kReplayWindow> seen_;  // bit (s % kReplayWindow) for s in (highest_ - kReplayWindow, highest_]
 };
 
+class FrameCrypto;  // one direction's keys, made ready (ucx_frame.cc)
+
 // Makes the frames of one direction of a connection: plain (no keys: the
 // body's checksum in the header) or sealed (header MAC; body encrypted).
 // Thread-safe: many threads seal at once, each frame with its own seq.
 class FrameSealer {
  public:
-  explicit FrameSealer(std::shared_ptr<const DirectionKeys> keys) : keys_(std::move(keys)) {}
+  explicit FrameSealer(std::shared_ptr<const DirectionKeys> keys);
   // Fills h's seq, body_bytes, checksum and sealed; *body (plaintext in)
   // becomes the wire body. Returns the header's bytes.
   std::string Seal(FrameHeader h, std::string* body);
-  bool sealed() const { return keys_ != nullptr; }
+  bool sealed() const { return crypto_ != nullptr; }
 
  private:
-  std::shared_ptr<const DirectionKeys> keys_;
+  std::shared_ptr<const FrameCrypto> crypto_;
   std::atomic<uint64_t> next_seq_{1};
 };
 
@@ -146,8 +148,7 @@ class FrameOpener {
  public:
   // keys null: plain frames only; else sealed frames only. max_body: the
   // largest body accepted.
-  FrameOpener(std::shared_ptr<const DirectionKeys> keys, size_t max_body)
-      : keys_(std::move(keys)), max_body_(max_body) {}
+  FrameOpener(std::shared_ptr<const DirectionKeys> keys, size_t max_body);
   // Checks a received header before anything else is trusted: its size, then
   // (sealed) its MAC, then magic, version, type, flags and reserved bits,
   // then that announced_body (what UCX says the body holds) is what the
@@ -159,10 +160,10 @@ class FrameOpener {
   // verified (plain) or decrypted and its tag verified (sealed).
   // Corruption when it does not verify. Thread-safe (keys only).
   Result<std::string> Open(const FrameHeader& h, std::string body) const;
-  bool sealed() const { return keys_ != nullptr; }
+  bool sealed() const { return crypto_ != nullptr; }
 
  private:
-  std::shared_ptr<const DirectionKeys> keys_;
+  std::shared_ptr<const FrameCrypto> crypto_;
   size_t max_body_;
   ReplayWindow window_;
 };
