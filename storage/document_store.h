@@ -6,7 +6,8 @@
 // a worker's document cache sits in front of either without knowing which.
 //
 // Every implementation verifies what it returns (block checksums on disk,
-// message checksums on the wire): Corruption, never wrong bytes.
+// authenticated or checksummed messages on the wire): Corruption, never
+// wrong bytes.
 // Thread-safe.
 #pragma once
 
@@ -44,8 +45,10 @@ struct BlobLayout {
 class DocumentStore {
  public:
   virtual ~DocumentStore() = default;
-  // Stores a segment (SegmentStore::Put). ResourceExhausted when it cannot
-  // fit; Unavailable when a remote store cannot be reached.
+  // Stores a segment (SegmentStore::Put): over a key already stored, the
+  // same content is a no-op and other content replaces it (FailedPrecondition
+  // while a reader holds it). ResourceExhausted when it cannot fit;
+  // Unavailable when a remote store cannot be reached.
   virtual Status Put(const Hash128& key, const std::string& cache_namespace, int64_t tokens,
                      const std::map<std::string, std::string>& blobs,
                      const std::map<std::string, size_t>& blob_block_bytes = {}) = 0;

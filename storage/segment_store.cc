@@ -4,14 +4,17 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 
+#include <glog/logging.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/snapshot.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
 
+#include "common/crypto.h"
 #include "common/record.h"
 #include "storage/lazy_blob.h"
 #include "storage/rocksdb_status.h"
@@ -22,6 +25,7 @@ namespace {
 constexpr uint32_t kRecordMagic = 0x47455350;  // "PSEG"
 constexpr uint32_t kBlockMagic = 0x4b4c4250;   // "PBLK"
 constexpr size_t kKeyBytes = 16;
+constexpr size_t kDigestBytes = 32;
 
 // ---- byte encodings (little-endian values, big-endian keys) ----------------
 void PutU32(std::string* s, uint32_t v) { s->append(reinterpret_cast<const char*>(&v), 4); }
@@ -39,8 +43,18 @@ std::string KeyBytes(const Hash128& k) {
   return s;
 }
 Hash128 KeyFrom(const char* p) { return Hash128{GetBigEndian64(p + 8), GetBigEndian64(p)}; }
-std::string BlockKey(const Hash128& k, uint32_t blob, uint32_t block) {
+// A version of a segment: its blocks' keys carry it, so two versions'
+// blocks never share a key. The top bit is set so that no format-2 block key
+// (segment key, blob index < 2^16, block) falls in a format-3 version's key
+// range.
+constexpr uint64_t kGenerationBit = uint64_t{1} << 63;
+std::string VersionKey(const Hash128& k, uint64_t generation) {
   std::string s = KeyBytes(k);
+  PutBigEndian64(&s, generation);
+  return s;
+}
+std::string BlockKey(const Hash128& k, uint64_t generation, uint32_t blob, uint32_t block) {
+  std::string s = VersionKey(k, generation);
   PutBigEndian32(&s, blob);
   PutBigEndian32(&s, block);
   return s;
@@ -68,6 +82,8 @@ struct Record {
   int64_t tokens = 0;
   bool pinned = false;
   uint64_t last_used = 0;
+  uint64_t generation = 0;  // the version whose blocks this record names
+  std::string digest;       // kDigestBytes: ContentDigest of what was stored
   bool last_used_unsaved = false;  // in memory only: a ReadBlob marked it used since the record was written
   std::vector<BlobLayout> blobs;
   size_t bytes() const {
@@ -85,6 +101,8 @@ std::string EncodeRecord(const Record& r) {
   PutU64(&s, static_cast<uint64_t>(r.tokens));
   s.push_back(r.pinned ? 1 : 0);
   PutU64(&s, r.last_used);
+  PutU64(&s, r.generation);
+  s.append(r.digest);
   PutU32(&s, static_cast<uint32_t>(r.blobs.size()));
   for (const auto& b : r.blobs) {
     PutStr(&s, b.name);
@@ -106,10 +124,14 @@ Status DecodeRecord(std::string_view v, Record* r) {
   if (version != SegmentStore::kFormatVersion) {
     return Status::Unimplemented("record format version " + std::to_string(version));
   }
+  uint64_t digest[kDigestBytes / 8] = {};
   if (!in.Str(&r->cache_namespace) || !in.I64(&r->tokens) || !in.U8(&pinned) || !in.U64(&r->last_used) ||
-      !in.U32(&n) || n > (1u << 16)) {
+      !in.U64(&r->generation) || !in.U64(&digest[0]) || !in.U64(&digest[1]) || !in.U64(&digest[2]) ||
+      !in.U64(&digest[3]) || !in.U32(&n) || n > (1u << 16)) {
     return Status::Corruption("truncated record");
   }
+  r->digest.assign(reinterpret_cast<const char*>(digest), kDigestBytes);
+  if ((r->generation & kGenerationBit) == 0) return Status::Corruption("record: a generation without its top bit");
   r->pinned = pinned != 0;
   r->blobs.resize(n);
   for (auto& b : r->blobs) {
@@ -133,13 +155,15 @@ Status DecodeRecord(std::string_view v, Record* r) {
   return Status::OK();
 }
 
-// Block value: magic, version, segment key, blob, block, payload size,
-// checksum of everything before it and the payload; then the payload.
-std::string BlockHeaderFields(const Hash128& key, uint32_t blob, uint32_t block, size_t payload_bytes) {
+// Block value: magic, version, segment key, generation, blob, block, payload
+// size, checksum of everything before it and the payload; then the payload.
+std::string BlockHeaderFields(const Hash128& key, uint64_t generation, uint32_t blob, uint32_t block,
+                              size_t payload_bytes) {
   std::string s;
   PutU32(&s, kBlockMagic);
   PutU32(&s, SegmentStore::kFormatVersion);
   s += KeyBytes(key);
+  PutU64(&s, generation);
   PutU32(&s, blob);
   PutU32(&s, block);
   PutU32(&s, static_cast<uint32_t>(payload_bytes));
@@ -151,23 +175,24 @@ uint64_t BlockChecksum(std::string_view fields, std::string_view payload) {
   const Hash128 d = h.Digest();
   return d.lo ^ d.hi;
 }
-std::string EncodeBlock(const Hash128& key, uint32_t blob, uint32_t block, std::string_view payload) {
-  std::string s = BlockHeaderFields(key, blob, block, payload.size());
+std::string EncodeBlock(const Hash128& key, uint64_t generation, uint32_t blob, uint32_t block,
+                        std::string_view payload) {
+  std::string s = BlockHeaderFields(key, generation, blob, block, payload.size());
   PutU64(&s, BlockChecksum(s, payload));
   s.append(payload);
   return s;
 }
-constexpr size_t kBlockHeader = 4 + 4 + kKeyBytes + 4 + 4 + 4 + 8;
+constexpr size_t kBlockHeader = 4 + 4 + kKeyBytes + 8 + 4 + 4 + 4 + 8;
 
 // Checks a block read back (its fields and checksum; its payload want bytes)
 // and copies payload bytes [from, from + n) to `out`.
-Status CheckBlock(std::string_view v, const Hash128& key, uint32_t blob, uint32_t block, size_t want, size_t from,
-                  size_t n, char* out) {
+Status CheckBlock(std::string_view v, const Hash128& key, uint64_t generation, uint32_t blob, uint32_t block,
+                  size_t want, size_t from, size_t n, char* out) {
   if (v.size() != kBlockHeader + want) {
     return Status::Corruption("block " + std::to_string(block) + " of blob " + std::to_string(blob) + " holds " +
                               std::to_string(v.size()) + " bytes, expected " + std::to_string(kBlockHeader + want));
   }
-  std::string expect = BlockHeaderFields(key, blob, block, want);
+  std::string expect = BlockHeaderFields(key, generation, blob, block, want);
   PutU64(&expect, BlockChecksum(std::string_view(expect), v.substr(kBlockHeader)));
   if (std::memcmp(expect.data(), v.data(), kBlockHeader) != 0) {
     return Status::Corruption("block " + std::to_string(block) + " of blob " + std::to_string(blob) +
@@ -175,6 +200,27 @@ Status CheckBlock(std::string_view v, const Hash128& key, uint32_t blob, uint32_
   }
   std::memcpy(out, v.data() + kBlockHeader + from, n);
   return Status::OK();
+}
+
+// What a segment holds, for Put over an existing key: a keyed SHA-256 (the
+// key is public: this is collision resistance, not secrecy) of the
+// namespace, token count and every blob's name and bytes. Block sizes are
+// not content.
+std::string ContentDigest(const std::string& ns, int64_t tokens, const std::map<std::string, std::string>& blobs) {
+  HmacSha256Stream h("penumbra/segment-content-v1");
+  auto u64 = [&](uint64_t v) { h.Update(&v, sizeof v); };
+  u64(ns.size());
+  h.Update(ns);
+  u64(static_cast<uint64_t>(tokens));
+  u64(blobs.size());
+  for (const auto& [name, bytes] : blobs) {
+    u64(name.size());
+    h.Update(name);
+    u64(bytes.size());
+    h.Update(bytes);
+  }
+  const Sha256Digest d = h.Final();
+  return std::string(reinterpret_cast<const char*>(d.data()), d.size());
 }
 
 // One block to read: payload bytes [from, from + n) of block `block` of blob
@@ -243,18 +289,19 @@ struct SegmentStore::Impl {
   // intent, and Open finishes the removal.
   Status Remove(const Hash128& key) {
     auto it = records.find(K(key));
+    const uint64_t generation = it->second.generation;
     rocksdb::WriteBatch batch;
-    batch.Put(pending, KeyBytes(key), "");
+    batch.Put(pending, VersionKey(key, generation), "");
     batch.Delete(meta, KeyBytes(key));
     PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Write(CommitOptions(), &batch), "segment store: delete"));
     Account(it->second, false);
     records.erase(it);
-    return DropBlocks(key);
+    return DropVersion(key, generation);
   }
 
-  // Deletes every block of `key`, then its intent.
-  Status DropBlocks(const Hash128& key) {
-    const std::string prefix = KeyBytes(key);
+  // Deletes every block of one version of `key`, then its intent.
+  Status DropVersion(const Hash128& key, uint64_t generation) {
+    const std::string prefix = VersionKey(key, generation);
     PENUMBRA_RETURN_IF_ERROR(FromRocks(db->DeleteRange(rocksdb::WriteOptions(), blocks, prefix, PrefixEnd(prefix)),
                                        "segment store: delete blocks"));
     return FromRocks(db->Delete(rocksdb::WriteOptions(), pending, prefix), "segment store: delete intent");
@@ -264,7 +311,8 @@ struct SegmentStore::Impl {
   // `snapshot`; the first failure, as Corruption naming the segment and blob.
   // Takes no lock: the caller holds the snapshot taken with the record's
   // lookup, so the blocks are the ones that record describes.
-  Status ReadBlocks(const Hash128& key, const rocksdb::Snapshot* snapshot, const std::vector<BlockRead>& jobs) const {
+  Status ReadBlocks(const Hash128& key, uint64_t generation, const rocksdb::Snapshot* snapshot,
+                    const std::vector<BlockRead>& jobs) const {
     std::atomic<size_t> next{0};
     std::mutex err_mu;
     Status first_error;
@@ -276,10 +324,13 @@ struct SegmentStore::Impl {
       for (size_t j; (j = next.fetch_add(1)) < jobs.size();) {
         const BlockRead& job = jobs[j];
         value.Reset();
-        rocksdb::Status s = db->Get(ro, blocks, BlockKey(key, job.blob, job.block), &value);
+        rocksdb::Status s = db->Get(ro, blocks, BlockKey(key, generation, job.blob, job.block), &value);
         Status st = s.IsNotFound() ? Status::Corruption("a block of a committed segment is missing")
                                    : FromRocks(s, "segment store: reading a block");
-        if (st.ok()) st = CheckBlock(value.ToStringView(), key, job.blob, job.block, job.want, job.from, job.n, job.dst);
+        if (st.ok()) {
+          st = CheckBlock(value.ToStringView(), key, generation, job.blob, job.block, job.want, job.from, job.n,
+                          job.dst);
+        }
         if (!st.ok()) {
           std::lock_guard<std::mutex> l(err_mu);
           if (first_error.ok()) {
@@ -303,6 +354,7 @@ struct SegmentStore::Impl {
     // blocks it describes. The reads go without it.
     std::vector<std::pair<uint32_t, BlobLayout>> want;  // blob index, layout
     std::unique_ptr<rocksdb::ManagedSnapshot> snapshot;
+    uint64_t generation = 0;
     {
       std::lock_guard<std::mutex> lock(mu);
       ++stats.gets;
@@ -312,6 +364,7 @@ struct SegmentStore::Impl {
         return Status::NotFound("segment " + key.Hex() + " is not stored");
       }
       const Record& r = it->second;
+      generation = r.generation;
       if (only) {
         for (const std::string& name : *only) {
           if (std::none_of(r.blobs.begin(), r.blobs.end(), [&](const BlobLayout& b) { return b.name == name; })) {
@@ -338,7 +391,7 @@ struct SegmentStore::Impl {
         jobs.push_back({bi, block, n, 0, n, d.data() + off, &b.name});
       }
     }
-    const Status read = ReadBlocks(key, snapshot->snapshot(), jobs);
+    const Status read = ReadBlocks(key, generation, snapshot->snapshot(), jobs);
     snapshot.reset();
     std::lock_guard<std::mutex> lock(mu);
     if (!read.ok()) {
@@ -362,12 +415,15 @@ struct SegmentStore::Impl {
   }
 
   // Evicts least-recently-used evictable segments (of `ns` only when
-  // `same_ns`) until `fits()`; false when it cannot.
+  // `same_ns`; never `keep`, a segment being replaced) until `fits()`; false
+  // when it cannot.
   template <class Fits>
-  Result<bool> MakeRoom(const std::string& ns, bool same_ns, Fits fits) {
+  Result<bool> MakeRoom(const std::string& ns, bool same_ns, const Hash128& keep, Fits fits) {
     std::vector<std::pair<uint64_t, std::pair<uint64_t, uint64_t>>> order;
     for (const auto& [k, r] : records) {
-      if (Evictable(k, r) && (!same_ns || r.cache_namespace == ns)) order.push_back({r.last_used, k});
+      if (Evictable(k, r) && (!same_ns || r.cache_namespace == ns) && k != K(keep)) {
+        order.push_back({r.last_used, k});
+      }
     }
     std::sort(order.begin(), order.end());
     for (const auto& [used, k] : order) {
@@ -397,29 +453,35 @@ struct SegmentStore::Impl {
         continue;
       }
       const Hash128 key = KeyFrom(it->key().data());
-      clock = std::max(clock, r.last_used + 1);
+      clock = std::max({clock, r.last_used + 1, (r.generation & ~kGenerationBit) + 1});
       Account(r, true);
       records.emplace(K(key), std::move(r));
     }
     PENUMBRA_RETURN_IF_ERROR(FromRocks(it->status(), "segment store: reading records"));
-    // Intents: a write or removal that did not finish. Without a committed
-    // record, the segment's blocks are deleted; with one (a write whose
-    // record was committed after its intent), the intent alone goes.
+    // Intents: a write or removal of one version that did not finish.
+    // Without a committed record of that version, its blocks are deleted
+    // (an interrupted write, or the old version of a replacement or a
+    // removal); with one (a write whose record was committed after its
+    // intent), the intent alone goes. A 16-byte intent is format 2's (not
+    // this binary's to act on); anything else is dropped.
     std::unique_ptr<rocksdb::Iterator> p(db->NewIterator(rocksdb::ReadOptions(), pending));
     std::vector<std::string> intents;
     for (p->SeekToFirst(); p->Valid(); p->Next()) intents.push_back(p->key().ToString());
     PENUMBRA_RETURN_IF_ERROR(FromRocks(p->status(), "segment store: reading intents"));
     p.reset();
     for (const std::string& k : intents) {
-      if (k.size() != kKeyBytes) {
+      if (k.size() == kKeyBytes) continue;
+      if (k.size() != kKeyBytes + 8) {
         PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Delete(rocksdb::WriteOptions(), pending, k), "segment store"));
         continue;
       }
       const Hash128 key = KeyFrom(k.data());
-      if (records.count(K(key))) {
+      const uint64_t generation = GetBigEndian64(k.data() + kKeyBytes);
+      auto it = records.find(K(key));
+      if (it != records.end() && it->second.generation == generation) {
         PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Delete(rocksdb::WriteOptions(), pending, k), "segment store"));
       } else {
-        PENUMBRA_RETURN_IF_ERROR(DropBlocks(key));
+        PENUMBRA_RETURN_IF_ERROR(DropVersion(key, generation));
         ++stats.orphans_removed;
       }
     }
@@ -487,8 +549,6 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
                          const std::map<std::string, std::string>& blobs,
                          const std::map<std::string, size_t>& blob_block_bytes) {
   Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
-  if (m.records.count(Impl::K(key))) return Status::OK();
   if (tokens < 1) return Status::InvalidArgument("segment store: token count must be >= 1");
   for (const auto& [name, block_bytes] : blob_block_bytes) {
     if (!blobs.count(name)) {
@@ -512,13 +572,33 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
     r.blobs.push_back({name, data.size(), block_bytes, static_cast<uint32_t>(BlocksFor(data.size(), block_bytes))});
     bytes += data.size();
   }
-  // Room: the namespace's quota first, then the capacity.
+  r.digest = ContentDigest(ns, tokens, blobs);  // outside the lock: it reads every byte
+  std::lock_guard<std::mutex> lock(m.mu);
+  // A key present already: the same content is stored (a no-op); other
+  // content replaces it, unless a reader holds it.
+  std::optional<Record> old;
+  if (auto it = m.records.find(Impl::K(key)); it != m.records.end()) {
+    if (it->second.digest == r.digest) return Status::OK();
+    if (auto a = m.attached.find(Impl::K(key)); a != m.attached.end() && a->second > 0) {
+      return Status::FailedPrecondition("segment store: segment " + key.Hex() + " is stored with other content and " +
+                                        "is attached (" + std::to_string(a->second) +
+                                        " users): it cannot be replaced now");
+    }
+    old = it->second;
+    r.pinned = old->pinned;  // a pin is the key's, not the version's
+  }
+  // Room: the namespace's quota first, then the capacity; the version being
+  // replaced is neither evicted nor counted (it goes with this Put).
+  const size_t old_ns_bytes = old && old->cache_namespace == ns ? old->bytes() : 0;
+  const size_t old_bytes = old ? old->bytes() : 0;
   if (auto q = m.options.namespace_quota_bytes.find(ns); q != m.options.namespace_quota_bytes.end()) {
     if (bytes > q->second) {
       return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed namespace '" + ns +
                                        "' quota of " + std::to_string(q->second));
     }
-    PENUMBRA_ASSIGN_OR_RETURN(bool ok, m.MakeRoom(ns, true, [&] { return m.ns_bytes[ns] + bytes <= q->second; }));
+    PENUMBRA_ASSIGN_OR_RETURN(bool ok, m.MakeRoom(ns, true, key, [&] {
+      return m.ns_bytes[ns] - old_ns_bytes + bytes <= q->second;
+    }));
     if (!ok) {
       return Status::ResourceExhausted("segment store: namespace '" + ns +
                                        "' is at its quota and its segments are pinned or in use");
@@ -527,33 +607,73 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
   if (bytes > m.options.capacity_bytes) {
     return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed the capacity");
   }
-  PENUMBRA_ASSIGN_OR_RETURN(bool ok, m.MakeRoom(ns, false, [&] { return m.total_bytes + bytes <= m.options.capacity_bytes; }));
+  PENUMBRA_ASSIGN_OR_RETURN(bool ok, m.MakeRoom(ns, false, key, [&] {
+    return m.total_bytes - old_bytes + bytes <= m.options.capacity_bytes;
+  }));
   if (!ok) return Status::ResourceExhausted("segment store: full, and its segments are pinned or in use");
-  // The intent, then the blocks (no sync: the commit's synced write covers
-  // them, the WAL being one ordered log), then the record with the intent's
-  // removal in one synced batch.
+  // The intent, then the blocks of a new version (no sync: the commit's
+  // synced write covers them, the WAL being one ordered log), then the
+  // record with the intent's removal in one synced batch (and, replacing,
+  // an intent to drop the old version's blocks, dropped next).
+  r.generation = kGenerationBit | m.clock++;
+  const std::string version = VersionKey(key, r.generation);
   PENUMBRA_RETURN_IF_ERROR(
-      FromRocks(m.db->Put(rocksdb::WriteOptions(), m.pending, KeyBytes(key), ""), "segment store: writing an intent"));
+      FromRocks(m.db->Put(rocksdb::WriteOptions(), m.pending, version, ""), "segment store: writing an intent"));
+  Status written;
   uint32_t blob_index = 0;
   for (const auto& [name, data] : blobs) {
     const size_t block_bytes = r.blobs[blob_index].block_bytes;
-    for (size_t off = 0, block = 0; off < data.size(); off += block_bytes, ++block) {
+    for (size_t off = 0, block = 0; written.ok() && off < data.size(); off += block_bytes, ++block) {
       const size_t n = std::min(block_bytes, data.size() - off);
-      const std::string v = EncodeBlock(key, blob_index, static_cast<uint32_t>(block), std::string_view(data).substr(off, n));
-      PENUMBRA_RETURN_IF_ERROR(FromRocks(
-          m.db->Put(rocksdb::WriteOptions(), m.blocks, BlockKey(key, blob_index, static_cast<uint32_t>(block)), v),
-          "segment store: writing a block"));
+      const std::string v = EncodeBlock(key, r.generation, blob_index, static_cast<uint32_t>(block),
+                                        std::string_view(data).substr(off, n));
+      written = FromRocks(m.db->Put(rocksdb::WriteOptions(), m.blocks,
+                                    BlockKey(key, r.generation, blob_index, static_cast<uint32_t>(block)), v),
+                          "segment store: writing a block");
     }
     ++blob_index;
   }
   r.last_used = m.clock++;
-  rocksdb::WriteBatch commit;
-  commit.Put(m.meta, KeyBytes(key), EncodeRecord(r));
-  commit.Delete(m.pending, KeyBytes(key));
-  PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db->Write(m.CommitOptions(), &commit), "segment store: committing a segment"));
+  if (written.ok()) {
+    rocksdb::WriteBatch commit;
+    commit.Put(m.meta, KeyBytes(key), EncodeRecord(r));
+    commit.Delete(m.pending, version);
+    if (old) commit.Put(m.pending, VersionKey(key, old->generation), "");
+    written = FromRocks(m.db->Write(m.CommitOptions(), &commit), "segment store: committing a segment");
+  }
+  if (!written.ok()) {
+    // Nothing new is visible; the blocks written go now (or at the next Open,
+    // which finds the intent).
+    (void)m.DropVersion(key, r.generation);
+    return written;
+  }
+  if (old) {
+    m.Account(*old, false);
+    ++m.stats.replacements;
+  }
   m.Account(r, true);
-  m.records.emplace(Impl::K(key), std::move(r));
+  m.records[Impl::K(key)] = std::move(r);
   ++m.stats.puts;
+  if (old) {
+    // The old version's blocks; a failure leaves its intent for Open.
+    if (Status d = m.DropVersion(key, old->generation); !d.ok()) {
+      LOG(WARNING) << "segment store: the replaced version of " << key.Hex() << " stays until reopened: " << d;
+    }
+  }
+  return Status::OK();
+}
+
+Status SegmentStore::CheckRoom(const std::string& ns, uint64_t bytes) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (bytes > impl_->options.capacity_bytes) {
+    return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed the capacity of " +
+                                     std::to_string(impl_->options.capacity_bytes));
+  }
+  if (auto q = impl_->options.namespace_quota_bytes.find(ns); q != impl_->options.namespace_quota_bytes.end() &&
+                                                             bytes > q->second) {
+    return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed namespace '" + ns +
+                                     "' quota of " + std::to_string(q->second));
+  }
   return Status::OK();
 }
 
@@ -569,6 +689,7 @@ Status SegmentStore::ReadBlob(const Hash128& key, const std::string& blob, uint6
   // Under the lock: the blob's layout and a snapshot of its blocks.
   uint32_t index = 0;
   BlobLayout b;
+  uint64_t generation = 0;
   std::unique_ptr<rocksdb::ManagedSnapshot> snapshot;
   {
     std::lock_guard<std::mutex> lock(m.mu);
@@ -578,6 +699,7 @@ Status SegmentStore::ReadBlob(const Hash128& key, const std::string& blob, uint6
     while (index < blobs.size() && blobs[index].name != blob) ++index;
     if (index == blobs.size()) return Status::InvalidArgument("segment " + key.Hex() + " has no blob '" + blob + "'");
     b = blobs[index];
+    generation = it->second.generation;
     if (offset > b.size || length > b.size - offset) {
       return Status::InvalidArgument("segment " + key.Hex() + ", blob '" + blob + "': " + std::to_string(length) +
                                      " bytes at offset " + std::to_string(offset) + " end past its " +
@@ -597,7 +719,7 @@ Status SegmentStore::ReadBlob(const Hash128& key, const std::string& blob, uint6
     jobs.push_back({index, static_cast<uint32_t>(block), want, static_cast<size_t>(from),
                     static_cast<size_t>(to - from), static_cast<char*>(dst) + (start + from - offset), &b.name});
   }
-  const Status read = jobs.empty() ? Status::OK() : m.ReadBlocks(key, snapshot->snapshot(), jobs);
+  const Status read = jobs.empty() ? Status::OK() : m.ReadBlocks(key, generation, snapshot->snapshot(), jobs);
   snapshot.reset();
   std::lock_guard<std::mutex> lock(m.mu);
   if (!read.ok()) {

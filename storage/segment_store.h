@@ -1,31 +1,44 @@
 // SegmentStore: the persistent tier of the document cache. A cached segment
 // (the KV state of a prompt's leading segments, as a policy exports it: named
-// byte blobs) is stored under its 128-bit content key in RocksDB on local disk
-// and survives restarts and kill -9.
+// byte blobs) is stored under its 128-bit key in RocksDB on local disk and
+// survives restarts and kill -9.
 //
-// Layout (docs/storage.md, format version 2): column family "meta" holds one
-// record per segment (format version, namespace, token count, per blob its
-// name, size, block size and block count, pinned, last use); "blocks" holds
-// each blob cut into blocks of its own block size (options.block_bytes unless
-// Put names another for that blob), each with a header carrying its own XXH3
-// checksum, stored as BlobDB blob files (large values kept out of the LSM's
-// compactions); "pending" holds intents, the keys of writes and removals
-// under way. Reads use the block size the record holds, so a store reopened
-// with another block_bytes reads what it stored.
+// Layout (docs/storage.md, format version 3): column family "meta" holds one
+// record per segment (format version, namespace, token count, pinned, last
+// use, the generation of its blocks, a SHA-256 content digest, per blob its
+// name, size, block size and block count); "blocks" holds each blob cut into
+// blocks of its own block size (options.block_bytes unless Put names another
+// for that blob), keyed by segment key, generation, blob and block, each with
+// a header carrying its own XXH3 checksum, stored as BlobDB blob files (large
+// values kept out of the LSM's compactions); "pending" holds intents, the
+// (key, generation) of writes and removals under way. Reads use the block
+// size the record holds, so a store reopened with another block_bytes reads
+// what it stored.
+//
+// Versions: a Put over a key already stored compares content digests. The
+// same content is a no-op (OK); other content is a new version, written
+// under a new generation beside the old one and made visible by its record
+// in one write, after which the old version's blocks are deleted: a reader
+// sees one version or the other, never blocks of both. While the segment
+// is attached (a reader holds it) another version is refused
+// (FailedPrecondition naming the key).
 //
 // Commit protocol: Put writes an intent, every block, then the segment's meta
-// record together with the intent's removal in one synced write (WAL on,
-// WriteOptions::sync). Only a segment whose meta record is on disk is
-// visible, so a crash mid-Put leaves nothing visible; Open deletes the blocks
-// of every intent that has no record (the remains of such a crash). What Put
-// acknowledged is on disk. Open reads no block, so a damaged block cannot
-// keep the store from opening.
+// record together with the intent's removal (and, replacing, an intent for
+// the old version) in one synced write (WAL on, WriteOptions::sync). Only a
+// version named by a meta record on disk is visible, so a crash mid-Put
+// leaves the old state visible; Open deletes the blocks of every intent
+// whose version no record names (the remains of such a crash, or of a
+// replacement or removal it interrupted). What Put acknowledged is on disk.
+// Open reads no block, so a damaged block cannot keep the store from
+// opening.
 //
 // Integrity: every block read back is checked against its checksum, its
-// segment key, blob index and block number, and every record against its
-// format version; a mismatch is Corruption (counted in stats), never bytes
-// that were not stored. A record of another format version (1 included) is
-// treated as absent and counted; its blocks are left alone.
+// segment key, generation, blob index and block number, and every record
+// against its format version; a mismatch is Corruption (counted in stats),
+// never bytes that were not stored. A record of another format version (1
+// and 2 included) is treated as absent and counted; its blocks are left
+// alone.
 //
 // Reads: Get reads whole blobs, ReadBlob a byte range of one blob (only the
 // blocks that cover it: the engine reads a document's values lazily, the
@@ -86,11 +99,12 @@ struct SegmentStoreStats {
   int64_t unknown_versions = 0;      // records of another format version, ignored
   int64_t orphans_removed = 0;       // unfinished writes or removals cleaned up at Open
   int64_t blob_reads = 0;            // ReadBlob calls that returned their bytes
+  int64_t replacements = 0;          // Puts that replaced a segment of other content
 };
 
 class SegmentStore final : public DocumentStore {
  public:
-  static constexpr uint32_t kFormatVersion = 2;
+  static constexpr uint32_t kFormatVersion = 3;
   // The range of block sizes, store-wide (block_bytes) or per blob.
   static constexpr size_t kMinBlockBytes = 4096;
   static constexpr size_t kMaxBlockBytes = size_t{256} << 20;
@@ -107,9 +121,12 @@ class SegmentStore final : public DocumentStore {
   // Stores a segment (blobs: name -> bytes; names are non-empty), each blob
   // cut into blocks of blob_block_bytes[name] bytes when given (in
   // [kMinBlockBytes, kMaxBlockBytes]; every name a blob of the segment), else
-  // options.block_bytes. A key already present is left as it is (OK).
-  // ResourceExhausted when the namespace quota or the capacity cannot be met
-  // by eviction; then nothing is stored.
+  // options.block_bytes. A key already present with the same content
+  // (namespace, tokens, blobs' names and bytes) is left as it is (OK); with
+  // other content it is replaced whole, its pin kept (FailedPrecondition
+  // naming the key while attached). ResourceExhausted when the namespace
+  // quota or the capacity cannot be met by eviction (never of the segment
+  // being replaced); then nothing is stored and a replaced segment stays.
   Status Put(const Hash128& key, const std::string& cache_namespace, int64_t tokens,
              const std::map<std::string, std::string>& blobs,
              const std::map<std::string, size_t>& blob_block_bytes = {}) override;
@@ -146,6 +163,11 @@ class SegmentStore final : public DocumentStore {
   Status Erase(const Hash128& key) override;
   // A reader that keeps the segment attached while it lives (OpenSegmentReader).
   Result<std::shared_ptr<BlobReader>> OpenReader(const Hash128& key) override;
+
+  // Whether a segment of `bytes` blob bytes in namespace `ns` could ever
+  // fit: ResourceExhausted naming the limit when it exceeds the capacity or
+  // the namespace's quota (what Put would refuse before evicting anything).
+  Status CheckRoom(const std::string& ns, uint64_t bytes) const;
 
   // Writes memtables to files (blob and SST); committed data is durable
   // without it (WAL), this only moves it out of the log.

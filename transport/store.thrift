@@ -5,13 +5,18 @@
 // themselves (no struct around them: the data path). Documents go up in
 // parts and come back through readers, so none needs one message of its
 // size (a 124928-token ShadowKV document is 10.6 GB).
+//
+// Readers and uploads are named by handles: 128 random bits as 32 hex
+// digits, bound on the node to the client that made them (the UCX plane's
+// client id, proved with the cluster secret): another client's handle, or a
+// guessed one, is NotFound.
 
 namespace cpp penumbra.rpc.store
 namespace py penumbra.rpc.store
 
 enum StoreMethod {
-  PUT_BEGIN = 1,   // key, cache_namespace, tokens, sizes, block_bytes -> upload
-  PUT_PART = 2,    // upload, blob, offset, data (parts of at most 64 MiB)
+  PUT_BEGIN = 1,   // key, cache_namespace, tokens, sizes, block_bytes -> upload (sizes checked first)
+  PUT_PART = 2,    // upload, blob, offset, data (parts of at most 64 MiB, within the blob)
   PUT_COMMIT = 3,  // upload: stored once every byte of every blob came
   LAYOUT = 4,      // key -> layout
   INFO = 5,        // key -> info
@@ -47,18 +52,20 @@ struct StoreRequest {
   3: i64 tokens,
   4: map<string, i64> sizes,
   5: map<string, i64> block_bytes,
-  6: i64 upload,
-  7: i64 reader,
+  // (6 and 7 were i64 upload and reader ids, sequential: now handles, 14 and 15)
   8: string blob,
   9: i64 offset,
   11: binary data,
   12: list<i64> offsets,
   13: list<i64> lengths,
+  14: string upload,
+  15: string reader,
 }
 
 struct StoreReply {
   1: StoreInfo info,
   2: list<StoreBlobLayout> layout,
-  3: i64 reader,
-  4: i64 upload,
+  // (3 and 4 were i64 reader and upload ids: now handles, 5 and 6)
+  5: string reader,
+  6: string upload,
 }

@@ -4,6 +4,13 @@
 // worker does when the values are in its own memory). One JSON line.
 //
 //   penumbra-store-bench [--mb 1024] [--block-bytes 16384] [--threads 32] [--dir /tmp/...]
+//                        [--cluster-secret-file F]
+//
+// With --cluster-secret-file the node and this client hold the secret: the
+// plane is authenticated and encrypted (AES-256-GCM bodies, MAC'd headers);
+// without it, plaintext with checksums. Run both on the same --dir (the
+// document is then stored once: a second Put of the same content is a no-op)
+// to compare them on the same blob.
 //
 // The document is one blob of --mb MiB stored in --block-bytes blocks (the
 // lazy values' layout); reads are block-sized, --threads at once, in a
@@ -22,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -29,6 +37,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/args.h"
+#include "common/crypto.h"
 #include "common/hash.h"
 #include "common/logging.h"
 #include "common/process.h"
@@ -78,7 +87,8 @@ Result<double> ReadBlocks(storage::BlobReader& reader, uint64_t size, size_t blo
 Status Run(int argc, char** argv) {
   Args a;
   a.Flag("mb", "MiB of values (default 1024)").Flag("block-bytes", "bytes per block (default 16384)")
-      .Flag("threads", "reads in flight (default 32)").Flag("dir", "a scratch directory (default: a new one in /tmp)");
+      .Flag("threads", "reads in flight (default 32)").Flag("dir", "a scratch directory (default: a new one in /tmp)")
+      .Flag("cluster-secret-file", "seal the store plane with this secret (node and client)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetIntIn("mb", 1024, 1, 1 << 20));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t block, a.GetIntIn("block-bytes", 16384, 4096, 64 << 20));
@@ -103,7 +113,14 @@ Status Run(int argc, char** argv) {
   so.path = dir + "/db";
   so.capacity_bytes = size * 2 + (size_t{1} << 30);
   so.read_threads = static_cast<size_t>(threads);
-  nlohmann::json j = {{"bench", "store-gather"}, {"bytes", size}, {"block_bytes", B}, {"threads", threads}};
+  std::optional<ClusterSecret> secret;
+  const std::string secret_file = a.Get("cluster-secret-file", "");
+  if (!secret_file.empty()) {
+    PENUMBRA_ASSIGN_OR_RETURN(ClusterSecret s, ClusterSecret::Load(secret_file));
+    secret = s;
+  }
+  nlohmann::json j = {{"bench", "store-gather"}, {"bytes", size},  {"block_bytes", B},
+                      {"threads", threads},      {"sealed", secret.has_value()}};
   const uint32_t blocks = static_cast<uint32_t>((size + B - 1) / B);
   std::vector<uint32_t> order(blocks);
   std::iota(order.begin(), order.end(), 0u);
@@ -141,12 +158,18 @@ Status Run(int argc, char** argv) {
   }
   // The node: another process on the same directory.
   const std::string port_file = dir + "/port.json";
+  std::filesystem::remove(port_file);
   const pid_t pid = fork();
   if (pid == 0) {
     const std::string bin = std::filesystem::read_symlink("/proc/self/exe").parent_path().string() + "/penumbra-store";
     const std::string th = std::to_string(std::max<int64_t>(8, threads));
-    execl(bin.c_str(), "penumbra-store", "--path", so.path.c_str(), "--port-file", port_file.c_str(), "--threads",
-          th.c_str(), static_cast<char*>(nullptr));
+    if (secret_file.empty()) {
+      execl(bin.c_str(), "penumbra-store", "--path", so.path.c_str(), "--port-file", port_file.c_str(), "--threads",
+            th.c_str(), static_cast<char*>(nullptr));
+    } else {
+      execl(bin.c_str(), "penumbra-store", "--path", so.path.c_str(), "--port-file", port_file.c_str(), "--threads",
+            th.c_str(), "--cluster-secret-file", secret_file.c_str(), static_cast<char*>(nullptr));
+    }
     _exit(127);
   }
   int port = 0;
@@ -162,6 +185,7 @@ Status Run(int argc, char** argv) {
   } else {
     transport::RemoteStoreOptions ro;
     ro.port = port;
+    ro.plane.secret = secret;
     auto remote = transport::RemoteDocumentStore::Connect(ro);
     auto reader = remote.ok() ? (*remote)->OpenReader(key) : Result<std::shared_ptr<storage::BlobReader>>(remote.status());
     if (!reader.ok()) {
@@ -204,5 +228,5 @@ Status Run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   return penumbra::ServerMain("penumbra-store-bench", "usage: penumbra-store-bench [--mb N] [--block-bytes B] "
-                              "[--threads T] [--dir D]\n", argc, argv, penumbra::Run);
+                              "[--threads T] [--dir D] [--cluster-secret-file F]\n", argc, argv, penumbra::Run);
 }

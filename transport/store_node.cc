@@ -10,9 +10,13 @@
 #include <cstring>
 #include <sstream>
 #include <tuple>
+#include <type_traits>
+#include <unistd.h>
 
+#include "common/crypto.h"
 #include "storage/lazy_blob.h"
 #include "store_types.h"
+#include "transport/tls.h"
 
 namespace penumbra::transport {
 namespace {
@@ -32,8 +36,187 @@ std::string Serialize(const T& t) {
   return buf->getBufferAsString();
 }
 
+// Thrift's binary protocol, walked without building anything, as the
+// generated readers will read it. Thrift's reader casts every type byte to
+// its TType enum before checking it (undefined behaviour outside the enum),
+// and a generated reader reads a container field's elements as the IDL's
+// types whatever types the wire names; so peers' bytes are walked here first,
+// with the messages' schema: every type byte one Thrift defines, every size
+// non-negative and within the bytes left, known fields' elements as their
+// IDL types, unknown fields as the wire says (Thrift skips those the same
+// way), nesting bounded.
+enum : uint8_t {
+  kStop = 0, kBool = 2, kByte = 3, kDouble = 4, kI16 = 6, kI32 = 8, kI64 = 10, kString = 11, kStruct = 12,
+  kMap = 13, kSet = 14, kList = 15,
+};
+struct FieldSpec;
+// A type of the IDL: its wire type, and for containers and structs what is
+// inside.
+struct TypeSpec {
+  uint8_t type;
+  const TypeSpec* key = nullptr;                 // map key; list or set element
+  const TypeSpec* value = nullptr;               // map value
+  const std::vector<FieldSpec>* fields = nullptr;  // struct
+};
+struct FieldSpec {
+  int16_t id;
+  TypeSpec type;
+};
+
+// transport/store.thrift, field by field (kept in step with it: the fuzzer,
+// store_node_fuzz, finds a divergence as undefined behaviour in Thrift).
+const TypeSpec kI64Type{kI64}, kStringType{kString};
+const std::vector<FieldSpec> kStoreKeyFields = {{1, {kI64}}, {2, {kI64}}};
+const std::vector<FieldSpec> kStoreBlobLayoutFields = {{1, {kString}}, {2, {kI64}}, {3, {kI64}}, {4, {kI32}}};
+const std::vector<FieldSpec> kStoreInfoFields = {{1, {kString}}, {2, {kI64}}, {3, {kI64}}, {4, {kBool}}};
+const TypeSpec kLayoutType{kStruct, nullptr, nullptr, &kStoreBlobLayoutFields};
+const std::vector<FieldSpec> kStoreRequestFields = {
+    {1, {kStruct, nullptr, nullptr, &kStoreKeyFields}},
+    {2, {kString}},
+    {3, {kI64}},
+    {4, {kMap, &kStringType, &kI64Type}},
+    {5, {kMap, &kStringType, &kI64Type}},
+    {8, {kString}},
+    {9, {kI64}},
+    {11, {kString}},
+    {12, {kList, &kI64Type}},
+    {13, {kList, &kI64Type}},
+    {14, {kString}},
+    {15, {kString}},
+};
+const std::vector<FieldSpec> kStoreReplyFields = {
+    {1, {kStruct, nullptr, nullptr, &kStoreInfoFields}},
+    {2, {kList, &kLayoutType}},
+    {5, {kString}},
+    {6, {kString}},
+};
+
+class ThriftWalker {
+ public:
+  explicit ThriftWalker(std::string_view b) : b_(b) {}
+  // A struct of `fields` (null: unknown, walked as the wire says).
+  bool Struct(const std::vector<FieldSpec>* fields, int depth) {
+    if (depth <= 0) return false;
+    for (;;) {
+      uint8_t type = 0;
+      if (!U8(&type)) return false;
+      if (type == kStop) return true;
+      if (!Known(type) || b_.size() - at_ < 2) return false;
+      const auto* p = reinterpret_cast<const unsigned char*>(b_.data() + at_);
+      const auto id = static_cast<int16_t>((uint16_t{p[0]} << 8) | p[1]);
+      at_ += 2;
+      const TypeSpec* spec = nullptr;
+      if (fields != nullptr) {
+        for (const FieldSpec& f : *fields) {
+          if (f.id == id && f.type.type == type) spec = &f.type;
+        }
+      }
+      if (!(spec ? Typed(*spec, depth) : Wire(type, depth))) return false;
+    }
+  }
+
+ private:
+  bool U8(uint8_t* v) {
+    if (at_ >= b_.size()) return false;
+    *v = static_cast<uint8_t>(b_[at_++]);
+    return true;
+  }
+  bool Size(uint32_t* n) {
+    if (b_.size() - at_ < 4) return false;
+    const auto* p = reinterpret_cast<const unsigned char*>(b_.data() + at_);
+    const auto v = static_cast<int32_t>((uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3]);
+    at_ += 4;
+    if (v < 0) return false;
+    *n = static_cast<uint32_t>(v);
+    return true;
+  }
+  bool Skip(size_t n) {
+    if (b_.size() - at_ < n) return false;
+    at_ += n;
+    return true;
+  }
+  static bool Known(uint8_t t) {
+    return t == kBool || t == kByte || t == kDouble || t == kI16 || t == kI32 || t == kI64 || t == kString ||
+           t == kStruct || t == kMap || t == kSet || t == kList;
+  }
+  bool Scalar(uint8_t type) {
+    switch (type) {
+      case kBool:
+      case kByte: return Skip(1);
+      case kI16: return Skip(2);
+      case kI32: return Skip(4);
+      case kDouble:
+      case kI64: return Skip(8);
+      case kString: {
+        uint32_t n = 0;
+        return Size(&n) && Skip(n);
+      }
+      default: return false;
+    }
+  }
+  // A value read as the IDL says (a known field's).
+  bool Typed(const TypeSpec& t, int depth) {
+    switch (t.type) {
+      case kStruct: return Struct(t.fields, depth - 1);
+      case kMap: {
+        uint8_t k = 0, v = 0;
+        uint32_t n = 0;
+        if (!U8(&k) || !U8(&v) || !Known(k) || !Known(v) || !Size(&n)) return false;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (!Typed(*t.key, depth - 1) || !Typed(*t.value, depth - 1)) return false;
+        }
+        return true;
+      }
+      case kSet:
+      case kList: {
+        uint8_t e = 0;
+        uint32_t n = 0;
+        if (!U8(&e) || !Known(e) || !Size(&n)) return false;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (!Typed(*t.key, depth - 1)) return false;
+        }
+        return true;
+      }
+      default: return Scalar(t.type);
+    }
+  }
+  // A value read as the wire says (an unknown field's, as Thrift skips it).
+  bool Wire(uint8_t type, int depth) {
+    switch (type) {
+      case kStruct: return Struct(nullptr, depth - 1);
+      case kMap: {
+        uint8_t k = 0, v = 0;
+        uint32_t n = 0;
+        if (!U8(&k) || !U8(&v) || !Known(k) || !Known(v) || !Size(&n)) return false;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (!Wire(k, depth - 1) || !Wire(v, depth - 1)) return false;
+        }
+        return true;
+      }
+      case kSet:
+      case kList: {
+        uint8_t e = 0;
+        uint32_t n = 0;
+        if (!U8(&e) || !Known(e) || !Size(&n)) return false;
+        for (uint32_t i = 0; i < n; ++i) {
+          if (!Wire(e, depth - 1)) return false;
+        }
+        return true;
+      }
+      default: return Scalar(type);
+    }
+  }
+  std::string_view b_;
+  size_t at_ = 0;
+};
+
 template <typename T>
 Status Deserialize(const std::string& bytes, T* out, const char* what) {
+  const bool request = std::is_same_v<T, st::StoreRequest>;
+  if (!IsWellFormedStoreMessage(bytes, request)) {
+    return Status::InvalidArgument(std::string("store node: a malformed ") + what +
+                                   " (not a struct in Thrift's binary protocol)");
+  }
   try {
     auto config = std::make_shared<TConfiguration>(INT_MAX, INT_MAX, 64);
     auto buf = std::make_shared<TMemoryBuffer>(reinterpret_cast<uint8_t*>(const_cast<char*>(bytes.data())),
@@ -89,13 +272,13 @@ Result<std::vector<storage::BlobLayout>> FromLayout(const std::vector<st::StoreB
 // the node's reader when it goes.
 class RemoteReader final : public storage::BlobReader {
  public:
-  RemoteReader(std::shared_ptr<const RemoteDocumentStore> store, int64_t id, std::vector<storage::BlobLayout> layout)
+  RemoteReader(std::shared_ptr<const RemoteDocumentStore> store, std::string id, std::vector<storage::BlobLayout> layout)
       : store_(std::move(store)), id_(id), layout_(std::move(layout)) {}
   ~RemoteReader() override {
     st::StoreRequest q;
     q.reader = id_;
     Result<std::string> r = store_->Call(st::StoreMethod::CLOSE, Serialize(q));
-    if (!r.ok()) VLOG(1) << "store node: closing reader " << id_ << ": " << r.status();
+    if (!r.ok()) VLOG(1) << "store node: closing a reader: " << r.status();
   }
   // As READV pieces of at most 64 MiB (a whole blob comes back this way).
   Status Read(const std::string& blob, uint64_t offset, uint64_t length, void* dst) override {
@@ -153,123 +336,250 @@ class RemoteReader final : public storage::BlobReader {
 
  private:
   std::shared_ptr<const RemoteDocumentStore> store_;
-  int64_t id_;
+  std::string id_;
   std::vector<storage::BlobLayout> layout_;
 };
 
 }  // namespace
 
+bool IsWellFormedStoreMessage(std::string_view bytes, bool request) {
+  return ThriftWalker(bytes).Struct(request ? &kStoreRequestFields : &kStoreReplyFields, 16);
+}
+
 // ------------------------------------------------------------------- node
 
-Result<std::unique_ptr<StoreNode>> StoreNode::Start(storage::SegmentStore* store, const StoreNodeOptions& options) {
-  if (store == nullptr) return Status::InvalidArgument("store node: no store");
-  auto node = std::unique_ptr<StoreNode>(new StoreNode(store, options));
-  StoreNode* n = node.get();
-  PENUMBRA_ASSIGN_OR_RETURN(
-      node->server_, UcxServer::Start(options.host, options.port,
-                                      [n](uint32_t m, std::string p) { return n->Handle(m, std::move(p)); },
-                                      options.threads));
-  return node;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A peer's string in a message: printable, at most 40 characters.
+std::string Shown(const std::string& s) {
+  std::string out;
+  for (char c : s.substr(0, 40)) out.push_back(c >= 0x20 && c < 0x7f ? c : '?');
+  return s.size() > 40 ? out + "..." : out;
 }
 
-StoreNode::~StoreNode() { Stop(); }
-
-void StoreNode::Stop() {
-  if (server_) server_->Stop();
-  std::lock_guard<std::mutex> lk(mu_);
-  readers_.clear();
-  uploads_.clear();
+// Adds [begin, end) to disjoint merged ranges; returns the bytes it added
+// that were not there before.
+uint64_t AddRange(std::map<uint64_t, uint64_t>& ranges, uint64_t begin, uint64_t end) {
+  if (begin >= end) return 0;
+  uint64_t added = end - begin, lo = begin, hi = end;
+  auto it = ranges.upper_bound(begin);
+  if (it != ranges.begin() && std::prev(it)->second >= begin) --it;
+  while (it != ranges.end() && it->first <= hi) {
+    const uint64_t ob = std::max(it->first, begin), oe = std::min(it->second, end);
+    if (oe > ob) added -= oe - ob;
+    lo = std::min(lo, it->first);
+    hi = std::max(hi, it->second);
+    it = ranges.erase(it);
+  }
+  ranges[lo] = hi;
+  return added;
 }
 
-int64_t StoreNode::open_readers() const {
+uint64_t HalfThePhysicalMemory() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return uint64_t{8} << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2;
+}
+
+constexpr uint64_t kMaxBlobBytes = uint64_t{1} << 50;
+
+}  // namespace
+
+StoreService::StoreService(storage::SegmentStore* store, const StoreServiceOptions& options)
+    : store_(store), o_(options) {
+  if (o_.max_upload_bytes == 0) o_.max_upload_bytes = HalfThePhysicalMemory();
+}
+
+int64_t StoreService::open_readers() const {
   std::lock_guard<std::mutex> lk(mu_);
   return static_cast<int64_t>(readers_.size());
 }
 
-void StoreNode::CloseIdleReaders() {
-  const auto now = std::chrono::steady_clock::now();
-  const auto idle = std::chrono::duration<double>(o_.reader_idle_seconds);
-  std::vector<std::shared_ptr<storage::BlobReader>> closing;  // released outside the lock
+int64_t StoreService::open_uploads() const {
   std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<int64_t>(uploads_.size());
+}
+
+uint64_t StoreService::upload_bytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return upload_bytes_;
+}
+
+void StoreService::Clear() {
+  std::map<std::string, Reader> readers;  // released outside the lock
+  std::map<std::string, std::shared_ptr<Upload>> uploads;
+  std::lock_guard<std::mutex> lk(mu_);
+  readers.swap(readers_);
+  uploads.swap(uploads_);
+  upload_bytes_ = 0;
+}
+
+void StoreService::Sweep() {
+  const auto now = Clock::now();
+  const auto reader_idle = std::chrono::duration<double>(o_.reader_idle_seconds);
+  const auto upload_idle = std::chrono::duration<double>(o_.upload_idle_seconds);
   for (auto it = readers_.begin(); it != readers_.end();) {
-    if (now - it->second.used > idle) {
-      LOG(INFO) << "store node: reader " << it->first << " idle, closed";
-      closing.push_back(std::move(it->second.reader));
+    if (now - it->second.used > reader_idle) {
+      LOG(INFO) << "store node: a reader of client " << it->second.owner << " idle, closed";
       it = readers_.erase(it);
     } else {
       ++it;
     }
   }
   for (auto it = uploads_.begin(); it != uploads_.end();) {
-    it = now - it->second.used > idle ? uploads_.erase(it) : std::next(it);
+    if (now - it->second->used > upload_idle) {
+      LOG(INFO) << "store node: an upload of client " << it->second->owner << " (" << it->second->total
+                << " bytes) idle, dropped";
+      upload_bytes_ -= it->second->total;
+      it = uploads_.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
-Result<std::shared_ptr<storage::BlobReader>> StoreNode::UseReader(int64_t id) {
+Result<std::shared_ptr<storage::BlobReader>> StoreService::UseReader(const std::string& handle,
+                                                                     const UcxCaller& caller) {
   std::lock_guard<std::mutex> lk(mu_);
-  auto it = readers_.find(id);
-  if (it == readers_.end()) return Status::NotFound("store node: no reader " + std::to_string(id));
-  it->second.used = std::chrono::steady_clock::now();
+  auto it = readers_.find(handle);
+  if (it == readers_.end() || it->second.owner != caller.client_id) {
+    return Status::NotFound("store node: no reader " + Shown(handle));
+  }
+  it->second.used = Clock::now();
   return it->second.reader;
 }
 
-Result<std::string> StoreNode::Handle(uint32_t method, std::string payload) {
-  CloseIdleReaders();
+Result<std::shared_ptr<StoreService::Upload>> StoreService::UseUpload(const std::string& handle,
+                                                                      const UcxCaller& caller) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = uploads_.find(handle);
+  if (it == uploads_.end() || it->second->owner != caller.client_id) {
+    return Status::NotFound("store node: no upload " + Shown(handle));
+  }
+  it->second->used = Clock::now();
+  return it->second;
+}
+
+Result<std::string> StoreService::Handle(const UcxCaller& caller, uint32_t method, std::string payload) {
+  try {
+    return HandleRequest(caller, method, std::move(payload));
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("store node: out of memory serving method " + std::to_string(method));
+  } catch (const std::exception& e) {
+    return Status::Internal("store node: method " + std::to_string(method) + " failed: " + e.what());
+  } catch (...) {
+    return Status::Internal("store node: method " + std::to_string(method) + " failed");
+  }
+}
+
+Result<std::string> StoreService::HandleRequest(const UcxCaller& caller, uint32_t method, std::string payload) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    Sweep();
+  }
   st::StoreRequest q;
   PENUMBRA_RETURN_IF_ERROR(Deserialize(payload, &q, "request"));
+  payload.clear();
   const Hash128 key = FromKey(q.key);
   st::StoreReply reply;
   switch (static_cast<st::StoreMethod::type>(method)) {
     case st::StoreMethod::PUT_BEGIN: {
-      Upload u;
-      u.key = key;
-      u.ns = q.cache_namespace;
-      u.tokens = q.tokens;
+      // Every size is checked, and the upload admitted, before anything is
+      // allocated for it.
+      if (q.tokens < 1) return Status::InvalidArgument("store node: an upload of " + std::to_string(q.tokens) + " tokens");
+      if (q.sizes.size() > static_cast<size_t>(o_.max_blobs)) {
+        return Status::InvalidArgument("store node: an upload of " + std::to_string(q.sizes.size()) +
+                                       " blobs (at most " + std::to_string(o_.max_blobs) + ")");
+      }
+      auto u = std::make_shared<Upload>();
+      u->owner = caller.client_id;
+      u->key = key;
+      u->ns = q.cache_namespace;
+      u->tokens = q.tokens;
       for (const auto& [name, size] : q.sizes) {
-        if (size < 0 || size > (int64_t{1} << 40)) {
-          return Status::InvalidArgument("store node: blob '" + name + "' of " + std::to_string(size) + " bytes");
+        if (name.empty()) return Status::InvalidArgument("store node: a blob with an empty name");
+        if (size < 0 || static_cast<uint64_t>(size) > kMaxBlobBytes) {
+          return Status::InvalidArgument("store node: blob '" + Shown(name) + "' of " + std::to_string(size) +
+                                         " bytes");
         }
-        u.blobs[name].resize(static_cast<size_t>(size));
-        u.missing += static_cast<uint64_t>(size);
+        u->sizes[name] = static_cast<uint64_t>(size);
+        u->total += static_cast<uint64_t>(size);  // at most 4096 x 2^50: no overflow
       }
       for (const auto& [name, b] : q.block_bytes) {
-        if (b <= 0) return Status::InvalidArgument("store node: block_bytes of '" + name + "'");
-        u.block_bytes[name] = static_cast<size_t>(b);
+        if (!u->sizes.count(name)) {
+          return Status::InvalidArgument("store node: block_bytes names '" + Shown(name) + "', not a blob");
+        }
+        if (b < static_cast<int64_t>(storage::SegmentStore::kMinBlockBytes) ||
+            b > static_cast<int64_t>(storage::SegmentStore::kMaxBlockBytes)) {
+          return Status::InvalidArgument("store node: block_bytes of '" + Shown(name) + "' is " + std::to_string(b));
+        }
+        u->block_bytes[name] = static_cast<size_t>(b);
       }
-      u.used = std::chrono::steady_clock::now();
+      PENUMBRA_RETURN_IF_ERROR(store_->CheckRoom(u->ns, u->total));
+      u->used = Clock::now();
       std::lock_guard<std::mutex> lk(mu_);
-      reply.upload = next_reader_++;
+      if (uploads_.size() >= static_cast<size_t>(o_.max_uploads)) {
+        return Status::ResourceExhausted("store node: " + std::to_string(uploads_.size()) +
+                                         " uploads in flight (at most " + std::to_string(o_.max_uploads) + ")")
+            .WithRetryAfter(1000);
+      }
+      if (u->total > o_.max_upload_bytes - std::min(upload_bytes_, o_.max_upload_bytes)) {
+        return Status::ResourceExhausted("store node: an upload of " + std::to_string(u->total) + " bytes beside " +
+                                         std::to_string(upload_bytes_) + " in flight exceeds max_upload_bytes (" +
+                                         std::to_string(o_.max_upload_bytes) + ")")
+            .WithRetryAfter(1000);
+      }
+      reply.upload = RandomHandle();
+      upload_bytes_ += u->total;
       uploads_[reply.upload] = std::move(u);
       return Serialize(reply);
     }
     case st::StoreMethod::PUT_PART: {
-      std::lock_guard<std::mutex> lk(mu_);
-      auto it = uploads_.find(q.upload);
-      if (it == uploads_.end()) return Status::NotFound("store node: no upload " + std::to_string(q.upload));
-      auto b = it->second.blobs.find(q.blob);
-      if (b == it->second.blobs.end()) return Status::InvalidArgument("store node: the upload has no blob '" + q.blob + "'");
-      if (q.offset < 0 || static_cast<uint64_t>(q.offset) > b->second.size() ||
-          q.data.size() > b->second.size() - static_cast<size_t>(q.offset)) {
-        return Status::InvalidArgument("store node: a part past blob '" + q.blob + "'");
+      PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<Upload> u, UseUpload(q.upload, caller));
+      auto size = u->sizes.find(q.blob);
+      if (size == u->sizes.end()) {
+        return Status::InvalidArgument("store node: the upload has no blob '" + Shown(q.blob) + "'");
       }
-      std::memcpy(b->second.data() + q.offset, q.data.data(), q.data.size());
-      it->second.missing -= std::min<uint64_t>(it->second.missing, q.data.size());
-      it->second.used = std::chrono::steady_clock::now();
+      if (q.offset < 0 || static_cast<uint64_t>(q.offset) > size->second ||
+          q.data.size() > size->second - static_cast<uint64_t>(q.offset)) {
+        return Status::InvalidArgument("store node: a part of " + std::to_string(q.data.size()) + " bytes at " +
+                                       std::to_string(q.offset) + " ends past blob '" + Shown(q.blob) + "' (" +
+                                       std::to_string(size->second) + " bytes)");
+      }
+      std::lock_guard<std::mutex> lk(u->mu);
+      std::string& buf = u->blobs[q.blob];
+      if (buf.size() != size->second) buf.resize(size->second);  // its first part (bad_alloc: Handle answers)
+      std::memcpy(buf.data() + q.offset, q.data.data(), q.data.size());
+      u->received_bytes +=
+          AddRange(u->received[q.blob], static_cast<uint64_t>(q.offset), static_cast<uint64_t>(q.offset) + q.data.size());
       return std::string();
     }
     case st::StoreMethod::PUT_COMMIT: {
-      Upload u;
+      PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<Upload> u, UseUpload(q.upload, caller));
       {
         std::lock_guard<std::mutex> lk(mu_);
-        auto it = uploads_.find(q.upload);
-        if (it == uploads_.end()) return Status::NotFound("store node: no upload " + std::to_string(q.upload));
-        u = std::move(it->second);
-        uploads_.erase(it);
+        if (uploads_.erase(q.upload) == 0) return Status::NotFound("store node: no upload " + Shown(q.upload));
       }
-      if (u.missing != 0) {
-        return Status::FailedPrecondition("store node: the upload lacks " + std::to_string(u.missing) + " bytes");
+      // Its bytes stay counted until the store has them.
+      Status put;
+      {
+        std::lock_guard<std::mutex> lk(u->mu);  // parts still being copied finish first
+        if (u->received_bytes != u->total) {
+          put = Status::FailedPrecondition("store node: the upload lacks " +
+                                           std::to_string(u->total - u->received_bytes) + " of its " +
+                                           std::to_string(u->total) + " bytes");
+        } else {
+          for (const auto& [name, size] : u->sizes) u->blobs[name].resize(size);  // empty blobs
+          put = store_->Put(u->key, u->ns, u->tokens, u->blobs, u->block_bytes);
+        }
       }
-      PENUMBRA_RETURN_IF_ERROR(store_->Put(u.key, u.ns, u.tokens, u.blobs, u.block_bytes));
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        upload_bytes_ -= u->total;
+      }
+      PENUMBRA_RETURN_IF_ERROR(put);
       return std::string();
     }
     case st::StoreMethod::LAYOUT: {
@@ -289,12 +599,20 @@ Result<std::string> StoreNode::Handle(uint32_t method, std::string payload) {
       PENUMBRA_RETURN_IF_ERROR(store_->Erase(key));
       return std::string();
     case st::StoreMethod::OPEN: {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (readers_.size() >= static_cast<size_t>(o_.max_readers)) {
+          return Status::ResourceExhausted("store node: " + std::to_string(readers_.size()) +
+                                           " readers open (at most " + std::to_string(o_.max_readers) + ")")
+              .WithRetryAfter(1000);
+        }
+      }
       PENUMBRA_ASSIGN_OR_RETURN(auto layout, store_->Layout(key));
       PENUMBRA_ASSIGN_OR_RETURN(auto reader, store_->OpenReader(key));
       reply.layout = ToLayout(layout);
+      reply.reader = RandomHandle();
       std::lock_guard<std::mutex> lk(mu_);
-      reply.reader = next_reader_++;
-      readers_[reply.reader] = Reader{std::move(reader), std::chrono::steady_clock::now()};
+      readers_[reply.reader] = Reader{caller.client_id, std::move(reader), Clock::now()};
       return Serialize(reply);
     }
     case st::StoreMethod::READV: {
@@ -306,9 +624,11 @@ Result<std::string> StoreNode::Handle(uint32_t method, std::string payload) {
       for (size_t i = 0; i < q.offsets.size(); ++i) {
         if (q.offsets[i] < 0 || q.lengths[i] < 0) return Status::InvalidArgument("store node: a negative range");
         total += static_cast<uint64_t>(q.lengths[i]);
+        if (total > kMaxPart) {
+          return Status::InvalidArgument("store node: a read of more than " + std::to_string(kMaxPart) + " bytes");
+        }
       }
-      if (total > kMaxPart) return Status::InvalidArgument("store node: a read of " + std::to_string(total) + " bytes");
-      PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<storage::BlobReader> reader, UseReader(q.reader));
+      PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<storage::BlobReader> reader, UseReader(q.reader, caller));
       std::string bytes(static_cast<size_t>(total), '\0');
       // Adjacent ranges (a restore's consecutive blocks) read as one.
       std::vector<storage::BlobReader::Piece> pieces;
@@ -327,16 +647,39 @@ Result<std::string> StoreNode::Handle(uint32_t method, std::string payload) {
       return bytes;
     }
     case st::StoreMethod::CLOSE: {
-      std::shared_ptr<storage::BlobReader> closing;
+      std::shared_ptr<storage::BlobReader> closing;  // released outside the lock
       std::lock_guard<std::mutex> lk(mu_);
       auto it = readers_.find(q.reader);
-      if (it == readers_.end()) return std::string();  // closed already (idle)
+      if (it == readers_.end() || it->second.owner != caller.client_id) {
+        return Status::NotFound("store node: no reader " + Shown(q.reader));
+      }
       closing = std::move(it->second.reader);
       readers_.erase(it);
       return std::string();
     }
   }
   return Status::InvalidArgument("store node: unknown method " + std::to_string(method));
+}
+
+Result<std::unique_ptr<StoreNode>> StoreNode::Start(storage::SegmentStore* store, const StoreNodeOptions& options) {
+  if (store == nullptr) return Status::InvalidArgument("store node: no store");
+  auto node = std::unique_ptr<StoreNode>(new StoreNode());
+  node->service_ = std::make_unique<StoreService>(store, options.service);
+  StoreService* s = node->service_.get();
+  PENUMBRA_ASSIGN_OR_RETURN(
+      node->server_,
+      UcxServer::Start(
+          options.host, options.port,
+          [s](const UcxCaller& caller, uint32_t m, std::string p) { return s->Handle(caller, m, std::move(p)); },
+          options.plane));
+  return node;
+}
+
+StoreNode::~StoreNode() { Stop(); }
+
+void StoreNode::Stop() {
+  if (server_) server_->Stop();
+  if (service_) service_->Clear();
 }
 
 // ----------------------------------------------------------------- client
@@ -358,7 +701,16 @@ Result<RemoteStoreOptions> RemoteDocumentStore::ParseAddress(const std::string& 
 }
 
 Result<std::shared_ptr<RemoteDocumentStore>> RemoteDocumentStore::Connect(const RemoteStoreOptions& options) {
-  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<UcxClient> c, UcxClient::Connect(options.host, options.port));
+  const std::string where = options.host + ":" + std::to_string(options.port);
+  if (!options.plane.secret && !IsLoopbackHost(options.host)) {
+    if (!options.allow_plaintext_remote) {
+      return Status::InvalidArgument("store node " + where + " is not on loopback: the store plane needs the "
+                                     "cluster secret (--cluster-secret-file), or --insecure on a network you trust");
+    }
+    LOG(ERROR) << "INSECURE: store node " << where << " without the cluster secret (--insecure): anyone on the "
+               << "network can read, forge and replay its traffic";
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<UcxClient> c, UcxClient::Connect(options.host, options.port, options.plane));
   return std::shared_ptr<RemoteDocumentStore>(new RemoteDocumentStore(options, std::move(c)));
 }
 
@@ -491,12 +843,16 @@ size_t ShardedDocumentStore::Pick(const Hash128& key) const {
   return best;
 }
 
-Result<std::shared_ptr<storage::DocumentStore>> ConnectStoreNodes(const std::string& addresses) {
+Result<std::shared_ptr<storage::DocumentStore>> ConnectStoreNodes(const std::string& addresses,
+                                                                  const UcxClientOptions& plane,
+                                                                  bool allow_plaintext_remote) {
   std::vector<std::pair<std::string, std::shared_ptr<storage::DocumentStore>>> nodes;
   std::stringstream list(addresses);
   std::string address;
   while (std::getline(list, address, ',')) {
     PENUMBRA_ASSIGN_OR_RETURN(RemoteStoreOptions o, RemoteDocumentStore::ParseAddress(address));
+    o.plane = plane;
+    o.allow_plaintext_remote = allow_plaintext_remote;
     PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<RemoteDocumentStore> c, RemoteDocumentStore::Connect(o));
     nodes.emplace_back(address, std::move(c));
   }

@@ -6,13 +6,27 @@
 // own disk (whole, the blobs it names, or lazily block by block through a
 // reader), with its memory tiers in front.
 //
-// Integrity: blocks are checked where they are stored (SegmentStore) and
-// every message is checked on arrival (ucx_rpc). Failure: a call that
-// cannot reach the node is Unavailable after its deadline at most, and
-// idempotent calls are tried once more on a new connection first; a worker
-// whose node is gone computes what it cannot read. A reader a worker opens
-// keeps the document in place on the node; one left idle (its worker died)
-// is closed after reader_idle_seconds.
+// Integrity and security: blocks are checked where they are stored
+// (SegmentStore); every message is authenticated and encrypted with the
+// cluster secret, or checksummed without one (ucx_rpc.h; plain only on
+// loopback). Readers and uploads are 128-bit random handles bound to the
+// client that opened them (its plane client id: proved with the secret;
+// without one, claimed in the handshake): another client's handle, or a
+// guessed one, is NotFound. Every request is bounded before anything is
+// allocated for it (an upload's sizes against the store's capacity and
+// namespace quota, the uploads and upload bytes in flight, a part's range
+// against its blob) and answered with a typed error on bad input, never an
+// exception: the node keeps serving and nothing stored is lost. What the
+// plane does not do: tell tenants apart (any client holding the secret may
+// read or erase any document; tenants are kept apart by keys they cannot
+// compute, worker/engine/prefix_cache.h).
+//
+// Failure: a call that cannot reach the node is Unavailable after its
+// deadline at most, and idempotent calls are tried once more on a new
+// connection first; a worker whose node is gone computes what it cannot
+// read. A reader a worker opens keeps the document in place on the node;
+// one left idle (its worker died) is closed after reader_idle_seconds, and
+// an upload left idle is dropped after upload_idle_seconds.
 #pragma once
 
 #include <chrono>
@@ -21,6 +35,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -31,11 +46,99 @@
 
 namespace penumbra::transport {
 
+struct StoreServiceOptions {
+  double reader_idle_seconds = 120;  // an idle reader is closed (its document released). Default: 120.
+  double upload_idle_seconds = 120;  // an upload without a part for this long is dropped. Default: 120.
+  int max_readers = 4096;            // readers open at once, node-wide. Default: 4096.
+  int max_uploads = 64;              // uploads open at once, node-wide. Default: 64.
+  // Bytes the open uploads declared, together (an upload's blobs are held
+  // in memory until its commit); 0: half the machine's physical memory.
+  // Default: 0.
+  uint64_t max_upload_bytes = 0;
+  int max_blobs = 4096;  // blobs of one upload. Default: 4096.
+};
+
+// The node's request handling without the network: StoreNode serves it over
+// the UCX plane, the fuzzer (transport/fuzz/store_node_fuzz.cc) calls it
+// directly. Thread-safe.
+class StoreService {
+ public:
+  // Serves `store` (not owned; outlives the service).
+  StoreService(storage::SegmentStore* store, const StoreServiceOptions& options);
+  // Answers one request (a StoreMethod, a serialized StoreRequest) from
+  // `caller`. Never throws: bad input is InvalidArgument, a handle that is
+  // unknown or another client's NotFound, what does not fit
+  // ResourceExhausted naming the limit (out of memory included), anything
+  // unexpected Internal.
+  Result<std::string> Handle(const UcxCaller& caller, uint32_t method, std::string payload);
+  int64_t open_readers() const;
+  int64_t open_uploads() const;
+  uint64_t upload_bytes() const;  // declared by the open uploads
+  const StoreServiceOptions& options() const { return o_; }
+  // Releases every reader and upload.
+  void Clear();
+
+ private:
+  struct Reader {
+    std::string owner;  // the client id that opened it
+    std::shared_ptr<storage::BlobReader> reader;
+    std::chrono::steady_clock::time_point used;
+  };
+  // A document coming in parts (PUT_BEGIN, PUT_PART..., PUT_COMMIT).
+  struct Upload {
+    std::string owner;
+    Hash128 key;
+    std::string ns;
+    int64_t tokens = 0;
+    std::map<std::string, uint64_t> sizes;
+    std::map<std::string, size_t> block_bytes;
+    uint64_t total = 0;                 // declared bytes
+    std::chrono::steady_clock::time_point used;  // under mu_
+    std::mutex mu;                      // the fields below
+    std::map<std::string, std::string> blobs;  // a blob's buffer, made at its first part
+    std::map<std::string, std::map<uint64_t, uint64_t>> received;  // per blob: the ranges received, merged
+    uint64_t received_bytes = 0;
+  };
+  Result<std::string> HandleRequest(const UcxCaller& caller, uint32_t method, std::string payload);
+  // Closes idle readers and drops idle uploads (under mu_).
+  void Sweep();
+  // Reader `handle` of `caller`, marked used; NotFound when unknown,
+  // another client's, or closed (idle too long).
+  Result<std::shared_ptr<storage::BlobReader>> UseReader(const std::string& handle, const UcxCaller& caller);
+  Result<std::shared_ptr<Upload>> UseUpload(const std::string& handle, const UcxCaller& caller);
+
+  storage::SegmentStore* store_;
+  StoreServiceOptions o_;
+  mutable std::mutex mu_;
+  std::map<std::string, Reader> readers_;
+  std::map<std::string, std::shared_ptr<Upload>> uploads_;
+  uint64_t upload_bytes_ = 0;
+};
+
+// Whether `bytes` begin with a well-formed StoreRequest (request) or
+// StoreReply in Thrift's binary protocol, as the generated reader would read
+// it: every type byte one Thrift defines, every size non-negative and within
+// the bytes, known fields' elements of their IDL types, nesting bounded. The
+// node walks every request (and the client every reply) with it before
+// Thrift reads them: Thrift's reader casts type bytes to its enum before
+// checking them (undefined behaviour on hostile bytes).
+bool IsWellFormedStoreMessage(std::string_view bytes, bool request);
+
+// The store plane's defaults for a node: 8 handler threads (disk reads).
+inline UcxServerOptions StorePlaneDefaults() {
+  UcxServerOptions o;
+  o.threads = 8;
+  return o;
+}
+
 struct StoreNodeOptions {
   std::string host = "127.0.0.1";
-  int port = 0;                     // 0: one the OS picks
-  int threads = 8;                  // requests served at once (disk reads)
-  double reader_idle_seconds = 120;  // an idle reader is closed (its document released)
+  int port = 0;  // 0: one the OS picks
+  // The UCX plane: its secret (none: plain, loopback only), handler threads
+  // (requests served at once: disk reads), connection caps. Default: 8
+  // threads, no secret.
+  UcxServerOptions plane = StorePlaneDefaults();
+  StoreServiceOptions service;
 };
 
 // Serves `store` (not owned; outlives the node).
@@ -44,50 +147,33 @@ class StoreNode {
   static Result<std::unique_ptr<StoreNode>> Start(storage::SegmentStore* store, const StoreNodeOptions& options);
   ~StoreNode();
   int port() const { return server_->port(); }
-  int64_t open_readers() const;
+  int64_t open_readers() const { return service_->open_readers(); }
+  const StoreService& service() const { return *service_; }
+  UcxServerStats plane_stats() const { return server_->stats(); }
   // Stops serving (the UCX server) and releases every reader.
   void Stop();
 
  private:
-  StoreNode(storage::SegmentStore* store, const StoreNodeOptions& options) : store_(store), o_(options) {}
-  Result<std::string> Handle(uint32_t method, std::string payload);
-  void CloseIdleReaders();
-  // Reader `id`, marked used; NotFound when closed (or idle too long).
-  Result<std::shared_ptr<storage::BlobReader>> UseReader(int64_t id);
-
-  storage::SegmentStore* store_;
-  StoreNodeOptions o_;
+  StoreNode() = default;
+  std::unique_ptr<StoreService> service_;
   std::unique_ptr<UcxServer> server_;
-  struct Reader {
-    std::shared_ptr<storage::BlobReader> reader;
-    std::chrono::steady_clock::time_point used;
-  };
-  // A document coming in parts (PUT_BEGIN, PUT_PART..., PUT_COMMIT).
-  struct Upload {
-    Hash128 key;
-    std::string ns;
-    int64_t tokens = 0;
-    std::map<std::string, std::string> blobs;
-    std::map<std::string, size_t> block_bytes;
-    uint64_t missing = 0;  // bytes not received yet
-    std::chrono::steady_clock::time_point used;
-  };
-  mutable std::mutex mu_;
-  std::map<int64_t, Reader> readers_;
-  std::map<int64_t, Upload> uploads_;
-  int64_t next_reader_ = 1;  // reader and upload ids
 };
 
 struct RemoteStoreOptions {
   std::string host = "127.0.0.1";
   int port = 0;
   std::chrono::milliseconds call_timeout{30000};
+  UcxClientOptions plane;  // the cluster secret (none: plain) and the plane's limits
+  // A node off loopback without a secret is refused (its traffic would be
+  // readable and forgeable) unless this is set (--insecure). Default: false.
+  bool allow_plaintext_remote = false;
 };
 
 class RemoteDocumentStore final : public storage::DocumentStore,
                                   public std::enable_shared_from_this<RemoteDocumentStore> {
  public:
-  // Connects lazily (the first call); InvalidArgument for a bad address.
+  // Connects lazily (the first call); InvalidArgument for a bad address, or
+  // a node off loopback without a secret (unless allow_plaintext_remote).
   static Result<std::shared_ptr<RemoteDocumentStore>> Connect(const RemoteStoreOptions& options);
   // "host:port" -> options (InvalidArgument naming what is wrong).
   static Result<RemoteStoreOptions> ParseAddress(const std::string& address);
@@ -151,7 +237,11 @@ class ShardedDocumentStore final : public storage::DocumentStore {
 };
 
 // "HOST:PORT[,HOST:PORT...]" -> one node's client, or a sharded store over
-// several (InvalidArgument naming a bad address or a repeated one).
-Result<std::shared_ptr<storage::DocumentStore>> ConnectStoreNodes(const std::string& addresses);
+// several (InvalidArgument naming a bad address or a repeated one), each
+// speaking the plane with `plane` (its cluster secret). A node off
+// loopback without a secret is refused unless allow_plaintext_remote.
+Result<std::shared_ptr<storage::DocumentStore>> ConnectStoreNodes(const std::string& addresses,
+                                                                  const UcxClientOptions& plane = {},
+                                                                  bool allow_plaintext_remote = false);
 
 }  // namespace penumbra::transport

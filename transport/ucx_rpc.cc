@@ -2,43 +2,38 @@
 
 #include <arpa/inet.h>
 #include <glog/logging.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <map>
 #include <mutex>
-#include <set>
+#include <new>
 #include <thread>
 #include <vector>
 
 namespace penumbra::transport {
 namespace {
 
-constexpr uint16_t kAmRequest = 1, kAmReply = 2;
+namespace uf = ucx_frame;
+using Clock = std::chrono::steady_clock;
 
-struct RequestHeader {
-  uint64_t id = 0;
-  uint32_t method = 0;
-  uint32_t reserved = 0;
-  uint64_t checksum = 0;  // XXH3 of the payload
-};
-struct ReplyHeader {
-  uint64_t id = 0;
-  int32_t code = 0;  // StatusCode; the payload is the message when not OK
-  uint32_t reserved = 0;
-  uint64_t checksum = 0;
-};
-
-uint64_t Checksum(const std::string& s) { return XXH3_64bits(s.data(), s.size()); }
+using uf::kAmToClient;
+using uf::kAmToServer;
+// A refused connection is closed this long after its REFUSED frame (time
+// for it to leave), or at once when the peer misbehaved.
+constexpr auto kRefusalLinger = std::chrono::milliseconds(200);
 
 Status UcsError(ucs_status_t s, const std::string& what) {
   return Status::Unavailable("ucx: " + what + ": " + ucs_status_string(s));
@@ -52,14 +47,27 @@ void Release(void* request) {
 
 // One UCX worker and the thread that drives it. Work for the worker is
 // posted (Post) and runs on that thread between progress calls; the thread
-// sleeps on the worker's event fd and an eventfd for posts.
+// sleeps on the worker's event fd and an eventfd for posts, and runs the
+// tick (timeouts) about every 100 ms.
 class Loop {
  public:
-  static Result<std::unique_ptr<Loop>> Create() {
+  static Result<std::unique_ptr<Loop>> Create(const std::string& net_devices) {
     auto l = std::unique_ptr<Loop>(new Loop());
     ucp_config_t* cfg = nullptr;
     ucs_status_t s = ucp_config_read(nullptr, nullptr, &cfg);
     if (s != UCS_OK) return UcsError(s, "config");
+    if (!net_devices.empty()) {
+      if (const char* env = std::getenv("UCX_NET_DEVICES"); env != nullptr) {
+        LOG(WARNING) << "ucx: UCX_NET_DEVICES=" << env << " from the environment, instead of " << net_devices
+                     << " (the devices of the address): UCX listens on each of those devices";
+      } else {
+        s = ucp_config_modify(cfg, "NET_DEVICES", net_devices.c_str());
+        if (s != UCS_OK) {
+          ucp_config_release(cfg);
+          return UcsError(s, "UCX_NET_DEVICES=" + net_devices);
+        }
+      }
+    }
     ucp_params_t p{};
     p.field_mask = UCP_PARAM_FIELD_FEATURES;
     p.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -88,6 +96,8 @@ class Loop {
   }
   ucp_worker_h worker() const { return worker_; }
 
+  // Called on the loop's thread about every 100 ms (set before Start).
+  void SetTick(std::function<void()> tick) { tick_ = std::move(tick); }
   void Start() { thread_ = std::thread([this] { Run(); }); }
   void Post(std::function<void()> task) {
     {
@@ -104,7 +114,6 @@ class Loop {
     Wake();
     thread_.join();
   }
-  bool on_loop_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
  private:
   Loop() = default;
@@ -114,6 +123,7 @@ class Loop {
     (void)n;
   }
   void Run() {
+    auto last_tick = Clock::now();
     for (;;) {
       std::deque<std::function<void()>> tasks;
       {
@@ -122,6 +132,10 @@ class Loop {
       }
       for (auto& t : tasks) t();
       while (ucp_worker_progress(worker_) != 0) {
+      }
+      if (tick_ && Clock::now() - last_tick >= std::chrono::milliseconds(100)) {
+        last_tick = Clock::now();
+        tick_();
       }
       {
         std::lock_guard<std::mutex> lk(mu_);
@@ -144,14 +158,15 @@ class Loop {
   int efd_ = -1, wake_ = -1;
   std::thread thread_;
   std::atomic<bool> stop_{false};
+  std::function<void()> tick_;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
 };
 
-// An AM send whose header and payload live until it completes.
+// An AM send whose header and body live until it completes.
 struct Send {
-  std::vector<char> header;
-  std::string payload;
+  std::string header;
+  std::string body;
 };
 
 void OnSent(void* request, ucs_status_t, void* user_data) {
@@ -159,16 +174,17 @@ void OnSent(void* request, ucs_status_t, void* user_data) {
   ucp_request_free(request);
 }
 
-// Sends AM `id` on ep (loop thread); false when the send failed at once.
-bool SendAm(ucp_ep_h ep, uint16_t id, const void* header, size_t header_len, std::string payload, uint32_t flags) {
-  auto* s = new Send{std::vector<char>(static_cast<const char*>(header), static_cast<const char*>(header) + header_len),
-                     std::move(payload)};
+// Sends one frame as AM `id` on ep (loop thread), asking for a reply
+// endpoint so that the peer knows the connection; false when the send
+// failed at once.
+bool SendFrame(ucp_ep_h ep, uint16_t id, std::string header, std::string body) {
+  auto* s = new Send{std::move(header), std::move(body)};
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.cb.send = OnSent;
   p.user_data = s;
-  p.flags = flags;
-  void* r = ucp_am_send_nbx(ep, id, s->header.data(), s->header.size(), s->payload.data(), s->payload.size(), &p);
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  void* r = ucp_am_send_nbx(ep, id, s->header.data(), s->header.size(), s->body.data(), s->body.size(), &p);
   if (r == nullptr) {
     delete s;
     return true;
@@ -187,49 +203,55 @@ void CloseEp(ucp_ep_h ep) {
   Release(ucp_ep_close_nbx(ep, &p));
 }
 
-// A message's payload, received whole: given at once (eager), or fetched
-// by ucp_am_recv_data_nbx (rendezvous) and then delivered.
+// A body being received by rendezvous: delivered when it is whole.
 struct Incoming {
-  std::vector<char> header;
-  std::string payload;
-  ucp_ep_h reply_ep = nullptr;
-  std::function<void(Incoming&)> deliver;
+  std::string body;
+  std::function<void(std::string)> deliver;
 };
 
 void OnRecvData(void* request, ucs_status_t status, size_t, void* user_data) {
   std::unique_ptr<Incoming> in(static_cast<Incoming*>(user_data));
-  if (status == UCS_OK) in->deliver(*in);
+  if (status == UCS_OK) {
+    in->deliver(std::move(in->body));
+  } else {
+    LOG(WARNING) << "ucx: receiving a message failed: " << ucs_status_string(status);
+  }
   ucp_request_free(request);
 }
 
-// The AM callbacks' common part: header copied, payload received, then
-// `deliver` (on the loop thread).
-ucs_status_t Receive(ucp_worker_h worker, const void* header, size_t header_len, void* data, size_t length,
-                     const ucp_am_recv_param_t* param, std::function<void(Incoming&)> deliver) {
-  auto in = std::make_unique<Incoming>();
-  in->header.assign(static_cast<const char*>(header), static_cast<const char*>(header) + header_len);
-  in->reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
-  in->deliver = std::move(deliver);
-  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-    in->payload.assign(static_cast<const char*>(data), length);
-    in->deliver(*in);
-    return UCS_OK;
+// Receives a body of `length` bytes (checked against the limits already):
+// copied at once (eager), or fetched into a buffer of its size
+// (rendezvous); then `deliver` runs on the loop thread. False when the
+// buffer cannot be allocated or the receive cannot start.
+bool ReceiveBody(ucp_worker_h worker, void* data, size_t length, const ucp_am_recv_param_t* param,
+                 std::function<void(std::string)> deliver) {
+  try {
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+      deliver(std::string(static_cast<const char*>(data), length));
+      return true;
+    }
+    auto in = std::make_unique<Incoming>();
+    in->body.resize(length);
+    in->deliver = std::move(deliver);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = OnRecvData;
+    Incoming* raw = in.get();
+    p.user_data = raw;
+    void* r = ucp_am_recv_data_nbx(worker, data, raw->body.data(), length, &p);
+    if (r == nullptr) {
+      raw->deliver(std::move(raw->body));  // completed at once
+    } else if (UCS_PTR_IS_ERR(r)) {
+      LOG(WARNING) << "ucx: receiving a message failed: " << ucs_status_string(UCS_PTR_STATUS(r));
+      return false;
+    } else {
+      in.release();  // OnRecvData owns it
+    }
+    return true;
+  } catch (const std::bad_alloc&) {
+    LOG(WARNING) << "ucx: no memory for a message of " << length << " bytes; dropped";
+    return false;
   }
-  in->payload.resize(length);
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.recv_am = OnRecvData;
-  Incoming* raw = in.get();
-  p.user_data = raw;
-  void* r = ucp_am_recv_data_nbx(worker, data, raw->payload.data(), length, &p);
-  if (r == nullptr) {
-    raw->deliver(*raw);  // completed at once
-  } else if (UCS_PTR_IS_ERR(r)) {
-    LOG(WARNING) << "ucx: receiving a message failed: " << ucs_status_string(UCS_PTR_STATUS(r));
-  } else {
-    in.release();  // OnRecvData owns it
-  }
-  return UCS_OK;
 }
 
 Status SetAmHandler(ucp_worker_h worker, uint16_t id, ucp_am_recv_callback_t cb, void* arg) {
@@ -260,16 +282,112 @@ Result<sockaddr_in> Resolve(const std::string& host, int port) {
   return sa;
 }
 
+std::string IpOf(const sockaddr_in& sa) {
+  char buf[INET_ADDRSTRLEN] = {};
+  inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof buf);
+  return buf;
+}
+
+ucp_ep_h ReplyEp(const ucp_am_recv_param_t* param) {
+  return (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
+}
+
 }  // namespace
+
+Result<std::string> UcxNetDevices(const std::string& ip, bool route) {
+  in_addr addr{};
+  if (inet_pton(AF_INET, ip.c_str(), &addr) != 1) {
+    return Status::InvalidArgument("ucx: '" + ip + "' is not an IPv4 address");
+  }
+  if (addr.s_addr == htonl(INADDR_ANY)) return std::string();
+  in_addr local = addr;
+  if (route) {
+    // The kernel's choice of source address toward `ip` (no packet is sent).
+    const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return Status::Internal("socket: " + std::string(std::strerror(errno)));
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_addr = addr;
+    to.sin_port = htons(9);
+    sockaddr_in from{};
+    socklen_t len = sizeof from;
+    const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0 &&
+                    getsockname(fd, reinterpret_cast<sockaddr*>(&from), &len) == 0;
+    close(fd);
+    if (!ok) return Status::Unavailable("ucx: no route to " + ip);
+    local = from.sin_addr;
+  }
+  const bool loopback = (ntohl(local.s_addr) >> 24) == 127;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return Status::Internal("getifaddrs: " + std::string(std::strerror(errno)));
+  std::string name, loopback_name;
+  for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    const auto* a = reinterpret_cast<const sockaddr_in*>(i->ifa_addr);
+    if (a->sin_addr.s_addr == local.s_addr) {
+      name = i->ifa_name;
+      break;
+    }
+    if ((i->ifa_flags & IFF_LOOPBACK) && loopback_name.empty()) loopback_name = i->ifa_name;
+  }
+  freeifaddrs(list);
+  if (name.empty() && loopback) name = loopback_name;  // 127.0.0.2 and the like live on lo
+  if (name.empty()) return Status::NotFound("ucx: no network interface holds " + ip);
+  name = name.substr(0, name.find(':'));  // an alias (eth0:1) is its device's
+  if (!loopback) {
+    // RDMA devices: their transports listen on no IP port, and the plane
+    // wants them across hosts.
+    std::error_code ec;
+    for (const auto& dev : std::filesystem::directory_iterator("/sys/class/infiniband", ec)) {
+      std::error_code pe;
+      for (const auto& port : std::filesystem::directory_iterator(dev.path() / "ports", pe)) {
+        name += "," + dev.path().filename().string() + ":" + port.path().filename().string();
+      }
+    }
+  }
+  return name;
+}
 
 // ------------------------------------------------------------------ server
 
+namespace {
+
+// One connection of a server. Loop thread, except: opener->Open (const) and
+// sealer on the pool's threads.
+struct ServerConn {
+  ucp_ep_h ep = nullptr;
+  uint64_t number = 0;
+  Clock::time_point accepted;
+  std::unique_ptr<uf::ServerHandshake> handshake;  // until established
+  bool established = false;
+  bool closing = false;  // refused: closed at close_at
+  Clock::time_point close_at;
+  UcxCaller caller;
+  std::unique_ptr<uf::FrameOpener> opener;  // the client's frames
+  std::shared_ptr<uf::FrameSealer> sealer;  // frames to the client
+};
+
+struct Counter {
+  std::atomic<int64_t> v{0};
+  void operator++() { v.fetch_add(1, std::memory_order_relaxed); }
+  int64_t get() const { return v.load(std::memory_order_relaxed); }
+};
+
+}  // namespace
+
 struct UcxServer::Impl {
   Handler handler;
+  UcxServerOptions options;
+  std::string plane_key;  // empty: plain
   std::unique_ptr<Loop> loop;
   ucp_listener_h listener = nullptr;
   int port = 0;
-  std::set<ucp_ep_h> eps;  // live endpoints (loop thread)
+  uint64_t next_conn = 1;
+  std::map<ucp_ep_h, std::shared_ptr<ServerConn>> conns;  // loop thread
+  std::atomic<size_t> inflight_bytes{0};
+  Counter connections, rejected, handshakes, handshake_failures, handshake_timeouts, frames_rejected, replays,
+      requests, busy;
+  std::atomic<int64_t> open{0};
   // Handler pool.
   std::mutex mu;
   std::condition_variable cv;
@@ -278,8 +396,62 @@ struct UcxServer::Impl {
   bool stopping = false;
   bool stopped = false;
 
+  bool Live(const std::shared_ptr<ServerConn>& c) const {
+    auto it = conns.find(c->ep);
+    return it != conns.end() && it->second == c && !c->closing;
+  }
+  // Closes a connection now (loop thread).
+  void Drop(std::shared_ptr<ServerConn> c) {
+    auto it = conns.find(c->ep);
+    if (it == conns.end() || it->second != c) return;
+    conns.erase(it);
+    open = static_cast<int64_t>(conns.size());
+    CloseEp(c->ep);
+  }
+  // Refuses a connection's handshake: a REFUSED frame, then the close.
+  void Refuse(const std::shared_ptr<ServerConn>& c, const std::string& why) {
+    ++handshake_failures;
+    LOG(WARNING) << "ucx server: connection " << c->number << " refused: " << why;
+    SendFrame(c->ep, kAmToClient, uf::HandshakeHeader(uf::FrameType::kRefused, why), why);
+    c->closing = true;
+    c->close_at = Clock::now() + kRefusalLinger;
+  }
+  // A frame that failed its checks: the connection is closed at once.
+  void Reject(const std::shared_ptr<ServerConn>& c, uf::Refusal why, const std::string& message) {
+    ++frames_rejected;
+    if (why == uf::Refusal::kReplay || why == uf::Refusal::kStale) ++replays;
+    LOG(WARNING) << "ucx server: connection " << c->number << " (client " << c->caller.client_id
+                 << ") closed: " << message;
+    Drop(c);
+  }
+
+  void Tick() {
+    const auto now = Clock::now();
+    std::vector<std::shared_ptr<ServerConn>> late;
+    for (const auto& [ep, c] : conns) {
+      if (c->closing ? now >= c->close_at : (!c->established && now - c->accepted > options.handshake_timeout)) {
+        late.push_back(c);
+      }
+    }
+    for (const auto& c : late) {
+      if (!c->closing) {
+        ++handshake_timeouts;
+        LOG(WARNING) << "ucx server: connection " << c->number << " did not finish its handshake within "
+                     << options.handshake_timeout.count() << " ms; closed";
+      }
+      Drop(c);
+    }
+  }
+
   static void OnConn(ucp_conn_request_h request, void* arg) {
     auto* self = static_cast<Impl*>(arg);
+    if (self->conns.size() >= static_cast<size_t>(self->options.max_endpoints)) {
+      ++self->rejected;
+      LOG_EVERY_N(WARNING, 100) << "ucx server: " << self->conns.size() << " connections (max_endpoints); "
+                                << "a new one rejected";
+      ucp_listener_reject(self->listener, request);
+      return;
+    }
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -293,34 +465,110 @@ struct UcxServer::Impl {
       LOG(WARNING) << "ucx server: accepting a connection failed: " << ucs_status_string(s);
       return;
     }
-    self->eps.insert(ep);
+    auto c = std::make_shared<ServerConn>();
+    c->ep = ep;
+    c->number = self->next_conn++;
+    c->accepted = Clock::now();
+    c->handshake = std::make_unique<uf::ServerHandshake>(self->plane_key);
+    self->conns[ep] = std::move(c);
+    self->open = static_cast<int64_t>(self->conns.size());
+    ++self->connections;
   }
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* self = static_cast<Impl*>(arg);
-    VLOG(1) << "ucx server: endpoint failed: " << ucs_status_string(status);
-    if (self->eps.erase(ep) > 0) self->loop->Post([ep] { CloseEp(ep); });
+    auto it = self->conns.find(ep);
+    if (it == self->conns.end()) return;
+    VLOG(1) << "ucx server: connection " << it->second->number << " failed: " << ucs_status_string(status);
+    auto c = it->second;
+    self->loop->Post([self, c] { self->Drop(c); });
+    c->closing = true;
+    c->close_at = Clock::now();
   }
-  static ucs_status_t OnRequest(void* arg, const void* header, size_t header_len, void* data, size_t length,
-                                const ucp_am_recv_param_t* param) {
+  static ucs_status_t OnFrame(void* arg, const void* header, size_t header_len, void* data, size_t length,
+                              const ucp_am_recv_param_t* param) {
     auto* self = static_cast<Impl*>(arg);
-    if (header_len != sizeof(RequestHeader)) return UCS_OK;  // not ours: dropped
-    return Receive(self->loop->worker(), header, header_len, data, length, param,
-                   [self](Incoming& in) { self->Dispatch(in); });
+    try {
+      self->Receive(std::string_view(static_cast<const char*>(header), header_len), data, length, param);
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "ucx server: a frame's processing failed: " << e.what();
+    }
+    return UCS_OK;
   }
-  // Loop thread: the request goes to the pool.
-  void Dispatch(Incoming& in) {
-    RequestHeader h;
-    std::memcpy(&h, in.header.data(), sizeof h);
-    ucp_ep_h ep = in.reply_ep;
-    if (ep == nullptr || !eps.count(ep)) return;  // no way to answer
-    std::string payload = std::move(in.payload);
-    std::lock_guard<std::mutex> lk(mu);
-    jobs.push_back([this, h, ep, payload = std::move(payload)]() mutable {
-      Result<std::string> r = Checksum(payload) == h.checksum
-                                  ? handler(h.method, std::move(payload))
-                                  : Result<std::string>(Status::Corruption("ucx: a request's checksum does not match"));
-      ReplyHeader rh;
-      rh.id = h.id;
+
+  // Loop thread: a frame from a client. Its header is checked before its
+  // body is touched.
+  void Receive(std::string_view header, void* data, size_t length, const ucp_am_recv_param_t* param) {
+    auto it = conns.find(ReplyEp(param));
+    if (it == conns.end()) {
+      ++frames_rejected;  // not from a connection we accepted: no way to answer
+      return;
+    }
+    std::shared_ptr<ServerConn> c = it->second;
+    if (c->closing) return;
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    uf::Refusal why = uf::Refusal::kNone;
+    if (!c->established) {
+      // Handshake frames: small, plain, never by rendezvous.
+      if (rndv || length > uf::kMaxHandshakeBody) {
+        return Reject(c, uf::Refusal::kTooLarge, "a handshake frame of " + std::to_string(length) + " bytes");
+      }
+      const std::string_view body(static_cast<const char*>(data), length);
+      auto h = uf::CheckHandshake(header, body, length, &why);
+      if (!h.ok()) {
+        ++handshake_failures;
+        return Reject(c, why, h.status().ToString());
+      }
+      auto step = c->handshake->OnFrame(h->type, body);
+      if (!step.ok()) return Refuse(c, step.status().message());
+      SendFrame(c->ep, kAmToClient, uf::HandshakeHeader(step->type, step->body), step->body);
+      if (c->handshake->established()) {
+        std::shared_ptr<const uf::SessionKeys> keys = c->handshake->keys();
+        c->established = true;
+        c->caller.client_id = HexOf(c->handshake->client_id());
+        c->caller.authenticated = keys != nullptr;
+        c->caller.connection = c->number;
+        c->opener = std::make_unique<uf::FrameOpener>(
+            keys ? std::shared_ptr<const uf::DirectionKeys>(keys, &keys->client_to_server) : nullptr,
+            options.max_body_bytes);
+        c->sealer = std::make_shared<uf::FrameSealer>(
+            keys ? std::shared_ptr<const uf::DirectionKeys>(keys, &keys->server_to_client) : nullptr);
+        c->handshake.reset();
+        ++handshakes;
+        VLOG(1) << "ucx server: connection " << c->number << " from client " << c->caller.client_id
+                << (c->caller.authenticated ? " (authenticated)" : " (plain)");
+      }
+      return;
+    }
+    auto h = c->opener->Check(header, length, &why);
+    if (!h.ok()) return Reject(c, why, h.status().ToString());
+    if (h->type != uf::FrameType::kRequest) {
+      return Reject(c, uf::Refusal::kMalformed, std::string("a ") + uf::FrameTypeName(h->type) + " frame");
+    }
+    const size_t bytes = h->body_bytes;
+    if (inflight_bytes.fetch_add(bytes) + bytes > options.max_inflight_bytes) {
+      inflight_bytes -= bytes;
+      ++busy;
+      FrameSender(c, *h)(Status::ResourceExhausted(
+          "ucx server: busy (" + std::to_string(options.max_inflight_bytes) + " request bytes in flight); retry"));
+      return;
+    }
+    const uf::FrameHeader fh = *h;
+    if (!ReceiveBody(loop->worker(), data, length, param,
+                     [this, c, fh](std::string body) { Dispatch(c, fh, std::move(body)); })) {
+      inflight_bytes -= bytes;
+      FrameSender(c, fh)(Status::ResourceExhausted("ucx server: could not receive a request of " +
+                                                   std::to_string(bytes) + " bytes"));
+    }
+  }
+
+  // A function that answers request `h` of `c` (any thread): seals the
+  // reply there, sends it from the loop thread.
+  std::function<void(Result<std::string>)> FrameSender(std::shared_ptr<ServerConn> c, const uf::FrameHeader& h) {
+    const uint64_t call_id = h.call_id;
+    return [this, c, call_id](Result<std::string> r) {
+      uf::FrameHeader rh;
+      rh.type = uf::FrameType::kReply;
+      rh.call_id = call_id;
       std::string body;
       if (r.ok()) {
         body = std::move(*r);
@@ -328,10 +576,38 @@ struct UcxServer::Impl {
         rh.code = static_cast<int32_t>(r.status().code());
         body = r.status().message();
       }
-      rh.checksum = Checksum(body);
-      loop->Post([this, ep, rh, body = std::move(body)]() mutable {
-        if (eps.count(ep)) SendAm(ep, kAmReply, &rh, sizeof rh, std::move(body), 0);
+      std::string hb = c->sealer->Seal(rh, &body);
+      loop->Post([this, c, hb = std::move(hb), body = std::move(body)]() mutable {
+        if (Live(c)) SendFrame(c->ep, kAmToClient, std::move(hb), std::move(body));
       });
+    };
+  }
+
+  // Loop thread: a request received whole goes to the pool.
+  void Dispatch(std::shared_ptr<ServerConn> c, const uf::FrameHeader& h, std::string body) {
+    std::lock_guard<std::mutex> lk(mu);
+    jobs.push_back([this, c, h, body = std::move(body)]() mutable {
+      Result<std::string> plain = c->opener->Open(h, std::move(body));
+      if (!plain.ok()) {
+        inflight_bytes -= h.body_bytes;
+        loop->Post([this, c, s = plain.status()] {
+          if (Live(c)) Reject(c, uf::Refusal::kBadMac, s.ToString());
+        });
+        return;
+      }
+      Result<std::string> r = Status::Internal("ucx server: no answer");
+      try {
+        r = handler(c->caller, static_cast<uint32_t>(h.code), std::move(*plain));
+      } catch (const std::bad_alloc&) {
+        r = Status::ResourceExhausted("ucx server: out of memory handling method " + std::to_string(h.code));
+      } catch (const std::exception& e) {
+        r = Status::Internal("ucx server: method " + std::to_string(h.code) + " failed: " + e.what());
+      } catch (...) {
+        r = Status::Internal("ucx server: method " + std::to_string(h.code) + " failed");
+      }
+      ++requests;
+      inflight_bytes -= h.body_bytes;
+      FrameSender(c, h)(std::move(r));
     });
     cv.notify_one();
   }
@@ -345,19 +621,35 @@ struct UcxServer::Impl {
         job = std::move(jobs.front());
         jobs.pop_front();
       }
-      job();
+      try {
+        job();
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "ucx server: a request's processing failed: " << e.what();
+      }
     }
   }
 };
 
 Result<std::unique_ptr<UcxServer>> UcxServer::Start(const std::string& host, int port, Handler handler,
-                                                    int threads) {
+                                                    const UcxServerOptions& options) {
   if (port < 0 || port > 65535) return Status::InvalidArgument("ucx server: port " + std::to_string(port));
+  if (options.max_endpoints < 1 || options.threads < 1 || options.max_body_bytes < uf::kTagBytes) {
+    return Status::InvalidArgument("ucx server: threads, max_endpoints and max_body_bytes must be positive");
+  }
   auto impl = std::make_unique<Impl>();
   impl->handler = std::move(handler);
-  PENUMBRA_ASSIGN_OR_RETURN(impl->loop, Loop::Create());
-  PENUMBRA_RETURN_IF_ERROR(SetAmHandler(impl->loop->worker(), kAmRequest, &Impl::OnRequest, impl.get()));
+  impl->options = options;
+  if (options.secret) {
+    if (options.secret->empty()) return Status::InvalidArgument("ucx server: an empty cluster secret");
+    impl->plane_key = options.secret->Derive(options.secret_purpose);
+  }
   PENUMBRA_ASSIGN_OR_RETURN(sockaddr_in sa, Resolve(host, port));
+  std::string devices = options.net_devices;
+  if (devices.empty()) {
+    PENUMBRA_ASSIGN_OR_RETURN(devices, UcxNetDevices(IpOf(sa), /*route=*/false));
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(impl->loop, Loop::Create(devices));
+  PENUMBRA_RETURN_IF_ERROR(SetAmHandler(impl->loop->worker(), kAmToServer, &Impl::OnFrame, impl.get()));
   ucp_listener_params_t lp{};
   lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
   lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
@@ -371,7 +663,8 @@ Result<std::unique_ptr<UcxServer>> UcxServer::Start(const std::string& host, int
   s = ucp_listener_query(impl->listener, &attr);
   if (s != UCS_OK) return UcsError(s, "listener address");
   impl->port = ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
-  for (int i = 0; i < std::max(1, threads); ++i) impl->pool.emplace_back([p = impl.get()] { p->Work(); });
+  for (int i = 0; i < options.threads; ++i) impl->pool.emplace_back([p = impl.get()] { p->Work(); });
+  impl->loop->SetTick([p = impl.get()] { p->Tick(); });
   impl->loop->Start();
   return std::unique_ptr<UcxServer>(new UcxServer(std::move(impl)));
 }
@@ -379,6 +672,23 @@ Result<std::unique_ptr<UcxServer>> UcxServer::Start(const std::string& host, int
 UcxServer::UcxServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 UcxServer::~UcxServer() { Stop(); }
 int UcxServer::port() const { return impl_->port; }
+bool UcxServer::sealed() const { return !impl_->plane_key.empty(); }
+
+UcxServerStats UcxServer::stats() const {
+  const Impl& m = *impl_;
+  UcxServerStats s;
+  s.connections = m.connections.get();
+  s.connections_rejected = m.rejected.get();
+  s.handshakes = m.handshakes.get();
+  s.handshake_failures = m.handshake_failures.get();
+  s.handshake_timeouts = m.handshake_timeouts.get();
+  s.frames_rejected = m.frames_rejected.get();
+  s.replays = m.replays.get();
+  s.requests = m.requests.get();
+  s.busy = m.busy.get();
+  s.endpoints_open = m.open.load();
+  return s;
+}
 
 void UcxServer::Stop() {
   Impl& m = *impl_;
@@ -393,32 +703,64 @@ void UcxServer::Stop() {
   m.loop->StopThread();
   // The loop's thread is gone: its worker is this thread's now.
   if (m.listener != nullptr) ucp_listener_destroy(m.listener);
-  for (ucp_ep_h ep : m.eps) CloseEp(ep);
-  m.eps.clear();
+  for (auto& [ep, c] : m.conns) CloseEp(ep);
+  m.conns.clear();
+  m.open = 0;
   m.loop.reset();
 }
 
 // ------------------------------------------------------------------ client
 
+namespace {
+
+// One connection of a client: its endpoint and session. Loop thread, except
+// opener->Open (const) and sealer on the callers' threads.
+struct ClientConn {
+  ucp_ep_h ep = nullptr;
+  Clock::time_point started;
+  std::unique_ptr<uf::ClientHandshake> handshake;  // until established
+  bool ready = false;
+  std::unique_ptr<uf::FrameOpener> opener;  // the server's frames
+  std::shared_ptr<uf::FrameSealer> sealer;  // frames to the server
+};
+
+}  // namespace
+
 struct UcxClient::Impl {
   sockaddr_in address{};
   std::string where;
+  UcxClientOptions options;
+  std::string plane_key;  // empty: plain
+  std::string client_id;  // raw bytes
+  std::string client_id_hex;
   std::unique_ptr<Loop> loop;
-  ucp_ep_h ep = nullptr;  // loop thread
+  std::map<ucp_ep_h, std::shared_ptr<ClientConn>> conns;  // loop thread
+  std::shared_ptr<ClientConn> connecting;                 // loop thread: the attempt in progress
+
   struct Call {
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
-    Result<std::string> result = Status::Internal("ucx: no reply");
+    Status error;             // set: the call failed
+    uf::FrameHeader header;   // else: the reply's checked header
+    std::string body;         // ... and its body, to open
+    const ClientConn* conn = nullptr;
   };
   std::mutex mu;
+  std::condition_variable cv;            // a connection attempt ended
+  std::shared_ptr<ClientConn> ready;     // the connection calls use (null: none)
+  bool attempt_running = false;
+  uint64_t attempts_done = 0;
+  Status last_failure;
   std::map<uint64_t, std::shared_ptr<Call>> pending;
   std::atomic<uint64_t> next_id{1};
 
-  static void Finish(const std::shared_ptr<Call>& c, Result<std::string> r) {
+  static void Finish(const std::shared_ptr<Call>& c, Status error, uf::FrameHeader h = {}, std::string body = {}) {
     std::lock_guard<std::mutex> lk(c->mu);
     if (c->done) return;
-    c->result = std::move(r);
+    c->error = std::move(error);
+    c->header = h;
+    c->body = std::move(body);
     c->done = true;
     c->cv.notify_all();
   }
@@ -430,47 +772,47 @@ struct UcxClient::Impl {
     pending.erase(it);
     return c;
   }
-  // Every call in flight fails (the endpoint went away).
-  void FailAll(const Status& why) {
-    std::map<uint64_t, std::shared_ptr<Call>> calls;
+  // The calls in flight on `conn` (every call when null) fail.
+  void FailCalls(const ClientConn* conn, const Status& why) {
+    std::vector<std::shared_ptr<Call>> failed;
     {
       std::lock_guard<std::mutex> lk(mu);
-      calls.swap(pending);
-    }
-    for (auto& [id, c] : calls) Finish(c, why);
-  }
-  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
-    auto* self = static_cast<Impl*>(arg);
-    if (self->ep != ep) return;
-    self->ep = nullptr;
-    self->loop->Post([ep] { CloseEp(ep); });
-    self->FailAll(Status::Unavailable("ucx: the connection to " + self->where +
-                                      " failed: " + ucs_status_string(status)));
-  }
-  static ucs_status_t OnReply(void* arg, const void* header, size_t header_len, void* data, size_t length,
-                              const ucp_am_recv_param_t* param) {
-    auto* self = static_cast<Impl*>(arg);
-    if (header_len != sizeof(ReplyHeader)) return UCS_OK;
-    return Receive(self->loop->worker(), header, header_len, data, length, param, [self](Incoming& in) {
-      ReplyHeader h;
-      std::memcpy(&h, in.header.data(), sizeof h);
-      auto c = self->Take(h.id);
-      if (!c) return;  // its caller gave up (deadline)
-      if (Checksum(in.payload) != h.checksum) {
-        Finish(c, Status::Corruption("ucx: a reply from " + self->where + " failed its checksum"));
-      } else if (h.code < 0 || h.code > static_cast<int32_t>(StatusCode::kPermissionDenied)) {
-        Finish(c, Status::Internal("ucx: a reply from " + self->where + " carries an unknown status " +
-                                   std::to_string(h.code) + ": " + in.payload));
-      } else if (h.code != 0) {
-        Finish(c, Status(static_cast<StatusCode>(h.code), std::move(in.payload)));
-      } else {
-        Finish(c, std::move(in.payload));
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (conn == nullptr || it->second->conn == conn) {
+          failed.push_back(it->second);
+          it = pending.erase(it);
+        } else {
+          ++it;
+        }
       }
-    });
+    }
+    for (auto& c : failed) Finish(c, why);
   }
-  // Loop thread: the endpoint, connecting when there is none.
-  Status EnsureEp() {
-    if (ep != nullptr) return Status::OK();
+  // Loop thread: a connection goes (its endpoint closed, its calls failed).
+  void Drop(std::shared_ptr<ClientConn> c, Status why) {
+    auto it = conns.find(c->ep);
+    if (it == conns.end() || it->second != c) return;
+    conns.erase(it);
+    CloseEp(c->ep);
+    bool attempt = false;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (ready == c) ready = nullptr;
+      if (connecting == c) {
+        attempt = true;
+        attempt_running = false;
+        ++attempts_done;
+        last_failure = why;
+      }
+    }
+    if (attempt) {
+      connecting = nullptr;
+      cv.notify_all();
+    }
+    FailCalls(c.get(), why);
+  }
+  // Loop thread: starts a connection and its handshake.
+  void StartConnect() {
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -480,22 +822,156 @@ struct UcxClient::Impl {
     p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = OnEpError;
     p.err_handler.arg = this;
+    ucp_ep_h ep = nullptr;
     ucs_status_t s = ucp_ep_create(loop->worker(), &p, &ep);
     if (s != UCS_OK) {
-      ep = nullptr;
-      return UcsError(s, "connect to " + where);
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        attempt_running = false;
+        ++attempts_done;
+        last_failure = UcsError(s, "connect to " + where);
+      }
+      cv.notify_all();
+      return;
     }
-    return Status::OK();
+    auto c = std::make_shared<ClientConn>();
+    c->ep = ep;
+    c->started = Clock::now();
+    c->handshake = std::make_unique<uf::ClientHandshake>(plane_key, client_id);
+    conns[ep] = c;
+    connecting = c;
+    const uf::HandshakeStep hello = c->handshake->Start();
+    if (!SendFrame(ep, kAmToServer, uf::HandshakeHeader(hello.type, hello.body), hello.body)) {
+      Drop(c, Status::Unavailable("ucx: sending to " + where + " failed"));
+    }
+  }
+  void Tick() {
+    if (connecting && Clock::now() - connecting->started > options.handshake_timeout) {
+      Drop(connecting, Status::Unavailable("ucx: the connection to " + where + " and its handshake did not finish "
+                                           "within " + std::to_string(options.handshake_timeout.count()) + " ms"));
+    }
+  }
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* self = static_cast<Impl*>(arg);
+    auto it = self->conns.find(ep);
+    if (it == self->conns.end()) return;
+    auto c = it->second;
+    const Status why = Status::Unavailable("ucx: the connection to " + self->where + " failed: " +
+                                           ucs_status_string(status));
+    self->loop->Post([self, c, why] { self->Drop(c, why); });
+  }
+  static ucs_status_t OnFrame(void* arg, const void* header, size_t header_len, void* data, size_t length,
+                              const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<Impl*>(arg);
+    try {
+      self->Receive(std::string_view(static_cast<const char*>(header), header_len), data, length, param);
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "ucx client: a frame's processing failed: " << e.what();
+    }
+    return UCS_OK;
+  }
+  // Loop thread: a frame from the server, its header checked first.
+  void Receive(std::string_view header, void* data, size_t length, const ucp_am_recv_param_t* param) {
+    auto it = conns.find(ReplyEp(param));
+    if (it == conns.end()) return;  // a connection closed already
+    std::shared_ptr<ClientConn> c = it->second;
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    uf::Refusal why = uf::Refusal::kNone;
+    if (!c->ready) {
+      if (rndv || length > uf::kMaxHandshakeBody) {
+        return Drop(c, Status::Corruption("ucx: " + where + " sent a handshake frame of " + std::to_string(length) +
+                                          " bytes"));
+      }
+      const std::string_view body(static_cast<const char*>(data), length);
+      auto h = uf::CheckHandshake(header, body, length, &why);
+      if (!h.ok()) return Drop(c, h.status().WithContext("ucx: the handshake with " + where));
+      auto step = c->handshake->OnFrame(h->type, body);
+      if (!step.ok()) return Drop(c, step.status().WithContext("ucx: " + where));
+      if (step->has_value()) {
+        SendFrame(c->ep, kAmToServer, uf::HandshakeHeader((*step)->type, (*step)->body), (*step)->body);
+      }
+      if (c->handshake->established()) {
+        std::shared_ptr<const uf::SessionKeys> keys = c->handshake->keys();
+        c->opener = std::make_unique<uf::FrameOpener>(
+            keys ? std::shared_ptr<const uf::DirectionKeys>(keys, &keys->server_to_client) : nullptr,
+            options.max_body_bytes);
+        c->sealer = std::make_shared<uf::FrameSealer>(
+            keys ? std::shared_ptr<const uf::DirectionKeys>(keys, &keys->client_to_server) : nullptr);
+        c->handshake.reset();
+        c->ready = true;
+        {
+          std::lock_guard<std::mutex> lk(mu);
+          ready = c;
+          attempt_running = false;
+          ++attempts_done;
+          last_failure = Status::OK();
+        }
+        connecting = nullptr;
+        cv.notify_all();
+      }
+      return;
+    }
+    auto h = c->opener->Check(header, length, &why);
+    if (!h.ok() || h->type != uf::FrameType::kReply) {
+      const Status s = h.ok() ? Status::Corruption(std::string("a ") + uf::FrameTypeName(h->type) + " frame")
+                              : h.status();
+      LOG(WARNING) << "ucx client: a frame from " << where << " refused (" << s << "); disconnected";
+      return Drop(c, Status::Unavailable("ucx: a frame from " + where + " failed its checks (" + s.ToString() +
+                                         "); disconnected"));
+    }
+    auto call = Take(h->call_id);
+    if (!call) return;  // its caller gave up (deadline): the body is not received
+    const uf::FrameHeader fh = *h;
+    if (!ReceiveBody(loop->worker(), data, length, param,
+                     [call, fh](std::string body) { Finish(call, Status::OK(), fh, std::move(body)); })) {
+      Finish(call, Status::ResourceExhausted("ucx: could not receive a reply of " + std::to_string(length) +
+                                             " bytes from " + where));
+    }
+  }
+
+  // A ready connection, connecting when there is none, by `deadline`.
+  Result<std::shared_ptr<ClientConn>> Ready(Clock::time_point deadline) {
+    std::unique_lock<std::mutex> lk(mu);
+    if (ready) return ready;
+    const uint64_t seen = attempts_done;
+    if (!attempt_running) {
+      attempt_running = true;
+      loop->Post([this] { StartConnect(); });
+    }
+    // The attempt running may have begun before this call: its outcome is
+    // this call's.
+    cv.wait_until(lk, deadline, [&] { return ready != nullptr || attempts_done != seen; });
+    if (ready) return ready;
+    if (attempts_done != seen) return last_failure;
+    return Status::DeadlineExceeded("ucx: connecting to " + where + " did not finish within the call's deadline");
   }
 };
 
-Result<std::unique_ptr<UcxClient>> UcxClient::Connect(const std::string& host, int port) {
+Result<std::unique_ptr<UcxClient>> UcxClient::Connect(const std::string& host, int port,
+                                                      const UcxClientOptions& options) {
   if (port <= 0 || port > 65535) return Status::InvalidArgument("ucx client: port " + std::to_string(port));
   auto impl = std::make_unique<Impl>();
   PENUMBRA_ASSIGN_OR_RETURN(impl->address, Resolve(host, port));
   impl->where = host + ":" + std::to_string(port);
-  PENUMBRA_ASSIGN_OR_RETURN(impl->loop, Loop::Create());
-  PENUMBRA_RETURN_IF_ERROR(SetAmHandler(impl->loop->worker(), kAmReply, &Impl::OnReply, impl.get()));
+  impl->options = options;
+  if (options.secret) {
+    if (options.secret->empty()) return Status::InvalidArgument("ucx client: an empty cluster secret");
+    impl->plane_key = options.secret->Derive(options.secret_purpose);
+  }
+  impl->client_id = RandomBytes(uf::kClientIdBytes);
+  impl->client_id_hex = HexOf(impl->client_id);
+  std::string devices = options.net_devices;
+  if (devices.empty()) {
+    Result<std::string> d = UcxNetDevices(IpOf(impl->address), /*route=*/true);
+    if (d.ok()) {
+      devices = *d;
+    } else {
+      LOG(WARNING) << "ucx client: " << d.status() << "; UCX may listen on every device";
+    }
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(impl->loop, Loop::Create(devices));
+  PENUMBRA_RETURN_IF_ERROR(SetAmHandler(impl->loop->worker(), kAmToClient, &Impl::OnFrame, impl.get()));
+  impl->loop->SetTick([p = impl.get()] { p->Tick(); });
   impl->loop->Start();
   return std::unique_ptr<UcxClient>(new UcxClient(std::move(impl)));
 }
@@ -505,28 +981,37 @@ UcxClient::UcxClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 UcxClient::~UcxClient() {
   Impl& m = *impl_;
   m.loop->StopThread();
-  if (m.ep != nullptr) CloseEp(m.ep);
-  m.ep = nullptr;
-  m.FailAll(Status::Cancelled("ucx: the client was closed"));
+  for (auto& [ep, c] : m.conns) CloseEp(ep);
+  m.conns.clear();
+  m.FailCalls(nullptr, Status::Cancelled("ucx: the client was closed"));
   m.loop.reset();
 }
 
+const std::string& UcxClient::client_id() const { return impl_->client_id_hex; }
+
 Result<std::string> UcxClient::Call(uint32_t method, std::string_view payload, std::chrono::milliseconds timeout) {
   Impl& m = *impl_;
-  auto call = std::make_shared<Impl::Call>();
+  const auto deadline = Clock::now() + timeout;
+  PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ClientConn> conn, m.Ready(deadline));
   const uint64_t id = m.next_id++;
+  uf::FrameHeader h;
+  h.type = uf::FrameType::kRequest;
+  h.call_id = id;
+  h.code = static_cast<int32_t>(method);
+  std::string body(payload);
+  std::string header = conn->sealer->Seal(h, &body);  // on this thread
+  auto call = std::make_shared<Impl::Call>();
+  call->conn = conn.get();
   {
     std::lock_guard<std::mutex> lk(m.mu);
     m.pending[id] = call;
   }
-  RequestHeader h;
-  h.id = id;
-  h.method = method;
-  std::string body(payload);
-  h.checksum = Checksum(body);
-  m.loop->Post([&m, h, body = std::move(body), id]() mutable {
-    Status s = m.EnsureEp();
-    if (s.ok() && !SendAm(m.ep, kAmRequest, &h, sizeof h, std::move(body), UCP_AM_SEND_FLAG_REPLY)) {
+  m.loop->Post([&m, conn, id, header = std::move(header), body = std::move(body)]() mutable {
+    auto it = m.conns.find(conn->ep);
+    Status s;
+    if (it == m.conns.end() || it->second != conn) {
+      s = Status::Unavailable("ucx: the connection to " + m.where + " closed");
+    } else if (!SendFrame(conn->ep, kAmToServer, std::move(header), std::move(body))) {
       s = Status::Unavailable("ucx: sending to " + m.where + " failed");
     }
     if (!s.ok()) {
@@ -534,13 +1019,24 @@ Result<std::string> UcxClient::Call(uint32_t method, std::string_view payload, s
     }
   });
   std::unique_lock<std::mutex> lk(call->mu);
-  if (!call->cv.wait_for(lk, timeout, [&] { return call->done; })) {
+  if (!call->cv.wait_until(lk, deadline, [&] { return call->done; })) {
     lk.unlock();
     m.Take(id);  // a late reply is dropped
     return Status::DeadlineExceeded("ucx: no reply from " + m.where + " within " + std::to_string(timeout.count()) +
                                     " ms");
   }
-  return std::move(call->result);
+  if (!call->error.ok()) return call->error;
+  const uf::FrameHeader rh = call->header;
+  std::string raw = std::move(call->body);
+  lk.unlock();
+  Result<std::string> body_or = conn->opener->Open(rh, std::move(raw));  // on this thread
+  if (!body_or.ok()) return body_or.status().WithContext("ucx: a reply from " + m.where);
+  if (rh.code < 0 || rh.code > static_cast<int32_t>(StatusCode::kPermissionDenied)) {
+    return Status::Internal("ucx: a reply from " + m.where + " carries an unknown status " + std::to_string(rh.code) +
+                            ": " + *body_or);
+  }
+  if (rh.code != 0) return Status(static_cast<StatusCode>(rh.code), std::move(*body_or));
+  return std::move(*body_or);
 }
 
 }  // namespace penumbra::transport

@@ -296,8 +296,9 @@ TEST_F(Service, ALostWorkersDocumentsComeBackFromTheStoreNode) {
   std::filesystem::remove_all(dir, ec);
 }
 
-// A coordinator, 2 workers and 2 value-store nodes (documents spread over
-// the nodes by rendezvous hashing): every answer equals the offline
+// A coordinator, 2 workers and 2 value-store nodes over a sealed store plane
+// (the cluster secret; documents spread over the nodes by rendezvous
+// hashing): every answer equals the offline
 // engine's; a store node killed (SIGKILL) while answers are being generated
 // loses none of them; then the holder of every document is killed too, and
 // questions about each document are answered by the other worker, from the
@@ -306,19 +307,23 @@ TEST_F(Service, ALostWorkersDocumentsComeBackFromTheStoreNode) {
 TEST_F(Service, TwoStoreNodesAndTwoWorkersSurviveKills) {
   char tmpl[] = "/tmp/penumbra-store-nodes-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
+  // The store plane sealed with a cluster secret (nodes and workers hold it).
+  const std::string secret = dir + "/cluster.secret";
+  ASSERT_TRUE(ClusterSecret::Create(secret).ok());
   Served nodes[2];
   std::string list;
   for (int n = 0; n < 2; ++n) {
     const std::string d = dir + "/n" + std::to_string(n);
     std::filesystem::create_directories(d);
-    nodes[n].process = Process::Start(
-        {BinDir() + "/penumbra-store", "--path", d + "/db", "--port-file", d + ".port"}, d + ".log");
+    nodes[n].process = Process::Start({BinDir() + "/penumbra-store", "--path", d + "/db", "--port-file", d + ".port",
+                                       "--cluster-secret-file", secret},
+                                      d + ".log");
     ASSERT_TRUE(WaitServing(nodes[n], d + ".port"));
     list += (n ? "," : "") + std::string("127.0.0.1:") + std::to_string(nodes[n].port);
   }
   ClusterOptions o;
   o.workers = 2;
-  o.worker_flags = {"--store-node", list};
+  o.worker_flags = {"--store-node", list, "--cluster-secret-file", secret};
   Cluster cluster(o);
   ASSERT_TRUE(cluster.Start());
   auto c = cluster.Client();

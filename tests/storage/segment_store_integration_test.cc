@@ -6,7 +6,9 @@
 //    acknowledgement, 50 times (more, up to 200, until a kill has interrupted
 //    a write), and after every kill reopens the store: every acknowledged
 //    segment reads back exactly, every visible segment is complete and valid
-//    (none half-written), and the blocks of interrupted writes are removed.
+//    (none half-written), and the blocks of interrupted writes are removed;
+//    and a key replaced again and again reads back as one whole version
+//    after every kill, never a mix of two.
 //  - Corruption: bytes flipped in RocksDB's blob and table files after a
 //    flush are reported as Corruption (or make Open refuse the store, naming
 //    it); no read, whole (Get) or ranged (ReadBlob), ever returns bytes that
@@ -146,6 +148,69 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
               static_cast<long long>(orphans), seconds);
   EXPECT_GT(acked.size(), static_cast<size_t>(kKills));
   EXPECT_GT(orphans, 0) << "no kill landed inside a write: the test did not exercise a half-written segment";
+}
+
+// The replacement crash test's child: stores versions START, START+1, ... of
+// one key (each other content), writing each version to the pipe once Put
+// has returned.
+const Hash128 kReplacedKey = Key(999999);
+std::map<std::string, std::string> Version(uint64_t v) { return BlobsFor(1000000 + v, CrashSizeOf(v)); }
+
+TEST(SegmentStoreReplaceChild, Run) {
+  const char* dir = std::getenv("PENUMBRA_REPLACE_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "only run by SegmentStoreCrashTest";
+  const int fd = std::atoi(std::getenv("PENUMBRA_REPLACE_FD"));
+  uint64_t v = std::strtoull(std::getenv("PENUMBRA_REPLACE_START"), nullptr, 10);
+  auto st = SegmentStore::Open(Durable(dir));
+  if (!st.ok()) _exit(3);
+  for (;; ++v) {
+    if (!(*st)->Put(kReplacedKey, "ns", 1, Version(v)).ok()) _exit(4);
+    if (write(fd, &v, sizeof(v)) != sizeof(v)) _exit(5);
+  }
+}
+
+// A key replaced again and again, killed with SIGKILL at random moments:
+// after every kill it reads back whole as the last acknowledged version or
+// the one being written, never a mix, and the blocks of interrupted
+// versions (the new one before its commit, the old one after) are removed
+// at Open.
+TEST(SegmentStoreCrashTest, AReplacedKeyIsOneVersionAfterSigkill) {
+  TempDir dir;
+  std::mt19937_64 rng(777);
+  uint64_t last = 0, next = 1;
+  int64_t orphans = 0;
+  int kills = 0;
+  for (int kill_no = 0; kill_no < 30 || (orphans == 0 && kill_no < 120); ++kill_no) {
+    kills = kill_no + 1;
+    int rfd = -1;
+    const pid_t pid = ::penumbra::testing::SpawnCrashChild(
+        "SegmentStoreReplaceChild.Run", {{"PENUMBRA_REPLACE_DIR", dir.path()}, {"PENUMBRA_REPLACE_START", std::to_string(next)}},
+        "PENUMBRA_REPLACE_FD", &rfd);
+    ASSERT_GE(pid, 0);
+    uint64_t v = 0;
+    ASSERT_EQ(read(rfd, &v, sizeof(v)), static_cast<ssize_t>(sizeof(v))) << "kill " << kill_no;
+    last = v;
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 40000));
+    ASSERT_EQ(kill(pid, SIGKILL), 0);
+    ASSERT_EQ(waitpid(pid, nullptr, 0), pid);
+    while (read(rfd, &v, sizeof(v)) == sizeof(v)) last = v;
+    close(rfd);
+    auto st = SegmentStore::Open(Durable(dir.path()));
+    ASSERT_TRUE(st.ok()) << "kill " << kill_no << ": " << st.status();
+    orphans += (*st)->stats().orphans_removed;
+    auto got = (*st)->Get(kReplacedKey);
+    ASSERT_TRUE(got.ok()) << "kill " << kill_no << ": " << got.status();
+    const bool acked = *got == Version(last), in_flight = *got == Version(last + 1);
+    ASSERT_TRUE(acked || in_flight) << "kill " << kill_no << ": the key is neither version " << last << " nor "
+                                    << last + 1;
+    EXPECT_EQ((*st)->Keys().size(), 1u);
+    EXPECT_EQ((*st)->bytes(), Version(in_flight ? last + 1 : last).at("k").size() +
+                                  Version(in_flight ? last + 1 : last).at("meta").size());
+    next = (in_flight ? last + 1 : last) + 1;
+  }
+  std::printf("%d kills, last version %llu, %lld interrupted versions cleaned\n", kills,
+              static_cast<unsigned long long>(last), static_cast<long long>(orphans));
+  EXPECT_GT(orphans, 0) << "no kill landed inside a replacement";
 }
 
 void FillAndClose(const std::string& path, int n) {

@@ -3,8 +3,10 @@
 // detach / eviction / reopen with another block size against a std::map
 // model, compared after every step and every reopen), per-blob block sizes,
 // ranged reads (exact, in parallel with puts and evictions), quotas and
-// eviction order, bad input, and records of another format version (format 1
-// included) or with damaged bytes never taken for valid ones.
+// eviction order, bad input, records of another format version (format 1
+// included) or with damaged bytes never taken for valid ones, and Put over a
+// key already stored (the same content a no-op, other content replacing it
+// whole, readers seeing one version or the other).
 #include "storage/segment_store.h"
 
 #include <atomic>
@@ -443,13 +445,14 @@ struct Model {
     }
     return b;
   }
-  // Evicts oldest evictable (in ns when given) until fits(); false if not.
+  // Evicts oldest evictable (in ns when given; never `keep`) until fits();
+  // false if not.
   template <class F>
-  bool Room(const std::string* ns, F fits) {
+  bool Room(const std::string* ns, uint64_t keep, F fits) {
     while (!fits()) {
       uint64_t victim = 0, oldest = UINT64_MAX;
       for (const auto& [k, s] : segs) {
-        if (!s.pinned && s.attached == 0 && (!ns || s.ns == *ns) && s.used < oldest) {
+        if (!s.pinned && s.attached == 0 && (!ns || s.ns == *ns) && k != keep && s.used < oldest) {
           oldest = s.used;
           victim = k;
         }
@@ -459,18 +462,33 @@ struct Model {
     }
     return true;
   }
-  bool Put(uint64_t k, const std::string& ns, const std::map<std::string, std::string>& blobs,
-           const std::map<std::string, size_t>& block_bytes) {
-    if (segs.count(k)) return true;
-    Seg s{ns, blobs, block_bytes, 0, false, 0, 0};
-    for (const auto& [n, b] : blobs) s.bytes += b.size();
-    if (auto q = quota.find(ns); q != quota.end()) {
-      if (s.bytes > q->second || !Room(&ns, [&] { return Bytes(&ns) + s.bytes <= q->second; })) return false;
+  enum class PutResult { kStored, kNoRoom, kAttached };
+  // A key present with the same content (namespace and blobs; the tokens
+  // follow from the key here) is left as it is; other content replaces it,
+  // pin kept, unless attached; room is made without evicting or counting
+  // the version replaced.
+  PutResult Put(uint64_t k, const std::string& ns, const std::map<std::string, std::string>& blobs,
+                const std::map<std::string, size_t>& block_bytes) {
+    const Seg* old = nullptr;
+    if (auto it = segs.find(k); it != segs.end()) {
+      if (it->second.ns == ns && it->second.blobs == blobs) return PutResult::kStored;
+      if (it->second.attached > 0) return PutResult::kAttached;
+      old = &it->second;
     }
-    if (s.bytes > capacity || !Room(nullptr, [&] { return Bytes(nullptr) + s.bytes <= capacity; })) return false;
+    Seg s{ns, blobs, block_bytes, 0, old ? old->pinned : false, 0, 0};
+    for (const auto& [n, b] : blobs) s.bytes += b.size();
+    const size_t old_ns = old && old->ns == ns ? old->bytes : 0, old_all = old ? old->bytes : 0;
+    if (auto q = quota.find(ns); q != quota.end()) {
+      if (s.bytes > q->second || !Room(&ns, k, [&] { return Bytes(&ns) - old_ns + s.bytes <= q->second; })) {
+        return PutResult::kNoRoom;
+      }
+    }
+    if (s.bytes > capacity || !Room(nullptr, k, [&] { return Bytes(nullptr) - old_all + s.bytes <= capacity; })) {
+      return PutResult::kNoRoom;
+    }
     s.used = clock++;
     segs[k] = std::move(s);
-    return true;
+    return PutResult::kStored;
   }
 };
 
@@ -487,7 +505,7 @@ TEST(SegmentStoreTest, ModelBasedRandomOperationsAndReopens) {
   std::unique_ptr<SegmentStore> s = std::move(*opened);
   std::mt19937_64 rng(20261124);
   const std::vector<std::string> namespaces = {"t0", "t1", "t2"};
-  int refused = 0, reopens = 0;
+  int refused = 0, reopens = 0, refused_attached = 0, replaced_or_same = 0;
   int64_t evictions = 0, corruptions = 0;  // over every open (stats are per open)
   auto compare = [&](int step) {
     ASSERT_EQ(s->Keys().size(), m.segs.size()) << "step " << step;
@@ -526,12 +544,23 @@ TEST(SegmentStoreTest, ModelBasedRandomOperationsAndReopens) {
       const std::map<std::string, size_t>& given = choices[rng() % choices.size()];
       std::map<std::string, size_t> block_bytes;
       for (const auto& [name, b] : blobs) block_bytes[name] = given.count(name) ? given.at(name) : o.block_bytes;
-      const bool stored = m.Put(k, ns, blobs, block_bytes);
+      const bool present = m.segs.count(k) > 0;
+      const Model::PutResult want = m.Put(k, ns, blobs, block_bytes);
       const Status st = s->Put(Key(k), ns, 10 + static_cast<int64_t>(k), blobs, given);
-      ASSERT_EQ(st.ok(), stored) << "step " << step << ": " << st;
-      if (!st.ok()) {
-        ASSERT_EQ(st.code(), StatusCode::kResourceExhausted) << st;
-        ++refused;
+      switch (want) {
+        case Model::PutResult::kStored:
+          ASSERT_TRUE(st.ok()) << "step " << step << ": " << st;
+          if (present) ++replaced_or_same;
+          break;
+        case Model::PutResult::kNoRoom:
+          ASSERT_EQ(st.code(), StatusCode::kResourceExhausted) << "step " << step << ": " << st;
+          ++refused;
+          break;
+        case Model::PutResult::kAttached:
+          ASSERT_EQ(st.code(), StatusCode::kFailedPrecondition) << "step " << step << ": " << st;
+          ASSERT_NE(st.message().find(Key(k).Hex()), std::string::npos) << st;
+          ++refused_attached;
+          break;
       }
     } else if (op < 47) {  // get
       auto got = s->Get(Key(k));
@@ -625,6 +654,8 @@ TEST(SegmentStoreTest, ModelBasedRandomOperationsAndReopens) {
   EXPECT_GT(evictions, 0);
   EXPECT_GT(refused, 0);
   EXPECT_GT(reopens, 10);
+  EXPECT_GT(replaced_or_same, 0);
+  EXPECT_GT(refused_attached, 0);
   RecordProperty("refused", refused);
   RecordProperty("evictions", static_cast<int>(evictions));
 }
@@ -644,6 +675,7 @@ struct RawDb {
   }
   rocksdb::ColumnFamilyHandle* meta() const { return h[1]; }
   rocksdb::ColumnFamilyHandle* blocks() const { return h[2]; }
+  rocksdb::ColumnFamilyHandle* pending() const { return h[3]; }
   std::vector<rocksdb::ColumnFamilyHandle*> h;
   std::unique_ptr<rocksdb::DB> db;
 };
@@ -691,7 +723,7 @@ TEST(SegmentStoreTest, RecordsOfAnotherVersionOrDamagedAreNotTakenForValid) {
     ASSERT_TRUE(st.ok());
     for (uint64_t k = 1; k <= 3; ++k) ASSERT_TRUE((*st)->Put(Key(k), "ns", 5, BlobsFor(k, 5000)).ok());
   }
-  {  // Record 1 becomes format version 3 (a newer binary's), record 2 gets a
+  {  // Record 1 becomes format version 4 (a newer binary's), record 2 gets a
      // flipped byte, record 3 is written as format 1 wrote it.
     RawDb raw(dir.path());
     std::unique_ptr<rocksdb::Iterator> it(raw.db->NewIterator(rocksdb::ReadOptions(), raw.meta()));
@@ -701,7 +733,7 @@ TEST(SegmentStoreTest, RecordsOfAnotherVersionOrDamagedAreNotTakenForValid) {
     ASSERT_EQ(recs.size(), 3u);
     for (auto& [k, v] : recs) {
       if (k == KeyBytes(Key(1))) {
-        v[4] = 3;  // version field
+        v[4] = 4;  // version field
       } else if (k == KeyBytes(Key(2))) {
         v[v.size() / 2] ^= 0x40;
       } else {
@@ -734,6 +766,124 @@ TEST(SegmentStoreTest, RecordsOfAnotherVersionOrDamagedAreNotTakenForValid) {
     for (it->Seek(KeyBytes(Key(k))); it->Valid() && it->key().starts_with(KeyBytes(Key(k))); it->Next()) ++blocks;
     EXPECT_EQ(blocks, 3) << "segment " << k << ": blocks of 'k' (5000 bytes) and 'meta'";
   }
+}
+
+// Put over a key already stored: the same content is a no-op, other content
+// a new version that replaces the old one whole (its pin kept, its blocks
+// deleted), refused while attached; the quota does not count the version
+// being replaced.
+TEST(SegmentStoreTest, PutOverAnExistingKeyComparesContent) {
+  TempDir dir;
+  SegmentStoreOptions o = Small(dir.path());
+  o.namespace_quota_bytes["q"] = 20000;
+  const std::map<std::string, std::string> a = BlobsFor(1, 9000), b = BlobsFor(2, 15000), c = BlobsFor(3, 5000);
+  {
+    auto st = SegmentStore::Open(o);
+    ASSERT_TRUE(st.ok()) << st.status();
+    SegmentStore& s = **st;
+    ASSERT_TRUE(s.Put(Key(1), "q", 7, a).ok());
+    auto layout = s.Layout(Key(1));
+    ASSERT_TRUE(layout.ok());
+    // The same content, other block sizes: nothing changes.
+    ASSERT_TRUE(s.Put(Key(1), "q", 7, a, {{"k", 8192}}).ok());
+    EXPECT_EQ(s.stats().replacements, 0);
+    EXPECT_EQ(s.stats().puts, 1);
+    auto same = s.Layout(Key(1));
+    ASSERT_TRUE(same.ok());
+    EXPECT_EQ((*same)[0].block_bytes, (*layout)[0].block_bytes);
+    // Other content (9000 + 15000 bytes would exceed q's 20000 if both counted).
+    ASSERT_TRUE(s.Pin(Key(1), true).ok());
+    ASSERT_TRUE(s.Put(Key(1), "q", 7, b).ok());
+    EXPECT_EQ(s.stats().replacements, 1);
+    EXPECT_EQ(s.stats().evictions, 0);
+    auto got = s.Get(Key(1));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, b);
+    auto info = s.Info(Key(1));
+    ASSERT_TRUE(info.ok());
+    EXPECT_TRUE(info->pinned);
+    EXPECT_EQ(s.NamespaceBytes("q"), 15000u + b.at("meta").size());
+    EXPECT_EQ(s.bytes(), s.NamespaceBytes("q"));
+    // Other token count alone is other content too.
+    ASSERT_TRUE(s.Put(Key(1), "q", 8, b).ok());
+    EXPECT_EQ(s.stats().replacements, 2);
+    EXPECT_EQ(s.Info(Key(1))->tokens, 8);
+    // Attached: refused, naming the key; the stored version stays.
+    ASSERT_TRUE(s.Attach(Key(1)).ok());
+    const Status held = s.Put(Key(1), "q", 8, c);
+    EXPECT_EQ(held.code(), StatusCode::kFailedPrecondition) << held;
+    EXPECT_NE(held.message().find(Key(1).Hex()), std::string::npos) << held;
+    EXPECT_TRUE(s.Put(Key(1), "q", 8, b).ok());  // the same content still is a no-op
+    ASSERT_TRUE(s.Detach(Key(1)).ok());
+    ASSERT_TRUE(s.Put(Key(1), "q", 8, c).ok());
+    // A replacement too large for the quota is refused and leaves the old one.
+    EXPECT_EQ(s.Put(Key(1), "q", 8, BlobsFor(4, 30000)).code(), StatusCode::kResourceExhausted);
+    got = s.Get(Key(1));
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(*got, c);
+  }
+  {
+    auto st = SegmentStore::Open(o);
+    ASSERT_TRUE(st.ok()) << st.status();
+    auto got = (*st)->Get(Key(1));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, c);
+    EXPECT_EQ((*st)->stats().orphans_removed, 0);
+  }
+  // On disk: only the last version's blocks, and no intent left.
+  RawDb raw(dir.path());
+  std::unique_ptr<rocksdb::Iterator> it(raw.db->NewIterator(rocksdb::ReadOptions(), raw.blocks()));
+  int blocks = 0;
+  for (it->Seek(KeyBytes(Key(1))); it->Valid() && it->key().starts_with(KeyBytes(Key(1))); it->Next()) ++blocks;
+  EXPECT_EQ(blocks, 2 + 1) << "'k' of 5000 bytes in 4096-byte blocks, and 'meta'";
+  std::unique_ptr<rocksdb::Iterator> p(raw.db->NewIterator(rocksdb::ReadOptions(), raw.pending()));
+  p->SeekToFirst();
+  EXPECT_FALSE(p->Valid());
+}
+
+// Readers of a key that a writer keeps replacing see one version or the
+// other, whole, never blocks of both.
+TEST(SegmentStoreTest, ReadersSeeOneVersionWhileItIsReplaced) {
+  TempDir dir;
+  auto st = SegmentStore::Open(Small(dir.path()));
+  ASSERT_TRUE(st.ok()) << st.status();
+  SegmentStore& s = **st;
+  const std::map<std::string, std::string> v[2] = {BlobsFor(10, 40000), BlobsFor(11, 40000)};
+  ASSERT_TRUE(s.Put(Key(1), "ns", 1, v[0]).ok());
+  std::atomic<bool> done{false};
+  std::atomic<int> reads{0}, mixed{0}, failed{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 3; ++t) {
+    readers.emplace_back([&, t] {
+      std::string buf(40000, '\0');
+      while (!done) {
+        if (t == 0) {
+          auto got = s.Get(Key(1));
+          if (!got.ok()) {
+            ++failed;
+          } else if (*got != v[0] && *got != v[1]) {
+            ++mixed;
+          }
+        } else {
+          const Status r = s.ReadBlob(Key(1), "k", 0, buf.size(), buf.data());
+          if (!r.ok()) {
+            ++failed;
+          } else if (buf != v[0].at("k") && buf != v[1].at("k")) {
+            ++mixed;
+          }
+        }
+        ++reads;
+      }
+    });
+  }
+  for (int i = 1; i <= 60; ++i) ASSERT_TRUE(s.Put(Key(1), "ns", 1, v[i % 2]).ok());
+  done = true;
+  for (auto& t : readers) t.join();
+  EXPECT_GT(reads.load(), 0);
+  EXPECT_EQ(mixed.load(), 0);
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(s.stats().replacements, 60);
+  EXPECT_EQ(s.stats().corruptions_detected, 0);
 }
 
 }  // namespace

@@ -5,8 +5,14 @@
 // with the cold request's tokens; a node killed with SIGKILL costs the next
 // request only its reuse (it is computed, with the cold tokens, in bounded
 // time); the node restarted on its directory serves what it acknowledged.
+// The node runs with a cluster secret (the plane authenticated and
+// encrypted) except where a test says plain.
 // Also: the client as a DocumentStore (put, layout, info, get, ranged
-// reads, erase, errors) against a node in this process.
+// reads, erase, errors) against a node in this process; handles bound to the
+// client that made them (another client's, or a guessed one, is NotFound);
+// uploads bounded before anything is allocated (sizes against capacity and
+// quota, uploads and bytes in flight, part ranges, idle uploads dropped),
+// the node serving on and nothing stored lost.
 #include "transport/store_node.h"
 
 #include <gtest/gtest.h>
@@ -17,11 +23,17 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include <thrift/protocol/TBinaryProtocol.h>
+#include <thrift/transport/TBufferTransports.h>
+
+#include "common/crypto.h"
 #include "storage/lazy_blob.h"
+#include "store_types.h"
 #include "tests/storage/segment_store_test_util.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
@@ -34,18 +46,23 @@ using testing::LcgTokens;
 
 std::string BinDir() { return std::filesystem::read_symlink("/proc/self/exe").parent_path().string(); }
 
-// A penumbra-store process on `dir`.
+// A penumbra-store process on `dir` (with the secret in `secret_file`).
 struct NodeProcess {
   pid_t pid = -1;
   int port = 0;
-  bool Start(const std::string& dir) {
+  bool Start(const std::string& dir, const std::string& secret_file = "") {
     const std::string port_file = dir + ".port.json";
     std::filesystem::remove(port_file);
     pid = fork();
     if (pid == 0) {
       const std::string bin = BinDir() + "/penumbra-store";
-      execl(bin.c_str(), "penumbra-store", "--path", dir.c_str(), "--port-file", port_file.c_str(),
-            static_cast<char*>(nullptr));
+      if (secret_file.empty()) {
+        execl(bin.c_str(), "penumbra-store", "--path", dir.c_str(), "--port-file", port_file.c_str(),
+              static_cast<char*>(nullptr));
+      } else {
+        execl(bin.c_str(), "penumbra-store", "--path", dir.c_str(), "--port-file", port_file.c_str(),
+              "--cluster-secret-file", secret_file.c_str(), static_cast<char*>(nullptr));
+      }
       _exit(127);
     }
     for (int i = 0; i < 400; ++i) {
@@ -70,10 +87,13 @@ struct NodeProcess {
   ~NodeProcess() { Kill(); }
 };
 
-std::shared_ptr<transport::RemoteDocumentStore> Client(int port) {
+ClusterSecret TestSecret() { return ClusterSecret::FromBytes(std::string(32, 's')); }
+
+std::shared_ptr<transport::RemoteDocumentStore> Client(int port, std::optional<ClusterSecret> secret = TestSecret()) {
   transport::RemoteStoreOptions o;
   o.port = port;
   o.call_timeout = 10s;
+  o.plane.secret = secret;
   auto c = transport::RemoteDocumentStore::Connect(o);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *c : nullptr;
@@ -117,8 +137,14 @@ class StoreNodeTest : public testing::StoriesTest {};
 TEST_F(StoreNodeTest, DocumentsLiveOnANodeThroughKillsAndRestarts) {
   storage::testing::TempDir tmp;
   const std::string dir = tmp.path() + "/node";
+  const std::string secret_file = tmp.path() + "/cluster.secret";
+  {
+    std::ofstream f(secret_file);
+    f << HexOf(std::string(32, 's')) << "\n";
+  }
+  std::filesystem::permissions(secret_file, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
   NodeProcess node;
-  ASSERT_TRUE(node.Start(dir));
+  ASSERT_TRUE(node.Start(dir, secret_file));
 
   // Engine A prefills the document; its capture goes to the node.
   {
@@ -156,7 +182,7 @@ TEST_F(StoreNodeTest, DocumentsLiveOnANodeThroughKillsAndRestarts) {
     EXPECT_LT(std::chrono::steady_clock::now() - t0, 60s);
   }
   // Restarted on its directory: what it acknowledged before the kill is there.
-  ASSERT_TRUE(node.Start(dir));
+  ASSERT_TRUE(node.Start(dir, secret_file));
   {
     auto d = OpenEngine(Client(node.port));
     auto r = d->runtime().Generate({Question(14)});
@@ -175,7 +201,8 @@ TEST(StoreNodeClientTest, TheClientIsADocumentStore) {
   auto store = storage::SegmentStore::Open(so);
   ASSERT_TRUE(store.ok()) << store.status();
   transport::StoreNodeOptions no;
-  no.reader_idle_seconds = 1;
+  no.service.reader_idle_seconds = 1;
+  no.plane.secret = TestSecret();
   auto node = transport::StoreNode::Start(store->get(), no);
   ASSERT_TRUE(node.ok()) << node.status();
   auto c = Client((*node)->port());
@@ -259,7 +286,7 @@ TEST(StoreNodeClientTest, DocumentsAreSpreadOverNodesByKey) {
     addresses += (i ? "," : "") + std::string("127.0.0.1:") + std::to_string((*n)->port());
     nodes.push_back(std::move(*n));
   }
-  auto ds = transport::ConnectStoreNodes(addresses);
+  auto ds = transport::ConnectStoreNodes(addresses);  // plain: the nodes have no secret
   ASSERT_TRUE(ds.ok()) << ds.status();
   auto* sharded = dynamic_cast<transport::ShardedDocumentStore*>(ds->get());
   ASSERT_NE(sharded, nullptr);
@@ -290,6 +317,280 @@ TEST(StoreNodeClientTest, DocumentsAreSpreadOverNodesByKey) {
   }
   EXPECT_FALSE(transport::ConnectStoreNodes("127.0.0.1:1,127.0.0.1:1").ok());  // the same node twice
   EXPECT_FALSE(transport::ConnectStoreNodes("").ok());
+  // A node off loopback needs the secret (or --insecure).
+  auto remote = transport::ConnectStoreNodes("10.0.0.2:7800");
+  EXPECT_EQ(remote.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(remote.status().message().find("cluster secret"), std::string::npos) << remote.status();
+  transport::UcxClientOptions sealed;
+  sealed.secret = TestSecret();
+  EXPECT_TRUE(transport::ConnectStoreNodes("10.0.0.2:7800", sealed).ok());  // connects at its first call
+  EXPECT_TRUE(transport::ConnectStoreNodes("10.0.0.2:7800", {}, /*allow_plaintext_remote=*/true).ok());
+}
+
+namespace st = rpc::store;
+
+template <typename T>
+std::string Ser(const T& t) {
+  auto buf = std::make_shared<apache::thrift::transport::TMemoryBuffer>();
+  apache::thrift::protocol::TBinaryProtocol proto(buf);
+  t.write(&proto);
+  return buf->getBufferAsString();
+}
+template <typename T>
+T De(const std::string& bytes) {
+  auto buf = std::make_shared<apache::thrift::transport::TMemoryBuffer>();
+  buf->write(reinterpret_cast<const uint8_t*>(bytes.data()), static_cast<uint32_t>(bytes.size()));
+  apache::thrift::protocol::TBinaryProtocol proto(buf);
+  T t;
+  t.read(&proto);
+  return t;
+}
+st::StoreKey KeyOf(const Hash128& h) {
+  st::StoreKey k;
+  k.hi = static_cast<int64_t>(h.hi);
+  k.lo = static_cast<int64_t>(h.lo);
+  return k;
+}
+
+// A node in this process over a store in `dir`, sealed.
+struct LocalNode {
+  std::unique_ptr<storage::SegmentStore> store;
+  std::unique_ptr<transport::StoreNode> node;
+  LocalNode(const std::string& dir, transport::StoreServiceOptions service = {}, size_t capacity = size_t{64} << 20) {
+    storage::SegmentStoreOptions so;
+    so.path = dir;
+    so.sync_commit = false;
+    so.capacity_bytes = capacity;
+    so.namespace_quota_bytes["small"] = 1 << 20;
+    auto s = storage::SegmentStore::Open(so);
+    EXPECT_TRUE(s.ok()) << s.status();
+    store = std::move(*s);
+    transport::StoreNodeOptions no;
+    no.plane.secret = TestSecret();
+    no.service = service;
+    auto n = transport::StoreNode::Start(store.get(), no);
+    EXPECT_TRUE(n.ok()) << n.status();
+    node = std::move(*n);
+  }
+};
+
+TEST(StoreNodeClientTest, HandlesAreRandomAndBoundToTheirClient) {
+  storage::testing::TempDir tmp;
+  LocalNode n(tmp.path() + "/db");
+  auto alice = Client(n.node->port()), mallory = Client(n.node->port());
+  ASSERT_NE(alice, nullptr);
+  ASSERT_NE(mallory, nullptr);
+  const Hash128 key = Hasher128().Update("alice's document").Digest();
+  const std::string secret_bytes(5000, 'A');
+  ASSERT_TRUE(alice->Put(key, "tenant-a", 10, {{"v", secret_bytes}}).ok());
+
+  st::StoreRequest open;
+  open.key = KeyOf(key);
+  auto opened = alice->Call(st::StoreMethod::OPEN, Ser(open));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string reader = De<st::StoreReply>(*opened).reader;
+  EXPECT_EQ(reader.size(), 32u);  // 128 random bits, hex
+  auto second = alice->Call(st::StoreMethod::OPEN, Ser(open));
+  ASSERT_TRUE(second.ok());
+  EXPECT_NE(De<st::StoreReply>(*second).reader, reader);
+  st::StoreRequest read;
+  read.reader = reader;
+  read.blob = "v";
+  read.offsets = {0};
+  read.lengths = {100};
+  // Alice reads through her reader.
+  auto mine = alice->Call(st::StoreMethod::READV, Ser(read));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(*mine, secret_bytes.substr(0, 100));
+  // Mallory, another client with the secret, holds her handle: nothing.
+  auto theirs = mallory->Call(st::StoreMethod::READV, Ser(read));
+  EXPECT_EQ(theirs.status().code(), StatusCode::kNotFound) << theirs.status();
+  st::StoreRequest close;
+  close.reader = reader;
+  EXPECT_EQ(mallory->Call(st::StoreMethod::CLOSE, Ser(close)).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(n.node->open_readers(), 2);
+  // Guessed handles: nothing, whoever guesses.
+  for (int i = 0; i < 100; ++i) {
+    read.reader = RandomHandle();
+    ASSERT_EQ(mallory->Call(st::StoreMethod::READV, Ser(read)).status().code(), StatusCode::kNotFound);
+    ASSERT_EQ(alice->Call(st::StoreMethod::READV, Ser(read)).status().code(), StatusCode::kNotFound);
+  }
+  for (const char* guess : {"1", "2", "0", ""}) {  // what sequential ids looked like
+    read.reader = guess;
+    EXPECT_EQ(mallory->Call(st::StoreMethod::READV, Ser(read)).status().code(), StatusCode::kNotFound);
+  }
+  ASSERT_TRUE(alice->Call(st::StoreMethod::CLOSE, Ser(close)).ok());
+  EXPECT_EQ(n.node->open_readers(), 1);
+
+  // An upload: another client can neither add to it nor commit it.
+  st::StoreRequest begin;
+  begin.key = KeyOf(Hasher128().Update("upload").Digest());
+  begin.cache_namespace = "tenant-a";
+  begin.tokens = 3;
+  begin.sizes["v"] = 1000;
+  auto begun = alice->Call(st::StoreMethod::PUT_BEGIN, Ser(begin));
+  ASSERT_TRUE(begun.ok()) << begun.status();
+  const std::string upload = De<st::StoreReply>(*begun).upload;
+  EXPECT_EQ(upload.size(), 32u);
+  st::StoreRequest part;
+  part.upload = upload;
+  part.blob = "v";
+  part.offset = 0;
+  part.data = std::string(1000, 'M');
+  EXPECT_EQ(mallory->Call(st::StoreMethod::PUT_PART, Ser(part)).status().code(), StatusCode::kNotFound);
+  st::StoreRequest commit;
+  commit.upload = upload;
+  EXPECT_EQ(mallory->Call(st::StoreMethod::PUT_COMMIT, Ser(commit)).status().code(), StatusCode::kNotFound);
+  part.data = std::string(1000, 'a');
+  ASSERT_TRUE(alice->Call(st::StoreMethod::PUT_PART, Ser(part)).ok());
+  ASSERT_TRUE(alice->Call(st::StoreMethod::PUT_COMMIT, Ser(commit)).ok());
+  auto stored = alice->Get(Hasher128().Update("upload").Digest());
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->at("v"), std::string(1000, 'a'));
+}
+
+TEST(StoreNodeClientTest, UploadsAreBoundedBeforeAnythingIsAllocated) {
+  storage::testing::TempDir tmp;
+  transport::StoreServiceOptions so;
+  so.max_uploads = 2;
+  so.max_upload_bytes = 4 << 20;
+  so.upload_idle_seconds = 1;
+  so.max_blobs = 8;
+  LocalNode n(tmp.path() + "/db", so, size_t{16} << 20);
+  auto c = Client(n.node->port());
+  ASSERT_NE(c, nullptr);
+  const Hash128 kept = Hasher128().Update("kept").Digest();
+  ASSERT_TRUE(c->Put(kept, "", 1, {{"v", std::string(3000, 'k')}}).ok());
+  auto begin = [&](const std::string& ns, std::map<std::string, int64_t> sizes, std::map<std::string, int64_t> bb = {}) {
+    st::StoreRequest q;
+    q.key = KeyOf(Hasher128().Update(ns).Update(std::to_string(sizes.size())).Digest());
+    q.cache_namespace = ns;
+    q.tokens = 1;
+    q.sizes = std::move(sizes);
+    q.block_bytes = std::move(bb);
+    return c->Call(st::StoreMethod::PUT_BEGIN, Ser(q));
+  };
+  // 1 TiB, past the capacity; past a namespace's quota; sizes that make no sense.
+  auto tib = begin("", {{"v", int64_t{1} << 40}});
+  EXPECT_EQ(tib.status().code(), StatusCode::kResourceExhausted) << tib.status();
+  EXPECT_NE(tib.status().message().find("capacity"), std::string::npos) << tib.status();
+  EXPECT_EQ(begin("small", {{"v", 2 << 20}}).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(begin("", {{"v", -1}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(begin("", {{"", 10}}).status().code(), StatusCode::kInvalidArgument);
+  std::map<std::string, int64_t> many;
+  for (int i = 0; i < 9; ++i) many["b" + std::to_string(i)] = 1;
+  EXPECT_EQ(begin("", many).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(begin("", {{"v", 10}}, {{"w", 4096}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(begin("", {{"v", 10}}, {{"v", 1}}).status().code(), StatusCode::kInvalidArgument);
+  // Bytes in flight: 3 MiB fits, 2 MiB more does not (4 MiB); uploads in flight: 2.
+  auto a = begin("a", {{"v", 3 << 20}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto over = begin("b", {{"v", 2 << 20}});
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
+  EXPECT_NE(over.status().message().find("max_upload_bytes"), std::string::npos) << over.status();
+  auto b = begin("b", {{"v", 1000}});
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto third = begin("c", {{"v", 10}});
+  EXPECT_EQ(third.status().code(), StatusCode::kResourceExhausted) << third.status();
+  EXPECT_NE(third.status().message().find("uploads in flight"), std::string::npos) << third.status();
+  EXPECT_EQ(n.node->service().upload_bytes(), (3u << 20) + 1000u);
+  // Parts: within the blob only; a repeated part does not count twice.
+  st::StoreRequest part;
+  part.upload = De<st::StoreReply>(*b).upload;
+  part.blob = "v";
+  part.offset = 900;
+  part.data = std::string(200, 'x');
+  EXPECT_EQ(c->Call(st::StoreMethod::PUT_PART, Ser(part)).status().code(), StatusCode::kInvalidArgument);
+  part.offset = -1;
+  part.data = "x";
+  EXPECT_EQ(c->Call(st::StoreMethod::PUT_PART, Ser(part)).status().code(), StatusCode::kInvalidArgument);
+  part.offset = int64_t{1} << 62;
+  EXPECT_EQ(c->Call(st::StoreMethod::PUT_PART, Ser(part)).status().code(), StatusCode::kInvalidArgument);
+  part.blob = "w";
+  part.offset = 0;
+  EXPECT_EQ(c->Call(st::StoreMethod::PUT_PART, Ser(part)).status().code(), StatusCode::kInvalidArgument);
+  part.blob = "v";
+  part.data = std::string(500, 'x');
+  ASSERT_TRUE(c->Call(st::StoreMethod::PUT_PART, Ser(part)).ok());
+  ASSERT_TRUE(c->Call(st::StoreMethod::PUT_PART, Ser(part)).ok());  // again: still 500 of 1000
+  st::StoreRequest commit;
+  commit.upload = part.upload;
+  auto lacking = c->Call(st::StoreMethod::PUT_COMMIT, Ser(commit));
+  EXPECT_EQ(lacking.status().code(), StatusCode::kFailedPrecondition) << lacking.status();
+  EXPECT_NE(lacking.status().message().find("lacks 500"), std::string::npos) << lacking.status();
+  // An upload left idle is dropped, and its bytes with it.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (n.node->service().open_uploads() > 0 && std::chrono::steady_clock::now() - t0 < 10s) {
+    std::this_thread::sleep_for(200ms);
+    ASSERT_TRUE(c->Info(kept).ok());  // requests sweep
+  }
+  EXPECT_EQ(n.node->service().open_uploads(), 0);
+  EXPECT_EQ(n.node->service().upload_bytes(), 0u);
+  part.upload = De<st::StoreReply>(*a).upload;
+  part.offset = 0;
+  EXPECT_EQ(c->Call(st::StoreMethod::PUT_PART, Ser(part)).status().code(), StatusCode::kNotFound);
+  // Nothing stored was lost, and the node serves on.
+  auto got = c->Get(kept);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->at("v"), std::string(3000, 'k'));
+  EXPECT_EQ(n.store->Keys().size(), 1u);
+  // Unknown methods and bytes that are no request.
+  EXPECT_EQ(c->Call(99, Ser(st::StoreRequest())).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->Call(st::StoreMethod::INFO, std::string("\xff\xff\xff\xff garbage", 12)).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+// Requests are walked as Thrift's generated reader would read them before
+// Thrift reads them: truncated messages, type bytes Thrift does not define
+// (which its reader casts to an enum first: undefined behaviour) and
+// container elements of other types than the IDL's are refused with
+// InvalidArgument, never read.
+TEST(StoreNodeClientTest, MalformedMessagesAreRefusedBeforeThriftReadsThem) {
+  using namespace std::string_literals;
+  st::StoreRequest q;
+  q.key = KeyOf(Hasher128().Update("k").Digest());
+  q.cache_namespace = "ns";
+  q.tokens = 3;
+  q.sizes = {{"a", 1}, {"b", 2}};
+  q.block_bytes = {{"a", 4096}};
+  q.upload = RandomHandle();
+  q.reader = RandomHandle();
+  q.blob = "a";
+  q.offset = 5;
+  q.data = "bytes";
+  q.offsets = {1, 2};
+  q.lengths = {3, 4};
+  const std::string whole = Ser(q);
+  EXPECT_TRUE(transport::IsWellFormedStoreMessage(whole, true));
+  for (size_t n = 0; n < whole.size(); ++n) {
+    ASSERT_FALSE(transport::IsWellFormedStoreMessage(whole.substr(0, n), true)) << "truncated at " << n;
+  }
+  // A type byte Thrift does not define, at a field and inside a container.
+  std::string bad = whole;
+  bad[0] = 0x21;
+  EXPECT_FALSE(transport::IsWellFormedStoreMessage(bad, true));
+  // Field 4 (map<string, i64>) announcing bool values: Thrift reads i64s
+  // anyway, so the bytes after are read as it would, and here they end early.
+  const std::string mismatched = "\x0d\x00\x04\x0b\x02\x00\x00\x00\x01"s + "\x00\x00\x00\x01x"s + "\x01\x00"s;
+  EXPECT_FALSE(transport::IsWellFormedStoreMessage(mismatched, true));
+  // ... and where the bytes after decode, as a field of an undefined type.
+  const std::string undefined = "\x0d\x00\x04\x0b\x02\x00\x00\x00\x01"s + "\x00\x00\x00\x01x"s +
+                                std::string(8, '\0') + "\x21\x00\x01\x00"s;
+  EXPECT_FALSE(transport::IsWellFormedStoreMessage(undefined, true));
+  EXPECT_TRUE(transport::IsWellFormedStoreMessage(undefined.substr(0, undefined.size() - 4) + '\0', true))
+      << "the same bytes ending with a stop are a message (Thrift reads it)";
+  // Negative sizes; unknown fields are walked as the wire says.
+  EXPECT_FALSE(transport::IsWellFormedStoreMessage("\x0b\x00\x02\xff\xff\xff\xff\x00"s, true));
+  EXPECT_TRUE(transport::IsWellFormedStoreMessage("\x0f\x00\x63\x08\x00\x00\x00\x01\x00\x00\x00\x07\x00"s, true));
+  // Through the node: a typed error, and the node serves on.
+  storage::testing::TempDir tmp;
+  LocalNode n(tmp.path() + "/db");
+  auto c = Client(n.node->port());
+  ASSERT_NE(c, nullptr);
+  for (const std::string& m : {bad, mismatched, undefined}) {
+    EXPECT_EQ(c->Call(st::StoreMethod::PUT_BEGIN, m).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_TRUE(c->Put(Hasher128().Update("fine").Digest(), "", 1, {{"v", "fine"}}).ok());
 }
 
 }  // namespace

@@ -4,10 +4,37 @@
 
 #include <glog/logging.h>
 
+#include "common/crypto.h"
+
 namespace penumbra {
 
+namespace {
+
+// The keyed chain: the same structure as the XXH3 one, each link an
+// HMAC-SHA256 under the secret.
+std::vector<Hash128> KeyedPrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
+                                     const std::vector<int64_t>& segment_ends, std::string_view secret) {
+  std::vector<Hash128> keys;
+  keys.reserve(segment_ends.size());
+  Hash128 prev = TruncatedKey(HmacSha256Stream(secret).Update("penumbra-prefix-keyed-v1\n").Update(fence).Final());
+  int64_t begin = 0;
+  for (int64_t end : segment_ends) {
+    CHECK(end > begin && end <= static_cast<int64_t>(prompt.size())) << "segment ends must ascend within the prompt";
+    const int64_t n = end - begin;
+    HmacSha256Stream h(secret);
+    h.Update(&prev, sizeof(prev)).Update(&n, sizeof(n)).Update(prompt.data() + begin, n * sizeof(int32_t));
+    prev = TruncatedKey(h.Final());
+    keys.push_back(prev);
+    begin = end;
+  }
+  return keys;
+}
+
+}  // namespace
+
 std::vector<Hash128> PrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
-                                const std::vector<int64_t>& segment_ends) {
+                                const std::vector<int64_t>& segment_ends, std::string_view secret) {
+  if (!secret.empty()) return KeyedPrefixKeys(fence, prompt, segment_ends, secret);
   std::vector<Hash128> keys;
   keys.reserve(segment_ends.size());
   Hash128 prev;

@@ -7,7 +7,12 @@
 // first i segments covers a fence (what else determines the state: the
 // policy's parameters, the dtype, the model, the tenant namespace) and every
 // token id of those segments, chained segment by segment (PrefixKeys), so a
-// document's key depends on everything before it.
+// document's key depends on everything before it. With a deployment secret
+// (RuntimeOptions::document_key_secret, from the cluster secret) the chain
+// is HMAC-SHA256 under it: nobody without the secret can compute a
+// document's key from its tokens, or guess another tenant's, and keys from
+// a store shared by workers (a value-store node) are unguessable there.
+// Without one it is XXH3 (fast, stable, not keyed).
 //
 // Capacity is in device bytes and, separately, host bytes (a shadowkv
 // prefix's values live in host memory). Inserting past either evicts least-recently-used
@@ -30,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/hash.h"
@@ -40,9 +46,10 @@ namespace penumbra {
 
 // keys[i] covers prompt[0, segment_ends[i]); `fence` names everything besides
 // the tokens that the state depends on. segment_ends must be ascending and
-// within the prompt (Runtime::Validate checks requests).
+// within the prompt (Runtime::Validate checks requests). `secret` non-empty:
+// the keyed chain (HMAC-SHA256, truncated to 128 bits); empty: XXH3.
 std::vector<Hash128> PrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
-                                const std::vector<int64_t>& segment_ends);
+                                const std::vector<int64_t>& segment_ends, std::string_view secret = {});
 
 struct PrefixCacheStats {
   int64_t hits = 0, misses = 0, inserts = 0, evictions = 0;

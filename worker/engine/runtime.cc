@@ -448,7 +448,8 @@ int Runtime::ForgetPrefixes(const GenerationRequest& q) {
   if (!prefix_cache_ || q.segment_ends.empty()) return 0;
   int dropped = 0;
   DrainPrefixStores();  // a write still queued would store it again
-  for (const Hash128& key : PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends)) {
+  for (const Hash128& key :
+       PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends, options_.document_key_secret)) {
     if (prefix_cache_->Erase(key)) ++dropped;
     if (prefix_store_ && prefix_store_->Info(key).ok()) {
       Status s = prefix_store_->Erase(key);
@@ -474,7 +475,7 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
   std::shared_ptr<const KvPrefix> hit;
   int64_t start = 0;
   if (prefix_cache_ && !q.segment_ends.empty() && reuse) {
-    st->keys = PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends);
+    st->keys = PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends, options_.document_key_secret);
     for (size_t i = st->keys.size(); i-- > 0 && !hit;) {
       hit = prefix_cache_->Find(st->keys[i], q.segment_ends[i]);
       if (hit && !hit->health().ok()) {

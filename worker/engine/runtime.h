@@ -106,6 +106,11 @@ struct RuntimeOptions {
   // the policy reads from the segment straight into their destination
   // (tests set it to 0 to take that path with small models). Default: 16 MiB.
   uint64_t prefix_store_eager_blob_bytes = uint64_t{16} << 20;
+  // A deployment secret (32 bytes: ClusterSecret::Derive("document-keys"))
+  // that keys the document cache's keys (PrefixKeys: HMAC-SHA256 under it),
+  // so that nobody without it can compute or guess a document's key; empty:
+  // the unkeyed XXH3 chain. Never logged. Default: empty.
+  std::string document_key_secret;
   // Tier 0: hot cached documents' host-resident state (shadowkv values) in
   // spare device memory (worker/engine/value_tiers.h). Default: off.
   TierOptions tiers;

@@ -12,12 +12,14 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 
 #include "common/args.h"
+#include "common/crypto.h"
 #include "common/logging.h"
 #include "common/process.h"
 #include "transport/metrics_http.h"
@@ -163,14 +165,27 @@ Status Run(int argc, char** argv) {
   } else if (eo.runtime.prefix_cache_bytes == 0) {
     eo.runtime.prefix_cache_bytes = size_t{4096} << 20;  // a worker serves documents
   }
+  PENUMBRA_ASSIGN_OR_RETURN(transport::ProcessSecurity security, transport::SecurityFromFlags(a));
+  // The cluster secret: the store plane's key, and the document keys' (a
+  // document's key is then an HMAC nobody without the secret can compute).
+  std::optional<ClusterSecret> secret;
+  if (!security.cluster_secret_file.empty()) {
+    Result<ClusterSecret> loaded = ClusterSecret::Load(security.cluster_secret_file);
+    if (!loaded.ok()) return loaded.status().WithContext("--cluster-secret-file");
+    secret = *loaded;
+    eo.runtime.document_key_secret = secret->Derive("document-keys");
+  }
   if (a.Has("prefix-store")) eo.prefix_store.path = a.Get("prefix-store");
   if (a.Has("store-node")) {
     if (a.Has("prefix-store")) return Status::InvalidArgument("--store-node and --prefix-store: one or the other");
     eo.prefix_store.path.clear();
-    PENUMBRA_ASSIGN_OR_RETURN(eo.document_store, transport::ConnectStoreNodes(a.Get("store-node")));
+    transport::UcxClientOptions plane;
+    plane.secret = secret;
+    // A node off loopback without the secret is refused unless --insecure.
+    PENUMBRA_ASSIGN_OR_RETURN(eo.document_store,
+                              transport::ConnectStoreNodes(a.Get("store-node"), plane, security.insecure));
   }
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
-  PENUMBRA_ASSIGN_OR_RETURN(transport::ProcessSecurity security, transport::SecurityFromFlags(a));
   PENUMBRA_ASSIGN_OR_RETURN(transport::AdminHttpOptions admin, transport::AdminFromFlags(a, security));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t frame_mb, a.GetIntIn("max-frame-mb", 64, 1, 1024));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t drain_s, a.GetIntIn("drain-seconds", 30, 0, 86400));
