@@ -78,8 +78,8 @@ Status Run(int argc, char** argv) {
   transport::StoreNodeOptions no;
   no.host = a.Get("host", "127.0.0.1");
   // The store plane is authenticated by the cluster secret (UCX has no TLS).
-  PENUMBRA_RETURN_IF_ERROR(transport::CheckPlaintextBind("the store plane", no.host,
-                                                         !security.cluster_secret_file.empty(), security.insecure));
+  PENUMBRA_RETURN_IF_ERROR(transport::CheckStorePlaneBind("the store plane", no.host,
+                                                          !security.cluster_secret_file.empty(), security.insecure));
   if (!security.cluster_secret_file.empty()) {
     Result<ClusterSecret> secret = ClusterSecret::Load(security.cluster_secret_file);
     if (!secret.ok()) return secret.status().WithContext("--cluster-secret-file");

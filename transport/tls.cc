@@ -222,20 +222,38 @@ Result<ProcessSecurity> SecurityFromFlags(const Args& a) {
   return s;
 }
 
-Status CheckPlaintextBind(const std::string& what, const std::string& host, bool tls, bool insecure) {
-  if (tls) return Status::OK();
+namespace {
+
+// A port without its protection (`missing`) on `host`: logged on loopback,
+// refused elsewhere unless insecure.
+Status CheckUnprotectedBind(const std::string& what, const std::string& host, bool insecure,
+                            const std::string& missing, const std::string& remedy) {
   if (IsLoopbackHost(host)) {
-    LOG(WARNING) << what << " on " << host << " without TLS: a loopback development setup (only processes of "
-                 << "this machine can reach it)";
+    LOG(WARNING) << what << " on " << host << " without " << missing << ": a loopback development setup (only "
+                 << "processes of this machine can reach it)";
     return Status::OK();
   }
   if (!insecure) {
-    return Status::InvalidArgument(what + " on " + host + " without TLS: refused (give --tls-ca, --tls-cert and " +
-                                   "--tls-key; `penumbra cert init` makes them), or --insecure on a network you trust");
+    return Status::InvalidArgument(what + " on " + host + " without " + missing + ": refused (" + remedy +
+                                   "), or --insecure on a network you trust");
   }
-  LOG(ERROR) << "INSECURE: " << what << " on " << host << " without TLS (--insecure): anyone who reaches this "
-             << "address can call it and read its traffic";
+  LOG(ERROR) << "INSECURE: " << what << " on " << host << " without " << missing << " (--insecure): anyone who "
+             << "reaches this address can call it and read its traffic";
   return Status::OK();
+}
+
+}  // namespace
+
+Status CheckStorePlaneBind(const std::string& what, const std::string& host, bool secret, bool insecure) {
+  if (secret) return Status::OK();
+  return CheckUnprotectedBind(what, host, insecure, "the cluster secret",
+                              "give --cluster-secret-file; `penumbra cert init` makes one");
+}
+
+Status CheckPlaintextBind(const std::string& what, const std::string& host, bool tls, bool insecure) {
+  if (tls) return Status::OK();
+  return CheckUnprotectedBind(what, host, insecure, "TLS",
+                              "give --tls-ca, --tls-cert and --tls-key; `penumbra cert init` makes them");
 }
 
 }  // namespace penumbra::transport

@@ -95,5 +95,8 @@ Result<ProcessSecurity> SecurityFromFlags(const Args& a);
 // --insecure (logged loudly as such); a loopback one is logged as a
 // development setup. `what` names the port in messages.
 Status CheckPlaintextBind(const std::string& what, const std::string& host, bool tls, bool insecure);
+// The same for the store plane, whose protection is the cluster secret (UCX
+// has no TLS): without it, only on loopback or with --insecure.
+Status CheckStorePlaneBind(const std::string& what, const std::string& host, bool secret, bool insecure);
 
 }  // namespace penumbra::transport

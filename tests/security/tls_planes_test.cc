@@ -241,7 +241,7 @@ TEST(TlsPlanes, PlaintextPortsOffLoopbackAreRefusedUnlessInsecure) {
   ExpectRefusedAtStart({BinDir() + "/penumbra-coordinator", "--model", model, "--workers", "10.1.2.3:7710"},
                        dir + "/cw.log", "without TLS: refused");
   ExpectRefusedAtStart({BinDir() + "/penumbra-store", "--path", dir + "/store", "--host", "0.0.0.0"},
-                       dir + "/s.log", "without TLS: refused");
+                       dir + "/s.log", "without the cluster secret: refused");
   // --insecure lets it start, and says so loudly.
   Served w;
   w.process = Process::Start({BinDir() + "/penumbra-worker", "--model", model, "--device", "cpu", "--host", "0.0.0.0",
