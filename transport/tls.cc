@@ -102,16 +102,26 @@ Status TlsFiles::Validate(const std::string& what) const {
                                    (cert_file.empty() ? "no certificate" : "certificate " + cert_file) + ", " +
                                    (key_file.empty() ? "no key" : "key " + key_file) + ")");
   }
-  PENUMBRA_ASSIGN_OR_RETURN(X509Ptr ca, ReadCertificate(ca_file));
+  PENUMBRA_ASSIGN_OR_RETURN(X509Ptr first_ca, ReadCertificate(ca_file));  // the file holds one at least
   PENUMBRA_ASSIGN_OR_RETURN(X509Ptr cert, ReadCertificate(cert_file));
   PENUMBRA_ASSIGN_OR_RETURN(PkeyPtr key, ReadPrivateKey(key_file));
   if (X509_check_private_key(cert.get(), key.get()) != 1) {
     ERR_clear_error();
     return Status::InvalidArgument(what + ": the key " + key_file + " does not match the certificate " + cert_file);
   }
-  PkeyPtr ca_key(X509_get_pubkey(ca.get()));
-  if (!ca_key || X509_verify(cert.get(), ca_key.get()) != 1) {
-    ERR_clear_error();
+  // The CA file may hold several (the old and the new CA while rotating):
+  // the certificate must be signed by one of them.
+  FILE* f = std::fopen(ca_file.c_str(), "r");
+  if (f == nullptr) return Status::InvalidArgument(ca_file + ": " + std::strerror(errno));
+  bool signed_by_one = false;
+  for (X509Ptr ca(PEM_read_X509(f, nullptr, nullptr, nullptr)); ca && !signed_by_one;
+       ca.reset(PEM_read_X509(f, nullptr, nullptr, nullptr))) {
+    PkeyPtr ca_key(X509_get_pubkey(ca.get()));
+    signed_by_one = ca_key && X509_verify(cert.get(), ca_key.get()) == 1;
+  }
+  std::fclose(f);
+  ERR_clear_error();
+  if (!signed_by_one) {
     return Status::InvalidArgument(what + ": the certificate " + cert_file + " is not signed by the CA " + ca_file);
   }
   return Status::OK();

@@ -35,7 +35,7 @@ inline constexpr const char* kAdmin = "admin";
 // This process's certificate and the CA it trusts; files only (never key
 // material on a command line).
 struct TlsFiles {
-  std::string ca_file;    // PEM: the CA every peer's certificate must chain to.
+  std::string ca_file;    // PEM: the CA every peer's certificate must chain to (several while rotating).
   std::string cert_file;  // PEM: this process's certificate (with its chain).
   std::string key_file;   // PEM: its private key (not readable by group or others).
   bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }

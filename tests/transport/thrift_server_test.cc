@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -148,6 +149,41 @@ TEST_F(Certificates, TheHandlerSeesTheCallersVerifiedCertificate) {
   auto wrong_role = TlsClientContext::Create(c);
   ASSERT_TRUE(wrong_role.ok());
   EXPECT_EQ(HealthOf((*server)->port(), nullptr, *wrong_role).code(), StatusCode::kPermissionDenied);
+}
+
+TEST_F(Certificates, ACaBundleTrustsTheOldAndTheNewCaWhileRotating) {
+  const std::string next = dir_ + "/next";
+  std::filesystem::create_directories(next);
+  ASSERT_TRUE(CreateCertificateAuthority(next + "/ca.pem", next + "/ca.key", "next").ok());
+  CertificateSpec s;
+  s.role = role::kCoordinator;
+  s.name = "coordinator";
+  ASSERT_TRUE(IssueCertificate(next + "/ca.pem", next + "/ca.key", s, next + "/coordinator.pem",
+                               next + "/coordinator.key")
+                  .ok());
+  {
+    std::ofstream bundle(dir_ + "/bundle.pem");
+    bundle << std::ifstream(dir_ + "/ca.pem").rdbuf() << std::ifstream(next + "/ca.pem").rdbuf();
+  }
+  ThriftServerOptions o;
+  TlsServerOptions t;
+  t.files = {dir_ + "/bundle.pem", dir_ + "/w0.pem", dir_ + "/w0.key"};
+  t.require_client_certificate = true;
+  o.tls = t;
+  auto server = ThriftServer::Start(Processor(), o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (const TlsFiles& client : {TlsFiles{dir_ + "/ca.pem", dir_ + "/coordinator.pem", dir_ + "/coordinator.key"},
+                                 TlsFiles{dir_ + "/bundle.pem", next + "/coordinator.pem", next + "/coordinator.key"}}) {
+    TlsClientOptions c;
+    c.files = client;
+    auto tls = TlsClientContext::Create(c);
+    ASSERT_TRUE(tls.ok()) << tls.status();
+    std::string model;
+    EXPECT_TRUE(HealthOf((*server)->port(), &model, *tls).ok()) << client.cert_file;
+  }
+  // A certificate of neither CA is refused at load.
+  TlsFiles stranger{next + "/ca.pem", dir_ + "/w0.pem", dir_ + "/w0.key"};
+  EXPECT_EQ(stranger.Validate("test").code(), StatusCode::kInvalidArgument);
 }
 
 TEST(ThriftServer, WithoutTlsTheCallerIsOnlyAnAddress) {
