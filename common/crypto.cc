@@ -1,6 +1,5 @@
 #include "common/crypto.h"
 
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +14,7 @@
 #include <openssl/sha.h>
 
 #include "common/file.h"
+#include "common/process.h"
 
 namespace penumbra {
 
@@ -142,17 +142,7 @@ Result<ClusterSecret> ClusterSecret::Load(const std::string& path) {
 
 Status ClusterSecret::Create(const std::string& path, bool overwrite) {
   if (!overwrite && FileExists(path)) return Status::InvalidArgument(path + " exists; not overwritten");
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return Status::IOError("cannot create " + tmp + ": " + std::strerror(errno));
-  const std::string text = HexOf(RandomBytes(32)) + "\n";
-  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-  ::close(fd);
-  if (!written || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    return Status::IOError("cannot write " + path + ": " + std::strerror(errno));
-  }
-  return Status::OK();
+  return WriteFileAtomically(path, HexOf(RandomBytes(32)) + "\n", 0600);
 }
 
 std::string ClusterSecret::Derive(std::string_view purpose) const {

@@ -1,10 +1,12 @@
 #include "common/process.h"
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <fcntl.h>
 
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -42,18 +44,24 @@ int WaitForTerminationSignal() {
   return sig;
 }
 
-Status WriteFileAtomically(const std::string& path, const std::string& contents) {
+Status WriteFileAtomically(const std::string& path, const std::string& contents, mode_t mode) {
   const std::string tmp = path + ".tmp." + std::to_string(getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) return Status::IOError("cannot write " + tmp);
-    f << contents;
-    f.flush();
-    if (!f) return Status::IOError("cannot write " + tmp);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+  if (fd < 0) return Status::IOError("cannot create " + tmp + ": " + std::strerror(errno));
+  ::fchmod(fd, mode);  // whatever the umask
+  size_t done = 0;
+  while (done < contents.size()) {
+    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  const bool ok = done == contents.size() && ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
     std::remove(tmp.c_str());
-    return Status::IOError("cannot rename " + tmp + " to " + path);
+    return Status::IOError("cannot write " + path + ": " + why);
   }
   return Status::OK();
 }

@@ -20,9 +20,10 @@ void BlockTerminationSignals();
 // Waits for one of them; returns its number.
 int WaitForTerminationSignal();
 
-// Writes `contents` to `path` atomically (a temporary file beside it, then
-// rename): a reader sees the whole file or none.
-Status WriteFileAtomically(const std::string& path, const std::string& contents);
+// Writes `contents` to `path` atomically (a temporary file beside it,
+// flushed to disk, then rename): a reader sees the whole file or none. The
+// file gets `mode` (0600 for keys and secrets) from its creation on.
+Status WriteFileAtomically(const std::string& path, const std::string& contents, mode_t mode = 0644);
 
 // Starts argv[0] (a path) with argv, its stdout and stderr to `log`
 // (truncated), every signal unblocked; returns its pid. Everything the child

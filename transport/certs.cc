@@ -16,22 +16,15 @@
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 
+#include "common/process.h"
 #include "transport/tls_openssl.h"
 
 namespace penumbra::transport {
 namespace {
 
-struct X509Free {
-  void operator()(X509* x) const { X509_free(x); }
-};
-struct PkeyFree {
-  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
-};
 struct BioFree {
   void operator()(BIO* b) const { BIO_free(b); }
 };
-using X509Ptr = std::unique_ptr<X509, X509Free>;
-using PkeyPtr = std::unique_ptr<EVP_PKEY, PkeyFree>;
 using BioPtr = std::unique_ptr<BIO, BioFree>;
 
 Result<PkeyPtr> NewKey() {
@@ -48,21 +41,6 @@ Result<std::string> Pem(Write write) {
   char* data = nullptr;
   const long n = BIO_get_mem_data(b.get(), &data);
   return std::string(data, static_cast<size_t>(n));
-}
-
-// Writes `text` to `path` atomically with `mode`.
-Status WriteFile(const std::string& path, const std::string& text, mode_t mode) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-  if (fd < 0) return Status::IOError("cannot create " + tmp + ": " + std::strerror(errno));
-  ::fchmod(fd, mode);
-  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-  ::close(fd);
-  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    return Status::IOError("cannot write " + path + ": " + std::strerror(errno));
-  }
-  return Status::OK();
 }
 
 Status AddExtension(X509* cert, X509* issuer, int nid, const std::string& value) {
@@ -116,8 +94,8 @@ Status CreateCertificateAuthority(const std::string& cert_path, const std::strin
   PENUMBRA_ASSIGN_OR_RETURN(std::string key_pem, Pem([&](BIO* b) {
                               return PEM_write_bio_PrivateKey(b, key.get(), nullptr, nullptr, 0, nullptr, nullptr);
                             }));
-  PENUMBRA_RETURN_IF_ERROR(WriteFile(key_path, key_pem, 0600));
-  return WriteFile(cert_path, cert_pem, 0644);
+  PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(key_path, key_pem, 0600));
+  return WriteFileAtomically(cert_path, cert_pem, 0644);
 }
 
 Status IssueCertificate(const std::string& ca_cert_path, const std::string& ca_key_path, const CertificateSpec& spec,
@@ -158,8 +136,8 @@ Status IssueCertificate(const std::string& ca_cert_path, const std::string& ca_k
   PENUMBRA_ASSIGN_OR_RETURN(std::string key_pem, Pem([&](BIO* b) {
                               return PEM_write_bio_PrivateKey(b, key.get(), nullptr, nullptr, 0, nullptr, nullptr);
                             }));
-  PENUMBRA_RETURN_IF_ERROR(WriteFile(key_path, key_pem, 0600));
-  return WriteFile(cert_path, cert_pem, 0644);
+  PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(key_path, key_pem, 0600));
+  return WriteFileAtomically(cert_path, cert_pem, 0644);
 }
 
 }  // namespace penumbra::transport

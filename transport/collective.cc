@@ -227,19 +227,8 @@ bool ConnectedToSelf(int fd) {
 // The numeric address of a peer accepted on a listener: its host alone, and
 // host:port.
 void AddressOf(const sockaddr_storage& a, std::string* host, std::string* address) {
-  char buf[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (a.ss_family == AF_INET) {
-    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&a);
-    inet_ntop(AF_INET, &v4->sin_addr, buf, sizeof buf);
-    port = ntohs(v4->sin_port);
-  } else if (a.ss_family == AF_INET6) {
-    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&a);
-    inet_ntop(AF_INET6, &v6->sin6_addr, buf, sizeof buf);
-    port = ntohs(v6->sin6_port);
-  }
-  *host = buf;
-  *address = HostPort(buf, port);
+  *host = transport::NumericHost(a);
+  *address = HostPort(*host, transport::PortOf(a));
 }
 
 // ---------------------------------------------------------------- TLS

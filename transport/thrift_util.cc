@@ -131,18 +131,8 @@ std::string AddressOf(int fd, bool with_port) {
   sockaddr_storage sa{};
   socklen_t len = sizeof sa;
   if (::getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return "?";
-  char host[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (sa.ss_family == AF_INET) {
-    const auto* a = reinterpret_cast<const sockaddr_in*>(&sa);
-    inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
-    port = ntohs(a->sin_port);
-  } else if (sa.ss_family == AF_INET6) {
-    const auto* a = reinterpret_cast<const sockaddr_in6*>(&sa);
-    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
-    port = ntohs(a->sin6_port);
-  }
-  return with_port ? std::string(host) + ":" + std::to_string(port) : std::string(host);
+  const std::string host = NumericHost(sa);
+  return with_port ? host + ":" + std::to_string(PortOf(sa)) : host;
 }
 
 // A connection's place in the server's limits: admitted at accept, let go

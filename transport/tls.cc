@@ -18,15 +18,6 @@
 namespace penumbra::transport {
 namespace {
 
-struct X509Free {
-  void operator()(X509* x) const { X509_free(x); }
-};
-struct EvpPkeyFree {
-  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
-};
-using X509Ptr = std::unique_ptr<X509, X509Free>;
-using PkeyPtr = std::unique_ptr<EVP_PKEY, EvpPkeyFree>;
-
 std::string NameEntry(X509_NAME* name, int nid) {
   if (name == nullptr) return "";
   const int i = X509_NAME_get_index_by_NID(name, nid, -1);
@@ -132,6 +123,22 @@ Result<PeerIdentity> IdentityOfCertificateFile(const std::string& path) {
   PeerIdentity id = IdentityOf(cert.get());
   id.verified = true;
   return id;
+}
+
+std::string NumericHost(const sockaddr_storage& a) {
+  char buf[INET6_ADDRSTRLEN] = "?";
+  if (a.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&a)->sin_addr, buf, sizeof buf);
+  } else if (a.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&a)->sin6_addr, buf, sizeof buf);
+  }
+  return buf;
+}
+
+int PortOf(const sockaddr_storage& a) {
+  if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port);
+  if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port);
+  return 0;
 }
 
 bool IsLoopbackHost(const std::string& host) {

@@ -15,6 +15,8 @@
 // the connection during the handshake, before any request is read.
 #pragma once
 
+#include <sys/socket.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,6 +80,9 @@ Result<PeerIdentity> IdentityOfCertificateFile(const std::string& path);
 
 // True for 127.0.0.0/8, ::1 and "localhost".
 bool IsLoopbackHost(const std::string& host);
+// A socket address's numeric host ("?" when neither IPv4 nor IPv6) and port.
+std::string NumericHost(const sockaddr_storage& a);
+int PortOf(const sockaddr_storage& a);
 
 // What a server process is given about security (flags shared by
 // penumbra-coordinator, penumbra-worker and penumbra-store).

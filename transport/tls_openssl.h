@@ -6,12 +6,23 @@
 
 #include <openssl/ssl.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "transport/tls.h"
 
 namespace penumbra::transport {
+
+// Owners of OpenSSL objects.
+struct X509Free {
+  void operator()(X509* x) const { X509_free(x); }
+};
+struct EvpPkeyFree {
+  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
+};
+using X509Ptr = std::unique_ptr<X509, X509Free>;
+using PkeyPtr = std::unique_ptr<EVP_PKEY, EvpPkeyFree>;
 
 // Loads the CA, certificate and key into ctx and sets the policy every plane
 // shares: TLS 1.2 at least, the peer verified against the CA

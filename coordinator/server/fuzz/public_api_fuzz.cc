@@ -35,6 +35,7 @@
 #include "coordinator/server/validation.h"
 #include "coordinator/tenants/tenants.h"
 #include "gen-cpp/Penumbra.h"
+#include "transport/fuzz/thrift_fuzz.h"
 #include "transport/thrift_util.h"
 
 namespace penumbra::coordinator {
@@ -280,11 +281,7 @@ Harness& TheHarness() {
 
 // Writes one seed: the calls `send` makes through the generated client, framed.
 void WriteSeed(const std::string& dir, const std::string& name, const std::function<void(rpc::PenumbraClient&)>& send) {
-  auto mem = std::make_shared<TMemoryBuffer>();
-  auto proto = std::make_shared<TBinaryProtocol>(std::make_shared<TFramedTransport>(mem));
-  rpc::PenumbraClient client(proto);
-  send(client);
-  std::ofstream(dir + "/" + name, std::ios::binary) << mem->getBufferAsString();
+  transport::fuzz::WriteSeed<rpc::PenumbraClient>(dir, name, send);
 }
 
 rpc::GenerateRequest Question(const std::string& key, std::vector<int32_t> ids, int32_t max_new) {
@@ -368,39 +365,6 @@ void WriteSeeds(const std::string& dir) {
   });
 }
 
-// Splits `data` into frames as the servers' framed transport reads them (a
-// 4-byte big-endian size, at most max_frame_bytes, then the message) and runs
-// each frame's message through `processor` with the servers' protocol
-// (CheckedBinaryProtocol) and limits,
-// until the bytes end or a frame or message is malformed (a server then
-// closes the connection). Each frame is read from a memory buffer of its own
-// (what the framed transport's per-frame buffer holds; it also spares Thrift's
-// inline read path its null-buffer pointer arithmetic, undefined behaviour the
-// sanitizer reports inside Thrift's header).
-void RunFrames(apache::thrift::TProcessor& processor, const uint8_t* data, size_t size,
-               const transport::ThriftLimits& limits) {
-  auto config = transport::MakeConfiguration(limits);
-  auto out_mem = std::make_shared<TMemoryBuffer>(config);
-  auto out = std::make_shared<TBinaryProtocol>(std::make_shared<TFramedTransport>(out_mem, config));
-  size_t at = 0;
-  for (int calls = 0; calls < 64 && size - at >= 4; ++calls) {
-    const uint32_t frame = (uint32_t{data[at]} << 24) | (uint32_t{data[at + 1]} << 16) |
-                           (uint32_t{data[at + 2]} << 8) | uint32_t{data[at + 3]};
-    at += 4;
-    if (frame > static_cast<uint32_t>(limits.max_frame_bytes) || frame > size - at) break;
-    auto in_mem = std::make_shared<TMemoryBuffer>(const_cast<uint8_t*>(data + at), frame, TMemoryBuffer::OBSERVE,
-                                                  config);
-    at += frame;
-    auto in = std::make_shared<transport::CheckedBinaryProtocol>(in_mem, limits.max_string_bytes,
-                                                                 limits.max_container_elements, true, true);
-    try {
-      if (!processor.process(in, out, nullptr)) break;
-    } catch (const apache::thrift::TException&) {
-      break;
-    }
-    out_mem->resetBuffer();
-  }
-}
 
 }  // namespace
 }  // namespace penumbra::coordinator
@@ -417,6 +381,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Harness& h = TheHarness();
   // An odd-sized input's connection presents beta's client certificate.
   h.handler->set_client_certificate(size % 2 ? kBetaCert : "");
-  RunFrames(*h.processor, data, size, Limits());
+  penumbra::transport::fuzz::RunFrames(*h.processor, data, size, Limits());
   return 0;
 }

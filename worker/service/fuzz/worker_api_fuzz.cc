@@ -29,6 +29,7 @@
 #include <thrift/transport/TBufferTransports.h>
 
 #include "gen-cpp/Worker.h"
+#include "transport/fuzz/thrift_fuzz.h"
 #include "transport/thrift_util.h"
 #include "worker/engine/runtime.h"
 #include "worker/service/worker_server.h"
@@ -161,11 +162,7 @@ Harness& TheHarness() {
 }
 
 void WriteSeed(const std::string& dir, const std::string& name, const std::function<void(rpc::WorkerClient&)>& send) {
-  auto mem = std::make_shared<TMemoryBuffer>();
-  auto proto = std::make_shared<TBinaryProtocol>(std::make_shared<TFramedTransport>(mem));
-  rpc::WorkerClient client(proto);
-  send(client);
-  std::ofstream(dir + "/" + name, std::ios::binary) << mem->getBufferAsString();
+  transport::fuzz::WriteSeed<rpc::WorkerClient>(dir, name, send);
 }
 
 void WriteSeeds(const std::string& dir) {
@@ -203,39 +200,6 @@ void WriteSeeds(const std::string& dir) {
   });
 }
 
-// Splits `data` into frames as the servers' framed transport reads them (a
-// 4-byte big-endian size, at most max_frame_bytes, then the message) and runs
-// each frame's message through `processor` with the servers' protocol
-// (CheckedBinaryProtocol) and limits,
-// until the bytes end or a frame or message is malformed (a server then
-// closes the connection). Each frame is read from a memory buffer of its own
-// (what the framed transport's per-frame buffer holds; it also spares Thrift's
-// inline read path its null-buffer pointer arithmetic, undefined behaviour the
-// sanitizer reports inside Thrift's header).
-void RunFrames(apache::thrift::TProcessor& processor, const uint8_t* data, size_t size,
-               const transport::ThriftLimits& limits) {
-  auto config = transport::MakeConfiguration(limits);
-  auto out_mem = std::make_shared<TMemoryBuffer>(config);
-  auto out = std::make_shared<TBinaryProtocol>(std::make_shared<TFramedTransport>(out_mem, config));
-  size_t at = 0;
-  for (int calls = 0; calls < 64 && size - at >= 4; ++calls) {
-    const uint32_t frame = (uint32_t{data[at]} << 24) | (uint32_t{data[at + 1]} << 16) |
-                           (uint32_t{data[at + 2]} << 8) | uint32_t{data[at + 3]};
-    at += 4;
-    if (frame > static_cast<uint32_t>(limits.max_frame_bytes) || frame > size - at) break;
-    auto in_mem = std::make_shared<TMemoryBuffer>(const_cast<uint8_t*>(data + at), frame, TMemoryBuffer::OBSERVE,
-                                                  config);
-    at += frame;
-    auto in = std::make_shared<transport::CheckedBinaryProtocol>(in_mem, limits.max_string_bytes,
-                                                                 limits.max_container_elements, true, true);
-    try {
-      if (!processor.process(in, out, nullptr)) break;
-    } catch (const apache::thrift::TException&) {
-      break;
-    }
-    out_mem->resetBuffer();
-  }
-}
 
 }  // namespace
 }  // namespace penumbra::service
@@ -252,6 +216,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Harness& h = TheHarness();
   // An odd-sized input is checked against a model with a sliding window.
   h.handler->set_config(Config(size % 2 == 1));
-  RunFrames(*h.processor, data, size, Limits());
+  penumbra::transport::fuzz::RunFrames(*h.processor, data, size, Limits());
   return 0;
 }
