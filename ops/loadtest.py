@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Load test of a Penumbra coordinator through the Python client.
 
-    /usr/bin/python3 ops/loadtest.py --host H --port P [--api-key K] --clients N --seconds T \\
+    /usr/bin/python3 ops/loadtest.py --host H --port P [--api-key-file F] [--tls-ca CA] --clients N --seconds T \\
         [--document-tokens-text-chars C] [--max-new-tokens M] [--json OUT]
     /usr/bin/python3 ops/loadtest.py --start MODEL_DIR [--build BUILD_DIR] --clients N --seconds T ...
 
@@ -74,7 +74,8 @@ def client_loop(pc, args, doc_id, index, stop_at, hard_stop_at, results, counter
     running at hard_stop_at), adding to results. Reads args.host, port, api_key, timeout, max_new_tokens,
     temperature, ignore_eos and wait_ms (ops/fairness.py passes one such namespace per tenant)."""
     r = results
-    client = pc.PenumbraClient(args.host, args.port, api_key=args.api_key, timeout_s=args.timeout)
+    client = pc.PenumbraClient(args.host, args.port, api_key=args.api_key, timeout_s=args.timeout, tls_ca=args.tls_ca,
+                               tls_cert=args.tls_cert, tls_key=args.tls_key)
     try:
         while time.monotonic() < stop_at:
             with r.lock:
@@ -129,7 +130,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--api-key", default=os.environ.get("PENUMBRA_API_KEY", ""))
+    ap.add_argument("--api-key-file", default=os.environ.get("PENUMBRA_API_KEY_FILE"),
+                    help="a file holding the API key (default $PENUMBRA_API_KEY_FILE, else the key in $PENUMBRA_API_KEY)")
+    ap.add_argument("--tls-ca", default=os.environ.get("PENUMBRA_TLS_CA"),
+                    help="the CA of the coordinator's certificate: TLS on (default $PENUMBRA_TLS_CA)")
+    ap.add_argument("--tls-cert", default=os.environ.get("PENUMBRA_TLS_CERT"), help="a client certificate")
+    ap.add_argument("--tls-key", default=os.environ.get("PENUMBRA_TLS_KEY"), help="its private key")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--document-tokens-text-chars", type=int, default=8000,
@@ -155,6 +161,7 @@ def main():
 
     if args.clients < 1 or args.seconds <= 0:
         ap.error("--clients must be >= 1 and --seconds > 0")
+    args.api_key = pc.api_key_from_args(args)
     svc = None
     if args.start:
         penumbra_local.install_sigterm_exit()
@@ -187,7 +194,8 @@ def main():
 
 
 def run(pc, penumbra_local, args):
-    setup = pc.PenumbraClient(args.host, args.port, api_key=args.api_key, timeout_s=args.timeout)
+    setup = pc.PenumbraClient(args.host, args.port, api_key=args.api_key, timeout_s=args.timeout, tls_ca=args.tls_ca,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key)
     try:
         text = penumbra_local.story_text(args.document_tokens_text_chars, seed=11)
         t = time.monotonic()

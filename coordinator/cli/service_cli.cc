@@ -36,39 +36,10 @@ using Clock = std::chrono::steady_clock;
 
 // ---- client commands -----------------------------------------------------------
 
-void AddClientFlags(Args& a) {
-  a.Flag("address", "the coordinator, host:port (default $PENUMBRA_ADDRESS, else 127.0.0.1:7700)")
-      .Flag("api-key-file", "a file holding the API key (default $PENUMBRA_API_KEY_FILE; else the key in "
-                            "$PENUMBRA_API_KEY). Never on the command line: other users can read it there")
-      .Flag("tls-ca", "the CA of the coordinator's certificate: TLS on (default $PENUMBRA_TLS_CA)")
-      .Flag("tls-cert", "a client certificate, for a tenant that requires one (default $PENUMBRA_TLS_CERT)")
-      .Flag("tls-key", "its private key (default $PENUMBRA_TLS_KEY)")
-      .Flag("timeout-ms", "connect and call timeout (default 30000)");
-}
-
-std::string FlagOrEnv(const Args& a, const std::string& flag, const char* env) {
-  const char* e = std::getenv(env);
-  return a.Get(flag, e ? e : "");
-}
+void AddClientFlags(Args& a) { client::AddConnectionFlags(a); }
 
 Result<std::unique_ptr<client::Client>> ConnectFromFlags(const Args& a) {
-  client::ClientOptions o;
-  const char* env_addr = std::getenv("PENUMBRA_ADDRESS");
-  const std::string address = a.Get("address", env_addr ? env_addr : "127.0.0.1:7700");
-  PENUMBRA_RETURN_IF_ERROR(client::ParseAddress(address, &o));
-  if (const std::string key_file = FlagOrEnv(a, "api-key-file", "PENUMBRA_API_KEY_FILE"); !key_file.empty()) {
-    PENUMBRA_ASSIGN_OR_RETURN(std::string key, ReadFileToString(key_file));
-    while (!key.empty() && std::isspace(static_cast<unsigned char>(key.back()))) key.pop_back();
-    if (key.empty()) return Status::InvalidArgument("--api-key-file " + key_file + " is empty");
-    o.api_key = key;
-  } else if (const char* env_key = std::getenv("PENUMBRA_API_KEY")) {
-    o.api_key = env_key;
-  }
-  o.tls_ca = FlagOrEnv(a, "tls-ca", "PENUMBRA_TLS_CA");
-  o.tls_cert = FlagOrEnv(a, "tls-cert", "PENUMBRA_TLS_CERT");
-  o.tls_key = FlagOrEnv(a, "tls-key", "PENUMBRA_TLS_KEY");
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t t, a.GetIntIn("timeout-ms", 30000, 1, 3600000));
-  o.timeout = milliseconds(t);
+  PENUMBRA_ASSIGN_OR_RETURN(client::ClientOptions o, client::OptionsFromFlags(a));
   return client::Client::Connect(o);
 }
 

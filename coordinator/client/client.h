@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/args.h"
 #include "common/status.h"
 #include "gen-cpp/Penumbra.h"
 #include "transport/thrift_util.h"
@@ -31,6 +32,14 @@ struct ClientOptions {
 
 // "host:port" -> options.host/port; InvalidArgument naming the text.
 Status ParseAddress(const std::string& address, ClientOptions* options);
+
+// The flags every client command takes (the CLI, penumbra-service-bench):
+// --address (default $PENUMBRA_ADDRESS, else 127.0.0.1:7700), --api-key-file
+// (default $PENUMBRA_API_KEY_FILE; else the key in $PENUMBRA_API_KEY: never a
+// key on a command line), --tls-ca/--tls-cert/--tls-key (default
+// $PENUMBRA_TLS_CA/CERT/KEY), --timeout-ms.
+void AddConnectionFlags(Args& a);
+Result<ClientOptions> OptionsFromFlags(const Args& a);
 
 class Client {
  public:

@@ -3,7 +3,7 @@
 // coordinator that has no tokenizer, e.g. a random-weights benchmark model).
 //
 //   penumbra-service-bench --address HOST:PORT --context S [--question Q] [--batch B]
-//       [--max-new-tokens M] [--window-s W] [--vocab V]
+//       [--max-new-tokens M] [--window-s W] [--vocab V] [--tls-ca CA] [--api-key-file F]
 //
 // 1. Puts one document of S - Q random token ids (timed: prefill into the
 //    document cache) and asks one Q-token question about it: time to first
@@ -253,8 +253,8 @@ Status JobBench(client::Client& c, int64_t N, int64_t K, int64_t S, int64_t Q, i
 
 Status Run(int argc, char** argv) {
   Args a;
-  a.Flag("address", "the coordinator, host:port").Flag("api-key", "API key")
-      .Flag("context", "tokens per sequence: document + question (default 124928)")
+  client::AddConnectionFlags(a);
+  a.Flag("context", "tokens per sequence: document + question (default 124928)")
       .Flag("question", "question tokens (default 64)")
       .Flag("batch", "questions decoded together (default 14)")
       .Flag("max-new-tokens", "per question (default 4096; they are cancelled after the window)")
@@ -268,9 +268,7 @@ Status Run(int argc, char** argv) {
       .Flag("dp-documents", "instead: data-parallel scaling over this many documents, one per worker (see "
                             "DpBench)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
-  client::ClientOptions o;
-  PENUMBRA_RETURN_IF_ERROR(client::ParseAddress(a.Get("address", "127.0.0.1:7700"), &o));
-  o.api_key = a.Get("api-key", "");
+  PENUMBRA_ASSIGN_OR_RETURN(client::ClientOptions o, client::OptionsFromFlags(a));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t S, a.GetIntIn("context", 124928, 2, int64_t{1} << 24));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t Q, a.GetIntIn("question", 64, 1, S - 1));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t B, a.GetIntIn("batch", 14, 1, 4096));
@@ -328,7 +326,8 @@ Status Run(int argc, char** argv) {
                          {"backend", backend},             {"document_put_s", put_seconds},
                          {"ttft_client_s", client_ttft},   {"ttft_worker_s", ch.usage.ttft_seconds},
                          {"cached_prompt_tokens", ch.usage.cached_prompt_tokens},
-                         {"prompt_tokens", ch.usage.prompt_tokens}};
+                         {"prompt_tokens", ch.usage.prompt_tokens},
+                         {"tls", !o.tls_ca.empty()}};
   std::cout << ttft.dump() << std::endl;
 
   // 2. B questions decoding together, each followed by its own client.
@@ -370,7 +369,8 @@ Status Run(int argc, char** argv) {
   nlohmann::json j = {{"bench", "service-decode"},   {"context", S},          {"batch", B},
                       {"kv_policy", policy},         {"backend", backend},    {"shared_document", true},
                       {"question", Q},               {"window_s", W},         {"window_tokens", window_tokens},
-                      {"tokens_per_s", tps},         {"all_joined_s", joined_s}};
+                      {"tokens_per_s", tps},         {"all_joined_s", joined_s},
+                      {"tls", !o.tls_ca.empty()}};
   std::cout << j.dump() << std::endl;
   if (!during.is_null()) std::cout << during.dump() << std::endl;
   return Status::OK();

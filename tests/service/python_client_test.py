@@ -6,7 +6,8 @@ real penumbra-worker (CPU) and penumbra-coordinator on loopback.
 
 Defaults: <repo>/build and <repo>/models/penumbra-eval. The generated Thrift
 code is taken from $PENUMBRA_GEN_PY, else BUILD_DIR/transport/gen-py. Both
-processes are started with OS-picked ports (the coordinator with a --data-dir
+processes are started with OS-picked ports, over TLS with certificates made
+by `penumbra cert init` (the coordinator with a --data-dir
 in the service's work directory, so batch jobs are on) and stopped at the end (SIGTERM,
 then SIGKILL after 10 s), also on failure or interruption; the whole run is
 bounded (a watchdog stops the servers after WATCHDOG_S seconds).
@@ -65,10 +66,10 @@ class PythonClientTest(unittest.TestCase):
         cls.svc = penumbra_local.LocalService(
             BUILD_DIR, MODEL_DIR, api_keys={KEY_A: TENANT_A, KEY_B: TENANT_B},
             worker_args=["--drain-seconds", "2"], coordinator_args=["--drain-seconds", "2"],
-            start_timeout_s=60.0, data_dir=True)  # <workdir>/data: batch jobs on
+            start_timeout_s=60.0, data_dir=True, tls=True)  # <workdir>/data: batch jobs on
         cls.svc.start()
-        cls.a = PenumbraClient("127.0.0.1", cls.svc.port, api_key=KEY_A, timeout_s=30.0, long_call_timeout_s=90.0)
-        cls.b = PenumbraClient("127.0.0.1", cls.svc.port, api_key=KEY_B, timeout_s=30.0, long_call_timeout_s=90.0)
+        cls.a = cls.svc.client(KEY_A, timeout_s=30.0, long_call_timeout_s=90.0)
+        cls.b = cls.svc.client(KEY_B, timeout_s=30.0, long_call_timeout_s=90.0)
         cls.doc_text = penumbra_local.story_text(4000, seed=7)
         cls._doc = None
 
@@ -217,7 +218,7 @@ class PythonClientTest(unittest.TestCase):
         self.assertIn(self.poll_until_done(self.a, rid).finish_reason, ("stop", "length"))
 
     def test_unknown_api_key(self):
-        c = PenumbraClient("127.0.0.1", self.svc.port, api_key="no-such-key", timeout_s=30.0)
+        c = self.svc.client("no-such-key", timeout_s=30.0)
         with c:
             with self.assertRaises(pc.PermissionDenied):
                 c.stats()
@@ -230,6 +231,33 @@ class PythonClientTest(unittest.TestCase):
             with self.assertRaises(pc.PermissionDenied):
                 c.ask([self.doc().id], text=QUESTION, max_new_tokens=4)
             self.assertTrue(c.health().serving)  # Health needs no key
+
+    def test_tls_checks_the_server_and_the_key_comes_from_a_file(self):
+        # Another CA's client refuses the coordinator; a plaintext one gets nothing.
+        other = os.path.join(self.svc.workdir, "other-ca")
+        topology = os.path.join(self.svc.workdir, "topology.yaml")
+        subprocess.run([os.path.join(BUILD_DIR, "bin", "penumbra"), "cert", "init", other, "--topology", topology],
+                       check=True, stdout=subprocess.DEVNULL)
+        with self.assertRaises(pc.PermissionDenied):
+            PenumbraClient("127.0.0.1", self.svc.port, api_key=KEY_A, tls_ca=os.path.join(other, "ca.pem")).health()
+        with self.assertRaises(pc.Unavailable):
+            PenumbraClient("127.0.0.1", self.svc.port, api_key=KEY_A, timeout_s=5.0).health()
+        # The key from $PENUMBRA_API_KEY_FILE (never on a command line).
+        key_file = os.path.join(self.svc.workdir, "key-a")
+        with open(key_file, "w") as f:
+            f.write(KEY_A + "\n")
+        os.chmod(key_file, 0o600)
+        old = os.environ.get("PENUMBRA_API_KEY_FILE")
+        os.environ["PENUMBRA_API_KEY_FILE"] = key_file
+        try:
+            with self.svc.client() as c:
+                self.assertEqual(c.api_key, KEY_A)
+                c.get_document(self.doc().id)  # tenant A's
+        finally:
+            if old is None:
+                del os.environ["PENUMBRA_API_KEY_FILE"]
+            else:
+                os.environ["PENUMBRA_API_KEY_FILE"] = old
 
     def test_unknown_document(self):
         with self.assertRaises(pc.NotFound):
@@ -372,7 +400,7 @@ class PythonClientTest(unittest.TestCase):
         self.assertIn("bad", cm.exception.message)
         with self.assertRaises(pc.InvalidArgument):
             self.a.submit_job([good, good])  # custom_id twice
-        with PenumbraClient("127.0.0.1", self.svc.port, api_key="no-such-key") as c:
+        with self.svc.client("no-such-key") as c:
             with self.assertRaises(pc.PermissionDenied):
                 c.submit_job([good])
             with self.assertRaises(pc.PermissionDenied):
@@ -411,7 +439,12 @@ class PythonClientTest(unittest.TestCase):
     def test_batch_job_example(self):
         self.doc()  # the model is warm
         script = os.path.join(CLIENT_DIR, "batch_job.py")
-        p = subprocess.run([sys.executable, script, "--port", str(self.svc.port), "--api-key", KEY_A,
+        key_file = os.path.join(self.svc.workdir, "batch-key")
+        with open(key_file, "w") as f:
+            f.write(KEY_A)
+        os.chmod(key_file, 0o600)
+        p = subprocess.run([sys.executable, script, "--port", str(self.svc.port), "--api-key-file", key_file,
+                            "--tls-ca", os.path.join(self.svc.certs_dir, "ca.pem"),
                             "--max-new-tokens", "4", "--poll-s", "0.2", "--timeout-s", str(WAIT_S)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=WAIT_S + 30)
         out, err = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Asks every question about every document as one Penumbra batch job.
 
-    /usr/bin/python3 coordinator/client/python/batch_job.py --port 7700 --api-key KEY \\
+    /usr/bin/python3 coordinator/client/python/batch_job.py --port 7700 [--api-key-file F] [--tls-ca CA] \\
         [--document FILE ...] [--question "Who is Lily?" ...] [--max-new-tokens 64]
 
 Puts the documents (default: a short built-in story), submits a job of
@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from example import SAMPLE_DOCUMENT  # noqa: E402
-from penumbra_client import (DEFAULT_PORT, JobStatus, PenumbraClient, PenumbraClientError,  # noqa: E402
+from penumbra_client import (JobStatus, PenumbraClientError, add_connection_args, client_from_args,  # noqa: E402
                              job_result_error, job_status_name, state_name)
 
 DEFAULT_QUESTIONS = [
@@ -31,9 +31,7 @@ DEFAULT_QUESTIONS = [
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="the coordinator's port (default: $PENUMBRA_PORT)")
-    ap.add_argument("--api-key", default=os.environ.get("PENUMBRA_API_KEY", ""))
+    add_connection_args(ap)
     ap.add_argument("--document", action="append", default=[], help="a text file (repeatable; default: a built-in story)")
     ap.add_argument("--question", action="append", default=[], help="a question (repeatable; default: three)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -60,7 +58,7 @@ def main():
     docs = []
     job = None
     try:
-        with PenumbraClient(args.host, args.port, api_key=args.api_key) as client:
+        with client_from_args(args) as client:
             try:
                 for name, text in sources:
                     doc = client.put_document(name, text=text)

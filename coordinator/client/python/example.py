@@ -1,8 +1,11 @@
 #!/usr/bin/python3
 """Puts a document into Penumbra and streams the answer to a question about it.
 
-    /usr/bin/python3 coordinator/client/python/example.py --port 7700 --api-key KEY \\
+    /usr/bin/python3 coordinator/client/python/example.py --port 7700 [--api-key-file F] [--tls-ca CA] \\
         [--document FILE] [--question "Who is Lily?"]
+
+(The API key: --api-key-file, else $PENUMBRA_API_KEY_FILE or $PENUMBRA_API_KEY;
+TLS: --tls-ca, else $PENUMBRA_TLS_CA.)
 """
 
 import argparse
@@ -12,7 +15,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from penumbra_client import DEFAULT_PORT, PenumbraClient, PenumbraClientError, chunk_error, state_name  # noqa: E402
+from penumbra_client import (PenumbraClientError, add_connection_args, chunk_error, client_from_args,  # noqa: E402
+                             state_name)
 
 SAMPLE_DOCUMENT = (
     "Once upon a time, there was a little girl named Lily. She lived in a small house near a big forest "
@@ -25,16 +29,15 @@ SAMPLE_DOCUMENT = (
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT, required=DEFAULT_PORT is None,
-                    help="the coordinator's port (default: $PENUMBRA_PORT)")
-    ap.add_argument("--api-key", default=os.environ.get("PENUMBRA_API_KEY", ""))
+    add_connection_args(ap)
     ap.add_argument("--document", help="a text file (default: a short built-in story)")
     ap.add_argument("--question", default="\nQuestion: What did Max find under the tree?\nAnswer:")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--keep", action="store_true", help="keep the document (default: delete it at the end)")
     args = ap.parse_args()
+    if args.port is None:
+        ap.error("--port is required (or $PENUMBRA_PORT)")
 
     if args.document:
         with open(args.document, encoding="utf-8") as f:
@@ -44,7 +47,7 @@ def main():
         text, name = SAMPLE_DOCUMENT, "sample-story"
 
     try:
-        with PenumbraClient(args.host, args.port, api_key=args.api_key) as client:
+        with client_from_args(args) as client:
             t0 = time.monotonic()
             doc = client.put_document(name, text=text)
             print("document %s (%s): %d tokens, %s in %.2f s" %

@@ -23,10 +23,20 @@ The Thrift code is generated from transport/*.thrift at build time (thrift
 <repo>/build/transport/gen-py. It needs the Thrift Python library
 (Debian: python3-thrift, importable by /usr/bin/python3).
 
-Transport: one TSocket + TFramedTransport + TBinaryProtocol connection per
-client object, opened on first use (or by `open()`/`with`). A client is NOT
-thread-safe: use one per thread. After a transport error (refused, reset,
-timeout) the connection is closed and the next call opens a new one.
+Transport: one TSocket (over TLS with tls_ca) + TFramedTransport +
+TBinaryProtocol connection per client object, opened on first use (or by
+`open()`/`with`). A client is NOT thread-safe: use one per thread. After a
+transport error (refused, reset, timeout) the connection is closed and the
+next call opens a new one.
+
+TLS: give tls_ca (the CA of the coordinator's certificate; the certificate
+must also name the host dialled and carry role coordinator), and
+tls_cert/tls_key for a tenant that requires a client certificate. The API
+key: api_key, else $PENUMBRA_API_KEY_FILE (a file holding it), else
+$PENUMBRA_API_KEY. Scripts take the same as flags through
+add_connection_args(parser) and client_from_args(args): --host, --port,
+--api-key-file, --tls-ca, --tls-cert, --tls-key (never a key on a command
+line).
 
 Errors: every PenumbraError of the server is raised as a subclass of
 PenumbraClientError named after its code (InvalidArgument, NotFound, ...);
@@ -39,6 +49,7 @@ stream()/ask(): its last chunk is done with finish_reason "error" or
 import logging
 import os
 import socket
+import ssl
 import sys
 import time
 
@@ -101,7 +112,8 @@ __all__ = [
     "ResourceExhausted", "Unavailable", "DeadlineExceeded", "FailedPrecondition", "Cancelled", "Internal",
     "DocumentInfo", "DocumentState", "GenerateChunk", "ErrorCode", "chunk_error", "DEFAULT_PORT",
     "JobStatus", "JobInfo", "JobItem", "JobItemResult", "JOB_FINAL_STATUSES", "job_item", "job_status_name",
-    "job_final", "job_result_error", "state_name",
+    "job_final", "job_result_error", "state_name", "api_key_from_env", "tls_context", "add_connection_args",
+    "client_from_args", "api_key_from_args", "read_api_key_file",
 ]
 
 
@@ -302,6 +314,112 @@ class _LenientBinaryProtocol(TBinaryProtocol.TBinaryProtocol):
 
 
 
+def api_key_from_env():
+    """The API key of $PENUMBRA_API_KEY_FILE (a file holding it), else
+    $PENUMBRA_API_KEY, else ""."""
+    path = os.environ.get("PENUMBRA_API_KEY_FILE")
+    if path:
+        return read_api_key_file(path)
+    return os.environ.get("PENUMBRA_API_KEY", "")
+
+
+def read_api_key_file(path):
+    with open(path, encoding="utf-8") as f:
+        key = f.read().strip()
+    if not key:
+        raise ValueError("the API key file %s is empty" % path)
+    return key
+
+
+def tls_context(ca, cert=None, key=None):
+    """An ssl.SSLContext for the public API: TLS 1.2 at least, the server's
+    certificate checked against `ca` and the host dialled; a client
+    certificate when `cert` and `key` are given."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.check_hostname = True
+    ctx.load_verify_locations(cafile=ca)
+    if cert or key:
+        if not (cert and key):
+            raise ValueError("a client certificate needs both its certificate and its key")
+        ctx.load_cert_chain(certfile=cert, keyfile=key)
+    return ctx
+
+
+class _TlsRefused(Exception):
+    """The TLS handshake or the server's certificate was refused."""
+
+
+class _TlsSocket(TSocket.TSocket):
+    """A TSocket over TLS: connects, runs the handshake (the SSL context
+    checks the CA and the host), then checks the certificate's role
+    (coordinator). Unlike Thrift's TSSLSocket it keeps why a handshake
+    failed (Thrift's reports only that no address could be reached)."""
+
+    def __init__(self, host, port, context):
+        TSocket.TSocket.__init__(self, host, port)
+        self._context = context
+
+    def open(self):
+        if self.handle:
+            raise TTransport.TTransportException(TTransport.TTransportException.ALREADY_OPEN, "already open")
+        last = None
+        for family, socktype, _, _, sockaddr in socket.getaddrinfo(self.host, self.port, 0, socket.SOCK_STREAM):
+            raw = socket.socket(family, socktype)
+            raw.settimeout(self._timeout)
+            try:
+                raw.connect(sockaddr)
+            except OSError as e:
+                raw.close()
+                last = e
+                continue
+            try:
+                handle = self._context.wrap_socket(raw, server_hostname=self.host)
+            except (ssl.SSLError, ssl.CertificateError) as e:
+                raw.close()
+                raise _TlsRefused("TLS handshake with %s:%d: %s" % (self.host, self.port, e)) from None
+            except OSError as e:  # the server closed it during the handshake
+                raw.close()
+                raise _TlsRefused("TLS handshake with %s:%d: %s" % (self.host, self.port, e)) from None
+            subject = dict(x[0] for x in handle.getpeercert().get("subject", ()))
+            if subject.get("organizationalUnitName") != "coordinator":
+                handle.close()
+                raise _TlsRefused("the server at %s:%d is not a Penumbra coordinator (its certificate's role is %r)"
+                                  % (self.host, self.port, subject.get("organizationalUnitName")))
+            self.handle = handle
+            return
+        raise TTransport.TTransportException(TTransport.TTransportException.NOT_OPEN,
+                                             "could not connect to %s:%d: %s" % (self.host, self.port, last))
+
+
+def add_connection_args(ap):
+    """The flags of a script that talks to a coordinator, with the CLI's
+    environment defaults: --host, --port, --api-key-file, --tls-ca,
+    --tls-cert, --tls-key."""
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="the coordinator's port (default: $PENUMBRA_PORT)")
+    ap.add_argument("--api-key-file", default=os.environ.get("PENUMBRA_API_KEY_FILE"),
+                    help="a file holding the API key (default $PENUMBRA_API_KEY_FILE, else the key in "
+                         "$PENUMBRA_API_KEY)")
+    ap.add_argument("--tls-ca", default=os.environ.get("PENUMBRA_TLS_CA"),
+                    help="the CA of the coordinator's certificate: TLS on (default $PENUMBRA_TLS_CA)")
+    ap.add_argument("--tls-cert", default=os.environ.get("PENUMBRA_TLS_CERT"),
+                    help="a client certificate, for a tenant that requires one (default $PENUMBRA_TLS_CERT)")
+    ap.add_argument("--tls-key", default=os.environ.get("PENUMBRA_TLS_KEY"),
+                    help="its private key (default $PENUMBRA_TLS_KEY)")
+
+
+def api_key_from_args(args):
+    return read_api_key_file(args.api_key_file) if args.api_key_file else os.environ.get("PENUMBRA_API_KEY", "")
+
+
+def client_from_args(args, **kwargs):
+    """A PenumbraClient from add_connection_args' flags (kwargs: timeout_s, ...)."""
+    return PenumbraClient(args.host, args.port, api_key=api_key_from_args(args), tls_ca=args.tls_ca,
+                          tls_cert=args.tls_cert, tls_key=args.tls_key, **kwargs)
+
+
 class PenumbraClient(object):
     """One connection to a coordinator, acting for one API key (tenant).
 
@@ -313,17 +431,20 @@ class PenumbraClient(object):
     Not thread-safe: use one client per thread.
     """
 
-    def __init__(self, host="127.0.0.1", port=None, api_key="", timeout_s=30.0,
-                 long_call_timeout_s=600.0):
+    def __init__(self, host="127.0.0.1", port=None, api_key=None, timeout_s=30.0,
+                 long_call_timeout_s=600.0, tls_ca=None, tls_cert=None, tls_key=None):
         if port is None:
             port = DEFAULT_PORT
         if port is None:
             raise ValueError("PenumbraClient: give the coordinator's port (or set $PENUMBRA_PORT)")
         self.host = host
         self.port = int(port)
-        self.api_key = api_key
+        self.api_key = api_key if api_key is not None else api_key_from_env()
         self.timeout_s = float(timeout_s)
         self.long_call_timeout_s = float(long_call_timeout_s)
+        if (tls_cert or tls_key) and not tls_ca:
+            raise ValueError("PenumbraClient: a client certificate needs the CA (tls_ca) too")
+        self._tls = tls_context(tls_ca, tls_cert, tls_key) if tls_ca else None
         self._socket = None
         self._transport = None
         self._client = None
@@ -334,11 +455,14 @@ class PenumbraClient(object):
         """Connects (calls connect on first use anyway). Raises Unavailable."""
         if self._client is not None:
             return self
-        sock = TSocket.TSocket(self.host, self.port)
+        sock = _TlsSocket(self.host, self.port, self._tls) if self._tls is not None else TSocket.TSocket(
+            self.host, self.port)
         sock.setTimeout(self.timeout_s * 1000.0)
         transport = TTransport.TFramedTransport(sock)
         try:
             transport.open()
+        except _TlsRefused as e:
+            raise PermissionDenied("PERMISSION_DENIED", str(e)) from None
         except TTransport.TTransportException as e:
             raise Unavailable("UNAVAILABLE", "cannot connect to %s:%d: %s" % (self.host, self.port, e)) from None
         self._socket = sock

@@ -182,11 +182,14 @@ class LocalService(object):
     coordinator's --data-dir (batch jobs), True for <workdir>/data, or None
     (no jobs). tenants: a tenants YAML (configs/tenants.yaml: hashed keys,
     quotas, weights) passed as the coordinator's --tenants, or None (none).
+    tls: every plane over TLS, with certificates `penumbra cert init` makes
+    in <workdir>/certs (the coordinator's public API, mutual TLS to the
+    worker); client() then gives clients that check the CA.
     """
 
     def __init__(self, build_dir=DEFAULT_BUILD_DIR, model_dir=DEFAULT_MODEL_DIR, api_keys=None, device="cpu",
                  worker_args=(), coordinator_args=(), workdir=None, keep_workdir=False, start_timeout_s=60.0,
-                 data_dir=None, tenants=None):
+                 data_dir=None, tenants=None, tls=False):
         self.build_dir = os.path.abspath(build_dir)
         self.model_dir = os.path.abspath(model_dir)
         self.api_keys = dict(api_keys) if api_keys else None
@@ -199,8 +202,38 @@ class LocalService(object):
         self.start_timeout_s = start_timeout_s
         self.data_dir = os.path.join(self.workdir, "data") if data_dir is True else data_dir
         self.tenants = os.path.abspath(tenants) if tenants else None
+        self.tls = tls
+        self.certs_dir = os.path.join(self.workdir, "certs") if tls else None
         self.worker = None
         self.coordinator = None
+
+    def _make_certificates(self):
+        """penumbra cert init for a topology of this service's names (w0 and
+        the coordinator, on loopback)."""
+        topology = os.path.join(self.workdir, "topology.yaml")
+        with open(topology, "w") as f:
+            f.write("workers:\n  - {name: w0, host: 127.0.0.1}\n")
+        p = subprocess.run([self.binary("penumbra"), "cert", "init", self.certs_dir, "--topology", topology],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if p.returncode != 0:
+            raise ProcessError("penumbra cert init failed: %s" % p.stdout.decode("utf-8", "replace"))
+
+    def security_args(self, name):
+        """The security flags of process `name` (w0, coordinator); none without TLS."""
+        if not self.tls:
+            return []
+        d = self.certs_dir
+        return ["--tls-ca", os.path.join(d, "ca.pem"), "--tls-cert", os.path.join(d, name + ".pem"),
+                "--tls-key", os.path.join(d, name + ".key"), "--cluster-secret-file",
+                os.path.join(d, "cluster.secret")]
+
+    def client(self, api_key=None, **kwargs):
+        """A PenumbraClient of this service (checking its CA under TLS; the API key
+        of the environment when api_key is None)."""
+        from penumbra_client import PenumbraClient
+        if self.tls:
+            kwargs.setdefault("tls_ca", os.path.join(self.certs_dir, "ca.pem"))
+        return PenumbraClient("127.0.0.1", self.port, api_key=api_key, **kwargs)
 
     def binary(self, name):
         return os.path.join(self.build_dir, "bin", name)
@@ -215,9 +248,11 @@ class LocalService(object):
 
     def start(self):
         try:
+            if self.tls:
+                self._make_certificates()
             self.worker = LocalProcess("worker", [
                 self.binary("penumbra-worker"), "--model", self.model_dir, "--device", self.device,
-                "--port", "0", "--metrics-port", "0"] + self.worker_args, self.workdir)
+                "--port", "0", "--metrics-port", "0"] + self.security_args("w0") + self.worker_args, self.workdir)
             self.worker.start(self.start_timeout_s)
             argv = [self.binary("penumbra-coordinator"), "--model", self.model_dir,
                     "--workers", "127.0.0.1:%d" % self.worker.port, "--port", "0", "--metrics-port", "0"]
@@ -229,6 +264,7 @@ class LocalService(object):
                 argv += ["--data-dir", self.data_dir]
             if self.tenants:
                 argv += ["--tenants", self.tenants]
+            argv += self.security_args("coordinator")
             self.coordinator = LocalProcess("coordinator", argv + self.coordinator_args, self.workdir)
             self.coordinator.start(self.start_timeout_s)
         except BaseException:
