@@ -52,12 +52,15 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kSubnet = "10.77.37";
 constexpr const char* kCachedDocuments = "penumbra_worker_documents_cached";
 
-// The store plane (UCX) between namespaces of one machine: TCP only. UCX
-// would otherwise pick shared memory (posix, sysv, cma) between two
-// processes of one machine, which no network namespace separates: a store
-// node's link going down would change nothing. UCX_NET_DEVICES keeps UCX's
-// own TCP listeners on the host's interface (by default UCX opens one on
-// every interface, loopback included).
+// UCX on the store plane, kept to each host's interface. Without
+// UCX_NET_DEVICES, UCX opens a TCP listener of its own on every interface,
+// loopback included (the listener check below fails). UCX_TLS=tcp pins the
+// transport: UCX 1.13 chose TCP between these namespaces anyway (its
+// shared-memory transports are opened but were not used for a peer reached
+// by address), but UCX decides that shared memory reaches a peer by the
+// machine and the IPC and PID namespaces, never the network one: a UCX that
+// used it would carry the store plane past the namespaces, and a store
+// node's link going down would prove nothing.
 const std::vector<std::string> kUcxEnv = {"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"};
 
 // The offline engine's answer: the same model and options as the workers,

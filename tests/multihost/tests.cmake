@@ -11,3 +11,7 @@ add_test(NAME multihost_test COMMAND multihost_test WORKING_DIRECTORY ${PROJECT_
 set_tests_properties(multihost_test PROPERTIES LABELS multihost TIMEOUT 600
   SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
   ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
+# The systemd units of each role (ops/systemd): their settings, and
+# `systemd-analyze verify` where systemd is installed (skipped otherwise).
+add_test(NAME ops_systemd_units_test COMMAND bash ${PROJECT_SOURCE_DIR}/ops/systemd/verify.sh)
+set_tests_properties(ops_systemd_units_test PROPERTIES LABELS "unit;multihost" TIMEOUT 60 SKIP_RETURN_CODE 77)
