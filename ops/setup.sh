@@ -14,6 +14,7 @@ pkgs=(
   libucx-dev
   clang libclang-rt-14-dev
   python3
+  iproute2  # ip and ss: the multihost test's network namespaces (tests/multihost)
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,0 +1,17 @@
+# The service across hosts (issue 37), label `multihost`: a coordinator, two
+# workers and two value-store nodes, each in a Linux network namespace of its
+# own on one bridge, with mutual TLS (tests/multihost/multihost_test.cc).
+# Needs root and iproute2; skips itself, with the reason, where network
+# namespaces cannot be made.
+add_executable(multihost_test ${CMAKE_CURRENT_LIST_DIR}/multihost_test.cc ${CMAKE_CURRENT_LIST_DIR}/netns_topology.cc)
+target_link_libraries(multihost_test PRIVATE penumbra_client penumbra_engine penumbra_tls nlohmann_json::nlohmann_json
+  PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
+add_dependencies(multihost_test penumbra penumbra-worker penumbra-coordinator penumbra-store)
+add_test(NAME multihost_test COMMAND multihost_test WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(multihost_test PROPERTIES LABELS multihost TIMEOUT 600
+  SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
+  ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
+# The systemd units of each role (ops/systemd): their settings, and
+# `systemd-analyze verify` where systemd is installed (skipped otherwise).
+add_test(NAME ops_systemd_units_test COMMAND bash ${PROJECT_SOURCE_DIR}/ops/systemd/verify.sh)
+set_tests_properties(ops_systemd_units_test PROPERTIES LABELS "unit;multihost" TIMEOUT 60 SKIP_RETURN_CODE 77)
