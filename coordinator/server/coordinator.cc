@@ -645,19 +645,34 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
   expire();
   if (q.done) return Status::OK();
   if (q.deadline) wait = std::min(wait, Left(*q.deadline));
+  // A worker the health checks find unreachable (not one that drains: it
+  // finishes what it runs) has lost the request: it goes on elsewhere at
+  // once, rather than after a poll to a silent link times out.
+  auto unreachable = [&] {
+    const WorkerState st = workers_->state(q.worker);
+    return !st.healthy && st.error != "draining";
+  };
+  auto lost = [&](const std::string& why) {
+    const std::string what = "worker " + workers_->state(q.worker).endpoint.name + " lost the request: " + why;
+    if (!Resume(q, what)) Finalize(q, "error", Status::Unavailable(what));
+    return Status::OK();
+  };
+  if (unreachable()) return lost(workers_->state(q.worker).error);
   rpc::TokenChunk ch;
   const int64_t from = static_cast<int64_t>(q.ids.size()) - q.base;  // the current worker's offset
+  // The worker answers a long poll within its wait; the margin stays under
+  // a client's (10 s), so a silent worker is noticed here first.
   Status s = workers_->Call(q.worker, "poll", [&](rpc::WorkerClient& c) {
     c.Poll(ch, q.wid, from, static_cast<int32_t>(wait.count()));
-  }, wait + milliseconds(10000));
+  }, wait + kWorkerPollMargin);
   if (!s.ok()) {
-    if (s.code() == StatusCode::kDeadlineExceeded) {  // nothing new in time
-      expire();
+    if (s.code() == StatusCode::kDeadlineExceeded) {
+      workers_->CheckNow(q.worker);  // no answer in time: is the worker still there?
+      if (unreachable()) return lost(s.message());
+      expire();  // it is: nothing new in time
       return Status::OK();
     }
-    const std::string lost = "worker " + workers_->state(q.worker).endpoint.name + " lost the request: " + s.message();
-    if (!Resume(q, lost)) Finalize(q, "error", Status::Unavailable(lost));
-    return Status::OK();
+    return lost(s.message());
   }
   q.ids.insert(q.ids.end(), ch.ids.begin(), ch.ids.end());
   const int64_t prompt = q.usage.prompt_tokens;

@@ -183,6 +183,8 @@ class Coordinator : public rpc::PenumbraIf {
   // tokens it has (kMaxResumes times at most). False when it cannot.
   bool Resume(Request& q, const std::string& why);
   static constexpr int kMaxResumes = 3;
+  // What a poll of a worker may take beyond its wait.
+  static constexpr std::chrono::milliseconds kWorkerPollMargin{3000};
   void ToChunk(const Request& q, int64_t offset, rpc::GenerateChunk* out) const;
   // Candidate workers for a request of `kv_policy` over `docs` (holders of the
   // first document first, then the others by load).
