@@ -34,11 +34,11 @@
 # bench, the others' cores, the load average) and a summary row (the quiet
 # pairs' mean tokens/s off and on and their ratio, each pair's ratio, what the
 # coordinator and the bench spent in CPU per run) are appended to FILE
-# (default bench/results/2026-11-27-cpu-tls-overhead.jsonl).
+# (default bench/results/2026-11-27-cpu-tls-overhead-pairs.jsonl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIRS=3 MAX_PAIRS= CONTEXT=4096 BATCH=8 WINDOW=20 QUESTION=64 MAX_OTHERS=0.05 MAX_WAIT_S=600
-OUT=bench/results/2026-11-27-cpu-tls-overhead.jsonl
+OUT=bench/results/2026-11-27-cpu-tls-overhead-pairs.jsonl
 COMMAND="bash ops/tls_bench.sh $*"
 usage() {
   echo "usage: bash ops/tls_bench.sh [--pairs N] [--max-pairs M] [--context S] [--batch B] [--window-s W]" \
