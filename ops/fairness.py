@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Fairness run: two tenants, one flooding; the other's time to first token.
 
-    /usr/bin/python3 ops/fairness.py --start MODEL_DIR [--build BUILD_DIR] [--seconds T] \\
+    /usr/bin/python3 ops/fairness.py --start MODEL_DIR [--build BUILD_DIR] [--tls] [--seconds T] \\
         [--steady-clients S] [--flood-clients F] [--flood-max-sequences N] [--max-batch B] [--json OUT]
 
 Writes a temporary tenants.yaml with two tenants, `flood` and `steady` (fresh
@@ -9,7 +9,9 @@ random API keys, their sha256 hashes in the file; equal weights unless
 --flood-weight / --steady-weight; --flood-max-sequences N sets flood's
 max_concurrent_sequences quota), starts a worker (--max-batch B, default 8)
 and a coordinator (--tenants FILE) on loopback
-(coordinator/client/python/penumbra_local.py), and puts one document per
+(coordinator/client/python/penumbra_local.py; with --tls on certificates made
+for the run by `penumbra cert init`, every client checking its CA; the keys
+never leave this process), and puts one document per
 tenant (simple-story text, different per tenant). One unmeasured request per
 tenant warms the service up; then:
 
@@ -170,13 +172,15 @@ class Group(object):
 
 def client_args(args, api_key, max_new_tokens):
     """The namespace loadtest.client_loop reads."""
-    return argparse.Namespace(host=args.host, port=args.port, api_key=api_key, timeout=args.timeout,
+    return argparse.Namespace(host=args.host, port=args.port, api_key=api_key, tls_ca=args.tls_ca, tls_cert=None,
+                              tls_key=None, timeout=args.timeout,
                               max_new_tokens=max_new_tokens, temperature=args.temperature,
                               ignore_eos=args.ignore_eos, wait_ms=args.wait_ms)
 
 
 def put_document(pc, cargs, name, seed, chars):
-    client = pc.PenumbraClient(cargs.host, cargs.port, api_key=cargs.api_key, timeout_s=cargs.timeout)
+    client = pc.PenumbraClient(cargs.host, cargs.port, api_key=cargs.api_key, timeout_s=cargs.timeout,
+                               tls_ca=cargs.tls_ca)
     try:
         text = penumbra_local.story_text(chars, seed=seed)
         t = time.monotonic()
@@ -228,6 +232,7 @@ def report(args, p1, p2, fl, stuck, doc):
     rec["model"] = os.path.basename(os.path.normpath(args.start))
     rec["device"] = args.device
     rec["max_batch"] = args.max_batch
+    rec["tls"] = bool(args.tls)
     rec["share_window_ms"] = args.share_window_ms
     rec["seconds"] = args.seconds
     rec["steady_clients"] = args.steady_clients
@@ -272,6 +277,7 @@ def main():
                     help="start a local worker + coordinator serving MODEL_DIR")
     ap.add_argument("--build", default=os.path.join(REPO, "build"), help="the build directory (bin/, transport/)")
     ap.add_argument("--device", default="cpu", help="the worker's --device (default cpu)")
+    ap.add_argument("--tls", action="store_true", help="TLS on, with certificates made for the run")
     ap.add_argument("--max-batch", type=int, default=8, help="the worker's --max-batch (default 8)")
     ap.add_argument("--share-window-ms", type=int, default=None,
                     help="the worker's --share-window-ms (default: the worker's; 0 turns the batch caps off)")
@@ -326,7 +332,7 @@ def main():
                                       worker_args=["--max-batch", str(args.max_batch), "--drain-seconds", "5"] +
                                       ([] if args.share_window_ms is None
                                        else ["--share-window-ms", str(args.share_window_ms)]),
-                                      coordinator_args=["--drain-seconds", "5"])
+                                      coordinator_args=["--drain-seconds", "5"], tls=args.tls)
     rc = 1
     try:
         t = time.monotonic()
@@ -336,6 +342,7 @@ def main():
             print("fairness: could not start the service: %s" % e, file=sys.stderr)
             return 1
         args.host, args.port = "127.0.0.1", svc.port
+        args.tls_ca = os.path.join(svc.certs_dir, "ca.pem") if args.tls else None
         print("started worker :%d (--max-batch %d) and coordinator :%d in %.1f s (logs in %s)" %
               (svc.worker.port, args.max_batch, svc.port, time.monotonic() - t, workdir), file=sys.stderr)
         try:

@@ -3,7 +3,12 @@
 
     /usr/bin/python3 ops/loadtest.py --host H --port P [--api-key-file F] [--tls-ca CA] --clients N --seconds T \\
         [--document-tokens-text-chars C] [--max-new-tokens M] [--json OUT]
-    /usr/bin/python3 ops/loadtest.py --start MODEL_DIR [--build BUILD_DIR] --clients N --seconds T ...
+    /usr/bin/python3 ops/loadtest.py --start MODEL_DIR [--build BUILD_DIR] [--tls] --clients N --seconds T ...
+
+The API key: --api-key-file, else $PENUMBRA_API_KEY_FILE, else
+$PENUMBRA_API_KEY (never on the command line: --api-key is refused); TLS:
+--tls-ca (default $PENUMBRA_TLS_CA), a client certificate with --tls-cert and
+--tls-key (defaults $PENUMBRA_TLS_CERT/_KEY).
 
 Puts one document (C characters of simple-story text), then N threads (one
 client each) loop for T seconds: generate an answer about the document to a
@@ -20,7 +25,9 @@ OUT with --json):
 
 --start MODEL_DIR starts a worker (--device cpu unless --device) and a
 coordinator from BUILD_DIR/bin on loopback (coordinator/client/python/
-penumbra_local.py) and stops them at the end.
+penumbra_local.py), with a random API key made for the run (unless one is
+given) and, with --tls, certificates made for the run (`penumbra cert init`),
+and stops them at the end.
 """
 
 import argparse
@@ -28,6 +35,7 @@ import collections
 import datetime
 import json
 import os
+import secrets
 import sys
 import threading
 import time
@@ -126,8 +134,24 @@ def client_loop(pc, args, doc_id, index, stop_at, hard_stop_at, results, counter
         client.close()
 
 
+def import_client(default_build):
+    """penumbra_client, its generated code from $PENUMBRA_GEN_PY, else from
+    the --build directory of the command line (read ahead of the rest: the
+    parser needs penumbra_client's refuse_api_key_flag)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--build", default=default_build)
+    known, _ = pre.parse_known_args()
+    if not os.environ.get("PENUMBRA_GEN_PY"):
+        os.environ["PENUMBRA_GEN_PY"] = os.path.join(os.path.abspath(known.build), "transport", "gen-py")
+    import penumbra_client
+    return penumbra_client
+
+
 def main():
+    pc = import_client(os.path.join(REPO, "build"))
+    import penumbra_local
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pc.refuse_api_key_flag(ap)  # and no abbreviations: nothing is taken for --api-key-file by its prefix
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--api-key-file", default=os.environ.get("PENUMBRA_API_KEY_FILE"),
@@ -151,25 +175,30 @@ def main():
     ap.add_argument("--start", metavar="MODEL_DIR", help="start a local worker + coordinator serving MODEL_DIR")
     ap.add_argument("--build", default=os.path.join(REPO, "build"), help="with --start: the build directory")
     ap.add_argument("--device", default="cpu", help="with --start: the worker's --device")
+    ap.add_argument("--tls", action="store_true", help="with --start: TLS on, with certificates made for the run")
     ap.add_argument("--keep-document", action="store_true")
     args = ap.parse_args()
 
-    if not os.environ.get("PENUMBRA_GEN_PY"):
-        os.environ["PENUMBRA_GEN_PY"] = os.path.join(os.path.abspath(args.build), "transport", "gen-py")
-    import penumbra_client as pc
-    import penumbra_local
-
     if args.clients < 1 or args.seconds <= 0:
         ap.error("--clients must be >= 1 and --seconds > 0")
-    args.api_key = pc.api_key_from_args(args)
+    if args.tls and not args.start:
+        ap.error("--tls goes with --start (a running service's CA: --tls-ca)")
+    try:
+        args.api_key = pc.api_key_from_args(args)
+        if args.tls_ca or args.tls_cert or args.tls_key:  # a bad TLS file is named here, before any thread starts
+            if not args.tls_ca:
+                raise ValueError("--tls-cert/--tls-key need --tls-ca (the CA of the coordinator's certificate)")
+            pc.tls_context(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as e:
+        ap.error(str(e))
     svc = None
     if args.start:
         penumbra_local.install_sigterm_exit()
         if not args.api_key:
-            args.api_key = "loadtest-key-0123456789"  # --api-keys: 16 bytes or more
+            args.api_key = "loadtest-" + secrets.token_hex(16)  # made for the run, never shown
         svc = penumbra_local.LocalService(args.build, args.start, api_keys={args.api_key: "loadtest"},
                                           device=args.device, worker_args=["--drain-seconds", "5"],
-                                          coordinator_args=["--drain-seconds", "5"])
+                                          coordinator_args=["--drain-seconds", "5"], tls=args.tls)
         t = time.monotonic()
         try:
             svc.start()
@@ -177,8 +206,11 @@ def main():
             print("loadtest: could not start the service: %s" % e, file=sys.stderr)
             return 1
         args.host, args.port = "127.0.0.1", svc.port
-        print("started worker :%d and coordinator :%d in %.1f s (logs in %s)" %
-              (svc.worker.port, svc.port, time.monotonic() - t, svc.workdir), file=sys.stderr)
+        if args.tls:
+            args.tls_ca, args.tls_cert, args.tls_key = os.path.join(svc.certs_dir, "ca.pem"), None, None
+        print("started worker :%d and coordinator :%d (%s) in %.1f s (logs in %s)" %
+              (svc.worker.port, svc.port, "TLS" if args.tls else "plaintext", time.monotonic() - t, svc.workdir),
+              file=sys.stderr)
     elif not args.port:
         ap.error("--port is required (or --start MODEL_DIR)")
 
@@ -226,6 +258,7 @@ def run(pc, penumbra_local, args):
         rec = collections.OrderedDict()
         rec["bench"] = "service-load"
         rec["clients"] = args.clients
+        rec["tls"] = bool(args.tls_ca)
         rec["seconds"] = args.seconds
         rec["elapsed_s"] = round(elapsed, 3)
         rec["requests"] = r.requests

@@ -2,12 +2,19 @@
 # The main job on its embedded default: set up, build, start the service on
 # loopback (`penumbra serve`: a coordinator and one worker serving the
 # project's own long-context model, models/penumbra-eval, on the GPU when
-# there is one, else on the CPU), put a 4K-token document once
+# there is one, else on the CPU) as a deployment runs it: TLS on every plane
+# with certificates made for this run (`penumbra cert init`) and one tenant
+# whose API key is made for this run (`penumbra tenant new-key`: the key in a
+# file of mode 600, only its hash in the tenants file); put a 4K-token document once
 # (ops/examples/kv_4k.txt: 66 keys and their values), ask it two questions
 # through the public API, print the answers and their usage (the document's
 # tokens come from the document cache, not prefilled again), and stop the
 # service. Set-up and build print one line each (their output goes to
-# build/logs/, shown in full only on failure).
+# build/logs/, shown in full only on failure). What the run makes is in
+# build/run/main (mode 700): service.yaml (configs/service.yaml with
+# security.certs and tenants set), certs/, tenants.yaml, api.key and the
+# logs. The client commands find the CA and the key file in PENUMBRA_TLS_CA
+# and PENUMBRA_API_KEY_FILE (a key is never on a command line).
 #   bash ops/run.sh [--kv-policy shadowkv ...]   extra arguments go to the worker
 #   PENUMBRA_MODEL=DIR bash ops/run.sh           another model, offline, from token id 1
 set -euo pipefail
@@ -24,7 +31,30 @@ fi
 RUN=build/run/main
 rm -rf "$RUN"
 mkdir -p "$RUN"
-./build/bin/penumbra serve --config configs/service.yaml --port 0 --metrics-port 0 --run-dir "$RUN" \
+chmod 700 "$RUN"
+# A tenant for this run: a fresh random key in a file only we can read, its
+# hash in the tenants file. (admin: the last line reads the worker's name and
+# backend from Stats, which only an admin tenant sees.)
+{ read -r KEY; read -r KEY_HASH; } < <(./build/bin/penumbra tenant new-key 2>/dev/null)
+(umask 077; printf '%s\n' "$KEY" > "$RUN/api.key")
+unset KEY
+printf '%s\n' "# Made by ops/run.sh for this run: the key is in api.key (mode 600), only its hash is here." \
+  "tenants:" "  - name: main" "    api_keys:" "      - $KEY_HASH" "    admin: true" > "$RUN/tenants.yaml"
+# The run's topology: configs/service.yaml with tenants and security.certs
+# set; then a CA and a certificate for each of its processes.
+python3 - configs/service.yaml "$RUN/service.yaml" "$PWD/$RUN/tenants.yaml" "$PWD/$RUN/certs" <<'PY'
+import re, sys
+src, dst, tenants, certs = sys.argv[1:]
+text = open(src).read()
+for key, value in (("tenants", tenants), ("  certs", certs)):
+    text, n = re.subn(r'^%s: *""' % key, "%s: %s" % (key, value), text, count=1, flags=re.M)
+    if n != 1:
+        sys.exit("ops/run.sh: %s has no line '%s: \"\"' to set" % (src, key.strip()))
+open(dst, "w").write(text)
+PY
+./build/bin/penumbra cert init "$RUN/certs" --topology "$RUN/service.yaml" > "$RUN/cert-init.log"
+echo "security: TLS on every plane (certificates made for this run in $RUN/certs); a tenant key made for this run ($RUN/api.key)"
+./build/bin/penumbra serve --config "$RUN/service.yaml" --port 0 --metrics-port 0 --run-dir "$RUN" \
   --port-file "$RUN/serve.json" --worker-args "$*" > "$RUN/serve.log" 2>&1 &
 SERVE=$!
 trap 'kill -TERM $SERVE 2>/dev/null; wait $SERVE 2>/dev/null || true' EXIT
@@ -38,7 +68,7 @@ until [ -f "$RUN/serve.json" ]; do
 done
 echo "done ($((SECONDS - t0))s)"
 PORT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["port"])' "$RUN/serve.json")
-export PENUMBRA_ADDRESS=127.0.0.1:$PORT
+export PENUMBRA_ADDRESS=127.0.0.1:$PORT PENUMBRA_TLS_CA=$RUN/certs/ca.pem PENUMBRA_API_KEY_FILE=$RUN/api.key
 
 DOC=$(./build/bin/penumbra doc put ops/examples/kv_4k.txt --name kv_4k --json)
 python3 - "$DOC" <<'PY'

@@ -368,6 +368,14 @@ class BudgetedFramedTransport final : public apache::thrift::transport::TFramedT
     }
     transport_->readAll(rBuf_.get(), want);
     setReadBuffer(rBuf_.get(), want);
+    // The first request is in: the handshake deadline is met (serving it may
+    // take longer: a put that factors a document, a blocking Complete).
+    if (!first_frame_read_) {
+      first_frame_read_ = true;
+      if (auto* s = dynamic_cast<IdentifiedSocket*>(transport_.get()); s != nullptr && s->admission() != nullptr) {
+        s->admission()->FirstRequestDone();
+      }
+    }
     // Thrift's message-size accounting is per frame: the next message may
     // read at most this frame's bytes (a list's claimed size is checked
     // against them), and what earlier frames consumed does not count (else a
@@ -379,6 +387,7 @@ class BudgetedFramedTransport final : public apache::thrift::transport::TFramedT
 
  private:
   std::shared_ptr<Shared> shared_;
+  bool first_frame_read_ = false;
 };
 
 class BudgetedFramedTransportFactory final : public apache::thrift::transport::TTransportFactory {

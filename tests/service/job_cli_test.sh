@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # `penumbra job` against real processes: `penumbra serve` with a topology
 # whose data_dir turns batch jobs on (a coordinator and a CPU worker on
-# models/penumbra-eval, ports the OS picks), a document put with `penumbra
-# doc put`, then: bad job files refused naming the line and key (nothing
+# models/penumbra-eval, ports the OS picks; TLS on every plane with
+# certificates from `penumbra cert init`, one tenant whose key was made for
+# the test: the CLI reads the CA and the key file from PENUMBRA_TLS_CA and
+# PENUMBRA_API_KEY_FILE, and is refused without either), a document put with
+# `penumbra doc put`, then: bad job files refused naming the line and key (nothing
 # submitted); a 6-item job (4 single items and a 2-question line) submitted
 # and waited for, its results (6 lines, distinct custom ids, all ok) on stdout
 # and in a file; status, ls; a detached job followed to its end; the finished
@@ -28,9 +31,17 @@ cleanup() { stop_serve; rm -rf "$RUN"; }
 trap cleanup EXIT
 fail() { echo "FAIL: $*"; for f in "$RUN"/run/*.log "$RUN"/serve.log; do [ -f "$f" ] && { echo "== $f"; tail -30 "$f"; }; done; exit 1; }
 
+unset PENUMBRA_API_KEY PENUMBRA_TLS_CERT PENUMBRA_TLS_KEY
+# A tenant: its key in a file of mode 600, only the hash in the tenants file.
+{ read -r KEY; read -r HASH; } < <("$BIN/penumbra" tenant new-key 2>/dev/null)
+(umask 077; printf '%s\n' "$KEY" > "$RUN/api.key")
+printf 'tenants:\n  - name: jobs\n    api_keys:\n      - %s\n' "$HASH" > "$RUN/tenants.yaml"
 cat > "$RUN/service.yaml" <<EOF
 model: $MODEL
 data_dir: $RUN/data
+tenants: $RUN/tenants.yaml
+security:
+  certs: $RUN/certs
 coordinator:
   port: 0
   metrics_port: -1
@@ -42,6 +53,10 @@ store_nodes:
   - name: s0
     path: $RUN/store
 EOF
+
+"$BIN/penumbra" cert init "$RUN/certs" --topology "$RUN/service.yaml" > "$RUN/cert-init.log" ||
+  fail "penumbra cert init: $(cat "$RUN/cert-init.log")"
+export PENUMBRA_TLS_CA=$RUN/certs/ca.pem PENUMBRA_API_KEY_FILE=$RUN/api.key
 
 start_serve() {
   rm -f "$RUN/serve.json"
@@ -62,6 +77,12 @@ pen() { timeout 60 "$BIN/penumbra" "$@" > "$RUN/out" 2> "$RUN/err"; }
 
 T0=$(date +%s)
 start_serve
+
+# Without the key, or without the CA (plaintext to the TLS port), nothing is served.
+PENUMBRA_API_KEY_FILE= pen job ls && fail "job ls without a key succeeded"
+grep -q "PermissionDenied" "$RUN/err" || fail "job ls without a key: $(cat "$RUN/err")"
+PENUMBRA_TLS_CA= pen job ls && fail "job ls without the CA succeeded"
+grep -q "Unavailable" "$RUN/err" || fail "job ls without the CA: $(cat "$RUN/err")"
 
 # Bad files: refused before anything is sent, naming the file, line and key.
 printf '%s\n' '{"custom_id": "a", "question": "Q"}' '' '{"custom_id": "b", "question": "Q", "max_new_tokens": 0}' \

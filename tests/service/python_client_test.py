@@ -58,6 +58,25 @@ def _watchdog(signum, frame):
     raise TimeoutError("test ran longer than %d s" % WATCHDOG_S)
 
 
+def write_key_file(directory, name, key):
+    """A file holding `key`, mode 600 (as an operator keeps one)."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return path
+
+
+def script_env(**extra):
+    """A client script's environment: this one's without the connection
+    variables (each case gives its own), plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PENUMBRA_API_KEY", "PENUMBRA_API_KEY_FILE", "PENUMBRA_TLS_CA", "PENUMBRA_TLS_CERT",
+                        "PENUMBRA_TLS_KEY", "PENUMBRA_PORT", "PENUMBRA_ADDRESS")}
+    env.update(extra)
+    return env
+
+
 class PythonClientTest(unittest.TestCase):
     svc = None
 
@@ -88,6 +107,15 @@ class PythonClientTest(unittest.TestCase):
         if cls._doc is None:
             cls._doc = self.a.put_document("story", text=self.doc_text, wait=True)
         return cls._doc
+
+    def other_ca(self):
+        """Another deployment's CA and certificates (made once)."""
+        other = os.path.join(self.svc.workdir, "other-ca")
+        if not os.path.exists(os.path.join(other, "ca.pem")):
+            topology = os.path.join(self.svc.workdir, "topology.yaml")
+            subprocess.run([os.path.join(BUILD_DIR, "bin", "penumbra"), "cert", "init", other, "--topology",
+                            topology], check=True, stdout=subprocess.DEVNULL, timeout=60)
+        return other
 
     def logs(self):
         return "\n" + self.svc.logs(2000)
@@ -234,10 +262,7 @@ class PythonClientTest(unittest.TestCase):
 
     def test_tls_checks_the_server_and_the_key_comes_from_a_file(self):
         # Another CA's client refuses the coordinator; a plaintext one gets nothing.
-        other = os.path.join(self.svc.workdir, "other-ca")
-        topology = os.path.join(self.svc.workdir, "topology.yaml")
-        subprocess.run([os.path.join(BUILD_DIR, "bin", "penumbra"), "cert", "init", other, "--topology", topology],
-                       check=True, stdout=subprocess.DEVNULL)
+        other = self.other_ca()
         with self.assertRaises(pc.PermissionDenied):
             PenumbraClient("127.0.0.1", self.svc.port, api_key=KEY_A, tls_ca=os.path.join(other, "ca.pem")).health()
         with self.assertRaises(pc.Unavailable):
@@ -258,6 +283,86 @@ class PythonClientTest(unittest.TestCase):
                 del os.environ["PENUMBRA_API_KEY_FILE"]
             else:
                 os.environ["PENUMBRA_API_KEY_FILE"] = old
+
+    def test_tls_client_certificates_and_the_servers_role(self):
+        ca = os.path.join(self.svc.certs_dir, "ca.pem")
+        other = self.other_ca()
+        # A client certificate of the CA (role client) is accepted; one of another CA is refused.
+        with PenumbraClient("127.0.0.1", self.svc.port, api_key=KEY_A, tls_ca=ca,
+                            tls_cert=os.path.join(self.svc.certs_dir, "client.pem"),
+                            tls_key=os.path.join(self.svc.certs_dir, "client.key")) as c:
+            self.assertTrue(c.health().serving)
+        with self.assertRaises((pc.PermissionDenied, pc.Unavailable)):
+            PenumbraClient("127.0.0.1", self.svc.port, api_key=KEY_A, tls_ca=ca, timeout_s=5.0,
+                           tls_cert=os.path.join(other, "client.pem"), tls_key=os.path.join(other, "client.key")).stats()
+        # The worker's certificate is of the same CA and names 127.0.0.1, but its role is not coordinator.
+        with self.assertRaises(pc.PermissionDenied) as cm:
+            PenumbraClient("127.0.0.1", self.svc.worker.port, api_key=KEY_A, tls_ca=ca,
+                           tls_cert=os.path.join(self.svc.certs_dir, "client.pem"),
+                           tls_key=os.path.join(self.svc.certs_dir, "client.key")).health()
+        self.assertIn("'worker'", cm.exception.message)
+        # The certificate names localhost too.
+        with PenumbraClient("localhost", self.svc.port, api_key=KEY_A, tls_ca=ca) as c:
+            self.assertTrue(c.health().serving)
+
+    def test_bad_key_and_tls_files_are_named(self):
+        ca = os.path.join(self.svc.certs_dir, "ca.pem")
+        missing = os.path.join(self.svc.workdir, "no-such-ca.pem")
+        with self.assertRaises(ValueError) as cm:
+            PenumbraClient("127.0.0.1", self.svc.port, api_key=KEY_A, tls_ca=missing)
+        self.assertIn(missing, str(cm.exception))
+        open_key = os.path.join(self.svc.workdir, "open-client.key")
+        shutil.copy(os.path.join(self.svc.certs_dir, "client.key"), open_key)
+        os.chmod(open_key, 0o644)
+        with self.assertRaises(ValueError) as cm:
+            PenumbraClient("127.0.0.1", self.svc.port, api_key=KEY_A, tls_ca=ca,
+                           tls_cert=os.path.join(self.svc.certs_dir, "client.pem"), tls_key=open_key)
+        self.assertIn("chmod 600", str(cm.exception))
+        with self.assertRaises(ValueError):  # a certificate without its key
+            PenumbraClient("127.0.0.1", self.svc.port, api_key=KEY_A, tls_ca=ca,
+                           tls_cert=os.path.join(self.svc.certs_dir, "client.pem"))
+        empty = write_key_file(self.svc.workdir, "empty-key", "")
+        with self.assertRaises(ValueError) as cm:
+            pc.read_api_key_file(empty)
+        self.assertIn("empty", str(cm.exception))
+        with self.assertRaises(ValueError) as cm:
+            pc.read_api_key_file(missing)
+        self.assertIn(missing, str(cm.exception))
+
+    def test_example_script_over_tls_and_no_key_on_its_command_line(self):
+        self.doc()  # the model is warm
+        ca = os.path.join(self.svc.certs_dir, "ca.pem")
+        key_file = write_key_file(self.svc.workdir, "example-key", KEY_A)
+        base = [sys.executable, os.path.join(CLIENT_DIR, "example.py"), "--port", str(self.svc.port),
+                "--max-new-tokens", "4"]
+        # TLS and the key from the environment, as ops/run.sh gives them.
+        env = script_env(PENUMBRA_TLS_CA=ca, PENUMBRA_API_KEY_FILE=key_file)
+        p = subprocess.run(base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=WAIT_S + 30, env=env)
+        self.assertEqual(p.returncode, 0, p.stderr.decode("utf-8", "replace"))
+        self.assertIn(b"finish:", p.stdout)
+        # Without the CA: the TLS port gives a plaintext client nothing.
+        p = subprocess.run(base + ["--api-key-file", key_file], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=WAIT_S + 30, env=script_env())
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn(b"UNAVAILABLE", p.stderr)
+        # A key on the command line is refused without being repeated; a
+        # prefix of --api-key-file is not taken for it.
+        for script in ("example.py", "batch_job.py"):
+            argv = [sys.executable, os.path.join(CLIENT_DIR, script), "--port", str(self.svc.port)]
+            p = subprocess.run(argv + ["--api-key", KEY_A], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               timeout=WAIT_S, env=env)
+            self.assertEqual(p.returncode, 2, (script, p.stderr))
+            self.assertIn(b"never taken on the command line", p.stderr)
+            self.assertNotIn(KEY_A.encode(), p.stdout + p.stderr)
+            p = subprocess.run(argv + ["--api-key-f", KEY_A], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               timeout=WAIT_S, env=env)
+            self.assertEqual(p.returncode, 2, (script, p.stderr))
+            self.assertIn(b"unrecognized arguments: --api-key-f", p.stderr)
+        # A key file that cannot be read is named (exit 2, before any call).
+        p = subprocess.run(base + ["--api-key-file", os.path.join(self.svc.workdir, "no-such-key")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=WAIT_S, env=env)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn(b"no-such-key", p.stderr)
 
     def test_unknown_document(self):
         with self.assertRaises(pc.NotFound):

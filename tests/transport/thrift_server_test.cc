@@ -1,7 +1,8 @@
 // ThriftServer's bounds and identities (transport/thrift_util.h), with a real
 // server and real sockets in this process: the caller's certificate reaches
 // the handler, a connection that sends no complete request within the
-// handshake deadline is closed even when it trickles bytes, large frames
+// handshake deadline is closed even when it trickles bytes (one whose first
+// request is in but takes longer to serve is answered), large frames
 // share one budget, connections are capped in total and per address, and
 // Stop() does not wait for idle clients.
 #include <arpa/inet.h>
@@ -226,6 +227,36 @@ TEST(ThriftServer, AConnectionWithoutACompleteRequestIsClosedAtTheHandshakeDeadl
   EXPECT_TRUE(CallRpc("health", [&] { (**c)->Health(h); }).ok());
   std::this_thread::sleep_for(800ms);  // past the handshake deadline: now only the idle timeout applies
   EXPECT_TRUE(CallRpc("health", [&] { (**c)->Health(h); }).ok());
+}
+
+// Answers Health after `delay` (a handler that takes long: a put that
+// factors a document, a blocking Complete).
+class SlowHealth : public rpc::WorkerNull {
+ public:
+  explicit SlowHealth(std::chrono::milliseconds delay) : delay_(delay) {}
+  void Health(rpc::WorkerHealth& out) override {
+    std::this_thread::sleep_for(delay_);
+    out.serving = true;
+  }
+
+ private:
+  std::chrono::milliseconds delay_;
+};
+
+TEST(ThriftServer, AFirstRequestServedPastTheHandshakeDeadlineIsAnswered) {
+  // The deadline bounds reading the first request, not serving it: a fresh
+  // connection whose first call takes longer than the deadline gets its reply.
+  ThriftServerOptions o;
+  o.limits.handshake_timeout = 300ms;
+  auto server =
+      ThriftServer::Start(std::make_shared<rpc::WorkerProcessor>(std::make_shared<SlowHealth>(1200ms)), o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto c = ThriftClient<rpc::WorkerClient>::Connect("127.0.0.1", (*server)->port(), 5s);
+  ASSERT_TRUE(c.ok()) << c.status();
+  rpc::WorkerHealth h;
+  const Status first = CallRpc("health", [&] { (**c)->Health(h); });
+  EXPECT_TRUE(first.ok()) << first;
+  EXPECT_TRUE(h.serving);
 }
 
 TEST(ThriftServer, LargeFramesShareOneBudget) {

@@ -40,6 +40,10 @@ def main():
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="how long to wait for the job")
     ap.add_argument("--keep", action="store_true", help="keep the job and the documents")
     args = ap.parse_args()
+    try:
+        client = client_from_args(args)  # reads the key and TLS files: a bad one is named here
+    except ValueError as e:
+        ap.error(str(e))
 
     sources = []
     for path in args.document:
@@ -58,7 +62,7 @@ def main():
     docs = []
     job = None
     try:
-        with client_from_args(args) as client:
+        with client:
             try:
                 for name, text in sources:
                     doc = client.put_document(name, text=text)

@@ -38,6 +38,10 @@ def main():
     args = ap.parse_args()
     if args.port is None:
         ap.error("--port is required (or $PENUMBRA_PORT)")
+    try:
+        client = client_from_args(args)  # reads the key and TLS files: a bad one is named here
+    except ValueError as e:
+        ap.error(str(e))
 
     if args.document:
         with open(args.document, encoding="utf-8") as f:
@@ -47,7 +51,7 @@ def main():
         text, name = SAMPLE_DOCUMENT, "sample-story"
 
     try:
-        with client_from_args(args) as client:
+        with client:
             t0 = time.monotonic()
             doc = client.put_document(name, text=text)
             print("document %s (%s): %d tokens, %s in %.2f s" %

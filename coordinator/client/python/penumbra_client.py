@@ -25,9 +25,10 @@ The Thrift code is generated from transport/*.thrift at build time (thrift
 
 Transport: one TSocket (over TLS with tls_ca) + TFramedTransport +
 TBinaryProtocol connection per client object, opened on first use (or by
-`open()`/`with`). A client is NOT thread-safe: use one per thread. After a
-transport error (refused, reset, timeout) the connection is closed and the
-next call opens a new one.
+`open()`/`with`) and kept for every later call, long polls included (one TLS
+handshake per client, not per call), with TCP_NODELAY. A client is NOT
+thread-safe: use one per thread. After a transport error (refused, reset,
+timeout) the connection is closed and the next call opens a new one.
 
 TLS: give tls_ca (the CA of the coordinator's certificate; the certificate
 must also name the host dialled and carry role coordinator), and
@@ -46,6 +47,7 @@ stream()/ask(): its last chunk is done with finish_reason "error" or
 "deadline" and error_code/error_message set (see `chunk_error`).
 """
 
+import argparse
 import logging
 import os
 import socket
@@ -113,7 +115,7 @@ __all__ = [
     "DocumentInfo", "DocumentState", "GenerateChunk", "ErrorCode", "chunk_error", "DEFAULT_PORT",
     "JobStatus", "JobInfo", "JobItem", "JobItemResult", "JOB_FINAL_STATUSES", "job_item", "job_status_name",
     "job_final", "job_result_error", "state_name", "api_key_from_env", "tls_context", "add_connection_args",
-    "client_from_args", "api_key_from_args", "read_api_key_file",
+    "client_from_args", "api_key_from_args", "read_api_key_file", "refuse_api_key_flag",
 ]
 
 
@@ -324,26 +326,52 @@ def api_key_from_env():
 
 
 def read_api_key_file(path):
-    with open(path, encoding="utf-8") as f:
-        key = f.read().strip()
+    """The key a file holds (surrounding whitespace dropped). ValueError
+    naming the file when it cannot be read or is empty (never its content)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read(1 << 16).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError("the API key file %s: %s" % (path, getattr(e, "strerror", None) or e)) from None
     if not key:
         raise ValueError("the API key file %s is empty" % path)
     return key
 
 
+def _readable(path, what):
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ValueError("TLS: the %s %s: %s" % (what, path, e.strerror or e)) from None
+
+
 def tls_context(ca, cert=None, key=None):
     """An ssl.SSLContext for the public API: TLS 1.2 at least, the server's
     certificate checked against `ca` and the host dialled; a client
-    certificate when `cert` and `key` are given."""
+    certificate when `cert` and `key` are given. ValueError naming the file
+    for one that is missing, unreadable or not what it should be, and for a
+    key readable by group or others (the servers refuse theirs alike)."""
+    _readable(ca, "CA")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.check_hostname = True
-    ctx.load_verify_locations(cafile=ca)
+    try:
+        ctx.load_verify_locations(cafile=ca)
+    except ssl.SSLError as e:
+        raise ValueError("TLS: the CA %s: %s" % (ca, e)) from None
     if cert or key:
         if not (cert and key):
             raise ValueError("a client certificate needs both its certificate and its key")
-        ctx.load_cert_chain(certfile=cert, keyfile=key)
+        _readable(cert, "certificate")
+        _readable(key, "key")
+        if os.stat(key).st_mode & 0o077:
+            raise ValueError("TLS: the key %s is readable by group or others; chmod 600 it" % key)
+        try:
+            ctx.load_cert_chain(certfile=cert, keyfile=key)
+        except ssl.SSLError as e:
+            raise ValueError("TLS: the certificate %s with the key %s: %s" % (cert, key, e)) from None
     return ctx
 
 
@@ -393,10 +421,24 @@ class _TlsSocket(TSocket.TSocket):
                                              "could not connect to %s:%d: %s" % (self.host, self.port, last))
 
 
+def refuse_api_key_flag(ap):
+    """Turns off ap's prefix matching (so that --api-key VALUE is not taken
+    for --api-key-file) and refuses --api-key with a message that does not
+    repeat its value: keys never go on a command line."""
+    ap.allow_abbrev = False
+
+    class _Refuse(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error("--api-key: an API key is never taken on the command line (other users can read it "
+                         "there); give --api-key-file FILE, or set $PENUMBRA_API_KEY_FILE or $PENUMBRA_API_KEY")
+    ap.add_argument("--api-key", action=_Refuse, help=argparse.SUPPRESS)
+
+
 def add_connection_args(ap):
     """The flags of a script that talks to a coordinator, with the CLI's
     environment defaults: --host, --port, --api-key-file, --tls-ca,
-    --tls-cert, --tls-key."""
+    --tls-cert, --tls-key (and --api-key refused: refuse_api_key_flag)."""
+    refuse_api_key_flag(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="the coordinator's port (default: $PENUMBRA_PORT)")
     ap.add_argument("--api-key-file", default=os.environ.get("PENUMBRA_API_KEY_FILE"),
@@ -415,7 +457,8 @@ def api_key_from_args(args):
 
 
 def client_from_args(args, **kwargs):
-    """A PenumbraClient from add_connection_args' flags (kwargs: timeout_s, ...)."""
+    """A PenumbraClient from add_connection_args' flags (kwargs: timeout_s,
+    ...). ValueError naming a key or TLS file that cannot be used."""
     return PenumbraClient(args.host, args.port, api_key=api_key_from_args(args), tls_ca=args.tls_ca,
                           tls_cert=args.tls_cert, tls_key=args.tls_key, **kwargs)
 
@@ -465,6 +508,12 @@ class PenumbraClient(object):
             raise PermissionDenied("PERMISSION_DENIED", str(e)) from None
         except TTransport.TTransportException as e:
             raise Unavailable("UNAVAILABLE", "cannot connect to %s:%d: %s" % (self.host, self.port, e)) from None
+        try:
+            # Each call is one frame written at once, but a request should not
+            # wait behind Nagle's algorithm for the previous reply's ACK.
+            sock.handle.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (OSError, AttributeError):
+            pass
         self._socket = sock
         self._transport = transport
         self._client = _PenumbraService.Client(_LenientBinaryProtocol(transport))
