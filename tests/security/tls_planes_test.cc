@@ -182,7 +182,9 @@ TEST(TlsPlanes, ClientsRefuseServersThatAreNotWhoTheyShouldBe) {
   // A plaintext client gets nothing from the TLS port.
   co.tls_ca.clear();
   auto plain = client::Client::Connect(co);
-  if (plain.ok()) EXPECT_FALSE((*plain)->Health().ok());
+  if (plain.ok()) {
+    EXPECT_FALSE((*plain)->Health().ok());
+  }
   // The coordinator's port does not pass for a worker's (role checked).
   EXPECT_FALSE(WorkerStatsAs(cluster.coordinator().port, dir, "coordinator").ok());
 
