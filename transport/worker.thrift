@@ -34,6 +34,13 @@ struct WorkerGenerateRequest {
   // what it would have given without the move. At most the prompt's length
   // (each draw made one of its tokens).
   10: i64 draws_done = 0,
+  // The coordinator instance that owns the generation (its owner id: random,
+  // kept in its data directory so a restart is the same owner; at most 64
+  // characters of [0-9A-Za-z_-]). The generation lives as long as its owner
+  // renews its lease (Renew): an owner silent past the worker's lease has
+  // its generations cancelled and forgotten. "": no owner, no lease (a test
+  // or a local caller that polls to the end itself).
+  11: string owner_id = "",
 }
 
 struct WorkerHealth {
@@ -64,6 +71,8 @@ struct WorkerStats {
   // Free memory of the worker's device (host RAM on a CPU worker), sampled
   // about once a second; -1 not known yet. The coordinator places by it.
   15: i64 memory_free_bytes = -1,
+  // Generations cancelled because their owner's lease expired (Renew).
+  16: i64 lease_expired = 0,
 }
 
 // Every call needs the caller's certificate of role coordinator when the
@@ -87,6 +96,12 @@ service Worker {
   // prompt's leading segments: a deleted document. Returns the entries dropped.
   i32 ForgetPrefixes(1: list<i32> prompt, 2: list<i64> segment_ends, 3: string cache_namespace)
       throws (1: common.PenumbraError error),
+  // Renews the lease of owner `owner_id` (of the calling certificate) on
+  // this worker's generations and returns the handles this caller's
+  // generations of that owner have here (running or finished, not yet
+  // released): a restarted coordinator claims the ones it journalled and
+  // cancels the others. INVALID_ARGUMENT for a malformed owner id.
+  list<string> Renew(1: string owner_id) throws (1: common.PenumbraError error),
   WorkerHealth Health(),
   WorkerStats Stats(),
 }

@@ -38,7 +38,8 @@ constexpr const char* kUsage = "usage: penumbra-worker --model DIR [options]\n";
 // Scheduler counters mirrored into Prometheus at each scrape.
 class WorkerMetrics {
  public:
-  explicit WorkerMetrics(service::Scheduler* s) : s_(s), registry_(std::make_shared<prometheus::Registry>()) {
+  WorkerMetrics(service::Scheduler* s, service::WorkerServer* server)
+      : s_(s), server_(server), registry_(std::make_shared<prometheus::Registry>()) {
     auto counter = [&](const std::string& name, const std::string& help) -> prometheus::Counter& {
       return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
     };
@@ -49,6 +50,8 @@ class WorkerMetrics {
     finished_ = &counter("penumbra_worker_requests_finished_total", "Requests ended (any reason).");
     failed_ = &counter("penumbra_worker_requests_failed_total", "Requests ended by an error or their deadline.");
     cancelled_ = &counter("penumbra_worker_requests_cancelled_total", "Requests cancelled.");
+    lease_expired_ = &counter("penumbra_worker_lease_expired_total",
+                              "Generations cancelled because their coordinator's lease expired (--lease-ms).");
     decode_steps_ = &counter("penumbra_worker_decode_steps_total", "Batched decode steps.");
     interleaved_ = &counter("penumbra_worker_interleaved_decode_steps_total",
                             "Decode steps taken while a prompt was part-way through its prefill.");
@@ -93,6 +96,7 @@ class WorkerMetrics {
     bump(finished_, n.finished, last_.finished);
     bump(failed_, n.failed, last_.failed);
     bump(cancelled_, n.cancelled, last_.cancelled);
+    bump(lease_expired_, server_->lease_expired(), last_lease_expired_);
     bump(decode_steps_, n.decode_steps, last_.decode_steps);
     bump(interleaved_, n.interleaved_decode_steps, last_.interleaved_decode_steps);
     bump(prefill_pieces_, n.prefill_pieces, last_.prefill_pieces);
@@ -119,9 +123,12 @@ class WorkerMetrics {
 
  private:
   service::Scheduler* s_;
+  service::WorkerServer* server_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::mutex mu_;
   service::SchedulerStats last_;
+  int64_t last_lease_expired_ = 0;
+  prometheus::Counter* lease_expired_;
   prometheus::Counter *submitted_, *finished_, *failed_, *cancelled_, *decode_steps_, *interleaved_,
       *prefill_pieces_, *prompt_, *cached_, *generated_, *waits_;
   prometheus::Gauge *queued_, *prefilling_, *decoding_, *piece_max_, *memory_free_;
@@ -148,6 +155,8 @@ Status Run(int argc, char** argv) {
                           "instead of a local directory (each document on one node, by its key)")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
       .Flag("drain-seconds", "on SIGTERM, how long running requests may finish (default 30)")
+      .Flag("lease-ms", "a coordinator that neither renews nor submits for this long has its generations cancelled "
+                        "(default 30000)")
       .Flag("random-weights", "benchmarks only: the model's shape from --model DIR/config.json, its weights "
                               "random from this seed (generated on the device; no safetensors read)");
   AddEngineFlags(a);
@@ -234,8 +243,11 @@ Status Run(int argc, char** argv) {
     t.client_roles = {transport::role::kCoordinator};
     to.tls = t;
   }
-  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to));
-  WorkerMetrics metrics(scheduler.get());
+  service::WorkerLeaseOptions lease;
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t lease_ms, a.GetIntIn("lease-ms", lease.lease.count(), 100, 86400000));
+  lease.lease = std::chrono::milliseconds(lease_ms);
+  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to, lease));
+  WorkerMetrics metrics(scheduler.get(), server.get());
   std::unique_ptr<transport::MetricsServer> metrics_server;
   if (admin.port >= 0) {
     service::Scheduler* s = scheduler.get();
@@ -260,6 +272,7 @@ Status Run(int argc, char** argv) {
   // limit, then the scheduler's destruction ends them "cancelled".
   if (!scheduler->Drain(std::chrono::seconds(drain_s))) {
     LOG(WARNING) << "penumbra-worker " << name << ": requests still running after " << drain_s << " s; cancelled";
+    scheduler->Stop();  // the rest end "cancelled" now, not after the answers' wait below
   }
   // The answers of what finished are read before the port closes.
   if (!scheduler->WaitReleased(std::chrono::seconds(std::min<int64_t>(drain_s, 10)))) {

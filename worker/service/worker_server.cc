@@ -2,6 +2,8 @@
 
 #include <limits>
 
+#include <glog/logging.h>
+
 #include "common/crypto.h"
 
 namespace penumbra::service {
@@ -11,7 +13,25 @@ namespace {
 
 }  // namespace
 
+Status WorkerLeaseOptions::Validate() const {
+  if (lease < std::chrono::milliseconds(100) || lease > std::chrono::hours(24)) {
+    return Status::InvalidArgument("lease must be in [100 ms, 24 h], got " + std::to_string(lease.count()) + " ms");
+  }
+  return Status::OK();
+}
+
+Status ValidateOwnerId(const std::string& owner_id) {
+  if (owner_id.size() > 64 ||
+      owner_id.find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-") !=
+          std::string::npos) {
+    return Status::InvalidArgument("owner_id must be at most 64 characters of [0-9A-Za-z_-], got " +
+                                   std::to_string(owner_id.size()) + " characters");
+  }
+  return Status::OK();
+}
+
 Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r) {
+  PENUMBRA_RETURN_IF_ERROR(ValidateOwnerId(r.owner_id));
   // The request's own ranges, and the stop ids' count before they are copied.
   if (r.deadline_ms < 0 || r.deadline_ms > WorkerHandler::kMaxDeadlineMs) {
     return Status::InvalidArgument("deadline_ms must be in [0, " + std::to_string(WorkerHandler::kMaxDeadlineMs) +
@@ -106,6 +126,95 @@ void WorkerHandler::Sweep() {
   since_sweep_ = 0;
 }
 
+WorkerHandler::WorkerHandler(Scheduler* scheduler, WorkerIdentity identity, WorkerLeaseOptions lease)
+    : s_(scheduler), id_(std::move(identity)), lease_(lease) {
+  lease_thread_ = std::thread([this] { LeaseLoop(); });
+}
+
+WorkerHandler::~WorkerHandler() {
+  {
+    std::lock_guard<std::mutex> lk(stop_mu_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  if (lease_thread_.joinable()) lease_thread_.join();
+}
+
+void WorkerHandler::LeaseLoop() {
+  // Looks a few times per lease, so a generation outlives its owner by at
+  // most the lease and a quarter of it.
+  const auto period = std::max(std::chrono::milliseconds(25), lease_.lease / 4);
+  std::unique_lock<std::mutex> lk(stop_mu_);
+  while (!stop_cv_.wait_for(lk, period, [this] { return stop_; })) {
+    lk.unlock();
+    ExpireLeases(Clock::now());
+    lk.lock();
+  }
+}
+
+void WorkerHandler::RenewLocked(const std::string& lease) {
+  if (!lease.empty()) renewed_[lease] = Clock::now();
+}
+
+void WorkerHandler::ExpireLeases(Clock::time_point now) {
+  std::vector<std::pair<std::string, uint64_t>> ended;  // handle, scheduler id
+  std::vector<std::string> owners;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto it = renewed_.begin(); it != renewed_.end();) {
+      if (now - it->second <= lease_.lease) {
+        ++it;
+        continue;
+      }
+      owners.push_back(it->first);
+      for (auto h = handles_.begin(); h != handles_.end();) {
+        if (h->second.lease == it->first) {
+          ended.emplace_back(h->first, h->second.id);
+          h = handles_.erase(h);
+        } else {
+          ++h;
+        }
+      }
+      it = renewed_.erase(it);
+    }
+  }
+  int64_t cancelled = 0;
+  for (const auto& [handle, id] : ended) {
+    // Running ones are cancelled and forgotten when they end; finished
+    // answers nobody will read are dropped.
+    Result<RequestUpdate> u = s_->Poll(id, 0, std::chrono::milliseconds(0));
+    if (u.ok() && !u->done) ++cancelled;
+    (void)s_->Release(id);
+  }
+  lease_expired_ += cancelled;
+  for (const std::string& o : owners) {
+    const size_t nl = o.rfind('\n');
+    LOG(WARNING) << "worker: the lease of owner " << o.substr(nl + 1) << " ("
+                 << (o.substr(0, nl).empty() ? std::string("no certificate") : o.substr(0, nl)) << ") expired after "
+                 << lease_.lease.count() << " ms without a renewal: " << cancelled
+                 << " generations cancelled, " << ended.size() << " handles forgotten";
+  }
+}
+
+void WorkerHandler::Renew(std::vector<std::string>& out, const std::string& owner_id) {
+  Status s = ValidateOwnerId(owner_id);
+  if (s.ok() && owner_id.empty()) s = Status::InvalidArgument("owner_id is empty");
+  if (!s.ok()) Throw(s);
+  const std::string owner = Owner(), lease = LeaseKey(owner, owner_id);
+  out.clear();
+  std::vector<std::pair<std::string, uint64_t>> mine;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    RenewLocked(lease);
+    for (const auto& [handle, e] : handles_) {
+      if (e.lease == lease) mine.emplace_back(handle, e.id);
+    }
+  }
+  for (const auto& [handle, id] : mine) {
+    if (s_->Contains(id)) out.push_back(handle);
+  }
+}
+
 void WorkerHandler::Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) {
   Result<GenerationRequest> g = FromRpc(request);
   if (!g.ok()) Throw(g.status());
@@ -119,7 +228,9 @@ void WorkerHandler::Generate(std::string& handle, const rpc::WorkerGenerateReque
   bool sweep = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    handles_[handle] = Entry{*id, Owner()};
+    const std::string owner = Owner();
+    handles_[handle] = Entry{*id, owner, LeaseKey(owner, request.owner_id)};
+    RenewLocked(LeaseKey(owner, request.owner_id));
     sweep = ++since_sweep_ >= 1024;
   }
   if (sweep) Sweep();
@@ -201,13 +312,17 @@ void WorkerHandler::Stats(rpc::WorkerStats& out) {
   out.admission_waits = s.admission_waits;
   out.prefill_piece_max_seconds = s.prefill_piece_max_seconds;
   out.memory_free_bytes = s.memory_free_bytes;
+  out.lease_expired = lease_expired();
 }
 
 Result<std::unique_ptr<WorkerServer>> WorkerServer::Start(Scheduler* scheduler, WorkerIdentity identity,
-                                                          const transport::ThriftServerOptions& options) {
-  auto handler = std::make_shared<WorkerHandler>(scheduler, std::move(identity));
+                                                          const transport::ThriftServerOptions& options,
+                                                          WorkerLeaseOptions lease) {
+  PENUMBRA_RETURN_IF_ERROR(lease.Validate());
+  auto handler = std::make_shared<WorkerHandler>(scheduler, std::move(identity), lease);
   auto processor = std::make_shared<rpc::WorkerProcessor>(handler);
   auto w = std::unique_ptr<WorkerServer>(new WorkerServer());
+  w->handler_ = handler;
   PENUMBRA_ASSIGN_OR_RETURN(w->server_, transport::ThriftServer::Start(processor, options));
   return w;
 }

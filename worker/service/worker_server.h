@@ -4,8 +4,13 @@
 // typed PenumbraErrors; one client's bad input never stops the others.
 #pragma once
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <string>
 #include <vector>
@@ -23,12 +28,32 @@ struct WorkerIdentity {
   std::vector<int32_t> eos_ids;
 };
 
+struct WorkerLeaseOptions {
+  // An owner (WorkerGenerateRequest.owner_id) that has neither renewed
+  // (Renew) nor submitted for this long has its generations cancelled and
+  // forgotten (counted in WorkerStats.lease_expired, logged). Default: 30 s.
+  std::chrono::milliseconds lease{30000};
+  // InvalidArgument naming the field.
+  Status Validate() const;
+};
+
+// An owner id: 1 to 64 characters of [0-9A-Za-z_-] ("" is no owner).
+// InvalidArgument naming the field otherwise.
+Status ValidateOwnerId(const std::string& owner_id);
+
 // Requests are known to callers by handles (128 random bits, hex) bound to
 // the caller that made them (its certificate's role/name under TLS): a
 // handle is useless to anyone else (NOT_FOUND), and not guessable.
+//
+// Leases: a generation submitted with an owner id belongs to that owner
+// (within the calling certificate); the owner keeps its generations alive by
+// calling Renew at least once per lease. A thread of the handler cancels and
+// forgets the generations of owners silent past the lease, so a coordinator
+// that died (and was not restarted in time) leaves nothing running here.
 class WorkerHandler : public rpc::WorkerIf {
  public:
-  WorkerHandler(Scheduler* scheduler, WorkerIdentity identity) : s_(scheduler), id_(std::move(identity)) {}
+  WorkerHandler(Scheduler* scheduler, WorkerIdentity identity, WorkerLeaseOptions lease = {});
+  ~WorkerHandler() override;  // stops the lease thread
   void Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) override;
   void Poll(rpc::TokenChunk& out, const std::string& handle, int64_t offset, int32_t wait_ms) override;
   void Cancel(const std::string& handle) override;
@@ -37,6 +62,12 @@ class WorkerHandler : public rpc::WorkerIf {
                          const std::string& cache_namespace) override;
   void Health(rpc::WorkerHealth& out) override;
   void Stats(rpc::WorkerStats& out) override;
+  void Renew(std::vector<std::string>& out, const std::string& owner_id) override;
+  // Generations cancelled because their owner's lease expired.
+  int64_t lease_expired() const { return lease_expired_.load(); }
+  // Ends the generations of every owner whose lease has expired by `now`
+  // (the lease thread calls it; public for tests).
+  void ExpireLeases(std::chrono::steady_clock::time_point now);
 
   static constexpr int32_t kMaxWaitMs = 60000;
   static constexpr int64_t kMaxDeadlineMs = int64_t{7} * 24 * 3600 * 1000;  // a week
@@ -45,7 +76,14 @@ class WorkerHandler : public rpc::WorkerIf {
   struct Entry {
     uint64_t id = 0;    // the scheduler's
     std::string owner;  // CurrentPeer() of its Generate under TLS; "" without TLS
+    std::string lease;  // LeaseKey(owner, owner_id); "" without an owner id
   };
+  // An owner id within the certificate that used it.
+  static std::string LeaseKey(const std::string& owner, const std::string& owner_id) {
+    return owner_id.empty() ? std::string() : owner + "\n" + owner_id;
+  }
+  void RenewLocked(const std::string& lease);  // under mu_
+  void LeaseLoop();
   // The scheduler's id of `handle` when the current caller owns it.
   Result<uint64_t> Lookup(const std::string& handle) const;
   void Forget(const std::string& handle);
@@ -57,6 +95,13 @@ class WorkerHandler : public rpc::WorkerIf {
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> handles_;
   int64_t since_sweep_ = 0;
+  WorkerLeaseOptions lease_;
+  std::map<std::string, std::chrono::steady_clock::time_point> renewed_;  // lease key -> last renewal (mu_)
+  std::atomic<int64_t> lease_expired_{0};
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread lease_thread_;
 };
 
 // Serves `scheduler` on options.host:port (0: the OS picks; see port()).
@@ -64,18 +109,22 @@ class WorkerHandler : public rpc::WorkerIf {
 class WorkerServer {
  public:
   static Result<std::unique_ptr<WorkerServer>> Start(Scheduler* scheduler, WorkerIdentity identity,
-                                                     const transport::ThriftServerOptions& options);
+                                                     const transport::ThriftServerOptions& options,
+                                                     WorkerLeaseOptions lease = {});
   int port() const { return server_->port(); }
+  // Generations cancelled because their owner's lease expired.
+  int64_t lease_expired() const { return handler_->lease_expired(); }
   transport::ThriftServerStats stats() const { return server_->stats(); }
   void Stop() { server_->Stop(); }
 
  private:
+  std::shared_ptr<WorkerHandler> handler_;
   std::unique_ptr<transport::ThriftServer> server_;
 };
 
 // The request as the engine takes it. Checks what is the control API's own
 // (deadline_ms in [0, a week], share_weight in (0, 1e6], the stop ids' count,
-// sampling ranges, draws_done >= 0); the request against the model
+// sampling ranges, draws_done >= 0, owner_id); the request against the model
 // (ValidateGenerationRequest: ids, lengths, segments) is Scheduler::Submit's.
 // InvalidArgument naming the field.
 Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r);

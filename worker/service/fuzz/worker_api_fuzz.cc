@@ -85,6 +85,7 @@ class ValidatingWorker : public rpc::WorkerIf {
     CheckAccepted(*g);
     if (request.deadline_ms < 0 || request.deadline_ms > WorkerHandler::kMaxDeadlineMs) Fail("deadline accepted");
     if (!(request.share_weight > 0 && request.share_weight <= 1e6)) Fail("share_weight accepted");
+    if (!ValidateOwnerId(request.owner_id).ok()) Fail("owner_id accepted");
     handle = "0123456789abcdef0123456789abcdef";
   }
   void Poll(rpc::TokenChunk&, const std::string&, int64_t offset, int32_t wait_ms) override {
@@ -113,6 +114,11 @@ class ValidatingWorker : public rpc::WorkerIf {
     out.vocab_size = config_.vocab_size;
   }
   void Stats(rpc::WorkerStats&) override {}
+  void Renew(std::vector<std::string>& out, const std::string& owner_id) override {
+    Status s = ValidateOwnerId(owner_id);
+    if (!s.ok()) Throw(s);
+    out.clear();
+  }
 
  private:
   // What ValidateGenerationRequest promises of a request it accepts.
