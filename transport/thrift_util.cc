@@ -1,6 +1,7 @@
 #include "transport/thrift_util.h"
 
 #include <arpa/inet.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
@@ -168,6 +169,7 @@ class IdentifiedSocket {
   virtual ~IdentifiedSocket() = default;
   virtual PeerIdentity identity() const = 0;
   virtual Admission* admission() = 0;
+  virtual int fd() const = 0;
 };
 
 class PlainServerSocket final : public TSocket, public IdentifiedSocket {
@@ -184,6 +186,7 @@ class PlainServerSocket final : public TSocket, public IdentifiedSocket {
   }
   PeerIdentity identity() const override { return identity_; }
   Admission* admission() override { return admission_.get(); }
+  int fd() const override { return static_cast<int>(socket_); }
 
  private:
   std::unique_ptr<Admission> admission_;
@@ -228,6 +231,7 @@ class CheckedSslSocket final : public TSSLSocket, public IdentifiedSocket {
   void Handshake() { initializeHandshake(); }
   PeerIdentity identity() const override { return identity_; }
   Admission* admission() override { return admission_.get(); }
+  int fd() const override { return static_cast<int>(socket_); }
 
  protected:
   void authorize() override {
@@ -495,6 +499,17 @@ const PeerIdentity& CurrentPeer() {
   if (current_socket == nullptr) return kNone;
   cached = current_socket->identity();
   return cached;
+}
+
+bool CurrentPeerHungUp() {
+  if (current_socket == nullptr) return false;
+  const int fd = current_socket->fd();
+  if (fd < 0) return true;
+  pollfd p{};
+  p.fd = fd;
+  p.events = POLLIN | POLLRDHUP;
+  if (::poll(&p, 1, 0) <= 0) return false;
+  return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
 rpc::PenumbraError ToRpcError(const Status& s, int32_t retry_after_ms) {

@@ -107,6 +107,12 @@ class CheckedBinaryProtocolFactory final : public apache::thrift::protocol::TPro
 // certificate's role and name under TLS, else only its address. Outside a
 // server's handler, an empty identity.
 const PeerIdentity& CurrentPeer();
+// Whether the caller of the request being served on this thread has closed
+// its connection (or it failed): a handler that waits long for an answer
+// (the coordinator's Complete) checks it between waits and stops the work
+// nobody will read. Looks at the socket without reading (poll(2) for a hang
+// up); false outside a server's handler.
+bool CurrentPeerHungUp();
 
 struct ThriftServerStats {
   int64_t open_connections = 0;

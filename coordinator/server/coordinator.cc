@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <optional>
+#include <set>
 
 #include <glog/logging.h>
 #include <yaml-cpp/yaml.h>
@@ -91,7 +92,29 @@ struct Coordinator::Request {
   std::string kv_policy;
   int64_t base = 0;
   int resumes = 0;
+  bool job_item = false;
+  bool recovered = false;  // taken over from the journal at a restart
+  int64_t created_unix_ms = 0;
+  Clock::time_point last_poll;  // a client's latest Poll (abandon_timeout)
+  // Where it runs, readable without mu (a drain cancels generations whose
+  // mu a waiting Complete holds).
+  std::mutex where_mu;
+  int where_worker = -1;
+  std::string where_wid;
+  void SetWhere(int w, const std::string& h) {
+    std::lock_guard<std::mutex> lk(where_mu);
+    worker = where_worker = w;
+    wid = where_wid = h;
+  }
 };
+
+namespace {
+
+int64_t UnixMs() {
+  return std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
 
 Status CoordinatorOptions::Validate() const {
   if (tenants && !api_keys.empty()) {
@@ -110,6 +133,9 @@ Status CoordinatorOptions::Validate() const {
     return Status::InvalidArgument("max_background_puts_per_tenant must be >= 1");
   }
   if (min_free_memory_bytes < 0) return Status::InvalidArgument("min_free_memory_bytes must be >= 0");
+  if (abandon_timeout < milliseconds(1000) || abandon_timeout > keep_finished) {
+    return Status::InvalidArgument("abandon_timeout must be in [1 s, keep_finished]");
+  }
   return Status::OK();
 }
 
@@ -172,6 +198,21 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
                   .Help("Generations moved to another worker after theirs was lost (continued where they were).")
                   .Register(*registry_)
                   .Add({});
+  auto plain = [&](const char* name, const char* help) -> Counter& {
+    return BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
+  };
+  reattached_ = &plain("penumbra_coordinator_requests_reattached_total",
+                       "Generations taken over from the journal after a restart (still on their workers).");
+  orphans_cancelled_ = &plain("penumbra_coordinator_orphans_cancelled_total",
+                              "Generations a worker held for this coordinator without a journal record, cancelled.");
+  abandoned_ = &plain("penumbra_coordinator_requests_abandoned_total",
+                      "Streaming generations cancelled because no client polled them (abandon timeout).");
+  drain_cancelled_ = &plain("penumbra_coordinator_drain_cancelled_total",
+                            "Generations cancelled because a drain expired.");
+  hangups_ = &plain("penumbra_coordinator_complete_hangups_total",
+                    "Complete calls whose client closed its connection (their generations cancelled).");
+  journal_errors_ = &plain("penumbra_coordinator_journal_errors_total",
+                           "Failed writes of the request journal (a failed start fails its call).");
   documents_put_ = per_tenant("penumbra_coordinator_documents_put_total", "Documents put, by tenant.");
   quota_refusals_ = per_tenant("penumbra_coordinator_quota_refusals_total",
                                "Calls refused by a tenant's quota (RESOURCE_EXHAUSTED), by tenant.");
@@ -190,6 +231,14 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
   worker_routed_ = &BuildGauge().Name("penumbra_coordinator_worker_routed")
                         .Help("Generations routed to the worker and not ended.").Register(*registry_);
   last_sweep_ = Clock::now();
+  sweeper_ = std::thread([this] {
+    std::unique_lock<std::mutex> lk(sweep_mu_);
+    while (!sweep_cv_.wait_for(lk, std::chrono::seconds(1), [this] { return stopping_.load(); })) {
+      lk.unlock();
+      DropExpired();
+      lk.lock();
+    }
+  });
   if (o_.tenants) {
     // Documents kept from before a restart count against their tenants'
     // stored-bytes quotas.
@@ -208,7 +257,12 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
 }
 
 Coordinator::~Coordinator() {
-  stopping_ = true;
+  {
+    std::lock_guard<std::mutex> lk(sweep_mu_);
+    stopping_ = true;
+  }
+  sweep_cv_.notify_all();
+  if (sweeper_.joinable()) sweeper_.join();
   if (jobs_) jobs_->Stop();
   for (auto& p : puts_) {
     if (p.thread.joinable()) p.thread.join();
@@ -488,7 +542,8 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
 }
 
 Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const std::string& tenant,
-                                                                        const rpc::GenerateRequest& r) {
+                                                                        const rpc::GenerateRequest& r,
+                                                                        bool job_item) {
   // The request's own bounds first: nothing below (a lookup, tokenizing,
   // concatenating, a worker) runs for a request past them.
   const ModelLimits model = model_limits();
@@ -513,6 +568,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
     PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->AcquireSequence(tenant, &sequence), quota_refusals_, tenant));
   }
   rpc::WorkerGenerateRequest g = BuildGenerate(tenant, r, checked);
+  g.owner_id = workers_->owner_id();
   std::vector<DocumentView> docs = std::move(checked.docs);
 
   Status last = Status::Unavailable(r.kv_policy.empty() ? "no healthy worker"
@@ -528,8 +584,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
     std::string wid;
     Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
     if (s.ok()) {
-      q->worker = w;
-      q->wid = wid;
+      q->SetWhere(w, wid);
       break;
     }
     last = s;
@@ -552,11 +607,73 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   q->gen = std::move(g);
   q->docs = std::move(docs);
   q->kv_policy = r.kv_policy;
+  q->job_item = job_item;
+  q->created_unix_ms = UnixMs();
+  q->last_poll = q->created;
+  // Journalled before anyone learns of it: a failed write fails the call
+  // and leaves nothing running.
+  std::unique_lock<std::mutex> jl(journal_mu_, std::defer_lock);
+  if (journal_) {
+    jl.lock();
+    TenantUsage u;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      const TenantCounts& c = counts_[tenant];
+      u = TenantUsage{c.requests + 1, c.failed, c.prompt, c.cached, c.generated};
+    }
+    Status js = journal_->Start(ToRecord(*q), u);
+    if (!js.ok()) {
+      journal_errors_->Increment();
+      LOG(ERROR) << "request journal: " << js << "; the generation is refused";
+      (void)workers_->Call(q->worker, "release", [&](rpc::WorkerClient& c) { c.Release(q->wid); });
+      workers_->AddRouted(q->worker, -1);
+      return Status::Unavailable("the coordinator cannot journal the request (" + js.message() + "); retry later")
+          .WithRetryAfter(1000);
+    }
+  }
   std::lock_guard<std::mutex> lk(mu_);
   requests_[q->id] = q;
   ++running_;
   ++counts_[tenant].requests;
   return q;
+}
+
+JournalRecord Coordinator::ToRecord(const Request& q) const {
+  JournalRecord r;
+  r.request_id = q.id;
+  r.tenant = q.tenant;
+  r.worker = q.worker >= 0 ? workers_->state(q.worker).endpoint.name : "";
+  r.handle = q.wid;
+  r.job_item = q.job_item;
+  for (const DocumentView& d : q.docs) r.document_ids.push_back(d.id);
+  r.cache_namespace = q.gen.cache_namespace;
+  // The question: the prompt after the documents' segments.
+  const int64_t docs_end = q.gen.segment_ends.empty() ? 0 : q.gen.segment_ends.back();
+  r.question.assign(q.gen.prompt.begin() + docs_end, q.gen.prompt.end());
+  r.max_new_tokens = q.gen.max_new_tokens;
+  r.sampling = JournalSampling{q.gen.sampling.temperature, q.gen.sampling.top_p, q.gen.sampling.top_k,
+                               q.gen.sampling.seed};
+  r.stop_ids = q.gen.stop_ids;
+  r.stop = q.stop;
+  r.kv_policy = q.kv_policy;
+  r.share_weight = q.gen.share_weight;
+  r.draws_done = q.gen.draws_done;
+  r.made_before.assign(q.ids.begin(), q.ids.begin() + std::min<int64_t>(q.base, static_cast<int64_t>(q.ids.size())));
+  r.resumes = q.resumes;
+  r.created_unix_ms = q.created_unix_ms;
+  if (q.deadline) r.deadline_unix_ms = q.created_unix_ms + std::chrono::duration_cast<milliseconds>(*q.deadline - q.created).count();
+  return r;
+}
+
+void Coordinator::JournalMove(const Request& q) {
+  if (!journal_) return;
+  std::lock_guard<std::mutex> jl(journal_mu_);
+  Status s = journal_->Put(ToRecord(q));
+  if (!s.ok()) {
+    journal_errors_->Increment();
+    LOG(ERROR) << "request " << q.id << ": its move to another worker is not journalled (a restart would look for it "
+               << "on the old one and start it again): " << s;
+  }
 }
 
 Result<Coordinator::Checked> Coordinator::CheckGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
@@ -726,21 +843,30 @@ bool Coordinator::Resume(Request& q, const std::string& why) {
   g.draws_done = q.gen.draws_done + made;
   if (q.deadline) g.deadline_ms = std::max<int64_t>(1, Left(*q.deadline).count());
   const int dead = q.worker;
+  std::vector<int> order;
+  bool dead_serves = false;
   for (int w : Route(q.kv_policy, q.docs)) {
-    if (w == dead) continue;
+    if (w == dead) {
+      dead_serves = true;  // it serves again (it lost the generation, e.g. restarted): tried last
+    } else {
+      order.push_back(w);
+    }
+  }
+  if (dead_serves) order.push_back(dead);
+  for (int w : order) {
     std::string wid;
     Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
     if (!s.ok()) continue;
     LOG(WARNING) << "request " << q.id << ": " << why << "; resumed on worker " << workers_->state(w).endpoint.name
                  << " after " << made << " tokens";
-    workers_->AddRouted(dead, -1);
+    if (dead >= 0) workers_->AddRouted(dead, -1);
     workers_->AddRouted(w, 1);
     for (const DocumentView& d : q.docs) docs_->AddWorker(d.id, w);
-    q.worker = w;
-    q.wid = wid;
+    q.SetWhere(w, wid);
     q.base = made;
     ++q.resumes;
     resumed_->Increment();
+    JournalMove(q);
     return true;
   }
   return false;
@@ -753,8 +879,10 @@ void Coordinator::Finalize(Request& q, const std::string& reason, const Status& 
   q.error = error;
   q.finished = Clock::now();
   // Forgotten on the worker (cancelled first if it still runs there).
-  (void)workers_->Call(q.worker, "release", [&](rpc::WorkerClient& c) { c.Release(q.wid); });
-  workers_->AddRouted(q.worker, -1);
+  if (q.worker >= 0) {
+    (void)workers_->Call(q.worker, "release", [&](rpc::WorkerClient& c) { c.Release(q.wid); });
+    workers_->AddRouted(q.worker, -1);
+  }
   q.sequence.Release();
   // The tokens reserved at admission and not generated go back to the
   // tenant's bucket.
@@ -769,14 +897,28 @@ void Coordinator::Finalize(Request& q, const std::string& reason, const Status& 
   if (q.usage.generated_tokens > 1 && q.usage.ttft_seconds >= 0 && total > q.usage.ttft_seconds) {
     tpot_->Observe((total - q.usage.ttft_seconds) / static_cast<double>(q.usage.generated_tokens - 1));
   }
-  std::lock_guard<std::mutex> lk(mu_);
-  --running_;
-  TenantCounts& c = counts_[q.tenant];
-  if (reason == "error" || reason == "deadline") ++c.failed;
-  c.prompt += q.usage.prompt_tokens;
-  c.cached += q.usage.cached_prompt_tokens;
-  c.generated += q.usage.generated_tokens;
-  idle_cv_.notify_all();
+  std::unique_lock<std::mutex> jl(journal_mu_, std::defer_lock);
+  if (journal_) jl.lock();
+  TenantUsage u;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    --running_;
+    TenantCounts& c = counts_[q.tenant];
+    if (reason == "error" || reason == "deadline") ++c.failed;
+    c.prompt += q.usage.prompt_tokens;
+    c.cached += q.usage.cached_prompt_tokens;
+    c.generated += q.usage.generated_tokens;
+    u = TenantUsage{c.requests, c.failed, c.prompt, c.cached, c.generated};
+    idle_cv_.notify_all();
+  }
+  if (journal_) {
+    Status s = journal_->Finish(q.id, q.tenant, u);
+    if (!s.ok()) {
+      journal_errors_->Increment();
+      LOG(ERROR) << "request " << q.id << ": its end is not journalled (a restart takes it up again; tenant "
+                 << q.tenant << "'s usage since the last write is lost): " << s;
+    }
+  }
 }
 
 void Coordinator::ToChunk(const Request& q, int64_t offset, rpc::GenerateChunk* out) const {
@@ -822,7 +964,24 @@ void Coordinator::Poll(rpc::GenerateChunk& out, const std::string& api_key, cons
   Check(ValidateId("request_id", request_id, o_.limits));
   std::shared_ptr<Request> q = OrThrow(Find(tenant, request_id));
   std::lock_guard<std::mutex> lk(q->mu);
-  if (offset < 0 || offset > static_cast<int64_t>(q->ids.size())) {
+  q->last_poll = Clock::now();
+  if (offset < 0) Throw(Status::InvalidArgument("offset must be >= 0, got " + std::to_string(offset)));
+  // A reattached generation's tokens are polled again from its worker: an
+  // offset past what is known here waits for them (up to wait_ms).
+  if (q->recovered && offset > static_cast<int64_t>(q->ids.size()) && !q->done) {
+    const Clock::time_point until = Clock::now() + milliseconds(wait_ms);
+    while (!q->done && offset > static_cast<int64_t>(q->ids.size()) && Clock::now() < until) {
+      Status s = Advance(*q, static_cast<int64_t>(q->ids.size()), Left(until));
+      if (!s.ok()) Throw(s);
+    }
+  }
+  if (q->recovered && !q->done && offset > static_cast<int64_t>(q->ids.size())) {
+    // Not made again yet (it restarted on another worker): nothing new.
+    ToChunk(*q, static_cast<int64_t>(q->ids.size()), &out);
+    out.offset = offset;
+    return;
+  }
+  if (offset > static_cast<int64_t>(q->ids.size())) {
     Throw(Status::InvalidArgument("offset " + std::to_string(offset) + " is outside [0, " +
                                   std::to_string(q->ids.size()) + "], the tokens made so far"));
   }
@@ -853,7 +1012,17 @@ void Coordinator::Complete(rpc::GenerateChunk& out, const rpc::GenerateRequest& 
   std::shared_ptr<Request> q = OrThrow(DoGenerate(request));
   std::lock_guard<std::mutex> lk(q->mu);
   while (!q->done) {
-    Status s = Advance(*q, static_cast<int64_t>(q->ids.size()), milliseconds(60000));
+    // Short waits: a client that hangs up is noticed within one, and its
+    // generation cancelled (nobody would read the answer).
+    if (transport::CurrentPeerHungUp()) {
+      hangups_->Increment();
+      LOG(INFO) << "request " << q->id << ": the client of Complete closed its connection after "
+                << q->ids.size() << " tokens; cancelled";
+      (void)CancelOnWorker(q->worker, q->wid);
+      Finalize(*q, "cancelled", Status::Cancelled("the client closed its connection"));
+      Throw(Status::Cancelled("the client closed its connection"));
+    }
+    Status s = Advance(*q, static_cast<int64_t>(q->ids.size()), milliseconds(1000));
     if (!s.ok()) Throw(s);
   }
   if (q->finish_reason == "error" || q->finish_reason == "deadline") Throw(q->error);
@@ -881,12 +1050,172 @@ void Coordinator::DropExpired() {
       ++it;
     }
   }
+  // Streaming generations nobody polls any more are cancelled (a job's
+  // items and Complete calls hold their mu while they wait: never here).
+  for (auto& q : unpolled) {
+    std::unique_lock<std::mutex> ql(q->mu, std::try_to_lock);
+    if (!ql.owns_lock() || q->done || q->job_item || Clock::now() - q->last_poll <= o_.abandon_timeout) continue;
+    abandoned_->Increment();
+    LOG(INFO) << "request " << q->id << " (tenant " << q->tenant << "): not polled for "
+              << std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - q->last_poll).count()
+              << " s; cancelled";
+    (void)CancelOnWorker(q->worker, q->wid);
+    Finalize(*q, "cancelled", Status::Cancelled("no client polled the request for " +
+                                                std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
+                                                                   o_.abandon_timeout).count()) + " s"));
+  }
   // Generations nobody polls still end on their worker: learn of it, so they
   // stop counting as running.
   for (auto& q : unpolled) {
     std::unique_lock<std::mutex> ql(q->mu, std::try_to_lock);
     if (ql.owns_lock()) (void)Advance(*q, static_cast<int64_t>(q->ids.size()), milliseconds(0));
   }
+}
+
+// ---- ownership: the request journal ----------------------------------------------
+
+Status Coordinator::Recover(std::unique_ptr<RequestJournal> journal) {
+  if (journal_) return Status::FailedPrecondition("the request journal is already taken");
+  if (!journal) return Status::InvalidArgument("no request journal");
+  if (journal->owner_id() != workers_->owner_id()) {
+    return Status::InvalidArgument("the worker pool renews owner '" + workers_->owner_id() + "', the journal is '" +
+                                   journal->owner_id() + "'s");
+  }
+  journal_ = std::move(journal);  // from here on every change is journalled
+  // Usage counters first (Stats and /metrics go on from where they were).
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& [tenant, u] : journal_->usage()) {
+      counts_[tenant] = TenantCounts{u.requests, u.failed, u.prompt, u.cached, u.generated};
+      prompt_tokens_->Add({{"tenant", tenant}}).Increment(static_cast<double>(u.prompt));
+      cached_tokens_->Add({{"tenant", tenant}}).Increment(static_cast<double>(u.cached));
+      generated_tokens_->Add({{"tenant", tenant}}).Increment(static_cast<double>(u.generated));
+    }
+  }
+  // What each worker holds for this owner (nullopt: it did not answer; its
+  // generations are looked at when polled, as for any worker lost later).
+  std::vector<std::optional<std::set<std::string>>> held(static_cast<size_t>(workers_->size()));
+  for (int i = 0; i < workers_->size(); ++i) {
+    Result<std::vector<std::string>> h = workers_->Renew(i);
+    if (h.ok()) {
+      held[static_cast<size_t>(i)] = std::set<std::string>(h->begin(), h->end());
+    } else {
+      LOG(WARNING) << "recovery: worker " << workers_->state(i).endpoint.name << " did not answer: " << h.status();
+    }
+  }
+  std::set<std::pair<int, std::string>> claimed;
+  int64_t attached = 0, restarted = 0, dropped = 0, failed = 0;
+  const ModelLimits model = model_limits();
+  const Clock::time_point now = Clock::now();
+  const int64_t now_unix = UnixMs();
+  for (const JournalRecord& r : journal_->records()) {
+    const int w = workers_->Find(r.worker);
+    const bool has = w >= 0 && held[static_cast<size_t>(w)] && held[static_cast<size_t>(w)]->count(r.handle) > 0;
+    if (r.job_item) {
+      // A batch job's item: the job runs it again (its store says it is not
+      // done), so this copy is cancelled -- one copy, one answer.
+      if (has) {
+        (void)CancelOnWorker(w, r.handle);
+        (void)workers_->Call(w, "release", [&](rpc::WorkerClient& c) { c.Release(r.handle); });
+        claimed.emplace(w, r.handle);
+      }
+      Status s = journal_->Remove(r.request_id);
+      if (!s.ok()) LOG(ERROR) << "recovery: " << s;
+      ++dropped;
+      continue;
+    }
+    auto q = std::make_shared<Request>();
+    q->id = r.request_id;
+    q->tenant = r.tenant;
+    q->stop = r.stop;
+    q->kv_policy = r.kv_policy;
+    q->recovered = true;
+    q->created_unix_ms = r.created_unix_ms;
+    q->created = now - milliseconds(std::max<int64_t>(0, now_unix - r.created_unix_ms));
+    if (r.deadline_unix_ms > 0) q->deadline = q->created + milliseconds(r.deadline_unix_ms - r.created_unix_ms);
+    q->last_poll = now;
+    q->ids = r.made_before;
+    q->base = static_cast<int64_t>(r.made_before.size());
+    q->resumes = r.resumes;
+    q->usage.queue_seconds = -1;
+    q->usage.ttft_seconds = -1;
+    q->usage.generated_tokens = q->base;
+    if (codec_ && !q->ids.empty()) {
+      if (Result<std::string> text = codec_->Decode(q->ids); text.ok()) q->text = std::move(*text);
+    }
+    // What was sent, rebuilt from the documents and the question (to start it
+    // again if its worker lost it; a document deleted since: it cannot be).
+    rpc::GenerateRequest g;
+    g.document_ids = r.document_ids;
+    g.__set_token_ids(r.question);
+    g.max_new_tokens = r.max_new_tokens;
+    Result<Checked> checked = CheckGenerate(r.tenant, g, model);
+    if (checked.ok()) {
+      q->gen = BuildGenerate(r.tenant, g, *checked);
+      q->docs = std::move(checked->docs);
+    } else {
+      LOG(WARNING) << "recovery: request " << r.request_id << " cannot be started again if its worker lost it: "
+                   << checked.status();
+      q->gen.max_new_tokens = 0;  // Resume refuses
+    }
+    q->gen.cache_namespace = r.cache_namespace;
+    q->gen.sampling.temperature = r.sampling.temperature;
+    q->gen.sampling.top_p = r.sampling.top_p;
+    q->gen.sampling.top_k = r.sampling.top_k;
+    q->gen.sampling.seed = r.sampling.seed;
+    q->gen.stop_ids = r.stop_ids;
+    q->gen.share_weight = r.share_weight;
+    q->gen.draws_done = r.draws_done;
+    q->gen.owner_id = workers_->owner_id();
+    q->usage.prompt_tokens = static_cast<int64_t>(q->gen.prompt.size());
+    std::lock_guard<std::mutex> ql(q->mu);
+    if (has || (w >= 0 && !held[static_cast<size_t>(w)])) {
+      // Still there (or its worker did not answer: the first poll tells).
+      q->SetWhere(w, r.handle);
+      claimed.emplace(w, r.handle);
+      workers_->AddRouted(w, 1);
+      for (const DocumentView& d : q->docs) docs_->AddWorker(d.id, w);
+      reattached_->Increment();
+      ++attached;
+    } else {
+      // Its worker lost it (restarted, or it outlived our lease there): it
+      // starts again from the tokens journalled.
+      q->SetWhere(w, "");
+      if (w >= 0) workers_->AddRouted(w, 1);  // Resume moves it off
+      if (!Resume(*q, "its worker no longer has it after the coordinator's restart")) {
+        ++failed;
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          ++running_;  // Finalize counts it down
+        }
+        Finalize(*q, "error", Status::Unavailable("the request's worker lost it while the coordinator restarted, "
+                                                  "and it could not be started again"));
+        std::lock_guard<std::mutex> lk(mu_);
+        requests_[q->id] = q;
+        continue;
+      }
+      ++restarted;
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    requests_[q->id] = q;
+    ++running_;
+  }
+  // Generations of this owner that no record claims (started by a
+  // coordinator killed before it journalled them): nobody will read them.
+  int64_t orphans = 0;
+  for (int i = 0; i < workers_->size(); ++i) {
+    if (!held[static_cast<size_t>(i)]) continue;
+    for (const std::string& h : *held[static_cast<size_t>(i)]) {
+      if (claimed.count({i, h})) continue;
+      (void)workers_->Call(i, "release", [&](rpc::WorkerClient& c) { c.Release(h); });
+      orphans_cancelled_->Increment();
+      ++orphans;
+    }
+  }
+  LOG(INFO) << "recovery (owner " << workers_->owner_id() << "): " << attached << " generations reattached, "
+            << restarted << " started again, " << dropped << " job items left to their jobs, " << failed
+            << " failed, " << orphans << " orphans cancelled";
+  return Status::OK();
 }
 
 // ---- batch jobs ----------------------------------------------------------------
@@ -913,7 +1242,7 @@ ItemOutcome Coordinator::RunItem(const std::string& tenant, const rpc::GenerateR
   ItemOutcome out;
   rpc::GenerateRequest r = request;
   r.deadline_ms = 0;  // the job's window applies
-  Result<std::shared_ptr<Request>> started = DoGenerateAs(tenant, r);
+  Result<std::shared_ptr<Request>> started = DoGenerateAs(tenant, r, /*job_item=*/true);
   if (!started.ok()) {
     out.status = started.status();
     return out;
@@ -1040,7 +1369,36 @@ bool Coordinator::Drain(milliseconds max_wait) {
     if (running_ == 0 || Clock::now() >= until) break;
     idle_cv_.wait_for(lk, milliseconds(200));
   }
-  return running_ == 0;
+  if (running_ == 0) return true;
+  // Expired: what is left is cancelled on its worker (by where it runs, so a
+  // Complete holding the request's mu is not waited for; it sees the worker
+  // end it "cancelled"), and the requests free end "drained".
+  std::vector<std::shared_ptr<Request>> left;
+  for (const auto& [id, q] : requests_) left.push_back(q);
+  lk.unlock();
+  int64_t cancelled = 0;
+  for (auto& q : left) {
+    int w;
+    std::string wid;
+    {
+      std::lock_guard<std::mutex> wl(q->where_mu);
+      w = q->where_worker;
+      wid = q->where_wid;
+    }
+    std::unique_lock<std::mutex> ql(q->mu, std::try_to_lock);
+    if (ql.owns_lock() && q->done) continue;
+    if (w >= 0) {
+      Status s = CancelOnWorker(w, wid);
+      if (!s.ok()) LOG(WARNING) << "drain: request " << q->id << " not cancelled on its worker: " << s;
+    }
+    ++cancelled;
+    drain_cancelled_->Increment();
+    if (ql.owns_lock()) {
+      Finalize(*q, "drained", Status::Unavailable("the coordinator stopped: its drain expired before the request ended"));
+    }
+  }
+  LOG(WARNING) << "drain expired: " << cancelled << " generations cancelled on their workers";
+  return false;
 }
 
 void Coordinator::Health(rpc::HealthResponse& out) {

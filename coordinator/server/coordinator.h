@@ -41,6 +41,7 @@
 #include "common/status.h"
 #include "coordinator/server/document_registry.h"
 #include "coordinator/server/job_service.h"
+#include "coordinator/server/request_journal.h"
 #include "coordinator/server/validation.h"
 #include "coordinator/tenants/tenants.h"
 #include "coordinator/server/worker_pool.h"
@@ -75,6 +76,10 @@ struct CoordinatorOptions {
   // Placement (coordinator/server/placement.h): a worker reporting less free
   // device memory than this is tried after the others of its group.
   int64_t min_free_memory_bytes = int64_t{2} << 30;
+  // A streaming generation (Generate) nobody has polled for this long is
+  // cancelled on its worker and ends "cancelled"; at most keep_finished.
+  // Default: 120 s.
+  std::chrono::milliseconds abandon_timeout{std::chrono::seconds(120)};
   Status Validate() const;
 };
 
@@ -119,11 +124,25 @@ class Coordinator : public rpc::PenumbraIf {
   Status StartJobs(JobServiceOptions options);
   JobService* jobs() const { return jobs_.get(); }
 
+  // Requests owned under a lease (docs/architecture.md, "Ownership"): takes
+  // the request journal (data_dir/requests) and continues what it holds --
+  // the tenants' usage counters are reloaded; a generation its worker still
+  // has is claimed (its tokens are polled again from offset 0), one its
+  // worker lost starts again from the tokens journalled (seeded sampling
+  // continues identically), a batch job's item is cancelled (its job runs it
+  // again), and a generation a worker holds for this owner with no record is
+  // cancelled. From then on every generation is journalled. Call once,
+  // before serving. The workers' owner id is the journal's
+  // (WorkerPoolOptions::owner_id).
+  Status Recover(std::unique_ptr<RequestJournal> journal);
+
   // Rereads the tenants (SIGHUP): see TenantRegistry::Reload.
   Status ReloadTenants(const tenants::TenantsConfig& config);
 
   // Stops taking documents and generations (Unavailable) and waits until the
   // running generations are done, at most `max_wait`; true when they are.
+  // When the wait expires, the generations left are cancelled on their
+  // workers and end "drained" (a Complete waiting on one ends "cancelled").
   bool Drain(std::chrono::milliseconds max_wait);
   std::shared_ptr<prometheus::Registry> metrics() const { return registry_; }
   // Refreshes the gauges (before a scrape).
@@ -156,7 +175,12 @@ class Coordinator : public rpc::PenumbraIf {
   Result<rpc::DocumentInfo> DoPut(const rpc::PutDocumentRequest& r);
   void Factor(DocumentView doc, std::chrono::steady_clock::time_point deadline);
   Result<std::shared_ptr<Request>> DoGenerate(const rpc::GenerateRequest& r);
-  Result<std::shared_ptr<Request>> DoGenerateAs(const std::string& tenant, const rpc::GenerateRequest& r);
+  Result<std::shared_ptr<Request>> DoGenerateAs(const std::string& tenant, const rpc::GenerateRequest& r,
+                                                bool job_item = false);
+  // q's journal record (q->mu held).
+  JournalRecord ToRecord(const Request& q) const;
+  // Journals q's move to another worker (q->mu held); a failure is logged.
+  void JournalMove(const Request& q);
   // Checks r for `tenant` (validation, its documents, the prompt's length
   // against the context, counted before anything is concatenated); r itself
   // has passed ValidateGenerateRequest.
@@ -180,7 +204,8 @@ class Coordinator : public rpc::PenumbraIf {
   // Ends q (q->mu held): releases it on its worker, counts it.
   void Finalize(Request& q, const std::string& reason, const Status& error);
   // q's worker was lost (q->mu held): q goes on on another worker from the
-  // tokens it has (kMaxResumes times at most). False when it cannot.
+  // tokens it has (kMaxResumes times at most; its own worker last, when it
+  // serves again). False when it cannot.
   bool Resume(Request& q, const std::string& why);
   static constexpr int kMaxResumes = 3;
   // What a poll of a worker may take beyond its wait.
@@ -216,11 +241,22 @@ class Coordinator : public rpc::PenumbraIf {
   };
   std::vector<BackgroundPut> puts_;
   std::atomic<bool> stopping_{false};  // the destructor runs: job items stop waiting
+  // Looks at the generations once a second (DropExpired): abandoned ones
+  // are cancelled even when no call comes.
+  std::mutex sweep_mu_;
+  std::condition_variable sweep_cv_;
+  std::thread sweeper_;
   std::unique_ptr<JobService> jobs_;
+  // Null without a data directory. journal_mu_ orders the usage snapshots
+  // written with the records (taken before mu_).
+  std::unique_ptr<RequestJournal> journal_;
+  std::mutex journal_mu_;
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_;
   prometheus::Counter* resumed_;
+  prometheus::Counter *reattached_, *orphans_cancelled_, *abandoned_, *drain_cancelled_, *hangups_,
+      *journal_errors_;
   prometheus::Family<prometheus::Counter>*prompt_tokens_, *cached_tokens_, *generated_tokens_, *documents_put_,
       *quota_refusals_;  // by tenant
   prometheus::Histogram *ttft_, *tpot_, *duration_, *factor_;

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "common/args.h"
+#include "common/crypto.h"
 #include "common/logging.h"
 #include "common/process.h"
 #include "coordinator/server/coordinator.h"
@@ -54,6 +55,7 @@ Status Run(int argc, char** argv) {
       .Flag("data-dir", "directory for what survives a restart: documents and batch jobs (default: none: documents "
                         "in memory, jobs off)")
       .Flag("job-concurrency", "job items generating at once, all jobs (default 16)")
+      .Flag("abandon-timeout-s", "a streaming generation no client polls for this long is cancelled (default 120)")
       .Flag("max-connections", "open connections of the public API (default 4096)")
       .Flag("max-connections-per-peer", "open connections of the public API from one address (default 1024)")
       // Request limits (coordinator/server/validation.h RequestLimits): past
@@ -118,6 +120,9 @@ Status Run(int argc, char** argv) {
     l.max_stop_strings = static_cast<int>(stops);
     co.max_background_puts_per_tenant = static_cast<int>(puts);
   }
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t abandon_s, a.GetIntIn("abandon-timeout-s", co.abandon_timeout.count() / 1000, 1,
+                                                         co.keep_finished.count() / 1000));
+  co.abandon_timeout = std::chrono::seconds(abandon_s);
   PENUMBRA_RETURN_IF_ERROR(co.Validate());
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
   PENUMBRA_ASSIGN_OR_RETURN(transport::ProcessSecurity security, transport::SecurityFromFlags(a));
@@ -160,6 +165,15 @@ Status Run(int argc, char** argv) {
                                                              security.insecure));
     }
   }
+  // The owner id the workers' leases are held under: the journal's (a
+  // restart on the same data directory is the same owner), else new.
+  std::unique_ptr<coordinator::RequestJournal> journal;
+  if (a.Has("data-dir")) {
+    PENUMBRA_ASSIGN_OR_RETURN(journal, coordinator::RequestJournal::Open(a.Get("data-dir") + "/requests"));
+    wo.owner_id = journal->owner_id();
+  } else {
+    wo.owner_id = "c-" + RandomHandle();
+  }
   PENUMBRA_ASSIGN_OR_RETURN(auto pool, coordinator::WorkerPool::Create(endpoints, wo));
   std::unique_ptr<TextCodec> codec;
   if (Result<std::unique_ptr<TextCodec>> c = TextCodec::ForModel(a.Get("model")); c.ok()) {
@@ -177,6 +191,8 @@ Status Run(int argc, char** argv) {
   }
   auto handler = std::make_shared<coordinator::Coordinator>(co, std::move(codec), a.Get("model"), pool.get(),
                                                             std::move(documents));
+  // Before jobs resume: their items' old copies are cancelled, then run again.
+  if (journal) PENUMBRA_RETURN_IF_ERROR(handler->Recover(std::move(journal)));
   if (a.Has("data-dir")) {
     coordinator::JobServiceOptions jo;
     jo.store.path = a.Get("data-dir") + "/jobs";

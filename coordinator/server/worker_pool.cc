@@ -122,9 +122,11 @@ void WorkerPool::CheckNow(int i) {
   Worker& w = *workers_[i];
   rpc::WorkerHealth h;
   rpc::WorkerStats st;
+  std::vector<std::string> handles;
   Status s = Call(i, "health", [&](rpc::WorkerClient& c) {
     c.Health(h);
     c.Stats(st);
+    if (!o_.owner_id.empty()) c.Renew(handles, o_.owner_id);
   }, o_.connect_timeout);
   std::lock_guard<std::mutex> lk(w.mu);
   if (!s.ok()) {
@@ -137,6 +139,20 @@ void WorkerPool::CheckNow(int i) {
   w.state.stats = st;
   w.state.healthy = h.serving;
   w.state.error = h.serving ? "" : "draining";
+}
+
+Result<std::vector<std::string>> WorkerPool::Renew(int i) {
+  std::vector<std::string> handles;
+  if (o_.owner_id.empty()) return handles;
+  PENUMBRA_RETURN_IF_ERROR(Call(i, "renew", [&](rpc::WorkerClient& c) { c.Renew(handles, o_.owner_id); }));
+  return handles;
+}
+
+int WorkerPool::Find(const std::string& name) const {
+  for (int i = 0; i < size(); ++i) {
+    if (workers_[i]->endpoint.name == name) return i;
+  }
+  return -1;
 }
 
 void WorkerPool::HealthLoop() {

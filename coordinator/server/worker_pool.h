@@ -43,6 +43,11 @@ struct WorkerPoolOptions {
   // (workers close connections idle past their idle timeout, 300 s by
   // default; reusing one the worker has closed would fail the call).
   std::chrono::milliseconds max_idle{60000};
+  // The coordinator's owner id (WorkerGenerateRequest.owner_id): each health
+  // check also renews its lease on the worker's generations (Renew), so
+  // health_interval must stay well under the workers' --lease-ms. "": no
+  // renewals. Default: "".
+  std::string owner_id;
 };
 
 struct WorkerState {
@@ -75,8 +80,15 @@ class WorkerPool {
   Status Call(int i, const std::string& what, const std::function<void(rpc::WorkerClient&)>& call,
               std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   void AddRouted(int i, int64_t delta);
-  // Checks worker i now (as the health thread does).
+  // Checks worker i now (as the health thread does; with an owner id, also
+  // renews its lease there).
   void CheckNow(int i);
+  // Renews the owner's lease on worker i now and returns the handles of the
+  // owner's generations there (see Worker.Renew).
+  Result<std::vector<std::string>> Renew(int i);
+  // The index of the worker named `name`; -1 when none is.
+  int Find(const std::string& name) const;
+  const std::string& owner_id() const { return o_.owner_id; }
 
  private:
   struct Worker {
