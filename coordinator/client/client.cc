@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include "common/file.h"
@@ -37,7 +38,9 @@ void AddConnectionFlags(Args& a) {
       .Flag("tls-ca", "the CA of the coordinator's certificate: TLS on (default $PENUMBRA_TLS_CA)")
       .Flag("tls-cert", "a client certificate, for a tenant that requires one (default $PENUMBRA_TLS_CERT)")
       .Flag("tls-key", "its private key (default $PENUMBRA_TLS_KEY)")
-      .Flag("timeout-ms", "connect and call timeout (default 30000)");
+      .Flag("timeout-ms", "connect and call timeout (default 30000)")
+      .Flag("reconnect-ms", "streaming: how long a stream whose connection fails keeps reconnecting and polling "
+                            "again at its offset (default 30000; 0: fail at once)");
 }
 
 namespace {
@@ -66,6 +69,8 @@ Result<ClientOptions> OptionsFromFlags(const Args& a) {
   o.tls_key = FlagOrEnv(a, "tls-key", "PENUMBRA_TLS_KEY");
   PENUMBRA_ASSIGN_OR_RETURN(int64_t t, a.GetIntIn("timeout-ms", 30000, 1, 3600000));
   o.timeout = milliseconds(t);
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t r, a.GetIntIn("reconnect-ms", o.reconnect_window.count(), 0, 3600000));
+  o.reconnect_window = milliseconds(r);
   return o;
 }
 
@@ -177,18 +182,38 @@ Result<rpc::GenerateChunk> Client::Poll(const std::string& request_id, int64_t o
 Result<rpc::GenerateChunk> Client::Stream(rpc::GenerateRequest request,
                                           const std::function<void(const std::string& delta)>& on_text) {
   PENUMBRA_ASSIGN_OR_RETURN(std::string id, Generate(std::move(request)));
-  int64_t offset = 0;
   size_t shown = 0;
-  for (;;) {
-    PENUMBRA_ASSIGN_OR_RETURN(rpc::GenerateChunk c, Poll(id, offset, kStreamWaitMs));
-    offset += static_cast<int64_t>(c.ids.size());
+  return Follow(id, 0, [&](const rpc::GenerateChunk& c) {
     // The text so far is re-decoded each time: only its new end is shown
     // (a stop string can cut what was not shown yet, never what was).
     if (c.text.size() > shown && on_text) on_text(c.text.substr(shown));
     shown = std::max(shown, c.text.size());
-    if (c.done) {
-      c.ids.clear();
-      return c;
+  });
+}
+
+Result<rpc::GenerateChunk> Client::Follow(const std::string& request_id, int64_t offset,
+                                          const std::function<void(const rpc::GenerateChunk&)>& on_chunk) {
+  std::optional<std::chrono::steady_clock::time_point> failing_since;
+  for (;;) {
+    Result<rpc::GenerateChunk> c = Poll(request_id, offset, kStreamWaitMs);
+    if (!c.ok()) {
+      // Only the transport's failures are retried (Call dropped the
+      // connection; the next poll opens a new one).
+      const StatusCode code = c.status().code();
+      if (code != StatusCode::kUnavailable && code != StatusCode::kDeadlineExceeded) return c.status();
+      const auto now = std::chrono::steady_clock::now();
+      if (!failing_since) failing_since = now;
+      if (now - *failing_since >= o_.reconnect_window) return c.status();
+      c_.reset();
+      std::this_thread::sleep_for(milliseconds(200));
+      continue;
+    }
+    failing_since.reset();
+    offset += static_cast<int64_t>(c->ids.size());
+    if (on_chunk) on_chunk(*c);
+    if (c->done) {
+      c->ids.clear();
+      return std::move(*c);
     }
   }
 }

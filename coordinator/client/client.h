@@ -28,6 +28,11 @@ struct ClientOptions {
   // Connect and call timeout (long polls add their wait; puts that wait use
   // their deadline).
   std::chrono::milliseconds timeout{30000};
+  // Streaming (Stream, Follow): a poll that fails on the transport (the
+  // coordinator restarting, a dropped connection) is retried on a new
+  // connection, at the same offset, for this long before the stream fails.
+  // 0: fail at once. Default: 30 s.
+  std::chrono::milliseconds reconnect_window{30000};
 };
 
 // "host:port" -> options.host/port; InvalidArgument naming the text.
@@ -37,7 +42,7 @@ Status ParseAddress(const std::string& address, ClientOptions* options);
 // --address (default $PENUMBRA_ADDRESS, else 127.0.0.1:7700), --api-key-file
 // (default $PENUMBRA_API_KEY_FILE; else the key in $PENUMBRA_API_KEY: never a
 // key on a command line), --tls-ca/--tls-cert/--tls-key (default
-// $PENUMBRA_TLS_CA/CERT/KEY), --timeout-ms.
+// $PENUMBRA_TLS_CA/CERT/KEY), --timeout-ms, --reconnect-ms.
 void AddConnectionFlags(Args& a);
 Result<ClientOptions> OptionsFromFlags(const Args& a);
 
@@ -60,11 +65,19 @@ class Client {
   // request.api_key is filled in.
   Result<std::string> Generate(rpc::GenerateRequest request);
   Result<rpc::GenerateChunk> Poll(const std::string& request_id, int64_t offset, int32_t wait_ms);
-  // Generate, then long polls until the end, calling on_text with each new
-  // piece of the answer's text as it arrives; returns the last chunk (the
-  // whole text, usage).
+  // Generate, then long polls until the end (Follow), calling on_text with
+  // each new piece of the answer's text as it arrives; returns the last
+  // chunk (the whole text, usage).
   Result<rpc::GenerateChunk> Stream(rpc::GenerateRequest request,
                                     const std::function<void(const std::string& delta)>& on_text);
+  // Long polls `request_id` from token `offset` until it ends, calling
+  // on_chunk (if set) with every chunk; returns the last chunk (its ids
+  // cleared: they were passed to on_chunk). A transport failure is retried
+  // at the current offset on a new connection for
+  // options.reconnect_window (a coordinator restarted on its data directory
+  // continues the request); any error the coordinator returns is final.
+  Result<rpc::GenerateChunk> Follow(const std::string& request_id, int64_t offset,
+                                    const std::function<void(const rpc::GenerateChunk&)>& on_chunk);
   // The blocking call: the whole answer.
   Result<rpc::GenerateChunk> Complete(rpc::GenerateRequest request);
   Status Cancel(const std::string& request_id);

@@ -212,8 +212,9 @@ class Cluster {
     return WaitServing(workers_[i], pf);
   }
   // `flags`: besides ClusterOptions::coordinator_flags (e.g. a data directory
-  // for a restarted coordinator).
-  bool StartCoordinator(const std::vector<std::string>& flags = {}) {
+  // for a restarted coordinator). `port` 0: one the OS picks (a restarted
+  // coordinator may take its old one, where its clients reconnect).
+  bool StartCoordinator(const std::vector<std::string>& flags = {}, int port = 0) {
     const std::string pf = dir_ + "/coordinator.port";
     std::remove(pf.c_str());  // a restart waits for the new process's file
     std::string list;
@@ -221,7 +222,7 @@ class Cluster {
       list += (i ? "," : "") + std::string("w") + std::to_string(i) + "=127.0.0.1:" + std::to_string(workers_[i].port);
     }
     std::vector<std::string> argv = {BinDir() + "/penumbra-coordinator", "--model", o_.model, "--workers", list,
-                                     "--port", "0", "--metrics-port", "0", "--port-file", pf,
+                                     "--port", std::to_string(port), "--metrics-port", "0", "--port-file", pf,
                                      "--health-interval-ms", "200"};
     if (!o_.api_keys_yaml.empty()) {
       std::ofstream(dir_ + "/keys.yaml") << o_.api_keys_yaml;

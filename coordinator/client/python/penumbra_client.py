@@ -648,17 +648,32 @@ class PenumbraClient(object):
         return self._call("Poll", self.api_key, request_id, int(offset), wait_ms,
                           timeout_s=max(wait_ms, 0) / 1000.0 + self.timeout_s)
 
-    def stream(self, request_id, wait_ms=1000):
-        """Yields (new_text, chunk) as tokens arrive, by long polling: new_text
-        is the part of the answer's text not yielded before (chunk.text is the
-        whole text so far; chunk.ids the ids from chunk.offset). The last
-        chunk yielded is done (finish_reason, usage). A character whose bytes
-        are not all out yet (U+FFFD at the end of the text) is held back until
-        it is complete."""
-        offset = 0
+    def stream(self, request_id, wait_ms=1000, offset=0, reconnect_s=30.0):
+        """Yields (new_text, chunk) as tokens arrive, by long polling from token
+        `offset`: new_text is the part of the answer's text not yielded before
+        (chunk.text is the whole text so far; chunk.ids the ids from
+        chunk.offset). The last chunk yielded is done (finish_reason, usage). A
+        character whose bytes are not all out yet (U+FFFD at the end of the
+        text) is held back until it is complete. A poll that fails with
+        Unavailable (the connection lost, the coordinator restarting) is
+        retried on a new connection at the same offset for reconnect_s seconds
+        (a coordinator restarted on its data directory continues the request);
+        0: raise at once."""
+        offset = int(offset)
         sent = ""
+        failing_since = None
         while True:
-            chunk = self.poll(request_id, offset, wait_ms)
+            try:
+                chunk = self.poll(request_id, offset, wait_ms)
+            except Unavailable:
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                if now - failing_since >= reconnect_s:
+                    raise
+                time.sleep(0.2)
+                continue
+            failing_since = None
             ids = chunk.ids or []
             text = chunk.text or ""
             if not chunk.done:
