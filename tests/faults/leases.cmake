@@ -1,0 +1,19 @@
+# Requests owned under a lease (issue 38, part "leases"): coordinators
+# SIGKILLed mid-stream and restarted on their data directory, workers
+# dropping the generations of a coordinator that stopped renewing, job items
+# across a restart, expired drains and hung-up Complete calls. Real
+# penumbra-worker / penumbra-coordinator processes on loopback
+# (models/penumbra-eval on the CPU); one CTest per case.
+add_executable(leases_test ${CMAKE_CURRENT_LIST_DIR}/leases_test.cc)
+target_link_libraries(leases_test PRIVATE penumbra_client nlohmann_json::nlohmann_json GTest::gtest GTest::gtest_main
+  penumbra_warnings)
+add_dependencies(leases_test penumbra-worker penumbra-coordinator)
+foreach(case AStreamContinuesAcrossACoordinatorKillAndRestart
+        AWorkerDropsAnUnrenewedGenerationAndARestartRunsItAgainIdentically
+        AJobItemInFlightAtARestartRunsOnceAndItsCancelStopsIt AnExpiredDrainLeavesNoGenerationOnTheWorkers
+        ACompleteWhoseClientHangsUpLeavesNoGeneration AStreamNobodyPollsIsCancelled)
+  add_test(NAME faults_leases_${case} COMMAND leases_test --gtest_filter=Leases.${case}
+    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(faults_leases_${case} PROPERTIES LABELS faults TIMEOUT 120
+    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
+endforeach()
