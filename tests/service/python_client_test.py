@@ -181,6 +181,38 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(full.text, last.text)
         self.assertEqual(full.ids, ids)
 
+    def test_stream_reconnects_at_its_offset(self):
+        # Polls that fail on the transport (a coordinator restarting) are
+        # retried at the same offset: the stream's ids are the uninterrupted
+        # ones. With reconnect_s=0 the first failure is raised.
+        d = self.doc()
+        full = self.a.ask([d.id], text=QUESTION, max_new_tokens=16)
+        rid = self.a.generate([d.id], text=QUESTION, max_new_tokens=16)
+        real_poll = self.a.poll
+        offsets, failures = [], [0]
+
+        def flaky_poll(request_id, offset=0, wait_ms=1000):
+            offsets.append(offset)
+            if failures[0] < 3 and len(offsets) % 2 == 0:
+                failures[0] += 1
+                raise pc.Unavailable("UNAVAILABLE", "poll to the coordinator failed: connection reset")
+            return real_poll(request_id, offset, wait_ms)
+
+        self.a.poll = flaky_poll
+        try:
+            ids = []
+            for _, chunk in self.a.stream(rid, wait_ms=200, reconnect_s=10):
+                ids.extend(chunk.ids or [])
+            self.assertEqual(ids, full.ids)
+            self.assertGreater(failures[0], 0)
+            rid2 = self.a.generate([d.id], text=QUESTION, max_new_tokens=16)
+            failures[0], offsets[:] = 0, [None]  # the next poll fails
+            with self.assertRaises(pc.Unavailable):
+                for _ in self.a.stream(rid2, wait_ms=200, reconnect_s=0):
+                    pass
+        finally:
+            del self.a.poll
+
     def test_stream_with_stop_string(self):
         # A stop string that spans two tokens: its first token's text must not
         # be streamed and then taken back (the streamed text only grows).
