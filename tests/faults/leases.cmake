@@ -11,6 +11,7 @@ add_dependencies(leases_test penumbra-worker penumbra-coordinator)
 foreach(case AStreamContinuesAcrossACoordinatorKillAndRestart
         AWorkerDropsAnUnrenewedGenerationAndARestartRunsItAgainIdentically
         AJobItemInFlightAtARestartRunsOnceAndItsCancelStopsIt AnExpiredDrainLeavesNoGenerationOnTheWorkers
+        AnExpiredWorkerDrainCancelsWhatIsLeft
         ACompleteWhoseClientHangsUpLeavesNoGeneration AStreamNobodyPollsIsCancelled)
   add_test(NAME faults_leases_${case} COMMAND leases_test --gtest_filter=Leases.${case}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})

@@ -281,6 +281,50 @@ TEST_F(Leases, AnExpiredDrainLeavesNoGenerationOnTheWorkers) {
   EXPECT_EQ(cluster.WorkerStats(0).cancelled, 1);
 }
 
+// SIGTERM to a worker whose drain expires: what it still runs is cancelled
+// then, not left generating while the worker waits for its answers to be
+// read (up to 10 s more).
+TEST_F(Leases, AnExpiredWorkerDrainCancelsWhatIsLeft) {
+  ClusterOptions o = Options(60000);
+  o.worker_flags.insert(o.worker_flags.end(), {"--drain-seconds", "2"});
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.StartWorker(0));
+  ASSERT_TRUE(cluster.StartCoordinator());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto id = c->Generate(Sampled(Question(20, 19), 20000, 3));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(WaitBusy(cluster, 0, 20s));
+  const int port = cluster.worker(0).port;
+  const Clock::time_point t0 = Clock::now();
+  cluster.worker(0).process->Signal(SIGTERM);
+  std::this_thread::sleep_for(2600ms);  // the drain (2 s) has expired
+  // Gone, or still up (waiting for answers to be read) with nothing running.
+  bool idle = false;
+  while (!idle && Clock::now() - t0 < 4s) {
+    if (!cluster.worker(0).process->running()) {
+      idle = true;
+      break;
+    }
+    auto w = transport::ThriftClient<rpc::WorkerClient>::Connect("127.0.0.1", port, 2s);
+    if (!w.ok()) {  // exiting
+      std::this_thread::sleep_for(50ms);
+      continue;
+    }
+    rpc::WorkerStats s;
+    try {
+      (**w)->Stats(s);
+      idle = Running(s) == 0;
+    } catch (const std::exception&) {
+    }
+    if (!idle) std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_TRUE(idle) << "the worker kept generating after its drain expired";
+  bool exited = !cluster.worker(0).process->running();
+  if (!exited) exited = cluster.worker(0).process->Wait(15s).has_value();
+  EXPECT_TRUE(exited) << "the worker did not exit";
+}
+
 // A Complete whose client closes its connection: its generation is
 // cancelled (the lease is long: only noticing the hang-up ends it in time).
 TEST_F(Leases, ACompleteWhoseClientHangsUpLeavesNoGeneration) {
