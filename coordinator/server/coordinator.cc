@@ -1269,6 +1269,12 @@ ItemOutcome Coordinator::RunItem(const std::string& tenant, const rpc::GenerateR
       return out;
     }
   }
+  if (drain_expired_ && (q.finish_reason == "cancelled" || q.finish_reason == "drained")) {
+    // Stopped by an expired drain, not by its job: the item stays for the
+    // next start (worth retrying), not answered "cancelled".
+    out.status = Status::Unavailable("the coordinator stopped (its drain expired) before the item ended");
+    return out;
+  }
   rpc::GenerateChunk c;
   ToChunk(q, 0, &c);
   if (q.finish_reason == "error" || q.finish_reason == "deadline") {
@@ -1370,6 +1376,7 @@ bool Coordinator::Drain(milliseconds max_wait) {
     idle_cv_.wait_for(lk, milliseconds(200));
   }
   if (running_ == 0) return true;
+  drain_expired_ = true;
   // Expired: what is left is cancelled on its worker (by where it runs, so a
   // Complete holding the request's mu is not waited for; it sees the worker
   // end it "cancelled"), and the requests free end "drained".

@@ -241,6 +241,7 @@ class Coordinator : public rpc::PenumbraIf {
   };
   std::vector<BackgroundPut> puts_;
   std::atomic<bool> stopping_{false};  // the destructor runs: job items stop waiting
+  std::atomic<bool> drain_expired_{false};  // Drain cancelled what was left (job items are not answered)
   // Looks at the generations once a second (DropExpired): abandoned ones
   // are cancelled even when no call comes.
   std::mutex sweep_mu_;
