@@ -9,7 +9,7 @@ target_link_libraries(leases_test PRIVATE penumbra_client nlohmann_json::nlohman
   penumbra_warnings)
 add_dependencies(leases_test penumbra-worker penumbra-coordinator)
 foreach(case AStreamContinuesAcrossACoordinatorKillAndRestart
-        AWorkerDropsAnUnrenewedGenerationAndARestartRunsItAgainIdentically
+        AWorkerDropsAnUnrenewedGenerationAndARestartRunsItAgainIdentically TheWorkersLeaseCallsAreValidatedAndScopedToTheirOwner
         AJobItemInFlightAtARestartRunsOnceAndItsCancelStopsIt AnExpiredDrainLeavesNoGenerationOnTheWorkers
         AnExpiredWorkerDrainCancelsWhatIsLeft
         ACompleteWhoseClientHangsUpLeavesNoGeneration AStreamNobodyPollsIsCancelled)

@@ -8,6 +8,7 @@
 // nothing on the workers. Each TEST is its own CTest (label `faults`).
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -204,6 +205,68 @@ TEST_F(Leases, AWorkerDropsAnUnrenewedGenerationAndARestartRunsItAgainIdenticall
   EXPECT_EQ(got, reference) << "the stream started again differs from the uninterrupted run";
   EXPECT_TRUE(WaitIdle(cluster, 0, 5s).has_value());
   EXPECT_EQ(cluster.WorkerStats(0).submitted, 3);  // the reference, the first run, the run started again
+}
+
+// The worker's lease calls, directly: owner ids are validated, Renew lists
+// and renews only its owner's generations, renewing keeps them past the
+// lease, and once the renewals stop they are cancelled and forgotten; a
+// generation without an owner never expires.
+TEST_F(Leases, TheWorkersLeaseCallsAreValidatedAndScopedToTheirOwner) {
+  constexpr int kLeaseMs = 1000;
+  Cluster cluster(Options(kLeaseMs));
+  ASSERT_TRUE(cluster.StartWorker(0));
+  auto w = cluster.WorkerClient(0);
+  ASSERT_TRUE(w);
+  auto code_of = [&](const std::function<void()>& call) {
+    try {
+      call();
+    } catch (const rpc::PenumbraError& e) {
+      return static_cast<int>(e.code);
+    }
+    return 0;
+  };
+  rpc::WorkerGenerateRequest g;
+  g.prompt = Question(10, 1);
+  g.max_new_tokens = 20000;
+  g.owner_id = "owner-a";
+  std::string owned, unowned;
+  (*w)->Generate(owned, g);
+  rpc::WorkerGenerateRequest bad = g;
+  bad.owner_id = "bad owner!";
+  std::string h;
+  EXPECT_EQ(code_of([&] { (*w)->Generate(h, bad); }), static_cast<int>(rpc::ErrorCode::INVALID_ARGUMENT));
+  std::vector<std::string> listed;
+  EXPECT_EQ(code_of([&] { (*w)->Renew(listed, ""); }), static_cast<int>(rpc::ErrorCode::INVALID_ARGUMENT));
+  EXPECT_EQ(code_of([&] { (*w)->Renew(listed, std::string(65, 'a')); }), static_cast<int>(rpc::ErrorCode::INVALID_ARGUMENT));
+  (*w)->Renew(listed, "owner-b");
+  EXPECT_TRUE(listed.empty());
+  (*w)->Renew(listed, "owner-a");
+  EXPECT_EQ(listed, std::vector<std::string>{owned});
+  // Renewed for twice the lease: still running.
+  for (int i = 0; i < 10; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(kLeaseMs / 5));
+    (*w)->Renew(listed, "owner-a");
+  }
+  EXPECT_EQ(Running(cluster.WorkerStats(0)), 1) << "a renewed generation was cancelled";
+  rpc::WorkerGenerateRequest free = g;
+  free.owner_id = "";
+  (*w)->Generate(unowned, free);
+  // Renewals stop: cancelled and forgotten after the lease; the generation
+  // without an owner goes on.
+  const Clock::time_point t0 = Clock::now();
+  while (Clock::now() - t0 < std::chrono::milliseconds(kLeaseMs) + 3s && cluster.WorkerStats(0).lease_expired == 0) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(cluster.WorkerStats(0).lease_expired, 1);
+  rpc::TokenChunk ch;
+  EXPECT_EQ(code_of([&] { (*w)->Poll(ch, owned, 0, 0); }), static_cast<int>(rpc::ErrorCode::NOT_FOUND));
+  (*w)->Renew(listed, "owner-a");
+  EXPECT_TRUE(listed.empty());
+  std::this_thread::sleep_for(std::chrono::milliseconds(kLeaseMs) + 500ms);
+  (*w)->Poll(ch, unowned, 0, 0);
+  EXPECT_FALSE(ch.done) << "a generation without an owner was ended";
+  (*w)->Cancel(unowned);
+  EXPECT_TRUE(WaitIdle(cluster, 0, 5s).has_value());
 }
 
 // A batch job's item generating when the coordinator is killed: after the
