@@ -201,7 +201,11 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
                            .Register(*registry_).Add({});
   tombstones_ = std::make_unique<TombstoneSweeper>(
       docs_.get(), [this] { return workers_->size(); },
-      [this](int w, const DocumentTombstone& t) { return ForgetOn(w, t.id, t.tenant, t.ids); },
+      [this](int w, const DocumentTombstone& t) {
+        // A worker known to be down is asked at a later sweep, not waited for.
+        if (!workers_->state(w).healthy) return Status::Unavailable("worker " + std::to_string(w) + " is down");
+        return ForgetOn(w, t.id, t.tenant, t.ids);
+      },
       std::chrono::seconds(2));
   if (o_.tenants) {
     // Documents kept from before a restart count against their tenants'

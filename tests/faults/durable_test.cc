@@ -1,0 +1,207 @@
+// Fault tests (issue 38, "durable"): real penumbra-worker and
+// penumbra-coordinator processes (tests/service/service_cluster.h).
+//
+// CoordinatorOnAFullDiskAcknowledgesOnlyWhatItStores: the coordinator's data
+// directory on a small tmpfs (tests/small_disk.h; skipped where it cannot be
+// mounted), filled to ENOSPC during puts, deletes and job submissions. Every
+// call either succeeds or fails with RESOURCE_EXHAUSTED saying the disk is
+// full; /metrics shows the registry degraded and its write errors; after the
+// filler is removed the coordinator writes again without a restart; after a
+// SIGKILL and a restart on the same data directory, the documents and jobs
+// are exactly those acknowledged (a model: std::map).
+//
+// ADeleteReachesAWorkerThatWasDown: a document deleted while its worker is
+// down keeps a tombstone (across a coordinator restart) until the worker is
+// back and confirms the forget.
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <httplib.h>
+
+#include "tests/service/service_cluster.h"
+#include "tests/small_disk.h"
+#include "tests/worker/stories_shadowkv.h"
+
+namespace penumbra::testing {
+namespace {
+
+// The value of metric `name` with labels `labels` ("" none) on the
+// coordinator's /metrics; -1 when absent.
+double Metric(Cluster& cluster, const std::string& name, const std::string& labels) {
+  httplib::Client m("127.0.0.1", cluster.coordinator().metrics_port);
+  auto r = m.Get("/metrics");
+  if (!r || r->status != 200) return -1;
+  const std::string key = name + (labels.empty() ? "" : "{" + labels + "}") + " ";
+  const size_t at = r->body.find("\n" + key);
+  if (at == std::string::npos) return -1;
+  return std::stod(r->body.substr(at + 1 + key.size()));
+}
+
+rpc::GenerateRequest Ask(const std::string& doc, int seed) {
+  rpc::GenerateRequest r;
+  r.document_ids = {doc};
+  r.__set_token_ids(LcgTokens(6, 900 + seed, false));
+  r.max_new_tokens = 2;
+  r.ignore_eos = true;
+  return r;
+}
+
+rpc::SubmitJobRequest Job(const std::string& doc, int items, int seed) {
+  rpc::SubmitJobRequest j;
+  for (int i = 0; i < items; ++i) {
+    rpc::JobItem it;
+    it.custom_id = "item-" + std::to_string(i) + "-" + std::string(200, 'x');
+    it.request = Ask(doc, seed * 100 + i);
+    j.items.push_back(it);
+  }
+  return j;
+}
+
+::testing::AssertionResult DiskFull(const Status& s) {
+  if (s.code() == StatusCode::kResourceExhausted && s.message().find("disk is full") != std::string::npos) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "expected RESOURCE_EXHAUSTED saying the disk is full, got " << s;
+}
+
+TEST(Durable, CoordinatorOnAFullDiskAcknowledgesOnlyWhatItStores) {
+  SmallDisk disk(24);
+  if (!disk.ok()) GTEST_SKIP() << disk.why();
+  const std::string data = disk.dir() + "/data";
+  Cluster cluster({});
+  ASSERT_TRUE(cluster.StartWorker(0));
+  ASSERT_TRUE(cluster.StartCoordinator({"--data-dir", data, "--job-concurrency", "2"}));
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  std::map<std::string, std::vector<int32_t>> ready;  // the model: acknowledged READY documents
+  std::set<std::string> jobs;                         // acknowledged jobs
+  int seed = 0;
+  auto put = [&]() -> Status {
+    const std::vector<int32_t> ids = LcgTokens(400, 38000 + ++seed, true);
+    auto d = c->PutDocument("doc", nullptr, &ids);
+    if (!d.ok()) return d.status();
+    EXPECT_EQ(d->state, rpc::DocumentState::READY) << "acknowledged, not READY: " << d->error;
+    ready[d->id] = ids;
+    return Status::OK();
+  };
+  auto remove = [&]() -> Status {
+    const std::string id = ready.begin()->first;
+    Status s = c->DeleteDocument(id);
+    if (s.ok()) ready.erase(id);
+    return s;
+  };
+  auto submit = [&]() -> Status {
+    auto j = c->SubmitJob(Job(ready.rbegin()->first, 6, ++seed));
+    if (!j.ok()) return j.status();
+    jobs.insert(j->id);
+    return Status::OK();
+  };
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(put().ok());
+  ASSERT_TRUE(submit().ok());
+
+  // Full: every call succeeds (and is kept) or fails typed.
+  disk.Fill();
+  int failures = 0;
+  for (int i = 0; i < 6; ++i) {
+    for (const Status& s : {put(), remove(), submit()}) {
+      if (s.ok()) continue;
+      ++failures;
+      EXPECT_TRUE(DiskFull(s));
+    }
+    // A failed delete leaves the document READY.
+    for (const auto& [id, ids] : ready) {
+      auto d = c->GetDocument(id);
+      ASSERT_TRUE(d.ok()) << "acknowledged document " << id << " is gone: " << d.status();
+      EXPECT_EQ(d->state, rpc::DocumentState::READY);
+    }
+  }
+  std::printf("full disk: %d calls refused; %zu documents and %zu jobs acknowledged so far\n", failures,
+              ready.size(), jobs.size());
+  EXPECT_GT(failures, 0);
+  EXPECT_EQ(Metric(cluster, "penumbra_coordinator_store_degraded", "store=\"document_registry\""), 1);
+  EXPECT_GT(Metric(cluster, "penumbra_coordinator_store_write_errors_total", "store=\"document_registry\""), 0);
+
+  // Space returns: writes again, no restart.
+  disk.Free();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  Status s;
+  while (!(s = put()).ok()) {
+    ASSERT_TRUE(DiskFull(s));
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "still refused after the disk was freed: " << s;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_TRUE(remove().ok());
+  ASSERT_TRUE(put().ok());
+  while (!(s = submit()).ok()) {
+    ASSERT_TRUE(DiskFull(s));
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "jobs still refused after the disk was freed: " << s;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_EQ(Metric(cluster, "penumbra_coordinator_store_degraded", "store=\"document_registry\""), 0);
+
+  // SIGKILL, restart on the same data directory: exactly what was acknowledged.
+  cluster.coordinator().process.reset();
+  ASSERT_TRUE(cluster.StartCoordinator({"--data-dir", data, "--job-concurrency", "2"}));
+  c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto docs = c->ListDocuments();
+  ASSERT_TRUE(docs.ok()) << docs.status();
+  std::map<std::string, int64_t> seen;
+  for (const rpc::DocumentInfo& d : *docs) {
+    EXPECT_EQ(d.state, rpc::DocumentState::READY) << d.id;
+    seen[d.id] = d.tokens;
+  }
+  std::map<std::string, int64_t> want;
+  for (const auto& [id, ids] : ready) want[id] = static_cast<int64_t>(ids.size());
+  EXPECT_TRUE(seen == want) << seen.size() << " documents after the restart, " << want.size() << " acknowledged";
+  auto listed = c->ListJobs();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  std::set<std::string> seen_jobs;
+  for (const rpc::JobInfo& j : *listed) seen_jobs.insert(j.id);
+  EXPECT_TRUE(seen_jobs == jobs) << seen_jobs.size() << " jobs after the restart, " << jobs.size() << " acknowledged";
+}
+
+TEST(Durable, ADeleteReachesAWorkerThatWasDown) {
+  Cluster cluster({});
+  const std::string data = cluster.dir() + "/data";
+  ASSERT_TRUE(cluster.StartWorker(0));
+  ASSERT_TRUE(cluster.StartCoordinator({"--data-dir", data}));
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  const std::vector<int32_t> ids = LcgTokens(200, 3801, true);
+  auto d = c->PutDocument("doc", nullptr, &ids);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_EQ(d->state, rpc::DocumentState::READY);
+  const int port = cluster.worker(0).port;
+  cluster.worker(0).process.reset();  // SIGKILL
+  ASSERT_TRUE(c->DeleteDocument(d->id).ok());
+  EXPECT_EQ(c->GetDocument(d->id).status().code(), StatusCode::kNotFound);
+  // Kept while the worker is down (sweeps every 2 s), and across a restart.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  EXPECT_EQ(Metric(cluster, "penumbra_coordinator_document_tombstones", ""), 1);
+  cluster.coordinator().process.reset();
+  ASSERT_TRUE(cluster.StartCoordinator({"--data-dir", data}));
+  EXPECT_EQ(Metric(cluster, "penumbra_coordinator_document_tombstones", ""), 1);
+  ASSERT_TRUE(cluster.StartWorker(0, port));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  double left = 1;
+  while ((left = Metric(cluster, "penumbra_coordinator_document_tombstones", "")) != 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_EQ(left, 0) << "the tombstone was not dropped after the worker came back";
+  // Its id is not handed out again; the coordinator keeps serving.
+  c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto e = c->PutDocument("doc", nullptr, &ids);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_NE(e->id, d->id);
+}
+
+}  // namespace
+}  // namespace penumbra::testing
