@@ -347,12 +347,14 @@ struct JobStore::Impl {
     if (db) (void)db->Close();
     db.reset();
     rocksdb::DB* fresh = nullptr;
-    PENUMBRA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(db_options, options.path, &fresh), "job store " + options.path));
+    PENUMBRA_RETURN_IF_ERROR(
+        FromRocks(rocksdb::DB::Open(db_options, options.path, &fresh), "job store " + options.path));
     db.reset(fresh);
     return fresh;
   }
   Status Readable() const {
-    return db ? Status::OK() : Status::Unavailable("job store " + options.path + ": closed (reopening after a failed write)");
+    return db ? Status::OK()
+              : Status::Unavailable("job store " + options.path + ": closed (reopening after a failed write)");
   }
 
   Status Damage(char kind, const std::string& job_id, const std::string& item, const Status& why) {

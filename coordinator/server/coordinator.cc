@@ -500,8 +500,11 @@ void Coordinator::DeleteDocument(const std::string& api_key, const std::string& 
   // that did not answer) by the tombstone sweep.
   for (int w : d.workers) {
     Status s = ForgetOn(w, d.id, d.tenant, d.ids);
-    if (s.ok()) docs_->ConfirmForgotten(d.id, w);
-    if (!s.ok()) LOG(WARNING) << "document " << d.id << ": cached state not dropped yet: " << s;
+    if (s.ok()) {
+      docs_->ConfirmForgotten(d.id, w);
+    } else {
+      LOG(WARNING) << "document " << d.id << ": cached state not dropped yet: " << s;
+    }
   }
   tombstones_->Kick();
 }
@@ -1133,6 +1136,7 @@ void Coordinator::RefreshMetrics() {
   documents_gauge_->Set(static_cast<double>(docs_->count()));
   tombstones_gauge_->Set(static_cast<double>(docs_->tombstone_count()));
   auto store = [&](const char* name, const storage::WriteHealth& h) {
+    std::lock_guard<std::mutex> lk(mu_);  // scrapes may come at once: one catch-up of the counter
     prometheus::Counter& c = store_write_errors_->Add({{"store", name}});
     if (static_cast<double>(h.write_errors) > c.Value()) c.Increment(static_cast<double>(h.write_errors) - c.Value());
     store_degraded_->Add({{"store", name}}).Set(h.degraded ? 1 : 0);
