@@ -13,6 +13,12 @@
 // ADeleteReachesAWorkerThatWasDown: a document deleted while its worker is
 // down keeps a tombstone (across a coordinator restart) until the worker is
 // back and confirms the forget.
+//
+// AWorkersFullPrefixStoreIsCountedAndRecovers: a worker's --prefix-store on a
+// small tmpfs filled to ENOSPC: puts still succeed (the worker holds the
+// state in memory), the refused segment writes show on its /metrics
+// (degraded, write errors); once freed, the store writes again without a
+// restart.
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -31,9 +37,9 @@ namespace penumbra::testing {
 namespace {
 
 // The value of metric `name` with labels `labels` ("" none) on the
-// coordinator's /metrics; -1 when absent.
-double Metric(Cluster& cluster, const std::string& name, const std::string& labels) {
-  httplib::Client m("127.0.0.1", cluster.coordinator().metrics_port);
+// /metrics of `port` (the coordinator's by default); -1 when absent.
+double Metric(Cluster& cluster, const std::string& name, const std::string& labels, int port = 0) {
+  httplib::Client m("127.0.0.1", port ? port : cluster.coordinator().metrics_port);
   auto r = m.Get("/metrics");
   if (!r || r->status != 200) return -1;
   const std::string key = name + (labels.empty() ? "" : "{" + labels + "}") + " ";
@@ -201,6 +207,42 @@ TEST(Durable, ADeleteReachesAWorkerThatWasDown) {
   auto e = c->PutDocument("doc", nullptr, &ids);
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_NE(e->id, d->id);
+}
+
+TEST(Durable, AWorkersFullPrefixStoreIsCountedAndRecovers) {
+  SmallDisk disk(16);
+  if (!disk.ok()) GTEST_SKIP() << disk.why();
+  ClusterOptions o;
+  o.worker_flags = {"--prefix-store", disk.dir() + "/prefix"};
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  const int wm = cluster.worker(0).metrics_port;
+  auto metric = [&](const char* name) { return Metric(cluster, name, "", wm); };
+  int seed = 0;
+  auto put = [&] {
+    const std::vector<int32_t> ids = LcgTokens(400, 38500 + ++seed, true);
+    auto d = c->PutDocument("doc", nullptr, &ids);
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->state, rpc::DocumentState::READY);
+  };
+  put();
+  EXPECT_EQ(metric("penumbra_worker_store_degraded"), 0);
+  disk.Fill();
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (metric("penumbra_worker_store_degraded") != 1) {
+    ASSERT_LT(std::chrono::steady_clock::now(), until) << "no refused write shows on the worker's /metrics";
+    put();  // still served: the store is only where the state is kept across restarts
+  }
+  EXPECT_GT(metric("penumbra_worker_store_write_errors_total"), 0);
+  disk.Free();
+  until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (metric("penumbra_worker_store_degraded") != 0) {
+    ASSERT_LT(std::chrono::steady_clock::now(), until) << "the prefix store did not recover once the disk was freed";
+    put();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
 }
 
 }  // namespace
