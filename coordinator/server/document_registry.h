@@ -25,12 +25,15 @@
 // that fails leaves the document as it was; a SetReady that fails leaves the
 // document FAILED with that error (not_stored set; its workers kept, so a
 // later Remove tells them to forget it) -- it is not READY and not stored.
+// (RocksDB applies nothing of a write that failed; only one whose bytes all
+// reached the log before a failed fsync could show after a crash.)
 // After a failed write the registry is degraded (write_health()) and becomes
 // writable again by itself when the disk has room (Resume or reopen before
 // the next write, at most every 500 ms); CheckWritable tries that first, so
 // a put is refused before any worker factors it.
 //
-// Tombstones: a removed document leaves a tombstone (id, tenant, token ids)
+// Tombstones: a removed document (any state: a FACTORING or FAILED one's
+// worker may hold part of it) leaves a tombstone (id, tenant, token ids)
 // until every worker has confirmed that it dropped the document's cached
 // state (ConfirmForgotten; a worker forwards that to its store node). The
 // coordinator's TombstoneSweeper (tombstones.h) calls the workers and
@@ -46,7 +49,7 @@
 // counts are rebuilt at Open (a tenant may then hold more than
 // max_documents_per_tenant if the limit was lowered: Add refuses until it
 // holds fewer). An id is never handed out while a record under it may exist
-// (stored documents, skipped records, records whose deletion failed).
+// (stored documents, skipped records, tombstones).
 //
 // Thread-safe. Readers (Get, List, counts) take one mutex and never wait on
 // disk: SetReady, SetFailed and Remove write RocksDB outside that mutex,

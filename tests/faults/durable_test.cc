@@ -48,21 +48,21 @@ double Metric(Cluster& cluster, const std::string& name, const std::string& labe
   return std::stod(r->body.substr(at + 1 + key.size()));
 }
 
-rpc::GenerateRequest Ask(const std::string& doc, int seed) {
+rpc::GenerateRequest Ask(const std::string& doc, int seed, int max_new = 2) {
   rpc::GenerateRequest r;
   r.document_ids = {doc};
   r.__set_token_ids(LcgTokens(6, 900 + seed, false));
-  r.max_new_tokens = 2;
+  r.max_new_tokens = max_new;
   r.ignore_eos = true;
   return r;
 }
 
-rpc::SubmitJobRequest Job(const std::string& doc, int items, int seed) {
+rpc::SubmitJobRequest Job(const std::string& doc, int items, int seed, int max_new = 2) {
   rpc::SubmitJobRequest j;
   for (int i = 0; i < items; ++i) {
     rpc::JobItem it;
     it.custom_id = "item-" + std::to_string(i) + "-" + std::string(200, 'x');
-    it.request = Ask(doc, seed * 100 + i);
+    it.request = Ask(doc, seed * 100 + i, max_new);
     j.items.push_back(it);
   }
   return j;
@@ -95,20 +95,29 @@ TEST(Durable, CoordinatorOnAFullDiskAcknowledgesOnlyWhatItStores) {
     ready[d->id] = ids;
     return Status::OK();
   };
+  std::string job_doc;  // the document jobs ask about: never deleted
   auto remove = [&]() -> Status {
-    const std::string id = ready.begin()->first;
+    auto victim = ready.begin();
+    if (victim->first == job_doc) ++victim;
+    const std::string id = victim->first;
     Status s = c->DeleteDocument(id);
     if (s.ok()) ready.erase(id);
     return s;
   };
   auto submit = [&]() -> Status {
-    auto j = c->SubmitJob(Job(ready.rbegin()->first, 6, ++seed));
+    auto j = c->SubmitJob(Job(job_doc, 6, ++seed));
     if (!j.ok()) return j.status();
     jobs.insert(j->id);
     return Status::OK();
   };
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(put().ok());
+  job_doc = ready.begin()->first;
   ASSERT_TRUE(submit().ok());
+  // A longer job whose items run while the disk fills: their results are
+  // refused, kept by the coordinator and written once there is room.
+  auto running = c->SubmitJob(Job(job_doc, 16, 77, 24));
+  ASSERT_TRUE(running.ok()) << running.status();
+  jobs.insert(running->id);
 
   // Full: every call succeeds (and is kept) or fails typed.
   disk.Fill();
@@ -126,8 +135,11 @@ TEST(Durable, CoordinatorOnAFullDiskAcknowledgesOnlyWhatItStores) {
       EXPECT_EQ(d->state, rpc::DocumentState::READY);
     }
   }
-  std::printf("full disk: %d calls refused; %zu documents and %zu jobs acknowledged so far\n", failures,
-              ready.size(), jobs.size());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // job items finish meanwhile
+  std::printf("full disk: %d calls refused; %zu documents and %zu jobs acknowledged so far; job store: %g writes "
+              "refused\n",
+              failures, ready.size(), jobs.size(),
+              Metric(cluster, "penumbra_coordinator_store_write_errors_total", "store=\"job_store\""));
   EXPECT_GT(failures, 0);
   EXPECT_EQ(Metric(cluster, "penumbra_coordinator_store_degraded", "store=\"document_registry\""), 1);
   EXPECT_GT(Metric(cluster, "penumbra_coordinator_store_write_errors_total", "store=\"document_registry\""), 0);
@@ -170,6 +182,29 @@ TEST(Durable, CoordinatorOnAFullDiskAcknowledgesOnlyWhatItStores) {
   std::set<std::string> seen_jobs;
   for (const rpc::JobInfo& j : *listed) seen_jobs.insert(j.id);
   EXPECT_TRUE(seen_jobs == jobs) << seen_jobs.size() << " jobs after the restart, " << jobs.size() << " acknowledged";
+  // Every item of every acknowledged job is answered, once (results refused
+  // while the disk was full were kept and written again).
+  for (const std::string& id : jobs) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(40);
+    rpc::JobInfo j;
+    do {
+      auto g = c->GetJob(id);
+      ASSERT_TRUE(g.ok()) << g.status();
+      j = *g;
+      if (j.status == rpc::JobStatus::COMPLETED) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    } while (std::chrono::steady_clock::now() < until);
+    ASSERT_EQ(j.status, rpc::JobStatus::COMPLETED) << "job " << id << " not finished";
+    EXPECT_EQ(j.completed, j.total) << "job " << id;
+    auto results = c->JobResults(id);
+    ASSERT_TRUE(results.ok()) << results.status();
+    std::set<std::string> answered;
+    for (const rpc::JobItemResult& r : *results) {
+      EXPECT_TRUE(r.ok) << r.custom_id << ": " << r.error;
+      EXPECT_TRUE(answered.insert(r.custom_id).second) << r.custom_id << " answered twice";
+    }
+    EXPECT_EQ(static_cast<int64_t>(answered.size()), j.total);
+  }
 }
 
 TEST(Durable, ADeleteReachesAWorkerThatWasDown) {
