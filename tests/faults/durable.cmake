@@ -14,3 +14,10 @@ foreach(case CoordinatorOnAFullDiskAcknowledgesOnlyWhatItStores ADeleteReachesAW
   set_tests_properties(faults_durable_${case} PROPERTIES LABELS faults TIMEOUT 120
     ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
 endforeach()
+# The stores' own full-disk tests (unit tests on a small tmpfs) run with the
+# fault suite too.
+foreach(t document_registry_full_disk_test job_store_full_disk_test segment_store_full_disk_test tombstones_test)
+  if(TEST ${t})
+    set_property(TEST ${t} APPEND PROPERTY LABELS faults)
+  endif()
+endforeach()
