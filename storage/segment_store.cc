@@ -5,6 +5,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <thread>
 
 #include <glog/logging.h>
@@ -18,6 +19,7 @@
 #include "common/record.h"
 #include "storage/lazy_blob.h"
 #include "storage/rocksdb_status.h"
+#include "storage/rocksdb_writer.h"
 
 namespace penumbra::storage {
 namespace {
@@ -236,7 +238,13 @@ struct BlockRead {
 
 struct SegmentStore::Impl {
   SegmentStoreOptions options;
-  std::unique_ptr<rocksdb::DB> db;
+  rocksdb::DBOptions db_options;
+  std::vector<rocksdb::ColumnFamilyDescriptor> cf_descriptors;
+  std::unique_ptr<storage::RocksWriter> writer;  // every write goes through it
+  // Held shared by block reads outside `mu` (Get, ReadBlob: their snapshot
+  // and reads), exclusively by a reopen (from a write, under `mu`).
+  std::shared_mutex db_mu;
+  std::unique_ptr<rocksdb::DB> db;  // null only after a reopen that failed
   rocksdb::ColumnFamilyHandle* meta = nullptr;
   rocksdb::ColumnFamilyHandle* blocks = nullptr;
   rocksdb::ColumnFamilyHandle* pending = nullptr;  // intents: segments whose blocks may be partly written
@@ -259,12 +267,49 @@ struct SegmentStore::Impl {
       for (const auto& [k, r] : records) {
         if (r.last_used_unsaved) recency.Put(meta, KeyBytes(Hash128{k.second, k.first}), EncodeRecord(r));
       }
-      if (recency.Count() > 0) (void)db->Write(rocksdb::WriteOptions(), &recency);
-      for (auto* h : {meta, blocks, pending, default_cf}) {
-        if (h) (void)db->DestroyColumnFamilyHandle(h);
-      }
-      (void)db->Close();
+      if (recency.Count() > 0) (void)Write("saving recency", [&] { return db->Write(rocksdb::WriteOptions(), &recency); });
+      CloseDb();
     }
+  }
+
+  void CloseDb() {
+    for (auto** h : {&meta, &blocks, &pending, &default_cf}) {
+      if (*h) (void)db->DestroyColumnFamilyHandle(*h);
+      *h = nullptr;
+    }
+    (void)db->Close();
+    db.reset();
+  }
+
+  // RocksWriter's reopen (from a write, under mu): waits for the block
+  // reads under way, then closes and opens the database again.
+  Result<rocksdb::DB*> Reopen() {
+    std::unique_lock<std::shared_mutex> excl(db_mu);
+    if (db) CloseDb();
+    return OpenDb();
+  }
+
+  Result<rocksdb::DB*> OpenDb() {
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* fresh = nullptr;
+    PENUMBRA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(db_options, options.path, cf_descriptors, &handles, &fresh),
+                                       "segment store " + options.path));
+    db.reset(fresh);
+    default_cf = handles[0];
+    meta = handles[1];
+    blocks = handles[2];
+    pending = handles[3];
+    return fresh;
+  }
+
+  Status Readable() const {
+    return db ? Status::OK()
+              : Status::Unavailable("segment store " + options.path + ": closed (reopening after a failed write)");
+  }
+
+  // Every write (storage/rocksdb_writer.h): typed, counted, recovered from.
+  Status Write(const std::string& what, const std::function<rocksdb::Status()>& write) {
+    return writer->Write(what, write);
   }
 
   rocksdb::WriteOptions CommitOptions() const {
@@ -293,18 +338,24 @@ struct SegmentStore::Impl {
     rocksdb::WriteBatch batch;
     batch.Put(pending, VersionKey(key, generation), "");
     batch.Delete(meta, KeyBytes(key));
-    PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Write(CommitOptions(), &batch), "segment store: delete"));
+    PENUMBRA_RETURN_IF_ERROR(Write("deleting segment " + key.Hex(), [&] { return db->Write(CommitOptions(), &batch); }));
     Account(it->second, false);
     records.erase(it);
-    return DropVersion(key, generation);
+    // The segment is gone (its record); a failure here leaves the blocks and
+    // the intent, which Open finishes.
+    if (Status d = DropVersion(key, generation); !d.ok()) {
+      LOG(WARNING) << "segment store: the blocks of " << key.Hex() << " stay until reopened: " << d;
+    }
+    return Status::OK();
   }
 
   // Deletes every block of one version of `key`, then its intent.
   Status DropVersion(const Hash128& key, uint64_t generation) {
     const std::string prefix = VersionKey(key, generation);
-    PENUMBRA_RETURN_IF_ERROR(FromRocks(db->DeleteRange(rocksdb::WriteOptions(), blocks, prefix, PrefixEnd(prefix)),
-                                       "segment store: delete blocks"));
-    return FromRocks(db->Delete(rocksdb::WriteOptions(), pending, prefix), "segment store: delete intent");
+    PENUMBRA_RETURN_IF_ERROR(Write("deleting the blocks of " + key.Hex(), [&] {
+      return db->DeleteRange(rocksdb::WriteOptions(), blocks, prefix, PrefixEnd(prefix));
+    }));
+    return Write("deleting an intent", [&] { return db->Delete(rocksdb::WriteOptions(), pending, prefix); });
   }
 
   // Reads, checks and copies `jobs`, up to read_threads at once, all as of
@@ -353,10 +404,12 @@ struct SegmentStore::Impl {
     // Under the lock: the record's blobs to read and a snapshot of the
     // blocks it describes. The reads go without it.
     std::vector<std::pair<uint32_t, BlobLayout>> want;  // blob index, layout
+    std::shared_lock<std::shared_mutex> reading;
     std::unique_ptr<rocksdb::ManagedSnapshot> snapshot;
     uint64_t generation = 0;
     {
       std::lock_guard<std::mutex> lock(mu);
+      PENUMBRA_RETURN_IF_ERROR(Readable());
       ++stats.gets;
       auto it = records.find(K(key));
       if (it == records.end()) {
@@ -375,6 +428,7 @@ struct SegmentStore::Impl {
       for (uint32_t bi = 0; bi < r.blobs.size(); ++bi) {
         if (!only || only->count(r.blobs[bi].name)) want.emplace_back(bi, r.blobs[bi]);
       }
+      reading = std::shared_lock<std::shared_mutex>(db_mu);
       snapshot = std::make_unique<rocksdb::ManagedSnapshot>(db.get());
     }
     // Every block of every blob, read and checked by up to read_threads
@@ -393,6 +447,7 @@ struct SegmentStore::Impl {
     }
     const Status read = ReadBlocks(key, generation, snapshot->snapshot(), jobs);
     snapshot.reset();
+    reading.unlock();
     std::lock_guard<std::mutex> lock(mu);
     if (!read.ok()) {
       ++stats.corruptions_detected;
@@ -404,7 +459,7 @@ struct SegmentStore::Impl {
     if (auto it = records.find(K(key)); it != records.end()) {
       it->second.last_used = clock++;
       it->second.last_used_unsaved = false;
-      (void)db->Put(rocksdb::WriteOptions(), meta, KeyBytes(key), EncodeRecord(it->second));
+      (void)Write("saving recency", [&] { return db->Put(rocksdb::WriteOptions(), meta, KeyBytes(key), EncodeRecord(it->second)); });
     }
     return out;
   }
@@ -472,14 +527,14 @@ struct SegmentStore::Impl {
     for (const std::string& k : intents) {
       if (k.size() == kKeyBytes) continue;
       if (k.size() != kKeyBytes + 8) {
-        PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Delete(rocksdb::WriteOptions(), pending, k), "segment store"));
+        PENUMBRA_RETURN_IF_ERROR(Write("deleting an intent", [&] { return db->Delete(rocksdb::WriteOptions(), pending, k); }));
         continue;
       }
       const Hash128 key = KeyFrom(k.data());
       const uint64_t generation = GetBigEndian64(k.data() + kKeyBytes);
       auto it = records.find(K(key));
       if (it != records.end() && it->second.generation == generation) {
-        PENUMBRA_RETURN_IF_ERROR(FromRocks(db->Delete(rocksdb::WriteOptions(), pending, k), "segment store"));
+        PENUMBRA_RETURN_IF_ERROR(Write("deleting an intent", [&] { return db->Delete(rocksdb::WriteOptions(), pending, k); }));
       } else {
         PENUMBRA_RETURN_IF_ERROR(DropVersion(key, generation));
         ++stats.orphans_removed;
@@ -515,7 +570,9 @@ Result<std::unique_ptr<SegmentStore>> SegmentStore::Open(const SegmentStoreOptio
   }
   auto impl = std::make_unique<Impl>();
   impl->options = o;
-  rocksdb::DBOptions dbo;
+  impl->writer = std::make_unique<storage::RocksWriter>("segment store", o.path);
+  rocksdb::DBOptions& dbo = impl->db_options;
+  impl->writer->Configure(&dbo);
   dbo.create_if_missing = true;
   dbo.create_missing_column_families = true;
   dbo.paranoid_checks = true;  // refuse to open over detected corruption rather than drop data silently
@@ -531,16 +588,10 @@ Result<std::unique_ptr<SegmentStore>> SegmentStore::Open(const SegmentStoreOptio
   blocks_cf.min_blob_size = 4096;
   blocks_cf.blob_compression_type = rocksdb::kNoCompression;
   blocks_cf.enable_blob_garbage_collection = true;
-  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+  impl->cf_descriptors = {
       {rocksdb::kDefaultColumnFamilyName, meta_cf}, {"meta", meta_cf}, {"blocks", blocks_cf}, {"pending", meta_cf}};
-  std::vector<rocksdb::ColumnFamilyHandle*> handles;
-  rocksdb::DB* db = nullptr;
-  PENUMBRA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(dbo, o.path, cfs, &handles, &db), "segment store " + o.path));
-  impl->db.reset(db);
-  impl->default_cf = handles[0];
-  impl->meta = handles[1];
-  impl->blocks = handles[2];
-  impl->pending = handles[3];
+  PENUMBRA_ASSIGN_OR_RETURN(rocksdb::DB * db, impl->OpenDb());
+  impl->writer->Attach(db, [m = impl.get()] { return m->Reopen(); });
   PENUMBRA_RETURN_IF_ERROR(impl->Load());
   return std::unique_ptr<SegmentStore>(new SegmentStore(std::move(impl)));
 }
@@ -617,8 +668,9 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
   // an intent to drop the old version's blocks, dropped next).
   r.generation = kGenerationBit | m.clock++;
   const std::string version = VersionKey(key, r.generation);
-  PENUMBRA_RETURN_IF_ERROR(
-      FromRocks(m.db->Put(rocksdb::WriteOptions(), m.pending, version, ""), "segment store: writing an intent"));
+  PENUMBRA_RETURN_IF_ERROR(m.Write("writing the intent of " + key.Hex(), [&] {
+    return m.db->Put(rocksdb::WriteOptions(), m.pending, version, "");
+  }));
   Status written;
   uint32_t blob_index = 0;
   for (const auto& [name, data] : blobs) {
@@ -627,9 +679,10 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
       const size_t n = std::min(block_bytes, data.size() - off);
       const std::string v = EncodeBlock(key, r.generation, blob_index, static_cast<uint32_t>(block),
                                         std::string_view(data).substr(off, n));
-      written = FromRocks(m.db->Put(rocksdb::WriteOptions(), m.blocks,
-                                    BlockKey(key, r.generation, blob_index, static_cast<uint32_t>(block)), v),
-                          "segment store: writing a block");
+      written = m.Write("writing a block of " + key.Hex(), [&] {
+        return m.db->Put(rocksdb::WriteOptions(), m.blocks,
+                         BlockKey(key, r.generation, blob_index, static_cast<uint32_t>(block)), v);
+      });
     }
     ++blob_index;
   }
@@ -639,7 +692,7 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
     commit.Put(m.meta, KeyBytes(key), EncodeRecord(r));
     commit.Delete(m.pending, version);
     if (old) commit.Put(m.pending, VersionKey(key, old->generation), "");
-    written = FromRocks(m.db->Write(m.CommitOptions(), &commit), "segment store: committing a segment");
+    written = m.Write("committing segment " + key.Hex(), [&] { return m.db->Write(m.CommitOptions(), &commit); });
   }
   if (!written.ok()) {
     // Nothing new is visible; the blocks written go now (or at the next Open,
@@ -690,9 +743,11 @@ Status SegmentStore::ReadBlob(const Hash128& key, const std::string& blob, uint6
   uint32_t index = 0;
   BlobLayout b;
   uint64_t generation = 0;
+  std::shared_lock<std::shared_mutex> reading;
   std::unique_ptr<rocksdb::ManagedSnapshot> snapshot;
   {
     std::lock_guard<std::mutex> lock(m.mu);
+    PENUMBRA_RETURN_IF_ERROR(m.Readable());
     auto it = m.records.find(Impl::K(key));
     if (it == m.records.end()) return Status::NotFound("segment " + key.Hex() + " is not stored");
     const std::vector<BlobLayout>& blobs = it->second.blobs;
@@ -705,7 +760,10 @@ Status SegmentStore::ReadBlob(const Hash128& key, const std::string& blob, uint6
                                      " bytes at offset " + std::to_string(offset) + " end past its " +
                                      std::to_string(b.size) + " bytes");
     }
-    if (length > 0) snapshot = std::make_unique<rocksdb::ManagedSnapshot>(m.db.get());
+    if (length > 0) {
+      reading = std::shared_lock<std::shared_mutex>(m.db_mu);
+      snapshot = std::make_unique<rocksdb::ManagedSnapshot>(m.db.get());
+    }
   }
   // The blocks covering [offset, end), each read whole (its checksum covers
   // it) and the covered part copied straight to dst.
@@ -721,6 +779,7 @@ Status SegmentStore::ReadBlob(const Hash128& key, const std::string& blob, uint6
   }
   const Status read = jobs.empty() ? Status::OK() : m.ReadBlocks(key, generation, snapshot->snapshot(), jobs);
   snapshot.reset();
+  if (reading.owns_lock()) reading.unlock();
   std::lock_guard<std::mutex> lock(m.mu);
   if (!read.ok()) {
     ++m.stats.corruptions_detected;
@@ -788,8 +847,9 @@ Status SegmentStore::Pin(const Hash128& key, bool pinned) {
   Record r = it->second;
   r.pinned = pinned;
   r.last_used_unsaved = false;
-  PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db->Put(m.CommitOptions(), m.meta, KeyBytes(key), EncodeRecord(r)),
-                                     "segment store: pinning"));
+  PENUMBRA_RETURN_IF_ERROR(m.Write("pinning segment " + key.Hex(), [&] {
+    return m.db->Put(m.CommitOptions(), m.meta, KeyBytes(key), EncodeRecord(r));
+  }));
   it->second = std::move(r);
   return Status::OK();
 }
@@ -812,9 +872,11 @@ Status SegmentStore::Erase(const Hash128& key) {
 
 Status SegmentStore::Flush() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  rocksdb::FlushOptions f;
-  f.wait = true;
-  return FromRocks(impl_->db->Flush(f, {impl_->meta, impl_->blocks}), "segment store: flush");
+  return impl_->Write("flushing", [&] {
+    rocksdb::FlushOptions f;
+    f.wait = true;
+    return impl_->db->Flush(f, {impl_->meta, impl_->blocks});
+  });
 }
 
 size_t SegmentStore::bytes() const {
@@ -834,6 +896,8 @@ std::vector<Hash128> SegmentStore::Keys() const {
   for (const auto& [k, r] : impl_->records) out.push_back(Hash128{k.second, k.first});
   return out;
 }
+
+WriteHealth SegmentStore::write_health() const { return impl_->writer->health(); }
 
 SegmentStoreStats SegmentStore::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);

@@ -33,6 +33,15 @@
 // Open reads no block, so a damaged block cannot keep the store from
 // opening.
 //
+// Failed writes (a full disk): Put, Erase and Pin return a typed error
+// (ResourceExhausted saying the disk is full, IOError for other I/O errors)
+// and change nothing visible: a Put that fails leaves its intent, its blocks
+// are deleted at once or at the next Open, and the old version (if any)
+// stays. Reads go on. The store is then degraded (write_health()) and
+// becomes writable again by itself when the disk has room
+// (storage/rocksdb_writer.h: Resume or reopen before the next write, at most
+// every 500 ms).
+//
 // Integrity: every block read back is checked against its checksum, its
 // segment key, generation, blob index and block number, and every record
 // against its format version; a mismatch is Corruption (counted in stats),
@@ -70,6 +79,7 @@
 #include "common/hash.h"
 #include "common/status.h"
 #include "storage/document_store.h"
+#include "storage/write_health.h"
 
 namespace penumbra::storage {
 
@@ -177,6 +187,8 @@ class SegmentStore final : public DocumentStore {
   size_t NamespaceBytes(const std::string& cache_namespace) const;
   std::vector<Hash128> Keys() const;  // committed segments, in key order
   SegmentStoreStats stats() const;
+  // How its writes fare (write errors, degraded), for metrics.
+  WriteHealth write_health() const;
 
  private:
   struct Impl;

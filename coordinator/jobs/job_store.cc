@@ -15,6 +15,7 @@
 #include "common/hash.h"
 #include "common/record.h"
 #include "storage/rocksdb_status.h"
+#include "storage/rocksdb_writer.h"
 
 namespace penumbra::jobs {
 namespace {
@@ -316,7 +317,9 @@ struct JobStore::Impl {
   };
 
   JobStoreOptions options;
-  std::unique_ptr<rocksdb::DB> db;
+  rocksdb::Options db_options;
+  std::unique_ptr<rocksdb::DB> db;  // null only after a reopen that failed (calls are then Unavailable)
+  std::unique_ptr<storage::RocksWriter> writer;
   mutable std::mutex mu;
   StoreRecord store;
   std::map<std::string, Job> jobs;                                // every job, damaged ones included
@@ -330,10 +333,28 @@ struct JobStore::Impl {
 
   int64_t Now() const { return options.clock ? options.clock() : WallClockSeconds(); }
 
+  // Every write: typed, counted, recovered from (storage/rocksdb_writer.h).
+  // On failure nothing is written.
   Status Commit(rocksdb::WriteBatch* batch, const std::string& what) {
-    rocksdb::WriteOptions w;
-    w.sync = options.sync_writes;
-    return FromRocks(db->Write(w, batch), "job store: " + what);
+    return writer->Write(what, [&] {
+      rocksdb::WriteOptions w;
+      w.sync = options.sync_writes;
+      return db->Write(w, batch);
+    });
+  }
+  // RocksWriter's reopen (called under mu, from Commit).
+  Result<rocksdb::DB*> Reopen() {
+    if (db) (void)db->Close();
+    db.reset();
+    rocksdb::DB* fresh = nullptr;
+    PENUMBRA_RETURN_IF_ERROR(
+        FromRocks(rocksdb::DB::Open(db_options, options.path, &fresh), "job store " + options.path));
+    db.reset(fresh);
+    return fresh;
+  }
+  Status Readable() const {
+    return db ? Status::OK()
+              : Status::Unavailable("job store " + options.path + ": closed (reopening after a failed write)");
   }
 
   Status Damage(char kind, const std::string& job_id, const std::string& item, const Status& why) {
@@ -373,6 +394,7 @@ struct JobStore::Impl {
   // An item's state record, checked against what is in memory; a failure
   // damages the job.
   Result<ItemRecord> ReadItem(Job& job, uint32_t index) {
+    PENUMBRA_RETURN_IF_ERROR(Readable());
     const std::string key = ItemKey(kStateKind, job.id, index);
     const std::string item = ", item " + std::to_string(index);
     std::string value;
@@ -391,6 +413,7 @@ struct JobStore::Impl {
   }
 
   Result<SpecRecord> ReadSpec(Job& job, uint32_t index) {
+    PENUMBRA_RETURN_IF_ERROR(Readable());
     const std::string key = ItemKey(kSpecKind, job.id, index);
     const std::string item = ", item " + std::to_string(index);
     std::string value;
@@ -664,13 +687,16 @@ Result<std::unique_ptr<JobStore>> JobStore::Open(const JobStoreOptions& o) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = o;
-  rocksdb::Options dbo;
+  impl->writer = std::make_unique<storage::RocksWriter>("job store", o.path);
+  rocksdb::Options& dbo = impl->db_options;
+  impl->writer->Configure(&dbo);
   dbo.create_if_missing = true;
   dbo.paranoid_checks = true;  // refuse to open over detected corruption rather than drop data silently
   dbo.max_open_files = 256;
   rocksdb::DB* db = nullptr;
   PENUMBRA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(dbo, o.path, &db), "job store " + o.path));
   impl->db.reset(db);
+  impl->writer->Attach(db, [m = impl.get()] { return m->Reopen(); });
   PENUMBRA_RETURN_IF_ERROR(impl->Load());
   return std::unique_ptr<JobStore>(new JobStore(std::move(impl)));
 }
@@ -962,6 +988,7 @@ Result<ResultsPage> JobStore::Results(const std::string& tenant, const std::stri
   std::lock_guard<std::mutex> lock(m.mu);
   PENUMBRA_ASSIGN_OR_RETURN(Impl::Job * job, m.Find(tenant, job_id));
   if (!job->damage.empty()) return Status::Corruption(job->damage);
+  PENUMBRA_RETURN_IF_ERROR(m.Readable());
   ResultsPage page;
   const std::string prefix = JobKey(kIndexKind, job_id);
   std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(rocksdb::ReadOptions()));
@@ -1000,6 +1027,8 @@ Status JobStore::Delete(const std::string& tenant, const std::string& job_id) {
     return Status::FailedPrecondition("job store: job " + job_id + " is " + std::string(ToString(job->rec.status)) +
                                       "; only a finished job can be deleted (cancel it first)");
   }
+  PENUMBRA_RETURN_IF_ERROR(m.writer->Recover());
+  PENUMBRA_RETURN_IF_ERROR(m.Readable());
   rocksdb::WriteBatch batch;
   batch.Delete(JobKey(kJobKind, job_id));
   std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(rocksdb::ReadOptions()));
@@ -1025,6 +1054,8 @@ int64_t JobStore::Unfinished(const std::string& tenant) const {
   return n;
 }
 
+storage::WriteHealth JobStore::write_health() const { return impl_->writer->health(); }
+
 JobStoreStats JobStore::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->stats;
@@ -1033,6 +1064,7 @@ JobStoreStats JobStore::stats() const {
 Status JobStore::CorruptRecordForTest(const std::string& job_id, RecordKind kind) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
+  PENUMBRA_RETURN_IF_ERROR(m.Readable());
   std::string key;
   switch (kind) {
     case RecordKind::kJob: key = JobKey(kJobKind, job_id); break;

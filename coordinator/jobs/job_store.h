@@ -35,6 +35,11 @@
 // JobStoreOptions::sync_writes): a job with all its items, a result with
 // the item's state and the job's counters, a lease batch. After a crash a
 // job is either whole or absent, and what a call acknowledged is on disk.
+// A write that fails changes nothing (on disk or in memory) and fails the
+// call with a typed error (storage/rocksdb_writer.h): ResourceExhausted
+// saying the disk is full, IOError for other I/O errors; the store is then
+// degraded (write_health()) and becomes writable again by itself when the
+// disk has room (before the next write, at most every 500 ms).
 // Open recovers: items left running go back to pending (attempt kept), so
 // every unfinished job resumes; the running items of a cancelling job are
 // cancelled and the job becomes cancelled.
@@ -64,6 +69,7 @@
 
 #include "common/config.h"
 #include "common/status.h"
+#include "storage/write_health.h"
 
 namespace penumbra::jobs {
 
@@ -270,6 +276,8 @@ class JobStore {
   int64_t Unfinished(const std::string& tenant) const;
 
   JobStoreStats stats() const;
+  // How its writes fare (write errors, degraded), for /metrics.
+  storage::WriteHealth write_health() const;
 
   // ---- tests only ----
   enum class RecordKind : uint8_t { kJob, kItemSpec, kItemState, kCustomIdIndex };

@@ -231,6 +231,23 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
   worker_routed_ = &BuildGauge().Name("penumbra_coordinator_worker_routed")
                         .Help("Generations routed to the worker and not ended.").Register(*registry_);
   last_sweep_ = Clock::now();
+  store_write_errors_ = &BuildCounter().Name("penumbra_coordinator_store_write_errors_total")
+                             .Help("Writes a durable store refused (a full disk, an I/O error), by store.")
+                             .Register(*registry_);
+  store_degraded_ = &BuildGauge().Name("penumbra_coordinator_store_degraded")
+                         .Help("1 while a durable store refuses writes (it retries by itself), by store.")
+                         .Register(*registry_);
+  tombstones_gauge_ = &BuildGauge().Name("penumbra_coordinator_document_tombstones")
+                           .Help("Deleted documents some worker has not yet confirmed forgetting.")
+                           .Register(*registry_).Add({});
+  tombstones_ = std::make_unique<TombstoneSweeper>(
+      docs_.get(), [this] { return workers_->size(); },
+      [this](int w, const DocumentTombstone& t) {
+        // A worker known to be down is asked at a later sweep, not waited for.
+        if (!workers_->state(w).healthy) return Status::Unavailable("worker " + std::to_string(w) + " is down");
+        return ForgetOn(w, t.id, t.tenant, t.ids);
+      },
+      std::chrono::seconds(2));
   sweeper_ = std::thread([this] {
     std::unique_lock<std::mutex> lk(sweep_mu_);
     while (!sweep_cv_.wait_for(lk, std::chrono::seconds(1), [this] { return stopping_.load(); })) {
@@ -257,6 +274,7 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
 }
 
 Coordinator::~Coordinator() {
+  tombstones_.reset();
   {
     std::lock_guard<std::mutex> lk(sweep_mu_);
     stopping_ = true;
@@ -399,6 +417,8 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
   }
   // Stored document bytes: its token ids, as the coordinator keeps them.
   const int64_t doc_bytes = static_cast<int64_t>(ids.size() * sizeof(int32_t));
+  // A registry that cannot store (a full disk) refuses the put before a worker factors it.
+  PENUMBRA_RETURN_IF_ERROR(docs_->CheckWritable());
   if (o_.tenants) PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->ReserveDocumentBytes(tenant, doc_bytes), quota_refusals_, tenant));
   Result<DocumentView> added = docs_->Add(tenant, r.name, std::move(ids), leading_special);
   if (!added.ok()) {
@@ -433,6 +453,8 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
     (void)docs_->Remove(tenant, d.id);
     return Status::InvalidArgument(now.error);
   }
+  // Factored but not stored (the registry's write failed): the put fails, typed.
+  if (now.state == DocumentState::kFailed && now.not_stored) return Status(now.error_code, now.error);
   return ToInfo(now);
 }
 
@@ -477,7 +499,10 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
     if (ch.finish_reason == "prefilled") {
       const double secs = Seconds(Clock::now() - t0);
       factor_->Observe(secs);
-      docs_->SetReady(d.id, w, secs);
+      if (Status stored = docs_->SetReady(d.id, w, secs); !stored.ok()) {
+        LOG(WARNING) << "document " << d.id << " factored, not stored: " << stored;
+        return;
+      }
       LOG(INFO) << "document " << d.id << " (" << d.tokens << " tokens) factored on worker "
                 << workers_->state(w).endpoint.name << " in " << secs << " s";
       return;
@@ -492,7 +517,7 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
     if (last.code() != StatusCode::kResourceExhausted) break;
   }
   LOG(WARNING) << "document " << d.id << " not factored: " << last;
-  docs_->SetFailed(d.id, last);
+  if (Status s = docs_->SetFailed(d.id, last); !s.ok()) LOG(WARNING) << "document " << d.id << ": " << s;
 }
 
 void Coordinator::PutDocument(rpc::DocumentInfo& out, const rpc::PutDocumentRequest& request) {
@@ -524,14 +549,25 @@ void Coordinator::DeleteDocument(const std::string& api_key, const std::string& 
   Check(ValidateDeadline("deadline_ms", deadline_ms, o_.limits));
   DocumentView d = OrThrow(docs_->Remove(tenant, document_id));
   if (o_.tenants) o_.tenants->ReleaseDocumentBytes(tenant, d.tokens * static_cast<int64_t>(sizeof(int32_t)));
-  // Its cached state goes too (requests attached now keep theirs until they end).
+  // Its cached state goes too (requests attached now keep theirs until they
+  // end): at once on the workers known to hold it, on the others (and those
+  // that did not answer) by the tombstone sweep.
   for (int w : d.workers) {
-    int32_t dropped = 0;
-    Status s = workers_->Call(w, "forget " + d.id, [&](rpc::WorkerClient& c) {
-      dropped = c.ForgetPrefixes(*d.ids, {d.tokens}, d.tenant);
-    });
-    if (!s.ok()) LOG(WARNING) << "document " << d.id << ": cached state not dropped: " << s;
+    Status s = ForgetOn(w, d.id, d.tenant, d.ids);
+    if (s.ok()) {
+      docs_->ConfirmForgotten(d.id, w);
+    } else {
+      LOG(WARNING) << "document " << d.id << ": cached state not dropped yet: " << s;
+    }
   }
+  tombstones_->Kick();
+}
+
+Status Coordinator::ForgetOn(int w, const std::string& id, const std::string& tenant,
+                             const std::shared_ptr<const std::vector<int32_t>>& ids) {
+  return workers_->Call(w, "forget " + id, [&](rpc::WorkerClient& c) {
+    (void)c.ForgetPrefixes(*ids, {static_cast<int64_t>(ids->size())}, tenant);
+  });
 }
 
 // ---- generation --------------------------------------------------------------
@@ -1463,6 +1499,16 @@ void Coordinator::RefreshMetrics() {
     running_gauge_->Set(static_cast<double>(running_));
   }
   documents_gauge_->Set(static_cast<double>(docs_->count()));
+  tombstones_gauge_->Set(static_cast<double>(docs_->tombstone_count()));
+  auto store = [&](const char* name, const storage::WriteHealth& h) {
+    std::lock_guard<std::mutex> lk(mu_);  // scrapes may come at once: one catch-up of the counter
+    prometheus::Counter& c = store_write_errors_->Add({{"store", name}});
+    if (static_cast<double>(h.write_errors) > c.Value()) c.Increment(static_cast<double>(h.write_errors) - c.Value());
+    store_degraded_->Add({{"store", name}}).Set(h.degraded ? 1 : 0);
+  };
+  store("document_registry", docs_->write_health());
+  if (jobs_) store("job_store", jobs_->write_health());
+  if (journal_) store("request_journal", journal_->write_health());
   for (const WorkerState& w : workers_->states()) {
     worker_up_->Add({{"worker", w.endpoint.name}}).Set(w.healthy ? 1 : 0);
     worker_routed_->Add({{"worker", w.endpoint.name}}).Set(static_cast<double>(w.routed));

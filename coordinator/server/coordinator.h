@@ -42,6 +42,7 @@
 #include "coordinator/server/document_registry.h"
 #include "coordinator/server/job_service.h"
 #include "coordinator/server/request_journal.h"
+#include "coordinator/server/tombstones.h"
 #include "coordinator/server/validation.h"
 #include "coordinator/tenants/tenants.h"
 #include "coordinator/server/worker_pool.h"
@@ -216,6 +217,9 @@ class Coordinator : public rpc::PenumbraIf {
   std::vector<int> Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const;
   rpc::DocumentInfo ToInfo(const DocumentView& d) const;
   void DropExpired();
+  // Asks worker w to drop a document's cached state (ForgetPrefixes).
+  Status ForgetOn(int w, const std::string& id, const std::string& tenant,
+                  const std::shared_ptr<const std::vector<int32_t>>& ids);
 
   CoordinatorOptions o_;
   std::unique_ptr<TextCodec> codec_;
@@ -264,6 +268,11 @@ class Coordinator : public rpc::PenumbraIf {
   prometheus::Gauge *running_gauge_, *documents_gauge_;
   prometheus::Family<prometheus::Gauge>* worker_up_;
   prometheus::Family<prometheus::Gauge>* worker_routed_;
+  prometheus::Family<prometheus::Counter>* store_write_errors_;  // by store
+  prometheus::Family<prometheus::Gauge>* store_degraded_;        // by store
+  prometheus::Gauge* tombstones_gauge_;
+  // Deletes carried to the workers (after docs_ and workers_; stopped first).
+  std::unique_ptr<TombstoneSweeper> tombstones_;
 };
 
 }  // namespace penumbra::coordinator

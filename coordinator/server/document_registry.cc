@@ -10,10 +10,12 @@
 #include <glog/logging.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
 
 #include "common/crypto.h"
 #include "common/hash.h"
 #include "common/record.h"
+#include "storage/rocksdb_writer.h"
 
 namespace penumbra::coordinator {
 namespace {
@@ -37,10 +39,37 @@ bool WellFormedId(std::string_view id) {
 //   u32 n, n x i32 token ids (n == tokens)
 //   u64 checksum: Hash64 of everything before it, seeded with Hash64(key),
 //       so a value read under another key fails too.
+//
+// Tombstone key: 't' and the document id. Value: u32 format version, tenant
+// (u32 length, bytes), i64 tokens, u32 n, n x i32 token ids, u64 checksum
+// (as above).
 constexpr uint32_t kFormatVersion = 1;
 constexpr char kDocumentKind = 'd';
+constexpr char kTombstoneKind = 't';
 
 std::string DocumentKey(const std::string& id) { return std::string(1, kDocumentKind) + id; }
+std::string TombstoneKey(const std::string& id) { return std::string(1, kTombstoneKind) + id; }
+
+std::string EncodeTombstone(const std::string& key, const DocumentTombstone& t) {
+  RecordWriter w(kFormatVersion);
+  w.Reserve(32 + t.tenant.size() + 4 * t.ids->size());
+  w.Str(t.tenant).I64(t.tokens).I32s(*t.ids);
+  return w.Seal(key);
+}
+
+Status DecodeTombstone(std::string_view key, std::string_view value, DocumentTombstone* t) {
+  std::string_view fields;
+  PENUMBRA_RETURN_IF_ERROR(UnsealRecord(key, value, kFormatVersion, &fields));
+  RecordReader in(fields);
+  auto ids = std::make_shared<std::vector<int32_t>>();
+  if (!in.Str(&t->tenant) || !in.I64(&t->tokens) || !in.I32s(ids.get()) || !in.done()) {
+    return Status::Corruption("malformed tombstone fields");
+  }
+  if (t->tokens != static_cast<int64_t>(ids->size())) return Status::Corruption("tombstone: token count mismatch");
+  t->id = std::string(key.substr(1));
+  t->ids = std::move(ids);
+  return Status::OK();
+}
 
 std::string Encode(const std::string& key, const DocumentView& d) {
   const std::vector<int32_t>& ids = *d.ids;
@@ -88,11 +117,25 @@ std::string Printable(std::string_view key) {
 }  // namespace
 
 struct DocumentRegistry::Store {
+  explicit Store(const std::string& p) : path(p), writer("document registry", p) {}
   std::string path;
+  rocksdb::Options options;
   std::unique_ptr<rocksdb::DB> db;
+  storage::RocksWriter writer;
 
   ~Store() {
     if (db) (void)db->Close();
+  }
+  // RocksWriter's reopen: readers never touch `db` (they read memory), and
+  // writers hold write_mu_.
+  Result<rocksdb::DB*> Reopen() {
+    if (db) (void)db->Close();
+    db.reset();
+    rocksdb::DB* fresh = nullptr;
+    rocksdb::Status rs = rocksdb::DB::Open(options, path, &fresh);
+    if (!rs.ok()) return Status::IOError("document registry " + path + ": cannot reopen RocksDB: " + rs.ToString());
+    db.reset(fresh);
+    return fresh;
   }
 };
 
@@ -106,9 +149,9 @@ Result<std::unique_ptr<DocumentRegistry>> DocumentRegistry::Open(const std::stri
   std::error_code ec;
   std::filesystem::create_directories(path, ec);  // RocksDB creates the last level only
   if (ec) return Status::IOError("document registry " + path + ": cannot create the directory: " + ec.message());
-  auto store = std::make_unique<Store>();
-  store->path = path;
-  rocksdb::Options o;
+  auto store = std::make_unique<Store>(path);
+  rocksdb::Options& o = store->options;
+  store->writer.Configure(&o);
   o.create_if_missing = true;
   o.paranoid_checks = true;  // refuse to open over detected corruption rather than drop data silently
   o.max_open_files = 64;
@@ -116,10 +159,25 @@ Result<std::unique_ptr<DocumentRegistry>> DocumentRegistry::Open(const std::stri
   rocksdb::Status rs = rocksdb::DB::Open(o, path, &db);
   if (!rs.ok()) return Status::IOError("document registry " + path + ": cannot open RocksDB: " + rs.ToString());
   store->db.reset(db);
+  store->writer.Attach(db, [s = store.get()] { return s->Reopen(); });
   auto reg = std::make_unique<DocumentRegistry>(max_documents_per_tenant);
   std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     const std::string_view key = it->key().ToStringView();
+    if (!key.empty() && key[0] == kTombstoneKind) {
+      DocumentTombstone t;
+      Status s = WellFormedId(key.substr(1)) ? DecodeTombstone(key, it->value().ToStringView(), &t)
+                                             : Status::Corruption("not a tombstone key");
+      if (!s.ok()) {
+        LOG(ERROR) << "document registry " << path << ": tombstone " << Printable(key) << " skipped: " << s.message();
+        ++reg->corrupt_records_;
+        if (WellFormedId(key.substr(1))) reg->stale_ids_.insert(std::string(key.substr(1)));
+        continue;
+      }
+      std::string id = t.id;
+      reg->tombstones_.emplace(std::move(id), std::move(t));
+      continue;
+    }
     DocumentView d;
     Status s = Decode(key, it->value().ToStringView(), &d);
     if (!s.ok()) {
@@ -135,7 +193,8 @@ Result<std::unique_ptr<DocumentRegistry>> DocumentRegistry::Open(const std::stri
   rs = it->status();
   if (!rs.ok()) return Status::IOError("document registry " + path + ": reading records: " + rs.ToString());
   it.reset();
-  LOG(INFO) << "document registry " << path << ": " << reg->docs_.size() << " documents"
+  LOG(INFO) << "document registry " << path << ": " << reg->docs_.size() << " documents, "
+            << reg->tombstones_.size() << " tombstones"
             << (reg->corrupt_records_ ? ", " + std::to_string(reg->corrupt_records_) + " damaged records skipped"
                                       : std::string());
   reg->store_ = std::move(store);
@@ -146,18 +205,24 @@ std::unique_lock<std::mutex> DocumentRegistry::LockWrites() {
   return store_ ? std::unique_lock<std::mutex>(write_mu_) : std::unique_lock<std::mutex>();
 }
 
-void DocumentRegistry::Persist(const std::string& id, const std::string* value, const char* what) {
-  rocksdb::WriteOptions w;
-  w.sync = true;
+Status DocumentRegistry::Persist(const std::string& id, const std::string* value,
+                                 const DocumentTombstone* tombstone, const std::string& what) {
+  rocksdb::WriteBatch batch;
   const std::string key = DocumentKey(id);
-  const rocksdb::Status rs = value ? store_->db->Put(w, key, *value) : store_->db->Delete(w, key);
-  if (rs.ok()) return;
-  LOG(ERROR) << "document registry " << store_->path << ": " << what << " document " << id << " failed ("
-             << (value ? "it is missing after the next restart" : "it is back after the next restart")
-             << "): " << rs.ToString();
-  std::lock_guard<std::mutex> lk(mu_);
-  ++persist_errors_;
-  stale_ids_.insert(id);
+  if (value) {
+    batch.Put(key, *value);
+  } else {
+    batch.Delete(key);
+  }
+  if (tombstone) {
+    const std::string tkey = TombstoneKey(id);
+    batch.Put(tkey, EncodeTombstone(tkey, *tombstone));
+  }
+  return store_->writer.Write(what, [&] {
+    rocksdb::WriteOptions w;
+    w.sync = true;
+    return store_->writer.db()->Write(w, &batch);
+  });
 }
 
 const char* DocumentStateName(DocumentState s) {
@@ -179,7 +244,7 @@ Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std:
   DocumentView d;
   do {
     d.id = NewId();
-  } while (docs_.count(d.id) || stale_ids_.count(d.id));
+  } while (docs_.count(d.id) || stale_ids_.count(d.id) || tombstones_.count(d.id));
   d.tenant = tenant;
   d.name = name;
   d.tokens = static_cast<int64_t>(ids.size());
@@ -230,64 +295,139 @@ Result<DocumentPage> DocumentRegistry::List(const std::string& tenant, const std
 
 Result<DocumentView> DocumentRegistry::Remove(const std::string& tenant, const std::string& id) {
   std::unique_lock<std::mutex> writes = LockWrites();
-  bool stored = false;
+  DocumentTombstone t;
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = docs_.find(id);
     if (it == docs_.end() || it->second.tenant != tenant) return Status::NotFound("document '" + id + "' is unknown");
-    stored = store_ && it->second.state == DocumentState::kReady;
+    t.id = id;
+    t.tenant = tenant;
+    t.tokens = it->second.tokens;
+    t.ids = it->second.ids;
   }
-  if (stored) Persist(id, nullptr, "deleting");
+  if (store_) {
+    // (A document never stored has no record: deleting it anyway is harmless.)
+    PENUMBRA_RETURN_IF_ERROR(Persist(id, nullptr, &t, "deleting document " + id));
+  }
   std::lock_guard<std::mutex> lk(mu_);
   auto it = docs_.find(id);  // in memory, another Remove may have come between
   if (it == docs_.end() || it->second.tenant != tenant) return Status::NotFound("document '" + id + "' is unknown");
   DocumentView d = std::move(it->second);
   docs_.erase(it);
   --per_tenant_[tenant];
+  tombstones_[id] = std::move(t);
   return d;
 }
 
-void DocumentRegistry::SetReady(const std::string& id, int worker, double factor_seconds) {
+Status DocumentRegistry::SetReady(const std::string& id, int worker, double factor_seconds) {
   std::unique_lock<std::mutex> writes = LockWrites();
   if (store_) {
     DocumentView stored;
     {
       std::lock_guard<std::mutex> lk(mu_);
       auto it = docs_.find(id);
-      if (it == docs_.end()) return;  // deleted meanwhile
+      if (it == docs_.end()) return Status::OK();  // deleted meanwhile
       stored = it->second;  // the token ids are shared, not copied
     }
     stored.factor_seconds = factor_seconds;
     const std::string value = Encode(DocumentKey(id), stored);
-    Persist(id, &value, "storing");
+    Status s = Persist(id, &value, nullptr, "storing document " + id);
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = docs_.find(id);
+      if (it == docs_.end()) return s;
+      it->second.state = DocumentState::kFailed;
+      it->second.error = s.message() + "; document " + id + " was factored but is not stored (delete it, put it again)";
+      it->second.error_code = s.code();
+      it->second.not_stored = true;
+      it->second.workers.insert(worker);  // it holds the state: a Remove tells it to forget
+      return Status(s.code(), it->second.error);
+    }
   }
   std::lock_guard<std::mutex> lk(mu_);
   auto it = docs_.find(id);
-  if (it == docs_.end()) return;  // deleted meanwhile (in memory; durable: Remove waits for `writes`)
+  if (it == docs_.end()) return Status::OK();  // deleted meanwhile (in memory; durable: Remove waits for `writes`)
   it->second.state = DocumentState::kReady;
   it->second.factor_seconds = factor_seconds;
   it->second.factored_tokens = it->second.tokens;
   it->second.workers.insert(worker);
+  return Status::OK();
 }
 
-void DocumentRegistry::SetFailed(const std::string& id, const Status& error) {
+Status DocumentRegistry::SetFailed(const std::string& id, const Status& error) {
   std::unique_lock<std::mutex> writes = LockWrites();
   if (store_) {
     bool stored = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
       auto it = docs_.find(id);
-      if (it == docs_.end()) return;
+      if (it == docs_.end()) return Status::OK();
       stored = it->second.state == DocumentState::kReady;
     }
-    if (stored) Persist(id, nullptr, "deleting failed");
+    if (stored) PENUMBRA_RETURN_IF_ERROR(Persist(id, nullptr, nullptr, "deleting failed document " + id));
   }
   std::lock_guard<std::mutex> lk(mu_);
   auto it = docs_.find(id);
-  if (it == docs_.end()) return;
+  if (it == docs_.end()) return Status::OK();
   it->second.state = DocumentState::kFailed;
   it->second.error = error.message();
   it->second.error_code = error.code();
+  return Status::OK();
+}
+
+Status DocumentRegistry::CheckWritable() {
+  if (!store_) return Status::OK();
+  std::unique_lock<std::mutex> writes = LockWrites();
+  return store_->writer.Recover();
+}
+
+std::vector<DocumentTombstone> DocumentRegistry::Tombstones() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<DocumentTombstone> out;
+  out.reserve(tombstones_.size());
+  for (const auto& [id, t] : tombstones_) out.push_back(t);
+  return out;
+}
+
+int64_t DocumentRegistry::tombstone_count() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<int64_t>(tombstones_.size());
+}
+
+void DocumentRegistry::ConfirmForgotten(const std::string& id, int worker) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = tombstones_.find(id);
+  if (it != tombstones_.end()) it->second.confirmed.insert(worker);
+}
+
+Status DocumentRegistry::DropConfirmed(int workers) {
+  std::unique_lock<std::mutex> writes = LockWrites();
+  std::vector<std::string> done;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& [id, t] : tombstones_) {
+      int n = 0;
+      for (int w : t.confirmed) n += w >= 0 && w < workers;
+      if (n == workers) done.push_back(id);
+    }
+  }
+  Status first;
+  for (const std::string& id : done) {
+    if (store_) {
+      Status s = store_->writer.Write("dropping the tombstone of " + id, [&] {
+        rocksdb::WriteOptions w;
+        w.sync = true;
+        return store_->writer.db()->Delete(w, TombstoneKey(id));
+      });
+      if (!s.ok()) {
+        if (first.ok()) first = s;
+        continue;
+      }
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    tombstones_.erase(id);
+  }
+  return first;
 }
 
 void DocumentRegistry::SetProgress(const std::string& id, int64_t factored_tokens) {
@@ -322,9 +462,10 @@ std::map<int, int64_t> DocumentRegistry::held_per_worker() const {
   return m;
 }
 
-int64_t DocumentRegistry::persist_errors() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return persist_errors_;
+int64_t DocumentRegistry::persist_errors() const { return write_health().write_errors; }
+
+storage::WriteHealth DocumentRegistry::write_health() const {
+  return store_ ? store_->writer.health() : storage::WriteHealth{};
 }
 
 int64_t DocumentRegistry::corrupt_records() const {
@@ -337,6 +478,7 @@ Status DocumentRegistry::CorruptRecordForTest(const std::string& id) {
   std::unique_lock<std::mutex> writes = LockWrites();
   const std::string key = DocumentKey(id);
   std::string value;
+  if (!store_->db) return Status::Unavailable("document registry " + store_->path + ": closed (reopening)");
   rocksdb::Status rs = store_->db->Get(rocksdb::ReadOptions(), key, &value);
   if (rs.IsNotFound()) return Status::NotFound("document registry: document '" + id + "' has no record");
   if (rs.ok()) {

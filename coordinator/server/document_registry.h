@@ -7,23 +7,40 @@
 // Two kinds: in memory (the constructor: a restart forgets every document),
 // or durable (Open: a RocksDB directory; what follows is about that kind).
 //
-// Durability: a document is stored when it becomes READY (SetReady) and its
-// record is deleted when it is removed or fails (Remove, SetFailed); FACTORING
-// and FAILED documents are never stored. Each change is one synced RocksDB
-// write (WAL fsynced before the call returns), done before the change is
-// visible in memory, so a document any reader has seen READY survives a
-// restart or kill -9. A record holds the id, tenant, name, token ids,
-// leading_special, created_unix_ms and factor_seconds -- not the workers: after
-// Open every stored document is READY with no worker (any worker can be given
-// the tokens again; it attaches the state from its own document cache or
-// prefills). A put under way when the coordinator died is gone (its client's
-// call failed or never returned).
+// Durability: a document is stored when it becomes READY (SetReady); a
+// removal (Remove) replaces its record with a tombstone; FACTORING and FAILED
+// documents are never stored. Each change is one synced RocksDB write (WAL
+// fsynced before the call returns), done before the change is visible in
+// memory, so a document any reader has seen READY survives a restart or
+// kill -9, and a removal acknowledged stays removed. A record holds the id,
+// tenant, name, token ids, leading_special, created_unix_ms and
+// factor_seconds -- not the workers: after Open every stored document is
+// READY with no worker (any worker can be given the tokens again; it attaches
+// the state from its own document cache or prefills). A put under way when
+// the coordinator died is gone (its client's call failed or never returned).
 //
-// A failed write is logged (LOG(ERROR)) and counted (persist_errors()); the
-// change is made in memory all the same: a document readied stays READY and
-// usable until the next restart, where it is missing; a document removed or
-// failed is gone from memory now and comes back READY at the next restart.
-// No call returns an error for it.
+// A failed write changes nothing in memory and fails the call with a typed
+// error (storage/rocksdb_writer.h: ResourceExhausted "the disk is full",
+// naming the registry and its path; IOError for other I/O errors): a Remove
+// that fails leaves the document as it was; a SetReady that fails leaves the
+// document FAILED with that error (not_stored set; its workers kept, so a
+// later Remove tells them to forget it) -- it is not READY and not stored.
+// (RocksDB applies nothing of a write that failed; only one whose bytes all
+// reached the log before a failed fsync could show after a crash.)
+// After a failed write the registry is degraded (write_health()) and becomes
+// writable again by itself when the disk has room (Resume or reopen before
+// the next write, at most every 500 ms); CheckWritable tries that first, so
+// a put is refused before any worker factors it.
+//
+// Tombstones: a removed document (any state: a FACTORING or FAILED one's
+// worker may hold part of it) leaves a tombstone (id, tenant, token ids)
+// until every worker has confirmed that it dropped the document's cached
+// state (ConfirmForgotten; a worker forwards that to its store node). The
+// coordinator's TombstoneSweeper (tombstones.h) calls the workers and
+// DropConfirmed deletes the tombstones all of them confirmed. Durable
+// tombstones are stored (key 't'), so they survive restarts (confirmations
+// do not: after a restart every worker is asked again; forgetting is
+// idempotent). An id in a tombstone is never handed out.
 //
 // Integrity: each record starts with its format version and ends with a
 // checksum over the key and the value. A record that fails a check at Open is
@@ -32,7 +49,7 @@
 // counts are rebuilt at Open (a tenant may then hold more than
 // max_documents_per_tenant if the limit was lowered: Add refuses until it
 // holds fewer). An id is never handed out while a record under it may exist
-// (stored documents, skipped records, records whose deletion failed).
+// (stored documents, skipped records, tombstones).
 //
 // Thread-safe. Readers (Get, List, counts) take one mutex and never wait on
 // disk: SetReady, SetFailed and Remove write RocksDB outside that mutex,
@@ -51,6 +68,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "storage/write_health.h"
 
 namespace penumbra::coordinator {
 
@@ -68,6 +86,15 @@ struct DocumentView {
   int64_t factored_tokens = 0;   // kFactoring: progress
   std::set<int> workers;         // holding its factored state
   std::shared_ptr<const std::vector<int32_t>> ids;
+  bool not_stored = false;       // kFailed: factored, but storing it READY failed (error says why)
+};
+
+// A removed document whose cached state workers may still hold.
+struct DocumentTombstone {
+  std::string id, tenant;        // the tenant is the cache namespace
+  int64_t tokens = 0;
+  std::shared_ptr<const std::vector<int32_t>> ids;
+  std::set<int> confirmed;       // workers that dropped its state (in memory only)
 };
 
 struct DocumentPage {
@@ -101,15 +128,31 @@ class DocumentRegistry {
   // Documents of `tenant` by id, after `page_token` (the last id of the
   // previous page; InvalidArgument when malformed).
   Result<DocumentPage> List(const std::string& tenant, const std::string& page_token, int page_size) const;
-  // Removes it; NotFound as Get. Returns what it was. Durable: its record
-  // is deleted first (synced).
+  // Removes it, leaving a tombstone; NotFound as Get. Returns what it was.
+  // Durable: the tombstone and the record's deletion are one synced write
+  // first; when it fails, so does the call (typed, see the top) and the
+  // document stays.
   Result<DocumentView> Remove(const std::string& tenant, const std::string& id);
 
-  // The end of factoring; an unknown id (removed meanwhile) is ignored.
+  // The end of factoring; an unknown id (removed meanwhile) is ignored (OK).
   // Durable: SetReady stores the document (synced) before it shows READY;
-  // SetFailed of a READY document deletes its record.
-  void SetReady(const std::string& id, int worker, double factor_seconds);
-  void SetFailed(const std::string& id, const Status& error);
+  // when that fails the document becomes FAILED (not_stored) and the error
+  // is returned. SetFailed of a READY document deletes its record (a failed
+  // delete leaves it READY and is returned).
+  Status SetReady(const std::string& id, int worker, double factor_seconds);
+  Status SetFailed(const std::string& id, const Status& error);
+  // Durable and degraded: tries to become writable again (rate-limited) and
+  // returns the error while it cannot. OK otherwise.
+  Status CheckWritable();
+
+  // Tombstones not yet confirmed by every worker, by id.
+  std::vector<DocumentTombstone> Tombstones() const;
+  int64_t tombstone_count() const;
+  // Worker `worker` dropped the state of tombstone `id` (unknown ids ignored).
+  void ConfirmForgotten(const std::string& id, int worker);
+  // Deletes every tombstone that workers 0..workers-1 all confirmed; the
+  // first failed write is returned (those tombstones stay, retried next time).
+  Status DropConfirmed(int workers);
   // Neither is stored.
   void AddWorker(const std::string& id, int worker);
   void SetProgress(const std::string& id, int64_t factored_tokens);
@@ -118,9 +161,11 @@ class DocumentRegistry {
   // Documents each worker holds (by worker index).
   std::map<int, int64_t> held_per_worker() const;
 
-  // Durable only (always 0 in memory): writes that failed since Open, and
-  // records skipped at Open because a check failed.
+  // Durable only (always 0 / healthy in memory): writes refused since Open
+  // (write_health().write_errors), how the writes fare, and records skipped
+  // at Open because a check failed.
   int64_t persist_errors() const;
+  storage::WriteHealth write_health() const;
   int64_t corrupt_records() const;
 
   // Test only: flips a byte in the middle of the stored record of `id`, so
@@ -134,9 +179,11 @@ class DocumentRegistry {
   // Held (durable only) by SetReady, SetFailed and Remove from before they
   // read the document until their write is done; taken before mu_.
   std::unique_lock<std::mutex> LockWrites();
-  // Writes `id`'s record (`value` set) or deletes it; counts and logs a
-  // failure. Call with write_mu_ held, mu_ not.
-  void Persist(const std::string& id, const std::string* value, const char* what);
+  // Writes `id`'s record (`value` set) or deletes it, and (`tombstone` set)
+  // puts that tombstone in the same write; a failure is typed, counted and
+  // logged (storage::RocksWriter). Call with write_mu_ held, mu_ not.
+  Status Persist(const std::string& id, const std::string* value, const DocumentTombstone* tombstone,
+                 const std::string& what);
 
   std::unique_ptr<Store> store_;  // null: in memory
   std::mutex write_mu_;
@@ -144,8 +191,8 @@ class DocumentRegistry {
   int64_t max_per_tenant_;
   std::map<std::string, DocumentView> docs_;  // by id
   std::map<std::string, int64_t> per_tenant_;
-  std::set<std::string> stale_ids_;           // a record may be left (skipped at Open, write failed): never handed out
-  int64_t persist_errors_ = 0;                // guarded by mu_
+  std::set<std::string> stale_ids_;           // a record may be left (skipped at Open): never handed out
+  std::map<std::string, DocumentTombstone> tombstones_;  // by id; never handed out either
   int64_t corrupt_records_ = 0;
 };
 

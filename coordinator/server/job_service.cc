@@ -208,8 +208,20 @@ void JobService::Run(jobs::ItemLease lease, const std::atomic<bool>& cancel) {
     r.ttft_ms = out.usage.ttft_seconds * 1000;
     r.answer = Serialize(jr);
   }
-  Status s = store_->Complete(lease.job_id, lease.item_index, lease.attempt, r);
-  if (!s.ok()) LOG(ERROR) << "jobs: recording the result of " << where << ": " << s;
+  // A result whose write fails (a full disk) is kept and written again
+  // every retry_delay until it is stored; a coordinator stopping meanwhile
+  // leaves the item running in the store, so the next one runs it again.
+  // Either way it is answered once: the first result stored wins.
+  for (;;) {
+    Status s = store_->Complete(lease.job_id, lease.item_index, lease.attempt, r);
+    if (s.ok()) return;
+    const bool again = s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kIOError ||
+                       s.code() == StatusCode::kUnavailable;
+    LOG(ERROR) << "jobs: recording the result of " << where << ": " << s << (again ? " (kept; retrying)" : "");
+    if (!again) return;
+    std::unique_lock<std::mutex> lk(mu_);
+    if (cv_.wait_for(lk, o_.retry_delay, [&] { return stop_; })) return;
+  }
 }
 
 Result<rpc::JobInfo> JobService::Submit(const std::string& tenant, const rpc::SubmitJobRequest& request,

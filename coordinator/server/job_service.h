@@ -81,6 +81,7 @@ class JobService {
   int64_t Unfinished(const std::string& tenant) const { return store_->Unfinished(tenant); }
 
   jobs::JobStoreStats stats() const { return store_->stats(); }
+  storage::WriteHealth write_health() const { return store_->write_health(); }
   int64_t running_items() const { return running_.load(); }
 
  private:

@@ -1,6 +1,7 @@
 #include "coordinator/server/request_journal.h"
 
 #include <filesystem>
+#include <mutex>
 
 #include <glog/logging.h>
 #include <rocksdb/db.h>
@@ -10,6 +11,7 @@
 #include "common/crypto.h"
 #include "common/record.h"
 #include "storage/rocksdb_status.h"
+#include "storage/rocksdb_writer.h"
 
 namespace penumbra::coordinator {
 namespace {
@@ -40,9 +42,23 @@ Status DecodeUsage(const std::string& key, const std::string& value, TenantUsage
 }  // namespace
 
 struct RequestJournal::Db {
-  std::unique_ptr<rocksdb::DB> db;
+  std::string path;
+  rocksdb::Options options;
+  std::unique_ptr<rocksdb::DB> db;  // null only after a reopen that failed (writes then fail Unavailable)
+  std::unique_ptr<storage::RocksWriter> writer;
+  std::mutex mu;  // orders writes (RocksWriter's contract)
   ~Db() {
     if (db) (void)db->Close();
+  }
+  // RocksWriter's reopen (called with mu held, from Write).
+  Result<rocksdb::DB*> Reopen() {
+    if (db) (void)db->Close();
+    db.reset();
+    rocksdb::DB* fresh = nullptr;
+    PENUMBRA_RETURN_IF_ERROR(
+        storage::FromRocks(rocksdb::DB::Open(options, path, &fresh), "request journal " + path + ": reopen"));
+    db.reset(fresh);
+    return fresh;
   }
 };
 
@@ -92,13 +108,17 @@ Result<std::unique_ptr<RequestJournal>> RequestJournal::Open(const std::string& 
   auto j = std::unique_ptr<RequestJournal>(new RequestJournal());
   j->path_ = path;
   j->db_ = std::make_unique<Db>();
-  rocksdb::Options o;
+  j->db_->path = path;
+  j->db_->writer = std::make_unique<storage::RocksWriter>("request journal", path);
+  rocksdb::Options& o = j->db_->options;
+  j->db_->writer->Configure(&o);  // a full disk must not abort us (storage/rocksdb_writer.h)
   o.create_if_missing = true;
   o.paranoid_checks = true;
   o.max_open_files = 64;
   rocksdb::DB* db = nullptr;
   PENUMBRA_RETURN_IF_ERROR(storage::FromRocks(rocksdb::DB::Open(o, path, &db), "request journal " + path + ": open"));
   j->db_->db.reset(db);
+  j->db_->writer->Attach(db, [d = j->db_.get()] { return d->Reopen(); });
   std::vector<std::string> damaged;
   std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
@@ -157,10 +177,15 @@ Status RequestJournal::Write(const std::vector<std::pair<std::string, const std:
     rocksdb::Status s = value ? batch.Put(key, *value) : batch.Delete(key);
     if (!s.ok()) return storage::FromRocks(s, "request journal " + path_ + ": " + what);
   }
-  rocksdb::WriteOptions w;
-  w.sync = true;
-  return storage::FromRocks(db_->db->Write(w, &batch), "request journal " + path_ + ": " + what);
+  std::lock_guard<std::mutex> lk(db_->mu);
+  return db_->writer->Write("request journal: " + what, [&] {
+    rocksdb::WriteOptions w;
+    w.sync = true;
+    return db_->db->Write(w, &batch);
+  });
 }
+
+storage::WriteHealth RequestJournal::write_health() const { return db_->writer->health(); }
 
 Status RequestJournal::Start(const JournalRecord& r, const TenantUsage& usage) {
   const std::string rec = Encode(r), use = EncodeUsage(r.tenant, usage);

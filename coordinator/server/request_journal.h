@@ -21,7 +21,12 @@
 // over key and value); a record that fails its check at Open is skipped,
 // logged and counted (corrupt_records()), and its key deleted.
 //
-// Thread-safe (RocksDB's own locking; writes do not depend on each other).
+// A failed write (a full disk: ResourceExhausted) goes through
+// storage::RocksWriter like the other durable stores: counted
+// (write_health()), and the journal becomes writable again by itself when
+// space returns.
+//
+// Thread-safe (writes are serialized inside).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +36,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "storage/write_health.h"
 
 namespace penumbra::coordinator {
 
@@ -95,6 +101,8 @@ class RequestJournal {
 
   // The byte form of a record (exposed for tests).
   static std::string Encode(const JournalRecord& r);
+  // How its writes fare (for /metrics).
+  storage::WriteHealth write_health() const;
   static Status Decode(const std::string& key, const std::string& value, JournalRecord* r);
 
  private:

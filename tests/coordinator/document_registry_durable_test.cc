@@ -154,7 +154,7 @@ void RunModel(uint64_t seed, int steps) {
       const std::string id = some_id();
       const int w = static_cast<int>(rng() % 4);
       const double secs = 0.125 * static_cast<double>(step);
-      reg->SetReady(id, w, secs);
+      ASSERT_TRUE(reg->SetReady(id, w, secs).ok());
       ++readies;
       if (auto m = model.find(id); m != model.end()) {
         m->second.state = DocumentState::kReady;
@@ -163,7 +163,7 @@ void RunModel(uint64_t seed, int steps) {
       }
     } else if (op < 460) {  // failed (a READY one too: its record goes)
       const std::string id = some_id();
-      reg->SetFailed(id, Status::Unavailable("no healthy worker"));
+      ASSERT_TRUE(reg->SetFailed(id, Status::Unavailable("no healthy worker")).ok());
       if (auto m = model.find(id); m != model.end()) {
         m->second.state = DocumentState::kFailed;
         m->second.error_code = StatusCode::kUnavailable;
@@ -251,8 +251,8 @@ TEST(DocumentRegistryDurable, ConcurrentChangesLeaveOnDiskWhatMemoryShows) {
         const std::string& id = ids[rng() % ids.size()];
         switch (rng() % 5) {
           case 0: (void)reg->Remove("t", id); break;
-          case 1: reg->SetFailed(id, Status::Internal("boom")); break;
-          default: reg->SetReady(id, k, 1.0); break;
+          case 1: ASSERT_TRUE(reg->SetFailed(id, Status::Internal("boom")).ok()); break;
+          default: ASSERT_TRUE(reg->SetReady(id, k, 1.0).ok()); break;
         }
         (void)reg->List("t", "", 1000);  // readers run meanwhile
       }
@@ -286,7 +286,7 @@ TEST(DocumentRegistryDurable, ADamagedRecordIsSkippedAndCounted) {
       Result<DocumentView> d = reg->Add("t", "x", {1, 2, 3});
       ASSERT_TRUE(d.ok());
       *id = d->id;
-      reg->SetReady(*id, 0, 2.5);
+      ASSERT_TRUE(reg->SetReady(*id, 0, 2.5).ok());
     }
     Result<DocumentView> factoring = reg->Add("t", "y", {4});
     ASSERT_TRUE(factoring.ok());
@@ -331,7 +331,7 @@ TEST(DocumentRegistryDurable, InMemoryStoresNothing) {
   DocumentRegistry reg(10);
   Result<DocumentView> d = reg.Add("t", "x", {1});
   ASSERT_TRUE(d.ok());
-  reg.SetReady(d->id, 0, 1.0);
+  ASSERT_TRUE(reg.SetReady(d->id, 0, 1.0).ok());
   EXPECT_EQ(reg.CorruptRecordForTest(d->id).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(reg.persist_errors(), 0);
   EXPECT_EQ(reg.corrupt_records(), 0);
@@ -345,7 +345,7 @@ TEST(DocumentRegistryDurable, TheLimitHoldsAcrossARestart) {
     for (int i = 0; i < 3; ++i) {
       Result<DocumentView> d = reg->Add("t", "x", {i});
       ASSERT_TRUE(d.ok());
-      reg->SetReady(d->id, 0, 1.0);
+      ASSERT_TRUE(reg->SetReady(d->id, 0, 1.0).ok());
     }
   }
   std::unique_ptr<DocumentRegistry> reg = OpenOrDie(dir.path(), 3);

@@ -100,12 +100,12 @@ TEST(DocumentRegistryCrashChild, Run) {
     if (!d.ok()) _exit(6);
     const uint64_t fate = rng() % 10;
     if (fate == 0) {
-      reg.SetFailed(d->id, Status::Internal("the worker ended the put"));
+      if (!reg.SetFailed(d->id, Status::Internal("the worker ended the put")).ok()) _exit(9);
     } else if (fate == 1) {
       // left factoring
     } else {
       report(Report::kReadying, n, d->id);
-      reg.SetReady(d->id, static_cast<int>(n % 4), FactorSecondsOf(n));
+      if (!reg.SetReady(d->id, static_cast<int>(n % 4), FactorSecondsOf(n)).ok()) _exit(9);
       report(Report::kReady, n, d->id);
       ready.emplace_back(n, d->id);
     }

@@ -111,10 +111,10 @@ TEST(DocumentRegistry, MatchesAModelUnderRandomOperations) {
         const int w = static_cast<int>(rng() % 3);
         auto m = model.find(id);
         if (rng() % 4 == 0) {
-          reg.SetFailed(id, Status::Internal("boom"));
+          ASSERT_TRUE(reg.SetFailed(id, Status::Internal("boom")).ok());
           if (m != model.end()) m->second.state = DocumentState::kFailed;
         } else {
-          reg.SetReady(id, w, 1.5);
+          ASSERT_TRUE(reg.SetReady(id, w, 1.5).ok());
           if (m != model.end()) {
             m->second.state = DocumentState::kReady;
             m->second.workers.insert(w);

@@ -195,4 +195,9 @@ Result<std::unique_ptr<Engine>> Engine::OpenRandom(const ModelConfig& config, co
   return Assemble(std::move(e));
 }
 
+storage::WriteHealth Engine::prefix_store_health() const {
+  const auto* local = dynamic_cast<const storage::SegmentStore*>(prefix_store_.get());
+  return local ? local->write_health() : storage::WriteHealth{};
+}
+
 }  // namespace penumbra

@@ -109,6 +109,9 @@ class Engine {
   const ModelConfig& config() const { return weights_->config(); }
   const ModelWeights& weights() const { return *weights_; }
   const EngineOptions& options() const { return options_; }
+  // How the writes of its local prefix store fare (storage/segment_store.h);
+  // all zero without one or with a remote store.
+  storage::WriteHealth prefix_store_health() const;
   // Content hash of the model (config and every weight byte; "random:..."
   // for OpenRandom), computed when a persistent store is configured, else "".
   const std::string& model_identity() const { return model_identity_; }

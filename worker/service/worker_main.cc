@@ -11,6 +11,7 @@
 // then exits 0.
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <optional>
 
@@ -38,8 +39,10 @@ constexpr const char* kUsage = "usage: penumbra-worker --model DIR [options]\n";
 // Scheduler counters mirrored into Prometheus at each scrape.
 class WorkerMetrics {
  public:
-  WorkerMetrics(service::Scheduler* s, service::WorkerServer* server)
-      : s_(s), server_(server), registry_(std::make_shared<prometheus::Registry>()) {
+  WorkerMetrics(service::Scheduler* s, service::WorkerServer* server,
+                std::function<storage::WriteHealth()> store_health)
+      : s_(s), server_(server), store_health_(std::move(store_health)),
+        registry_(std::make_shared<prometheus::Registry>()) {
     auto counter = [&](const std::string& name, const std::string& help) -> prometheus::Counter& {
       return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
     };
@@ -82,6 +85,10 @@ class WorkerMetrics {
     store_hits_ = &counter("penumbra_worker_documents_store_hits_total", "Documents read back from the disk tier.");
     store_corruptions_ = &counter("penumbra_worker_documents_store_corruptions_total",
                                   "Stored documents found damaged (dropped and recomputed, never served).");
+    store_write_errors_ = &counter("penumbra_worker_store_write_errors_total",
+                                   "Writes the local --prefix-store refused (a full disk, an I/O error).");
+    store_degraded_ = &gauge("penumbra_worker_store_degraded",
+                             "1 while the local --prefix-store refuses writes (it retries by itself).");
   }
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   // Called at each scrape (the HTTP server's threads).
@@ -119,11 +126,15 @@ class WorkerMetrics {
     bump(tier0_demotions_, d.tier0_demotions, last_.documents.tier0_demotions);
     bump(store_hits_, d.store_hits, last_.documents.store_hits);
     bump(store_corruptions_, d.store_corruptions, last_.documents.store_corruptions);
+    const storage::WriteHealth h = store_health_();
+    bump(store_write_errors_, h.write_errors, last_store_write_errors_);
+    store_degraded_->Set(h.degraded ? 1 : 0);
   }
 
  private:
   service::Scheduler* s_;
   service::WorkerServer* server_;
+  std::function<storage::WriteHealth()> store_health_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::mutex mu_;
   service::SchedulerStats last_;
@@ -134,6 +145,9 @@ class WorkerMetrics {
   prometheus::Gauge *queued_, *prefilling_, *decoding_, *piece_max_, *memory_free_;
   prometheus::Gauge *documents_, *document_device_, *document_host_, *tier0_bytes_, *tier0_documents_;
   prometheus::Counter *tier0_promotions_, *tier0_demotions_, *store_hits_, *store_corruptions_;
+  prometheus::Counter* store_write_errors_;
+  prometheus::Gauge* store_degraded_;
+  int64_t last_store_write_errors_ = 0;
 };
 
 Status Run(int argc, char** argv) {
@@ -247,7 +261,7 @@ Status Run(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t lease_ms, a.GetIntIn("lease-ms", lease.lease.count(), 100, 86400000));
   lease.lease = std::chrono::milliseconds(lease_ms);
   PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to, lease));
-  WorkerMetrics metrics(scheduler.get(), server.get());
+  WorkerMetrics metrics(scheduler.get(), server.get(), [&engine] { return engine->prefix_store_health(); });
   std::unique_ptr<transport::MetricsServer> metrics_server;
   if (admin.port >= 0) {
     service::Scheduler* s = scheduler.get();
