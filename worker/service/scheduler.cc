@@ -83,7 +83,8 @@ void Scheduler::StartFetches() {
         continue;
       }
       r->fetch = Request::Fetch::kFetching;
-      jobs.push_back([this, r, l = std::move(lookups[i])] {
+      // The job writes into its own reference (Finish may drop the request's).
+      jobs.push_back([this, r, pf = r->prefetched, l = std::move(lookups[i])] {
         PrefetchedPrefixes p = rt_->FetchStoredPrefixes(l);  // the store only: thread-safe
         if (p.failures > 0) {
           LOG(WARNING) << "scheduler: request " << r->id << ": its stored document was not read (prefilled "
@@ -91,7 +92,7 @@ void Scheduler::StartFetches() {
         }
         {
           std::lock_guard<std::mutex> lk(mu_);
-          *r->prefetched = std::move(p);
+          *pf = std::move(p);
           r->fetch = Request::Fetch::kReady;
         }
         work_cv_.notify_all();
@@ -364,6 +365,7 @@ void Scheduler::Reap() {
 
 void Scheduler::Admit() {
   std::shared_ptr<Request> r;
+  std::shared_ptr<PrefetchedPrefixes> prefetched;  // r's, held while the runtime imports it
   {
     std::lock_guard<std::mutex> lk(mu_);
     // One prompt in prefill at a time (by fair share between tenants, first
@@ -372,11 +374,15 @@ void Scheduler::Admit() {
     if (static_cast<int>(decoding_.size()) >= std::min(o_.max_batch, rt_->max_batch())) return;
     r = NextByShare(Clock::now());
     if (!r) return;  // every waiting tenant is at its share of the batch
+    prefetched = r->prefetched;
   }
+  // Never null here (planned before it was ready); an empty one keeps the
+  // store off the loop regardless.
+  if (!prefetched) prefetched = std::make_shared<PrefetchedPrefixes>();
   r->seq = next_seq_++;
   GenerationResult admitted;
   const Clock::time_point t0 = Clock::now();
-  Status s = rt_->BeginPrefill(r->seq, r->req, &r->prefill, &admitted, r->prefetched.get());
+  Status s = rt_->BeginPrefill(r->seq, r->req, &r->prefill, &admitted, prefetched.get());
   const double took = Seconds(Clock::now() - t0);
   if (took > 0.5) {
     // Memory for a long prompt (the value store's pinned host rows) is
@@ -400,6 +406,7 @@ void Scheduler::Admit() {
     r->cached_prompt_tokens = admitted.cached_prompt_tokens;
     r->prefilled = r->prefill.at;
     r->added = true;
+    r->prefetched.reset();  // read and imported (or not needed): its memory goes
     stats_.prompt_tokens += static_cast<int64_t>(r->req.prompt.size());
     stats_.cached_prompt_tokens += admitted.cached_prompt_tokens;
     prefilling_.push_back(r);
@@ -580,6 +587,7 @@ void Scheduler::Finish(Request& r, const std::string& reason, Status error) {
   r.finish_reason = reason;
   r.error = std::move(error);
   r.finished = Clock::now();
+  r.prefetched.reset();  // what was read for it, if never admitted
   if (r.added) {
     rt_->RemoveSequence(r.seq);
     r.added = false;
