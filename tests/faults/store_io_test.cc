@@ -2,7 +2,7 @@
 // documents on it (issue 38, "storeio"): real penumbra-store and
 // penumbra-worker processes on loopback. The worker's store calls have short
 // deadlines and a circuit breaker (flags); its lookups run off the decode
-// loop. The node is stopped for 2 s and let go on for 1 s, three times;
+// loop. The node is stopped for 2 s and let go on for 1 s, four times;
 // while it is stopped:
 //   - the requests that do not touch it keep decoding at their rate (tokens
 //     per second over half-second windows: the median of the windows while
@@ -278,13 +278,13 @@ TEST_F(StoreIo, AStoppedStoreNodeCostsOnlyTheRequestsThatNeedIt) {
   std::this_thread::sleep_for(1s);  // warm up
   // Windows with the node running and stopped, interleaved (a drift of the
   // machine's load shows in both): 1 s running, 2 s stopped (past the call
-  // deadline: calls time out and the breaker opens), three times.
+  // deadline: calls time out and the breaker opens), four times.
   std::vector<double> running, stopped;
   auto set_phase = [&](Phase p) {
     phase = p;
     ++epoch;
   };
-  for (int cycle = 0; cycle < 3; ++cycle) {
+  for (int cycle = 0; cycle < 4; ++cycle) {
     set_phase(kRunning);
     for (double r : windows(2)) running.push_back(r);
     set_phase(kStopped);
