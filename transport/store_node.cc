@@ -306,7 +306,7 @@ class RemoteReader final : public storage::BlobReader {
         q.lengths.push_back(static_cast<int64_t>(p.length));
         total += p.length;
       }
-      PENUMBRA_ASSIGN_OR_RETURN(std::string bytes, store_->Call(st::StoreMethod::READV, Serialize(q)));
+      PENUMBRA_ASSIGN_OR_RETURN(std::string bytes, store_->Call(st::StoreMethod::READV, Serialize(q), total));
       if (bytes.size() != total) {
         return Status::Corruption("store node: a read of " + std::to_string(total) + " bytes of '" + blob +
                                   "' returned " + std::to_string(bytes.size()));
@@ -714,13 +714,55 @@ Result<std::shared_ptr<RemoteDocumentStore>> RemoteDocumentStore::Connect(const 
   return std::shared_ptr<RemoteDocumentStore>(new RemoteDocumentStore(options, std::move(c)));
 }
 
-Result<std::string> RemoteDocumentStore::Call(uint32_t method, const std::string& request) const {
-  Result<std::string> r = client_->Call(method, request, o_.call_timeout);
-  // The connection failed (the node restarted, a link broke): once more, on
-  // a new one. Every method is safe to repeat (a repeated PUT_PART writes
-  // the same bytes; OPEN may leave a reader the node closes when idle).
-  if (r.status().code() == StatusCode::kUnavailable) r = client_->Call(method, request, o_.call_timeout);
+Result<std::string> RemoteDocumentStore::Try(uint32_t method, const std::string& request,
+                                             std::chrono::milliseconds timeout) const {
+  const auto now = CircuitBreaker::Clock::now();
+  if (!breaker_.Allow(now)) {
+    return Status::Unavailable("store node " + name_ + ": circuit breaker open after " +
+                               std::to_string(breaker_.options().failures) +
+                               " consecutive calls it did not answer; calls fail at once for another " +
+                               std::to_string(breaker_.open_for(now).count()) + " ms");
+  }
+  ++calls_;
+  Result<std::string> r = client_->Call(method, request, timeout);
+  const StatusCode code = r.status().code();
+  const bool failed = code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded;
+  if (failed) {
+    ++failures_;
+    if (code == StatusCode::kDeadlineExceeded) ++timeouts_;
+  }
+  breaker_.Record(failed, CircuitBreaker::Clock::now());
+  if (failed) return r.status().WithContext("store node " + name_);
   return r;
+}
+
+Result<std::string> RemoteDocumentStore::Call(uint32_t method, const std::string& request,
+                                              uint64_t bulk_bytes) const {
+  const double bytes = static_cast<double>(bulk_bytes) + static_cast<double>(request.size());
+  const double rate = o_.bulk_bytes_per_second > 0 ? o_.bulk_bytes_per_second : 64.0 * (1 << 20);
+  const auto timeout = o_.call_timeout + std::chrono::milliseconds(static_cast<int64_t>(bytes / rate * 1000.0));
+  Result<std::string> r = Try(method, request, timeout);
+  // The connection failed (the node restarted, a link broke): once more, on
+  // a new one, unless the breaker is open now. Every method is safe to
+  // repeat (a repeated PUT_PART writes the same bytes; OPEN may leave a
+  // reader the node closes when idle). A call past its deadline is not
+  // repeated: the node is slow or stopped, not gone.
+  if (r.status().code() == StatusCode::kUnavailable && breaker_.state() == CircuitBreaker::State::kClosed) {
+    r = Try(method, request, timeout);
+  }
+  return r;
+}
+
+StoreNodeCallStats RemoteDocumentStore::call_stats() const {
+  StoreNodeCallStats s;
+  s.node = name_;
+  s.breaker = breaker_.state();
+  s.calls = calls_.load();
+  s.failures = failures_.load();
+  s.timeouts = timeouts_.load();
+  s.rejected = breaker_.rejected();
+  s.opens = breaker_.opens();
+  return s;
 }
 
 Status RemoteDocumentStore::Put(const Hash128& key, const std::string& cache_namespace, int64_t tokens,
@@ -747,7 +789,9 @@ Status RemoteDocumentStore::Put(const Hash128& key, const std::string& cache_nam
   }
   st::StoreRequest commit;
   commit.upload = reply.upload;
-  return Call(st::StoreMethod::PUT_COMMIT, Serialize(commit)).status();
+  uint64_t total = 0;  // the commit writes them all on the node
+  for (const auto& [name, bytes] : blobs) total += bytes.size();
+  return Call(st::StoreMethod::PUT_COMMIT, Serialize(commit), total).status();
 }
 
 Result<std::map<std::string, std::string>> RemoteDocumentStore::Get(const Hash128& key) {
@@ -846,14 +890,37 @@ size_t ShardedDocumentStore::Pick(const Hash128& key) const {
 Result<std::shared_ptr<storage::DocumentStore>> ConnectStoreNodes(const std::string& addresses,
                                                                   const UcxClientOptions& plane,
                                                                   bool allow_plaintext_remote) {
+  RemoteStoreOptions calls;
+  calls.plane = plane;
+  calls.allow_plaintext_remote = allow_plaintext_remote;
+  return ConnectStoreNodes(addresses, calls, nullptr);
+}
+
+Result<std::shared_ptr<storage::DocumentStore>> ConnectStoreNodes(
+    const std::string& addresses, const RemoteStoreOptions& calls,
+    std::vector<std::shared_ptr<RemoteDocumentStore>>* clients) {
+  if (calls.call_timeout.count() < 1) {
+    return Status::InvalidArgument("store nodes: the call timeout must be >= 1 ms, got " +
+                                   std::to_string(calls.call_timeout.count()));
+  }
+  if (!(calls.bulk_bytes_per_second > 0)) {
+    return Status::InvalidArgument("store nodes: bulk_bytes_per_second must be > 0");
+  }
+  if (calls.breaker.failures < 1 || calls.breaker.cool_down.count() < 0) {
+    return Status::InvalidArgument("store nodes: the breaker needs failures >= 1 and a cool-down >= 0, got " +
+                                   std::to_string(calls.breaker.failures) + " and " +
+                                   std::to_string(calls.breaker.cool_down.count()) + " ms");
+  }
   std::vector<std::pair<std::string, std::shared_ptr<storage::DocumentStore>>> nodes;
   std::stringstream list(addresses);
   std::string address;
   while (std::getline(list, address, ',')) {
-    PENUMBRA_ASSIGN_OR_RETURN(RemoteStoreOptions o, RemoteDocumentStore::ParseAddress(address));
-    o.plane = plane;
-    o.allow_plaintext_remote = allow_plaintext_remote;
+    PENUMBRA_ASSIGN_OR_RETURN(RemoteStoreOptions at, RemoteDocumentStore::ParseAddress(address));
+    RemoteStoreOptions o = calls;
+    o.host = at.host;
+    o.port = at.port;
     PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<RemoteDocumentStore> c, RemoteDocumentStore::Connect(o));
+    if (clients) clients->push_back(c);
     nodes.emplace_back(address, std::move(c));
   }
   if (nodes.empty()) return Status::InvalidArgument("store nodes: no address in '" + addresses + "'");

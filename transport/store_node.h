@@ -21,14 +21,19 @@
 // read or erase any document; tenants are kept apart by keys they cannot
 // compute, worker/engine/prefix_cache.h).
 //
-// Failure: a call that cannot reach the node is Unavailable after its
-// deadline at most, and idempotent calls are tried once more on a new
-// connection first; a worker whose node is gone computes what it cannot
-// read. A reader a worker opens keeps the document in place on the node;
+// Failure: every call has a deadline (call_timeout, plus the time its bytes
+// take at bulk_bytes_per_second): a node that does not answer by then fails
+// it DeadlineExceeded (the endpoint stays usable: a late reply is dropped); a
+// call that cannot reach the node is Unavailable, and is tried once more on a
+// new connection first. Each node has a circuit breaker (circuit_breaker.h):
+// after a few consecutive calls it did not answer, its calls fail at once
+// (Unavailable, naming the node) for a cool-down, then one probe decides. A
+// worker whose node is gone or slow computes what it cannot read. A reader a worker opens keeps the document in place on the node;
 // one left idle (its worker died) is closed after reader_idle_seconds, and
 // an upload left idle is dropped after upload_idle_seconds.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -42,6 +47,7 @@
 #include "common/status.h"
 #include "storage/document_store.h"
 #include "storage/segment_store.h"
+#include "transport/circuit_breaker.h"
 #include "transport/ucx_rpc.h"
 
 namespace penumbra::transport {
@@ -162,11 +168,30 @@ class StoreNode {
 struct RemoteStoreOptions {
   std::string host = "127.0.0.1";
   int port = 0;
-  std::chrono::milliseconds call_timeout{30000};
+  // A call's deadline (connecting included): past it the call fails
+  // DeadlineExceeded. Default: 5 s.
+  std::chrono::milliseconds call_timeout{5000};
+  // Calls that move bytes (a part of an upload, a read) get bytes / this
+  // much more time. Default: 64 MiB/s (a 64 MiB part: 1 s more).
+  double bulk_bytes_per_second = 64.0 * (1 << 20);
+  // When calls fail fast instead of waiting for a node that stopped
+  // answering. Default: 3 failures, 5 s cool-down.
+  CircuitBreakerOptions breaker;
   UcxClientOptions plane;  // the cluster secret (none: plain) and the plane's limits
   // A node off loopback without a secret is refused (its traffic would be
   // readable and forgeable) unless this is set (--insecure). Default: false.
   bool allow_plaintext_remote = false;
+};
+
+// A node's calls as its client saw them (monotonic counts, and the breaker now).
+struct StoreNodeCallStats {
+  std::string node;  // host:port
+  CircuitBreaker::State breaker = CircuitBreaker::State::kClosed;
+  int64_t calls = 0;     // sent to the node (tries, a retry counts again)
+  int64_t failures = 0;  // ... of which it did not answer (Unavailable, DeadlineExceeded)
+  int64_t timeouts = 0;  // ... of those, past their deadline
+  int64_t rejected = 0;  // failed at once by the open breaker (never sent)
+  int64_t opens = 0;     // times the breaker opened
 };
 
 class RemoteDocumentStore final : public storage::DocumentStore,
@@ -188,16 +213,26 @@ class RemoteDocumentStore final : public storage::DocumentStore,
   Status Erase(const Hash128& key) override;
   Result<std::shared_ptr<storage::BlobReader>> OpenReader(const Hash128& key) override;
 
-  // One call: the request (serialized), retried once on Unavailable.
-  Result<std::string> Call(uint32_t method, const std::string& request) const;
+  // One call: the request (serialized), retried once on Unavailable; its
+  // deadline is call_timeout plus `bulk_bytes` (what it moves besides the
+  // request) and the request's size at bulk_bytes_per_second. Unavailable
+  // at once while the node's breaker is open.
+  Result<std::string> Call(uint32_t method, const std::string& request, uint64_t bulk_bytes = 0) const;
+  StoreNodeCallStats call_stats() const;
+  const std::string& name() const { return name_; }
 
  private:
   explicit RemoteDocumentStore(const RemoteStoreOptions& o, std::unique_ptr<UcxClient> c)
-      : o_(o), client_(std::move(c)) {}
+      : o_(o), name_(o.host + ":" + std::to_string(o.port)), client_(std::move(c)), breaker_(o.breaker) {}
+  // One try through the breaker.
+  Result<std::string> Try(uint32_t method, const std::string& request, std::chrono::milliseconds timeout) const;
   // The blobs named in *only, or all (null), through one reader.
   Result<std::map<std::string, std::string>> ReadBlobs(const Hash128& key, const std::set<std::string>* only);
   RemoteStoreOptions o_;
+  std::string name_;
   std::unique_ptr<UcxClient> client_;
+  mutable CircuitBreaker breaker_;
+  mutable std::atomic<int64_t> calls_{0}, failures_{0}, timeouts_{0};
 };
 
 // Documents spread over several nodes: each key lives on one node, the one
@@ -243,5 +278,11 @@ class ShardedDocumentStore final : public storage::DocumentStore {
 Result<std::shared_ptr<storage::DocumentStore>> ConnectStoreNodes(const std::string& addresses,
                                                                   const UcxClientOptions& plane = {},
                                                                   bool allow_plaintext_remote = false);
+// The same, each node's client made with `calls` (its deadlines and breaker;
+// host and port are the addresses'), the clients also in *nodes when given
+// (their call_stats: the worker's metrics).
+Result<std::shared_ptr<storage::DocumentStore>> ConnectStoreNodes(
+    const std::string& addresses, const RemoteStoreOptions& calls,
+    std::vector<std::shared_ptr<RemoteDocumentStore>>* nodes);
 
 }  // namespace penumbra::transport

@@ -39,9 +39,24 @@ bool PrefixStoreWriter::Enqueue(const Hash128& key, std::string cache_namespace,
   return true;
 }
 
-void PrefixStoreWriter::Drain() {
+void PrefixStoreWriter::EnqueueErase(const Hash128& key) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    Item item{key, "", 0, {}, 0};
+    item.erase = true;
+    queue_.push_back(std::move(item));
+  }
+  cv_.notify_all();
+}
+
+bool PrefixStoreWriter::Drain(std::chrono::milliseconds max_wait) {
   std::unique_lock<std::mutex> l(mu_);
-  cv_.wait(l, [&] { return queue_.empty() && !busy_; });
+  auto idle = [&] { return queue_.empty() && !busy_; };
+  if (max_wait == std::chrono::milliseconds::max()) {
+    cv_.wait(l, idle);
+    return true;
+  }
+  return cv_.wait_for(l, max_wait, idle);
 }
 
 double PrefixStoreWriter::write_seconds() const {
@@ -58,6 +73,16 @@ void PrefixStoreWriter::Run() {
     queue_.pop_front();
     busy_ = true;
     l.unlock();
+    if (item.erase) {
+      Status s = store_->Erase(item.key);
+      if (!s.ok() && s.code() != StatusCode::kNotFound) {
+        LOG(WARNING) << "prefix store: segment " << item.key.Hex() << " not erased: " << s;
+      }
+      l.lock();
+      busy_ = false;
+      cv_.notify_all();
+      continue;
+    }
     const double t0 = NowSeconds();
     std::map<std::string, size_t> block_bytes;
     for (const auto& [name, bytes] : blob_block_bytes_) {

@@ -4,10 +4,15 @@
 // prefix (its blobs, host copies) and queues them; the thread Puts them in
 // order. A queue over its byte bound refuses the prefix (counted as skipped:
 // the document is still cached in memory and recomputed after a restart).
+// Erases go through the same queue (in order with the writes), so a caller
+// on the decode loop never waits on the store. A store that stops answering
+// costs only this thread's time: each call has a deadline (and fails at once
+// while its node's breaker is open), and Enqueue never blocks.
 // The destructor finishes every queued write. Thread-safe.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -35,8 +40,11 @@ class PrefixStoreWriter {
   // exceed the bound.
   bool Enqueue(const Hash128& key, std::string cache_namespace, int64_t tokens,
                std::map<std::string, std::string> blobs);
-  // Blocks until every queued write has finished.
-  void Drain();
+  // Queues an Erase of `key` (after the writes queued before it).
+  void EnqueueErase(const Hash128& key);
+  // Blocks until every queued write has finished, at most `max_wait`; true
+  // when they all have.
+  bool Drain(std::chrono::milliseconds max_wait = std::chrono::milliseconds::max());
 
   int64_t stored() const { return stored_; }
   int64_t errors() const { return errors_; }    // Puts that failed (logged)
@@ -50,6 +58,7 @@ class PrefixStoreWriter {
     int64_t tokens;
     std::map<std::string, std::string> blobs;
     size_t bytes;
+    bool erase = false;  // an Erase of key, not a Put
   };
   void Run();
 

@@ -8,6 +8,7 @@
 #include <thread>
 #include <random>
 #include <sstream>
+#include <utility>
 
 namespace penumbra {
 
@@ -447,7 +448,12 @@ std::string Runtime::PrefixFence(const std::string& cache_namespace) const {
 int Runtime::ForgetPrefixes(const GenerationRequest& q) {
   if (!prefix_cache_ || q.segment_ends.empty()) return 0;
   int dropped = 0;
-  DrainPrefixStores();  // a write still queued would store it again
+  // A write still queued would store it again (a store that stopped
+  // answering holds this up at most prefix_store_drain_ms).
+  if (!DrainPrefixStores(std::chrono::milliseconds(options_.prefix_store_drain_ms))) {
+    LOG(WARNING) << "prefix store: writes still queued after " << options_.prefix_store_drain_ms
+                 << " ms; forgetting a document's state anyway";
+  }
   for (const Hash128& key :
        PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends, options_.document_key_secret)) {
     if (prefix_cache_->Erase(key)) ++dropped;
@@ -463,14 +469,53 @@ int Runtime::ForgetPrefixes(const GenerationRequest& q) {
   return dropped;
 }
 
-Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result) {
+Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result,
+                             PrefetchedPrefixes* prefetched) {
   if (cp_ != nullptr) return Status::Unimplemented("context parallel: prefill steps (the scheduler) are not supported yet");
-  return BeginPrefillImpl(seq, q, st, result, /*reuse=*/true);
+  return BeginPrefillImpl(seq, q, st, result, /*reuse=*/true, prefetched);
+}
+
+std::vector<StoreLookup> Runtime::StoreLookups(const GenerationRequest& q) {
+  std::vector<StoreLookup> out;
+  if (!prefix_cache_ || !prefix_store_ || q.segment_ends.empty() || cp_ != nullptr) return out;
+  const std::vector<Hash128> keys =
+      PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends, options_.document_key_secret);
+  for (size_t i = keys.size(); i-- > 0;) {
+    if (prefix_cache_->Contains(keys[i])) break;  // held in memory: no shorter one is looked up
+    out.push_back({keys[i], q.segment_ends[i]});
+  }
+  return out;
+}
+
+PrefetchedPrefixes Runtime::FetchStoredPrefixes(const std::vector<StoreLookup>& lookups) const {
+  PrefetchedPrefixes out;
+  if (!prefix_store_) return out;
+  for (const StoreLookup& l : lookups) {
+    StoredPrefixRead read = ReadStoredPrefix(l.key, l.tokens, options_.prefix_store_fetch_whole);
+    if (read.status.ok()) {
+      out.found = std::move(read);
+      return out;
+    }
+    if (read.damaged()) {
+      ++out.corruptions;
+      LOG(WARNING) << "prefix store: segment " << l.key.Hex() << " dropped: " << read.status;
+      if (prefix_writer_) prefix_writer_->EnqueueErase(l.key);
+    } else if (read.status.code() == StatusCode::kUnavailable ||
+               read.status.code() == StatusCode::kDeadlineExceeded) {
+      ++out.failures;
+      out.last_failure = read.status;
+    }
+  }
+  return out;
 }
 
 Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result,
-                                 bool reuse) {
+                                 bool reuse, PrefetchedPrefixes* prefetched) {
   const int64_t P = static_cast<int64_t>(q.prompt.size());
+  if (prefetched) {  // counted once
+    stats_.prefix_store_fetch_failures += std::exchange(prefetched->failures, 0);
+    stats_.prefix_store_corruptions += std::exchange(prefetched->corruptions, 0);
+  }
   *st = PrefillState{};
   std::shared_ptr<const KvPrefix> hit;
   int64_t start = 0;
@@ -482,7 +527,14 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
         DropDamagedPrefix(st->keys[i], hit->health());
         hit = nullptr;
       }
-      if (!hit && prefix_store_) hit = LoadStoredPrefix(st->keys[i], q.segment_ends[i]);
+      if (!hit && prefix_store_ && !prefetched) hit = LoadStoredPrefix(st->keys[i], q.segment_ends[i]);
+      if (!hit && prefetched && prefetched->found && prefetched->found->key == st->keys[i] &&
+          prefetched->found->tokens == q.segment_ends[i]) {
+        // Read off the loop thread; imported here (once: it is moved out).
+        StoredPrefixRead read = std::move(*prefetched->found);
+        prefetched->found.reset();
+        hit = ImportStoredPrefix(std::move(read), /*queue_erase=*/true);
+      }
       if (hit) {
         start = q.segment_ends[i];
         st->attached_segment = i;
@@ -666,16 +718,27 @@ RunStats Runtime::stats() const {
   return s;
 }
 
-std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, int64_t tokens) {
+StoredPrefixRead Runtime::ReadStoredPrefix(const Hash128& key, int64_t tokens, bool whole) const {
+  StoredPrefixRead out;
+  out.key = key;
+  out.tokens = tokens;
   auto info = prefix_store_->Info(key);
-  if (!info.ok() || info->tokens != tokens) return nullptr;
+  if (!info.ok()) {
+    out.status = info.status();
+    return out;
+  }
+  if (info->tokens != tokens) {
+    out.status = Status::NotFound("prefix store: segment " + key.Hex() + " holds " + std::to_string(info->tokens) +
+                                  " tokens, not " + std::to_string(tokens));
+    return out;
+  }
+  out.present = true;
   const double t0 = NowSeconds();
-  // The blobs the policy reads lazily stay on disk for now: a reader of
+  // The blobs the policy reads lazily stay in the store for now: a reader of
   // the segment (which keeps it attached) goes with the prefix.
   const std::vector<std::string> lazy =
-      options_.prefix_store_lazy_reads ? policy_->LazyBlobs() : std::vector<std::string>{};
+      options_.prefix_store_lazy_reads && !whole ? policy_->LazyBlobs() : std::vector<std::string>{};
   Result<std::map<std::string, std::string>> blobs = Status::Internal("prefix store: not read");
-  std::shared_ptr<storage::BlobReader> reader;
   if (lazy.empty()) {
     blobs = prefix_store_->Get(key);
   } else {
@@ -683,7 +746,7 @@ std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, in
     auto opened = layout.ok() ? prefix_store_->OpenReader(key)
                               : Result<std::shared_ptr<storage::BlobReader>>(layout.status());
     if (opened.ok()) {
-      reader = *opened;
+      out.reader = *opened;
       // Small blobs now; the policy reads large ones from the reader itself
       // (straight into their destination).
       std::set<std::string> eager;
@@ -696,28 +759,59 @@ std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, in
       blobs = opened.status();
     }
   }
+  out.read_seconds = NowSeconds() - t0;
+  if (!blobs.ok()) {
+    out.status = blobs.status();
+    out.reader.reset();
+    return out;
+  }
+  out.blobs = std::move(*blobs);
+  for (const auto& [name, b] : out.blobs) out.read_bytes += static_cast<int64_t>(b.size());
+  return out;
+}
+
+std::shared_ptr<const KvPrefix> Runtime::ImportStoredPrefix(StoredPrefixRead read, bool queue_erase) {
   const double t1 = NowSeconds();
   Result<std::shared_ptr<const KvPrefix>> prefix =
-      !blobs.ok() ? Result<std::shared_ptr<const KvPrefix>>(blobs.status())
-      : reader    ? policy_->ImportPrefixLazy(*blobs, std::move(reader), options_.prefix_store_lazy_threads)
-                  : policy_->ImportPrefix(*blobs);
-  reader.reset();
-  stats_.prefix_store_read_seconds += t1 - t0;
+      read.reader ? policy_->ImportPrefixLazy(read.blobs, std::move(read.reader), options_.prefix_store_lazy_threads)
+                  : policy_->ImportPrefix(read.blobs);
+  read.reader.reset();
+  stats_.prefix_store_read_seconds += read.read_seconds;
   stats_.prefix_import_seconds += NowSeconds() - t1;
-  if (blobs.ok()) {
-    for (const auto& [name, b] : *blobs) stats_.prefix_store_read_bytes += static_cast<int64_t>(b.size());
-  }
+  stats_.prefix_store_read_bytes += read.read_bytes;
   if (!prefix.ok()) {
     // Damaged (or, impossibly under the key's fence, foreign): never
     // attached; dropped so that this request's capture stores it anew.
     ++stats_.prefix_store_corruptions;
-    LOG(WARNING) << "prefix store: segment " << key.Hex() << " dropped: " << prefix.status();
-    (void)prefix_store_->Erase(key);
+    LOG(WARNING) << "prefix store: segment " << read.key.Hex() << " dropped: " << prefix.status();
+    if (queue_erase && prefix_writer_) {
+      prefix_writer_->EnqueueErase(read.key);
+    } else {
+      (void)prefix_store_->Erase(read.key);
+    }
     return nullptr;
   }
   ++stats_.prefix_store_hits;
-  prefix_cache_->Insert(key, *prefix);
+  prefix_cache_->Insert(read.key, *prefix);
   return *prefix;
+}
+
+std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, int64_t tokens) {
+  StoredPrefixRead read = ReadStoredPrefix(key, tokens, /*whole=*/false);
+  if (!read.present) return nullptr;  // absent (or the store did not say)
+  if (!read.status.ok()) {
+    stats_.prefix_store_read_seconds += read.read_seconds;
+    if (!read.damaged()) {
+      ++stats_.prefix_store_fetch_failures;
+      LOG(WARNING) << "prefix store: segment " << key.Hex() << " not read (prefilled instead): " << read.status;
+      return nullptr;
+    }
+    ++stats_.prefix_store_corruptions;
+    LOG(WARNING) << "prefix store: segment " << key.Hex() << " dropped: " << read.status;
+    (void)prefix_store_->Erase(key);
+    return nullptr;
+  }
+  return ImportStoredPrefix(std::move(read), /*queue_erase=*/false);
 }
 
 Result<const float*> Runtime::DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,

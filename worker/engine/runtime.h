@@ -5,8 +5,11 @@
 // one token each per step, dropping sequences as they finish.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -106,6 +109,16 @@ struct RuntimeOptions {
   // the policy reads from the segment straight into their destination
   // (tests set it to 0 to take that path with small models). Default: 16 MiB.
   uint64_t prefix_store_eager_blob_bytes = uint64_t{16} << 20;
+  // A stored prefix the scheduler fetches ahead of admission (off the decode
+  // loop: Runtime::FetchStoredPrefixes) is read whole, its lazily read blobs
+  // too, so that no value is read from the store during a decode step: a
+  // store node that stops answering then cannot stall the batch. The worker
+  // sets it with store nodes (--store-node); a local store keeps lazy reads.
+  // Default: false.
+  bool prefix_store_fetch_whole = false;
+  // Waiting for the queued writes to the store before a document's state is
+  // forgotten (ForgetPrefixes) takes at most this. Default: 10 s.
+  int64_t prefix_store_drain_ms = 10000;
   // A deployment secret (32 bytes: ClusterSecret::Derive("document-keys"))
   // that keys the document cache's keys (PrefixKeys: HMAC-SHA256 under it),
   // so that nobody without it can compute or guess a document's key; empty:
@@ -114,6 +127,42 @@ struct RuntimeOptions {
   // Tier 0: hot cached documents' host-resident state (shadowkv values) in
   // spare device memory (worker/engine/value_tiers.h). Default: off.
   TierOptions tiers;
+};
+
+// A stored prefix looked up for a request: its key and its tokens (a
+// leading segment's end).
+struct StoreLookup {
+  Hash128 key;
+  int64_t tokens = 0;
+};
+
+// A stored prefix read from the persistent store (Runtime::ReadStoredPrefix),
+// not yet imported into the policy.
+struct StoredPrefixRead {
+  Hash128 key;
+  int64_t tokens = 0;
+  bool present = false;  // the store said it holds key with these tokens
+  Status status;         // OK: read (below); else why not (absent, the store's error, damage)
+  std::map<std::string, std::string> blobs;
+  std::shared_ptr<storage::BlobReader> reader;  // the blobs the policy reads lazily (null: all in blobs)
+  double read_seconds = 0;
+  int64_t read_bytes = 0;
+  // Present, and the read failed for another reason than the store not
+  // answering (Unavailable, DeadlineExceeded): the stored copy is damaged.
+  bool damaged() const {
+    return present && !status.ok() && status.code() != StatusCode::kUnavailable &&
+           status.code() != StatusCode::kDeadlineExceeded;
+  }
+};
+
+// What the scheduler fetched for a request before admitting it
+// (Runtime::FetchStoredPrefixes); BeginPrefill imports `found` and asks the
+// store nothing more.
+struct PrefetchedPrefixes {
+  std::optional<StoredPrefixRead> found;  // the longest stored prefix read (none: none usable)
+  int64_t failures = 0;                   // lookups the store did not answer (the request prefills)
+  int64_t corruptions = 0;                // stored prefixes found damaged (queued for erasure)
+  Status last_failure;                    // the last of those failures (logs)
 };
 
 struct RunStats {
@@ -131,6 +180,9 @@ struct RunStats {
   double prefix_store_read_seconds = 0;  // reading stored prefixes (checked) from disk
   double prefix_import_seconds = 0;      // ... and importing them into the policy (to the device)
   int64_t prefix_store_read_bytes = 0;
+  // Prefetched lookups the store did not answer (node down, slow or its
+  // breaker open): the requests prefilled instead.
+  int64_t prefix_store_fetch_failures = 0;
   TierStats tiers;  // tier 0 (device copies of hot documents' values)
 };
 
@@ -184,7 +236,22 @@ class Runtime {
     // Part-way through the prompt (some of it in, or a segment between layers).
     bool in_progress(int64_t prompt_len) const { return partial != nullptr || (at > 0 && at < prompt_len); }
   };
-  Status BeginPrefill(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result);
+  // With `prefetched` (the scheduler's: what FetchStoredPrefixes read off
+  // the loop thread) the persistent store is not asked anything here: a
+  // prefix not in memory is `prefetched->found` or prefilled. Without it the
+  // store is read here (Generate). `prefetched->found` is moved out.
+  Status BeginPrefill(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result,
+                      PrefetchedPrefixes* prefetched = nullptr);
+  // The stored prefixes BeginPrefill would look up for `r`, longest first:
+  // its leading segments longer than the longest held in memory; empty
+  // without a persistent store or segments. The runtime's thread.
+  std::vector<StoreLookup> StoreLookups(const GenerationRequest& r);
+  // Reads the longest of `lookups` the store holds (whole when
+  // prefix_store_fetch_whole), touching nothing of the runtime but the
+  // store: any thread (the scheduler's store I/O threads). The store's
+  // failures are counted in the result, never returned; a damaged stored
+  // copy is queued for erasure.
+  PrefetchedPrefixes FetchStoredPrefixes(const std::vector<StoreLookup>& lookups) const;
   // A step that fails because the attached prefix failed a check while it
   // was read lazily drops that prefix (cache and store) and starts the
   // request over without it.
@@ -246,9 +313,10 @@ class Runtime {
   int max_batch() const { return options_.max_batch; }
   // The persistent store's writer counts are folded in at each call.
   RunStats stats() const;
-  // Blocks until every queued write to the persistent store has finished.
-  void DrainPrefixStores() {
-    if (prefix_writer_) prefix_writer_->Drain();
+  // Blocks until every queued write to the persistent store has finished, at
+  // most `max_wait`; true when they all have.
+  bool DrainPrefixStores(std::chrono::milliseconds max_wait = std::chrono::milliseconds::max()) {
+    return prefix_writer_ ? prefix_writer_->Drain(max_wait) : true;
   }
   // Null when prefix reuse is off.
   PrefixCache* prefix_cache() { return prefix_cache_.get(); }
@@ -319,10 +387,17 @@ class Runtime {
   // The prefix stored under `key` with `tokens` tokens, imported into this
   // policy and the device cache; null when absent or damaged (dropped).
   std::shared_ptr<const KvPrefix> LoadStoredPrefix(const Hash128& key, int64_t tokens);
+  // Reads the prefix stored under `key` if it has `tokens` tokens (whole:
+  // every blob, none left to read lazily). Thread-safe: the store only.
+  StoredPrefixRead ReadStoredPrefix(const Hash128& key, int64_t tokens, bool whole) const;
+  // Imports a read prefix into the policy and the memory cache; null when it
+  // fails (counted as damaged and erased: at once, or through the writer's
+  // queue when queue_erase).
+  std::shared_ptr<const KvPrefix> ImportStoredPrefix(StoredPrefixRead read, bool queue_erase);
   Result<bool> PrefillStepImpl(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
   // reuse false: no prefix looked up nor captured.
   Status BeginPrefillImpl(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result,
-                          bool reuse);
+                          bool reuse, PrefetchedPrefixes* prefetched = nullptr);
   // A prefix that failed a check: out of the cache and the store, counted.
   void DropDamagedPrefix(const Hash128& key, const Status& why);
 

@@ -29,6 +29,10 @@ Status SchedulerOptions::Validate() const {
   if (max_queue < 1) return Status::InvalidArgument("scheduler.max_queue must be >= 1, got " + std::to_string(max_queue));
   if (keep_finished.count() < 0) return Status::InvalidArgument("scheduler.keep_finished must be >= 0");
   if (share_window.count() < 0) return Status::InvalidArgument("scheduler.share_window must be >= 0");
+  if (store_fetch_threads < 1 || store_fetch_threads > 256) {
+    return Status::InvalidArgument("scheduler.store_fetch_threads must be in [1, 256], got " +
+                                   std::to_string(store_fetch_threads));
+  }
   return Status::OK();
 }
 
@@ -39,7 +43,68 @@ Result<std::unique_ptr<Scheduler>> Scheduler::Create(Runtime* runtime, const Sch
 }
 
 Scheduler::Scheduler(Runtime* runtime, const SchedulerOptions& options) : rt_(runtime), o_(options) {
+  for (int i = 0; i < o_.store_fetch_threads; ++i) io_threads_.emplace_back([this] { FetchLoop(); });
   thread_ = std::thread([this] { Loop(); });
+}
+
+void Scheduler::FetchLoop() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> l(io_mu_);
+      io_cv_.wait(l, [&] { return io_stop_ || !io_jobs_.empty(); });
+      if (io_stop_) return;  // the requests waiting are cancelled by Stop
+      job = std::move(io_jobs_.front());
+      io_jobs_.pop_front();
+    }
+    job();
+  }
+}
+
+void Scheduler::StartFetches() {
+  std::vector<std::shared_ptr<Request>> plan;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& r : queue_) {
+      if (r->fetch == Request::Fetch::kUnplanned) plan.push_back(r);
+    }
+  }
+  if (plan.empty()) return;
+  std::vector<std::vector<StoreLookup>> lookups(plan.size());
+  for (size_t i = 0; i < plan.size(); ++i) lookups[i] = rt_->StoreLookups(plan[i]->req);  // the runtime's thread
+  std::vector<std::function<void()>> jobs;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < plan.size(); ++i) {
+      const std::shared_ptr<Request>& r = plan[i];
+      r->prefetched = std::make_shared<PrefetchedPrefixes>();
+      if (lookups[i].empty() || r->done) {
+        r->fetch = Request::Fetch::kReady;
+        continue;
+      }
+      r->fetch = Request::Fetch::kFetching;
+      // The job writes into its own reference (Finish may drop the request's).
+      jobs.push_back([this, r, pf = r->prefetched, l = std::move(lookups[i])] {
+        PrefetchedPrefixes p = rt_->FetchStoredPrefixes(l);  // the store only: thread-safe
+        if (p.failures > 0) {
+          LOG(WARNING) << "scheduler: request " << r->id << ": its stored document was not read (prefilled "
+                       << "instead): " << p.last_failure;
+        }
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          *pf = std::move(p);
+          r->fetch = Request::Fetch::kReady;
+        }
+        work_cv_.notify_all();
+      });
+    }
+  }
+  if (jobs.empty()) return;
+  {
+    std::lock_guard<std::mutex> l(io_mu_);
+    for (auto& j : jobs) io_jobs_.push_back(std::move(j));
+  }
+  io_cv_.notify_all();
 }
 
 Scheduler::~Scheduler() { Stop(); }
@@ -51,6 +116,16 @@ void Scheduler::Stop() {
   }
   work_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  {
+    // A read in flight ends by its deadline; the jobs not started are dropped.
+    std::lock_guard<std::mutex> l(io_mu_);
+    io_stop_ = true;
+    io_jobs_.clear();
+  }
+  io_cv_.notify_all();
+  for (auto& t : io_threads_) {
+    if (t.joinable()) t.join();
+  }
   // The loop has stopped: the runtime is this thread's now.
   std::lock_guard<std::mutex> lk(mu_);
   for (auto& t : tasks_) t(*rt_);  // their callers are waiting
@@ -191,6 +266,7 @@ SchedulerStats::Documents Scheduler::DocumentSnapshot() const {
   d.tier0_demotions = rs.tiers.demotions;
   d.store_hits = rs.prefix_store_hits;
   d.store_corruptions = rs.prefix_store_corruptions;
+  d.store_fetch_failures = rs.prefix_store_fetch_failures;
   return d;
 }
 
@@ -200,11 +276,16 @@ SchedulerStats Scheduler::stats() const {
   s.queued = static_cast<int64_t>(queue_.size());
   s.prefilling = static_cast<int64_t>(prefilling_.size());
   s.decoding = static_cast<int64_t>(decoding_.size());
+  s.fetching = std::count_if(queue_.begin(), queue_.end(),
+                             [](const auto& r) { return r->fetch == Request::Fetch::kFetching; });
   return s;
 }
 
 bool Scheduler::HasWork() const {
-  return !queue_.empty() || !prefilling_.empty() || !decoding_.empty() || !tasks_.empty();
+  // A request being fetched is not the loop's work until its read ends.
+  const bool admissible = std::any_of(queue_.begin(), queue_.end(),
+                                      [](const auto& r) { return r->fetch != Request::Fetch::kFetching; });
+  return admissible || !prefilling_.empty() || !decoding_.empty() || !tasks_.empty();
 }
 
 Status Scheduler::RunOnLoop(std::function<Status(Runtime&)> task) {
@@ -250,6 +331,7 @@ void Scheduler::Loop() {
     lk.unlock();
     RunTasks();
     Reap();
+    StartFetches();
     Admit();
     PrefillOne();
     DecodeOnce();
@@ -283,6 +365,7 @@ void Scheduler::Reap() {
 
 void Scheduler::Admit() {
   std::shared_ptr<Request> r;
+  std::shared_ptr<PrefetchedPrefixes> prefetched;  // r's, held while the runtime imports it
   {
     std::lock_guard<std::mutex> lk(mu_);
     // One prompt in prefill at a time (by fair share between tenants, first
@@ -291,11 +374,15 @@ void Scheduler::Admit() {
     if (static_cast<int>(decoding_.size()) >= std::min(o_.max_batch, rt_->max_batch())) return;
     r = NextByShare(Clock::now());
     if (!r) return;  // every waiting tenant is at its share of the batch
+    prefetched = r->prefetched;
   }
+  // Never null here (planned before it was ready); an empty one keeps the
+  // store off the loop regardless.
+  if (!prefetched) prefetched = std::make_shared<PrefetchedPrefixes>();
   r->seq = next_seq_++;
   GenerationResult admitted;
   const Clock::time_point t0 = Clock::now();
-  Status s = rt_->BeginPrefill(r->seq, r->req, &r->prefill, &admitted);
+  Status s = rt_->BeginPrefill(r->seq, r->req, &r->prefill, &admitted, prefetched.get());
   const double took = Seconds(Clock::now() - t0);
   if (took > 0.5) {
     // Memory for a long prompt (the value store's pinned host rows) is
@@ -319,6 +406,7 @@ void Scheduler::Admit() {
     r->cached_prompt_tokens = admitted.cached_prompt_tokens;
     r->prefilled = r->prefill.at;
     r->added = true;
+    r->prefetched.reset();  // read and imported (or not needed): its memory goes
     stats_.prompt_tokens += static_cast<int64_t>(r->req.prompt.size());
     stats_.cached_prompt_tokens += admitted.cached_prompt_tokens;
     prefilling_.push_back(r);
@@ -366,6 +454,7 @@ std::shared_ptr<Scheduler::Request> Scheduler::NextByShare(Clock::time_point now
   std::shared_ptr<Request> best;
   double best_start = 0;
   for (const std::shared_ptr<Request>& r : queue_) {
+    if (r->fetch != Request::Fetch::kReady) continue;  // its stored documents are being read
     if (!under_cap(ShareKey(*r))) continue;
     auto t = share_time_.find(ShareKey(*r));
     const double start = std::max(t == share_time_.end() ? 0.0 : t->second, share_now_);
@@ -498,6 +587,7 @@ void Scheduler::Finish(Request& r, const std::string& reason, Status error) {
   r.finish_reason = reason;
   r.error = std::move(error);
   r.finished = Clock::now();
+  r.prefetched.reset();  // what was read for it, if never admitted
   if (r.added) {
     rt_->RemoveSequence(r.seq);
     r.added = false;

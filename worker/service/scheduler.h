@@ -13,6 +13,15 @@
 // ResourceExhausted. Nothing a request does can stop the loop: its errors end
 // that request (or, for a failed decode step, the requests of that step).
 //
+// Stored documents are looked up off the loop: a queued request whose
+// leading segments are not in memory waits "fetching" while a store I/O
+// thread reads the longest of them the persistent store holds
+// (Runtime::FetchStoredPrefixes; a store node's calls have deadlines and a
+// circuit breaker), and the batch keeps decoding; admission then imports
+// what was read, or, when the store failed or did not answer, prefills the
+// request from its tokens. A slow or dead store costs the requests that need
+// it their reuse, never the others' decoding.
+//
 // Clients read tokens as they are made by polling with an offset (Poll waits
 // up to wait_ms for tokens past the offset or for the end), can cancel, and
 // get usage with every answer: prompt tokens, of which attached from the
@@ -63,6 +72,9 @@ struct SchedulerOptions {
   // given back as its requests end). 0: no caps (admission order alone is
   // fair). Default: 10 s.
   std::chrono::milliseconds share_window{std::chrono::seconds(10)};
+  // Threads reading stored documents for queued requests (off the loop).
+  // Default: 4.
+  int store_fetch_threads = 4;
   // InvalidArgument naming the field.
   Status Validate() const;
 };
@@ -101,6 +113,7 @@ struct RequestUpdate {
 struct SchedulerStats {
   int64_t submitted = 0, finished = 0, failed = 0, cancelled = 0;
   int64_t queued = 0, prefilling = 0, decoding = 0;  // now
+  int64_t fetching = 0;  // now: queued requests whose stored documents are being read
   int64_t decode_steps = 0;
   // Decode steps taken while a prompt was part-way through its prefill.
   int64_t interleaved_decode_steps = 0;
@@ -121,6 +134,7 @@ struct SchedulerStats {
     int64_t tier0_bytes = 0, tier0_documents = 0;  // copies of hot documents' values on the device
     int64_t tier0_promotions = 0, tier0_demotions = 0;
     int64_t store_hits = 0, store_corruptions = 0;  // read back from disk; found damaged (recomputed)
+    int64_t store_fetch_failures = 0;  // lookups the store did not answer (prefilled instead)
   } documents;
 };
 
@@ -194,11 +208,19 @@ class Scheduler {
     bool waited = false;  // admission was deferred once (counted once)
     std::mt19937_64 rng;
     Runtime::PrefillState prefill;
+    // Its stored documents (under mu_): to look up, being read, or read
+    // (prefetched: what BeginPrefill imports; the loop's once kReady).
+    enum class Fetch { kUnplanned, kFetching, kReady } fetch = Fetch::kUnplanned;
+    std::shared_ptr<PrefetchedPrefixes> prefetched;
   };
 
   Scheduler(Runtime* runtime, const SchedulerOptions& options);
   void Loop();
   // One iteration's parts (loop thread; mu_ not held while the runtime runs).
+  // Plans the lookups of newly queued requests and hands those that need
+  // the store to the I/O threads.
+  void StartFetches();
+  void FetchLoop();  // an I/O thread
   void Admit();
   void PrefillOne();
   void DecodeOnce();
@@ -248,6 +270,12 @@ class Scheduler {
   int64_t next_seq_ = 0;
   bool stop_ = false, draining_ = false;
   SchedulerStats stats_;
+  // Store I/O: jobs (a request's lookups) for the fetch threads.
+  std::mutex io_mu_;
+  std::condition_variable io_cv_;
+  std::deque<std::function<void()>> io_jobs_;  // guarded by io_mu_
+  bool io_stop_ = false;                       // guarded by io_mu_
+  std::vector<std::thread> io_threads_;
   Clock::time_point memory_sampled_{};  // the loop's last SchedulerStats::memory_free_bytes
   std::thread thread_;
 };

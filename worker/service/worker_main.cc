@@ -89,6 +89,11 @@ class WorkerMetrics {
                                    "Writes the local --prefix-store refused (a full disk, an I/O error).");
     store_degraded_ = &gauge("penumbra_worker_store_degraded",
                              "1 while the local --prefix-store refuses writes (it retries by itself).");
+    store_fetch_failures_ = &counter("penumbra_worker_documents_store_fetch_failures_total",
+                                     "Stored documents the store did not answer for (a node down, slow or its "
+                                     "breaker open): the requests prefilled them instead.");
+    fetching_ = &gauge("penumbra_worker_requests_fetching",
+                       "Queued requests whose stored documents are being read (off the decode loop).");
   }
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   // Called at each scrape (the HTTP server's threads).
@@ -129,6 +134,8 @@ class WorkerMetrics {
     const storage::WriteHealth h = store_health_();
     bump(store_write_errors_, h.write_errors, last_store_write_errors_);
     store_degraded_->Set(h.degraded ? 1 : 0);
+    bump(store_fetch_failures_, d.store_fetch_failures, last_.documents.store_fetch_failures);
+    fetching_->Set(static_cast<double>(n.fetching));
   }
 
  private:
@@ -144,10 +151,77 @@ class WorkerMetrics {
       *prefill_pieces_, *prompt_, *cached_, *generated_, *waits_;
   prometheus::Gauge *queued_, *prefilling_, *decoding_, *piece_max_, *memory_free_;
   prometheus::Gauge *documents_, *document_device_, *document_host_, *tier0_bytes_, *tier0_documents_;
-  prometheus::Counter *tier0_promotions_, *tier0_demotions_, *store_hits_, *store_corruptions_;
+  prometheus::Counter *tier0_promotions_, *tier0_demotions_, *store_hits_, *store_corruptions_, *store_fetch_failures_;
   prometheus::Counter* store_write_errors_;
   prometheus::Gauge* store_degraded_;
   int64_t last_store_write_errors_ = 0;
+  prometheus::Gauge* fetching_;
+};
+
+// Each store node's calls as this worker's client saw them (deadlines and
+// circuit breaker), labelled node="HOST:PORT", mirrored at each scrape.
+class StoreNodeMetrics {
+ public:
+  StoreNodeMetrics(prometheus::Registry& registry, std::vector<std::shared_ptr<transport::RemoteDocumentStore>> nodes)
+      : nodes_(std::move(nodes)) {
+    auto& state = prometheus::BuildGauge()
+                      .Name("penumbra_store_node_breaker_state")
+                      .Help("The store node's circuit breaker: 0 closed, 1 open (calls fail at once), 2 half-open.")
+                      .Register(registry);
+    auto& calls = prometheus::BuildCounter()
+                      .Name("penumbra_store_node_calls_total")
+                      .Help("Calls sent to the store node (a retry counts again).")
+                      .Register(registry);
+    auto& failures = prometheus::BuildCounter()
+                         .Name("penumbra_store_node_failures_total")
+                         .Help("Calls the store node did not answer (unreachable, connection lost, or past their "
+                               "deadline).")
+                         .Register(registry);
+    auto& timeouts = prometheus::BuildCounter()
+                         .Name("penumbra_store_node_timeouts_total")
+                         .Help("Calls to the store node past their deadline.")
+                         .Register(registry);
+    auto& rejected = prometheus::BuildCounter()
+                         .Name("penumbra_store_node_rejected_total")
+                         .Help("Calls failed at once by the store node's open circuit breaker (never sent).")
+                         .Register(registry);
+    auto& opens = prometheus::BuildCounter()
+                      .Name("penumbra_store_node_breaker_opens_total")
+                      .Help("Times the store node's circuit breaker opened.")
+                      .Register(registry);
+    for (const auto& n : nodes_) {
+      const std::map<std::string, std::string> label = {{"node", n->name()}};
+      rows_.push_back(Row{&state.Add(label), &calls.Add(label), &failures.Add(label), &timeouts.Add(label),
+                          &rejected.Add(label), &opens.Add(label), {}});
+    }
+  }
+  void Refresh() {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto bump = [](prometheus::Counter* c, int64_t now, int64_t& last) {
+      if (now > last) c->Increment(static_cast<double>(now - last));
+      last = now;
+    };
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      const transport::StoreNodeCallStats n = nodes_[i]->call_stats();
+      Row& r = rows_[i];
+      r.state->Set(static_cast<double>(static_cast<int>(n.breaker)));
+      bump(r.calls, n.calls, r.last.calls);
+      bump(r.failures, n.failures, r.last.failures);
+      bump(r.timeouts, n.timeouts, r.last.timeouts);
+      bump(r.rejected, n.rejected, r.last.rejected);
+      bump(r.opens, n.opens, r.last.opens);
+    }
+  }
+
+ private:
+  struct Row {
+    prometheus::Gauge* state;
+    prometheus::Counter *calls, *failures, *timeouts, *rejected, *opens;
+    transport::StoreNodeCallStats last;
+  };
+  std::vector<std::shared_ptr<transport::RemoteDocumentStore>> nodes_;
+  std::mutex mu_;
+  std::vector<Row> rows_;
 };
 
 Status Run(int argc, char** argv) {
@@ -167,6 +241,17 @@ Status Run(int argc, char** argv) {
       .Flag("prefix-store", "directory of the persistent document store (RocksDB; default: the config's)")
       .Flag("store-node", "HOST:PORT[,HOST:PORT...] of value-store nodes (penumbra-store) to keep documents on "
                           "instead of a local directory (each document on one node, by its key)")
+      .Flag("store-call-timeout-ms", "a call to a store node fails (DeadlineExceeded) when the node has not "
+                                     "answered within this (default 5000), plus its bytes' time at "
+                                     "--store-bulk-mb-per-s")
+      .Flag("store-bulk-mb-per-s", "the slowest transfer rate a store node's call is given time for "
+                                   "(default 64)")
+      .Flag("store-breaker-failures", "consecutive calls a store node did not answer that open its circuit "
+                                      "breaker: its calls then fail at once (default 3)")
+      .Flag("store-breaker-cooldown-ms", "how long an open breaker fails calls at once before one probe call "
+                                         "(default 5000)")
+      .Flag("store-fetch-threads", "threads reading stored documents for queued requests, off the decode loop "
+                                   "(default 4)")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
       .Flag("drain-seconds", "on SIGTERM, how long running requests may finish (default 30)")
       .Flag("lease-ms", "a coordinator that neither renews nor submits for this long has its generations cancelled "
@@ -199,14 +284,27 @@ Status Run(int argc, char** argv) {
     eo.runtime.document_key_secret = secret->Derive("document-keys");
   }
   if (a.Has("prefix-store")) eo.prefix_store.path = a.Get("prefix-store");
+  std::vector<std::shared_ptr<transport::RemoteDocumentStore>> store_nodes;
   if (a.Has("store-node")) {
     if (a.Has("prefix-store")) return Status::InvalidArgument("--store-node and --prefix-store: one or the other");
     eo.prefix_store.path.clear();
-    transport::UcxClientOptions plane;
-    plane.secret = secret;
+    transport::RemoteStoreOptions calls;
+    calls.plane.secret = secret;
     // A node off loopback without the secret is refused unless --insecure.
+    calls.allow_plaintext_remote = security.insecure;
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t timeout_ms, a.GetIntIn("store-call-timeout-ms", 5000, 1, 3600000));
+    calls.call_timeout = std::chrono::milliseconds(timeout_ms);
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t bulk_mb, a.GetIntIn("store-bulk-mb-per-s", 64, 1, 1 << 20));
+    calls.bulk_bytes_per_second = static_cast<double>(bulk_mb) * (1 << 20);
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t failures, a.GetIntIn("store-breaker-failures", 3, 1, 1000000));
+    calls.breaker.failures = static_cast<int>(failures);
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t cool_ms, a.GetIntIn("store-breaker-cooldown-ms", 5000, 0, 3600000));
+    calls.breaker.cool_down = std::chrono::milliseconds(cool_ms);
     PENUMBRA_ASSIGN_OR_RETURN(eo.document_store,
-                              transport::ConnectStoreNodes(a.Get("store-node"), plane, security.insecure));
+                              transport::ConnectStoreNodes(a.Get("store-node"), calls, &store_nodes));
+    // Stored documents are read whole before their request is admitted: no
+    // value is read from a node during a decode step.
+    eo.runtime.prefix_store_fetch_whole = true;
   }
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
   PENUMBRA_ASSIGN_OR_RETURN(transport::AdminHttpOptions admin, transport::AdminFromFlags(a, security));
@@ -223,6 +321,8 @@ Status Run(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t window_ms,
                             a.GetIntIn("share-window-ms", so.share_window.count(), 0, int64_t{1} << 40));
   so.share_window = std::chrono::milliseconds(window_ms);
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t fetch_threads, a.GetIntIn("store-fetch-threads", so.store_fetch_threads, 1, 256));
+  so.store_fetch_threads = static_cast<int>(fetch_threads);
   const std::string host = a.Get("host", "127.0.0.1");
   const std::string name = a.Get("name", "worker");
   PENUMBRA_RETURN_IF_ERROR(
@@ -262,12 +362,16 @@ Status Run(int argc, char** argv) {
   lease.lease = std::chrono::milliseconds(lease_ms);
   PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to, lease));
   WorkerMetrics metrics(scheduler.get(), server.get(), [&engine] { return engine->prefix_store_health(); });
+  StoreNodeMetrics node_metrics(*metrics.registry(), store_nodes);
   std::unique_ptr<transport::MetricsServer> metrics_server;
   if (admin.port >= 0) {
     service::Scheduler* s = scheduler.get();
     PENUMBRA_ASSIGN_OR_RETURN(metrics_server,
                               transport::MetricsServer::Start(metrics.registry(), admin,
-                                                              [&metrics] { metrics.Refresh(); },
+                                                              [&metrics, &node_metrics] {
+                                                                metrics.Refresh();
+                                                                node_metrics.Refresh();
+                                                              },
                                                               [s] { return s->accepting(); }));
   }
   const int mport = metrics_server ? metrics_server->port() : -1;
@@ -295,7 +399,12 @@ Status Run(int argc, char** argv) {
   scheduler->Stop();  // cancels what is left; pollers see "cancelled"
   server->Stop();
   if (metrics_server) metrics_server->Stop();
-  engine->runtime().DrainPrefixStores();  // documents being stored are kept
+  // Documents being stored are kept (a store node that stopped answering
+  // holds this up at most --drain-seconds; its calls have deadlines).
+  if (!engine->runtime().DrainPrefixStores(std::chrono::seconds(drain_s))) {
+    LOG(WARNING) << "penumbra-worker " << name << ": documents still being stored after " << drain_s
+                 << " s; not waiting for them";
+  }
   std::printf("penumbra-worker %s: stopped\n", name.c_str());
   return Status::OK();
 }

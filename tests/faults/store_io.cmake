@@ -1,0 +1,14 @@
+# A store node stopped (SIGSTOP) under a worker reading and writing documents
+# on it: the other requests keep their decode rate, the ones that need the
+# node fall back to prefill within the deadline, the node's circuit breaker
+# opens and closes again (tests/faults/store_io_test.cc). Real processes.
+add_executable(store_io_test ${CMAKE_CURRENT_LIST_DIR}/store_io_test.cc)
+target_link_libraries(store_io_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
+  PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
+add_dependencies(store_io_test penumbra-worker penumbra-store)
+foreach(case AStoppedStoreNodeCostsOnlyTheRequestsThatNeedIt)
+  add_test(NAME faults_store_io_${case} COMMAND store_io_test --gtest_filter=StoreIo.${case}
+    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+  set_tests_properties(faults_store_io_${case} PROPERTIES LABELS faults TIMEOUT 120
+    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
+endforeach()
