@@ -67,6 +67,8 @@ class WorkerServer {
                                                      const transport::ThriftServerOptions& options);
   int port() const { return server_->port(); }
   transport::ThriftServerStats stats() const { return server_->stats(); }
+  // Rereads the control API's TLS files (SIGHUP): transport::ThriftServer::ReloadTls.
+  Status ReloadTls() { return server_->ReloadTls(); }
   void Stop() { server_->Stop(); }
 
  private:
