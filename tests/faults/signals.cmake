@@ -4,8 +4,9 @@ add_executable(signals_test ${CMAKE_CURRENT_LIST_DIR}/signals_test.cc)
 target_link_libraries(signals_test PRIVATE penumbra_client penumbra_engine penumbra_tenants nlohmann_json::nlohmann_json
   GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(signals_test penumbra penumbra-worker penumbra-coordinator penumbra-store)
-foreach(case SighupReloadsALoneCoordinatorWorkerAndStoreNodeAndStopsNothing
-        ServePassesSighupOnAndRestartsKilledChildrenOnTheirPorts)
+foreach(case SighupReloadsALoneCoordinatorWorkerAndStoreNodeAndStopsNothing SighupRereadsThePlainApiKeys
+        ServePassesSighupOnAndRestartsKilledChildrenOnTheirPorts
+        ServeKeepsRestartingAChildThatKeepsDyingWithACappedBackoff)
   add_test(NAME faults_signals_${case} COMMAND signals_test --gtest_filter=Signals.${case}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   set_tests_properties(faults_signals_${case} PROPERTIES LABELS faults TIMEOUT 120

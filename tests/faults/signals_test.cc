@@ -189,6 +189,35 @@ TEST_F(Signals, SighupReloadsALoneCoordinatorWorkerAndStoreNodeAndStopsNothing) 
   EXPECT_TRUE(coordinator.running() && worker.running() && node.process->running());
 }
 
+// A coordinator on plain --api-keys: SIGHUP rereads the file (a key added is
+// taken, a key removed is refused); a file that does not load keeps the keys
+// in use.
+TEST_F(Signals, SighupRereadsThePlainApiKeys) {
+  ClusterOptions o;
+  o.api_keys_yaml = "keys:\n  " + kKeyA + ": ta\n";
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  const int port = cluster.coordinator().port;
+  Process& coordinator = *cluster.coordinator().process;
+  ASSERT_TRUE(Answered(port, kKeyA).ok());
+  EXPECT_EQ(Answered(port, kKeyB).code(), StatusCode::kPermissionDenied);
+
+  const std::string keys = cluster.dir() + "/keys.yaml";
+  std::ofstream(keys, std::ios::trunc) << "keys:\n  " << kKeyB << ": tb\n";
+  coordinator.Signal(SIGHUP);
+  ASSERT_TRUE(LogReaches(coordinator, "SIGHUP: API keys reloaded", 1));
+  Status b = Answered(port, kKeyB);
+  EXPECT_TRUE(b.ok()) << "the key added: " << b;
+  EXPECT_EQ(Answered(port, kKeyA).code(), StatusCode::kPermissionDenied) << "the key removed";
+
+  std::ofstream(keys, std::ios::trunc) << "keys:\n  short: tc\n";  // under 16 bytes: refused
+  coordinator.Signal(SIGHUP);
+  ASSERT_TRUE(LogReaches(coordinator, "SIGHUP: API keys not reloaded, the old ones stay", 1));
+  b = Answered(port, kKeyB);
+  EXPECT_TRUE(b.ok()) << "after a failed reload: " << b;
+  EXPECT_TRUE(coordinator.running());
+}
+
 // `penumbra serve` with a store node, a worker and a coordinator.
 class Serve {
  public:
@@ -355,6 +384,39 @@ TEST_F(Signals, ServePassesSighupOnAndRestartsKilledChildrenOnTheirPorts) {
   EXPECT_EQ(*code, 0);
   for (pid_t pid : serve.pids()) EXPECT_FALSE(Alive(pid)) << "pid " << pid << " left running";
   EXPECT_NE(serve.process().Log().find("serve: stopped"), std::string::npos);
+}
+
+// A child that keeps dying: each death restarts it after a doubling delay
+// capped at --restart-backoff-max-ms, the fifth in a row is called a crash
+// loop, and it is still retried (and serves again on its port) with the
+// counts in serve's port file.
+TEST_F(Signals, ServeKeepsRestartingAChildThatKeepsDyingWithACappedBackoff) {
+  Serve serve;
+  ASSERT_TRUE(serve.Start());
+  const int s0_port = serve.Port("s0");
+  for (int i = 1; i <= 5; ++i) {
+    const pid_t pid = serve.Pid("s0");
+    ASSERT_GT(pid, 0);
+    ASSERT_EQ(kill(pid, SIGKILL), 0);
+    ASSERT_TRUE(serve.WaitRestarted("s0", i));
+    EXPECT_EQ(serve.Port("s0"), s0_port);
+  }
+  const std::string log = serve.process().Log();
+  // 200 ms doubling, capped at 1 s.
+  for (const char* delay : {"restart 1 in 0.2 s", "restart 2 in 0.4 s", "restart 3 in 0.8 s", "restart 4 in 1.0 s",
+                            "restart 5 in 1.0 s"}) {
+    EXPECT_NE(log.find(delay), std::string::npos) << delay << " missing:\n" << log;
+  }
+  EXPECT_NE(log.find("serve: store node s0 keeps crashing (5 deaths in a row"), std::string::npos) << log;
+  EXPECT_EQ(serve.State()["children"]["s0"]["deaths_in_row"], 5) << serve.State().dump();
+  EXPECT_EQ(serve.State()["restarts"], 5) << serve.State().dump();
+  Status a = Eventually([&] { return Answered(serve.port(), kKeyA); }, 10s);
+  EXPECT_TRUE(a.ok()) << "the service with its store node restarted five times: " << a;
+  serve.process().Signal(SIGTERM);
+  const std::optional<int> code = serve.process().Wait(45s);
+  ASSERT_TRUE(code.has_value()) << "serve still running 45 s after SIGTERM";
+  EXPECT_EQ(*code, 0);
+  for (pid_t pid : serve.pids()) EXPECT_FALSE(Alive(pid)) << "pid " << pid << " left running";
 }
 
 }  // namespace
