@@ -15,10 +15,12 @@
 #include <thread>
 #include <vector>
 
+#include "common/hash.h"
 #include "coordinator/tenants/tenants.h"
 #include "tests/service/service_cluster.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "transport/certs.h"
+#include "transport/store_node.h"
 
 namespace penumbra::testing {
 namespace {
@@ -140,6 +142,22 @@ TEST_F(Signals, SighupReloadsALoneCoordinatorWorkerAndStoreNodeAndStopsNothing) 
   EXPECT_TRUE(coordinator.running() && worker.running() && node.process->running()) << "SIGHUP stopped a process";
   Status b = Answered(port, kKeyB, certs);
   EXPECT_TRUE(b.ok()) << "tenant B after the reload: " << b;
+  // The store node after its SIGHUP: a new plane connection (with the
+  // secret) stores and reads a value.
+  {
+    transport::UcxClientOptions plane;
+    Result<ClusterSecret> secret = ClusterSecret::Load(certs + "/cluster.secret");
+    ASSERT_TRUE(secret.ok()) << secret.status();
+    plane.secret = *secret;
+    auto ds = transport::ConnectStoreNodes("127.0.0.1:" + std::to_string(node.port), plane);
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    const Hash128 key = Hasher128().Update("after-sighup").Digest();
+    Status put = (*ds)->Put(key, "", 1, {{"b", "stored after SIGHUP"}});
+    ASSERT_TRUE(put.ok()) << put;
+    auto got = (*ds)->Get(key);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ((*got)["b"], "stored after SIGHUP");
+  }
   // The worker after its reload: a new mutual-TLS connection is served.
   auto wc = cluster.WorkerClient(0);
   ASSERT_TRUE(wc);
