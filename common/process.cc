@@ -2,6 +2,7 @@
 
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <fcntl.h>
 
@@ -44,6 +45,14 @@ int WaitForTerminationSignal() {
   return sig;
 }
 
+int WaitForStopSignal(const std::function<void()>& on_reload) {
+  for (;;) {
+    const int sig = WaitForTerminationSignal();
+    if (sig != SIGHUP) return sig;
+    on_reload();
+  }
+}
+
 Status WriteFileAtomically(const std::string& path, const std::string& contents, mode_t mode) {
   const std::string tmp = path + ".tmp." + std::to_string(getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
@@ -66,16 +75,17 @@ Status WriteFileAtomically(const std::string& path, const std::string& contents,
   return Status::OK();
 }
 
-Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& log) {
+Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& log, bool append) {
   if (argv.empty()) return Status::InvalidArgument("SpawnProcess: no program");
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   const char* log_path = log.c_str();
+  const int log_flags = O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC);
   const pid_t pid = fork();
   if (pid < 0) return Status::Internal("fork failed");
   if (pid == 0) {
-    const int fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int fd = open(log_path, log_flags, 0644);
     if (fd >= 0) {
       dup2(fd, 1);
       dup2(fd, 2);
@@ -87,6 +97,17 @@ Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::stri
     _exit(127);
   }
   return pid;
+}
+
+std::string DescribeWaitStatus(int status) {
+  if (WIFEXITED(status)) return "exit status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : std::string()) +
+           (WCOREDUMP(status) ? ", core dumped" : "");
+  }
+  return "wait status " + std::to_string(status);
 }
 
 void RaiseFileLimit() {

@@ -1,6 +1,8 @@
 // What every long-running Penumbra process (penumbra-worker,
-// penumbra-coordinator) does around its servers: wait for SIGTERM/SIGINT,
-// and tell whoever started it which ports the OS picked.
+// penumbra-coordinator, penumbra-store, penumbra serve) does around its
+// servers: wait for SIGTERM/SIGINT (stop) while SIGHUP rereads the
+// configuration and stops nothing, and tell whoever started it which ports
+// the OS picked.
 #pragma once
 
 #include <sys/types.h>
@@ -19,6 +21,11 @@ namespace penumbra {
 void BlockTerminationSignals();
 // Waits for one of them; returns its number.
 int WaitForTerminationSignal();
+// Waits for SIGTERM or SIGINT and returns its number; each SIGHUP meanwhile
+// runs `on_reload` (on the calling thread) and the wait goes on: SIGHUP
+// never stops the process. `on_reload` must not throw; a reload that fails
+// keeps the old configuration and says so in the log.
+int WaitForStopSignal(const std::function<void()>& on_reload);
 
 // Writes `contents` to `path` atomically (a temporary file beside it,
 // flushed to disk, then rename): a reader sees the whole file or none. The
@@ -26,9 +33,14 @@ int WaitForTerminationSignal();
 Status WriteFileAtomically(const std::string& path, const std::string& contents, mode_t mode = 0644);
 
 // Starts argv[0] (a path) with argv, its stdout and stderr to `log`
-// (truncated), every signal unblocked; returns its pid. Everything the child
-// needs is made before fork, so it is safe from a multi-threaded process.
-Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& log);
+// (truncated, or appended to with `append`: a restarted process keeps its
+// predecessor's lines), every signal unblocked; returns its pid. Everything
+// the child needs is made before fork, so it is safe from a multi-threaded
+// process.
+Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& log, bool append = false);
+
+// "exit status N", "killed by signal N (NAME)" for a waitpid status.
+std::string DescribeWaitStatus(int status);
 
 // Raises this process's limit of open files to its hard limit (a server
 // holds one descriptor per connection).

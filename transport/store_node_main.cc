@@ -13,7 +13,8 @@
 //
 // With --port-file it writes {"port": P, "metrics_port": -1, "pid": N} there
 // (atomically) once
-// serving. SIGTERM or SIGINT stops it (what was acknowledged is on disk).
+// serving. SIGTERM or SIGINT stops it (what was acknowledged is on disk);
+// SIGHUP is logged and stops nothing.
 #include <unistd.h>
 
 #include <cstdio>
@@ -118,7 +119,13 @@ Status Run(int argc, char** argv) {
               no.host.c_str(), node->port(),
               no.plane.secret ? "authenticated and encrypted" : "plaintext: no cluster secret");
   std::fflush(stdout);
-  const int sig = WaitForTerminationSignal();
+  // SIGHUP stops nothing. The store plane has no TLS (the cluster secret
+  // keys it, and every worker holds the same one), so there is nothing to
+  // reread: a new secret takes a restart of the whole service.
+  const int sig = WaitForStopSignal([] {
+    LOG(INFO) << "penumbra-store: SIGHUP: nothing to reload (the cluster secret and options are read at start); "
+                 "serving on";
+  });
   LOG(INFO) << "penumbra-store: signal " << sig << ", stopping";
   node->Stop();
   PENUMBRA_RETURN_IF_ERROR(store->Flush());

@@ -46,6 +46,18 @@ struct ThriftServer::Shared {
   std::condition_variable cv;
   std::atomic<int64_t> open{0}, accepted{0}, refused_over_limit{0}, refused_frame_budget{0}, accept_errors{0};
   std::atomic<int64_t> frame_bytes{0};
+  // The TLS context new connections get (none: plaintext); ReloadTls swaps
+  // it, connections already open keep theirs.
+  std::shared_ptr<SSLContext> TlsContext() const {
+    std::lock_guard<std::mutex> lk(tls_mu);
+    return tls_context;
+  }
+  void SetTlsContext(std::shared_ptr<SSLContext> c) {
+    std::lock_guard<std::mutex> lk(tls_mu);
+    tls_context = std::move(c);
+  }
+  mutable std::mutex tls_mu;
+  std::shared_ptr<SSLContext> tls_context;  // guarded by tls_mu
 
   // Admits a connection from `peer`; false when over a limit.
   bool Admit(const std::string& peer) {
@@ -265,12 +277,8 @@ class ContextFactory final : public TSSLSocketFactory {
 class GuardedServerSocket final : public apache::thrift::transport::TServerSocket {
  public:
   GuardedServerSocket(const std::string& host, int port, std::shared_ptr<Shared> shared,
-                      std::shared_ptr<TConfiguration> config, std::shared_ptr<ContextFactory> tls, PeerPolicy policy)
-      : TServerSocket(host, port),
-        shared_(std::move(shared)),
-        config_(std::move(config)),
-        tls_(std::move(tls)),
-        policy_(std::move(policy)) {}
+                      std::shared_ptr<TConfiguration> config, PeerPolicy policy)
+      : TServerSocket(host, port), shared_(std::move(shared)), config_(std::move(config)), policy_(std::move(policy)) {}
   void listen() override {
     if (listening_) return;
     TServerSocket::listen();
@@ -303,9 +311,9 @@ class GuardedServerSocket final : public apache::thrift::transport::TServerSocke
     ++shared_->accepted;
     auto admission = std::make_unique<Admission>(shared_, peer, fd);
     std::shared_ptr<TSocket> s;
-    if (tls_) {
+    if (std::shared_ptr<SSLContext> tls = shared_->TlsContext()) {
       // Stop() interrupts every connection's blocked read (the children's listener).
-      s = std::make_shared<CheckedSslSocket>(tls_->context(), fd, pChildInterruptSockReader_, config_, policy_,
+      s = std::make_shared<CheckedSslSocket>(std::move(tls), fd, pChildInterruptSockReader_, config_, policy_,
                                              std::move(admission), AddressOf(fd, true));
     } else {
       s = std::make_shared<PlainServerSocket>(fd, pChildInterruptSockReader_, config_, std::move(admission),
@@ -317,7 +325,6 @@ class GuardedServerSocket final : public apache::thrift::transport::TServerSocke
  private:
   std::shared_ptr<Shared> shared_;
   std::shared_ptr<TConfiguration> config_;
-  std::shared_ptr<ContextFactory> tls_;
   PeerPolicy policy_;
   bool listening_ = false;
 };
@@ -702,16 +709,17 @@ Result<std::unique_ptr<ThriftServer>> ThriftServer::Start(std::shared_ptr<TProce
   s->shared_ = std::make_shared<Shared>();
   s->shared_->limits = o.limits;
   s->shared_->name = o.name;
-  std::shared_ptr<ContextFactory> tls;
   PeerPolicy policy;
   if (o.tls) {
-    PENUMBRA_ASSIGN_OR_RETURN(tls, MakeContext(o.tls->files, true, o.tls->require_client_certificate));
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ContextFactory> tls,
+                              MakeContext(o.tls->files, true, o.tls->require_client_certificate));
+    s->shared_->SetTlsContext(tls->context());
     policy.roles = o.tls->client_roles;
     policy.require = o.tls->require_client_certificate;
-    s->tls_ = true;
+    s->tls_ = o.tls;
   }
   auto config = MakeConfiguration(o.limits);
-  auto socket = std::make_shared<GuardedServerSocket>(o.host, o.port, s->shared_, config, tls, policy);
+  auto socket = std::make_shared<GuardedServerSocket>(o.host, o.port, s->shared_, config, policy);
   socket->setRecvTimeout(static_cast<int>(o.limits.handshake_timeout.count()));
   socket->setSendTimeout(static_cast<int>(o.limits.send_timeout.count()));
   try {
@@ -747,6 +755,18 @@ Result<std::unique_ptr<ThriftServer>> ThriftServer::Start(std::shared_ptr<TProce
 }
 
 ThriftServer::~ThriftServer() { Stop(); }
+
+Status ThriftServer::ReloadTls() {
+  if (!tls_) return Status::FailedPrecondition(shared_->name + ": plaintext, no TLS files to reload");
+  // A whole new context, built and checked aside: the accept path takes it
+  // in one step (under the lock), so a connection gets the old files or the
+  // new ones, never a mix; open connections keep the context they began
+  // with (their SSL objects hold it).
+  Result<std::shared_ptr<ContextFactory>> fresh = MakeContext(tls_->files, true, tls_->require_client_certificate);
+  if (!fresh.ok()) return fresh.status().WithContext(shared_->name + ": TLS files not reloaded, the old ones stay");
+  shared_->SetTlsContext((*fresh)->context());
+  return Status::OK();
+}
 
 ThriftServerStats ThriftServer::stats() const {
   ThriftServerStats st;

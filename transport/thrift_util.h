@@ -137,8 +137,14 @@ class ThriftServer {
                                                      const ThriftServerOptions& options);
   ~ThriftServer();  // Stop()
   int port() const { return port_; }
-  bool tls() const { return tls_; }
+  bool tls() const { return tls_.has_value(); }
   ThriftServerStats stats() const;
+  // Rereads the TLS files (certificate, key, CA) as at Start, for the
+  // connections accepted from now on; open connections keep the files they
+  // began with. When the files do not load or check (Validate, key matching
+  // the certificate...), the old ones stay in use and the error says why.
+  // FailedPrecondition on a plaintext server. Thread-safe.
+  Status ReloadTls();
   // Stops accepting, closes connections, joins.
   void Stop();
 
@@ -150,7 +156,7 @@ class ThriftServer {
   std::shared_ptr<Shared> shared_;
   std::thread thread_;
   int port_ = 0;
-  bool tls_ = false;
+  std::optional<TlsServerOptions> tls_;  // as started (the files ReloadTls rereads)
   bool stopped_ = false;
 };
 

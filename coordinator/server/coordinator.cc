@@ -170,6 +170,7 @@ Result<std::map<std::string, std::string>> LoadApiKeys(const std::string& path) 
 Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<TextCodec> codec, std::string model,
                          WorkerPool* workers, std::unique_ptr<DocumentRegistry> documents)
     : o_(options),
+      api_keys_(std::make_shared<const std::map<std::string, std::string>>(options.api_keys)),
       codec_(std::move(codec)),
       model_(ModelName(model)),
       workers_(workers),
@@ -296,11 +297,16 @@ Result<std::string> Coordinator::Tenant(const std::string& api_key) const {
   const std::string cert = peer.verified && peer.role == transport::role::kClient ? peer.name : std::string();
   if (o_.tenants) return o_.tenants->Authenticate(api_key, cert);
   if (o_.api_keys.empty()) return std::string("default");
+  std::shared_ptr<const std::map<std::string, std::string>> keys;
+  {
+    std::lock_guard<std::mutex> lk(api_keys_mu_);
+    keys = api_keys_;
+  }
   // Every key is compared (in constant time), so the time taken does not
   // tell which matched.
   const std::string* tenant = nullptr;
   if (api_key.size() <= tenants::kMaxApiKeyBytes) {
-    for (const auto& [key, t] : o_.api_keys) {
+    for (const auto& [key, t] : *keys) {
       if (ConstantTimeEquals(key, api_key)) tenant = &t;
     }
   }
@@ -1333,6 +1339,18 @@ std::optional<int64_t> Coordinator::JobQuota(const std::string& tenant) const {
 Status Coordinator::ReloadTenants(const tenants::TenantsConfig& config) {
   if (!o_.tenants) return Status::FailedPrecondition("the coordinator was started without tenants");
   return o_.tenants->Reload(config);
+}
+
+Status Coordinator::ReloadApiKeys(std::map<std::string, std::string> keys) {
+  if (o_.api_keys.empty()) return Status::FailedPrecondition("the coordinator was started without API keys");
+  if (keys.empty()) return Status::InvalidArgument("no API keys");
+  CoordinatorOptions check;
+  check.api_keys = keys;
+  PENUMBRA_RETURN_IF_ERROR(check.Validate());
+  auto fresh = std::make_shared<const std::map<std::string, std::string>>(std::move(keys));
+  std::lock_guard<std::mutex> lk(api_keys_mu_);
+  api_keys_ = std::move(fresh);
+  return Status::OK();
 }
 
 void Coordinator::SubmitJob(rpc::JobInfo& out, const rpc::SubmitJobRequest& request) {

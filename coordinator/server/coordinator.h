@@ -139,6 +139,12 @@ class Coordinator : public rpc::PenumbraIf {
 
   // Rereads the tenants (SIGHUP): see TenantRegistry::Reload.
   Status ReloadTenants(const tenants::TenantsConfig& config);
+  // Replaces the plain API keys (SIGHUP, --api-keys): the calls authenticated
+  // from now on use `keys`. FailedPrecondition when started without keys
+  // (authentication is not turned on by a reload), InvalidArgument for an
+  // empty set or a key CoordinatorOptions::Validate refuses; the old keys
+  // stay on any error.
+  Status ReloadApiKeys(std::map<std::string, std::string> keys);
 
   // Stops taking documents and generations (Unavailable) and waits until the
   // running generations are done, at most `max_wait`; true when they are.
@@ -222,6 +228,9 @@ class Coordinator : public rpc::PenumbraIf {
                   const std::shared_ptr<const std::vector<int32_t>>& ids);
 
   CoordinatorOptions o_;
+  // The plain API keys in use (o_.api_keys at start; ReloadApiKeys swaps them).
+  mutable std::mutex api_keys_mu_;
+  std::shared_ptr<const std::map<std::string, std::string>> api_keys_;  // guarded by api_keys_mu_
   std::unique_ptr<TextCodec> codec_;
   std::string model_;
   WorkerPool* workers_;

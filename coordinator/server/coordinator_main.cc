@@ -10,7 +10,9 @@
 // which a restarted coordinator resumes. Prints one line when serving; with --port-file it writes
 // {"port": P, "metrics_port": M, "pid": N} there (atomically). SIGTERM or
 // SIGINT: stops taking requests, lets running generations end (at most
-// --drain-seconds), exits 0.
+// --drain-seconds), exits 0. SIGHUP rereads --tenants (or --api-keys) and the
+// public API's TLS files (for new connections) and stops nothing; a file
+// that does not load keeps the old configuration, with the reason logged.
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -240,18 +242,43 @@ Status Run(int argc, char** argv) {
               authenticated ? "" : " (no API keys: every caller is tenant \"default\")");
   std::fflush(stdout);
 
-  int sig = WaitForTerminationSignal();
-  while (sig == SIGHUP && co.tenants) {
-    Result<tenants::TenantsConfig> tc = tenants::LoadTenantsConfig(a.Get("tenants"));
-    Status s = tc.ok() ? handler->ReloadTenants(*tc) : tc.status();
-    if (s.ok()) {
-      LOG(INFO) << "penumbra-coordinator: SIGHUP: tenants reloaded from " << a.Get("tenants") << " ("
-                << tc->tenants.size() << " tenants)";
-    } else {
-      LOG(ERROR) << "penumbra-coordinator: SIGHUP: tenants not reloaded, the old ones stay: " << s;
+  // SIGHUP rereads the tenants (or the plain API keys) and the public API's
+  // TLS files; whatever fails to load keeps what was in use. It stops nothing.
+  const int sig = WaitForStopSignal([&] {
+    LOG(INFO) << "penumbra-coordinator: SIGHUP: reloading the configuration";
+    if (co.tenants) {
+      Result<tenants::TenantsConfig> tc = tenants::LoadTenantsConfig(a.Get("tenants"));
+      Status s = tc.ok() ? handler->ReloadTenants(*tc) : tc.status();
+      if (s.ok()) {
+        LOG(INFO) << "penumbra-coordinator: SIGHUP: tenants reloaded from " << a.Get("tenants") << " ("
+                  << tc->tenants.size() << " tenants)";
+      } else {
+        LOG(ERROR) << "penumbra-coordinator: SIGHUP: tenants not reloaded, the old ones stay: " << s;
+      }
     }
-    sig = WaitForTerminationSignal();
-  }
+    if (a.Has("api-keys")) {
+      Result<std::map<std::string, std::string>> keys = coordinator::LoadApiKeys(a.Get("api-keys"));
+      const size_t n = keys.ok() ? keys->size() : 0;
+      Status s = keys.ok() ? handler->ReloadApiKeys(std::move(*keys)) : keys.status();
+      if (s.ok()) {
+        LOG(INFO) << "penumbra-coordinator: SIGHUP: API keys reloaded from " << a.Get("api-keys") << " (" << n
+                  << " keys)";
+      } else {
+        LOG(ERROR) << "penumbra-coordinator: SIGHUP: API keys not reloaded, the old ones stay: " << s;
+      }
+    }
+    if (tls) {
+      if (Status s = server->ReloadTls(); s.ok()) {
+        LOG(INFO) << "penumbra-coordinator: SIGHUP: the public API's TLS files reloaded (" << security.tls.cert_file
+                  << ", " << security.tls.key_file << ", CA " << security.tls.ca_file << ") for new connections";
+      } else {
+        LOG(ERROR) << "penumbra-coordinator: SIGHUP: " << s;
+      }
+    }
+    if (!co.tenants && !a.Has("api-keys") && !tls) {
+      LOG(INFO) << "penumbra-coordinator: SIGHUP: nothing to reload (no tenants, API keys or TLS files); serving on";
+    }
+  });
   LOG(INFO) << "penumbra-coordinator: signal " << sig << ", draining (at most " << drain_s << " s)";
   if (!handler->Drain(std::chrono::seconds(drain_s))) {
     LOG(WARNING) << "penumbra-coordinator: generations still running after " << drain_s << " s";

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks ops/systemd's units: each keeps the settings a deployment relies on
 # (its user, its environment files, SIGTERM with a stop timeout above the
-# drain, restart on failure, the hardening), and, where systemd-analyze is
+# drain, restart on failure, reload by SIGHUP, the hardening), and, where systemd-analyze is
 # installed, `systemd-analyze verify` passes against a scratch root holding
 # the units, stand-ins for the binaries and the example environment files.
 # Exit 0: all good; 1: a problem (printed); 77: systemd-analyze missing
@@ -15,7 +15,7 @@ need() {  # unit, line that must be there (a whole line)
 for u in penumbra-coordinator.service penumbra-worker@.service penumbra-store@.service; do
   for line in User=penumbra Group=penumbra Restart=on-failure KillSignal=SIGTERM NoNewPrivileges=yes \
               ProtectSystem=strict ProtectHome=yes PrivateTmp=yes CapabilityBoundingSet= AmbientCapabilities= \
-              LimitNOFILE=1048576 UMask=0077; do
+              LimitNOFILE=1048576 UMask=0077 'ExecReload=/bin/kill -HUP $MAINPID'; do
     need "$u" "$line"
   done
   grep -q '^EnvironmentFile=/etc/penumbra/' "$here/$u" || { echo "$u: no EnvironmentFile under /etc/penumbra"; fail=1; }

@@ -289,6 +289,9 @@ class Cluster {
   std::string certs_dir() const { return dir_ + "/certs"; }
   std::string tenants_path() const { return dir_ + "/tenants.yaml"; }
   const std::string& model() const { return o_.model; }
+  // The options of the processes started from now on (e.g. worker flags
+  // naming a store node started after the certificates were made).
+  ClusterOptions& options() { return o_; }
 
  private:
   std::vector<Served*> all() {

@@ -8,7 +8,8 @@
 // with --port-file it also writes {"port": P, "metrics_port": M} there (atomically).
 // SIGTERM or SIGINT: stops accepting, lets running requests finish (at most
 // --drain-seconds; the rest end "cancelled" for the coordinator to retry),
-// then exits 0.
+// then exits 0. SIGHUP rereads the control API's TLS files (for new
+// connections) and stops nothing.
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -384,7 +385,19 @@ Status Run(int argc, char** argv) {
               security.tls.enabled() ? "mutual TLS" : "plaintext", admin.host.c_str(), mport);
   std::fflush(stdout);
 
-  const int sig = WaitForTerminationSignal();
+  // SIGHUP rereads the control API's TLS files (for new connections) and
+  // stops nothing; files that do not load keep the old ones.
+  const int sig = WaitForStopSignal([&] {
+    if (!security.tls.enabled()) {
+      LOG(INFO) << "penumbra-worker " << name << ": SIGHUP: nothing to reload (no TLS files); serving on";
+    } else if (Status s = server->ReloadTls(); s.ok()) {
+      LOG(INFO) << "penumbra-worker " << name << ": SIGHUP: the control API's TLS files reloaded ("
+                << security.tls.cert_file << ", " << security.tls.key_file << ", CA " << security.tls.ca_file
+                << ") for new connections; serving on";
+    } else {
+      LOG(ERROR) << "penumbra-worker " << name << ": SIGHUP: " << s << "; serving on";
+    }
+  });
   LOG(INFO) << "penumbra-worker " << name << ": signal " << sig << ", draining (at most " << drain_s << " s)";
   // Drain: no new requests; the running ones finish unless they outlast the
   // limit, then the scheduler's destruction ends them "cancelled".

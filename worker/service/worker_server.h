@@ -115,6 +115,8 @@ class WorkerServer {
   // Generations cancelled because their owner's lease expired.
   int64_t lease_expired() const { return handler_->lease_expired(); }
   transport::ThriftServerStats stats() const { return server_->stats(); }
+  // Rereads the control API's TLS files (SIGHUP): transport::ThriftServer::ReloadTls.
+  Status ReloadTls() { return server_->ReloadTls(); }
   void Stop() { server_->Stop(); }
 
  private:
