@@ -94,6 +94,8 @@ service Worker {
   void Release(1: string request_id) throws (1: common.PenumbraError error),
   // Drops the cached state (prefix cache and persistent store) of the
   // prompt's leading segments: a deleted document. Returns the entries dropped.
+  // An error (e.g. UNAVAILABLE: a store node down) when stored state may be
+  // left: the document is not known to be forgotten; ask again.
   i32 ForgetPrefixes(1: list<i32> prompt, 2: list<i64> segment_ends, 3: string cache_namespace)
       throws (1: common.PenumbraError error),
   // Renews the lease of owner `owner_id` (of the calling certificate) on

@@ -509,7 +509,7 @@ TEST_F(SchedulerTest, PrefillOnlyPutsADocumentAndForgetDropsIt) {
 
   int dropped = -1;
   ASSERT_TRUE(s->RunOnLoop([&](Runtime& rt) {
-                 dropped = rt.ForgetPrefixes(put);
+                 PENUMBRA_ASSIGN_OR_RETURN(dropped, rt.ForgetPrefixes(put));
                  return Status::OK();
                }).ok());
   EXPECT_EQ(dropped, 1);

@@ -445,9 +445,10 @@ std::string Runtime::PrefixFence(const std::string& cache_namespace) const {
          "|model=" + model_identity_ + "|namespace=" + cache_namespace;
 }
 
-int Runtime::ForgetPrefixes(const GenerationRequest& q) {
+Result<int> Runtime::ForgetPrefixes(const GenerationRequest& q) {
   if (!prefix_cache_ || q.segment_ends.empty()) return 0;
   int dropped = 0;
+  Status failed;  // the first segment the store could not look up or erase
   // A write still queued would store it again (a store that stopped
   // answering holds this up at most prefix_store_drain_ms).
   if (!DrainPrefixStores(std::chrono::milliseconds(options_.prefix_store_drain_ms))) {
@@ -457,14 +458,21 @@ int Runtime::ForgetPrefixes(const GenerationRequest& q) {
   for (const Hash128& key :
        PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends, options_.document_key_secret)) {
     if (prefix_cache_->Erase(key)) ++dropped;
-    if (prefix_store_ && prefix_store_->Info(key).ok()) {
-      Status s = prefix_store_->Erase(key);
-      if (s.ok()) {
-        ++dropped;
-      } else {
-        LOG(WARNING) << "prefix store: segment " << key.Hex() << " not erased: " << s;
-      }
+    if (!prefix_store_) continue;
+    Status s = prefix_store_->Info(key).status();
+    if (s.ok()) s = prefix_store_->Erase(key);
+    if (s.ok()) {
+      ++dropped;
+    } else if (s.code() != StatusCode::kNotFound) {
+      // Not known to be gone (a store node down, a full disk): the caller
+      // must not count the document as forgotten, and asks again later.
+      LOG(WARNING) << "prefix store: segment " << key.Hex() << " not erased: " << s;
+      if (failed.ok()) failed = s;
     }
+  }
+  if (!failed.ok()) {
+    return Status(failed.code(), "forgetting a document: its stored state was not erased (" + failed.message() +
+                                     "); " + std::to_string(dropped) + " entries dropped so far, ask again");
   }
   return dropped;
 }

@@ -259,8 +259,11 @@ class Runtime {
   // Drops the cached state of `r`'s leading segments (each one the prompt's
   // segment_ends name) from the prefix cache and the persistent store, so a
   // deleted document is not served again; sequences attached now keep their
-  // reference until they end. Returns the entries dropped (cache and store).
-  int ForgetPrefixes(const GenerationRequest& r);
+  // reference until they end. Returns the entries dropped (cache and store);
+  // an error when the store could not erase (or look up) a segment that may
+  // be there (a node down, a full disk): then the document is not known to
+  // be forgotten, and the caller asks again (the coordinator's tombstones).
+  Result<int> ForgetPrefixes(const GenerationRequest& r);
   // Device logits [vocab] of the last prefilled row.
   const float* LastLogits() const { return logits_.as<float>(); }
 

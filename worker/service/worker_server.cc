@@ -278,7 +278,7 @@ int32_t WorkerHandler::ForgetPrefixes(const std::vector<int32_t>& prompt, const 
   int dropped = 0;
   Status s = s_->RunOnLoop([&](Runtime& rt) -> Status {
     PENUMBRA_RETURN_IF_ERROR(rt.Validate({g}));  // the checks of a put of this prompt
-    dropped = rt.ForgetPrefixes(g);
+    PENUMBRA_ASSIGN_OR_RETURN(dropped, rt.ForgetPrefixes(g));
     return Status::OK();
   });
   if (!s.ok()) Throw(s);
