@@ -32,6 +32,11 @@ class HangingStore final : public storage::DocumentStore {
     hung_ = on;
     cv_.notify_all();
   }
+  // Down: every call fails at once with Unavailable (a node whose breaker is open).
+  void Down(bool on) {
+    std::lock_guard<std::mutex> l(mu_);
+    down_ = on;
+  }
   int calls_waiting() const {
     std::lock_guard<std::mutex> l(mu_);
     return waiting_;
@@ -86,6 +91,7 @@ class HangingStore final : public storage::DocumentStore {
   };
   Status Wait() const {
     std::unique_lock<std::mutex> l(mu_);
+    if (down_) return Status::Unavailable("the store node is down");
     if (!hung_) return Status::OK();
     ++waiting_;
     cv_.wait(l, [&] { return !hung_; });
@@ -95,6 +101,7 @@ class HangingStore final : public storage::DocumentStore {
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   bool hung_ = false;
+  bool down_ = false;
   mutable int waiting_ = 0;
   std::map<std::string, Segment> segments_;
 };
@@ -215,6 +222,43 @@ TEST_F(SchedulerStoreIoTest, AHungStoreHoldsUpOnlyTheRequestThatNeedsIt) {
   EXPECT_EQ(c->runtime().stats().prefix_store_hits, 1);
   sched.Stop();
   (*s2)->Stop();
+}
+
+}  // namespace
+}  // namespace penumbra::service
+
+namespace penumbra::service {
+namespace {
+
+// A deleted document is forgotten only when its stored state is known to be
+// gone: with the store down, ForgetPrefixes fails (the coordinator keeps its
+// tombstone and asks again), and once the store answers it erases it.
+TEST_F(SchedulerStoreIoTest, AForgetThatCannotReachTheStoreFailsAndSucceedsLater) {
+  auto store = std::make_shared<HangingStore>();
+  auto e = OpenEngine(store);
+  ASSERT_TRUE(e);
+  const std::vector<int32_t> doc = LcgTokens(96, 11, true);
+  GenerationRequest put;
+  put.prompt = doc;
+  put.segment_ends = {static_cast<int64_t>(doc.size())};
+  put.max_new_tokens = 0;
+  ASSERT_TRUE(e->runtime().Generate({put}).ok());
+  e->runtime().DrainPrefixStores();
+  ASSERT_EQ(e->runtime().stats().prefix_stores, 1);
+
+  store->Down(true);
+  Result<int> down = e->runtime().ForgetPrefixes(put);
+  ASSERT_FALSE(down.ok());
+  EXPECT_EQ(down.status().code(), StatusCode::kUnavailable) << down.status();
+  EXPECT_NE(down.status().message().find("not erased"), std::string::npos) << down.status();
+
+  store->Down(false);
+  Result<int> up = e->runtime().ForgetPrefixes(put);
+  ASSERT_TRUE(up.ok()) << up.status();
+  EXPECT_EQ(*up, 1);  // the stored copy (the cached one went at the first try)
+  Result<int> again = e->runtime().ForgetPrefixes(put);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, 0);  // nothing left anywhere
 }
 
 }  // namespace
