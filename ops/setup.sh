@@ -12,7 +12,7 @@ pkgs=(
   librocksdb-dev libssl-dev
   thrift-compiler libthrift-dev libboost-dev python3-thrift libcpp-httplib-dev prometheus-cpp-dev
   libucx-dev
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev clang-format clang-tidy  # fuzzers; the format and lint checks
   python3
   iproute2  # ip and ss: the multihost test's network namespaces (tests/multihost)
 )

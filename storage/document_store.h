@@ -2,7 +2,7 @@
 // sees it: stored documents (segments of named blobs) by key, read whole, in
 // part, or piece by piece through a reader that keeps the document in place.
 // Implemented by the local RocksDB store (SegmentStore) and by a client of
-// a value-store node over UCX (transport/store_node.h: penumbra-store), so
+// a value-store node over UCX (store_node/store_node.h: penumbra-store), so
 // a worker's document cache sits in front of either without knowing which.
 //
 // Every implementation verifies what it returns (block checksums on disk,

@@ -17,7 +17,7 @@
 #include "coordinator/cli/eval.h"
 #include "coordinator/cli/service_cli.h"
 #include "coordinator/tokenizer/text_codec.h"
-#include "transport/context_group.h"
+#include "worker/parallel/context_group.h"
 #include "transport/tls.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"

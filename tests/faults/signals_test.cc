@@ -20,7 +20,7 @@
 #include "tests/service/service_cluster.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "transport/certs.h"
-#include "transport/store_node.h"
+#include "store_node/store_node.h"
 
 namespace penumbra::testing {
 namespace {

@@ -39,7 +39,7 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-constexpr uint32_t kMagic = 0x50434f32;  // the group's frames (transport/collective.cc)
+constexpr uint32_t kMagic = 0x50434f32;  // the group's frames (worker/parallel/process_group.cc)
 
 // A 28-byte frame of the group's protocol: big-endian magic, op, code, pad,
 // arg, seq, bytes.

@@ -40,7 +40,7 @@
 #include "store_types.h"
 #include "tests/service/service_cluster.h"
 #include "tests/transport/raw_ucx_peer.h"
-#include "transport/store_node.h"
+#include "store_node/store_node.h"
 #include "worker/engine/prefix_cache.h"
 
 namespace penumbra {

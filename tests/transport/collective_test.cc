@@ -1,4 +1,4 @@
-// transport/collective.h's TCP group with real processes (label
+// worker/parallel/process_group.h's TCP group with real processes (label
 // distributed): each test binds rank 0's listener on loopback (port 0),
 // then forks one child per rank (before this process has any other
 // thread); the children join, make their calls and write a report to the
@@ -21,7 +21,7 @@
 // loopback is refused unless insecure.
 // Children on the data plane use a CPU backend (cpu_threads 1); the others
 // pass none (null is the CPU's plane too).
-#include "transport/collective.h"
+#include "worker/parallel/process_group.h"
 
 #include <arpa/inet.h>
 #include <endian.h>
@@ -709,7 +709,7 @@ INSTANTIATE_TEST_SUITE_P(Transport, CollectiveFailureTest, ::testing::Bool(), Pl
 
 // ------------------------------------------------------------ the rendezvous under attack
 
-// The group's wire format (transport/collective.cc), as a stranger would
+// The group's wire format (worker/parallel/process_group.cc), as a stranger would
 // write it: a 28-byte frame, big-endian.
 constexpr uint32_t kMagic = 0x50434f32;  // "PCO2"
 enum : uint8_t { kHelloOp = 1, kWelcomeOp = 2, kAbortOp = 3, kChallengeOp = 9 };

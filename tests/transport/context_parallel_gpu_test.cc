@@ -1,6 +1,6 @@
 // Context parallel on 2 GPUs (skips with fewer): stories260K's ranks as
 // threads of this process, each with its own CUDA backend on its own GPU,
-// their data plane NCCL (transport/collective.h), give the greedy tokens of
+// their data plane NCCL (worker/parallel/process_group.h), give the greedy tokens of
 // the same prompt on one GPU, for full attention and for ShadowKV configured
 // to lose nothing, in f32 and bf16, and for lossy ShadowKV with the shards'
 // global selection (f32).
@@ -10,7 +10,7 @@
 
 #include "tests/gpu_test_util.h"
 #include "tests/worker/stories_shadowkv.h"
-#include "transport/collective.h"
+#include "worker/parallel/process_group.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {

@@ -13,7 +13,7 @@
 // uploads bounded before anything is allocated (sizes against capacity and
 // quota, uploads and bytes in flight, part ranges, idle uploads dropped),
 // the node serving on and nothing stored lost.
-#include "transport/store_node.h"
+#include "store_node/store_node.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>

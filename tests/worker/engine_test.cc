@@ -277,12 +277,22 @@ TEST_F(EngineTest, EngineYamlNamesBadKeys) {
   EXPECT_NE(s.message().find("shadowkv.rnak: unknown key"), std::string::npos) << s;
 }
 
+TEST_F(EngineTest, StorageYamlStillReadsTheMemoryTiersFormerName) {
+  auto r = ConfigReader::FromString("storage:\n  dram:\n    device_bytes: 2048\n    host_bytes: 64\n", "e.yaml");
+  ASSERT_TRUE(r.ok());
+  EngineOptions o;
+  Status loaded = LoadEngineOptions(*r, &o);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  EXPECT_EQ(o.runtime.prefix_cache_bytes, 2048u);
+  EXPECT_EQ(o.runtime.prefix_cache_host_bytes, 64u);
+}
+
 TEST_F(EngineTest, StorageYamlReadsTheTiersAndNamesBadKeys) {
   auto r = ConfigReader::FromString(
       "storage:\n"
       "  gpu:\n    capacity_bytes: 1073741824\n    reserve_bytes: 0\n    high_watermark: 0.9\n"
       "    low_watermark: 0.5\n    promote_min_reads: 7\n    heat_half_life_steps: 3\n    replace_ratio: 4\n"
-      "  dram:\n    device_bytes: 1048576\n    host_bytes: 4096\n    low_watermark: 0.75\n"
+      "  memory:\n    device_bytes: 1048576\n    host_bytes: 4096\n    low_watermark: 0.75\n"
       "  disk:\n    path: /tmp/x\n    capacity_bytes: 2000000\n    block_bytes: 65536\n    sync_commit: false\n"
       "    queue_bytes: 123456\n    lazy_reads: false\n    lazy_block_bytes: 8192\n    lazy_threads: 5\n",
       "e.yaml");
@@ -312,8 +322,10 @@ TEST_F(EngineTest, StorageYamlReadsTheTiersAndNamesBadKeys) {
            {"storage:\n  disk:\n    block_bytes: 100\n", "storage.disk.block_bytes"},
            {"storage:\n  disk:\n    capcity_bytes: 1\n", "storage.disk.capcity_bytes: unknown key"},
            {"storage:\n  disk:\n    lazy_block_bytes: 1073741824\n", "storage.disk.lazy_block_bytes"},
+           {"storage:\n  memory:\n    device_bytes: -1\n", "storage.memory.device_bytes"},
            {"storage:\n  dram:\n    device_bytes: -1\n", "storage.dram.device_bytes"},
-           {"storage:\n  dram:\n    host_bytes: x\n", "storage.dram.host_bytes"},
+           {"storage:\n  memory: {}\n  dram: {}\n", "storage.dram: is the former name of `memory`"},
+           {"storage:\n  memory:\n    host_bytes: x\n", "storage.memory.host_bytes"},
            {"storage:\n  gpu:\n    low_watermark: 0.9\n    high_watermark: 0.5\n", "storage.gpu.low_watermark"},
            {"storage:\n  gpu:\n    replace_ratio: 0.5\n", "storage.gpu.replace_ratio"},
            {"storage:\n  tape: {}\n", "storage.tape: unknown key"},

@@ -596,7 +596,7 @@ TEST_F(PrefixReuseTest, AStoreWithoutADeviceCacheIsRefused) {
   auto e = Engine::Open(testing::StoriesDir(), o);
   ASSERT_FALSE(e.ok());
   EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(e.status().message().find("dram.device_bytes"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("memory.device_bytes"), std::string::npos) << e.status();
 }
 
 class FakePrefix final : public KvPrefix {

@@ -1,6 +1,6 @@
 // An in-process Collective for tests: the ranks are threads of one process
 // (CPU backends: "device" memory is host memory), meeting at a barrier for
-// every call. The multi-process group (TCP, NCCL) is transport/collective.h's.
+// every call. The multi-process group (TCP, NCCL) is worker/parallel/process_group.h's.
 #pragma once
 
 #include <barrier>

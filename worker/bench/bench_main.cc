@@ -34,7 +34,7 @@
 
 #include "common/args.h"
 #include "common/logging.h"
-#include "transport/context_group.h"
+#include "worker/parallel/context_group.h"
 #include "worker/bench/kernel_trace.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/op_profiler.h"

@@ -3,7 +3,7 @@
 // docs/architecture.md, "Context parallel") exchanging tensors.
 //
 // The engine sees only this interface; the implementations live in
-// transport/ (transport/collective.h): NCCL for CUDA backends (device buffers,
+// worker/parallel/ (process_group.h): NCCL for CUDA backends (device buffers,
 // ordered on the backend's main stream) and TCP for the CPU backend (host
 // buffers). Every rank makes the same calls in the same order (SPMD); a call
 // that fails (a peer gone, a deadline passed) leaves the group unusable:

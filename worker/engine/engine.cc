@@ -1,5 +1,7 @@
 #include "worker/engine/engine.h"
 
+#include <glog/logging.h>
+
 #include "common/file.h"
 #include "common/hash.h"
 
@@ -39,9 +41,17 @@ Status LoadStorageOptions(ConfigReader& r, EngineOptions* o) {
     return g.Error("low_watermark", "must be at most high_watermark (" + std::to_string(t.gpu_high_watermark) +
                                         "), got " + std::to_string(t.gpu_low_watermark));
   }
-  // Tier 1: this process's memory.
+  // Tier 1: documents held in this process (their device state in device
+  // memory, a shadowkv document's values in host memory). `dram` is the
+  // section's former name, still read (with a warning) so deployed configs
+  // keep working.
   RuntimeOptions& rt = o->runtime;
-  ConfigReader d = r.Child("dram");
+  if (r.Has("memory") && r.Has("dram")) {
+    return r.Error("dram", "is the former name of `memory`: give one or the other");
+  }
+  const bool legacy = r.Has("dram");
+  if (legacy) LOG(WARNING) << "storage: the `dram` section is now called `memory`; rename it";
+  ConfigReader d = r.Child(legacy ? "dram" : "memory");
   d.Read("device_bytes", &rt.prefix_cache_bytes, 0, kMaxBytes);
   d.Read("host_bytes", &rt.prefix_cache_host_bytes, 0, kMaxBytes);
   d.Read("low_watermark", &rt.prefix_cache_low_watermark, 0.01, 1.0);
@@ -111,7 +121,7 @@ Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
   }
   if (e->options_.document_store || !e->options_.prefix_store.path.empty()) {
     if (e->options_.runtime.prefix_cache_bytes == 0) {
-      return Status::InvalidArgument("a persistent document store needs storage.dram.device_bytes > 0 (the memory "
+      return Status::InvalidArgument("a persistent document store needs storage.memory.device_bytes > 0 (the memory "
                                      "tier in front of it)");
     }
   }

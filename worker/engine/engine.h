@@ -60,7 +60,7 @@ struct EngineOptions {
   // restart. Needs runtime.prefix_cache_bytes > 0. Default: no path (off).
   storage::SegmentStoreOptions prefix_store;
   // Or a persistent tier given by the caller (e.g. a value-store node's
-  // client, transport/store_node.h), shared by the lanes; not with a path.
+  // client, store_node/store_node.h), shared by the lanes; not with a path.
   std::shared_ptr<storage::DocumentStore> document_store;
 };
 

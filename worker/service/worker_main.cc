@@ -25,7 +25,7 @@
 #include "common/logging.h"
 #include "common/process.h"
 #include "transport/metrics_http.h"
-#include "transport/store_node.h"
+#include "store_node/store_node.h"
 #include "transport/tls.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"

@@ -1,4 +1,4 @@
-#include "transport/store_node.h"
+#include "store_node/store_node.h"
 
 #include <glog/logging.h>
 #include <thrift/TConfiguration.h>
@@ -63,7 +63,7 @@ struct FieldSpec {
   TypeSpec type;
 };
 
-// transport/store.thrift, field by field (kept in step with it: the fuzzer,
+// store_node/store.thrift, field by field (kept in step with it: the fuzzer,
 // store_node_fuzz, finds a divergence as undefined behaviour in Thrift).
 const TypeSpec kI64Type{kI64}, kStringType{kString};
 const std::vector<FieldSpec> kStoreKeyFields = {{1, {kI64}}, {2, {kI64}}};

@@ -1,6 +1,6 @@
 // The NCCL data plane's place in builds without it (CPU-only, or CUDA
 // without libnccl): CUDA backends' groups are Unimplemented.
-#include "transport/collective.h"
+#include "worker/parallel/process_group.h"
 
 namespace penumbra {
 

@@ -1,6 +1,6 @@
 // penumbra-store: a value-store node. Holds stored documents in a RocksDB
 // directory (storage::SegmentStore) and serves them to workers over UCX
-// (transport/store_node.h); workers reach it with --store-node HOST:PORT.
+// (store_node/store_node.h); workers reach it with --store-node HOST:PORT.
 //
 //   penumbra-store --path DIR [--host 127.0.0.1] [--port 0] [--port-file F]
 //                  [--storage-config configs/storage.yaml] [--threads 8]
@@ -28,7 +28,7 @@
 #include "common/logging.h"
 #include "common/process.h"
 #include "storage/segment_store.h"
-#include "transport/store_node.h"
+#include "store_node/store_node.h"
 #include "transport/tls.h"
 
 namespace penumbra {
@@ -70,7 +70,8 @@ Status Run(int argc, char** argv) {
     disk.Read("lazy_threads", &ignored_i, 0, 1 << 20);
     PENUMBRA_RETURN_IF_ERROR(storage::LoadSegmentStoreOptions(disk, &so));
     (void)r.Child("gpu");
-    (void)r.Child("dram");
+    (void)r.Child("memory");
+    (void)r.Child("dram");  // the former name of `memory`
     PENUMBRA_RETURN_IF_ERROR(r.Finish());
   }
   if (a.Has("path")) so.path = a.Get("path");

@@ -65,7 +65,7 @@ struct StoreServiceOptions {
 };
 
 // The node's request handling without the network: StoreNode serves it over
-// the UCX plane, the fuzzer (transport/fuzz/store_node_fuzz.cc) calls it
+// the UCX plane, the fuzzer (store_node/fuzz/store_node_fuzz.cc) calls it
 // directly. Thread-safe.
 class StoreService {
  public:

@@ -1,4 +1,4 @@
-// The value-store node's messages (penumbra-store; transport/store_node.h),
+// The value-store node's messages (penumbra-store; store_node/store_node.h),
 // carried over the UCX plane (transport/ucx_rpc.h) rather than a Thrift
 // transport: a request's method is the UCX message's, its body one of
 // these structs in Thrift's binary protocol. A READV's reply is the bytes

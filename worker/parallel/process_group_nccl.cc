@@ -1,4 +1,4 @@
-// The NCCL data plane (transport/collective.h): a CUDA backend's AllGather
+// The NCCL data plane (worker/parallel/process_group.h): a CUDA backend's AllGather
 // and Broadcast as NCCL collectives on its main stream (asynchronous, in
 // order with the backend's work); the host-memory calls go to the TCP group
 // it was made over, which also carries the communicator's ncclUniqueId from
@@ -19,7 +19,7 @@
 #include <cstring>
 #include <thread>
 
-#include "transport/collective.h"
+#include "worker/parallel/process_group.h"
 
 namespace penumbra {
 namespace {

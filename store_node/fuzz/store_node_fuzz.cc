@@ -1,5 +1,5 @@
 // libFuzzer target: the value-store node's request handler (StoreService,
-// transport/store_node.h) over a real SegmentStore in a temporary
+// store_node/store_node.h) over a real SegmentStore in a temporary
 // directory, fed arbitrary (caller, method, payload). It must answer every
 // input with a value or a typed error — never crash, throw, leak or hang —
 // and keep its bounds (readers, uploads and upload bytes in flight). State
@@ -29,7 +29,7 @@
 #include "common/logging.h"
 #include "storage/segment_store.h"
 #include "store_types.h"
-#include "transport/store_node.h"
+#include "store_node/store_node.h"
 
 namespace {
 

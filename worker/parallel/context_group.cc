@@ -1,4 +1,4 @@
-#include "transport/context_group.h"
+#include "worker/parallel/context_group.h"
 
 #include <sys/stat.h>
 
@@ -9,7 +9,7 @@
 
 #include "common/file.h"
 #include "common/process.h"
-#include "transport/collective.h"
+#include "worker/parallel/process_group.h"
 
 namespace penumbra {
 

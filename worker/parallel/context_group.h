@@ -4,7 +4,7 @@
 // --cp-rendezvous; rank 0 listens there (port 0: the OS picks one, written to
 // --cp-port-file for whoever starts the others).
 //
-// Security (transport/collective.h): with the process's TLS files
+// Security (worker/parallel/process_group.h): with the process's TLS files
 // (--tls-ca/--tls-cert/--tls-key, a certificate of role worker) every
 // connection of the group is mutual TLS; without them the group is
 // plaintext, refused off loopback unless --insecure. --cp-secret-file adds

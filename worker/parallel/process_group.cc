@@ -1,4 +1,4 @@
-#include "transport/collective.h"
+#include "worker/parallel/process_group.h"
 
 #include <arpa/inet.h>
 #include <endian.h>

@@ -43,7 +43,7 @@
 #include "common/process.h"
 #include "storage/lazy_blob.h"
 #include "storage/segment_store.h"
-#include "transport/store_node.h"
+#include "store_node/store_node.h"
 
 namespace penumbra {
 namespace {
