@@ -124,7 +124,7 @@ class SegmentStore final : public DocumentStore {
   // Corruption naming the path when RocksDB cannot open it; InvalidArgument
   // for bad options.
   static Result<std::unique_ptr<SegmentStore>> Open(const SegmentStoreOptions& options);
-  ~SegmentStore();
+  ~SegmentStore() override;
   SegmentStore(const SegmentStore&) = delete;
   SegmentStore& operator=(const SegmentStore&) = delete;
 

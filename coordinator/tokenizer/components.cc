@@ -16,7 +16,6 @@ using json = nlohmann::json;
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
-constexpr std::string_view kMetaspace = "\xE2\x96\x81";  // U+2581
 
 Result<std::string> TypeOf(const json& j, const std::string& where) {
   if (!j.is_object()) return Status::InvalidArgument(where + " must be an object");
@@ -817,7 +816,8 @@ class FuseDecoder final : public Decoder {
   void DecodeChain(std::vector<std::string>* tokens) const override {
     std::string all;
     for (const std::string& t : *tokens) all += t;
-    tokens->assign(1, std::move(all));
+    tokens->clear();
+    tokens->push_back(std::move(all));
   }
 };
 
