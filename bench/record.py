@@ -57,7 +57,8 @@ _UNIT_RULES = (
     (r"^context$|tokens$|^length$|^question$|^suffix$|^keys$|^shard_tokens$|^local_window$|^min_prompt$"
      r"|^chunk_size$|^prefill_chunk$", "tokens"),
     (r"^batch|^built_batch$|^max_batch$", "sequences"),
-    (r"^(hq|hkv|nq)$", "heads"),
+    (r"^(hq|hkv)$", "heads"),
+    (r"^nq$", "tokens"),
     (r"^head_dim$|^in$|^out$", "elements"),
     (r"steps$", "steps"),
     (r"chunks$|^landmarks_per_chunk$", "chunks"),
