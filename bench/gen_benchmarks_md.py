@@ -48,7 +48,8 @@ def engine(r, mode, policy=None):
 
 # Each capability: id (the MANIFEST "backs" name), title (the section), what it
 # shows, the rows of a file it takes, the columns it prints, and how to
-# reproduce it. group: take the newest file per value of this field instead.
+# reproduce it. group: take the newest file per value of this field (of our
+# rows) instead; need_peer: only files with the peer's rows at that value.
 CAPABILITIES = [
     dict(id="decode-shadowkv", title="ShadowKV decode beside the peer",
          what="ShadowKV decode (the defaults) at 124928 tokens, natural and forced-60% hit rates, "
@@ -56,8 +57,9 @@ CAPABILITIES = [
          rows=lambda r: peer_decode(r) or engine(r, "decode", "shadowkv"),
          cols=["variant", "run", "round", "context", "batch", "force_hit_rate", "hit_rate", "tokens_per_s", "ms_per_step"],
          reproduce="bash ops/device/bench.sh shadowkv  # the defaults; VARIANTS=... bash ops/device/bench.sh variants for flag sets"),
-    dict(id="decode-full", title="Full-attention decode beside the peer",
-         what="Full-attention decode (KV in HBM) beside the peer's decode in the same call.",
+    dict(id="decode-full", title="Full-attention decode beside the peer", group="context", need_peer=True,
+         what="Full-attention decode (KV in HBM) beside the peer's decode in the same call: the newest "
+              "file per context that has both.",
          rows=lambda r: peer_decode(r) or engine(r, "decode", "full"),
          cols=["variant", "context", "batch", "tokens_per_s", "ms_per_step", "hbm_roofline_fraction"],
          reproduce="bash ops/device/bench.sh full"),
@@ -66,6 +68,12 @@ CAPABILITIES = [
          rows=lambda r: r.get("mode") == "prefill",
          cols=["kv_policy", "context", "batch", "prefill_chunk", "seconds"],
          reproduce="bash ops/device/bench.sh full"),
+    dict(id="prefill-shadowkv", title="ShadowKV prefill",
+         what="Prefill of one prompt under ShadowKV (`--profile`): the time, and the share of it spent "
+              "building the shadow (SVD, landmarks, outliers, offload: `compression_fraction`).",
+         rows=lambda r: engine(r, "prefill", "shadowkv"),
+         cols=["context", "batch", "prefill_chunk", "seconds", "compression_fraction"],
+         reproduce="penumbra-bench prefill --kv-policy shadowkv --context 124928 --profile  # on the GPU machine"),
     dict(id="shadowkv-1m", title="ShadowKV at 1M tokens",
          what="ShadowKV decode of one sequence of 1048576 tokens (full attention does not fit).",
          rows=lambda r: engine(r, "decode", "shadowkv") and r.get("context", 0) >= 1048576,
@@ -253,7 +261,10 @@ def section(cap, entries):
         seen = set()
         for e in cands:
             rows = [r for r in rows_of(e["path"]) if cap["rows"](r)]
-            groups = {r.get(cap["group"]) for r in rows} - seen
+            groups = {r.get(cap["group"]) for r in rows if not is_peer(r)}
+            if cap.get("need_peer"):  # only where the same file (call) has the peer at that value
+                groups &= {r.get(cap["group"]) for r in rows if is_peer(r)}
+            groups -= seen
             if groups:
                 picks.append((e, [r for r in rows if r.get(cap["group"]) in groups]))
                 seen |= groups
