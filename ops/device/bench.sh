@@ -7,13 +7,15 @@
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
 # sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, cp, service, eval. Every throughput run is beside the
-# full-attention peer (.device/peer_full_attention.py, which device-bundle
-# copies in) in the same call, the peer first and last. Every JSON line is
-# tagged with its suite and appended to $OUT/bench.jsonl; stderr goes to
-# $OUT/bench.err, every other log and output into $OUT/logs.tgz; a summary
-# table is printed last. What
-# each past session ran is in docs/benchmarks.md and in git history (the
-# per-session scripts bench2.sh .. bench8.sh, last present at baefdbe).
+# full-attention peer (bench/peer/full_attention_peer.py, which pack.sh
+# copies into .device/) in the same call, the peer first and last. Every JSON
+# line is tagged by bench/record.py (suite, command, commit, date, device,
+# bench, units: the schema of bench/results) and appended to $OUT/bench.jsonl;
+# stderr goes to $OUT/bench.err, every other log and output into
+# $OUT/logs.tgz; a summary table is printed last. The commit is
+# $PENUMBRA_COMMIT, else the one pack.sh wrote to .device/COMMIT, else git's
+# HEAD. Results go into bench/results (see docs/benchmarks.md, generated from
+# them by bench/gen_benchmarks_md.py).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +23,10 @@ export PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # libcupti for --kernel-trace
 R="bash .device/run"
 J="$OUT/bench.jsonl"
-PEER="python3 .device/peer_full_attention.py"
+PEER="python3 .device/full_attention_peer.py"
+export PENUMBRA_COMMIT=${PENUMBRA_COMMIT:-$(cat .device/COMMIT 2>/dev/null)}
+# tag SUITE COMMAND: the JSON lines on stdin as rows of the record (bench/record.py).
+tag() { python3 bench/record.py tag --suite "$1" --command "$2"; }
 SKV="penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --lanes 2"
 STORIES=tests/data/models/stories260K
 SUITE=""
@@ -76,20 +81,10 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
 EOF
 }
 
-# run TIMEOUT CMD...: CMD's JSON lines, tagged with the suite, into $J.
+# run TIMEOUT CMD...: CMD's JSON lines, tagged as rows of the record, into $J.
 run() {
   echo "# [$SUITE] ${*:2}" >&2
-  timeout "$1" "${@:2}" 2>>"$OUT/bench.err" | SUITE=$SUITE python3 -c '
-import json, os, sys
-for line in sys.stdin:
-    if line.startswith("{"):
-        try:
-            j = json.loads(line)
-        except ValueError:
-            continue
-        j["suite"] = os.environ["SUITE"]
-        print(json.dumps(j), flush=True)
-' | tee -a "$J"
+  timeout "$1" "${@:2}" 2>>"$OUT/bench.err" | tag "$SUITE" "${*:2}" | tee -a "$J"
 }
 peer_decode() { run 200 $PEER decode --graph --steps 20 --context "$@"; }
 
@@ -207,7 +202,7 @@ disk_raw() {
   sync
   dd if="$f" of=/dev/null bs=64M iflag=direct 2> "$OUT/dd_read.txt"
   rm -f "$f"
-  SUITE=$SUITE python3 - "$OUT" "$1" <<'PY' | tee -a "$J"
+  SUITE=$SUITE python3 - "$OUT" "$1" <<'PY' | tag "$SUITE" "dd bs=64M oflag/iflag=direct, a 4 GiB file in $1" | tee -a "$J"
 import json, os, re, sys
 out, path = sys.argv[1:]
 j = {"mode": "disk_raw", "path": path, "suite": os.environ["SUITE"]}
@@ -417,10 +412,8 @@ suite_eval() {
   for p in full shadowkv; do
     timeout 600 $R penumbra eval --model models/penumbra-eval --tasks tests/data/evaltasks/evalmodel_4k.jsonl \
       --kv-policy "$p" --min-prompt 1024 --json --predictions "$OUT/eval_$p.jsonl" > "$OUT/eval_$p.log" 2>>"$OUT/bench.err"
-    echo "eval $p rc=$?"; tail -1 "$OUT/eval_$p.log" | SUITE=eval python3 -c '
-import json, os, sys
-for line in sys.stdin:
-    j = json.loads(line); j["suite"] = "eval"; print(json.dumps(j))' | tee -a "$J"
+    echo "eval $p rc=$?"; tail -1 "$OUT/eval_$p.log" | tag eval "penumbra eval --model models/penumbra-eval \
+--tasks tests/data/evaltasks/evalmodel_4k.jsonl --kv-policy $p --min-prompt 1024 --json" | tee -a "$J"
   done
 }
 

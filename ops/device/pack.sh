@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds here for sm_90a and packs what ops/device/bench.sh runs into .device/
-# (a developer tool: it uses ../shared/tools/device-bundle, which also copies
-# the full-attention peer into .device/):
+# (a developer tool: it uses ../shared/tools/device-bundle), with the
+# full-attention peer (bench/peer/full_attention_peer.py) and the commit the
+# bundle was built from (.device/COMMIT: the device's copy of the tree is not a
+# git checkout; bench/record.py tags every row with it):
 #
 #   bash ops/device/pack.sh [BINARY...]    default: penumbra, penumbra-bench,
 #                                          penumbra-shadowkv-check, every *_gpu_test
@@ -35,6 +37,10 @@ done
 mkdir -p .git/info
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
 bash "$bundler" .device "$stage"/*
+rm -f .device/peer_full_attention.py  # the bundler's own copy of a peer; ours is under bench/peer
+cp bench/peer/full_attention_peer.py .device/
+git rev-parse HEAD > .device/COMMIT
+git diff --quiet HEAD -- . ':!.device' || echo "pack.sh: the tree differs from $(cat .device/COMMIT) (rows will name that commit)" >&2
 tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 bundle=$(du -sb .device | cut -f1)
 echo "pack.sh: tracked tree $((tracked >> 20)) MiB + .device $((bundle >> 20)) MiB (a call uploads at most 64 MiB)"
