@@ -7,7 +7,7 @@
 set -u
 cd "${1:-.}"
 hits=$(find . \( -path ./build -o -path './build-*' -o -path ./.git -o -path ./.device -o -path ./ops/device \
-                 -o -path ./bench -o -path ./docs \) -prune -o -type f \
+                 -o -path ./bench/results -o -path ./docs \) -prune -o -type f \
             \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' -o -name '*.sh' \
                -o -name 'CMakeLists.txt' -o -name '*.cmake' -o -name '*.yaml' -o -path './.ci/*' \) \
             ! -name no_outside_paths_test.sh -print0 |
