@@ -1,0 +1,240 @@
+// OptionTable: every option of an options struct declared once — its
+// command-line flag, its YAML key, its range or choices and its help — and
+// from that one table: the flags (Args), their parsing, the YAML reader, the
+// validation and the documentation, so no two of them can disagree.
+//
+//   const OptionTable<ShadowKvOptions>& Table() {
+//     static const auto* t = &(*new OptionTable<ShadowKvOptions>("shadowkv"))
+//         .Int(&ShadowKvOptions::rank, "rank", "rank", 1, 1 << 16, "rank of the pre-RoPE key factors")
+//         .Enum(&ShadowKvOptions::continuation, "continuation", "continuation", {"dense", "sparse"},
+//               "a prefill after a factored prompt attends dense or sparse")
+//         .Check("landmarks_per_chunk", [](const ShadowKvOptions& o) -> std::string {
+//           return o.chunk_size % o.landmarks_per_chunk ? "must divide chunk_size" : ""; });
+//     return *t;
+//   }
+//
+// An empty flag name means YAML only; an empty key means command line only.
+// The default shown in help and docs is the struct's own (a default-
+// constructed T): the table never holds a second copy of it.
+//
+// Every error is InvalidArgument naming the option both ways, the rule and the
+// value: "shadowkv.landmarks_per_chunk (--landmarks-per-chunk) must be in
+// [1, 16], got 32". Validate() applies the same ranges and checks to a struct
+// however it was filled (flags, YAML, code), so a caller that builds options
+// in code is checked too.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/args.h"
+#include "common/config.h"
+#include "common/status.h"
+
+namespace penumbra {
+
+template <class T>
+class OptionTable {
+ public:
+  // `section`: the YAML section (and message prefix) the options live under.
+  explicit OptionTable(std::string section) : section_(std::move(section)) {}
+
+  // An integer (int, int64_t or size_t member) in [min, max].
+  template <class M>
+  OptionTable& Int(M T::*field, std::string flag, std::string key, M min, M max, std::string help) {
+    static_assert(std::is_integral_v<M> && !std::is_same_v<M, bool>, "Int takes an integer member");
+    Entry e = Base(std::move(flag), std::move(key), std::move(help));
+    e.range = "[" + std::to_string(min) + ", " + std::to_string(max) + "]";
+    e.show = [field](const T& o) { return std::to_string(o.*field); };
+    e.check = [field, min, max, range = e.range](const T& o) -> std::string {
+      const M v = o.*field;
+      return v < min || v > max ? "must be in " + range + ", got " + std::to_string(v) : "";
+    };
+    e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
+      PENUMBRA_ASSIGN_OR_RETURN(int64_t v, a.GetInt(name, static_cast<int64_t>(o->*field)));
+      if constexpr (std::is_unsigned_v<M>) {
+        if (v < 0) return Status::InvalidArgument("--" + name + " must be >= 0, got " + std::to_string(v));
+      }
+      if (static_cast<long double>(v) > static_cast<long double>(std::numeric_limits<M>::max()) ||
+          static_cast<long double>(v) < static_cast<long double>(std::numeric_limits<M>::lowest())) {
+        return Status::InvalidArgument("--" + name + " is out of range, got " + std::to_string(v));
+      }
+      o->*field = static_cast<M>(v);
+      return Status::OK();
+    };
+    e.from_yaml = [field, min, max](ConfigReader& r, const std::string& key, T* o) { r.Read(key, &(o->*field), min, max); };
+    entries_.push_back(std::move(e));
+    return *this;
+  }
+
+  // A floating-point number in [min, max] (NaN is outside every range).
+  OptionTable& Double(double T::*field, std::string flag, std::string key, double min, double max, std::string help) {
+    Entry e = Base(std::move(flag), std::move(key), std::move(help));
+    e.range = "[" + Num(min) + ", " + Num(max) + "]";
+    e.show = [field](const T& o) { return Num(o.*field); };
+    e.check = [field, min, max, range = e.range](const T& o) -> std::string {
+      const double v = o.*field;
+      return !(v >= min && v <= max) ? "must be in " + range + ", got " + Num(v) : "";
+    };
+    e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
+      PENUMBRA_ASSIGN_OR_RETURN(o->*field, a.GetDouble(name, o->*field));
+      return Status::OK();
+    };
+    e.from_yaml = [field, min, max](ConfigReader& r, const std::string& key, T* o) { r.Read(key, &(o->*field), min, max); };
+    entries_.push_back(std::move(e));
+    return *this;
+  }
+
+  // A boolean: YAML true/false; on the command line "on" or "off".
+  OptionTable& Bool(bool T::*field, std::string flag, std::string key, std::string help) {
+    Entry e = Base(std::move(flag), std::move(key), std::move(help));
+    e.range = "on | off";
+    e.show = [field](const T& o) { return std::string(o.*field ? "on" : "off"); };
+    e.check = [](const T&) { return std::string(); };
+    e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
+      PENUMBRA_ASSIGN_OR_RETURN(o->*field, a.GetOnOff(name, o->*field));
+      return Status::OK();
+    };
+    e.from_yaml = [field](ConfigReader& r, const std::string& key, T* o) { r.Read(key, &(o->*field)); };
+    entries_.push_back(std::move(e));
+    return *this;
+  }
+
+  // A string that must be one of `choices`.
+  OptionTable& Enum(std::string T::*field, std::string flag, std::string key, std::vector<std::string> choices,
+                    std::string help) {
+    Entry e = Base(std::move(flag), std::move(key), std::move(help));
+    for (size_t i = 0; i < choices.size(); ++i) e.range += (i ? " | " : "") + choices[i];
+    e.show = [field](const T& o) { return o.*field; };
+    e.check = [field, choices, range = e.range](const T& o) -> std::string {
+      for (const std::string& c : choices) {
+        if (o.*field == c) return "";
+      }
+      return "must be one of " + range + ", got '" + o.*field + "'";
+    };
+    e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
+      if (a.Has(name)) o->*field = a.Get(name);
+      return Status::OK();
+    };
+    e.from_yaml = [field, choices](ConfigReader& r, const std::string& key, T* o) { r.ReadEnum(key, &(o->*field), choices); };
+    entries_.push_back(std::move(e));
+    return *this;
+  }
+
+  // A rule beyond one option's range (a relation between options, a power of
+  // two...): `check` returns "" when the options satisfy it, else what is
+  // wrong ("must divide chunk_size (8), got 3"). Reported against `key`.
+  OptionTable& Check(std::string key, std::function<std::string(const T&)> check) {
+    checks_.push_back({std::move(key), std::move(check)});
+    return *this;
+  }
+
+  // Declares every option that has a flag; its help ends with the default
+  // and the range.
+  void AddFlags(Args& a) const {
+    const T defaults{};
+    for (const Entry& e : entries_) {
+      if (e.flag.empty()) continue;
+      a.Flag(e.flag, section_ + ": " + e.help + " (default " + e.show(defaults) + "; " + e.range + ")");
+    }
+  }
+
+  // Applies the flags given on the command line over *o, then validates.
+  Status ApplyFlags(const Args& a, T* o) const {
+    for (const Entry& e : entries_) {
+      if (!e.flag.empty()) PENUMBRA_RETURN_IF_ERROR(e.from_flag(a, o));
+    }
+    return Validate(*o);
+  }
+
+  // Reads the keys present in `r` over *o (unknown keys are errors naming
+  // them), then validates. `r` is the section itself.
+  Status Load(ConfigReader& r, T* o) const {
+    for (const Entry& e : entries_) {
+      if (!e.key.empty()) e.from_yaml(r, e.key, o);
+    }
+    PENUMBRA_RETURN_IF_ERROR(r.Finish());
+    return Validate(*o);
+  }
+
+  // Every range and rule; the first violation, naming the option.
+  Status Validate(const T& o) const {
+    for (const Entry& e : entries_) {
+      std::string bad = e.check(o);
+      if (!bad.empty()) return Status::InvalidArgument(Name(e.key, e.flag) + " " + bad);
+    }
+    for (const auto& [key, check] : checks_) {
+      std::string bad = check(o);
+      if (!bad.empty()) return Status::InvalidArgument(Name(key, FlagOf(key)) + " " + bad);
+    }
+    return Status::OK();
+  }
+
+  // A Markdown table of the options (YAML key, flag, default, range, help),
+  // for the docs.
+  std::string Markdown() const {
+    const T defaults{};
+    std::ostringstream s;
+    s << "| `" << section_ << ":` key | flag | default | range | what |\n|---|---|---|---|---|\n";
+    for (const Entry& e : entries_) {
+      s << "| " << (e.key.empty() ? "" : "`" + e.key + "`") << " | " << (e.flag.empty() ? "" : "`--" + e.flag + "`")
+        << " | " << Cell(e.show(defaults)) << " | " << Cell(e.range) << " | " << Cell(e.help) << " |\n";
+    }
+    return s.str();
+  }
+
+  const std::string& section() const { return section_; }
+
+ private:
+  struct Entry {
+    std::string flag, key, help, range;
+    std::function<std::string(const T&)> show;
+    std::function<std::string(const T&)> check;  // "" when valid
+    std::function<Status(const Args&, T*)> from_flag;
+    std::function<void(ConfigReader&, const std::string&, T*)> from_yaml;
+  };
+
+  static Entry Base(std::string flag, std::string key, std::string help) {
+    Entry e;
+    e.flag = std::move(flag);
+    e.key = std::move(key);
+    e.help = std::move(help);
+    return e;
+  }
+  static std::string Cell(const std::string& text) {  // '|' would end a Markdown cell
+    std::string out;
+    for (char c : text) {
+      if (c == '|') out += '\\';
+      out += c;
+    }
+    return out;
+  }
+  static std::string Num(double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  }
+  std::string FlagOf(const std::string& key) const {
+    for (const Entry& e : entries_) {
+      if (e.key == key) return e.flag;
+    }
+    return "";
+  }
+  std::string Name(const std::string& key, const std::string& flag) const {
+    std::string n = key.empty() ? "--" + flag : section_ + "." + key;
+    if (!key.empty() && !flag.empty()) n += " (--" + flag + ")";
+    return n;
+  }
+
+  std::string section_;
+  std::vector<Entry> entries_;
+  std::vector<std::pair<std::string, std::function<std::string(const T&)>>> checks_;
+};
+
+}  // namespace penumbra
