@@ -8,6 +8,7 @@
 #include "common/args.h"
 #include "common/config.h"
 #include "common/dtype.h"
+#include "common/option_table.h"
 #include "common/status.h"
 
 namespace penumbra {
@@ -90,20 +91,21 @@ struct ShadowKvOptions {
   bool landmark_fp8() const { return landmark_format == "fp8"; }
 };
 
-// The command-line flags of the options (--rank, --chunk-size, --budget,
-// --budget-fraction, --outliers, --outlier-fraction, --local-window,
-// --min-prompt, --value-fetch, --micro-batches, --fetch-blocks, --continuation,
-// --continuation-budget, --shard-selection, --successor-chunks, --landmarks-per-chunk,
-// --landmark-format), shared by `penumbra` and
-// `penumbra-bench`. Apply overrides `s` only where a flag is given and
-// refuses out-of-range values naming the flag.
+// Every option's flag, YAML key, range, rules and help, declared once
+// (common/option_table.h): the flags of `penumbra` and `penumbra-bench`, the
+// `shadowkv:` YAML section, the validation and the table in
+// docs/operations.md all come from it.
+const OptionTable<ShadowKvOptions>& ShadowKvOptionTable();
+
+// The table's flags; Apply overrides `s` only where a flag is given, then
+// validates, refusing a bad value naming the flag and the key.
 void AddShadowKvFlags(Args& a);
 Status ApplyShadowKvFlags(const Args& a, ShadowKvOptions* s);
 
-// Reads `shadowkv:` options; errors name the key.
+// Reads `shadowkv:` options (r is the section), then validates; errors name
+// the key.
 Status LoadShadowKvOptions(ConfigReader& r, ShadowKvOptions* o);
-// Checks options against a model's geometry; a clear InvalidArgument for
-// impossible combinations.
+// The table's rules, and the model's geometry (rank <= hkv x head_dim).
 Status ValidateShadowKvOptions(const ShadowKvOptions& o, int hkv, int head_dim);
 
 // What the device's kernels take, checked when an engine starts so that a
