@@ -72,7 +72,7 @@ Result<EngineOptions> LoadEngineOptionsFile(const std::string& path);
 // Reads the document cache's tiers (configs/storage.yaml; an engine YAML's
 // `storage:`): gpu {capacity_bytes, reserve_bytes, high_watermark,
 // low_watermark, promote_min_reads, heat_half_life_steps, replace_ratio}
-// (runtime.tiers), dram {device_bytes, host_bytes, low_watermark}
+// (runtime.tiers), memory (formerly dram) {device_bytes, host_bytes, low_watermark}
 // (runtime.prefix_cache_*), disk {queue_bytes, lazy_reads,
 // lazy_block_bytes, lazy_threads, and prefix_store's keys}. Only the keys
 // present change *o; errors name the key.
