@@ -45,19 +45,29 @@ class OptionTable {
   // `section`: the YAML section (and message prefix) the options live under.
   explicit OptionTable(std::string section) : section_(std::move(section)) {}
 
+  // Each option names its field by a member pointer, or by a function
+  // returning a pointer to it (a field of a nested struct:
+  // [](EngineOptions* o) { return &o->backend.device; }).
+  template <class M>
+  using Field = std::function<M*(T*)>;
+
   // An integer (int, int64_t or size_t member) in [min, max].
   template <class M>
-  OptionTable& Int(M T::*field, std::string flag, std::string key, M min, M max, std::string help) {
+  OptionTable& Int(M T::*member, std::string flag, std::string key, M min, M max, std::string help) {
+    return Int<M>(Member(member), std::move(flag), std::move(key), min, max, std::move(help));
+  }
+  template <class M>
+  OptionTable& Int(Field<M> field, std::string flag, std::string key, M min, M max, std::string help) {
     static_assert(std::is_integral_v<M> && !std::is_same_v<M, bool>, "Int takes an integer member");
     Entry e = Base(std::move(flag), std::move(key), std::move(help));
     e.range = "[" + std::to_string(min) + ", " + std::to_string(max) + "]";
-    e.show = [field](const T& o) { return std::to_string(o.*field); };
+    e.show = [field](const T& o) { return std::to_string(Get(field, o)); };
     e.check = [field, min, max, range = e.range](const T& o) -> std::string {
-      const M v = o.*field;
+      const M v = Get(field, o);
       return v < min || v > max ? "must be in " + range + ", got " + std::to_string(v) : "";
     };
     e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
-      PENUMBRA_ASSIGN_OR_RETURN(int64_t v, a.GetInt(name, static_cast<int64_t>(o->*field)));
+      PENUMBRA_ASSIGN_OR_RETURN(int64_t v, a.GetInt(name, static_cast<int64_t>(*field(o))));
       if constexpr (std::is_unsigned_v<M>) {
         if (v < 0) return Status::InvalidArgument("--" + name + " must be >= 0, got " + std::to_string(v));
       }
@@ -65,64 +75,76 @@ class OptionTable {
           static_cast<long double>(v) < static_cast<long double>(std::numeric_limits<M>::lowest())) {
         return Status::InvalidArgument("--" + name + " is out of range, got " + std::to_string(v));
       }
-      o->*field = static_cast<M>(v);
+      *field(o) = static_cast<M>(v);
       return Status::OK();
     };
-    e.from_yaml = [field, min, max](ConfigReader& r, const std::string& key, T* o) { r.Read(key, &(o->*field), min, max); };
+    e.from_yaml = [field, min, max](ConfigReader& r, const std::string& key, T* o) { r.Read(key, field(o), min, max); };
     entries_.push_back(std::move(e));
     return *this;
   }
 
   // A floating-point number in [min, max] (NaN is outside every range).
-  OptionTable& Double(double T::*field, std::string flag, std::string key, double min, double max, std::string help) {
+  OptionTable& Double(double T::*member, std::string flag, std::string key, double min, double max, std::string help) {
+    return Double(Member(member), std::move(flag), std::move(key), min, max, std::move(help));
+  }
+  OptionTable& Double(Field<double> field, std::string flag, std::string key, double min, double max,
+                      std::string help) {
     Entry e = Base(std::move(flag), std::move(key), std::move(help));
     e.range = "[" + Num(min) + ", " + Num(max) + "]";
-    e.show = [field](const T& o) { return Num(o.*field); };
+    e.show = [field](const T& o) { return Num(Get(field, o)); };
     e.check = [field, min, max, range = e.range](const T& o) -> std::string {
-      const double v = o.*field;
+      const double v = Get(field, o);
       return !(v >= min && v <= max) ? "must be in " + range + ", got " + Num(v) : "";
     };
     e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
-      PENUMBRA_ASSIGN_OR_RETURN(o->*field, a.GetDouble(name, o->*field));
+      PENUMBRA_ASSIGN_OR_RETURN(*field(o), a.GetDouble(name, *field(o)));
       return Status::OK();
     };
-    e.from_yaml = [field, min, max](ConfigReader& r, const std::string& key, T* o) { r.Read(key, &(o->*field), min, max); };
+    e.from_yaml = [field, min, max](ConfigReader& r, const std::string& key, T* o) { r.Read(key, field(o), min, max); };
     entries_.push_back(std::move(e));
     return *this;
   }
 
   // A boolean: YAML true/false; on the command line "on" or "off".
-  OptionTable& Bool(bool T::*field, std::string flag, std::string key, std::string help) {
+  OptionTable& Bool(bool T::*member, std::string flag, std::string key, std::string help) {
+    return Bool(Member(member), std::move(flag), std::move(key), std::move(help));
+  }
+  OptionTable& Bool(Field<bool> field, std::string flag, std::string key, std::string help) {
     Entry e = Base(std::move(flag), std::move(key), std::move(help));
     e.range = "on | off";
-    e.show = [field](const T& o) { return std::string(o.*field ? "on" : "off"); };
+    e.show = [field](const T& o) { return std::string(Get(field, o) ? "on" : "off"); };
     e.check = [](const T&) { return std::string(); };
     e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
-      PENUMBRA_ASSIGN_OR_RETURN(o->*field, a.GetOnOff(name, o->*field));
+      PENUMBRA_ASSIGN_OR_RETURN(*field(o), a.GetOnOff(name, *field(o)));
       return Status::OK();
     };
-    e.from_yaml = [field](ConfigReader& r, const std::string& key, T* o) { r.Read(key, &(o->*field)); };
+    e.from_yaml = [field](ConfigReader& r, const std::string& key, T* o) { r.Read(key, field(o)); };
     entries_.push_back(std::move(e));
     return *this;
   }
 
   // A string that must be one of `choices`.
-  OptionTable& Enum(std::string T::*field, std::string flag, std::string key, std::vector<std::string> choices,
+  OptionTable& Enum(std::string T::*member, std::string flag, std::string key, std::vector<std::string> choices,
+                    std::string help) {
+    return Enum(Member(member), std::move(flag), std::move(key), std::move(choices), std::move(help));
+  }
+  OptionTable& Enum(Field<std::string> field, std::string flag, std::string key, std::vector<std::string> choices,
                     std::string help) {
     Entry e = Base(std::move(flag), std::move(key), std::move(help));
     for (size_t i = 0; i < choices.size(); ++i) e.range += (i ? " | " : "") + choices[i];
-    e.show = [field](const T& o) { return o.*field; };
+    e.show = [field](const T& o) { return Get(field, o); };
     e.check = [field, choices, range = e.range](const T& o) -> std::string {
+      const std::string& v = Get(field, o);
       for (const std::string& c : choices) {
-        if (o.*field == c) return "";
+        if (v == c) return "";
       }
-      return "must be one of " + range + ", got '" + o.*field + "'";
+      return "must be one of " + range + ", got '" + v + "'";
     };
     e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
-      if (a.Has(name)) o->*field = a.Get(name);
+      if (a.Has(name)) *field(o) = a.Get(name);
       return Status::OK();
     };
-    e.from_yaml = [field, choices](ConfigReader& r, const std::string& key, T* o) { r.ReadEnum(key, &(o->*field), choices); };
+    e.from_yaml = [field, choices](ConfigReader& r, const std::string& key, T* o) { r.ReadEnum(key, field(o), choices); };
     entries_.push_back(std::move(e));
     return *this;
   }
@@ -156,11 +178,16 @@ class OptionTable {
   // Reads the keys present in `r` over *o (unknown keys are errors naming
   // them), then validates. `r` is the section itself.
   Status Load(ConfigReader& r, T* o) const {
+    Read(r, o);
+    PENUMBRA_RETURN_IF_ERROR(r.Finish());
+    return Validate(*o);
+  }
+  // Only reads the table's keys (a section that also holds other keys or
+  // children: the caller reads those, then Finish()es `r` and Validate()s).
+  void Read(ConfigReader& r, T* o) const {
     for (const Entry& e : entries_) {
       if (!e.key.empty()) e.from_yaml(r, e.key, o);
     }
-    PENUMBRA_RETURN_IF_ERROR(r.Finish());
-    return Validate(*o);
   }
 
   // Every range and rule; the first violation, naming the option.
@@ -200,6 +227,14 @@ class OptionTable {
     std::function<void(ConfigReader&, const std::string&, T*)> from_yaml;
   };
 
+  template <class M>
+  static Field<M> Member(M T::*member) {
+    return [member](T* o) { return &(o->*member); };
+  }
+  template <class M>
+  static const M& Get(const Field<M>& field, const T& o) {
+    return *field(const_cast<T*>(&o));  // the accessor only locates the field
+  }
   static Entry Base(std::string flag, std::string key, std::string help) {
     Entry e;
     e.flag = std::move(flag);

@@ -9,10 +9,12 @@
 
 #include "common/args.h"
 #include "common/file.h"
+#include "tests/docs_util.h"
 #include "tests/test_util.h"
 #include "tests/worker/model_test_util.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
+#include "worker/engine/engine_flags.h"
 
 namespace penumbra {
 namespace {
@@ -401,6 +403,11 @@ TEST_F(EngineTest, OnOffFlagsAreParsedOrRefused) {
   auto bad = a.GetOnOff("fetch-turns", true);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("--fetch-turns"), std::string::npos) << bad.status();
+}
+
+// docs/operations.md's table of the engine's options is the table's own.
+TEST(EngineOptionTableTest, TheDocsTableIsTheOptionTable) {
+  EXPECT_TRUE(testing::GeneratedDocSectionIs("docs/operations.md", "engine options", EngineOptionTable().Markdown()));
 }
 
 }  // namespace

@@ -6,13 +6,10 @@
 
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include "tests/test_util.h"
+#include "tests/docs_util.h"
 
 namespace penumbra {
 namespace {
@@ -143,23 +140,7 @@ TEST(ShadowKvOptionsTest, DeviceLimitsAreTypedErrors) {
 // The operator's table of the options (docs/operations.md) is the option
 // table's own Markdown: it cannot drift from what the flags and YAML take.
 TEST(ShadowKvOptionsTest, TheDocsTableIsTheOptionTable) {
-  const std::string path = testing::SourceDir() + "/docs/operations.md";
-  std::ifstream in(path);
-  ASSERT_TRUE(in) << path;
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::string doc = buf.str();
-  const std::string begin = "<!-- shadowkv options: generated -->\n", end = "<!-- end shadowkv options -->";
-  const size_t b = doc.find(begin), e = doc.find(end);
-  ASSERT_TRUE(b != std::string::npos && e != std::string::npos && b < e) << path << " lacks the markers";
-  const std::string want = ShadowKvOptionTable().Markdown();
-  if (std::getenv("PENUMBRA_WRITE_DOCS") != nullptr) {
-    doc.replace(b + begin.size(), e - b - begin.size(), want);
-    std::ofstream(path) << doc;
-    return;
-  }
-  EXPECT_EQ(doc.substr(b + begin.size(), e - b - begin.size()), want)
-      << "regenerate: PENUMBRA_WRITE_DOCS=1 build/bin/shadowkv_options_test";
+  EXPECT_TRUE(testing::GeneratedDocSectionIs("docs/operations.md", "shadowkv options", ShadowKvOptionTable().Markdown()));
 }
 
 }  // namespace

@@ -4,24 +4,18 @@
 
 #include "common/file.h"
 #include "common/hash.h"
+#include "worker/engine/engine_flags.h"
 
 namespace penumbra {
 
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
-  r.ReadEnum("device", &o->backend.device, {"auto", "cpu", "cuda"});
-  r.ReadEnum("dtype", &o->backend.dtype, {"auto", "bf16", "f32"});
-  r.Read("cuda_device", &o->backend.cuda_device, 0, 64);
-  r.Read("cpu_threads", &o->backend.cpu_threads, 0, 4096);
-  r.ReadEnum("linear", &o->backend.linear, {"auto", "skinny", "cublas"});
-  r.Read("chained_launch", &o->backend.chained_launch);
-  r.Read("prefill_chunk", &o->runtime.prefill_chunk, 1, 1 << 20);
-  r.Read("max_batch", &o->runtime.max_batch, 1, 1 << 16);
-  r.ReadEnum("kv_policy", &o->kv_policy, {"full", "shadowkv"});
+  EngineOptionTable().Read(r, o);
   ConfigReader s = r.Child("shadowkv");
   PENUMBRA_RETURN_IF_ERROR(LoadShadowKvOptions(s, &o->shadowkv));
   ConfigReader st = r.Child("storage");
   PENUMBRA_RETURN_IF_ERROR(LoadStorageOptions(st, o));
-  return r.Finish();
+  PENUMBRA_RETURN_IF_ERROR(r.Finish());
+  return EngineOptionTable().Validate(*o);
 }
 
 Status LoadStorageOptions(ConfigReader& r, EngineOptions* o) {

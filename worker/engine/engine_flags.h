@@ -4,13 +4,18 @@
 #pragma once
 
 #include "common/args.h"
+#include "common/option_table.h"
 #include "common/status.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {
 
-// --device --dtype --linear --chained-launch --config --kv-policy
-// --prefill-chunk and the ShadowKV flags.
+// The engine's own options (backend, runtime, policy), declared once
+// (common/option_table.h): their flags, the engine YAML's top-level keys,
+// the checks and docs/operations.md's table.
+const OptionTable<EngineOptions>& EngineOptionTable();
+
+// --config, --storage-config, the table's flags and the ShadowKV flags.
 void AddEngineFlags(Args& a);
 // Applies them to `o` (the YAML of --config replaces `o` first); errors name
 // the flag.
