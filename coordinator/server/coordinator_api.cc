@@ -12,10 +12,7 @@
 #include "common/crypto.h"
 #include "transport/thrift_util.h"
 
-#include "coordinator/server/coordinator_internal.h"
-
 namespace penumbra::coordinator {
-using namespace internal;  // NOLINT(google-build-using-namespace): this module's own helpers
 
 Result<std::map<std::string, std::string>> LoadApiKeys(const std::string& path) {
   std::map<std::string, std::string> keys;

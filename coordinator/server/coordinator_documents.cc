@@ -7,12 +7,17 @@
 
 #include <glog/logging.h>
 
+#include "coordinator/server/coordinator_internal.h"
 #include "transport/thrift_util.h"
 
-#include "coordinator/server/coordinator_internal.h"
-
 namespace penumbra::coordinator {
-using namespace internal;  // NOLINT(google-build-using-namespace): this module's own helpers
+using internal::Clock;
+using internal::milliseconds;
+using internal::Seconds;
+using internal::OrThrow;
+using internal::Check;
+using internal::Left;
+using internal::QuotaStatus;
 
 namespace {
 

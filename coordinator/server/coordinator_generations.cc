@@ -10,13 +10,20 @@
 #include <glog/logging.h>
 
 #include "common/crypto.h"
+#include "coordinator/server/coordinator_internal.h"
 #include "coordinator/server/placement.h"
 #include "transport/thrift_util.h"
 
-#include "coordinator/server/coordinator_internal.h"
-
 namespace penumbra::coordinator {
-using namespace internal;  // NOLINT(google-build-using-namespace): this module's own helpers
+using internal::Clock;
+using internal::milliseconds;
+using internal::Seconds;
+using internal::Throw;
+using internal::OrThrow;
+using internal::Check;
+using internal::Left;
+using internal::QuotaStatus;
+using internal::UnixMs;
 
 namespace {
 

@@ -10,7 +10,10 @@
 #include "coordinator/server/coordinator_internal.h"
 
 namespace penumbra::coordinator {
-using namespace internal;  // NOLINT(google-build-using-namespace): this module's own helpers
+using internal::milliseconds;
+using internal::Throw;
+using internal::OrThrow;
+using internal::Check;
 
 Status Coordinator::StartJobs(JobServiceOptions options) {
   if (jobs_) return Status::FailedPrecondition("jobs are already started");

@@ -12,7 +12,9 @@
 #include "coordinator/server/coordinator_internal.h"
 
 namespace penumbra::coordinator {
-using namespace internal;  // NOLINT(google-build-using-namespace): this module's own helpers
+using internal::Clock;
+using internal::milliseconds;
+using internal::UnixMs;
 
 JournalRecord Coordinator::ToRecord(const Request& q) const {
   JournalRecord r;

@@ -9,7 +9,7 @@
 #include "coordinator/server/coordinator_internal.h"
 
 namespace penumbra::coordinator {
-using namespace internal;  // NOLINT(google-build-using-namespace): this module's own helpers
+using internal::OrThrow;
 
 namespace {
 
