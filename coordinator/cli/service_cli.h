@@ -10,6 +10,8 @@
 // $PENUMBRA_ADDRESS, else 127.0.0.1:7700) with the API key of
 // --api-key-file (default $PENUMBRA_API_KEY_FILE, else $PENUMBRA_API_KEY),
 // over TLS with --tls-ca (default $PENUMBRA_TLS_CA).
+// One file per job: service_cli.cc (doc, tenant, ask, stats), job_cli.cc,
+// serve_cli.cc (serve, the topology), cert_cli.cc.
 #pragma once
 
 #include <string>

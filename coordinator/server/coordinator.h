@@ -99,16 +99,20 @@ class Coordinator : public rpc::PenumbraIf {
               WorkerPool* workers, std::unique_ptr<DocumentRegistry> documents = nullptr);
   ~Coordinator() override;  // waits for background puts
 
+  // ---- the public API (transport/penumbra.thrift) ----
+  // Documents (coordinator_documents.cc).
   void PutDocument(rpc::DocumentInfo& out, const rpc::PutDocumentRequest& request) override;
   void GetDocument(rpc::DocumentInfo& out, const std::string& api_key, const std::string& document_id,
                    int64_t deadline_ms) override;
   void ListDocuments(rpc::DocumentList& out, const rpc::ListDocumentsRequest& request) override;
   void DeleteDocument(const std::string& api_key, const std::string& document_id, int64_t deadline_ms) override;
+  // Generations (coordinator_generations.cc).
   void Generate(std::string& out, const rpc::GenerateRequest& request) override;
   void Poll(rpc::GenerateChunk& out, const std::string& api_key, const std::string& request_id, int64_t offset,
             int32_t wait_ms) override;
   void Cancel(const std::string& api_key, const std::string& request_id) override;
   void Complete(rpc::GenerateChunk& out, const rpc::GenerateRequest& request) override;
+  // Batch jobs (coordinator_jobs.cc).
   void SubmitJob(rpc::JobInfo& out, const rpc::SubmitJobRequest& request) override;
   void GetJob(rpc::JobInfo& out, const std::string& api_key, const std::string& job_id) override;
   void ListJobs(rpc::JobList& out, const std::string& api_key, const std::string& page_token,
@@ -117,15 +121,18 @@ class Coordinator : public rpc::PenumbraIf {
                      const std::string& after_custom_id, int32_t page_size) override;
   void CancelJob(rpc::JobInfo& out, const std::string& api_key, const std::string& job_id) override;
   void DeleteJob(const std::string& api_key, const std::string& job_id) override;
+  // Health (coordinator.cc) and Stats (coordinator_metrics.cc).
   void Health(rpc::HealthResponse& out) override;
   void Stats(rpc::StatsResponse& out, const std::string& api_key) override;
 
-  // Batch jobs (off until started: the job calls are FAILED_PRECONDITION):
+  // ---- operating the service (coordinator_main.cc) ----
+  // Batch jobs (coordinator_jobs.cc; off until started: the job calls are FAILED_PRECONDITION):
   // opens the job store at options.store.path, resumes unfinished jobs.
   Status StartJobs(JobServiceOptions options);
   JobService* jobs() const { return jobs_.get(); }
 
-  // Requests owned under a lease (docs/architecture.md, "Ownership"): takes
+  // Requests owned under a lease (coordinator_journal.cc; docs/architecture.md,
+  // "Ownership"): takes
   // the request journal (data_dir/requests) and continues what it holds --
   // the tenants' usage counters are reloaded; a generation its worker still
   // has is claimed (its tokens are polled again from offset 0), one its
@@ -137,6 +144,7 @@ class Coordinator : public rpc::PenumbraIf {
   // (WorkerPoolOptions::owner_id).
   Status Recover(std::unique_ptr<RequestJournal> journal);
 
+  // Tenants and keys (coordinator_api.cc).
   // Rereads the tenants (SIGHUP): see TenantRegistry::Reload.
   Status ReloadTenants(const tenants::TenantsConfig& config);
   // Replaces the plain API keys (SIGHUP, --api-keys): the calls authenticated
@@ -146,20 +154,22 @@ class Coordinator : public rpc::PenumbraIf {
   // stay on any error.
   Status ReloadApiKeys(std::map<std::string, std::string> keys);
 
-  // Stops taking documents and generations (Unavailable) and waits until the
+  // Stops taking documents and generations (coordinator.cc; Unavailable) and waits until the
   // running generations are done, at most `max_wait`; true when they are.
   // When the wait expires, the generations left are cancelled on their
   // workers and end "drained" (a Complete waiting on one ends "cancelled").
   bool Drain(std::chrono::milliseconds max_wait);
+  // The metrics (coordinator_metrics.cc).
   std::shared_ptr<prometheus::Registry> metrics() const { return registry_; }
   // Refreshes the gauges (before a scrape).
   void RefreshMetrics();
 
-  // What the workers report about the model (and whether text can be encoded here).
+  // What the workers report about the model (and whether text can be encoded
+  // here; coordinator_api.cc).
   ModelLimits model_limits() const;
 
  private:
-  struct Request;
+  struct Request;  // one generation's state (coordinator_internal.h)
   // A generation checked and ready to build: its documents (looked up), its
   // question's tokens, the prompt's length and the tokens it may generate.
   struct Checked {
@@ -168,6 +178,8 @@ class Coordinator : public rpc::PenumbraIf {
     int64_t prompt_tokens = 0;
     int64_t generated_bound = 0;
   };
+
+  // ---- callers: authentication and inputs (coordinator_api.cc) ----
   // The caller's tenant (its key, and its client certificate when the tenant
   // requires one).
   Result<std::string> Tenant(const std::string& api_key) const;
@@ -179,15 +191,19 @@ class Coordinator : public rpc::PenumbraIf {
   Result<std::vector<int32_t>> TextOrIds(const std::string& what, const std::string* text,
                                          const std::vector<int32_t>* ids, bool starts_prompt,
                                          const ModelLimits& model) const;
+
+  // ---- documents (coordinator_documents.cc) ----
   Result<rpc::DocumentInfo> DoPut(const rpc::PutDocumentRequest& r);
   void Factor(DocumentView doc, std::chrono::steady_clock::time_point deadline);
+  rpc::DocumentInfo ToInfo(const DocumentView& d) const;
+  // Asks worker w to drop a document's cached state (ForgetPrefixes).
+  Status ForgetOn(int w, const std::string& id, const std::string& tenant,
+                  const std::shared_ptr<const std::vector<int32_t>>& ids);
+
+  // ---- generations: admission, placement, streaming, resume (coordinator_generations.cc) ----
   Result<std::shared_ptr<Request>> DoGenerate(const rpc::GenerateRequest& r);
   Result<std::shared_ptr<Request>> DoGenerateAs(const std::string& tenant, const rpc::GenerateRequest& r,
                                                 bool job_item = false);
-  // q's journal record (q->mu held).
-  JournalRecord ToRecord(const Request& q) const;
-  // Journals q's move to another worker (q->mu held); a failure is logged.
-  void JournalMove(const Request& q);
   // Checks r for `tenant` (validation, its documents, the prompt's length
   // against the context, counted before anything is concatenated); r itself
   // has passed ValidateGenerateRequest.
@@ -196,11 +212,9 @@ class Coordinator : public rpc::PenumbraIf {
   // The worker's request: the documents and the question concatenated.
   rpc::WorkerGenerateRequest BuildGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
                                            const Checked& c) const;
-  // A job item: generates to the end (or until the coordinator stops).
-  ItemOutcome RunItem(const std::string& tenant, const rpc::GenerateRequest& r, const std::atomic<bool>& cancel);
-  Result<JobService*> Jobs() const;
-  // The tenant's limit on jobs in flight (nullopt: none).
-  std::optional<int64_t> JobQuota(const std::string& tenant) const;
+  // Candidate workers for a request of `kv_policy` over `docs` (holders of the
+  // first document first, then the others by load).
+  std::vector<int> Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const;
   Result<std::shared_ptr<Request>> Find(const std::string& tenant, const std::string& id);
   // Brings `q` up to date from its worker, waiting up to `wait` when it has
   // no tokens past `offset` (q->mu held).
@@ -218,15 +232,28 @@ class Coordinator : public rpc::PenumbraIf {
   // What a poll of a worker may take beyond its wait.
   static constexpr std::chrono::milliseconds kWorkerPollMargin{3000};
   void ToChunk(const Request& q, int64_t offset, rpc::GenerateChunk* out) const;
-  // Candidate workers for a request of `kv_policy` over `docs` (holders of the
-  // first document first, then the others by load).
-  std::vector<int> Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const;
-  rpc::DocumentInfo ToInfo(const DocumentView& d) const;
+  // Drops generations ended more than keep_finished ago and cancels abandoned
+  // ones (at most once a second).
   void DropExpired();
-  // Asks worker w to drop a document's cached state (ForgetPrefixes).
-  Status ForgetOn(int w, const std::string& id, const std::string& tenant,
-                  const std::shared_ptr<const std::vector<int32_t>>& ids);
 
+  // ---- ownership: the request journal (coordinator_journal.cc) ----
+  // q's journal record (q->mu held).
+  JournalRecord ToRecord(const Request& q) const;
+  // Journals q's move to another worker (q->mu held); a failure is logged.
+  void JournalMove(const Request& q);
+
+  // ---- batch jobs (coordinator_jobs.cc) ----
+  // A job item: generates to the end (or until the coordinator stops).
+  ItemOutcome RunItem(const std::string& tenant, const rpc::GenerateRequest& r, const std::atomic<bool>& cancel);
+  Result<JobService*> Jobs() const;
+  // The tenant's limit on jobs in flight (nullopt: none).
+  std::optional<int64_t> JobQuota(const std::string& tenant) const;
+
+  // ---- metrics (coordinator_metrics.cc) ----
+  // Registers every metric below in registry_ (at construction).
+  void RegisterMetrics();
+
+  // ---- state ----
   CoordinatorOptions o_;
   // The plain API keys in use (o_.api_keys at start; ReloadApiKeys swaps them).
   mutable std::mutex api_keys_mu_;
