@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/shadowkv_decode.cuh"
+#include "kernels/shadowkv_decode_args.h"
 #include "worker/engine/shadowkv/layout.h"
 
 namespace penumbra {
