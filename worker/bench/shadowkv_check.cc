@@ -1,32 +1,36 @@
 // The engine side of the ShadowKV reference check.
 //
-// RunShadowkvCheck composes the backend's ShadowKV ops the way
-// worker/engine/shadowkv_policy.cc does; the policy's steps are methods of a
-// class private to that file, so they are mirrored here with the same
-// layouts, arguments and order:
-//   ShadowKvPolicy::AddSequence      -> geometry (token_cap, chunk_cap,
-//                                       local_cap, att_cap, O, kslots) and the
-//                                       per-sequence buffers, value store segment
-//   ShadowKvPolicy::StoreTokens      -> prefill RopeStore into the exact K/V
-//                                       temporaries + f32 pre-RoPE keys
-//   ShadowKvPolicy::CompressPrompt   -> LowRankFactor, ChunkLandmarks,
-//                                       SelectOutlierChunks, GatherOutliers,
-//                                       OffloadValues, local rows copy
-//   ShadowKvPolicy::OffloadValues    -> Copy2D to pinned staging, PutChunks
-//   ShadowKvPolicy::BeginDecodeStep  -> the per-layer pointer table + lengths,
-//                                       n_chunks blob (kTables = 10 layout)
-//   ShadowKvPolicy::DecodeAttention  -> RopeStore of the query, Select, DecodeAttention
-//   ShadowKvPolicy::Select           -> ShadowkvScore, TopK, ShadowkvSlotUpdate,
-//                                       ForkSide, ShadowkvFetchV (zero copy),
-//                                       ShadowkvRebuildK, JoinSide
+// RunShadowkvCheck runs the policy's own ShadowKV objects
+// (worker/engine/shadowkv/) on one layer of one sequence:
+//   ShadowKvLayout::Shape            -> geometry (token_cap, chunk_cap,
+//                                       local_cap, att_cap, O, kslots), checked
+//                                       against the inputs'; the buffers as the
+//                                       policy's AddSequence sizes them
+//   ShadowKvCompressor               -> StoreTokens into its temporaries, then
+//                                       Factor (LowRankFactor), Landmarks,
+//                                       Outliers, as the policy's CompressPrompt
+//   (here)                           -> the values to a value-store segment
+//                                       and the tail into the local rows, as
+//                                       the policy's CompressPrompt
+//   ShadowKvDecodeStep               -> per step: Begin (the pointer tables
+//                                       and ints), RopeStoreOf, ScoreArgsOf +
+//                                       SlotUpdateOf (ShadowkvScoreAndSlotUpdate,
+//                                       as the policy's Select), ForkSide,
+//                                       FetchVOf (zero copy), RebuildKOf,
+//                                       JoinSide, AttentionOf
 // Adaptations to the reference's setting, made here and not in the policy:
-//  * no token is appended during decode: the query's K/V from RopeStore go to
-//    a scratch row, the attention length is (O + kslots) * C + tail (no + 1),
-//    and FinishDecodeStep's local-row growth / CompressOldest never runs;
+//  * no token is appended during decode: the sequence is closed (as a
+//    context-parallel shard that is not the last), so RopeStore's K/V go to
+//    the row after the local rows, the attention length is
+//    (O + kslots) * C + tail (no + 1), and FinishDecodeStep's local-row
+//    growth / CompressOldest never runs;
 //  * the whole prompt is one layer's prefill (the layer's full prefill
 //    attention is skipped: the check does not use its output);
-//  * O and kslots come from the inputs; AddSequence's formulas give the same
-//    values under the README's constraints (checked below).
+//  * one landmark per chunk in the model's dtype (landmarks_per_chunk 1,
+//    landmark_format model), what the reference computes;
+//  * the scores are also computed alone (ShadowkvScore without a selection,
+//    into a buffer of their own) to be compared: the fused selection may not
+//    write them.
 // The slot map persists across steps as in production, so steps after the
 // first rebuild only their misses.
 #include "worker/bench/shadowkv_check.h"
@@ -43,6 +47,9 @@
 
 #include "storage/dram_value_store.h"
 #include "worker/engine/backend_host_allocator.h"
+#include "worker/engine/shadowkv/compressor.h"
+#include "worker/engine/shadowkv/decode_step.h"
+#include "worker/engine/shadowkv/layout.h"
 #include "worker/engine/shadowkv_options.h"
 #include "worker/model/safetensors.h"
 
@@ -229,70 +236,81 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
   o.outlier_chunks = in.outliers;
   o.local_window = W;
   o.min_prompt_tokens = 0;
+  // The reference's landmarks: one per chunk, in the model's dtype.
+  o.landmarks_per_chunk = 1;
+  o.landmark_format = "model";
   PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(o, H, d));
-  const int64_t token_cap = S + in.steps;
-  const int64_t prompt_chunks = (S - W) / C;
-  const int outl = static_cast<int>(
-      std::min<int64_t>(o.outlier_chunks, std::max<int64_t>(prompt_chunks - o.budget_tokens / C, 0)));
-  const int K = static_cast<int>(std::min<int64_t>(o.budget_tokens / C, prompt_chunks - outl));
-  if (outl != in.outliers || K != in.kslots()) {
-    return Status::Internal("policy geometry (outliers " + Str(outl) + ", kslots " + Str(K) +
-                            ") differs from the inputs'");
-  }
-  const int O = outl;
-  const int64_t local_cap = W + 2 * C;
-  const int chunk_cap = static_cast<int>((token_cap + C - 1) / C);
-  const int64_t att_cap = static_cast<int64_t>(O + K) * C + local_cap;
-  const int64_t local_row0 = static_cast<int64_t>(O + K) * C;
-  const int n_chunks = static_cast<int>(prompt_chunks);
-
   auto alloc = [&](DeviceBuffer* buf, size_t bytes) -> Status {
     PENUMBRA_ASSIGN_OR_RETURN(*buf, b.Allocate(bytes));
     return Status::OK();
   };
-  DeviceBuffer att_k, att_v, a_buf, b_buf, p_buf, lm, excl, slots;
-  PENUMBRA_RETURN_IF_ERROR(alloc(&att_k, static_cast<size_t>(H) * att_cap * d * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&att_v, static_cast<size_t>(H) * att_cap * d * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&a_buf, static_cast<size_t>(token_cap) * r * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&b_buf, static_cast<size_t>(H) * r * d * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&p_buf, static_cast<size_t>(D) * r * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&lm, static_cast<size_t>(H) * chunk_cap * d * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&excl, static_cast<size_t>(H) * chunk_cap));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&slots, static_cast<size_t>(H) * K * sizeof(int32_t)));
-  PENUMBRA_RETURN_IF_ERROR(b.Memset(excl.get(), 0, excl.bytes()));
-  PENUMBRA_RETURN_IF_ERROR(b.Memset(slots.get(), 0xff, slots.bytes()));
+  DeviceBuffer inv_freq;
+  PENUMBRA_RETURN_IF_ERROR(alloc(&inv_freq, in.inv_freq.size() * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(inv_freq.get(), in.inv_freq.data(), in.inv_freq.size() * sizeof(float)));
+  // The policy's geometry (ShadowKvLayout::Shape) of one layer and one
+  // sequence of the prompt and the steps.
+  PolicyContext ctx;
+  ctx.backend = &b;
+  ctx.num_layers = 1;
+  ctx.hq = hq;
+  ctx.hkv = H;
+  ctx.head_dim = d;
+  ctx.inv_freq = inv_freq.as<float>();
+  ctx.scale = in.scale;
+  const ShadowKvLayout layout(ctx, o);
+  SequenceSpec spec;
+  spec.prompt_len = S;
+  spec.max_new_tokens = in.steps;
+  ShadowKvSeq seq;
+  layout.Shape(spec, &seq);
+  if (!seq.sparse || seq.outliers != in.outliers || seq.kslots != in.kslots()) {
+    return Status::Internal("policy geometry (sparse " + Str(seq.sparse) + ", outliers " + Str(seq.outliers) +
+                            ", kslots " + Str(seq.kslots) + ") differs from the inputs'");
+  }
+  const int O = seq.outliers, K = seq.kslots;
+  const int chunk_cap = seq.chunk_cap;
+  const int n_chunks = static_cast<int>((S - W) / C);
+  // The policy's AddSequence for one layer (no attached prefix): every A row
+  // and landmark record held by the sequence.
+  seq.a_rows = seq.token_cap;
+  seq.lm_cap = seq.chunk_cap;
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.att_k, layout.AttLayer(seq) * es));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.att_v, layout.AttLayer(seq) * es));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.a, static_cast<size_t>(seq.a_rows) * r * es));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.b, static_cast<size_t>(H) * r * d * es));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.p, static_cast<size_t>(D) * r * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.lm, static_cast<size_t>(H) * seq.lm_cap * layout.lm_rec_bytes()));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.excl, static_cast<size_t>(H) * chunk_cap));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.slots, static_cast<size_t>(H) * K * sizeof(int32_t)));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.prek, static_cast<size_t>(seq.local_cap) * D * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(b.Memset(seq.excl.get(), 0, seq.excl.bytes()));
+  PENUMBRA_RETURN_IF_ERROR(b.Memset(seq.slots.get(), 0xff, seq.slots.bytes()));
   // Not in the policy: rows attention never reads hold zeros instead of garbage.
-  PENUMBRA_RETURN_IF_ERROR(b.Memset(att_k.get(), 0, att_k.bytes()));
-  PENUMBRA_RETURN_IF_ERROR(b.Memset(att_v.get(), 0, att_v.bytes()));
+  PENUMBRA_RETURN_IF_ERROR(b.Memset(seq.att_k.get(), 0, seq.att_k.bytes()));
+  PENUMBRA_RETURN_IF_ERROR(b.Memset(seq.att_v.get(), 0, seq.att_v.bytes()));
   BackendHostAllocator host_alloc(&b);
   storage::DramValueStore store(&host_alloc, storage::DramValueStoreOptions{});
   storage::SegmentLayout lay{1, H, chunk_cap, C, d, act};
-  PENUMBRA_ASSIGN_OR_RETURN(storage::SegmentId segment, store.CreateSegment(lay));
-  PENUMBRA_ASSIGN_OR_RETURN(const void* store_host, store.LayerBase(segment, 0));
-  const void* store_dev = b.DeviceAddressOfHost(store_host);
-  auto row = [&](const DeviceBuffer& buf, int64_t rw) { return static_cast<char*>(buf.get()) + rw * d * es; };
+  PENUMBRA_ASSIGN_OR_RETURN(seq.segment, store.CreateSegment(lay));
+  PENUMBRA_ASSIGN_OR_RETURN(const void* store_host, store.LayerBase(seq.segment, 0));
+  seq.store_host.assign(1, store_host);
+  seq.store_dev.assign(1, b.DeviceAddressOfHost(store_host));
 
-  // ---- StoreTokens over the prompt: exact post-RoPE K, V (act dtype) into
-  // the temporaries [hkv][S][d], f32 pre-RoPE keys [S][hkv*d].
-  DeviceBuffer tmp_k, tmp_v, tmp_prek, tmp_cos, tmp_outl, inv_freq;
-  PENUMBRA_RETURN_IF_ERROR(alloc(&tmp_k, static_cast<size_t>(H) * S * d * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&tmp_v, static_cast<size_t>(H) * S * d * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&tmp_prek, static_cast<size_t>(S) * D * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&tmp_cos, static_cast<size_t>(H) * chunk_cap * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&tmp_outl, static_cast<size_t>(H) * (O + 1) * sizeof(int32_t)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&inv_freq, in.inv_freq.size() * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(inv_freq.get(), in.inv_freq.data(), in.inv_freq.size() * sizeof(float)));
+  // ---- StoreTokens over the prompt (the compressor's): exact post-RoPE K, V
+  // (act dtype) into the temporaries [hkv][tmp_cap][d], f32 pre-RoPE keys
+  // [tmp_cap][hkv*d].
+  ShadowKvCompressor comp(layout, b);
+  PENUMBRA_RETURN_IF_ERROR(comp.EnsureTemp(seq.token_cap));
+  const int64_t tstride = comp.tmp_cap() * d;
   {
     const int tile = static_cast<int>(std::min<int64_t>(S, 4096));
     const int64_t qkv_row = static_cast<int64_t>(hq + 2 * H) * d;
-    DeviceBuffer qkv, q_scratch, pos, ptrs;
+    DeviceBuffer qkv, q_scratch, pos;
     PENUMBRA_RETURN_IF_ERROR(alloc(&qkv, static_cast<size_t>(tile) * qkv_row * sizeof(float)));
     PENUMBRA_RETURN_IF_ERROR(alloc(&q_scratch, static_cast<size_t>(tile) * hq * d * es));
     PENUMBRA_RETURN_IF_ERROR(alloc(&pos, static_cast<size_t>(tile) * sizeof(int32_t)));
-    PENUMBRA_RETURN_IF_ERROR(alloc(&ptrs, static_cast<size_t>(2) * tile * sizeof(void*)));
     std::vector<float> host(static_cast<size_t>(tile) * qkv_row);
     std::vector<int32_t> p(tile);
-    std::vector<void*> kv_ptrs(2 * static_cast<size_t>(tile));
     for (int64_t start = 0; start < S; start += tile) {
       const int n = static_cast<int>(std::min<int64_t>(tile, S - start));
       std::fill(host.begin(), host.end(), 0.0f);  // the prompt's queries are not used
@@ -305,101 +323,46 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
           std::memcpy(rw + static_cast<size_t>(hq + H + h) * d, in.v.data() + src, d * sizeof(float));
         }
         p[i] = static_cast<int32_t>(t);
-        kv_ptrs[i] = row(tmp_k, t);
-        kv_ptrs[n + i] = row(tmp_v, t);
       }
       PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(qkv.get(), host.data(), static_cast<size_t>(n) * qkv_row * sizeof(float)));
       PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos.get(), p.data(), n * sizeof(int32_t)));
-      PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(ptrs.get(), kv_ptrs.data(), 2 * static_cast<size_t>(n) * sizeof(void*)));
-      RopeStoreOp rs;
-      rs.qkv = qkv.as<float>();
-      rs.positions = pos.as<int32_t>();
-      rs.inv_freq = inv_freq.as<float>();
-      rs.n = n;
-      rs.hq = hq;
-      rs.hkv = H;
-      rs.d = d;
-      rs.q_out = q_scratch.get();
-      rs.k_dst = static_cast<void* const*>(ptrs.get());
-      rs.v_dst = static_cast<void* const*>(ptrs.get()) + n;
-      rs.head_stride = S * d;
-      rs.pre_rope_k_out = tmp_prek.as<float>() + start * D;
-      b.RopeStore(rs);
+      PENUMBRA_RETURN_IF_ERROR(comp.StoreTokens(qkv.as<float>(), pos.as<int32_t>(), n, start, q_scratch.get(),
+                                                comp.tmp_k().get(), comp.tmp_v().get(), tstride,
+                                                comp.tmp_prek().as<float>() + start * D));
       // The host buffers are rewritten by the next tile.
       PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     }
   }
 
-  // ---- CompressPrompt.
-  kn::LowRankArgs lr;
-  lr.keys = tmp_prek.get();
-  lr.S = S;
-  lr.hkv = H;
-  lr.d = d;
-  lr.rank = r;
-  lr.a_out = a_buf.get();
-  lr.b_out = b_buf.get();
-  lr.proj_out = p_buf.as<float>();
-  PENUMBRA_RETURN_IF_ERROR(b.LowRankFactor(lr));
-  kn::ChunkLandmarksArgs cl;
-  cl.k = tmp_k.get();
-  cl.k_head_stride = S * d;
-  cl.first_token = 0;
-  cl.n_chunks = n_chunks;
-  cl.chunk_tokens = C;
-  cl.hkv = H;
-  cl.d = d;
-  cl.landmarks = lm.get();
-  cl.landmark_head_stride = static_cast<int64_t>(chunk_cap) * d;
-  cl.min_cos = tmp_cos.as<float>();
-  cl.min_cos_head_stride = chunk_cap;
-  b.ChunkLandmarks(cl);
-  if (O > 0) {
-    kn::SelectOutliersArgs so;
-    so.min_cos = tmp_cos.as<float>();
-    so.min_cos_head_stride = chunk_cap;
-    so.hkv = H;
-    so.n_chunks = n_chunks;
-    so.num_outliers = O;
-    so.out = tmp_outl.as<int32_t>();
-    b.SelectOutlierChunks(so);
-    kn::GatherOutliersArgs go;
-    go.k = tmp_k.get();
-    go.v = tmp_v.get();
-    go.kv_head_stride = S * d;
-    go.first_token = 0;
-    go.chunk_tokens = C;
-    go.hkv = H;
-    go.d = d;
-    go.n_chunks = n_chunks;
-    go.outliers = tmp_outl.as<int32_t>();
-    go.num_outliers = O;
-    go.att_k = att_k.get();
-    go.att_v = att_v.get();
-    go.att_head_stride = att_cap * d;
-    go.excluded = excl.as<uint8_t>();
-    go.mask_head_stride = chunk_cap;
-    b.GatherOutliers(go);
-  }
-  // OffloadValues(s, layer, tmp_v, S*d, 0, n_chunks, 0): every chunk's values
-  // (outliers too) to the store through pinned staging.
+  // ---- CompressPrompt: the compressor's steps, as the policy runs them.
+  PENUMBRA_RETURN_IF_ERROR(comp.Factor(seq, 0, S));
+  comp.Landmarks(seq, 0, n_chunks);
+  PENUMBRA_RETURN_IF_ERROR(comp.Outliers(seq, 0, n_chunks));
+  // OffloadValues(s, layer, tmp_v, tmp_cap*d, 0, n_chunks, 0): every chunk's
+  // values (outliers too) to the store through pinned staging.
+  auto row = [&](const DeviceBuffer& buf, int64_t rw) { return static_cast<char*>(buf.get()) + rw * d * es; };
   {
     const size_t rowb = static_cast<size_t>(n_chunks) * C * d * es;
     PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer stage, b.AllocateHost(rowb * H));
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage.get(), rowb, tmp_v.get(), S * d * es, rowb, H));
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage.get(), rowb, comp.tmp_v().get(), tstride * es, rowb, H));
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     for (int h = 0; h < H; ++h) {
-      PENUMBRA_RETURN_IF_ERROR(store.PutChunks(segment, 0, h, 0, n_chunks, stage.as<char>() + h * rowb));
+      PENUMBRA_RETURN_IF_ERROR(store.PutChunks(seq.segment, 0, h, 0, n_chunks, stage.as<char>() + h * rowb));
     }
   }
-  // The tail becomes the local rows.
+  // The tail becomes the local rows (exact K/V and pre-RoPE keys).
   const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
-  if (tail > local_cap) return Status::Internal("local tail " + Str(tail) + " > local_cap " + Str(local_cap));
-  PENUMBRA_RETURN_IF_ERROR(b.Copy2D(row(att_k, local_row0), att_cap * d * es, row(tmp_k, tail0), S * d * es,
-                                    tail * d * es, H));
-  PENUMBRA_RETURN_IF_ERROR(b.Copy2D(row(att_v, local_row0), att_cap * d * es, row(tmp_v, tail0), S * d * es,
-                                    tail * d * es, H));
+  if (tail > seq.local_cap) return Status::Internal("local tail " + Str(tail) + " > local_cap " + Str(seq.local_cap));
+  const int64_t local_row0 = layout.LocalRow0(seq), att_stride = seq.att_cap * d * es;
+  PENUMBRA_RETURN_IF_ERROR(
+      b.Copy2D(row(seq.att_k, local_row0), att_stride, row(comp.tmp_k(), tail0), tstride * es, tail * d * es, H));
+  PENUMBRA_RETURN_IF_ERROR(
+      b.Copy2D(row(seq.att_v, local_row0), att_stride, row(comp.tmp_v(), tail0), tstride * es, tail * d * es, H));
+  PENUMBRA_RETURN_IF_ERROR(
+      b.CopyDeviceToDevice(seq.prek.get(), comp.tmp_prek().as<float>() + tail0 * D, tail * D * sizeof(float)));
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  seq.n_chunks = n_chunks;
+  seq.local_count = tail;
 
   CheckResults res;
   res.hkv = H;
@@ -411,8 +374,8 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
   res.kslots = K;
   res.dtype = act;
   {
-    std::vector<char> raw(lm.bytes());
-    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(raw.data(), lm.get(), raw.size()));
+    std::vector<char> raw(seq.lm.bytes());
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(raw.data(), seq.lm.get(), raw.size()));
     std::vector<float> all(static_cast<size_t>(H) * chunk_cap * d);
     ConvertToF32(raw.data(), act, all.data(), all.size());
     res.landmarks.resize(static_cast<size_t>(H) * n_chunks * d);
@@ -420,58 +383,27 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
       std::copy_n(all.data() + static_cast<size_t>(h) * chunk_cap * d, static_cast<size_t>(n_chunks) * d,
                   res.landmarks.data() + static_cast<size_t>(h) * n_chunks * d);
     }
+    res.outlier_ids = seq.outlier_ids;  // the compressor's host copy (empty when O == 0)
     res.outlier_ids.resize(static_cast<size_t>(H) * O);
-    if (O > 0) {
-      PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(res.outlier_ids.data(), tmp_outl.get(), res.outlier_ids.size() * 4));
-    }
   }
   // The prefill temporaries are done with (the policy keeps them for reuse).
-  tmp_k.Reset();
-  tmp_v.Reset();
-  tmp_prek.Reset();
+  comp.ReleaseTempIfLarge();
 
-  // ---- BeginDecodeStep: the pointer table (kTables = 10 entries, batch 1)
-  // and the ints (attention length, n_chunks). Entries 0/1 (where RopeStore
-  // stores the new token's K/V) point at a scratch row instead of the next
-  // local row: the reference appends no token.
-  constexpr int kTables = 10;
-  DeviceBuffer kv_dump, step_buf;
-  PENUMBRA_RETURN_IF_ERROR(alloc(&kv_dump, static_cast<size_t>(2) * D * es));
-  {
-    std::vector<const void*> t(kTables);
-    t[0] = kv_dump.get();
-    t[1] = static_cast<char*>(kv_dump.get()) + static_cast<size_t>(D) * es;
-    t[2] = att_k.get();
-    t[3] = att_v.get();
-    t[4] = lm.get();
-    t[5] = excl.get();
-    t[6] = slots.get();
-    t[7] = a_buf.get();
-    t[8] = b_buf.get();
-    t[9] = store_dev;
-    const int32_t ints[2] = {static_cast<int32_t>(local_row0 + tail), n_chunks};
-    std::vector<uint8_t> blob(t.size() * sizeof(void*) + sizeof(ints));
-    std::memcpy(blob.data(), t.data(), t.size() * sizeof(void*));
-    std::memcpy(blob.data() + t.size() * sizeof(void*), ints, sizeof(ints));
-    PENUMBRA_RETURN_IF_ERROR(alloc(&step_buf, blob.size()));
-    PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(step_buf.get(), blob.data(), blob.size()));
-    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-  }
-  void* const* tab = static_cast<void* const*>(step_buf.get());
-  const int32_t* lengths = reinterpret_cast<const int32_t*>(tab + kTables);
-  const int32_t* nchunks = lengths + 1;
+  // ---- BeginDecodeStep, DecodeAttention, Select: through the policy's own
+  // decode step (worker/engine/shadowkv/decode_step.h), which builds the
+  // pointer tables and ints and every kernel's arguments from the sequence.
+  // The sequence is closed (a context-parallel shard's setting): the new
+  // token's K/V go to the row after the local rows and attention never reads
+  // it, as the reference appends no token.
+  seq.closed = true;
+  ShadowKvDecodeStep decode(layout, b);
   const int64_t sstride = n_chunks + 1;
-  DeviceBuffer score_buf, miss_buf, qkv1, pos1, q_scratch, out_buf;
+  DeviceBuffer score_buf, qkv1, pos1, q_scratch, out_buf;
   PENUMBRA_RETURN_IF_ERROR(alloc(&score_buf, static_cast<size_t>(H) * sstride * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&miss_buf, (static_cast<size_t>(H) * K * 3 + H) * sizeof(int32_t)));
   PENUMBRA_RETURN_IF_ERROR(alloc(&qkv1, static_cast<size_t>(hq + 2 * H) * d * sizeof(float)));
   PENUMBRA_RETURN_IF_ERROR(alloc(&pos1, sizeof(int32_t)));
   PENUMBRA_RETURN_IF_ERROR(alloc(&q_scratch, static_cast<size_t>(hq) * d * es));
   PENUMBRA_RETURN_IF_ERROR(alloc(&out_buf, static_cast<size_t>(hq) * d * es));
-  int32_t* sel = miss_buf.as<int32_t>();
-  int32_t* mslot = sel + static_cast<size_t>(H) * K;
-  int32_t* mchunk = mslot + static_cast<size_t>(H) * K;
-  int32_t* mcount = mchunk + static_cast<size_t>(H) * K;
 
   res.selected.resize(static_cast<size_t>(in.steps) * H * K);
   res.scores.resize(static_cast<size_t>(in.steps) * H * n_chunks);
@@ -481,124 +413,44 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
   std::vector<int32_t> sel_host(static_cast<size_t>(H) * K), slot_host(static_cast<size_t>(H) * K);
   std::vector<char> out_raw(static_cast<size_t>(hq) * d * es);
   for (int step = 0; step < in.steps; ++step) {
+    PENUMBRA_RETURN_IF_ERROR(decode.Begin({&seq}));
     // ---- DecodeAttention: RoPE of the query at position S + step.
     std::copy_n(in.q.data() + static_cast<size_t>(step) * hq * d, static_cast<size_t>(hq) * d, qkv_host.data());
     const int32_t position = static_cast<int32_t>(S + step);
     PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(qkv1.get(), qkv_host.data(), qkv_host.size() * sizeof(float)));
     PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos1.get(), &position, sizeof(position)));
-    RopeStoreOp rs;
-    rs.qkv = qkv1.as<float>();
-    rs.positions = pos1.as<int32_t>();
-    rs.inv_freq = inv_freq.as<float>();
-    rs.n = 1;
-    rs.hq = hq;
-    rs.hkv = H;
-    rs.d = d;
-    rs.q_out = q_scratch.get();
-    rs.k_dst = tab + 0;
-    rs.v_dst = tab + 1;
-    rs.head_stride = d;  // the scratch row holds the hkv heads back to back
-    rs.pre_rope_k_out = nullptr;
+    const RopeStoreOp rs = decode.RopeStoreOf(0, 0, 1, qkv1.as<float>(), pos1.as<int32_t>(), q_scratch.get());
     b.RopeStore(rs);
 
-    // ---- Select.
-    kn::ShadowkvScoreArgs sc;
-    sc.q = q_scratch.get();
-    sc.landmarks = reinterpret_cast<const void* const*>(tab + 4);
-    sc.excluded = reinterpret_cast<const uint8_t* const*>(tab + 5);
-    sc.n_chunks = nchunks;
-    sc.batch = 1;
-    sc.hq = hq;
-    sc.hkv = H;
-    sc.d = d;
-    sc.chunk_cap = chunk_cap;
-    sc.max_chunks = n_chunks;
-    sc.scale = in.scale;
-    sc.scores = score_buf.as<float>();
-    sc.score_stride = sstride;
-    PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
-    kn::TopKArgs tk;
-    tk.values = score_buf.as<float>();
-    tk.stride = sstride;
-    tk.rows = H;
-    tk.counts = nchunks;
-    tk.rows_per_count = H;
-    tk.max_count = n_chunks;
-    tk.k = K;
-    tk.out = sel;
-    tk.out_stride = K;
-    b.TopK(tk);
-    kn::ShadowkvSlotUpdateArgs su;
-    su.selection = sel;
-    su.selection_stride = K;
-    su.slot_maps = reinterpret_cast<int32_t* const*>(tab + 6);
-    su.miss_count = mcount;
-    su.miss_slot = mslot;
-    su.miss_chunk = mchunk;
-    su.batch = 1;
-    su.hkv = H;
-    su.kslots = K;
-    su.chunk_cap = chunk_cap;
-    su.force_keep = -1.0f;
-    b.ShadowkvSlotUpdate(su);
+    // ---- The scores alone, for the comparison (the fused selection below
+    // may use its score rows as scratch or not write them).
+    kn::ShadowkvScoreArgs only = decode.ScoreArgsOf(0, 0, 1, rs.q_out);
+    only.scores = score_buf.as<float>();
+    only.score_stride = sstride;
+    only.select_k = 0;
+    only.selection = nullptr;
+    only.selection_stride = 0;
+    PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(only));
+
+    // ---- Select, as the policy's: scores + top-k + slot update, then the
+    // misses' values (zero copy) and keys.
+    const kn::ShadowkvScoreArgs sc = decode.ScoreArgsOf(0, 0, 1, rs.q_out);
+    PENUMBRA_RETURN_IF_ERROR(
+        b.ShadowkvScoreAndSlotUpdate(sc, decode.SlotUpdateOf(0, 0, 1, sc.selection, sc.selection_stride)));
     b.ForkSide();
-    kn::ShadowkvFetchVArgs fv;
-    fv.value_store = reinterpret_cast<const void* const*>(tab + 9);
-    fv.chunk_cap = chunk_cap;
-    fv.miss_count = mcount;
-    fv.miss_slot = mslot;
-    fv.miss_chunk = mchunk;
-    fv.miss_stride = K;
-    fv.att_v = tab + 3;
-    fv.att_head_stride = att_cap * d;
-    fv.outlier_rows = O * C;
-    fv.batch = 1;
-    fv.hkv = H;
-    fv.d = d;
-    fv.chunk_size = C;
-    fv.max_misses = K;
-    b.ShadowkvFetchV(fv, /*staged=*/false);
-    kn::ShadowkvRebuildKArgs rk;
-    rk.a = reinterpret_cast<const void* const*>(tab + 7);
-    rk.b = reinterpret_cast<const void* const*>(tab + 8);
-    rk.inv_freq = inv_freq.as<float>();
-    rk.miss_count = mcount;
-    rk.miss_slot = mslot;
-    rk.miss_chunk = mchunk;
-    rk.miss_stride = K;
-    rk.att_k = tab + 2;
-    rk.att_head_stride = att_cap * d;
-    rk.outlier_rows = O * C;
-    rk.batch = 1;
-    rk.hkv = H;
-    rk.d = d;
-    rk.r = r;
-    rk.chunk_size = C;
-    rk.max_misses = K;
-    b.ShadowkvRebuildK(rk);
+    b.ShadowkvFetchV(decode.FetchVOf(0, 0, 1), /*staged=*/false);
+    b.ShadowkvRebuildK(decode.RebuildKOf(0, 0, 1));
     b.JoinSide();
 
     // ---- Attention over outliers + slots + local rows (no appended token).
-    DecodeAttentionOp at;
-    at.q = q_scratch.get();
-    at.k = reinterpret_cast<const void* const*>(tab + 2);
-    at.v = reinterpret_cast<const void* const*>(tab + 3);
-    at.lengths = lengths;
-    at.out = out_buf.get();
-    at.head_stride = att_cap * d;
-    at.batch = 1;
-    at.hq = hq;
-    at.hkv = H;
-    at.d = d;
-    at.max_length = static_cast<int>(att_cap);
-    at.scale = in.scale;
-    PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(at));
+    PENUMBRA_RETURN_IF_ERROR(
+        b.DecodeAttention(decode.AttentionOf(0, 0, 1, rs.q_out, out_buf.get(), nullptr, /*mask_slots=*/false)));
 
     // ---- Results of the step.
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(score_host.data(), score_buf.get(), score_host.size() * sizeof(float)));
-    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(sel_host.data(), sel, sel_host.size() * sizeof(int32_t)));
-    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(slot_host.data(), slots.get(), slot_host.size() * sizeof(int32_t)));
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(sel_host.data(), sc.selection, sel_host.size() * sizeof(int32_t)));
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(slot_host.data(), seq.slots.get(), slot_host.size() * sizeof(int32_t)));
     PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(out_raw.data(), out_buf.get(), out_raw.size()));
     for (int h = 0; h < H; ++h) {
       std::copy_n(score_host.data() + static_cast<size_t>(h) * sstride, n_chunks,
@@ -620,7 +472,7 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
     }
     ConvertToF32(out_raw.data(), act, res.out.data() + static_cast<size_t>(step) * hq * d, static_cast<size_t>(hq) * d);
   }
-  PENUMBRA_RETURN_IF_ERROR(store.DropSegment(segment));
+  PENUMBRA_RETURN_IF_ERROR(store.DropSegment(seq.segment));
   return res;
 }
 

@@ -4,11 +4,11 @@
 // the intermediate decisions (landmarks, outliers, selected chunks, scores)
 // and the attention output, in the formats the reference comparator reads.
 //
-// RunShadowkvCheck drives the backend's ShadowKV ops exactly as
-// worker/engine/shadowkv_policy.cc does (see the note at the top of
+// RunShadowkvCheck runs the policy's own objects (worker/engine/shadowkv/:
+// layout, compressor, decode step; see the note at the top of
 // shadowkv_check.cc for the mapping); it only differs where the reference's
 // setting does: decode steps append no token (the query is RoPE'd at
-// position S + i and its K/V go to a scratch row that attention never reads).
+// position S + i and its K/V go to a row that attention never reads).
 #pragma once
 
 #include <cstdint>

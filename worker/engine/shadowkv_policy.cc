@@ -45,6 +45,10 @@
 #include "kernels/landmark_format.h"
 #include "storage/dram_value_store.h"
 #include "worker/engine/shadowkv_prefix.h"
+#include "worker/engine/shadowkv/compressor.h"
+#include "worker/engine/shadowkv/decode_step.h"
+#include "worker/engine/shadowkv/layout.h"
+#include "worker/engine/shadowkv/shard_exchange.h"
 #include "worker/engine/backend_host_allocator.h"
 #include "worker/engine/collective.h"
 #include "worker/engine/engine.h"
@@ -56,15 +60,16 @@ namespace kn = kernels;
 
 
 class ShadowKvPolicy final : public KvPolicy {
-  struct Seq;
+  using Seq = ShadowKvSeq;
 
  public:
   ShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& o)
-      : ctx_(ctx), o_(o), es_(DTypeSize(ctx.backend->act_dtype())),
-        lm_rec_(kn::LandmarkChunkElems(o.landmarks_per_chunk, ctx.head_dim, o.landmark_fp8())),
-        lm_rec_bytes_(kn::LandmarkChunkBytes(o.landmarks_per_chunk, ctx.head_dim, o.landmark_fp8(), es_)),
+      : ctx_(ctx), o_(o), lay_(ctx_, o_), es_(lay_.es()), lm_rec_(lay_.lm_rec()), lm_rec_bytes_(lay_.lm_rec_bytes()),
         host_alloc_(ctx.backend),
-        store_(&host_alloc_, storage::DramValueStoreOptions{}) {}
+        store_(&host_alloc_, storage::DramValueStoreOptions{}),
+        comp_(lay_, *ctx.backend),
+        step_(lay_, *ctx.backend),
+        exchange_(ctx_, *ctx.backend) {}
 
   std::string name() const override { return "shadowkv"; }
 
@@ -123,7 +128,6 @@ class ShadowKvPolicy final : public KvPolicy {
       s.shared_chunks = g.n_chunks;
       s.shared_stride = prefix->value_stride();
     }
-    s.att_cap = static_cast<int64_t>(s.outliers + s.kslots) * C + s.local_cap;
     const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
     auto alloc = [&](DeviceBuffer* b, size_t bytes) -> Status {
       PENUMBRA_ASSIGN_OR_RETURN(*b, ctx_.backend->Allocate(bytes));
@@ -175,57 +179,8 @@ class ShadowKvPolicy final : public KvPolicy {
     return Status::OK();
   }
 
-  // A new sequence's geometry (outliers, slots, capacities). It follows
-  // from the tokens of the first prefill alone (where the keys are
-  // factored), so every sequence that starts with the same document,
-  // attached or prefilled, has the same outliers and budget.
-  void Shape(const SequenceSpec& spec, Seq* out) const {
-    Seq& s = *out;
-    // A closed shard (context parallel) keeps one spare row: decode steps'
-    // RopeStore writes the new token's K/V there, never attended to.
-    s.token_cap = spec.prompt_len + (spec.shard.closed ? 1 : spec.max_new_tokens);
-    s.first_prefill = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
-    const int64_t F = s.first_prefill;
-    const int C = o_.chunk_size;
-    // Context parallel with a global selection: the budget, the sparse
-    // decision and the exchange width are the whole sequence's, the same on
-    // every rank.
-    const bool global = spec.shard.group != nullptr && o_.shard_selection == "global";
-    const int64_t whole = global && spec.shard.sequence_tokens > 0 ? spec.shard.sequence_tokens : F;
-    int64_t budget = o_.budget_tokens;
-    if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * whole / C)) * C;
-    // Local selection: a shard's share of its whole sequence's budget, at
-    // least one chunk.
-    if (!global && spec.shard.share < 1.0 && o_.budget_fraction <= 0) {
-      budget = std::max<int64_t>(C, static_cast<int64_t>(std::llround(spec.shard.share * budget / C)) * C);
-    }
-    // The local window is the sequence's most recent tokens: a closed shard
-    // (all but the last) has none, its whole prompt is chunks.
-    s.window = spec.shard.closed ? 0 : o_.local_window;
-    const int64_t first_chunks = (F - s.window) / C;
-    int64_t want_outliers = o_.outlier_chunks;
-    if (global) want_outliers = std::llround(spec.shard.share * o_.outlier_chunks);  // the sequence's, split
-    if (o_.outlier_fraction > 0) {
-      want_outliers = static_cast<int64_t>(std::ceil(o_.outlier_fraction * static_cast<double>(std::max<int64_t>(first_chunks, 0))));
-    }
-    s.outliers = static_cast<int>(std::min<int64_t>(want_outliers, std::max<int64_t>(first_chunks - budget / C, 0)));
-    s.kslots = static_cast<int>(std::min<int64_t>(budget / C, first_chunks - s.outliers));
-    s.sparse = whole >= o_.min_prompt_tokens && s.kslots >= 1;
-    // The shards exchange when the whole sequence is sparse (every rank
-    // decides alike; a shard too short to select from takes part with no
-    // proposals).
-    const bool exchange = global && whole >= o_.min_prompt_tokens;
-    s.global_k = exchange ? static_cast<int>(std::min<int64_t>(budget / C, int64_t{1} << 30)) : 0;
-    s.group = exchange ? spec.shard.group : nullptr;
-    if (!s.sparse) {
-      s.outliers = 0;
-      s.kslots = 0;
-      s.local_cap = s.token_cap;
-    } else {
-      s.local_cap = o_.local_window + 2 * C;  // prompt tail (< W + C) plus one chunk of growth
-      s.chunk_cap = static_cast<int>((s.token_cap + C - 1) / C);
-    }
-  }
+  // A new sequence's geometry (ShadowKvLayout::Shape).
+  void Shape(const SequenceSpec& spec, Seq* out) const { lay_.Shape(spec, out); }
 
   void RemoveSequence(int64_t id) override {
     auto it = seqs_.find(id);
@@ -289,12 +244,12 @@ class ShadowKvPolicy final : public KvPolicy {
         }
         row0 = start + s.cont_shift;
       }
-      kbase = tmp_k_.get();
-      vbase = tmp_v_.get();
-      stride = tmp_cap_ * d;
+      kbase = comp_.tmp_k().get();
+      vbase = comp_.tmp_v().get();
+      stride = comp_.tmp_cap() * d;
     }
     PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv, positions, n, row0, q_scratch, kbase, vbase, stride,
-                                         s.sparse ? tmp_prek_.as<float>() + row0 * D : nullptr));
+                                         s.sparse ? comp_.tmp_prek().as<float>() + row0 * D : nullptr));
     if (s.sparse && s.compressed && s.cont_k > 0 && start == Held(s)) {
       PENUMBRA_RETURN_IF_ERROR(SelectForContinuation(s, layer, q_scratch, n));
       PENUMBRA_RETURN_IF_ERROR(RebuildSelectedIntoTemp(s, layer));
@@ -343,7 +298,7 @@ class ShadowKvPolicy final : public KvPolicy {
   }
 
   // Tokens the sequence holds (after its last prefill or decode step).
-  int64_t Held(const Seq& s) const { return static_cast<int64_t>(s.n_chunks) * o_.chunk_size + s.local_count; }
+  int64_t Held(const Seq& s) const { return lay_.Held(s); }
 
   // Rebuilds layer `layer` of a compressed sequence into the prefill
   // temporaries for a dense continuation: every chunk's K from its low-rank
@@ -368,7 +323,7 @@ class ShadowKvPolicy final : public KvPolicy {
         for (int j = 0; j < s.outliers; ++j) {
           const int c = s.outlier_ids[(static_cast<size_t>(layer) * H + h) * s.outliers + j];
           PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(
-              static_cast<char*>(tmp_k_.get()) + (h * tmp_cap_ + static_cast<int64_t>(c) * C) * d * es_,
+              static_cast<char*>(comp_.tmp_k().get()) + (h * comp_.tmp_cap() + static_cast<int64_t>(c) * C) * d * es_,
               static_cast<char*>(Row(s.att_k, s, layer, 0)) + (h * s.att_cap + static_cast<int64_t>(j) * C) * d * es_,
               crow));
         }
@@ -386,9 +341,9 @@ class ShadowKvPolicy final : public KvPolicy {
     const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, O = s.outliers, k = s.cont_k;
     if (O > 0) {
       const size_t w = static_cast<size_t>(O) * C * d * es_;
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(tmp_k_.get(), tmp_cap_ * d * es_, Row(s.att_k, s, layer, 0),
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(comp_.tmp_k().get(), comp_.tmp_cap() * d * es_, Row(s.att_k, s, layer, 0),
                                         s.att_cap * d * es_, w, H));
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(tmp_v_.get(), tmp_cap_ * d * es_, Row(s.att_v, s, layer, 0),
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(comp_.tmp_v().get(), comp_.tmp_cap() * d * es_, Row(s.att_v, s, layer, 0),
                                         s.att_cap * d * es_, w, H));
     }
     // Values read lazily from disk: the selected chunks' now, ahead of the
@@ -429,8 +384,8 @@ class ShadowKvPolicy final : public KvPolicy {
                               int per_head, int64_t first_row, const int32_t* host_chunks = nullptr) {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
-    const void* ptrs[5] = {ALayer(s, layer), Row2(s.b, layer, static_cast<int64_t>(H) * o_.rank * d), tmp_k_.get(),
-                           tmp_v_.get(), s.store_dev[layer]};
+    const void* ptrs[5] = {ALayer(s, layer), Row2(s.b, layer, static_cast<int64_t>(H) * o_.rank * d), comp_.tmp_k().get(),
+                           comp_.tmp_v().get(), s.store_dev[layer]};
     std::vector<const void*> table(std::begin(ptrs), std::end(ptrs));
     table.push_back(s.prefix ? s.prefix->values_device(layer) : nullptr);
     table.push_back(s.prefix ? s.prefix->a_layer(layer) : nullptr);
@@ -447,7 +402,7 @@ class ShadowKvPolicy final : public KvPolicy {
     rk.miss_chunk = chunk;
     rk.miss_stride = per_head;
     rk.att_k = dev + 2;
-    rk.att_head_stride = tmp_cap_ * d;
+    rk.att_head_stride = comp_.tmp_cap() * d;
     rk.outlier_rows = first_row;
     rk.batch = 1;
     rk.hkv = H;
@@ -467,7 +422,7 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.miss_chunk = chunk;
     fv.miss_stride = per_head;
     fv.att_v = dev + 3;
-    fv.att_head_stride = tmp_cap_ * d;
+    fv.att_head_stride = comp_.tmp_cap() * d;
     fv.outlier_rows = first_row;
     fv.batch = 1;
     fv.hkv = H;
@@ -511,11 +466,11 @@ class ShadowKvPolicy final : public KvPolicy {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, d = ctx_.head_dim, D = H * d;
     const size_t w = s.local_count * d * es_;
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(tmp_k_.get()) + row * d * es_, tmp_cap_ * d * es_,
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(comp_.tmp_k().get()) + row * d * es_, comp_.tmp_cap() * d * es_,
                                       Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(tmp_v_.get()) + row * d * es_, tmp_cap_ * d * es_,
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(comp_.tmp_v().get()) + row * d * es_, comp_.tmp_cap() * d * es_,
                                       Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
-    return b.CopyDeviceToDevice(tmp_prek_.as<float>() + row * D,
+    return b.CopyDeviceToDevice(comp_.tmp_prek().as<float>() + row * D,
                                 s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
                                 s.local_count * D * sizeof(float));
   }
@@ -627,8 +582,8 @@ class ShadowKvPolicy final : public KvPolicy {
     if (k > 0) {
       PENUMBRA_ASSIGN_OR_RETURN(float* min_cos, MinCosScratch(H * k));  // written, not needed
       kn::ChunkLandmarksArgs cl;
-      cl.k = tmp_k_.get();
-      cl.k_head_stride = tmp_cap_ * d;
+      cl.k = comp_.tmp_k().get();
+      cl.k_head_stride = comp_.tmp_cap() * d;
       cl.first_token = row0;
       cl.n_chunks = k;
       cl.chunk_tokens = C;
@@ -642,7 +597,7 @@ class ShadowKvPolicy final : public KvPolicy {
       cl.min_cos_head_stride = k;
       b.ChunkLandmarks(cl);
       kn::ProjectKeysArgs pk;
-      pk.keys = tmp_prek_.as<float>() + row0 * D;
+      pk.keys = comp_.tmp_prek().as<float>() + row0 * D;
       pk.n = k * C;
       pk.D = D;
       pk.rank = o_.rank;
@@ -651,18 +606,18 @@ class ShadowKvPolicy final : public KvPolicy {
                  static_cast<int64_t>(first - s.shared_chunks) * C * o_.rank * es_;
       b.ProjectKeys(pk);
       PENUMBRA_RETURN_IF_ERROR(
-          OffloadValues(s, layer, tmp_v_.get(), tmp_cap_ * d, row0, k, first - s.shared_chunks));
+          OffloadValues(s, layer, comp_.tmp_v().get(), comp_.tmp_cap() * d, row0, k, first - s.shared_chunks));
     }
     const int64_t tail0 = static_cast<int64_t>(total) * C, tail = end - tail0;
     const int64_t trow = tail0 + s.cont_shift;  // its row in the temporaries
     if (tail > s.local_cap) return Status::Internal("shadowkv: local rows overflow");
     const size_t w = tail * d * es_;
     PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                      static_cast<char*>(tmp_k_.get()) + trow * d * es_, tmp_cap_ * d * es_, w, H));
+                                      static_cast<char*>(comp_.tmp_k().get()) + trow * d * es_, comp_.tmp_cap() * d * es_, w, H));
     PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                      static_cast<char*>(tmp_v_.get()) + trow * d * es_, tmp_cap_ * d * es_, w, H));
+                                      static_cast<char*>(comp_.tmp_v().get()) + trow * d * es_, comp_.tmp_cap() * d * es_, w, H));
     PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
-                                                  tmp_prek_.as<float>() + trow * D, tail * D * sizeof(float)));
+                                                  comp_.tmp_prek().as<float>() + trow * D, tail * D * sizeof(float)));
     if (layer == ctx_.num_layers - 1) {
       s.n_chunks = total;
       s.local_count = tail;
@@ -673,7 +628,7 @@ class ShadowKvPolicy final : public KvPolicy {
   // Algorithm 1 for one layer of one sequence, from the temporaries.
   Status CompressPrompt(Seq& s, int layer, int64_t S) {
     Backend& b = *ctx_.backend;
-    const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
+    const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim, D = H * d;
     const int n_chunks = static_cast<int>((S - s.window) / C);
     double t = NowSeconds();
     auto lap = [&](const char* op) {
@@ -684,86 +639,28 @@ class ShadowKvPolicy final : public KvPolicy {
       t = now;
     };
     if (profile_) (void)b.Synchronize(), t = NowSeconds();
-    // SVD of the pre-RoPE keys of the prompt (one segment).
-    kn::LowRankArgs lr;
-    lr.keys = tmp_prek_.get();
-    lr.S = S;
-    lr.hkv = H;
-    lr.d = d;
-    lr.rank = r;
-    lr.a_out = ALayer(s, layer);
-    lr.b_out = Row2(s.b, layer, static_cast<int64_t>(H) * r * d);
-    lr.proj_out = s.p.as<float>() + static_cast<int64_t>(layer) * D * r;
-    PENUMBRA_RETURN_IF_ERROR(b.LowRankFactor(lr));
+    PENUMBRA_RETURN_IF_ERROR(comp_.Factor(s, layer, S));
     lap("svd");
-    // Landmarks and min cosine similarity per chunk.
-    kn::ChunkLandmarksArgs cl;
-    cl.k = tmp_k_.get();
-    cl.k_head_stride = tmp_cap_ * d;
-    cl.first_token = 0;
-    cl.n_chunks = n_chunks;
-    cl.chunk_tokens = C;
-    cl.hkv = H;
-    cl.d = d;
-    cl.landmarks = LmLayer(s, layer);
-    cl.landmark_head_stride = LmHead(s);
-    cl.landmarks_per_chunk = o_.landmarks_per_chunk;
-    cl.landmark_fp8 = o_.landmark_fp8();
-    cl.min_cos = tmp_cos_.as<float>();
-    cl.min_cos_head_stride = s.chunk_cap;
-    b.ChunkLandmarks(cl);
+    comp_.Landmarks(s, layer, n_chunks);
     lap("landmarks");
-    // Outliers: lowest min-cosine chunks per head, exact K/V into rows [0, O*C).
-    uint8_t* excl = s.excl.as<uint8_t>() + static_cast<int64_t>(layer) * H * s.chunk_cap;
-    if (s.outliers > 0) {
-      kn::SelectOutliersArgs so;
-      so.min_cos = tmp_cos_.as<float>();
-      so.min_cos_head_stride = s.chunk_cap;
-      so.hkv = H;
-      so.n_chunks = n_chunks;
-      so.num_outliers = s.outliers;
-      so.out = tmp_outl_.as<int32_t>();
-      b.SelectOutlierChunks(so);
-      kn::GatherOutliersArgs go;
-      go.k = tmp_k_.get();
-      go.v = tmp_v_.get();
-      go.kv_head_stride = tmp_cap_ * d;
-      go.first_token = 0;
-      go.chunk_tokens = C;
-      go.hkv = H;
-      go.d = d;
-      go.n_chunks = n_chunks;
-      go.outliers = tmp_outl_.as<int32_t>();
-      go.num_outliers = s.outliers;
-      go.att_k = Row(s.att_k, s, layer, 0);
-      go.att_v = Row(s.att_v, s, layer, 0);
-      go.att_head_stride = s.att_cap * d;
-      go.excluded = excl;
-      go.mask_head_stride = s.chunk_cap;
-      b.GatherOutliers(go);
-      // Their chunk ids on the host too (a continuation's rebuild puts the
-      // exact keys back at their places).
-      if (s.outlier_ids.empty()) s.outlier_ids.resize(static_cast<size_t>(ctx_.num_layers) * H * s.outliers);
-      PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(s.outlier_ids.data() + static_cast<size_t>(layer) * H * s.outliers,
-                                            tmp_outl_.get(), static_cast<size_t>(H) * s.outliers * sizeof(int32_t)));
-    }
+    PENUMBRA_RETURN_IF_ERROR(comp_.Outliers(s, layer, n_chunks));
     lap("outliers");
     // Values of every chunk to the store (outliers too: never selected, and
     // it keeps each head's chunks one contiguous run).
-    PENUMBRA_RETURN_IF_ERROR(OffloadValues(s, layer, tmp_v_.get(), tmp_cap_ * d, 0, n_chunks, 0));
+    PENUMBRA_RETURN_IF_ERROR(OffloadValues(s, layer, comp_.tmp_v().get(), comp_.tmp_cap() * d, 0, n_chunks, 0));
     lap("offload");
     // The tail becomes the local rows (exact K/V and pre-RoPE keys).
     const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
     CHECK_LE(tail, s.local_cap);
     if (tail > 0) {  // a closed shard's prompt may be whole chunks
       PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                        static_cast<char*>(tmp_k_.get()) + tail0 * d * es_, tmp_cap_ * d * es_,
+                                        static_cast<char*>(comp_.tmp_k().get()) + tail0 * d * es_, comp_.tmp_cap() * d * es_,
                                         tail * d * es_, H));
       PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                        static_cast<char*>(tmp_v_.get()) + tail0 * d * es_, tmp_cap_ * d * es_,
+                                        static_cast<char*>(comp_.tmp_v().get()) + tail0 * d * es_, comp_.tmp_cap() * d * es_,
                                         tail * d * es_, H));
       PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
-                                                    tmp_prek_.as<float>() + tail0 * D, tail * D * sizeof(float)));
+                                                    comp_.tmp_prek().as<float>() + tail0 * D, tail * D * sizeof(float)));
     }
     lap("local");
     s.n_chunks = n_chunks;
@@ -797,8 +694,8 @@ class ShadowKvPolicy final : public KvPolicy {
 
   Status BeginDecodeStep(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions) override {
     const int L = ctx_.num_layers, B = static_cast<int>(ids.size());
-    step_.clear();
-    groups_.clear();
+    std::vector<Seq*> seqs;
+    seqs.reserve(static_cast<size_t>(B));
     for (int i = 0; i < B; ++i) {
       Seq& s = Get(ids[i]);
       // A closed shard holds fixed tokens before every decode position.
@@ -808,94 +705,19 @@ class ShadowKvPolicy final : public KvPolicy {
       }
       CHECK_LT(s.local_count, s.local_cap) << "sequence " << s.id << " is full";
       for (int l = 0; l < L; ++l) PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, l));
-      // Decided once per step: the pointer tables below hold the prefix's
-      // device address only once its values are complete (pinned).
+      // Decided once per step: the pointer tables hold the prefix's device
+      // address only once its values are complete (pinned).
       s.values_staged = s.prefix && !s.prefix->values_complete();
-      step_.push_back(&s);
+      seqs.push_back(&s);
     }
-    // Groups: runs of sequences with equal geometry share kernel launches.
-    for (int i = 0; i < B;) {
-      int j = i + 1;
-      while (j < B && SameGeometry(*step_[i], *step_[j])) ++j;
-      // Micro-batches (o_.micro_batches > 1): a sparse group split into
-      // near-equal parts whose selection, value fetch and attention are
-      // pipelined in DecodeAttention.
-      const int parts = step_[i]->sparse ? std::min(o_.micro_batches, j - i) : 1;
-      for (int p = 0; p < parts; ++p) {
-        const int a = i + (j - i) * p / parts, e = i + (j - i) * (p + 1) / parts;
-        groups_.push_back({a, e - a});
-      }
-      i = j;
-    }
-    // One upload per step: per layer and sequence the pointer tables, then
-    // per sequence the attention lengths and chunk counts.
-    const size_t per_layer = static_cast<size_t>(kTables) * B;
-    std::vector<const void*> t(per_layer * L);
-    for (int l = 0; l < L; ++l) {
-      const void** row = &t[per_layer * l];
-      for (int i = 0; i < B; ++i) {
-        Seq& s = *step_[i];
-        row[0 * B + i] = Row(s.att_k, s, l, LocalRow0(s) + s.local_count);  // new K slot
-        row[1 * B + i] = Row(s.att_v, s, l, LocalRow0(s) + s.local_count);
-        row[2 * B + i] = Row(s.att_k, s, l, 0);
-        row[3 * B + i] = Row(s.att_v, s, l, 0);
-        if (s.sparse) {
-          row[4 * B + i] = LmLayer(s, l);
-          row[5 * B + i] = s.excl.as<uint8_t>() + static_cast<int64_t>(l) * ctx_.hkv * s.chunk_cap;
-          row[6 * B + i] = s.slots.as<int32_t>() + static_cast<int64_t>(l) * ctx_.hkv * s.kslots;
-          row[7 * B + i] = ALayer(s, l);
-          row[8 * B + i] = Row2(s.b, l, static_cast<int64_t>(ctx_.hkv) * o_.rank * ctx_.head_dim);
-          row[9 * B + i] = s.store_dev[l];
-          row[10 * B + i] = s.prek.as<float>() + (static_cast<int64_t>(l) * s.local_cap + s.local_count) * ctx_.hkv *
-                                                     ctx_.head_dim;  // new token's pre-RoPE key row
-          row[11 * B + i] = s.prefix ? s.prefix->values_device(l) : nullptr;  // an attached prefix's values,
-          row[12 * B + i] = s.prefix ? s.prefix->lm_layer(l) : nullptr;      // landmarks
-          row[13 * B + i] = s.prefix ? s.prefix->a_layer(l) : nullptr;       // and A rows
-        }
-      }
-    }
-    // Per sequence: attention length (a closed shard's new row is not
-    // attended), chunk count, first position (the rebuilt keys' RoPE offset).
-    std::vector<int32_t> ints(3 * B);
-    step_offsets_ = false;
-    for (int i = 0; i < B; ++i) {
-      Seq& s = *step_[i];
-      ints[i] = static_cast<int32_t>((s.outliers + s.kslots) * int64_t{o_.chunk_size} + s.local_count +
-                                     (s.closed ? 0 : 1));
-      ints[B + i] = s.n_chunks;
-      ints[2 * B + i] = static_cast<int32_t>(s.pos0);
-      step_offsets_ = step_offsets_ || s.pos0 != 0;
-    }
-    std::vector<uint8_t> blob(t.size() * sizeof(void*) + ints.size() * 4);
-    std::memcpy(blob.data(), t.data(), t.size() * sizeof(void*));
-    std::memcpy(blob.data() + t.size() * sizeof(void*), ints.data(), ints.size() * 4);
-    PENUMBRA_RETURN_IF_ERROR(Upload(&step_buf_, blob.data(), blob.size()));
-    step_batch_ = B;
-    // Miss lists and per-layer miss counts (for the hit rate).
-    int max_k = 0;
-    for (Seq* s : step_) max_k = std::max(max_k, s->kslots);
-    const size_t rows = static_cast<size_t>(B) * ctx_.hkv;
-    step_max_k_ = max_k;
-    if (max_k > 0) {
-      const size_t need = rows * max_k * 4 * 3 + rows * 4 * (L + 1);
-      if (miss_buf_.bytes() < need) {
-        PENUMBRA_ASSIGN_OR_RETURN(miss_buf_, ctx_.backend->Allocate(need * 2));
-      }
-      int max_chunks = 0;
-      for (Seq* s : step_) max_chunks = std::max(max_chunks, s->n_chunks);
-      const size_t sneed = rows * static_cast<size_t>(max_chunks + 1) * sizeof(float);
-      if (score_buf_.bytes() < sneed) {
-        PENUMBRA_ASSIGN_OR_RETURN(score_buf_, ctx_.backend->Allocate(sneed * 2));
-      }
-      step_max_chunks_ = max_chunks;
-    }
+    // Groups, the uploaded pointer tables and ints, the selection workspaces.
+    PENUMBRA_RETURN_IF_ERROR(step_.Begin(seqs));
     // A context-parallel group's global selection: its exchange buffers.
-    xgroup_ = nullptr;
-    for (const Seq* s : step_) xgroup_ = s->group != nullptr ? s->group : xgroup_;
-    if (xgroup_ != nullptr) PENUMBRA_RETURN_IF_ERROR(PrepareExchange());
+    xgroup_ = ShadowKvShardExchange::GroupOf(step_.seqs());
+    if (xgroup_ != nullptr) PENUMBRA_RETURN_IF_ERROR(exchange_.Prepare(xgroup_, step_.seqs()));
     // Only a step that fetches values takes part in the lanes' fetch turns
     // (EndDecodeStep ends it on every path).
-    if (ctx_.fetch_turns && step_max_k_ > 0) ctx_.fetch_turns->StepBegin(ctx_.lane);
+    if (ctx_.fetch_turns && step_.max_k() > 0) ctx_.fetch_turns->StepBegin(ctx_.lane);
     return Status::OK();
   }
 
@@ -903,25 +725,26 @@ class ShadowKvPolicy final : public KvPolicy {
                          float* lse) override {
     if (xgroup_ != nullptr) return DecodeAttentionGlobal(layer, qkv, positions, q_scratch, out, lse);
     Backend& b = *ctx_.backend;
+    const std::vector<std::pair<int, int>>& groups = step_.groups();
     // With micro-batches, every group's selection is issued first (its value
     // fetch left running on the side stream as mark gi), then the attentions,
     // each waiting only for its own group's fetch.
     // (Not while an attached prefix's values are still read from disk: its
     // groups take the staging path, whose one host buffer the groups share.)
     bool restoring = false;
-    for (const Seq* q : step_) restoring = restoring || q->values_staged;
-    const bool pipelined = o_.micro_batches > 1 && groups_.size() > 1 &&
-                           groups_.size() <= static_cast<size_t>(Backend::kSideMarks) &&
+    for (const Seq* q : step_.seqs()) restoring = restoring || q->values_staged;
+    const bool pipelined = o_.micro_batches > 1 && groups.size() > 1 &&
+                           groups.size() <= static_cast<size_t>(Backend::kSideMarks) &&
                            o_.value_fetch == "zero_copy" && !restoring;
     std::vector<DecodeAttentionOp>& attention = pending_attention_;  // reused: no allocation per layer
     attention.clear();
-    for (size_t gi = 0; gi < groups_.size(); ++gi) {
-      const auto [g0, gn] = groups_[gi];
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const auto [g0, gn] = groups[gi];
       const void* q = RopeStoreGroup(layer, g0, gn, qkv, positions, q_scratch);
-      if (step_[g0]->sparse) {
+      if (step_.seq(g0).sparse) {
         PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, q, pipelined ? static_cast<int>(gi) : -1));
       }
-      const DecodeAttentionOp a = AttentionOf(layer, g0, gn, q, out, lse, /*mask_slots=*/false);
+      const DecodeAttentionOp a = step_.AttentionOf(layer, g0, gn, q, out, lse, /*mask_slots=*/false);
       if (pipelined) {
         attention.push_back(a);
       } else {
@@ -930,7 +753,7 @@ class ShadowKvPolicy final : public KvPolicy {
       }
     }
     for (size_t gi = 0; gi < attention.size(); ++gi) {
-      if (step_[groups_[gi].first]->sparse) b.WaitSideMark(static_cast<int>(gi));
+      if (step_.seq(groups[gi].first).sparse) b.WaitSideMark(static_cast<int>(gi));
       PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(attention[gi]));
       Lap("sparse_attention");
     }
@@ -939,7 +762,8 @@ class ShadowKvPolicy final : public KvPolicy {
 
   // The global selection over the shards of a context-parallel group (the
   // step's sequences are all shards of it; every rank runs the same groups of
-  // the same sequences). Per layer, for the whole step:
+  // the same sequences; ShadowKvShardExchange says what they send). Per
+  // layer, for the whole step:
   //  1. each group's scores of its own chunks, only their softmax statistics
   //     kept (stats_out; the logits stay in the group's score workspace);
   //  2. one all-gather of the statistics: every shard normalizes its scores
@@ -956,238 +780,82 @@ class ShadowKvPolicy final : public KvPolicy {
                                float* lse) {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, hq = ctx_.hq, W = xgroup_->world();
+    const std::vector<std::pair<int, int>>& groups = step_.groups();
+    ShadowKvShardExchange& x = exchange_;
+    const int xk = x.width();
     std::vector<const void*>& q = group_q_;
-    q.assign(groups_.size(), nullptr);
-    for (size_t gi = 0; gi < groups_.size(); ++gi) {
-      const auto [g0, gn] = groups_[gi];
+    q.assign(groups.size(), nullptr);
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const auto [g0, gn] = groups[gi];
       q[gi] = RopeStoreGroup(layer, g0, gn, qkv, positions, q_scratch);
-      if (!step_[g0]->sparse) continue;
-      kn::ShadowkvScoreArgs sc = ScoreArgsOf(layer, g0, gn, q[gi]);
-      sc.stats_out = x_.stats_send + static_cast<size_t>(g0) * hq * 2;
+      if (!step_.seq(g0).sparse) continue;
+      kn::ShadowkvScoreArgs sc = step_.ScoreArgsOf(layer, g0, gn, q[gi]);
+      sc.stats_out = x.stats_send() + static_cast<size_t>(g0) * hq * 2;
       sc.workspace_part = static_cast<int>(gi);
       PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
     }
-    PENUMBRA_RETURN_IF_ERROR(xgroup_->AllGather(x_.stats_send, x_.stats_recv, x_.stats * sizeof(float)));
-    for (size_t gi = 0; gi < groups_.size(); ++gi) {
-      const auto [g0, gn] = groups_[gi];
-      if (!step_[g0]->sparse) continue;
-      const size_t off = static_cast<size_t>(g0) * H * xk_;
-      kn::ShadowkvScoreArgs sc = ScoreArgsOf(layer, g0, gn, q[gi]);
-      sc.stats_in = x_.stats_recv + static_cast<size_t>(g0) * hq * 2;
+    PENUMBRA_RETURN_IF_ERROR(x.AllGatherStats());
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const auto [g0, gn] = groups[gi];
+      if (!step_.seq(g0).sparse) continue;
+      const size_t off = static_cast<size_t>(g0) * H * xk;
+      kn::ShadowkvScoreArgs sc = step_.ScoreArgsOf(layer, g0, gn, q[gi]);
+      sc.stats_in = x.stats_recv() + static_cast<size_t>(g0) * hq * 2;
       sc.stats_parts = W;
-      sc.stats_part_stride = static_cast<int64_t>(x_.stats);
+      sc.stats_part_stride = static_cast<int64_t>(x.stats());
       sc.workspace_part = static_cast<int>(gi);
-      sc.selection = x_.proposals + off;
-      sc.selection_stride = xk_;
-      sc.selection_scores = x_.cand_send + off;
+      sc.selection = x.proposals() + off;
+      sc.selection_stride = xk;
+      sc.selection_scores = x.cand_send() + off;
       PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
     }
     Lap("score_topk");
-    PENUMBRA_RETURN_IF_ERROR(xgroup_->AllGather(x_.cand_send, x_.cand_recv, x_.cand * sizeof(float)));
-    for (size_t gi = 0; gi < groups_.size(); ++gi) {
-      const auto [g0, gn] = groups_[gi];
-      const Seq& s0 = *step_[g0];
+    PENUMBRA_RETURN_IF_ERROR(x.AllGatherCandidates());
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const auto [g0, gn] = groups[gi];
+      const Seq& s0 = step_.seq(g0);
       if (s0.sparse) {
-        const size_t off = static_cast<size_t>(g0) * H * xk_;
+        const size_t off = static_cast<size_t>(g0) * H * xk;
         kn::ShadowkvGlobalSelectArgs gs;
-        gs.candidates = x_.cand_recv + off;
+        gs.candidates = x.cand_recv() + off;
         gs.parts = W;
         gs.rank = xgroup_->rank();
-        gs.part_stride = static_cast<int64_t>(x_.cand);
+        gs.part_stride = static_cast<int64_t>(x.cand());
         gs.rows = gn * H;
-        gs.cand_stride = xk_;
+        gs.cand_stride = xk;
         gs.k = s0.global_k;
-        gs.proposals = x_.proposals + off;
-        gs.winners = x_.winners + off;
-        gs.selection = x_.selection + off;
-        gs.selection_stride = xk_;
+        gs.proposals = x.proposals() + off;
+        gs.winners = x.winners() + off;
+        gs.selection = x.selection() + off;
+        gs.selection_stride = xk;
         gs.selection_len = s0.kslots;
-        b.ShadowkvGlobalSelectAndSlotUpdate(gs, SlotUpdateOf(layer, g0, gn, x_.selection + off, xk_));
+        b.ShadowkvGlobalSelectAndSlotUpdate(gs, step_.SlotUpdateOf(layer, g0, gn, x.selection() + off, xk));
         Lap("global_select_slot_update");
         PENUMBRA_RETURN_IF_ERROR(FetchMisses(layer, g0, gn, /*mark=*/-1));
       }
-      PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(AttentionOf(layer, g0, gn, q[gi], out, lse, /*mask_slots=*/true)));
+      PENUMBRA_RETURN_IF_ERROR(
+          b.DecodeAttention(step_.AttentionOf(layer, g0, gn, q[gi], out, lse, /*mask_slots=*/true)));
       Lap("sparse_attention");
     }
     return Status::OK();
   }
 
-  // The step's exchange buffers for a global selection (xgroup_ set): per
-  // sequence, query head statistics and KV head proposals (xk_ wide). Rows a
-  // sparse group never writes (a shard too short to be sparse) hold "no
-  // statistics" and "no proposal" for the whole step.
-  Status PrepareExchange() {
-    const int B = static_cast<int>(step_.size()), H = ctx_.hkv, hq = ctx_.hq, W = xgroup_->world();
-    xk_ = 0;
-    for (const Seq* s : step_) {
-      // Beside the group's shards only dense sequences (too short to select
-      // from), whose rows propose nothing.
-      if (s->group != xgroup_ && !(s->group == nullptr && !s->sparse)) {
-        return Status::Internal("shadowkv: a decode step mixes shards of a context-parallel group with other sequences");
-      }
-      xk_ = std::max(xk_, s->global_k);
-    }
-    const size_t stats = static_cast<size_t>(B) * hq * 2, cand = static_cast<size_t>(B) * H * xk_;
-    const size_t bytes = sizeof(float) * (stats * (1 + W) + cand * (1 + W)) + sizeof(int32_t) * 3 * cand;
-    if (x_buf_.bytes() < bytes) {
-      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
-      PENUMBRA_ASSIGN_OR_RETURN(x_buf_, ctx_.backend->Allocate(bytes * 2));
-    }
-    x_.stats = stats;
-    x_.cand = cand;
-    x_.stats_send = x_buf_.as<float>();
-    x_.stats_recv = x_.stats_send + stats;
-    x_.cand_send = x_.stats_recv + stats * W;
-    x_.cand_recv = x_.cand_send + cand;
-    x_.proposals = reinterpret_cast<int32_t*>(x_.cand_recv + cand * W);
-    x_.winners = x_.proposals + cand;
-    x_.selection = x_.winners + cand;
-    constexpr float kNone = -std::numeric_limits<float>::infinity();
-    std::vector<float> init(stats);
-    for (size_t i = 0; i < stats; i += 2) init[i] = kNone, init[i + 1] = 0.0f;
-    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(x_.stats_send, init.data(), stats * sizeof(float)));
-    init.assign(cand, kNone);
-    return ctx_.backend->CopyToDevice(x_.cand_send, init.data(), cand * sizeof(float));
-  }
-
-  // The step's pointer table of `layer` and the per-sequence ints after the
-  // tables (attention lengths, chunk counts, first positions).
-  void* const* StepTable(int layer) const {
-    auto* base = static_cast<void* const*>(step_buf_.get());
-    return base + static_cast<size_t>(layer) * kTables * step_batch_;
-  }
-  const int32_t* StepInts() const {
-    auto* base = static_cast<void* const*>(step_buf_.get());
-    return reinterpret_cast<const int32_t*>(base + static_cast<size_t>(ctx_.num_layers) * kTables * step_batch_);
-  }
-
   // RoPE of a group's new tokens, their K/V into the attention rows; returns
   // the rotated queries.
   const void* RopeStoreGroup(int layer, int g0, int gn, const float* qkv, const int32_t* positions, void* q_scratch) {
-    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim;
-    void* const* tab = StepTable(layer);
-    const Seq& s0 = *step_[g0];
-    const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * H) * d;
-    RopeStoreOp r;
-    r.qkv = qkv + g0 * qkv_row;
-    r.positions = positions + g0;
-    r.inv_freq = ctx_.inv_freq;
-    r.n = gn;
-    r.hq = ctx_.hq;
-    r.hkv = H;
-    r.d = d;
-    r.q_out = static_cast<char*>(q_scratch) + g0 * static_cast<size_t>(ctx_.hq) * d * es_;
-    r.k_dst = tab + 0 * B + g0;
-    r.v_dst = tab + 1 * B + g0;
-    r.head_stride = s0.att_cap * d;
-    r.pre_rope_k_out = nullptr;
-    // New tokens' pre-RoPE keys straight into each sequence's local
-    // pre-RoPE rows (for the A.1 projection when their chunk completes).
-    r.pre_rope_k_dst = s0.sparse ? reinterpret_cast<float* const*>(tab + 10 * B + g0) : nullptr;
+    const RopeStoreOp r = step_.RopeStoreOf(layer, g0, gn, qkv, positions, q_scratch);
     ctx_.backend->RopeStore(r);
     Lap("rope_store");
     return r.q_out;
-  }
-
-  // A group's attention over its rows; mask_slots: empty slots not attended.
-  DecodeAttentionOp AttentionOf(int layer, int g0, int gn, const void* q, void* out, float* lse, bool mask_slots) const {
-    const int B = step_batch_, d = ctx_.head_dim;
-    void* const* tab = StepTable(layer);
-    const Seq& s0 = *step_[g0];
-    DecodeAttentionOp a;
-    a.q = q;
-    a.k = reinterpret_cast<const void* const*>(tab + 2 * B + g0);
-    a.v = reinterpret_cast<const void* const*>(tab + 3 * B + g0);
-    a.lengths = StepInts() + g0;
-    a.out = static_cast<char*>(out) + g0 * static_cast<size_t>(ctx_.hq) * d * es_;
-    a.head_stride = s0.att_cap * d;
-    a.batch = gn;
-    a.hq = ctx_.hq;
-    a.hkv = ctx_.hkv;
-    a.d = d;
-    a.max_length = static_cast<int>(s0.att_cap);
-    a.scale = ctx_.scale;
-    a.lse = lse != nullptr ? lse + static_cast<size_t>(g0) * ctx_.hq : nullptr;
-    if (mask_slots && s0.sparse) {
-      a.slot_maps = reinterpret_cast<const int32_t* const*>(tab + 6 * B + g0);
-      a.slot_row0 = s0.outliers * o_.chunk_size;
-      a.slot_count = s0.kslots;
-      a.slot_rows = o_.chunk_size;
-    }
-    return a;
-  }
-
-  // A sparse group's chunk scores (Algorithm 2), selecting s0.kslots chunks
-  // into the step's selection rows.
-  kn::ShadowkvScoreArgs ScoreArgsOf(int layer, int g0, int gn, const void* q) const {
-    const int B = step_batch_, H = ctx_.hkv, K = step_[g0]->kslots;
-    void* const* tab = StepTable(layer);
-    const Seq& s0 = *step_[g0];
-    int max_chunks = 0;
-    for (int i = g0; i < g0 + gn; ++i) max_chunks = std::max(max_chunks, step_[i]->n_chunks);
-    kn::ShadowkvScoreArgs sc;
-    sc.q = q;
-    sc.landmarks = reinterpret_cast<const void* const*>(tab + 4 * B + g0);
-    sc.excluded = reinterpret_cast<const uint8_t* const*>(tab + 5 * B + g0);
-    sc.n_chunks = StepInts() + B + g0;
-    sc.batch = gn;
-    sc.hq = ctx_.hq;
-    sc.hkv = H;
-    sc.d = ctx_.head_dim;
-    sc.chunk_cap = s0.chunk_cap;
-    sc.landmark_cap = s0.lm_cap;
-    sc.landmarks_per_chunk = o_.landmarks_per_chunk;
-    sc.landmark_fp8 = o_.landmark_fp8();
-    sc.shared_landmarks = reinterpret_cast<const void* const*>(tab + 12 * B + g0);
-    sc.shared_chunks = s0.shared_chunks;
-    sc.max_chunks = max_chunks;
-    sc.scale = ctx_.scale;
-    sc.successors = o_.successor_chunks;
-    sc.scores = score_buf_.as<float>();
-    sc.score_stride = step_max_chunks_ + 1;
-    sc.select_k = K;  // the top-k, fused with the scores' last phases on the GPU
-    sc.selection = miss_buf_.as<int32_t>() + static_cast<size_t>(g0) * H * K;
-    sc.selection_stride = K;
-    return sc;
-  }
-
-  // The miss lists of a group (step rows, stride kslots) and the slot update
-  // of `selection` into them.
-  int32_t* MissSlots(int g0) const {
-    return miss_buf_.as<int32_t>() + static_cast<size_t>(step_batch_) * ctx_.hkv * step_max_k_ +
-           static_cast<size_t>(g0) * ctx_.hkv * step_[g0]->kslots;
-  }
-  int32_t* MissChunks(int g0) const {
-    return MissSlots(g0) + static_cast<size_t>(step_batch_) * ctx_.hkv * step_max_k_;
-  }
-  int32_t* MissCounts(int layer, int g0) const {
-    return miss_buf_.as<int32_t>() + 3 * static_cast<size_t>(step_batch_) * ctx_.hkv * step_max_k_ +
-           static_cast<size_t>(layer) * step_batch_ * ctx_.hkv + static_cast<size_t>(g0) * ctx_.hkv;
-  }
-  kn::ShadowkvSlotUpdateArgs SlotUpdateOf(int layer, int g0, int gn, const int32_t* selection, int64_t stride) const {
-    const Seq& s0 = *step_[g0];
-    kn::ShadowkvSlotUpdateArgs su;
-    su.selection = selection;
-    su.selection_stride = stride;
-    su.slot_maps = reinterpret_cast<int32_t* const*>(StepTable(layer) + 6 * step_batch_ + g0);
-    su.miss_count = MissCounts(layer, g0);
-    su.miss_slot = MissSlots(g0);
-    su.miss_chunk = MissChunks(g0);
-    su.batch = gn;
-    su.hkv = ctx_.hkv;
-    su.kslots = s0.kslots;
-    su.chunk_cap = s0.chunk_cap;
-    su.force_keep = static_cast<float>(o_.force_hit_rate);
-    return su;
   }
 
   // Algorithm 2's selection and sparse KV reconstruction for one group.
   // mark >= 0: the value fetch is left running as side mark `mark` (the
   // caller waits for it before the group's attention); else joined here.
   Status Select(int layer, int g0, int gn, const void* q, int mark) {
-    const kn::ShadowkvScoreArgs sc = ScoreArgsOf(layer, g0, gn, q);
+    const kn::ShadowkvScoreArgs sc = step_.ScoreArgsOf(layer, g0, gn, q);
     PENUMBRA_RETURN_IF_ERROR(ctx_.backend->ShadowkvScoreAndSlotUpdate(
-        sc, SlotUpdateOf(layer, g0, gn, sc.selection, sc.selection_stride)));  // one launch after the logits on the GPU
+        sc, step_.SlotUpdateOf(layer, g0, gn, sc.selection, sc.selection_stride)));  // one launch after the logits on the GPU
     Lap("score_topk_slot_update");
     return FetchMisses(layer, g0, gn, mark);
   }
@@ -1196,41 +864,16 @@ class ShadowKvPolicy final : public KvPolicy {
   // on the main one.
   Status FetchMisses(int layer, int g0, int gn, int mark) {
     Backend& b = *ctx_.backend;
-    Seq& s0 = *step_[g0];
-    const int B = step_batch_, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, K = s0.kslots;
-    void* const* tab = StepTable(layer);
-    const int32_t* nchunks = StepInts() + B;
-    const int32_t* mcount = MissCounts(layer, g0);
-    const int32_t* mslot = MissSlots(g0);
-    const int32_t* mchunk = MissChunks(g0);
     b.ForkSide();
     // Lanes take turns on the host link: wait for the previous lane's fetch.
     if (ctx_.fetch_turns) {
       if (auto turn = ctx_.fetch_turns->Await(ctx_.lane, layer)) b.WaitFetchDone(*turn->backend, turn->layer);
     }
-    kn::ShadowkvFetchVArgs fv;
-    fv.value_store = reinterpret_cast<const void* const*>(tab + 9 * B + g0);
-    fv.chunk_cap = s0.chunk_cap - s0.shared_chunks;
-    fv.shared_store = reinterpret_cast<const void* const*>(tab + 11 * B + g0);
-    fv.shared_chunks = s0.shared_chunks;
-    fv.shared_stride = s0.shared_stride;
-    fv.miss_count = mcount;
-    fv.miss_slot = mslot;
-    fv.miss_chunk = mchunk;
-    fv.miss_stride = K;
-    fv.att_v = tab + 3 * B + g0;
-    fv.att_head_stride = s0.att_cap * d;
-    fv.outlier_rows = s0.outliers * C;
-    fv.batch = gn;
-    fv.hkv = H;
-    fv.d = d;
-    fv.chunk_size = C;
-    fv.max_misses = K;
-    fv.max_blocks = o_.fetch_blocks;
+    kn::ShadowkvFetchVArgs fv = step_.FetchVOf(layer, g0, gn);
     bool lazy = false;  // an attached prefix's values still being read from disk: through the host
     bool on_device = true;  // every sequence's document values in device memory (tier 0)
     for (int i = g0; i < g0 + gn; ++i) {
-      const Seq& q = *step_[i];
+      const Seq& q = step_.seq(i);
       lazy = lazy || q.values_staged;
       on_device = on_device && q.prefix && q.prefix->values_on_device(layer);
     }
@@ -1238,7 +881,7 @@ class ShadowKvPolicy final : public KvPolicy {
     // blocks as the restore's.
     if (on_device) fv.max_blocks = kRestoreFetchBlocks;
     if (o_.value_fetch == "staging" || lazy) {
-      PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, mcount, mchunk, &fv));
+      PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, fv.miss_count, fv.miss_chunk, &fv));
       b.ShadowkvFetchV(fv, /*staged=*/true);
     } else {
       b.ShadowkvFetchV(fv, /*staged=*/false);
@@ -1247,27 +890,7 @@ class ShadowKvPolicy final : public KvPolicy {
       b.RecordFetchDone(layer);
       ctx_.fetch_turns->Issued(ctx_.lane, layer);
     }
-    kn::ShadowkvRebuildKArgs rk;
-    rk.a = reinterpret_cast<const void* const*>(tab + 7 * B + g0);
-    rk.shared_a = reinterpret_cast<const void* const*>(tab + 13 * B + g0);
-    rk.shared_chunks = s0.shared_chunks;
-    rk.b = reinterpret_cast<const void* const*>(tab + 8 * B + g0);
-    rk.inv_freq = ctx_.inv_freq;
-    rk.position_offset = step_offsets_ ? nchunks + B + g0 : nullptr;  // shards: their first positions
-    rk.miss_count = mcount;
-    rk.miss_slot = mslot;
-    rk.miss_chunk = mchunk;
-    rk.miss_stride = K;
-    rk.att_k = tab + 2 * B + g0;
-    rk.att_head_stride = s0.att_cap * d;
-    rk.outlier_rows = s0.outliers * C;
-    rk.batch = gn;
-    rk.hkv = H;
-    rk.d = d;
-    rk.r = o_.rank;
-    rk.chunk_size = C;
-    rk.max_misses = K;
-    b.ShadowkvRebuildK(rk);
+    b.ShadowkvRebuildK(step_.RebuildKOf(layer, g0, gn));
     if (mark >= 0) {
       b.JoinSideLater(mark);
     } else {
@@ -1282,7 +905,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Status StageValues(int layer, int g0, int gn, const int32_t* mcount, const int32_t* mchunk,
                      kn::ShadowkvFetchVArgs* fv) {
     Backend& b = *ctx_.backend;
-    const int H = ctx_.hkv, K = step_[g0]->kslots, C = o_.chunk_size, d = ctx_.head_dim;
+    const int H = ctx_.hkv, K = step_.seq(g0).kslots, C = o_.chunk_size, d = ctx_.head_dim;
     const int rows = gn * H;
     std::vector<int32_t> counts(rows), chunks(static_cast<size_t>(rows) * K);
     PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(counts.data(), mcount, rows * 4));
@@ -1296,7 +919,7 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     // An attached prefix's values read lazily from disk: the missed ones now.
     for (int i = 0; i < gn; ++i) {
-      Seq& s = *step_[g0 + i];
+      Seq& s = step_.seq(g0 + i);
       if (!s.values_staged) continue;
       std::vector<int32_t> want(static_cast<size_t>(H) * K, -1);
       for (int h = 0; h < H; ++h) {
@@ -1312,7 +935,7 @@ class ShadowKvPolicy final : public KvPolicy {
       for (int j = 0; j < counts[r]; ++j) {
         const int c = chunks[static_cast<size_t>(r) * K + j];
         PENUMBRA_RETURN_IF_ERROR(
-            CopyChunkToHost(*step_[g0 + r / H], layer, r % H, c, stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes));
+            CopyChunkToHost(step_.seq(g0 + r / H), layer, r % H, c, stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes));
       }
     }
     PENUMBRA_RETURN_IF_ERROR(Upload(&stage_off_, offsets.data(), offsets.size() * 4));
@@ -1327,15 +950,15 @@ class ShadowKvPolicy final : public KvPolicy {
 
   Status FinishDecodeStep() override {
     Backend& b = *ctx_.backend;
-    const int B = step_batch_, H = ctx_.hkv, L = ctx_.num_layers;
+    const int B = step_.batch(), H = ctx_.hkv, L = ctx_.num_layers;
     ++stats_.decode_steps;
-    if (step_max_k_ > 0) {
+    if (step_.max_k() > 0) {
       std::vector<int32_t> counts(static_cast<size_t>(L) * B * H);
-      const int32_t* mc = miss_buf_.as<int32_t>() + 3 * static_cast<size_t>(B) * H * step_max_k_;
+      const int32_t* mc = step_.MissCountsAll();
       PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(counts.data(), mc, counts.size() * 4));
       for (int l = 0; l < L; ++l) {
         for (int i = 0; i < B; ++i) {
-          Seq& s = *step_[i];
+          Seq& s = step_.seq(i);
           // Under a global selection a shard's live slots vary per step and
           // head (not counted on the host): no hit rate.
           if (!s.sparse || s.global_k > 0) continue;
@@ -1354,7 +977,7 @@ class ShadowKvPolicy final : public KvPolicy {
       }
     }
     std::vector<Seq*> due;
-    for (Seq* s : step_) {
+    for (Seq* s : step_.seqs()) {
       if (s->closed) continue;  // its new row is overwritten by the next step
       ++s->local_count;
       if (s->sparse && s->local_count >= o_.local_window + o_.chunk_size) due.push_back(s);
@@ -1684,8 +1307,8 @@ class ShadowKvPolicy final : public KvPolicy {
         for (int i = 0; i < n; ++i) p[i] = static_cast<int32_t>(s.pos0 + start + i);  // a shard's positions
         PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos.get(), p.data(), n * 4));
         b.FillRandomNormal(qkv.get(), DType::kF32, n * qkv_row, 1.0f, seed * 1000003 + l * 7919 + start);
-        PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv.as<float>(), pos.as<int32_t>(), n, start, q.get(), tmp_k_.get(),
-                                             tmp_v_.get(), tmp_cap_ * d, tmp_prek_.as<float>() + start * H * d));
+        PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv.as<float>(), pos.as<int32_t>(), n, start, q.get(), comp_.tmp_k().get(),
+                                             comp_.tmp_v().get(), comp_.tmp_cap() * d, comp_.tmp_prek().as<float>() + start * H * d));
       }
       PENUMBRA_RETURN_IF_ERROR(CompressPrompt(s, l, length));
     }
@@ -1726,50 +1349,9 @@ class ShadowKvPolicy final : public KvPolicy {
   }
 
  private:
-  static constexpr int kTables = 14;
   // Thread blocks of the value fetch that restores a whole layer's values
   // for a continuation prefill (no decode to share the SMs with).
   static constexpr int kRestoreFetchBlocks = 1024;
-
-  struct Seq {
-    int64_t id = 0;
-    bool sparse = false;
-    bool compressed = false;    // its first prefill is factored (later prefills continue it)
-    bool taken = false;         // its values moved into a prefix (TakePrefix): it may only be removed
-    int64_t first_prefill = 0;  // tokens of the first prefill (sets sparse, outliers, kslots)
-    // Context parallel (ShardSpec): the shard's first position; closed: no
-    // decode token is stored in it.
-    int64_t pos0 = 0;
-    bool closed = false;
-    int window = 0;  // the local window: o_.local_window, 0 for a closed shard
-    // A global selection over the shards (ShadowKvOptions::shard_selection):
-    // the whole sequence's budget in chunks (0: the shard selects alone) and
-    // the group exchanging the proposals.
-    int global_k = 0;
-    Collective* group = nullptr;
-    std::vector<int32_t> outlier_ids;  // [layers][hkv][outliers] ascending chunk ids
-    // An attached prefix: its values are this sequence's chunks [0, shared_chunks),
-    // read in place; the store segment holds chunks from shared_chunks on.
-    std::shared_ptr<const ShadowKvPrefix> prefix;
-    int shared_chunks = 0;
-    int shared_stride = 0;  // the prefix's value rows from one head to the next (>= shared_chunks)
-    int64_t token_cap = 0;
-    int outliers = 0, kslots = 0, chunk_cap = 0, n_chunks = 0;
-    int64_t local_cap = 0, local_count = 0, att_cap = 0;
-    int64_t a_rows = 0;  // A rows held per layer (the tokens after shared_chunks' chunks)
-    int lm_cap = 0;      // chunks whose landmarks are held per head (from shared_chunks on; LmHead elements)
-    // The continuation prefill under way: chunks a sparse one selected per
-    // head (0: dense), and the temporaries' row of token t minus t.
-    int cont_k = 0;
-    int64_t cont_shift = 0;
-    // This decode step reads the attached prefix's values through the host
-    // (they are still being read from disk; set by BeginDecodeStep).
-    bool values_staged = false;
-    DeviceBuffer att_k, att_v, a, b, p, lm, excl, slots, prek;
-    storage::SegmentId segment = 0;
-    std::vector<const void*> store_dev, store_host;
-  };
-
 
   // Pins the store's `layer` for s when it is not yet (its values are
   // written or read from here on).
@@ -1785,97 +1367,26 @@ class ShadowKvPolicy final : public KvPolicy {
     CHECK(it != seqs_.end()) << "unknown sequence " << id;
     return it->second;
   }
-  static bool SameGeometry(const Seq& a, const Seq& b) {
-    return a.sparse == b.sparse && a.att_cap == b.att_cap && a.kslots == b.kslots && a.chunk_cap == b.chunk_cap &&
-           a.outliers == b.outliers && a.shared_chunks == b.shared_chunks &&
-           a.shared_stride == b.shared_stride && a.global_k == b.global_k;
-  }
-  int64_t AttLayer(const Seq& s) const { return static_cast<int64_t>(ctx_.hkv) * s.att_cap * ctx_.head_dim; }
-  // Landmark elements (bytes for fp8) held per head: a record
-  // (kernels/landmark_format.h) for each chunk from shared_chunks on.
-  int64_t LmHead(const Seq& s) const { return static_cast<int64_t>(s.lm_cap) * lm_rec_; }
-  int64_t LocalRow0(const Seq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }
-  void* Row(const DeviceBuffer& buf, const Seq& s, int layer, int64_t row) const {
-    return static_cast<char*>(buf.get()) + (layer * AttLayer(s) + row * ctx_.head_dim) * es_;
-  }
-  void* ALayer(const Seq& s, int layer) const { return Row2(s.a, layer, s.a_rows * o_.rank); }
-  void* LmLayer(const Seq& s, int layer) const {
-    return static_cast<char*>(s.lm.get()) + static_cast<int64_t>(layer) * ctx_.hkv * s.lm_cap * lm_rec_bytes_;
-  }
-  // Head 0's record of chunk `chunk` (>= shared_chunks) at `layer`.
-  void* LmChunk(const Seq& s, int layer, int chunk) const {
-    return static_cast<char*>(LmLayer(s, layer)) + (chunk - s.shared_chunks) * lm_rec_bytes_;
-  }
-  void* Row2(const DeviceBuffer& buf, int layer, int64_t per_layer) const {
-    return static_cast<char*>(buf.get()) + layer * per_layer * es_;
-  }
+  // Geometry (ShadowKvLayout).
+  int64_t AttLayer(const Seq& s) const { return lay_.AttLayer(s); }
+  int64_t LmHead(const Seq& s) const { return lay_.LmHead(s); }
+  int64_t LocalRow0(const Seq& s) const { return lay_.LocalRow0(s); }
+  void* Row(const DeviceBuffer& buf, const Seq& s, int layer, int64_t row) const { return lay_.Row(buf, s, layer, row); }
+  void* ALayer(const Seq& s, int layer) const { return lay_.ALayer(s, layer); }
+  void* LmLayer(const Seq& s, int layer) const { return lay_.LmLayer(s, layer); }
+  void* LmChunk(const Seq& s, int layer, int chunk) const { return lay_.LmChunk(s, layer, chunk); }
+  void* Row2(const DeviceBuffer& buf, int layer, int64_t per_layer) const { return lay_.Row2(buf, layer, per_layer); }
 
   Status Upload(DeviceBuffer* dst, const void* src, size_t bytes) {
-    if (dst->bytes() < bytes) {
-      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
-      PENUMBRA_ASSIGN_OR_RETURN(*dst, ctx_.backend->Allocate(std::max<size_t>(bytes * 2, 4096)));
-    }
-    return ctx_.backend->CopyToDevice(dst->get(), src, bytes);
+    return ShadowKvUpload(*ctx_.backend, dst, src, bytes);
   }
 
-  // RoPE + store for tokens [start, start + n) into K/V bases laid out
-  // [hkv][stride] (row t at +t*d); queries to q_out; pre-RoPE keys to
-  // pre_rope (may be null).
   Status StoreTokens(const float* qkv, const int32_t* positions, int n, int64_t start, void* q_out, void* kbase,
                      void* vbase, int64_t stride, float* pre_rope) {
-    const int d = ctx_.head_dim;
-    std::vector<void*> ptrs(2 * static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) {
-      ptrs[i] = static_cast<char*>(kbase) + (start + i) * d * es_;
-      ptrs[n + i] = static_cast<char*>(vbase) + (start + i) * d * es_;
-    }
-    PENUMBRA_RETURN_IF_ERROR(Upload(&ptr_buf_, ptrs.data(), ptrs.size() * sizeof(void*)));
-    RopeStoreOp r;
-    r.qkv = qkv;
-    r.positions = positions;
-    r.inv_freq = ctx_.inv_freq;
-    r.n = n;
-    r.hq = ctx_.hq;
-    r.hkv = ctx_.hkv;
-    r.d = d;
-    r.q_out = q_out;
-    r.k_dst = static_cast<void* const*>(ptr_buf_.get());
-    r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
-    r.head_stride = stride;
-    r.pre_rope_k_out = pre_rope;
-    ctx_.backend->RopeStore(r);
-    return Status::OK();
+    return comp_.StoreTokens(qkv, positions, n, start, q_out, kbase, vbase, stride, pre_rope);
   }
-
-  Status EnsureTemp(int64_t tokens) {
-    if (tmp_cap_ >= tokens) return Status::OK();
-    Backend& b = *ctx_.backend;
-    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    tmp_k_.Reset();
-    tmp_v_.Reset();
-    tmp_prek_.Reset();
-    const int H = ctx_.hkv, d = ctx_.head_dim;
-    const size_t kv = static_cast<size_t>(H) * tokens * d * es_;
-    PENUMBRA_ASSIGN_OR_RETURN(tmp_k_, b.Allocate(kv));
-    PENUMBRA_ASSIGN_OR_RETURN(tmp_v_, b.Allocate(kv));
-    PENUMBRA_ASSIGN_OR_RETURN(tmp_prek_, b.Allocate(static_cast<size_t>(tokens) * H * d * sizeof(float)));
-    const int64_t chunks = tokens / o_.chunk_size + 1;
-    PENUMBRA_ASSIGN_OR_RETURN(tmp_cos_, b.Allocate(static_cast<size_t>(H) * chunks * sizeof(float)));
-    // Outlier ids: at most one per chunk, whichever of outlier_chunks / outlier_fraction applies.
-    PENUMBRA_ASSIGN_OR_RETURN(tmp_outl_, b.Allocate(static_cast<size_t>(H) * (chunks + 1) * sizeof(int32_t)));
-    tmp_cap_ = tokens;
-    return Status::OK();
-  }
-  // Keeps the prefill temporaries for the next prompt unless they are large.
-  void ReleaseTempIfLarge() {
-    if (tmp_k_.bytes() > (size_t{256} << 20)) {
-      (void)ctx_.backend->Synchronize();
-      tmp_k_.Reset();
-      tmp_v_.Reset();
-      tmp_prek_.Reset();
-      tmp_cap_ = 0;
-    }
-  }
+  Status EnsureTemp(int64_t tokens) { return comp_.EnsureTemp(tokens); }
+  void ReleaseTempIfLarge() { comp_.ReleaseTempIfLarge(); }
   Result<float*> MinCosScratch(int n) {
     if (mincos_scratch_.bytes() < n * sizeof(float)) {
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());  // the old scratch may still be in use
@@ -1892,43 +1403,30 @@ class ShadowKvPolicy final : public KvPolicy {
 
   PolicyContext ctx_;
   ShadowKvOptions o_;
+  ShadowKvLayout lay_;  // geometry: reads ctx_ and o_
   size_t es_;
   int64_t lm_rec_;        // landmark elements (bytes for fp8) per chunk record: the kernels' strides
   int64_t lm_rec_bytes_;  // bytes per chunk record: the buffers' sizes and offsets
   BackendHostAllocator host_alloc_;
   storage::DramValueStore store_;
   std::map<int64_t, Seq> seqs_;
-  // prefill temporaries (one layer of one prompt)
-  DeviceBuffer tmp_k_, tmp_v_, tmp_prek_, tmp_cos_, tmp_outl_;
-  int64_t tmp_cap_ = 0;
-  DeviceBuffer ptr_buf_, step_buf_, miss_buf_, score_buf_, mincos_scratch_, shift_, stage_off_;
+  // Algorithm 1 and the prefill temporaries (one layer of one prompt).
+  ShadowKvCompressor comp_;
+  DeviceBuffer mincos_scratch_, shift_, stage_off_;
   DeviceBuffer iota_lists_, rebuild_ptrs_;  // continuation rebuilds: IotaLists(iota_k_); pointer table
   int iota_k_ = -1;
   // sparse continuations: score tables, scores, their maximum per chunk, the selection
   DeviceBuffer cont_tab_, cont_scores_, cont_max_, cont_sel_;
   std::vector<int32_t> cont_sel_host_;
   DeviceBuffer stage_, stage_v_;
-  std::vector<Seq*> step_;
-  std::vector<std::pair<int, int>> groups_;
-  std::vector<DecodeAttentionOp> pending_attention_;
-  // A global selection over a context-parallel group's shards (this step's
-  // sequences are shards of xgroup_; null: none): the exchange buffers
-  // (PrepareExchange), the proposals per row (xk_) and each group's queries.
+  // The decode step under way: its sequences, tables, selection arguments
+  // and workspaces; with a context-parallel group's global selection
+  // (xgroup_ set: this step's sequences are its shards), the exchange.
+  ShadowKvDecodeStep step_;
+  ShadowKvShardExchange exchange_;
   Collective* xgroup_ = nullptr;
-  DeviceBuffer x_buf_;
-  int xk_ = 0;
-  // x_buf_ carved for the step: per sequence, query heads' (max, sum) sent
-  // and received (stats floats per rank), KV heads' proposal scores sent and
-  // received (cand per rank), the proposals' chunk ids, the global top-k's
-  // winners and this rank's selection (cand each).
-  struct Exchange {
-    size_t stats = 0, cand = 0;
-    float *stats_send = nullptr, *stats_recv = nullptr, *cand_send = nullptr, *cand_recv = nullptr;
-    int32_t *proposals = nullptr, *winners = nullptr, *selection = nullptr;
-  } x_;
+  std::vector<DecodeAttentionOp> pending_attention_;  // DecodeAttention's, with micro-batches
   std::vector<const void*> group_q_;
-  bool step_offsets_ = false;  // a sequence of this step is a shard after position 0  // DecodeAttention's, with micro-batches
-  int step_batch_ = 0, step_max_k_ = 0, step_max_chunks_ = 0;
   bool profile_ = false;
   OpProfiler* prof_ = nullptr;  // decode laps (runtime's timeline), when profiling
   std::map<std::string, double> prefill_ms_;

@@ -1,0 +1,80 @@
+// Device helpers shared by the ShadowKV decode kernels (shadowkv_score.cu,
+// shadowkv_rebuild_k.cu, shadowkv_fetch_v.cu, shadowkv_slot_update.cu): raw
+// 8-element vector loads (bf16, f32, e4m3 landmark codes). Internal to those
+// files (an anonymous namespace: each includes its own copy).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+
+#include "kernels/common.cuh"
+#include "kernels/landmark_format.h"
+#include "kernels/shadowkv_decode.cuh"
+
+namespace penumbra::kernels {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+
+// 8 consecutive elements loaded with 16-byte loads, kept raw until used so that
+// several loads can be in flight.
+template <typename T> struct Raw8;
+template <> struct Raw8<bf16> {
+  uint4 v;
+  __device__ __forceinline__ void Load(const bf16* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
+  __device__ __forceinline__ void Zero() { v = make_uint4(0, 0, 0, 0); }
+  __device__ __forceinline__ void ToF32(float (&x)[8]) const {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[2 * j] = __uint_as_float(w[j] << 16);
+      x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+  }
+};
+template <> struct Raw8<float> {
+  float4 lo, hi;
+  __device__ __forceinline__ void Load(const float* p) {
+    lo = __ldg(reinterpret_cast<const float4*>(p));
+    hi = __ldg(reinterpret_cast<const float4*>(p + 4));
+  }
+  __device__ __forceinline__ void Zero() { lo = hi = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ __forceinline__ void ToF32(float (&x)[8]) const {
+    x[0] = lo.x; x[1] = lo.y; x[2] = lo.z; x[3] = lo.w;
+    x[4] = hi.x; x[5] = hi.y; x[6] = hi.z; x[7] = hi.w;
+  }
+};
+
+// The landmark type of fp8 records (kernels/landmark_format.h): e4m3 codes.
+struct Fp8 {};
+template <typename T> struct LandmarkElem { using type = T; };
+template <> struct LandmarkElem<Fp8> { using type = uint8_t; };
+
+// An e4m3 code's value times 2^-120, exactly, by moving its fields into an
+// f32's (a normal code's exponent field e, biased by 7, becomes an f32 field
+// of e with bias 127; a subnormal code becomes an f32 subnormal): a shift and
+// two masks instead of a conversion. Callers multiply by 2^120 once per
+// row, folded into the record's scale (LandmarkRows::RowScale).
+__device__ __forceinline__ float E4M3Raw(uint32_t b) {
+  return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
+}
+template <> struct Raw8<Fp8> {
+  uint2 v;
+  __device__ __forceinline__ void Load(const uint8_t* p) { v = __ldg(reinterpret_cast<const uint2*>(p)); }
+  __device__ __forceinline__ void Zero() { v = make_uint2(0, 0); }
+  __device__ __forceinline__ void ToF32(float (&x)[8]) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[j] = E4M3Raw((v.x >> (8 * j)) & 0xffu);
+      x[4 + j] = E4M3Raw((v.y >> (8 * j)) & 0xffu);
+    }
+  }
+};
+constexpr float kE4M3RawScale = 0x1p120f;  // undoes E4M3Raw's (and E4M3PairToBf16's) 2^-120
+
+}  // namespace
+}  // namespace penumbra::kernels

@@ -1,0 +1,211 @@
+// ShadowKV's objects (worker/engine/shadowkv/) on the CPU backend: the
+// layout's geometry, the decode step's tables and ints (what every kernel
+// argument points into) and the shard exchange's rows.
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/worker/thread_group.h"
+#include "worker/engine/backend.h"
+#include "worker/engine/shadowkv/decode_step.h"
+#include "worker/engine/shadowkv/layout.h"
+#include "worker/engine/shadowkv/shard_exchange.h"
+
+namespace penumbra {
+namespace {
+
+struct Fixture {
+  std::unique_ptr<Backend> backend;
+  PolicyContext ctx;
+  ShadowKvOptions o;
+};
+
+Fixture Make() {
+  Fixture f;
+  BackendOptions bo;
+  bo.device = "cpu";
+  auto b = CreateBackend(bo);
+  EXPECT_TRUE(b.ok()) << b.status().ToString();
+  f.backend = std::move(*b);
+  f.ctx.backend = f.backend.get();
+  f.ctx.num_layers = 2;
+  f.ctx.hq = 4;
+  f.ctx.hkv = 2;
+  f.ctx.head_dim = 16;
+  f.ctx.scale = 0.25f;
+  f.o.rank = 8;
+  f.o.chunk_size = 8;
+  f.o.budget_tokens = 32;
+  f.o.outlier_chunks = 2;
+  f.o.local_window = 16;
+  f.o.min_prompt_tokens = 0;
+  f.o.landmarks_per_chunk = 1;
+  f.o.landmark_format = "model";
+  return f;
+}
+
+TEST(ShadowKvLayoutTest, ShapeOfAWholeSequenceAndOfAClosedShard) {
+  Fixture f = Make();
+  const ShadowKvLayout lay(f.ctx, f.o);
+  SequenceSpec spec;
+  spec.prompt_len = 200;
+  spec.max_new_tokens = 10;
+  ShadowKvSeq s;
+  lay.Shape(spec, &s);
+  // (200 - 16) / 8 = 23 prompt chunks: 4 slots, 2 outliers.
+  EXPECT_TRUE(s.sparse);
+  EXPECT_EQ(s.token_cap, 210);
+  EXPECT_EQ(s.window, 16);
+  EXPECT_EQ(s.kslots, 4);
+  EXPECT_EQ(s.outliers, 2);
+  EXPECT_EQ(s.local_cap, 16 + 2 * 8);
+  EXPECT_EQ(s.chunk_cap, (210 + 7) / 8);
+  EXPECT_EQ(s.att_cap, (2 + 4) * 8 + s.local_cap);
+  EXPECT_EQ(lay.LocalRow0(s), (2 + 4) * 8);
+  EXPECT_EQ(lay.AttLayer(s), 2 * s.att_cap * 16);
+
+  // A closed shard: one spare row, no local window.
+  spec.shard.closed = true;
+  spec.shard.position_base = 0;
+  ShadowKvSeq c;
+  lay.Shape(spec, &c);
+  EXPECT_EQ(c.token_cap, 201);
+  EXPECT_EQ(c.window, 0);
+  EXPECT_EQ(c.kslots, 4);
+
+  // Too short to select from: dense, every token in the local rows.
+  spec = SequenceSpec{};
+  spec.prompt_len = 20;
+  spec.max_new_tokens = 4;
+  ShadowKvSeq d;
+  lay.Shape(spec, &d);
+  EXPECT_FALSE(d.sparse);
+  EXPECT_EQ(d.kslots, 0);
+  EXPECT_EQ(d.local_cap, 24);
+  EXPECT_EQ(d.att_cap, 24);
+}
+
+TEST(ShadowKvDecodeStepTest, TablesIntsAndArgumentsPointIntoTheSequence) {
+  Fixture f = Make();
+  const ShadowKvLayout lay(f.ctx, f.o);
+  SequenceSpec spec;
+  spec.prompt_len = 200;
+  spec.max_new_tokens = 10;
+  ShadowKvSeq s;
+  lay.Shape(spec, &s);
+  s.a_rows = s.token_cap;
+  s.lm_cap = s.chunk_cap;
+  s.n_chunks = 23;
+  s.local_count = 200 - 23 * 8;
+  const int L = f.ctx.num_layers, H = f.ctx.hkv, d = f.ctx.head_dim;
+  Backend& b = *f.backend;
+  auto alloc = [&](DeviceBuffer* buf, size_t bytes) {
+    auto r = b.Allocate(bytes);
+    ASSERT_TRUE(r.ok());
+    *buf = std::move(*r);
+  };
+  alloc(&s.att_k, lay.AttLayer(s) * L * lay.es());
+  alloc(&s.att_v, lay.AttLayer(s) * L * lay.es());
+  alloc(&s.a, static_cast<size_t>(L) * s.a_rows * f.o.rank * lay.es());
+  alloc(&s.b, static_cast<size_t>(L) * H * f.o.rank * d * lay.es());
+  alloc(&s.lm, static_cast<size_t>(L) * H * s.lm_cap * lay.lm_rec_bytes());
+  alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap);
+  alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t));
+  alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * H * d * sizeof(float));
+  std::vector<char> store(64);
+  s.store_dev.assign(static_cast<size_t>(L), store.data());
+
+  ShadowKvDecodeStep step(lay, b);
+  ASSERT_TRUE(step.Begin({&s}).ok());
+  ASSERT_EQ(step.batch(), 1);
+  ASSERT_EQ(step.groups().size(), 1u);
+  EXPECT_EQ(step.max_k(), 4);
+  EXPECT_FALSE(step.position_offsets());
+  for (int l = 0; l < L; ++l) {
+    void* const* t = step.Tables(l);
+    EXPECT_EQ(t[ShadowKvDecodeStep::kNewK], lay.Row(s.att_k, s, l, lay.LocalRow0(s) + s.local_count));
+    EXPECT_EQ(t[ShadowKvDecodeStep::kAttV], lay.Row(s.att_v, s, l, 0));
+    EXPECT_EQ(t[ShadowKvDecodeStep::kLandmarks], lay.LmLayer(s, l));
+    EXPECT_EQ(t[ShadowKvDecodeStep::kA], lay.ALayer(s, l));
+    EXPECT_EQ(t[ShadowKvDecodeStep::kValues], store.data());
+    EXPECT_EQ(t[ShadowKvDecodeStep::kSharedValues], nullptr);
+  }
+  const int32_t* ints = step.Ints();
+  EXPECT_EQ(ints[ShadowKvDecodeStep::kLength], (2 + 4) * 8 + s.local_count + 1);
+  EXPECT_EQ(ints[ShadowKvDecodeStep::kChunks], 23);
+  EXPECT_EQ(ints[ShadowKvDecodeStep::kPosition0], 0);
+
+  const kernels::ShadowkvScoreArgs sc = step.ScoreArgsOf(1, 0, 1, nullptr);
+  EXPECT_EQ(sc.landmarks, reinterpret_cast<const void* const*>(step.Tables(1) + ShadowKvDecodeStep::kLandmarks));
+  EXPECT_EQ(sc.select_k, 4);
+  EXPECT_EQ(sc.chunk_cap, s.chunk_cap);
+  EXPECT_EQ(sc.score_stride, 23 + 1);
+  const kernels::ShadowkvSlotUpdateArgs su = step.SlotUpdateOf(1, 0, 1, sc.selection, sc.selection_stride);
+  const kernels::ShadowkvFetchVArgs fv = step.FetchVOf(1, 0, 1);
+  const kernels::ShadowkvRebuildKArgs rk = step.RebuildKOf(1, 0, 1);
+  // The slot update's miss lists are what the fetch and the rebuild read.
+  EXPECT_EQ(fv.miss_count, su.miss_count);
+  EXPECT_EQ(rk.miss_slot, su.miss_slot);
+  EXPECT_EQ(rk.miss_chunk, fv.miss_chunk);
+  EXPECT_EQ(su.miss_count, step.MissCounts(1, 0));
+  EXPECT_EQ(fv.outlier_rows, 2 * 8);
+  EXPECT_EQ(rk.position_offset, nullptr);
+
+  // A closed sequence's new row is not attended.
+  s.closed = true;
+  ASSERT_TRUE(step.Begin({&s}).ok());
+  EXPECT_EQ(step.Ints()[ShadowKvDecodeStep::kLength], (2 + 4) * 8 + s.local_count);
+}
+
+TEST(ShadowKvShardExchangeTest, RowsOfAStepAndTheAllGathersOfTwoRanks) {
+  Fixture f = Make();
+  testing::ThreadGroup group(2);
+  std::vector<std::unique_ptr<Collective>> ranks;
+  ranks.push_back(group.Member(0));
+  ranks.push_back(group.Member(1));
+  ShadowKvSeq s;
+  s.sparse = true;
+  s.global_k = 3;
+  s.group = ranks[0].get();
+  ShadowKvShardExchange x(f.ctx, *f.backend);
+  EXPECT_EQ(ShadowKvShardExchange::GroupOf({&s}), ranks[0].get());
+  ASSERT_TRUE(x.Prepare(ranks[0].get(), {&s}).ok());
+  EXPECT_EQ(x.width(), 3);
+  EXPECT_EQ(x.stats(), 1u * 4 * 2);        // per sequence, hq (max, sum)
+  EXPECT_EQ(x.cand(), 1u * 2 * 3);         // per sequence, hkv rows of width()
+  EXPECT_EQ(x.stats_recv(), x.stats_send() + x.stats());
+  EXPECT_EQ(x.cand_send(), x.stats_recv() + 2 * x.stats());
+  EXPECT_EQ(x.stats_send()[0], -std::numeric_limits<float>::infinity());  // "no statistics"
+  EXPECT_EQ(x.stats_send()[1], 0.0f);
+
+  // Both ranks (threads) exchange: every rank receives every rank's rows.
+  ShadowKvShardExchange x1(f.ctx, *f.backend);
+  ShadowKvSeq s1;
+  s1.sparse = true;
+  s1.global_k = 3;
+  s1.group = ranks[1].get();
+  ASSERT_TRUE(x1.Prepare(ranks[1].get(), {&s1}).ok());
+  x.stats_send()[1] = 10.0f;
+  x1.stats_send()[1] = 11.0f;
+  Status st1;
+  std::thread t([&] { st1 = x1.AllGatherStats(); });
+  const Status st0 = x.AllGatherStats();
+  t.join();
+  ASSERT_TRUE(st0.ok() && st1.ok());
+  for (ShadowKvShardExchange* e : {&x, &x1}) {
+    EXPECT_EQ(e->stats_recv()[1], 10.0f);
+    EXPECT_EQ(e->stats_recv()[x.stats() + 1], 11.0f);
+  }
+
+  // A sequence of its own selection beside the group's shards is refused.
+  ShadowKvSeq other;
+  other.sparse = true;
+  EXPECT_FALSE(x.Prepare(ranks[0].get(), {&s, &other}).ok());
+}
+
+}  // namespace
+}  // namespace penumbra

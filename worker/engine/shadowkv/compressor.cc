@@ -1,0 +1,142 @@
+#include "worker/engine/shadowkv/compressor.h"
+
+#include <vector>
+
+namespace penumbra {
+
+namespace kn = kernels;
+
+Status ShadowKvCompressor::EnsureTemp(int64_t tokens) {
+  if (tmp_cap_ >= tokens) return Status::OK();
+  Backend& b = backend_;
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  tmp_k_.Reset();
+  tmp_v_.Reset();
+  tmp_prek_.Reset();
+  const int H = lay_.ctx().hkv, d = lay_.ctx().head_dim;
+  const size_t kv = static_cast<size_t>(H) * tokens * d * lay_.es();
+  PENUMBRA_ASSIGN_OR_RETURN(tmp_k_, b.Allocate(kv));
+  PENUMBRA_ASSIGN_OR_RETURN(tmp_v_, b.Allocate(kv));
+  PENUMBRA_ASSIGN_OR_RETURN(tmp_prek_, b.Allocate(static_cast<size_t>(tokens) * H * d * sizeof(float)));
+  const int64_t chunks = tokens / lay_.options().chunk_size + 1;
+  PENUMBRA_ASSIGN_OR_RETURN(tmp_cos_, b.Allocate(static_cast<size_t>(H) * chunks * sizeof(float)));
+  // Outlier ids: at most one per chunk, whichever of outlier_chunks / outlier_fraction applies.
+  PENUMBRA_ASSIGN_OR_RETURN(tmp_outl_, b.Allocate(static_cast<size_t>(H) * (chunks + 1) * sizeof(int32_t)));
+  tmp_cap_ = tokens;
+  return Status::OK();
+}
+
+void ShadowKvCompressor::ReleaseTempIfLarge() {
+  if (tmp_k_.bytes() > (size_t{256} << 20)) {
+    (void)backend_.Synchronize();
+    tmp_k_.Reset();
+    tmp_v_.Reset();
+    tmp_prek_.Reset();
+    tmp_cap_ = 0;
+  }
+}
+
+Status ShadowKvCompressor::StoreTokens(const float* qkv, const int32_t* positions, int n, int64_t start, void* q_out,
+                                       void* kbase, void* vbase, int64_t stride, float* pre_rope) {
+  const PolicyContext& ctx = lay_.ctx();
+  const int d = ctx.head_dim;
+  const size_t es = lay_.es();
+  std::vector<void*> ptrs(2 * static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    ptrs[i] = static_cast<char*>(kbase) + (start + i) * d * es;
+    ptrs[n + i] = static_cast<char*>(vbase) + (start + i) * d * es;
+  }
+  PENUMBRA_RETURN_IF_ERROR(ShadowKvUpload(backend_, &ptr_buf_, ptrs.data(), ptrs.size() * sizeof(void*)));
+  RopeStoreOp r;
+  r.qkv = qkv;
+  r.positions = positions;
+  r.inv_freq = ctx.inv_freq;
+  r.n = n;
+  r.hq = ctx.hq;
+  r.hkv = ctx.hkv;
+  r.d = d;
+  r.q_out = q_out;
+  r.k_dst = static_cast<void* const*>(ptr_buf_.get());
+  r.v_dst = static_cast<void* const*>(ptr_buf_.get()) + n;
+  r.head_stride = stride;
+  r.pre_rope_k_out = pre_rope;
+  backend_.RopeStore(r);
+  return Status::OK();
+}
+
+Status ShadowKvCompressor::Factor(ShadowKvSeq& s, int layer, int64_t S) {
+  const int H = lay_.ctx().hkv, d = lay_.ctx().head_dim, r = lay_.options().rank, D = H * d;
+  // SVD of the pre-RoPE keys of the prompt (one segment).
+  kn::LowRankArgs lr;
+  lr.keys = tmp_prek_.get();
+  lr.S = S;
+  lr.hkv = H;
+  lr.d = d;
+  lr.rank = r;
+  lr.a_out = lay_.ALayer(s, layer);
+  lr.b_out = lay_.Row2(s.b, layer, static_cast<int64_t>(H) * r * d);
+  lr.proj_out = s.p.as<float>() + static_cast<int64_t>(layer) * D * r;
+  return backend_.LowRankFactor(lr);
+}
+
+void ShadowKvCompressor::Landmarks(ShadowKvSeq& s, int layer, int n_chunks) {
+  const ShadowKvOptions& o = lay_.options();
+  // Landmarks and min cosine similarity per chunk.
+  kn::ChunkLandmarksArgs cl;
+  cl.k = tmp_k_.get();
+  cl.k_head_stride = tmp_cap_ * lay_.ctx().head_dim;
+  cl.first_token = 0;
+  cl.n_chunks = n_chunks;
+  cl.chunk_tokens = o.chunk_size;
+  cl.hkv = lay_.ctx().hkv;
+  cl.d = lay_.ctx().head_dim;
+  cl.landmarks = lay_.LmLayer(s, layer);
+  cl.landmark_head_stride = lay_.LmHead(s);
+  cl.landmarks_per_chunk = o.landmarks_per_chunk;
+  cl.landmark_fp8 = o.landmark_fp8();
+  cl.min_cos = tmp_cos_.as<float>();
+  cl.min_cos_head_stride = s.chunk_cap;
+  backend_.ChunkLandmarks(cl);
+}
+
+Status ShadowKvCompressor::Outliers(ShadowKvSeq& s, int layer, int n_chunks) {
+  Backend& b = backend_;
+  const int H = lay_.ctx().hkv, d = lay_.ctx().head_dim, C = lay_.options().chunk_size;
+  // Outliers: lowest min-cosine chunks per head, exact K/V into rows [0, O*C).
+  uint8_t* excl = s.excl.as<uint8_t>() + static_cast<int64_t>(layer) * H * s.chunk_cap;
+  if (s.outliers > 0) {
+    kn::SelectOutliersArgs so;
+    so.min_cos = tmp_cos_.as<float>();
+    so.min_cos_head_stride = s.chunk_cap;
+    so.hkv = H;
+    so.n_chunks = n_chunks;
+    so.num_outliers = s.outliers;
+    so.out = tmp_outl_.as<int32_t>();
+    b.SelectOutlierChunks(so);
+    kn::GatherOutliersArgs go;
+    go.k = tmp_k_.get();
+    go.v = tmp_v_.get();
+    go.kv_head_stride = tmp_cap_ * d;
+    go.first_token = 0;
+    go.chunk_tokens = C;
+    go.hkv = H;
+    go.d = d;
+    go.n_chunks = n_chunks;
+    go.outliers = tmp_outl_.as<int32_t>();
+    go.num_outliers = s.outliers;
+    go.att_k = lay_.Row(s.att_k, s, layer, 0);
+    go.att_v = lay_.Row(s.att_v, s, layer, 0);
+    go.att_head_stride = s.att_cap * d;
+    go.excluded = excl;
+    go.mask_head_stride = s.chunk_cap;
+    b.GatherOutliers(go);
+    // Their chunk ids on the host too (a continuation's rebuild puts the
+    // exact keys back at their places).
+    if (s.outlier_ids.empty()) s.outlier_ids.resize(static_cast<size_t>(lay_.ctx().num_layers) * H * s.outliers);
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(s.outlier_ids.data() + static_cast<size_t>(layer) * H * s.outliers,
+                                          tmp_outl_.get(), static_cast<size_t>(H) * s.outliers * sizeof(int32_t)));
+  }
+  return Status::OK();
+}
+
+}  // namespace penumbra

@@ -1,0 +1,61 @@
+// ShadowKV's prefill compressor (Algorithm 1): the exact K/V of one layer of
+// a prompt in temporaries, then the low-rank factors of its pre-RoPE keys
+// (A, B and the ShadowKV+ projection P), the chunks' landmarks and the
+// outlier chunks (their exact K/V into the attention rows, their ids on the
+// host).
+//
+// Owns the prefill temporaries (one layer of one prompt, reused by the next
+// layer and the next prompt): exact post-RoPE K and V [hkv][tmp_cap][d], f32
+// pre-RoPE keys [tmp_cap][hkv*d], the chunks' minimum cosine and the outlier
+// ids; and the pointer table StoreTokens uploads. Needs the layout (geometry,
+// options) and the backend; writes into the sequence's own buffers. The
+// policy writes the values to the store and the tail into the local rows
+// (they need the store); the independent check calls the same steps.
+#pragma once
+
+#include <cstdint>
+
+#include "worker/engine/shadowkv/layout.h"
+
+namespace penumbra {
+
+class ShadowKvCompressor {
+ public:
+  ShadowKvCompressor(const ShadowKvLayout& layout, Backend& backend) : lay_(layout), backend_(backend) {}
+
+  // Temporaries for `tokens` rows (kept when large enough; else the old ones
+  // freed after a synchronization).
+  Status EnsureTemp(int64_t tokens);
+  // Keeps the temporaries for the next prompt unless they are large.
+  void ReleaseTempIfLarge();
+  DeviceBuffer& tmp_k() { return tmp_k_; }
+  DeviceBuffer& tmp_v() { return tmp_v_; }
+  DeviceBuffer& tmp_prek() { return tmp_prek_; }
+  const DeviceBuffer& tmp_outliers() const { return tmp_outl_; }
+  int64_t tmp_cap() const { return tmp_cap_; }
+
+  // RoPE + store for tokens [start, start + n) into K/V bases laid out
+  // [hkv][stride] (row t at +t*d); queries to q_out; pre-RoPE keys to
+  // pre_rope (may be null).
+  Status StoreTokens(const float* qkv, const int32_t* positions, int n, int64_t start, void* q_out, void* kbase,
+                     void* vbase, int64_t stride, float* pre_rope);
+
+  // Algorithm 1 on the temporaries' first S rows (a first prefill) for
+  // `layer` of s, in the order the policy runs them:
+  // the SVD of the pre-RoPE keys into s's A, B and P;
+  Status Factor(ShadowKvSeq& s, int layer, int64_t S);
+  // the landmarks of its n_chunks chunks and their minimum cosine;
+  void Landmarks(ShadowKvSeq& s, int layer, int n_chunks);
+  // the outliers (s.outliers lowest minimum cosine chunks per head): exact
+  // K/V into rows [0, O*C), marked excluded, their ids appended to
+  // s.outlier_ids (layer-major). Nothing when s.outliers == 0.
+  Status Outliers(ShadowKvSeq& s, int layer, int n_chunks);
+
+ private:
+  const ShadowKvLayout& lay_;
+  Backend& backend_;
+  DeviceBuffer tmp_k_, tmp_v_, tmp_prek_, tmp_cos_, tmp_outl_, ptr_buf_;
+  int64_t tmp_cap_ = 0;
+};
+
+}  // namespace penumbra

@@ -1,0 +1,74 @@
+#include "worker/engine/shadowkv/layout.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/landmark_format.h"
+
+namespace penumbra {
+
+namespace kn = kernels;
+
+ShadowKvLayout::ShadowKvLayout(const PolicyContext& ctx, const ShadowKvOptions& options)
+    : ctx_(ctx), o_(options), es_(DTypeSize(ctx.backend->act_dtype())),
+      lm_rec_(kn::LandmarkChunkElems(options.landmarks_per_chunk, ctx.head_dim, options.landmark_fp8())),
+      lm_rec_bytes_(kn::LandmarkChunkBytes(options.landmarks_per_chunk, ctx.head_dim, options.landmark_fp8(), es_)) {}
+
+void ShadowKvLayout::Shape(const SequenceSpec& spec, ShadowKvSeq* out) const {
+  ShadowKvSeq& s = *out;
+  // A closed shard (context parallel) keeps one spare row: decode steps'
+  // RopeStore writes the new token's K/V there, never attended to.
+  s.token_cap = spec.prompt_len + (spec.shard.closed ? 1 : spec.max_new_tokens);
+  s.first_prefill = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
+  const int64_t F = s.first_prefill;
+  const int C = o_.chunk_size;
+  // Context parallel with a global selection: the budget, the sparse
+  // decision and the exchange width are the whole sequence's, the same on
+  // every rank.
+  const bool global = spec.shard.group != nullptr && o_.shard_selection == "global";
+  const int64_t whole = global && spec.shard.sequence_tokens > 0 ? spec.shard.sequence_tokens : F;
+  int64_t budget = o_.budget_tokens;
+  if (o_.budget_fraction > 0) budget = static_cast<int64_t>(std::ceil(o_.budget_fraction * whole / C)) * C;
+  // Local selection: a shard's share of its whole sequence's budget, at
+  // least one chunk.
+  if (!global && spec.shard.share < 1.0 && o_.budget_fraction <= 0) {
+    budget = std::max<int64_t>(C, static_cast<int64_t>(std::llround(spec.shard.share * budget / C)) * C);
+  }
+  // The local window is the sequence's most recent tokens: a closed shard
+  // (all but the last) has none, its whole prompt is chunks.
+  s.window = spec.shard.closed ? 0 : o_.local_window;
+  const int64_t first_chunks = (F - s.window) / C;
+  int64_t want_outliers = o_.outlier_chunks;
+  if (global) want_outliers = std::llround(spec.shard.share * o_.outlier_chunks);  // the sequence's, split
+  if (o_.outlier_fraction > 0) {
+    want_outliers = static_cast<int64_t>(std::ceil(o_.outlier_fraction * static_cast<double>(std::max<int64_t>(first_chunks, 0))));
+  }
+  s.outliers = static_cast<int>(std::min<int64_t>(want_outliers, std::max<int64_t>(first_chunks - budget / C, 0)));
+  s.kslots = static_cast<int>(std::min<int64_t>(budget / C, first_chunks - s.outliers));
+  s.sparse = whole >= o_.min_prompt_tokens && s.kslots >= 1;
+  // The shards exchange when the whole sequence is sparse (every rank
+  // decides alike; a shard too short to select from takes part with no
+  // proposals).
+  const bool exchange = global && whole >= o_.min_prompt_tokens;
+  s.global_k = exchange ? static_cast<int>(std::min<int64_t>(budget / C, int64_t{1} << 30)) : 0;
+  s.group = exchange ? spec.shard.group : nullptr;
+  if (!s.sparse) {
+    s.outliers = 0;
+    s.kslots = 0;
+    s.local_cap = s.token_cap;
+  } else {
+    s.local_cap = o_.local_window + 2 * C;  // prompt tail (< W + C) plus one chunk of growth
+    s.chunk_cap = static_cast<int>((s.token_cap + C - 1) / C);
+  }
+  s.att_cap = static_cast<int64_t>(s.outliers + s.kslots) * C + s.local_cap;
+}
+
+Status ShadowKvUpload(Backend& backend, DeviceBuffer* dst, const void* src, size_t bytes) {
+  if (dst->bytes() < bytes) {
+    PENUMBRA_RETURN_IF_ERROR(backend.Synchronize());
+    PENUMBRA_ASSIGN_OR_RETURN(*dst, backend.Allocate(std::max<size_t>(bytes * 2, 4096)));
+  }
+  return backend.CopyToDevice(dst->get(), src, bytes);
+}
+
+}  // namespace penumbra
