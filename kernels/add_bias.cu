@@ -9,16 +9,12 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/vec.cuh"
 
 namespace penumbra::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) AddBiasKernel(float* __restrict__ x, const T* __restrict__ bias, int n,

@@ -21,7 +21,8 @@
 //
 // Generic path (any d; f32, bf16 or f16): one warp per (query, head), keys in
 // chunks of 32 (one per lane), online softmax, f32 accumulation in shared
-// memory. Simple and exact-ish; used for parity mode and tiny models.
+// memory (attention_tile.cuh's GenericAttendRow, shared with the prefix
+// kernel). Simple and exact-ish; used for parity mode and tiny models.
 //
 // Floor, Llama-3.1-8B layer (hq=32, hkv=8, d=128) over S=124928 causal keys:
 //   FLOPs = 2 (QK^T, PV) * 2 * S^2/2 * hq * d = 4 * 7.80e9 * 32 * 128 ~= 1.28e14
@@ -260,30 +261,16 @@ void LaunchPrefillBf16(const PrefillAttentionArgs& a, cudaStream_t stream) {
 // accumulator layout is the A-fragment layout) and V from shared memory
 // (MN-major). Shared-memory tiles use the 128-byte swizzle (kernels/wgmma.cuh).
 // Same masking, log2-domain softmax and block order as the mma.sync path.
-constexpr int kWgBM = 128;  // query rows per block (2 warpgroups x 64)
-constexpr int kWgBN = 128;  // keys per tile
-constexpr int kWgThreads = 256;
-constexpr int kWgStages = 3;
-
-template <int D>
-constexpr int PrefillWgmmaSmemBytes() {
-  return kWgBM * D * 2 + kWgStages * 2 * kWgBN * D * 2 + 1024;  // + 1024 to align the tiles
-}
-
+// The tile loop is attention_tile.cuh's WgmmaAttentionLoop (shared with the
+// prefix kernel); this kernel supplies its rows, causal mask and output.
 template <int D>
 __global__ void __launch_bounds__(kWgThreads, 1)
     PrefillWgmmaKernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                        const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out, float* __restrict__ lse,
                        int64_t head_stride, int q_start, int nq, int hq, int group, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(D == 64 || D == 128, "wgmma path is for d in {64, 128}");
-  constexpr int kChunks = D / 8;                 // 16-byte chunks per row
-  constexpr uint32_t kQBytes = kWgBM * D * 2;
-  constexpr uint32_t kTileBytes = kWgBN * D * 2;
-  constexpr uint32_t kStageBytes = 2 * kTileBytes;  // K tile, then V tile
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
   extern __shared__ unsigned char smem[];
-  const uint32_t q_s = (SmemAddr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
-  const uint32_t stage0 = q_s + kQBytes;
 
   const int head = blockIdx.x;
   const int tile = gridDim.y - 1 - blockIdx.y;
@@ -291,74 +278,40 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int kvh = head / group;
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
   const int key_end = q_start + min(m0 + kWgBM, nq);  // keys this block needs, exclusive
-  const int n_tiles = (key_end + kWgBN - 1) / kWgBN;
   const __nv_bfloat16* kb = k + static_cast<int64_t>(kvh) * head_stride;
   const __nv_bfloat16* vb = v + static_cast<int64_t>(kvh) * head_stride;
-
-#pragma unroll
-  for (int i = 0; i < kWgBM * kChunks / kWgThreads; ++i) {
-    const int c = tid + i * kWgThreads;
-    const int r = c / kChunks, ch = c % kChunks;
-    const int row = m0 + r;
-    const bool ok = row < nq;
-    const __nv_bfloat16* src = q + (static_cast<int64_t>(ok ? row : 0) * hq + head) * D + ch * 8;
-    CpAsync16(q_s + Sw128Offset(r, ch, kWgBM), src, ok ? 16 : 0);
-  }
-  CpAsyncCommit();
-  auto load_tile = [&](int j, int stage) {
-    const uint32_t dst = stage0 + stage * kStageBytes;
-#pragma unroll
-    for (int i = 0; i < kWgBN * kChunks / kWgThreads; ++i) {
-      const int c = tid + i * kWgThreads;
-      const int r = c / kChunks, ch = c % kChunks;
-      const int key = j * kWgBN + r;
-      const bool ok = key < key_end;
-      const int64_t off = static_cast<int64_t>(ok ? key : 0) * D + ch * 8;
-      CpAsync16(dst + Sw128Offset(r, ch, kWgBN), kb + off, ok ? 16 : 0);
-      CpAsync16(dst + kTileBytes + Sw128Offset(r, ch, kWgBN), vb + off, ok ? 16 : 0);
-    }
-  };
-  load_tile(0, 0);
-  CpAsyncCommit();
-  if (n_tiles > 1) load_tile(1, 1);
-  CpAsyncCommit();
-
-  float o[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float row_m[2] = {-INFINITY, -INFINITY};
-  float row_l[2] = {0.0f, 0.0f};  // per-thread partial sums; quad-reduced at the end
 
   const int g = lane >> 2, t4 = lane & 3;
   const int wg_row0 = m0 + wg * 64;                   // first row of this warpgroup
   const int pos0 = q_start + wg_row0 + warp_in_wg * 16 + g;  // absolute position of row g
   const int wg_last_pos = q_start + wg_row0 + 63;
   const bool wg_has_rows = wg_row0 < nq;
-  const uint32_t q_wg = q_s + wg * 64 * 128;          // this warpgroup's 64 rows, column block 0
 
-  int stage = 0;  // j % kWgStages
-  for (int j = 0; j < n_tiles; ++j) {
-    const uint32_t k_s = stage0 + stage * kStageBytes;
-    const uint32_t v_s = k_s + kTileBytes;
-    CpAsyncWait<1>();          // this thread's part of tile j (and Q) has landed
-    FenceProxyAsyncShared();   // ... and is visible to the tensor cores
-    // Tile j is visible to all, and both warpgroups are done with tile j-1's
-    // stage (their wgmma waited), which tile j + 2 now overwrites.
-    __syncthreads();
-    const int refill = stage == 0 ? kWgStages - 1 : stage - 1;
-    if (j + 2 < n_tiles) load_tile(j + 2, refill);
-    CpAsyncCommit();
-    stage = stage == kWgStages - 1 ? 0 : stage + 1;
-
-    const int key0 = j * kWgBN;
-    if (!wg_has_rows || key0 > wg_last_pos) continue;  // uniform over the warpgroup
-
-    // Scale into the log2 domain and mask keys past each row's position.
-    const bool need_mask = key0 + kWgBN - 1 > q_start + wg_row0;
-    WgmmaAttendTile<D, kWgBM>(q_wg, k_s, v_s, o, row_m, row_l, [&](float(&s)[kWgBN / 8][4]) {
-      ScaleAndMask(s, scale_log2, need_mask, key0, t4, pos0);
-    });
-  }
+  float o[D / 8][4];
+  float row_m[2], row_l[2];
+  WgmmaAttentionLoop<D>(
+      SmemAddr(smem), kb, vb, key_end,
+      [&](uint32_t q_s) {  // rows m0 .. m0 + 127 of this head
+#pragma unroll
+        for (int i = 0; i < kWgBM * kChunks / kWgThreads; ++i) {
+          const int c = tid + i * kWgThreads;
+          const int r = c / kChunks, ch = c % kChunks;
+          const int row = m0 + r;
+          const bool ok = row < nq;
+          const __nv_bfloat16* src = q + (static_cast<int64_t>(ok ? row : 0) * hq + head) * D + ch * 8;
+          CpAsync16(q_s + Sw128Offset(r, ch, kWgBM), src, ok ? 16 : 0);
+        }
+      },
+      // Tiles past the warpgroup's last row's position are skipped.
+      [&](int key0) { return !wg_has_rows || key0 > wg_last_pos; },
+      // Scale into the log2 domain and mask keys past each row's position.
+      [&](int key0) {
+        const bool need_mask = key0 + kWgBN - 1 > q_start + wg_row0;
+        return [&, need_mask, key0](float (&s)[kWgBN / 8][4]) {
+          ScaleAndMask(s, scale_log2, need_mask, key0, t4, pos0);
+        };
+      },
+      o, row_m, row_l);
 
   StoreRows<D>(o, row_m, row_l, out, lse, wg_row0 + warp_in_wg * 16 + g, nq, hq, head, t4);
 #else
@@ -368,7 +321,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
 template <int D>
 void LaunchPrefillWgmma(const PrefillAttentionArgs& a, cudaStream_t stream) {
-  constexpr int smem = PrefillWgmmaSmemBytes<D>();
+  constexpr int smem = WgmmaAttentionSmemBytes<D>();
   (void)cudaFuncSetAttribute(PrefillWgmmaKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const dim3 grid(a.hq, (a.nq + kWgBM - 1) / kWgBM);
   PrefillWgmmaKernel<D><<<grid, kWgThreads, smem, stream>>>(
@@ -401,33 +354,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
   __syncwarp();
   const T* kb = k + static_cast<int64_t>(head / group) * head_stride;
   const T* vb = v + static_cast<int64_t>(head / group) * head_stride;
-  const int n_keys = q_start + i + 1;
-  float m = -INFINITY, l = 0.0f;
-  for (int c = 0; c < n_keys; c += 32) {
-    const int key = c + lane;
-    float s = -INFINITY;
-    if (key < n_keys) {
-      const T* kr = kb + static_cast<int64_t>(key) * d;
-      float acc = 0.0f;
-      for (int e = 0; e < d; ++e) acc += qs[e] * ToF32(kr[e]);
-      s = acc;
-    }
-    const float m_new = fmaxf(m, WarpMax(s));  // finite: key c is always valid
-    const float alpha = exp2f(m - m_new);
-    const float p = key < n_keys ? exp2f(s - m_new) : 0.0f;
-    l = l * alpha + WarpSum(p);
-    m = m_new;
-    ps[lane] = p;
-    __syncwarp();
-    const int n = min(32, n_keys - c);
-    for (int e = lane; e < d; e += 32) {
-      float acc = os[e] * alpha;
-      const T* vc = vb + static_cast<int64_t>(c) * d + e;
-      for (int jj = 0; jj < n; ++jj) acc += ps[jj] * ToF32(vc[static_cast<int64_t>(jj) * d]);
-      os[e] = acc;
-    }
-    __syncwarp();
-  }
+  float m, l;
+  GenericAttendRow(qs, os, ps, kb, vb, d, 0, q_start + i + 1, lane, m, l);
   const float inv = 1.0f / l;
   T* orow = out + row * d;
   for (int e = lane; e < d; e += 32) orow[e] = FromF32<T>(os[e] * inv);

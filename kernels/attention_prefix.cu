@@ -1,8 +1,9 @@
 // Prefix attention (cascade), see attention_prefix.cuh.
 //
 // Hopper path (bf16, d in {64, 128}, compute capability 9.0): the warpgroup
-// MMA tile loop of the prefill kernel (attention_prefill.cu) over a different
-// row set and key range. A block of 2 warpgroups owns 128 rows of one kv head
+// MMA tile loop the prefill kernel runs too (attention_tile.cuh,
+// WgmmaAttentionLoop) over a different row set and key range. A block of 2
+// warpgroups owns 128 rows of one kv head
 // (row r = sequence rows[r / G], query head kvh * G + r % G: the G heads of a
 // group and all attached sequences share every K/V tile) and one split of the
 // prefix's keys; K/V tiles of 128 keys stream through three cp.async stages.
@@ -11,7 +12,8 @@
 // workspace.
 //
 // Generic path (any d; f32, f16, bf16): one warp per (row, query head, split),
-// keys 32 at a time (one per lane), f32 accumulation in shared memory.
+// keys 32 at a time (one per lane), f32 accumulation in shared memory (the
+// prefill kernel's row loop, attention_tile.cuh's GenericAttendRow).
 //
 // Merge: one block per (query head, row): weights 2^(lse_s - max) over the
 // splits and the row's own part (own_lse, natural log, converted), then
@@ -80,15 +82,7 @@ bool UseWgmma(const PrefixAttentionArgs& a) {
 
 // ---- Hopper path -----------------------------------------------------------------
 
-constexpr int kWgBM = 128;  // rows per block (2 warpgroups x 64)
-constexpr int kWgBN = kTile;
-constexpr int kWgThreads = 256;
-constexpr int kWgStages = 3;
-
-template <int D>
-constexpr int PrefixWgmmaSmemBytes() {
-  return kWgBM * D * 2 + kWgStages * 2 * kWgBN * D * 2 + 1024;  // + 1024 to align the tiles
-}
+static_assert(kWgBN == kTile, "split chunks are whole wgmma tiles");
 
 template <int D>
 __global__ void __launch_bounds__(kWgThreads, 1)
@@ -97,14 +91,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                       int keys, int chunk, int splits, float* __restrict__ ws_o, float* __restrict__ ws_lse, int hq,
                       int group, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(D == 64 || D == 128, "wgmma path is for d in {64, 128}");
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  constexpr uint32_t kQBytes = kWgBM * D * 2;
-  constexpr uint32_t kTileBytes = kWgBN * D * 2;
-  constexpr uint32_t kStageBytes = 2 * kTileBytes;  // K tile, then V tile
   extern __shared__ unsigned char smem[];
-  const uint32_t q_s = (SmemAddr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
-  const uint32_t stage0 = q_s + kQBytes;
 
   const int m0 = blockIdx.x * kWgBM;
   const int kvh = blockIdx.y;
@@ -112,70 +100,39 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int n_rows = n * group;
   const int key_begin = split * chunk;
   const int n_keys = min(keys, key_begin + chunk) - key_begin;  // >= 1
-  const int n_tiles = (n_keys + kWgBN - 1) / kWgBN;
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp_in_wg = (tid >> 5) & 3;
   const __nv_bfloat16* kb = k + static_cast<int64_t>(kvh) * head_stride + static_cast<int64_t>(key_begin) * D;
   const __nv_bfloat16* vb = v + static_cast<int64_t>(kvh) * head_stride + static_cast<int64_t>(key_begin) * D;
 
-#pragma unroll
-  for (int i = 0; i < kWgBM * kChunks / kWgThreads; ++i) {
-    const int c = tid + i * kWgThreads;
-    const int r = c / kChunks, ch = c % kChunks;
-    const int row = m0 + r;
-    const bool ok = row < n_rows;
-    const int seq = ok ? rows[row / group] : 0;
-    const int head = kvh * group + (ok ? row % group : 0);
-    const __nv_bfloat16* src = q + (static_cast<int64_t>(seq) * hq + head) * D + ch * 8;
-    CpAsync16(q_s + Sw128Offset(r, ch, kWgBM), src, ok ? 16 : 0);
-  }
-  CpAsyncCommit();
-  auto load_tile = [&](int j, int stage) {
-    const uint32_t dst = stage0 + stage * kStageBytes;
-#pragma unroll
-    for (int i = 0; i < kWgBN * kChunks / kWgThreads; ++i) {
-      const int c = tid + i * kWgThreads;
-      const int r = c / kChunks, ch = c % kChunks;
-      const int key = j * kWgBN + r;
-      const bool ok = key < n_keys;
-      const int64_t off = static_cast<int64_t>(ok ? key : 0) * D + ch * 8;
-      CpAsync16(dst + Sw128Offset(r, ch, kWgBN), kb + off, ok ? 16 : 0);
-      CpAsync16(dst + kTileBytes + Sw128Offset(r, ch, kWgBN), vb + off, ok ? 16 : 0);
-    }
-  };
-  load_tile(0, 0);
-  CpAsyncCommit();
-  if (n_tiles > 1) load_tile(1, 1);
-  CpAsyncCommit();
-
-  float o[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float row_m[2] = {-INFINITY, -INFINITY};
-  float row_l[2] = {0.0f, 0.0f};  // per-thread partial sums; quad-reduced at the end
-
   const int g = lane >> 2, t4 = lane & 3;
   const int wg_row0 = m0 + wg * 64;
   const bool wg_has_rows = wg_row0 < n_rows;
-  const uint32_t q_wg = q_s + wg * 64 * 128;  // this warpgroup's 64 rows, column block 0
 
-  int stage = 0;
-  for (int j = 0; j < n_tiles; ++j) {
-    const uint32_t k_s = stage0 + stage * kStageBytes;
-    const uint32_t v_s = k_s + kTileBytes;
-    CpAsyncWait<1>();
-    FenceProxyAsyncShared();
-    __syncthreads();  // tile j visible; everyone is done with the stage tile j + 2 overwrites
-    const int refill = stage == 0 ? kWgStages - 1 : stage - 1;
-    if (j + 2 < n_tiles) load_tile(j + 2, refill);
-    CpAsyncCommit();
-    stage = stage == kWgStages - 1 ? 0 : stage + 1;
-    if (!wg_has_rows) continue;  // uniform over the warpgroup
-
-    const int key0 = j * kWgBN;
-    WgmmaAttendTile<D, kWgBM>(q_wg, k_s, v_s, o, row_m, row_l, [&](float(&s)[kWgBN / 8][4]) {
-      ScaleAndMaskFrom(s, scale_log2, key0 + kWgBN > n_keys, key0, t4, n_keys);
-    });
-  }
+  float o[D / 8][4];
+  float row_m[2], row_l[2];
+  WgmmaAttentionLoop<D>(
+      SmemAddr(smem), kb, vb, n_keys,
+      [&](uint32_t q_s) {  // row r: sequence rows[r / group], query head kvh * group + r % group
+#pragma unroll
+        for (int i = 0; i < kWgBM * kChunks / kWgThreads; ++i) {
+          const int c = tid + i * kWgThreads;
+          const int r = c / kChunks, ch = c % kChunks;
+          const int row = m0 + r;
+          const bool ok = row < n_rows;
+          const int seq = ok ? rows[row / group] : 0;
+          const int head = kvh * group + (ok ? row % group : 0);
+          const __nv_bfloat16* src = q + (static_cast<int64_t>(seq) * hq + head) * D + ch * 8;
+          CpAsync16(q_s + Sw128Offset(r, ch, kWgBM), src, ok ? 16 : 0);
+        }
+      },
+      [&](int) { return !wg_has_rows; },
+      // No causal mask: only keys past the split's end (its last tile) are masked.
+      [&](int key0) {
+        return [&, key0](float (&s)[kWgBN / 8][4]) {
+          ScaleAndMaskFrom(s, scale_log2, key0 + kWgBN > n_keys, key0, t4, n_keys);
+        };
+      },
+      o, row_m, row_l);
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -201,7 +158,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 template <int D>
 void LaunchPrefixWgmma(const PrefixAttentionArgs& a, const PrefixPlan& plan, float* ws_o, float* ws_lse,
                        cudaStream_t stream) {
-  constexpr int smem = PrefixWgmmaSmemBytes<D>();
+  constexpr int smem = WgmmaAttentionSmemBytes<D>();
   static_assert(smem <= 232448, "exceeds the Hopper shared-memory limit per block");
   (void)AllowDynamicSharedMemory(reinterpret_cast<const void*>(PrefixWgmmaKernel<D>));
   const int group = a.hq / a.hkv;
@@ -238,32 +195,8 @@ __global__ void __launch_bounds__(32)
   const int key_end = min(keys, key_begin + chunk);
   const T* kb = k + static_cast<int64_t>(head / group) * head_stride;
   const T* vb = v + static_cast<int64_t>(head / group) * head_stride;
-  float m = -INFINITY, l = 0.0f;
-  for (int c = key_begin; c < key_end; c += 32) {
-    const int key = c + lane;
-    float s = -INFINITY;
-    if (key < key_end) {
-      const T* kr = kb + static_cast<int64_t>(key) * d;
-      float acc = 0.0f;
-      for (int e = 0; e < d; ++e) acc += qs[e] * ToF32(kr[e]);
-      s = acc;
-    }
-    const float m_new = fmaxf(m, WarpMax(s));  // finite: key c is always valid
-    const float alpha = exp2f(m - m_new);
-    const float p = key < key_end ? exp2f(s - m_new) : 0.0f;
-    l = l * alpha + WarpSum(p);
-    m = m_new;
-    ps[lane] = p;
-    __syncwarp();
-    const int cnt = min(32, key_end - c);
-    for (int e = lane; e < d; e += 32) {
-      float acc = os[e] * alpha;
-      const T* vc = vb + static_cast<int64_t>(c) * d + e;
-      for (int jj = 0; jj < cnt; ++jj) acc += ps[jj] * ToF32(vc[static_cast<int64_t>(jj) * d]);
-      os[e] = acc;
-    }
-    __syncwarp();
-  }
+  float m, l;
+  GenericAttendRow(qs, os, ps, kb, vb, d, key_begin, key_end, lane, m, l);
   const int64_t idx = static_cast<int64_t>(row) * splits + split;
   const float inv = 1.0f / l;
   for (int e = lane; e < d; e += 32) ws_o[idx * d + e] = os[e] * inv;

@@ -10,16 +10,12 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/vec.cuh"
 
 namespace penumbra::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
-  T v[N];
-};
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) EmbeddingKernel(const T* __restrict__ table, const int32_t* __restrict__ ids,
@@ -40,7 +36,7 @@ __global__ void __launch_bounds__(kThreads) EmbeddingKernel(const T* __restrict_
 
 template <typename T>
 void Launch(const T* table, const int32_t* ids, int n, int dim, float* out, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kVec = static_cast<int>(kMaxVecBytes / sizeof(T));
   const bool vec = dim % kVec == 0 && reinterpret_cast<uintptr_t>(table) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int grid = std::min(n, 65535);

@@ -11,16 +11,12 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/vec.cuh"
 
 namespace penumbra::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
 template <typename TW, typename TO, int N>
 __global__ void __launch_bounds__(kThreads) RmsNormKernel(const float* __restrict__ x, const TW* __restrict__ w,

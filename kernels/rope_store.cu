@@ -19,16 +19,12 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/vec.cuh"
 
 namespace penumbra::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
 // Stores N floats to dst as T, with one vector access if dst allows it.
 template <typename T, int N>

@@ -10,16 +10,12 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/vec.cuh"
 
 namespace penumbra::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) SwiGLUKernel(const float* __restrict__ gate_up, int n, int F,

@@ -18,11 +18,12 @@
 #include "common/dtype.h"
 #include "common/status.h"
 // The ShadowKV ops take the kernels' argument structs (plain structs of
-// pointers and sizes); these headers need only the CUDA runtime API headers.
-#include "kernels/lowrank.cuh"
+// pointers and sizes): the *_args.h headers are plain C++; shadowkv_decode.cuh
+// still needs the CUDA runtime API headers.
+#include "kernels/lowrank_args.h"
 #include "kernels/shadowkv_decode.cuh"
-#include "kernels/shadowkv_prefill.cuh"
-#include "kernels/topk.cuh"
+#include "kernels/shadowkv_prefill_args.h"
+#include "kernels/topk_args.h"
 
 namespace penumbra {
 

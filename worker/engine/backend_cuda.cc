@@ -21,10 +21,13 @@
 #include "kernels/embedding.cuh"
 #include "kernels/fill_random.cuh"
 #include "kernels/linear_skinny.cuh"
+#include "kernels/lowrank.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope_store.cuh"
 #include "kernels/sample.cuh"
+#include "kernels/shadowkv_prefill.cuh"
 #include "kernels/swiglu.cuh"
+#include "kernels/topk.cuh"
 #include "worker/engine/backend.h"
 
 namespace penumbra {
