@@ -14,22 +14,6 @@
 
 namespace penumbra::kernels {
 
-// The selection of `a` as a top-k over a.scores (the unfused path, and the
-// CPU backend's selection).
-inline TopKArgs ShadowkvSelectionTopK(const ShadowkvScoreArgs& a) {
-  TopKArgs t;
-  t.values = a.scores;
-  t.stride = a.score_stride;
-  t.rows = a.batch * a.hkv;
-  t.counts = a.n_chunks;
-  t.rows_per_count = a.hkv;
-  t.max_count = a.max_chunks;
-  t.k = a.select_k;
-  t.skip_worst_inf = true;
-  t.out = a.selection;
-  t.out_stride = a.selection_stride;
-  return t;
-}
 // then_update (optional, with a selection): the slot update of this
 // selection (its selection, stride, batch and hkv those of args), run in the
 // selection's blocks where the selection is fused, else launched after it.

@@ -61,6 +61,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "kernels/topk_args.h"
 
 namespace penumbra::kernels {
 
@@ -288,5 +289,22 @@ struct ShadowkvFetchVArgs {
   int max_misses = 0;
   int max_blocks = 0;  // blocks the fetch may use (0: the default, 32)
 };
+
+// The selection of `a` as a top-k over a.scores (the unfused path, and the
+// CPU backend's selection).
+inline TopKArgs ShadowkvSelectionTopK(const ShadowkvScoreArgs& a) {
+  TopKArgs t;
+  t.values = a.scores;
+  t.stride = a.score_stride;
+  t.rows = a.batch * a.hkv;
+  t.counts = a.n_chunks;
+  t.rows_per_count = a.hkv;
+  t.max_count = a.max_chunks;
+  t.k = a.select_k;
+  t.skip_worst_inf = true;
+  t.out = a.selection;
+  t.out_stride = a.selection_stride;
+  return t;
+}
 
 }  // namespace penumbra::kernels

@@ -18,10 +18,10 @@
 #include "common/dtype.h"
 #include "common/status.h"
 // The ShadowKV ops take the kernels' argument structs (plain structs of
-// pointers and sizes): the *_args.h headers are plain C++; shadowkv_decode.cuh
-// still needs the CUDA runtime API headers.
+// pointers and sizes, kernels/*_args.h): plain C++, so a CPU-only build
+// needs no CUDA header.
 #include "kernels/lowrank_args.h"
-#include "kernels/shadowkv_decode.cuh"
+#include "kernels/shadowkv_decode_args.h"
 #include "kernels/shadowkv_prefill_args.h"
 #include "kernels/topk_args.h"
 

@@ -1,6 +1,6 @@
 #include "worker/engine/shadowkv_options.h"
 
-#include "kernels/shadowkv_decode.cuh"
+#include "kernels/shadowkv_decode_args.h"
 
 namespace penumbra {
 
