@@ -1,4 +1,5 @@
-// Helpers shared by tests: paths to test data, element-by-element comparison.
+// Helpers shared by tests: paths to test data, element-by-element comparison,
+// waiting for a condition (Eventually).
 //
 // Test data lives in the repository: tests/data/ (TestData), and files the
 // build unpacks from compressed archives there (UnpackedTestData; see
@@ -7,6 +8,8 @@
 // never crashes.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +17,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -97,6 +101,30 @@ inline std::vector<float> RandomUniform(size_t n, uint32_t seed) {
   std::vector<float> v(n);
   for (auto& x : v) x = u(rng);
   return v;
+}
+
+// Waits for a condition instead of sleeping a fixed time: polls `condition`
+// (a callable returning bool) with a backoff from 1 ms doubling up to 100 ms
+// until it holds or `timeout` has passed (the condition is checked once more
+// at the deadline). Success as soon as it holds; otherwise a failure naming
+// `what` and the time waited. Use as
+//   ASSERT_TRUE(Eventually([&] { return HealthOk(port); }, 10s, "the worker answers /health"));
+template <typename Condition>
+::testing::AssertionResult Eventually(Condition&& condition, std::chrono::milliseconds timeout,
+                                      const std::string& what = "the condition") {
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
+  std::chrono::milliseconds pause(1);
+  for (;;) {
+    if (condition()) return ::testing::AssertionSuccess();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) break;
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - now));
+    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+  }
+  if (condition()) return ::testing::AssertionSuccess();
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  return ::testing::AssertionFailure() << "timed out after " << waited.count() << " ms waiting for " << what;
 }
 
 }  // namespace penumbra::testing

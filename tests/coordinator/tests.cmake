@@ -3,3 +3,5 @@ penumbra_glob_tests(coordinator LIBS penumbra_tokenizer penumbra_eval penumbra_c
 if(TEST document_registry_integration_test)
   set_property(TEST document_registry_integration_test APPEND PROPERTY LABELS crash)
 endif()
+# RocksDB on disk, reopened many times: seconds.
+penumbra_cost_label(integration TESTS document_registry_durable_test)

@@ -7,13 +7,7 @@ add_executable(durable_test ${CMAKE_CURRENT_LIST_DIR}/durable_test.cc)
 target_link_libraries(durable_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(durable_test penumbra-worker penumbra-coordinator)
-foreach(case CoordinatorOnAFullDiskAcknowledgesOnlyWhatItStores ADeleteReachesAWorkerThatWasDown
-        AWorkersFullPrefixStoreIsCountedAndRecovers)
-  add_test(NAME faults_durable_${case} COMMAND durable_test --gtest_filter=Durable.${case}
-    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-  set_tests_properties(faults_durable_${case} PROPERTIES LABELS faults TIMEOUT 120
-    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
-endforeach()
+penumbra_gtest_cases(durable_test PREFIX faults_durable_ LABELS "service;faults" TIMEOUT 120)
 # The stores' own full-disk tests (unit tests on a small tmpfs) run with the
 # fault suite too.
 foreach(t document_registry_full_disk_test job_store_full_disk_test segment_store_full_disk_test tombstones_test)

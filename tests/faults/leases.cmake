@@ -8,13 +8,4 @@ add_executable(leases_test ${CMAKE_CURRENT_LIST_DIR}/leases_test.cc)
 target_link_libraries(leases_test PRIVATE penumbra_client nlohmann_json::nlohmann_json GTest::gtest GTest::gtest_main
   penumbra_warnings)
 add_dependencies(leases_test penumbra-worker penumbra-coordinator)
-foreach(case AStreamContinuesAcrossACoordinatorKillAndRestart
-        AWorkerDropsAnUnrenewedGenerationAndARestartRunsItAgainIdentically TheWorkersLeaseCallsAreValidatedAndScopedToTheirOwner
-        AJobItemInFlightAtARestartRunsOnceAndItsCancelStopsIt AnExpiredDrainLeavesNoGenerationOnTheWorkers
-        AnExpiredWorkerDrainCancelsWhatIsLeft
-        ACompleteWhoseClientHangsUpLeavesNoGeneration AStreamNobodyPollsIsCancelled)
-  add_test(NAME faults_leases_${case} COMMAND leases_test --gtest_filter=Leases.${case}
-    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-  set_tests_properties(faults_leases_${case} PROPERTIES LABELS faults TIMEOUT 120
-    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
-endforeach()
+penumbra_gtest_cases(leases_test PREFIX faults_leases_ LABELS "service;faults" TIMEOUT 120)

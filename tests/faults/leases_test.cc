@@ -262,6 +262,8 @@ TEST_F(Leases, TheWorkersLeaseCallsAreValidatedAndScopedToTheirOwner) {
   EXPECT_EQ(code_of([&] { (*w)->Poll(ch, owned, 0, 0); }), static_cast<int>(rpc::ErrorCode::NOT_FOUND));
   (*w)->Renew(listed, "owner-a");
   EXPECT_TRUE(listed.empty());
+  // A whole lease passes (part of the scenario: nothing may end the
+  // generation without an owner meanwhile).
   std::this_thread::sleep_for(std::chrono::milliseconds(kLeaseMs) + 500ms);
   (*w)->Poll(ch, unowned, 0, 0);
   EXPECT_FALSE(ch.done) << "a generation without an owner was ended";

@@ -70,9 +70,10 @@ Status Answered(int port, const std::string& key, const std::string& certs = "")
   return Status::OK();
 }
 
-// Retries `f` (returning Status) every 100 ms until it succeeds or `timeout`.
+// Retries `f` (returning Status) every 100 ms until it succeeds or `timeout`;
+// the last Status (tests/test_util.h Eventually waits on a bool).
 template <typename F>
-Status Eventually(F f, std::chrono::milliseconds timeout) {
+Status RetryUntilOk(F f, std::chrono::milliseconds timeout) {
   const auto until = std::chrono::steady_clock::now() + timeout;
   Status s = f();
   while (!s.ok() && std::chrono::steady_clock::now() < until) {
@@ -352,7 +353,7 @@ TEST_F(Signals, ServePassesSighupOnAndRestartsKilledChildrenOnTheirPorts) {
   std::ofstream(serve.tenants_path()) << TenantsYaml({kKeyA, kKeyB});
   serve.process().Signal(SIGHUP);
   ASSERT_TRUE(LogReaches(serve.process(), "serve: SIGHUP: passed to coordinator", 1));
-  Status b = Eventually([&] { return Answered(port, kKeyB); }, 10s);
+  Status b = RetryUntilOk([&] { return Answered(port, kKeyB); }, 10s);
   EXPECT_TRUE(b.ok()) << "tenant B after SIGHUP to serve: " << b;
   for (const char* child : {"w0", "s0"}) {
     const auto until = std::chrono::steady_clock::now() + 10s;
@@ -371,7 +372,7 @@ TEST_F(Signals, ServePassesSighupOnAndRestartsKilledChildrenOnTheirPorts) {
   ASSERT_TRUE(serve.WaitRestarted("w0", 1));
   EXPECT_EQ(serve.Port("w0"), w0_port);
   EXPECT_NE(serve.Pid("w0"), w0);
-  b = Eventually([&] { return Answered(port, kKeyA); }, 20s);
+  b = RetryUntilOk([&] { return Answered(port, kKeyA); }, 20s);
   EXPECT_TRUE(b.ok()) << "after the worker's restart: " << b;
   const std::string log = serve.process().Log();
   EXPECT_NE(log.find("serve: worker w0 (pid " + std::to_string(w0) + ") died: killed by signal 9"), std::string::npos)
@@ -385,7 +386,7 @@ TEST_F(Signals, ServePassesSighupOnAndRestartsKilledChildrenOnTheirPorts) {
   ASSERT_EQ(kill(coordinator, SIGKILL), 0);
   ASSERT_TRUE(serve.WaitRestarted("coordinator", 1));
   EXPECT_EQ(serve.port(), port);
-  b = Eventually([&] { return Answered(port, kKeyB); }, 20s);
+  b = RetryUntilOk([&] { return Answered(port, kKeyB); }, 20s);
   EXPECT_TRUE(b.ok()) << "after the coordinator's restart: " << b;
   EXPECT_NE(serve.process().Log().find("serve: coordinator coordinator (pid " + std::to_string(coordinator) +
                                        ") died: killed by signal 9"),
@@ -428,7 +429,7 @@ TEST_F(Signals, ServeKeepsRestartingAChildThatKeepsDyingWithACappedBackoff) {
   EXPECT_NE(log.find("serve: store node s0 keeps crashing (5 deaths in a row"), std::string::npos) << log;
   EXPECT_EQ(serve.State()["children"]["s0"]["deaths_in_row"], 5) << serve.State().dump();
   EXPECT_EQ(serve.State()["restarts"], 5) << serve.State().dump();
-  Status a = Eventually([&] { return Answered(serve.port(), kKeyA); }, 10s);
+  Status a = RetryUntilOk([&] { return Answered(serve.port(), kKeyA); }, 10s);
   EXPECT_TRUE(a.ok()) << "the service with its store node restarted five times: " << a;
   serve.process().Signal(SIGTERM);
   const std::optional<int> code = serve.process().Wait(45s);

@@ -6,11 +6,7 @@ add_executable(store_io_test ${CMAKE_CURRENT_LIST_DIR}/store_io_test.cc)
 target_link_libraries(store_io_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(store_io_test penumbra-worker penumbra-store)
-foreach(case AStoppedStoreNodeCostsOnlyTheRequestsThatNeedIt)
-  add_test(NAME faults_store_io_${case} COMMAND store_io_test --gtest_filter=StoreIo.${case}
-    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-  # RUN_SERIAL: it compares token rates, which another test sharing the
-  # machine's cores (ctest -j) would swing by 2x between windows.
-  set_tests_properties(faults_store_io_${case} PROPERTIES LABELS faults TIMEOUT 120 RUN_SERIAL TRUE
-    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
-endforeach()
+penumbra_gtest_cases(store_io_test PREFIX faults_store_io_ LABELS "service;faults" TIMEOUT 120)
+# RUN_SERIAL: it compares token rates, which another test sharing the
+# machine's cores (ctest -j) would swing by 2x between windows.
+set_property(TEST faults_store_io_AStoppedStoreNodeCostsOnlyTheRequestsThatNeedIt PROPERTY RUN_SERIAL TRUE)

@@ -3,3 +3,5 @@ penumbra_glob_tests(jobs LIBS penumbra_jobs)
 if(TEST job_store_integration_test)
   set_property(TEST job_store_integration_test APPEND PROPERTY LABELS crash)
 endif()
+# RocksDB on disk, reopened many times: seconds.
+penumbra_cost_label(integration TESTS job_store_test)

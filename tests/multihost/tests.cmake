@@ -1,4 +1,4 @@
-# The service across hosts (issue 37), label `multihost`: a coordinator, two
+# The service across hosts (issue 37), labels `service;multihost`: a coordinator, two
 # workers and two value-store nodes, each in a Linux network namespace of its
 # own on one bridge, with mutual TLS (tests/multihost/multihost_test.cc).
 # Needs root and iproute2; skips itself, with the reason, where network
@@ -8,7 +8,7 @@ target_link_libraries(multihost_test PRIVATE penumbra_client penumbra_engine pen
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(multihost_test penumbra penumbra-worker penumbra-coordinator penumbra-store)
 add_test(NAME multihost_test COMMAND multihost_test WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-set_tests_properties(multihost_test PROPERTIES LABELS multihost TIMEOUT 600
+set_tests_properties(multihost_test PROPERTIES LABELS "service;multihost" TIMEOUT 600
   SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
   ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
 # The systemd units of each role (ops/systemd): their settings, and

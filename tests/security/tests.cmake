@@ -1,10 +1,9 @@
 # Security tests (issue 37): each attack on a plane is refused and the
 # process keeps serving. Every tests/security/*_test.cc is one binary whose
-# cases are each a CTest of their own (gtest_discover_tests, label
-# `security`), running real processes on loopback (the service's binaries
+# cases are each a CTest of their own (penumbra_gtest_cases, labels
+# `service;security`), running real processes on loopback (the service's binaries
 # from ${CMAKE_BINARY_DIR}/bin) or real servers in-process; adding a test
 # needs no edit here.
-include(GoogleTest)
 file(GLOB _security_tests CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/*_test.cc)
 foreach(src ${_security_tests})
   get_filename_component(name ${src} NAME_WE)
@@ -13,8 +12,5 @@ foreach(src ${_security_tests})
     penumbra_collective penumbra_metrics penumbra_tls nlohmann_json::nlohmann_json PkgConfig::HTTPLIB
     GTest::gtest GTest::gtest_main penumbra_warnings)
   add_dependencies(${name} penumbra penumbra-worker penumbra-coordinator penumbra-store)
-  gtest_discover_tests(${name} TEST_PREFIX "${name}." WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
-    DISCOVERY_TIMEOUT 60
-    PROPERTIES LABELS security TIMEOUT 600
-      ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
+  penumbra_gtest_cases(${name} PREFIX "${name}." WITH_SUITE LABELS "service;security" TIMEOUT 600)
 endforeach()

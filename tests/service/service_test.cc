@@ -50,6 +50,17 @@ class Offline {
   std::unique_ptr<Engine> engine_;
 };
 
+// Whether the coordinator's health check has marked worker `name` (w0, w1,
+// ...) down: its Stats list the worker unhealthy.
+bool MarkedDown(client::Client& c, const std::string& name) {
+  auto s = c.Stats();
+  if (!s.ok()) return false;
+  for (const rpc::WorkerStatus& w : s->workers) {
+    if (w.name == name) return !w.healthy;
+  }
+  return false;
+}
+
 rpc::GenerateRequest Ask(const std::vector<std::string>& docs, const std::vector<int32_t>& question, int max_new) {
   rpc::GenerateRequest r;
   r.document_ids = docs;
@@ -248,7 +259,7 @@ TEST_F(Service, RequestsAboutADocumentGoToTheWorkerHoldingIt) {
   // (prefilled there once, then cached there too).
   cluster.worker(wa).process->Signal(SIGKILL);
   ASSERT_TRUE(cluster.worker(wa).process->Wait(10s).has_value());
-  std::this_thread::sleep_for(600ms);  // the health check notices
+  ASSERT_TRUE(Eventually([&] { return MarkedDown(*c, a.worker); }, 20s, "the health check to mark " + a.worker + " down"));
   for (int i = 0; i < 2; ++i) {
     auto r = c->Complete(Ask({a.id}, LcgTokens(12, 500 + i, false), 5));
     ASSERT_TRUE(r.ok()) << r.status();
@@ -280,10 +291,12 @@ TEST_F(Service, ALostWorkersDocumentsComeBackFromTheStoreNode) {
   auto before = c->Complete(Ask({a.id}, LcgTokens(12, 600, false), 8));
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_EQ(before->usage.cached_prompt_tokens, 200);
-  std::this_thread::sleep_for(1500ms);  // the holder's background write to the node
+  // The holder's background write to the node: not observable from outside
+  // (no counter of finished writes), so a fixed wait.
+  std::this_thread::sleep_for(1500ms);
   cluster.worker(wa).process->Signal(SIGKILL);
   ASSERT_TRUE(cluster.worker(wa).process->Wait(10s).has_value());
-  std::this_thread::sleep_for(600ms);  // the health check notices
+  ASSERT_TRUE(Eventually([&] { return MarkedDown(*c, a.worker); }, 20s, "the health check to mark " + a.worker + " down"));
   auto after = c->Complete(Ask({a.id}, LcgTokens(12, 600, false), 8));
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->usage.cached_prompt_tokens, 200);  // from the node, not prefilled
@@ -367,7 +380,8 @@ TEST_F(Service, TwoStoreNodesAndTwoWorkersSurviveKills) {
   const int lost = docs[0].info.worker == "w0" ? 0 : 1;
   cluster.worker(lost).process->Signal(SIGKILL);
   ASSERT_TRUE(cluster.worker(lost).process->Wait(10s).has_value());
-  std::this_thread::sleep_for(1500ms);  // the health check notices
+  ASSERT_TRUE(Eventually([&] { return MarkedDown(*c, docs[0].info.worker); }, 20s,
+                         "the health check to mark " + docs[0].info.worker + " down"));
   for (int i = 0; i < 4; ++i) {
     const std::vector<int32_t> q = LcgTokens(8, 800 + i, false);
     auto r = c->Complete(Ask({docs[i].info.id}, q, 12));

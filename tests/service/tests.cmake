@@ -1,21 +1,11 @@
 # Service integration tests: real penumbra-worker and penumbra-coordinator
 # processes on loopback (CPU backend), label `service`. One binary, one CTest
-# per case (each starts its own processes on ports the OS picks).
+# per case, found in the source (each starts its own processes on ports the OS picks).
 add_executable(service_test ${CMAKE_CURRENT_LIST_DIR}/service_test.cc)
 target_link_libraries(service_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(service_test penumbra-worker penumbra-coordinator penumbra-store)
-foreach(case ConcurrentClientsGetTheOfflineAnswers ARequestAdmittedMidDecodeFinishesBeforeAnEarlierLongOne
-        RequestsAboutADocumentGoToTheWorkerHoldingIt BadInputIsRefusedAndTheServersKeepServing
-        DocumentsTenantsStreamingAndCancel SigtermDrainsRunningRequests
-        BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce TenantQuotasRefuseWithRetryAfterAndIsolate
-        BatchJobChaosKillsCoordinatorAndWorkers ALostWorkersDocumentsComeBackFromTheStoreNode
-        AWorkerLostMidGenerationIsResumedOnAnother DrainingAWorkerLosesNoRequest TwoStoreNodesAndTwoWorkersSurviveKills)
-  add_test(NAME service_${case} COMMAND service_test --gtest_filter=Service.${case}
-    WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-  set_tests_properties(service_${case} PROPERTIES LABELS service TIMEOUT 600
-    ENVIRONMENT "PENUMBRA_SOURCE_DIR=${PROJECT_SOURCE_DIR};PENUMBRA_TEST_DATA_DIR=${PENUMBRA_TEST_DATA_DIR};PENUMBRA_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
-endforeach()
+penumbra_gtest_cases(service_test PREFIX service_ LABELS service TIMEOUT 600)
 set_property(TEST service_ALostWorkersDocumentsComeBackFromTheStoreNode service_AWorkerLostMidGenerationIsResumedOnAnother
   service_DrainingAWorkerLosesNoRequest service_TwoStoreNodesAndTwoWorkersSurviveKills APPEND PROPERTY LABELS distributed)
 

@@ -43,6 +43,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::LcgTokens;
+using testing::Eventually;
 
 std::string BinDir() { return std::filesystem::read_symlink("/proc/self/exe").parent_path().string(); }
 
@@ -247,9 +248,9 @@ TEST(StoreNodeClientTest, TheClientIsADocumentStore) {
     auto reader = ds.OpenReader(key);
     ASSERT_TRUE(reader.ok());
     EXPECT_EQ((*node)->open_readers(), 1);
-    std::this_thread::sleep_for(1200ms);
-    EXPECT_TRUE(ds.Info(key).ok());  // any request sweeps idle readers
-    EXPECT_EQ((*node)->open_readers(), 0);
+    // Idle past reader_idle_seconds (1 s); any request sweeps idle readers.
+    EXPECT_TRUE(Eventually([&] { return ds.Info(key).ok() && (*node)->open_readers() == 0; }, 20s,
+                           "a request to sweep the idle reader"));
     std::string b(10, '\0');
     EXPECT_EQ((*reader)->Read("values", 0, 10, b.data()).code(), StatusCode::kNotFound);
   }

@@ -8,6 +8,11 @@ foreach(t ucx_rpc_test store_node_integration_test collective_test context_paral
     set_property(TEST ${t} APPEND PROPERTY LABELS distributed)
   endif()
 endforeach()
+# Real processes: collective_test forks a process per rank for many groups
+# over TCP (over a minute); ucx_rpc_test kills a server in a child process.
+penumbra_cost_label(service TESTS collective_test ucx_rpc_test)
+# Real Thrift servers with timeouts of seconds (idle, handshake deadlines).
+penumbra_cost_label(integration TESTS thrift_server_test)
 if(TARGET store_node_integration_test)
   add_dependencies(store_node_integration_test penumbra-store)
 endif()

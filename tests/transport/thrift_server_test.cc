@@ -278,7 +278,7 @@ TEST(ThriftServer, LargeFramesShareOneBudget) {
   };
   stalled.push_back(announce(1 << 20));
   stalled.push_back(announce(1 << 20));
-  std::this_thread::sleep_for(200ms);
+  std::this_thread::sleep_for(200ms);  // the server reads both announcements (not observable from here)
   EXPECT_FALSE(ClosedWithin(stalled[0], 100ms));
   // A third large frame is refused (its connection closed)...
   const int third = announce(1 << 20);

@@ -187,6 +187,8 @@ TEST(UcxRpcTest, AServerKilledMidCallFailsItsCallers) {
   for (int i = 0; i < 4; ++i) {
     callers.emplace_back([&, i] { got[i] = (*client)->Call(4, "3000", 30s).status(); });
   }
+  // The calls reach the server (in another process: not observable here)
+  // before it is killed.
   std::this_thread::sleep_for(300ms);
   const auto t0 = std::chrono::steady_clock::now();
   testing::KillCrashChild(pid);

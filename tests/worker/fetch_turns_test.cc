@@ -35,7 +35,7 @@ TEST(FetchTurnsTest, AwaitBlocksUntilThePredecessorIssued) {
   });
   turns.Issued(0, 0);
   turns.Issued(0, 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));  // a window in which the waiter must not return
   EXPECT_FALSE(returned.load()) << "lane 1 went before lane 0 issued layer 2";
   turns.Issued(0, 2);
   waiter.join();
@@ -49,7 +49,7 @@ TEST(FetchTurnsTest, AwaitBlocksUntilThePredecessorIssued) {
     EXPECT_EQ(t->layer, 2);
     returned = true;
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));  // a window in which the waiter must not return
   EXPECT_FALSE(returned.load());
   turns.Issued(1, 2);
   waiter0.join();
