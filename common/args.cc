@@ -118,7 +118,8 @@ Result<std::vector<int64_t>> Args::GetIntList(const std::string& name) const {
   std::string item;
   while (std::getline(ss, item, ',')) {
     size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
-    if (b == std::string::npos) return Status::InvalidArgument("flag --" + name + ": empty item in '" + it->second + "'");
+    if (b == std::string::npos)
+      return Status::InvalidArgument("flag --" + name + ": empty item in '" + it->second + "'");
     item = item.substr(b, e - b + 1);
     char* end = nullptr;
     errno = 0;
@@ -164,7 +165,8 @@ std::vector<std::pair<std::string, std::vector<std::string>>> FlagGroups(const s
 
 }  // namespace
 
-std::vector<std::string> OverrideFlags(const std::vector<std::string>& base, const std::vector<std::string>& overrides) {
+std::vector<std::string> OverrideFlags(const std::vector<std::string>& base,
+                                       const std::vector<std::string>& overrides) {
   std::set<std::string> replaced;
   for (const auto& group : FlagGroups(overrides)) {
     if (!group.first.empty()) replaced.insert(group.first);

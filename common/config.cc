@@ -16,8 +16,8 @@ Result<ConfigReader> ConfigReader::FromString(const std::string& text, const std
     if (!n.IsMap()) return Status::InvalidArgument(origin + ": top level must be a map of options");
     return ConfigReader(n, "", origin);
   } catch (const YAML::Exception& e) {
-    return Status::InvalidArgument(origin + ": YAML syntax error at line " + std::to_string(e.mark.line + 1) +
-                                   ": " + e.msg);
+    return Status::InvalidArgument(origin + ": YAML syntax error at line " + std::to_string(e.mark.line + 1) + ": " +
+                                   e.msg);
   }
 }
 
@@ -95,8 +95,7 @@ void ConfigReader::Read(const std::string& key, int64_t* out, int64_t min, int64
     return Fail(key, "expected an integer, got '" + n.Scalar() + "'");
   }
   if (v < min || v > max) {
-    return Fail(key, "must be in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " +
-                         std::to_string(v));
+    return Fail(key, "must be in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " + std::to_string(v));
   }
   *out = v;
 }

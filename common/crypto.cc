@@ -120,13 +120,11 @@ Result<ClusterSecret> ClusterSecret::Load(const std::string& path) {
     return Status::InvalidArgument("cluster secret " + path + ": " + std::strerror(errno));
   }
   if ((st.st_mode & 077) != 0) {
-    return Status::InvalidArgument("cluster secret " + path + " is readable by group or others (mode " +
-                                   [&] {
-                                     char b[8];
-                                     std::snprintf(b, sizeof b, "%03o", st.st_mode & 0777);
-                                     return std::string(b);
-                                   }() +
-                                   "): chmod 600 it");
+    return Status::InvalidArgument("cluster secret " + path + " is readable by group or others (mode " + [&] {
+      char b[8];
+      std::snprintf(b, sizeof b, "%03o", st.st_mode & 0777);
+      return std::string(b);
+    }() + "): chmod 600 it");
   }
   PENUMBRA_ASSIGN_OR_RETURN(std::string raw, ReadFileToString(path));
   std::string_view s = raw;

@@ -144,7 +144,9 @@ class OptionTable {
       if (a.Has(name)) *field(o) = a.Get(name);
       return Status::OK();
     };
-    e.from_yaml = [field, choices](ConfigReader& r, const std::string& key, T* o) { r.ReadEnum(key, field(o), choices); };
+    e.from_yaml = [field, choices](ConfigReader& r, const std::string& key, T* o) {
+      r.ReadEnum(key, field(o), choices);
+    };
     entries_.push_back(std::move(e));
     return *this;
   }

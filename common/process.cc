@@ -7,8 +7,8 @@
 #include <fcntl.h>
 
 #include <csignal>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 

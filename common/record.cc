@@ -32,8 +32,7 @@ std::string RecordWriter::Seal(std::string_view key) {
   return std::move(s_);
 }
 
-Status UnsealRecord(std::string_view key, std::string_view value, uint32_t format_version,
-                    std::string_view* fields) {
+Status UnsealRecord(std::string_view key, std::string_view value, uint32_t format_version, std::string_view* fields) {
   if (value.size() < 12) return Status::Corruption("truncated value (" + std::to_string(value.size()) + " bytes)");
   uint64_t sum = 0;
   std::memcpy(&sum, value.data() + value.size() - 8, 8);

@@ -20,18 +20,18 @@ namespace penumbra {
 
 enum class StatusCode : uint8_t {
   kOk = 0,
-  kInvalidArgument,    // the caller's input is wrong; retrying will not help
-  kNotFound,           // a named thing (file, tensor, key) does not exist
-  kCorruption,         // stored or received bytes fail validation
-  kUnavailable,        // a dependency is down or busy; retryable
-  kResourceExhausted,  // memory, quota or capacity; retryable later
-  kDeadlineExceeded,   // retryable
-  kFailedPrecondition, // the system is not in a state to do this
+  kInvalidArgument,     // the caller's input is wrong; retrying will not help
+  kNotFound,            // a named thing (file, tensor, key) does not exist
+  kCorruption,          // stored or received bytes fail validation
+  kUnavailable,         // a dependency is down or busy; retryable
+  kResourceExhausted,   // memory, quota or capacity; retryable later
+  kDeadlineExceeded,    // retryable
+  kFailedPrecondition,  // the system is not in a state to do this
   kUnimplemented,
-  kInternal,           // a bug or an unexpected library failure
+  kInternal,  // a bug or an unexpected library failure
   kIOError,
   kCancelled,
-  kPermissionDenied,   // the caller may not do this (another tenant's, a bad key)
+  kPermissionDenied,  // the caller may not do this (another tenant's, a bad key)
 };
 
 std::string_view StatusCodeName(StatusCode code);
@@ -85,7 +85,7 @@ std::ostream& operator<<(std::ostream& os, const Status& s);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {  // NOLINT
     CHECK(!std::get<Status>(v_).ok()) << "Result constructed from an OK Status";
   }
@@ -122,10 +122,10 @@ class [[nodiscard]] Result {
 #define PENUMBRA_CONCAT_(a, b) PENUMBRA_CONCAT_INNER_(a, b)
 
 // Returns the Status from the enclosing function if `expr` is not OK.
-#define PENUMBRA_RETURN_IF_ERROR(expr)                 \
-  do {                                                 \
-    ::penumbra::Status _st = (expr);                   \
-    if (!_st.ok()) return _st;                         \
+#define PENUMBRA_RETURN_IF_ERROR(expr) \
+  do {                                 \
+    ::penumbra::Status _st = (expr);   \
+    if (!_st.ok()) return _st;         \
   } while (0)
 
 // `lhs = value of expr`, or returns its Status. lhs may declare: auto x.

@@ -17,8 +17,8 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) AddBiasKernel(float* __restrict__ x, const T* __restrict__ bias, int n,
-                                                           int dim) {
+__global__ void __launch_bounds__(kThreads)
+    AddBiasKernel(float* __restrict__ x, const T* __restrict__ bias, int n, int dim) {
   const int packs = dim / N;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= packs) return;

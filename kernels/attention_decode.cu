@@ -111,9 +111,7 @@ __device__ __forceinline__ uint32_t Word(const uint4& u, int w) {
   return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w;
 }
 
-__device__ __forceinline__ uint4 LoadRow16(const __nv_bfloat16* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
+__device__ __forceinline__ uint4 LoadRow16(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 __device__ __forceinline__ uint4 LoadRow16Or0(const __nv_bfloat16* p, bool valid) {
   return valid ? LoadRow16(p) : make_uint4(0, 0, 0, 0);
@@ -156,8 +154,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
   ChainRelease();
   static_assert(G == 1 || G == 2 || G == 4 || G == 8, "group must fit the 8 columns of O^T");
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
-  constexpr int kJ = D / 32;   // K loads per key row and lane
-  constexpr int kQ = D / 64;   // V loads per key row and lane
+  constexpr int kJ = D / 32;  // K loads per key row and lane
+  constexpr int kQ = D / 64;  // V loads per key row and lane
   constexpr int kKSteps = D / 16;
   constexpr int kMTiles = D / 16;
   __shared__ float s_m[kMmaWarps][8], s_l[kMmaWarps][8];
@@ -321,7 +319,7 @@ __global__ void __launch_bounds__(kGenericThreads)
                         float* __restrict__ ws_o, float* __restrict__ ws_m, float* __restrict__ ws_l,
                         int64_t head_stride, int hq, int group, int d, int chunk, int splits, float scale_log2,
                         SlotMask mask) {
-  extern __shared__ float gsmem[];  // q [d], acc [d], p [128], scratch [4]
+  extern __shared__ float gsmem[];                   // q [d], acc [d], p [128], scratch [4]
   __shared__ uint32_t s_live[kGenericThreads / 32];  // with a mask: bit j of word j / 32, key t0 + j is attended
   const int head = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int len = lengths[b];
@@ -406,8 +404,8 @@ static_assert(kMergeThreads == kGenericThreads, "the merge uses BlockReduce128")
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     DecodeMergeKernel(const float* __restrict__ ws_o, const float* __restrict__ ws_m, const float* __restrict__ ws_l,
-                      const int32_t* __restrict__ lengths, T* __restrict__ out, float* __restrict__ lse, int hq,
-                      int d, int chunk, int splits) {
+                      const int32_t* __restrict__ lengths, T* __restrict__ out, float* __restrict__ lse, int hq, int d,
+                      int chunk, int splits) {
   ChainWait();  // launched chained: see LaunchChained
   ChainRelease();
   extern __shared__ float w_s[];  // [min(n, kMergeMaxSmemSplits)]
@@ -469,11 +467,20 @@ template <int D>
 bool LaunchDecodeMmaFor(int group, const DecodeAttentionArgs& a, const SplitPlan& plan, float* ws_o, float* ws_m,
                         float* ws_l, cudaStream_t stream) {
   switch (group) {
-    case 1: LaunchDecodeMma<1, D>(a, plan, ws_o, ws_m, ws_l, stream); return true;
-    case 2: LaunchDecodeMma<2, D>(a, plan, ws_o, ws_m, ws_l, stream); return true;
-    case 4: LaunchDecodeMma<4, D>(a, plan, ws_o, ws_m, ws_l, stream); return true;
-    case 8: LaunchDecodeMma<8, D>(a, plan, ws_o, ws_m, ws_l, stream); return true;
-    default: return false;
+    case 1:
+      LaunchDecodeMma<1, D>(a, plan, ws_o, ws_m, ws_l, stream);
+      return true;
+    case 2:
+      LaunchDecodeMma<2, D>(a, plan, ws_o, ws_m, ws_l, stream);
+      return true;
+    case 4:
+      LaunchDecodeMma<4, D>(a, plan, ws_o, ws_m, ws_l, stream);
+      return true;
+    case 8:
+      LaunchDecodeMma<8, D>(a, plan, ws_o, ws_m, ws_l, stream);
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -485,10 +492,9 @@ void LaunchDecodeGeneric(const DecodeAttentionArgs& a, const SplitPlan& plan, fl
   if (smem > 48 * 1024)
     (void)cudaFuncSetAttribute(DecodeGenericKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem));
-  DecodeGenericKernel<T><<<grid, kGenericThreads, smem, stream>>>(static_cast<const T*>(a.q), a.k, a.v, a.lengths,
-                                                                 ws_o, ws_m, ws_l, a.head_stride, a.hq,
-                                                                 a.hq / a.hkv, a.d, plan.chunk, plan.splits,
-                                                                 a.scale * kLog2e, SlotMaskOf(a));
+  DecodeGenericKernel<T><<<grid, kGenericThreads, smem, stream>>>(
+      static_cast<const T*>(a.q), a.k, a.v, a.lengths, ws_o, ws_m, ws_l, a.head_stride, a.hq, a.hq / a.hkv, a.d,
+      plan.chunk, plan.splits, a.scale * kLog2e, SlotMaskOf(a));
 }
 
 }  // namespace
@@ -520,10 +526,10 @@ void LaunchDecodeAttention(const DecodeAttentionArgs& args, cudaStream_t stream)
   if (!fast) PENUMBRA_DISPATCH_FLOAT(args.dtype, T, LaunchDecodeGeneric<T>(args, plan, ws_o, ws_m, ws_l, stream));
   const dim3 merge_grid(args.hq, args.batch);
   const size_t merge_smem = sizeof(float) * std::min(plan.splits, kMergeMaxSmemSplits);
-  PENUMBRA_DISPATCH_FLOAT(args.dtype, T,
-                          LaunchChained(DecodeMergeKernel<T>, merge_grid, kMergeThreads, merge_smem, stream, ws_o,
-                                        ws_m, ws_l, args.lengths, static_cast<T*>(args.out), args.lse, args.hq, args.d,
-                                        plan.chunk, plan.splits));
+  PENUMBRA_DISPATCH_FLOAT(
+      args.dtype, T,
+      LaunchChained(DecodeMergeKernel<T>, merge_grid, kMergeThreads, merge_smem, stream, ws_o, ws_m, ws_l, args.lengths,
+                    static_cast<T*>(args.out), args.lse, args.hq, args.d, plan.chunk, plan.splits));
 }
 
 }  // namespace penumbra::kernels

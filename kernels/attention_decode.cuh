@@ -6,9 +6,9 @@
 // output and its log-sum-exp to the workspace. Phase 2 merges the splits.
 // Memory bound: reads 2 * sum(lengths) * hkv * d elements once.
 #pragma once
+#include <cuda_runtime_api.h>
 #include <cstddef>
 #include <cstdint>
-#include <cuda_runtime_api.h>
 #include "common/dtype.h"
 
 namespace penumbra::kernels {
@@ -19,11 +19,11 @@ struct DecodeAttentionArgs {
   const void* const* v = nullptr;    // same for V
   const int32_t* lengths = nullptr;  // device [batch]: keys per sequence (>= 1)
   void* out = nullptr;               // [batch, hq, d], same dtype as q
-  float* lse = nullptr;              // optional [batch, hq]: ln sum exp(scale q.k) (cascade merges, attention_prefix.cuh)
-  DType dtype = DType::kBF16;        // dtype of q, k, v and out (f32 or bf16)
+  float* lse = nullptr;        // optional [batch, hq]: ln sum exp(scale q.k) (cascade merges, attention_prefix.cuh)
+  DType dtype = DType::kBF16;  // dtype of q, k, v and out (f32 or bf16)
   int64_t head_stride = 0;
   int batch = 0, hq = 0, hkv = 0, d = 0;
-  int max_length = 0;                // host-side upper bound of lengths (sizes the grid)
+  int max_length = 0;  // host-side upper bound of lengths (sizes the grid)
   float scale = 1.0f;
   // Optional (ShadowKV's selection slots): key j of sequence b, KV head h in
   // [slot_row0, slot_row0 + slot_count * slot_rows) is not attended when
@@ -32,7 +32,7 @@ struct DecodeAttentionArgs {
   // lse = -inf.
   const int32_t* const* slot_maps = nullptr;  // device [batch] -> [hkv][slot_count]
   int slot_row0 = 0, slot_count = 0, slot_rows = 0;
-  void* workspace = nullptr;         // DecodeAttentionWorkspaceBytes() bytes
+  void* workspace = nullptr;  // DecodeAttentionWorkspaceBytes() bytes
   size_t workspace_bytes = 0;
 };
 

@@ -12,9 +12,9 @@ namespace {
 constexpr int kWarps = 8;  // rows per block
 
 template <typename T>
-__global__ void __launch_bounds__(kWarps * 32) MergeKernel(const T* x, int64_t xs, const float* __restrict__ lse,
-                                                            int64_t ls, int parts, int rows, int d, T* out,
-                                                            float* lse_out) {
+__global__ void __launch_bounds__(kWarps * 32)
+    MergeKernel(const T* x, int64_t xs, const float* __restrict__ lse, int64_t ls, int parts, int rows, int d, T* out,
+                float* lse_out) {
   const int row = blockIdx.x * kWarps + static_cast<int>(threadIdx.x / 32);
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -48,9 +48,9 @@ void LaunchMergeAttention(const MergeAttentionArgs& a, cudaStream_t stream) {
   if (a.rows <= 0 || a.parts <= 0) return;
   const dim3 grid((a.rows + kWarps - 1) / kWarps);
   PENUMBRA_DISPATCH_FLOAT(a.dtype, T,
-                          MergeKernel<T><<<grid, kWarps * 32, 0, stream>>>(
-                              static_cast<const T*>(a.x), a.x_part_stride, a.lse, a.lse_part_stride, a.parts, a.rows,
-                              a.d, static_cast<T*>(a.out), a.lse_out));
+                          MergeKernel<T><<<grid, kWarps * 32, 0, stream>>>(static_cast<const T*>(a.x), a.x_part_stride,
+                                                                           a.lse, a.lse_part_stride, a.parts, a.rows,
+                                                                           a.d, static_cast<T*>(a.out), a.lse_out));
 }
 
 }  // namespace penumbra::kernels

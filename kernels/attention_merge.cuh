@@ -12,13 +12,13 @@
 namespace penumbra::kernels {
 
 struct MergeAttentionArgs {
-  const void* x = nullptr;      // part p: [rows][d] of dtype at x + p * x_part_stride elements
+  const void* x = nullptr;  // part p: [rows][d] of dtype at x + p * x_part_stride elements
   int64_t x_part_stride = 0;
-  const float* lse = nullptr;   // part p: [rows] at lse + p * lse_part_stride, natural log
+  const float* lse = nullptr;  // part p: [rows] at lse + p * lse_part_stride, natural log
   int64_t lse_part_stride = 0;
   int parts = 0, rows = 0, d = 0;
-  void* out = nullptr;          // [rows][d] of dtype; may alias part 0 of x
-  float* lse_out = nullptr;     // optional [rows]
+  void* out = nullptr;       // [rows][d] of dtype; may alias part 0 of x
+  float* lse_out = nullptr;  // optional [rows]
   DType dtype = DType::kBF16;
 };
 void LaunchMergeAttention(const MergeAttentionArgs& args, cudaStream_t stream);

@@ -49,13 +49,11 @@ using namespace attention_tile;
 
 // ---- PTX wrappers ------------------------------------------------------------
 
-
 // Normalizes O and stores rows row_g and row_g + 8 (those below nq), and
 // with lse their ln-sum-exp ([nq, hq]; row_m is in the log2 domain).
 template <int D>
 __device__ __forceinline__ void StoreRows(const float (&o)[D / 8][4], const float (&row_m)[2], const float (&row_l)[2],
-                                          __nv_bfloat16* out, float* lse, int row_g, int nq, int hq, int head,
-                                          int t4) {
+                                          __nv_bfloat16* out, float* lse, int row_g, int nq, int hq, int head, int t4) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = row_l[h];
@@ -75,9 +73,9 @@ __device__ __forceinline__ void StoreRows(const float (&o)[D / 8][4], const floa
 
 // ---- fast path: bf16 tensor cores ---------------------------------------------
 
-constexpr int kBM = 128;             // query rows per block
-constexpr int kBN = 64;              // keys per tile
-constexpr int kWarps = kBM / 16;     // 16 rows per warp
+constexpr int kBM = 128;          // query rows per block
+constexpr int kBN = 64;           // keys per tile
+constexpr int kWarps = kBM / 16;  // 16 rows per warp
 constexpr int kThreads = kWarps * 32;
 
 // Byte offset of 16-byte chunk `c` of row `r` in a tile with D columns (bf16),
@@ -180,8 +178,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   float row_l[2] = {0.0f, 0.0f};  // per-thread partial sums; quad-reduced at the end
 
   const int g = lane >> 2, t4 = lane & 3;
-  const int warp_row0 = m0 + warp * 16;             // first row of this warp
-  const int pos0 = q_start + warp_row0 + g;         // absolute position of row g
+  const int warp_row0 = m0 + warp * 16;      // first row of this warp
+  const int pos0 = q_start + warp_row0 + g;  // absolute position of row g
   const int warp_last_pos = q_start + warp_row0 + 15;
   const bool warp_has_rows = warp_row0 < nq;
 
@@ -243,10 +241,10 @@ void LaunchPrefillBf16(const PrefillAttentionArgs& a, cudaStream_t stream) {
   if (smem > 48 * 1024)
     (void)cudaFuncSetAttribute(PrefillBf16Kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const dim3 grid(a.hq, (a.nq + kBM - 1) / kBM);
-  PrefillBf16Kernel<D><<<grid, kThreads, smem, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.q), static_cast<const __nv_bfloat16*>(a.k),
-      static_cast<const __nv_bfloat16*>(a.v), static_cast<__nv_bfloat16*>(a.out), a.lse, a.head_stride, a.q_start, a.nq,
-      a.hq, a.hq / a.hkv, a.scale * kLog2e);
+  PrefillBf16Kernel<D>
+      <<<grid, kThreads, smem, stream>>>(static_cast<const __nv_bfloat16*>(a.q), static_cast<const __nv_bfloat16*>(a.k),
+                                         static_cast<const __nv_bfloat16*>(a.v), static_cast<__nv_bfloat16*>(a.out),
+                                         a.lse, a.head_stride, a.q_start, a.nq, a.hq, a.hq / a.hkv, a.scale * kLog2e);
 }
 
 // ---- Hopper path: warpgroup MMA (wgmma) ------------------------------------------
@@ -282,7 +280,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const __nv_bfloat16* vb = v + static_cast<int64_t>(kvh) * head_stride;
 
   const int g = lane >> 2, t4 = lane & 3;
-  const int wg_row0 = m0 + wg * 64;                   // first row of this warpgroup
+  const int wg_row0 = m0 + wg * 64;                          // first row of this warpgroup
   const int pos0 = q_start + wg_row0 + warp_in_wg * 16 + g;  // absolute position of row g
   const int wg_last_pos = q_start + wg_row0 + 63;
   const bool wg_has_rows = wg_row0 < nq;
@@ -307,9 +305,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       // Scale into the log2 domain and mask keys past each row's position.
       [&](int key0) {
         const bool need_mask = key0 + kWgBN - 1 > q_start + wg_row0;
-        return [&, need_mask, key0](float (&s)[kWgBN / 8][4]) {
-          ScaleAndMask(s, scale_log2, need_mask, key0, t4, pos0);
-        };
+        return
+            [&, need_mask, key0](float(&s)[kWgBN / 8][4]) { ScaleAndMask(s, scale_log2, need_mask, key0, t4, pos0); };
       },
       o, row_m, row_l);
 
@@ -337,7 +334,8 @@ constexpr int kGenericWarps = 4;
 template <typename T>
 __global__ void __launch_bounds__(kGenericWarps * 32)
     PrefillGenericKernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-                         float* __restrict__ lse, int64_t head_stride, int q_start, int nq, int hq, int group, int d, float scale_log2) {
+                         float* __restrict__ lse, int64_t head_stride, int q_start, int nq, int hq, int group, int d,
+                         float scale_log2) {
   extern __shared__ float gsmem[];  // per warp: q [d], o [d], p [32]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + warp;  // (query, head) pair
@@ -371,8 +369,8 @@ void LaunchPrefillGeneric(const PrefillAttentionArgs& a, cudaStream_t stream) {
     (void)cudaFuncSetAttribute(PrefillGenericKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem));
   PrefillGenericKernel<T><<<blocks, kGenericWarps * 32, smem, stream>>>(
-      static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), static_cast<T*>(a.out),
-      a.lse, a.head_stride, a.q_start, a.nq, a.hq, a.hq / a.hkv, a.d, a.scale * kLog2e);
+      static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v), static_cast<T*>(a.out), a.lse,
+      a.head_stride, a.q_start, a.nq, a.hq, a.hq / a.hkv, a.d, a.scale * kLog2e);
 }
 
 }  // namespace
@@ -381,8 +379,8 @@ void LaunchPrefillAttention(const PrefillAttentionArgs& args, cudaStream_t strea
   if (args.nq <= 0 || args.hq <= 0) return;
   const bool tensor_cores = args.dtype == DType::kBF16 && (args.d == 64 || args.d == 128);
   PrefillPath path = args.path;
-  if (path == PrefillPath::kAuto) path = !tensor_cores ? PrefillPath::kGeneric : DeviceHasWgmma() ? PrefillPath::kWgmma
-                                                                                               : PrefillPath::kMma;
+  if (path == PrefillPath::kAuto)
+    path = !tensor_cores ? PrefillPath::kGeneric : DeviceHasWgmma() ? PrefillPath::kWgmma : PrefillPath::kMma;
   if (path == PrefillPath::kWgmma && tensor_cores && DeviceHasWgmma()) {
     if (args.d == 128)
       LaunchPrefillWgmma<128>(args, stream);

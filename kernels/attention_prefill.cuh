@@ -7,8 +7,8 @@
 // memory; the fast paths use bf16 tensor cores for d in {64, 128} (wgmma on
 // Hopper, mma.sync elsewhere); a generic path serves f32 and other head dims. Output in q's dtype.
 #pragma once
-#include <cstdint>
 #include <cuda_runtime_api.h>
+#include <cstdint>
 #include "common/dtype.h"
 
 namespace penumbra::kernels {
@@ -20,15 +20,15 @@ namespace penumbra::kernels {
 enum class PrefillPath { kAuto, kWgmma, kMma, kGeneric };
 
 struct PrefillAttentionArgs {
-  const void* q = nullptr;   // [nq, hq, d]
-  const void* k = nullptr;   // cache base of this sequence: [hkv][head_stride] rows of d
-  const void* v = nullptr;   // same layout as k
-  void* out = nullptr;       // [nq, hq, d], same dtype as q
-  float* lse = nullptr;      // optional [nq, hq]: ln sum exp(scale q.k) over each row's keys (cascade merges)
+  const void* q = nullptr;     // [nq, hq, d]
+  const void* k = nullptr;     // cache base of this sequence: [hkv][head_stride] rows of d
+  const void* v = nullptr;     // same layout as k
+  void* out = nullptr;         // [nq, hq, d], same dtype as q
+  float* lse = nullptr;        // optional [nq, hq]: ln sum exp(scale q.k) over each row's keys (cascade merges)
   DType dtype = DType::kBF16;  // dtype of q, k, v and out (f32 or bf16)
-  int64_t head_stride = 0;   // elements between KV heads (capacity * d)
+  int64_t head_stride = 0;     // elements between KV heads (capacity * d)
   int q_start = 0, nq = 0, hq = 0, hkv = 0, d = 0;
-  float scale = 1.0f;        // usually 1/sqrt(d)
+  float scale = 1.0f;  // usually 1/sqrt(d)
   PrefillPath path = PrefillPath::kAuto;
 };
 

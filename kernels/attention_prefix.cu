@@ -43,8 +43,8 @@ using namespace attention_tile;
 
 // ---- split plan ----------------------------------------------------------------
 
-constexpr int kTile = 128;          // keys per wgmma tile; chunks are multiples of it
-constexpr int kMaxSplits = 1024;    // the merge keeps the split weights in shared memory
+constexpr int kTile = 128;        // keys per wgmma tile; chunks are multiples of it
+constexpr int kMaxSplits = 1024;  // the merge keeps the split weights in shared memory
 
 struct PrefixPlan {
   int splits = 1;
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       [&](int) { return !wg_has_rows; },
       // No causal mask: only keys past the split's end (its last tile) are masked.
       [&](int key0) {
-        return [&, key0](float (&s)[kWgBN / 8][4]) {
+        return [&, key0](float(&s)[kWgBN / 8][4]) {
           ScaleAndMaskFrom(s, scale_log2, key0 + kWgBN > n_keys, key0, t4, n_keys);
         };
       },
@@ -165,8 +165,8 @@ void LaunchPrefixWgmma(const PrefixAttentionArgs& a, const PrefixPlan& plan, flo
   const dim3 grid((a.n * group + kWgBM - 1) / kWgBM, a.hkv, plan.splits);
   PrefixWgmmaKernel<D><<<grid, kWgThreads, smem, stream>>>(
       static_cast<const __nv_bfloat16*>(a.q), a.rows, a.n, static_cast<const __nv_bfloat16*>(a.k),
-      static_cast<const __nv_bfloat16*>(a.v), a.head_stride, a.keys, plan.chunk, plan.splits, ws_o, ws_lse, a.hq,
-      group, a.scale * kLog2e);
+      static_cast<const __nv_bfloat16*>(a.v), a.head_stride, a.keys, plan.chunk, plan.splits, ws_o, ws_lse, a.hq, group,
+      a.scale * kLog2e);
 }
 
 // ---- generic path ----------------------------------------------------------------
@@ -210,8 +210,8 @@ constexpr int kMergeThreads = 128;
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     PrefixMergeKernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
-                      const int32_t* __restrict__ rows, const float* __restrict__ own_lse, T* __restrict__ out,
-                      int hq, int d, int splits) {
+                      const int32_t* __restrict__ rows, const float* __restrict__ own_lse, T* __restrict__ out, int hq,
+                      int d, int splits) {
   __shared__ float w_s[kMaxSplits];
   __shared__ float w_own;
   const int head = blockIdx.x, b = blockIdx.y;
@@ -282,10 +282,10 @@ void LaunchPrefixAttention(const PrefixAttentionArgs& args, cudaStream_t stream)
     });
   }
   const dim3 merge_grid(args.hq, args.n);
-  PENUMBRA_DISPATCH_FLOAT(args.dtype, T,
-                          PrefixMergeKernel<T><<<merge_grid, kMergeThreads, 0, stream>>>(
-                              ws_o, ws_lse, args.rows, args.own_lse, static_cast<T*>(args.out), args.hq, args.d,
-                              plan.splits));
+  PENUMBRA_DISPATCH_FLOAT(
+      args.dtype, T,
+      PrefixMergeKernel<T><<<merge_grid, kMergeThreads, 0, stream>>>(
+          ws_o, ws_lse, args.rows, args.own_lse, static_cast<T*>(args.out), args.hq, args.d, plan.splits));
 }
 
 }  // namespace penumbra::kernels

@@ -16,9 +16,9 @@
 // output and its log2-sum-exp to the workspace. Phase 2: one block per
 // (query head, row) merges the splits and the row's own part into `out`.
 #pragma once
+#include <cuda_runtime_api.h>
 #include <cstddef>
 #include <cstdint>
-#include <cuda_runtime_api.h>
 #include "common/dtype.h"
 
 namespace penumbra::kernels {
@@ -28,22 +28,22 @@ namespace penumbra::kernels {
 enum class PrefixPath { kAuto, kWgmma, kGeneric };
 
 struct PrefixAttentionArgs {
-  const void* q = nullptr;          // [batch, hq, d], RoPE applied
-  const int32_t* rows = nullptr;    // device [n]: the batch rows (sequences) attached to this prefix, distinct
+  const void* q = nullptr;        // [batch, hq, d], RoPE applied
+  const int32_t* rows = nullptr;  // device [n]: the batch rows (sequences) attached to this prefix, distinct
   int n = 0;
-  const void* k = nullptr;          // the prefix's keys of one layer: [hkv][head_stride] rows of d
-  const void* v = nullptr;          // same layout as k
+  const void* k = nullptr;  // the prefix's keys of one layer: [hkv][head_stride] rows of d
+  const void* v = nullptr;  // same layout as k
   int64_t head_stride = 0;
-  int keys = 0;                     // prefix tokens (>= 1)
+  int keys = 0;  // prefix tokens (>= 1)
   // [batch, hq, d], same dtype as q. With own_lse: on entry each listed row's
   // attention over its own keys (normalized), on exit the attention over the
   // prefix and its own keys. Without: overwritten with the prefix's part.
   void* out = nullptr;
-  const float* own_lse = nullptr;   // device [batch, hq]: ln sum exp(scale q.k) over the row's own keys; or null
-  DType dtype = DType::kBF16;       // q, k, v and out: f32, f16 or bf16
+  const float* own_lse = nullptr;  // device [batch, hq]: ln sum exp(scale q.k) over the row's own keys; or null
+  DType dtype = DType::kBF16;      // q, k, v and out: f32, f16 or bf16
   int hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
-  void* workspace = nullptr;        // PrefixAttentionWorkspaceBytes() bytes
+  void* workspace = nullptr;  // PrefixAttentionWorkspaceBytes() bytes
   size_t workspace_bytes = 0;
   PrefixPath path = PrefixPath::kAuto;
 };

@@ -139,7 +139,6 @@ __device__ __forceinline__ void WgmmaAttendTile(uint32_t q_wg, uint32_t k_s, uin
   WgmmaFenceOperands(o);
 }
 
-
 // ---- the warpgroup-MMA main loop ------------------------------------------------
 //
 // A block of 2 warpgroups (kWgThreads) owns kWgBM = 128 query rows, warpgroup
@@ -171,15 +170,14 @@ constexpr int WgmmaAttentionSmemBytes() {
 // unnormalized, max in the log2 domain, per-thread partial sums). Only for
 // sm_90a code.
 template <int D, typename LoadQ, typename SkipTile, typename TileMask>
-__device__ __forceinline__ void WgmmaAttentionLoop(uint32_t smem_addr, const __nv_bfloat16* kb,
-                                                   const __nv_bfloat16* vb, int n_keys, LoadQ load_q,
-                                                   SkipTile skip_tile, TileMask tile_mask, float (&o)[D / 8][4],
-                                                   float (&row_m)[2], float (&row_l)[2]) {
+__device__ __forceinline__ void WgmmaAttentionLoop(uint32_t smem_addr, const __nv_bfloat16* kb, const __nv_bfloat16* vb,
+                                                   int n_keys, LoadQ load_q, SkipTile skip_tile, TileMask tile_mask,
+                                                   float (&o)[D / 8][4], float (&row_m)[2], float (&row_l)[2]) {
   static_assert(D == 64 || D == 128, "wgmma path is for d in {64, 128}");
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   constexpr uint32_t kQBytes = kWgBM * D * 2;
   constexpr uint32_t kTileBytes = kWgBN * D * 2;
-  constexpr uint32_t kStageBytes = 2 * kTileBytes;  // K tile, then V tile
+  constexpr uint32_t kStageBytes = 2 * kTileBytes;    // K tile, then V tile
   const uint32_t q_s = (smem_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
   const uint32_t stage0 = q_s + kQBytes;
   const int tid = threadIdx.x, wg = tid >> 7;
@@ -210,15 +208,15 @@ __device__ __forceinline__ void WgmmaAttentionLoop(uint32_t smem_addr, const __n
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   row_m[0] = row_m[1] = -INFINITY;
-  row_l[0] = row_l[1] = 0.0f;  // per-thread partial sums; quad-reduced by the caller
+  row_l[0] = row_l[1] = 0.0f;                 // per-thread partial sums; quad-reduced by the caller
   const uint32_t q_wg = q_s + wg * 64 * 128;  // this warpgroup's 64 rows, column block 0
 
   int stage = 0;  // j % kWgStages
   for (int j = 0; j < n_tiles; ++j) {
     const uint32_t k_s = stage0 + stage * kStageBytes;
     const uint32_t v_s = k_s + kTileBytes;
-    CpAsyncWait<1>();          // this thread's part of tile j (and Q) has landed
-    FenceProxyAsyncShared();   // ... and is visible to the tensor cores
+    CpAsyncWait<1>();         // this thread's part of tile j (and Q) has landed
+    FenceProxyAsyncShared();  // ... and is visible to the tensor cores
     // Tile j is visible to all, and both warpgroups are done with tile j-1's
     // stage (their wgmma waited), which tile j + 2 now overwrites.
     __syncthreads();
@@ -242,8 +240,8 @@ __device__ __forceinline__ void WgmmaAttentionLoop(uint32_t smem_addr, const __n
 // (one per lane), online softmax in the log2 domain, f32 accumulation. Returns
 // the running max (log2 domain) in m and the sum in l (every lane).
 template <typename T>
-__device__ __forceinline__ void GenericAttendRow(const float* qs, float* os, float* ps, const T* kb, const T* vb,
-                                                 int d, int key_begin, int key_end, int lane, float& m, float& l) {
+__device__ __forceinline__ void GenericAttendRow(const float* qs, float* os, float* ps, const T* kb, const T* vb, int d,
+                                                 int key_begin, int key_end, int lane, float& m, float& l) {
   m = -INFINITY;
   l = 0.0f;
   for (int c = key_begin; c < key_end; c += 32) {

@@ -10,15 +10,35 @@
 
 namespace penumbra::kernels {
 
-template <typename T> __device__ __forceinline__ float ToF32(T x);
-template <> __device__ __forceinline__ float ToF32<float>(float x) { return x; }
-template <> __device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <> __device__ __forceinline__ float ToF32<__half>(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ float ToF32(T x);
+template <>
+__device__ __forceinline__ float ToF32<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float ToF32<__half>(__half x) {
+  return __half2float(x);
+}
 
-template <typename T> __device__ __forceinline__ T FromF32(float x);
-template <> __device__ __forceinline__ float FromF32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half FromF32<__half>(float x) { return __float2half(x); }
+template <typename T>
+__device__ __forceinline__ T FromF32(float x);
+template <>
+__device__ __forceinline__ float FromF32<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half FromF32<__half>(float x) {
+  return __float2half(x);
+}
 
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
@@ -51,8 +71,7 @@ __device__ __forceinline__ void ChainRelease() {
 }
 
 template <typename... KArgs, typename... Args>
-void LaunchChained(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   Args... args) {
+void LaunchChained(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
   if (!ChainedLaunchEnabled()) {
     kernel<<<grid, block, smem, stream>>>(static_cast<KArgs>(args)...);
     return;
@@ -73,10 +92,23 @@ void LaunchChained(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
 }  // namespace penumbra::kernels
 
 // Dispatches on a runtime DType to a C++ element type named `T` (f32/bf16/f16).
-#define PENUMBRA_DISPATCH_FLOAT(dtype, T, ...)                          \
-  switch (dtype) {                                                      \
-    case ::penumbra::DType::kF32: { using T = float; __VA_ARGS__; break; }         \
-    case ::penumbra::DType::kBF16: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
-    case ::penumbra::DType::kF16: { using T = __half; __VA_ARGS__; break; }         \
-    default: break;                                                     \
+#define PENUMBRA_DISPATCH_FLOAT(dtype, T, ...) \
+  switch (dtype) {                             \
+    case ::penumbra::DType::kF32: {            \
+      using T = float;                         \
+      __VA_ARGS__;                             \
+      break;                                   \
+    }                                          \
+    case ::penumbra::DType::kBF16: {           \
+      using T = __nv_bfloat16;                 \
+      __VA_ARGS__;                             \
+      break;                                   \
+    }                                          \
+    case ::penumbra::DType::kF16: {            \
+      using T = __half;                        \
+      __VA_ARGS__;                             \
+      break;                                   \
+    }                                          \
+    default:                                   \
+      break;                                   \
   }

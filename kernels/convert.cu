@@ -49,10 +49,9 @@ void Launch(const S* src, D* dst, int64_t n, cudaStream_t stream) {
 
 void LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  PENUMBRA_DISPATCH_FLOAT(src_dtype, S,
-                          PENUMBRA_DISPATCH_FLOAT(dst_dtype, D,
-                                                  Launch<S, D>(static_cast<const S*>(src), static_cast<D*>(dst), n,
-                                                               stream)));
+  PENUMBRA_DISPATCH_FLOAT(
+      src_dtype, S,
+      PENUMBRA_DISPATCH_FLOAT(dst_dtype, D, Launch<S, D>(static_cast<const S*>(src), static_cast<D*>(dst), n, stream)));
 }
 
 }  // namespace penumbra::kernels

@@ -1,7 +1,7 @@
 // Dtype conversion: dst[i] = dst_dtype(src[i]). Elementwise.
 #pragma once
-#include <cstdint>
 #include <cuda_runtime_api.h>
+#include <cstdint>
 #include "common/dtype.h"
 
 namespace penumbra::kernels {

@@ -30,12 +30,11 @@ int AllowDynamicSharedMemory(const void* kernel);
 
 }  // namespace penumbra::kernels
 
-#define PENUMBRA_CUDA_RETURN_IF_ERROR(expr) \
-  PENUMBRA_RETURN_IF_ERROR(::penumbra::kernels::CudaStatus((expr), #expr))
+#define PENUMBRA_CUDA_RETURN_IF_ERROR(expr) PENUMBRA_RETURN_IF_ERROR(::penumbra::kernels::CudaStatus((expr), #expr))
 
 // For invariants (a failing launch after validated arguments is a bug).
-#define PENUMBRA_CUDA_CHECK(expr)                                                    \
-  do {                                                                               \
-    cudaError_t _e = (expr);                                                         \
-    CHECK(_e == cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);              \
+#define PENUMBRA_CUDA_CHECK(expr)                                        \
+  do {                                                                   \
+    cudaError_t _e = (expr);                                             \
+    CHECK(_e == cudaSuccess) << #expr << ": " << cudaGetErrorString(_e); \
   } while (0)

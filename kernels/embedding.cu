@@ -18,8 +18,9 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) EmbeddingKernel(const T* __restrict__ table, const int32_t* __restrict__ ids,
-                                                             int n, int dim, float* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+    EmbeddingKernel(const T* __restrict__ table, const int32_t* __restrict__ ids, int n, int dim,
+                    float* __restrict__ out) {
   const int packs = dim / N;
   for (int i = blockIdx.x; i < n; i += gridDim.x) {
     const auto* src = reinterpret_cast<const Pack<T, N>*>(table + static_cast<int64_t>(ids[i]) * dim);
@@ -37,8 +38,8 @@ __global__ void __launch_bounds__(kThreads) EmbeddingKernel(const T* __restrict_
 template <typename T>
 void Launch(const T* table, const int32_t* ids, int n, int dim, float* out, cudaStream_t stream) {
   constexpr int kVec = static_cast<int>(kMaxVecBytes / sizeof(T));
-  const bool vec = dim % kVec == 0 && reinterpret_cast<uintptr_t>(table) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const bool vec =
+      dim % kVec == 0 && reinterpret_cast<uintptr_t>(table) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int grid = std::min(n, 65535);
   if (vec) {
     EmbeddingKernel<T, kVec><<<grid, kThreads, 0, stream>>>(table, ids, n, dim, out);

@@ -1,8 +1,8 @@
 // Embedding lookup: out[i, :] = f32(table[ids[i], :]).
 // One block per token row, 16-byte loads; memory bound (reads n*dim elements).
 #pragma once
-#include <cstdint>
 #include <cuda_runtime_api.h>
+#include <cstdint>
 #include "common/dtype.h"
 
 namespace penumbra::kernels {

@@ -33,8 +33,8 @@ void LaunchFillRandomNormal(void* dst, DType dtype, int64_t n, float std, uint64
   const int threads = 256;
   const int64_t blocks64 = (n + threads - 1) / threads;
   const int blocks = static_cast<int>(blocks64 < 65536 ? blocks64 : 65536);
-  PENUMBRA_DISPATCH_FLOAT(dtype, T,
-                          FillRandomNormalKernel<T><<<blocks, threads, 0, stream>>>(static_cast<T*>(dst), n, std, seed));
+  PENUMBRA_DISPATCH_FLOAT(
+      dtype, T, FillRandomNormalKernel<T><<<blocks, threads, 0, stream>>>(static_cast<T*>(dst), n, std, seed));
 }
 
 }  // namespace penumbra::kernels

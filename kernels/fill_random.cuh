@@ -3,8 +3,8 @@
 // shape. Used for benchmarks' random weights and KV caches, generated on the
 // GPU. Memory bound: one write per element.
 #pragma once
-#include <cstdint>
 #include <cuda_runtime_api.h>
+#include <cstdint>
 #include "common/dtype.h"
 
 namespace penumbra::kernels {

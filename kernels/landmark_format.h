@@ -20,8 +20,8 @@
 
 namespace penumbra::kernels {
 
-inline constexpr int kLandmarkFp8Tail = 16;    // the scale (f32) and 12 zero bytes: records stay 16-byte aligned
-inline constexpr float kE4M3Max = 448.0f;      // the largest finite e4m3 value
+inline constexpr int kLandmarkFp8Tail = 16;  // the scale (f32) and 12 zero bytes: records stay 16-byte aligned
+inline constexpr float kE4M3Max = 448.0f;    // the largest finite e4m3 value
 
 // Elements of the landmark type (bytes for fp8) in one chunk's record.
 constexpr int64_t LandmarkChunkElems(int landmarks_per_chunk, int d, bool fp8) {
@@ -40,8 +40,8 @@ inline uint8_t F32ToE4M3(float f) {
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   if (std::isnan(f)) return 0x7f;
   const float a = std::fabs(f);
-  if (a > 464.0f) return sign | 0x7e;  // past the midpoint of 448 and 480 (no such value): saturate
-  if (a < 0.015625f) {                 // below 2^-6: subnormal codes, steps of 2^-9
+  if (a > 464.0f) return sign | 0x7e;            // past the midpoint of 448 and 480 (no such value): saturate
+  if (a < 0.015625f) {                           // below 2^-6: subnormal codes, steps of 2^-9
     const float m = std::nearbyint(a * 512.0f);  // 0 .. 8 (8 is 2^-6, the first normal code)
     return sign | static_cast<uint8_t>(m);
   }

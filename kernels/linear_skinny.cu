@@ -30,8 +30,8 @@
 //   on the same [2 out, in] W.
 // (An RMSNorm epilogue, where the last block to finish normalized the output
 // rows, and an RMSNorm prologue, where every block normalized its input rows,
-// both measured slower than the separate RMSNorm kernel: docs/benchmarks.md,
-// ninth session.)
+// both measured slower than the separate RMSNorm kernel:
+// bench/results/2026-11-21-h200-swiglu.jsonl.)
 //
 // Memory traffic: reads W once (out * in * 2 bytes) plus x from L1/L2; writes
 // (and with accumulate reads) y, or writes act_out.

@@ -10,7 +10,7 @@
 namespace penumbra::kernels {
 namespace {
 
-constexpr int64_t kTileRows = 4096;   // rows of K per A = K P GEMM tile
+constexpr int64_t kTileRows = 4096;  // rows of K per A = K P GEMM tile
 constexpr size_t kAlign = 256;
 
 size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -165,8 +165,8 @@ Result<size_t> LowRankWorkspaceBytes(cusolverDnHandle_t solver, int64_t S, int D
 Status LowRankFactor(const LowRankArgs& a, cublasHandle_t blas, cusolverDnHandle_t solver, cudaStream_t stream) {
   const int D = a.hkv * a.d;
   if (a.S < 1 || a.S > INT32_MAX || a.hkv < 1 || a.d < 1 || a.rank < 1 || a.rank > D)
-    return Status::InvalidArgument("LowRankFactor: S " + std::to_string(a.S) + ", D " + std::to_string(D) +
-                                   ", rank " + std::to_string(a.rank));
+    return Status::InvalidArgument("LowRankFactor: S " + std::to_string(a.S) + ", D " + std::to_string(D) + ", rank " +
+                                   std::to_string(a.rank));
   if ((a.key_dtype != DType::kF32 && a.key_dtype != DType::kBF16) ||
       (a.factor_dtype != DType::kF32 && a.factor_dtype != DType::kBF16))
     return Status::InvalidArgument("LowRankFactor: keys and factors must be f32 or bf16");
@@ -210,10 +210,10 @@ Status LowRankFactor(const LowRankArgs& a, cublasHandle_t blas, cusolverDnHandle
 
   if (a.factor_dtype == DType::kBF16) {
     ComponentsKernel<__nv_bfloat16><<<r, 256, 0, stream>>>(gram, eigvals, D, a.d, r, a.proj_out,
-                                                            static_cast<__nv_bfloat16*>(a.b_out), a.sigma_out);
+                                                           static_cast<__nv_bfloat16*>(a.b_out), a.sigma_out);
   } else {
-    ComponentsKernel<float><<<r, 256, 0, stream>>>(gram, eigvals, D, a.d, r, a.proj_out, static_cast<float*>(a.b_out),
-                                                   a.sigma_out);
+    ComponentsKernel<float>
+        <<<r, 256, 0, stream>>>(gram, eigvals, D, a.d, r, a.proj_out, static_cast<float*>(a.b_out), a.sigma_out);
   }
   PENUMBRA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
@@ -228,8 +228,8 @@ Status LowRankFactor(const LowRankArgs& a, cublasHandle_t blas, cusolverDnHandle
       k_f32 = static_cast<const float*>(a.keys) + t0 * D;
     }
     float* c = a.factor_dtype == DType::kF32 ? static_cast<float*>(a.a_out) + t0 * r : a_tile;
-    LR_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, r, rows, D, &one, a.proj_out, CUDA_R_32F, r, k_f32,
-                         CUDA_R_32F, D, &zero, c, CUDA_R_32F, r, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    LR_BLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, r, rows, D, &one, a.proj_out, CUDA_R_32F, r, k_f32, CUDA_R_32F,
+                         D, &zero, c, CUDA_R_32F, r, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (a.factor_dtype == DType::kBF16)
       Convert(a_tile, static_cast<__nv_bfloat16*>(a.a_out) + t0 * r, static_cast<int64_t>(rows) * r, stream);
   }
@@ -248,8 +248,8 @@ void LaunchProjectKeys(const ProjectKeysArgs& a, cudaStream_t stream) {
   auto launch = [&](auto* keys, auto* out) {
     using Tin = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
     using Tout = std::remove_pointer_t<decltype(out)>;
-    ProjectKeysKernel<Tin, Tout><<<grid, threads, smem, stream>>>(keys, a.D, a.rank, a.proj, out, stride, a.keys_batch_stride,
-                                                                 a.proj_batch_stride, a.a_batch_stride);
+    ProjectKeysKernel<Tin, Tout><<<grid, threads, smem, stream>>>(
+        keys, a.D, a.rank, a.proj, out, stride, a.keys_batch_stride, a.proj_batch_stride, a.a_batch_stride);
   };
   const bool kb = a.key_dtype == DType::kBF16, ob = a.out_dtype == DType::kBF16;
   if (kb && ob) launch(static_cast<const __nv_bfloat16*>(a.keys), static_cast<__nv_bfloat16*>(a.a_out));

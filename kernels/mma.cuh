@@ -39,8 +39,8 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr)
 // Fragments (lane = 4 * r + c): a0 = A[r][2c..2c+1], a1 = A[r+8][2c..],
 // a2 = A[r][2c+8..], a3 = A[r+8][2c+8..]; b0 = B[2c..2c+1][r], b1 = B[2c+8..][r];
 // c0,c1 = C[r][2c..2c+1], c2,c3 = C[r+8][2c..2c+1]. Pairs: low half first.
-__device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -70,8 +70,7 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
 
 // Q's A fragments {a0, a2} per k-step from `row` (D bf16); zeros if !valid.
 template <int D>
-__device__ __forceinline__ void LoadPermutedQ(const __nv_bfloat16* row, bool valid, int c,
-                                              uint32_t (&qa)[D / 16][2]) {
+__device__ __forceinline__ void LoadPermutedQ(const __nv_bfloat16* row, bool valid, int c, uint32_t (&qa)[D / 16][2]) {
 #pragma unroll
   for (int j = 0; j < D / 32; ++j) {
     const uint4 u = valid ? __ldg(reinterpret_cast<const uint4*>(row + 32 * j + 8 * c)) : make_uint4(0, 0, 0, 0);
@@ -125,10 +124,10 @@ __device__ __forceinline__ void LoadPermutedKFp8(const uint8_t* row, bool valid,
 #pragma unroll
   for (int j = 0; j < D / 64; ++j) {
     const uint4 u = valid ? __ldg(reinterpret_cast<const uint4*>(row + 64 * j + 16 * c)) : make_uint4(0, 0, 0, 0);
-    k[2 * j] = make_uint4(E4M3PairToBf16(u.x, 0), E4M3PairToBf16(u.x, 1), E4M3PairToBf16(u.y, 0),
-                          E4M3PairToBf16(u.y, 1));
-    k[2 * j + 1] = make_uint4(E4M3PairToBf16(u.z, 0), E4M3PairToBf16(u.z, 1), E4M3PairToBf16(u.w, 0),
-                              E4M3PairToBf16(u.w, 1));
+    k[2 * j] =
+        make_uint4(E4M3PairToBf16(u.x, 0), E4M3PairToBf16(u.x, 1), E4M3PairToBf16(u.y, 0), E4M3PairToBf16(u.y, 1));
+    k[2 * j + 1] =
+        make_uint4(E4M3PairToBf16(u.z, 0), E4M3PairToBf16(u.z, 1), E4M3PairToBf16(u.w, 0), E4M3PairToBf16(u.w, 1));
   }
 }
 

@@ -19,8 +19,8 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename TW, typename TO, int N>
-__global__ void __launch_bounds__(kThreads) RmsNormKernel(const float* __restrict__ x, const TW* __restrict__ w,
-                                                           int n, int dim, float eps, TO* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) RmsNormKernel(const float* __restrict__ x, const TW* __restrict__ w, int n,
+                                                          int dim, float eps, TO* __restrict__ out) {
   ChainWait();  // launched chained: see LaunchChained
   ChainRelease();
   __shared__ float warp_sums[kThreads / 32];
@@ -74,13 +74,13 @@ void Launch(const float* x, const TW* w, int n, int dim, float eps, TO* out, cud
 
 }  // namespace
 
-void LaunchRmsNorm(const float* x, const void* w, DType w_dtype, int n, int dim, float eps, void* out,
-                   DType out_dtype, cudaStream_t stream) {
+void LaunchRmsNorm(const float* x, const void* w, DType w_dtype, int n, int dim, float eps, void* out, DType out_dtype,
+                   cudaStream_t stream) {
   if (n <= 0 || dim <= 0) return;
-  PENUMBRA_DISPATCH_FLOAT(w_dtype, TW,
-                          PENUMBRA_DISPATCH_FLOAT(out_dtype, TO,
-                                                  Launch<TW, TO>(x, static_cast<const TW*>(w), n, dim, eps,
-                                                                 static_cast<TO*>(out), stream)));
+  PENUMBRA_DISPATCH_FLOAT(
+      w_dtype, TW,
+      PENUMBRA_DISPATCH_FLOAT(
+          out_dtype, TO, Launch<TW, TO>(x, static_cast<const TW*>(w), n, dim, eps, static_cast<TO*>(out), stream)));
 }
 
 }  // namespace penumbra::kernels

@@ -6,6 +6,6 @@
 
 namespace penumbra::kernels {
 // x: [n, dim] f32; w: [dim] of w_dtype; out: [n, dim] of out_dtype (f32/bf16/f16).
-void LaunchRmsNorm(const float* x, const void* w, DType w_dtype, int n, int dim, float eps, void* out,
-                   DType out_dtype, cudaStream_t stream);
+void LaunchRmsNorm(const float* x, const void* w, DType w_dtype, int n, int dim, float eps, void* out, DType out_dtype,
+                   cudaStream_t stream);
 }  // namespace penumbra::kernels

@@ -136,10 +136,10 @@ void LaunchRopeStore(const RopeStoreArgs& args, cudaStream_t stream) {
   const bool vec = args.d % 8 == 0 && reinterpret_cast<uintptr_t>(args.qkv) % 16 == 0;
   const int grid = std::min(args.n, 65535);
   const size_t smem = sizeof(float) * static_cast<size_t>(args.d);
-  PENUMBRA_DISPATCH_FLOAT(args.q_dtype, TQ,
-                          PENUMBRA_DISPATCH_FLOAT(args.kv_dtype, TKV,
-                                                  LaunchChained(RopeStoreKernel<TQ, TKV>, grid, kThreads, smem,
-                                                                                stream, args, vec)));
+  PENUMBRA_DISPATCH_FLOAT(
+      args.q_dtype, TQ,
+      PENUMBRA_DISPATCH_FLOAT(args.kv_dtype, TKV,
+                              LaunchChained(RopeStoreKernel<TQ, TKV>, grid, kThreads, smem, stream, args, vec)));
 }
 
 }  // namespace penumbra::kernels

@@ -5,14 +5,14 @@
 // Angles are computed in f32 as position * inv_freq[i] (inv_freq already holds
 // any llama3 scaling), like Hugging Face does.
 #pragma once
-#include <cstdint>
 #include <cuda_runtime_api.h>
+#include <cstdint>
 #include "common/dtype.h"
 
 namespace penumbra::kernels {
 
 struct RopeStoreArgs {
-  const float* qkv = nullptr;      // [n, (hq + 2*hkv) * d] f32: q heads, then k heads, then v heads
+  const float* qkv = nullptr;          // [n, (hq + 2*hkv) * d] f32: q heads, then k heads, then v heads
   const int32_t* positions = nullptr;  // [n] device: RoPE position of each token
   const float* inv_freq = nullptr;     // [d/2] device
   int n = 0, hq = 0, hkv = 0, d = 0;

@@ -189,9 +189,9 @@ __device__ uint32_t SearchKey(const float* row, int vocab, bool vec, uint64_t lo
   return static_cast<uint32_t>(lo);
 }
 
-__global__ void __launch_bounds__(kThreads) SampleKernel(const float* __restrict__ logits, int vocab,
-                                                          const SamplingRow* __restrict__ params,
-                                                          int32_t* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+    SampleKernel(const float* __restrict__ logits, int vocab, const SamplingRow* __restrict__ params,
+                 int32_t* __restrict__ out) {
   __shared__ Shared sh;
   const int r = blockIdx.x;
   const float* row = logits + static_cast<int64_t>(r) * vocab;

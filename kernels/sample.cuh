@@ -3,8 +3,8 @@
 // CPU and CUDA backends pick the same token from the same logits and seed).
 // One block per row; several passes over the row's vocab (bandwidth bound).
 #pragma once
-#include <cstdint>
 #include <cuda_runtime_api.h>
+#include <cstdint>
 
 namespace penumbra::kernels {
 

@@ -72,7 +72,7 @@ namespace penumbra::kernels {
 //   [n_chunks[b], max_chunks) get -inf; entries >= max_chunks are untouched.
 // Supported: d % 8 == 0, d <= 256; hq % hkv == 0 and hq / hkv <= 8.
 struct ShadowkvScoreArgs {
-  const void* q = nullptr;   // [batch, hq, d] of q_dtype (f32 or bf16)
+  const void* q = nullptr;  // [batch, hq, d] of q_dtype (f32 or bf16)
   DType q_dtype = DType::kBF16;
   const void* const* landmarks = nullptr;    // device [batch] -> [hkv][chunk_cap] chunk records (below)
   const uint8_t* const* excluded = nullptr;  // device [batch] -> [hkv][chunk_cap]; null: none excluded
@@ -83,9 +83,9 @@ struct ShadowkvScoreArgs {
   // (bf16 q, d 64 or 128), d % 8 otherwise. Either way chunk c's record is at
   // c * LandmarkChunkElems(landmarks_per_chunk, d, landmark_fp8) elements.
   bool landmark_fp8 = false;
-  const int32_t* n_chunks = nullptr;         // device [batch], each <= max_chunks
+  const int32_t* n_chunks = nullptr;  // device [batch], each <= max_chunks
   int batch = 0, hq = 0, hkv = 0, d = 0;
-  int chunk_cap = 0;   // chunks allocated per head in excluded (and in landmarks unless landmark_cap > 0)
+  int chunk_cap = 0;  // chunks allocated per head in excluded (and in landmarks unless landmark_cap > 0)
   // Chunks below shared_chunks have their landmarks at shared_landmarks[b]
   // ([hkv][shared_chunks] records: an attached prefix's, read by every
   // sequence attached to it); chunk c >= shared_chunks at landmarks[b]
@@ -93,8 +93,8 @@ struct ShadowkvScoreArgs {
   const void* const* shared_landmarks = nullptr;  // device [batch]; may be null when shared_chunks == 0
   int shared_chunks = 0;
   int landmark_cap = 0;  // 0: chunk_cap
-  int max_chunks = 0;  // host-side upper bound of n_chunks (sizes the grid), <= chunk_cap
-  float scale = 1.0f;  // usually 1/sqrt(d)
+  int max_chunks = 0;    // host-side upper bound of n_chunks (sizes the grid), <= chunk_cap
+  float scale = 1.0f;    // usually 1/sqrt(d)
   // > 0: a selectable chunk scores as high as its best of the `successors`
   // chunks before it too (score'(c) = max over 0 <= j <= successors, c - j
   // >= 0, of score(c - j); excluded chunks stay -inf and pass nothing on), so
@@ -112,8 +112,8 @@ struct ShadowkvScoreArgs {
   // query scores as that key's run does, not as the mean of the whole chunk.
   // Selection and fetch stay per chunk.
   int landmarks_per_chunk = 1;
-  float* scores = nullptr;  // [batch, hkv, score_stride] f32
-  int64_t score_stride = 0;  // >= max_chunks
+  float* scores = nullptr;    // [batch, hkv, score_stride] f32
+  int64_t score_stride = 0;   // >= max_chunks
   void* workspace = nullptr;  // ShadowkvScoreWorkspaceBytes() bytes
   size_t workspace_bytes = 0;
   // Optional selection (Algorithm 2's top-k), select_k in [1, kTopKMaxK]: the
@@ -164,7 +164,7 @@ struct MaxRowsArgs {
   int rows = 0;
   int64_t row_stride = 0;  // >= cols
   int64_t cols = 0;
-  float* out = nullptr;    // [cols]
+  float* out = nullptr;  // [cols]
   bool accumulate = false;
 };
 
@@ -185,15 +185,15 @@ struct MaxRowsArgs {
 struct ShadowkvGlobalSelectArgs {
   const float* candidates = nullptr;  // [parts][part_stride] f32
   int parts = 0, rank = 0;
-  int64_t part_stride = 0;            // >= rows * cand_stride
-  int rows = 0;                       // batch * hkv
-  int cand_stride = 0;                // proposals per row and part
-  int k = 0;                          // the whole sequence's budget in chunks
+  int64_t part_stride = 0;             // >= rows * cand_stride
+  int rows = 0;                        // batch * hkv
+  int cand_stride = 0;                 // proposals per row and part
+  int k = 0;                           // the whole sequence's budget in chunks
   const int32_t* proposals = nullptr;  // this rank's chunk ids, [rows][cand_stride] (-1: none)
-  int32_t* winners = nullptr;         // scratch [rows][k]
-  int32_t* selection = nullptr;       // [rows][selection_stride]; must not alias proposals
+  int32_t* winners = nullptr;          // scratch [rows][k]
+  int32_t* selection = nullptr;        // [rows][selection_stride]; must not alias proposals
   int64_t selection_stride = 0;
-  int selection_len = 0;              // <= selection_stride; >= this rank's proposals per row
+  int selection_len = 0;  // <= selection_stride; >= this rank's proposals per row
 };
 
 // ---- 3. slot update (hit cache) ---------------------------------------------
@@ -211,12 +211,12 @@ struct ShadowkvGlobalSelectArgs {
 // previous map not yet kept, until kslots chunks (emulates a hit rate).
 // Requires chunk ids < chunk_cap; shared memory is chunk_cap / 4 bytes.
 struct ShadowkvSlotUpdateArgs {
-  const int32_t* selection = nullptr;  // [batch * hkv, selection_stride] (LaunchTopK output)
-  int64_t selection_stride = 0;        // >= kslots
-  int32_t* const* slot_maps = nullptr; // device [batch] -> [hkv][kslots], updated in place
-  int32_t* miss_count = nullptr;       // [batch * hkv]
-  int32_t* miss_slot = nullptr;        // [batch * hkv][kslots]
-  int32_t* miss_chunk = nullptr;       // [batch * hkv][kslots]
+  const int32_t* selection = nullptr;   // [batch * hkv, selection_stride] (LaunchTopK output)
+  int64_t selection_stride = 0;         // >= kslots
+  int32_t* const* slot_maps = nullptr;  // device [batch] -> [hkv][kslots], updated in place
+  int32_t* miss_count = nullptr;        // [batch * hkv]
+  int32_t* miss_slot = nullptr;         // [batch * hkv][kslots]
+  int32_t* miss_chunk = nullptr;        // [batch * hkv][kslots]
   int batch = 0, hkv = 0, kslots = 0, chunk_cap = 0;
   float force_keep = -1.0f;
 };
@@ -240,19 +240,19 @@ struct ShadowkvRebuildKArgs {
   const void* const* a = nullptr;         // device [batch] -> A [token_cap][r]
   const void* const* shared_a = nullptr;  // device [batch]; may be null when shared_chunks == 0
   int shared_chunks = 0;
-  const void* const* b = nullptr;         // device [batch] -> B [hkv][r][d]
+  const void* const* b = nullptr;            // device [batch] -> B [hkv][r][d]
   const int32_t* position_offset = nullptr;  // device [batch]; null = 0
-  const float* inv_freq = nullptr;        // device [d/2]
-  const int32_t* miss_count = nullptr;    // [batch * hkv]
-  const int32_t* miss_slot = nullptr;     // [batch * hkv][miss_stride]
-  const int32_t* miss_chunk = nullptr;    // [batch * hkv][miss_stride]
-  int miss_stride = 0;                    // kslots
-  void* const* att_k = nullptr;           // device [batch] -> K [hkv][att_cap][d]
-  int64_t att_head_stride = 0;            // att_cap * d
-  int outlier_rows = 0;                   // O * chunk_size: row of slot 0
-  DType dtype = DType::kBF16;             // A, B and K: bf16 or f32
+  const float* inv_freq = nullptr;           // device [d/2]
+  const int32_t* miss_count = nullptr;       // [batch * hkv]
+  const int32_t* miss_slot = nullptr;        // [batch * hkv][miss_stride]
+  const int32_t* miss_chunk = nullptr;       // [batch * hkv][miss_stride]
+  int miss_stride = 0;                       // kslots
+  void* const* att_k = nullptr;              // device [batch] -> K [hkv][att_cap][d]
+  int64_t att_head_stride = 0;               // att_cap * d
+  int outlier_rows = 0;                      // O * chunk_size: row of slot 0
+  DType dtype = DType::kBF16;                // A, B and K: bf16 or f32
   int batch = 0, hkv = 0, d = 0, r = 0, chunk_size = 0;
-  int max_misses = 0;                     // host-side bound of miss_count (sizes the grid)
+  int max_misses = 0;  // host-side bound of miss_count (sizes the grid)
   RebuildKAlgo algo = RebuildKAlgo::kAuto;
 };
 

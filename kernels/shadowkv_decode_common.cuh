@@ -22,8 +22,10 @@ __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
 
 // 8 consecutive elements loaded with 16-byte loads, kept raw until used so that
 // several loads can be in flight.
-template <typename T> struct Raw8;
-template <> struct Raw8<bf16> {
+template <typename T>
+struct Raw8;
+template <>
+struct Raw8<bf16> {
   uint4 v;
   __device__ __forceinline__ void Load(const bf16* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
   __device__ __forceinline__ void Zero() { v = make_uint4(0, 0, 0, 0); }
@@ -36,7 +38,8 @@ template <> struct Raw8<bf16> {
     }
   }
 };
-template <> struct Raw8<float> {
+template <>
+struct Raw8<float> {
   float4 lo, hi;
   __device__ __forceinline__ void Load(const float* p) {
     lo = __ldg(reinterpret_cast<const float4*>(p));
@@ -44,15 +47,27 @@ template <> struct Raw8<float> {
   }
   __device__ __forceinline__ void Zero() { lo = hi = make_float4(0.f, 0.f, 0.f, 0.f); }
   __device__ __forceinline__ void ToF32(float (&x)[8]) const {
-    x[0] = lo.x; x[1] = lo.y; x[2] = lo.z; x[3] = lo.w;
-    x[4] = hi.x; x[5] = hi.y; x[6] = hi.z; x[7] = hi.w;
+    x[0] = lo.x;
+    x[1] = lo.y;
+    x[2] = lo.z;
+    x[3] = lo.w;
+    x[4] = hi.x;
+    x[5] = hi.y;
+    x[6] = hi.z;
+    x[7] = hi.w;
   }
 };
 
 // The landmark type of fp8 records (kernels/landmark_format.h): e4m3 codes.
 struct Fp8 {};
-template <typename T> struct LandmarkElem { using type = T; };
-template <> struct LandmarkElem<Fp8> { using type = uint8_t; };
+template <typename T>
+struct LandmarkElem {
+  using type = T;
+};
+template <>
+struct LandmarkElem<Fp8> {
+  using type = uint8_t;
+};
 
 // An e4m3 code's value times 2^-120, exactly, by moving its fields into an
 // f32's (a normal code's exponent field e, biased by 7, becomes an f32 field
@@ -62,7 +77,8 @@ template <> struct LandmarkElem<Fp8> { using type = uint8_t; };
 __device__ __forceinline__ float E4M3Raw(uint32_t b) {
   return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
 }
-template <> struct Raw8<Fp8> {
+template <>
+struct Raw8<Fp8> {
   uint2 v;
   __device__ __forceinline__ void Load(const uint8_t* p) { v = __ldg(reinterpret_cast<const uint2*>(p)); }
   __device__ __forceinline__ void Zero() { v = make_uint2(0, 0); }

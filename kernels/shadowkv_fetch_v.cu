@@ -8,17 +8,17 @@
 #include <type_traits>
 #include <utility>
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <glog/logging.h>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/common.cuh"
+#include "kernels/cuda_check.h"
 #include "kernels/landmark_format.h"
 #include "kernels/mma.cuh"
+#include "kernels/shadowkv_decode_common.cuh"
 #include "kernels/topk.cuh"
 #include "kernels/topk_block.cuh"
-#include "kernels/cuda_check.h"
-#include "kernels/shadowkv_decode_common.cuh"
 
 namespace penumbra::kernels {
 
@@ -40,7 +40,7 @@ namespace {
 // Width measured with two lanes at the natural hit rate (124928 x 14, H200):
 // 16 blocks 54.9 ms per step, 32 blocks 51.5, 64 blocks 56.7.
 constexpr int kFetchThreads = 256;
-constexpr int kFetchUnroll = 8;     // 16-byte loads in flight per thread
+constexpr int kFetchUnroll = 8;  // 16-byte loads in flight per thread
 constexpr int kFetchMaxBlocks = 32;
 
 __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs a, int nvec, int elem_bytes) {
@@ -79,7 +79,10 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
       int lo = 0, hi = rows;  // the row with s_first[row] <= item < s_first[row + 1]
       while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
-        if (s_first[mid] <= item) lo = mid; else hi = mid;
+        if (s_first[mid] <= item)
+          lo = mid;
+        else
+          hi = mid;
       }
       const int row = lo, m = item - s_first[row];
       const int b = row / a.hkv, h = row % a.hkv;
@@ -91,7 +94,8 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
       } else {
         const int64_t c = a.miss_chunk[at];
         if (c < a.shared_chunks) {
-          src = static_cast<const char*>(a.shared_store[b]) + (static_cast<int64_t>(h) * a.shared_stride + c) * chunk_bytes;
+          src = static_cast<const char*>(a.shared_store[b]) +
+                (static_cast<int64_t>(h) * a.shared_stride + c) * chunk_bytes;
         } else {
           src = static_cast<const char*>(a.value_store[b]) +
                 (static_cast<int64_t>(h) * a.chunk_cap + c - a.shared_chunks) * chunk_bytes;
@@ -107,7 +111,6 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
       if (dst[u]) *dst[u] = buf[u];
   }
 }
-
 
 }  // namespace
 
@@ -129,6 +132,5 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   FetchVKernel<<<blocks, kFetchThreads, smem, stream>>>(a, nvec, elem_bytes);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }
-
 
 }  // namespace penumbra::kernels

@@ -2,8 +2,8 @@
 
 #include <type_traits>
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_fp8.h>
+#include <cub/block/block_scan.cuh>
 
 #include <glog/logging.h>
 
@@ -39,7 +39,7 @@ __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
                   (a.first_token + static_cast<int64_t>(c) * C) * d;
   const int S = a.landmarks_per_chunk, run = C / S;
   // The mean of keys [t0, t0 + n) (this lane's elements), summed in token order.
-  const auto mean_of = [&](int t0, int n, float (&out)[kPerLane]) {
+  const auto mean_of = [&](int t0, int n, float(&out)[kPerLane]) {
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) out[i] = 0.0f;
     for (int t = t0; t < t0 + n; ++t) {
@@ -61,7 +61,7 @@ __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
   L* out = static_cast<L*>(a.landmarks) + p * a.landmark_batch_stride + h * a.landmark_head_stride +
            c * LandmarkChunkElems(S, d, kFp8);
   // Row s of the chunk: the mean of its s-th run of C / S keys (S = 1: the chunk's mean).
-  const auto row_of = [&](int s, float (&row)[kPerLane]) {
+  const auto row_of = [&](int s, float(&row)[kPerLane]) {
     if (S <= 1) {
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) row[i] = mean[i];
@@ -241,8 +241,10 @@ void LaunchChunkLandmarks(const ChunkLandmarksArgs& a, cudaStream_t stream) {
   const bool kb = a.kv_dtype == DType::kBF16, lb = a.landmark_dtype == DType::kBF16;
   if (a.landmark_fp8) {
     CHECK(a.d % 8 == 0) << "ChunkLandmarks: fp8 landmarks need head_dim a multiple of 8, got " << a.d;
-    if (kb) ChunkLandmarksKernel<__nv_bfloat16, uint8_t><<<blocks, threads, 0, stream>>>(a);
-    else ChunkLandmarksKernel<float, uint8_t><<<blocks, threads, 0, stream>>>(a);
+    if (kb)
+      ChunkLandmarksKernel<__nv_bfloat16, uint8_t><<<blocks, threads, 0, stream>>>(a);
+    else
+      ChunkLandmarksKernel<float, uint8_t><<<blocks, threads, 0, stream>>>(a);
     return;
   }
   if (kb && lb) ChunkLandmarksKernel<__nv_bfloat16, __nv_bfloat16><<<blocks, threads, 0, stream>>>(a);

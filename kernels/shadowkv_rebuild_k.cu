@@ -7,17 +7,17 @@
 #include <type_traits>
 #include <utility>
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <glog/logging.h>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/common.cuh"
+#include "kernels/cuda_check.h"
 #include "kernels/landmark_format.h"
 #include "kernels/mma.cuh"
+#include "kernels/shadowkv_decode_common.cuh"
 #include "kernels/topk.cuh"
 #include "kernels/topk_block.cuh"
-#include "kernels/cuda_check.h"
-#include "kernels/shadowkv_decode_common.cuh"
 
 namespace penumbra::kernels {
 
@@ -50,8 +50,8 @@ template <typename T>
 __global__ void __launch_bounds__(kSimtThreads) RebuildKSimtKernel(ShadowkvRebuildKArgs a) {
   extern __shared__ __align__(16) float smf[];
   const int r = a.r, d = a.d, C = a.chunk_size, half = a.d / 2;
-  float* As = smf;                   // [kSimtTokens][r]
-  float* Xs = smf + kSimtTokens * r; // [kSimtTokens][d]
+  float* As = smf;                    // [kSimtTokens][r]
+  float* Xs = smf + kSimtTokens * r;  // [kSimtTokens][d]
   const int row = blockIdx.y, m = blockIdx.x;
   if (m >= a.miss_count[row]) return;
   const int b = row / a.hkv, h = row % a.hkv;
@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
   extern __shared__ __align__(16) unsigned char smem[];
   const int r = a.r, d = a.d, C = a.chunk_size, half = d / 2;
   const int kpad = L.kpad;
-  bf16* Bs = reinterpret_cast<bf16*>(smem);                               // [kpad][b_stride]
-  bf16* As = reinterpret_cast<bf16*>(smem + L.b_bytes);                  // [stages][64][a_stride]
+  bf16* Bs = reinterpret_cast<bf16*>(smem);                                              // [kpad][b_stride]
+  bf16* As = reinterpret_cast<bf16*>(smem + L.b_bytes);                                  // [stages][64][a_stride]
   int32_t* s_idx = reinterpret_cast<int32_t*>(smem + L.b_bytes + L.stages * L.a_bytes);  // [2][chunk | slot][64]
 
   const int row = blockIdx.y;
@@ -280,7 +280,6 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
   }
 }
 
-
 }  // namespace
 
 void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) {
@@ -330,6 +329,5 @@ void LaunchShadowkvRebuildK(const ShadowkvRebuildKArgs& a, cudaStream_t stream) 
   }
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }
-
 
 }  // namespace penumbra::kernels

@@ -8,18 +8,18 @@
 #include <type_traits>
 #include <utility>
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <glog/logging.h>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/common.cuh"
+#include "kernels/cuda_check.h"
 #include "kernels/landmark_format.h"
 #include "kernels/mma.cuh"
-#include "kernels/topk.cuh"
-#include "kernels/topk_block.cuh"
-#include "kernels/cuda_check.h"
 #include "kernels/shadowkv_decode_common.cuh"
 #include "kernels/shadowkv_slot_update.cuh"
+#include "kernels/topk.cuh"
+#include "kernels/topk_block.cuh"
 
 namespace penumbra::kernels {
 
@@ -42,7 +42,10 @@ struct LandmarkRows {
   int64_t rec;  // elements per chunk record
   // row_shift: log2(landmarks_per_chunk) (ScoreWorkspace::shift).
   __device__ LandmarkRows(const ShadowkvScoreArgs& a, int b, int h, int row_shift)
-      : shared_chunks(a.shared_chunks), d(a.d), shift(row_shift), per_chunk(a.landmarks_per_chunk),
+      : shared_chunks(a.shared_chunks),
+        d(a.d),
+        shift(row_shift),
+        per_chunk(a.landmarks_per_chunk),
         rec(LandmarkChunkElems(a.landmarks_per_chunk, a.d, kFp8)) {
     const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
     own = static_cast<const E*>(a.landmarks[b]) + h * cap * rec;
@@ -64,16 +67,15 @@ struct LandmarkRows {
   }
 };
 
-
 constexpr int kScoreThreads = 256;
 constexpr int kScoreSplit = 1024;  // chunks per phase-1 block of the SIMT kernel (its shared logits)
 // Chunks per block of the tensor-core kernel. 512 rather than 1024: in the
 // decode pipeline (124928 x 14, two lanes, forced 60%, chained launches) 595.7
-// tok/s against 588.3; 256 measured 593.4 (docs/benchmarks.md, eighth session).
+// tok/s against 588.3; 256 measured 593.4 (bench/results/2026-11-21-h200-chained.jsonl).
 constexpr int kScoreMmaSplit = 512;
 // The workspace holds the split statistics of the smaller of the two.
 constexpr int kScoreMinSplit = kScoreMmaSplit < kScoreSplit ? kScoreMmaSplit : kScoreSplit;
-constexpr int kScoreUnroll = 8;   // rows in flight per thread
+constexpr int kScoreUnroll = 8;  // rows in flight per thread
 constexpr int kScoreFinalPerThread = 4;
 
 size_t AlignUp(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
@@ -153,8 +155,10 @@ __global__ void __launch_bounds__(kScoreThreads)
 #pragma unroll
     for (int u = 0; u < kScoreUnroll; ++u) {
       const int c = base + u * rows_per_pass + row_in_pass;
-      if (active && c < c1) raw[u].Load(land.Row(c) + lane_row * 8);
-      else raw[u].Zero();
+      if (active && c < c1)
+        raw[u].Load(land.Row(c) + lane_row * 8);
+      else
+        raw[u].Zero();
       ex[u] = lane_row == 0 && c < c1 && excl && excl[c >> ws.shift];
       rs[u] = lane_row == 0 && c < c1 ? land.RowScale(c) : 1.0f;
     }
@@ -355,13 +359,12 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreFinalKernel(ShadowkvScoreA
   }
 }
 
-
 // The selection of one row from `src`, then its selection_scores from the
 // same functor (the same bits as the keys) and the slot update.
 template <class Src>
 __device__ __forceinline__ void SelectScoreUpdateRow(const Src& src, const ShadowkvScoreArgs& a, int row, int n,
-                                                     uint32_t* smem, int cached_keys,
-                                                     const ShadowkvSlotUpdateArgs& su, bool update) {
+                                                     uint32_t* smem, int cached_keys, const ShadowkvSlotUpdateArgs& su,
+                                                     bool update) {
   int32_t* sel = a.selection + static_cast<int64_t>(row) * a.selection_stride;
   topk_block::SelectRow(src, n, a.select_k, /*smallest=*/false, /*skip_worst_inf=*/true, sel, smem, cached_keys);
   if (a.selection_scores == nullptr && !update) return;
@@ -386,8 +389,8 @@ __device__ __forceinline__ void SelectScoreUpdateRow(const Src& src, const Shado
 // (section 3) follows in the same block, reading the selection the block just
 // wrote.
 __global__ void __launch_bounds__(topk_block::kThreads)
-    ScoreSelectKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split, int cached_keys,
-                      ShadowkvSlotUpdateArgs su, bool update) {
+    ScoreSelectKernel(ShadowkvScoreArgs a, ScoreWorkspace ws, int n_split, int cached_keys, ShadowkvSlotUpdateArgs su,
+                      bool update) {
   ChainWait();  // launched chained: see LaunchChained
   ChainRelease();
   extern __shared__ __align__(16) uint32_t sel_smem[];
@@ -461,8 +464,10 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
 
   uint32_t qa[D / 16][2];  // rows r + 8 are zero
   const bf16* q_row = static_cast<const bf16*>(a.q) + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * D;
-  if constexpr (F8) LoadPermutedQForFp8K<D>(q_row, r < G, c, qa);
-  else LoadPermutedQ<D>(q_row, r < G, c, qa);
+  if constexpr (F8)
+    LoadPermutedQForFp8K<D>(q_row, r < G, c, qa);
+  else
+    LoadPermutedQ<D>(q_row, r < G, c, qa);
   const LandmarkRows<std::conditional_t<F8, Fp8, bf16>> land(a, b, h, ws.shift);
   const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
   float* logit_row = ws.logits + (static_cast<int64_t>(b) * a.hq + h * G + min(r, G - 1)) * ws.rows;
@@ -474,8 +479,10 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int row = base + 8 * nt + r;
-      if constexpr (F8) LoadPermutedKFp8<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
-      else LoadPermutedK<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
+      if constexpr (F8)
+        LoadPermutedKFp8<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
+      else
+        LoadPermutedK<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
     }
     // fp8: the scales of this lane's 8 output rows (1 otherwise).
     float rs[4][2];
@@ -519,7 +526,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m_run, mx);
-    if (m_new != NegInf()) {  // else every chunk so far is excluded: nothing to add
+    if (m_new != NegInf()) {         // else every chunk so far is excluded: nothing to add
       s_run *= expf(m_run - m_new);  // 0 on the first finite max (s_run is 0 then)
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) s_run += expf(x[nt][0] - m_new) + expf(x[nt][1] - m_new);
@@ -556,11 +563,16 @@ bool LaunchScoreLogitsMma(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, 
     return true;
   };
   switch (a.hq / a.hkv) {
-    case 1: return launch(ScoreLogitsMmaKernel<1, D, F8>);
-    case 2: return launch(ScoreLogitsMmaKernel<2, D, F8>);
-    case 4: return launch(ScoreLogitsMmaKernel<4, D, F8>);
-    case 8: return launch(ScoreLogitsMmaKernel<8, D, F8>);
-    default: return false;
+    case 1:
+      return launch(ScoreLogitsMmaKernel<1, D, F8>);
+    case 2:
+      return launch(ScoreLogitsMmaKernel<2, D, F8>);
+    case 4:
+      return launch(ScoreLogitsMmaKernel<4, D, F8>);
+    case 8:
+      return launch(ScoreLogitsMmaKernel<8, D, F8>);
+    default:
+      return false;
   }
 }
 
@@ -569,8 +581,10 @@ void LaunchScoreLogits(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int
                        cudaStream_t stream) {
   const dim3 grid(n_split, a.hkv, a.batch);
   switch (a.hq / a.hkv) {
-#define PENUMBRA_SCORE_CASE(G) \
-  case G: ScoreLogitsKernel<T, G><<<grid, kScoreThreads, 0, stream>>>(a, ws, tpr, n_split); break;
+#define PENUMBRA_SCORE_CASE(G)                                                        \
+  case G:                                                                             \
+    ScoreLogitsKernel<T, G><<<grid, kScoreThreads, 0, stream>>>(a, ws, tpr, n_split); \
+    break;
     PENUMBRA_SCORE_CASE(1)
     PENUMBRA_SCORE_CASE(2)
     PENUMBRA_SCORE_CASE(3)
@@ -580,7 +594,8 @@ void LaunchScoreLogits(const ShadowkvScoreArgs& a, const ScoreWorkspace& ws, int
     PENUMBRA_SCORE_CASE(7)
     PENUMBRA_SCORE_CASE(8)
 #undef PENUMBRA_SCORE_CASE
-    default: LOG(FATAL) << "ShadowkvScore: unsupported group size " << a.hq / a.hkv;
+    default:
+      LOG(FATAL) << "ShadowkvScore: unsupported group size " << a.hq / a.hkv;
   }
 }
 
@@ -610,8 +625,8 @@ __global__ void __launch_bounds__(topk_block::kThreads)
   const int row = blockIdx.x;
   const CandidateSource src{a.candidates + static_cast<int64_t>(row) * a.cand_stride, a.part_stride, a.cand_stride};
   int32_t* win = a.winners + static_cast<int64_t>(row) * a.k;
-  topk_block::SelectRow(src, a.parts * a.cand_stride, a.k, /*smallest=*/false, /*skip_worst_inf=*/true, win,
-                        gsel_smem, cached_keys);
+  topk_block::SelectRow(src, a.parts * a.cand_stride, a.k, /*smallest=*/false, /*skip_worst_inf=*/true, win, gsel_smem,
+                        cached_keys);
   __syncthreads();  // the winners (global, written by other threads)
   // The winners ascend, so this rank's, [lo, hi), are one run after the
   // `before` winners of lower ranks; `mine` of them.
@@ -634,7 +649,6 @@ __global__ void __launch_bounds__(topk_block::kThreads)
   __syncthreads();  // the selection (global, written by other threads), for the slot update
   SlotUpdateRow(su, row, gsel_smem);
 }
-
 
 }  // namespace
 
@@ -776,8 +790,8 @@ void LaunchShadowkvGlobalSelect(const ShadowkvGlobalSelectArgs& a, cudaStream_t 
                                 const ShadowkvSlotUpdateArgs* then_update) {
   if (a.rows <= 0) return;
   CHECK(a.k >= 1 && a.k <= kTopKMaxK) << "ShadowkvGlobalSelect: k " << a.k;
-  CHECK(a.parts >= 1 && a.rank >= 0 && a.rank < a.parts) << "ShadowkvGlobalSelect: rank " << a.rank << " of "
-                                                        << a.parts << " parts";
+  CHECK(a.parts >= 1 && a.rank >= 0 && a.rank < a.parts)
+      << "ShadowkvGlobalSelect: rank " << a.rank << " of " << a.parts << " parts";
   const int64_t n = static_cast<int64_t>(a.parts) * a.cand_stride;
   CHECK(a.cand_stride >= 0 && n <= std::numeric_limits<int32_t>::max())
       << "ShadowkvGlobalSelect: " << a.parts << " parts of " << a.cand_stride << " candidates";
@@ -809,6 +823,5 @@ void LaunchShadowkvGlobalSelect(const ShadowkvGlobalSelectArgs& a, cudaStream_t 
                 then_update ? *then_update : ShadowkvSlotUpdateArgs{}, then_update != nullptr);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }
-
 
 }  // namespace penumbra::kernels

@@ -7,18 +7,18 @@
 #include <type_traits>
 #include <utility>
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <glog/logging.h>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/common.cuh"
+#include "kernels/cuda_check.h"
 #include "kernels/landmark_format.h"
 #include "kernels/mma.cuh"
-#include "kernels/topk.cuh"
-#include "kernels/topk_block.cuh"
-#include "kernels/cuda_check.h"
 #include "kernels/shadowkv_decode_common.cuh"
 #include "kernels/shadowkv_slot_update.cuh"
+#include "kernels/topk.cuh"
+#include "kernels/topk_block.cuh"
 
 namespace penumbra::kernels {
 
@@ -37,11 +37,10 @@ void LaunchShadowkvSlotUpdate(const ShadowkvSlotUpdateArgs& a, cudaStream_t stre
   CHECK_GE(a.selection_stride, a.kslots);
   const size_t smem = SlotUpdateSharedBytes(a);
   const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&SlotUpdateKernel));
-  CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvSlotUpdate: chunk_cap " << a.chunk_cap
-                                                   << " kslots " << a.kslots << " need too much shared memory";
+  CHECK_LE(smem, static_cast<size_t>(max_dynamic))
+      << "ShadowkvSlotUpdate: chunk_cap " << a.chunk_cap << " kslots " << a.kslots << " need too much shared memory";
   SlotUpdateKernel<<<rows, kSlotThreads, smem, stream>>>(a);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }
-
 
 }  // namespace penumbra::kernels

@@ -20,8 +20,8 @@ __device__ __forceinline__ void SetBit(uint32_t* bits, int c) { atomicOr(&bits[c
 // Appends, in order, the entries src[i] (i < n) for which pred(src[i]) holds to
 // dst starting at *count, while *count < limit. Run by one full warp.
 template <typename Pred>
-__device__ __forceinline__ void WarpAppend(const int32_t* src, int n, Pred pred, int32_t* dst, int& count,
-                                           int limit, int lane) {
+__device__ __forceinline__ void WarpAppend(const int32_t* src, int n, Pred pred, int32_t* dst, int& count, int limit,
+                                           int lane) {
   const unsigned lower = (1u << lane) - 1u;
   for (int base = 0; base < n && count < limit; base += 32) {
     const int i = base + lane;
@@ -43,9 +43,9 @@ __device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t
   uint32_t* prev_bits = sm;
   uint32_t* sel_bits = sm + words;
   int32_t* prev = reinterpret_cast<int32_t*>(sel_bits + words);  // [ks] previous map
-  int32_t* sel = prev + ks;                                       // [ks] final selection
-  int32_t* free_list = sel + ks;                                  // [ks]
-  int32_t* misses = free_list + ks;                               // [ks]
+  int32_t* sel = prev + ks;                                      // [ks] final selection
+  int32_t* free_list = sel + ks;                                 // [ks]
+  int32_t* misses = free_list + ks;                              // [ks]
   __shared__ int s_nsel, s_nfree, s_nmiss;
 
   const int b = row / a.hkv, h = row % a.hkv;
@@ -71,10 +71,11 @@ __device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t
       __syncwarp();
       for (int i = lane; i < nsel; i += 32) SetBit(sel_bits, sel[i]);
       __syncwarp();
-      WarpAppend(sel_in, ks, [&](int32_t c) { return valid(c) && !TestBit(prev_bits, c); }, sel, nsel, ks, lane);
-      WarpAppend(sel_in, ks,
-                 [&](int32_t c) { return valid(c) && TestBit(prev_bits, c) && !TestBit(sel_bits, c); }, sel,
-                 nsel, ks, lane);
+      WarpAppend(
+          sel_in, ks, [&](int32_t c) { return valid(c) && !TestBit(prev_bits, c); }, sel, nsel, ks, lane);
+      WarpAppend(
+          sel_in, ks, [&](int32_t c) { return valid(c) && TestBit(prev_bits, c) && !TestBit(sel_bits, c); }, sel, nsel,
+          ks, lane);
     }
     if (lane == 0) s_nsel = nsel;
   }
@@ -95,7 +96,8 @@ __device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t
       nfree += __popc(mask);
     }
     // Misses, in selection order: selected chunks not in the previous map.
-    WarpAppend(sel, nsel, [&](int32_t c) { return !TestBit(prev_bits, c); }, misses, nmiss, ks, lane);
+    WarpAppend(
+        sel, nsel, [&](int32_t c) { return !TestBit(prev_bits, c); }, misses, nmiss, ks, lane);
     if (lane == 0) {
       s_nfree = nfree;
       s_nmiss = nmiss;
@@ -112,7 +114,6 @@ __device__ void SlotUpdateRow(const ShadowkvSlotUpdateArgs& a, int row, uint32_t
   for (int i = tid; i < nfree; i += nthreads) map[free_list[i]] = i < nmiss ? misses[i] : -1;
   if (tid == 0) a.miss_count[row] = nmiss;
 }
-
 
 inline size_t SlotUpdateSharedBytes(const ShadowkvSlotUpdateArgs& a) {
   const size_t words = (static_cast<size_t>(a.chunk_cap) + 31) / 32;

@@ -18,8 +18,8 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) SwiGLUKernel(const float* __restrict__ gate_up, int n, int F,
-                                                          T* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+    SwiGLUKernel(const float* __restrict__ gate_up, int n, int F, T* __restrict__ out) {
   ChainWait();  // launched chained: see LaunchChained
   ChainRelease();
   const int packs = F / N;

@@ -22,8 +22,8 @@ struct TopKArgs {
   const int32_t* counts = nullptr;
   int rows_per_count = 1;
   int uniform_count = 0;
-  int max_count = 0;  // host-side upper bound of every count (sizes shared memory)
-  int k = 0;          // 1..kTopKMaxK
+  int max_count = 0;      // host-side upper bound of every count (sizes shared memory)
+  int k = 0;              // 1..kTopKMaxK
   bool smallest = false;  // false: k largest; true: k smallest
   // Never select NaN nor the worst infinity (-inf when largest, +inf when
   // smallest), e.g. chunks a score marked unselectable; rows with fewer than k

@@ -33,8 +33,8 @@ inline constexpr size_t SharedWords(int cached_keys) { return static_cast<size_t
 template <class Src>
 __device__ __forceinline__ void SelectRow(const Src& src, int n, int k, bool smallest, bool skip_worst_inf,
                                           int32_t* out, uint32_t* smem, int cached_keys) {
-  uint32_t* hist = smem;                     // [kWarps][kBins]
-  uint32_t* keys = smem + kWarps * kBins;    // [cached_keys]
+  uint32_t* hist = smem;                   // [kWarps][kBins]
+  uint32_t* keys = smem + kWarps * kBins;  // [cached_keys]
   __shared__ uint32_t total[kBins];
   __shared__ int sel_bin, sel_above;
   __shared__ int warp_gt[kWarps], warp_eq[kWarps];

@@ -28,17 +28,17 @@ class BlobReader;
 struct SegmentInfo {
   std::string cache_namespace;
   int64_t tokens = 0;
-  size_t bytes = 0;                  // blob bytes
+  size_t bytes = 0;  // blob bytes
   bool pinned = false;
-  int attached = 0;                  // in-memory users (0 after a reopen)
-  uint64_t last_used = 0;            // logical clock, larger = more recent
+  int attached = 0;        // in-memory users (0 after a reopen)
+  uint64_t last_used = 0;  // logical clock, larger = more recent
 };
 
 // One blob of a stored segment, as its record holds it.
 struct BlobLayout {
   std::string name;
-  uint64_t size = 0;                 // bytes
-  size_t block_bytes = 0;            // bytes per block (the last one holds the rest)
+  uint64_t size = 0;       // bytes
+  size_t block_bytes = 0;  // bytes per block (the last one holds the rest)
   uint32_t blocks = 0;
 };
 

@@ -13,8 +13,8 @@ namespace penumbra::storage {
 
 Status SegmentLayout::Validate() const {
   auto positive = [](int v, const char* name) -> Status {
-    if (v < 1) return Status::InvalidArgument(std::string("SegmentLayout.") + name + " must be >= 1, got " +
-                                              std::to_string(v));
+    if (v < 1)
+      return Status::InvalidArgument(std::string("SegmentLayout.") + name + " must be >= 1, got " + std::to_string(v));
     return Status::OK();
   };
   PENUMBRA_RETURN_IF_ERROR(positive(layers, "layers"));
@@ -163,8 +163,7 @@ Result<SegmentLayout> DramValueStore::Layout(SegmentId id) const {
   return s->layout;
 }
 
-Status DramValueStore::PutChunks(SegmentId id, int layer, int kv_head, int first_chunk, int n_chunks,
-                                 const void* src) {
+Status DramValueStore::PutChunks(SegmentId id, int layer, int kv_head, int first_chunk, int n_chunks, const void* src) {
   std::shared_lock lock(mu_);
   PENUMBRA_ASSIGN_OR_RETURN(Segment * s, Find(id));
   const SegmentLayout& l = s->layout;
@@ -209,8 +208,7 @@ Status DramValueStore::GatherChunks(SegmentId id, int layer, std::span<const Chu
                                      std::to_string(r.kv_head) + ", chunk " + std::to_string(r.chunk) +
                                      ") out of range for " + l.ToString());
     if (!s->written[s->Row(layer, r.kv_head, r.chunk)])
-      return Status::NotFound("GatherChunks: " + RowName(l, id, s->Row(layer, r.kv_head, r.chunk)) +
-                              " was never put");
+      return Status::NotFound("GatherChunks: " + RowName(l, id, s->Row(layer, r.kv_head, r.chunk)) + " was never put");
   }
   char* out = static_cast<char*>(dst);
   for (size_t i = 0; i < refs.size(); ++i) {

@@ -48,10 +48,14 @@ Result<std::shared_ptr<BlobReader>> OpenSegmentReader(SegmentStore* store, const
   return std::shared_ptr<BlobReader>(new SegmentReader(store, key, std::move(*layout)));
 }
 
-LazyBlob::LazyBlob(std::shared_ptr<BlobReader> reader, std::string blob, char* dst, uint64_t size,
-                   size_t block_bytes, int threads, std::function<void()> on_complete, Place place)
-    : reader_(std::move(reader)), blob_(std::move(blob)), dst_(dst), size_(size),
-      block_bytes_(std::max<size_t>(block_bytes, 1)), threads_(std::max(threads, 1)),
+LazyBlob::LazyBlob(std::shared_ptr<BlobReader> reader, std::string blob, char* dst, uint64_t size, size_t block_bytes,
+                   int threads, std::function<void()> on_complete, Place place)
+    : reader_(std::move(reader)),
+      blob_(std::move(blob)),
+      dst_(dst),
+      size_(size),
+      block_bytes_(std::max<size_t>(block_bytes, 1)),
+      threads_(std::max(threads, 1)),
       on_complete_(std::move(on_complete)),
       place_(std::move(place)),
       state_(static_cast<size_t>((size + block_bytes_ - 1) / block_bytes_), kAbsent) {

@@ -93,8 +93,8 @@ class LazyBlob {
   uint64_t size() const { return size_; }
   size_t block_bytes() const { return block_bytes_; }
   uint32_t blocks() const { return static_cast<uint32_t>(state_.size()); }
-  int64_t blocks_read() const;        // present blocks
-  int64_t blocks_on_demand() const;   // of them, read for an Ensure
+  int64_t blocks_read() const;       // present blocks
+  int64_t blocks_on_demand() const;  // of them, read for an Ensure
 
  private:
   enum : uint8_t { kAbsent = 0, kLoading = 1, kPresent = 2 };

@@ -19,7 +19,8 @@ namespace {
 // VLOG(1). Nothing is written under the store's directory.
 class GlogLogger final : public rocksdb::Logger {
  public:
-  explicit GlogLogger(std::string store) : rocksdb::Logger(rocksdb::InfoLogLevel::INFO_LEVEL), store_(std::move(store)) {}
+  explicit GlogLogger(std::string store)
+      : rocksdb::Logger(rocksdb::InfoLogLevel::INFO_LEVEL), store_(std::move(store)) {}
   using rocksdb::Logger::Logv;
   void Logv(const char* format, va_list ap) override { Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap); }
   void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
@@ -97,9 +98,10 @@ Status RocksWriter::Recover() {
 Status RocksWriter::TryRecover() {
   const std::string where = store_ + " " + path_;
   uint64_t entries = 0;
-  const bool memtable_holds = db_ != nullptr && db_->GetAggregatedIntProperty("rocksdb.num-entries-active-mem-table", &entries) &&
-                              entries > 0;
-  if (db_ != nullptr && (memtable_holds || !reopen_)) return FromRocks(db_->Resume(), where + ": resuming after a failed write");
+  const bool memtable_holds =
+      db_ != nullptr && db_->GetAggregatedIntProperty("rocksdb.num-entries-active-mem-table", &entries) && entries > 0;
+  if (db_ != nullptr && (memtable_holds || !reopen_))
+    return FromRocks(db_->Resume(), where + ": resuming after a failed write");
   struct statvfs fs;
   if (!reopen_) return Status::Unavailable(where + ": closed after a failed reopen");
   if (::statvfs(path_.c_str(), &fs) == 0) {

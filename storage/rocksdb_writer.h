@@ -56,8 +56,7 @@ class RocksWriter {
   static constexpr uint64_t kReopenMinFreeBytes = uint64_t{1} << 20;
 
   // `store` names it in messages ("document registry"), `path` its directory.
-  RocksWriter(std::string store, std::string path,
-              std::chrono::milliseconds retry_interval = kDefaultRetryInterval);
+  RocksWriter(std::string store, std::string path, std::chrono::milliseconds retry_interval = kDefaultRetryInterval);
 
   // What every store sets on its DBOptions before DB::Open (see the top).
   void Configure(rocksdb::DBOptions* options) const;
@@ -90,7 +89,7 @@ class RocksWriter {
   rocksdb::DB* db_ = nullptr;
   Reopen reopen_;
   std::chrono::steady_clock::time_point next_try_{};
-  Status last_;  // degraded: why
+  Status last_;            // degraded: why
   mutable std::mutex mu_;  // health_
   WriteHealth health_;
 };

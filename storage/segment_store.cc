@@ -84,8 +84,8 @@ struct Record {
   int64_t tokens = 0;
   bool pinned = false;
   uint64_t last_used = 0;
-  uint64_t generation = 0;  // the version whose blocks this record names
-  std::string digest;       // kDigestBytes: ContentDigest of what was stored
+  uint64_t generation = 0;         // the version whose blocks this record names
+  std::string digest;              // kDigestBytes: ContentDigest of what was stored
   bool last_used_unsaved = false;  // in memory only: a ReadBlob marked it used since the record was written
   std::vector<BlobLayout> blobs;
   size_t bytes() const {
@@ -149,7 +149,8 @@ Status DecodeRecord(std::string_view v, Record* r) {
   if (sum != Hash64(v.data(), body, kRecordMagic)) return Status::Corruption("record checksum mismatch");
   // Reads place blocks by these fields: they must agree.
   for (const auto& b : r->blobs) {
-    if (b.block_bytes < kMinBlockBytes || b.block_bytes > kMaxBlockBytes || b.blocks != BlocksFor(b.size, b.block_bytes)) {
+    if (b.block_bytes < kMinBlockBytes || b.block_bytes > kMaxBlockBytes ||
+        b.blocks != BlocksFor(b.size, b.block_bytes)) {
       return Status::Corruption("record: blob '" + b.name + "' of " + std::to_string(b.size) + " bytes has " +
                                 std::to_string(b.blocks) + " blocks of " + std::to_string(b.block_bytes) + " bytes");
     }
@@ -267,7 +268,8 @@ struct SegmentStore::Impl {
       for (const auto& [k, r] : records) {
         if (r.last_used_unsaved) recency.Put(meta, KeyBytes(Hash128{k.second, k.first}), EncodeRecord(r));
       }
-      if (recency.Count() > 0) (void)Write("saving recency", [&] { return db->Write(rocksdb::WriteOptions(), &recency); });
+      if (recency.Count() > 0)
+        (void)Write("saving recency", [&] { return db->Write(rocksdb::WriteOptions(), &recency); });
       CloseDb();
     }
   }
@@ -338,7 +340,8 @@ struct SegmentStore::Impl {
     rocksdb::WriteBatch batch;
     batch.Put(pending, VersionKey(key, generation), "");
     batch.Delete(meta, KeyBytes(key));
-    PENUMBRA_RETURN_IF_ERROR(Write("deleting segment " + key.Hex(), [&] { return db->Write(CommitOptions(), &batch); }));
+    PENUMBRA_RETURN_IF_ERROR(
+        Write("deleting segment " + key.Hex(), [&] { return db->Write(CommitOptions(), &batch); }));
     Account(it->second, false);
     records.erase(it);
     // The segment is gone (its record); a failure here leaves the blocks and
@@ -459,7 +462,8 @@ struct SegmentStore::Impl {
     if (auto it = records.find(K(key)); it != records.end()) {
       it->second.last_used = clock++;
       it->second.last_used_unsaved = false;
-      (void)Write("saving recency", [&] { return db->Put(rocksdb::WriteOptions(), meta, KeyBytes(key), EncodeRecord(it->second)); });
+      (void)Write("saving recency",
+                  [&] { return db->Put(rocksdb::WriteOptions(), meta, KeyBytes(key), EncodeRecord(it->second)); });
     }
     return out;
   }
@@ -527,14 +531,16 @@ struct SegmentStore::Impl {
     for (const std::string& k : intents) {
       if (k.size() == kKeyBytes) continue;
       if (k.size() != kKeyBytes + 8) {
-        PENUMBRA_RETURN_IF_ERROR(Write("deleting an intent", [&] { return db->Delete(rocksdb::WriteOptions(), pending, k); }));
+        PENUMBRA_RETURN_IF_ERROR(
+            Write("deleting an intent", [&] { return db->Delete(rocksdb::WriteOptions(), pending, k); }));
         continue;
       }
       const Hash128 key = KeyFrom(k.data());
       const uint64_t generation = GetBigEndian64(k.data() + kKeyBytes);
       auto it = records.find(K(key));
       if (it != records.end() && it->second.generation == generation) {
-        PENUMBRA_RETURN_IF_ERROR(Write("deleting an intent", [&] { return db->Delete(rocksdb::WriteOptions(), pending, k); }));
+        PENUMBRA_RETURN_IF_ERROR(
+            Write("deleting an intent", [&] { return db->Delete(rocksdb::WriteOptions(), pending, k); }));
       } else {
         PENUMBRA_RETURN_IF_ERROR(DropVersion(key, generation));
         ++stats.orphans_removed;
@@ -647,9 +653,8 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
       return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed namespace '" + ns +
                                        "' quota of " + std::to_string(q->second));
     }
-    PENUMBRA_ASSIGN_OR_RETURN(bool ok, m.MakeRoom(ns, true, key, [&] {
-      return m.ns_bytes[ns] - old_ns_bytes + bytes <= q->second;
-    }));
+    PENUMBRA_ASSIGN_OR_RETURN(
+        bool ok, m.MakeRoom(ns, true, key, [&] { return m.ns_bytes[ns] - old_ns_bytes + bytes <= q->second; }));
     if (!ok) {
       return Status::ResourceExhausted("segment store: namespace '" + ns +
                                        "' is at its quota and its segments are pinned or in use");
@@ -668,9 +673,8 @@ Status SegmentStore::Put(const Hash128& key, const std::string& ns, int64_t toke
   // an intent to drop the old version's blocks, dropped next).
   r.generation = kGenerationBit | m.clock++;
   const std::string version = VersionKey(key, r.generation);
-  PENUMBRA_RETURN_IF_ERROR(m.Write("writing the intent of " + key.Hex(), [&] {
-    return m.db->Put(rocksdb::WriteOptions(), m.pending, version, "");
-  }));
+  PENUMBRA_RETURN_IF_ERROR(m.Write("writing the intent of " + key.Hex(),
+                                   [&] { return m.db->Put(rocksdb::WriteOptions(), m.pending, version, ""); }));
   Status written;
   uint32_t blob_index = 0;
   for (const auto& [name, data] : blobs) {
@@ -722,8 +726,8 @@ Status SegmentStore::CheckRoom(const std::string& ns, uint64_t bytes) const {
     return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed the capacity of " +
                                      std::to_string(impl_->options.capacity_bytes));
   }
-  if (auto q = impl_->options.namespace_quota_bytes.find(ns); q != impl_->options.namespace_quota_bytes.end() &&
-                                                             bytes > q->second) {
+  if (auto q = impl_->options.namespace_quota_bytes.find(ns);
+      q != impl_->options.namespace_quota_bytes.end() && bytes > q->second) {
     return Status::ResourceExhausted("segment store: " + std::to_string(bytes) + " bytes exceed namespace '" + ns +
                                      "' quota of " + std::to_string(q->second));
   }

@@ -84,7 +84,7 @@
 namespace penumbra::storage {
 
 struct SegmentStoreOptions {
-  std::string path;                  // RocksDB directory (created when missing). Required.
+  std::string path;                          // RocksDB directory (created when missing). Required.
   size_t capacity_bytes = size_t{64} << 30;  // stored blob bytes at most. Default: 64 GiB.
   // Blob bytes per block (a RocksDB value) for blobs Put gives no block size;
   // in [4096, 256 MiB]. Default: 4 MiB.
@@ -92,10 +92,10 @@ struct SegmentStoreOptions {
   // Bytes per namespace at most; a namespace not named has no quota beyond
   // the capacity. Default: none.
   std::map<std::string, size_t> namespace_quota_bytes;
-  bool sync_commit = true;           // fsync the WAL when a segment is committed. Default: true.
+  bool sync_commit = true;                      // fsync the WAL when a segment is committed. Default: true.
   size_t block_cache_bytes = size_t{64} << 20;  // RocksDB block cache. Default: 64 MiB.
-  bool direct_reads = false;         // read files with O_DIRECT (bypassing the page cache). Default: false.
-  size_t read_threads = 8;           // blocks one Get or ReadBlob reads at once (in [1, 256]). Default: 8.
+  bool direct_reads = false;                    // read files with O_DIRECT (bypassing the page cache). Default: false.
+  size_t read_threads = 8;                      // blocks one Get or ReadBlob reads at once (in [1, 256]). Default: 8.
 };
 
 // Reads the keys path, capacity_bytes, block_bytes, sync_commit,

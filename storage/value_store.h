@@ -23,11 +23,11 @@ using SegmentId = uint64_t;  // 0 is never a valid id
 
 // Shape of one segment's value storage.
 struct SegmentLayout {
-  int layers = 0;          // model layers
-  int kv_heads = 0;        // KV heads per layer
-  int chunk_capacity = 0;  // chunks per (layer, head) this segment may hold
-  int chunk_tokens = 0;    // tokens per chunk (C)
-  int head_dim = 0;        // d
+  int layers = 0;              // model layers
+  int kv_heads = 0;            // KV heads per layer
+  int chunk_capacity = 0;      // chunks per (layer, head) this segment may hold
+  int chunk_tokens = 0;        // tokens per chunk (C)
+  int head_dim = 0;            // d
   DType dtype = DType::kBF16;  // element type of the rows
 
   size_t chunk_elements() const { return static_cast<size_t>(chunk_tokens) * head_dim; }
@@ -63,8 +63,7 @@ class ValueStore {
   // (layer, kv_head) from `src` (n_chunks contiguous rows), overwriting. Checks
   // every argument before writing anything: NotFound for an unknown segment,
   // InvalidArgument for a layer, head or chunk range out of bounds.
-  virtual Status PutChunks(SegmentId id, int layer, int kv_head, int first_chunk, int n_chunks,
-                           const void* src) = 0;
+  virtual Status PutChunks(SegmentId id, int layer, int kv_head, int first_chunk, int n_chunks, const void* src) = 0;
 
   // Copies the rows `refs` of `layer`, in order, to `dst` (refs.size()
   // contiguous rows) and verifies each row's checksum. NotFound for an unknown

@@ -48,9 +48,7 @@
 namespace penumbra {
 namespace {
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // Reads blocks `order` of `reader`'s blob with `threads` threads, `batch`
 // blocks per ReadMany; seconds.
@@ -86,8 +84,10 @@ Result<double> ReadBlocks(storage::BlobReader& reader, uint64_t size, size_t blo
 
 Status Run(int argc, char** argv) {
   Args a;
-  a.Flag("mb", "MiB of values (default 1024)").Flag("block-bytes", "bytes per block (default 16384)")
-      .Flag("threads", "reads in flight (default 32)").Flag("dir", "a scratch directory (default: a new one in /tmp)")
+  a.Flag("mb", "MiB of values (default 1024)")
+      .Flag("block-bytes", "bytes per block (default 16384)")
+      .Flag("threads", "reads in flight (default 32)")
+      .Flag("dir", "a scratch directory (default: a new one in /tmp)")
       .Flag("cluster-secret-file", "seal the store plane with this secret (node and client)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetIntIn("mb", 1024, 1, 1 << 20));
@@ -119,8 +119,11 @@ Status Run(int argc, char** argv) {
     PENUMBRA_ASSIGN_OR_RETURN(ClusterSecret s, ClusterSecret::Load(secret_file));
     secret = s;
   }
-  nlohmann::json j = {{"bench", "store-gather"}, {"bytes", size},  {"block_bytes", B},
-                      {"threads", threads},      {"sealed", secret.has_value()}};
+  nlohmann::json j = {{"bench", "store-gather"},
+                      {"bytes", size},
+                      {"block_bytes", B},
+                      {"threads", threads},
+                      {"sealed", secret.has_value()}};
   const uint32_t blocks = static_cast<uint32_t>((size + B - 1) / B);
   std::vector<uint32_t> order(blocks);
   std::iota(order.begin(), order.end(), 0u);
@@ -151,8 +154,7 @@ Status Run(int argc, char** argv) {
     j["put_gb_per_s"] = static_cast<double>(size) / (Now() - t0) / 1e9;
     PENUMBRA_ASSIGN_OR_RETURN(auto reader, store->OpenReader(key));
     std::fill(dst.begin(), dst.end(), 0);
-    PENUMBRA_ASSIGN_OR_RETURN(double s,
-                              ReadBlocks(*reader, size, B, order, static_cast<int>(threads), 1, dst.data()));
+    PENUMBRA_ASSIGN_OR_RETURN(double s, ReadBlocks(*reader, size, B, order, static_cast<int>(threads), 1, dst.data()));
     if (std::memcmp(dst.data(), values.data(), size) != 0) return Status::Internal("local read: wrong bytes");
     j["local_blocks_gb_per_s"] = static_cast<double>(size) / s / 1e9;
   }
@@ -187,7 +189,8 @@ Status Run(int argc, char** argv) {
     ro.port = port;
     ro.plane.secret = secret;
     auto remote = transport::RemoteDocumentStore::Connect(ro);
-    auto reader = remote.ok() ? (*remote)->OpenReader(key) : Result<std::shared_ptr<storage::BlobReader>>(remote.status());
+    auto reader =
+        remote.ok() ? (*remote)->OpenReader(key) : Result<std::shared_ptr<storage::BlobReader>>(remote.status());
     if (!reader.ok()) {
       result = reader.status();
     } else {
@@ -227,6 +230,8 @@ Status Run(int argc, char** argv) {
 }  // namespace penumbra
 
 int main(int argc, char** argv) {
-  return penumbra::ServerMain("penumbra-store-bench", "usage: penumbra-store-bench [--mb N] [--block-bytes B] "
-                              "[--threads T] [--dir D] [--cluster-secret-file F]\n", argc, argv, penumbra::Run);
+  return penumbra::ServerMain("penumbra-store-bench",
+                              "usage: penumbra-store-bench [--mb N] [--block-bytes B] "
+                              "[--threads T] [--dir D] [--cluster-secret-file F]\n",
+                              argc, argv, penumbra::Run);
 }

@@ -5,13 +5,13 @@
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/transport/TBufferTransports.h>
 
+#include <unistd.h>
 #include <algorithm>
 #include <climits>
 #include <cstring>
 #include <sstream>
 #include <tuple>
 #include <type_traits>
-#include <unistd.h>
 
 #include "common/crypto.h"
 #include "storage/lazy_blob.h"
@@ -46,16 +46,26 @@ std::string Serialize(const T& t) {
 // IDL types, unknown fields as the wire says (Thrift skips those the same
 // way), nesting bounded.
 enum : uint8_t {
-  kStop = 0, kBool = 2, kByte = 3, kDouble = 4, kI16 = 6, kI32 = 8, kI64 = 10, kString = 11, kStruct = 12,
-  kMap = 13, kSet = 14, kList = 15,
+  kStop = 0,
+  kBool = 2,
+  kByte = 3,
+  kDouble = 4,
+  kI16 = 6,
+  kI32 = 8,
+  kI64 = 10,
+  kString = 11,
+  kStruct = 12,
+  kMap = 13,
+  kSet = 14,
+  kList = 15,
 };
 struct FieldSpec;
 // A type of the IDL: its wire type, and for containers and structs what is
 // inside.
 struct TypeSpec {
   uint8_t type;
-  const TypeSpec* key = nullptr;                 // map key; list or set element
-  const TypeSpec* value = nullptr;               // map value
+  const TypeSpec* key = nullptr;                   // map key; list or set element
+  const TypeSpec* value = nullptr;                 // map value
   const std::vector<FieldSpec>* fields = nullptr;  // struct
 };
 struct FieldSpec {
@@ -142,22 +152,28 @@ class ThriftWalker {
   bool Scalar(uint8_t type) {
     switch (type) {
       case kBool:
-      case kByte: return Skip(1);
-      case kI16: return Skip(2);
-      case kI32: return Skip(4);
+      case kByte:
+        return Skip(1);
+      case kI16:
+        return Skip(2);
+      case kI32:
+        return Skip(4);
       case kDouble:
-      case kI64: return Skip(8);
+      case kI64:
+        return Skip(8);
       case kString: {
         uint32_t n = 0;
         return Size(&n) && Skip(n);
       }
-      default: return false;
+      default:
+        return false;
     }
   }
   // A value read as the IDL says (a known field's).
   bool Typed(const TypeSpec& t, int depth) {
     switch (t.type) {
-      case kStruct: return Struct(t.fields, depth - 1);
+      case kStruct:
+        return Struct(t.fields, depth - 1);
       case kMap: {
         uint8_t k = 0, v = 0;
         uint32_t n = 0;
@@ -177,13 +193,15 @@ class ThriftWalker {
         }
         return true;
       }
-      default: return Scalar(t.type);
+      default:
+        return Scalar(t.type);
     }
   }
   // A value read as the wire says (an unknown field's, as Thrift skips it).
   bool Wire(uint8_t type, int depth) {
     switch (type) {
-      case kStruct: return Struct(nullptr, depth - 1);
+      case kStruct:
+        return Struct(nullptr, depth - 1);
       case kMap: {
         uint8_t k = 0, v = 0;
         uint32_t n = 0;
@@ -203,7 +221,8 @@ class ThriftWalker {
         }
         return true;
       }
-      default: return Scalar(type);
+      default:
+        return Scalar(type);
     }
   }
   std::string_view b_;
@@ -262,8 +281,8 @@ Result<std::vector<storage::BlobLayout>> FromLayout(const std::vector<st::StoreB
     if (l.size < 0 || l.block_bytes <= 0 || l.blocks < 0) {
       return Status::Corruption("store node: a blob layout with negative sizes ('" + l.name + "')");
     }
-    out.push_back({l.name, static_cast<uint64_t>(l.size), static_cast<size_t>(l.block_bytes),
-                   static_cast<uint32_t>(l.blocks)});
+    out.push_back(
+        {l.name, static_cast<uint64_t>(l.size), static_cast<size_t>(l.block_bytes), static_cast<uint32_t>(l.blocks)});
   }
   return out;
 }
@@ -272,7 +291,8 @@ Result<std::vector<storage::BlobLayout>> FromLayout(const std::vector<st::StoreB
 // the node's reader when it goes.
 class RemoteReader final : public storage::BlobReader {
  public:
-  RemoteReader(std::shared_ptr<const RemoteDocumentStore> store, std::string id, std::vector<storage::BlobLayout> layout)
+  RemoteReader(std::shared_ptr<const RemoteDocumentStore> store, std::string id,
+               std::vector<storage::BlobLayout> layout)
       : store_(std::move(store)), id_(id), layout_(std::move(layout)) {}
   ~RemoteReader() override {
     st::StoreRequest q;
@@ -488,7 +508,8 @@ Result<std::string> StoreService::HandleRequest(const UcxCaller& caller, uint32_
     case st::StoreMethod::PUT_BEGIN: {
       // Every size is checked, and the upload admitted, before anything is
       // allocated for it.
-      if (q.tokens < 1) return Status::InvalidArgument("store node: an upload of " + std::to_string(q.tokens) + " tokens");
+      if (q.tokens < 1)
+        return Status::InvalidArgument("store node: an upload of " + std::to_string(q.tokens) + " tokens");
       if (q.sizes.size() > static_cast<size_t>(o_.max_blobs)) {
         return Status::InvalidArgument("store node: an upload of " + std::to_string(q.sizes.size()) +
                                        " blobs (at most " + std::to_string(o_.max_blobs) + ")");
@@ -552,8 +573,8 @@ Result<std::string> StoreService::HandleRequest(const UcxCaller& caller, uint32_
       std::string& buf = u->blobs[q.blob];
       if (buf.size() != size->second) buf.resize(size->second);  // its first part (bad_alloc: Handle answers)
       std::memcpy(buf.data() + q.offset, q.data.data(), q.data.size());
-      u->received_bytes +=
-          AddRange(u->received[q.blob], static_cast<uint64_t>(q.offset), static_cast<uint64_t>(q.offset) + q.data.size());
+      u->received_bytes += AddRange(u->received[q.blob], static_cast<uint64_t>(q.offset),
+                                    static_cast<uint64_t>(q.offset) + q.data.size());
       return std::string();
     }
     case st::StoreMethod::PUT_COMMIT: {
@@ -666,12 +687,12 @@ Result<std::unique_ptr<StoreNode>> StoreNode::Start(storage::SegmentStore* store
   auto node = std::unique_ptr<StoreNode>(new StoreNode());
   node->service_ = std::make_unique<StoreService>(store, options.service);
   StoreService* s = node->service_.get();
-  PENUMBRA_ASSIGN_OR_RETURN(
-      node->server_,
-      UcxServer::Start(
-          options.host, options.port,
-          [s](const UcxCaller& caller, uint32_t m, std::string p) { return s->Handle(caller, m, std::move(p)); },
-          options.plane));
+  PENUMBRA_ASSIGN_OR_RETURN(node->server_, UcxServer::Start(
+                                               options.host, options.port,
+                                               [s](const UcxCaller& caller, uint32_t m, std::string p) {
+                                                 return s->Handle(caller, m, std::move(p));
+                                               },
+                                               options.plane));
   return node;
 }
 
@@ -704,13 +725,15 @@ Result<std::shared_ptr<RemoteDocumentStore>> RemoteDocumentStore::Connect(const 
   const std::string where = options.host + ":" + std::to_string(options.port);
   if (!options.plane.secret && !IsLoopbackHost(options.host)) {
     if (!options.allow_plaintext_remote) {
-      return Status::InvalidArgument("store node " + where + " is not on loopback: the store plane needs the "
+      return Status::InvalidArgument("store node " + where +
+                                     " is not on loopback: the store plane needs the "
                                      "cluster secret (--cluster-secret-file), or --insecure on a network you trust");
     }
     LOG(ERROR) << "INSECURE: store node " << where << " without the cluster secret (--insecure): anyone on the "
                << "network can read, forge and replay its traffic";
   }
-  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<UcxClient> c, UcxClient::Connect(options.host, options.port, options.plane));
+  PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<UcxClient> c,
+                            UcxClient::Connect(options.host, options.port, options.plane));
   return std::shared_ptr<RemoteDocumentStore>(new RemoteDocumentStore(options, std::move(c)));
 }
 
@@ -736,8 +759,7 @@ Result<std::string> RemoteDocumentStore::Try(uint32_t method, const std::string&
   return r;
 }
 
-Result<std::string> RemoteDocumentStore::Call(uint32_t method, const std::string& request,
-                                              uint64_t bulk_bytes) const {
+Result<std::string> RemoteDocumentStore::Call(uint32_t method, const std::string& request, uint64_t bulk_bytes) const {
   const double bytes = static_cast<double>(bulk_bytes) + static_cast<double>(request.size());
   const double rate = o_.bulk_bytes_per_second > 0 ? o_.bulk_bytes_per_second : 64.0 * (1 << 20);
   const auto timeout = o_.call_timeout + std::chrono::milliseconds(static_cast<int64_t>(bytes / rate * 1000.0));
@@ -877,8 +899,8 @@ size_t ShardedDocumentStore::Pick(const Hash128& key) const {
   size_t best = 0;
   Hash128 best_h{};
   for (size_t i = 0; i < nodes_.size(); ++i) {
-    const Hash128 h = Hasher128().Update(&key.hi, sizeof key.hi).Update(&key.lo, sizeof key.lo)
-                          .Update(nodes_[i].first).Digest();
+    const Hash128 h =
+        Hasher128().Update(&key.hi, sizeof key.hi).Update(&key.lo, sizeof key.lo).Update(nodes_[i].first).Digest();
     if (i == 0 || std::tie(h.hi, h.lo) > std::tie(best_h.hi, best_h.lo)) {
       best = i;
       best_h = h;

@@ -28,9 +28,9 @@
 // new connection first. Each node has a circuit breaker (circuit_breaker.h):
 // after a few consecutive calls it did not answer, its calls fail at once
 // (Unavailable, naming the node) for a cool-down, then one probe decides. A
-// worker whose node is gone or slow computes what it cannot read. A reader a worker opens keeps the document in place on the node;
-// one left idle (its worker died) is closed after reader_idle_seconds, and
-// an upload left idle is dropped after upload_idle_seconds.
+// worker whose node is gone or slow computes what it cannot read. A reader a worker opens keeps the document in place
+// on the node; one left idle (its worker died) is closed after reader_idle_seconds, and an upload left idle is dropped
+// after upload_idle_seconds.
 #pragma once
 
 #include <atomic>
@@ -98,10 +98,10 @@ class StoreService {
     int64_t tokens = 0;
     std::map<std::string, uint64_t> sizes;
     std::map<std::string, size_t> block_bytes;
-    uint64_t total = 0;                 // declared bytes
-    std::chrono::steady_clock::time_point used;  // under mu_
-    std::mutex mu;                      // the fields below
-    std::map<std::string, std::string> blobs;  // a blob's buffer, made at its first part
+    uint64_t total = 0;                                            // declared bytes
+    std::chrono::steady_clock::time_point used;                    // under mu_
+    std::mutex mu;                                                 // the fields below
+    std::map<std::string, std::string> blobs;                      // a blob's buffer, made at its first part
     std::map<std::string, std::map<uint64_t, uint64_t>> received;  // per blob: the ranges received, merged
     uint64_t received_bytes = 0;
   };

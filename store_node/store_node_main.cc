@@ -50,8 +50,9 @@ Status Run(int argc, char** argv) {
       .Flag("upload-idle-seconds", "an upload left without a part this long is dropped (default 120)")
       .Flag("max-readers", "readers open at once (default 4096)")
       .Flag("max-uploads", "uploads in flight at once (default 64)")
-      .Flag("max-upload-mb", "MiB the uploads in flight may declare together (held in memory until committed; "
-                             "default: half the machine's memory)")
+      .Flag("max-upload-mb",
+            "MiB the uploads in flight may declare together (held in memory until committed; "
+            "default: half the machine's memory)")
       .Flag("max-endpoints", "connections at once (default 1024)")
       .Flag("handshake-timeout-ms", "a connection that has not authenticated by then is closed (default 10000)");
   transport::AddSecurityFlags(a);

@@ -15,19 +15,19 @@
 
 #include "tests/test_util.h"
 
-#define PENUMBRA_SKIP_WITHOUT_GPU()                                            \
-  do {                                                                         \
-    int _n = 0;                                                                \
-    if (cudaGetDeviceCount(&_n) != cudaSuccess || _n == 0) {                   \
-      (void)cudaGetLastError();                                                \
-      GTEST_SKIP() << "no CUDA device";                                        \
-    }                                                                          \
+#define PENUMBRA_SKIP_WITHOUT_GPU()                          \
+  do {                                                       \
+    int _n = 0;                                              \
+    if (cudaGetDeviceCount(&_n) != cudaSuccess || _n == 0) { \
+      (void)cudaGetLastError();                              \
+      GTEST_SKIP() << "no CUDA device";                      \
+    }                                                        \
   } while (0)
 
-#define PENUMBRA_CUDA_OK(expr)                                                 \
-  do {                                                                         \
-    cudaError_t _e = (expr);                                                   \
-    ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);     \
+#define PENUMBRA_CUDA_OK(expr)                                             \
+  do {                                                                     \
+    cudaError_t _e = (expr);                                               \
+    ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e); \
   } while (0)
 
 namespace penumbra::testing {
@@ -42,7 +42,10 @@ class GpuBuffer {
   GpuBuffer(GpuBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
   GpuBuffer& operator=(GpuBuffer&&) = delete;
   void* get() const { return p_; }
-  template <typename T> T* as() const { return static_cast<T*>(p_); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
 
  private:
   void* p_ = nullptr;

@@ -75,7 +75,8 @@ inline ::testing::AssertionResult AllClose(const float* actual, const float* exp
   size_t bad = 0, first = n;
   for (size_t i = 0; i < n; ++i) {
     const float a = actual[i], e = expected[i];
-    const bool ok = std::isfinite(a) == std::isfinite(e) && (!std::isfinite(e) ? a == e : std::fabs(a - e) <= atol + rtol * std::fabs(e));
+    const bool ok = std::isfinite(a) == std::isfinite(e) &&
+                    (!std::isfinite(e) ? a == e : std::fabs(a - e) <= atol + rtol * std::fabs(e));
     if (!ok || std::isnan(a)) {
       if (first == n) first = i;
       ++bad;
@@ -89,8 +90,7 @@ inline ::testing::AssertionResult AllClose(const float* actual, const float* exp
 }
 inline ::testing::AssertionResult AllClose(const std::vector<float>& a, const std::vector<float>& e, float atol,
                                            float rtol) {
-  if (a.size() != e.size())
-    return ::testing::AssertionFailure() << "size " << a.size() << " vs " << e.size();
+  if (a.size() != e.size()) return ::testing::AssertionFailure() << "size " << a.size() << " vs " << e.size();
   return AllClose(a.data(), e.data(), a.size(), atol, rtol);
 }
 

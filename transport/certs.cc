@@ -89,7 +89,8 @@ Status CreateCertificateAuthority(const std::string& cert_path, const std::strin
   PENUMBRA_RETURN_IF_ERROR(AddExtension(c.get(), c.get(), NID_basic_constraints, "critical,CA:TRUE,pathlen:0"));
   PENUMBRA_RETURN_IF_ERROR(AddExtension(c.get(), c.get(), NID_key_usage, "critical,keyCertSign,cRLSign"));
   PENUMBRA_RETURN_IF_ERROR(AddExtension(c.get(), c.get(), NID_subject_key_identifier, "hash"));
-  if (X509_sign(c.get(), key.get(), EVP_sha256()) <= 0) return Status::Internal("cannot sign the CA: " + OpenSslErrors());
+  if (X509_sign(c.get(), key.get(), EVP_sha256()) <= 0)
+    return Status::Internal("cannot sign the CA: " + OpenSslErrors());
   PENUMBRA_ASSIGN_OR_RETURN(std::string cert_pem, Pem([&](BIO* b) { return PEM_write_bio_X509(b, c.get()); }));
   PENUMBRA_ASSIGN_OR_RETURN(std::string key_pem, Pem([&](BIO* b) {
                               return PEM_write_bio_PrivateKey(b, key.get(), nullptr, nullptr, 0, nullptr, nullptr);
@@ -111,8 +112,8 @@ Status IssueCertificate(const std::string& ca_cert_path, const std::string& ca_k
   std::fclose(f);
   if (!ca || !ca_key) return Status::InvalidArgument("cannot read the CA " + ca_cert_path + " / " + ca_key_path);
   PENUMBRA_ASSIGN_OR_RETURN(PkeyPtr key, NewKey());
-  PENUMBRA_ASSIGN_OR_RETURN(X509Ptr c, NewCertificate(key.get(), spec.role, spec.name, spec.days,
-                                                      spec.not_before_offset_s));
+  PENUMBRA_ASSIGN_OR_RETURN(X509Ptr c,
+                            NewCertificate(key.get(), spec.role, spec.name, spec.days, spec.not_before_offset_s));
   X509_set_issuer_name(c.get(), X509_get_subject_name(ca.get()));
   PENUMBRA_RETURN_IF_ERROR(AddExtension(c.get(), ca.get(), NID_basic_constraints, "critical,CA:FALSE"));
   PENUMBRA_RETURN_IF_ERROR(AddExtension(c.get(), ca.get(), NID_key_usage, "critical,digitalSignature,keyEncipherment"));

@@ -18,11 +18,11 @@
 namespace penumbra::transport {
 
 struct CertificateSpec {
-  std::string role;                // OU: coordinator, worker, store, client, admin
-  std::string name;                // CN
-  std::vector<std::string> hosts;  // DNS names or IP addresses it serves (subjectAltName)
-  int days = 825;                  // valid for this long from not_before
-  long not_before_offset_s = -300; // not_before relative to now (a past or future start, for tests)
+  std::string role;                 // OU: coordinator, worker, store, client, admin
+  std::string name;                 // CN
+  std::vector<std::string> hosts;   // DNS names or IP addresses it serves (subjectAltName)
+  int days = 825;                   // valid for this long from not_before
+  long not_before_offset_s = -300;  // not_before relative to now (a past or future start, for tests)
 };
 
 // A new self-signed CA. Files are written atomically; the key with mode 0600.

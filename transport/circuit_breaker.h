@@ -18,7 +18,7 @@
 namespace penumbra::transport {
 
 struct CircuitBreakerOptions {
-  int failures = 3;  // consecutive failures that open the breaker (>= 1). Default: 3.
+  int failures = 3;                           // consecutive failures that open the breaker (>= 1). Default: 3.
   std::chrono::milliseconds cool_down{5000};  // how long it stays open before a probe. Default: 5 s.
 };
 
@@ -97,9 +97,12 @@ class CircuitBreaker {
 
   static const char* StateName(State s) {
     switch (s) {
-      case State::kClosed: return "closed";
-      case State::kOpen: return "open";
-      case State::kHalfOpen: return "half-open";
+      case State::kClosed:
+        return "closed";
+      case State::kOpen:
+        return "open";
+      case State::kHalfOpen:
+        return "half-open";
     }
     return "?";
   }

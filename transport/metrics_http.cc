@@ -4,13 +4,13 @@
 #include <chrono>
 #include <optional>
 
+#include <glog/logging.h>
+#include <prometheus/text_serializer.h>
 #include <boost/asio.hpp>
 #include <boost/asio/ssl.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
-#include <glog/logging.h>
-#include <prometheus/text_serializer.h>
 
 #include "transport/tls_openssl.h"
 
@@ -62,10 +62,9 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
   void Run() {
     beast::get_lowest_layer(stream_).expires_after(server_->read_timeout);
     if constexpr (std::is_same_v<Stream, beast::ssl_stream<beast::tcp_stream>>) {
-      stream_.async_handshake(ssl::stream_base::server,
-                              [self = this->shared_from_this()](beast::error_code ec) {
-                                if (!ec) self->Read();
-                              });
+      stream_.async_handshake(ssl::stream_base::server, [self = this->shared_from_this()](beast::error_code ec) {
+        if (!ec) self->Read();
+      });
     } else {
       Read();
     }
@@ -124,7 +123,7 @@ class Session : public std::enable_shared_from_this<Session<Stream>> {
 }  // namespace
 
 http::response<http::string_body> MetricsServer::Impl::Answer(const http::request<http::string_body>& req,
-                                                               const PeerIdentity* peer, const Status& peer_status) {
+                                                              const PeerIdentity* peer, const Status& peer_status) {
   http::response<http::string_body> res{http::status::ok, req.version()};
   res.set(http::field::server, "penumbra");
   auto text = [&](http::status status, std::string body) {
@@ -213,7 +212,9 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::Start(std::shared_ptr<prom
   if (!ec) s.acceptor.set_option(net::socket_base::reuse_address(true), ec);
   if (!ec) s.acceptor.bind(ep, ec);
   if (!ec) s.acceptor.listen(net::socket_base::max_listen_connections, ec);
-  if (ec) return Status::Unavailable("admin endpoint: cannot listen on " + o.host + ":" + std::to_string(o.port) + ": " + ec.message());
+  if (ec)
+    return Status::Unavailable("admin endpoint: cannot listen on " + o.host + ":" + std::to_string(o.port) + ": " +
+                               ec.message());
   m->port_ = s.acceptor.local_endpoint().port();
   s.Accept();
   Impl* raw = &s;
@@ -240,8 +241,9 @@ void MetricsServer::Stop() {
 }
 
 void AddAdminFlags(Args& a) {
-  a.Flag("admin-host", "address of the admin endpoint (/metrics, /healthz; default 127.0.0.1). Off loopback it "
-                       "takes TLS client certificates of role admin")
+  a.Flag("admin-host",
+         "address of the admin endpoint (/metrics, /healthz; default 127.0.0.1). Off loopback it "
+         "takes TLS client certificates of role admin")
       .Flag("metrics-port", "port of the admin endpoint (default 0: one the OS picks; -1: off)");
 }
 

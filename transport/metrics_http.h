@@ -29,9 +29,9 @@ namespace penumbra::transport {
 
 struct AdminHttpOptions {
   std::string host = "127.0.0.1";
-  int port = 0;                          // 0: one the OS picks (port() says which)
-  std::optional<TlsServerOptions> tls;   // none: plaintext (loopback, or insecure)
-  int max_connections = 4096;            // connections open at once; past it, closed at once
+  int port = 0;                         // 0: one the OS picks (port() says which)
+  std::optional<TlsServerOptions> tls;  // none: plaintext (loopback, or insecure)
+  int max_connections = 4096;           // connections open at once; past it, closed at once
   std::chrono::milliseconds read_timeout{2000};
 };
 

@@ -1,8 +1,8 @@
 #include "transport/thrift_util.h"
 
 #include <arpa/inet.h>
-#include <poll.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <csignal>
@@ -95,8 +95,8 @@ struct ThriftServer::Shared {
       const auto now = Clock::now();
       for (auto it = pending.begin(); it != pending.end();) {
         if (it->second <= now) {
-          VLOG(1) << name << ": a connection sent no complete request within "
-                  << limits.handshake_timeout.count() << " ms; closed";
+          VLOG(1) << name << ": a connection sent no complete request within " << limits.handshake_timeout.count()
+                  << " ms; closed";
           ::shutdown(it->first, SHUT_RDWR);
           it = pending.erase(it);
         } else {
@@ -134,9 +134,8 @@ void EnsureThriftGlobals() {
     // the process.
     struct sigaction old {};
     if (sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) signal(SIGPIPE, SIG_IGN);
-    apache::thrift::GlobalOutput.setOutputFunction([](const char* msg) {
-      LOG_EVERY_T(WARNING, 1) << "thrift: " << msg;
-    });
+    apache::thrift::GlobalOutput.setOutputFunction(
+        [](const char* msg) { LOG_EVERY_T(WARNING, 1) << "thrift: " << msg; });
   });
 }
 
@@ -248,8 +247,8 @@ class CheckedSslSocket final : public TSSLSocket, public IdentifiedSocket {
  protected:
   void authorize() override {
     const std::string host = getHost();
-    Result<PeerIdentity> id = CheckPeer(ssl_, identity_.address, policy_.roles,
-                                        policy_.verify_host ? &host : nullptr, policy_.require);
+    Result<PeerIdentity> id =
+        CheckPeer(ssl_, identity_.address, policy_.roles, policy_.verify_host ? &host : nullptr, policy_.require);
     if (!id.ok()) {
       LOG_EVERY_T(WARNING, 1) << "TLS: " << id.status().message();
       throw TSSLException(id.status().message());
@@ -358,9 +357,9 @@ class BudgetedFramedTransport final : public apache::thrift::transport::TFramedT
     sz = static_cast<int32_t>(ntohl(static_cast<uint32_t>(sz)));
     if (sz < 0) throw TTransportException(TTransportException::CORRUPTED_DATA, "a negative frame size");
     if (sz > static_cast<int32_t>(maxFrameSize_)) {
-      throw TTransportException(TTransportException::CORRUPTED_DATA,
-                                "a frame of " + std::to_string(sz) + " bytes, over the limit of " +
-                                    std::to_string(maxFrameSize_));
+      throw TTransportException(
+          TTransportException::CORRUPTED_DATA,
+          "a frame of " + std::to_string(sz) + " bytes, over the limit of " + std::to_string(maxFrameSize_));
     }
     const uint32_t want = static_cast<uint32_t>(sz);
     if (want > rBufSize_ || (rBufSize_ > kSmall && want <= kSmall)) {
@@ -486,7 +485,8 @@ Result<std::shared_ptr<ContextFactory>> MakeContext(const TlsFiles& files, bool 
 
 Status ThriftLimits::Validate() const {
   if (max_frame_bytes < 1024 || max_string_bytes < 1 || max_container_elements < 1) {
-    return Status::InvalidArgument("thrift limits: frame, string and container limits must be positive (frames >= 1 KiB)");
+    return Status::InvalidArgument(
+        "thrift limits: frame, string and container limits must be positive (frames >= 1 KiB)");
   }
   if (max_connections < 1 || max_connections_per_peer < 1) {
     return Status::InvalidArgument("thrift limits: max_connections and max_connections_per_peer must be >= 1");
@@ -523,34 +523,58 @@ rpc::PenumbraError ToRpcError(const Status& s, int32_t retry_after_ms) {
   rpc::PenumbraError e;
   e.message = s.message();
   switch (s.code()) {
-    case StatusCode::kInvalidArgument: e.code = rpc::ErrorCode::INVALID_ARGUMENT; break;
-    case StatusCode::kNotFound: e.code = rpc::ErrorCode::NOT_FOUND; break;
-    case StatusCode::kPermissionDenied: e.code = rpc::ErrorCode::PERMISSION_DENIED; break;
+    case StatusCode::kInvalidArgument:
+      e.code = rpc::ErrorCode::INVALID_ARGUMENT;
+      break;
+    case StatusCode::kNotFound:
+      e.code = rpc::ErrorCode::NOT_FOUND;
+      break;
+    case StatusCode::kPermissionDenied:
+      e.code = rpc::ErrorCode::PERMISSION_DENIED;
+      break;
     case StatusCode::kResourceExhausted:
       e.code = rpc::ErrorCode::RESOURCE_EXHAUSTED;
       e.__set_retry_after_ms(s.retry_after_ms() > 0 ? s.retry_after_ms() : retry_after_ms);
       break;
-    case StatusCode::kUnavailable: e.code = rpc::ErrorCode::UNAVAILABLE; break;
-    case StatusCode::kDeadlineExceeded: e.code = rpc::ErrorCode::DEADLINE_EXCEEDED; break;
-    case StatusCode::kFailedPrecondition: e.code = rpc::ErrorCode::FAILED_PRECONDITION; break;
-    case StatusCode::kCancelled: e.code = rpc::ErrorCode::CANCELLED; break;
-    default: e.code = rpc::ErrorCode::INTERNAL; break;
+    case StatusCode::kUnavailable:
+      e.code = rpc::ErrorCode::UNAVAILABLE;
+      break;
+    case StatusCode::kDeadlineExceeded:
+      e.code = rpc::ErrorCode::DEADLINE_EXCEEDED;
+      break;
+    case StatusCode::kFailedPrecondition:
+      e.code = rpc::ErrorCode::FAILED_PRECONDITION;
+      break;
+    case StatusCode::kCancelled:
+      e.code = rpc::ErrorCode::CANCELLED;
+      break;
+    default:
+      e.code = rpc::ErrorCode::INTERNAL;
+      break;
   }
   return e;
 }
 
 Status FromRpcError(const rpc::PenumbraError& e) {
   switch (e.code) {
-    case rpc::ErrorCode::INVALID_ARGUMENT: return Status::InvalidArgument(e.message);
-    case rpc::ErrorCode::NOT_FOUND: return Status::NotFound(e.message);
-    case rpc::ErrorCode::PERMISSION_DENIED: return Status::PermissionDenied(e.message);
+    case rpc::ErrorCode::INVALID_ARGUMENT:
+      return Status::InvalidArgument(e.message);
+    case rpc::ErrorCode::NOT_FOUND:
+      return Status::NotFound(e.message);
+    case rpc::ErrorCode::PERMISSION_DENIED:
+      return Status::PermissionDenied(e.message);
     case rpc::ErrorCode::RESOURCE_EXHAUSTED:
       return Status::ResourceExhausted(e.message).WithRetryAfter(e.__isset.retry_after_ms ? e.retry_after_ms : 0);
-    case rpc::ErrorCode::UNAVAILABLE: return Status::Unavailable(e.message);
-    case rpc::ErrorCode::DEADLINE_EXCEEDED: return Status::DeadlineExceeded(e.message);
-    case rpc::ErrorCode::FAILED_PRECONDITION: return Status::FailedPrecondition(e.message);
-    case rpc::ErrorCode::CANCELLED: return Status::Cancelled(e.message);
-    default: return Status::Internal(e.message);
+    case rpc::ErrorCode::UNAVAILABLE:
+      return Status::Unavailable(e.message);
+    case rpc::ErrorCode::DEADLINE_EXCEEDED:
+      return Status::DeadlineExceeded(e.message);
+    case rpc::ErrorCode::FAILED_PRECONDITION:
+      return Status::FailedPrecondition(e.message);
+    case rpc::ErrorCode::CANCELLED:
+      return Status::Cancelled(e.message);
+    default:
+      return Status::Internal(e.message);
   }
 }
 
@@ -702,7 +726,8 @@ uint32_t CheckedBinaryProtocol::skip_virt(TType type) {
 
 Result<std::unique_ptr<ThriftServer>> ThriftServer::Start(std::shared_ptr<TProcessor> processor,
                                                           const ThriftServerOptions& o) {
-  if (o.port < 0 || o.port > 65535) return Status::InvalidArgument("port must be in [0, 65535], got " + std::to_string(o.port));
+  if (o.port < 0 || o.port > 65535)
+    return Status::InvalidArgument("port must be in [0, 65535], got " + std::to_string(o.port));
   PENUMBRA_RETURN_IF_ERROR(o.limits.Validate());
   EnsureThriftGlobals();
   auto s = std::unique_ptr<ThriftServer>(new ThriftServer());

@@ -46,8 +46,8 @@ struct ThriftLimits {
   int32_t max_string_bytes = 64 << 20;       // one string or binary field
   int32_t max_container_elements = 1 << 24;  // one list, set or map
   // Servers only:
-  int32_t max_connections = 4096;            // open connections, all peers
-  int32_t max_connections_per_peer = 1024;   // open connections from one address
+  int32_t max_connections = 4096;                       // open connections, all peers
+  int32_t max_connections_per_peer = 1024;              // open connections from one address
   int64_t max_buffered_frame_bytes = int64_t{1} << 30;  // request frames being read, all connections
   std::chrono::milliseconds handshake_timeout{10000};   // connect -> TLS handshake and first request
   std::chrono::milliseconds idle_timeout{300000};       // between two requests of a connection
@@ -117,14 +117,14 @@ bool CurrentPeerHungUp();
 struct ThriftServerStats {
   int64_t open_connections = 0;
   int64_t accepted = 0;
-  int64_t refused_over_limit = 0;     // closed at accept: max_connections or per peer
-  int64_t refused_frame_budget = 0;   // closed: a frame past max_buffered_frame_bytes
-  int64_t accept_errors = 0;          // accept() failures retried (EMFILE...)
+  int64_t refused_over_limit = 0;    // closed at accept: max_connections or per peer
+  int64_t refused_frame_budget = 0;  // closed: a frame past max_buffered_frame_bytes
+  int64_t accept_errors = 0;         // accept() failures retried (EMFILE...)
 };
 
 struct ThriftServerOptions {
   std::string host = "127.0.0.1";
-  int port = 0;                         // 0: one the OS picks (port() says which)
+  int port = 0;  // 0: one the OS picks (port() says which)
   ThriftLimits limits;
   std::optional<TlsServerOptions> tls;  // none: plaintext
   std::string name = "thrift server";   // in log lines

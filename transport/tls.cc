@@ -81,9 +81,7 @@ std::string OpenSslErrors() {
   return out.empty() ? "no detail" : out;
 }
 
-std::string PeerIdentity::ToString() const {
-  return verified ? role + "/" + name : "unverified@" + address;
-}
+std::string PeerIdentity::ToString() const { return verified ? role + "/" + name : "unverified@" + address; }
 
 Status TlsFiles::Validate(const std::string& what) const {
   if (!enabled()) return Status::OK();
@@ -171,8 +169,7 @@ Status ConfigureSslContext(SSL_CTX* ctx, const TlsFiles& files, bool server, boo
     STACK_OF(X509_NAME)* names = SSL_load_client_CA_file(files.ca_file.c_str());
     if (names != nullptr) SSL_CTX_set_client_CA_list(ctx, names);
   }
-  SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | (require_peer_certificate ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0),
-                     nullptr);
+  SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | (require_peer_certificate ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0), nullptr);
   SSL_CTX_set_mode(ctx, SSL_MODE_AUTO_RETRY);
   SSL_CTX_set_options(ctx, SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION);
   return Status::OK();
@@ -184,8 +181,8 @@ Result<PeerIdentity> CheckPeer(const SSL* ssl, const std::string& address, const
   id.address = address;
   const long verify = SSL_get_verify_result(ssl);
   if (verify != X509_V_OK) {
-    return Status::PermissionDenied("TLS peer " + address + ": certificate not accepted: " +
-                                    X509_verify_cert_error_string(verify));
+    return Status::PermissionDenied("TLS peer " + address +
+                                    ": certificate not accepted: " + X509_verify_cert_error_string(verify));
   }
   X509Ptr cert(SSL_get1_peer_certificate(ssl));
   if (!cert) {
@@ -223,8 +220,9 @@ void AddSecurityFlags(Args& a) {
   a.Flag("tls-ca", "PEM file of the cluster CA: peers' certificates must chain to it (TLS on when given)")
       .Flag("tls-cert", "PEM file of this process's certificate (penumbra cert init makes one per process)")
       .Flag("tls-key", "PEM file of its private key (mode 600)")
-      .Flag("cluster-secret-file", "file of the deployment's shared secret (mode 600): authenticates the store "
-                                   "plane and keys stored documents")
+      .Flag("cluster-secret-file",
+            "file of the deployment's shared secret (mode 600): authenticates the store "
+            "plane and keys stored documents")
       .Switch("insecure", "allow plaintext ports on a non-loopback address (never in production)");
 }
 
@@ -243,8 +241,8 @@ namespace {
 
 // A port without its protection (`missing`) on `host`: logged on loopback,
 // refused elsewhere unless insecure.
-Status CheckUnprotectedBind(const std::string& what, const std::string& host, bool insecure,
-                            const std::string& missing, const std::string& remedy) {
+Status CheckUnprotectedBind(const std::string& what, const std::string& host, bool insecure, const std::string& missing,
+                            const std::string& remedy) {
   if (IsLoopbackHost(host)) {
     LOG(WARNING) << what << " on " << host << " without " << missing << ": a loopback development setup (only "
                  << "processes of this machine can reach it)";

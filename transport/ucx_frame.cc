@@ -39,7 +39,9 @@ uint64_t Get64(const char* p) {
   return v;
 }
 
-std::string Bytes(const Sha256Digest& d, size_t n = 32) { return std::string(reinterpret_cast<const char*>(d.data()), n); }
+std::string Bytes(const Sha256Digest& d, size_t n = 32) {
+  return std::string(reinterpret_cast<const char*>(d.data()), n);
+}
 
 // The GCM nonce of frame `seq` of a direction: the direction, then seq.
 std::array<unsigned char, 12> Nonce(uint32_t direction, uint64_t seq) {
@@ -184,13 +186,20 @@ std::string Sanitized(std::string_view s) {
 
 const char* FrameTypeName(FrameType t) {
   switch (t) {
-    case FrameType::kHello: return "HELLO";
-    case FrameType::kChallenge: return "CHALLENGE";
-    case FrameType::kAuth: return "AUTH";
-    case FrameType::kReady: return "READY";
-    case FrameType::kRefused: return "REFUSED";
-    case FrameType::kRequest: return "REQUEST";
-    case FrameType::kReply: return "REPLY";
+    case FrameType::kHello:
+      return "HELLO";
+    case FrameType::kChallenge:
+      return "CHALLENGE";
+    case FrameType::kAuth:
+      return "AUTH";
+    case FrameType::kReady:
+      return "READY";
+    case FrameType::kRefused:
+      return "REFUSED";
+    case FrameType::kRequest:
+      return "REQUEST";
+    case FrameType::kReply:
+      return "REPLY";
   }
   return "?";
 }
@@ -199,12 +208,18 @@ bool IsHandshake(FrameType t) { return t >= FrameType::kHello && t <= FrameType:
 
 const char* RefusalName(Refusal r) {
   switch (r) {
-    case Refusal::kNone: return "none";
-    case Refusal::kMalformed: return "malformed";
-    case Refusal::kBadMac: return "bad MAC";
-    case Refusal::kTooLarge: return "too large";
-    case Refusal::kReplay: return "replay";
-    case Refusal::kStale: return "stale";
+    case Refusal::kNone:
+      return "none";
+    case Refusal::kMalformed:
+      return "malformed";
+    case Refusal::kBadMac:
+      return "bad MAC";
+    case Refusal::kTooLarge:
+      return "too large";
+    case Refusal::kReplay:
+      return "replay";
+    case Refusal::kStale:
+      return "stale";
   }
   return "?";
 }
@@ -273,8 +288,8 @@ std::string FrameSealer::Seal(FrameHeader h, std::string* body) {
 Result<FrameHeader> FrameOpener::Check(std::string_view header, size_t announced_body, Refusal* why) {
   if (why != nullptr) *why = Refusal::kNone;
   if (header.size() != kHeaderBytes) {
-    return Refuse(why, Refusal::kMalformed, "a header of " + std::to_string(header.size()) + " bytes, expected " +
-                                                std::to_string(kHeaderBytes));
+    return Refuse(why, Refusal::kMalformed,
+                  "a header of " + std::to_string(header.size()) + " bytes, expected " + std::to_string(kHeaderBytes));
   }
   const char* p = header.data();
   const std::string_view signed_bytes(p, kSignedHeaderBytes);
@@ -312,12 +327,13 @@ Result<FrameHeader> FrameOpener::Check(std::string_view header, size_t announced
                   crypto_ ? "a plain frame on a sealed connection" : "a sealed frame on a plain connection");
   }
   if (h.body_bytes > max_body_) {
-    return Refuse(why, Refusal::kTooLarge, "a body of " + std::to_string(h.body_bytes) + " bytes (at most " +
-                                               std::to_string(max_body_) + ")");
+    return Refuse(why, Refusal::kTooLarge,
+                  "a body of " + std::to_string(h.body_bytes) + " bytes (at most " + std::to_string(max_body_) + ")");
   }
   if (h.body_bytes != announced_body) {
-    return Refuse(why, Refusal::kMalformed, "the header says " + std::to_string(h.body_bytes) +
-                                                " body bytes, the message holds " + std::to_string(announced_body));
+    return Refuse(why, Refusal::kMalformed,
+                  "the header says " + std::to_string(h.body_bytes) + " body bytes, the message holds " +
+                      std::to_string(announced_body));
   }
   if (h.sealed) {
     if (h.body_bytes < kTagBytes || h.checksum != 0) {
@@ -326,8 +342,9 @@ Result<FrameHeader> FrameOpener::Check(std::string_view header, size_t announced
     const Refusal r = window_.Admit(h.seq);
     if (r == Refusal::kReplay) return Refuse(why, r, "seq " + std::to_string(h.seq) + " seen already");
     if (r == Refusal::kStale) {
-      return Refuse(why, r, "seq " + std::to_string(h.seq) + " is older than the replay window (highest " +
-                                std::to_string(window_.highest()) + ")");
+      return Refuse(why, r,
+                    "seq " + std::to_string(h.seq) + " is older than the replay window (highest " +
+                        std::to_string(window_.highest()) + ")");
     }
   } else if (h.seq != 0) {
     return Refuse(why, Refusal::kMalformed, "a plain frame with a seq");

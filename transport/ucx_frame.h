@@ -54,8 +54,8 @@ constexpr uint8_t kVersion = 1;
 constexpr size_t kHeaderBytes = 64;
 constexpr size_t kSignedHeaderBytes = 48;  // the bytes the MAC (and a sealed body's AEAD) cover
 constexpr size_t kMacBytes = 16;
-constexpr size_t kTagBytes = 16;           // the AES-256-GCM tag after a sealed body
-constexpr size_t kNonceBytes = 32;         // handshake nonces
+constexpr size_t kTagBytes = 16;    // the AES-256-GCM tag after a sealed body
+constexpr size_t kNonceBytes = 32;  // handshake nonces
 constexpr size_t kClientIdBytes = 16;
 constexpr size_t kProofBytes = 32;
 constexpr size_t kMaxHandshakeBody = 256;  // a handshake frame's body at most
@@ -81,7 +81,7 @@ bool IsHandshake(FrameType t);
 struct FrameHeader {
   FrameType type = FrameType::kRequest;
   bool sealed = false;
-  uint64_t seq = 0;         // sealed frames: the sender's counter in this direction (from 1)
+  uint64_t seq = 0;  // sealed frames: the sender's counter in this direction (from 1)
   uint64_t call_id = 0;
   int32_t code = 0;         // requests: the method; replies: a StatusCode
   uint64_t body_bytes = 0;  // the UCX payload's length (sealed: ciphertext and tag)

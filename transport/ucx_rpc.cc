@@ -98,7 +98,9 @@ class Loop {
 
   // Called on the loop's thread about every 100 ms (set before Start).
   void SetTick(std::function<void()> tick) { tick_ = std::move(tick); }
-  void Start() { thread_ = std::thread([this] { Run(); }); }
+  void Start() {
+    thread_ = std::thread([this] { Run(); });
+  }
   void Post(std::function<void()> task) {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -385,8 +387,8 @@ struct UcxServer::Impl {
   uint64_t next_conn = 1;
   std::map<ucp_ep_h, std::shared_ptr<ServerConn>> conns;  // loop thread
   std::atomic<size_t> inflight_bytes{0};
-  Counter connections, rejected, handshakes, handshake_failures, handshake_timeouts, frames_rejected, replays,
-      requests, busy;
+  Counter connections, rejected, handshakes, handshake_failures, handshake_timeouts, frames_rejected, replays, requests,
+      busy;
   std::atomic<int64_t> open{0};
   // Handler pool.
   std::mutex mu;
@@ -453,8 +455,8 @@ struct UcxServer::Impl {
       return;
     }
     ucp_ep_params_t p{};
-    p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.field_mask =
+        UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.conn_request = request;
     p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = OnEpError;
@@ -548,16 +550,16 @@ struct UcxServer::Impl {
     if (inflight_bytes.fetch_add(bytes) + bytes > options.max_inflight_bytes) {
       inflight_bytes -= bytes;
       ++busy;
-      FrameSender(c, *h)(Status::ResourceExhausted(
-          "ucx server: busy (" + std::to_string(options.max_inflight_bytes) + " request bytes in flight); retry"));
+      FrameSender(c, *h)(Status::ResourceExhausted("ucx server: busy (" + std::to_string(options.max_inflight_bytes) +
+                                                   " request bytes in flight); retry"));
       return;
     }
     const uf::FrameHeader fh = *h;
     if (!ReceiveBody(loop->worker(), data, length, param,
                      [this, c, fh](std::string body) { Dispatch(c, fh, std::move(body)); })) {
       inflight_bytes -= bytes;
-      FrameSender(c, fh)(Status::ResourceExhausted("ucx server: could not receive a request of " +
-                                                   std::to_string(bytes) + " bytes"));
+      FrameSender(c, fh)(
+          Status::ResourceExhausted("ucx server: could not receive a request of " + std::to_string(bytes) + " bytes"));
     }
   }
 
@@ -741,14 +743,14 @@ struct UcxClient::Impl {
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
-    Status error;             // set: the call failed
-    uf::FrameHeader header;   // else: the reply's checked header
-    std::string body;         // ... and its body, to open
+    Status error;            // set: the call failed
+    uf::FrameHeader header;  // else: the reply's checked header
+    std::string body;        // ... and its body, to open
     const ClientConn* conn = nullptr;
   };
   std::mutex mu;
-  std::condition_variable cv;            // a connection attempt ended
-  std::shared_ptr<ClientConn> ready;     // the connection calls use (null: none)
+  std::condition_variable cv;         // a connection attempt ended
+  std::shared_ptr<ClientConn> ready;  // the connection calls use (null: none)
   bool attempt_running = false;
   uint64_t attempts_done = 0;
   Status last_failure;
@@ -847,8 +849,10 @@ struct UcxClient::Impl {
   }
   void Tick() {
     if (connecting && Clock::now() - connecting->started > options.handshake_timeout) {
-      Drop(connecting, Status::Unavailable("ucx: the connection to " + where + " and its handshake did not finish "
-                                           "within " + std::to_string(options.handshake_timeout.count()) + " ms"));
+      Drop(connecting, Status::Unavailable("ucx: the connection to " + where +
+                                           " and its handshake did not finish "
+                                           "within " +
+                                           std::to_string(options.handshake_timeout.count()) + " ms"));
     }
   }
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -856,8 +860,8 @@ struct UcxClient::Impl {
     auto it = self->conns.find(ep);
     if (it == self->conns.end()) return;
     auto c = it->second;
-    const Status why = Status::Unavailable("ucx: the connection to " + self->where + " failed: " +
-                                           ucs_status_string(status));
+    const Status why =
+        Status::Unavailable("ucx: the connection to " + self->where + " failed: " + ucs_status_string(status));
     self->loop->Post([self, c, why] { self->Drop(c, why); });
   }
   static ucs_status_t OnFrame(void* arg, const void* header, size_t header_len, void* data, size_t length,
@@ -879,8 +883,8 @@ struct UcxClient::Impl {
     uf::Refusal why = uf::Refusal::kNone;
     if (!c->ready) {
       if (rndv || length > uf::kMaxHandshakeBody) {
-        return Drop(c, Status::Corruption("ucx: " + where + " sent a handshake frame of " + std::to_string(length) +
-                                          " bytes"));
+        return Drop(
+            c, Status::Corruption("ucx: " + where + " sent a handshake frame of " + std::to_string(length) + " bytes"));
       }
       const std::string_view body(static_cast<const char*>(data), length);
       auto h = uf::CheckHandshake(header, body, length, &why);
@@ -913,8 +917,8 @@ struct UcxClient::Impl {
     }
     auto h = c->opener->Check(header, length, &why);
     if (!h.ok() || h->type != uf::FrameType::kReply) {
-      const Status s = h.ok() ? Status::Corruption(std::string("a ") + uf::FrameTypeName(h->type) + " frame")
-                              : h.status();
+      const Status s =
+          h.ok() ? Status::Corruption(std::string("a ") + uf::FrameTypeName(h->type) + " frame") : h.status();
       LOG(WARNING) << "ucx client: a frame from " << where << " refused (" << s << "); disconnected";
       return Drop(c, Status::Unavailable("ucx: a frame from " + where + " failed its checks (" + s.ToString() +
                                          "); disconnected"));

@@ -13,7 +13,7 @@ struct WorkerGenerateRequest {
   1: list<i32> prompt,
   // Exclusive ends of the prompt's leading segments (documents), ascending:
   // the document cache's unit (reused across requests of one namespace).
-  2: list<i64> segment_ends,
+  2: list<i64> document_ends,
   3: string cache_namespace,
   4: i32 max_new_tokens = 16,
   5: common.SamplingOptions sampling,
@@ -96,7 +96,7 @@ service Worker {
   // prompt's leading segments: a deleted document. Returns the entries dropped.
   // An error (e.g. UNAVAILABLE: a store node down) when stored state may be
   // left: the document is not known to be forgotten; ask again.
-  i32 ForgetPrefixes(1: list<i32> prompt, 2: list<i64> segment_ends, 3: string cache_namespace)
+  i32 ForgetPrefixes(1: list<i32> prompt, 2: list<i64> document_ends, 3: string cache_namespace)
       throws (1: common.PenumbraError error),
   // Renews the lease of owner `owner_id` (of the calling certificate) on
   // this worker's generations and returns the handles this caller's

@@ -54,7 +54,8 @@ std::vector<std::string> ServerHosts(const std::string& host, const std::vector<
 
 Status CheckName(const std::string& name) {
   if (name.empty() || name.find_first_of("/\\ \t\n") != std::string::npos || name == "ca" || name == "cluster") {
-    return Status::InvalidArgument("certificate name '" + name + "' must be non-empty, without / or spaces, and "
+    return Status::InvalidArgument("certificate name '" + name +
+                                   "' must be non-empty, without / or spaces, and "
                                    "not ca or cluster");
   }
   return Status::OK();
@@ -63,7 +64,8 @@ Status CheckName(const std::string& name) {
 Status Issue(const std::string& dir, const transport::CertificateSpec& spec) {
   PENUMBRA_RETURN_IF_ERROR(CheckName(spec.name));
   const std::string cert = JoinPath(dir, spec.name + ".pem"), key = JoinPath(dir, spec.name + ".key");
-  PENUMBRA_RETURN_IF_ERROR(transport::IssueCertificate(JoinPath(dir, "ca.pem"), JoinPath(dir, "ca.key"), spec, cert, key));
+  PENUMBRA_RETURN_IF_ERROR(
+      transport::IssueCertificate(JoinPath(dir, "ca.pem"), JoinPath(dir, "ca.key"), spec, cert, key));
   std::string hosts;
   for (const auto& h : spec.hosts) hosts += (hosts.empty() ? "" : ",") + h;
   std::printf("  %-14s role %-11s %s%s\n", (spec.name + ".pem").c_str(), spec.role.c_str(),
@@ -92,10 +94,12 @@ Status Init(int argc, char** argv) {
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IOError("cannot create " + dir + ": " + ec.message());
   ::chmod(dir.c_str(), 0700);
-  PENUMBRA_RETURN_IF_ERROR(transport::CreateCertificateAuthority(JoinPath(dir, "ca.pem"), JoinPath(dir, "ca.key"),
-                                                                 "penumbra"));
-  std::printf("penumbra cert init %s:\n  %-14s the cluster CA (ca.key signs certificates: keep it off the service's "
-              "machines)\n", dir.c_str(), "ca.pem");
+  PENUMBRA_RETURN_IF_ERROR(
+      transport::CreateCertificateAuthority(JoinPath(dir, "ca.pem"), JoinPath(dir, "ca.key"), "penumbra"));
+  std::printf(
+      "penumbra cert init %s:\n  %-14s the cluster CA (ca.key signs certificates: keep it off the service's "
+      "machines)\n",
+      dir.c_str(), "ca.pem");
   auto spec = [&](const char* role, const std::string& name, std::vector<std::string> hosts) {
     transport::CertificateSpec s;
     s.role = role;
@@ -136,8 +140,8 @@ Status IssueCommand(int argc, char** argv) {
                                                transport::role::kStore, transport::role::kClient,
                                                transport::role::kAdmin};
   if (!kRoles.count(a.Get("role"))) {
-    return Status::InvalidArgument("--role must be coordinator, worker, store, client or admin, got '" +
-                                   a.Get("role") + "'");
+    return Status::InvalidArgument("--role must be coordinator, worker, store, client or admin, got '" + a.Get("role") +
+                                   "'");
   }
   PENUMBRA_ASSIGN_OR_RETURN(int64_t days, a.GetIntIn("days", 825, 1, 36500));
   transport::CertificateSpec s;
@@ -155,8 +159,9 @@ Status CertCommand(int argc, char** argv) {
   const std::string sub = argc > 2 ? argv[2] : "";
   if (sub == "init") return Init(argc, argv);
   if (sub == "issue") return IssueCommand(argc, argv);
-  return Status::InvalidArgument("usage: penumbra cert init DIR [--topology F] [--hosts H,...] | "
-                                 "penumbra cert issue DIR --role R --name N [--hosts H,...]");
+  return Status::InvalidArgument(
+      "usage: penumbra cert init DIR [--topology F] [--hosts H,...] | "
+      "penumbra cert issue DIR --role R --name N [--hosts H,...]");
 }
 
 }  // namespace penumbra

@@ -288,7 +288,8 @@ Result<EncodedRecord> EvalRunner::Encode(const EvalRecord& rec) const {
   int64_t inputs = static_cast<int64_t>(e.prompt.size());
   for (int t = 1; t < rec.num_turns(); ++t) {
     auto q = tokenizer_->Encode(rec.turns[t].question, /*add_special_tokens=*/false);
-    if (!q.ok()) return Status::InvalidArgument(who + ": turns[" + std::to_string(t) + "].question: " + q.status().message());
+    if (!q.ok())
+      return Status::InvalidArgument(who + ": turns[" + std::to_string(t) + "].question: " + q.status().message());
     e.questions[t] = std::move(*q);
     inputs += 1 + static_cast<int64_t>(e.questions[t].size());  // previous answer's last token + question
   }
@@ -365,8 +366,8 @@ Result<std::vector<EvalTurnResult>> EvalRunner::Run(const EncodedRecord& r, int 
   } else {
     PENUMBRA_RETURN_IF_ERROR(runtime_->Prefill(seq, r.prompt, &logits_));
   }
-  int64_t pos = P;      // next position (= rows in the cache)
-  int64_t total = P;    // eval_hf.py's input token count
+  int64_t pos = P;    // next position (= rows in the cache)
+  int64_t total = P;  // eval_hf.py's input token count
   auto forward = [&](int32_t token) -> Status {
     PENUMBRA_ASSIGN_OR_RETURN(const float* dev, runtime_->DecodeStep({seq}, {token}, {pos}));
     ++pos;
@@ -453,7 +454,9 @@ EvalOverall OverallOf(const EvalSummary& sum) {
   }
   std::sort(lengths.begin(), lengths.end());
   EvalOverall o;
-  auto percent = [](int64_t c, int64_t n) { return n > 0 ? 100.0 * static_cast<double>(c) / static_cast<double>(n) : 0.0; };
+  auto percent = [](int64_t c, int64_t n) {
+    return n > 0 ? 100.0 * static_cast<double>(c) / static_cast<double>(n) : 0.0;
+  };
   o.accuracy_percent = percent(correct, turns);
   for (const auto& [task, cn] : tasks) o.per_task_percent.emplace_back(task, percent(cn.first, cn.second));
   for (int64_t l : lengths) o.lengths += (o.lengths.empty() ? "" : ",") + std::to_string(l);

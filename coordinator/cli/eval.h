@@ -135,7 +135,7 @@ class EvalRunner {
   Runtime* runtime_ = nullptr;
   const Tokenizer* tokenizer_ = nullptr;
   std::vector<int32_t> eos_ids_;
-  std::vector<int32_t> newline_ids_;     // Encode("\n") without specials
+  std::vector<int32_t> newline_ids_;       // Encode("\n") without specials
   std::vector<int8_t> token_has_newline_;  // [vocab]
   int64_t next_seq_ = 0;
   bool segmented_ = false;

@@ -71,9 +71,9 @@ nlohmann::ordered_json ToJson(const rpc::JobInfo& j) {
 }
 
 nlohmann::ordered_json ToJson(const rpc::JobItemResult& r) {
-  nlohmann::ordered_json j = {{"custom_id", r.custom_id}, {"ok", r.ok},
-                              {"state", r.state},         {"text", r.text},
-                              {"finish_reason", r.finish_reason}, {"error", r.error}};
+  nlohmann::ordered_json j = {
+      {"custom_id", r.custom_id},         {"ok", r.ok},      {"state", r.state}, {"text", r.text},
+      {"finish_reason", r.finish_reason}, {"error", r.error}};
   if (r.__isset.error_code) j["error_code"] = rpc::to_string(r.error_code);
   j["usage"] = {{"prompt_tokens", r.usage.prompt_tokens},
                 {"cached_prompt_tokens", r.usage.cached_prompt_tokens},
@@ -118,11 +118,13 @@ class JobProgress {
     const int width = 30, filled = static_cast<int>(frac * width + 0.5);
     std::string bar(filled, '#');
     bar.resize(width, '.');
-    std::fprintf(stderr, "%sjob %s [%s] %lld/%lld done (%lld completed, %lld failed) %s %.1f s%s",
-                 tty_ ? "\r" : "", j.id.c_str(), bar.c_str(), static_cast<long long>(done),
-                 static_cast<long long>(j.total), static_cast<long long>(j.completed),
-                 static_cast<long long>(j.failed), JobStatusName(j.status).c_str(),
-                 std::chrono::duration<double>(now - t0_).count(), !tty_ ? "\n" : final ? "\033[K\n" : "\033[K");
+    std::fprintf(stderr, "%sjob %s [%s] %lld/%lld done (%lld completed, %lld failed) %s %.1f s%s", tty_ ? "\r" : "",
+                 j.id.c_str(), bar.c_str(), static_cast<long long>(done), static_cast<long long>(j.total),
+                 static_cast<long long>(j.completed), static_cast<long long>(j.failed), JobStatusName(j.status).c_str(),
+                 std::chrono::duration<double>(now - t0_).count(),
+                 !tty_   ? "\n"
+                 : final ? "\033[K\n"
+                         : "\033[K");
     std::fflush(stderr);
   }
 
@@ -158,8 +160,7 @@ Result<rpc::JobInfo> WaitForJob(client::Client& c, rpc::JobInfo j, JobProgress* 
     if (unreachable_since == Clock::time_point{}) {
       unreachable_since = Clock::now();
       std::fprintf(stderr, "%sjob %s: coordinator unreachable (%s); still waiting\n",
-                   progress && progress->tty() ? "\n" : "",
-                   j.id.c_str(), next.status().ToString().c_str());
+                   progress && progress->tty() ? "\n" : "", j.id.c_str(), next.status().ToString().c_str());
     } else if (Clock::now() - unreachable_since > kJobWaitUnreachable) {
       return next.status().WithContext("waiting for job " + j.id + " (it may still run; see `penumbra job status " +
                                        j.id + "`)");
@@ -224,11 +225,14 @@ Status JobSubmit(int argc, char** argv) {
     std::fprintf(stderr, "results: penumbra job results %s [--out FILE]\n", j.id.c_str());
   }
   switch (j.status) {
-    case rpc::JobStatus::COMPLETED: return Status::OK();
-    case rpc::JobStatus::CANCELLED: return Status::Cancelled("job " + j.id + " was cancelled");
+    case rpc::JobStatus::COMPLETED:
+      return Status::OK();
+    case rpc::JobStatus::CANCELLED:
+      return Status::Cancelled("job " + j.id + " was cancelled");
     case rpc::JobStatus::EXPIRED:
       return Status::DeadlineExceeded("job " + j.id + " expired: its completion window passed");
-    default: return Status::Internal("job " + j.id + " ended " + JobStatusName(j.status));
+    default:
+      return Status::Internal("job " + j.id + " ended " + JobStatusName(j.status));
   }
 }
 

@@ -20,8 +20,9 @@ constexpr int64_t kMaxNewTokens = int64_t{1} << 20;
 constexpr double kMaxTemperature = 100.0;
 constexpr size_t kUnbounded = std::numeric_limits<size_t>::max();
 
-const char* const kKeys[] = {"custom_id", "custom_id_prefix", "documents", "question", "question_ids", "questions",
-                             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "kv_policy"};
+const char* const kKeys[] = {"custom_id",      "custom_id_prefix", "documents", "question", "question_ids", "questions",
+                             "max_new_tokens", "temperature",      "top_k",     "top_p",    "seed",         "stop",
+                             "kv_policy"};
 
 // A value as the error shows it: short, one line.
 std::string Shown(const json& v) {
@@ -55,8 +56,8 @@ class LineReader {
 
   Result<double> Number(const json& o, const std::string& key, double lo, double hi, bool lo_open) const {
     const json& v = o.at(key);
-    const std::string must = std::string("a number in ") + (lo_open ? "(" : "[") + Shown(json(lo)) + ", " +
-                             Shown(json(hi)) + "]";
+    const std::string must =
+        std::string("a number in ") + (lo_open ? "(" : "[") + Shown(json(lo)) + ", " + Shown(json(hi)) + "]";
     if (!v.is_number()) return KeyError(key, must, v);
     const double x = v.get<double>();
     if (!(lo_open ? x > lo : x >= lo) || !(x <= hi)) return KeyError(key, must, v);

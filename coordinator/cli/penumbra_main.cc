@@ -17,10 +17,10 @@
 #include "coordinator/cli/eval.h"
 #include "coordinator/cli/service_cli.h"
 #include "coordinator/tokenizer/text_codec.h"
-#include "worker/parallel/context_group.h"
 #include "transport/tls.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"
+#include "worker/parallel/context_group.h"
 
 namespace penumbra {
 namespace {
@@ -34,7 +34,8 @@ constexpr const char* kUsage =
     "       penumbra job submit FILE.jsonl [--detach] [--window-s N] [--metadata S]   a batch job\n"
     "       penumbra job status ID | job results ID [--out FILE] | job cancel ID | job ls | job rm ID\n"
     "       penumbra stats\n"
-    "       penumbra cert init DIR [--topology F] [--hosts H,...]   a CA, a certificate per process, the cluster secret\n"
+    "       penumbra cert init DIR [--topology F] [--hosts H,...]   a CA, a certificate per process, the cluster "
+    "secret\n"
     "       penumbra cert issue DIR --role R --name N [--hosts H,...]   one more certificate from DIR's CA\n"
     "       penumbra tenant new-key                           a new API key and its sha256:... hash for tenants.yaml\n"
     "       penumbra tenant hash-key < KEYFILE                the sha256:... hash of a key read from stdin\n"
@@ -80,7 +81,8 @@ Status Generate(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t top_k, a.GetIntIn("top-k", 0, 0, INT32_MAX));
   PENUMBRA_ASSIGN_OR_RETURN(double top_p, a.GetDoubleIn("top-p", 1.0, 0.0, 1.0, /*lo_open=*/true));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t seed, a.GetIntIn("seed", 0, 0, INT64_MAX));
-  if (a.Has("greedy") && a.Has("temperature")) return Status::InvalidArgument("--greedy and --temperature exclude each other");
+  if (a.Has("greedy") && a.Has("temperature"))
+    return Status::InvalidArgument("--greedy and --temperature exclude each other");
   req.sampling = {a.Has("greedy") ? 0.0f : static_cast<float>(temp), static_cast<int>(top_k), static_cast<float>(top_p),
                   static_cast<uint64_t>(seed)};
 
@@ -88,7 +90,8 @@ Status Generate(int argc, char** argv) {
   if (a.Has("prompt-ids")) {
     PENUMBRA_ASSIGN_OR_RETURN(auto ids, a.GetIntList("prompt-ids"));
     for (int64_t id : ids) {
-      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--prompt-ids: id " + std::to_string(id) + " is out of range");
+      if (id < 0 || id > INT32_MAX)
+        return Status::InvalidArgument("--prompt-ids: id " + std::to_string(id) + " is out of range");
       req.prompt.push_back(static_cast<int32_t>(id));
     }
   } else {
@@ -103,7 +106,8 @@ Status Generate(int argc, char** argv) {
   if (a.Has("stop-ids")) {
     PENUMBRA_ASSIGN_OR_RETURN(auto ids, a.GetIntList("stop-ids"));
     for (int64_t id : ids) {
-      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--stop-ids: id " + std::to_string(id) + " is out of range");
+      if (id < 0 || id > INT32_MAX)
+        return Status::InvalidArgument("--stop-ids: id " + std::to_string(id) + " is out of range");
       req.stop_ids.push_back(static_cast<int32_t>(id));
     }
   } else if (!a.Has("ignore-eos")) {
@@ -138,7 +142,8 @@ Status Generate(int argc, char** argv) {
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else {
     std::cout << text << "\n";
-    std::fprintf(stderr, "[%lld prompt tokens, %lld generated, prefill %.3f s, decode %.1f tokens/s on %s, kv policy %s]\n",
+    std::fprintf(stderr,
+                 "[%lld prompt tokens, %lld generated, prefill %.3f s, decode %.1f tokens/s on %s, kv policy %s]\n",
                  static_cast<long long>(st.prompt_tokens), static_cast<long long>(st.generated_tokens),
                  st.prefill_seconds, decode_tps, engine->backend().name().c_str(), engine->options().kv_policy.c_str());
   }
@@ -166,8 +171,9 @@ Status Eval(int argc, char** argv) {
       .Flag("max-new-tokens", "override the records' max_new_tokens")
       .Flag("predictions", "write one JSON line per turn here (eval_hf.py's format)")
       .Switch("json", "print JSON lines (one per (task, length), then a summary) instead of a table")
-      .Switch("segmented", "prefill each record's context first and continue it with the question "
-                           "(as a question about a cached document is served)");
+      .Switch("segmented",
+              "prefill each record's context first and continue it with the question "
+              "(as a question about a cached document is served)");
   AddEngineFlags(a);
   Status ps = a.Parse(argc, argv, 2);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
@@ -253,7 +259,7 @@ Status Eval(int argc, char** argv) {
     j["continuation"] = opt(so.continuation);
     j["continuation_budget_tokens"] = opt(so.continuation_budget_tokens);
     j["hit_rate"] = sparse && ps_stats.selected_chunks > 0 ? nlohmann::ordered_json(ps_stats.hit_rate())
-                                                            : nlohmann::ordered_json(nullptr);
+                                                           : nlohmann::ordered_json(nullptr);
     j["selected_chunks"] = ps_stats.selected_chunks;
     j["hit_chunks"] = ps_stats.hit_chunks;
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;

@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
+#include <nlohmann/json.hpp>
 
 #include "common/args.h"
 #include "common/file.h"
@@ -64,10 +64,10 @@ struct Child {
   pid_t pid = -1;                 // -1: not running (stopped, or waiting to restart)
   std::string log, port_file;
   int port = 0, metrics_port = -1;
-  bool serving = false;           // its port file was read since its last start
-  int restarts = 0;               // times serve restarted it
-  int deaths_in_row = 0;          // deaths without staying up RestartPolicy::stable
-  milliseconds backoff{0};        // the delay before the next restart
+  bool serving = false;     // its port file was read since its last start
+  int restarts = 0;         // times serve restarted it
+  int deaths_in_row = 0;    // deaths without staying up RestartPolicy::stable
+  milliseconds backoff{0};  // the delay before the next restart
   Clock::time_point started, restart_at;
 };
 
@@ -146,8 +146,8 @@ Status WaitServing(Child& c, milliseconds timeout) {
     int st = 0;
     if (waitpid(c.pid, &st, WNOHANG) == c.pid) {
       c.pid = -1;
-      return Status::Unavailable(c.name + " exited before serving (" + DescribeWaitStatus(st) + "); its log (" +
-                                 c.log + "):\n" + Tail(c.log));
+      return Status::Unavailable(c.name + " exited before serving (" + DescribeWaitStatus(st) + "); its log (" + c.log +
+                                 "):\n" + Tail(c.log));
     }
     std::this_thread::sleep_for(milliseconds(50));
   }
@@ -212,8 +212,8 @@ void OnChildDeath(Child& c, int st, const RestartPolicy& policy) {
     std::fprintf(stderr,
                  "serve: %s %s keeps crashing (%d deaths in a row, none up %lld s): retried every %s at most, for "
                  "as long as serve runs\n",
-                 c.kind.c_str(), c.name.c_str(), c.deaths_in_row,
-                 static_cast<long long>(policy.stable.count() / 1000), Seconds(policy.max).c_str());
+                 c.kind.c_str(), c.name.c_str(), c.deaths_in_row, static_cast<long long>(policy.stable.count() / 1000),
+                 Seconds(policy.max).c_str());
   }
   std::fprintf(stderr, "serve: the end of %s's log (%s):\n%s", c.name.c_str(), c.log.c_str(), TailLines(c.log).c_str());
 }
@@ -225,8 +225,9 @@ Status WriteServePortFile(const std::string& path, const Child& coordinator, con
   int64_t restarts = 0;
   for (const Child* c : all) {
     const char* state = c->pid <= 0 ? "down" : c->serving ? "serving" : "starting";
-    children[c->name] = {{"kind", c->kind}, {"pid", static_cast<int64_t>(c->pid)}, {"port", c->port},
-                         {"state", state},  {"restarts", c->restarts}, {"deaths_in_row", c->deaths_in_row}};
+    children[c->name] = {{"kind", c->kind},         {"pid", static_cast<int64_t>(c->pid)},
+                         {"port", c->port},         {"state", state},
+                         {"restarts", c->restarts}, {"deaths_in_row", c->deaths_in_row}};
     restarts += c->restarts;
   }
   nlohmann::json j = {{"port", coordinator.port},
@@ -302,9 +303,8 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
     return Status::InvalidArgument(path + ": " + e.what());
   }
   ServiceTopology t;
-  PENUMBRA_RETURN_IF_ERROR(
-      CheckKeys(root, {"model", "api_keys", "tenants", "data_dir", "security", "coordinator", "workers", "store_nodes"},
-                path));
+  PENUMBRA_RETURN_IF_ERROR(CheckKeys(
+      root, {"model", "api_keys", "tenants", "data_dir", "security", "coordinator", "workers", "store_nodes"}, path));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "model", path, &t.model));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "api_keys", path, &t.api_keys));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "tenants", path, &t.tenants));
@@ -329,7 +329,8 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
     PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "args", where, &t.coordinator_args));
   }
   const YAML::Node ws = root["workers"];
-  if (!ws || !ws.IsSequence() || ws.size() == 0) return Status::InvalidArgument(path + ": workers must be a non-empty list");
+  if (!ws || !ws.IsSequence() || ws.size() == 0)
+    return Status::InvalidArgument(path + ": workers must be a non-empty list");
   for (size_t i = 0; i < ws.size(); ++i) {
     const std::string where = path + ": workers[" + std::to_string(i) + "]";
     WorkerProcessSpec s;
@@ -367,8 +368,14 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
 std::vector<std::string> SecurityArgs(const ServiceTopology& t, const std::string& name) {
   std::vector<std::string> args;
   if (!t.certs.empty()) {
-    args = {"--tls-ca",  JoinPath(t.certs, "ca.pem"),   "--tls-cert",           JoinPath(t.certs, name + ".pem"),
-            "--tls-key", JoinPath(t.certs, name + ".key"), "--cluster-secret-file", JoinPath(t.certs, "cluster.secret")};
+    args = {"--tls-ca",
+            JoinPath(t.certs, "ca.pem"),
+            "--tls-cert",
+            JoinPath(t.certs, name + ".pem"),
+            "--tls-key",
+            JoinPath(t.certs, name + ".key"),
+            "--cluster-secret-file",
+            JoinPath(t.certs, "cluster.secret")};
   }
   if (t.insecure) args.push_back("--insecure");
   return args;
@@ -381,19 +388,24 @@ Status ServeCommand(int argc, char** argv) {
       .Flag("data-dir", "override the topology's data_dir (batch jobs; \"\" = off)")
       .Flag("port", "override the coordinator's port (0: the OS picks)")
       .Flag("metrics-port", "override the coordinator's metrics port (0: the OS picks, -1: off)")
-      .Flag("worker-args", "more flags for every worker, space-separated (e.g. \"--kv-policy shadowkv\"); "
-                           "they replace the topology's same flags")
-      .Flag("port-file", "write {\"port\": P, \"metrics_port\": M, \"pid\": N, \"restarts\": R, \"children\": "
-                         "{NAME: {pid, port, state, restarts, ...}}} here once serving (P, M: the coordinator's; "
-                         "rewritten whenever a process dies or comes back)")
+      .Flag("worker-args",
+            "more flags for every worker, space-separated (e.g. \"--kv-policy shadowkv\"); "
+            "they replace the topology's same flags")
+      .Flag("port-file",
+            "write {\"port\": P, \"metrics_port\": M, \"pid\": N, \"restarts\": R, \"children\": "
+            "{NAME: {pid, port, state, restarts, ...}}} here once serving (P, M: the coordinator's; "
+            "rewritten whenever a process dies or comes back)")
       .Flag("run-dir", "logs and port files of the processes (default build/run/serve-PID)")
       .Flag("start-timeout-s", "how long each process may take to start (default 300)")
-      .Flag("restart-backoff-ms", "a process that dies is restarted after this long, doubling at each death "
-                                  "(default 1000)")
-      .Flag("restart-backoff-max-ms", "the restart delay's cap: a process that keeps dying is retried this often "
-                                      "(default 30000)")
-      .Flag("restart-stable-s", "a process up this long restarts after --restart-backoff-ms again when it dies "
-                                "(default 60)");
+      .Flag("restart-backoff-ms",
+            "a process that dies is restarted after this long, doubling at each death "
+            "(default 1000)")
+      .Flag("restart-backoff-max-ms",
+            "the restart delay's cap: a process that keeps dying is retried this often "
+            "(default 30000)")
+      .Flag("restart-stable-s",
+            "a process up this long restarts after --restart-backoff-ms again when it dies "
+            "(default 60)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
   PENUMBRA_ASSIGN_OR_RETURN(ServiceTopology t, LoadServiceTopology(a.Get("config", "configs/service.yaml")));
   if (a.Has("model")) t.model = a.Get("model");
@@ -452,8 +464,8 @@ Status ServeCommand(int argc, char** argv) {
   // Value-store nodes first: the workers connect to them.
   std::string store_list;
   for (const StoreNodeSpec& s : t.store_nodes) {
-    std::vector<std::string> argv = {bin + "/penumbra-store", "--path", s.path, "--host", s.host,
-                                     "--port", std::to_string(s.port)};
+    std::vector<std::string> argv = {bin + "/penumbra-store", "--path", s.path, "--host", s.host, "--port",
+                                     std::to_string(s.port)};
     for (const std::string& f : SecurityArgs(t, s.name)) argv.push_back(f);
     argv.insert(argv.end(), s.args.begin(), s.args.end());
     nodes.push_back(MakeChild(s.name, "store node", s.host, std::move(argv), dir));
@@ -466,9 +478,19 @@ Status ServeCommand(int argc, char** argv) {
                  nodes.back().port, s.path.c_str(), nodes.back().log.c_str());
   }
   for (const WorkerProcessSpec& s : t.workers) {
-    std::vector<std::string> argv = {bin + "/penumbra-worker", "--model", t.model, "--name", s.name, "--host", s.host,
-                                     "--port", std::to_string(s.port), "--metrics-port", std::to_string(s.metrics_port),
-                                     "--admin-host", s.admin_host};
+    std::vector<std::string> argv = {bin + "/penumbra-worker",
+                                     "--model",
+                                     t.model,
+                                     "--name",
+                                     s.name,
+                                     "--host",
+                                     s.host,
+                                     "--port",
+                                     std::to_string(s.port),
+                                     "--metrics-port",
+                                     std::to_string(s.metrics_port),
+                                     "--admin-host",
+                                     s.admin_host};
     if (!store_list.empty()) argv.insert(argv.end(), {"--store-node", store_list});
     for (const std::string& f : SecurityArgs(t, s.name)) argv.push_back(f);
     argv.insert(argv.end(), s.args.begin(), s.args.end());
@@ -491,9 +513,19 @@ Status ServeCommand(int argc, char** argv) {
     std::fprintf(stderr, "serve: worker %s on %s:%d (metrics %d), log %s\n", w.name.c_str(), w.host.c_str(), w.port,
                  w.metrics_port, w.log.c_str());
   }
-  std::vector<std::string> cargv = {bin + "/penumbra-coordinator", "--model", t.model, "--workers", list,
-                                    "--host", t.host, "--port", std::to_string(t.port), "--metrics-port",
-                                    std::to_string(t.metrics_port), "--admin-host", t.admin_host};
+  std::vector<std::string> cargv = {bin + "/penumbra-coordinator",
+                                    "--model",
+                                    t.model,
+                                    "--workers",
+                                    list,
+                                    "--host",
+                                    t.host,
+                                    "--port",
+                                    std::to_string(t.port),
+                                    "--metrics-port",
+                                    std::to_string(t.metrics_port),
+                                    "--admin-host",
+                                    t.admin_host};
   if (!t.api_keys.empty()) cargv.insert(cargv.end(), {"--api-keys", t.api_keys});
   if (!t.tenants.empty()) cargv.insert(cargv.end(), {"--tenants", t.tenants});
   if (!t.data_dir.empty()) cargv.insert(cargv.end(), {"--data-dir", t.data_dir});
@@ -544,7 +576,8 @@ Status ServeCommand(int argc, char** argv) {
           to += (to.empty() ? "" : ", ") + c->name + " (pid " + std::to_string(c->pid) + ")";
         }
       }
-      std::fprintf(stderr, "serve: SIGHUP: passed to %s; each rereads its configuration (see its log), nothing "
+      std::fprintf(stderr,
+                   "serve: SIGHUP: passed to %s; each rereads its configuration (see its log), nothing "
                    "stops; the topology itself is read only when serve starts\n",
                    to.empty() ? "no process (none running)" : to.c_str());
     }
@@ -561,16 +594,16 @@ Status ServeCommand(int argc, char** argv) {
           if (ReadPortFile(*c)) {
             c->serving = true;
             changed = true;
-            std::fprintf(stderr, "serve: %s %s serving again on %s:%d (pid %d, restart %d)%s\n", c->kind.c_str(),
-                         c->name.c_str(), c->host.c_str(), c->port, static_cast<int>(c->pid), c->restarts,
-                         pinned > 0 && pinned != c->port ? " -- NOT on its old port: the others still name that one"
-                                                         : "");
+            std::fprintf(
+                stderr, "serve: %s %s serving again on %s:%d (pid %d, restart %d)%s\n", c->kind.c_str(),
+                c->name.c_str(), c->host.c_str(), c->port, static_cast<int>(c->pid), c->restarts,
+                pinned > 0 && pinned != c->port ? " -- NOT on its old port: the others still name that one" : "");
           }
         }
       } else if (now >= c->restart_at) {
         ++c->restarts;
-        std::ofstream(c->log, std::ios::app) << "---- penumbra serve: restart " << c->restarts << " of " << c->name
-                                             << " at " << UtcNow() << " ----\n";
+        std::ofstream(c->log, std::ios::app)
+            << "---- penumbra serve: restart " << c->restarts << " of " << c->name << " at " << UtcNow() << " ----\n";
         if (Status s = Spawn(*c, true); !s.ok()) {
           std::fprintf(stderr, "serve: cannot restart %s %s: %s; trying again in %s\n", c->kind.c_str(),
                        c->name.c_str(), s.ToString().c_str(), Seconds(c->backoff).c_str());
@@ -578,8 +611,8 @@ Status ServeCommand(int argc, char** argv) {
           c->backoff = std::min(policy.max, c->backoff * 2);
           continue;
         }
-        std::fprintf(stderr, "serve: %s %s restarted (pid %d, restart %d), log %s\n", c->kind.c_str(),
-                     c->name.c_str(), static_cast<int>(c->pid), c->restarts, c->log.c_str());
+        std::fprintf(stderr, "serve: %s %s restarted (pid %d, restart %d), log %s\n", c->kind.c_str(), c->name.c_str(),
+                     static_cast<int>(c->pid), c->restarts, c->log.c_str());
         changed = true;
       }
     }
@@ -587,8 +620,10 @@ Status ServeCommand(int argc, char** argv) {
       if (Status s = write_port_file(); !s.ok()) std::fprintf(stderr, "serve: %s\n", s.ToString().c_str());
     }
   }
-  std::fprintf(stderr, "serve: signal %d: stopping (the coordinator, then the workers, each draining, then the store "
-               "nodes)\n", stop_signal);
+  std::fprintf(stderr,
+               "serve: signal %d: stopping (the coordinator, then the workers, each draining, then the store "
+               "nodes)\n",
+               stop_signal);
   stop_all();
   std::fprintf(stderr, "serve: stopped\n");
   return Status::OK();

@@ -32,24 +32,33 @@ using Clock = std::chrono::steady_clock;
 
 const char* StateName(rpc::DocumentState::type s) {
   switch (s) {
-    case rpc::DocumentState::FACTORING: return "factoring";
-    case rpc::DocumentState::READY: return "ready";
-    case rpc::DocumentState::FAILED: return "failed";
+    case rpc::DocumentState::FACTORING:
+      return "factoring";
+    case rpc::DocumentState::READY:
+      return "ready";
+    case rpc::DocumentState::FAILED:
+      return "failed";
   }
   return "?";
 }
 
 nlohmann::json ToJson(const rpc::DocumentInfo& d) {
-  nlohmann::json j = {{"id", d.id},           {"name", d.name},     {"tokens", d.tokens},
-                      {"state", StateName(d.state)}, {"worker", d.worker}, {"factor_seconds", d.factor_seconds},
+  nlohmann::json j = {{"id", d.id},
+                      {"name", d.name},
+                      {"tokens", d.tokens},
+                      {"state", StateName(d.state)},
+                      {"worker", d.worker},
+                      {"factor_seconds", d.factor_seconds},
                       {"created_unix_ms", d.created_unix_ms}};
   if (d.__isset.error) j["error"] = d.error;
   return j;
 }
 
 nlohmann::json ToJson(const rpc::Usage& u) {
-  return {{"prompt_tokens", u.prompt_tokens},       {"cached_prompt_tokens", u.cached_prompt_tokens},
-          {"generated_tokens", u.generated_tokens}, {"queue_seconds", u.queue_seconds},
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"cached_prompt_tokens", u.cached_prompt_tokens},
+          {"generated_tokens", u.generated_tokens},
+          {"queue_seconds", u.queue_seconds},
           {"ttft_seconds", u.ttft_seconds}};
 }
 
@@ -68,7 +77,6 @@ void ShowProgress(const rpc::DocumentInfo& d, Clock::time_point t0, bool tty) {
   }
 }
 
-
 Status DocPut(int argc, char** argv) {
   Args a;
   a.Flag("name", "the document's name (default: the file's name)")
@@ -86,7 +94,8 @@ Status DocPut(int argc, char** argv) {
   } else {
     PENUMBRA_ASSIGN_OR_RETURN(auto list, a.GetIntList("ids"));
     for (int64_t id : list) {
-      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--ids: id " + std::to_string(id) + " is out of range");
+      if (id < 0 || id > INT32_MAX)
+        return Status::InvalidArgument("--ids: id " + std::to_string(id) + " is out of range");
       ids.push_back(static_cast<int32_t>(id));
     }
   }
@@ -96,9 +105,9 @@ Status DocPut(int argc, char** argv) {
   const bool tty = isatty(2);
   std::function<void(const rpc::DocumentInfo&)> progress;
   if (!a.Has("json") && !a.Has("no-wait")) progress = [&](const rpc::DocumentInfo& d) { ShowProgress(d, t0, tty); };
-  PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo d, c->PutDocument(name, file.empty() ? nullptr : &text,
-                                                               file.empty() ? &ids : nullptr, !a.Has("no-wait"),
-                                                               milliseconds(0), progress));
+  PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo d,
+                            c->PutDocument(name, file.empty() ? nullptr : &text, file.empty() ? &ids : nullptr,
+                                           !a.Has("no-wait"), milliseconds(0), progress));
   if (a.Has("json")) {
     std::cout << ToJson(d).dump() << std::endl;
   } else if (d.state == rpc::DocumentState::FAILED) {
@@ -125,8 +134,9 @@ Status TenantCommand(int argc, char** argv) {
     PENUMBRA_ASSIGN_OR_RETURN(std::string hash, tenants::HashApiKey(key));
     std::printf("%s\n%s\n", key.c_str(), hash.c_str());
     std::fflush(stdout);
-    std::fprintf(stderr, "line 1: the key (give it to the tenant, e.g. in a file for --api-key-file; it is not "
-                         "kept anywhere); line 2: its hash, for the tenant's api_keys in tenants.yaml\n");
+    std::fprintf(stderr,
+                 "line 1: the key (give it to the tenant, e.g. in a file for --api-key-file; it is not "
+                 "kept anywhere); line 2: its hash, for the tenant's api_keys in tenants.yaml\n");
     return Status::OK();
   }
   if (sub == "hash-key" && argc == 3) {
@@ -142,8 +152,10 @@ Status TenantCommand(int argc, char** argv) {
   }
   if (sub == "hash-key") {
     // Not echoed: the argument may be a key.
-    return Status::InvalidArgument("penumbra tenant hash-key takes the key on stdin, not as an argument "
-                                   "(e.g. `penumbra tenant hash-key < key.txt`)\n" + usage);
+    return Status::InvalidArgument(
+        "penumbra tenant hash-key takes the key on stdin, not as an argument "
+        "(e.g. `penumbra tenant hash-key < key.txt`)\n" +
+        usage);
   }
   return Status::InvalidArgument(usage);
 }
@@ -161,7 +173,8 @@ Status DocCommand(int argc, char** argv) {
     first = 4;
   }
   if (sub != "ls" && sub != "get" && sub != "rm") {
-    return Status::InvalidArgument("usage: penumbra doc put FILE [--name N] | ls | get ID | rm ID [--address A] [--api-key-file F] [--tls-ca CA]");
+    return Status::InvalidArgument(
+        "usage: penumbra doc put FILE [--name N] | ls | get ID | rm ID [--address A] [--api-key-file F] [--tls-ca CA]");
   }
   if (sub != "ls" && id.empty()) return Status::InvalidArgument("penumbra doc " + sub + " ID");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, first));
@@ -222,7 +235,8 @@ Status AskCommand(int argc, char** argv) {
     PENUMBRA_ASSIGN_OR_RETURN(auto list, a.GetIntList("question-ids"));
     std::vector<int32_t> ids;
     for (int64_t id : list) {
-      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--question-ids: id " + std::to_string(id) + " is out of range");
+      if (id < 0 || id > INT32_MAX)
+        return Status::InvalidArgument("--question-ids: id " + std::to_string(id) + " is out of range");
       ids.push_back(static_cast<int32_t>(id));
     }
     r.__set_token_ids(ids);
@@ -238,7 +252,8 @@ Status AskCommand(int argc, char** argv) {
   if (a.Has("stop-ids")) {
     PENUMBRA_ASSIGN_OR_RETURN(auto list, a.GetIntList("stop-ids"));
     for (int64_t id : list) {
-      if (id < 0 || id > INT32_MAX) return Status::InvalidArgument("--stop-ids: id " + std::to_string(id) + " is out of range");
+      if (id < 0 || id > INT32_MAX)
+        return Status::InvalidArgument("--stop-ids: id " + std::to_string(id) + " is out of range");
       r.stop_ids.push_back(static_cast<int32_t>(id));
     }
   }
@@ -268,8 +283,8 @@ Status AskCommand(int argc, char** argv) {
                                 ? (g.usage.generated_tokens - 1) / (total - g.usage.ttft_seconds)
                                 : 0;
   if (a.Has("json")) {
-    nlohmann::json j = {{"request_id", g.request_id}, {"text", g.text}, {"finish_reason", g.finish_reason},
-                        {"usage", ToJson(g.usage)}, {"seconds", total}, {"tokens_per_s", decode_tps}};
+    nlohmann::json j = {{"request_id", g.request_id}, {"text", g.text},   {"finish_reason", g.finish_reason},
+                        {"usage", ToJson(g.usage)},   {"seconds", total}, {"tokens_per_s", decode_tps}};
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else {
     std::cout << "\n";
@@ -290,15 +305,18 @@ Status StatsCommand(int argc, char** argv) {
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
   PENUMBRA_ASSIGN_OR_RETURN(auto c, ConnectFromFlags(a));
   PENUMBRA_ASSIGN_OR_RETURN(rpc::StatsResponse s, c->Stats());
-  nlohmann::json j = {{"requests", s.requests},           {"requests_failed", s.requests_failed},
-                      {"requests_running", s.requests_running}, {"documents", s.documents},
-                      {"prompt_tokens", s.prompt_tokens}, {"cached_prompt_tokens", s.cached_prompt_tokens},
+  nlohmann::json j = {{"requests", s.requests},
+                      {"requests_failed", s.requests_failed},
+                      {"requests_running", s.requests_running},
+                      {"documents", s.documents},
+                      {"prompt_tokens", s.prompt_tokens},
+                      {"cached_prompt_tokens", s.cached_prompt_tokens},
                       {"generated_tokens", s.generated_tokens}};
   // The workers are shown to an admin tenant (or without authentication).
   if (!s.workers.empty()) {
     nlohmann::json workers = nlohmann::json::array();
     for (const auto& w : s.workers) {
-      nlohmann::json o = {{"name", w.name},         {"address", w.address}, {"healthy", w.healthy},
+      nlohmann::json o = {{"name", w.name},           {"address", w.address}, {"healthy", w.healthy},
                           {"kv_policy", w.kv_policy}, {"backend", w.backend}, {"running", w.running},
                           {"documents", w.documents}};
       if (w.__isset.error) o["error"] = w.error;

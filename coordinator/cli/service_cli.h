@@ -25,10 +25,10 @@ namespace penumbra {
 struct WorkerProcessSpec {
   std::string name = "w0";
   std::string host = "127.0.0.1";
-  int port = 0;          // 0: the OS picks
-  int metrics_port = 0;  // the admin endpoint (/metrics, /healthz); 0: the OS picks; -1: off
+  int port = 0;                          // 0: the OS picks
+  int metrics_port = 0;                  // the admin endpoint (/metrics, /healthz); 0: the OS picks; -1: off
   std::string admin_host = "127.0.0.1";  // where the admin endpoint listens (off loopback: TLS, role admin)
-  std::vector<std::string> args;  // more penumbra-worker flags (--device cpu, --config engine.yaml, ...)
+  std::vector<std::string> args;         // more penumbra-worker flags (--device cpu, --config engine.yaml, ...)
 };
 
 // A value-store node `penumbra serve` starts (penumbra-store; documents on

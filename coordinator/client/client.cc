@@ -33,14 +33,16 @@ Status ParseAddress(const std::string& address, ClientOptions* options) {
 
 void AddConnectionFlags(Args& a) {
   a.Flag("address", "the coordinator, host:port (default $PENUMBRA_ADDRESS, else 127.0.0.1:7700)")
-      .Flag("api-key-file", "a file holding the API key (default $PENUMBRA_API_KEY_FILE; else the key in "
-                            "$PENUMBRA_API_KEY). Never on the command line: other users can read it there")
+      .Flag("api-key-file",
+            "a file holding the API key (default $PENUMBRA_API_KEY_FILE; else the key in "
+            "$PENUMBRA_API_KEY). Never on the command line: other users can read it there")
       .Flag("tls-ca", "the CA of the coordinator's certificate: TLS on (default $PENUMBRA_TLS_CA)")
       .Flag("tls-cert", "a client certificate, for a tenant that requires one (default $PENUMBRA_TLS_CERT)")
       .Flag("tls-key", "its private key (default $PENUMBRA_TLS_KEY)")
       .Flag("timeout-ms", "connect and call timeout (default 30000)")
-      .Flag("reconnect-ms", "streaming: how long a stream whose connection fails keeps reconnecting and polling "
-                            "again at its offset (default 30000; 0: fail at once)");
+      .Flag("reconnect-ms",
+            "streaming: how long a stream whose connection fails keeps reconnecting and polling "
+            "again at its offset (default 30000; 0: fail at once)");
 }
 
 namespace {
@@ -96,7 +98,8 @@ void Client::SetTimeout(milliseconds t) {
 
 Status Client::Reconnect() {
   c_.reset();
-  PENUMBRA_ASSIGN_OR_RETURN(c_, transport::ThriftClient<rpc::PenumbraClient>::Connect(o_.host, o_.port, o_.timeout, {}, tls_));
+  PENUMBRA_ASSIGN_OR_RETURN(
+      c_, transport::ThriftClient<rpc::PenumbraClient>::Connect(o_.host, o_.port, o_.timeout, {}, tls_));
   return Status::OK();
 }
 
@@ -126,7 +129,7 @@ Result<rpc::DocumentInfo> Client::PutDocument(const std::string& name, const std
   r.wait = wait && !progress;
   rpc::DocumentInfo info;
   SetTimeout(r.wait ? (deadline.count() > 0 ? deadline : milliseconds(std::chrono::hours(1))) + kPollMargin
-                        : o_.timeout);
+                    : o_.timeout);
   PENUMBRA_RETURN_IF_ERROR(Call("put document", [&] { (*c_)->PutDocument(info, r); }));
   SetTimeout(o_.timeout);
   if (!wait || r.wait) return info;
@@ -222,7 +225,7 @@ Result<rpc::GenerateChunk> Client::Complete(rpc::GenerateRequest request) {
   request.api_key = o_.api_key;
   rpc::GenerateChunk chunk;
   SetTimeout(request.deadline_ms > 0 ? milliseconds(request.deadline_ms) + kPollMargin
-                                         : milliseconds(std::chrono::hours(1)));
+                                     : milliseconds(std::chrono::hours(1)));
   Status s = Call("complete", [&] { (*c_)->Complete(chunk, request); });
   SetTimeout(o_.timeout);
   PENUMBRA_RETURN_IF_ERROR(s);

@@ -169,8 +169,8 @@ class Followers {
   std::atomic<bool> stop_{false};
 };
 
-Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int64_t B, int64_t S, int64_t Q,
-               int64_t M, int64_t V, double W, double settle, int64_t put_s, const std::string& policy,
+Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int64_t B, int64_t S, int64_t Q, int64_t M,
+               int64_t V, double W, double settle, int64_t put_s, const std::string& policy,
                const std::string& backend);
 
 // N documents x K questions: one at a time through Complete, then as one job.
@@ -180,8 +180,8 @@ Status JobBench(client::Client& c, int64_t N, int64_t K, int64_t S, int64_t Q, i
   Clock::time_point t0 = Clock::now();
   for (int64_t d = 0; d < N; ++d) {
     const std::vector<int32_t> doc = Tokens(S - Q, 1000 + d, static_cast<int32_t>(V));
-    PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo info, c.PutDocument("job-doc-" + std::to_string(d), nullptr, &doc,
-                                                                    true, std::chrono::seconds(put_s)));
+    PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo info, c.PutDocument("job-doc-" + std::to_string(d), nullptr, &doc, true,
+                                                                    std::chrono::seconds(put_s)));
     if (info.state != rpc::DocumentState::READY) return Status::Internal("document " + std::to_string(d) + " failed");
     docs.push_back(info.id);
   }
@@ -265,8 +265,9 @@ Status Run(int argc, char** argv) {
       .Switch("put-during-decode", "3: put a second document while the questions decode; the longest token gap")
       .Flag("job-documents", "instead: a batch job over this many documents (see the top of the source)")
       .Flag("job-questions", "with --job-documents: questions per document (default 16)")
-      .Flag("dp-documents", "instead: data-parallel scaling over this many documents, one per worker (see "
-                            "DpBench)");
+      .Flag("dp-documents",
+            "instead: data-parallel scaling over this many documents, one per worker (see "
+            "DpBench)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
   PENUMBRA_ASSIGN_OR_RETURN(client::ClientOptions o, client::OptionsFromFlags(a));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t S, a.GetIntIn("context", 124928, 2, int64_t{1} << 24));
@@ -297,8 +298,8 @@ Status Run(int argc, char** argv) {
   // 1. The document, once; then one question's time to first token.
   const std::vector<int32_t> doc = Tokens(S - Q, 0, static_cast<int32_t>(V));
   Clock::time_point t0 = Clock::now();
-  PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo d, c->PutDocument("bench", nullptr, &doc, true,
-                                                               std::chrono::seconds(put_s)));
+  PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo d,
+                            c->PutDocument("bench", nullptr, &doc, true, std::chrono::seconds(put_s)));
   const double put_seconds = Since(t0);
   if (d.state != rpc::DocumentState::READY) {
     return Status::Internal("the document did not factor: " + (d.__isset.error ? d.error : std::string("?")));
@@ -321,10 +322,14 @@ Status Run(int argc, char** argv) {
     offset += static_cast<int64_t>(ch.ids.size());
     if (client_ttft < 0 && offset > 0) client_ttft = Since(t0);
   }
-  nlohmann::json ttft = {{"bench", "service-ttft"},        {"context", S},
-                         {"question", Q},                  {"kv_policy", policy},
-                         {"backend", backend},             {"document_put_s", put_seconds},
-                         {"ttft_client_s", client_ttft},   {"ttft_worker_s", ch.usage.ttft_seconds},
+  nlohmann::json ttft = {{"bench", "service-ttft"},
+                         {"context", S},
+                         {"question", Q},
+                         {"kv_policy", policy},
+                         {"backend", backend},
+                         {"document_put_s", put_seconds},
+                         {"ttft_client_s", client_ttft},
+                         {"ttft_worker_s", ch.usage.ttft_seconds},
                          {"cached_prompt_tokens", ch.usage.cached_prompt_tokens},
                          {"prompt_tokens", ch.usage.prompt_tokens},
                          {"tls", !o.tls_ca.empty()}};
@@ -358,18 +363,30 @@ Status Run(int argc, char** argv) {
     if (!d2.ok()) {
       result = d2.status();
     } else {
-      during = {{"bench", "service-decode-during-put"}, {"context", S},       {"batch", B},
-                {"kv_policy", policy},                  {"backend", backend}, {"document_put_s", dt},
-                {"tokens_per_s", static_cast<double>(n2 - n1) / dt},   {"max_token_gap_s", gap * 1e-9}};
+      during = {{"bench", "service-decode-during-put"},
+                {"context", S},
+                {"batch", B},
+                {"kv_policy", policy},
+                {"backend", backend},
+                {"document_put_s", dt},
+                {"tokens_per_s", static_cast<double>(n2 - n1) / dt},
+                {"max_token_gap_s", gap * 1e-9}};
     }
   }
   fs.Stop();
   PENUMBRA_RETURN_IF_ERROR(result);
   if (early) return Status::FailedPrecondition("a question ended inside the window: raise --max-new-tokens");
-  nlohmann::json j = {{"bench", "service-decode"},   {"context", S},          {"batch", B},
-                      {"kv_policy", policy},         {"backend", backend},    {"shared_document", true},
-                      {"question", Q},               {"window_s", W},         {"window_tokens", window_tokens},
-                      {"tokens_per_s", tps},         {"all_joined_s", joined_s},
+  nlohmann::json j = {{"bench", "service-decode"},
+                      {"context", S},
+                      {"batch", B},
+                      {"kv_policy", policy},
+                      {"backend", backend},
+                      {"shared_document", true},
+                      {"question", Q},
+                      {"window_s", W},
+                      {"window_tokens", window_tokens},
+                      {"tokens_per_s", tps},
+                      {"all_joined_s", joined_s},
                       {"tls", !o.tls_ca.empty()}};
   std::cout << j.dump() << std::endl;
   if (!during.is_null()) std::cout << during.dump() << std::endl;
@@ -382,14 +399,14 @@ Status Run(int argc, char** argv) {
 // each question followed by its own long-polling client, tokens counted in
 // a window of W seconds once all decode. {"bench": "dp-scaling",
 // "workers": distinct workers holding the documents, "speedup": ...}.
-Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int64_t B, int64_t S, int64_t Q,
-               int64_t M, int64_t V, double W, double settle, int64_t put_s, const std::string& policy,
+Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int64_t B, int64_t S, int64_t Q, int64_t M,
+               int64_t V, double W, double settle, int64_t put_s, const std::string& policy,
                const std::string& backend) {
   std::vector<rpc::DocumentInfo> docs;
   for (int64_t d = 0; d < N; ++d) {
     const std::vector<int32_t> ids = Tokens(S - Q, 2000 + d, static_cast<int32_t>(V));
-    PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo info, c.PutDocument("dp-doc-" + std::to_string(d), nullptr, &ids,
-                                                                    true, std::chrono::seconds(put_s)));
+    PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo info, c.PutDocument("dp-doc-" + std::to_string(d), nullptr, &ids, true,
+                                                                    std::chrono::seconds(put_s)));
     if (info.state != rpc::DocumentState::READY) return Status::Internal("document " + std::to_string(d) + " failed");
     docs.push_back(info);
   }
@@ -416,18 +433,12 @@ Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int
   PENUMBRA_ASSIGN_OR_RETURN(double one, measure(1));
   PENUMBRA_ASSIGN_OR_RETURN(double all, measure(N));
   for (const auto& d : docs) (void)c.DeleteDocument(d.id);
-  nlohmann::json j = {{"bench", "dp-scaling"},
-                      {"workers", static_cast<int64_t>(workers.size())},
-                      {"documents", N},
-                      {"batch_per_document", B},
-                      {"context", S},
-                      {"question", Q},
-                      {"kv_policy", policy},
-                      {"backend", backend},
-                      {"window_s", W},
-                      {"one_worker_tokens_per_s", one},
-                      {"tokens_per_s", all},
-                      {"speedup", one > 0 ? all / one : 0.0}};
+  nlohmann::json j = {{"bench", "dp-scaling"}, {"workers", static_cast<int64_t>(workers.size())},
+                      {"documents", N},        {"batch_per_document", B},
+                      {"context", S},          {"question", Q},
+                      {"kv_policy", policy},   {"backend", backend},
+                      {"window_s", W},         {"one_worker_tokens_per_s", one},
+                      {"tokens_per_s", all},   {"speedup", one > 0 ? all / one : 0.0}};
   std::cout << j.dump() << std::endl;
   if (static_cast<int64_t>(workers.size()) != N) {
     return Status::FailedPrecondition("the documents are on " + std::to_string(workers.size()) +

@@ -40,11 +40,16 @@ constexpr size_t kJobIdBytes = 20;  // "job-" and 16 hex digits
 
 const char* KindName(char kind) {
   switch (kind) {
-    case kJobKind: return "job";
-    case kSpecKind: return "item spec";
-    case kStateKind: return "item state";
-    case kIndexKind: return "custom-id index";
-    default: return "store";
+    case kJobKind:
+      return "job";
+    case kSpecKind:
+      return "item spec";
+    case kStateKind:
+      return "item state";
+    case kIndexKind:
+      return "custom-id index";
+    default:
+      return "store";
   }
 }
 
@@ -159,9 +164,9 @@ Status Decode(std::string_view key, std::string_view value, JobRecord* r) {
   PENUMBRA_RETURN_IF_ERROR(Unseal(key, value, &f));
   Reader in(f);
   uint8_t status = 0;
-  if (!in.Str(&r->tenant) || !in.U64(&r->seq) || !in.U8(&status) || !in.I64(&r->created_at) ||
-      !in.I64(&r->window_s) || !in.I64(&r->finished_at) || !in.Str(&r->metadata) || !in.U32(&r->items) ||
-      !in.I64(&r->completed) || !in.I64(&r->failed) || !in.I64(&r->cancelled) || !in.done()) {
+  if (!in.Str(&r->tenant) || !in.U64(&r->seq) || !in.U8(&status) || !in.I64(&r->created_at) || !in.I64(&r->window_s) ||
+      !in.I64(&r->finished_at) || !in.Str(&r->metadata) || !in.U32(&r->items) || !in.I64(&r->completed) ||
+      !in.I64(&r->failed) || !in.I64(&r->cancelled) || !in.done()) {
     return Truncated();
   }
   if (status > static_cast<uint8_t>(JobStatus::kExpired)) {
@@ -268,14 +273,22 @@ ItemResult ExpiredResult() {
 
 std::string_view ToString(JobStatus s) {
   switch (s) {
-    case JobStatus::kValidating: return "validating";
-    case JobStatus::kInProgress: return "in_progress";
-    case JobStatus::kFinalizing: return "finalizing";
-    case JobStatus::kCompleted: return "completed";
-    case JobStatus::kFailed: return "failed";
-    case JobStatus::kCancelling: return "cancelling";
-    case JobStatus::kCancelled: return "cancelled";
-    case JobStatus::kExpired: return "expired";
+    case JobStatus::kValidating:
+      return "validating";
+    case JobStatus::kInProgress:
+      return "in_progress";
+    case JobStatus::kFinalizing:
+      return "finalizing";
+    case JobStatus::kCompleted:
+      return "completed";
+    case JobStatus::kFailed:
+      return "failed";
+    case JobStatus::kCancelling:
+      return "cancelling";
+    case JobStatus::kCancelled:
+      return "cancelled";
+    case JobStatus::kExpired:
+      return "expired";
   }
   return "unknown";
 }
@@ -287,11 +300,16 @@ bool IsFinal(JobStatus s) {
 
 std::string_view ToString(ItemState s) {
   switch (s) {
-    case ItemState::kPending: return "pending";
-    case ItemState::kRunning: return "running";
-    case ItemState::kSucceeded: return "succeeded";
-    case ItemState::kFailed: return "failed";
-    case ItemState::kCancelled: return "cancelled";
+    case ItemState::kPending:
+      return "pending";
+    case ItemState::kRunning:
+      return "running";
+    case ItemState::kSucceeded:
+      return "succeeded";
+    case ItemState::kFailed:
+      return "failed";
+    case ItemState::kCancelled:
+      return "cancelled";
   }
   return "unknown";
 }
@@ -308,7 +326,7 @@ struct JobStore::Impl {
     std::vector<Item> items;
     std::set<uint32_t> pending;
     uint32_t running = 0;
-    std::string damage;     // non-empty: the job is unusable (Corruption)
+    std::string damage;  // non-empty: the job is unusable (Corruption)
   };
   // An item's new state record (read, then changed).
   struct ItemChange {
@@ -322,8 +340,8 @@ struct JobStore::Impl {
   std::unique_ptr<storage::RocksWriter> writer;
   mutable std::mutex mu;
   StoreRecord store;
-  std::map<std::string, Job> jobs;                                // every job, damaged ones included
-  std::map<uint64_t, std::string> by_seq;                         // jobs with a readable record, oldest first
+  std::map<std::string, Job> jobs;         // every job, damaged ones included
+  std::map<uint64_t, std::string> by_seq;  // jobs with a readable record, oldest first
   std::map<std::string, std::map<uint64_t, std::string>> by_tenant;
   JobStoreStats stats;
 
@@ -613,20 +631,30 @@ Status JobStore::Impl::Load() {
         break;
       }
       switch (job.items[i].state) {
-        case ItemState::kPending: job.pending.insert(i); break;
-        case ItemState::kRunning: ++job.running; break;
-        case ItemState::kSucceeded: ++done[0]; break;
-        case ItemState::kFailed: ++done[1]; break;
-        case ItemState::kCancelled: ++done[2]; break;
+        case ItemState::kPending:
+          job.pending.insert(i);
+          break;
+        case ItemState::kRunning:
+          ++job.running;
+          break;
+        case ItemState::kSucceeded:
+          ++done[0];
+          break;
+        case ItemState::kFailed:
+          ++done[1];
+          break;
+        case ItemState::kCancelled:
+          ++done[2];
+          break;
       }
     }
     if (s.ok() && (done[0] != job.rec.completed || done[1] != job.rec.failed || done[2] != job.rec.cancelled)) {
-      s = Damage(kJobKind, id, "",
-                 Status::Corruption("counters (completed " + std::to_string(job.rec.completed) + ", failed " +
-                                    std::to_string(job.rec.failed) + ", cancelled " +
-                                    std::to_string(job.rec.cancelled) + ") differ from a recount of its items (" +
-                                    std::to_string(done[0]) + ", " + std::to_string(done[1]) + ", " +
-                                    std::to_string(done[2]) + ")"));
+      s = Damage(
+          kJobKind, id, "",
+          Status::Corruption("counters (completed " + std::to_string(job.rec.completed) + ", failed " +
+                             std::to_string(job.rec.failed) + ", cancelled " + std::to_string(job.rec.cancelled) +
+                             ") differ from a recount of its items (" + std::to_string(done[0]) + ", " +
+                             std::to_string(done[1]) + ", " + std::to_string(done[2]) + ")"));
     }
     if (s.ok() && IsFinal(job.rec.status) && (!job.pending.empty() || job.running > 0)) {
       s = Damage(kJobKind, id, "",
@@ -711,8 +739,8 @@ Result<std::string> JobStore::Submit(const std::string& tenant, const JobSpec& s
   }
   if (spec.items.empty()) return Status::InvalidArgument("job store: the job has no items");
   if (spec.items.size() > o.max_items_per_job) {
-    return Status::InvalidArgument("job store: the job has " + std::to_string(spec.items.size()) +
-                                   " items, at most " + std::to_string(o.max_items_per_job) + " (max_items_per_job)");
+    return Status::InvalidArgument("job store: the job has " + std::to_string(spec.items.size()) + " items, at most " +
+                                   std::to_string(o.max_items_per_job) + " (max_items_per_job)");
   }
   if (spec.completion_window_s < 0) {
     return Status::InvalidArgument("job store: completion_window_s must be >= 0 (0: the default), got " +
@@ -795,10 +823,10 @@ Result<std::vector<ItemLease>> JobStore::Claim(size_t max_items) {
       auto spec = m.ReadSpec(job, index);
       auto state = spec.ok() ? m.ReadItem(job, index) : Result<ItemRecord>(spec.status());
       if (state.ok() && state->custom_id != spec->custom_id) {
-        (void)m.MarkDamaged(job, m.Damage(kSpecKind, job.id, ", item " + std::to_string(index),
-                                          Status::Corruption("custom_id " + Quoted(spec->custom_id) +
-                                                             " differs from the item state's " +
-                                                             Quoted(state->custom_id))));
+        (void)m.MarkDamaged(job,
+                            m.Damage(kSpecKind, job.id, ", item " + std::to_string(index),
+                                     Status::Corruption("custom_id " + Quoted(spec->custom_id) +
+                                                        " differs from the item state's " + Quoted(state->custom_id))));
       }
       if (!job.damage.empty()) {
         damaged = true;
@@ -1067,9 +1095,15 @@ Status JobStore::CorruptRecordForTest(const std::string& job_id, RecordKind kind
   PENUMBRA_RETURN_IF_ERROR(m.Readable());
   std::string key;
   switch (kind) {
-    case RecordKind::kJob: key = JobKey(kJobKind, job_id); break;
-    case RecordKind::kItemSpec: key = ItemKey(kSpecKind, job_id, 0); break;
-    case RecordKind::kItemState: key = ItemKey(kStateKind, job_id, 0); break;
+    case RecordKind::kJob:
+      key = JobKey(kJobKind, job_id);
+      break;
+    case RecordKind::kItemSpec:
+      key = ItemKey(kSpecKind, job_id, 0);
+      break;
+    case RecordKind::kItemState:
+      key = ItemKey(kStateKind, job_id, 0);
+      break;
     case RecordKind::kCustomIdIndex: {
       const std::string prefix = JobKey(kIndexKind, job_id);
       std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(rocksdb::ReadOptions()));

@@ -105,9 +105,9 @@ inline constexpr size_t kMaxTenantBytes = 256;
 inline constexpr size_t kMaxPageSize = 1000;
 
 struct JobStoreOptions {
-  std::string path;                          // RocksDB directory (created when missing). Required.
-  bool sync_writes = true;                   // fsync the WAL on every change. Default: true.
-  size_t max_items_per_job = 50000;          // items a job may hold. Default: 50000.
+  std::string path;                             // RocksDB directory (created when missing). Required.
+  bool sync_writes = true;                      // fsync the WAL on every change. Default: true.
+  size_t max_items_per_job = 50000;             // items a job may hold. Default: 50000.
   size_t max_question_bytes = size_t{1} << 20;  // bytes of one item's question. Default: 1 MiB.
   int64_t default_completion_window_s = 86400;  // window of a job that names none. Default: 24 h.
   // Seconds since the epoch, for created_at / finished_at (tests inject a
@@ -123,13 +123,13 @@ struct JobItem {
   std::string custom_id;  // the caller's name for the item: unique in the job, 1..256 bytes
   std::vector<std::string> document_ids;
   std::string question;
-  std::string options;    // opaque to the store: the caller's serialized sampling options
+  std::string options;  // opaque to the store: the caller's serialized sampling options
 };
 
 struct JobSpec {
-  std::vector<JobItem> items;        // 1..max_items_per_job
-  int64_t completion_window_s = 0;   // 0: JobStoreOptions::default_completion_window_s
-  std::string metadata;              // opaque to the store
+  std::vector<JobItem> items;       // 1..max_items_per_job
+  int64_t completion_window_s = 0;  // 0: JobStoreOptions::default_completion_window_s
+  std::string metadata;             // opaque to the store
 };
 
 struct JobCounts {
@@ -146,18 +146,18 @@ struct JobInfo {
   std::string id;
   std::string tenant;
   JobStatus status = JobStatus::kInProgress;
-  int64_t created_at = 0;           // seconds, from JobStoreOptions::clock
+  int64_t created_at = 0;  // seconds, from JobStoreOptions::clock
   int64_t completion_window_s = 0;
-  int64_t expires_at = 0;           // created_at + completion_window_s
-  int64_t finished_at = 0;          // when it became final; 0 before
+  int64_t expires_at = 0;   // created_at + completion_window_s
+  int64_t finished_at = 0;  // when it became final; 0 before
   std::string metadata;
   JobCounts counts;
-  std::string damage;               // empty, or why the job is unusable (List only; Get returns Corruption)
+  std::string damage;  // empty, or why the job is unusable (List only; Get returns Corruption)
 };
 
 struct JobPage {
-  std::vector<JobInfo> jobs;        // oldest first
-  std::string next_page_token;      // empty on the last page
+  std::vector<JobInfo> jobs;    // oldest first
+  std::string next_page_token;  // empty on the last page
 };
 
 struct ItemResult {
@@ -194,22 +194,22 @@ struct ItemOutcome {
 };
 
 struct ResultsPage {
-  std::vector<ItemOutcome> items;     // in custom_id order (bytewise)
-  std::string next_after_custom_id;   // pass as after_custom_id for the next page; empty on the last
+  std::vector<ItemOutcome> items;    // in custom_id order (bytewise)
+  std::string next_after_custom_id;  // pass as after_custom_id for the next page; empty on the last
 };
 
 struct JobStoreStats {
   int64_t submits = 0;
-  int64_t items_claimed = 0;              // leases handed out
+  int64_t items_claimed = 0;  // leases handed out
   int64_t results_recorded = 0;
   int64_t duplicate_results_ignored = 0;  // results for items already finished or cancelled
   int64_t releases = 0;
-  int64_t stale_releases_ignored = 0;     // releases of an attempt that is not the running one
+  int64_t stale_releases_ignored = 0;  // releases of an attempt that is not the running one
   int64_t cancels = 0;
   int64_t jobs_expired = 0;
   int64_t deletes = 0;
-  int64_t recoveries = 0;                 // items found running at Open (back to pending, or cancelled)
-  int64_t corrupt_records = 0;            // records that failed a check
+  int64_t recoveries = 0;       // items found running at Open (back to pending, or cancelled)
+  int64_t corrupt_records = 0;  // records that failed a check
 };
 
 class JobStore {
@@ -265,8 +265,8 @@ class JobStore {
   Result<JobPage> List(const std::string& tenant, const std::string& page_token, size_t page_size) const;
   // The job's finished items in custom_id order, page_size (1..kMaxPageSize)
   // at a time, starting after after_custom_id (empty: from the first).
-  Result<ResultsPage> Results(const std::string& tenant, const std::string& job_id,
-                              const std::string& after_custom_id, size_t page_size);
+  Result<ResultsPage> Results(const std::string& tenant, const std::string& job_id, const std::string& after_custom_id,
+                              size_t page_size);
 
   // Removes a final (or damaged) job and everything stored for it.
   // FailedPrecondition while it is in_progress or cancelling.

@@ -57,8 +57,7 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
       codec_(std::move(codec)),
       model_(ModelName(model)),
       workers_(workers),
-      docs_(documents ? std::move(documents)
-                      : std::make_unique<DocumentRegistry>(options.max_documents_per_tenant)),
+      docs_(documents ? std::move(documents) : std::make_unique<DocumentRegistry>(options.max_documents_per_tenant)),
       registry_(std::make_shared<prometheus::Registry>()) {
   RegisterMetrics();
   last_sweep_ = Clock::now();
@@ -146,7 +145,8 @@ bool Coordinator::Drain(milliseconds max_wait) {
     ++cancelled;
     drain_cancelled_->Increment();
     if (ql.owns_lock()) {
-      Finalize(*q, "drained", Status::Unavailable("the coordinator stopped: its drain expired before the request ended"));
+      Finalize(*q, "drained",
+               Status::Unavailable("the coordinator stopped: its drain expired before the request ended"));
     }
   }
   LOG(WARNING) << "drain expired: " << cancelled << " generations cancelled on their workers";

@@ -44,8 +44,8 @@
 #include "coordinator/server/request_journal.h"
 #include "coordinator/server/tombstones.h"
 #include "coordinator/server/validation.h"
-#include "coordinator/tenants/tenants.h"
 #include "coordinator/server/worker_pool.h"
+#include "coordinator/tenants/tenants.h"
 #include "coordinator/tokenizer/text_codec.h"
 #include "gen-cpp/Penumbra.h"
 
@@ -280,7 +280,7 @@ class Coordinator : public rpc::PenumbraIf {
     std::string tenant;
   };
   std::vector<BackgroundPut> puts_;
-  std::atomic<bool> stopping_{false};  // the destructor runs: job items stop waiting
+  std::atomic<bool> stopping_{false};       // the destructor runs: job items stop waiting
   std::atomic<bool> drain_expired_{false};  // Drain cancelled what was left (job items are not answered)
   // Looks at the generations once a second (DropExpired): abandoned ones
   // are cancelled even when no call comes.
@@ -296,8 +296,7 @@ class Coordinator : public rpc::PenumbraIf {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_;
   prometheus::Counter* resumed_;
-  prometheus::Counter *reattached_, *orphans_cancelled_, *abandoned_, *drain_cancelled_, *hangups_,
-      *journal_errors_;
+  prometheus::Counter *reattached_, *orphans_cancelled_, *abandoned_, *drain_cancelled_, *hangups_, *journal_errors_;
   prometheus::Family<prometheus::Counter>*prompt_tokens_, *cached_tokens_, *generated_tokens_, *documents_put_,
       *quota_refusals_;  // by tenant
   prometheus::Histogram *ttft_, *tpot_, *duration_, *factor_;

@@ -115,8 +115,7 @@ Result<std::vector<int32_t>> Coordinator::TextOrIds(const std::string& what, con
   for (int32_t id : out) {
     if (id < 0 || (model.vocab_size > 0 && id >= model.vocab_size)) {
       return Status::InvalidArgument(what + ": the tokenizer gave id " + std::to_string(id) +
-                                     ", outside the workers' vocabulary [0, " + std::to_string(model.vocab_size) +
-                                     ")");
+                                     ", outside the workers' vocabulary [0, " + std::to_string(model.vocab_size) + ")");
     }
   }
   return out;

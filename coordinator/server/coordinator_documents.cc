@@ -11,13 +11,13 @@
 #include "transport/thrift_util.h"
 
 namespace penumbra::coordinator {
-using internal::Clock;
-using internal::milliseconds;
-using internal::Seconds;
-using internal::OrThrow;
 using internal::Check;
+using internal::Clock;
 using internal::Left;
+using internal::milliseconds;
+using internal::OrThrow;
 using internal::QuotaStatus;
+using internal::Seconds;
 
 namespace {
 
@@ -33,9 +33,9 @@ rpc::DocumentInfo Coordinator::ToInfo(const DocumentView& d) const {
   i.id = d.id;
   i.name = d.name;
   i.tokens = d.tokens;
-  i.state = d.state == DocumentState::kReady     ? rpc::DocumentState::READY
-            : d.state == DocumentState::kFailed  ? rpc::DocumentState::FAILED
-                                                 : rpc::DocumentState::FACTORING;
+  i.state = d.state == DocumentState::kReady    ? rpc::DocumentState::READY
+            : d.state == DocumentState::kFailed ? rpc::DocumentState::FAILED
+                                                : rpc::DocumentState::FACTORING;
   i.created_unix_ms = d.created_unix_ms;
   if (!d.workers.empty()) i.worker = workers_->state(*d.workers.begin()).endpoint.name;
   if (d.state == DocumentState::kFailed) i.__set_error(d.error);
@@ -80,7 +80,8 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
   const int64_t doc_bytes = static_cast<int64_t>(ids.size() * sizeof(int32_t));
   // A registry that cannot store (a full disk) refuses the put before a worker factors it.
   PENUMBRA_RETURN_IF_ERROR(docs_->CheckWritable());
-  if (o_.tenants) PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->ReserveDocumentBytes(tenant, doc_bytes), quota_refusals_, tenant));
+  if (o_.tenants)
+    PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->ReserveDocumentBytes(tenant, doc_bytes), quota_refusals_, tenant));
   Result<DocumentView> added = docs_->Add(tenant, r.name, std::move(ids), leading_special);
   if (!added.ok()) {
     if (o_.tenants) o_.tenants->ReleaseDocumentBytes(tenant, doc_bytes);
@@ -125,7 +126,7 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
   for (int w : Route("", {})) {
     rpc::WorkerGenerateRequest g;
     g.prompt = *d.ids;
-    g.segment_ends = {d.tokens};
+    g.document_ends = {d.tokens};
     g.cache_namespace = d.tenant;
     g.max_new_tokens = 0;  // prefill only: factored into the document cache
     g.deadline_ms = std::max<int64_t>(1, Left(deadline).count());
@@ -141,9 +142,9 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
     while (!ch.done) {
       // Short waits: the progress (tokens prefilled) is refreshed for GetDocument.
       const milliseconds wait = std::min(milliseconds(500), Left(deadline) + milliseconds(1000));
-      s = workers_->Call(w, "put " + d.id, [&](rpc::WorkerClient& c) {
-        c.Poll(ch, wid, 0, static_cast<int32_t>(wait.count()));
-      }, wait + milliseconds(10000));
+      s = workers_->Call(
+          w, "put " + d.id, [&](rpc::WorkerClient& c) { c.Poll(ch, wid, 0, static_cast<int32_t>(wait.count())); },
+          wait + milliseconds(10000));
       if (!s.ok() && s.code() != StatusCode::kDeadlineExceeded) break;
       if (s.ok()) docs_->SetProgress(d.id, ch.usage.prefilled_tokens);
       if (!s.ok() && Clock::now() > deadline + std::chrono::seconds(30)) {

@@ -15,14 +15,14 @@
 #include "transport/thrift_util.h"
 
 namespace penumbra::coordinator {
+using internal::Check;
 using internal::Clock;
+using internal::Left;
 using internal::milliseconds;
+using internal::OrThrow;
+using internal::QuotaStatus;
 using internal::Seconds;
 using internal::Throw;
-using internal::OrThrow;
-using internal::Check;
-using internal::Left;
-using internal::QuotaStatus;
 using internal::UnixMs;
 
 namespace {
@@ -57,8 +57,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc:
 }
 
 Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const std::string& tenant,
-                                                                        const rpc::GenerateRequest& r,
-                                                                        bool job_item) {
+                                                                        const rpc::GenerateRequest& r, bool job_item) {
   // The request's own bounds first: nothing below (a lookup, tokenizing,
   // concatenating, a worker) runs for a request past them.
   const ModelLimits model = model_limits();
@@ -68,7 +67,8 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
     std::lock_guard<std::mutex> lk(mu_);
     if (draining_) return Status::Unavailable("the coordinator is draining: not accepting requests");
     if (running_ >= o_.max_running_requests) {
-      return Status::ResourceExhausted(std::to_string(running_) + " requests are running, the most this coordinator "
+      return Status::ResourceExhausted(std::to_string(running_) +
+                                       " requests are running, the most this coordinator "
                                        "takes; retry later");
     }
   }
@@ -86,8 +86,8 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   g.owner_id = workers_->owner_id();
   std::vector<DocumentView> docs = std::move(checked.docs);
 
-  Status last = Status::Unavailable(r.kv_policy.empty() ? "no healthy worker"
-                                                        : "no healthy worker of kv policy " + r.kv_policy);
+  Status last =
+      Status::Unavailable(r.kv_policy.empty() ? "no healthy worker" : "no healthy worker of kv policy " + r.kv_policy);
   auto q = std::make_shared<Request>();
   for (int w : Route(r.kv_policy, docs)) {
     g.stop_ids = r.stop_ids;
@@ -119,7 +119,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   q->usage.ttft_seconds = -1;
   q->sequence = std::move(sequence);
   q->tokens = std::move(tokens);
-  q->gen = std::move(g);
+  q->gen = g;  // Thrift structs copy (no move assignment)
   q->docs = std::move(docs);
   q->kv_policy = r.kv_policy;
   q->job_item = job_item;
@@ -165,8 +165,8 @@ Result<Coordinator::Checked> Coordinator::CheckGenerate(const std::string& tenan
   for (const std::string& id : r.document_ids) {
     PENUMBRA_ASSIGN_OR_RETURN(DocumentView d, docs_->GetReadable(tenant, id, may_read));
     if (!c.docs.empty() && d.tenant != c.docs.front().tenant) {
-      return Status::InvalidArgument("documents of one request must have one owner: '" + c.docs.front().id +
-                                     "' and '" + id + "' do not");
+      return Status::InvalidArgument("documents of one request must have one owner: '" + c.docs.front().id + "' and '" +
+                                     id + "' do not");
     }
     if (d.state == DocumentState::kFactoring) {
       return Status::FailedPrecondition("document '" + id + "' is still being factored; retry when it is READY");
@@ -202,7 +202,7 @@ rpc::WorkerGenerateRequest Coordinator::BuildGenerate(const std::string& tenant,
   for (const DocumentView& d : c.docs) {
     const int64_t skip = g.prompt.empty() ? 0 : d.leading_special;
     g.prompt.insert(g.prompt.end(), d.ids->begin() + skip, d.ids->end());
-    g.segment_ends.push_back(static_cast<int64_t>(g.prompt.size()));
+    g.document_ends.push_back(static_cast<int64_t>(g.prompt.size()));
   }
   g.prompt.insert(g.prompt.end(), c.question.begin(), c.question.end());
   g.cache_namespace = c.docs.empty() ? tenant : c.docs.front().tenant;
@@ -232,8 +232,9 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
   if (q.done || static_cast<int64_t>(q.ids.size()) > offset) return Status::OK();
   auto expire = [&] {
     if (q.deadline && !q.done && Clock::now() >= *q.deadline) {
-      Finalize(q, "deadline", Status::DeadlineExceeded("the request's deadline passed after " +
-                                                       std::to_string(q.ids.size()) + " generated tokens"));
+      Finalize(q, "deadline",
+               Status::DeadlineExceeded("the request's deadline passed after " + std::to_string(q.ids.size()) +
+                                        " generated tokens"));
     }
   };
   expire();
@@ -256,9 +257,9 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
   const int64_t from = static_cast<int64_t>(q.ids.size()) - q.base;  // the current worker's offset
   // The worker answers a long poll within its wait; the margin stays under
   // a client's (10 s), so a silent worker is noticed here first.
-  Status s = workers_->Call(q.worker, "poll", [&](rpc::WorkerClient& c) {
-    c.Poll(ch, q.wid, from, static_cast<int32_t>(wait.count()));
-  }, wait + kWorkerPollMargin);
+  Status s = workers_->Call(
+      q.worker, "poll", [&](rpc::WorkerClient& c) { c.Poll(ch, q.wid, from, static_cast<int32_t>(wait.count())); },
+      wait + kWorkerPollMargin);
   if (!s.ok()) {
     if (s.code() == StatusCode::kDeadlineExceeded) {
       workers_->CheckNow(q.worker);  // no answer in time: is the worker still there?
@@ -493,8 +494,8 @@ void Coordinator::Complete(rpc::GenerateChunk& out, const rpc::GenerateRequest& 
     // generation cancelled (nobody would read the answer).
     if (transport::CurrentPeerHungUp()) {
       hangups_->Increment();
-      LOG(INFO) << "request " << q->id << ": the client of Complete closed its connection after "
-                << q->ids.size() << " tokens; cancelled";
+      LOG(INFO) << "request " << q->id << ": the client of Complete closed its connection after " << q->ids.size()
+                << " tokens; cancelled";
       (void)CancelOnWorker(q->worker, q->wid);
       Finalize(*q, "cancelled", Status::Cancelled("the client closed its connection"));
       Throw(Status::Cancelled("the client closed its connection"));
@@ -535,9 +536,10 @@ void Coordinator::DropExpired() {
               << std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - q->last_poll).count()
               << " s; cancelled";
     (void)CancelOnWorker(q->worker, q->wid);
-    Finalize(*q, "cancelled", Status::Cancelled("no client polled the request for " +
-                                                std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
-                                                                   o_.abandon_timeout).count()) + " s"));
+    Finalize(*q, "cancelled",
+             Status::Cancelled(
+                 "no client polled the request for " +
+                 std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.abandon_timeout).count()) + " s"));
   }
   // Generations nobody polls still end on their worker: learn of it, so they
   // stop counting as running.

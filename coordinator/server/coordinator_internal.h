@@ -67,14 +67,14 @@ struct Coordinator::Request {
   std::vector<std::string> stop;
   internal::Clock::time_point created, finished;
   std::optional<internal::Clock::time_point> deadline;  // enforced here too (the worker checks between steps)
-  std::mutex mu;  // the fields below
+  std::mutex mu;                                        // the fields below
   std::vector<int32_t> ids;
   std::string text;
   bool done = false;
   std::string finish_reason;
   Status error;
   rpc::Usage usage;
-  tenants::Lease sequence;  // the tenant's concurrent-sequence quota, held until Finalize
+  tenants::Lease sequence;           // the tenant's concurrent-sequence quota, held until Finalize
   tenants::TokenReservation tokens;  // its generated tokens, reserved at admission; settled by Finalize
   // To resume it on another worker when its worker is lost: what was sent,
   // its documents and policy, the tokens it had made before the current

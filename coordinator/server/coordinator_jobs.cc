@@ -10,18 +10,17 @@
 #include "coordinator/server/coordinator_internal.h"
 
 namespace penumbra::coordinator {
-using internal::milliseconds;
-using internal::Throw;
-using internal::OrThrow;
 using internal::Check;
+using internal::milliseconds;
+using internal::OrThrow;
+using internal::Throw;
 
 Status Coordinator::StartJobs(JobServiceOptions options) {
   if (jobs_) return Status::FailedPrecondition("jobs are already started");
-  PENUMBRA_ASSIGN_OR_RETURN(jobs_, JobService::Start(options, [this](const std::string& tenant,
-                                                                     const rpc::GenerateRequest& r,
-                                                                     const std::atomic<bool>& cancel) {
-                              return RunItem(tenant, r, cancel);
-                            }));
+  PENUMBRA_ASSIGN_OR_RETURN(
+      jobs_,
+      JobService::Start(options, [this](const std::string& tenant, const rpc::GenerateRequest& r,
+                                        const std::atomic<bool>& cancel) { return RunItem(tenant, r, cancel); }));
   return Status::OK();
 }
 

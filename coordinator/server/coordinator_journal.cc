@@ -26,11 +26,11 @@ JournalRecord Coordinator::ToRecord(const Request& q) const {
   for (const DocumentView& d : q.docs) r.document_ids.push_back(d.id);
   r.cache_namespace = q.gen.cache_namespace;
   // The question: the prompt after the documents' segments.
-  const int64_t docs_end = q.gen.segment_ends.empty() ? 0 : q.gen.segment_ends.back();
+  const int64_t docs_end = q.gen.document_ends.empty() ? 0 : q.gen.document_ends.back();
   r.question.assign(q.gen.prompt.begin() + docs_end, q.gen.prompt.end());
   r.max_new_tokens = q.gen.max_new_tokens;
-  r.sampling = JournalSampling{q.gen.sampling.temperature, q.gen.sampling.top_p, q.gen.sampling.top_k,
-                               q.gen.sampling.seed};
+  r.sampling =
+      JournalSampling{q.gen.sampling.temperature, q.gen.sampling.top_p, q.gen.sampling.top_k, q.gen.sampling.seed};
   r.stop_ids = q.gen.stop_ids;
   r.stop = q.stop;
   r.kv_policy = q.kv_policy;
@@ -39,7 +39,8 @@ JournalRecord Coordinator::ToRecord(const Request& q) const {
   r.made_before.assign(q.ids.begin(), q.ids.begin() + std::min<int64_t>(q.base, static_cast<int64_t>(q.ids.size())));
   r.resumes = q.resumes;
   r.created_unix_ms = q.created_unix_ms;
-  if (q.deadline) r.deadline_unix_ms = q.created_unix_ms + std::chrono::duration_cast<milliseconds>(*q.deadline - q.created).count();
+  if (q.deadline)
+    r.deadline_unix_ms = q.created_unix_ms + std::chrono::duration_cast<milliseconds>(*q.deadline - q.created).count();
   return r;
 }
 
@@ -134,8 +135,8 @@ Status Coordinator::Recover(std::unique_ptr<RequestJournal> journal) {
       q->gen = BuildGenerate(r.tenant, g, *checked);
       q->docs = std::move(checked->docs);
     } else {
-      LOG(WARNING) << "recovery: request " << r.request_id << " cannot be started again if its worker lost it: "
-                   << checked.status();
+      LOG(WARNING) << "recovery: request " << r.request_id
+                   << " cannot be started again if its worker lost it: " << checked.status();
       q->gen.max_new_tokens = 0;  // Resume refuses
     }
     q->gen.cache_namespace = r.cache_namespace;
@@ -168,8 +169,9 @@ Status Coordinator::Recover(std::unique_ptr<RequestJournal> journal) {
           std::lock_guard<std::mutex> lk(mu_);
           ++running_;  // Finalize counts it down
         }
-        Finalize(*q, "error", Status::Unavailable("the request's worker lost it while the coordinator restarted, "
-                                                  "and it could not be started again"));
+        Finalize(*q, "error",
+                 Status::Unavailable("the request's worker lost it while the coordinator restarted, "
+                                     "and it could not be started again"));
         std::lock_guard<std::mutex> lk(mu_);
         requests_[q->id] = q;
         continue;
@@ -193,8 +195,8 @@ Status Coordinator::Recover(std::unique_ptr<RequestJournal> journal) {
     }
   }
   LOG(INFO) << "recovery (owner " << workers_->owner_id() << "): " << attached << " generations reattached, "
-            << restarted << " started again, " << dropped << " job items left to their jobs, " << failed
-            << " failed, " << orphans << " orphans cancelled";
+            << restarted << " started again, " << dropped << " job items left to their jobs, " << failed << " failed, "
+            << orphans << " orphans cancelled";
   return Status::OK();
 }
 

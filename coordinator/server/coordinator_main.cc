@@ -19,8 +19,8 @@
 #include <iostream>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include "common/args.h"
 #include "common/crypto.h"
@@ -45,17 +45,20 @@ Status Run(int argc, char** argv) {
       .Flag("port", "public API port (default 0: one the OS picks)")
       .Flag("port-file", "write {\"port\": P, \"metrics_port\": M, \"pid\": N} here once serving")
       .Flag("tenants", "tenants YAML (configs/tenants.yaml: hashed API keys, quotas); reread on SIGHUP")
-      .Flag("api-keys", "YAML file `keys: {KEY: TENANT, ...}` in plain text (keys of 16+ bytes), no quotas: for "
-                        "development only (default: none, every caller is tenant \"default\")")
+      .Flag("api-keys",
+            "YAML file `keys: {KEY: TENANT, ...}` in plain text (keys of 16+ bytes), no quotas: for "
+            "development only (default: none, every caller is tenant \"default\")")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
       .Flag("max-running", "generations running at once, all tenants (default 4096)")
-      .Flag("min-free-memory-mb", "placement: workers reporting less free device memory are tried after the others "
-                                  "(default 2048)")
+      .Flag("min-free-memory-mb",
+            "placement: workers reporting less free device memory are tried after the others "
+            "(default 2048)")
       .Flag("max-documents", "documents per tenant (default 10000)")
       .Flag("health-interval-ms", "how often each worker is checked (default 1000)")
       .Flag("drain-seconds", "on SIGTERM, how long running generations may finish (default 30)")
-      .Flag("data-dir", "directory for what survives a restart: documents and batch jobs (default: none: documents "
-                        "in memory, jobs off)")
+      .Flag("data-dir",
+            "directory for what survives a restart: documents and batch jobs (default: none: documents "
+            "in memory, jobs off)")
       .Flag("job-concurrency", "job items generating at once, all jobs (default 16)")
       .Flag("abandon-timeout-s", "a streaming generation no client polls for this long is cancelled (default 120)")
       .Flag("max-connections", "open connections of the public API (default 4096)")
@@ -71,8 +74,9 @@ Status Run(int argc, char** argv) {
       .Flag("max-job-items", "items of one batch job (default 50000)")
       .Flag("max-job-metadata-bytes", "bytes of a batch job's metadata (default 16384)")
       .Flag("max-completion-window-s", "a batch job's completion window at most (default 604800: a week)")
-      .Flag("max-background-puts", "documents one tenant may have factoring in the background (wait = false) "
-                                   "at once (default 16)");
+      .Flag("max-background-puts",
+            "documents one tenant may have factoring in the background (wait = false) "
+            "at once (default 16)");
   transport::AddSecurityFlags(a);
   transport::AddAdminFlags(a);
   Status ps = a.Parse(argc, argv, 1);
@@ -92,8 +96,8 @@ Status Run(int argc, char** argv) {
     co.tenants = std::move(reg);
   }
   PENUMBRA_ASSIGN_OR_RETURN(co.max_running_requests, a.GetIntIn("max-running", co.max_running_requests, 1, 1 << 24));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t min_free_mb, a.GetIntIn("min-free-memory-mb", co.min_free_memory_bytes >> 20, 0,
-                                                            int64_t{1} << 30));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t min_free_mb,
+                            a.GetIntIn("min-free-memory-mb", co.min_free_memory_bytes >> 20, 0, int64_t{1} << 30));
   co.min_free_memory_bytes = min_free_mb << 20;
   PENUMBRA_ASSIGN_OR_RETURN(co.max_documents_per_tenant,
                             a.GetIntIn("max-documents", co.max_documents_per_tenant, 1, int64_t{1} << 32));
@@ -101,12 +105,12 @@ Status Run(int argc, char** argv) {
     coordinator::RequestLimits& l = co.limits;
     PENUMBRA_ASSIGN_OR_RETURN(int64_t docs, a.GetIntIn("max-document-ids", l.max_document_ids, 1, 4096));
     PENUMBRA_ASSIGN_OR_RETURN(int64_t new_tokens, a.GetIntIn("max-new-tokens", l.max_new_tokens, 1, 1 << 30));
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t stop_ids, a.GetIntIn("max-stop-ids", l.max_stop_ids, 0,
-                                                           coordinator::RequestLimits::kMaxStopIdsLimit));
+    PENUMBRA_ASSIGN_OR_RETURN(
+        int64_t stop_ids, a.GetIntIn("max-stop-ids", l.max_stop_ids, 0, coordinator::RequestLimits::kMaxStopIdsLimit));
     PENUMBRA_ASSIGN_OR_RETURN(int64_t stops, a.GetIntIn("max-stop-strings", l.max_stop_strings, 0, 1024));
     PENUMBRA_ASSIGN_OR_RETURN(l.max_text_bytes, a.GetIntIn("max-text-bytes", l.max_text_bytes, 1, int64_t{1} << 31));
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t deadline_s, a.GetIntIn("max-deadline-s", l.max_deadline_ms / 1000, 1,
-                                                             int64_t{365} * 86400));
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t deadline_s,
+                              a.GetIntIn("max-deadline-s", l.max_deadline_ms / 1000, 1, int64_t{365} * 86400));
     l.max_deadline_ms = deadline_s * 1000;
     PENUMBRA_ASSIGN_OR_RETURN(l.max_job_items, a.GetIntIn("max-job-items", l.max_job_items, 1, int64_t{1} << 24));
     PENUMBRA_ASSIGN_OR_RETURN(l.max_job_metadata_bytes,
@@ -114,8 +118,8 @@ Status Run(int argc, char** argv) {
     PENUMBRA_ASSIGN_OR_RETURN(
         l.max_completion_window_s,
         a.GetIntIn("max-completion-window-s", l.max_completion_window_s, 1, int64_t{365} * 86400));
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t puts, a.GetIntIn("max-background-puts", co.max_background_puts_per_tenant, 1,
-                                                       4096));
+    PENUMBRA_ASSIGN_OR_RETURN(int64_t puts,
+                              a.GetIntIn("max-background-puts", co.max_background_puts_per_tenant, 1, 4096));
     l.max_document_ids = static_cast<int>(docs);
     l.max_new_tokens = static_cast<int>(new_tokens);
     l.max_stop_ids = static_cast<int>(stop_ids);
@@ -123,7 +127,7 @@ Status Run(int argc, char** argv) {
     co.max_background_puts_per_tenant = static_cast<int>(puts);
   }
   PENUMBRA_ASSIGN_OR_RETURN(int64_t abandon_s, a.GetIntIn("abandon-timeout-s", co.abandon_timeout.count() / 1000, 1,
-                                                         co.keep_finished.count() / 1000));
+                                                          co.keep_finished.count() / 1000));
   co.abandon_timeout = std::chrono::seconds(abandon_s);
   PENUMBRA_RETURN_IF_ERROR(co.Validate());
   PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
@@ -138,7 +142,8 @@ Status Run(int argc, char** argv) {
   const bool authenticated = co.tenants || !co.api_keys.empty();
   if (!authenticated) {
     if (!transport::IsLoopbackHost(host) && !security.insecure) {
-      return Status::InvalidArgument("the public API on " + host + " without tenants: refused (give --tenants; "
+      return Status::InvalidArgument("the public API on " + host +
+                                     " without tenants: refused (give --tenants; "
                                      "--insecure lets anyone who reaches it use the service)");
     }
     LOG(WARNING) << "no tenants: every caller of the public API is tenant \"default\" (a development setup)";
@@ -163,8 +168,8 @@ Status Run(int argc, char** argv) {
     PENUMBRA_ASSIGN_OR_RETURN(wo.tls, transport::TlsClientContext::Create(to));
   } else {
     for (const auto& e : endpoints) {
-      PENUMBRA_RETURN_IF_ERROR(transport::CheckPlaintextBind("the control API of worker " + e.name, e.host, false,
-                                                             security.insecure));
+      PENUMBRA_RETURN_IF_ERROR(
+          transport::CheckPlaintextBind("the control API of worker " + e.name, e.host, false, security.insecure));
     }
   }
   // The owner id the workers' leases are held under: the journal's (a
@@ -188,8 +193,8 @@ Status Run(int argc, char** argv) {
     std::error_code ec;
     std::filesystem::create_directories(a.Get("data-dir"), ec);
     if (ec) return Status::IOError("--data-dir " + a.Get("data-dir") + ": " + ec.message());
-    PENUMBRA_ASSIGN_OR_RETURN(documents, coordinator::DocumentRegistry::Open(a.Get("data-dir") + "/documents",
-                                                                               co.max_documents_per_tenant));
+    PENUMBRA_ASSIGN_OR_RETURN(
+        documents, coordinator::DocumentRegistry::Open(a.Get("data-dir") + "/documents", co.max_documents_per_tenant));
   }
   auto handler = std::make_shared<coordinator::Coordinator>(co, std::move(codec), a.Get("model"), pool.get(),
                                                             std::move(documents));
@@ -209,8 +214,8 @@ Status Run(int argc, char** argv) {
   so.name = "public API";
   so.limits = wo.limits;
   PENUMBRA_ASSIGN_OR_RETURN(int64_t max_conn, a.GetIntIn("max-connections", so.limits.max_connections, 1, 1 << 20));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_peer, a.GetIntIn("max-connections-per-peer",
-                                                         so.limits.max_connections_per_peer, 1, 1 << 20));
+  PENUMBRA_ASSIGN_OR_RETURN(int64_t max_peer,
+                            a.GetIntIn("max-connections-per-peer", so.limits.max_connections_per_peer, 1, 1 << 20));
   so.limits.max_connections = static_cast<int32_t>(max_conn);
   so.limits.max_connections_per_peer = static_cast<int32_t>(max_peer);
   if (tls) {
@@ -226,8 +231,8 @@ Status Run(int argc, char** argv) {
   std::unique_ptr<transport::MetricsServer> metrics;
   if (admin.port >= 0) {
     coordinator::Coordinator* h = handler.get();
-    PENUMBRA_ASSIGN_OR_RETURN(metrics, transport::MetricsServer::Start(handler->metrics(), admin,
-                                                                       [h] { h->RefreshMetrics(); }));
+    PENUMBRA_ASSIGN_OR_RETURN(metrics,
+                              transport::MetricsServer::Start(handler->metrics(), admin, [h] { h->RefreshMetrics(); }));
   }
   const int mport = metrics ? metrics->port() : -1;
   if (a.Has("port-file")) {
@@ -237,9 +242,8 @@ Status Run(int argc, char** argv) {
   int healthy = 0;
   for (const auto& w : pool->states()) healthy += w.healthy;
   std::printf("penumbra-coordinator: serving %s with %d of %d workers healthy on %s:%d (%s), admin on %s:%d%s\n",
-              a.Get("model").c_str(), healthy, pool->size(), host.c_str(), server->port(),
-              tls ? "TLS" : "plaintext", admin.host.c_str(), mport,
-              authenticated ? "" : " (no API keys: every caller is tenant \"default\")");
+              a.Get("model").c_str(), healthy, pool->size(), host.c_str(), server->port(), tls ? "TLS" : "plaintext",
+              admin.host.c_str(), mport, authenticated ? "" : " (no API keys: every caller is tenant \"default\")");
   std::fflush(stdout);
 
   // SIGHUP rereads the tenants (or the plain API keys) and the public API's

@@ -22,8 +22,9 @@ void Coordinator::RegisterMetrics() {
   using namespace prometheus;
   requests_total_ = &BuildCounter()
                          .Name("penumbra_coordinator_requests_total")
-                         .Help("Generations ended, by tenant and finish reason (stop, length, cancelled, deadline, "
-                               "error).")
+                         .Help(
+                             "Generations ended, by tenant and finish reason (stop, length, cancelled, deadline, "
+                             "error).")
                          .Register(*registry_);
   auto per_tenant = [&](const char* name, const char* help) {
     return &BuildCounter().Name(name).Help(help).Register(*registry_);
@@ -50,8 +51,8 @@ void Coordinator::RegisterMetrics() {
                               "Generations a worker held for this coordinator without a journal record, cancelled.");
   abandoned_ = &plain("penumbra_coordinator_requests_abandoned_total",
                       "Streaming generations cancelled because no client polled them (abandon timeout).");
-  drain_cancelled_ = &plain("penumbra_coordinator_drain_cancelled_total",
-                            "Generations cancelled because a drain expired.");
+  drain_cancelled_ =
+      &plain("penumbra_coordinator_drain_cancelled_total", "Generations cancelled because a drain expired.");
   hangups_ = &plain("penumbra_coordinator_complete_hangups_total",
                     "Complete calls whose client closed its connection (their generations cancelled).");
   journal_errors_ = &plain("penumbra_coordinator_journal_errors_total",
@@ -65,23 +66,37 @@ void Coordinator::RegisterMetrics() {
                      "Per generated token after the first, per request.", kTokenBuckets);
   duration_ = &histogram("penumbra_coordinator_request_seconds", "Generate to the end.", kLatencyBuckets);
   factor_ = &histogram("penumbra_coordinator_document_factor_seconds", "Put to ready.", kLatencyBuckets);
-  running_gauge_ = &BuildGauge().Name("penumbra_coordinator_requests_running").Help("Generations not ended.")
-                        .Register(*registry_).Add({});
-  documents_gauge_ = &BuildGauge().Name("penumbra_coordinator_documents").Help("Documents in the registry.")
-                          .Register(*registry_).Add({});
-  worker_up_ = &BuildGauge().Name("penumbra_coordinator_worker_up").Help("1 when the worker answers and serves.")
+  running_gauge_ = &BuildGauge()
+                        .Name("penumbra_coordinator_requests_running")
+                        .Help("Generations not ended.")
+                        .Register(*registry_)
+                        .Add({});
+  documents_gauge_ = &BuildGauge()
+                          .Name("penumbra_coordinator_documents")
+                          .Help("Documents in the registry.")
+                          .Register(*registry_)
+                          .Add({});
+  worker_up_ = &BuildGauge()
+                    .Name("penumbra_coordinator_worker_up")
+                    .Help("1 when the worker answers and serves.")
                     .Register(*registry_);
-  worker_routed_ = &BuildGauge().Name("penumbra_coordinator_worker_routed")
-                        .Help("Generations routed to the worker and not ended.").Register(*registry_);
-  store_write_errors_ = &BuildCounter().Name("penumbra_coordinator_store_write_errors_total")
+  worker_routed_ = &BuildGauge()
+                        .Name("penumbra_coordinator_worker_routed")
+                        .Help("Generations routed to the worker and not ended.")
+                        .Register(*registry_);
+  store_write_errors_ = &BuildCounter()
+                             .Name("penumbra_coordinator_store_write_errors_total")
                              .Help("Writes a durable store refused (a full disk, an I/O error), by store.")
                              .Register(*registry_);
-  store_degraded_ = &BuildGauge().Name("penumbra_coordinator_store_degraded")
+  store_degraded_ = &BuildGauge()
+                         .Name("penumbra_coordinator_store_degraded")
                          .Help("1 while a durable store refuses writes (it retries by itself), by store.")
                          .Register(*registry_);
-  tombstones_gauge_ = &BuildGauge().Name("penumbra_coordinator_document_tombstones")
+  tombstones_gauge_ = &BuildGauge()
+                           .Name("penumbra_coordinator_document_tombstones")
                            .Help("Deleted documents some worker has not yet confirmed forgetting.")
-                           .Register(*registry_).Add({});
+                           .Register(*registry_)
+                           .Add({});
 }
 
 void Coordinator::Stats(rpc::StatsResponse& out, const std::string& api_key) {

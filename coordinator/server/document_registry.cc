@@ -193,8 +193,8 @@ Result<std::unique_ptr<DocumentRegistry>> DocumentRegistry::Open(const std::stri
   rs = it->status();
   if (!rs.ok()) return Status::IOError("document registry " + path + ": reading records: " + rs.ToString());
   it.reset();
-  LOG(INFO) << "document registry " << path << ": " << reg->docs_.size() << " documents, "
-            << reg->tombstones_.size() << " tombstones"
+  LOG(INFO) << "document registry " << path << ": " << reg->docs_.size() << " documents, " << reg->tombstones_.size()
+            << " tombstones"
             << (reg->corrupt_records_ ? ", " + std::to_string(reg->corrupt_records_) + " damaged records skipped"
                                       : std::string());
   reg->store_ = std::move(store);
@@ -205,8 +205,8 @@ std::unique_lock<std::mutex> DocumentRegistry::LockWrites() {
   return store_ ? std::unique_lock<std::mutex>(write_mu_) : std::unique_lock<std::mutex>();
 }
 
-Status DocumentRegistry::Persist(const std::string& id, const std::string* value,
-                                 const DocumentTombstone* tombstone, const std::string& what) {
+Status DocumentRegistry::Persist(const std::string& id, const std::string* value, const DocumentTombstone* tombstone,
+                                 const std::string& what) {
   rocksdb::WriteBatch batch;
   const std::string key = DocumentKey(id);
   if (value) {
@@ -227,15 +227,18 @@ Status DocumentRegistry::Persist(const std::string& id, const std::string* value
 
 const char* DocumentStateName(DocumentState s) {
   switch (s) {
-    case DocumentState::kFactoring: return "factoring";
-    case DocumentState::kReady: return "ready";
-    case DocumentState::kFailed: return "failed";
+    case DocumentState::kFactoring:
+      return "factoring";
+    case DocumentState::kReady:
+      return "ready";
+    case DocumentState::kFailed:
+      return "failed";
   }
   return "?";
 }
 
-Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std::string& name,
-                                           std::vector<int32_t> ids, int64_t leading_special) {
+Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std::string& name, std::vector<int32_t> ids,
+                                           int64_t leading_special) {
   std::lock_guard<std::mutex> lk(mu_);
   if (per_tenant_[tenant] >= max_per_tenant_) {
     return Status::ResourceExhausted("tenant has " + std::to_string(max_per_tenant_) +
@@ -249,9 +252,9 @@ Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std:
   d.name = name;
   d.tokens = static_cast<int64_t>(ids.size());
   d.leading_special = leading_special;
-  d.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  d.created_unix_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   d.ids = std::make_shared<const std::vector<int32_t>>(std::move(ids));
   docs_[d.id] = d;
   ++per_tenant_[tenant];
@@ -266,7 +269,7 @@ Result<DocumentView> DocumentRegistry::Get(const std::string& tenant, const std:
 }
 
 Result<DocumentView> DocumentRegistry::GetReadable(const std::string& reader, const std::string& id,
-                                                  const std::function<bool(const std::string&)>& may_read) const {
+                                                   const std::function<bool(const std::string&)>& may_read) const {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = docs_.find(id);
   if (it == docs_.end() || (it->second.tenant != reader && !may_read(it->second.tenant))) {
@@ -327,7 +330,7 @@ Status DocumentRegistry::SetReady(const std::string& id, int worker, double fact
       std::lock_guard<std::mutex> lk(mu_);
       auto it = docs_.find(id);
       if (it == docs_.end()) return Status::OK();  // deleted meanwhile
-      stored = it->second;  // the token ids are shared, not copied
+      stored = it->second;                         // the token ids are shared, not copied
     }
     stored.factor_seconds = factor_seconds;
     const std::string value = Encode(DocumentKey(id), stored);

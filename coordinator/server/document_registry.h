@@ -77,29 +77,29 @@ enum class DocumentState { kFactoring, kReady, kFailed };
 struct DocumentView {
   std::string id, tenant, name;
   int64_t tokens = 0;
-  int64_t leading_special = 0;   // its first tokens that are the tokenizer's (a BOS)
+  int64_t leading_special = 0;  // its first tokens that are the tokenizer's (a BOS)
   DocumentState state = DocumentState::kFactoring;
-  std::string error;             // kFailed: why
+  std::string error;  // kFailed: why
   StatusCode error_code = StatusCode::kOk;
   int64_t created_unix_ms = 0;
   double factor_seconds = -1;
-  int64_t factored_tokens = 0;   // kFactoring: progress
-  std::set<int> workers;         // holding its factored state
+  int64_t factored_tokens = 0;  // kFactoring: progress
+  std::set<int> workers;        // holding its factored state
   std::shared_ptr<const std::vector<int32_t>> ids;
-  bool not_stored = false;       // kFailed: factored, but storing it READY failed (error says why)
+  bool not_stored = false;  // kFailed: factored, but storing it READY failed (error says why)
 };
 
 // A removed document whose cached state workers may still hold.
 struct DocumentTombstone {
-  std::string id, tenant;        // the tenant is the cache namespace
+  std::string id, tenant;  // the tenant is the cache namespace
   int64_t tokens = 0;
   std::shared_ptr<const std::vector<int32_t>> ids;
-  std::set<int> confirmed;       // workers that dropped its state (in memory only)
+  std::set<int> confirmed;  // workers that dropped its state (in memory only)
 };
 
 struct DocumentPage {
   std::vector<DocumentView> documents;
-  std::string next_page_token;   // "" on the last page
+  std::string next_page_token;  // "" on the last page
 };
 
 class DocumentRegistry {
@@ -191,7 +191,7 @@ class DocumentRegistry {
   int64_t max_per_tenant_;
   std::map<std::string, DocumentView> docs_;  // by id
   std::map<std::string, int64_t> per_tenant_;
-  std::set<std::string> stale_ids_;           // a record may be left (skipped at Open): never handed out
+  std::set<std::string> stale_ids_;                      // a record may be left (skipped at Open): never handed out
   std::map<std::string, DocumentTombstone> tombstones_;  // by id; never handed out either
   int64_t corrupt_records_ = 0;
 };

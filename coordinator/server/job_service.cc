@@ -39,14 +39,22 @@ Result<T> Deserialize(const std::string& bytes, const std::string& what) {
 
 rpc::JobStatus::type ToRpc(jobs::JobStatus s) {
   switch (s) {
-    case jobs::JobStatus::kValidating: return rpc::JobStatus::VALIDATING;
-    case jobs::JobStatus::kInProgress: return rpc::JobStatus::IN_PROGRESS;
-    case jobs::JobStatus::kFinalizing: return rpc::JobStatus::FINALIZING;
-    case jobs::JobStatus::kCompleted: return rpc::JobStatus::COMPLETED;
-    case jobs::JobStatus::kFailed: return rpc::JobStatus::FAILED;
-    case jobs::JobStatus::kCancelling: return rpc::JobStatus::CANCELLING;
-    case jobs::JobStatus::kCancelled: return rpc::JobStatus::CANCELLED;
-    case jobs::JobStatus::kExpired: return rpc::JobStatus::EXPIRED;
+    case jobs::JobStatus::kValidating:
+      return rpc::JobStatus::VALIDATING;
+    case jobs::JobStatus::kInProgress:
+      return rpc::JobStatus::IN_PROGRESS;
+    case jobs::JobStatus::kFinalizing:
+      return rpc::JobStatus::FINALIZING;
+    case jobs::JobStatus::kCompleted:
+      return rpc::JobStatus::COMPLETED;
+    case jobs::JobStatus::kFailed:
+      return rpc::JobStatus::FAILED;
+    case jobs::JobStatus::kCancelling:
+      return rpc::JobStatus::CANCELLING;
+    case jobs::JobStatus::kCancelled:
+      return rpc::JobStatus::CANCELLED;
+    case jobs::JobStatus::kExpired:
+      return rpc::JobStatus::EXPIRED;
   }
   return rpc::JobStatus::FAILED;
 }
@@ -75,8 +83,7 @@ bool Retryable(const Status& s) {
 
 int64_t NowSeconds(const jobs::JobStoreOptions& o) {
   if (o.clock) return o.clock();
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
@@ -273,8 +280,8 @@ Result<rpc::JobResults> JobService::Results(const std::string& tenant, const std
   for (const jobs::ItemOutcome& o : p.items) {
     rpc::JobItemResult r;
     if (!o.result.answer.empty()) {
-      PENUMBRA_ASSIGN_OR_RETURN(r, Deserialize<rpc::JobItemResult>(o.result.answer,
-                                                                    "the result of '" + o.custom_id + "'"));
+      PENUMBRA_ASSIGN_OR_RETURN(
+          r, Deserialize<rpc::JobItemResult>(o.result.answer, "the result of '" + o.custom_id + "'"));
     } else {
       r.ok = o.result.ok;
       r.error = o.result.error;

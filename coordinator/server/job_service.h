@@ -34,15 +34,15 @@
 namespace penumbra::coordinator {
 
 struct JobServiceOptions {
-  jobs::JobStoreOptions store;                  // store.path is required
-  int max_running_items = 16;                   // items generating at once, all jobs. Default: 16.
-  std::chrono::milliseconds retry_delay{1000};  // before a released item is leased again. Default: 1 s.
-  std::chrono::milliseconds poll_interval{200}; // the runner's idle wait for new items. Default: 200 ms.
+  jobs::JobStoreOptions store;                   // store.path is required
+  int max_running_items = 16;                    // items generating at once, all jobs. Default: 16.
+  std::chrono::milliseconds retry_delay{1000};   // before a released item is leased again. Default: 1 s.
+  std::chrono::milliseconds poll_interval{200};  // the runner's idle wait for new items. Default: 200 ms.
 };
 
 // One finished generation, as a job item's result.
 struct ItemOutcome {
-  Status status;               // not ok: the generation failed (nothing else below is set)
+  Status status;  // not ok: the generation failed (nothing else below is set)
   std::string text, finish_reason;
   std::vector<int32_t> ids;
   rpc::Usage usage;

@@ -12,7 +12,8 @@ std::vector<int> OrderWorkers(std::vector<PlacementCandidate> c, int64_t min_fre
     return std::make_tuple(!w.holds_document, short_of_memory, w.routed, w.documents_held, -w.memory_free_bytes,
                            w.worker);
   };
-  std::sort(c.begin(), c.end(), [&](const PlacementCandidate& a, const PlacementCandidate& b) { return key(a) < key(b); });
+  std::sort(c.begin(), c.end(),
+            [&](const PlacementCandidate& a, const PlacementCandidate& b) { return key(a) < key(b); });
   std::vector<int> out;
   out.reserve(c.size());
   for (const PlacementCandidate& w : c) out.push_back(w.worker);

@@ -18,8 +18,8 @@ namespace penumbra::coordinator {
 
 struct PlacementCandidate {
   int worker = 0;
-  bool holds_document = false;     // holds the request's first document
-  int64_t routed = 0;              // requests placed there by the coordinator, not finished
+  bool holds_document = false;  // holds the request's first document
+  int64_t routed = 0;           // requests placed there by the coordinator, not finished
   int64_t documents_held = 0;
   int64_t memory_free_bytes = -1;  // the worker's last report; -1: not known
 };

@@ -32,8 +32,8 @@ Status DecodeUsage(const std::string& key, const std::string& value, TenantUsage
   std::string_view fields;
   PENUMBRA_RETURN_IF_ERROR(UnsealRecord(key, value, kUsageFormat, &fields));
   RecordReader r(fields);
-  if (!r.I64(&u->requests) || !r.I64(&u->failed) || !r.I64(&u->prompt) || !r.I64(&u->cached) ||
-      !r.I64(&u->generated) || !r.done()) {
+  if (!r.I64(&u->requests) || !r.I64(&u->failed) || !r.I64(&u->prompt) || !r.I64(&u->cached) || !r.I64(&u->generated) ||
+      !r.done()) {
     return Status::Corruption("usage record: fields do not parse");
   }
   return Status::OK();
@@ -82,12 +82,12 @@ Status RequestJournal::Decode(const std::string& key, const std::string& value, 
   uint8_t job = 0;
   uint32_t max_new = 0, top_k = 0, resumes = 0;
   const bool ok = in.Str(&r->request_id) && in.Str(&r->tenant) && in.Str(&r->worker) && in.Str(&r->handle) &&
-                  in.U8(&job) && in.Strs(&r->document_ids) && in.Str(&r->cache_namespace) &&
-                  in.I32s(&r->question) && in.U32(&max_new) && in.F64(&r->sampling.temperature) &&
-                  in.F64(&r->sampling.top_p) && in.U32(&top_k) && in.I64(&r->sampling.seed) &&
-                  in.I32s(&r->stop_ids) && in.Strs(&r->stop) && in.Str(&r->kv_policy) && in.F64(&r->share_weight) &&
-                  in.I64(&r->draws_done) && in.I32s(&r->made_before) && in.U32(&resumes) &&
-                  in.I64(&r->created_unix_ms) && in.I64(&r->deadline_unix_ms) && in.done();
+                  in.U8(&job) && in.Strs(&r->document_ids) && in.Str(&r->cache_namespace) && in.I32s(&r->question) &&
+                  in.U32(&max_new) && in.F64(&r->sampling.temperature) && in.F64(&r->sampling.top_p) &&
+                  in.U32(&top_k) && in.I64(&r->sampling.seed) && in.I32s(&r->stop_ids) && in.Strs(&r->stop) &&
+                  in.Str(&r->kv_policy) && in.F64(&r->share_weight) && in.I64(&r->draws_done) &&
+                  in.I32s(&r->made_before) && in.U32(&resumes) && in.I64(&r->created_unix_ms) &&
+                  in.I64(&r->deadline_unix_ms) && in.done();
   if (!ok) return Status::Corruption("request record: fields do not parse");
   if (key != RequestKey(r->request_id)) return Status::Corruption("request record: stored under another id");
   r->job_item = job != 0;
@@ -143,8 +143,8 @@ Result<std::unique_ptr<RequestJournal>> RequestJournal::Open(const std::string& 
       s = Status::Corruption("unknown key");
     }
     if (!s.ok()) {
-      LOG(ERROR) << "request journal " << path << ": record of " << key.size() << "-byte key '"
-                 << key.substr(0, 40) << "' skipped: " << s.message();
+      LOG(ERROR) << "request journal " << path << ": record of " << key.size() << "-byte key '" << key.substr(0, 40)
+                 << "' skipped: " << s.message();
       ++j->corrupt_records_;
       damaged.push_back(key);
     }

@@ -48,8 +48,8 @@ struct JournalSampling {
 
 struct JournalRecord {
   std::string request_id, tenant;
-  std::string worker;   // the worker's name (WorkerEndpoint::name)
-  std::string handle;   // the worker's handle of the generation
+  std::string worker;     // the worker's name (WorkerEndpoint::name)
+  std::string handle;     // the worker's handle of the generation
   bool job_item = false;  // a batch job's item (the job re-runs it after a restart)
   // To start it again: the documents (ids, owned by cache_namespace's
   // tenant) and the question's tokens, as BuildGenerate concatenates them.
@@ -58,16 +58,16 @@ struct JournalRecord {
   std::vector<int32_t> question;
   int32_t max_new_tokens = 0;
   JournalSampling sampling;
-  std::vector<int32_t> stop_ids;    // as sent to the worker (with its end-of-text ids)
-  std::vector<std::string> stop;    // stop strings (applied by the coordinator)
+  std::vector<int32_t> stop_ids;  // as sent to the worker (with its end-of-text ids)
+  std::vector<std::string> stop;  // stop strings (applied by the coordinator)
   std::string kv_policy;
   double share_weight = 1;
-  int64_t draws_done = 0;           // of the original request
+  int64_t draws_done = 0;  // of the original request
   // Tokens made before the current worker's generation (its prompt ends with them).
   std::vector<int32_t> made_before;
   int32_t resumes = 0;
   int64_t created_unix_ms = 0;
-  int64_t deadline_unix_ms = 0;     // 0: none
+  int64_t deadline_unix_ms = 0;  // 0: none
 };
 
 // A tenant's usage as Stats and /metrics count it.

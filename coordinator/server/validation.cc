@@ -56,8 +56,8 @@ Status CheckTextOrIds(std::string_view what, bool has_text, const std::string& t
   }
   if (ids.empty()) return Bad(Str(what) + ": token_ids is empty");
   if (max_ids > 0 && static_cast<int64_t>(ids.size()) > max_ids) {
-    return Bad(Str(what) + ": " + std::to_string(ids.size()) + " token ids, at most " + std::to_string(max_ids) +
-               " (" + Str(max_ids_reason) + ")");
+    return Bad(Str(what) + ": " + std::to_string(ids.size()) + " token ids, at most " + std::to_string(max_ids) + " (" +
+               Str(max_ids_reason) + ")");
   }
   return CheckVocabulary(Str(what) + " token_ids", ids, model);
 }
@@ -200,9 +200,11 @@ Status ValidateGenerateRequest(const rpc::GenerateRequest& r, const RequestLimit
 Status ValidatePromptLength(int64_t prompt_tokens, int32_t max_new_tokens, const ModelLimits& model) {
   if (prompt_tokens < 1) return Bad("the prompt is empty");
   if (model.max_context > 0 && prompt_tokens + max_new_tokens > model.max_context) {
-    return Bad("the prompt (" + std::to_string(prompt_tokens) + " tokens: the documents and the question) + "
-               "max_new_tokens (" + std::to_string(max_new_tokens) + ") exceeds the model's " +
-               std::to_string(model.max_context) + "-token context");
+    return Bad("the prompt (" + std::to_string(prompt_tokens) +
+               " tokens: the documents and the question) + "
+               "max_new_tokens (" +
+               std::to_string(max_new_tokens) + ") exceeds the model's " + std::to_string(model.max_context) +
+               "-token context");
   }
   return Status::OK();
 }
@@ -226,8 +228,7 @@ Status ValidatePutDocumentRequest(const rpc::PutDocumentRequest& r, const Reques
                         "the model's context less room for a question", limits, model);
 }
 
-Status ValidateSubmitJobRequest(const rpc::SubmitJobRequest& r, const RequestLimits& limits,
-                                const ModelLimits& model) {
+Status ValidateSubmitJobRequest(const rpc::SubmitJobRequest& r, const RequestLimits& limits, const ModelLimits& model) {
   if (r.items.empty() || static_cast<int64_t>(r.items.size()) > limits.max_job_items) {
     return Bad("items: a job has 1 to " + std::to_string(limits.max_job_items) + " items (max_job_items), got " +
                std::to_string(r.items.size()));

@@ -67,10 +67,10 @@ struct RequestLimits {
 // health reports); 0 where no worker has reported yet (those checks are then
 // left to the worker).
 struct ModelLimits {
-  int32_t vocab_size = 0;    // token ids are in [0, vocab_size)
-  int64_t max_context = 0;   // prompt + max_new_tokens at most this
-  bool can_encode = false;   // text can be tokenized here (a tokenizer.json)
-  bool can_decode = false;   // answers can be decoded here (stop strings apply to the text)
+  int32_t vocab_size = 0;   // token ids are in [0, vocab_size)
+  int64_t max_context = 0;  // prompt + max_new_tokens at most this
+  bool can_encode = false;  // text can be tokenized here (a tokenizer.json)
+  bool can_decode = false;  // answers can be decoded here (stop strings apply to the text)
 };
 
 // A generation's request before its documents are looked up: document_ids
@@ -100,8 +100,7 @@ Status ValidatePutDocumentRequest(const rpc::PutDocumentRequest& r, const Reques
 // each item's custom_id (size, unique in the job) and request (as
 // ValidateGenerateRequest, its deadline_ms aside: the job's window applies).
 // Errors of an item name it: "items[3] (custom_id 'q3'): ...".
-Status ValidateSubmitJobRequest(const rpc::SubmitJobRequest& r, const RequestLimits& limits,
-                                const ModelLimits& model);
+Status ValidateSubmitJobRequest(const rpc::SubmitJobRequest& r, const RequestLimits& limits, const ModelLimits& model);
 
 // An id or page token (`field` names it): at most max_id_bytes.
 Status ValidateId(std::string_view field, const std::string& id, const RequestLimits& limits);

@@ -123,18 +123,22 @@ void WorkerPool::CheckNow(int i) {
   rpc::WorkerHealth h;
   rpc::WorkerStats st;
   std::vector<std::string> handles;
-  Status s = Call(i, "health", [&](rpc::WorkerClient& c) {
-    c.Health(h);
-    c.Stats(st);
-    if (!o_.owner_id.empty()) c.Renew(handles, o_.owner_id);
-  }, o_.connect_timeout);
+  Status s = Call(
+      i, "health",
+      [&](rpc::WorkerClient& c) {
+        c.Health(h);
+        c.Stats(st);
+        if (!o_.owner_id.empty()) c.Renew(handles, o_.owner_id);
+      },
+      o_.connect_timeout);
   std::lock_guard<std::mutex> lk(w.mu);
   if (!s.ok()) {
     w.state.healthy = false;
     w.state.error = s.message();
     return;
   }
-  if (!w.state.healthy && h.serving) LOG(INFO) << "worker " << w.endpoint.name << " (" << w.endpoint.address() << ") is up";
+  if (!w.state.healthy && h.serving)
+    LOG(INFO) << "worker " << w.endpoint.name << " (" << w.endpoint.address() << ") is up";
   w.state.health = h;
   w.state.stats = st;
   w.state.healthy = h.serving;

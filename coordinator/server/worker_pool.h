@@ -53,10 +53,10 @@ struct WorkerPoolOptions {
 struct WorkerState {
   WorkerEndpoint endpoint;
   bool healthy = false;
-  std::string error;                // why not healthy
-  rpc::WorkerHealth health;         // the last answered
+  std::string error;         // why not healthy
+  rpc::WorkerHealth health;  // the last answered
   rpc::WorkerStats stats;
-  int64_t routed = 0;               // requests placed here by the coordinator and not finished
+  int64_t routed = 0;  // requests placed here by the coordinator and not finished
 };
 
 using WorkerClient = transport::ThriftClient<rpc::WorkerClient>;

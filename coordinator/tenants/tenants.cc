@@ -95,9 +95,8 @@ bool ValidCertificateName(const std::string& name) {
 
 bool ValidName(const std::string& name) {
   if (name.empty() || name.size() > 64) return false;
-  return std::all_of(name.begin(), name.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
-  });
+  return std::all_of(name.begin(), name.end(),
+                     [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-'; });
 }
 
 std::string Seconds(double s) {
@@ -136,15 +135,14 @@ void ReadQuota(ConfigReader& r, const std::string& key, std::optional<int64_t>* 
 
 // One element of `tenants`, read into *t. Types and unknown keys are checked
 // here; values (required keys, ranges, names) by ValidateTenantsConfig.
-Status ParseTenant(const YAML::Node& node, const std::string& key_path, const std::string& origin,
-                   TenantConfig* t) {
+Status ParseTenant(const YAML::Node& node, const std::string& key_path, const std::string& origin, TenantConfig* t) {
   if (!node.IsMap()) {
-    return KeyError(key_path, "expected a map (name, api_keys, quotas, weight, publishes_to, admin, "
-                              "client_certificate)")
+    return KeyError(key_path,
+                    "expected a map (name, api_keys, quotas, weight, publishes_to, admin, "
+                    "client_certificate)")
         .WithContext(origin);
   }
-  PENUMBRA_RETURN_IF_ERROR(
-      ReadStringList(node["api_keys"], key_path + ".api_keys", &t->api_keys).WithContext(origin));
+  PENUMBRA_RETURN_IF_ERROR(ReadStringList(node["api_keys"], key_path + ".api_keys", &t->api_keys).WithContext(origin));
   PENUMBRA_RETURN_IF_ERROR(
       ReadStringList(node["publishes_to"], key_path + ".publishes_to", &t->publishes_to).WithContext(origin));
   // ConfigReader reads scalars and maps; the two lists read above are left out
@@ -179,8 +177,8 @@ Result<TenantsConfig> LoadTenantsConfigFromString(const std::string& text, const
     try {
       root = YAML::Load(text);
     } catch (const YAML::Exception& e) {
-      return Status::InvalidArgument(origin + ": YAML syntax error at line " + std::to_string(e.mark.line + 1) +
-                                     ": " + e.msg);
+      return Status::InvalidArgument(origin + ": YAML syntax error at line " + std::to_string(e.mark.line + 1) + ": " +
+                                     e.msg);
     }
     if (!root.IsMap()) return Status::InvalidArgument(origin + ": top level must be a map with the key 'tenants'");
     for (const auto& kv : root) {
@@ -218,7 +216,8 @@ Status ValidateTenantsConfig(const TenantsConfig& config) {
       return KeyError(at + ".name", "must be 1 to 64 characters of [a-z0-9_-], got '" + t.name + "'");
     }
     auto [it, added] = names.emplace(t.name, i);
-    if (!added) return KeyError(at + ".name", "'" + t.name + "' is already the name of " + Indexed("tenants", it->second));
+    if (!added)
+      return KeyError(at + ".name", "'" + t.name + "' is already the name of " + Indexed("tenants", it->second));
   }
   std::map<Digest, std::string> key_owners;  // digest -> "tenants[i].api_keys[j]"
   for (size_t i = 0; i < config.tenants.size(); ++i) {
@@ -228,8 +227,9 @@ Status ValidateTenantsConfig(const TenantsConfig& config) {
     for (size_t j = 0; j < t.api_keys.size(); ++j) {
       const std::string key_at = Indexed(at + ".api_keys", j);
       if (t.api_keys[j].compare(0, kApiKeyPlaceholder.size(), kApiKeyPlaceholder) == 0) {
-        return KeyError(key_at, "a placeholder of the example file: replace it with the hash of a key of your own "
-                                "(`penumbra tenant new-key` prints a new key and its hash)");
+        return KeyError(key_at,
+                        "a placeholder of the example file: replace it with the hash of a key of your own "
+                        "(`penumbra tenant new-key` prints a new key and its hash)");
       }
       // The value is never echoed: a plaintext key pasted here by mistake
       // must not reach a log.
@@ -251,7 +251,8 @@ Status ValidateTenantsConfig(const TenantsConfig& config) {
       const int64_t v = **value;
       const std::string quota_at = at + ".quotas." + key;
       if (v < 1) return KeyError(quota_at, "must be >= 1, got " + std::to_string(v) + " (omit it for unlimited)");
-      if (v > kMaxQuota) return KeyError(quota_at, "must be <= " + std::to_string(kMaxQuota) + ", got " + std::to_string(v));
+      if (v > kMaxQuota)
+        return KeyError(quota_at, "must be <= " + std::to_string(kMaxQuota) + ", got " + std::to_string(v));
     }
     if (!(t.weight > 0 && t.weight <= kMaxWeight)) {
       char buf[64];
@@ -281,8 +282,8 @@ std::string Sha256Hex(std::string_view data) { return Hex(Sha256(data)); }
 
 Result<std::string> HashApiKey(const std::string& key) {
   if (key.size() < kMinApiKeyBytes) {
-    return Status::InvalidArgument("an API key must be at least " + std::to_string(kMinApiKeyBytes) +
-                                   " bytes, got " + std::to_string(key.size()));
+    return Status::InvalidArgument("an API key must be at least " + std::to_string(kMinApiKeyBytes) + " bytes, got " +
+                                   std::to_string(key.size()));
   }
   return std::string(kHashPrefix) + Sha256Hex(key);
 }
@@ -312,7 +313,7 @@ int32_t QuotaDecision::retry_after_ms() const {
   const double ms = std::ceil(retry_after_s * 1000.0);
   if (!(ms > 0)) return 0;
   return ms >= static_cast<double>(std::numeric_limits<int32_t>::max()) ? std::numeric_limits<int32_t>::max()
-                                                                       : static_cast<int32_t>(ms);
+                                                                        : static_cast<int32_t>(ms);
 }
 
 namespace {
@@ -320,9 +321,9 @@ namespace {
 QuotaDecision Allow() { return QuotaDecision{}; }
 
 QuotaDecision Refuse(const std::string& tenant, const std::string& what, double retry_after_s) {
-  return QuotaDecision{Status::ResourceExhausted("tenant '" + tenant + "': " + what + "; retry after " +
-                                                 Seconds(retry_after_s) + " s"),
-                       retry_after_s};
+  return QuotaDecision{
+      Status::ResourceExhausted("tenant '" + tenant + "': " + what + "; retry after " + Seconds(retry_after_s) + " s"),
+      retry_after_s};
 }
 
 QuotaDecision Deny(Status s) { return QuotaDecision{std::move(s), 0}; }
@@ -583,14 +584,12 @@ QuotaDecision TenantRegistry::Bucket(const std::string& tenant, int64_t charge) 
   }
   u.bucket_tokens -= static_cast<double>(charge);
   if (u.bucket_tokens >= 0) return Allow();
-  return Refuse(tenant, "past generated_tokens_per_minute of " + std::to_string(*rate),
-                SecondsUntilOneToken(u, *rate));
+  return Refuse(tenant, "past generated_tokens_per_minute of " + std::to_string(*rate), SecondsUntilOneToken(u, *rate));
 }
 
 QuotaDecision TenantRegistry::CheckTokens(const std::string& tenant) { return Bucket(tenant, -1); }
 
-QuotaDecision TenantRegistry::ReserveTokens(const std::string& tenant, int64_t tokens,
-                                            TokenReservation* reservation) {
+QuotaDecision TenantRegistry::ReserveTokens(const std::string& tenant, int64_t tokens, TokenReservation* reservation) {
   *reservation = TokenReservation();
   if (tokens < 0) {
     return Deny(Status::InvalidArgument("a token reservation must be >= 0, got " + std::to_string(tokens)));
@@ -613,8 +612,7 @@ QuotaDecision TenantRegistry::ReserveTokens(const std::string& tenant, int64_t t
       return Refuse(tenant,
                     "generated_tokens_per_minute of " + std::to_string(*rate) + ": " + std::to_string(tokens) +
                         " tokens asked (max_new_tokens), " +
-                        std::to_string(static_cast<int64_t>(std::max(0.0, std::floor(u.bucket_tokens)))) +
-                        " available",
+                        std::to_string(static_cast<int64_t>(std::max(0.0, std::floor(u.bucket_tokens)))) + " available",
                     SecondsUntilTokens(u, *rate, want));
     }
     u.bucket_tokens -= want;
@@ -671,8 +669,8 @@ void TenantRegistry::ReleaseDocumentBytes(const std::string& tenant, int64_t byt
   internal::TenantUsageState& u = *it->second.usage;
   std::lock_guard<std::mutex> lock(u.mu);
   if (bytes > u.document_bytes) {
-    LOG(WARNING) << "tenant '" << tenant << "': releasing " << bytes << " document bytes with only "
-                 << u.document_bytes << " reserved; clamped at zero";
+    LOG(WARNING) << "tenant '" << tenant << "': releasing " << bytes << " document bytes with only " << u.document_bytes
+                 << " reserved; clamped at zero";
     u.document_bytes = 0;
     return;
   }

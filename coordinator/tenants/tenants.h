@@ -84,8 +84,7 @@ struct TenantsConfig {
 // example file's placeholders (kApiKeyPlaceholder) are refused with an error
 // saying to replace them.
 Result<TenantsConfig> LoadTenantsConfig(const std::string& path);
-Result<TenantsConfig> LoadTenantsConfigFromString(const std::string& text,
-                                                  const std::string& origin = "<string>");
+Result<TenantsConfig> LoadTenantsConfigFromString(const std::string& text, const std::string& origin = "<string>");
 
 // The checks LoadTenantsConfig makes, for a configuration built in code.
 // Errors name the key path ("tenants[0].weight: ...").

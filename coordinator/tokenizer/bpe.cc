@@ -1,7 +1,7 @@
 #include "coordinator/tokenizer/bpe.h"
 
-#include <cstdio>
 #include <algorithm>
+#include <cstdio>
 
 #include <nlohmann/json.hpp>
 
@@ -50,8 +50,7 @@ Result<std::unique_ptr<BpeModel>> BpeModel::FromJson(const json& model, const st
   m->vocab_.reserve(vocab->size());
   int64_t max_id = -1;
   for (auto it = vocab->begin(); it != vocab->end(); ++it) {
-    if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
-        it.value().get<int64_t>() > INT32_MAX - 1) {
+    if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() > INT32_MAX - 1) {
       return Status::InvalidArgument(where + ": model.vocab[\"" + it.key() + "\"] must be a non-negative integer id");
     }
     if (FindInvalidUtf8(it.key()) != std::string_view::npos) {

@@ -16,7 +16,6 @@ using json = nlohmann::json;
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
-
 Result<std::string> TypeOf(const json& j, const std::string& where) {
   if (!j.is_object()) return Status::InvalidArgument(where + " must be an object");
   auto t = j.find("type");
@@ -320,8 +319,8 @@ void AddedTokenMatcher::SplitOne(Piece piece, std::vector<Piece>* out) const {
       }
     }
     if (start_offset < start) {
-      out->push_back(Piece{std::string(s.substr(start_offset, start - start_offset)), -1,
-                           piece.at_origin && start_offset == 0});
+      out->push_back(
+          Piece{std::string(s.substr(start_offset, start - start_offset)), -1, piece.at_origin && start_offset == 0});
     }
     out->push_back(Piece{std::string(s.substr(start, stop - start)), tok.id, false});
     start_offset = stop;
@@ -447,7 +446,8 @@ Result<std::unique_ptr<Normalizer>> NormalizerFromJson(const json& j, const std:
     PENUMBRA_ASSIGN_OR_RETURN(const json* list, ArrayField(j, "normalizers", where));
     std::vector<std::unique_ptr<Normalizer>> steps;
     for (size_t i = 0; i < list->size(); ++i) {
-      PENUMBRA_ASSIGN_OR_RETURN(auto n, NormalizerFromJson((*list)[i], where + ".normalizers[" + std::to_string(i) + "]"));
+      PENUMBRA_ASSIGN_OR_RETURN(auto n,
+                                NormalizerFromJson((*list)[i], where + ".normalizers[" + std::to_string(i) + "]"));
       if (n) steps.push_back(std::move(n));
     }
     return std::unique_ptr<Normalizer>(new SequenceNormalizer(std::move(steps)));
@@ -483,7 +483,6 @@ class ByteLevelPreTokenizer final : public PreTokenizer {
       return Status::OK();
     });
   }
-
 
  private:
   bool add_prefix_space_;

@@ -127,10 +127,10 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::FromJsonString(std::string_view to
       auto it = root.find(key);
       return it == root.end() ? kNull : *it;
     };
-    PENUMBRA_ASSIGN_OR_RETURN(tok->normalizer_, tokenizer_internal::NormalizerFromJson(section("normalizer"),
-                                                                                       name + ": normalizer"));
-    PENUMBRA_ASSIGN_OR_RETURN(tok->pre_tokenizer_, tokenizer_internal::PreTokenizerFromJson(
-                                                       section("pre_tokenizer"), name + ": pre_tokenizer"));
+    PENUMBRA_ASSIGN_OR_RETURN(tok->normalizer_,
+                              tokenizer_internal::NormalizerFromJson(section("normalizer"), name + ": normalizer"));
+    PENUMBRA_ASSIGN_OR_RETURN(tok->pre_tokenizer_, tokenizer_internal::PreTokenizerFromJson(section("pre_tokenizer"),
+                                                                                            name + ": pre_tokenizer"));
     PENUMBRA_ASSIGN_OR_RETURN(tok->post_processor_, tokenizer_internal::PostProcessorFromJson(
                                                         section("post_processor"), name + ": post_processor"));
     PENUMBRA_ASSIGN_OR_RETURN(tok->decoder_,

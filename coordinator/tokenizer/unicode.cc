@@ -66,10 +66,18 @@ char32_t DecodeUtf8(std::string_view s, size_t* i) {
   const size_t n = Utf8SeqLen(b0);
   char32_t cp;
   switch (n) {
-    case 1: cp = b0; break;
-    case 2: cp = b0 & 0x1F; break;
-    case 3: cp = b0 & 0x0F; break;
-    default: cp = b0 & 0x07; break;
+    case 1:
+      cp = b0;
+      break;
+    case 2:
+      cp = b0 & 0x1F;
+      break;
+    case 3:
+      cp = b0 & 0x0F;
+      break;
+    default:
+      cp = b0 & 0x07;
+      break;
   }
   for (size_t k = 1; k < n && *i + k < s.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[*i + k]) & 0x3F);
   *i += n;
@@ -126,15 +134,23 @@ std::string Normalize(std::string_view s, NormalForm form) {
   if (ascii) return std::string(s);  // ASCII is invariant under every form.
   int options = UTF8PROC_STABLE;
   switch (form) {
-    case NormalForm::kNFC: options |= UTF8PROC_COMPOSE; break;
-    case NormalForm::kNFD: options |= UTF8PROC_DECOMPOSE; break;
-    case NormalForm::kNFKC: options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT; break;
-    case NormalForm::kNFKD: options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
+    case NormalForm::kNFC:
+      options |= UTF8PROC_COMPOSE;
+      break;
+    case NormalForm::kNFD:
+      options |= UTF8PROC_DECOMPOSE;
+      break;
+    case NormalForm::kNFKC:
+      options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+      break;
+    case NormalForm::kNFKD:
+      options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+      break;
   }
   utf8proc_uint8_t* dst = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                          static_cast<utf8proc_ssize_t>(s.size()), &dst,
-                                          static_cast<utf8proc_option_t>(options));
+  const utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), static_cast<utf8proc_ssize_t>(s.size()), &dst,
+                   static_cast<utf8proc_option_t>(options));
   // The input was validated; utf8proc fails only on invalid UTF-8 or OOM.
   CHECK_GE(n, 0) << "utf8proc_map: " << utf8proc_errmsg(n);
   std::string out(reinterpret_cast<const char*>(dst), static_cast<size_t>(n));
@@ -160,8 +176,8 @@ std::string Lowercase(std::string_view s) {
 bool IsWhiteSpace(char32_t c) {
   if (c <= 0x20) return c == 0x20 || (c >= 0x09 && c <= 0x0D);
   if (c < 0x85) return false;
-  return c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 ||
-         c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+  return c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 ||
+         c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 bool IsWordChar(char32_t c) {
@@ -192,7 +208,9 @@ struct ByteTables {
   std::array<int16_t, 512> to_byte{};  // every alphabet code point is < 0x144
   ByteTables() {
     to_byte.fill(-1);
-    auto printable = [](int b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF); };
+    auto printable = [](int b) {
+      return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    };
     char32_t next = 256;
     for (int b = 0; b < 256; ++b) {
       to_unicode[b] = printable(b) ? static_cast<char32_t>(b) : next++;

@@ -13,8 +13,8 @@ namespace penumbra::kernels::cpu {
 Status LowRankFactor(const LowRankArgs& a) {
   const int D = a.hkv * a.d;
   if (a.S < 1 || a.hkv < 1 || a.d < 1 || a.rank < 1 || a.rank > D)
-    return Status::InvalidArgument("LowRankFactor: S " + std::to_string(a.S) + ", D " + std::to_string(D) +
-                                   ", rank " + std::to_string(a.rank));
+    return Status::InvalidArgument("LowRankFactor: S " + std::to_string(a.S) + ", D " + std::to_string(D) + ", rank " +
+                                   std::to_string(a.rank));
   const int r = a.rank;
   // G = K^T K (upper triangle), eigenvalues ascending, eigenvectors in columns.
   std::vector<float> g(static_cast<size_t>(D) * D, 0.0f);
@@ -49,8 +49,8 @@ Status LowRankFactor(const LowRankArgs& a) {
     if (a.sigma_out) a.sigma_out[i] = sigma;
   }
   // A = K P.
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(a.S), r, D, 1.0f, a.keys, D, proj.data(),
-              r, 0.0f, a.a_out, r);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(a.S), r, D, 1.0f, a.keys, D, proj.data(), r,
+              0.0f, a.a_out, r);
   std::copy(proj.begin(), proj.end(), a.proj_out);
   return Status::OK();
 }

@@ -13,11 +13,11 @@ struct LowRankArgs {
   const float* keys = nullptr;  // [S, hkv*d] pre-RoPE keys, row t = token t's keys of all KV heads
   int64_t S = 0;
   int hkv = 0, d = 0;
-  int rank = 0;                 // 1 <= rank <= hkv*d
-  float* a_out = nullptr;       // [S, rank]: U_r
-  float* b_out = nullptr;       // [hkv][rank][d]: Sigma_r V_r^T, columns of head h
-  float* proj_out = nullptr;    // [hkv*d, rank]: V_r Sigma_r^{-1} (new keys k' map to k' P)
-  float* sigma_out = nullptr;   // [rank] singular values, descending; may be null
+  int rank = 0;                // 1 <= rank <= hkv*d
+  float* a_out = nullptr;      // [S, rank]: U_r
+  float* b_out = nullptr;      // [hkv][rank][d]: Sigma_r V_r^T, columns of head h
+  float* proj_out = nullptr;   // [hkv*d, rank]: V_r Sigma_r^{-1} (new keys k' map to k' P)
+  float* sigma_out = nullptr;  // [rank] singular values, descending; may be null
 };
 
 // Returns Internal when the eigensolver fails, InvalidArgument on bad sizes.

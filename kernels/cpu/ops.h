@@ -28,7 +28,7 @@ struct RopeStoreArgs {
   float* const* k_dst = nullptr;
   float* const* v_dst = nullptr;
   int64_t head_stride = 0;
-  float* pre_rope_k_out = nullptr;  // optional
+  float* pre_rope_k_out = nullptr;         // optional
   float* const* pre_rope_k_dst = nullptr;  // optional, host array of n row addresses
 };
 void RopeStore(const RopeStoreArgs& a);

@@ -31,10 +31,10 @@ uint32_t TopKKey(float v, bool smallest, bool skip_worst_inf = false);
 
 // As kernels::ShadowkvScoreArgs, f32, host arrays.
 struct ShadowkvScoreArgs {
-  const float* q = nullptr;                   // [batch, hq, d]
-  const float* const* landmarks = nullptr;    // [batch] -> [hkv][chunk_cap][d]
-  const uint8_t* const* excluded = nullptr;   // [batch] -> [hkv][chunk_cap]; may be null
-  const int32_t* n_chunks = nullptr;          // [batch]
+  const float* q = nullptr;                  // [batch, hq, d]
+  const float* const* landmarks = nullptr;   // [batch] -> [hkv][chunk_cap][d]
+  const uint8_t* const* excluded = nullptr;  // [batch] -> [hkv][chunk_cap]; may be null
+  const int32_t* n_chunks = nullptr;         // [batch]
   int batch = 0, hq = 0, hkv = 0, d = 0;
   int chunk_cap = 0, max_chunks = 0;
   // An attached prefix's landmarks for chunks below shared_chunks (see the
@@ -46,9 +46,9 @@ struct ShadowkvScoreArgs {
   const uint8_t* const* landmarks_fp8 = nullptr;
   const uint8_t* const* shared_landmarks_fp8 = nullptr;
   float scale = 1.0f;
-  int successors = 0;  // see the CUDA header
+  int successors = 0;           // see the CUDA header
   int landmarks_per_chunk = 1;  // see the CUDA header
-  float* scores = nullptr;  // [batch, hkv, score_stride]
+  float* scores = nullptr;      // [batch, hkv, score_stride]
   int64_t score_stride = 0;
   // Context parallel (see the CUDA header): stats_out: write each head's
   // (max, sum exp) and nothing else; stats_in: normalize with the combination

@@ -28,8 +28,8 @@
 
 #include "common/logging.h"
 #include "storage/segment_store.h"
-#include "store_types.h"
 #include "store_node/store_node.h"
+#include "store_types.h"
 
 namespace {
 

@@ -50,8 +50,8 @@ TEST(ArgsTest, IntInRange) {
 }
 
 TEST(ArgsTest, AFlagGivenTwiceIsRefused) {
-  for (std::vector<std::string> argv : {std::vector<std::string>{"--t", "1", "--t", "2"},
-                                        std::vector<std::string>{"--t=1", "--n", "3", "--t", "2"}}) {
+  for (std::vector<std::string> argv :
+       {std::vector<std::string>{"--t", "1", "--t", "2"}, std::vector<std::string>{"--t=1", "--n", "3", "--t", "2"}}) {
     Args a;
     a.Flag("t", "").Flag("n", "");
     std::vector<char*> p;

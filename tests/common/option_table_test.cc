@@ -20,22 +20,22 @@ struct Opts {
 };
 
 const OptionTable<Opts>& Table() {
-  static const auto* t = &(*new OptionTable<Opts>("demo"))
-                              .Int(&Opts::lanes, "lanes", "lanes", 1, 8, "decode lanes")
-                              .Int(&Opts::budget, "budget", "budget_tokens", int64_t{1}, int64_t{1} << 32, "budget")
-                              .Int(&Opts::bytes, "", "bytes", size_t{0}, size_t{1} << 40, "yaml only")
-                              .Double(&Opts::fraction, "fraction", "fraction", 0.0, 1.0, "a fraction")
-                              .Bool(&Opts::turbo, "turbo", "turbo", "go fast")
-                              .Enum(&Opts::mode, "mode", "mode", {"dense", "sparse"}, "how")
-                              .Int(&Opts::chunk, "chunk-size", "chunk_size", 1, 1024, "tokens per chunk")
-                              .Int(&Opts::per_chunk, "per-chunk", "per_chunk", 1, 16, "landmarks per chunk")
-                              .Check("per_chunk", [](const Opts& o) -> std::string {
-                                if (o.chunk % o.per_chunk != 0) {
-                                  return "must divide chunk_size (" + std::to_string(o.chunk) + "), got " +
-                                         std::to_string(o.per_chunk);
-                                }
-                                return "";
-                              });
+  static const auto* t =
+      &(*new OptionTable<Opts>("demo"))
+           .Int(&Opts::lanes, "lanes", "lanes", 1, 8, "decode lanes")
+           .Int(&Opts::budget, "budget", "budget_tokens", int64_t{1}, int64_t{1} << 32, "budget")
+           .Int(&Opts::bytes, "", "bytes", size_t{0}, size_t{1} << 40, "yaml only")
+           .Double(&Opts::fraction, "fraction", "fraction", 0.0, 1.0, "a fraction")
+           .Bool(&Opts::turbo, "turbo", "turbo", "go fast")
+           .Enum(&Opts::mode, "mode", "mode", {"dense", "sparse"}, "how")
+           .Int(&Opts::chunk, "chunk-size", "chunk_size", 1, 1024, "tokens per chunk")
+           .Int(&Opts::per_chunk, "per-chunk", "per_chunk", 1, 16, "landmarks per chunk")
+           .Check("per_chunk", [](const Opts& o) -> std::string {
+             if (o.chunk % o.per_chunk != 0) {
+               return "must divide chunk_size (" + std::to_string(o.chunk) + "), got " + std::to_string(o.per_chunk);
+             }
+             return "";
+           });
   return *t;
 }
 
@@ -59,17 +59,18 @@ Status Load(const std::string& yaml, Opts* o) {
 
 TEST(OptionTable, FlagsAndYamlFillTheSameFields) {
   Opts f;
-  ASSERT_TRUE(Parse({"--lanes", "3", "--budget", "512", "--fraction", "0.25", "--turbo", "on", "--mode", "sparse"}, &f)
-                  .ok());
+  ASSERT_TRUE(
+      Parse({"--lanes", "3", "--budget", "512", "--fraction", "0.25", "--turbo", "on", "--mode", "sparse"}, &f).ok());
   EXPECT_EQ(f.lanes, 3);
   EXPECT_EQ(f.budget, 512);
   EXPECT_DOUBLE_EQ(f.fraction, 0.25);
   EXPECT_TRUE(f.turbo);
   EXPECT_EQ(f.mode, "sparse");
   Opts y;
-  Status s = Load("demo:\n  lanes: 3\n  budget_tokens: 512\n  fraction: 0.25\n  turbo: true\n  mode: sparse\n"
-                  "  bytes: 77\n",
-                  &y);
+  Status s = Load(
+      "demo:\n  lanes: 3\n  budget_tokens: 512\n  fraction: 0.25\n  turbo: true\n  mode: sparse\n"
+      "  bytes: 77\n",
+      &y);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(y.lanes, f.lanes);
   EXPECT_EQ(y.budget, f.budget);

@@ -65,15 +65,15 @@ struct ModelDoc {
       if (m.tenant == t) want.emplace_back(id, &m);
     }
     if (got.size() != want.size()) {
-      return ::testing::AssertionFailure() << t << ": " << got.size() << " documents listed, the model has "
-                                           << want.size();
+      return ::testing::AssertionFailure()
+             << t << ": " << got.size() << " documents listed, the model has " << want.size();
     }
     for (size_t i = 0; i < got.size(); ++i) {
       const DocumentView& d = got[i];
       const ModelDoc& m = *want[i].second;
       auto bad = [&](const char* field) {
-        return ::testing::AssertionFailure() << t << ": document " << d.id << " (model " << want[i].first
-                                             << "): " << field << " differs";
+        return ::testing::AssertionFailure()
+               << t << ": document " << d.id << " (model " << want[i].first << "): " << field << " differs";
       };
       if (d.id != want[i].first) return bad("id");
       if (d.tenant != t) return bad("tenant");
@@ -250,9 +250,15 @@ TEST(DocumentRegistryDurable, ConcurrentChangesLeaveOnDiskWhatMemoryShows) {
       for (int i = 0; i < 150; ++i) {
         const std::string& id = ids[rng() % ids.size()];
         switch (rng() % 5) {
-          case 0: (void)reg->Remove("t", id); break;
-          case 1: ASSERT_TRUE(reg->SetFailed(id, Status::Internal("boom")).ok()); break;
-          default: ASSERT_TRUE(reg->SetReady(id, k, 1.0).ok()); break;
+          case 0:
+            (void)reg->Remove("t", id);
+            break;
+          case 1:
+            ASSERT_TRUE(reg->SetFailed(id, Status::Internal("boom")).ok());
+            break;
+          default:
+            ASSERT_TRUE(reg->SetReady(id, k, 1.0).ok());
+            break;
         }
         (void)reg->List("t", "", 1000);  // readers run meanwhile
       }

@@ -148,9 +148,10 @@ TEST(DocumentRegistryCrashTest, AcknowledgedDocumentsSurviveSigkill) {
     kills = kill_no + 1;
     SCOPED_TRACE("kill " + std::to_string(kill_no));
     int p[2] = {-1, -1};
-    const pid_t pid = ::penumbra::testing::SpawnCrashChild("DocumentRegistryCrashChild.Run",
-                                      {{"PENUMBRA_DOCS_CRASH_DIR", dir.path()}, {"PENUMBRA_DOCS_CRASH_START", std::to_string(next)}},
-                                      "PENUMBRA_DOCS_CRASH_FD", &p[0]);
+    const pid_t pid = ::penumbra::testing::SpawnCrashChild(
+        "DocumentRegistryCrashChild.Run",
+        {{"PENUMBRA_DOCS_CRASH_DIR", dir.path()}, {"PENUMBRA_DOCS_CRASH_START", std::to_string(next)}},
+        "PENUMBRA_DOCS_CRASH_FD", &p[0]);
     ASSERT_GE(pid, 0);
     Report last;
     auto take = [&](const Report& r) {
@@ -159,17 +160,22 @@ TEST(DocumentRegistryCrashTest, AcknowledgedDocumentsSurviveSigkill) {
       if (t.id.empty()) t.id = id;
       ASSERT_EQ(t.id, id) << "document " << r.n << " reported under two ids";
       switch (r.kind) {
-        case Report::kReadying: t.readying = true; break;
+        case Report::kReadying:
+          t.readying = true;
+          break;
         case Report::kReady:
           t.ready = true;
           ++acked_ready;
           break;
-        case Report::kRemoving: t.removing = true; break;
+        case Report::kRemoving:
+          t.removing = true;
+          break;
         case Report::kRemoved:
           t.removed = true;
           ++acked_removed;
           break;
-        default: FAIL() << "report of kind " << r.kind;
+        default:
+          FAIL() << "report of kind " << r.kind;
       }
       last = r;
     };
@@ -247,10 +253,11 @@ TEST(DocumentRegistryCrashTest, AcknowledgedDocumentsSurviveSigkill) {
     if (!docs.empty()) next = std::max(next, docs.rbegin()->first + 1);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("%d kills (%lld inside a SetReady or Remove), %lld acknowledged SetReady, %lld acknowledged Remove, "
-              "%lld stored but unacknowledged, %.1f s\n",
-              kills, static_cast<long long>(in_flight_kills), static_cast<long long>(acked_ready),
-              static_cast<long long>(acked_removed), static_cast<long long>(unacked_seen), seconds);
+  std::printf(
+      "%d kills (%lld inside a SetReady or Remove), %lld acknowledged SetReady, %lld acknowledged Remove, "
+      "%lld stored but unacknowledged, %.1f s\n",
+      kills, static_cast<long long>(in_flight_kills), static_cast<long long>(acked_ready),
+      static_cast<long long>(acked_removed), static_cast<long long>(unacked_seen), seconds);
   EXPECT_GT(acked_ready, kKills);
   EXPECT_GT(acked_removed, 0);
   EXPECT_GT(in_flight_kills, 0) << "no kill landed inside a SetReady or Remove";

@@ -24,8 +24,11 @@ using json = nlohmann::json;
 std::string Line(const json& j) { return j.dump(); }
 
 json GoodRecord() {
-  return {{"id", "niah_single-128-0"}, {"task", "niah_single"}, {"length", 128},
-          {"prompt", "<doc>\nx\n</doc>\nQ: What?\nA:"}, {"answer", "1234567"}};
+  return {{"id", "niah_single-128-0"},
+          {"task", "niah_single"},
+          {"length", 128},
+          {"prompt", "<doc>\nx\n</doc>\nQ: What?\nA:"},
+          {"answer", "1234567"}};
 }
 
 json MultiTurnRecord() {
@@ -185,7 +188,9 @@ TEST(EvalScoringTest, MatchesScoringPy) {
   EXPECT_EQ(PredictionOf("\t\u00a0 42\u3000\r\nmore"), "42");
   EXPECT_EQ(PredictionOf("\n42"), "");
   EXPECT_EQ(PredictionOf("no newline "), "no newline");
-  EXPECT_EQ(StripPythonWhitespace("\x1c\x1f" "a b\x0b\x0c"), "a b");
+  EXPECT_EQ(StripPythonWhitespace("\x1c\x1f"
+                                  "a b\x0b\x0c"),
+            "a b");
   EXPECT_EQ(StripPythonWhitespace("\u2003\u00e9\u2003"), "\u00e9");
   EXPECT_EQ(StripPythonWhitespace("\xff "), "\xff");  // a bad byte is not whitespace
 }
@@ -210,8 +215,11 @@ TEST(EvalOutputTest, LinesHaveEvalHfFields) {
 
 TEST(EvalOutputTest, OverallAccuracyIsOverEveryTurnOfEveryTaskAndLength) {
   EvalSummary s;
-  s.groups = {{"kv", 4096, 3, 2, 2.0},   {"niah", 4096, 1, 1, 1.0}, {"all", 4096, 4, 3, 3.0},
-              {"kv", 16384, 4, 0, 1.0},  {"all", 16384, 4, 0, 1.0}};
+  s.groups = {{"kv", 4096, 3, 2, 2.0},
+              {"niah", 4096, 1, 1, 1.0},
+              {"all", 4096, 4, 3, 3.0},
+              {"kv", 16384, 4, 0, 1.0},
+              {"all", 16384, 4, 0, 1.0}};
   const EvalOverall o = OverallOf(s);
   EXPECT_DOUBLE_EQ(o.accuracy_percent, 100.0 * 3 / 8);  // not a mean of the groups' accuracies
   EXPECT_EQ(o.lengths, "4096,16384");
@@ -433,8 +441,7 @@ std::vector<int32_t> CheckMultiTurnAgainstReprefill(Engine& e, const Tokenizer& 
   EXPECT_TRUE(g.ok()) << g.status();
   if (!g.ok()) return {};
   EXPECT_EQ((*res)[1].ids, (*g)[0].ids);
-  EXPECT_EQ((*res)[1].input_tokens,
-            static_cast<int64_t>(history.size() + (*res)[1].ids.size()) - 1);
+  EXPECT_EQ((*res)[1].input_tokens, static_cast<int64_t>(history.size() + (*res)[1].ids.size()) - 1);
   return t0.ids;
 }
 

@@ -46,8 +46,8 @@ void RoundTrip(const std::string& name, const std::string& text) {
   if (*back != want) {
     size_t i = 0;
     while (i < back->size() && i < want.size() && (*back)[i] == want[i]) ++i;
-    FAIL() << name << ": round trip differs at byte " << i << " of " << want.size() << " (decoded "
-           << back->size() << " bytes)";
+    FAIL() << name << ": round trip differs at byte " << i << " of " << want.size() << " (decoded " << back->size()
+           << " bytes)";
   }
 }
 

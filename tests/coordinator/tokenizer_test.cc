@@ -185,11 +185,13 @@ std::string ByteLevelJson(const std::string& extra_model_fields, const std::stri
   }
   vocab += R"("he": 256, "ll": 257, "hell": 258, "hello": 259, "\u0120h": 260, "ab": 261)";
   return R"({"version": "1.0", "added_tokens": [)" + added + R"(], "normalizer": null,
-    "pre_tokenizer": )" + pre_tokenizer + R"(, "post_processor": )" + post_processor + R"(,
+    "pre_tokenizer": )" +
+         pre_tokenizer + R"(, "post_processor": )" + post_processor + R"(,
     "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
     "model": {"type": "BPE", "dropout": null, "unk_token": null, "fuse_unk": false, "byte_fallback": false, )" +
          extra_model_fields + R"(
-      "vocab": {)" + vocab + R"(},
+      "vocab": {)" +
+         vocab + R"(},
       "merges": ["h e", "l l", "he ll", "hell o", "\u0120 h"]}})";
 }
 
@@ -258,10 +260,13 @@ TEST(TokenizerSynthetic, TemplateProcessingAddsBos) {
 std::string MetaspaceJson(const std::string& scheme, bool fuse_unk) {
   return R"({"added_tokens": [{"id": 1, "content": "<s>", "special": true, "normalized": false}],
     "normalizer": null,
-    "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": ")" + scheme +
+    "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": ")" +
+         scheme +
          R"(", "split": false},
-    "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": ")" + scheme + R"(", "split": false},
-    "model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": )" + (fuse_unk ? "true" : "false") + R"(,
+    "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": ")" +
+         scheme + R"(", "split": false},
+    "model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": )" +
+         (fuse_unk ? "true" : "false") + R"(,
       "byte_fallback": false,
       "vocab": {"<unk>": 0, "<s>": 1, "\u2581": 2, "a": 3, "\u2581a": 4},
       "merges": [["\u2581", "a"]]}})";
@@ -400,7 +405,13 @@ TEST(TokenizerRegex, WhiteSpaceFollowsUnicodeProperty) {
   ASSERT_TRUE(re.ok()) << re.status();
   std::vector<std::pair<size_t, size_t>> m;
   // U+0085 and U+3000 are White_Space; U+180E (PCRE2 counts it) and U+200B are not.
-  ASSERT_TRUE((*re)->FindAll("a\xC2\x85" "b\xE1\xA0\x8E" "c\xE3\x80\x80" "d\xE2\x80\x8B", &m).ok());
+  ASSERT_TRUE((*re)
+                  ->FindAll("a\xC2\x85"
+                            "b\xE1\xA0\x8E"
+                            "c\xE3\x80\x80"
+                            "d\xE2\x80\x8B",
+                            &m)
+                  .ok());
   ASSERT_EQ(m.size(), 2u);
   EXPECT_EQ(m[0], std::make_pair(size_t{1}, size_t{3}));
   EXPECT_EQ(m[1], std::make_pair(size_t{8}, size_t{11}));

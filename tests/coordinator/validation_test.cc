@@ -54,26 +54,52 @@ TEST(Validation, AValidRequestPassesAndEachBoundRefusesNamingTheFieldAndLimit) {
     std::vector<std::string> words;
   };
   const std::vector<Case> cases = {
-      {"65 documents", [](auto& r) { r.document_ids.assign(65, "d"); }, {"document_ids", "65", "at most 64", "max_document_ids"}},
+      {"65 documents",
+       [](auto& r) { r.document_ids.assign(65, "d"); },
+       {"document_ids", "65", "at most 64", "max_document_ids"}},
       {"a duplicate document",
-       [](auto& r) { r.document_ids = {"doc-a", "doc-b", "doc-a"}; },
+       [](auto& r) {
+         r.document_ids = {"doc-a", "doc-b", "doc-a"};
+       },
        {"document_ids[2]", "document_ids[0]", "once"}},
-      {"a long document id", [](auto& r) { r.document_ids = {std::string(257, 'x')}; }, {"document_ids[0]", "max_id_bytes"}},
+      {"a long document id",
+       [](auto& r) { r.document_ids = {std::string(257, 'x')}; },
+       {"document_ids[0]", "max_id_bytes"}},
       {"both text and ids", [](auto& r) { r.__set_text("hi"); }, {"exactly one of text and token_ids"}},
       {"neither", [](auto& r) { r.__isset.token_ids = false; }, {"exactly one of text and token_ids"}},
       {"empty ids", [](auto& r) { r.token_ids.clear(); }, {"token_ids is empty"}},
-      {"a question over the context", [](auto& r) { r.token_ids.assign(4096, 1); }, {"question", "4096 token ids", "at most 4095"}},
-      {"an id outside the vocabulary", [](auto& r) { r.token_ids = {1, 1000}; }, {"question token_ids", "1000", "[0, 1000)"}},
+      {"a question over the context",
+       [](auto& r) { r.token_ids.assign(4096, 1); },
+       {"question", "4096 token ids", "at most 4095"}},
+      {"an id outside the vocabulary",
+       [](auto& r) {
+         r.token_ids = {1, 1000};
+       },
+       {"question token_ids", "1000", "[0, 1000)"}},
       {"a negative id", [](auto& r) { r.token_ids = {-1}; }, {"question token_ids", "-1"}},
       {"max_new_tokens 0", [](auto& r) { r.max_new_tokens = 0; }, {"max_new_tokens", "[1, 1048576]"}},
-      {"max_new_tokens over the context", [](auto& r) { r.max_new_tokens = 4096; }, {"max_new_tokens 4096", "4096-token context"}},
+      {"max_new_tokens over the context",
+       [](auto& r) { r.max_new_tokens = 4096; },
+       {"max_new_tokens 4096", "4096-token context"}},
       {"17 stop strings", [](auto& r) { r.stop.assign(17, "x"); }, {"stop", "17", "max_stop_strings"}},
       {"an empty stop string", [](auto& r) { r.stop = {""}; }, {"stop[0]", "max_stop_string_bytes"}},
-      {"a long stop string", [](auto& r) { r.stop = {"ok", std::string(257, 's')}; }, {"stop[1]", "1 to 256 bytes"}},
-      {"1001 stop ids", [](auto& r) { r.stop_ids.assign(1001, 1); }, {"stop_ids", "1001", "at most 1000", "max_stop_ids"}},
-      {"a stop id outside the vocabulary", [](auto& r) { r.stop_ids = {5, 5000}; }, {"stop_ids", "5000", "vocabulary"}},
+      {"a long stop string",
+       [](auto& r) {
+         r.stop = {"ok", std::string(257, 's')};
+       },
+       {"stop[1]", "1 to 256 bytes"}},
+      {"1001 stop ids",
+       [](auto& r) { r.stop_ids.assign(1001, 1); },
+       {"stop_ids", "1001", "at most 1000", "max_stop_ids"}},
+      {"a stop id outside the vocabulary",
+       [](auto& r) {
+         r.stop_ids = {5, 5000};
+       },
+       {"stop_ids", "5000", "vocabulary"}},
       {"kv_policy", [](auto& r) { r.kv_policy = std::string(1 << 20, 'p'); }, {"kv_policy"}},
-      {"deadline 1e13", [](auto& r) { r.deadline_ms = 10000000000000; }, {"deadline_ms", "604800000", "max_deadline_ms"}},
+      {"deadline 1e13",
+       [](auto& r) { r.deadline_ms = 10000000000000; },
+       {"deadline_ms", "604800000", "max_deadline_ms"}},
       {"a negative deadline", [](auto& r) { r.deadline_ms = -1; }, {"deadline_ms"}},
       {"temperature NaN", [](auto& r) { r.sampling.temperature = std::nan(""); }, {"sampling.temperature"}},
       {"top_p 0", [](auto& r) { r.sampling.top_p = 0; }, {"sampling.top_p"}},
@@ -128,7 +154,7 @@ TEST(Validation, ListsAreRefusedByTheirLengthBeforeTheirElements) {
 TEST(Validation, WithoutWorkerReportsTheModelChecksAreLeftToTheWorker) {
   const RequestLimits l;
   ModelLimits unknown;
-    rpc::GenerateRequest r = Ok();
+  rpc::GenerateRequest r = Ok();
   r.stop.clear();
   r.token_ids = {999999};
   EXPECT_TRUE(ValidateGenerateRequest(r, l, unknown).ok());
@@ -165,15 +191,16 @@ TEST(Validation, PutDocument) {
   p.name = "doc";
   p.__set_token_ids(std::vector<int32_t>(4095, 3));
   EXPECT_TRUE(ValidatePutDocumentRequest(p, l, m).ok()) << ValidatePutDocumentRequest(p, l, m);
-  auto refused = [&](const std::function<void(rpc::PutDocumentRequest&)>& change,
-                     const std::vector<std::string>& words, const std::string& what) {
+  auto refused = [&](const std::function<void(rpc::PutDocumentRequest&)>& change, const std::vector<std::string>& words,
+                     const std::string& what) {
     rpc::PutDocumentRequest q = p;
     change(q);
     ExpectRefused(ValidatePutDocumentRequest(q, l, m), words, what);
   };
   refused([](auto& q) { q.name = ""; }, {"name", "max_name_bytes"}, "empty name");
   refused([](auto& q) { q.name = std::string(257, 'n'); }, {"name", "1 to 256 bytes"}, "long name");
-  refused([](auto& q) { q.token_ids.push_back(3); }, {"document", "4096 token ids", "at most 4095"}, "over the context");
+  refused([](auto& q) { q.token_ids.push_back(3); }, {"document", "4096 token ids", "at most 4095"},
+          "over the context");
   refused([](auto& q) { q.token_ids[9] = 1000; }, {"document token_ids", "1000"}, "outside the vocabulary");
   refused([](auto& q) { q.deadline_ms = int64_t{1} << 60; }, {"deadline_ms", "max_deadline_ms"}, "deadline");
   refused([](auto& q) { q.__set_text("both"); }, {"exactly one"}, "both");
@@ -192,21 +219,23 @@ TEST(Validation, SubmitJob) {
   j.metadata = std::string(l.max_job_metadata_bytes, 'm');
   j.completion_window_s = l.max_completion_window_s;
   ASSERT_TRUE(ValidateSubmitJobRequest(j, l, m).ok()) << ValidateSubmitJobRequest(j, l, m);
-  auto refused = [&](const std::function<void(rpc::SubmitJobRequest&)>& change,
-                     const std::vector<std::string>& words, const std::string& what) {
+  auto refused = [&](const std::function<void(rpc::SubmitJobRequest&)>& change, const std::vector<std::string>& words,
+                     const std::string& what) {
     rpc::SubmitJobRequest q = j;
     change(q);
     ExpectRefused(ValidateSubmitJobRequest(q, l, m), words, what);
   };
   refused([](auto& q) { q.items.clear(); }, {"items", "max_job_items"}, "no items");
   refused([&](auto& q) { q.items.resize(l.max_job_items + 1); }, {"items", "50001", "max_job_items"}, "too many items");
-  refused([](auto& q) { q.metadata = std::string(30 << 20, 'm'); }, {"metadata", "31457280 bytes", "max_job_metadata_bytes"},
-          "30 MiB metadata");
+  refused([](auto& q) { q.metadata = std::string(30 << 20, 'm'); },
+          {"metadata", "31457280 bytes", "max_job_metadata_bytes"}, "30 MiB metadata");
   refused([](auto& q) { q.completion_window_s = -1; }, {"completion_window_s", "max_completion_window_s"}, "window");
   refused([](auto& q) { q.completion_window_s = int64_t{1} << 50; }, {"completion_window_s"}, "huge window");
   refused([](auto& q) { q.deadline_ms = 10000000000000; }, {"deadline_ms", "max_deadline_ms"}, "deadline");
-  refused([](auto& q) { q.items[2].custom_id = ""; }, {"items[2]", "custom_id", "max_custom_id_bytes"}, "empty custom_id");
-  refused([](auto& q) { q.items[2].custom_id = std::string(100000, 'c'); }, {"items[2]", "custom_id"}, "long custom_id");
+  refused([](auto& q) { q.items[2].custom_id = ""; }, {"items[2]", "custom_id", "max_custom_id_bytes"},
+          "empty custom_id");
+  refused([](auto& q) { q.items[2].custom_id = std::string(100000, 'c'); }, {"items[2]", "custom_id"},
+          "long custom_id");
   refused([](auto& q) { q.items[3].custom_id = "q1"; }, {"items[3] (custom_id 'q1')", "not unique"}, "duplicate");
   refused([](auto& q) { q.items[1].request.stop_ids.assign(2000, 1); }, {"items[1] (custom_id 'q1')", "max_stop_ids"},
           "an item's stop ids");

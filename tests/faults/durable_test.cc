@@ -136,10 +136,11 @@ TEST(Durable, CoordinatorOnAFullDiskAcknowledgesOnlyWhatItStores) {
     }
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // job items finish meanwhile
-  std::printf("full disk: %d calls refused; %zu documents and %zu jobs acknowledged so far; job store: %g writes "
-              "refused\n",
-              failures, ready.size(), jobs.size(),
-              Metric(cluster, "penumbra_coordinator_store_write_errors_total", "store=\"job_store\""));
+  std::printf(
+      "full disk: %d calls refused; %zu documents and %zu jobs acknowledged so far; job store: %g writes "
+      "refused\n",
+      failures, ready.size(), jobs.size(),
+      Metric(cluster, "penumbra_coordinator_store_write_errors_total", "store=\"job_store\""));
   EXPECT_GT(failures, 0);
   EXPECT_EQ(Metric(cluster, "penumbra_coordinator_store_degraded", "store=\"document_registry\""), 1);
   EXPECT_GT(Metric(cluster, "penumbra_coordinator_store_write_errors_total", "store=\"document_registry\""), 0);

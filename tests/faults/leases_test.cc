@@ -88,7 +88,8 @@ std::vector<int32_t> Reference(client::Client& c, const rpc::GenerateRequest& r)
   EXPECT_TRUE(id.ok()) << id.status();
   if (!id.ok()) return {};
   std::vector<int32_t> ids;
-  auto last = c.Follow(*id, 0, [&](const rpc::GenerateChunk& ch) { ids.insert(ids.end(), ch.ids.begin(), ch.ids.end()); });
+  auto last =
+      c.Follow(*id, 0, [&](const rpc::GenerateChunk& ch) { ids.insert(ids.end(), ch.ids.begin(), ch.ids.end()); });
   EXPECT_TRUE(last.ok()) << last.status();
   return ids;
 }
@@ -237,7 +238,8 @@ TEST_F(Leases, TheWorkersLeaseCallsAreValidatedAndScopedToTheirOwner) {
   EXPECT_EQ(code_of([&] { (*w)->Generate(h, bad); }), static_cast<int>(rpc::ErrorCode::INVALID_ARGUMENT));
   std::vector<std::string> listed;
   EXPECT_EQ(code_of([&] { (*w)->Renew(listed, ""); }), static_cast<int>(rpc::ErrorCode::INVALID_ARGUMENT));
-  EXPECT_EQ(code_of([&] { (*w)->Renew(listed, std::string(65, 'a')); }), static_cast<int>(rpc::ErrorCode::INVALID_ARGUMENT));
+  EXPECT_EQ(code_of([&] { (*w)->Renew(listed, std::string(65, 'a')); }),
+            static_cast<int>(rpc::ErrorCode::INVALID_ARGUMENT));
   (*w)->Renew(listed, "owner-b");
   EXPECT_TRUE(listed.empty());
   (*w)->Renew(listed, "owner-a");

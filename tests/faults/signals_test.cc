@@ -17,10 +17,10 @@
 
 #include "common/hash.h"
 #include "coordinator/tenants/tenants.h"
+#include "store_node/store_node.h"
 #include "tests/service/service_cluster.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "transport/certs.h"
-#include "store_node/store_node.h"
 
 namespace penumbra::testing {
 namespace {
@@ -269,10 +269,10 @@ class Serve {
         << "coordinator:\n  port: 0\n  metrics_port: -1\n  args: [\"--health-interval-ms\", \"200\"]\n"
         << "workers:\n  - name: w0\n    port: 0\n    metrics_port: -1\n    args: [\"--device\", \"cpu\"]\n"
         << "store_nodes:\n  - name: s0\n    port: 0\n    path: " << dir_ << "/s0\n";
-    process_ = Process::Start({BinDir() + "/penumbra", "serve", "--config", dir_ + "/service.yaml", "--run-dir",
-                               dir_ + "/run", "--port-file", port_file(), "--start-timeout-s", "50",
-                               "--restart-backoff-ms", "200", "--restart-backoff-max-ms", "1000"},
-                              dir_ + "/serve.log");
+    process_ = Process::Start(
+        {BinDir() + "/penumbra", "serve", "--config", dir_ + "/service.yaml", "--run-dir", dir_ + "/run", "--port-file",
+         port_file(), "--start-timeout-s", "50", "--restart-backoff-ms", "200", "--restart-backoff-max-ms", "1000"},
+        dir_ + "/serve.log");
     Served s;
     s.process = std::move(process_);
     const bool ok = WaitServing(s, port_file(), 50s);
@@ -422,8 +422,8 @@ TEST_F(Signals, ServeKeepsRestartingAChildThatKeepsDyingWithACappedBackoff) {
   }
   const std::string log = serve.process().Log();
   // 200 ms doubling, capped at 1 s.
-  for (const char* delay : {"restart 1 in 0.2 s", "restart 2 in 0.4 s", "restart 3 in 0.8 s", "restart 4 in 1.0 s",
-                            "restart 5 in 1.0 s"}) {
+  for (const char* delay :
+       {"restart 1 in 0.2 s", "restart 2 in 0.4 s", "restart 3 in 0.8 s", "restart 4 in 1.0 s", "restart 5 in 1.0 s"}) {
     EXPECT_NE(log.find(delay), std::string::npos) << delay << " missing:\n" << log;
   }
   EXPECT_NE(log.find("serve: store node s0 keeps crashing (5 deaths in a row"), std::string::npos) << log;

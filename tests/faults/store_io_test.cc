@@ -54,11 +54,11 @@ double MetricValue(int port, const std::string& series) {
   return -1;
 }
 
-Status Submit(WorkerConn& w, const std::vector<int32_t>& prompt, std::vector<int64_t> segment_ends, int max_new,
+Status Submit(WorkerConn& w, const std::vector<int32_t>& prompt, std::vector<int64_t> document_ends, int max_new,
               std::string* id) {
   rpc::WorkerGenerateRequest g;
   g.prompt = prompt;
-  g.segment_ends = std::move(segment_ends);
+  g.document_ends = std::move(document_ends);
   g.max_new_tokens = max_new;
   return transport::CallRpc("generate", [&] { (*w)->Generate(*id, g); });
 }
@@ -83,7 +83,7 @@ struct Touch {
   bool read = false;  // a stored document read (else a new document written)
   int phase_submitted = 0, phase_finished = 0;
   int epoch_submitted = 0, epoch_finished = 0;  // the phase's number (one per change)
-  double seconds = 0;  // submitted -> done
+  double seconds = 0;                           // submitted -> done
   bool done = false;
   std::string reason, error;
   int64_t cached = 0;
@@ -101,8 +101,14 @@ TEST_F(StoreIo, AStoppedStoreNodeCostsOnlyTheRequestsThatNeedIt) {
   const std::string node_name = "127.0.0.1:" + std::to_string(node.port);
   ClusterOptions o;
   o.workers = 2;
-  o.worker_flags = {"--store-node", node_name, "--store-call-timeout-ms", std::to_string(kCallTimeoutMs),
-                    "--store-breaker-failures", "2", "--store-breaker-cooldown-ms", "1000"};
+  o.worker_flags = {"--store-node",
+                    node_name,
+                    "--store-call-timeout-ms",
+                    std::to_string(kCallTimeoutMs),
+                    "--store-breaker-failures",
+                    "2",
+                    "--store-breaker-cooldown-ms",
+                    "1000"};
   Cluster cluster(o);
   // w0 writes the documents to the node; w1 (nothing in memory) serves.
   ASSERT_TRUE(cluster.StartWorker(0));

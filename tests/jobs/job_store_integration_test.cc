@@ -174,9 +174,10 @@ TEST(JobStoreCrashTest, AcknowledgedJobsAndResultsSurviveSigkillExactlyOnce) {
     kills = kill_no + 1;
     SCOPED_TRACE("kill " + std::to_string(kill_no));
     int p[2] = {-1, -1};
-    const pid_t pid = ::penumbra::testing::SpawnCrashChild("JobStoreCrashChild.Run",
-                                      {{"PENUMBRA_JOBS_CRASH_DIR", dir.path()}, {"PENUMBRA_JOBS_CRASH_START", std::to_string(next)}},
-                                      "PENUMBRA_JOBS_CRASH_FD", &p[0]);
+    const pid_t pid = ::penumbra::testing::SpawnCrashChild(
+        "JobStoreCrashChild.Run",
+        {{"PENUMBRA_JOBS_CRASH_DIR", dir.path()}, {"PENUMBRA_JOBS_CRASH_START", std::to_string(next)}},
+        "PENUMBRA_JOBS_CRASH_FD", &p[0]);
     ASSERT_GE(pid, 0);
     auto take = [&](const Ack& a) {
       Tracked& t = jobs[a.n];
@@ -225,13 +226,12 @@ TEST(JobStoreCrashTest, AcknowledgedJobsAndResultsSurviveSigkillExactlyOnce) {
     for (auto& [n, t] : jobs) {
       if (visible.count(n)) continue;
       const size_t items = SpecFor(n).items.size();
-      const bool all_finished_known = t.acked.size() + t.seen_results.size() >= items &&
-                                      [&] {
-                                        for (uint32_t i = 0; i < items; ++i) {
-                                          if (!t.acked.count(i) && !t.seen_results.count(i)) return false;
-                                        }
-                                        return true;
-                                      }();
+      const bool all_finished_known = t.acked.size() + t.seen_results.size() >= items && [&] {
+        for (uint32_t i = 0; i < items; ++i) {
+          if (!t.acked.count(i) && !t.seen_results.count(i)) return false;
+        }
+        return true;
+      }();
       ASSERT_TRUE(t.deleted || t.gone || all_finished_known)
           << "acknowledged job " << n << " (" << t.id << ") is missing and was not being deleted";
       t.gone = true;
@@ -323,10 +323,11 @@ TEST(JobStoreCrashTest, AcknowledgedJobsAndResultsSurviveSigkillExactlyOnce) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   size_t acked_jobs = 0;
   for (const auto& [n, t] : jobs) acked_jobs += !t.id.empty();
-  std::printf("%d kills, %zu jobs, %lld acknowledged results, %lld duplicates, %lld leases recovered, "
-              "%lld jobs stored but unacknowledged, %.1f s\n",
-              kills, acked_jobs, static_cast<long long>(acked_results), static_cast<long long>(duplicates),
-              static_cast<long long>(recoveries), static_cast<long long>(unacked_jobs_seen), seconds);
+  std::printf(
+      "%d kills, %zu jobs, %lld acknowledged results, %lld duplicates, %lld leases recovered, "
+      "%lld jobs stored but unacknowledged, %.1f s\n",
+      kills, acked_jobs, static_cast<long long>(acked_results), static_cast<long long>(duplicates),
+      static_cast<long long>(recoveries), static_cast<long long>(unacked_jobs_seen), seconds);
   EXPECT_GT(acked_jobs, static_cast<size_t>(kKills));
   EXPECT_GT(duplicates, 0);
   EXPECT_GT(recoveries, 0) << "no kill left a leased item: recovery was not exercised";

@@ -237,8 +237,8 @@ struct Model {
         if (item.state != ItemState::kPending) continue;
         item.state = ItemState::kRunning;
         ++item.attempt;
-        out.push_back({j.id, j.tenant, i, item.spec.custom_id, item.attempt, item.spec.document_ids,
-                       item.spec.question, item.spec.options});
+        out.push_back({j.id, j.tenant, i, item.spec.custom_id, item.attempt, item.spec.document_ids, item.spec.question,
+                       item.spec.options});
       }
     }
     stats.items_claimed += static_cast<int64_t>(out.size());
@@ -466,8 +466,8 @@ void RunModel(uint64_t seed, int steps, RunTally* tally) {
         index = leases[k].item_index;
         attempt = leases[k].attempt;
         const int twist = static_cast<int>(rng() % 10);
-        if (twist == 0) attempt += 1;       // never leased
-        if (twist == 1) attempt = 0;        // never leased
+        if (twist == 0) attempt += 1;                                             // never leased
+        if (twist == 1) attempt = 0;                                              // never leased
         if (rng() % 3 != 0) leases.erase(leases.begin() + static_cast<long>(k));  // else kept for a duplicate
       } else {
         id = pick_job().second;
@@ -548,10 +548,11 @@ TEST(JobStoreTest, ModelBasedRandomOperationsAndReopens) {
   EXPECT_GT(tally.cancelled, 10);
   EXPECT_GT(tally.deleted, 20);
   EXPECT_GT(tally.completed_jobs, 10);
-  std::printf("reopens %d, items recovered %d, duplicates %d, stale releases %d, expired %d, cancelled %d, "
-              "deleted %d\n",
-              tally.reopens, tally.recovered, tally.duplicates, tally.stale_releases, tally.expired, tally.cancelled,
-              tally.deleted);
+  std::printf(
+      "reopens %d, items recovered %d, duplicates %d, stale releases %d, expired %d, cancelled %d, "
+      "deleted %d\n",
+      tally.reopens, tally.recovered, tally.duplicates, tally.stale_releases, tally.expired, tally.cancelled,
+      tally.deleted);
 }
 
 TEST(JobStoreTest, LifecycleOfAJob) {
@@ -975,8 +976,9 @@ TEST(JobStoreTest, ConcurrentWorkersRecordEachItemOnce) {
 }
 
 TEST(JobStoreTest, OptionsLoadFromYamlAndBadKeysAreNamed) {
-  auto r = ConfigReader::FromString("path: /tmp/jobs\nsync_writes: false\nmax_items_per_job: 10\n"
-                                    "max_question_bytes: 2048\ndefault_completion_window_s: 3600\n");
+  auto r = ConfigReader::FromString(
+      "path: /tmp/jobs\nsync_writes: false\nmax_items_per_job: 10\n"
+      "max_question_bytes: 2048\ndefault_completion_window_s: 3600\n");
   ASSERT_TRUE(r.ok()) << r.status();
   JobStoreOptions o;
   ASSERT_TRUE(LoadJobStoreOptions(*r, &o).ok());

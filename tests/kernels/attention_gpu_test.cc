@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -129,18 +129,22 @@ struct PrefillCase {
 
 const char* PathName(PrefillPath p) {
   switch (p) {
-    case PrefillPath::kAuto: return "auto";
-    case PrefillPath::kWgmma: return "wgmma";
-    case PrefillPath::kMma: return "mma.sync";
-    case PrefillPath::kGeneric: return "generic";
+    case PrefillPath::kAuto:
+      return "auto";
+    case PrefillPath::kWgmma:
+      return "wgmma";
+    case PrefillPath::kMma:
+      return "mma.sync";
+    case PrefillPath::kGeneric:
+      return "generic";
   }
   return "?";
 }
 
 void RunPrefillCase(const PrefillCase& c, uint64_t seed, PrefillPath path = PrefillPath::kAuto) {
-  SCOPED_TRACE(::testing::Message() << "prefill path " << PathName(path) << " q_start " << c.q_start << " nq " << c.nq << " keys "
-                                    << c.q_start + c.nq << " hq " << c.hq << " hkv " << c.hkv << " d " << c.d
-                                    << " dtype " << DTypeName(c.dtype));
+  SCOPED_TRACE(::testing::Message() << "prefill path " << PathName(path) << " q_start " << c.q_start << " nq " << c.nq
+                                    << " keys " << c.q_start + c.nq << " hq " << c.hq << " hkv " << c.hkv << " d "
+                                    << c.d << " dtype " << DTypeName(c.dtype));
   Rng rng(seed);
   const int keys = c.q_start + c.nq, capacity = keys + 3;
   const int64_t head_stride = static_cast<int64_t>(capacity) * c.d;
@@ -212,15 +216,12 @@ TEST(AttentionGpuTest, PrefillBf16FastPath) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const PrefillCase cases[] = {
       // keys 1, 7, 129, 1000, 4097; nq 1, 17, 200, 640; GQA 1..8.
-      {0, 1, 1, 1, 128, DType::kBF16},       {0, 7, 4, 1, 128, DType::kBF16},
-      {112, 17, 8, 2, 128, DType::kBF16},    {0, 129, 8, 8, 128, DType::kBF16},
-      {800, 200, 32, 8, 128, DType::kBF16},  {3457, 640, 32, 8, 128, DType::kBF16},
-      {4096, 1, 8, 1, 128, DType::kBF16},    {0, 640, 6, 3, 128, DType::kBF16},
-      {360, 640, 14, 2, 128, DType::kBF16},  {0, 1000, 5, 5, 128, DType::kBF16},
-      {0, 1, 2, 1, 64, DType::kBF16},        {0, 200, 16, 2, 64, DType::kBF16},
-      {983, 17, 4, 4, 64, DType::kBF16},     {3457, 640, 8, 1, 64, DType::kBF16},
-      {64, 129, 6, 2, 64, DType::kBF16},     {0, 300, 4, 1, 128, DType::kBF16},
-      {5000, 300, 8, 2, 64, DType::kBF16},
+      {0, 1, 1, 1, 128, DType::kBF16},    {0, 7, 4, 1, 128, DType::kBF16},      {112, 17, 8, 2, 128, DType::kBF16},
+      {0, 129, 8, 8, 128, DType::kBF16},  {800, 200, 32, 8, 128, DType::kBF16}, {3457, 640, 32, 8, 128, DType::kBF16},
+      {4096, 1, 8, 1, 128, DType::kBF16}, {0, 640, 6, 3, 128, DType::kBF16},    {360, 640, 14, 2, 128, DType::kBF16},
+      {0, 1000, 5, 5, 128, DType::kBF16}, {0, 1, 2, 1, 64, DType::kBF16},       {0, 200, 16, 2, 64, DType::kBF16},
+      {983, 17, 4, 4, 64, DType::kBF16},  {3457, 640, 8, 1, 64, DType::kBF16},  {64, 129, 6, 2, 64, DType::kBF16},
+      {0, 300, 4, 1, 128, DType::kBF16},  {5000, 300, 8, 2, 64, DType::kBF16},
   };
   // Both tensor-core kernels (wgmma falls back to mma.sync off Hopper).
   for (PrefillPath path : {PrefillPath::kWgmma, PrefillPath::kMma}) {
@@ -232,10 +233,10 @@ TEST(AttentionGpuTest, PrefillBf16FastPath) {
 TEST(AttentionGpuTest, PrefillGenericPath) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const PrefillCase cases[] = {
-      {0, 1, 1, 1, 8, DType::kF32},       {0, 7, 2, 1, 8, DType::kF32},    {5, 17, 4, 2, 8, DType::kF32},
-      {983, 17, 8, 1, 8, DType::kF32},    {0, 200, 6, 6, 8, DType::kF32},  {0, 129, 4, 4, 64, DType::kF32},
-      {800, 200, 8, 2, 64, DType::kF32},  {3457, 640, 2, 1, 64, DType::kF32}, {7, 17, 4, 1, 128, DType::kF32},
-      {0, 17, 4, 2, 8, DType::kBF16},     {112, 17, 3, 1, 96, DType::kBF16},
+      {0, 1, 1, 1, 8, DType::kF32},      {0, 7, 2, 1, 8, DType::kF32},       {5, 17, 4, 2, 8, DType::kF32},
+      {983, 17, 8, 1, 8, DType::kF32},   {0, 200, 6, 6, 8, DType::kF32},     {0, 129, 4, 4, 64, DType::kF32},
+      {800, 200, 8, 2, 64, DType::kF32}, {3457, 640, 2, 1, 64, DType::kF32}, {7, 17, 4, 1, 128, DType::kF32},
+      {0, 17, 4, 2, 8, DType::kBF16},    {112, 17, 3, 1, 96, DType::kBF16},
   };
   uint64_t seed = 101;
   for (const auto& c : cases) RunPrefillCase(c, seed++);
@@ -255,7 +256,7 @@ struct DecodeCase {
   std::vector<int32_t> lengths;
   int hq, hkv, d;
   DType dtype;
-  int extra_max_length = 0;      // max_length = max(lengths) + this
+  int extra_max_length = 0;       // max_length = max(lengths) + this
   double workspace_fraction = 1;  // < 1: a smaller workspace than asked for
   DecodeMask mask = {};
 };
@@ -421,13 +422,10 @@ TEST(AttentionGpuTest, DecodeBf16FastPath) {
 TEST(AttentionGpuTest, DecodeGenericPath) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const DecodeCase cases[] = {
-      {{1, 7, 129}, 4, 2, 8, DType::kF32},
-      {{1000, 1, 4097}, 8, 2, 64, DType::kF32},
-      {{70000, 5}, 4, 1, 64, DType::kF32},
-      {{129, 1}, 8, 8, 128, DType::kF32},
+      {{1, 7, 129}, 4, 2, 8, DType::kF32},       {{1000, 1, 4097}, 8, 2, 64, DType::kF32},
+      {{70000, 5}, 4, 1, 64, DType::kF32},       {{129, 1}, 8, 8, 128, DType::kF32},
       {{300, 1, 4097}, 6, 2, 128, DType::kBF16},  // group 3: generic bf16
-      {{77, 1}, 4, 2, 64, DType::kBF16},
-      {{513}, 2, 1, 8, DType::kBF16, 50},
+      {{77, 1}, 4, 2, 64, DType::kBF16},         {{513}, 2, 1, 8, DType::kBF16, 50},
   };
   uint64_t seed = 2001;
   for (const auto& c : cases) RunDecodeCase(c, seed++);
@@ -473,11 +471,11 @@ TEST(AttentionGpuTest, DecodeSlotMaskGenericPath) {
 // ---- prefix attention (cascade) ------------------------------------------------
 
 struct PrefixCase {
-  int batch, keys;                 // sequences in the batch, prefix keys
-  std::vector<int32_t> rows;       // attached rows
+  int batch, keys;            // sequences in the batch, prefix keys
+  std::vector<int32_t> rows;  // attached rows
   int hq, hkv, d;
   DType dtype;
-  bool own = true;                 // merge into an own part (decode with lse) or overwrite
+  bool own = true;  // merge into an own part (decode with lse) or overwrite
   PrefixPath path = PrefixPath::kAuto;
 };
 
@@ -486,9 +484,9 @@ struct PrefixCase {
 // every output row (rows not attached keep their own part).
 void RunPrefixCase(const PrefixCase& c, uint64_t seed) {
   const int n = static_cast<int>(c.rows.size());
-  SCOPED_TRACE(::testing::Message() << "prefix batch " << c.batch << " attached " << n << " keys " << c.keys
-                                    << " hq " << c.hq << " hkv " << c.hkv << " d " << c.d << " dtype "
-                                    << DTypeName(c.dtype) << " own " << c.own << " path "
+  SCOPED_TRACE(::testing::Message() << "prefix batch " << c.batch << " attached " << n << " keys " << c.keys << " hq "
+                                    << c.hq << " hkv " << c.hkv << " d " << c.d << " dtype " << DTypeName(c.dtype)
+                                    << " own " << c.own << " path "
                                     << (c.path == PrefixPath::kGeneric ? "generic" : "auto"));
   Rng rng(seed);
   const int own_cap = 40;
@@ -766,8 +764,8 @@ TEST(AttentionGpuTest, Bench) {
       // Attended (query, key) pairs: sum over queries of q_start + i + 1.
       const double pairs = static_cast<double>(p.nq) * q_start + 0.5 * p.nq * (p.nq + 1.0);
       const double flops = 4.0 * pairs * p.d * hq;
-      std::printf("prefill %-8s keys %6d nq %5d d %3d: %8.3f ms  %6.1f TFLOP/s\n", PathName(path), p.keys, p.nq,
-                  p.d, ms, flops / (ms * 1e-3) / 1e12);
+      std::printf("prefill %-8s keys %6d nq %5d d %3d: %8.3f ms  %6.1f TFLOP/s\n", PathName(path), p.keys, p.nq, p.d,
+                  ms, flops / (ms * 1e-3) / 1e12);
     }
   }
 
@@ -856,8 +854,8 @@ TEST(AttentionGpuTest, Bench) {
     const float ms = TimeMs([&] { LaunchPrefixAttention(a, nullptr); }, 20);
     PENUMBRA_CUDA_OK(cudaGetLastError());
     const double flops = 4.0 * p.batch * static_cast<double>(p.length) * hq * d;
-    std::printf("prefix batch %3d x %6d: %8.3f ms  %6.1f TFLOP/s  (x 32 layers: %.1f ms per step)\n", p.batch,
-                p.length, ms, flops / (ms * 1e-3) / 1e12, 32 * ms);
+    std::printf("prefix batch %3d x %6d: %8.3f ms  %6.1f TFLOP/s  (x 32 layers: %.1f ms per step)\n", p.batch, p.length,
+                ms, flops / (ms * 1e-3) / 1e12, 32 * ms);
   }
 }
 

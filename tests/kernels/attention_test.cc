@@ -48,8 +48,8 @@ TEST(AttentionCpuTest, PrefillMatchesNaive) {
   };
   uint32_t seed = 1;
   for (const auto& c : cases) {
-    SCOPED_TRACE(::testing::Message() << "q_start " << c.q_start << " nq " << c.nq << " hq " << c.hq << " hkv "
-                                      << c.hkv << " d " << c.d);
+    SCOPED_TRACE(::testing::Message() << "q_start " << c.q_start << " nq " << c.nq << " hq " << c.hq << " hkv " << c.hkv
+                                      << " d " << c.d);
     const int keys = c.q_start + c.nq;
     const int capacity = keys + 5;  // head_stride larger than the keys in use
     const int64_t head_stride = static_cast<int64_t>(capacity) * c.d;
@@ -237,16 +237,15 @@ TEST(AttentionCpuTest, LargeScoresStayFinite) {
   EXPECT_TRUE(AllClose(out, expect, 1e-5f, 1e-4f));
 }
 
-
 // Head kvh's keys (or values) of a sequence laid end to end: the first `base`
 // rows from a shared prefix ([hkv][P][d]), then its own rows ([hkv][own_cap][d]).
-std::vector<float> Concat(const std::vector<float>& prefix, int P, const std::vector<float>& own, int own_cap,
-                          int base, int keys, int kvh, int d) {
+std::vector<float> Concat(const std::vector<float>& prefix, int P, const std::vector<float>& own, int own_cap, int base,
+                          int keys, int kvh, int d) {
   std::vector<float> out(static_cast<size_t>(keys) * d);
   for (int j = 0; j < keys; ++j)
     for (int e = 0; e < d; ++e)
       out[static_cast<size_t>(j) * d + e] = j < base ? prefix[(static_cast<size_t>(kvh) * P + j) * d + e]
-                                                      : own[(static_cast<size_t>(kvh) * own_cap + (j - base)) * d + e];
+                                                     : own[(static_cast<size_t>(kvh) * own_cap + (j - base)) * d + e];
   return out;
 }
 

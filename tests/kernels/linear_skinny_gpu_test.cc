@@ -27,11 +27,11 @@ namespace penumbra::kernels {
 namespace {
 
 using ::penumbra::testing::AllClose;
-using ::penumbra::testing::KernelBenchEnabled;
-using ::penumbra::testing::TimeMs;
 using ::penumbra::testing::GpuBuffer;
-using ::penumbra::testing::UploadAs;
+using ::penumbra::testing::KernelBenchEnabled;
 using ::penumbra::testing::RandomUniform;
+using ::penumbra::testing::TimeMs;
+using ::penumbra::testing::UploadAs;
 
 struct Case {
   int n, out, in;
@@ -151,9 +151,9 @@ void RunSwiGLU(int n, int features, int in) {
 TEST(SkinnyLinearGpuTest, FusedSwiGLUGivesTheUnfusedBits) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   for (int n = 1; n <= kSkinnyLinearMaxRows; ++n) RunSwiGLU(n, 20, 136);  // feature tail (20 % 8), k tail
-  RunSwiGLU(7, 36, 4104);   // k split over warps
+  RunSwiGLU(7, 36, 4104);                                                 // k split over warps
   RunSwiGLU(7, 1000, 4096);
-  RunSwiGLU(5, 9000, 64);   // many features: 8 row tiles per block
+  RunSwiGLU(5, 9000, 64);  // many features: 8 row tiles per block
 }
 
 TEST(SkinnyLinearGpuTest, RefusesWhatItCannotTake) {
@@ -217,7 +217,8 @@ TEST(SkinnyLinearGpuTest, Bench) {
   for (const Shape& s : shapes) {
     const size_t wn = static_cast<size_t>(s.out) * s.in;
     GpuBuffer dw(wn * 2), dx(static_cast<size_t>(kSkinnyLinearMaxRows) * s.in * 2),
-        dy(static_cast<size_t>(kSkinnyLinearMaxRows) * s.out * 4), dy2(static_cast<size_t>(kSkinnyLinearMaxRows) * s.out * 4);
+        dy(static_cast<size_t>(kSkinnyLinearMaxRows) * s.out * 4),
+        dy2(static_cast<size_t>(kSkinnyLinearMaxRows) * s.out * 4);
     PENUMBRA_CUDA_OK(cudaMemset(dw.get(), 0x3c, wn * 2));  // bf16 0x3c3c ~ 0.0115
     PENUMBRA_CUDA_OK(cudaMemset(dx.get(), 0x3c, static_cast<size_t>(kSkinnyLinearMaxRows) * s.in * 2));
     for (int n : {1, 4, 7, 8, 14, 16}) {
@@ -272,9 +273,10 @@ TEST(SkinnyLinearGpuTest, BenchSwiGLU) {
       },
       20);
   PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
-  std::printf("{\"bench\":\"skinny_swiglu\",\"n\":%d,\"features\":%d,\"in\":%d,\"fused_ms\":%.4f,\"unfused_ms\":%.4f,"
-              "\"speedup\":%.3f}\n",
-              n, features, in, fused, unfused, unfused / fused);
+  std::printf(
+      "{\"bench\":\"skinny_swiglu\",\"n\":%d,\"features\":%d,\"in\":%d,\"fused_ms\":%.4f,\"unfused_ms\":%.4f,"
+      "\"speedup\":%.3f}\n",
+      n, features, in, fused, unfused, unfused / fused);
 }
 
 }  // namespace

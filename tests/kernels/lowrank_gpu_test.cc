@@ -101,10 +101,10 @@ TEST(LowRankGpuTest, MatchesCpuReference) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const DType f32 = DType::kF32, bf16 = DType::kBF16;
   const Case cases[] = {
-      {1, 1, 64, 1, f32, f32},        {7, 2, 64, 37, f32, bf16},      {7, 1, 64, 64, bf16, f32},
-      {129, 3, 64, 160, bf16, bf16},  {129, 1, 128, 128, f32, f32},   {600, 5, 64, 160, f32, f32},
-      {1000, 4, 64, 256, bf16, f32},  {4100, 2, 128, 256, f32, f32},  {4100, 1, 128, 37, f32, bf16},
-      {4100, 8, 128, 160, bf16, bf16}, {4100, 6, 64, 1, bf16, bf16},   {4100, 7, 64, 448, f32, bf16},
+      {1, 1, 64, 1, f32, f32},         {7, 2, 64, 37, f32, bf16},     {7, 1, 64, 64, bf16, f32},
+      {129, 3, 64, 160, bf16, bf16},   {129, 1, 128, 128, f32, f32},  {600, 5, 64, 160, f32, f32},
+      {1000, 4, 64, 256, bf16, f32},   {4100, 2, 128, 256, f32, f32}, {4100, 1, 128, 37, f32, bf16},
+      {4100, 8, 128, 160, bf16, bf16}, {4100, 6, 64, 1, bf16, bf16},  {4100, 7, 64, 448, f32, bf16},
   };
   Handles hd;
   for (const Case& c : cases) {
@@ -115,8 +115,7 @@ TEST(LowRankGpuTest, MatchesCpuReference) {
     DeviceBuffer k_dev = UploadAs(k, c.key_dtype, &k_ref);
 
     // CPU reference on the values the GPU sees.
-    std::vector<float> a_ref(c.S * r), b_ref(static_cast<size_t>(D) * r), p_ref(static_cast<size_t>(D) * r),
-        s_ref(r);
+    std::vector<float> a_ref(c.S * r), b_ref(static_cast<size_t>(D) * r), p_ref(static_cast<size_t>(D) * r), s_ref(r);
     cpu::LowRankArgs ca;
     ca.keys = k_ref.data();
     ca.S = c.S;
@@ -186,8 +185,8 @@ TEST(LowRankGpuTest, MatchesCpuReference) {
         err_ref += (double(rec_ref[i]) - k_ref[i]) * (double(rec_ref[i]) - k_ref[i]);
       }
       const double slack = (low ? 1e-2 : 1e-4) * sq;
-      EXPECT_LE(err_gpu, err_ref * 1.02 + slack) << "rank-" << r << " error, GPU " << std::sqrt(err_gpu) << " vs CPU "
-                                                 << std::sqrt(err_ref);
+      EXPECT_LE(err_gpu, err_ref * 1.02 + slack)
+          << "rank-" << r << " error, GPU " << std::sqrt(err_gpu) << " vs CPU " << std::sqrt(err_ref);
     }
 
     // P maps the keys to A: K P on the host with the GPU's P equals the GPU's
@@ -212,10 +211,14 @@ TEST(LowRankGpuTest, ProjectKeysMatchesCpu) {
   std::normal_distribution<float> n01;
   // batch > 1: several projections in one launch (the decode path batches
   // layers), each problem at padded strides.
-  struct PCase { int n, D, rank; DType key_dtype, out_dtype; int batch = 1; };
-  const PCase cases[] = {{1, 64, 1, DType::kF32, DType::kF32},       {8, 1024, 160, DType::kBF16, DType::kBF16},
-                         {7, 384, 37, DType::kF32, DType::kBF16},     {8, 256, 256, DType::kBF16, DType::kF32},
-                         {3, 8192, 129, DType::kF32, DType::kF32},    {8, 1024, 160, DType::kF32, DType::kBF16, 32},
+  struct PCase {
+    int n, D, rank;
+    DType key_dtype, out_dtype;
+    int batch = 1;
+  };
+  const PCase cases[] = {{1, 64, 1, DType::kF32, DType::kF32},     {8, 1024, 160, DType::kBF16, DType::kBF16},
+                         {7, 384, 37, DType::kF32, DType::kBF16},  {8, 256, 256, DType::kBF16, DType::kF32},
+                         {3, 8192, 129, DType::kF32, DType::kF32}, {8, 1024, 160, DType::kF32, DType::kBF16, 32},
                          {5, 128, 40, DType::kF32, DType::kF32, 3}};
   for (const PCase& c : cases) {
     SCOPED_TRACE("n " + std::to_string(c.n) + " D " + std::to_string(c.D) + " rank " + std::to_string(c.rank) +

@@ -81,7 +81,10 @@ std::vector<float> GaussianKeys(int64_t S, int D, uint64_t seed) {
 }
 
 TEST(LowRankCpuTest, FullRankReproducesKeys) {
-  struct Case { int64_t S; int hkv, d; };
+  struct Case {
+    int64_t S;
+    int hkv, d;
+  };
   for (const Case c : {Case{1, 1, 64}, Case{7, 2, 64}, Case{129, 3, 64}, Case{300, 2, 128}, Case{600, 4, 64}}) {
     SCOPED_TRACE("S " + std::to_string(c.S) + " hkv " + std::to_string(c.hkv) + " d " + std::to_string(c.d));
     const int D = c.hkv * c.d;

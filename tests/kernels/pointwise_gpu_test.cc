@@ -102,18 +102,21 @@ std::vector<uint8_t> ToDType(std::vector<float>& v, DType dtype) {
 // Tolerance for an output of `dtype` compared with an f32 reference.
 float RelTol(DType dtype, float f32_tol) {
   switch (dtype) {
-    case DType::kBF16: return 8e-3f;
-    case DType::kF16: return 1e-3f;
-    default: return f32_tol;
+    case DType::kBF16:
+      return 8e-3f;
+    case DType::kF16:
+      return 1e-3f;
+    default:
+      return f32_tol;
   }
 }
 
 std::string Name(DType t) { return std::string(DTypeName(t)); }
 
-#define EXPECT_LAUNCH_OK()                                                            \
-  do {                                                                                \
-    PENUMBRA_CUDA_OK(cudaGetLastError());                                             \
-    PENUMBRA_CUDA_OK(cudaDeviceSynchronize());                                        \
+#define EXPECT_LAUNCH_OK()                     \
+  do {                                         \
+    PENUMBRA_CUDA_OK(cudaGetLastError());      \
+    PENUMBRA_CUDA_OK(cudaDeviceSynchronize()); \
   } while (0)
 
 constexpr int kRows[] = {1, 7, 129, 1000};
@@ -303,7 +306,8 @@ void RunRopeCase(const RopeCase& c, std::mt19937& rng) {
       }
     }
     EXPECT_EQ(stray, 0u) << (which == 0 ? "k" : "v") << " cache: writes outside the tokens' slots";
-    const float rtol = which == 0 ? RelTol(c.kv_dtype, 1e-5f) : (c.kv_dtype == DType::kF32 ? 0.0f : RelTol(c.kv_dtype, 0));
+    const float rtol =
+        which == 0 ? RelTol(c.kv_dtype, 1e-5f) : (c.kv_dtype == DType::kF32 ? 0.0f : RelTol(c.kv_dtype, 0));
     EXPECT_TRUE(AllClose(got_w, exp_w, which == 0 ? 1e-5f : 0.0f, rtol)) << (which == 0 ? "k" : "v") << " cache";
   }
 }
@@ -467,7 +471,7 @@ TEST(SampleGpuTest, MatchesCpu) {
       std::normal_distribution<float> g(0.0f, style == 1 ? 1.0f : 4.0f);
       for (auto& x : logits) {
         x = g(rng);
-        if (style == 2) x = std::round(x * 2.0f) / 2.0f;  // many exact ties
+        if (style == 2) x = std::round(x * 2.0f) / 2.0f;                                  // many exact ties
         if (style == 3 && unif(rng) < 0.3f) x = -std::numeric_limits<float>::infinity();  // masked vocab
       }
       if (style == 3) {

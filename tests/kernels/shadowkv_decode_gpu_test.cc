@@ -23,8 +23,8 @@
 
 #include "common/dtype.h"
 #include "kernels/cpu/shadowkv_decode.h"
-#include "kernels/shadowkv_decode.cuh"
 #include "kernels/landmark_format.h"
+#include "kernels/shadowkv_decode.cuh"
 #include "kernels/topk.cuh"
 #include "tests/gpu_test_util.h"
 #include "tests/test_util.h"
@@ -34,13 +34,13 @@ namespace {
 
 using ::penumbra::testing::TimeMs;
 
-#define SKV_CUDA(expr)                                                              \
-  do {                                                                              \
-    cudaError_t _e = (expr);                                                        \
-    if (_e != cudaSuccess) {                                                        \
-      ADD_FAILURE() << #expr << ": " << cudaGetErrorString(_e);                     \
-      std::abort();                                                                 \
-    }                                                                               \
+#define SKV_CUDA(expr)                                          \
+  do {                                                          \
+    cudaError_t _e = (expr);                                    \
+    if (_e != cudaSuccess) {                                    \
+      ADD_FAILURE() << #expr << ": " << cudaGetErrorString(_e); \
+      std::abort();                                             \
+    }                                                           \
   } while (0)
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -52,11 +52,18 @@ class DeviceBuffer {
   ~DeviceBuffer() { cudaFree(ptr_); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <typename T = void> T* get() const { return static_cast<T*>(ptr_); }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t bytes() const { return bytes_; }
   void Upload(const void* src, size_t n) { SKV_CUDA(cudaMemcpy(ptr_, src, n, cudaMemcpyHostToDevice)); }
-  template <typename T> void Upload(const std::vector<T>& v) { Upload(v.data(), v.size() * sizeof(T)); }
-  template <typename T> std::vector<T> Download(size_t n) const {
+  template <typename T>
+  void Upload(const std::vector<T>& v) {
+    Upload(v.data(), v.size() * sizeof(T));
+  }
+  template <typename T>
+  std::vector<T> Download(size_t n) const {
     std::vector<T> v(n);
     SKV_CUDA(cudaMemcpy(v.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
     return v;
@@ -85,7 +92,8 @@ class MappedHostBuffer {
   void* dev_ = nullptr;
 };
 
-template <typename T> std::unique_ptr<DeviceBuffer> ToDevice(const std::vector<T>& v) {
+template <typename T>
+std::unique_ptr<DeviceBuffer> ToDevice(const std::vector<T>& v) {
   auto d = std::make_unique<DeviceBuffer>(v.size() * sizeof(T));
   d->Upload(v);
   return d;
@@ -143,8 +151,11 @@ std::vector<uint8_t> Poisoned(size_t n, DType dtype) {
   size_t bad = 0, first = got.size();
   for (size_t i = 0; i < got.size(); ++i) {
     bool ok;
-    if (std::isnan(want[i])) ok = std::isnan(got[i]);
-    else ok = !std::isnan(got[i]) && (got[i] == want[i] || std::fabs(got[i] - want[i]) <= atol + rtol * std::fabs(want[i]));
+    if (std::isnan(want[i]))
+      ok = std::isnan(got[i]);
+    else
+      ok =
+          !std::isnan(got[i]) && (got[i] == want[i] || std::fabs(got[i] - want[i]) <= atol + rtol * std::fabs(want[i]));
     if (!ok) {
       if (first == got.size()) first = i;
       ++bad;
@@ -175,18 +186,20 @@ struct TopKCase {
 };
 
 void RunTopK(const TopKCase& c) {
-  SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " n " << c.n << " k " << c.k << " smallest "
-                                    << c.smallest << " ties " << c.ties << " skip " << c.skip);
+  SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " n " << c.n << " k " << c.k << " smallest " << c.smallest
+                                    << " ties " << c.ties << " skip " << c.skip);
   Rng rng(1000 + c.n + c.k);
   const int64_t stride = c.n + 5;
   std::vector<float> v(static_cast<size_t>(c.rows) * stride);
   for (auto& x : v) {
-    if (c.ties == 1) x = static_cast<float>(rng.Int(5));
+    if (c.ties == 1)
+      x = static_cast<float>(rng.Int(5));
     else if (c.ties == 2) {
       const int s = rng.Int(8);
       const float inf = std::numeric_limits<float>::infinity();
       x = s == 0 ? kNaN : s == 1 ? -inf : s == 2 ? -0.0f : s == 3 ? 0.0f : s == 4 ? inf : rng.Next();
-    } else x = rng.Next();
+    } else
+      x = rng.Next();
   }
   // Two rows share a count; the second group of rows is shorter.
   const int groups = (c.rows + 1) / 2;
@@ -239,8 +252,8 @@ TEST(TopKGpu, MatchesCpuExactly) {
           if (ties == 2) RunTopK({5, n, k, smallest, ties, true});
         }
   RunTopK({3, 300, 1024, false, 2, true});  // k > n with skipped values: -1 padded
-  RunTopK({3, 300, 4096, false, 0});  // k > n: all, then -1
-  RunTopK({2, 9000, 4096, true, 1});  // largest k
+  RunTopK({3, 300, 4096, false, 0});        // k > n: all, then -1
+  RunTopK({2, 9000, 4096, true, 1});        // largest k
 }
 
 TEST(TopKGpu, UniformCount) {
@@ -289,10 +302,10 @@ struct ScoreCase {
 };
 
 void RunScore(const ScoreCase& c) {
-  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " group " << c.group << " d "
-                                    << c.d << " n " << c.n << " dtype " << DTypeName(c.dtype) << " q "
-                                    << DTypeName(c.q_dtype) << " excluded " << c.with_excluded << " successors "
-                                    << c.successors << " landmarks per chunk " << c.per_chunk << " fp8 " << c.fp8);
+  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " group " << c.group << " d " << c.d
+                                    << " n " << c.n << " dtype " << DTypeName(c.dtype) << " q " << DTypeName(c.q_dtype)
+                                    << " excluded " << c.with_excluded << " successors " << c.successors
+                                    << " landmarks per chunk " << c.per_chunk << " fp8 " << c.fp8);
   Rng rng(77 + c.n + c.d + c.group);
   const int hq = c.hkv * c.group, cap = c.n + 3, max_chunks = c.n;
   const int64_t stride = max_chunks + 2;
@@ -305,8 +318,8 @@ void RunScore(const ScoreCase& c) {
   std::vector<std::vector<uint8_t>> excl(c.batch);
   std::vector<int32_t> n_chunks(c.batch);
   for (int b = 0; b < c.batch; ++b) {
-    land.push_back(MakeTensor(static_cast<size_t>(c.hkv) * cap * c.per_chunk * c.d, c.fp8 ? DType::kF32 : c.dtype,
-                              rng, 2.0f));
+    land.push_back(
+        MakeTensor(static_cast<size_t>(c.hkv) * cap * c.per_chunk * c.d, c.fp8 ? DType::kF32 : c.dtype, rng, 2.0f));
     if (c.fp8) {
       land8[b].resize(static_cast<size_t>(c.hkv) * cap * rec8);
       for (int i = 0; i < c.hkv * cap; ++i)
@@ -329,8 +342,10 @@ void RunScore(const ScoreCase& c) {
   std::vector<float> want(static_cast<size_t>(c.batch) * c.hkv * stride, kNaN);
   cpu::ShadowkvScoreArgs ca;
   ca.q = q.f32.data();
-  if (c.fp8) ca.landmarks_fp8 = lp8.data();
-  else ca.landmarks = lp.data();
+  if (c.fp8)
+    ca.landmarks_fp8 = lp8.data();
+  else
+    ca.landmarks = lp.data();
   ca.excluded = c.with_excluded ? ep.data() : nullptr;
   ca.n_chunks = n_chunks.data();
   ca.batch = c.batch;
@@ -430,7 +445,8 @@ void RunScore(const ScoreCase& c) {
       for (int b = 0; b < c.batch; ++b) {
         std::vector<int32_t> map0(static_cast<size_t>(c.hkv) * ks, -1);  // half full: chunks n-1, n-2, ...
         for (int h = 0; h < c.hkv; ++h)
-          for (int j = 0; j < std::min(ks / 2, n_chunks[b]); ++j) map0[static_cast<size_t>(h) * ks + j] = n_chunks[b] - 1 - j;
+          for (int j = 0; j < std::min(ks / 2, n_chunks[b]); ++j)
+            map0[static_cast<size_t>(h) * ks + j] = n_chunks[b] - 1 - j;
         for (int v = 0; v < 2; ++v) {
           maps[v].push_back(ToDevice(map0));
           map_ptrs[v].push_back(maps[v].back()->get<int32_t>());
@@ -474,7 +490,7 @@ TEST(ShadowkvScoreGpu, MatchesCpu) {
       for (int d : {64, 128}) RunScore({3, 2, group, d, n, DType::kBF16, DType::kBF16, true});
   RunScore({2, 3, 4, 128, 129, DType::kF32, DType::kF32, true});
   RunScore({2, 3, 2, 128, 5000, DType::kF32, DType::kBF16, false});
-  RunScore({2, 1, 5, 136, 700, DType::kBF16, DType::kF32, true});   // d not a power of two
+  RunScore({2, 1, 5, 136, 700, DType::kBF16, DType::kF32, true});  // d not a power of two
   RunScore({1, 2, 4, 256, 300, DType::kBF16, DType::kBF16, true});
   RunScore({1, 2, 4, 128, 131072, DType::kBF16, DType::kBF16, true});
   // Successors: fused (tensor-core logits, then SIMT) and unfused (beyond
@@ -872,9 +888,12 @@ void RunGlobalSelect(const GlobalSelectCase& c) {
       for (int i = 0; i < cs; ++i) {
         float x = -kInf;
         if (i < count) {
-          if (row == 3) x = 0.5f;
-          else if (row % 2 == 0) x = 0.125f * static_cast<float>(rng.Int(5));
-          else x = 0.01f * (rng.Next() + 1.0f);
+          if (row == 3)
+            x = 0.5f;
+          else if (row % 2 == 0)
+            x = 0.125f * static_cast<float>(rng.Int(5));
+          else
+            x = 0.01f * (rng.Next() + 1.0f);
           if (row == 4 && p == c.rank) x += 1.0f;
         }
         v[i] = x;
@@ -887,7 +906,7 @@ void RunGlobalSelect(const GlobalSelectCase& c) {
       }
     }
   }
-  const int sel_len = cs;  // this rank's proposals per row, at most
+  const int sel_len = cs;                  // this rank's proposals per row, at most
   const int64_t sel_stride = sel_len + 3;  // entries past selection_len keep their poison
   const size_t win_n = static_cast<size_t>(rows) * c.k, sel_n = static_cast<size_t>(rows) * sel_stride;
 
@@ -1030,8 +1049,8 @@ struct RebuildCase {
 };
 
 void RunRebuildK(const RebuildCase& c) {
-  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " r " << c.r
-                                    << " C " << c.C << " ks " << c.ks << " n_chunks " << c.n_chunks << " dtype "
+  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " r " << c.r << " C "
+                                    << c.C << " ks " << c.ks << " n_chunks " << c.n_chunks << " dtype "
                                     << DTypeName(c.dtype) << " algo " << static_cast<int>(c.algo));
   Rng rng(31 + c.d + c.r + c.C);
   const int rows = c.batch * c.hkv, O = 3;
@@ -1143,8 +1162,8 @@ struct FetchCase {
 };
 
 void RunFetchV(const FetchCase& c) {
-  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " C " << c.C
-                                    << " ks " << c.ks << " dtype " << DTypeName(c.dtype) << " staged " << c.staged
+  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " C " << c.C << " ks "
+                                    << c.ks << " dtype " << DTypeName(c.dtype) << " staged " << c.staged
                                     << " max_blocks " << c.max_blocks);
   Rng rng(11 + c.d + c.C + c.ks);
   const int rows = c.batch * c.hkv, O = 2;
@@ -1173,8 +1192,8 @@ void RunFetchV(const FetchCase& c) {
     offsets[row] = at;
     at += m.count[row];
     for (int i = 0; i < m.count[row]; ++i) {
-      const float* src = sp[row / c.hkv] +
-                         (static_cast<size_t>(row % c.hkv) * c.chunk_cap + m.chunk[row * c.ks + i]) * chunk_elems;
+      const float* src =
+          sp[row / c.hkv] + (static_cast<size_t>(row % c.hkv) * c.chunk_cap + m.chunk[row * c.ks + i]) * chunk_elems;
       staging_f32.insert(staging_f32.end(), src, src + chunk_elems);
     }
   }
@@ -1229,8 +1248,10 @@ void RunFetchV(const FetchCase& c) {
   ga.chunk_size = c.C;
   ga.max_misses = c.ks;
   ga.max_blocks = c.max_blocks;
-  if (c.staged) LaunchShadowkvScatterV(ga, nullptr);
-  else LaunchShadowkvFetchV(ga, nullptr);
+  if (c.staged)
+    LaunchShadowkvScatterV(ga, nullptr);
+  else
+    LaunchShadowkvFetchV(ga, nullptr);
   SKV_CUDA(cudaDeviceSynchronize());
   for (int b = 0; b < c.batch; ++b)
     EXPECT_TRUE(CloseOrPoison(DownloadF32(*dv[b], V[b].size(), c.dtype), V[b], 0.0f, 0.0f)) << "sequence " << b;
@@ -1397,8 +1418,8 @@ TEST(ShadowkvDecodeGpuBench, Timings) {
   const float rebuild_simt_ms = TimeMs([&] { LaunchShadowkvRebuildK(ka, s0); }, 5, s0);
   ka.algo = RebuildKAlgo::kAuto;
   const double flops = 2.0 * rows * misses * C * static_cast<double>(r) * d;
-  std::printf("[bench] rebuild K %d misses (r %d): %.3f ms tensor cores (%.1f TFLOP/s), %.3f ms SIMT\n",
-              rows * misses, r, rebuild_ms, flops / (rebuild_ms * 1e-3) / 1e12, rebuild_simt_ms);
+  std::printf("[bench] rebuild K %d misses (r %d): %.3f ms tensor cores (%.1f TFLOP/s), %.3f ms SIMT\n", rows * misses,
+              r, rebuild_ms, flops / (rebuild_ms * 1e-3) / 1e12, rebuild_simt_ms);
 
   ShadowkvFetchVArgs fa;
   fa.value_store = dsp->get<const void* const>();

@@ -48,11 +48,17 @@ TEST(TopKCpu, MatchesStableSortWithTiesNanAndInf) {
           std::uniform_real_distribution<float> u(-1.0f, 1.0f);
           std::uniform_int_distribution<int> small(0, 4);
           for (auto& x : v) {
-            if (mode == 0) x = u(rng);
-            else if (mode == 1) x = static_cast<float>(small(rng));  // many ties
+            if (mode == 0)
+              x = u(rng);
+            else if (mode == 1)
+              x = static_cast<float>(small(rng));  // many ties
             else {
               const int s = small(rng);
-              x = s == 0 ? std::numeric_limits<float>::quiet_NaN() : s == 1 ? -kInf : s == 2 ? -0.0f : s == 3 ? kInf : u(rng);
+              x = s == 0   ? std::numeric_limits<float>::quiet_NaN()
+                  : s == 1 ? -kInf
+                  : s == 2 ? -0.0f
+                  : s == 3 ? kInf
+                           : u(rng);
             }
           }
           std::vector<int32_t> counts = {n, std::max(0, n - 3), n};
@@ -71,8 +77,8 @@ TEST(TopKCpu, MatchesStableSortWithTiesNanAndInf) {
           for (int r = 0; r < rows; ++r) {
             const auto want = NaiveTopK(v.data() + r * stride, counts[r], k, smallest, skip);
             const std::vector<int32_t> got(out.begin() + r * (k + 2), out.begin() + r * (k + 2) + k);
-            ASSERT_EQ(got, want) << "n " << n << " k " << k << " smallest " << smallest << " mode " << mode
-                                 << " row " << r;
+            ASSERT_EQ(got, want) << "n " << n << " k " << k << " smallest " << smallest << " mode " << mode << " row "
+                                 << r;
             EXPECT_EQ(out[r * (k + 2) + k], -7);  // past k untouched
           }
         }
@@ -174,8 +180,8 @@ struct OneSequenceScore {
   const float* landmarks = nullptr;
   const uint8_t* excluded = nullptr;
   int32_t chunks = 0;
-  ShadowkvScoreArgs Args(const float* q, int hq, int hkv, int d, float scale, const float* l, const uint8_t* e,
-                         int cap, int n, int max_chunks, float* out, int64_t stride) {
+  ShadowkvScoreArgs Args(const float* q, int hq, int hkv, int d, float scale, const float* l, const uint8_t* e, int cap,
+                         int n, int max_chunks, float* out, int64_t stride) {
     landmarks = l;
     excluded = e;
     chunks = n;
@@ -212,7 +218,8 @@ TEST(ShadowkvScoreCpu, SuccessorsTakeTheBestOfThePredecessors) {
   OneSequenceScore one;
   auto run = [&](int successors) {
     std::vector<float> out(static_cast<size_t>(hkv) * stride, 9.0f);
-    ShadowkvScoreArgs a = one.Args(q.data(), hq, hkv, d, 0.5f, land.data(), excl.data(), cap, n, n + 2, out.data(), stride);
+    ShadowkvScoreArgs a =
+        one.Args(q.data(), hq, hkv, d, 0.5f, land.data(), excl.data(), cap, n, n + 2, out.data(), stride);
     a.successors = successors;
     ShadowkvScore(a);
     return out;
@@ -253,7 +260,8 @@ TEST(ShadowkvScoreCpu, SeveralLandmarksPerChunkScoreAChunkAsItsBestRow) {
       std::vector<float> q(static_cast<size_t>(hq) * d);
       for (auto& x : q) x = nd(rng);
       // Rows below shared * S in the prefix's array, the rest in the sequence's.
-      std::vector<float> pre(static_cast<size_t>(hkv) * std::max(shared, 1) * S * d), own(static_cast<size_t>(hkv) * (cap - shared) * S * d);
+      std::vector<float> pre(static_cast<size_t>(hkv) * std::max(shared, 1) * S * d),
+          own(static_cast<size_t>(hkv) * (cap - shared) * S * d);
       for (auto& x : pre) x = nd(rng);
       for (auto& x : own) x = nd(rng);
       std::vector<uint8_t> excl(static_cast<size_t>(hkv) * cap, 0), row_excl(static_cast<size_t>(hkv) * rows, 0);
@@ -508,7 +516,8 @@ TEST(ShadowkvGlobalSelectCpu, RanksKeepTheirWinnersOfOneTopK) {
         for (int p = 0; p < parts; ++p)
           for (int i = 0; i < cs; ++i)
             if (cand[p * part_stride + r * cs + i] != -kInf) all.emplace_back(cand[p * part_stride + r * cs + i], p, i);
-        std::stable_sort(all.begin(), all.end(), [](const auto& x, const auto& y) { return std::get<0>(x) > std::get<0>(y); });
+        std::stable_sort(all.begin(), all.end(),
+                         [](const auto& x, const auto& y) { return std::get<0>(x) > std::get<0>(y); });
         all.resize(std::min<size_t>(all.size(), k));
         for (int rank = 0; rank < parts; ++rank) {
           std::vector<int32_t> want;
@@ -683,8 +692,8 @@ TEST(ShadowkvRebuildKCpu, MatchesDoubleReference) {
             w[j + d / 2] = static_cast<float>(x[j + d / 2] * std::cos(ang) + x[j] * std::sin(ang));
           }
         }
-      EXPECT_TRUE(testing::AllClose(K[b].data() + static_cast<size_t>(h) * att_cap * d, want.data(), want.size(),
-                                    1e-4f, 1e-4f))
+      EXPECT_TRUE(
+          testing::AllClose(K[b].data() + static_cast<size_t>(h) * att_cap * d, want.data(), want.size(), 1e-4f, 1e-4f))
           << "b " << b << " h " << h;
     }
 }

@@ -2,8 +2,8 @@
 // min_cos element by element, outlier sets exactly (same input, ties and NaN
 // included), and the whole landmarks -> select -> gather chain on keys built
 // without near-ties.
-#include "kernels/shadowkv_prefill.cuh"
 #include "kernels/landmark_format.h"
+#include "kernels/shadowkv_prefill.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -47,7 +47,7 @@ struct LCase {
   int hkv, d, C, n_chunks;
   int64_t first_token;
   DType kv_dtype, landmark_dtype;
-  int batch = 1;  // problems in one launch (the decode path batches layers)
+  int batch = 1;      // problems in one launch (the decode path batches layers)
   int per_chunk = 1;  // landmarks per chunk
 };
 
@@ -100,18 +100,18 @@ cpu::ChunkLandmarksArgs CpuLandmarkArgs(const LCase& c, const LStrides& st, cons
 TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const DType f32 = DType::kF32, bf16 = DType::kBF16;
-  const LCase cases[] = {{1, 64, 8, 1, 0, f32, f32},      {2, 128, 16, 7, 16, bf16, bf16},
-                         {3, 64, 8, 129, 8, bf16, f32},    {8, 128, 8, 4100, 0, bf16, bf16},
-                         {4, 256, 16, 33, 24, f32, bf16},  {5, 64, 16, 1000, 0, f32, f32},
-                         {7, 96, 8, 65, 0, bf16, bf16},    {8, 128, 8, 1, 0, bf16, bf16, 32},
-                         {3, 64, 16, 5, 16, f32, f32, 3},  {8, 128, 8, 300, 8, bf16, bf16, 1, 2},
+  const LCase cases[] = {{1, 64, 8, 1, 0, f32, f32},        {2, 128, 16, 7, 16, bf16, bf16},
+                         {3, 64, 8, 129, 8, bf16, f32},     {8, 128, 8, 4100, 0, bf16, bf16},
+                         {4, 256, 16, 33, 24, f32, bf16},   {5, 64, 16, 1000, 0, f32, f32},
+                         {7, 96, 8, 65, 0, bf16, bf16},     {8, 128, 8, 1, 0, bf16, bf16, 32},
+                         {3, 64, 16, 5, 16, f32, f32, 3},   {8, 128, 8, 300, 8, bf16, bf16, 1, 2},
                          {2, 64, 8, 33, 0, f32, f32, 2, 4}, {4, 128, 16, 17, 16, bf16, f32, 1, 16},
                          {3, 64, 8, 9, 0, f32, bf16, 3, 8}};
   for (const LCase& c : cases) {
     SCOPED_TRACE("hkv " + std::to_string(c.hkv) + " d " + std::to_string(c.d) + " C " + std::to_string(c.C) +
-                 " chunks " + std::to_string(c.n_chunks) + " kv " + std::string(DTypeName(c.kv_dtype)) +
-                 " landmarks " + std::string(DTypeName(c.landmark_dtype)) + " batch " + std::to_string(c.batch) +
-                 " per chunk " + std::to_string(c.per_chunk));
+                 " chunks " + std::to_string(c.n_chunks) + " kv " + std::string(DTypeName(c.kv_dtype)) + " landmarks " +
+                 std::string(DTypeName(c.landmark_dtype)) + " batch " + std::to_string(c.batch) + " per chunk " +
+                 std::to_string(c.per_chunk));
     const int64_t k_stride = (c.first_token + int64_t(c.n_chunks) * c.C + 3) * c.d;
     const int64_t l_stride = int64_t(c.n_chunks + 2) * c.per_chunk * c.d, m_stride = c.n_chunks + 5;
     // Padded problem strides, so a launch that ignored them would be caught.
@@ -163,8 +163,10 @@ TEST(ShadowKvPrefillGpuTest, LandmarksMatchCpu) {
 TEST(ShadowKvPrefillGpuTest, Fp8LandmarkRecordsMatchCpu) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const DType f32 = DType::kF32, bf16 = DType::kBF16;
-  const LCase cases[] = {{8, 128, 8, 300, 8, bf16, bf16, 2, 4}, {2, 64, 8, 33, 0, f32, f32, 1, 1},
-                         {3, 136, 16, 17, 16, bf16, bf16, 1, 8}, {4, 128, 8, 1000, 0, bf16, bf16, 1, 8}};
+  const LCase cases[] = {{8, 128, 8, 300, 8, bf16, bf16, 2, 4},
+                         {2, 64, 8, 33, 0, f32, f32, 1, 1},
+                         {3, 136, 16, 17, 16, bf16, bf16, 1, 8},
+                         {4, 128, 8, 1000, 0, bf16, bf16, 1, 8}};
   for (const LCase& c : cases) {
     SCOPED_TRACE("hkv " + std::to_string(c.hkv) + " d " + std::to_string(c.d) + " chunks " +
                  std::to_string(c.n_chunks) + " per chunk " + std::to_string(c.per_chunk));
@@ -256,8 +258,11 @@ TEST(ShadowKvPrefillGpuTest, OutlierSelectionMatchesCpuExactly) {
               v = uni(rng);
             } else if (mode == 1) {
               const int roll = static_cast<int>(rng() % 50);
-              v = roll == 0 ? NAN : roll == 1 ? -0.0f : roll == 2 ? 0.0f : roll == 3 ? -INFINITY
-                                                                                       : float(int(rng() % 9) - 4) / 4;
+              v = roll == 0   ? NAN
+                  : roll == 1 ? -0.0f
+                  : roll == 2 ? 0.0f
+                  : roll == 3 ? -INFINITY
+                              : float(int(rng() % 9) - 4) / 4;
             } else {
               v = 0.25f;
             }
@@ -433,8 +438,8 @@ TEST(ShadowKvPrefillGpuTest, LandmarksSelectGatherChainMatchesCpu) {
     EXPECT_TRUE(AllClose(DownloadAs(av_dev, c.dtype, av_ref.size()), av_ref, 0.0f, 0.0f)) << "att_v";
     const auto mask = DownloadRaw<uint8_t>(mask_dev, mask_ref.size());
     for (size_t i = 0; i < mask.size(); ++i)
-      ASSERT_EQ(int(mask[i]), int(mask_ref[i])) << "mask differs at head " << i / mask_stride << " chunk "
-                                                << i % mask_stride;
+      ASSERT_EQ(int(mask[i]), int(mask_ref[i]))
+          << "mask differs at head " << i / mask_stride << " chunk " << i % mask_stride;
   }
 }
 

@@ -18,7 +18,10 @@ namespace {
 using penumbra::testing::AllClose;
 
 TEST(ShadowKvPrefillCpuTest, LandmarksAndMinCosMatchNaive) {
-  struct Case { int hkv, d, C, n_chunks; int64_t first_token; };
+  struct Case {
+    int hkv, d, C, n_chunks;
+    int64_t first_token;
+  };
   for (const Case c : {Case{1, 64, 8, 1, 0}, Case{2, 64, 8, 7, 16}, Case{3, 128, 16, 129, 8}, Case{8, 64, 16, 33, 0}}) {
     SCOPED_TRACE("hkv " + std::to_string(c.hkv) + " d " + std::to_string(c.d) + " C " + std::to_string(c.C) +
                  " chunks " + std::to_string(c.n_chunks));
@@ -55,7 +58,8 @@ TEST(ShadowKvPrefillCpuTest, LandmarksAndMinCosMatchNaive) {
         for (int j = 0; j < c.d; ++j) mm += mean[j] * mean[j];
         for (int t = 0; t < c.C; ++t) {
           double dot = 0, kk = 0;
-          for (int j = 0; j < c.d; ++j) dot += mean[j] * keys[t * c.d + j], kk += double(keys[t * c.d + j]) * keys[t * c.d + j];
+          for (int j = 0; j < c.d; ++j)
+            dot += mean[j] * keys[t * c.d + j], kk += double(keys[t * c.d + j]) * keys[t * c.d + j];
           lo = std::min(lo, dot / std::sqrt(mm * kk));
         }
         for (int j = 0; j < c.d; ++j) want_lm[h * l_stride + int64_t(ch) * c.d + j] = float(mean[j]);

@@ -86,7 +86,7 @@ class Offline {
                              const SamplingOptions& sampling = {}) {
     GenerationRequest g;
     g.prompt = doc;
-    g.segment_ends = {static_cast<int64_t>(doc.size())};
+    g.document_ends = {static_cast<int64_t>(doc.size())};
     g.prompt.insert(g.prompt.end(), question.begin(), question.end());
     g.max_new_tokens = max_new;
     g.sampling = sampling;
@@ -170,8 +170,8 @@ TEST_F(Multihost, FiveHostsWithMutualTlsAnswerAndSurviveLinksGoingDown) {
   char tmpl[] = "/tmp/penumbra-multihost-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   // co: coordinator; w0, w1: workers; s0, s1: store nodes; cl: the client.
-  auto made = NetnsTopology::Create(
-      kSubnet, {{"co", 1}, {"w0", 11}, {"w1", 12}, {"s0", 21}, {"s1", 22}, {"cl", 100}}, dir);
+  auto made =
+      NetnsTopology::Create(kSubnet, {{"co", 1}, {"w0", 11}, {"w1", 12}, {"s0", 21}, {"s1", 22}, {"cl", 100}}, dir);
   ASSERT_TRUE(made.ok()) << made.status();
   NetnsTopology& net = **made;
   const std::string bin = BinDir(), model = StoriesDir(), certs = dir + "/certs";
@@ -186,7 +186,8 @@ TEST_F(Multihost, FiveHostsWithMutualTlsAnswerAndSurviveLinksGoingDown) {
       t << "  - name: " << s << "\n    host: " << net.Address(s) << "\n    path: " << dir << "/" << s << "\n";
     }
   }
-  const CommandResult init = RunCommand({bin + "/penumbra", "cert", "init", certs, "--topology", dir + "/topology.yaml"});
+  const CommandResult init =
+      RunCommand({bin + "/penumbra", "cert", "init", certs, "--topology", dir + "/topology.yaml"});
   ASSERT_EQ(init.code, 0) << init.output;
   // One tenant, its key in a file only the test reads, its hash in the
   // tenants file.
@@ -327,8 +328,8 @@ TEST_F(Multihost, FiveHostsWithMutualTlsAnswerAndSurviveLinksGoingDown) {
   // The operator's commands from the client host: `penumbra doc put` and
   // `penumbra ask`, over TLS with the key from a file.
   {
-    const std::vector<std::string> conn = {"--address", hostport("co"), "--tls-ca", certs + "/ca.pem",
-                                           "--api-key-file", dir + "/api.key"};
+    const std::vector<std::string> conn = {"--address",       hostport("co"),   "--tls-ca",
+                                           certs + "/ca.pem", "--api-key-file", dir + "/api.key"};
     auto json_of = [](const CommandResult& r) {
       const size_t at = r.output.rfind("\n{") == std::string::npos ? r.output.find('{') : r.output.rfind("\n{") + 1;
       return nlohmann::json::parse(r.output.substr(at == std::string::npos ? 0 : at), nullptr, false);
@@ -341,8 +342,9 @@ TEST_F(Multihost, FiveHostsWithMutualTlsAnswerAndSurviveLinksGoingDown) {
     const nlohmann::json pj = json_of(p);
     ASSERT_TRUE(pj.is_object() && pj.contains("id")) << p.output;
     EXPECT_EQ(pj.value("state", ""), "ready") << p.output;
-    std::vector<std::string> ask = {bin + "/penumbra", "ask", "--docs", pj["id"].get<std::string>(), "--question-ids",
-                                    Csv(q), "--max-new-tokens", "10", "--ignore-eos", "--json"};
+    std::vector<std::string> ask = {bin + "/penumbra", "ask",   "--docs",           pj["id"].get<std::string>(),
+                                    "--question-ids",  Csv(q),  "--max-new-tokens", "10",
+                                    "--ignore-eos",    "--json"};
     ask.insert(ask.end(), conn.begin(), conn.end());
     const CommandResult a = net.Run("cl", ask);
     ASSERT_EQ(a.code, 0) << a.output;
@@ -467,7 +469,7 @@ TEST_F(Multihost, FiveHostsWithMutualTlsAnswerAndSurviveLinksGoingDown) {
     EXPECT_TRUE(std::equal(all.begin(), all.begin() + j, uninterrupted.begin())) << "the first worker's tokens";
     GenerationRequest resumed;
     resumed.prompt = docs[0].ids;
-    resumed.segment_ends = {static_cast<int64_t>(docs[0].ids.size())};
+    resumed.document_ends = {static_cast<int64_t>(docs[0].ids.size())};
     resumed.prompt.insert(resumed.prompt.end(), q.begin(), q.end());
     resumed.prompt.insert(resumed.prompt.end(), all.begin(), all.begin() + j);
     resumed.max_new_tokens = kMaxNew - static_cast<int>(j);

@@ -101,9 +101,8 @@ class ContextGroupSecurityTest : public StoriesTest {
  protected:
   void SetUp() override {
     StoriesTest::SetUp();
-    dir_ = (std::filesystem::temp_directory_path() /
-            ("penumbra-cpsec-" + std::to_string(getpid()) + "-" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+    dir_ = (std::filesystem::temp_directory_path() / ("penumbra-cpsec-" + std::to_string(getpid()) + "-" +
+                                                      ::testing::UnitTest::GetInstance()->current_test_info()->name()))
                .string();
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
@@ -125,9 +124,10 @@ class ContextGroupSecurityTest : public StoriesTest {
   Process& Generate(const std::string& name, const std::vector<std::string>& flags) {
     std::ostringstream ids;
     for (size_t i = 0; i < prompt_.size(); ++i) ids << (i ? "," : "") << prompt_[i];
-    std::vector<std::string> argv = {BinDir() + "/penumbra", "generate", "--model", StoriesDir(), "--prompt-ids",
-                                     ids.str(), "--max-new-tokens", "12", "--ignore-eos", "--json", "--device", "cpu",
-                                     "--prefill-chunk", "32"};
+    std::vector<std::string> argv = {BinDir() + "/penumbra", "generate", "--model",          StoriesDir(),
+                                     "--prompt-ids",         ids.str(),  "--max-new-tokens", "12",
+                                     "--ignore-eos",         "--json",   "--device",         "cpu",
+                                     "--prefill-chunk",      "32"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     procs_.emplace_back(name, Process::Start(argv, dir_ + "/" + name + ".log"));
     return *procs_.back().second;
@@ -136,9 +136,9 @@ class ContextGroupSecurityTest : public StoriesTest {
   // its port to dir_/port.json), with `flags`.
   Process& Rank(const std::string& name, int rank, int world, int port, std::vector<std::string> flags,
                 double timeout_s = 60) {
-    std::vector<std::string> f = {"--cp-world", std::to_string(world), "--cp-rank", std::to_string(rank),
-                                  "--cp-rendezvous", "127.0.0.1:" + std::to_string(port), "--cp-timeout-s",
-                                  std::to_string(timeout_s)};
+    std::vector<std::string> f = {"--cp-world",         std::to_string(world),    "--cp-rank",
+                                  std::to_string(rank), "--cp-rendezvous",        "127.0.0.1:" + std::to_string(port),
+                                  "--cp-timeout-s",     std::to_string(timeout_s)};
     if (rank == 0) {
       f.push_back("--cp-port-file");
       f.push_back(dir_ + "/port.json");
@@ -319,8 +319,8 @@ TEST_F(ContextGroupSecurityTest, TheGroupSecretKeepsOutAWorkerOfAnotherGroup) {
 TEST_F(ContextGroupSecurityTest, APlaintextRendezvousOffLoopbackIsRefusedUnlessInsecure) {
   auto rank0 = [&](const std::string& name, const std::vector<std::string>& flags) -> Process& {
     std::filesystem::remove(dir_ + "/port.json");
-    return Generate(name, Plus({"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "0.0.0.0:0",
-                                "--cp-port-file", dir_ + "/port.json", "--cp-timeout-s", "60"},
+    return Generate(name, Plus({"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "0.0.0.0:0", "--cp-port-file",
+                                dir_ + "/port.json", "--cp-timeout-s", "60"},
                                flags));
   };
   Process& plain = rank0("plain", {});

@@ -135,7 +135,9 @@ TEST_F(PublicApi, OversizedInputsAreRefusedNamingTheLimitWhileAnotherTenantIsSer
          return c.Generate(r).status();
        }},
       {"max_new_tokens 2^31-1", "max_new_tokens",
-       [&](client::Client& c) { return c.Generate(Ask({}, {5, 6}, 2147483647)).status(); }},
+       [&](client::Client& c) {
+         return c.Generate(Ask({}, {5, 6}, 2147483647)).status();
+       }},
       {"a 1 MiB document name", "max_name_bytes",
        [&](client::Client& c) {
          const std::vector<int32_t> ids = {1, 5, 6};
@@ -143,8 +145,7 @@ TEST_F(PublicApi, OversizedInputsAreRefusedNamingTheLimitWhileAnotherTenantIsSer
        }},
       {"a 1 MiB request id", "max_id_bytes",
        [&](client::Client& c) { return c.Poll(std::string(1 << 20, 'r'), 0, 0).status(); }},
-      {"wait_ms of a day", "wait_ms",
-       [&](client::Client& c) { return c.Poll("req-0", 0, 86400000).status(); }},
+      {"wait_ms of a day", "wait_ms", [&](client::Client& c) { return c.Poll("req-0", 0, 86400000).status(); }},
   };
   // Once each, checked one by one.
   for (const Attack& a : attacks) {
@@ -206,10 +207,11 @@ TEST_F(PublicApi, OversizedInputsAreRefusedNamingTheLimitWhileAnotherTenantIsSer
   stop = true;
   for (auto& t : attackers) t.join();
   const int64_t peak = PeakRss(cluster.coordinator().process->pid());
-  std::printf("flood: %lld attacks refused by 3 clients in 6 s; victim: %lld requests served, %lld failed, slowest "
-              "%.3f s; coordinator peak RSS %.0f MiB\n",
-              static_cast<long long>(attacks_sent.load()), static_cast<long long>(served),
-              static_cast<long long>(failed), worst_s, peak / 1048576.0);
+  std::printf(
+      "flood: %lld attacks refused by 3 clients in 6 s; victim: %lld requests served, %lld failed, slowest "
+      "%.3f s; coordinator peak RSS %.0f MiB\n",
+      static_cast<long long>(attacks_sent.load()), static_cast<long long>(served), static_cast<long long>(failed),
+      worst_s, peak / 1048576.0);
   EXPECT_EQ(attacks_wrong.load(), 0) << "an attack was not refused naming its limit: " << first_wrong;
   EXPECT_GE(attacks_sent.load(), static_cast<int64_t>(attacks.size())) << "the attackers barely ran";
   EXPECT_EQ(failed, 0) << "the victim's requests failed during the flood: " << first_failure;
@@ -253,7 +255,8 @@ TEST_F(PublicApi, TheTokenQuotaIsReservedUpFront) {
       } else if (r.status().code() == StatusCode::kResourceExhausted) {
         ++waited;
         int32_t cur = min_retry_ms.load();
-        while (r.status().retry_after_ms() < cur && !min_retry_ms.compare_exchange_weak(cur, r.status().retry_after_ms())) {
+        while (r.status().retry_after_ms() < cur &&
+               !min_retry_ms.compare_exchange_weak(cur, r.status().retry_after_ms())) {
         }
       } else {
         ++other;
@@ -263,10 +266,11 @@ TEST_F(PublicApi, TheTokenQuotaIsReservedUpFront) {
   }
   for (auto& t : clients) t.join();
   const double elapsed_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::printf("15 x 100 tokens at 100 a minute: %lld admitted, %lld told to wait (retry after >= %d ms), %lld "
-              "tokens generated in %.1f s\n",
-              static_cast<long long>(ok.load()), static_cast<long long>(waited.load()), min_retry_ms.load(),
-              static_cast<long long>(generated.load()), elapsed_s);
+  std::printf(
+      "15 x 100 tokens at 100 a minute: %lld admitted, %lld told to wait (retry after >= %d ms), %lld "
+      "tokens generated in %.1f s\n",
+      static_cast<long long>(ok.load()), static_cast<long long>(waited.load()), min_retry_ms.load(),
+      static_cast<long long>(generated.load()), elapsed_s);
   EXPECT_EQ(other.load(), 0);
   EXPECT_GE(ok.load(), 1);
   EXPECT_EQ(ok.load() + waited.load(), 15);
@@ -314,8 +318,9 @@ TEST_F(PublicApi, ATenantThatRequiresAClientCertificateIsServedOnlyWithIt) {
   spec.name = "client2";
   spec.hosts = {"127.0.0.1"};
   const std::string dir = cluster.certs_dir();
-  ASSERT_TRUE(transport::IssueCertificate(dir + "/ca.pem", dir + "/ca.key", spec, dir + "/client2.pem",
-                                          dir + "/client2.key").ok());
+  ASSERT_TRUE(
+      transport::IssueCertificate(dir + "/ca.pem", dir + "/ca.key", spec, dir + "/client2.pem", dir + "/client2.key")
+          .ok());
   ASSERT_TRUE(cluster.Start());
 
   auto wrong = cluster.Client("key-that-is-not-valid-at-all");
@@ -366,8 +371,8 @@ TEST_F(PublicApi, HealthRevealsNoPathOrAddressAndOnlyAnAdminSeesTheWorkers) {
   apache::thrift::protocol::TBinaryProtocol p(mem);
   h->write(&p);
   const std::string bytes = mem->getBufferAsString();
-  for (const std::string& secret : {cluster.model(), std::string("127.0.0.1"),
-                                    std::to_string(cluster.worker(0).port), std::string("w0"), std::string("/")}) {
+  for (const std::string& secret : {cluster.model(), std::string("127.0.0.1"), std::to_string(cluster.worker(0).port),
+                                    std::string("w0"), std::string("/")}) {
     EXPECT_EQ(bytes.find(secret), std::string::npos) << "Health reveals '" << secret << "'";
   }
   auto user = cluster.Client(user_key.key);

@@ -37,10 +37,10 @@
 #include <thrift/transport/TBufferTransports.h>
 
 #include "common/crypto.h"
+#include "store_node/store_node.h"
 #include "store_types.h"
 #include "tests/service/service_cluster.h"
 #include "tests/transport/raw_ucx_peer.h"
-#include "store_node/store_node.h"
 #include "worker/engine/prefix_cache.h"
 
 namespace penumbra {
@@ -100,9 +100,17 @@ class StorePlaneTest : public ::testing::Test {
   // A node with the secret on `host`; null when it did not start.
   Served* StartNode(const std::string& host = "127.0.0.1", std::vector<std::string> extra = {}) {
     const std::string d = dir_ + "/node" + std::to_string(nodes_.size());
-    std::vector<std::string> argv = {BinDir() + "/penumbra-store", "--path", d, "--host", host, "--port-file",
-                                     d + ".port", "--cluster-secret-file", secret_file_,
-                                     "--handshake-timeout-ms", "2000"};
+    std::vector<std::string> argv = {BinDir() + "/penumbra-store",
+                                     "--path",
+                                     d,
+                                     "--host",
+                                     host,
+                                     "--port-file",
+                                     d + ".port",
+                                     "--cluster-secret-file",
+                                     secret_file_,
+                                     "--handshake-timeout-ms",
+                                     "2000"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     nodes_.push_back(std::make_unique<Served>());
     nodes_.back()->process = Process::Start(argv, d + ".log");

@@ -111,7 +111,8 @@ Status WorkerStatsAs(int port, const std::string& dir, const std::string& cert, 
   }
   t.server_roles = {transport::role::kWorker};
   PENUMBRA_ASSIGN_OR_RETURN(auto tls, transport::TlsClientContext::Create(t));
-  PENUMBRA_ASSIGN_OR_RETURN(auto c, transport::ThriftClient<rpc::WorkerClient>::Connect("127.0.0.1", port, 10s, {}, tls));
+  PENUMBRA_ASSIGN_OR_RETURN(auto c,
+                            transport::ThriftClient<rpc::WorkerClient>::Connect("127.0.0.1", port, 10s, {}, tls));
   rpc::WorkerStats st;
   return transport::CallRpc("stats", [&] { (*c)->Stats(st); });
 }
@@ -194,15 +195,23 @@ TEST(TlsPlanes, ClientsRefuseServersThatAreNotWhoTheyShouldBe) {
   const std::string pf = cluster.dir() + "/elsewhere.port";
   Served w;
   w.process = Process::Start({BinDir() + "/penumbra-worker", "--model", cluster.model(), "--device", "cpu", "--port",
-                              "0", "--metrics-port", "-1", "--port-file", pf, "--tls-ca", dir + "/ca.pem",
-                              "--tls-cert", dir + "/elsewhere.pem", "--tls-key", dir + "/elsewhere.key"},
+                              "0", "--metrics-port", "-1", "--port-file", pf, "--tls-ca", dir + "/ca.pem", "--tls-cert",
+                              dir + "/elsewhere.pem", "--tls-key", dir + "/elsewhere.key"},
                              cluster.dir() + "/elsewhere.log");
   ASSERT_TRUE(WaitServing(w, pf));
   Served coord;
   const std::string cpf = cluster.dir() + "/coord2.port";
-  std::vector<std::string> argv = {BinDir() + "/penumbra-coordinator", "--model", cluster.model(), "--workers",
-                                   "w=127.0.0.1:" + std::to_string(w.port), "--port", "0", "--metrics-port", "-1",
-                                   "--port-file", cpf};
+  std::vector<std::string> argv = {BinDir() + "/penumbra-coordinator",
+                                   "--model",
+                                   cluster.model(),
+                                   "--workers",
+                                   "w=127.0.0.1:" + std::to_string(w.port),
+                                   "--port",
+                                   "0",
+                                   "--metrics-port",
+                                   "-1",
+                                   "--port-file",
+                                   cpf};
   for (const auto& f : TlsFlags(dir, "coordinator")) argv.push_back(f);
   coord.process = Process::Start(argv, cluster.dir() + "/coord2.log");
   ASSERT_TRUE(WaitServing(coord, cpf));
@@ -234,16 +243,15 @@ TEST(TlsPlanes, PlaintextPortsOffLoopbackAreRefusedUnlessInsecure) {
   const std::string model = StoriesDir();
   ExpectRefusedAtStart({BinDir() + "/penumbra-worker", "--model", model, "--device", "cpu", "--host", "0.0.0.0"},
                        dir + "/w.log", "without TLS: refused");
-  ExpectRefusedAtStart({BinDir() + "/penumbra-worker", "--model", model, "--device", "cpu", "--admin-host",
-                        "0.0.0.0"},
+  ExpectRefusedAtStart({BinDir() + "/penumbra-worker", "--model", model, "--device", "cpu", "--admin-host", "0.0.0.0"},
                        dir + "/wa.log", "without TLS: refused");
-  ExpectRefusedAtStart({BinDir() + "/penumbra-coordinator", "--model", model, "--workers", "127.0.0.1:1", "--host",
-                        "0.0.0.0"},
-                       dir + "/c.log", "without TLS: refused");
+  ExpectRefusedAtStart(
+      {BinDir() + "/penumbra-coordinator", "--model", model, "--workers", "127.0.0.1:1", "--host", "0.0.0.0"},
+      dir + "/c.log", "without TLS: refused");
   ExpectRefusedAtStart({BinDir() + "/penumbra-coordinator", "--model", model, "--workers", "10.1.2.3:7710"},
                        dir + "/cw.log", "without TLS: refused");
-  ExpectRefusedAtStart({BinDir() + "/penumbra-store", "--path", dir + "/store", "--host", "0.0.0.0"},
-                       dir + "/s.log", "without the cluster secret: refused");
+  ExpectRefusedAtStart({BinDir() + "/penumbra-store", "--path", dir + "/store", "--host", "0.0.0.0"}, dir + "/s.log",
+                       "without the cluster secret: refused");
   // --insecure lets it start, and says so loudly.
   Served w;
   w.process = Process::Start({BinDir() + "/penumbra-worker", "--model", model, "--device", "cpu", "--host", "0.0.0.0",
@@ -291,7 +299,8 @@ TEST(TlsPlanes, AThousandIdleConnectionsPerPortLeaveAuthenticatedCallsServedWith
   ASSERT_TRUE(answer.ok()) << answer.status();
   EXPECT_LT(public_ms, 1000ms) << "the public API under 1,000 idle connections";
   Status worker_stats = Status::Internal("not run");
-  const auto worker_ms = Timed([&] { worker_stats = WorkerStatsAs(cluster.worker(0).port, cluster.certs_dir(), "coordinator"); });
+  const auto worker_ms =
+      Timed([&] { worker_stats = WorkerStatsAs(cluster.worker(0).port, cluster.certs_dir(), "coordinator"); });
   EXPECT_TRUE(worker_stats.ok()) << worker_stats;
   EXPECT_LT(worker_ms, 1000ms) << "the control API under 1,000 idle connections";
   for (int port : {cluster.coordinator().metrics_port, cluster.worker(0).metrics_port}) {

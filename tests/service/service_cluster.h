@@ -127,11 +127,11 @@ inline bool WaitServing(Served& s, const std::string& port_file,
 
 struct ClusterOptions {
   int workers = 1;
-  std::string model;                          // default: stories260K
-  std::vector<std::string> worker_flags;      // extra flags of every worker
+  std::string model;                      // default: stories260K
+  std::vector<std::string> worker_flags;  // extra flags of every worker
   std::vector<std::string> coordinator_flags;
-  std::string api_keys_yaml;                  // non-empty: --api-keys with this file
-  std::string tenants_yaml;                   // non-empty: --tenants with this file (tenants_path())
+  std::string api_keys_yaml;  // non-empty: --api-keys with this file
+  std::string tenants_yaml;   // non-empty: --tenants with this file (tenants_path())
   // TLS everywhere: a CA and a certificate per process in dir()/certs
   // (MakeCertificates), mutual TLS to the workers, clients checking the CA.
   bool tls = false;
@@ -164,8 +164,14 @@ inline bool MakeCertificates(const std::string& dir, int workers, int store_node
 
 // The security flags of process `name` with the certificates in `dir`.
 inline std::vector<std::string> TlsFlags(const std::string& dir, const std::string& name) {
-  return {"--tls-ca", dir + "/ca.pem", "--tls-cert", dir + "/" + name + ".pem", "--tls-key", dir + "/" + name + ".key",
-          "--cluster-secret-file", dir + "/cluster.secret"};
+  return {"--tls-ca",
+          dir + "/ca.pem",
+          "--tls-cert",
+          dir + "/" + name + ".pem",
+          "--tls-key",
+          dir + "/" + name + ".key",
+          "--cluster-secret-file",
+          dir + "/cluster.secret"};
 }
 
 // N workers and a coordinator.
@@ -200,9 +206,19 @@ class Cluster {
   bool StartWorker(int i, int port = 0) {
     const std::string pf = dir_ + "/worker" + std::to_string(i) + ".port";
     std::remove(pf.c_str());
-    std::vector<std::string> argv = {BinDir() + "/penumbra-worker", "--model", o_.model, "--device", "cpu",
-                                     "--name", "w" + std::to_string(i), "--port", std::to_string(port),
-                                     "--metrics-port", "0", "--port-file", pf};
+    std::vector<std::string> argv = {BinDir() + "/penumbra-worker",
+                                     "--model",
+                                     o_.model,
+                                     "--device",
+                                     "cpu",
+                                     "--name",
+                                     "w" + std::to_string(i),
+                                     "--port",
+                                     std::to_string(port),
+                                     "--metrics-port",
+                                     "0",
+                                     "--port-file",
+                                     pf};
     if (o_.tls) {
       for (const auto& f : TlsFlags(certs_dir(), "w" + std::to_string(i))) argv.push_back(f);
     }
@@ -221,9 +237,19 @@ class Cluster {
     for (size_t i = 0; i < workers_.size(); ++i) {
       list += (i ? "," : "") + std::string("w") + std::to_string(i) + "=127.0.0.1:" + std::to_string(workers_[i].port);
     }
-    std::vector<std::string> argv = {BinDir() + "/penumbra-coordinator", "--model", o_.model, "--workers", list,
-                                     "--port", std::to_string(port), "--metrics-port", "0", "--port-file", pf,
-                                     "--health-interval-ms", "200"};
+    std::vector<std::string> argv = {BinDir() + "/penumbra-coordinator",
+                                     "--model",
+                                     o_.model,
+                                     "--workers",
+                                     list,
+                                     "--port",
+                                     std::to_string(port),
+                                     "--metrics-port",
+                                     "0",
+                                     "--port-file",
+                                     pf,
+                                     "--health-interval-ms",
+                                     "200"};
     if (!o_.api_keys_yaml.empty()) {
       std::ofstream(dir_ + "/keys.yaml") << o_.api_keys_yaml;
       argv.insert(argv.end(), {"--api-keys", dir_ + "/keys.yaml"});

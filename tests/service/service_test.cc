@@ -122,8 +122,9 @@ TEST_F(Service, ConcurrentClientsGetTheOfflineAnswers) {
       const int max_new = 3 + static_cast<int>(seed % 14);
       const std::vector<int32_t> q = LcgTokens(qlen, seed, kind < 2);
       Case c;
-      c.req = Ask(kind == 2 ? std::vector<std::string>{a} : kind == 3 ? std::vector<std::string>{b}
-                                                                    : std::vector<std::string>{},
+      c.req = Ask(kind == 2   ? std::vector<std::string>{a}
+                  : kind == 3 ? std::vector<std::string>{b}
+                              : std::vector<std::string>{},
                   q, max_new);
       if (kind == 1) {  // seeded sampling
         c.req.sampling.temperature = 0.8;
@@ -133,7 +134,7 @@ TEST_F(Service, ConcurrentClientsGetTheOfflineAnswers) {
       GenerationRequest& g = c.offline;
       if (kind >= 2) {
         g.prompt = kind == 2 ? doc_a : doc_b;
-        g.segment_ends = {static_cast<int64_t>(g.prompt.size())};
+        g.document_ends = {static_cast<int64_t>(g.prompt.size())};
       }
       g.prompt.insert(g.prompt.end(), q.begin(), q.end());
       g.max_new_tokens = max_new;
@@ -180,8 +181,8 @@ TEST_F(Service, ConcurrentClientsGetTheOfflineAnswers) {
       EXPECT_EQ(g.usage.prompt_tokens, static_cast<int64_t>(k.offline.prompt.size()));
       EXPECT_EQ(g.usage.generated_tokens, k.offline.max_new_tokens);
       EXPECT_GE(g.usage.ttft_seconds, 0);
-      if (!k.offline.segment_ends.empty()) {
-        EXPECT_EQ(g.usage.cached_prompt_tokens, k.offline.segment_ends[0]) << "client " << client << " request " << i;
+      if (!k.offline.document_ends.empty()) {
+        EXPECT_EQ(g.usage.cached_prompt_tokens, k.offline.document_ends[0]) << "client " << client << " request " << i;
       }
       cached += g.usage.cached_prompt_tokens;
     }
@@ -259,7 +260,8 @@ TEST_F(Service, RequestsAboutADocumentGoToTheWorkerHoldingIt) {
   // (prefilled there once, then cached there too).
   cluster.worker(wa).process->Signal(SIGKILL);
   ASSERT_TRUE(cluster.worker(wa).process->Wait(10s).has_value());
-  ASSERT_TRUE(Eventually([&] { return MarkedDown(*c, a.worker); }, 20s, "the health check to mark " + a.worker + " down"));
+  ASSERT_TRUE(
+      Eventually([&] { return MarkedDown(*c, a.worker); }, 20s, "the health check to mark " + a.worker + " down"));
   for (int i = 0; i < 2; ++i) {
     auto r = c->Complete(Ask({a.id}, LcgTokens(12, 500 + i, false), 5));
     ASSERT_TRUE(r.ok()) << r.status();
@@ -296,7 +298,8 @@ TEST_F(Service, ALostWorkersDocumentsComeBackFromTheStoreNode) {
   std::this_thread::sleep_for(1500ms);
   cluster.worker(wa).process->Signal(SIGKILL);
   ASSERT_TRUE(cluster.worker(wa).process->Wait(10s).has_value());
-  ASSERT_TRUE(Eventually([&] { return MarkedDown(*c, a.worker); }, 20s, "the health check to mark " + a.worker + " down"));
+  ASSERT_TRUE(
+      Eventually([&] { return MarkedDown(*c, a.worker); }, 20s, "the health check to mark " + a.worker + " down"));
   auto after = c->Complete(Ask({a.id}, LcgTokens(12, 600, false), 8));
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->usage.cached_prompt_tokens, 200);  // from the node, not prefilled
@@ -354,7 +357,7 @@ TEST_F(Service, TwoStoreNodesAndTwoWorkersSurviveKills) {
   auto expected = [&](int i, const std::vector<int32_t>& q, int max_new) {
     GenerationRequest g;
     g.prompt = docs[i].ids;
-    g.segment_ends = {static_cast<int64_t>(g.prompt.size())};
+    g.document_ends = {static_cast<int64_t>(g.prompt.size())};
     g.prompt.insert(g.prompt.end(), q.begin(), q.end());
     g.max_new_tokens = max_new;
     return offline.Answer(g);
@@ -512,9 +515,9 @@ TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
     SCOPED_TRACE("port " + std::to_string(port));
     std::string junk(4096, '\0');
     for (char& ch : junk) ch = static_cast<char>(rng());
-    EXPECT_TRUE(SendRaw(port, junk));                                   // random bytes
-    EXPECT_TRUE(SendRaw(port, std::string("\x00\x00\x01\x00", 4) + "abc"));  // truncated frame
-    EXPECT_TRUE(SendRaw(port, std::string("\x7f\xff\xff\xff", 4) + std::string(64, 'x')));  // 2 GiB frame
+    EXPECT_TRUE(SendRaw(port, junk));                                                            // random bytes
+    EXPECT_TRUE(SendRaw(port, std::string("\x00\x00\x01\x00", 4) + "abc"));                      // truncated frame
+    EXPECT_TRUE(SendRaw(port, std::string("\x7f\xff\xff\xff", 4) + std::string(64, 'x')));       // 2 GiB frame
     EXPECT_TRUE(SendRaw(port, std::string("\x00\x20\x00\x00", 4) + std::string(1 << 16, 'x')));  // 2 MiB > limit
     // A well-framed message that is not a valid call.
     EXPECT_TRUE(SendRaw(port, std::string("\x00\x00\x00\x08", 4) + std::string("\x80\x01\x00\x01\x00\x00\x00\x05", 8)));
@@ -598,13 +601,13 @@ TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
     ASSERT_TRUE(w);
     rpc::WorkerGenerateRequest g;
     g.prompt = {5, 6};
-    g.segment_ends = {5};
+    g.document_ends = {5};
     std::string handle;
     ExpectCode(transport::CallRpc("generate", [&] { (*w)->Generate(handle, g); }), StatusCode::kInvalidArgument,
-               "segment end past the prompt");
+               "document end past the prompt");
     rpc::TokenChunk ch;
-    ExpectCode(transport::CallRpc("poll", [&] { (*w)->Poll(ch, "0123456789abcdef0123456789abcdef", 0, 0); }), StatusCode::kNotFound,
-               "unknown worker request");
+    ExpectCode(transport::CallRpc("poll", [&] { (*w)->Poll(ch, "0123456789abcdef0123456789abcdef", 0, 0); }),
+               StatusCode::kNotFound, "unknown worker request");
   }
 
   // Still serving, the document intact: the same answer as before.
@@ -716,7 +719,8 @@ TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
   EXPECT_GE(stats->requests, 3);
 
   // Both processes export Prometheus metrics.
-  httplib::Client coord("127.0.0.1", cluster.coordinator().metrics_port), worker("127.0.0.1", cluster.worker(0).metrics_port);
+  httplib::Client coord("127.0.0.1", cluster.coordinator().metrics_port),
+      worker("127.0.0.1", cluster.worker(0).metrics_port);
   auto cm = coord.Get("/metrics");
   ASSERT_TRUE(cm);
   EXPECT_EQ(cm->status, 200);
@@ -731,8 +735,9 @@ TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
   const size_t at = wm->body.find("\npenumbra_worker_documents_cached ");
   ASSERT_NE(at, std::string::npos) << wm->body;
   EXPECT_GE(std::stod(wm->body.substr(at + std::string("\npenumbra_worker_documents_cached ").size())), 1.0);
-  for (const char* m : {"penumbra_worker_documents_host_bytes", "penumbra_worker_documents_tier0_bytes",
-                        "penumbra_worker_documents_tier0_promotions_total", "penumbra_worker_documents_store_hits_total"}) {
+  for (const char* m :
+       {"penumbra_worker_documents_host_bytes", "penumbra_worker_documents_tier0_bytes",
+        "penumbra_worker_documents_tier0_promotions_total", "penumbra_worker_documents_store_hits_total"}) {
     EXPECT_NE(wm->body.find(m), std::string::npos) << m;
   }
   auto hz = worker.Get("/healthz");
@@ -891,7 +896,7 @@ TEST_F(Service, BatchJobsSurviveCoordinatorKillsAndAnswerEachItemOnce) {
     job.items.push_back(it);
     GenerationRequest& g = offline[name];
     g.prompt = on_a ? doc_a : doc_b;
-    g.segment_ends = {static_cast<int64_t>(g.prompt.size())};
+    g.document_ends = {static_cast<int64_t>(g.prompt.size())};
     g.prompt.insert(g.prompt.end(), q.begin(), q.end());
     g.max_new_tokens = it.request.max_new_tokens;
   }
@@ -1042,7 +1047,9 @@ TEST_F(Service, TenantQuotasRefuseWithRetryAfterAndIsolate) {
            "      max_concurrent_sequences: 1\n"
            "      generated_tokens_per_minute: 30\n"
            "      stored_document_bytes: 2000\n"
-           "      max_jobs_in_flight: " + std::to_string(jobs) + "\n"
+           "      max_jobs_in_flight: " +
+           std::to_string(jobs) +
+           "\n"
            "    publishes_to: [big]\n"
            "  - name: big\n"
            "    api_keys: [sha256:b8d61951ce9d4d9248b758d49f453e276bec66de821d81943f0e1e8d84cbe4aa]\n";
@@ -1227,7 +1234,7 @@ TEST_F(Service, BatchJobChaosKillsCoordinatorAndWorkers) {
     job.items.push_back(it);
     GenerationRequest& g = offline[name];
     g.prompt = docs[d];
-    g.segment_ends = {static_cast<int64_t>(g.prompt.size())};
+    g.document_ends = {static_cast<int64_t>(g.prompt.size())};
     g.prompt.insert(g.prompt.end(), q.begin(), q.end());
     g.max_new_tokens = it.request.max_new_tokens;
   }

@@ -84,11 +84,11 @@ TEST(DramValueStoreTest, RejectsOutOfRangeWithoutWriting) {
   std::mt19937_64 rng(2);
   auto rows = RandomRows(rng, 6, l.chunk_bytes());
   const auto bad = StatusCode::kInvalidArgument;
-  EXPECT_EQ(store.PutChunks(*id, 2, 0, 0, 1, rows.data()).code(), bad);   // layer
+  EXPECT_EQ(store.PutChunks(*id, 2, 0, 0, 1, rows.data()).code(), bad);  // layer
   EXPECT_EQ(store.PutChunks(*id, -1, 0, 0, 1, rows.data()).code(), bad);
-  EXPECT_EQ(store.PutChunks(*id, 0, 3, 0, 1, rows.data()).code(), bad);   // head
-  EXPECT_EQ(store.PutChunks(*id, 0, 0, 5, 1, rows.data()).code(), bad);   // chunk
-  EXPECT_EQ(store.PutChunks(*id, 0, 0, 0, 6, rows.data()).code(), bad);   // range end
+  EXPECT_EQ(store.PutChunks(*id, 0, 3, 0, 1, rows.data()).code(), bad);  // head
+  EXPECT_EQ(store.PutChunks(*id, 0, 0, 5, 1, rows.data()).code(), bad);  // chunk
+  EXPECT_EQ(store.PutChunks(*id, 0, 0, 0, 6, rows.data()).code(), bad);  // range end
   EXPECT_EQ(store.PutChunks(*id, 0, 0, -1, 2, rows.data()).code(), bad);
   EXPECT_EQ(store.PutChunks(*id + 7, 0, 0, 0, 1, rows.data()).code(), StatusCode::kNotFound);
   // Nothing was written: every chunk is still "never put".

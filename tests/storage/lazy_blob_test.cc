@@ -130,7 +130,7 @@ TEST(LazyBlobTest, ABatchingReaderGetsSeveralBlocksPerCall) {
   EXPECT_EQ(lb.blocks_on_demand(), static_cast<int64_t>(scattered.size()));
   ASSERT_TRUE(lb.EnsureAll().ok());
   EXPECT_EQ(dst, data);
-  EXPECT_EQ(reader->reads(), 256);       // each block once
+  EXPECT_EQ(reader->reads(), 256);              // each block once
   EXPECT_LE(reader->calls(), 256 / 8 + 8 * 2);  // batched (a few part-filled batches at the seams)
   auto bad = std::make_shared<MemoryReader>(data, bb, /*bad_block=*/100, 8);
   std::string dst2(size, '\0');

@@ -90,9 +90,10 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
   for (int kill_no = 0; kill_no < kKills || (orphans == 0 && kill_no < kMaxKills); ++kill_no) {
     kills = kill_no + 1;
     int p[2] = {-1, -1};
-    const pid_t pid = ::penumbra::testing::SpawnCrashChild("SegmentStoreCrashChild.Run",
-                                      {{"PENUMBRA_CRASH_DIR", dir.path()}, {"PENUMBRA_CRASH_START", std::to_string(next)}},
-                                      "PENUMBRA_CRASH_FD", &p[0]);
+    const pid_t pid = ::penumbra::testing::SpawnCrashChild(
+        "SegmentStoreCrashChild.Run",
+        {{"PENUMBRA_CRASH_DIR", dir.path()}, {"PENUMBRA_CRASH_START", std::to_string(next)}}, "PENUMBRA_CRASH_FD",
+        &p[0]);
     ASSERT_GE(pid, 0);
     // Kill inside the write loop, not during the child's start-up (which a
     // loaded machine can stretch past any fixed sleep): wait for its first
@@ -132,7 +133,8 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
       if (it == visible.end()) continue;
       auto got = s.Get(Key(c));
       ASSERT_TRUE(got.ok()) << "kill " << kill_no << ": visible segment " << c << ": " << got.status();
-      ASSERT_EQ(*got, BlobsFor(c, CrashSizeOf(c))) << "kill " << kill_no << ": visible segment " << c << " is not whole";
+      ASSERT_EQ(*got, BlobsFor(c, CrashSizeOf(c)))
+          << "kill " << kill_no << ": visible segment " << c << " is not whole";
       visible.erase(it);
       max_seen = std::max(max_seen, c);
     }
@@ -184,8 +186,9 @@ TEST(SegmentStoreCrashTest, AReplacedKeyIsOneVersionAfterSigkill) {
     kills = kill_no + 1;
     int rfd = -1;
     const pid_t pid = ::penumbra::testing::SpawnCrashChild(
-        "SegmentStoreReplaceChild.Run", {{"PENUMBRA_REPLACE_DIR", dir.path()}, {"PENUMBRA_REPLACE_START", std::to_string(next)}},
-        "PENUMBRA_REPLACE_FD", &rfd);
+        "SegmentStoreReplaceChild.Run",
+        {{"PENUMBRA_REPLACE_DIR", dir.path()}, {"PENUMBRA_REPLACE_START", std::to_string(next)}}, "PENUMBRA_REPLACE_FD",
+        &rfd);
     ASSERT_GE(pid, 0);
     uint64_t v = 0;
     ASSERT_EQ(read(rfd, &v, sizeof(v)), static_cast<ssize_t>(sizeof(v))) << "kill " << kill_no;

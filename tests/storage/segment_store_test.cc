@@ -166,8 +166,8 @@ TEST(SegmentStoreTest, PerBlobBlockSizesAreRecordedAndReadBackUnderAnotherBlockB
   o.block_bytes = 4096;
   auto st = SegmentStore::Open(o);
   ASSERT_TRUE(st.ok()) << st.status();
-  for (const auto& [k, blobs] : std::map<uint64_t, const std::map<std::string, std::string>*>{
-           {1, &one}, {2, &two}, {3, &three}}) {
+  for (const auto& [k, blobs] :
+       std::map<uint64_t, const std::map<std::string, std::string>*>{{1, &one}, {2, &two}, {3, &three}}) {
     auto got = (*st)->Get(Key(k));
     ASSERT_TRUE(got.ok()) << "segment " << k << ": " << got.status();
     EXPECT_EQ(*got, *blobs) << "segment " << k;
@@ -222,19 +222,20 @@ TEST(SegmentStoreTest, ReadBlobCopiesExactlyTheRangeAskedFor) {
     const Status r = s.ReadBlob(Key(1), name, offset, length, buf.data() + kGuard);
     ASSERT_TRUE(r.ok()) << name << " [" << offset << ", +" << length << "): " << r;
     ++reads;
-    ASSERT_EQ(buf.substr(kGuard, length), want.substr(offset, length)) << name << " [" << offset << ", +" << length << ")";
+    ASSERT_EQ(buf.substr(kGuard, length), want.substr(offset, length))
+        << name << " [" << offset << ", +" << length << ")";
     ASSERT_EQ(buf.substr(0, kGuard), std::string(kGuard, '\x5c')) << "wrote before dst";
     ASSERT_EQ(buf.substr(kGuard + length), std::string(kGuard, '\x5c')) << "wrote past dst + length";
   };
   const uint64_t k = blobs.at("k").size();
-  check("k", 100, 200);                  // inside one block
-  check("k", 0, 4096);                   // exactly one block
-  check("k", 4000, 200);                 // across a block boundary
-  check("k", 4095, 4096 * 3 + 2);        // four blocks, partly covered at both ends
-  check("k", 5 * 4096, 123);             // the last, partial block
-  check("k", 5 * 4096 - 10, 133);        // into the last block
-  check("k", 0, k);                      // the whole blob
-  check("k", 0, 0);                      // nothing, at the start, inside, at the end
+  check("k", 100, 200);            // inside one block
+  check("k", 0, 4096);             // exactly one block
+  check("k", 4000, 200);           // across a block boundary
+  check("k", 4095, 4096 * 3 + 2);  // four blocks, partly covered at both ends
+  check("k", 5 * 4096, 123);       // the last, partial block
+  check("k", 5 * 4096 - 10, 133);  // into the last block
+  check("k", 0, k);                // the whole blob
+  check("k", 0, 0);                // nothing, at the start, inside, at the end
   check("k", 5000, 0);
   check("k", k, 0);
   check("one", 0, 777);
@@ -391,7 +392,7 @@ TEST(SegmentStoreTest, EvictsLeastRecentlyUsedThatIsNeitherPinnedNorAttached) {
   ASSERT_TRUE(s.Get(Key(1)).ok());        // 1 is now the most recent
   ASSERT_TRUE(s.Pin(Key(2), true).ok());  // 2 is pinned
   ASSERT_TRUE(s.Put(Key(4), "a", 1, {{"b", kb}}).ok());
-  EXPECT_FALSE(s.Contains(Key(3)));       // the oldest unpinned went
+  EXPECT_FALSE(s.Contains(Key(3)));  // the oldest unpinned went
   EXPECT_TRUE(s.Contains(Key(1)) && s.Contains(Key(2)) && s.Contains(Key(4)));
   ASSERT_TRUE(s.Attach(Key(1)).ok());
   ASSERT_TRUE(s.Attach(Key(4)).ok());
@@ -406,7 +407,7 @@ TEST(SegmentStoreTest, EvictsLeastRecentlyUsedThatIsNeitherPinnedNorAttached) {
   ASSERT_TRUE(s.Erase(Key(1)).ok());
   ASSERT_TRUE(s.Put(Key(6), "q", 1, {{"b", kb}}).ok());
   // Stored now: 2 (a, pinned), 5 (a), 6 (q): 3000 bytes, the capacity.
-  ASSERT_TRUE(s.Get(Key(5)).ok());  // 6 is now older than 5
+  ASSERT_TRUE(s.Get(Key(5)).ok());                       // 6 is now older than 5
   ASSERT_TRUE(s.Put(Key(7), "q", 1, {{"b", kb}}).ok());  // over capacity: the oldest evictable, 6, goes
   EXPECT_FALSE(s.Contains(Key(6)));
   EXPECT_TRUE(s.Contains(Key(5)) && s.Contains(Key(7)));
@@ -414,7 +415,7 @@ TEST(SegmentStoreTest, EvictsLeastRecentlyUsedThatIsNeitherPinnedNorAttached) {
   EXPECT_FALSE(s.Contains(Key(5)));
   ASSERT_TRUE(s.Get(Key(7)).ok());
   ASSERT_TRUE(s.Pin(Key(2), false).ok());
-  ASSERT_TRUE(s.Erase(Key(2)).ok());  // 1000 bytes free: capacity no longer binds
+  ASSERT_TRUE(s.Erase(Key(2)).ok());                     // 1000 bytes free: capacity no longer binds
   ASSERT_TRUE(s.Put(Key(9), "q", 1, {{"b", kb}}).ok());  // q's quota (2000): q's oldest, 8, goes
   EXPECT_FALSE(s.Contains(Key(8)));
   EXPECT_TRUE(s.Contains(Key(7)) && s.Contains(Key(9)));

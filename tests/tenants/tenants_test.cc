@@ -10,8 +10,8 @@
 // fair share itself is the worker scheduler's: tests/worker/scheduler_test.cc.)
 #include <algorithm>
 #include <atomic>
-#include <map>
 #include <cctype>
+#include <map>
 #include <random>
 #include <set>
 #include <string>
@@ -151,8 +151,8 @@ TEST(TenantsConfig, AdminAndClientCertificateAreReadAndChecked) {
 }
 
 TEST(TenantsConfig, AbsentKeysTakeTheirDefaults) {
-  Result<TenantsConfig> c = LoadTenantsConfigFromString("tenants:\n  - name: a\n    api_keys: [" +
-                                                        HashOf("0123456789abcdef") + "]\n");
+  Result<TenantsConfig> c =
+      LoadTenantsConfigFromString("tenants:\n  - name: a\n    api_keys: [" + HashOf("0123456789abcdef") + "]\n");
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_EQ(c->tenants.size(), 1u);
   const TenantConfig& t = c->tenants[0];
@@ -182,7 +182,8 @@ TEST(TenantsConfig, EachBadInputIsRefusedNamingItsKey) {
       {with("  - just-a-string\n"), "tenants[1]: expected a map"},
       {with("  - api_keys: [" + h1 + "]\n"), "tenants[1].name: required"},
       {with("  - name: Bad.Name\n    api_keys: [" + h1 + "]\n"), "tenants[1].name: must be 1 to 64"},
-      {with("  - name: " + std::string(65, 'x') + "\n    api_keys: [" + h1 + "]\n"), "tenants[1].name: must be 1 to 64"},
+      {with("  - name: " + std::string(65, 'x') + "\n    api_keys: [" + h1 + "]\n"),
+       "tenants[1].name: must be 1 to 64"},
       {with("  - name: a\n    api_keys: [" + h1 + "]\n"), "tenants[1].name: 'a' is already the name of tenants[0]"},
       {with("  - name: b\n"), "tenants[1].api_keys: expected at least one key hash"},
       {with("  - name: b\n    api_keys: " + h1 + "\n"), "tenants[1].api_keys: expected a list of strings"},
@@ -219,7 +220,8 @@ TEST(TenantsConfig, EachBadInputIsRefusedNamingItsKey) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
     EXPECT_EQ(r.status().message().rfind("bad.yaml: ", 0), 0u) << r.status();
     EXPECT_NE(r.status().message().find(c.key), std::string::npos)
-        << "expected '" << c.key << "' in: " << r.status() << "\nfor:\n" << c.yaml;
+        << "expected '" << c.key << "' in: " << r.status() << "\nfor:\n"
+        << c.yaml;
   }
 }
 
@@ -256,8 +258,7 @@ TEST(ApiKeys, Sha256KnownAnswers) {
   EXPECT_EQ(Sha256Hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
   EXPECT_EQ(Sha256Hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
             "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
-  EXPECT_EQ(Sha256Hex(std::string(1000000, 'a')),
-            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  EXPECT_EQ(Sha256Hex(std::string(1000000, 'a')), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
 }
 
 TEST(ApiKeys, HashApiKeyGivesTheConfigFormAndRefusesShortKeys) {
@@ -281,10 +282,10 @@ TEST(ApiKeys, AuthenticateFindsTheTenantAndRefusesOthersWithoutEchoingTheKey) {
   EXPECT_EQ(reg->Authenticate("tenant-a-key-0123456789").value(), "a");
   EXPECT_EQ(reg->Authenticate("tenant-a-rotated-key-000").value(), "a");
   EXPECT_EQ(reg->Authenticate("tenant-b-key-0123456789").value(), "b");
-  const std::vector<std::string> wrong = {
-      "tenant-c-key-0123456789", "tenant-a-key-012345678", "TENANT-A-KEY-0123456789", "",
-      HashOf("tenant-a-key-0123456789"),  // the stored hash itself is not a key
-      Sha256Hex("tenant-a-key-0123456789")};
+  const std::vector<std::string> wrong = {"tenant-c-key-0123456789",           "tenant-a-key-012345678",
+                                          "TENANT-A-KEY-0123456789",           "",
+                                          HashOf("tenant-a-key-0123456789"),  // the stored hash itself is not a key
+                                          Sha256Hex("tenant-a-key-0123456789")};
   for (const std::string& key : wrong) {
     Result<std::string> r = reg->Authenticate(key);
     ASSERT_FALSE(r.ok()) << key;
@@ -419,7 +420,7 @@ TEST(Quotas, DocumentBytesAreRefusedWholeAndFreedByRelease) {
   EXPECT_EQ(d.status.code(), StatusCode::kResourceExhausted) << d.status;
   EXPECT_GT(d.retry_after_s, 0);
   EXPECT_NE(d.status.message().find("stored_document_bytes"), std::string::npos) << d.status;
-  EXPECT_EQ(UsageOf(*reg, "a").document_bytes, 600);  // nothing reserved by the refusal
+  EXPECT_EQ(UsageOf(*reg, "a").document_bytes, 600);       // nothing reserved by the refusal
   EXPECT_TRUE(reg->ReserveDocumentBytes("b", 1000).ok());  // b has its own
   EXPECT_TRUE(reg->ReserveDocumentBytes("a", 400).ok());
   EXPECT_EQ(UsageOf(*reg, "a").document_bytes, 1000);
@@ -611,7 +612,7 @@ TEST(Quotas, AReservationSurvivesAReloadThatRemovesTheQuota) {
   ASSERT_TRUE(reg->Reload(c).ok());
   TokenReservation u;
   EXPECT_TRUE(reg->ReserveTokens("a", 1000, &u).ok());  // unlimited now
-  r.Settle(10);                                          // harmless
+  r.Settle(10);                                         // harmless
   c.tenants[0].quotas.generated_tokens_per_minute = 100;
   ASSERT_TRUE(reg->Reload(c).ok());
   EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 100.0);  // starts full again

@@ -69,10 +69,10 @@ struct Child {
 using Body = std::function<std::string(Child)>;
 
 struct Outcome {
-  std::string report;  // what the child's body returned
-  int status = -1;     // exit code; 128 + signal when killed
-  bool killed = false; // still running when the test gave up on it (a hang, or reap_early)
-  double seconds = 0;  // from the fork to its end
+  std::string report;   // what the child's body returned
+  int status = -1;      // exit code; 128 + signal when killed
+  bool killed = false;  // still running when the test gave up on it (a hang, or reap_early)
+  double seconds = 0;   // from the fork to its end
 };
 
 // Forks n children running `body`, each reporting its result on a pipe, and
@@ -171,14 +171,13 @@ class Certificates : public ::testing::Environment {
  public:
   static const std::string& Dir() { return dir_; }
   void SetUp() override {
-    dir_ = (std::filesystem::temp_directory_path() / ("penumbra-collective-certs-" + std::to_string(getpid())))
-               .string();
+    dir_ =
+        (std::filesystem::temp_directory_path() / ("penumbra-collective-certs-" + std::to_string(getpid()))).string();
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
     Status s = transport::CreateCertificateAuthority(dir_ + "/ca.pem", dir_ + "/ca.key", "penumbra-test");
     if (s.ok()) s = transport::CreateCertificateAuthority(dir_ + "/x-ca.pem", dir_ + "/x-ca.key", "someone-else");
-    auto issue = [&](const std::string& ca, const char* role, const std::string& name,
-                     std::vector<std::string> hosts) {
+    auto issue = [&](const std::string& ca, const char* role, const std::string& name, std::vector<std::string> hosts) {
       if (!s.ok()) return;
       transport::CertificateSpec spec;
       spec.role = role;
@@ -574,26 +573,26 @@ TEST_P(CollectiveFailureTest, RankKilledMidExchangeFailsTheOthersWithUnavailable
 // Both ranks join, then `stopped` stops (SIGSTOP): no byte moves, its
 // connection stays open, and the other's Barrier gives up.
 std::vector<Outcome> StopOne(int stopped, bool tls) {
-  return RunChildren(
-      2,
-      [stopped, tls](Child c) -> std::string {
-        auto g = ConnectCollective(nullptr, Options(c.index, 2, c.port, 1, tls), std::move(c.listener));
-        if (!g.ok()) return g.status().ToString();
-        if (c.index == stopped) kill(getpid(), SIGSTOP);
-        const auto start = Clock::now();
-        const Status s = (*g)->Barrier();
-        return s.ToString() + "|" + (*g)->Barrier().ToString() + "|" +
-               std::to_string(std::chrono::duration<double>(Clock::now() - start).count());
-      },
-      25s, /*reap_early=*/{stopped});
+  return RunChildren(2,
+                     [stopped, tls](Child c) -> std::string {
+                       auto g = ConnectCollective(nullptr, Options(c.index, 2, c.port, 1, tls), std::move(c.listener));
+                       if (!g.ok()) return g.status().ToString();
+                       if (c.index == stopped) kill(getpid(), SIGSTOP);
+                       const auto start = Clock::now();
+                       const Status s = (*g)->Barrier();
+                       return s.ToString() + "|" + (*g)->Barrier().ToString() + "|" +
+                              std::to_string(std::chrono::duration<double>(Clock::now() - start).count());
+                     },
+                     25s, /*reap_early=*/{stopped});
 }
 
 TEST_P(CollectiveFailureTest, StoppedRankIsDeadlineExceeded) {
   // Rank 1 stopped: rank 0 gives up after timeout_s.
   auto out = StopOne(1, GetParam());
   Report r = Parse(out[0].report);
-  EXPECT_TRUE(Starts(r.first, "DeadlineExceeded: collective (rank 0 of 2): nothing moved for 1 s waiting for rank 1 "
-                              "in Barrier #1"));
+  EXPECT_TRUE(Starts(r.first,
+                     "DeadlineExceeded: collective (rank 0 of 2): nothing moved for 1 s waiting for rank 1 "
+                     "in Barrier #1"));
   EXPECT_EQ(r.later, r.first);
   EXPECT_GE(r.seconds, 0.9);
   EXPECT_LT(r.seconds, 3);
@@ -602,8 +601,9 @@ TEST_P(CollectiveFailureTest, StoppedRankIsDeadlineExceeded) {
   // would have said which rank it waited for).
   out = StopOne(0, GetParam());
   r = Parse(out[1].report);
-  EXPECT_TRUE(Starts(r.first, "DeadlineExceeded: collective (rank 1 of 2): nothing moved for 1.5 s waiting for "
-                              "rank 0 in Barrier #1"));
+  EXPECT_TRUE(Starts(r.first,
+                     "DeadlineExceeded: collective (rank 1 of 2): nothing moved for 1.5 s waiting for "
+                     "rank 0 in Barrier #1"));
   EXPECT_EQ(r.later, r.first);
   EXPECT_GE(r.seconds, 1.4);
   EXPECT_LT(r.seconds, 4);
@@ -807,8 +807,8 @@ class Visitor {
 
  private:
   void SetTimeout(Clock::time_point deadline) {
-    const auto us = std::max<int64_t>(
-        1000, std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now()).count());
+    const auto us =
+        std::max<int64_t>(1000, std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now()).count());
     timeval tv{static_cast<time_t>(us / 1000000), static_cast<suseconds_t>(us % 1000000)};
     setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   }
@@ -910,29 +910,32 @@ TEST_P(CollectiveRendezvousTest, StrangersAreClosedAndTheGroupStillForms) {
              {{"silent TCP", false, {}, "", true}, "closed", true}};
   }
   Signal strangers_done;
-  const auto out = RunChildren(3, [&](Child c) -> std::string {
-    if (c.index == 0) {
-      CollectiveOptions o = Options(0, 2, c.port, 20, tls);
-      o.hello_timeout_s = 2;
-      return JoinAndCheck(c, o);
-    }
-    if (c.index == 2) {
-      strangers_done.Wait();
-      return JoinAndCheck(c, Options(1, 2, c.port, 20, tls));
-    }
-    std::string report;
-    for (const Case& k : cases) {
-      double seconds = 0;
-      const std::string got = Visit(c.port, k.s, 6s, &seconds);
-      const bool in_time = k.silent ? seconds > 1.5 && seconds < 5 : seconds < 1.5;
-      if (got != k.expect || !in_time) {
-        report += k.s.name + ": \"" + got + "\" after " + std::to_string(seconds) + " s (expected \"" + k.expect +
-                  "\" " + (k.silent ? "after about 2 s" : "at once") + "); ";
-      }
-    }
-    strangers_done.Go();
-    return report.empty() ? "ok" : report;
-  }, 40s);
+  const auto out = RunChildren(
+      3,
+      [&](Child c) -> std::string {
+        if (c.index == 0) {
+          CollectiveOptions o = Options(0, 2, c.port, 20, tls);
+          o.hello_timeout_s = 2;
+          return JoinAndCheck(c, o);
+        }
+        if (c.index == 2) {
+          strangers_done.Wait();
+          return JoinAndCheck(c, Options(1, 2, c.port, 20, tls));
+        }
+        std::string report;
+        for (const Case& k : cases) {
+          double seconds = 0;
+          const std::string got = Visit(c.port, k.s, 6s, &seconds);
+          const bool in_time = k.silent ? seconds > 1.5 && seconds < 5 : seconds < 1.5;
+          if (got != k.expect || !in_time) {
+            report += k.s.name + ": \"" + got + "\" after " + std::to_string(seconds) + " s (expected \"" + k.expect +
+                      "\" " + (k.silent ? "after about 2 s" : "at once") + "); ";
+          }
+        }
+        strangers_done.Go();
+        return report.empty() ? "ok" : report;
+      },
+      40s);
   EXPECT_EQ(out[1].report, "ok");
   EXPECT_EQ(out[0].report, "ok");
   EXPECT_EQ(out[2].report, "ok");
@@ -1006,11 +1009,12 @@ TEST_P(CollectiveSecretTest, EveryRankProvesTheGroupSecret) {
     std::string rank0_secret, bad_secret;
     std::string message;
   };
-  for (const Case& k : std::vector<Case>{
-           {kSecretA, kSecretB, "PermissionDenied: collective (rank 1 of 2): from rank 0: a peer's proof of the "
-                                "group secret is wrong (another group's secret)"},
-           {kSecretA, "", "requires a group secret, and this rank has none"},
-           {"", kSecretA, "does not use a group secret, and this rank has one"}}) {
+  for (const Case& k :
+       std::vector<Case>{{kSecretA, kSecretB,
+                          "PermissionDenied: collective (rank 1 of 2): from rank 0: a peer's proof of the "
+                          "group secret is wrong (another group's secret)"},
+                         {kSecretA, "", "requires a group secret, and this rank has none"},
+                         {"", kSecretA, "does not use a group secret, and this rank has one"}}) {
     SCOPED_TRACE(k.message);
     // Child 1, with the wrong secret (or none), is refused; child 2, with
     // rank 0's, then joins.
@@ -1085,7 +1089,7 @@ TEST(CollectiveSecretTest, ARankZeroThatCannotProveTheSecretIsRefused) {
 TEST(CollectiveTlsTest, CertificatesOfTheWrongKindAreRefusedAndTheGroupStillForms) {
   struct Case {
     std::string name;
-    std::string rank0_cert;  // rank 0's
+    std::string rank0_cert;   // rank 0's
     transport::TlsFiles bad;  // the refused rank 1's (plaintext when not enabled)
     std::string message;      // in its error
     std::string code;

@@ -10,8 +10,8 @@
 
 #include "tests/gpu_test_util.h"
 #include "tests/worker/stories_shadowkv.h"
-#include "worker/parallel/process_group.h"
 #include "worker/engine/engine.h"
+#include "worker/parallel/process_group.h"
 
 namespace penumbra {
 namespace {

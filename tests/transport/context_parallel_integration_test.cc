@@ -37,9 +37,8 @@ class ContextParallelProcessTest : public testing::StoriesTest {
  protected:
   void SetUp() override {
     testing::StoriesTest::SetUp();
-    dir_ = std::filesystem::temp_directory_path() /
-           ("penumbra-cp-" + std::to_string(getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = std::filesystem::temp_directory_path() / ("penumbra-cp-" + std::to_string(getpid()) + "-" +
+                                                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }
@@ -56,9 +55,10 @@ class ContextParallelProcessTest : public testing::StoriesTest {
               int new_tokens = 24) {
     std::ostringstream ids;
     for (size_t i = 0; i < prompt.size(); ++i) ids << (i ? "," : "") << prompt[i];
-    std::vector<std::string> argv = {BinDir() + "/penumbra", "generate", "--model", testing::StoriesDir(),
-                                     "--prompt-ids", ids.str(), "--max-new-tokens", std::to_string(new_tokens), "--ignore-eos", "--json",
-                                     "--device", "cpu", "--prefill-chunk", "48"};
+    std::vector<std::string> argv = {BinDir() + "/penumbra", "generate", "--model",          testing::StoriesDir(),
+                                     "--prompt-ids",         ids.str(),  "--max-new-tokens", std::to_string(new_tokens),
+                                     "--ignore-eos",         "--json",   "--device",         "cpu",
+                                     "--prefill-chunk",      "48"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     auto pid = SpawnProcess(argv, (dir_ / log).string());
     EXPECT_TRUE(pid.ok()) << pid.status();
@@ -109,15 +109,15 @@ class ContextParallelProcessTest : public testing::StoriesTest {
   // their exit codes.
   std::pair<int, int> RunPair(const std::vector<int32_t>& prompt, const std::vector<std::string>& flags,
                               bool tls = false) {
-    std::vector<std::string> r0 = {"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:0",
-                                   "--cp-port-file", (dir_ / "port.json").string()};
+    std::vector<std::string> r0 = {"--cp-world",      "2",           "--cp-rank",      "0",
+                                   "--cp-rendezvous", "127.0.0.1:0", "--cp-port-file", (dir_ / "port.json").string()};
     r0.insert(r0.end(), flags.begin(), flags.end());
     if (tls) Append(&r0, TlsFlags("w0"));
     const pid_t p0 = Start(prompt, r0, "rank0.log");
     const int port = PortOf("port.json");
     EXPECT_GT(port, 0) << Log("rank0.log");
-    std::vector<std::string> r1 = {"--cp-world", "2", "--cp-rank", "1", "--cp-rendezvous",
-                                   "127.0.0.1:" + std::to_string(port)};
+    std::vector<std::string> r1 = {
+        "--cp-world", "2", "--cp-rank", "1", "--cp-rendezvous", "127.0.0.1:" + std::to_string(port)};
     r1.insert(r1.end(), flags.begin(), flags.end());
     if (tls) Append(&r1, TlsFlags("w1"));
     const pid_t p1 = Start(prompt, r1, "rank1.log");
@@ -138,8 +138,9 @@ class ContextParallelProcessTest : public testing::StoriesTest {
         spec.role = transport::role::kWorker;
         spec.name = w;
         spec.hosts = {"127.0.0.1", "localhost"};
-        if (s.ok()) s = transport::IssueCertificate(d + "/ca.pem", d + "/ca.key", spec, d + "/" + w + ".pem",
-                                                    d + "/" + w + ".key");
+        if (s.ok())
+          s = transport::IssueCertificate(d + "/ca.pem", d + "/ca.key", spec, d + "/" + w + ".pem",
+                                          d + "/" + w + ".key");
       }
       EXPECT_TRUE(s.ok()) << s;
     }
@@ -170,9 +171,9 @@ std::vector<int32_t> InProcess(const std::vector<int32_t>& prompt, const std::ve
 }
 
 // testing::ExactShadowKvOptions as flags.
-const std::vector<std::string> kExactShadowKv = {"--kv-policy", "shadowkv", "--rank", "32", "--chunk-size", "32",
-                                                 "--local-window", "8", "--outliers", "0", "--budget", "4096",
-                                                 "--min-prompt", "0"};
+const std::vector<std::string> kExactShadowKv = {
+    "--kv-policy", "shadowkv",   "--rank", "32",       "--chunk-size", "32",           "--local-window",
+    "8",           "--outliers", "0",      "--budget", "4096",         "--min-prompt", "0"};
 
 // Plaintext or mutual TLS.
 class ContextParallelTransportTest : public ContextParallelProcessTest, public ::testing::WithParamInterface<bool> {};
@@ -206,14 +207,16 @@ TEST_P(ContextParallelTransportTest, AKilledRankEndsTheOtherWithAnError) {
   bool killed_mid_run = false;
   for (int attempt = 0; attempt < 3 && !killed_mid_run; ++attempt) {
     std::filesystem::remove(dir_ / "port.json");
-    std::vector<std::string> r0 = {"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:0",
-                                   "--cp-port-file", (dir_ / "port.json").string(), "--cp-timeout-s", "10"};
+    std::vector<std::string> r0 = {"--cp-world",      "2",           "--cp-rank",      "0",
+                                   "--cp-rendezvous", "127.0.0.1:0", "--cp-port-file", (dir_ / "port.json").string(),
+                                   "--cp-timeout-s",  "10"};
     if (tls) Append(&r0, TlsFlags("w0"));
     const pid_t p0 = Start(prompt, r0, "rank0.log", 200);
     const int port = PortOf("port.json");
     ASSERT_GT(port, 0) << Log("rank0.log");
-    std::vector<std::string> r1 = {"--cp-world", "2", "--cp-rank", "1", "--cp-rendezvous",
-                                   "127.0.0.1:" + std::to_string(port), "--cp-timeout-s", "10"};
+    std::vector<std::string> r1 = {
+        "--cp-world",     "2", "--cp-rank", "1", "--cp-rendezvous", "127.0.0.1:" + std::to_string(port),
+        "--cp-timeout-s", "10"};
     if (tls) Append(&r1, TlsFlags("w1"));
     const pid_t p1 = Start(prompt, r1, "rank1.log", 200);
     for (int i = 0; i < 6000 && Log("rank1.log").find("joined") == std::string::npos; ++i) {
@@ -235,10 +238,9 @@ INSTANTIATE_TEST_SUITE_P(Transport, ContextParallelTransportTest, ::testing::Boo
 
 TEST_F(ContextParallelProcessTest, ARankAloneGivesUpAfterItsTimeout) {
   const auto prompt = testing::LcgTokens(100, 13, true);
-  const pid_t p0 = Start(prompt,
-                         {"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:0", "--cp-timeout-s",
-                          "2"},
-                         "rank0.log");
+  const pid_t p0 =
+      Start(prompt, {"--cp-world", "2", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:0", "--cp-timeout-s", "2"},
+            "rank0.log");
   const int rc = Wait(p0, 30s);
   EXPECT_NE(rc, -1) << "rank 0 waited forever for rank 1";
   EXPECT_NE(rc, 0) << Log("rank0.log");
@@ -246,11 +248,11 @@ TEST_F(ContextParallelProcessTest, ARankAloneGivesUpAfterItsTimeout) {
 
 TEST_F(ContextParallelProcessTest, InconsistentFlagsAreRefused) {
   const auto prompt = testing::LcgTokens(100, 14, true);
-  for (const auto& flags : std::vector<std::vector<std::string>>{
-           {"--cp-world", "2", "--cp-rank", "2", "--cp-rendezvous", "127.0.0.1:1"},
-           {"--cp-world", "2", "--cp-rank", "1"},
-           {"--cp-world", "0", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:1"},
-           {"--cp-world", "2", "--cp-rank", "1", "--cp-rendezvous", "nohostport"}}) {
+  for (const auto& flags :
+       std::vector<std::vector<std::string>>{{"--cp-world", "2", "--cp-rank", "2", "--cp-rendezvous", "127.0.0.1:1"},
+                                             {"--cp-world", "2", "--cp-rank", "1"},
+                                             {"--cp-world", "0", "--cp-rank", "0", "--cp-rendezvous", "127.0.0.1:1"},
+                                             {"--cp-world", "2", "--cp-rank", "1", "--cp-rendezvous", "nohostport"}}) {
     const pid_t p = Start(prompt, flags, "bad.log");
     EXPECT_EQ(Wait(p, 30s), 2) << Log("bad.log");
     EXPECT_NE(Log("bad.log").find("--cp-"), std::string::npos) << Log("bad.log");

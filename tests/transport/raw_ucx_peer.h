@@ -98,7 +98,8 @@ class RawUcxPeer {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_AM_SEND_FLAG_REPLY;
-    void* r = ucp_am_send_nbx(ep_, transport::ucx_frame::kAmToServer, header.data(), header.size(), body.data(), body.size(), &p);
+    void* r = ucp_am_send_nbx(ep_, transport::ucx_frame::kAmToServer, header.data(), header.size(), body.data(),
+                              body.size(), &p);
     if (r == nullptr) return true;
     if (UCS_PTR_IS_ERR(r)) return false;
     const auto deadline = std::chrono::steady_clock::now() + timeout;

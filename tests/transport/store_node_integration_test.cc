@@ -42,8 +42,8 @@ namespace penumbra {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::LcgTokens;
 using testing::Eventually;
+using testing::LcgTokens;
 
 std::string BinDir() { return std::filesystem::read_symlink("/proc/self/exe").parent_path().string(); }
 
@@ -122,7 +122,7 @@ GenerationRequest Question(uint64_t q) {
   const std::vector<int32_t> question = LcgTokens(20, q, false);
   r.prompt.insert(r.prompt.end(), question.begin(), question.end());
   r.max_new_tokens = 16;
-  r.segment_ends = {151};
+  r.document_ends = {151};
   return r;
 }
 
@@ -462,7 +462,8 @@ TEST(StoreNodeClientTest, UploadsAreBoundedBeforeAnythingIsAllocated) {
   ASSERT_NE(c, nullptr);
   const Hash128 kept = Hasher128().Update("kept").Digest();
   ASSERT_TRUE(c->Put(kept, "", 1, {{"v", std::string(3000, 'k')}}).ok());
-  auto begin = [&](const std::string& ns, std::map<std::string, int64_t> sizes, std::map<std::string, int64_t> bb = {}) {
+  auto begin = [&](const std::string& ns, std::map<std::string, int64_t> sizes,
+                   std::map<std::string, int64_t> bb = {}) {
     st::StoreRequest q;
     q.key = KeyOf(Hasher128().Update(ns).Update(std::to_string(sizes.size())).Digest());
     q.cache_namespace = ns;
@@ -575,8 +576,8 @@ TEST(StoreNodeClientTest, MalformedMessagesAreRefusedBeforeThriftReadsThem) {
   const std::string mismatched = "\x0d\x00\x04\x0b\x02\x00\x00\x00\x01"s + "\x00\x00\x00\x01x"s + "\x01\x00"s;
   EXPECT_FALSE(transport::IsWellFormedStoreMessage(mismatched, true));
   // ... and where the bytes after decode, as a field of an undefined type.
-  const std::string undefined = "\x0d\x00\x04\x0b\x02\x00\x00\x00\x01"s + "\x00\x00\x00\x01x"s +
-                                std::string(8, '\0') + "\x21\x00\x01\x00"s;
+  const std::string undefined =
+      "\x0d\x00\x04\x0b\x02\x00\x00\x00\x01"s + "\x00\x00\x00\x01x"s + std::string(8, '\0') + "\x21\x00\x01\x00"s;
   EXPECT_FALSE(transport::IsWellFormedStoreMessage(undefined, true));
   EXPECT_TRUE(transport::IsWellFormedStoreMessage(undefined.substr(0, undefined.size() - 4) + '\0', true))
       << "the same bytes ending with a stop are a message (Thrift reads it)";

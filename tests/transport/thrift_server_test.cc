@@ -159,9 +159,9 @@ TEST_F(Certificates, ACaBundleTrustsTheOldAndTheNewCaWhileRotating) {
   CertificateSpec s;
   s.role = role::kCoordinator;
   s.name = "coordinator";
-  ASSERT_TRUE(IssueCertificate(next + "/ca.pem", next + "/ca.key", s, next + "/coordinator.pem",
-                               next + "/coordinator.key")
-                  .ok());
+  ASSERT_TRUE(
+      IssueCertificate(next + "/ca.pem", next + "/ca.key", s, next + "/coordinator.pem", next + "/coordinator.key")
+          .ok());
   {
     std::ofstream bundle(dir_ + "/bundle.pem");
     bundle << std::ifstream(dir_ + "/ca.pem").rdbuf() << std::ifstream(next + "/ca.pem").rdbuf();
@@ -173,8 +173,9 @@ TEST_F(Certificates, ACaBundleTrustsTheOldAndTheNewCaWhileRotating) {
   o.tls = t;
   auto server = ThriftServer::Start(Processor(), o);
   ASSERT_TRUE(server.ok()) << server.status();
-  for (const TlsFiles& client : {TlsFiles{dir_ + "/ca.pem", dir_ + "/coordinator.pem", dir_ + "/coordinator.key"},
-                                 TlsFiles{dir_ + "/bundle.pem", next + "/coordinator.pem", next + "/coordinator.key"}}) {
+  for (const TlsFiles& client :
+       {TlsFiles{dir_ + "/ca.pem", dir_ + "/coordinator.pem", dir_ + "/coordinator.key"},
+        TlsFiles{dir_ + "/bundle.pem", next + "/coordinator.pem", next + "/coordinator.key"}}) {
     TlsClientOptions c;
     c.files = client;
     auto tls = TlsClientContext::Create(c);
@@ -215,7 +216,7 @@ TEST(ThriftServer, AConnectionWithoutACompleteRequestIsClosedAtTheHandshakeDeadl
     }
   });
   EXPECT_TRUE(ClosedWithin(trickle, 3000ms));
-  EXPECT_LT(Clock::now() - t0, 1500ms);  // the deadline, not the bytes' pace, ended it
+  EXPECT_LT(Clock::now() - t0, 1500ms);       // the deadline, not the bytes' pace, ended it
   EXPECT_TRUE(ClosedWithin(silent, 6000ms));  // accepted late (TCP_DEFER_ACCEPT), then its deadline
   sender.join();
   ::close(silent);
@@ -248,8 +249,7 @@ TEST(ThriftServer, AFirstRequestServedPastTheHandshakeDeadlineIsAnswered) {
   // connection whose first call takes longer than the deadline gets its reply.
   ThriftServerOptions o;
   o.limits.handshake_timeout = 300ms;
-  auto server =
-      ThriftServer::Start(std::make_shared<rpc::WorkerProcessor>(std::make_shared<SlowHealth>(1200ms)), o);
+  auto server = ThriftServer::Start(std::make_shared<rpc::WorkerProcessor>(std::make_shared<SlowHealth>(1200ms)), o);
   ASSERT_TRUE(server.ok()) << server.status();
   auto c = ThriftClient<rpc::WorkerClient>::Connect("127.0.0.1", (*server)->port(), 5s);
   ASSERT_TRUE(c.ok()) << c.status();

@@ -10,8 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <random>
 #include <cstring>
+#include <random>
 #include <set>
 #include <thread>
 #include <vector>
@@ -153,10 +153,18 @@ TEST(UcxFrameTest, TheReplayWindowAdmitsEachSeqOnceAgainstAModel) {
   for (int step = 0; step < 200000; ++step) {
     uint64_t seq;
     switch (rng() % 4) {
-      case 0: seq = highest + 1 + rng() % 3; break;                                   // ahead
-      case 1: seq = highest > 0 ? highest - rng() % std::min<uint64_t>(highest, 5000) : 1; break;  // behind
-      case 2: seq = seen.empty() ? 1 : *std::next(seen.begin(), static_cast<long>(rng() % seen.size())); break;
-      default: seq = highest + 1 + rng() % 9000; break;                                // a jump
+      case 0:
+        seq = highest + 1 + rng() % 3;
+        break;  // ahead
+      case 1:
+        seq = highest > 0 ? highest - rng() % std::min<uint64_t>(highest, 5000) : 1;
+        break;  // behind
+      case 2:
+        seq = seen.empty() ? 1 : *std::next(seen.begin(), static_cast<long>(rng() % seen.size()));
+        break;
+      default:
+        seq = highest + 1 + rng() % 9000;
+        break;  // a jump
     }
     Refusal want;
     if (seq == 0 || seen.count(seq)) {
@@ -317,8 +325,8 @@ TEST(UcxFrameTest, AServerWithoutTheKeyCannotPassAndOutOfTurnFramesAreRefused) {
   FrameSealer plain(nullptr);
   std::string body = "q";
   EXPECT_FALSE(CheckHandshake(plain.Seal(Request(1, 1), &body), body, body.size()).ok());
-  EXPECT_FALSE(CheckHandshake(HandshakeHeader(FrameType::kHello, std::string(300, 'x')), std::string(300, 'x'), 300)
-                   .ok());
+  EXPECT_FALSE(
+      CheckHandshake(HandshakeHeader(FrameType::kHello, std::string(300, 'x')), std::string(300, 'x'), 300).ok());
 }
 
 }  // namespace

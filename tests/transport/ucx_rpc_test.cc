@@ -35,9 +35,12 @@ using namespace std::chrono_literals;
 // bytes of a pattern; 6: the caller as the server sees it.
 Result<std::string> Handle(const UcxCaller& caller, uint32_t method, std::string payload) {
   switch (method) {
-    case 1: return payload;
-    case 2: return std::string(payload.rbegin(), payload.rend());
-    case 3: return Status::NotFound("no such thing: " + payload);
+    case 1:
+      return payload;
+    case 2:
+      return std::string(payload.rbegin(), payload.rend());
+    case 3:
+      return Status::NotFound("no such thing: " + payload);
     case 4:
       std::this_thread::sleep_for(std::chrono::milliseconds(std::stoi(payload)));
       return payload;
@@ -46,8 +49,10 @@ Result<std::string> Handle(const UcxCaller& caller, uint32_t method, std::string
       for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(i * 131 + 7);
       return out;
     }
-    case 6: return caller.client_id + (caller.authenticated ? " authenticated" : " plain");
-    default: return Status::InvalidArgument("method " + std::to_string(method));
+    case 6:
+      return caller.client_id + (caller.authenticated ? " authenticated" : " plain");
+    default:
+      return Status::InvalidArgument("method " + std::to_string(method));
   }
 }
 
@@ -87,36 +92,36 @@ TEST(UcxRpcTest, RoundTripsSmallAndLargePayloads) {
 }
 
 TEST(UcxRpcTest, ManyCallsInFlightFromManyThreads) {
- for (bool sealed : {false, true}) {
-  SCOPED_TRACE(sealed ? "sealed" : "plain");
-  UcxServerOptions so = Threads(4);
-  UcxClientOptions co;
-  if (sealed) so.secret = co.secret = Secret('a');
-  auto server = UcxServer::Start("127.0.0.1", 0, Handle, so);
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto client = UcxClient::Connect("127.0.0.1", (*server)->port(), co);
-  ASSERT_TRUE(client.ok());
-  std::atomic<int> wrong{0}, failed{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 8; ++t) {
-    threads.emplace_back([&, t] {
-      for (int i = 0; i < 100; ++i) {
-        const std::string p = Pattern(static_cast<size_t>(1 + (i * 997 + t) % 70000), t * 1000 + i);
-        auto r = (*client)->Call(1, p, 20s);
-        if (!r.ok()) {
-          ++failed;
-        } else if (*r != p) {
-          ++wrong;
+  for (bool sealed : {false, true}) {
+    SCOPED_TRACE(sealed ? "sealed" : "plain");
+    UcxServerOptions so = Threads(4);
+    UcxClientOptions co;
+    if (sealed) so.secret = co.secret = Secret('a');
+    auto server = UcxServer::Start("127.0.0.1", 0, Handle, so);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto client = UcxClient::Connect("127.0.0.1", (*server)->port(), co);
+    ASSERT_TRUE(client.ok());
+    std::atomic<int> wrong{0}, failed{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 8; ++t) {
+      threads.emplace_back([&, t] {
+        for (int i = 0; i < 100; ++i) {
+          const std::string p = Pattern(static_cast<size_t>(1 + (i * 997 + t) % 70000), t * 1000 + i);
+          auto r = (*client)->Call(1, p, 20s);
+          if (!r.ok()) {
+            ++failed;
+          } else if (*r != p) {
+            ++wrong;
+          }
         }
-      }
-    });
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(failed.load(), 0);
+    EXPECT_EQ(wrong.load(), 0);
+    EXPECT_EQ((*server)->stats().requests, 800);
+    EXPECT_EQ((*server)->stats().frames_rejected, 0);
   }
-  for (auto& th : threads) th.join();
-  EXPECT_EQ(failed.load(), 0);
-  EXPECT_EQ(wrong.load(), 0);
-  EXPECT_EQ((*server)->stats().requests, 800);
-  EXPECT_EQ((*server)->stats().frames_rejected, 0);
- }
 }
 
 TEST(UcxRpcTest, ErrorsDeadlinesAndAStoppedServer) {
@@ -142,8 +147,7 @@ TEST(UcxRpcTest, ErrorsDeadlinesAndAStoppedServer) {
   const auto t1 = std::chrono::steady_clock::now();
   auto gone = (*client)->Call(1, "anyone?", 10s);
   EXPECT_FALSE(gone.ok());
-  EXPECT_TRUE(gone.status().code() == StatusCode::kUnavailable ||
-              gone.status().code() == StatusCode::kDeadlineExceeded)
+  EXPECT_TRUE(gone.status().code() == StatusCode::kUnavailable || gone.status().code() == StatusCode::kDeadlineExceeded)
       << gone.status();
   EXPECT_LT(std::chrono::steady_clock::now() - t1, 11s);
   // Bad addresses are refused at once.

@@ -36,13 +36,13 @@ void WriteShardedModel(const TempDir& dir, const TinyModelSpec& spec, const std:
   for (size_t i = 0; i < tensors.size(); ++i) {
     const size_t s = i % static_cast<size_t>(shards);
     parts[s].push_back(tensors[i]);
-    weight_map[tensors[i].name] = "model-0000" + std::to_string(s + 1) + "-of-0000" + std::to_string(shards) +
-                                  ".safetensors";
+    weight_map[tensors[i].name] =
+        "model-0000" + std::to_string(s + 1) + "-of-0000" + std::to_string(shards) + ".safetensors";
   }
   for (size_t s = 0; s < parts.size(); ++s) {
-    WriteStringToFile(dir.File("model-0000" + std::to_string(s + 1) + "-of-0000" + std::to_string(shards) +
-                               ".safetensors"),
-                      BuildSafetensors(parts[s]));
+    WriteStringToFile(
+        dir.File("model-0000" + std::to_string(s + 1) + "-of-0000" + std::to_string(shards) + ".safetensors"),
+        BuildSafetensors(parts[s]));
   }
   json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}};
   WriteStringToFile(dir.File("model.safetensors.index.json"), index.dump(2));

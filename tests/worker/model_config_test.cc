@@ -314,15 +314,15 @@ TEST(ModelConfigTest, RopeInvFreqLlama3) {
     double expected;
   };
   const Case cases[] = {
-      {0, 1.0},                        // high frequency: unchanged
-      {10, 0.12868737343265052},       // high
-      {28, 0.0032114459947525913},     // high (wavelength 1956 < 2048)
-      {29, 0.0021665707635033591},     // smooth (wavelength 2402)
-      {30, 0.0013718935677611381},     // smooth
-      {32, 0.00052484616099295468},    // smooth
-      {34, 0.00017850781276799638},    // smooth (wavelength 6695)
-      {35, 9.5562123539646833e-05},    // low (wavelength 8219 > 8192): / 8
-      {63, 3.0689259889145111e-07},    // low
+      {0, 1.0},                      // high frequency: unchanged
+      {10, 0.12868737343265052},     // high
+      {28, 0.0032114459947525913},   // high (wavelength 1956 < 2048)
+      {29, 0.0021665707635033591},   // smooth (wavelength 2402)
+      {30, 0.0013718935677611381},   // smooth
+      {32, 0.00052484616099295468},  // smooth
+      {34, 0.00017850781276799638},  // smooth (wavelength 6695)
+      {35, 9.5562123539646833e-05},  // low (wavelength 8219 > 8192): / 8
+      {63, 3.0689259889145111e-07},  // low
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.i);

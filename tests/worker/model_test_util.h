@@ -17,8 +17,8 @@
 #include "common/dtype.h"
 
 // Expects `haystack` (a std::string) to contain `needle`.
-#define EXPECT_HAS_SUBSTR(haystack, needle)                                            \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos)                     \
+#define EXPECT_HAS_SUBSTR(haystack, needle)                        \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
       << "expected \"" << (haystack) << "\" to contain \"" << (needle) << "\""
 
 namespace penumbra::testing {
@@ -136,8 +136,7 @@ inline nlohmann::json TinyConfigJson(const TinyModelSpec& s) {
 
 // Every tensor the decoder needs, in HF naming; lm_head omitted when tied.
 inline std::vector<TestTensor> TinyModelTensors(const TinyModelSpec& s, const std::string& dtype = "F32") {
-  const int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim, in = s.intermediate,
-                v = s.vocab;
+  const int64_t h = s.hidden, q = s.heads * s.head_dim, kv = s.kv_heads * s.head_dim, in = s.intermediate, v = s.vocab;
   std::vector<TestTensor> t;
   t.push_back(RampTensor("model.embed_tokens.weight", {v, h}, dtype));
   for (int i = 0; i < s.layers; ++i) {

@@ -61,16 +61,15 @@ GenerationRequest QuestionAbout(const std::vector<int32_t>& doc, uint64_t q) {
   const std::vector<int32_t> question = LcgTokens(20, q, false);
   r.prompt.insert(r.prompt.end(), question.begin(), question.end());
   r.max_new_tokens = 24;
-  r.segment_ends = {151};
+  r.document_ends = {151};
   return r;
 }
 
 TEST_F(PrefixReuseGpuTest, CachedDocumentGivesTheColdTokens) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const std::vector<int32_t> doc = LcgTokens(151, 7, true);
-  for (const char* policy :
-       {"full", "shadowkv", "shadowkv-sparse", "shadowkv-paper", "shadowkv-sparse-paper", "shadowkv-model",
-        "shadowkv-sparse-model"}) {
+  for (const char* policy : {"full", "shadowkv", "shadowkv-sparse", "shadowkv-paper", "shadowkv-sparse-paper",
+                             "shadowkv-model", "shadowkv-sparse-model"}) {
     for (const char* dtype : {"f32", "bf16"}) {
       auto warm = OpenCuda(policy, dtype, 64 << 20), cold = OpenCuda(policy, dtype, 0);
       ASSERT_TRUE(warm && cold);

@@ -91,7 +91,7 @@ GenerationRequest Request(const std::vector<int32_t>& doc, const std::vector<int
   r.prompt = doc;
   r.prompt.insert(r.prompt.end(), question.begin(), question.end());
   r.max_new_tokens = 24;
-  if (segmented) r.segment_ends = {static_cast<int64_t>(doc.size())};
+  if (segmented) r.document_ends = {static_cast<int64_t>(doc.size())};
   r.cache_namespace = ns;
   return r;
 }
@@ -106,7 +106,8 @@ std::vector<int32_t> Cold(const GenerationRequest& r, const std::string& policy)
 }
 
 const std::vector<int32_t> kDoc = LcgTokens(151, 7, true);
-const std::vector<int32_t> kQ1 = LcgTokens(20, 11, false), kQ2 = LcgTokens(17, 12, false), kQ3 = LcgTokens(9, 13, false);
+const std::vector<int32_t> kQ1 = LcgTokens(20, 11, false), kQ2 = LcgTokens(17, 12, false),
+                           kQ3 = LcgTokens(9, 13, false);
 
 TEST_P(PrefixReuseTest, CachedDocumentGivesTheColdTokens) {
   auto e = OpenEngine(64 << 20, GetParam());
@@ -182,7 +183,7 @@ TEST_P(PrefixReuseTest, KeysSeparateNamespacesAndWhatComesBefore) {
   auto two = [&](const std::vector<int32_t>& a, const std::vector<int32_t>& c) {
     GenerationRequest r = Request(a, c, false, "tenant-a");
     r.prompt.insert(r.prompt.end(), kQ2.begin(), kQ2.end());
-    r.segment_ends = {static_cast<int64_t>(a.size()), static_cast<int64_t>(a.size() + c.size())};
+    r.document_ends = {static_cast<int64_t>(a.size()), static_cast<int64_t>(a.size() + c.size())};
     return r;
   };
   auto d12 = rt.Generate({two(kDoc, d2)});
@@ -489,9 +490,9 @@ TEST_F(PrefixReuseTest, ALazilyReadValueThatFailsItsCheckIsRecomputedNotServed) 
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
-                         ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense",
-                                           "shadowkv-sparse", "shadowkv-tier0", "shadowkv-paper",
-                                           "shadowkv-sparse-paper", "shadowkv-model", "shadowkv-sparse-model"),
+                         ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense", "shadowkv-sparse",
+                                           "shadowkv-tier0", "shadowkv-paper", "shadowkv-sparse-paper",
+                                           "shadowkv-model", "shadowkv-sparse-model"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -579,11 +580,11 @@ TEST_F(PrefixReuseTest, BadSegmentEndsAreRefused) {
   ASSERT_NE(e, nullptr);
   for (const std::vector<int64_t>& ends : {std::vector<int64_t>{0}, {50, 50}, {171}, {200}, {60, 40}}) {
     GenerationRequest r = Request(kDoc, kQ1, false);
-    r.segment_ends = ends;
+    r.document_ends = ends;
     auto res = e->runtime().Generate({r});
     ASSERT_FALSE(res.ok());
     EXPECT_EQ(res.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(res.status().message().find("segment end"), std::string::npos) << res.status();
+    EXPECT_NE(res.status().message().find("document end"), std::string::npos) << res.status();
   }
   EXPECT_TRUE(e->runtime().Generate({Request(kDoc, kQ1, true)}).ok());  // still serving
 }
@@ -666,7 +667,7 @@ TEST(PrefixCacheTest, EvictsLeastRecentlyUsedUnheldEntries) {
   EXPECT_EQ(PrefixKeys("fence", {1, 2, 3, 4, 5}, {1, 2})[1], keys[1]);
   EXPECT_NE(PrefixKeys("other", {1, 2, 3, 4, 5}, {1, 2})[1], keys[1]);
   EXPECT_NE(PrefixKeys("fence", {1, 9, 3, 4, 5}, {1, 2})[1], keys[1]);
-  // Segment boundaries are part of the key: {1},{2} is not {1,2}.
+  // Document boundaries are part of the key: {1},{2} is not {1,2}.
   EXPECT_NE(PrefixKeys("fence", {1, 2, 3}, {2})[0], keys[1]);
 
   EXPECT_TRUE(c.Insert(keys[0], std::make_shared<FakePrefix>(1, 100)));

@@ -38,8 +38,11 @@ std::string Body24() { return std::string(24, '\x01'); }
 
 TEST(SafetensorsTest, ParsesValidFile) {
   const std::vector<TestTensor> tensors = {
-      RampTensor("w", {2, 3}, "F32", 1.0f), RampTensor("b", {5}, "BF16", 2.0f), RampTensor("h", {4, 1}, "F16", -1.0f),
-      {"ids", "I32", {3}, std::vector<uint8_t>(12, 7)},  {"scalar", "F32", {}, std::vector<uint8_t>(4, 0)},
+      RampTensor("w", {2, 3}, "F32", 1.0f),
+      RampTensor("b", {5}, "BF16", 2.0f),
+      RampTensor("h", {4, 1}, "F16", -1.0f),
+      {"ids", "I32", {3}, std::vector<uint8_t>(12, 7)},
+      {"scalar", "F32", {}, std::vector<uint8_t>(4, 0)},
       {"empty", "F32", {0, 5}, {}},
   };
   const std::string bytes = BuildSafetensors(tensors, {{"format", "pt"}});

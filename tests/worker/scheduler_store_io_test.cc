@@ -122,7 +122,7 @@ std::unique_ptr<Engine> OpenEngine(std::shared_ptr<storage::DocumentStore> store
 GenerationRequest Ask(const std::vector<int32_t>& doc, uint64_t seed, int max_new) {
   GenerationRequest r;
   r.prompt = doc;
-  r.segment_ends = {static_cast<int64_t>(doc.size())};
+  r.document_ends = {static_cast<int64_t>(doc.size())};
   const std::vector<int32_t> q = LcgTokens(8, seed, false);
   r.prompt.insert(r.prompt.end(), q.begin(), q.end());
   r.max_new_tokens = max_new;
@@ -148,7 +148,7 @@ TEST_F(SchedulerStoreIoTest, AHungStoreHoldsUpOnlyTheRequestThatNeedsIt) {
     ASSERT_TRUE(a);
     GenerationRequest put;
     put.prompt = doc;
-    put.segment_ends = {static_cast<int64_t>(doc.size())};
+    put.document_ends = {static_cast<int64_t>(doc.size())};
     put.max_new_tokens = 0;
     ASSERT_TRUE(a->runtime().Generate({put}).ok());
     a->runtime().DrainPrefixStores();
@@ -240,7 +240,7 @@ TEST_F(SchedulerStoreIoTest, AForgetThatCannotReachTheStoreFailsAndSucceedsLater
   const std::vector<int32_t> doc = LcgTokens(96, 11, true);
   GenerationRequest put;
   put.prompt = doc;
-  put.segment_ends = {static_cast<int64_t>(doc.size())};
+  put.document_ends = {static_cast<int64_t>(doc.size())};
   put.max_new_tokens = 0;
   ASSERT_TRUE(e->runtime().Generate({put}).ok());
   e->runtime().DrainPrefixStores();

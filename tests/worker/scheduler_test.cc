@@ -325,8 +325,8 @@ TEST_F(SchedulerTest, WaitingTenantsAreAdmittedByFairShare) {
       auto u = s->Wait(w.first);
       ASSERT_TRUE(u.ok()) << u.status();
       ASSERT_EQ(u->generated_tokens, 2);
-      admitted.push_back({std::chrono::duration<double>(w.second.time_since_epoch()).count() + u->queue_seconds,
-                          tenant});
+      admitted.push_back(
+          {std::chrono::duration<double>(w.second.time_since_epoch()).count() + u->queue_seconds, tenant});
     }
     std::sort(admitted.begin(), admitted.end());
     std::string order;
@@ -441,7 +441,7 @@ TEST_F(SchedulerTest, DocumentsAreReusedThroughTheScheduler) {
       r.prompt = doc;
       const std::vector<int32_t> question = LcgTokens(20, 100 + q, false);
       r.prompt.insert(r.prompt.end(), question.begin(), question.end());
-      r.segment_ends = {151};
+      r.document_ends = {151};
       r.max_new_tokens = 12;
       auto id = s->Submit(r);
       ASSERT_TRUE(id.ok());
@@ -488,7 +488,7 @@ TEST_F(SchedulerTest, PrefillOnlyPutsADocumentAndForgetDropsIt) {
   ASSERT_TRUE(s);
   GenerationRequest put;
   put.prompt = LcgTokens(130, 9, true);
-  put.segment_ends = {130};
+  put.document_ends = {130};
   put.max_new_tokens = 0;
   auto id = s->Submit(put);
   ASSERT_TRUE(id.ok()) << id.status();
@@ -520,9 +520,9 @@ TEST_F(SchedulerTest, PrefillOnlyPutsADocumentAndForgetDropsIt) {
 
   // A put whose segment does not end the prompt, or a negative count: refused.
   GenerationRequest bad = put;
-  bad.segment_ends = {131};
+  bad.document_ends = {131};
   EXPECT_EQ(s->Submit(bad).status().code(), StatusCode::kInvalidArgument);
-  bad.segment_ends = {130};
+  bad.document_ends = {130};
   bad.max_new_tokens = -1;
   EXPECT_EQ(s->Submit(bad).status().code(), StatusCode::kInvalidArgument);
 }

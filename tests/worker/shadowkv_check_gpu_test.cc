@@ -16,11 +16,11 @@ namespace penumbra::shadowkv_check {
 namespace {
 
 struct Tol {
-  double landmarks;    // per row ||gpu - cpu|| / ||cpu||
-  double scores;       // |gpu - cpu| / (|cpu| + 1e-3 * rowmax)
-  double select_rel;   // a differing chunk's CPU score must lie within this x the k-th of the k-th
-  double out;          // per (step, query head) ||gpu - cpu|| / ||cpu||
-  double out_abs;      // element-wise
+  double landmarks;   // per row ||gpu - cpu|| / ||cpu||
+  double scores;      // |gpu - cpu| / (|cpu| + 1e-3 * rowmax)
+  double select_rel;  // a differing chunk's CPU score must lie within this x the k-th of the k-th
+  double out;         // per (step, query head) ||gpu - cpu|| / ||cpu||
+  double out_abs;     // element-wise
 };
 
 Result<CheckResults> RunOn(const CheckInputs& in, const std::string& device, const std::string& dtype) {
@@ -41,7 +41,8 @@ void Compare(const CheckInputs& in, const CheckResults& gpu, const CheckResults&
   const int H = in.hkv, n = in.n_chunks(), d = in.d, K = in.kslots(), O = in.outliers;
   ASSERT_EQ(gpu.outlier_ids, cpu.outlier_ids) << "outlier chunks differ (the inputs make them unambiguous)";
   std::vector<std::set<int>> outl(H);
-  for (int h = 0; h < H; ++h) outl[h] = std::set<int>(cpu.outlier_ids.begin() + h * O, cpu.outlier_ids.begin() + (h + 1) * O);
+  for (int h = 0; h < H; ++h)
+    outl[h] = std::set<int>(cpu.outlier_ids.begin() + h * O, cpu.outlier_ids.begin() + (h + 1) * O);
   double worst_lm = 0;
   for (int h = 0; h < H; ++h) {
     for (int c = 0; c < n; ++c) {
@@ -80,8 +81,8 @@ void Compare(const CheckInputs& in, const CheckResults& gpu, const CheckResults&
         // legitimate swaps.
         const double gap = std::fabs(cs[c] - kth);
         EXPECT_LE(gap, tol.select_rel * kth)
-            << "step " << s << " head " << h << ": chunk " << c << " selected by one backend only; CPU score "
-            << cs[c] << ", k-th " << kth << ", row max " << rowmax;
+            << "step " << s << " head " << h << ": chunk " << c << " selected by one backend only; CPU score " << cs[c]
+            << ", k-th " << kth << ", row max " << rowmax;
       }
     }
     for (int j = 0; j < in.hq; ++j) {
@@ -156,8 +157,8 @@ TEST(ShadowkvCheckGpuTest, F32FullRankFullBudgetIsFullAttention) {
     for (int j = 0; j < in.hq; ++j) {
       const auto full = testing::Attend(in, kr, s, j, {});
       std::vector<float> w(full.begin(), full.end());
-      EXPECT_TRUE(penumbra::testing::AllClose(gpu->out.data() + (static_cast<size_t>(s) * in.hq + j) * in.d,
-                                              w.data(), in.d, 2e-4f, 0.0f))
+      EXPECT_TRUE(penumbra::testing::AllClose(gpu->out.data() + (static_cast<size_t>(s) * in.hq + j) * in.d, w.data(),
+                                              in.d, 2e-4f, 0.0f))
           << "step " << s << " query head " << j;
     }
   }

@@ -96,8 +96,8 @@ void CheckAgainstDouble(const CheckInputs& in, const CheckResults& r, double out
       // Scores: max over the group of the softmax over non-outlier chunks.
       std::vector<double> want(n, 0.0);
       for (int j = h * G; j < (h + 1) * G; ++j) {
-        const auto q = testing::Rope(in.q.data() + (static_cast<size_t>(s) * in.hq + j) * d, d, in.seq + s,
-                                     in.inv_freq);
+        const auto q =
+            testing::Rope(in.q.data() + (static_cast<size_t>(s) * in.hq + j) * d, d, in.seq + s, in.inv_freq);
         std::vector<double> lg(n, -INFINITY);
         double mx = -INFINITY, sum = 0;
         for (int c = 0; c < n; ++c) {
@@ -150,7 +150,8 @@ void CheckAgainstDouble(const CheckInputs& in, const CheckResults& r, double out
         const auto want_out = Attend(in, kr, s, j, toks);
         std::vector<float> w(want_out.begin(), want_out.end());
         const float* o = r.out.data() + (static_cast<size_t>(s) * in.hq + j) * d;
-        EXPECT_TRUE(penumbra::testing::AllClose(o, w.data(), d, static_cast<float>(out_tol), static_cast<float>(out_tol)))
+        EXPECT_TRUE(
+            penumbra::testing::AllClose(o, w.data(), d, static_cast<float>(out_tol), static_cast<float>(out_tol)))
             << "out step " << s << " query head " << j;
       }
     }
@@ -237,9 +238,11 @@ TEST(ShadowkvCheckTest, LowRankRunsAndWritesResults) {
   auto f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->metadata().at("dtype"), "f32");
-  const std::vector<std::pair<std::string, std::vector<int64_t>>> want = {
-      {"landmarks", {2, 23, 64}}, {"outliers", {2, 2}}, {"selected", {3, 2, 8}}, {"out", {3, 4, 64}},
-      {"scores", {3, 2, 23}}};
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> want = {{"landmarks", {2, 23, 64}},
+                                                                          {"outliers", {2, 2}},
+                                                                          {"selected", {3, 2, 8}},
+                                                                          {"out", {3, 4, 64}},
+                                                                          {"scores", {3, 2, 23}}};
   for (const auto& [name, shape] : want) {
     const TensorInfo* t = f->Find(name);
     ASSERT_NE(t, nullptr) << name;

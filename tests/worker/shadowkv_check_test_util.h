@@ -127,10 +127,14 @@ inline Status WriteInputs(const CheckInputs& in, const std::string& path, const 
   char scale[64];
   std::snprintf(scale, sizeof(scale), "%.17g", static_cast<double>(in.scale));
   std::map<std::string, std::string> meta = {
-      {"rank", std::to_string(in.rank)},         {"chunk", std::to_string(in.chunk)},
-      {"budget", std::to_string(in.budget)},     {"outliers", std::to_string(in.outliers)},
-      {"local_window", std::to_string(in.local_window)}, {"steps", std::to_string(in.steps)},
-      {"scale", scale},                          {"rope_theta", "10000.0"},
+      {"rank", std::to_string(in.rank)},
+      {"chunk", std::to_string(in.chunk)},
+      {"budget", std::to_string(in.budget)},
+      {"outliers", std::to_string(in.outliers)},
+      {"local_window", std::to_string(in.local_window)},
+      {"steps", std::to_string(in.steps)},
+      {"scale", scale},
+      {"rope_theta", "10000.0"},
       {"format", "penumbra-shadowkv-check-inputs/1"},
   };
   for (const auto& [k, v] : meta_override) {

@@ -175,8 +175,8 @@ TEST(ShadowKvShardExchangeTest, RowsOfAStepAndTheAllGathersOfTwoRanks) {
   EXPECT_EQ(ShadowKvShardExchange::GroupOf({&s}), ranks[0].get());
   ASSERT_TRUE(x.Prepare(ranks[0].get(), {&s}).ok());
   EXPECT_EQ(x.width(), 3);
-  EXPECT_EQ(x.stats(), 1u * 4 * 2);        // per sequence, hq (max, sum)
-  EXPECT_EQ(x.cand(), 1u * 2 * 3);         // per sequence, hkv rows of width()
+  EXPECT_EQ(x.stats(), 1u * 4 * 2);  // per sequence, hq (max, sum)
+  EXPECT_EQ(x.cand(), 1u * 2 * 3);   // per sequence, hkv rows of width()
   EXPECT_EQ(x.stats_recv(), x.stats_send() + x.stats());
   EXPECT_EQ(x.cand_send(), x.stats_recv() + 2 * x.stats());
   EXPECT_EQ(x.stats_send()[0], -std::numeric_limits<float>::infinity());  // "no statistics"

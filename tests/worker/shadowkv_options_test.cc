@@ -47,10 +47,15 @@ TEST(ShadowKvOptionsTest, FlagsSetTheirOptionsAndLeaveTheOthers) {
 }
 
 TEST(ShadowKvOptionsTest, BadFlagsAreRefusedNamingTheFlag) {
-  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
-           {"--shard-selection", "everywhere"}, {"--successor-chunks", "-1"}, {"--successor-chunks", "65"},
-           {"--continuation", "maybe"}, {"--micro-batches", "0"}, {"--landmarks-per-chunk", "3"},
-           {"--landmarks-per-chunk", "0"}, {"--landmarks-per-chunk", "32"}, {"--landmark-format", "fp4"}}) {
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{{"--shard-selection", "everywhere"},
+                                                                                    {"--successor-chunks", "-1"},
+                                                                                    {"--successor-chunks", "65"},
+                                                                                    {"--continuation", "maybe"},
+                                                                                    {"--micro-batches", "0"},
+                                                                                    {"--landmarks-per-chunk", "3"},
+                                                                                    {"--landmarks-per-chunk", "0"},
+                                                                                    {"--landmarks-per-chunk", "32"},
+                                                                                    {"--landmark-format", "fp4"}}) {
     ShadowKvOptions o;
     const Status st = Apply({flag, value}, &o);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << flag << " " << value << ": " << st;
@@ -72,9 +77,8 @@ TEST(ShadowKvOptionsTest, YamlKeysAreReadAndCheckedAgainstTheModel) {
   EXPECT_EQ(o.shard_selection, "local");
   EXPECT_EQ(o.chunk_size, 4);
   EXPECT_TRUE(ValidateShadowKvOptions(o, 8, 128).ok());
-  for (const std::string bad :
-       {"shard_selection: sideways\n", "successor_chunks: 100\n", "landmarks_per_chunk: 17\n", "no_such_key: 1\n",
-        "landmark_format: int8\n"}) {
+  for (const std::string bad : {"shard_selection: sideways\n", "successor_chunks: 100\n", "landmarks_per_chunk: 17\n",
+                                "no_such_key: 1\n", "landmark_format: int8\n"}) {
     ShadowKvOptions b;
     const Status st = Load(bad, &b);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
@@ -140,7 +144,8 @@ TEST(ShadowKvOptionsTest, DeviceLimitsAreTypedErrors) {
 // The operator's table of the options (docs/operations.md) is the option
 // table's own Markdown: it cannot drift from what the flags and YAML take.
 TEST(ShadowKvOptionsTest, TheDocsTableIsTheOptionTable) {
-  EXPECT_TRUE(testing::GeneratedDocSectionIs("docs/operations.md", "shadowkv options", ShadowKvOptionTable().Markdown()));
+  EXPECT_TRUE(
+      testing::GeneratedDocSectionIs("docs/operations.md", "shadowkv options", ShadowKvOptionTable().Markdown()));
 }
 
 }  // namespace

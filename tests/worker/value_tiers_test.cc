@@ -73,9 +73,8 @@ TierOptions Options() {
 }
 
 struct Fixture {
-  explicit Fixture(const TierOptions& o = Options(), size_t total = 1000 * kMiB) : tiers(o, false, [this] {
-    return dev.free();
-  }) {
+  explicit Fixture(const TierOptions& o = Options(), size_t total = 1000 * kMiB)
+      : tiers(o, false, [this] { return dev.free(); }) {
     dev.total = total;
   }
   std::shared_ptr<FakeDoc> Doc(int layers, size_t layer_mib) {

@@ -37,15 +37,15 @@ inline void RunFrames(apache::thrift::TProcessor& processor, const uint8_t* data
       std::make_shared<apache::thrift::transport::TFramedTransport>(out_mem, config));
   size_t at = 0;
   for (int calls = 0; calls < 64 && size - at >= 4; ++calls) {
-    const uint32_t frame = (uint32_t{data[at]} << 24) | (uint32_t{data[at + 1]} << 16) |
-                           (uint32_t{data[at + 2]} << 8) | uint32_t{data[at + 3]};
+    const uint32_t frame = (uint32_t{data[at]} << 24) | (uint32_t{data[at + 1]} << 16) | (uint32_t{data[at + 2]} << 8) |
+                           uint32_t{data[at + 3]};
     at += 4;
     if (frame > static_cast<uint32_t>(limits.max_frame_bytes) || frame > size - at) break;
-    auto in_mem = std::make_shared<TMemoryBuffer>(const_cast<uint8_t*>(data + at), frame, TMemoryBuffer::OBSERVE,
-                                                  config);
+    auto in_mem =
+        std::make_shared<TMemoryBuffer>(const_cast<uint8_t*>(data + at), frame, TMemoryBuffer::OBSERVE, config);
     at += frame;
-    auto in = std::make_shared<CheckedBinaryProtocol>(in_mem, limits.max_string_bytes,
-                                                      limits.max_container_elements, true, true);
+    auto in = std::make_shared<CheckedBinaryProtocol>(in_mem, limits.max_string_bytes, limits.max_container_elements,
+                                                      true, true);
     try {
       if (!processor.process(in, out, nullptr)) break;
     } catch (const apache::thrift::TException&) {

@@ -151,7 +151,8 @@ void Window(In in) {
   std::set<uint64_t> seen;
   uint64_t highest = 0;
   while (in.n > 0) {
-    const uint64_t seq = (in.U8() & 1) ? highest + in.U8() * 37 : highest - std::min<uint64_t>(highest, in.U64() % 10000);
+    const uint64_t seq =
+        (in.U8() & 1) ? highest + in.U8() * 37 : highest - std::min<uint64_t>(highest, in.U64() % 10000);
     uf::Refusal want = uf::Refusal::kNone;
     if (seq == 0 || seen.count(seq)) {
       want = uf::Refusal::kReplay;
@@ -192,9 +193,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   WriteSeed(dir, "forged_mac", std::string(1, '\x02') + sheader.substr(0, 48) + "\x00\x04" + "body");
   uf::ClientHandshake c(std::string(32, 'k'), std::string(16, 'c'));
   const uf::HandshakeStep hello = c.Start();
-  WriteSeed(dir, "handshake", std::string(1, '\x03') + "\x01\x01" + static_cast<char>(uf::FrameType::kHello) +
-                                   static_cast<char>(hello.body.size()) + hello.body + "\x01" +
-                                   static_cast<char>(uf::FrameType::kAuth) + "\x20" + std::string(32, 'p') + "\x01");
+  WriteSeed(dir, "handshake",
+            std::string(1, '\x03') + "\x01\x01" + static_cast<char>(uf::FrameType::kHello) +
+                static_cast<char>(hello.body.size()) + hello.body + "\x01" + static_cast<char>(uf::FrameType::kAuth) +
+                "\x20" + std::string(32, 'p') + "\x01");
   WriteSeed(dir, "window", std::string(1, '\x04') + "\x01\x05\x01\x07\x00\x02\x00\x00\x00\x00\x00\x00\x00\x01\x03");
   return 0;
 }
@@ -203,11 +205,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   In in{data + 1, size - 1};
   switch (data[0] % 5) {
-    case 0: Plain(in); break;
-    case 1: SealedRaw(in); break;
-    case 2: SealedValidMac(in); break;
-    case 3: Handshake(in); break;
-    default: Window(in); break;
+    case 0:
+      Plain(in);
+      break;
+    case 1:
+      SealedRaw(in);
+      break;
+    case 2:
+      SealedValidMac(in);
+      break;
+    case 3:
+      Handshake(in);
+      break;
+    default:
+      Window(in);
+      break;
   }
   return 0;
 }

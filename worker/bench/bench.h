@@ -14,8 +14,8 @@
 
 #include "common/args.h"
 #include "common/status.h"
-#include "worker/parallel/context_group.h"
 #include "worker/engine/engine.h"
+#include "worker/parallel/context_group.h"
 
 namespace penumbra::bench {
 

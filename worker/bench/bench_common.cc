@@ -7,8 +7,7 @@
 
 namespace penumbra::bench {
 
-Status ProfileSteps(Backend& b, Runtime& rt, const std::function<Status()>& step,
-                    std::map<std::string, double>* ms) {
+Status ProfileSteps(Backend& b, Runtime& rt, const std::function<Status()>& step, std::map<std::string, double>* ms) {
   OpProfiler prof(&b);
   rt.SetDecodeProfiler(&prof);
   Status st;

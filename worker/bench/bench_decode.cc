@@ -23,7 +23,7 @@ namespace {
 struct LaneRun {
   std::vector<int64_t> seqs;
   Status status;
-  double end = 0;  // when the lane finished its timed steps (NowSeconds())
+  double end = 0;                            // when the lane finished its timed steps (NowSeconds())
   std::map<std::string, double> profile_ms;  // --profile: per-op ms over kProfileSteps steps
 };
 
@@ -153,7 +153,10 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     std::barrier start(N, [&]() noexcept {
       if (traced && !failed) {
         auto t = KernelTrace::Start();  // every lane is idle here (warm-up synchronized)
-        if (t.ok()) trace = std::move(*t); else trace_status = t.status();
+        if (t.ok())
+          trace = std::move(*t);
+        else
+          trace_status = t.status();
       }
       t0 = NowSeconds();
     });
@@ -251,7 +254,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       // lane's GEMMs stream them) + every sequence's K and V.
       int busy_lanes = 0;
       for (const auto& s : active) busy_lanes += s.empty() ? 0 : 1;
-      const double kv = 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * DTypeSize(b0.act_dtype()) * (S + 2.0 + steps / 2.0) * nb;
+      const double kv =
+          2.0 * c.num_layers * c.num_kv_heads * c.head_dim * DTypeSize(b0.act_dtype()) * (S + 2.0 + steps / 2.0) * nb;
       const double bytes = static_cast<double>(e.weights().device_bytes()) * busy_lanes + kv;
       j["hbm_gbps"] = bytes / dt / 1e9;
       if (copy_gbps > 0) j["hbm_roofline_fraction"] = bytes / dt / 1e9 / (copy_gbps);
@@ -289,8 +293,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
         const double bytes = static_cast<double>(sel - hit) * o.chunk_size * c.head_dim * DTypeSize(b0.act_dtype());
         nlohmann::json t;
         t["fetches_per_step"] = static_cast<double>(all.size()) / steps;
-        t["busy_ms_per_step"] = busy_ms / steps;    // some fetch running (any lane)
-        t["kernel_ms_per_step"] = kernel_ms / steps;  // summed over fetches (overlapping ones counted twice)
+        t["busy_ms_per_step"] = busy_ms / steps;        // some fetch running (any lane)
+        t["kernel_ms_per_step"] = kernel_ms / steps;    // summed over fetches (overlapping ones counted twice)
         t["concurrent_ms_per_step"] = dual_ms / steps;  // two or more fetches (lanes) running at once
         t["bytes_per_step"] = bytes / steps;
         t["gbps_while_busy"] = busy_ms > 0 ? bytes / (busy_ms * 1e-3) / 1e9 : 0.0;

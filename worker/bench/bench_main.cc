@@ -28,9 +28,9 @@
 
 #include "common/args.h"
 #include "common/logging.h"
-#include "worker/parallel/context_group.h"
 #include "worker/bench/bench.h"
 #include "worker/engine/engine.h"
+#include "worker/parallel/context_group.h"
 
 namespace penumbra::bench {
 namespace {
@@ -87,39 +87,55 @@ Status Main(int argc, char** argv) {
     return Status::InvalidArgument("mode must be decode, prefill, ttft, shared or cp-decode");
   }
   Args a;
-  a.Flag("context", "context lengths, comma-separated").Flag("batch", "sequences (default: largest that fits)")
-      .Flag("steps", "timed decode steps (default 100)").Flag("kv-policy", "full or shadowkv")
+  a.Flag("context", "context lengths, comma-separated")
+      .Flag("batch", "sequences (default: largest that fits)")
+      .Flag("steps", "timed decode steps (default 100)")
+      .Flag("kv-policy", "full or shadowkv")
       .Flag("force-hit-rate", "shadowkv: keep this fraction of the previous step's chunks")
-      .Flag("hit-rates", "shadowkv: measure each of these forced hit rates on the same sequences, comma-separated, "
-                         "'natural' for none (e.g. natural,0.6)")
+      .Flag("hit-rates",
+            "shadowkv: measure each of these forced hit rates on the same sequences, comma-separated, "
+            "'natural' for none (e.g. natural,0.6)")
       .Flag("batch-sweep", "decode: build the batch once, then time the first b sequences for each b, comma-separated")
-      .Flag("device", "cuda (default) or cpu").Flag("dtype", "bf16 (default) or f32")
+      .Flag("device", "cuda (default) or cpu")
+      .Flag("dtype", "bf16 (default) or f32")
       .Flag("cuda-device", "CUDA device ordinal (default 0)")
       .Flag("linear",
             "CUDA linear layers: auto (skinny kernel for batches <= 8, SwiGLU fused; default), "
             "skinny (unfused) or cublas")
       .Flag("chained-launch", "CUDA: decode kernels launched chained, on (default) or off")
-      .Flag("prefill-chunk", "tokens per prefill chunk").Flag("max-batch", "runtime max batch")
+      .Flag("prefill-chunk", "tokens per prefill chunk")
+      .Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
-      .Flag("cache", "ttft: off (cold prefill, default), hbm (the document's KV state attached from the prefix "
-                     "cache in device memory) or disk (read back from the prefix store, as after a restart)")
-      .Flag("store-dir", "ttft --cache disk: the prefix store's directory, emptied first "
-                         "(default /tmp/penumbra-ttft-store)")
+      .Flag("cache",
+            "ttft: off (cold prefill, default), hbm (the document's KV state attached from the prefix "
+            "cache in device memory) or disk (read back from the prefix store, as after a restart)")
+      .Flag("store-dir",
+            "ttft --cache disk: the prefix store's directory, emptied first "
+            "(default /tmp/penumbra-ttft-store)")
       .Flag("question", "ttft, shared: question tokens after the document (default 64)")
-      .Flag("tier0", "shared, ttft: on (default): a hot document's values are copied to spare device memory "
-                     "(configs/storage.yaml gpu:); off: they stay in host memory")
+      .Flag("tier0",
+            "shared, ttft: on (default): a hot document's values are copied to spare device memory "
+            "(configs/storage.yaml gpu:); off: they stay in host memory")
       .Flag("store-read-threads", "ttft --cache disk: blocks read at once when a stored prefix is read (default 32)")
       .Flag("lazy-threads", "ttft --cache disk: reads in flight for lazily read values (default 64)")
       .Flag("lazy-reads", "ttft --cache disk: on (default): values read lazily; off: read whole before the first token")
-      .Flag("layers", "").Flag("hidden", "").Flag("ffn", "").Flag("heads", "").Flag("kv-heads", "")
-      .Flag("head-dim", "").Flag("vocab", "")
-      .Flag("kernel-trace", "decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
-                            "to this file, one JSON line each (ops/trace_summary.py summarizes it)")
-      .Switch("fetch-timeline", "decode, shadowkv: time every value fetch of the timed steps on the device and "
-                                "report how long per step the PCIe link was busy (fetch_timeline)")
-      .Switch("profile", "prefill: time each ShadowKV compression op; decode: time every op of 5 extra steps "
-                         "(synchronizes after each)");
+      .Flag("layers", "")
+      .Flag("hidden", "")
+      .Flag("ffn", "")
+      .Flag("heads", "")
+      .Flag("kv-heads", "")
+      .Flag("head-dim", "")
+      .Flag("vocab", "")
+      .Flag("kernel-trace",
+            "decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
+            "to this file, one JSON line each (ops/trace_summary.py summarizes it)")
+      .Switch("fetch-timeline",
+              "decode, shadowkv: time every value fetch of the timed steps on the device and "
+              "report how long per step the PCIe link was busy (fetch_timeline)")
+      .Switch("profile",
+              "prefill: time each ShadowKV compression op; decode: time every op of 5 extra steps "
+              "(synchronizes after each)");
   AddShadowKvFlags(a);
   AddContextGroupFlags(a);
   transport::AddSecurityFlags(a);  // the context group's TLS certificates (role worker), --insecure
@@ -181,14 +197,15 @@ Status Main(int argc, char** argv) {
   if (group) PENUMBRA_RETURN_IF_ERROR(engine->runtime().SetContextGroup(group.get()));
   Common cm;
   cm.gpu = engine->backend().name();
-  const double copy = mode == "decode" && engine->backend().device() == Device::kCUDA ? MeasureCopyGBps(engine->backend()) : 0;
+  const double copy =
+      mode == "decode" && engine->backend().device() == Device::kCUDA ? MeasureCopyGBps(engine->backend()) : 0;
   bool trace_pending = a.Has("kernel-trace");
   for (int64_t S : contexts) {
-    Status r = mode == "decode"   ? RunDecode(a, *engine, cm, S, copy, &trace_pending)
-               : mode == "ttft"   ? RunTtft(a, *engine, cm, S)
-               : mode == "shared" ? RunShared(a, *engine, cm, S)
+    Status r = mode == "decode"      ? RunDecode(a, *engine, cm, S, copy, &trace_pending)
+               : mode == "ttft"      ? RunTtft(a, *engine, cm, S)
+               : mode == "shared"    ? RunShared(a, *engine, cm, S)
                : mode == "cp-decode" ? RunCpDecode(a, *engine, cm, S, group.get())
-                                  : RunPrefill(a, *engine, cm, S, group.get());
+                                     : RunPrefill(a, *engine, cm, S, group.get());
     if (!r.ok()) {
       nlohmann::json j = cm.Line(mode);
       j["context"] = S;

@@ -24,8 +24,8 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   const std::vector<int32_t> doc = tokens(S, 0);
   // With tier 0 the document is copied to the device one layer per step
   // while the batch decodes: those steps come before the timed ones.
-  const bool tier0 = rt.prefix_cache() != nullptr && e.options().runtime.tiers.gpu_capacity_bytes > 0 &&
-                     b.device() == Device::kCUDA;
+  const bool tier0 =
+      rt.prefix_cache() != nullptr && e.options().runtime.tiers.gpu_capacity_bytes > 0 && b.device() == Device::kCUDA;
   constexpr int64_t kMaxTier0Steps = 256;
   const bool profile = a.Has("profile");
   const int64_t new_tokens = steps + 4 + (tier0 ? kMaxTier0Steps : 0) + (profile ? kProfileSteps : 0);
@@ -37,8 +37,8 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   const int64_t doc_seq = 1 << 30;
   PENUMBRA_RETURN_IF_ERROR(policy.AddSequence(doc_seq, spec));
   Status st = rt.Prefill(doc_seq, doc, nullptr, 0, S);
-  Result<std::shared_ptr<const KvPrefix>> prefix = st.ok() ? policy.CapturePrefix(doc_seq, S)
-                                                           : Result<std::shared_ptr<const KvPrefix>>(st);
+  Result<std::shared_ptr<const KvPrefix>> prefix =
+      st.ok() ? policy.CapturePrefix(doc_seq, S) : Result<std::shared_ptr<const KvPrefix>>(st);
   rt.RemoveSequence(doc_seq);
   PENUMBRA_RETURN_IF_ERROR(prefix.status());
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());

@@ -27,7 +27,7 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
     const std::vector<int32_t> q = tokens(Q, salt);
     r.prompt.insert(r.prompt.end(), q.begin(), q.end());
     r.max_new_tokens = 1;
-    if (cache != "off") r.segment_ends = {S};
+    if (cache != "off") r.document_ends = {S};
     return r;
   };
   auto timed = [&](const GenerationRequest& r, int64_t* cached) -> Result<double> {

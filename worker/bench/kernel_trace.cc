@@ -12,8 +12,9 @@ Status KernelTrace::Write(const std::vector<TraceRecord>& records, const std::st
   if (!f) return Status::InvalidArgument("--kernel-trace: cannot open '" + path + "' for writing");
   for (const TraceRecord& r : records) {
     nlohmann::json j;
-    j["kind"] = r.kind == TraceRecord::Kind::kKernel ? "kernel" : r.kind == TraceRecord::Kind::kMemcpy ? "memcpy"
-                                                                                                       : "memset";
+    j["kind"] = r.kind == TraceRecord::Kind::kKernel   ? "kernel"
+                : r.kind == TraceRecord::Kind::kMemcpy ? "memcpy"
+                                                       : "memset";
     j["name"] = r.name;
     j["start_ns"] = r.start_ns;
     j["end_ns"] = r.end_ns;

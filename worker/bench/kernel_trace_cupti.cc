@@ -17,9 +17,9 @@ constexpr size_t kBufferBytes = size_t{8} << 20;
 constexpr size_t kAlign = 8;
 
 std::mutex g_mu;
-bool g_on = false;                  // a KernelTrace is recording
+bool g_on = false;                   // a KernelTrace is recording
 std::vector<TraceRecord> g_records;  // guarded by g_mu
-uint64_t g_dropped = 0;             // records CUPTI could not store
+uint64_t g_dropped = 0;              // records CUPTI could not store
 
 std::string ShortName(const char* mangled) {
   if (mangled == nullptr) return "?";
@@ -27,7 +27,7 @@ std::string ShortName(const char* mangled) {
   char* d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
   std::string s = status == 0 && d ? d : mangled;
   std::free(d);
-  for (const std::string anon = "(anonymous namespace)::"; ;) {
+  for (const std::string anon = "(anonymous namespace)::";;) {
     const size_t at = s.find(anon);
     if (at == std::string::npos) break;
     s.erase(at, anon.size());
@@ -48,12 +48,18 @@ std::string ShortName(const char* mangled) {
 
 const char* CopyKindName(uint8_t k) {
   switch (k) {
-    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOD: return "HtoD";
-    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOH: return "DtoH";
-    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOD: return "DtoD";
-    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOH: return "HtoH";
-    case CUPTI_ACTIVITY_MEMCPY_KIND_PTOP: return "PtoP";
-    default: return "copy";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOD:
+      return "HtoD";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOH:
+      return "DtoH";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_DTOD:
+      return "DtoD";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_HTOH:
+      return "HtoH";
+    case CUPTI_ACTIVITY_MEMCPY_KIND_PTOP:
+      return "PtoP";
+    default:
+      return "copy";
   }
 }
 
@@ -129,9 +135,10 @@ Result<std::unique_ptr<KernelTrace>> KernelTrace::Start() {
   }
   std::unique_ptr<KernelTrace> t(new KernelTrace());
   t->on_ = true;  // from here the destructor undoes the above
-  PENUMBRA_RETURN_IF_ERROR(CuptiStatus(cuptiActivityRegisterCallbacks(BufferRequested, BufferCompleted),
-                                       "cuptiActivityRegisterCallbacks"));
-  for (CUpti_ActivityKind k : kKinds) PENUMBRA_RETURN_IF_ERROR(CuptiStatus(cuptiActivityEnable(k), "cuptiActivityEnable"));
+  PENUMBRA_RETURN_IF_ERROR(
+      CuptiStatus(cuptiActivityRegisterCallbacks(BufferRequested, BufferCompleted), "cuptiActivityRegisterCallbacks"));
+  for (CUpti_ActivityKind k : kKinds)
+    PENUMBRA_RETURN_IF_ERROR(CuptiStatus(cuptiActivityEnable(k), "cuptiActivityEnable"));
   return t;
 }
 
@@ -157,7 +164,8 @@ Result<std::vector<TraceRecord>> KernelTrace::Stop() {
     g_on = false;
   }
   on_ = false;
-  if (dropped > 0) return Status::ResourceExhausted("kernel trace: CUPTI dropped " + std::to_string(dropped) + " records");
+  if (dropped > 0)
+    return Status::ResourceExhausted("kernel trace: CUPTI dropped " + std::to_string(dropped) + " records");
   std::sort(out.begin(), out.end(), [](const TraceRecord& a, const TraceRecord& b) { return a.start_ns < b.start_ns; });
   return out;
 }

@@ -61,7 +61,6 @@ namespace kn = kernels;
 constexpr char kInputsFormat[] = "penumbra-shadowkv-check-inputs/1";
 constexpr char kOutputsFormat[] = "penumbra-shadowkv-check-outputs/1";
 
-
 std::string Str(int64_t v) { return std::to_string(v); }
 
 // ---------------------------------------------------------------- reading
@@ -106,7 +105,8 @@ Status ReadF32(const SafetensorsFile& f, const std::string& name, size_t dims, s
   }
   for (int64_t s : t->shape) {
     if (s > std::numeric_limits<int32_t>::max()) {
-      return Status::InvalidArgument("inputs: tensor '" + name + "' shape " + ShapeToString(t->shape) + " is too large");
+      return Status::InvalidArgument("inputs: tensor '" + name + "' shape " + ShapeToString(t->shape) +
+                                     " is too large");
     }
   }
   *shape = t->shape;
@@ -125,18 +125,20 @@ Status ValidateInputs(const CheckInputs& in) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument("inputs: " + m); };
   const int64_t H = in.hkv, S = in.seq, d = in.d, hq = in.hq, steps = in.steps;
   if (H < 1 || S < 1 || d < 2 || hq < 1 || steps < 1) {
-    return bad("empty tensors: hkv " + Str(H) + ", seq " + Str(S) + ", d " + Str(d) + ", hq " + Str(hq) +
-               ", steps " + Str(steps));
+    return bad("empty tensors: hkv " + Str(H) + ", seq " + Str(S) + ", d " + Str(d) + ", hq " + Str(hq) + ", steps " +
+               Str(steps));
   }
   if (d % 2 != 0) return bad("tensor 'k_pre': head dim " + Str(d) + " must be even");
   if (static_cast<int64_t>(in.k_pre.size()) != H * S * d) return bad("tensor 'k_pre' size != hkv*seq*d");
   if (static_cast<int64_t>(in.v.size()) != H * S * d) return bad("tensor 'v' must have shape " + Dims({H, S, d}));
-  if (static_cast<int64_t>(in.q.size()) != steps * hq * d) return bad("tensor 'q' must have shape " + Dims({steps, hq, d}));
-  if (static_cast<int64_t>(in.inv_freq.size()) != d / 2) return bad("tensor 'inv_freq' must have shape " + Dims({d / 2}));
+  if (static_cast<int64_t>(in.q.size()) != steps * hq * d)
+    return bad("tensor 'q' must have shape " + Dims({steps, hq, d}));
+  if (static_cast<int64_t>(in.inv_freq.size()) != d / 2)
+    return bad("tensor 'inv_freq' must have shape " + Dims({d / 2}));
   if (hq % H != 0) return bad("tensor 'q': hq " + Str(hq) + " is not a multiple of hkv " + Str(H));
   if (in.rank < 1 || in.rank > std::min<int64_t>(S, H * d)) {
-    return bad("metadata 'rank' = " + Str(in.rank) + " not in [1, min(seq, hkv*d) = " +
-               Str(std::min<int64_t>(S, H * d)) + "]");
+    return bad("metadata 'rank' = " + Str(in.rank) +
+               " not in [1, min(seq, hkv*d) = " + Str(std::min<int64_t>(S, H * d)) + "]");
   }
   if (in.chunk < 1) return bad("metadata 'chunk' = " + Str(in.chunk) + " must be >= 1");
   if (in.local_window < 0) return bad("metadata 'local_window' = " + Str(in.local_window) + " must be >= 0");
@@ -182,8 +184,8 @@ Result<CheckInputs> ReadInputs(const std::string& path) {
   in.steps = static_cast<int>(qs[0]);
   in.hq = static_cast<int>(qs[1]);
   if (vs != ks) {
-    return Status::InvalidArgument("inputs: tensor 'v' has shape " + ShapeToString(vs) + ", want " +
-                                   ShapeToString(ks) + " (as 'k_pre')");
+    return Status::InvalidArgument("inputs: tensor 'v' has shape " + ShapeToString(vs) + ", want " + ShapeToString(ks) +
+                                   " (as 'k_pre')");
   }
   if (qs[2] != in.d) {
     return Status::InvalidArgument("inputs: tensor 'q' has shape " + ShapeToString(qs) + ", want [steps, hq, " +
@@ -206,8 +208,8 @@ Result<CheckInputs> ReadInputs(const std::string& path) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t steps, MetaInt(meta, "steps"));
   PENUMBRA_ASSIGN_OR_RETURN(double scale, MetaDouble(meta, "scale"));
   if (steps != in.steps) {
-    return Status::InvalidArgument("inputs: metadata 'steps' = " + Str(steps) + " but tensor 'q' has " +
-                                   Str(in.steps) + " steps");
+    return Status::InvalidArgument("inputs: metadata 'steps' = " + Str(steps) + " but tensor 'q' has " + Str(in.steps) +
+                                   " steps");
   }
   in.rank = static_cast<int>(rank);
   in.chunk = static_cast<int>(chunk);
@@ -324,7 +326,8 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
         }
         p[i] = static_cast<int32_t>(t);
       }
-      PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(qkv.get(), host.data(), static_cast<size_t>(n) * qkv_row * sizeof(float)));
+      PENUMBRA_RETURN_IF_ERROR(
+          b.CopyToDevice(qkv.get(), host.data(), static_cast<size_t>(n) * qkv_row * sizeof(float)));
       PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos.get(), p.data(), n * sizeof(int32_t)));
       PENUMBRA_RETURN_IF_ERROR(comp.StoreTokens(qkv.as<float>(), pos.as<int32_t>(), n, start, q_scratch.get(),
                                                 comp.tmp_k().get(), comp.tmp_v().get(), tstride,
@@ -455,8 +458,10 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
     for (int h = 0; h < H; ++h) {
       std::copy_n(score_host.data() + static_cast<size_t>(h) * sstride, n_chunks,
                   res.scores.data() + (static_cast<size_t>(step) * H + h) * n_chunks);
-      std::vector<int32_t> s(sel_host.begin() + static_cast<size_t>(h) * K, sel_host.begin() + static_cast<size_t>(h + 1) * K);
-      std::vector<int32_t> m(slot_host.begin() + static_cast<size_t>(h) * K, slot_host.begin() + static_cast<size_t>(h + 1) * K);
+      std::vector<int32_t> s(sel_host.begin() + static_cast<size_t>(h) * K,
+                             sel_host.begin() + static_cast<size_t>(h + 1) * K);
+      std::vector<int32_t> m(slot_host.begin() + static_cast<size_t>(h) * K,
+                             slot_host.begin() + static_cast<size_t>(h + 1) * K);
       std::sort(s.begin(), s.end());
       std::sort(m.begin(), m.end());
       for (int j = 0; j < K; ++j) {
@@ -491,12 +496,23 @@ Status WriteSafetensors(const std::string& path, const std::vector<OutTensor>& t
   for (const OutTensor& t : tensors) {
     std::string dt;
     switch (t.dtype) {
-      case DType::kF32: dt = "F32"; break;
-      case DType::kF16: dt = "F16"; break;
-      case DType::kBF16: dt = "BF16"; break;
-      case DType::kI32: dt = "I32"; break;
-      case DType::kI64: dt = "I64"; break;
-      default: return Status::InvalidArgument("safetensors: no dtype name for tensor '" + t.name + "'");
+      case DType::kF32:
+        dt = "F32";
+        break;
+      case DType::kF16:
+        dt = "F16";
+        break;
+      case DType::kBF16:
+        dt = "BF16";
+        break;
+      case DType::kI32:
+        dt = "I32";
+        break;
+      case DType::kI64:
+        dt = "I64";
+        break;
+      default:
+        return Status::InvalidArgument("safetensors: no dtype name for tensor '" + t.name + "'");
     }
     size_t numel = 1;
     for (int64_t s : t.shape) {

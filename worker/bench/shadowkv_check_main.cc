@@ -49,7 +49,8 @@ int Main(int argc, char** argv) {
     std::cout << kUsage << "\n" << a.Help();
     return 0;
   }
-  if (!a.Has("in") || !a.Has("out")) return Fail(Status::InvalidArgument(std::string("--in and --out are required\n") + kUsage), 2);
+  if (!a.Has("in") || !a.Has("out"))
+    return Fail(Status::InvalidArgument(std::string("--in and --out are required\n") + kUsage), 2);
   BackendOptions bo;
   bo.device = a.Get("device", "auto");
   bo.dtype = a.Get("dtype", "auto");
@@ -77,8 +78,8 @@ int Main(int argc, char** argv) {
   if (!st.ok()) return Fail(st, 1);
   std::cerr << "penumbra-shadowkv-check: " << (*backend)->name() << " " << DTypeName((*backend)->act_dtype())
             << ": seq " << in->seq << ", hkv " << in->hkv << ", hq " << in->hq << ", d " << in->d << ", n_chunks "
-            << res->n_chunks << ", outliers " << res->outliers << ", kslots " << res->kslots << ", steps "
-            << res->steps << " -> " << a.Get("out") << std::endl;
+            << res->n_chunks << ", outliers " << res->outliers << ", kslots " << res->kslots << ", steps " << res->steps
+            << " -> " << a.Get("out") << std::endl;
   return 0;
 }
 

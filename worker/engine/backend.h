@@ -54,7 +54,9 @@ class DeviceBuffer {
   }
   void* get() const { return p_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(p_); }
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
   size_t bytes() const { return bytes_; }
   explicit operator bool() const { return p_ != nullptr; }
 
@@ -77,32 +79,32 @@ struct RopeStoreOp {
   const int32_t* positions = nullptr;  // [n]
   const float* inv_freq = nullptr;     // [d/2]
   int n = 0, hq = 0, hkv = 0, d = 0;
-  void* q_out = nullptr;               // [n, hq, d] of act dtype
-  void* const* k_dst = nullptr;        // [n] slot address of KV head 0, per token
+  void* q_out = nullptr;         // [n, hq, d] of act dtype
+  void* const* k_dst = nullptr;  // [n] slot address of KV head 0, per token
   void* const* v_dst = nullptr;
-  int64_t head_stride = 0;             // elements
-  float* pre_rope_k_out = nullptr;     // optional [n, hkv, d] f32
+  int64_t head_stride = 0;                 // elements
+  float* pre_rope_k_out = nullptr;         // optional [n, hkv, d] f32
   float* const* pre_rope_k_dst = nullptr;  // optional [n] address of each token's [hkv, d] f32 row
 };
 
 struct PrefillAttentionOp {
-  const void* q = nullptr;             // [nq, hq, d]
-  const void* k = nullptr;             // [hkv][head_stride]
+  const void* q = nullptr;  // [nq, hq, d]
+  const void* k = nullptr;  // [hkv][head_stride]
   const void* v = nullptr;
-  void* out = nullptr;                 // [nq, hq, d]
-  float* lse = nullptr;                // optional [nq, hq] f32: ln sum exp(scale q.k) over each row's keys
+  void* out = nullptr;   // [nq, hq, d]
+  float* lse = nullptr;  // optional [nq, hq] f32: ln sum exp(scale q.k) over each row's keys
   int64_t head_stride = 0;
   int q_start = 0, nq = 0, hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
 };
 
 struct DecodeAttentionOp {
-  const void* q = nullptr;             // [batch, hq, d]
-  const void* const* k = nullptr;      // [batch] per-sequence bases
+  const void* q = nullptr;         // [batch, hq, d]
+  const void* const* k = nullptr;  // [batch] per-sequence bases
   const void* const* v = nullptr;
-  const int32_t* lengths = nullptr;    // [batch]
-  void* out = nullptr;                 // [batch, hq, d]
-  float* lse = nullptr;                // optional [batch, hq] f32: ln sum exp(scale q.k) over the keys
+  const int32_t* lengths = nullptr;  // [batch]
+  void* out = nullptr;               // [batch, hq, d]
+  float* lse = nullptr;              // optional [batch, hq] f32: ln sum exp(scale q.k) over the keys
   int64_t head_stride = 0;
   int batch = 0, hq = 0, hkv = 0, d = 0;
   int max_length = 0;
@@ -119,15 +121,15 @@ struct DecodeAttentionOp {
 // the prefix's K/V, held once; merged by log-sum-exp into out, which holds
 // each row's attention over its own keys (own_lse from DecodeAttentionOp::lse).
 struct PrefixAttentionOp {
-  const void* q = nullptr;             // [batch, hq, d]
-  const int32_t* rows = nullptr;       // device [n]: batch rows attached to the prefix
+  const void* q = nullptr;        // [batch, hq, d]
+  const int32_t* rows = nullptr;  // device [n]: batch rows attached to the prefix
   int n = 0;
-  const void* k = nullptr;             // the prefix's K of one layer, [hkv][head_stride]
+  const void* k = nullptr;  // the prefix's K of one layer, [hkv][head_stride]
   const void* v = nullptr;
   int64_t head_stride = 0;
   int keys = 0;
-  void* out = nullptr;                 // [batch, hq, d]
-  const float* own_lse = nullptr;      // [batch, hq]; null: out is overwritten with the prefix's part
+  void* out = nullptr;             // [batch, hq, d]
+  const float* own_lse = nullptr;  // [batch, hq]; null: out is overwritten with the prefix's part
   int hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
 };
@@ -172,8 +174,7 @@ class Backend {
 
   // ---- ops ----
   // out[i] = f32(table[ids[i]]); table [vocab, dim] of `table_dtype`.
-  virtual void Embedding(const void* table, DType table_dtype, const int32_t* ids, int n, int dim,
-                         float* out) = 0;
+  virtual void Embedding(const void* table, DType table_dtype, const int32_t* ids, int n, int dim, float* out) = 0;
   // out (act dtype or f32 when out_f32) = rmsnorm(x) * w.
   virtual void RmsNorm(const float* x, const void* w, DType w_dtype, int n, int dim, float eps, void* out,
                        bool out_f32 = false) = 0;

@@ -226,8 +226,10 @@ class CpuBackend final : public Backend {
       c.chunk_tokens = a.chunk_tokens;
       c.hkv = a.hkv;
       c.d = a.d;
-      if (a.landmark_fp8) c.landmarks_fp8 = static_cast<uint8_t*>(a.landmarks) + p * a.landmark_batch_stride;
-      else c.landmarks = static_cast<float*>(a.landmarks) + p * a.landmark_batch_stride;
+      if (a.landmark_fp8)
+        c.landmarks_fp8 = static_cast<uint8_t*>(a.landmarks) + p * a.landmark_batch_stride;
+      else
+        c.landmarks = static_cast<float*>(a.landmarks) + p * a.landmark_batch_stride;
       c.landmark_head_stride = a.landmark_head_stride;
       c.min_cos = a.min_cos + p * a.min_cos_batch_stride;
       c.min_cos_head_stride = a.min_cos_head_stride;

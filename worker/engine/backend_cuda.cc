@@ -10,10 +10,10 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/add_bias.cuh"
-#include "kernels/attention_merge.cuh"
 #include <cusolverDn.h>
+#include "kernels/add_bias.cuh"
 #include "kernels/attention_decode.cuh"
+#include "kernels/attention_merge.cuh"
 #include "kernels/attention_prefill.cuh"
 #include "kernels/attention_prefix.cuh"
 #include "kernels/convert.cuh"
@@ -40,23 +40,35 @@ void FreeHostPinned(void* p) { cudaFreeHost(p); }
 
 const char* CublasName(cublasStatus_t s) {
   switch (s) {
-    case CUBLAS_STATUS_SUCCESS: return "success";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "not initialized";
-    case CUBLAS_STATUS_ALLOC_FAILED: return "alloc failed";
-    case CUBLAS_STATUS_INVALID_VALUE: return "invalid value";
-    case CUBLAS_STATUS_ARCH_MISMATCH: return "arch mismatch";
-    case CUBLAS_STATUS_EXECUTION_FAILED: return "execution failed";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "not supported";
-    default: return "error";
+    case CUBLAS_STATUS_SUCCESS:
+      return "success";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      return "not initialized";
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      return "alloc failed";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "invalid value";
+    case CUBLAS_STATUS_ARCH_MISMATCH:
+      return "arch mismatch";
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      return "execution failed";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "not supported";
+    default:
+      return "error";
   }
 }
 
 cudaDataType_t CudaType(DType t) {
   switch (t) {
-    case DType::kF32: return CUDA_R_32F;
-    case DType::kBF16: return CUDA_R_16BF;
-    case DType::kF16: return CUDA_R_16F;
-    default: LOG(FATAL) << "no cuBLAS type for " << DTypeName(t);
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
+    default:
+      LOG(FATAL) << "no cuBLAS type for " << DTypeName(t);
   }
   return CUDA_R_32F;
 }
@@ -121,8 +133,8 @@ class CudaBackend final : public Backend {
     cudaError_t e = cudaHostAlloc(&p, bytes == 0 ? 256 : bytes, cudaHostAllocMapped | cudaHostAllocPortable);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
-      return Status::ResourceExhausted("cuda: cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory (" +
-                                       cudaGetErrorString(e) + ")");
+      return Status::ResourceExhausted("cuda: cannot allocate " + std::to_string(bytes) +
+                                       " bytes of pinned host memory (" + cudaGetErrorString(e) + ")");
     }
     return DeviceBuffer(p, bytes, &FreeHostPinned);
   }
@@ -173,7 +185,7 @@ class CudaBackend final : public Backend {
   }
   void Linear(const void* x, const LinearWeight& w, int n, float* y, bool accumulate) override {
     // Decode-sized batches: the skinny kernel (chained, W streamed into the
-    // tensor cores; docs/benchmarks.md, eighth session). cuBLAS otherwise.
+    // tensor cores; bench/results/2026-11-21-h200-skinny-linear.jsonl). cuBLAS otherwise.
     kn::SkinnyLinearArgs sk = SkinnyArgs(x, w, n);
     sk.y = y;
     sk.accumulate = accumulate;
@@ -184,15 +196,15 @@ class CudaBackend final : public Backend {
     }
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     // Row-major y[n,out] = x[n,in] W[out,in]^T is column-major y^T = W^T' x^T'.
-    cublasStatus_t s = cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, w.out, n, w.in, &alpha, w.w, CudaType(w.dtype),
-                                    w.in, x, CudaType(w.dtype), w.in, &beta, y, CUDA_R_32F, w.out,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasStatus_t s =
+        cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, w.out, n, w.in, &alpha, w.w, CudaType(w.dtype), w.in, x,
+                     CudaType(w.dtype), w.in, &beta, y, CUDA_R_32F, w.out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasGemmEx: " << CublasName(s);
     if (w.bias) kn::LaunchAddBias(y, w.bias, w.dtype, n, w.out, stream_);
   }
   void LinearSwiGLU(const void* x, const LinearWeight& gate_up, int n, float* gu, void* out) override {
     // The SwiGLU in the skinny kernel's epilogue: a kernel fewer in decode's
-    // chain (docs/benchmarks.md, ninth session).
+    // chain (bench/results/2026-11-21-h200-swiglu.jsonl).
     kn::SkinnyLinearArgs sk = SkinnyArgs(x, gate_up, n);
     sk.out = gate_up.out / 2;
     sk.act_out = out;
@@ -340,7 +352,8 @@ class CudaBackend final : public Backend {
   }
 
   Status Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height) override {
-    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault, stream_));
+    PENUMBRA_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault, stream_));
     return Status::OK();
   }
 
@@ -382,7 +395,8 @@ class CudaBackend final : public Backend {
     }
     if (static_cast<int>(score_ws_.size()) <= a.workspace_part) score_ws_.resize(a.workspace_part + 1);
     DeviceBuffer& ws = score_ws_[a.workspace_part];
-    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&ws, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks, a.landmarks_per_chunk)));
+    PENUMBRA_RETURN_IF_ERROR(
+        GrowWorkspace(&ws, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks, a.landmarks_per_chunk)));
     a.workspace = ws.get();
     a.workspace_bytes = ws.bytes();
     kn::LaunchShadowkvScore(a, stream_, then_update);
@@ -519,7 +533,7 @@ class CudaBackend final : public Backend {
   LinearKernels linear_;  // BackendOptions::linear: skinny kernel unless kCublas; LinearSwiGLU fused with kAuto
   // The skinny kernel takes batches up to this many rows: on the H200 it is
   // within ~10% of cuBLAS on every Llama-8B projection there, and chained;
-  // at 14-16 rows it is 4-18% slower (docs/benchmarks.md, eighth session).
+  // at 14-16 rows it is 4-18% slower (bench/results/2026-11-21-h200-skinny-linear.jsonl).
   static constexpr int kSkinnyRows = 8;
   std::string name_;
   cudaStream_t stream_ = nullptr;

@@ -104,7 +104,8 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
   } else {
     return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy + "' (expected full or shadowkv)");
   }
-  PENUMBRA_ASSIGN_OR_RETURN(lane->runtime, Runtime::Create(options_.runtime, lane->policy_ctx->ctx, weights_.get(), std::move(policy)));
+  PENUMBRA_ASSIGN_OR_RETURN(
+      lane->runtime, Runtime::Create(options_.runtime, lane->policy_ctx->ctx, weights_.get(), std::move(policy)));
   if (prefix_store_) lane->runtime->SetPrefixStore(prefix_store_.get(), model_identity_);
   return lane;
 }
@@ -115,8 +116,9 @@ Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
   }
   if (e->options_.document_store || !e->options_.prefix_store.path.empty()) {
     if (e->options_.runtime.prefix_cache_bytes == 0) {
-      return Status::InvalidArgument("a persistent document store needs storage.memory.device_bytes > 0 (the memory "
-                                     "tier in front of it)");
+      return Status::InvalidArgument(
+          "a persistent document store needs storage.memory.device_bytes > 0 (the memory "
+          "tier in front of it)");
     }
   }
   if (e->options_.document_store) {

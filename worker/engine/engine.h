@@ -134,7 +134,7 @@ class Engine {
   EngineOptions options_;
   std::unique_ptr<Backend> backend_;  // lane 0's; the weights live in its memory
   std::unique_ptr<ModelWeights> weights_;
-  std::unique_ptr<FetchTurns> fetch_turns_;  // shadowkv.fetch_turns; outlives the lanes
+  std::unique_ptr<FetchTurns> fetch_turns_;               // shadowkv.fetch_turns; outlives the lanes
   std::shared_ptr<storage::DocumentStore> prefix_store_;  // shared by the lanes' runtimes; outlives them
   std::string model_identity_;
   std::vector<std::unique_ptr<Lane>> lanes_;

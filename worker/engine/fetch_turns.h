@@ -28,8 +28,8 @@
 // ids and batches stay per lane; only the order of fetches is coupled.
 #pragma once
 #include <chrono>
-#include <cstdint>
 #include <condition_variable>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -70,7 +70,7 @@ class FetchTurns {
   struct LaneState {
     Backend* backend = nullptr;
     bool in_step = false;
-    int issued = -1;  // last layer whose fetch was issued in the current step
+    int issued = -1;    // last layer whose fetch was issued in the current step
     int64_t round = 0;  // decode steps begun (paired across lanes, see StepBegin)
   };
   mutable std::mutex mu_;

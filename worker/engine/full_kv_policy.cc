@@ -23,7 +23,13 @@ class FullKvPrefix final : public KvPrefix {
  public:
   FullKvPrefix(int64_t tokens, int layers, int hkv, int d, DType dtype, DeviceBuffer k, DeviceBuffer v,
                Backend* backend)
-      : tokens_(tokens), layers_(layers), hkv_(hkv), d_(d), dtype_(dtype), k_(std::move(k)), v_(std::move(v)),
+      : tokens_(tokens),
+        layers_(layers),
+        hkv_(hkv),
+        d_(d),
+        dtype_(dtype),
+        k_(std::move(k)),
+        v_(std::move(v)),
         backend_(backend) {}
   std::string policy() const override { return "full"; }
   int64_t tokens() const override { return tokens_; }
@@ -190,19 +196,18 @@ class FullKvPolicy final : public KvPolicy {
     }
     if (tokens > s.base) {
       const size_t w = (tokens - s.base) * row, off = s.base * row, pitch = OwnRows(s) * row;
-      PENUMBRA_RETURN_IF_ERROR(
-          ctx_.backend->Copy2D(k.as<char>() + off, tokens * row, s.k.get(), pitch, w, rows));
-      PENUMBRA_RETURN_IF_ERROR(
-          ctx_.backend->Copy2D(v.as<char>() + off, tokens * row, s.v.get(), pitch, w, rows));
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(k.as<char>() + off, tokens * row, s.k.get(), pitch, w, rows));
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(v.as<char>() + off, tokens * row, s.v.get(), pitch, w, rows));
     }
-    return std::shared_ptr<const KvPrefix>(std::make_shared<FullKvPrefix>(
-        tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype(), std::move(k), std::move(v),
-        ctx_.backend));
+    return std::shared_ptr<const KvPrefix>(std::make_shared<FullKvPrefix>(tokens, ctx_.num_layers, ctx_.hkv,
+                                                                          ctx_.head_dim, ctx_.backend->act_dtype(),
+                                                                          std::move(k), std::move(v), ctx_.backend));
   }
 
   Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
     for (const char* name : {"meta", "k", "v"}) {
-      if (!blobs.count(name)) return Status::InvalidArgument(std::string("full KV prefix: blob '") + name + "' is missing");
+      if (!blobs.count(name))
+        return Status::InvalidArgument(std::string("full KV prefix: blob '") + name + "' is missing");
     }
     const std::string& meta = blobs.at("meta");
     // The token count is the only free field; the rest must be this model's.
@@ -214,7 +219,8 @@ class FullKvPolicy final : public KvPolicy {
       is >> tokens;
       if (!is || tokens < 1) return Status::InvalidArgument("full KV prefix: bad token count in '" + meta + "'");
     }
-    const std::string want = FullKvPrefix::Meta(tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype());
+    const std::string want =
+        FullKvPrefix::Meta(tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype());
     if (meta != want) {
       return Status::InvalidArgument("full KV prefix: made for another geometry or dtype ('" + meta +
                                      "'; this policy: '" + want + "')");
@@ -232,9 +238,9 @@ class FullKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(kv[i].get(), b.data(), bytes));
       ++i;
     }
-    return std::shared_ptr<const KvPrefix>(std::make_shared<FullKvPrefix>(
-        tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype(), std::move(kv[0]),
-        std::move(kv[1]), ctx_.backend));
+    return std::shared_ptr<const KvPrefix>(
+        std::make_shared<FullKvPrefix>(tokens, ctx_.num_layers, ctx_.hkv, ctx_.head_dim, ctx_.backend->act_dtype(),
+                                       std::move(kv[0]), std::move(kv[1]), ctx_.backend));
   }
 
   Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) override {
@@ -256,7 +262,8 @@ class FullKvPolicy final : public KvPolicy {
       CHECK_LT(at, s.capacity) << "sequence " << seqs[i] << " is full";
       CHECK_GE(positions[i], s.base);
       step_seqs_.push_back(&s);
-      tail[i] = static_cast<int32_t>(s.closed ? s.length - s.base : positions[i] + 1 - s.base);  // own keys, the new one included
+      tail[i] = static_cast<int32_t>(s.closed ? s.length - s.base
+                                              : positions[i] + 1 - s.base);  // own keys, the new one included
       step_max_len_ = std::max<int64_t>(step_max_len_, tail[i]);
       if (s.fp != nullptr) attached[s.fp].push_back(static_cast<int32_t>(i));
       for (int l = 0; l < ctx_.num_layers; ++l) {
@@ -346,7 +353,8 @@ class FullKvPolicy final : public KvPolicy {
     if (s.base + length > s.capacity) {
       return Status::InvalidArgument("synthesized context longer than the sequence's capacity");
     }
-    if (s.fp != nullptr) return Status::InvalidArgument("cannot synthesize the context of a sequence attached to a prefix");
+    if (s.fp != nullptr)
+      return Status::InvalidArgument("cannot synthesize the context of a sequence attached to a prefix");
     const int64_t n = LayerStride(s) * ctx_.num_layers;
     ctx_.backend->FillRandomNormal(s.k.get(), ctx_.backend->act_dtype(), n, 1.0f, seed * 2 + 1);
     ctx_.backend->FillRandomNormal(s.v.get(), ctx_.backend->act_dtype(), n, 1.0f, seed * 2 + 2);
@@ -384,9 +392,9 @@ class FullKvPolicy final : public KvPolicy {
   struct Seq {
     int64_t capacity = 0;  // tokens, the attached prefix's included
     int64_t length = 0;
-    int64_t base = 0;      // the attached prefix's tokens: rows from `base` on are the sequence's own
-    DeviceBuffer k, v;     // own rows: [layers][hkv][capacity - base][d]
-    bool closed = false;   // a closed context-parallel shard (ShardSpec::closed)
+    int64_t base = 0;                        // the attached prefix's tokens: rows from `base` on are the sequence's own
+    DeviceBuffer k, v;                       // own rows: [layers][hkv][capacity - base][d]
+    bool closed = false;                     // a closed context-parallel shard (ShardSpec::closed)
     const FullKvPrefix* fp = nullptr;        // the attached prefix (null: none)
     std::shared_ptr<const KvPrefix> prefix;  // ... held while the sequence lives
   };

@@ -41,9 +41,9 @@ class FetchTurns;
 class KvPrefix {
  public:
   virtual ~KvPrefix() = default;
-  virtual std::string policy() const = 0;  // the making policy's name()
-  virtual int64_t tokens() const = 0;      // prefix length in tokens
-  virtual size_t device_bytes() const = 0; // device memory it holds
+  virtual std::string policy() const = 0;          // the making policy's name()
+  virtual int64_t tokens() const = 0;              // prefix length in tokens
+  virtual size_t device_bytes() const = 0;         // device memory it holds
   virtual size_t host_bytes() const { return 0; }  // host memory it holds (values in DRAM)
   // Its state as named host byte blobs (what the persistent document cache
   // stores); ImportPrefix of the same policy and geometry inverts it.
@@ -92,8 +92,8 @@ struct PolicyContext {
 
 struct PolicyStats {
   int64_t decode_steps = 0;
-  int64_t selected_chunks = 0;  // sparse policies: chunks selected over all steps/layers/heads
-  int64_t hit_chunks = 0;       // ... of which were already on the device
+  int64_t selected_chunks = 0;                  // sparse policies: chunks selected over all steps/layers/heads
+  int64_t hit_chunks = 0;                       // ... of which were already on the device
   std::map<std::string, double> prefill_op_ms;  // when profiling: per-op prefill milliseconds
   double hit_rate() const { return selected_chunks ? static_cast<double>(hit_chunks) / selected_chunks : 0.0; }
 };
@@ -177,8 +177,8 @@ class KvPolicy {
   virtual Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) = 0;
   //   qkv: [batch, (hq + 2*hkv) * d] f32; q_scratch, out: [batch, hq*d] act dtype;
   //   lse: null, or [batch, hq] f32 as for PrefillAttention.
-  virtual Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch,
-                                 void* out, float* lse) = 0;
+  virtual Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
+                                 float* lse) = 0;
   virtual Status FinishDecodeStep() = 0;
   // Called once after every decode step, successful or not (after
   // FinishDecodeStep, or after the op that failed): ends the step's

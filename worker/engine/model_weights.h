@@ -32,7 +32,7 @@ class ModelWeights {
 
   const ModelConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }
-  const void* embed() const { return embed_; }        // [V, H]
+  const void* embed() const { return embed_; }  // [V, H]
   const void* final_norm() const { return final_norm_; }
   const LinearWeight& lm_head() const { return lm_head_; }
   const std::vector<LayerWeights>& layers() const { return layers_; }

@@ -13,13 +13,13 @@ namespace {
 // The keyed chain: the same structure as the XXH3 one, each link an
 // HMAC-SHA256 under the secret.
 std::vector<Hash128> KeyedPrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
-                                     const std::vector<int64_t>& segment_ends, std::string_view secret) {
+                                     const std::vector<int64_t>& document_ends, std::string_view secret) {
   std::vector<Hash128> keys;
-  keys.reserve(segment_ends.size());
+  keys.reserve(document_ends.size());
   Hash128 prev = TruncatedKey(HmacSha256Stream(secret).Update("penumbra-prefix-keyed-v1\n").Update(fence).Final());
   int64_t begin = 0;
-  for (int64_t end : segment_ends) {
-    CHECK(end > begin && end <= static_cast<int64_t>(prompt.size())) << "segment ends must ascend within the prompt";
+  for (int64_t end : document_ends) {
+    CHECK(end > begin && end <= static_cast<int64_t>(prompt.size())) << "document ends must ascend within the prompt";
     const int64_t n = end - begin;
     HmacSha256Stream h(secret);
     h.Update(&prev, sizeof(prev)).Update(&n, sizeof(n)).Update(prompt.data() + begin, n * sizeof(int32_t));
@@ -33,10 +33,10 @@ std::vector<Hash128> KeyedPrefixKeys(const std::string& fence, const std::vector
 }  // namespace
 
 std::vector<Hash128> PrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
-                                const std::vector<int64_t>& segment_ends, std::string_view secret) {
-  if (!secret.empty()) return KeyedPrefixKeys(fence, prompt, segment_ends, secret);
+                                const std::vector<int64_t>& document_ends, std::string_view secret) {
+  if (!secret.empty()) return KeyedPrefixKeys(fence, prompt, document_ends, secret);
   std::vector<Hash128> keys;
-  keys.reserve(segment_ends.size());
+  keys.reserve(document_ends.size());
   Hash128 prev;
   {
     Hasher128 h;
@@ -44,8 +44,8 @@ std::vector<Hash128> PrefixKeys(const std::string& fence, const std::vector<int3
     prev = h.Digest();
   }
   int64_t begin = 0;
-  for (int64_t end : segment_ends) {
-    CHECK(end > begin && end <= static_cast<int64_t>(prompt.size())) << "segment ends must ascend within the prompt";
+  for (int64_t end : document_ends) {
+    CHECK(end > begin && end <= static_cast<int64_t>(prompt.size())) << "document ends must ascend within the prompt";
     Hasher128 h;
     const int64_t n = end - begin;
     h.Update(&prev, sizeof(prev)).Update(&n, sizeof(n)).Update(prompt.data() + begin, n * sizeof(int32_t));

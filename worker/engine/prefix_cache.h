@@ -44,12 +44,12 @@
 
 namespace penumbra {
 
-// keys[i] covers prompt[0, segment_ends[i]); `fence` names everything besides
-// the tokens that the state depends on. segment_ends must be ascending and
+// keys[i] covers prompt[0, document_ends[i]); `fence` names everything besides
+// the tokens that the state depends on. document_ends must be ascending and
 // within the prompt (Runtime::Validate checks requests). `secret` non-empty:
 // the keyed chain (HMAC-SHA256, truncated to 128 bits); empty: XXH3.
 std::vector<Hash128> PrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
-                                const std::vector<int64_t>& segment_ends, std::string_view secret = {});
+                                const std::vector<int64_t>& document_ends, std::string_view secret = {});
 
 struct PrefixCacheStats {
   int64_t hits = 0, misses = 0, inserts = 0, evictions = 0;
@@ -58,7 +58,8 @@ struct PrefixCacheStats {
 class PrefixCache {
  public:
   explicit PrefixCache(size_t capacity_bytes, size_t host_capacity_bytes = SIZE_MAX, double low_watermark = 1.0)
-      : capacity_bytes_(capacity_bytes), host_capacity_bytes_(host_capacity_bytes),
+      : capacity_bytes_(capacity_bytes),
+        host_capacity_bytes_(host_capacity_bytes),
         low_watermark_(std::clamp(low_watermark, 0.0, 1.0)) {}
 
   // The prefix stored under `key` with `tokens` tokens (null when absent),

@@ -1,13 +1,13 @@
 #include "worker/engine/runtime.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
-#include <chrono>
-#include <set>
-#include <thread>
 #include <random>
+#include <set>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 namespace penumbra {
@@ -34,9 +34,12 @@ Result<std::unique_ptr<PolicyContextHolder>> MakePolicyContext(Backend* backend,
   return h;
 }
 
-Runtime::Runtime(const RuntimeOptions& o, const PolicyContext& ctx, const ModelWeights* w,
-                 std::unique_ptr<KvPolicy> p)
-    : options_(o), backend_(ctx.backend), inv_freq_(ctx.inv_freq), attn_scale_(ctx.scale), weights_(w),
+Runtime::Runtime(const RuntimeOptions& o, const PolicyContext& ctx, const ModelWeights* w, std::unique_ptr<KvPolicy> p)
+    : options_(o),
+      backend_(ctx.backend),
+      inv_freq_(ctx.inv_freq),
+      attn_scale_(ctx.scale),
+      weights_(w),
       policy_(std::move(p)) {}
 
 Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options, const PolicyContext& ctx,
@@ -115,18 +118,18 @@ Status ValidateGenerationRequest(const GenerationRequest& q, const ModelConfig& 
     }
   }
   PENUMBRA_RETURN_IF_ERROR(q.sampling.Validate());
-  if (q.segment_ends.size() > q.prompt.size()) {
-    return Status::InvalidArgument(std::to_string(q.segment_ends.size()) + " segment ends for a prompt of " +
+  if (q.document_ends.size() > q.prompt.size()) {
+    return Status::InvalidArgument(std::to_string(q.document_ends.size()) + " document ends for a prompt of " +
                                    std::to_string(q.prompt.size()) + " tokens");
   }
-  for (size_t i = 0; i < q.segment_ends.size(); ++i) {
-    const int64_t e = q.segment_ends[i], prev = i ? q.segment_ends[i - 1] : 0;
+  for (size_t i = 0; i < q.document_ends.size(); ++i) {
+    const int64_t e = q.document_ends[i], prev = i ? q.document_ends[i - 1] : 0;
     const int64_t limit = static_cast<int64_t>(q.prompt.size()) - (q.max_new_tokens > 0 ? 1 : 0);
     if (e <= prev || e > limit) {
-      return Status::InvalidArgument("segment end " + std::to_string(e) + " (index " + std::to_string(i) +
-                                     ") must be above " + std::to_string(prev) +
-                                     (q.max_new_tokens > 0 ? " and below the prompt's " : " and at most the prompt's ") +
-                                     std::to_string(q.prompt.size()) + " tokens");
+      return Status::InvalidArgument(
+          "document end " + std::to_string(e) + " (index " + std::to_string(i) + ") must be above " +
+          std::to_string(prev) + (q.max_new_tokens > 0 ? " and below the prompt's " : " and at most the prompt's ") +
+          std::to_string(q.prompt.size()) + " tokens");
     }
   }
   // Each draw made one generated token, now part of the prompt: more is
@@ -179,9 +182,7 @@ Status Runtime::AddSequence(int64_t seq, int64_t prompt_len, int64_t max_new_tok
 
 Runtime::Shard Runtime::ShardOf(int64_t tokens, int rank, int world) {
   const int64_t align = tokens >= int64_t{64} * world ? 64 : 1;
-  auto bound = [&](int i) -> int64_t {
-    return i >= world ? tokens : tokens * i / world / align * align;
-  };
+  auto bound = [&](int i) -> int64_t { return i >= world ? tokens : tokens * i / world / align * align; };
   return Shard{bound(rank), bound(rank + 1)};
 }
 
@@ -327,8 +328,8 @@ void Runtime::Mlp(const LayerWeights& L, float* x, int n) {
   backend_->Linear(ffn_.get(), L.down, n, x, true);
 }
 
-Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out,
-                        int64_t start, int64_t end) {
+Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::vector<float>* logits_out, int64_t start,
+                        int64_t end) {
   const int64_t total = end < 0 ? static_cast<int64_t>(prompt.size()) : end;
   CHECK(start >= 0 && start < total && total <= static_cast<int64_t>(prompt.size()))
       << "prefill of [" << start << ", " << total << ") of a " << prompt.size() << "-token prompt";
@@ -348,7 +349,7 @@ Status Runtime::Prefill(int64_t seq, const std::vector<int32_t>& prompt, std::ve
 }
 
 Result<std::unique_ptr<Runtime::PartialPrefill>> Runtime::StartPrefill(const std::vector<int32_t>& prompt,
-                                                                        int64_t start, int64_t end) {
+                                                                       int64_t start, int64_t end) {
   const double t0 = NowSeconds();
   auto p = std::make_unique<PartialPrefill>();
   p->start = start;
@@ -446,7 +447,7 @@ std::string Runtime::PrefixFence(const std::string& cache_namespace) const {
 }
 
 Result<int> Runtime::ForgetPrefixes(const GenerationRequest& q) {
-  if (!prefix_cache_ || q.segment_ends.empty()) return 0;
+  if (!prefix_cache_ || q.document_ends.empty()) return 0;
   int dropped = 0;
   Status failed;  // the first segment the store could not look up or erase
   // A write still queued would store it again (a store that stopped
@@ -456,7 +457,7 @@ Result<int> Runtime::ForgetPrefixes(const GenerationRequest& q) {
                  << " ms; forgetting a document's state anyway";
   }
   for (const Hash128& key :
-       PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends, options_.document_key_secret)) {
+       PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.document_ends, options_.document_key_secret)) {
     if (prefix_cache_->Erase(key)) ++dropped;
     if (!prefix_store_) continue;
     Status s = prefix_store_->Info(key).status();
@@ -471,26 +472,27 @@ Result<int> Runtime::ForgetPrefixes(const GenerationRequest& q) {
     }
   }
   if (!failed.ok()) {
-    return Status(failed.code(), "forgetting a document: its stored state was not erased (" + failed.message() +
-                                     "); " + std::to_string(dropped) + " entries dropped so far, ask again");
+    return Status(failed.code(), "forgetting a document: its stored state was not erased (" + failed.message() + "); " +
+                                     std::to_string(dropped) + " entries dropped so far, ask again");
   }
   return dropped;
 }
 
 Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result,
                              PrefetchedPrefixes* prefetched) {
-  if (cp_ != nullptr) return Status::Unimplemented("context parallel: prefill steps (the scheduler) are not supported yet");
+  if (cp_ != nullptr)
+    return Status::Unimplemented("context parallel: prefill steps (the scheduler) are not supported yet");
   return BeginPrefillImpl(seq, q, st, result, /*reuse=*/true, prefetched);
 }
 
 std::vector<StoreLookup> Runtime::StoreLookups(const GenerationRequest& q) {
   std::vector<StoreLookup> out;
-  if (!prefix_cache_ || !prefix_store_ || q.segment_ends.empty() || cp_ != nullptr) return out;
+  if (!prefix_cache_ || !prefix_store_ || q.document_ends.empty() || cp_ != nullptr) return out;
   const std::vector<Hash128> keys =
-      PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends, options_.document_key_secret);
+      PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.document_ends, options_.document_key_secret);
   for (size_t i = keys.size(); i-- > 0;) {
     if (prefix_cache_->Contains(keys[i])) break;  // held in memory: no shorter one is looked up
-    out.push_back({keys[i], q.segment_ends[i]});
+    out.push_back({keys[i], q.document_ends[i]});
   }
   return out;
 }
@@ -508,8 +510,7 @@ PrefetchedPrefixes Runtime::FetchStoredPrefixes(const std::vector<StoreLookup>& 
       ++out.corruptions;
       LOG(WARNING) << "prefix store: segment " << l.key.Hex() << " dropped: " << read.status;
       if (prefix_writer_) prefix_writer_->EnqueueErase(l.key);
-    } else if (read.status.code() == StatusCode::kUnavailable ||
-               read.status.code() == StatusCode::kDeadlineExceeded) {
+    } else if (read.status.code() == StatusCode::kUnavailable || read.status.code() == StatusCode::kDeadlineExceeded) {
       ++out.failures;
       out.last_failure = read.status;
     }
@@ -527,24 +528,24 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
   *st = PrefillState{};
   std::shared_ptr<const KvPrefix> hit;
   int64_t start = 0;
-  if (prefix_cache_ && !q.segment_ends.empty() && reuse) {
-    st->keys = PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.segment_ends, options_.document_key_secret);
+  if (prefix_cache_ && !q.document_ends.empty() && reuse) {
+    st->keys = PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.document_ends, options_.document_key_secret);
     for (size_t i = st->keys.size(); i-- > 0 && !hit;) {
-      hit = prefix_cache_->Find(st->keys[i], q.segment_ends[i]);
+      hit = prefix_cache_->Find(st->keys[i], q.document_ends[i]);
       if (hit && !hit->health().ok()) {
         DropDamagedPrefix(st->keys[i], hit->health());
         hit = nullptr;
       }
-      if (!hit && prefix_store_ && !prefetched) hit = LoadStoredPrefix(st->keys[i], q.segment_ends[i]);
+      if (!hit && prefix_store_ && !prefetched) hit = LoadStoredPrefix(st->keys[i], q.document_ends[i]);
       if (!hit && prefetched && prefetched->found && prefetched->found->key == st->keys[i] &&
-          prefetched->found->tokens == q.segment_ends[i]) {
+          prefetched->found->tokens == q.document_ends[i]) {
         // Read off the loop thread; imported here (once: it is moved out).
         StoredPrefixRead read = std::move(*prefetched->found);
         prefetched->found.reset();
         hit = ImportStoredPrefix(std::move(read), /*queue_erase=*/true);
       }
       if (hit) {
-        start = q.segment_ends[i];
+        start = q.document_ends[i];
         st->attached_segment = i;
       }
     }
@@ -552,7 +553,7 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
   SequenceSpec spec;
   spec.prompt_len = P;
   spec.max_new_tokens = q.max_new_tokens;
-  spec.first_prefill = q.segment_ends.empty() ? 0 : q.segment_ends[0];
+  spec.first_prefill = q.document_ends.empty() ? 0 : q.document_ends[0];
   spec.prefix = hit;
   Status added = policy_->AddSequence(seq, spec);
   if (!added.ok() && hit && added.code() == StatusCode::kInvalidArgument) {
@@ -620,8 +621,7 @@ void Runtime::DropDamagedPrefix(const Hash128& key, const Status& why) {
   }
 }
 
-Result<bool> Runtime::PrefillStepImpl(int64_t seq, const GenerationRequest& q, PrefillState* st,
-                                      int64_t max_tokens) {
+Result<bool> Runtime::PrefillStepImpl(int64_t seq, const GenerationRequest& q, PrefillState* st, int64_t max_tokens) {
   const int64_t P = static_cast<int64_t>(q.prompt.size());
   CHECK_LT(st->at, P) << "the prompt is already prefilled";
   // One prefill per segment at least, so that the state at each segment's
@@ -629,8 +629,8 @@ Result<bool> Runtime::PrefillStepImpl(int64_t seq, const GenerationRequest& q, P
   // policy factors the first segment and continues over it); each new
   // leading segment is captured as soon as it is prefilled.
   size_t seg = 0;
-  while (seg < q.segment_ends.size() && q.segment_ends[seg] <= st->at) ++seg;
-  const int64_t boundary = seg < q.segment_ends.size() ? q.segment_ends[seg] : P;
+  while (seg < q.document_ends.size() && q.document_ends[seg] <= st->at) ++seg;
+  const int64_t boundary = seg < q.document_ends.size() ? q.document_ends[seg] : P;
   int64_t end = boundary;
   if (policy_->PrefillSplits()) {
     // Whole prefill chunks: the same rows per chunk as one unsplit prefill.
@@ -655,7 +655,7 @@ Result<bool> Runtime::PrefillStepImpl(int64_t seq, const GenerationRequest& q, P
     PENUMBRA_RETURN_IF_ERROR(finished);
   }
   st->at = end;
-  if (end == boundary && seg < q.segment_ends.size() && st->capture) {
+  if (end == boundary && seg < q.document_ends.size() && st->capture) {
     PENUMBRA_RETURN_IF_ERROR(CaptureSegment(seq, q, st, seg, end));
   }
   return st->at == P;
@@ -751,8 +751,8 @@ StoredPrefixRead Runtime::ReadStoredPrefix(const Hash128& key, int64_t tokens, b
     blobs = prefix_store_->Get(key);
   } else {
     auto layout = prefix_store_->Layout(key);
-    auto opened = layout.ok() ? prefix_store_->OpenReader(key)
-                              : Result<std::shared_ptr<storage::BlobReader>>(layout.status());
+    auto opened =
+        layout.ok() ? prefix_store_->OpenReader(key) : Result<std::shared_ptr<storage::BlobReader>>(layout.status());
     if (opened.ok()) {
       out.reader = *opened;
       // Small blobs now; the policy reads large ones from the reader itself
@@ -866,8 +866,8 @@ Result<const float*> Runtime::DecodeStepImpl(const std::vector<int64_t>& seqs, c
     Mlp(L, x_.as<float>(), B);
     lap("o_projection_mlp");
   }
-  backend_->RmsNorm(x_.as<float>(), weights_->final_norm(), weights_->dtype(), B, H,
-                    static_cast<float>(c.rms_norm_eps), h_.get());
+  backend_->RmsNorm(x_.as<float>(), weights_->final_norm(), weights_->dtype(), B, H, static_cast<float>(c.rms_norm_eps),
+                    h_.get());
   backend_->Linear(h_.get(), weights_->lm_head(), B, logits_.as<float>(), false);
   lap("lm_head");
   PENUMBRA_RETURN_IF_ERROR(policy_->FinishDecodeStep());
@@ -955,7 +955,8 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
         return logits.status();
       }
       std::vector<int32_t> ids(active.size());
-      PENUMBRA_RETURN_IF_ERROR(backend_->Sample(*logits, static_cast<int>(active.size()), c.vocab_size, params, ids.data()));
+      PENUMBRA_RETURN_IF_ERROR(
+          backend_->Sample(*logits, static_cast<int>(active.size()), c.vocab_size, params, ids.data()));
       if (cp_ != nullptr) PENUMBRA_RETURN_IF_ERROR(cp_->BroadcastHost(ids.data(), ids.size() * sizeof(int32_t), 0));
       stats_.generated_tokens += static_cast<int64_t>(active.size());
       std::vector<Active> still;

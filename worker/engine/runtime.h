@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "common/status.h"
+#include "storage/segment_store.h"
 #include "worker/engine/backend.h"
 #include "worker/engine/collective.h"
 #include "worker/engine/kv_policy.h"
 #include "worker/engine/model_weights.h"
-#include "storage/segment_store.h"
 #include "worker/engine/prefix_cache.h"
 #include "worker/engine/prefix_store_writer.h"
 #include "worker/engine/value_tiers.h"
@@ -58,7 +58,7 @@ struct GenerationRequest {
   // prefix_cache_bytes) the longest cached run of leading segments is
   // attached instead of prefilled, and the leading segments prefilled here are
   // captured for the next request. Empty: no reuse.
-  std::vector<int64_t> segment_ends;
+  std::vector<int64_t> document_ends;
   // Prefixes are shared only between requests of one namespace (a tenant).
   std::string cache_namespace;
   // Draws of the sampling stream (one per generated token) made already:
@@ -71,7 +71,7 @@ struct GenerationRequest {
 // them for each request): a non-empty prompt within the model's context with
 // max_new_tokens (>= 0; 0: prefill only), its ids and the stop ids
 // (at most GenerationRequest::kMaxStopIds) in the vocabulary, the sampling
-// options, segment ends ascending inside the prompt, draws_done within the
+// options, document ends ascending inside the prompt, draws_done within the
 // prompt. Sizes are checked before contents. A pure function of the request
 // and the model's configuration (no weights): the worker API's fuzzer runs it.
 // InvalidArgument naming the field and the limit.
@@ -84,9 +84,9 @@ struct GenerationResult {
 };
 
 struct RuntimeOptions {
-  int prefill_chunk = 4096;      // tokens per prefill chunk. Default: 4096.
-  int max_batch = 256;           // sequences decoded together at most. Default: 256.
-  size_t prefix_cache_bytes = 0; // device bytes for captured prompt prefixes; 0: no prefix reuse. Default: 0.
+  int prefill_chunk = 4096;       // tokens per prefill chunk. Default: 4096.
+  int max_batch = 256;            // sequences decoded together at most. Default: 256.
+  size_t prefix_cache_bytes = 0;  // device bytes for captured prompt prefixes; 0: no prefix reuse. Default: 0.
   // Host bytes for them (a shadowkv prefix's values); 0: bounded only by the
   // device bytes. Default: 0.
   size_t prefix_cache_host_bytes = 0;
@@ -171,14 +171,14 @@ struct RunStats {
   int64_t prompt_tokens = 0;         // all prompt tokens, prefilled or attached
   int64_t cached_prompt_tokens = 0;  // ... of which were attached from the prefix cache
   int64_t generated_tokens = 0;
-  int64_t prefix_store_hits = 0;         // prefixes imported from the persistent store
-  int64_t prefix_store_corruptions = 0;  // stored prefixes found damaged (dropped, recomputed)
-  int64_t prefix_store_errors = 0;       // stores that failed (the request went on)
-  int64_t prefix_stores = 0;             // prefixes written to the persistent store
-  int64_t prefix_store_skipped = 0;      // not stored: the write queue was full
-  double prefix_store_write_seconds = 0; // writing them (on the writer thread)
-  double prefix_store_read_seconds = 0;  // reading stored prefixes (checked) from disk
-  double prefix_import_seconds = 0;      // ... and importing them into the policy (to the device)
+  int64_t prefix_store_hits = 0;          // prefixes imported from the persistent store
+  int64_t prefix_store_corruptions = 0;   // stored prefixes found damaged (dropped, recomputed)
+  int64_t prefix_store_errors = 0;        // stores that failed (the request went on)
+  int64_t prefix_stores = 0;              // prefixes written to the persistent store
+  int64_t prefix_store_skipped = 0;       // not stored: the write queue was full
+  double prefix_store_write_seconds = 0;  // writing them (on the writer thread)
+  double prefix_store_read_seconds = 0;   // reading stored prefixes (checked) from disk
+  double prefix_import_seconds = 0;       // ... and importing them into the policy (to the device)
   int64_t prefix_store_read_bytes = 0;
   // Prefetched lookups the store did not answer (node down, slow or its
   // breaker open): the requests prefilled instead.
@@ -224,9 +224,9 @@ class Runtime {
     int64_t prompt_end = 0;  // context parallel: the end of the whole prefill (all ranks' rows)
   };
   struct PrefillState {
-    int64_t at = 0;              // prompt tokens the sequence holds
-    std::vector<Hash128> keys;   // the leading segments' cache keys (empty: no reuse)
-    bool capture = false;        // capture the segments completed here
+    int64_t at = 0;                            // prompt tokens the sequence holds
+    std::vector<Hash128> keys;                 // the leading segments' cache keys (empty: no reuse)
+    bool capture = false;                      // capture the segments completed here
     std::shared_ptr<const KvPrefix> attached;  // the prefix the sequence started from (null: none)
     size_t attached_segment = 0;               // ... the index of its last segment
     GenerationResult* result = nullptr;        // BeginPrefill's
@@ -257,7 +257,7 @@ class Runtime {
   // request over without it.
   Result<bool> PrefillStep(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
   // Drops the cached state of `r`'s leading segments (each one the prompt's
-  // segment_ends name) from the prefix cache and the persistent store, so a
+  // document_ends name) from the prefix cache and the persistent store, so a
   // deleted document is not served again; sequences attached now keep their
   // reference until they end. Returns the entries dropped (cache and store);
   // an error when the store could not erase (or look up) a segment that may
@@ -385,8 +385,7 @@ class Runtime {
   // this rank's layer K/V [2][hkv][rows][d] with its RopeStore pointer
   // table, all ranks' gathered, the earlier ranks' K and V contiguous, row
   // indices 0..n-1.
-  DeviceBuffer cp_lse_, cp_part_, cp_parts_, cp_kv_, cp_kv_ptrs_, cp_kv_all_, cp_prefix_k_, cp_prefix_v_,
-      cp_iota_;
+  DeviceBuffer cp_lse_, cp_part_, cp_parts_, cp_kv_, cp_kv_ptrs_, cp_kv_all_, cp_prefix_k_, cp_prefix_v_, cp_iota_;
   // The prefix stored under `key` with `tokens` tokens, imported into this
   // policy and the device cache; null when absent or damaged (dropped).
   std::shared_ptr<const KvPrefix> LoadStoredPrefix(const Hash128& key, int64_t tokens);

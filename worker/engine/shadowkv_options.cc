@@ -97,8 +97,9 @@ Status ValidateShadowKvOnDevice(const ShadowKvOptions& o, int hq, int hkv, int h
   static_assert(kShadowKvMaxSelectedChunks == kernels::kTopKMaxK, "the selection's limit is the GPU top-k's");
   if (o.budget_fraction <= 0 && o.chunk_size >= 1 && o.budget_tokens / o.chunk_size > kShadowKvMaxSelectedChunks) {
     return Status::InvalidArgument("shadowkv.budget_tokens " + std::to_string(o.budget_tokens) + " is " +
-                                   std::to_string(o.budget_tokens / o.chunk_size) + " chunks; a selection takes at most " +
-                                   std::to_string(kShadowKvMaxSelectedChunks) + " per KV head");
+                                   std::to_string(o.budget_tokens / o.chunk_size) +
+                                   " chunks; a selection takes at most " + std::to_string(kShadowKvMaxSelectedChunks) +
+                                   " per KV head");
   }
   if (device != Device::kCUDA) return Status::OK();
   if (o.rank > kernels::kShadowkvMaxRebuildRank) {

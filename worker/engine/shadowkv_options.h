@@ -14,16 +14,20 @@
 namespace penumbra {
 
 struct ShadowKvOptions {
-  int rank = 160;                  // rank of the pre-RoPE key factors (<= hkv*d). Default: 160.
-  int chunk_size = 8;              // tokens per chunk (landmark granularity). Default: 8.
-  int64_t budget_tokens = 2048;    // selected tokens per KV head per step (multiple of chunk_size). Default: 2048.
-  double budget_fraction = 0.0;    // if > 0, budget = fraction * context, rounded up to a chunk; overrides budget_tokens. Default: 0.
-  int outlier_chunks = 48;         // exact chunks kept per KV head (lowest min-cosine). Default: 48.
-  double outlier_fraction = 0.0;   // if > 0, outliers = ceil(fraction * prompt chunks); overrides outlier_chunks. Default: 0.
-  int local_window = 32;           // most recent tokens always kept exact (at least). Default: 32.
+  int rank = 160;                // rank of the pre-RoPE key factors (<= hkv*d). Default: 160.
+  int chunk_size = 8;            // tokens per chunk (landmark granularity). Default: 8.
+  int64_t budget_tokens = 2048;  // selected tokens per KV head per step (multiple of chunk_size). Default: 2048.
+  double budget_fraction =
+      0.0;  // if > 0, budget = fraction * context, rounded up to a chunk; overrides budget_tokens. Default: 0.
+  int outlier_chunks = 48;  // exact chunks kept per KV head (lowest min-cosine). Default: 48.
+  double outlier_fraction =
+      0.0;                // if > 0, outliers = ceil(fraction * prompt chunks); overrides outlier_chunks. Default: 0.
+  int local_window = 32;  // most recent tokens always kept exact (at least). Default: 32.
   int64_t min_prompt_tokens = 4096;  // shorter prompts use full attention. Default: 4096.
-  std::string value_fetch = "zero_copy";  // "zero_copy" (GPU reads pinned host memory) or "staging". Default: zero_copy.
-  double force_hit_rate = -1.0;    // benchmarks only: keep this fraction of the previous step's chunks (< 0: off). Default: -1.
+  std::string value_fetch =
+      "zero_copy";  // "zero_copy" (GPU reads pinned host memory) or "staging". Default: zero_copy.
+  double force_hit_rate =
+      -1.0;  // benchmarks only: keep this fraction of the previous step's chunks (< 0: off). Default: -1.
   // Decode: split each batch of same-geometry sequences into this many
   // micro-batches per layer; one micro-batch's value fetch (side stream)
   // overlaps the next one's scoring, selection and K rebuild and the previous
@@ -36,7 +40,7 @@ struct ShadowKvOptions {
   bool fetch_turns = true;
   // Thread blocks of the zero-copy value fetch kernel: more keep more PCIe
   // reads in flight but take SMs from the other lane's compute. On the H200,
-  // 32 beat 16, 48 and 64 (docs/benchmarks.md). Default: 32.
+  // 32 beat 16, 48 and 64 (bench/results/2026-11-21-h200-fetch-blocks.jsonl). Default: 32.
   int fetch_blocks = 32;
   // How a prefill that continues a factored prompt (a question after a cached
   // document, a later document) attends to what the sequence holds:

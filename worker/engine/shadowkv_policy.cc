@@ -44,27 +44,31 @@
 
 #include "kernels/landmark_format.h"
 #include "storage/dram_value_store.h"
-#include "worker/engine/shadowkv_prefix.h"
+#include "worker/engine/backend_host_allocator.h"
+#include "worker/engine/collective.h"
+#include "worker/engine/engine.h"
 #include "worker/engine/shadowkv/compressor.h"
 #include "worker/engine/shadowkv/decode_step.h"
 #include "worker/engine/shadowkv/layout.h"
 #include "worker/engine/shadowkv/shard_exchange.h"
-#include "worker/engine/backend_host_allocator.h"
-#include "worker/engine/collective.h"
-#include "worker/engine/engine.h"
+#include "worker/engine/shadowkv_prefix.h"
 
 namespace penumbra {
 namespace {
 
 namespace kn = kernels;
 
-
 class ShadowKvPolicy final : public KvPolicy {
   using Seq = ShadowKvSeq;
 
  public:
   ShadowKvPolicy(const PolicyContext& ctx, const ShadowKvOptions& o)
-      : ctx_(ctx), o_(o), lay_(ctx_, o_), es_(lay_.es()), lm_rec_(lay_.lm_rec()), lm_rec_bytes_(lay_.lm_rec_bytes()),
+      : ctx_(ctx),
+        o_(o),
+        lay_(ctx_, o_),
+        es_(lay_.es()),
+        lm_rec_(lay_.lm_rec()),
+        lm_rec_bytes_(lay_.lm_rec_bytes()),
         host_alloc_(ctx.backend),
         store_(&host_alloc_, storage::DramValueStoreOptions{}),
         comp_(lay_, *ctx.backend),
@@ -104,16 +108,14 @@ class ShadowKvPolicy final : public KvPolicy {
     // is checked when the engine starts): the request is refused, the engine
     // keeps serving.
     if (s.sparse && s.kslots > kShadowKvMaxSelectedChunks) {
-      return Status::InvalidArgument("shadowkv: a budget of " + std::to_string(s.kslots) + " chunks (" +
-                                     std::to_string(int64_t{s.kslots} * o_.chunk_size) +
-                                     " tokens) for this prompt is more than the " +
-                                     std::to_string(kShadowKvMaxSelectedChunks) +
-                                     " a selection takes (lower shadowkv.budget_fraction)");
+      return Status::InvalidArgument(
+          "shadowkv: a budget of " + std::to_string(s.kslots) + " chunks (" +
+          std::to_string(int64_t{s.kslots} * o_.chunk_size) + " tokens) for this prompt is more than the " +
+          std::to_string(kShadowKvMaxSelectedChunks) + " a selection takes (lower shadowkv.budget_fraction)");
     }
     if (s.global_k > kn::kTopKMaxK) {
-      return Status::InvalidArgument("shadowkv: a global selection over the shards of " +
-                                     std::to_string(s.global_k) + " chunks is more than " +
-                                     std::to_string(kn::kTopKMaxK) + " (lower the budget)");
+      return Status::InvalidArgument("shadowkv: a global selection over the shards of " + std::to_string(s.global_k) +
+                                     " chunks is more than " + std::to_string(kn::kTopKMaxK) + " (lower the budget)");
     }
     const int C = o_.chunk_size;
     if (prefix) {
@@ -384,8 +386,8 @@ class ShadowKvPolicy final : public KvPolicy {
                               int per_head, int64_t first_row, const int32_t* host_chunks = nullptr) {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
-    const void* ptrs[5] = {ALayer(s, layer), Row2(s.b, layer, static_cast<int64_t>(H) * o_.rank * d), comp_.tmp_k().get(),
-                           comp_.tmp_v().get(), s.store_dev[layer]};
+    const void* ptrs[5] = {ALayer(s, layer), Row2(s.b, layer, static_cast<int64_t>(H) * o_.rank * d),
+                           comp_.tmp_k().get(), comp_.tmp_v().get(), s.store_dev[layer]};
     std::vector<const void*> table(std::begin(ptrs), std::end(ptrs));
     table.push_back(s.prefix ? s.prefix->values_device(layer) : nullptr);
     table.push_back(s.prefix ? s.prefix->a_layer(layer) : nullptr);
@@ -437,8 +439,8 @@ class ShadowKvPolicy final : public KvPolicy {
         PENUMBRA_ASSIGN_OR_RETURN(stage_v_, b.AllocateHost(n * cb));
       }
       for (size_t i = 0; i < n; ++i) {
-        PENUMBRA_RETURN_IF_ERROR(CopyChunkToHost(s, layer, static_cast<int>(i / per_head), host_chunks[i],
-                                                 stage_v_.as<char>() + i * cb));
+        PENUMBRA_RETURN_IF_ERROR(
+            CopyChunkToHost(s, layer, static_cast<int>(i / per_head), host_chunks[i], stage_v_.as<char>() + i * cb));
       }
       fv.staging = b.DeviceAddressOfHost(stage_v_.get());  // row h's chunks at h * per_head
       b.ShadowkvFetchV(fv, /*staged=*/true);
@@ -466,10 +468,12 @@ class ShadowKvPolicy final : public KvPolicy {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, d = ctx_.head_dim, D = H * d;
     const size_t w = s.local_count * d * es_;
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(comp_.tmp_k().get()) + row * d * es_, comp_.tmp_cap() * d * es_,
-                                      Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(comp_.tmp_v().get()) + row * d * es_, comp_.tmp_cap() * d * es_,
-                                      Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_, w, H));
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(comp_.tmp_k().get()) + row * d * es_,
+                                      comp_.tmp_cap() * d * es_, Row(s.att_k, s, layer, LocalRow0(s)),
+                                      s.att_cap * d * es_, w, H));
+    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(comp_.tmp_v().get()) + row * d * es_,
+                                      comp_.tmp_cap() * d * es_, Row(s.att_v, s, layer, LocalRow0(s)),
+                                      s.att_cap * d * es_, w, H));
     return b.CopyDeviceToDevice(comp_.tmp_prek().as<float>() + row * D,
                                 s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
                                 s.local_count * D * sizeof(float));
@@ -549,9 +553,8 @@ class ShadowKvPolicy final : public KvPolicy {
     const int O = s.outliers, want = std::min(n, k + O);
     std::vector<int32_t> order(static_cast<size_t>(n));
     for (int c = 0; c < n; ++c) order[c] = c;
-    std::partial_sort(order.begin(), order.begin() + want, order.end(), [&](int32_t x, int32_t y) {
-      return score[x] > score[y] || (score[x] == score[y] && x < y);
-    });
+    std::partial_sort(order.begin(), order.begin() + want, order.end(),
+                      [&](int32_t x, int32_t y) { return score[x] > score[y] || (score[x] == score[y] && x < y); });
     cont_sel_host_.assign(static_cast<size_t>(H) * k, 0);
     for (int h = 0; h < H; ++h) {
       const int32_t* outl = s.outlier_ids.data() + (static_cast<size_t>(layer) * H + h) * O;
@@ -602,8 +605,8 @@ class ShadowKvPolicy final : public KvPolicy {
       pk.D = D;
       pk.rank = o_.rank;
       pk.proj = s.p.as<float>() + static_cast<int64_t>(layer) * D * o_.rank;
-      pk.a_out = static_cast<char*>(ALayer(s, layer)) +
-                 static_cast<int64_t>(first - s.shared_chunks) * C * o_.rank * es_;
+      pk.a_out =
+          static_cast<char*>(ALayer(s, layer)) + static_cast<int64_t>(first - s.shared_chunks) * C * o_.rank * es_;
       b.ProjectKeys(pk);
       PENUMBRA_RETURN_IF_ERROR(
           OffloadValues(s, layer, comp_.tmp_v().get(), comp_.tmp_cap() * d, row0, k, first - s.shared_chunks));
@@ -613,9 +616,11 @@ class ShadowKvPolicy final : public KvPolicy {
     if (tail > s.local_cap) return Status::Internal("shadowkv: local rows overflow");
     const size_t w = tail * d * es_;
     PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                      static_cast<char*>(comp_.tmp_k().get()) + trow * d * es_, comp_.tmp_cap() * d * es_, w, H));
+                                      static_cast<char*>(comp_.tmp_k().get()) + trow * d * es_,
+                                      comp_.tmp_cap() * d * es_, w, H));
     PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                      static_cast<char*>(comp_.tmp_v().get()) + trow * d * es_, comp_.tmp_cap() * d * es_, w, H));
+                                      static_cast<char*>(comp_.tmp_v().get()) + trow * d * es_,
+                                      comp_.tmp_cap() * d * es_, w, H));
     PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
                                                   comp_.tmp_prek().as<float>() + trow * D, tail * D * sizeof(float)));
     if (layer == ctx_.num_layers - 1) {
@@ -654,13 +659,14 @@ class ShadowKvPolicy final : public KvPolicy {
     CHECK_LE(tail, s.local_cap);
     if (tail > 0) {  // a closed shard's prompt may be whole chunks
       PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                        static_cast<char*>(comp_.tmp_k().get()) + tail0 * d * es_, comp_.tmp_cap() * d * es_,
-                                        tail * d * es_, H));
+                                        static_cast<char*>(comp_.tmp_k().get()) + tail0 * d * es_,
+                                        comp_.tmp_cap() * d * es_, tail * d * es_, H));
       PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                        static_cast<char*>(comp_.tmp_v().get()) + tail0 * d * es_, comp_.tmp_cap() * d * es_,
-                                        tail * d * es_, H));
+                                        static_cast<char*>(comp_.tmp_v().get()) + tail0 * d * es_,
+                                        comp_.tmp_cap() * d * es_, tail * d * es_, H));
       PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
-                                                    comp_.tmp_prek().as<float>() + tail0 * D, tail * D * sizeof(float)));
+                                                    comp_.tmp_prek().as<float>() + tail0 * D,
+                                                    tail * D * sizeof(float)));
     }
     lap("local");
     s.n_chunks = n_chunks;
@@ -681,8 +687,8 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
       PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(row * H));
     }
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage_.get(), row, static_cast<const char*>(src) + src_row * d * es_,
-                                      head_stride * es_, row, H));
+    PENUMBRA_RETURN_IF_ERROR(
+        b.Copy2D(stage_.get(), row, static_cast<const char*>(src) + src_row * d * es_, head_stride * es_, row, H));
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     for (int h = 0; h < H; ++h) {
       PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, layer, h, store_first, n, stage_.as<char>() + h * row));
@@ -734,8 +740,8 @@ class ShadowKvPolicy final : public KvPolicy {
     bool restoring = false;
     for (const Seq* q : step_.seqs()) restoring = restoring || q->values_staged;
     const bool pipelined = o_.micro_batches > 1 && groups.size() > 1 &&
-                           groups.size() <= static_cast<size_t>(Backend::kSideMarks) &&
-                           o_.value_fetch == "zero_copy" && !restoring;
+                           groups.size() <= static_cast<size_t>(Backend::kSideMarks) && o_.value_fetch == "zero_copy" &&
+                           !restoring;
     std::vector<DecodeAttentionOp>& attention = pending_attention_;  // reused: no allocation per layer
     attention.clear();
     for (size_t gi = 0; gi < groups.size(); ++gi) {
@@ -855,7 +861,8 @@ class ShadowKvPolicy final : public KvPolicy {
   Status Select(int layer, int g0, int gn, const void* q, int mark) {
     const kn::ShadowkvScoreArgs sc = step_.ScoreArgsOf(layer, g0, gn, q);
     PENUMBRA_RETURN_IF_ERROR(ctx_.backend->ShadowkvScoreAndSlotUpdate(
-        sc, step_.SlotUpdateOf(layer, g0, gn, sc.selection, sc.selection_stride)));  // one launch after the logits on the GPU
+        sc, step_.SlotUpdateOf(layer, g0, gn, sc.selection,
+                               sc.selection_stride)));  // one launch after the logits on the GPU
     Lap("score_topk_slot_update");
     return FetchMisses(layer, g0, gn, mark);
   }
@@ -870,7 +877,7 @@ class ShadowKvPolicy final : public KvPolicy {
       if (auto turn = ctx_.fetch_turns->Await(ctx_.lane, layer)) b.WaitFetchDone(*turn->backend, turn->layer);
     }
     kn::ShadowkvFetchVArgs fv = step_.FetchVOf(layer, g0, gn);
-    bool lazy = false;  // an attached prefix's values still being read from disk: through the host
+    bool lazy = false;      // an attached prefix's values still being read from disk: through the host
     bool on_device = true;  // every sequence's document values in device memory (tier 0)
     for (int i = g0; i < g0 + gn; ++i) {
       const Seq& q = step_.seq(i);
@@ -934,8 +941,8 @@ class ShadowKvPolicy final : public KvPolicy {
     for (int r = 0; r < rows; ++r) {
       for (int j = 0; j < counts[r]; ++j) {
         const int c = chunks[static_cast<size_t>(r) * K + j];
-        PENUMBRA_RETURN_IF_ERROR(
-            CopyChunkToHost(step_.seq(g0 + r / H), layer, r % H, c, stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes));
+        PENUMBRA_RETURN_IF_ERROR(CopyChunkToHost(step_.seq(g0 + r / H), layer, r % H, c,
+                                                 stage_v_.as<char>() + (offsets[r] + j) * chunk_bytes));
       }
     }
     PENUMBRA_RETURN_IF_ERROR(Upload(&stage_off_, offsets.data(), offsets.size() * 4));
@@ -1120,7 +1127,8 @@ class ShadowKvPolicy final : public KvPolicy {
     if (s.pos0 > 0 || s.closed) {
       return Status::Unimplemented("shadowkv: a context-parallel shard cannot be captured as a prefix");
     }
-    if (s.sparse && !s.compressed) return Status::FailedPrecondition("sequence " + std::to_string(id) + " is not prefilled");
+    if (s.sparse && !s.compressed)
+      return Status::FailedPrecondition("sequence " + std::to_string(id) + " is not prefilled");
     if (tokens != Held(s) || tokens < 1) {
       return Status::FailedPrecondition("shadowkv captures all that sequence " + std::to_string(id) + " holds (" +
                                         std::to_string(Held(s)) + " tokens), not " + std::to_string(tokens));
@@ -1211,9 +1219,9 @@ class ShadowKvPolicy final : public KvPolicy {
   Result<std::shared_ptr<const KvPrefix>> ImportPrefixLazy(const std::map<std::string, std::string>& blobs,
                                                            std::shared_ptr<storage::BlobReader> lazy,
                                                            int read_threads) override {
-    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p,
-                              ShadowKvPrefix::Import(blobs, PrefixGeometry(), ctx_.backend, std::move(lazy),
-                                                     read_threads));
+    PENUMBRA_ASSIGN_OR_RETURN(
+        std::shared_ptr<ShadowKvPrefix> p,
+        ShadowKvPrefix::Import(blobs, PrefixGeometry(), ctx_.backend, std::move(lazy), read_threads));
     // What this policy's options make of a first prefill of that length.
     const ShadowKvPrefixGeometry& g = p->geometry();
     Seq probe;
@@ -1308,7 +1316,8 @@ class ShadowKvPolicy final : public KvPolicy {
         PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos.get(), p.data(), n * 4));
         b.FillRandomNormal(qkv.get(), DType::kF32, n * qkv_row, 1.0f, seed * 1000003 + l * 7919 + start);
         PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv.as<float>(), pos.as<int32_t>(), n, start, q.get(), comp_.tmp_k().get(),
-                                             comp_.tmp_v().get(), comp_.tmp_cap() * d, comp_.tmp_prek().as<float>() + start * H * d));
+                                             comp_.tmp_v().get(), comp_.tmp_cap() * d,
+                                             comp_.tmp_prek().as<float>() + start * H * d));
       }
       PENUMBRA_RETURN_IF_ERROR(CompressPrompt(s, l, length));
     }
@@ -1328,8 +1337,8 @@ class ShadowKvPolicy final : public KvPolicy {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) return 0;
     const Seq& s = it->second;
-    return s.att_k.bytes() + s.att_v.bytes() + s.a.bytes() + s.b.bytes() + s.p.bytes() + s.lm.bytes() +
-           s.excl.bytes() + s.slots.bytes() + s.prek.bytes();
+    return s.att_k.bytes() + s.att_v.bytes() + s.a.bytes() + s.b.bytes() + s.p.bytes() + s.lm.bytes() + s.excl.bytes() +
+           s.slots.bytes() + s.prek.bytes();
   }
 
   PolicyStats stats() const override {
@@ -1371,7 +1380,9 @@ class ShadowKvPolicy final : public KvPolicy {
   int64_t AttLayer(const Seq& s) const { return lay_.AttLayer(s); }
   int64_t LmHead(const Seq& s) const { return lay_.LmHead(s); }
   int64_t LocalRow0(const Seq& s) const { return lay_.LocalRow0(s); }
-  void* Row(const DeviceBuffer& buf, const Seq& s, int layer, int64_t row) const { return lay_.Row(buf, s, layer, row); }
+  void* Row(const DeviceBuffer& buf, const Seq& s, int layer, int64_t row) const {
+    return lay_.Row(buf, s, layer, row);
+  }
   void* ALayer(const Seq& s, int layer) const { return lay_.ALayer(s, layer); }
   void* LmLayer(const Seq& s, int layer) const { return lay_.LmLayer(s, layer); }
   void* LmChunk(const Seq& s, int layer, int chunk) const { return lay_.LmChunk(s, layer, chunk); }

@@ -66,8 +66,8 @@ std::map<std::string, size_t> ShadowKvPrefixGeometry::BlobBytes() const {
       {"a", L * n * C * r * es},
       {"b", sparse ? L * H * r * d * es : 0},
       {"p", sparse ? L * D * r * sizeof(float) : 0},
-      {"lm", L * H * n *
-                 static_cast<size_t>(kernels::LandmarkChunkBytes(landmarks_per_chunk, head_dim, landmark_fp8, es))},
+      {"lm",
+       L * H * n * static_cast<size_t>(kernels::LandmarkChunkBytes(landmarks_per_chunk, head_dim, landmark_fp8, es))},
       {"excl", L * H * n},
       {"out_k", L * H * O * C * d * es},
       {"out_v", L * H * O * C * d * es},
@@ -221,10 +221,12 @@ size_t ShadowKvPrefix::host_bytes() const {
 }
 
 std::vector<std::tuple<std::string, const DeviceBuffer*, bool>> ShadowKvPrefix::Buffers() const {
-  return {{"a", &a, false},         {"b", &b, false},           {"p", &p, false},
-          {"lm", &lm, false},       {"excl", &excl, false},     {"out_k", &out_k, false},
-          {"out_v", &out_v, false}, {"tail_k", &tail_k, false}, {"tail_v", &tail_v, false},
-          {"tail_prek", &tail_prek, false}, {"values", &values, true}};
+  return {{"a", &a, false},           {"b", &b, false},
+          {"p", &p, false},           {"lm", &lm, false},
+          {"excl", &excl, false},     {"out_k", &out_k, false},
+          {"out_v", &out_v, false},   {"tail_k", &tail_k, false},
+          {"tail_v", &tail_v, false}, {"tail_prek", &tail_prek, false},
+          {"values", &values, true}};
 }
 
 size_t ShadowKvPrefix::device_bytes() const {
@@ -433,7 +435,8 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
     const char* mask = excl.data() + row * g.n_chunks;
     int marked = 0;
     for (int c = 0; c < g.n_chunks; ++c) {
-      if (mask[c] != 0 && mask[c] != 1) return Status::Corruption("shadowkv prefix: exclusion mask holds a byte not 0 or 1");
+      if (mask[c] != 0 && mask[c] != 1)
+        return Status::Corruption("shadowkv prefix: exclusion mask holds a byte not 0 or 1");
       marked += mask[c];
     }
     if (marked != g.outliers) return Status::Corruption("shadowkv prefix: exclusion mask and outlier table disagree");

@@ -152,7 +152,7 @@ class ShadowKvPrefix final : public KvPrefix {
   ShadowKvPrefixGeometry g_;
   Backend* backend_;
   int value_stride_;
-  std::vector<DeviceBuffer> value_layers_;  // adopted values, one per layer (else `values` holds them)
+  std::vector<DeviceBuffer> value_layers_;   // adopted values, one per layer (else `values` holds them)
   std::unique_ptr<storage::LazyBlob> lazy_;  // reads `values` from a stored segment (Import with lazy_values)
   std::atomic<bool> registered_{false};      // `values` (not from AllocateHost) pinned by RegisterHost
   // Placement state (mutable: see KvPrefix), touched by the policy's thread only.

@@ -11,8 +11,7 @@ namespace penumbra {
 Status TierOptions::Validate() const {
   if (!(gpu_low_watermark > 0 && gpu_low_watermark <= gpu_high_watermark && gpu_high_watermark <= 1)) {
     return Status::InvalidArgument("gpu.low_watermark and gpu.high_watermark: need 0 < low <= high <= 1, got " +
-                                   std::to_string(gpu_low_watermark) + " and " +
-                                   std::to_string(gpu_high_watermark));
+                                   std::to_string(gpu_low_watermark) + " and " + std::to_string(gpu_high_watermark));
   }
   if (!(heat_half_life_steps > 0)) {
     return Status::InvalidArgument("gpu.heat_half_life_steps: must be > 0, got " +
@@ -29,9 +28,7 @@ Status TierOptions::Validate() const {
 
 ValueTiers::~ValueTiers() = default;  // copies are freed with their documents
 
-bool ValueTiers::enabled() const {
-  return o_.gpu_capacity_bytes > 0 && (!device_is_host_ || o_.on_host_backend);
-}
+bool ValueTiers::enabled() const { return o_.gpu_capacity_bytes > 0 && (!device_is_host_ || o_.on_host_backend); }
 
 size_t ValueTiers::Held() const {
   size_t n = 0;

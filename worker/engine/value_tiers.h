@@ -34,8 +34,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <utility>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -63,13 +63,13 @@ struct TierOptions {
 };
 
 struct TierStats {
-  int64_t promotions = 0;        // copies completed
-  int64_t promoted_layers = 0;   // layers copied
-  int64_t demotions = 0;         // copies freed (over the watermark, replaced, released, evicted)
-  int64_t released = 0;          // ... of which for an admission that needed the memory
-  size_t promoted_bytes = 0;     // device bytes the tier holds now
-  size_t size_bytes = 0;         // the tier's size at the last step that needed it (one with a copy or a candidate)
-  int documents = 0;             // documents with a copy (complete or in progress)
+  int64_t promotions = 0;       // copies completed
+  int64_t promoted_layers = 0;  // layers copied
+  int64_t demotions = 0;        // copies freed (over the watermark, replaced, released, evicted)
+  int64_t released = 0;         // ... of which for an admission that needed the memory
+  size_t promoted_bytes = 0;    // device bytes the tier holds now
+  size_t size_bytes = 0;        // the tier's size at the last step that needed it (one with a copy or a candidate)
+  int documents = 0;            // documents with a copy (complete or in progress)
 };
 
 class ValueTiers {

@@ -15,9 +15,12 @@ using json = nlohmann::json;
 
 std::string_view ArchitectureName(Architecture a) {
   switch (a) {
-    case Architecture::kLlama: return "LlamaForCausalLM";
-    case Architecture::kQwen2: return "Qwen2ForCausalLM";
-    case Architecture::kMistral: return "MistralForCausalLM";
+    case Architecture::kLlama:
+      return "LlamaForCausalLM";
+    case Architecture::kQwen2:
+      return "Qwen2ForCausalLM";
+    case Architecture::kMistral:
+      return "MistralForCausalLM";
   }
   return "?";
 }
@@ -69,7 +72,8 @@ class KeyReader {
   Result<int> BoundedInt(const std::string& key, std::optional<int64_t> fallback, int64_t lo, int64_t hi) const {
     PENUMBRA_ASSIGN_OR_RETURN(int64_t v, Int(key, fallback));
     if (v < lo || v > hi) {
-      return Error(key, std::to_string(v) + " is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+      return Error(key,
+                   std::to_string(v) + " is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
     }
     return static_cast<int>(v);
   }
@@ -215,9 +219,8 @@ Result<ModelConfig> ParseModelConfig(std::string_view json_text, const std::stri
   } else if (arch == "MistralForCausalLM") {
     c.arch = Architecture::kMistral;
   } else {
-    return r.Error("architectures",
-                   "unsupported architecture '" + arch +
-                       "' (supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)");
+    return r.Error("architectures", "unsupported architecture '" + arch +
+                                        "' (supported: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)");
   }
 
   PENUMBRA_ASSIGN_OR_RETURN(c.hidden_size, r.BoundedInt("hidden_size", std::nullopt, 1, kMaxDim));
@@ -239,7 +242,8 @@ Result<ModelConfig> ParseModelConfig(std::string_view json_text, const std::stri
     c.head_dim = c.hidden_size / c.num_heads;
   }
   if (c.head_dim % 2 != 0) return r.Error("head_dim", std::to_string(c.head_dim) + " is odd; RoPE needs it even");
-  if (static_cast<int64_t>(c.num_heads) * c.head_dim > kMaxDim) return r.Error("head_dim", "heads * head_dim too large");
+  if (static_cast<int64_t>(c.num_heads) * c.head_dim > kMaxDim)
+    return r.Error("head_dim", "heads * head_dim too large");
   PENUMBRA_ASSIGN_OR_RETURN(c.vocab_size, r.BoundedInt("vocab_size", std::nullopt, 1, 1 << 30));
   PENUMBRA_ASSIGN_OR_RETURN(c.max_position_embeddings, r.Int("max_position_embeddings", std::nullopt));
   if (c.max_position_embeddings <= 0) return r.Error("max_position_embeddings", "must be positive");

@@ -24,11 +24,10 @@ struct DTypeEntry {
 
 // Every dtype in the safetensors spec with a whole-byte element size.
 constexpr DTypeEntry kDTypes[] = {
-    {"F32", 4, DType::kF32},   {"F16", 2, DType::kF16},   {"BF16", 2, DType::kBF16},  {"I32", 4, DType::kI32},
-    {"I64", 8, DType::kI64},   {"F64", 8, std::nullopt},  {"I8", 1, std::nullopt},    {"U8", 1, std::nullopt},
-    {"I16", 2, std::nullopt},  {"U16", 2, std::nullopt},  {"U32", 4, std::nullopt},   {"U64", 8, std::nullopt},
-    {"BOOL", 1, std::nullopt}, {"F8_E4M3", 1, std::nullopt}, {"F8_E5M2", 1, std::nullopt},
-    {"F8_E8M0", 1, std::nullopt},
+    {"F32", 4, DType::kF32},   {"F16", 2, DType::kF16},      {"BF16", 2, DType::kBF16},    {"I32", 4, DType::kI32},
+    {"I64", 8, DType::kI64},   {"F64", 8, std::nullopt},     {"I8", 1, std::nullopt},      {"U8", 1, std::nullopt},
+    {"I16", 2, std::nullopt},  {"U16", 2, std::nullopt},     {"U32", 4, std::nullopt},     {"U64", 8, std::nullopt},
+    {"BOOL", 1, std::nullopt}, {"F8_E4M3", 1, std::nullopt}, {"F8_E5M2", 1, std::nullopt}, {"F8_E8M0", 1, std::nullopt},
 };
 
 const DTypeEntry* FindDType(const std::string& name) {
@@ -173,9 +172,8 @@ Result<SafetensorsFile> SafetensorsFile::Parse(const uint8_t* data, size_t size,
     f.tensors_.push_back(std::move(t));
   }
 
-  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   uint64_t covered = 0;
   for (size_t i = 0; i < ranges.size(); ++i) {
     const Range& r = ranges[i];

@@ -18,10 +18,12 @@ void AddContextGroupFlags(Args& a) {
       .Flag("cp-rank", "context parallel: this process's rank in [0, --cp-world)")
       .Flag("cp-rendezvous", "context parallel: HOST:PORT where rank 0 listens (rank 0: port 0 lets the OS pick)")
       .Flag("cp-port-file", "context parallel, rank 0: write {\"port\": N} here once listening")
-      .Flag("cp-timeout-s", "context parallel: seconds to wait for the other ranks, to join and at every "
-                            "exchange (default 120)")
-      .Flag("cp-secret-file", "context parallel: file of the group's secret (32+ hex digits, mode 600); every "
-                              "rank proves it holds the same one (with the --tls-* certificates, or alone)");
+      .Flag("cp-timeout-s",
+            "context parallel: seconds to wait for the other ranks, to join and at every "
+            "exchange (default 120)")
+      .Flag("cp-secret-file",
+            "context parallel: file of the group's secret (32+ hex digits, mode 600); every "
+            "rank proves it holds the same one (with the --tls-* certificates, or alone)");
 }
 
 Result<std::string> LoadGroupSecret(const std::string& path) {
@@ -94,8 +96,8 @@ Result<std::unique_ptr<Collective>> JoinContextGroup(const Args& a, Backend* bac
     }
   }
   PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Collective> group, ConnectCollective(backend, o, std::move(listener)));
-  LOG(INFO) << "context group: rank " << rank << " of " << world << " joined (data plane: "
-            << (backend != nullptr && backend->device() == Device::kCUDA ? "NCCL" : "TCP")
+  LOG(INFO) << "context group: rank " << rank << " of " << world
+            << " joined (data plane: " << (backend != nullptr && backend->device() == Device::kCUDA ? "NCCL" : "TCP")
             << (o.security.tls.enabled() ? ", mutual TLS" : ", plaintext")
             << (o.security.group_secret.empty() ? "" : ", group secret") << ")";
   return group;

@@ -114,16 +114,26 @@ bool Decode(const uint8_t* in, Frame* f) {
 
 const char* OpName(uint8_t op) {
   switch (op) {
-    case kHello: return "Hello";
-    case kWelcome: return "Welcome";
-    case kAbort: return "Abort";
-    case kAllGather: return "AllGather";
-    case kBroadcast: return "Broadcast";
-    case kAllGatherHost: return "AllGatherHost";
-    case kBroadcastHost: return "BroadcastHost";
-    case kBarrier: return "Barrier";
-    case kChallenge: return "Challenge";
-    default: return "an unknown op";
+    case kHello:
+      return "Hello";
+    case kWelcome:
+      return "Welcome";
+    case kAbort:
+      return "Abort";
+    case kAllGather:
+      return "AllGather";
+    case kBroadcast:
+      return "Broadcast";
+    case kAllGatherHost:
+      return "AllGatherHost";
+    case kBroadcastHost:
+      return "BroadcastHost";
+    case kBarrier:
+      return "Barrier";
+    case kChallenge:
+      return "Challenge";
+    default:
+      return "an unknown op";
   }
 }
 
@@ -283,9 +293,12 @@ int SocketBioRead(BIO* b, char* data, size_t n, size_t* got) {
 
 long SocketBioCtrl(BIO* b, int cmd, long, void*) {
   switch (cmd) {
-    case BIO_CTRL_FLUSH: return 1;  // nothing buffered here
-    case BIO_CTRL_EOF: return StateOf(b)->eof ? 1 : 0;
-    default: return 0;
+    case BIO_CTRL_FLUSH:
+      return 1;  // nothing buffered here
+    case BIO_CTRL_EOF:
+      return StateOf(b)->eof ? 1 : 0;
+    default:
+      return 0;
   }
 }
 
@@ -514,8 +527,8 @@ Result<std::string> SessionBinding(SSL* ssl) {
 
 // A proof that the sender holds `secret` (HMAC-SHA256; `label` tells a
 // hello's from a welcome's).
-std::string Proof(std::string_view secret, std::string_view label, int64_t rank, uint64_t world,
-                  const uint8_t* nonce0, const uint8_t* nonce_r, const std::string& binding) {
+std::string Proof(std::string_view secret, std::string_view label, int64_t rank, uint64_t world, const uint8_t* nonce0,
+                  const uint8_t* nonce_r, const std::string& binding) {
   if (secret.empty()) return std::string(kProofBytes, '\0');
   const uint64_t r = htobe64(static_cast<uint64_t>(rank)), w = htobe64(world);
   HmacSha256Stream h(secret);
@@ -548,12 +561,18 @@ class TcpCollective final : public Collective {
  public:
   // `ctx`: the group's TLS context (null: plaintext).
   TcpCollective(const CollectiveOptions& o, Clock::duration timeout, SslCtx ctx)
-      : rank_(o.rank), world_(o.world), timeout_(timeout),
-        grace_(o.rank == 0 ? Clock::duration(0) : timeout / 2), ctx_(std::move(ctx)),
-        secret_(o.security.group_secret), peer_roles_(o.security.peer_roles),
-        verify_host_(o.security.verify_host), hello_timeout_(std::min(ToDuration(o.hello_timeout_s), timeout)),
+      : rank_(o.rank),
+        world_(o.world),
+        timeout_(timeout),
+        grace_(o.rank == 0 ? Clock::duration(0) : timeout / 2),
+        ctx_(std::move(ctx)),
+        secret_(o.security.group_secret),
+        peer_roles_(o.security.peer_roles),
+        verify_host_(o.security.verify_host),
+        hello_timeout_(std::min(ToDuration(o.hello_timeout_s), timeout)),
         max_pending_(static_cast<size_t>(o.max_pending)),
-        max_pending_per_host_(static_cast<size_t>(o.max_pending_per_host)), peers_(static_cast<size_t>(o.world)),
+        max_pending_per_host_(static_cast<size_t>(o.max_pending_per_host)),
+        peers_(static_cast<size_t>(o.world)),
         send_cut_(static_cast<size_t>(o.world), false) {}
 
   int rank() const override { return rank_; }
@@ -808,8 +827,8 @@ Status TcpCollective::Recv(int peer, void* data, size_t n, Deadline& d) {
     if (k == 0) return Status::Unavailable("rank " + std::to_string(peer) + " closed the connection" + In());
     if (e == EINTR) continue;
     if (e == ECONNRESET) {
-      return Status::Unavailable("rank " + std::to_string(peer) + " closed the connection" + In() + " (" +
-                                 Errno(e) + ")");
+      return Status::Unavailable("rank " + std::to_string(peer) + " closed the connection" + In() + " (" + Errno(e) +
+                                 ")");
     }
     if (e == EPROTO) {
       // While joining: the other side's certificate check refused this
@@ -864,8 +883,8 @@ Status TcpCollective::PeerFailure(int peer, int e) {
 
 Status TcpCollective::Timeout(int peer, const char* doing, const Deadline& d) const {
   if (d.idle.count() == 0) {
-    return Status::DeadlineExceeded("the group was not complete within " + Seconds(timeout_ + grace_) + " (" +
-                                    doing + " rank " + std::to_string(peer) + ")");
+    return Status::DeadlineExceeded("the group was not complete within " + Seconds(timeout_ + grace_) + " (" + doing +
+                                    " rank " + std::to_string(peer) + ")");
   }
   return Status::DeadlineExceeded("nothing moved for " + Seconds(d.idle) + " " + doing + " rank " +
                                   std::to_string(peer) + In() +
@@ -911,8 +930,7 @@ void TcpCollective::Refused(const std::string& who, const std::string& why) {
   ++refused_;
   last_refusal_ = who + ": " + why;
   if (refused_ <= 32 || refused_ % 100 == 0) {
-    LOG(WARNING) << "collective: rank 0 refused a connection from " << who << " (" << refused_
-                 << " so far): " << why;
+    LOG(WARNING) << "collective: rank 0 refused a connection from " << who << " (" << refused_ << " so far): " << why;
   }
 }
 
@@ -924,8 +942,9 @@ Status TcpCollective::CheckHello(const Pending& p) const {
   // The secret first: a peer that cannot prove it learns nothing of the group.
   if (!secret_.empty()) {
     if (!(f.code & kFlagSecret)) {
-      return Status::PermissionDenied("a peer holds no group secret, and this group has one (give every rank "
-                                      "the same secret)");
+      return Status::PermissionDenied(
+          "a peer holds no group secret, and this group has one (give every rank "
+          "the same secret)");
     }
     const std::string want = Proof(secret_, kHelloLabel, f.arg, f.seq, p.nonce, nonce_r, p.binding);
     if (!ConstantTimeEquals(want, proof)) {
@@ -960,9 +979,9 @@ TcpCollective::Next TcpCollective::Step(Pending& p, std::string* why, int* rank)
           return Next::kWait;
         }
         if (r != 1) {
-          *why = "TLS handshake failed: " + (r == 0 ? std::string("the peer closed the connection")
-                                            : e == EPROTO ? p.conn.tls_error()
-                                                          : Errno(e));
+          *why = "TLS handshake failed: " + (r == 0        ? std::string("the peer closed the connection")
+                                             : e == EPROTO ? p.conn.tls_error()
+                                                           : Errno(e));
           return Next::kDrop;
         }
         auto id = transport::CheckPeer(p.conn.ssl(), p.address, peer_roles_, nullptr, /*require=*/true);
@@ -1107,8 +1126,7 @@ Status TcpCollective::Listen(std::unique_ptr<CollectiveListener> listener, Clock
         refused = "; it refused " + std::to_string(refused_) + " connection(s), the last from " + last_refusal_;
       }
       return Status::DeadlineExceeded("rank(s) " + missing + " did not join within " + Seconds(timeout_) +
-                                      " (rank 0 listening on port " + std::to_string(listener->port()) + refused +
-                                      ")");
+                                      " (rank 0 listening on port " + std::to_string(listener->port()) + refused + ")");
     }
     std::vector<std::unique_ptr<Pending>> still;
     for (size_t i = 0; i < pending.size(); ++i) {
@@ -1232,8 +1250,8 @@ Status TcpCollective::Introduce(Fd fd, const std::string& host, int port, Clock:
   }
   const std::string nonce_r = RandomBytes(kNonceBytes);
   const auto* nr = reinterpret_cast<const uint8_t*>(nonce_r.data());
-  const std::string hello = nonce_r + Proof(secret_, kHelloLabel, rank_, static_cast<uint64_t>(world_), nonce0, nr,
-                                            binding);
+  const std::string hello =
+      nonce_r + Proof(secret_, kHelloLabel, rank_, static_cast<uint64_t>(world_), nonce0, nr, binding);
   d = Deadline{deadline + grace_};
   PENUMBRA_RETURN_IF_ERROR(Send(0,
                                 Frame{kHello, static_cast<uint8_t>(secret_.empty() ? 0 : kFlagSecret), rank_,
@@ -1245,8 +1263,7 @@ Status TcpCollective::Introduce(Fd fd, const std::string& host, int port, Clock:
   }
   std::string proof(kProofBytes, '\0');
   PENUMBRA_RETURN_IF_ERROR(Recv(0, proof.data(), proof.size(), d));
-  const std::string want =
-      Proof(secret_, kWelcomeLabel, rank_, static_cast<uint64_t>(world_), nonce0, nr, binding);
+  const std::string want = Proof(secret_, kWelcomeLabel, rank_, static_cast<uint64_t>(world_), nonce0, nr, binding);
   if (!ConstantTimeEquals(proof, want)) {
     return Status::PermissionDenied(where + " did not prove the group secret in its welcome");
   }
@@ -1315,9 +1332,7 @@ Status TcpCollective::Join(const std::string& host, int port, Clock::time_point 
 }  // namespace
 
 Status ParseRendezvous(const std::string& text, std::string* host, int* port) {
-  const auto bad = [&](const std::string& why) {
-    return Status::InvalidArgument("rendezvous '" + text + "' " + why);
-  };
+  const auto bad = [&](const std::string& why) { return Status::InvalidArgument("rendezvous '" + text + "' " + why); };
   std::string h, p;
   if (!text.empty() && text[0] == '[') {
     const size_t close = text.find(']');

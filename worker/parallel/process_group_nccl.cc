@@ -29,11 +29,13 @@ using Clock = std::chrono::steady_clock;
 StatusCode CodeOf(ncclResult_t r) {
   switch (r) {
     case ncclInvalidArgument:
-    case ncclInvalidUsage: return StatusCode::kInvalidArgument;
+    case ncclInvalidUsage:
+      return StatusCode::kInvalidArgument;
     case ncclRemoteError:  // a peer failed
     case ncclSystemError:  // the network or the OS
       return StatusCode::kUnavailable;
-    default: return StatusCode::kInternal;
+    default:
+      return StatusCode::kInternal;
   }
 }
 
@@ -44,8 +46,12 @@ Status CudaError(cudaError_t e, const std::string& what) {
 class NcclCollective final : public Collective {
  public:
   NcclCollective(std::unique_ptr<Collective> control, int device, cudaStream_t stream, Clock::duration timeout)
-      : control_(std::move(control)), rank_(control_->rank()), world_(control_->world()), device_(device),
-        stream_(stream), timeout_(timeout) {}
+      : control_(std::move(control)),
+        rank_(control_->rank()),
+        world_(control_->world()),
+        device_(device),
+        stream_(stream),
+        timeout_(timeout) {}
   ~NcclCollective() override;
 
   int rank() const override { return rank_; }
@@ -192,9 +198,9 @@ Status NcclCollective::Launch(Op op, const char* what) {
 
 Status NcclCollective::Fail(const Status& s, bool prefix) {
   if (!broken_.ok()) return broken_;
-  broken_ = prefix ? s.WithContext("collective (rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
-                                   ", NCCL)")
-                   : s;
+  broken_ =
+      prefix ? s.WithContext("collective (rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ", NCCL)")
+             : s;
   if (comm_ != nullptr) {
     (void)cudaSetDevice(device_);
     (void)ncclCommAbort(comm_);

@@ -1,8 +1,8 @@
 #include "worker/service/scheduler.h"
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
+#include <limits>
 #include <utility>
 
 #include <glog/logging.h>
@@ -21,12 +21,14 @@ constexpr std::chrono::seconds kMemorySampleEvery{1};
 }  // namespace
 
 Status SchedulerOptions::Validate() const {
-  if (max_batch < 1) return Status::InvalidArgument("scheduler.max_batch must be >= 1, got " + std::to_string(max_batch));
+  if (max_batch < 1)
+    return Status::InvalidArgument("scheduler.max_batch must be >= 1, got " + std::to_string(max_batch));
   if (prefill_tokens_per_step < 1) {
     return Status::InvalidArgument("scheduler.prefill_tokens_per_step must be >= 1, got " +
                                    std::to_string(prefill_tokens_per_step));
   }
-  if (max_queue < 1) return Status::InvalidArgument("scheduler.max_queue must be >= 1, got " + std::to_string(max_queue));
+  if (max_queue < 1)
+    return Status::InvalidArgument("scheduler.max_queue must be >= 1, got " + std::to_string(max_queue));
   if (keep_finished.count() < 0) return Status::InvalidArgument("scheduler.keep_finished must be >= 0");
   if (share_window.count() < 0) return Status::InvalidArgument("scheduler.share_window must be >= 0");
   if (store_fetch_threads < 1 || store_fetch_threads > 256) {
@@ -276,15 +278,15 @@ SchedulerStats Scheduler::stats() const {
   s.queued = static_cast<int64_t>(queue_.size());
   s.prefilling = static_cast<int64_t>(prefilling_.size());
   s.decoding = static_cast<int64_t>(decoding_.size());
-  s.fetching = std::count_if(queue_.begin(), queue_.end(),
-                             [](const auto& r) { return r->fetch == Request::Fetch::kFetching; });
+  s.fetching =
+      std::count_if(queue_.begin(), queue_.end(), [](const auto& r) { return r->fetch == Request::Fetch::kFetching; });
   return s;
 }
 
 bool Scheduler::HasWork() const {
   // A request being fetched is not the loop's work until its read ends.
-  const bool admissible = std::any_of(queue_.begin(), queue_.end(),
-                                      [](const auto& r) { return r->fetch != Request::Fetch::kFetching; });
+  const bool admissible =
+      std::any_of(queue_.begin(), queue_.end(), [](const auto& r) { return r->fetch != Request::Fetch::kFetching; });
   return admissible || !prefilling_.empty() || !decoding_.empty() || !tasks_.empty();
 }
 
@@ -348,8 +350,9 @@ void Scheduler::Reap() {
       return true;
     }
     if (r.opts.deadline && now >= *r.opts.deadline) {
-      Finish(r, "deadline", Status::DeadlineExceeded("the request's deadline passed after " +
-                                                     std::to_string(r.ids.size()) + " generated tokens"));
+      Finish(r, "deadline",
+             Status::DeadlineExceeded("the request's deadline passed after " + std::to_string(r.ids.size()) +
+                                      " generated tokens"));
       return true;
     }
     return false;
@@ -524,8 +527,8 @@ void Scheduler::DecodeOnce() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     batch = decoding_;
-    interleaved = !prefilling_.empty() &&
-                  prefilling_.front()->prefill.in_progress(static_cast<int64_t>(prefilling_.front()->req.prompt.size()));
+    interleaved = !prefilling_.empty() && prefilling_.front()->prefill.in_progress(
+                                              static_cast<int64_t>(prefilling_.front()->req.prompt.size()));
   }
   if (batch.empty()) return;
   // Only this thread writes a running request's ids: read without the lock.
@@ -541,7 +544,7 @@ void Scheduler::DecodeOnce() {
   Result<const float*> logits = rt_->DecodeStep(seqs, tokens, positions);
   std::vector<int32_t> ids(batch.size());
   Status sampled = logits.ok() ? rt_->backend().Sample(*logits, static_cast<int>(batch.size()),
-                                                        rt_->config().vocab_size, params, ids.data())
+                                                       rt_->config().vocab_size, params, ids.data())
                                : logits.status();
   const SchedulerStats::Documents docs = DocumentSnapshot();
   std::lock_guard<std::mutex> lk(mu_);
@@ -552,16 +555,16 @@ void Scheduler::DecodeOnce() {
     // The step failed for all of them; the loop goes on with the others.
     LOG(WARNING) << "scheduler: a decode step of " << batch.size() << " sequences failed: " << sampled;
     for (auto& r : batch) Finish(*r, "error", sampled);
-    decoding_.erase(std::remove_if(decoding_.begin(), decoding_.end(),
-                                   [](const std::shared_ptr<Request>& r) { return r->done; }),
-                    decoding_.end());
+    decoding_.erase(
+        std::remove_if(decoding_.begin(), decoding_.end(), [](const std::shared_ptr<Request>& r) { return r->done; }),
+        decoding_.end());
     return;
   }
   for (size_t i = 0; i < batch.size(); ++i) Emit(*batch[i], ids[i]);
   done_cv_.notify_all();
-  decoding_.erase(std::remove_if(decoding_.begin(), decoding_.end(),
-                                 [](const std::shared_ptr<Request>& r) { return r->done; }),
-                  decoding_.end());
+  decoding_.erase(
+      std::remove_if(decoding_.begin(), decoding_.end(), [](const std::shared_ptr<Request>& r) { return r->done; }),
+      decoding_.end());
 }
 
 bool Scheduler::Emit(Request& r, int32_t id) {

@@ -5,10 +5,9 @@
 // steps of the running batch it admits waiting requests (first come, first
 // served) and prefills one piece of the oldest admitted prompt (at most
 // prefill_tokens_per_step tokens where the policy allows splitting, else
-// that much work of one segment, a few of its layers), so a long prompt does not stall everyone's decoding for its whole
-// prefill, and requests join and leave the batch between steps. Admission is
-// the policy's own memory check (KvPolicy::AddSequence: device memory, host
-// memory for the value store): a request that does not fit waits until a
+// that much work of one segment, a few of its layers), so a long prompt does not stall everyone's decoding for its
+// whole prefill, and requests join and leave the batch between steps. Admission is the policy's own memory check
+// (KvPolicy::AddSequence: device memory, host memory for the value store): a request that does not fit waits until a
 // running one finishes, and one that cannot fit even alone finishes with
 // ResourceExhausted. Nothing a request does can stop the loop: its errors end
 // that request (or, for a failed decode step, the requests of that step).
@@ -95,13 +94,13 @@ struct SubmitOptions {
 
 // What a poll returns: the tokens from the asked offset on, and the state.
 struct RequestUpdate {
-  std::vector<int32_t> ids;      // generated ids from `offset`
-  int64_t offset = 0;            // the offset asked for
+  std::vector<int32_t> ids;  // generated ids from `offset`
+  int64_t offset = 0;        // the offset asked for
   bool done = false;
   // "stop", "length", "prefilled" (max_new_tokens 0), "cancelled", "deadline"
   // or "error" once done.
   std::string finish_reason;
-  Status error;                  // why, for "error" and "deadline"
+  Status error;  // why, for "error" and "deadline"
   int64_t prompt_tokens = 0;
   int64_t cached_prompt_tokens = 0;  // of them, attached from the document cache
   int64_t generated_tokens = 0;      // all so far
@@ -113,7 +112,7 @@ struct RequestUpdate {
 struct SchedulerStats {
   int64_t submitted = 0, finished = 0, failed = 0, cancelled = 0;
   int64_t queued = 0, prefilling = 0, decoding = 0;  // now
-  int64_t fetching = 0;  // now: queued requests whose stored documents are being read
+  int64_t fetching = 0;                              // now: queued requests whose stored documents are being read
   int64_t decode_steps = 0;
   // Decode steps taken while a prompt was part-way through its prefill.
   int64_t interleaved_decode_steps = 0;
@@ -129,12 +128,12 @@ struct SchedulerStats {
   int64_t memory_free_bytes = -1;
   // The document cache, as of the loop's last step.
   struct Documents {
-    int64_t cached = 0;                        // documents in memory (tier 1)
-    int64_t device_bytes = 0, host_bytes = 0;  // ... their device state and host values
+    int64_t cached = 0;                            // documents in memory (tier 1)
+    int64_t device_bytes = 0, host_bytes = 0;      // ... their device state and host values
     int64_t tier0_bytes = 0, tier0_documents = 0;  // copies of hot documents' values on the device
     int64_t tier0_promotions = 0, tier0_demotions = 0;
     int64_t store_hits = 0, store_corruptions = 0;  // read back from disk; found damaged (recomputed)
-    int64_t store_fetch_failures = 0;  // lookups the store did not answer (prefilled instead)
+    int64_t store_fetch_failures = 0;               // lookups the store did not answer (prefilled instead)
   } documents;
 };
 
@@ -234,16 +233,16 @@ class Scheduler {
   void Finish(Request& r, const std::string& reason, Status error);
   RequestUpdate Snapshot(const Request& r, int64_t offset) const;
   void DropExpiredAnswers(Clock::time_point now);  // under mu_
-  bool HasWork() const;                              // under mu_
+  bool HasWork() const;                            // under mu_
   // The queued request to admit next (under mu_; null when none may be):
   // the earliest of the tenant whose share of admissions is the most behind,
   // among the tenants under their cap of the batch (share_window).
   std::shared_ptr<Request> NextByShare(Clock::time_point now) const;
-  void ChargeShare(const Request& r);                // under mu_: r was admitted
+  void ChargeShare(const Request& r);  // under mu_: r was admitted
   static const std::string& ShareKey(const Request& r) {
     return r.opts.tenant.empty() ? r.req.cache_namespace : r.opts.tenant;
   }
-  void RunTasks();                                   // loop thread
+  void RunTasks();  // loop thread
 
   Runtime* rt_;
   SchedulerOptions o_;
@@ -251,7 +250,7 @@ class Scheduler {
   std::condition_variable work_cv_;  // the loop waits for requests
   std::condition_variable done_cv_;  // pollers wait for tokens and ends
   std::map<uint64_t, std::shared_ptr<Request>> requests_;
-  std::deque<std::shared_ptr<Request>> queue_;       // waiting for admission, in arrival order
+  std::deque<std::shared_ptr<Request>> queue_;  // waiting for admission, in arrival order
   // Fair share between tenants (start-time fair queuing on admissions): a
   // tenant's virtual time advances by 1 / its weight per admission; the
   // waiting tenant with the smallest is admitted next, and one that was idle
@@ -262,7 +261,7 @@ class Scheduler {
     Clock::time_point last;  // its latest Submit
     double weight = 1.0;
   };
-  std::map<std::string, TenantActivity> activity_;  // guarded by mu_
+  std::map<std::string, TenantActivity> activity_;   // guarded by mu_
   std::deque<std::shared_ptr<Request>> prefilling_;  // admitted, prompt part-way in
   std::vector<std::shared_ptr<Request>> decoding_;
   std::deque<std::packaged_task<Status(Runtime&)>> tasks_;

@@ -16,16 +16,16 @@
 #include <iostream>
 #include <optional>
 
-#include <nlohmann/json.hpp>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
+#include <nlohmann/json.hpp>
 
 #include "common/args.h"
 #include "common/crypto.h"
 #include "common/logging.h"
 #include "common/process.h"
-#include "transport/metrics_http.h"
 #include "store_node/store_node.h"
+#include "transport/metrics_http.h"
 #include "transport/tls.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"
@@ -42,7 +42,9 @@ class WorkerMetrics {
  public:
   WorkerMetrics(service::Scheduler* s, service::WorkerServer* server,
                 std::function<storage::WriteHealth()> store_health)
-      : s_(s), server_(server), store_health_(std::move(store_health)),
+      : s_(s),
+        server_(server),
+        store_health_(std::move(store_health)),
         registry_(std::make_shared<prometheus::Registry>()) {
     auto counter = [&](const std::string& name, const std::string& help) -> prometheus::Counter& {
       return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
@@ -71,8 +73,9 @@ class WorkerMetrics {
     decoding_ = &gauge("penumbra_worker_requests_decoding", "Requests in the decode batch.");
     piece_max_ = &gauge("penumbra_worker_prefill_piece_max_seconds",
                         "The longest prefill piece so far: the longest the running batch waited for one.");
-    memory_free_ = &gauge("penumbra_worker_memory_free_bytes",
-                          "Free memory of the worker's device (host RAM on a CPU worker), sampled about once a second.");
+    memory_free_ =
+        &gauge("penumbra_worker_memory_free_bytes",
+               "Free memory of the worker's device (host RAM on a CPU worker), sampled about once a second.");
     documents_ = &gauge("penumbra_worker_documents_cached", "Documents in the memory tier of the document cache.");
     document_device_ = &gauge("penumbra_worker_documents_device_bytes", "Device bytes of the cached documents' state.");
     document_host_ = &gauge("penumbra_worker_documents_host_bytes", "Host bytes of the cached documents' values.");
@@ -148,8 +151,8 @@ class WorkerMetrics {
   service::SchedulerStats last_;
   int64_t last_lease_expired_ = 0;
   prometheus::Counter* lease_expired_;
-  prometheus::Counter *submitted_, *finished_, *failed_, *cancelled_, *decode_steps_, *interleaved_,
-      *prefill_pieces_, *prompt_, *cached_, *generated_, *waits_;
+  prometheus::Counter *submitted_, *finished_, *failed_, *cancelled_, *decode_steps_, *interleaved_, *prefill_pieces_,
+      *prompt_, *cached_, *generated_, *waits_;
   prometheus::Gauge *queued_, *prefilling_, *decoding_, *piece_max_, *memory_free_;
   prometheus::Gauge *documents_, *document_device_, *document_host_, *tier0_bytes_, *tier0_documents_;
   prometheus::Counter *tier0_promotions_, *tier0_demotions_, *store_hits_, *store_corruptions_, *store_fetch_failures_;
@@ -175,8 +178,9 @@ class StoreNodeMetrics {
                       .Register(registry);
     auto& failures = prometheus::BuildCounter()
                          .Name("penumbra_store_node_failures_total")
-                         .Help("Calls the store node did not answer (unreachable, connection lost, or past their "
-                               "deadline).")
+                         .Help(
+                             "Calls the store node did not answer (unreachable, connection lost, or past their "
+                             "deadline).")
                          .Register(registry);
     auto& timeouts = prometheus::BuildCounter()
                          .Name("penumbra_store_node_timeouts_total")
@@ -192,8 +196,13 @@ class StoreNodeMetrics {
                       .Register(registry);
     for (const auto& n : nodes_) {
       const std::map<std::string, std::string> label = {{"node", n->name()}};
-      rows_.push_back(Row{&state.Add(label), &calls.Add(label), &failures.Add(label), &timeouts.Add(label),
-                          &rejected.Add(label), &opens.Add(label), {}});
+      rows_.push_back(Row{&state.Add(label),
+                          &calls.Add(label),
+                          &failures.Add(label),
+                          &timeouts.Add(label),
+                          &rejected.Add(label),
+                          &opens.Add(label),
+                          {}});
     }
   }
   void Refresh() {
@@ -235,30 +244,40 @@ Status Run(int argc, char** argv) {
       .Flag("max-batch", "sequences decoding together at most (default: the engine's max_batch)")
       .Flag("prefill-tokens-per-step", "prompt tokens prefilled between two decode steps (default 4096)")
       .Flag("max-queue", "requests waiting for admission at most (default 1024)")
-      .Flag("share-window-ms", "a tenant that sent a request this recently keeps its fair share of the batch free "
-                               "(default 10000; 0: no caps)")
-      .Flag("prefix-cache-mb", "device MiB for cached documents (default: the config's prefix_cache_bytes, "
-                               "else 4096)")
+      .Flag("share-window-ms",
+            "a tenant that sent a request this recently keeps its fair share of the batch free "
+            "(default 10000; 0: no caps)")
+      .Flag("prefix-cache-mb",
+            "device MiB for cached documents (default: the config's prefix_cache_bytes, "
+            "else 4096)")
       .Flag("prefix-store", "directory of the persistent document store (RocksDB; default: the config's)")
-      .Flag("store-node", "HOST:PORT[,HOST:PORT...] of value-store nodes (penumbra-store) to keep documents on "
-                          "instead of a local directory (each document on one node, by its key)")
-      .Flag("store-call-timeout-ms", "a call to a store node fails (DeadlineExceeded) when the node has not "
-                                     "answered within this (default 5000), plus its bytes' time at "
-                                     "--store-bulk-mb-per-s")
-      .Flag("store-bulk-mb-per-s", "the slowest transfer rate a store node's call is given time for "
-                                   "(default 64)")
-      .Flag("store-breaker-failures", "consecutive calls a store node did not answer that open its circuit "
-                                      "breaker: its calls then fail at once (default 3)")
-      .Flag("store-breaker-cooldown-ms", "how long an open breaker fails calls at once before one probe call "
-                                         "(default 5000)")
-      .Flag("store-fetch-threads", "threads reading stored documents for queued requests, off the decode loop "
-                                   "(default 4)")
+      .Flag("store-node",
+            "HOST:PORT[,HOST:PORT...] of value-store nodes (penumbra-store) to keep documents on "
+            "instead of a local directory (each document on one node, by its key)")
+      .Flag("store-call-timeout-ms",
+            "a call to a store node fails (DeadlineExceeded) when the node has not "
+            "answered within this (default 5000), plus its bytes' time at "
+            "--store-bulk-mb-per-s")
+      .Flag("store-bulk-mb-per-s",
+            "the slowest transfer rate a store node's call is given time for "
+            "(default 64)")
+      .Flag("store-breaker-failures",
+            "consecutive calls a store node did not answer that open its circuit "
+            "breaker: its calls then fail at once (default 3)")
+      .Flag("store-breaker-cooldown-ms",
+            "how long an open breaker fails calls at once before one probe call "
+            "(default 5000)")
+      .Flag("store-fetch-threads",
+            "threads reading stored documents for queued requests, off the decode loop "
+            "(default 4)")
       .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
       .Flag("drain-seconds", "on SIGTERM, how long running requests may finish (default 30)")
-      .Flag("lease-ms", "a coordinator that neither renews nor submits for this long has its generations cancelled "
-                        "(default 30000)")
-      .Flag("random-weights", "benchmarks only: the model's shape from --model DIR/config.json, its weights "
-                              "random from this seed (generated on the device; no safetensors read)");
+      .Flag("lease-ms",
+            "a coordinator that neither renews nor submits for this long has its generations cancelled "
+            "(default 30000)")
+      .Flag("random-weights",
+            "benchmarks only: the model's shape from --model DIR/config.json, its weights "
+            "random from this seed (generated on the device; no safetensors read)");
   AddEngineFlags(a);
   transport::AddSecurityFlags(a);
   transport::AddAdminFlags(a);
@@ -367,13 +386,13 @@ Status Run(int argc, char** argv) {
   std::unique_ptr<transport::MetricsServer> metrics_server;
   if (admin.port >= 0) {
     service::Scheduler* s = scheduler.get();
-    PENUMBRA_ASSIGN_OR_RETURN(metrics_server,
-                              transport::MetricsServer::Start(metrics.registry(), admin,
-                                                              [&metrics, &node_metrics] {
-                                                                metrics.Refresh();
-                                                                node_metrics.Refresh();
-                                                              },
-                                                              [s] { return s->accepting(); }));
+    PENUMBRA_ASSIGN_OR_RETURN(metrics_server, transport::MetricsServer::Start(
+                                                  metrics.registry(), admin,
+                                                  [&metrics, &node_metrics] {
+                                                    metrics.Refresh();
+                                                    node_metrics.Refresh();
+                                                  },
+                                                  [s] { return s->accepting(); }));
   }
   const int mport = metrics_server ? metrics_server->port() : -1;
   if (a.Has("port-file")) {

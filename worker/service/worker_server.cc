@@ -46,10 +46,11 @@ Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r) {
   }
   GenerationRequest g;
   g.prompt = r.prompt;
-  g.segment_ends = r.segment_ends;
+  g.document_ends = r.document_ends;
   g.cache_namespace = r.cache_namespace;
   if (r.max_new_tokens < 0) {
-    return Status::InvalidArgument("max_new_tokens must be >= 0 (0: prefill only), got " + std::to_string(r.max_new_tokens));
+    return Status::InvalidArgument("max_new_tokens must be >= 0 (0: prefill only), got " +
+                                   std::to_string(r.max_new_tokens));
   }
   g.max_new_tokens = r.max_new_tokens;
   // Doubles narrowed to the engine's floats after a range check (NaN fails it).
@@ -191,8 +192,8 @@ void WorkerHandler::ExpireLeases(Clock::time_point now) {
     const size_t nl = o.rfind('\n');
     LOG(WARNING) << "worker: the lease of owner " << o.substr(nl + 1) << " ("
                  << (o.substr(0, nl).empty() ? std::string("no certificate") : o.substr(0, nl)) << ") expired after "
-                 << lease_.lease.count() << " ms without a renewal: " << cancelled
-                 << " generations cancelled, " << ended.size() << " handles forgotten";
+                 << lease_.lease.count() << " ms without a renewal: " << cancelled << " generations cancelled, "
+                 << ended.size() << " handles forgotten";
   }
 }
 
@@ -268,11 +269,11 @@ void WorkerHandler::Release(const std::string& handle) {
   if (!s.ok()) Throw(s.code() == StatusCode::kNotFound ? UnknownHandle(handle) : s);
 }
 
-int32_t WorkerHandler::ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& segment_ends,
+int32_t WorkerHandler::ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& document_ends,
                                       const std::string& cache_namespace) {
   GenerationRequest g;
   g.prompt = prompt;
-  g.segment_ends = segment_ends;
+  g.document_ends = document_ends;
   g.cache_namespace = cache_namespace;
   g.max_new_tokens = 0;
   int dropped = 0;

@@ -10,9 +10,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
-#include <string>
 #include <vector>
 
 #include "gen-cpp/Worker.h"
@@ -58,7 +58,7 @@ class WorkerHandler : public rpc::WorkerIf {
   void Poll(rpc::TokenChunk& out, const std::string& handle, int64_t offset, int32_t wait_ms) override;
   void Cancel(const std::string& handle) override;
   void Release(const std::string& handle) override;
-  int32_t ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& segment_ends,
+  int32_t ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& document_ends,
                          const std::string& cache_namespace) override;
   void Health(rpc::WorkerHealth& out) override;
   void Stats(rpc::WorkerStats& out) override;

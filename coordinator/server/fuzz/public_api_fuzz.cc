@@ -141,8 +141,8 @@ class ValidatingHandler : public rpc::PenumbraIf {
     CheckAccepted(r);
     // No documents are stored here: the question alone is the prompt (a
     // text's length in bytes stands in for its tokens).
-    const int64_t prompt = r.__isset.token_ids ? static_cast<int64_t>(r.token_ids.size())
-                                               : static_cast<int64_t>(r.text.size());
+    const int64_t prompt =
+        r.__isset.token_ids ? static_cast<int64_t>(r.token_ids.size()) : static_cast<int64_t>(r.text.size());
     Check(ValidatePromptLength(prompt, r.max_new_tokens, model_), r.api_key);
     const int64_t bound = GeneratedTokensBound(prompt, r.max_new_tokens, model_);
     if (bound < 0 || bound > r.max_new_tokens || prompt + bound > model_.max_context) Fail("a bad token bound");
@@ -364,7 +364,6 @@ void WriteSeeds(const std::string& dir) {
     c.send_DeleteJob(kAlphaKey, "job-0123456789abcdef");
   });
 }
-
 
 }  // namespace
 }  // namespace penumbra::coordinator

@@ -60,8 +60,8 @@ Status ShadowKvDecodeStep::Begin(const std::vector<ShadowKvSeq*>& seqs) {
   offsets_ = false;
   for (int i = 0; i < B; ++i) {
     ShadowKvSeq& s = *seqs_[i];
-    ints[kLength * B + i] = static_cast<int32_t>((s.outliers + s.kslots) * int64_t{o.chunk_size} + s.local_count +
-                                                 (s.closed ? 0 : 1));
+    ints[kLength * B + i] =
+        static_cast<int32_t>((s.outliers + s.kslots) * int64_t{o.chunk_size} + s.local_count + (s.closed ? 0 : 1));
     ints[kChunks * B + i] = s.n_chunks;
     ints[kPosition0 * B + i] = static_cast<int32_t>(s.pos0);
     offsets_ = offsets_ || s.pos0 != 0;

@@ -31,27 +31,27 @@ class ShadowKvDecodeStep {
   // The pointer table entries of one sequence at one layer (each a row of
   // `batch` pointers in the step's table of that layer).
   enum Table : int {
-    kNewK = 0,          // the new token's K row (RopeStore's destination)
-    kNewV = 1,          // ... and V row
-    kAttK = 2,          // attention rows, head 0, row 0 (outliers | slots | local)
+    kNewK = 0,  // the new token's K row (RopeStore's destination)
+    kNewV = 1,  // ... and V row
+    kAttK = 2,  // attention rows, head 0, row 0 (outliers | slots | local)
     kAttV = 3,
-    kLandmarks = 4,     // the sequence's own landmark records
-    kExcluded = 5,      // outlier marks [hkv][chunk_cap]
-    kSlots = 6,         // slot maps [hkv][kslots]
-    kA = 7,             // A rows (own chunks)
-    kB = 8,             // B factor
-    kValues = 9,        // the value store's layer (device address of pinned host memory)
-    kNewPreK = 10,      // the new token's pre-RoPE key row
-    kSharedValues = 11, // an attached prefix's values (null: none, or still read from disk)
+    kLandmarks = 4,      // the sequence's own landmark records
+    kExcluded = 5,       // outlier marks [hkv][chunk_cap]
+    kSlots = 6,          // slot maps [hkv][kslots]
+    kA = 7,              // A rows (own chunks)
+    kB = 8,              // B factor
+    kValues = 9,         // the value store's layer (device address of pinned host memory)
+    kNewPreK = 10,       // the new token's pre-RoPE key row
+    kSharedValues = 11,  // an attached prefix's values (null: none, or still read from disk)
     kSharedLandmarks = 12,
     kSharedA = 13,
     kTables = 14,
   };
   // The per-sequence ints after the tables (each a row of `batch`).
   enum Int : int {
-    kLength = 0,    // attention length (a closed shard's new row not attended)
-    kChunks = 1,    // chunk count
-    kPosition0 = 2, // first position (a shard's; the rebuilt keys' RoPE offset)
+    kLength = 0,     // attention length (a closed shard's new row not attended)
+    kChunks = 1,     // chunk count
+    kPosition0 = 2,  // first position (a shard's; the rebuilt keys' RoPE offset)
     kInts = 3,
   };
 
@@ -67,7 +67,7 @@ class ShadowKvDecodeStep {
   const std::vector<ShadowKvSeq*>& seqs() const { return seqs_; }
   // Runs [first, first + count) of sequences sharing launches.
   const std::vector<std::pair<int, int>>& groups() const { return groups_; }
-  int max_k() const { return max_k_; }  // the largest selection (0: no sparse sequence)
+  int max_k() const { return max_k_; }                // the largest selection (0: no sparse sequence)
   bool position_offsets() const { return offsets_; }  // a sequence is a shard after position 0
 
   // ---- its device tables
@@ -83,11 +83,9 @@ class ShadowKvDecodeStep {
   // ---- the kernels' arguments for group [g0, g0 + gn) at `layer`
   // RoPE of the new tokens, their K/V into the attention rows (queries to
   // q_scratch's rows of the group).
-  RopeStoreOp RopeStoreOf(int layer, int g0, int gn, const float* qkv, const int32_t* positions,
-                          void* q_scratch) const;
+  RopeStoreOp RopeStoreOf(int layer, int g0, int gn, const float* qkv, const int32_t* positions, void* q_scratch) const;
   // Attention over the rows; mask_slots: empty slots not attended.
-  DecodeAttentionOp AttentionOf(int layer, int g0, int gn, const void* q, void* out, float* lse,
-                                bool mask_slots) const;
+  DecodeAttentionOp AttentionOf(int layer, int g0, int gn, const void* q, void* out, float* lse, bool mask_slots) const;
   // Chunk scores (Algorithm 2), selecting s.kslots chunks into the step's
   // selection rows (the front of the miss workspace, stride kslots).
   kernels::ShadowkvScoreArgs ScoreArgsOf(int layer, int g0, int gn, const void* q) const;

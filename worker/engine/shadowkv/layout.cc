@@ -10,7 +10,9 @@ namespace penumbra {
 namespace kn = kernels;
 
 ShadowKvLayout::ShadowKvLayout(const PolicyContext& ctx, const ShadowKvOptions& options)
-    : ctx_(ctx), o_(options), es_(DTypeSize(ctx.backend->act_dtype())),
+    : ctx_(ctx),
+      o_(options),
+      es_(DTypeSize(ctx.backend->act_dtype())),
       lm_rec_(kn::LandmarkChunkElems(options.landmarks_per_chunk, ctx.head_dim, options.landmark_fp8())),
       lm_rec_bytes_(kn::LandmarkChunkBytes(options.landmarks_per_chunk, ctx.head_dim, options.landmark_fp8(), es_)) {}
 
@@ -41,7 +43,8 @@ void ShadowKvLayout::Shape(const SequenceSpec& spec, ShadowKvSeq* out) const {
   int64_t want_outliers = o_.outlier_chunks;
   if (global) want_outliers = std::llround(spec.shard.share * o_.outlier_chunks);  // the sequence's, split
   if (o_.outlier_fraction > 0) {
-    want_outliers = static_cast<int64_t>(std::ceil(o_.outlier_fraction * static_cast<double>(std::max<int64_t>(first_chunks, 0))));
+    want_outliers =
+        static_cast<int64_t>(std::ceil(o_.outlier_fraction * static_cast<double>(std::max<int64_t>(first_chunks, 0))));
   }
   s.outliers = static_cast<int>(std::min<int64_t>(want_outliers, std::max<int64_t>(first_chunks - budget / C, 0)));
   s.kslots = static_cast<int>(std::min<int64_t>(budget / C, first_chunks - s.outliers));

@@ -80,14 +80,12 @@ class ShadowKvLayout {
   void Shape(const SequenceSpec& spec, ShadowKvSeq* out) const;
 
   // Tokens the sequence holds (after its last prefill or decode step).
-  int64_t Held(const ShadowKvSeq& s) const {
-    return static_cast<int64_t>(s.n_chunks) * o_.chunk_size + s.local_count;
-  }
+  int64_t Held(const ShadowKvSeq& s) const { return static_cast<int64_t>(s.n_chunks) * o_.chunk_size + s.local_count; }
   // Sequences that share kernel launches in a decode step.
   static bool SameGeometry(const ShadowKvSeq& a, const ShadowKvSeq& b) {
     return a.sparse == b.sparse && a.att_cap == b.att_cap && a.kslots == b.kslots && a.chunk_cap == b.chunk_cap &&
-           a.outliers == b.outliers && a.shared_chunks == b.shared_chunks &&
-           a.shared_stride == b.shared_stride && a.global_k == b.global_k;
+           a.outliers == b.outliers && a.shared_chunks == b.shared_chunks && a.shared_stride == b.shared_stride &&
+           a.global_k == b.global_k;
   }
 
   // Elements of one layer of the attention rows ([hkv][att_cap][d]).
@@ -96,9 +94,7 @@ class ShadowKvLayout {
   // (kernels/landmark_format.h) for each chunk from shared_chunks on.
   int64_t LmHead(const ShadowKvSeq& s) const { return static_cast<int64_t>(s.lm_cap) * lm_rec_; }
   // The first local row (after the outlier and slot rows).
-  int64_t LocalRow0(const ShadowKvSeq& s) const {
-    return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size;
-  }
+  int64_t LocalRow0(const ShadowKvSeq& s) const { return static_cast<int64_t>(s.outliers + s.kslots) * o_.chunk_size; }
   // Row `row` of head 0 at `layer` in an attention buffer (att_k / att_v).
   void* Row(const DeviceBuffer& buf, const ShadowKvSeq& s, int layer, int64_t row) const {
     return static_cast<char*>(buf.get()) + (layer * AttLayer(s) + row * ctx_.head_dim) * es_;
@@ -116,8 +112,8 @@ class ShadowKvLayout {
     return static_cast<char*>(buf.get()) + layer * per_layer * es_;
   }
 
-  size_t es() const { return es_; }                     // bytes of the act dtype
-  int64_t lm_rec() const { return lm_rec_; }            // landmark elements (bytes for fp8) per chunk record
+  size_t es() const { return es_; }                       // bytes of the act dtype
+  int64_t lm_rec() const { return lm_rec_; }              // landmark elements (bytes for fp8) per chunk record
   int64_t lm_rec_bytes() const { return lm_rec_bytes_; }  // bytes per chunk record
   const PolicyContext& ctx() const { return ctx_; }
   const ShadowKvOptions& options() const { return o_; }

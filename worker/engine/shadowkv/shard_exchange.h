@@ -40,7 +40,7 @@ class ShadowKvShardExchange {
   Status Prepare(Collective* group, const std::vector<ShadowKvSeq*>& seqs);
 
   Collective* group() const { return group_; }
-  int width() const { return xk_; }  // proposals per KV head row (the largest global_k)
+  int width() const { return xk_; }        // proposals per KV head row (the largest global_k)
   size_t stats() const { return stats_; }  // floats of statistics one rank sends
   size_t cand() const { return cand_; }    // floats of proposal scores one rank sends
 
@@ -49,7 +49,7 @@ class ShadowKvShardExchange {
   float* stats_send() const { return stats_send_; }
   float* stats_recv() const { return stats_recv_; }  // world() blocks of stats()
   float* cand_send() const { return cand_send_; }
-  float* cand_recv() const { return cand_recv_; }    // world() blocks of cand()
+  float* cand_recv() const { return cand_recv_; }  // world() blocks of cand()
   int32_t* proposals() const { return proposals_; }
   int32_t* winners() const { return winners_; }
   int32_t* selection() const { return selection_; }

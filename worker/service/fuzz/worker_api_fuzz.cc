@@ -9,7 +9,7 @@
 // A finding: a crash or sanitizer report; an exception other than Thrift's
 // own or a handler error other than PenumbraError; a request accepted that
 // breaks what validation promises (an id outside the vocabulary, a prompt
-// over the context, segment ends out of order, draws_done past the prompt,
+// over the context, document ends out of order, draws_done past the prompt,
 // too many stop ids, sampling out of range).
 //
 // With PENUMBRA_FUZZ_SEEDS=DIR, LLVMFuzzerInitialize writes valid calls made
@@ -95,12 +95,12 @@ class ValidatingWorker : public rpc::WorkerIf {
   }
   void Cancel(const std::string&) override { Throw(Status::NotFound("request is unknown")); }
   void Release(const std::string&) override { Throw(Status::NotFound("request is unknown")); }
-  int32_t ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& segment_ends,
+  int32_t ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& document_ends,
                          const std::string& cache_namespace) override {
     // The checks of a put of this prompt, as the worker makes them.
     GenerationRequest g;
     g.prompt = prompt;
-    g.segment_ends = segment_ends;
+    g.document_ends = document_ends;
     g.cache_namespace = cache_namespace;
     g.max_new_tokens = 0;
     Status s = ValidateGenerationRequest(g, config_);
@@ -131,8 +131,8 @@ class ValidatingWorker : public rpc::WorkerIf {
       if (id < 0 || id >= config_.vocab_size) Fail("a prompt id outside the vocabulary");
     }
     int64_t prev = 0;
-    for (int64_t e : g.segment_ends) {
-      if (e <= prev || e > n) Fail("segment ends out of order or past the prompt");
+    for (int64_t e : g.document_ends) {
+      if (e <= prev || e > n) Fail("document ends out of order or past the prompt");
       prev = e;
     }
     if (g.draws_done < 0 || g.draws_done > n) Fail("draws_done past the prompt");
@@ -175,7 +175,7 @@ void WriteSeeds(const std::string& dir) {
   WriteSeed(dir, "generate", [](rpc::WorkerClient& c) {
     rpc::WorkerGenerateRequest g;
     g.prompt = {1, 17, 33, 200, 5, 6, 7, 8};
-    g.segment_ends = {3, 5};
+    g.document_ends = {3, 5};
     g.cache_namespace = "tenant-a";
     g.max_new_tokens = 32;
     g.sampling.temperature = 0.8;
@@ -192,10 +192,10 @@ void WriteSeeds(const std::string& dir) {
   WriteSeed(dir, "put", [](rpc::WorkerClient& c) {
     rpc::WorkerGenerateRequest g;
     g.prompt = {1, 2, 3, 4, 5, 6};
-    g.segment_ends = {6};
+    g.document_ends = {6};
     g.max_new_tokens = 0;
     c.send_Generate(g);
-    c.send_ForgetPrefixes(g.prompt, g.segment_ends, "tenant-a");
+    c.send_ForgetPrefixes(g.prompt, g.document_ends, "tenant-a");
   });
   WriteSeed(dir, "handles", [](rpc::WorkerClient& c) {
     c.send_Poll("0123456789abcdef0123456789abcdef", 0, 100);
@@ -205,7 +205,6 @@ void WriteSeeds(const std::string& dir) {
     c.send_Stats();
   });
 }
-
 
 }  // namespace
 }  // namespace penumbra::service
