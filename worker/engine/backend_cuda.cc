@@ -25,6 +25,7 @@
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope_store.cuh"
 #include "kernels/sample.cuh"
+#include "kernels/shadowkv_decode.cuh"
 #include "kernels/shadowkv_prefill.cuh"
 #include "kernels/swiglu.cuh"
 #include "kernels/topk.cuh"
