@@ -295,9 +295,11 @@ TEST_F(Leases, AJobItemInFlightAtARestartRunsOnceAndItsCancelStopsIt) {
   ASSERT_TRUE(cluster.StartCoordinator(data));
   c = cluster.Client();
   ASSERT_TRUE(c);
-  // Watched for a while: exactly one copy runs (the re-run), never two
-  // (the old copy's cancel may take one decode step to land).
-  std::this_thread::sleep_for(300ms);
+  // Watched for a while: exactly one copy runs (the re-run), never two. The
+  // old copy's cancel lands at its next decode step, which a loaded machine
+  // may take a while to reach: wait for it first (two copies that stay fail).
+  ASSERT_TRUE(Eventually([&] { return Running(cluster.WorkerStats(0)) <= 1; }, 20s,
+                         "the old copy's cancel to land (one copy running)"));
   int64_t most = 0;
   const Clock::time_point until = Clock::now() + 3s;
   bool seen = false;
