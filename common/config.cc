@@ -27,7 +27,7 @@ Result<ConfigReader> ConfigReader::FromFile(const std::string& path) {
 }
 
 ConfigReader::ConfigReader(YAML::Node node, std::string path, std::string origin)
-    : node_(std::move(node)), path_(std::move(path)), origin_(std::move(origin)) {}
+    : node_(node), path_(std::move(path)), origin_(std::move(origin)) {}
 
 std::string ConfigReader::KeyPath(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
 

@@ -173,7 +173,7 @@ Status ReadLine(const LineReader& r, const json& o, std::vector<rpc::JobItem>* o
     } else {
       PENUMBRA_RETURN_IF_ERROR(ReadQuestionIds(r, o, &g));
     }
-    item.request = std::move(g);
+    item.request = g;  // Thrift structs copy (no move assignment)
     out->push_back(std::move(item));
     return Status::OK();
   }

@@ -130,7 +130,7 @@ void RunModel(uint64_t seed, int steps) {
   };
   for (int step = 0; step < steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
-    const std::string t = tenants[rng() % tenants.size()];
+    const std::string& t = tenants[rng() % tenants.size()];
     const uint64_t op = rng() % 1000;
     if (op < 250) {  // add
       std::vector<int32_t> ids(rng() % 300);

@@ -40,7 +40,7 @@ TEST(DocumentRegistry, MatchesAModelUnderRandomOperations) {
     return it->first;
   };
   for (int step = 0; step < 4000; ++step) {
-    const std::string t = tenants[rng() % tenants.size()];
+    const std::string& t = tenants[rng() % tenants.size()];
     switch (rng() % 6) {
       case 0: {  // add
         std::vector<int32_t> ids(1 + rng() % 20);

@@ -226,7 +226,7 @@ TEST(JobStoreCrashTest, AcknowledgedJobsAndResultsSurviveSigkillExactlyOnce) {
     for (auto& [n, t] : jobs) {
       if (visible.count(n)) continue;
       const size_t items = SpecFor(n).items.size();
-      const bool all_finished_known = t.acked.size() + t.seen_results.size() >= items && [&] {
+      const bool all_finished_known = t.acked.size() + t.seen_results.size() >= items && [&, &t = t] {
         for (uint32_t i = 0; i < items; ++i) {
           if (!t.acked.count(i) && !t.seen_results.count(i)) return false;
         }

@@ -89,7 +89,7 @@ TEST(UcxFrameTest, EveryByteOfASealedFrameIsAuthenticated) {
     EXPECT_EQ(opener.Open(*h, bad).status().code(), StatusCode::kCorruption) << "body byte " << i;
   }
   // Another connection's or direction's keys verify nothing.
-  for (auto other : {Keys('j', 1), Keys('k', 2)}) {
+  for (const auto& other : {Keys('j', 1), Keys('k', 2)}) {
     FrameOpener opener(other, 1 << 20);
     auto h = opener.Check(header, body.size());
     if (h.ok()) {

@@ -934,7 +934,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
       if (emit(a, id)) {
         policy_->RemoveSequence(a.seq);
       } else {
-        active.push_back(std::move(a));
+        active.push_back(a);
       }
     }
     // Decode the survivors together.
@@ -964,7 +964,7 @@ Result<std::vector<GenerationResult>> Runtime::Generate(const std::vector<Genera
         if (emit(active[i], ids[i])) {
           policy_->RemoveSequence(active[i].seq);
         } else {
-          still.push_back(std::move(active[i]));
+          still.push_back(active[i]);
         }
       }
       active = std::move(still);

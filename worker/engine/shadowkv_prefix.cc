@@ -424,7 +424,9 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
     }
   }
   PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, Allocate(g, backend, /*values=*/!lazy_values));
-  std::memcpy(p->outlier_ids.data(), blobs.at("outlier_ids").data(), bytes.at("outlier_ids"));
+  if (bytes.at("outlier_ids") > 0) {  // none (no outliers): the vector's data() may be null
+    std::memcpy(p->outlier_ids.data(), blobs.at("outlier_ids").data(), bytes.at("outlier_ids"));
+  }
   std::vector<DeviceBuffer> staging;  // StreamToDevice's, freed after the copies
   // The outlier table must name, per (layer, head), ascending chunks that
   // are exactly the ones the exclusion mask marks.
