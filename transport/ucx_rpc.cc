@@ -247,7 +247,7 @@ bool ReceiveBody(ucp_worker_h worker, void* data, size_t length, const ucp_am_re
       LOG(WARNING) << "ucx: receiving a message failed: " << ucs_status_string(UCS_PTR_STATUS(r));
       return false;
     } else {
-      in.release();  // OnRecvData owns it
+      (void)in.release();  // OnRecvData owns it
     }
     return true;
   } catch (const std::bad_alloc&) {

@@ -184,7 +184,7 @@ Result<rpc::GenerateChunk> Client::Poll(const std::string& request_id, int64_t o
 
 Result<rpc::GenerateChunk> Client::Stream(rpc::GenerateRequest request,
                                           const std::function<void(const std::string& delta)>& on_text) {
-  PENUMBRA_ASSIGN_OR_RETURN(std::string id, Generate(std::move(request)));
+  PENUMBRA_ASSIGN_OR_RETURN(std::string id, Generate(request));
   size_t shown = 0;
   return Follow(id, 0, [&](const rpc::GenerateChunk& c) {
     // The text so far is re-decoded each time: only its new end is shown
@@ -216,7 +216,7 @@ Result<rpc::GenerateChunk> Client::Follow(const std::string& request_id, int64_t
     if (on_chunk) on_chunk(*c);
     if (c->done) {
       c->ids.clear();
-      return std::move(*c);
+      return *c;
     }
   }
 }

@@ -371,7 +371,7 @@ TEST(Quotas, SequencesAreRefusedPastTheLimitAndFreedByTheLease) {
 
   // Moving a lease moves the unit; destroying it gives it back.
   Lease moved = std::move(l1);
-  EXPECT_FALSE(l1.held());
+  EXPECT_FALSE(l1.held());  // NOLINT(bugprone-use-after-move): the moved-from lease is what is checked
   EXPECT_TRUE(moved.held());
   EXPECT_EQ(UsageOf(*reg, "a").sequences, 2);
   { Lease gone = std::move(moved); }
@@ -552,7 +552,7 @@ TEST(Quotas, TokensAreReservedUpFrontAndTheUnusedPartIsRefunded) {
   ASSERT_TRUE(reg->ReserveTokens("a", 30, &r3).ok());
   moved = std::move(r3);
   EXPECT_EQ(moved.reserved(), 30);
-  EXPECT_EQ(r3.reserved(), 0);
+  EXPECT_EQ(r3.reserved(), 0);  // NOLINT(bugprone-use-after-move): the moved-from state is checked
   moved.Settle(30);
   EXPECT_DOUBLE_EQ(*UsageOf(*reg, "a").tokens_available, 70.0);
 
