@@ -4,8 +4,10 @@
 #   bash ops/sanitize.sh asan   build-asan/: the CPU backend under
 #                               AddressSanitizer + UndefinedBehaviorSanitizer,
 #                               the in-process tests (labels unit and
-#                               integration; the multi-process service tests
-#                               are not in this job yet)
+#                               integration, but the evaluation model's
+#                               accuracy run, too long instrumented; the
+#                               multi-process service tests are not in this
+#                               job yet)
 #   bash ops/sanitize.sh tsan   build-tsan/: ThreadSanitizer on the threaded
 #                               parts in process (scheduler, segment store,
 #                               journal, job and document stores)
