@@ -17,6 +17,7 @@ bench/benchmarks_header.md.
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -100,7 +101,7 @@ CAPABILITIES = [
          what="Time to first token with the document cached only on disk (read back after the memory cache "
               "is cleared), beside the disk's raw direct-I/O bandwidth (`dd`).",
          rows=lambda r: True,
-         cols=["device_call", "kv_policy", "cache", "continuation", "ttft_ms", "import_ms", "restore_gb_per_s",
+         cols=["kv_policy", "cache", "continuation", "ttft_ms", "import_ms", "restore_gb_per_s",
                "read_gb_per_s", "write_gb_per_s"],
          reproduce="TTFT_DISK_FULL=0 bash ops/device/bench.sh ttft_disk"),
     dict(id="tier0", title="Tier 0",
@@ -116,7 +117,7 @@ CAPABILITIES = [
               "question about a put 124864-token document, 14 questions decoding together, beside "
               "`penumbra-bench` at the same shape and the peer.",
          rows=lambda r: True,
-         cols=["device_call", "kv_policy", "context", "batch", "tokens_per_s", "ms_per_step", "ttft_client_s",
+         cols=["kv_policy", "context", "batch", "tokens_per_s", "ms_per_step", "ttft_client_s",
                "ttft_worker_s", "document_put_s", "max_token_gap_s"],
          reproduce="bash ops/device/bench.sh service  # SERVICE_POLICY=full for the full policy"),
     dict(id="jobs", title="Batch jobs",
@@ -215,10 +216,19 @@ def newest_first(entries):
     return sorted(entries, key=lambda e: (max(e["dates"]), e.get("recorded", 0), e["path"]), reverse=True)
 
 
+# Labels of the device call that made a row ("session15-call1 (...)"): the
+# record keeps them, the page (the system as it is) shows only what follows.
+RUN_LABEL = re.compile(r"^session\d+(-call\d+)?\s*")
+
+
 def cell(v):
     if v is None:
         return ""
     s = v if isinstance(v, str) else json.dumps(v)
+    if isinstance(v, str) and RUN_LABEL.match(s):
+        s = RUN_LABEL.sub("", s)
+        if s.startswith("(") and s.endswith(")"):
+            s = s[1:-1]
     return s.replace("|", "\\|").replace("\n", " ")
 
 
