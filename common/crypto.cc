@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <bit>
 #include <cctype>
 #include <cstring>
 
@@ -91,6 +92,32 @@ Hash128 TruncatedKey(const Sha256Digest& d) {
   Hash128 h;
   std::memcpy(&h.hi, d.data(), 8);
   std::memcpy(&h.lo, d.data() + 8, 8);
+  return h;
+}
+
+Hash128 DocumentDigest(const int32_t* ids, size_t n) {
+  static_assert(std::endian::native == std::endian::little, "token ids are hashed as little-endian int32");
+  return TruncatedKey(Sha256(std::string_view(reinterpret_cast<const char*>(ids), n * sizeof(int32_t))));
+}
+
+std::string Hash128Bytes(const Hash128& h) {
+  std::string out(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(h.hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<char>(h.lo >> (56 - 8 * i));
+  }
+  return out;
+}
+
+Result<Hash128> Hash128FromBytes(std::string_view bytes) {
+  if (bytes.size() != 16) {
+    return Status::InvalidArgument("a digest is 16 bytes, got " + std::to_string(bytes.size()));
+  }
+  Hash128 h;
+  for (int i = 0; i < 8; ++i) {
+    h.hi = (h.hi << 8) | static_cast<uint8_t>(bytes[i]);
+    h.lo = (h.lo << 8) | static_cast<uint8_t>(bytes[8 + i]);
+  }
   return h;
 }
 

@@ -54,6 +54,19 @@ class HmacSha256Stream {
 // The first 128 bits of an HMAC-SHA256, as a Hash128 (a keyed content key).
 Hash128 TruncatedKey(const Sha256Digest& d);
 
+// A document's content digest: the first 128 bits of the SHA-256 of its
+// token ids (little-endian int32) as they stand in a prompt. The coordinator
+// computes it once per document and sends it instead of the ids (a worker
+// that holds the document's state needs nothing more); a worker given the
+// ids too checks them against it. Collision-resistant, unkeyed: it names
+// content, it grants nothing (the document cache's keys chain these digests
+// with the namespace under the cluster's secret).
+Hash128 DocumentDigest(const int32_t* ids, size_t n);
+// A Hash128 as 16 bytes (hi big-endian, then lo) and back: the wire form.
+std::string Hash128Bytes(const Hash128& h);
+// InvalidArgument unless `bytes` is exactly 16 bytes.
+Result<Hash128> Hash128FromBytes(std::string_view bytes);
+
 // A deployment's shared secret: at least 32 random bytes, read from a file
 // that only the service's user may read. Keys for separate purposes are
 // derived from it (Derive), so one secret serves the store plane's handshake

@@ -521,11 +521,14 @@ TEST(DocumentKeysTest, WithADeploymentSecretKeysAreKeyed) {
   EXPECT_EQ(k1_other[1], k1[1]);
   EXPECT_NE(k1_other[2], k1[2]);
   EXPECT_NE(PrefixKeys("other fence", prompt, ends, s1)[0], k1[0]);
-  // The first key from its definition: HMAC(secret, "penumbra-prefix-keyed-v1\n" + fence), then the segment.
-  Hash128 prev = TruncatedKey(HmacSha256(s1, "penumbra-prefix-keyed-v1\nfence"));
+  // The first key from its definition: HMAC(secret, "penumbra-document-keys-v2\n" + fence), then the
+  // first document's length and digest (SHA-256 of its ids, 128 bits).
+  Hash128 prev = TruncatedKey(HmacSha256(s1, "penumbra-document-keys-v2\nfence"));
   const int64_t n = 3;
+  const Hash128 digest = TruncatedKey(Sha256(std::string_view(reinterpret_cast<const char*>(prompt.data()), 12)));
+  EXPECT_EQ(digest, DocumentDigest(prompt.data(), 3));
   HmacSha256Stream h(s1);
-  h.Update(&prev, sizeof prev).Update(&n, sizeof n).Update(prompt.data(), 3 * sizeof(int32_t));
+  h.Update(&prev, sizeof prev).Update(&n, sizeof n).Update(&digest, sizeof digest);
   EXPECT_EQ(TruncatedKey(h.Final()), k1[0]);
 }
 

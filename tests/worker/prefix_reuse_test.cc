@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/crypto.h"
 #include "storage/segment_store.h"
 #include "tests/storage/segment_store_test_util.h"
 #include "tests/test_util.h"
@@ -587,6 +588,48 @@ TEST_F(PrefixReuseTest, BadSegmentEndsAreRefused) {
     EXPECT_NE(res.status().message().find("document end"), std::string::npos) << res.status();
   }
   EXPECT_TRUE(e->runtime().Generate({Request(kDoc, kQ1, true)}).ok());  // still serving
+}
+
+// A request may name a document by its digest instead of sending its ids
+// (ids_from): a worker that holds it answers as if the ids had come; one
+// that does not says so (FailedPrecondition), and ids that do not match
+// their digest are refused.
+TEST_P(PrefixReuseTest, ADocumentNamedByItsDigestAnswersAsItsIdsWould) {
+  auto e = OpenEngine(64 << 20, GetParam());
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  const Hash128 digest = DocumentDigest(kDoc.data(), kDoc.size());
+  auto by_reference = [&](const std::vector<int32_t>& question) {
+    GenerationRequest r = Request(kDoc, question, true);
+    std::fill(r.prompt.begin(), r.prompt.begin() + static_cast<int64_t>(kDoc.size()), 0);  // not sent
+    r.document_digests = {digest};
+    r.ids_from = static_cast<int64_t>(kDoc.size());
+    return r;
+  };
+  // Not held yet: refused before any work, typed.
+  auto missing = rt.Generate({by_reference(kQ1)});
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kFailedPrecondition) << missing.status();
+  EXPECT_NE(missing.status().message().find("document 0"), std::string::npos) << missing.status();
+  // Ids that are not the named document.
+  GenerationRequest wrong = Request(kDoc, kQ1, true);
+  wrong.document_digests = {DocumentDigest(kQ1.data(), kQ1.size())};
+  auto refused = rt.Generate({wrong});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status();
+  // Put with its ids (and its digest), then asked by reference.
+  GenerationRequest put = Request(kDoc, {}, true);
+  put.max_new_tokens = 0;
+  put.document_digests = {digest};
+  ASSERT_TRUE(rt.Generate({put}).ok());
+  auto answer = rt.Generate({by_reference(kQ2)});
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ((*answer)[0].cached_prompt_tokens, 151);
+  EXPECT_EQ((*answer)[0].ids, Cold(Request(kDoc, kQ2, true), GetParam()));
+  // The digests computed from the ids name the same cache entry.
+  auto with_ids = rt.Generate({Request(kDoc, kQ3, true)});
+  ASSERT_TRUE(with_ids.ok()) << with_ids.status();
+  EXPECT_EQ((*with_ids)[0].cached_prompt_tokens, 151);
 }
 
 TEST_F(PrefixReuseTest, AStoreWithoutADeviceCacheIsRefused) {

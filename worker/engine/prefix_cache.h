@@ -3,16 +3,16 @@
 // prefilled (documents, then its own text) attaches their KV state instead of
 // prefilling them again.
 //
-// Keys are content hashes with exact prefix semantics: the key of a prompt's
-// first i segments covers a fence (what else determines the state: the
-// policy's parameters, the dtype, the model, the tenant namespace) and every
-// token id of those segments, chained segment by segment (PrefixKeys), so a
-// document's key depends on everything before it. With a deployment secret
-// (RuntimeOptions::document_key_secret, from the cluster secret) the chain
-// is HMAC-SHA256 under it: nobody without the secret can compute a
-// document's key from its tokens, or guess another tenant's, and keys from
-// a store shared by workers (a value-store node) are unguessable there.
-// Without one it is XXH3 (fast, stable, not keyed).
+// Keys are content keys with exact prefix semantics: the key of a prompt's
+// first i documents covers a fence (what else determines the state: the
+// policy's parameters, the dtype, the model, the tenant namespace) and the
+// digest of every one of those documents, chained document by document
+// (PrefixKeys), so a document's key depends on everything before it. With a
+// deployment secret (RuntimeOptions::document_key_secret, from the cluster
+// secret) each link is an HMAC-SHA256 under it: nobody without the secret
+// can compute a document's key from its tokens, or guess another tenant's,
+// and keys from a store shared by workers (a value-store node) are
+// unguessable there.
 //
 // Capacity is in device bytes and, separately, host bytes (a shadowkv
 // prefix's values live in host memory). Inserting past either evicts least-recently-used
@@ -44,12 +44,21 @@
 
 namespace penumbra {
 
-// keys[i] covers prompt[0, document_ends[i]); `fence` names everything besides
-// the tokens that the state depends on. document_ends must be ascending and
-// within the prompt (Runtime::Validate checks requests). `secret` non-empty:
-// the keyed chain (HMAC-SHA256, truncated to 128 bits); empty: XXH3.
+// keys[i] covers the prompt's first i + 1 documents: a chain over `fence`
+// (everything besides the documents that the state depends on) and each
+// document's length and content digest (DocumentDigest), so a document's key
+// depends on everything before it. Each link is an HMAC-SHA256 under
+// `secret` (the deployment's document-key secret; empty: a plain keyed-by-
+// nothing HMAC), truncated to 128 bits. digests and document_ends have one
+// entry per document; the ends ascend (Runtime::Validate checks requests).
+std::vector<Hash128> DocumentKeys(const std::string& fence, const std::vector<Hash128>& digests,
+                                  const std::vector<int64_t>& document_ends, std::string_view secret = {});
+// The same keys from the documents' ids (their digests computed here).
 std::vector<Hash128> PrefixKeys(const std::string& fence, const std::vector<int32_t>& prompt,
                                 const std::vector<int64_t>& document_ends, std::string_view secret = {});
+// The digests of the prompt's documents (DocumentDigest of each
+// [previous end, end) of document_ends).
+std::vector<Hash128> DocumentDigests(const std::vector<int32_t>& prompt, const std::vector<int64_t>& document_ends);
 
 struct PrefixCacheStats {
   int64_t hits = 0, misses = 0, inserts = 0, evictions = 0;

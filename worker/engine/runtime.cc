@@ -10,6 +10,8 @@
 #include <thread>
 #include <utility>
 
+#include "common/crypto.h"
+
 namespace penumbra {
 
 float NextUniform(std::mt19937_64& rng) { return static_cast<float>(rng() >> 40) * (1.0f / 16777216.0f); }
@@ -130,6 +132,28 @@ Status ValidateGenerationRequest(const GenerationRequest& q, const ModelConfig& 
           "document end " + std::to_string(e) + " (index " + std::to_string(i) + ") must be above " +
           std::to_string(prev) + (q.max_new_tokens > 0 ? " and below the prompt's " : " and at most the prompt's ") +
           std::to_string(q.prompt.size()) + " tokens");
+    }
+  }
+  if (!q.document_digests.empty() && q.document_digests.size() != q.document_ends.size()) {
+    return Status::InvalidArgument(std::to_string(q.document_digests.size()) + " document digests for " +
+                                   std::to_string(q.document_ends.size()) + " documents: one each, or none");
+  }
+  if (q.ids_from != 0) {
+    if (std::find(q.document_ends.begin(), q.document_ends.end(), q.ids_from) == q.document_ends.end()) {
+      return Status::InvalidArgument("ids_from " + std::to_string(q.ids_from) +
+                                     " must be 0 or the end of one of the prompt's documents");
+    }
+    if (q.document_digests.empty()) {
+      return Status::InvalidArgument("ids_from " + std::to_string(q.ids_from) +
+                                     ": the documents whose ids are not sent need their digests");
+    }
+  }
+  // The ids that were sent must be the documents the digests name.
+  for (size_t i = 0, begin = 0; i < q.document_digests.size(); begin = q.document_ends[i++]) {
+    if (q.document_ends[i] <= q.ids_from) continue;
+    const Hash128 d = DocumentDigest(q.prompt.data() + begin, static_cast<size_t>(q.document_ends[i]) - begin);
+    if (!(d == q.document_digests[i])) {
+      return Status::InvalidArgument("document " + std::to_string(i) + "'s ids do not match its digest");
     }
   }
   // Each draw made one generated token, now part of the prompt: more is
@@ -446,6 +470,12 @@ std::string Runtime::PrefixFence(const std::string& cache_namespace) const {
          "|model=" + model_identity_ + "|namespace=" + cache_namespace;
 }
 
+std::vector<Hash128> Runtime::RequestKeys(const GenerationRequest& q) const {
+  return DocumentKeys(PrefixFence(q.cache_namespace),
+                      q.document_digests.empty() ? DocumentDigests(q.prompt, q.document_ends) : q.document_digests,
+                      q.document_ends, options_.document_key_secret);
+}
+
 Result<int> Runtime::ForgetPrefixes(const GenerationRequest& q) {
   if (!prefix_cache_ || q.document_ends.empty()) return 0;
   int dropped = 0;
@@ -456,8 +486,7 @@ Result<int> Runtime::ForgetPrefixes(const GenerationRequest& q) {
     LOG(WARNING) << "prefix store: writes still queued after " << options_.prefix_store_drain_ms
                  << " ms; forgetting a document's state anyway";
   }
-  for (const Hash128& key :
-       PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.document_ends, options_.document_key_secret)) {
+  for (const Hash128& key : RequestKeys(q)) {
     if (prefix_cache_->Erase(key)) ++dropped;
     if (!prefix_store_) continue;
     Status s = prefix_store_->Info(key).status();
@@ -488,8 +517,7 @@ Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillSta
 std::vector<StoreLookup> Runtime::StoreLookups(const GenerationRequest& q) {
   std::vector<StoreLookup> out;
   if (!prefix_cache_ || !prefix_store_ || q.document_ends.empty() || cp_ != nullptr) return out;
-  const std::vector<Hash128> keys =
-      PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.document_ends, options_.document_key_secret);
+  const std::vector<Hash128> keys = RequestKeys(q);
   for (size_t i = keys.size(); i-- > 0;) {
     if (prefix_cache_->Contains(keys[i])) break;  // held in memory: no shorter one is looked up
     out.push_back({keys[i], q.document_ends[i]});
@@ -529,7 +557,7 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
   std::shared_ptr<const KvPrefix> hit;
   int64_t start = 0;
   if (prefix_cache_ && !q.document_ends.empty() && reuse) {
-    st->keys = PrefixKeys(PrefixFence(q.cache_namespace), q.prompt, q.document_ends, options_.document_key_secret);
+    st->keys = RequestKeys(q);
     for (size_t i = st->keys.size(); i-- > 0 && !hit;) {
       hit = prefix_cache_->Find(st->keys[i], q.document_ends[i]);
       if (hit && !hit->health().ok()) {
@@ -549,6 +577,15 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
         st->attached_segment = i;
       }
     }
+  }
+  if (start < q.ids_from) {
+    // Ids not sent for a document this worker does not hold (evicted, never
+    // seen, its store unreachable): the sender sends them.
+    size_t i = 0;
+    while (i + 1 < q.document_ends.size() && q.document_ends[i] <= start) ++i;
+    return Status::FailedPrecondition(
+        "document " + std::to_string(i) + " (prompt tokens [" + std::to_string(i ? q.document_ends[i - 1] : 0) + ", " +
+        std::to_string(q.document_ends[i]) + ")) is not held by this worker and its ids were not sent");
   }
   SequenceSpec spec;
   spec.prompt_len = P;

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/hash.h"
 #include "common/status.h"
 #include "storage/segment_store.h"
 #include "worker/engine/backend.h"
@@ -59,6 +60,18 @@ struct GenerationRequest {
   // attached instead of prefilled, and the leading segments prefilled here are
   // captured for the next request. Empty: no reuse.
   std::vector<int64_t> document_ends;
+  // One per document_ends entry, or none: each document's content digest
+  // (DocumentDigest, common/crypto.h, of its ids as they stand in the
+  // prompt), from which its cache key is chained. Empty: computed from the
+  // prompt. Given with the ids too, they must match (InvalidArgument).
+  std::vector<Hash128> document_digests;
+  // The prompt's ids before this position were not sent (they read as 0):
+  // the documents ending there or before must be in the document cache
+  // (memory or the persistent tier), found by their digests, or the request
+  // fails with FailedPrecondition naming the first one missing (the sender
+  // then sends it again with its ids). 0 (every id given) or one of
+  // document_ends, with document_digests. Default: 0.
+  int64_t ids_from = 0;
   // Prefixes are shared only between requests of one namespace (a tenant).
   std::string cache_namespace;
   // Draws of the sampling stream (one per generated token) made already:
@@ -71,8 +84,9 @@ struct GenerationRequest {
 // them for each request): a non-empty prompt within the model's context with
 // max_new_tokens (>= 0; 0: prefill only), its ids and the stop ids
 // (at most GenerationRequest::kMaxStopIds) in the vocabulary, the sampling
-// options, document ends ascending inside the prompt, draws_done within the
-// prompt. Sizes are checked before contents. A pure function of the request
+// options, document ends ascending inside the prompt, the documents'
+// digests (one per document, matching the ids that were sent) and ids_from,
+// draws_done within the prompt. Sizes are checked before contents. A pure function of the request
 // and the model's configuration (no weights): the worker API's fuzzer runs it.
 // InvalidArgument naming the field and the limit.
 Status ValidateGenerationRequest(const GenerationRequest& request, const ModelConfig& config);
@@ -356,9 +370,12 @@ class Runtime {
   // Captures segment `seg` of `r` (ending at `end`) into the prefix cache
   // (and the persistent store) unless present.
   Status CaptureSegment(int64_t seq, const GenerationRequest& r, PrefillState* st, size_t seg, int64_t end);
-  // What every prefix key of this runtime names besides the tokens: the
+  // What every prefix key of this runtime names besides the documents: the
   // policy's state-shaping options, the dtype, the model and the namespace.
   std::string PrefixFence(const std::string& cache_namespace) const;
+  // The cache keys of `r`'s leading documents (PrefixKeys over its digests,
+  // computed from the prompt when it has none).
+  std::vector<Hash128> RequestKeys(const GenerationRequest& r) const;
   // Adds request `r`'s sequence `seq`, attaches its longest cached prefix,
   // prefills the rest and captures its new leading segments.
   Status AddAndPrefill(int64_t seq, const GenerationRequest& r, GenerationResult* result);
