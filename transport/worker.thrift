@@ -1,19 +1,35 @@
 // The control API: the coordinator (or a test, or `penumbra`'s local mode)
-// to one worker process. Requests are token ids (the coordinator tokenizes);
-// the worker batches them continuously (worker/service/scheduler.h).
+// to one worker process. Requests are token ids (the coordinator tokenizes)
+// and documents named by digest (their ids sent only when the worker lacks
+// them); the worker batches them continuously (worker/service/scheduler.h).
 include "common.thrift"
 
 namespace cpp penumbra.rpc
 namespace py penumbra.rpc.worker
 
-// max_new_tokens 0: prefill only (a document put): the prompt's segments are
-// factored into the document cache, nothing is generated ("prefilled"), and
-// the last segment may end with the prompt.
+// A document of a request, named by its content digest: its ids are sent
+// only when the worker may lack it. The worker finds a document it holds (in
+// memory, on its disk or on a value-store node) by the digest alone.
+struct WorkerDocument {
+  // DocumentDigest (common/crypto.h) of its ids as they stand in the
+  // prompt: 16 bytes.
+  1: binary digest,
+  2: i64 tokens,             // its length, > 0
+  // Absent: the worker must hold it, else the request fails with
+  // FAILED_PRECONDITION (at Generate or when polled) and the caller sends it
+  // again with the ids. Present: checked against the digest.
+  3: optional list<i32> ids,
+}
+
+// A question: its documents, then its own tokens.
 struct WorkerGenerateRequest {
+  // The prompt's tokens after its documents (the question; a resumed
+  // request's generated tokens too). Non-empty.
   1: list<i32> prompt,
-  // Exclusive ends of the prompt's leading segments (documents), ascending:
-  // the document cache's unit (reused across requests of one namespace).
-  2: list<i64> document_ends,
+  // 2: the whole prompt's document ends (before documents were named by digest).
+  // The documents that lead the prompt, in order: the document cache's unit
+  // (reused across requests of one namespace). Those without ids come first.
+  12: list<WorkerDocument> documents,
   3: string cache_namespace,
   4: i32 max_new_tokens = 16,
   5: common.SamplingOptions sampling,
@@ -75,6 +91,32 @@ struct WorkerStats {
   16: i64 lease_expired = 0,
 }
 
+// A document put: its state factored into the document cache (memory, and
+// the persistent tier when the worker has one), nothing generated.
+struct WorkerPutRequest {
+  // The document(s), each with its ids: the last is factored after the ones
+  // before (which are attached when held, factored too otherwise).
+  1: list<WorkerDocument> documents,
+  2: string cache_namespace,
+  3: i64 deadline_ms = 0,        // as WorkerGenerateRequest's
+  4: double share_weight = 1.0,  // as WorkerGenerateRequest's
+  5: string tenant = "",         // as WorkerGenerateRequest's
+  6: string owner_id = "",       // as WorkerGenerateRequest's
+}
+
+// A put's state, as WaitPut returns it.
+struct WorkerPutProgress {
+  1: bool done,
+  // Once done: "prefilled" (factored), "cancelled", "deadline" or "error".
+  2: string finish_reason,
+  3: optional common.ErrorCode error_code,
+  4: optional string error_message,
+  5: i64 factored_tokens,        // the documents' tokens in so far (attached or factored)
+  6: i64 tokens,                 // all of the documents' tokens
+  7: i64 cached_tokens,          // of them, attached from the document cache (already held)
+  8: double queue_seconds,       // submitted -> admitted; < 0 until admitted
+}
+
 // Every call needs the caller's certificate of role coordinator when the
 // worker runs with TLS (mutual TLS; docs/operations.md, "Security").
 service Worker {
@@ -92,11 +134,20 @@ service Worker {
   // and forgotten when it ends. A draining worker waits (a while) until the
   // answers of its finished requests are released before it exits.
   void Release(1: string request_id) throws (1: common.PenumbraError error),
-  // Drops the cached state (prefix cache and persistent store) of the
-  // prompt's leading segments: a deleted document. Returns the entries dropped.
-  // An error (e.g. UNAVAILABLE: a store node down) when stored state may be
-  // left: the document is not known to be forgotten; ask again.
-  i32 ForgetPrefixes(1: list<i32> prompt, 2: list<i64> document_ends, 3: string cache_namespace)
+  // Queues a document put; returns its handle (as Generate's: Poll's
+  // errors, Cancel and Release apply to it). Errors as Generate's.
+  string PutDocument(1: WorkerPutRequest request) throws (1: common.PenumbraError error),
+  // A put's progress: returns when it is done or has more than
+  // `factored_tokens` tokens in, else after wait_ms (<= 60000): one long
+  // poll per step of progress.
+  WorkerPutProgress WaitPut(1: string handle, 2: i64 factored_tokens, 3: i32 wait_ms)
+      throws (1: common.PenumbraError error),
+  // Drops the cached state (every tier: memory, disk, value-store node) of
+  // a chain of documents (ids not needed): a deleted document. Returns the
+  // entries dropped. An error (e.g. UNAVAILABLE: a store node down) when
+  // stored state may be left: the document is not known to be forgotten;
+  // ask again.
+  i32 ForgetDocuments(1: list<WorkerDocument> documents, 2: string cache_namespace)
       throws (1: common.PenumbraError error),
   // Renews the lease of owner `owner_id` (of the calling certificate) on
   // this worker's generations and returns the handles this caller's

@@ -196,7 +196,8 @@ class Coordinator : public rpc::PenumbraIf {
   Result<rpc::DocumentInfo> DoPut(const rpc::PutDocumentRequest& r);
   void Factor(DocumentView doc, std::chrono::steady_clock::time_point deadline);
   rpc::DocumentInfo ToInfo(const DocumentView& d) const;
-  // Asks worker w to drop a document's cached state (ForgetPrefixes).
+  // Asks worker w to drop a document's cached state (ForgetDocuments, by
+  // the digest of `ids`).
   Status ForgetOn(int w, const std::string& id, const std::string& tenant,
                   const std::shared_ptr<const std::vector<int32_t>>& ids);
 
@@ -209,9 +210,20 @@ class Coordinator : public rpc::PenumbraIf {
   // has passed ValidateGenerateRequest.
   Result<Checked> CheckGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
                                 const ModelLimits& model) const;
-  // The worker's request: the documents and the question concatenated.
+  // The worker's request: the documents named by digest (no ids: SendGenerate
+  // adds them where needed), then the question.
   rpc::WorkerGenerateRequest BuildGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
                                            const Checked& c) const;
+  // Queues g on worker w (its handle in *wid): the documents by digest alone
+  // where w is known to hold them all, else (or when w answers that it does
+  // not hold one: FAILED_PRECONDITION) with their ids. *by_digest: whether
+  // the request w took named them by digest alone.
+  Status SendGenerate(int w, const rpc::WorkerGenerateRequest& g, const std::vector<DocumentView>& docs,
+                      std::string* wid, bool* by_digest, bool with_ids = false);
+  // What q's worker must run to go on from the tokens q has (q->mu held):
+  // the request, its prompt extended by them, the rest of its budget and its
+  // random stream where it was.
+  rpc::WorkerGenerateRequest Continuation(const Request& q) const;
   // Candidate workers for a request of `kv_policy` over `docs` (holders of the
   // first document first, then the others by load).
   std::vector<int> Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const;
@@ -296,6 +308,9 @@ class Coordinator : public rpc::PenumbraIf {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_;
   prometheus::Counter* resumed_;
+  // Documents sent to workers with generations: by digest alone, with their
+  // ids; and requests sent again with the ids because the worker lacked one.
+  prometheus::Counter *documents_by_digest_, *documents_with_ids_, *document_resends_;
   prometheus::Counter *reattached_, *orphans_cancelled_, *abandoned_, *drain_cancelled_, *hangups_, *journal_errors_;
   prometheus::Family<prometheus::Counter>*prompt_tokens_, *cached_tokens_, *generated_tokens_, *documents_put_,
       *quota_refusals_;  // by tenant

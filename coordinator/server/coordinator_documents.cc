@@ -7,8 +7,10 @@
 
 #include <glog/logging.h>
 
+#include "common/crypto.h"
 #include "coordinator/server/coordinator_internal.h"
 #include "transport/thrift_util.h"
+#include "transport/worker_documents.h"
 
 namespace penumbra::coordinator {
 using internal::Check;
@@ -124,29 +126,31 @@ void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
   const Clock::time_point t0 = Clock::now();
   Status last = Status::Unavailable("no healthy worker");
   for (int w : Route("", {})) {
-    rpc::WorkerGenerateRequest g;
-    g.prompt = *d.ids;
-    g.document_ends = {d.tokens};
-    g.cache_namespace = d.tenant;
-    g.max_new_tokens = 0;  // prefill only: factored into the document cache
-    g.deadline_ms = std::max<int64_t>(1, Left(deadline).count());
+    rpc::WorkerPutRequest p;
+    p.documents = {transport::DocumentWithIds(*d.ids, d.digest)};
+    p.cache_namespace = d.tenant;
+    p.tenant = d.tenant;
+    p.deadline_ms = std::max<int64_t>(1, Left(deadline).count());
     std::string wid;
-    Status s = workers_->Call(w, "put " + d.id, [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
+    Status s = workers_->Call(w, "put " + d.id, [&](rpc::WorkerClient& c) { c.PutDocument(wid, p); });
     if (!s.ok()) {
       last = s;
       if (s.code() == StatusCode::kResourceExhausted || s.code() == StatusCode::kUnavailable) continue;
       break;
     }
     workers_->AddRouted(w, 1);
-    rpc::TokenChunk ch;
+    rpc::WorkerPutProgress ch;
     while (!ch.done) {
-      // Short waits: the progress (tokens prefilled) is refreshed for GetDocument.
-      const milliseconds wait = std::min(milliseconds(500), Left(deadline) + milliseconds(1000));
+      // One long poll per step of progress (the tokens factored, for
+      // GetDocument), returning at the latest a little after the deadline.
+      const milliseconds wait = std::clamp(Left(deadline) + milliseconds(1000), milliseconds(1), milliseconds(30000));
+      const int64_t known = ch.factored_tokens;
       s = workers_->Call(
-          w, "put " + d.id, [&](rpc::WorkerClient& c) { c.Poll(ch, wid, 0, static_cast<int32_t>(wait.count())); },
+          w, "put " + d.id,
+          [&](rpc::WorkerClient& c) { c.WaitPut(ch, wid, known, static_cast<int32_t>(wait.count())); },
           wait + milliseconds(10000));
       if (!s.ok() && s.code() != StatusCode::kDeadlineExceeded) break;
-      if (s.ok()) docs_->SetProgress(d.id, ch.usage.prefilled_tokens);
+      if (s.ok()) docs_->SetProgress(d.id, ch.factored_tokens);
       if (!s.ok() && Clock::now() > deadline + std::chrono::seconds(30)) {
         (void)CancelOnWorker(w, wid);
         break;  // the worker does not answer past the deadline
@@ -227,9 +231,9 @@ void Coordinator::DeleteDocument(const std::string& api_key, const std::string& 
 
 Status Coordinator::ForgetOn(int w, const std::string& id, const std::string& tenant,
                              const std::shared_ptr<const std::vector<int32_t>>& ids) {
-  return workers_->Call(w, "forget " + id, [&](rpc::WorkerClient& c) {
-    (void)c.ForgetPrefixes(*ids, {static_cast<int64_t>(ids->size())}, tenant);
-  });
+  const std::vector<rpc::WorkerDocument> refs = {
+      transport::DocumentRef(DocumentDigest(ids->data(), ids->size()), static_cast<int64_t>(ids->size()))};
+  return workers_->Call(w, "forget " + id, [&](rpc::WorkerClient& c) { (void)c.ForgetDocuments(refs, tenant); });
 }
 
 }  // namespace penumbra::coordinator

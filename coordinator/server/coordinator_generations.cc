@@ -13,6 +13,7 @@
 #include "coordinator/server/coordinator_internal.h"
 #include "coordinator/server/placement.h"
 #include "transport/thrift_util.h"
+#include "transport/worker_documents.h"
 
 namespace penumbra::coordinator {
 using internal::Check;
@@ -84,12 +85,11 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   }
   rpc::WorkerGenerateRequest g = BuildGenerate(tenant, r, checked);
   g.owner_id = workers_->owner_id();
-  std::vector<DocumentView> docs = std::move(checked.docs);
 
   Status last =
       Status::Unavailable(r.kv_policy.empty() ? "no healthy worker" : "no healthy worker of kv policy " + r.kv_policy);
   auto q = std::make_shared<Request>();
-  for (int w : Route(r.kv_policy, docs)) {
+  for (int w : Route(r.kv_policy, checked.docs)) {
     g.stop_ids = r.stop_ids;
     if (!r.ignore_eos) {
       for (int32_t eos : workers_->state(w).health.eos_ids) {
@@ -97,9 +97,11 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
       }
     }
     std::string wid;
-    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
+    bool by_digest = false;
+    Status s = SendGenerate(w, g, checked.docs, &wid, &by_digest);
     if (s.ok()) {
       q->SetWhere(w, wid);
+      q->by_digest = by_digest;
       break;
     }
     last = s;
@@ -107,6 +109,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
     if (s.code() != StatusCode::kResourceExhausted && s.code() != StatusCode::kUnavailable) return s;
   }
   if (q->worker < 0) return last;
+  std::vector<DocumentView> docs = std::move(checked.docs);
   workers_->AddRouted(q->worker, 1);
   for (const DocumentView& d : docs) docs_->AddWorker(d.id, q->worker);
   q->id = NewRequestId();
@@ -114,7 +117,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   q->stop = r.stop;
   q->created = Clock::now();
   if (r.deadline_ms > 0) q->deadline = q->created + milliseconds(r.deadline_ms);
-  q->usage.prompt_tokens = static_cast<int64_t>(g.prompt.size());
+  q->usage.prompt_tokens = checked.prompt_tokens;
   q->usage.queue_seconds = -1;
   q->usage.ttft_seconds = -1;
   q->sequence = std::move(sequence);
@@ -198,13 +201,13 @@ Result<Coordinator::Checked> Coordinator::CheckGenerate(const std::string& tenan
 rpc::WorkerGenerateRequest Coordinator::BuildGenerate(const std::string& tenant, const rpc::GenerateRequest& r,
                                                       const Checked& c) const {
   rpc::WorkerGenerateRequest g;
-  g.prompt.reserve(static_cast<size_t>(c.prompt_tokens));
   for (const DocumentView& d : c.docs) {
-    const int64_t skip = g.prompt.empty() ? 0 : d.leading_special;
-    g.prompt.insert(g.prompt.end(), d.ids->begin() + skip, d.ids->end());
-    g.document_ends.push_back(static_cast<int64_t>(g.prompt.size()));
+    // A document after the first without its leading special tokens.
+    const bool first = g.documents.empty();
+    g.documents.push_back(
+        transport::DocumentRef(first ? d.digest : d.digest_after_special, d.tokens - (first ? 0 : d.leading_special)));
   }
-  g.prompt.insert(g.prompt.end(), c.question.begin(), c.question.end());
+  g.prompt = c.question;
   g.cache_namespace = c.docs.empty() ? tenant : c.docs.front().tenant;
   g.max_new_tokens = r.max_new_tokens;
   g.sampling = r.sampling;
@@ -214,6 +217,43 @@ rpc::WorkerGenerateRequest Coordinator::BuildGenerate(const std::string& tenant,
   if (o_.tenants) {
     if (Result<tenants::TenantConfig> t = o_.tenants->Tenant(tenant); t.ok()) g.share_weight = t->weight;
   }
+  return g;
+}
+
+Status Coordinator::SendGenerate(int w, const rpc::WorkerGenerateRequest& g, const std::vector<DocumentView>& docs,
+                                 std::string* wid, bool* by_digest, bool with_ids) {
+  const bool held = !docs.empty() &&
+                    std::all_of(docs.begin(), docs.end(), [&](const DocumentView& d) { return docs_->Holds(d.id, w); });
+  if (held && !with_ids) {
+    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(*wid, g); });
+    if (s.code() != StatusCode::kFailedPrecondition) {
+      *by_digest = true;
+      if (s.ok()) documents_by_digest_->Increment(static_cast<double>(docs.size()));
+      return s;
+    }
+    // It does not hold one after all (evicted, restarted): sent again with the ids.
+    for (const DocumentView& d : docs) docs_->RemoveWorker(d.id, w);
+    document_resends_->Increment();
+  }
+  *by_digest = false;
+  if (docs.empty()) return workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(*wid, g); });
+  rpc::WorkerGenerateRequest full = g;
+  for (size_t i = 0; i < docs.size() && i < full.documents.size(); ++i) {
+    const auto skip = static_cast<std::ptrdiff_t>(i == 0 ? 0 : docs[i].leading_special);
+    full.documents[i].__set_ids(std::vector<int32_t>(docs[i].ids->begin() + skip, docs[i].ids->end()));
+  }
+  Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(*wid, full); });
+  if (s.ok()) documents_with_ids_->Increment(static_cast<double>(docs.size()));
+  return s;
+}
+
+rpc::WorkerGenerateRequest Coordinator::Continuation(const Request& q) const {
+  const int64_t made = static_cast<int64_t>(q.ids.size());
+  rpc::WorkerGenerateRequest g = q.gen;
+  g.prompt.insert(g.prompt.end(), q.ids.begin(), q.ids.end());
+  g.max_new_tokens = static_cast<int32_t>(q.gen.max_new_tokens - made);
+  g.draws_done = q.gen.draws_done + made;
+  if (q.deadline) g.deadline_ms = std::max<int64_t>(1, Left(*q.deadline).count());
   return g;
 }
 
@@ -279,16 +319,39 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
     if (queued >= 0) q.usage.queue_seconds = queued;
     if (ttft >= 0) q.usage.ttft_seconds = ttft;
   }
-  if (!ch.ids.empty()) {
-    if (codec_) {
-      Result<std::string> text = codec_->Decode(q.ids);
-      if (text.ok()) q.text = std::move(*text);
+  if (!ch.ids.empty() || (ch.done && codec_)) {
+    // Only the new ids are decoded (IncrementalText), and only the text they
+    // added (with the end of the text before, where a stop string may start)
+    // is searched.
+    const size_t had = q.text.size();
+    if (codec_ && q.detok.Append(*codec_, ch.ids).ok() && (!ch.done || q.detok.Finish(*codec_).ok())) {
+      q.text.append(q.detok.text(), std::min(had, q.detok.text().size()), std::string::npos);
     }
+    size_t longest = 0;
+    for (const std::string& stop : q.stop) longest = std::max(longest, stop.size());
+    const size_t from = had >= longest ? had - longest + 1 : 0;
     size_t cut = std::string::npos;
-    for (const std::string& stop : q.stop) cut = std::min(cut, q.text.find(stop));
+    for (const std::string& stop : q.stop) cut = std::min(cut, q.text.find(stop, from));
     if (cut != std::string::npos) {
       q.text.resize(cut);
       Finalize(q, "stop", Status::OK());  // Release cancels it on the worker
+      return Status::OK();
+    }
+  }
+  if (ch.done && q.by_digest && ch.__isset.error_code && ch.error_code == rpc::ErrorCode::FAILED_PRECONDITION &&
+      static_cast<int64_t>(q.ids.size()) == q.base) {
+    // The worker took the request by digest but no longer holds a document
+    // (evicted while it waited): sent again to it with the ids.
+    for (const DocumentView& d : q.docs) docs_->RemoveWorker(d.id, q.worker);
+    document_resends_->Increment();
+    (void)workers_->Call(q.worker, "release", [&](rpc::WorkerClient& c) { c.Release(q.wid); });
+    std::string wid;
+    bool by_digest = false;
+    if (SendGenerate(q.worker, Continuation(q), q.docs, &wid, &by_digest, /*with_ids=*/true).ok()) {
+      q.SetWhere(q.worker, wid);
+      q.by_digest = false;
+      for (const DocumentView& d : q.docs) docs_->AddWorker(d.id, q.worker);  // it captures them now
+      JournalMove(q);
       return Status::OK();
     }
   }
@@ -312,14 +375,10 @@ bool Coordinator::Resume(Request& q, const std::string& why) {
   if (q.resumes >= kMaxResumes || left < 1 || q.gen.max_new_tokens < 1) return false;
   if (q.deadline && Clock::now() >= *q.deadline) return false;
   // The same request with what it generated so far as part of its prompt
-  // (the documents stay leading segments: another worker attaches them from
+  // (the documents stay leading documents: another worker attaches them from
   // its cache or a value-store node), the rest of its budget, and its random
   // stream where it was.
-  rpc::WorkerGenerateRequest g = q.gen;
-  g.prompt.insert(g.prompt.end(), q.ids.begin(), q.ids.end());
-  g.max_new_tokens = static_cast<int32_t>(left);
-  g.draws_done = q.gen.draws_done + made;
-  if (q.deadline) g.deadline_ms = std::max<int64_t>(1, Left(*q.deadline).count());
+  const rpc::WorkerGenerateRequest g = Continuation(q);
   const int dead = q.worker;
   std::vector<int> order;
   bool dead_serves = false;
@@ -333,7 +392,8 @@ bool Coordinator::Resume(Request& q, const std::string& why) {
   if (dead_serves) order.push_back(dead);
   for (int w : order) {
     std::string wid;
-    Status s = workers_->Call(w, "generate", [&](rpc::WorkerClient& c) { c.Generate(wid, g); });
+    bool by_digest = false;
+    Status s = SendGenerate(w, g, q.docs, &wid, &by_digest);
     if (!s.ok()) continue;
     LOG(WARNING) << "request " << q.id << ": " << why << "; resumed on worker " << workers_->state(w).endpoint.name
                  << " after " << made << " tokens";
@@ -341,6 +401,7 @@ bool Coordinator::Resume(Request& q, const std::string& why) {
     workers_->AddRouted(w, 1);
     for (const DocumentView& d : q.docs) docs_->AddWorker(d.id, w);
     q.SetWhere(w, wid);
+    q.by_digest = by_digest;
     q.base = made;
     ++q.resumes;
     resumed_->Increment();

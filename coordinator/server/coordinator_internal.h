@@ -18,6 +18,7 @@
 #include "coordinator/server/coordinator.h"
 #include "coordinator/server/document_registry.h"
 #include "coordinator/tenants/tenants.h"
+#include "coordinator/tokenizer/text_codec.h"
 #include "gen-cpp/Penumbra.h"
 #include "transport/thrift_util.h"
 
@@ -70,6 +71,7 @@ struct Coordinator::Request {
   std::mutex mu;                                        // the fields below
   std::vector<int32_t> ids;
   std::string text;
+  IncrementalText detok;  // ids -> text, a window at a time
   bool done = false;
   std::string finish_reason;
   Status error;
@@ -84,6 +86,7 @@ struct Coordinator::Request {
   std::string kv_policy;
   int64_t base = 0;
   int resumes = 0;
+  bool by_digest = false;  // its worker got its documents by digest alone (may answer that it lacks one)
   bool job_item = false;
   bool recovered = false;  // taken over from the journal at a restart
   int64_t created_unix_ms = 0;

@@ -25,9 +25,7 @@ JournalRecord Coordinator::ToRecord(const Request& q) const {
   r.job_item = q.job_item;
   for (const DocumentView& d : q.docs) r.document_ids.push_back(d.id);
   r.cache_namespace = q.gen.cache_namespace;
-  // The question: the prompt after the documents' segments.
-  const int64_t docs_end = q.gen.document_ends.empty() ? 0 : q.gen.document_ends.back();
-  r.question.assign(q.gen.prompt.begin() + docs_end, q.gen.prompt.end());
+  r.question = q.gen.prompt;  // the prompt after the documents
   r.max_new_tokens = q.gen.max_new_tokens;
   r.sampling =
       JournalSampling{q.gen.sampling.temperature, q.gen.sampling.top_p, q.gen.sampling.top_k, q.gen.sampling.seed};
@@ -122,7 +120,7 @@ Status Coordinator::Recover(std::unique_ptr<RequestJournal> journal) {
     q->usage.ttft_seconds = -1;
     q->usage.generated_tokens = q->base;
     if (codec_ && !q->ids.empty()) {
-      if (Result<std::string> text = codec_->Decode(q->ids); text.ok()) q->text = std::move(*text);
+      if (q->detok.Append(*codec_, q->ids).ok()) q->text = q->detok.text();
     }
     // What was sent, rebuilt from the documents and the question (to start it
     // again if its worker lost it; a document deleted since: it cannot be).

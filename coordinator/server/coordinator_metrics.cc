@@ -45,6 +45,17 @@ void Coordinator::RegisterMetrics() {
   auto plain = [&](const char* name, const char* help) -> Counter& {
     return BuildCounter().Name(name).Help(help).Register(*registry_).Add({});
   };
+  auto& sent = BuildCounter()
+                   .Name("penumbra_coordinator_worker_documents_total")
+                   .Help(
+                       "Documents sent to workers with generations: by digest alone (the worker holds them) or with "
+                       "their ids.")
+                   .Register(*registry_);
+  documents_by_digest_ = &sent.Add({{"sent", "digest"}});
+  documents_with_ids_ = &sent.Add({{"sent", "ids"}});
+  document_resends_ = &plain("penumbra_coordinator_document_resends_total",
+                             "Generations sent again with their documents' ids: the worker named them by digest but "
+                             "no longer held one (evicted, restarted).");
   reattached_ = &plain("penumbra_coordinator_requests_reattached_total",
                        "Generations taken over from the journal after a restart (still on their workers).");
   orphans_cancelled_ = &plain("penumbra_coordinator_orphans_cancelled_total",

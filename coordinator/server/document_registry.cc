@@ -1,5 +1,6 @@
 #include "coordinator/server/document_registry.h"
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <cstdio>
@@ -19,6 +20,13 @@
 
 namespace penumbra::coordinator {
 namespace {
+
+void SetDigests(DocumentView* d) {
+  const std::vector<int32_t>& ids = *d->ids;
+  d->digest = DocumentDigest(ids.data(), ids.size());
+  const auto skip = static_cast<size_t>(std::clamp<int64_t>(d->leading_special, 0, d->tokens));
+  d->digest_after_special = skip == 0 ? d->digest : DocumentDigest(ids.data() + skip, ids.size() - skip);
+}
 
 // Ids are "doc-" and 16 hex digits: 64 bits from the CSPRNG (not guessable
 // from other ids; a document is found only by its tenant or a tenant it is
@@ -104,6 +112,7 @@ Status Decode(std::string_view key, std::string_view value, DocumentView* d) {
   d->state = DocumentState::kReady;
   d->factored_tokens = d->tokens;
   d->ids = std::move(ids);
+  SetDigests(d);
   return Status::OK();
 }
 
@@ -256,6 +265,7 @@ Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std:
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count();
   d.ids = std::make_shared<const std::vector<int32_t>>(std::move(ids));
+  SetDigests(&d);
   docs_[d.id] = d;
   ++per_tenant_[tenant];
   return d;
@@ -443,6 +453,18 @@ void DocumentRegistry::AddWorker(const std::string& id, int worker) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = docs_.find(id);
   if (it != docs_.end()) it->second.workers.insert(worker);
+}
+
+void DocumentRegistry::RemoveWorker(const std::string& id, int worker) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = docs_.find(id);
+  if (it != docs_.end()) it->second.workers.erase(worker);
+}
+
+bool DocumentRegistry::Holds(const std::string& id, int worker) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = docs_.find(id);
+  return it != docs_.end() && it->second.workers.count(worker) > 0;
 }
 
 int64_t DocumentRegistry::count(const std::string& tenant) const {

@@ -67,6 +67,7 @@
 #include <string>
 #include <vector>
 
+#include "common/hash.h"
 #include "common/status.h"
 #include "storage/write_health.h"
 
@@ -86,6 +87,11 @@ struct DocumentView {
   int64_t factored_tokens = 0;  // kFactoring: progress
   std::set<int> workers;        // holding its factored state
   std::shared_ptr<const std::vector<int32_t>> ids;
+  // Its content digests (DocumentDigest): of all its ids (where it leads a
+  // prompt) and of the ids after its leading special tokens (where it
+  // follows another document): what names it to a worker that holds it.
+  // Computed once when it is added or loaded (not stored).
+  Hash128 digest, digest_after_special;
   bool not_stored = false;  // kFailed: factored, but storing it READY failed (error says why)
 };
 
@@ -155,6 +161,10 @@ class DocumentRegistry {
   Status DropConfirmed(int workers);
   // Neither is stored.
   void AddWorker(const std::string& id, int worker);
+  // Worker `worker` turned out not to hold document `id` (evicted, restarted).
+  void RemoveWorker(const std::string& id, int worker);
+  // Whether `worker` is known to hold document `id`'s state.
+  bool Holds(const std::string& id, int worker) const;
   void SetProgress(const std::string& id, int64_t factored_tokens);
   int64_t count(const std::string& tenant) const;
   int64_t count() const;

@@ -57,4 +57,30 @@ Result<std::string> TextCodec::Decode(const std::vector<int32_t>& ids) const {
   return out;
 }
 
+Result<std::string> IncrementalText::Window(const TextCodec& codec, size_t end) const {
+  return codec.Decode(std::vector<int32_t>(ids_.begin() + static_cast<std::ptrdiff_t>(prefix_),
+                                           ids_.begin() + static_cast<std::ptrdiff_t>(end)));
+}
+
+Status IncrementalText::Append(const TextCodec& codec, std::span<const int32_t> ids) {
+  ids_.insert(ids_.end(), ids.begin(), ids.end());
+  PENUMBRA_ASSIGN_OR_RETURN(std::string before, Window(codec, read_));
+  PENUMBRA_ASSIGN_OR_RETURN(std::string now, Window(codec, ids_.size()));
+  static const std::string kReplacement = "\xEF\xBF\xBD";
+  const bool partial = now.size() >= 3 && now.compare(now.size() - 3, 3, kReplacement) == 0;
+  if (now.size() <= before.size() || partial) return Status::OK();  // nothing complete yet
+  text_.append(now, before.size(), std::string::npos);
+  prefix_ = read_;
+  read_ = ids_.size();
+  return Status::OK();
+}
+
+Status IncrementalText::Finish(const TextCodec& codec) {
+  PENUMBRA_ASSIGN_OR_RETURN(std::string before, Window(codec, read_));
+  PENUMBRA_ASSIGN_OR_RETURN(std::string now, Window(codec, ids_.size()));
+  if (now.size() > before.size()) text_.append(now, before.size(), std::string::npos);
+  prefix_ = read_ = ids_.size();
+  return Status::OK();
+}
+
 }  // namespace penumbra

@@ -28,6 +28,7 @@
 
 #include "tests/service/service_cluster.h"
 #include "tests/worker/stories_shadowkv.h"
+#include "transport/worker_documents.h"
 
 namespace penumbra::testing {
 namespace {
@@ -57,9 +58,13 @@ double MetricValue(int port, const std::string& series) {
 Status Submit(WorkerConn& w, const std::vector<int32_t>& prompt, std::vector<int64_t> document_ends, int max_new,
               std::string* id) {
   rpc::WorkerGenerateRequest g;
-  g.prompt = prompt;
-  g.document_ends = std::move(document_ends);
   g.max_new_tokens = max_new;
+  if (max_new == 0) {  // a put
+    rpc::WorkerPutRequest p;
+    p.documents = transport::DocumentsOf(prompt, document_ends);
+    return transport::CallRpc("put", [&] { (*w)->PutDocument(*id, p); });
+  }
+  transport::SetPrompt(&g, prompt, document_ends);
   return transport::CallRpc("generate", [&] { (*w)->Generate(*id, g); });
 }
 

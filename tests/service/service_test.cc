@@ -11,12 +11,14 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <httplib.h>
 
 #include "tests/service/service_cluster.h"
 #include "tests/worker/stories_shadowkv.h"
+#include "transport/worker_documents.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra::testing {
@@ -267,6 +269,60 @@ TEST_F(Service, RequestsAboutADocumentGoToTheWorkerHoldingIt) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->usage.cached_prompt_tokens, i == 0 ? 0 : 200);
   }
+}
+
+// Documents go to a worker that holds them by digest alone; a worker that
+// lost one (restarted, its memory empty, no store) answers that it lacks it,
+// and the coordinator sends the request again with the ids: the answer is
+// the same, nothing fails.
+TEST_F(Service, ARestartedWorkerIsSentTheDocumentsItLost) {
+  ClusterOptions o;
+  o.workers = 1;
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  const std::vector<int32_t> doc = LcgTokens(180, 23, true);
+  const rpc::DocumentInfo d = Put(*c, "d", doc);
+  auto metric = [&](const std::string& series) {
+    auto page = httplib::Client("127.0.0.1", cluster.coordinator().metrics_port).Get("/metrics");
+    EXPECT_TRUE(page);
+    if (!page) return -1.0;
+    std::istringstream in(page->body);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+    }
+    return -1.0;
+  };
+  const std::vector<int32_t> q = LcgTokens(12, 600, false);
+  auto first = c->Complete(Ask({d.id}, q, 6));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->usage.cached_prompt_tokens, 180);
+  EXPECT_EQ(metric("penumbra_coordinator_worker_documents_total{sent=\"digest\"}"), 1);
+  EXPECT_EQ(metric("penumbra_coordinator_worker_documents_total{sent=\"ids\"}"), 0);
+
+  const int port = cluster.worker(0).port;
+  cluster.worker(0).process->Signal(SIGKILL);
+  ASSERT_TRUE(cluster.worker(0).process->Wait(10s).has_value());
+  ASSERT_TRUE(cluster.StartWorker(0, port));
+  ASSERT_TRUE(Eventually(
+      [&] {
+        auto s = c->Stats();
+        return s.ok() && s->workers.size() == 1 && s->workers[0].healthy;
+      },
+      20s, "the coordinator to see the restarted worker"));
+  auto again = c->Complete(Ask({d.id}, q, 6));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->ids, first->ids);
+  EXPECT_EQ(again->usage.cached_prompt_tokens, 0);  // prefilled from the ids sent again
+  EXPECT_EQ(metric("penumbra_coordinator_document_resends_total"), 1);
+  EXPECT_EQ(metric("penumbra_coordinator_worker_documents_total{sent=\"ids\"}"), 1);
+  // Captured again: by digest from now on.
+  auto third = c->Complete(Ask({d.id}, LcgTokens(9, 601, false), 4));
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(third->usage.cached_prompt_tokens, 180);
+  EXPECT_EQ(metric("penumbra_coordinator_worker_documents_total{sent=\"digest\"}"), 3);
 }
 
 // Two workers keeping their documents on one value-store node (penumbra-store
@@ -600,8 +656,7 @@ TEST_F(Service, BadInputIsRefusedAndTheServersKeepServing) {
     auto w = cluster.WorkerClient(0);
     ASSERT_TRUE(w);
     rpc::WorkerGenerateRequest g;
-    g.prompt = {5, 6};
-    g.document_ends = {5};
+    transport::SetPrompt(&g, {5, 6}, {5});
     std::string handle;
     ExpectCode(transport::CallRpc("generate", [&] { (*w)->Generate(handle, g); }), StatusCode::kInvalidArgument,
                "document end past the prompt");

@@ -184,6 +184,15 @@ Result<RequestUpdate> Scheduler::Poll(uint64_t id, int64_t offset, std::chrono::
   return Snapshot(*r, offset);
 }
 
+Result<RequestUpdate> Scheduler::WaitProgress(uint64_t id, int64_t prefilled_above, std::chrono::milliseconds wait) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return Status::NotFound("request " + std::to_string(id) + " is unknown");
+  std::shared_ptr<Request> r = it->second;
+  done_cv_.wait_for(lk, wait, [&] { return r->done || r->prefilled > prefilled_above; });
+  return Snapshot(*r, static_cast<int64_t>(r->ids.size()));
+}
+
 Result<RequestUpdate> Scheduler::Wait(uint64_t id) {
   std::unique_lock<std::mutex> lk(mu_);
   auto it = requests_.find(id);
@@ -413,6 +422,7 @@ void Scheduler::Admit() {
     stats_.prompt_tokens += static_cast<int64_t>(r->req.prompt.size());
     stats_.cached_prompt_tokens += admitted.cached_prompt_tokens;
     prefilling_.push_back(r);
+    if (r->prefilled > 0) done_cv_.notify_all();  // progress: documents attached (WaitProgress)
     return;
   }
   if (s.code() == StatusCode::kResourceExhausted && !decoding_.empty()) {
@@ -506,7 +516,10 @@ void Scheduler::PrefillOne() {
   ++stats_.prefill_pieces;
   stats_.prefill_piece_max_seconds = std::max(stats_.prefill_piece_max_seconds, piece);
   r->prefilled = r->prefill.at;
-  if (done.ok() && !*done) return;
+  if (done.ok() && !*done) {
+    done_cv_.notify_all();  // progress (WaitProgress)
+    return;
+  }
   prefilling_.pop_front();
   if (!done.ok() || !sampled.ok()) {
     Finish(*r, "error", done.ok() ? sampled : done.status());

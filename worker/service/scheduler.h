@@ -162,6 +162,10 @@ class Scheduler {
   // Whether the scheduler still has request `id` (queued, running, or a
   // finished answer not yet released or expired).
   bool Contains(uint64_t id) const;
+  // The request's state once it is done or has more than `prefilled_above`
+  // prompt tokens in, or after `wait`: a put's progress, one wake-up per
+  // prefill piece. NotFound for an unknown id.
+  Result<RequestUpdate> WaitProgress(uint64_t id, int64_t prefilled_above, std::chrono::milliseconds wait);
   // Blocks until the request is done; its whole answer.
   Result<RequestUpdate> Wait(uint64_t id);
   // Runs `task` on the loop thread between two steps (the only thread that

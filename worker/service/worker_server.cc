@@ -1,5 +1,6 @@
 #include "worker/service/worker_server.h"
 
+#include <cmath>
 #include <limits>
 
 #include <glog/logging.h>
@@ -30,47 +31,118 @@ Status ValidateOwnerId(const std::string& owner_id) {
   return Status::OK();
 }
 
-Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r) {
-  PENUMBRA_RETURN_IF_ERROR(ValidateOwnerId(r.owner_id));
-  // The request's own ranges, and the stop ids' count before they are copied.
-  if (r.deadline_ms < 0 || r.deadline_ms > WorkerHandler::kMaxDeadlineMs) {
+Status AppendDocuments(const std::vector<rpc::WorkerDocument>& documents, int64_t max_context, GenerationRequest* g) {
+  // Sizes before anything is allocated: the documents' lengths are bounded
+  // by the model's context (ids not sent read as 0s, allocated here).
+  if (static_cast<int64_t>(documents.size()) > max_context) {
+    return Status::InvalidArgument(std::to_string(documents.size()) + " documents: more than the model's " +
+                                   std::to_string(max_context) + "-token context holds");
+  }
+  int64_t total = 0;
+  bool sent = false;  // a document with ids came already
+  for (size_t i = 0; i < documents.size(); ++i) {
+    const rpc::WorkerDocument& d = documents[i];
+    const std::string name = "documents[" + std::to_string(i) + "]";
+    if (d.tokens <= 0 || d.tokens > max_context - total) {
+      return Status::InvalidArgument(name + ".tokens must be in [1, " + std::to_string(max_context - total) +
+                                     "] (the model's context), got " + std::to_string(d.tokens));
+    }
+    total += d.tokens;
+    if (d.__isset.ids && static_cast<int64_t>(d.ids.size()) != d.tokens) {
+      return Status::InvalidArgument(name + " has " + std::to_string(d.ids.size()) + " ids for " +
+                                     std::to_string(d.tokens) + " tokens");
+    }
+    if (sent && !d.__isset.ids) {
+      return Status::InvalidArgument(name +
+                                     " has no ids after a document that has: the documents named by digest "
+                                     "alone lead the prompt");
+    }
+    sent = sent || d.__isset.ids;
+    Result<Hash128> digest = Hash128FromBytes(d.digest);
+    if (!digest.ok()) return digest.status().WithContext(name + ".digest");
+    g->document_digests.push_back(*digest);
+  }
+  g->prompt.reserve(static_cast<size_t>(total));
+  for (const rpc::WorkerDocument& d : documents) {
+    if (d.__isset.ids) {
+      g->prompt.insert(g->prompt.end(), d.ids.begin(), d.ids.end());
+    } else {
+      g->prompt.resize(g->prompt.size() + static_cast<size_t>(d.tokens), 0);  // held: never read
+      g->ids_from = static_cast<int64_t>(g->prompt.size());
+    }
+    g->document_ends.push_back(static_cast<int64_t>(g->prompt.size()));
+  }
+  return Status::OK();
+}
+
+Result<SubmitOptions> SubmitOptionsFromRpc(int64_t deadline_ms, double share_weight, const std::string& tenant,
+                                           const std::string& owner_id) {
+  PENUMBRA_RETURN_IF_ERROR(ValidateOwnerId(owner_id));
+  if (deadline_ms < 0 || deadline_ms > WorkerHandler::kMaxDeadlineMs) {
     return Status::InvalidArgument("deadline_ms must be in [0, " + std::to_string(WorkerHandler::kMaxDeadlineMs) +
-                                   "], got " + std::to_string(r.deadline_ms));
+                                   "], got " + std::to_string(deadline_ms));
   }
-  if (!(r.share_weight > 0) || r.share_weight > 1e6) {
-    return Status::InvalidArgument("share_weight must be in (0, 1e6], got " + std::to_string(r.share_weight));
+  if (!(share_weight > 0) || share_weight > 1e6) {
+    return Status::InvalidArgument("share_weight must be in (0, 1e6], got " + std::to_string(share_weight));
   }
-  if (static_cast<int64_t>(r.stop_ids.size()) > GenerationRequest::kMaxStopIds) {
-    return Status::InvalidArgument(std::to_string(r.stop_ids.size()) + " stop ids: at most " +
-                                   std::to_string(GenerationRequest::kMaxStopIds));
-  }
+  SubmitOptions o;
+  o.share_weight = share_weight;
+  o.tenant = tenant;
+  if (deadline_ms > 0) o.deadline = Clock::now() + std::chrono::milliseconds(deadline_ms);
+  return o;
+}
+
+Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r, int64_t max_context) {
   GenerationRequest g;
-  g.prompt = r.prompt;
-  g.document_ends = r.document_ends;
-  g.cache_namespace = r.cache_namespace;
-  if (r.max_new_tokens < 0) {
-    return Status::InvalidArgument("max_new_tokens must be >= 0 (0: prefill only), got " +
-                                   std::to_string(r.max_new_tokens));
+  PENUMBRA_RETURN_IF_ERROR(AppendDocuments(r.documents, max_context, &g));
+  if (static_cast<int64_t>(r.prompt.size()) > max_context) {
+    return Status::InvalidArgument("prompt of " + std::to_string(r.prompt.size()) + " tokens: more than the model's " +
+                                   std::to_string(max_context) + "-token context");
   }
+  g.prompt.insert(g.prompt.end(), r.prompt.begin(), r.prompt.end());
+  g.cache_namespace = r.cache_namespace;
   g.max_new_tokens = r.max_new_tokens;
-  // Doubles narrowed to the engine's floats after a range check (NaN fails it).
-  auto as_float = [](double x, const char* name, double lo, double hi) -> Result<float> {
-    if (!(x >= lo && x <= hi)) {
-      return Status::InvalidArgument(std::string("sampling.") + name + " must be in [" + std::to_string(lo) + ", " +
-                                     std::to_string(hi) + "], got " + std::to_string(x));
+  // Doubles narrowed to the engine's floats: a value no float holds (NaN,
+  // out of range) is refused here, the ranges themselves are
+  // SamplingOptions::Validate's.
+  auto as_float = [](double x, const char* name) -> Result<float> {
+    if (!(std::abs(x) <= std::numeric_limits<float>::max())) {
+      return Status::InvalidArgument(std::string("sampling.") + name + " must be a finite number, got " +
+                                     std::to_string(x));
     }
     return static_cast<float>(x);
   };
-  PENUMBRA_ASSIGN_OR_RETURN(g.sampling.temperature,
-                            as_float(r.sampling.temperature, "temperature", 0.0, SamplingOptions::kMaxTemperature));
-  PENUMBRA_ASSIGN_OR_RETURN(g.sampling.top_p, as_float(r.sampling.top_p, "top_p", 0.0, 1.0));
+  PENUMBRA_ASSIGN_OR_RETURN(g.sampling.temperature, as_float(r.sampling.temperature, "temperature"));
+  PENUMBRA_ASSIGN_OR_RETURN(g.sampling.top_p, as_float(r.sampling.top_p, "top_p"));
   g.sampling.top_k = r.sampling.top_k;
   if (r.sampling.seed < 0) return Status::InvalidArgument("sampling.seed must be >= 0");
   g.sampling.seed = static_cast<uint64_t>(r.sampling.seed);
   g.stop_ids = r.stop_ids;
-  if (r.draws_done < 0) return Status::InvalidArgument("draws_done must be >= 0, got " + std::to_string(r.draws_done));
   g.draws_done = r.draws_done;
   return g;
+}
+
+Result<GenerationRequest> FromRpc(const rpc::WorkerPutRequest& r, int64_t max_context) {
+  GenerationRequest g;
+  if (r.documents.empty()) return Status::InvalidArgument("a put names no document");
+  PENUMBRA_RETURN_IF_ERROR(AppendDocuments(r.documents, max_context, &g));
+  g.cache_namespace = r.cache_namespace;
+  g.max_new_tokens = 0;  // prefill only: factored into the document cache
+  return g;
+}
+
+void ToRpc(const RequestUpdate& u, rpc::WorkerPutProgress* out) {
+  out->done = u.done;
+  out->finish_reason = u.finish_reason;
+  if (!u.error.ok()) {
+    const rpc::PenumbraError e = transport::ToRpcError(u.error);
+    out->__set_error_code(e.code);
+    out->__set_error_message(e.message);
+  }
+  out->factored_tokens = u.prefilled_tokens;
+  out->tokens = u.prompt_tokens;
+  out->cached_tokens = u.cached_prompt_tokens;
+  out->queue_seconds = u.queue_seconds;
 }
 
 void ToRpc(const RequestUpdate& u, rpc::TokenChunk* out) {
@@ -216,25 +288,52 @@ void WorkerHandler::Renew(std::vector<std::string>& out, const std::string& owne
   }
 }
 
-void WorkerHandler::Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) {
-  Result<GenerationRequest> g = FromRpc(request);
+std::string WorkerHandler::Submit(Result<GenerationRequest> g, Result<SubmitOptions> o, const std::string& owner_id) {
   if (!g.ok()) Throw(g.status());
-  SubmitOptions o;
-  o.share_weight = request.share_weight;
-  o.tenant = request.tenant;
-  if (request.deadline_ms > 0) o.deadline = Clock::now() + std::chrono::milliseconds(request.deadline_ms);
-  Result<uint64_t> id = s_->Submit(std::move(*g), o);
+  if (!o.ok()) Throw(o.status());
+  // The request against the model (ValidateGenerationRequest: ids, lengths,
+  // documents and their digests, sampling) is the scheduler's check.
+  Result<uint64_t> id = s_->Submit(std::move(*g), *o);
   if (!id.ok()) Throw(id.status());
-  handle = RandomHandle();
+  std::string handle = RandomHandle();
   bool sweep = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     const std::string owner = Owner();
-    handles_[handle] = Entry{*id, owner, LeaseKey(owner, request.owner_id)};
-    RenewLocked(LeaseKey(owner, request.owner_id));
+    handles_[handle] = Entry{*id, owner, LeaseKey(owner, owner_id)};
+    RenewLocked(LeaseKey(owner, owner_id));
     sweep = ++since_sweep_ >= 1024;
   }
   if (sweep) Sweep();
+  return handle;
+}
+
+void WorkerHandler::Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) {
+  handle = Submit(FromRpc(request, id_.max_context),
+                  SubmitOptionsFromRpc(request.deadline_ms, request.share_weight, request.tenant, request.owner_id),
+                  request.owner_id);
+}
+
+void WorkerHandler::PutDocument(std::string& handle, const rpc::WorkerPutRequest& request) {
+  handle = Submit(FromRpc(request, id_.max_context),
+                  SubmitOptionsFromRpc(request.deadline_ms, request.share_weight, request.tenant, request.owner_id),
+                  request.owner_id);
+}
+
+void WorkerHandler::WaitPut(rpc::WorkerPutProgress& out, const std::string& handle, int64_t factored_tokens,
+                            int32_t wait_ms) {
+  if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
+    Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
+                                  std::to_string(wait_ms)));
+  }
+  Result<uint64_t> id = Lookup(handle);
+  if (!id.ok()) Throw(id.status());
+  Result<RequestUpdate> u = s_->WaitProgress(*id, factored_tokens, std::chrono::milliseconds(wait_ms));
+  if (!u.ok()) {
+    if (u.status().code() == StatusCode::kNotFound) Forget(handle);
+    Throw(u.status().code() == StatusCode::kNotFound ? UnknownHandle(handle) : u.status());
+  }
+  ToRpc(*u, &out);
 }
 
 void WorkerHandler::Poll(rpc::TokenChunk& out, const std::string& handle, int64_t offset, int32_t wait_ms) {
@@ -269,16 +368,23 @@ void WorkerHandler::Release(const std::string& handle) {
   if (!s.ok()) Throw(s.code() == StatusCode::kNotFound ? UnknownHandle(handle) : s);
 }
 
-int32_t WorkerHandler::ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& document_ends,
-                                      const std::string& cache_namespace) {
+int32_t WorkerHandler::ForgetDocuments(const std::vector<rpc::WorkerDocument>& documents,
+                                       const std::string& cache_namespace) {
+  // Named by digest alone: the ids, when sent, are not needed.
+  std::vector<rpc::WorkerDocument> refs = documents;
+  for (rpc::WorkerDocument& d : refs) {
+    d.ids.clear();
+    d.__isset.ids = false;
+  }
   GenerationRequest g;
-  g.prompt = prompt;
-  g.document_ends = document_ends;
+  Status s =
+      refs.empty() ? Status::InvalidArgument("no document to forget") : AppendDocuments(refs, id_.max_context, &g);
+  if (!s.ok()) Throw(s);
   g.cache_namespace = cache_namespace;
   g.max_new_tokens = 0;
   int dropped = 0;
-  Status s = s_->RunOnLoop([&](Runtime& rt) -> Status {
-    PENUMBRA_RETURN_IF_ERROR(rt.Validate({g}));  // the checks of a put of this prompt
+  s = s_->RunOnLoop([&](Runtime& rt) -> Status {
+    PENUMBRA_RETURN_IF_ERROR(rt.Validate({g}));  // the checks of a put of these documents
     PENUMBRA_ASSIGN_OR_RETURN(dropped, rt.ForgetPrefixes(g));
     return Status::OK();
   });

@@ -58,8 +58,11 @@ class WorkerHandler : public rpc::WorkerIf {
   void Poll(rpc::TokenChunk& out, const std::string& handle, int64_t offset, int32_t wait_ms) override;
   void Cancel(const std::string& handle) override;
   void Release(const std::string& handle) override;
-  int32_t ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& document_ends,
-                         const std::string& cache_namespace) override;
+  void PutDocument(std::string& handle, const rpc::WorkerPutRequest& request) override;
+  void WaitPut(rpc::WorkerPutProgress& out, const std::string& handle, int64_t factored_tokens,
+               int32_t wait_ms) override;
+  int32_t ForgetDocuments(const std::vector<rpc::WorkerDocument>& documents,
+                          const std::string& cache_namespace) override;
   void Health(rpc::WorkerHealth& out) override;
   void Stats(rpc::WorkerStats& out) override;
   void Renew(std::vector<std::string>& out, const std::string& owner_id) override;
@@ -83,6 +86,9 @@ class WorkerHandler : public rpc::WorkerIf {
     return owner_id.empty() ? std::string() : owner + "\n" + owner_id;
   }
   void RenewLocked(const std::string& lease);  // under mu_
+  // Queues a converted request for the current caller and `owner_id`;
+  // returns its handle (throws the first error).
+  std::string Submit(Result<GenerationRequest> g, Result<SubmitOptions> o, const std::string& owner_id);
   void LeaseLoop();
   // The scheduler's id of `handle` when the current caller owns it.
   Result<uint64_t> Lookup(const std::string& handle) const;
@@ -124,12 +130,25 @@ class WorkerServer {
   std::unique_ptr<transport::ThriftServer> server_;
 };
 
-// The request as the engine takes it. Checks what is the control API's own
-// (deadline_ms in [0, a week], share_weight in (0, 1e6], the stop ids' count,
-// sampling ranges, draws_done >= 0, owner_id); the request against the model
-// (ValidateGenerationRequest: ids, lengths, segments) is Scheduler::Submit's.
-// InvalidArgument naming the field.
-Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r);
+// The request as the engine takes it: its documents first (their ids, or
+// 0s for those named by digest alone: GenerationRequest::ids_from), then its
+// prompt. Checks only what the conversion needs (the wire form's shape:
+// 16-byte digests, ids matching the lengths, lengths within `max_context`
+// before anything is allocated, the documents named by digest leading, floats
+// that fit); everything about the request itself is one check,
+// ValidateGenerationRequest (Scheduler::Submit). InvalidArgument naming the
+// field.
+Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r, int64_t max_context);
+// A put: its documents, prefill only (max_new_tokens 0).
+Result<GenerationRequest> FromRpc(const rpc::WorkerPutRequest& r, int64_t max_context);
+// Appends `documents` to g's prompt, document_ends, document_digests and
+// ids_from (the checks above).
+Status AppendDocuments(const std::vector<rpc::WorkerDocument>& documents, int64_t max_context, GenerationRequest* g);
+// The control API's own fields of a request: deadline_ms in [0, a week],
+// share_weight in (0, 1e6], owner_id (ValidateOwnerId).
+Result<SubmitOptions> SubmitOptionsFromRpc(int64_t deadline_ms, double share_weight, const std::string& tenant,
+                                           const std::string& owner_id);
+void ToRpc(const RequestUpdate& u, rpc::WorkerPutProgress* out);
 void ToRpc(const RequestUpdate& u, rpc::TokenChunk* out);
 
 }  // namespace penumbra::service

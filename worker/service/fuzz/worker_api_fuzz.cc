@@ -14,6 +14,7 @@
 //
 // With PENUMBRA_FUZZ_SEEDS=DIR, LLVMFuzzerInitialize writes valid calls made
 // by the generated client into DIR (.ci/fuzz.sh does).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +32,7 @@
 #include "gen-cpp/Worker.h"
 #include "transport/fuzz/thrift_fuzz.h"
 #include "transport/thrift_util.h"
+#include "transport/worker_documents.h"
 #include "worker/engine/runtime.h"
 #include "worker/service/worker_server.h"
 
@@ -78,15 +80,18 @@ class ValidatingWorker : public rpc::WorkerIf {
   void set_config(const ModelConfig& c) { config_ = c; }
 
   void Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) override {
-    Result<GenerationRequest> g = FromRpc(request);
-    if (!g.ok()) Throw(g.status());
-    Status s = ValidateGenerationRequest(*g, config_);
-    if (!s.ok()) Throw(s);
-    CheckAccepted(*g);
-    if (request.deadline_ms < 0 || request.deadline_ms > WorkerHandler::kMaxDeadlineMs) Fail("deadline accepted");
-    if (!(request.share_weight > 0 && request.share_weight <= 1e6)) Fail("share_weight accepted");
-    if (!ValidateOwnerId(request.owner_id).ok()) Fail("owner_id accepted");
+    Accept(FromRpc(request, config_.max_position_embeddings), request.deadline_ms, request.share_weight, request.tenant,
+           request.owner_id);
     handle = "0123456789abcdef0123456789abcdef";
+  }
+  void PutDocument(std::string& handle, const rpc::WorkerPutRequest& request) override {
+    Accept(FromRpc(request, config_.max_position_embeddings), request.deadline_ms, request.share_weight, request.tenant,
+           request.owner_id);
+    handle = "0123456789abcdef0123456789abcdef";
+  }
+  void WaitPut(rpc::WorkerPutProgress&, const std::string&, int64_t, int32_t wait_ms) override {
+    if (wait_ms < 0 || wait_ms > WorkerHandler::kMaxWaitMs) Throw(Status::InvalidArgument("wait_ms out of range"));
+    Throw(Status::NotFound("request is unknown"));
   }
   void Poll(rpc::TokenChunk&, const std::string&, int64_t offset, int32_t wait_ms) override {
     if (wait_ms < 0 || wait_ms > WorkerHandler::kMaxWaitMs) Throw(Status::InvalidArgument("wait_ms out of range"));
@@ -95,15 +100,16 @@ class ValidatingWorker : public rpc::WorkerIf {
   }
   void Cancel(const std::string&) override { Throw(Status::NotFound("request is unknown")); }
   void Release(const std::string&) override { Throw(Status::NotFound("request is unknown")); }
-  int32_t ForgetPrefixes(const std::vector<int32_t>& prompt, const std::vector<int64_t>& document_ends,
-                         const std::string& cache_namespace) override {
-    // The checks of a put of this prompt, as the worker makes them.
+  int32_t ForgetDocuments(const std::vector<rpc::WorkerDocument>& documents,
+                          const std::string& cache_namespace) override {
+    // The checks of a put of these documents by digest, as the worker makes them.
     GenerationRequest g;
-    g.prompt = prompt;
-    g.document_ends = document_ends;
+    Status s = AppendDocuments(documents, config_.max_position_embeddings, &g);
+    if (!s.ok()) Throw(s);
     g.cache_namespace = cache_namespace;
     g.max_new_tokens = 0;
-    Status s = ValidateGenerationRequest(g, config_);
+    if (g.prompt.empty()) Throw(Status::InvalidArgument("no document"));
+    s = ValidateGenerationRequest(g, config_);
     if (!s.ok()) Throw(s);
     CheckAccepted(g);
     return 0;
@@ -121,6 +127,20 @@ class ValidatingWorker : public rpc::WorkerIf {
   }
 
  private:
+  // The worker's checks (conversion, the control API's fields, the request
+  // against the model), then what they promise of a request they accept.
+  void Accept(Result<GenerationRequest> g, int64_t deadline_ms, double share_weight, const std::string& tenant,
+              const std::string& owner_id) const {
+    if (!g.ok()) Throw(g.status());
+    Result<SubmitOptions> o = SubmitOptionsFromRpc(deadline_ms, share_weight, tenant, owner_id);
+    if (!o.ok()) Throw(o.status());
+    Status s = ValidateGenerationRequest(*g, config_);
+    if (!s.ok()) Throw(s);
+    CheckAccepted(*g);
+    if (deadline_ms < 0 || deadline_ms > WorkerHandler::kMaxDeadlineMs) Fail("deadline accepted");
+    if (!(share_weight > 0 && share_weight <= 1e6)) Fail("share_weight accepted");
+    if (!ValidateOwnerId(owner_id).ok()) Fail("owner_id accepted");
+  }
   // What ValidateGenerationRequest promises of a request it accepts.
   void CheckAccepted(const GenerationRequest& g) const {
     const int64_t n = static_cast<int64_t>(g.prompt.size());
@@ -134,6 +154,11 @@ class ValidatingWorker : public rpc::WorkerIf {
     for (int64_t e : g.document_ends) {
       if (e <= prev || e > n) Fail("document ends out of order or past the prompt");
       prev = e;
+    }
+    if (!g.document_digests.empty() && g.document_digests.size() != g.document_ends.size()) Fail("digests");
+    if (g.ids_from != 0 && (g.document_digests.empty() || std::find(g.document_ends.begin(), g.document_ends.end(),
+                                                                    g.ids_from) == g.document_ends.end())) {
+      Fail("ids_from");
     }
     if (g.draws_done < 0 || g.draws_done > n) Fail("draws_done past the prompt");
     if (static_cast<int64_t>(g.stop_ids.size()) > GenerationRequest::kMaxStopIds) Fail("too many stop ids");
@@ -174,8 +199,7 @@ void WriteSeed(const std::string& dir, const std::string& name, const std::funct
 void WriteSeeds(const std::string& dir) {
   WriteSeed(dir, "generate", [](rpc::WorkerClient& c) {
     rpc::WorkerGenerateRequest g;
-    g.prompt = {1, 17, 33, 200, 5, 6, 7, 8};
-    g.document_ends = {3, 5};
+    transport::SetPrompt(&g, {1, 17, 33, 200, 5, 6, 7, 8}, {3, 5});
     g.cache_namespace = "tenant-a";
     g.max_new_tokens = 32;
     g.sampling.temperature = 0.8;
@@ -188,14 +212,20 @@ void WriteSeeds(const std::string& dir) {
     g.tenant = "tenant-a";
     g.draws_done = 2;
     c.send_Generate(g);
+    // The same documents named by digest alone.
+    for (rpc::WorkerDocument& d : g.documents) {
+      d.ids.clear();
+      d.__isset.ids = false;
+    }
+    c.send_Generate(g);
   });
   WriteSeed(dir, "put", [](rpc::WorkerClient& c) {
-    rpc::WorkerGenerateRequest g;
-    g.prompt = {1, 2, 3, 4, 5, 6};
-    g.document_ends = {6};
-    g.max_new_tokens = 0;
-    c.send_Generate(g);
-    c.send_ForgetPrefixes(g.prompt, g.document_ends, "tenant-a");
+    rpc::WorkerPutRequest p;
+    p.documents = transport::DocumentsOf({1, 2, 3, 4, 5, 6}, {6});
+    p.cache_namespace = "tenant-a";
+    c.send_PutDocument(p);
+    c.send_WaitPut("0123456789abcdef0123456789abcdef", 0, 100);
+    c.send_ForgetDocuments(p.documents, "tenant-a");
   });
   WriteSeed(dir, "handles", [](rpc::WorkerClient& c) {
     c.send_Poll("0123456789abcdef0123456789abcdef", 0, 100);
