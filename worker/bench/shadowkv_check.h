@@ -20,10 +20,11 @@
 //             the shard exchange over a LockstepGroup, and the ranks'
 //             attention is merged by log-sum-exp as the runtime merges them.
 // Every mode writes the whole sequence's results (original chunk ids), so
-// the same comparator judges them. Attaching changes nothing (attached
-// equals direct bit for bit); sharding changes the low-rank factors and the
-// outliers (per shard), so cp2 equals direct only up to float rounding where
-// neither matters (rank = hkv*d, outliers that fall in each shard's share).
+// the same comparator judges them. Attaching changes nothing (on the CPU
+// backend attached equals direct bit for bit); sharding changes the low-rank
+// factors and the outliers (per shard; the comparator's reference models
+// it), so cp2 equals direct only up to float rounding where neither matters
+// (rank = hkv*d, outliers that fall in each shard's share).
 // The check differs from the engine only where the reference's setting
 // does: decode steps append no token (the query is RoPE'd at position S + i
 // and its K/V go to a row that attention never reads).
