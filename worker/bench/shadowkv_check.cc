@@ -403,30 +403,15 @@ Status CheckRun::Prefill(ShadowKvSeq& seq, int64_t t0, int64_t t1) {
   PENUMBRA_RETURN_IF_ERROR(comp.Factor(seq, 0, S));
   comp.Landmarks(seq, 0, n_chunks);
   PENUMBRA_RETURN_IF_ERROR(comp.Outliers(seq, 0, n_chunks));
-  // OffloadValues(s, layer, tmp_v, tmp_cap*d, 0, n_chunks, 0): every chunk's
-  // values (outliers too) to the store through pinned staging.
-  auto row = [&](const DeviceBuffer& buf, int64_t rw) { return static_cast<char*>(buf.get()) + rw * d * es; };
+  // OffloadValues: every chunk's values (outliers too) to the store through
+  // pinned staging; the tail becomes the local rows (exact K/V and pre-RoPE
+  // keys).
   if (n_chunks > 0) {
-    const size_t rowb = static_cast<size_t>(n_chunks) * C * d * es;
-    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer stage, b.AllocateHost(rowb * H));
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage.get(), rowb, comp.tmp_v().get(), tstride * es, rowb, H));
-    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    for (int h = 0; h < H; ++h) {
-      PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(seq.segment, 0, h, 0, n_chunks, stage.as<char>() + h * rowb));
-    }
+    DeviceBuffer stage;
+    PENUMBRA_RETURN_IF_ERROR(comp.OffloadValues(store_, &stage, seq, 0, comp.tmp_v().get(), tstride, 0, n_chunks, 0));
   }
-  // The tail becomes the local rows (exact K/V and pre-RoPE keys).
   const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
-  if (tail > seq.local_cap) return Status::Internal("local tail " + Str(tail) + " > local_cap " + Str(seq.local_cap));
-  if (tail > 0) {
-    const int64_t local_row0 = lay_->LocalRow0(seq), att_stride = seq.att_cap * d * es;
-    PENUMBRA_RETURN_IF_ERROR(
-        b.Copy2D(row(seq.att_k, local_row0), att_stride, row(comp.tmp_k(), tail0), tstride * es, tail * d * es, H));
-    PENUMBRA_RETURN_IF_ERROR(
-        b.Copy2D(row(seq.att_v, local_row0), att_stride, row(comp.tmp_v(), tail0), tstride * es, tail * d * es, H));
-    PENUMBRA_RETURN_IF_ERROR(
-        b.CopyDeviceToDevice(seq.prek.get(), comp.tmp_prek().as<float>() + tail0 * D, tail * D * sizeof(float)));
-  }
+  PENUMBRA_RETURN_IF_ERROR(comp.TailToLocal(seq, 0, tail0, tail));
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
   seq.n_chunks = n_chunks;
   seq.local_count = tail;

@@ -604,7 +604,7 @@ class ShadowKvPolicy final : public KvPolicy {
   // Algorithm 1 for one layer of one sequence, from the temporaries.
   Status CompressPrompt(Seq& s, int layer, int64_t S) {
     Backend& b = *ctx_.backend;
-    const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim, D = H * d;
+    const int C = o_.chunk_size, d = ctx_.head_dim;
     const int n_chunks = static_cast<int>((S - s.window) / C);
     double t = NowSeconds();
     auto lap = [&](const char* op) {
@@ -628,17 +628,7 @@ class ShadowKvPolicy final : public KvPolicy {
     // The tail becomes the local rows (exact K/V and pre-RoPE keys).
     const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
     CHECK_LE(tail, s.local_cap);
-    if (tail > 0) {  // a closed shard's prompt may be whole chunks
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                        static_cast<char*>(comp_.tmp_k().get()) + tail0 * d * es_,
-                                        comp_.tmp_cap() * d * es_, tail * d * es_, H));
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                        static_cast<char*>(comp_.tmp_v().get()) + tail0 * d * es_,
-                                        comp_.tmp_cap() * d * es_, tail * d * es_, H));
-      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
-                                                    comp_.tmp_prek().as<float>() + tail0 * D,
-                                                    tail * D * sizeof(float)));
-    }
+    PENUMBRA_RETURN_IF_ERROR(comp_.TailToLocal(s, layer, tail0, tail));
     lap("local");
     s.n_chunks = n_chunks;
     s.local_count = tail;
@@ -651,20 +641,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Status OffloadValues(Seq& s, int layer, const void* src, int64_t head_stride, int64_t src_row, int n,
                        int store_first) {
     PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
-    Backend& b = *ctx_.backend;
-    const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim;
-    const size_t row = static_cast<size_t>(n) * C * d * es_;
-    if (stage_.bytes() < row * H) {
-      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-      PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(row * H));
-    }
-    PENUMBRA_RETURN_IF_ERROR(
-        b.Copy2D(stage_.get(), row, static_cast<const char*>(src) + src_row * d * es_, head_stride * es_, row, H));
-    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    for (int h = 0; h < H; ++h) {
-      PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, layer, h, store_first, n, stage_.as<char>() + h * row));
-    }
-    return Status::OK();
+    return comp_.OffloadValues(store_, &stage_, s, layer, src, head_stride, src_row, n, store_first);
   }
 
   // ----------------------------------------------------------------- decode
