@@ -10,9 +10,8 @@
 //                                       AddSequence makes them
 //   ShadowKvCompressor               -> StoreTokens into its temporaries, then
 //                                       Factor (LowRankFactor), Landmarks,
-//                                       Outliers, as the policy's CompressPrompt
-//   (here)                           -> the values to a value-store segment
-//                                       and the tail into the local rows, as
+//                                       Outliers, OffloadValues (to a
+//                                       value-store segment), TailToLocal, as
 //                                       the policy's CompressPrompt
 //   ShadowKvPrefixIo (attached)      -> Capture (take, as a put's TakePrefix),
 //                                       ShadowKvPrefix::Export, Import, then
