@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "tests/worker/shadowkv_check_test_util.h"
 #include "worker/bench/lockstep_group.h"
 #include "worker/bench/shadowkv_check.h"
+#include "worker/model/safetensors.h"
 
 namespace penumbra::shadowkv_check {
 namespace {
@@ -100,6 +102,17 @@ TEST(ShadowkvCheckModes, Cp2EqualsDirectUpToRounding) {
     den += std::pow(static_cast<double>(direct->out[i]), 2);
   }
   EXPECT_LE(std::sqrt(num / den), 1e-5) << "relative L2 error of the merged attention";
+
+  // The results file names the mode and the shards (the comparator runs the
+  // sharded reference for them).
+  const std::string path = ::testing::TempDir() + "/skvmodes_cp2.safetensors";
+  ASSERT_TRUE(WriteResults(*cp, path).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->metadata().at("mode"), "cp2");
+  EXPECT_EQ(f->metadata().at("shards"), "0,192,400");
+  EXPECT_EQ(f->Find("outliers")->shape, (std::vector<int64_t>{2, 2}));
+  std::remove(path.c_str());
 }
 
 // Low rank (each shard's factors differ from the sequence's): cp2 still
