@@ -154,6 +154,10 @@ TEST_P(ShadowkvCheckGpuModesTest, Bf16MatchesCpuF32) {
   // Two planted outliers in each of cp2's shards (Runtime::ShardOf splits
   // the 1200 tokens at 576, chunk 72; each shard keeps 2 of the 4).
   o.odd_chunks = {0, 17, 101, 130};
+  // Full rank: a shard holds fewer chunk directions (~73) than rank 96, so
+  // a rank-96 cut would fall among near-equal noise singular values that
+  // the two eigensolvers split differently.
+  o.rank = o.hkv * o.d;
   const CheckInputs in = testing::MakeInputs(o);
   auto cpu = RunOn(in, "cpu", "f32", GetParam());
   ASSERT_TRUE(cpu.ok()) << cpu.status();
