@@ -3,14 +3,20 @@
 # (tests/reference/README.md): the reference's self-test, then two synthetic
 # inputs sets (the README defaults, and d 64 / hkv 4 / group 2 / S 16384 /
 # rank 40 / budget 256 / outliers 6 / W 32), each run through
-# penumbra-shadowkv-check on cuda/bf16 and cpu/f32 and compared with the
-# reference. Logs and the comparator's JSON summaries go to $OUT; one
-# "PASS|FAIL name" line per check is printed and collected in
-# $OUT/shadowkv_check.txt. Exit status 0 when everything passed.
+# penumbra-shadowkv-check on cuda/bf16 and cpu/f32 in every mode (direct: the
+# context is the prompt; attached: a document taken, exported, imported and
+# attached; cp2: two context-parallel ranks with the global selection) and
+# compared with the reference (cp2's results name their shards, so the
+# comparator runs the sharded reference). Logs and the comparator's JSON
+# summaries go to $OUT; one "PASS|FAIL name" line per check (per set,
+# device, dtype and mode: "compare d64_cuda_bf16_cp2") is printed and
+# collected in $OUT/shadowkv_check.txt. Exit status 0 when everything passed.
 # Usage (repository root, bundle in .device):
 #   ops/device/shadowkv_check.sh [BIN]
 # BIN: the penumbra-shadowkv-check binary, or a folder holding it; default:
-# the bundled one through "bash .device/run".
+# the bundled one through "bash .device/run". CHECK_SETS (default
+# "default d64") and CHECK_MODES (default "direct attached cp2") pick the
+# inputs sets and modes run.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -41,21 +47,26 @@ sets=(
 )
 for s in "${sets[@]}"; do
   name=${s%%|*}; flags=${s#*|}
+  [[ " ${CHECK_SETS:-default d64} " == *" $name "* ]] || continue
   in="$WORK/in_$name.safetensors"
   # shellcheck disable=SC2086
   timeout 600 python3 $R/shadowkv_reference.py make-inputs --out "$in" --seed 1 $flags > "$OUT/make_$name.log" 2>&1
   rc=$?; report "make-inputs $name" $rc; cat "$OUT/make_$name.log"
   [ $rc -eq 0 ] || continue
-  for mode in cuda:bf16 cpu:f32; do
-    dev=${mode%%:*}; dt=${mode#*:}; tag="${name}_${dev}_${dt}"
-    ours="$WORK/ours_$tag.safetensors"
-    timeout 600 "${TOOL[@]}" --in "$in" --out "$ours" --device "$dev" --dtype "$dt" > "$OUT/tool_$tag.log" 2>&1
-    rc=$?; report "penumbra-shadowkv-check $tag" $rc; tail -2 "$OUT/tool_$tag.log"
-    [ $rc -eq 0 ] || continue
-    tol=(); [ "$dt" = bf16 ] && tol=(--tol-bf16)
-    timeout 900 python3 $R/compare_shadowkv.py --inputs "$in" --ours "$ours" "${tol[@]}" \
-      --json "$OUT/summary_$tag.json" > "$OUT/compare_$tag.log" 2>&1
-    rc=$?; report "compare $tag" $rc; cat "$OUT/compare_$tag.log"
+  for devdt in cuda:bf16 cpu:f32; do
+    dev=${devdt%%:*}; dt=${devdt#*:}
+    for mode in ${CHECK_MODES:-direct attached cp2}; do
+      tag="${name}_${dev}_${dt}_${mode}"
+      ours="$WORK/ours_$tag.safetensors"
+      timeout 600 "${TOOL[@]}" --in "$in" --out "$ours" --device "$dev" --dtype "$dt" --mode "$mode" \
+        > "$OUT/tool_$tag.log" 2>&1
+      rc=$?; report "penumbra-shadowkv-check $tag" $rc; tail -2 "$OUT/tool_$tag.log"
+      [ $rc -eq 0 ] || continue
+      tol=(); [ "$dt" = bf16 ] && tol=(--tol-bf16)
+      timeout 900 python3 $R/compare_shadowkv.py --inputs "$in" --ours "$ours" "${tol[@]}" \
+        --json "$OUT/summary_$tag.json" > "$OUT/compare_$tag.log" 2>&1
+      rc=$?; report "compare $tag" $rc; cat "$OUT/compare_$tag.log"
+    done
   done
 done
 rm -rf "$WORK"

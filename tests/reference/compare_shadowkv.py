@@ -10,6 +10,11 @@ outlier chunks and selected chunks, and the engine's scores and output are
 compared with that conditioned reference. The decisions themselves are checked
 against the reference's own ones, tolerating only differences at near-ties.
 See README.md for the file format and the tolerances.
+
+The engine's mode (metadata "mode": direct, attached, cp2) is reported; a
+context-parallel run's "shards" (token bounds) make the reference the
+sharded one (each shard factored alone, its share of the outliers) and the
+outlier check per shard.
 """
 
 import argparse
@@ -101,16 +106,28 @@ def near_tie_diff(ours_idx, ref_idx, values, cut, relative):
     return len(diff), worst
 
 
+def parse_shards(inp, meta):
+    """The shards' token bounds from ours' metadata (None: one sequence), or a problem."""
+    text = meta.get("shards")
+    if not text:
+        return None, None
+    try:
+        return ref_lib.check_shards(inp, [int(b) for b in text.split(",")]), None
+    except ValueError as e:
+        return None, f"metadata 'shards' = '{text}': {e}"
+
+
 def compare(inp, ours_path, bf16=False, ref_device="cpu", quiet=False, tol=None):
     ours, meta = ref_lib.read_safetensors(ours_path)
     bf16 = bf16 or meta.get("dtype") == "bf16"
     mode = "bf16" if bf16 else "f32"
     tol = tol or TOLERANCES[mode]
-    summary = {"pass": False, "mode": mode, "ours": ours_path, "tolerances": dataclasses.asdict(tol),
-               "checks": {}, "info": {}}
+    shards, bad_shards = parse_shards(inp, meta)
+    summary = {"pass": False, "mode": mode, "engine_mode": meta.get("mode", "direct"), "shards": shards,
+               "ours": ours_path, "tolerances": dataclasses.asdict(tol), "checks": {}, "info": {}}
     checks = summary["checks"]
 
-    problems = check_structure(inp, ours)
+    problems = check_structure(inp, ours) + ([bad_shards] if bad_shards else [])
     checks["structure"] = {"ok": not problems, "problems": problems}
     if problems:
         _report(summary, quiet)
@@ -119,7 +136,7 @@ def compare(inp, ours_path, bf16=False, ref_device="cpu", quiet=False, tol=None)
     # The reference with its own decisions, and conditioned on the engine's.
     dev_inp = dataclasses.replace(inp, k_pre=inp.k_pre.to(ref_device), v=inp.v.to(ref_device),
                                   q=inp.q.to(ref_device), inv_freq=inp.inv_freq.to(ref_device))
-    own = ref_lib.run_reference(dev_inp)
+    own = ref_lib.run_reference(dev_inp, shards=shards)
     cond = ref_lib.run_reference(dev_inp, outliers=ours["outliers"].long().to(ref_device),
                                  selected=ours["selected"].long().to(ref_device), pre=own.pre)
     cpu = lambda t: t.detach().to("cpu", torch.float64)
@@ -134,19 +151,32 @@ def compare(inp, ours_path, bf16=False, ref_device="cpu", quiet=False, tol=None)
                            "worst_at_head_chunk": at,
                            "max_abs_diff": (our_lm - ref_lm).abs().masked_fill(~valid[..., None], 0).max().item()}
 
-    # Outlier chunks: equal sets, up to near-ties of the reference's min-cos.
+    # Outlier chunks: equal sets, up to near-ties of the reference's min-cos
+    # (per shard: each shard's count and cut are its own).
     min_cos = cpu(own.pre.min_cos)
-    heads_differ, n_diff, worst = 0, 0, 0.0
+    heads_differ, n_diff, worst, counts_ok = 0, 0, 0.0, True
+    bounds = shards or [0, inp.seq]
     for h in range(inp.hkv):
-        if inp.outliers == 0:
-            break
-        cut = min_cos[h, own.pre.outliers[h].cpu()].max().item()
-        n, w = near_tie_diff(ours["outliers"][h], own.pre.outliers[h].cpu(), min_cos[h], cut, relative=False)
-        heads_differ += n > 0
-        n_diff += n
-        worst = max(worst, w)
-    checks["outliers"] = {"ok": worst <= tol.outlier_band, "heads_differing": heads_differ,
-                          "chunks_differing": n_diff, "worst_min_cos_dist_from_cut": worst}
+        differs = False
+        for b0, b1 in zip(bounds, bounds[1:]):
+            c0, c1 = b0 // inp.chunk, min(b1 // inp.chunk, inp.n_chunks)
+            mine = ours["outliers"][h][(ours["outliers"][h] >= c0) & (ours["outliers"][h] < c1)]
+            ref = own.pre.outliers[h].cpu()
+            ref = ref[(ref >= c0) & (ref < c1)]
+            if len(mine) != len(ref):
+                counts_ok, differs = False, True
+                continue
+            if len(ref) == 0:
+                continue
+            cut = min_cos[h, ref].max().item()
+            n, w = near_tie_diff(mine, ref, min_cos[h], cut, relative=False)
+            differs = differs or n > 0
+            n_diff += n
+            worst = max(worst, w)
+        heads_differ += differs
+    checks["outliers"] = {"ok": counts_ok and worst <= tol.outlier_band, "heads_differing": heads_differ,
+                          "chunks_differing": n_diff, "worst_min_cos_dist_from_cut": worst,
+                          "counts_per_shard_equal": counts_ok}
 
     # Scores, against the reference given the engine's outliers.
     ref_sc, our_sc = cpu(cond.scores), ours["scores"].double()
@@ -218,7 +248,9 @@ def _fmt(v):
 def _report(summary, quiet):
     if quiet:
         return
-    print(f"shadowkv check ({summary['mode']} tolerances): {'PASS' if summary['pass'] else 'FAIL'}")
+    print(f"shadowkv check ({summary['mode']} tolerances, engine mode {summary['engine_mode']}"
+          f"{', shards ' + ','.join(map(str, summary['shards'])) if summary['shards'] else ''}): "
+          f"{'PASS' if summary['pass'] else 'FAIL'}")
     for name, c in summary["checks"].items():
         rest = ", ".join(f"{k}={_fmt(v)}" for k, v in c.items() if k != "ok")
         print(f"  {name:22s} {'ok  ' if c['ok'] else 'FAIL'} {rest}")

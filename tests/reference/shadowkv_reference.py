@@ -23,6 +23,15 @@ not from Penumbra's C++ code. It runs one attention layer of one sequence:
     V_sparse = exact V of those tokens;
     attention over [outlier K/V; sparse K/V; local-window K/V].
 
+Context parallel (optional `shards`, token bounds [0, b1, ..., S] with the
+inner bounds multiples of C): the sequence split into contiguous shards, as
+the design of a sharded ShadowKV says (docs/architecture.md, "Context
+parallel"), not as any code does: each shard factors its own pre-RoPE keys
+(its own SVD, rank r), keeps its share of the outliers, round(O * len / S)
+(halves up), among its own chunks, and the selection stays the whole
+sequence's top-k. Chunks and landmarks do not change (a shard's chunks are
+the sequence's).
+
 GQA: query head j uses KV head j // group (Hugging Face repeat_kv order).
 RoPE: rotate-half (pairs (i, i + d/2)), angle = f32(position) * inv_freq[i]
 computed as one f32 multiply, inv_freq taken from the inputs file.
@@ -215,8 +224,7 @@ def attend(q, k, v, scale):
 
 @dataclasses.dataclass
 class Prefill:
-    A: torch.Tensor          # [S, r]
-    B: torch.Tensor          # [hkv, r, d]
+    k_low: torch.Tensor      # [hkv, S, d] low-rank pre-RoPE keys, A[t] @ B_h of token t's factors
     k_rope: torch.Tensor     # [hkv, S, d] exact post-RoPE keys (outliers and local window use them)
     v: torch.Tensor          # [hkv, S, d]
     landmarks: torch.Tensor  # [hkv, n_chunks, d] mean post-RoPE key of every chunk
@@ -224,18 +232,53 @@ class Prefill:
     outliers: torch.Tensor   # [hkv, O] int64, ascending
 
 
-def prefill(inp, prec=EXACT, outliers=None):
-    """Algorithm 1. `outliers` ([hkv, O]) overrides the chosen outlier chunks."""
+def check_shards(inp, shards):
+    """The token bounds of the shards ([0, S] when None), checked."""
+    if shards is None:
+        return [0, inp.seq]
+    shards = [int(b) for b in shards]
+    _require(len(shards) >= 2 and shards[0] == 0 and shards[-1] == inp.seq,
+             f"shards {shards}: must run from 0 to seq {inp.seq}")
+    _require(all(a < b for a, b in zip(shards, shards[1:])), f"shards {shards}: not increasing")
+    _require(all(b % inp.chunk == 0 for b in shards[1:-1]),
+             f"shards {shards}: an inner bound is not a multiple of chunk {inp.chunk}")
+    _require(shards[-2] // inp.chunk < inp.n_chunks, f"shards {shards}: the last shard holds no chunk")
+    return shards
+
+
+def shard_outliers(inp, min_cos, shards):
+    """Per shard, its share of the outliers (round(O * len / S), halves up) among its own chunks."""
+    S, C, n = inp.seq, inp.chunk, inp.n_chunks
+    parts = []
+    for b0, b1 in zip(shards, shards[1:]):
+        c0, c1 = b0 // C, min(b1 // C, n)
+        o = int(math.floor(inp.outliers * (b1 - b0) / S + 0.5))
+        _require(o <= c1 - c0, f"shard [{b0}, {b1}): {o} outliers in {c1 - c0} chunks")
+        parts.append(smallest_k(min_cos[:, c0:c1], o) + c0)
+    out = torch.cat(parts, dim=-1)
+    _require(out.shape[-1] == inp.outliers,
+             f"shards {shards}: their outliers ({out.shape[-1]}) are not the inputs' {inp.outliers}")
+    return out
+
+
+def prefill(inp, prec=EXACT, outliers=None, shards=None):
+    """Algorithm 1. `outliers` ([hkv, O]) overrides the chosen outlier chunks;
+    `shards` (token bounds) factors and picks outliers per shard."""
     dt = prec.compute
     k_pre = inp.k_pre.to(dt)
     hkv, S, d = k_pre.shape
     r, C, n = inp.rank, inp.chunk, inp.n_chunks
+    bounds = check_shards(inp, shards)
 
-    # Low-rank pre-RoPE keys: SVD of the keys concatenated over KV heads.
+    # Low-rank pre-RoPE keys: SVD of the keys concatenated over KV heads (per
+    # shard); A = U[:, :r], B = diag(s_r) Vh_r viewed [hkv, r, d].
     K2 = k_pre.permute(1, 0, 2).reshape(S, hkv * d)
-    U, s, Vh = torch.linalg.svd(K2, full_matrices=False)
-    A = U[:, :r]
-    B = (s[:r, None] * Vh[:r]).reshape(r, hkv, d).permute(1, 0, 2)  # [hkv, r, d]
+    k_low = torch.empty(hkv, S, d, dtype=dt, device=k_pre.device)
+    for b0, b1 in zip(bounds, bounds[1:]):
+        U, s, Vh = torch.linalg.svd(K2[b0:b1], full_matrices=False)
+        A = prec.store(U[:, :r])
+        B = prec.store((s[:r, None] * Vh[:r]).reshape(-1, hkv, d).permute(1, 0, 2))  # [hkv, r, d]
+        k_low[:, b0:b1] = A @ B
 
     # Exact post-RoPE keys; chunk means are the landmarks.
     k_rope = prec.store(apply_rope(k_pre, torch.arange(S, device=k_pre.device), inp.inv_freq))
@@ -247,8 +290,8 @@ def prefill(inp, prec=EXACT, outliers=None):
         chunks.norm(dim=-1) * mean.norm(dim=-1)[:, :, None])          # [hkv, n, C]
     min_cos = cos.min(dim=-1).values                                  # [hkv, n]
     if outliers is None:
-        outliers = smallest_k(min_cos, inp.outliers)
-    return Prefill(A=prec.store(A), B=prec.store(B), k_rope=k_rope, v=prec.store(inp.v.to(dt)),
+        outliers = shard_outliers(inp, min_cos, bounds)
+    return Prefill(k_low=k_low, k_rope=k_rope, v=prec.store(inp.v.to(dt)),
                    landmarks=prec.store(mean), min_cos=min_cos, outliers=outliers.long())
 
 
@@ -296,7 +339,7 @@ def decode_step(inp, pre, q, position, prec=EXACT, selected=None):
     for h in range(hkv):
         out_tok = chunk_tokens(pre.outliers[h], C)
         sel_tok = chunk_tokens(selected[h], C)
-        k_sel = prec.store(apply_rope(pre.A[sel_tok] @ pre.B[h], sel_tok, inp.inv_freq))
+        k_sel = prec.store(apply_rope(pre.k_low[h, sel_tok], sel_tok, inp.inv_freq))
         K = torch.cat([pre.k_rope[h, out_tok], k_sel, pre.k_rope[h, local]])
         V = torch.cat([pre.v[h, out_tok], pre.v[h, sel_tok], pre.v[h, local]])
         heads = slice(h * G, (h + 1) * G)
@@ -326,13 +369,14 @@ class Result:
     coverage: torch.Tensor  # [steps, hq]
 
 
-def run_reference(inp, prec=EXACT, outliers=None, selected=None, pre=None):
+def run_reference(inp, prec=EXACT, outliers=None, selected=None, pre=None, shards=None):
     """Prefill, then every decode step. `outliers` [hkv, O] and `selected`
     [steps, hkv, kslots] replace the reference's own decisions (the comparator
     uses that to check each stage given the engine's previous decisions).
-    `pre` reuses an earlier prefill of the same inputs and precision."""
+    `pre` reuses an earlier prefill of the same inputs and precision;
+    `shards` (token bounds) runs the sharded prefill."""
     if pre is None:
-        pre = prefill(inp, prec, outliers=outliers)
+        pre = prefill(inp, prec, outliers=outliers, shards=shards)
     elif outliers is not None:
         pre = dataclasses.replace(pre, outliers=outliers.long().to(pre.outliers.device))
     steps = [decode_step(inp, pre, inp.q[i], inp.seq + i, prec,
@@ -521,12 +565,19 @@ def self_test():
         t, m = make_inputs(seed=3, rank=2 * 64, budget=(n_chunks - O) * 8, outliers=O, **small)
         inp = inputs_from(t, m)
         res = run_reference(inp)
-        recon = res.pre.A @ res.pre.B  # [S, r] @ [hkv, r, d] -> [hkv, S, d]
+        recon = res.pre.k_low  # A @ B: [hkv, S, d]
         check(f"O={O}: full-rank A@B equals k_pre", (recon - inp.k_pre.to(F64)).abs().max().item() < 1e-10,
               f"max abs diff {(recon - inp.k_pre.to(F64)).abs().max().item():.3e}")
         diff = (res.out - res.full).abs().max().item()
         check(f"O={O}: all chunks + full rank == full attention", diff < 1e-10, f"max abs diff {diff:.3e}")
         check(f"O={O}: coverage is 1", abs(res.coverage.min().item() - 1) < 1e-12, "")
+        # Sharded (two shards, each factored alone, two outliers each): still exact.
+        res = run_reference(inp, shards=[0, 256, 512])
+        diff = (res.out - res.full).abs().max().item()
+        check(f"O={O}: shards [0, 256, 512] + full rank == full attention", diff < 1e-10, f"max abs diff {diff:.3e}")
+        per_shard = [int((res.pre.outliers[h] < 32).sum()) for h in range(inp.hkv)]
+        check(f"O={O}: each shard keeps its share of the outliers", per_shard == [O // 2] * inp.hkv,
+              f"outliers in shard 0 per head {per_shard}")
 
     t, m = make_inputs(seed=4, rank=12, budget=64, outliers=4, **small)
     inp = inputs_from(t, m)
@@ -620,6 +671,7 @@ def main(argv=None):
     rn.add_argument("--emulate", choices=sorted(EMULATIONS), default="exact",
                     help="exact: the f64 reference; f32/bf16: a rough engine emulation")
     rn.add_argument("--device", default="cpu")
+    rn.add_argument("--shards", help="token bounds of context-parallel shards, e.g. 0,4096,8192")
 
     sub.add_parser("self-test", help="exactness and sanity checks (CPU, float64)")
 
@@ -639,10 +691,13 @@ def main(argv=None):
         return 0
     if args.cmd == "run":
         inp = load_inputs(args.inputs, args.device)
-        res = run_reference(inp, EMULATIONS[args.emulate])
-        save_tensors(args.out, result_tensors(res),
-                     {"format": OUTPUTS_FORMAT, "producer": "shadowkv_reference.py",
-                      "emulate": args.emulate, "dtype": "bf16" if args.emulate == "bf16" else "f32"})
+        shards = [int(b) for b in args.shards.split(",")] if args.shards else None
+        res = run_reference(inp, EMULATIONS[args.emulate], shards=shards)
+        meta = {"format": OUTPUTS_FORMAT, "producer": "shadowkv_reference.py",
+                "emulate": args.emulate, "dtype": "bf16" if args.emulate == "bf16" else "f32"}
+        if shards:
+            meta.update(mode="cp" + str(len(shards) - 1), shards=args.shards)
+        save_tensors(args.out, result_tensors(res), meta)
         print(f"wrote {args.out}")
         return 0
     if args.cmd == "self-test":

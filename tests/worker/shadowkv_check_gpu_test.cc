@@ -1,10 +1,12 @@
 // The ShadowKV check's core on the CUDA backend (bf16 as in production, and
 // f32) against the CPU backend (f32) on the same inputs: outliers equal,
 // selections equal except at near-ties of the CPU scores, landmarks, scores
-// and outputs within the dtype's tolerance. Skips without a GPU.
+// and outputs within the dtype's tolerance; in every mode (direct, attached,
+// cp2). Skips without a GPU.
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -23,12 +25,13 @@ struct Tol {
   double out_abs;     // element-wise
 };
 
-Result<CheckResults> RunOn(const CheckInputs& in, const std::string& device, const std::string& dtype) {
+Result<CheckResults> RunOn(const CheckInputs& in, const std::string& device, const std::string& dtype,
+                           const std::string& mode = "direct") {
   BackendOptions bo;
   bo.device = device;
   bo.dtype = dtype;
   PENUMBRA_ASSIGN_OR_RETURN(auto backend, CreateBackend(bo));
-  return RunShadowkvCheck(in, *backend);
+  return RunShadowkvCheck(in, *backend, mode);
 }
 
 double RelNorm(const float* a, const float* b, int n) {
@@ -141,6 +144,30 @@ TEST(ShadowkvCheckGpuTest, F32MatchesCpuF32) {
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   Compare(in, *gpu, *cpu, Tol{1e-5, 1e-4, 1e-5, 1e-4, 1e-4});
 }
+
+class ShadowkvCheckGpuModesTest : public ::testing::TestWithParam<const char*> {};
+
+// Each mode on the GPU (bf16) against the same mode on the CPU (f32).
+TEST_P(ShadowkvCheckGpuModesTest, Bf16MatchesCpuF32) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  testing::SynthOptions o = Options();
+  // Two planted outliers in each of cp2's shards (Runtime::ShardOf splits
+  // the 1200 tokens at 576, chunk 72; each shard keeps 2 of the 4).
+  o.odd_chunks = {0, 17, 101, 130};
+  // Full rank: a shard holds fewer chunk directions (~73) than rank 96, so
+  // a rank-96 cut would fall among near-equal noise singular values that
+  // the two eigensolvers split differently.
+  o.rank = o.hkv * o.d;
+  const CheckInputs in = testing::MakeInputs(o);
+  auto cpu = RunOn(in, "cpu", "f32", GetParam());
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto gpu = RunOn(in, "cuda", "bf16", GetParam());
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_EQ(gpu->mode, GetParam());
+  Compare(in, *gpu, *cpu, Tol{1e-2, 5e-2, 2e-2, 2e-2, 5e-2});
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, ShadowkvCheckGpuModesTest, ::testing::Values("direct", "attached", "cp2"));
 
 // Full rank and full budget on the GPU in f32: still exact full attention.
 TEST(ShadowkvCheckGpuTest, F32FullRankFullBudgetIsFullAttention) {

@@ -2,35 +2,51 @@
 //
 // RunShadowkvCheck runs the policy's own ShadowKV objects
 // (worker/engine/shadowkv/) on one layer of one sequence:
-//   ShadowKvLayout::Shape            -> geometry (token_cap, chunk_cap,
-//                                       local_cap, att_cap, O, kslots), checked
-//                                       against the inputs'; the buffers as the
-//                                       policy's AddSequence sizes them
+//   ShadowKvLayout::Shape, Allocate  -> geometry (token_cap, chunk_cap,
+//                                       local_cap, att_cap, O, kslots; for a
+//                                       shard its window, share of outliers,
+//                                       global budget), checked against the
+//                                       inputs'; the buffers as the policy's
+//                                       AddSequence makes them
 //   ShadowKvCompressor               -> StoreTokens into its temporaries, then
 //                                       Factor (LowRankFactor), Landmarks,
-//                                       Outliers, as the policy's CompressPrompt
-//   (here)                           -> the values to a value-store segment
-//                                       and the tail into the local rows, as
+//                                       Outliers, OffloadValues (to a
+//                                       value-store segment), TailToLocal, as
 //                                       the policy's CompressPrompt
+//   ShadowKvPrefixIo (attached)      -> Capture (take, as a put's TakePrefix),
+//                                       ShadowKvPrefix::Export, Import, then
+//                                       Fit + Allocate + Attach (AddSequence
+//                                       with the prefix)
 //   ShadowKvDecodeStep               -> per step: Begin (the pointer tables
 //                                       and ints), RopeStoreOf, ScoreArgsOf +
 //                                       SlotUpdateOf (ShadowkvScoreAndSlotUpdate,
 //                                       as the policy's Select), ForkSide,
 //                                       FetchVOf (zero copy), RebuildKOf,
 //                                       JoinSide, AttentionOf
+//   ShadowKvShardExchange (cp2)      -> per step and rank, as the policy's
+//                                       DecodeAttentionGlobal: statistics,
+//                                       AllGatherStats, proposals,
+//                                       AllGatherCandidates, the global
+//                                       select + slot update, attention with
+//                                       its log-sum-exp (empty slots masked);
+//                                       then the runtime's MergeRanks
+//                                       (all-gather, MergeAttentionParts)
+// The ranks of cp2 share this process's backend and step in lock step
+// (LockstepGroup, worker/bench/lockstep_group.h); each has its own
+// sequence, decode step, exchange and score workspace (workspace_part).
 // Adaptations to the reference's setting, made here and not in the policy:
-//  * no token is appended during decode: the sequence is closed (as a
-//    context-parallel shard that is not the last), so RopeStore's K/V go to
-//    the row after the local rows, the attention length is
-//    (O + kslots) * C + tail (no + 1), and FinishDecodeStep's local-row
-//    growth / CompressOldest never runs;
+//  * no token is appended during decode: the sequence (every shard) is
+//    closed (as a context-parallel shard that is not the last), so
+//    RopeStore's K/V go to the row after the local rows, the attention
+//    length is (O + kslots) * C + tail (no + 1), and FinishDecodeStep's
+//    local-row growth / CompressOldest never runs;
 //  * the whole prompt is one layer's prefill (the layer's full prefill
 //    attention is skipped: the check does not use its output);
 //  * one landmark per chunk in the model's dtype (landmarks_per_chunk 1,
 //    landmark_format model), what the reference computes;
 //  * the scores are also computed alone (ShadowkvScore without a selection,
-//    into a buffer of their own) to be compared: the fused selection may not
-//    write them.
+//    into a buffer of their own; in cp2 the second, normalized call) to be
+//    compared: the fused selection may not write them.
 // The slot map persists across steps as in production, so steps after the
 // first rebuild only their misses.
 #include "worker/bench/shadowkv_check.h"
@@ -42,14 +58,19 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include <nlohmann/json.hpp>
 
 #include "storage/dram_value_store.h"
+#include "worker/bench/lockstep_group.h"
 #include "worker/engine/backend_host_allocator.h"
+#include "worker/engine/runtime.h"
 #include "worker/engine/shadowkv/compressor.h"
 #include "worker/engine/shadowkv/decode_step.h"
 #include "worker/engine/shadowkv/layout.h"
+#include "worker/engine/shadowkv/prefix_io.h"
+#include "worker/engine/shadowkv/shard_exchange.h"
 #include "worker/engine/shadowkv_options.h"
 #include "worker/model/safetensors.h"
 
@@ -223,106 +244,145 @@ Result<CheckInputs> ReadInputs(const std::string& path) {
 
 // ------------------------------------------------------------------- run
 
-Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
-  PENUMBRA_RETURN_IF_ERROR(ValidateInputs(in));
-  const DType act = b.act_dtype();
-  const size_t es = DTypeSize(act);
-  const int H = in.hkv, d = in.d, hq = in.hq, D = H * d, C = in.chunk, r = in.rank, W = in.local_window;
-  const int64_t S = in.seq;
+namespace {
 
-  // ---- AddSequence: options, geometry and buffers.
-  ShadowKvOptions o;
-  o.rank = r;
-  o.chunk_size = C;
-  o.budget_tokens = static_cast<int64_t>(in.kslots()) * C;
-  o.outlier_chunks = in.outliers;
-  o.local_window = W;
-  o.min_prompt_tokens = 0;
-  // The reference's landmarks: one per chunk, in the model's dtype.
-  o.landmarks_per_chunk = 1;
-  o.landmark_format = "model";
-  PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(o, H, d));
-  auto alloc = [&](DeviceBuffer* buf, size_t bytes) -> Status {
-    PENUMBRA_ASSIGN_OR_RETURN(*buf, b.Allocate(bytes));
-    return Status::OK();
-  };
-  DeviceBuffer inv_freq;
-  PENUMBRA_RETURN_IF_ERROR(alloc(&inv_freq, in.inv_freq.size() * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(inv_freq.get(), in.inv_freq.data(), in.inv_freq.size() * sizeof(float)));
-  // The policy's geometry (ShadowKvLayout::Shape) of one layer and one
-  // sequence of the prompt and the steps.
-  PolicyContext ctx;
-  ctx.backend = &b;
-  ctx.num_layers = 1;
-  ctx.hq = hq;
-  ctx.hkv = H;
-  ctx.head_dim = d;
-  ctx.inv_freq = inv_freq.as<float>();
-  ctx.scale = in.scale;
-  const ShadowKvLayout layout(ctx, o);
-  SequenceSpec spec;
-  spec.prompt_len = S;
-  spec.max_new_tokens = in.steps;
-  ShadowKvSeq seq;
-  layout.Shape(spec, &seq);
-  if (!seq.sparse || seq.outliers != in.outliers || seq.kslots != in.kslots()) {
-    return Status::Internal("policy geometry (sparse " + Str(seq.sparse) + ", outliers " + Str(seq.outliers) +
-                            ", kslots " + Str(seq.kslots) + ") differs from the inputs'");
+// One run's engine objects: the options and geometry the policy has for a
+// one-layer model of the inputs' shape (ShadowKvLayout), the value store,
+// the compressor and the document capture/attach (ShadowKvPrefixIo); the
+// modes below make sequences (one, or one per rank) and drive them.
+class CheckRun {
+ public:
+  CheckRun(const CheckInputs& in, Backend& b)
+      : in_(in),
+        b_(b),
+        act_(b.act_dtype()),
+        es_(DTypeSize(act_)),
+        host_alloc_(&b),
+        store_(&host_alloc_, storage::DramValueStoreOptions{}) {}
+  ~CheckRun() {
+    (void)b_.Synchronize();  // kernels may still read the sequences' buffers
+    for (storage::SegmentId id : segments_) (void)store_.DropSegment(id);
   }
-  const int O = seq.outliers, K = seq.kslots;
-  const int chunk_cap = seq.chunk_cap;
-  const int n_chunks = static_cast<int>((S - W) / C);
-  // The policy's AddSequence for one layer (no attached prefix): every A row
-  // and landmark record held by the sequence.
-  seq.a_rows = seq.token_cap;
-  seq.lm_cap = seq.chunk_cap;
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.att_k, layout.AttLayer(seq) * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.att_v, layout.AttLayer(seq) * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.a, static_cast<size_t>(seq.a_rows) * r * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.b, static_cast<size_t>(H) * r * d * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.p, static_cast<size_t>(D) * r * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.lm, static_cast<size_t>(H) * seq.lm_cap * layout.lm_rec_bytes()));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.excl, static_cast<size_t>(H) * chunk_cap));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.slots, static_cast<size_t>(H) * K * sizeof(int32_t)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&seq.prek, static_cast<size_t>(seq.local_cap) * D * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(b.Memset(seq.excl.get(), 0, seq.excl.bytes()));
-  PENUMBRA_RETURN_IF_ERROR(b.Memset(seq.slots.get(), 0xff, seq.slots.bytes()));
-  // Not in the policy: rows attention never reads hold zeros instead of garbage.
-  PENUMBRA_RETURN_IF_ERROR(b.Memset(seq.att_k.get(), 0, seq.att_k.bytes()));
-  PENUMBRA_RETURN_IF_ERROR(b.Memset(seq.att_v.get(), 0, seq.att_v.bytes()));
-  BackendHostAllocator host_alloc(&b);
-  storage::DramValueStore store(&host_alloc, storage::DramValueStoreOptions{});
-  storage::SegmentLayout lay{1, H, chunk_cap, C, d, act};
-  PENUMBRA_ASSIGN_OR_RETURN(seq.segment, store.CreateSegment(lay));
-  PENUMBRA_ASSIGN_OR_RETURN(const void* store_host, store.LayerBase(seq.segment, 0));
-  seq.store_host.assign(1, store_host);
-  seq.store_dev.assign(1, b.DeviceAddressOfHost(store_host));
 
+  Status Init();
+  Result<CheckResults> Direct();
+  Result<CheckResults> Attached();
+  Result<CheckResults> ContextParallel(int world);
+
+ private:
+  // A sequence of `spec` as the policy's AddSequence makes it: the layout's
+  // shape (and the prefix's Fit), its buffers (ShadowKvLayout::Allocate),
+  // its value-store segment (this sequence's own chunks).
+  Status NewSeq(const SequenceSpec& spec, int64_t id, const ShadowKvPrefix* prefix, ShadowKvSeq* s);
+  // The policy's first prefill of inputs tokens [t0, t1) into `s` (a shard
+  // when t0 > 0): PrefillAttention's StoreTokens at the tokens' positions,
+  // then FinishPrefillLayer's CompressPrompt (the compressor's factors,
+  // landmarks and outliers, the values to the store, the tail to the local
+  // rows). The check skips the prefill's attention (its output is unused).
+  Status Prefill(ShadowKvSeq& s, int64_t t0, int64_t t1);
+  // Head h's records of chunks [0, n) of `lm` ([hkv][cap] records, device)
+  // into res->landmarks chunks [at, at + n).
+  Status ReadLandmarks(const void* lm, int cap, int n, int at, CheckResults* res);
+  // The decode steps of one sequence (direct, attached): the policy's
+  // DecodeAttention without a group.
+  Status DecodeOne(ShadowKvSeq& seq, CheckResults* res);
+  // The decode steps of the shards of one sequence, one per rank of
+  // `group`: the policy's DecodeAttentionGlobal on every rank, then the
+  // runtime's merge of the ranks' attention (MergeRanks).
+  Status DecodeShards(const std::vector<ShadowKvSeq*>& shards, LockstepGroup& group, CheckResults* res);
+  CheckResults Empty(const char* mode) const;
+
+  const CheckInputs& in_;
+  Backend& b_;
+  const DType act_;
+  const size_t es_;
+  ShadowKvOptions o_;
+  DeviceBuffer inv_freq_;
+  PolicyContext ctx_;
+  std::unique_ptr<ShadowKvLayout> lay_;
+  BackendHostAllocator host_alloc_;
+  storage::DramValueStore store_;
+  std::unique_ptr<ShadowKvCompressor> comp_;
+  std::unique_ptr<ShadowKvPrefixIo> io_;
+  std::vector<storage::SegmentId> segments_;  // dropped at the end (a taken one is detached)
+};
+
+Status CheckRun::Init() {
+  PENUMBRA_RETURN_IF_ERROR(ValidateInputs(in_));
+  o_.rank = in_.rank;
+  o_.chunk_size = in_.chunk;
+  o_.budget_tokens = static_cast<int64_t>(in_.kslots()) * in_.chunk;
+  o_.outlier_chunks = in_.outliers;
+  o_.local_window = in_.local_window;
+  o_.min_prompt_tokens = 0;
+  // The reference's landmarks: one per chunk, in the model's dtype.
+  o_.landmarks_per_chunk = 1;
+  o_.landmark_format = "model";
+  PENUMBRA_RETURN_IF_ERROR(ValidateShadowKvOptions(o_, in_.hkv, in_.d));
+  PENUMBRA_ASSIGN_OR_RETURN(inv_freq_, b_.Allocate(in_.inv_freq.size() * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(b_.CopyToDevice(inv_freq_.get(), in_.inv_freq.data(), in_.inv_freq.size() * sizeof(float)));
+  ctx_.backend = &b_;
+  ctx_.num_layers = 1;
+  ctx_.hq = in_.hq;
+  ctx_.hkv = in_.hkv;
+  ctx_.head_dim = in_.d;
+  ctx_.inv_freq = inv_freq_.as<float>();
+  ctx_.scale = in_.scale;
+  lay_ = std::make_unique<ShadowKvLayout>(ctx_, o_);
+  comp_ = std::make_unique<ShadowKvCompressor>(*lay_, b_);
+  io_ = std::make_unique<ShadowKvPrefixIo>(*lay_, b_, store_, host_alloc_);
+  return Status::OK();
+}
+
+Status CheckRun::NewSeq(const SequenceSpec& spec, int64_t id, const ShadowKvPrefix* prefix, ShadowKvSeq* s) {
+  s->id = id;
+  s->pos0 = spec.shard.position_base;
+  s->closed = spec.shard.closed;
+  lay_->Shape(spec, s);
+  if (prefix != nullptr) PENUMBRA_RETURN_IF_ERROR(io_->Fit(*prefix, *s));
+  PENUMBRA_RETURN_IF_ERROR(lay_->Allocate(s));
+  // Not in the policy: rows attention never reads hold zeros instead of garbage.
+  PENUMBRA_RETURN_IF_ERROR(b_.Memset(s->att_k.get(), 0, s->att_k.bytes()));
+  PENUMBRA_RETURN_IF_ERROR(b_.Memset(s->att_v.get(), 0, s->att_v.bytes()));
+  if (!s->sparse) return Status::OK();
+  storage::SegmentLayout lay{1, in_.hkv, s->chunk_cap - s->shared_chunks, in_.chunk, in_.d, act_};
+  PENUMBRA_ASSIGN_OR_RETURN(s->segment, store_.CreateSegment(lay));
+  segments_.push_back(s->segment);
+  PENUMBRA_ASSIGN_OR_RETURN(const void* store_host, store_.LayerBase(s->segment, 0));
+  s->store_host.assign(1, store_host);
+  s->store_dev.assign(1, b_.DeviceAddressOfHost(store_host));
+  return Status::OK();
+}
+
+Status CheckRun::Prefill(ShadowKvSeq& seq, int64_t t0, int64_t t1) {
+  Backend& b = b_;
+  const int H = in_.hkv, d = in_.d, hq = in_.hq, D = H * d, C = in_.chunk;
+  const size_t es = es_;
+  const int64_t S = t1 - t0;  // the sequence's own tokens
+  ShadowKvCompressor& comp = *comp_;
   // ---- StoreTokens over the prompt (the compressor's): exact post-RoPE K, V
   // (act dtype) into the temporaries [hkv][tmp_cap][d], f32 pre-RoPE keys
-  // [tmp_cap][hkv*d].
-  ShadowKvCompressor comp(layout, b);
+  // [tmp_cap][hkv*d]; row t - t0 holds token t at position t.
   PENUMBRA_RETURN_IF_ERROR(comp.EnsureTemp(seq.token_cap));
   const int64_t tstride = comp.tmp_cap() * d;
   {
     const int tile = static_cast<int>(std::min<int64_t>(S, 4096));
     const int64_t qkv_row = static_cast<int64_t>(hq + 2 * H) * d;
-    DeviceBuffer qkv, q_scratch, pos;
-    PENUMBRA_RETURN_IF_ERROR(alloc(&qkv, static_cast<size_t>(tile) * qkv_row * sizeof(float)));
-    PENUMBRA_RETURN_IF_ERROR(alloc(&q_scratch, static_cast<size_t>(tile) * hq * d * es));
-    PENUMBRA_RETURN_IF_ERROR(alloc(&pos, static_cast<size_t>(tile) * sizeof(int32_t)));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer qkv, b.Allocate(static_cast<size_t>(tile) * qkv_row * sizeof(float)));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer q_scratch, b.Allocate(static_cast<size_t>(tile) * hq * d * es));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer pos, b.Allocate(static_cast<size_t>(tile) * sizeof(int32_t)));
     std::vector<float> host(static_cast<size_t>(tile) * qkv_row);
     std::vector<int32_t> p(tile);
     for (int64_t start = 0; start < S; start += tile) {
       const int n = static_cast<int>(std::min<int64_t>(tile, S - start));
       std::fill(host.begin(), host.end(), 0.0f);  // the prompt's queries are not used
       for (int i = 0; i < n; ++i) {
-        const int64_t t = start + i;
+        const int64_t t = t0 + start + i;
         float* rw = host.data() + static_cast<size_t>(i) * qkv_row;
         for (int h = 0; h < H; ++h) {
-          const size_t src = (static_cast<size_t>(h) * S + t) * d;
-          std::memcpy(rw + static_cast<size_t>(hq + h) * d, in.k_pre.data() + src, d * sizeof(float));
-          std::memcpy(rw + static_cast<size_t>(hq + H + h) * d, in.v.data() + src, d * sizeof(float));
+          const size_t src = (static_cast<size_t>(h) * in_.seq + t) * d;
+          std::memcpy(rw + static_cast<size_t>(hq + h) * d, in_.k_pre.data() + src, d * sizeof(float));
+          std::memcpy(rw + static_cast<size_t>(hq + H + h) * d, in_.v.data() + src, d * sizeof(float));
         }
         p[i] = static_cast<int32_t>(t);
       }
@@ -338,60 +398,206 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
   }
 
   // ---- CompressPrompt: the compressor's steps, as the policy runs them.
+  const int n_chunks = static_cast<int>((S - seq.window) / C);
   PENUMBRA_RETURN_IF_ERROR(comp.Factor(seq, 0, S));
   comp.Landmarks(seq, 0, n_chunks);
   PENUMBRA_RETURN_IF_ERROR(comp.Outliers(seq, 0, n_chunks));
-  // OffloadValues(s, layer, tmp_v, tmp_cap*d, 0, n_chunks, 0): every chunk's
-  // values (outliers too) to the store through pinned staging.
-  auto row = [&](const DeviceBuffer& buf, int64_t rw) { return static_cast<char*>(buf.get()) + rw * d * es; };
-  {
-    const size_t rowb = static_cast<size_t>(n_chunks) * C * d * es;
-    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer stage, b.AllocateHost(rowb * H));
-    PENUMBRA_RETURN_IF_ERROR(b.Copy2D(stage.get(), rowb, comp.tmp_v().get(), tstride * es, rowb, H));
-    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    for (int h = 0; h < H; ++h) {
-      PENUMBRA_RETURN_IF_ERROR(store.PutChunks(seq.segment, 0, h, 0, n_chunks, stage.as<char>() + h * rowb));
-    }
+  // OffloadValues: every chunk's values (outliers too) to the store through
+  // pinned staging; the tail becomes the local rows (exact K/V and pre-RoPE
+  // keys).
+  if (n_chunks > 0) {
+    DeviceBuffer stage;
+    PENUMBRA_RETURN_IF_ERROR(comp.OffloadValues(store_, &stage, seq, 0, comp.tmp_v().get(), tstride, 0, n_chunks, 0));
   }
-  // The tail becomes the local rows (exact K/V and pre-RoPE keys).
   const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
-  if (tail > seq.local_cap) return Status::Internal("local tail " + Str(tail) + " > local_cap " + Str(seq.local_cap));
-  const int64_t local_row0 = layout.LocalRow0(seq), att_stride = seq.att_cap * d * es;
-  PENUMBRA_RETURN_IF_ERROR(
-      b.Copy2D(row(seq.att_k, local_row0), att_stride, row(comp.tmp_k(), tail0), tstride * es, tail * d * es, H));
-  PENUMBRA_RETURN_IF_ERROR(
-      b.Copy2D(row(seq.att_v, local_row0), att_stride, row(comp.tmp_v(), tail0), tstride * es, tail * d * es, H));
-  PENUMBRA_RETURN_IF_ERROR(
-      b.CopyDeviceToDevice(seq.prek.get(), comp.tmp_prek().as<float>() + tail0 * D, tail * D * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(comp.TailToLocal(seq, 0, tail0, tail));
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
   seq.n_chunks = n_chunks;
   seq.local_count = tail;
-
-  CheckResults res;
-  res.hkv = H;
-  res.n_chunks = n_chunks;
-  res.d = d;
-  res.hq = hq;
-  res.steps = in.steps;
-  res.outliers = O;
-  res.kslots = K;
-  res.dtype = act;
-  {
-    std::vector<char> raw(seq.lm.bytes());
-    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(raw.data(), seq.lm.get(), raw.size()));
-    std::vector<float> all(static_cast<size_t>(H) * chunk_cap * d);
-    ConvertToF32(raw.data(), act, all.data(), all.size());
-    res.landmarks.resize(static_cast<size_t>(H) * n_chunks * d);
-    for (int h = 0; h < H; ++h) {
-      std::copy_n(all.data() + static_cast<size_t>(h) * chunk_cap * d, static_cast<size_t>(n_chunks) * d,
-                  res.landmarks.data() + static_cast<size_t>(h) * n_chunks * d);
-    }
-    res.outlier_ids = seq.outlier_ids;  // the compressor's host copy (empty when O == 0)
-    res.outlier_ids.resize(static_cast<size_t>(H) * O);
-  }
+  seq.compressed = true;
   // The prefill temporaries are done with (the policy keeps them for reuse).
   comp.ReleaseTempIfLarge();
+  return Status::OK();
+}
 
+CheckResults CheckRun::Empty(const char* mode) const {
+  CheckResults res;
+  res.mode = mode;
+  res.hkv = in_.hkv;
+  res.n_chunks = in_.n_chunks();
+  res.d = in_.d;
+  res.hq = in_.hq;
+  res.steps = in_.steps;
+  res.outliers = in_.outliers;
+  res.kslots = in_.kslots();
+  res.dtype = act_;
+  res.landmarks.assign(static_cast<size_t>(res.hkv) * res.n_chunks * res.d, 0.0f);
+  res.outlier_ids.assign(static_cast<size_t>(res.hkv) * res.outliers, -1);
+  res.selected.assign(static_cast<size_t>(res.steps) * res.hkv * res.kslots, -1);
+  res.scores.assign(static_cast<size_t>(res.steps) * res.hkv * res.n_chunks, 0.0f);
+  res.out.assign(static_cast<size_t>(res.steps) * res.hq * res.d, 0.0f);
+  return res;
+}
+
+Status CheckRun::ReadLandmarks(const void* lm, int cap, int n, int at, CheckResults* res) {
+  const int H = in_.hkv, d = in_.d;
+  // landmarks_per_chunk 1, landmark_format model: a record is d act-dtype elements.
+  std::vector<char> raw(static_cast<size_t>(H) * cap * d * es_);
+  PENUMBRA_RETURN_IF_ERROR(b_.CopyToHost(raw.data(), lm, raw.size()));
+  std::vector<float> all(static_cast<size_t>(H) * cap * d);
+  ConvertToF32(raw.data(), act_, all.data(), all.size());
+  for (int h = 0; h < H; ++h) {
+    std::copy_n(all.data() + static_cast<size_t>(h) * cap * d, static_cast<size_t>(n) * d,
+                res->landmarks.data() + (static_cast<size_t>(h) * res->n_chunks + at) * d);
+  }
+  return Status::OK();
+}
+
+// The policy's geometry must be the inputs' (one whole sequence).
+Status CheckGeometry(const ShadowKvSeq& s, const CheckInputs& in) {
+  if (!s.sparse || s.outliers != in.outliers || s.kslots != in.kslots()) {
+    return Status::Internal("policy geometry (sparse " + Str(s.sparse) + ", outliers " + Str(s.outliers) + ", kslots " +
+                            Str(s.kslots) + ") differs from the inputs'");
+  }
+  return Status::OK();
+}
+
+Result<CheckResults> CheckRun::Direct() {
+  SequenceSpec spec;
+  spec.prompt_len = in_.seq;
+  spec.max_new_tokens = in_.steps;
+  ShadowKvSeq seq;
+  PENUMBRA_RETURN_IF_ERROR(NewSeq(spec, 1, nullptr, &seq));
+  PENUMBRA_RETURN_IF_ERROR(CheckGeometry(seq, in_));
+  PENUMBRA_RETURN_IF_ERROR(Prefill(seq, 0, in_.seq));
+  CheckResults res = Empty("direct");
+  PENUMBRA_RETURN_IF_ERROR(ReadLandmarks(seq.lm.get(), seq.lm_cap, seq.n_chunks, 0, &res));
+  res.outlier_ids = seq.outlier_ids;  // the compressor's host copy (empty when O == 0)
+  res.outlier_ids.resize(static_cast<size_t>(in_.hkv) * in_.outliers);
+  PENUMBRA_RETURN_IF_ERROR(DecodeOne(seq, &res));
+  return res;
+}
+
+Result<CheckResults> CheckRun::Attached() {
+  // The document: a prefill-only sequence of the whole context (a put:
+  // max_new_tokens 0), compressed as the policy compresses a prompt's
+  // leading document, then taken into a prefix as the runtime's
+  // CaptureSegment does for a put (TakePrefix: the store segment becomes the
+  // prefix's values).
+  std::shared_ptr<ShadowKvPrefix> imported;
+  {
+    SequenceSpec spec;
+    spec.prompt_len = in_.seq;
+    spec.max_new_tokens = 0;
+    spec.first_prefill = in_.seq;
+    ShadowKvSeq doc;
+    PENUMBRA_RETURN_IF_ERROR(NewSeq(spec, 1, nullptr, &doc));
+    PENUMBRA_RETURN_IF_ERROR(CheckGeometry(doc, in_));
+    PENUMBRA_RETURN_IF_ERROR(Prefill(doc, 0, in_.seq));
+    const storage::SegmentId doc_segment = doc.segment;
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> taken, io_->Capture(doc, in_.seq, /*take=*/true));
+    if (doc.segment == 0) {  // detached: its values are the prefix's now
+      segments_.erase(std::remove(segments_.begin(), segments_.end(), doc_segment), segments_.end());
+    }
+    // Exported to blobs (what the document cache stores on disk or a store
+    // node) and imported fresh: the attached state is the blobs' only.
+    PENUMBRA_ASSIGN_OR_RETURN(auto blobs, taken->Export());
+    taken.reset();
+    PENUMBRA_ASSIGN_OR_RETURN(imported, io_->Import(blobs));
+  }
+  // A new sequence attaching it (AddSequence with a prefix: shaped from the
+  // prefix's factored tokens, Fit, Allocate, Attach), decoding on the
+  // attached state.
+  SequenceSpec spec;
+  spec.prompt_len = in_.seq;
+  spec.max_new_tokens = in_.steps;
+  spec.first_prefill = imported->geometry().factored;
+  ShadowKvSeq seq;
+  PENUMBRA_RETURN_IF_ERROR(NewSeq(spec, 2, imported.get(), &seq));
+  PENUMBRA_RETURN_IF_ERROR(CheckGeometry(seq, in_));
+  PENUMBRA_RETURN_IF_ERROR(io_->Attach(*imported, seq));
+  seq.prefix = imported;
+  if (seq.shared_chunks != in_.n_chunks() || seq.n_chunks != in_.n_chunks()) {
+    return Status::Internal("attached: the sequence shares " + Str(seq.shared_chunks) + " of " + Str(seq.n_chunks) +
+                            " chunks, want all " + Str(in_.n_chunks()));
+  }
+  CheckResults res = Empty("attached");
+  // The landmarks the decode steps read: the attached prefix's.
+  PENUMBRA_RETURN_IF_ERROR(ReadLandmarks(imported->lm_layer(0), seq.shared_chunks, seq.shared_chunks, 0, &res));
+  res.outlier_ids = seq.outlier_ids;  // Attach's copy of the prefix's
+  res.outlier_ids.resize(static_cast<size_t>(in_.hkv) * in_.outliers);
+  PENUMBRA_RETURN_IF_ERROR(DecodeOne(seq, &res));
+  return res;
+}
+
+Result<CheckResults> CheckRun::ContextParallel(int world) {
+  const int C = in_.chunk, H = in_.hkv;
+  const int64_t S = in_.seq;
+  LockstepGroup group(b_, world);
+  // Each rank's shard as the runtime makes it (Runtime::AddSequence under a
+  // context group): Runtime::ShardOf's contiguous part of the prompt, every
+  // shard but the last closed, the global selection's group.
+  std::vector<ShadowKvSeq> shards(static_cast<size_t>(world));
+  std::vector<Runtime::Shard> bounds;
+  CheckResults res = Empty("cp2");
+  int chunk0 = 0, outliers = 0;
+  for (int r = 0; r < world; ++r) {
+    const Runtime::Shard sh = Runtime::ShardOf(S, r, world);
+    bounds.push_back(sh);
+    SequenceSpec spec;
+    spec.prompt_len = sh.end - sh.begin;
+    spec.max_new_tokens = r == world - 1 ? in_.steps : 0;
+    spec.shard.position_base = sh.begin;
+    spec.shard.closed = r < world - 1;
+    spec.shard.share = static_cast<double>(sh.end - sh.begin) / static_cast<double>(S);
+    spec.shard.sequence_tokens = S;
+    spec.shard.group = &group.rank(r);
+    // The shards' chunks are the whole sequence's only when every closed
+    // shard is whole chunks.
+    if (r < world - 1 && sh.end % C != 0) {
+      return Status::InvalidArgument("inputs: unsupported by cp" + Str(world) + ": shard " + Str(r) +
+                                     " ends at token " + Str(sh.end) + ", not a multiple of chunk " + Str(C));
+    }
+    ShadowKvSeq& s = shards[static_cast<size_t>(r)];
+    PENUMBRA_RETURN_IF_ERROR(NewSeq(spec, 1 + r, nullptr, &s));
+    if (!s.sparse || s.group != &group.rank(r) || s.global_k != in_.kslots()) {
+      return Status::InvalidArgument("inputs: unsupported by cp" + Str(world) + ": shard " + Str(r) + " (tokens " +
+                                     Str(sh.begin) + ".." + Str(sh.end) + ") is too short to select from");
+    }
+    PENUMBRA_RETURN_IF_ERROR(Prefill(s, sh.begin, sh.end));
+    PENUMBRA_RETURN_IF_ERROR(ReadLandmarks(s.lm.get(), s.lm_cap, s.n_chunks, chunk0, &res));
+    for (int h = 0; h < H; ++h) {
+      for (int j = 0; j < s.outliers && outliers + j < in_.outliers; ++j) {
+        res.outlier_ids[static_cast<size_t>(h) * in_.outliers + outliers + j] =
+            chunk0 + s.outlier_ids[static_cast<size_t>(h) * s.outliers + j];
+      }
+    }
+    chunk0 += s.n_chunks;
+    outliers += s.outliers;
+  }
+  if (chunk0 != in_.n_chunks()) {
+    return Status::Internal("cp: the shards hold " + Str(chunk0) + " chunks, the sequence " + Str(in_.n_chunks()));
+  }
+  // Each shard's outliers are its share of the sequence's (rounded): the
+  // results' format holds the sequence's count.
+  if (outliers != in_.outliers) {
+    return Status::InvalidArgument("inputs: unsupported by cp" + Str(world) + ": the shards' outliers (" +
+                                   Str(outliers) + ") are not the inputs' " + Str(in_.outliers) +
+                                   " (each shard keeps its share, rounded)");
+  }
+  for (const Runtime::Shard& sh : bounds) res.shard_bounds.push_back(sh.begin);
+  res.shard_bounds.push_back(S);
+  std::vector<ShadowKvSeq*> ptrs;
+  for (ShadowKvSeq& s : shards) ptrs.push_back(&s);
+  PENUMBRA_RETURN_IF_ERROR(DecodeShards(ptrs, group, &res));
+  return res;
+}
+
+Status CheckRun::DecodeOne(ShadowKvSeq& seq, CheckResults* res) {
+  Backend& b = b_;
+  const int H = in_.hkv, d = in_.d, hq = in_.hq, K = seq.kslots, n_chunks = seq.n_chunks;
+  const size_t es = es_;
+  const int64_t S = in_.seq;
   // ---- BeginDecodeStep, DecodeAttention, Select: through the policy's own
   // decode step (worker/engine/shadowkv/decode_step.h), which builds the
   // pointer tables and ints and every kernel's arguments from the sequence.
@@ -399,26 +605,21 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
   // token's K/V go to the row after the local rows and attention never reads
   // it, as the reference appends no token.
   seq.closed = true;
-  ShadowKvDecodeStep decode(layout, b);
+  ShadowKvDecodeStep decode(*lay_, b);
   const int64_t sstride = n_chunks + 1;
-  DeviceBuffer score_buf, qkv1, pos1, q_scratch, out_buf;
-  PENUMBRA_RETURN_IF_ERROR(alloc(&score_buf, static_cast<size_t>(H) * sstride * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&qkv1, static_cast<size_t>(hq + 2 * H) * d * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&pos1, sizeof(int32_t)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&q_scratch, static_cast<size_t>(hq) * d * es));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&out_buf, static_cast<size_t>(hq) * d * es));
-
-  res.selected.resize(static_cast<size_t>(in.steps) * H * K);
-  res.scores.resize(static_cast<size_t>(in.steps) * H * n_chunks);
-  res.out.resize(static_cast<size_t>(in.steps) * hq * d);
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer score_buf, b.Allocate(static_cast<size_t>(H) * sstride * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer qkv1, b.Allocate(static_cast<size_t>(hq + 2 * H) * d * sizeof(float)));
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer pos1, b.Allocate(sizeof(int32_t)));
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer q_scratch, b.Allocate(static_cast<size_t>(hq) * d * es));
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer out_buf, b.Allocate(static_cast<size_t>(hq) * d * es));
   std::vector<float> qkv_host(static_cast<size_t>(hq + 2 * H) * d, 0.0f);
   std::vector<float> score_host(static_cast<size_t>(H) * sstride);
   std::vector<int32_t> sel_host(static_cast<size_t>(H) * K), slot_host(static_cast<size_t>(H) * K);
   std::vector<char> out_raw(static_cast<size_t>(hq) * d * es);
-  for (int step = 0; step < in.steps; ++step) {
+  for (int step = 0; step < in_.steps; ++step) {
     PENUMBRA_RETURN_IF_ERROR(decode.Begin({&seq}));
     // ---- DecodeAttention: RoPE of the query at position S + step.
-    std::copy_n(in.q.data() + static_cast<size_t>(step) * hq * d, static_cast<size_t>(hq) * d, qkv_host.data());
+    std::copy_n(in_.q.data() + static_cast<size_t>(step) * hq * d, static_cast<size_t>(hq) * d, qkv_host.data());
     const int32_t position = static_cast<int32_t>(S + step);
     PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(qkv1.get(), qkv_host.data(), qkv_host.size() * sizeof(float)));
     PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos1.get(), &position, sizeof(position)));
@@ -457,7 +658,7 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
     PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(out_raw.data(), out_buf.get(), out_raw.size()));
     for (int h = 0; h < H; ++h) {
       std::copy_n(score_host.data() + static_cast<size_t>(h) * sstride, n_chunks,
-                  res.scores.data() + (static_cast<size_t>(step) * H + h) * n_chunks);
+                  res->scores.data() + (static_cast<size_t>(step) * H + h) * n_chunks);
       std::vector<int32_t> s(sel_host.begin() + static_cast<size_t>(h) * K,
                              sel_host.begin() + static_cast<size_t>(h + 1) * K);
       std::vector<int32_t> m(slot_host.begin() + static_cast<size_t>(h) * K,
@@ -473,12 +674,229 @@ Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b) {
         return Status::Internal("step " + Str(step) + " head " + Str(h) +
                                 ": the slot map does not hold the selection after ShadowkvSlotUpdate");
       }
-      std::copy(s.begin(), s.end(), res.selected.begin() + (static_cast<size_t>(step) * H + h) * K);
+      std::copy(s.begin(), s.end(), res->selected.begin() + (static_cast<size_t>(step) * H + h) * K);
     }
-    ConvertToF32(out_raw.data(), act, res.out.data() + static_cast<size_t>(step) * hq * d, static_cast<size_t>(hq) * d);
+    ConvertToF32(out_raw.data(), act_, res->out.data() + static_cast<size_t>(step) * hq * d,
+                 static_cast<size_t>(hq) * d);
   }
-  PENUMBRA_RETURN_IF_ERROR(store.DropSegment(seq.segment));
-  return res;
+  return Status::OK();
+}
+
+Status CheckRun::DecodeShards(const std::vector<ShadowKvSeq*>& shards, LockstepGroup& group, CheckResults* res) {
+  Backend& b = b_;
+  const int W = static_cast<int>(shards.size()), H = in_.hkv, d = in_.d, hq = in_.hq, K = in_.kslots();
+  const size_t es = es_;
+  const int64_t S = in_.seq;
+  // Per rank: what its policy holds for the step (decode step, exchange)
+  // and what its runtime holds (the query, the attention part sent to the
+  // merge and the parts received).
+  struct Rank {
+    std::unique_ptr<ShadowKvDecodeStep> step;
+    std::unique_ptr<ShadowKvShardExchange> x;
+    DeviceBuffer score, qkv, pos, q, part, parts;
+    int chunk0 = 0;
+  };
+  const size_t out_bytes = static_cast<size_t>(hq) * d * es;
+  // The runtime's part: the output rows then their log-sum-exps (d even: the
+  // floats stay aligned), one all-gather per layer.
+  const size_t part_bytes = out_bytes + static_cast<size_t>(hq) * sizeof(float);
+  std::vector<Rank> ranks(static_cast<size_t>(W));
+  int chunk0 = 0;
+  for (int r = 0; r < W; ++r) {
+    Rank& k = ranks[static_cast<size_t>(r)];
+    ShadowKvSeq& s = *shards[static_cast<size_t>(r)];
+    // As in DecodeOne: no decode token is attended (the last shard, open in
+    // production, is closed here too).
+    s.closed = true;
+    k.step = std::make_unique<ShadowKvDecodeStep>(*lay_, b);
+    k.x = std::make_unique<ShadowKvShardExchange>(ctx_, b);
+    k.chunk0 = chunk0;
+    chunk0 += s.n_chunks;
+    PENUMBRA_ASSIGN_OR_RETURN(k.score, b.Allocate(static_cast<size_t>(H) * (s.n_chunks + 1) * sizeof(float)));
+    PENUMBRA_ASSIGN_OR_RETURN(k.qkv, b.Allocate(static_cast<size_t>(hq + 2 * H) * d * sizeof(float)));
+    PENUMBRA_ASSIGN_OR_RETURN(k.pos, b.Allocate(sizeof(int32_t)));
+    PENUMBRA_ASSIGN_OR_RETURN(k.q, b.Allocate(out_bytes));
+    PENUMBRA_ASSIGN_OR_RETURN(k.part, b.Allocate(part_bytes));
+    PENUMBRA_ASSIGN_OR_RETURN(k.parts, b.Allocate(part_bytes * W));
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer out_buf, b.Allocate(out_bytes));
+  std::vector<float> qkv_host(static_cast<size_t>(hq + 2 * H) * d, 0.0f);
+  std::vector<std::vector<int32_t>> chosen(static_cast<size_t>(H));
+  std::vector<char> out_raw(out_bytes);
+  std::vector<const void*> q(static_cast<size_t>(W));
+  for (int step = 0; step < in_.steps; ++step) {
+    std::copy_n(in_.q.data() + static_cast<size_t>(step) * hq * d, static_cast<size_t>(hq) * d, qkv_host.data());
+    const int32_t position = static_cast<int32_t>(S + step);
+    // ---- BeginDecodeStep on every rank: tables, the exchange's buffers.
+    for (int r = 0; r < W; ++r) {
+      Rank& k = ranks[static_cast<size_t>(r)];
+      PENUMBRA_RETURN_IF_ERROR(k.step->Begin({shards[static_cast<size_t>(r)]}));
+      Collective* g = ShadowKvShardExchange::GroupOf(k.step->seqs());
+      if (g != &group.rank(r)) return Status::Internal("cp: rank " + Str(r) + "'s step has no exchange group");
+      PENUMBRA_RETURN_IF_ERROR(k.x->Prepare(g, k.step->seqs()));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(k.qkv.get(), qkv_host.data(), qkv_host.size() * sizeof(float)));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(k.pos.get(), &position, sizeof(position)));
+    }
+    // ---- DecodeAttentionGlobal, phase by phase on every rank (lock step).
+    // 1. the query's RoPE; each shard's softmax statistics of its chunks.
+    //    Each rank's score workspace is its own (workspace_part = rank): on
+    //    the GPU the second call reuses the first's logits.
+    for (int r = 0; r < W; ++r) {
+      Rank& k = ranks[static_cast<size_t>(r)];
+      const RopeStoreOp rs = k.step->RopeStoreOf(0, 0, 1, k.qkv.as<float>(), k.pos.as<int32_t>(), k.q.get());
+      b.RopeStore(rs);
+      q[static_cast<size_t>(r)] = rs.q_out;
+      kn::ShadowkvScoreArgs sc = k.step->ScoreArgsOf(0, 0, 1, rs.q_out);
+      sc.stats_out = k.x->stats_send();
+      sc.workspace_part = r;
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+    }
+    // 2. all-gather of the statistics.
+    for (int r = 0; r < W; ++r) PENUMBRA_RETURN_IF_ERROR(ranks[static_cast<size_t>(r)].x->AllGatherStats());
+    // 3. each shard's scores normalized over the whole sequence: alone (for
+    //    the comparison), then its proposals with their scores.
+    for (int r = 0; r < W; ++r) {
+      Rank& k = ranks[static_cast<size_t>(r)];
+      const ShadowKvSeq& s = *shards[static_cast<size_t>(r)];
+      kn::ShadowkvScoreArgs sc = k.step->ScoreArgsOf(0, 0, 1, q[static_cast<size_t>(r)]);
+      sc.stats_in = k.x->stats_recv();
+      sc.stats_parts = W;
+      sc.stats_part_stride = static_cast<int64_t>(k.x->stats());
+      sc.workspace_part = r;
+      kn::ShadowkvScoreArgs only = sc;
+      only.scores = k.score.as<float>();
+      only.score_stride = s.n_chunks + 1;
+      only.select_k = 0;
+      only.selection = nullptr;
+      only.selection_stride = 0;
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(only));
+      sc.selection = k.x->proposals();
+      sc.selection_stride = k.x->width();
+      sc.selection_scores = k.x->cand_send();
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+    }
+    // 4. all-gather of the proposals' scores.
+    for (int r = 0; r < W; ++r) PENUMBRA_RETURN_IF_ERROR(ranks[static_cast<size_t>(r)].x->AllGatherCandidates());
+    // 5. the global top-k (the same on every rank), each rank's winners into
+    //    its slots, the misses' values and keys, attention over outliers +
+    //    live slots + local rows with its log-sum-exp.
+    for (int r = 0; r < W; ++r) {
+      Rank& k = ranks[static_cast<size_t>(r)];
+      const ShadowKvSeq& s = *shards[static_cast<size_t>(r)];
+      ShadowKvShardExchange& x = *k.x;
+      kn::ShadowkvGlobalSelectArgs gs;
+      gs.candidates = x.cand_recv();
+      gs.parts = W;
+      gs.rank = r;
+      gs.part_stride = static_cast<int64_t>(x.cand());
+      gs.rows = H;
+      gs.cand_stride = x.width();
+      gs.k = s.global_k;
+      gs.proposals = x.proposals();
+      gs.winners = x.winners();
+      gs.selection = x.selection();
+      gs.selection_stride = x.width();
+      gs.selection_len = s.kslots;
+      b.ShadowkvGlobalSelectAndSlotUpdate(gs, k.step->SlotUpdateOf(0, 0, 1, x.selection(), x.width()));
+      b.ForkSide();
+      b.ShadowkvFetchV(k.step->FetchVOf(0, 0, 1), /*staged=*/false);
+      b.ShadowkvRebuildK(k.step->RebuildKOf(0, 0, 1));
+      b.JoinSide();
+      float* lse = reinterpret_cast<float*>(k.part.as<char>() + out_bytes);
+      PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(
+          k.step->AttentionOf(0, 0, 1, q[static_cast<size_t>(r)], k.part.get(), lse, /*mask_slots=*/true)));
+    }
+    // ---- The runtime's MergeRanks: the parts all-gathered, merged by
+    // log-sum-exp (every rank gets the same; rank 0's is read).
+    for (int r = 0; r < W; ++r) {
+      Rank& k = ranks[static_cast<size_t>(r)];
+      PENUMBRA_RETURN_IF_ERROR(group.rank(r).AllGather(k.part.get(), k.parts.get(), part_bytes));
+    }
+    Backend::MergeParts m;
+    m.x = ranks[0].parts.get();
+    m.x_part_stride = static_cast<int64_t>(part_bytes / es);
+    m.lse = reinterpret_cast<const float*>(ranks[0].parts.as<char>() + out_bytes);
+    m.lse_part_stride = static_cast<int64_t>(part_bytes / sizeof(float));
+    m.parts = W;
+    m.rows = hq;
+    m.d = d;
+    m.out = out_buf.get();
+    b.MergeAttentionParts(m);
+
+    // ---- Results of the step, in the whole sequence's chunk numbering.
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    for (auto& c : chosen) c.clear();
+    for (int r = 0; r < W; ++r) {
+      Rank& k = ranks[static_cast<size_t>(r)];
+      const ShadowKvSeq& s = *shards[static_cast<size_t>(r)];
+      const int n = s.n_chunks, xk = k.x->width(), ks = s.kslots;
+      std::vector<float> score(static_cast<size_t>(H) * (n + 1));
+      std::vector<int32_t> sel(static_cast<size_t>(H) * xk), slots(static_cast<size_t>(H) * ks);
+      PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(score.data(), k.score.get(), score.size() * sizeof(float)));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(sel.data(), k.x->selection(), sel.size() * sizeof(int32_t)));
+      PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(slots.data(), s.slots.get(), slots.size() * sizeof(int32_t)));
+      for (int h = 0; h < H; ++h) {
+        std::copy_n(score.data() + static_cast<size_t>(h) * (n + 1), n,
+                    res->scores.data() + (static_cast<size_t>(step) * H + h) * in_.n_chunks() + k.chunk0);
+        std::vector<int32_t> won, held;
+        for (int j = 0; j < ks; ++j) {
+          const int32_t c = sel[static_cast<size_t>(h) * xk + j];
+          if (c >= 0) won.push_back(c);
+          const int32_t m2 = slots[static_cast<size_t>(h) * ks + j];
+          if (m2 >= 0) held.push_back(m2);
+        }
+        std::sort(won.begin(), won.end());
+        std::sort(held.begin(), held.end());
+        if (won != held) {
+          return Status::Internal("step " + Str(step) + " rank " + Str(r) + " head " + Str(h) +
+                                  ": the slot map does not hold the rank's winners after the global selection");
+        }
+        for (int32_t c : won) {
+          if (c >= n) {
+            return Status::Internal("step " + Str(step) + " rank " + Str(r) + " head " + Str(h) +
+                                    ": the global selection returned chunk id " + Str(c));
+          }
+          chosen[static_cast<size_t>(h)].push_back(k.chunk0 + c);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      std::vector<int32_t>& c = chosen[static_cast<size_t>(h)];
+      std::sort(c.begin(), c.end());
+      if (static_cast<int>(c.size()) != K || std::adjacent_find(c.begin(), c.end()) != c.end()) {
+        return Status::Internal("step " + Str(step) + " head " + Str(h) + ": the ranks won " + Str(c.size()) +
+                                " chunks, want the sequence's budget of " + Str(K));
+      }
+      std::copy(c.begin(), c.end(), res->selected.begin() + (static_cast<size_t>(step) * H + h) * K);
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(out_raw.data(), out_buf.get(), out_raw.size()));
+    ConvertToF32(out_raw.data(), act_, res->out.data() + static_cast<size_t>(step) * hq * d,
+                 static_cast<size_t>(hq) * d);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+const std::vector<std::string>& CheckModes() {
+  static const std::vector<std::string> modes = {"direct", "attached", "cp2"};
+  return modes;
+}
+
+Status ValidateMode(const std::string& mode) {
+  for (const std::string& m : CheckModes()) {
+    if (m == mode) return Status::OK();
+  }
+  return Status::InvalidArgument("unknown check mode '" + mode + "' (direct, attached or cp2)");
+}
+
+Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& b, const std::string& mode) {
+  PENUMBRA_RETURN_IF_ERROR(ValidateMode(mode));
+  CheckRun run(in, b);
+  PENUMBRA_RETURN_IF_ERROR(run.Init());
+  if (mode == "attached") return run.Attached();
+  if (mode == "cp2") return run.ContextParallel(2);
+  return run.Direct();
 }
 
 // --------------------------------------------------------------- writing
@@ -558,7 +976,13 @@ Status WriteResults(const CheckResults& r, const std::string& path) {
   std::map<std::string, std::string> meta = {
       {"format", kOutputsFormat},
       {"dtype", r.dtype == DType::kBF16 ? "bf16" : "f32"},
+      {"mode", r.mode},
   };
+  if (!r.shard_bounds.empty()) {
+    std::string b;
+    for (int64_t x : r.shard_bounds) b += (b.empty() ? "" : ",") + Str(x);
+    meta["shards"] = b;
+  }
   return WriteSafetensors(path, t, meta);
 }
 

@@ -1,14 +1,33 @@
 // The engine side of the independent ShadowKV reference check
-// (tests/reference/README.md): runs Penumbra's ShadowKV prefill and decode ops
-// on one attention layer of one sequence with a static context and returns
-// the intermediate decisions (landmarks, outliers, selected chunks, scores)
-// and the attention output, in the formats the reference comparator reads.
+// (tests/reference/README.md): runs Penumbra's ShadowKV prefill and decode on
+// one attention layer of one sequence with a static context and returns the
+// intermediate decisions (landmarks, outliers, selected chunks, scores) and
+// the attention output, in the formats the reference comparator reads.
 //
 // RunShadowkvCheck runs the policy's own objects (worker/engine/shadowkv/:
-// layout, compressor, decode step; see the note at the top of
-// shadowkv_check.cc for the mapping); it only differs where the reference's
-// setting does: decode steps append no token (the query is RoPE'd at
-// position S + i and its K/V go to a row that attention never reads).
+// layout, compressor, decode step, shard exchange, prefix capture/attach; see
+// the note at the top of shadowkv_check.cc for the mapping) in one of three
+// modes, each the path a sequence takes in the engine:
+//   direct    the context is the sequence's prompt: compressed, then decoded;
+//   attached  the context is a document: compressed as a put's prefill,
+//             taken into a prefix (ShadowKvPrefixIo::Capture), exported to
+//             blobs and imported fresh, attached to a new sequence (Fit,
+//             Allocate, Attach) whose decode steps read its A rows,
+//             landmarks and values in place;
+//   cp2       context parallel over 2 ranks in this process: each rank holds
+//             Runtime::ShardOf's shard (factored on its own, its share of the
+//             outliers), every step's selection is the global one through
+//             the shard exchange over a LockstepGroup, and the ranks'
+//             attention is merged by log-sum-exp as the runtime merges them.
+// Every mode writes the whole sequence's results (original chunk ids), so
+// the same comparator judges them. Attaching changes nothing (on the CPU
+// backend attached equals direct bit for bit); sharding changes the low-rank
+// factors and the outliers (per shard; the comparator's reference models
+// it), so cp2 equals direct only up to float rounding where neither matters
+// (rank = hkv*d, outliers that fall in each shard's share).
+// The check differs from the engine only where the reference's setting
+// does: decode steps append no token (the query is RoPE'd at position S + i
+// and its K/V go to a row that attention never reads).
 #pragma once
 
 #include <cstdint>
@@ -43,6 +62,8 @@ struct CheckInputs {
 
 // The results file the comparator reads.
 struct CheckResults {
+  std::string mode = "direct";        // metadata "mode"
+  std::vector<int64_t> shard_bounds;  // cp: the shards' first tokens, then seq (metadata "shards")
   int hkv = 0, n_chunks = 0, d = 0, hq = 0, steps = 0, outliers = 0, kslots = 0;
   DType dtype = DType::kF32;         // the engine's storage/compute dtype (metadata "dtype")
   std::vector<float> landmarks;      // [hkv, n_chunks, d], original chunk numbering
@@ -62,12 +83,21 @@ Status ValidateInputs(const CheckInputs& in);
 // safetensors reader.
 Result<CheckInputs> ReadInputs(const std::string& path);
 
+// The modes RunShadowkvCheck takes: "direct", "attached", "cp2".
+const std::vector<std::string>& CheckModes();
+// InvalidArgument naming the modes unless `mode` is one.
+Status ValidateMode(const std::string& mode);
+
 // Runs prefill (Algorithm 1) and `steps` decode steps (Algorithm 2) on
-// `backend` (f32 on the CPU; the CUDA backend's act dtype, bf16 or f32).
-// InvalidArgument for inputs ValidateInputs rejects; other errors from the
-// backend (allocation, cuSOLVER), Internal if an op breaks its contract
-// (e.g. the slot map does not hold the selection afterwards).
-Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& backend);
+// `backend` (f32 on the CPU; the CUDA backend's act dtype, bf16 or f32) in
+// `mode` (above). InvalidArgument for an unknown mode, for inputs
+// ValidateInputs rejects and, in cp2, for inputs whose shards cannot hold
+// the whole sequence's results (a shard boundary inside a chunk, a shard
+// too short to select from, the shards' outliers not the inputs' count);
+// other errors from the backend (allocation, cuSOLVER), Internal if an op
+// breaks its contract (e.g. the slot map does not hold the selection
+// afterwards).
+Result<CheckResults> RunShadowkvCheck(const CheckInputs& in, Backend& backend, const std::string& mode = "direct");
 
 // A tensor to write; `data` holds numel * DTypeSize(dtype) bytes.
 struct OutTensor {
@@ -84,7 +114,8 @@ struct OutTensor {
 Status WriteSafetensors(const std::string& path, const std::vector<OutTensor>& tensors,
                         const std::map<std::string, std::string>& metadata);
 
-// Writes `r` as the results file (metadata: format, dtype "bf16" | "f32").
+// Writes `r` as the results file (metadata: format, dtype "bf16" | "f32",
+// mode, and for cp the shard bounds "0,b1,...,seq").
 Status WriteResults(const CheckResults& r, const std::string& path);
 
 }  // namespace penumbra::shadowkv_check

@@ -3,9 +3,11 @@
 // reads (tests/reference/README.md).
 //   penumbra-shadowkv-check --in in.safetensors --out ours.safetensors
 //                           [--device cpu|cuda] [--dtype f32|bf16] [--threads N]
+//                           [--mode direct|attached|cp2]
 // Exit status: 0 on success, 2 on bad arguments or a bad inputs file, 1 on
 // any other failure.
 #include <iostream>
+#include <string>
 
 #include "common/args.h"
 #include "common/logging.h"
@@ -16,7 +18,7 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: penumbra-shadowkv-check --in IN.safetensors --out OUT.safetensors [--device cpu|cuda] "
-    "[--dtype f32|bf16] [--threads N]";
+    "[--dtype f32|bf16] [--threads N] [--mode direct|attached|cp2]";
 
 // 2 for the caller's mistakes (arguments, inputs file), 1 otherwise.
 int ExitCode(const Status& s) {
@@ -42,6 +44,9 @@ int Main(int argc, char** argv) {
       .Flag("device", "cpu or cuda (default cuda when a GPU is present, else cpu)")
       .Flag("dtype", "f32 or bf16 (bf16 needs --device cuda; default: bf16 on cuda, f32 on cpu)")
       .Flag("threads", "CPU threads (0 = all cores)")
+      .Flag("mode",
+            "direct (the context is the prompt), attached (a document taken, exported, imported and attached) or "
+            "cp2 (two context-parallel ranks, global selection); default direct")
       .Switch("help", "this text");
   Status st = a.Parse(argc, argv, 1);
   if (!st.ok()) return Fail(Status::InvalidArgument(st.message() + "\n" + kUsage + "\n" + a.Help()), 2);
@@ -63,6 +68,9 @@ int Main(int argc, char** argv) {
   auto threads = a.GetInt("threads", 0);
   if (!threads.ok()) return Fail(threads.status(), 2);
   bo.cpu_threads = static_cast<int>(*threads);
+  const std::string mode = a.Get("mode", "direct");
+  st = shadowkv_check::ValidateMode(mode);
+  if (!st.ok()) return Fail(st, 2);
 
   auto in = shadowkv_check::ReadInputs(a.Get("in"));
   if (!in.ok()) return Fail(in.status(), ExitCode(in.status()));
@@ -72,14 +80,14 @@ int Main(int argc, char** argv) {
     const int code = backend.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
     return Fail(backend.status(), code);
   }
-  auto res = shadowkv_check::RunShadowkvCheck(*in, **backend);
+  auto res = shadowkv_check::RunShadowkvCheck(*in, **backend, mode);
   if (!res.ok()) return Fail(res.status(), res.status().code() == StatusCode::kInvalidArgument ? 2 : 1);
   st = shadowkv_check::WriteResults(*res, a.Get("out"));
   if (!st.ok()) return Fail(st, 1);
-  std::cerr << "penumbra-shadowkv-check: " << (*backend)->name() << " " << DTypeName((*backend)->act_dtype())
-            << ": seq " << in->seq << ", hkv " << in->hkv << ", hq " << in->hq << ", d " << in->d << ", n_chunks "
-            << res->n_chunks << ", outliers " << res->outliers << ", kslots " << res->kslots << ", steps " << res->steps
-            << " -> " << a.Get("out") << std::endl;
+  std::cerr << "penumbra-shadowkv-check: " << (*backend)->name() << " " << DTypeName((*backend)->act_dtype()) << " "
+            << mode << ": seq " << in->seq << ", hkv " << in->hkv << ", hq " << in->hq << ", d " << in->d
+            << ", n_chunks " << res->n_chunks << ", outliers " << res->outliers << ", kslots " << res->kslots
+            << ", steps " << res->steps << " -> " << a.Get("out") << std::endl;
   return 0;
 }
 

@@ -37,10 +37,8 @@
 #include <limits>
 #include <map>
 
-#include <functional>
 #include <span>
 #include <sstream>
-#include <thread>
 
 #include "kernels/landmark_format.h"
 #include "storage/dram_value_store.h"
@@ -50,6 +48,7 @@
 #include "worker/engine/shadowkv/compressor.h"
 #include "worker/engine/shadowkv/decode_step.h"
 #include "worker/engine/shadowkv/layout.h"
+#include "worker/engine/shadowkv/prefix_io.h"
 #include "worker/engine/shadowkv/shard_exchange.h"
 #include "worker/engine/shadowkv_prefix.h"
 
@@ -67,11 +66,10 @@ class ShadowKvPolicy final : public KvPolicy {
         o_(o),
         lay_(ctx_, o_),
         es_(lay_.es()),
-        lm_rec_(lay_.lm_rec()),
-        lm_rec_bytes_(lay_.lm_rec_bytes()),
         host_alloc_(ctx.backend),
         store_(&host_alloc_, storage::DramValueStoreOptions{}),
         comp_(lay_, *ctx.backend),
+        prefix_io_(lay_, *ctx.backend, store_, host_alloc_),
         step_(lay_, *ctx.backend),
         exchange_(ctx_, *ctx.backend) {}
 
@@ -117,26 +115,8 @@ class ShadowKvPolicy final : public KvPolicy {
       return Status::InvalidArgument("shadowkv: a global selection over the shards of " + std::to_string(s.global_k) +
                                      " chunks is more than " + std::to_string(kn::kTopKMaxK) + " (lower the budget)");
     }
-    const int C = o_.chunk_size;
-    if (prefix) {
-      const ShadowKvPrefixGeometry& g = prefix->geometry();
-      if (g.sparse != s.sparse || g.outliers != s.outliers || g.tail > s.local_cap ||
-          (s.sparse && g.n_chunks >= s.chunk_cap) ||
-          (s.sparse && (g.landmarks_per_chunk != o_.landmarks_per_chunk || g.landmark_fp8 != o_.landmark_fp8()))) {
-        return Status::InvalidArgument("the shadowkv prefix (" + g.Meta() +
-                                       ") does not fit this policy's options for a sequence of " +
-                                       std::to_string(s.token_cap) + " tokens");
-      }
-      s.shared_chunks = g.n_chunks;
-      s.shared_stride = prefix->value_stride();
-    }
-    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
-    auto alloc = [&](DeviceBuffer* b, size_t bytes) -> Status {
-      PENUMBRA_ASSIGN_OR_RETURN(*b, ctx_.backend->Allocate(bytes));
-      return Status::OK();
-    };
-    PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_k, AttLayer(s) * L * es_));
-    PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_v, AttLayer(s) * L * es_));
+    if (prefix) PENUMBRA_RETURN_IF_ERROR(prefix_io_.Fit(*prefix, s));
+    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
     if (s.sparse) {
       // The store holds the chunks this sequence makes; an attached prefix's
       // are read in place from the prefix.
@@ -148,20 +128,11 @@ class ShadowKvPolicy final : public KvPolicy {
                                          " MiB of host memory and only " + std::to_string(host_free >> 20) +
                                          " MiB are available (8 GiB kept free)");
       }
-      // A rows and landmarks of the chunks this sequence makes; an attached
-      // prefix's are read in place from the prefix.
-      s.a_rows = s.token_cap - static_cast<int64_t>(s.shared_chunks) * C;
-      s.lm_cap = s.chunk_cap - s.shared_chunks;
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.a_rows * r * es_));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.b, static_cast<size_t>(L) * H * r * d * es_));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.p, static_cast<size_t>(L) * D * r * sizeof(float)));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * s.lm_cap * lm_rec_bytes_));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t)));
-      PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
-      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.excl.get(), 0, s.excl.bytes()));
-      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.slots.get(), 0xff, s.slots.bytes()));
-      storage::SegmentLayout lay{L, H, own_chunks, C, d, ctx_.backend->act_dtype()};
+    }
+    // The attention rows; sparse: A rows, landmarks, B, P, marks, slots, local pre-RoPE keys.
+    PENUMBRA_RETURN_IF_ERROR(lay_.Allocate(&s));
+    if (s.sparse) {
+      storage::SegmentLayout lay{L, H, s.chunk_cap - s.shared_chunks, C, d, ctx_.backend->act_dtype()};
       // Reserved now, each layer pinned when the prefill reaches it
       // (EnsureStoreLayer): a long prompt's 8 GB are not pinned all at once
       // while the running batch waits.
@@ -170,7 +141,7 @@ class ShadowKvPolicy final : public KvPolicy {
       s.store_host.assign(static_cast<size_t>(L), nullptr);
     }
     if (prefix) {
-      Status st = AttachState(s, *prefix);
+      Status st = prefix_io_.Attach(*prefix, s);
       if (!st.ok()) {
         if (s.segment) (void)store_.DropSegment(s.segment);
         return st;
@@ -633,7 +604,7 @@ class ShadowKvPolicy final : public KvPolicy {
   // Algorithm 1 for one layer of one sequence, from the temporaries.
   Status CompressPrompt(Seq& s, int layer, int64_t S) {
     Backend& b = *ctx_.backend;
-    const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim, D = H * d;
+    const int C = o_.chunk_size, d = ctx_.head_dim;
     const int n_chunks = static_cast<int>((S - s.window) / C);
     double t = NowSeconds();
     auto lap = [&](const char* op) {
@@ -657,17 +628,7 @@ class ShadowKvPolicy final : public KvPolicy {
     // The tail becomes the local rows (exact K/V and pre-RoPE keys).
     const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
     CHECK_LE(tail, s.local_cap);
-    if (tail > 0) {  // a closed shard's prompt may be whole chunks
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_k, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                        static_cast<char*>(comp_.tmp_k().get()) + tail0 * d * es_,
-                                        comp_.tmp_cap() * d * es_, tail * d * es_, H));
-      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(Row(s.att_v, s, layer, LocalRow0(s)), s.att_cap * d * es_,
-                                        static_cast<char*>(comp_.tmp_v().get()) + tail0 * d * es_,
-                                        comp_.tmp_cap() * d * es_, tail * d * es_, H));
-      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
-                                                    comp_.tmp_prek().as<float>() + tail0 * D,
-                                                    tail * D * sizeof(float)));
-    }
+    PENUMBRA_RETURN_IF_ERROR(comp_.TailToLocal(s, layer, tail0, tail));
     lap("local");
     s.n_chunks = n_chunks;
     s.local_count = tail;
@@ -680,20 +641,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Status OffloadValues(Seq& s, int layer, const void* src, int64_t head_stride, int64_t src_row, int n,
                        int store_first) {
     PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
-    Backend& b = *ctx_.backend;
-    const int C = o_.chunk_size, H = ctx_.hkv, d = ctx_.head_dim;
-    const size_t row = static_cast<size_t>(n) * C * d * es_;
-    if (stage_.bytes() < row * H) {
-      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-      PENUMBRA_ASSIGN_OR_RETURN(stage_, b.AllocateHost(row * H));
-    }
-    PENUMBRA_RETURN_IF_ERROR(
-        b.Copy2D(stage_.get(), row, static_cast<const char*>(src) + src_row * d * es_, head_stride * es_, row, H));
-    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    for (int h = 0; h < H; ++h) {
-      PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, layer, h, store_first, n, stage_.as<char>() + h * row));
-    }
-    return Status::OK();
+    return comp_.OffloadValues(store_, &stage_, s, layer, src, head_stride, src_row, n, store_first);
   }
 
   // ----------------------------------------------------------------- decode
@@ -1122,93 +1070,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Result<std::shared_ptr<const KvPrefix>> Capture(int64_t id, int64_t tokens, bool take) {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(id) + " does not exist");
-    Seq& s = it->second;
-    if (s.taken) return Status::FailedPrecondition("sequence " + std::to_string(id) + " was taken into a prefix");
-    if (s.pos0 > 0 || s.closed) {
-      return Status::Unimplemented("shadowkv: a context-parallel shard cannot be captured as a prefix");
-    }
-    if (s.sparse && !s.compressed)
-      return Status::FailedPrecondition("sequence " + std::to_string(id) + " is not prefilled");
-    if (tokens != Held(s) || tokens < 1) {
-      return Status::FailedPrecondition("shadowkv captures all that sequence " + std::to_string(id) + " holds (" +
-                                        std::to_string(Held(s)) + " tokens), not " + std::to_string(tokens));
-    }
-    Backend& b = *ctx_.backend;
-    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, C = o_.chunk_size, D = H * d;
-    ShadowKvPrefixGeometry g = PrefixGeometry();
-    g.tokens = tokens;
-    g.factored = s.first_prefill;
-    g.sparse = s.sparse;
-    g.n_chunks = s.n_chunks;
-    g.outliers = s.outliers;
-    g.tail = s.local_count;
-    const int n = s.n_chunks;
-    if (s.prefix) PENUMBRA_RETURN_IF_ERROR(s.prefix->EnsureAllValues());  // copied below
-    const bool move_values = take && s.sparse && s.shared_chunks == 0 && n > 0;
-    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, ShadowKvPrefix::Allocate(g, &b, !move_values));
-    const size_t LH = static_cast<size_t>(L) * H, att_pitch = s.att_cap * d * es_;
-    auto copy2d = [&](const DeviceBuffer& dst, size_t dpitch, const void* src, size_t spitch, size_t width,
-                      size_t height) -> Status {
-      if (width == 0 || height == 0) return Status::OK();
-      return b.Copy2D(dst.get(), dpitch, src, spitch, width, height);
-    };
-    if (s.sparse) {
-      const size_t arow = static_cast<size_t>(n) * C * r * es_;
-      // A rows and landmarks: the attached prefix's chunks, then the sequence's own.
-      const int sh = s.shared_chunks;
-      // Landmarks: one record of landmarks_per_chunk rows per chunk.
-      const size_t lrow = static_cast<size_t>(lm_rec_bytes_);
-      const size_t ash = static_cast<size_t>(sh) * C * r * es_, lsh = static_cast<size_t>(sh) * lrow;
-      if (sh > 0) {
-        PENUMBRA_RETURN_IF_ERROR(copy2d(p->a, arow, s.prefix->a.get(), ash, ash, L));
-        PENUMBRA_RETURN_IF_ERROR(copy2d(p->lm, n * lrow, s.prefix->lm.get(), lsh, lsh, LH));
-      }
-      if (n > sh) {
-        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(p->a.as<char>() + ash, arow, s.a.get(), s.a_rows * r * es_, arow - ash, L));
-        PENUMBRA_RETURN_IF_ERROR(
-            b.Copy2D(p->lm.as<char>() + lsh, n * lrow, s.lm.get(), s.lm_cap * lrow, n * lrow - lsh, LH));
-      }
-      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(p->b.get(), s.b.get(), p->b.bytes()));
-      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(p->p.get(), s.p.get(), p->p.bytes()));
-      PENUMBRA_RETURN_IF_ERROR(copy2d(p->excl, n, s.excl.get(), s.chunk_cap, n, LH));
-      const size_t orow = static_cast<size_t>(s.outliers) * C * d * es_;
-      PENUMBRA_RETURN_IF_ERROR(copy2d(p->out_k, orow, s.att_k.get(), att_pitch, orow, LH));
-      PENUMBRA_RETURN_IF_ERROR(copy2d(p->out_v, orow, s.att_v.get(), att_pitch, orow, LH));
-      const size_t prow = s.local_count * D * sizeof(float);
-      PENUMBRA_RETURN_IF_ERROR(copy2d(p->tail_prek, prow, s.prek.get(), s.local_cap * D * sizeof(float), prow, L));
-      p->outlier_ids = s.outlier_ids;
-    }
-    const size_t trow = s.local_count * d * es_;
-    PENUMBRA_RETURN_IF_ERROR(copy2d(p->tail_k, trow, Row(s.att_k, s, 0, LocalRow0(s)), att_pitch, trow, LH));
-    PENUMBRA_RETURN_IF_ERROR(copy2d(p->tail_v, trow, Row(s.att_v, s, 0, LocalRow0(s)), att_pitch, trow, LH));
-    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-    if (move_values) {
-      PENUMBRA_ASSIGN_OR_RETURN(std::vector<void*> bases, store_.DetachSegment(s.segment));
-      s.segment = 0;
-      s.store_dev.clear();
-      s.store_host.clear();
-      s.taken = true;
-      std::vector<DeviceBuffer> layers;
-      for (void* base : bases) layers.push_back(base ? host_alloc_.Take(base) : DeviceBuffer());
-      PENUMBRA_RETURN_IF_ERROR(p->AdoptValues(std::move(layers), s.chunk_cap));
-    } else if (n > 0) {
-      // Values: the attached prefix's chunks, then the store's, per (layer,
-      // head) one run [n][C*d]; layers copied in parallel.
-      const size_t cb = static_cast<size_t>(C) * d * es_, own_cap = s.chunk_cap - s.shared_chunks;
-      auto copy_layer = [&](int l) {
-        char* dst = const_cast<char*>(p->values_host(l));
-        for (int h = 0; h < H; ++h) {
-          char* row = dst + static_cast<size_t>(h) * n * cb;
-          if (s.shared_chunks > 0) {
-            std::memcpy(row, s.prefix->values_host(l) + static_cast<size_t>(h) * s.shared_stride * cb,
-                        s.shared_chunks * cb);
-          }
-          std::memcpy(row + s.shared_chunks * cb, static_cast<const char*>(s.store_host[l]) + h * own_cap * cb,
-                      (n - s.shared_chunks) * cb);
-        }
-      };
-      ParallelFor(L, copy_layer);
-    }
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, prefix_io_.Capture(it->second, tokens, take));
     return std::shared_ptr<const KvPrefix>(std::move(p));
   }
 
@@ -1219,80 +1081,9 @@ class ShadowKvPolicy final : public KvPolicy {
   Result<std::shared_ptr<const KvPrefix>> ImportPrefixLazy(const std::map<std::string, std::string>& blobs,
                                                            std::shared_ptr<storage::BlobReader> lazy,
                                                            int read_threads) override {
-    PENUMBRA_ASSIGN_OR_RETURN(
-        std::shared_ptr<ShadowKvPrefix> p,
-        ShadowKvPrefix::Import(blobs, PrefixGeometry(), ctx_.backend, std::move(lazy), read_threads));
-    // What this policy's options make of a first prefill of that length.
-    const ShadowKvPrefixGeometry& g = p->geometry();
-    Seq probe;
-    SequenceSpec spec;
-    spec.prompt_len = g.tokens + 1;
-    spec.first_prefill = g.factored;
-    Shape(spec, &probe);
-    if (probe.sparse != g.sparse || (g.sparse && probe.outliers != g.outliers)) {
-      return Status::Corruption("shadowkv prefix: '" + g.Meta() + "' is not what this policy's options make");
-    }
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p,
+                              prefix_io_.Import(blobs, std::move(lazy), read_threads));
     return std::shared_ptr<const KvPrefix>(std::move(p));
-  }
-
-  // Copies a prefix's small device state (b, p, exclusion mask, outlier and
-  // local rows) into the fresh sequence `s` (shaped for it by AddSequence);
-  // its A rows, landmarks and values are read in place.
-  Status AttachState(Seq& s, const ShadowKvPrefix& p) {
-    Backend& b = *ctx_.backend;
-    const ShadowKvPrefixGeometry& g = p.geometry();
-    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size, D = H * d;
-    const int n = g.n_chunks;
-    const size_t LH = static_cast<size_t>(L) * H, att_pitch = s.att_cap * d * es_;
-    auto copy2d = [&](void* dst, size_t dpitch, const DeviceBuffer& src, size_t spitch, size_t width,
-                      size_t height) -> Status {
-      if (width == 0 || height == 0) return Status::OK();
-      return b.Copy2D(dst, dpitch, src.get(), spitch, width, height);
-    };
-    if (s.sparse) {
-      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.b.get(), p.b.get(), p.b.bytes()));
-      PENUMBRA_RETURN_IF_ERROR(b.CopyDeviceToDevice(s.p.get(), p.p.get(), p.p.bytes()));
-      PENUMBRA_RETURN_IF_ERROR(copy2d(s.excl.get(), s.chunk_cap, p.excl, n, n, LH));
-      const size_t orow = static_cast<size_t>(g.outliers) * C * d * es_;
-      PENUMBRA_RETURN_IF_ERROR(copy2d(s.att_k.get(), att_pitch, p.out_k, orow, orow, LH));
-      PENUMBRA_RETURN_IF_ERROR(copy2d(s.att_v.get(), att_pitch, p.out_v, orow, orow, LH));
-      const size_t prow = g.tail * D * sizeof(float);
-      PENUMBRA_RETURN_IF_ERROR(copy2d(s.prek.get(), s.local_cap * D * sizeof(float), p.tail_prek, prow, prow, L));
-      s.outlier_ids = p.outlier_ids;
-      s.n_chunks = n;
-      s.compressed = true;
-    }
-    const size_t trow = g.tail * d * es_;
-    PENUMBRA_RETURN_IF_ERROR(copy2d(Row(s.att_k, s, 0, LocalRow0(s)), att_pitch, p.tail_k, trow, trow, LH));
-    PENUMBRA_RETURN_IF_ERROR(copy2d(Row(s.att_v, s, 0, LocalRow0(s)), att_pitch, p.tail_v, trow, trow, LH));
-    s.local_count = g.tail;
-    return Status::OK();
-  }
-
-  // The geometry fields every prefix of this policy shares.
-  ShadowKvPrefixGeometry PrefixGeometry() const {
-    ShadowKvPrefixGeometry g;
-    g.layers = ctx_.num_layers;
-    g.hkv = ctx_.hkv;
-    g.head_dim = ctx_.head_dim;
-    g.rank = o_.rank;
-    g.chunk_size = o_.chunk_size;
-    g.landmarks_per_chunk = o_.landmarks_per_chunk;
-    g.landmark_fp8 = o_.landmark_fp8();
-    g.dtype = ctx_.backend->act_dtype();
-    return g;
-  }
-
-  // Runs f(0..n-1) on up to 8 threads.
-  static void ParallelFor(int n, const std::function<void(int)>& f) {
-    const int threads = std::max(1, std::min<int>(n, std::min(8u, std::max(1u, std::thread::hardware_concurrency()))));
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] {
-        for (int i = t; i < n; i += threads) f(i);
-      });
-    }
-    for (auto& th : pool) th.join();
   }
 
   // ------------------------------------------------------------- benchmarks
@@ -1416,13 +1207,13 @@ class ShadowKvPolicy final : public KvPolicy {
   ShadowKvOptions o_;
   ShadowKvLayout lay_;  // geometry: reads ctx_ and o_
   size_t es_;
-  int64_t lm_rec_;        // landmark elements (bytes for fp8) per chunk record: the kernels' strides
-  int64_t lm_rec_bytes_;  // bytes per chunk record: the buffers' sizes and offsets
   BackendHostAllocator host_alloc_;
   storage::DramValueStore store_;
   std::map<int64_t, Seq> seqs_;
   // Algorithm 1 and the prefill temporaries (one layer of one prompt).
   ShadowKvCompressor comp_;
+  // Document capture, import and attach.
+  ShadowKvPrefixIo prefix_io_;
   DeviceBuffer mincos_scratch_, shift_, stage_off_;
   DeviceBuffer iota_lists_, rebuild_ptrs_;  // continuation rebuilds: IotaLists(iota_k_); pointer table
   int iota_k_ = -1;

@@ -1,5 +1,6 @@
 #include "worker/engine/shadowkv/compressor.h"
 
+#include <string>
 #include <vector>
 
 namespace penumbra {
@@ -135,6 +136,45 @@ Status ShadowKvCompressor::Outliers(ShadowKvSeq& s, int layer, int n_chunks) {
     if (s.outlier_ids.empty()) s.outlier_ids.resize(static_cast<size_t>(lay_.ctx().num_layers) * H * s.outliers);
     PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(s.outlier_ids.data() + static_cast<size_t>(layer) * H * s.outliers,
                                           tmp_outl_.get(), static_cast<size_t>(H) * s.outliers * sizeof(int32_t)));
+  }
+  return Status::OK();
+}
+
+Status ShadowKvCompressor::TailToLocal(ShadowKvSeq& s, int layer, int64_t tail0, int64_t tail) {
+  if (tail > s.local_cap) {
+    return Status::Internal("shadowkv: a prompt tail of " + std::to_string(tail) + " tokens > local_cap " +
+                            std::to_string(s.local_cap));
+  }
+  if (tail <= 0) return Status::OK();  // a closed shard's prompt may be whole chunks
+  Backend& b = backend_;
+  const int H = lay_.ctx().hkv, d = lay_.ctx().head_dim, D = H * d;
+  const size_t es = lay_.es();
+  PENUMBRA_RETURN_IF_ERROR(b.Copy2D(lay_.Row(s.att_k, s, layer, lay_.LocalRow0(s)), s.att_cap * d * es,
+                                    static_cast<char*>(tmp_k_.get()) + tail0 * d * es, tmp_cap_ * d * es, tail * d * es,
+                                    H));
+  PENUMBRA_RETURN_IF_ERROR(b.Copy2D(lay_.Row(s.att_v, s, layer, lay_.LocalRow0(s)), s.att_cap * d * es,
+                                    static_cast<char*>(tmp_v_.get()) + tail0 * d * es, tmp_cap_ * d * es, tail * d * es,
+                                    H));
+  return b.CopyDeviceToDevice(s.prek.as<float>() + static_cast<int64_t>(layer) * s.local_cap * D,
+                              tmp_prek_.as<float>() + tail0 * D, tail * D * sizeof(float));
+}
+
+Status ShadowKvCompressor::OffloadValues(storage::DramValueStore& store, DeviceBuffer* stage, ShadowKvSeq& s, int layer,
+                                         const void* src, int64_t head_stride, int64_t src_row, int n,
+                                         int store_first) {
+  Backend& b = backend_;
+  const int C = lay_.options().chunk_size, H = lay_.ctx().hkv, d = lay_.ctx().head_dim;
+  const size_t es = lay_.es();
+  const size_t row = static_cast<size_t>(n) * C * d * es;
+  if (stage->bytes() < row * H) {
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    PENUMBRA_ASSIGN_OR_RETURN(*stage, b.AllocateHost(row * H));
+  }
+  PENUMBRA_RETURN_IF_ERROR(
+      b.Copy2D(stage->get(), row, static_cast<const char*>(src) + src_row * d * es, head_stride * es, row, H));
+  PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+  for (int h = 0; h < H; ++h) {
+    PENUMBRA_RETURN_IF_ERROR(store.PutChunks(s.segment, layer, h, store_first, n, stage->as<char>() + h * row));
   }
   return Status::OK();
 }

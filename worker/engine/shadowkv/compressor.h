@@ -8,13 +8,14 @@
 // layer and the next prompt): exact post-RoPE K and V [hkv][tmp_cap][d], f32
 // pre-RoPE keys [tmp_cap][hkv*d], the chunks' minimum cosine and the outlier
 // ids; and the pointer table StoreTokens uploads. Needs the layout (geometry,
-// options) and the backend; writes into the sequence's own buffers. The
-// policy writes the values to the store and the tail into the local rows
-// (they need the store); the independent check calls the same steps.
+// options) and the backend; writes into the sequence's own buffers, and
+// (OffloadValues) into the value store the caller names. The policy and the
+// independent check call the same steps.
 #pragma once
 
 #include <cstdint>
 
+#include "storage/dram_value_store.h"
 #include "worker/engine/shadowkv/layout.h"
 
 namespace penumbra {
@@ -50,6 +51,17 @@ class ShadowKvCompressor {
   // K/V into rows [0, O*C), marked excluded, their ids appended to
   // s.outlier_ids (layer-major). Nothing when s.outliers == 0.
   Status Outliers(ShadowKvSeq& s, int layer, int n_chunks);
+  // the `tail` tokens from temporaries' row tail0 on into `layer`'s local
+  // rows: exact K/V and pre-RoPE keys (Internal when they do not fit; the
+  // caller sets the counts).
+  Status TailToLocal(ShadowKvSeq& s, int layer, int64_t tail0, int64_t tail);
+
+  // Writes n value chunks of every head of `layer` from a device buffer laid
+  // out [hkv][head_stride] rows of d (from row src_row) to chunks
+  // [store_first, store_first + n) of s's segment in `store` (its layer
+  // allocated), through the pinned staging buffer *stage (grown when short).
+  Status OffloadValues(storage::DramValueStore& store, DeviceBuffer* stage, ShadowKvSeq& s, int layer, const void* src,
+                       int64_t head_stride, int64_t src_row, int n, int store_first);
 
  private:
   const ShadowKvLayout& lay_;

@@ -66,6 +66,32 @@ void ShadowKvLayout::Shape(const SequenceSpec& spec, ShadowKvSeq* out) const {
   s.att_cap = static_cast<int64_t>(s.outliers + s.kslots) * C + s.local_cap;
 }
 
+Status ShadowKvLayout::Allocate(ShadowKvSeq* out) const {
+  ShadowKvSeq& s = *out;
+  Backend& b = *ctx_.backend;
+  const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d, C = o_.chunk_size;
+  auto alloc = [&](DeviceBuffer* buf, size_t bytes) -> Status {
+    PENUMBRA_ASSIGN_OR_RETURN(*buf, b.Allocate(bytes));
+    return Status::OK();
+  };
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_k, AttLayer(s) * L * es_));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_v, AttLayer(s) * L * es_));
+  if (!s.sparse) return Status::OK();
+  // A rows and landmarks of the chunks this sequence makes; an attached
+  // prefix's are read in place from the prefix.
+  s.a_rows = s.token_cap - static_cast<int64_t>(s.shared_chunks) * C;
+  s.lm_cap = s.chunk_cap - s.shared_chunks;
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.a_rows * r * es_));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.b, static_cast<size_t>(L) * H * r * d * es_));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.p, static_cast<size_t>(L) * D * r * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * s.lm_cap * lm_rec_bytes_));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t)));
+  PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
+  PENUMBRA_RETURN_IF_ERROR(b.Memset(s.excl.get(), 0, s.excl.bytes()));
+  return b.Memset(s.slots.get(), 0xff, s.slots.bytes());
+}
+
 Status ShadowKvUpload(Backend& backend, DeviceBuffer* dst, const void* src, size_t bytes) {
   if (dst->bytes() < bytes) {
     PENUMBRA_RETURN_IF_ERROR(backend.Synchronize());

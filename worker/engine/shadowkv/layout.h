@@ -79,6 +79,13 @@ class ShadowKvLayout {
   // group, local_cap, chunk_cap and att_cap.
   void Shape(const SequenceSpec& spec, ShadowKvSeq* out) const;
 
+  // Allocates a shaped sequence's device buffers for every layer: the
+  // attention rows and, sparse, the A rows and landmark records of the
+  // chunks from shared_chunks on (sets a_rows, lm_cap), B, P, the outlier
+  // marks (none), the slot maps (empty) and the local pre-RoPE keys. Its
+  // value-store segment is the caller's.
+  Status Allocate(ShadowKvSeq* s) const;
+
   // Tokens the sequence holds (after its last prefill or decode step).
   int64_t Held(const ShadowKvSeq& s) const { return static_cast<int64_t>(s.n_chunks) * o_.chunk_size + s.local_count; }
   // Sequences that share kernel launches in a decode step.
