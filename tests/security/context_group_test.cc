@@ -10,7 +10,7 @@
 // process holding a worker certificate of the cluster. A plaintext
 // rendezvous off loopback is refused unless --insecure. (The same at the
 // library level, with every outcome checked byte by byte:
-// tests/transport/collective_test.cc.)
+// tests/parallel/collective_test.cc.)
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>

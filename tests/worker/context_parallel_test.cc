@@ -8,7 +8,7 @@
 // unsharded first token (the prefill is exact); what a shard cannot do is
 // refused. The same over real processes
 // and TCP (plaintext and mutual TLS):
-// tests/transport/context_parallel_integration_test.cc.
+// tests/parallel/context_parallel_integration_test.cc.
 #include <gtest/gtest.h>
 
 #include <thread>
