@@ -89,6 +89,9 @@ struct WorkerStats {
   15: i64 memory_free_bytes = -1,
   // Generations cancelled because their owner's lease expired (Renew).
   16: i64 lease_expired = 0,
+  // Documents written to the persistent tier (disk or value-store node):
+  // background writes that have finished. Refreshed about once a second.
+  17: i64 documents_stored = 0,
 }
 
 // A document put: its state factored into the document cache (memory, and

@@ -145,7 +145,9 @@ TEST_F(StoreIo, AStoppedStoreNodeCostsOnlyTheRequestsThatNeedIt) {
   {
     auto w1 = cluster.WorkerClient(1);
     ASSERT_TRUE(w1);
-    std::this_thread::sleep_for(1500ms);  // w0's background writes (in order: the canary last)
+    // w0's background writes, all finished (the canary last).
+    ASSERT_TRUE(Eventually([&] { return cluster.WorkerStats(0).documents_stored >= kDocs + 1; }, 60s,
+                           "w0's writes of the documents to the node"));
     std::string id;
     ASSERT_TRUE(Submit(w1, ask(kDocs, 90), {kDocTokens}, 2, &id).ok());
     rpc::TokenChunk c;

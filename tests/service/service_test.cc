@@ -349,9 +349,9 @@ TEST_F(Service, ALostWorkersDocumentsComeBackFromTheStoreNode) {
   auto before = c->Complete(Ask({a.id}, LcgTokens(12, 600, false), 8));
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_EQ(before->usage.cached_prompt_tokens, 200);
-  // The holder's background write to the node: not observable from outside
-  // (no counter of finished writes), so a fixed wait.
-  std::this_thread::sleep_for(1500ms);
+  // The holder's background write to the node has finished.
+  ASSERT_TRUE(Eventually([&] { return cluster.WorkerStats(wa).documents_stored >= 1; }, 20s,
+                         "the holder's write of the document to the node"));
   cluster.worker(wa).process->Signal(SIGKILL);
   ASSERT_TRUE(cluster.worker(wa).process->Wait(10s).has_value());
   ASSERT_TRUE(

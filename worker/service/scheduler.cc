@@ -278,6 +278,7 @@ SchedulerStats::Documents Scheduler::DocumentSnapshot() const {
   d.store_hits = rs.prefix_store_hits;
   d.store_corruptions = rs.prefix_store_corruptions;
   d.store_fetch_failures = rs.prefix_store_fetch_failures;
+  d.stored = rs.prefix_stores;
   return d;
 }
 
@@ -332,7 +333,11 @@ void Scheduler::Loop() {
     if (Clock::now() - memory_sampled_ >= kMemorySampleEvery) {
       lk.unlock();  // the loop is the runtime's only thread
       const size_t free = rt_->backend().FreeMemoryBytes();
+      // Idle too: the document cache's figures move by themselves (the
+      // persistent tier's background writes finish after their requests).
+      const SchedulerStats::Documents docs = DocumentSnapshot();
       lk.lock();
+      stats_.documents = docs;
       memory_sampled_ = Clock::now();
       stats_.memory_free_bytes = static_cast<int64_t>(std::min<size_t>(free, std::numeric_limits<int64_t>::max()));
       if (stop_) return;

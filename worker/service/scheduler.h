@@ -134,6 +134,7 @@ struct SchedulerStats {
     int64_t tier0_promotions = 0, tier0_demotions = 0;
     int64_t store_hits = 0, store_corruptions = 0;  // read back from disk; found damaged (recomputed)
     int64_t store_fetch_failures = 0;               // lookups the store did not answer (prefilled instead)
+    int64_t stored = 0;                             // written to the persistent tier (background writes done)
   } documents;
 };
 

@@ -420,6 +420,7 @@ void WorkerHandler::Stats(rpc::WorkerStats& out) {
   out.prefill_piece_max_seconds = s.prefill_piece_max_seconds;
   out.memory_free_bytes = s.memory_free_bytes;
   out.lease_expired = lease_expired();
+  out.documents_stored = s.documents.stored;
 }
 
 Result<std::unique_ptr<WorkerServer>> WorkerServer::Start(Scheduler* scheduler, WorkerIdentity identity,
