@@ -13,7 +13,9 @@
 //     return *t;
 //   }
 //
-// An empty flag name means YAML only; an empty key means command line only.
+// An empty flag name means YAML only; an empty key means command line only
+// (a table of command-line options only, a program's, documents no key
+// column).
 // The default shown in help and docs is the struct's own (a default-
 // constructed T): the table never holds a second copy of it.
 //
@@ -24,6 +26,7 @@
 // in code is checked too.
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -83,18 +86,21 @@ class OptionTable {
     return *this;
   }
 
-  // A floating-point number in [min, max] (NaN is outside every range).
-  OptionTable& Double(double T::*member, std::string flag, std::string key, double min, double max, std::string help) {
-    return Double(Member(member), std::move(flag), std::move(key), min, max, std::move(help));
+  // A floating-point number in [min, max], or (min, max] with min_open (NaN
+  // is outside every range).
+  OptionTable& Double(double T::*member, std::string flag, std::string key, double min, double max, std::string help,
+                      bool min_open = false) {
+    return Double(Member(member), std::move(flag), std::move(key), min, max, std::move(help), min_open);
   }
-  OptionTable& Double(Field<double> field, std::string flag, std::string key, double min, double max,
-                      std::string help) {
+  OptionTable& Double(Field<double> field, std::string flag, std::string key, double min, double max, std::string help,
+                      bool min_open = false) {
     Entry e = Base(std::move(flag), std::move(key), std::move(help));
-    e.range = "[" + Num(min) + ", " + Num(max) + "]";
+    e.range = (min_open ? "(" : "[") + Num(min) + ", " + Num(max) + "]";
     e.show = [field](const T& o) { return Num(Get(field, o)); };
-    e.check = [field, min, max, range = e.range](const T& o) -> std::string {
+    e.check = [field, min, max, min_open, range = e.range](const T& o) -> std::string {
       const double v = Get(field, o);
-      return !(v >= min && v <= max) ? "must be in " + range + ", got " + Num(v) : "";
+      const bool above = min_open ? v > min : v >= min;
+      return !(above && v <= max) ? "must be in " + range + ", got " + Num(v) : "";
     };
     e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
       PENUMBRA_ASSIGN_OR_RETURN(*field(o), a.GetDouble(name, *field(o)));
@@ -102,6 +108,111 @@ class OptionTable {
     };
     e.from_yaml = [field, min, max](ConfigReader& r, const std::string& key, T* o) { r.Read(key, field(o), min, max); };
     entries_.push_back(std::move(e));
+    return *this;
+  }
+
+  // An integer in [min, max] that the struct holds in other units (MiB as
+  // bytes, seconds as milliseconds...): `get` gives the option's value from
+  // the struct, `set` stores one.
+  OptionTable& IntVia(std::function<int64_t(const T&)> get, std::function<void(T*, int64_t)> set, std::string flag,
+                      std::string key, int64_t min, int64_t max, std::string help) {
+    Entry e = Base(std::move(flag), std::move(key), std::move(help));
+    e.range = "[" + std::to_string(min) + ", " + std::to_string(max) + "]";
+    e.show = [get](const T& o) { return std::to_string(get(o)); };
+    e.check = [get, min, max, range = e.range](const T& o) -> std::string {
+      const int64_t v = get(o);
+      return v < min || v > max ? "must be in " + range + ", got " + std::to_string(v) : "";
+    };
+    // Checked before it is stored: a value out of range could wrap in the
+    // struct's units.
+    e.from_flag = [get, set, min, max, name = e.flag, full = Name(e.key, e.flag), range = e.range](const Args& a,
+                                                                                                   T* o) -> Status {
+      if (!a.Has(name)) return Status::OK();
+      PENUMBRA_ASSIGN_OR_RETURN(int64_t v, a.GetInt(name, get(*o)));
+      if (v < min || v > max) {
+        return Status::InvalidArgument(full + " must be in " + range + ", got " + std::to_string(v));
+      }
+      set(o, v);
+      return Status::OK();
+    };
+    e.from_yaml = [get, set, min, max](ConfigReader& r, const std::string& key, T* o) {
+      if (!r.Has(key)) return;
+      int64_t v = get(*o);
+      r.Read(key, &v, min, max);  // out of range: an error, and v unchanged
+      if (v >= min && v <= max) set(o, v);
+    };
+    entries_.push_back(std::move(e));
+    return *this;
+  }
+
+  // A duration, given as a count of `unit`s (std::chrono::seconds for an
+  // option in seconds held as milliseconds).
+  template <class D, class Unit = D>
+  OptionTable& Duration(Field<D> field, std::string flag, std::string key, int64_t min, int64_t max, std::string help,
+                        Unit /*unit*/ = Unit{}) {
+    return IntVia(
+        [field](const T& o) { return static_cast<int64_t>(std::chrono::duration_cast<Unit>(Get(field, o)).count()); },
+        [field](T* o, int64_t v) { *field(o) = std::chrono::duration_cast<D>(Unit(v)); }, std::move(flag),
+        std::move(key), min, max, std::move(help));
+  }
+  template <class D, class Unit = D>
+  OptionTable& Duration(D T::*member, std::string flag, std::string key, int64_t min, int64_t max, std::string help,
+                        Unit unit = Unit{}) {
+    return Duration<D, Unit>(Member(member), std::move(flag), std::move(key), min, max, std::move(help), unit);
+  }
+
+  // A size given in MiB, held in bytes (an integer or a double member).
+  template <class M>
+  OptionTable& MiB(Field<M> field, std::string flag, std::string key, int64_t min, int64_t max, std::string help) {
+    return IntVia([field](const T& o) { return static_cast<int64_t>(Get(field, o) / (1 << 20)); },
+                  [field](T* o, int64_t v) { *field(o) = static_cast<M>(v) * (1 << 20); }, std::move(flag),
+                  std::move(key), min, max, std::move(help));
+  }
+  template <class M>
+  OptionTable& MiB(M T::*member, std::string flag, std::string key, int64_t min, int64_t max, std::string help) {
+    return MiB<M>(Member(member), std::move(flag), std::move(key), min, max, std::move(help));
+  }
+
+  // Any string (a path, an address); `shape` says what it holds ("DIR",
+  // "HOST:PORT,...") in help and docs.
+  OptionTable& String(std::string T::*member, std::string flag, std::string key, std::string shape, std::string help) {
+    return String(Member(member), std::move(flag), std::move(key), std::move(shape), std::move(help));
+  }
+  OptionTable& String(Field<std::string> field, std::string flag, std::string key, std::string shape,
+                      std::string help) {
+    Entry e = Base(std::move(flag), std::move(key), std::move(help));
+    e.range = std::move(shape);
+    e.show = [field](const T& o) { return Get(field, o); };
+    e.check = [](const T&) { return std::string(); };
+    e.from_flag = [field, name = e.flag](const Args& a, T* o) -> Status {
+      if (a.Has(name)) *field(o) = a.Get(name);
+      return Status::OK();
+    };
+    e.from_yaml = [field](ConfigReader& r, const std::string& key, T* o) { r.Read(key, field(o)); };
+    entries_.push_back(std::move(e));
+    return *this;
+  }
+
+  // The option declared last is "not given" while it shows as `value` (its
+  // default, a value outside its range: 0, -1, ""): then its range is not
+  // checked, and help and docs give `meaning` as its default ("the engine's
+  // max_batch"). The program decides what not giving it means. A flag that
+  // gives `value` itself is still checked (--max-batch 0 is refused).
+  OptionTable& Unset(std::string value, std::string meaning) {
+    Entry& e = entries_.back();
+    e.unset_value = std::move(value);
+    e.unset_meaning = std::move(meaning);
+    const std::function<std::string(const T&)> range_check = e.check;
+    e.check = [show = e.show, check = range_check, unset = e.unset_value](const T& o) {
+      return show(o) == unset ? std::string() : check(o);
+    };
+    e.from_flag = [show = e.show, check = range_check, from_flag = e.from_flag, unset = e.unset_value,
+                   name = Name(e.key, e.flag), flag = e.flag](const Args& a, T* o) -> Status {
+      PENUMBRA_RETURN_IF_ERROR(from_flag(a, o));
+      if (!a.Has(flag) || show(*o) != unset) return Status::OK();
+      std::string bad = check(*o);
+      return bad.empty() ? Status::OK() : Status::InvalidArgument(name + " " + bad);
+    };
     return *this;
   }
 
@@ -165,7 +276,8 @@ class OptionTable {
     const T defaults{};
     for (const Entry& e : entries_) {
       if (e.flag.empty()) continue;
-      a.Flag(e.flag, section_ + ": " + e.help + " (default " + e.show(defaults) + "; " + e.range + ")");
+      a.Flag(e.flag, section_ + ": " + e.help + " (default " + Default(e, defaults) + (e.range.empty() ? "" : "; ") +
+                         e.range + ")");
     }
   }
 
@@ -206,14 +318,22 @@ class OptionTable {
   }
 
   // A Markdown table of the options (YAML key, flag, default, range, help),
-  // for the docs.
+  // for the docs; without the key column when no option has a key.
   std::string Markdown() const {
     const T defaults{};
+    bool keys = false;
+    for (const Entry& e : entries_) keys = keys || !e.key.empty();
     std::ostringstream s;
-    s << "| `" << section_ << ":` key | flag | default | range | what |\n|---|---|---|---|---|\n";
+    if (keys) {
+      s << "| `" << section_ << ":` key | flag | default | range | what |\n|---|---|---|---|---|\n";
+    } else {
+      s << "| flag | default | range | what |\n|---|---|---|---|\n";
+    }
     for (const Entry& e : entries_) {
-      s << "| " << (e.key.empty() ? "" : "`" + e.key + "`") << " | " << (e.flag.empty() ? "" : "`--" + e.flag + "`")
-        << " | " << Cell(e.show(defaults)) << " | " << Cell(e.range) << " | " << Cell(e.help) << " |\n";
+      s << "| ";
+      if (keys) s << (e.key.empty() ? "" : "`" + e.key + "`") << " | ";
+      s << (e.flag.empty() ? "" : "`--" + e.flag + "`") << " | " << Cell(Default(e, defaults)) << " | " << Cell(e.range)
+        << " | " << Cell(e.help) << " |\n";
     }
     return s.str();
   }
@@ -223,6 +343,7 @@ class OptionTable {
  private:
   struct Entry {
     std::string flag, key, help, range;
+    std::string unset_value, unset_meaning;  // Unset()
     std::function<std::string(const T&)> show;
     std::function<std::string(const T&)> check;  // "" when valid
     std::function<Status(const Args&, T*)> from_flag;
@@ -243,6 +364,11 @@ class OptionTable {
     e.key = std::move(key);
     e.help = std::move(help);
     return e;
+  }
+  static std::string Default(const Entry& e, const T& defaults) {
+    std::string v = e.show(defaults);
+    if (!e.unset_meaning.empty() && v == e.unset_value) return e.unset_meaning;
+    return v.empty() ? "\"\"" : v;
   }
   static std::string Cell(const std::string& text) {  // '|' would end a Markdown cell
     std::string out;

@@ -121,12 +121,13 @@ void RaiseFileLimit() {
 }
 
 int ServerMain(const char* name, const char* usage, int argc, char** argv,
-               const std::function<Status(int, char**)>& run) {
+               const std::function<Status(int, char**)>& run, const std::function<std::string()>& flags_help) {
   BlockTerminationSignals();  // before any thread starts
   InitLogging(argv[0]);
   RaiseFileLimit();
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "help")) {
     std::cout << usage;
+    if (flags_help) std::cout << "options:\n" << flags_help();
     return 0;
   }
   const Status s = run(argc, argv);

@@ -49,9 +49,10 @@ void RaiseFileLimit();
 // The main() of a long-running server program `name`: blocks the termination
 // signals before any thread starts, sets up logging, raises the open-file
 // limit, answers --help with
-// `usage`, runs `run` and maps its Status to the exit code (0; 2 for
-// InvalidArgument, 1 otherwise) with one line on stderr.
+// `usage` (and, given `flags_help`, "options:" and what it returns: the
+// program's flags, Args::Help()), runs `run` and maps its Status to the exit
+// code (0; 2 for InvalidArgument, 1 otherwise) with one line on stderr.
 int ServerMain(const char* name, const char* usage, int argc, char** argv,
-               const std::function<Status(int, char**)>& run);
+               const std::function<Status(int, char**)>& run, const std::function<std::string()>& flags_help = nullptr);
 
 }  // namespace penumbra

@@ -550,16 +550,26 @@ struct SegmentStore::Impl {
   }
 };
 
-Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o) {
-  r.Read("path", &o->path);
-  r.Read("capacity_bytes", &o->capacity_bytes, 1, size_t{1} << 55);
-  r.Read("block_bytes", &o->block_bytes, kMinBlockBytes, kMaxBlockBytes);
-  r.Read("read_threads", &o->read_threads, 1, 256);
-  r.Read("block_cache_bytes", &o->block_cache_bytes, 0, size_t{1} << 45);
-  r.Read("sync_commit", &o->sync_commit);
-  r.Read("direct_reads", &o->direct_reads);
-  return r.Finish();
+const OptionTable<SegmentStoreOptions>& SegmentStoreOptionTable() {
+  using O = SegmentStoreOptions;
+  static const auto* table =
+      &(*new OptionTable<O>("storage.disk"))
+           .String(&O::path, "", "path", "DIR",
+                   "the store's RocksDB directory (created when missing); \"\": no disk tier")
+           .Int(&O::capacity_bytes, "", "capacity_bytes", size_t{1}, size_t{1} << 55,
+                "stored document bytes at most (least recently used unpinned documents evicted)")
+           .Int(&O::block_bytes, "", "block_bytes", SegmentStore::kMinBlockBytes, SegmentStore::kMaxBlockBytes,
+                "bytes per stored block (each checksummed) of blobs given no block size")
+           .Int(&O::read_threads, "", "read_threads", size_t{1}, size_t{256},
+                "blocks read at once when a document is read back")
+           .Int(&O::block_cache_bytes, "", "block_cache_bytes", size_t{0}, size_t{1} << 45, "RocksDB's block cache")
+           .Bool(&O::sync_commit, "", "sync_commit",
+                 "fsync the WAL when a document is committed (what was acknowledged survives kill -9)")
+           .Bool(&O::direct_reads, "", "direct_reads", "read with O_DIRECT (bypassing the page cache)");
+  return *table;
 }
+
+Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o) { return SegmentStoreOptionTable().Load(r, o); }
 
 SegmentStore::SegmentStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 SegmentStore::~SegmentStore() = default;

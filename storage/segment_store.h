@@ -77,6 +77,7 @@
 
 #include "common/config.h"
 #include "common/hash.h"
+#include "common/option_table.h"
 #include "common/status.h"
 #include "storage/document_store.h"
 #include "storage/write_health.h"
@@ -98,9 +99,14 @@ struct SegmentStoreOptions {
   size_t read_threads = 8;                      // blocks one Get or ReadBlob reads at once (in [1, 256]). Default: 8.
 };
 
-// Reads the keys path, capacity_bytes, block_bytes, sync_commit,
-// block_cache_bytes, direct_reads and read_threads (engine.yaml's prefix_store:, configs/engine.yaml);
-// errors name the key. Per-namespace quotas come from the tenants' config.
+// The store's keys of the storage YAML's `disk:` section (configs/storage.yaml;
+// the worker's own keys of that section are worker/engine/storage_options.h's):
+// path, capacity_bytes, block_bytes, read_threads, block_cache_bytes,
+// sync_commit, direct_reads, each with its range. Per-namespace quotas come
+// from the tenants' config.
+const OptionTable<SegmentStoreOptions>& SegmentStoreOptionTable();
+// Reads those keys from `r` (the section; any other key is an error naming
+// it) and validates them; errors name the key.
 Status LoadSegmentStoreOptions(ConfigReader& r, SegmentStoreOptions* o);
 
 struct SegmentStoreStats {

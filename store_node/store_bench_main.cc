@@ -40,6 +40,7 @@
 #include "common/crypto.h"
 #include "common/hash.h"
 #include "common/logging.h"
+#include "common/option_table.h"
 #include "common/process.h"
 #include "storage/lazy_blob.h"
 #include "storage/segment_store.h"
@@ -82,18 +83,42 @@ Result<double> ReadBlocks(storage::BlobReader& reader, uint64_t size, size_t blo
   return Now() - t0;
 }
 
-Status Run(int argc, char** argv) {
+struct StoreBenchOptions {
+  int64_t mb = 1024;                // MiB of values. Default: 1024.
+  int64_t block_bytes = 16384;      // bytes per block. Default: 16384.
+  int64_t threads = 32;             // reads in flight. Default: 32.
+  std::string dir;                  // a scratch directory; "": a new one in /tmp. Default: "".
+  std::string cluster_secret_file;  // seals the store plane (node and client); "": plaintext. Default: "".
+};
+
+const OptionTable<StoreBenchOptions>& StoreBenchOptionTable() {
+  using O = StoreBenchOptions;
+  static const auto* table =
+      &(*new OptionTable<O>("store bench"))
+           .Int(&O::mb, "mb", "", int64_t{1}, int64_t{1} << 20, "MiB of values")
+           .Int(&O::block_bytes, "block-bytes", "", int64_t{4096}, int64_t{64} << 20, "bytes per block")
+           .Int(&O::threads, "threads", "", int64_t{1}, int64_t{1024}, "reads in flight")
+           .String(&O::dir, "dir", "", "DIR", "a scratch directory")
+           .Unset("", "a new one in /tmp")
+           .String(&O::cluster_secret_file, "cluster-secret-file", "", "FILE",
+                   "seal the store plane with this secret (node and client)")
+           .Unset("", "none: plaintext");
+  return *table;
+}
+
+Args Flags() {
   Args a;
-  a.Flag("mb", "MiB of values (default 1024)")
-      .Flag("block-bytes", "bytes per block (default 16384)")
-      .Flag("threads", "reads in flight (default 32)")
-      .Flag("dir", "a scratch directory (default: a new one in /tmp)")
-      .Flag("cluster-secret-file", "seal the store plane with this secret (node and client)");
+  StoreBenchOptionTable().AddFlags(a);
+  return a;
+}
+
+Status Run(int argc, char** argv) {
+  Args a = Flags();
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetIntIn("mb", 1024, 1, 1 << 20));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t block, a.GetIntIn("block-bytes", 16384, 4096, 64 << 20));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t threads, a.GetIntIn("threads", 32, 1, 1024));
-  std::string dir = a.Get("dir", "");
+  StoreBenchOptions bo;
+  PENUMBRA_RETURN_IF_ERROR(StoreBenchOptionTable().ApplyFlags(a, &bo));
+  const int64_t mb = bo.mb, block = bo.block_bytes, threads = bo.threads;
+  std::string dir = bo.dir;
   if (dir.empty()) {
     char tmpl[] = "/tmp/penumbra-store-bench-XXXXXX";
     dir = mkdtemp(tmpl);
@@ -114,7 +139,7 @@ Status Run(int argc, char** argv) {
   so.capacity_bytes = size * 2 + (size_t{1} << 30);
   so.read_threads = static_cast<size_t>(threads);
   std::optional<ClusterSecret> secret;
-  const std::string secret_file = a.Get("cluster-secret-file", "");
+  const std::string& secret_file = bo.cluster_secret_file;
   if (!secret_file.empty()) {
     PENUMBRA_ASSIGN_OR_RETURN(ClusterSecret s, ClusterSecret::Load(secret_file));
     secret = s;
@@ -233,5 +258,5 @@ int main(int argc, char** argv) {
   return penumbra::ServerMain("penumbra-store-bench",
                               "usage: penumbra-store-bench [--mb N] [--block-bytes B] "
                               "[--threads T] [--dir D] [--cluster-secret-file F]\n",
-                              argc, argv, penumbra::Run);
+                              argc, argv, penumbra::Run, [] { return penumbra::Flags().Help(); });
 }

@@ -29,6 +29,7 @@
 #include "common/process.h"
 #include "storage/segment_store.h"
 #include "store_node/store_node.h"
+#include "store_node/store_node_options.h"
 #include "transport/tls.h"
 
 namespace penumbra {
@@ -38,29 +39,23 @@ constexpr const char* kUsage =
     "usage: penumbra-store --path DIR [--host 127.0.0.1] [--port 0] [--port-file F] "
     "[--storage-config FILE] [--threads 8] [--cluster-secret-file F]\n";
 
-Status Run(int argc, char** argv) {
+// Every flag: the node's table and the security flags.
+Args Flags() {
   Args a;
-  a.Flag("path", "the store's RocksDB directory (created when missing)")
-      .Flag("host", "address to listen on (default 127.0.0.1)")
-      .Flag("port", "port (default 0: one the OS picks)")
-      .Flag("port-file", "write {\"port\": P, \"pid\": N} here once serving")
-      .Flag("storage-config", "the store's options: the disk: section of a storage YAML (configs/storage.yaml)")
-      .Flag("threads", "requests served at once (default 8)")
-      .Flag("reader-idle-seconds", "a reader a worker left idle this long is closed (default 120)")
-      .Flag("upload-idle-seconds", "an upload left without a part this long is dropped (default 120)")
-      .Flag("max-readers", "readers open at once (default 4096)")
-      .Flag("max-uploads", "uploads in flight at once (default 64)")
-      .Flag("max-upload-mb",
-            "MiB the uploads in flight may declare together (held in memory until committed; "
-            "default: half the machine's memory)")
-      .Flag("max-endpoints", "connections at once (default 1024)")
-      .Flag("handshake-timeout-ms", "a connection that has not authenticated by then is closed (default 10000)");
+  transport::StoreNodeOptionTable().AddFlags(a);
   transport::AddSecurityFlags(a);
+  return a;
+}
+
+Status Run(int argc, char** argv) {
+  Args a = Flags();
   Status ps = a.Parse(argc, argv, 1);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
+  transport::StoreNodeProcessOptions po;
+  PENUMBRA_RETURN_IF_ERROR(transport::StoreNodeOptionTable().ApplyFlags(a, &po));
   storage::SegmentStoreOptions so;
-  if (a.Has("storage-config")) {
-    PENUMBRA_ASSIGN_OR_RETURN(ConfigReader r, ConfigReader::FromFile(a.Get("storage-config")));
+  if (!po.storage_config.empty()) {
+    PENUMBRA_ASSIGN_OR_RETURN(ConfigReader r, ConfigReader::FromFile(po.storage_config));
     ConfigReader disk = r.Child("disk");
     // The node stores; the worker-side keys of the section are the workers'.
     bool ignored_b = false;
@@ -75,11 +70,10 @@ Status Run(int argc, char** argv) {
     (void)r.Child("dram");  // the former name of `memory`
     PENUMBRA_RETURN_IF_ERROR(r.Finish());
   }
-  if (a.Has("path")) so.path = a.Get("path");
+  if (a.Has("path")) so.path = po.path;
   if (so.path.empty()) return Status::InvalidArgument(std::string("--path is required\n") + kUsage);
   PENUMBRA_ASSIGN_OR_RETURN(transport::ProcessSecurity security, transport::SecurityFromFlags(a));
-  transport::StoreNodeOptions no;
-  no.host = a.Get("host", "127.0.0.1");
+  transport::StoreNodeOptions& no = po.node;
   // The store plane is authenticated by the cluster secret (UCX has no TLS).
   PENUMBRA_RETURN_IF_ERROR(transport::CheckStorePlaneBind("the store plane", no.host,
                                                           !security.cluster_secret_file.empty(), security.insecure));
@@ -88,34 +82,12 @@ Status Run(int argc, char** argv) {
     if (!secret.ok()) return secret.status().WithContext("--cluster-secret-file");
     no.plane.secret = *secret;
   }
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
-  no.port = static_cast<int>(port);
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t threads, a.GetIntIn("threads", no.plane.threads, 1, 256));
-  no.plane.threads = static_cast<int>(threads);
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t endpoints, a.GetIntIn("max-endpoints", no.plane.max_endpoints, 1, 1 << 20));
-  no.plane.max_endpoints = static_cast<int>(endpoints);
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t handshake_ms,
-                            a.GetIntIn("handshake-timeout-ms", no.plane.handshake_timeout.count(), 1, 3600000));
-  no.plane.handshake_timeout = std::chrono::milliseconds(handshake_ms);
-  transport::StoreServiceOptions& sv = no.service;
-  PENUMBRA_ASSIGN_OR_RETURN(sv.reader_idle_seconds, a.GetDouble("reader-idle-seconds", sv.reader_idle_seconds));
-  if (!(sv.reader_idle_seconds > 0)) return Status::InvalidArgument("--reader-idle-seconds must be > 0");
-  PENUMBRA_ASSIGN_OR_RETURN(sv.upload_idle_seconds, a.GetDouble("upload-idle-seconds", sv.upload_idle_seconds));
-  if (!(sv.upload_idle_seconds > 0)) return Status::InvalidArgument("--upload-idle-seconds must be > 0");
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t readers, a.GetIntIn("max-readers", sv.max_readers, 1, 1 << 24));
-  sv.max_readers = static_cast<int>(readers);
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t uploads, a.GetIntIn("max-uploads", sv.max_uploads, 1, 1 << 20));
-  sv.max_uploads = static_cast<int>(uploads);
-  if (a.Has("max-upload-mb")) {
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetIntIn("max-upload-mb", 0, 1, int64_t{1} << 30));
-    sv.max_upload_bytes = static_cast<uint64_t>(mb) << 20;
-  }
 
   PENUMBRA_ASSIGN_OR_RETURN(auto store, storage::SegmentStore::Open(so));
   PENUMBRA_ASSIGN_OR_RETURN(auto node, transport::StoreNode::Start(store.get(), no));
-  if (a.Has("port-file")) {
+  if (!po.port_file.empty()) {
     nlohmann::json j = {{"port", node->port()}, {"metrics_port", -1}, {"pid", static_cast<int64_t>(getpid())}};
-    PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(a.Get("port-file"), j.dump() + "\n"));
+    PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(po.port_file, j.dump() + "\n"));
   }
   std::printf("penumbra-store: serving %s (%zu documents) on %s:%d (%s)\n", so.path.c_str(), store->Keys().size(),
               no.host.c_str(), node->port(),
@@ -139,5 +111,6 @@ Status Run(int argc, char** argv) {
 }  // namespace penumbra
 
 int main(int argc, char** argv) {
-  return penumbra::ServerMain("penumbra-store", penumbra::kUsage, argc, argv, penumbra::Run);
+  return penumbra::ServerMain("penumbra-store", penumbra::kUsage, argc, argv, penumbra::Run,
+                              [] { return penumbra::Flags().Help(); });
 }

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -141,6 +143,98 @@ TEST(OptionTable, HelpAndDocsComeFromTheTable) {
   const std::string md = Table().Markdown();
   EXPECT_NE(md.find("| `mode` | `--mode` | dense | dense \\| sparse | how |"), std::string::npos) << md;
   EXPECT_NE(md.find("| `bytes` |  | 4096 |"), std::string::npos) << md;
+}
+
+// A program's options: flags only, in the units the flags give (seconds as a
+// duration, MiB as bytes), some "not given" by default.
+struct Process {
+  std::string host = "127.0.0.1";
+  std::string port_file;
+  std::chrono::milliseconds lease{30000};
+  std::chrono::milliseconds abandon{std::chrono::seconds(120)};
+  size_t cache_bytes = size_t{64} << 20;
+  int64_t seed = -1;
+  double idle_seconds = 120;
+};
+
+const OptionTable<Process>& ProcessTable() {
+  static const auto* t =
+      &(*new OptionTable<Process>("proc"))
+           .String(&Process::host, "host", "", "HOST", "where to listen")
+           .String(&Process::port_file, "port-file", "", "FILE", "the port, once serving")
+           .Unset("", "none")
+           .Duration(&Process::lease, "lease-ms", "", 100, 86400000, "a lease")
+           .Duration(&Process::abandon, "abandon-s", "", 1, 600, "abandoned after", std::chrono::seconds{})
+           .MiB(&Process::cache_bytes, "cache-mb", "", 1, 1024, "the cache")
+           .Int(&Process::seed, "seed", "", int64_t{0}, int64_t{1} << 40, "random weights")
+           .Unset("-1", "off")
+           .Double(&Process::idle_seconds, "idle-seconds", "", 0, std::numeric_limits<double>::infinity(), "idle",
+                   /*min_open=*/true);
+  return *t;
+}
+
+Status ParseProcess(const std::vector<std::string>& flags, Process* o) {
+  Args a;
+  ProcessTable().AddFlags(a);
+  std::vector<std::string> argv = {"tool"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  std::vector<char*> p;
+  for (std::string& s : argv) p.push_back(s.data());
+  PENUMBRA_RETURN_IF_ERROR(a.Parse(static_cast<int>(p.size()), p.data(), 1));
+  return ProcessTable().ApplyFlags(a, o);
+}
+
+TEST(OptionTable, FlagsInOtherUnitsThanTheStructs) {
+  Process o;
+  ASSERT_TRUE(ParseProcess({}, &o).ok());
+  EXPECT_EQ(o.lease.count(), 30000);
+  EXPECT_EQ(o.seed, -1) << "not given";
+  Status s = ParseProcess({"--lease-ms", "250", "--abandon-s", "7", "--cache-mb", "3", "--seed", "0", "--host",
+                           "0.0.0.0", "--port-file", "/tmp/p", "--idle-seconds", "0.5"},
+                          &o);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(o.lease.count(), 250);
+  EXPECT_EQ(o.abandon.count(), 7000);
+  EXPECT_EQ(o.cache_bytes, size_t{3} << 20);
+  EXPECT_EQ(o.seed, 0);
+  EXPECT_EQ(o.host, "0.0.0.0");
+  EXPECT_EQ(o.port_file, "/tmp/p");
+  EXPECT_DOUBLE_EQ(o.idle_seconds, 0.5);
+}
+
+TEST(OptionTable, RangesInTheFlagsUnits) {
+  Process o;
+  Status a = ParseProcess({"--abandon-s", "601"}, &o);
+  EXPECT_NE(a.message().find("--abandon-s must be in [1, 600], got 601"), std::string::npos) << a;
+  Process m;
+  Status b = ParseProcess({"--cache-mb", "0"}, &m);
+  EXPECT_NE(b.message().find("--cache-mb must be in [1, 1024], got 0"), std::string::npos) << b;
+  Process i;
+  Status c = ParseProcess({"--idle-seconds", "0"}, &i);
+  EXPECT_NE(c.message().find("--idle-seconds must be in (0, inf], got 0"), std::string::npos) << c;
+  Process n;
+  EXPECT_FALSE(ParseProcess({"--seed", "-1"}, &n).ok()) << "the unset value is not a value one may give";
+  Process l;
+  EXPECT_FALSE(ParseProcess({"--lease-ms", "99"}, &l).ok());
+  // Refused before it is stored: in bytes it would wrap around.
+  Process w;
+  Status big = ParseProcess({"--cache-mb", "17592186044417"}, &w);
+  EXPECT_NE(big.message().find("--cache-mb must be in [1, 1024], got 17592186044417"), std::string::npos) << big;
+  EXPECT_EQ(w.cache_bytes, size_t{64} << 20);
+}
+
+TEST(OptionTable, AProgramsTableDocumentsFlagsOnly) {
+  const std::string md = ProcessTable().Markdown();
+  EXPECT_EQ(md.find("key"), std::string::npos) << md;
+  EXPECT_NE(md.find("| flag | default | range | what |\n|---|---|---|---|\n"), std::string::npos) << md;
+  EXPECT_NE(md.find("| `--abandon-s` | 120 | [1, 600] | abandoned after |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| `--cache-mb` | 64 | [1, 1024] | the cache |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| `--seed` | off | [0, 1099511627776] | random weights |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| `--port-file` | none | FILE | the port, once serving |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| `--host` | 127.0.0.1 | HOST | where to listen |"), std::string::npos) << md;
+  Args a;
+  ProcessTable().AddFlags(a);
+  EXPECT_NE(a.Help().find("proc: random weights (default off; [0, 1099511627776])"), std::string::npos) << a.Help();
 }
 
 }  // namespace

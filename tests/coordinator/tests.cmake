@@ -1,4 +1,5 @@
-penumbra_glob_tests(coordinator LIBS penumbra_tokenizer penumbra_eval penumbra_coordinator nlohmann_json::nlohmann_json)
+penumbra_glob_tests(coordinator LIBS penumbra_tokenizer penumbra_eval penumbra_coordinator penumbra_coordinator_options
+  nlohmann_json::nlohmann_json)
 # Tests that kill real processes with SIGKILL also carry the label "crash".
 if(TEST document_registry_integration_test)
   set_property(TEST document_registry_integration_test APPEND PROPERTY LABELS crash)

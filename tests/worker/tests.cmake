@@ -1,4 +1,4 @@
 penumbra_glob_tests(worker LIBS penumbra_engine penumbra_service penumbra_shadowkv_check penumbra_kernel_trace
-  nlohmann_json::nlohmann_json)
+  penumbra_worker_options nlohmann_json::nlohmann_json)
 # Whole generations on the stories model, many of them: tens of seconds.
 penumbra_cost_label(integration TESTS prefix_reuse_test scheduler_test context_parallel_test)

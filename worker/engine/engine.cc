@@ -18,53 +18,6 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   return EngineOptionTable().Validate(*o);
 }
 
-Status LoadStorageOptions(ConfigReader& r, EngineOptions* o) {
-  constexpr size_t kMaxBytes = size_t{1} << 55;
-  // Tier 0: spare device memory.
-  TierOptions& t = o->runtime.tiers;
-  ConfigReader g = r.Child("gpu");
-  g.Read("capacity_bytes", &t.gpu_capacity_bytes, 0, kMaxBytes);
-  g.Read("reserve_bytes", &t.gpu_reserve_bytes, 0, kMaxBytes);
-  g.Read("high_watermark", &t.gpu_high_watermark, 0.01, 1.0);
-  g.Read("low_watermark", &t.gpu_low_watermark, 0.01, 1.0);
-  g.Read("promote_min_reads", &t.promote_min_reads, 0, int64_t{1} << 50);
-  g.Read("heat_half_life_steps", &t.heat_half_life_steps, 0.001, 1e9);
-  g.Read("replace_ratio", &t.replace_ratio, 1.0, 1e9);
-  PENUMBRA_RETURN_IF_ERROR(g.Finish());
-  if (t.gpu_low_watermark > t.gpu_high_watermark) {
-    return g.Error("low_watermark", "must be at most high_watermark (" + std::to_string(t.gpu_high_watermark) +
-                                        "), got " + std::to_string(t.gpu_low_watermark));
-  }
-  // Tier 1: documents held in this process (their device state in device
-  // memory, a shadowkv document's values in host memory). `dram` is the
-  // section's former name, still read (with a warning) so deployed configs
-  // keep working.
-  RuntimeOptions& rt = o->runtime;
-  if (r.Has("memory") && r.Has("dram")) {
-    return r.Error("dram", "is the former name of `memory`: give one or the other");
-  }
-  const bool legacy = r.Has("dram");
-  if (legacy) LOG(WARNING) << "storage: the `dram` section is now called `memory`; rename it";
-  ConfigReader d = r.Child(legacy ? "dram" : "memory");
-  d.Read("device_bytes", &rt.prefix_cache_bytes, 0, kMaxBytes);
-  d.Read("host_bytes", &rt.prefix_cache_host_bytes, 0, kMaxBytes);
-  d.Read("low_watermark", &rt.prefix_cache_low_watermark, 0.01, 1.0);
-  PENUMBRA_RETURN_IF_ERROR(d.Finish());
-  // Tier 2: the persistent store.
-  ConfigReader k = r.Child("disk");
-  k.Read("queue_bytes", &rt.prefix_store_queue_bytes, 0, kMaxBytes);
-  k.Read("lazy_reads", &rt.prefix_store_lazy_reads);
-  k.Read("lazy_block_bytes", &rt.prefix_store_lazy_block_bytes, 4096, size_t{256} << 20);
-  k.Read("lazy_threads", &rt.prefix_store_lazy_threads, 1, 256);
-  PENUMBRA_RETURN_IF_ERROR(storage::LoadSegmentStoreOptions(k, &o->prefix_store));
-  return r.Finish();
-}
-
-Status LoadStorageOptionsFile(const std::string& path, EngineOptions* o) {
-  PENUMBRA_ASSIGN_OR_RETURN(ConfigReader r, ConfigReader::FromFile(path));
-  return LoadStorageOptions(r, o);
-}
-
 Result<EngineOptions> LoadEngineOptionsFile(const std::string& path) {
   PENUMBRA_ASSIGN_OR_RETURN(ConfigReader r, ConfigReader::FromFile(path));
   EngineOptions o;

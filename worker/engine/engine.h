@@ -70,12 +70,10 @@ struct EngineOptions {
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o);
 Result<EngineOptions> LoadEngineOptionsFile(const std::string& path);
 // Reads the document cache's tiers (configs/storage.yaml; an engine YAML's
-// `storage:`): gpu {capacity_bytes, reserve_bytes, high_watermark,
-// low_watermark, promote_min_reads, heat_half_life_steps, replace_ratio}
-// (runtime.tiers), memory (formerly dram) {device_bytes, host_bytes, low_watermark}
-// (runtime.prefix_cache_*), disk {queue_bytes, lazy_reads,
-// lazy_block_bytes, lazy_threads, and prefix_store's keys}. Only the keys
-// present change *o; errors name the key.
+// `storage:`): gpu (runtime.tiers), memory, formerly dram (runtime.prefix_cache_*),
+// disk (runtime.prefix_store_* and prefix_store), their keys and ranges
+// declared in worker/engine/storage_options.h (storage_options.cc). Only the
+// keys present change *o; errors name the key.
 Status LoadStorageOptions(ConfigReader& r, EngineOptions* o);
 Status LoadStorageOptionsFile(const std::string& path, EngineOptions* o);
 

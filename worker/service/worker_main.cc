@@ -30,6 +30,7 @@
 #include "worker/engine/engine.h"
 #include "worker/engine/engine_flags.h"
 #include "worker/service/scheduler.h"
+#include "worker/service/worker_options.h"
 #include "worker/service/worker_server.h"
 
 namespace penumbra {
@@ -234,62 +235,28 @@ class StoreNodeMetrics {
   std::vector<Row> rows_;
 };
 
-Status Run(int argc, char** argv) {
+// Every flag: the worker's table, the engine's, the security and admin flags.
+Args Flags() {
   Args a;
-  a.Flag("model", "Hugging Face model directory")
-      .Flag("name", "this worker's name in logs and metrics (default worker)")
-      .Flag("host", "address of the control API (default 127.0.0.1; any other needs TLS, or --insecure)")
-      .Flag("port", "control API port (default 0: one the OS picks)")
-      .Flag("port-file", "write {\"port\": P, \"metrics_port\": M} here once serving")
-      .Flag("max-batch", "sequences decoding together at most (default: the engine's max_batch)")
-      .Flag("prefill-tokens-per-step", "prompt tokens prefilled between two decode steps (default 4096)")
-      .Flag("max-queue", "requests waiting for admission at most (default 1024)")
-      .Flag("share-window-ms",
-            "a tenant that sent a request this recently keeps its fair share of the batch free "
-            "(default 10000; 0: no caps)")
-      .Flag("prefix-cache-mb",
-            "device MiB for cached documents (default: the config's prefix_cache_bytes, "
-            "else 4096)")
-      .Flag("prefix-store", "directory of the persistent document store (RocksDB; default: the config's)")
-      .Flag("store-node",
-            "HOST:PORT[,HOST:PORT...] of value-store nodes (penumbra-store) to keep documents on "
-            "instead of a local directory (each document on one node, by its key)")
-      .Flag("store-call-timeout-ms",
-            "a call to a store node fails (DeadlineExceeded) when the node has not "
-            "answered within this (default 5000), plus its bytes' time at "
-            "--store-bulk-mb-per-s")
-      .Flag("store-bulk-mb-per-s",
-            "the slowest transfer rate a store node's call is given time for "
-            "(default 64)")
-      .Flag("store-breaker-failures",
-            "consecutive calls a store node did not answer that open its circuit "
-            "breaker: its calls then fail at once (default 3)")
-      .Flag("store-breaker-cooldown-ms",
-            "how long an open breaker fails calls at once before one probe call "
-            "(default 5000)")
-      .Flag("store-fetch-threads",
-            "threads reading stored documents for queued requests, off the decode loop "
-            "(default 4)")
-      .Flag("max-frame-mb", "largest request frame in MiB (default 64)")
-      .Flag("drain-seconds", "on SIGTERM, how long running requests may finish (default 30)")
-      .Flag("lease-ms",
-            "a coordinator that neither renews nor submits for this long has its generations cancelled "
-            "(default 30000)")
-      .Flag("random-weights",
-            "benchmarks only: the model's shape from --model DIR/config.json, its weights "
-            "random from this seed (generated on the device; no safetensors read)");
+  service::WorkerOptionTable().AddFlags(a);
   AddEngineFlags(a);
   transport::AddSecurityFlags(a);
   transport::AddAdminFlags(a);
+  return a;
+}
+
+Status Run(int argc, char** argv) {
+  Args a = Flags();
   Status ps = a.Parse(argc, argv, 1);
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
-  if (!a.Has("model")) return Status::InvalidArgument(std::string("--model is required\n") + kUsage);
+  service::WorkerProcessOptions wo;
+  PENUMBRA_RETURN_IF_ERROR(service::WorkerOptionTable().ApplyFlags(a, &wo));
+  if (wo.model.empty()) return Status::InvalidArgument(std::string("--model is required\n") + kUsage);
 
   EngineOptions eo;
   PENUMBRA_RETURN_IF_ERROR(ApplyEngineFlags(a, &eo));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t cache_mb, a.GetIntIn("prefix-cache-mb", 0, 1, int64_t{1} << 30));
-  if (a.Has("prefix-cache-mb")) {
-    eo.runtime.prefix_cache_bytes = static_cast<size_t>(cache_mb) << 20;
+  if (wo.prefix_cache_mb > 0) {
+    eo.runtime.prefix_cache_bytes = static_cast<size_t>(wo.prefix_cache_mb) << 20;
   } else if (eo.runtime.prefix_cache_bytes == 0) {
     eo.runtime.prefix_cache_bytes = size_t{4096} << 20;  // a worker serves documents
   }
@@ -303,62 +270,40 @@ Status Run(int argc, char** argv) {
     secret = *loaded;
     eo.runtime.document_key_secret = secret->Derive("document-keys");
   }
-  if (a.Has("prefix-store")) eo.prefix_store.path = a.Get("prefix-store");
+  if (a.Has("prefix-store")) eo.prefix_store.path = wo.prefix_store;
   std::vector<std::shared_ptr<transport::RemoteDocumentStore>> store_nodes;
   if (a.Has("store-node")) {
     if (a.Has("prefix-store")) return Status::InvalidArgument("--store-node and --prefix-store: one or the other");
     eo.prefix_store.path.clear();
-    transport::RemoteStoreOptions calls;
+    transport::RemoteStoreOptions calls = wo.store_calls;
     calls.plane.secret = secret;
     // A node off loopback without the secret is refused unless --insecure.
     calls.allow_plaintext_remote = security.insecure;
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t timeout_ms, a.GetIntIn("store-call-timeout-ms", 5000, 1, 3600000));
-    calls.call_timeout = std::chrono::milliseconds(timeout_ms);
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t bulk_mb, a.GetIntIn("store-bulk-mb-per-s", 64, 1, 1 << 20));
-    calls.bulk_bytes_per_second = static_cast<double>(bulk_mb) * (1 << 20);
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t failures, a.GetIntIn("store-breaker-failures", 3, 1, 1000000));
-    calls.breaker.failures = static_cast<int>(failures);
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t cool_ms, a.GetIntIn("store-breaker-cooldown-ms", 5000, 0, 3600000));
-    calls.breaker.cool_down = std::chrono::milliseconds(cool_ms);
-    PENUMBRA_ASSIGN_OR_RETURN(eo.document_store,
-                              transport::ConnectStoreNodes(a.Get("store-node"), calls, &store_nodes));
+    PENUMBRA_ASSIGN_OR_RETURN(eo.document_store, transport::ConnectStoreNodes(wo.store_nodes, calls, &store_nodes));
     // Stored documents are read whole before their request is admitted: no
     // value is read from a node during a decode step.
     eo.runtime.prefix_store_fetch_whole = true;
   }
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t port, a.GetIntIn("port", 0, 0, 65535));
   PENUMBRA_ASSIGN_OR_RETURN(transport::AdminHttpOptions admin, transport::AdminFromFlags(a, security));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t frame_mb, a.GetIntIn("max-frame-mb", 64, 1, 1024));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t drain_s, a.GetIntIn("drain-seconds", 30, 0, 86400));
-  service::SchedulerOptions so;
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t batch, a.GetIntIn("max-batch", eo.runtime.max_batch, 1, 4096));
-  so.max_batch = static_cast<int>(batch);
+  const int64_t drain_s = wo.drain_seconds;
+  service::SchedulerOptions so = wo.scheduler;
+  so.max_batch = wo.max_batch > 0 ? wo.max_batch : eo.runtime.max_batch;
   eo.runtime.max_batch = std::max(eo.runtime.max_batch, so.max_batch);
-  PENUMBRA_ASSIGN_OR_RETURN(so.prefill_tokens_per_step,
-                            a.GetIntIn("prefill-tokens-per-step", so.prefill_tokens_per_step, 1, int64_t{1} << 30));
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t queue, a.GetIntIn("max-queue", so.max_queue, 1, 1 << 20));
-  so.max_queue = static_cast<int>(queue);
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t window_ms,
-                            a.GetIntIn("share-window-ms", so.share_window.count(), 0, int64_t{1} << 40));
-  so.share_window = std::chrono::milliseconds(window_ms);
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t fetch_threads, a.GetIntIn("store-fetch-threads", so.store_fetch_threads, 1, 256));
-  so.store_fetch_threads = static_cast<int>(fetch_threads);
-  const std::string host = a.Get("host", "127.0.0.1");
-  const std::string name = a.Get("name", "worker");
+  const std::string& host = wo.host;
+  const std::string& name = wo.name;
   PENUMBRA_RETURN_IF_ERROR(
       transport::CheckPlaintextBind("the control API", host, security.tls.enabled(), security.insecure));
 
   std::unique_ptr<Engine> engine;
-  if (a.Has("random-weights")) {
-    PENUMBRA_ASSIGN_OR_RETURN(int64_t seed, a.GetIntIn("random-weights", 0, 0, INT64_MAX));
-    PENUMBRA_ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(a.Get("model") + "/config.json"));
-    PENUMBRA_ASSIGN_OR_RETURN(engine, Engine::OpenRandom(c, eo, static_cast<uint64_t>(seed)));
+  if (wo.random_weights >= 0) {
+    PENUMBRA_ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(wo.model + "/config.json"));
+    PENUMBRA_ASSIGN_OR_RETURN(engine, Engine::OpenRandom(c, eo, static_cast<uint64_t>(wo.random_weights)));
   } else {
-    PENUMBRA_ASSIGN_OR_RETURN(engine, Engine::Open(a.Get("model"), eo));
+    PENUMBRA_ASSIGN_OR_RETURN(engine, Engine::Open(wo.model, eo));
   }
   PENUMBRA_ASSIGN_OR_RETURN(auto scheduler, service::Scheduler::Create(&engine->runtime(), so));
   service::WorkerIdentity id;
-  id.model = a.Get("model") + (a.Has("random-weights") ? " (random weights)" : "");
+  id.model = wo.model + (wo.random_weights >= 0 ? " (random weights)" : "");
   id.backend = engine->backend().name();
   id.kv_policy = engine->options().kv_policy;
   id.max_context = engine->config().max_position_embeddings;
@@ -366,9 +311,9 @@ Status Run(int argc, char** argv) {
   id.eos_ids = engine->config().eos_token_ids;
   transport::ThriftServerOptions to;
   to.host = host;
-  to.port = static_cast<int>(port);
+  to.port = wo.port;
   to.name = "control API";
-  to.limits.max_frame_bytes = static_cast<int32_t>(frame_mb << 20);
+  to.limits.max_frame_bytes = wo.max_frame_mb << 20;
   to.limits.max_string_bytes = to.limits.max_frame_bytes;
   if (security.tls.enabled()) {
     transport::TlsServerOptions t;  // mutual TLS: only coordinators
@@ -377,10 +322,7 @@ Status Run(int argc, char** argv) {
     t.client_roles = {transport::role::kCoordinator};
     to.tls = t;
   }
-  service::WorkerLeaseOptions lease;
-  PENUMBRA_ASSIGN_OR_RETURN(int64_t lease_ms, a.GetIntIn("lease-ms", lease.lease.count(), 100, 86400000));
-  lease.lease = std::chrono::milliseconds(lease_ms);
-  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to, lease));
+  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to, wo.lease));
   WorkerMetrics metrics(scheduler.get(), server.get(), [&engine] { return engine->prefix_store_health(); });
   StoreNodeMetrics node_metrics(*metrics.registry(), store_nodes);
   std::unique_ptr<transport::MetricsServer> metrics_server;
@@ -395,9 +337,9 @@ Status Run(int argc, char** argv) {
                                                   [s] { return s->accepting(); }));
   }
   const int mport = metrics_server ? metrics_server->port() : -1;
-  if (a.Has("port-file")) {
+  if (!wo.port_file.empty()) {
     nlohmann::json j = {{"port", server->port()}, {"metrics_port", mport}, {"pid", static_cast<int64_t>(getpid())}};
-    PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(a.Get("port-file"), j.dump() + "\n"));
+    PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(wo.port_file, j.dump() + "\n"));
   }
   std::printf("penumbra-worker %s: serving %s (%s, kv policy %s) on %s:%d (%s), admin on %s:%d\n", name.c_str(),
               id.model.c_str(), id.backend.c_str(), id.kv_policy.c_str(), host.c_str(), server->port(),
@@ -445,5 +387,6 @@ Status Run(int argc, char** argv) {
 }  // namespace penumbra
 
 int main(int argc, char** argv) {
-  return penumbra::ServerMain("penumbra-worker", penumbra::kUsage, argc, argv, penumbra::Run);
+  return penumbra::ServerMain("penumbra-worker", penumbra::kUsage, argc, argv, penumbra::Run,
+                              [] { return penumbra::Flags().Help(); });
 }
