@@ -19,8 +19,8 @@
 #include "tests/storage/segment_store_test_util.h"
 #include "tests/test_util.h"
 #include "tests/worker/stories_shadowkv.h"
-#include "worker/engine/engine.h"
 #include "worker/engine/document_cache.h"
+#include "worker/engine/engine.h"
 #include "worker/engine/shadowkv_prefix.h"
 
 namespace penumbra {

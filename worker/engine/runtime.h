@@ -132,9 +132,9 @@ struct RuntimeOptions {
   // forgotten (ForgetPrefixes) takes at most this. Default: 10 s.
   int64_t prefix_store_drain_ms = 10000;
   // A deployment secret (32 bytes: ClusterSecret::Derive("document-keys"))
-  // that keys the document cache's keys (PrefixKeys: HMAC-SHA256 under it),
-  // so that nobody without it can compute or guess a document's key; empty:
-  // the unkeyed XXH3 chain. Never logged. Default: empty.
+  // that keys the document cache's keys (DocumentKeys: HMAC-SHA256 under
+  // it), so that nobody without it can compute or guess a document's key;
+  // empty: an unkeyed HMAC chain. Never logged. Default: empty.
   std::string document_key_secret;
   // Tier 0: hot cached documents' host-resident state (shadowkv values) in
   // spare device memory (worker/engine/value_tiers.h). Default: off.
