@@ -297,7 +297,8 @@ class Runtime {
   }
   const ModelConfig& config() const { return weights_->config(); }
   int max_batch() const { return options_.max_batch; }
-  // The persistent store's writer counts are folded in at each call.
+  // The document cache's counters (DocumentCache::stats) are folded in at
+  // each call.
   RunStats stats() const;
   // Blocks until every queued write to the persistent store has finished, at
   // most `max_wait`; true when they all have.
