@@ -19,7 +19,7 @@
 // exception: the node keeps serving and nothing stored is lost. What the
 // plane does not do: tell tenants apart (any client holding the secret may
 // read or erase any document; tenants are kept apart by keys they cannot
-// compute, worker/engine/prefix_cache.h).
+// compute, worker/engine/document_keys.h).
 //
 // Failure: every call has a deadline (call_timeout, plus the time its bytes
 // take at bulk_bytes_per_second): a node that does not answer by then fails

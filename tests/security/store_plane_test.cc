@@ -41,7 +41,7 @@
 #include "store_types.h"
 #include "tests/service/service_cluster.h"
 #include "tests/transport/raw_ucx_peer.h"
-#include "worker/engine/prefix_cache.h"
+#include "worker/engine/document_keys.h"
 
 namespace penumbra {
 namespace {

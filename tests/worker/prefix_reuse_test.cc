@@ -5,8 +5,8 @@
 // requests sharing a document in one batch return what each returns alone;
 // keys separate namespaces and preceding text; exported prefixes import into
 // another engine; stored prefixes survive a restart and damaged ones are
-// recomputed; bad input is refused; PrefixCache evicts only what no sequence
-// holds.
+// recomputed; bad input is refused; the memory tier (DocumentMemoryTier)
+// evicts only what no sequence holds.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -19,9 +19,8 @@
 #include "tests/storage/segment_store_test_util.h"
 #include "tests/test_util.h"
 #include "tests/worker/stories_shadowkv.h"
+#include "worker/engine/document_cache.h"
 #include "worker/engine/engine.h"
-#include "worker/engine/prefix_cache.h"
-#include "worker/engine/prefix_store_writer.h"
 #include "worker/engine/shadowkv_prefix.h"
 
 namespace penumbra {
@@ -702,8 +701,8 @@ TEST(ShadowKvPrefixGeometryTest, MetaCarriesLandmarksPerChunk) {
   EXPECT_NE(st.message().find("landmark_format"), std::string::npos) << st;
 }
 
-TEST(PrefixCacheTest, EvictsLeastRecentlyUsedUnheldEntries) {
-  PrefixCache c(300);
+TEST(DocumentMemoryTierTest, EvictsLeastRecentlyUsedUnheldEntries) {
+  DocumentMemoryTier c(300);
   auto keys = PrefixKeys("fence", {1, 2, 3, 4, 5}, {1, 2, 3, 4});
   ASSERT_EQ(keys.size(), 4u);
   EXPECT_NE(keys[0], keys[1]);
@@ -728,8 +727,8 @@ TEST(PrefixCacheTest, EvictsLeastRecentlyUsedUnheldEntries) {
   EXPECT_EQ(c.stats().evictions, 1);
 }
 
-TEST(PrefixCacheTest, HostBytesAreBoundedToo) {
-  PrefixCache c(1000, 250);
+TEST(DocumentMemoryTierTest, HostBytesAreBoundedToo) {
+  DocumentMemoryTier c(1000, 250);
   auto keys = PrefixKeys("fence", {1, 2, 3, 4}, {1, 2, 3});
   EXPECT_TRUE(c.Insert(keys[0], std::make_shared<FakePrefix>(1, 10, 100)));
   EXPECT_TRUE(c.Insert(keys[1], std::make_shared<FakePrefix>(2, 10, 100)));
@@ -741,8 +740,8 @@ TEST(PrefixCacheTest, HostBytesAreBoundedToo) {
   EXPECT_FALSE(c.Insert(PrefixKeys("x", {1}, {1})[0], std::make_shared<FakePrefix>(1, 1, 300)));  // never fits
 }
 
-TEST(PrefixCacheTest, AnInsertThatMustEvictEvictsDownToTheLowWatermark) {
-  PrefixCache c(1000, SIZE_MAX, 0.5);
+TEST(DocumentMemoryTierTest, AnInsertThatMustEvictEvictsDownToTheLowWatermark) {
+  DocumentMemoryTier c(1000, SIZE_MAX, 0.5);
   auto keys = PrefixKeys("fence", {1, 2, 3, 4, 5, 6, 7}, {1, 2, 3, 4, 5, 6});
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(c.Insert(keys[i], std::make_shared<FakePrefix>(i + 1, 200)));
   EXPECT_EQ(c.bytes(), 800u);  // fits: nothing evicted
@@ -757,14 +756,14 @@ TEST(PrefixCacheTest, AnInsertThatMustEvictEvictsDownToTheLowWatermark) {
   EXPECT_EQ(c.bytes(), 700u);
   EXPECT_TRUE(c.Contains(keys[5]));
   // At 1 (the default) only what is needed.
-  PrefixCache d(1000);
+  DocumentMemoryTier d(1000);
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(d.Insert(keys[i], std::make_shared<FakePrefix>(i + 1, 250)));
   EXPECT_TRUE(d.Insert(keys[4], std::make_shared<FakePrefix>(5, 250)));
   EXPECT_EQ(d.stats().evictions, 1);
   EXPECT_EQ(d.bytes(), 1000u);
 }
 
-TEST(PrefixStoreWriterTest, WritesInTheBackgroundBoundsItsQueueAndCountsFailures) {
+TEST(DocumentWriterTest, WritesInTheBackgroundBoundsItsQueueAndCountsFailures) {
   storage::testing::TempDir dir;
   storage::SegmentStoreOptions so;
   so.path = dir.path();
@@ -774,7 +773,7 @@ TEST(PrefixStoreWriterTest, WritesInTheBackgroundBoundsItsQueueAndCountsFailures
   ASSERT_TRUE(store.ok()) << store.status();
   auto keys = PrefixKeys("w", {1, 2, 3, 4}, {1, 2, 3});
   {
-    PrefixStoreWriter w(store->get(), 8000);
+    DocumentWriter w(store->get(), 8000);
     EXPECT_TRUE(w.Enqueue(keys[0], "ns", 1, {{"a", std::string(1000, 'x')}}));
     EXPECT_FALSE(w.Enqueue(keys[1], "ns", 2, {{"a", std::string(9000, 'y')}}));  // over the queue bound
     w.Drain();

@@ -5,9 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
-#include <set>
 #include <sstream>
-#include <thread>
 #include <utility>
 
 #include "common/crypto.h"
@@ -52,12 +50,24 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options, 
   std::unique_ptr<Runtime> rt(new Runtime(options, ctx, weights, std::move(policy)));
   PENUMBRA_RETURN_IF_ERROR(rt->AllocateScratch(std::max(options.prefill_chunk, options.max_batch)));
   if (options.prefix_cache_bytes > 0) {
-    rt->prefix_cache_ = std::make_unique<PrefixCache>(
-        options.prefix_cache_bytes, options.prefix_cache_host_bytes > 0 ? options.prefix_cache_host_bytes : SIZE_MAX,
-        options.prefix_cache_low_watermark);
     PENUMBRA_RETURN_IF_ERROR(options.tiers.Validate());
-    rt->tiers_ = std::make_unique<ValueTiers>(options.tiers, backend->device() == Device::kCPU,
-                                              [backend] { return backend->FreeMemoryBytes(); });
+    DocumentCacheOptions d;
+    d.memory_bytes = options.prefix_cache_bytes;
+    d.memory_host_bytes = options.prefix_cache_host_bytes > 0 ? options.prefix_cache_host_bytes : SIZE_MAX;
+    d.memory_low_watermark = options.prefix_cache_low_watermark;
+    d.queue_bytes = options.prefix_store_queue_bytes;
+    d.lazy_reads = options.prefix_store_lazy_reads;
+    d.lazy_block_bytes = options.prefix_store_lazy_block_bytes;
+    d.lazy_threads = options.prefix_store_lazy_threads;
+    d.eager_blob_bytes = options.prefix_store_eager_blob_bytes;
+    d.fetch_whole = options.prefix_store_fetch_whole;
+    d.drain_ms = options.prefix_store_drain_ms;
+    d.key_secret = options.document_key_secret;
+    d.dtype = DTypeName(backend->act_dtype());
+    rt->cache_ = std::make_unique<DocumentCache>(
+        d, rt->policy_.get(), std::make_unique<ValueTiers>(options.tiers, backend->device() == Device::kCPU, [backend] {
+          return backend->FreeMemoryBytes();
+        }));
   }
   return rt;
 }
@@ -211,7 +221,7 @@ Runtime::Shard Runtime::ShardOf(int64_t tokens, int rank, int world) {
 }
 
 Status Runtime::SetContextGroup(Collective* group) {
-  if (group != nullptr && group->world() > 1 && prefix_cache_) {
+  if (group != nullptr && group->world() > 1 && cache_) {
     return Status::Unimplemented("context parallel with prefix reuse (the document cache) is not supported yet");
   }
   cp_ = group != nullptr && group->world() > 1 ? group : nullptr;
@@ -465,117 +475,48 @@ Status Runtime::FinishPrefill(PartialPrefill* p, std::vector<float>* logits_out)
   return Status::OK();
 }
 
-std::string Runtime::PrefixFence(const std::string& cache_namespace) const {
-  return policy_->StateFingerprint() + "|dtype=" + std::string(DTypeName(backend_->act_dtype())) +
-         "|model=" + model_identity_ + "|namespace=" + cache_namespace;
-}
-
 std::vector<Hash128> Runtime::RequestKeys(const GenerationRequest& q) const {
-  return DocumentKeys(PrefixFence(q.cache_namespace),
+  return cache_->Keys(q.cache_namespace,
                       q.document_digests.empty() ? DocumentDigests(q.prompt, q.document_ends) : q.document_digests,
-                      q.document_ends, options_.document_key_secret);
+                      q.document_ends);
 }
 
 Result<int> Runtime::ForgetPrefixes(const GenerationRequest& q) {
-  if (!prefix_cache_ || q.document_ends.empty()) return 0;
-  int dropped = 0;
-  Status failed;  // the first segment the store could not look up or erase
-  // A write still queued would store it again (a store that stopped
-  // answering holds this up at most prefix_store_drain_ms).
-  if (!DrainPrefixStores(std::chrono::milliseconds(options_.prefix_store_drain_ms))) {
-    LOG(WARNING) << "prefix store: writes still queued after " << options_.prefix_store_drain_ms
-                 << " ms; forgetting a document's state anyway";
-  }
-  for (const Hash128& key : RequestKeys(q)) {
-    if (prefix_cache_->Erase(key)) ++dropped;
-    if (!prefix_store_) continue;
-    Status s = prefix_store_->Info(key).status();
-    if (s.ok()) s = prefix_store_->Erase(key);
-    if (s.ok()) {
-      ++dropped;
-    } else if (s.code() != StatusCode::kNotFound) {
-      // Not known to be gone (a store node down, a full disk): the caller
-      // must not count the document as forgotten, and asks again later.
-      LOG(WARNING) << "prefix store: segment " << key.Hex() << " not erased: " << s;
-      if (failed.ok()) failed = s;
-    }
-  }
-  if (!failed.ok()) {
-    return Status(failed.code(), "forgetting a document: its stored state was not erased (" + failed.message() + "); " +
-                                     std::to_string(dropped) + " entries dropped so far, ask again");
-  }
-  return dropped;
+  if (!cache_ || q.document_ends.empty()) return 0;
+  return cache_->Forget(RequestKeys(q));
 }
 
 Status Runtime::BeginPrefill(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result,
-                             PrefetchedPrefixes* prefetched) {
+                             PrefetchedDocuments* prefetched) {
   if (cp_ != nullptr)
     return Status::Unimplemented("context parallel: prefill steps (the scheduler) are not supported yet");
   return BeginPrefillImpl(seq, q, st, result, /*reuse=*/true, prefetched);
 }
 
 std::vector<StoreLookup> Runtime::StoreLookups(const GenerationRequest& q) {
-  std::vector<StoreLookup> out;
-  if (!prefix_cache_ || !prefix_store_ || q.document_ends.empty() || cp_ != nullptr) return out;
-  const std::vector<Hash128> keys = RequestKeys(q);
-  for (size_t i = keys.size(); i-- > 0;) {
-    if (prefix_cache_->Contains(keys[i])) break;  // held in memory: no shorter one is looked up
-    out.push_back({keys[i], q.document_ends[i]});
-  }
-  return out;
+  if (!cache_ || !cache_->persistent() || q.document_ends.empty() || cp_ != nullptr) return {};
+  return cache_->Lookups(RequestKeys(q), q.document_ends);
 }
 
-PrefetchedPrefixes Runtime::FetchStoredPrefixes(const std::vector<StoreLookup>& lookups) const {
-  PrefetchedPrefixes out;
-  if (!prefix_store_) return out;
-  for (const StoreLookup& l : lookups) {
-    StoredPrefixRead read = ReadStoredPrefix(l.key, l.tokens, options_.prefix_store_fetch_whole);
-    if (read.status.ok()) {
-      out.found = std::move(read);
-      return out;
-    }
-    if (read.damaged()) {
-      ++out.corruptions;
-      LOG(WARNING) << "prefix store: segment " << l.key.Hex() << " dropped: " << read.status;
-      if (prefix_writer_) prefix_writer_->EnqueueErase(l.key);
-    } else if (read.status.code() == StatusCode::kUnavailable || read.status.code() == StatusCode::kDeadlineExceeded) {
-      ++out.failures;
-      out.last_failure = read.status;
-    }
-  }
-  return out;
+PrefetchedDocuments Runtime::FetchStoredPrefixes(const std::vector<StoreLookup>& lookups) const {
+  return cache_ ? cache_->Fetch(lookups) : PrefetchedDocuments{};
 }
 
 Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, PrefillState* st, GenerationResult* result,
-                                 bool reuse, PrefetchedPrefixes* prefetched) {
+                                 bool reuse, PrefetchedDocuments* prefetched) {
   const int64_t P = static_cast<int64_t>(q.prompt.size());
-  if (prefetched) {  // counted once
-    stats_.prefix_store_fetch_failures += std::exchange(prefetched->failures, 0);
-    stats_.prefix_store_corruptions += std::exchange(prefetched->corruptions, 0);
-  }
+  if (prefetched && cache_) cache_->CountPrefetch(prefetched);  // counted once
   *st = PrefillState{};
   std::shared_ptr<const KvPrefix> hit;
   int64_t start = 0;
-  if (prefix_cache_ && !q.document_ends.empty() && reuse) {
+  if (cache_ && !q.document_ends.empty() && reuse) {
     st->keys = RequestKeys(q);
-    for (size_t i = st->keys.size(); i-- > 0 && !hit;) {
-      hit = prefix_cache_->Find(st->keys[i], q.document_ends[i]);
-      if (hit && !hit->health().ok()) {
-        DropDamagedPrefix(st->keys[i], hit->health());
-        hit = nullptr;
-      }
-      if (!hit && prefix_store_ && !prefetched) hit = LoadStoredPrefix(st->keys[i], q.document_ends[i]);
-      if (!hit && prefetched && prefetched->found && prefetched->found->key == st->keys[i] &&
-          prefetched->found->tokens == q.document_ends[i]) {
-        // Read off the loop thread; imported here (once: it is moved out).
-        StoredPrefixRead read = std::move(*prefetched->found);
-        prefetched->found.reset();
-        hit = ImportStoredPrefix(std::move(read), /*queue_erase=*/true);
-      }
-      if (hit) {
-        start = q.document_ends[i];
-        st->attached_segment = i;
-      }
+    // Memory, then the persistent tier (prefetched, or read here).
+    DocumentCache::Found found = cache_->FindLongest(st->keys, q.document_ends, prefetched);
+    if (found.state) {
+      hit = std::move(found.state);
+      start = q.document_ends[found.index];
+      st->attached_segment = found.index;
     }
   }
   if (start < q.ids_from) {
@@ -601,7 +542,7 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
     start = 0;
     added = policy_->AddSequence(seq, spec);
   }
-  if (FreedTier0For(added)) added = policy_->AddSequence(seq, spec);
+  if (cache_ && cache_->FreeDeviceFor(added)) added = policy_->AddSequence(seq, spec);
   PENUMBRA_RETURN_IF_ERROR(added);
   stats_.prompt_tokens += start;
   stats_.cached_prompt_tokens += start;
@@ -613,16 +554,6 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
   return Status::OK();
 }
 
-void Runtime::PlaceDocuments() {
-  if (tiers_ && tiers_->enabled()) tiers_->Step(prefix_cache_->Prefixes());
-}
-
-bool Runtime::FreedTier0For(const Status& s) {
-  // Tier 0 holds only spare device memory: a sequence or a new document
-  // comes first.
-  return s.code() == StatusCode::kResourceExhausted && tiers_ && tiers_->Release(SIZE_MAX) > 0;
-}
-
 Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, PrefillState* st, int64_t max_tokens) {
   PlaceDocuments();
   Result<bool> r = PrefillStepImpl(seq, q, st, max_tokens);
@@ -630,7 +561,7 @@ Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, Prefi
   // The attached prefix failed a check while its values were read from disk
   // (nothing of it reached attention): dropped, and the request prefilled
   // from its first token instead.
-  DropDamagedPrefix(st->keys[st->attached_segment], st->attached->health());
+  cache_->DropDamaged(st->keys[st->attached_segment], st->attached->health());
   const int64_t start = st->result->cached_prompt_tokens;
   stats_.prompt_tokens -= start;
   stats_.cached_prompt_tokens -= start;
@@ -639,23 +570,6 @@ Result<bool> Runtime::PrefillStep(int64_t seq, const GenerationRequest& q, Prefi
   // segment may still hold it on disk for a moment).
   PENUMBRA_RETURN_IF_ERROR(BeginPrefillImpl(seq, q, st, st->result, /*reuse=*/false));
   return PrefillStepImpl(seq, q, st, max_tokens);
-}
-
-void Runtime::DropDamagedPrefix(const Hash128& key, const Status& why) {
-  ++stats_.prefix_store_corruptions;
-  LOG(WARNING) << "prefix " << key.Hex() << " dropped (recomputed): " << why;
-  prefix_cache_->Erase(key);
-  if (!prefix_store_) return;
-  // A lazy reader of it lets go once its reads in flight end (a failed
-  // block stops it): briefly retried, so that the next capture stores it anew.
-  Status erased = prefix_store_->Erase(key);
-  for (int i = 0; i < 200 && erased.code() == StatusCode::kFailedPrecondition; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    erased = prefix_store_->Erase(key);
-  }
-  if (!erased.ok() && erased.code() != StatusCode::kNotFound) {
-    LOG(WARNING) << "prefix " << key.Hex() << " not erased from the store: " << erased;
-  }
 }
 
 Result<bool> Runtime::PrefillStepImpl(int64_t seq, const GenerationRequest& q, PrefillState* st, int64_t max_tokens) {
@@ -699,13 +613,13 @@ Result<bool> Runtime::PrefillStepImpl(int64_t seq, const GenerationRequest& q, P
 }
 
 Status Runtime::CaptureSegment(int64_t seq, const GenerationRequest& q, PrefillState* st, size_t seg, int64_t end) {
-  if (prefix_cache_->Contains(st->keys[seg])) return Status::OK();
+  if (cache_->Holds(st->keys[seg])) return Status::OK();
   const double t0 = NowSeconds();
   // A prefill-only request (a document's put) ends here: its state moves
   // into the prefix rather than being copied.
   const bool last = end == static_cast<int64_t>(q.prompt.size()) && q.max_new_tokens == 0;
   Result<std::shared_ptr<const KvPrefix>> p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
-  if (FreedTier0For(p.status())) p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
+  if (cache_->FreeDeviceFor(p.status())) p = last ? policy_->TakePrefix(seq, end) : policy_->CapturePrefix(seq, end);
   const double captured = NowSeconds() - t0;
   if (captured > 0.2) LOG(INFO) << "captured a " << end << "-token prefix in " << captured << " s";
   if (!p.ok() && p.status().code() == StatusCode::kUnimplemented) {
@@ -713,18 +627,7 @@ Status Runtime::CaptureSegment(int64_t seq, const GenerationRequest& q, PrefillS
     return Status::OK();
   }
   PENUMBRA_RETURN_IF_ERROR(p.status());
-  if (prefix_writer_) {
-    // Written in the background; a store that fails costs this request
-    // nothing but the reuse after a restart.
-    auto blobs = (*p)->Export();
-    if (blobs.ok()) {
-      prefix_writer_->Enqueue(st->keys[seg], q.cache_namespace, end, std::move(*blobs));
-    } else {
-      ++stats_.prefix_store_errors;
-      LOG(WARNING) << "prefix store: not exported: " << blobs.status();
-    }
-  }
-  prefix_cache_->Insert(st->keys[seg], std::move(*p));
+  cache_->Capture(st->keys[seg], q.cache_namespace, end, std::move(*p));
   return Status::OK();
 }
 
@@ -738,125 +641,25 @@ Status Runtime::AddAndPrefill(int64_t seq, const GenerationRequest& q, Generatio
 }
 
 void Runtime::SetPrefixStore(storage::DocumentStore* store, std::string model_identity) {
-  prefix_writer_.reset();  // drains writes to the previous store
-  prefix_store_ = store;
-  model_identity_ = std::move(model_identity);
-  if (store) {
-    std::map<std::string, size_t> block_bytes;  // small blocks for what is read lazily
-    if (options_.prefix_store_lazy_reads) {
-      for (const std::string& b : policy_->LazyBlobs()) block_bytes[b] = options_.prefix_store_lazy_block_bytes;
-    }
-    prefix_writer_ =
-        std::make_unique<PrefixStoreWriter>(store, options_.prefix_store_queue_bytes, std::move(block_bytes));
-  }
+  if (cache_) cache_->SetPersistentTier(store, std::move(model_identity));
 }
 
 RunStats Runtime::stats() const {
   RunStats s = stats_;
-  if (tiers_) s.tiers = tiers_->stats();
-  if (prefix_writer_) {
-    s.prefix_store_errors += prefix_writer_->errors();
-    s.prefix_stores = prefix_writer_->stored();
-    s.prefix_store_skipped = prefix_writer_->skipped();
-    s.prefix_store_write_seconds = prefix_writer_->write_seconds();
-  }
+  if (!cache_) return s;
+  const DocumentCacheStats d = cache_->stats();
+  s.prefix_store_hits = d.store_hits;
+  s.prefix_store_corruptions = d.store_corruptions;
+  s.prefix_store_errors = d.store_errors;
+  s.prefix_stores = d.stores;
+  s.prefix_store_skipped = d.store_skipped;
+  s.prefix_store_write_seconds = d.store_write_seconds;
+  s.prefix_store_read_seconds = d.store_read_seconds;
+  s.prefix_import_seconds = d.import_seconds;
+  s.prefix_store_read_bytes = d.store_read_bytes;
+  s.prefix_store_fetch_failures = d.fetch_failures;
+  s.tiers = d.tiers;
   return s;
-}
-
-StoredPrefixRead Runtime::ReadStoredPrefix(const Hash128& key, int64_t tokens, bool whole) const {
-  StoredPrefixRead out;
-  out.key = key;
-  out.tokens = tokens;
-  auto info = prefix_store_->Info(key);
-  if (!info.ok()) {
-    out.status = info.status();
-    return out;
-  }
-  if (info->tokens != tokens) {
-    out.status = Status::NotFound("prefix store: segment " + key.Hex() + " holds " + std::to_string(info->tokens) +
-                                  " tokens, not " + std::to_string(tokens));
-    return out;
-  }
-  out.present = true;
-  const double t0 = NowSeconds();
-  // The blobs the policy reads lazily stay in the store for now: a reader of
-  // the segment (which keeps it attached) goes with the prefix.
-  const std::vector<std::string> lazy =
-      options_.prefix_store_lazy_reads && !whole ? policy_->LazyBlobs() : std::vector<std::string>{};
-  Result<std::map<std::string, std::string>> blobs = Status::Internal("prefix store: not read");
-  if (lazy.empty()) {
-    blobs = prefix_store_->Get(key);
-  } else {
-    auto layout = prefix_store_->Layout(key);
-    auto opened =
-        layout.ok() ? prefix_store_->OpenReader(key) : Result<std::shared_ptr<storage::BlobReader>>(layout.status());
-    if (opened.ok()) {
-      out.reader = *opened;
-      // Small blobs now; the policy reads large ones from the reader itself
-      // (straight into their destination).
-      std::set<std::string> eager;
-      for (const storage::BlobLayout& b : *layout) {
-        const bool is_lazy = std::find(lazy.begin(), lazy.end(), b.name) != lazy.end();
-        if (b.size <= options_.prefix_store_eager_blob_bytes && !is_lazy) eager.insert(b.name);
-      }
-      blobs = prefix_store_->Get(key, eager);
-    } else {
-      blobs = opened.status();
-    }
-  }
-  out.read_seconds = NowSeconds() - t0;
-  if (!blobs.ok()) {
-    out.status = blobs.status();
-    out.reader.reset();
-    return out;
-  }
-  out.blobs = std::move(*blobs);
-  for (const auto& [name, b] : out.blobs) out.read_bytes += static_cast<int64_t>(b.size());
-  return out;
-}
-
-std::shared_ptr<const KvPrefix> Runtime::ImportStoredPrefix(StoredPrefixRead read, bool queue_erase) {
-  const double t1 = NowSeconds();
-  Result<std::shared_ptr<const KvPrefix>> prefix =
-      read.reader ? policy_->ImportPrefixLazy(read.blobs, std::move(read.reader), options_.prefix_store_lazy_threads)
-                  : policy_->ImportPrefix(read.blobs);
-  read.reader.reset();
-  stats_.prefix_store_read_seconds += read.read_seconds;
-  stats_.prefix_import_seconds += NowSeconds() - t1;
-  stats_.prefix_store_read_bytes += read.read_bytes;
-  if (!prefix.ok()) {
-    // Damaged (or, impossibly under the key's fence, foreign): never
-    // attached; dropped so that this request's capture stores it anew.
-    ++stats_.prefix_store_corruptions;
-    LOG(WARNING) << "prefix store: segment " << read.key.Hex() << " dropped: " << prefix.status();
-    if (queue_erase && prefix_writer_) {
-      prefix_writer_->EnqueueErase(read.key);
-    } else {
-      (void)prefix_store_->Erase(read.key);
-    }
-    return nullptr;
-  }
-  ++stats_.prefix_store_hits;
-  prefix_cache_->Insert(read.key, *prefix);
-  return *prefix;
-}
-
-std::shared_ptr<const KvPrefix> Runtime::LoadStoredPrefix(const Hash128& key, int64_t tokens) {
-  StoredPrefixRead read = ReadStoredPrefix(key, tokens, /*whole=*/false);
-  if (!read.present) return nullptr;  // absent (or the store did not say)
-  if (!read.status.ok()) {
-    stats_.prefix_store_read_seconds += read.read_seconds;
-    if (!read.damaged()) {
-      ++stats_.prefix_store_fetch_failures;
-      LOG(WARNING) << "prefix store: segment " << key.Hex() << " not read (prefilled instead): " << read.status;
-      return nullptr;
-    }
-    ++stats_.prefix_store_corruptions;
-    LOG(WARNING) << "prefix store: segment " << key.Hex() << " dropped: " << read.status;
-    (void)prefix_store_->Erase(key);
-    return nullptr;
-  }
-  return ImportStoredPrefix(std::move(read), /*queue_erase=*/false);
 }
 
 Result<const float*> Runtime::DecodeStep(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,

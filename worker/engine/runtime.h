@@ -19,11 +19,9 @@
 #include "storage/segment_store.h"
 #include "worker/engine/backend.h"
 #include "worker/engine/collective.h"
+#include "worker/engine/document_cache.h"
 #include "worker/engine/kv_policy.h"
 #include "worker/engine/model_weights.h"
-#include "worker/engine/prefix_cache.h"
-#include "worker/engine/prefix_store_writer.h"
-#include "worker/engine/value_tiers.h"
 
 namespace penumbra {
 
@@ -105,7 +103,7 @@ struct RuntimeOptions {
   // device bytes. Default: 0.
   size_t prefix_cache_host_bytes = 0;
   // An insert that must evict evicts down to this fraction of the
-  // capacities (PrefixCache). Default: 1 (only what is needed).
+  // capacities (DocumentMemoryTier). Default: 1 (only what is needed).
   double prefix_cache_low_watermark = 1.0;
   // Host bytes of captured prefixes waiting to be written to the persistent
   // store; a capture beyond it is not stored. Default: 16 GiB.
@@ -134,50 +132,19 @@ struct RuntimeOptions {
   // forgotten (ForgetPrefixes) takes at most this. Default: 10 s.
   int64_t prefix_store_drain_ms = 10000;
   // A deployment secret (32 bytes: ClusterSecret::Derive("document-keys"))
-  // that keys the document cache's keys (PrefixKeys: HMAC-SHA256 under it),
-  // so that nobody without it can compute or guess a document's key; empty:
-  // the unkeyed XXH3 chain. Never logged. Default: empty.
+  // that keys the document cache's keys (DocumentKeys: HMAC-SHA256 under
+  // it), so that nobody without it can compute or guess a document's key;
+  // empty: an unkeyed HMAC chain. Never logged. Default: empty.
   std::string document_key_secret;
   // Tier 0: hot cached documents' host-resident state (shadowkv values) in
   // spare device memory (worker/engine/value_tiers.h). Default: off.
   TierOptions tiers;
 };
 
-// A stored prefix looked up for a request: its key and its tokens (a
-// leading segment's end).
-struct StoreLookup {
-  Hash128 key;
-  int64_t tokens = 0;
-};
-
-// A stored prefix read from the persistent store (Runtime::ReadStoredPrefix),
-// not yet imported into the policy.
-struct StoredPrefixRead {
-  Hash128 key;
-  int64_t tokens = 0;
-  bool present = false;  // the store said it holds key with these tokens
-  Status status;         // OK: read (below); else why not (absent, the store's error, damage)
-  std::map<std::string, std::string> blobs;
-  std::shared_ptr<storage::BlobReader> reader;  // the blobs the policy reads lazily (null: all in blobs)
-  double read_seconds = 0;
-  int64_t read_bytes = 0;
-  // Present, and the read failed for another reason than the store not
-  // answering (Unavailable, DeadlineExceeded): the stored copy is damaged.
-  bool damaged() const {
-    return present && !status.ok() && status.code() != StatusCode::kUnavailable &&
-           status.code() != StatusCode::kDeadlineExceeded;
-  }
-};
-
-// What the scheduler fetched for a request before admitting it
-// (Runtime::FetchStoredPrefixes); BeginPrefill imports `found` and asks the
-// store nothing more.
-struct PrefetchedPrefixes {
-  std::optional<StoredPrefixRead> found;  // the longest stored prefix read (none: none usable)
-  int64_t failures = 0;                   // lookups the store did not answer (the request prefills)
-  int64_t corruptions = 0;                // stored prefixes found damaged (queued for erasure)
-  Status last_failure;                    // the last of those failures (logs)
-};
+// The scheduler's names for the document cache's types (DocumentCache,
+// worker/engine/document_cache.h).
+using PrefetchedPrefixes = PrefetchedDocuments;
+using PrefixCache = DocumentMemoryTier;
 
 struct RunStats {
   double prefill_seconds = 0;
@@ -255,17 +222,18 @@ class Runtime {
   // prefix not in memory is `prefetched->found` or prefilled. Without it the
   // store is read here (Generate). `prefetched->found` is moved out.
   Status BeginPrefill(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result,
-                      PrefetchedPrefixes* prefetched = nullptr);
+                      PrefetchedDocuments* prefetched = nullptr);
   // The stored prefixes BeginPrefill would look up for `r`, longest first:
   // its leading segments longer than the longest held in memory; empty
-  // without a persistent store or segments. The runtime's thread.
+  // without a persistent store or segments (DocumentCache::Lookups). The
+  // runtime's thread.
   std::vector<StoreLookup> StoreLookups(const GenerationRequest& r);
   // Reads the longest of `lookups` the store holds (whole when
   // prefix_store_fetch_whole), touching nothing of the runtime but the
   // store: any thread (the scheduler's store I/O threads). The store's
   // failures are counted in the result, never returned; a damaged stored
-  // copy is queued for erasure.
-  PrefetchedPrefixes FetchStoredPrefixes(const std::vector<StoreLookup>& lookups) const;
+  // copy is queued for erasure (DocumentCache::Fetch).
+  PrefetchedDocuments FetchStoredPrefixes(const std::vector<StoreLookup>& lookups) const;
   // A step that fails because the attached prefix failed a check while it
   // was read lazily drops that prefix (cache and store) and starts the
   // request over without it.
@@ -277,6 +245,7 @@ class Runtime {
   // an error when the store could not erase (or look up) a segment that may
   // be there (a node down, a full disk): then the document is not known to
   // be forgotten, and the caller asks again (the coordinator's tombstones).
+  // DocumentCache::Forget over the request's keys.
   Result<int> ForgetPrefixes(const GenerationRequest& r);
   // Device logits [vocab] of the last prefilled row.
   const float* LastLogits() const { return logits_.as<float>(); }
@@ -328,23 +297,29 @@ class Runtime {
   }
   const ModelConfig& config() const { return weights_->config(); }
   int max_batch() const { return options_.max_batch; }
-  // The persistent store's writer counts are folded in at each call.
+  // The document cache's counters (DocumentCache::stats) are folded in at
+  // each call.
   RunStats stats() const;
   // Blocks until every queued write to the persistent store has finished, at
   // most `max_wait`; true when they all have.
   bool DrainPrefixStores(std::chrono::milliseconds max_wait = std::chrono::milliseconds::max()) {
-    return prefix_writer_ ? prefix_writer_->Drain(max_wait) : true;
+    return cache_ ? cache_->Drain(max_wait) : true;
   }
-  // Null when prefix reuse is off.
-  PrefixCache* prefix_cache() { return prefix_cache_.get(); }
+  // The document cache (all its tiers); null when prefix reuse is off.
+  DocumentCache* document_cache() { return cache_.get(); }
+  // Its memory tier; null when prefix reuse is off.
+  DocumentMemoryTier* prefix_cache() { return cache_ ? &cache_->memory() : nullptr; }
   // One placement step of the cached documents over the tiers (ValueTiers:
-  // tier 0 copies of hot documents' values). Every prefill and decode step
-  // runs one first; a caller may run more between steps (an idle worker).
-  void PlaceDocuments();
-  // The persistent tier behind the prefix cache (not owned; shared by the
-  // engine's lanes) and the model's identity, part of every key. Needs a
-  // prefix cache.
-  // Captured prefixes are written to it in the background (PrefixStoreWriter).
+  // tier 0 copies of hot documents' values; DocumentCache::Place). Every
+  // prefill and decode step runs one first; a caller may run more between
+  // steps (an idle worker).
+  void PlaceDocuments() {
+    if (cache_) cache_->Place();
+  }
+  // The persistent tier behind the memory tier (not owned; shared by the
+  // engine's lanes) and the model's identity, part of every key
+  // (DocumentCache::SetPersistentTier). Captured documents are written to it
+  // in the background (DocumentWriter). Nothing without prefix reuse.
   void SetPrefixStore(storage::DocumentStore* store, std::string model_identity);
 
  private:
@@ -367,14 +342,11 @@ class Runtime {
   void* RankPart() const { return cp_part_.get(); }
   float* RankPartLse(int rows) const;
   Status MergeRanks(int rows);
-  // Captures segment `seg` of `r` (ending at `end`) into the prefix cache
-  // (and the persistent store) unless present.
+  // Captures segment `seg` of `r` (ending at `end`) into the document cache
+  // (memory and the persistent tier) unless present.
   Status CaptureSegment(int64_t seq, const GenerationRequest& r, PrefillState* st, size_t seg, int64_t end);
-  // What every prefix key of this runtime names besides the documents: the
-  // policy's state-shaping options, the dtype, the model and the namespace.
-  std::string PrefixFence(const std::string& cache_namespace) const;
-  // The cache keys of `r`'s leading documents (PrefixKeys over its digests,
-  // computed from the prompt when it has none).
+  // The cache keys of `r`'s leading documents (DocumentCache::Keys over its
+  // digests, computed from the prompt when it has none).
   std::vector<Hash128> RequestKeys(const GenerationRequest& r) const;
   // Adds request `r`'s sequence `seq`, attaches its longest cached prefix,
   // prefills the rest and captures its new leading segments.
@@ -403,31 +375,12 @@ class Runtime {
   // table, all ranks' gathered, the earlier ranks' K and V contiguous, row
   // indices 0..n-1.
   DeviceBuffer cp_lse_, cp_part_, cp_parts_, cp_kv_, cp_kv_ptrs_, cp_kv_all_, cp_prefix_k_, cp_prefix_v_, cp_iota_;
-  // The prefix stored under `key` with `tokens` tokens, imported into this
-  // policy and the device cache; null when absent or damaged (dropped).
-  std::shared_ptr<const KvPrefix> LoadStoredPrefix(const Hash128& key, int64_t tokens);
-  // Reads the prefix stored under `key` if it has `tokens` tokens (whole:
-  // every blob, none left to read lazily). Thread-safe: the store only.
-  StoredPrefixRead ReadStoredPrefix(const Hash128& key, int64_t tokens, bool whole) const;
-  // Imports a read prefix into the policy and the memory cache; null when it
-  // fails (counted as damaged and erased: at once, or through the writer's
-  // queue when queue_erase).
-  std::shared_ptr<const KvPrefix> ImportStoredPrefix(StoredPrefixRead read, bool queue_erase);
   Result<bool> PrefillStepImpl(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
   // reuse false: no prefix looked up nor captured.
   Status BeginPrefillImpl(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result,
-                          bool reuse, PrefetchedPrefixes* prefetched = nullptr);
-  // A prefix that failed a check: out of the cache and the store, counted.
-  void DropDamagedPrefix(const Hash128& key, const Status& why);
-
-  std::unique_ptr<PrefixCache> prefix_cache_;
-  std::unique_ptr<ValueTiers> tiers_;  // with the prefix cache; placement of its documents
-  // After `s`, an allocation that failed for device memory: true when tier 0
-  // gave some back (the caller tries once more).
-  bool FreedTier0For(const Status& s);
-  storage::DocumentStore* prefix_store_ = nullptr;
-  std::unique_ptr<PrefixStoreWriter> prefix_writer_;  // destroyed (drained) before the store
-  std::string model_identity_;
+                          bool reuse, PrefetchedDocuments* prefetched = nullptr);
+  // Declared after the policy it uses: destroyed first (its writes drained).
+  std::unique_ptr<DocumentCache> cache_;
 };
 
 // Builds the policy context (device RoPE table included) for a model.

@@ -1,6 +1,6 @@
 // ValueTiers: which cached documents keep a copy of their host-resident state
-// in spare device memory (tier 0 of the document cache; docs/storage.md,
-// "Tiers").
+// in spare device memory (tier 0 of the document cache, owned by
+// DocumentCache, worker/engine/document_cache.h; docs/storage.md, "Tiers").
 //
 // A shadowkv document's values live in pinned host memory (tier 1): every
 // chunk a sequence attached to it selects and does not hold crosses the host

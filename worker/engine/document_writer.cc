@@ -1,4 +1,4 @@
-#include "worker/engine/prefix_store_writer.h"
+#include "worker/engine/document_writer.h"
 
 #include <glog/logging.h>
 
@@ -6,14 +6,14 @@
 
 namespace penumbra {
 
-PrefixStoreWriter::PrefixStoreWriter(storage::DocumentStore* store, size_t max_queued_bytes,
-                                     std::map<std::string, size_t> blob_block_bytes)
+DocumentWriter::DocumentWriter(storage::DocumentStore* store, size_t max_queued_bytes,
+                               std::map<std::string, size_t> blob_block_bytes)
     : store_(store),
       max_queued_bytes_(max_queued_bytes),
       blob_block_bytes_(std::move(blob_block_bytes)),
       thread_([this] { Run(); }) {}
 
-PrefixStoreWriter::~PrefixStoreWriter() {
+DocumentWriter::~DocumentWriter() {
   {
     std::lock_guard<std::mutex> l(mu_);
     stop_ = true;
@@ -22,8 +22,8 @@ PrefixStoreWriter::~PrefixStoreWriter() {
   thread_.join();
 }
 
-bool PrefixStoreWriter::Enqueue(const Hash128& key, std::string cache_namespace, int64_t tokens,
-                                std::map<std::string, std::string> blobs) {
+bool DocumentWriter::Enqueue(const Hash128& key, std::string cache_namespace, int64_t tokens,
+                             std::map<std::string, std::string> blobs) {
   size_t bytes = 0;
   for (const auto& [name, b] : blobs) bytes += b.size();
   {
@@ -39,7 +39,7 @@ bool PrefixStoreWriter::Enqueue(const Hash128& key, std::string cache_namespace,
   return true;
 }
 
-void PrefixStoreWriter::EnqueueErase(const Hash128& key) {
+void DocumentWriter::EnqueueErase(const Hash128& key) {
   {
     std::lock_guard<std::mutex> l(mu_);
     Item item{key, "", 0, {}, 0};
@@ -49,7 +49,7 @@ void PrefixStoreWriter::EnqueueErase(const Hash128& key) {
   cv_.notify_all();
 }
 
-bool PrefixStoreWriter::Drain(std::chrono::milliseconds max_wait) {
+bool DocumentWriter::Drain(std::chrono::milliseconds max_wait) {
   std::unique_lock<std::mutex> l(mu_);
   auto idle = [&] { return queue_.empty() && !busy_; };
   if (max_wait == std::chrono::milliseconds::max()) {
@@ -59,12 +59,12 @@ bool PrefixStoreWriter::Drain(std::chrono::milliseconds max_wait) {
   return cv_.wait_for(l, max_wait, idle);
 }
 
-double PrefixStoreWriter::write_seconds() const {
+double DocumentWriter::write_seconds() const {
   std::lock_guard<std::mutex> l(mu_);
   return write_seconds_;
 }
 
-void PrefixStoreWriter::Run() {
+void DocumentWriter::Run() {
   std::unique_lock<std::mutex> l(mu_);
   for (;;) {
     cv_.wait(l, [&] { return stop_ || !queue_.empty(); });

@@ -1,9 +1,11 @@
-// PrefixStoreWriter: stores captured prefixes in the persistent segment store
-// on a background thread, so that the request that prefilled a document is
-// not held up by writing it (gigabytes at disk speed). The runtime exports a
-// prefix (its blobs, host copies) and queues them; the thread Puts them in
-// order. A queue over its byte bound refuses the prefix (counted as skipped:
-// the document is still cached in memory and recomputed after a restart).
+// DocumentWriter: the persistent tier's writer (DocumentCache,
+// worker/engine/document_cache.h): stores captured documents' states in the
+// persistent store (a storage::DocumentStore) on a background thread, so that
+// the request that prefilled a document is not held up by writing it
+// (gigabytes at disk speed). The cache exports a captured state (its blobs,
+// host copies) and queues them; the thread Puts them in order. A queue over
+// its byte bound refuses the state (counted as skipped: the document is
+// still cached in memory and recomputed after a restart).
 // Erases go through the same queue (in order with the writes), so a caller
 // on the decode loop never waits on the store. A store that stops answering
 // costs only this thread's time: each call has a deadline (and fails at once
@@ -26,15 +28,15 @@
 
 namespace penumbra {
 
-class PrefixStoreWriter {
+class DocumentWriter {
  public:
   // `store` must outlive the writer.
   // blob_block_bytes: block sizes of named blobs (SegmentStore::Put).
-  PrefixStoreWriter(storage::DocumentStore* store, size_t max_queued_bytes,
-                    std::map<std::string, size_t> blob_block_bytes = {});
-  ~PrefixStoreWriter();
-  PrefixStoreWriter(const PrefixStoreWriter&) = delete;
-  PrefixStoreWriter& operator=(const PrefixStoreWriter&) = delete;
+  DocumentWriter(storage::DocumentStore* store, size_t max_queued_bytes,
+                 std::map<std::string, size_t> blob_block_bytes = {});
+  ~DocumentWriter();
+  DocumentWriter(const DocumentWriter&) = delete;
+  DocumentWriter& operator=(const DocumentWriter&) = delete;
 
   // Queues a Put; false (and nothing queued) when the queue's bytes would
   // exceed the bound.
