@@ -233,6 +233,7 @@ def compare(inp, ours_path, bf16=False, ref_device="cpu", quiet=False, tol=None)
         "reference_sparse_vs_full_rel_err": ref_lib.rel_err(cpu(own.out), cpu(own.full)),
         "reference_coverage_mean": own.coverage.mean().item(),
         **ref_lib.margins(inp, own),
+        **ref_lib.cut_conditioning(inp, own.pre),
     }
     summary["pass"] = all(c["ok"] for c in checks.values())
     _report(summary, quiet)

@@ -230,6 +230,8 @@ class Prefill:
     landmarks: torch.Tensor  # [hkv, n_chunks, d] mean post-RoPE key of every chunk
     min_cos: torch.Tensor    # [hkv, n_chunks]
     outliers: torch.Tensor   # [hkv, O] int64, ascending
+    bounds: list = None      # the shards' token bounds ([0, S] unsharded)
+    sigmas: list = None      # per shard, the singular values of its [len, hkv*d] pre-RoPE keys (descending)
 
 
 def check_shards(inp, shards):
@@ -274,8 +276,10 @@ def prefill(inp, prec=EXACT, outliers=None, shards=None):
     # shard); A = U[:, :r], B = diag(s_r) Vh_r viewed [hkv, r, d].
     K2 = k_pre.permute(1, 0, 2).reshape(S, hkv * d)
     k_low = torch.empty(hkv, S, d, dtype=dt, device=k_pre.device)
+    sigmas = []
     for b0, b1 in zip(bounds, bounds[1:]):
         U, s, Vh = torch.linalg.svd(K2[b0:b1], full_matrices=False)
+        sigmas.append(s.detach().to("cpu", F64))
         A = prec.store(U[:, :r])
         B = prec.store((s[:r, None] * Vh[:r]).reshape(-1, hkv, d).permute(1, 0, 2))  # [hkv, r, d]
         k_low[:, b0:b1] = A @ B
@@ -292,7 +296,8 @@ def prefill(inp, prec=EXACT, outliers=None, shards=None):
     if outliers is None:
         outliers = shard_outliers(inp, min_cos, bounds)
     return Prefill(k_low=k_low, k_rope=k_rope, v=prec.store(inp.v.to(dt)),
-                   landmarks=prec.store(mean), min_cos=min_cos, outliers=outliers.long())
+                   landmarks=prec.store(mean), min_cos=min_cos, outliers=outliers.long(),
+                   bounds=bounds, sigmas=sigmas)
 
 
 # ----------------------------------------------------------------------------
@@ -420,6 +425,52 @@ def margins(inp, res):
     return out
 
 
+# Unit roundoff of float32: the scale of the backward error of an f32 solver.
+F32_EPS = 2.0 ** -24
+
+
+def cut_conditioning(inp, pre):
+    """How well-posed the rank-r truncation is, from the float64 singular
+    values s_1 >= s_2 >= ... of each shard's pre-RoPE keys ([len, hkv*d]).
+
+    Near the cut, the rank-r factors are determined only up to rotations
+    between the r-th and (r+1)-th singular directions of about
+    (backward error) / (s_r - s_{r+1}) (Wedin). A float32 engine's backward
+    error is about eps * s_1 for an SVD of the keys and eps * s_1^2, relative
+    to s_r^2 - s_{r+1}^2, for an eigensolver of the Gram matrix K^T K (which
+    squares the conditioning). Where that rotation is not small, a correct
+    float32 engine's rank-r keys differ from the float64 reference's by up to
+    about the rotation times s_r, and the comparison of the output is not
+    well-posed. Reported, worst over the shards (a shard that its rank covers
+    whole is exact and skipped):
+      cut_sigma_r_rel     s_r / s_1
+      cut_sigma_next_rel  s_{r+1} / s_1 (what the truncation drops, relative)
+      cut_rel_gap         (s_r - s_{r+1}) / s_r
+      cut_f32_rotation    min(1, eps * s_1^2 / (s_r^2 - s_{r+1}^2)), the Gram
+                          eigensolver's (the larger) bound, eps = 2^-24
+      cut_f32_key_err     cut_f32_rotation * hypot(s_r, s_{r+1}) / ||K||_F: the
+                          order of magnitude of the relative difference between
+                          a correct f32 engine's rank-r keys and the reference's
+    """
+    r = inp.rank
+    worst = {"cut_sigma_r_rel": 0.0, "cut_sigma_next_rel": 0.0, "cut_rel_gap": 1.0, "cut_f32_rotation": 0.0,
+             "cut_f32_key_err": 0.0}
+    for s in pre.sigmas or []:
+        s = s.tolist()
+        if r >= len(s) or s[0] <= 0:
+            continue
+        s1, sr, sn = s[0], s[r - 1], s[r]
+        gap2 = sr * sr - sn * sn
+        rotation = 1.0 if gap2 <= 0 else min(1.0, F32_EPS * s1 * s1 / gap2)
+        worst["cut_sigma_r_rel"] = max(worst["cut_sigma_r_rel"], sr / s1)
+        worst["cut_sigma_next_rel"] = max(worst["cut_sigma_next_rel"], sn / s1)
+        worst["cut_rel_gap"] = min(worst["cut_rel_gap"], (sr - sn) / sr if sr > 0 else 0.0)
+        worst["cut_f32_rotation"] = max(worst["cut_f32_rotation"], rotation)
+        worst["cut_f32_key_err"] = max(worst["cut_f32_key_err"],
+                                       rotation * math.hypot(sr, sn) / math.sqrt(sum(x * x for x in s)))
+    return worst
+
+
 def summarize(inp, res):
     info = {
         "S": inp.seq, "hkv": inp.hkv, "hq": inp.hq, "d": inp.d, "rank": inp.rank, "chunk": inp.chunk,
@@ -430,6 +481,7 @@ def summarize(inp, res):
         "top_score_mean": res.scores.amax(dim=-1).mean().item(),
     }
     info.update(margins(inp, res))
+    info.update(cut_conditioning(inp, res.pre))
     return info
 
 
@@ -439,16 +491,23 @@ def summarize(inp, res):
 
 def make_inputs(seed=0, seq=8192, hkv=8, group=4, d=128, rank=160, chunk=8, budget=2048,
                 outliers=48, local_window=32, rope_theta=500000.0, steps=8,
-                latent=256, decay=40.0, noise=0.005, spikes=None):
+                latent=256, decay=40.0, noise=0.005, spikes=None, segments=None):
     """Realistic-ish keys: a time-smooth latent walk through a projection whose
-    component j has weight exp(-j / decay) (a geometrically decaying spectrum,
-    so the rank-r cut falls where singular values are well separated and an f32
-    SVD agrees with the f64 one on the truncation), a per-channel bias (as real
-    keys have), small noise, larger magnitude in the low-frequency RoPE pairs,
-    and a few "spike" tokens (token 0, like an attention sink, plus random ones)
-    in unrelated directions; these make their chunks outliers. Queries
-    aim at a few target tokens per query head (post-RoPE aligned with the
-    target key), so attention is peaked; targets persist over steps mostly."""
+    component j has weight exp(-j / decay) (a geometrically decaying spectrum),
+    a per-channel bias (as real keys have), small noise, larger magnitude in the
+    low-frequency RoPE pairs, and a few "spike" tokens (token 0, like an
+    attention sink, plus random ones) in unrelated directions; these make their
+    chunks outliers. Queries aim at a few target tokens per query head
+    (post-RoPE aligned with the target key), so attention is peaked; targets
+    persist over steps mostly.
+
+    `segments` (token bounds [0, b1, ..., S]): each segment projects the walk
+    with its own projection, so each has its own key subspace (`latent`
+    dimensions, plus the bias and its spikes). With `latent + 1 + spikes <
+    rank` and a small `noise`, a shard equal to a segment has all its signal
+    above the rank-r cut and only noise at it, so its rank-r keys are
+    well-posed, while the whole sequence's rank-r factors are lossy (README.md,
+    "Conditioning of the rank-r cut")."""
     g = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=g, dtype=F64)
     N, hq = hkv * d, hkv * group
@@ -467,7 +526,15 @@ def make_inputs(seed=0, seq=8192, hkv=8, group=4, d=128, rank=160, chunk=8, budg
         Z[t] = rho * Z[t - 1] + math.sqrt(1 - rho * rho) * e[t]
     weight = torch.exp(-torch.arange(latent, dtype=F64) / decay)
     W = randn(latent, N) * (weight / weight.norm())[:, None]  # unit variance per channel
-    K = (Z @ W + 0.5 * randn(N)[None, :]) * channel + noise * randn(seq, N)
+    ZW = Z @ W
+    if segments is not None:
+        bounds = [int(b) for b in segments]
+        _require(len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == seq
+                 and all(a < b for a, b in zip(bounds, bounds[1:])),
+                 f"segments {bounds}: must increase from 0 to seq {seq}")
+        for b0, b1 in zip(bounds[1:], bounds[2:]):  # the first segment keeps W
+            ZW[b0:b1] = Z[b0:b1] @ (randn(latent, N) * (weight / weight.norm())[:, None])
+    K = (ZW + 0.5 * randn(N)[None, :]) * channel + noise * randn(seq, N)
 
     if spikes is None:
         spikes = max(4, seq // 1024)
@@ -505,7 +572,10 @@ def make_inputs(seed=0, seq=8192, hkv=8, group=4, d=128, rank=160, chunk=8, budg
         # Informational (derivable from shapes and the keys above).
         "seq": str(seq), "hkv": str(hkv), "hq": str(hq), "group": str(group), "head_dim": str(d),
         "n_chunks": str(n_chunks), "kslots": str(budget // chunk), "seed": str(seed),
+        "latent": str(latent), "decay": repr(float(decay)), "noise": repr(float(noise)), "spikes": str(spikes),
     }
+    if segments is not None:
+        meta["segments"] = ",".join(str(int(b)) for b in segments)
     return tensors, meta
 
 
@@ -594,6 +664,17 @@ def self_test():
           f"coverage mean {info['coverage_mean']:.3f}; chunk 0 outlier on heads: "
           f"{[0 in res.pre.outliers[h].tolist() for h in range(inp.hkv)]}; margins {margins(inp, res)}")
 
+    # Segments with their own key subspaces, each spanning fewer than `rank`
+    # directions above the noise: every shard's cut is in the noise, the whole
+    # sequence's is not (README.md, "Conditioning of the rank-r cut").
+    t, m = make_inputs(seed=6, rank=16, budget=64, outliers=4, noise=1e-5, segments=[0, 256, 512], **small)
+    inp = inputs_from(t, m)
+    per_shard = cut_conditioning(inp, prefill(inp, shards=[0, 256, 512]))
+    whole = cut_conditioning(inp, prefill(inp))
+    check("segments: each shard's rank-r cut is in the noise, the sequence's is not",
+          per_shard["cut_sigma_r_rel"] < 1e-4 and whole["cut_sigma_r_rel"] > 1e-3,
+          f"s_r/s_1 per shard {per_shard['cut_sigma_r_rel']:.2e}, whole {whole['cut_sigma_r_rel']:.2e}")
+
     print("comparator:")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import compare_shadowkv as cmp
@@ -663,6 +744,14 @@ def main(argv=None):
     mk.add_argument("--local-window", type=int, default=32)
     mk.add_argument("--rope-theta", type=float, default=500000.0)
     mk.add_argument("--steps", type=int, default=8)
+    mk.add_argument("--latent", type=int, default=256, help="dimensions of the keys' latent walk")
+    mk.add_argument("--decay", type=float, default=40.0,
+                    help="latent component j of the keys has weight exp(-j / decay)")
+    mk.add_argument("--noise", type=float, default=0.005, help="i.i.d. key noise per channel")
+    mk.add_argument("--spikes", type=int, help="spike tokens (default max(4, seq // 1024))")
+    mk.add_argument("--segments", help="token bounds of segments with their own key subspace, e.g. 0,4096,8192")
+    mk.add_argument("--shards", help="token bounds of context-parallel shards for the printed statistics, "
+                    "e.g. 0,4096,8192 (the inputs do not depend on it)")
     mk.add_argument("--no-stats", action="store_true", help="skip running the reference on the result")
 
     rn = sub.add_parser("run", help="write reference results in the engine's output format")
@@ -680,12 +769,15 @@ def main(argv=None):
         tensors, meta = make_inputs(
             seed=args.seed, seq=args.seq, hkv=args.hkv, group=args.group, d=args.d, rank=args.rank,
             chunk=args.chunk, budget=args.budget, outliers=args.outliers,
-            local_window=args.local_window, rope_theta=args.rope_theta, steps=args.steps)
+            local_window=args.local_window, rope_theta=args.rope_theta, steps=args.steps,
+            latent=args.latent, decay=args.decay, noise=args.noise, spikes=args.spikes,
+            segments=[int(b) for b in args.segments.split(",")] if args.segments else None)
         inp = inputs_from(tensors, meta)  # validates before writing
         save_tensors(args.out, tensors, meta)
         print(f"wrote {args.out}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if k != "format"))
         if not args.no_stats:
-            info = summarize(inp, run_reference(inp))
+            shards = [int(b) for b in args.shards.split(",")] if args.shards else None
+            info = summarize(inp, run_reference(inp, shards=shards))
             print("reference: " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()))
         return 0
