@@ -141,11 +141,6 @@ struct RuntimeOptions {
   TierOptions tiers;
 };
 
-// The scheduler's names for the document cache's types (DocumentCache,
-// worker/engine/document_cache.h).
-using PrefetchedPrefixes = PrefetchedDocuments;
-using PrefixCache = DocumentMemoryTier;
-
 struct RunStats {
   double prefill_seconds = 0;
   double decode_seconds = 0;

@@ -79,7 +79,7 @@ void Scheduler::StartFetches() {
     std::lock_guard<std::mutex> lk(mu_);
     for (size_t i = 0; i < plan.size(); ++i) {
       const std::shared_ptr<Request>& r = plan[i];
-      r->prefetched = std::make_shared<PrefetchedPrefixes>();
+      r->prefetched = std::make_shared<PrefetchedDocuments>();
       if (lookups[i].empty() || r->done) {
         r->fetch = Request::Fetch::kReady;
         continue;
@@ -87,7 +87,7 @@ void Scheduler::StartFetches() {
       r->fetch = Request::Fetch::kFetching;
       // The job writes into its own reference (Finish may drop the request's).
       jobs.push_back([this, r, pf = r->prefetched, l = std::move(lookups[i])] {
-        PrefetchedPrefixes p = rt_->FetchStoredPrefixes(l);  // the store only: thread-safe
+        PrefetchedDocuments p = rt_->FetchStoredPrefixes(l);  // the store only: thread-safe
         if (p.failures > 0) {
           LOG(WARNING) << "scheduler: request " << r->id << ": its stored document was not read (prefilled "
                        << "instead): " << p.last_failure;
@@ -266,7 +266,7 @@ bool Scheduler::accepting() const {
 SchedulerStats::Documents Scheduler::DocumentSnapshot() const {
   SchedulerStats::Documents d;
   const RunStats rs = rt_->stats();
-  if (const PrefixCache* c = rt_->prefix_cache()) {
+  if (const DocumentMemoryTier* c = rt_->prefix_cache()) {
     d.cached = static_cast<int64_t>(c->entries());
     d.device_bytes = static_cast<int64_t>(c->bytes());
     d.host_bytes = static_cast<int64_t>(c->host_bytes());
@@ -382,7 +382,7 @@ void Scheduler::Reap() {
 
 void Scheduler::Admit() {
   std::shared_ptr<Request> r;
-  std::shared_ptr<PrefetchedPrefixes> prefetched;  // r's, held while the runtime imports it
+  std::shared_ptr<PrefetchedDocuments> prefetched;  // r's, held while the runtime imports it
   {
     std::lock_guard<std::mutex> lk(mu_);
     // One prompt in prefill at a time (by fair share between tenants, first
@@ -395,7 +395,7 @@ void Scheduler::Admit() {
   }
   // Never null here (planned before it was ready); an empty one keeps the
   // store off the loop regardless.
-  if (!prefetched) prefetched = std::make_shared<PrefetchedPrefixes>();
+  if (!prefetched) prefetched = std::make_shared<PrefetchedDocuments>();
   r->seq = next_seq_++;
   GenerationResult admitted;
   const Clock::time_point t0 = Clock::now();

@@ -215,7 +215,7 @@ class Scheduler {
     // Its stored documents (under mu_): to look up, being read, or read
     // (prefetched: what BeginPrefill imports; the loop's once kReady).
     enum class Fetch { kUnplanned, kFetching, kReady } fetch = Fetch::kUnplanned;
-    std::shared_ptr<PrefetchedPrefixes> prefetched;
+    std::shared_ptr<PrefetchedDocuments> prefetched;
   };
 
   Scheduler(Runtime* runtime, const SchedulerOptions& options);
