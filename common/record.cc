@@ -76,7 +76,9 @@ bool RecordReader::I32s(std::vector<int32_t>* v) {
   uint32_t n = 0;
   if (!U32(&n) || n > (s_.size() - pos_) / 4) return false;
   v->resize(n);
-  std::memcpy(v->data(), s_.data() + pos_, 4 * size_t{n});
+  // An empty vector's data() may be null, and memcpy's arguments must not be
+  // (UBSan's nonnull-attribute check), even for zero bytes.
+  if (n > 0) std::memcpy(v->data(), s_.data() + pos_, 4 * size_t{n});
   pos_ += 4 * size_t{n};
   return true;
 }

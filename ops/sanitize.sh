@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # The sanitizer jobs (CI runs both after the main tests; CMakePresets.json
-# names their builds):
+# names their builds and tests; tests/README.md says how to run and extend them):
 #   bash ops/sanitize.sh asan   build-asan/: the CPU backend under
-#                               AddressSanitizer + UndefinedBehaviorSanitizer,
+#                               AddressSanitizer + UndefinedBehaviorSanitizer:
 #                               the in-process tests (labels unit and
-#                               integration, but the evaluation model's
-#                               accuracy run, too long instrumented; the
-#                               multi-process service tests are not in this
-#                               job yet)
+#                               integration) and the multi-process ones (label
+#                               service: real workers, coordinators and store
+#                               nodes, all ASan-built), but those named in the
+#                               preset's exclude (too long instrumented)
 #   bash ops/sanitize.sh tsan   build-tsan/: ThreadSanitizer on the threaded
 #                               parts in process (scheduler, segment store,
-#                               journal, job and document stores)
-# A report fails the test that made it (halt_on_error; the suppressions of
-# ops/tsan.supp name the uninstrumented libraries' own races, each with why).
-# Build output goes to build-<job>/logs/build.log.
+#                               journal, job and document stores) and on the
+#                               service: every case of service_test (TSan-built
+#                               penumbra-worker, penumbra-coordinator and
+#                               penumbra-store processes) and
+#                               store_node_integration_test
+# A report fails the test that made it (halt_on_error). A report of a process
+# a test started fails that test too (tests/service/service_cluster.h reads
+# each process's log), and any report left in the tests' output fails the
+# job (the check after ctest). The suppressions of ops/tsan.supp name the
+# uninstrumented libraries' own races, each with why. UCX's memory hooks are
+# off under TSan (the preset's UCX_MEM_* variables): with them every thread's
+# exit crashes. Build output goes to build-<job>/logs/build.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 job=${1:?usage: ops/sanitize.sh asan|tsan}
@@ -27,14 +35,12 @@ case "$job" in
     ;;
   tsan)
     quiet_step "configure: $dir (TSan, CPU backend)" "$dir/logs/configure.log" cmake --preset tsan
-    # The tests of the threaded parts, in process. Not in this job yet: the
-    # multi-process tests (service, tls_planes: under TSan a worker process
-    # exits at its first document put) and the store node's (UCX's memory
-    # hooks and TSan's: store_node_integration_test crashes), not yet
-    # diagnosed.
+    # The threaded parts in process, the store node's processes and the
+    # service's (the service tests run the penumbra-* programs of this build).
     targets=(scheduler_test scheduler_store_io_test
              segment_store_test job_store_test job_store_integration_test document_registry_test
-             document_registry_integration_test request_journal_test tombstones_test)
+             document_registry_integration_test request_journal_test tombstones_test
+             store_node_integration_test service_test penumbra-worker penumbra-coordinator penumbra-store)
     quiet_step "build: $dir (${#targets[@]} targets)" "$dir/logs/build.log" ninja -C "$dir" -j"$(nproc)" "${targets[@]}"
     ;;
   *) echo "ops/sanitize.sh: unknown job $job (asan|tsan)" >&2; exit 2 ;;
@@ -55,4 +61,12 @@ for t in json.load(sys.stdin)["tests"]:
   ctest --preset tsan -j"$(nproc)" --timeout 1800 -R "$names"
 else
   ctest --preset "$job" -j"$(nproc)" --timeout 1800
+fi
+# A report that failed no test (e.g. a store node's, on the stderr of a test
+# that passed) still fails the job: ctest keeps every test's output.
+reports='WARNING: ThreadSanitizer:|ERROR: (Thread|Address|Leak)Sanitizer:|: runtime error: '
+if grep -Eq "$reports" "$dir/Testing/Temporary/LastTest.log"; then
+  grep -En -B2 -A30 "$reports" "$dir/Testing/Temporary/LastTest.log" | head -400
+  echo "ops/sanitize.sh: a sanitizer report in the tests' output (all of it: $dir/Testing/Temporary/LastTest.log)" >&2
+  exit 1
 fi

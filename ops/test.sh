@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up, build and pass every test: the format check, C++ unit/integration/
 # service tests (GPU tests skip themselves without a GPU), short libFuzzer
-# runs, the Python tests, clang-tidy, and the sanitizer jobs (the CPU tests
-# under ASan+UBSan, the threaded parts under TSan; ops/sanitize.sh). Set-up
+# runs, the Python tests, clang-tidy, and the sanitizer jobs (the CPU tests,
+# service processes included, under ASan+UBSan; the threaded parts, the
+# service and the store node under TSan; ops/sanitize.sh). Set-up
 # and build print one line each (their output goes to build*/logs/, shown in
 # full only on failure).
 set -euo pipefail

@@ -3,7 +3,9 @@
 // ($PENUMBRA_BIN_DIR) on ports the OS picks, read back from their port
 // files. Every process is killed (SIGKILL) when its handle goes, so a failing
 // test leaves nothing running; logs stay in the cluster's temporary folder
-// and are printed when a test fails.
+// and are printed when a test fails. Under the sanitizer jobs
+// (ops/sanitize.sh) a process's sanitizer report fails the test that started
+// it (SanitizerReport), even when the test itself would pass.
 #pragma once
 
 #include <signal.h>
@@ -33,6 +35,20 @@
 
 namespace penumbra::testing {
 
+// The sanitizer report in a process's log, or "" when none: ThreadSanitizer,
+// AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer write theirs
+// to stderr, which Process sends to the log.
+inline std::string SanitizerReport(const std::string& log) {
+  for (const char* marker : {"WARNING: ThreadSanitizer:", "ERROR: ThreadSanitizer:", "ERROR: AddressSanitizer:",
+                             "ERROR: LeakSanitizer:", ": runtime error: "}) {
+    const size_t at = log.find(marker);
+    if (at == std::string::npos) continue;
+    const size_t line = log.rfind('\n', at);
+    return log.substr(line == std::string::npos ? 0 : line + 1);
+  }
+  return "";
+}
+
 inline std::string BinDir() {
   const char* s = std::getenv("PENUMBRA_BIN_DIR");
   return s ? s : SourceDir() + "/build/bin";
@@ -42,6 +58,8 @@ class Process {
  public:
   // Starts argv[0] with its output to `log`.
   static std::unique_ptr<Process> Start(const std::vector<std::string>& argv, const std::string& log) {
+    // A restarted process writes over its predecessor's log: check that first.
+    ExpectNoSanitizerReport(std::filesystem::path(argv[0]).filename(), ReadFile(log));
     auto p = std::unique_ptr<Process>(new Process());
     p->log_ = log;
     p->name_ = std::filesystem::path(argv[0]).filename();
@@ -56,6 +74,7 @@ class Process {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
+    ExpectNoSanitizerReport(name_, Log());
   }
   pid_t pid() const { return pid_; }
   void Signal(int sig) { kill(pid_, sig); }
@@ -79,15 +98,20 @@ class Process {
     if (waitpid(pid_, &st, WNOHANG) == pid_) exited_ = true;
     return !exited_;
   }
-  std::string Log() const {
-    std::ifstream f(log_);
+  std::string Log() const { return ReadFile(log_); }
+  const std::string& name() const { return name_; }
+
+ private:
+  static std::string ReadFile(const std::string& path) {
+    std::ifstream f(path);
     std::stringstream s;
     s << f.rdbuf();
     return s.str();
   }
-  const std::string& name() const { return name_; }
-
- private:
+  static void ExpectNoSanitizerReport(const std::string& name, const std::string& log) {
+    const std::string report = SanitizerReport(log);
+    if (!report.empty()) ADD_FAILURE() << name << " made a sanitizer report:\n" << report;
+  }
   Process() = default;
   pid_t pid_ = -1;
   bool exited_ = false;
