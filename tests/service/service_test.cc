@@ -305,6 +305,7 @@ TEST_F(Service, ARestartedWorkerIsSentTheDocumentsItLost) {
   const int port = cluster.worker(0).port;
   cluster.worker(0).process->Signal(SIGKILL);
   ASSERT_TRUE(cluster.worker(0).process->Wait(10s).has_value());
+  ASSERT_TRUE(Eventually([&] { return MarkedDown(*c, "w0"); }, 20s, "the health check to mark w0 down"));
   ASSERT_TRUE(cluster.StartWorker(0, port));
   ASSERT_TRUE(Eventually(
       [&] {

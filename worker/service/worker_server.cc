@@ -1,6 +1,7 @@
 #include "worker/service/worker_server.h"
 
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include <glog/logging.h>
@@ -308,48 +309,52 @@ std::string WorkerHandler::Submit(Result<GenerationRequest> g, Result<SubmitOpti
   return handle;
 }
 
+namespace {
+
+// Either request kind's own fields, as the control API defines them.
+template <class R>
+Result<SubmitOptions> OptionsOf(const R& r) {
+  return SubmitOptionsFromRpc(r.deadline_ms, r.share_weight, r.tenant, r.owner_id);
+}
+
+}  // namespace
+
 void WorkerHandler::Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) {
-  handle = Submit(FromRpc(request, id_.max_context),
-                  SubmitOptionsFromRpc(request.deadline_ms, request.share_weight, request.tenant, request.owner_id),
-                  request.owner_id);
+  handle = Submit(FromRpc(request, id_.max_context), OptionsOf(request), request.owner_id);
 }
 
 void WorkerHandler::PutDocument(std::string& handle, const rpc::WorkerPutRequest& request) {
-  handle = Submit(FromRpc(request, id_.max_context),
-                  SubmitOptionsFromRpc(request.deadline_ms, request.share_weight, request.tenant, request.owner_id),
-                  request.owner_id);
+  handle = Submit(FromRpc(request, id_.max_context), OptionsOf(request), request.owner_id);
+}
+
+RequestUpdate WorkerHandler::Await(
+    const std::string& handle, int32_t wait_ms,
+    const std::function<Result<RequestUpdate>(uint64_t, std::chrono::milliseconds)>& wait) {
+  if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
+    Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
+                                  std::to_string(wait_ms)));
+  }
+  Result<uint64_t> id = Lookup(handle);
+  if (!id.ok()) Throw(id.status());
+  Result<RequestUpdate> u = wait(*id, std::chrono::milliseconds(wait_ms));
+  if (!u.ok()) {
+    if (u.status().code() == StatusCode::kNotFound) Forget(handle);
+    Throw(u.status().code() == StatusCode::kNotFound ? UnknownHandle(handle) : u.status());
+  }
+  return std::move(*u);
 }
 
 void WorkerHandler::WaitPut(rpc::WorkerPutProgress& out, const std::string& handle, int64_t factored_tokens,
                             int32_t wait_ms) {
-  if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
-    Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
-                                  std::to_string(wait_ms)));
-  }
-  Result<uint64_t> id = Lookup(handle);
-  if (!id.ok()) Throw(id.status());
-  Result<RequestUpdate> u = s_->WaitProgress(*id, factored_tokens, std::chrono::milliseconds(wait_ms));
-  if (!u.ok()) {
-    if (u.status().code() == StatusCode::kNotFound) Forget(handle);
-    Throw(u.status().code() == StatusCode::kNotFound ? UnknownHandle(handle) : u.status());
-  }
-  ToRpc(*u, &out);
+  ToRpc(Await(handle, wait_ms,
+              [&](uint64_t id, std::chrono::milliseconds wait) { return s_->WaitProgress(id, factored_tokens, wait); }),
+        &out);
 }
 
 void WorkerHandler::Poll(rpc::TokenChunk& out, const std::string& handle, int64_t offset, int32_t wait_ms) {
-  if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
-    Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
-                                  std::to_string(wait_ms)));
-  }
   if (offset < 0) Throw(Status::InvalidArgument("offset must be >= 0, got " + std::to_string(offset)));
-  Result<uint64_t> id = Lookup(handle);
-  if (!id.ok()) Throw(id.status());
-  Result<RequestUpdate> u = s_->Poll(*id, offset, std::chrono::milliseconds(wait_ms));
-  if (!u.ok()) {
-    if (u.status().code() == StatusCode::kNotFound) Forget(handle);
-    Throw(u.status().code() == StatusCode::kNotFound ? UnknownHandle(handle) : u.status());
-  }
-  ToRpc(*u, &out);
+  ToRpc(Await(handle, wait_ms, [&](uint64_t id, std::chrono::milliseconds wait) { return s_->Poll(id, offset, wait); }),
+        &out);
 }
 
 void WorkerHandler::Cancel(const std::string& handle) {

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -86,6 +87,10 @@ class WorkerHandler : public rpc::WorkerIf {
     return owner_id.empty() ? std::string() : owner + "\n" + owner_id;
   }
   void RenewLocked(const std::string& lease);  // under mu_
+  // Waits on `handle`'s request (the current caller's) with `wait`, at most
+  // wait_ms (checked); throws the error a poll of it gives.
+  RequestUpdate Await(const std::string& handle, int32_t wait_ms,
+                      const std::function<Result<RequestUpdate>(uint64_t, std::chrono::milliseconds)>& wait);
   // Queues a converted request for the current caller and `owner_id`;
   // returns its handle (throws the first error).
   std::string Submit(Result<GenerationRequest> g, Result<SubmitOptions> o, const std::string& owner_id);
