@@ -120,6 +120,12 @@ struct WorkerPutProgress {
   8: double queue_seconds,       // submitted -> admitted; < 0 until admitted
 }
 
+// One generation of a PollMany: its handle and the offset its caller has.
+struct WorkerPollTarget {
+  1: string handle,
+  2: i64 offset,
+}
+
 // Every call needs the caller's certificate of role coordinator when the
 // worker runs with TLS (mutual TLS; docs/operations.md, "Security").
 service Worker {
@@ -131,6 +137,15 @@ service Worker {
   string Generate(1: WorkerGenerateRequest request) throws (1: common.PenumbraError error),
   // Tokens from `offset`, waiting up to wait_ms (<= 60000) for more or the end.
   common.TokenChunk Poll(1: string request_id, 2: i64 offset, 3: i32 wait_ms)
+      throws (1: common.PenumbraError error),
+  // Long polls several generations at once (a coordinator's one poll of
+  // this worker for all of its streams): returns when any target has tokens
+  // past its offset or has ended, or after wait_ms (<= 60000); one chunk per
+  // target, in order. A target whose own poll fails (not this caller's:
+  // NOT_FOUND; an offset past its tokens: INVALID_ARGUMENT) gets a chunk
+  // with that error_code and done false, which no generation's chunk has (a
+  // generation's error ends it: done). At most 4096 targets.
+  list<common.TokenChunk> PollMany(1: list<WorkerPollTarget> targets, 2: i32 wait_ms)
       throws (1: common.PenumbraError error),
   void Cancel(1: string request_id) throws (1: common.PenumbraError error),
   // Forgets a request: a finished one at once, a running one is cancelled

@@ -60,6 +60,7 @@ Coordinator::Coordinator(const CoordinatorOptions& options, std::unique_ptr<Text
       docs_(documents ? std::move(documents) : std::make_unique<DocumentRegistry>(options.max_documents_per_tenant)),
       registry_(std::make_shared<prometheus::Registry>()) {
   RegisterMetrics();
+  for (int w = 0; w < workers_->size(); ++w) watches_.push_back(std::make_unique<WorkerWatch>(workers_, w));
   last_sweep_ = Clock::now();
   tombstones_ = std::make_unique<TombstoneSweeper>(
       docs_.get(), [this] { return workers_->size(); },

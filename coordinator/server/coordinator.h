@@ -45,6 +45,7 @@
 #include "coordinator/server/tombstones.h"
 #include "coordinator/server/validation.h"
 #include "coordinator/server/worker_pool.h"
+#include "coordinator/server/worker_watch.h"
 #include "coordinator/tenants/tenants.h"
 #include "coordinator/tokenizer/text_codec.h"
 #include "gen-cpp/Penumbra.h"
@@ -323,6 +324,9 @@ class Coordinator : public rpc::PenumbraIf {
   prometheus::Gauge* tombstones_gauge_;
   // Deletes carried to the workers (after docs_ and workers_; stopped first).
   std::unique_ptr<TombstoneSweeper> tombstones_;
+  // One long poll per worker for every generation waiting there (Advance);
+  // destroyed first.
+  std::vector<std::unique_ptr<WorkerWatch>> watches_;
 };
 
 }  // namespace penumbra::coordinator

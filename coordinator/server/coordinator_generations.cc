@@ -295,11 +295,14 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
   if (unreachable()) return lost(workers_->state(q.worker).error);
   rpc::TokenChunk ch;
   const int64_t from = static_cast<int64_t>(q.ids.size()) - q.base;  // the current worker's offset
-  // The worker answers a long poll within its wait; the margin stays under
-  // a client's (10 s), so a silent worker is noticed here first.
-  Status s = workers_->Call(
-      q.worker, "poll", [&](rpc::WorkerClient& c) { c.Poll(ch, q.wid, from, static_cast<int32_t>(wait.count())); },
-      wait + kWorkerPollMargin);
+  // One long poll of the worker for all of its generations (WorkerWatch);
+  // a look without waiting asks directly. The worker answers within its
+  // wait; the margin stays under a client's (10 s), so a silent worker is
+  // noticed here first.
+  Status s = wait.count() > 0
+                 ? watches_[q.worker]->Wait(q.wid, from, wait, &ch)
+                 : workers_->Call(
+                       q.worker, "poll", [&](rpc::WorkerClient& c) { c.Poll(ch, q.wid, from, 0); }, kWorkerPollMargin);
   if (!s.ok()) {
     if (s.code() == StatusCode::kDeadlineExceeded) {
       workers_->CheckNow(q.worker);  // no answer in time: is the worker still there?

@@ -239,6 +239,55 @@ TEST_F(SchedulerTest, TokensStreamByPollingWithOffsets) {
   EXPECT_EQ(s->Poll(*id, 0, 0ms).status().code(), StatusCode::kNotFound);
 }
 
+// Several streams polled at once (a coordinator's one poll of a worker):
+// every answer continues its own stream, the whole streams are the offline
+// answers, and targets that are not there say so each in their own slot.
+TEST_F(SchedulerTest, SeveralStreamsPolledAtOnceEachGetTheirTokens) {
+  auto e = OpenEngine();
+  ASSERT_TRUE(e);
+  auto s = Start(*e);
+  ASSERT_TRUE(s);
+  const std::vector<GenerationRequest> reqs = {Req(30, 25, 11), Req(45, 40, 12), Req(20, 10, 13)};
+  std::vector<uint64_t> ids;
+  for (const auto& r : reqs) {
+    auto id = s->Submit(r);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  std::vector<std::vector<int32_t>> streamed(reqs.size());
+  std::vector<bool> done(reqs.size(), false);
+  int rounds = 0;
+  while (std::find(done.begin(), done.end(), false) != done.end() && rounds < 10000) {
+    std::vector<std::pair<uint64_t, int64_t>> targets;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if (done[i]) continue;
+      targets.emplace_back(ids[i], static_cast<int64_t>(streamed[i].size()));
+      which.push_back(i);
+    }
+    auto updates = s->PollMany(targets, 5s);
+    ASSERT_EQ(updates.size(), targets.size());
+    bool progressed = false;
+    for (size_t k = 0; k < updates.size(); ++k) {
+      ASSERT_TRUE(updates[k].ok()) << updates[k].status();
+      const size_t i = which[k];
+      EXPECT_EQ(updates[k]->offset, static_cast<int64_t>(streamed[i].size()));
+      streamed[i].insert(streamed[i].end(), updates[k]->ids.begin(), updates[k]->ids.end());
+      progressed = progressed || !updates[k]->ids.empty() || updates[k]->done;
+      done[i] = updates[k]->done;
+    }
+    EXPECT_TRUE(progressed) << "a poll returned before its wait with no progress";
+    ++rounds;
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(streamed[i], Offline(reqs[i])) << i;
+  auto bad = s->PollMany({{ids[0], 999}, {424242, 0}, {ids[1], 0}}, 0ms);
+  ASSERT_EQ(bad.size(), 3u);
+  EXPECT_EQ(bad[0].status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad[1].status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(bad[2].ok());
+  EXPECT_EQ(bad[2]->ids.size(), 40u);
+}
+
 TEST_F(SchedulerTest, CancelAndDeadlineEndOneRequestOnly) {
   auto e = OpenEngine();
   ASSERT_TRUE(e);

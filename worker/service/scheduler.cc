@@ -184,6 +184,35 @@ Result<RequestUpdate> Scheduler::Poll(uint64_t id, int64_t offset, std::chrono::
   return Snapshot(*r, offset);
 }
 
+std::vector<Result<RequestUpdate>> Scheduler::PollMany(const std::vector<std::pair<uint64_t, int64_t>>& targets,
+                                                       std::chrono::milliseconds wait) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto ready = [&] {
+    for (const auto& [id, offset] : targets) {
+      auto it = requests_.find(id);
+      if (it == requests_.end() || it->second->done || static_cast<int64_t>(it->second->ids.size()) != offset) {
+        return true;  // unknown, ended, tokens past the offset (or an offset past them: an error to report)
+      }
+    }
+    return false;
+  };
+  done_cv_.wait_for(lk, wait, ready);
+  std::vector<Result<RequestUpdate>> out;
+  out.reserve(targets.size());
+  for (const auto& [id, offset] : targets) {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) {
+      out.emplace_back(Status::NotFound("request " + std::to_string(id) + " is unknown"));
+    } else if (offset < 0 || offset > static_cast<int64_t>(it->second->ids.size())) {
+      out.emplace_back(Status::InvalidArgument("offset " + std::to_string(offset) + " is past the " +
+                                               std::to_string(it->second->ids.size()) + " tokens made so far"));
+    } else {
+      out.emplace_back(Snapshot(*it->second, offset));
+    }
+  }
+  return out;
+}
+
 Result<RequestUpdate> Scheduler::WaitProgress(uint64_t id, int64_t prefilled_above, std::chrono::milliseconds wait) {
   std::unique_lock<std::mutex> lk(mu_);
   auto it = requests_.find(id);

@@ -163,6 +163,11 @@ class Scheduler {
   // Whether the scheduler still has request `id` (queued, running, or a
   // finished answer not yet released or expired).
   bool Contains(uint64_t id) const;
+  // Polls several requests at once: waits up to `wait` until any has tokens
+  // past its offset or is done; then each one's update from its offset (or
+  // its error: NotFound, InvalidArgument for an offset past its tokens).
+  std::vector<Result<RequestUpdate>> PollMany(const std::vector<std::pair<uint64_t, int64_t>>& targets,
+                                              std::chrono::milliseconds wait);
   // The request's state once it is done or has more than `prefilled_above`
   // prompt tokens in, or after `wait`: a put's progress, one wake-up per
   // prefill piece. NotFound for an unknown id.

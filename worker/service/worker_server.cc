@@ -357,6 +357,51 @@ void WorkerHandler::Poll(rpc::TokenChunk& out, const std::string& handle, int64_
         &out);
 }
 
+void WorkerHandler::PollMany(std::vector<rpc::TokenChunk>& out, const std::vector<rpc::WorkerPollTarget>& targets,
+                             int32_t wait_ms) {
+  if (wait_ms < 0 || wait_ms > kMaxWaitMs) {
+    Throw(Status::InvalidArgument("wait_ms must be in [0, " + std::to_string(kMaxWaitMs) + "], got " +
+                                  std::to_string(wait_ms)));
+  }
+  if (targets.size() > kMaxPollTargets) {
+    Throw(Status::InvalidArgument(std::to_string(targets.size()) + " targets: at most " +
+                                  std::to_string(kMaxPollTargets)));
+  }
+  // Each target's own error goes in its chunk; the others are polled.
+  std::vector<Status> errors(targets.size());
+  std::vector<std::pair<uint64_t, int64_t>> polled;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    Result<uint64_t> id = Lookup(targets[i].handle);
+    if (!id.ok()) {
+      errors[i] = id.status();
+    } else {
+      polled.emplace_back(*id, targets[i].offset);
+      where.push_back(i);
+    }
+  }
+  std::vector<Result<RequestUpdate>> updates =
+      polled.empty() ? std::vector<Result<RequestUpdate>>{} : s_->PollMany(polled, std::chrono::milliseconds(wait_ms));
+  out.assign(targets.size(), rpc::TokenChunk());
+  for (size_t k = 0; k < where.size(); ++k) {
+    if (updates[k].ok()) {
+      ToRpc(*updates[k], &out[where[k]]);
+    } else {
+      if (updates[k].status().code() == StatusCode::kNotFound) Forget(targets[where[k]].handle);
+      errors[where[k]] = updates[k].status().code() == StatusCode::kNotFound ? UnknownHandle(targets[where[k]].handle)
+                                                                             : updates[k].status();
+    }
+  }
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (errors[i].ok()) continue;
+    const rpc::PenumbraError e = transport::ToRpcError(errors[i]);
+    out[i].offset = targets[i].offset;
+    out[i].done = false;  // not done, yet an error: the poll of it failed (PollMany's contract)
+    out[i].__set_error_code(e.code);
+    out[i].__set_error_message(e.message);
+  }
+}
+
 void WorkerHandler::Cancel(const std::string& handle) {
   Result<uint64_t> id = Lookup(handle);
   if (!id.ok()) Throw(id.status());

@@ -57,6 +57,9 @@ class WorkerHandler : public rpc::WorkerIf {
   ~WorkerHandler() override;  // stops the lease thread
   void Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) override;
   void Poll(rpc::TokenChunk& out, const std::string& handle, int64_t offset, int32_t wait_ms) override;
+  void PollMany(std::vector<rpc::TokenChunk>& out, const std::vector<rpc::WorkerPollTarget>& targets,
+                int32_t wait_ms) override;
+  static constexpr size_t kMaxPollTargets = 4096;
   void Cancel(const std::string& handle) override;
   void Release(const std::string& handle) override;
   void PutDocument(std::string& handle, const rpc::WorkerPutRequest& request) override;

@@ -98,6 +98,11 @@ class ValidatingWorker : public rpc::WorkerIf {
     if (offset < 0) Throw(Status::InvalidArgument("offset must be >= 0"));
     Throw(Status::NotFound("request is unknown"));
   }
+  void PollMany(std::vector<rpc::TokenChunk>&, const std::vector<rpc::WorkerPollTarget>& targets,
+                int32_t wait_ms) override {
+    if (wait_ms < 0 || wait_ms > WorkerHandler::kMaxWaitMs) Throw(Status::InvalidArgument("wait_ms out of range"));
+    if (targets.size() > WorkerHandler::kMaxPollTargets) Throw(Status::InvalidArgument("too many targets"));
+  }
   void Cancel(const std::string&) override { Throw(Status::NotFound("request is unknown")); }
   void Release(const std::string&) override { Throw(Status::NotFound("request is unknown")); }
   int32_t ForgetDocuments(const std::vector<rpc::WorkerDocument>& documents,
