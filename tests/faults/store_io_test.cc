@@ -42,19 +42,6 @@ class StoreIo : public StoriesTest {};
 constexpr int kDocTokens = 64;
 constexpr int kCallTimeoutMs = 1000;
 
-// A metric's value from a /metrics page (the line starting with `series`
-// and a space); -1 when absent.
-double MetricValue(int port, const std::string& series) {
-  auto r = httplib::Client("127.0.0.1", port).Get("/metrics");
-  if (!r || r->status != 200) return -1;
-  std::istringstream in(r->body);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
-  }
-  return -1;
-}
-
 Status Submit(WorkerConn& w, const std::vector<int32_t>& prompt, std::vector<int64_t> document_ends, int max_new,
               std::string* id) {
   rpc::WorkerGenerateRequest g;

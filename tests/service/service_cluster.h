@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <nlohmann/json.hpp>
 
 #include "common/crypto.h"
@@ -47,6 +48,19 @@ inline std::string SanitizerReport(const std::string& log) {
     return log.substr(line == std::string::npos ? 0 : line + 1);
   }
   return "";
+}
+
+// A metric's value from the /metrics page on loopback port `port` (the line
+// starting with `series` and a space); -1 when absent or not served.
+inline double MetricValue(int port, const std::string& series) {
+  auto r = httplib::Client("127.0.0.1", port).Get("/metrics");
+  if (!r || r->status != 200) return -1;
+  std::istringstream in(r->body);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  }
+  return -1;
 }
 
 inline std::string BinDir() {

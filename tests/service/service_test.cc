@@ -284,17 +284,7 @@ TEST_F(Service, ARestartedWorkerIsSentTheDocumentsItLost) {
   ASSERT_TRUE(c);
   const std::vector<int32_t> doc = LcgTokens(180, 23, true);
   const rpc::DocumentInfo d = Put(*c, "d", doc);
-  auto metric = [&](const std::string& series) {
-    auto page = httplib::Client("127.0.0.1", cluster.coordinator().metrics_port).Get("/metrics");
-    EXPECT_TRUE(page);
-    if (!page) return -1.0;
-    std::istringstream in(page->body);
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
-    }
-    return -1.0;
-  };
+  auto metric = [&](const std::string& series) { return MetricValue(cluster.coordinator().metrics_port, series); };
   const std::vector<int32_t> q = LcgTokens(12, 600, false);
   auto first = c->Complete(Ask({d.id}, q, 6));
   ASSERT_TRUE(first.ok()) << first.status();

@@ -7,6 +7,8 @@
 
 #include <glog/logging.h>
 
+#include "worker/engine/document_keys.h"
+
 namespace penumbra::service {
 namespace {
 
@@ -143,6 +145,10 @@ void Scheduler::Stop() {
 
 Result<uint64_t> Scheduler::Submit(GenerationRequest request, const SubmitOptions& options) {
   PENUMBRA_RETURN_IF_ERROR(rt_->Validate({request}));  // reads the model's config only
+  // The documents' digests once, here (off the loop), not at each lookup.
+  if (request.document_digests.empty() && !request.document_ends.empty()) {
+    request.document_digests = DocumentDigests(request.prompt, request.document_ends);
+  }
   auto r = std::make_shared<Request>();
   r->req = std::move(request);
   r->opts = options;
