@@ -139,13 +139,29 @@ CAPABILITIES = [
          rows=lambda r: r.get("mode") == "cp-decode" or (peer_decode(r) and r.get("suite") == "cp"),
          cols=["kv_policy", "shard_selection", "gpus", "context", "batch", "tokens_per_s", "ms_per_step"],
          reproduce="CP_SINGLE= CP_CONTEXTS=2097152 bash ops/device/bench.sh cp  # kind nvidia-h100-x2"),
+    dict(id="service-context-group", title="A context group inside the service",
+         what="Two penumbra-worker ranks (one per GPU) formed into a group by the coordinator: a document put "
+              "through the API and B questions about it decoding together (service-cp-decode), beside "
+              "penumbra-bench cp-decode at the same shape (B sequences) in the same call, and the peer on one GPU.",
+         rows=lambda r: r.get("suite") == "service_cp",
+         cols=["kv_policy", "gpus", "context", "batch", "tokens_per_s", "ms_per_step", "ttft_client_s",
+               "document_put_s"],
+         reproduce="SCP_CONTEXT=262144 SCP_BATCH=4 bash ops/device/bench.sh service_cp  # kind nvidia-h100-x2"),
+    dict(id="context-group-faults", title="A context group's rank lost mid-decode",
+         what="A cp-decode pair with rank 1 SIGKILLed, then SIGSTOPped, while both decode: the seconds until "
+              "rank 0 ends with an error (never a hang; the group's timeout 20 s).",
+         rows=lambda r: r.get("bench") == "cp-rank-lost",
+         cols=["signal", "context", "seconds", "timeout_s"],
+         reproduce="bash ops/device/bench.sh cp_kill  # kind nvidia-h100-x2"),
     dict(id="store-node", title="Value-store nodes",
-         what="A value-store node (`penumbra-store`) read over UCX on loopback, 16 KiB blocks in random order, "
+         what="A value-store node (`penumbra-store`) read over UCX on loopback, 16 KiB blocks in random order "
+              "(store-node-read: 64 blocks per message, replies into the reader's buffers), plaintext and sealed, "
               "beside gathering the same blocks from DRAM and from the local store.",
          rows=lambda r: True,
-         cols=["threads", "node_batch_blocks", "node_blocks_gb_per_s", "node_batched_gb_per_s", "node_whole_gb_per_s",
-               "dram_gather_gb_per_s", "local_blocks_gb_per_s", "put_gb_per_s"],
-         reproduce="bash .device/run penumbra-store-bench --mb 2048 --threads 8 --dir /tmp/sb8  # on the GPU machine"),
+         cols=["bench", "sealed", "threads", "connections", "node_workers", "blocks_per_message", "gb_per_s",
+               "node_blocks_gb_per_s", "node_batched_gb_per_s", "node_whole_gb_per_s", "dram_gather_gb_per_s",
+               "local_blocks_gb_per_s", "local_gb_per_s", "put_gb_per_s"],
+         reproduce="bash ops/device/bench.sh store_node  # on the GPU machine"),
     dict(id="attention-kernels", title="Attention kernels", group="bench",
          what="The attention kernels alone (`PENUMBRA_KERNEL_BENCH=1` GPU tests): the newest measurement of "
               "each kernel.",

@@ -210,8 +210,8 @@ constexpr int kMergeThreads = 128;
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
     PrefixMergeKernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
-                      const int32_t* __restrict__ rows, const float* __restrict__ own_lse, T* __restrict__ out, int hq,
-                      int d, int splits) {
+                      const int32_t* __restrict__ rows, const float* own_lse, float* lse_out, T* __restrict__ out,
+                      int hq, int d, int splits) {
   __shared__ float w_s[kMaxSplits];
   __shared__ float w_own;
   const int head = blockIdx.x, b = blockIdx.y;
@@ -233,7 +233,10 @@ __global__ void __launch_bounds__(kMergeThreads)
     const float wo = own_lse != nullptr ? exp2f(own - mx) : 0.0f;
     const float inv = 1.0f / (total + wo);
     for (int s = threadIdx.x; s < splits; s += 32) w_s[s] *= inv;
-    if (threadIdx.x == 0) w_own = wo * inv;
+    if (threadIdx.x == 0) {
+      w_own = wo * inv;
+      if (lse_out != nullptr) lse_out[out_row] = (mx + log2f(total + wo)) / kLog2e;  // natural log
+    }
   }
   __syncthreads();
   const float* o = ws_o + idx * splits * d;
@@ -282,10 +285,10 @@ void LaunchPrefixAttention(const PrefixAttentionArgs& args, cudaStream_t stream)
     });
   }
   const dim3 merge_grid(args.hq, args.n);
-  PENUMBRA_DISPATCH_FLOAT(
-      args.dtype, T,
-      PrefixMergeKernel<T><<<merge_grid, kMergeThreads, 0, stream>>>(
-          ws_o, ws_lse, args.rows, args.own_lse, static_cast<T*>(args.out), args.hq, args.d, plan.splits));
+  PENUMBRA_DISPATCH_FLOAT(args.dtype, T,
+                          PrefixMergeKernel<T><<<merge_grid, kMergeThreads, 0, stream>>>(
+                              ws_o, ws_lse, args.rows, args.own_lse, args.lse_out, static_cast<T*>(args.out), args.hq,
+                              args.d, plan.splits));
 }
 
 }  // namespace penumbra::kernels

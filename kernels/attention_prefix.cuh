@@ -40,7 +40,11 @@ struct PrefixAttentionArgs {
   // prefix and its own keys. Without: overwritten with the prefix's part.
   void* out = nullptr;
   const float* own_lse = nullptr;  // device [batch, hq]: ln sum exp(scale q.k) over the row's own keys; or null
-  DType dtype = DType::kBF16;      // q, k, v and out: f32, f16 or bf16
+  // device [batch, hq] or null: each listed row's log-sum-exp of what out
+  // holds on exit (the prefix's part, or the merged one with own_lse), for a
+  // later merge with other parts. May alias own_lse.
+  float* lse_out = nullptr;
+  DType dtype = DType::kBF16;  // q, k, v and out: f32, f16 or bf16
   int hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
   void* workspace = nullptr;  // PrefixAttentionWorkspaceBytes() bytes

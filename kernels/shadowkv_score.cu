@@ -86,9 +86,11 @@ struct ScoreWorkspace {
   float* logits;   // [batch * hq][rows]
   float2* splits;  // [batch * hq][n_split] (max, sum exp) per split
   float2* merged;  // [batch * hq] (max, sum exp)
-  int split;       // landmark rows per phase-1 block: kScoreMmaSplit or kScoreSplit
-  int rows;        // logits per head: max_chunks * S
-  int shift;       // log2(S)
+  int32_t* topk;   // the selection's split top-k candidates (TopKArgs::split_workspace)
+  int64_t topk_ints;
+  int split;  // landmark rows per phase-1 block: kScoreMmaSplit or kScoreSplit
+  int rows;   // logits per head: max_chunks * S
+  int shift;  // log2(S)
 };
 int ScoreSplits(int max_rows, int split) { return std::max(1, (max_rows + split - 1) / split); }
 int Log2(int s) {
@@ -107,6 +109,10 @@ ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks
   w.splits = reinterpret_cast<float2*>(p);
   p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(w.rows, kScoreMinSplit));
   w.merged = reinterpret_cast<float2*>(p);
+  p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq);
+  // Rows of the selection: batch x KV heads <= batch x hq.
+  w.topk_ints = static_cast<int64_t>(batch) * hq * TopKSplitWorkspaceIntsPerRow(max_chunks);
+  w.topk = w.topk_ints > 0 ? reinterpret_cast<int32_t*>(p) : nullptr;
   return w;
 }
 
@@ -656,7 +662,8 @@ size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landma
   const int rows = max_chunks * landmarks_per_chunk;
   return AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(rows, 1)) +
          AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(rows, kScoreMinSplit)) +
-         AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq);
+         AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq) +
+         sizeof(int32_t) * static_cast<size_t>(batch) * hq * TopKSplitWorkspaceIntsPerRow(max_chunks);
 }
 
 void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const ShadowkvSlotUpdateArgs* then_update) {
@@ -761,7 +768,12 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const dim3 grid((a.max_chunks + per_block - 1) / per_block, a.hkv, a.batch);
   ScoreFinalKernel<<<grid, kScoreThreads, 0, stream>>>(a, ws);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
-  if (with_selection) LaunchTopK(ShadowkvSelectionTopK(a), stream);
+  if (with_selection) {
+    TopKArgs t = ShadowkvSelectionTopK(a);
+    t.split_workspace = ws.topk;
+    t.split_workspace_ints = ws.topk_ints;
+    LaunchTopK(t, stream);
+  }
   if (with_selection_scores) {
     SelectionScoresKernel<<<a.batch * a.hkv, kScoreThreads, 0, stream>>>(a);
     PENUMBRA_CUDA_CHECK(cudaGetLastError());

@@ -13,6 +13,17 @@
 // longer rows are re-read from global memory (L2) in each pass. Traffic: 1
 // read of the row from DRAM, 4 more from shared memory or L2. Histogram
 // updates are aggregated per warp and bin (__match_any_sync).
+//
+// Split path (TopKArgs::split_workspace, skip_worst_inf, rows longer than
+// kTopKSharedKeys): a decode step's rows are few (batch x KV heads) and, at
+// a million tokens a GPU, 131072 chunks long, so one block per row leaves
+// most SMs idle and re-reads each row from L2 in every pass. Instead block
+// (segment, row) selects the top-k of a segment of TopKSplitSegment(k)
+// elements from shared memory, and one block per row then selects among
+// the segments' k candidates each. Exact: an element among a row's top k
+// has fewer than k elements ranked above it in its segment, so it is among
+// its segment's candidates; the candidates keep the row's index order, so
+// ties and the output order are the one-block selection's.
 #pragma once
 #include <cuda_runtime_api.h>
 

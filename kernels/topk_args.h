@@ -33,6 +33,33 @@ struct TopKArgs {
   // then -1 up to k (fewer with skip_worst_inf).
   int32_t* out = nullptr;
   int64_t out_stride = 0;  // >= k
+  // Optional device workspace of TopKSplitWorkspaceInts(rows, max_count, k)
+  // int32s. With it, rows longer than kTopKSharedKeys are cut into
+  // segments that select in parallel and a second pass selects among their
+  // candidates (kernels/topk.cuh), with the same output; without it (or for
+  // shorter rows, or without skip_worst_inf) one block selects each row.
+  int32_t* split_workspace = nullptr;
+  int64_t split_workspace_ints = 0;
 };
+
+// The split path's segment length for k: long enough that the candidates
+// (k per segment) are at most an eighth of the row, short enough that a
+// segment's keys stay in shared memory.
+inline constexpr int TopKSplitSegment(int k) { return k * 8 > 8192 ? k * 8 : 8192; }
+// Segments of a row of max_count elements on the split path; 1: no split.
+inline constexpr int TopKSplitParts(int max_count, int k) {
+  return max_count > kTopKSharedKeys && k > 0 ? (max_count + TopKSplitSegment(k) - 1) / TopKSplitSegment(k) : 1;
+}
+// Workspace the split path needs (0: it does not split these rows).
+inline constexpr int64_t TopKSplitWorkspaceInts(int rows, int max_count, int k) {
+  const int parts = TopKSplitParts(max_count, k);
+  return parts > 1 ? static_cast<int64_t>(rows) * parts * k : 0;
+}
+// An upper bound of TopKSplitWorkspaceInts over every k <= kTopKMaxK, per
+// row (parts * k <= max_count / 8 + k): what a caller sizing its workspace
+// before it knows k reserves.
+inline constexpr int64_t TopKSplitWorkspaceIntsPerRow(int max_count) {
+  return max_count > kTopKSharedKeys ? static_cast<int64_t>(max_count) / 8 + kTopKMaxK : 0;
+}
 
 }  // namespace penumbra::kernels

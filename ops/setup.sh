@@ -29,3 +29,17 @@ fi
 if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
   echo "setup: nvcc not found; building the CPU backend only" >&2
 fi
+# The official OpenAI client for the OpenAI-compatible API's tests (CTest
+# label openai), pinned by tests/openai/client/package-lock.json. Node.js
+# from Debian where the machine has none.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+client=tests/openai/client
+if ! cmp -s "$client/package-lock.json" "$client/node_modules/.penumbra-installed-lock" 2>/dev/null; then
+  (cd "$client" && npm ci --no-audit --no-fund --loglevel=error &&
+     cp package-lock.json node_modules/.penumbra-installed-lock)
+fi

@@ -10,6 +10,7 @@
 #include <climits>
 #include <cstring>
 #include <sstream>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 
@@ -27,6 +28,9 @@ using apache::thrift::protocol::TBinaryProtocol;
 using apache::thrift::transport::TMemoryBuffer;
 
 constexpr uint64_t kMaxPart = uint64_t{64} << 20;  // bytes of one PUT_PART or READV
+// A long read's READVs (a whole blob): small enough that a blob's chunks
+// spread over the client's connections, large enough to amortize a message.
+constexpr uint64_t kReadChunk = uint64_t{16} << 20;
 
 template <typename T>
 std::string Serialize(const T& t) {
@@ -300,13 +304,33 @@ class RemoteReader final : public storage::BlobReader {
     Result<std::string> r = store_->Call(st::StoreMethod::CLOSE, Serialize(q));
     if (!r.ok()) VLOG(1) << "store node: closing a reader: " << r.status();
   }
-  // As READV pieces of at most 64 MiB (a whole blob comes back this way).
+  // As READVs of at most kReadChunk, up to one per connection at once (a
+  // whole blob comes back this way: its chunks move in parallel).
   Status Read(const std::string& blob, uint64_t offset, uint64_t length, void* dst) override {
-    std::vector<Piece> pieces;
-    for (uint64_t done = 0; done < length; done += kMaxPart) {
-      pieces.push_back({offset + done, std::min(kMaxPart, length - done), static_cast<char*>(dst) + done});
+    std::vector<Piece> chunks;
+    for (uint64_t done = 0; done < length; done += kReadChunk) {
+      chunks.push_back({offset + done, std::min(kReadChunk, length - done), static_cast<char*>(dst) + done});
     }
-    return ReadMany(blob, pieces);
+    const size_t parallel = std::min<size_t>(chunks.size(), static_cast<size_t>(std::max(1, store_->connections())));
+    if (parallel <= 1) return ReadMany(blob, chunks);
+    std::atomic<size_t> next{0};
+    std::mutex mu;
+    Status first;
+    auto work = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < chunks.size();) {
+        Status s = ReadMany(blob, std::span<const Piece>(&chunks[i], 1));
+        if (!s.ok()) {
+          std::lock_guard<std::mutex> lk(mu);
+          if (first.ok()) first = std::move(s);
+          next = chunks.size();  // the others stop early
+        }
+      }
+    };
+    std::vector<std::thread> threads;
+    for (size_t t = 1; t < parallel; ++t) threads.emplace_back(work);
+    work();
+    for (auto& t : threads) t.join();
+    return first;
   }
   // One message per 64 MiB of pieces (a decode step's or a restore's blocks).
   Status ReadMany(const std::string& blob, std::span<const Piece> pieces) override {
@@ -326,15 +350,14 @@ class RemoteReader final : public storage::BlobReader {
         q.lengths.push_back(static_cast<int64_t>(p.length));
         total += p.length;
       }
-      PENUMBRA_ASSIGN_OR_RETURN(std::string bytes, store_->Call(st::StoreMethod::READV, Serialize(q), total));
-      if (bytes.size() != total) {
-        return Status::Corruption("store node: a read of " + std::to_string(total) + " bytes of '" + blob +
-                                  "' returned " + std::to_string(bytes.size()));
-      }
-      for (size_t at = 0; i < j; ++i) {
-        std::memcpy(pieces[i].dst, bytes.data() + at, pieces[i].length);
-        at += pieces[i].length;
-      }
+      // The reply's bytes land in the pieces' destinations (in place: no
+      // intermediate buffer); a reply of another size is refused.
+      std::vector<ucx_frame::BodyPart> into;
+      into.reserve(j - i);
+      for (; i < j; ++i) into.push_back({pieces[i].dst, static_cast<size_t>(pieces[i].length)});
+      Status read = store_->CallInto(st::StoreMethod::READV, Serialize(q), total, into);
+      if (!read.ok())
+        return read.WithContext("store node: reading " + std::to_string(total) + " bytes of '" + blob + "'");
     }
     return Status::OK();
   }
@@ -650,7 +673,12 @@ Result<std::string> StoreService::HandleRequest(const UcxCaller& caller, uint32_
         }
       }
       PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<storage::BlobReader> reader, UseReader(q.reader, caller));
-      std::string bytes(static_cast<size_t>(total), '\0');
+      // The reply's one buffer: the blocks are read into it (once, from
+      // RocksDB's pinned values) and sent from it; room for the tag a sealed
+      // plane appends, so sealing it in place does not copy it again.
+      std::string bytes;
+      bytes.reserve(static_cast<size_t>(total) + ucx_frame::kTagBytes);
+      bytes.resize(static_cast<size_t>(total));
       // Adjacent ranges (a restore's consecutive blocks) read as one.
       std::vector<storage::BlobReader::Piece> pieces;
       uint64_t at = 0;
@@ -738,7 +766,8 @@ Result<std::shared_ptr<RemoteDocumentStore>> RemoteDocumentStore::Connect(const 
 }
 
 Result<std::string> RemoteDocumentStore::Try(uint32_t method, const std::string& request,
-                                             std::chrono::milliseconds timeout) const {
+                                             std::chrono::milliseconds timeout,
+                                             const std::span<const ucx_frame::BodyPart>* into) const {
   const auto now = CircuitBreaker::Clock::now();
   if (!breaker_.Allow(now)) {
     return Status::Unavailable("store node " + name_ + ": circuit breaker open after " +
@@ -747,7 +776,13 @@ Result<std::string> RemoteDocumentStore::Try(uint32_t method, const std::string&
                                std::to_string(breaker_.open_for(now).count()) + " ms");
   }
   ++calls_;
-  Result<std::string> r = client_->Call(method, request, timeout);
+  Result<std::string> r = std::string();
+  if (into != nullptr) {
+    Status s = client_->CallInto(method, request, timeout, *into);
+    if (!s.ok()) r = std::move(s);
+  } else {
+    r = client_->Call(method, request, timeout);
+  }
   const StatusCode code = r.status().code();
   const bool failed = code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded;
   if (failed) {
@@ -760,17 +795,27 @@ Result<std::string> RemoteDocumentStore::Try(uint32_t method, const std::string&
 }
 
 Result<std::string> RemoteDocumentStore::Call(uint32_t method, const std::string& request, uint64_t bulk_bytes) const {
+  return CallMaybeInto(method, request, bulk_bytes, nullptr);
+}
+
+Status RemoteDocumentStore::CallInto(uint32_t method, const std::string& request, uint64_t bulk_bytes,
+                                     std::span<const ucx_frame::BodyPart> into) const {
+  return CallMaybeInto(method, request, bulk_bytes, &into).status();
+}
+
+Result<std::string> RemoteDocumentStore::CallMaybeInto(uint32_t method, const std::string& request, uint64_t bulk_bytes,
+                                                       const std::span<const ucx_frame::BodyPart>* into) const {
   const double bytes = static_cast<double>(bulk_bytes) + static_cast<double>(request.size());
   const double rate = o_.bulk_bytes_per_second > 0 ? o_.bulk_bytes_per_second : 64.0 * (1 << 20);
   const auto timeout = o_.call_timeout + std::chrono::milliseconds(static_cast<int64_t>(bytes / rate * 1000.0));
-  Result<std::string> r = Try(method, request, timeout);
+  Result<std::string> r = Try(method, request, timeout, into);
   // The connection failed (the node restarted, a link broke): once more, on
   // a new one, unless the breaker is open now. Every method is safe to
   // repeat (a repeated PUT_PART writes the same bytes; OPEN may leave a
   // reader the node closes when idle). A call past its deadline is not
   // repeated: the node is slow or stopped, not gone.
   if (r.status().code() == StatusCode::kUnavailable && breaker_.state() == CircuitBreaker::State::kClosed) {
-    r = Try(method, request, timeout);
+    r = Try(method, request, timeout, into);
   }
   return r;
 }

@@ -39,6 +39,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -130,7 +131,8 @@ class StoreService {
 // checking them (undefined behaviour on hostile bytes).
 bool IsWellFormedStoreMessage(std::string_view bytes, bool request);
 
-// The store plane's defaults for a node: 8 handler threads (disk reads).
+// The store plane's defaults for a node: 8 handler threads (disk reads),
+// 4 UCX workers (UcxServerOptions's).
 inline UcxServerOptions StorePlaneDefaults() {
   UcxServerOptions o;
   o.threads = 8;
@@ -141,8 +143,8 @@ struct StoreNodeOptions {
   std::string host = "127.0.0.1";
   int port = 0;  // 0: one the OS picks
   // The UCX plane: its secret (none: plain, loopback only), handler threads
-  // (requests served at once: disk reads), connection caps. Default: 8
-  // threads, no secret.
+  // (requests served at once: disk reads), UCX workers, connection caps.
+  // Default: 8 threads, 4 workers, no secret.
   UcxServerOptions plane = StorePlaneDefaults();
   StoreServiceOptions service;
 };
@@ -218,6 +220,14 @@ class RemoteDocumentStore final : public storage::DocumentStore,
   // request) and the request's size at bulk_bytes_per_second. Unavailable
   // at once while the node's breaker is open.
   Result<std::string> Call(uint32_t method, const std::string& request, uint64_t bulk_bytes = 0) const;
+  // The same, the reply's body received in place into `into` (a READV's
+  // blocks straight into the reader's destinations: UcxClient::CallInto);
+  // a reply of another size than the parts' total is Corruption.
+  Status CallInto(uint32_t method, const std::string& request, uint64_t bulk_bytes,
+                  std::span<const ucx_frame::BodyPart> into) const;
+  // The transports UCX chose for this client's connections (UcxClient::Transports).
+  std::vector<std::string> Transports() const { return client_->Transports(); }
+  int connections() const { return client_->connections(); }  // UcxClientOptions::connections
   StoreNodeCallStats call_stats() const;
   const std::string& name() const { return name_; }
 
@@ -225,7 +235,10 @@ class RemoteDocumentStore final : public storage::DocumentStore,
   explicit RemoteDocumentStore(const RemoteStoreOptions& o, std::unique_ptr<UcxClient> c)
       : o_(o), name_(o.host + ":" + std::to_string(o.port)), client_(std::move(c)), breaker_(o.breaker) {}
   // One try through the breaker.
-  Result<std::string> Try(uint32_t method, const std::string& request, std::chrono::milliseconds timeout) const;
+  Result<std::string> Try(uint32_t method, const std::string& request, std::chrono::milliseconds timeout,
+                          const std::span<const ucx_frame::BodyPart>* into) const;
+  Result<std::string> CallMaybeInto(uint32_t method, const std::string& request, uint64_t bulk_bytes,
+                                    const std::span<const ucx_frame::BodyPart>* into) const;
   // The blobs named in *only, or all (null), through one reader.
   Result<std::map<std::string, std::string>> ReadBlobs(const Hash128& key, const std::set<std::string>* only);
   RemoteStoreOptions o_;

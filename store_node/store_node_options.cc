@@ -24,6 +24,8 @@ const OptionTable<StoreNodeProcessOptions>& StoreNodeOptionTable() {
            .Unset("", "none")
            .Int(T::Field<int>([](O* o) { return &o->node.plane.threads; }), "threads", "", 1, 256,
                 "requests served at once")
+           .Int(T::Field<int>([](O* o) { return &o->node.plane.workers; }), "ucx-workers", "", 1, 64,
+                "UCX workers (each a progress thread) the connections are spread over")
            .Double(T::Field<double>([](O* o) { return &o->node.service.reader_idle_seconds; }), "reader-idle-seconds",
                    "", 0, kForever, "a reader a worker left idle this long is closed",
                    /*min_open=*/true)

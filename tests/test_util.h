@@ -25,6 +25,34 @@
 namespace penumbra::testing {
 
 // The repository root (tests run from it; PENUMBRA_SOURCE_DIR overrides).
+// Whether this build runs under ThreadSanitizer (ops/sanitize.sh tsan):
+// tests whose cost is many repetitions of instrumented work (not the
+// concurrency the sanitizer watches) run fewer of them there.
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool kUnderThreadSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+inline constexpr bool kUnderThreadSanitizer = true;
+#else
+inline constexpr bool kUnderThreadSanitizer = false;
+#endif
+#else
+inline constexpr bool kUnderThreadSanitizer = false;
+#endif
+// The same for AddressSanitizer (ops/sanitize.sh asan).
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kUnderAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool kUnderAddressSanitizer = true;
+#else
+inline constexpr bool kUnderAddressSanitizer = false;
+#endif
+#else
+inline constexpr bool kUnderAddressSanitizer = false;
+#endif
+inline constexpr bool kUnderSanitizer = kUnderThreadSanitizer || kUnderAddressSanitizer;
+
 inline std::string SourceDir() {
   const char* s = std::getenv("PENUMBRA_SOURCE_DIR");
   return s ? s : ".";

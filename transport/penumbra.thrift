@@ -89,6 +89,14 @@ struct GenerateRequest {
   // "full" or "shadowkv" to run only on workers of that policy; "": any.
   10: string kv_policy = "",
   11: i64 deadline_ms = 0,
+  // true: max_new_tokens is only an upper bound; the generation may use what
+  // the model's context leaves after the prompt (it stops there, "length")
+  // instead of the request being refused when the two do not fit. (The
+  // OpenAI API's max_tokens left out.)
+  12: bool fit_context = false,
+  // false: `text` is tokenized as it is, without the tokenizer's special
+  // tokens where the prompt starts (a chat template writes its own BOS).
+  13: bool add_special_tokens = true,
 }
 
 // The answer so far, from an offset (tokens).
@@ -115,6 +123,12 @@ struct WorkerStatus {
   6: i64 running,                // requests queued or running there
   7: i64 documents,              // documents it holds
   8: optional string error,      // why not healthy
+  // A rank of a context group (absent: a single worker): the group's name,
+  // this worker's rank, and the group's state ("formed": it takes requests
+  // through its rank 0; else why not).
+  9: optional string group,
+  10: optional i32 group_rank,
+  11: optional string group_state,
 }
 
 // Public (no key): nothing about the deployment's hosts or paths.

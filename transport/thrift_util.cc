@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include <glog/logging.h>
 #include <thrift/TApplicationException.h>
@@ -500,18 +501,37 @@ Status ThriftLimits::Validate() const {
   return Status::OK();
 }
 
+namespace {
+// The caller ScopedPeer names on this thread (nullopt: none).
+struct ScopedCaller {
+  PeerIdentity identity;
+  int fd = -1;
+};
+thread_local std::optional<ScopedCaller> scoped_caller;
+}  // namespace
+
+ScopedPeer::ScopedPeer(PeerIdentity identity, int fd) { scoped_caller = ScopedCaller{std::move(identity), fd}; }
+ScopedPeer::~ScopedPeer() { scoped_caller.reset(); }
+
 const PeerIdentity& CurrentPeer() {
   static const PeerIdentity kNone;
   thread_local PeerIdentity cached;
+  if (scoped_caller) return scoped_caller->identity;
   if (current_socket == nullptr) return kNone;
   cached = current_socket->identity();
   return cached;
 }
 
 bool CurrentPeerHungUp() {
-  if (current_socket == nullptr) return false;
-  const int fd = current_socket->fd();
-  if (fd < 0) return true;
+  int fd = -1;
+  if (scoped_caller) {
+    if (scoped_caller->fd < 0) return false;
+    fd = scoped_caller->fd;
+  } else {
+    if (current_socket == nullptr) return false;
+    fd = current_socket->fd();
+    if (fd < 0) return true;
+  }
   pollfd p{};
   p.fd = fd;
   p.events = POLLIN | POLLRDHUP;

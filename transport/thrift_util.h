@@ -113,6 +113,17 @@ const PeerIdentity& CurrentPeer();
 // nobody will read. Looks at the socket without reading (poll(2) for a hang
 // up); false outside a server's handler.
 bool CurrentPeerHungUp();
+// For a server that is not Thrift's (the coordinator's OpenAI HTTP gateway):
+// names the caller of the request served on this thread, while it lives, for
+// CurrentPeer and CurrentPeerHungUp (through `fd`, the connection's socket;
+// -1 when the server does not expose it: hang-ups are then not seen).
+class ScopedPeer {
+ public:
+  ScopedPeer(PeerIdentity identity, int fd);
+  ~ScopedPeer();
+  ScopedPeer(const ScopedPeer&) = delete;
+  ScopedPeer& operator=(const ScopedPeer&) = delete;
+};
 
 struct ThriftServerStats {
   int64_t open_connections = 0;

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include <glog/logging.h>
+#include <xxhash.h>
 
 #include "common/crypto.h"
 #include "common/hash.h"
@@ -122,8 +123,17 @@ class FrameCrypto {
   bool Open(uint64_t seq, std::string_view aad, std::string* data) const {
     if (data->size() < kTagBytes) return false;
     const size_t n_text = data->size() - kTagBytes;
-    unsigned char tag[kTagBytes];
-    std::memcpy(tag, data->data() + n_text, kTagBytes);
+    const std::string tag = data->substr(n_text);
+    const BodyPart text{data->data(), n_text};
+    if (!OpenParts(seq, aad, std::span<const BodyPart>(&text, 1), tag)) return false;
+    data->resize(n_text);
+    return true;
+  }
+
+  // Decrypts `parts` (the ciphertext, in order) in place and verifies `tag`;
+  // false when it does not verify.
+  bool OpenParts(uint64_t seq, std::string_view aad, std::span<const BodyPart> parts, std::string_view tag) const {
+    if (tag.size() != kTagBytes) return false;
     Ctx c;
     const auto nonce = Nonce(direction_, seq);
     if (c.ctx == nullptr || EVP_CIPHER_CTX_copy(c.ctx, dec_) != 1 ||
@@ -135,17 +145,19 @@ class FrameCrypto {
                           static_cast<int>(aad.size())) != 1) {
       return false;
     }
-    auto* p = reinterpret_cast<unsigned char*>(data->data());
-    for (size_t at = 0; at < n_text;) {
-      const int chunk = static_cast<int>(std::min<size_t>(n_text - at, size_t{1} << 30));
-      if (EVP_DecryptUpdate(c.ctx, p + at, &n, p + at, chunk) != 1 || n != chunk) return false;
-      at += static_cast<size_t>(chunk);
+    for (const BodyPart& part : parts) {
+      auto* p = reinterpret_cast<unsigned char*>(part.data);
+      for (size_t at = 0; at < part.size;) {
+        const int chunk = static_cast<int>(std::min<size_t>(part.size - at, size_t{1} << 30));
+        if (EVP_DecryptUpdate(c.ctx, p + at, &n, p + at, chunk) != 1 || n != chunk) return false;
+        at += static_cast<size_t>(chunk);
+      }
     }
-    if (EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, kTagBytes, tag) != 1) return false;
+    unsigned char t[kTagBytes];
+    std::memcpy(t, tag.data(), kTagBytes);
+    if (EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, kTagBytes, t) != 1) return false;
     unsigned char tail[16];
-    if (EVP_DecryptFinal_ex(c.ctx, tail, &n) != 1) return false;
-    data->resize(n_text);
-    return true;
+    return EVP_DecryptFinal_ex(c.ctx, tail, &n) == 1;
   }
 
  private:
@@ -367,6 +379,33 @@ Result<std::string> FrameOpener::Open(const FrameHeader& h, std::string body) co
     return Status::Corruption("ucx frame: a sealed body does not verify (tampered, or not from the peer)");
   }
   return body;
+}
+
+Status FrameOpener::OpenInPlace(const FrameHeader& h, std::span<const BodyPart> parts, std::string_view tag) const {
+  uint64_t total = tag.size();
+  for (const BodyPart& p : parts) total += p.size;
+  if (total != h.body_bytes) {
+    return Status::Corruption("ucx frame: a body of " + std::to_string(total) + " bytes, its header says " +
+                              std::to_string(h.body_bytes));
+  }
+  if (h.sealed != (crypto_ != nullptr)) return Status::Corruption("ucx frame: sealed and plain mixed");
+  if (!h.sealed) {
+    if (!tag.empty()) return Status::Corruption("ucx frame: a plain body with a tag");
+    // XXH3-64 (seed 0) over the parts, as Hash64 over them together.
+    XXH3_state_t* state = XXH3_createState();
+    if (state == nullptr) return Status::ResourceExhausted("ucx frame: no memory for a checksum");
+    XXH3_64bits_reset(state);
+    for (const BodyPart& p : parts) XXH3_64bits_update(state, p.data, p.size);
+    const uint64_t sum = XXH3_64bits_digest(state);
+    XXH3_freeState(state);
+    if (sum != h.checksum) return Status::Corruption("ucx frame: a body's checksum does not match");
+    return Status::OK();
+  }
+  const std::string header = EncodeHeader(h);
+  if (!crypto_->OpenParts(h.seq, std::string_view(header.data(), kSignedHeaderBytes), parts, tag)) {
+    return Status::Corruption("ucx frame: a sealed body does not verify (tampered, or not from the peer)");
+  }
+  return Status::OK();
 }
 
 std::string HandshakeHeader(FrameType type, std::string_view body) {

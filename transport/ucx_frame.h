@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -127,6 +128,14 @@ class ReplayWindow {
 
 class FrameCrypto;  // one direction's keys, made ready (ucx_frame.cc)
 
+// Consecutive pieces of one received body, in place: a reply received
+// straight into its caller's buffers (UcxClient::CallInto), piece after
+// piece (a sealed body's tag apart).
+struct BodyPart {
+  char* data = nullptr;
+  size_t size = 0;
+};
+
 // Makes the frames of one direction of a connection: plain (no keys: the
 // body's checksum in the header) or sealed (header MAC; body encrypted).
 // Thread-safe: many threads seal at once, each frame with its own seq.
@@ -160,6 +169,13 @@ class FrameOpener {
   // verified (plain) or decrypted and its tag verified (sealed).
   // Corruption when it does not verify. Thread-safe (keys only).
   Result<std::string> Open(const FrameHeader& h, std::string body) const;
+  // The same for a body received in place over `parts` (its bytes in
+  // order) and, sealed, its tag (the body's last kTagBytes; plain: empty):
+  // the parts' sizes (and the tag's) must add up to the header's body_bytes,
+  // then the checksum is verified over them (plain) or they are decrypted
+  // in place and the tag verified (sealed). Corruption when it does not
+  // verify (then the parts hold nothing to use). Thread-safe (keys only).
+  Status OpenInPlace(const FrameHeader& h, std::span<const BodyPart> parts, std::string_view tag) const;
   bool sealed() const { return crypto_ != nullptr; }
 
  private:

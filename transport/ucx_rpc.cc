@@ -12,11 +12,15 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <mutex>
 #include <new>
@@ -49,10 +53,13 @@ void Release(void* request) {
 // posted (Post) and runs on that thread between progress calls; the thread
 // sleeps on the worker's event fd and an eventfd for posts, and runs the
 // tick (timeouts) about every 100 ms.
-class Loop {
+// A UCP context: the transports' resources, shared by the loops (workers)
+// of one server.
+class UcpContext {
  public:
-  static Result<std::unique_ptr<Loop>> Create(const std::string& net_devices) {
-    auto l = std::unique_ptr<Loop>(new Loop());
+  // shared_workers: several workers of it run on different threads.
+  static Result<std::shared_ptr<UcpContext>> Create(const std::string& net_devices, bool shared_workers) {
+    auto c = std::shared_ptr<UcpContext>(new UcpContext());
     ucp_config_t* cfg = nullptr;
     ucs_status_t s = ucp_config_read(nullptr, nullptr, &cfg);
     if (s != UCS_OK) return UcsError(s, "config");
@@ -69,15 +76,36 @@ class Loop {
       }
     }
     ucp_params_t p{};
-    p.field_mask = UCP_PARAM_FIELD_FEATURES;
+    p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     p.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-    s = ucp_init(&p, cfg, &l->context_);
+    p.mt_workers_shared = shared_workers ? 1 : 0;
+    s = ucp_init(&p, cfg, &c->h_);
     ucp_config_release(cfg);
     if (s != UCS_OK) return UcsError(s, "init");
+    return c;
+  }
+  ~UcpContext() {
+    if (h_ != nullptr) ucp_cleanup(h_);
+  }
+  UcpContext(const UcpContext&) = delete;
+  UcpContext& operator=(const UcpContext&) = delete;
+  ucp_context_h get() const { return h_; }
+
+ private:
+  UcpContext() = default;
+  ucp_context_h h_ = nullptr;
+};
+
+class Loop {
+ public:
+  // A loop (a worker) of `context`.
+  static Result<std::unique_ptr<Loop>> Create(std::shared_ptr<UcpContext> context) {
+    auto l = std::unique_ptr<Loop>(new Loop());
+    l->context_ = std::move(context);
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the loop's thread calls it
-    s = ucp_worker_create(l->context_, &wp, &l->worker_);
+    ucs_status_t s = ucp_worker_create(l->context_->get(), &wp, &l->worker_);
     if (s != UCS_OK) return UcsError(s, "worker");
     s = ucp_worker_get_efd(l->worker_, &l->efd_);
     if (s != UCS_OK) return UcsError(s, "event fd");
@@ -91,8 +119,8 @@ class Loop {
       for (int i = 0; i < 100; ++i) ucp_worker_progress(worker_);  // lets closes finish
       ucp_worker_destroy(worker_);
     }
-    if (context_ != nullptr) ucp_cleanup(context_);
     if (wake_ >= 0) close(wake_);
+    // context_ goes after the worker (the last loop of a context cleans it up).
   }
   ucp_worker_h worker() const { return worker_; }
 
@@ -155,7 +183,7 @@ class Loop {
     }
   }
 
-  ucp_context_h context_ = nullptr;
+  std::shared_ptr<UcpContext> context_;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1, wake_ = -1;
   std::thread thread_;
@@ -354,10 +382,13 @@ Result<std::string> UcxNetDevices(const std::string& ip, bool route) {
 
 namespace {
 
-// One connection of a server. Loop thread, except: opener->Open (const) and
-// sealer on the pool's threads.
+struct ServerShard;
+
+// One connection of a server, on one of its shards. Its shard's loop
+// thread, except: opener->Open (const) and sealer on the pool's threads.
 struct ServerConn {
   ucp_ep_h ep = nullptr;
+  ServerShard* shard = nullptr;
   uint64_t number = 0;
   Clock::time_point accepted;
   std::unique_ptr<uf::ServerHandshake> handshake;  // until established
@@ -375,21 +406,29 @@ struct Counter {
   int64_t get() const { return v.load(std::memory_order_relaxed); }
 };
 
+// One UCX worker of a server and the connections it carries (the listener
+// is on shard 0's; accepted connections are spread over the shards).
+struct ServerShard {
+  UcxServer::Impl* server = nullptr;
+  std::unique_ptr<Loop> loop;
+  std::map<ucp_ep_h, std::shared_ptr<ServerConn>> conns;  // its loop thread
+};
+
 }  // namespace
 
 struct UcxServer::Impl {
   Handler handler;
   UcxServerOptions options;
-  std::string plane_key;  // empty: plain
-  std::unique_ptr<Loop> loop;
+  std::string plane_key;                             // empty: plain
+  std::vector<std::unique_ptr<ServerShard>> shards;  // [0] holds the listener
   ucp_listener_h listener = nullptr;
   int port = 0;
-  uint64_t next_conn = 1;
-  std::map<ucp_ep_h, std::shared_ptr<ServerConn>> conns;  // loop thread
+  std::atomic<uint64_t> next_conn{1};
+  std::atomic<size_t> next_shard{0};
   std::atomic<size_t> inflight_bytes{0};
   Counter connections, rejected, handshakes, handshake_failures, handshake_timeouts, frames_rejected, replays, requests,
       busy;
-  std::atomic<int64_t> open{0};
+  std::atomic<int64_t> open{0};  // connections accepted and not yet closed, every shard
   // Handler pool.
   std::mutex mu;
   std::condition_variable cv;
@@ -398,16 +437,19 @@ struct UcxServer::Impl {
   bool stopping = false;
   bool stopped = false;
 
-  bool Live(const std::shared_ptr<ServerConn>& c) const {
+  // Its shard's loop thread.
+  static bool Live(const std::shared_ptr<ServerConn>& c) {
+    const auto& conns = c->shard->conns;
     auto it = conns.find(c->ep);
     return it != conns.end() && it->second == c && !c->closing;
   }
-  // Closes a connection now (loop thread).
+  // Closes a connection now (its shard's loop thread).
   void Drop(std::shared_ptr<ServerConn> c) {
+    auto& conns = c->shard->conns;
     auto it = conns.find(c->ep);
     if (it == conns.end() || it->second != c) return;
     conns.erase(it);
-    open = static_cast<int64_t>(conns.size());
+    --open;
     CloseEp(c->ep);
   }
   // Refuses a connection's handshake: a REFUSED frame, then the close.
@@ -427,10 +469,11 @@ struct UcxServer::Impl {
     Drop(c);
   }
 
-  void Tick() {
+  // A shard's loop thread, about every 100 ms.
+  void Tick(ServerShard& shard) {
     const auto now = Clock::now();
     std::vector<std::shared_ptr<ServerConn>> late;
-    for (const auto& [ep, c] : conns) {
+    for (const auto& [ep, c] : shard.conns) {
       if (c->closing ? now >= c->close_at : (!c->established && now - c->accepted > options.handshake_timeout)) {
         late.push_back(c);
       }
@@ -445,63 +488,76 @@ struct UcxServer::Impl {
     }
   }
 
+  // Shard 0's loop thread (the listener's): admits the connection, and a
+  // shard (round robin) accepts it on its own thread.
   static void OnConn(ucp_conn_request_h request, void* arg) {
     auto* self = static_cast<Impl*>(arg);
-    if (self->conns.size() >= static_cast<size_t>(self->options.max_endpoints)) {
+    if (self->open.load() >= self->options.max_endpoints) {
       ++self->rejected;
-      LOG_EVERY_N(WARNING, 100) << "ucx server: " << self->conns.size() << " connections (max_endpoints); "
+      LOG_EVERY_N(WARNING, 100) << "ucx server: " << self->open.load() << " connections (max_endpoints); "
                                 << "a new one rejected";
       ucp_listener_reject(self->listener, request);
       return;
     }
+    ++self->open;
+    ServerShard* shard = self->shards[self->next_shard.fetch_add(1) % self->shards.size()].get();
+    if (shard == self->shards[0].get()) return self->Accept(*shard, request);
+    shard->loop->Post([self, shard, request] { self->Accept(*shard, request); });
+  }
+  // The shard's loop thread: a connection admitted (counted in open already).
+  void Accept(ServerShard& shard, ucp_conn_request_h request) {
     ucp_ep_params_t p{};
     p.field_mask =
         UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.conn_request = request;
     p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = OnEpError;
-    p.err_handler.arg = self;
+    p.err_handler.arg = &shard;
     ucp_ep_h ep = nullptr;
-    ucs_status_t s = ucp_ep_create(self->loop->worker(), &p, &ep);
+    ucs_status_t s = ucp_ep_create(shard.loop->worker(), &p, &ep);
     if (s != UCS_OK) {
+      --open;
       LOG(WARNING) << "ucx server: accepting a connection failed: " << ucs_status_string(s);
       return;
     }
     auto c = std::make_shared<ServerConn>();
     c->ep = ep;
-    c->number = self->next_conn++;
+    c->shard = &shard;
+    c->number = next_conn++;
     c->accepted = Clock::now();
-    c->handshake = std::make_unique<uf::ServerHandshake>(self->plane_key);
-    self->conns[ep] = std::move(c);
-    self->open = static_cast<int64_t>(self->conns.size());
-    ++self->connections;
+    c->handshake = std::make_unique<uf::ServerHandshake>(plane_key);
+    shard.conns[ep] = std::move(c);
+    ++connections;
   }
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
-    auto* self = static_cast<Impl*>(arg);
-    auto it = self->conns.find(ep);
-    if (it == self->conns.end()) return;
+    auto* shard = static_cast<ServerShard*>(arg);
+    auto it = shard->conns.find(ep);
+    if (it == shard->conns.end()) return;
     VLOG(1) << "ucx server: connection " << it->second->number << " failed: " << ucs_status_string(status);
     auto c = it->second;
-    self->loop->Post([self, c] { self->Drop(c); });
+    Impl* self = shard->server;
+    shard->loop->Post([self, c] { self->Drop(c); });
     c->closing = true;
     c->close_at = Clock::now();
   }
   static ucs_status_t OnFrame(void* arg, const void* header, size_t header_len, void* data, size_t length,
                               const ucp_am_recv_param_t* param) {
-    auto* self = static_cast<Impl*>(arg);
+    auto* shard = static_cast<ServerShard*>(arg);
     try {
-      self->Receive(std::string_view(static_cast<const char*>(header), header_len), data, length, param);
+      shard->server->Receive(*shard, std::string_view(static_cast<const char*>(header), header_len), data, length,
+                             param);
     } catch (const std::exception& e) {
       LOG(ERROR) << "ucx server: a frame's processing failed: " << e.what();
     }
     return UCS_OK;
   }
 
-  // Loop thread: a frame from a client. Its header is checked before its
-  // body is touched.
-  void Receive(std::string_view header, void* data, size_t length, const ucp_am_recv_param_t* param) {
-    auto it = conns.find(ReplyEp(param));
-    if (it == conns.end()) {
+  // The shard's loop thread: a frame from a client. Its header is checked
+  // before its body is touched.
+  void Receive(ServerShard& shard, std::string_view header, void* data, size_t length,
+               const ucp_am_recv_param_t* param) {
+    auto it = shard.conns.find(ReplyEp(param));
+    if (it == shard.conns.end()) {
       ++frames_rejected;  // not from a connection we accepted: no way to answer
       return;
     }
@@ -555,7 +611,7 @@ struct UcxServer::Impl {
       return;
     }
     const uf::FrameHeader fh = *h;
-    if (!ReceiveBody(loop->worker(), data, length, param,
+    if (!ReceiveBody(shard.loop->worker(), data, length, param,
                      [this, c, fh](std::string body) { Dispatch(c, fh, std::move(body)); })) {
       inflight_bytes -= bytes;
       FrameSender(c, fh)(
@@ -565,9 +621,9 @@ struct UcxServer::Impl {
 
   // A function that answers request `h` of `c` (any thread): seals the
   // reply there, sends it from the loop thread.
-  std::function<void(Result<std::string>)> FrameSender(std::shared_ptr<ServerConn> c, const uf::FrameHeader& h) {
+  static std::function<void(Result<std::string>)> FrameSender(std::shared_ptr<ServerConn> c, const uf::FrameHeader& h) {
     const uint64_t call_id = h.call_id;
-    return [this, c, call_id](Result<std::string> r) {
+    return [c, call_id](Result<std::string> r) {
       uf::FrameHeader rh;
       rh.type = uf::FrameType::kReply;
       rh.call_id = call_id;
@@ -579,7 +635,7 @@ struct UcxServer::Impl {
         body = r.status().message();
       }
       std::string hb = c->sealer->Seal(rh, &body);
-      loop->Post([this, c, hb = std::move(hb), body = std::move(body)]() mutable {
+      c->shard->loop->Post([c, hb = std::move(hb), body = std::move(body)]() mutable {
         if (Live(c)) SendFrame(c->ep, kAmToClient, std::move(hb), std::move(body));
       });
     };
@@ -592,7 +648,7 @@ struct UcxServer::Impl {
       Result<std::string> plain = c->opener->Open(h, std::move(body));
       if (!plain.ok()) {
         inflight_bytes -= h.body_bytes;
-        loop->Post([this, c, s = plain.status()] {
+        c->shard->loop->Post([this, c, s = plain.status()] {
           if (Live(c)) Reject(c, uf::Refusal::kBadMac, s.ToString());
         });
         return;
@@ -638,6 +694,9 @@ Result<std::unique_ptr<UcxServer>> UcxServer::Start(const std::string& host, int
   if (options.max_endpoints < 1 || options.threads < 1 || options.max_body_bytes < uf::kTagBytes) {
     return Status::InvalidArgument("ucx server: threads, max_endpoints and max_body_bytes must be positive");
   }
+  if (options.workers < 1 || options.workers > 64) {
+    return Status::InvalidArgument("ucx server: workers must be in [1, 64], got " + std::to_string(options.workers));
+  }
   auto impl = std::make_unique<Impl>();
   impl->handler = std::move(handler);
   impl->options = options;
@@ -650,15 +709,22 @@ Result<std::unique_ptr<UcxServer>> UcxServer::Start(const std::string& host, int
   if (devices.empty()) {
     PENUMBRA_ASSIGN_OR_RETURN(devices, UcxNetDevices(IpOf(sa), /*route=*/false));
   }
-  PENUMBRA_ASSIGN_OR_RETURN(impl->loop, Loop::Create(devices));
-  PENUMBRA_RETURN_IF_ERROR(SetAmHandler(impl->loop->worker(), kAmToServer, &Impl::OnFrame, impl.get()));
+  PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<UcpContext> context,
+                            UcpContext::Create(devices, /*shared_workers=*/options.workers > 1));
+  for (int i = 0; i < options.workers; ++i) {
+    auto shard = std::make_unique<ServerShard>();
+    shard->server = impl.get();
+    PENUMBRA_ASSIGN_OR_RETURN(shard->loop, Loop::Create(context));
+    PENUMBRA_RETURN_IF_ERROR(SetAmHandler(shard->loop->worker(), kAmToServer, &Impl::OnFrame, shard.get()));
+    impl->shards.push_back(std::move(shard));
+  }
   ucp_listener_params_t lp{};
   lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
   lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
   lp.sockaddr.addrlen = sizeof sa;
   lp.conn_handler.cb = &Impl::OnConn;
   lp.conn_handler.arg = impl.get();
-  ucs_status_t s = ucp_listener_create(impl->loop->worker(), &lp, &impl->listener);
+  ucs_status_t s = ucp_listener_create(impl->shards[0]->loop->worker(), &lp, &impl->listener);
   if (s != UCS_OK) return UcsError(s, "listen on " + host + ":" + std::to_string(port));
   ucp_listener_attr_t attr{};
   attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
@@ -666,8 +732,10 @@ Result<std::unique_ptr<UcxServer>> UcxServer::Start(const std::string& host, int
   if (s != UCS_OK) return UcsError(s, "listener address");
   impl->port = ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
   for (int i = 0; i < options.threads; ++i) impl->pool.emplace_back([p = impl.get()] { p->Work(); });
-  impl->loop->SetTick([p = impl.get()] { p->Tick(); });
-  impl->loop->Start();
+  for (auto& shard : impl->shards) {
+    shard->loop->SetTick([p = impl.get(), sh = shard.get()] { p->Tick(*sh); });
+    shard->loop->Start();
+  }
   return std::unique_ptr<UcxServer>(new UcxServer(std::move(impl)));
 }
 
@@ -702,13 +770,15 @@ void UcxServer::Stop() {
   }
   m.cv.notify_all();
   for (auto& t : m.pool) t.join();  // the jobs queued are answered first
-  m.loop->StopThread();
-  // The loop's thread is gone: its worker is this thread's now.
+  for (auto& shard : m.shards) shard->loop->StopThread();
+  // The loops' threads are gone: their workers are this thread's now.
   if (m.listener != nullptr) ucp_listener_destroy(m.listener);
-  for (auto& [ep, c] : m.conns) CloseEp(ep);
-  m.conns.clear();
+  for (auto& shard : m.shards) {
+    for (auto& [ep, c] : shard->conns) CloseEp(ep);
+    shard->conns.clear();
+  }
   m.open = 0;
-  m.loop.reset();
+  m.shards.clear();
 }
 
 // ------------------------------------------------------------------ client
@@ -747,6 +817,16 @@ struct UcxClient::Impl {
     uf::FrameHeader header;  // else: the reply's checked header
     std::string body;        // ... and its body, to open
     const ClientConn* conn = nullptr;
+    // CallInto: a successful reply's body goes to `into` (in place) and,
+    // sealed, its tag to `tag`.
+    bool wants_into = false;
+    std::vector<uf::BodyPart> into;
+    uint64_t into_bytes = 0;
+    bool in_place = false;   // the body was received into `into`
+    bool abandoned = false;  // the caller gave up: nothing may start writing into `into`
+    bool receiving = false;  // UCX is writing into `into` now: the caller may not return
+    std::array<char, uf::kTagBytes> tag{};
+    std::vector<ucp_dt_iov_t> iov;
   };
   std::mutex mu;
   std::condition_variable cv;         // a connection attempt ended
@@ -926,11 +1006,193 @@ struct UcxClient::Impl {
     auto call = Take(h->call_id);
     if (!call) return;  // its caller gave up (deadline): the body is not received
     const uf::FrameHeader fh = *h;
+    if (call->wants_into && fh.code == 0) return ReceiveInto(call, fh, data, length, param);
     if (!ReceiveBody(loop->worker(), data, length, param,
                      [call, fh](std::string body) { Finish(call, Status::OK(), fh, std::move(body)); })) {
       Finish(call, Status::ResourceExhausted("ucx: could not receive a reply of " + std::to_string(length) +
                                              " bytes from " + where));
     }
+  }
+
+  // Loop thread: a successful reply to a CallInto: its body straight into
+  // the caller's parts (and tag), once its size is the one expected.
+  void ReceiveInto(const std::shared_ptr<Call>& call, const uf::FrameHeader& h, void* data, size_t length,
+                   const ucp_am_recv_param_t* param) {
+    const uint64_t expected = call->into_bytes + (h.sealed ? uf::kTagBytes : 0);
+    if (h.body_bytes != expected) {
+      // Refused before anything is received (a short or oversized reply).
+      return Finish(call, Status::Corruption("ucx: a reply from " + where + " of " + std::to_string(h.body_bytes) +
+                                             " bytes, expected " + std::to_string(expected)));
+    }
+    {
+      std::lock_guard<std::mutex> lk(call->mu);
+      if (call->abandoned || call->done) return;
+      call->receiving = true;
+      call->iov.clear();
+      for (const uf::BodyPart& p : call->into) {
+        if (p.size > 0) call->iov.push_back({p.data, p.size});
+      }
+      if (h.sealed) call->iov.push_back({call->tag.data(), uf::kTagBytes});
+    }
+    auto done = [call, h](Status s) {
+      std::lock_guard<std::mutex> lk(call->mu);
+      call->receiving = false;
+      if (!call->done) {
+        call->error = std::move(s);
+        call->header = h;
+        call->in_place = call->error.ok();
+        call->done = true;
+      }
+      call->cv.notify_all();
+    };
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+      // Eager: the bytes are here already; one copy into place.
+      const char* from = static_cast<const char*>(data);
+      for (const ucp_dt_iov_t& v : call->iov) {
+        std::memcpy(v.buffer, from, v.length);
+        from += v.length;
+      }
+      return done(Status::OK());
+    }
+    auto* holder = new std::function<void(Status)>(done);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+      std::unique_ptr<std::function<void(Status)>> f(static_cast<std::function<void(Status)>*>(user_data));
+      (*f)(status == UCS_OK
+               ? Status::OK()
+               : Status::Unavailable(std::string("ucx: receiving a reply failed: ") + ucs_status_string(status)));
+      ucp_request_free(request);
+    };
+    p.user_data = holder;
+    p.datatype = ucp_dt_make_iov();
+    void* r = ucp_am_recv_data_nbx(loop->worker(), data, call->iov.data(), call->iov.size(), &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      std::unique_ptr<std::function<void(Status)>> f(holder);
+      (*f)(r == nullptr ? Status::OK()
+                        : Status::Unavailable(std::string("ucx: receiving a reply from " + where + " failed: ") +
+                                              ucs_status_string(UCS_PTR_STATUS(r))));
+    }
+  }
+
+  // One call on this lane (Call and CallInto): into null, the body comes
+  // back as the result; else it lands in *into and the result is empty.
+  Result<std::string> Do(uint32_t method, std::string_view payload, std::chrono::milliseconds timeout,
+                         const std::span<const uf::BodyPart>* into) {
+    const auto deadline = Clock::now() + timeout;
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ClientConn> conn, Ready(deadline));
+    const uint64_t id = next_id++;
+    uf::FrameHeader h;
+    h.type = uf::FrameType::kRequest;
+    h.call_id = id;
+    h.code = static_cast<int32_t>(method);
+    std::string body(payload);
+    std::string header = conn->sealer->Seal(h, &body);  // on this thread
+    auto call = std::make_shared<Call>();
+    call->conn = conn.get();
+    if (into != nullptr) {
+      call->wants_into = true;
+      call->into.assign(into->begin(), into->end());
+      for (const uf::BodyPart& p : *into) call->into_bytes += p.size;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      pending[id] = call;
+    }
+    loop->Post([this, conn, id, header = std::move(header), body = std::move(body)]() mutable {
+      auto it = conns.find(conn->ep);
+      Status s;
+      if (it == conns.end() || it->second != conn) {
+        s = Status::Unavailable("ucx: the connection to " + where + " closed");
+      } else if (!SendFrame(conn->ep, kAmToServer, std::move(header), std::move(body))) {
+        s = Status::Unavailable("ucx: sending to " + where + " failed");
+      }
+      if (!s.ok()) {
+        if (auto c = Take(id)) Finish(c, s);
+      }
+    });
+    std::unique_lock<std::mutex> lk(call->mu);
+    // Done, and UCX no longer writes into the caller's parts.
+    if (!call->cv.wait_until(lk, deadline, [&] { return call->done && !call->receiving; })) {
+      call->abandoned = true;
+      if (call->receiving) {
+        // The reply is arriving into the caller's buffers: its connection is
+        // closed (ending the transfer), and the call waits for UCX to let go.
+        // Later calls use a new connection.
+        {
+          std::lock_guard<std::mutex> ready_lk(mu);
+          if (ready == conn) ready = nullptr;
+        }
+        loop->Post([this, conn] {
+          Drop(conn, Status::Unavailable("ucx: a reply from " + where +
+                                         " was still arriving past its call's deadline; the connection was closed"));
+        });
+        call->cv.wait(lk, [&] { return !call->receiving; });
+      }
+      lk.unlock();
+      Take(id);  // a late reply is dropped
+      return Status::DeadlineExceeded("ucx: no reply from " + where + " within " + std::to_string(timeout.count()) +
+                                      " ms");
+    }
+    if (!call->error.ok()) return call->error;
+    const uf::FrameHeader rh = call->header;
+    if (call->in_place) {
+      const std::string_view tag(call->tag.data(), rh.sealed ? uf::kTagBytes : 0);
+      lk.unlock();
+      const Status opened = conn->opener->OpenInPlace(rh, *into, tag);  // on this thread
+      if (!opened.ok()) return opened.WithContext("ucx: a reply from " + where);
+      return std::string();
+    }
+    std::string raw = std::move(call->body);
+    lk.unlock();
+    Result<std::string> body_or = conn->opener->Open(rh, std::move(raw));  // on this thread
+    if (!body_or.ok()) return body_or.status().WithContext("ucx: a reply from " + where);
+    if (rh.code < 0 || rh.code > static_cast<int32_t>(StatusCode::kPermissionDenied)) {
+      return Status::Internal("ucx: a reply from " + where + " carries an unknown status " + std::to_string(rh.code) +
+                              ": " + *body_or);
+    }
+    if (rh.code != 0) return Status(static_cast<StatusCode>(rh.code), std::move(*body_or));
+    if (into != nullptr) {
+      // A successful reply to a CallInto always goes in place (ReceiveInto).
+      return Status::Internal("ucx: a reply from " + where + " was not received in place");
+    }
+    return std::move(*body_or);
+  }
+
+  // The lanes of the connection in use (ucp_ep_print_info), on the loop thread.
+  std::vector<std::string> Transports() {
+    auto out = std::make_shared<std::promise<std::vector<std::string>>>();
+    std::future<std::vector<std::string>> f = out->get_future();
+    loop->Post([this, out] {
+      std::vector<std::string> lanes;
+      std::shared_ptr<ClientConn> c;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        c = ready;
+      }
+      if (c) {
+        char* text = nullptr;
+        size_t size = 0;
+        FILE* stream = open_memstream(&text, &size);
+        if (stream != nullptr) {
+          ucp_ep_print_info(c->ep, stream);
+          std::fclose(stream);
+          std::string line;
+          for (const char* p = text; p != nullptr && p < text + size; ++p) {
+            if (*p != '\n') {
+              line.push_back(*p);
+              continue;
+            }
+            const size_t at = line.find("lane[");
+            if (at != std::string::npos) lanes.push_back(line.substr(at));
+            line.clear();
+          }
+          std::free(text);
+        }
+      }
+      out->set_value(std::move(lanes));
+    });
+    return f.get();
   }
 
   // A ready connection, connecting when there is none, by `deadline`.
@@ -954,93 +1216,83 @@ struct UcxClient::Impl {
 Result<std::unique_ptr<UcxClient>> UcxClient::Connect(const std::string& host, int port,
                                                       const UcxClientOptions& options) {
   if (port <= 0 || port > 65535) return Status::InvalidArgument("ucx client: port " + std::to_string(port));
-  auto impl = std::make_unique<Impl>();
-  PENUMBRA_ASSIGN_OR_RETURN(impl->address, Resolve(host, port));
-  impl->where = host + ":" + std::to_string(port);
-  impl->options = options;
+  if (options.connections < 1 || options.connections > 64) {
+    return Status::InvalidArgument("ucx client: connections must be in [1, 64], got " +
+                                   std::to_string(options.connections));
+  }
+  PENUMBRA_ASSIGN_OR_RETURN(sockaddr_in address, Resolve(host, port));
+  std::string plane_key;
   if (options.secret) {
     if (options.secret->empty()) return Status::InvalidArgument("ucx client: an empty cluster secret");
-    impl->plane_key = options.secret->Derive(options.secret_purpose);
+    plane_key = options.secret->Derive(options.secret_purpose);
   }
-  impl->client_id = RandomBytes(uf::kClientIdBytes);
-  impl->client_id_hex = HexOf(impl->client_id);
+  // One identity for every connection: the server binds what it hands out
+  // (readers, uploads) to it, so any lane may use them.
+  const std::string client_id = RandomBytes(uf::kClientIdBytes);
   std::string devices = options.net_devices;
   if (devices.empty()) {
-    Result<std::string> d = UcxNetDevices(IpOf(impl->address), /*route=*/true);
+    Result<std::string> d = UcxNetDevices(IpOf(address), /*route=*/true);
     if (d.ok()) {
       devices = *d;
     } else {
       LOG(WARNING) << "ucx client: " << d.status() << "; UCX may listen on every device";
     }
   }
-  PENUMBRA_ASSIGN_OR_RETURN(impl->loop, Loop::Create(devices));
-  PENUMBRA_RETURN_IF_ERROR(SetAmHandler(impl->loop->worker(), kAmToClient, &Impl::OnFrame, impl.get()));
-  impl->loop->SetTick([p = impl.get()] { p->Tick(); });
-  impl->loop->Start();
-  return std::unique_ptr<UcxClient>(new UcxClient(std::move(impl)));
+  // One context, a worker per connection (each on its own thread).
+  PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<UcpContext> context,
+                            UcpContext::Create(devices, /*shared_workers=*/options.connections > 1));
+  std::vector<std::unique_ptr<Impl>> lanes;
+  for (int i = 0; i < options.connections; ++i) {
+    auto impl = std::make_unique<Impl>();
+    impl->address = address;
+    impl->where = host + ":" + std::to_string(port);
+    impl->options = options;
+    impl->plane_key = plane_key;
+    impl->client_id = client_id;
+    impl->client_id_hex = HexOf(client_id);
+    PENUMBRA_ASSIGN_OR_RETURN(impl->loop, Loop::Create(context));
+    PENUMBRA_RETURN_IF_ERROR(SetAmHandler(impl->loop->worker(), kAmToClient, &Impl::OnFrame, impl.get()));
+    impl->loop->SetTick([p = impl.get()] { p->Tick(); });
+    impl->loop->Start();
+    lanes.push_back(std::move(impl));
+  }
+  return std::unique_ptr<UcxClient>(new UcxClient(std::move(lanes)));
 }
 
-UcxClient::UcxClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+UcxClient::UcxClient(std::vector<std::unique_ptr<Impl>> lanes) : lanes_(std::move(lanes)) {}
 
 UcxClient::~UcxClient() {
-  Impl& m = *impl_;
-  m.loop->StopThread();
-  for (auto& [ep, c] : m.conns) CloseEp(ep);
-  m.conns.clear();
-  m.FailCalls(nullptr, Status::Cancelled("ucx: the client was closed"));
-  m.loop.reset();
+  for (auto& lane : lanes_) {
+    Impl& m = *lane;
+    m.loop->StopThread();
+    for (auto& [ep, c] : m.conns) CloseEp(ep);
+    m.conns.clear();
+    m.FailCalls(nullptr, Status::Cancelled("ucx: the client was closed"));
+    m.loop.reset();
+  }
 }
 
-const std::string& UcxClient::client_id() const { return impl_->client_id_hex; }
+const std::string& UcxClient::client_id() const { return lanes_.front()->client_id_hex; }
+
+int UcxClient::connections() const { return static_cast<int>(lanes_.size()); }
+
+UcxClient::Impl& UcxClient::Lane() { return *lanes_[next_lane_.fetch_add(1) % lanes_.size()]; }
+
+std::vector<std::string> UcxClient::Transports() const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    for (const std::string& l : lanes_[i]->Transports()) out.push_back("connection " + std::to_string(i) + " " + l);
+  }
+  return out;
+}
 
 Result<std::string> UcxClient::Call(uint32_t method, std::string_view payload, std::chrono::milliseconds timeout) {
-  Impl& m = *impl_;
-  const auto deadline = Clock::now() + timeout;
-  PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ClientConn> conn, m.Ready(deadline));
-  const uint64_t id = m.next_id++;
-  uf::FrameHeader h;
-  h.type = uf::FrameType::kRequest;
-  h.call_id = id;
-  h.code = static_cast<int32_t>(method);
-  std::string body(payload);
-  std::string header = conn->sealer->Seal(h, &body);  // on this thread
-  auto call = std::make_shared<Impl::Call>();
-  call->conn = conn.get();
-  {
-    std::lock_guard<std::mutex> lk(m.mu);
-    m.pending[id] = call;
-  }
-  m.loop->Post([&m, conn, id, header = std::move(header), body = std::move(body)]() mutable {
-    auto it = m.conns.find(conn->ep);
-    Status s;
-    if (it == m.conns.end() || it->second != conn) {
-      s = Status::Unavailable("ucx: the connection to " + m.where + " closed");
-    } else if (!SendFrame(conn->ep, kAmToServer, std::move(header), std::move(body))) {
-      s = Status::Unavailable("ucx: sending to " + m.where + " failed");
-    }
-    if (!s.ok()) {
-      if (auto c = m.Take(id)) Impl::Finish(c, s);
-    }
-  });
-  std::unique_lock<std::mutex> lk(call->mu);
-  if (!call->cv.wait_until(lk, deadline, [&] { return call->done; })) {
-    lk.unlock();
-    m.Take(id);  // a late reply is dropped
-    return Status::DeadlineExceeded("ucx: no reply from " + m.where + " within " + std::to_string(timeout.count()) +
-                                    " ms");
-  }
-  if (!call->error.ok()) return call->error;
-  const uf::FrameHeader rh = call->header;
-  std::string raw = std::move(call->body);
-  lk.unlock();
-  Result<std::string> body_or = conn->opener->Open(rh, std::move(raw));  // on this thread
-  if (!body_or.ok()) return body_or.status().WithContext("ucx: a reply from " + m.where);
-  if (rh.code < 0 || rh.code > static_cast<int32_t>(StatusCode::kPermissionDenied)) {
-    return Status::Internal("ucx: a reply from " + m.where + " carries an unknown status " + std::to_string(rh.code) +
-                            ": " + *body_or);
-  }
-  if (rh.code != 0) return Status(static_cast<StatusCode>(rh.code), std::move(*body_or));
-  return std::move(*body_or);
+  return Lane().Do(method, payload, timeout, nullptr);
+}
+
+Status UcxClient::CallInto(uint32_t method, std::string_view payload, std::chrono::milliseconds timeout,
+                           std::span<const ucx_frame::BodyPart> into) {
+  return Lane().Do(method, payload, timeout, &into).status();
 }
 
 }  // namespace penumbra::transport

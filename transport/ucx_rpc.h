@@ -34,20 +34,25 @@
 // Unavailable, and the next call connects again; a refused handshake is
 // PermissionDenied.
 //
-// Threads: each side owns one UCX worker, driven by one progress thread
+// Threads: a server owns several UCX workers (UcxServerOptions::workers,
+// its connections spread over them), a client one per connection
+// (UcxClientOptions::connections), each driven by one progress thread
 // (UCX is used single-threaded); callers hand it work through a queue and
 // an eventfd. The server runs handlers on its own pool, so a slow handler
 // (a disk read) does not hold up the others' messages; bodies are sealed
 // and opened on the callers' and the pool's threads, not the progress thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/crypto.h"
 #include "common/status.h"
@@ -64,6 +69,10 @@ struct UcxCaller {
 
 struct UcxServerOptions {
   int threads = 4;  // handler threads. Default: 4.
+  // UCX workers, each with its progress thread; accepted connections are
+  // spread over them (round robin), so many clients' bytes move on several
+  // cores. Default: 4.
+  int workers = 4;
   // The cluster secret: a sealed plane (only clients with the same secret
   // connect). None: plain (the caller allows that only on loopback).
   // Default: none.
@@ -138,6 +147,10 @@ struct UcxClientOptions {
   // UCX network devices; "": the device that routes to the server (see
   // UcxNetDevices). Default: "".
   std::string net_devices;
+  // Connections to the server, each with its own UCX worker and progress
+  // thread; calls are spread over them (round robin), so one caller's
+  // parallel reads move at once. Each is made at its first call. Default: 4.
+  int connections = 4;
 };
 
 class UcxClient {
@@ -158,14 +171,33 @@ class UcxClient {
   // DeadlineExceeded after `timeout`, Corruption when the reply does not
   // verify.
   Result<std::string> Call(uint32_t method, std::string_view payload, std::chrono::milliseconds timeout);
+  // The same, the reply's body received in place: its bytes land in `into`
+  // (the caller's buffers, one after another; by UCX's rendezvous straight
+  // from the server where the transport allows, no intermediate copy) and
+  // are verified there (plain: the checksum; sealed: decrypted in place and
+  // the tag checked). A successful reply whose body is not exactly the
+  // parts' total is refused before it is received (Corruption naming both
+  // sizes); an error reply is returned as Call's. On any error the parts'
+  // bytes are unspecified. The parts are written only until this returns:
+  // past the deadline, a reply still arriving closes its connection and the
+  // call waits for UCX to let go of the buffers.
+  Status CallInto(uint32_t method, std::string_view payload, std::chrono::milliseconds timeout,
+                  std::span<const ucx_frame::BodyPart> into);
+  // The transports UCX chose for each connection made so far: one line per
+  // lane ("lane[0]: ... posix/memory ..." as ucp_ep_print_info says), for
+  // logs and the bench. Empty before the first call.
+  std::vector<std::string> Transports() const;
+  int connections() const;
   // This client's id (32 hex digits), as servers see it (UcxCaller).
   const std::string& client_id() const;
 
   struct Impl;
 
  private:
-  explicit UcxClient(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit UcxClient(std::vector<std::unique_ptr<Impl>> lanes);
+  Impl& Lane();
+  std::vector<std::unique_ptr<Impl>> lanes_;  // one per connection
+  std::atomic<uint64_t> next_lane_{0};
 };
 
 // The UCX network devices (UCX_NET_DEVICES syntax) for a process that

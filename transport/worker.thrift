@@ -59,6 +59,20 @@ struct WorkerGenerateRequest {
   11: string owner_id = "",
 }
 
+// A worker's place in a context group (one sequence sharded over the
+// group's ranks: docs/architecture.md, "Worker groups"), as it reports it.
+struct WorkerGroupState {
+  1: string name,         // the group's name (its --group)
+  2: i32 rank,
+  3: i32 world,
+  // "unformed" (never joined), "forming" (joining), "formed" (serving:
+  // rank 0 takes requests for the whole group), "broken" (a rank was lost:
+  // the group must be formed again).
+  4: string state,
+  5: i64 epoch,           // the formation it is in (JoinGroup's), 0 before the first
+  6: string error,        // why it is broken, or why the last join failed
+}
+
 struct WorkerHealth {
   1: bool serving,        // false while draining
   2: string model,        // the model directory
@@ -67,6 +81,24 @@ struct WorkerHealth {
   5: i64 max_context,     // the model's max_position_embeddings
   6: i32 vocab_size,
   7: list<i32> eos_ids,   // the model's end-of-text ids
+  // A member of a context group (absent: a single worker).
+  8: optional WorkerGroupState group,
+  // Device bytes one token of context takes under this worker's KV policy
+  // (an estimate: the coordinator places a document on a group when it
+  // would not fit one worker's free memory). 0: not known.
+  9: i64 device_bytes_per_token = 0,
+}
+
+// The coordinator forming a group: every rank is told the group's epoch
+// and secret; rank 0 first (rendezvous ""), which listens and answers
+// where; then the others with that rendezvous.
+struct WorkerJoinGroup {
+  1: string name,          // must be this worker's --group
+  2: i64 epoch,            // > the formation it is in
+  3: i32 world,            // must be this worker's --group-world
+  4: i32 rank,             // must be this worker's --group-rank
+  5: string rendezvous,    // "" on rank 0 (it listens); HOST:PORT for the others
+  6: string secret,        // the formation's secret (hex, >= 32 digits): every rank proves it holds it
 }
 
 struct WorkerStats {
@@ -174,5 +206,12 @@ service Worker {
   // cancels the others. INVALID_ARGUMENT for a malformed owner id.
   list<string> Renew(1: string owner_id) throws (1: common.PenumbraError error),
   WorkerHealth Health(),
+  // Joins (or re-forms) the context group this worker is a member of
+  // (--group): returns at once with the rendezvous (rank 0: where it
+  // listens) while the join goes on; Health's group.state says when it is
+  // formed. INVALID_ARGUMENT when name, world or rank are not this
+  // worker's, or the epoch is not newer; FAILED_PRECONDITION for a worker
+  // in no group.
+  string JoinGroup(1: WorkerJoinGroup join) throws (1: common.PenumbraError error),
   WorkerStats Stats(),
 }

@@ -63,7 +63,7 @@ struct Child {
   std::vector<std::string> argv;  // what it is (re)started with, without --port-file
   pid_t pid = -1;                 // -1: not running (stopped, or waiting to restart)
   std::string log, port_file;
-  int port = 0, metrics_port = -1;
+  int port = 0, metrics_port = -1, openai_port = -1;
   bool serving = false;     // its port file was read since its last start
   int restarts = 0;         // times serve restarted it
   int deaths_in_row = 0;    // deaths without staying up RestartPolicy::stable
@@ -129,6 +129,7 @@ bool ReadPortFile(Child& c) {
     nlohmann::json j = nlohmann::json::parse(f);
     c.port = j.at("port").get<int>();
     c.metrics_port = j.at("metrics_port").get<int>();
+    c.openai_port = j.value("openai_port", -1);
     return true;
   } catch (const std::exception&) {
     return false;
@@ -232,6 +233,7 @@ Status WriteServePortFile(const std::string& path, const Child& coordinator, con
   }
   nlohmann::json j = {{"port", coordinator.port},
                       {"metrics_port", coordinator.metrics_port},
+                      {"openai_port", coordinator.openai_port},
                       {"pid", static_cast<int64_t>(getpid())},
                       {"restarts", restarts},
                       {"children", children}};
@@ -304,7 +306,8 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
   }
   ServiceTopology t;
   PENUMBRA_RETURN_IF_ERROR(CheckKeys(
-      root, {"model", "api_keys", "tenants", "data_dir", "security", "coordinator", "workers", "store_nodes"}, path));
+      root, {"model", "api_keys", "tenants", "data_dir", "security", "coordinator", "workers", "groups", "store_nodes"},
+      path));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "model", path, &t.model));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "api_keys", path, &t.api_keys));
   PENUMBRA_RETURN_IF_ERROR(ReadKey(root, "tenants", path, &t.tenants));
@@ -321,29 +324,66 @@ Result<ServiceTopology> LoadServiceTopology(const std::string& path) {
   if (root["coordinator"]) {
     const YAML::Node c = root["coordinator"];
     const std::string where = path + ": coordinator";
-    PENUMBRA_RETURN_IF_ERROR(CheckKeys(c, {"host", "port", "metrics_port", "admin_host", "args"}, where));
+    PENUMBRA_RETURN_IF_ERROR(
+        CheckKeys(c, {"host", "port", "metrics_port", "openai_port", "admin_host", "args"}, where));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "host", where, &t.host));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "admin_host", where, &t.admin_host));
     PENUMBRA_RETURN_IF_ERROR(ReadPort(c, "port", where, 0, &t.port));
     PENUMBRA_RETURN_IF_ERROR(ReadPort(c, "metrics_port", where, -1, &t.metrics_port));
+    PENUMBRA_RETURN_IF_ERROR(ReadPort(c, "openai_port", where, -1, &t.openai_port));
     PENUMBRA_RETURN_IF_ERROR(ReadKey(c, "args", where, &t.coordinator_args));
   }
   const YAML::Node ws = root["workers"];
-  if (!ws || !ws.IsSequence() || ws.size() == 0)
-    return Status::InvalidArgument(path + ": workers must be a non-empty list");
-  for (size_t i = 0; i < ws.size(); ++i) {
-    const std::string where = path + ": workers[" + std::to_string(i) + "]";
+  const YAML::Node gs = root["groups"];
+  if ((ws && !ws.IsSequence()) || (gs && !gs.IsSequence()) || ((!ws || ws.size() == 0) && (!gs || gs.size() == 0)))
+    return Status::InvalidArgument(path + ": workers (or groups) must be a non-empty list");
+  auto read_worker = [&](const YAML::Node& n, const std::string& where, WorkerProcessSpec* s) -> Status {
+    PENUMBRA_RETURN_IF_ERROR(CheckKeys(n, {"name", "host", "port", "metrics_port", "admin_host", "args"}, where));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(n, "name", where, &s->name));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(n, "host", where, &s->host));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(n, "admin_host", where, &s->admin_host));
+    PENUMBRA_RETURN_IF_ERROR(ReadPort(n, "port", where, 0, &s->port));
+    PENUMBRA_RETURN_IF_ERROR(ReadPort(n, "metrics_port", where, -1, &s->metrics_port));
+    std::vector<std::string> args;
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(n, "args", where, &args));
+    s->args.insert(s->args.end(), args.begin(), args.end());
+    return CheckProcessName(t, where, s->name);
+  };
+  for (size_t i = 0; ws && i < ws.size(); ++i) {
     WorkerProcessSpec s;
     s.name = "w" + std::to_string(i);
-    PENUMBRA_RETURN_IF_ERROR(CheckKeys(ws[i], {"name", "host", "port", "metrics_port", "admin_host", "args"}, where));
-    PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "name", where, &s.name));
-    PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "host", where, &s.host));
-    PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "admin_host", where, &s.admin_host));
-    PENUMBRA_RETURN_IF_ERROR(ReadPort(ws[i], "port", where, 0, &s.port));
-    PENUMBRA_RETURN_IF_ERROR(ReadPort(ws[i], "metrics_port", where, -1, &s.metrics_port));
-    PENUMBRA_RETURN_IF_ERROR(ReadKey(ws[i], "args", where, &s.args));
-    PENUMBRA_RETURN_IF_ERROR(CheckProcessName(t, where, s.name));
+    PENUMBRA_RETURN_IF_ERROR(read_worker(ws[i], path + ": workers[" + std::to_string(i) + "]", &s));
     t.workers.push_back(std::move(s));
+  }
+  // Context groups: N ranks (one per GPU) serving one sequence sharded over
+  // them; the coordinator forms each group.
+  for (size_t g = 0; gs && g < gs.size(); ++g) {
+    const std::string where = path + ": groups[" + std::to_string(g) + "]";
+    PENUMBRA_RETURN_IF_ERROR(CheckKeys(gs[g], {"name", "ranks", "args"}, where));
+    std::string name = "g" + std::to_string(g);
+    std::vector<std::string> args;
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(gs[g], "name", where, &name));
+    PENUMBRA_RETURN_IF_ERROR(ReadKey(gs[g], "args", where, &args));
+    if (name.empty() || name.find_first_of(",=:;/ ") != std::string::npos) {
+      return Status::InvalidArgument(where + ".name '" + name + "' must be non-empty, without , = : ; / or spaces");
+    }
+    for (const auto& w : t.workers) {
+      if (w.group == name) return Status::InvalidArgument(where + ": two groups named " + name);
+    }
+    const YAML::Node rs = gs[g]["ranks"];
+    if (!rs || !rs.IsSequence() || rs.size() < 2) {
+      return Status::InvalidArgument(where + ".ranks must be a list of 2 or more workers (one per GPU)");
+    }
+    for (size_t r = 0; r < rs.size(); ++r) {
+      WorkerProcessSpec s;
+      s.name = name + "r" + std::to_string(r);
+      s.args = args;
+      s.group = name;
+      s.rank = static_cast<int>(r);
+      s.world = static_cast<int>(rs.size());
+      PENUMBRA_RETURN_IF_ERROR(read_worker(rs[r], where + ".ranks[" + std::to_string(r) + "]", &s));
+      t.workers.push_back(std::move(s));
+    }
   }
   if (const YAML::Node ns = root["store_nodes"]) {
     if (!ns.IsSequence()) return Status::InvalidArgument(path + ": store_nodes must be a list");
@@ -459,6 +499,7 @@ Status ServeCommand(int argc, char** argv) {
     PENUMBRA_RETURN_IF_ERROR(WaitServing(c, timeout));
     PinFlag(c.argv, "--port", c.port);
     if (c.metrics_port > 0) PinFlag(c.argv, "--metrics-port", c.metrics_port);
+    if (c.openai_port > 0) PinFlag(c.argv, "--openai-port", c.openai_port);
     return Status::OK();
   };
   // Value-store nodes first: the workers connect to them.
@@ -492,6 +533,10 @@ Status ServeCommand(int argc, char** argv) {
                                      "--admin-host",
                                      s.admin_host};
     if (!store_list.empty()) argv.insert(argv.end(), {"--store-node", store_list});
+    if (!s.group.empty()) {
+      argv.insert(argv.end(), {"--group", s.group, "--group-rank", std::to_string(s.rank), "--group-world",
+                               std::to_string(s.world)});
+    }
     for (const std::string& f : SecurityArgs(t, s.name)) argv.push_back(f);
     argv.insert(argv.end(), s.args.begin(), s.args.end());
     workers.push_back(MakeChild(s.name, "worker", s.host, std::move(argv), dir));
@@ -500,8 +545,10 @@ Status ServeCommand(int argc, char** argv) {
       return st;
     }
   }
-  std::string list;
-  for (auto& w : workers) {
+  std::string list, groups;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    Child& w = workers[i];
+    const WorkerProcessSpec& spec = t.workers[i];
     Status s = WaitServing(w, std::chrono::seconds(start_s));
     if (!s.ok()) {
       stop_all();
@@ -509,7 +556,12 @@ Status ServeCommand(int argc, char** argv) {
     }
     PinFlag(w.argv, "--port", w.port);
     if (w.metrics_port > 0) PinFlag(w.argv, "--metrics-port", w.metrics_port);
-    list += (list.empty() ? "" : ",") + w.name + "=" + w.host + ":" + std::to_string(w.port);
+    const std::string member = w.name + "=" + w.host + ":" + std::to_string(w.port);
+    if (spec.group.empty()) {
+      list += (list.empty() ? "" : ",") + member;
+    } else {
+      groups += spec.rank == 0 ? (groups.empty() ? "" : ";") + spec.group + "=" + member : "," + member;
+    }
     std::fprintf(stderr, "serve: worker %s on %s:%d (metrics %d), log %s\n", w.name.c_str(), w.host.c_str(), w.port,
                  w.metrics_port, w.log.c_str());
   }
@@ -526,6 +578,8 @@ Status ServeCommand(int argc, char** argv) {
                                     std::to_string(t.metrics_port),
                                     "--admin-host",
                                     t.admin_host};
+  if (t.openai_port >= 0) cargv.insert(cargv.end(), {"--openai-port", std::to_string(t.openai_port)});
+  if (!groups.empty()) cargv.insert(cargv.end(), {"--groups", groups});
   if (!t.api_keys.empty()) cargv.insert(cargv.end(), {"--api-keys", t.api_keys});
   if (!t.tenants.empty()) cargv.insert(cargv.end(), {"--tenants", t.tenants});
   if (!t.data_dir.empty()) cargv.insert(cargv.end(), {"--data-dir", t.data_dir});

@@ -320,6 +320,11 @@ Status StatsCommand(int argc, char** argv) {
                           {"kv_policy", w.kv_policy}, {"backend", w.backend}, {"running", w.running},
                           {"documents", w.documents}};
       if (w.__isset.error) o["error"] = w.error;
+      if (w.__isset.group) {
+        o["group"] = w.group;
+        o["group_rank"] = w.group_rank;
+        o["group_state"] = w.group_state;
+      }
       workers.push_back(std::move(o));
     }
     j["workers"] = std::move(workers);

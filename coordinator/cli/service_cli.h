@@ -29,6 +29,10 @@ struct WorkerProcessSpec {
   int metrics_port = 0;                  // the admin endpoint (/metrics, /healthz); 0: the OS picks; -1: off
   std::string admin_host = "127.0.0.1";  // where the admin endpoint listens (off loopback: TLS, role admin)
   std::vector<std::string> args;         // more penumbra-worker flags (--device cpu, --config engine.yaml, ...)
+  // A rank of a context group (the topology's groups[]: --group NAME
+  // --group-rank R --group-world N): "" for a single worker.
+  std::string group;
+  int rank = 0, world = 1;
 };
 
 // A value-store node `penumbra serve` starts (penumbra-store; documents on
@@ -54,6 +58,7 @@ struct ServiceTopology {
   std::string host = "127.0.0.1";
   int port = 7700;
   int metrics_port = 7701;  // the coordinator's admin endpoint
+  int openai_port = -1;     // the coordinator's OpenAI-compatible API (docs/openai.md); -1: off
   std::string admin_host = "127.0.0.1";
   std::vector<std::string> coordinator_args;
   std::vector<WorkerProcessSpec> workers;

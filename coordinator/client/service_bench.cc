@@ -13,7 +13,8 @@
 //    max_new_tokens M, greedy, end-of-text ignored), each followed by its own
 //    long-polling client; once all of them decode, the tokens all of them
 //    make in W seconds: {"bench": "service-decode", "context": S, "batch": B,
-//    "kv_policy": ..., "tokens_per_s": ...}.
+//    "kv_policy": ..., "tokens_per_s": ...} ("service-cp-decode" with "gpus": N
+//    when the coordinator's only workers are one context group's N ranks).
 // 3. With --put-during-decode: while they decode, a second document of the
 //    same size is put (its prefill interleaved with their decode steps): the
 //    longest gap any of them saw between two tokens, and their tokens/s
@@ -284,6 +285,13 @@ Status Run(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(rpc::StatsResponse st, c->Stats());
   const std::string policy = st.workers.empty() ? "unknown" : st.workers[0].kv_policy;
   const std::string backend = st.workers.empty() ? "unknown" : st.workers[0].backend;
+  // A deployment whose only workers are one context group's ranks: its
+  // decode row is "service-cp-decode" with the group's GPUs.
+  int64_t group_ranks = 0;
+  for (const rpc::WorkerStatus& w : st.workers) {
+    if (w.__isset.group && w.group == st.workers[0].group) ++group_ranks;
+  }
+  if (group_ranks != static_cast<int64_t>(st.workers.size())) group_ranks = 0;
 
   if (a.Has("dp-documents")) {
     PENUMBRA_ASSIGN_OR_RETURN(int64_t N, a.GetIntIn("dp-documents", 2, 1, 64));
@@ -376,7 +384,7 @@ Status Run(int argc, char** argv) {
   fs.Stop();
   PENUMBRA_RETURN_IF_ERROR(result);
   if (early) return Status::FailedPrecondition("a question ended inside the window: raise --max-new-tokens");
-  nlohmann::json j = {{"bench", "service-decode"},
+  nlohmann::json j = {{"bench", group_ranks > 0 ? "service-cp-decode" : "service-decode"},
                       {"context", S},
                       {"batch", B},
                       {"kv_policy", policy},
@@ -388,6 +396,7 @@ Status Run(int argc, char** argv) {
                       {"tokens_per_s", tps},
                       {"all_joined_s", joined_s},
                       {"tls", !o.tls_ca.empty()}};
+  if (group_ranks > 0) j["gpus"] = group_ranks;
   std::cout << j.dump() << std::endl;
   if (!during.is_null()) std::cout << during.dump() << std::endl;
   return Status::OK();

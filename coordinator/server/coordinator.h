@@ -78,6 +78,12 @@ struct CoordinatorOptions {
   // Placement (coordinator/server/placement.h): a worker reporting less free
   // device memory than this is tried after the others of its group.
   int64_t min_free_memory_bytes = int64_t{2} << 30;
+  // Placement by length: a prompt (its documents and question) of this many
+  // tokens or more goes to a formed context group first; shorter ones to
+  // single workers first. Whatever the threshold, a prompt that fits no
+  // single worker's free memory (its reported device bytes per token) goes
+  // only to groups. 0: by memory alone. Default: 0.
+  int64_t group_min_tokens = 0;
   // A streaming generation (Generate) nobody has polled for this long is
   // cancelled on its worker and ends "cancelled"; at most keep_finished.
   // Default: 120 s.
@@ -168,6 +174,13 @@ class Coordinator : public rpc::PenumbraIf {
   // What the workers report about the model (and whether text can be encoded
   // here; coordinator_api.cc).
   ModelLimits model_limits() const;
+  // The bounds every request is checked against.
+  const RequestLimits& request_limits() const { return o_.limits; }
+  // The model's name, as Health says it.
+  const std::string& model_name() const { return model_; }
+  // Whether `api_key` (with the caller's client certificate, CurrentPeer)
+  // names a tenant: PermissionDenied when it does not (coordinator_api.cc).
+  Status Authenticate(const std::string& api_key) const;
 
  private:
   struct Request;  // one generation's state (coordinator_internal.h)
@@ -177,6 +190,7 @@ class Coordinator : public rpc::PenumbraIf {
     std::vector<DocumentView> docs;
     std::vector<int32_t> question;
     int64_t prompt_tokens = 0;
+    int32_t max_new_tokens = 0;  // the request's, or what the context leaves (fit_context)
     int64_t generated_bound = 0;
   };
 
@@ -227,7 +241,12 @@ class Coordinator : public rpc::PenumbraIf {
   rpc::WorkerGenerateRequest Continuation(const Request& q) const;
   // Candidate workers for a request of `kv_policy` over `docs` (holders of the
   // first document first, then the others by load).
-  std::vector<int> Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const;
+  // The workers to try for a prompt of `tokens` tokens (documents and
+  // question), in order: single workers and formed groups' rank 0 (never a
+  // group's other ranks), by placement.h's order within each class; a
+  // holder of the first document first; long prompts to groups first
+  // (CoordinatorOptions::group_min_tokens, memory).
+  std::vector<int> Route(const std::string& kv_policy, const std::vector<DocumentView>& docs, int64_t tokens = 0) const;
   Result<std::shared_ptr<Request>> Find(const std::string& tenant, const std::string& id);
   // Brings `q` up to date from its worker, waiting up to `wait` when it has
   // no tokens past `offset` (q->mu held).
@@ -319,6 +338,8 @@ class Coordinator : public rpc::PenumbraIf {
   prometheus::Gauge *running_gauge_, *documents_gauge_;
   prometheus::Family<prometheus::Gauge>* worker_up_;
   prometheus::Family<prometheus::Gauge>* worker_routed_;
+  prometheus::Family<prometheus::Gauge>* group_formed_;          // by group
+  prometheus::Family<prometheus::Gauge>* group_formations_;      // by group (a gauge: the pool counts)
   prometheus::Family<prometheus::Counter>* store_write_errors_;  // by store
   prometheus::Family<prometheus::Gauge>* store_degraded_;        // by store
   prometheus::Gauge* tombstones_gauge_;

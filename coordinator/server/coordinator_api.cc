@@ -66,6 +66,8 @@ Result<std::string> Coordinator::Tenant(const std::string& api_key) const {
   return *tenant;
 }
 
+Status Coordinator::Authenticate(const std::string& api_key) const { return Tenant(api_key).status(); }
+
 bool Coordinator::SeesInternals(const std::string& tenant) const {
   if (o_.tenants) {
     Result<tenants::TenantConfig> t = o_.tenants->Tenant(tenant);

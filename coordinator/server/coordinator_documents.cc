@@ -125,7 +125,7 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
 void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
   const Clock::time_point t0 = Clock::now();
   Status last = Status::Unavailable("no healthy worker");
-  for (int w : Route("", {})) {
+  for (int w : Route("", {}, d.tokens)) {
     rpc::WorkerPutRequest p;
     p.documents = {transport::DocumentWithIds(*d.ids, d.digest)};
     p.cache_namespace = d.tenant;

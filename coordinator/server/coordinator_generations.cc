@@ -34,22 +34,49 @@ std::string NewRequestId() { return "req-" + RandomHandle(); }
 
 }  // namespace
 
-std::vector<int> Coordinator::Route(const std::string& kv_policy, const std::vector<DocumentView>& docs) const {
+std::vector<int> Coordinator::Route(const std::string& kv_policy, const std::vector<DocumentView>& docs,
+                                    int64_t tokens) const {
   std::vector<WorkerState> s = workers_->states();
   const std::map<int, int64_t> held = docs_->held_per_worker();
-  std::vector<PlacementCandidate> c;
+  // A group's free memory is its ranks' (each holds a shard).
+  std::map<std::string, int64_t> group_free;
+  for (const WorkerState& w : s) {
+    if (w.endpoint.group.empty()) continue;
+    int64_t& f = group_free[w.endpoint.group];
+    f = (f < 0 || w.stats.memory_free_bytes < 0) ? -1 : f + w.stats.memory_free_bytes;
+  }
+  auto fits = [&](const WorkerState& w, int64_t free) {
+    const int64_t per = w.health.device_bytes_per_token;
+    return tokens <= 0 || per <= 0 || free < 0 || tokens <= free / per;
+  };
+  const bool long_prompt = o_.group_min_tokens > 0 && tokens >= o_.group_min_tokens;
+  std::vector<PlacementCandidate> holders, first, then;
   for (int i = 0; i < static_cast<int>(s.size()); ++i) {
     if (!s[i].healthy || (!kv_policy.empty() && s[i].health.kv_policy != kv_policy)) continue;
+    const bool group = !s[i].endpoint.group.empty();
+    if (group && (s[i].endpoint.rank != 0 || !s[i].group_formed)) continue;  // rank 0 of a formed group only
+    const int64_t free = group ? group_free[s[i].endpoint.group] : s[i].stats.memory_free_bytes;
+    if (!fits(s[i], free)) continue;
     PlacementCandidate w;
     w.worker = i;
     w.holds_document = !docs.empty() && docs.front().workers.count(i) > 0;
     w.routed = s[i].routed;
     auto it = held.find(i);
     w.documents_held = it == held.end() ? 0 : it->second;
-    w.memory_free_bytes = s[i].stats.memory_free_bytes;
-    c.push_back(w);
+    w.memory_free_bytes = free;
+    if (w.holds_document) {
+      holders.push_back(w);
+    } else if (group == long_prompt) {
+      first.push_back(w);
+    } else {
+      then.push_back(w);
+    }
   }
-  return OrderWorkers(std::move(c), o_.min_free_memory_bytes);
+  std::vector<int> order = OrderWorkers(std::move(holders), o_.min_free_memory_bytes);
+  for (auto* part : {&first, &then}) {
+    for (int w : OrderWorkers(std::move(*part), o_.min_free_memory_bytes)) order.push_back(w);
+  }
+  return order;
 }
 
 Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerate(const rpc::GenerateRequest& r) {
@@ -89,7 +116,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   Status last =
       Status::Unavailable(r.kv_policy.empty() ? "no healthy worker" : "no healthy worker of kv policy " + r.kv_policy);
   auto q = std::make_shared<Request>();
-  for (int w : Route(r.kv_policy, checked.docs)) {
+  for (int w : Route(r.kv_policy, checked.docs, checked.prompt_tokens)) {
     g.stop_ids = r.stop_ids;
     if (!r.ignore_eos) {
       for (int32_t eos : workers_->state(w).health.eos_ids) {
@@ -184,17 +211,27 @@ Result<Coordinator::Checked> Coordinator::CheckGenerate(const std::string& tenan
   }
   // The documents alone must leave room: checked before the question is
   // tokenized and before anything is concatenated.
-  if (model.max_context > 0 && document_tokens + r.max_new_tokens >= model.max_context) {
+  // (With fit_context, a question and one generated token.)
+  const int64_t wanted = r.fit_context ? 1 : r.max_new_tokens;
+  if (model.max_context > 0 && document_tokens + wanted >= model.max_context) {
     return Status::InvalidArgument("the documents (" + std::to_string(document_tokens) + " tokens) + max_new_tokens (" +
-                                   std::to_string(r.max_new_tokens) + ") leave no room for a question in the model's " +
+                                   std::to_string(wanted) + ") leave no room for a question in the model's " +
                                    std::to_string(model.max_context) + "-token context");
   }
   PENUMBRA_ASSIGN_OR_RETURN(c.question, TextOrIds("question", r.__isset.text ? &r.text : nullptr,
                                                   r.__isset.token_ids ? &r.token_ids : nullptr,
-                                                  /*starts_prompt=*/c.docs.empty(), model));
+                                                  /*starts_prompt=*/c.docs.empty() && r.add_special_tokens, model));
   c.prompt_tokens = document_tokens + static_cast<int64_t>(c.question.size());
-  PENUMBRA_RETURN_IF_ERROR(ValidatePromptLength(c.prompt_tokens, r.max_new_tokens, model));
-  c.generated_bound = GeneratedTokensBound(c.prompt_tokens, r.max_new_tokens, model);
+  c.max_new_tokens = r.max_new_tokens;
+  if (r.fit_context && model.max_context > 0) {
+    c.max_new_tokens = static_cast<int32_t>(std::min<int64_t>(r.max_new_tokens, model.max_context - c.prompt_tokens));
+    if (c.max_new_tokens < 1) {
+      return Status::InvalidArgument("the prompt (" + std::to_string(c.prompt_tokens) + " tokens) fills the model's " +
+                                     std::to_string(model.max_context) + "-token context: no room to generate");
+    }
+  }
+  PENUMBRA_RETURN_IF_ERROR(ValidatePromptLength(c.prompt_tokens, c.max_new_tokens, model));
+  c.generated_bound = GeneratedTokensBound(c.prompt_tokens, c.max_new_tokens, model);
   return c;
 }
 
@@ -209,7 +246,7 @@ rpc::WorkerGenerateRequest Coordinator::BuildGenerate(const std::string& tenant,
   }
   g.prompt = c.question;
   g.cache_namespace = c.docs.empty() ? tenant : c.docs.front().tenant;
-  g.max_new_tokens = r.max_new_tokens;
+  g.max_new_tokens = c.max_new_tokens;
   g.sampling = r.sampling;
   g.deadline_ms = r.deadline_ms;
   g.tenant = tenant;
@@ -358,6 +395,16 @@ Status Coordinator::Advance(Request& q, int64_t offset, milliseconds wait) {
       return Status::OK();
     }
   }
+  if (ch.done && ch.finish_reason == "error" && ch.__isset.error_code &&
+      (ch.error_code == rpc::ErrorCode::UNAVAILABLE || ch.error_code == rpc::ErrorCode::DEADLINE_EXCEEDED) &&
+      !workers_->state(q.worker).endpoint.group.empty()) {
+    // A group that lost a rank fails its requests at their next step: each
+    // goes on elsewhere (another group, or a single worker it fits) from
+    // where it was, while the group is formed again.
+    workers_->CheckNow(q.worker);
+    return lost("its group " + workers_->state(q.worker).endpoint.group +
+                " failed: " + (ch.__isset.error_message ? ch.error_message : ch.finish_reason));
+  }
   if (ch.done) {
     Status err = Status::OK();
     if (ch.__isset.error_code) {
@@ -385,7 +432,7 @@ bool Coordinator::Resume(Request& q, const std::string& why) {
   const int dead = q.worker;
   std::vector<int> order;
   bool dead_serves = false;
-  for (int w : Route(q.kv_policy, q.docs)) {
+  for (int w : Route(q.kv_policy, q.docs, q.usage.prompt_tokens + made)) {
     if (w == dead) {
       dead_serves = true;  // it serves again (it lost the generation, e.g. restarted): tried last
     } else {

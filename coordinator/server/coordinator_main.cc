@@ -8,7 +8,8 @@
 // (RocksDB): the documents (DIR/documents: their tokens; the workers' own
 // document stores keep their factored states) and the batch jobs (DIR/jobs),
 // which a restarted coordinator resumes. Prints one line when serving; with --port-file it writes
-// {"port": P, "metrics_port": M, "pid": N} there (atomically). SIGTERM or
+// {"port": P, "metrics_port": M, "openai_port": O, "pid": N} there
+// (atomically; O is -1 without --openai-port). SIGTERM or
 // SIGINT: stops taking requests, lets running generations end (at most
 // --drain-seconds), exits 0. SIGHUP rereads --tenants (or --api-keys) and the
 // public API's TLS files (for new connections) and stops nothing; a file
@@ -53,8 +54,8 @@ Status Run(int argc, char** argv) {
   if (!ps.ok()) return Status::InvalidArgument(ps.message() + "\n" + kUsage + "options:\n" + a.Help());
   coordinator::CoordinatorProcessOptions po;
   PENUMBRA_RETURN_IF_ERROR(coordinator::CoordinatorOptionTable().ApplyFlags(a, &po));
-  if (po.model.empty() || po.workers.empty()) {
-    return Status::InvalidArgument(std::string("--model and --workers are required\n") + kUsage);
+  if (po.model.empty() || (po.workers.empty() && po.groups.empty())) {
+    return Status::InvalidArgument(std::string("--model and --workers (or --groups) are required\n") + kUsage);
   }
   coordinator::CoordinatorOptions& co = po.coordinator;
   if (a.Has("api-keys")) {
@@ -92,6 +93,8 @@ Status Run(int argc, char** argv) {
     PENUMBRA_ASSIGN_OR_RETURN(auto e, coordinator::ParseWorkerEndpoint(item, "w" + std::to_string(endpoints.size())));
     endpoints.push_back(e);
   }
+  PENUMBRA_ASSIGN_OR_RETURN(std::vector<coordinator::WorkerEndpoint> ranks, coordinator::ParseGroups(po.groups));
+  endpoints.insert(endpoints.end(), ranks.begin(), ranks.end());
   coordinator::WorkerPoolOptions wo = po.pool;
   wo.limits.max_frame_bytes = po.limits.max_frame_bytes;
   wo.limits.max_string_bytes = wo.limits.max_frame_bytes;
@@ -158,6 +161,20 @@ Status Run(int argc, char** argv) {
   }
   PENUMBRA_ASSIGN_OR_RETURN(auto server,
                             transport::ThriftServer::Start(std::make_shared<rpc::PenumbraProcessor>(handler), so));
+  // The OpenAI-compatible API: the public API's TLS and client roles.
+  std::unique_ptr<coordinator::OpenAiGateway> openai;
+  if (po.openai_port >= 0) {
+    coordinator::OpenAiGatewayOptions oo = po.openai;
+    oo.http.host = po.openai_host.empty() ? host : po.openai_host;
+    oo.http.port = po.openai_port;
+    oo.http.tls = so.tls;
+    PENUMBRA_RETURN_IF_ERROR(transport::CheckPlaintextBind("the OpenAI API", oo.http.host, tls, security.insecure));
+    if (!authenticated && !transport::IsLoopbackHost(oo.http.host) && !security.insecure) {
+      return Status::InvalidArgument("the OpenAI API on " + oo.http.host +
+                                     " without tenants: refused (give --tenants)");
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(openai, coordinator::OpenAiGateway::Start(handler.get(), po.model, oo));
+  }
   std::unique_ptr<transport::MetricsServer> metrics;
   if (admin.port >= 0) {
     coordinator::Coordinator* h = handler.get();
@@ -166,14 +183,21 @@ Status Run(int argc, char** argv) {
   }
   const int mport = metrics ? metrics->port() : -1;
   if (!po.port_file.empty()) {
-    nlohmann::json j = {{"port", server->port()}, {"metrics_port", mport}, {"pid", static_cast<int64_t>(getpid())}};
+    nlohmann::json j = {{"port", server->port()},
+                        {"metrics_port", mport},
+                        {"openai_port", openai ? openai->port() : -1},
+                        {"pid", static_cast<int64_t>(getpid())}};
     PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(po.port_file, j.dump() + "\n"));
   }
   int healthy = 0;
   for (const auto& w : pool->states()) healthy += w.healthy;
-  std::printf("penumbra-coordinator: serving %s with %d of %d workers healthy on %s:%d (%s), admin on %s:%d%s\n",
+  const std::string openai_at = openai ? ", OpenAI API on " + (po.openai_host.empty() ? host : po.openai_host) + ":" +
+                                             std::to_string(openai->port())
+                                       : "";
+  std::printf("penumbra-coordinator: serving %s with %d of %d workers healthy on %s:%d (%s)%s, admin on %s:%d%s\n",
               po.model.c_str(), healthy, pool->size(), host.c_str(), server->port(), tls ? "TLS" : "plaintext",
-              admin.host.c_str(), mport, authenticated ? "" : " (no API keys: every caller is tenant \"default\")");
+              openai_at.c_str(), admin.host.c_str(), mport,
+              authenticated ? "" : " (no API keys: every caller is tenant \"default\")");
   std::fflush(stdout);
 
   // SIGHUP rereads the tenants (or the plain API keys) and the public API's
@@ -216,6 +240,7 @@ Status Run(int argc, char** argv) {
   if (!handler->Drain(std::chrono::seconds(drain_s))) {
     LOG(WARNING) << "penumbra-coordinator: generations still running after " << drain_s << " s";
   }
+  if (openai) openai->Stop();
   server->Stop();
   if (metrics) metrics->Stop();
   std::printf("penumbra-coordinator: stopped\n");

@@ -95,6 +95,16 @@ void Coordinator::RegisterMetrics() {
                         .Name("penumbra_coordinator_worker_routed")
                         .Help("Generations routed to the worker and not ended.")
                         .Register(*registry_);
+  group_formed_ = &BuildGauge()
+                       .Name("penumbra_coordinator_group_formed")
+                       .Help("1 while the context group is formed (every rank answers, all in one formation).")
+                       .Register(*registry_);
+  group_formations_ = &BuildGauge()
+                           .Name("penumbra_coordinator_group_formations")
+                           .Help(
+                               "Formations of the context group this coordinator started (a group that lost a "
+                               "rank is formed again).")
+                           .Register(*registry_);
   store_write_errors_ = &BuildCounter()
                              .Name("penumbra_coordinator_store_write_errors_total")
                              .Help("Writes a durable store refused (a full disk, an I/O error), by store.")
@@ -116,6 +126,7 @@ void Coordinator::Stats(rpc::StatsResponse& out, const std::string& api_key) {
   if (SeesInternals(tenant)) {
     const auto held = docs_->held_per_worker();
     std::vector<WorkerState> s = workers_->states();
+    const std::vector<GroupState> groups = workers_->groups();
     for (int i = 0; i < static_cast<int>(s.size()); ++i) {
       rpc::WorkerStatus w;
       w.name = s[i].endpoint.name;
@@ -127,6 +138,13 @@ void Coordinator::Stats(rpc::StatsResponse& out, const std::string& api_key) {
       auto h = held.find(i);
       w.documents = h == held.end() ? 0 : h->second;
       if (!s[i].healthy) w.__set_error(s[i].error);
+      if (!s[i].endpoint.group.empty()) {
+        w.__set_group(s[i].endpoint.group);
+        w.__set_group_rank(s[i].endpoint.rank);
+        for (const GroupState& g : groups) {
+          if (g.name == s[i].endpoint.group) w.__set_group_state(g.formed ? "formed" : "not formed: " + g.error);
+        }
+      }
       out.workers.push_back(std::move(w));
     }
   }
@@ -166,6 +184,10 @@ void Coordinator::RefreshMetrics() {
   for (const WorkerState& w : workers_->states()) {
     worker_up_->Add({{"worker", w.endpoint.name}}).Set(w.healthy ? 1 : 0);
     worker_routed_->Add({{"worker", w.endpoint.name}}).Set(static_cast<double>(w.routed));
+  }
+  for (const GroupState& g : workers_->groups()) {
+    group_formed_->Add({{"group", g.name}}).Set(g.formed ? 1 : 0);
+    group_formations_->Add({{"group", g.name}}).Set(static_cast<double>(g.formations));
   }
 }
 

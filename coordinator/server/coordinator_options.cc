@@ -14,12 +14,22 @@ const OptionTable<CoordinatorProcessOptions>& CoordinatorOptionTable() {
            .String(&O::model, "model", "", "DIR", "the workers' model directory (its tokenizer tokenizes requests)")
            .Unset("", "none (required)")
            .String(&O::workers, "workers", "", "[NAME=]HOST:PORT,...", "the workers' control API")
-           .Unset("", "none (required)")
+           .Unset("", "none (required unless --groups)")
+           .String(&O::groups, "groups", "", "NAME=[NAME=]HOST:PORT,...;NAME=...",
+                   "context groups: each group's ranks (penumbra-worker --group NAME --group-rank R), in rank "
+                   "order; the coordinator forms each group and places long documents and prompts on it")
+           .Unset("", "none")
+           .Int(T::Field<int64_t>([](O* o) { return &o->coordinator.group_min_tokens; }), "group-min-tokens", "",
+                int64_t{0}, int64_t{1} << 40,
+                "placement: prompts (documents and question) of this many tokens or more go to a context group "
+                "first (0: only those that fit no single worker's free memory)")
+           .Duration(T::Field<milliseconds>([](O* o) { return &o->pool.group_form_timeout; }), "group-form-timeout-ms",
+                     "", 100, 3600000, "a group's formation still under way after this is started again")
            .String(&O::host, "host", "", "HOST",
                    "address of the public API (any but loopback needs TLS and tenants, or --insecure)")
            .Int(&O::port, "port", "", 0, 65535, "public API port (0: one the OS picks)")
            .String(&O::port_file, "port-file", "", "FILE",
-                   "write {\"port\": P, \"metrics_port\": M, \"pid\": N} here once serving")
+                   "write {\"port\": P, \"metrics_port\": M, \"openai_port\": O, \"pid\": N} here once serving")
            .Unset("", "none")
            .String(&O::tenants, "tenants", "", "FILE",
                    "tenants YAML (configs/tenants.yaml: hashed API keys, quotas); reread on SIGHUP")
@@ -75,7 +85,22 @@ const OptionTable<CoordinatorProcessOptions>& CoordinatorOptionTable() {
                 "max-completion-window-s", "", int64_t{1}, kYearSeconds, "a batch job's completion window at most")
            .Int(T::Field<int>([](O* o) { return &o->coordinator.max_background_puts_per_tenant; }),
                 "max-background-puts", "", 1, 4096,
-                "documents one tenant may have factoring in the background (wait = false) at once");
+                "documents one tenant may have factoring in the background (wait = false) at once")
+           // The OpenAI-compatible HTTP API (openai_gateway.h).
+           .Int(&O::openai_port, "openai-port", "", -1, 65535,
+                "port of the OpenAI-compatible HTTP API (-1: off; 0: one the OS picks); TLS as the public API's")
+           .String(&O::openai_host, "openai-host", "", "HOST", "address of the OpenAI-compatible API")
+           .Unset("", "the public API's (--host)")
+           .String(T::Field<std::string>([](O* o) { return &o->openai.chat_template_file; }), "chat-template", "",
+                   "FILE",
+                   "the chat template (Jinja) of /v1/chat/completions instead of the model's own (a model "
+                   "whose tokenizer_config.json has none needs one for chat)")
+           .Unset("", "the model's own")
+           .Int(T::Field<int>([](O* o) { return &o->openai.http.threads; }), "openai-threads", "", 1, 65536,
+                "connections the OpenAI API serves at once (a stream holds one)")
+           .IntVia([](const O& o) { return o.openai.http.max_body_bytes >> 20; },
+                   [](O* o, int64_t v) { o->openai.http.max_body_bytes = v << 20; }, "openai-max-body-mb", "", 1, 4096,
+                   "largest request body of the OpenAI API in MiB (larger: 413)");
   return *table;
 }
 

@@ -101,7 +101,7 @@ Status CheckGenerate(const rpc::GenerateRequest& r, const RequestLimits& limits,
     return Bad("max_new_tokens must be in [1, " + std::to_string(limits.max_new_tokens) + "] (max_new_tokens), got " +
                std::to_string(r.max_new_tokens));
   }
-  if (model.max_context > 0 && r.max_new_tokens >= model.max_context) {
+  if (model.max_context > 0 && !r.fit_context && r.max_new_tokens >= model.max_context) {
     return Bad("max_new_tokens " + std::to_string(r.max_new_tokens) + " leaves no room for a prompt in the model's " +
                std::to_string(model.max_context) + "-token context");
   }

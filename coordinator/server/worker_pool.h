@@ -25,11 +25,20 @@ struct WorkerEndpoint {
   std::string name;
   std::string host;
   int port = 0;
+  // A rank of a context group (docs/architecture.md, "Worker groups"):
+  // the group's name, this worker's rank and the group's size. "": a single
+  // worker.
+  std::string group;
+  int rank = 0, world = 1;
   std::string address() const { return host + ":" + std::to_string(port); }
 };
 
 // "host:port" or "name=host:port"; InvalidArgument naming the text.
 Result<WorkerEndpoint> ParseWorkerEndpoint(const std::string& text, const std::string& default_name);
+// Context groups: "NAME=[NAME=]HOST:PORT,...;NAME=...": each group's ranks
+// in rank order (2 or more; members unnamed are NAME.rR). InvalidArgument
+// naming the text.
+Result<std::vector<WorkerEndpoint>> ParseGroups(const std::string& text);
 
 struct WorkerPoolOptions {
   std::chrono::milliseconds connect_timeout{2000};
@@ -48,6 +57,10 @@ struct WorkerPoolOptions {
   // health_interval must stay well under the workers' --lease-ms. "": no
   // renewals. Default: "".
   std::string owner_id;
+  // A group is formed (JoinGroup on each rank) when every rank answers and
+  // they are not all in one formation; a formation still forming this long
+  // after it was started is started again. Default: 60 s.
+  std::chrono::milliseconds group_form_timeout{60000};
 };
 
 struct WorkerState {
@@ -57,6 +70,19 @@ struct WorkerState {
   rpc::WorkerHealth health;  // the last answered
   rpc::WorkerStats stats;
   int64_t routed = 0;  // requests placed here by the coordinator and not finished
+  // A group's rank 0: every rank answers and all are formed in one
+  // formation (the group takes requests through this worker).
+  bool group_formed = false;
+};
+
+// A context group as the coordinator sees it.
+struct GroupState {
+  std::string name;
+  std::vector<int> members;  // worker indices, in rank order
+  bool formed = false;
+  int64_t epoch = 0;       // the formation its ranks report (when formed)
+  int64_t formations = 0;  // formations this coordinator started
+  std::string error;       // why it is not formed
 };
 
 using WorkerClient = transport::ThriftClient<rpc::WorkerClient>;
@@ -88,6 +114,10 @@ class WorkerPool {
   Result<std::vector<std::string>> Renew(int i);
   // The index of the worker named `name`; -1 when none is.
   int Find(const std::string& name) const;
+  std::vector<GroupState> groups() const;
+  // Checks every rank of the group worker i is rank 0 of and forms it when
+  // it is not formed (the health thread does it after each round).
+  void CheckGroup(int leader);
   const std::string& owner_id() const { return o_.owner_id; }
 
  private:
@@ -102,8 +132,17 @@ class WorkerPool {
   Result<std::unique_ptr<WorkerClient>> Borrow(Worker& w);
   void MarkUnhealthy(Worker& w, const std::string& why);
 
+  struct Group {
+    GroupState state;
+    std::chrono::steady_clock::time_point started{};  // the latest formation this coordinator started
+  };
+  // Starts formation g.epoch of group g (under nothing; the health thread).
+  void Form(const GroupState& g);
+
   WorkerPoolOptions o_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  mutable std::mutex groups_mu_;
+  std::vector<Group> groups_;  // guarded by groups_mu_
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
   bool stop_ = false;

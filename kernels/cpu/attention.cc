@@ -175,12 +175,14 @@ void PrefixAttention(const PrefixAttentionArgs& a) {
         const float* src = part.data() + static_cast<size_t>(r) * a.d;
         if (a.own_lse == nullptr) {
           std::copy(src, src + a.d, dst);
+          if (a.lse_out != nullptr) a.lse_out[row] = part_lse[r];
           continue;
         }
         const float mx = std::max(part_lse[r], a.own_lse[row]);
         const float wp = std::exp(part_lse[r] - mx), wo = std::exp(a.own_lse[row] - mx);
         const float inv = 1.0f / (wp + wo);
         for (int e = 0; e < a.d; ++e) dst[e] = (wp * src[e] + wo * dst[e]) * inv;
+        if (a.lse_out != nullptr) a.lse_out[row] = mx + std::log(wp + wo);
       }
   });
 }

@@ -83,6 +83,7 @@ struct PrefixAttentionArgs {
   int keys = 0;
   float* out = nullptr;
   const float* own_lse = nullptr;
+  float* lse_out = nullptr;  // may alias own_lse
   int hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
 };

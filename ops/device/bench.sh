@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, cp, service, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, cp, cp_kill, service, service_cp, store_node, eval. Every throughput run is beside the
 # full-attention peer (bench/peer/full_attention_peer.py, which pack.sh
 # copies into .device/) in the same call, the peer first and last. Every JSON
 # line is tagged by bench/record.py (suite, command, commit, date, device,
@@ -64,8 +64,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             (--graph, batch 1, the longest contexts it holds); CP_CONTEXTS overrides the 2-GPU contexts,
             CP_SINGLE the one-GPU ones (empty: none), CP_TEST=0 skips the test, CP_STEPS the timed steps (50),
             CP_POLICY=full for full attention, CP_PEER=0 skips the peer, CP_PREFILL the prompt lengths
-            prefilled (full attention) on one GPU and across both (default: none), CP_FLAGS more
-            penumbra-bench flags (e.g. --shard-selection local)
+            prefilled (full attention) on one GPU and across the GPUs, balanced and not (default: none),
+            CP_FLAGS more penumbra-bench flags (e.g. --shard-selection local), CP_GPUS the ranks (2; 4 on a
+            4-GPU kind)
   service   the service on the GPU (penumbra-worker with Llama-3.1-8B-shaped random weights, shadowkv, and
             penumbra-coordinator on loopback) measured by penumbra-service-bench: put a 124864-token document,
             time to first token of a 64-token question about it, then 14 such questions decoding together
@@ -73,6 +74,19 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             token gap they see); beside penumbra-bench shared and decode at the same shape, and the
             peer (--shared-prefix --graph) first and last; SERVICE_POLICY=full for the full policy;
             SERVICE_COMPARE=0 runs the service alone (the peer once), then prints the worker's slow steps
+  service_cp  a context group inside the service on a 2-GPU machine (kind nvidia-h100-x2): penumbra-worker rank 0
+            and rank 1 (--group g0, one per GPU, Llama-3.1-8B-shaped random weights) formed by penumbra-coordinator
+            (--groups), penumbra-service-bench putting one document of SCP_CONTEXT - 64 tokens (default 262144)
+            and decoding SCP_BATCH questions about it (default 4; row "service-cp-decode"), beside
+            penumbra-bench cp-decode at the same shape (SCP_BATCH sequences of SCP_CONTEXT tokens) before and
+            after, and the peer (--graph, batch 1, one GPU) first; SCP_POLICY=full for full attention, SCP_PEER=0
+            skips the peer, SCP_GPUS the ranks (2; 4 on a 4-GPU kind)
+  store_node  penumbra-store-bench on this host's loopback: a 2 GiB blob in 16 KiB blocks read through a
+            value-store node (64 blocks per message, 32 threads; the "store-node-read" row), plaintext and with
+            a cluster secret (sealed), beside the local store; the store on the working copy's disk
+  cp_kill   a rank of a 2-GPU cp-decode (CPK_CONTEXT tokens, default 262144) killed with SIGKILL, then stopped
+            with SIGSTOP, mid-decode: how long the other rank takes to end with an error (rows "cp-rank-lost",
+            seconds; --cp-timeout-s 20), never a hang
   jobs      8 documents of 32768 tokens x 16 questions: one at a time through the generate call, then as one batch
             job (service-job: wall time and tokens/s of both, answers compared); the peer's shared-prefix decode
             at 16 x 32768 beside; JOBS_POLICY=shadowkv for ShadowKV
@@ -305,31 +319,122 @@ suite_cp() {
     CUDA_VISIBLE_DEVICES=0 run 300 $PEER decode --graph --steps 20 --batch 1 --context 124928 262144
   $R penumbra-bench --help > /dev/null 2>&1 || true  # unpacks the bundle once (two at once would race)
   for S in ${CP_SINGLE-1048576}; do run 600 $R $CP --context "$S"; done
-  for S in ${CP_CONTEXTS-1048576 2097152}; do cp_pair "$S" $CP --context "$S"; done
-  # CP_PREFILL: prompts prefilled on one GPU and across both (full attention).
+  for S in ${CP_CONTEXTS-1048576 2097152}; do cp_group "${CP_GPUS:-2}" "$S" $CP --context "$S"; done
+  # CP_PREFILL: prompts prefilled on one GPU and across both (full
+  # attention), balanced (the default) and not (--cp-prefill-balance off).
   local PF="penumbra-bench prefill --kv-policy full --prefill-chunk 4096"
   for S in ${CP_PREFILL-}; do
     run 600 $R $PF --context "$S"
-    cp_pair "prefill-$S" $PF --context "$S"
+    cp_group "${CP_GPUS:-2}" "prefill-$S" $PF --context "$S"
+    cp_group "${CP_GPUS:-2}" "prefill-$S-unbalanced" $PF --context "$S" --cp-prefill-balance off
   done
   free -g | tee "$D/free.txt"
 }
 
-# cp_pair TAG CMD...: CMD as rank 0 on GPU 0 (its JSON lines through run) and
-# rank 1 on GPU 1 (its log in $D/rank1-TAG.log), rank 0 listening on a port
-# the OS picks.
-cp_pair() {
-  local tag=$1; shift
+# cp_group N TAG CMD...: CMD as rank r of N on GPU r, rank 0's JSON lines
+# through run (the others' logs in $D/rankR-TAG.log), rank 0 listening on a
+# port the OS picks. cp_pair TAG CMD...: the same with N = 2.
+cp_group() {
+  local world=$1 tag=$2; shift 2
   rm -f "$D/port.json"
-  run 600 $R "$@" --cuda-device 0 --cp-world 2 --cp-rank 0 --cp-rendezvous 127.0.0.1:0 \
+  run 600 $R "$@" --cuda-device 0 --cp-world "$world" --cp-rank 0 --cp-rendezvous 127.0.0.1:0 \
     --cp-port-file "$D/port.json" --cp-timeout-s 300 &
   local p0=$!
   for _ in $(seq 1 600); do [ -f "$D/port.json" ] && break; sleep 0.2; done
   local port; port=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/port.json")
-  timeout 600 $R "$@" --cuda-device 1 --cp-world 2 --cp-rank 1 --cp-rendezvous 127.0.0.1:$port \
-    --cp-timeout-s 300 > "$D/rank1-$tag.log" 2>&1
-  echo "cp rank 1 ($tag): rc=$? $(tail -c 300 "$D/rank1-$tag.log")"
+  local pids=() r
+  for r in $(seq 1 $((world - 1))); do
+    timeout 600 $R "$@" --cuda-device "$r" --cp-world "$world" --cp-rank "$r" --cp-rendezvous 127.0.0.1:$port \
+      --cp-timeout-s 300 > "$D/rank$r-$tag.log" 2>&1 &
+    pids+=($!)
+  done
+  for r in $(seq 1 $((world - 1))); do
+    wait "${pids[$((r - 1))]}"
+    echo "cp rank $r of $world ($tag): rc=$? $(tail -c 300 "$D/rank$r-$tag.log")"
+  done
   wait $p0
+}
+cp_pair() { cp_group 2 "$@"; }
+
+# A context group's rank lost mid-decode (issue 40): rank 1 of a cp-decode
+# pair SIGKILLed (or SIGSTOPped) once both decode; the seconds until rank 0
+# exits, and its exit status: {"bench": "cp-rank-lost", "signal": ..., "seconds": ...}.
+suite_cp_kill() {
+  local D="$OUT/cp-kill" S=${CPK_CONTEXT:-262144}
+  mkdir -p "$D"
+  $R penumbra-bench --help > /dev/null 2>&1 || true  # unpacks the bundle once
+  local CPB="penumbra-bench cp-decode --kv-policy shadowkv --prefill-chunk 1024 --context $S --steps 100000"
+  for sig in KILL STOP; do
+    rm -f "$D/port.json"
+    timeout 300 $R $CPB --cuda-device 0 --cp-world 2 --cp-rank 0 --cp-rendezvous 127.0.0.1:0 \
+      --cp-port-file "$D/port.json" --cp-timeout-s 20 > "$D/rank0-$sig.log" 2>&1 &
+    local p0=$!
+    for _ in $(seq 1 600); do [ -f "$D/port.json" ] && break; sleep 0.2; done
+    local port; port=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/port.json")
+    timeout 300 $R $CPB --cuda-device 1 --cp-world 2 --cp-rank 1 --cp-rendezvous 127.0.0.1:$port \
+      --cp-timeout-s 20 > "$D/rank1-$sig.log" 2>&1 &
+    local p1=$!
+    sleep "${CPK_AFTER_S:-40}"  # both set up and decoding
+    kill -0 $p0 2>/dev/null || { echo "cp_kill: rank 0 ended before SIG$sig: $(tail -c 300 "$D/rank0-$sig.log")"; continue; }
+    local t0; t0=$(date +%s.%N)
+    pkill -"$sig" -f -- "--cp-rank 1 --cp-rendezvous 127.0.0.1:$port"
+    wait $p0; local rc=$?
+    local t1; t1=$(date +%s.%N)
+    pkill -KILL -f -- "--cp-rank 1 --cp-rendezvous 127.0.0.1:$port"; wait $p1 2>/dev/null
+    python3 -c 'import json,sys; print(json.dumps({"bench": "cp-rank-lost", "signal": sys.argv[1], "context": int(sys.argv[2]), "seconds": round(float(sys.argv[4]) - float(sys.argv[3]), 3), "rank0_exit": int(sys.argv[5]), "timeout_s": 20}))' \
+      "$sig" "$S" "$t0" "$t1" "$rc" | tag "$SUITE" "cp-decode pair, rank 1 SIG$sig" | tee -a "$J"
+    grep -E "watchdog|failed|Unavailable|Deadline" "$D/rank0-$sig.log" | tail -3
+  done
+}
+
+# Value-store node reads (issue 40): {"bench": "store-node-read", "gb_per_s": ...}.
+suite_store_node() {
+  local D=$PWD/.store-bench
+  rm -rf "$D"; mkdir -p "$D"
+  (umask 077; python3 -c 'import secrets; print(secrets.token_hex(32))' > "$D/cluster.secret")
+  run 600 $R penumbra-store-bench --mb 2048 --threads 32 --dir "$D/store"
+  run 600 $R penumbra-store-bench --mb 2048 --threads 32 --dir "$D/store" --cluster-secret-file "$D/cluster.secret"
+  rm -rf "$D"
+}
+
+# A context group through the service beside cp-decode at the same shape
+# (issue 40): {"bench": "service-cp-decode", "gpus": 2, "context": S,
+# "batch": B, "tokens_per_s": ...} between two {"bench": "cp-decode", ...}.
+suite_service_cp() {
+  local P=${SCP_POLICY:-shadowkv} S=${SCP_CONTEXT:-262144} B=${SCP_BATCH:-4} N=${SCP_GPUS:-2}
+  local M=configs/bench/llama-3.1-8b-4m D="$OUT/service-cp" SKVO="--kv-policy $P --prefill-chunk 1024"
+  mkdir -p "$D"
+  $R penumbra-bench --help > /dev/null 2>&1 || true  # unpacks the bundle once
+  local CPB="penumbra-bench cp-decode $SKVO --context $S --batch $B --steps 50"
+  # The peer on one GPU at the longest batch of these sequences its full KV fits.
+  [ "${SCP_PEER:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 run 300 $PEER decode --graph --steps 20 --batch 1 --context $S
+  cp_group "$N" "before-$S" $CPB
+  local pids=() members="" r
+  for r in $(seq 0 $((N - 1))); do
+    rm -f "$D/rank$r.json"
+    $R penumbra-worker --model $M --random-weights 1 --device cuda --cuda-device $r $SKVO --max-batch 16 \
+      --prefix-cache-mb 60000 --group g0 --group-rank $r --group-world $N --group-timeout-s 300 \
+      --port-file "$D/rank$r.json" > "$D/rank$r.log" 2>&1 &
+    pids+=($!)
+  done
+  for r in $(seq 0 $((N - 1))); do
+    for _ in $(seq 1 600); do [ -f "$D/rank$r.json" ] && break; sleep 0.5; done
+    members="$members${members:+,}127.0.0.1:$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/rank$r.json")"
+  done
+  $R penumbra-coordinator --model $M --workers "" --groups "g0=$members" \
+    --group-min-tokens 1 --port-file "$D/coordinator.json" > "$D/coordinator.log" 2>&1 &
+  local cpid=$!
+  for _ in $(seq 1 100); do [ -f "$D/coordinator.json" ] && break; sleep 0.2; done
+  local cport; cport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/coordinator.json")
+  for _ in $(seq 1 300); do grep -q "group g0 formed" "$D/coordinator.log" && break; sleep 0.2; done
+  run 900 $R penumbra-service-bench --address 127.0.0.1:$cport --context $S --question 64 --batch $B \
+    --max-new-tokens 4096 --window-s 20 --vocab 128256
+  # The coordinator first (it cancels its generations), then rank 0 (it
+  # stops the group), then the others.
+  kill -TERM $cpid; wait $cpid
+  for pid in "${pids[@]}"; do kill -TERM "$pid"; wait "$pid"; done
+  cp_group "$N" "after-$S" $CPB
+  grep -E 'formed|broken|captured|prefill piece' "$D"/rank*.log "$D/coordinator.log" | tail -20
 }
 
 # The service through its public API beside the engine alone at the same
@@ -454,7 +559,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|service|jobs|eval) ;;
+    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

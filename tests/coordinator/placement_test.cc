@@ -1,8 +1,9 @@
 // The coordinator's placement order (coordinator/server/placement.h):
 // document holders first; within a group, workers with room before those
 // short of memory, then the least loaded, then the fewest documents, then
-// the most free memory, then the index.
+// the most free memory, then the index. And the --groups list.
 #include "coordinator/server/placement.h"
+#include "coordinator/server/worker_pool.h"
 
 #include <gtest/gtest.h>
 
@@ -42,6 +43,28 @@ TEST(PlacementTest, AWorkerShortOfMemoryGoesAfterItsGroup) {
 }
 
 TEST(PlacementTest, EmptyStaysEmpty) { EXPECT_TRUE(OrderWorkers({}, 0).empty()); }
+
+// --groups: each group's ranks in rank order, named or not.
+TEST(PlacementTest, GroupsAreParsedInRankOrder) {
+  auto g = ParseGroups("g0=a=10.0.0.1:7000,10.0.0.2:7000;big=h:1,h:2,h:3");
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_EQ(g->size(), 5u);
+  EXPECT_EQ((*g)[0].name, "a");
+  EXPECT_EQ((*g)[1].name, "g0.r1");
+  EXPECT_EQ((*g)[1].host, "10.0.0.2");
+  EXPECT_EQ((*g)[1].group, "g0");
+  EXPECT_EQ((*g)[1].rank, 1);
+  EXPECT_EQ((*g)[1].world, 2);
+  EXPECT_EQ((*g)[4].group, "big");
+  EXPECT_EQ((*g)[4].rank, 2);
+  EXPECT_EQ((*g)[4].world, 3);
+  ASSERT_TRUE(ParseGroups("").ok());
+  EXPECT_TRUE(ParseGroups("")->empty());
+  for (const char* bad : {"g0=h:1", "=h:1,h:2", "g0", "g0=h:1,h", "g0=h:1,h:2;g0=h:3,h:4", "g0=h:1,h:99999"}) {
+    auto r = ParseGroups(bad);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
 
 }  // namespace
 }  // namespace penumbra::coordinator

@@ -578,6 +578,8 @@ void RunPrefixCase(const PrefixCase& c, uint64_t seed) {
   a.keys = c.keys;
   a.out = dout.get();
   a.own_lse = c.own ? static_cast<const float*>(dlse.get()) : nullptr;
+  DeviceBuffer dlse_out(sizeof(float) * c.batch * c.hq);
+  a.lse_out = static_cast<float*>(dlse_out.get());
   a.dtype = c.dtype;
   a.hq = c.hq;
   a.hkv = c.hkv;
@@ -605,11 +607,26 @@ void RunPrefixCase(const PrefixCase& c, uint64_t seed) {
   r.keys = c.keys;
   r.out = expect.data();
   r.own_lse = c.own ? expect_lse.data() : nullptr;
+  std::vector<float> expect_lse_out(static_cast<size_t>(c.batch) * c.hq, 0.0f);
+  r.lse_out = expect_lse_out.data();
   r.hq = c.hq;
   r.hkv = c.hkv;
   r.d = c.d;
   r.scale = scale;
   cpu::PrefixAttention(r);
+  {
+    // The attached rows' log-sum-exp of what out holds (prefix, or merged).
+    std::vector<float> lse_got(expect_lse_out.size());
+    PENUMBRA_CUDA_OK(
+        cudaMemcpy(lse_got.data(), dlse_out.get(), lse_got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    std::vector<float> g, e;
+    for (int32_t row : c.rows)
+      for (int h = 0; h < c.hq; ++h) {
+        g.push_back(lse_got[static_cast<size_t>(row) * c.hq + h]);
+        e.push_back(expect_lse_out[static_cast<size_t>(row) * c.hq + h]);
+      }
+    EXPECT_TRUE(AllClose(g, e, 2e-3f, 2e-3f)) << "lse_out";
+  }
   if (!c.own) {  // rows not attached were never written: compare the attached ones only
     std::vector<float> g2, e2;
     for (int32_t row : c.rows) {

@@ -19,7 +19,10 @@ using ::penumbra::testing::AllClose;
 using ::penumbra::testing::RandomUniform;
 
 // out [d] = softmax(scale * q.K^T) V over keys 0..n_keys-1, in double.
-void NaiveRow(const float* q, const float* k, const float* v, int64_t n_keys, int d, double scale, float* out) {
+// Attention of one query row over n_keys rows; its log-sum-exp (natural log
+// of the sum of exp(scale q.k)) into *lse when given.
+void NaiveRow(const float* q, const float* k, const float* v, int64_t n_keys, int d, double scale, float* out,
+              float* lse = nullptr) {
   std::vector<double> s(n_keys);
   double m = -INFINITY;
   for (int64_t j = 0; j < n_keys; ++j) {
@@ -35,6 +38,7 @@ void NaiveRow(const float* q, const float* k, const float* v, int64_t n_keys, in
     for (int64_t j = 0; j < n_keys; ++j) o += s[j] * v[j * d + e];
     out[e] = static_cast<float>(o / l);
   }
+  if (lse != nullptr) *lse = static_cast<float>(m + std::log(l));
 }
 
 struct PrefillCase {
@@ -299,12 +303,14 @@ TEST(AttentionCpuTest, CascadeDecodeEqualsAttentionOverAllKeys) {
   pa.keys = P;
   pa.out = out.data();
   pa.own_lse = lse.data();
+  pa.lse_out = lse.data();  // aliasing own_lse: the merged log-sum-exp replaces the own part's
   pa.hq = hq;
   pa.hkv = hkv;
   pa.d = d;
   pa.scale = scale;
+  const std::vector<float> own_lse = lse;
   PrefixAttention(pa);
-  std::vector<float> expect(q.size());
+  std::vector<float> expect(q.size()), expect_lse = own_lse;
   for (int b = 0; b < batch; ++b) {
     const bool attached = std::find(rows, rows + n, b) != rows + n;
     const int base = attached ? P : 0;
@@ -313,22 +319,29 @@ TEST(AttentionCpuTest, CascadeDecodeEqualsAttentionOverAllKeys) {
       const std::vector<float> k = Concat(pk, P, ok[b], own_cap, base, keys, h / group, d);
       const std::vector<float> v = Concat(pv, P, ov[b], own_cap, base, keys, h / group, d);
       const int64_t off = (static_cast<int64_t>(b) * hq + h) * d;
-      NaiveRow(q.data() + off, k.data(), v.data(), keys, d, scale, expect.data() + off);
+      NaiveRow(q.data() + off, k.data(), v.data(), keys, d, scale, expect.data() + off,
+               attached ? &expect_lse[static_cast<size_t>(b) * hq + h] : nullptr);
     }
   }
   EXPECT_TRUE(AllClose(out, expect, 1e-5f, 1e-4f));
-  // Without an own part, PrefixAttention alone is attention over the prefix.
+  EXPECT_TRUE(AllClose(lse, expect_lse, 1e-5f, 1e-5f)) << "merged log-sum-exp (rows not attached keep theirs)";
+  // Without an own part, PrefixAttention alone is attention over the prefix,
+  // and lse_out its log-sum-exp.
   std::vector<float> only(q.size(), 0.0f), only_expect(q.size(), 0.0f);
+  std::vector<float> only_lse(lse.size(), 0.0f), only_expect_lse(lse.size(), 0.0f);
   pa.out = only.data();
   pa.own_lse = nullptr;
+  pa.lse_out = only_lse.data();
   PrefixAttention(pa);
   for (int i = 0; i < n; ++i)
     for (int h = 0; h < hq; ++h) {
       const int64_t off = (static_cast<int64_t>(rows[i]) * hq + h) * d;
       const size_t kv = static_cast<size_t>(h / group) * P * d;
-      NaiveRow(q.data() + off, pk.data() + kv, pv.data() + kv, P, d, scale, only_expect.data() + off);
+      NaiveRow(q.data() + off, pk.data() + kv, pv.data() + kv, P, d, scale, only_expect.data() + off,
+               &only_expect_lse[static_cast<size_t>(rows[i]) * hq + h]);
     }
   EXPECT_TRUE(AllClose(only, only_expect, 1e-5f, 1e-4f));
+  EXPECT_TRUE(AllClose(only_lse, only_expect_lse, 1e-5f, 1e-5f));
 }
 
 // Context parallel's merge: the keys split into 3 disjoint parts (one empty
@@ -444,21 +457,24 @@ TEST(AttentionCpuTest, CascadePrefillEqualsAttentionOverAllKeys) {
   pa.keys = P;
   pa.out = out.data();
   pa.own_lse = lse.data();
+  pa.lse_out = lse.data();  // aliasing own_lse: the merged log-sum-exp replaces the own part's
   pa.hq = hq;
   pa.hkv = hkv;
   pa.d = d;
   pa.scale = scale;
   PrefixAttention(pa);
-  std::vector<float> expect(q.size());
+  std::vector<float> expect(q.size()), expect_lse(lse.size());
   for (int i = 0; i < nq; ++i)
     for (int h = 0; h < hq; ++h) {
       const int keys = P + start + i + 1;
       const std::vector<float> k = Concat(pk, P, okk, own_cap, P, keys, h, d);
       const std::vector<float> v = Concat(pv, P, ovv, own_cap, P, keys, h, d);
       const int64_t off = (static_cast<int64_t>(i) * hq + h) * d;
-      NaiveRow(q.data() + off, k.data(), v.data(), keys, d, scale, expect.data() + off);
+      NaiveRow(q.data() + off, k.data(), v.data(), keys, d, scale, expect.data() + off,
+               &expect_lse[static_cast<size_t>(i) * hq + h]);
     }
   EXPECT_TRUE(AllClose(out, expect, 1e-5f, 1e-4f));
+  EXPECT_TRUE(AllClose(lse, expect_lse, 1e-5f, 1e-5f)) << "the merged log-sum-exp";
 }
 
 }  // namespace

@@ -183,11 +183,12 @@ struct TopKCase {
   bool smallest;
   int ties;  // 0: distinct random, 1: few distinct values, 2: with NaN / +-inf / -0
   bool skip = false;
+  bool split = false;  // give the kernel a split workspace (TopKArgs::split_workspace)
 };
 
 void RunTopK(const TopKCase& c) {
   SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " n " << c.n << " k " << c.k << " smallest " << c.smallest
-                                    << " ties " << c.ties << " skip " << c.skip);
+                                    << " ties " << c.ties << " skip " << c.skip << " split " << c.split);
   Rng rng(1000 + c.n + c.k);
   const int64_t stride = c.n + 5;
   std::vector<float> v(static_cast<size_t>(c.rows) * stride);
@@ -236,6 +237,13 @@ void RunTopK(const TopKCase& c) {
   ga.skip_worst_inf = c.skip;
   ga.out = dout->get<int32_t>();
   ga.out_stride = out_stride;
+  std::unique_ptr<DeviceBuffer> dws;
+  if (c.split) {
+    ga.split_workspace_ints = TopKSplitWorkspaceInts(c.rows, c.n, c.k);
+    EXPECT_LE(ga.split_workspace_ints, c.rows * TopKSplitWorkspaceIntsPerRow(c.n));
+    dws = ToDevice(std::vector<int32_t>(static_cast<size_t>(std::max<int64_t>(ga.split_workspace_ints, 1)), 7));
+    ga.split_workspace = dws->get<int32_t>();
+  }
   LaunchTopK(ga, nullptr);
   SKV_CUDA(cudaDeviceSynchronize());
   EXPECT_TRUE(SameInts(dout->Download<int32_t>(want.size()), want));
@@ -254,6 +262,21 @@ TEST(TopKGpu, MatchesCpuExactly) {
   RunTopK({3, 300, 1024, false, 2, true});  // k > n with skipped values: -1 padded
   RunTopK({3, 300, 4096, false, 0});        // k > n: all, then -1
   RunTopK({2, 9000, 4096, true, 1});        // largest k
+}
+
+// Long rows with a split workspace: segments select in parallel, then one
+// pass over their candidates; the same output as the one-block selection
+// (the CPU's), ties, skipped values and shorter rows included.
+TEST(TopKGpu, SplitRowsMatchCpuExactly) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (int n : {32769, 40000, 131072, 200000})
+    for (int k : {1, 7, 256, 1024})
+      for (int ties : {0, 1, 2}) {
+        RunTopK({5, n, k, false, ties, true, true});
+        if (n == 131072) RunTopK({3, n, k, true, ties, true, true});
+      }
+  RunTopK({4, 300000, 4096, false, 1, true, true});  // largest k: 32768-element segments
+  RunTopK({16, 131072, 256, false, 0, true, true});  // a decode step's rows (batch 2 x 8 KV heads)
 }
 
 TEST(TopKGpu, UniformCount) {
@@ -1344,6 +1367,32 @@ TEST(ShadowkvDecodeGpuBench, Timings) {
   ta.out_stride = ks;
   const float topk_ms = TimeMs([&] { LaunchTopK(ta, s0); }, 20, s0);
   std::printf("[bench] top-k  %d of %d, %d rows: %.3f ms\n", ks, n, rows, topk_ms);
+  {
+    // A million-token shard's decode step: 256 of 131072 chunks, 8 rows
+    // (batch 1 x 8 KV heads), one block per row and split.
+    const int long_n = 131072, long_rows = hkv;
+    std::vector<float> lv(static_cast<size_t>(long_rows) * long_n);
+    for (float& x : lv) x = rng.Next();
+    auto dlv = ToDevice(lv);
+    DeviceBuffer lsel(static_cast<size_t>(long_rows) * ks * 4);
+    TopKArgs la;
+    la.values = dlv->get<float>();
+    la.stride = long_n;
+    la.rows = long_rows;
+    la.uniform_count = long_n;
+    la.max_count = long_n;
+    la.k = ks;
+    la.skip_worst_inf = true;
+    la.out = lsel.get<int32_t>();
+    la.out_stride = ks;
+    const float one_ms = TimeMs([&] { LaunchTopK(la, s0); }, 20, s0);
+    DeviceBuffer lws(static_cast<size_t>(TopKSplitWorkspaceInts(long_rows, long_n, ks)) * 4);
+    la.split_workspace = lws.get<int32_t>();
+    la.split_workspace_ints = TopKSplitWorkspaceInts(long_rows, long_n, ks);
+    const float split_ms = TimeMs([&] { LaunchTopK(la, s0); }, 20, s0);
+    std::printf("[bench] top-k  %d of %d, %d rows: one block a row %.3f ms, split %.3f ms\n", ks, long_n, long_rows,
+                one_ms, split_ms);
+  }
   ShadowkvScoreArgs ss = sa;
   ss.select_k = ks;
   ss.selection = sel.get<int32_t>();

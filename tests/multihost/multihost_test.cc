@@ -39,6 +39,7 @@
 
 #include "common/crypto.h"
 #include "tests/multihost/netns_topology.h"
+#include "tests/service/service_calls.h"
 #include "tests/service/service_cluster.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
@@ -62,41 +63,6 @@ constexpr const char* kCachedDocuments = "penumbra_worker_documents_cached";
 // used it would carry the store plane past the namespaces, and a store
 // node's link going down would prove nothing.
 const std::vector<std::string> kUcxEnv = {"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"};
-
-// The offline engine's answer: the same model and options as the workers,
-// one request alone (as in tests/service/service_test.cc).
-class Offline {
- public:
-  Offline() {
-    EngineOptions o;
-    o.backend.device = "cpu";
-    auto e = Engine::Open(StoriesDir(), o);
-    EXPECT_TRUE(e.ok()) << e.status();
-    if (e.ok()) engine_ = std::move(*e);
-  }
-  std::vector<int32_t> Answer(const GenerationRequest& r) {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!engine_) return {};
-    auto res = engine_->runtime().Generate({r});
-    EXPECT_TRUE(res.ok()) << res.status();
-    return res.ok() ? (*res)[0].ids : std::vector<int32_t>{};
-  }
-  // A question about one document, greedy unless `sampling` says otherwise.
-  std::vector<int32_t> About(const std::vector<int32_t>& doc, const std::vector<int32_t>& question, int max_new,
-                             const SamplingOptions& sampling = {}) {
-    GenerationRequest g;
-    g.prompt = doc;
-    g.document_ends = {static_cast<int64_t>(doc.size())};
-    g.prompt.insert(g.prompt.end(), question.begin(), question.end());
-    g.max_new_tokens = max_new;
-    g.sampling = sampling;
-    return Answer(g);
-  }
-
- private:
-  std::mutex mu_;
-  std::unique_ptr<Engine> engine_;
-};
 
 rpc::GenerateRequest Ask(const std::string& doc, const std::vector<int32_t>& question, int max_new) {
   rpc::GenerateRequest r;

@@ -23,6 +23,7 @@
 #include <thrift/protocol/TBinaryProtocol.h>
 #include <thrift/transport/TBufferTransports.h>
 
+#include "tests/service/service_calls.h"
 #include "tests/service/service_cluster.h"
 #include "tests/worker/stories_shadowkv.h"
 
@@ -42,15 +43,6 @@ struct Key {
     return "sha256:" + HexOf(std::string(d.begin(), d.end()));
   }
 };
-
-rpc::GenerateRequest Ask(const std::vector<std::string>& docs, const std::vector<int32_t>& question, int max_new) {
-  rpc::GenerateRequest r;
-  r.document_ids = docs;
-  r.__set_token_ids(question);
-  r.max_new_tokens = max_new;
-  r.ignore_eos = true;
-  return r;
-}
 
 // `s` is INVALID_ARGUMENT naming `limit`.
 ::testing::AssertionResult RefusedNaming(const Status& s, const std::string& limit) {

@@ -18,24 +18,11 @@ BIN=${1:?usage: job_cli_test.sh BIN_DIR}
 MODEL=models/penumbra-eval
 [ -f "$MODEL/tokenizer.json" ] || { echo "model missing: $MODEL"; exit 1; }
 RUN=$(mktemp -d /tmp/penumbra-job-cli-test-XXXXXX)
-SERVE=
-stop_serve() {
-  [ -n "$SERVE" ] || return 0
-  kill -TERM "$SERVE" 2>/dev/null
-  for _ in $(seq 1 200); do kill -0 "$SERVE" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$SERVE" 2>/dev/null
-  wait "$SERVE" 2>/dev/null
-  SERVE=
-}
-cleanup() { stop_serve; rm -rf "$RUN"; }
-trap cleanup EXIT
-fail() { echo "FAIL: $*"; for f in "$RUN"/run/*.log "$RUN"/serve.log; do [ -f "$f" ] && { echo "== $f"; tail -30 "$f"; }; done; exit 1; }
+source "$(dirname "$0")/serve_lib.sh"
 
 unset PENUMBRA_API_KEY PENUMBRA_TLS_CERT PENUMBRA_TLS_KEY
 # A tenant: its key in a file of mode 600, only the hash in the tenants file.
-{ read -r KEY; read -r HASH; } < <("$BIN/penumbra" tenant new-key 2>/dev/null)
-(umask 077; printf '%s\n' "$KEY" > "$RUN/api.key")
-printf 'tenants:\n  - name: jobs\n    api_keys:\n      - %s\n' "$HASH" > "$RUN/tenants.yaml"
+serve_tenant jobs
 cat > "$RUN/service.yaml" <<EOF
 model: $MODEL
 data_dir: $RUN/data
@@ -57,23 +44,6 @@ EOF
 "$BIN/penumbra" cert init "$RUN/certs" --topology "$RUN/service.yaml" > "$RUN/cert-init.log" ||
   fail "penumbra cert init: $(cat "$RUN/cert-init.log")"
 export PENUMBRA_TLS_CA=$RUN/certs/ca.pem PENUMBRA_API_KEY_FILE=$RUN/api.key
-
-start_serve() {
-  rm -f "$RUN/serve.json"
-  "$BIN/penumbra" serve --config "$RUN/service.yaml" --run-dir "$RUN/run" --port-file "$RUN/serve.json" \
-    --start-timeout-s 60 > "$RUN/serve.log" 2>&1 &
-  SERVE=$!
-  for _ in $(seq 1 600); do
-    [ -f "$RUN/serve.json" ] && break
-    kill -0 "$SERVE" 2>/dev/null || fail "serve exited"
-    sleep 0.1
-  done
-  [ -f "$RUN/serve.json" ] || fail "serve not up after 60 s"
-  PORT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["port"])' "$RUN/serve.json")
-  export PENUMBRA_ADDRESS=127.0.0.1:$PORT
-}
-# penumbra CMD... with a bound; stdout to $RUN/out, stderr to $RUN/err.
-pen() { timeout 60 "$BIN/penumbra" "$@" > "$RUN/out" 2> "$RUN/err"; }
 
 T0=$(date +%s)
 start_serve

@@ -173,6 +173,10 @@ struct ClusterOptions {
   // TLS everywhere: a CA and a certificate per process in dir()/certs
   // (MakeCertificates), mutual TLS to the workers, clients checking the CA.
   bool tls = false;
+  // Context groups: each one's number of ranks. Their workers come after
+  // the single ones (indices workers, workers + 1, ...; named w<index>),
+  // rank 0 first; group g is "g<g>" (--groups of the coordinator).
+  std::vector<int> groups;
 };
 
 // A CA and certificates as `penumbra cert init` makes them, in `dir`: ca.pem,
@@ -233,8 +237,28 @@ class Cluster {
     std::filesystem::remove_all(dir_, ec);
   }
 
+  int processes() const {
+    int n = o_.workers;
+    for (int g : o_.groups) n += g;
+    return n;
+  }
+  // Worker i's group, rank and world (group -1: a single worker).
+  void GroupOf(int i, int* group, int* rank, int* world) const {
+    *group = -1;
+    *rank = 0;
+    *world = 1;
+    int at = o_.workers;
+    for (size_t g = 0; g < o_.groups.size(); ++g) {
+      if (i >= at && i < at + o_.groups[g]) {
+        *group = static_cast<int>(g);
+        *rank = i - at;
+        *world = o_.groups[g];
+      }
+      at += o_.groups[g];
+    }
+  }
   bool Start() {
-    for (int i = 0; i < o_.workers; ++i) {
+    for (int i = 0; i < processes(); ++i) {
       if (!StartWorker(i)) return false;
     }
     return StartCoordinator();
@@ -260,6 +284,12 @@ class Cluster {
     if (o_.tls) {
       for (const auto& f : TlsFlags(certs_dir(), "w" + std::to_string(i))) argv.push_back(f);
     }
+    int group = 0, rank = 0, world = 1;
+    GroupOf(i, &group, &rank, &world);
+    if (group >= 0) {
+      argv.insert(argv.end(), {"--group", "g" + std::to_string(group), "--group-rank", std::to_string(rank),
+                               "--group-world", std::to_string(world)});
+    }
     argv.insert(argv.end(), o_.worker_flags.begin(), o_.worker_flags.end());
     if (static_cast<int>(workers_.size()) <= i) workers_.resize(i + 1);
     workers_[i].process = Process::Start(argv, dir_ + "/worker" + std::to_string(i) + ".log");
@@ -271,9 +301,16 @@ class Cluster {
   bool StartCoordinator(const std::vector<std::string>& flags = {}, int port = 0) {
     const std::string pf = dir_ + "/coordinator.port";
     std::remove(pf.c_str());  // a restart waits for the new process's file
-    std::string list;
+    std::string list, groups;
     for (size_t i = 0; i < workers_.size(); ++i) {
-      list += (i ? "," : "") + std::string("w") + std::to_string(i) + "=127.0.0.1:" + std::to_string(workers_[i].port);
+      const std::string member = "w" + std::to_string(i) + "=127.0.0.1:" + std::to_string(workers_[i].port);
+      int group = 0, rank = 0, world = 1;
+      GroupOf(static_cast<int>(i), &group, &rank, &world);
+      if (group < 0) {
+        list += (list.empty() ? "" : ",") + member;
+      } else {
+        groups += rank == 0 ? (groups.empty() ? "" : ";") + ("g" + std::to_string(group)) + "=" + member : "," + member;
+      }
     }
     std::vector<std::string> argv = {BinDir() + "/penumbra-coordinator",
                                      "--model",
@@ -288,6 +325,7 @@ class Cluster {
                                      pf,
                                      "--health-interval-ms",
                                      "200"};
+    if (!groups.empty()) argv.insert(argv.end(), {"--groups", groups});
     if (!o_.api_keys_yaml.empty()) {
       std::ofstream(dir_ + "/keys.yaml") << o_.api_keys_yaml;
       argv.insert(argv.end(), {"--api-keys", dir_ + "/keys.yaml"});

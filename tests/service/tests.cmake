@@ -9,6 +9,19 @@ penumbra_gtest_cases(service_test PREFIX service_ LABELS service TIMEOUT 600)
 set_property(TEST service_ALostWorkersDocumentsComeBackFromTheStoreNode service_AWorkerLostMidGenerationIsResumedOnAnother
   service_DrainingAWorkerLosesNoRequest service_TwoStoreNodesAndTwoWorkersSurviveKills APPEND PROPERTY LABELS distributed)
 
+# Context groups inside the service (worker processes started with --group,
+# formed by the coordinator): labels service and distributed.
+add_executable(group_service_test ${CMAKE_CURRENT_LIST_DIR}/group_service_test.cc)
+target_link_libraries(group_service_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
+  PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
+add_dependencies(group_service_test penumbra-worker penumbra-coordinator)
+penumbra_gtest_cases(group_service_test PREFIX group_ LABELS "service;distributed" TIMEOUT 600)
+
+# `penumbra serve` with a group of two ranks over mutual TLS.
+add_test(NAME group_serve COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/serve_group_test.sh ${CMAKE_BINARY_DIR}/bin
+  WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(group_serve PROPERTIES LABELS "service;distributed" TIMEOUT 300)
+
 # penumbra serve + penumbra-service-bench at a small size (the GPU
 # measurement's tool, kept working on the CPU).
 add_test(NAME service_bench_cpu COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/service_bench_test.sh ${CMAKE_BINARY_DIR}/bin

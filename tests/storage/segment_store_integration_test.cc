@@ -30,6 +30,7 @@
 #include "storage/segment_store.h"
 #include "tests/crash_child.h"
 #include "tests/storage/segment_store_test_util.h"
+#include "tests/test_util.h"
 
 namespace penumbra::storage {
 namespace {
@@ -82,7 +83,9 @@ TEST(SegmentStoreCrashTest, AcknowledgedSegmentsSurviveSigkillAndNoneIsHalfWritt
   uint64_t next = 1;
   int64_t orphans = 0;
   const auto t0 = std::chrono::steady_clock::now();
-  constexpr int kKills = 50;
+  // (Fewer under a sanitizer, where each child's start and each reopen cost
+  // most of the time.)
+  constexpr int kKills = ::penumbra::testing::kUnderSanitizer ? 20 : 50;
   // At least kKills kills, and more (up to kMaxKills) until one has landed
   // inside a write: the half-written case must be exercised, not hoped for.
   constexpr int kMaxKills = 200;

@@ -20,10 +20,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <span>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -266,6 +269,106 @@ TEST(StoreNodeClientTest, TheClientIsADocumentStore) {
   ASSERT_TRUE(ok.ok());
   EXPECT_EQ(ok->host, "10.0.0.2");
   EXPECT_EQ(ok->port, 7800);
+}
+
+// A reader's blocks read through the node land in the caller's buffers
+// (many pieces per message, scattered, from several threads over the
+// client's connections); a damaged block on the node is detected there and
+// named in the reader's error, and a read past the blob is refused.
+TEST(StoreNodeClientTest, ReadsLandInTheCallersBuffersAndADamagedBlockIsNamed) {
+  storage::testing::TempDir tmp;
+  storage::SegmentStoreOptions so;
+  so.path = tmp.path() + "/db";
+  so.sync_commit = true;
+  const size_t kBlock = 16384, kBlocks = 96;
+  std::string values(kBlock * kBlocks - 1000, '\0');  // a short last block
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<char>((i * 2654435761u) >> 13);
+  const Hash128 key = Hasher128().Update("scattered").Digest();
+  {
+    auto store = storage::SegmentStore::Open(so);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Put(key, "", 1, {{"values", values}}, {{"values", kBlock}}).ok());
+    ASSERT_TRUE((*store)->Flush().ok());
+    transport::StoreNodeOptions no;
+    no.plane.secret = TestSecret();
+    auto node = transport::StoreNode::Start(store->get(), no);
+    ASSERT_TRUE(node.ok()) << node.status();
+    transport::RemoteStoreOptions o;
+    o.port = (*node)->port();
+    o.call_timeout = 10s;
+    o.plane.secret = TestSecret();
+    o.plane.connections = 3;
+    auto c = transport::RemoteDocumentStore::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto reader = (*c)->OpenReader(key);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    ASSERT_EQ((*reader)->batch_blocks(), 64);
+    std::vector<char> dst(values.size(), 0);
+    std::atomic<int> failures{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        // Thread t reads blocks t, t+4, ... (backwards), in pieces of 64.
+        std::vector<storage::BlobReader::Piece> pieces;
+        for (size_t b = kBlocks; b-- > 0;) {
+          if (b % 4 != static_cast<size_t>(t)) continue;
+          const uint64_t off = b * kBlock;
+          pieces.push_back({off, std::min<uint64_t>(kBlock, values.size() - off), dst.data() + off});
+        }
+        if (!(*reader)->ReadMany("values", pieces).ok()) ++failures;
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(failures.load(), 0);
+    EXPECT_TRUE(std::memcmp(dst.data(), values.data(), values.size()) == 0) << "wrong bytes";
+    // A whole read (one message) into a fresh buffer.
+    std::string whole(values.size(), '\0');
+    ASSERT_TRUE((*reader)->Read("values", 0, whole.size(), whole.data()).ok());
+    EXPECT_TRUE(whole == values);
+    // A blob of several read chunks (16 MiB) comes back whole, its chunks
+    // over the connections at once.
+    std::string big(size_t{40} << 20, '\0');
+    for (size_t i = 0; i < big.size(); i += 8) {
+      const uint64_t v = i * 0x9E3779B97F4A7C15ull;
+      std::memcpy(big.data() + i, &v, 8);
+    }
+    const Hash128 big_key = Hasher128().Update("big").Digest();
+    ASSERT_TRUE((*c)->Put(big_key, "", 1, {{"big", big}}, {{"big", size_t{1} << 20}}).ok());
+    auto got = (*c)->Get(big_key);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(got->at("big") == big);
+    // Past the blob: refused before anything is sent.
+    std::vector<storage::BlobReader::Piece> past = {{values.size() - 10, 20, whole.data()}};
+    EXPECT_EQ((*reader)->ReadMany("values", past).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ((*node)->plane_stats().handshakes, 3);  // every connection of the client was used
+    EXPECT_EQ((*node)->plane_stats().frames_rejected, 0);
+  }
+  // Damage the stored values, then read them through a node again.
+  ASSERT_GT(storage::testing::FlipBytesInFiles(so.path, ".blob", 8), 0) << "no blob file to damage";
+  auto store = storage::SegmentStore::Open(so);
+  ASSERT_TRUE(store.ok()) << store.status();
+  transport::StoreNodeOptions no;
+  no.plane.secret = TestSecret();
+  auto node = transport::StoreNode::Start(store->get(), no);
+  ASSERT_TRUE(node.ok()) << node.status();
+  auto c = Client((*node)->port());
+  ASSERT_NE(c, nullptr);
+  auto reader = c->OpenReader(key);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  std::vector<char> dst(values.size());
+  std::vector<storage::BlobReader::Piece> pieces;
+  for (size_t b = 0; b < kBlocks; ++b) {
+    const uint64_t off = b * kBlock;
+    pieces.push_back({off, std::min<uint64_t>(kBlock, values.size() - off), dst.data() + off});
+  }
+  Status first;
+  for (size_t i = 0; i < pieces.size() && first.ok(); i += 64) {
+    first = (*reader)->ReadMany("values", std::span(pieces).subspan(i, std::min<size_t>(64, pieces.size() - i)));
+  }
+  ASSERT_EQ(first.code(), StatusCode::kCorruption) << first;
+  EXPECT_NE(first.message().find("blob 'values'"), std::string::npos) << first;
+  EXPECT_NE(first.message().find(key.Hex()), std::string::npos) << first;
+  EXPECT_GT((*store)->stats().corruptions_detected, 0);
 }
 
 // Two nodes, documents spread by key: each on one node, all readable; one

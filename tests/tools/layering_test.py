@@ -22,7 +22,7 @@ LAYERS = [
     ["worker/engine"],
     ["worker/parallel"],
     ["worker/service", "worker/bench"],
-    ["coordinator/tokenizer", "coordinator/tenants", "coordinator/jobs"],
+    ["coordinator/tokenizer", "coordinator/tenants", "coordinator/jobs", "coordinator/openai"],
     ["coordinator/server"],
     ["coordinator/client"],
     ["coordinator/cli"],

@@ -65,6 +65,55 @@ TEST(UcxFrameTest, PlainAndSealedFramesRoundTrip) {
   }
 }
 
+// A body opened in place over the caller's parts (UcxClient::CallInto):
+// the same bytes as Open, any altered byte (or a tag or size that does not
+// match) refused.
+TEST(UcxFrameTest, BodiesOpenInPlaceOverScatteredParts) {
+  for (bool sealed : {false, true}) {
+    SCOPED_TRACE(sealed ? "sealed" : "plain");
+    auto keys = sealed ? Keys('k', 1) : nullptr;
+    FrameSealer sealer(keys);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{17}, size_t{4096}, size_t{300001}}) {
+      SCOPED_TRACE(n);
+      std::string plain(n, '\0');
+      for (size_t i = 0; i < n; ++i) plain[i] = static_cast<char>(i * 13 + n);
+      std::string body = plain;
+      const std::string header = sealer.Seal(Request(n, 10), &body);
+      const size_t text = n;  // the body's bytes before the tag
+      for (int alter = 0; alter < 4; ++alter) {
+        FrameOpener opener(keys, 1 << 20);
+        auto h = opener.Check(header, body.size());
+        ASSERT_TRUE(h.ok()) << h.status();
+        // The received bytes in three parts of uneven sizes, the tag apart.
+        std::string wire = body.substr(0, text);
+        std::string tag = body.substr(text);
+        if (alter == 1 && !wire.empty()) wire[wire.size() / 2] ^= 0x10;  // a damaged byte
+        if (alter == 2 && sealed) tag[3] ^= 1;                           // a damaged tag
+        const size_t a = text / 3, b = text / 2;
+        std::vector<BodyPart> parts = {{wire.data(), a}, {wire.data() + a, b - a}, {wire.data() + b, text - b}};
+        if (alter == 3) parts.back().size = text - b > 0 ? text - b - 1 : 0;  // a short destination
+        const Status st = opener.OpenInPlace(*h, parts, tag);
+        const bool damaged = (alter == 1 && !wire.empty()) || (alter == 2 && sealed) || (alter == 3 && text > b);
+        if (!damaged) {
+          ASSERT_TRUE(st.ok()) << alter << ": " << st;
+          EXPECT_EQ(wire, plain);
+        } else {
+          EXPECT_EQ(st.code(), StatusCode::kCorruption) << alter << ": " << st;
+        }
+      }
+    }
+    // A plain body with a tag, or a sealed one without, is refused.
+    std::string body = "abc";
+    const std::string header = sealer.Seal(Request(1, 10), &body);
+    FrameOpener opener(keys, 1 << 20);
+    auto h = opener.Check(header, body.size());
+    ASSERT_TRUE(h.ok());
+    std::string wire = body;
+    std::vector<BodyPart> whole = {{wire.data(), wire.size()}};
+    EXPECT_EQ(opener.OpenInPlace(*h, whole, sealed ? "" : std::string(kTagBytes, 't')).code(), StatusCode::kCorruption);
+  }
+}
+
 TEST(UcxFrameTest, EveryByteOfASealedFrameIsAuthenticated) {
   auto keys = Keys('k', 1);
   FrameSealer sealer(keys);

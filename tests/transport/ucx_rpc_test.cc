@@ -16,6 +16,7 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -23,16 +24,19 @@
 #include <vector>
 
 #include "tests/crash_child.h"
+#include "tests/test_util.h"
 #include "tests/transport/raw_ucx_peer.h"
 
 namespace penumbra::transport {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::Eventually;
 
 // method 1: echo; 2: the payload reversed; 3: fails with NotFound; 4: sleeps
 // the payload's milliseconds, then echoes; 5: `n` (the payload, decimal)
-// bytes of a pattern; 6: the caller as the server sees it.
+// bytes of a pattern; 6: the caller as the server sees it; 7: "MS:N", method
+// 5's N bytes after MS milliseconds.
 Result<std::string> Handle(const UcxCaller& caller, uint32_t method, std::string payload) {
   switch (method) {
     case 1:
@@ -51,6 +55,13 @@ Result<std::string> Handle(const UcxCaller& caller, uint32_t method, std::string
     }
     case 6:
       return caller.client_id + (caller.authenticated ? " authenticated" : " plain");
+    case 7: {  // "MS:N": sleeps MS milliseconds, then N bytes of method 5's pattern
+      const size_t colon = payload.find(':');
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::stoi(payload.substr(0, colon))));
+      std::string out(std::stoul(payload.substr(colon + 1)), '\0');
+      for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(i * 131 + 7);
+      return out;
+    }
     default:
       return Status::InvalidArgument("method " + std::to_string(method));
   }
@@ -212,6 +223,204 @@ TEST(UcxRpcTest, AServerKilledMidCallFailsItsCallers) {
   testing::KillCrashChild(pid);
 }
 
+bool IsPattern(const char* p, size_t n, size_t from) {
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] != static_cast<char>((from + i) * 131 + 7)) return false;
+  }
+  return true;
+}
+
+// CallInto: a reply's body lands in the caller's parts (eager and
+// rendezvous sizes, plain and sealed); a reply of another size is refused
+// before it is received; an error reply comes back as Call's.
+TEST(UcxRpcTest, RepliesLandInTheCallersBuffers) {
+  for (bool sealed : {false, true}) {
+    SCOPED_TRACE(sealed ? "sealed" : "plain");
+    UcxServerOptions so = Threads(2);
+    UcxClientOptions co;
+    if (sealed) so.secret = co.secret = Secret('a');
+    auto server = UcxServer::Start("127.0.0.1", 0, Handle, so);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto client = UcxClient::Connect("127.0.0.1", (*server)->port(), co);
+    ASSERT_TRUE(client.ok());
+    for (size_t n : {size_t{0}, size_t{3}, size_t{100}, size_t{20000}, size_t{1} << 20, size_t{9} << 20}) {
+      SCOPED_TRACE(n);
+      // Three destinations in one buffer, out of order, with guards around.
+      std::string buf(n + 300, '#');
+      const size_t a = n / 3, b = n / 2;
+      std::vector<ucx_frame::BodyPart> parts = {
+          {buf.data() + 200 + b, n - b}, {buf.data() + 100, a}, {buf.data() + 150 + a, b - a}};
+      // The server sends [0, n): parts take [0, n-b), [n-b, n-b+a), ...: the
+      // pattern checks below follow the parts' order.
+      const Status st = (*client)->CallInto(5, std::to_string(n), 20s, parts);
+      ASSERT_TRUE(st.ok()) << st;
+      size_t from = 0;
+      for (const auto& p : parts) {
+        EXPECT_TRUE(IsPattern(p.data, p.size, from)) << "part at " << (p.data - buf.data());
+        from += p.size;
+      }
+      EXPECT_EQ(buf.substr(0, 100), std::string(100, '#'));
+      EXPECT_EQ(buf[buf.size() - 1], '#');
+    }
+    // A reply shorter or longer than the parts: refused, naming both sizes.
+    std::string small(1000, '\0');
+    std::vector<ucx_frame::BodyPart> part = {{small.data(), small.size()}};
+    for (const char* n : {"999", "1001", "5000000"}) {
+      const Status st = (*client)->CallInto(5, n, 20s, part);
+      EXPECT_EQ(st.code(), StatusCode::kCorruption) << n << ": " << st;
+      EXPECT_NE(st.message().find("expected " + std::to_string(1000 + (sealed ? ucx_frame::kTagBytes : 0))),
+                std::string::npos)
+          << st;
+    }
+    // Errors are Call's; the client goes on.
+    const Status nf = (*client)->CallInto(3, "x", 10s, part);
+    EXPECT_EQ(nf.code(), StatusCode::kNotFound) << nf;
+    EXPECT_NE(nf.message().find("no such thing: x"), std::string::npos) << nf;
+    ASSERT_TRUE((*client)->CallInto(5, "1000", 10s, part).ok());
+    EXPECT_TRUE(IsPattern(small.data(), small.size(), 0));
+    EXPECT_EQ((*server)->stats().frames_rejected, 0);
+  }
+}
+
+// Several connections per client: concurrent calls spread over them (every
+// one made, one identity on all), each reply in its own caller's buffer;
+// the server spreads the connections over its UCX workers, and counts them
+// closed when the client goes.
+TEST(UcxRpcTest, ConcurrentCallsSpreadOverTheClientsConnections) {
+  UcxServerOptions so = Threads(4);
+  so.workers = 2;
+  UcxClientOptions co;
+  co.connections = 3;
+  so.secret = co.secret = Secret('s');
+  auto server = UcxServer::Start("127.0.0.1", 0, Handle, so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = UcxClient::Connect("127.0.0.1", (*server)->port(), co);
+  ASSERT_TRUE(client.ok());
+  EXPECT_EQ((*client)->connections(), 3);
+  std::atomic<int> wrong{0}, failed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<char> buf(size_t{3} << 20);
+      for (int i = 0; i < 12; ++i) {
+        const size_t n = (size_t{1} << 20) + static_cast<size_t>(t * 4099 + i * 777);
+        std::vector<ucx_frame::BodyPart> parts = {{buf.data(), 4096}, {buf.data() + 8192, n - 4096}};
+        const Status st = (*client)->CallInto(5, std::to_string(n), 30s, parts);
+        if (!st.ok()) {
+          ++failed;
+        } else if (!IsPattern(buf.data(), 4096, 0) || !IsPattern(buf.data() + 8192, n - 4096, 4096)) {
+          ++wrong;
+        }
+        auto who = (*client)->Call(6, "", 30s);
+        if (!who.ok() || *who != (*client)->client_id() + " authenticated") ++wrong;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ((*server)->stats().handshakes, 3);
+  EXPECT_EQ((*server)->stats().requests, 6 * 12 * 2);
+  EXPECT_EQ((*client)->Transports().size() >= 3, true);
+  EXPECT_EQ((*server)->stats().endpoints_open, 3);
+  client->reset();
+  EXPECT_TRUE(Eventually([&] { return (*server)->stats().endpoints_open == 0; }, 20s, "the connections to close"));
+  EXPECT_EQ(UcxClient::Connect("127.0.0.1", (*server)->port(),
+                               [] {
+                                 UcxClientOptions o;
+                                 o.connections = 0;
+                                 return o;
+                               }())
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+// Deadlines that fall before, during or after a reply's arrival into the
+// caller's buffer: each call is either whole or DeadlineExceeded, and once
+// it has returned nothing more is written into its buffer (a reply still
+// arriving closes its connection; the next call connects again).
+TEST(UcxRpcTest, ACallPastItsDeadlineLeavesTheBufferAlone) {
+  auto server = UcxServer::Start("127.0.0.1", 0, Handle, Threads(2));
+  ASSERT_TRUE(server.ok()) << server.status();
+  UcxClientOptions co;
+  co.connections = 1;
+  auto client = UcxClient::Connect("127.0.0.1", (*server)->port(), co);
+  ASSERT_TRUE(client.ok());
+  const size_t n = size_t{16} << 20;
+  // How long a whole read takes here, then deadlines around it.
+  std::vector<char> buf(n);
+  std::vector<ucx_frame::BodyPart> parts = {{buf.data(), n}};
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE((*client)->CallInto(7, "0:" + std::to_string(n), 20s, parts).ok());
+  const auto whole = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  int ok = 0, late = 0;
+  for (int i = 1; i <= 12; ++i) {
+    const auto deadline = std::max<std::chrono::milliseconds>(1ms, whole * i / 8);
+    std::fill(buf.begin(), buf.end(), 0);
+    const Status st = (*client)->CallInto(7, "0:" + std::to_string(n), deadline, parts);
+    if (st.ok()) {
+      EXPECT_TRUE(IsPattern(buf.data(), n, 0));
+      ++ok;
+    } else {
+      ASSERT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st;
+      ++late;
+    }
+    // Returned: the buffer is the caller's again.
+    std::fill(buf.begin(), buf.end(), 'z');
+    std::vector<char> other(n);
+    std::vector<ucx_frame::BodyPart> other_parts = {{other.data(), n}};
+    const Status next = (*client)->CallInto(7, "0:" + std::to_string(n), 20s, other_parts);
+    ASSERT_TRUE(next.ok()) << next;
+    EXPECT_TRUE(IsPattern(other.data(), n, 0));
+    EXPECT_EQ(std::count(buf.begin(), buf.end(), 'z'), static_cast<std::ptrdiff_t>(n)) << "written after return";
+  }
+  EXPECT_GT(ok + late, 0);
+}
+
+// A server killed while reads into callers' buffers are in flight over
+// every connection (some waiting for the handler, some arriving): each
+// fails Unavailable, in bounded time, and no caller hangs.
+TEST(UcxRpcTest, AServerKilledMidReadFailsEveryPendingRead) {
+  int rfd = -1;
+  pid_t pid = testing::SpawnCrashChild("UcxRpcTest.ChildServer", {}, "PENUMBRA_UCX_CHILD_FD", &rfd);
+  ASSERT_GT(pid, 0);
+  const int port = ReadPort(rfd);
+  close(rfd);
+  ASSERT_GT(port, 0);
+  UcxClientOptions co;
+  co.connections = 4;
+  auto client = UcxClient::Connect("127.0.0.1", port, co);
+  ASSERT_TRUE(client.ok());
+  std::atomic<int> reads{0};
+  std::vector<Status> got(8);
+  std::vector<std::thread> readers;
+  for (int i = 0; i < 8; ++i) {
+    readers.emplace_back([&, i] {
+      std::vector<char> buf(size_t{16} << 20);
+      std::vector<ucx_frame::BodyPart> parts = {{buf.data(), buf.size()}};
+      // Half wait in the handler (it sleeps 3 s), half stream 16 MiB replies.
+      const std::string ask = (i % 2 ? "3000:" : "0:") + std::to_string(buf.size());
+      for (;;) {
+        Status s = (*client)->CallInto(7, ask, 30s, parts);
+        if (!s.ok()) {
+          got[i] = s;
+          return;
+        }
+        ++reads;
+      }
+    });
+  }
+  // The streaming readers are reading (each completed some), the others
+  // wait in the handler.
+  ASSERT_TRUE(Eventually([&] { return reads.load() >= 8; }, 20s, "reads to complete"));
+  const auto t0 = std::chrono::steady_clock::now();
+  testing::KillCrashChild(pid);
+  for (auto& t : readers) t.join();
+  for (const Status& s : got) EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+}
+
 TEST(UcxRpcTest, SealedRoundTripsNameTheClient) {
   UcxServerOptions so;
   so.secret = Secret('a');
@@ -241,7 +450,9 @@ TEST(UcxRpcTest, SealedRoundTripsNameTheClient) {
   auto who2 = (*other)->Call(6, "", 10s);
   ASSERT_TRUE(who2.ok()) << who2.status();
   EXPECT_NE(*who2, *who);
-  EXPECT_EQ((*server)->stats().handshakes, 2);
+  // The first client's calls went round its connections (each made at its
+  // first call), the other's one call over one.
+  EXPECT_EQ((*server)->stats().handshakes, co.connections + 1);
   EXPECT_EQ((*server)->stats().frames_rejected, 0);
   // Handler errors travel sealed too.
   EXPECT_EQ((*client)->Call(3, "x", 10s).status().code(), StatusCode::kNotFound);

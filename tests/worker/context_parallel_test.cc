@@ -6,11 +6,13 @@
 // selection over the shards gives the unsharded lossy tokens; with the local
 // selection the shards agree on every token across ranks and start with the
 // unsharded first token (the prefill is exact); what a shard cannot do is
-// refused. The same over real processes
+// refused. A group under the scheduler's steps, with the document cache and
+// led mode: tests/parallel/group_steps_test.cc. The same over real processes
 // and TCP (plaintext and mutual TLS):
 // tests/parallel/context_parallel_integration_test.cc.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <thread>
 
 #include "tests/worker/stories_shadowkv.h"
@@ -63,9 +65,12 @@ std::vector<std::vector<int32_t>> Unsharded(const EngineOptions& o, const std::v
   return ids;
 }
 
-// Every rank's tokens (ranks as threads, each with its own engine).
-std::vector<std::vector<std::vector<int32_t>>> Sharded(const EngineOptions& o, int world,
-                                                       const std::vector<GenerationRequest>& reqs) {
+// Every rank's tokens (ranks as threads, each with its own engine, rank r
+// with options_of(r)); each rank's status into *status when given, else
+// expected OK.
+std::vector<std::vector<std::vector<int32_t>>> Sharded(const std::function<EngineOptions(int)>& options_of, int world,
+                                                       const std::vector<GenerationRequest>& reqs,
+                                                       std::vector<Status>* statuses = nullptr) {
   testing::ThreadGroup group(world);
   std::vector<std::vector<std::vector<int32_t>>> ids(static_cast<size_t>(world));
   std::vector<Status> status(static_cast<size_t>(world));
@@ -73,7 +78,7 @@ std::vector<std::vector<std::vector<int32_t>>> Sharded(const EngineOptions& o, i
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       std::unique_ptr<Collective> member = group.Member(r);
-      auto e = Engine::Open(testing::StoriesDir(), o);
+      auto e = Engine::Open(testing::StoriesDir(), options_of(r));
       if (!e.ok()) {
         status[r] = e.status();
         std::abort();  // the others would wait at the barrier forever
@@ -88,8 +93,17 @@ std::vector<std::vector<std::vector<int32_t>>> Sharded(const EngineOptions& o, i
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  if (statuses != nullptr) {
+    *statuses = status;
+  } else {
+    for (int r = 0; r < world; ++r) EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  }
   return ids;
+}
+
+std::vector<std::vector<std::vector<int32_t>>> Sharded(const EngineOptions& o, int world,
+                                                       const std::vector<GenerationRequest>& reqs) {
+  return Sharded([&o](int) { return o; }, world, reqs);
 }
 
 TEST(ShardOfTest, SplitsIntoContiguousNonEmptyAlignedShards) {
@@ -131,6 +145,47 @@ TEST_F(ContextParallelTest, ExactShadowKvShardedGivesTheUnshardedTokens) {
   for (int world : {2, 3}) {
     const auto got = Sharded(ExactShadowKvOptions(), world, reqs);
     for (int r = 0; r < world; ++r) EXPECT_EQ(got[r], want) << "rank " << r << " of " << world;
+  }
+}
+
+// The balanced prefill (RuntimeOptions::cp_prefill_balance: the later
+// ranks hand half their rows' attention over the earlier keys to the
+// earlier ranks), in several rounds, and the unbalanced one give the
+// unsharded tokens.
+TEST_F(ContextParallelTest, BalancedPrefillInRoundsAndUnbalancedGiveTheUnshardedTokens) {
+  for (const EngineOptions& base : {FullOptions(), ExactShadowKvOptions()}) {
+    // ExactShadowKvShardedGivesTheUnshardedTokens' request for ShadowKV.
+    const auto reqs = base.kv_policy == "full" ? Requests({300, 190}, 16) : Requests({300}, 16);
+    const auto want = Unsharded(base, reqs);
+    ASSERT_EQ(want.size(), reqs.size());
+    for (bool balance : {false, true}) {
+      EngineOptions o = base;
+      o.runtime.cp_prefill_balance = balance;
+      o.runtime.cp_balance_round_rows = 40;  // rounds of 40 rows, prefill chunks of 48
+      for (int world : {2, 3}) {
+        const auto got = Sharded(o, world, reqs);
+        for (int r = 0; r < world; ++r) {
+          EXPECT_EQ(got[r], want) << base.kv_policy << ", balance " << balance << ", rank " << r << " of " << world;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(ContextParallelTest, RanksThatWouldExchangeDifferentlyAreRefusedOnEveryRank) {
+  const auto reqs = Requests({300}, 4);
+  std::vector<Status> statuses;
+  const auto got = Sharded(
+      [](int r) {
+        EngineOptions o = FullOptions();
+        o.runtime.cp_balance_round_rows = r == 1 ? 64 : 8192;
+        return o;
+      },
+      2, reqs, &statuses);
+  ASSERT_EQ(statuses.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << statuses[r];
+    EXPECT_NE(statuses[r].message().find("cp_balance_round_rows"), std::string::npos) << statuses[r];
   }
 }
 
@@ -186,28 +241,29 @@ TEST_F(ContextParallelTest, WhatAShardCannotDoIsRefused) {
   testing::ThreadGroup group(2);
   auto member = group.Member(1);
   EngineOptions o = FullOptions();
-  o.runtime.prefix_cache_bytes = 1 << 20;
+  o.runtime.prefix_cache_bytes = 1 << 20;  // a shard's document cache (tests/parallel/group_steps_test.cc)
   auto e = Engine::Open(testing::StoriesDir(), o);
   ASSERT_TRUE(e.ok()) << e.status();
-  EXPECT_EQ((*e)->runtime().SetContextGroup(member.get()).code(), StatusCode::kUnimplemented);
-
-  auto plain = Engine::Open(testing::StoriesDir(), FullOptions());
-  ASSERT_TRUE(plain.ok()) << plain.status();
-  Runtime& rt = (*plain)->runtime();
+  Runtime& rt = (*e)->runtime();
   ASSERT_TRUE(rt.SetContextGroup(member.get()).ok());
   // Too short to split: refused before anything is held (every rank alike).
   EXPECT_EQ(rt.AddSequence(3, 1, 4).code(), StatusCode::kInvalidArgument);
-  GenerationRequest r = Requests({200}, 4)[0];
-  Runtime::PrefillState st;
-  GenerationResult res;
-  EXPECT_EQ(rt.BeginPrefill(0, r, &st, &res).code(), StatusCode::kUnimplemented);
-  // A shard is not a prefix.
+  // Led mode is rank 0's; following is the other ranks'.
+  EXPECT_EQ(rt.LeadGroup().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rt.StopGroup().code(), StatusCode::kFailedPrecondition);
+  // A shard attaches only a capture of exactly its own tokens.
   SequenceSpec spec;
   spec.prompt_len = 100;
   spec.shard.position_base = 100;
   spec.shard.closed = true;
   ASSERT_TRUE(rt.policy().AddSequence(7, spec).ok());
-  EXPECT_EQ(rt.policy().CapturePrefix(7, 100).status().code(), StatusCode::kUnimplemented);
+  ASSERT_TRUE(rt.policy().SynthesizeContext(7, 100, 1).ok());
+  auto captured = rt.policy().CapturePrefix(7, 100);
+  ASSERT_TRUE(captured.ok()) << captured.status();
+  EXPECT_EQ((*captured)->tokens(), 100);
+  spec.prefix = *captured;
+  spec.prompt_len = 120;
+  EXPECT_EQ(rt.policy().AddSequence(8, spec).code(), StatusCode::kInvalidArgument);
   rt.policy().RemoveSequence(7);
 }
 

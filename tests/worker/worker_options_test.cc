@@ -38,9 +38,26 @@ TEST(WorkerOptions, DefaultsAreTheStructsAndFlagsFillThem) {
   EXPECT_EQ(o.store_calls.call_timeout, transport::RemoteStoreOptions{}.call_timeout);
   EXPECT_EQ(o.max_batch, 0) << "the engine's";
   EXPECT_EQ(o.random_weights, -1) << "off";
-  Status s = Parse({"--model", "m", "--max-batch", "8", "--prefill-tokens-per-step", "512", "--share-window-ms", "0",
-                    "--store-bulk-mb-per-s", "2", "--store-breaker-cooldown-ms", "70", "--lease-ms", "100",
-                    "--random-weights", "0", "--prefix-cache-mb", "16"},
+  Status s = Parse({"--model",
+                    "m",
+                    "--max-batch",
+                    "8",
+                    "--prefill-tokens-per-step",
+                    "512",
+                    "--share-window-ms",
+                    "0",
+                    "--store-bulk-mb-per-s",
+                    "2",
+                    "--store-breaker-cooldown-ms",
+                    "70",
+                    "--lease-ms",
+                    "100",
+                    "--random-weights",
+                    "0",
+                    "--prefix-cache-mb",
+                    "16",
+                    "--store-connections",
+                    "2"},
                    &o);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(o.model, "m");
@@ -52,12 +69,15 @@ TEST(WorkerOptions, DefaultsAreTheStructsAndFlagsFillThem) {
   EXPECT_EQ(o.lease.lease.count(), 100);
   EXPECT_EQ(o.random_weights, 0);
   EXPECT_EQ(o.prefix_cache_mb, 16);
+  EXPECT_EQ(o.store_calls.plane.connections, 2);
+  EXPECT_EQ(WorkerProcessOptions{}.store_calls.plane.connections, transport::UcxClientOptions{}.connections);
 }
 
 TEST(WorkerOptions, TheSameRangesAsBefore) {
   for (const auto& [flags, want] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--max-batch", "0"}, "--max-batch must be in [1, 4096], got 0"},
            {{"--max-batch", "4097"}, "--max-batch must be in [1, 4096]"},
+           {{"--store-connections", "65"}, "--store-connections must be in [1, 64]"},
            {{"--lease-ms", "99"}, "--lease-ms must be in [100, 86400000], got 99"},
            {{"--port", "65536"}, "--port must be in [0, 65535]"},
            {{"--prefix-cache-mb", "0"}, "--prefix-cache-mb must be in [1, 1073741824], got 0"},

@@ -11,7 +11,11 @@
 //      fuzzed contents, so the checks past the MAC are reached), and a
 //      body sealed with the test key, then maybe altered;
 //   3: a handshake: fuzzed frames fed to a server and to a client;
-//   4: a sequence of seqs for the replay window.
+//   4: a sequence of seqs for the replay window;
+//   5: a body sealed (or plain) then maybe altered, opened in place over
+//      parts whose sizes come from the input (OpenInPlace: the bytes as
+//      sealed when nothing was altered and the parts cover them exactly,
+//      refused otherwise).
 // Built and run by .ci/fuzz.sh; seeds written when PENUMBRA_FUZZ_SEEDS is set.
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +25,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "common/crypto.h"
 #include "transport/ucx_frame.h"
@@ -168,6 +173,39 @@ void Window(In in) {
   }
 }
 
+void InPlace(In in) {
+  const bool sealed = in.U8() & 1;
+  const auto keys = sealed ? TestKeys() : nullptr;
+  const size_t high = in.U8();
+  const std::string plain = in.Bytes(high * 16 + in.U8());
+  uf::FrameSealer sealer(keys);
+  uf::FrameHeader h;
+  h.type = uf::FrameType::kReply;
+  h.call_id = 9;
+  std::string body = plain;
+  const std::string header = sealer.Seal(h, &body);
+  uf::FrameOpener opener(keys, kMaxBody);
+  auto got = opener.Check(header, body.size());
+  Check(got.ok());
+  std::string tag = sealed ? body.substr(plain.size()) : std::string();
+  std::string wire = body.substr(0, plain.size());
+  const uint8_t alter = in.U8();
+  const bool altered = (alter & 1) && !wire.empty();
+  if (altered) wire[alter % wire.size()] ^= static_cast<char>(1 + (alter >> 1));
+  // Parts of sizes from the input over the wire bytes (maybe short or long).
+  std::vector<uf::BodyPart> parts;
+  size_t at = 0;
+  while (in.n > 0 && at < wire.size()) {
+    const size_t k = std::min<size_t>(in.U8(), wire.size() - at);
+    parts.push_back({wire.data() + at, k});
+    at += k;
+  }
+  const bool covered = at == wire.size();
+  const penumbra::Status st = opener.OpenInPlace(*got, parts, tag);
+  if (!altered && covered) Check(st.ok() && wire == plain);
+  if (altered || !covered) Check(!st.ok());
+}
+
 void WriteSeed(const std::string& dir, const std::string& name, const std::string& bytes) {
   std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
 }
@@ -197,6 +235,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
             std::string(1, '\x03') + "\x01\x01" + static_cast<char>(uf::FrameType::kHello) +
                 static_cast<char>(hello.body.size()) + hello.body + "\x01" + static_cast<char>(uf::FrameType::kAuth) +
                 "\x20" + std::string(32, 'p') + "\x01");
+  WriteSeed(dir, "in_place_sealed",
+            std::string(1, '\x05') + "\x01\x02\x05" + std::string(37, 'x') + "\x00" + "\x10\x07\xff");
+  WriteSeed(dir, "in_place_plain",
+            std::string(1, '\x05') + "\x00\x01\x00" + std::string(16, 'y') + "\x03" + "\x08\x08");
   WriteSeed(dir, "window", std::string(1, '\x04') + "\x01\x05\x01\x07\x00\x02\x00\x00\x00\x00\x00\x00\x00\x01\x03");
   return 0;
 }
@@ -204,7 +246,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   In in{data + 1, size - 1};
-  switch (data[0] % 5) {
+  switch (data[0] % 6) {
     case 0:
       Plain(in);
       break;
@@ -217,8 +259,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 3:
       Handshake(in);
       break;
-    default:
+    case 4:
       Window(in);
+      break;
+    default:
+      InPlace(in);
       break;
   }
   return 0;

@@ -1,6 +1,7 @@
 // penumbra-bench cp-decode: one sequence decoding across a context-parallel
 // group's ranks.
 #include "worker/bench/bench.h"
+#include "worker/bench/kernel_trace.h"
 
 #include <iostream>
 #include <string>
@@ -56,16 +57,31 @@ Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collec
     for (int64_t& p : positions) ++p;
     return Status::OK();
   };
+  // --kernel-trace PATH: this rank's timed steps as a device timeline
+  // (ops/trace_summary.py; a traced run is slower than an untraced one).
+  const std::string trace_path = a.Get("kernel-trace", "");
+  if (a.Has("kernel-trace") && trace_path.empty()) return Status::InvalidArgument("--kernel-trace needs a file path");
+  std::unique_ptr<KernelTrace> trace;
+  size_t trace_records = 0;
   auto run = [&]() -> Result<double> {
     PENUMBRA_RETURN_IF_ERROR(step());
     PENUMBRA_RETURN_IF_ERROR(step());
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     if (group) PENUMBRA_RETURN_IF_ERROR(group->Barrier());
+    if (!trace_path.empty()) {
+      PENUMBRA_ASSIGN_OR_RETURN(trace, KernelTrace::Start());
+    }
     const double t0 = NowSeconds();
     for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step());
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     if (group) PENUMBRA_RETURN_IF_ERROR(group->Barrier());
-    return NowSeconds() - t0;
+    const double dt = NowSeconds() - t0;
+    if (trace) {
+      PENUMBRA_ASSIGN_OR_RETURN(std::vector<TraceRecord> recs, trace->Stop());
+      trace_records = recs.size();
+      PENUMBRA_RETURN_IF_ERROR(KernelTrace::Write(recs, trace_path));
+    }
+    return dt;
   };
   Result<double> dt = run();
   const PolicyStats ps = rt.policy().stats();
@@ -86,6 +102,10 @@ Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collec
   j["setup_s"] = setup_s;
   j["kv_policy"] = e.options().kv_policy;
   j["kv_device_bytes_rank0"] = dev;
+  if (trace) {
+    j["kernel_trace"] = trace_path;  // these steps ran traced: slower than untraced
+    j["kernel_trace_records"] = trace_records;
+  }
   if (e.options().kv_policy == "shadowkv") {
     j["budget_tokens"] = e.options().shadowkv.budget_tokens;
     j["shard_selection"] = e.options().shadowkv.shard_selection;

@@ -104,6 +104,9 @@ Status Main(int argc, char** argv) {
             "skinny (unfused) or cublas")
       .Flag("chained-launch", "CUDA: decode kernels launched chained, on (default) or off")
       .Flag("prefill-chunk", "tokens per prefill chunk")
+      .Flag("cp-prefill-balance",
+            "prefill with --cp-world: on (default): the later ranks hand half their rows' attention over the "
+            "earlier keys to the earlier ranks, so every rank does the same work; off: each rank its own rows")
       .Flag("max-batch", "runtime max batch")
       .Flag("fetch-turns", "shadowkv with --lanes > 1: lanes take turns on the host link, on or off (default on)")
       .Flag("lanes", "decode: independent pipelines (lanes) sharing the weights, one host thread each (default 1)")
@@ -128,7 +131,7 @@ Status Main(int argc, char** argv) {
       .Flag("head-dim", "")
       .Flag("vocab", "")
       .Flag("kernel-trace",
-            "decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
+            "decode and cp-decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
             "to this file, one JSON line each (ops/trace_summary.py summarizes it)")
       .Switch("fetch-timeline",
               "decode, shadowkv: time every value fetch of the timed steps on the device and "
@@ -159,6 +162,8 @@ Status Main(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(int64_t mb, a.GetInt("max-batch", 256));
   eo.runtime.prefill_chunk = static_cast<int>(chunk);
   eo.runtime.max_batch = static_cast<int>(mb);
+  PENUMBRA_ASSIGN_OR_RETURN(eo.runtime.cp_prefill_balance,
+                            a.GetOnOff("cp-prefill-balance", eo.runtime.cp_prefill_balance));
   const std::string cache = a.Get("cache", "off");
   if (cache != "off" && cache != "hbm" && cache != "disk") {
     return Status::InvalidArgument("--cache must be off, hbm or disk, got " + cache);

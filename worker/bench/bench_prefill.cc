@@ -37,6 +37,7 @@ Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S, Collect
   j["batch"] = 1;
   j["seconds"] = dt;
   j["prefill_chunk"] = e.options().runtime.prefill_chunk;
+  if (group) j["cp_prefill_balance"] = e.options().runtime.cp_prefill_balance;
   if (a.Has("profile")) {
     double ops = 0;
     for (const auto& [op, ms] : rt.policy().stats().prefill_op_ms) {

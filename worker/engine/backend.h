@@ -130,6 +130,7 @@ struct PrefixAttentionOp {
   int keys = 0;
   void* out = nullptr;             // [batch, hq, d]
   const float* own_lse = nullptr;  // [batch, hq]; null: out is overwritten with the prefix's part
+  float* lse_out = nullptr;        // [batch, hq] or null: the log-sum-exp of what out holds after (may alias own_lse)
   int hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
 };
@@ -152,6 +153,12 @@ class Backend {
   // dtype of weights, GEMM inputs, attention inputs/outputs and the KV cache.
   virtual DType act_dtype() const = 0;
   virtual std::string name() const = 0;  // "cpu" or e.g. "cuda:0 NVIDIA H100 80GB HBM3"
+  // Makes the calling thread's calls go to this backend's device (CUDA:
+  // cudaSetDevice; the current device is per thread, and a thread that
+  // never set it works on device 0). Every thread but the creating one
+  // calls it before its first call (the scheduler's loop and I/O threads).
+  // No-op on the CPU.
+  virtual Status BindThread() { return Status::OK(); }
 
   // ---- memory ----
   virtual Result<DeviceBuffer> Allocate(size_t bytes) = 0;

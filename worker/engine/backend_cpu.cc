@@ -149,6 +149,7 @@ class CpuBackend final : public Backend {
     a.keys = op.keys;
     a.out = static_cast<float*>(op.out);
     a.own_lse = op.own_lse;
+    a.lse_out = op.lse_out;
     a.hq = op.hq;
     a.hkv = op.hkv;
     a.d = op.d;

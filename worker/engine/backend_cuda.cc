@@ -171,6 +171,10 @@ class CudaBackend final : public Backend {
     PENUMBRA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return Status::OK();
   }
+  Status BindThread() override {
+    PENUMBRA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return Status::OK();
+  }
   size_t FreeMemoryBytes() const override {
     size_t free_b = 0, total = 0;
     if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) return 0;
@@ -304,6 +308,7 @@ class CudaBackend final : public Backend {
     a.keys = op.keys;
     a.out = op.out;
     a.own_lse = op.own_lse;
+    a.lse_out = op.lse_out;
     a.dtype = act_;
     a.hq = op.hq;
     a.hkv = op.hkv;

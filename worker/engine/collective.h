@@ -37,6 +37,12 @@ class Collective {
   virtual Status AllGatherHost(const void* send, void* recv, size_t bytes) = 0;
   // Returns when every rank has called it.
   virtual Status Barrier() = 0;
+
+  // Whether every peer's connection is still open, without waiting: OK, or
+  // Unavailable naming the rank whose connection closed (its process gone).
+  // Any thread may call it, while another makes the group's calls (a
+  // watchdog of device work that waits for peers). Default: OK.
+  virtual Status Probe() { return Status::OK(); }
 };
 
 }  // namespace penumbra

@@ -116,7 +116,8 @@ void DocumentCache::SetPersistentTier(storage::DocumentStore* store, std::string
 
 std::string DocumentCache::Fence(const std::string& cache_namespace) const {
   return policy_->StateFingerprint() + "|dtype=" + options_.dtype + "|model=" + model_identity_ +
-         "|namespace=" + cache_namespace;
+         "|namespace=" + cache_namespace +
+         (shard_world_ > 1 ? "|shard=" + std::to_string(shard_rank_) + "/" + std::to_string(shard_world_) : "");
 }
 
 std::vector<Hash128> DocumentCache::Keys(const std::string& cache_namespace, const std::vector<Hash128>& digests,

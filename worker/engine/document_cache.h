@@ -181,8 +181,17 @@ class DocumentCache {
 
   // ---- keys ----
   // What every key names besides the documents: the policy's state-shaping
-  // options, the dtype, the model and the namespace.
+  // options, the dtype, the model, the namespace and, in a context group,
+  // the group's shape (this rank's shard: SetShard).
   std::string Fence(const std::string& cache_namespace) const;
+  // Context parallel: the states captured and looked up from now on are
+  // rank `rank`'s shards of a group of `world` ranks (world 1: whole
+  // sequences), so a shard is never attached by a single worker or by
+  // another rank, in memory or from the persistent tier.
+  void SetShard(int rank, int world) {
+    shard_rank_ = rank;
+    shard_world_ = world;
+  }
   // The keys of a prompt's leading documents (DocumentKeys over their
   // digests under the fence and the deployment secret).
   std::vector<Hash128> Keys(const std::string& cache_namespace, const std::vector<Hash128>& digests,
@@ -245,6 +254,7 @@ class DocumentCache {
   DocumentMemoryTier memory_;
   std::unique_ptr<ValueTiers> tier0_;
   std::string model_identity_;
+  int shard_rank_ = 0, shard_world_ = 1;                // SetShard
   std::unique_ptr<DocumentPersistentTier> persistent_;  // destroyed (drained) before the store
   DocumentCacheStats stats_;
 };

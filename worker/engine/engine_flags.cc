@@ -25,6 +25,10 @@ const OptionTable<EngineOptions>& EngineOptionTable() {
                 1 << 20, "tokens per prefill chunk")
            .Int(T::Field<int>([](O* o) { return &o->runtime.max_batch; }), "", "max_batch", 1, 1 << 16,
                 "sequences decoded together at most")
+           .Bool(T::Field<bool>([](O* o) { return &o->runtime.cp_prefill_balance; }), "cp-prefill-balance",
+                 "cp_prefill_balance",
+                 "context group prefill: the later ranks hand half their rows' attention over the earlier keys to "
+                 "the earlier ranks, so that every rank does the same work (every rank of a group must agree)")
            .Enum(&O::kv_policy, "kv-policy", "kv_policy", {"full", "shadowkv"}, "the KV policy");
   return *table;
 }

@@ -77,10 +77,11 @@ class FullKvPolicy final : public KvPolicy {
       // keys before it are other ranks'), as after an attached prefix. A
       // closed shard keeps one spare row: decode steps' RopeStore writes the
       // new token's K/V there (never attended to here) and the queries out.
-      if (spec.prefix) return Status::Unimplemented("full KV: a context-parallel shard cannot attach a prefix");
       s.base = s.length = spec.shard.position_base;
       s.capacity = s.base + spec.prompt_len + (spec.shard.closed ? 1 : spec.max_new_tokens);
       s.closed = spec.shard.closed;
+      s.shard = true;
+      if (spec.prefix) return AddShardFromPrefix(seq, spec, std::move(s));
     }
     const FullKvPrefix* p = nullptr;
     if (spec.prefix) {
@@ -173,12 +174,10 @@ class FullKvPolicy final : public KvPolicy {
     auto it = seqs_.find(seq);
     if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(seq) + " does not exist");
     const Seq& s = it->second;
+    if (s.shard) return CaptureShard(s, seq, tokens);
     if (tokens < 1 || tokens > s.length) {
       return Status::InvalidArgument("prefix of " + std::to_string(tokens) + " tokens: sequence " +
                                      std::to_string(seq) + " holds " + std::to_string(s.length));
-    }
-    if (s.fp == nullptr && s.base > 0) {
-      return Status::Unimplemented("full KV: a context-parallel shard cannot be captured as a prefix");
     }
     if (s.fp != nullptr && tokens == s.base) return s.prefix;  // exactly the attached prefix
     const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_;
@@ -395,6 +394,7 @@ class FullKvPolicy final : public KvPolicy {
     int64_t base = 0;                        // the attached prefix's tokens: rows from `base` on are the sequence's own
     DeviceBuffer k, v;                       // own rows: [layers][hkv][capacity - base][d]
     bool closed = false;                     // a closed context-parallel shard (ShardSpec::closed)
+    bool shard = false;                      // a context-parallel shard (its prefixes: its own rows)
     const FullKvPrefix* fp = nullptr;        // the attached prefix (null: none)
     std::shared_ptr<const KvPrefix> prefix;  // ... held while the sequence lives
   };
@@ -402,6 +402,49 @@ class FullKvPolicy final : public KvPolicy {
     const FullKvPrefix* prefix;
     int offset, n;  // its rows in the step's upload tail
   };
+
+  // A context-parallel shard from a prefix of exactly its own tokens (a
+  // shard's capture): the prefix's K/V copied into the shard's own rows, so
+  // the shard is what its prefill made (no cascade attention).
+  Status AddShardFromPrefix(int64_t seq, const SequenceSpec& spec, Seq s) {
+    const auto* p = dynamic_cast<const FullKvPrefix*>(spec.prefix.get());
+    if (p == nullptr) {
+      return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a full KV sequence");
+    }
+    if (p->tokens() != spec.prompt_len) {
+      return Status::InvalidArgument("a context-parallel shard of " + std::to_string(spec.prompt_len) +
+                                     " tokens attaches a prefix of exactly its tokens, not " +
+                                     std::to_string(p->tokens()));
+    }
+    const size_t bytes = LayerStride(s) * ctx_.num_layers * esize_;
+    PENUMBRA_ASSIGN_OR_RETURN(s.k, ctx_.backend->Allocate(bytes));
+    PENUMBRA_ASSIGN_OR_RETURN(s.v, ctx_.backend->Allocate(bytes));
+    const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_, T = static_cast<size_t>(p->tokens());
+    const size_t rows = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv, pitch = OwnRows(s) * row;
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.k.get(), pitch, p->k(), T * row, T * row, rows));
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(s.v.get(), pitch, p->v(), T * row, T * row, rows));
+    s.length = s.base + p->tokens();
+    seqs_.emplace(seq, std::move(s));
+    return Status::OK();
+  }
+
+  // A context-parallel shard's first `tokens` own tokens (from its first
+  // position): the prefix AddShardFromPrefix takes.
+  Result<std::shared_ptr<const KvPrefix>> CaptureShard(const Seq& s, int64_t seq, int64_t tokens) {
+    if (tokens < 1 || tokens > s.length - s.base) {
+      return Status::InvalidArgument("prefix of " + std::to_string(tokens) + " tokens: shard " + std::to_string(seq) +
+                                     " holds " + std::to_string(s.length - s.base));
+    }
+    const size_t row = static_cast<size_t>(ctx_.head_dim) * esize_, T = static_cast<size_t>(tokens);
+    const size_t rows = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv, pitch = OwnRows(s) * row;
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer k, ctx_.backend->Allocate(rows * T * row));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer v, ctx_.backend->Allocate(rows * T * row));
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(k.get(), T * row, s.k.get(), pitch, T * row, rows));
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(v.get(), T * row, s.v.get(), pitch, T * row, rows));
+    return std::shared_ptr<const KvPrefix>(std::make_shared<FullKvPrefix>(tokens, ctx_.num_layers, ctx_.hkv,
+                                                                          ctx_.head_dim, ctx_.backend->act_dtype(),
+                                                                          std::move(k), std::move(v), ctx_.backend));
+  }
 
   Seq& Get(int64_t seq) {
     auto it = seqs_.find(seq);

@@ -134,7 +134,10 @@ struct SequenceSpec {
   int64_t first_prefill = 0;
   // A prefix made by this policy to start from (null: none): the sequence
   // holds its tokens as if prefilled and holds the prefix until removed;
-  // prefill continues at position prefix->tokens() < prompt_len.
+  // prefill continues at position prefix->tokens() < prompt_len. A
+  // context-parallel shard attaches a capture of the same shard (same
+  // position_base; the document cache's keys name the group's shape) of
+  // exactly prompt_len tokens: what follows comes as decode steps.
   std::shared_ptr<const KvPrefix> prefix;
   // Context parallel: the shard of a longer sequence this one is (default:
   // a whole sequence). prompt_len counts from position_base: the shard's
@@ -199,6 +202,8 @@ class KvPolicy {
   // policy (shadowkv) captures only all that `seq` holds, right after a
   // prefill ended there (FailedPrecondition otherwise): its state at a
   // position depends on where prefills ended.
+  // A context-parallel shard's `tokens` count its own tokens (from its
+  // position_base), as its SequenceSpec::prompt_len does.
   virtual Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) {
     return Status::Unimplemented("the " + name() + " KV policy cannot capture prompt prefixes yet");
   }

@@ -5,13 +5,18 @@
 // one token each per step, dropping sequences as they finish.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/hash.h"
@@ -139,6 +144,20 @@ struct RuntimeOptions {
   // Tier 0: hot cached documents' host-resident state (shadowkv values) in
   // spare device memory (worker/engine/value_tiers.h). Default: off.
   TierOptions tiers;
+  // Led mode (Runtime::LeadGroup): the leader sends the followers an empty
+  // op after this long without one, so that an idle group's exchanges stay
+  // within the collective's timeout. Default: 1000 ms.
+  int64_t group_heartbeat_ms = 1000;
+  // Context parallel prefill, balanced (docs/architecture.md, "Context
+  // parallel"): every rank but the first hands the attention of the second
+  // half of its shard's rows over each earlier rank's keys to that rank, so
+  // that every rank does the same attention work (without it the last rank
+  // does 2W - 1 times the first's). The exchange goes in rounds of at most
+  // cp_balance_round_rows rows (its buffers: world^2 rounds' outputs). Every
+  // rank of a group must agree on both (SetContextGroup checks). Defaults:
+  // true, 8192.
+  bool cp_prefill_balance = true;
+  int cp_balance_round_rows = 8192;
 };
 
 struct RunStats {
@@ -189,7 +208,8 @@ class Runtime {
   // in the state between steps,
   // capturing each leading segment it completes; it returns true when the
   // whole prompt is in, the last row's logits then in LastLogits() until the
-  // next runtime call. Generate uses the same steps.
+  // next runtime call. Generate uses the same steps. Under a context group:
+  // SetContextGroup (the sharded span, the tail, the ranks' agreement).
   // A prefill of prompt rows [start, end) part-way through the model's layers
   // (layer-major: the rows' hidden states stay on the device between steps).
   struct PartialPrefill {
@@ -248,14 +268,37 @@ class Runtime {
   // ---- Context parallel (docs/architecture.md, "Context parallel") ----
   // Makes this runtime rank group->rank() of a group whose ranks each hold a
   // contiguous shard of every sequence (ShardOf): the ranks make the same
-  // calls with the same arguments (Generate, or AddSequence, Prefill and
-  // DecodeStep); each prefills only its shard's rows, attending to the
-  // earlier shards' keys of each layer (gathered from their ranks), and each
-  // decode step's attention is every rank's part over its own shard, merged
-  // exactly by log-sum-exp; the new tokens are stored by the last rank.
-  // Every rank computes the same logits; the tokens sampled by rank 0 are
-  // everybody's. Not with prefix reuse, nor with the scheduler's prefill
-  // steps (Unimplemented). group outlives the runtime; null: none.
+  // calls with the same arguments (SPMD: Generate, or BeginPrefill,
+  // PrefillStep, DecodeStep, RemoveSequence and ForgetPrefixes; or the
+  // lower-level AddSequence, Prefill and DecodeStep); each prefills only its
+  // shard's rows, attending to the earlier shards' keys of each layer
+  // (gathered from their ranks), and each decode step's attention is every
+  // rank's part over its own shard, merged exactly by log-sum-exp; the new
+  // tokens are stored by the last rank. Every rank computes the same logits;
+  // the tokens sampled by rank 0 are everybody's.
+  // A request's sharded span is [0, D), D = document_ends.back() (the whole
+  // prompt without documents); the tail [D, P) is the last rank's, fed one
+  // token per step through the decode path (its last token's logits are
+  // LastLogits()). PrefillStep prefills the span a few layers per step
+  // (every rank the same layers: max_tokens x layers / D of them, at least
+  // one), then the tail (max_tokens / 128 tokens per step, at least one: a
+  // tail token costs a decode step of the group, about what 128 prefill
+  // tokens do; a put, max_new_tokens 0, skips the tail).
+  // With the document cache each rank captures its own shard of the whole
+  // documents (the last document's key, under a fence naming rank and
+  // world: DocumentCache::SetShard) when the span is in; BeginPrefill looks
+  // up every rank's shard (memory, then the persistent tier, here: the
+  // scheduler's StoreLookups are empty) and one all-gather decides: attach
+  // when every rank holds its shard (cached_prompt_tokens = D), else every
+  // rank prefills from the ids, or, with ids_from > 0, every rank fails
+  // with the same FailedPrecondition. A step that fails on any rank fails on
+  // every rank, naming it (an all-gather of the ranks' statuses after the
+  // local work; a prefill step's at each layer too); the sequence is then
+  // removed by the caller (BeginPrefill leaves nothing). A decode step that
+  // fails on a rank part-way through its layers' exchanges breaks the group
+  // (GroupHealth). group outlives the runtime; null: none. May be called
+  // again with a new group once every sequence is removed (the document
+  // cache stays: its shards are found again under the same rank and world).
   Status SetContextGroup(Collective* group);
   struct Shard {
     int64_t begin = 0, end = 0;  // prompt positions [begin, end)
@@ -265,6 +308,27 @@ class Runtime {
   // still gets some.
   static Shard ShardOf(int64_t tokens, int rank, int world);
   Collective* context_group() const { return cp_; }
+
+  // ---- Led mode: the service's group (one scheduler, on rank 0) ----
+  // Rank 0: from now on each call of BeginPrefill, PrefillStep, DecodeStep,
+  // RemoveSequence and ForgetPrefixes is first sent to the followers (its
+  // op, the request's fields, the step's arguments and the sampled tokens)
+  // and then run here, the followers running the same call with states of
+  // their own; the caller (the scheduler) sees no difference. An idle
+  // leader sends an empty op every group_heartbeat_ms. Generate is refused
+  // while leading. FailedPrecondition without a group or on another rank.
+  Status LeadGroup();
+  // Ranks > 0: runs the leader's calls until it calls StopGroup (OK) or the
+  // group fails (its error); every sequence it holds is then removed.
+  // Followers never sample: the tokens come with the decode steps.
+  Status FollowGroup();
+  // Rank 0, after its caller's last call (the scheduler stopped): ends led
+  // mode and the followers' FollowGroup.
+  Status StopGroup();
+  // OK, or the group's first failure (a peer gone, a deadline): every later
+  // group call fails at once with it, until SetContextGroup.
+  Status GroupHealth() const;
+  ~Runtime();
 
   // Lower-level steps (benchmarks, tests). Under a context group,
   // AddSequence adds this rank's shard of the sequence.
@@ -321,7 +385,17 @@ class Runtime {
   // Prefill's three parts: the rows' embeddings, `layers` more layers, and the
   // last row's logits (then the stats).
   Result<std::unique_ptr<PartialPrefill>> StartPrefill(const std::vector<int32_t>& prompt, int64_t start, int64_t end);
+  // Context parallel: each layer ends with the ranks' agreement (Agree).
   Status PrefillLayers(int64_t seq, PartialPrefill* p, int layers);
+  // Layer l of every row (PrefillLayers' body).
+  Status PrefillLayer(int64_t seq, PartialPrefill* p, int l);
+  // Layer l of rows [begin, end) of the prefill, no exchange. Each chunk's
+  // own attention (attn_; its log-sum-exps in cp_lse_ under a context
+  // group) goes through combine(off, n) before the output projection when
+  // given; without it a rank > 0 of a context group merges the earlier
+  // ranks' keys (cp_prefix_k_/v_).
+  Status PrefillRows(int64_t seq, PartialPrefill* p, int l, int64_t begin, int64_t end,
+                     const std::function<Status(int64_t off, int n)>& combine = {});
   Status FinishPrefill(PartialPrefill* p, std::vector<float>* logits_out);
   // Context parallel, prefill: the most rows any rank holds of a prompt of
   // `prompt_end` tokens; the exchange's buffers and RopeStore pointer table
@@ -329,6 +403,24 @@ class Runtime {
   // every rank's rows gathered, the earlier ranks' in cp_prefix_k_/v_
   // ([hkv][p->start][d]).
   int64_t MaxShardRows(int64_t prompt_end) const;
+  // Balanced prefill (RuntimeOptions::cp_prefill_balance): the rows of rank
+  // j's shard that attend to the earlier ranks' keys on rank j (the first
+  // ones; the rest, "handed over", get that attention from each earlier rank
+  // over its own keys), the most rows any rank hands over (0: not balanced),
+  // and the rows of one round of the exchange.
+  int64_t KeptRows(int64_t prompt_end, int j) const;
+  int64_t MaxHandedRows(int64_t prompt_end) const;
+  int64_t BalanceRoundRows(int64_t prompt_end) const;
+  // The prefill's exchange buffers for a prompt of prompt_end tokens
+  // (defined in runtime.cc).
+  struct ExchangeLayout;
+  ExchangeLayout LayoutFor(int64_t prompt_end) const;
+  // The handed-over rows of layer l, round by round: this rank's part of the
+  // later ranks' rows (over its own keys), one all-gather of every rank's
+  // parts, then its own handed rows merged with the earlier ranks' parts.
+  // Every rank makes every round's all-gather even after a local failure
+  // (*local), so that all reach the layer's agreement.
+  void PrefillHandedRows(int64_t seq, PartialPrefill* p, int l, Status* local);
   Status PrepareKeyExchange(const PartialPrefill& p);
   Status GatherEarlierKeys(PartialPrefill* p, int l);
   // Context parallel, decode: where this rank's attention part of `rows`
@@ -370,7 +462,52 @@ class Runtime {
   // table, all ranks' gathered, the earlier ranks' K and V contiguous, row
   // indices 0..n-1.
   DeviceBuffer cp_lse_, cp_part_, cp_parts_, cp_kv_, cp_kv_ptrs_, cp_kv_all_, cp_prefix_k_, cp_prefix_v_, cp_iota_;
+  DeviceBuffer cp_handed_;  // balanced prefill: every rank's round parts, [world][world] slots
   Result<bool> PrefillStepImpl(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
+  // ---- Context parallel steps (every rank the same call) ----
+  // The sharded span's end, D (SetContextGroup).
+  static int64_t SpanOf(const GenerationRequest& r);
+  // This rank's shard of a span of D tokens, followed by `tail` tokens
+  // (fed as decode steps), from `prefix` (its shard's capture; null: none).
+  Status AddShard(int64_t seq, int64_t span, int64_t tail, int64_t max_new_tokens,
+                  std::shared_ptr<const KvPrefix> prefix);
+  Status GroupBegin(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result);
+  Result<bool> GroupStep(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
+  Status GroupSpanStep(int64_t seq, const GenerationRequest& r, PrefillState* state, int64_t max_tokens);
+  Result<const float*> GroupDecode(const std::vector<int64_t>& seqs, const std::vector<int32_t>& tokens,
+                                   const std::vector<int64_t>& positions);
+  Result<int> GroupForget(const GenerationRequest& r);
+  // BeginPrefill and every PrefillStep, to the end (Generate).
+  Status GroupPrefill(int64_t seq, const GenerationRequest& r, GenerationResult* result);
+  // Captures this rank's shard of `r`'s documents (own_tokens of it).
+  Status CaptureShard(int64_t seq, const GenerationRequest& r, PrefillState* st, int64_t own_tokens);
+  // Every rank's outcome of a step: OK when all succeeded, else the first
+  // failing rank's (its code and text, the same on every rank). `count`
+  // (may be null) is summed over the ranks.
+  Status Agree(const Status& local, int64_t* count = nullptr);
+  // Records the group's first failure; returns it.
+  Status Broken(const Status& why);
+  // Led mode: the leader sends an op record (and the heartbeat's empty
+  // ones); a follower receives and runs one.
+  Status SendOp(std::string record);
+  Status RunOp(const std::string& record, bool* stop);
+  void HeartbeatLoop();
+  void StopHeartbeat();
+  struct Followed {
+    GenerationRequest req;
+    PrefillState state;
+    GenerationResult result;
+  };
+  std::map<int64_t, std::unique_ptr<Followed>> followed_;  // a follower's sequences
+  std::atomic<bool> leading_{false};
+  std::mutex lead_mu_;  // the leader's ops (each sent, then run) and heartbeats, one at a time
+  std::chrono::steady_clock::time_point last_op_;  // under lead_mu_
+  std::thread heartbeat_;
+  std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  bool hb_stop_ = false;  // under hb_mu_
+  mutable std::mutex health_mu_;
+  Status health_;  // under health_mu_
   // reuse false: no prefix looked up nor captured.
   Status BeginPrefillImpl(int64_t seq, const GenerationRequest& r, PrefillState* state, GenerationResult* result,
                           bool reuse, PrefetchedDocuments* prefetched = nullptr);

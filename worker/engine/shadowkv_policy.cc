@@ -83,14 +83,18 @@ class ShadowKvPolicy final : public KvPolicy {
       if (prefix == nullptr) {
         return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a shadowkv sequence");
       }
-      if (prefix->tokens() >= spec.prompt_len) {
+      // A context-parallel shard attaches its own capture: every token of it
+      // (what follows comes as decode steps).
+      if (spec.shard.sharded() && prefix->tokens() != spec.prompt_len) {
+        return Status::InvalidArgument("a context-parallel shard of " + std::to_string(spec.prompt_len) +
+                                       " tokens attaches a prefix of exactly its tokens, not " +
+                                       std::to_string(prefix->tokens()));
+      }
+      if (!spec.shard.sharded() && prefix->tokens() >= spec.prompt_len) {
         return Status::InvalidArgument("a prefix of " + std::to_string(prefix->tokens()) +
                                        " tokens leaves nothing of the " + std::to_string(spec.prompt_len) +
                                        "-token prompt to prefill");
       }
-    }
-    if (spec.shard.sharded() && spec.prefix) {
-      return Status::Unimplemented("shadowkv: a context-parallel shard cannot attach a prefix");
     }
     if (!(spec.shard.share > 0 && spec.shard.share <= 1)) {
       return Status::InvalidArgument("shadowkv: a shard's share of its sequence must be in (0, 1]");

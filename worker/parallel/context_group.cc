@@ -35,13 +35,18 @@ Result<std::string> LoadGroupSecret(const std::string& path) {
     return Status::InvalidArgument("group secret " + path + ": readable by group or others; chmod 600 it");
   }
   PENUMBRA_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  Result<std::string> bytes = ParseGroupSecret(text);
+  if (!bytes.ok()) return Status::InvalidArgument("group secret " + path + ": " + bytes.status().message());
+  return bytes;
+}
+
+Result<std::string> ParseGroupSecret(const std::string& text) {
   const size_t b = text.find_first_not_of(" \t\r\n");
   const size_t e = text.find_last_not_of(" \t\r\n");
   const std::string hex = b == std::string::npos ? "" : text.substr(b, e - b + 1);
   if (hex.size() < 32 || hex.size() % 2 != 0 || hex.size() > 1024 ||
       hex.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) {
-    return Status::InvalidArgument("group secret " + path +
-                                   ": not an even number of hex digits, 32 to 1024 (128 bits or more)");
+    return Status::InvalidArgument("not an even number of hex digits, 32 to 1024 (128 bits or more)");
   }
   std::string bytes(hex.size() / 2, '\0');
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));

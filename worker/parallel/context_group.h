@@ -38,5 +38,7 @@ Result<std::unique_ptr<Collective>> JoinContextGroup(const Args& a, Backend* bac
 // RandomHandle() makes), surrounding whitespace ignored, the file readable
 // by its owner alone. The secret's bytes; InvalidArgument naming the file.
 Result<std::string> LoadGroupSecret(const std::string& path);
+// The same from text (a group secret handed over a control plane).
+Result<std::string> ParseGroupSecret(const std::string& text);
 
 }  // namespace penumbra

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -588,6 +589,20 @@ class TcpCollective final : public Collective {
     return Call(kAllGatherHost, -1, send, recv, bytes);
   }
   Status Barrier() override { return Call(kBarrier, -1, nullptr, nullptr, 0); }
+  // A peer's connection closed (its FIN or reset seen by poll, nothing
+  // read): its process is gone.
+  Status Probe() override {
+    std::lock_guard<std::mutex> lk(probe_mu_);
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_ || !peers_[r]) continue;
+      pollfd p{peers_[r].fd(), POLLRDHUP, 0};
+      if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+        return Status::Unavailable("collective (rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
+                                   "): rank " + std::to_string(r) + "'s connection closed (its process gone?)");
+      }
+    }
+    return Status::OK();
+  }
 
   // Joining: rank 0 accepts the others on `listener`; a rank > 0 connects
   // to host:port. Both return once every rank has joined (rank 0's welcome).
@@ -673,6 +688,7 @@ class TcpCollective final : public Collective {
   const size_t max_pending_, max_pending_per_host_;
   // Rank 0: a connection to each rank > 0; a rank > 0: peers_[0].
   std::vector<Conn> peers_;
+  std::mutex probe_mu_;  // Probe's reads of peers_ against Fail's closing them
   // A message to the peer was cut off midway: the stream is out of step,
   // so no abort can follow it (the peer would read it as payload).
   std::vector<bool> send_cut_;
@@ -910,6 +926,7 @@ Status TcpCollective::Fail(const Status& s) {
     Deadline brief{Clock::now() + 100ms, 100ms};
     (void)Send(r, abort, message.data(), message.size(), brief, /*watch=*/false);
   }
+  std::lock_guard<std::mutex> lk(probe_mu_);
   for (auto& p : peers_) p.Reset();
   return broken_;
 }

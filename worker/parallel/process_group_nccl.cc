@@ -8,15 +8,21 @@
 // and the connections NCCL sets up at a group's first calls, are waited for
 // here with the group's timeout rather than inside NCCL with none, so a rank
 // that never comes is DeadlineExceeded, not a hang. What runs on the device
-// is NCCL's: a peer that dies while its partners' kernels wait for it is
-// seen by the next host-side call (an NCCL async error, or the control
-// plane's closed connection), which aborts the communicator and so ends the
-// kernels (ncclCommAbort).
+// is NCCL's: a peer that dies while its partners' kernels wait for it
+// would hold the caller's next synchronization forever, so a watchdog thread
+// checks the communicator every 50 ms: NCCL's own async error, the control
+// plane's connections (Collective::Probe: a peer's process gone closes
+// them), and the last collective's completion (one still on the device
+// after the group's timeout: a peer stopped). On any of them it aborts the
+// communicator (ncclCommAbort), which ends the kernels waiting; the caller's
+// next call fails with the reason, and so does its step.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "worker/parallel/process_group.h"
@@ -71,23 +77,27 @@ class NcclCollective final : public Collective {
     if (bytes == 0) return Status::OK();
     return Launch([&] { return ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_); }, "ncclBroadcast");
   }
+  // (After the watchdog's abort these fail at once with its reason rather
+  // than wait out the timeout again for the peer it gave up on.)
   Status BroadcastHost(void* buf, size_t bytes, int root) override {
-    if (!broken_.ok()) return broken_;
+    PENUMBRA_RETURN_IF_ERROR(Usable());
     return Control(control_->BroadcastHost(buf, bytes, root));
   }
   Status AllGatherHost(const void* send, void* recv, size_t bytes) override {
-    if (!broken_.ok()) return broken_;
+    PENUMBRA_RETURN_IF_ERROR(Usable());
     return Control(control_->AllGatherHost(send, recv, bytes));
   }
   Status Barrier() override {
-    if (!broken_.ok()) return broken_;
+    PENUMBRA_RETURN_IF_ERROR(Usable());
     return Control(control_->Barrier());
   }
 
-  // Makes the communicator (every rank of the control group calls it).
+  // Makes the communicator (every rank of the control group calls it) and
+  // starts the watchdog.
   Status Init();
 
  private:
+  void Watch();  // the watchdog thread
   // Waits while a call of the non-blocking communicator is in progress (its
   // host side: init's and connections' handshakes, a launch's enqueueing).
   Status Await(ncclResult_t r, const std::string& what);
@@ -95,6 +105,17 @@ class NcclCollective final : public Collective {
   template <typename Op>
   Status Launch(Op op, const char* what);
   Status Control(const Status& s) { return s.ok() ? s : Fail(s, /*prefix=*/false); }
+  // OK unless the group is broken or the watchdog aborted the communicator
+  // (then the group breaks with its reason).
+  Status Usable() {
+    if (!broken_.ok()) return broken_;
+    Status aborted;
+    {
+      std::lock_guard<std::mutex> lk(watch_mu_);
+      aborted = aborted_;
+    }
+    return aborted.ok() ? aborted : Fail(aborted, /*prefix=*/false);
+  }
   // Breaks the group (the first failure wins): aborts the communicator, so
   // that device work waiting for a peer that is gone ends, and closes the
   // control group, so that the peers' next call fails too.
@@ -105,12 +126,29 @@ class NcclCollective final : public Collective {
   const cudaStream_t stream_;
   const Clock::duration timeout_;
   ncclComm_t comm_ = nullptr;
-  Status broken_;
+  Status broken_;  // the caller's thread's
+  // Between the caller's thread (its NCCL calls, Fail) and the watchdog:
+  // comm_, control_'s lifetime, aborted_ and the last launch.
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;
+  Status aborted_;  // why the watchdog aborted the communicator (OK: it did not)
+  cudaEvent_t last_ev_ = nullptr;
+  Clock::time_point last_launch_{};
+  bool pending_ = false;  // last_ev_ recorded and not seen complete
+  std::thread watchdog_;
 };
 
 NcclCollective::~NcclCollective() {
-  if (comm_ == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lk(watch_mu_);
+    watch_stop_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
   (void)cudaSetDevice(device_);
+  if (last_ev_ != nullptr) (void)cudaEventDestroy(last_ev_);
+  if (comm_ == nullptr || !aborted_.ok()) return;  // aborted: nothing to finalize
   // Finalize lets the work already queued finish (bounded: a peer gone
   // would hold it forever), then Destroy frees without blocking.
   const Status s = Await(ncclCommFinalize(comm_), "ncclCommFinalize");
@@ -148,6 +186,9 @@ Status NcclCollective::Init() {
   r = ncclCommInitRankConfig(&comm_, world_, msg.id, rank_, &config);
   const Status joined = Await(r, "ncclCommInitRankConfig");
   if (!joined.ok()) return Fail(joined);
+  e = cudaEventCreateWithFlags(&last_ev_, cudaEventDisableTiming);
+  if (e != cudaSuccess) return Fail(CudaError(e, "cudaEventCreateWithFlags"));
+  watchdog_ = std::thread([this] { Watch(); });
   return Status::OK();
 }
 
@@ -184,16 +225,62 @@ template <typename Op>
 Status NcclCollective::Launch(Op op, const char* what) {
   const cudaError_t e = cudaSetDevice(device_);
   if (e != cudaSuccess) return Fail(CudaError(e, "cudaSetDevice(" + std::to_string(device_) + ")"));
-  Status s = Await(op(), what);
-  if (s.ok()) {
-    // What NCCL found since the last call (a peer's failure on the network).
-    ncclResult_t async = ncclSuccess;
-    const ncclResult_t q = ncclCommGetAsyncError(comm_, &async);
-    if (q != ncclSuccess) async = q;
-    if (async != ncclSuccess && async != ncclInProgress) s = NcclError(async, std::string(what) + " (an earlier call)");
+  Status s;
+  bool watchdog = false;  // s is the watchdog's reason (already in context)
+  {
+    std::lock_guard<std::mutex> lk(watch_mu_);
+    if (!aborted_.ok()) {
+      s = aborted_;  // the watchdog's: the communicator is gone
+      watchdog = true;
+    } else {
+      s = Await(op(), what);
+      if (s.ok()) {
+        // What NCCL found since the last call (a peer's failure on the network).
+        ncclResult_t async = ncclSuccess;
+        const ncclResult_t q = ncclCommGetAsyncError(comm_, &async);
+        if (q != ncclSuccess) async = q;
+        if (async != ncclSuccess && async != ncclInProgress) {
+          s = NcclError(async, std::string(what) + " (an earlier call)");
+        }
+      }
+      if (s.ok() && cudaEventRecord(last_ev_, stream_) == cudaSuccess) {
+        last_launch_ = Clock::now();
+        pending_ = true;
+      }
+    }
   }
-  if (!s.ok()) return Fail(s);
+  if (!s.ok()) return Fail(s, /*prefix=*/!watchdog);
   return Status::OK();
+}
+
+void NcclCollective::Watch() {
+  (void)cudaSetDevice(device_);
+  std::unique_lock<std::mutex> lk(watch_mu_);
+  while (!watch_stop_) {
+    watch_cv_.wait_for(lk, std::chrono::milliseconds(50), [this] { return watch_stop_; });
+    if (watch_stop_ || comm_ == nullptr || !aborted_.ok()) continue;
+    Status why;
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      why = NcclError(async, "NCCL");
+    }
+    if (why.ok() && control_ != nullptr) why = control_->Probe();
+    if (why.ok() && pending_) {
+      const cudaError_t q = cudaEventQuery(last_ev_);
+      if (q == cudaSuccess) {
+        pending_ = false;
+      } else if (q == cudaErrorNotReady && Clock::now() - last_launch_ > timeout_) {
+        why = Status::DeadlineExceeded("a collective still on the device after " +
+                                       std::to_string(std::chrono::duration<double>(timeout_).count()) +
+                                       " s (a rank stopped)");
+      }
+    }
+    if (why.ok()) continue;
+    aborted_ = why.WithContext("collective (rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
+                               ", NCCL watchdog)");
+    LOG(WARNING) << aborted_ << "; aborting the communicator";
+    (void)ncclCommAbort(comm_);  // the kernels waiting for the peer end
+  }
 }
 
 Status NcclCollective::Fail(const Status& s, bool prefix) {
@@ -201,11 +288,12 @@ Status NcclCollective::Fail(const Status& s, bool prefix) {
   broken_ =
       prefix ? s.WithContext("collective (rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ", NCCL)")
              : s;
-  if (comm_ != nullptr) {
+  std::lock_guard<std::mutex> lk(watch_mu_);
+  if (comm_ != nullptr && aborted_.ok()) {  // (the watchdog's abort freed it already)
     (void)cudaSetDevice(device_);
     (void)ncclCommAbort(comm_);
-    comm_ = nullptr;
   }
+  comm_ = nullptr;
   control_.reset();
   return broken_;
 }

@@ -52,6 +52,7 @@ Scheduler::Scheduler(Runtime* runtime, const SchedulerOptions& options) : rt_(ru
 }
 
 void Scheduler::FetchLoop() {
+  BindThread();
   for (;;) {
     std::function<void()> job;
     {
@@ -360,7 +361,14 @@ void Scheduler::RunTasks() {
   }
 }
 
+void Scheduler::BindThread() {
+  // The runtime's device for this thread's calls (a worker on a second GPU
+  // would otherwise allocate on the first).
+  if (Status s = rt_->backend().BindThread(); !s.ok()) LOG(ERROR) << "scheduler: " << s;
+}
+
 void Scheduler::Loop() {
+  BindThread();
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     work_cv_.wait_for(lk, kIdleTick, [&] { return stop_ || HasWork(); });

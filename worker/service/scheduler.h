@@ -229,7 +229,8 @@ class Scheduler {
   // Plans the lookups of newly queued requests and hands those that need
   // the store to the I/O threads.
   void StartFetches();
-  void FetchLoop();  // an I/O thread
+  void FetchLoop();   // an I/O thread
+  void BindThread();  // the loop's and the I/O threads' first call
   void Admit();
   void PrefillOne();
   void DecodeOnce();

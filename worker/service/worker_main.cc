@@ -10,8 +10,10 @@
 // --drain-seconds; the rest end "cancelled" for the coordinator to retry),
 // then exits 0. SIGHUP rereads the control API's TLS files (for new
 // connections) and stops nothing.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <optional>
@@ -235,6 +237,20 @@ class StoreNodeMetrics {
   std::vector<Row> rows_;
 };
 
+// Device bytes one token of context takes (WorkerHealth's estimate, by
+// which the coordinator places long documents): full attention's K and V of
+// every layer; ShadowKV's low-rank key factor and landmarks (its values
+// live in host memory).
+int64_t DeviceBytesPerToken(Engine& e) {
+  const ModelConfig& c = e.config();
+  const int64_t es = static_cast<int64_t>(DTypeSize(e.backend().act_dtype()));
+  const int64_t kv = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  if (e.options().kv_policy != "shadowkv") return 2 * c.num_layers * kv * es;
+  const ShadowKvOptions& o = e.options().shadowkv;
+  const int64_t lm_bytes = o.landmark_fp8() ? 1 : es;
+  return c.num_layers * (o.rank * es + kv * lm_bytes * o.landmarks_per_chunk / std::max(1, o.chunk_size));
+}
+
 // Every flag: the worker's table, the engine's, the security and admin flags.
 Args Flags() {
   Args a;
@@ -294,6 +310,10 @@ Status Run(int argc, char** argv) {
   PENUMBRA_RETURN_IF_ERROR(
       transport::CheckPlaintextBind("the control API", host, security.tls.enabled(), security.insecure));
 
+  // A group's rank 0 keeps idle followers hearing from it well within the
+  // group's timeout.
+  eo.runtime.group_heartbeat_ms =
+      std::clamp<int64_t>(static_cast<int64_t>(wo.group.timeout_s * 1000 / 4), 50, eo.runtime.group_heartbeat_ms);
   std::unique_ptr<Engine> engine;
   if (wo.random_weights >= 0) {
     PENUMBRA_ASSIGN_OR_RETURN(ModelConfig c, LoadModelConfig(wo.model + "/config.json"));
@@ -309,6 +329,16 @@ Status Run(int argc, char** argv) {
   id.max_context = engine->config().max_position_embeddings;
   id.vocab_size = engine->config().vocab_size;
   id.eos_ids = engine->config().eos_token_ids;
+  id.device_bytes_per_token = DeviceBytesPerToken(*engine);
+  // A rank of a context group: formed by the coordinator (JoinGroup).
+  std::unique_ptr<service::GroupMember> group;
+  if (!wo.group.name.empty()) {
+    service::GroupMemberOptions go = wo.group;
+    go.host = host;
+    go.tls = security.tls;
+    go.insecure = security.insecure;
+    group = std::make_unique<service::GroupMember>(scheduler.get(), &engine->runtime(), go);
+  }
   transport::ThriftServerOptions to;
   to.host = host;
   to.port = wo.port;
@@ -322,7 +352,7 @@ Status Run(int argc, char** argv) {
     t.client_roles = {transport::role::kCoordinator};
     to.tls = t;
   }
-  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to, wo.lease));
+  PENUMBRA_ASSIGN_OR_RETURN(auto server, service::WorkerServer::Start(scheduler.get(), id, to, wo.lease, group.get()));
   WorkerMetrics metrics(scheduler.get(), server.get(), [&engine] { return engine->prefix_store_health(); });
   StoreNodeMetrics node_metrics(*metrics.registry(), store_nodes);
   std::unique_ptr<transport::MetricsServer> metrics_server;
@@ -341,9 +371,13 @@ Status Run(int argc, char** argv) {
     nlohmann::json j = {{"port", server->port()}, {"metrics_port", mport}, {"pid", static_cast<int64_t>(getpid())}};
     PENUMBRA_RETURN_IF_ERROR(WriteFileAtomically(wo.port_file, j.dump() + "\n"));
   }
-  std::printf("penumbra-worker %s: serving %s (%s, kv policy %s) on %s:%d (%s), admin on %s:%d\n", name.c_str(),
+  std::printf("penumbra-worker %s: serving %s (%s, kv policy %s) on %s:%d (%s), admin on %s:%d%s\n", name.c_str(),
               id.model.c_str(), id.backend.c_str(), id.kv_policy.c_str(), host.c_str(), server->port(),
-              security.tls.enabled() ? "mutual TLS" : "plaintext", admin.host.c_str(), mport);
+              security.tls.enabled() ? "mutual TLS" : "plaintext", admin.host.c_str(), mport,
+              group ? (", rank " + std::to_string(wo.group.rank) + " of group " + wo.group.name + " (" +
+                       std::to_string(wo.group.world) + " ranks)")
+                          .c_str()
+                    : "");
   std::fflush(stdout);
 
   // SIGHUP rereads the control API's TLS files (for new connections) and
@@ -360,6 +394,22 @@ Status Run(int argc, char** argv) {
     }
   });
   LOG(INFO) << "penumbra-worker " << name << ": signal " << sig << ", draining (at most " << drain_s << " s)";
+  if (group && wo.group.rank > 0) {
+    // A follower owns no request: it stops serving and exits without
+    // waiting for the steps it runs for rank 0 (its group breaks; rank 0's
+    // requests fail over). What it is storing is kept first.
+    server->Stop();
+    if (metrics_server) metrics_server->Stop();
+    group->Stop();
+    if (!engine->runtime().DrainPrefixStores(std::chrono::seconds(drain_s))) {
+      LOG(WARNING) << "penumbra-worker " << name << ": documents still being stored after " << drain_s
+                   << " s; not waiting for them";
+    }
+    std::printf("penumbra-worker %s: stopped\n", name.c_str());
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(0);
+  }
   // Drain: no new requests; the running ones finish unless they outlast the
   // limit, then the scheduler's destruction ends them "cancelled".
   if (!scheduler->Drain(std::chrono::seconds(drain_s))) {
@@ -370,7 +420,8 @@ Status Run(int argc, char** argv) {
   if (!scheduler->WaitReleased(std::chrono::seconds(std::min<int64_t>(drain_s, 10)))) {
     LOG(WARNING) << "penumbra-worker " << name << ": answers not read by their clients; dropped";
   }
-  scheduler->Stop();  // cancels what is left; pollers see "cancelled"
+  if (group) group->Stop();  // rank 0: the followers return
+  scheduler->Stop();         // cancels what is left; pollers see "cancelled"
   server->Stop();
   if (metrics_server) metrics_server->Stop();
   // Documents being stored are kept (a store node that stopped answering

@@ -49,6 +49,9 @@ const OptionTable<WorkerProcessOptions>& WorkerOptionTable() {
            .Duration(T::Field<milliseconds>([](O* o) { return &o->store_calls.breaker.cool_down; }),
                      "store-breaker-cooldown-ms", "", 0, 3600000,
                      "how long an open breaker fails calls at once before one probe call")
+           .Int(T::Field<int>([](O* o) { return &o->store_calls.plane.connections; }), "store-connections", "", 1, 64,
+                "connections to each store node, each with its own UCX worker and progress thread (a document's "
+                "parallel reads are spread over them)")
            .Int(T::Field<int>([](O* o) { return &o->scheduler.store_fetch_threads; }), "store-fetch-threads", "", 1,
                 256, "threads reading stored documents for queued requests, off the decode loop")
            .Int(&O::max_frame_mb, "max-frame-mb", "", 1, 1024, "largest request frame in MiB")
@@ -58,7 +61,25 @@ const OptionTable<WorkerProcessOptions>& WorkerOptionTable() {
            .Int(&O::random_weights, "random-weights", "", int64_t{0}, INT64_MAX,
                 "benchmarks only: the model's shape from --model DIR/config.json, its weights random from this "
                 "seed (generated on the device; no safetensors read)")
-           .Unset("-1", "off");
+           .Unset("-1", "off")
+           .String(T::Field<std::string>([](O* o) { return &o->group.name; }), "group", "", "NAME",
+                   "the context group this worker is a rank of (formed by the coordinator; only rank 0 takes "
+                   "requests)")
+           .Unset("", "none: a single worker")
+           .Int(T::Field<int>([](O* o) { return &o->group.rank; }), "group-rank", "", 0, 4095,
+                "this worker's rank in its group")
+           .Int(T::Field<int>([](O* o) { return &o->group.world; }), "group-world", "", 1, 4096,
+                "the ranks of its group")
+           .Double(T::Field<double>([](O* o) { return &o->group.timeout_s; }), "group-timeout-s", "", 1, 86400,
+                   "the group's exchanges fail (the group breaks) when no byte moves for this long")
+           .Check("group", [](const O& o) -> std::string {
+             if (o.group.name.empty()) {
+               return o.group.world > 1 || o.group.rank > 0 ? "--group-world and --group-rank need --group" : "";
+             }
+             if (o.group.world < 2) return "--group needs --group-world of 2 or more";
+             if (o.group.rank >= o.group.world) return "--group-rank must be below --group-world";
+             return "";
+           });
   return *table;
 }
 

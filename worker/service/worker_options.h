@@ -10,6 +10,7 @@
 
 #include "common/option_table.h"
 #include "store_node/store_node.h"
+#include "worker/service/group_member.h"
 #include "worker/service/scheduler.h"
 #include "worker/service/worker_server.h"
 
@@ -31,6 +32,11 @@ struct WorkerProcessOptions {
   SchedulerOptions scheduler;      // but max_batch (above)
   WorkerLeaseOptions lease;
   transport::RemoteStoreOptions store_calls;  // with store nodes: the calls' deadlines and breakers
+  // A member of a context group (--group NAME, --group-rank, --group-world,
+  // --group-timeout-s; the group's host is --host): formed by the
+  // coordinator (JoinGroup). name "": a single worker. Its TLS files and
+  // insecure come from the security flags.
+  GroupMemberOptions group;
 };
 
 const OptionTable<WorkerProcessOptions>& WorkerOptionTable();

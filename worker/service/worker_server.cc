@@ -200,8 +200,9 @@ void WorkerHandler::Sweep() {
   since_sweep_ = 0;
 }
 
-WorkerHandler::WorkerHandler(Scheduler* scheduler, WorkerIdentity identity, WorkerLeaseOptions lease)
-    : s_(scheduler), id_(std::move(identity)), lease_(lease) {
+WorkerHandler::WorkerHandler(Scheduler* scheduler, WorkerIdentity identity, WorkerLeaseOptions lease,
+                             GroupMember* group)
+    : s_(scheduler), id_(std::move(identity)), group_(group), lease_(lease) {
   lease_thread_ = std::thread([this] { LeaseLoop(); });
 }
 
@@ -319,11 +320,18 @@ Result<SubmitOptions> OptionsOf(const R& r) {
 
 }  // namespace
 
+void WorkerHandler::CheckServing() const {
+  if (group_ == nullptr) return;
+  if (Status s = group_->Serving(); !s.ok()) Throw(s);
+}
+
 void WorkerHandler::Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) {
+  CheckServing();
   handle = Submit(FromRpc(request, id_.max_context), OptionsOf(request), request.owner_id);
 }
 
 void WorkerHandler::PutDocument(std::string& handle, const rpc::WorkerPutRequest& request) {
+  CheckServing();
   handle = Submit(FromRpc(request, id_.max_context), OptionsOf(request), request.owner_id);
 }
 
@@ -420,6 +428,7 @@ void WorkerHandler::Release(const std::string& handle) {
 
 int32_t WorkerHandler::ForgetDocuments(const std::vector<rpc::WorkerDocument>& documents,
                                        const std::string& cache_namespace) {
+  CheckServing();
   // Named by digest alone: the ids, when sent, are not needed.
   std::vector<rpc::WorkerDocument> refs = documents;
   for (rpc::WorkerDocument& d : refs) {
@@ -450,6 +459,18 @@ void WorkerHandler::Health(rpc::WorkerHealth& out) {
   out.max_context = id_.max_context;
   out.vocab_size = id_.vocab_size;
   out.eos_ids = id_.eos_ids;
+  out.device_bytes_per_token = id_.device_bytes_per_token;
+  if (group_ != nullptr) {
+    out.group = group_->State();
+    out.__isset.group = true;
+  }
+}
+
+void WorkerHandler::JoinGroup(std::string& rendezvous, const rpc::WorkerJoinGroup& join) {
+  if (group_ == nullptr) Throw(Status::FailedPrecondition("this worker is in no group (no --group)"));
+  Result<std::string> r = group_->Join(join);
+  if (!r.ok()) Throw(r.status());
+  rendezvous = std::move(*r);
 }
 
 void WorkerHandler::Stats(rpc::WorkerStats& out) {
@@ -475,9 +496,9 @@ void WorkerHandler::Stats(rpc::WorkerStats& out) {
 
 Result<std::unique_ptr<WorkerServer>> WorkerServer::Start(Scheduler* scheduler, WorkerIdentity identity,
                                                           const transport::ThriftServerOptions& options,
-                                                          WorkerLeaseOptions lease) {
+                                                          WorkerLeaseOptions lease, GroupMember* group) {
   PENUMBRA_RETURN_IF_ERROR(lease.Validate());
-  auto handler = std::make_shared<WorkerHandler>(scheduler, std::move(identity), lease);
+  auto handler = std::make_shared<WorkerHandler>(scheduler, std::move(identity), lease, group);
   auto processor = std::make_shared<rpc::WorkerProcessor>(handler);
   auto w = std::unique_ptr<WorkerServer>(new WorkerServer());
   w->handler_ = handler;

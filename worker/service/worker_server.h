@@ -18,6 +18,7 @@
 
 #include "gen-cpp/Worker.h"
 #include "transport/thrift_util.h"
+#include "worker/service/group_member.h"
 #include "worker/service/scheduler.h"
 
 namespace penumbra::service {
@@ -27,6 +28,7 @@ struct WorkerIdentity {
   int64_t max_context = 0;
   int32_t vocab_size = 0;
   std::vector<int32_t> eos_ids;
+  int64_t device_bytes_per_token = 0;  // WorkerHealth's estimate; 0: not known
 };
 
 struct WorkerLeaseOptions {
@@ -53,7 +55,10 @@ Status ValidateOwnerId(const std::string& owner_id);
 // that died (and was not restarted in time) leaves nothing running here.
 class WorkerHandler : public rpc::WorkerIf {
  public:
-  WorkerHandler(Scheduler* scheduler, WorkerIdentity identity, WorkerLeaseOptions lease = {});
+  // `group`: this worker's place in a context group (null: a single
+  // worker): only rank 0 of a formed group takes requests.
+  WorkerHandler(Scheduler* scheduler, WorkerIdentity identity, WorkerLeaseOptions lease = {},
+                GroupMember* group = nullptr);
   ~WorkerHandler() override;  // stops the lease thread
   void Generate(std::string& handle, const rpc::WorkerGenerateRequest& request) override;
   void Poll(rpc::TokenChunk& out, const std::string& handle, int64_t offset, int32_t wait_ms) override;
@@ -68,6 +73,7 @@ class WorkerHandler : public rpc::WorkerIf {
   int32_t ForgetDocuments(const std::vector<rpc::WorkerDocument>& documents,
                           const std::string& cache_namespace) override;
   void Health(rpc::WorkerHealth& out) override;
+  void JoinGroup(std::string& rendezvous, const rpc::WorkerJoinGroup& join) override;
   void Stats(rpc::WorkerStats& out) override;
   void Renew(std::vector<std::string>& out, const std::string& owner_id) override;
   // Generations cancelled because their owner's lease expired.
@@ -104,8 +110,13 @@ class WorkerHandler : public rpc::WorkerIf {
   // Drops handles whose requests the scheduler no longer has (expired answers).
   void Sweep();
 
+  // Throws Unavailable unless this worker takes requests (a group's rank 0,
+  // formed; or no group).
+  void CheckServing() const;
+
   Scheduler* s_;
   WorkerIdentity id_;
+  GroupMember* group_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> handles_;
   int64_t since_sweep_ = 0;
@@ -124,7 +135,7 @@ class WorkerServer {
  public:
   static Result<std::unique_ptr<WorkerServer>> Start(Scheduler* scheduler, WorkerIdentity identity,
                                                      const transport::ThriftServerOptions& options,
-                                                     WorkerLeaseOptions lease = {});
+                                                     WorkerLeaseOptions lease = {}, GroupMember* group = nullptr);
   int port() const { return server_->port(); }
   // Generations cancelled because their owner's lease expired.
   int64_t lease_expired() const { return handler_->lease_expired(); }

@@ -6,7 +6,8 @@ on loopback with OS-picked ports, for tests and ops/loadtest.py.
     with LocalService(build_dir, model_dir, api_keys={"key-a-0123456789ab": "tenant-a"}) as svc:
         client = PenumbraClient("127.0.0.1", svc.port, api_key="key-a")
 
-Each process writes a port file ({"port", "metrics_port", "pid"}) once it is
+Each process writes a port file ({"port", "metrics_port", "pid"}; the
+coordinator's also "openai_port") once it is
 serving; start() waits for it (bounded), failing with the process's stderr if
 it exits first. stop() sends SIGTERM, then SIGKILL after a grace period;
 processes are also stopped at interpreter exit (atexit) and, on Linux, when
@@ -99,6 +100,7 @@ class LocalProcess(object):
         self.proc = None
         self.port = None
         self.metrics_port = None
+        self.openai_port = None
         self.pid = None
 
     def start(self, timeout_s=60.0):
@@ -127,6 +129,7 @@ class LocalProcess(object):
                         info = json.load(f)
                     self.port = int(info["port"])
                     self.metrics_port = int(info.get("metrics_port", -1))
+                    self.openai_port = int(info.get("openai_port", -1))
                     self.pid = int(info.get("pid", self.proc.pid))
                     return self
                 except (ValueError, KeyError, OSError):

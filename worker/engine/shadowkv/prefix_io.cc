@@ -42,9 +42,6 @@ ShadowKvPrefixGeometry ShadowKvPrefixIo::Geometry() const {
 Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefixIo::Capture(ShadowKvSeq& s, int64_t tokens, bool take) {
   const std::string id = std::to_string(s.id);
   if (s.taken) return Status::FailedPrecondition("sequence " + id + " was taken into a prefix");
-  if (s.pos0 > 0 || s.closed) {
-    return Status::Unimplemented("shadowkv: a context-parallel shard cannot be captured as a prefix");
-  }
   if (s.sparse && !s.compressed) return Status::FailedPrecondition("sequence " + id + " is not prefilled");
   if (tokens != lay_.Held(s) || tokens < 1) {
     return Status::FailedPrecondition("shadowkv captures all that sequence " + id + " holds (" +
@@ -144,7 +141,13 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefixIo::Import(const std::map<
   spec.prompt_len = g.tokens + 1;
   spec.first_prefill = g.factored;
   lay_.Shape(spec, &probe);
-  if (probe.sparse != g.sparse || (g.sparse && probe.outliers != g.outliers)) {
+  auto differs = [&] { return probe.sparse != g.sparse || (g.sparse && probe.outliers != g.outliers); };
+  if (differs()) {
+    // A closed context-parallel shard's capture (no local window).
+    spec.shard.closed = true;
+    lay_.Shape(spec, &probe);
+  }
+  if (differs()) {
     return Status::Corruption("shadowkv prefix: '" + g.Meta() + "' is not what this policy's options make");
   }
   return p;

@@ -41,9 +41,9 @@ class ShadowKvPrefixIo {
   // rank, chunk size, landmark format, dtype).
   ShadowKvPrefixGeometry Geometry() const;
 
-  // All that `s` holds (`tokens` must be that, Held(s)). FailedPrecondition
-  // (taken already, not prefilled, other length), Unimplemented for a
-  // context-parallel shard; allocation errors.
+  // All that `s` holds (`tokens` must be that, Held(s); a context-parallel
+  // shard's own tokens). FailedPrecondition (taken already, not prefilled,
+  // other length); allocation errors.
   Result<std::shared_ptr<ShadowKvPrefix>> Capture(ShadowKvSeq& s, int64_t tokens, bool take);
 
   // ShadowKvPrefix::Import for this layout, then Corruption when the options

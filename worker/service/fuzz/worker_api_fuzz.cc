@@ -3,8 +3,9 @@
 // generated WorkerProcessor with the server's limits and handled by a
 // handler that runs what the worker does with a request before the engine:
 // FromRpc (worker/service/worker_server.h) and ValidateGenerationRequest
-// (worker/engine/runtime.h) over a small model configuration. No model, no
-// scheduler.
+// (worker/engine/runtime.h) over a small model configuration, and
+// ValidateJoin (worker/service/group_member.h) for both ranks of a group of
+// 2. No model, no scheduler.
 //
 // A finding: a crash or sanitizer report; an exception other than Thrift's
 // own or a handler error other than PenumbraError; a request accepted that
@@ -34,6 +35,7 @@
 #include "transport/thrift_util.h"
 #include "transport/worker_documents.h"
 #include "worker/engine/runtime.h"
+#include "worker/service/group_member.h"
 #include "worker/service/worker_server.h"
 
 namespace penumbra::service {
@@ -125,6 +127,26 @@ class ValidatingWorker : public rpc::WorkerIf {
     out.vocab_size = config_.vocab_size;
   }
   void Stats(rpc::WorkerStats&) override {}
+  void JoinGroup(std::string& rendezvous, const rpc::WorkerJoinGroup& join) override {
+    // The checks of both ranks of a group "g" of 2, then what they promise.
+    for (int rank = 0; rank < 2; ++rank) {
+      GroupMemberOptions o;
+      o.name = "g";
+      o.rank = rank;
+      o.world = 2;
+      Result<std::string> secret = ValidateJoin(o, join);
+      if (!secret.ok()) {
+        if (rank == 1) Throw(secret.status());
+        continue;
+      }
+      if (join.name != "g" || join.rank != rank || join.world != 2) Fail("a join of another member accepted");
+      if (join.epoch <= 0) Fail("epoch <= 0 accepted");
+      if (secret->size() < 16) Fail("a secret under 128 bits accepted");
+      if ((rank == 0) != join.rendezvous.empty()) Fail("a rendezvous for the wrong rank accepted");
+      rendezvous = rank == 0 ? "127.0.0.1:1" : join.rendezvous;
+      return;
+    }
+  }
   void Renew(std::vector<std::string>& out, const std::string& owner_id) override {
     Status s = ValidateOwnerId(owner_id);
     if (!s.ok()) Throw(s);
@@ -238,6 +260,18 @@ void WriteSeeds(const std::string& dir) {
     c.send_Release("0123456789abcdef0123456789abcdef");
     c.send_Health();
     c.send_Stats();
+  });
+  WriteSeed(dir, "join", [](rpc::WorkerClient& c) {
+    rpc::WorkerJoinGroup j;
+    j.name = "g";
+    j.epoch = 3;
+    j.world = 2;
+    j.rank = 0;
+    j.secret = "00112233445566778899aabbccddeeff";
+    c.send_JoinGroup(j);
+    j.rank = 1;
+    j.rendezvous = "127.0.0.1:40123";
+    c.send_JoinGroup(j);
   });
 }
 
