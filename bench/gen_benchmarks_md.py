@@ -139,6 +139,14 @@ CAPABILITIES = [
          rows=lambda r: r.get("mode") == "cp-decode" or (peer_decode(r) and r.get("suite") == "cp"),
          cols=["kv_policy", "shard_selection", "gpus", "context", "batch", "tokens_per_s", "ms_per_step"],
          reproduce="CP_SINGLE= CP_CONTEXTS=2097152 bash ops/device/bench.sh cp  # kind nvidia-h100-x2"),
+    dict(id="context-parallel-prefill", title="Context parallel: prefill across two GPUs",
+         what="Prefill of one prompt (full attention) on one GPU and across two (penumbra-bench prefill, one rank "
+              "per GPU), balanced (rank r hands the attention of its second half of rows over earlier shards to "
+              "those ranks; the default) and unbalanced (--cp-prefill-balance off).",
+         rows=lambda r: r.get("mode") == "prefill" and r.get("suite") == "cp",
+         cols=["kv_policy", "gpus", "context", "cp_prefill_balance", "prefill_chunk", "seconds"],
+         reproduce="CP_TEST=0 CP_PEER=0 CP_SINGLE= CP_CONTEXTS= CP_PREFILL=262144 bash ops/device/bench.sh cp  "
+                   "# kind nvidia-h100-x2"),
     dict(id="service-context-group", title="A context group inside the service",
          what="Two penumbra-worker ranks (one per GPU) formed into a group by the coordinator: a document put "
               "through the API and B questions about it decoding together (service-cp-decode), beside "
