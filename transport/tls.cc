@@ -168,6 +168,18 @@ Status ConfigureSslContext(SSL_CTX* ctx, const TlsFiles& files, bool server, boo
     // certificates pick the one this server trusts.
     STACK_OF(X509_NAME)* names = SSL_load_client_CA_file(files.ca_file.c_str());
     if (names != nullptr) SSL_CTX_set_client_CA_list(ctx, names);
+    // A client may resume a session (a TLS 1.3 ticket: Node's and curl's
+    // HTTP clients do on every new connection). A server that verifies
+    // peers refuses every resumption with an internal-error alert unless
+    // its sessions carry a context. The context names the verification, so
+    // a session is resumed only where the same certificates are required.
+    // A resumed session keeps its verification result and its peer's
+    // certificate, which CheckPeer reads as after a full handshake.
+    static constexpr unsigned char kMutual[] = "penumbra/mtls";
+    static constexpr unsigned char kOptional[] = "penumbra/tls";
+    const bool ok = require_peer_certificate ? SSL_CTX_set_session_id_context(ctx, kMutual, sizeof kMutual - 1)
+                                             : SSL_CTX_set_session_id_context(ctx, kOptional, sizeof kOptional - 1);
+    if (!ok) return Status::Internal("TLS: cannot set the session context: " + OpenSslErrors());
   }
   SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | (require_peer_certificate ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0), nullptr);
   SSL_CTX_set_mode(ctx, SSL_MODE_AUTO_RETRY);

@@ -5,10 +5,7 @@ import assert from 'node:assert/strict';
 import OpenAI from 'openai';
 import { client, MODEL, STORY } from './common.mjs';
 
-// Retries as the client's default does: the request after a stream on a
-// kept-alive connection can meet a connection error (noted in
-// docs/openai.md; a first request is never retried into a pass by a 4xx).
-const c = client({ maxRetries: 2 });
+const c = client();
 const messages = [
   { role: 'system', content: STORY },
   { role: 'user', content: 'What did Max find in the park?' },
@@ -78,4 +75,21 @@ test('a conversation: earlier answers are in the prompt', async () => {
   const a = await c.chat.completions.create({ model: MODEL, messages: turns, max_tokens: 8, temperature: 0, ignore_eos: true });
   const short = await c.chat.completions.create({ model: MODEL, messages, max_tokens: 8, temperature: 0, ignore_eos: true });
   assert.ok(a.usage.prompt_tokens > short.usage.prompt_tokens + 8, `${a.usage.prompt_tokens} vs ${short.usage.prompt_tokens}`);
+});
+
+test('requests after streams: new connections resume their TLS session (no retries)', async () => {
+  // Node's fetch opens the request after a stream on a new connection with
+  // the earlier connection's session ticket; a server refusing resumption
+  // failed every such request with "Connection error."
+  for (let i = 0; i < 4; i++) {
+    const stream = await c.chat.completions.create({
+      model: MODEL, messages, max_completion_tokens: 4, temperature: 0, ignore_eos: true,
+      stream: true, stream_options: { include_usage: i % 2 === 0 },
+    });
+    let chunks = 0;
+    for await (const _ of stream) chunks++;
+    assert.ok(chunks > 1);
+    const after = await c.chat.completions.create({ model: MODEL, messages, max_tokens: 2, temperature: 0, ignore_eos: true });
+    assert.equal(after.usage.completion_tokens, 2);
+  }
 });
