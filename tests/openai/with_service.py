@@ -16,6 +16,7 @@ CMD runs with, in its environment:
   PENUMBRA_TLS_CA      the same, for curl (--cacert) and the Thrift clients
   PENUMBRA_PORT        the Thrift public API's port
   PENUMBRA_METRICS     http://127.0.0.1:M/metrics (the coordinator's admin endpoint)
+  PENUMBRA_WORKER_METRICS  the same, of the worker
   PENUMBRA_COORDINATOR_PID
 and its exit status is this script's. The service is stopped after it
 (SIGTERM, then SIGKILL), also when this script is interrupted, and the whole
@@ -80,6 +81,7 @@ def main():
             "PENUMBRA_TLS_CA": ca,
             "PENUMBRA_PORT": str(svc.port),
             "PENUMBRA_METRICS": "http://127.0.0.1:%d/metrics" % svc.metrics_port,
+            "PENUMBRA_WORKER_METRICS": "http://127.0.0.1:%d/metrics" % svc.worker.metrics_port,
             "PENUMBRA_COORDINATOR_PID": str(svc.coordinator.pid),
         })
         try:
