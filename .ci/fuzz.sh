@@ -60,26 +60,48 @@ write("mixed", [("model.embed_tokens.weight", "BF16", [4, 2], bytes(range(16))),
 write("i64_f64", [("a", "I64", [1], struct.pack("<q", 5)), ("b", "F64", [1], struct.pack("<d", 1.5))])
 PY
 
-status=0
+# One fuzzer: its seeds, then SECONDS_TO_RUN of fuzzing; what it prints goes
+# to $WORK/findings/NAME/summary (printed in order once all have run) and its
+# status to .../status.
+fuzz_one() {
+  local bin=$1 name corpus out
+  name="$(basename "$bin")"
+  corpus="$WORK/corpus/$name"
+  out="$WORK/findings/$name"
+  mkdir -p "$corpus" "$out"
+  if [[ -d "$ROOT/tests/fuzz/$name" ]]; then cp "$ROOT/tests/fuzz/$name"/* "$corpus/" 2>/dev/null || true; fi
+  # A fuzzer may write seeds of its own (valid messages made by our code).
+  PENUMBRA_FUZZ_SEEDS="$corpus" "$bin" -runs=0 "$corpus" > "$out/seeds.log" 2>&1 || true
+  {
+    echo "== fuzzing $name for ${SECONDS_TO_RUN}s ($(ls "$corpus" | wc -l) seeds)"
+    if ! "$bin" -max_total_time="$SECONDS_TO_RUN" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+         -print_final_stats=1 -artifact_prefix="$out/" "$corpus" > "$out/fuzz.log" 2>&1; then
+      tail -60 "$out/fuzz.log"
+      echo "== fuzz: $name found a failure (inputs: $out/)"
+      echo 1 > "$out/status"
+    else
+      grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb" "$out/fuzz.log" | tr '\n' ' '
+      echo
+      echo 0 > "$out/status"
+    fi
+  } > "$out/summary" 2>&1
+}
+
+# The fuzzers run side by side, one per core (libFuzzer is single-threaded:
+# each still gets SECONDS_TO_RUN of a core).
+names=()
 for bin in "$BUILD"/bin/*_fuzz; do
   name="$(basename "$bin")"
   if [[ -n "${FUZZ_ONLY:-}" && " $FUZZ_ONLY " != *" $name "* ]]; then continue; fi
-  corpus="$WORK/corpus/$name"
-  mkdir -p "$corpus" "$WORK/findings/$name"
-  if [[ -d "$ROOT/tests/fuzz/$name" ]]; then cp "$ROOT/tests/fuzz/$name"/* "$corpus/" 2>/dev/null || true; fi
-  # A fuzzer may write seeds of its own (valid messages made by our code).
-  PENUMBRA_FUZZ_SEEDS="$corpus" "$bin" -runs=0 "$corpus" > "$WORK/findings/$name/seeds.log" 2>&1 || true
-  echo "== fuzzing $name for ${SECONDS_TO_RUN}s ($(ls "$corpus" | wc -l) seeds)"
-  if ! "$bin" -max_total_time="$SECONDS_TO_RUN" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
-       -print_final_stats=1 -artifact_prefix="$WORK/findings/$name/" "$corpus" \
-       > "$WORK/findings/$name/fuzz.log" 2>&1; then
-    tail -60 "$WORK/findings/$name/fuzz.log"
-    echo "== fuzz: $name found a failure (inputs: $WORK/findings/$name/)"
-    status=1
-  else
-    grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb" "$WORK/findings/$name/fuzz.log" | tr '\n' ' '
-    echo
-  fi
+  names+=("$name")
+  while [[ $(jobs -rp | wc -l) -ge $(nproc) ]]; do wait -n || true; done
+  fuzz_one "$bin" &
+done
+wait
+status=0
+for name in "${names[@]}"; do
+  cat "$WORK/findings/$name/summary"
+  [[ "$(cat "$WORK/findings/$name/status" 2>/dev/null)" == 0 ]] || status=1
 done
 [[ $status -eq 0 ]] && echo "== fuzz: no findings"
 exit $status

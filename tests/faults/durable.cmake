@@ -4,6 +4,7 @@
 # delete carried to a worker that was down, and a worker's --prefix-store on a
 # full disk. One CTest per case.
 add_executable(durable_test ${CMAKE_CURRENT_LIST_DIR}/durable_test.cc)
+penumbra_test_code(durable_test)
 target_link_libraries(durable_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(durable_test penumbra-worker penumbra-coordinator)

@@ -5,6 +5,7 @@
 # penumbra-worker / penumbra-coordinator processes on loopback
 # (models/penumbra-eval on the CPU); one CTest per case.
 add_executable(leases_test ${CMAKE_CURRENT_LIST_DIR}/leases_test.cc)
+penumbra_test_code(leases_test)
 target_link_libraries(leases_test PRIVATE penumbra_client nlohmann_json::nlohmann_json GTest::gtest GTest::gtest_main
   penumbra_warnings)
 add_dependencies(leases_test penumbra-worker penumbra-coordinator)

@@ -3,6 +3,7 @@
 # node fall back to prefill within the deadline, the node's circuit breaker
 # opens and closes again (tests/faults/store_io_test.cc). Real processes.
 add_executable(store_io_test ${CMAKE_CURRENT_LIST_DIR}/store_io_test.cc)
+penumbra_test_code(store_io_test)
 target_link_libraries(store_io_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(store_io_test penumbra-worker penumbra-store)

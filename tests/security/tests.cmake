@@ -8,6 +8,7 @@ file(GLOB _security_tests CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/*_test.cc)
 foreach(src ${_security_tests})
   get_filename_component(name ${src} NAME_WE)
   add_executable(${name} ${src})
+  penumbra_test_code(${name})
   target_link_libraries(${name} PRIVATE penumbra_client penumbra_engine penumbra_store_node penumbra_ucx
     penumbra_collective penumbra_metrics penumbra_tls nlohmann_json::nlohmann_json PkgConfig::HTTPLIB
     GTest::gtest GTest::gtest_main penumbra_warnings)

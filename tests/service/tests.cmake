@@ -2,6 +2,7 @@
 # processes on loopback (CPU backend), label `service`. One binary, one CTest
 # per case, found in the source (each starts its own processes on ports the OS picks).
 add_executable(service_test ${CMAKE_CURRENT_LIST_DIR}/service_test.cc)
+penumbra_test_code(service_test)
 target_link_libraries(service_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(service_test penumbra-worker penumbra-coordinator penumbra-store)
@@ -12,6 +13,7 @@ set_property(TEST service_ALostWorkersDocumentsComeBackFromTheStoreNode service_
 # Context groups inside the service (worker processes started with --group,
 # formed by the coordinator): labels service and distributed.
 add_executable(group_service_test ${CMAKE_CURRENT_LIST_DIR}/group_service_test.cc)
+penumbra_test_code(group_service_test)
 target_link_libraries(group_service_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
   PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
 add_dependencies(group_service_test penumbra-worker penumbra-coordinator)
