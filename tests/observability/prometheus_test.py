@@ -63,7 +63,11 @@ class Api(object):
             with urllib.request.urlopen(req, context=self.ctx, timeout=60) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
+            body = e.read()
+            try:
+                return e.code, json.loads(body or b"{}")
+            except ValueError:
+                return e.code, {"body": body[:500].decode("utf-8", "replace")}
 
 
 def traffic():
@@ -79,7 +83,14 @@ def traffic():
         s["requests"] += 1
 
     alpha = Api(os.environ["OPENAI_API_KEY"])
-    status, doc = alpha.post("/documents", {"name": "story", "text": STORY, "wait": True})
+    # The coordinator may not have seen its worker healthy yet (503): retried
+    # as a client would, for at most 30 s.
+    deadline = time.time() + 30
+    while True:
+        status, doc = alpha.post("/documents", {"name": "story", "text": STORY, "wait": True})
+        if status != 503 or time.time() > deadline:
+            break
+        time.sleep(0.2)
     if status != 200:
         fail("put a document: %d %s" % (status, doc))
     for question in ("What did Max find?", "Where did Lily play?"):
