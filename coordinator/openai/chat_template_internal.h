@@ -182,9 +182,9 @@ void ParseTemplate(std::string_view source, Template* t);
 std::string LineColumn(std::string_view source, int64_t pos);
 
 // UTF-8: the code point at s[i] and its length in *len (invalid bytes decode
-// one at a time as U+FFFD); appending a code point; Python's str.isspace().
+// one at a time as U+FFFD); Python's str.isspace(). Appending a code point:
+// AppendUtf8 (common/utf8.h).
 uint32_t DecodeUtf8(std::string_view s, size_t i, size_t* len);
-void AppendUtf8(std::string* out, uint32_t cp);
 bool IsSpace(uint32_t cp);
 // True for the filters the evaluator implements. The parser refuses unknown
 // filters, as Jinja2 does; unknown tests fail when evaluated, as in Jinja2.

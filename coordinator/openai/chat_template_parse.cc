@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "common/utf8.h"
 #include "coordinator/openai/chat_template_internal.h"
 
 namespace penumbra::openai::chat_template_internal {
@@ -29,25 +30,6 @@ uint32_t DecodeUtf8(std::string_view s, size_t i, size_t* len) {
   if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0xFFFD;
   *len = n;
   return cp;
-}
-
-void AppendUtf8(std::string* out, uint32_t cp) {
-  if (cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) cp = 0xFFFD;
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
 }
 
 bool IsSpace(uint32_t c) {  // Python's str.isspace()
@@ -302,7 +284,7 @@ class Lexer {
         cp = cp * 16 + static_cast<uint32_t>(d);
       }
       i += digits;
-      AppendUtf8(&out, cp);
+      AppendUtf8(cp, &out);
     };
     while (true) {
       if (i >= src_.size()) Fail(static_cast<int64_t>(start), "unclosed string literal");
@@ -359,7 +341,7 @@ class Lexer {
             for (int k = 0; k < 2 && i < src_.size() && src_[i] >= '0' && src_[i] <= '7'; ++k) {
               cp = cp * 8 + (src_[i++] - '0');
             }
-            AppendUtf8(&out, cp);
+            AppendUtf8(cp, &out);
           } else {
             out += '\\';
             out += e;

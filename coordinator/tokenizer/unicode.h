@@ -10,6 +10,8 @@
 #include <string>
 #include <string_view>
 
+#include "common/utf8.h"
+
 namespace penumbra::tokenizer_internal {
 
 // Byte offset of the first byte that does not start a well-formed UTF-8
@@ -29,7 +31,7 @@ inline size_t Utf8SeqLen(unsigned char lead) {
 
 // Decodes the code point starting at s[*i] (valid UTF-8) and advances *i.
 char32_t DecodeUtf8(std::string_view s, size_t* i);
-void AppendUtf8(char32_t cp, std::string* out);
+using ::penumbra::AppendUtf8;  // common/utf8.h
 
 // Rust's String::from_utf8_lossy: each maximal ill-formed subpart becomes one
 // U+FFFD.
