@@ -139,6 +139,14 @@ CAPABILITIES = [
          rows=lambda r: r.get("mode") == "cp-decode" or (peer_decode(r) and r.get("suite") == "cp"),
          cols=["kv_policy", "shard_selection", "gpus", "context", "batch", "tokens_per_s", "ms_per_step"],
          reproduce="CP_SINGLE= CP_CONTEXTS=2097152 bash ops/device/bench.sh cp  # kind nvidia-h100-x2"),
+    dict(id="context-parallel-4gpu", title="Context parallel: one sequence across four GPUs",
+         what="One ShadowKV sequence decoding across four GPUs (penumbra-bench cp-decode, one rank per GPU, "
+              "the shards synthesized rather than prefilled).",
+         rows=lambda r: r.get("mode") == "cp-decode" and r.get("gpus") == 4,
+         cols=["kv_policy", "shard_selection", "gpus", "context", "shard_tokens", "batch", "tokens_per_s",
+               "ms_per_step", "setup_s"],
+         reproduce="CP_TEST=0 CP_PEER=0 CP_SINGLE= CP_GPUS=4 CP_CONTEXTS=4194304 bash ops/device/bench.sh cp  "
+                   "# kind nvidia-h100-x4"),
     dict(id="context-parallel-prefill", title="Context parallel: prefill across two GPUs",
          what="Prefill of one prompt (full attention) on one GPU and across two (penumbra-bench prefill, one rank "
               "per GPU), balanced (rank r hands the attention of its second half of rows over earlier shards to "
