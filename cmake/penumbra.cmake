@@ -15,11 +15,15 @@ set(PENUMBRA_TEST_DATA_DIR ${CMAKE_BINARY_DIR}/test_data)
 # build's optimization.
 set(PENUMBRA_TESTS_OPTIMIZED_FOLDERS kernels worker)
 
-# penumbra_test_code(TARGET): that rule, for a test executable (penumbra_test
-# applies it; a tests.cmake that makes its own executable calls it).
-function(penumbra_test_code name)
-  get_target_property(srcs ${name} SOURCES)
-  list(GET srcs 0 first)
+# penumbra_test_executable(NAME SOURCES src... LIBS lib...): a GoogleTest
+# executable under that rule, not yet registered with CTest (penumbra_test
+# registers one; a tests.cmake that registers each case with
+# penumbra_gtest_cases makes its executable with this).
+function(penumbra_test_executable name)
+  cmake_parse_arguments(X "" "" "SOURCES;LIBS" ${ARGN})
+  add_executable(${name} ${X_SOURCES})
+  target_link_libraries(${name} PRIVATE ${X_LIBS} GTest::gtest GTest::gtest_main penumbra_warnings)
+  list(GET X_SOURCES 0 first)
   get_filename_component(folder ${first} DIRECTORY)
   get_filename_component(folder ${folder} NAME)
   if(NOT name MATCHES "_gpu_test$" AND NOT folder IN_LIST PENUMBRA_TESTS_OPTIMIZED_FOLDERS)
@@ -29,9 +33,7 @@ endfunction()
 
 function(penumbra_test name)
   cmake_parse_arguments(T "" "TIMEOUT" "LABELS;SOURCES;LIBS" ${ARGN})
-  add_executable(${name} ${T_SOURCES})
-  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main penumbra_warnings)
-  penumbra_test_code(${name})
+  penumbra_test_executable(${name} SOURCES ${T_SOURCES} LIBS ${T_LIBS})
   add_test(NAME ${name} COMMAND ${name} WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 900)

@@ -3,10 +3,8 @@
 # to ENOSPC (mounting needs root, as in CI; elsewhere the case skips), and a
 # delete carried to a worker that was down, and a worker's --prefix-store on a
 # full disk. One CTest per case.
-add_executable(durable_test ${CMAKE_CURRENT_LIST_DIR}/durable_test.cc)
-penumbra_test_code(durable_test)
-target_link_libraries(durable_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
-  PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
+penumbra_test_executable(durable_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/durable_test.cc
+  LIBS penumbra_client penumbra_engine nlohmann_json::nlohmann_json PkgConfig::HTTPLIB)
 add_dependencies(durable_test penumbra-worker penumbra-coordinator)
 penumbra_gtest_cases(durable_test PREFIX faults_durable_ LABELS "service;faults" TIMEOUT 120)
 # The stores' own full-disk tests (unit tests on a small tmpfs) run with the

@@ -4,9 +4,7 @@
 # across a restart, expired drains and hung-up Complete calls. Real
 # penumbra-worker / penumbra-coordinator processes on loopback
 # (models/penumbra-eval on the CPU); one CTest per case.
-add_executable(leases_test ${CMAKE_CURRENT_LIST_DIR}/leases_test.cc)
-penumbra_test_code(leases_test)
-target_link_libraries(leases_test PRIVATE penumbra_client nlohmann_json::nlohmann_json GTest::gtest GTest::gtest_main
-  penumbra_warnings)
+penumbra_test_executable(leases_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/leases_test.cc
+  LIBS penumbra_client nlohmann_json::nlohmann_json)
 add_dependencies(leases_test penumbra-worker penumbra-coordinator)
 penumbra_gtest_cases(leases_test PREFIX faults_leases_ LABELS "service;faults" TIMEOUT 120)

@@ -1,8 +1,6 @@
 # Signals and supervision (issue 38, part "signals"): SIGHUP reloads and
 # stops nothing, `penumbra serve` restarts what dies on its old port.
-add_executable(signals_test ${CMAKE_CURRENT_LIST_DIR}/signals_test.cc)
-penumbra_test_code(signals_test)
-target_link_libraries(signals_test PRIVATE penumbra_client penumbra_engine penumbra_tenants penumbra_store_node nlohmann_json::nlohmann_json
-  GTest::gtest GTest::gtest_main penumbra_warnings)
+penumbra_test_executable(signals_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/signals_test.cc
+  LIBS penumbra_client penumbra_engine penumbra_tenants penumbra_store_node nlohmann_json::nlohmann_json)
 add_dependencies(signals_test penumbra penumbra-worker penumbra-coordinator penumbra-store)
 penumbra_gtest_cases(signals_test PREFIX faults_signals_ LABELS "service;faults" TIMEOUT 120)

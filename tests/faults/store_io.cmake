@@ -2,10 +2,8 @@
 # on it: the other requests keep their decode rate, the ones that need the
 # node fall back to prefill within the deadline, the node's circuit breaker
 # opens and closes again (tests/faults/store_io_test.cc). Real processes.
-add_executable(store_io_test ${CMAKE_CURRENT_LIST_DIR}/store_io_test.cc)
-penumbra_test_code(store_io_test)
-target_link_libraries(store_io_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
-  PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
+penumbra_test_executable(store_io_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/store_io_test.cc
+  LIBS penumbra_client penumbra_engine nlohmann_json::nlohmann_json PkgConfig::HTTPLIB)
 add_dependencies(store_io_test penumbra-worker penumbra-store)
 penumbra_gtest_cases(store_io_test PREFIX faults_store_io_ LABELS "service;faults" TIMEOUT 120)
 # RUN_SERIAL: it compares token rates, which another test sharing the

@@ -3,10 +3,9 @@
 # own on one bridge, with mutual TLS (tests/multihost/multihost_test.cc).
 # Needs root and iproute2; skips itself, with the reason, where network
 # namespaces cannot be made.
-add_executable(multihost_test ${CMAKE_CURRENT_LIST_DIR}/multihost_test.cc ${CMAKE_CURRENT_LIST_DIR}/netns_topology.cc)
-penumbra_test_code(multihost_test)
-target_link_libraries(multihost_test PRIVATE penumbra_client penumbra_engine penumbra_tls nlohmann_json::nlohmann_json
-  PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
+penumbra_test_executable(multihost_test
+  SOURCES ${CMAKE_CURRENT_LIST_DIR}/multihost_test.cc ${CMAKE_CURRENT_LIST_DIR}/netns_topology.cc
+  LIBS penumbra_client penumbra_engine penumbra_tls nlohmann_json::nlohmann_json PkgConfig::HTTPLIB)
 if(PENUMBRA_SANITIZE AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
   # GCC 12 misreports std::regex's std::function as maybe uninitialized
   # when the sanitizers instrument it.

@@ -7,11 +7,9 @@
 file(GLOB _security_tests CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/*_test.cc)
 foreach(src ${_security_tests})
   get_filename_component(name ${src} NAME_WE)
-  add_executable(${name} ${src})
-  penumbra_test_code(${name})
-  target_link_libraries(${name} PRIVATE penumbra_client penumbra_engine penumbra_store_node penumbra_ucx
-    penumbra_collective penumbra_metrics penumbra_tls nlohmann_json::nlohmann_json PkgConfig::HTTPLIB
-    GTest::gtest GTest::gtest_main penumbra_warnings)
+  penumbra_test_executable(${name} SOURCES ${src}
+    LIBS penumbra_client penumbra_engine penumbra_store_node penumbra_ucx penumbra_collective penumbra_metrics
+      penumbra_tls nlohmann_json::nlohmann_json PkgConfig::HTTPLIB)
   add_dependencies(${name} penumbra penumbra-worker penumbra-coordinator penumbra-store)
   penumbra_gtest_cases(${name} PREFIX "${name}." WITH_SUITE LABELS "service;security" TIMEOUT 600)
 endforeach()

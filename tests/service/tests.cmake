@@ -1,10 +1,8 @@
 # Service integration tests: real penumbra-worker and penumbra-coordinator
 # processes on loopback (CPU backend), label `service`. One binary, one CTest
 # per case, found in the source (each starts its own processes on ports the OS picks).
-add_executable(service_test ${CMAKE_CURRENT_LIST_DIR}/service_test.cc)
-penumbra_test_code(service_test)
-target_link_libraries(service_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
-  PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
+penumbra_test_executable(service_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/service_test.cc
+  LIBS penumbra_client penumbra_engine nlohmann_json::nlohmann_json PkgConfig::HTTPLIB)
 add_dependencies(service_test penumbra-worker penumbra-coordinator penumbra-store)
 penumbra_gtest_cases(service_test PREFIX service_ LABELS service TIMEOUT 600)
 set_property(TEST service_ALostWorkersDocumentsComeBackFromTheStoreNode service_AWorkerLostMidGenerationIsResumedOnAnother
@@ -12,10 +10,8 @@ set_property(TEST service_ALostWorkersDocumentsComeBackFromTheStoreNode service_
 
 # Context groups inside the service (worker processes started with --group,
 # formed by the coordinator): labels service and distributed.
-add_executable(group_service_test ${CMAKE_CURRENT_LIST_DIR}/group_service_test.cc)
-penumbra_test_code(group_service_test)
-target_link_libraries(group_service_test PRIVATE penumbra_client penumbra_engine nlohmann_json::nlohmann_json
-  PkgConfig::HTTPLIB GTest::gtest GTest::gtest_main penumbra_warnings)
+penumbra_test_executable(group_service_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/group_service_test.cc
+  LIBS penumbra_client penumbra_engine nlohmann_json::nlohmann_json PkgConfig::HTTPLIB)
 add_dependencies(group_service_test penumbra-worker penumbra-coordinator)
 penumbra_gtest_cases(group_service_test PREFIX group_ LABELS "service;distributed" TIMEOUT 600)
 
