@@ -15,6 +15,7 @@ pkgs=(
   clang libclang-rt-14-dev clang-format clang-tidy  # fuzzers; the format and lint checks
   python3
   iproute2  # ip and ss: the multihost test's network namespaces (tests/multihost)
+  jq  # the batch example of docs/openai.md (the openai_docs_curl test)
   prometheus  # the scrape test (CTest label prometheus) runs Debian's server on loopback
 )
 missing=()

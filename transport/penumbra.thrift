@@ -97,6 +97,13 @@ struct GenerateRequest {
   // false: `text` is tokenized as it is, without the tokenizer's special
   // tokens where the prompt starts (a chat template writes its own BOS).
   13: bool add_special_tokens = true,
+  // true (and no document_ids): the prompt's leading tokens that are
+  // documents the tenant has put (READY) are attached from the document
+  // cache instead of prefilled -- as if named in document_ids -- and counted
+  // in usage.cached_prompt_tokens. Matched by their tokens, the longest
+  // first, several in a row. (The OpenAI API sets it: prompt caching there
+  // is automatic.)
+  14: bool reuse_documents = false,
 }
 
 // The answer so far, from an offset (tokens).

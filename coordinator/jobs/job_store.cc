@@ -14,6 +14,7 @@
 
 #include "common/hash.h"
 #include "common/record.h"
+#include "coordinator/jobs/store_ids.h"
 #include "storage/rocksdb_status.h"
 #include "storage/rocksdb_writer.h"
 
@@ -36,7 +37,7 @@ constexpr char kSpecKind = 'i';
 constexpr char kStateKind = 'r';
 constexpr char kIndexKind = 'c';
 constexpr std::string_view kJobIdPrefix = "job-";
-constexpr size_t kJobIdBytes = 20;  // "job-" and 16 hex digits
+constexpr size_t kJobIdBytes = 4 + kStoreIdHexDigits;  // "job-" and 16 hex digits
 
 const char* KindName(char kind) {
   switch (kind) {
@@ -61,52 +62,9 @@ std::string ItemKey(char kind, const std::string& job_id, uint32_t index) {
 }
 
 // ---- job ids ------------------------------------------------------------------
-// id = "job-" + hex(Mix(seq ^ salt)): Mix is a bijection (murmur3's
-// finalizer), so distinct sequence numbers give distinct ids, and an id
-// gives back its sequence number (page tokens are ids).
-constexpr uint64_t kMix1 = 0xff51afd7ed558ccdULL;
-constexpr uint64_t kMix2 = 0xc4ceb9fe1a85ec53ULL;
-constexpr uint64_t InverseOdd(uint64_t c) {
-  uint64_t x = c;  // Newton's iteration mod 2^64: correct bits double each step
-  for (int i = 0; i < 6; ++i) x *= 2 - c * x;
-  return x;
-}
-static_assert(kMix1 * InverseOdd(kMix1) == 1 && kMix2 * InverseOdd(kMix2) == 1);
-uint64_t Mix(uint64_t k) {
-  k ^= k >> 33;
-  k *= kMix1;
-  k ^= k >> 33;
-  k *= kMix2;
-  k ^= k >> 33;
-  return k;
-}
-uint64_t Unmix(uint64_t k) {
-  k ^= k >> 33;  // x ^= x >> 33 is its own inverse on 64 bits
-  k *= InverseOdd(kMix2);
-  k ^= k >> 33;
-  k *= InverseOdd(kMix1);
-  k ^= k >> 33;
-  return k;
-}
-std::string MakeJobId(uint64_t seq, uint64_t salt) {
-  static const char kHex[] = "0123456789abcdef";
-  const uint64_t x = Mix(seq ^ salt);
-  std::string id(kJobIdPrefix);
-  for (int i = 15; i >= 0; --i) id.push_back(kHex[(x >> (4 * i)) & 0xf]);
-  return id;
-}
-// The sequence number of a well-formed id; false when `id` is not one.
-bool JobIdSeq(std::string_view id, uint64_t salt, uint64_t* seq) {
-  if (id.size() != kJobIdBytes || id.substr(0, kJobIdPrefix.size()) != kJobIdPrefix) return false;
-  uint64_t x = 0;
-  for (char c : id.substr(kJobIdPrefix.size())) {
-    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-    if (d < 0) return false;
-    x = (x << 4) | static_cast<uint64_t>(d);
-  }
-  *seq = Unmix(x) ^ salt;
-  return true;
-}
+// "job-" and 16 hex digits (store_ids.h).
+std::string MakeJobId(uint64_t seq, uint64_t salt) { return MakeStoreId(kJobIdPrefix, seq, salt); }
+bool JobIdSeq(std::string_view id, uint64_t salt, uint64_t* seq) { return StoreIdSeq(kJobIdPrefix, id, salt, seq); }
 
 // ---- values -------------------------------------------------------------------
 // common/record.h records (format version, fields, a checksum seeded with the
@@ -247,15 +205,6 @@ Status DecodeIndex(std::string_view key, std::string_view value, uint32_t* index
   Reader in(f);
   if (!in.U32(index) || !in.done()) return Truncated();
   return Status::OK();
-}
-
-// A custom_id for an error message: quoted, long ones cut short.
-std::string Quoted(std::string_view id) {
-  return "'" + std::string(id.substr(0, 64)) + (id.size() > 64 ? "...'" : "'");
-}
-
-int64_t WallClockSeconds() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 ItemResult CancelledResult() {

@@ -12,7 +12,10 @@
 // tools and response_format other than text are refused by name (INVALID
 // ARGUMENT: HTTP 422). Penumbra's own fields: documents (ids of documents
 // put, whose cached state the prompt follows), top_k, ignore_eos,
-// stop_token_ids, kv_policy. Fields neither knows are ignored, as OpenAI's
+// stop_token_ids, kv_policy. A request without documents asks for
+// automatic reuse (GenerateRequest.reuse_documents): a prompt that starts
+// with documents the tenant has put is served from their cached state.
+// Fields neither knows are ignored, as OpenAI's
 // own server does with fields of newer clients.
 #pragma once
 

@@ -181,6 +181,8 @@ class Coordinator : public rpc::PenumbraIf {
   // Whether `api_key` (with the caller's client certificate, CurrentPeer)
   // names a tenant: PermissionDenied when it does not (coordinator_api.cc).
   Status Authenticate(const std::string& api_key) const;
+  // The tenant `api_key` names (as Authenticate checks it).
+  Result<std::string> TenantOf(const std::string& api_key) const { return Tenant(api_key); }
 
  private:
   struct Request;  // one generation's state (coordinator_internal.h)

@@ -221,6 +221,15 @@ Result<Coordinator::Checked> Coordinator::CheckGenerate(const std::string& tenan
   PENUMBRA_ASSIGN_OR_RETURN(c.question, TextOrIds("question", r.__isset.text ? &r.text : nullptr,
                                                   r.__isset.token_ids ? &r.token_ids : nullptr,
                                                   /*starts_prompt=*/c.docs.empty() && r.add_special_tokens, model));
+  if (r.reuse_documents && c.docs.empty()) {
+    // Automatic reuse: the tenant's documents the prompt starts with.
+    int64_t consumed = 0;
+    c.docs = docs_->MatchPrefix(tenant, c.question, static_cast<size_t>(o_.limits.max_document_ids), &consumed);
+    if (!c.docs.empty()) {
+      c.question.erase(c.question.begin(), c.question.begin() + consumed);
+      document_tokens = consumed;
+    }
+  }
   c.prompt_tokens = document_tokens + static_cast<int64_t>(c.question.size());
   c.max_new_tokens = r.max_new_tokens;
   if (r.fit_context && model.max_context > 0) {

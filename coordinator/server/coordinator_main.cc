@@ -165,6 +165,7 @@ Status Run(int argc, char** argv) {
   std::unique_ptr<coordinator::OpenAiGateway> openai;
   if (po.openai_port >= 0) {
     coordinator::OpenAiGatewayOptions oo = po.openai;
+    if (durable) oo.files.path = po.data_dir + "/files";
     oo.http.host = po.openai_host.empty() ? host : po.openai_host;
     oo.http.port = po.openai_port;
     oo.http.tls = so.tls;

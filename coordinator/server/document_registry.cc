@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <span>
 #include <string_view>
 
 #include <glog/logging.h>
@@ -196,6 +197,7 @@ Result<std::unique_ptr<DocumentRegistry>> DocumentRegistry::Open(const std::stri
       continue;
     }
     ++reg->per_tenant_[d.tenant];
+    reg->IndexPrefix(d, true);
     std::string id = d.id;
     reg->docs_.emplace(std::move(id), std::move(d));
   }
@@ -267,6 +269,7 @@ Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std:
   d.ids = std::make_shared<const std::vector<int32_t>>(std::move(ids));
   SetDigests(&d);
   docs_[d.id] = d;
+  IndexPrefix(d, true);
   ++per_tenant_[tenant];
   return d;
 }
@@ -286,6 +289,70 @@ Result<DocumentView> DocumentRegistry::GetReadable(const std::string& reader, co
     return Status::NotFound("document '" + id + "' is unknown");
   }
   return it->second;
+}
+
+namespace {
+// A document's tokens as the first of a prompt's documents (all of them) or
+// as a following one (without its leading special tokens).
+std::span<const int32_t> PrefixForm(const DocumentView& d, bool first) {
+  const std::vector<int32_t>& ids = *d.ids;
+  const size_t skip = first ? 0 : static_cast<size_t>(std::min<int64_t>(d.leading_special, d.tokens));
+  return std::span<const int32_t>(ids).subspan(skip);
+}
+uint64_t HashIds(std::span<const int32_t> ids) { return Hash64(ids.data(), ids.size() * sizeof(int32_t)); }
+}  // namespace
+
+void DocumentRegistry::IndexPrefix(const DocumentView& d, bool add) {
+  if (!d.ids) return;
+  for (bool first : {true, false}) {
+    const std::span<const int32_t> form = PrefixForm(d, first);
+    if (form.empty()) continue;
+    const size_t k = std::min(kPrefixKeyTokens, form.size());
+    const PrefixKey key{first, d.tenant, k, HashIds(form.first(k))};
+    if (add) {
+      prefix_index_.emplace(key, d.id);
+      continue;
+    }
+    auto [lo, hi] = prefix_index_.equal_range(key);
+    for (auto it = lo; it != hi; ++it) {
+      if (it->second == d.id) {
+        prefix_index_.erase(it);
+        break;
+      }
+    }
+  }
+}
+
+std::vector<DocumentView> DocumentRegistry::MatchPrefix(const std::string& tenant, const std::vector<int32_t>& prompt,
+                                                        size_t max_documents, int64_t* consumed) const {
+  std::vector<DocumentView> out;
+  size_t pos = 0;
+  std::lock_guard<std::mutex> lk(mu_);
+  while (out.size() < max_documents && pos + 1 < prompt.size()) {
+    const bool first = out.empty();
+    const std::span<const int32_t> rest = std::span<const int32_t>(prompt).subspan(pos);
+    const DocumentView* best = nullptr;
+    size_t best_len = 0;
+    for (size_t k = 1; k <= std::min(kPrefixKeyTokens, rest.size() - 1); ++k) {
+      auto [lo, hi] = prefix_index_.equal_range(PrefixKey{first, tenant, k, HashIds(rest.first(k))});
+      for (auto it = lo; it != hi; ++it) {
+        auto d = docs_.find(it->second);
+        if (d == docs_.end() || d->second.state != DocumentState::kReady) continue;
+        const std::span<const int32_t> form = PrefixForm(d->second, first);
+        // Longer than one found already, and a token of the prompt left after it.
+        if (form.size() <= best_len || form.size() >= rest.size()) continue;
+        if (std::equal(form.begin(), form.end(), rest.begin())) {
+          best = &d->second;
+          best_len = form.size();
+        }
+      }
+    }
+    if (best == nullptr) break;
+    out.push_back(*best);
+    pos += best_len;
+  }
+  *consumed = static_cast<int64_t>(pos);
+  return out;
 }
 
 Result<DocumentPage> DocumentRegistry::List(const std::string& tenant, const std::string& page_token,
@@ -326,6 +393,7 @@ Result<DocumentView> DocumentRegistry::Remove(const std::string& tenant, const s
   auto it = docs_.find(id);  // in memory, another Remove may have come between
   if (it == docs_.end() || it->second.tenant != tenant) return Status::NotFound("document '" + id + "' is unknown");
   DocumentView d = std::move(it->second);
+  IndexPrefix(d, false);
   docs_.erase(it);
   --per_tenant_[tenant];
   tombstones_[id] = std::move(t);

@@ -65,6 +65,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/hash.h"
@@ -131,6 +132,16 @@ class DocumentRegistry {
   // may_read(its tenant) (a corpus its owner publishes to `reader`).
   Result<DocumentView> GetReadable(const std::string& reader, const std::string& id,
                                    const std::function<bool(const std::string&)>& may_read) const;
+  // The READY documents of `tenant` that `prompt` starts with, in order, as
+  // a request naming them would concatenate them: the first whole (its
+  // leading special tokens included), each next one without its own; the
+  // longest that matches at each point, at most max_documents, leaving at
+  // least one token of the prompt after them. *consumed: their tokens. Looked
+  // up by an index of each document's first kPrefixKeyTokens tokens, so the
+  // cost does not grow with the tenant's documents.
+  std::vector<DocumentView> MatchPrefix(const std::string& tenant, const std::vector<int32_t>& prompt,
+                                        size_t max_documents, int64_t* consumed) const;
+  static constexpr size_t kPrefixKeyTokens = 16;
   // Documents of `tenant` by id, after `page_token` (the last id of the
   // previous page; InvalidArgument when malformed).
   Result<DocumentPage> List(const std::string& tenant, const std::string& page_token, int page_size) const;
@@ -194,6 +205,13 @@ class DocumentRegistry {
   // logged (storage::RocksWriter). Call with write_mu_ held, mu_ not.
   Status Persist(const std::string& id, const std::string* value, const DocumentTombstone* tombstone,
                  const std::string& what);
+
+  // MatchPrefix's index: (as the first document or a following one, tenant,
+  // k = min(kPrefixKeyTokens, its tokens in that form), Hash64 of its first
+  // k tokens in that form) -> document ids. Kept with docs_ (under mu_).
+  using PrefixKey = std::tuple<bool, std::string, size_t, uint64_t>;
+  void IndexPrefix(const DocumentView& d, bool add);
+  std::multimap<PrefixKey, std::string> prefix_index_;
 
   std::unique_ptr<Store> store_;  // null: in memory
   std::mutex write_mu_;

@@ -5,21 +5,20 @@
 
 #include <glog/logging.h>
 
+#include "coordinator/server/openai_gateway_internal.h"
 #include "transport/thrift_util.h"
 
 namespace penumbra::coordinator {
-namespace {
+namespace openai_gateway {
 
 using nlohmann::json;
-using openai::ApiError;
-using openai::Endpoint;
 
 void Reply(httplib::Response& res, int status, const json& body) {
   res.status = status;
   res.set_content(body.dump(), "application/json");
 }
 
-void Fail(httplib::Response& res, const ApiError& e) {
+void Fail(httplib::Response& res, const openai::ApiError& e) {
   Reply(res, e.http_status, e.Body());
   if (e.retry_after_ms >= 0) {
     // Whole seconds (at least 1), and OpenAI's clients also read the
@@ -29,7 +28,6 @@ void Fail(httplib::Response& res, const ApiError& e) {
   }
 }
 
-// "Authorization: Bearer KEY" -> KEY; "" when absent.
 std::string BearerKey(const httplib::Request& req) {
   const std::string h = req.get_header_value("Authorization");
   if (h.size() > 7 && (h.compare(0, 7, "Bearer ") == 0 || h.compare(0, 7, "bearer ") == 0)) {
@@ -40,11 +38,29 @@ std::string BearerKey(const httplib::Request& req) {
   return "";
 }
 
-// A seed for a sampled request that names none: each call draws anew.
 int64_t RandomSeed() {
   thread_local std::mt19937_64 rng{std::random_device{}()};
   return static_cast<int64_t>(rng() >> 1);
 }
+
+json ListJson(json data, bool has_more) {
+  json first = data.empty() ? json(nullptr) : data.front()["id"];
+  json last = data.empty() ? json(nullptr) : data.back()["id"];
+  return json{{"object", "list"},
+              {"data", std::move(data)},
+              {"has_more", has_more},
+              {"first_id", std::move(first)},
+              {"last_id", std::move(last)}};
+}
+
+}  // namespace openai_gateway
+
+namespace {
+
+using nlohmann::json;
+using openai::ApiError;
+using openai::Endpoint;
+using namespace openai_gateway;  // NOLINT(google-build-using-namespace): the gateway's own helpers
 
 std::string Event(const json& j) { return "data: " + j.dump() + "\n\n"; }
 
@@ -92,6 +108,11 @@ Result<std::unique_ptr<OpenAiGateway>> OpenAiGateway::Start(Coordinator* coordin
     return chat.status();
   }
   g->created_ = UnixSeconds();
+  if (!options.files.path.empty()) {
+    jobs::FileStoreOptions fo = options.files;
+    fo.max_file_bytes = std::max(fo.max_file_bytes, options.http.max_body_bytes);
+    PENUMBRA_ASSIGN_OR_RETURN(g->files_, jobs::FileStore::Open(fo));
+  }
   transport::HttpServerOptions http = options.http;
   if (http.name == transport::HttpServerOptions{}.name) http.name = "OpenAI API";
   g->http_ = std::make_unique<transport::HttpServer>(http);
@@ -198,6 +219,7 @@ void OpenAiGateway::Routes() {
   });
   http_->Post("/v1/chat/completions",
               [this](const httplib::Request& req, httplib::Response& res) { Generate(Endpoint::kChat, req, res); });
+  BatchRoutes();
 }
 
 void OpenAiGateway::Generate(Endpoint e, const httplib::Request& req, httplib::Response& res) {

@@ -2,6 +2,7 @@
 // penumbra-coordinator beside its Thrift public API, answering
 //   GET  /v1/models, /v1/models/{id}
 //   POST /v1/completions, /v1/chat/completions (stream: server-sent events)
+//   /v1/documents (ours), /v1/files and /v1/batches (openai_batches.cc)
 // by calling the same Coordinator in process: the same tenants (the
 // Authorization: Bearer key is the tenant's API key), quotas, routing,
 // document cache, deadlines and TLS (the public API's certificate; a
@@ -19,6 +20,8 @@
 #include <string>
 
 #include "common/status.h"
+#include "coordinator/jobs/file_store.h"
+#include "coordinator/openai/batch_api.h"
 #include "coordinator/openai/openai_api.h"
 #include "coordinator/server/coordinator.h"
 #include "transport/http_server.h"
@@ -33,6 +36,10 @@ struct OpenAiGatewayOptions {
   // How long one poll of a streaming generation waits for new tokens (a
   // stream's liveness check runs at least this often). Default: 1000 ms.
   std::chrono::milliseconds stream_poll{1000};
+  // The store of uploaded files (/v1/files; the coordinator's
+  // <data-dir>/files). Empty path: files and batches are refused (409).
+  // max_file_bytes is raised to the HTTP body limit when below it.
+  jobs::FileStoreOptions files;
 };
 
 class OpenAiGateway {
@@ -50,11 +57,32 @@ class OpenAiGateway {
   void Routes();
   void Generate(openai::Endpoint e, const httplib::Request& req, httplib::Response& res);
 
+  // ---- files and batches (openai_batches.cc) ----
+  void BatchRoutes();
+  // The caller's tenant; FailedPrecondition without a file store.
+  Result<std::string> FilesTenant(const httplib::Request& req) const;
+  // A batch of the caller's: its job and what it was made from (NotFound
+  // for an id that is not a batch, or a job of the Thrift API).
+  Result<std::pair<rpc::JobInfo, openai::BatchRequest>> Batch(const std::string& key,
+                                                              const std::string& batch_id) const;
+  // A batch's output or error file, once the batch announces it.
+  struct ResultFileView {
+    rpc::JobInfo job;
+    openai::BatchRequest batch;
+    bool errors = false;
+  };
+  Result<ResultFileView> ResultFileOf(const std::string& key, const std::string& file_id) const;
+  // Each line of a batch's output (or error) file, in custom_id order;
+  // `line` returns false to stop (Cancelled).
+  Status EachResultLine(const std::string& key, const rpc::JobInfo& job, const openai::BatchRequest& b, bool errors,
+                        const std::function<bool(const std::string&)>& line) const;
+
   Coordinator* c_ = nullptr;
   OpenAiGatewayOptions o_;
   openai::ServedModel model_;
   std::shared_ptr<const openai::ChatTemplate> chat_;
-  int64_t created_ = 0;  // the model object's "created": when this gateway started
+  int64_t created_ = 0;                     // the model object's "created": when this gateway started
+  std::unique_ptr<jobs::FileStore> files_;  // null: files and batches refused
   std::unique_ptr<transport::HttpServer> http_;
 };
 

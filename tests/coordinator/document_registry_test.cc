@@ -1,7 +1,9 @@
 // DocumentRegistry (coordinator/server/document_registry.h), model-based: a
 // long random sequence of adds, gets, lists (paged), state changes and
 // removes across three tenants, each checked against a plain map; plus the
-// limits and the malformed page token.
+// limits and the malformed page token; and MatchPrefix (automatic document
+// reuse) against a brute-force search over every document.
+#include <algorithm>
 #include <map>
 #include <random>
 #include <set>
@@ -139,6 +141,105 @@ TEST(DocumentRegistry, MatchesAModelUnderRandomOperations) {
     for (int w : d.workers) ++held[w];
   }
   EXPECT_EQ(reg.held_per_worker(), held);
+}
+
+// MatchPrefix against a brute force over every document: documents that
+// share long beginnings (past the index's 16 tokens), are prefixes of each
+// other, have a leading special token or none, are factoring, failed or
+// removed, of three tenants; prompts built from chains of them and a tail.
+TEST(DocumentRegistry, MatchPrefixFindsWhatABruteForceFinds) {
+  DocumentRegistry reg(1000);
+  std::mt19937_64 rng(29);
+  const std::vector<std::string> tenants = {"alice", "bob", "carol"};
+  struct Doc {
+    std::string id, tenant;
+    std::vector<int32_t> ids;
+    int64_t leading_special = 0;
+    bool ready = false, removed = false;
+  };
+  std::vector<Doc> docs;
+  const std::vector<int32_t> common(40, 7);  // a long shared beginning
+  for (int i = 0; i < 120; ++i) {
+    Doc d;
+    d.tenant = tenants[rng() % 3];
+    d.leading_special = rng() % 2;
+    if (d.leading_special) d.ids.push_back(1);  // a BOS
+    if (i > 0 && rng() % 4 == 0) {
+      // An extension of an earlier document (which is then its prefix).
+      const Doc& base = docs[rng() % docs.size()];
+      d.ids = base.ids;
+      d.leading_special = base.leading_special;
+    } else if (rng() % 3 == 0) {
+      d.ids.insert(d.ids.end(), common.begin(), common.begin() + 1 + rng() % common.size());
+    }
+    for (size_t n = 1 + rng() % 30; n > 0; --n) d.ids.push_back(static_cast<int32_t>(2 + rng() % 6));
+    Result<DocumentView> v = reg.Add(d.tenant, "d", d.ids, d.leading_special);
+    ASSERT_TRUE(v.ok()) << v.status();
+    d.id = v->id;
+    switch (rng() % 5) {
+      case 0:
+        break;  // factoring
+      case 1:
+        ASSERT_TRUE(reg.SetFailed(d.id, Status::Internal("x")).ok());
+        break;
+      default:
+        ASSERT_TRUE(reg.SetReady(d.id, 0, 1.0).ok());
+        d.ready = true;
+    }
+    if (rng() % 10 == 0) {
+      ASSERT_TRUE(reg.Remove(d.tenant, d.id).ok());
+      d.removed = true;
+    }
+    docs.push_back(std::move(d));
+  }
+  auto form = [](const Doc& d, bool first) {
+    return std::vector<int32_t>(d.ids.begin() + (first ? 0 : d.leading_special), d.ids.end());
+  };
+  auto brute = [&](const std::string& tenant, const std::vector<int32_t>& prompt, size_t max_docs) {
+    std::vector<std::string> out;
+    size_t pos = 0;
+    while (out.size() < max_docs) {
+      const Doc* best = nullptr;
+      size_t best_len = 0;
+      for (const Doc& d : docs) {
+        if (d.tenant != tenant || !d.ready || d.removed) continue;
+        const std::vector<int32_t> f = form(d, out.empty());
+        if (f.empty() || f.size() <= best_len || pos + f.size() >= prompt.size()) continue;
+        if (std::equal(f.begin(), f.end(), prompt.begin() + static_cast<ptrdiff_t>(pos))) {
+          best = &d;
+          best_len = f.size();
+        }
+      }
+      if (!best) break;
+      out.push_back(best->id);
+      pos += best_len;
+    }
+    return std::make_pair(out, static_cast<int64_t>(pos));
+  };
+  int matched = 0, chains = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    const std::string& t = tenants[rng() % 3];
+    std::vector<int32_t> prompt;
+    for (int n = static_cast<int>(rng() % 4); n > 0; --n) {
+      const Doc& d = docs[rng() % docs.size()];
+      const std::vector<int32_t> f = form(d, prompt.empty());
+      prompt.insert(prompt.end(), f.begin(), f.end());
+    }
+    for (size_t n = rng() % 4; n > 0; --n) prompt.push_back(static_cast<int32_t>(2 + rng() % 6));
+    const size_t max_docs = 1 + rng() % 3;
+    int64_t consumed = -1;
+    std::vector<DocumentView> got = reg.MatchPrefix(t, prompt, max_docs, &consumed);
+    const auto [want, want_consumed] = brute(t, prompt, max_docs);
+    std::vector<std::string> got_ids;
+    for (const DocumentView& d : got) got_ids.push_back(d.id);
+    ASSERT_EQ(got_ids, want) << "trial " << trial;
+    ASSERT_EQ(consumed, want_consumed) << "trial " << trial;
+    matched += !got.empty();
+    chains += got.size() > 1;
+  }
+  // The search is exercised, not hoped for.
+  EXPECT_GT(matched, 300);
+  EXPECT_GT(chains, 30);
 }
 
 TEST(DocumentRegistry, RefusesAMalformedPageToken) {

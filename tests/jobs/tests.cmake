@@ -5,3 +5,7 @@ if(TEST job_store_integration_test)
 endif()
 # RocksDB on disk, reopened many times: seconds.
 penumbra_cost_label(integration TESTS job_store_test)
+if(TEST file_store_test)
+  set_property(TEST file_store_test APPEND PROPERTY LABELS crash)
+endif()
+penumbra_cost_label(integration TESTS file_store_test)

@@ -68,6 +68,7 @@ TEST_F(OpenAiApi, CompletionsTakeOpenAisDefaults) {
   EXPECT_EQ(g.sampling.top_p, 1.0);
   EXPECT_EQ(g.sampling.seed, 1234);  // sampled, no seed: the caller's random one
   EXPECT_FALSE(p->stream);
+  EXPECT_TRUE(g.reuse_documents);  // prompt caching is automatic
 
   p = Completions({{"model", "m"},
                    {"prompt", json::array({json::array({1, 2, 3})})},
@@ -94,6 +95,7 @@ TEST_F(OpenAiApi, CompletionsTakeOpenAisDefaults) {
   EXPECT_EQ(p->generate.sampling.seed, 2);  // -3 folded to a seed >= 0
   EXPECT_EQ(p->generate.stop, (std::vector<std::string>{"\n"}));
   EXPECT_EQ(p->generate.document_ids, (std::vector<std::string>{"doc-1"}));
+  EXPECT_FALSE(p->generate.reuse_documents);  // named: nothing to find
   EXPECT_TRUE(p->generate.ignore_eos);
   EXPECT_EQ(p->generate.stop_ids, (std::vector<int32_t>{9}));
   EXPECT_EQ(p->generate.kv_policy, "full");

@@ -18,7 +18,10 @@ CMD runs with, in its environment:
   PENUMBRA_METRICS     http://127.0.0.1:M/metrics (the coordinator's admin endpoint)
   PENUMBRA_WORKER_METRICS  the same, of the worker
   PENUMBRA_COORDINATOR_PID
-and its exit status is this script's. The service is stopped after it
+and its exit status is this script's. With --restart-coordinator, a
+coordinator that exits while CMD runs (a test killed it) is started again
+at once on the same data directory and the same ports, as a supervisor
+(systemd's Restart=always) would: CMD's clients find it where it was. The service is stopped after it
 (SIGTERM, then SIGKILL), also when this script is interrupted, and the whole
 run is bounded by --timeout-s (default 240).
 """
@@ -28,6 +31,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "coordinator", "client", "python"))
@@ -42,11 +47,41 @@ def new_key(build):
     return out[0], out[1]
 
 
+def supervise(svc, stopping):
+    """Restarts the coordinator (same argv, its first ports) whenever it exits, until `stopping` is set."""
+    first = svc.coordinator
+    argv = list(first.argv)
+    for flag, port in (("--port", first.port), ("--metrics-port", first.metrics_port),
+                       ("--openai-port", first.openai_port)):
+        argv[argv.index(flag) + 1] = str(port)
+    restarts = 0
+    while not stopping.wait(0.1):
+        if svc.coordinator.running():
+            continue
+        restarts += 1
+        sys.stderr.write("with_service.py: the coordinator exited (status %s); starting it again on the same "
+                         "ports\n" % svc.coordinator.proc.returncode)
+        p = penumbra_local.LocalProcess("coordinator-%d" % restarts, argv, svc.workdir)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                p.start(60)
+                break
+            except penumbra_local.ProcessError as e:
+                if time.monotonic() > deadline or stopping.is_set():  # its ports may linger a moment
+                    sys.stderr.write("with_service.py: could not restart the coordinator: %s\n" % e)
+                    return
+                time.sleep(0.5)
+        svc.coordinator = p
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default=os.path.join(REPO, "build"))
     ap.add_argument("--model", default=os.path.join(REPO, "models", "penumbra-eval"))
     ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--restart-coordinator", action="store_true",
+                    help="start the coordinator again (same ports) whenever it exits while the command runs")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -84,11 +119,16 @@ def main():
             "PENUMBRA_WORKER_METRICS": "http://127.0.0.1:%d/metrics" % svc.worker.metrics_port,
             "PENUMBRA_COORDINATOR_PID": str(svc.coordinator.pid),
         })
+        stopping = threading.Event()
+        if a.restart_coordinator:
+            threading.Thread(target=supervise, args=(svc, stopping), daemon=True).start()
         try:
             rc = subprocess.run(cmd, env=env, timeout=a.timeout_s).returncode
         except subprocess.TimeoutExpired:
             sys.stderr.write("with_service.py: %s ran longer than %.0f s\n" % (" ".join(cmd), a.timeout_s))
             rc = 124
+        finally:
+            stopping.set()
         if rc != 0:
             sys.stderr.write(svc.logs() + "\n")
     finally:
