@@ -90,6 +90,12 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   jobs      8 documents of 32768 tokens x 16 questions: one at a time through the generate call, then as one batch
             job (service-job: wall time and tokens/s of both, answers compared); the peer's shared-prefix decode
             at 16 x 32768 beside; JOBS_POLICY=shadowkv for ShadowKV
+  openai_load  the OpenAI-compatible API beside the Thrift API on one service (ops/loadtest.py --api both:
+            phases thrift, openai, thrift, openai; row "service-load-http-vs-thrift"): penumbra-worker with
+            Llama-3.1-8B-shaped random weights (LOAD_POLICY, default shadowkv) and penumbra-coordinator over TLS,
+            one put document of LOAD_DOC random token ids (32768), LOAD_CLIENTS clients (16) asking 64-token
+            questions about it, 128 tokens each, LOAD_SECONDS a phase (45); the peer's shared-prefix decode at
+            that shape first. Needs .device/gen-py and .device/pylib (ops/device/pack.sh puts them there)
   eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
             must travel: see ops/device/pack.sh)
 EOF
@@ -493,6 +499,30 @@ suite_jobs() {
   kill -TERM $cpid $wpid; wait $cpid $wpid
 }
 
+# The OpenAI-compatible API beside the Thrift API (issue 43): ops/loadtest.py
+# starts the worker and the coordinator itself (penumbra_local.py), from a
+# build folder of wrappers around the bundle's binaries; its Python client
+# needs the generated Thrift code and the thrift package, carried in .device.
+suite_openai_load() {
+  local P=${LOAD_POLICY:-shadowkv} C=${LOAD_CLIENTS:-16} N=${LOAD_DOC:-32768} D="$OUT/openai-load"
+  mkdir -p "$D/build/bin" "$D/build/transport"
+  [ -d .device/gen-py ] && [ -d .device/pylib ] || { echo "openai_load: .device/gen-py or .device/pylib missing"; return; }
+  local b
+  for b in penumbra penumbra-worker penumbra-coordinator; do
+    printf '#!/usr/bin/env bash\nexec bash %s/.device/run %s "$@"\n' "$PWD" "$b" > "$D/build/bin/$b"
+    chmod +x "$D/build/bin/$b"
+  done
+  ln -sfn "$PWD/.device/gen-py" "$D/build/transport/gen-py"
+  $R penumbra --help > /dev/null 2>&1 || true  # unpacks the bundle once
+  run 300 $PEER decode --shared-prefix --graph --batch $C --context $((N + 64)) --steps 20
+  PYTHONPATH="$PWD/.device/pylib" PENUMBRA_GEN_PY="$PWD/.device/gen-py" \
+    run 900 python3 ops/loadtest.py --start configs/bench/llama-3.1-8b --build "$D/build" --device cuda --tls \
+    --api both --clients $C --seconds "${LOAD_SECONDS:-45}" --max-new-tokens 128 --ignore-eos --token-ids 128256 \
+    --document-tokens $N --question-tokens 64 --start-timeout 300 --grace-seconds 30 --timeout 120 \
+    --worker-arg=--random-weights --worker-arg=1 --worker-arg=--kv-policy --worker-arg=$P \
+    --worker-arg=--prefill-chunk --worker-arg=1024 --worker-arg=--max-batch --worker-arg=32
+}
+
 # The store lives on the disk of the working copy (not /tmp, which may be
 # memory), beside the raw bandwidth of that disk.
 suite_ttft_disk() {
@@ -559,7 +589,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|eval) ;;
+    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

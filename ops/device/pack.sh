@@ -39,6 +39,11 @@ grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/i
 bash "$bundler" .device "$stage"/*
 rm -f .device/peer_full_attention.py  # the bundler's own copy of a peer; ours is under bench/peer
 cp bench/peer/full_attention_peer.py .device/
+# The Python client's generated code and the thrift package (pure Python)
+# for ops/loadtest.py (the openai_load suite): the device has no python3-thrift.
+rm -rf .device/gen-py .device/pylib && cp -r build/transport/gen-py .device/gen-py && mkdir -p .device/pylib &&
+  cp -r /usr/lib/python3/dist-packages/thrift .device/pylib/ && find .device/pylib -name '*.so' -delete &&
+  find .device -name __pycache__ -prune -exec rm -rf {} +
 git rev-parse HEAD > .device/COMMIT
 git diff --quiet HEAD -- . ':!.device' || echo "pack.sh: the tree differs from $(cat .device/COMMIT) (rows will name that commit)" >&2
 tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
