@@ -30,11 +30,11 @@ end. Requests still running at T finish (they are cancelled after
   "stream": true and "stream_options": {"include_usage": true} (the model:
   the first id of GET /v1/models), reading the server-sent events; one
   persistent HTTP(S) connection per client, opened again after a failure.
-  TTFT: request sent -> first event with text; generated tokens: the usage
-  chunk's completion_tokens; per-token latency: an approximation, since an
-  event carries text, not a token count: each request adds (last text event
-  - first text event) / (completion_tokens - 1), completion_tokens - 1
-  times. An error (HTTP status, or an `error` event in the stream) is counted
+  With "return_token_ids": true (our extension), each chunk carries the
+  ids that came since the last, so the measures are the Thrift ones: TTFT:
+  request sent -> first chunk with tokens; per-token latency: the time
+  between chunks / tokens in the chunk; generated tokens: the usage chunk's
+  completion_tokens. An error (HTTP status, or an `error` event in the stream) is counted
   by its error.code, else error.type; a failed connection by its exception's
   name. 429 waits its retry-after-ms (Retry-After) as the Thrift client waits
   RESOURCE_EXHAUSTED's retry_after_ms, 503 waits 0.5 s; a stream still
@@ -383,7 +383,7 @@ def openai_client_loop(args, model, doc_id, stop_at, hard_stop_at, results, coun
             q = prompt_of(args, i)
             body = json.dumps({"model": model, "prompt": q.get("text", q.get("token_ids")), "documents": [doc_id],
                                "max_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": i,
-                               "ignore_eos": bool(args.ignore_eos), "stream": True,
+                               "ignore_eos": bool(args.ignore_eos), "stream": True, "return_token_ids": True,
                                "stream_options": {"include_usage": True}}).encode("utf-8")
             ttft, lat, gen, finish, err = None, [], 0, None, None
             wait_s = None
@@ -410,10 +410,14 @@ def openai_client_loop(args, model, doc_id, stop_at, hard_stop_at, results, coun
                             continue
                         choices = event.get("choices") or []
                         if choices:
-                            if choices[0].get("text"):
+                            # Tokens as they come (return_token_ids: a chunk per arrival, text or not).
+                            n = len(choices[0].get("token_ids") or [])
+                            if n:
                                 if first_t is None:
                                     first_t = now
                                     ttft = now - t0
+                                else:
+                                    lat.extend([(now - last_t) / n] * n)
                                 last_t = now
                             reason = choices[0].get("finish_reason") or reason
                         usage = event.get("usage")
@@ -421,8 +425,6 @@ def openai_client_loop(args, model, doc_id, stop_at, hard_stop_at, results, coun
                             gen = int(usage.get("completion_tokens") or 0)
                     else:
                         finish = reason or ("error" if err is not None else "unknown")
-                        if err is None and gen > 1 and first_t is not None:
-                            lat = [(last_t - first_t) / (gen - 1)] * (gen - 1)
             except (OSError, http.client.HTTPException, ValueError) as e:
                 # A failed connection (refused, reset, timed out, TLS), or a body that is not JSON.
                 err = type(e).__name__

@@ -103,6 +103,8 @@ Status ParseCommon(const json& body, const ServedModel& model, Endpoint endpoint
   PENUMBRA_ASSIGN_OR_RETURN(std::optional<std::string> user, String(body, "user"));
   (void)user;  // accepted, not used
 
+  PENUMBRA_ASSIGN_OR_RETURN(std::optional<bool> token_ids, Boolean(body, "return_token_ids"));
+  p->return_token_ids = token_ids.value_or(false);
   PENUMBRA_ASSIGN_OR_RETURN(std::optional<bool> stream, Boolean(body, "stream"));
   p->stream = stream.value_or(false);
   if (const json* so = Field(body, "stream_options")) {
@@ -357,8 +359,10 @@ std::string ResponseId(Endpoint e, const std::string& request_id) {
   return (e == Endpoint::kChat ? "chatcmpl-" : "cmpl-") + request_id;
 }
 
-nlohmann::json Response(Endpoint e, const std::string& model, int64_t created, const rpc::GenerateChunk& done) {
+nlohmann::json Response(Endpoint e, const std::string& model, int64_t created, const rpc::GenerateChunk& done,
+                        bool return_token_ids) {
   json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", FinishReason(done.finish_reason)}};
+  if (return_token_ids) choice["token_ids"] = done.ids;
   if (e == Endpoint::kChat) {
     choice["message"] = {{"role", "assistant"}, {"content", done.text}, {"refusal", nullptr}};
   } else {
@@ -374,9 +378,10 @@ nlohmann::json Response(Endpoint e, const std::string& model, int64_t created, c
 }
 
 nlohmann::json StreamChunk(Endpoint e, const std::string& id, const std::string& model, int64_t created,
-                           const std::string& text, bool first, const nlohmann::json& finish_reason,
-                           bool include_usage) {
+                           const std::string& text, bool first, const nlohmann::json& finish_reason, bool include_usage,
+                           const std::vector<int32_t>* token_ids) {
   json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+  if (token_ids) choice["token_ids"] = *token_ids;
   if (e == Endpoint::kChat) {
     json delta = json::object();
     if (first) delta["role"] = "assistant";

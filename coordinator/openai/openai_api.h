@@ -12,7 +12,7 @@
 // tools and response_format other than text are refused by name (INVALID
 // ARGUMENT: HTTP 422). Penumbra's own fields: documents (ids of documents
 // put, whose cached state the prompt follows), top_k, ignore_eos,
-// stop_token_ids, kv_policy. A request without documents asks for
+// stop_token_ids, kv_policy, return_token_ids. A request without documents asks for
 // automatic reuse (GenerateRequest.reuse_documents): a prompt that starts
 // with documents the tenant has put is served from their cached state.
 // Fields neither knows are ignored, as OpenAI's
@@ -77,6 +77,10 @@ struct Parsed {
   rpc::GenerateRequest generate;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  // Ours (vLLM's name): the answer's token ids in each choice ("token_ids"),
+  // and in a stream each chunk's new ones (a chunk is sent when tokens come,
+  // even before they make text).
+  bool return_token_ids = false;
 };
 
 // The body of POST /v1/completions (prompt: a string, a list of token ids,
@@ -100,12 +104,13 @@ nlohmann::json FinishReason(const std::string& ours);
 // "cmpl-" or "chatcmpl-" + the request id.
 std::string ResponseId(Endpoint e, const std::string& request_id);
 // A whole answer (stream false).
-nlohmann::json Response(Endpoint e, const std::string& model, int64_t created, const rpc::GenerateChunk& done);
+nlohmann::json Response(Endpoint e, const std::string& model, int64_t created, const rpc::GenerateChunk& done,
+                        bool return_token_ids = false);
 // One stream chunk of `text` (the chat's first carries the role), or the
 // last (`finish_reason` set), or the usage chunk (choices empty).
 nlohmann::json StreamChunk(Endpoint e, const std::string& id, const std::string& model, int64_t created,
-                           const std::string& text, bool first, const nlohmann::json& finish_reason,
-                           bool include_usage);
+                           const std::string& text, bool first, const nlohmann::json& finish_reason, bool include_usage,
+                           const std::vector<int32_t>* token_ids = nullptr);
 nlohmann::json UsageChunk(Endpoint e, const std::string& id, const std::string& model, int64_t created,
                           const rpc::Usage& u);
 // Penumbra's documents (our extension, /v1/documents): POST's body

@@ -75,6 +75,7 @@ struct Stream {
   std::string response_id;
   Endpoint endpoint = Endpoint::kCompletions;
   bool include_usage = false;
+  bool return_token_ids = false;
   int64_t offset = 0;    // tokens received
   size_t text_sent = 0;  // bytes of the answer's text sent
   bool first = true;     // nothing sent yet
@@ -247,13 +248,14 @@ void OpenAiGateway::Generate(Endpoint e, const httplib::Request& req, httplib::R
                            Status::Unavailable("the generation ended early (" + done.finish_reason + "): retry it")));
     }
     res.set_header("x-request-id", done.request_id);
-    return Reply(res, 200, openai::Response(e, model_.id, created, done));
+    return Reply(res, 200, openai::Response(e, model_.id, created, done, parsed->return_token_ids));
   }
 
   auto st = std::make_shared<Stream>();
   st->api_key = key;
   st->endpoint = e;
   st->include_usage = parsed->include_usage;
+  st->return_token_ids = parsed->return_token_ids;
   st->caller = transport::CurrentPeer();
   try {
     c_->Generate(st->request_id, parsed->generate);
@@ -290,9 +292,10 @@ void OpenAiGateway::Generate(Endpoint e, const httplib::Request& req, httplib::R
     st->offset += static_cast<int64_t>(chunk.ids.size());
     const std::string fresh = chunk.text.size() > st->text_sent ? chunk.text.substr(st->text_sent) : "";
     st->text_sent = std::max(st->text_sent, chunk.text.size());
-    if (!fresh.empty() || (st->first && !chunk.done)) {
+    const bool fresh_ids = st->return_token_ids && !chunk.ids.empty();
+    if (!fresh.empty() || fresh_ids || (st->first && !chunk.done)) {
       if (!write(Event(openai::StreamChunk(st->endpoint, st->response_id, model_.id, created, fresh, st->first, nullptr,
-                                           st->include_usage)))) {
+                                           st->include_usage, st->return_token_ids ? &chunk.ids : nullptr)))) {
         return abandon();
       }
       st->first = false;
@@ -313,8 +316,9 @@ void OpenAiGateway::Generate(Endpoint e, const httplib::Request& req, httplib::R
       const ApiError a = openai::ErrorOf(pe);
       if (!write(Event(a.Body()))) return abandon();
     } else {
+      const std::vector<int32_t> none;
       if (!write(Event(openai::StreamChunk(st->endpoint, st->response_id, model_.id, created, "", st->first, finish,
-                                           st->include_usage)))) {
+                                           st->include_usage, st->return_token_ids ? &none : nullptr)))) {
         return false;
       }
       if (st->include_usage &&

@@ -236,6 +236,17 @@ TEST_F(OpenAiApi, AnswersAndChunksAreOpenAis) {
   r = Response(Endpoint::kCompletions, "m", 42, done);
   EXPECT_EQ(r["id"], "cmpl-r1");
   EXPECT_EQ(r["choices"][0]["text"], "A red ball.");
+  EXPECT_FALSE(r["choices"][0].contains("token_ids"));
+  done.ids = {5, 6, 7};
+  EXPECT_EQ(Response(Endpoint::kCompletions, "m", 42, done, /*return_token_ids=*/true)["choices"][0]["token_ids"],
+            json({5, 6, 7}));
+  const std::vector<int32_t> fresh = {8};
+  EXPECT_EQ(StreamChunk(Endpoint::kCompletions, "cmpl-r1", "m", 42, "", false, nullptr, false,
+                        &fresh)["choices"][0]["token_ids"],
+            json({8}));
+  EXPECT_TRUE(Completions({{"model", "m"}, {"prompt", "x"}, {"return_token_ids", true}})->return_token_ids);
+  EXPECT_FALSE(Completions({{"model", "m"}, {"prompt", "x"}})->return_token_ids);
+  EXPECT_FALSE(Completions({{"model", "m"}, {"prompt", "x"}, {"return_token_ids", 1}}).ok());
 
   json c = StreamChunk(Endpoint::kChat, "chatcmpl-r1", "m", 42, "", /*first=*/true, nullptr, true);
   EXPECT_EQ(c["choices"][0]["delta"], (json{{"role", "assistant"}, {"content", ""}}));

@@ -69,3 +69,26 @@ test('a stream: chunks that add up to the answer, then the usage', async () => {
   assert.equal(finish, 'length');
   assert.deepEqual(usage, whole.usage);
 });
+
+test('return_token_ids: the answer\'s ids, and a stream chunk for each arrival of tokens', async () => {
+  const body = { model: MODEL, prompt: STORY + QUESTION, max_tokens: 12, temperature: 0, ignore_eos: true,
+    return_token_ids: true };
+  const whole = await c.completions.create(body);
+  assert.equal(whole.choices[0].token_ids.length, 12);
+  const stream = await c.completions.create({ ...body, stream: true, stream_options: { include_usage: true } });
+  const ids = [];
+  let text = '';
+  let usage = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    if (!chunk.choices.length) continue;
+    ids.push(...(chunk.choices[0].token_ids || []));
+    text += chunk.choices[0].text;
+  }
+  assert.deepEqual(ids, whole.choices[0].token_ids);  // greedy: the same tokens
+  assert.equal(text, whole.choices[0].text);
+  assert.equal(usage.completion_tokens, 12);
+  // Without the field, no ids.
+  const plain = await c.completions.create({ ...body, return_token_ids: undefined });
+  assert.equal(plain.choices[0].token_ids, undefined);
+});
