@@ -163,6 +163,17 @@ CAPABILITIES = [
          cols=["kv_policy", "gpus", "context", "batch", "tokens_per_s", "ms_per_step", "ttft_client_s",
                "document_put_s"],
          reproduce="SCP_CONTEXT=262144 SCP_BATCH=4 bash ops/device/bench.sh service_cp  # kind nvidia-h100-x2"),
+    dict(id="openai-vs-thrift", title="The OpenAI-compatible API beside the Thrift API",
+         what="One service (penumbra-worker with the 8B shape, random weights, ShadowKV; penumbra-coordinator "
+              "over TLS), one put document of 32768 tokens, 16 clients asking 64-token questions about it (128 "
+              "tokens each, streamed) through ops/loadtest.py --api both: phases Thrift, OpenAI, Thrift, OpenAI, "
+              "then the comparison (tokens/s of each API the mean of its phases, TTFT percentiles over both "
+              "phases' requests); the peer's shared-prefix decode at the same shape first.",
+         rows=lambda r: r.get("suite") == "openai_load",
+         cols=["api", "clients", "batch", "context", "requests", "tokens_per_s", "ttft_p50_s",
+               "ttft_p99_s", "token_latency_p50_s", "tokens_per_s_ratio", "ttft_p50_ratio", "ttft_p99_ratio",
+               "errors"],
+         reproduce="LOAD_SECONDS=60 bash ops/device/bench.sh openai_load"),
     dict(id="context-group-faults", title="A context group's rank lost mid-decode",
          what="A cp-decode pair with rank 1 SIGKILLed, then SIGSTOPped, while both decode: the seconds until "
               "rank 0 ends with an error (never a hang; the group's timeout 20 s).",
