@@ -284,7 +284,10 @@ struct ShadowkvFetchVArgs {
   void* const* att_v = nullptr;  // device [batch] -> V [hkv][att_cap][d]
   int64_t att_head_stride = 0;
   int outlier_rows = 0;
-  DType dtype = DType::kBF16;  // bf16 or f32 (store, staging and V alike)
+  DType dtype = DType::kBF16;  // bf16 or f32 (store, staging and V alike; V's only with values_fp8)
+  // The store's and staging's rows are fp8 (kernels/value_format.h:
+  // ValueRowBytesFp8 bytes a row), dequantized into V; needs d % 16 == 0.
+  bool values_fp8 = false;
   int batch = 0, hkv = 0, d = 0, chunk_size = 0;
   int max_misses = 0;
   int max_blocks = 0;  // blocks the fetch may use (0: the default, 32)

@@ -19,6 +19,8 @@
 #include "kernels/shadowkv_decode_common.cuh"
 #include "kernels/topk.cuh"
 #include "kernels/topk_block.cuh"
+#include "kernels/value_format.h"
+#include "kernels/value_fp8.cuh"
 
 namespace penumbra::kernels {
 
@@ -43,25 +45,73 @@ constexpr int kFetchThreads = 256;
 constexpr int kFetchUnroll = 8;  // 16-byte loads in flight per thread
 constexpr int kFetchMaxBlocks = 32;
 
+using FetchScan = cub::BlockScan<int32_t, kFetchThreads>;
+
+// s_first[r] = the first miss of row r in the flattened list of every row's
+// misses; s_first[rows] = their total. Ends with __syncthreads.
+__device__ __forceinline__ void ScanMisses(const ShadowkvFetchVArgs& a, int32_t* s_first,
+                                           typename FetchScan::TempStorage& scan_tmp) {
+  const int rows = a.batch * a.hkv;
+  const int per = (rows + kFetchThreads - 1) / kFetchThreads;
+  const int lo = min(rows, static_cast<int>(threadIdx.x) * per), hi = min(rows, lo + per);
+  int32_t sum = 0;
+  for (int r = lo; r < hi; ++r) sum += min(max(a.miss_count[r], 0), a.max_misses);
+  int32_t off = 0;
+  FetchScan(scan_tmp).ExclusiveSum(sum, off);
+  for (int r = lo; r < hi; ++r) {
+    s_first[r] = off;
+    off += min(max(a.miss_count[r], 0), a.max_misses);
+  }
+  if (threadIdx.x == kFetchThreads - 1) s_first[rows] = off;  // its range is the last (or empty): off = total
+  __syncthreads();
+}
+
+// Miss `item` of the flattened list: its row, the chunk row it reads
+// (`chunk_bytes` a row) and the first V row of its slot.
+struct MissAt {
+  int b, h;
+  const char* src;
+  char* dst;  // V row of the slot's first token (elem_bytes elements)
+};
+__device__ __forceinline__ MissAt LocateMiss(const ShadowkvFetchVArgs& a, const int32_t* s_first, int item,
+                                             int64_t chunk_bytes, int elem_bytes) {
+  const int rows = a.batch * a.hkv;
+  int lo = 0, hi = rows;  // the row with s_first[row] <= item < s_first[row + 1]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (s_first[mid] <= item)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  const int row = lo, m = item - s_first[row];
+  MissAt r;
+  r.b = row / a.hkv;
+  r.h = row % a.hkv;
+  const int64_t at = static_cast<int64_t>(row) * a.miss_stride + m;
+  if (a.staging) {
+    const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
+    r.src = static_cast<const char*>(a.staging) + (base + m) * chunk_bytes;
+  } else {
+    const int64_t c = a.miss_chunk[at];
+    if (c < a.shared_chunks) {
+      r.src = static_cast<const char*>(a.shared_store[r.b]) +
+              (static_cast<int64_t>(r.h) * a.shared_stride + c) * chunk_bytes;
+    } else {
+      r.src = static_cast<const char*>(a.value_store[r.b]) +
+              (static_cast<int64_t>(r.h) * a.chunk_cap + c - a.shared_chunks) * chunk_bytes;
+    }
+  }
+  const int64_t row0 = a.outlier_rows + static_cast<int64_t>(a.miss_slot[at]) * a.chunk_size;
+  r.dst = static_cast<char*>(a.att_v[r.b]) + (r.h * a.att_head_stride + row0 * a.d) * elem_bytes;
+  return r;
+}
+
 __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs a, int nvec, int elem_bytes) {
   extern __shared__ int32_t s_first[];  // [rows + 1]: first miss of each row in the flattened list
-  using Scan = cub::BlockScan<int32_t, kFetchThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ typename FetchScan::TempStorage scan_tmp;
+  ScanMisses(a, s_first, scan_tmp);
   const int rows = a.batch * a.hkv;
-  {
-    const int per = (rows + kFetchThreads - 1) / kFetchThreads;
-    const int lo = min(rows, static_cast<int>(threadIdx.x) * per), hi = min(rows, lo + per);
-    int32_t sum = 0;
-    for (int r = lo; r < hi; ++r) sum += min(max(a.miss_count[r], 0), a.max_misses);
-    int32_t off = 0;
-    Scan(scan_tmp).ExclusiveSum(sum, off);
-    for (int r = lo; r < hi; ++r) {
-      s_first[r] = off;
-      off += min(max(a.miss_count[r], 0), a.max_misses);
-    }
-    if (threadIdx.x == kFetchThreads - 1) s_first[rows] = off;  // its range is the last (or empty): off = total
-  }
-  __syncthreads();
   const int64_t total = static_cast<int64_t>(s_first[rows]) * nvec;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kFetchThreads;
   const int64_t chunk_bytes = static_cast<int64_t>(nvec) * 16;
@@ -76,39 +126,58 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
       if (v >= total) continue;
       const int item = static_cast<int>(v / nvec);
       const int vi = static_cast<int>(v - static_cast<int64_t>(item) * nvec);
-      int lo = 0, hi = rows;  // the row with s_first[row] <= item < s_first[row + 1]
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (s_first[mid] <= item)
-          lo = mid;
-        else
-          hi = mid;
-      }
-      const int row = lo, m = item - s_first[row];
-      const int b = row / a.hkv, h = row % a.hkv;
-      const int64_t at = static_cast<int64_t>(row) * a.miss_stride + m;
-      const char* src;
-      if (a.staging) {
-        const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
-        src = static_cast<const char*>(a.staging) + (base + m) * chunk_bytes;
-      } else {
-        const int64_t c = a.miss_chunk[at];
-        if (c < a.shared_chunks) {
-          src = static_cast<const char*>(a.shared_store[b]) +
-                (static_cast<int64_t>(h) * a.shared_stride + c) * chunk_bytes;
-        } else {
-          src = static_cast<const char*>(a.value_store[b]) +
-                (static_cast<int64_t>(h) * a.chunk_cap + c - a.shared_chunks) * chunk_bytes;
-        }
-      }
-      const int64_t row0 = a.outlier_rows + static_cast<int64_t>(a.miss_slot[at]) * a.chunk_size;
-      char* d = static_cast<char*>(a.att_v[b]) + (h * a.att_head_stride + row0 * a.d) * elem_bytes;
-      buf[u] = __ldcs(reinterpret_cast<const uint4*>(src) + vi);
-      dst[u] = reinterpret_cast<uint4*>(d) + vi;
+      const MissAt m = LocateMiss(a, s_first, item, chunk_bytes, elem_bytes);
+      buf[u] = __ldcs(reinterpret_cast<const uint4*>(m.src) + vi);
+      dst[u] = reinterpret_cast<uint4*>(m.dst) + vi;
     }
 #pragma unroll
     for (int u = 0; u < kFetchUnroll; ++u)
       if (dst[u]) *dst[u] = buf[u];
+  }
+}
+
+// The same over fp8 rows (value_format.h): each thread loads 16 codes and
+// their token's scale (the 8 threads of a token's vectors share one load's
+// line), and writes 16 values of T: half the bytes cross the host link.
+template <typename T>
+__global__ void __launch_bounds__(kFetchThreads) FetchVFp8Kernel(ShadowkvFetchVArgs a, int nvec) {
+  extern __shared__ int32_t s_first[];
+  __shared__ typename FetchScan::TempStorage scan_tmp;
+  ScanMisses(a, s_first, scan_tmp);
+  const int rows = a.batch * a.hkv;
+  const int64_t total = static_cast<int64_t>(s_first[rows]) * nvec;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFetchThreads;
+  const int64_t codes = static_cast<int64_t>(a.chunk_size) * a.d;
+  const int64_t chunk_bytes = ValueRowBytesFp8(a.chunk_size, a.d);
+  for (int64_t v0 = static_cast<int64_t>(blockIdx.x) * kFetchThreads + threadIdx.x; v0 < total;
+       v0 += stride * kFetchUnroll) {
+    uint4 buf[kFetchUnroll];
+    float scale[kFetchUnroll];
+    T* dst[kFetchUnroll];
+#pragma unroll
+    for (int u = 0; u < kFetchUnroll; ++u) {
+      dst[u] = nullptr;
+      const int64_t v = v0 + u * stride;
+      if (v >= total) continue;
+      const int item = static_cast<int>(v / nvec);
+      const int vi = static_cast<int>(v - static_cast<int64_t>(item) * nvec);
+      const MissAt m = LocateMiss(a, s_first, item, chunk_bytes, static_cast<int>(sizeof(T)));
+      buf[u] = __ldcs(reinterpret_cast<const uint4*>(m.src) + vi);
+      scale[u] = __ldcs(reinterpret_cast<const float*>(m.src + codes) + (vi * 16) / a.d);
+      dst[u] = reinterpret_cast<T*>(m.dst) + static_cast<int64_t>(vi) * 16;
+    }
+#pragma unroll
+    for (int u = 0; u < kFetchUnroll; ++u) {
+      if (!dst[u]) continue;
+      const uint8_t* c = reinterpret_cast<const uint8_t*>(&buf[u]);
+      alignas(16) T out[16];
+#pragma unroll
+      for (int k = 0; k < 16; ++k) out[k] = FromF32<T>(__fmul_rn(E4M3Value(c[k]), scale[u]));
+#pragma unroll
+      for (int k = 0; k < static_cast<int>(16 * sizeof(T) / 16); ++k) {
+        reinterpret_cast<uint4*>(dst[u])[k] = reinterpret_cast<const uint4*>(out)[k];
+      }
+    }
   }
 }
 
@@ -119,14 +188,31 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   if (rows <= 0 || a.max_misses <= 0) return;
   CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF32) << "ShadowkvFetchV: dtype";
   const int elem_bytes = static_cast<int>(DTypeSize(a.dtype));
+  const int max_blocks = a.max_blocks > 0 ? a.max_blocks : kFetchMaxBlocks;
+  const int64_t per_block = static_cast<int64_t>(kFetchThreads) * kFetchUnroll;
+  const size_t smem = sizeof(int32_t) * (static_cast<size_t>(rows) + 1);
+  if (a.values_fp8) {
+    CHECK_EQ(a.d % 16, 0) << "ShadowkvFetchV: fp8 values need d % 16 == 0";
+    const int nvec = a.chunk_size * a.d / 16;  // 16 codes a vector
+    const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
+    const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
+    if (a.dtype == DType::kBF16) {
+      const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVFp8Kernel<__nv_bfloat16>));
+      CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows is too many";
+      FetchVFp8Kernel<__nv_bfloat16><<<blocks, kFetchThreads, smem, stream>>>(a, nvec);
+    } else {
+      const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVFp8Kernel<float>));
+      CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows is too many";
+      FetchVFp8Kernel<float><<<blocks, kFetchThreads, smem, stream>>>(a, nvec);
+    }
+    PENUMBRA_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   CHECK_EQ(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes % 16, 0) << "ShadowkvFetchV: chunk bytes";
   CHECK_EQ(static_cast<int64_t>(a.d) * elem_bytes % 16, 0) << "ShadowkvFetchV: V rows must be 16-byte aligned";
   const int nvec = static_cast<int>(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes / 16);
   const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
-  const int64_t per_block = static_cast<int64_t>(kFetchThreads) * kFetchUnroll;
-  const int max_blocks = a.max_blocks > 0 ? a.max_blocks : kFetchMaxBlocks;
   const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
-  const size_t smem = sizeof(int32_t) * (static_cast<size_t>(rows) + 1);
   const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVKernel));
   CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows (batch x hkv) is too many";
   FetchVKernel<<<blocks, kFetchThreads, smem, stream>>>(a, nvec, elem_bytes);
