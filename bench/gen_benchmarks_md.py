@@ -196,6 +196,15 @@ CAPABILITIES = [
          cols=["path", "variant", "head_dim", "hq", "hkv", "nq", "batch", "keys", "ms_per_layer", "old_ms", "new_ms",
                "tflop_per_s", "gb_per_s"],
          reproduce="bash .device/run attention_gpu_test --gtest_filter=AttentionGpuTest.Bench  # PENUMBRA_KERNEL_BENCH=1"),
+    dict(id="value-fetch-fp8", title="The value fetch: bf16 rows beside fp8 rows",
+         what="ShadowKV's value fetch alone (value_fp8_gpu_test, `PENUMBRA_KERNEL_BENCH=1`): the missed chunks of a "
+              "decode step's layer (14 sequences x 8 KV heads x 256 chunks of 8 x 128) read from pinned host "
+              "memory in place into V slots, as bf16 rows and as fp8 rows dequantized on the way "
+              "(kernels/value_format.h), two rounds; the engine does not store fp8 values yet.",
+         rows=lambda r: r.get("bench") == "value-fetch",
+         cols=["value_format", "round", "batch", "hkv", "misses_per_head", "chunk_tokens", "d", "ms",
+               "link_gb_per_s", "chunks_per_ms"],
+         reproduce="PENUMBRA_KERNEL_BENCH=1 bash .device/run value_fp8_gpu_test --gtest_filter='*Bench*'"),
     dict(id="skinny-linear", title="Skinny linear kernel",
          what="The few-row linear kernel against cuBLAS at the model's projection shapes.",
          rows=lambda r: r.get("bench") == "skinny_linear",
