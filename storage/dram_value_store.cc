@@ -25,8 +25,14 @@ Status SegmentLayout::Validate() const {
   if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16)
     return Status::InvalidArgument("SegmentLayout.dtype must be f32, f16 or bf16, got " +
                                    std::string(DTypeName(dtype)));
+  // A row's bytes, when given, hold at least a byte per element (fp8 codes)
+  // and at most the dtype's (the checks below bound the product by it).
+  if (row_bytes > 0 && (row_bytes < chunk_elements() || row_bytes > chunk_elements() * DTypeSize(dtype) + 4 * 64)) {
+    return Status::InvalidArgument("SegmentLayout.row_bytes " + std::to_string(row_bytes) + " is not a row of " +
+                                   std::to_string(chunk_elements()) + " elements");
+  }
   // Every factor is < 2^31 and the element size <= 4: check the product stepwise.
-  size_t total = DTypeSize(dtype);
+  size_t total = DTypeSize(dtype) + (row_bytes > 0 ? 1 : 0);
   for (int f : {chunk_tokens, head_dim, chunk_capacity, kv_heads, layers}) {
     if (total > std::numeric_limits<size_t>::max() / static_cast<size_t>(f))
       return Status::InvalidArgument("SegmentLayout too large: " + ToString());
@@ -38,7 +44,8 @@ Status SegmentLayout::Validate() const {
 std::string SegmentLayout::ToString() const {
   return "layers " + std::to_string(layers) + ", kv_heads " + std::to_string(kv_heads) + ", chunk_capacity " +
          std::to_string(chunk_capacity) + ", chunk_tokens " + std::to_string(chunk_tokens) + ", head_dim " +
-         std::to_string(head_dim) + ", dtype " + std::string(DTypeName(dtype));
+         std::to_string(head_dim) + ", dtype " + std::string(DTypeName(dtype)) +
+         (row_bytes > 0 ? ", row_bytes " + std::to_string(row_bytes) : "");
 }
 
 struct DramValueStore::Segment {

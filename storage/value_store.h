@@ -29,9 +29,12 @@ struct SegmentLayout {
   int chunk_tokens = 0;        // tokens per chunk (C)
   int head_dim = 0;            // d
   DType dtype = DType::kBF16;  // element type of the rows
+  // Bytes of a row when the rows are not chunk_elements() of dtype (fp8
+  // values: codes and scales, kernels/value_format.h); 0: they are.
+  size_t row_bytes = 0;
 
   size_t chunk_elements() const { return static_cast<size_t>(chunk_tokens) * head_dim; }
-  size_t chunk_bytes() const { return chunk_elements() * DTypeSize(dtype); }
+  size_t chunk_bytes() const { return row_bytes > 0 ? row_bytes : chunk_elements() * DTypeSize(dtype); }
   size_t chunks_per_layer() const { return static_cast<size_t>(kv_heads) * chunk_capacity; }
   size_t layer_bytes() const { return chunks_per_layer() * chunk_bytes(); }
   size_t total_bytes() const { return layer_bytes() * static_cast<size_t>(layers); }

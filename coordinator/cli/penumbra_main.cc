@@ -254,6 +254,7 @@ Status Eval(int argc, char** argv) {
     j["successor_chunks"] = opt(so.successor_chunks);
     j["landmarks_per_chunk"] = opt(so.landmarks_per_chunk);
     j["landmark_format"] = opt(so.landmark_format);
+    j["value_format"] = opt(so.value_format);
     j["min_prompt"] = opt(so.min_prompt_tokens);
     j["segmented"] = a.Has("segmented");
     j["continuation"] = opt(so.continuation);

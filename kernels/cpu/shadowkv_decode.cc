@@ -1,3 +1,4 @@
+#include "kernels/value_format.h"
 #include "kernels/cpu/shadowkv_decode.h"
 
 #include <algorithm>
@@ -271,25 +272,34 @@ void ShadowkvRebuildK(const ShadowkvRebuildKArgs& a) {
 
 void ShadowkvFetchV(const ShadowkvFetchVArgs& a) {
   const int64_t chunk_elems = static_cast<int64_t>(a.chunk_size) * a.d;
+  const int64_t row_bytes = a.values_fp8 ? ValueRowBytesFp8(a.chunk_size, a.d)
+                                         : chunk_elems * static_cast<int64_t>(sizeof(float));
+  auto at = [&](const float* base, int64_t row) {
+    return reinterpret_cast<const char*>(base) + row * row_bytes;
+  };
   for (int64_t row = 0; row < static_cast<int64_t>(a.batch) * a.hkv; ++row) {
     const int b = static_cast<int>(row / a.hkv), h = static_cast<int>(row % a.hkv);
     for (int m = 0; m < a.miss_count[row]; ++m) {
       const int slot = a.miss_slot[row * a.miss_stride + m];
-      const float* src;
+      const char* src;
       if (a.staging) {
         const int64_t base = a.staging_offsets ? a.staging_offsets[row] : row * a.miss_stride;
-        src = a.staging + (base + m) * chunk_elems;
+        src = at(a.staging, base + m);
       } else {
         const int chunk = a.miss_chunk[row * a.miss_stride + m];
         if (chunk < a.shared_chunks) {
-          src = a.shared_store[b] + (static_cast<int64_t>(h) * a.shared_stride + chunk) * chunk_elems;
+          src = at(a.shared_store[b], static_cast<int64_t>(h) * a.shared_stride + chunk);
         } else {
-          src = a.value_store[b] + (static_cast<int64_t>(h) * a.chunk_cap + chunk - a.shared_chunks) * chunk_elems;
+          src = at(a.value_store[b], static_cast<int64_t>(h) * a.chunk_cap + chunk - a.shared_chunks);
         }
       }
       float* dst = a.att_v[b] + h * a.att_head_stride +
                    (static_cast<int64_t>(a.outlier_rows) + static_cast<int64_t>(slot) * a.chunk_size) * a.d;
-      std::memcpy(dst, src, chunk_elems * sizeof(float));
+      if (a.values_fp8) {
+        DecodeValueRowFp8(reinterpret_cast<const uint8_t*>(src), a.chunk_size, a.d, dst);
+      } else {
+        std::memcpy(dst, src, chunk_elems * sizeof(float));
+      }
     }
   }
 }

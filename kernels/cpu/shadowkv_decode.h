@@ -113,12 +113,15 @@ struct ShadowkvRebuildKArgs {
 void ShadowkvRebuildK(const ShadowkvRebuildKArgs& a);
 
 // As kernels::ShadowkvFetchVArgs, f32, host arrays (staging null: FetchV).
+// values_fp8: the store's and staging's rows are fp8 (kernels/value_format.h;
+// the pointers then point at those bytes), dequantized into V.
 struct ShadowkvFetchVArgs {
   const float* const* value_store = nullptr;
   int chunk_cap = 0;
   const float* const* shared_store = nullptr;  // chunks below shared_chunks (see the CUDA header)
   int shared_chunks = 0;
   int shared_stride = 0;
+  bool values_fp8 = false;
   const float* staging = nullptr;
   const int32_t* staging_offsets = nullptr;
   const int32_t* miss_count = nullptr;

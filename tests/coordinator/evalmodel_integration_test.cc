@@ -121,5 +121,19 @@ TEST(EvalModelTest, ShadowKvWithLandmarksInTheModelsDtypeCopiesTheUuid) {
   EXPECT_GT(r.hit_rate, 0.0);
 }
 
+// With the offloaded values stored as fp8 (shadowkv.value_format: e4m3
+// codes and a scale per token, about half the bytes of bf16; the prompt's
+// values encoded when offloaded, the generated chunks' when they close),
+// the answers are the same.
+TEST(EvalModelTest, ShadowKvWithFp8ValuesCopiesTheUuid) {
+  EngineOptions o = SparseOptions();
+  o.shadowkv.value_format = "fp8";
+  const Outcome r = RunRecords(o);
+  ASSERT_EQ(r.correct.size(), 2u);
+  EXPECT_TRUE(r.correct[0]) << "niah_single predicted " << r.predictions[0];
+  EXPECT_TRUE(r.correct[1]) << "kv predicted " << r.predictions[1];
+  EXPECT_GT(r.hit_rate, 0.0);
+}
+
 }  // namespace
 }  // namespace penumbra

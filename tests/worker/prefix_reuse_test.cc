@@ -51,6 +51,7 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   // and a scale per chunk) captured, stored, imported and read in place the
   // same way.
   if (policy.find("-model") != std::string::npos) o.shadowkv.landmark_format = "model";
+  if (policy.find("-fp8") != std::string::npos) o.shadowkv.value_format = "fp8";
   if (policy == "shadowkv-tier0") {  // hot documents' values copied to "device" memory (here: host memory)
     o.runtime.tiers.on_host_backend = true;
     o.runtime.tiers.gpu_reserve_bytes = 0;
@@ -447,6 +448,23 @@ TEST_F(PrefixReuseTest, ADocumentStoredWithTheOtherLandmarkFormatIsRecomputed) {
     EXPECT_EQ((*r)[0].ids, cold);
     EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
   }
+}
+
+// Values stored as fp8 (shadowkv.value_format): documents are not cached yet
+// (their value buffers keep bf16 rows), so a request that would reuse one is
+// prefilled whole and answers as a cold run does; nothing is captured.
+TEST_F(PrefixReuseTest, WithFp8ValuesDocumentsAreNotCachedAndRequestsAnswerAsCold) {
+  const std::vector<int32_t> cold = Cold(Request(kDoc, kQ1, true), "shadowkv-fp8");
+  ASSERT_FALSE(cold.empty());
+  auto e = OpenEngine(64 << 20, "shadowkv-fp8");
+  ASSERT_NE(e, nullptr);
+  for (int round = 0; round < 2; ++round) {
+    auto r = e->runtime().Generate({Request(kDoc, kQ1, true)});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
+    EXPECT_EQ((*r)[0].ids, cold);
+  }
+  EXPECT_EQ(e->runtime().policy().CapturePrefix(0, 151).status().code(), StatusCode::kNotFound);
 }
 
 // A value block read lazily (after a restart) that fails its check while a

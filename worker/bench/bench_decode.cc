@@ -308,6 +308,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       j["successor_chunks"] = e.options().shadowkv.successor_chunks;
       j["landmarks_per_chunk"] = e.options().shadowkv.landmarks_per_chunk;
       j["landmark_format"] = e.options().shadowkv.landmark_format;
+      j["value_format"] = e.options().shadowkv.value_format;
       if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
     }
     j["linear"] = e.options().backend.linear;

@@ -258,6 +258,9 @@ class Backend {
   virtual void ShadowkvRebuildK(kernels::ShadowkvRebuildKArgs args) = 0;
   // On the side stream when forked (V fetch overlaps the K rebuild).
   virtual void ShadowkvFetchV(kernels::ShadowkvFetchVArgs args, bool staged) = 0;
+  // `rows` value rows of chunk_tokens x d act-dtype elements (contiguous,
+  // device) -> fp8 rows (kernels/value_format.h) at `dst` (device).
+  virtual void EncodeValuesFp8(const void* src, int64_t rows, int chunk_tokens, int d, void* dst) = 0;
   // Work issued between ForkSide() and JoinSide() by ops marked "side" runs
   // on a second stream that starts after all prior main-stream work; JoinSide
   // makes the main stream wait for it. No-ops on the CPU.

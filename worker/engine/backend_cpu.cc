@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "kernels/value_format.h"
 #include "kernels/cpu/lowrank.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/shadowkv_decode.h"
@@ -373,6 +374,13 @@ class CpuBackend final : public Backend {
     c.chunk_size = a.chunk_size;
     kc::ShadowkvRebuildK(c);
   }
+  void EncodeValuesFp8(const void* src, int64_t rows, int chunk_tokens, int d, void* dst) override {
+    const int64_t elems = static_cast<int64_t>(chunk_tokens) * d, rb = kernels::ValueRowBytesFp8(chunk_tokens, d);
+    for (int64_t r = 0; r < rows; ++r) {
+      kernels::EncodeValueRowFp8(static_cast<const float*>(src) + r * elems, chunk_tokens, d,
+                                 static_cast<uint8_t*>(dst) + r * rb);
+    }
+  }
   void ShadowkvFetchV(kernels::ShadowkvFetchVArgs a, bool /*staged*/) override {
     kc::ShadowkvFetchVArgs c;
     c.value_store = reinterpret_cast<const float* const*>(a.value_store);
@@ -387,6 +395,7 @@ class CpuBackend final : public Backend {
     c.miss_chunk = a.miss_chunk;
     c.miss_stride = a.miss_stride;
     c.att_v = reinterpret_cast<float* const*>(a.att_v);
+    c.values_fp8 = a.values_fp8;
     c.att_head_stride = a.att_head_stride;
     c.outlier_rows = a.outlier_rows;
     c.batch = a.batch;

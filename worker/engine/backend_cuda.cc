@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <cusolverDn.h>
+#include "kernels/value_fp8.cuh"
 #include "kernels/add_bias.cuh"
 #include "kernels/attention_decode.cuh"
 #include "kernels/attention_merge.cuh"
@@ -429,6 +430,9 @@ class CudaBackend final : public Backend {
       kn::LaunchShadowkvFetchV(a, s);
     }
     if (timeline_on_) RecordTimeline(s);
+  }
+  void EncodeValuesFp8(const void* src, int64_t rows, int chunk_tokens, int d, void* dst) override {
+    kn::LaunchEncodeValuesFp8(src, act_, rows, chunk_tokens, d, static_cast<uint8_t*>(dst), stream_);
   }
   Status PrepareFetchTurns(int layers) override {
     while (static_cast<int>(fetch_done_.size()) < layers) {

@@ -54,6 +54,8 @@ const OptionTable<ShadowKvOptions>& ShadowKvOptionTable() {
                 "landmarks per chunk, a chunk scoring as its best (1: the paper's)")
            .Enum(&O::landmark_format, "landmark-format", "landmark_format", {"fp8", "model"},
                  "how landmarks are stored: fp8 (e4m3, a scale per chunk) or the model's dtype")
+           .Enum(&O::value_format, "value-format", "value_format", {"bf16", "fp8"},
+                 "how offloaded values are stored: bf16 (the model's dtype) or fp8 (e4m3, a scale per token)")
            .Check("outlier_fraction",
                   [](const O& o) -> std::string {
                     return o.outlier_fraction < 1 ? "" : "must be below 1, got " + std::to_string(o.outlier_fraction);
@@ -102,6 +104,10 @@ Status ValidateShadowKvOnDevice(const ShadowKvOptions& o, int hq, int hkv, int h
                                    " per KV head");
   }
   if (device != Device::kCUDA) return Status::OK();
+  if (o.value_fp8() && head_dim % 16 != 0) {
+    return Status::InvalidArgument("shadowkv.value_format fp8 on CUDA needs head_dim a multiple of 16; the model has " +
+                                   std::to_string(head_dim));
+  }
   if (o.rank > kernels::kShadowkvMaxRebuildRank) {
     return Status::InvalidArgument("shadowkv.rank " + std::to_string(o.rank) + " is above " +
                                    std::to_string(kernels::kShadowkvMaxRebuildRank) +

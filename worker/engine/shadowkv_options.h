@@ -93,6 +93,16 @@ struct ShadowKvOptions {
   // faster decode, 14 sequences instead of 10 in its memory. Default: fp8.
   std::string landmark_format = "fp8";
   bool landmark_fp8() const { return landmark_format == "fp8"; }
+  // How the offloaded values (the value store's rows, read back every decode
+  // step over the host link) are stored: "bf16", the model's activation dtype
+  // (bf16 on the GPU, f32 on the CPU backend), or "fp8": OCP e4m3 codes with
+  // an f32 scale per token and head (kernels/value_format.h), about half the
+  // bytes of bf16, dequantized by the value fetch. The outliers, the local
+  // window and the tokens not yet offloaded stay exact. Documents (captured
+  // prefixes) keep bf16 values only for now: with fp8 no prefix is cached
+  // (every prompt is prefilled whole; answers unchanged). Default: bf16.
+  std::string value_format = "bf16";
+  bool value_fp8() const { return value_format == "fp8"; }
 };
 
 // Every option's flag, YAML key, range, rules and help, declared once

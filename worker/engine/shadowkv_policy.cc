@@ -41,6 +41,7 @@
 #include <sstream>
 
 #include "kernels/landmark_format.h"
+#include "kernels/value_format.h"
 #include "storage/dram_value_store.h"
 #include "worker/engine/backend_host_allocator.h"
 #include "worker/engine/collective.h"
@@ -119,13 +120,14 @@ class ShadowKvPolicy final : public KvPolicy {
       return Status::InvalidArgument("shadowkv: a global selection over the shards of " + std::to_string(s.global_k) +
                                      " chunks is more than " + std::to_string(kn::kTopKMaxK) + " (lower the budget)");
     }
+    if (prefix && prefix->geometry().sparse && o_.value_fp8()) return Fp8Documents();
     if (prefix) PENUMBRA_RETURN_IF_ERROR(prefix_io_.Fit(*prefix, s));
     const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
     if (s.sparse) {
       // The store holds the chunks this sequence makes; an attached prefix's
       // are read in place from the prefix.
       const int own_chunks = s.chunk_cap - s.shared_chunks;
-      const size_t host_need = static_cast<size_t>(L) * H * own_chunks * C * d * es_;
+      const size_t host_need = static_cast<size_t>(L) * H * own_chunks * lay_.value_row_bytes();
       const size_t host_free = ctx_.backend->FreeHostBytes();
       if (host_free > 0 && host_need + (size_t{8} << 30) > host_free) {
         return Status::ResourceExhausted("shadowkv: the value store needs " + std::to_string(host_need >> 20) +
@@ -137,6 +139,7 @@ class ShadowKvPolicy final : public KvPolicy {
     PENUMBRA_RETURN_IF_ERROR(lay_.Allocate(&s));
     if (s.sparse) {
       storage::SegmentLayout lay{L, H, s.chunk_cap - s.shared_chunks, C, d, ctx_.backend->act_dtype()};
+      if (o_.value_fp8()) lay.row_bytes = lay_.value_row_bytes();
       // Reserved now, each layer pinned when the prefill reaches it
       // (EnsureStoreLayer): a long prompt's 8 GB are not pinned all at once
       // while the running batch waits.
@@ -407,8 +410,9 @@ class ShadowKvPolicy final : public KvPolicy {
     fv.chunk_size = C;
     fv.max_misses = per_head;
     fv.max_blocks = kRestoreFetchBlocks;
+    fv.values_fp8 = o_.value_fp8();
     if (host_chunks != nullptr) {
-      const size_t cb = static_cast<size_t>(C) * d * es_, n = static_cast<size_t>(H) * per_head;
+      const size_t cb = lay_.value_row_bytes(), n = static_cast<size_t>(H) * per_head;
       if (stage_v_.bytes() < n * cb) {
         PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
         PENUMBRA_ASSIGN_OR_RETURN(stage_v_, b.AllocateHost(n * cb));
@@ -428,7 +432,7 @@ class ShadowKvPolicy final : public KvPolicy {
   // Chunk c of head h of `layer` of s (an attached prefix's, from its host
   // values, or one of s's own, checked by the store) into host memory.
   Status CopyChunkToHost(Seq& s, int layer, int h, int c, char* dst) {
-    const size_t cb = static_cast<size_t>(o_.chunk_size) * ctx_.head_dim * es_;
+    const size_t cb = lay_.value_row_bytes();
     if (c < s.shared_chunks) {
       std::memcpy(dst, s.prefix->values_host(layer) + (static_cast<size_t>(h) * s.shared_stride + c) * cb, cb);
       return Status::OK();
@@ -1004,11 +1008,20 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     Lap("chunk_compress");
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    // fp8 values: each row encoded here (a chunk per sequence every C steps;
+    // the prefill's offload encodes on the device).
+    std::vector<float> wide(o_.value_fp8() ? static_cast<size_t>(C) * d : 0);
+    std::vector<uint8_t> coded(o_.value_fp8() ? lay_.value_row_bytes() : 0);
     for (size_t k = 0; k < due.size(); ++k) {
       Seq& s = *due[k];
       for (int l = 0; l < L; ++l) {
         for (int h = 0; h < H; ++h) {
           const char* src = stage_.as<char>() + k * per_seq + (static_cast<size_t>(l) * H + h) * row;
+          if (o_.value_fp8()) {
+            ConvertToF32(src, ctx_.backend->act_dtype(), wide.data(), wide.size());
+            kn::EncodeValueRowFp8(wide.data(), C, d, coded.data());
+            src = reinterpret_cast<const char*>(coded.data());
+          }
           PENUMBRA_RETURN_IF_ERROR(store_.PutChunks(s.segment, l, h, s.n_chunks - s.shared_chunks, 1, src));
         }
       }
@@ -1056,6 +1069,7 @@ class ShadowKvPolicy final : public KvPolicy {
        << o_.continuation_budget_tokens;
     if (o_.landmarks_per_chunk != 1) os << " landmarks_per_chunk=" << o_.landmarks_per_chunk;
     if (o_.landmark_fp8()) os << " landmark_format=fp8";
+    if (o_.value_fp8()) os << " value_format=fp8";
     return os.str();
   }
 
@@ -1067,6 +1081,16 @@ class ShadowKvPolicy final : public KvPolicy {
   // own store (nothing attached): the store's segment becomes the prefix's
   // value buffer, rows strided by the segment's capacity. A 124K-token
   // document's 8 GB are then neither allocated nor copied a second time.
+  // Documents (prefixes) keep bf16 values for now: their value buffers,
+  // tiers and stored blobs are laid out by C*d elements. Unimplemented: the
+  // runtime then serves requests without reusing prefixes (each prompt is
+  // prefilled; the answers are the same).
+  static Status Fp8Documents() {
+    return Status::Unimplemented(
+        "shadowkv.value_format fp8 does not serve documents yet (their values are stored as bf16): use value_format "
+        "bf16 for a worker that caches documents");
+  }
+
   Result<std::shared_ptr<const KvPrefix>> TakePrefix(int64_t id, int64_t tokens) override {
     return Capture(id, tokens, true);
   }
@@ -1074,6 +1098,7 @@ class ShadowKvPolicy final : public KvPolicy {
   Result<std::shared_ptr<const KvPrefix>> Capture(int64_t id, int64_t tokens, bool take) {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(id) + " does not exist");
+    if (it->second.sparse && o_.value_fp8()) return Fp8Documents();
     PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, prefix_io_.Capture(it->second, tokens, take));
     return std::shared_ptr<const KvPrefix>(std::move(p));
   }

@@ -165,13 +165,27 @@ Status ShadowKvCompressor::OffloadValues(storage::DramValueStore& store, DeviceB
   Backend& b = backend_;
   const int C = lay_.options().chunk_size, H = lay_.ctx().hkv, d = lay_.ctx().head_dim;
   const size_t es = lay_.es();
-  const size_t row = static_cast<size_t>(n) * C * d * es;
+  // A head's n rows as the store keeps them (fp8: encoded on the device first).
+  const size_t row = static_cast<size_t>(n) * lay_.value_row_bytes();
   if (stage->bytes() < row * H) {
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     PENUMBRA_ASSIGN_OR_RETURN(*stage, b.AllocateHost(row * H));
   }
-  PENUMBRA_RETURN_IF_ERROR(
-      b.Copy2D(stage->get(), row, static_cast<const char*>(src) + src_row * d * es, head_stride * es, row, H));
+  if (lay_.options().value_fp8()) {
+    if (fp8_tmp_.bytes() < row * H) {
+      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(fp8_tmp_, b.Allocate(row * H));
+    }
+    for (int h = 0; h < H; ++h) {
+      b.EncodeValuesFp8(static_cast<const char*>(src) + (h * head_stride + src_row * d) * es, n, C, d,
+                        fp8_tmp_.as<char>() + h * row);
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(stage->get(), fp8_tmp_.get(), row * H));
+  } else {
+    const size_t wide = static_cast<size_t>(n) * C * d * es;
+    PENUMBRA_RETURN_IF_ERROR(
+        b.Copy2D(stage->get(), wide, static_cast<const char*>(src) + src_row * d * es, head_stride * es, wide, H));
+  }
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
   for (int h = 0; h < H; ++h) {
     PENUMBRA_RETURN_IF_ERROR(store.PutChunks(s.segment, layer, h, store_first, n, stage->as<char>() + h * row));

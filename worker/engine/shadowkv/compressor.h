@@ -67,6 +67,7 @@ class ShadowKvCompressor {
   const ShadowKvLayout& lay_;
   Backend& backend_;
   DeviceBuffer tmp_k_, tmp_v_, tmp_prek_, tmp_cos_, tmp_outl_, ptr_buf_;
+  DeviceBuffer fp8_tmp_;  // OffloadValues: a layer's rows encoded as fp8, before the copy to the host
   int64_t tmp_cap_ = 0;
 };
 

@@ -252,6 +252,7 @@ kn::ShadowkvFetchVArgs ShadowKvDecodeStep::FetchVOf(int layer, int g0, int gn) c
   fv.chunk_size = C;
   fv.max_misses = K;
   fv.max_blocks = o.fetch_blocks;
+  fv.values_fp8 = o.value_fp8();
   return fv;
 }
 

@@ -122,6 +122,9 @@ class ShadowKvLayout {
   size_t es() const { return es_; }                       // bytes of the act dtype
   int64_t lm_rec() const { return lm_rec_; }              // landmark elements (bytes for fp8) per chunk record
   int64_t lm_rec_bytes() const { return lm_rec_bytes_; }  // bytes per chunk record
+  // Bytes of one value row (a head's chunk) in the value store: C*d of the
+  // act dtype, or an fp8 row (kernels/value_format.h).
+  size_t value_row_bytes() const { return value_row_bytes_; }
   const PolicyContext& ctx() const { return ctx_; }
   const ShadowKvOptions& options() const { return o_; }
 
@@ -131,6 +134,7 @@ class ShadowKvLayout {
   size_t es_;
   int64_t lm_rec_;        // the kernels' strides
   int64_t lm_rec_bytes_;  // the buffers' sizes and offsets
+  size_t value_row_bytes_;
 };
 
 // Copies `bytes` from the host into *dst, first growing it (to twice the
