@@ -205,6 +205,14 @@ CAPABILITIES = [
          cols=["value_format", "round", "batch", "hkv", "misses_per_head", "chunk_tokens", "d", "ms",
                "link_gb_per_s", "chunks_per_ms"],
          reproduce="PENUMBRA_KERNEL_BENCH=1 bash .device/run value_fp8_gpu_test --gtest_filter='*Bench*'"),
+    dict(id="value-format-decode", title="ShadowKV decode with fp8 values beside bf16 values",
+         what="ShadowKV decode at 124928 tokens (the defaults, the largest batch that fits: `--batch` unset) with "
+              "the values stored as bf16 and as fp8 (`--value-format`), natural and forced-60% hit rates, the two "
+              "formats alternating twice between peer runs (`--graph`) of the same call.",
+         rows=lambda r: peer_decode(r) or (engine(r, "decode", "shadowkv") and "value_format" in r),
+         cols=["value_format", "context", "batch", "force_hit_rate", "hit_rate", "tokens_per_s", "ms_per_step"],
+         reproduce="VARIANTS='--value-format bf16|--value-format fp8' VARIANT_ROUNDS=2 VARIANT_STEPS=50 "
+                   "bash ops/device/bench.sh variants"),
     dict(id="skinny-linear", title="Skinny linear kernel",
          what="The few-row linear kernel against cuBLAS at the model's projection shapes.",
          rows=lambda r: r.get("bench") == "skinny_linear",

@@ -83,11 +83,11 @@ void LaunchEncodeValuesFp8(const void* src, DType dtype, int64_t rows, int chunk
   const auto blocks = static_cast<unsigned>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock);
   if (dtype == DType::kBF16) {
     EncodeValuesFp8Kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(static_cast<const __nv_bfloat16*>(src), tokens,
-                                                                       chunk_tokens, d, row_bytes, dst);
+                                                                      chunk_tokens, d, row_bytes, dst);
   } else {
     CHECK(dtype == DType::kF32) << "EncodeValuesFp8: dtype";
     EncodeValuesFp8Kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(static_cast<const float*>(src), tokens,
-                                                                       chunk_tokens, d, row_bytes, dst);
+                                                                      chunk_tokens, d, row_bytes, dst);
   }
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }
@@ -103,8 +103,7 @@ void LaunchDecodeValuesFp8(const uint8_t* src, int64_t rows, int chunk_tokens, i
                                                       static_cast<__nv_bfloat16*>(dst));
   } else {
     CHECK(dtype == DType::kF32) << "DecodeValuesFp8: dtype";
-    DecodeValuesFp8Kernel<<<blocks, 256, 0, stream>>>(src, elems, chunk_tokens, d, row_bytes,
-                                                      static_cast<float*>(dst));
+    DecodeValuesFp8Kernel<<<blocks, 256, 0, stream>>>(src, elems, chunk_tokens, d, row_bytes, static_cast<float*>(dst));
   }
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
 }

@@ -1,5 +1,5 @@
-#include "kernels/value_format.h"
 #include "kernels/cpu/shadowkv_decode.h"
+#include "kernels/value_format.h"
 
 #include <algorithm>
 #include <cmath>
@@ -272,11 +272,9 @@ void ShadowkvRebuildK(const ShadowkvRebuildKArgs& a) {
 
 void ShadowkvFetchV(const ShadowkvFetchVArgs& a) {
   const int64_t chunk_elems = static_cast<int64_t>(a.chunk_size) * a.d;
-  const int64_t row_bytes = a.values_fp8 ? ValueRowBytesFp8(a.chunk_size, a.d)
-                                         : chunk_elems * static_cast<int64_t>(sizeof(float));
-  auto at = [&](const float* base, int64_t row) {
-    return reinterpret_cast<const char*>(base) + row * row_bytes;
-  };
+  const int64_t row_bytes =
+      a.values_fp8 ? ValueRowBytesFp8(a.chunk_size, a.d) : chunk_elems * static_cast<int64_t>(sizeof(float));
+  auto at = [&](const float* base, int64_t row) { return reinterpret_cast<const char*>(base) + row * row_bytes; };
   for (int64_t row = 0; row < static_cast<int64_t>(a.batch) * a.hkv; ++row) {
     const int b = static_cast<int>(row / a.hkv), h = static_cast<int>(row % a.hkv);
     for (int m = 0; m < a.miss_count[row]; ++m) {

@@ -23,7 +23,7 @@ float ScaleOf(const std::vector<uint8_t>& row, int C, int d, int t) {
 TEST(ValueFormatTest, RowsAreHalfTheBytesOfBf16AndAligned) {
   EXPECT_EQ(ValueRowBytesFp8(8, 128), 1056);  // 1024 codes + 8 scales
   EXPECT_EQ(ValueRowBytesFp8(8, 64), 544);
-  EXPECT_EQ(ValueRowBytesFp8(1, 16), 32);     // 16 + 4, padded
+  EXPECT_EQ(ValueRowBytesFp8(1, 16), 32);  // 16 + 4, padded
   for (int C : {1, 2, 8, 16, 32}) {
     for (int d : {16, 64, 128, 256}) {
       EXPECT_EQ(ValueRowBytesFp8(C, d) % kValueRowAlign, 0);

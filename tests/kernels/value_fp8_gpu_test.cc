@@ -37,8 +37,9 @@ std::vector<float> TestValues(int64_t rows, int C, int d, uint64_t seed) {
     std::normal_distribution<float> n(0.0f, mag);
     for (int j = 0; j < d; ++j) x[t * d + j] = t % 13 == 5 ? 0.0f : n(rng);
     if (t % 7 == 3) x[t * d + rng() % d] = std::numeric_limits<float>::quiet_NaN();
-    if (t % 11 == 4) x[t * d + rng() % d] = (rng() & 1) ? std::numeric_limits<float>::infinity()
-                                                        : -std::numeric_limits<float>::infinity();
+    if (t % 11 == 4)
+      x[t * d + rng() % d] =
+          (rng() & 1) ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
   }
   return x;
 }
@@ -124,8 +125,15 @@ struct FetchCase {
   ShadowkvFetchVArgs args;
 
   FetchCase(int batch_, int hkv_, int d_, int C_, int chunk_cap_, int misses_, bool fp8_, DType dtype_)
-      : batch(batch_), hkv(hkv_), d(d_), C(C_), chunk_cap(chunk_cap_), misses(misses_), att_cap(misses_ * C_ + 32),
-        fp8(fp8_), dtype(dtype_) {
+      : batch(batch_),
+        hkv(hkv_),
+        d(d_),
+        C(C_),
+        chunk_cap(chunk_cap_),
+        misses(misses_),
+        att_cap(misses_ * C_ + 32),
+        fp8(fp8_),
+        dtype(dtype_) {
     const int64_t rb = fp8 ? ValueRowBytesFp8(C, d) : static_cast<int64_t>(C) * d * DTypeSize(dtype);
     std::vector<const void*> sp;
     for (int b = 0; b < batch; ++b) {
@@ -242,11 +250,12 @@ TEST(ValueFp8GpuTest, BenchFetchBf16BesideFp8) {
       PENUMBRA_CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
       ms /= kIters;
       const double chunks = 14.0 * 8 * 256;
-      std::printf("{\"bench\": \"value-fetch\", \"value_format\": \"%s\", \"round\": %d, \"batch\": 14, \"hkv\": 8, "
-                  "\"misses_per_head\": 256, \"chunk_tokens\": 8, \"d\": 128, \"ms\": %.4f, \"link_gb_per_s\": %.2f, "
-                  "\"chunks_per_ms\": %.1f, \"bf16_gb_per_s_equivalent\": %.2f}\n",
-                  fp8 ? "fp8" : "bf16", round, ms, f.link_bytes() / (ms * 1e-3) / 1e9, chunks / ms,
-                  chunks * 8 * 128 * 2 / (ms * 1e-3) / 1e9);
+      std::printf(
+          "{\"bench\": \"value-fetch\", \"value_format\": \"%s\", \"round\": %d, \"batch\": 14, \"hkv\": 8, "
+          "\"misses_per_head\": 256, \"chunk_tokens\": 8, \"d\": 128, \"ms\": %.4f, \"link_gb_per_s\": %.2f, "
+          "\"chunks_per_ms\": %.1f, \"bf16_gb_per_s_equivalent\": %.2f}\n",
+          fp8 ? "fp8" : "bf16", round, ms, f.link_bytes() / (ms * 1e-3) / 1e9, chunks / ms,
+          chunks * 8 * 128 * 2 / (ms * 1e-3) / 1e9);
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);
     }

@@ -10,11 +10,11 @@
 #include <random>
 #include <thread>
 
-#include "kernels/value_format.h"
 #include "kernels/cpu/lowrank.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/shadowkv_decode.h"
 #include "kernels/cpu/shadowkv_prefill.h"
+#include "kernels/value_format.h"
 #include "worker/engine/backend.h"
 
 namespace penumbra {

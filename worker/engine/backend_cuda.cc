@@ -11,7 +11,6 @@
 #include <vector>
 
 #include <cusolverDn.h>
-#include "kernels/value_fp8.cuh"
 #include "kernels/add_bias.cuh"
 #include "kernels/attention_decode.cuh"
 #include "kernels/attention_merge.cuh"
@@ -30,6 +29,7 @@
 #include "kernels/shadowkv_prefill.cuh"
 #include "kernels/swiglu.cuh"
 #include "kernels/topk.cuh"
+#include "kernels/value_fp8.cuh"
 #include "worker/engine/backend.h"
 
 namespace penumbra {

@@ -16,9 +16,8 @@ ShadowKvLayout::ShadowKvLayout(const PolicyContext& ctx, const ShadowKvOptions& 
       es_(DTypeSize(ctx.backend->act_dtype())),
       lm_rec_(kn::LandmarkChunkElems(options.landmarks_per_chunk, ctx.head_dim, options.landmark_fp8())),
       lm_rec_bytes_(kn::LandmarkChunkBytes(options.landmarks_per_chunk, ctx.head_dim, options.landmark_fp8(), es_)),
-      value_row_bytes_(options.value_fp8()
-                           ? static_cast<size_t>(kn::ValueRowBytesFp8(options.chunk_size, ctx.head_dim))
-                           : static_cast<size_t>(options.chunk_size) * ctx.head_dim * es_) {}
+      value_row_bytes_(options.value_fp8() ? static_cast<size_t>(kn::ValueRowBytesFp8(options.chunk_size, ctx.head_dim))
+                                           : static_cast<size_t>(options.chunk_size) * ctx.head_dim * es_) {}
 
 void ShadowKvLayout::Shape(const SequenceSpec& spec, ShadowKvSeq* out) const {
   ShadowKvSeq& s = *out;
