@@ -181,6 +181,14 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVFp8Kernel(ShadowkvFetchVA
   }
 }
 
+template <typename T>
+void LaunchFetchVFp8(const ShadowkvFetchVArgs& a, int blocks, size_t smem, int nvec, cudaStream_t stream) {
+  const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVFp8Kernel<T>));
+  CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << a.batch * a.hkv << " rows is too many";
+  FetchVFp8Kernel<T><<<blocks, kFetchThreads, smem, stream>>>(a, nvec);
+  PENUMBRA_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
@@ -197,15 +205,10 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
     const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
     const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
     if (a.dtype == DType::kBF16) {
-      const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVFp8Kernel<__nv_bfloat16>));
-      CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows is too many";
-      FetchVFp8Kernel<__nv_bfloat16><<<blocks, kFetchThreads, smem, stream>>>(a, nvec);
+      LaunchFetchVFp8<__nv_bfloat16>(a, blocks, smem, nvec, stream);
     } else {
-      const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVFp8Kernel<float>));
-      CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows is too many";
-      FetchVFp8Kernel<float><<<blocks, kFetchThreads, smem, stream>>>(a, nvec);
+      LaunchFetchVFp8<float>(a, blocks, smem, nvec, stream);
     }
-    PENUMBRA_CUDA_CHECK(cudaGetLastError());
     return;
   }
   CHECK_EQ(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes % 16, 0) << "ShadowkvFetchV: chunk bytes";

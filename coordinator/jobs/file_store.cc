@@ -319,18 +319,13 @@ Result<FileInfo> FileStore::Get(const std::string& tenant, const std::string& id
 
 Result<std::string> FileStore::Content(const std::string& tenant, const std::string& id) const {
   Impl& m = *impl_;
-  FileRecord rec;
-  {
-    std::lock_guard<std::mutex> lk(m.mu);
-    PENUMBRA_RETURN_IF_ERROR(m.Readable());
-    PENUMBRA_ASSIGN_OR_RETURN(const Impl::File* f, m.Find(tenant, id));
-    rec = f->rec;
-  }
+  std::lock_guard<std::mutex> lk(m.mu);  // held through the reads: a reopen after a failed write replaces db
+  PENUMBRA_RETURN_IF_ERROR(m.Readable());
+  PENUMBRA_ASSIGN_OR_RETURN(const Impl::File* f, m.Find(tenant, id));
+  const FileRecord rec = f->rec;
   std::string out;
   out.reserve(static_cast<size_t>(rec.bytes));
   Status bad;
-  std::lock_guard<std::mutex> lk(m.mu);  // a reopen after a failed write replaces db
-  PENUMBRA_RETURN_IF_ERROR(m.Readable());
   for (uint32_t c = 0; c < rec.chunks && bad.ok(); ++c) {
     const std::string key = ChunkKey(id, c);
     std::string value;

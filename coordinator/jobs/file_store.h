@@ -17,8 +17,8 @@
 // Tenancy: every call names the tenant; another tenant's file is NotFound,
 // exactly as one that does not exist.
 //
-// Thread-safe: one mutex serializes writes and the in-memory index; reads of
-// content run outside it (RocksDB reads are thread-safe).
+// Thread-safe: one mutex serializes every call (a reopen after a failed
+// write replaces the database, so content reads hold it too).
 #pragma once
 
 #include <cstdint>

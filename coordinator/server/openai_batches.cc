@@ -62,26 +62,22 @@ Result<std::pair<rpc::JobInfo, openai::BatchRequest>> OpenAiGateway::Batch(const
   return std::make_pair(std::move(job), std::move(*b));
 }
 
-Status OpenAiGateway::EachResultLine(const std::string& key, const rpc::JobInfo& job, const openai::BatchRequest& b,
-                                     bool errors, const std::function<bool(const std::string&)>& line) const {
-  std::string after;
-  do {
-    rpc::JobResults page;
-    try {
-      c_->GetJobResults(page, key, job.id, after, c_->request_limits().max_page_size);
-    } catch (const rpc::PenumbraError& e) {
-      return transport::FromRpcError(e);
-    }
-    for (const rpc::JobItemResult& r : page.results) {
-      if (openai::IsErrorLine(r) != errors) continue;
-      const int64_t created = job.finished_unix_s ? job.finished_unix_s : job.created_unix_s;
-      if (!line(openai::BatchResultLine(r, job.id, b.endpoint, model_.id, created).dump() + "\n")) {
-        return Status::Cancelled("the client went away");
-      }
-    }
-    after = page.next_after;
-  } while (!after.empty());
-  return Status::OK();
+Result<std::string> OpenAiGateway::ResultPage(const std::string& key, const ResultFileView& f,
+                                              std::string* after) const {
+  rpc::JobResults page;
+  try {
+    c_->GetJobResults(page, key, f.job.id, *after, c_->request_limits().max_page_size);
+  } catch (const rpc::PenumbraError& e) {
+    return transport::FromRpcError(e);
+  }
+  std::string out;
+  for (const rpc::JobItemResult& r : page.results) {
+    if (openai::IsErrorLine(r) != f.errors) continue;
+    out += openai::BatchResultLine(r, f.job.id, f.batch.endpoint, model_.id, f.job.finished_unix_s).dump();
+    out += '\n';
+  }
+  *after = page.next_after;
+  return out;
 }
 
 Result<OpenAiGateway::ResultFileView> OpenAiGateway::ResultFileOf(const std::string& key,
@@ -147,11 +143,12 @@ void OpenAiGateway::BatchRoutes() {
       Result<ResultFileView> f = ResultFileOf(BearerKey(req), id);
       if (!f.ok()) return Fail(res, openai::ErrorOf(f.status()));
       int64_t bytes = 0;
-      Status s = EachResultLine(BearerKey(req), f->job, f->batch, f->errors, [&](const std::string& line) {
-        bytes += static_cast<int64_t>(line.size());
-        return true;
-      });
-      if (!s.ok()) return Fail(res, openai::ErrorOf(s));
+      std::string after;
+      do {
+        Result<std::string> page = ResultPage(BearerKey(req), *f, &after);
+        if (!page.ok()) return Fail(res, openai::ErrorOf(page.status()));
+        bytes += static_cast<int64_t>(page->size());
+      } while (!after.empty());
       return Reply(res, 200,
                    openai::FileJson(id, std::string(f->errors ? "batch_errors" : "batch_output") + ".jsonl",
                                     f->errors ? "batch_errors" : "batch_output", bytes, f->job.finished_unix_s));
@@ -186,23 +183,13 @@ void OpenAiGateway::BatchRoutes() {
         sink.done();
         return true;
       }
-      rpc::JobResults page;
-      try {
-        c_->GetJobResults(page, cur->key, cur->file.job.id, cur->after, c_->request_limits().max_page_size);
-      } catch (const rpc::PenumbraError& e) {
-        LOG(WARNING) << "OpenAI API: reading the results of " << cur->file.job.id << ": " << e.message;
+      Result<std::string> out = ResultPage(cur->key, cur->file, &cur->after);
+      if (!out.ok()) {
+        LOG(WARNING) << "OpenAI API: reading the results of " << cur->file.job.id << ": " << out.status();
         return false;  // the connection closes short: the client sees a truncated body, not a wrong one
       }
-      std::string out;
-      const int64_t created = cur->file.job.finished_unix_s;
-      for (const rpc::JobItemResult& r : page.results) {
-        if (openai::IsErrorLine(r) != cur->file.errors) continue;
-        out += openai::BatchResultLine(r, cur->file.job.id, cur->file.batch.endpoint, model_.id, created).dump();
-        out += '\n';
-      }
-      cur->after = page.next_after;
       cur->done = cur->after.empty();
-      if (!out.empty() && !sink.write(out.data(), out.size())) return false;
+      if (!out->empty() && !sink.write(out->data(), out->size())) return false;
       if (cur->done) sink.done();
       return true;
     });

@@ -72,10 +72,10 @@ class OpenAiGateway {
     bool errors = false;
   };
   Result<ResultFileView> ResultFileOf(const std::string& key, const std::string& file_id) const;
-  // Each line of a batch's output (or error) file, in custom_id order;
-  // `line` returns false to stop (Cancelled).
-  Status EachResultLine(const std::string& key, const rpc::JobInfo& job, const openai::BatchRequest& b, bool errors,
-                        const std::function<bool(const std::string&)>& line) const;
+  // The lines of one page of a batch's output (or error) file, in custom_id
+  // order, from the result after *after; *after becomes the next page's
+  // start ("" after the last).
+  Result<std::string> ResultPage(const std::string& key, const ResultFileView& f, std::string* after) const;
 
   Coordinator* c_ = nullptr;
   OpenAiGatewayOptions o_;
