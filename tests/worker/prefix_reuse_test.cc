@@ -32,7 +32,8 @@ namespace {
 // "device" memory, "shadowkv-paper" and "shadowkv-sparse-paper": the paper's
 // one landmark per chunk; the others have two, as LossyShadowKvOptions;
 // "shadowkv-model" and "shadowkv-sparse-model": landmarks stored in the
-// model's dtype instead of the default fp8).
+// model's dtype instead of the default fp8; a "-fp8" suffix: values stored as
+// fp8 rows, in the value store, the document's buffers, tier 0 and on disk).
 class PrefixReuseTest : public testing::StoriesTest, public ::testing::WithParamInterface<std::string> {};
 
 std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy = "full",
@@ -40,7 +41,7 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
   o.backend.device = "cpu";
   o.kv_policy = policy == "full" ? "full" : "shadowkv";
-  if (policy == "shadowkv-staging") o.shadowkv.value_fetch = "staging";
+  if (policy.rfind("shadowkv-staging", 0) == 0) o.shadowkv.value_fetch = "staging";
   if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
   if (policy.rfind("shadowkv-sparse", 0) == 0) o.shadowkv.continuation = "sparse";
   // One landmark per chunk (the paper's): an attached document's landmark rows
@@ -52,7 +53,7 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   // same way.
   if (policy.find("-model") != std::string::npos) o.shadowkv.landmark_format = "model";
   if (policy.find("-fp8") != std::string::npos) o.shadowkv.value_format = "fp8";
-  if (policy == "shadowkv-tier0") {  // hot documents' values copied to "device" memory (here: host memory)
+  if (policy.rfind("shadowkv-tier0", 0) == 0) {  // hot documents' values copied to "device" memory (here: host memory)
     o.runtime.tiers.on_host_backend = true;
     o.runtime.tiers.gpu_reserve_bytes = 0;
     o.runtime.tiers.promote_min_reads = 1;
@@ -420,51 +421,60 @@ TEST_P(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) 
   }
 }
 
-// A document stored by an engine whose landmarks are in the model's dtype
-// (the default before fp8) is not attached by one storing fp8 records, nor
-// the other way round: the landmark format is part of the state's
-// fingerprint, so each computes its own (the cold tokens) and then finds
-// its own on disk.
-TEST_F(PrefixReuseTest, ADocumentStoredWithTheOtherLandmarkFormatIsRecomputed) {
-  storage::testing::TempDir dir;
-  for (const std::string policy : {"shadowkv-model", "shadowkv"}) {
-    SCOPED_TRACE(policy);
-    const std::vector<int32_t> cold = Cold(Request(kDoc, kQ2, true), policy);
-    {
+// A document stored by an engine of one landmark or value format is not
+// attached by one of the other, either way round: the formats are part of the
+// state's fingerprint, so each computes its own (the cold tokens) and then
+// finds its own on disk.
+TEST_F(PrefixReuseTest, ADocumentStoredInAnotherFormatIsRecomputed) {
+  for (const auto& pair :
+       std::vector<std::pair<std::string, std::string>>{{"shadowkv-model", "shadowkv"}, {"shadowkv", "shadowkv-fp8"}}) {
+    storage::testing::TempDir dir;
+    for (const std::string& policy : {pair.first, pair.second}) {
+      SCOPED_TRACE(policy);
+      const std::vector<int32_t> cold = Cold(Request(kDoc, kQ2, true), policy);
+      {
+        auto e = OpenEngine(64 << 20, policy, dir.path());
+        ASSERT_NE(e, nullptr);
+        auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
+        ASSERT_TRUE(r.ok()) << r.status();
+        EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);  // the other format's document is not this one's
+        EXPECT_EQ((*r)[0].ids, cold);
+        e->runtime().DrainPrefixStores();
+        EXPECT_EQ(e->runtime().stats().prefix_stores, 1);
+      }
       auto e = OpenEngine(64 << 20, policy, dir.path());
       ASSERT_NE(e, nullptr);
       auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
       ASSERT_TRUE(r.ok()) << r.status();
-      EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);  // the other format's document is not this one's
+      EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
       EXPECT_EQ((*r)[0].ids, cold);
-      e->runtime().DrainPrefixStores();
-      EXPECT_EQ(e->runtime().stats().prefix_stores, 1);
+      EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
     }
-    auto e = OpenEngine(64 << 20, policy, dir.path());
-    ASSERT_NE(e, nullptr);
-    auto r = e->runtime().Generate({Request(kDoc, kQ2, true)});
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
-    EXPECT_EQ((*r)[0].ids, cold);
-    EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
   }
 }
 
-// Values stored as fp8 (shadowkv.value_format): documents are not cached yet
-// (their value buffers keep bf16 rows), so a request that would reuse one is
-// prefilled whole and answers as a cold run does; nothing is captured.
-TEST_F(PrefixReuseTest, WithFp8ValuesDocumentsAreNotCachedAndRequestsAnswerAsCold) {
-  const std::vector<int32_t> cold = Cold(Request(kDoc, kQ1, true), "shadowkv-fp8");
-  ASSERT_FALSE(cold.empty());
-  auto e = OpenEngine(64 << 20, "shadowkv-fp8");
-  ASSERT_NE(e, nullptr);
-  for (int round = 0; round < 2; ++round) {
-    auto r = e->runtime().Generate({Request(kDoc, kQ1, true)});
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ((*r)[0].cached_prompt_tokens, 0);
-    EXPECT_EQ((*r)[0].ids, cold);
-  }
-  EXPECT_EQ(e->runtime().policy().CapturePrefix(0, 151).status().code(), StatusCode::kNotFound);
+// The blobs of a document with fp8 values, given to a policy that stores
+// bf16 values (an export carried by hand, a store written under another
+// name): refused with a typed error naming both formats, never read as rows
+// of the other size.
+TEST_F(PrefixReuseTest, AnExportWithTheOtherValueFormatIsRefused) {
+  auto fp8 = OpenEngine(64 << 20, "shadowkv-fp8");
+  ASSERT_NE(fp8, nullptr);
+  auto r = fp8->runtime().Generate({Request(kDoc, kQ1, true)});
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto prefixes = fp8->runtime().prefix_cache()->Prefixes();
+  ASSERT_EQ(prefixes.size(), 1u);
+  auto blobs = prefixes[0]->Export();
+  ASSERT_TRUE(blobs.ok()) << blobs.status();
+  EXPECT_NE(blobs->at("meta").find("value_format=fp8"), std::string::npos) << blobs->at("meta");
+  auto bf16 = OpenEngine(64 << 20, "shadowkv");
+  ASSERT_NE(bf16, nullptr);
+  auto imported = bf16->runtime().policy().ImportPrefix(*blobs);
+  EXPECT_EQ(imported.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(imported.status().message().find("value_format=fp8"), std::string::npos) << imported.status();
+  // ... and the same policy takes it back.
+  auto again = fp8->runtime().policy().ImportPrefix(*blobs);
+  EXPECT_TRUE(again.ok()) << again.status();
 }
 
 // A value block read lazily (after a restart) that fails its check while a
@@ -510,7 +520,8 @@ TEST_F(PrefixReuseTest, ALazilyReadValueThatFailsItsCheckIsRecomputedNotServed) 
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
                          ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense", "shadowkv-sparse",
                                            "shadowkv-tier0", "shadowkv-paper", "shadowkv-sparse-paper",
-                                           "shadowkv-model", "shadowkv-sparse-model"),
+                                           "shadowkv-model", "shadowkv-sparse-model", "shadowkv-fp8",
+                                           "shadowkv-staging-fp8", "shadowkv-sparse-fp8", "shadowkv-tier0-fp8"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -717,6 +728,19 @@ TEST(ShadowKvPrefixGeometryTest, MetaCarriesLandmarksPerChunk) {
   const auto st = ShadowKvPrefixGeometry::ParseMeta(one + " landmark_format=int4").status();
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("landmark_format"), std::string::npos) << st;
+  // fp8 values: a row of 4 x 8 codes and 4 f32 scales, 16-byte aligned.
+  EXPECT_EQ(g.BlobBytes().at("values"), 2 * 4 * 20 * 4 * 8 * sizeof(float));
+  EXPECT_EQ(g.Meta().find("value_format"), std::string::npos);
+  g.value_fp8 = true;
+  EXPECT_EQ(g.ValueRowBytes(), 48u);
+  EXPECT_EQ(g.BlobBytes().at("values"), 2 * 4 * 20 * 48);
+  back = ShadowKvPrefixGeometry::ParseMeta(g.Meta());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->value_fp8);
+  EXPECT_EQ(back->Meta(), g.Meta());
+  const auto vst = ShadowKvPrefixGeometry::ParseMeta(one + " value_format=int4").status();
+  EXPECT_EQ(vst.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(vst.message().find("value_format"), std::string::npos) << vst;
 }
 
 TEST(DocumentMemoryTierTest, EvictsLeastRecentlyUsedUnheldEntries) {

@@ -120,7 +120,6 @@ class ShadowKvPolicy final : public KvPolicy {
       return Status::InvalidArgument("shadowkv: a global selection over the shards of " + std::to_string(s.global_k) +
                                      " chunks is more than " + std::to_string(kn::kTopKMaxK) + " (lower the budget)");
     }
-    if (prefix && prefix->geometry().sparse && o_.value_fp8()) return Fp8Documents();
     if (prefix) PENUMBRA_RETURN_IF_ERROR(prefix_io_.Fit(*prefix, s));
     const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
     if (s.sparse) {
@@ -868,12 +867,12 @@ class ShadowKvPolicy final : public KvPolicy {
   Status StageValues(int layer, int g0, int gn, const int32_t* mcount, const int32_t* mchunk,
                      kn::ShadowkvFetchVArgs* fv) {
     Backend& b = *ctx_.backend;
-    const int H = ctx_.hkv, K = step_.seq(g0).kslots, C = o_.chunk_size, d = ctx_.head_dim;
+    const int H = ctx_.hkv, K = step_.seq(g0).kslots;
     const int rows = gn * H;
     std::vector<int32_t> counts(rows), chunks(static_cast<size_t>(rows) * K);
     PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(counts.data(), mcount, rows * 4));
     PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(chunks.data(), mchunk, chunks.size() * 4));
-    const size_t chunk_bytes = static_cast<size_t>(C) * d * es_;
+    const size_t chunk_bytes = lay_.value_row_bytes();
     std::vector<int32_t> offsets(rows);
     size_t total = 0;
     for (int r = 0; r < rows; ++r) {
@@ -1081,16 +1080,6 @@ class ShadowKvPolicy final : public KvPolicy {
   // own store (nothing attached): the store's segment becomes the prefix's
   // value buffer, rows strided by the segment's capacity. A 124K-token
   // document's 8 GB are then neither allocated nor copied a second time.
-  // Documents (prefixes) keep bf16 values for now: their value buffers,
-  // tiers and stored blobs are laid out by C*d elements. Unimplemented: the
-  // runtime then serves requests without reusing prefixes (each prompt is
-  // prefilled; the answers are the same).
-  static Status Fp8Documents() {
-    return Status::Unimplemented(
-        "shadowkv.value_format fp8 does not serve documents yet (their values are stored as bf16): use value_format "
-        "bf16 for a worker that caches documents");
-  }
-
   Result<std::shared_ptr<const KvPrefix>> TakePrefix(int64_t id, int64_t tokens) override {
     return Capture(id, tokens, true);
   }
@@ -1098,7 +1087,6 @@ class ShadowKvPolicy final : public KvPolicy {
   Result<std::shared_ptr<const KvPrefix>> Capture(int64_t id, int64_t tokens, bool take) {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(id) + " does not exist");
-    if (it->second.sparse && o_.value_fp8()) return Fp8Documents();
     PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p, prefix_io_.Capture(it->second, tokens, take));
     return std::shared_ptr<const KvPrefix>(std::move(p));
   }

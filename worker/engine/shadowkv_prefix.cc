@@ -11,12 +11,14 @@
 #include <tuple>
 
 #include "kernels/landmark_format.h"
+#include "kernels/value_format.h"
 
 namespace penumbra {
 namespace {
 
-// v2: the "values" blob is chunk-major ([layer][chunk][hkv][C*d]: one chunk
-// of every head together, what a question that selects chunks reads).
+// v2: the "values" blob is chunk-major ([layer][chunk][hkv][row]: one chunk
+// of every head together, what a question that selects chunks reads; a row
+// is ShadowKvPrefixGeometry::ValueRowBytes()).
 constexpr const char* kMetaHead = "shadowkv-prefix v2";
 
 // Reads blob `name` (n bytes) from `r` into device memory `dst` in pieces
@@ -43,11 +45,11 @@ Status StreamToDevice(storage::BlobReader& r, const std::string& name, size_t n,
 }
 
 // Bytes [offset, offset + length) of a chunk-major "values" blob
-// ([layer][chunk][hkv][C*d]) into a value buffer laid out [layer][hkv]
-// [n_chunks][C*d].
+// ([layer][chunk][hkv][row]) into a value buffer laid out [layer][hkv]
+// [n_chunks][row].
 void ValuesFromChunkMajor(const ShadowKvPrefixGeometry& g, uint64_t offset, const char* data, size_t length,
                           char* values) {
-  const uint64_t row = static_cast<uint64_t>(g.chunk_size) * g.head_dim * DTypeSize(g.dtype);
+  const uint64_t row = g.ValueRowBytes();
   const uint64_t n = g.n_chunks, H = g.hkv;
   for (uint64_t pos = offset, end = offset + length; pos < end;) {
     const uint64_t r = pos / row, in = pos % row, take = std::min(row - in, end - pos);
@@ -58,6 +60,11 @@ void ValuesFromChunkMajor(const ShadowKvPrefixGeometry& g, uint64_t offset, cons
 }
 
 }  // namespace
+
+size_t ShadowKvPrefixGeometry::ValueRowBytes() const {
+  if (value_fp8) return static_cast<size_t>(kernels::ValueRowBytesFp8(chunk_size, head_dim));
+  return static_cast<size_t>(chunk_size) * head_dim * DTypeSize(dtype);
+}
 
 std::map<std::string, size_t> ShadowKvPrefixGeometry::BlobBytes() const {
   const size_t es = DTypeSize(dtype), L = layers, H = hkv, d = head_dim, r = rank, C = chunk_size;
@@ -74,7 +81,7 @@ std::map<std::string, size_t> ShadowKvPrefixGeometry::BlobBytes() const {
       {"tail_k", L * H * T * d * es},
       {"tail_v", L * H * T * d * es},
       {"tail_prek", sparse ? L * T * D * sizeof(float) : 0},
-      {"values", L * H * n * C * d * es},
+      {"values", L * H * n * ValueRowBytes()},
       {"outlier_ids", L * H * O * sizeof(int32_t)},
   };
 }
@@ -87,6 +94,7 @@ std::string ShadowKvPrefixGeometry::Meta() const {
      << " dtype=" << DTypeName(dtype);
   if (landmarks_per_chunk != 1) os << " landmarks_per_chunk=" << landmarks_per_chunk;
   if (landmark_fp8) os << " landmark_format=fp8";
+  if (value_fp8) os << " value_format=fp8";
   return os.str();
 }
 
@@ -147,6 +155,11 @@ Result<ShadowKvPrefixGeometry> ShadowKvPrefixGeometry::ParseMeta(const std::stri
     }
     g.landmark_fp8 = true;
   }
+  if (auto vf = kv.find("value_format"); vf != kv.end()) {
+    if (vf->second != "fp8")
+      return Status::InvalidArgument("shadowkv prefix: unknown value_format '" + vf->second + "'");
+    g.value_fp8 = true;
+  }
   auto dt = kv.find("dtype");
   if (dt == kv.end()) return Status::InvalidArgument("shadowkv prefix: field 'dtype' is missing");
   if (dt->second == DTypeName(DType::kF32)) {
@@ -199,7 +212,7 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Allocate(const ShadowKvP
 }
 
 Status ShadowKvPrefix::AdoptValues(std::vector<DeviceBuffer> layers, int stride) {
-  const size_t row = static_cast<size_t>(g_.chunk_size) * g_.head_dim * DTypeSize(g_.dtype);
+  const size_t row = g_.ValueRowBytes();
   const size_t want = row * g_.hkv * static_cast<size_t>(std::max(stride, 0));
   bool fits = stride >= g_.n_chunks && g_.n_chunks > 0 && layers.size() == static_cast<size_t>(g_.layers);
   for (const DeviceBuffer& b : layers) fits = fits && b.get() && b.bytes() == want;
@@ -250,7 +263,7 @@ const void* ShadowKvPrefix::values_device(int layer) const {
 }
 
 size_t ShadowKvPrefix::LayerValueBytes() const {
-  return static_cast<size_t>(g_.hkv) * value_stride_ * g_.chunk_size * g_.head_dim * DTypeSize(g_.dtype);
+  return static_cast<size_t>(g_.hkv) * value_stride_ * g_.ValueRowBytes();
 }
 
 size_t ShadowKvPrefix::promotable_bytes() const {
@@ -272,7 +285,7 @@ Result<bool> ShadowKvPrefix::PromoteStep(size_t max_bytes) const {
     PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer buf, backend_->Allocate(bytes));
     // Rows [0, n_chunks) of each head (the rest of a stride are unused);
     // ordered before the work issued after it on the policy's stream.
-    const size_t used = static_cast<size_t>(g_.n_chunks) * g_.chunk_size * g_.head_dim * DTypeSize(g_.dtype);
+    const size_t used = static_cast<size_t>(g_.n_chunks) * g_.ValueRowBytes();
     PENUMBRA_RETURN_IF_ERROR(backend_->Copy2D(buf.get(), row, values_host(l), row, used, g_.hkv));
     dst = std::move(buf);
     tier0_bytes_ += bytes;
@@ -304,7 +317,7 @@ const char* ShadowKvPrefix::values_host(int layer) const {
 
 Status ShadowKvPrefix::EnsureValues(int layer, const int32_t* chunk, int per_head) const {
   if (values_complete()) return Status::OK();
-  const uint64_t row = static_cast<uint64_t>(g_.chunk_size) * g_.head_dim * DTypeSize(g_.dtype);
+  const uint64_t row = g_.ValueRowBytes();
   std::vector<storage::LazyBlob::Range> ranges;
   ranges.reserve(static_cast<size_t>(g_.hkv) * per_head);
   for (int h = 0; h < g_.hkv; ++h) {
@@ -338,7 +351,7 @@ Result<std::map<std::string, std::string>> ShadowKvPrefix::Export() const {
     if (host && !bytes.empty()) {
       // The values chunk-major (format v2), from each head's first n_chunks
       // rows of each layer (adopted values keep room to grow).
-      const size_t row = static_cast<size_t>(g_.chunk_size) * g_.head_dim * DTypeSize(g_.dtype);
+      const size_t row = g_.ValueRowBytes();
       const size_t n = g_.n_chunks, H = g_.hkv;
       for (int l = 0; l < g_.layers; ++l) {
         const char* src = values_host(l);
@@ -392,7 +405,7 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
   PENUMBRA_ASSIGN_OR_RETURN(ShadowKvPrefixGeometry g, ShadowKvPrefixGeometry::ParseMeta(meta->second));
   if (g.layers != expect.layers || g.hkv != expect.hkv || g.head_dim != expect.head_dim || g.rank != expect.rank ||
       g.chunk_size != expect.chunk_size || g.landmarks_per_chunk != expect.landmarks_per_chunk ||
-      g.landmark_fp8 != expect.landmark_fp8 || g.dtype != expect.dtype) {
+      g.landmark_fp8 != expect.landmark_fp8 || g.value_fp8 != expect.value_fp8 || g.dtype != expect.dtype) {
     ShadowKvPrefixGeometry want = g;
     want.layers = expect.layers;
     want.hkv = expect.hkv;
@@ -401,8 +414,9 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefix::Import(const std::map<st
     want.chunk_size = expect.chunk_size;
     want.landmarks_per_chunk = expect.landmarks_per_chunk;
     want.landmark_fp8 = expect.landmark_fp8;
+    want.value_fp8 = expect.value_fp8;
     want.dtype = expect.dtype;
-    return Status::InvalidArgument("shadowkv prefix: made for another geometry or dtype ('" + meta->second +
+    return Status::InvalidArgument("shadowkv prefix: made for another geometry, dtype or format ('" + meta->second +
                                    "'; this policy: '" + want.Meta() + "')");
   }
   const std::map<std::string, size_t> bytes = g.BlobBytes();

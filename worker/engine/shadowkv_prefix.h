@@ -11,8 +11,10 @@
 //   out_k/v    [hkv][O*C][d]       the outlier chunks' exact K/V, in ascending chunk order
 //   tail_k/v   [hkv][tail][d]      the exact local rows
 //   tail_prek  [tail][hkv*d] f32   their pre-RoPE keys
-//   values     [hkv][stride][C*d]  every chunk's values (rows [0, n_chunks) of each
-//                                  head), in pinned host memory; stride = n_chunks, or
+//   values     [hkv][stride][row]  every chunk's values (rows [0, n_chunks) of each
+//                                  head; a row is C*d in dtype, or with value_format=fp8
+//                                  kernels/value_format.h's fp8 row), in pinned host
+//                                  memory; stride = n_chunks, or
 //                                  more when the values were adopted from a finished
 //                                  sequence's store (AdoptValues, one buffer per layer)
 //                                  instead of copied
@@ -46,7 +48,12 @@ struct ShadowKvPrefixGeometry {
   int layers = 0, hkv = 0, head_dim = 0, rank = 0, chunk_size = 0;
   int landmarks_per_chunk = 1;  // in the meta only when > 1 (documents stored before it parse as 1)
   bool landmark_fp8 = false;    // landmark_format=fp8 in the meta (absent: the model's dtype)
+  bool value_fp8 = false;       // value_format=fp8 in the meta (absent: the model's dtype)
   DType dtype = DType::kF32;
+
+  // Bytes of one value row (a head's chunk: C x d in dtype, or
+  // kernels/value_format.h's fp8 row).
+  size_t ValueRowBytes() const;
 
   // Bytes of each blob (Export's names).
   std::map<std::string, size_t> BlobBytes() const;
@@ -86,13 +93,13 @@ class ShadowKvPrefix final : public KvPrefix {
 
   const ShadowKvPrefixGeometry& geometry() const { return g_; }
   // Takes `layers` (pinned host, one buffer per layer, each [hkv][stride]
-  // [C*d] with stride >= n_chunks; rows [0, n_chunks) of each head are the
+  // [row] with stride >= n_chunks; rows [0, n_chunks) of each head are the
   // values) as the values. InvalidArgument when their count or sizes are
   // not that.
   Status AdoptValues(std::vector<DeviceBuffer> layers, int stride);
   // Chunk rows from one head's values to the next's.
   int value_stride() const { return value_stride_; }
-  // Device address of layer l's values ([hkv][value_stride][C*d]).
+  // Device address of layer l's values ([hkv][value_stride][row]).
   const void* values_device(int layer) const;
   const char* values_host(int layer) const;
   // Device addresses of layer l's A rows ([n_chunks*C][r]) and landmarks
@@ -119,7 +126,7 @@ class ShadowKvPrefix final : public KvPrefix {
   const storage::LazyBlob* lazy_values() const { return lazy_.get(); }
 
   // Tier 0 (KvPrefix's placement calls): the values copied to device memory
-  // layer by layer, each [hkv][value_stride][C*d] like the host copy; once a
+  // layer by layer, each [hkv][value_stride][row] like the host copy; once a
   // layer is there values_device returns its device copy. Only complete
   // values (values_complete) of a sparse prefix are promoted.
   size_t promotable_bytes() const override;

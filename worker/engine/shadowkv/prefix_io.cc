@@ -35,6 +35,7 @@ ShadowKvPrefixGeometry ShadowKvPrefixIo::Geometry() const {
   g.chunk_size = o.chunk_size;
   g.landmarks_per_chunk = o.landmarks_per_chunk;
   g.landmark_fp8 = o.landmark_fp8();
+  g.value_fp8 = o.value_fp8();
   g.dtype = backend_.act_dtype();
   return g;
 }
@@ -110,8 +111,8 @@ Result<std::shared_ptr<ShadowKvPrefix>> ShadowKvPrefixIo::Capture(ShadowKvSeq& s
     PENUMBRA_RETURN_IF_ERROR(p->AdoptValues(std::move(layers), s.chunk_cap));
   } else if (n > 0) {
     // Values: the attached prefix's chunks, then the store's, per (layer,
-    // head) one run [n][C*d]; layers copied in parallel.
-    const size_t cb = static_cast<size_t>(C) * d * es, own_cap = s.chunk_cap - s.shared_chunks;
+    // head) one run [n][row]; layers copied in parallel.
+    const size_t cb = lay_.value_row_bytes(), own_cap = s.chunk_cap - s.shared_chunks;
     auto copy_layer = [&](int l) {
       char* dst = const_cast<char*>(p->values_host(l));
       for (int h = 0; h < H; ++h) {
@@ -158,7 +159,8 @@ Status ShadowKvPrefixIo::Fit(const ShadowKvPrefix& p, ShadowKvSeq& s) const {
   const ShadowKvPrefixGeometry& g = p.geometry();
   if (g.sparse != s.sparse || g.outliers != s.outliers || g.tail > s.local_cap ||
       (s.sparse && g.n_chunks >= s.chunk_cap) ||
-      (s.sparse && (g.landmarks_per_chunk != o.landmarks_per_chunk || g.landmark_fp8 != o.landmark_fp8()))) {
+      (s.sparse && (g.landmarks_per_chunk != o.landmarks_per_chunk || g.landmark_fp8 != o.landmark_fp8() ||
+                    g.value_fp8 != o.value_fp8()))) {
     return Status::InvalidArgument("the shadowkv prefix (" + g.Meta() +
                                    ") does not fit this policy's options for a sequence of " +
                                    std::to_string(s.token_cap) + " tokens");
