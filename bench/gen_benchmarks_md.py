@@ -101,9 +101,10 @@ CAPABILITIES = [
          what="Time to first token with the document cached only on disk (read back after the memory cache "
               "is cleared), beside the disk's raw direct-I/O bandwidth (`dd`).",
          rows=lambda r: True,
-         cols=["kv_policy", "cache", "continuation", "ttft_ms", "import_ms", "restore_gb_per_s",
-               "read_gb_per_s", "write_gb_per_s"],
-         reproduce="TTFT_DISK_FULL=0 bash ops/device/bench.sh ttft_disk"),
+         cols=["kv_policy", "value_format", "cache", "continuation", "ttft_ms", "import_ms", "lazy_value_bytes",
+               "restore_gb_per_s", "read_gb_per_s", "write_gb_per_s"],
+         reproduce="TTFT_DISK_FULL=0 bash ops/device/bench.sh ttft_disk; "
+                   "TTFT_DISK_FULL=0 TTFT_DISK_ARGS='--value-format fp8' bash ops/device/bench.sh ttft_disk"),
     dict(id="tier0", title="Tier 0",
          what="ShadowKV's shared decode (64 x 124928) with the document's values copied to spare device memory "
               "(tier 0 on) and left in host memory (off), between peer `--shared-prefix` runs; then the TTFT "
@@ -213,6 +214,23 @@ CAPABILITIES = [
          cols=["value_format", "context", "batch", "force_hit_rate", "hit_rate", "tokens_per_s", "ms_per_step"],
          reproduce="VARIANTS='--value-format bf16|--value-format fp8' VARIANT_ROUNDS=2 VARIANT_STEPS=50 "
                    "bash ops/device/bench.sh variants"),
+    dict(id="value-format-decode-s1", title="fp8 values beside bf16 values with one landmark per chunk",
+         what="The same comparison with the paper's one landmark per chunk (`--landmarks-per-chunk 1`), whose "
+              "GPU state per token is 0.59x the default's: with fp8 values the batch is then set by host memory "
+              "rather than the GPU's.",
+         rows=lambda r: peer_decode(r) or (engine(r, "decode", "shadowkv") and "value_format" in r),
+         cols=["value_format", "landmarks_per_chunk", "context", "batch", "force_hit_rate", "hit_rate",
+               "tokens_per_s", "ms_per_step"],
+         reproduce="VARIANTS='--landmarks-per-chunk 1 --value-format bf16|--landmarks-per-chunk 1 --value-format fp8' "
+                   "VARIANT_ROUNDS=2 bash ops/device/bench.sh variants"),
+    dict(id="value-format-accuracy", title="Accuracy with fp8 values",
+         what="Held-out accuracy (task sets from a seed and the KJV haystack, 25 records per task) of ShadowKV "
+              "with bf16 values (a) and fp8 values (b), paired by ops/evalmodel/compare_predictions.py.",
+         rows=lambda r: True,
+         cols=["comparison", "records_per_task", "length", "n", "accuracy_a", "accuracy_b", "gap_points",
+               "right_only_a", "right_only_b"],
+         reproduce="CONFIGS='shadowkv|shadowkv --value-format fp8' TASKS='--lengths 16384 --num 25 --seed 5151' "
+                   "bash ops/evalmodel/ablation.sh  # and --lengths 32768"),
     dict(id="skinny-linear", title="Skinny linear kernel",
          what="The few-row linear kernel against cuBLAS at the model's projection shapes.",
          rows=lambda r: r.get("bench") == "skinny_linear",

@@ -30,6 +30,11 @@ struct Common {
   }
 };
 
+// The KV policy's name and, under shadowkv, the options that change its
+// state's shape and bytes (chunk size, landmarks and their format, the
+// values' format), into j: every mode's line names what it measured.
+void AddPolicy(const EngineOptions& o, nlohmann::json& j);
+
 // --profile: steps after the timed ones whose ops are timed one by one.
 inline constexpr int kProfileSteps = 5;
 

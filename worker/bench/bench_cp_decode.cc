@@ -100,7 +100,7 @@ Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collec
   j["tokens_per_s"] = static_cast<double>(seqs.size()) * steps / *dt;
   j["ms_per_step"] = *dt / steps * 1e3;
   j["setup_s"] = setup_s;
-  j["kv_policy"] = e.options().kv_policy;
+  AddPolicy(e.options(), j);
   j["kv_device_bytes_rank0"] = dev;
   if (trace) {
     j["kernel_trace"] = trace_path;  // these steps ran traced: slower than untraced

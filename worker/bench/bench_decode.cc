@@ -229,7 +229,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     for (const LaneRun& r : runs) end = std::max(end, r.end);
     const double dt = (end - t0) / steps;
     nlohmann::json j = cm.Line("decode");
-    j["kv_policy"] = e.options().kv_policy;
+    AddPolicy(e.options(), j);
     j["context"] = S;
     j["batch"] = nb;
     if (!sweep.empty()) j["built_batch"] = B;  // the sweep's sequences were built once, this many
@@ -304,11 +304,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
       j["value_fetch"] = e.options().shadowkv.value_fetch;
       j["micro_batches"] = e.options().shadowkv.micro_batches;
       j["fetch_blocks"] = e.options().shadowkv.fetch_blocks;
-      j["chunk_size"] = e.options().shadowkv.chunk_size;
       j["successor_chunks"] = e.options().shadowkv.successor_chunks;
-      j["landmarks_per_chunk"] = e.options().shadowkv.landmarks_per_chunk;
-      j["landmark_format"] = e.options().shadowkv.landmark_format;
-      j["value_format"] = e.options().shadowkv.value_format;
       if (N > 1) j["fetch_turns"] = e.options().shadowkv.fetch_turns;
     }
     j["linear"] = e.options().backend.linear;

@@ -32,7 +32,7 @@ Status RunPrefill(const Args& a, Engine& e, const Common& cm, int64_t S, Collect
   }
   nlohmann::json j = cm.Line("prefill");
   j["gpus"] = group ? group->world() : 1;
-  j["kv_policy"] = e.options().kv_policy;
+  AddPolicy(e.options(), j);
   j["context"] = S;
   j["batch"] = 1;
   j["seconds"] = dt;

@@ -102,7 +102,7 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   nlohmann::json j = cm.Line("decode");
   j["shared_document"] = true;
   if (profile) AddProfile(profile_ms, j);
-  j["kv_policy"] = e.options().kv_policy;
+  AddPolicy(e.options(), j);
   j["context"] = S;
   j["batch"] = B;
   j["question"] = Q;

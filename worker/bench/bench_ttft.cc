@@ -46,7 +46,7 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
     PENUMBRA_RETURN_IF_ERROR(timed(w, &cached).status());
   }
   nlohmann::json j = cm.Line("ttft");
-  j["kv_policy"] = e.options().kv_policy;
+  AddPolicy(e.options(), j);
   j["context"] = S;
   j["question"] = Q;
   j["cache"] = cache;
