@@ -136,6 +136,13 @@ struct WorkerStatus {
   9: optional string group,
   10: optional i32 group_rank,
   11: optional string group_state,
+  // Its batch capacity (WorkerStats' capacity_* fields): sequences of
+  // capacity_context_tokens it holds plus those that fit beside them now,
+  // what stops the next one, and why its last waiting admission waited.
+  12: optional i64 capacity_context_tokens,
+  13: optional i64 capacity_sequences,
+  14: optional string capacity_limit,
+  15: optional string last_wait_reason,
 }
 
 // Public (no key): nothing about the deployment's hosts or paths.

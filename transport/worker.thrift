@@ -124,6 +124,22 @@ struct WorkerStats {
   // Documents written to the persistent tier (disk or value-store node):
   // background writes that have finished. Refreshed about once a second.
   17: i64 documents_stored = 0,
+  // How many sequences of capacity_context_tokens (prompt + new tokens; the
+  // model's max_position_embeddings unless --capacity-context) the worker
+  // holds and how many more fit beside them now, and what stops the next
+  // one: "device memory", "host memory" or "max_batch" ("unknown": the KV
+  // policy gives no estimate). One such sequence's device and host bytes
+  // (the policy's estimate). Sampled about once a second.
+  18: i64 capacity_context_tokens = 0,
+  19: i64 capacity_held = 0,
+  20: i64 capacity_more = 0,
+  21: string capacity_limit = "",
+  22: i64 sequence_device_bytes = 0,
+  23: i64 sequence_host_bytes = 0,
+  // Why the last admission that had to wait did not fit (the engine's
+  // message, or "max_batch N"), and the decoding batch then; "" / 0 before any.
+  24: string last_wait_reason = "",
+  25: i64 last_wait_batch = 0,
 }
 
 // A document put: its state factored into the document cache (memory, and

@@ -320,6 +320,12 @@ Status StatsCommand(int argc, char** argv) {
                           {"kv_policy", w.kv_policy}, {"backend", w.backend}, {"running", w.running},
                           {"documents", w.documents}};
       if (w.__isset.error) o["error"] = w.error;
+      if (w.__isset.capacity_limit) {
+        o["capacity"] = {{"context_tokens", w.capacity_context_tokens},
+                         {"sequences", w.capacity_sequences},
+                         {"limit", w.capacity_limit}};
+      }
+      if (w.__isset.last_wait_reason) o["last_wait_reason"] = w.last_wait_reason;
       if (w.__isset.group) {
         o["group"] = w.group;
         o["group_rank"] = w.group_rank;

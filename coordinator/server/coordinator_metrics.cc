@@ -138,6 +138,12 @@ void Coordinator::Stats(rpc::StatsResponse& out, const std::string& api_key) {
       auto h = held.find(i);
       w.documents = h == held.end() ? 0 : h->second;
       if (!s[i].healthy) w.__set_error(s[i].error);
+      if (!s[i].stats.capacity_limit.empty()) {
+        w.__set_capacity_context_tokens(s[i].stats.capacity_context_tokens);
+        w.__set_capacity_sequences(s[i].stats.capacity_held + s[i].stats.capacity_more);
+        w.__set_capacity_limit(s[i].stats.capacity_limit);
+      }
+      if (!s[i].stats.last_wait_reason.empty()) w.__set_last_wait_reason(s[i].stats.last_wait_reason);
       if (!s[i].endpoint.group.empty()) {
         w.__set_group(s[i].endpoint.group);
         w.__set_group_rank(s[i].endpoint.rank);

@@ -193,6 +193,24 @@ TEST_F(Service, RequestsAboutADocumentGoToTheWorkerHoldingIt) {
   EXPECT_EQ(after_b.submitted - before_b.submitted, 4);
   EXPECT_EQ(after_a.cached_prompt_tokens - before_a.cached_prompt_tokens, 4 * 200);
   EXPECT_EQ(after_b.cached_prompt_tokens - before_b.cached_prompt_tokens, 4 * 150);
+  // Each worker says how many sequences of the model's longest context fit
+  // and what stops the next one; the coordinator's Stats passes it on.
+  for (int i = 0; i < 100; ++i) {
+    auto s = c->Stats();
+    ASSERT_TRUE(s.ok()) << s.status();
+    if (s->workers[0].__isset.capacity_limit && s->workers[1].__isset.capacity_limit) break;
+    std::this_thread::sleep_for(100ms);
+  }
+  auto with_capacity = c->Stats();
+  ASSERT_TRUE(with_capacity.ok());
+  for (const rpc::WorkerStatus& w : with_capacity->workers) {
+    EXPECT_TRUE(w.__isset.capacity_limit) << w.name;
+    EXPECT_GE(w.capacity_sequences, 1) << w.name;
+    EXPECT_GT(w.capacity_context_tokens, 0) << w.name;
+  }
+  const rpc::WorkerStats capacity = cluster.WorkerStats(wa);
+  EXPECT_FALSE(capacity.capacity_limit.empty());
+  EXPECT_GT(capacity.sequence_device_bytes, 0);
 
   // The holder of a goes away: a's requests are served by the other worker
   // (prefilled there once, then cached there too).

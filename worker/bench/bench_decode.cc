@@ -74,7 +74,10 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   }
   const int64_t measurements = static_cast<int64_t>(rates.size() * std::max<size_t>(sweep.size(), 1));
   const int64_t new_tokens = measurements * (steps + 2 + (profile ? kProfileSteps : 0)) + 2;
-  const int64_t reserve = static_cast<int64_t>(4.0 * (1 << 30));
+  const auto reserve = static_cast<int64_t>(kDeviceMemoryKeptFree);
+  // The engine's own estimate of the batch (what a worker's stats report),
+  // beside the batch found by filling the device.
+  const BatchCapacity capacity = e.runtime(0).Capacity(S, new_tokens, 0);
   std::vector<LaneRun> runs(N);
   auto remove_all = [&] {
     for (int l = 0; l < N; ++l) {
@@ -232,6 +235,10 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     AddPolicy(e.options(), j);
     j["context"] = S;
     j["batch"] = nb;
+    j["capacity_sequences"] = capacity.sequences();
+    j["capacity_limit"] = capacity.limit;
+    j["sequence_device_bytes"] = capacity.per_sequence.device;
+    j["sequence_host_bytes"] = capacity.per_sequence.host;
     if (!sweep.empty()) j["built_batch"] = B;  // the sweep's sequences were built once, this many
     if (N > 1) {
       j["lanes"] = N;

@@ -382,6 +382,12 @@ class FullKvPolicy final : public KvPolicy {
     return ctx_.backend->PrefixAttention(a);
   }
 
+  SequenceBytes EstimateSequenceBytes(const SequenceSpec& spec) const override {
+    Seq s;
+    s.capacity = spec.prompt_len + spec.max_new_tokens;
+    return {2 * static_cast<size_t>(LayerStride(s)) * ctx_.num_layers * esize_, 0};
+  }
+
   size_t DeviceBytes(int64_t seq) const override {
     auto it = seqs_.find(seq);
     return it == seqs_.end() ? 0 : it->second.k.bytes() + it->second.v.bytes();

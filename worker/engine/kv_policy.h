@@ -146,6 +146,16 @@ struct SequenceSpec {
   ShardSpec shard;
 };
 
+// Memory one sequence takes: device (its KV state on the backend) and host
+// (a value store's rows in pinned DRAM).
+struct SequenceBytes {
+  size_t device = 0, host = 0;
+};
+
+// Host memory a policy leaves free when it reserves a sequence's value rows
+// (the process, the OS and the document cache need some).
+inline constexpr size_t kHostMemoryKeptFree = size_t{8} << 30;
+
 class KvPolicy {
  public:
   virtual ~KvPolicy() = default;
@@ -239,6 +249,9 @@ class KvPolicy {
 
   // Device bytes held for `seq` (memory reports).
   virtual size_t DeviceBytes(int64_t seq) const = 0;
+  // What AddSequence would reserve for `spec` with nothing attached (no
+  // prefix, a whole sequence); zeros where the policy cannot say.
+  virtual SequenceBytes EstimateSequenceBytes(const SequenceSpec& spec) const { return {}; }
   virtual PolicyStats stats() const { return stats_; }
   // Profiling synchronizes after each prefill op to time it (slower).
   virtual void SetProfiling(bool on) {}

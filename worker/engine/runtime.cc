@@ -267,6 +267,40 @@ Status ValidateGenerationRequest(const GenerationRequest& q, const ModelConfig& 
   return Status::OK();
 }
 
+BatchCapacity Runtime::Capacity(int64_t prompt_tokens, int64_t max_new_tokens, int64_t held) {
+  BatchCapacity c;
+  c.context_tokens = prompt_tokens + max_new_tokens;
+  c.held = held;
+  SequenceSpec spec;
+  spec.prompt_len = prompt_tokens;
+  spec.max_new_tokens = max_new_tokens;
+  c.per_sequence = policy_->EstimateSequenceBytes(spec);
+  auto less_kept = [](size_t free, size_t kept) { return free > kept ? free - kept : 0; };
+  const bool one_pool = backend_->device() != Device::kCUDA;  // the CPU backend's "device" memory is host memory
+  const size_t host_free = backend_->FreeHostBytes();
+  c.host_available_bytes = less_kept(host_free, kHostMemoryKeptFree);
+  c.device_available_bytes =
+      one_pool ? c.host_available_bytes : less_kept(backend_->FreeMemoryBytes(), kDeviceMemoryKeptFree);
+  const int64_t by_batch = std::max<int64_t>(0, options_.max_batch - held);
+  int64_t by_device = by_batch, by_host = by_batch;
+  const SequenceBytes& b = c.per_sequence;
+  if (one_pool) {
+    if (b.device + b.host > 0) by_host = static_cast<int64_t>(c.host_available_bytes / (b.device + b.host));
+  } else {
+    if (b.device > 0) by_device = static_cast<int64_t>(c.device_available_bytes / b.device);
+    if (b.host > 0) by_host = static_cast<int64_t>(c.host_available_bytes / b.host);
+  }
+  if (b.device + b.host == 0) {
+    c.limit = "unknown";
+    return c;
+  }
+  c.more = std::min({by_batch, by_device, by_host});
+  c.limit = c.more == by_device && by_device < by_batch ? "device memory"
+            : c.more == by_host && by_host < by_batch   ? "host memory"
+                                                        : "max_batch";
+  return c;
+}
+
 Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
   for (size_t r = 0; r < requests.size(); ++r) {
     Status s = ValidateGenerationRequest(requests[r], config());

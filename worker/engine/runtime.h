@@ -181,6 +181,26 @@ struct RunStats {
   TierStats tiers;  // tier 0 (device copies of hot documents' values)
 };
 
+// How many more sequences of one length fit beside those a runtime holds,
+// and what stops the next one (Runtime::Capacity).
+struct BatchCapacity {
+  int64_t context_tokens = 0;  // prompt + new tokens of the sequences counted
+  int64_t held = 0;            // sequences held now (the caller's count)
+  int64_t more = 0;            // of them that fit now beside those held
+  // What stops the one after: "device memory", "host memory", "max_batch",
+  // or "unknown" (the policy gives no estimate: `more` is then 0).
+  std::string limit;
+  SequenceBytes per_sequence;         // KvPolicy::EstimateSequenceBytes
+  size_t device_available_bytes = 0;  // free now, less kDeviceMemoryKeptFree
+  size_t host_available_bytes = 0;    // free now, less kHostMemoryKeptFree
+  int64_t sequences() const { return held + more; }
+};
+
+// Device memory the capacity estimate leaves free for a decode step's
+// activations and workspaces (penumbra-bench decode fills the device to the
+// same margin).
+inline constexpr size_t kDeviceMemoryKeptFree = size_t{4} << 30;
+
 class Runtime {
  public:
   // The policy must have been built with `ctx` (MakePolicyContext for this
@@ -356,6 +376,13 @@ class Runtime {
   }
   const ModelConfig& config() const { return weights_->config(); }
   int max_batch() const { return options_.max_batch; }
+  // How many more whole sequences of prompt_tokens + max_new_tokens fit now
+  // beside the `held` the caller counts (the scheduler: admitted ones), by
+  // the policy's estimate of a sequence's bytes against the memory free now
+  // (device; host for a value store; one pool on the CPU backend, whose
+  // "device" memory is host memory), and at most max_batch() - held. The
+  // runtime's thread, or any thread while it is idle.
+  BatchCapacity Capacity(int64_t prompt_tokens, int64_t max_new_tokens, int64_t held);
   // The document cache's counters (DocumentCache::stats) are folded in at
   // each call.
   RunStats stats() const;

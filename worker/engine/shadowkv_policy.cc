@@ -128,7 +128,7 @@ class ShadowKvPolicy final : public KvPolicy {
       const int own_chunks = s.chunk_cap - s.shared_chunks;
       const size_t host_need = static_cast<size_t>(L) * H * own_chunks * lay_.value_row_bytes();
       const size_t host_free = ctx_.backend->FreeHostBytes();
-      if (host_free > 0 && host_need + (size_t{8} << 30) > host_free) {
+      if (host_free > 0 && host_need + kHostMemoryKeptFree > host_free) {
         return Status::ResourceExhausted("shadowkv: the value store needs " + std::to_string(host_need >> 20) +
                                          " MiB of host memory and only " + std::to_string(host_free >> 20) +
                                          " MiB are available (8 GiB kept free)");
@@ -1148,6 +1148,8 @@ class ShadowKvPolicy final : public KvPolicy {
     return s.att_k.bytes() + s.att_v.bytes() + s.a.bytes() + s.b.bytes() + s.p.bytes() + s.lm.bytes() + s.excl.bytes() +
            s.slots.bytes() + s.prek.bytes();
   }
+
+  SequenceBytes EstimateSequenceBytes(const SequenceSpec& spec) const override { return lay_.Bytes(spec); }
 
   PolicyStats stats() const override {
     PolicyStats st = stats_;

@@ -33,6 +33,10 @@ Status SchedulerOptions::Validate() const {
     return Status::InvalidArgument("scheduler.max_queue must be >= 1, got " + std::to_string(max_queue));
   if (keep_finished.count() < 0) return Status::InvalidArgument("scheduler.keep_finished must be >= 0");
   if (share_window.count() < 0) return Status::InvalidArgument("scheduler.share_window must be >= 0");
+  if (capacity_context_tokens < 0) {
+    return Status::InvalidArgument("scheduler.capacity_context_tokens must be >= 0, got " +
+                                   std::to_string(capacity_context_tokens));
+  }
   if (store_fetch_threads < 1 || store_fetch_threads > 256) {
     return Status::InvalidArgument("scheduler.store_fetch_threads must be in [1, 256], got " +
                                    std::to_string(store_fetch_threads));
@@ -379,8 +383,10 @@ void Scheduler::Loop() {
       // Idle too: the document cache's figures move by themselves (the
       // persistent tier's background writes finish after their requests).
       const SchedulerStats::Documents docs = DocumentSnapshot();
+      const BatchCapacity capacity = CapacityNow();
       lk.lock();
       stats_.documents = docs;
+      stats_.capacity = capacity;
       memory_sampled_ = Clock::now();
       stats_.memory_free_bytes = static_cast<int64_t>(std::min<size_t>(free, std::numeric_limits<int64_t>::max()));
       if (stop_) return;
@@ -423,6 +429,24 @@ void Scheduler::Reap() {
   reap(decoding_);
 }
 
+BatchCapacity Scheduler::CapacityNow() {
+  int64_t held = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    held = static_cast<int64_t>(prefilling_.size() + decoding_.size());
+  }
+  const int64_t tokens =
+      o_.capacity_context_tokens > 0 ? o_.capacity_context_tokens : rt_->config().max_position_embeddings;
+  // One new token: the length is the whole sequence's.
+  BatchCapacity c = rt_->Capacity(std::max<int64_t>(tokens - 1, 1), 1, held);
+  const int64_t by_batch = std::max<int64_t>(0, std::min(o_.max_batch, rt_->max_batch()) - held);
+  if (c.limit != "unknown" && by_batch < c.more) {
+    c.more = by_batch;
+    c.limit = "max_batch";
+  }
+  return c;
+}
+
 void Scheduler::Admit() {
   std::shared_ptr<Request> r;
   std::shared_ptr<PrefetchedDocuments> prefetched;  // r's, held while the runtime imports it
@@ -431,7 +455,14 @@ void Scheduler::Admit() {
     // One prompt in prefill at a time (by fair share between tenants, first
     // come first served within one); the next is admitted when it is in.
     if (queue_.empty() || !prefilling_.empty()) return;
-    if (static_cast<int>(decoding_.size()) >= std::min(o_.max_batch, rt_->max_batch())) return;
+    const int max_batch = std::min(o_.max_batch, rt_->max_batch());
+    if (static_cast<int>(decoding_.size()) >= max_batch) {
+      if (stats_.last_wait_batch != max_batch || stats_.last_wait_reason.rfind("max_batch", 0) != 0) {
+        stats_.last_wait_reason = "max_batch " + std::to_string(max_batch);
+        stats_.last_wait_batch = max_batch;
+      }
+      return;
+    }
     r = NextByShare(Clock::now());
     if (!r) return;  // every waiting tenant is at its share of the batch
     prefetched = r->prefetched;
@@ -478,6 +509,8 @@ void Scheduler::Admit() {
     if (!r->waited) {
       r->waited = true;
       ++stats_.admission_waits;
+      stats_.last_wait_reason = s.message();
+      stats_.last_wait_batch = static_cast<int64_t>(decoding_.size());
     }
     return;
   }

@@ -74,6 +74,9 @@ struct SchedulerOptions {
   // Threads reading stored documents for queued requests (off the loop).
   // Default: 4.
   int store_fetch_threads = 4;
+  // The sequence length (prompt + new tokens) SchedulerStats::capacity is
+  // counted at. 0: the model's max_position_embeddings. Default: 0.
+  int64_t capacity_context_tokens = 0;
   // InvalidArgument naming the field.
   Status Validate() const;
 };
@@ -126,6 +129,15 @@ struct SchedulerStats {
   // sampled by the loop about once a second (the coordinator places requests
   // by it); -1 before the first sample.
   int64_t memory_free_bytes = -1;
+  // How many sequences of capacity_context_tokens the worker holds and how
+  // many more fit beside them, and what stops the next (Runtime::Capacity,
+  // capped by max_batch too), sampled with memory_free_bytes.
+  BatchCapacity capacity;
+  // Why the last admission that had to wait did not fit (the runtime's
+  // ResourceExhausted message, or "max_batch N"), and the decoding batch
+  // then; empty / 0 before any.
+  std::string last_wait_reason;
+  int64_t last_wait_batch = 0;
   // The document cache, as of the loop's last step.
   struct Documents {
     int64_t cached = 0;                            // documents in memory (tier 1)
@@ -236,6 +248,8 @@ class Scheduler {
   void DecodeOnce();
   // The document cache's figures (on the loop thread, which owns the runtime).
   SchedulerStats::Documents DocumentSnapshot() const;
+  // SchedulerStats::capacity now (the loop's thread, mu_ not held).
+  BatchCapacity CapacityNow();
   // Ends the cancelled and the expired among the queued and running.
   void Reap();
   // Appends a token (under mu_); true when the request is done with it.

@@ -101,6 +101,20 @@ class WorkerMetrics {
                                      "breaker open): the requests prefilled them instead.");
     fetching_ = &gauge("penumbra_worker_requests_fetching",
                        "Queued requests whose stored documents are being read (off the decode loop).");
+    capacity_sequences_ = &gauge("penumbra_worker_capacity_sequences",
+                                 "Sequences of --capacity-context tokens the worker holds plus those that fit "
+                                 "beside them now (the KV policy's estimate against free memory and max_batch).");
+    capacity_tokens_ = &gauge("penumbra_worker_capacity_context_tokens",
+                              "The sequence length penumbra_worker_capacity_sequences counts.");
+    auto& limit = prometheus::BuildGauge()
+                      .Name("penumbra_worker_capacity_limit")
+                      .Help(
+                          "1 for what stops the next sequence of that length: device memory, host memory, "
+                          "max_batch, or unknown (no estimate).")
+                      .Register(*registry_);
+    for (const char* l : {"device memory", "host memory", "max_batch", "unknown"}) {
+      capacity_limit_.emplace_back(l, &limit.Add({{"limit", l}}));
+    }
   }
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   // Called at each scrape (the HTTP server's threads).
@@ -143,6 +157,11 @@ class WorkerMetrics {
     store_degraded_->Set(h.degraded ? 1 : 0);
     bump(store_fetch_failures_, d.store_fetch_failures, last_.documents.store_fetch_failures);
     fetching_->Set(static_cast<double>(n.fetching));
+    if (!n.capacity.limit.empty()) {
+      capacity_sequences_->Set(static_cast<double>(n.capacity.sequences()));
+      capacity_tokens_->Set(static_cast<double>(n.capacity.context_tokens));
+      for (auto& [name, g] : capacity_limit_) g->Set(name == n.capacity.limit ? 1 : 0);
+    }
   }
 
  private:
@@ -163,6 +182,8 @@ class WorkerMetrics {
   prometheus::Gauge* store_degraded_;
   int64_t last_store_write_errors_ = 0;
   prometheus::Gauge* fetching_;
+  prometheus::Gauge *capacity_sequences_, *capacity_tokens_;
+  std::vector<std::pair<std::string, prometheus::Gauge*>> capacity_limit_;
 };
 
 // Each store node's calls as this worker's client saw them (deadlines and

@@ -54,6 +54,10 @@ const OptionTable<WorkerProcessOptions>& WorkerOptionTable() {
                 "parallel reads are spread over them)")
            .Int(T::Field<int>([](O* o) { return &o->scheduler.store_fetch_threads; }), "store-fetch-threads", "", 1,
                 256, "threads reading stored documents for queued requests, off the decode loop")
+           .Int(T::Field<int64_t>([](O* o) { return &o->scheduler.capacity_context_tokens; }), "capacity-context", "",
+                int64_t{1}, int64_t{1} << 40,
+                "the sequence length (prompt + new tokens) the stats count how many sequences fit at")
+           .Unset("0", "the model's max_position_embeddings")
            .Int(&O::max_frame_mb, "max-frame-mb", "", 1, 1024, "largest request frame in MiB")
            .Int(&O::drain_seconds, "drain-seconds", "", 0, 86400, "on SIGTERM, how long running requests may finish")
            .Duration(T::Field<milliseconds>([](O* o) { return &o->lease.lease; }), "lease-ms", "", 100, 86400000,

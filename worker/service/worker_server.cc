@@ -492,6 +492,14 @@ void WorkerHandler::Stats(rpc::WorkerStats& out) {
   out.memory_free_bytes = s.memory_free_bytes;
   out.lease_expired = lease_expired();
   out.documents_stored = s.documents.stored;
+  out.capacity_context_tokens = s.capacity.context_tokens;
+  out.capacity_held = s.capacity.held;
+  out.capacity_more = s.capacity.more;
+  out.capacity_limit = s.capacity.limit;
+  out.sequence_device_bytes = static_cast<int64_t>(s.capacity.per_sequence.device);
+  out.sequence_host_bytes = static_cast<int64_t>(s.capacity.per_sequence.host);
+  out.last_wait_reason = s.last_wait_reason;
+  out.last_wait_batch = s.last_wait_batch;
 }
 
 Result<std::unique_ptr<WorkerServer>> WorkerServer::Start(Scheduler* scheduler, WorkerIdentity identity,

@@ -69,30 +69,44 @@ void ShadowKvLayout::Shape(const SequenceSpec& spec, ShadowKvSeq* out) const {
   s.att_cap = static_cast<int64_t>(s.outliers + s.kslots) * C + s.local_cap;
 }
 
+std::vector<ShadowKvLayout::Sized> ShadowKvLayout::Sizes(ShadowKvSeq& s) const {
+  const size_t L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d;
+  std::vector<Sized> out = {{&s.att_k, AttLayer(s) * L * es_}, {&s.att_v, AttLayer(s) * L * es_}};
+  if (!s.sparse) return out;
+  // A rows and landmarks of the chunks this sequence makes; an attached
+  // prefix's are read in place from the prefix.
+  s.a_rows = s.token_cap - static_cast<int64_t>(s.shared_chunks) * o_.chunk_size;
+  s.lm_cap = s.chunk_cap - s.shared_chunks;
+  out.push_back({&s.a, L * s.a_rows * r * es_});
+  out.push_back({&s.b, L * H * r * d * es_});
+  out.push_back({&s.p, L * D * r * sizeof(float)});
+  out.push_back({&s.lm, L * H * s.lm_cap * lm_rec_bytes_});
+  out.push_back({&s.excl, L * H * s.chunk_cap});
+  out.push_back({&s.slots, L * H * s.kslots * sizeof(int32_t)});
+  out.push_back({&s.prek, L * s.local_cap * D * sizeof(float)});
+  return out;
+}
+
 Status ShadowKvLayout::Allocate(ShadowKvSeq* out) const {
   ShadowKvSeq& s = *out;
   Backend& b = *ctx_.backend;
-  const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, r = o_.rank, D = H * d, C = o_.chunk_size;
-  auto alloc = [&](DeviceBuffer* buf, size_t bytes) -> Status {
-    PENUMBRA_ASSIGN_OR_RETURN(*buf, b.Allocate(bytes));
-    return Status::OK();
-  };
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_k, AttLayer(s) * L * es_));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.att_v, AttLayer(s) * L * es_));
+  for (const Sized& z : Sizes(s)) {
+    PENUMBRA_ASSIGN_OR_RETURN(*z.buf, b.Allocate(z.bytes));
+  }
   if (!s.sparse) return Status::OK();
-  // A rows and landmarks of the chunks this sequence makes; an attached
-  // prefix's are read in place from the prefix.
-  s.a_rows = s.token_cap - static_cast<int64_t>(s.shared_chunks) * C;
-  s.lm_cap = s.chunk_cap - s.shared_chunks;
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.a, static_cast<size_t>(L) * s.a_rows * r * es_));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.b, static_cast<size_t>(L) * H * r * d * es_));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.p, static_cast<size_t>(L) * D * r * sizeof(float)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.lm, static_cast<size_t>(L) * H * s.lm_cap * lm_rec_bytes_));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.excl, static_cast<size_t>(L) * H * s.chunk_cap));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.slots, static_cast<size_t>(L) * H * s.kslots * sizeof(int32_t)));
-  PENUMBRA_RETURN_IF_ERROR(alloc(&s.prek, static_cast<size_t>(L) * s.local_cap * D * sizeof(float)));
   PENUMBRA_RETURN_IF_ERROR(b.Memset(s.excl.get(), 0, s.excl.bytes()));
   return b.Memset(s.slots.get(), 0xff, s.slots.bytes());
+}
+
+SequenceBytes ShadowKvLayout::Bytes(const SequenceSpec& spec) const {
+  ShadowKvSeq s;
+  Shape(spec, &s);
+  SequenceBytes out;
+  for (const Sized& z : Sizes(s)) out.device += z.bytes;
+  if (s.sparse) {
+    out.host = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv * (s.chunk_cap - s.shared_chunks) * value_row_bytes_;
+  }
+  return out;
 }
 
 Status ShadowKvUpload(Backend& backend, DeviceBuffer* dst, const void* src, size_t bytes) {

@@ -85,6 +85,10 @@ class ShadowKvLayout {
   // marks (none), the slot maps (empty) and the local pre-RoPE keys. Its
   // value-store segment is the caller's.
   Status Allocate(ShadowKvSeq* s) const;
+  // What Allocate would take for a sequence of `spec` with nothing attached
+  // (device) and what its value-store segment would take (host):
+  // KvPolicy::EstimateSequenceBytes.
+  SequenceBytes Bytes(const SequenceSpec& spec) const;
 
   // Tokens the sequence holds (after its last prefill or decode step).
   int64_t Held(const ShadowKvSeq& s) const { return static_cast<int64_t>(s.n_chunks) * o_.chunk_size + s.local_count; }
@@ -135,6 +139,13 @@ class ShadowKvLayout {
   int64_t lm_rec_;        // the kernels' strides
   int64_t lm_rec_bytes_;  // the buffers' sizes and offsets
   size_t value_row_bytes_;
+
+  // Each device buffer Allocate makes, and its bytes (the one place they are sized).
+  struct Sized {
+    DeviceBuffer* buf;
+    size_t bytes;
+  };
+  std::vector<Sized> Sizes(ShadowKvSeq& s) const;
 };
 
 // Copies `bytes` from the host into *dst, first growing it (to twice the
