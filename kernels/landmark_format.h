@@ -76,14 +76,22 @@ inline const float* E4M3Table() {
   return table.data();
 }
 
+// The NaN code every fp8 encoder here writes for a value that is not finite.
+inline constexpr uint8_t kE4M3NaN = 0x7f;
+
 // One record's S * d values (f32) as fp8: the codes at `out`, the scale and
-// its zero padding after them.
+// its zero padding after them. The scale is the finite values' largest |x|
+// over kE4M3Max; a value that is not finite (NaN, +-Inf: a model that
+// overflowed) becomes kE4M3NaN and leaves the others' codes as they would
+// be without it, on the CPU and the GPU alike (shadowkv_prefill.cu).
 inline void EncodeLandmarkFp8(const float* values, int64_t n, uint8_t* out) {
   float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(values[i]));
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isfinite(values[i])) amax = std::fmax(amax, std::fabs(values[i]));
+  }
   const float inv = amax > 0.0f ? kE4M3Max / amax : 1.0f;
   const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
-  for (int64_t i = 0; i < n; ++i) out[i] = F32ToE4M3(values[i] * inv);
+  for (int64_t i = 0; i < n; ++i) out[i] = std::isfinite(values[i]) ? F32ToE4M3(values[i] * inv) : kE4M3NaN;
   std::memset(out + n, 0, kLandmarkFp8Tail);
   std::memcpy(out + n, &scale, sizeof(float));
 }

@@ -78,11 +78,13 @@ __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
       row_of(s, row);
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i)
-        if (lane + 32 * i < d) amax = fmaxf(amax, fabsf(row[i]));
+        if (lane + 32 * i < d && isfinite(row[i])) amax = fmaxf(amax, fabsf(row[i]));
     }
     amax = WarpMax(amax);
-    const float inv = amax > 0.0f ? kE4M3Max / amax : 1.0f;
-    const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+    // Rounded as the host's (EncodeLandmarkFp8); non-finite values take no
+    // part in the scale and become kE4M3NaN.
+    const float inv = amax > 0.0f ? __fdiv_rn(kE4M3Max, amax) : 1.0f;
+    const float scale = amax > 0.0f ? __fdiv_rn(amax, kE4M3Max) : 1.0f;
     for (int s = 0; s < S; ++s) {
       float row[kPerLane];
       row_of(s, row);
@@ -90,7 +92,8 @@ __global__ void ChunkLandmarksKernel(ChunkLandmarksArgs a) {
       for (int i = 0; i < kPerLane; ++i) {
         const int j = lane + 32 * i;
         if (j < d) {
-          out[static_cast<int64_t>(s) * d + j] = __nv_cvt_float_to_fp8(row[i] * inv, __NV_SATFINITE, __NV_E4M3);
+          out[static_cast<int64_t>(s) * d + j] =
+              isfinite(row[i]) ? __nv_cvt_float_to_fp8(__fmul_rn(row[i], inv), __NV_SATFINITE, __NV_E4M3) : kE4M3NaN;
         }
       }
     }

@@ -29,7 +29,6 @@
 namespace penumbra::kernels {
 
 inline constexpr int kValueRowAlign = 16;
-inline constexpr uint8_t kE4M3NaN = 0x7f;
 
 constexpr int64_t ValueRowBytesFp8(int chunk_tokens, int d) {
   const int64_t raw = static_cast<int64_t>(chunk_tokens) * d + 4 * static_cast<int64_t>(chunk_tokens);

@@ -99,6 +99,38 @@ TEST(LandmarkFormatTest, ARecordKeepsItsLargestValueAtFullPrecision) {
   for (int i = 0; i < 8; ++i) EXPECT_EQ(rec[i], 0);
 }
 
+// A value that is not finite becomes the NaN code and takes no part in the
+// scale: the other values' codes are what they are without it (the GPU's
+// encoder does the same: ShadowKvPrefillGpuTest.Fp8LandmarkRecordsMatchCpu).
+TEST(LandmarkFormatTest, NonFiniteValuesBecomeNaNCodesAndLeaveTheScaleAlone) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> clean = {0.5f, -3.25f, 1e-3f, 2.0f, 0.0f, -0.75f, 3.0f, 0.125f};
+  std::vector<uint8_t> want(clean.size() + kLandmarkFp8Tail), got(want.size());
+  EncodeLandmarkFp8(clean.data(), static_cast<int64_t>(clean.size()), want.data());
+  std::vector<float> dirty = clean;
+  dirty[0] = std::nanf("");
+  dirty[2] = inf;
+  dirty[5] = -inf;
+  dirty[7] = -std::nanf("");
+  EncodeLandmarkFp8(dirty.data(), static_cast<int64_t>(dirty.size()), got.data());
+  for (size_t i = 0; i < dirty.size(); ++i) {
+    if (std::isfinite(dirty[i])) {
+      EXPECT_EQ(got[i], want[i]) << i;
+    } else {
+      EXPECT_EQ(got[i], kE4M3NaN) << i;
+      EXPECT_TRUE(std::isnan(E4M3ToF32(got[i])));
+    }
+  }
+  EXPECT_EQ(std::memcmp(got.data() + clean.size(), want.data() + clean.size(), kLandmarkFp8Tail), 0) << "scale";
+  // Nothing finite: scale 1, every code NaN.
+  std::vector<float> none = {inf, std::nanf(""), -inf, inf, inf, inf, inf, inf};
+  EncodeLandmarkFp8(none.data(), 8, got.data());
+  float scale;
+  std::memcpy(&scale, got.data() + 8, 4);
+  EXPECT_EQ(scale, 1.0f);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(got[i], kE4M3NaN) << i;
+}
+
 // ChunkLandmarks with fp8 writes, per chunk, the record of the f32 rows it
 // writes without (S rows), at c * (S*d + 16) bytes; min_cos is unchanged.
 TEST(LandmarkFormatTest, CpuChunkLandmarksWritesTheRecordsOfTheF32Rows) {

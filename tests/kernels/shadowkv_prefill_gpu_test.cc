@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -178,6 +179,11 @@ TEST(ShadowKvPrefillGpuTest, Fp8LandmarkRecordsMatchCpu) {
     std::normal_distribution<float> n01;
     std::vector<float> k(c.batch * kb_stride);
     for (auto& v : k) v = 4 * n01(rng);
+    // Keys that overflowed (NaN, +-Inf) in a few chunks: their landmark
+    // elements are NaN codes on both sides, the rest of the record as if
+    // they were not there.
+    const float inf = std::numeric_limits<float>::infinity();
+    for (int i = 0; i < 6; ++i) k[(i * 7919 + 13) % k.size()] = i % 3 == 0 ? std::nanf("") : i % 3 == 1 ? inf : -inf;
     std::vector<float> k_ref;
     DeviceBuffer k_dev = UploadAs(k, c.kv_dtype, &k_ref);
     const std::vector<uint8_t> lm_init(c.batch * lb_stride, 0xaa);
@@ -197,7 +203,7 @@ TEST(ShadowKvPrefillGpuTest, Fp8LandmarkRecordsMatchCpu) {
       cpu::ChunkLandmarks(ca);
     }
     const auto got = DownloadRaw<uint8_t>(lm_dev, want.size());
-    size_t differ = 0, codes = 0;
+    size_t differ = 0, codes = 0, nan_codes = 0;
     for (int p = 0; p < c.batch; ++p)
       for (int h = 0; h < c.hkv; ++h)
         for (int ch = 0; ch <= c.n_chunks; ++ch) {
@@ -213,6 +219,8 @@ TEST(ShadowKvPrefillGpuTest, Fp8LandmarkRecordsMatchCpu) {
           for (int i = 4; i < kLandmarkFp8Tail; ++i) ASSERT_EQ(got[r0 + rec - kLandmarkFp8Tail + i], 0);
           for (int64_t i = 0; i < rec - kLandmarkFp8Tail; ++i, ++codes) {
             const uint8_t g = got[r0 + i], w = want[r0 + i];
+            if (w == kE4M3NaN || g == kE4M3NaN) ++nan_codes;
+            ASSERT_TRUE(g == w || (w != kE4M3NaN && g != kE4M3NaN)) << "head " << h << " chunk " << ch << " code " << i;
             if (g == w) continue;
             ++differ;
             ASSERT_EQ(g & 0x80, w & 0x80);
@@ -220,6 +228,7 @@ TEST(ShadowKvPrefillGpuTest, Fp8LandmarkRecordsMatchCpu) {
           }
         }
     EXPECT_LE(differ, codes / 1000) << differ << " of " << codes << " codes differ";
+    EXPECT_GT(nan_codes, 0u) << "no record held a non-finite key";
   }
 }
 

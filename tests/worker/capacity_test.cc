@@ -53,9 +53,8 @@ TEST_P(CapacityTest, TheEstimateIsWhatASequenceTakes) {
     } else {
       // The value store's rows: one per (layer, head, chunk), f32 on the
       // CPU backend or an fp8 row.
-      const size_t row = GetParam() == "shadowkv-fp8"
-                             ? static_cast<size_t>(kernels::ValueRowBytesFp8(4, c.head_dim))
-                             : 4 * c.head_dim * sizeof(float);
+      const size_t row = GetParam() == "shadowkv-fp8" ? static_cast<size_t>(kernels::ValueRowBytesFp8(4, c.head_dim))
+                                                      : 4 * c.head_dim * sizeof(float);
       EXPECT_EQ(est.host, static_cast<size_t>(c.num_layers) * c.num_kv_heads * chunks * row) << "prompt " << prompt;
     }
   }
