@@ -49,6 +49,13 @@ class DramValueStore final : public ValueStore {
   DramValueStore(const DramValueStore&) = delete;
   DramValueStore& operator=(const DramValueStore&) = delete;
 
+  // Host memory a segment of `layout` takes in this store: its rows and,
+  // per row, a checksum and a written mark.
+  static size_t SegmentHostBytes(const SegmentLayout& layout) {
+    return layout.total_bytes() + layout.chunks_per_layer() * static_cast<size_t>(layout.layers) * kRowOverheadBytes;
+  }
+  static constexpr size_t kRowOverheadBytes = sizeof(uint64_t) + sizeof(uint8_t);
+
   Result<SegmentId> CreateSegment(const SegmentLayout& layout) override;  // every layer allocated
   // A segment counted against the capacity with no layer allocated yet.
   Result<SegmentId> ReserveSegment(const SegmentLayout& layout);

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "kernels/value_format.h"
+#include "storage/dram_value_store.h"
 #include "tests/test_util.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
@@ -52,10 +53,12 @@ TEST_P(CapacityTest, TheEstimateIsWhatASequenceTakes) {
       EXPECT_EQ(est.device, 2u * c.num_layers * c.num_kv_heads * (prompt + 24) * c.head_dim * sizeof(float));
     } else {
       // The value store's rows: one per (layer, head, chunk), f32 on the
-      // CPU backend or an fp8 row.
+      // CPU backend or an fp8 row, each with the store's checksum and mark.
       const size_t row = GetParam() == "shadowkv-fp8" ? static_cast<size_t>(kernels::ValueRowBytesFp8(4, c.head_dim))
                                                       : 4 * c.head_dim * sizeof(float);
-      EXPECT_EQ(est.host, static_cast<size_t>(c.num_layers) * c.num_kv_heads * chunks * row) << "prompt " << prompt;
+      EXPECT_EQ(est.host, static_cast<size_t>(c.num_layers) * c.num_kv_heads * chunks *
+                              (row + storage::DramValueStore::kRowOverheadBytes))
+          << "prompt " << prompt;
     }
   }
 }

@@ -280,6 +280,9 @@ class Backend {
   virtual int device_index() const { return 0; }
   // Host memory available for pinned allocations (MemAvailable).
   virtual size_t FreeHostBytes() const { return HostMemAvailableBytes(); }
+  // The unit Allocate's device memory comes in (a buffer takes its bytes
+  // rounded up to it): 1 where allocations are exact.
+  virtual size_t AllocationGranularity() const { return 1; }
 
   // Fetch turns between lanes (worker/engine/fetch_turns.h).
   // PrepareFetchTurns creates the per-layer state (before any lane decodes);

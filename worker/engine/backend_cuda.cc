@@ -176,6 +176,8 @@ class CudaBackend final : public Backend {
     PENUMBRA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     return Status::OK();
   }
+  // cudaMalloc hands out large buffers in 2 MiB pages.
+  size_t AllocationGranularity() const override { return size_t{2} << 20; }
   size_t FreeMemoryBytes() const override {
     size_t free_b = 0, total = 0;
     if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) return 0;

@@ -102,9 +102,14 @@ SequenceBytes ShadowKvLayout::Bytes(const SequenceSpec& spec) const {
   ShadowKvSeq s;
   Shape(spec, &s);
   SequenceBytes out;
-  for (const Sized& z : Sizes(s)) out.device += z.bytes;
+  // Each buffer as the backend allocates it (the CUDA backend in 2 MiB granules).
+  const size_t g = std::max<size_t>(ctx_.backend->AllocationGranularity(), 1);
+  for (const Sized& z : Sizes(s)) out.device += (z.bytes + g - 1) / g * g;
   if (s.sparse) {
-    out.host = static_cast<size_t>(ctx_.num_layers) * ctx_.hkv * (s.chunk_cap - s.shared_chunks) * value_row_bytes_;
+    storage::SegmentLayout seg{ctx_.num_layers, ctx_.hkv,      s.chunk_cap - s.shared_chunks,
+                               o_.chunk_size,   ctx_.head_dim, ctx_.backend->act_dtype()};
+    seg.row_bytes = value_row_bytes_;
+    out.host = storage::DramValueStore::SegmentHostBytes(seg);
   }
   return out;
 }
