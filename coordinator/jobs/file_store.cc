@@ -14,8 +14,8 @@
 #include "common/hash.h"
 #include "common/record.h"
 #include "coordinator/jobs/store_ids.h"
+#include "storage/rocks_store_db.h"
 #include "storage/rocksdb_status.h"
-#include "storage/rocksdb_writer.h"
 
 namespace penumbra::jobs {
 namespace {
@@ -110,9 +110,7 @@ struct FileStore::Impl {
   };
 
   FileStoreOptions options;
-  rocksdb::Options db_options;
-  std::unique_ptr<rocksdb::DB> db;
-  std::unique_ptr<storage::RocksWriter> writer;
+  std::unique_ptr<storage::RocksStoreDb> rdb;  // every write through its RocksWriter
   mutable std::mutex mu;
   StoreRecord store;
   std::map<std::string, File> files;
@@ -120,31 +118,10 @@ struct FileStore::Impl {
   std::map<std::string, TenantUse> use;
   FileStoreStats stats;
 
-  ~Impl() {
-    if (db) (void)db->Close();
-  }
   int64_t Now() const { return options.clock ? options.clock() : WallClockSeconds(); }
-
-  Status Commit(rocksdb::WriteBatch* batch, const std::string& what) {
-    return writer->Write(what, [&] {
-      rocksdb::WriteOptions w;
-      w.sync = options.sync_writes;
-      return db->Write(w, batch);
-    });
-  }
-  Result<rocksdb::DB*> Reopen() {
-    if (db) (void)db->Close();
-    db.reset();
-    rocksdb::DB* fresh = nullptr;
-    PENUMBRA_RETURN_IF_ERROR(
-        FromRocks(rocksdb::DB::Open(db_options, options.path, &fresh), "file store " + options.path));
-    db.reset(fresh);
-    return fresh;
-  }
-  Status Readable() const {
-    return db ? Status::OK()
-              : Status::Unavailable("file store " + options.path + ": closed (reopening after a failed write)");
-  }
+  rocksdb::DB* db() const { return rdb->db(); }
+  Status Commit(rocksdb::WriteBatch* batch, const std::string& what) { return rdb->Commit(batch, what); }
+  Status Readable() const { return rdb->Readable(); }
   Status Damaged(const std::string& id, const std::string& what, const Status& why) {
     Status s = Status::Corruption("file store: " + what + " of file " + id + ": " + why.message());
     LOG(ERROR) << s;
@@ -183,9 +160,9 @@ struct FileStore::Impl {
 
 Status FileStore::Impl::Load() {
   std::string value;
-  rocksdb::Status rs = db->Get(rocksdb::ReadOptions(), kStoreKey, &value);
+  rocksdb::Status rs = db()->Get(rocksdb::ReadOptions(), kStoreKey, &value);
   if (rs.IsNotFound()) {
-    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+    std::unique_ptr<rocksdb::Iterator> it(db()->NewIterator(rocksdb::ReadOptions()));
     it->SeekToFirst();
     PENUMBRA_RETURN_IF_ERROR(FromRocks(it->status(), "file store " + options.path));
     if (it->Valid())
@@ -202,7 +179,7 @@ Status FileStore::Impl::Load() {
     ++stats.corrupt_records;
     return Status::Corruption("file store " + options.path + ": store record: " + s.message());
   }
-  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+  std::unique_ptr<rocksdb::Iterator> it(db()->NewIterator(rocksdb::ReadOptions()));
   const std::string prefix(1, kFileKind);
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     const std::string key = it->key().ToString();
@@ -237,16 +214,7 @@ Result<std::unique_ptr<FileStore>> FileStore::Open(const FileStoreOptions& o) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = o;
-  impl->writer = std::make_unique<storage::RocksWriter>("file store", o.path);
-  rocksdb::Options& dbo = impl->db_options;
-  impl->writer->Configure(&dbo);
-  dbo.create_if_missing = true;
-  dbo.paranoid_checks = true;
-  dbo.max_open_files = 256;
-  rocksdb::DB* db = nullptr;
-  PENUMBRA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(dbo, o.path, &db), "file store " + o.path));
-  impl->db.reset(db);
-  impl->writer->Attach(db, [m = impl.get()] { return m->Reopen(); });
+  PENUMBRA_ASSIGN_OR_RETURN(impl->rdb, storage::RocksStoreDb::Open({"file store", o.path, 256, o.sync_writes}));
   PENUMBRA_RETURN_IF_ERROR(impl->Load());
   return std::unique_ptr<FileStore>(new FileStore(std::move(impl)));
 }
@@ -329,7 +297,7 @@ Result<std::string> FileStore::Content(const std::string& tenant, const std::str
   for (uint32_t c = 0; c < rec.chunks && bad.ok(); ++c) {
     const std::string key = ChunkKey(id, c);
     std::string value;
-    rocksdb::Status rs = m.db->Get(rocksdb::ReadOptions(), key, &value);
+    rocksdb::Status rs = m.db()->Get(rocksdb::ReadOptions(), key, &value);
     if (rs.IsNotFound()) {
       bad = Status::Corruption("chunk " + std::to_string(c) + " is missing");
       break;
@@ -414,16 +382,16 @@ FileStoreStats FileStore::stats() const {
   return impl_->stats;
 }
 
-storage::WriteHealth FileStore::write_health() const { return impl_->writer->health(); }
+storage::WriteHealth FileStore::write_health() const { return impl_->rdb->health(); }
 
 Status FileStore::CorruptForTest(const std::string& id, bool record) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lk(m.mu);
   const std::string key = record ? FileKey(id) : ChunkKey(id, 0);
   std::string value;
-  PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db->Get(rocksdb::ReadOptions(), key, &value), "file store: " + id));
+  PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db()->Get(rocksdb::ReadOptions(), key, &value), "file store: " + id));
   value[value.size() / 2] ^= 0x5a;
-  return FromRocks(m.db->Put(rocksdb::WriteOptions(), key, value), "file store: " + id);
+  return FromRocks(m.db()->Put(rocksdb::WriteOptions(), key, value), "file store: " + id);
 }
 
 }  // namespace penumbra::jobs

@@ -15,8 +15,8 @@
 #include "common/hash.h"
 #include "common/record.h"
 #include "coordinator/jobs/store_ids.h"
+#include "storage/rocks_store_db.h"
 #include "storage/rocksdb_status.h"
-#include "storage/rocksdb_writer.h"
 
 namespace penumbra::jobs {
 namespace {
@@ -284,9 +284,7 @@ struct JobStore::Impl {
   };
 
   JobStoreOptions options;
-  rocksdb::Options db_options;
-  std::unique_ptr<rocksdb::DB> db;  // null only after a reopen that failed (calls are then Unavailable)
-  std::unique_ptr<storage::RocksWriter> writer;
+  std::unique_ptr<storage::RocksStoreDb> rdb;  // every write through its RocksWriter
   mutable std::mutex mu;
   StoreRecord store;
   std::map<std::string, Job> jobs;         // every job, damaged ones included
@@ -294,35 +292,14 @@ struct JobStore::Impl {
   std::map<std::string, std::map<uint64_t, std::string>> by_tenant;
   JobStoreStats stats;
 
-  ~Impl() {
-    if (db) (void)db->Close();
-  }
-
   int64_t Now() const { return options.clock ? options.clock() : WallClockSeconds(); }
 
-  // Every write: typed, counted, recovered from (storage/rocksdb_writer.h).
-  // On failure nothing is written.
-  Status Commit(rocksdb::WriteBatch* batch, const std::string& what) {
-    return writer->Write(what, [&] {
-      rocksdb::WriteOptions w;
-      w.sync = options.sync_writes;
-      return db->Write(w, batch);
-    });
-  }
-  // RocksWriter's reopen (called under mu, from Commit).
-  Result<rocksdb::DB*> Reopen() {
-    if (db) (void)db->Close();
-    db.reset();
-    rocksdb::DB* fresh = nullptr;
-    PENUMBRA_RETURN_IF_ERROR(
-        FromRocks(rocksdb::DB::Open(db_options, options.path, &fresh), "job store " + options.path));
-    db.reset(fresh);
-    return fresh;
-  }
-  Status Readable() const {
-    return db ? Status::OK()
-              : Status::Unavailable("job store " + options.path + ": closed (reopening after a failed write)");
-  }
+  // Every write: typed, counted, recovered from (storage/rocks_store_db.h).
+  // On failure nothing is written. db() is null only after a reopen that
+  // failed (calls are then Unavailable: Readable).
+  rocksdb::DB* db() const { return rdb->db(); }
+  Status Commit(rocksdb::WriteBatch* batch, const std::string& what) { return rdb->Commit(batch, what); }
+  Status Readable() const { return rdb->Readable(); }
 
   Status Damage(char kind, const std::string& job_id, const std::string& item, const Status& why) {
     return Status::Corruption("job store: " + std::string(KindName(kind)) + " record of job " + job_id + item + ": " +
@@ -365,7 +342,7 @@ struct JobStore::Impl {
     const std::string key = ItemKey(kStateKind, job.id, index);
     const std::string item = ", item " + std::to_string(index);
     std::string value;
-    rocksdb::Status rs = db->Get(rocksdb::ReadOptions(), key, &value);
+    rocksdb::Status rs = db()->Get(rocksdb::ReadOptions(), key, &value);
     if (rs.IsNotFound()) return MarkDamaged(job, Damage(kStateKind, job.id, item, Status::Corruption("missing")));
     PENUMBRA_RETURN_IF_ERROR(FromRocks(rs, "job store: reading item state"));
     ItemRecord r;
@@ -384,7 +361,7 @@ struct JobStore::Impl {
     const std::string key = ItemKey(kSpecKind, job.id, index);
     const std::string item = ", item " + std::to_string(index);
     std::string value;
-    rocksdb::Status rs = db->Get(rocksdb::ReadOptions(), key, &value);
+    rocksdb::Status rs = db()->Get(rocksdb::ReadOptions(), key, &value);
     if (rs.IsNotFound()) return MarkDamaged(job, Damage(kSpecKind, job.id, item, Status::Corruption("missing")));
     PENUMBRA_RETURN_IF_ERROR(FromRocks(rs, "job store: reading item spec"));
     SpecRecord r;
@@ -481,9 +458,9 @@ struct JobStore::Impl {
 Status JobStore::Impl::Load() {
   {
     std::string value;
-    rocksdb::Status rs = db->Get(rocksdb::ReadOptions(), kStoreKey, &value);
+    rocksdb::Status rs = db()->Get(rocksdb::ReadOptions(), kStoreKey, &value);
     if (rs.IsNotFound()) {
-      std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+      std::unique_ptr<rocksdb::Iterator> it(db()->NewIterator(rocksdb::ReadOptions()));
       it->SeekToFirst();
       PENUMBRA_RETURN_IF_ERROR(FromRocks(it->status(), "job store " + options.path));
       if (it->Valid()) {
@@ -506,7 +483,7 @@ Status JobStore::Impl::Load() {
     }
   }
   // Jobs.
-  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+  std::unique_ptr<rocksdb::Iterator> it(db()->NewIterator(rocksdb::ReadOptions()));
   const std::string job_prefix(1, kJobKind);
   for (it->Seek(job_prefix); it->Valid() && it->key().starts_with(job_prefix); it->Next()) {
     const std::string key = it->key().ToString();
@@ -664,16 +641,7 @@ Result<std::unique_ptr<JobStore>> JobStore::Open(const JobStoreOptions& o) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = o;
-  impl->writer = std::make_unique<storage::RocksWriter>("job store", o.path);
-  rocksdb::Options& dbo = impl->db_options;
-  impl->writer->Configure(&dbo);
-  dbo.create_if_missing = true;
-  dbo.paranoid_checks = true;  // refuse to open over detected corruption rather than drop data silently
-  dbo.max_open_files = 256;
-  rocksdb::DB* db = nullptr;
-  PENUMBRA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(dbo, o.path, &db), "job store " + o.path));
-  impl->db.reset(db);
-  impl->writer->Attach(db, [m = impl.get()] { return m->Reopen(); });
+  PENUMBRA_ASSIGN_OR_RETURN(impl->rdb, storage::RocksStoreDb::Open({"job store", o.path, 256, o.sync_writes}));
   PENUMBRA_RETURN_IF_ERROR(impl->Load());
   return std::unique_ptr<JobStore>(new JobStore(std::move(impl)));
 }
@@ -968,7 +936,7 @@ Result<ResultsPage> JobStore::Results(const std::string& tenant, const std::stri
   PENUMBRA_RETURN_IF_ERROR(m.Readable());
   ResultsPage page;
   const std::string prefix = JobKey(kIndexKind, job_id);
-  std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(rocksdb::ReadOptions()));
+  std::unique_ptr<rocksdb::Iterator> it(m.db()->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek(prefix + after_custom_id); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     const std::string key = it->key().ToString();
     const std::string custom_id = key.substr(prefix.size());
@@ -1004,11 +972,11 @@ Status JobStore::Delete(const std::string& tenant, const std::string& job_id) {
     return Status::FailedPrecondition("job store: job " + job_id + " is " + std::string(ToString(job->rec.status)) +
                                       "; only a finished job can be deleted (cancel it first)");
   }
-  PENUMBRA_RETURN_IF_ERROR(m.writer->Recover());
+  PENUMBRA_RETURN_IF_ERROR(m.rdb->Recover());
   PENUMBRA_RETURN_IF_ERROR(m.Readable());
   rocksdb::WriteBatch batch;
   batch.Delete(JobKey(kJobKind, job_id));
-  std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(rocksdb::ReadOptions()));
+  std::unique_ptr<rocksdb::Iterator> it(m.db()->NewIterator(rocksdb::ReadOptions()));
   for (char kind : {kSpecKind, kStateKind, kIndexKind}) {
     const std::string prefix = JobKey(kind, job_id);
     for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) batch.Delete(it->key());
@@ -1031,7 +999,7 @@ int64_t JobStore::Unfinished(const std::string& tenant) const {
   return n;
 }
 
-storage::WriteHealth JobStore::write_health() const { return impl_->writer->health(); }
+storage::WriteHealth JobStore::write_health() const { return impl_->rdb->health(); }
 
 JobStoreStats JobStore::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -1055,7 +1023,7 @@ Status JobStore::CorruptRecordForTest(const std::string& job_id, RecordKind kind
       break;
     case RecordKind::kCustomIdIndex: {
       const std::string prefix = JobKey(kIndexKind, job_id);
-      std::unique_ptr<rocksdb::Iterator> it(m.db->NewIterator(rocksdb::ReadOptions()));
+      std::unique_ptr<rocksdb::Iterator> it(m.db()->NewIterator(rocksdb::ReadOptions()));
       it->Seek(prefix);
       if (it->Valid() && it->key().starts_with(prefix)) key = it->key().ToString();
       PENUMBRA_RETURN_IF_ERROR(FromRocks(it->status(), "job store"));
@@ -1064,7 +1032,7 @@ Status JobStore::CorruptRecordForTest(const std::string& job_id, RecordKind kind
     }
   }
   std::string value;
-  PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db->Get(rocksdb::ReadOptions(), key, &value), "job store: test corruption"));
+  PENUMBRA_RETURN_IF_ERROR(FromRocks(m.db()->Get(rocksdb::ReadOptions(), key, &value), "job store: test corruption"));
   value[value.size() / 2] ^= 0x40;
   rocksdb::WriteBatch batch;
   batch.Put(key, value);

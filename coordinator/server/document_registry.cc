@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <span>
 #include <string_view>
 
@@ -17,7 +16,7 @@
 #include "common/crypto.h"
 #include "common/hash.h"
 #include "common/record.h"
-#include "storage/rocksdb_writer.h"
+#include "storage/rocks_store_db.h"
 
 namespace penumbra::coordinator {
 namespace {
@@ -126,27 +125,10 @@ std::string Printable(std::string_view key) {
 
 }  // namespace
 
+// The registry's RocksDB: readers never touch it (they read memory), and
+// writers hold write_mu_ (a failed write may reopen it).
 struct DocumentRegistry::Store {
-  explicit Store(const std::string& p) : path(p), writer("document registry", p) {}
-  std::string path;
-  rocksdb::Options options;
-  std::unique_ptr<rocksdb::DB> db;
-  storage::RocksWriter writer;
-
-  ~Store() {
-    if (db) (void)db->Close();
-  }
-  // RocksWriter's reopen: readers never touch `db` (they read memory), and
-  // writers hold write_mu_.
-  Result<rocksdb::DB*> Reopen() {
-    if (db) (void)db->Close();
-    db.reset();
-    rocksdb::DB* fresh = nullptr;
-    rocksdb::Status rs = rocksdb::DB::Open(options, path, &fresh);
-    if (!rs.ok()) return Status::IOError("document registry " + path + ": cannot reopen RocksDB: " + rs.ToString());
-    db.reset(fresh);
-    return fresh;
-  }
+  std::unique_ptr<storage::RocksStoreDb> rdb;
 };
 
 DocumentRegistry::DocumentRegistry(int64_t max_documents_per_tenant) : max_per_tenant_(max_documents_per_tenant) {}
@@ -155,21 +137,9 @@ DocumentRegistry::~DocumentRegistry() = default;
 
 Result<std::unique_ptr<DocumentRegistry>> DocumentRegistry::Open(const std::string& path,
                                                                  int64_t max_documents_per_tenant) {
-  if (path.empty()) return Status::InvalidArgument("document registry: path is empty");
-  std::error_code ec;
-  std::filesystem::create_directories(path, ec);  // RocksDB creates the last level only
-  if (ec) return Status::IOError("document registry " + path + ": cannot create the directory: " + ec.message());
-  auto store = std::make_unique<Store>(path);
-  rocksdb::Options& o = store->options;
-  store->writer.Configure(&o);
-  o.create_if_missing = true;
-  o.paranoid_checks = true;  // refuse to open over detected corruption rather than drop data silently
-  o.max_open_files = 64;
-  rocksdb::DB* db = nullptr;
-  rocksdb::Status rs = rocksdb::DB::Open(o, path, &db);
-  if (!rs.ok()) return Status::IOError("document registry " + path + ": cannot open RocksDB: " + rs.ToString());
-  store->db.reset(db);
-  store->writer.Attach(db, [s = store.get()] { return s->Reopen(); });
+  auto store = std::make_unique<Store>();
+  PENUMBRA_ASSIGN_OR_RETURN(store->rdb, storage::RocksStoreDb::Open({"document registry", path, 64, /*sync=*/true}));
+  rocksdb::DB* db = store->rdb->db();
   auto reg = std::make_unique<DocumentRegistry>(max_documents_per_tenant);
   std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
@@ -201,8 +171,9 @@ Result<std::unique_ptr<DocumentRegistry>> DocumentRegistry::Open(const std::stri
     std::string id = d.id;
     reg->docs_.emplace(std::move(id), std::move(d));
   }
-  rs = it->status();
-  if (!rs.ok()) return Status::IOError("document registry " + path + ": reading records: " + rs.ToString());
+  if (rocksdb::Status rs = it->status(); !rs.ok()) {
+    return Status::IOError("document registry " + path + ": reading records: " + rs.ToString());
+  }
   it.reset();
   LOG(INFO) << "document registry " << path << ": " << reg->docs_.size() << " documents, " << reg->tombstones_.size()
             << " tombstones"
@@ -229,11 +200,7 @@ Status DocumentRegistry::Persist(const std::string& id, const std::string* value
     const std::string tkey = TombstoneKey(id);
     batch.Put(tkey, EncodeTombstone(tkey, *tombstone));
   }
-  return store_->writer.Write(what, [&] {
-    rocksdb::WriteOptions w;
-    w.sync = true;
-    return store_->writer.db()->Write(w, &batch);
-  });
+  return store_->rdb->Commit(&batch, what);
 }
 
 const char* DocumentStateName(DocumentState s) {
@@ -459,7 +426,7 @@ Status DocumentRegistry::SetFailed(const std::string& id, const Status& error) {
 Status DocumentRegistry::CheckWritable() {
   if (!store_) return Status::OK();
   std::unique_lock<std::mutex> writes = LockWrites();
-  return store_->writer.Recover();
+  return store_->rdb->Recover();
 }
 
 std::vector<DocumentTombstone> DocumentRegistry::Tombstones() const {
@@ -495,11 +462,9 @@ Status DocumentRegistry::DropConfirmed(int workers) {
   Status first;
   for (const std::string& id : done) {
     if (store_) {
-      Status s = store_->writer.Write("dropping the tombstone of " + id, [&] {
-        rocksdb::WriteOptions w;
-        w.sync = true;
-        return store_->writer.db()->Delete(w, TombstoneKey(id));
-      });
+      rocksdb::WriteBatch drop;
+      drop.Delete(TombstoneKey(id));
+      Status s = store_->rdb->Commit(&drop, "dropping the tombstone of " + id);
       if (!s.ok()) {
         if (first.ok()) first = s;
         continue;
@@ -558,7 +523,7 @@ std::map<int, int64_t> DocumentRegistry::held_per_worker() const {
 int64_t DocumentRegistry::persist_errors() const { return write_health().write_errors; }
 
 storage::WriteHealth DocumentRegistry::write_health() const {
-  return store_ ? store_->writer.health() : storage::WriteHealth{};
+  return store_ ? store_->rdb->health() : storage::WriteHealth{};
 }
 
 int64_t DocumentRegistry::corrupt_records() const {
@@ -571,16 +536,17 @@ Status DocumentRegistry::CorruptRecordForTest(const std::string& id) {
   std::unique_lock<std::mutex> writes = LockWrites();
   const std::string key = DocumentKey(id);
   std::string value;
-  if (!store_->db) return Status::Unavailable("document registry " + store_->path + ": closed (reopening)");
-  rocksdb::Status rs = store_->db->Get(rocksdb::ReadOptions(), key, &value);
+  PENUMBRA_RETURN_IF_ERROR(store_->rdb->Readable());
+  rocksdb::DB* db = store_->rdb->db();
+  rocksdb::Status rs = db->Get(rocksdb::ReadOptions(), key, &value);
   if (rs.IsNotFound()) return Status::NotFound("document registry: document '" + id + "' has no record");
   if (rs.ok()) {
     value[value.size() / 2] ^= 0x40;
     rocksdb::WriteOptions w;
     w.sync = true;
-    rs = store_->db->Put(w, key, value);
+    rs = db->Put(w, key, value);
   }
-  if (!rs.ok()) return Status::IOError("document registry " + store_->path + ": " + rs.ToString());
+  if (!rs.ok()) return Status::IOError("document registry " + store_->rdb->path() + ": " + rs.ToString());
   return Status::OK();
 }
 
