@@ -279,8 +279,11 @@ BatchCapacity Runtime::Capacity(int64_t prompt_tokens, int64_t max_new_tokens, i
   const bool one_pool = backend_->device() != Device::kCUDA;  // the CPU backend's "device" memory is host memory
   const size_t host_free = backend_->FreeHostBytes();
   c.host_available_bytes = less_kept(host_free, kHostMemoryKeptFree);
+  // Tier 0's copies of hot documents' values are spare memory an admission
+  // takes back (DocumentCache::FreeDeviceFor): counted as free.
+  const size_t reclaimable = cache_ ? cache_->stats().tiers.promoted_bytes : 0;
   c.device_available_bytes =
-      one_pool ? c.host_available_bytes : less_kept(backend_->FreeMemoryBytes(), kDeviceMemoryKeptFree);
+      one_pool ? c.host_available_bytes : less_kept(backend_->FreeMemoryBytes() + reclaimable, kDeviceMemoryKeptFree);
   const int64_t by_batch = std::max<int64_t>(0, options_.max_batch - held);
   int64_t by_device = by_batch, by_host = by_batch;
   const SequenceBytes& b = c.per_sequence;

@@ -191,7 +191,7 @@ struct BatchCapacity {
   // or "unknown" (the policy gives no estimate: `more` is then 0).
   std::string limit;
   SequenceBytes per_sequence;         // KvPolicy::EstimateSequenceBytes
-  size_t device_available_bytes = 0;  // free now, less kDeviceMemoryKeptFree
+  size_t device_available_bytes = 0;  // free now (tier 0's copies included), less kDeviceMemoryKeptFree
   size_t host_available_bytes = 0;    // free now, less kHostMemoryKeptFree
   int64_t sequences() const { return held + more; }
 };

@@ -33,8 +33,8 @@ Status SchedulerOptions::Validate() const {
     return Status::InvalidArgument("scheduler.max_queue must be >= 1, got " + std::to_string(max_queue));
   if (keep_finished.count() < 0) return Status::InvalidArgument("scheduler.keep_finished must be >= 0");
   if (share_window.count() < 0) return Status::InvalidArgument("scheduler.share_window must be >= 0");
-  if (capacity_context_tokens < 0) {
-    return Status::InvalidArgument("scheduler.capacity_context_tokens must be >= 0, got " +
+  if (capacity_context_tokens < 0 || capacity_context_tokens > (int64_t{1} << 31)) {
+    return Status::InvalidArgument("scheduler.capacity_context_tokens must be in [0, 2^31], got " +
                                    std::to_string(capacity_context_tokens));
   }
   if (store_fetch_threads < 1 || store_fetch_threads > 256) {

@@ -55,7 +55,7 @@ const OptionTable<WorkerProcessOptions>& WorkerOptionTable() {
            .Int(T::Field<int>([](O* o) { return &o->scheduler.store_fetch_threads; }), "store-fetch-threads", "", 1,
                 256, "threads reading stored documents for queued requests, off the decode loop")
            .Int(T::Field<int64_t>([](O* o) { return &o->scheduler.capacity_context_tokens; }), "capacity-context", "",
-                int64_t{1}, int64_t{1} << 40,
+                int64_t{1}, int64_t{1} << 31,
                 "the sequence length (prompt + new tokens) the stats count how many sequences fit at")
            .Unset("0", "the model's max_position_embeddings")
            .Int(&O::max_frame_mb, "max-frame-mb", "", 1, 1024, "largest request frame in MiB")

@@ -102,9 +102,10 @@ SequenceBytes ShadowKvLayout::Bytes(const SequenceSpec& spec) const {
   ShadowKvSeq s;
   Shape(spec, &s);
   SequenceBytes out;
-  // Each buffer as the backend allocates it (the CUDA backend in 2 MiB granules).
+  // Each buffer as the backend allocates it: a large one in whole granules
+  // (the CUDA backend's 2 MiB pages); small ones share pages.
   const size_t g = std::max<size_t>(ctx_.backend->AllocationGranularity(), 1);
-  for (const Sized& z : Sizes(s)) out.device += (z.bytes + g - 1) / g * g;
+  for (const Sized& z : Sizes(s)) out.device += z.bytes >= g / 2 ? (z.bytes + g - 1) / g * g : z.bytes;
   if (s.sparse) {
     storage::SegmentLayout seg{ctx_.num_layers, ctx_.hkv,      s.chunk_cap - s.shared_chunks,
                                o_.chunk_size,   ctx_.head_dim, ctx_.backend->act_dtype()};
