@@ -741,6 +741,14 @@ TEST(ShadowKvPrefixGeometryTest, MetaCarriesLandmarksPerChunk) {
   const auto vst = ShadowKvPrefixGeometry::ParseMeta(one + " value_format=int4").status();
   EXPECT_EQ(vst.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(vst.message().find("value_format"), std::string::npos) << vst;
+  // A meta whose blobs would not fit any machine (or would wrap size_t) is
+  // refused before anything is allocated.
+  const auto huge = ShadowKvPrefixGeometry::ParseMeta(
+                        "shadowkv-prefix v2 tokens=8000000000 factored=8000000000 sparse=1 chunks=2000000000 "
+                        "outliers=0 tail=0 layers=4096 kv_heads=4096 head_dim=4096 rank=1000000 chunk_size=4 dtype=f32")
+                        .status();
+  EXPECT_EQ(huge.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(huge.message().find("1 TiB"), std::string::npos) << huge;
 }
 
 TEST(DocumentMemoryTierTest, EvictsLeastRecentlyUsedUnheldEntries) {

@@ -177,6 +177,20 @@ Status ShadowKvPrefixGeometry::Validate() const {
   auto bad = [](const std::string& what) { return Status::InvalidArgument("shadowkv prefix: " + what); };
   if (tokens < 1) return bad("tokens must be >= 1");
   if (factored < 1 || factored > tokens) return bad("factored must be in [1, tokens]");
+  if (layers < 1 || hkv < 1 || head_dim < 1 || rank < 1 || chunk_size < 1 || n_chunks < 0 || outliers < 0 || tail < 0) {
+    return bad("a dimension is not positive");
+  }
+  // Every blob's size fits in size_t with room (a meta read from disk names
+  // sizes that are then allocated and copied: none may wrap).
+  using U = unsigned __int128;
+  const U L = static_cast<U>(layers), H = static_cast<U>(hkv), d = static_cast<U>(head_dim), r = static_cast<U>(rank),
+          C = static_cast<U>(chunk_size), n = static_cast<U>(n_chunks), O = static_cast<U>(outliers),
+          T = static_cast<U>(tail), es = 4, S = static_cast<U>(landmarks_per_chunk < 1 ? 1 : landmarks_per_chunk);
+  constexpr U kMax = U{1} << 40;  // 1 TiB
+  for (const U bytes : {L * n * C * r * es, L * H * r * d * es, L * H * d * r * 4, L * H * n * (S * d + 16) * es,
+                        L * H * O * C * d * es, L * H * T * d * es, L * T * H * d * 4, L * H * n * C * (d + 4) * es}) {
+    if (bytes > kMax) return bad("its state would take more than 1 TiB");
+  }
   if (!sparse) {
     if (n_chunks != 0 || outliers != 0 || tail != tokens) return bad("a dense prefix is only its tail rows");
     return Status::OK();
