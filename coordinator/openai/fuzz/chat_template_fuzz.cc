@@ -11,13 +11,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
 
 #include "coordinator/openai/chat_template.h"
+#include "tests/fuzz_seeds.h"
 
 namespace {
 
@@ -44,10 +44,7 @@ const char* kSeeds[] = {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  if (const char* dir = std::getenv("PENUMBRA_FUZZ_SEEDS")) {
-    int n = 0;
-    for (const char* seed : kSeeds) std::ofstream(std::string(dir) + "/seed" + std::to_string(n++)) << seed;
-  }
+  penumbra::testing::WriteFuzzSeeds(kSeeds);
   return 0;
 }
 

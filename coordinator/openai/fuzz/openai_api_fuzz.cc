@@ -11,12 +11,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 #include <string_view>
 
 #include "coordinator/openai/batch_api.h"
 #include "coordinator/openai/openai_api.h"
+#include "tests/fuzz_seeds.h"
 
 namespace {
 
@@ -45,10 +45,7 @@ bool Typed(const penumbra::Status& s) {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  if (const char* dir = std::getenv("PENUMBRA_FUZZ_SEEDS")) {
-    int n = 0;
-    for (const char* seed : kSeeds) std::ofstream(std::string(dir) + "/seed" + std::to_string(n++)) << seed;
-  }
+  penumbra::testing::WriteFuzzSeeds(kSeeds);
   return 0;
 }
 

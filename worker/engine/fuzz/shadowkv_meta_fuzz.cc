@@ -8,9 +8,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 
+#include "tests/fuzz_seeds.h"
 #include "worker/engine/shadowkv_prefix.h"
 
 namespace {
@@ -31,10 +31,7 @@ const char* const kSeeds[] = {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  if (const char* dir = std::getenv("PENUMBRA_FUZZ_SEEDS")) {
-    int n = 0;
-    for (const char* seed : kSeeds) std::ofstream(std::string(dir) + "/seed" + std::to_string(n++)) << seed;
-  }
+  penumbra::testing::WriteFuzzSeeds(kSeeds);
   return 0;
 }
 
