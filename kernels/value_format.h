@@ -35,6 +35,14 @@ constexpr int64_t ValueRowBytesFp8(int chunk_tokens, int d) {
   return (raw + kValueRowAlign - 1) / kValueRowAlign * kValueRowAlign;
 }
 
+// Bytes of one value row (a KV head's chunk of chunk_tokens x d) as the
+// value store keeps it: an fp8 row, or elem_bytes per element (the model's
+// dtype).
+constexpr int64_t ValueRowBytes(bool fp8, int chunk_tokens, int d, size_t elem_bytes) {
+  return fp8 ? ValueRowBytesFp8(chunk_tokens, d)
+             : static_cast<int64_t>(chunk_tokens) * d * static_cast<int64_t>(elem_bytes);
+}
+
 // One token's scale from its d values (finite ones only).
 inline float ValueTokenScale(const float* x, int d) {
   float amax = 0.0f;

@@ -298,8 +298,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
           prev = t;
         }
         const ShadowKvOptions& o = e.options().shadowkv;
-        const double row = o.value_fp8() ? static_cast<double>(kernels::ValueRowBytesFp8(o.chunk_size, c.head_dim))
-                                         : static_cast<double>(o.chunk_size) * c.head_dim * DTypeSize(b0.act_dtype());
+        const double row = static_cast<double>(
+            kernels::ValueRowBytes(o.value_fp8(), o.chunk_size, c.head_dim, DTypeSize(b0.act_dtype())));
         const double bytes = static_cast<double>(sel - hit) * row;
         nlohmann::json t;
         t["fetches_per_step"] = static_cast<double>(all.size()) / steps;

@@ -283,6 +283,12 @@ class Backend {
   // The unit Allocate's device memory comes in (a buffer takes its bytes
   // rounded up to it): 1 where allocations are exact.
   virtual size_t AllocationGranularity() const { return 1; }
+  // What a buffer of `bytes` takes as Allocate gives it: a large one (half a
+  // granule or more) in whole granules; small ones share them.
+  size_t AllocatedBytes(size_t bytes) const {
+    const size_t g = AllocationGranularity();
+    return g > 1 && bytes >= g / 2 ? (bytes + g - 1) / g * g : bytes;
+  }
 
   // Fetch turns between lanes (worker/engine/fetch_turns.h).
   // PrepareFetchTurns creates the per-layer state (before any lane decodes);

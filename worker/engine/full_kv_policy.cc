@@ -385,9 +385,8 @@ class FullKvPolicy final : public KvPolicy {
   SequenceBytes EstimateSequenceBytes(const SequenceSpec& spec) const override {
     Seq s;
     s.capacity = spec.prompt_len + spec.max_new_tokens;
-    const size_t g = std::max<size_t>(ctx_.backend->AllocationGranularity(), 1);
     const size_t one = static_cast<size_t>(LayerStride(s)) * ctx_.num_layers * esize_;  // K, and V
-    return {2 * ((one + g - 1) / g * g), 0};
+    return {2 * ctx_.backend->AllocatedBytes(one), 0};
   }
 
   size_t DeviceBytes(int64_t seq) const override {

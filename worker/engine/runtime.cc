@@ -267,7 +267,7 @@ Status ValidateGenerationRequest(const GenerationRequest& q, const ModelConfig& 
   return Status::OK();
 }
 
-BatchCapacity Runtime::Capacity(int64_t prompt_tokens, int64_t max_new_tokens, int64_t held) {
+BatchCapacity Runtime::Capacity(int64_t prompt_tokens, int64_t max_new_tokens, int64_t held, int max_batch) {
   BatchCapacity c;
   c.context_tokens = prompt_tokens + max_new_tokens;
   c.held = held;
@@ -284,7 +284,7 @@ BatchCapacity Runtime::Capacity(int64_t prompt_tokens, int64_t max_new_tokens, i
   const size_t reclaimable = cache_ ? cache_->stats().tiers.promoted_bytes : 0;
   c.device_available_bytes =
       one_pool ? c.host_available_bytes : less_kept(backend_->FreeMemoryBytes() + reclaimable, kDeviceMemoryKeptFree);
-  const int64_t by_batch = std::max<int64_t>(0, options_.max_batch - held);
+  const int64_t by_batch = std::max<int64_t>(0, std::min(max_batch, options_.max_batch) - held);
   int64_t by_device = by_batch, by_host = by_batch;
   const SequenceBytes& b = c.per_sequence;
   if (one_pool) {

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -380,9 +381,11 @@ class Runtime {
   // beside the `held` the caller counts (the scheduler: admitted ones), by
   // the policy's estimate of a sequence's bytes against the memory free now
   // (device; host for a value store; one pool on the CPU backend, whose
-  // "device" memory is host memory), and at most max_batch() - held. The
+  // "device" memory is host memory), and at most max_batch - held
+  // (max_batch: the caller's batch limit, capped at max_batch()). The
   // runtime's thread, or any thread while it is idle.
-  BatchCapacity Capacity(int64_t prompt_tokens, int64_t max_new_tokens, int64_t held);
+  BatchCapacity Capacity(int64_t prompt_tokens, int64_t max_new_tokens, int64_t held,
+                         int max_batch = std::numeric_limits<int>::max());
   // The document cache's counters (DocumentCache::stats) are folded in at
   // each call.
   RunStats stats() const;

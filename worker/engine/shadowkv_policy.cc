@@ -121,12 +121,9 @@ class ShadowKvPolicy final : public KvPolicy {
                                      " chunks is more than " + std::to_string(kn::kTopKMaxK) + " (lower the budget)");
     }
     if (prefix) PENUMBRA_RETURN_IF_ERROR(prefix_io_.Fit(*prefix, s));
-    const int L = ctx_.num_layers, H = ctx_.hkv, d = ctx_.head_dim, C = o_.chunk_size;
+    const storage::SegmentLayout segment = lay_.ValueSegment(s);
     if (s.sparse) {
-      // The store holds the chunks this sequence makes; an attached prefix's
-      // are read in place from the prefix.
-      const int own_chunks = s.chunk_cap - s.shared_chunks;
-      const size_t host_need = static_cast<size_t>(L) * H * own_chunks * lay_.value_row_bytes();
+      const size_t host_need = segment.total_bytes();
       const size_t host_free = ctx_.backend->FreeHostBytes();
       if (host_free > 0 && host_need + kHostMemoryKeptFree > host_free) {
         return Status::ResourceExhausted("shadowkv: the value store needs " + std::to_string(host_need >> 20) +
@@ -137,14 +134,12 @@ class ShadowKvPolicy final : public KvPolicy {
     // The attention rows; sparse: A rows, landmarks, B, P, marks, slots, local pre-RoPE keys.
     PENUMBRA_RETURN_IF_ERROR(lay_.Allocate(&s));
     if (s.sparse) {
-      storage::SegmentLayout lay{L, H, s.chunk_cap - s.shared_chunks, C, d, ctx_.backend->act_dtype()};
-      if (o_.value_fp8()) lay.row_bytes = lay_.value_row_bytes();
       // Reserved now, each layer pinned when the prefill reaches it
       // (EnsureStoreLayer): a long prompt's 8 GB are not pinned all at once
       // while the running batch waits.
-      PENUMBRA_ASSIGN_OR_RETURN(s.segment, store_.ReserveSegment(lay));
-      s.store_dev.assign(static_cast<size_t>(L), nullptr);
-      s.store_host.assign(static_cast<size_t>(L), nullptr);
+      PENUMBRA_ASSIGN_OR_RETURN(s.segment, store_.ReserveSegment(segment));
+      s.store_dev.assign(static_cast<size_t>(segment.layers), nullptr);
+      s.store_host.assign(static_cast<size_t>(segment.layers), nullptr);
     }
     if (prefix) {
       Status st = prefix_io_.Attach(*prefix, s);

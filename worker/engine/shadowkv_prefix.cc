@@ -59,32 +59,38 @@ void ValuesFromChunkMajor(const ShadowKvPrefixGeometry& g, uint64_t offset, cons
   }
 }
 
-}  // namespace
-
-size_t ShadowKvPrefixGeometry::ValueRowBytes() const {
-  if (value_fp8) return static_cast<size_t>(kernels::ValueRowBytesFp8(chunk_size, head_dim));
-  return static_cast<size_t>(chunk_size) * head_dim * DTypeSize(dtype);
-}
-
-std::map<std::string, size_t> ShadowKvPrefixGeometry::BlobBytes() const {
-  const size_t es = DTypeSize(dtype), L = layers, H = hkv, d = head_dim, r = rank, C = chunk_size;
-  const size_t n = n_chunks, O = outliers, T = tail, D = H * d;
+// Each blob's bytes (Export's names) in U: size_t for BlobBytes, 128 bits
+// for Validate's bound (the fields' own ranges allow products that wrap
+// size_t).
+template <typename U>
+std::map<std::string, U> BlobSizes(const ShadowKvPrefixGeometry& g) {
+  const U es = DTypeSize(g.dtype), L = g.layers, H = g.hkv, d = g.head_dim, r = g.rank, C = g.chunk_size;
+  const U n = g.n_chunks, O = g.outliers, T = g.tail, D = H * d;
+  const U lm = static_cast<U>(
+      kernels::LandmarkChunkBytes(g.landmarks_per_chunk, g.head_dim, g.landmark_fp8, DTypeSize(g.dtype)));
   return {
       {"a", L * n * C * r * es},
-      {"b", sparse ? L * H * r * d * es : 0},
-      {"p", sparse ? L * D * r * sizeof(float) : 0},
-      {"lm",
-       L * H * n * static_cast<size_t>(kernels::LandmarkChunkBytes(landmarks_per_chunk, head_dim, landmark_fp8, es))},
+      {"b", g.sparse ? L * H * r * d * es : 0},
+      {"p", g.sparse ? L * D * r * sizeof(float) : 0},
+      {"lm", L * H * n * lm},
       {"excl", L * H * n},
       {"out_k", L * H * O * C * d * es},
       {"out_v", L * H * O * C * d * es},
       {"tail_k", L * H * T * d * es},
       {"tail_v", L * H * T * d * es},
-      {"tail_prek", sparse ? L * T * D * sizeof(float) : 0},
-      {"values", L * H * n * ValueRowBytes()},
+      {"tail_prek", g.sparse ? L * T * D * sizeof(float) : 0},
+      {"values", L * H * n * static_cast<U>(g.ValueRowBytes())},
       {"outlier_ids", L * H * O * sizeof(int32_t)},
   };
 }
+
+}  // namespace
+
+size_t ShadowKvPrefixGeometry::ValueRowBytes() const {
+  return static_cast<size_t>(kernels::ValueRowBytes(value_fp8, chunk_size, head_dim, DTypeSize(dtype)));
+}
+
+std::map<std::string, size_t> ShadowKvPrefixGeometry::BlobBytes() const { return BlobSizes<size_t>(*this); }
 
 std::string ShadowKvPrefixGeometry::Meta() const {
   std::ostringstream os;
@@ -180,16 +186,11 @@ Status ShadowKvPrefixGeometry::Validate() const {
   if (layers < 1 || hkv < 1 || head_dim < 1 || rank < 1 || chunk_size < 1 || n_chunks < 0 || outliers < 0 || tail < 0) {
     return bad("a dimension is not positive");
   }
-  // Every blob's size fits in size_t with room (a meta read from disk names
-  // sizes that are then allocated and copied: none may wrap).
-  using U = unsigned __int128;
-  const U L = static_cast<U>(layers), H = static_cast<U>(hkv), d = static_cast<U>(head_dim), r = static_cast<U>(rank),
-          C = static_cast<U>(chunk_size), n = static_cast<U>(n_chunks), O = static_cast<U>(outliers),
-          T = static_cast<U>(tail), es = 4, S = static_cast<U>(landmarks_per_chunk < 1 ? 1 : landmarks_per_chunk);
-  constexpr U kMax = U{1} << 40;  // 1 TiB
-  for (const U bytes : {L * n * C * r * es, L * H * r * d * es, L * H * d * r * 4, L * H * n * (S * d + 16) * es,
-                        L * H * O * C * d * es, L * H * T * d * es, L * T * H * d * 4, L * H * n * C * (d + 4) * es}) {
-    if (bytes > kMax) return bad("its state would take more than 1 TiB");
+  // A meta read from disk names sizes that are then allocated and copied:
+  // every blob under 1 TiB, none wrapping size_t.
+  using Wide = unsigned __int128;
+  for (const auto& [name, bytes] : BlobSizes<Wide>(*this)) {
+    if (bytes > (Wide{1} << 40)) return bad("its state would take more than 1 TiB (blob '" + name + "')");
   }
   if (!sparse) {
     if (n_chunks != 0 || outliers != 0 || tail != tokens) return bad("a dense prefix is only its tail rows");

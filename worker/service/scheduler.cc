@@ -438,13 +438,7 @@ BatchCapacity Scheduler::CapacityNow() {
   const int64_t tokens =
       o_.capacity_context_tokens > 0 ? o_.capacity_context_tokens : rt_->config().max_position_embeddings;
   // One new token: the length is the whole sequence's.
-  BatchCapacity c = rt_->Capacity(std::max<int64_t>(tokens - 1, 1), 1, held);
-  const int64_t by_batch = std::max<int64_t>(0, std::min(o_.max_batch, rt_->max_batch()) - held);
-  if (c.limit != "unknown" && by_batch < c.more) {
-    c.more = by_batch;
-    c.limit = "max_batch";
-  }
-  return c;
+  return rt_->Capacity(std::max<int64_t>(tokens - 1, 1), 1, held, o_.max_batch);
 }
 
 void Scheduler::Admit() {

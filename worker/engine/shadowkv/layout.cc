@@ -16,8 +16,8 @@ ShadowKvLayout::ShadowKvLayout(const PolicyContext& ctx, const ShadowKvOptions& 
       es_(DTypeSize(ctx.backend->act_dtype())),
       lm_rec_(kn::LandmarkChunkElems(options.landmarks_per_chunk, ctx.head_dim, options.landmark_fp8())),
       lm_rec_bytes_(kn::LandmarkChunkBytes(options.landmarks_per_chunk, ctx.head_dim, options.landmark_fp8(), es_)),
-      value_row_bytes_(options.value_fp8() ? static_cast<size_t>(kn::ValueRowBytesFp8(options.chunk_size, ctx.head_dim))
-                                           : static_cast<size_t>(options.chunk_size) * ctx.head_dim * es_) {}
+      value_row_bytes_(
+          static_cast<size_t>(kn::ValueRowBytes(options.value_fp8(), options.chunk_size, ctx.head_dim, es_))) {}
 
 void ShadowKvLayout::Shape(const SequenceSpec& spec, ShadowKvSeq* out) const {
   ShadowKvSeq& s = *out;
@@ -102,17 +102,16 @@ SequenceBytes ShadowKvLayout::Bytes(const SequenceSpec& spec) const {
   ShadowKvSeq s;
   Shape(spec, &s);
   SequenceBytes out;
-  // Each buffer as the backend allocates it: a large one in whole granules
-  // (the CUDA backend's 2 MiB pages); small ones share pages.
-  const size_t g = std::max<size_t>(ctx_.backend->AllocationGranularity(), 1);
-  for (const Sized& z : Sizes(s)) out.device += z.bytes >= g / 2 ? (z.bytes + g - 1) / g * g : z.bytes;
-  if (s.sparse) {
-    storage::SegmentLayout seg{ctx_.num_layers, ctx_.hkv,      s.chunk_cap - s.shared_chunks,
-                               o_.chunk_size,   ctx_.head_dim, ctx_.backend->act_dtype()};
-    seg.row_bytes = value_row_bytes_;
-    out.host = storage::DramValueStore::SegmentHostBytes(seg);
-  }
+  for (const Sized& z : Sizes(s)) out.device += ctx_.backend->AllocatedBytes(z.bytes);
+  if (s.sparse) out.host = storage::DramValueStore::SegmentHostBytes(ValueSegment(s));
   return out;
+}
+
+storage::SegmentLayout ShadowKvLayout::ValueSegment(const ShadowKvSeq& s) const {
+  storage::SegmentLayout seg{ctx_.num_layers, ctx_.hkv,      s.chunk_cap - s.shared_chunks,
+                             o_.chunk_size,   ctx_.head_dim, ctx_.backend->act_dtype()};
+  if (o_.value_fp8()) seg.row_bytes = value_row_bytes_;  // else the dtype's C*d elements
+  return seg;
 }
 
 Status ShadowKvUpload(Backend& backend, DeviceBuffer* dst, const void* src, size_t bytes) {

@@ -89,6 +89,9 @@ class ShadowKvLayout {
   // (device) and what its value-store segment would take (host):
   // KvPolicy::EstimateSequenceBytes.
   SequenceBytes Bytes(const SequenceSpec& spec) const;
+  // The value-store segment of a shaped sparse sequence: the chunks it makes
+  // (an attached prefix's are read in place), rows of value_row_bytes().
+  storage::SegmentLayout ValueSegment(const ShadowKvSeq& s) const;
 
   // Tokens the sequence holds (after its last prefill or decode step).
   int64_t Held(const ShadowKvSeq& s) const { return static_cast<int64_t>(s.n_chunks) * o_.chunk_size + s.local_count; }
