@@ -43,9 +43,10 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             the lines, with their "variant", also in $OUT/variants.jsonl
   sweep     ShadowKV context/batch sweep: 61440, 124928, 249856 with --batch-sweep and --hit-rates natural,0.6
   1m        ShadowKV at 1048576 tokens, batch 1, natural and forced 60%
-  trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain)
+  trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain);
+            TRACE_ARGS replaces its '--hit-rates 0.6' (e.g. '--hit-rates natural --value-format fp8 --batch 16')
   ttft      time to first token of a 64-token question about a 124928-token document, cold and cached in memory,
-            full and shadowkv (issue 17), after prefix_reuse_gpu_test
+            full and shadowkv (shadowkv cached with both continuations), after prefix_reuse_gpu_test
   ttft_disk the same cached only on disk (read back after the memory cache is cleared; shadowkv cold, then
             with sparse and dense continuations: values read lazily), beside the disk's raw direct-I/O
             bandwidth (dd); TTFT_DISK_FULL=0 skips the full policy
@@ -206,7 +207,7 @@ suite_1m() {
 }
 
 suite_trace() {
-  run 300 $R $SKV --context 124928 --steps 30 --hit-rates 0.6 --kernel-trace "$OUT/trace.jsonl"
+  run 300 $R $SKV --context 124928 --steps 30 ${TRACE_ARGS:---hit-rates 0.6} --kernel-trace "$OUT/trace.jsonl"
   python3 ops/trace_summary.py "$OUT/trace.jsonl" --steps 30 --chain > "$OUT/trace.txt" 2>&1
   grep -E 'fetch_to_next|link_busy|window' "$OUT/trace.txt"
   gzip -f "$OUT/trace.jsonl"
@@ -245,6 +246,7 @@ suite_ttft() {
     run 240 $R penumbra-bench ttft --kv-policy $p --context 124928 --question 64 --cache off
     run 240 $R penumbra-bench ttft --kv-policy $p --context 124928 --question 64 --cache hbm
   done
+  run 240 $R penumbra-bench ttft --kv-policy shadowkv --continuation sparse --context 124928 --question 64 --cache hbm
 }
 
 # 64 questions over one shared 124928-token document, decoded as one batch,
