@@ -47,9 +47,11 @@ std::vector<Mode> Modes() {
       {"DecodeSweep",
        "decode" + Ctx() + " --batch 4 --steps 6 --lanes 2 --batch-sweep 2,4 --hit-rates natural,0.6" + kShadowKv,
        {{"mode", "decode"}, {"batch", 4}, {"force_hit_rate", 0.6}}},
-      {"DecodeFp8Values", "decode" + Ctx() + " --batch 2 --steps 4 --value-format fp8" + kShadowKv,
+      {"DecodeFp8Values",
+       "decode" + Ctx() + " --batch 2 --steps 4 --value-format fp8" + kShadowKv,
        {{"mode", "decode"}, {"batch", 2}, {"value_format", "fp8"}}},
-      {"DecodeFull", "decode" + Ctx() + " --batch 2 --steps 4 --kv-policy full",
+      {"DecodeFull",
+       "decode" + Ctx() + " --batch 2 --steps 4 --kv-policy full",
        {{"mode", "decode"}, {"batch", 2}, {"kv_policy", "full"}}},
       {"Prefill", "prefill" + Ctx() + " --kv-policy full --prefill-chunk 1024", {{"mode", "prefill"}}},
       {"TtftFullOff", ttft + " --kv-policy full --cache off", {{"cached_prompt_tokens", 0}}},
@@ -57,14 +59,18 @@ std::vector<Mode> Modes() {
       {"TtftFullDisk", ttft + " --kv-policy full --cache disk --store-dir {dir}/store", cached},
       {"TtftShadowKvOff", ttft + " --cache off" + kShadowKv, {{"cached_prompt_tokens", 0}}},
       {"TtftShadowKvHbm", ttft + " --cache hbm" + kShadowKv, cached},
-      {"TtftShadowKvSparseHbm", ttft + " --cache hbm --continuation sparse" + kShadowKv,
+      {"TtftShadowKvSparseHbm",
+       ttft + " --cache hbm --continuation sparse" + kShadowKv,
        {{"cached_prompt_tokens", kContext}, {"continuation", "sparse"}}},
       {"TtftShadowKvDisk", ttft + " --cache disk --store-dir {dir}/store" + kShadowKv, cached},
-      {"TtftShadowKvFp8Disk", ttft + " --cache disk --store-dir {dir}/store --value-format fp8" + kShadowKv,
+      {"TtftShadowKvFp8Disk",
+       ttft + " --cache disk --store-dir {dir}/store --value-format fp8" + kShadowKv,
        {{"cached_prompt_tokens", kContext}, {"value_format", "fp8"}}},
-      {"SharedShadowKv", "shared" + Ctx() + " --batch 3 --question 16 --steps 4" + kShadowKv,
+      {"SharedShadowKv",
+       "shared" + Ctx() + " --batch 3 --question 16 --steps 4" + kShadowKv,
        {{"batch", 3}, {"shared_document", true}}},
-      {"SharedFull", "shared" + Ctx() + " --batch 3 --question 16 --steps 4 --kv-policy full",
+      {"SharedFull",
+       "shared" + Ctx() + " --batch 3 --question 16 --steps 4 --kv-policy full",
        {{"batch", 3}, {"shared_document", true}}},
   };
 }
@@ -124,22 +130,25 @@ TEST_P(BenchModesGpuTest, RunsAndMeasures) {
 INSTANTIATE_TEST_SUITE_P(EveryMode, BenchModesGpuTest, ::testing::ValuesIn(Modes()),
                          [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
 
-// --kernel-trace on CUDA: the trace file gets the timed steps' kernels.
+// --kernel-trace on CUDA: the trace file gets the timed steps' (decode) or
+// the timed question's (ttft) kernels, and the line names it.
 TEST(BenchModesGpu, KernelTraceWritesKernels) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const fs::path bench = fs::read_symlink("/proc/self/exe").parent_path() / "penumbra-bench";
   const fs::path trace = fs::path(::testing::TempDir()) / "bench_modes_trace.jsonl";
-  fs::remove(trace);
-  int status = 0;
-  const std::string out = RunCommand(
-      bench.string() + " decode" + Ctx() + " --batch 2 --steps 2" + kShadowKv + " --kernel-trace " + trace.string() +
-          kShape,
-      &status);
-  ASSERT_EQ(status, 0) << out;
-  std::ifstream in(trace);
-  int kernels = 0;
-  for (std::string line; std::getline(in, line);) kernels += line.find("\"kind\":\"kernel\"") != std::string::npos;
-  EXPECT_GT(kernels, 0) << "no kernel records in " << trace << "; the run said:\n" << out;
+  for (const std::string mode : {"decode --batch 2 --steps 2", "ttft --question 64 --cache hbm"}) {
+    SCOPED_TRACE(mode);
+    fs::remove(trace);
+    int status = 0;
+    const std::string out = RunCommand(
+        bench.string() + " " + mode + Ctx() + kShadowKv + " --kernel-trace " + trace.string() + kShape, &status);
+    ASSERT_EQ(status, 0) << out;
+    EXPECT_NE(out.find("\"kernel_trace\":\"" + trace.string() + "\""), std::string::npos) << out;
+    std::ifstream in(trace);
+    int kernels = 0;
+    for (std::string line; std::getline(in, line);) kernels += line.find("\"kind\":\"kernel\"") != std::string::npos;
+    EXPECT_GT(kernels, 0) << "no kernel records in " << trace << "; the run said:\n" << out;
+  }
   fs::remove(trace);
 }
 

@@ -14,6 +14,7 @@
 
 #include "common/args.h"
 #include "common/status.h"
+#include "worker/bench/kernel_trace.h"
 #include "worker/engine/engine.h"
 #include "worker/parallel/context_group.h"
 
@@ -34,6 +35,15 @@ struct Common {
 // state's shape and bytes (chunk size, landmarks and their format, the
 // values' format), into j: every mode's line names what it measured.
 void AddPolicy(const EngineOptions& o, nlohmann::json& j);
+
+// --kernel-trace PATH: empty when not given; refused without a path or off
+// the CUDA backend (InvalidArgument naming the flag).
+Result<std::string> KernelTracePath(const Args& a, const Backend& b);
+
+// Stops `trace` and writes its records to `path` (ops/trace_summary.py reads
+// it); names the file and the record count in j (a traced run is slower than
+// an untraced one).
+Status FinishKernelTrace(KernelTrace& trace, const std::string& path, nlohmann::json& j);
 
 // --profile: steps after the timed ones whose ops are timed one by one.
 inline constexpr int kProfileSteps = 5;

@@ -1,7 +1,9 @@
-// What the modes share: the policy's fields of a line, --profile's per-op timing.
+// What the modes share: the policy's fields of a line, --kernel-trace's file,
+// --profile's per-op timing.
 #include "worker/bench/bench.h"
 
 #include <string>
+#include <vector>
 
 #include "worker/engine/op_profiler.h"
 
@@ -14,6 +16,24 @@ void AddPolicy(const EngineOptions& o, nlohmann::json& j) {
   j["landmarks_per_chunk"] = o.shadowkv.landmarks_per_chunk;
   j["landmark_format"] = o.shadowkv.landmark_format;
   j["value_format"] = o.shadowkv.value_format;
+}
+
+Result<std::string> KernelTracePath(const Args& a, const Backend& b) {
+  if (!a.Has("kernel-trace")) return std::string();
+  const std::string path = a.Get("kernel-trace", "");
+  if (path.empty()) return Status::InvalidArgument("--kernel-trace needs a file path");
+  if (b.device() != Device::kCUDA) {
+    return Status::InvalidArgument("--kernel-trace traces the CUDA backend's kernels: use --device cuda");
+  }
+  return path;
+}
+
+Status FinishKernelTrace(KernelTrace& trace, const std::string& path, nlohmann::json& j) {
+  PENUMBRA_ASSIGN_OR_RETURN(std::vector<TraceRecord> recs, trace.Stop());
+  PENUMBRA_RETURN_IF_ERROR(KernelTrace::Write(recs, path));
+  j["kernel_trace"] = path;
+  j["kernel_trace_records"] = recs.size();
+  return Status::OK();
 }
 
 Status ProfileSteps(Backend& b, Runtime& rt, const std::function<Status()>& step, std::map<std::string, double>* ms) {

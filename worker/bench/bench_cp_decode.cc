@@ -59,10 +59,9 @@ Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collec
   };
   // --kernel-trace PATH: this rank's timed steps as a device timeline
   // (ops/trace_summary.py; a traced run is slower than an untraced one).
-  const std::string trace_path = a.Get("kernel-trace", "");
-  if (a.Has("kernel-trace") && trace_path.empty()) return Status::InvalidArgument("--kernel-trace needs a file path");
+  PENUMBRA_ASSIGN_OR_RETURN(const std::string trace_path, KernelTracePath(a, b));
   std::unique_ptr<KernelTrace> trace;
-  size_t trace_records = 0;
+  nlohmann::json trace_fields = nlohmann::json::object();
   auto run = [&]() -> Result<double> {
     PENUMBRA_RETURN_IF_ERROR(step());
     PENUMBRA_RETURN_IF_ERROR(step());
@@ -76,11 +75,7 @@ Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collec
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
     if (group) PENUMBRA_RETURN_IF_ERROR(group->Barrier());
     const double dt = NowSeconds() - t0;
-    if (trace) {
-      PENUMBRA_ASSIGN_OR_RETURN(std::vector<TraceRecord> recs, trace->Stop());
-      trace_records = recs.size();
-      PENUMBRA_RETURN_IF_ERROR(KernelTrace::Write(recs, trace_path));
-    }
+    if (trace) PENUMBRA_RETURN_IF_ERROR(FinishKernelTrace(*trace, trace_path, trace_fields));
     return dt;
   };
   Result<double> dt = run();
@@ -102,10 +97,7 @@ Status RunCpDecode(const Args& a, Engine& e, const Common& cm, int64_t S, Collec
   j["setup_s"] = setup_s;
   AddPolicy(e.options(), j);
   j["kv_device_bytes_rank0"] = dev;
-  if (trace) {
-    j["kernel_trace"] = trace_path;  // these steps ran traced: slower than untraced
-    j["kernel_trace_records"] = trace_records;
-  }
+  j.update(trace_fields);  // these steps ran traced: slower than untraced
   if (e.options().kv_policy == "shadowkv") {
     j["budget_tokens"] = e.options().shadowkv.budget_tokens;
     j["shard_selection"] = e.options().shadowkv.shard_selection;

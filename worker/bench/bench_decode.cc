@@ -128,12 +128,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   }
   // --kernel-trace PATH: the run's first measurement's timed steps as a
   // device timeline of every kernel and copy (ops/trace_summary.py reads it).
-  const std::string trace_path = a.Get("kernel-trace", "");
-  if (a.Has("kernel-trace") && trace_path.empty()) return Status::InvalidArgument("--kernel-trace needs a file path");
+  PENUMBRA_ASSIGN_OR_RETURN(const std::string trace_path, KernelTracePath(a, b0));
   if (!trace_path.empty() && profile) return Status::InvalidArgument("--kernel-trace and --profile do not mix");
-  if (!trace_path.empty() && b0.device() != Device::kCUDA) {
-    return Status::InvalidArgument("--kernel-trace traces the CUDA backend's kernels: use --device cuda");
-  }
   // Times the first `nb` sequences at forced hit rate `rate` (< 0: natural).
   auto measure = [&](int nb, double rate) -> Status {
     std::vector<std::vector<int64_t>> active(N);
@@ -223,12 +219,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     }
     if (!first.ok()) return N == 1 ? first : Status(first.code(), errors);
     PENUMBRA_RETURN_IF_ERROR(trace_status);
-    size_t trace_records = 0;
-    if (trace) {
-      PENUMBRA_ASSIGN_OR_RETURN(std::vector<TraceRecord> recs, trace->Stop());
-      trace_records = recs.size();
-      PENUMBRA_RETURN_IF_ERROR(KernelTrace::Write(recs, trace_path));
-    }
+    nlohmann::json trace_fields = nlohmann::json::object();
+    if (trace) PENUMBRA_RETURN_IF_ERROR(FinishKernelTrace(*trace, trace_path, trace_fields));
     double end = 0;
     for (const LaneRun& r : runs) end = std::max(end, r.end);
     const double dt = (end - t0) / steps;
@@ -320,10 +312,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     j["linear"] = e.options().backend.linear;
     j["chained_launch"] = e.options().backend.chained_launch;
     j["hbm_copy_gbps"] = copy_gbps;
-    if (traced) {
-      j["kernel_trace"] = trace_path;  // this measurement's steps ran traced: slower than untraced
-      j["kernel_trace_records"] = trace_records;
-    }
+    j.update(trace_fields);  // this measurement's steps ran traced: slower than untraced
     std::cout << j.dump() << std::endl;
     return Status::OK();
   };

@@ -38,6 +38,8 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
     *cached = res[0].cached_prompt_tokens;
     return (NowSeconds() - t0) * 1e3;
   };
+  // --kernel-trace PATH: the timed question's kernels and copies.
+  PENUMBRA_ASSIGN_OR_RETURN(const std::string trace_path, KernelTracePath(a, e.backend()));
   int64_t cached = 0;
   {  // warm-up: handles, kernels, allocator
     GenerationRequest w;
@@ -79,9 +81,15 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
     rt.prefix_cache()->Clear();
   }
   const RunStats before = rt.stats();
+  std::unique_ptr<KernelTrace> trace;
+  if (!trace_path.empty()) {
+    PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
+    PENUMBRA_ASSIGN_OR_RETURN(trace, KernelTrace::Start());
+  }
   const double t_request = NowSeconds();
   PENUMBRA_ASSIGN_OR_RETURN(double ms, timed(request(2), &cached));
   j["ttft_ms"] = ms;
+  if (trace) PENUMBRA_RETURN_IF_ERROR(FinishKernelTrace(*trace, trace_path, j));  // the question ran traced
   if (cache == "disk" && e.options().runtime.prefix_store_lazy_reads) {
     // Values read lazily: what the question read before its first token,
     // then the whole document's restore (from the request's start).
