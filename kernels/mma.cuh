@@ -142,4 +142,17 @@ __device__ __forceinline__ void MmaPermutedQK(float (&acc)[4], const uint32_t (&
   }
 }
 
+// The same with all 16 rows of the m16n8k16 tile used: query rows g (qa) and
+// g + 8 (qb), each loaded as LoadPermutedQ / LoadPermutedQForFp8K loads one;
+// acc[0..1] are row g's products with this lane's two keys, acc[2..3] row g + 8's.
+template <int D>
+__device__ __forceinline__ void MmaPermutedQK16(float (&acc)[4], const uint32_t (&qa)[D / 16][2],
+                                                const uint32_t (&qb)[D / 16][2], const uint4 (&k)[D / 32]) {
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) {
+    MmaBf16(acc, qa[2 * j][0], qb[2 * j][0], qa[2 * j][1], qb[2 * j][1], k[j].x, k[j].y);
+    MmaBf16(acc, qa[2 * j + 1][0], qb[2 * j + 1][0], qa[2 * j + 1][1], qb[2 * j + 1][1], k[j].z, k[j].w);
+  }
+}
+
 }  // namespace penumbra::kernels

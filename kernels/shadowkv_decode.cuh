@@ -1,6 +1,7 @@
 // The ShadowKV decode kernels' launchers (contracts, parallelization and
 // argument structs in shadowkv_decode_args.h; one .cu per stage:
 // shadowkv_score.cu (scores, top-k, global selection, MaxRows),
+// shadowkv_query_scores.cu (many queries over one sequence),
 // shadowkv_slot_update.cu, shadowkv_rebuild_k.cu, shadowkv_fetch_v.cu).
 #pragma once
 
@@ -20,6 +21,8 @@ namespace penumbra::kernels {
 void LaunchShadowkvScore(const ShadowkvScoreArgs& args, cudaStream_t stream,
                          const ShadowkvSlotUpdateArgs* then_update = nullptr);
 void LaunchMaxRows(const MaxRowsArgs& args, cudaStream_t stream);
+// false (nothing launched): a shape the tensor-core path does not cover.
+bool LaunchShadowkvQueryScores(const ShadowkvQueryScoresArgs& args, cudaStream_t stream);
 // then_update (optional): the slot update of this selection (its selection,
 // stride, batch * hkv = rows), run after it (in the same blocks on the GPU).
 void LaunchShadowkvGlobalSelect(const ShadowkvGlobalSelectArgs& args, cudaStream_t stream,

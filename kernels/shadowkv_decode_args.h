@@ -168,6 +168,33 @@ struct MaxRowsArgs {
   bool accumulate = false;
 };
 
+// ---- 1b. chunk scores of many queries over one sequence ----------------------
+// A sparse continuation's selection: every query row of a prefill piece
+// scored against the landmarks of the one sequence the piece continues, in a
+// pass that reads each landmark row once per 128 query heads (ShadowkvScore
+// with one batch entry per query row reads them once per row).
+//   best[c] = max over the query rows i, the query heads g and chunk c's
+//             landmark rows v of softmax_v'(q[i][g] . L[h(g)][v'] * scale)[v],
+// the softmax over the selectable landmark rows of g's KV head h(g) (as
+// ShadowkvScore's, whose per-row scores' maximum over rows and KV heads this
+// is). A chunk excluded for a head counts for no query head of it; a chunk
+// excluded for every head, and c in [n_chunks, max_chunks), get -inf.
+// `score` describes the sequence as a ShadowkvScore call with batch 1 would
+// (landmarks, shared_landmarks, excluded, n_chunks device arrays of one
+// entry; shape, landmark format, scale); its q is [rows][hq][d]. Its
+// scores, selection, successors and statistics fields are not used.
+// The tensor-core path: bf16 q, d 64 or 128, bf16 or fp8 landmarks;
+// LaunchShadowkvQueryScores returns false for other shapes (the caller scores
+// row by row with ShadowkvScore and takes MaxRows).
+struct ShadowkvQueryScoresArgs {
+  ShadowkvScoreArgs score;
+  int rows = 0;               // query rows (tokens) of q
+  float* best = nullptr;      // [score.max_chunks] f32
+  void* workspace = nullptr;  // ShadowkvQueryScoresWorkspaceBytes() bytes
+  size_t workspace_bytes = 0;
+};
+size_t ShadowkvQueryScoresWorkspaceBytes(int rows, int hq, int hkv, int max_chunks, int landmarks_per_chunk);
+
 // ---- 2b. global selection (context parallel) ---------------------------------
 // The shards of a sequence (one per rank of a group) each proposed their best
 // chunks per KV head: a ShadowkvScore selection (scores normalized over every

@@ -28,45 +28,6 @@ namespace {
 // ============================================================================
 // 1. Scores
 // ============================================================================
-// Landmark row v of head h of sequence b (chunk v / landmarks_per_chunk):
-// below the attached prefix's chunks from its landmarks (shared by its
-// sequences), else from the sequence's own. Chunk records as in
-// landmark_format.h (T = Fp8: e4m3 codes and a scale per record).
-template <typename T>
-struct LandmarkRows {
-  using E = typename LandmarkElem<T>::type;
-  static constexpr bool kFp8 = std::is_same_v<T, Fp8>;
-  const E* shared;
-  const E* own;
-  int shared_chunks, d, shift, per_chunk;
-  int64_t rec;  // elements per chunk record
-  // row_shift: log2(landmarks_per_chunk) (ScoreWorkspace::shift).
-  __device__ LandmarkRows(const ShadowkvScoreArgs& a, int b, int h, int row_shift)
-      : shared_chunks(a.shared_chunks),
-        d(a.d),
-        shift(row_shift),
-        per_chunk(a.landmarks_per_chunk),
-        rec(LandmarkChunkElems(a.landmarks_per_chunk, a.d, kFp8)) {
-    const int64_t cap = a.landmark_cap > 0 ? a.landmark_cap : a.chunk_cap;
-    own = static_cast<const E*>(a.landmarks[b]) + h * cap * rec;
-    shared = shared_chunks > 0 ? static_cast<const E*>(a.shared_landmarks[b]) + h * shared_chunks * rec : own;
-  }
-  __device__ const E* Record(int chunk) const {
-    return chunk < shared_chunks ? shared + chunk * rec : own + (chunk - shared_chunks) * rec;
-  }
-  __device__ const E* Row(int v) const { return Record(v >> shift) + static_cast<int64_t>(v & (per_chunk - 1)) * d; }
-  // What row v's products with its raw elements (Raw8::ToF32,
-  // E4M3PairToBf16) are multiplied by: 1, or the record's scale * 2^120.
-  __device__ float RowScale(int v) const {
-    if constexpr (kFp8) {
-      return __ldg(reinterpret_cast<const float*>(Record(v >> shift) + static_cast<int64_t>(per_chunk) * d)) *
-             kE4M3RawScale;
-    } else {
-      return 1.0f;
-    }
-  }
-};
-
 constexpr int kScoreThreads = 256;
 constexpr int kScoreSplit = 1024;  // chunks per phase-1 block of the SIMT kernel (its shared logits)
 // Chunks per block of the tensor-core kernel. 512 rather than 1024: in the

@@ -786,6 +786,151 @@ TEST(ShadowkvScoreGpu, TwoCallsMatchCpu) {
 }
 
 // ============================================================================
+// Many queries over one sequence (a sparse continuation's selection): the
+// tensor-core path against its definition, the CPU's per-row scores' maximum
+// ============================================================================
+
+struct QueryScoresCase {
+  int rows, hkv, group, d, n;  // n: max_chunks; the sequence has n - n/7 chunks
+  int per_chunk;
+  bool fp8;
+  int shared_chunks;  // chunks read from the "prefix's" landmarks
+};
+
+void RunQueryScores(const QueryScoresCase& c) {
+  SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " hkv " << c.hkv << " group " << c.group << " d " << c.d
+                                    << " n " << c.n << " landmarks per chunk " << c.per_chunk << " fp8 " << c.fp8
+                                    << " shared " << c.shared_chunks);
+  Rng rng(991 + c.rows + c.n + c.d + c.group + c.per_chunk);
+  const int hq = c.hkv * c.group, cap = c.n + 3, own_cap = cap - c.shared_chunks, max_chunks = c.n;
+  const int n_chunks = std::max(1, c.n - c.n / 7);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  HostTensor q = MakeTensor(static_cast<size_t>(c.rows) * hq * c.d, DType::kBF16, rng, 2.0f);
+  // Chunk records of every head, then split into the prefix's [hkv][shared]
+  // and the sequence's own [hkv][own_cap].
+  const int64_t rec = LandmarkChunkElems(c.per_chunk, c.d, c.fp8);
+  const size_t rec_bytes = static_cast<size_t>(rec) * (c.fp8 ? 1 : sizeof(float));
+  HostTensor land = MakeTensor(static_cast<size_t>(c.hkv) * cap * c.per_chunk * c.d, DType::kBF16, rng, 2.0f);
+  std::vector<uint8_t> all(static_cast<size_t>(c.hkv) * cap * rec_bytes);  // f32 or fp8 records
+  for (int i = 0; i < c.hkv * cap; ++i) {
+    const float* src = land.f32.data() + static_cast<size_t>(i) * c.per_chunk * c.d;
+    if (c.fp8)
+      EncodeLandmarkFp8(src, static_cast<int64_t>(c.per_chunk) * c.d, all.data() + i * rec_bytes);
+    else
+      std::memcpy(all.data() + i * rec_bytes, src, rec_bytes);
+  }
+  std::vector<uint8_t> shared(static_cast<size_t>(c.hkv) * std::max(c.shared_chunks, 1) * rec_bytes);
+  std::vector<uint8_t> own(static_cast<size_t>(c.hkv) * own_cap * rec_bytes);
+  for (int h = 0; h < c.hkv; ++h)
+    for (int ch = 0; ch < cap; ++ch) {
+      const uint8_t* src = all.data() + (static_cast<size_t>(h) * cap + ch) * rec_bytes;
+      uint8_t* dst = ch < c.shared_chunks
+                         ? shared.data() + (static_cast<size_t>(h) * c.shared_chunks + ch) * rec_bytes
+                         : own.data() + (static_cast<size_t>(h) * own_cap + ch - c.shared_chunks) * rec_bytes;
+      std::memcpy(dst, src, rec_bytes);
+    }
+  std::vector<uint8_t> excl(static_cast<size_t>(c.hkv) * cap, 0);
+  for (auto& e : excl) e = rng.Int(7) == 0;
+  for (int h = 0; h < c.hkv; ++h) excl[static_cast<size_t>(h) * cap] = 1;  // chunk 0: excluded for every head
+
+  // The definition on the CPU: every row's ShadowkvScore, the maximum over
+  // rows and KV heads.
+  std::vector<float> scores(static_cast<size_t>(c.rows) * c.hkv * max_chunks);
+  const auto as_f32 = [](const std::vector<uint8_t>& v) { return reinterpret_cast<const float*>(v.data()); };
+  std::vector<const float*> lp(c.rows, as_f32(own)), sp(c.rows, as_f32(shared));
+  std::vector<const uint8_t*> lp8(c.rows, own.data()), sp8(c.rows, shared.data()), ep(c.rows, excl.data());
+  std::vector<int32_t> counts(c.rows, n_chunks);
+  cpu::ShadowkvScoreArgs ca;
+  ca.q = q.f32.data();
+  if (c.fp8) {
+    ca.landmarks_fp8 = lp8.data();
+    ca.shared_landmarks_fp8 = sp8.data();
+  } else {
+    ca.landmarks = lp.data();
+    ca.shared_landmarks = sp.data();
+  }
+  ca.excluded = ep.data();
+  ca.n_chunks = counts.data();
+  ca.batch = c.rows;
+  ca.hq = hq;
+  ca.hkv = c.hkv;
+  ca.d = c.d;
+  ca.chunk_cap = cap;
+  ca.max_chunks = max_chunks;
+  ca.shared_chunks = c.shared_chunks;
+  ca.landmark_cap = own_cap;
+  ca.scale = scale;
+  ca.landmarks_per_chunk = c.per_chunk;
+  ca.scores = scores.data();
+  ca.score_stride = max_chunks;
+  cpu::ShadowkvScore(ca);
+  std::vector<float> want(max_chunks);
+  cpu::MaxRows(scores.data(), c.rows * c.hkv, max_chunks, max_chunks, want.data(), false);
+
+  // The device's landmarks: bf16 records, or the fp8 ones as they are.
+  auto to_device_records = [&](const std::vector<uint8_t>& recs) {
+    if (c.fp8) return ToDevice(recs);
+    std::vector<uint8_t> raw(recs.size() / sizeof(float) * 2);
+    ConvertFromF32(as_f32(recs), raw.data(), DType::kBF16, recs.size() / sizeof(float));
+    return ToDevice(raw);
+  };
+  auto dshared = to_device_records(shared), down = to_device_records(own);
+  auto dexcl = ToDevice(excl);
+  auto dq = ToDevice(q.raw);
+  auto tab_l = ToDevice(std::vector<const void*>{down->get()});
+  auto tab_s = ToDevice(std::vector<const void*>{dshared->get()});
+  auto tab_e = ToDevice(std::vector<const uint8_t*>{dexcl->get<uint8_t>()});
+  auto dn = ToDevice(std::vector<int32_t>{n_chunks});
+  auto dbest = ToDevice(std::vector<float>(max_chunks, kNaN));
+  DeviceBuffer ws(ShadowkvQueryScoresWorkspaceBytes(c.rows, hq, c.hkv, max_chunks, c.per_chunk));
+  ShadowkvQueryScoresArgs a;
+  ShadowkvScoreArgs& g = a.score;
+  g.q = dq->get();
+  g.q_dtype = DType::kBF16;
+  g.landmarks = tab_l->get<const void* const>();
+  g.shared_landmarks = tab_s->get<const void* const>();
+  g.excluded = tab_e->get<const uint8_t* const>();
+  g.dtype = DType::kBF16;
+  g.landmark_fp8 = c.fp8;
+  g.n_chunks = dn->get<int32_t>();
+  g.batch = 1;
+  g.hq = hq;
+  g.hkv = c.hkv;
+  g.d = c.d;
+  g.chunk_cap = cap;
+  g.landmark_cap = own_cap;
+  g.shared_chunks = c.shared_chunks;
+  g.max_chunks = max_chunks;
+  g.scale = scale;
+  g.landmarks_per_chunk = c.per_chunk;
+  a.rows = c.rows;
+  a.best = dbest->get<float>();
+  a.workspace = ws.get();
+  a.workspace_bytes = ws.bytes();
+  ASSERT_TRUE(LaunchShadowkvQueryScores(a, nullptr));
+  SKV_CUDA(cudaDeviceSynchronize());
+  const auto got = dbest->Download<float>(max_chunks);
+  EXPECT_TRUE(CloseOrPoison(got, want, 1e-30f, 1e-4f));
+  EXPECT_EQ(got[0], -std::numeric_limits<float>::infinity());  // excluded for every head
+  for (int ch = n_chunks; ch < max_chunks; ++ch) ASSERT_EQ(got[ch], -std::numeric_limits<float>::infinity()) << ch;
+}
+
+TEST(ShadowkvQueryScoresGpu, MatchesRowByRowCpu) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (bool fp8 : {false, true})
+    for (int per_chunk : {1, 4})
+      for (int d : {64, 128}) {
+        RunQueryScores({64, 2, 4, d, 5000, per_chunk, fp8, 0});
+        RunQueryScores({5, 2, 4, d, 129, per_chunk, fp8, 40});
+      }
+  RunQueryScores({1, 1, 1, 128, 7, 1, true, 0});
+  RunQueryScores({37, 3, 3, 128, 700, 2, true, 100});      // a group of 3, rows not a multiple of 16
+  RunQueryScores({40, 2, 8, 128, 3000, 4, true, 0});       // 320 query-head rows: three row blocks
+  RunQueryScores({600, 2, 4, 128, 2000, 4, true, 500});    // two passes (the second accumulates)
+  RunQueryScores({64, 8, 4, 128, 15616, 4, true, 15000});  // the Llama-3.1-8B shape, a question
+}
+
+// ============================================================================
 // Slot update: a run of steps, CPU and GPU maps and miss lists compared exactly
 // ============================================================================
 

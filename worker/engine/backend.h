@@ -9,6 +9,7 @@
 // do, and a violated contract is a bug (CHECK), not a Status.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -240,6 +241,10 @@ class Backend {
   virtual Status ShadowkvScore(kernels::ShadowkvScoreArgs args) = 0;
   virtual void TopK(const kernels::TopKArgs& args) = 0;
   virtual void MaxRows(const kernels::MaxRowsArgs& args) = 0;
+  // A sparse continuation's chunk scores (kernels::ShadowkvQueryScoresArgs):
+  // the `score.batch` entries of its landmark tables all name the one
+  // sequence (the row-by-row path scores that many query rows per call).
+  virtual Status ShadowkvQueryScores(kernels::ShadowkvQueryScoresArgs args) = 0;
   virtual void ShadowkvSlotUpdate(const kernels::ShadowkvSlotUpdateArgs& args) = 0;
   // Scores with their selection, then the selection's slot update (`update`
   // reads score.selection). The CUDA backend runs the update in the
@@ -317,6 +322,41 @@ class Backend {
   };
   virtual void SetFetchTimeline(bool on) { (void)on; }
   virtual Result<std::vector<Interval>> FetchIntervals() { return std::vector<Interval>{}; }
+
+ protected:
+  // ShadowkvQueryScores row by row: ShadowkvScore over score.batch query
+  // rows at a time into `scratch` (this backend's memory, [batch][hkv]
+  // [max_chunks] f32), the maximum over rows and KV heads into args.best.
+  Status QueryScoresRowByRow(kernels::ShadowkvQueryScoresArgs a, float* scratch) {
+    kernels::ShadowkvScoreArgs sc = a.score;
+    const int per = std::max(sc.batch, 1), H = sc.hkv, n = sc.max_chunks;
+    sc.scores = scratch;
+    sc.score_stride = n;
+    sc.select_k = 0;
+    sc.selection = nullptr;
+    sc.selection_scores = nullptr;
+    sc.successors = 0;
+    sc.stats_out = nullptr;
+    sc.stats_in = nullptr;
+    const size_t q_row = static_cast<size_t>(sc.hq) * sc.d * DTypeSize(act_dtype());
+    for (int r0 = 0; r0 < std::max(a.rows, 1); r0 += per) {
+      const int nr = std::max(0, std::min(per, a.rows - r0));
+      if (nr > 0) {
+        sc.batch = nr;
+        sc.q = static_cast<const char*>(a.score.q) + static_cast<size_t>(r0) * q_row;
+        PENUMBRA_RETURN_IF_ERROR(ShadowkvScore(sc));
+      }
+      kernels::MaxRowsArgs mr;  // over the rows and the heads: scores are [row][head][chunk]
+      mr.in = scratch;
+      mr.rows = nr * H;
+      mr.row_stride = n;
+      mr.cols = n;
+      mr.out = a.best;
+      mr.accumulate = r0 > 0;
+      MaxRows(mr);
+    }
+    return Status::OK();
+  }
 };
 
 struct BackendOptions {

@@ -337,6 +337,12 @@ class CpuBackend final : public Backend {
   void MaxRows(const kernels::MaxRowsArgs& a) override {
     kc::MaxRows(a.in, a.rows, a.row_stride, a.cols, a.out, a.accumulate);
   }
+  // The reference: the definition, row by row.
+  Status ShadowkvQueryScores(kernels::ShadowkvQueryScoresArgs a) override {
+    const kernels::ShadowkvScoreArgs& s = a.score;
+    query_scratch_.resize(static_cast<size_t>(std::max(s.batch, 1)) * s.hkv * std::max(s.max_chunks, 1));
+    return QueryScoresRowByRow(a, query_scratch_.data());
+  }
   void ShadowkvSlotUpdate(const kernels::ShadowkvSlotUpdateArgs& a) override {
     kc::ShadowkvSlotUpdateArgs c;
     c.selection = a.selection;
@@ -411,6 +417,7 @@ class CpuBackend final : public Backend {
 
  private:
   int threads_;
+  std::vector<float> query_scratch_;  // ShadowkvQueryScores' per-row scores
 };
 
 }  // namespace

@@ -417,6 +417,20 @@ class CudaBackend final : public Backend {
   }
   void TopK(const kn::TopKArgs& a) override { kn::LaunchTopK(a, stream_); }
   void MaxRows(const kn::MaxRowsArgs& a) override { kn::LaunchMaxRows(a, stream_); }
+  Status ShadowkvQueryScores(kn::ShadowkvQueryScoresArgs a) override {
+    a.score.q_dtype = act_;
+    a.score.dtype = act_;
+    const kn::ShadowkvScoreArgs& s = a.score;
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(
+        &query_ws_, kn::ShadowkvQueryScoresWorkspaceBytes(a.rows, s.hq, s.hkv, s.max_chunks, s.landmarks_per_chunk)));
+    a.workspace = query_ws_.get();
+    a.workspace_bytes = query_ws_.bytes();
+    if (kn::LaunchShadowkvQueryScores(a, stream_)) return Status::OK();
+    // A shape the tensor-core path does not cover (f32, other head sizes).
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(
+        &query_ws_, sizeof(float) * static_cast<size_t>(std::max(s.batch, 1)) * s.hkv * std::max(s.max_chunks, 1)));
+    return QueryScoresRowByRow(a, query_ws_.as<float>());
+  }
   void ShadowkvSlotUpdate(const kn::ShadowkvSlotUpdateArgs& a) override { kn::LaunchShadowkvSlotUpdate(a, stream_); }
   void ShadowkvRebuildK(kn::ShadowkvRebuildKArgs a) override {
     a.dtype = act_;
@@ -530,6 +544,7 @@ class CudaBackend final : public Backend {
   static constexpr int kMaxScoreParts = 1 << 16;
   DeviceBuffer lowrank_ws_;
   std::vector<DeviceBuffer> score_ws_;  // per workspace_part
+  DeviceBuffer query_ws_;               // ShadowkvQueryScores (either path)
   cusolverDnHandle_t solver_ = nullptr;
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ev_ = nullptr, join_ev_ = nullptr;

@@ -464,7 +464,10 @@ class ShadowKvPolicy final : public KvPolicy {
   Status SelectForContinuation(Seq& s, int layer, const void* q, int rows) {
     Backend& b = *ctx_.backend;
     const int H = ctx_.hkv, d = ctx_.head_dim, n = s.n_chunks, k = s.cont_k;
-    constexpr int kRowsPerScore = 64;  // rows scored per launch (bounds the scores' scratch)
+    // The landmark tables name the sequence this many times: the backend's
+    // row-by-row path (shapes its kernels do not cover) scores that many rows
+    // per call.
+    constexpr int kRowsPerScore = 64;
     const int rb = std::min(rows, kRowsPerScore);
     std::vector<const void*> t(3 * static_cast<size_t>(rb));
     for (int i = 0; i < rb; ++i) {
@@ -483,42 +486,32 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_ASSIGN_OR_RETURN(*buf, b.Allocate(bytes));
       return Status::OK();
     };
-    const size_t per_row = static_cast<size_t>(H) * n;
-    PENUMBRA_RETURN_IF_ERROR(grow(&cont_scores_, per_row * rb * sizeof(float)));
     PENUMBRA_RETURN_IF_ERROR(grow(&cont_max_, static_cast<size_t>(n) * sizeof(float)));
     PENUMBRA_RETURN_IF_ERROR(grow(&cont_sel_, static_cast<size_t>(H) * k * sizeof(int32_t)));
     auto* tab = static_cast<void* const*>(cont_tab_.get());
-    for (int r0 = 0; r0 < rows; r0 += rb) {
-      const int nr = std::min(rb, rows - r0);
-      kn::ShadowkvScoreArgs sc;
-      sc.q = static_cast<const char*>(q) + static_cast<size_t>(r0) * ctx_.hq * d * es_;
-      sc.landmarks = reinterpret_cast<const void* const*>(tab);
-      sc.excluded = reinterpret_cast<const uint8_t* const*>(tab + rb);
-      sc.shared_landmarks = reinterpret_cast<const void* const*>(tab + 2 * rb);
-      sc.n_chunks = reinterpret_cast<const int32_t*>(tab + 3 * rb);
-      sc.batch = nr;
-      sc.hq = ctx_.hq;
-      sc.hkv = H;
-      sc.d = d;
-      sc.chunk_cap = s.chunk_cap;
-      sc.landmark_cap = s.lm_cap;
-      sc.landmarks_per_chunk = o_.landmarks_per_chunk;
-      sc.landmark_fp8 = o_.landmark_fp8();
-      sc.shared_chunks = s.shared_chunks;
-      sc.max_chunks = n;
-      sc.scale = ctx_.scale;
-      sc.scores = cont_scores_.as<float>();
-      sc.score_stride = n;
-      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
-      kn::MaxRowsArgs mr;  // over the rows and the heads: scores are [row][head][chunk]
-      mr.in = cont_scores_.as<float>();
-      mr.rows = nr * H;
-      mr.row_stride = n;
-      mr.cols = n;
-      mr.out = cont_max_.as<float>();
-      mr.accumulate = r0 > 0;
-      b.MaxRows(mr);
-    }
+    // Every query row of the piece over the sequence's landmarks: per chunk
+    // the highest softmax probability any row and head gives it.
+    kn::ShadowkvQueryScoresArgs qs;
+    kn::ShadowkvScoreArgs& sc = qs.score;
+    sc.q = q;
+    sc.landmarks = reinterpret_cast<const void* const*>(tab);
+    sc.excluded = reinterpret_cast<const uint8_t* const*>(tab + rb);
+    sc.shared_landmarks = reinterpret_cast<const void* const*>(tab + 2 * rb);
+    sc.n_chunks = reinterpret_cast<const int32_t*>(tab + 3 * rb);
+    sc.batch = rb;
+    sc.hq = ctx_.hq;
+    sc.hkv = H;
+    sc.d = d;
+    sc.chunk_cap = s.chunk_cap;
+    sc.landmark_cap = s.lm_cap;
+    sc.landmarks_per_chunk = o_.landmarks_per_chunk;
+    sc.landmark_fp8 = o_.landmark_fp8();
+    sc.shared_chunks = s.shared_chunks;
+    sc.max_chunks = n;
+    sc.scale = ctx_.scale;
+    qs.rows = rows;
+    qs.best = cont_max_.as<float>();
+    PENUMBRA_RETURN_IF_ERROR(b.ShadowkvQueryScores(qs));
     std::vector<float> score(static_cast<size_t>(n));
     PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(score.data(), cont_max_.get(), score.size() * sizeof(float)));
     // The k + O best (ties: the lower chunk), then per head the first k of
@@ -1232,7 +1225,7 @@ class ShadowKvPolicy final : public KvPolicy {
   DeviceBuffer iota_lists_, rebuild_ptrs_;  // continuation rebuilds: IotaLists(iota_k_); pointer table
   int iota_k_ = -1;
   // sparse continuations: score tables, scores, their maximum per chunk, the selection
-  DeviceBuffer cont_tab_, cont_scores_, cont_max_, cont_sel_;
+  DeviceBuffer cont_tab_, cont_max_, cont_sel_;
   std::vector<int32_t> cont_sel_host_;
   DeviceBuffer stage_, stage_v_;
   // The decode step under way: its sequences, tables, selection arguments
