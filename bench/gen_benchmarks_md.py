@@ -93,9 +93,11 @@ CAPABILITIES = [
          reproduce="bash ops/device/bench.sh shared"),
     dict(id="ttft", title="Time to first token: cold and cached in memory",
          what="Time to first token of a 64-token question about a 124928-token document, cold (`--cache off`) "
-              "and with the document cached in memory (`--cache hbm`), beside the peer's prefill.",
+              "and with the document cached in memory (`--cache hbm`; ShadowKV with the dense and the sparse "
+              "continuation, `ttft_tier0_ms` once the document's values are in tier 0), beside the peer's prefill.",
          rows=lambda r: r.get("mode") in ("ttft", "prefill"),
-         cols=["kv_policy", "cache", "context", "question", "cached_prompt_tokens", "ttft_ms", "seconds"],
+         cols=["kv_policy", "cache", "continuation", "context", "question", "cached_prompt_tokens", "ttft_ms",
+               "ttft_tier0_ms", "seconds"],
          reproduce="bash ops/device/bench.sh ttft"),
     dict(id="ttft-disk", title="TTFT from disk",
          what="Time to first token with the document cached only on disk (read back after the memory cache "
@@ -231,6 +233,16 @@ CAPABILITIES = [
                "right_only_a", "right_only_b"],
          reproduce="CONFIGS='shadowkv|shadowkv --value-format fp8' TASKS='--lengths 16384 --num 25 --seed 5151' "
                    "bash ops/evalmodel/ablation.sh  # and --lengths 32768"),
+    dict(id="continuation-accuracy", title="Continuations: accuracy on the GPU",
+         what="Held-out accuracy (task sets from a seed and the KJV haystack, 25 records per task) of a question "
+              "continuing a factored document (`penumbra eval --segmented`): ShadowKV's dense continuation or full "
+              "attention (a) against the sparse continuation (b), paired by ops/evalmodel/compare_predictions.py.",
+         rows=lambda r: True,
+         cols=["comparison", "length", "n", "accuracy_a", "accuracy_b", "gap_points", "se_points", "right_only_a",
+               "right_only_b"],
+         reproduce="CONFIGS='full --segmented|shadowkv --segmented --continuation dense|shadowkv --segmented "
+                   "--continuation sparse' TASKS='--lengths 16384 --num 25 --seed 5151' bash ops/evalmodel/ablation.sh"
+                   "  # and --lengths 32768"),
     dict(id="skinny-linear", title="Skinny linear kernel",
          what="The few-row linear kernel against cuBLAS at the model's projection shapes.",
          rows=lambda r: r.get("bench") == "skinny_linear",

@@ -73,8 +73,8 @@ __device__ __forceinline__ const bf16* QueryRow(const ShadowkvQueryScoresArgs& a
 }
 
 template <int D, bool F8>
-__global__ void __launch_bounds__(kQsWarps * 32) QueryScoresKernel(ShadowkvQueryScoresArgs a, QsWorkspace ws,
-                                                                   int shift, bool second) {
+__global__ void __launch_bounds__(kQsWarps * 32)
+    QueryScoresKernel(ShadowkvQueryScoresArgs a, QsWorkspace ws, int shift, bool second) {
   constexpr int kJ = D / 32;
   __shared__ float2 s_part[kQsWarps][kQsRowBlock];
   __shared__ float s_col[kQsTile];

@@ -125,7 +125,7 @@ class EvalRunner {
   // Segmented prompts (--segmented): the context is prefilled first and the
   // first question continues it, as a question about a cached document is
   // served (for shadowkv: the context factored, the question a continuation,
-  // shadowkv.continuation dense or sparse).
+  // shadowkv.continuation auto, dense or sparse).
   void SetSegmented(bool on) { segmented_ = on; }
 
  private:

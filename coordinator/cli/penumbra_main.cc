@@ -259,6 +259,7 @@ Status Eval(int argc, char** argv) {
     j["segmented"] = a.Has("segmented");
     j["continuation"] = opt(so.continuation);
     j["continuation_budget_tokens"] = opt(so.continuation_budget_tokens);
+    j["continuation_auto_max_tokens"] = opt(so.continuation_auto_max_tokens);
     j["hit_rate"] = sparse && ps_stats.selected_chunks > 0 ? nlohmann::ordered_json(ps_stats.hit_rate())
                                                            : nlohmann::ordered_json(nullptr);
     j["selected_chunks"] = ps_stats.selected_chunks;

@@ -604,6 +604,33 @@ TEST_F(PrefixReuseTest, ASparseContinuationAttendsToTheChunksTheQuestionSelects)
   EXPECT_FALSE(testing::AllClose(logits[0], logits[1], 1e-3f, 1e-3f));
 }
 
+// continuation: auto (the default) is sparse for a continuation of at most
+// continuation_auto_max_tokens tokens and dense for a longer one: the same
+// logits, bit for bit, as the mode it picks.
+TEST_F(PrefixReuseTest, AnAutoContinuationIsSparseForAQuestionAndDenseBeyondItsLimit) {
+  const GenerationRequest r = Request(kDoc, kQ1, true);
+  const int64_t question = static_cast<int64_t>(r.prompt.size()) - 151;
+  auto logits = [&](const std::string& mode, int64_t auto_max) {
+    EngineOptions o = testing::LossyShadowKvOptions();
+    o.shadowkv.continuation = mode;
+    o.shadowkv.continuation_auto_max_tokens = auto_max;
+    auto e = Engine::Open(testing::StoriesDir(), o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    std::vector<float> got;
+    if (!e.ok()) return got;
+    Runtime& rt = (*e)->runtime();
+    AddFactoredDocument(rt, 0, r);
+    EXPECT_TRUE(rt.Prefill(0, r.prompt, &got, 151).ok());
+    return got;
+  };
+  EXPECT_EQ(ShadowKvOptions{}.continuation, "auto");
+  const std::vector<float> dense = logits("dense", 0), sparse = logits("sparse", 0);
+  ASSERT_FALSE(testing::AllClose(dense, sparse, 1e-3f, 1e-3f));  // the two modes differ here
+  EXPECT_EQ(logits("auto", question), sparse);
+  EXPECT_EQ(logits("auto", 1024), sparse);
+  EXPECT_EQ(logits("auto", question - 1), dense);
+}
+
 TEST_F(PrefixReuseTest, BadSegmentEndsAreRefused) {
   auto e = OpenEngine(64 << 20);
   ASSERT_NE(e, nullptr);

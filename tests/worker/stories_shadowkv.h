@@ -50,6 +50,8 @@ inline EngineOptions LossyShadowKvOptions() {
   // Two landmarks per chunk of 4 (runs of 2 keys): the several-landmark path
   // of the default (4, which at chunks of 4 would make each landmark one key).
   o.shadowkv.landmarks_per_chunk = 2;
+  // The dense continuation (exact at full rank): tests of the sparse one say so.
+  o.shadowkv.continuation = "dense";
   return o;
 }
 

@@ -42,10 +42,13 @@ const OptionTable<ShadowKvOptions>& ShadowKvOptionTable() {
                 "pipeline each decode batch as this many micro-batches")
            .Bool(&O::fetch_turns, "", "fetch_turns", "lanes take turns on the host link for their value fetches")
            .Int(&O::fetch_blocks, "fetch-blocks", "fetch_blocks", 1, 1024, "thread blocks of the zero-copy value fetch")
-           .Enum(&O::continuation, "continuation", "continuation", {"dense", "sparse"},
-                 "how a prefill after a factored prompt attends to it")
+           .Enum(&O::continuation, "continuation", "continuation", {"auto", "dense", "sparse"},
+                 "how a prefill after a factored prompt attends to it (auto: sparse up to "
+                 "continuation_auto_max_tokens, dense beyond)")
            .Int(&O::continuation_budget_tokens, "continuation-budget", "continuation_budget_tokens", int64_t{0},
                 int64_t{1} << 32, "tokens a sparse continuation selects per KV head (0: the budget)")
+           .Int(&O::continuation_auto_max_tokens, "continuation-auto-max", "continuation_auto_max_tokens", int64_t{0},
+                int64_t{1} << 31, "auto: the longest continuation (tokens) that is sparse")
            .Enum(&O::shard_selection, "shard-selection", "shard_selection", {"global", "local"},
                  "context parallel: one top-k over every shard, or each shard its share")
            .Int(&O::successor_chunks, "successor-chunks", "successor_chunks", 0, 64,

@@ -50,11 +50,17 @@ struct ShadowKvOptions {
   // over the first prefill piece's rows), plus the outliers and the local
   // rows. Sparse reads only the selected values: a document restored from
   // disk answers before its values are read back (docs/architecture.md,
-  // "Prefix reuse"). Default: dense.
-  std::string continuation = "dense";
+  // "Prefix reuse"). "auto": sparse for a continuation of at most
+  // continuation_auto_max_tokens tokens (a question, a turn: there its
+  // accuracy was measured equal to dense's), dense for a longer one (a
+  // later document). Default: auto.
+  std::string continuation = "auto";
   // Chunks a sparse continuation selects per KV head, in tokens (multiple of
   // chunk_size); 0: the decode budget. Default: 0.
   int64_t continuation_budget_tokens = 0;
+  // "auto": the longest continuation (its first prefill piece, in tokens)
+  // that is sparse. Default: 1024.
+  int64_t continuation_auto_max_tokens = 1024;
   // Context parallel (a sequence split into shards over a group of ranks):
   // "global": every decode step the shards agree on one top-k of the whole
   // sequence's budget (scores normalized over every shard, each shard's best

@@ -206,7 +206,9 @@ class ShadowKvPolicy final : public KvPolicy {
         if (start == held) {
           s.cont_k = 0;
           s.cont_shift = 0;
-          if (o_.continuation == "sparse") {
+          const bool sparse =
+              o_.continuation == "sparse" || (o_.continuation == "auto" && n <= o_.continuation_auto_max_tokens);
+          if (sparse) {
             const int want = o_.continuation_budget_tokens > 0
                                  ? static_cast<int>(o_.continuation_budget_tokens / o_.chunk_size)
                                  : s.kslots;
@@ -1054,6 +1056,7 @@ class ShadowKvPolicy final : public KvPolicy {
        << " outlier_fraction=" << o_.outlier_fraction << " window=" << o_.local_window
        << " min_prompt=" << o_.min_prompt_tokens << " continuation=" << o_.continuation << ":"
        << o_.continuation_budget_tokens;
+    if (o_.continuation == "auto") os << ":" << o_.continuation_auto_max_tokens;
     if (o_.landmarks_per_chunk != 1) os << " landmarks_per_chunk=" << o_.landmarks_per_chunk;
     if (o_.landmark_fp8()) os << " landmark_format=fp8";
     if (o_.value_fp8()) os << " value_format=fp8";
