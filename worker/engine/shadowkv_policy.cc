@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <map>
 
@@ -160,7 +161,12 @@ class ShadowKvPolicy final : public KvPolicy {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) return;
     (void)ctx_.backend->Synchronize();  // kernels may still read its buffers
-    if (it->second.segment) (void)store_.DropSegment(it->second.segment);
+    if (it->second.segment) {
+      // Its puts and pinning in flight end first (they write into the segment).
+      comp_.ForgetPuts(it->second.segment);
+      if (pin_.done.valid() && pin_.segment == it->second.segment) (void)pin_.done.get();
+      (void)store_.DropSegment(it->second.segment);
+    }
     seqs_.erase(it);
   }
 
@@ -264,6 +270,8 @@ class ShadowKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(ContinuePrompt(s, layer, prompt_len));
     }
     if (layer == ctx_.num_layers - 1) {
+      // The prompt's values, put by helper threads, are all in the store.
+      if (s.segment) PENUMBRA_RETURN_IF_ERROR(comp_.DrainPuts(s.segment));
       s.compressed = true;
       ReleaseTempIfLarge();
       // A prefix read lazily from disk: its first request is answered; the
@@ -619,8 +627,11 @@ class ShadowKvPolicy final : public KvPolicy {
     PENUMBRA_RETURN_IF_ERROR(comp_.Outliers(s, layer, n_chunks));
     lap("outliers");
     // Values of every chunk to the store (outliers too: never selected, and
-    // it keeps each head's chunks one contiguous run).
-    PENUMBRA_RETURN_IF_ERROR(OffloadValues(s, layer, comp_.tmp_v().get(), comp_.tmp_cap() * d, 0, n_chunks, 0));
+    // it keeps each head's chunks one contiguous run); the store's put runs
+    // beside the next layers (drained at the last one).
+    PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
+    PENUMBRA_RETURN_IF_ERROR(
+        comp_.OffloadValuesAsync(store_, s, layer, comp_.tmp_v().get(), comp_.tmp_cap() * d, 0, n_chunks, 0));
     lap("offload");
     // The tail becomes the local rows (exact K/V and pre-RoPE keys).
     const int64_t tail0 = static_cast<int64_t>(n_chunks) * C, tail = S - tail0;
@@ -1165,11 +1176,33 @@ class ShadowKvPolicy final : public KvPolicy {
 
   // Pins the store's `layer` for s when it is not yet (its values are
   // written or read from here on).
+  // The store's memory of `layer` of s (pinned on CUDA), allocated on first
+  // use; the next layer's is then allocated on a helper thread while this
+  // one is computed (pinning a layer of a 124928-token sequence takes ~0.1 s,
+  // in which no kernel would be launched).
   Status EnsureStoreLayer(Seq& s, int layer) {
-    if (s.segment == 0 || s.store_host[static_cast<size_t>(layer)] != nullptr) return Status::OK();
-    PENUMBRA_ASSIGN_OR_RETURN(const void* base, store_.AllocateLayer(s.segment, layer));
-    s.store_host[static_cast<size_t>(layer)] = base;
-    s.store_dev[static_cast<size_t>(layer)] = ctx_.backend->DeviceAddressOfHost(base);
+    if (s.segment == 0) return Status::OK();
+    if (s.store_host[static_cast<size_t>(layer)] == nullptr) {
+      const bool pinned = pin_.done.valid() && pin_.segment == s.segment && pin_.layer == layer;
+      Result<const void*> base = pinned ? pin_.done.get() : store_.AllocateLayer(s.segment, layer);
+      PENUMBRA_RETURN_IF_ERROR(base.status());
+      s.store_host[static_cast<size_t>(layer)] = *base;
+      s.store_dev[static_cast<size_t>(layer)] = ctx_.backend->DeviceAddressOfHost(*base);
+    }
+    const int next = layer + 1;
+    if (next < ctx_.num_layers && s.store_host[static_cast<size_t>(next)] == nullptr) {
+      if (pin_.done.valid() && pin_.segment == s.segment && pin_.layer == next) return Status::OK();  // under way
+      if (pin_.done.valid()) (void)pin_.done.get();  // another's: the segment keeps it (AllocateLayer is idempotent)
+      Backend* b = ctx_.backend;
+      storage::DramValueStore* store = &store_;
+      const storage::SegmentId segment = s.segment;
+      pin_.segment = segment;
+      pin_.layer = next;
+      pin_.done = std::async(std::launch::async, [b, store, segment, next]() -> Result<const void*> {
+        PENUMBRA_RETURN_IF_ERROR(b->BindThread());
+        return store->AllocateLayer(segment, next);
+      });
+    }
     return Status::OK();
   }
   Seq& Get(int64_t id) {
@@ -1220,8 +1253,17 @@ class ShadowKvPolicy final : public KvPolicy {
   BackendHostAllocator host_alloc_;
   storage::DramValueStore store_;
   std::map<int64_t, Seq> seqs_;
-  // Algorithm 1 and the prefill temporaries (one layer of one prompt).
+  // Algorithm 1 and the prefill temporaries (one layer of one prompt); its
+  // puts in flight end when it does (before store_, declared earlier).
   ShadowKvCompressor comp_;
+  // EnsureStoreLayer's allocation of the next layer, on a helper thread
+  // (ends, when destroyed, before store_).
+  struct Pin {
+    storage::SegmentId segment = 0;
+    int layer = -1;
+    std::future<Result<const void*>> done;
+  };
+  Pin pin_;
   // Document capture, import and attach.
   ShadowKvPrefixIo prefix_io_;
   DeviceBuffer mincos_scratch_, shift_, stage_off_;

@@ -159,9 +159,8 @@ Status ShadowKvCompressor::TailToLocal(ShadowKvSeq& s, int layer, int64_t tail0,
                               tmp_prek_.as<float>() + tail0 * D, tail * D * sizeof(float));
 }
 
-Status ShadowKvCompressor::OffloadValues(storage::DramValueStore& store, DeviceBuffer* stage, ShadowKvSeq& s, int layer,
-                                         const void* src, int64_t head_stride, int64_t src_row, int n,
-                                         int store_first) {
+Result<size_t> ShadowKvCompressor::StageValues(DeviceBuffer* stage, const void* src, int64_t head_stride,
+                                               int64_t src_row, int n) {
   Backend& b = backend_;
   const int C = lay_.options().chunk_size, H = lay_.ctx().hkv, d = lay_.ctx().head_dim;
   const size_t es = lay_.es();
@@ -187,10 +186,58 @@ Status ShadowKvCompressor::OffloadValues(storage::DramValueStore& store, DeviceB
         b.Copy2D(stage->get(), wide, static_cast<const char*>(src) + src_row * d * es, head_stride * es, wide, H));
   }
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
-  for (int h = 0; h < H; ++h) {
+  return row;
+}
+
+Status ShadowKvCompressor::OffloadValues(storage::DramValueStore& store, DeviceBuffer* stage, ShadowKvSeq& s, int layer,
+                                         const void* src, int64_t head_stride, int64_t src_row, int n,
+                                         int store_first) {
+  PENUMBRA_ASSIGN_OR_RETURN(const size_t row, StageValues(stage, src, head_stride, src_row, n));
+  for (int h = 0; h < lay_.ctx().hkv; ++h) {
     PENUMBRA_RETURN_IF_ERROR(store.PutChunks(s.segment, layer, h, store_first, n, stage->as<char>() + h * row));
   }
   return Status::OK();
+}
+
+void ShadowKvCompressor::Collect(Put& p) {
+  if (!p.done.valid()) return;
+  Status st = p.done.get();
+  if (!st.ok()) put_errors_.emplace(p.segment, std::move(st));  // the first one stays
+}
+
+Status ShadowKvCompressor::OffloadValuesAsync(storage::DramValueStore& store, ShadowKvSeq& s, int layer,
+                                              const void* src, int64_t head_stride, int64_t src_row, int n,
+                                              int store_first) {
+  Put& p = puts_[next_put_];
+  next_put_ ^= 1;
+  Collect(p);  // its staging buffer is free once its last put is done
+  if (auto it = put_errors_.find(s.segment); it != put_errors_.end()) return it->second;
+  PENUMBRA_ASSIGN_OR_RETURN(const size_t row, StageValues(&p.stage, src, head_stride, src_row, n));
+  p.segment = s.segment;
+  const char* rows = p.stage.as<char>();
+  const int H = lay_.ctx().hkv;
+  const storage::SegmentId segment = s.segment;
+  p.done = std::async(std::launch::async, [&store, segment, layer, H, store_first, n, rows, row]() -> Status {
+    for (int h = 0; h < H; ++h) {
+      PENUMBRA_RETURN_IF_ERROR(store.PutChunks(segment, layer, h, store_first, n, rows + h * row));
+    }
+    return Status::OK();
+  });
+  return Status::OK();
+}
+
+Status ShadowKvCompressor::DrainPuts(storage::SegmentId segment) {
+  for (Put& p : puts_) Collect(p);
+  auto it = put_errors_.find(segment);
+  if (it == put_errors_.end()) return Status::OK();
+  Status st = std::move(it->second);
+  put_errors_.erase(it);
+  return st;
+}
+
+void ShadowKvCompressor::ForgetPuts(storage::SegmentId segment) {
+  for (Put& p : puts_) Collect(p);
+  put_errors_.erase(segment);
 }
 
 }  // namespace penumbra

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
+#include <map>
 
 #include "storage/dram_value_store.h"
 #include "worker/engine/shadowkv/layout.h"
@@ -62,8 +64,37 @@ class ShadowKvCompressor {
   // allocated), through the pinned staging buffer *stage (grown when short).
   Status OffloadValues(storage::DramValueStore& store, DeviceBuffer* stage, ShadowKvSeq& s, int layer, const void* src,
                        int64_t head_stride, int64_t src_row, int n, int store_first);
+  // The same with the store's put (a copy and a checksum per row: ~70 ms a
+  // layer at 124928 tokens, during which no kernel would be launched) on a
+  // helper thread, so that the next layer's work is queued meanwhile: the
+  // rows go to one of two staging buffers of its own (one waits for its last
+  // put before it is reused). Nothing may read the rows before
+  // DrainPuts(s.segment) returns.
+  Status OffloadValuesAsync(storage::DramValueStore& store, ShadowKvSeq& s, int layer, const void* src,
+                            int64_t head_stride, int64_t src_row, int n, int store_first);
+  // Waits for every put in flight; the first failure of one for `segment`
+  // (a failure of another segment's is kept for its own drain, or dropped by
+  // ForgetPuts).
+  Status DrainPuts(storage::SegmentId segment);
+  // Waits for every put in flight and drops `segment`'s failures (its
+  // sequence is gone).
+  void ForgetPuts(storage::SegmentId segment);
 
  private:
+  // A device buffer's value rows of `layer` into *stage (grown when short),
+  // each head's n rows as the store keeps them; returns the bytes per head.
+  Result<size_t> StageValues(DeviceBuffer* stage, const void* src, int64_t head_stride, int64_t src_row, int n);
+  struct Put {
+    DeviceBuffer stage;
+    storage::SegmentId segment = 0;
+    std::future<Status> done;
+  };
+  void Collect(Put& p);
+
+  Put puts_[2];
+  int next_put_ = 0;
+  std::map<storage::SegmentId, Status> put_errors_;  // the first failure per segment
+
   const ShadowKvLayout& lay_;
   Backend& backend_;
   DeviceBuffer tmp_k_, tmp_v_, tmp_prek_, tmp_cos_, tmp_outl_, ptr_buf_;
