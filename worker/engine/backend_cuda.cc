@@ -4,7 +4,9 @@
 // through the kernels in kernels/. All work is issued on one stream.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -39,6 +41,10 @@ namespace kn = kernels;
 
 void FreeDevice(void* p) { cudaFree(p); }
 void FreeHostPinned(void* p) { cudaFreeHost(p); }
+void FreeHostRegistered(void* p) {
+  (void)cudaHostUnregister(p);
+  std::free(p);
+}
 
 const char* CublasName(cublasStatus_t s) {
   switch (s) {
@@ -139,6 +145,24 @@ class CudaBackend final : public Backend {
                                        " bytes of pinned host memory (" + cudaGetErrorString(e) + ")");
     }
     return DeviceBuffer(p, bytes, &FreeHostPinned);
+  }
+  Result<DeviceBuffer> AllocateHostLarge(size_t bytes) override {
+    constexpr size_t kHuge = size_t{2} << 20;
+    const size_t n = (std::max<size_t>(bytes, 1) + kHuge - 1) / kHuge * kHuge;
+    void* p = std::aligned_alloc(kHuge, n);
+    if (p == nullptr) {
+      return Status::ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes of host memory");
+    }
+    (void)madvise(p, n, MADV_HUGEPAGE);  // a hint: fewer pages to pin where the kernel has them
+    std::memset(p, 0, n);                // faulted in here, outside the driver's lock
+    cudaError_t e = cudaHostRegister(p, n, cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      std::free(p);
+      return Status::ResourceExhausted("cuda: cannot pin " + std::to_string(bytes) + " bytes of host memory (" +
+                                       cudaGetErrorString(e) + ")");
+    }
+    return DeviceBuffer(p, bytes, &FreeHostRegistered);
   }
   Status RegisterHost(void* p, size_t bytes) override {
     PENUMBRA_CUDA_RETURN_IF_ERROR(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));

@@ -15,7 +15,7 @@ class BackendHostAllocator final : public storage::HostAllocator {
  public:
   explicit BackendHostAllocator(Backend* b) : b_(b) {}
   Result<void*> Allocate(size_t bytes) override {
-    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer buf, b_->AllocateHost(bytes));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer buf, b_->AllocateHostLarge(bytes));
     void* p = buf.get();
     std::lock_guard<std::mutex> lk(mu_);
     bufs_.emplace(p, std::move(buf));
