@@ -12,6 +12,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/landmark_format.h"
+#include "kernels/mma.cuh"
 #include "kernels/shadowkv_decode.cuh"
 
 namespace penumbra::kernels {
@@ -131,6 +132,23 @@ struct LandmarkRows {
     }
   }
 };
+
+// A warp's 32 landmark rows from `base` (rows at or past `end` are zeros) as
+// the B fragments of four n-tiles of 8 rows (mma.cuh's permuted layout: with
+// Q from LoadPermutedQ, or LoadPermutedQForFp8K for fp8 rows); r = lane / 4,
+// c = lane % 4.
+template <int D, bool F8, typename Rows>
+__device__ __forceinline__ void LoadLandmarkFragments(const Rows& land, int base, int end, int r, int c,
+                                                      uint4 (&kr)[4][D / 32]) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int row = base + 8 * nt + r;
+    if constexpr (F8)
+      LoadPermutedKFp8<D>(land.Row(min(row, end - 1)), row < end, c, kr[nt]);
+    else
+      LoadPermutedK<D>(land.Row(min(row, end - 1)), row < end, c, kr[nt]);
+  }
+}
 
 }  // namespace
 }  // namespace penumbra::kernels

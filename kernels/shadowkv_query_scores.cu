@@ -94,14 +94,7 @@ __global__ void __launch_bounds__(kQsWarps * 32)
   // lane's 8) the factor its products take, 0 where the row does not count.
   const int base = v0 + warp * 32;
   uint4 kr[4][kJ];
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    const int row = base + 8 * nt + r;
-    if constexpr (F8)
-      LoadPermutedKFp8<D>(land.Row(min(row, n - 1)), row < n, c, kr[nt]);
-    else
-      LoadPermutedK<D>(land.Row(min(row, n - 1)), row < n, c, kr[nt]);
-  }
+  LoadLandmarkFragments<D, F8>(land, base, n, r, c, kr);
   float rs[4][2];
   uint32_t counts = 0;  // bit 2 nt + e
 #pragma unroll

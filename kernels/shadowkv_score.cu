@@ -443,14 +443,7 @@ __global__ void __launch_bounds__(kScoreMmaWarps * 32, 4)
 #pragma unroll 1
   for (int base = c0 + warp * 32; base < c1; base += kScoreMmaWarps * 32) {
     uint4 kr[4][kJ];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int row = base + 8 * nt + r;
-      if constexpr (F8)
-        LoadPermutedKFp8<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
-      else
-        LoadPermutedK<D>(land.Row(min(row, c1 - 1)), row < c1, c, kr[nt]);
-    }
+    LoadLandmarkFragments<D, F8>(land, base, c1, r, c, kr);
     // fp8: the scales of this lane's 8 output rows (1 otherwise).
     float rs[4][2];
 #pragma unroll
