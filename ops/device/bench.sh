@@ -46,7 +46,8 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain);
             TRACE_ARGS replaces its '--hit-rates 0.6' (e.g. '--hit-rates natural --value-format fp8 --batch 16')
   ttft      time to first token of a 64-token question about a 124928-token document, cold and cached in memory,
-            full and shadowkv (shadowkv cached with both continuations), after prefix_reuse_gpu_test
+            full and shadowkv (shadowkv cached: the default continuation, then the dense one), after
+            prefix_reuse_gpu_test
   ttft_disk the same cached only on disk (read back after the memory cache is cleared; shadowkv cold, then
             with sparse and dense continuations: values read lazily), beside the disk's raw direct-I/O
             bandwidth (dd); TTFT_DISK_FULL=0 skips the full policy
@@ -246,7 +247,8 @@ suite_ttft() {
     run 240 $R penumbra-bench ttft --kv-policy $p --context 124928 --question 64 --cache off
     run 240 $R penumbra-bench ttft --kv-policy $p --context 124928 --question 64 --cache hbm
   done
-  run 240 $R penumbra-bench ttft --kv-policy shadowkv --continuation sparse --context 124928 --question 64 --cache hbm
+  # The question's continuation under the default (auto: sparse for a question) beside the dense one.
+  run 240 $R penumbra-bench ttft --kv-policy shadowkv --continuation dense --context 124928 --question 64 --cache hbm
 }
 
 # 64 questions over one shared 124928-token document, decoded as one batch,
