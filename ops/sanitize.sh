@@ -37,7 +37,7 @@ case "$job" in
     quiet_step "configure: $dir (TSan, CPU backend)" "$dir/logs/configure.log" cmake --preset tsan
     # The threaded parts in process, the store node's processes and the
     # service's (the service tests run the penumbra-* programs of this build).
-    targets=(scheduler_test scheduler_store_io_test
+    targets=(scheduler_test scheduler_store_io_test shadowkv_objects_test
              segment_store_test job_store_test job_store_integration_test document_registry_test
              document_registry_integration_test request_journal_test tombstones_test
              store_node_integration_test service_test penumbra-worker penumbra-coordinator penumbra-store)

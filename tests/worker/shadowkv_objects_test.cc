@@ -1,6 +1,7 @@
 // ShadowKV's objects (worker/engine/shadowkv/) on the CPU backend: the
 // layout's geometry, the decode step's tables and ints (what every kernel
-// argument points into) and the shard exchange's rows.
+// argument points into), the shard exchange's rows and the compressor's
+// asynchronous value puts.
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -9,8 +10,11 @@
 
 #include <gtest/gtest.h>
 
+#include "storage/dram_value_store.h"
 #include "tests/worker/thread_group.h"
 #include "worker/engine/backend.h"
+#include "worker/engine/backend_host_allocator.h"
+#include "worker/engine/shadowkv/compressor.h"
 #include "worker/engine/shadowkv/decode_step.h"
 #include "worker/engine/shadowkv/layout.h"
 #include "worker/engine/shadowkv/shard_exchange.h"
@@ -205,6 +209,72 @@ TEST(ShadowKvShardExchangeTest, RowsOfAStepAndTheAllGathersOfTwoRanks) {
   ShadowKvSeq other;
   other.sparse = true;
   EXPECT_FALSE(x.Prepare(ranks[0].get(), {&s, &other}).ok());
+}
+
+// OffloadValuesAsync: the rows land in the store once DrainPuts returns,
+// from two staging buffers reused in turn (four layers' puts in a row); a
+// put that fails is its own segment's failure, reported once by that
+// segment's drain and dropped by ForgetPuts, never another segment's.
+TEST(ShadowKvCompressorTest, AsyncPutsLandInTheStoreAndTheirFailuresStayWithTheirSegment) {
+  Fixture f = Make();
+  f.ctx.num_layers = 4;
+  const ShadowKvLayout lay(f.ctx, f.o);
+  Backend& b = *f.backend;
+  BackendHostAllocator alloc(&b);
+  storage::DramValueStore store(&alloc, storage::DramValueStoreOptions{});
+  ShadowKvCompressor comp(lay, b);
+  const int L = f.ctx.num_layers, H = f.ctx.hkv, d = f.ctx.head_dim, C = f.o.chunk_size, n = 5;
+  SequenceSpec spec;
+  spec.prompt_len = 64;
+  spec.max_new_tokens = 4;
+  ShadowKvSeq s;
+  lay.Shape(spec, &s);
+  auto seg = store.ReserveSegment(lay.ValueSegment(s));
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  s.segment = *seg;
+  // Values [hkv][rows][d] f32 on the "device", distinct per layer, head and row.
+  const int64_t rows = static_cast<int64_t>(n) * C;
+  auto values = b.Allocate(static_cast<size_t>(H) * rows * d * sizeof(float));
+  ASSERT_TRUE(values.ok());
+  auto fill = [&](int layer) {
+    std::vector<float> v(static_cast<size_t>(H) * rows * d);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(layer * 100000 + static_cast<int64_t>(i));
+    ASSERT_TRUE(b.CopyToDevice(values->get(), v.data(), v.size() * sizeof(float)).ok());
+  };
+  for (int layer = 0; layer < L; ++layer) {
+    ASSERT_TRUE(store.AllocateLayer(s.segment, layer).ok());
+    fill(layer);
+    ASSERT_TRUE(comp.OffloadValuesAsync(store, s, layer, values->get(), rows * d, 0, n, 0).ok());
+  }
+  ASSERT_TRUE(comp.DrainPuts(s.segment).ok());
+  for (int layer = 0; layer < L; ++layer) {
+    for (int h = 0; h < H; ++h) {
+      std::vector<storage::ChunkRef> refs;
+      for (int c = 0; c < n; ++c) refs.push_back({h, c});
+      std::vector<float> got(static_cast<size_t>(n) * C * d);
+      ASSERT_TRUE(store.GatherChunks(s.segment, layer, refs, got.data()).ok());
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i],
+                  static_cast<float>(layer * 100000 + static_cast<int64_t>(h) * rows * d + static_cast<int64_t>(i)))
+            << "layer " << layer << " head " << h << " element " << i;
+      }
+    }
+  }
+  // A layer never allocated: its put fails on the helper thread.
+  ShadowKvSeq other;
+  lay.Shape(spec, &other);
+  auto seg2 = store.ReserveSegment(lay.ValueSegment(other));
+  ASSERT_TRUE(seg2.ok());
+  other.segment = *seg2;
+  ASSERT_TRUE(comp.OffloadValuesAsync(store, other, 0, values->get(), rows * d, 0, n, 0).ok());
+  EXPECT_TRUE(comp.DrainPuts(s.segment).ok());  // not s's failure
+  const Status failed = comp.DrainPuts(other.segment);
+  EXPECT_EQ(failed.code(), StatusCode::kFailedPrecondition) << failed;
+  EXPECT_TRUE(comp.DrainPuts(other.segment).ok());  // reported once
+  // Another failing put of it; ForgetPuts (its sequence is gone) drops the failure.
+  ASSERT_TRUE(comp.OffloadValuesAsync(store, other, 0, values->get(), rows * d, 0, n, 0).ok());
+  comp.ForgetPuts(other.segment);
+  EXPECT_TRUE(comp.DrainPuts(other.segment).ok());
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ class ShadowKvCompressor {
   Status TailToLocal(ShadowKvSeq& s, int layer, int64_t tail0, int64_t tail);
 
   // Writes n value chunks of every head of `layer` from a device buffer laid
-  // out [hkv][head_stride] rows of d (from row src_row) to chunks
+  // out [hkv][head_stride elements] of rows of d (from row src_row) to chunks
   // [store_first, store_first + n) of s's segment in `store` (its layer
   // allocated), through the pinned staging buffer *stage (grown when short).
   Status OffloadValues(storage::DramValueStore& store, DeviceBuffer* stage, ShadowKvSeq& s, int layer, const void* src,
