@@ -264,6 +264,8 @@ Status Eval(int argc, char** argv) {
                                                            : nlohmann::ordered_json(nullptr);
     j["selected_chunks"] = ps_stats.selected_chunks;
     j["hit_chunks"] = ps_stats.hit_chunks;
+    j["sparse_continuations"] = ps_stats.sparse_continuations;
+    j["dense_continuations"] = ps_stats.dense_continuations;
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else {
     std::printf("%-18s %8s %6s %9s %8s\n", "task", "length", "n", "accuracy", "partial");

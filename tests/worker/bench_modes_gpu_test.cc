@@ -58,7 +58,12 @@ std::vector<Mode> Modes() {
       {"TtftFullHbm", ttft + " --kv-policy full --cache hbm", cached},
       {"TtftFullDisk", ttft + " --kv-policy full --cache disk --store-dir {dir}/store", cached},
       {"TtftShadowKvOff", ttft + " --cache off" + kShadowKv, {{"cached_prompt_tokens", 0}}},
-      {"TtftShadowKvHbm", ttft + " --cache hbm" + kShadowKv, cached},
+      {"TtftShadowKvHbm",
+       ttft + " --cache hbm" + kShadowKv,
+       {{"cached_prompt_tokens", kContext}, {"continuation_used", "sparse"}}},  // auto, for a question
+      {"TtftShadowKvDenseHbm",
+       ttft + " --cache hbm --continuation dense" + kShadowKv,
+       {{"cached_prompt_tokens", kContext}, {"continuation_used", "dense"}}},
       {"TtftShadowKvSparseHbm",
        ttft + " --cache hbm --continuation sparse" + kShadowKv,
        {{"cached_prompt_tokens", kContext}, {"continuation", "sparse"}}},

@@ -621,6 +621,11 @@ TEST_F(PrefixReuseTest, AnAutoContinuationIsSparseForAQuestionAndDenseBeyondItsL
     Runtime& rt = (*e)->runtime();
     AddFactoredDocument(rt, 0, r);
     EXPECT_TRUE(rt.Prefill(0, r.prompt, &got, 151).ok());
+    // The policy counts the continuation as the mode it took, once.
+    const PolicyStats st = rt.policy().stats();
+    const bool sparse = mode == "sparse" || (mode == "auto" && question <= auto_max);
+    EXPECT_EQ(st.sparse_continuations, sparse ? 1 : 0) << mode << " " << auto_max;
+    EXPECT_EQ(st.dense_continuations, sparse ? 0 : 1) << mode << " " << auto_max;
     return got;
   };
   EXPECT_EQ(ShadowKvOptions{}.continuation, "auto");

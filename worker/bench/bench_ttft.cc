@@ -81,6 +81,7 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
     rt.prefix_cache()->Clear();
   }
   const RunStats before = rt.stats();
+  const PolicyStats policy_before = rt.policy().stats();
   std::unique_ptr<KernelTrace> trace;
   if (!trace_path.empty()) {
     PENUMBRA_RETURN_IF_ERROR(e.backend().Synchronize());
@@ -89,6 +90,11 @@ Status RunTtft(const Args& a, Engine& e, const Common& cm, int64_t S) {
   const double t_request = NowSeconds();
   PENUMBRA_ASSIGN_OR_RETURN(double ms, timed(request(2), &cached));
   j["ttft_ms"] = ms;
+  {  // how the question attended to the document (continuation auto picks)
+    const PolicyStats ps = rt.policy().stats();
+    if (ps.sparse_continuations > policy_before.sparse_continuations) j["continuation_used"] = "sparse";
+    if (ps.dense_continuations > policy_before.dense_continuations) j["continuation_used"] = "dense";
+  }
   if (trace) PENUMBRA_RETURN_IF_ERROR(FinishKernelTrace(*trace, trace_path, j));  // the question ran traced
   if (cache == "disk" && e.options().runtime.prefix_store_lazy_reads) {
     // Values read lazily: what the question read before its first token,

@@ -92,8 +92,12 @@ struct PolicyContext {
 
 struct PolicyStats {
   int64_t decode_steps = 0;
-  int64_t selected_chunks = 0;                  // sparse policies: chunks selected over all steps/layers/heads
-  int64_t hit_chunks = 0;                       // ... of which were already on the device
+  int64_t selected_chunks = 0;  // sparse policies: chunks selected over all steps/layers/heads
+  int64_t hit_chunks = 0;       // ... of which were already on the device
+  // Continuations (prefills after a factored prompt) begun, by how they
+  // attended to it.
+  int64_t sparse_continuations = 0;
+  int64_t dense_continuations = 0;
   std::map<std::string, double> prefill_op_ms;  // when profiling: per-op prefill milliseconds
   double hit_rate() const { return selected_chunks ? static_cast<double>(hit_chunks) / selected_chunks : 0.0; }
 };

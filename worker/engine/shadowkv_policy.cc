@@ -214,6 +214,7 @@ class ShadowKvPolicy final : public KvPolicy {
           s.cont_shift = 0;
           const bool sparse =
               o_.continuation == "sparse" || (o_.continuation == "auto" && n <= o_.continuation_auto_max_tokens);
+          if (layer == 0) ++(sparse ? stats_.sparse_continuations : stats_.dense_continuations);
           if (sparse) {
             const int want = o_.continuation_budget_tokens > 0
                                  ? static_cast<int>(o_.continuation_budget_tokens / o_.chunk_size)
