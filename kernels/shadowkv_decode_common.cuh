@@ -5,6 +5,7 @@
 // those files (an anonymous namespace: each includes its own copy).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -21,6 +22,9 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 __device__ __forceinline__ float NegInf() { return __int_as_float(0xff800000); }
+
+// A workspace part's size rounded up to 256 bytes (the next part's alignment).
+inline size_t AlignUp(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
 
 // 8 consecutive elements loaded with 16-byte loads, kept raw until used so that
 // several loads can be in flight.

@@ -48,8 +48,6 @@ struct QsWorkspace {
   int R, tiles, row_blocks;
 };
 
-size_t AlignUp(size_t n) { return (n + 255) / 256 * 256; }
-
 struct QsSizes {
   int R, tiles, row_blocks;
   size_t parts, lse, best;
@@ -268,8 +266,7 @@ bool LaunchShadowkvQueryScores(const ShadowkvQueryScoresArgs& a, cudaStream_t st
   if (!shape_ok) return false;
   if (a.rows <= 0 || s.max_chunks <= 0) {
     if (s.max_chunks > 0) {
-      QsWorkspace none{};
-      none.row_blocks = 0;
+      const QsWorkspace none{};  // no partials: every chunk -inf
       QueryScoresFinalKernel<<<(s.max_chunks + 255) / 256, 256, 0, stream>>>(a, none, false);
       PENUMBRA_CUDA_CHECK(cudaGetLastError());
     }

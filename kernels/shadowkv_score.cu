@@ -39,8 +39,6 @@ constexpr int kScoreMinSplit = kScoreMmaSplit < kScoreSplit ? kScoreMmaSplit : k
 constexpr int kScoreUnroll = 8;  // rows in flight per thread
 constexpr int kScoreFinalPerThread = 4;
 
-size_t AlignUp(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
-
 // Phase 1 scores landmark rows: landmarks_per_chunk (S) per chunk, row v of
 // chunk v >> shift; phase 2 scores chunks, each by its best row.
 struct ScoreWorkspace {

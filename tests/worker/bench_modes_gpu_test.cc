@@ -98,6 +98,9 @@ std::string RunCommand(const std::string& command, int* status) {
   return out;
 }
 
+// penumbra-bench, built beside this test (build/bin, the device bundle's bin/).
+fs::path BenchPath() { return fs::read_symlink("/proc/self/exe").parent_path() / "penumbra-bench"; }
+
 bool Has(const nlohmann::json& line, const nlohmann::json& expect) {
   for (const auto& [key, value] : expect.items()) {
     if (!line.contains(key) || line[key] != value) return false;
@@ -108,7 +111,7 @@ bool Has(const nlohmann::json& line, const nlohmann::json& expect) {
 TEST_P(BenchModesGpuTest, RunsAndMeasures) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   const Mode& m = GetParam();
-  const fs::path bench = fs::read_symlink("/proc/self/exe").parent_path() / "penumbra-bench";
+  const fs::path bench = BenchPath();
   ASSERT_TRUE(fs::exists(bench)) << bench << " (built beside this test)";
   const fs::path dir = fs::path(::testing::TempDir()) / ("bench_modes_" + std::string(m.name));
   fs::remove_all(dir);
@@ -139,7 +142,7 @@ INSTANTIATE_TEST_SUITE_P(EveryMode, BenchModesGpuTest, ::testing::ValuesIn(Modes
 // the timed question's (ttft) kernels, and the line names it.
 TEST(BenchModesGpu, KernelTraceWritesKernels) {
   PENUMBRA_SKIP_WITHOUT_GPU();
-  const fs::path bench = fs::read_symlink("/proc/self/exe").parent_path() / "penumbra-bench";
+  const fs::path bench = BenchPath();
   const fs::path trace = fs::path(::testing::TempDir()) / "bench_modes_trace.jsonl";
   for (const std::string mode : {"decode --batch 2 --steps 2", "ttft --question 64 --cache hbm"}) {
     SCOPED_TRACE(mode);

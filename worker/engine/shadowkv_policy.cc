@@ -1175,12 +1175,10 @@ class ShadowKvPolicy final : public KvPolicy {
   // for a continuation prefill (no decode to share the SMs with).
   static constexpr int kRestoreFetchBlocks = 1024;
 
-  // Pins the store's `layer` for s when it is not yet (its values are
-  // written or read from here on).
-  // The store's memory of `layer` of s (pinned on CUDA), allocated on first
-  // use; the next layer's is then allocated on a helper thread while this
-  // one is computed (pinning a layer of a 124928-token sequence takes ~0.1 s,
-  // in which no kernel would be launched).
+  // The store's memory of `layer` of s (pinned on CUDA: its values are
+  // written or read from here on), allocated on first use; the next layer's is then allocated on a helper thread while
+  // this one is computed (pinning a layer of a 124928-token sequence takes ~0.1 s, in which no kernel would be
+  // launched).
   Status EnsureStoreLayer(Seq& s, int layer) {
     if (s.segment == 0) return Status::OK();
     if (s.store_host[static_cast<size_t>(layer)] == nullptr) {
@@ -1270,7 +1268,7 @@ class ShadowKvPolicy final : public KvPolicy {
   DeviceBuffer mincos_scratch_, shift_, stage_off_;
   DeviceBuffer iota_lists_, rebuild_ptrs_;  // continuation rebuilds: IotaLists(iota_k_); pointer table
   int iota_k_ = -1;
-  // sparse continuations: score tables, scores, their maximum per chunk, the selection
+  // sparse continuations: score tables, the best score per chunk, the selection
   DeviceBuffer cont_tab_, cont_max_, cont_sel_;
   std::vector<int32_t> cont_sel_host_;
   DeviceBuffer stage_, stage_v_;
