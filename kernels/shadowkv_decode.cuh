@@ -2,6 +2,7 @@
 // argument structs in shadowkv_decode_args.h; one .cu per stage:
 // shadowkv_score.cu (scores, top-k, global selection, MaxRows),
 // shadowkv_query_scores.cu (many queries over one sequence),
+// shadowkv_shared_scores.cu (many sequences over one prefix),
 // shadowkv_slot_update.cu, shadowkv_rebuild_k.cu, shadowkv_fetch_v.cu).
 #pragma once
 
@@ -21,6 +22,12 @@ namespace penumbra::kernels {
 void LaunchShadowkvScore(const ShadowkvScoreArgs& args, cudaStream_t stream,
                          const ShadowkvSlotUpdateArgs* then_update = nullptr);
 void LaunchMaxRows(const MaxRowsArgs& args, cudaStream_t stream);
+// ShadowkvScoreArgs::one_prefix's scores (args.scores, none of the selection)
+// with `workspace` (at least ShadowkvSharedScoresWorkspaceBytes(args) bytes);
+// false (nothing launched): a shape or call it does not cover.
+bool LaunchShadowkvSharedScores(const ShadowkvScoreArgs& args, void* workspace, size_t workspace_bytes,
+                                cudaStream_t stream);
+size_t ShadowkvSharedScoresWorkspaceBytes(const ShadowkvScoreArgs& args);
 // false (nothing launched): a shape the tensor-core path does not cover.
 bool LaunchShadowkvQueryScores(const ShadowkvQueryScoresArgs& args, cudaStream_t stream);
 // then_update (optional): the slot update of this selection (its selection,

@@ -152,6 +152,17 @@ struct ShadowkvScoreArgs {
   // are in flight together, e.g. a first call's logits kept for its second
   // call while other groups score, name different parts). CPU: ignored.
   int workspace_part = 0;
+  // The caller's promise that every batch entry is attached to one prefix:
+  // shared_landmarks[b] is the same array for every b, each n_chunks[b] >=
+  // shared_chunks, and the excluded marks of chunks below shared_chunks are
+  // the same for every b (the prefix's). The GPU then scores the prefix's
+  // chunks for every entry in one pass (shadowkv_shared_scores.cu: its
+  // landmarks read once per 128 query heads instead of once per entry) when
+  // the call selects (select_k > 0), is not one of context parallel's two
+  // calls, has no successors, and the shape is the tensor-core path's (bf16 q,
+  // d 64 or 128, bf16 or fp8 landmarks, hq / hkv a power of two up to 8); the
+  // scores and selection are the same quantities. CPU: ignored.
+  bool one_prefix = false;
 };
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk = 1);
 

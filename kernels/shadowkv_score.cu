@@ -678,6 +678,24 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const int split = mma_ok ? kScoreMmaSplit : kScoreSplit;
   const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, per_chunk, split);
   const int n_split = ScoreSplits(ws.rows, split);
+  // Sequences attached to one prefix: its landmarks scored for all of them
+  // in one pass (in the logits' part of the workspace, which this path does
+  // not use), then the top-k over the scores.
+  if (a.one_prefix && with_selection && a.stats_in == nullptr && a.successors == 0 && a.batch >= 2) {
+    const size_t logits_bytes = AlignUp(sizeof(float) * static_cast<size_t>(a.batch) * a.hq * std::max(ws.rows, 1));
+    if (LaunchShadowkvSharedScores(a, ws.logits, logits_bytes, stream)) {
+      TopKArgs t = ShadowkvSelectionTopK(a);
+      t.split_workspace = ws.topk;
+      t.split_workspace_ints = ws.topk_ints;
+      LaunchTopK(t, stream);
+      if (with_selection_scores) {
+        SelectionScoresKernel<<<a.batch * a.hkv, kScoreThreads, 0, stream>>>(a);
+        PENUMBRA_CUDA_CHECK(cudaGetLastError());
+      }
+      if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
+      return;
+    }
+  }
   // The second call (stats_in) reuses the logits the first left in the
   // workspace: same arguments, so the same split and layout.
   if (a.stats_in == nullptr) {

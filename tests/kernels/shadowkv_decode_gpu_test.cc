@@ -931,6 +931,196 @@ TEST(ShadowkvQueryScoresGpu, MatchesRowByRowCpu) {
 }
 
 // ============================================================================
+// Sequences attached to one prefix (ShadowkvScoreArgs::one_prefix): the GPU's
+// one pass over the prefix's landmarks against the CPU's per-sequence scores
+// ============================================================================
+
+struct OnePrefixCase {
+  int batch, hkv, group, d;
+  int shared_chunks;  // the prefix's chunks
+  int max_own;        // sequence b has (b * 7) % (max_own + 1) chunks of its own
+  int per_chunk;
+  bool fp8;
+};
+
+void RunOnePrefixScore(const OnePrefixCase& c) {
+  SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " group " << c.group << " d " << c.d
+                                    << " shared " << c.shared_chunks << " own <= " << c.max_own
+                                    << " landmarks per chunk " << c.per_chunk << " fp8 " << c.fp8);
+  Rng rng(4242 + c.batch + c.shared_chunks + c.d + c.group + c.per_chunk);
+  const int hq = c.hkv * c.group, own_cap = c.max_own + 3, cap = c.shared_chunks + own_cap;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  HostTensor q = MakeTensor(static_cast<size_t>(c.batch) * hq * c.d, DType::kBF16, rng, 2.0f);
+  const int64_t rec = LandmarkChunkElems(c.per_chunk, c.d, c.fp8);
+  const size_t rec_bytes = static_cast<size_t>(rec) * (c.fp8 ? 1 : sizeof(float));
+  // Records (f32 or fp8) of `chunks` chunks per head.
+  auto records = [&](int chunks) {
+    HostTensor v = MakeTensor(static_cast<size_t>(c.hkv) * chunks * c.per_chunk * c.d, DType::kBF16, rng, 2.0f);
+    std::vector<uint8_t> out(static_cast<size_t>(c.hkv) * chunks * rec_bytes);
+    for (int i = 0; i < c.hkv * chunks; ++i) {
+      const float* src = v.f32.data() + static_cast<size_t>(i) * c.per_chunk * c.d;
+      if (c.fp8)
+        EncodeLandmarkFp8(src, static_cast<int64_t>(c.per_chunk) * c.d, out.data() + i * rec_bytes);
+      else
+        std::memcpy(out.data() + i * rec_bytes, src, rec_bytes);
+    }
+    return out;
+  };
+  const std::vector<uint8_t> shared = records(c.shared_chunks);
+  // The prefix's exclusions (every sequence's copy the same), then each
+  // sequence's own; chunk 0 excluded for every head.
+  std::vector<uint8_t> prefix_excl(static_cast<size_t>(c.hkv) * c.shared_chunks);
+  for (auto& e : prefix_excl) e = rng.Int(7) == 0;
+  for (int h = 0; h < c.hkv; ++h) prefix_excl[static_cast<size_t>(h) * c.shared_chunks] = 1;
+  std::vector<std::vector<uint8_t>> own(c.batch), excl(c.batch);
+  std::vector<int32_t> n_chunks(c.batch);
+  int max_chunks = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    own[b] = records(own_cap);
+    excl[b].assign(static_cast<size_t>(c.hkv) * cap, 0);
+    for (int h = 0; h < c.hkv; ++h)
+      for (int ch = 0; ch < cap; ++ch)
+        excl[b][static_cast<size_t>(h) * cap + ch] =
+            ch < c.shared_chunks ? prefix_excl[static_cast<size_t>(h) * c.shared_chunks + ch] : rng.Int(5) == 0;
+    n_chunks[b] = c.shared_chunks + (b * 7) % (c.max_own + 1);
+    max_chunks = std::max(max_chunks, n_chunks[b]);
+  }
+  const int64_t stride = max_chunks + 2;
+
+  const auto as_f32 = [](const std::vector<uint8_t>& v) { return reinterpret_cast<const float*>(v.data()); };
+  std::vector<const float*> lp, sp(c.batch, as_f32(shared));
+  std::vector<const uint8_t*> lp8, sp8(c.batch, shared.data()), ep;
+  for (int b = 0; b < c.batch; ++b) {
+    lp.push_back(as_f32(own[b]));
+    lp8.push_back(own[b].data());
+    ep.push_back(excl[b].data());
+  }
+  std::vector<float> want(static_cast<size_t>(c.batch) * c.hkv * stride, kNaN);
+  cpu::ShadowkvScoreArgs ca;
+  ca.q = q.f32.data();
+  if (c.fp8) {
+    ca.landmarks_fp8 = lp8.data();
+    ca.shared_landmarks_fp8 = sp8.data();
+  } else {
+    ca.landmarks = lp.data();
+    ca.shared_landmarks = sp.data();
+  }
+  ca.excluded = ep.data();
+  ca.n_chunks = n_chunks.data();
+  ca.batch = c.batch;
+  ca.hq = hq;
+  ca.hkv = c.hkv;
+  ca.d = c.d;
+  ca.chunk_cap = cap;
+  ca.max_chunks = max_chunks;
+  ca.shared_chunks = c.shared_chunks;
+  ca.landmark_cap = own_cap;
+  ca.scale = scale;
+  ca.landmarks_per_chunk = c.per_chunk;
+  ca.scores = want.data();
+  ca.score_stride = stride;
+  cpu::ShadowkvScore(ca);
+
+  auto to_device_records = [&](const std::vector<uint8_t>& recs) {
+    if (c.fp8) return ToDevice(recs);
+    std::vector<uint8_t> raw(recs.size() / sizeof(float) * 2);
+    ConvertFromF32(as_f32(recs), raw.data(), DType::kBF16, recs.size() / sizeof(float));
+    return ToDevice(raw);
+  };
+  auto dshared = to_device_records(shared);
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  std::vector<const void*> dl, ds(c.batch, dshared->get());
+  std::vector<const uint8_t*> de;
+  for (int b = 0; b < c.batch; ++b) {
+    keep.push_back(to_device_records(own[b]));
+    dl.push_back(keep.back()->get());
+    keep.push_back(ToDevice(excl[b]));
+    de.push_back(keep.back()->get<uint8_t>());
+  }
+  auto tab_l = ToDevice(dl);
+  auto tab_s = ToDevice(ds);
+  auto tab_e = ToDevice(de);
+  auto dq = ToDevice(q.raw);
+  auto dn = ToDevice(n_chunks);
+  const int rows = c.batch * c.hkv;
+  const int k = std::min(256, max_chunks);
+  const int64_t sel_stride = k + 1;
+  auto dscores = ToDevice(std::vector<float>(want.size(), kNaN));
+  auto dsel = ToDevice(std::vector<int32_t>(static_cast<size_t>(rows) * sel_stride, kIntPoison));
+  DeviceBuffer ws(ShadowkvScoreWorkspaceBytes(c.batch, hq, max_chunks, c.per_chunk));
+  ShadowkvScoreArgs g;
+  g.q = dq->get();
+  g.q_dtype = DType::kBF16;
+  g.landmarks = tab_l->get<const void* const>();
+  g.shared_landmarks = tab_s->get<const void* const>();
+  g.excluded = tab_e->get<const uint8_t* const>();
+  g.dtype = DType::kBF16;
+  g.landmark_fp8 = c.fp8;
+  g.n_chunks = dn->get<int32_t>();
+  g.batch = c.batch;
+  g.hq = hq;
+  g.hkv = c.hkv;
+  g.d = c.d;
+  g.chunk_cap = cap;
+  g.landmark_cap = own_cap;
+  g.shared_chunks = c.shared_chunks;
+  g.max_chunks = max_chunks;
+  g.scale = scale;
+  g.landmarks_per_chunk = c.per_chunk;
+  g.scores = dscores->get<float>();
+  g.score_stride = stride;
+  g.workspace = ws.get();
+  g.workspace_bytes = ws.bytes();
+  g.select_k = k;
+  g.selection = dsel->get<int32_t>();
+  g.selection_stride = sel_stride;
+  g.one_prefix = true;
+  LaunchShadowkvScore(g, nullptr);
+  SKV_CUDA(cudaDeviceSynchronize());
+  // The one-pass path writes the scores it selects from: every entry below
+  // max_chunks (the rest untouched, NaN here and in want).
+  const auto got = dscores->Download<float>(want.size());
+  EXPECT_TRUE(CloseOrPoison(got, want, 1e-30f, 1e-4f));
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.hkv; ++h) {
+      const float* row = got.data() + (static_cast<int64_t>(b) * c.hkv + h) * stride;
+      ASSERT_EQ(row[0], -std::numeric_limits<float>::infinity()) << "chunk 0 is excluded";
+      for (int ch = n_chunks[b]; ch < max_chunks; ++ch)
+        ASSERT_EQ(row[ch], -std::numeric_limits<float>::infinity()) << "sequence " << b << " chunk " << ch;
+    }
+  // The selection: exactly the top-k (skip_worst_inf) of those scores.
+  auto dwant = ToDevice(std::vector<int32_t>(static_cast<size_t>(rows) * sel_stride, kIntPoison));
+  TopKArgs ta;
+  ta.values = dscores->get<float>();
+  ta.stride = stride;
+  ta.rows = rows;
+  ta.counts = dn->get<int32_t>();
+  ta.rows_per_count = c.hkv;
+  ta.max_count = max_chunks;
+  ta.k = k;
+  ta.skip_worst_inf = true;
+  ta.out = dwant->get<int32_t>();
+  ta.out_stride = sel_stride;
+  LaunchTopK(ta, nullptr);
+  SKV_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(SameInts(dsel->Download<int32_t>(static_cast<size_t>(rows) * sel_stride),
+                       dwant->Download<int32_t>(static_cast<size_t>(rows) * sel_stride)));
+}
+
+TEST(ShadowkvScoreGpu, OnePrefixMatchesCpu) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  for (bool fp8 : {false, true})
+    for (int per_chunk : {1, 4})
+      for (int d : {64, 128}) {
+        RunOnePrefixScore({6, 2, 4, d, 1000, 20, per_chunk, fp8});
+        RunOnePrefixScore({3, 2, 4, d, 40, 9, per_chunk, fp8});  // no tile wholly in the prefix
+      }
+  for (int group : {1, 2, 8}) RunOnePrefixScore({37, 2, group, 128, 777, 40, 4, true});  // rows not a multiple of 16
+  RunOnePrefixScore({2, 1, 4, 128, 256, 0, 1, false});     // tile-aligned prefix, nothing of their own
+  RunOnePrefixScore({64, 8, 4, 128, 15616, 30, 4, true});  // 64 questions about a Llama-3.1-8B document
+}
+
+// ============================================================================
 // Slot update: a run of steps, CPU and GPU maps and miss lists compared exactly
 // ============================================================================
 

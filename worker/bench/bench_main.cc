@@ -131,8 +131,9 @@ Status Main(int argc, char** argv) {
       .Flag("head-dim", "")
       .Flag("vocab", "")
       .Flag("kernel-trace",
-            "decode and cp-decode, CUDA: write every kernel and copy of the run's first measurement's timed steps "
-            "(ttft: of the timed question) to this file, one JSON line each (ops/trace_summary.py summarizes it)")
+            "decode, cp-decode and shared, CUDA: write every kernel and copy of the run's first measurement's "
+            "timed steps (ttft: of the timed question) to this file, one JSON line each (ops/trace_summary.py "
+            "summarizes it)")
       .Switch("fetch-timeline",
               "decode, shadowkv: time every value fetch of the timed steps on the device and "
               "report how long per step the PCIe link was busy (fetch_timeline)")

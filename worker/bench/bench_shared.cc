@@ -3,6 +3,7 @@
 
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,9 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
       rt.prefix_cache() != nullptr && e.options().runtime.tiers.gpu_capacity_bytes > 0 && b.device() == Device::kCUDA;
   constexpr int64_t kMaxTier0Steps = 256;
   const bool profile = a.Has("profile");
+  // --kernel-trace PATH: the timed steps' kernels and copies.
+  PENUMBRA_ASSIGN_OR_RETURN(const std::string trace_path, KernelTracePath(a, b));
+  if (!trace_path.empty() && profile) return Status::InvalidArgument("--kernel-trace and --profile do not mix");
   const int64_t new_tokens = steps + 4 + (tier0 ? kMaxTier0Steps : 0) + (profile ? kProfileSteps : 0);
   double t0 = NowSeconds();
   SequenceSpec spec;
@@ -92,6 +96,10 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
   const double warmup_s = NowSeconds() - warm_t0;
   const PolicyStats before = policy.stats();
+  std::unique_ptr<KernelTrace> trace;
+  if (!trace_path.empty()) {
+    PENUMBRA_ASSIGN_OR_RETURN(trace, KernelTrace::Start());  // the device is idle here
+  }
   const double timed = NowSeconds();
   for (int64_t i = 0; i < steps; ++i) PENUMBRA_RETURN_IF_ERROR(step());
   PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
@@ -102,6 +110,7 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   nlohmann::json j = cm.Line("decode");
   j["shared_document"] = true;
   if (profile) AddProfile(profile_ms, j);
+  if (trace) PENUMBRA_RETURN_IF_ERROR(FinishKernelTrace(*trace, trace_path, j));  // the timed steps ran traced
   AddPolicy(e.options(), j);
   j["context"] = S;
   j["batch"] = B;
