@@ -329,6 +329,11 @@ struct ShadowkvFetchVArgs {
   int batch = 0, hkv = 0, d = 0, chunk_size = 0;
   int max_misses = 0;
   int max_blocks = 0;  // blocks the fetch may use (0: the default, 32)
+  // The rows read are mostly in device memory (an attached document's values
+  // in tier 0): bf16/f32 rows are copied a warp per missed chunk (the miss
+  // looked up once), not a thread per 16 bytes sized for the host link.
+  // Any address still works; only the speed differs.
+  bool values_on_device = false;
 };
 
 // The selection of `a` as a top-k over a.scores (the unfused path, and the

@@ -136,6 +136,35 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVKernel(ShadowkvFetchVArgs
   }
 }
 
+// Values in device memory (ShadowkvFetchVArgs::values_on_device): no link to
+// keep busy, so the copy is bound by the SMs' instructions, and FetchVKernel's
+// lookup of every 16-byte vector's miss (a binary search over the rows, two
+// divisions, the miss lists' loads) costs more than the copy. Here a warp
+// looks its miss up once and copies the chunk's vectors with its 32 lanes.
+__global__ void __launch_bounds__(kFetchThreads) FetchVWarpKernel(ShadowkvFetchVArgs a, int nvec, int elem_bytes) {
+  extern __shared__ int32_t s_first[];  // [rows + 1]: first miss of each row in the flattened list
+  __shared__ typename FetchScan::TempStorage scan_tmp;
+  ScanMisses(a, s_first, scan_tmp);
+  const int total = s_first[a.batch * a.hkv];
+  constexpr int kWarps = kFetchThreads / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t chunk_bytes = static_cast<int64_t>(nvec) * 16;
+  for (int item = blockIdx.x * kWarps + static_cast<int>(threadIdx.x >> 5); item < total; item += gridDim.x * kWarps) {
+    const MissAt m = LocateMiss(a, s_first, item, chunk_bytes, elem_bytes);
+    const uint4* src = reinterpret_cast<const uint4*>(m.src);
+    uint4* dst = reinterpret_cast<uint4*>(m.dst);
+    for (int v0 = lane; v0 < nvec; v0 += 32 * kFetchUnroll) {
+      uint4 buf[kFetchUnroll];
+#pragma unroll
+      for (int u = 0; u < kFetchUnroll; ++u)
+        if (v0 + 32 * u < nvec) buf[u] = __ldcs(src + v0 + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kFetchUnroll; ++u)
+        if (v0 + 32 * u < nvec) dst[v0 + 32 * u] = buf[u];
+    }
+  }
+}
+
 // The same over fp8 rows (value_format.h): each thread loads 16 codes and
 // their token's scale (the 8 threads of a token's vectors share one load's
 // line), and writes 16 values of T: half the bytes cross the host link.
@@ -216,6 +245,16 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int nvec = static_cast<int>(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes / 16);
   const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
   const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
+  if (a.values_on_device) {
+    const int64_t warps = static_cast<int64_t>(rows) * a.max_misses;  // one per miss at most
+    const int wblocks =
+        static_cast<int>(std::clamp<int64_t>((warps + kFetchThreads / 32 - 1) / (kFetchThreads / 32), 1, max_blocks));
+    const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVWarpKernel));
+    CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows (batch x hkv) is too many";
+    FetchVWarpKernel<<<wblocks, kFetchThreads, smem, stream>>>(a, nvec, elem_bytes);
+    PENUMBRA_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVKernel));
   CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows (batch x hkv) is too many";
   FetchVKernel<<<blocks, kFetchThreads, smem, stream>>>(a, nvec, elem_bytes);

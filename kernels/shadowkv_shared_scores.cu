@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
   // Pass 2's output of one MMA tile: x[half][nt][e] are rows rho_a (half 0)
   // and rho_a + 8's products with this warp's landmark rows; the maximum over
   // each sequence's G rows and each chunk's rows, exp, into scores.
-  auto emit = [&](float (&x)[2][4][2], int rho_a, int seqs_in_tile) {
+  auto emit = [&](float(&x)[2][4][2], int rho_a, int seqs_in_tile) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int rho = rho_a + 8 * half;
@@ -144,8 +144,8 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
 
   // One MMA tile: rows [rho0, rho0 + 16) (valid below rho_stop) against the
   // warp's fragments kr, scaled by rs where `counts` has the column.
-  auto products = [&](const uint4 (&kr)[4][kJ], const float (&rs)[4][2], uint32_t counts, int rho0, int rho_stop,
-                      float (&x)[2][4][2]) {
+  auto products = [&](const uint4(&kr)[4][kJ], const float(&rs)[4][2], uint32_t counts, int rho0, int rho_stop,
+                      float(&x)[2][4][2]) {
     const int ra = rho0 + r, rbw = rho0 + r + 8;
     uint32_t qa[D / 16][2], qb[D / 16][2];
     LoadQFragments<D, F8>(sm.q[min(ra, rho_end - 1) - rho_block], ra < rho_stop, c, qa);
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
   };
   // Pass 1's output of one MMA tile: each row's (max, sum exp) over the
   // warp's 32 landmark rows into sm.part.
-  auto stats = [&](const float (&x)[2][4][2], int rho0, int rho_stop) {
+  auto stats = [&](const float(&x)[2][4][2], int rho0, int rho_stop) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float m = NegInf();
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
   };
   // The warp's landmark rows of sequence b (rows at or past n zeros), their
   // scales and which count (selectable, below n).
-  auto load = [&](int b, int n, uint4 (&kr)[4][kJ], float (&rs)[4][2]) -> uint32_t {
+  auto load = [&](int b, int n, uint4(&kr)[4][kJ], float(&rs)[4][2]) -> uint32_t {
     const LandmarkRows<std::conditional_t<F8, Fp8, bf16>> land(a, b, h, shift);
     const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
     LoadLandmarkFragments<D, F8>(land, base, n, r, c, kr);
@@ -239,7 +239,8 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
         if constexpr (second) {
           for (int ch = lane; ch < (32 >> shift); ch += 32) {
             const int chunk = (base >> shift) + ch;
-            if (chunk < a.max_chunks) a.scores[(static_cast<int64_t>(b) * a.hkv + h) * a.score_stride + chunk] = NegInf();
+            if (chunk < a.max_chunks)
+              a.scores[(static_cast<int64_t>(b) * a.hkv + h) * a.score_stride + chunk] = NegInf();
           }
         }
         continue;

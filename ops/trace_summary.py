@@ -2,7 +2,7 @@
 """Summarize a penumbra-bench --kernel-trace file (JSON lines of kernels and
 copies with GPU start/end times, see worker/bench/kernel_trace.h).
 
-  python3 ops/trace_summary.py TRACE.jsonl --steps N [--fetch FetchVKernel] [--chain] [--json]
+  python3 ops/trace_summary.py TRACE.jsonl --steps N [--fetch FetchV] [--chain] [--json]
 
 Per decode step it reports: how long the GPU ran anything, each stream's busy
 time and top kernels, how long the host link was busy (the union of the value
@@ -49,7 +49,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, required=True, help="decode steps the trace covers (the bench's --steps)")
-    ap.add_argument("--fetch", default="FetchVKernel", help="substring naming the value fetch kernel")
+    ap.add_argument("--fetch", default="FetchV",
+                    help="substring naming the value fetch kernels (FetchVKernel, FetchVWarpKernel, FetchVFp8Kernel)")
     ap.add_argument("--chain", action="store_true", help="also list one sample of a lane's chain between two fetches")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = ap.parse_args()

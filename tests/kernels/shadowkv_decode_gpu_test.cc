@@ -1516,13 +1516,14 @@ struct FetchCase {
   int batch, hkv, d, C, ks, chunk_cap;
   DType dtype;
   bool staged;
-  int max_blocks = 0;  // 0: the launcher's default
+  int max_blocks = 0;      // 0: the launcher's default
+  bool on_device = false;  // ShadowkvFetchVArgs::values_on_device (a warp per miss)
 };
 
 void RunFetchV(const FetchCase& c) {
   SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " C " << c.C << " ks "
                                     << c.ks << " dtype " << DTypeName(c.dtype) << " staged " << c.staged
-                                    << " max_blocks " << c.max_blocks);
+                                    << " max_blocks " << c.max_blocks << " on_device " << c.on_device);
   Rng rng(11 + c.d + c.C + c.ks);
   const int rows = c.batch * c.hkv, O = 2;
   const int att_cap = O * c.C + c.ks * c.C + 3;
@@ -1606,6 +1607,7 @@ void RunFetchV(const FetchCase& c) {
   ga.chunk_size = c.C;
   ga.max_misses = c.ks;
   ga.max_blocks = c.max_blocks;
+  ga.values_on_device = c.on_device;
   if (c.staged)
     LaunchShadowkvScatterV(ga, nullptr);
   else
@@ -1630,6 +1632,15 @@ TEST(ShadowkvFetchVGpu, MatchesCpu) {
     RunFetchV({2, 3, 128, 8, 17, 200, DType::kBF16, staged, 1});
     RunFetchV({1, 2, 128, 8, 300, 2000, DType::kBF16, staged, 3});
     RunFetchV({1, 2, 128, 8, 300, 2000, DType::kBF16, staged, 96});
+    // A warp per miss (values in device memory): chunks of fewer, as many and
+    // more vectors than a warp's lanes, one block and many.
+    for (int blocks : {1, 1024}) {
+      RunFetchV({2, 3, 128, 8, 17, 200, DType::kBF16, staged, blocks, true});
+      RunFetchV({2, 2, 64, 1, 9, 30, DType::kBF16, staged, blocks, true});
+      RunFetchV({1, 2, 128, 64, 6, 20, DType::kBF16, staged, blocks, true});
+      RunFetchV({2, 2, 64, 7, 11, 50, DType::kF32, staged, blocks, true});
+      RunFetchV({40, 8, 64, 8, 5, 30, DType::kBF16, staged, blocks, true});
+    }
   }
 }
 

@@ -843,7 +843,10 @@ class ShadowKvPolicy final : public KvPolicy {
     }
     // From device memory the fetch is not bound by the host link: as many
     // blocks as the restore's.
-    if (on_device) fv.max_blocks = kRestoreFetchBlocks;
+    if (on_device) {
+      fv.max_blocks = kRestoreFetchBlocks;
+      fv.values_on_device = true;
+    }
     if (o_.value_fetch == "staging" || lazy) {
       PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, fv.miss_count, fv.miss_chunk, &fv));
       b.ShadowkvFetchV(fv, /*staged=*/true);
