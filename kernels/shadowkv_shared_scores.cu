@@ -90,81 +90,74 @@ struct SsShared {
   };
 };
 
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2E = 1.4426950408889634f;
+
+// An MMA tile holds 16 / G sequences' G query heads. Its row (r, half) (the
+// lane's rows r = lane / 4 and r + 8) is head TileHead of sequence TileSeq,
+// chosen so that a lane's two rows are two heads of one sequence: the maximum
+// over a sequence's heads is then one in-lane max and log2(G / 2) shuffles.
+template <int G>
+struct TileRows {
+  static constexpr int kSeqs = 16 / G;  // sequences per tile
+  static constexpr int kSeqShift = kSeqs == 16 ? 4 : kSeqs == 8 ? 3 : kSeqs == 4 ? 2 : 1;
+  __device__ static int Seq(int r, int half) { return G == 1 ? r + 8 * half : r & (kSeqs - 1); }
+  __device__ static int Head(int r, int half) { return G == 1 ? 0 : (r >> kSeqShift) + (G / 2) * half; }
+};
+
 // G: query heads per KV head; kSecond: pass 2 (else pass 1). Both compile-time
 // so that the row and sequence arithmetic is shifts (as run-time divisions
-// they made this kernel bound by its integer instructions).
+// they made this kernel bound by its integer instructions). The statistics
+// are in base 2 (logits times log2 e, folded into each landmark row's scale),
+// so that each logit costs one FFMA (scale, and -inf where it does not count)
+// and one ex2.
 template <int D, bool F8, int G, bool kSecond>
 __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
   static_assert(G >= 1 && G <= 8 && (G & (G - 1)) == 0, "a power of two: 16 / G sequences per MMA tile");
+  using Rows = TileRows<G>;
+  constexpr int kSeqs = Rows::kSeqs;
   __shared__ SsShared<D> sm;
   constexpr int kJ = D / 32;
-  constexpr bool second = kSecond;
   const int tile = blockIdx.x, h = blockIdx.y, rb = blockIdx.z;
   const int R = ws.R, shift = ws.shift, per_chunk = 1 << shift;
   const int v0 = tile * kSsTile;
   const int rho_block = rb * kSsRowBlock, rho_end = min(R, rho_block + kSsRowBlock);
-  const int b_lo = rho_block / G, b_hi = (rho_end + G - 1) / G;  // the block's sequences
+  const int b_lo = rho_block / G, b_hi = rho_end / G;  // the block's sequences (R and blocks hold whole ones)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 2, c = lane & 3;
   const int base = v0 + warp * 32;
   const bool shared_tile = v0 + kSsTile <= ws.shared_rows;
 
-  // Pass 2's output of one MMA tile: x[half][nt][e] are rows rho_a (half 0)
-  // and rho_a + 8's products with this warp's landmark rows; the maximum over
-  // each sequence's G rows and each chunk's rows, exp, into scores.
-  auto emit = [&](float(&x)[2][4][2], int rho_a, int seqs_in_tile) {
+  // One MMA tile: sequences [b0, b0 + n) of the block (at most kSeqs; query
+  // rows at block row (b - b_lo) G + head) against the warp's fragments kr:
+  // x = product * rs + bias (bias -inf where the column does not count).
+  auto products = [&](const uint4(&kr)[4][kJ], const float(&rs)[4][2], const float(&bias)[4][2], int b0, int n,
+                      float(&x)[2][4][2]) {
+    uint32_t q[2][D / 16][2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int rho = rho_a + 8 * half;
-      const float l = rho < rho_end ? ws.lse[static_cast<int64_t>(h) * R + rho] : NegInf();
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = l == NegInf() ? NegInf() : x[half][nt][e] - l;
-#pragma unroll
-          for (int o = 4; o < 4 * G; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-          if (r % G == 0) sm.val[warp][(r + 8 * half) / G][8 * nt + 2 * c + e] = v;
-        }
+      const int sq = Rows::Seq(r, half);
+      const int row = min((b0 - b_lo + sq) * G + Rows::Head(r, half), kSsRowBlock - 1);
+      LoadQFragments<D, F8>(sm.q[row], sq < n, c, q[half]);
     }
-    __syncwarp();
-    const int cshift = 5 - shift;  // chunks per warp: 1 << cshift
-    const int rho0 = rho_a - r;    // the tile's first row
-    for (int p = lane; p < seqs_in_tile << cshift; p += 32) {
-      const int sl = p >> cshift, ch = p & ((1 << cshift) - 1);
-      const int b = rho0 / G + sl;
-      const int chunk = (base >> shift) + ch;
-      if (rho0 + sl * G >= rho_end || chunk >= a.max_chunks) continue;
-      float m = NegInf();
-      for (int j = 0; j < per_chunk; ++j) m = fmaxf(m, sm.val[warp][sl][(ch << shift) + j]);
-      a.scores[(static_cast<int64_t>(b) * a.hkv + h) * a.score_stride + chunk] = m == NegInf() ? NegInf() : __expf(m);
-    }
-    __syncwarp();
-  };
-
-  // One MMA tile: rows [rho0, rho0 + 16) (valid below rho_stop) against the
-  // warp's fragments kr, scaled by rs where `counts` has the column.
-  auto products = [&](const uint4(&kr)[4][kJ], const float(&rs)[4][2], uint32_t counts, int rho0, int rho_stop,
-                      float(&x)[2][4][2]) {
-    const int ra = rho0 + r, rbw = rho0 + r + 8;
-    uint32_t qa[D / 16][2], qb[D / 16][2];
-    LoadQFragments<D, F8>(sm.q[min(ra, rho_end - 1) - rho_block], ra < rho_stop, c, qa);
-    LoadQFragments<D, F8>(sm.q[min(rbw, rho_end - 1) - rho_block], rbw < rho_stop, c, qb);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      MmaPermutedQK16<D>(acc, qa, qb, kr[nt]);
+      MmaPermutedQK16<D>(acc, q[0], q[1], kr[nt]);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const bool ok = (counts >> (2 * nt + e)) & 1u;
-        x[0][nt][e] = ok && ra < rho_stop ? acc[e] * rs[nt][e] : NegInf();
-        x[1][nt][e] = ok && rbw < rho_stop ? acc[2 + e] * rs[nt][e] : NegInf();
+        x[0][nt][e] = fmaf(acc[e], rs[nt][e], bias[nt][e]);
+        x[1][nt][e] = fmaf(acc[2 + e], rs[nt][e], bias[nt][e]);
       }
     }
   };
-  // Pass 1's output of one MMA tile: each row's (max, sum exp) over the
-  // warp's 32 landmark rows into sm.part.
-  auto stats = [&](const float(&x)[2][4][2], int rho0, int rho_stop) {
+  // Pass 1: each valid row's (max, sum 2^(x - max)) over the warp's 32
+  // landmark rows into sm.part (block rows).
+  auto stats = [&](const float(&x)[2][4][2], int b0, int n) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float m = NegInf();
@@ -175,36 +168,75 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
       float sum = 0.0f;
       if (m != NegInf()) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) sum += __expf(x[half][nt][0] - m) + __expf(x[half][nt][1] - m);
+        for (int nt = 0; nt < 4; ++nt) sum += Ex2(x[half][nt][0] - m) + Ex2(x[half][nt][1] - m);
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int rho = rho0 + r + 8 * half;
-      if (c == 0 && rho < rho_stop) sm.part[warp][rho - rho_block] = make_float2(m, sum);
+      const int sq = Rows::Seq(r, half);
+      if (c == 0 && sq < n) sm.part[warp][(b0 - b_lo + sq) * G + Rows::Head(r, half)] = make_float2(m, sum);
     }
   };
-  // The warp's landmark rows of sequence b (rows at or past n zeros), their
-  // scales and which count (selectable, below n).
-  auto load = [&](int b, int n, uint4(&kr)[4][kJ], float(&rs)[4][2]) -> uint32_t {
+  // Pass 2: x - lse, the maximum over each sequence's heads and each chunk's
+  // landmark rows, 2^that into scores.
+  auto emit = [&](float(&x)[2][4][2], int b0, int n) {
+    float l[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int sq = Rows::Seq(r, half);
+      const int64_t rho = static_cast<int64_t>(b0 + sq) * G + Rows::Head(r, half);
+      l[half] = sq < n ? ws.lse[static_cast<int64_t>(h) * R + rho] : NegInf();
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * nt + 2 * c + e;
+        const float w0 = l[0] == NegInf() ? NegInf() : x[0][nt][e] - l[0];
+        const float w1 = l[1] == NegInf() ? NegInf() : x[1][nt][e] - l[1];
+        if constexpr (G == 1) {
+          sm.val[warp][r][col] = w0;
+          sm.val[warp][r + 8][col] = w1;
+        } else {
+          float v = fmaxf(w0, w1);
+#pragma unroll
+          for (int o = 4 * kSeqs; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+          if (r < kSeqs) sm.val[warp][r][col] = v;
+        }
+      }
+    __syncwarp();
+    const int cshift = 5 - shift;  // chunks per warp: 1 << cshift
+    for (int p = lane; p < n << cshift; p += 32) {
+      const int sl = p >> cshift, ch = p & ((1 << cshift) - 1);
+      const int chunk = (base >> shift) + ch;
+      if (chunk >= a.max_chunks) continue;
+      float m = NegInf();
+      for (int j = 0; j < per_chunk; ++j) m = fmaxf(m, sm.val[warp][sl][(ch << shift) + j]);
+      a.scores[(static_cast<int64_t>(b0 + sl) * a.hkv + h) * a.score_stride + chunk] =
+          m == NegInf() ? NegInf() : Ex2(m);
+    }
+    __syncwarp();
+  };
+  // The warp's landmark rows of sequence b (rows at or past n zeros), each
+  // column's scale (times log2 e) and bias (0 where the row is selectable
+  // and below n, else -inf).
+  auto load = [&](int b, int n, uint4(&kr)[4][kJ], float(&rs)[4][2], float(&bias)[4][2]) {
     const LandmarkRows<std::conditional_t<F8, Fp8, bf16>> land(a, b, h, shift);
     const uint8_t* excl = a.excluded ? a.excluded[b] + static_cast<int64_t>(h) * a.chunk_cap : nullptr;
     LoadLandmarkFragments<D, F8>(land, base, n, r, c, kr);
-    uint32_t counts = 0;  // bit 2 nt + e
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int v = base + 8 * nt + 2 * c + e;
         const bool ok = v < n && !(excl && excl[v >> shift]);
-        rs[nt][e] = ok ? land.RowScale(v) * a.scale : 0.0f;
-        counts |= ok ? 1u << (2 * nt + e) : 0u;
+        rs[nt][e] = ok ? land.RowScale(v) * (a.scale * kLog2E) : 0.0f;
+        bias[nt][e] = ok ? 0.0f : NegInf();
       }
-    return counts;
   };
   auto rows_of = [&](int b) { return min(a.n_chunks[b], a.max_chunks) << shift; };
 
-  // The block's query rows (row rho: sequence rho / G, query head h G + rho %
-  // G), copied asynchronously while the warp's landmark rows load.
+  // The block's query rows (block row (b - b_lo) G + g: sequence b, query
+  // head h G + g), copied asynchronously while the warp's landmark rows load.
   for (int i = threadIdx.x; i < (rho_end - rho_block) * (D / 8); i += blockDim.x) {
     const int row = i / (D / 8), part = i % (D / 8);
     const int rho = rho_block + row, b = rho / G;
@@ -213,30 +245,30 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
   }
   CpAsyncCommit();
   uint4 kr[4][kJ];
-  float rs[4][2];
+  float rs[4][2], bias[4][2];
   float x[2][4][2];
   // The prefix's rows: the same for every sequence of the block (one_prefix).
-  const uint32_t shared_counts = shared_tile ? load(b_lo, ws.shared_rows, kr, rs) : 0u;
+  if (shared_tile) load(b_lo, ws.shared_rows, kr, rs, bias);
   CpAsyncWait<0>();
   __syncthreads();
   if (shared_tile) {
 #pragma unroll 1
-    for (int rho0 = rho_block; rho0 < rho_end; rho0 += 16) {
-      products(kr, rs, shared_counts, rho0, rho_end, x);
-      if constexpr (second)
-        emit(x, rho0 + r, 16 / G);
+    for (int b0 = b_lo; b0 < b_hi; b0 += kSeqs) {
+      const int n = min(kSeqs, b_hi - b0);
+      products(kr, rs, bias, b0, n, x);
+      if constexpr (kSecond)
+        emit(x, b0, n);
       else
-        stats(x, rho0, rho_end);
+        stats(x, b0, n);
     }
   } else {
     // Rows of each sequence's own: one sequence per MMA tile.
 #pragma unroll 1
     for (int b = b_lo; b < b_hi; ++b) {
       const int n = rows_of(b);
-      const int rho0 = b * G;
       if (v0 >= n) {
         // Past the sequence's chunks: -inf below max_chunks (pass 2), no statistics.
-        if constexpr (second) {
+        if constexpr (kSecond) {
           for (int ch = lane; ch < (32 >> shift); ch += 32) {
             const int chunk = (base >> shift) + ch;
             if (chunk < a.max_chunks)
@@ -245,15 +277,15 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
         }
         continue;
       }
-      const uint32_t counts = load(b, n, kr, rs);
-      products(kr, rs, counts, rho0, rho0 + G, x);
-      if constexpr (second)
-        emit(x, rho0 + r, 1);
+      load(b, n, kr, rs, bias);
+      products(kr, rs, bias, b, 1, x);
+      if constexpr (kSecond)
+        emit(x, b, 1);
       else
-        stats(x, rho0, rho0 + G);
+        stats(x, b, 1);
     }
   }
-  if constexpr (second) return;
+  if constexpr (kSecond) return;
   __syncthreads();
   for (int i = threadIdx.x; i < rho_end - rho_block; i += blockDim.x) {
     const int rho = rho_block + i;
@@ -264,15 +296,15 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
     if (m != NegInf()) {
       for (int w = 0; w < kSsWarps; ++w) {
         const float2 p = sm.part[w][i];
-        if (p.x != NegInf()) sum += p.y * expf(p.x - m);
+        if (p.x != NegInf()) sum += p.y * Ex2(p.x - m);
       }
     }
     ws.parts[(static_cast<int64_t>(h) * R + rho) * ws.tiles + tile] = make_float2(m, sum);
   }
 }
 
-// One warp per (KV head, row): lse = max + log(sum exp) over the tiles that
-// hold the row's sequence's landmark rows (pass 1 wrote those).
+// One warp per (KV head, row): lse = max + log2(sum 2^...) over the tiles
+// that hold the row's sequence's landmark rows (pass 1 wrote those), base 2.
 __global__ void SharedScoresMergeKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
   const int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (w >= a.hkv * ws.R) return;
@@ -286,10 +318,10 @@ __global__ void SharedScoresMergeKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
   float sum = 0.0f;
   if (m != NegInf()) {
     for (int t = lane; t < tiles_used; t += 32)
-      if (p[t].x != NegInf()) sum += p[t].y * expf(p[t].x - m);
+      if (p[t].x != NegInf()) sum += p[t].y * exp2f(p[t].x - m);
   }
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  if (lane == 0) ws.lse[w] = m != NegInf() && sum > 0.0f ? m + logf(sum) : NegInf();
+  if (lane == 0) ws.lse[w] = m != NegInf() && sum > 0.0f ? m + log2f(sum) : NegInf();
 }
 
 template <int D, bool F8, int G>
