@@ -507,6 +507,48 @@ TEST_F(SchedulerTest, DocumentsAreReusedThroughTheScheduler) {
   }
 }
 
+// Questions about two cached documents submitted interleaved decode in one
+// batch, which the scheduler orders by document (a policy scores one
+// document's sequences together): each still gets its offline answer.
+TEST_F(SchedulerTest, InterleavedQuestionsAboutTwoDocumentsGetTheirOfflineAnswers) {
+  for (const std::string policy : {"full", "shadowkv"}) {
+    SCOPED_TRACE(policy);
+    auto e = OpenEngine(policy, 4096, 64 << 20);
+    ASSERT_TRUE(e);
+    auto s = Start(*e);
+    ASSERT_TRUE(s);
+    const std::vector<std::vector<int32_t>> docs = {LcgTokens(151, 7, true), LcgTokens(133, 8, true)};
+    auto question = [&](int d, uint64_t q) {
+      GenerationRequest r;
+      r.prompt = docs[d];
+      const std::vector<int32_t> t = LcgTokens(20, 200 + q, false);
+      r.prompt.insert(r.prompt.end(), t.begin(), t.end());
+      r.document_ends = {static_cast<int64_t>(docs[d].size())};
+      r.max_new_tokens = 10 + static_cast<int>(q % 3);
+      return r;
+    };
+    for (int d = 0; d < 2; ++d) {  // each document cached by a first question
+      auto id = s->Submit(question(d, 50 + d));
+      ASSERT_TRUE(id.ok());
+      ASSERT_TRUE(s->Wait(*id).ok());
+    }
+    std::vector<GenerationRequest> reqs;
+    std::vector<uint64_t> ids;
+    for (uint64_t q = 0; q < 6; ++q) {  // A, B, A, B, ...
+      reqs.push_back(question(static_cast<int>(q % 2), q));
+      auto id = s->Submit(reqs.back());
+      ASSERT_TRUE(id.ok());
+      ids.push_back(*id);
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto u = s->Wait(ids[i]);
+      ASSERT_TRUE(u.ok());
+      EXPECT_EQ(u->cached_prompt_tokens, static_cast<int64_t>(docs[i % 2].size())) << "question " << i;
+      EXPECT_EQ(u->ids, Offline(reqs[i], policy)) << "question " << i;
+    }
+  }
+}
+
 TEST_F(SchedulerTest, DrainFinishesWhatRunsAndRefusesNewRequests) {
   auto e = OpenEngine();
   ASSERT_TRUE(e);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <utility>
 
@@ -619,6 +620,13 @@ void Scheduler::DecodeOnce() {
                                               static_cast<int64_t>(prefilling_.front()->req.prompt.size()));
   }
   if (batch.empty()) return;
+  // Questions about one document side by side: a policy scores the sequences
+  // attached to one prefix together where they form a run (ShadowKV's
+  // one-prefix scores on the GPU); a sequence's tokens do not depend on its
+  // place in the batch. Stable: admission order within a document.
+  std::stable_sort(batch.begin(), batch.end(), [](const auto& x, const auto& y) {
+    return std::less<const KvPrefix*>()(x->prefill.attached.get(), y->prefill.attached.get());
+  });
   // Only this thread writes a running request's ids: read without the lock.
   std::vector<int64_t> seqs, positions;
   std::vector<int32_t> tokens;
