@@ -154,5 +154,53 @@ __device__ __forceinline__ void LoadLandmarkFragments(const Rows& land, int base
   }
 }
 
+// 2^x by the special-function unit (ex2.approx.ftz: relative error ~2^-22;
+// 2^-inf = 0).
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The (max, sum of base^(x - max)) of a lane's 8 values over the four lanes
+// of an MMA row (lanes 4 r .. 4 r + 3, the columns of one query row); base e,
+// or 2 with kBase2 (values already scaled by log2 e). (-inf, 0) when every
+// value is -inf.
+template <bool kBase2>
+__device__ __forceinline__ float2 RowQuadStats(const float (&x)[4][2]) {
+  float m = NegInf();
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) m = fmaxf(m, fmaxf(x[nt][0], x[nt][1]));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  float sum = 0.0f;
+  if (m != NegInf()) {
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) sum += kBase2 ? Ex2(x[nt][e] - m) : expf(x[nt][e] - m);
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  return make_float2(m, sum);
+}
+
+// One warp's log-sum-exp (base e, or 2 with kBase2) of n partial (max, sum)
+// pairs, every lane the same; -inf when none counts.
+template <bool kBase2>
+__device__ __forceinline__ float WarpPartsLse(const float2* p, int n, int lane) {
+  float m = NegInf();
+  for (int t = lane; t < n; t += 32) m = fmaxf(m, p[t].x);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float sum = 0.0f;
+  if (m != NegInf()) {
+    for (int t = lane; t < n; t += 32)
+      if (p[t].x != NegInf()) sum += p[t].y * (kBase2 ? Ex2(p[t].x - m) : expf(p[t].x - m));
+  }
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (m == NegInf() || !(sum > 0.0f)) return NegInf();
+  return m + (kBase2 ? log2f(sum) : logf(sum));
+}
+
 }  // namespace
 }  // namespace penumbra::kernels

@@ -137,19 +137,8 @@ __global__ void __launch_bounds__(kQsWarps * 32)
     if (!second) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float m = NegInf();
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) m = fmaxf(m, fmaxf(x[half][nt][0], x[half][nt][1]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        float sum = 0.0f;
-        if (m != NegInf()) {
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) sum += expf(x[half][nt][0] - m) + expf(x[half][nt][1] - m);
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        if (c == 0) s_part[warp][16 * t + r + 8 * half] = make_float2(m, sum);
+        const float2 st = RowQuadStats<false>(x[half]);
+        if (c == 0) s_part[warp][16 * t + r + 8 * half] = st;
       }
     } else {
 #pragma unroll
@@ -211,17 +200,8 @@ __global__ void QueryScoresMergeKernel(ShadowkvQueryScoresArgs a, QsWorkspace ws
   if (w >= a.score.hkv * ws.R) return;
   const int n = min(a.score.n_chunks[0], a.score.max_chunks) << shift;
   const int tiles_used = (n + kQsTile - 1) / kQsTile;
-  const float2* p = ws.parts + static_cast<int64_t>(w) * ws.tiles;
-  float m = NegInf();
-  for (int t = lane; t < tiles_used; t += 32) m = fmaxf(m, p[t].x);
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float sum = 0.0f;
-  if (m != NegInf()) {
-    for (int t = lane; t < tiles_used; t += 32)
-      if (p[t].x != NegInf()) sum += p[t].y * expf(p[t].x - m);
-  }
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  if (lane == 0) ws.lse[w] = m != NegInf() && sum > 0.0f ? m + logf(sum) : NegInf();
+  const float lse = WarpPartsLse<false>(ws.parts + static_cast<int64_t>(w) * ws.tiles, tiles_used, lane);
+  if (lane == 0) ws.lse[w] = lse;
 }
 
 // best[c] = exp(max over the partials), -inf where none counts or c >= n

@@ -90,11 +90,6 @@ struct SsShared {
   };
 };
 
-__device__ __forceinline__ float Ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 constexpr float kLog2E = 1.4426950408889634f;
 
 // An MMA tile holds 16 / G sequences' G query heads. Its row (r, half) (the
@@ -160,20 +155,9 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
   auto stats = [&](const float(&x)[2][4][2], int b0, int n) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float m = NegInf();
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) m = fmaxf(m, fmaxf(x[half][nt][0], x[half][nt][1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      float sum = 0.0f;
-      if (m != NegInf()) {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) sum += Ex2(x[half][nt][0] - m) + Ex2(x[half][nt][1] - m);
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float2 st = RowQuadStats<true>(x[half]);
       const int sq = Rows::Seq(r, half);
-      if (c == 0 && sq < n) sm.part[warp][(b0 - b_lo + sq) * G + Rows::Head(r, half)] = make_float2(m, sum);
+      if (c == 0 && sq < n) sm.part[warp][(b0 - b_lo + sq) * G + Rows::Head(r, half)] = st;
     }
   };
   // Pass 2: x - lse, the maximum over each sequence's heads and each chunk's
@@ -311,17 +295,8 @@ __global__ void SharedScoresMergeKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
   const int rho = w % ws.R, b = rho / (a.hq / a.hkv);
   const int n = min(a.n_chunks[b], a.max_chunks) << ws.shift;
   const int tiles_used = (n + kSsTile - 1) / kSsTile;
-  const float2* p = ws.parts + static_cast<int64_t>(w) * ws.tiles;
-  float m = NegInf();
-  for (int t = lane; t < tiles_used; t += 32) m = fmaxf(m, p[t].x);
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float sum = 0.0f;
-  if (m != NegInf()) {
-    for (int t = lane; t < tiles_used; t += 32)
-      if (p[t].x != NegInf()) sum += p[t].y * exp2f(p[t].x - m);
-  }
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  if (lane == 0) ws.lse[w] = m != NegInf() && sum > 0.0f ? m + log2f(sum) : NegInf();
+  const float lse = WarpPartsLse<true>(ws.parts + static_cast<int64_t>(w) * ws.tiles, tiles_used, lane);
+  if (lane == 0) ws.lse[w] = lse;
 }
 
 template <int D, bool F8, int G>
