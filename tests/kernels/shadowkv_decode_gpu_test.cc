@@ -786,6 +786,137 @@ TEST(ShadowkvScoreGpu, TwoCallsMatchCpu) {
 }
 
 // ============================================================================
+// Landmarks of sequences attached to one prefix, as both backends take them
+// ============================================================================
+
+// Records (f32, or fp8: LandmarkChunkElems each) of `chunks` chunks per head
+// of random landmarks.
+std::vector<uint8_t> RandomLandmarkRecords(Rng& rng, int hkv, int chunks, int per_chunk, int d, bool fp8) {
+  const size_t rec_bytes = static_cast<size_t>(LandmarkChunkElems(per_chunk, d, fp8)) * (fp8 ? 1 : sizeof(float));
+  HostTensor v = MakeTensor(static_cast<size_t>(hkv) * chunks * per_chunk * d, DType::kBF16, rng, 2.0f);
+  std::vector<uint8_t> out(static_cast<size_t>(hkv) * chunks * rec_bytes);
+  for (int i = 0; i < hkv * chunks; ++i) {
+    const float* src = v.f32.data() + static_cast<size_t>(i) * per_chunk * d;
+    if (fp8)
+      EncodeLandmarkFp8(src, static_cast<int64_t>(per_chunk) * d, out.data() + i * rec_bytes);
+    else
+      std::memcpy(out.data() + i * rec_bytes, src, rec_bytes);
+  }
+  return out;
+}
+
+// Batch entries attached to one prefix: its records [hkv][shared_chunks],
+// each entry's own [hkv][own_cap] and exclusions [hkv][cap] (entries may
+// share them), its chunk count.
+struct PrefixedLandmarks {
+  int hkv = 0, hq = 0, d = 0, per_chunk = 1, shared_chunks = 0, own_cap = 0, cap = 0, max_chunks = 0;
+  bool fp8 = false;
+  float scale = 1.0f;
+  std::vector<uint8_t> shared;
+  std::vector<const std::vector<uint8_t>*> own, excl;
+  std::vector<int32_t> n_chunks;
+
+  // The shape, and the prefix's random records (no entries yet).
+  PrefixedLandmarks(Rng& rng, int hkv_, int group, int d_, int per_chunk_, bool fp8_, int shared_chunks_, int own_cap_)
+      : hkv(hkv_),
+        hq(hkv_ * group),
+        d(d_),
+        per_chunk(per_chunk_),
+        shared_chunks(shared_chunks_),
+        own_cap(own_cap_),
+        cap(shared_chunks_ + own_cap_),
+        fp8(fp8_),
+        scale(1.0f / std::sqrt(static_cast<float>(d_))),
+        shared(RandomLandmarkRecords(rng, hkv_, std::max(shared_chunks_, 1), per_chunk_, d_, fp8_)) {}
+
+  // The CPU's ShadowkvScore of every entry into scores (stride per row).
+  void CpuScores(const float* q, float* scores, int64_t stride) const {
+    const auto as_f32 = [](const std::vector<uint8_t>* v) { return reinterpret_cast<const float*>(v->data()); };
+    const int batch = static_cast<int>(own.size());
+    std::vector<const float*> lp, sp(batch, as_f32(&shared));
+    std::vector<const uint8_t*> lp8, sp8(batch, shared.data()), ep;
+    for (int b = 0; b < batch; ++b) {
+      lp.push_back(as_f32(own[b]));
+      lp8.push_back(own[b]->data());
+      ep.push_back(excl[b]->data());
+    }
+    cpu::ShadowkvScoreArgs ca;
+    ca.q = q;
+    if (fp8) {
+      ca.landmarks_fp8 = lp8.data();
+      ca.shared_landmarks_fp8 = sp8.data();
+    } else {
+      ca.landmarks = lp.data();
+      ca.shared_landmarks = sp.data();
+    }
+    ca.excluded = ep.data();
+    ca.n_chunks = n_chunks.data();
+    ca.batch = batch;
+    ca.hq = hq;
+    ca.hkv = hkv;
+    ca.d = d;
+    ca.chunk_cap = cap;
+    ca.max_chunks = max_chunks;
+    ca.shared_chunks = shared_chunks;
+    ca.landmark_cap = own_cap;
+    ca.scale = scale;
+    ca.landmarks_per_chunk = per_chunk;
+    ca.scores = scores;
+    ca.score_stride = stride;
+    cpu::ShadowkvScore(ca);
+  }
+
+  // The first `entries` entries on the device (bf16 records, or the fp8 ones
+  // as they are) and a ShadowkvScoreArgs naming them (bf16 q; no scores,
+  // selection or workspace yet).
+  struct Device {
+    std::vector<std::unique_ptr<DeviceBuffer>> keep;
+    ShadowkvScoreArgs args;
+  };
+  std::unique_ptr<Device> Upload(const HostTensor& q, int entries) const {
+    auto dev = std::make_unique<Device>();
+    auto keep = [&](std::unique_ptr<DeviceBuffer> b) {
+      dev->keep.push_back(std::move(b));
+      return dev->keep.back().get();
+    };
+    auto records = [&](const std::vector<uint8_t>& recs) {
+      if (fp8) return keep(ToDevice(recs));
+      std::vector<uint8_t> raw(recs.size() / sizeof(float) * 2);
+      ConvertFromF32(reinterpret_cast<const float*>(recs.data()), raw.data(), DType::kBF16,
+                     recs.size() / sizeof(float));
+      return keep(ToDevice(raw));
+    };
+    const void* dshared = records(shared)->get();
+    std::vector<const void*> dl, ds(entries, dshared);
+    std::vector<const uint8_t*> de;
+    for (int b = 0; b < entries; ++b) {
+      dl.push_back(records(*own[b])->get());
+      de.push_back(keep(ToDevice(*excl[b]))->get<uint8_t>());
+    }
+    ShadowkvScoreArgs& g = dev->args;
+    g.q = keep(ToDevice(q.raw))->get();
+    g.q_dtype = DType::kBF16;
+    g.landmarks = keep(ToDevice(dl))->get<const void* const>();
+    g.shared_landmarks = keep(ToDevice(ds))->get<const void* const>();
+    g.excluded = keep(ToDevice(de))->get<const uint8_t* const>();
+    g.dtype = DType::kBF16;
+    g.landmark_fp8 = fp8;
+    g.n_chunks = keep(ToDevice(std::vector<int32_t>(n_chunks.begin(), n_chunks.begin() + entries)))->get<int32_t>();
+    g.batch = entries;
+    g.hq = hq;
+    g.hkv = hkv;
+    g.d = d;
+    g.chunk_cap = cap;
+    g.landmark_cap = own_cap;
+    g.shared_chunks = shared_chunks;
+    g.max_chunks = max_chunks;
+    g.scale = scale;
+    g.landmarks_per_chunk = per_chunk;
+    return dev;
+  }
+};
+
+// ============================================================================
 // Many queries over one sequence (a sparse continuation's selection): the
 // tensor-core path against its definition, the CPU's per-row scores' maximum
 // ============================================================================
@@ -802,107 +933,31 @@ void RunQueryScores(const QueryScoresCase& c) {
                                     << " n " << c.n << " landmarks per chunk " << c.per_chunk << " fp8 " << c.fp8
                                     << " shared " << c.shared_chunks);
   Rng rng(991 + c.rows + c.n + c.d + c.group + c.per_chunk);
-  const int hq = c.hkv * c.group, cap = c.n + 3, own_cap = cap - c.shared_chunks, max_chunks = c.n;
-  const int n_chunks = std::max(1, c.n - c.n / 7);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-  HostTensor q = MakeTensor(static_cast<size_t>(c.rows) * hq * c.d, DType::kBF16, rng, 2.0f);
-  // Chunk records of every head, then split into the prefix's [hkv][shared]
-  // and the sequence's own [hkv][own_cap].
-  const int64_t rec = LandmarkChunkElems(c.per_chunk, c.d, c.fp8);
-  const size_t rec_bytes = static_cast<size_t>(rec) * (c.fp8 ? 1 : sizeof(float));
-  HostTensor land = MakeTensor(static_cast<size_t>(c.hkv) * cap * c.per_chunk * c.d, DType::kBF16, rng, 2.0f);
-  std::vector<uint8_t> all(static_cast<size_t>(c.hkv) * cap * rec_bytes);  // f32 or fp8 records
-  for (int i = 0; i < c.hkv * cap; ++i) {
-    const float* src = land.f32.data() + static_cast<size_t>(i) * c.per_chunk * c.d;
-    if (c.fp8)
-      EncodeLandmarkFp8(src, static_cast<int64_t>(c.per_chunk) * c.d, all.data() + i * rec_bytes);
-    else
-      std::memcpy(all.data() + i * rec_bytes, src, rec_bytes);
-  }
-  std::vector<uint8_t> shared(static_cast<size_t>(c.hkv) * std::max(c.shared_chunks, 1) * rec_bytes);
-  std::vector<uint8_t> own(static_cast<size_t>(c.hkv) * own_cap * rec_bytes);
-  for (int h = 0; h < c.hkv; ++h)
-    for (int ch = 0; ch < cap; ++ch) {
-      const uint8_t* src = all.data() + (static_cast<size_t>(h) * cap + ch) * rec_bytes;
-      uint8_t* dst = ch < c.shared_chunks
-                         ? shared.data() + (static_cast<size_t>(h) * c.shared_chunks + ch) * rec_bytes
-                         : own.data() + (static_cast<size_t>(h) * own_cap + ch - c.shared_chunks) * rec_bytes;
-      std::memcpy(dst, src, rec_bytes);
-    }
-  std::vector<uint8_t> excl(static_cast<size_t>(c.hkv) * cap, 0);
+  PrefixedLandmarks p(rng, c.hkv, c.group, c.d, c.per_chunk, c.fp8, c.shared_chunks, c.n + 3 - c.shared_chunks);
+  p.max_chunks = c.n;
+  const int max_chunks = c.n, n_chunks = std::max(1, c.n - c.n / 7);
+  HostTensor q = MakeTensor(static_cast<size_t>(c.rows) * p.hq * c.d, DType::kBF16, rng, 2.0f);
+  const std::vector<uint8_t> own = RandomLandmarkRecords(rng, c.hkv, p.own_cap, c.per_chunk, c.d, c.fp8);
+  std::vector<uint8_t> excl(static_cast<size_t>(c.hkv) * p.cap, 0);
   for (auto& e : excl) e = rng.Int(7) == 0;
-  for (int h = 0; h < c.hkv; ++h) excl[static_cast<size_t>(h) * cap] = 1;  // chunk 0: excluded for every head
+  for (int h = 0; h < c.hkv; ++h) excl[static_cast<size_t>(h) * p.cap] = 1;  // chunk 0: excluded for every head
+  // Every query row is an entry of the one sequence (the CPU's definition).
+  p.own.assign(c.rows, &own);
+  p.excl.assign(c.rows, &excl);
+  p.n_chunks.assign(c.rows, n_chunks);
 
   // The definition on the CPU: every row's ShadowkvScore, the maximum over
   // rows and KV heads.
   std::vector<float> scores(static_cast<size_t>(c.rows) * c.hkv * max_chunks);
-  const auto as_f32 = [](const std::vector<uint8_t>& v) { return reinterpret_cast<const float*>(v.data()); };
-  std::vector<const float*> lp(c.rows, as_f32(own)), sp(c.rows, as_f32(shared));
-  std::vector<const uint8_t*> lp8(c.rows, own.data()), sp8(c.rows, shared.data()), ep(c.rows, excl.data());
-  std::vector<int32_t> counts(c.rows, n_chunks);
-  cpu::ShadowkvScoreArgs ca;
-  ca.q = q.f32.data();
-  if (c.fp8) {
-    ca.landmarks_fp8 = lp8.data();
-    ca.shared_landmarks_fp8 = sp8.data();
-  } else {
-    ca.landmarks = lp.data();
-    ca.shared_landmarks = sp.data();
-  }
-  ca.excluded = ep.data();
-  ca.n_chunks = counts.data();
-  ca.batch = c.rows;
-  ca.hq = hq;
-  ca.hkv = c.hkv;
-  ca.d = c.d;
-  ca.chunk_cap = cap;
-  ca.max_chunks = max_chunks;
-  ca.shared_chunks = c.shared_chunks;
-  ca.landmark_cap = own_cap;
-  ca.scale = scale;
-  ca.landmarks_per_chunk = c.per_chunk;
-  ca.scores = scores.data();
-  ca.score_stride = max_chunks;
-  cpu::ShadowkvScore(ca);
+  p.CpuScores(q.f32.data(), scores.data(), max_chunks);
   std::vector<float> want(max_chunks);
   cpu::MaxRows(scores.data(), c.rows * c.hkv, max_chunks, max_chunks, want.data(), false);
 
-  // The device's landmarks: bf16 records, or the fp8 ones as they are.
-  auto to_device_records = [&](const std::vector<uint8_t>& recs) {
-    if (c.fp8) return ToDevice(recs);
-    std::vector<uint8_t> raw(recs.size() / sizeof(float) * 2);
-    ConvertFromF32(as_f32(recs), raw.data(), DType::kBF16, recs.size() / sizeof(float));
-    return ToDevice(raw);
-  };
-  auto dshared = to_device_records(shared), down = to_device_records(own);
-  auto dexcl = ToDevice(excl);
-  auto dq = ToDevice(q.raw);
-  auto tab_l = ToDevice(std::vector<const void*>{down->get()});
-  auto tab_s = ToDevice(std::vector<const void*>{dshared->get()});
-  auto tab_e = ToDevice(std::vector<const uint8_t*>{dexcl->get<uint8_t>()});
-  auto dn = ToDevice(std::vector<int32_t>{n_chunks});
+  auto dev = p.Upload(q, /*entries=*/1);
   auto dbest = ToDevice(std::vector<float>(max_chunks, kNaN));
-  DeviceBuffer ws(ShadowkvQueryScoresWorkspaceBytes(c.rows, hq, c.hkv, max_chunks, c.per_chunk));
+  DeviceBuffer ws(ShadowkvQueryScoresWorkspaceBytes(c.rows, p.hq, c.hkv, max_chunks, c.per_chunk));
   ShadowkvQueryScoresArgs a;
-  ShadowkvScoreArgs& g = a.score;
-  g.q = dq->get();
-  g.q_dtype = DType::kBF16;
-  g.landmarks = tab_l->get<const void* const>();
-  g.shared_landmarks = tab_s->get<const void* const>();
-  g.excluded = tab_e->get<const uint8_t* const>();
-  g.dtype = DType::kBF16;
-  g.landmark_fp8 = c.fp8;
-  g.n_chunks = dn->get<int32_t>();
-  g.batch = 1;
-  g.hq = hq;
-  g.hkv = c.hkv;
-  g.d = c.d;
-  g.chunk_cap = cap;
-  g.landmark_cap = own_cap;
-  g.shared_chunks = c.shared_chunks;
-  g.max_chunks = max_chunks;
-  g.scale = scale;
-  g.landmarks_per_chunk = c.per_chunk;
+  a.score = dev->args;
   a.rows = c.rows;
   a.best = dbest->get<float>();
   a.workspace = ws.get();
@@ -948,125 +1003,39 @@ void RunOnePrefixScore(const OnePrefixCase& c) {
                                     << " shared " << c.shared_chunks << " own <= " << c.max_own
                                     << " landmarks per chunk " << c.per_chunk << " fp8 " << c.fp8);
   Rng rng(4242 + c.batch + c.shared_chunks + c.d + c.group + c.per_chunk);
-  const int hq = c.hkv * c.group, own_cap = c.max_own + 3, cap = c.shared_chunks + own_cap;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-  HostTensor q = MakeTensor(static_cast<size_t>(c.batch) * hq * c.d, DType::kBF16, rng, 2.0f);
-  const int64_t rec = LandmarkChunkElems(c.per_chunk, c.d, c.fp8);
-  const size_t rec_bytes = static_cast<size_t>(rec) * (c.fp8 ? 1 : sizeof(float));
-  // Records (f32 or fp8) of `chunks` chunks per head.
-  auto records = [&](int chunks) {
-    HostTensor v = MakeTensor(static_cast<size_t>(c.hkv) * chunks * c.per_chunk * c.d, DType::kBF16, rng, 2.0f);
-    std::vector<uint8_t> out(static_cast<size_t>(c.hkv) * chunks * rec_bytes);
-    for (int i = 0; i < c.hkv * chunks; ++i) {
-      const float* src = v.f32.data() + static_cast<size_t>(i) * c.per_chunk * c.d;
-      if (c.fp8)
-        EncodeLandmarkFp8(src, static_cast<int64_t>(c.per_chunk) * c.d, out.data() + i * rec_bytes);
-      else
-        std::memcpy(out.data() + i * rec_bytes, src, rec_bytes);
-    }
-    return out;
-  };
-  const std::vector<uint8_t> shared = records(c.shared_chunks);
+  PrefixedLandmarks p(rng, c.hkv, c.group, c.d, c.per_chunk, c.fp8, c.shared_chunks, c.max_own + 3);
+  HostTensor q = MakeTensor(static_cast<size_t>(c.batch) * p.hq * c.d, DType::kBF16, rng, 2.0f);
   // The prefix's exclusions (every sequence's copy the same), then each
   // sequence's own; chunk 0 excluded for every head.
   std::vector<uint8_t> prefix_excl(static_cast<size_t>(c.hkv) * c.shared_chunks);
   for (auto& e : prefix_excl) e = rng.Int(7) == 0;
   for (int h = 0; h < c.hkv; ++h) prefix_excl[static_cast<size_t>(h) * c.shared_chunks] = 1;
   std::vector<std::vector<uint8_t>> own(c.batch), excl(c.batch);
-  std::vector<int32_t> n_chunks(c.batch);
-  int max_chunks = 0;
   for (int b = 0; b < c.batch; ++b) {
-    own[b] = records(own_cap);
-    excl[b].assign(static_cast<size_t>(c.hkv) * cap, 0);
+    own[b] = RandomLandmarkRecords(rng, c.hkv, p.own_cap, c.per_chunk, c.d, c.fp8);
+    excl[b].assign(static_cast<size_t>(c.hkv) * p.cap, 0);
     for (int h = 0; h < c.hkv; ++h)
-      for (int ch = 0; ch < cap; ++ch)
-        excl[b][static_cast<size_t>(h) * cap + ch] =
+      for (int ch = 0; ch < p.cap; ++ch)
+        excl[b][static_cast<size_t>(h) * p.cap + ch] =
             ch < c.shared_chunks ? prefix_excl[static_cast<size_t>(h) * c.shared_chunks + ch] : rng.Int(5) == 0;
-    n_chunks[b] = c.shared_chunks + (b * 7) % (c.max_own + 1);
-    max_chunks = std::max(max_chunks, n_chunks[b]);
+    p.own.push_back(&own[b]);
+    p.excl.push_back(&excl[b]);
+    p.n_chunks.push_back(c.shared_chunks + (b * 7) % (c.max_own + 1));
+    p.max_chunks = std::max(p.max_chunks, p.n_chunks.back());
   }
+  const int max_chunks = p.max_chunks;
   const int64_t stride = max_chunks + 2;
-
-  const auto as_f32 = [](const std::vector<uint8_t>& v) { return reinterpret_cast<const float*>(v.data()); };
-  std::vector<const float*> lp, sp(c.batch, as_f32(shared));
-  std::vector<const uint8_t*> lp8, sp8(c.batch, shared.data()), ep;
-  for (int b = 0; b < c.batch; ++b) {
-    lp.push_back(as_f32(own[b]));
-    lp8.push_back(own[b].data());
-    ep.push_back(excl[b].data());
-  }
   std::vector<float> want(static_cast<size_t>(c.batch) * c.hkv * stride, kNaN);
-  cpu::ShadowkvScoreArgs ca;
-  ca.q = q.f32.data();
-  if (c.fp8) {
-    ca.landmarks_fp8 = lp8.data();
-    ca.shared_landmarks_fp8 = sp8.data();
-  } else {
-    ca.landmarks = lp.data();
-    ca.shared_landmarks = sp.data();
-  }
-  ca.excluded = ep.data();
-  ca.n_chunks = n_chunks.data();
-  ca.batch = c.batch;
-  ca.hq = hq;
-  ca.hkv = c.hkv;
-  ca.d = c.d;
-  ca.chunk_cap = cap;
-  ca.max_chunks = max_chunks;
-  ca.shared_chunks = c.shared_chunks;
-  ca.landmark_cap = own_cap;
-  ca.scale = scale;
-  ca.landmarks_per_chunk = c.per_chunk;
-  ca.scores = want.data();
-  ca.score_stride = stride;
-  cpu::ShadowkvScore(ca);
+  p.CpuScores(q.f32.data(), want.data(), stride);
 
-  auto to_device_records = [&](const std::vector<uint8_t>& recs) {
-    if (c.fp8) return ToDevice(recs);
-    std::vector<uint8_t> raw(recs.size() / sizeof(float) * 2);
-    ConvertFromF32(as_f32(recs), raw.data(), DType::kBF16, recs.size() / sizeof(float));
-    return ToDevice(raw);
-  };
-  auto dshared = to_device_records(shared);
-  std::vector<std::unique_ptr<DeviceBuffer>> keep;
-  std::vector<const void*> dl, ds(c.batch, dshared->get());
-  std::vector<const uint8_t*> de;
-  for (int b = 0; b < c.batch; ++b) {
-    keep.push_back(to_device_records(own[b]));
-    dl.push_back(keep.back()->get());
-    keep.push_back(ToDevice(excl[b]));
-    de.push_back(keep.back()->get<uint8_t>());
-  }
-  auto tab_l = ToDevice(dl);
-  auto tab_s = ToDevice(ds);
-  auto tab_e = ToDevice(de);
-  auto dq = ToDevice(q.raw);
-  auto dn = ToDevice(n_chunks);
+  auto dev = p.Upload(q, c.batch);
   const int rows = c.batch * c.hkv;
   const int k = std::min(256, max_chunks);
   const int64_t sel_stride = k + 1;
   auto dscores = ToDevice(std::vector<float>(want.size(), kNaN));
   auto dsel = ToDevice(std::vector<int32_t>(static_cast<size_t>(rows) * sel_stride, kIntPoison));
-  DeviceBuffer ws(ShadowkvScoreWorkspaceBytes(c.batch, hq, max_chunks, c.per_chunk));
-  ShadowkvScoreArgs g;
-  g.q = dq->get();
-  g.q_dtype = DType::kBF16;
-  g.landmarks = tab_l->get<const void* const>();
-  g.shared_landmarks = tab_s->get<const void* const>();
-  g.excluded = tab_e->get<const uint8_t* const>();
-  g.dtype = DType::kBF16;
-  g.landmark_fp8 = c.fp8;
-  g.n_chunks = dn->get<int32_t>();
-  g.batch = c.batch;
-  g.hq = hq;
-  g.hkv = c.hkv;
-  g.d = c.d;
-  g.chunk_cap = cap;
-  g.landmark_cap = own_cap;
-  g.shared_chunks = c.shared_chunks;
-  g.max_chunks = max_chunks;
-  g.scale = scale;
-  g.landmarks_per_chunk = c.per_chunk;
+  DeviceBuffer ws(ShadowkvScoreWorkspaceBytes(c.batch, p.hq, max_chunks, c.per_chunk));
+  ShadowkvScoreArgs g = dev->args;
   g.scores = dscores->get<float>();
   g.score_stride = stride;
   g.workspace = ws.get();
@@ -1085,7 +1054,7 @@ void RunOnePrefixScore(const OnePrefixCase& c) {
     for (int h = 0; h < c.hkv; ++h) {
       const float* row = got.data() + (static_cast<int64_t>(b) * c.hkv + h) * stride;
       ASSERT_EQ(row[0], -std::numeric_limits<float>::infinity()) << "chunk 0 is excluded";
-      for (int ch = n_chunks[b]; ch < max_chunks; ++ch)
+      for (int ch = p.n_chunks[b]; ch < max_chunks; ++ch)
         ASSERT_EQ(row[ch], -std::numeric_limits<float>::infinity()) << "sequence " << b << " chunk " << ch;
     }
   // The selection: exactly the top-k (skip_worst_inf) of those scores.
@@ -1094,7 +1063,7 @@ void RunOnePrefixScore(const OnePrefixCase& c) {
   ta.values = dscores->get<float>();
   ta.stride = stride;
   ta.rows = rows;
-  ta.counts = dn->get<int32_t>();
+  ta.counts = g.n_chunks;
   ta.rows_per_count = c.hkv;
   ta.max_count = max_chunks;
   ta.k = k;

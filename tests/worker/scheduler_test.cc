@@ -480,6 +480,17 @@ TEST_F(SchedulerTest, BadRequestsAreRefusedAndTheSchedulerKeepsServing) {
   EXPECT_FALSE(Scheduler::Create(&e->runtime(), SchedulerOptions{.max_batch = 0}).ok());
 }
 
+// A 20-token question (seed q) after document `doc`, segmented at its end.
+GenerationRequest QuestionAbout(const std::vector<int32_t>& doc, uint64_t q, int max_new) {
+  GenerationRequest r;
+  r.prompt = doc;
+  const std::vector<int32_t> question = LcgTokens(20, q, false);
+  r.prompt.insert(r.prompt.end(), question.begin(), question.end());
+  r.document_ends = {static_cast<int64_t>(doc.size())};
+  r.max_new_tokens = max_new;
+  return r;
+}
+
 TEST_F(SchedulerTest, DocumentsAreReusedThroughTheScheduler) {
   for (const std::string policy : {"full", "shadowkv"}) {
     SCOPED_TRACE(policy);
@@ -489,12 +500,7 @@ TEST_F(SchedulerTest, DocumentsAreReusedThroughTheScheduler) {
     ASSERT_TRUE(s);
     const std::vector<int32_t> doc = LcgTokens(151, 7, true);
     for (uint64_t q = 0; q < 3; ++q) {
-      GenerationRequest r;
-      r.prompt = doc;
-      const std::vector<int32_t> question = LcgTokens(20, 100 + q, false);
-      r.prompt.insert(r.prompt.end(), question.begin(), question.end());
-      r.document_ends = {151};
-      r.max_new_tokens = 12;
+      const GenerationRequest r = QuestionAbout(doc, 100 + q, 12);
       auto id = s->Submit(r);
       ASSERT_TRUE(id.ok());
       auto u = s->Wait(*id);
@@ -518,15 +524,7 @@ TEST_F(SchedulerTest, InterleavedQuestionsAboutTwoDocumentsGetTheirOfflineAnswer
     auto s = Start(*e);
     ASSERT_TRUE(s);
     const std::vector<std::vector<int32_t>> docs = {LcgTokens(151, 7, true), LcgTokens(133, 8, true)};
-    auto question = [&](int d, uint64_t q) {
-      GenerationRequest r;
-      r.prompt = docs[d];
-      const std::vector<int32_t> t = LcgTokens(20, 200 + q, false);
-      r.prompt.insert(r.prompt.end(), t.begin(), t.end());
-      r.document_ends = {static_cast<int64_t>(docs[d].size())};
-      r.max_new_tokens = 10 + static_cast<int>(q % 3);
-      return r;
-    };
+    auto question = [&](int d, uint64_t q) { return QuestionAbout(docs[d], 200 + q, 10 + static_cast<int>(q % 3)); };
     for (int d = 0; d < 2; ++d) {  // each document cached by a first question
       auto id = s->Submit(question(d, 50 + d));
       ASSERT_TRUE(id.ok());
