@@ -165,6 +165,70 @@ TEST(ShadowKvDecodeStepTest, TablesIntsAndArgumentsPointIntoTheSequence) {
   EXPECT_EQ(step.Ints()[ShadowKvDecodeStep::kLength], (2 + 4) * 8 + s.local_count);
 }
 
+// ShadowkvScoreArgs::one_prefix is a promise the GPU's one-pass scores rely
+// on; the reference backend scores each entry on its own but refuses a call
+// that breaks it, so the CPU tests of attached documents check that the
+// decode step promises only what holds.
+TEST(ShadowKvScoreTest, TheReferenceHoldsACallerToTheOnePrefixPromise) {
+  Fixture f = Make();
+  Backend& b = *f.backend;
+  constexpr int kBatch = 3, kHkv = 2, kHq = 4, kD = 16, kShared = 5, kCap = 8;
+  std::vector<float> q(static_cast<size_t>(kBatch) * kHq * kD, 0.5f);
+  std::vector<float> shared(static_cast<size_t>(kHkv) * kShared * kD, 0.25f), other = shared;
+  std::vector<std::vector<float>> own(kBatch, std::vector<float>(static_cast<size_t>(kHkv) * (kCap - kShared) * kD, 1));
+  std::vector<std::vector<uint8_t>> excl(kBatch, std::vector<uint8_t>(static_cast<size_t>(kHkv) * kCap, 0));
+  for (auto& e : excl) e[kCap + 2] = 1;  // head 1, chunk 2 of the prefix: the prefix's outlier
+  std::vector<int32_t> n_chunks = {6, 7, 5};
+  std::vector<const void*> lm, sh(kBatch, shared.data());
+  std::vector<const uint8_t*> ex;
+  for (int i = 0; i < kBatch; ++i) {
+    lm.push_back(own[i].data());
+    ex.push_back(excl[i].data());
+  }
+  std::vector<float> scores(static_cast<size_t>(kBatch) * kHkv * (kCap + 1));
+  kernels::ShadowkvScoreArgs a;
+  a.q = q.data();
+  a.q_dtype = DType::kF32;
+  a.dtype = DType::kF32;
+  a.landmarks = lm.data();
+  a.shared_landmarks = sh.data();
+  a.excluded = ex.data();
+  a.n_chunks = n_chunks.data();
+  a.batch = kBatch;
+  a.hq = kHq;
+  a.hkv = kHkv;
+  a.d = kD;
+  a.chunk_cap = kCap;
+  a.landmark_cap = kCap - kShared;
+  a.shared_chunks = kShared;
+  a.max_chunks = 7;
+  a.scale = 0.25f;
+  a.scores = scores.data();
+  a.score_stride = kCap + 1;
+  a.one_prefix = true;
+  EXPECT_TRUE(b.ShadowkvScore(a).ok());
+  excl[1][kCap + 6] = 1;  // an exclusion of entry 1's own chunk: its own business
+  EXPECT_TRUE(b.ShadowkvScore(a).ok());
+
+  excl[2][kCap + 3] = 1;  // entry 2's copy of the prefix's exclusions differs
+  Status st = b.ShadowkvScore(a);
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+  EXPECT_NE(st.message().find("entry 2's exclusions"), std::string::npos) << st.ToString();
+  excl[2][kCap + 3] = 0;
+
+  sh[1] = other.data();  // entry 1 attached to another prefix (equal bytes, another array)
+  st = b.ShadowkvScore(a);
+  EXPECT_NE(st.message().find("entry 1 is attached to another prefix"), std::string::npos) << st.ToString();
+  a.one_prefix = false;  // no promise: scored entry by entry
+  EXPECT_TRUE(b.ShadowkvScore(a).ok());
+  sh[1] = shared.data();
+  a.one_prefix = true;
+
+  n_chunks[2] = 4;  // fewer chunks than the prefix holds
+  st = b.ShadowkvScore(a);
+  EXPECT_NE(st.message().find("entry 2 has 4 chunks"), std::string::npos) << st.ToString();
+}
+
 TEST(ShadowKvShardExchangeTest, RowsOfAStepAndTheAllGathersOfTwoRanks) {
   Fixture f = Make();
   testing::ThreadGroup group(2);

@@ -4,10 +4,12 @@
 #include <cblas.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "kernels/cpu/lowrank.h"
@@ -262,6 +264,7 @@ class CpuBackend final : public Backend {
     kc::GatherOutliers(c);
   }
   Status ShadowkvScore(kernels::ShadowkvScoreArgs a) override {
+    PENUMBRA_RETURN_IF_ERROR(CheckOnePrefix(a));
     kc::ShadowkvScoreArgs c;
     c.q = static_cast<const float*>(a.q);
     if (a.landmark_fp8) {
@@ -338,6 +341,37 @@ class CpuBackend final : public Backend {
     kc::MaxRows(a.in, a.rows, a.row_stride, a.cols, a.out, a.accumulate);
   }
   // The reference: the definition, row by row.
+  // The reference scores every entry on its own, but holds the caller to
+  // ShadowkvScoreArgs::one_prefix's promise (which the GPU's one-pass scores
+  // rely on): one prefix array, every entry at least its chunks, its
+  // chunks' exclusions the same for every entry.
+  static Status CheckOnePrefix(const kernels::ShadowkvScoreArgs& a) {
+    if (!a.one_prefix || a.batch <= 1) return Status::OK();
+    auto broken = [](const std::string& what) {
+      return Status::Internal("ShadowkvScore: one_prefix promised but " + what);
+    };
+    if (a.shared_chunks <= 0)
+      return broken("there is no prefix (shared_chunks " + std::to_string(a.shared_chunks) + ")");
+    const int64_t n = std::min(a.shared_chunks, a.max_chunks);
+    for (int b = 0; b < a.batch; ++b) {
+      if (a.shared_landmarks[b] != a.shared_landmarks[0]) {
+        return broken("entry " + std::to_string(b) + " is attached to another prefix");
+      }
+      if (a.n_chunks[b] < a.shared_chunks) {
+        return broken("entry " + std::to_string(b) + " has " + std::to_string(a.n_chunks[b]) + " chunks, fewer than " +
+                      "the prefix's " + std::to_string(a.shared_chunks));
+      }
+      if (a.excluded == nullptr || b == 0) continue;
+      for (int h = 0; h < a.hkv; ++h) {
+        const int64_t off = static_cast<int64_t>(h) * a.chunk_cap;
+        if (std::memcmp(a.excluded[b] + off, a.excluded[0] + off, static_cast<size_t>(n)) != 0) {
+          return broken("entry " + std::to_string(b) + "'s exclusions of the prefix's chunks differ (head " +
+                        std::to_string(h) + ")");
+        }
+      }
+    }
+    return Status::OK();
+  }
   Status ShadowkvQueryScores(kernels::ShadowkvQueryScoresArgs a) override {
     const kernels::ShadowkvScoreArgs& s = a.score;
     query_scratch_.resize(static_cast<size_t>(std::max(s.batch, 1)) * s.hkv * std::max(s.max_chunks, 1));
