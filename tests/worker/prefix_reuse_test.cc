@@ -636,6 +636,37 @@ TEST_F(PrefixReuseTest, AnAutoContinuationIsSparseForAQuestionAndDenseBeyondItsL
   EXPECT_EQ(logits("auto", question - 1), dense);
 }
 
+// Questions about one cached document decoded in one batch form a group
+// attached to one prefix: every sequence-layer scored is counted as scored
+// with the document's other questions (ShadowkvScoreArgs::one_prefix, which
+// this CPU backend also checks), and their tokens are each question's own.
+// Questions about two documents of the same length share a group but not a
+// prefix: none is.
+TEST_F(PrefixReuseTest, QuestionsAboutOneDocumentAreScoredTogether) {
+  auto e = OpenEngine(64 << 20, "shadowkv");
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  const std::vector<int32_t> other = LcgTokens(151, 8, true);
+  for (const auto& doc : {kDoc, other}) ASSERT_TRUE(rt.Generate({Request(doc, kQ1, true)}).ok());  // cached
+  std::vector<GenerationRequest> qs;
+  for (uint64_t q = 0; q < 3; ++q) qs.push_back(Request(kDoc, LcgTokens(20, 30 + q, false), true));
+  const PolicyStats before = rt.policy().stats();
+  auto together = rt.Generate(qs);
+  ASSERT_TRUE(together.ok()) << together.status();
+  const PolicyStats mid = rt.policy().stats();
+  ASSERT_GT(mid.scored_sequences, before.scored_sequences);
+  EXPECT_EQ(mid.one_prefix_sequences - before.one_prefix_sequences, mid.scored_sequences - before.scored_sequences);
+  for (size_t i = 0; i < qs.size(); ++i) {
+    EXPECT_EQ((*together)[i].cached_prompt_tokens, 151) << i;
+    EXPECT_EQ((*together)[i].ids, Cold(qs[i], "shadowkv")) << "question " << i;
+  }
+  auto mixed = rt.Generate({Request(kDoc, kQ2, true), Request(other, kQ2, true)});
+  ASSERT_TRUE(mixed.ok()) << mixed.status();
+  const PolicyStats after = rt.policy().stats();
+  EXPECT_GT(after.scored_sequences, mid.scored_sequences);
+  EXPECT_EQ(after.one_prefix_sequences, mid.one_prefix_sequences);
+}
+
 TEST_F(PrefixReuseTest, BadSegmentEndsAreRefused) {
   auto e = OpenEngine(64 << 20);
   ASSERT_NE(e, nullptr);

@@ -125,6 +125,13 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   j["device_bytes_per_sequence"] = policy.DeviceBytes(seqs[0]);
   const int64_t sel = after.selected_chunks - before.selected_chunks;
   if (sel > 0) j["hit_rate"] = static_cast<double>(after.hit_chunks - before.hit_chunks) / static_cast<double>(sel);
+  // The share of the sequences' scores taken together with the document's
+  // other questions (ShadowKV's one-prefix scores).
+  const int64_t scored = after.scored_sequences - before.scored_sequences;
+  if (scored > 0) {
+    j["one_prefix_fraction"] =
+        static_cast<double>(after.one_prefix_sequences - before.one_prefix_sequences) / static_cast<double>(scored);
+  }
   const TierStats t = rt.stats().tiers;
   j["tier0"] = tier0;
   j["warmup_steps"] = warmup;

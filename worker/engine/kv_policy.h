@@ -98,6 +98,11 @@ struct PolicyStats {
   // attended to it.
   int64_t sparse_continuations = 0;
   int64_t dense_continuations = 0;
+  // Sparse decode: sequence-layers whose chunks were scored, and of them
+  // those in a group of sequences attached to one document (scored together
+  // where the backend can: ShadowkvScoreArgs::one_prefix).
+  int64_t scored_sequences = 0;
+  int64_t one_prefix_sequences = 0;
   std::map<std::string, double> prefill_op_ms;  // when profiling: per-op prefill milliseconds
   double hit_rate() const { return selected_chunks ? static_cast<double>(hit_chunks) / selected_chunks : 0.0; }
 };

@@ -817,6 +817,8 @@ class ShadowKvPolicy final : public KvPolicy {
   // caller waits for it before the group's attention); else joined here.
   Status Select(int layer, int g0, int gn, const void* q, int mark) {
     const kn::ShadowkvScoreArgs sc = step_.ScoreArgsOf(layer, g0, gn, q);
+    stats_.scored_sequences += gn;
+    if (sc.one_prefix) stats_.one_prefix_sequences += gn;
     PENUMBRA_RETURN_IF_ERROR(ctx_.backend->ShadowkvScoreAndSlotUpdate(
         sc, step_.SlotUpdateOf(layer, g0, gn, sc.selection,
                                sc.selection_stride)));  // one launch after the logits on the GPU

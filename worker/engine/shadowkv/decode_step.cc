@@ -207,7 +207,7 @@ kn::ShadowkvScoreArgs ShadowKvDecodeStep::ScoreArgsOf(int layer, int g0, int gn,
   sc.selection = miss_buf_.as<int32_t>() + static_cast<size_t>(g0) * H * K;
   sc.selection_stride = K;
   // Questions about one document: its landmarks scored for all of them at once.
-  bool one_prefix = s0.prefix != nullptr && s0.shared_chunks > 0;
+  bool one_prefix = gn >= 2 && s0.prefix != nullptr && s0.shared_chunks > 0;
   for (int i = g0 + 1; i < g0 + gn && one_prefix; ++i)
     one_prefix = seqs_[i]->prefix == s0.prefix && seqs_[i]->shared_chunks == s0.shared_chunks;
   sc.one_prefix = one_prefix;
