@@ -403,6 +403,23 @@ __global__ void SelectionScoresKernel(ShadowkvScoreArgs a) {
   }
 }
 
+// The unfused paths' end, from a.scores: with a selection its top-k (split
+// workspace: topk, null where there are no chunks), then its selection
+// scores where asked, then the slot update.
+void SelectFromScores(const ShadowkvScoreArgs& a, bool with_selection, int32_t* topk, int64_t topk_ints,
+                      const ShadowkvSlotUpdateArgs* then_update, cudaStream_t stream) {
+  if (!with_selection) return;  // then_update needs a selection (checked by the caller)
+  TopKArgs t = ShadowkvSelectionTopK(a);
+  t.split_workspace = topk;
+  t.split_workspace_ints = topk_ints;
+  LaunchTopK(t, stream);
+  if (a.selection_scores != nullptr) {
+    SelectionScoresKernel<<<a.batch * a.hkv, kScoreThreads, 0, stream>>>(a);
+    PENUMBRA_CUDA_CHECK(cudaGetLastError());
+  }
+  if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
+}
+
 // Phase 1 on tensor cores (bf16 q and landmarks, d in {64, 128}, group in
 // {1, 2, 4, 8}): the QK^T half of the decode-attention kernel, with the same
 // helpers (LoadPermutedQ/K, MmaPermutedQK in kernels/mma.cuh): S = Q . L^T with
@@ -635,7 +652,6 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   if (a.batch <= 0) return;
   // The first of two calls (stats_out) selects nothing.
   const bool with_selection = a.select_k > 0 && a.stats_out == nullptr;
-  const bool with_selection_scores = with_selection && a.selection_scores != nullptr;
   constexpr int kMergeWarps = 4;
   const int merge_blocks = (a.batch * a.hq + kMergeWarps - 1) / kMergeWarps;
   if (a.max_chunks <= 0) {
@@ -648,12 +664,7 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
       PENUMBRA_CUDA_CHECK(cudaGetLastError());
       return;
     }
-    if (with_selection) LaunchTopK(ShadowkvSelectionTopK(a), stream);
-    if (with_selection_scores) {
-      SelectionScoresKernel<<<a.batch * a.hkv, kScoreThreads, 0, stream>>>(a);
-      PENUMBRA_CUDA_CHECK(cudaGetLastError());
-    }
-    if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
+    SelectFromScores(a, with_selection, nullptr, 0, then_update, stream);
     return;
   }
   CHECK(a.hkv > 0 && a.hq % a.hkv == 0 && a.hq / a.hkv <= 8) << "ShadowkvScore: hq " << a.hq << " hkv " << a.hkv;
@@ -684,15 +695,7 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   if (a.one_prefix && with_selection && a.stats_in == nullptr && a.successors == 0 && a.batch >= 2) {
     const size_t logits_bytes = AlignUp(sizeof(float) * static_cast<size_t>(a.batch) * a.hq * std::max(ws.rows, 1));
     if (LaunchShadowkvSharedScores(a, ws.logits, logits_bytes, stream)) {
-      TopKArgs t = ShadowkvSelectionTopK(a);
-      t.split_workspace = ws.topk;
-      t.split_workspace_ints = ws.topk_ints;
-      LaunchTopK(t, stream);
-      if (with_selection_scores) {
-        SelectionScoresKernel<<<a.batch * a.hkv, kScoreThreads, 0, stream>>>(a);
-        PENUMBRA_CUDA_CHECK(cudaGetLastError());
-      }
-      if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
+      SelectFromScores(a, true, ws.topk, ws.topk_ints, then_update, stream);
       return;
     }
   }
@@ -738,17 +741,7 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const dim3 grid((a.max_chunks + per_block - 1) / per_block, a.hkv, a.batch);
   ScoreFinalKernel<<<grid, kScoreThreads, 0, stream>>>(a, ws);
   PENUMBRA_CUDA_CHECK(cudaGetLastError());
-  if (with_selection) {
-    TopKArgs t = ShadowkvSelectionTopK(a);
-    t.split_workspace = ws.topk;
-    t.split_workspace_ints = ws.topk_ints;
-    LaunchTopK(t, stream);
-  }
-  if (with_selection_scores) {
-    SelectionScoresKernel<<<a.batch * a.hkv, kScoreThreads, 0, stream>>>(a);
-    PENUMBRA_CUDA_CHECK(cudaGetLastError());
-  }
-  if (then_update) LaunchShadowkvSlotUpdate(*then_update, stream);
+  SelectFromScores(a, with_selection, ws.topk, ws.topk_ints, then_update, stream);
 }
 
 __global__ void MaxRowsKernel(MaxRowsArgs a) {
