@@ -234,7 +234,7 @@ std::shared_ptr<const KvPrefix> DocumentCache::Load(const Hash128& key, int64_t 
 }
 
 void DocumentCache::Capture(const Hash128& key, const std::string& cache_namespace, int64_t tokens,
-                            std::shared_ptr<const KvPrefix> state) {
+                            std::shared_ptr<const KvPrefix> state, bool pinned) {
   if (persistent_) {
     // Written in the background; a store that fails costs this request
     // nothing but the reuse after a restart.
@@ -246,7 +246,7 @@ void DocumentCache::Capture(const Hash128& key, const std::string& cache_namespa
       LOG(WARNING) << "prefix store: not exported: " << blobs.status();
     }
   }
-  memory_.Insert(key, std::move(state));
+  memory_.Insert(key, std::move(state), pinned, cache_namespace);
 }
 
 Result<int> DocumentCache::Forget(const std::vector<Hash128>& keys) {
@@ -286,7 +286,71 @@ void DocumentCache::DropDamaged(const Hash128& key, const Status& why) {
 }
 
 void DocumentCache::Place() {
+  MoveStep();
   if (tier0_ && tier0_->enabled()) tier0_->Step(memory_.Prefixes());
+}
+
+void DocumentCache::MoveStep() {
+  const size_t budget = policy_->ExactBudgetBytes();
+  if (budget == 0 && !move_) return;
+  if (move_) {
+    Result<bool> done = move_->Step();
+    if (!done.ok() || (*done && !move_->result())) {
+      ++stats_.move_failures;
+      LOG(WARNING) << "document cache: a document's move to shadowkv failed (it stays exact): " << done.status();
+      move_.reset();
+      move_wait_ = kMoveRetrySteps;
+      return;
+    }
+    if (!*done) return;
+    std::shared_ptr<const KvPrefix> moved = move_->result();
+    const KvPrefix* from = move_->from().get();
+    stats_.move_seconds += move_->seconds();
+    std::string ns;
+    for (const auto& e : memory_.Entries()) {
+      if (e.key == move_key_) ns = e.cache_namespace;
+    }
+    if (memory_.Replace(move_key_, from, moved)) {
+      ++stats_.moves;
+      LOG(INFO) << "document cache: moved a " << moved->tokens() << "-token document from full to " << moved->policy()
+                << " in " << move_->seconds() << " s";
+      if (persistent_) {
+        auto blobs = moved->Export();
+        if (blobs.ok()) {
+          persistent_->Write(move_key_, ns, moved->tokens(), std::move(*blobs));
+        } else {
+          ++stats_.store_errors;
+          LOG(WARNING) << "prefix store: moved document not exported: " << blobs.status();
+        }
+      }
+    }
+    move_.reset();
+    return;
+  }
+  if (move_wait_ > 0) {
+    --move_wait_;
+    return;
+  }
+  const std::vector<DocumentMemoryTier::Held> held = memory_.Entries();
+  size_t exact = 0;
+  ExactKv kv;
+  for (const auto& e : held) {
+    if (e.prefix->exact_kv(&kv)) exact += e.prefix->device_bytes();
+  }
+  if (exact <= budget) return;
+  for (auto it = held.rbegin(); it != held.rend(); ++it) {  // least recently used first
+    if (it->pinned || !it->prefix->exact_kv(&kv)) continue;
+    Result<std::unique_ptr<PrefixMove>> m = policy_->BeginMove(it->prefix);
+    if (!m.ok()) {
+      ++stats_.move_failures;
+      LOG(WARNING) << "document cache: a document's move to shadowkv could not begin: " << m.status();
+      move_wait_ = kMoveRetrySteps;
+      return;
+    }
+    move_ = std::move(*m);
+    move_key_ = it->key;
+    return;
+  }
 }
 
 bool DocumentCache::FreeDeviceFor(const Status& s) {
@@ -298,6 +362,7 @@ bool DocumentCache::FreeDeviceFor(const Status& s) {
 DocumentCacheStats DocumentCache::stats() const {
   DocumentCacheStats s = stats_;
   if (tier0_) s.tiers = tier0_->stats();
+  s.by_policy = memory_.ByPolicy();
   if (persistent_) {
     const DocumentWriter& w = persistent_->writer();
     s.store_errors += w.errors();

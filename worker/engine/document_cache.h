@@ -119,6 +119,14 @@ struct DocumentCacheStats {
   int64_t store_read_bytes = 0;
   int64_t fetch_failures = 0;  // lookups the store did not answer (prefilled instead)
   TierStats tiers;             // tier 0
+  // A per-document policy's moves of documents from the exact form to
+  // ShadowKV (Place): done, their time (on the lane's thread, one layer a
+  // step), and moves that failed (the document stayed exact).
+  int64_t moves = 0;
+  double move_seconds = 0;
+  int64_t move_failures = 0;
+  // Tier 1's documents and bytes by the policy holding them.
+  std::map<std::string, DocumentFormUsage> by_policy;
 };
 
 // Tier 2: the persistent store behind memory, with its background writer.
@@ -225,8 +233,9 @@ class DocumentCache {
   // A captured state of `tokens` tokens: into memory, and queued for the
   // persistent tier (exported here; a failure costs only the reuse after a
   // restart).
+  // `pinned`: the request chose its form (a per-document policy keeps it).
   void Capture(const Hash128& key, const std::string& cache_namespace, int64_t tokens,
-               std::shared_ptr<const KvPrefix> state);
+               std::shared_ptr<const KvPrefix> state, bool pinned = false);
   // Drops the documents under `keys` from memory and the persistent tier
   // (after draining its queued writes, at most drain_ms). Returns the entries
   // dropped; an error when the store could not erase (or look up) one that
@@ -234,7 +243,11 @@ class DocumentCache {
   Result<int> Forget(const std::vector<Hash128>& keys);
   // A state that failed a check: out of memory and the store, counted.
   void DropDamaged(const Hash128& key, const Status& why);
-  // One tier-0 placement step over memory's documents.
+  // One placement step over memory's documents: under a per-document
+  // policy (KvPolicy::ExactBudgetBytes > 0) one layer of a move of the least
+  // recently used unpinned exact document to ShadowKV while the exact ones
+  // take more than the budget (the moved form replaces it in memory and in
+  // the persistent tier); then tier 0's step.
   void Place();
   // After `s`, an allocation that failed for device memory: true when tier 0
   // gave some back (the caller tries once more).
@@ -248,6 +261,11 @@ class DocumentCache {
   // The state stored under `key` with `tokens` tokens, imported; null when
   // absent, unreadable or damaged (dropped).
   std::shared_ptr<const KvPrefix> Load(const Hash128& key, int64_t tokens);
+  // Place's moves: a step of the one in flight, or a new one.
+  void MoveStep();
+
+  // Place calls to wait after a move failed before trying another.
+  static constexpr int kMoveRetrySteps = 256;
 
   const DocumentCacheOptions options_;
   KvPolicy* const policy_;
@@ -257,6 +275,9 @@ class DocumentCache {
   int shard_rank_ = 0, shard_world_ = 1;                // SetShard
   std::unique_ptr<DocumentPersistentTier> persistent_;  // destroyed (drained) before the store
   DocumentCacheStats stats_;
+  std::unique_ptr<PrefixMove> move_;  // in flight (null: none)
+  Hash128 move_key_;
+  int move_wait_ = 0;
 };
 
 }  // namespace penumbra

@@ -54,7 +54,8 @@ void DocumentMemoryTier::Clear() {
   }
 }
 
-bool DocumentMemoryTier::Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix) {
+bool DocumentMemoryTier::Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix, bool pinned,
+                                std::string cache_namespace) {
   if (index_.count(Key(key))) return true;
   const size_t need = prefix->device_bytes(), host_need = prefix->host_bytes();
   if (need > capacity_bytes_ || host_need > host_capacity_bytes_) return false;
@@ -62,12 +63,43 @@ bool DocumentMemoryTier::Insert(const Hash128& key, std::shared_ptr<const KvPref
     MakeRoom(need, host_need, low_watermark_);
   }
   if (bytes_ + need > capacity_bytes_ || host_bytes_ + host_need > host_capacity_bytes_) return false;
-  lru_.push_front(Entry{Key(key), std::move(prefix)});
+  lru_.push_front(Entry{Key(key), std::move(prefix), pinned, std::move(cache_namespace)});
   index_[Key(key)] = lru_.begin();
   bytes_ += need;
   host_bytes_ += host_need;
   ++stats_.inserts;
   return true;
+}
+
+bool DocumentMemoryTier::Replace(const Hash128& key, const KvPrefix* expected, std::shared_ptr<const KvPrefix> prefix) {
+  auto it = index_.find(Key(key));
+  if (it == index_.end() || it->second->prefix.get() != expected) return false;
+  Entry& e = *it->second;
+  bytes_ -= e.prefix->device_bytes();
+  host_bytes_ -= e.prefix->host_bytes();
+  e.prefix = prefix;  // `prefix` still held here: MakeRoom does not evict it
+  bytes_ += e.prefix->device_bytes();
+  host_bytes_ += e.prefix->host_bytes();
+  if (bytes_ > capacity_bytes_ || host_bytes_ > host_capacity_bytes_) MakeRoom(0, 0, low_watermark_);
+  return true;
+}
+
+std::vector<DocumentMemoryTier::Held> DocumentMemoryTier::Entries() const {
+  std::vector<Held> out;
+  for (const Entry& e : lru_)
+    out.push_back(Held{Hash128{e.key.second, e.key.first}, e.prefix, e.pinned, e.cache_namespace});
+  return out;
+}
+
+std::map<std::string, DocumentFormUsage> DocumentMemoryTier::ByPolicy() const {
+  std::map<std::string, DocumentFormUsage> out;
+  for (const Entry& e : lru_) {
+    DocumentFormUsage& u = out[e.prefix->policy()];
+    ++u.documents;
+    u.device_bytes += e.prefix->device_bytes();
+    u.host_bytes += e.prefix->host_bytes();
+  }
+  return out;
 }
 
 bool DocumentMemoryTier::Erase(const Hash128& key) {

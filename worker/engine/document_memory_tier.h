@@ -36,6 +36,12 @@ struct DocumentMemoryStats {
   int64_t hits = 0, misses = 0, inserts = 0, evictions = 0;
 };
 
+// The documents one policy's form holds (KvPrefix::policy()).
+struct DocumentFormUsage {
+  int64_t documents = 0;
+  size_t device_bytes = 0, host_bytes = 0;
+};
+
 class DocumentMemoryTier {
  public:
   explicit DocumentMemoryTier(size_t capacity_bytes, size_t host_capacity_bytes = SIZE_MAX, double low_watermark = 1.0)
@@ -49,7 +55,26 @@ class DocumentMemoryTier {
   bool Contains(const Hash128& key) const { return index_.count(Key(key)) > 0; }
   // Stores `prefix` under `key` (replacing nothing: a key already present is
   // kept as it is), evicting as above. False when it was not kept.
-  bool Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix);
+  // `pinned`: its form was chosen by the request that made it (a per-document
+  // policy does not move it); `cache_namespace`: the namespace it was
+  // captured under (a moved form is stored again under it).
+  bool Insert(const Hash128& key, std::shared_ptr<const KvPrefix> prefix, bool pinned = false,
+              std::string cache_namespace = "");
+  // Puts `prefix` in place of the entry under `key` if that entry still
+  // holds `expected` (a document moved to another form), keeping its place
+  // in the LRU order and its pin; evicts other entries (as an insert does)
+  // when the new form takes more. False when the entry changed or is gone.
+  bool Replace(const Hash128& key, const KvPrefix* expected, std::shared_ptr<const KvPrefix> prefix);
+  struct Held {
+    Hash128 key;
+    std::shared_ptr<const KvPrefix> prefix;
+    bool pinned = false;
+    std::string cache_namespace;
+  };
+  // Every entry, most recently used first.
+  std::vector<Held> Entries() const;
+  // Documents and bytes by the policy holding them.
+  std::map<std::string, DocumentFormUsage> ByPolicy() const;
 
   // Drops the entry under `key` (sequences attached to it keep their
   // reference until they end). False when absent.
@@ -71,6 +96,8 @@ class DocumentMemoryTier {
   struct Entry {
     KeyT key;
     std::shared_ptr<const KvPrefix> prefix;
+    bool pinned = false;
+    std::string cache_namespace;
   };
   // Evicts unheld entries, oldest first, until `need` more device bytes and
   // `host_need` more host bytes fit under the capacities scaled by `fraction`.

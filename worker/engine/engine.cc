@@ -5,6 +5,7 @@
 #include "common/file.h"
 #include "common/hash.h"
 #include "worker/engine/engine_flags.h"
+#include "worker/engine/per_document_policy.h"
 
 namespace penumbra {
 
@@ -54,8 +55,14 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
   } else if (options_.kv_policy == "shadowkv") {
     // Validates the options against the model and the device first.
     PENUMBRA_ASSIGN_OR_RETURN(policy, MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
+  } else if (options_.kv_policy == "auto") {
+    PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> sparse,
+                              MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
+    const RuntimeOptions& r = options_.runtime;
+    policy = MakePerDocumentKvPolicy(lane->policy_ctx->ctx, MakeFullKvPolicy(lane->policy_ctx->ctx), std::move(sparse),
+                                     r.auto_exact_bytes > 0 ? r.auto_exact_bytes : r.prefix_cache_bytes / 2);
   } else {
-    return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy + "' (expected full or shadowkv)");
+    return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy + "' (expected full, shadowkv or auto)");
   }
   PENUMBRA_ASSIGN_OR_RETURN(
       lane->runtime, Runtime::Create(options_.runtime, lane->policy_ctx->ctx, weights_.get(), std::move(policy)));
@@ -79,7 +86,7 @@ Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
   } else if (!e->options_.prefix_store.path.empty()) {
     PENUMBRA_ASSIGN_OR_RETURN(e->prefix_store_, storage::SegmentStore::Open(e->options_.prefix_store));
   }
-  if (e->options_.kv_policy == "shadowkv" && e->options_.shadowkv.fetch_turns) {
+  if (e->options_.kv_policy != "full" && e->options_.shadowkv.fetch_turns) {
     e->fetch_turns_ = std::make_unique<FetchTurns>();
   }
   PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, e->MakeLane(nullptr, e->backend_.get()));

@@ -52,7 +52,10 @@ namespace penumbra {
 struct EngineOptions {
   BackendOptions backend;
   RuntimeOptions runtime;
-  std::string kv_policy = "full";  // "full" or "shadowkv". Default: full.
+  // "full", "shadowkv" or "auto" (a policy per document: each sequence and
+  // document held under full or shadowkv, worker/engine/per_document_policy.h).
+  // Default: full.
+  std::string kv_policy = "full";
   ShadowKvOptions shadowkv;
   // The persistent tier of prefix reuse (storage/segment_store.h): with a
   // path, captured prefixes are also stored on disk, and a prefix missing

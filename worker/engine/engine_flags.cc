@@ -29,7 +29,12 @@ const OptionTable<EngineOptions>& EngineOptionTable() {
                  "cp_prefill_balance",
                  "context group prefill: the later ranks hand half their rows' attention over the earlier keys to "
                  "the earlier ranks, so that every rank does the same work (every rank of a group must agree)")
-           .Enum(&O::kv_policy, "kv-policy", "kv_policy", {"full", "shadowkv"}, "the KV policy");
+           .Enum(&O::kv_policy, "kv-policy", "kv_policy", {"full", "shadowkv", "auto"},
+                 "the KV policy (auto: full or shadowkv per document, docs/architecture.md)")
+           .MiB(T::Field<size_t>([](O* o) { return &o->runtime.auto_exact_bytes; }), "auto-exact-mib", "auto_exact_mib",
+                0, int64_t{1} << 30,
+                "kv_policy auto: device MiB for documents (and sequences) held exact; 0: half of "
+                "storage.memory.device_bytes");
   return *table;
 }
 

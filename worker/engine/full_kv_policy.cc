@@ -53,6 +53,13 @@ class FullKvPrefix final : public KvPrefix {
   }
   const void* k() const { return k_.get(); }
   const void* v() const { return v_.get(); }
+  bool exact_kv(ExactKv* out) const override {
+    out->k = k_.get();
+    out->v = v_.get();
+    out->tokens = tokens_;
+    out->head_stride = tokens_ * d_;
+    return true;
+  }
 
  private:
   int64_t tokens_;

@@ -2,8 +2,10 @@
 // them. The runtime owns the transformer; a policy owns everything from the
 // QKV projection's output to the attention output:
 //   RoPE -> store K/V -> (select) -> attention.
-// Policies: "full" (exact KV cache on the device) and "shadowkv" (low-rank
-// pre-RoPE keys, landmarks, outliers on the device; values in a ValueStore).
+// Policies: "full" (exact KV cache on the device), "shadowkv" (low-rank
+// pre-RoPE keys, landmarks, outliers on the device; values in a ValueStore)
+// and "auto" (a policy per document: each sequence held under one of the
+// other two, worker/engine/per_document_policy.h).
 // SpeContext and SpindleKV will plug in here too.
 //
 // Call protocol, per sequence: AddSequence; then one or more prefills, each
@@ -30,6 +32,16 @@ namespace penumbra {
 
 class Collective;
 class FetchTurns;
+
+// The exact keys and values of a prompt's first `tokens` tokens as the full
+// policy holds them: [layers][hkv][head_stride] each, act dtype, device
+// memory, keys with RoPE applied at positions 0..tokens-1.
+struct ExactKv {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t tokens = 0;
+  int64_t head_stride = 0;  // elements between heads (>= tokens * head_dim)
+};
 
 // The KV state of a prompt prefix, made by a policy from a prefilled sequence
 // and attached to new sequences, which then skip the prefix's prefill (the
@@ -77,6 +89,12 @@ class KvPrefix {
   virtual int64_t TakeReads() const { return 0; }
   // Rows read from it so far (not reset by TakeReads).
   virtual int64_t total_reads() const { return 0; }
+  // Its exact keys and values, when it holds them (the full policy's): the
+  // source a per-document policy factors a ShadowKV form from.
+  virtual bool exact_kv(ExactKv* out) const {
+    (void)out;
+    return false;
+  }
 };
 
 // Model geometry and shared device tables a policy needs.
@@ -148,11 +166,28 @@ struct SequenceSpec {
   // position_base; the document cache's keys name the group's shape) of
   // exactly prompt_len tokens: what follows comes as decode steps.
   std::shared_ptr<const KvPrefix> prefix;
+  // A per-document policy ("auto"): the policy the sequence is held under,
+  // "full" or "shadowkv"; empty: the policy's choice (an attached prefix's
+  // own policy, else by the sequence's exact bytes). Other policies ignore
+  // it.
+  std::string form;
   // Context parallel: the shard of a longer sequence this one is (default:
   // a whole sequence). prompt_len counts from position_base: the shard's
   // tokens are positions [position_base, position_base + prompt_len).
   // Policies that cannot hold a shard refuse it with Unimplemented.
   ShardSpec shard;
+};
+
+// A document's move from one form of a per-document policy to another
+// (KvPolicy::BeginMove), in steps the caller interleaves with its work.
+class PrefixMove {
+ public:
+  virtual ~PrefixMove() = default;  // an unfinished move leaves nothing behind
+  // One more part (a layer); true once the new form is made (result()).
+  virtual Result<bool> Step() = 0;
+  virtual std::shared_ptr<const KvPrefix> result() const = 0;
+  virtual const std::shared_ptr<const KvPrefix>& from() const = 0;
+  virtual double seconds() const = 0;  // spent in Step so far
 };
 
 // Memory one sequence takes: device (its KV state on the backend) and host
@@ -207,10 +242,22 @@ class KvPolicy {
   // participation in cross-lane fetch turns (worker/engine/fetch_turns.h).
   virtual void EndDecodeStep() {}
 
-  // Whether a run of the prompt may be prefilled in several calls (at
+  // Whether a run of `seq`'s prompt may be prefilled in several calls (at
   // prefill-chunk boundaries) with the same result as in one: true for the
   // exact cache; a compressing policy's state depends on where prefills end.
-  virtual bool PrefillSplits() const { return true; }
+  virtual bool PrefillSplits(int64_t seq) const {
+    (void)seq;
+    return true;
+  }
+  // The policy `seq` is held under: name(), or for a per-document policy the
+  // one it routes the sequence to. Empty when `seq` does not exist.
+  virtual std::string FormOf(int64_t seq) const {
+    (void)seq;
+    return name();
+  }
+  // The forms a sequence or document can be held in: {name()}, or a
+  // per-document policy's ({"full", "shadowkv"}).
+  virtual std::vector<std::string> Forms() const { return {name()}; }
 
   // ---- Prefix reuse (default: Unimplemented for the policy) ----
   // A string naming every parameter that changes the KV state this policy
@@ -250,6 +297,30 @@ class KvPolicy {
     (void)lazy;
     (void)read_threads;
     return ImportPrefix(blobs);
+  }
+  // A prefix of this policy's own made from the exact keys and values of a
+  // prompt (ExactKv; a per-document policy's move of a document from its
+  // exact form), in steps: AddSequence(seq) with prompt_len = kv.tokens,
+  // max_new_tokens 0, first_prefill = kv.tokens; FactorExactLayer for each
+  // layer in order; then TakePrefix(seq, kv.tokens) and RemoveSequence.
+  // The result is the state a prefill of those keys and values would make
+  // (the keys' RoPE undone first: exact on f32 activations, one rounding of
+  // the act dtype otherwise). Unimplemented where the policy cannot.
+  virtual Status FactorExactLayer(int64_t seq, const ExactKv& kv, int layer) {
+    (void)seq;
+    (void)kv;
+    (void)layer;
+    return Status::Unimplemented("the " + name() + " KV policy cannot factor exact keys and values");
+  }
+  // ---- A policy per document (worker/engine/per_document_policy.h) ----
+  // Device bytes the documents held in the exact form may take in all; 0: no
+  // moves (a single-form policy).
+  virtual size_t ExactBudgetBytes() const { return 0; }
+  // Begins moving a document held in the exact form (`from`) to the compact
+  // one. Unimplemented for a single-form policy.
+  virtual Result<std::unique_ptr<PrefixMove>> BeginMove(std::shared_ptr<const KvPrefix> from) {
+    (void)from;
+    return Status::Unimplemented("the " + name() + " KV policy holds every document in one form");
   }
   // Benchmarks only: leaves `seq` as if a prompt of `length` tokens had been
   // prefilled, from random keys and values (through the policy's real

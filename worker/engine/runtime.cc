@@ -212,6 +212,10 @@ Status ValidateGenerationRequest(const GenerationRequest& q, const ModelConfig& 
     }
   }
   PENUMBRA_RETURN_IF_ERROR(q.sampling.Validate());
+  if (!q.kv_policy.empty() && q.kv_policy != "full" && q.kv_policy != "shadowkv") {
+    return Status::InvalidArgument("kv_policy must be empty, \"full\" or \"shadowkv\", got \"" +
+                                   q.kv_policy.substr(0, 32) + "\"");
+  }
   if (q.document_ends.size() > q.prompt.size()) {
     return Status::InvalidArgument(std::to_string(q.document_ends.size()) + " document ends for a prompt of " +
                                    std::to_string(q.prompt.size()) + " tokens");
@@ -307,6 +311,13 @@ BatchCapacity Runtime::Capacity(int64_t prompt_tokens, int64_t max_new_tokens, i
 Status Runtime::Validate(const std::vector<GenerationRequest>& requests) const {
   for (size_t r = 0; r < requests.size(); ++r) {
     Status s = ValidateGenerationRequest(requests[r], config());
+    if (s.ok() && !requests[r].kv_policy.empty()) {
+      const std::vector<std::string> forms = policy_->Forms();
+      if (std::find(forms.begin(), forms.end(), requests[r].kv_policy) == forms.end()) {
+        s = Status::InvalidArgument("kv_policy " + requests[r].kv_policy + ": this worker's KV policy is " +
+                                    policy_->name());
+      }
+    }
     // A batch's messages name the request; a single request's do not.
     if (!s.ok() && requests.size() > 1) return Status(s.code(), "request " + std::to_string(r) + ": " + s.message());
     PENUMBRA_RETURN_IF_ERROR(s);
@@ -846,6 +857,9 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
     st->keys = RequestKeys(q);
     // Memory, then the persistent tier (prefetched, or read here).
     DocumentCache::Found found = cache_->FindLongest(st->keys, q.document_ends, prefetched);
+    // A request pinned to another form than the document's prefills its
+    // own (and captures nothing over the document's key).
+    if (found.state && !q.kv_policy.empty() && found.state->policy() != q.kv_policy) found.state = nullptr;
     if (found.state) {
       hit = std::move(found.state);
       start = q.document_ends[found.index];
@@ -866,6 +880,7 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
   spec.max_new_tokens = q.max_new_tokens;
   spec.first_prefill = q.document_ends.empty() ? 0 : q.document_ends[0];
   spec.prefix = hit;
+  spec.form = q.kv_policy;
   Status added = policy_->AddSequence(seq, spec);
   if (!added.ok() && hit && added.code() == StatusCode::kInvalidArgument) {
     // A prefix this sequence cannot take (the cache key's fence makes this
@@ -882,6 +897,7 @@ Status Runtime::BeginPrefillImpl(int64_t seq, const GenerationRequest& q, Prefil
   result->cached_prompt_tokens = start;
   st->result = result;
   st->attached = start > 0 ? hit : nullptr;
+  st->form = policy_->FormOf(seq);
   st->at = start;
   st->capture = !st->keys.empty();
   return Status::OK();
@@ -924,7 +940,7 @@ Result<bool> Runtime::PrefillStepImpl(int64_t seq, const GenerationRequest& q, P
   while (seg < q.document_ends.size() && q.document_ends[seg] <= st->at) ++seg;
   const int64_t boundary = seg < q.document_ends.size() ? q.document_ends[seg] : P;
   int64_t end = boundary;
-  if (policy_->PrefillSplits()) {
+  if (policy_->PrefillSplits(seq)) {
     // Whole prefill chunks: the same rows per chunk as one unsplit prefill.
     const int64_t chunk = options_.prefill_chunk;
     const int64_t piece = std::max<int64_t>(chunk, max_tokens / chunk * chunk);
@@ -968,7 +984,7 @@ Status Runtime::CaptureSegment(int64_t seq, const GenerationRequest& q, PrefillS
     return Status::OK();
   }
   PENUMBRA_RETURN_IF_ERROR(p.status());
-  cache_->Capture(st->keys[seg], q.cache_namespace, end, std::move(*p));
+  cache_->Capture(st->keys[seg], q.cache_namespace, end, std::move(*p), /*pinned=*/!q.kv_policy.empty());
   return Status::OK();
 }
 
@@ -1000,6 +1016,10 @@ RunStats Runtime::stats() const {
   s.prefix_store_read_bytes = d.store_read_bytes;
   s.prefix_store_fetch_failures = d.fetch_failures;
   s.tiers = d.tiers;
+  s.document_moves = d.moves;
+  s.document_move_seconds = d.move_seconds;
+  s.document_move_failures = d.move_failures;
+  s.documents_by_policy = d.by_policy;
   return s;
 }
 

@@ -78,6 +78,12 @@ struct GenerationRequest {
   int64_t ids_from = 0;
   // Prefixes are shared only between requests of one namespace (a tenant).
   std::string cache_namespace;
+  // The KV policy to hold this request under, on a worker whose policy is
+  // "auto" (a policy per document): "full" or "shadowkv"; a put pinned so
+  // keeps its document in that form (the cache does not move it). Empty:
+  // the worker's choice. On a worker of one policy it must be empty or that
+  // policy (Runtime::Validate). Default: empty.
+  std::string kv_policy;
   // Draws of the sampling stream (one per generated token) made already:
   // skipped. A request resumed on another worker, its prompt then ending
   // with the tokens generated so far, continues its stream. Default: 0.
@@ -90,9 +96,9 @@ struct GenerationRequest {
 // (at most GenerationRequest::kMaxStopIds) in the vocabulary, the sampling
 // options, document ends ascending inside the prompt, the documents'
 // digests (one per document, matching the ids that were sent) and ids_from,
-// draws_done within the prompt. Sizes are checked before contents. A pure function of the request
-// and the model's configuration (no weights): the worker API's fuzzer runs it.
-// InvalidArgument naming the field and the limit.
+// draws_done within the prompt, kv_policy empty, "full" or "shadowkv". Sizes are checked before contents. A pure
+// function of the request and the model's configuration (no weights): the worker API's fuzzer runs it. InvalidArgument
+// naming the field and the limit.
 Status ValidateGenerationRequest(const GenerationRequest& request, const ModelConfig& config);
 
 struct GenerationResult {
@@ -142,6 +148,12 @@ struct RuntimeOptions {
   // it), so that nobody without it can compute or guess a document's key;
   // empty: an unkeyed HMAC chain. Never logged. Default: empty.
   std::string document_key_secret;
+  // The per-document policy (kv_policy auto, worker/engine/per_document_policy.h):
+  // device bytes the documents and sequences held in the exact form by
+  // choice may take; the document cache moves the least recently used
+  // exact documents beyond it to ShadowKV. 0: half of prefix_cache_bytes.
+  // Default: 0.
+  size_t auto_exact_bytes = 0;
   // Tier 0: hot cached documents' host-resident state (shadowkv values) in
   // spare device memory (worker/engine/value_tiers.h). Default: off.
   TierOptions tiers;
@@ -180,6 +192,13 @@ struct RunStats {
   // breaker open): the requests prefilled instead.
   int64_t prefix_store_fetch_failures = 0;
   TierStats tiers;  // tier 0 (device copies of hot documents' values)
+  // kv_policy auto: documents moved from the exact form to ShadowKV, the
+  // time it took (the lane's thread) and moves that failed; the memory
+  // tier's documents and bytes by the policy holding them.
+  int64_t document_moves = 0;
+  double document_move_seconds = 0;
+  int64_t document_move_failures = 0;
+  std::map<std::string, DocumentFormUsage> documents_by_policy;
 };
 
 // How many more sequences of one length fit beside those a runtime holds,
@@ -245,6 +264,7 @@ class Runtime {
     std::vector<Hash128> keys;                 // the leading segments' cache keys (empty: no reuse)
     bool capture = false;                      // capture the segments completed here
     std::shared_ptr<const KvPrefix> attached;  // the prefix the sequence started from (null: none)
+    std::string form;                          // the policy the sequence is held under (KvPolicy::FormOf)
     size_t attached_segment = 0;               // ... the index of its last segment
     GenerationResult* result = nullptr;        // BeginPrefill's
     // A policy that cannot split a prefill by tokens (ShadowKV factors a

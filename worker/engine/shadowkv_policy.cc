@@ -1064,7 +1064,10 @@ class ShadowKvPolicy final : public KvPolicy {
 
   // Where a prefill ends shapes the state (the first one is factored, later
   // ones become chunks), so a run is prefilled in one call.
-  bool PrefillSplits() const override { return false; }
+  bool PrefillSplits(int64_t seq) const override {
+    (void)seq;
+    return false;
+  }
 
   std::string StateFingerprint() const override {
     std::ostringstream os;
@@ -1109,6 +1112,101 @@ class ShadowKvPolicy final : public KvPolicy {
     PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<ShadowKvPrefix> p,
                               prefix_io_.Import(blobs, std::move(lazy), read_threads));
     return std::shared_ptr<const KvPrefix>(std::move(p));
+  }
+
+  // ------------------------------------------------------- exact -> factored
+
+  // Layer `layer` of a prompt given as the full policy's exact keys and
+  // values (KvPolicy::FactorExactLayer): the rows go through StoreTokens as
+  // a first prefill's do (RoPE, the temporaries, the pre-RoPE keys), from
+  // qkv rows rebuilt from the exact cache (queries zero, keys with their
+  // RoPE undone by a rotation at the negated positions), and the layer is
+  // compressed as FinishPrefillLayer compresses it. No attention is run.
+  Status FactorExactLayer(int64_t id, const ExactKv& kv, int layer) override {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(id) + " does not exist");
+    Seq& s = it->second;
+    if (s.pos0 != 0 || s.prefix || s.compressed || kv.tokens != s.first_prefill || kv.tokens < 1) {
+      return Status::InvalidArgument("shadowkv: exact keys and values of " + std::to_string(kv.tokens) +
+                                     " tokens are factored into a new whole sequence of exactly that prompt");
+    }
+    if (layer < 0 || layer >= ctx_.num_layers || kv.head_stride < kv.tokens * ctx_.head_dim) {
+      return Status::InvalidArgument("shadowkv: FactorExactLayer: layer " + std::to_string(layer) + " or head stride " +
+                                     std::to_string(kv.head_stride) + " out of range");
+    }
+    PENUMBRA_RETURN_IF_ERROR(EnsureStoreLayer(s, layer));
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, d = ctx_.head_dim, hq = ctx_.hq, D = H * d;
+    const int64_t row = static_cast<int64_t>(hq + 2 * H) * d;  // a qkv row, floats
+    const int R = static_cast<int>(std::min<int64_t>(4096, kv.tokens));
+    if (s.sparse) PENUMBRA_RETURN_IF_ERROR(EnsureTemp(s.token_cap));
+    void* kbase = s.sparse ? comp_.tmp_k().get() : Row(s.att_k, s, layer, LocalRow0(s));
+    void* vbase = s.sparse ? comp_.tmp_v().get() : Row(s.att_v, s, layer, LocalRow0(s));
+    const int64_t stride = s.sparse ? comp_.tmp_cap() * d : s.att_cap * d;
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer qkv, b.Allocate(static_cast<size_t>(R) * row * sizeof(float)));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer rows, b.Allocate(static_cast<size_t>(R) * D * es_));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer unroped, b.Allocate(static_cast<size_t>(R) * D * es_ * 2));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer f32, b.Allocate(static_cast<size_t>(R) * D * sizeof(float)));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer q, b.Allocate(static_cast<size_t>(R) * hq * d * es_));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer pos, b.Allocate(static_cast<size_t>(R) * 2 * sizeof(int32_t)));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer ptrs, b.Allocate(static_cast<size_t>(R) * 2 * sizeof(void*)));
+    PENUMBRA_RETURN_IF_ERROR(b.Memset(qkv.get(), 0, qkv.bytes()));
+    // The undoing rotation writes token i's keys (and, unused, its values)
+    // as [H][d] rows of `unroped`.
+    std::vector<void*> dst(2 * static_cast<size_t>(R));
+    for (int i = 0; i < R; ++i) {
+      dst[i] = static_cast<char*>(unroped.get()) + static_cast<size_t>(i) * D * es_;
+      dst[R + i] = static_cast<char*>(unroped.get()) + (static_cast<size_t>(R) + i) * D * es_;
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(ptrs.get(), dst.data(), dst.size() * sizeof(void*)));
+    const size_t layer_elems = static_cast<size_t>(H) * kv.head_stride;
+    std::vector<int32_t> p(2 * static_cast<size_t>(R));
+    for (int64_t start = 0; start < kv.tokens; start += R) {
+      const int n = static_cast<int>(std::min<int64_t>(R, kv.tokens - start));
+      for (int i = 0; i < n; ++i) {
+        p[i] = static_cast<int32_t>(start + i);
+        p[R + i] = -p[i];
+      }
+      PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(pos.get(), p.data(), p.size() * sizeof(int32_t)));
+      // Exact [H][T][d] rows of this piece -> token-major [n][H][d] -> f32
+      // into the qkv rows' key (first) and value (second) columns.
+      for (int which = 0; which < 2; ++which) {
+        const char* src = static_cast<const char*>(which == 0 ? kv.k : kv.v) +
+                          (layer * layer_elems + static_cast<size_t>(start) * d) * es_;
+        for (int h = 0; h < H; ++h) {
+          PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(rows.get()) + static_cast<size_t>(h) * d * es_, D * es_,
+                                            src + static_cast<size_t>(h) * kv.head_stride * es_, d * es_, d * es_, n));
+        }
+        b.Convert(rows.get(), b.act_dtype(), f32.get(), DType::kF32, static_cast<int64_t>(n) * D);
+        float* col = qkv.as<float>() + static_cast<int64_t>(hq + which * H) * d;
+        PENUMBRA_RETURN_IF_ERROR(
+            b.Copy2D(col, row * sizeof(float), f32.get(), D * sizeof(float), D * sizeof(float), n));
+      }
+      // The keys' RoPE undone: rotated at -position.
+      RopeStoreOp un;
+      un.qkv = qkv.as<float>();
+      un.positions = pos.as<int32_t>() + R;
+      un.inv_freq = ctx_.inv_freq;
+      un.n = n;
+      un.hq = hq;
+      un.hkv = H;
+      un.d = d;
+      un.q_out = q.get();
+      un.k_dst = static_cast<void* const*>(ptrs.get());
+      un.v_dst = static_cast<void* const*>(ptrs.get()) + R;
+      un.head_stride = d;
+      b.RopeStore(un);
+      b.Convert(unroped.get(), b.act_dtype(), f32.get(), DType::kF32, static_cast<int64_t>(n) * D);
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(qkv.as<float>() + static_cast<int64_t>(hq) * d, row * sizeof(float), f32.get(),
+                                        D * sizeof(float), D * sizeof(float), n));
+      PENUMBRA_RETURN_IF_ERROR(StoreTokens(qkv.as<float>(), pos.as<int32_t>(), n, start, q.get(), kbase, vbase, stride,
+                                           s.sparse ? comp_.tmp_prek().as<float>() + start * D : nullptr));
+      if (!s.sparse) s.local_count = std::max<int64_t>(s.local_count, start + n);
+    }
+    // The temporaries are read by the compression below (same stream); the
+    // scratch is freed after the stream is done with it.
+    PENUMBRA_RETURN_IF_ERROR(FinishPrefillLayer(layer, id, kv.tokens));
+    return b.Synchronize();
   }
 
   // ------------------------------------------------------------- benchmarks
