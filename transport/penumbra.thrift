@@ -86,7 +86,8 @@ struct GenerateRequest {
   7: list<string> stop,
   8: list<i32> stop_ids,
   9: bool ignore_eos = false,
-  // "full" or "shadowkv" to run only on workers of that policy; "": any.
+  // "full" or "shadowkv" to run only under that policy: on workers of that
+  // policy, or of "auto" (a policy per document) held under it; "": any.
   10: string kv_policy = "",
   11: i64 deadline_ms = 0,
   // true: max_new_tokens is only an upper bound; the generation may use what

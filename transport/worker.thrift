@@ -57,6 +57,10 @@ struct WorkerGenerateRequest {
   // its generations cancelled and forgotten. "": no owner, no lease (a test
   // or a local caller that polls to the end itself).
   11: string owner_id = "",
+  // On a worker whose KV policy is "auto" (a policy per document): "full" or
+  // "shadowkv" holds the request under that policy; "": the worker's choice.
+  // A worker of one policy refuses any other than its own.
+  13: string kv_policy = "",
 }
 
 // A worker's place in a context group (one sequence sharded over the
@@ -77,7 +81,7 @@ struct WorkerHealth {
   1: bool serving,        // false while draining
   2: string model,        // the model directory
   3: string backend,      // e.g. "cpu", "cuda:0 NVIDIA H100 80GB HBM3"
-  4: string kv_policy,
+  4: string kv_policy,    // "full", "shadowkv" or "auto" (either, per document)
   5: i64 max_context,     // the model's max_position_embeddings
   6: i32 vocab_size,
   7: list<i32> eos_ids,   // the model's end-of-text ids

@@ -52,7 +52,9 @@ std::vector<int> Coordinator::Route(const std::string& kv_policy, const std::vec
   const bool long_prompt = o_.group_min_tokens > 0 && tokens >= o_.group_min_tokens;
   std::vector<PlacementCandidate> holders, first, then;
   for (int i = 0; i < static_cast<int>(s.size()); ++i) {
-    if (!s[i].healthy || (!kv_policy.empty() && s[i].health.kv_policy != kv_policy)) continue;
+    // An "auto" worker holds a request under either policy (the pin goes with it).
+    const std::string& policy = s[i].health.kv_policy;
+    if (!s[i].healthy || (!kv_policy.empty() && policy != kv_policy && policy != "auto")) continue;
     const bool group = !s[i].endpoint.group.empty();
     if (group && (s[i].endpoint.rank != 0 || !s[i].group_formed)) continue;  // rank 0 of a formed group only
     const int64_t free = group ? group_free[s[i].endpoint.group] : s[i].stats.memory_free_bytes;
@@ -259,6 +261,7 @@ rpc::WorkerGenerateRequest Coordinator::BuildGenerate(const std::string& tenant,
   g.sampling = r.sampling;
   g.deadline_ms = r.deadline_ms;
   g.tenant = tenant;
+  g.kv_policy = r.kv_policy;
   g.share_weight = 1.0;
   if (o_.tenants) {
     if (Result<tenants::TenantConfig> t = o_.tenants->Tenant(tenant); t.ok()) g.share_weight = t->weight;

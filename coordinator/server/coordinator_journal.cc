@@ -145,6 +145,7 @@ Status Coordinator::Recover(std::unique_ptr<RequestJournal> journal) {
     q->gen.stop_ids = r.stop_ids;
     q->gen.share_weight = r.share_weight;
     q->gen.draws_done = r.draws_done;
+    q->gen.kv_policy = r.kv_policy;
     q->gen.owner_id = workers_->owner_id();
     q->usage.prompt_tokens = static_cast<int64_t>(q->gen.prompt.size());
     std::lock_guard<std::mutex> ql(q->mu);

@@ -150,7 +150,7 @@ void Scheduler::Stop() {
 }
 
 Result<uint64_t> Scheduler::Submit(GenerationRequest request, const SubmitOptions& options) {
-  PENUMBRA_RETURN_IF_ERROR(rt_->Validate({request}));  // reads the model's config only
+  PENUMBRA_RETURN_IF_ERROR(rt_->Validate({request}));  // reads the model's config and the policy's forms only
   // The documents' digests once, here (off the loop), not at each lookup.
   if (request.document_digests.empty() && !request.document_ends.empty()) {
     request.document_digests = DocumentDigests(request.prompt, request.document_ends);
@@ -320,6 +320,10 @@ SchedulerStats::Documents Scheduler::DocumentSnapshot() const {
   d.store_corruptions = rs.prefix_store_corruptions;
   d.store_fetch_failures = rs.prefix_store_fetch_failures;
   d.stored = rs.prefix_stores;
+  d.by_policy = rs.documents_by_policy;
+  d.moves = rs.document_moves;
+  d.move_failures = rs.document_move_failures;
+  d.move_seconds = rs.document_move_seconds;
   return d;
 }
 
@@ -623,8 +627,11 @@ void Scheduler::DecodeOnce() {
   // Questions about one document side by side: a policy scores the sequences
   // attached to one prefix together where they form a run (ShadowKV's
   // one-prefix scores on the GPU); a sequence's tokens do not depend on its
-  // place in the batch. Stable: admission order within a document.
+  // place in the batch. Stable: admission order within a document. Under a
+  // policy per document each form's sequences form one run first (the
+  // policy then passes each its rows in place).
   std::stable_sort(batch.begin(), batch.end(), [](const auto& x, const auto& y) {
+    if (x->prefill.form != y->prefill.form) return x->prefill.form < y->prefill.form;
     return std::less<const KvPrefix*>()(x->prefill.attached.get(), y->prefill.attached.get());
   });
   // Only this thread writes a running request's ids: read without the lock.

@@ -147,6 +147,11 @@ struct SchedulerStats {
     int64_t store_hits = 0, store_corruptions = 0;  // read back from disk; found damaged (recomputed)
     int64_t store_fetch_failures = 0;               // lookups the store did not answer (prefilled instead)
     int64_t stored = 0;                             // written to the persistent tier (background writes done)
+    // kv_policy auto: tier 1's documents and bytes by the policy holding
+    // them, and the moves from the exact form to ShadowKV.
+    std::map<std::string, DocumentFormUsage> by_policy;
+    int64_t moves = 0, move_failures = 0;
+    double move_seconds = 0;
   } documents;
 };
 

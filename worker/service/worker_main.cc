@@ -106,6 +106,30 @@ class WorkerMetrics {
                                  "beside them now (the KV policy's estimate against free memory and max_batch).");
     capacity_tokens_ = &gauge("penumbra_worker_capacity_context_tokens",
                               "The sequence length penumbra_worker_capacity_sequences counts.");
+    auto& by_policy = prometheus::BuildGauge()
+                          .Name("penumbra_worker_documents_by_policy")
+                          .Help(
+                              "Documents in the memory tier held under each KV policy (kv_policy auto: full or "
+                              "shadowkv per document; otherwise the worker's one policy).")
+                          .Register(*registry_);
+    auto& by_policy_device = prometheus::BuildGauge()
+                                 .Name("penumbra_worker_documents_by_policy_device_bytes")
+                                 .Help("Device bytes of the cached documents held under each KV policy.")
+                                 .Register(*registry_);
+    auto& by_policy_host = prometheus::BuildGauge()
+                               .Name("penumbra_worker_documents_by_policy_host_bytes")
+                               .Help("Host bytes of the cached documents held under each KV policy.")
+                               .Register(*registry_);
+    for (const char* p : {"full", "shadowkv"}) {
+      by_policy_.push_back({p, &by_policy.Add({{"policy", p}}), &by_policy_device.Add({{"policy", p}}),
+                            &by_policy_host.Add({{"policy", p}})});
+    }
+    moves_ = &counter("penumbra_worker_document_moves_total",
+                      "kv_policy auto: cached documents moved from the exact form (full) to shadowkv.");
+    move_seconds_ = &counter("penumbra_worker_document_move_seconds_total",
+                             "Seconds the worker's loop spent on those moves (one layer per step).");
+    move_failures_ = &counter("penumbra_worker_document_move_failures_total",
+                              "Moves that failed (the document stayed exact; retried later).");
     auto& limit = prometheus::BuildGauge()
                       .Name("penumbra_worker_capacity_limit")
                       .Help(
@@ -150,6 +174,19 @@ class WorkerMetrics {
     tier0_documents_->Set(static_cast<double>(d.tier0_documents));
     bump(tier0_promotions_, d.tier0_promotions, last_.documents.tier0_promotions);
     bump(tier0_demotions_, d.tier0_demotions, last_.documents.tier0_demotions);
+    for (const ByPolicy& p : by_policy_) {
+      auto it = d.by_policy.find(p.policy);
+      const DocumentFormUsage u = it == d.by_policy.end() ? DocumentFormUsage{} : it->second;
+      p.documents->Set(static_cast<double>(u.documents));
+      p.device_bytes->Set(static_cast<double>(u.device_bytes));
+      p.host_bytes->Set(static_cast<double>(u.host_bytes));
+    }
+    bump(moves_, d.moves, last_.documents.moves);
+    bump(move_failures_, d.move_failures, last_.documents.move_failures);
+    if (d.move_seconds > last_.documents.move_seconds) {
+      move_seconds_->Increment(d.move_seconds - last_.documents.move_seconds);
+      last_.documents.move_seconds = d.move_seconds;
+    }
     bump(store_hits_, d.store_hits, last_.documents.store_hits);
     bump(store_corruptions_, d.store_corruptions, last_.documents.store_corruptions);
     const storage::WriteHealth h = store_health_();
@@ -182,6 +219,12 @@ class WorkerMetrics {
   prometheus::Gauge* store_degraded_;
   int64_t last_store_write_errors_ = 0;
   prometheus::Gauge* fetching_;
+  struct ByPolicy {
+    std::string policy;
+    prometheus::Gauge *documents, *device_bytes, *host_bytes;
+  };
+  std::vector<ByPolicy> by_policy_;
+  prometheus::Counter *moves_, *move_seconds_, *move_failures_;
   prometheus::Gauge *capacity_sequences_, *capacity_tokens_;
   std::vector<std::pair<std::string, prometheus::Gauge*>> capacity_limit_;
 };
@@ -261,12 +304,13 @@ class StoreNodeMetrics {
 // Device bytes one token of context takes (WorkerHealth's estimate, by
 // which the coordinator places long documents): full attention's K and V of
 // every layer; ShadowKV's low-rank key factor and landmarks (its values
-// live in host memory).
+// live in host memory). Under auto, ShadowKV's: what a document that does
+// not fit the exact form's budget is held in.
 int64_t DeviceBytesPerToken(Engine& e) {
   const ModelConfig& c = e.config();
   const int64_t es = static_cast<int64_t>(DTypeSize(e.backend().act_dtype()));
   const int64_t kv = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
-  if (e.options().kv_policy != "shadowkv") return 2 * c.num_layers * kv * es;
+  if (e.options().kv_policy == "full") return 2 * c.num_layers * kv * es;
   const ShadowKvOptions& o = e.options().shadowkv;
   const int64_t lm_bytes = o.landmark_fp8() ? 1 : es;
   return c.num_layers * (o.rank * es + kv * lm_bytes * o.landmarks_per_chunk / std::max(1, o.chunk_size));

@@ -120,6 +120,7 @@ Result<GenerationRequest> FromRpc(const rpc::WorkerGenerateRequest& r, int64_t m
   g.sampling.seed = static_cast<uint64_t>(r.sampling.seed);
   g.stop_ids = r.stop_ids;
   g.draws_done = r.draws_done;
+  g.kv_policy = r.kv_policy;
   return g;
 }
 
