@@ -30,9 +30,16 @@
 // {"bench": "service-job", ...}.
 //
 // With --dp-documents N: data-parallel scaling over N workers (DpBench).
+//
+// With --mixed-hot H: the mixed-documents workload (MixedBench): H hot
+// documents asked --mixed-questions K times each and --mixed-cold C documents
+// asked once, all of S - Q tokens, arriving over time; generated tokens/s
+// over the whole run and the questions' time to first token (p50, p99):
+// {"bench": "mixed-documents", "policy": the workers' KV policy, ...}.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -174,6 +181,14 @@ Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int
                int64_t V, double W, double settle, int64_t put_s, const std::string& policy,
                const std::string& backend);
 
+// The mixed-documents workload's shape (--mixed-*).
+struct MixedShape {
+  int64_t hot = 4, questions = 16, cold = 10;
+  double doc_interval_s = 5, question_interval_s = 2;
+};
+Status MixedBench(const client::ClientOptions& o, const MixedShape& m, int64_t S, int64_t Q, int64_t M, int64_t V,
+                  int64_t put_s, const std::string& policy, const std::string& backend);
+
 // N documents x K questions: one at a time through Complete, then as one job.
 Status JobBench(client::Client& c, int64_t N, int64_t K, int64_t S, int64_t Q, int64_t M, int64_t V, int64_t put_s,
                 const std::string& policy, const std::string& backend) {
@@ -268,7 +283,13 @@ Status Run(int argc, char** argv) {
       .Flag("job-questions", "with --job-documents: questions per document (default 16)")
       .Flag("dp-documents",
             "instead: data-parallel scaling over this many documents, one per worker (see "
-            "DpBench)");
+            "DpBench)")
+      .Flag("mixed-hot", "instead: the mixed-documents workload with this many hot documents (see MixedBench)")
+      .Flag("mixed-questions", "with --mixed-hot: questions per hot document (default 16)")
+      .Flag("mixed-cold", "with --mixed-hot: documents asked once (default 10)")
+      .Flag("mixed-doc-interval-s", "with --mixed-hot: seconds between documents' arrivals (default 5)")
+      .Flag("mixed-question-interval-s",
+            "with --mixed-hot: seconds between a hot document's questions, from its put (default 2)");
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 1));
   PENUMBRA_ASSIGN_OR_RETURN(client::ClientOptions o, client::OptionsFromFlags(a));
   PENUMBRA_ASSIGN_OR_RETURN(int64_t S, a.GetIntIn("context", 124928, 2, int64_t{1} << 24));
@@ -296,6 +317,17 @@ Status Run(int argc, char** argv) {
   if (a.Has("dp-documents")) {
     PENUMBRA_ASSIGN_OR_RETURN(int64_t N, a.GetIntIn("dp-documents", 2, 1, 64));
     return DpBench(o, *c, N, B, S, Q, M, V, W, settle, put_s, policy, backend);
+  }
+  if (a.Has("mixed-hot")) {
+    MixedShape m;
+    PENUMBRA_ASSIGN_OR_RETURN(m.hot, a.GetIntIn("mixed-hot", 4, 0, 1024));
+    PENUMBRA_ASSIGN_OR_RETURN(m.questions, a.GetIntIn("mixed-questions", 16, 1, 4096));
+    PENUMBRA_ASSIGN_OR_RETURN(m.cold, a.GetIntIn("mixed-cold", 10, 0, 1024));
+    PENUMBRA_ASSIGN_OR_RETURN(m.doc_interval_s, a.GetDoubleIn("mixed-doc-interval-s", 5, 0, 3600));
+    PENUMBRA_ASSIGN_OR_RETURN(m.question_interval_s, a.GetDoubleIn("mixed-question-interval-s", 2, 0, 3600));
+    if (m.hot + m.cold == 0) return Status::InvalidArgument("--mixed-hot and --mixed-cold are both 0: no documents");
+    if (!a.Has("max-new-tokens")) M = 128;
+    return MixedBench(o, m, S, Q, M, V, put_s, policy, backend);
   }
   if (a.Has("job-documents")) {
     PENUMBRA_ASSIGN_OR_RETURN(int64_t N, a.GetIntIn("job-documents", 8, 1, 4096));
@@ -454,6 +486,129 @@ Status DpBench(const client::ClientOptions& o, client::Client& c, int64_t N, int
                                       " workers, not one each");
   }
   return Status::OK();
+}
+
+// The mixed-documents workload (--mixed-hot): documents arrive every
+// doc_interval_s, hot and cold interleaved evenly (hot first); each is put
+// (waiting for it to be factored) by a client of its own, then asked: a
+// cold one once at once, a hot one `questions` times, one every
+// question_interval_s from its put's end. Every question (Q tokens,
+// max_new_tokens M, greedy, end-of-text ignored) is followed by its own
+// client to its last token. tokens/s: all generated tokens over the run's
+// wall time (the first arrival to the last token); TTFT: from a question's
+// Generate call to its first token, as the client sees it.
+Status MixedBench(const client::ClientOptions& o, const MixedShape& m, int64_t S, int64_t Q, int64_t M, int64_t V,
+                  int64_t put_s, const std::string& policy, const std::string& backend) {
+  const int64_t D = m.hot + m.cold;
+  // Arrival order: hot document h at position h * D / hot (the first first).
+  std::vector<bool> hot(static_cast<size_t>(D), false);
+  for (int64_t h = 0; h < m.hot; ++h) hot[static_cast<size_t>(h * D / m.hot)] = true;
+  std::mutex mu;
+  std::vector<double> ttfts, puts;
+  int64_t tokens = 0, failed = 0, questions = 0;
+  Status first_error;
+  auto fail = [&](const Status& s) {
+    std::lock_guard<std::mutex> lk(mu);
+    ++failed;
+    if (first_error.ok()) first_error = s;
+  };
+  auto ask = [&](const std::string& doc_id, int64_t salt) {
+    auto c = client::Client::Connect(o);
+    if (!c.ok()) return fail(c.status());
+    rpc::GenerateRequest r;
+    r.document_ids = {doc_id};
+    r.__set_token_ids(Tokens(Q, salt, static_cast<int32_t>(V)));
+    r.max_new_tokens = static_cast<int32_t>(M);
+    r.ignore_eos = true;
+    const Clock::time_point t0 = Clock::now();
+    Result<std::string> id = (*c)->Generate(r);
+    if (!id.ok()) return fail(id.status());
+    double ttft = -1;
+    int64_t off = 0;
+    for (;;) {
+      Result<rpc::GenerateChunk> p = (*c)->Poll(*id, off, 10000);
+      if (!p.ok()) return fail(p.status());
+      off += static_cast<int64_t>(p->ids.size());
+      if (ttft < 0 && off > 0) ttft = Since(t0);
+      if (p->done) break;
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    ++questions;
+    tokens += off;
+    if (ttft >= 0) ttfts.push_back(ttft);
+  };
+  std::vector<std::string> doc_ids(static_cast<size_t>(D));
+  const Clock::time_point start = Clock::now();
+  std::vector<std::thread> docs;
+  for (int64_t d = 0; d < D; ++d) {
+    docs.emplace_back([&, d] {
+      std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                                                m.doc_interval_s * static_cast<double>(d))));
+      auto c = client::Client::Connect(o);
+      if (!c.ok()) return fail(c.status());
+      const std::vector<int32_t> ids = Tokens(S - Q, 3000 + d, static_cast<int32_t>(V));
+      const Clock::time_point t0 = Clock::now();
+      Result<rpc::DocumentInfo> info =
+          (*c)->PutDocument("mixed-doc-" + std::to_string(d), nullptr, &ids, true, std::chrono::seconds(put_s));
+      if (!info.ok()) return fail(info.status());
+      if (info->state != rpc::DocumentState::READY) return fail(Status::Internal("a document did not factor"));
+      const Clock::time_point put_end = Clock::now();
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        puts.push_back(Since(t0));
+        doc_ids[static_cast<size_t>(d)] = info->id;
+      }
+      const int64_t n = hot[static_cast<size_t>(d)] ? m.questions : 1;
+      std::vector<std::thread> qs;
+      for (int64_t k = 0; k < n; ++k) {
+        qs.emplace_back([&, k, put_end, id = info->id] {
+          std::this_thread::sleep_until(
+              put_end + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(m.question_interval_s * static_cast<double>(k))));
+          ask(id, 70000 + d * 4096 + k);
+        });
+      }
+      for (auto& t : qs) t.join();
+    });
+  }
+  for (auto& t : docs) t.join();
+  const double wall = Since(start);
+  auto c = client::Client::Connect(o);
+  if (c.ok()) {
+    for (const std::string& id : doc_ids) {
+      if (!id.empty()) (void)(*c)->DeleteDocument(id);
+    }
+  }
+  auto quantile = [](std::vector<double> x, double q) {
+    if (x.empty()) return -1.0;
+    std::sort(x.begin(), x.end());
+    return x[static_cast<size_t>(
+        std::min<double>(static_cast<double>(x.size() - 1), std::ceil(q * static_cast<double>(x.size())) - 1))];
+  };
+  nlohmann::json j = {{"bench", "mixed-documents"},
+                      {"policy", policy},
+                      {"kv_policy", policy},
+                      {"backend", backend},
+                      {"hot_documents", m.hot},
+                      {"questions_per_hot_document", m.questions},
+                      {"cold_documents", m.cold},
+                      {"context", S},
+                      {"question", Q},
+                      {"max_new_tokens", M},
+                      {"document_interval_s", m.doc_interval_s},
+                      {"question_interval_s", m.question_interval_s},
+                      {"questions", questions},
+                      {"failed", failed},
+                      {"generated_tokens", tokens},
+                      {"wall_s", wall},
+                      {"tokens_per_s", static_cast<double>(tokens) / wall},
+                      {"ttft_p50_s", quantile(ttfts, 0.5)},
+                      {"ttft_p99_s", quantile(ttfts, 0.99)},
+                      {"ttft_max_s", quantile(ttfts, 1.0)},
+                      {"put_p50_s", quantile(puts, 0.5)},
+                      {"put_max_s", quantile(puts, 1.0)}};
+  std::cout << j.dump() << std::endl;
+  return first_error.ok() ? Status::OK() : Status(first_error.code(), "a request failed: " + first_error.message());
 }
 
 }  // namespace

@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, cp, cp_kill, service, service_cp, store_node, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, cp, cp_kill, service, service_cp, store_node, mixed, eval. Every throughput run is beside the
 # full-attention peer (bench/peer/full_attention_peer.py, which pack.sh
 # copies into .device/) in the same call, the peer first and last. Every JSON
 # line is tagged by bench/record.py (suite, command, commit, date, device,
@@ -98,6 +98,14 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             one put document of LOAD_DOC random token ids (32768), LOAD_CLIENTS clients (16) asking 64-token
             questions about it, 128 tokens each, LOAD_SECONDS a phase (45); the peer's shared-prefix decode at
             that shape first. Needs .device/gen-py and .device/pylib (ops/device/pack.sh puts them there)
+  mixed     the mixed-documents workload through the service (penumbra-service-bench --mixed-hot; row
+            "mixed-documents"), once per KV policy in MIXED_POLICIES (default "auto full shadowkv"), each on a
+            fresh penumbra-worker (Llama-3.1-8B-shaped random weights, MIXED_CACHE_MB of device memory for the
+            document cache, default 60000; auto's exact forms MIXED_EXACT_MIB, default 50000) and
+            penumbra-coordinator: MIXED_HOT hot documents (4) asked MIXED_QUESTIONS times (8), MIXED_COLD asked
+            once (2), all of MIXED_CONTEXT tokens (124928), one every MIXED_DOC_S seconds (5), a hot one's
+            questions every MIXED_Q_S (2); the peer's shared-prefix decode at MIXED_QUESTIONS x MIXED_CONTEXT
+            first
   eval      penumbra eval on tests/data/evaltasks/evalmodel_4k.jsonl under full and shadowkv (models/penumbra-eval
             must travel: see ops/device/pack.sh)
 EOF
@@ -479,6 +487,34 @@ suite_service() {
   grep -E 'admitting|captured|prefill piece' "$D/worker.log" | tail -40
 }
 
+# The mixed-documents workload (issue 41: a policy per document) under each
+# policy on a fresh service: {"bench": "mixed-documents", "policy": ...}.
+suite_mixed() {
+  local M=configs/bench/llama-3.1-8b S=${MIXED_CONTEXT:-124928} P D
+  run 300 $PEER decode --shared-prefix --graph --batch "${MIXED_QUESTIONS:-8}" --context "$S" --steps 20
+  for P in ${MIXED_POLICIES:-auto full shadowkv}; do
+    D="$OUT/mixed-$P"
+    mkdir -p "$D"
+    $R penumbra-worker --model $M --random-weights 1 --device cuda --kv-policy "$P" --prefill-chunk 1024 \
+      --max-batch 64 --prefix-cache-mb "${MIXED_CACHE_MB:-60000}" --auto-exact-mib "${MIXED_EXACT_MIB:-50000}" \
+      --port-file "$D/worker.json" > "$D/worker.log" 2>&1 &
+    local wpid=$!
+    for _ in $(seq 1 600); do [ -f "$D/worker.json" ] && break; sleep 0.5; done
+    local wport; wport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/worker.json")
+    $R penumbra-coordinator --model $M --workers 127.0.0.1:$wport --port-file "$D/coordinator.json" \
+      > "$D/coordinator.log" 2>&1 &
+    local cpid=$!
+    for _ in $(seq 1 100); do [ -f "$D/coordinator.json" ] && break; sleep 0.2; done
+    local cport; cport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/coordinator.json")
+    run "${MIXED_TIMEOUT_S:-560}" $R penumbra-service-bench --address 127.0.0.1:$cport --context "$S" --question 64 \
+      --vocab 128256 --mixed-hot "${MIXED_HOT:-4}" --mixed-questions "${MIXED_QUESTIONS:-8}" \
+      --mixed-cold "${MIXED_COLD:-2}" --mixed-doc-interval-s "${MIXED_DOC_S:-5}" \
+      --mixed-question-interval-s "${MIXED_Q_S:-2}" --max-new-tokens "${MIXED_NEW:-128}"
+    kill -TERM $cpid $wpid; wait $cpid $wpid
+    grep -E 'moved|captured|evict' "$D/worker.log" | tail -20
+  done
+}
+
 # Batch jobs through the service (issue 19): 8 documents of 32K tokens x 16
 # questions each, one at a time through the blocking generate call, then as
 # one job (the coordinator with --data-dir, 16 items at once); beside the
@@ -593,7 +629,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|eval) ;;
+    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|mixed|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done
