@@ -101,7 +101,7 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   mixed     the mixed-documents workload through the service (penumbra-service-bench --mixed-hot; row
             "mixed-documents"), once per KV policy in MIXED_POLICIES (default "auto full shadowkv"), each on a
             fresh penumbra-worker (Llama-3.1-8B-shaped random weights, MIXED_CACHE_MB of device memory for the
-            document cache, default 60000; auto's exact forms MIXED_EXACT_MIB, default 50000) and
+            document cache, default 60000; auto's exact forms MIXED_EXACT_MIB, default 34000: two documents) and
             penumbra-coordinator: MIXED_HOT hot documents (4) asked MIXED_QUESTIONS times (8), MIXED_COLD asked
             once (2), all of MIXED_CONTEXT tokens (124928), one every MIXED_DOC_S seconds (5), a hot one's
             questions every MIXED_Q_S (2); the peer's shared-prefix decode at MIXED_QUESTIONS x MIXED_CONTEXT
@@ -496,7 +496,7 @@ suite_mixed() {
     D="$OUT/mixed-$P"
     mkdir -p "$D"
     $R penumbra-worker --model $M --random-weights 1 --device cuda --kv-policy "$P" --prefill-chunk 1024 \
-      --max-batch 64 --prefix-cache-mb "${MIXED_CACHE_MB:-60000}" --auto-exact-mib "${MIXED_EXACT_MIB:-50000}" \
+      --max-batch 64 --prefix-cache-mb "${MIXED_CACHE_MB:-60000}" --auto-exact-mib "${MIXED_EXACT_MIB:-34000}" \
       --port-file "$D/worker.json" > "$D/worker.log" 2>&1 &
     local wpid=$!
     for _ in $(seq 1 600); do [ -f "$D/worker.json" ] && break; sleep 0.5; done
