@@ -123,6 +123,18 @@ CAPABILITIES = [
          cols=["kv_policy", "context", "batch", "tokens_per_s", "ms_per_step", "ttft_client_s",
                "ttft_worker_s", "document_put_s", "max_token_gap_s"],
          reproduce="bash ops/device/bench.sh service  # SERVICE_POLICY=full for the full policy"),
+    dict(id="mixed-documents", title="Mixed documents: a policy per document",
+         what="The mixed-documents workload through the service (penumbra-service-bench --mixed-hot): 4 hot "
+              "documents asked K times each and 2 asked once, all of 124928 tokens (Llama-3.1-8B shape, random "
+              "weights), one document every 5 s, a hot one's questions every 2 s (or 0.5 s) from its put, each "
+              "question's answer 128 (or 512) tokens; one fresh worker (60000 MB of device memory for the "
+              "document cache) per policy: auto (full or ShadowKV per document, auto_exact_mib for the exact "
+              "ones), full, shadowkv. tokens/s over the whole run, TTFT as the client sees it.",
+         rows=lambda r: True,
+         cols=["policy", "questions_per_hot_document", "max_new_tokens", "question_interval_s", "auto_exact_mib",
+               "tokens_per_s", "wall_s", "ttft_p50_s", "ttft_p99_s", "put_p50_s", "questions", "failed"],
+         reproduce="bash ops/device/bench.sh mixed; MIXED_QUESTIONS=16 MIXED_NEW=512 MIXED_Q_S=0.5 "
+                   "bash ops/device/bench.sh mixed"),
     dict(id="jobs", title="Batch jobs",
          what="8 documents of 32768 tokens x 16 questions: one batch job beside the same questions one at a "
               "time, and the peer's shared-prefix decode at 16 x 32768.",
