@@ -17,9 +17,7 @@ namespace {
 constexpr int kExact = 0, kSparse = 1;
 const char* const kFormNames[2] = {"full", "shadowkv"};
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // A document's exact form factored into ShadowKV, a layer per step, through
 // a sequence of the sparse policy's own (ids the runtime never uses).
