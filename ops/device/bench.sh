@@ -455,6 +455,25 @@ suite_service_cp() {
   grep -E 'formed|broken|captured|prefill piece' "$D"/rank*.log "$D/coordinator.log" | tail -20
 }
 
+# service_up DIR MODEL WORKER_FLAGS...: one penumbra-worker (random weights,
+# CUDA) and a penumbra-coordinator over it on loopback, their logs in DIR;
+# sets SVC_WPID, SVC_CPID and SVC_CPORT (the public API's port).
+# service_down stops both (the coordinator cancels its generations first).
+service_up() {
+  local dir=$1 model=$2; shift 2
+  $R penumbra-worker --model "$model" --random-weights 1 --device cuda "$@" --port-file "$dir/worker.json" \
+    > "$dir/worker.log" 2>&1 &
+  SVC_WPID=$!
+  for _ in $(seq 1 600); do [ -f "$dir/worker.json" ] && break; sleep 0.5; done
+  local wport; wport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$dir/worker.json")
+  $R penumbra-coordinator --model "$model" --workers 127.0.0.1:$wport --port-file "$dir/coordinator.json" \
+    > "$dir/coordinator.log" 2>&1 &
+  SVC_CPID=$!
+  for _ in $(seq 1 100); do [ -f "$dir/coordinator.json" ] && break; sleep 0.2; done
+  SVC_CPORT=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$dir/coordinator.json")
+}
+service_down() { kill -TERM "$SVC_CPID" "$SVC_WPID"; wait "$SVC_CPID" "$SVC_WPID"; }
+
 # The service through its public API beside the engine alone at the same
 # shape (issue 18): penumbra-bench shared (the same 14 questions over one
 # document, in-process) and decode (14 independent sequences), one lane each.
@@ -470,19 +489,10 @@ suite_service() {
     [ "$P" = shadowkv ] &&
       run 400 $R penumbra-bench decode $SKVO --context 124928 --batch 14 --lanes 1 --steps 100 --hit-rates natural
   fi
-  $R penumbra-worker --model $M --random-weights 1 --device cuda $SKVO --max-batch 16 --prefix-cache-mb 60000 \
-    --port-file "$D/worker.json" > "$D/worker.log" 2>&1 &
-  local wpid=$!
-  for _ in $(seq 1 600); do [ -f "$D/worker.json" ] && break; sleep 0.5; done
-  local wport; wport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/worker.json")
-  $R penumbra-coordinator --model $M --workers 127.0.0.1:$wport --port-file "$D/coordinator.json" \
-    > "$D/coordinator.log" 2>&1 &
-  local cpid=$!
-  for _ in $(seq 1 100); do [ -f "$D/coordinator.json" ] && break; sleep 0.2; done
-  local cport; cport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/coordinator.json")
-  run 600 $R penumbra-service-bench --address 127.0.0.1:$cport --context 124928 --question 64 --batch 14 \
+  service_up "$D" $M $SKVO --max-batch 16 --prefix-cache-mb 60000
+  run 600 $R penumbra-service-bench --address 127.0.0.1:$SVC_CPORT --context 124928 --question 64 --batch 14 \
     --max-new-tokens 2048 --window-s 20 --vocab 128256 $([ "$P" = shadowkv ] && echo --put-during-decode)
-  kill -TERM $cpid $wpid; wait $cpid $wpid
+  service_down
   [ "${SERVICE_COMPARE:-1}" = 1 ] && run 300 $PEER decode --shared-prefix --graph --batch 14 --context 124928 --steps 20
   grep -E 'admitting|captured|prefill piece' "$D/worker.log" | tail -40
 }
@@ -495,22 +505,13 @@ suite_mixed() {
   for P in ${MIXED_POLICIES:-auto full shadowkv}; do
     D="$OUT/mixed-$P"
     mkdir -p "$D"
-    $R penumbra-worker --model $M --random-weights 1 --device cuda --kv-policy "$P" --prefill-chunk 1024 \
-      --max-batch 64 --prefix-cache-mb "${MIXED_CACHE_MB:-60000}" --auto-exact-mib "${MIXED_EXACT_MIB:-34000}" \
-      --port-file "$D/worker.json" > "$D/worker.log" 2>&1 &
-    local wpid=$!
-    for _ in $(seq 1 600); do [ -f "$D/worker.json" ] && break; sleep 0.5; done
-    local wport; wport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/worker.json")
-    $R penumbra-coordinator --model $M --workers 127.0.0.1:$wport --port-file "$D/coordinator.json" \
-      > "$D/coordinator.log" 2>&1 &
-    local cpid=$!
-    for _ in $(seq 1 100); do [ -f "$D/coordinator.json" ] && break; sleep 0.2; done
-    local cport; cport=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["port"])' "$D/coordinator.json")
-    run "${MIXED_TIMEOUT_S:-560}" $R penumbra-service-bench --address 127.0.0.1:$cport --context "$S" --question 64 \
+    service_up "$D" $M --kv-policy "$P" --prefill-chunk 1024 --max-batch 64 \
+      --prefix-cache-mb "${MIXED_CACHE_MB:-60000}" --auto-exact-mib "${MIXED_EXACT_MIB:-34000}"
+    run "${MIXED_TIMEOUT_S:-560}" $R penumbra-service-bench --address 127.0.0.1:$SVC_CPORT --context "$S" --question 64 \
       --vocab 128256 --mixed-hot "${MIXED_HOT:-4}" --mixed-questions "${MIXED_QUESTIONS:-8}" \
       --mixed-cold "${MIXED_COLD:-2}" --mixed-doc-interval-s "${MIXED_DOC_S:-5}" \
       --mixed-question-interval-s "${MIXED_Q_S:-2}" --max-new-tokens "${MIXED_NEW:-128}"
-    kill -TERM $cpid $wpid; wait $cpid $wpid
+    service_down
     grep -E 'moved|captured|evict' "$D/worker.log" | tail -20
   done
 }
