@@ -745,6 +745,64 @@ TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
   EXPECT_EQ(hz->status, 200);
 }
 
+// A worker of kv_policy auto takes requests pinned to either policy (the
+// coordinator routes them to it, the pin travels with them): a question
+// pinned to shadowkv about a document held exact prefills its own copy
+// (nothing attached) and answers as the shadowkv engine does; an unpinned or
+// full one attaches the exact document and answers as full does; the
+// worker's metrics count the document under full.
+TEST_F(Service, AnAutoWorkerHoldsEachRequestUnderItsPin) {
+  ClusterOptions o;
+  // ShadowKV's options of LossyShadowKvOptions (the offline engine's).
+  o.worker_flags = {"--kv-policy",
+                    "auto",
+                    "--rank",
+                    "12",
+                    "--chunk-size",
+                    "4",
+                    "--budget",
+                    "24",
+                    "--local-window",
+                    "8",
+                    "--outliers",
+                    "2",
+                    "--min-prompt",
+                    "0",
+                    "--landmarks-per-chunk",
+                    "2",
+                    "--continuation",
+                    "dense",
+                    "--prefix-cache-mb",
+                    "64"};
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->workers.size(), 1u);
+  EXPECT_EQ(stats->workers[0].kv_policy, "auto");
+  const std::vector<int32_t> doc = LcgTokens(180, 31, true);
+  const rpc::DocumentInfo d = Put(*c, "doc", doc);
+  ASSERT_FALSE(d.id.empty());
+  Offline full("full"), shadowkv("shadowkv");
+  for (const char* pin : {"", "full", "shadowkv"}) {
+    const std::vector<int32_t> q = LcgTokens(14, 500 + std::string(pin).size(), false);
+    rpc::GenerateRequest r = Ask({d.id}, q, 6);
+    r.kv_policy = pin;
+    auto got = c->Complete(r);
+    ASSERT_TRUE(got.ok()) << pin << ": " << got.status();
+    const bool sparse = std::string(pin) == "shadowkv";
+    EXPECT_EQ(got->usage.cached_prompt_tokens, sparse ? 0 : 180) << pin;
+    EXPECT_EQ(got->ids, (sparse ? shadowkv : full).About(doc, q, 6)) << pin;
+  }
+  auto wm = httplib::Client("127.0.0.1", cluster.worker(0).metrics_port).Get("/metrics");
+  ASSERT_TRUE(wm);
+  EXPECT_NE(wm->body.find("penumbra_worker_documents_by_policy{policy=\"full\"} 1"), std::string::npos) << wm->body;
+  EXPECT_NE(wm->body.find("penumbra_worker_documents_by_policy{policy=\"shadowkv\"} 0"), std::string::npos);
+  EXPECT_NE(wm->body.find("penumbra_worker_document_moves_total 0"), std::string::npos);
+}
+
 // SIGTERM: the worker stops taking requests and lets the running ones finish;
 // the coordinator then drains and both exit 0.
 TEST_F(Service, SigtermDrainsRunningRequests) {
