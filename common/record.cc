@@ -33,15 +33,21 @@ std::string RecordWriter::Seal(std::string_view key) {
 }
 
 Status UnsealRecord(std::string_view key, std::string_view value, uint32_t format_version, std::string_view* fields) {
+  uint32_t version = 0;
+  return UnsealRecordVersions(key, value, format_version, format_version, &version, fields);
+}
+
+Status UnsealRecordVersions(std::string_view key, std::string_view value, uint32_t oldest, uint32_t newest,
+                            uint32_t* version, std::string_view* fields) {
   if (value.size() < 12) return Status::Corruption("truncated value (" + std::to_string(value.size()) + " bytes)");
   uint64_t sum = 0;
   std::memcpy(&sum, value.data() + value.size() - 8, 8);
   if (sum != Hash64(value.data(), value.size() - 8, Hash64(key))) return Status::Corruption("checksum mismatch");
-  uint32_t version = 0;
-  std::memcpy(&version, value.data(), 4);
-  if (version != format_version) {
-    return Status::Corruption("format version " + std::to_string(version) + ", this binary reads " +
-                              std::to_string(format_version));
+  std::memcpy(version, value.data(), 4);
+  if (*version < oldest || *version > newest) {
+    return Status::Corruption(
+        "format version " + std::to_string(*version) + ", this binary reads " +
+        (oldest == newest ? std::to_string(newest) : std::to_string(oldest) + " to " + std::to_string(newest)));
   }
   *fields = value.substr(4, value.size() - 12);
   return Status::OK();

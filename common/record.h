@@ -45,6 +45,11 @@ class RecordWriter {
 // Checks a value's checksum under `key` and its format version; *fields is
 // what lies between them. Corruption saying which check failed.
 Status UnsealRecord(std::string_view key, std::string_view value, uint32_t format_version, std::string_view* fields);
+// As UnsealRecord for a store that reads every format version from
+// `oldest` to `newest` (a newer binary reading older records): *version says
+// which one the value has.
+Status UnsealRecordVersions(std::string_view key, std::string_view value, uint32_t oldest, uint32_t newest,
+                            uint32_t* version, std::string_view* fields);
 
 class RecordReader {
  public:

@@ -36,6 +36,7 @@ struct DocumentInfo {
   7: optional string error,      // FAILED: why
   8: double factor_seconds = -1, // put -> ready; < 0 until then
   9: i64 factored_tokens,        // FACTORING: tokens prefilled so far (progress)
+  10: string kv_policy = "",     // the put's pin ("full", "shadowkv"; "": none)
 }
 
 // A document: text (tokenized by the coordinator with the model's tokenizer)
@@ -49,6 +50,11 @@ struct PutDocumentRequest {
   // once (FACTORING) and poll GetDocument.
   5: bool wait = true,
   6: i64 deadline_ms = 0,
+  // "full" or "shadowkv": the document is factored on workers of that KV
+  // policy or of "auto" and held there under it, and its questions are held
+  // under it unless they pin another (GenerateRequest.kv_policy); "": the
+  // workers' choice.
+  7: string kv_policy = "",
 }
 
 struct ListDocumentsRequest {

@@ -157,6 +157,7 @@ struct WorkerPutRequest {
   4: double share_weight = 1.0,  // as WorkerGenerateRequest's
   5: string tenant = "",         // as WorkerGenerateRequest's
   6: string owner_id = "",       // as WorkerGenerateRequest's
+  7: string kv_policy = "",      // as WorkerGenerateRequest's: the document held under it
 }
 
 // A put's state, as WaitPut returns it.

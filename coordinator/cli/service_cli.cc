@@ -51,6 +51,7 @@ nlohmann::json ToJson(const rpc::DocumentInfo& d) {
                       {"factor_seconds", d.factor_seconds},
                       {"created_unix_ms", d.created_unix_ms}};
   if (d.__isset.error) j["error"] = d.error;
+  if (!d.kv_policy.empty()) j["kv_policy"] = d.kv_policy;
   return j;
 }
 
@@ -81,6 +82,7 @@ Status DocPut(int argc, char** argv) {
   Args a;
   a.Flag("name", "the document's name (default: the file's name)")
       .Flag("ids", "the document as comma-separated token ids instead of a file")
+      .Flag("kv-policy", "hold the document (and its questions) under this KV policy: full or shadowkv")
       .Switch("no-wait", "return at once (state factoring); see `penumbra doc get`")
       .Switch("json", "print the document as JSON");
   AddClientFlags(a);
@@ -107,7 +109,7 @@ Status DocPut(int argc, char** argv) {
   if (!a.Has("json") && !a.Has("no-wait")) progress = [&](const rpc::DocumentInfo& d) { ShowProgress(d, t0, tty); };
   PENUMBRA_ASSIGN_OR_RETURN(rpc::DocumentInfo d,
                             c->PutDocument(name, file.empty() ? nullptr : &text, file.empty() ? &ids : nullptr,
-                                           !a.Has("no-wait"), milliseconds(0), progress));
+                                           !a.Has("no-wait"), milliseconds(0), progress, a.Get("kv-policy", "")));
   if (a.Has("json")) {
     std::cout << ToJson(d).dump() << std::endl;
   } else if (d.state == rpc::DocumentState::FAILED) {

@@ -118,10 +118,12 @@ Status Client::Call(const std::string& what, const std::function<void()>& call) 
 
 Result<rpc::DocumentInfo> Client::PutDocument(const std::string& name, const std::string* text,
                                               const std::vector<int32_t>* ids, bool wait, milliseconds deadline,
-                                              const std::function<void(const rpc::DocumentInfo&)>& progress) {
+                                              const std::function<void(const rpc::DocumentInfo&)>& progress,
+                                              const std::string& kv_policy) {
   rpc::PutDocumentRequest r;
   r.api_key = o_.api_key;
   r.name = name;
+  r.kv_policy = kv_policy;
   if (text) r.__set_text(*text);
   if (ids) r.__set_token_ids(*ids);
   r.deadline_ms = deadline.count();

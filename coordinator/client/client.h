@@ -52,11 +52,13 @@ class Client {
 
   // A document from text or token ids (exactly one non-empty). wait: returns
   // when READY or FAILED, calling `progress` (if set) with the document's
-  // state every half second meanwhile.
+  // state every half second meanwhile. kv_policy: the document's pin
+  // (PutDocumentRequest.kv_policy).
   Result<rpc::DocumentInfo> PutDocument(const std::string& name, const std::string* text,
                                         const std::vector<int32_t>* ids, bool wait = true,
                                         std::chrono::milliseconds deadline = std::chrono::milliseconds(0),
-                                        const std::function<void(const rpc::DocumentInfo&)>& progress = {});
+                                        const std::function<void(const rpc::DocumentInfo&)>& progress = {},
+                                        const std::string& kv_policy = "");
   Result<rpc::DocumentInfo> GetDocument(const std::string& id);
   // Every page.
   Result<std::vector<rpc::DocumentInfo>> ListDocuments(int page_size = 100);

@@ -43,6 +43,7 @@ rpc::DocumentInfo Coordinator::ToInfo(const DocumentView& d) const {
   if (d.state == DocumentState::kFailed) i.__set_error(d.error);
   i.factor_seconds = d.factor_seconds;
   i.factored_tokens = d.factored_tokens;
+  i.kv_policy = d.kv_policy;
   return i;
 }
 
@@ -84,7 +85,7 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
   PENUMBRA_RETURN_IF_ERROR(docs_->CheckWritable());
   if (o_.tenants)
     PENUMBRA_RETURN_IF_ERROR(QuotaStatus(o_.tenants->ReserveDocumentBytes(tenant, doc_bytes), quota_refusals_, tenant));
-  Result<DocumentView> added = docs_->Add(tenant, r.name, std::move(ids), leading_special);
+  Result<DocumentView> added = docs_->Add(tenant, r.name, std::move(ids), leading_special, r.kv_policy);
   if (!added.ok()) {
     if (o_.tenants) o_.tenants->ReleaseDocumentBytes(tenant, doc_bytes);
     return added.status();
@@ -125,8 +126,9 @@ Result<rpc::DocumentInfo> Coordinator::DoPut(const rpc::PutDocumentRequest& r) {
 void Coordinator::Factor(DocumentView d, Clock::time_point deadline) {
   const Clock::time_point t0 = Clock::now();
   Status last = Status::Unavailable("no healthy worker");
-  for (int w : Route("", {}, d.tokens)) {
+  for (int w : Route(d.kv_policy, {}, d.tokens)) {
     rpc::WorkerPutRequest p;
+    p.kv_policy = d.kv_policy;
     p.documents = {transport::DocumentWithIds(*d.ids, d.digest)};
     p.cache_namespace = d.tenant;
     p.tenant = d.tenant;

@@ -116,9 +116,9 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   g.owner_id = workers_->owner_id();
 
   Status last =
-      Status::Unavailable(r.kv_policy.empty() ? "no healthy worker" : "no healthy worker of kv policy " + r.kv_policy);
+      Status::Unavailable(g.kv_policy.empty() ? "no healthy worker" : "no healthy worker of kv policy " + g.kv_policy);
   auto q = std::make_shared<Request>();
-  for (int w : Route(r.kv_policy, checked.docs, checked.prompt_tokens)) {
+  for (int w : Route(g.kv_policy, checked.docs, checked.prompt_tokens)) {
     g.stop_ids = r.stop_ids;
     if (!r.ignore_eos) {
       for (int32_t eos : workers_->state(w).health.eos_ids) {
@@ -153,7 +153,7 @@ Result<std::shared_ptr<Coordinator::Request>> Coordinator::DoGenerateAs(const st
   q->tokens = std::move(tokens);
   q->gen = g;  // Thrift structs copy (no move assignment)
   q->docs = std::move(docs);
-  q->kv_policy = r.kv_policy;
+  q->kv_policy = g.kv_policy;
   q->job_item = job_item;
   q->created_unix_ms = UnixMs();
   q->last_poll = q->created;
@@ -261,7 +261,8 @@ rpc::WorkerGenerateRequest Coordinator::BuildGenerate(const std::string& tenant,
   g.sampling = r.sampling;
   g.deadline_ms = r.deadline_ms;
   g.tenant = tenant;
-  g.kv_policy = r.kv_policy;
+  // The request's pin, else its first document's.
+  g.kv_policy = !r.kv_policy.empty() || c.docs.empty() ? r.kv_policy : c.docs.front().kv_policy;
   g.share_weight = 1.0;
   if (o_.tenants) {
     if (Result<tenants::TenantConfig> t = o_.tenants->Tenant(tenant); t.ok()) g.share_weight = t->weight;

@@ -41,9 +41,10 @@ bool WellFormedId(std::string_view id) {
 
 // ---- records -------------------------------------------------------------------
 // Key: 'd' and the document id. Value, numbers little-endian:
-//   u32 format version
+//   u32 format version (2; 1 is read too: no kv_policy)
 //   tenant, name (each u32 length, bytes)
 //   i64 tokens, i64 leading_special, i64 created_unix_ms, f64 factor_seconds
+//   kv_policy (u32 length, bytes; version 2 only)
 //   u32 n, n x i32 token ids (n == tokens)
 //   u64 checksum: Hash64 of everything before it, seeded with Hash64(key),
 //       so a value read under another key fails too.
@@ -51,7 +52,8 @@ bool WellFormedId(std::string_view id) {
 // Tombstone key: 't' and the document id. Value: u32 format version, tenant
 // (u32 length, bytes), i64 tokens, u32 n, n x i32 token ids, u64 checksum
 // (as above).
-constexpr uint32_t kFormatVersion = 1;
+constexpr uint32_t kFormatVersion = 1;          // tombstones
+constexpr uint32_t kDocumentFormatVersion = 2;  // documents (1: before kv_policy)
 constexpr char kDocumentKind = 'd';
 constexpr char kTombstoneKind = 't';
 
@@ -81,10 +83,10 @@ Status DecodeTombstone(std::string_view key, std::string_view value, DocumentTom
 
 std::string Encode(const std::string& key, const DocumentView& d) {
   const std::vector<int32_t>& ids = *d.ids;
-  RecordWriter w(kFormatVersion);
-  w.Reserve(64 + d.tenant.size() + d.name.size() + 4 * ids.size());
+  RecordWriter w(kDocumentFormatVersion);
+  w.Reserve(64 + d.tenant.size() + d.name.size() + d.kv_policy.size() + 4 * ids.size());
   w.Str(d.tenant).Str(d.name).I64(d.tokens).I64(d.leading_special).I64(d.created_unix_ms).F64(d.factor_seconds);
-  w.I32s(ids);
+  w.Str(d.kv_policy).I32s(ids);
   return w.Seal(key);
 }
 
@@ -94,12 +96,17 @@ Status Decode(std::string_view key, std::string_view value, DocumentView* d) {
     return Status::Corruption("not a document key");
   }
   std::string_view fields;
-  PENUMBRA_RETURN_IF_ERROR(UnsealRecord(key, value, kFormatVersion, &fields));
+  uint32_t version = 0;
+  PENUMBRA_RETURN_IF_ERROR(UnsealRecordVersions(key, value, 1, kDocumentFormatVersion, &version, &fields));
   RecordReader in(fields);
   auto ids = std::make_shared<std::vector<int32_t>>();
   if (!in.Str(&d->tenant) || !in.Str(&d->name) || !in.I64(&d->tokens) || !in.I64(&d->leading_special) ||
-      !in.I64(&d->created_unix_ms) || !in.F64(&d->factor_seconds) || !in.I32s(ids.get()) || !in.done()) {
+      !in.I64(&d->created_unix_ms) || !in.F64(&d->factor_seconds) || (version >= 2 && !in.Str(&d->kv_policy)) ||
+      !in.I32s(ids.get()) || !in.done()) {
     return Status::Corruption("malformed fields");
+  }
+  if (!d->kv_policy.empty() && d->kv_policy != "full" && d->kv_policy != "shadowkv") {
+    return Status::Corruption("kv_policy '" + d->kv_policy.substr(0, 32) + "'");
   }
   if (d->tokens != static_cast<int64_t>(ids->size())) {
     return Status::Corruption(std::to_string(d->tokens) + " tokens but " + std::to_string(ids->size()) + " token ids");
@@ -216,7 +223,7 @@ const char* DocumentStateName(DocumentState s) {
 }
 
 Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std::string& name, std::vector<int32_t> ids,
-                                           int64_t leading_special) {
+                                           int64_t leading_special, std::string kv_policy) {
   std::lock_guard<std::mutex> lk(mu_);
   if (per_tenant_[tenant] >= max_per_tenant_) {
     return Status::ResourceExhausted("tenant has " + std::to_string(max_per_tenant_) +
@@ -230,6 +237,7 @@ Result<DocumentView> DocumentRegistry::Add(const std::string& tenant, const std:
   d.name = name;
   d.tokens = static_cast<int64_t>(ids.size());
   d.leading_special = leading_special;
+  d.kv_policy = std::move(kv_policy);
   d.created_unix_ms =
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count();
@@ -546,6 +554,28 @@ Status DocumentRegistry::CorruptRecordForTest(const std::string& id) {
     w.sync = true;
     rs = db->Put(w, key, value);
   }
+  if (!rs.ok()) return Status::IOError("document registry " + store_->rdb->path() + ": " + rs.ToString());
+  return Status::OK();
+}
+
+Status DocumentRegistry::RewriteRecordAsVersion1ForTest(const std::string& id) {
+  if (!store_) return Status::FailedPrecondition("document registry: in memory, nothing is stored");
+  std::unique_lock<std::mutex> writes = LockWrites();
+  const std::string key = DocumentKey(id);
+  std::string value;
+  PENUMBRA_RETURN_IF_ERROR(store_->rdb->Readable());
+  rocksdb::DB* db = store_->rdb->db();
+  rocksdb::Status rs = db->Get(rocksdb::ReadOptions(), key, &value);
+  if (rs.IsNotFound()) return Status::NotFound("document registry: document '" + id + "' has no record");
+  if (!rs.ok()) return Status::IOError("document registry " + store_->rdb->path() + ": " + rs.ToString());
+  DocumentView d;
+  PENUMBRA_RETURN_IF_ERROR(Decode(key, value, &d));
+  RecordWriter w(1);
+  w.Str(d.tenant).Str(d.name).I64(d.tokens).I64(d.leading_special).I64(d.created_unix_ms).F64(d.factor_seconds);
+  w.I32s(*d.ids);
+  rocksdb::WriteOptions o;
+  o.sync = true;
+  rs = db->Put(o, key, w.Seal(key));
   if (!rs.ok()) return Status::IOError("document registry " + store_->rdb->path() + ": " + rs.ToString());
   return Status::OK();
 }

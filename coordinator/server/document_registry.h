@@ -94,6 +94,10 @@ struct DocumentView {
   // Computed once when it is added or loaded (not stored).
   Hash128 digest, digest_after_special;
   bool not_stored = false;  // kFailed: factored, but storing it READY failed (error says why)
+  // The KV policy its put pinned it to ("full" or "shadowkv"; "": the
+  // workers' choice): it is factored on workers of that policy or of auto,
+  // held there under it, and its questions are too unless they pin another.
+  std::string kv_policy;
 };
 
 // A removed document whose cached state workers may still hold.
@@ -124,8 +128,9 @@ class DocumentRegistry {
 
   // A new document (FACTORING) with a fresh random id. ResourceExhausted when
   // the tenant has max_documents_per_tenant already.
+  // kv_policy: "", "full" or "shadowkv" (the put's pin; checked by the caller).
   Result<DocumentView> Add(const std::string& tenant, const std::string& name, std::vector<int32_t> ids,
-                           int64_t leading_special = 0);
+                           int64_t leading_special = 0, std::string kv_policy = "");
   // NotFound for an unknown id or another tenant's.
   Result<DocumentView> Get(const std::string& tenant, const std::string& id) const;
   // As Get, for reading only: also another tenant's document when
@@ -193,6 +198,10 @@ class DocumentRegistry {
   // the next Open skips it. NotFound when it has no record; FailedPrecondition
   // for an in-memory registry.
   Status CorruptRecordForTest(const std::string& id);
+  // Test only: rewrites the stored record of `id` in format version 1 (as a
+  // binary before kv_policy wrote it: no pin), so the next Open reads an old
+  // record. As CorruptRecordForTest for the errors.
+  Status RewriteRecordAsVersion1ForTest(const std::string& id);
 
  private:
   struct Store;  // RocksDB (document_registry.cc): the header includes none of it

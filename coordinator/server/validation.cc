@@ -62,6 +62,12 @@ Status CheckTextOrIds(std::string_view what, bool has_text, const std::string& t
   return CheckVocabulary(Str(what) + " token_ids", ids, model);
 }
 
+// "", "full" or "shadowkv" (a request's or a document's pin).
+Status CheckKvPolicy(const std::string& kv_policy) {
+  if (kv_policy.empty() || kv_policy == "full" || kv_policy == "shadowkv") return Status::OK();
+  return Bad("kv_policy must be \"\", \"full\" or \"shadowkv\", got \"" + Excerpt(kv_policy, 32) + "\"");
+}
+
 Status CheckSampling(const rpc::SamplingOptions& sp) {
   // The ranges of common.thrift; written so that NaN fails.
   if (!(sp.temperature >= 0 && sp.temperature <= 100)) {
@@ -124,9 +130,7 @@ Status CheckGenerate(const rpc::GenerateRequest& r, const RequestLimits& limits,
                std::to_string(limits.max_stop_ids) + " (max_stop_ids)");
   }
   PENUMBRA_RETURN_IF_ERROR(CheckVocabulary("stop_ids", r.stop_ids, model));
-  if (!r.kv_policy.empty() && r.kv_policy != "full" && r.kv_policy != "shadowkv") {
-    return Bad("kv_policy must be \"\", \"full\" or \"shadowkv\", got \"" + Excerpt(r.kv_policy, 32) + "\"");
-  }
+  PENUMBRA_RETURN_IF_ERROR(CheckKvPolicy(r.kv_policy));
   return CheckSampling(r.sampling);
 }
 
@@ -217,6 +221,7 @@ int64_t GeneratedTokensBound(int64_t prompt_tokens, int32_t max_new_tokens, cons
 
 Status ValidatePutDocumentRequest(const rpc::PutDocumentRequest& r, const RequestLimits& limits,
                                   const ModelLimits& model) {
+  PENUMBRA_RETURN_IF_ERROR(CheckKvPolicy(r.kv_policy));
   if (r.name.empty() || static_cast<int64_t>(r.name.size()) > limits.max_name_bytes) {
     return Bad("name must be 1 to " + std::to_string(limits.max_name_bytes) + " bytes (max_name_bytes), got " +
                std::to_string(r.name.size()));

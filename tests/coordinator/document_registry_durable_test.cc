@@ -317,6 +317,37 @@ TEST(DocumentRegistryDurable, ADamagedRecordIsSkippedAndCounted) {
   EXPECT_EQ(reg->count(), 1);
 }
 
+// A document's KV policy pin survives a reopen; a record of format version 1
+// (before the pin existed) is still read, with no pin.
+TEST(DocumentRegistryDurable, APinSurvivesAReopenAndOldRecordsAreRead) {
+  TempDir dir;
+  std::string pinned, old;
+  {
+    std::unique_ptr<DocumentRegistry> reg = OpenOrDie(dir.path(), 10);
+    Result<DocumentView> p = reg->Add("t", "p", {1, 2, 3}, 0, "shadowkv");
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(p->kv_policy, "shadowkv");
+    pinned = p->id;
+    Result<DocumentView> o = reg->Add("t", "o", {4, 5}, 1, "full");
+    ASSERT_TRUE(o.ok());
+    old = o->id;
+    ASSERT_TRUE(reg->SetReady(pinned, 0, 1.5).ok());
+    ASSERT_TRUE(reg->SetReady(old, 0, 2.5).ok());
+    ASSERT_TRUE(reg->RewriteRecordAsVersion1ForTest(old).ok());
+  }
+  std::unique_ptr<DocumentRegistry> reg = OpenOrDie(dir.path(), 10);
+  EXPECT_EQ(reg->corrupt_records(), 0);
+  Result<DocumentView> p = reg->Get("t", pinned);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->kv_policy, "shadowkv");
+  Result<DocumentView> o = reg->Get("t", old);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->kv_policy, "");
+  EXPECT_EQ(*o->ids, (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(o->leading_special, 1);
+  EXPECT_EQ(o->factor_seconds, 2.5);
+}
+
 TEST(DocumentRegistryDurable, OpenErrorsNameThePath) {
   TempDir dir;
   EXPECT_EQ(DocumentRegistry::Open("", 10).status().code(), StatusCode::kInvalidArgument);

@@ -749,8 +749,9 @@ TEST_F(Service, DocumentsTenantsStreamingAndCancel) {
 // coordinator routes them to it, the pin travels with them): a question
 // pinned to shadowkv about a document held exact prefills its own copy
 // (nothing attached) and answers as the shadowkv engine does; an unpinned or
-// full one attaches the exact document and answers as full does; the
-// worker's metrics count the document under full.
+// full one attaches the exact document and answers as full does. A document
+// put pinned to shadowkv is held so, and its unpinned questions attach it.
+// The worker's metrics count the documents by policy.
 TEST_F(Service, AnAutoWorkerHoldsEachRequestUnderItsPin) {
   ClusterOptions o;
   // ShadowKV's options of LossyShadowKvOptions (the offline engine's).
@@ -796,10 +797,27 @@ TEST_F(Service, AnAutoWorkerHoldsEachRequestUnderItsPin) {
     EXPECT_EQ(got->usage.cached_prompt_tokens, sparse ? 0 : 180) << pin;
     EXPECT_EQ(got->ids, (sparse ? shadowkv : full).About(doc, q, 6)) << pin;
   }
+  // A document pinned by its put.
+  const std::vector<int32_t> doc2 = LcgTokens(150, 32, true);
+  ExpectCode(c->PutDocument("bad", nullptr, &doc2, true, 0ms, {}, "sparse").status(), StatusCode::kInvalidArgument,
+             "a put's kv_policy");
+  auto d2 = c->PutDocument("doc2", nullptr, &doc2, true, 0ms, {}, "shadowkv");
+  ASSERT_TRUE(d2.ok()) << d2.status();
+  EXPECT_EQ(d2->kv_policy, "shadowkv");
+  for (const char* pin : {"", "full"}) {
+    const std::vector<int32_t> q = LcgTokens(11, 600 + std::string(pin).size(), false);
+    rpc::GenerateRequest r = Ask({d2->id}, q, 6);
+    r.kv_policy = pin;
+    auto got = c->Complete(r);
+    ASSERT_TRUE(got.ok()) << pin << ": " << got.status();
+    const bool exact = std::string(pin) == "full";
+    EXPECT_EQ(got->usage.cached_prompt_tokens, exact ? 0 : 150) << pin;
+    EXPECT_EQ(got->ids, (exact ? full : shadowkv).About(doc2, q, 6)) << pin;
+  }
   auto wm = httplib::Client("127.0.0.1", cluster.worker(0).metrics_port).Get("/metrics");
   ASSERT_TRUE(wm);
   EXPECT_NE(wm->body.find("penumbra_worker_documents_by_policy{policy=\"full\"} 1"), std::string::npos) << wm->body;
-  EXPECT_NE(wm->body.find("penumbra_worker_documents_by_policy{policy=\"shadowkv\"} 0"), std::string::npos);
+  EXPECT_NE(wm->body.find("penumbra_worker_documents_by_policy{policy=\"shadowkv\"} 1"), std::string::npos);
   EXPECT_NE(wm->body.find("penumbra_worker_document_moves_total 0"), std::string::npos);
 }
 

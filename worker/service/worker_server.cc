@@ -129,6 +129,7 @@ Result<GenerationRequest> FromRpc(const rpc::WorkerPutRequest& r, int64_t max_co
   if (r.documents.empty()) return Status::InvalidArgument("a put names no document");
   PENUMBRA_RETURN_IF_ERROR(AppendDocuments(r.documents, max_context, &g));
   g.cache_namespace = r.cache_namespace;
+  g.kv_policy = r.kv_policy;
   g.max_new_tokens = 0;  // prefill only: factored into the document cache
   return g;
 }
