@@ -539,7 +539,8 @@ int64_t DocumentRegistry::corrupt_records() const {
   return corrupt_records_;
 }
 
-Status DocumentRegistry::CorruptRecordForTest(const std::string& id) {
+Status DocumentRegistry::EditRecordForTest(
+    const std::string& id, const std::function<Status(const std::string& key, std::string* value)>& edit) {
   if (!store_) return Status::FailedPrecondition("document registry: in memory, nothing is stored");
   std::unique_lock<std::mutex> writes = LockWrites();
   const std::string key = DocumentKey(id);
@@ -548,36 +549,32 @@ Status DocumentRegistry::CorruptRecordForTest(const std::string& id) {
   rocksdb::DB* db = store_->rdb->db();
   rocksdb::Status rs = db->Get(rocksdb::ReadOptions(), key, &value);
   if (rs.IsNotFound()) return Status::NotFound("document registry: document '" + id + "' has no record");
-  if (rs.ok()) {
-    value[value.size() / 2] ^= 0x40;
-    rocksdb::WriteOptions w;
-    w.sync = true;
-    rs = db->Put(w, key, value);
-  }
+  if (!rs.ok()) return Status::IOError("document registry " + store_->rdb->path() + ": " + rs.ToString());
+  PENUMBRA_RETURN_IF_ERROR(edit(key, &value));
+  rocksdb::WriteOptions w;
+  w.sync = true;
+  rs = db->Put(w, key, value);
   if (!rs.ok()) return Status::IOError("document registry " + store_->rdb->path() + ": " + rs.ToString());
   return Status::OK();
 }
 
+Status DocumentRegistry::CorruptRecordForTest(const std::string& id) {
+  return EditRecordForTest(id, [](const std::string&, std::string* value) {
+    (*value)[value->size() / 2] ^= 0x40;
+    return Status::OK();
+  });
+}
+
 Status DocumentRegistry::RewriteRecordAsVersion1ForTest(const std::string& id) {
-  if (!store_) return Status::FailedPrecondition("document registry: in memory, nothing is stored");
-  std::unique_lock<std::mutex> writes = LockWrites();
-  const std::string key = DocumentKey(id);
-  std::string value;
-  PENUMBRA_RETURN_IF_ERROR(store_->rdb->Readable());
-  rocksdb::DB* db = store_->rdb->db();
-  rocksdb::Status rs = db->Get(rocksdb::ReadOptions(), key, &value);
-  if (rs.IsNotFound()) return Status::NotFound("document registry: document '" + id + "' has no record");
-  if (!rs.ok()) return Status::IOError("document registry " + store_->rdb->path() + ": " + rs.ToString());
-  DocumentView d;
-  PENUMBRA_RETURN_IF_ERROR(Decode(key, value, &d));
-  RecordWriter w(1);
-  w.Str(d.tenant).Str(d.name).I64(d.tokens).I64(d.leading_special).I64(d.created_unix_ms).F64(d.factor_seconds);
-  w.I32s(*d.ids);
-  rocksdb::WriteOptions o;
-  o.sync = true;
-  rs = db->Put(o, key, w.Seal(key));
-  if (!rs.ok()) return Status::IOError("document registry " + store_->rdb->path() + ": " + rs.ToString());
-  return Status::OK();
+  return EditRecordForTest(id, [](const std::string& key, std::string* value) {
+    DocumentView d;
+    PENUMBRA_RETURN_IF_ERROR(Decode(key, *value, &d));
+    RecordWriter w(1);
+    w.Str(d.tenant).Str(d.name).I64(d.tokens).I64(d.leading_special).I64(d.created_unix_ms).F64(d.factor_seconds);
+    w.I32s(*d.ids);
+    *value = w.Seal(key);
+    return Status::OK();
+  });
 }
 
 }  // namespace penumbra::coordinator

@@ -204,6 +204,10 @@ class DocumentRegistry {
   Status RewriteRecordAsVersion1ForTest(const std::string& id);
 
  private:
+  // The test hooks' edit of the stored record of `id`: `edit` gets its key
+  // and value and changes the value, which is written back (synced).
+  Status EditRecordForTest(const std::string& id,
+                           const std::function<Status(const std::string& key, std::string* value)>& edit);
   struct Store;  // RocksDB (document_registry.cc): the header includes none of it
 
   // Held (durable only) by SetReady, SetFailed and Remove from before they
