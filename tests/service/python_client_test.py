@@ -149,6 +149,15 @@ class PythonClientTest(unittest.TestCase):
         g = self.a.get_document(d.id)
         self.assertEqual((g.id, g.name, g.tokens, g.state), (d.id, d.name, d.tokens, d.state))
 
+    def test_a_put_may_pin_its_kv_policy(self):
+        d = self.a.put_document("pinned", text=penumbra_local.story_text(200, seed=41), kv_policy="full")
+        self.assertEqual(pc.state_name(d.state), "READY", d)
+        self.assertEqual(d.kv_policy, "full")
+        self.assertEqual(self.a.get_document(d.id).kv_policy, "full")
+        with self.assertRaises(pc.InvalidArgument):
+            self.a.put_document("bad", text="Once upon a time.", kv_policy="sparse")
+        self.a.delete_document(d.id)
+
     def test_ask_twice_reuses_document(self):
         d = self.doc()
         r1 = self.a.ask([d.id], text=QUESTION, max_new_tokens=16)

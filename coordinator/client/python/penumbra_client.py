@@ -586,13 +586,15 @@ class PenumbraClient(object):
 
     # -- documents
 
-    def put_document(self, name, text=None, token_ids=None, wait=True, deadline_ms=0):
+    def put_document(self, name, text=None, token_ids=None, wait=True, deadline_ms=0, kv_policy=""):
         """Adds a document (text, or token ids: exactly one). wait=True returns
-        once it is READY (or FAILED); wait=False at once (FACTORING)."""
+        once it is READY (or FAILED); wait=False at once (FACTORING).
+        kv_policy "full" or "shadowkv" pins the document (and its questions)
+        to that KV policy; "": the workers' choice."""
         req = api_types.PutDocumentRequest(
             api_key=self.api_key, name=name, text=text,
             token_ids=list(token_ids) if token_ids is not None else None,
-            wait=bool(wait), deadline_ms=int(deadline_ms))
+            wait=bool(wait), deadline_ms=int(deadline_ms), kv_policy=str(kv_policy))
         return self._call("PutDocument", req, timeout_s=self._wait_timeout(deadline_ms) if wait else None)
 
     def get_document(self, document_id, deadline_ms=0):
