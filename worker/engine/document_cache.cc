@@ -306,10 +306,6 @@ void DocumentCache::MoveStep() {
     std::shared_ptr<const KvPrefix> moved = move_->result();
     const KvPrefix* from = move_->from().get();
     stats_.move_seconds += move_->seconds();
-    std::string ns;
-    for (const auto& e : memory_.Entries()) {
-      if (e.key == move_key_) ns = e.cache_namespace;
-    }
     if (memory_.Replace(move_key_, from, moved)) {
       ++stats_.moves;
       LOG(INFO) << "document cache: moved a " << moved->tokens() << "-token document from full to " << moved->policy()
@@ -317,7 +313,7 @@ void DocumentCache::MoveStep() {
       if (persistent_) {
         auto blobs = moved->Export();
         if (blobs.ok()) {
-          persistent_->Write(move_key_, ns, moved->tokens(), std::move(*blobs));
+          persistent_->Write(move_key_, move_namespace_, moved->tokens(), std::move(*blobs));
         } else {
           ++stats_.store_errors;
           LOG(WARNING) << "prefix store: moved document not exported: " << blobs.status();
@@ -349,6 +345,7 @@ void DocumentCache::MoveStep() {
     }
     move_ = std::move(*m);
     move_key_ = it->key;
+    move_namespace_ = it->cache_namespace;
     return;
   }
 }

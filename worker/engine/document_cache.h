@@ -276,7 +276,8 @@ class DocumentCache {
   std::unique_ptr<DocumentPersistentTier> persistent_;  // destroyed (drained) before the store
   DocumentCacheStats stats_;
   std::unique_ptr<PrefixMove> move_;  // in flight (null: none)
-  Hash128 move_key_;
+  Hash128 move_key_;                  // its document's key and namespace
+  std::string move_namespace_;
   int move_wait_ = 0;
 };
 

@@ -4,20 +4,19 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <limits>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "worker/engine/op_profiler.h"
+
 namespace penumbra {
 namespace {
 
 constexpr int kExact = 0, kSparse = 1;
 const char* const kFormNames[2] = {"full", "shadowkv"};
-
-double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // A document's exact form factored into ShadowKV, a layer per step, through
 // a sequence of the sparse policy's own (ids the runtime never uses).
@@ -39,10 +38,10 @@ class ExactToSparseMove final : public PrefixMove {
   }
   Result<bool> Step() override {
     if (result_) return true;
-    const double t0 = Now();
+    const double t0 = NowSeconds();
     if (layer_ < layers_) {
       Status s = sparse_->FactorExactLayer(seq_, kv_, layer_);
-      seconds_ += Now() - t0;
+      seconds_ += NowSeconds() - t0;
       PENUMBRA_RETURN_IF_ERROR(s);
       ++layer_;
       return false;
@@ -50,7 +49,7 @@ class ExactToSparseMove final : public PrefixMove {
     Result<std::shared_ptr<const KvPrefix>> p = sparse_->TakePrefix(seq_, kv_.tokens);
     sparse_->RemoveSequence(seq_);
     added_ = false;
-    seconds_ += Now() - t0;
+    seconds_ += NowSeconds() - t0;
     PENUMBRA_RETURN_IF_ERROR(p.status());
     result_ = std::move(*p);
     return true;
@@ -128,7 +127,6 @@ class PerDocumentKvPolicy final : public KvPolicy {
       if (it == where_.end()) return Status::NotFound("sequence " + std::to_string(seqs[i]) + " does not exist");
       rows_[it->second].push_back(static_cast<int>(i));
     }
-    batch_ = static_cast<int>(seqs.size());
     // In place when each form's rows are one run of the batch.
     in_place_ = true;
     order_.clear();
@@ -148,7 +146,6 @@ class PerDocumentKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(sub_[w]->BeginDecodeStep(s, p));
     }
     ++stats_.decode_steps;
-    if (!in_place_) ++gathered_steps_;
     return Status::OK();
   }
 
@@ -156,30 +153,33 @@ class PerDocumentKvPolicy final : public KvPolicy {
                          float* lse) override {
     const int64_t qkv_row = static_cast<int64_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;  // floats
     const size_t act_row = static_cast<size_t>(ctx_.hq) * ctx_.head_dim * DTypeSize(ctx_.backend->act_dtype());
-    if (in_place_) {
-      for (int w = 0; w < 2; ++w) {
-        if (rows_[w].empty()) continue;
-        const int a = rows_[w].front();
-        PENUMBRA_RETURN_IF_ERROR(sub_[w]->DecodeAttention(
-            layer, qkv + a * qkv_row, positions + a, static_cast<char*>(q_scratch) + a * act_row,
-            static_cast<char*>(out) + a * act_row, lse ? lse + static_cast<int64_t>(a) * ctx_.hq : nullptr));
-      }
-      return Status::OK();
+    // Each form's rows: in place (at their run of the batch), or gathered
+    // into the scratch copy (the exact form's first) and scattered back.
+    const float* q_in = qkv;
+    const int32_t* pos = positions;
+    char* q_out = static_cast<char*>(q_scratch);
+    char* attn = static_cast<char*>(out);
+    float* lse_out = lse;
+    if (!in_place_) {
+      PENUMBRA_RETURN_IF_ERROR(EnsureScratch(qkv_row, act_row));
+      PENUMBRA_RETURN_IF_ERROR(Permute(g_qkv_.get(), qkv, qkv_row * sizeof(float), /*gather=*/true));
+      PENUMBRA_RETURN_IF_ERROR(Permute(g_pos_.get(), positions, sizeof(int32_t), true));
+      q_in = g_qkv_.as<float>();
+      pos = g_pos_.as<int32_t>();
+      q_out = static_cast<char*>(g_q_.get());
+      attn = static_cast<char*>(g_out_.get());
+      lse_out = lse ? g_lse_.as<float>() : nullptr;
     }
-    PENUMBRA_RETURN_IF_ERROR(EnsureScratch(qkv_row, act_row));
-    // Gather: scratch row j <- batch row order_[j].
-    PENUMBRA_RETURN_IF_ERROR(Permute(g_qkv_.get(), qkv, qkv_row * sizeof(float), /*gather=*/true));
-    PENUMBRA_RETURN_IF_ERROR(Permute(g_pos_.get(), positions, sizeof(int32_t), true));
     int at = 0;
     for (int w = 0; w < 2; ++w) {
       if (rows_[w].empty()) continue;
-      PENUMBRA_RETURN_IF_ERROR(sub_[w]->DecodeAttention(
-          layer, g_qkv_.as<float>() + at * qkv_row, g_pos_.as<int32_t>() + at,
-          static_cast<char*>(g_q_.get()) + at * act_row, static_cast<char*>(g_out_.get()) + at * act_row,
-          lse ? g_lse_.as<float>() + static_cast<int64_t>(at) * ctx_.hq : nullptr));
+      const int a = in_place_ ? rows_[w].front() : at;
+      PENUMBRA_RETURN_IF_ERROR(
+          sub_[w]->DecodeAttention(layer, q_in + a * qkv_row, pos + a, q_out + a * act_row, attn + a * act_row,
+                                   lse_out ? lse_out + static_cast<int64_t>(a) * ctx_.hq : nullptr));
       at += static_cast<int>(rows_[w].size());
     }
-    // Scatter: batch row order_[j] <- scratch row j.
+    if (in_place_) return Status::OK();
     PENUMBRA_RETURN_IF_ERROR(Permute(out, g_out_.get(), act_row, /*gather=*/false));
     PENUMBRA_RETURN_IF_ERROR(Permute(q_scratch, g_q_.get(), act_row, false));
     if (lse) PENUMBRA_RETURN_IF_ERROR(Permute(lse, g_lse_.get(), ctx_.hq * sizeof(float), false));
@@ -301,16 +301,17 @@ class PerDocumentKvPolicy final : public KvPolicy {
   }
 
   Status EnsureScratch(int64_t qkv_row, size_t act_row) {
-    if (scratch_rows_ >= batch_) return Status::OK();
+    const int batch = static_cast<int>(order_.size());
+    if (scratch_rows_ >= batch) return Status::OK();
     Backend& b = *ctx_.backend;
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());  // the old scratch may still be read
-    const size_t rows = static_cast<size_t>(batch_);
+    const size_t rows = static_cast<size_t>(batch);
     PENUMBRA_ASSIGN_OR_RETURN(g_qkv_, b.Allocate(rows * qkv_row * sizeof(float)));
     PENUMBRA_ASSIGN_OR_RETURN(g_pos_, b.Allocate(rows * sizeof(int32_t)));
     PENUMBRA_ASSIGN_OR_RETURN(g_q_, b.Allocate(rows * act_row));
     PENUMBRA_ASSIGN_OR_RETURN(g_out_, b.Allocate(rows * act_row));
     PENUMBRA_ASSIGN_OR_RETURN(g_lse_, b.Allocate(rows * ctx_.hq * sizeof(float)));
-    scratch_rows_ = batch_;
+    scratch_rows_ = batch;
     return Status::OK();
   }
   // gather: dst row j <- src row order_[j]; else dst row order_[j] <- src
@@ -340,9 +341,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
   std::array<std::vector<int>, 2> rows_;
   std::array<bool, 2> begun_{false, false};
   std::vector<int> order_;
-  int batch_ = 0;
   bool in_place_ = true;
-  int64_t gathered_steps_ = 0;
   int scratch_rows_ = 0;
   DeviceBuffer g_qkv_, g_pos_, g_q_, g_out_, g_lse_;
   // Moves factor through sequences of the sparse policy with ids from here
