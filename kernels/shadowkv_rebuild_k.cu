@@ -133,6 +133,23 @@ RebuildSmem RebuildSmemLayout(int r, int d, int stages) {
   return s;
 }
 
+// sin and cos of RoPE's f32 angle x (f32(position) * inv_freq, as HF computes
+// it) for the tensor-core path's bf16 keys. sincosf reduces an argument past
+// 105615 (the lowest frequency, past ~105K positions) by Payne-Hanek in local
+// memory, one lane at a time; traced at 124928 x 64 that made this kernel
+// bound by RoPE (~1,500 instructions per warp per tile against 80 MMAs).
+// Here x is reduced by 2π in double (x is exact there; k·2π carries an error
+// under k·2.5e-16, < 1e-7 for any int32 position), the remainder rounded to
+// f32 (|r| <= π, error <= 2.4e-7) and fed to the fast sin/cos (absolute error
+// <= 2^-21.4 on [-π, π]): under 1e-6 in all, far below the bf16 ulp of the
+// rotated key.
+__device__ __forceinline__ void RopeSinCos(float x, float* s, float* c) {
+  const double xd = x;
+  const double k = rint(xd * 0.15915494309189535);  // 1 / (2π)
+  const float r = static_cast<float>(fma(-k, 6.283185307179586, xd));
+  __sincosf(r, s, c);
+}
+
 __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a, RebuildSmem L) {
   ChainWait();  // launched chained: see LaunchChained
   ChainRelease();
@@ -267,8 +284,8 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         float s0, c0, s1, c1;
-        sincosf(pos * freq[nt][0], &s0, &c0);
-        sincosf(pos * freq[nt][1], &s1, &c1);
+        RopeSinCos(pos * freq[nt][0], &s0, &c0);
+        RopeSinCos(pos * freq[nt][1], &s1, &c1);
         const float x1a = acc[nt][2 * hr], x1b = acc[nt][2 * hr + 1];
         const float x2a = acc[4 + nt][2 * hr], x2b = acc[4 + nt][2 * hr + 1];
         const int j = 32 * wn + 8 * nt + 2 * t4;
