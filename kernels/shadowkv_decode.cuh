@@ -23,11 +23,12 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& args, cudaStream_t stream,
                          const ShadowkvSlotUpdateArgs* then_update = nullptr);
 void LaunchMaxRows(const MaxRowsArgs& args, cudaStream_t stream);
 // ShadowkvScoreArgs::one_prefix's scores (args.scores, none of the selection)
-// with `workspace` (at least ShadowkvSharedScoresWorkspaceBytes(args) bytes);
-// false (nothing launched): a shape or call it does not cover.
+// with `workspace` (at least ShadowkvSharedScoresWorkspaceBytes(args.batch,
+// args.hq, args.max_chunks, args.landmarks_per_chunk) bytes); false (nothing
+// launched): a shape or call it does not cover.
 bool LaunchShadowkvSharedScores(const ShadowkvScoreArgs& args, void* workspace, size_t workspace_bytes,
                                 cudaStream_t stream);
-size_t ShadowkvSharedScoresWorkspaceBytes(const ShadowkvScoreArgs& args);
+size_t ShadowkvSharedScoresWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk);
 // false (nothing launched): a shape the tensor-core path does not cover.
 bool LaunchShadowkvQueryScores(const ShadowkvQueryScoresArgs& args, cudaStream_t stream);
 // then_update (optional): the slot update of this selection (its selection,

@@ -57,6 +57,13 @@ int Log2(int s) {
   while ((1 << l) < s) ++l;
   return l;
 }
+// The logits' part of the workspace: the row-by-row paths' logits, or the
+// one-prefix path's own workspace (which uses that part instead), the larger.
+size_t LogitsPartBytes(int batch, int hq, int max_chunks, int per_chunk) {
+  const size_t logits = AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks * per_chunk, 1));
+  return std::max(logits, AlignUp(ShadowkvSharedScoresWorkspaceBytes(batch, hq, max_chunks, per_chunk)));
+}
+
 ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks, int per_chunk, int split) {
   char* p = static_cast<char*>(base);
   ScoreWorkspace w{};
@@ -64,7 +71,7 @@ ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks
   w.rows = max_chunks * per_chunk;
   w.shift = Log2(per_chunk);
   w.logits = reinterpret_cast<float*>(p);
-  p += AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(w.rows, 1));
+  p += LogitsPartBytes(batch, hq, max_chunks, per_chunk);
   w.splits = reinterpret_cast<float2*>(p);
   p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(w.rows, kScoreMinSplit));
   w.merged = reinterpret_cast<float2*>(p);
@@ -629,7 +636,7 @@ __global__ void __launch_bounds__(topk_block::kThreads)
 
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk) {
   const int rows = max_chunks * landmarks_per_chunk;
-  return AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(rows, 1)) +
+  return LogitsPartBytes(batch, hq, max_chunks, landmarks_per_chunk) +
          AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(rows, kScoreMinSplit)) +
          AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq) +
          sizeof(int32_t) * static_cast<size_t>(batch) * hq * TopKSplitWorkspaceIntsPerRow(max_chunks);
@@ -693,8 +700,7 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   // in one pass (in the logits' part of the workspace, which this path does
   // not use), then the top-k over the scores.
   if (a.one_prefix && with_selection && a.stats_in == nullptr && a.successors == 0 && a.batch >= 2) {
-    const size_t logits_bytes = AlignUp(sizeof(float) * static_cast<size_t>(a.batch) * a.hq * std::max(ws.rows, 1));
-    if (LaunchShadowkvSharedScores(a, ws.logits, logits_bytes, stream)) {
+    if (LaunchShadowkvSharedScores(a, ws.logits, LogitsPartBytes(a.batch, a.hq, a.max_chunks, per_chunk), stream)) {
       SelectFromScores(a, true, ws.topk, ws.topk_ints, then_update, stream);
       return;
     }

@@ -11,13 +11,21 @@
 //
 // The query-head rows of a KV head, rho = b * G + g (G = hq / hkv), are the M
 // dimension of m16n8k16 tiles (16 / G sequences per tile):
-//   pass 1: grid (tile of 128 landmark rows, KV head, block of 128 rows); a
+//   products: grid (tile of 128 landmark rows, KV head, block of 128 rows); a
 //           block stages its rows' queries in shared memory; a warp keeps its
 //           32 landmark rows' B fragments in registers and walks the block's
-//           rows 16 at a time, writing per row and tile (max, sum exp);
+//           rows 16 at a time, writing per row and tile (max, sum exp) and
+//           per row and chunk the maximum logit over the chunk's landmark
+//           rows (cmax, f32);
 //   merge:  one warp per row: lse;
-//   pass 2: the same products, logit - lse, the maximum over a sequence's G
-//           rows and over a chunk's landmark rows, exp, into scores.
+//   combine: per sequence, KV head and chunk, the maximum over the sequence's
+//           G rows of cmax - lse, exp, into scores (memory-bound: cmax is
+//           hq * 4 bytes per sequence and chunk).
+// Subtracting lse after the maximum over a chunk's rows gives the same bits
+// as before it (x -> x - lse rounds monotonically). An earlier form computed
+// the products twice (a second pass after the merge, subtracting lse per
+// logit): traced at 64 x 124928 on an H200, that pass took 10.8 ms of a
+// 52 ms step.
 // A tile wholly inside the prefix is loaded once for every row of the block;
 // a tile holding a sequence's own chunks (its question, generated tokens) is
 // loaded per sequence, its G rows alone in an MMA tile (these tiles are few).
@@ -45,21 +53,28 @@ static_assert(kSsTile % 16 == 0, "a chunk's landmark rows (<= 16) lie in one war
 struct SsWorkspace {
   float2* parts;  // [hkv][R][tiles]: (max, sum exp) of a tile's logits
   float* lse;     // [hkv][R]
+  float* cmax;    // [hkv][R][max_chunks]: a row's maximum logit over each chunk's landmark rows
   int R, tiles, row_blocks, shift, shared_rows;
 };
 
+// The workspace's parts; hkv * R = batch * hq.
 struct SsSizes {
-  int R, tiles, row_blocks;
-  size_t parts, lse;
+  int tiles;
+  size_t parts, lse, cmax;
 };
-SsSizes Sizes(const ShadowkvScoreArgs& a, int shift) {
+SsSizes Sizes(int batch, int hq, int max_chunks, int shift) {
   SsSizes s{};
-  s.R = a.batch * (a.hq / a.hkv);
-  s.tiles = ((a.max_chunks << shift) + kSsTile - 1) / kSsTile;
-  s.row_blocks = (s.R + kSsRowBlock - 1) / kSsRowBlock;
-  s.parts = AlignUp(sizeof(float2) * static_cast<size_t>(a.hkv) * s.R * std::max(s.tiles, 1));
-  s.lse = AlignUp(sizeof(float) * static_cast<size_t>(a.hkv) * s.R);
+  const size_t rows = static_cast<size_t>(batch) * hq;
+  s.tiles = ((max_chunks << shift) + kSsTile - 1) / kSsTile;
+  s.parts = AlignUp(sizeof(float2) * rows * std::max(s.tiles, 1));
+  s.lse = AlignUp(sizeof(float) * rows);
+  s.cmax = AlignUp(sizeof(float) * rows * std::max(max_chunks, 1));
   return s;
+}
+int ShiftOf(int landmarks_per_chunk) {
+  int shift = 0;
+  while ((1 << shift) < std::max(1, landmarks_per_chunk)) ++shift;
+  return shift;
 }
 
 // Query rows staged in shared memory, 8 bf16 of padding per row so that the
@@ -84,10 +99,8 @@ __device__ __forceinline__ void LoadQFragments(const bf16* row, bool valid, int 
 template <int D>
 struct SsShared {
   bf16 q[kSsRowBlock][kQStride<D>];
-  union {
-    float2 part[kSsWarps][kSsRowBlock];  // pass 1: per warp, each row's statistics
-    float val[kSsWarps][16][33];         // pass 2: per warp, a tile's sequences x its 32 landmark rows
-  };
+  float2 part[kSsWarps][kSsRowBlock];  // per warp, each row's statistics
+  float val[kSsWarps][16][33];         // per warp, an MMA tile's rows x its 32 landmark rows
 };
 
 constexpr float kLog2E = 1.4426950408889634f;
@@ -104,13 +117,12 @@ struct TileRows {
   __device__ static int Head(int r, int half) { return G == 1 ? 0 : (r >> kSeqShift) + (G / 2) * half; }
 };
 
-// G: query heads per KV head; kSecond: pass 2 (else pass 1). Both compile-time
-// so that the row and sequence arithmetic is shifts (as run-time divisions
-// they made this kernel bound by its integer instructions). The statistics
-// are in base 2 (logits times log2 e, folded into each landmark row's scale),
-// so that each logit costs one FFMA (scale, and -inf where it does not count)
-// and one ex2.
-template <int D, bool F8, int G, bool kSecond>
+// G: query heads per KV head, compile-time so that the row and sequence
+// arithmetic is shifts (as run-time divisions they made this kernel bound by
+// its integer instructions). The statistics are in base 2 (logits times
+// log2 e, folded into each landmark row's scale), so that each logit costs
+// one FFMA (scale, and -inf where it does not count) and one ex2.
+template <int D, bool F8, int G>
 __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
   static_assert(G >= 1 && G <= 8 && (G & (G - 1)) == 0, "a power of two: 16 / G sequences per MMA tile");
   using Rows = TileRows<G>;
@@ -150,53 +162,32 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
       }
     }
   };
-  // Pass 1: each valid row's (max, sum 2^(x - max)) over the warp's 32
-  // landmark rows into sm.part (block rows).
+  // Each valid row's (max, sum 2^(x - max)) over the warp's 32 landmark rows
+  // into sm.part (block rows), and its maximum over each chunk's landmark
+  // rows into cmax (staged in sm.val so that a chunk's rows, spread over a
+  // quad's lanes and tiles, meet in one lane, and so that a row's chunks are
+  // stored together).
   auto stats = [&](const float(&x)[2][4][2], int b0, int n) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float2 st = RowQuadStats<true>(x[half]);
-      const int sq = Rows::Seq(r, half);
-      if (c == 0 && sq < n) sm.part[warp][(b0 - b_lo + sq) * G + Rows::Head(r, half)] = st;
+      const int sq = Rows::Seq(r, half), tr = sq * G + Rows::Head(r, half);
+      if (c == 0 && sq < n) sm.part[warp][(b0 - b_lo) * G + tr] = st;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) sm.val[warp][tr][8 * nt + 2 * c + e] = x[half][nt][e];
     }
-  };
-  // Pass 2: x - lse, the maximum over each sequence's heads and each chunk's
-  // landmark rows, 2^that into scores.
-  auto emit = [&](float(&x)[2][4][2], int b0, int n) {
-    float l[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int sq = Rows::Seq(r, half);
-      const int64_t rho = static_cast<int64_t>(b0 + sq) * G + Rows::Head(r, half);
-      l[half] = sq < n ? ws.lse[static_cast<int64_t>(h) * R + rho] : NegInf();
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * nt + 2 * c + e;
-        const float w0 = l[0] == NegInf() ? NegInf() : x[0][nt][e] - l[0];
-        const float w1 = l[1] == NegInf() ? NegInf() : x[1][nt][e] - l[1];
-        if constexpr (G == 1) {
-          sm.val[warp][r][col] = w0;
-          sm.val[warp][r + 8][col] = w1;
-        } else {
-          float v = fmaxf(w0, w1);
-#pragma unroll
-          for (int o = 4 * kSeqs; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-          if (r < kSeqs) sm.val[warp][r][col] = v;
-        }
-      }
     __syncwarp();
     const int cshift = 5 - shift;  // chunks per warp: 1 << cshift
-    for (int p = lane; p < n << cshift; p += 32) {
-      const int sl = p >> cshift, ch = p & ((1 << cshift) - 1);
+    float* out = ws.cmax + (static_cast<int64_t>(h) * R + static_cast<int64_t>(b0) * G) * a.max_chunks;
+    for (int p = lane; p < (n * G) << cshift; p += 32) {
+      const int tr = p >> cshift, ch = p & ((1 << cshift) - 1);
       const int chunk = (base >> shift) + ch;
       if (chunk >= a.max_chunks) continue;
       float m = NegInf();
-      for (int j = 0; j < per_chunk; ++j) m = fmaxf(m, sm.val[warp][sl][(ch << shift) + j]);
-      a.scores[(static_cast<int64_t>(b0 + sl) * a.hkv + h) * a.score_stride + chunk] =
-          m == NegInf() ? NegInf() : Ex2(m);
+      for (int j = 0; j < per_chunk; ++j) m = fmaxf(m, sm.val[warp][tr][(ch << shift) + j]);
+      out[static_cast<int64_t>(tr) * a.max_chunks + chunk] = m;
     }
     __syncwarp();
   };
@@ -240,36 +231,19 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
     for (int b0 = b_lo; b0 < b_hi; b0 += kSeqs) {
       const int n = min(kSeqs, b_hi - b0);
       products(kr, rs, bias, b0, n, x);
-      if constexpr (kSecond)
-        emit(x, b0, n);
-      else
-        stats(x, b0, n);
+      stats(x, b0, n);
     }
   } else {
     // Rows of each sequence's own: one sequence per MMA tile.
 #pragma unroll 1
     for (int b = b_lo; b < b_hi; ++b) {
       const int n = rows_of(b);
-      if (v0 >= n) {
-        // Past the sequence's chunks: -inf below max_chunks (pass 2), no statistics.
-        if constexpr (kSecond) {
-          for (int ch = lane; ch < (32 >> shift); ch += 32) {
-            const int chunk = (base >> shift) + ch;
-            if (chunk < a.max_chunks)
-              a.scores[(static_cast<int64_t>(b) * a.hkv + h) * a.score_stride + chunk] = NegInf();
-          }
-        }
-        continue;
-      }
+      if (v0 >= n) continue;  // past the sequence's chunks: the combine writes -inf
       load(b, n, kr, rs, bias);
       products(kr, rs, bias, b, 1, x);
-      if constexpr (kSecond)
-        emit(x, b, 1);
-      else
-        stats(x, b, 1);
+      stats(x, b, 1);
     }
   }
-  if constexpr (kSecond) return;
   __syncthreads();
   for (int i = threadIdx.x; i < rho_end - rho_block; i += blockDim.x) {
     const int rho = rho_block + i;
@@ -299,13 +273,35 @@ __global__ void SharedScoresMergeKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
   if (lane == 0) ws.lse[w] = lse;
 }
 
+// One thread per (sequence, KV head, chunk below max_chunks): the maximum
+// over the sequence's G rows of cmax - lse (-inf for a row without
+// statistics, and for chunks past the sequence's), 2^that into scores.
+template <int G>
+__global__ void SharedScoresCombineKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
+  const int chunk = blockIdx.x * blockDim.x + threadIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  if (chunk >= a.max_chunks) return;
+  float m = NegInf();
+  if (chunk < min(a.n_chunks[b], a.max_chunks)) {
+    const int64_t w0 = static_cast<int64_t>(h) * ws.R + static_cast<int64_t>(b) * G;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float l = ws.lse[w0 + g];
+      if (l != NegInf()) m = fmaxf(m, ws.cmax[(w0 + g) * a.max_chunks + chunk] - l);
+    }
+  }
+  a.scores[(static_cast<int64_t>(b) * a.hkv + h) * a.score_stride + chunk] = m == NegInf() ? NegInf() : Ex2(m);
+}
+
 template <int D, bool F8, int G>
 void LaunchG(const ShadowkvScoreArgs& a, const SsWorkspace& ws, cudaStream_t stream) {
   const dim3 grid(ws.tiles, a.hkv, ws.row_blocks);
-  SharedScoresKernel<D, F8, G, false><<<grid, kSsWarps * 32, 0, stream>>>(a, ws);
+  SharedScoresKernel<D, F8, G><<<grid, kSsWarps * 32, 0, stream>>>(a, ws);
   const int rows_total = a.hkv * ws.R;
   SharedScoresMergeKernel<<<(rows_total * 32 + 255) / 256, 256, 0, stream>>>(a, ws);
-  SharedScoresKernel<D, F8, G, true><<<grid, kSsWarps * 32, 0, stream>>>(a, ws);
+  constexpr int kCombineThreads = 256;
+  const dim3 combine((a.max_chunks + kCombineThreads - 1) / kCombineThreads, a.hkv, a.batch);
+  SharedScoresCombineKernel<G><<<combine, kCombineThreads, 0, stream>>>(a, ws);
 }
 
 template <int D, bool F8>
@@ -324,11 +320,9 @@ void Launch(const ShadowkvScoreArgs& a, const SsWorkspace& ws, cudaStream_t stre
 
 }  // namespace
 
-size_t ShadowkvSharedScoresWorkspaceBytes(const ShadowkvScoreArgs& a) {
-  int shift = 0;
-  while ((1 << shift) < std::max(1, a.landmarks_per_chunk)) ++shift;
-  const SsSizes s = Sizes(a, shift);
-  return s.parts + s.lse;
+size_t ShadowkvSharedScoresWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk) {
+  const SsSizes s = Sizes(batch, hq, max_chunks, ShiftOf(landmarks_per_chunk));
+  return s.parts + s.lse + s.cmax;
 }
 
 bool LaunchShadowkvSharedScores(const ShadowkvScoreArgs& a, void* workspace, size_t workspace_bytes,
@@ -340,17 +334,19 @@ bool LaunchShadowkvSharedScores(const ShadowkvScoreArgs& a, void* workspace, siz
                         G >= 1 && G <= 8 && a.hq == G * a.hkv && (G & (G - 1)) == 0 && per_chunk <= 16 &&
                         (per_chunk & (per_chunk - 1)) == 0;
   if (!shape_ok || a.batch <= 0 || a.max_chunks <= 0 || a.shared_chunks <= 0) return false;
-  if (workspace_bytes < ShadowkvSharedScoresWorkspaceBytes(a)) return false;
-  int shift = 0;
-  while ((1 << shift) < per_chunk) ++shift;
-  const SsSizes z = Sizes(a, shift);
+  if (a.batch > 65535 ||
+      workspace_bytes < ShadowkvSharedScoresWorkspaceBytes(a.batch, a.hq, a.max_chunks, a.landmarks_per_chunk))
+    return false;
+  const int shift = ShiftOf(per_chunk);
+  const SsSizes z = Sizes(a.batch, a.hq, a.max_chunks, shift);
   char* w = static_cast<char*>(workspace);
   SsWorkspace ws;
   ws.parts = reinterpret_cast<float2*>(w);
   ws.lse = reinterpret_cast<float*>(w + z.parts);
-  ws.R = z.R;
+  ws.cmax = reinterpret_cast<float*>(w + z.parts + z.lse);
+  ws.R = a.batch * G;
   ws.tiles = z.tiles;
-  ws.row_blocks = z.row_blocks;
+  ws.row_blocks = (ws.R + kSsRowBlock - 1) / kSsRowBlock;
   ws.shift = shift;
   ws.shared_rows = std::min(a.shared_chunks, a.max_chunks) << shift;
   if (a.d == 128) {
