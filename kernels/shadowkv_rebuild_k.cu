@@ -225,7 +225,8 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
   for (int it = 0; tile < ntiles; ++it, tile += gridDim.x) {
     const int next = tile + gridDim.x;
     const int buf = it & 1, stage = it % L.stages;
-    // The next tile's lists, loaded now and stored after the products.
+    // The next tile's lists, loaded now and stored once every thread is past
+    // the last tile's RoPE (which read that buffer).
     int32_t nchunk = 0, nslot = 0;
     const bool has_next = next < ntiles;
     const int nm0 = next * per_tile, nn = has_next ? min(per_tile, count - nm0) : 0;
@@ -234,7 +235,19 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
       nslot = mslot[nm0 + tid];
     }
     CpAsyncWait<0>();
-    __syncthreads();  // the tile's A (every thread's copies) and lists are visible
+    __syncthreads();  // the tile's A (every thread's copies) and lists are visible; the last tile is done
+    if (tid < nn) {
+      s_idx[(buf ^ 1) * 2 * kRebuildTileRows + tid] = nchunk;
+      s_idx[(buf ^ 1) * 2 * kRebuildTileRows + kRebuildTileRows + tid] = nslot;
+    }
+    __syncthreads();  // the next lists are visible
+    // Two stages: the next tile's gather goes into the other one now, in
+    // flight through this tile's products, RoPE and stores (the other stage's
+    // last reader, the last tile's products, is done).
+    if (L.stages > 1) {
+      if (has_next) issue_a(next, (it + 1) % L.stages, s_idx + (buf ^ 1) * 2 * kRebuildTileRows);
+      CpAsyncCommit();
+    }
 
     float acc[8][4];
 #pragma unroll
@@ -261,13 +274,11 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
         MmaBf16(acc[4 + 2 * p + 1], af, bh[2], bh[3]);
       }
     }
-    if (tid < nn) {
-      s_idx[(buf ^ 1) * 2 * kRebuildTileRows + tid] = nchunk;
-      s_idx[(buf ^ 1) * 2 * kRebuildTileRows + kRebuildTileRows + tid] = nslot;
+    if (L.stages == 1) {
+      __syncthreads();  // every warp is done with the one stage's A
+      if (has_next) issue_a(next, 0, s_idx + (buf ^ 1) * 2 * kRebuildTileRows);
+      CpAsyncCommit();
     }
-    __syncthreads();  // every warp is done with this stage's A; the next lists are visible
-    if (has_next) issue_a(next, (it + 1) % L.stages, s_idx + (buf ^ 1) * 2 * kRebuildTileRows);
-    CpAsyncCommit();
 
     // RoPE at the true positions, in f32, from the accumulators.
     const int rows_used = min(per_tile, count - tile * per_tile) * C;
