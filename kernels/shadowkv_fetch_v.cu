@@ -246,9 +246,14 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
   const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
   if (a.values_on_device) {
+    // No link to pace: as many loads in flight as one block per SM holds (the
+    // host-link width, 32 blocks, left a device-to-device gather at ~0.9 TB/s,
+    // 294 us a layer at 64 x 124928 on an H200, with the compute stream
+    // waiting for it). One block per SM still fits beside the rebuild's two.
+    const int device_blocks = a.max_blocks > 0 ? a.max_blocks : DeviceSmCount();
     const int64_t warps = static_cast<int64_t>(rows) * a.max_misses;  // one per miss at most
-    const int wblocks =
-        static_cast<int>(std::clamp<int64_t>((warps + kFetchThreads / 32 - 1) / (kFetchThreads / 32), 1, max_blocks));
+    const int wblocks = static_cast<int>(
+        std::clamp<int64_t>((warps + kFetchThreads / 32 - 1) / (kFetchThreads / 32), 1, device_blocks));
     const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVWarpKernel));
     CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows (batch x hkv) is too many";
     FetchVWarpKernel<<<wblocks, kFetchThreads, smem, stream>>>(a, nvec, elem_bytes);
