@@ -37,6 +37,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <glog/logging.h>
+
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
 
@@ -121,6 +123,9 @@ __device__ __forceinline__ uint4 LoadRow16Or0(const __nv_bfloat16* p, bool valid
 struct SlotMask {
   const int32_t* const* maps;  // null: no mask
   int row0, count, rows;
+  const void* const* values;  // null: every V row from the sequence's V (DecodeAttentionArgs::slot_values)
+  int64_t values_stride;
+  int values_chunks;
   // The slot map of sequence b, KV head h; null without a mask.
   __device__ __forceinline__ const int32_t* Map(int b, int h) const {
     return maps != nullptr ? maps[b] + static_cast<int64_t>(h) * count : nullptr;
@@ -128,6 +133,19 @@ struct SlotMask {
   // Whether key `key` lies in an empty slot of `map`.
   __device__ __forceinline__ bool Masked(const int32_t* map, int key) const {
     return key >= row0 && key - row0 < count * rows && __ldg(map + (key - row0) / rows) < 0;
+  }
+  // Key `key`'s V row (sequence b, KV head h; vb: the head's V): in place in
+  // the document's values when its slot holds one of the document's chunks.
+  template <typename T>
+  __device__ __forceinline__ const T* ValueRow(const int32_t* map, int b, int h, int key, const T* vb, int d) const {
+    if (values != nullptr && key >= row0 && key - row0 < count * rows) {
+      const int s = (key - row0) / rows;
+      const int c = __ldg(map + s);
+      if (c >= 0 && c < values_chunks)
+        return static_cast<const T*>(values[b]) +
+               ((static_cast<int64_t>(h) * values_stride + c) * rows + (key - row0 - s * rows)) * d;
+    }
+    return vb + static_cast<int64_t>(key) * d;
   }
 };
 
@@ -205,7 +223,11 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinBlocks<D>)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const int j = 2 * c + (kk & 1) + 8 * (kk >> 1);
-      const __nv_bfloat16* row = vb + static_cast<int64_t>(key0 + j) * D + 8 * r;
+      const __nv_bfloat16* row;
+      if constexpr (kMask)
+        row = mask.ValueRow(slot_map, b, kvh, key0 + j, vb, D) + 8 * r;
+      else
+        row = vb + static_cast<int64_t>(key0 + j) * D + 8 * r;
 #pragma unroll
       for (int qq = 0; qq < kQ; ++qq) vr[kk][qq] = LoadRow16Or0(row + 64 * qq, attended(j));
     }
@@ -373,7 +395,7 @@ __global__ void __launch_bounds__(kGenericThreads)
       } else {
         // A masked key's V row is skipped, not multiplied by p = 0: it may hold NaN.
         for (int j = 0; j < n; ++j)
-          if ((s_live[j >> 5] >> (j & 31)) & 1u) a += ps[j] * ToF32(vc[static_cast<int64_t>(j) * d]);
+          if ((s_live[j >> 5] >> (j & 31)) & 1u) a += ps[j] * ToF32(mask.ValueRow(slot_map, b, kvh, t0 + j, vb, d)[e]);
       }
       accs[e] = a;
     }
@@ -445,7 +467,8 @@ __global__ void __launch_bounds__(kMergeThreads)
 }
 
 SlotMask SlotMaskOf(const DecodeAttentionArgs& a) {
-  return SlotMask{a.slot_maps, a.slot_row0, a.slot_count, a.slot_rows};
+  return SlotMask{a.slot_maps,   a.slot_row0,          a.slot_count,        a.slot_rows,
+                  a.slot_values, a.slot_values_stride, a.slot_values_chunks};
 }
 
 template <int G, int D>
@@ -504,6 +527,7 @@ size_t DecodeAttentionWorkspaceBytes(int batch, int hq, int d, int max_length) {
 }
 
 void LaunchDecodeAttention(const DecodeAttentionArgs& args, cudaStream_t stream) {
+  CHECK(args.slot_values == nullptr || args.slot_maps != nullptr) << "DecodeAttention: slot_values needs slot_maps";
   if (args.batch <= 0 || args.hq <= 0) return;
   SplitPlan plan = DecodeSplitPlan(args.batch, args.hkv, args.max_length);
   // A smaller workspace than DecodeAttentionWorkspaceBytes() asks for: fewer,

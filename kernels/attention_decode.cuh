@@ -32,6 +32,15 @@ struct DecodeAttentionArgs {
   // lse = -inf.
   const int32_t* const* slot_maps = nullptr;  // device [batch] -> [hkv][slot_count]
   int slot_row0 = 0, slot_count = 0, slot_rows = 0;
+  // Optional, with slot_maps (ShadowKV's attached documents with their values
+  // in device memory): a slot holding chunk c < slot_values_chunks has its V
+  // rows read in place, row i of the chunk at slot_values[b] +
+  // ((h * slot_values_stride + c) * slot_rows + i) * d elements (the
+  // document's [hkv][stride][slot_rows * d] values, dtype's elements), not
+  // from v (where nothing need be copied for it).
+  const void* const* slot_values = nullptr;  // device [batch]
+  int64_t slot_values_stride = 0;
+  int slot_values_chunks = 0;
   void* workspace = nullptr;  // DecodeAttentionWorkspaceBytes() bytes
   size_t workspace_bytes = 0;
 };

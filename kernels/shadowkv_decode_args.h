@@ -334,6 +334,10 @@ struct ShadowkvFetchVArgs {
   // looked up once), not a thread per 16 bytes sized for the host link.
   // Any address still works; only the speed differs.
   bool values_on_device = false;
+  // Chunks below shared_chunks are not copied: the attention reads them in
+  // place (DecodeAttentionArgs::slot_values). With values_on_device, not
+  // with values_fp8 or staging.
+  bool skip_shared = false;
 };
 
 // The selection of `a` as a top-k over a.scores (the unfused path, and the

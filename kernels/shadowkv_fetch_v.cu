@@ -70,6 +70,7 @@ __device__ __forceinline__ void ScanMisses(const ShadowkvFetchVArgs& a, int32_t*
 // (`chunk_bytes` a row) and the first V row of its slot.
 struct MissAt {
   int b, h;
+  bool shared;  // a chunk of the attached prefix (below shared_chunks)
   const char* src;
   char* dst;  // V row of the slot's first token (elem_bytes elements)
 };
@@ -89,12 +90,14 @@ __device__ __forceinline__ MissAt LocateMiss(const ShadowkvFetchVArgs& a, const 
   r.b = row / a.hkv;
   r.h = row % a.hkv;
   const int64_t at = static_cast<int64_t>(row) * a.miss_stride + m;
+  r.shared = false;
   if (a.staging) {
     const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
     r.src = static_cast<const char*>(a.staging) + (base + m) * chunk_bytes;
   } else {
     const int64_t c = a.miss_chunk[at];
-    if (c < a.shared_chunks) {
+    r.shared = c < a.shared_chunks;
+    if (r.shared) {
       r.src = static_cast<const char*>(a.shared_store[r.b]) +
               (static_cast<int64_t>(r.h) * a.shared_stride + c) * chunk_bytes;
     } else {
@@ -151,6 +154,7 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVWarpKernel(ShadowkvFetchV
   const int64_t chunk_bytes = static_cast<int64_t>(nvec) * 16;
   for (int item = blockIdx.x * kWarps + static_cast<int>(threadIdx.x >> 5); item < total; item += gridDim.x * kWarps) {
     const MissAt m = LocateMiss(a, s_first, item, chunk_bytes, elem_bytes);
+    if (a.skip_shared && m.shared) continue;  // read in place by the attention
     const uint4* src = reinterpret_cast<const uint4*>(m.src);
     uint4* dst = reinterpret_cast<uint4*>(m.dst);
     for (int v0 = lane; v0 < nvec; v0 += 32 * kFetchUnroll) {
@@ -224,6 +228,8 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int rows = a.batch * a.hkv;
   if (rows <= 0 || a.max_misses <= 0) return;
   CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF32) << "ShadowkvFetchV: dtype";
+  CHECK(!a.skip_shared || (a.values_on_device && !a.values_fp8 && a.staging == nullptr))
+      << "ShadowkvFetchV: skip_shared is for bf16/f32 values in device memory";
   const int elem_bytes = static_cast<int>(DTypeSize(a.dtype));
   const int max_blocks = a.max_blocks > 0 ? a.max_blocks : kFetchMaxBlocks;
   const int64_t per_block = static_cast<int64_t>(kFetchThreads) * kFetchUnroll;
@@ -246,14 +252,9 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
   const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
   if (a.values_on_device) {
-    // No link to pace: as many loads in flight as one block per SM holds (the
-    // host-link width, 32 blocks, left a device-to-device gather at ~0.9 TB/s,
-    // 294 us a layer at 64 x 124928 on an H200, with the compute stream
-    // waiting for it). One block per SM still fits beside the rebuild's two.
-    const int device_blocks = a.max_blocks > 0 ? a.max_blocks : DeviceSmCount();
     const int64_t warps = static_cast<int64_t>(rows) * a.max_misses;  // one per miss at most
-    const int wblocks = static_cast<int>(
-        std::clamp<int64_t>((warps + kFetchThreads / 32 - 1) / (kFetchThreads / 32), 1, device_blocks));
+    const int wblocks =
+        static_cast<int>(std::clamp<int64_t>((warps + kFetchThreads / 32 - 1) / (kFetchThreads / 32), 1, max_blocks));
     const int max_dynamic = AllowDynamicSharedMemory(reinterpret_cast<const void*>(&FetchVWarpKernel));
     CHECK_LE(smem, static_cast<size_t>(max_dynamic)) << "ShadowkvFetchV: " << rows << " rows (batch x hkv) is too many";
     FetchVWarpKernel<<<wblocks, kFetchThreads, smem, stream>>>(a, nvec, elem_bytes);

@@ -116,15 +116,21 @@ void DecodeAttention(const DecodeAttentionArgs& a) {
     const float* v = a.v[b] + kvh * a.head_stride;
     int64_t len = a.lengths[b];
     if (a.slot_maps != nullptr) {
-      // The rows of empty slots left out: the live rows, copied in order.
+      // The rows of empty slots left out: the live rows, copied in order
+      // (V in place from slot_values where the slot holds a document chunk).
       const int32_t* map = a.slot_maps[b] + static_cast<int64_t>(kvh) * a.slot_count;
       const int64_t s0 = a.slot_row0, s1 = s0 + static_cast<int64_t>(a.slot_count) * a.slot_rows;
       live_k.clear();
       live_v.clear();
       for (int64_t j = 0; j < len; ++j) {
-        if (j >= s0 && j < s1 && map[(j - s0) / a.slot_rows] < 0) continue;
+        const bool in_slots = j >= s0 && j < s1;
+        const int32_t chunk = in_slots ? map[(j - s0) / a.slot_rows] : -1;
+        if (in_slots && chunk < 0) continue;
+        const float* vrow = v + j * a.d;
+        if (a.slot_values != nullptr && in_slots && chunk < a.slot_values_chunks)
+          vrow = a.slot_values[b] + ((kvh * a.slot_values_stride + chunk) * a.slot_rows + (j - s0) % a.slot_rows) * a.d;
         live_k.insert(live_k.end(), k + j * a.d, k + (j + 1) * a.d);
-        live_v.insert(live_v.end(), v + j * a.d, v + (j + 1) * a.d);
+        live_v.insert(live_v.end(), vrow, vrow + a.d);
       }
       len = static_cast<int64_t>(live_k.size()) / a.d;
       k = live_k.data();

@@ -63,9 +63,13 @@ struct DecodeAttentionArgs {
   int64_t head_stride = 0;
   int batch = 0, hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
-  // Masked rows of empty slots (kernels/attention_decode.cuh).
+  // Masked rows of empty slots, and slots' V rows read in place
+  // (kernels/attention_decode.cuh).
   const int32_t* const* slot_maps = nullptr;
   int slot_row0 = 0, slot_count = 0, slot_rows = 0;
+  const float* const* slot_values = nullptr;
+  int64_t slot_values_stride = 0;
+  int slot_values_chunks = 0;
 };
 void DecodeAttention(const DecodeAttentionArgs& a);
 

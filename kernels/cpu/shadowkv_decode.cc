@@ -285,6 +285,7 @@ void ShadowkvFetchV(const ShadowkvFetchVArgs& a) {
         src = at(a.staging, base + m);
       } else {
         const int chunk = a.miss_chunk[row * a.miss_stride + m];
+        if (a.skip_shared && chunk < a.shared_chunks) continue;  // read in place by the attention
         if (chunk < a.shared_chunks) {
           src = at(a.shared_store[b], static_cast<int64_t>(h) * a.shared_stride + chunk);
         } else {

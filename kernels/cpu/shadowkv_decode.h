@@ -132,6 +132,7 @@ struct ShadowkvFetchVArgs {
   int64_t att_head_stride = 0;
   int outlier_rows = 0;
   int batch = 0, hkv = 0, d = 0, chunk_size = 0;
+  bool skip_shared = false;  // chunks below shared_chunks not copied (see the CUDA header)
 };
 void ShadowkvFetchV(const ShadowkvFetchVArgs& a);
 

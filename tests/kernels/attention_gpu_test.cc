@@ -250,6 +250,11 @@ TEST(AttentionGpuTest, PrefillGenericPath) {
 struct DecodeMask {
   int row0 = 0, count = 0, rows = 0;
   bool (*empty)(int b, int h, int s) = nullptr;
+  // DecodeAttentionArgs::slot_values: slot s holds chunk count - 1 - s, and
+  // the chunks below count / 2 + 1 have their V rows in a document's values
+  // ([hkv][count + 3][rows * d]), NaN in the sequence's V; the reference
+  // attends to the rows where they were.
+  bool in_place = false;
 };
 
 struct DecodeCase {
@@ -294,6 +299,10 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
   std::vector<std::vector<int32_t>> maps;
   std::vector<std::unique_ptr<DeviceBuffer>> dmaps;
   std::vector<const int32_t*> mp, mp_host;
+  const int doc_stride = c.mask.count + 3, doc_chunks = c.mask.count / 2 + 1;
+  std::vector<std::vector<float>> v_ref;  // in place: each sequence's V as the reference reads it
+  std::vector<std::unique_ptr<DeviceBuffer>> ddoc;
+  std::vector<const void*> docp;
   for (int b = 0; b < batch; ++b) {
     k.push_back(MakeCache(c.hkv, capacity, c.lengths[b], c.d, c.dtype, rng));
     v.push_back(MakeCache(c.hkv, capacity, c.lengths[b], c.d, c.dtype, rng));
@@ -302,7 +311,31 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
       PoisonEmptySlots(v.back(), c.mask, b, c.hkv, capacity, c.d, c.dtype);
       maps.emplace_back(static_cast<size_t>(c.hkv) * c.mask.count);
       for (int h = 0; h < c.hkv; ++h)
-        for (int s = 0; s < c.mask.count; ++s) maps.back()[h * c.mask.count + s] = c.mask.empty(b, h, s) ? -1 : s;
+        for (int s = 0; s < c.mask.count; ++s)
+          maps.back()[h * c.mask.count + s] = c.mask.empty(b, h, s) ? -1 : c.mask.in_place ? c.mask.count - 1 - s : s;
+      if (c.mask.in_place) {
+        v_ref.push_back(v.back().f32);
+        std::vector<float> doc(static_cast<size_t>(c.hkv) * doc_stride * c.mask.rows * c.d, NAN);
+        for (int h = 0; h < c.hkv; ++h)
+          for (int s = 0; s < c.mask.count; ++s) {
+            const int chunk = maps.back()[h * c.mask.count + s];
+            if (chunk < 0 || chunk >= doc_chunks) continue;
+            for (int i = 0; i < c.mask.rows; ++i) {
+              const int64_t key = c.mask.row0 + static_cast<int64_t>(s) * c.mask.rows + i;
+              if (key >= capacity) break;
+              float* att = v.back().f32.data() + (static_cast<int64_t>(h) * capacity + key) * c.d;
+              std::copy_n(att, c.d,
+                          doc.begin() + ((static_cast<int64_t>(h) * doc_stride + chunk) * c.mask.rows + i) * c.d);
+              std::fill_n(att, c.d, NAN);
+            }
+          }
+        ConvertFromF32(v.back().f32.data(), v.back().raw.data(), c.dtype, v.back().f32.size());
+        std::vector<uint8_t> raw(doc.size() * DTypeSize(c.dtype));
+        ConvertFromF32(doc.data(), raw.data(), c.dtype, doc.size());
+        ddoc.push_back(std::make_unique<DeviceBuffer>(raw.size()));
+        Upload(*ddoc.back(), raw.data(), raw.size());
+        docp.push_back(ddoc.back()->get());
+      }
       dmaps.push_back(std::make_unique<DeviceBuffer>(maps.back().size() * sizeof(int32_t)));
       Upload(*dmaps.back(), maps.back().data(), maps.back().size() * sizeof(int32_t));
       mp.push_back(static_cast<const int32_t*>(dmaps.back()->get()));
@@ -317,11 +350,12 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
     kp.push_back(dk.back()->get());
     vp.push_back(dv.back()->get());
     kp_host.push_back(k.back().f32.data());
-    vp_host.push_back(v.back().f32.data());
+    vp_host.push_back(c.mask.in_place ? v_ref.back().data() : v.back().f32.data());
   }
   DeviceBuffer dq(q.raw.size()), dout(q.raw.size());
   DeviceBuffer dkp(sizeof(void*) * batch), dvp(sizeof(void*) * batch), dlen(sizeof(int32_t) * batch);
-  DeviceBuffer dmp(sizeof(void*) * batch);
+  DeviceBuffer dmp(sizeof(void*) * batch), ddocp(sizeof(void*) * batch);
+  if (c.mask.in_place) Upload(ddocp, docp.data(), sizeof(void*) * batch);
   Upload(dq, q.raw.data(), q.raw.size());
   Upload(dkp, kp.data(), sizeof(void*) * batch);
   Upload(dvp, vp.data(), sizeof(void*) * batch);
@@ -361,6 +395,11 @@ void RunDecodeCase(const DecodeCase& c, uint64_t seed) {
     a.slot_row0 = c.mask.row0;
     a.slot_count = c.mask.count;
     a.slot_rows = c.mask.rows;
+    if (c.mask.in_place) {
+      a.slot_values = static_cast<const void* const*>(ddocp.get());
+      a.slot_values_stride = doc_stride;
+      a.slot_values_chunks = doc_chunks;
+    }
   }
   LaunchDecodeAttention(a, nullptr);
   PENUMBRA_CUDA_OK(cudaGetLastError());
@@ -452,6 +491,21 @@ TEST(AttentionGpuTest, DecodeSlotMaskBf16FastPath) {
       {{64, 3}, 4, 1, 64, DType::kBF16, 0, 1, {0, 8, 8, EmptyAllOfFirst}},
   };
   uint64_t seed = 3001;
+  for (const auto& c : cases) RunDecodeCase(c, seed++);
+}
+
+// V rows of a document's chunks read in place (DecodeAttentionArgs::
+// slot_values), beside empty slots, on both paths.
+TEST(AttentionGpuTest, DecodeSlotValuesInPlace) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const DecodeCase cases[] = {
+      {{1, 70000, 4097, 300}, 32, 8, 128, DType::kBF16, 0, 1, {24, 4096, 8, EmptyThirdsAndRun, true}},
+      {{5000, 17, 129}, 16, 4, 128, DType::kBF16, 0, 1, {16, 300, 16, EmptySome, true}},
+      {{5000, 17}, 16, 4, 64, DType::kBF16, 0, 1, {16, 300, 16, EmptySome, true}},
+      {{1000, 129, 4097}, 8, 2, 64, DType::kF32, 0, 1, {8, 100, 8, EmptySome, true}},  // generic
+      {{300, 77}, 6, 2, 128, DType::kBF16, 0, 1, {5, 30, 8, EmptySome, true}},         // group 3: generic bf16
+  };
+  uint64_t seed = 5001;
   for (const auto& c : cases) RunDecodeCase(c, seed++);
 }
 

@@ -751,6 +751,50 @@ class FakePrefix final : public KvPrefix {
 // A prefix's meta names its landmarks per chunk when there are several; a
 // meta without the field (documents stored before it) reads as one, and a
 // count that does not divide the chunk is refused naming the field.
+// A question about a document whose values are in tier 0 reads them in
+// place (the fetch copies only its own chunks). When the copy is freed while
+// it decodes (an admission's Release), its next steps copy them again: the
+// slots its in-place steps filled hold no value rows, so they are refetched,
+// and the tokens stay the cold ones.
+TEST(ShadowKvTier0Test, FreeingTheCopyMidDecodeKeepsTheColdTokens) {
+  auto e = OpenEngine(64 << 20, "shadowkv-tier0");
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  ASSERT_TRUE(rt.Generate({Request(kDoc, kQ1, true)}).ok());
+  ASSERT_TRUE(rt.Generate({Request(kDoc, kQ2, true)}).ok());  // its reads promote the document
+  ASSERT_EQ(rt.prefix_cache()->Prefixes().size(), 1u);
+  const auto* doc = dynamic_cast<const ShadowKvPrefix*>(rt.prefix_cache()->Prefixes()[0].get());
+  ASSERT_NE(doc, nullptr);
+  ASSERT_TRUE(doc->values_on_device(0));
+
+  const GenerationRequest r = Request(kDoc, kQ3, true);
+  const int64_t seq = 100, P = static_cast<int64_t>(r.prompt.size());
+  Runtime::PrefillState st;
+  GenerationResult res;
+  ASSERT_TRUE(rt.BeginPrefill(seq, r, &st, &res).ok());
+  for (;;) {
+    auto done = rt.PrefillStep(seq, r, &st, 1 << 20);
+    ASSERT_TRUE(done.ok()) << done.status();
+    if (*done) break;
+  }
+  EXPECT_EQ(res.cached_prompt_tokens, 151);
+  const int vocab = rt.config().vocab_size;
+  auto greedy = [&](const float* l) { return static_cast<int32_t>(std::max_element(l, l + vocab) - l); };
+  std::vector<int32_t> ids = {greedy(rt.LastLogits())};
+  while (static_cast<int>(ids.size()) < r.max_new_tokens) {
+    if (ids.size() == 8) {
+      EXPECT_TRUE(doc->values_on_device(0));  // read in place so far
+      EXPECT_GT(rt.document_cache()->tier0()->Release(SIZE_MAX), 0u);
+      EXPECT_FALSE(doc->values_on_device(0));
+    }
+    auto l = rt.DecodeStep({seq}, {ids.back()}, {P + static_cast<int64_t>(ids.size()) - 1});
+    ASSERT_TRUE(l.ok()) << l.status();
+    ids.push_back(greedy(*l));
+  }
+  rt.policy().RemoveSequence(seq);
+  EXPECT_EQ(ids, Cold(r, "shadowkv-tier0"));
+}
+
 TEST(ShadowKvPrefixGeometryTest, MetaCarriesLandmarksPerChunk) {
   ShadowKvPrefixGeometry g;
   g.tokens = 100;

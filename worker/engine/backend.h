@@ -115,6 +115,12 @@ struct DecodeAttentionOp {
   // top-k, where a shard may hold fewer selected chunks than slots.
   const int32_t* const* slot_maps = nullptr;  // [batch] -> [hkv][slot_count]
   int slot_row0 = 0, slot_count = 0, slot_rows = 0;
+  // Optional, with slot_maps: slots holding an attached document's chunk c <
+  // slot_values_chunks read their V rows in place from the document's values
+  // (kernels/attention_decode.cuh, DecodeAttentionArgs::slot_values).
+  const void* const* slot_values = nullptr;  // [batch]
+  int64_t slot_values_stride = 0;
+  int slot_values_chunks = 0;
 };
 
 // Cascade attention's shared half (kernels/attention_prefix.cuh): the rows

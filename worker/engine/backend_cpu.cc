@@ -138,6 +138,9 @@ class CpuBackend final : public Backend {
     a.slot_row0 = op.slot_row0;
     a.slot_count = op.slot_count;
     a.slot_rows = op.slot_rows;
+    a.slot_values = reinterpret_cast<const float* const*>(op.slot_values);
+    a.slot_values_stride = op.slot_values_stride;
+    a.slot_values_chunks = op.slot_values_chunks;
     kc::DecodeAttention(a);
     return Status::OK();
   }
@@ -442,6 +445,7 @@ class CpuBackend final : public Backend {
     c.hkv = a.hkv;
     c.d = a.d;
     c.chunk_size = a.chunk_size;
+    c.skip_shared = a.skip_shared;
     kc::ShadowkvFetchV(c);
   }
   void ForkSide() override {}

@@ -317,6 +317,9 @@ class CudaBackend final : public Backend {
     a.slot_row0 = op.slot_row0;
     a.slot_count = op.slot_count;
     a.slot_rows = op.slot_rows;
+    a.slot_values = op.slot_values;
+    a.slot_values_stride = op.slot_values_stride;
+    a.slot_values_chunks = op.slot_values_chunks;
     a.workspace = decode_ws_.get();
     a.workspace_bytes = decode_ws_.bytes();
     kn::LaunchDecodeAttention(a, stream_);

@@ -704,10 +704,12 @@ class ShadowKvPolicy final : public KvPolicy {
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       const auto [g0, gn] = groups[gi];
       const void* q = RopeStoreGroup(layer, g0, gn, qkv, positions, q_scratch);
+      bool in_place = false;
       if (step_.seq(g0).sparse) {
-        PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, q, pipelined ? static_cast<int>(gi) : -1));
+        PENUMBRA_ASSIGN_OR_RETURN(in_place, PrepareValuesInPlace(layer, g0, gn));
+        PENUMBRA_RETURN_IF_ERROR(Select(layer, g0, gn, q, pipelined ? static_cast<int>(gi) : -1, in_place));
       }
-      const DecodeAttentionOp a = step_.AttentionOf(layer, g0, gn, q, out, lse, /*mask_slots=*/false);
+      const DecodeAttentionOp a = step_.AttentionOf(layer, g0, gn, q, out, lse, /*mask_slots=*/false, in_place);
       if (pipelined) {
         attention.push_back(a);
       } else {
@@ -794,7 +796,7 @@ class ShadowKvPolicy final : public KvPolicy {
         gs.selection_len = s0.kslots;
         b.ShadowkvGlobalSelectAndSlotUpdate(gs, step_.SlotUpdateOf(layer, g0, gn, x.selection() + off, xk));
         Lap("global_select_slot_update");
-        PENUMBRA_RETURN_IF_ERROR(FetchMisses(layer, g0, gn, /*mark=*/-1));
+        PENUMBRA_RETURN_IF_ERROR(FetchMisses(layer, g0, gn, /*mark=*/-1, /*in_place=*/false));
       }
       PENUMBRA_RETURN_IF_ERROR(
           b.DecodeAttention(step_.AttentionOf(layer, g0, gn, q[gi], out, lse, /*mask_slots=*/true)));
@@ -815,7 +817,7 @@ class ShadowKvPolicy final : public KvPolicy {
   // Algorithm 2's selection and sparse KV reconstruction for one group.
   // mark >= 0: the value fetch is left running as side mark `mark` (the
   // caller waits for it before the group's attention); else joined here.
-  Status Select(int layer, int g0, int gn, const void* q, int mark) {
+  Status Select(int layer, int g0, int gn, const void* q, int mark, bool in_place) {
     const kn::ShadowkvScoreArgs sc = step_.ScoreArgsOf(layer, g0, gn, q);
     stats_.scored_sequences += gn;
     if (sc.one_prefix) stats_.one_prefix_sequences += gn;
@@ -823,12 +825,42 @@ class ShadowKvPolicy final : public KvPolicy {
         sc, step_.SlotUpdateOf(layer, g0, gn, sc.selection,
                                sc.selection_stride)));  // one launch after the logits on the GPU
     Lap("score_topk_slot_update");
-    return FetchMisses(layer, g0, gn, mark);
+    return FetchMisses(layer, g0, gn, mark, in_place);
   }
 
-  // The slot update's misses: V from the store on the side stream, K rebuilt
-  // on the main one.
-  Status FetchMisses(int layer, int g0, int gn, int mark) {
+  // Whether group [g0, g0 + gn)'s attention reads its attached prefix's
+  // values in place at `layer` (DecodeAttentionOp::slot_values): every
+  // sequence attached to a prefix whose values of the layer are in device
+  // memory (tier 0), not being read from disk, in bf16/f32 (not fp8), the
+  // zero-copy fetch, outside a context-parallel group. Then the value fetch
+  // copies only the sequences' own chunks: at 64 questions over one document
+  // it copied every selected chunk of the document into each question's
+  // rows. A sequence that read in place at this layer last step and does not
+  // now has its slot map cleared (every chunk a miss: its rows of the
+  // prefix's chunks were never written).
+  Result<bool> PrepareValuesInPlace(int layer, int g0, int gn) {
+    bool in_place = xgroup_ == nullptr && !o_.value_fp8() && o_.value_fetch == "zero_copy";
+    for (int i = g0; i < g0 + gn && in_place; ++i) {
+      const Seq& q = step_.seq(i);
+      in_place = q.sparse && q.shared_chunks > 0 && q.prefix && !q.values_staged && q.prefix->values_on_device(layer);
+    }
+    const size_t l = static_cast<size_t>(layer);
+    for (int i = g0; i < g0 + gn; ++i) {
+      Seq& q = step_.seq(i);
+      if (q.values_read_in_place.size() <= l) q.values_read_in_place.resize(static_cast<size_t>(ctx_.num_layers), 0);
+      if (!in_place && q.values_read_in_place[l]) {
+        const size_t per_layer = static_cast<size_t>(ctx_.hkv) * q.kslots;
+        PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(q.slots.as<int32_t>() + l * per_layer, 0xff,
+                                                      per_layer * sizeof(int32_t)));  // -1: empty
+      }
+      q.values_read_in_place[l] = in_place ? 1 : 0;
+    }
+    return in_place;
+  }
+
+  // The slot update's misses: V from the store on the side stream (in_place:
+  // the sequences' own chunks only), K rebuilt on the main one.
+  Status FetchMisses(int layer, int g0, int gn, int mark, bool in_place) {
     Backend& b = *ctx_.backend;
     b.ForkSide();
     // Lanes take turns on the host link: wait for the previous lane's fetch.
@@ -848,6 +880,7 @@ class ShadowKvPolicy final : public KvPolicy {
     if (on_device) {
       fv.max_blocks = kRestoreFetchBlocks;
       fv.values_on_device = true;
+      fv.skip_shared = in_place;
     }
     if (o_.value_fetch == "staging" || lazy) {
       PENUMBRA_RETURN_IF_ERROR(StageValues(layer, g0, gn, fv.miss_count, fv.miss_chunk, &fv));

@@ -147,7 +147,7 @@ RopeStoreOp ShadowKvDecodeStep::RopeStoreOf(int layer, int g0, int gn, const flo
 }
 
 DecodeAttentionOp ShadowKvDecodeStep::AttentionOf(int layer, int g0, int gn, const void* q, void* out, float* lse,
-                                                  bool mask_slots) const {
+                                                  bool mask_slots, bool values_in_place) const {
   const PolicyContext& ctx = lay_.ctx();
   const int B = batch_, d = ctx.head_dim;
   void* const* tab = Tables(layer);
@@ -166,11 +166,16 @@ DecodeAttentionOp ShadowKvDecodeStep::AttentionOf(int layer, int g0, int gn, con
   a.max_length = static_cast<int>(s0.att_cap);
   a.scale = ctx.scale;
   a.lse = lse != nullptr ? lse + static_cast<size_t>(g0) * ctx.hq : nullptr;
-  if (mask_slots && s0.sparse) {
+  if ((mask_slots || values_in_place) && s0.sparse) {
     a.slot_maps = reinterpret_cast<const int32_t* const*>(tab + kSlots * B + g0);
     a.slot_row0 = s0.outliers * lay_.options().chunk_size;
     a.slot_count = s0.kslots;
     a.slot_rows = lay_.options().chunk_size;
+    if (values_in_place) {
+      a.slot_values = reinterpret_cast<const void* const*>(tab + kSharedValues * B + g0);
+      a.slot_values_stride = s0.shared_stride;
+      a.slot_values_chunks = s0.shared_chunks;
+    }
   }
   return a;
 }

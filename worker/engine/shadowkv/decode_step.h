@@ -84,8 +84,12 @@ class ShadowKvDecodeStep {
   // RoPE of the new tokens, their K/V into the attention rows (queries to
   // q_scratch's rows of the group).
   RopeStoreOp RopeStoreOf(int layer, int g0, int gn, const float* qkv, const int32_t* positions, void* q_scratch) const;
-  // Attention over the rows; mask_slots: empty slots not attended.
-  DecodeAttentionOp AttentionOf(int layer, int g0, int gn, const void* q, void* out, float* lse, bool mask_slots) const;
+  // Attention over the rows. mask_slots: empty slots' rows are not attended. values_in_place (implies
+  // mask_slots): slots holding the attached prefix's chunks read their V rows
+  // from the prefix's values (in device memory), not from the attention rows
+  // (DecodeAttentionOp::slot_values).
+  DecodeAttentionOp AttentionOf(int layer, int g0, int gn, const void* q, void* out, float* lse, bool mask_slots,
+                                bool values_in_place = false) const;
   // Chunk scores (Algorithm 2), selecting s.kslots chunks into the step's
   // selection rows (the front of the miss workspace, stride kslots).
   kernels::ShadowkvScoreArgs ScoreArgsOf(int layer, int g0, int gn, const void* q) const;

@@ -59,6 +59,10 @@ struct ShadowKvSeq {
   // This decode step reads the attached prefix's values through the host
   // (they are still being read from disk; set by BeginDecodeStep).
   bool values_staged = false;
+  // Per layer: the last decode step read the prefix's chunks' values in
+  // place (ShadowKvPolicy::ValuesInPlace), so the attention rows of the slots
+  // holding them were never written.
+  std::vector<uint8_t> values_read_in_place;
   DeviceBuffer att_k, att_v, a, b, p, lm, excl, slots, prek;
   storage::SegmentId segment = 0;
   std::vector<const void*> store_dev, store_host;  // per layer: the store's values (device / host address)
