@@ -16,7 +16,7 @@
 //           32 landmark rows' B fragments in registers and walks the block's
 //           rows 16 at a time, writing per row and tile (max, sum exp) and
 //           per row and chunk the maximum logit over the chunk's landmark
-//           rows (cmax, f32, reduced in registers and over the quad);
+//           rows (cmax, f32);
 //   merge:  one warp per row: lse;
 //   combine: per sequence, KV head and chunk, the maximum over the sequence's
 //           G rows of cmax - lse, exp, into scores (memory-bound: cmax is
@@ -100,6 +100,7 @@ template <int D>
 struct SsShared {
   bf16 q[kSsRowBlock][kQStride<D>];
   float2 part[kSsWarps][kSsRowBlock];  // per warp, each row's statistics
+  float val[kSsWarps][16][33];         // per warp, an MMA tile's rows x its 32 landmark rows
 };
 
 constexpr float kLog2E = 1.4426950408889634f;
@@ -163,40 +164,32 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
   };
   // Each valid row's (max, sum 2^(x - max)) over the warp's 32 landmark rows
   // into sm.part (block rows), and its maximum over each chunk's landmark
-  // rows into cmax. A lane holds columns 8 nt + 2 c + e of its two rows, so a
-  // chunk of 2^shift rows is reduced in the lane (e, and nt pairs at 16) and
-  // over the quad (shuffles), and the lane holding its first column stores it.
+  // rows into cmax (staged in sm.val so that a chunk's rows, spread over a
+  // quad's lanes and tiles, meet in one lane, and so that a row's chunks are
+  // stored together).
   auto stats = [&](const float(&x)[2][4][2], int b0, int n) {
-    float* out = ws.cmax + (static_cast<int64_t>(h) * R + static_cast<int64_t>(b0) * G) * a.max_chunks;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float2 st = RowQuadStats<true>(x[half]);
       const int sq = Rows::Seq(r, half), tr = sq * G + Rows::Head(r, half);
       if (c == 0 && sq < n) sm.part[warp][(b0 - b_lo) * G + tr] = st;
-      float v[4][2];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        v[nt][0] = shift >= 1 ? fmaxf(x[half][nt][0], x[half][nt][1]) : x[half][nt][0];
-        v[nt][1] = x[half][nt][1];
-        if (shift >= 2) v[nt][0] = fmaxf(v[nt][0], __shfl_xor_sync(0xffffffffu, v[nt][0], 1));
-        if (shift >= 3) v[nt][0] = fmaxf(v[nt][0], __shfl_xor_sync(0xffffffffu, v[nt][0], 2));
-      }
-      if (shift >= 4) {
-        v[0][0] = fmaxf(v[0][0], v[1][0]);
-        v[2][0] = fmaxf(v[2][0], v[3][0]);
-      }
-      if (sq >= n) continue;
-      float* row = out + static_cast<int64_t>(tr) * a.max_chunks;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * nt + 2 * c + e;
-          if ((col & (per_chunk - 1)) != 0) continue;
-          const int chunk = (base + col) >> shift;
-          if (chunk < a.max_chunks) row[chunk] = v[nt][e];
-        }
+        for (int e = 0; e < 2; ++e) sm.val[warp][tr][8 * nt + 2 * c + e] = x[half][nt][e];
     }
+    __syncwarp();
+    const int cshift = 5 - shift;  // chunks per warp: 1 << cshift
+    float* out = ws.cmax + (static_cast<int64_t>(h) * R + static_cast<int64_t>(b0) * G) * a.max_chunks;
+    for (int p = lane; p < (n * G) << cshift; p += 32) {
+      const int tr = p >> cshift, ch = p & ((1 << cshift) - 1);
+      const int chunk = (base >> shift) + ch;
+      if (chunk >= a.max_chunks) continue;
+      float m = NegInf();
+      for (int j = 0; j < per_chunk; ++j) m = fmaxf(m, sm.val[warp][tr][(ch << shift) + j]);
+      out[static_cast<int64_t>(tr) * a.max_chunks + chunk] = m;
+    }
+    __syncwarp();
   };
   // The warp's landmark rows of sequence b (rows at or past n zeros), each
   // column's scale (times log2 e) and bias (0 where the row is selectable
