@@ -181,12 +181,31 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
   // Issues the cp.async gather of a tile's A rows (rows past the tile's tokens
   // are left as they are: their results are never stored; columns past r are
   // zero-filled so that 0 * garbage cannot make NaN).
+  // Row rr of a tile is token rr % C of its chunk rr / C: shifts when C is a
+  // power of two (the default 8), else divisions. The gather below walks
+  // (row, vector) pairs by a fixed stride, so its row and column advance by
+  // additions: run-time divisions in these loops were ~1/3 of the kernel's
+  // instructions (the tile's 64 rows x r / 8 vectors, 5 a thread at r = 160).
+  const int c_shift = (C & (C - 1)) == 0 ? __ffs(C) - 1 : -1;
+  auto split_row = [&](int rr, int* mi, int* i) {
+    *mi = c_shift >= 0 ? rr >> c_shift : rr / C;
+    *i = rr - *mi * C;
+  };
+  const int step_rows = nthreads / vpr, step_cols = nthreads - step_rows * vpr;
+  const int first_row = tid / vpr, first_col = tid - first_row * vpr;
   auto issue_a = [&](int tile, int stage, const int32_t* chunks) {
     const int rows_used = min(per_tile, count - tile * per_tile) * C;
     bf16* dst = As + static_cast<size_t>(stage) * kRebuildTileRows * L.a_stride;
-    for (int idx = tid; idx < rows_used * vpr; idx += nthreads) {
-      const int rr = idx / vpr, k0 = (idx - rr * vpr) * 8;
-      const int64_t t = static_cast<int64_t>(chunks[rr / C]) * C + rr % C;
+    int rr = first_row, col = first_col;
+    for (; rr < rows_used; rr += step_rows, col += step_cols) {
+      if (col >= vpr) {
+        col -= vpr;
+        if (++rr >= rows_used) break;
+      }
+      const int k0 = col * 8;
+      int mi, ti;
+      split_row(rr, &mi, &ti);
+      const int64_t t = static_cast<int64_t>(chunks[mi]) * C + ti;
       const bool in = k0 < r;
       const bf16* arow = A.Row(t);
       CpAsync16(SmemAddr(dst + rr * L.a_stride + k0), in ? arow + k0 : arow, in ? 16 : 0);
@@ -224,7 +243,7 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
 
   for (int it = 0; tile < ntiles; ++it, tile += gridDim.x) {
     const int next = tile + gridDim.x;
-    const int buf = it & 1, stage = it % L.stages;
+    const int buf = it & 1, stage = L.stages > 1 ? buf : 0;  // one or two stages
     // The next tile's lists, loaded now and stored once every thread is past
     // the last tile's RoPE (which read that buffer).
     int32_t nchunk = 0, nslot = 0;
@@ -245,7 +264,7 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
     // flight through this tile's products, RoPE and stores (the other stage's
     // last reader, the last tile's products, is done).
     if (L.stages > 1) {
-      if (has_next) issue_a(next, (it + 1) % L.stages, s_idx + (buf ^ 1) * 2 * kRebuildTileRows);
+      if (has_next) issue_a(next, buf ^ 1, s_idx + (buf ^ 1) * 2 * kRebuildTileRows);
       CpAsyncCommit();
     }
 
@@ -288,7 +307,8 @@ __global__ void __launch_bounds__(512) RebuildKMmaKernel(ShadowkvRebuildKArgs a,
     for (int hr = 0; hr < 2; ++hr) {
       const int rr = 16 * wm + g + 8 * hr;
       if (rr >= rows_used) continue;
-      const int mi = rr / C, i = rr - mi * C;
+      int mi, i;
+      split_row(rr, &mi, &i);
       const int64_t t = static_cast<int64_t>(chunks[mi]) * C + i;
       const float pos = static_cast<float>(static_cast<int32_t>(t) + offset);
       bf16* dst = K + (static_cast<int64_t>(slots[mi]) * C + i) * d;
