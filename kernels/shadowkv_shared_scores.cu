@@ -121,8 +121,10 @@ struct TileRows {
 // arithmetic is shifts (as run-time divisions they made this kernel bound by
 // its integer instructions). The statistics are in base 2 (logits times
 // log2 e, folded into each landmark row's scale), so that each logit costs
-// one FFMA (scale, and -inf where it does not count) and one ex2.
-template <int D, bool F8, int G>
+// one FFMA (scale, and -inf where it does not count) and one ex2. kShift:
+// log2 of the landmark rows per chunk when compiled for it (the default 4
+// rows: the chunk maxima's loops unrolled), -1 to read it from ws.
+template <int D, bool F8, int G, int kShift>
 __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
   static_assert(G >= 1 && G <= 8 && (G & (G - 1)) == 0, "a power of two: 16 / G sequences per MMA tile");
   using Rows = TileRows<G>;
@@ -130,7 +132,7 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
   __shared__ SsShared<D> sm;
   constexpr int kJ = D / 32;
   const int tile = blockIdx.x, h = blockIdx.y, rb = blockIdx.z;
-  const int R = ws.R, shift = ws.shift, per_chunk = 1 << shift;
+  const int R = ws.R, shift = kShift >= 0 ? kShift : ws.shift, per_chunk = 1 << shift;
   const int v0 = tile * kSsTile;
   const int rho_block = rb * kSsRowBlock, rho_end = min(R, rho_block + kSsRowBlock);
   const int b_lo = rho_block / G, b_hi = rho_end / G;  // the block's sequences (R and blocks hold whole ones)
@@ -186,6 +188,7 @@ __global__ void __launch_bounds__(kSsWarps * 32, 4) SharedScoresKernel(ShadowkvS
       const int chunk = (base >> shift) + ch;
       if (chunk >= a.max_chunks) continue;
       float m = NegInf();
+#pragma unroll 4
       for (int j = 0; j < per_chunk; ++j) m = fmaxf(m, sm.val[warp][tr][(ch << shift) + j]);
       out[static_cast<int64_t>(tr) * a.max_chunks + chunk] = m;
     }
@@ -296,7 +299,11 @@ __global__ void SharedScoresCombineKernel(ShadowkvScoreArgs a, SsWorkspace ws) {
 template <int D, bool F8, int G>
 void LaunchG(const ShadowkvScoreArgs& a, const SsWorkspace& ws, cudaStream_t stream) {
   const dim3 grid(ws.tiles, a.hkv, ws.row_blocks);
-  SharedScoresKernel<D, F8, G><<<grid, kSsWarps * 32, 0, stream>>>(a, ws);
+  if (ws.shift == 2) {
+    SharedScoresKernel<D, F8, G, 2><<<grid, kSsWarps * 32, 0, stream>>>(a, ws);
+  } else {
+    SharedScoresKernel<D, F8, G, -1><<<grid, kSsWarps * 32, 0, stream>>>(a, ws);
+  }
   const int rows_total = a.hkv * ws.R;
   SharedScoresMergeKernel<<<(rows_total * 32 + 255) / 256, 256, 0, stream>>>(a, ws);
   constexpr int kCombineThreads = 256;
