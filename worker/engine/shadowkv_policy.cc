@@ -876,12 +876,9 @@ class ShadowKvPolicy final : public KvPolicy {
       on_device = on_device && q.prefix && q.prefix->values_on_device(layer);
     }
     // From device memory the fetch is not bound by the host link: as many
-    // blocks as the restore's, unless the attention reads the document's
-    // values in place, leaving the fetch only the sequences' own chunks (a
-    // few): then the link's width, so that the fetch's blocks do not wait for
-    // SMs behind the key rebuild's while the attention waits for the fetch.
+    // blocks as the restore's.
     if (on_device) {
-      if (!in_place) fv.max_blocks = kRestoreFetchBlocks;
+      fv.max_blocks = kRestoreFetchBlocks;
       fv.values_on_device = true;
       fv.skip_shared = in_place;
     }
