@@ -70,7 +70,6 @@ __device__ __forceinline__ void ScanMisses(const ShadowkvFetchVArgs& a, int32_t*
 // (`chunk_bytes` a row) and the first V row of its slot.
 struct MissAt {
   int b, h;
-  bool shared;  // a chunk of the attached prefix (below shared_chunks)
   const char* src;
   char* dst;  // V row of the slot's first token (elem_bytes elements)
 };
@@ -90,14 +89,12 @@ __device__ __forceinline__ MissAt LocateMiss(const ShadowkvFetchVArgs& a, const 
   r.b = row / a.hkv;
   r.h = row % a.hkv;
   const int64_t at = static_cast<int64_t>(row) * a.miss_stride + m;
-  r.shared = false;
   if (a.staging) {
     const int64_t base = a.staging_offsets ? a.staging_offsets[row] : static_cast<int64_t>(row) * a.miss_stride;
     r.src = static_cast<const char*>(a.staging) + (base + m) * chunk_bytes;
   } else {
     const int64_t c = a.miss_chunk[at];
-    r.shared = c < a.shared_chunks;
-    if (r.shared) {
+    if (c < a.shared_chunks) {
       r.src = static_cast<const char*>(a.shared_store[r.b]) +
               (static_cast<int64_t>(r.h) * a.shared_stride + c) * chunk_bytes;
     } else {
@@ -154,7 +151,6 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVWarpKernel(ShadowkvFetchV
   const int64_t chunk_bytes = static_cast<int64_t>(nvec) * 16;
   for (int item = blockIdx.x * kWarps + static_cast<int>(threadIdx.x >> 5); item < total; item += gridDim.x * kWarps) {
     const MissAt m = LocateMiss(a, s_first, item, chunk_bytes, elem_bytes);
-    if (a.skip_shared && m.shared) continue;  // read in place by the attention
     const uint4* src = reinterpret_cast<const uint4*>(m.src);
     uint4* dst = reinterpret_cast<uint4*>(m.dst);
     for (int v0 = lane; v0 < nvec; v0 += 32 * kFetchUnroll) {
@@ -165,6 +161,47 @@ __global__ void __launch_bounds__(kFetchThreads) FetchVWarpKernel(ShadowkvFetchV
 #pragma unroll
       for (int u = 0; u < kFetchUnroll; ++u)
         if (v0 + 32 * u < nvec) dst[v0 + 32 * u] = buf[u];
+    }
+  }
+}
+
+// skip_shared (the attention reads the attached document's chunks in place):
+// only the sequences' own chunks are copied, a few of the misses. No scan and
+// no search: a warp takes 32 entries of the dense [row][max_misses] lists, a
+// lane each (one load of the chunk id), and copies the own chunks among them
+// one after another with its 32 lanes. Walking the compacted list with a
+// search per miss, as FetchVWarpKernel does, to skip the document's chunks
+// took as long as the key rebuild beside it at 64 x 124928 (H200).
+__global__ void __launch_bounds__(kFetchThreads) FetchVOwnKernel(ShadowkvFetchVArgs a, int nvec, int elem_bytes) {
+  constexpr int kWarps = kFetchThreads / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t total = static_cast<int64_t>(a.batch) * a.hkv * a.max_misses;
+  const int64_t chunk_bytes = static_cast<int64_t>(nvec) * 16;
+  for (int64_t e0 = (static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * 32; e0 < total;
+       e0 += static_cast<int64_t>(gridDim.x) * kWarps * 32) {
+    const int64_t e = e0 + lane;
+    const char* src = nullptr;
+    char* dst = nullptr;
+    if (e < total) {
+      const int row = static_cast<int>(e / a.max_misses),
+                m = static_cast<int>(e - static_cast<int64_t>(row) * a.max_misses);
+      const int64_t at = static_cast<int64_t>(row) * a.miss_stride + m;
+      const int64_t c = m < min(max(a.miss_count[row], 0), a.miss_stride) ? a.miss_chunk[at] : -1;
+      if (c >= a.shared_chunks) {
+        const int b = row / a.hkv, h = row % a.hkv;
+        src = static_cast<const char*>(a.value_store[b]) +
+              (static_cast<int64_t>(h) * a.chunk_cap + c - a.shared_chunks) * chunk_bytes;
+        const int64_t row0 = a.outlier_rows + static_cast<int64_t>(a.miss_slot[at]) * a.chunk_size;
+        dst = static_cast<char*>(a.att_v[b]) + (h * a.att_head_stride + row0 * a.d) * elem_bytes;
+      }
+    }
+    uint32_t todo = __ballot_sync(0xffffffffu, src != nullptr);
+    while (todo != 0) {
+      const int l = __ffs(todo) - 1;
+      todo &= todo - 1;
+      const uint4* s = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), l));
+      uint4* d = reinterpret_cast<uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dst), l));
+      for (int v = lane; v < nvec; v += 32) d[v] = __ldcs(s + v);
     }
   }
 }
@@ -251,6 +288,14 @@ void LaunchShadowkvFetchV(const ShadowkvFetchVArgs& a, cudaStream_t stream) {
   const int nvec = static_cast<int>(static_cast<int64_t>(a.chunk_size) * a.d * elem_bytes / 16);
   const int64_t total = static_cast<int64_t>(rows) * a.max_misses * nvec;
   const int blocks = static_cast<int>(std::clamp<int64_t>((total + per_block - 1) / per_block, 1, max_blocks));
+  if (a.skip_shared) {
+    const int64_t warps = (static_cast<int64_t>(rows) * a.max_misses + 31) / 32;
+    const int oblocks =
+        static_cast<int>(std::clamp<int64_t>((warps + kFetchThreads / 32 - 1) / (kFetchThreads / 32), 1, max_blocks));
+    FetchVOwnKernel<<<oblocks, kFetchThreads, 0, stream>>>(a, nvec, elem_bytes);
+    PENUMBRA_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   if (a.values_on_device) {
     const int64_t warps = static_cast<int64_t>(rows) * a.max_misses;  // one per miss at most
     const int wblocks =

@@ -1487,12 +1487,18 @@ struct FetchCase {
   bool staged;
   int max_blocks = 0;      // 0: the launcher's default
   bool on_device = false;  // ShadowkvFetchVArgs::values_on_device (a warp per miss)
+  // > 0: chunks below it are an attached prefix's (the same rows of the
+  // store, read through shared_store); with skip_shared they are not copied
+  // (their V rows stay poisoned, as the reference leaves them NaN).
+  int shared_chunks = 0;
+  bool skip_shared = false;
 };
 
 void RunFetchV(const FetchCase& c) {
   SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hkv " << c.hkv << " d " << c.d << " C " << c.C << " ks "
                                     << c.ks << " dtype " << DTypeName(c.dtype) << " staged " << c.staged
-                                    << " max_blocks " << c.max_blocks << " on_device " << c.on_device);
+                                    << " max_blocks " << c.max_blocks << " on_device " << c.on_device
+                                    << " shared_chunks " << c.shared_chunks << " skip_shared " << c.skip_shared);
   Rng rng(11 + c.d + c.C + c.ks);
   const int rows = c.batch * c.hkv, O = 2;
   const int att_cap = O * c.C + c.ks * c.C + 3;
@@ -1504,14 +1510,17 @@ void RunFetchV(const FetchCase& c) {
 
   std::vector<HostTensor> store;
   std::vector<std::unique_ptr<MappedHostBuffer>> hstore;
-  std::vector<const float*> sp;
-  std::vector<const void*> dsp;
+  std::vector<const float*> sp, sp_own;
+  std::vector<const void*> dsp, dsp_own;
   for (int b = 0; b < c.batch; ++b) {
     store.push_back(MakeTensor(store_elems, c.dtype, rng));
     hstore.push_back(std::make_unique<MappedHostBuffer>(store_elems * es));
     std::memcpy(hstore.back()->host(), store.back().raw.data(), store_elems * es);
     sp.push_back(store.back().f32.data());
     dsp.push_back(hstore.back()->device());
+    // The sequence's own rows start after the prefix's chunks (same strides).
+    sp_own.push_back(sp.back() + static_cast<size_t>(c.shared_chunks) * chunk_elems);
+    dsp_own.push_back(static_cast<const char*>(dsp.back()) + static_cast<size_t>(c.shared_chunks) * chunk_elems * es);
   }
   // Staging buffer in miss-list order with compact offsets.
   std::vector<int32_t> offsets(rows);
@@ -1532,8 +1541,12 @@ void RunFetchV(const FetchCase& c) {
   std::vector<float*> vp;
   for (auto& v : V) vp.push_back(v.data());
   cpu::ShadowkvFetchVArgs ca;
-  ca.value_store = sp.data();
+  ca.value_store = sp_own.data();
   ca.chunk_cap = c.chunk_cap;
+  ca.shared_store = sp.data();
+  ca.shared_chunks = c.shared_chunks;
+  ca.shared_stride = c.chunk_cap;
+  ca.skip_shared = c.skip_shared;
   ca.staging = c.staged ? staging_f32.data() : nullptr;
   ca.staging_offsets = offsets.data();
   ca.miss_count = m.count.data();
@@ -1555,11 +1568,16 @@ void RunFetchV(const FetchCase& c) {
     dv.push_back(ToDevice(Poisoned(static_cast<size_t>(c.hkv) * head_stride, c.dtype)));
     dvp.push_back(dv.back()->get());
   }
-  auto dstore = ToDevice(dsp), dvv = ToDevice(dvp), dstaging = ToDevice(staging_raw), doffs = ToDevice(offsets);
+  auto dstore = ToDevice(dsp_own), dshared = ToDevice(dsp), dvv = ToDevice(dvp), dstaging = ToDevice(staging_raw),
+       doffs = ToDevice(offsets);
   auto dcount = ToDevice(m.count), dslot = ToDevice(m.slot), dchunk = ToDevice(m.chunk);
   ShadowkvFetchVArgs ga;
   ga.value_store = dstore->get<const void* const>();
   ga.chunk_cap = c.chunk_cap;
+  ga.shared_store = dshared->get<const void* const>();
+  ga.shared_chunks = c.shared_chunks;
+  ga.shared_stride = c.chunk_cap;
+  ga.skip_shared = c.skip_shared;
   ga.staging = c.staged ? dstaging->get() : nullptr;
   ga.staging_offsets = doffs->get<int32_t>();
   ga.miss_count = dcount->get<int32_t>();
@@ -1609,6 +1627,17 @@ TEST(ShadowkvFetchVGpu, MatchesCpu) {
       RunFetchV({1, 2, 128, 64, 6, 20, DType::kBF16, staged, blocks, true});
       RunFetchV({2, 2, 64, 7, 11, 50, DType::kF32, staged, blocks, true});
       RunFetchV({40, 8, 64, 8, 5, 30, DType::kBF16, staged, blocks, true});
+    }
+  }
+  // An attached prefix's chunks: copied from shared_store, or skipped (the
+  // attention reads them in place) by FetchVOwnKernel: rows of fewer, as many
+  // and more entries than a warp's 32, one block and many.
+  for (int blocks : {0, 1, 1024}) {
+    for (bool skip : {false, true}) {
+      RunFetchV({2, 3, 128, 8, 17, 200, DType::kBF16, false, blocks, true, 150, skip});
+      RunFetchV({1, 2, 128, 8, 300, 2000, DType::kBF16, false, blocks, true, 1000, skip});
+      RunFetchV({2, 2, 64, 7, 11, 50, DType::kF32, false, blocks, true, 40, skip});
+      RunFetchV({40, 8, 64, 8, 5, 30, DType::kBF16, false, blocks, true, 29, skip});
     }
   }
 }
