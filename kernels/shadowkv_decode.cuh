@@ -29,6 +29,8 @@ void LaunchMaxRows(const MaxRowsArgs& args, cudaStream_t stream);
 bool LaunchShadowkvSharedScores(const ShadowkvScoreArgs& args, void* workspace, size_t workspace_bytes,
                                 cudaStream_t stream);
 size_t ShadowkvSharedScoresWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk);
+// Whether LaunchShadowkvSharedScores covers the call's shape (given the workspace).
+bool ShadowkvSharedScoresCovers(const ShadowkvScoreArgs& args);
 // false (nothing launched): a shape the tensor-core path does not cover.
 bool LaunchShadowkvQueryScores(const ShadowkvQueryScoresArgs& args, cudaStream_t stream);
 // then_update (optional): the slot update of this selection (its selection,

@@ -164,7 +164,13 @@ struct ShadowkvScoreArgs {
   // scores and selection are the same quantities. CPU: ignored.
   bool one_prefix = false;
 };
+// Workspace bytes for any call of this size (an upper bound of the next).
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk = 1);
+// Workspace bytes for this call: a one-prefix call (one_prefix, taken by the
+// GPU's shared scores) needs its scores and statistics, ~1/landmarks_per_chunk
+// of the others' logits (136 MiB rather than 512 at 64 x 124928, 4 rows a
+// chunk). Needs the call's q_dtype and dtype.
+size_t ShadowkvScoreWorkspaceBytes(const ShadowkvScoreArgs& args);
 
 // The element-wise maximum over rows: out[c] = max(out[c] when accumulate,
 // in[r * row_stride + c] for r in [0, rows)), c in [0, cols). A sparse

@@ -57,11 +57,24 @@ int Log2(int s) {
   while ((1 << l) < s) ++l;
   return l;
 }
-// The logits' part of the workspace: the row-by-row paths' logits, or the
-// one-prefix path's own workspace (which uses that part instead), the larger.
+// The logits' part of the workspace (the row-by-row paths).
 size_t LogitsPartBytes(int batch, int hq, int max_chunks, int per_chunk) {
-  const size_t logits = AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks * per_chunk, 1));
-  return std::max(logits, AlignUp(ShadowkvSharedScoresWorkspaceBytes(batch, hq, max_chunks, per_chunk)));
+  return AlignUp(sizeof(float) * static_cast<size_t>(batch) * hq * std::max(max_chunks * per_chunk, 1));
+}
+// The selection's part (rows: batch x KV heads <= batch x hq).
+int64_t TopKInts(int batch, int hq, int max_chunks) {
+  return static_cast<int64_t>(batch) * hq * TopKSplitWorkspaceIntsPerRow(max_chunks);
+}
+// A one-prefix call's workspace: the shared scores' part, then the selection's.
+size_t OnePrefixBytes(int batch, int hq, int max_chunks, int per_chunk) {
+  return AlignUp(ShadowkvSharedScoresWorkspaceBytes(batch, hq, max_chunks, per_chunk)) +
+         sizeof(int32_t) * static_cast<size_t>(TopKInts(batch, hq, max_chunks));
+}
+// Whether LaunchShadowkvScore takes the one-prefix path for `a` (after its
+// early returns: batch > 0, max_chunks > 0).
+bool TakesOnePrefix(const ShadowkvScoreArgs& a) {
+  return a.one_prefix && a.select_k > 0 && a.stats_out == nullptr && a.stats_in == nullptr && a.successors == 0 &&
+         a.batch >= 2 && ShadowkvSharedScoresCovers(a);
 }
 
 ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks, int per_chunk, int split) {
@@ -76,8 +89,7 @@ ScoreWorkspace CarveScoreWorkspace(void* base, int batch, int hq, int max_chunks
   p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(w.rows, kScoreMinSplit));
   w.merged = reinterpret_cast<float2*>(p);
   p += AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq);
-  // Rows of the selection: batch x KV heads <= batch x hq.
-  w.topk_ints = static_cast<int64_t>(batch) * hq * TopKSplitWorkspaceIntsPerRow(max_chunks);
+  w.topk_ints = TopKInts(batch, hq, max_chunks);
   w.topk = w.topk_ints > 0 ? reinterpret_cast<int32_t*>(p) : nullptr;
   return w;
 }
@@ -634,12 +646,25 @@ __global__ void __launch_bounds__(topk_block::kThreads)
 
 }  // namespace
 
-size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk) {
+namespace {
+size_t RowByRowBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk) {
   const int rows = max_chunks * landmarks_per_chunk;
   return LogitsPartBytes(batch, hq, max_chunks, landmarks_per_chunk) +
          AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq * ScoreSplits(rows, kScoreMinSplit)) +
          AlignUp(sizeof(float2) * static_cast<size_t>(batch) * hq) +
-         sizeof(int32_t) * static_cast<size_t>(batch) * hq * TopKSplitWorkspaceIntsPerRow(max_chunks);
+         sizeof(int32_t) * static_cast<size_t>(TopKInts(batch, hq, max_chunks));
+}
+}  // namespace
+
+size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk) {
+  return std::max(RowByRowBytes(batch, hq, max_chunks, landmarks_per_chunk),
+                  OnePrefixBytes(batch, hq, max_chunks, landmarks_per_chunk));
+}
+
+size_t ShadowkvScoreWorkspaceBytes(const ShadowkvScoreArgs& a) {
+  if (a.batch > 0 && a.max_chunks > 0 && TakesOnePrefix(a))
+    return OnePrefixBytes(a.batch, a.hq, a.max_chunks, a.landmarks_per_chunk);
+  return RowByRowBytes(a.batch, a.hq, a.max_chunks, a.landmarks_per_chunk);
 }
 
 void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const ShadowkvSlotUpdateArgs* then_update) {
@@ -681,7 +706,7 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const int per_chunk = a.landmarks_per_chunk;
   CHECK(per_chunk >= 1 && per_chunk <= 16 && (per_chunk & (per_chunk - 1)) == 0)
       << "ShadowkvScore: landmarks_per_chunk " << per_chunk << " (a power of two up to 16)";
-  CHECK_GE(a.workspace_bytes, ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks, per_chunk));
+  CHECK_GE(a.workspace_bytes, ShadowkvScoreWorkspaceBytes(a));
   if (with_selection) {
     CHECK(a.select_k <= kTopKMaxK && a.selection != nullptr && a.selection_stride >= a.select_k)
         << "ShadowkvScore: selection k " << a.select_k << " stride " << a.selection_stride;
@@ -694,17 +719,19 @@ void LaunchShadowkvScore(const ShadowkvScoreArgs& a, cudaStream_t stream, const 
   const bool mma_ok = (fp8 || a.dtype == DType::kBF16) && a.q_dtype == DType::kBF16 && (a.d == 128 || a.d == 64) &&
                       (group == 1 || group == 2 || group == 4 || group == 8);
   const int split = mma_ok ? kScoreMmaSplit : kScoreSplit;
+  // Sequences attached to one prefix: its landmarks scored for all of them
+  // in one pass (its own workspace, then the selection's), then the top-k
+  // over the scores.
+  if (TakesOnePrefix(a)) {
+    const size_t shared = AlignUp(ShadowkvSharedScoresWorkspaceBytes(a.batch, a.hq, a.max_chunks, per_chunk));
+    const int64_t topk_ints = TopKInts(a.batch, a.hq, a.max_chunks);
+    int32_t* topk = topk_ints > 0 ? reinterpret_cast<int32_t*>(static_cast<char*>(a.workspace) + shared) : nullptr;
+    CHECK(LaunchShadowkvSharedScores(a, a.workspace, shared, stream));
+    SelectFromScores(a, true, topk, topk_ints, then_update, stream);
+    return;
+  }
   const ScoreWorkspace ws = CarveScoreWorkspace(a.workspace, a.batch, a.hq, a.max_chunks, per_chunk, split);
   const int n_split = ScoreSplits(ws.rows, split);
-  // Sequences attached to one prefix: its landmarks scored for all of them
-  // in one pass (in the logits' part of the workspace, which this path does
-  // not use), then the top-k over the scores.
-  if (a.one_prefix && with_selection && a.stats_in == nullptr && a.successors == 0 && a.batch >= 2) {
-    if (LaunchShadowkvSharedScores(a, ws.logits, LogitsPartBytes(a.batch, a.hq, a.max_chunks, per_chunk), stream)) {
-      SelectFromScores(a, true, ws.topk, ws.topk_ints, then_update, stream);
-      return;
-    }
-  }
   // The second call (stats_in) reuses the logits the first left in the
   // workspace: same arguments, so the same split and layout.
   if (a.stats_in == nullptr) {

@@ -332,16 +332,21 @@ size_t ShadowkvSharedScoresWorkspaceBytes(int batch, int hq, int max_chunks, int
   return s.parts + s.lse + s.cmax;
 }
 
+bool ShadowkvSharedScoresCovers(const ShadowkvScoreArgs& a) {
+  const int per_chunk = std::max(1, a.landmarks_per_chunk);
+  const int G = a.hkv > 0 ? a.hq / a.hkv : 0;
+  const bool shape_ok = a.q_dtype == DType::kBF16 && (a.landmark_fp8 || a.dtype == DType::kBF16) &&
+                        (a.d == 64 || a.d == 128) && G >= 1 && G <= 8 && a.hq == G * a.hkv && (G & (G - 1)) == 0 &&
+                        per_chunk <= 16 && (per_chunk & (per_chunk - 1)) == 0;
+  return shape_ok && a.batch > 0 && a.batch <= 65535 && a.max_chunks > 0 && a.shared_chunks > 0;
+}
+
 bool LaunchShadowkvSharedScores(const ShadowkvScoreArgs& a, void* workspace, size_t workspace_bytes,
                                 cudaStream_t stream) {
   const int per_chunk = std::max(1, a.landmarks_per_chunk);
   const bool fp8 = a.landmark_fp8;
   const int G = a.hkv > 0 ? a.hq / a.hkv : 0;
-  const bool shape_ok = a.q_dtype == DType::kBF16 && (fp8 || a.dtype == DType::kBF16) && (a.d == 64 || a.d == 128) &&
-                        G >= 1 && G <= 8 && a.hq == G * a.hkv && (G & (G - 1)) == 0 && per_chunk <= 16 &&
-                        (per_chunk & (per_chunk - 1)) == 0;
-  if (!shape_ok || a.batch <= 0 || a.max_chunks <= 0 || a.shared_chunks <= 0) return false;
-  if (a.batch > 65535 ||
+  if (!ShadowkvSharedScoresCovers(a) ||
       workspace_bytes < ShadowkvSharedScoresWorkspaceBytes(a.batch, a.hq, a.max_chunks, a.landmarks_per_chunk))
     return false;
   const int shift = ShiftOf(per_chunk);

@@ -1034,16 +1034,25 @@ void RunOnePrefixScore(const OnePrefixCase& c) {
   const int64_t sel_stride = k + 1;
   auto dscores = ToDevice(std::vector<float>(want.size(), kNaN));
   auto dsel = ToDevice(std::vector<int32_t>(static_cast<size_t>(rows) * sel_stride, kIntPoison));
-  DeviceBuffer ws(ShadowkvScoreWorkspaceBytes(c.batch, p.hq, max_chunks, c.per_chunk));
   ShadowkvScoreArgs g = dev->args;
   g.scores = dscores->get<float>();
   g.score_stride = stride;
-  g.workspace = ws.get();
-  g.workspace_bytes = ws.bytes();
   g.select_k = k;
   g.selection = dsel->get<int32_t>();
   g.selection_stride = sel_stride;
   g.one_prefix = true;
+  // The call's own workspace: the one-prefix path's, a quarter of the
+  // row-by-row logits at 4 landmark rows a chunk.
+  const size_t ws_bytes = ShadowkvScoreWorkspaceBytes(g);
+  EXPECT_LE(ws_bytes, ShadowkvScoreWorkspaceBytes(c.batch, p.hq, max_chunks, c.per_chunk));
+  if (c.per_chunk >= 4) {
+    g.one_prefix = false;
+    EXPECT_LT(ws_bytes, ShadowkvScoreWorkspaceBytes(g));
+    g.one_prefix = true;
+  }
+  DeviceBuffer ws(ws_bytes);
+  g.workspace = ws.get();
+  g.workspace_bytes = ws.bytes();
   LaunchShadowkvScore(g, nullptr);
   SKV_CUDA(cudaDeviceSynchronize());
   // The one-pass path writes the scores it selects from: every entry below

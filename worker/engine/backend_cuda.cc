@@ -431,8 +431,7 @@ class CudaBackend final : public Backend {
     }
     if (static_cast<int>(score_ws_.size()) <= a.workspace_part) score_ws_.resize(a.workspace_part + 1);
     DeviceBuffer& ws = score_ws_[a.workspace_part];
-    PENUMBRA_RETURN_IF_ERROR(
-        GrowWorkspace(&ws, kn::ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks, a.landmarks_per_chunk)));
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&ws, kn::ShadowkvScoreWorkspaceBytes(a)));
     a.workspace = ws.get();
     a.workspace_bytes = ws.bytes();
     kn::LaunchShadowkvScore(a, stream_, then_update);
