@@ -6,7 +6,7 @@
 #   bash ops/device/bench.sh SUITE [SUITE...]
 #
 # Suites (see `bash ops/device/bench.sh help`): parity, check, full, shadowkv,
-# sweep, 1m, trace, ttft, ttft_disk, shared, tier0, dp, cp, cp_kill, service, service_cp, store_node, mixed, eval. Every throughput run is beside the
+# sweep, 1m, trace, ttft, ttft_disk, shared, shared_trace, tier0, dp, cp, cp_kill, service, service_cp, store_node, mixed, eval. Every throughput run is beside the
 # full-attention peer (bench/peer/full_attention_peer.py, which pack.sh
 # copies into .device/) in the same call, the peer first and last. Every JSON
 # line is tagged by bench/record.py (suite, command, commit, date, device,
@@ -51,6 +51,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   ttft_disk the same cached only on disk (read back after the memory cache is cleared; shadowkv cold, then
             with sparse and dense continuations: values read lazily), beside the disk's raw direct-I/O
             bandwidth (dd); TTFT_DISK_FULL=0 skips the full policy
+  shared_trace
+            shadowkv's shared decode (the shared suite's shape) beside the peer, then a 20-step --kernel-trace
+            of it and the summary of its compute stream ($OUT/shared_trace.txt)
   shared    64 questions over one shared 124928-token document decoded as one batch (full: cascade over one
             copy of its exact KV; shadowkv), beside the peer's --shared-prefix --graph mode; the prefix-attention
             kernel's bench first
@@ -213,6 +216,21 @@ suite_sweep() {
 suite_1m() {
   run 400 $R penumbra-bench decode --kv-policy shadowkv --prefill-chunk 1024 --steps 100 --hit-rates natural,0.6 \
     --context 1048576 --batch 1
+}
+
+# The shared suite's ShadowKV decode (64 questions over one 124928-token
+# document, values in tier 0) beside the peer's cascade, then 20 traced steps
+# and their summary (where a shared step goes: docs/architecture.md).
+suite_shared_trace() {
+  local sh="penumbra-bench shared --kv-policy shadowkv --prefill-chunk 1024 --context 124928 --batch 64 --question 64"
+  run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
+  run 400 $R $sh --steps 20
+  # The traced run's own line is not a row of the record (tracing slows it).
+  timeout 400 $R $sh --steps 20 --kernel-trace "$OUT/shared_trace.jsonl" > /dev/null 2>>"$OUT/bench.err"
+  python3 ops/trace_summary.py "$OUT/shared_trace.jsonl" --steps 20 > "$OUT/shared_trace.txt" 2>&1
+  sed -n '/stream .*(compute)/,/^stream .*(fetch)/p' "$OUT/shared_trace.txt"
+  gzip -f "$OUT/shared_trace.jsonl"
+  run 300 $PEER decode --shared-prefix --graph --batch 64 --context 124928 --steps 20
 }
 
 suite_trace() {
@@ -630,7 +648,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|mixed|eval) ;;
+    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|shared_trace|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|mixed|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done

@@ -195,5 +195,54 @@ TEST_F(PrefixReuseGpuTest, ADocumentsValuesCopiedToTheDeviceGiveTheColdTokens) {
   }
 }
 
+// A question reading a tier-0 document's values in place
+// (DecodeAttentionOp::slot_values) keeps the cold tokens when the copy is
+// freed while it decodes: the layers it read in place have their slot maps
+// cleared and fetch every chunk again (ShadowKvTier0Test's CUDA twin).
+TEST_F(PrefixReuseGpuTest, FreeingTheDeviceCopyMidDecodeKeepsTheColdTokens) {
+  PENUMBRA_SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> doc = LcgTokens(151, 7, true);
+  auto warm = OpenCuda("shadowkv", "f32", 64 << 20), cold = OpenCuda("shadowkv", "f32", 0);
+  ASSERT_TRUE(warm && cold);
+  Runtime& rt = warm->runtime();
+  for (uint64_t q = 11; q < 13; ++q) ASSERT_TRUE(rt.Generate({QuestionAbout(doc, q)}).ok());  // cached, then hot
+  ASSERT_EQ(rt.prefix_cache()->Prefixes().size(), 1u);
+  const auto* p = dynamic_cast<const ShadowKvPrefix*>(rt.prefix_cache()->Prefixes()[0].get());
+  ASSERT_NE(p, nullptr);
+  ASSERT_TRUE(p->values_on_device(0));
+
+  const GenerationRequest r = QuestionAbout(doc, 13);
+  auto c = cold->runtime().Generate({r});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int64_t seq = 100, P = static_cast<int64_t>(r.prompt.size());
+  Runtime::PrefillState st;
+  GenerationResult res;
+  ASSERT_TRUE(rt.BeginPrefill(seq, r, &st, &res).ok());
+  for (;;) {
+    auto done = rt.PrefillStep(seq, r, &st, 1 << 20);
+    ASSERT_TRUE(done.ok()) << done.status();
+    if (*done) break;
+  }
+  const int vocab = rt.config().vocab_size;
+  std::vector<float> logits(vocab);
+  auto greedy = [&](const float* dev) {
+    EXPECT_TRUE(rt.backend().CopyToHost(logits.data(), dev, logits.size() * sizeof(float)).ok());
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  };
+  std::vector<int32_t> ids = {greedy(rt.LastLogits())};
+  while (static_cast<int>(ids.size()) < r.max_new_tokens) {
+    if (ids.size() == 8) {
+      EXPECT_TRUE(p->values_on_device(0));
+      EXPECT_GT(rt.document_cache()->tier0()->Release(SIZE_MAX), 0u);
+      EXPECT_FALSE(p->values_on_device(0));
+    }
+    auto l = rt.DecodeStep({seq}, {ids.back()}, {P + static_cast<int64_t>(ids.size()) - 1});
+    ASSERT_TRUE(l.ok()) << l.status();
+    ids.push_back(greedy(*l));
+  }
+  rt.policy().RemoveSequence(seq);
+  EXPECT_EQ(ids, (*c)[0].ids);
+}
+
 }  // namespace
 }  // namespace penumbra
