@@ -123,6 +123,7 @@ Status RunShared(const Args& a, Engine& e, const Common& cm, int64_t S) {
   j["prefix_device_bytes"] = (*prefix)->device_bytes();
   j["prefix_host_bytes"] = (*prefix)->host_bytes();
   j["device_bytes_per_sequence"] = policy.DeviceBytes(seqs[0]);
+  j["workspace_device_bytes"] = b.WorkspaceBytes();  // the kernels' workspaces after the timed steps
   const int64_t sel = after.selected_chunks - before.selected_chunks;
   if (sel > 0) j["hit_rate"] = static_cast<double>(after.hit_chunks - before.hit_chunks) / static_cast<double>(sel);
   // The share of the sequences' scores taken together with the document's

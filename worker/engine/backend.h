@@ -192,6 +192,9 @@ class Backend {
   virtual Status Synchronize() = 0;
   // Bytes of device memory free now (SIZE_MAX semantics: host RAM on CPU).
   virtual size_t FreeMemoryBytes() const = 0;
+  // Device bytes the backend holds for its kernels' workspaces (grown on
+  // demand to the largest call seen, then kept). 0 where it holds none.
+  virtual size_t WorkspaceBytes() const { return 0; }
 
   // ---- ops ----
   // out[i] = f32(table[ids[i]]); table [vocab, dim] of `table_dtype`.

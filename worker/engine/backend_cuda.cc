@@ -556,6 +556,12 @@ class CudaBackend final : public Backend {
     PENUMBRA_CUDA_CHECK(cudaEventRecord(timeline_[timeline_used_++], s));
   }
 
+  size_t WorkspaceBytes() const override {
+    size_t n = lowrank_ws_.bytes() + query_ws_.bytes() + decode_ws_.bytes() + prefix_ws_.bytes();
+    for (const DeviceBuffer& ws : score_ws_) n += ws.bytes();
+    return n;
+  }
+
   // Reallocates `ws` when it is smaller than `need`, after the stream has
   // finished with the old one.
   Status GrowWorkspace(DeviceBuffer* ws, size_t need) {
