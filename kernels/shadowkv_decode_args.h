@@ -168,7 +168,7 @@ struct ShadowkvScoreArgs {
 size_t ShadowkvScoreWorkspaceBytes(int batch, int hq, int max_chunks, int landmarks_per_chunk = 1);
 // Workspace bytes for this call: a one-prefix call (one_prefix, taken by the
 // GPU's shared scores) needs its scores and statistics, ~1/landmarks_per_chunk
-// of the others' logits (136 MiB rather than 512 at 64 x 124928, 4 rows a
+// of the others' logits (136 MB rather than 514 at 64 x 124928, 4 rows a
 // chunk). Needs the call's q_dtype and dtype.
 size_t ShadowkvScoreWorkspaceBytes(const ShadowkvScoreArgs& args);
 

@@ -1085,6 +1085,43 @@ void RunOnePrefixScore(const OnePrefixCase& c) {
                        dwant->Download<int32_t>(static_cast<size_t>(rows) * sel_stride)));
 }
 
+// The score workspace a call asks for (host arithmetic: runs without a GPU).
+// A one-prefix call of 64 questions over a 124928-token document (Llama-8B
+// heads, 4 landmark rows a chunk) needs its chunk maxima and statistics, not
+// the row-by-row logits; a call the one-prefix path does not take (context
+// parallel's first call, one sequence, f32 queries) asks for the logits.
+TEST(ShadowkvScoreWorkspace, AOnePrefixCallAsksForItsOwnPart) {
+  constexpr size_t kMB = 1000000;
+  ShadowkvScoreArgs a;
+  a.batch = 64;
+  a.hq = 32;
+  a.hkv = 8;
+  a.d = 128;
+  a.q_dtype = DType::kBF16;
+  a.dtype = DType::kBF16;
+  a.landmark_fp8 = true;
+  a.landmarks_per_chunk = 4;
+  a.max_chunks = 124928 / 8 + 8;  // the document's chunks and the question's
+  a.shared_chunks = 124928 / 8;
+  a.select_k = 256;
+  a.one_prefix = true;
+  const size_t one_prefix = ShadowkvScoreWorkspaceBytes(a);
+  const size_t any = ShadowkvScoreWorkspaceBytes(a.batch, a.hq, a.max_chunks, a.landmarks_per_chunk);
+  EXPECT_GT(one_prefix, 128 * kMB);  // the chunk maxima: 64 x 32 x 15624 f32 (136.0 MB in all)
+  EXPECT_LT(one_prefix, 140 * kMB);
+  EXPECT_GT(any, 512 * kMB);  // the logits: 4 rows a chunk (514.0 MB in all)
+  auto row_by_row = [&](auto change) {
+    ShadowkvScoreArgs b = a;
+    change(b);
+    return ShadowkvScoreWorkspaceBytes(b);
+  };
+  EXPECT_EQ(row_by_row([](ShadowkvScoreArgs& b) { b.one_prefix = false; }), any);
+  EXPECT_EQ(row_by_row([](ShadowkvScoreArgs& b) { b.stats_out = reinterpret_cast<float*>(16); }), any);
+  EXPECT_EQ(row_by_row([](ShadowkvScoreArgs& b) { b.q_dtype = DType::kF32; }), any);
+  EXPECT_LT(row_by_row([](ShadowkvScoreArgs& b) { b.batch = 1; }), any);  // one sequence: its own logits
+  EXPECT_GT(row_by_row([](ShadowkvScoreArgs& b) { b.batch = 1; }), one_prefix / 64);
+}
+
 TEST(ShadowkvScoreGpu, OnePrefixMatchesCpu) {
   PENUMBRA_SKIP_WITHOUT_GPU();
   for (bool fp8 : {false, true})
