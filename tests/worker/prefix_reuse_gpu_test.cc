@@ -14,6 +14,7 @@
 
 #include "tests/gpu_test_util.h"
 #include "tests/worker/stories_shadowkv.h"
+#include "tests/worker/tier0_release_case.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/shadowkv_prefix.h"
 
@@ -214,34 +215,8 @@ TEST_F(PrefixReuseGpuTest, FreeingTheDeviceCopyMidDecodeKeepsTheColdTokens) {
   const GenerationRequest r = QuestionAbout(doc, 13);
   auto c = cold->runtime().Generate({r});
   ASSERT_TRUE(c.ok()) << c.status();
-  const int64_t seq = 100, P = static_cast<int64_t>(r.prompt.size());
-  Runtime::PrefillState st;
   GenerationResult res;
-  ASSERT_TRUE(rt.BeginPrefill(seq, r, &st, &res).ok());
-  for (;;) {
-    auto done = rt.PrefillStep(seq, r, &st, 1 << 20);
-    ASSERT_TRUE(done.ok()) << done.status();
-    if (*done) break;
-  }
-  const int vocab = rt.config().vocab_size;
-  std::vector<float> logits(vocab);
-  auto greedy = [&](const float* dev) {
-    EXPECT_TRUE(rt.backend().CopyToHost(logits.data(), dev, logits.size() * sizeof(float)).ok());
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  };
-  std::vector<int32_t> ids = {greedy(rt.LastLogits())};
-  while (static_cast<int>(ids.size()) < r.max_new_tokens) {
-    if (ids.size() == 8) {
-      EXPECT_TRUE(p->values_on_device(0));
-      EXPECT_GT(rt.document_cache()->tier0()->Release(SIZE_MAX), 0u);
-      EXPECT_FALSE(p->values_on_device(0));
-    }
-    auto l = rt.DecodeStep({seq}, {ids.back()}, {P + static_cast<int64_t>(ids.size()) - 1});
-    ASSERT_TRUE(l.ok()) << l.status();
-    ids.push_back(greedy(*l));
-  }
-  rt.policy().RemoveSequence(seq);
-  EXPECT_EQ(ids, (*c)[0].ids);
+  EXPECT_EQ(testing::GreedyReleasingTier0(rt, *p, r, /*seq=*/100, /*release_at=*/8, &res), (*c)[0].ids);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "tests/storage/segment_store_test_util.h"
 #include "tests/test_util.h"
 #include "tests/worker/stories_shadowkv.h"
+#include "tests/worker/tier0_release_case.h"
 #include "worker/engine/document_cache.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/shadowkv_prefix.h"
@@ -768,30 +769,9 @@ TEST(ShadowKvTier0Test, FreeingTheCopyMidDecodeKeepsTheColdTokens) {
   ASSERT_TRUE(doc->values_on_device(0));
 
   const GenerationRequest r = Request(kDoc, kQ3, true);
-  const int64_t seq = 100, P = static_cast<int64_t>(r.prompt.size());
-  Runtime::PrefillState st;
   GenerationResult res;
-  ASSERT_TRUE(rt.BeginPrefill(seq, r, &st, &res).ok());
-  for (;;) {
-    auto done = rt.PrefillStep(seq, r, &st, 1 << 20);
-    ASSERT_TRUE(done.ok()) << done.status();
-    if (*done) break;
-  }
+  const std::vector<int32_t> ids = testing::GreedyReleasingTier0(rt, *doc, r, /*seq=*/100, /*release_at=*/8, &res);
   EXPECT_EQ(res.cached_prompt_tokens, 151);
-  const int vocab = rt.config().vocab_size;
-  auto greedy = [&](const float* l) { return static_cast<int32_t>(std::max_element(l, l + vocab) - l); };
-  std::vector<int32_t> ids = {greedy(rt.LastLogits())};
-  while (static_cast<int>(ids.size()) < r.max_new_tokens) {
-    if (ids.size() == 8) {
-      EXPECT_TRUE(doc->values_on_device(0));  // read in place so far
-      EXPECT_GT(rt.document_cache()->tier0()->Release(SIZE_MAX), 0u);
-      EXPECT_FALSE(doc->values_on_device(0));
-    }
-    auto l = rt.DecodeStep({seq}, {ids.back()}, {P + static_cast<int64_t>(ids.size()) - 1});
-    ASSERT_TRUE(l.ok()) << l.status();
-    ids.push_back(greedy(*l));
-  }
-  rt.policy().RemoveSequence(seq);
   EXPECT_EQ(ids, Cold(r, "shadowkv-tier0"));
 }
 
