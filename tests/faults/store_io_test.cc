@@ -330,8 +330,16 @@ TEST_F(StoreIo, AStoppedStoreNodeCostsOnlyTheRequestsThatNeedIt) {
               << " s the longest prefill piece, " << ws.generated_tokens << " tokens\n";
   }
   EXPECT_GT(median(running), 0) << rates;
-  // The node stopped costs the steady requests at most 20% of their rate.
-  EXPECT_GE(median(stopped), 0.8 * median(running)) << rates;
+  // The node stopped costs the steady requests at most 30% of their rate.
+  // Some cost is real (the requests that touch the node prefill their
+  // documents instead of reading them), and on a 2-core CI machine one
+  // half-second window varies by +-30% (359 to 637 tokens/s running, seen
+  // in CI). The failure this guards against is a decode loop that waits on
+  // the stopped node: a 1 s call deadline per touch costs more than half the
+  // rate, and leaves windows with next to nothing generated, which the
+  // second check catches on its own.
+  EXPECT_GE(median(stopped), 0.7 * median(running)) << rates;
+  EXPECT_GE(*std::min_element(stopped.begin(), stopped.end()), 0.2 * median(running)) << rates;
   EXPECT_EQ(steady_bad.load(), 0);
   EXPECT_GT(steady_done.load(), 0);
 
