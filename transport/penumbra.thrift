@@ -36,7 +36,7 @@ struct DocumentInfo {
   7: optional string error,      // FAILED: why
   8: double factor_seconds = -1, // put -> ready; < 0 until then
   9: i64 factored_tokens,        // FACTORING: tokens prefilled so far (progress)
-  10: string kv_policy = "",     // the put's pin ("full", "shadowkv"; "": none)
+  10: string kv_policy = "",     // the put's pin ("full", "shadowkv", "spindlekv"; "": none)
 }
 
 // A document: text (tokenized by the coordinator with the model's tokenizer)
@@ -50,8 +50,8 @@ struct PutDocumentRequest {
   // once (FACTORING) and poll GetDocument.
   5: bool wait = true,
   6: i64 deadline_ms = 0,
-  // "full" or "shadowkv": the document is factored on workers of that KV
-  // policy or of "auto" and held there under it, and its questions are held
+  // "full", "shadowkv" or "spindlekv": the document is factored on workers
+  // of that KV policy (or of "auto", for full and shadowkv) and held there under it, and its questions are held
   // under it unless they pin another (GenerateRequest.kv_policy); "": the
   // workers' choice.
   7: string kv_policy = "",
@@ -92,8 +92,9 @@ struct GenerateRequest {
   7: list<string> stop,
   8: list<i32> stop_ids,
   9: bool ignore_eos = false,
-  // "full" or "shadowkv" to run only under that policy: on workers of that
-  // policy, or of "auto" (a policy per document) held under it; "": any.
+  // "full", "shadowkv" or "spindlekv" to run only under that policy: on
+  // workers of that policy, or of "auto" (a policy per document: full or
+  // shadowkv) held under it; "": any.
   10: string kv_policy = "",
   11: i64 deadline_ms = 0,
   // true: max_new_tokens is only an upper bound; the generation may use what

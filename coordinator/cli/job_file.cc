@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/kv_policies.h"
+
 namespace penumbra {
 namespace {
 
@@ -126,7 +128,7 @@ Status ReadRequest(const LineReader& r, const json& o, rpc::GenerateRequest* g) 
   }
   if (o.contains("kv_policy")) {
     const json& v = o.at("kv_policy");
-    if (v != "full" && v != "shadowkv") return r.KeyError("kv_policy", "\"full\" or \"shadowkv\"", v);
+    if (!v.is_string() || !IsKvPolicyPin(v.get<std::string>())) return r.KeyError("kv_policy", KvPolicyPins(), v);
     g->kv_policy = v.get<std::string>();
   }
   return Status::OK();

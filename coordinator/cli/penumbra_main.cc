@@ -266,6 +266,21 @@ Status Eval(int argc, char** argv) {
     j["hit_chunks"] = ps_stats.hit_chunks;
     j["sparse_continuations"] = ps_stats.sparse_continuations;
     j["dense_continuations"] = ps_stats.dense_continuations;
+    // SpindleKV settings (null under the other policies).
+    const SpindleKvOptions& sk = engine->options().spindlekv;
+    const bool spindle = policy == "spindlekv";
+    auto sopt = [&](auto v) { return spindle ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); };
+    j["reserve_ratio"] = sopt(sk.reserve_ratio);
+    j["min_ratio"] = sopt(sk.min_ratio);
+    j["window"] = sopt(sk.window);
+    j["pool"] = sopt(sk.pool);
+    j["key_threshold"] = sopt(sk.key_threshold);
+    j["value_threshold"] = sopt(sk.value_threshold);
+    j["codebook_block"] = sopt(sk.codebook_block);
+    j["kv_bytes_ratio"] =
+        ps_stats.kv_exact_bytes > 0
+            ? nlohmann::ordered_json(static_cast<double>(ps_stats.kv_kept_bytes) / ps_stats.kv_exact_bytes)
+            : nlohmann::ordered_json(nullptr);
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
   } else {
     std::printf("%-18s %8s %6s %9s %8s\n", "task", "length", "n", "accuracy", "partial");

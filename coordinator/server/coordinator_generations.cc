@@ -10,6 +10,7 @@
 #include <glog/logging.h>
 
 #include "common/crypto.h"
+#include "common/kv_policies.h"
 #include "coordinator/server/coordinator_internal.h"
 #include "coordinator/server/placement.h"
 #include "transport/thrift_util.h"
@@ -52,9 +53,8 @@ std::vector<int> Coordinator::Route(const std::string& kv_policy, const std::vec
   const bool long_prompt = o_.group_min_tokens > 0 && tokens >= o_.group_min_tokens;
   std::vector<PlacementCandidate> holders, first, then;
   for (int i = 0; i < static_cast<int>(s.size()); ++i) {
-    // An "auto" worker holds a request under either policy (the pin goes with it).
-    const std::string& policy = s[i].health.kv_policy;
-    if (!s[i].healthy || (!kv_policy.empty() && policy != kv_policy && policy != "auto")) continue;
+    // An "auto" worker holds a request under full or shadowkv (the pin goes with it).
+    if (!s[i].healthy || !KvPolicyServes(s[i].health.kv_policy, kv_policy)) continue;
     const bool group = !s[i].endpoint.group.empty();
     if (group && (s[i].endpoint.rank != 0 || !s[i].group_formed)) continue;  // rank 0 of a formed group only
     const int64_t free = group ? group_free[s[i].endpoint.group] : s[i].stats.memory_free_bytes;

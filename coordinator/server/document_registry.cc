@@ -15,6 +15,7 @@
 
 #include "common/crypto.h"
 #include "common/hash.h"
+#include "common/kv_policies.h"
 #include "common/record.h"
 #include "storage/rocks_store_db.h"
 
@@ -105,7 +106,7 @@ Status Decode(std::string_view key, std::string_view value, DocumentView* d) {
       !in.I32s(ids.get()) || !in.done()) {
     return Status::Corruption("malformed fields");
   }
-  if (!d->kv_policy.empty() && d->kv_policy != "full" && d->kv_policy != "shadowkv") {
+  if (!d->kv_policy.empty() && !IsKvPolicyPin(d->kv_policy)) {
     return Status::Corruption("kv_policy '" + d->kv_policy.substr(0, 32) + "'");
   }
   if (d->tokens != static_cast<int64_t>(ids->size())) {

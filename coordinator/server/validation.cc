@@ -5,6 +5,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/kv_policies.h"
+
 namespace penumbra::coordinator {
 namespace {
 
@@ -62,10 +64,10 @@ Status CheckTextOrIds(std::string_view what, bool has_text, const std::string& t
   return CheckVocabulary(Str(what) + " token_ids", ids, model);
 }
 
-// "", "full" or "shadowkv" (a request's or a document's pin).
+// "" or a policy's name (a request's or a document's pin, common/kv_policies.h).
 Status CheckKvPolicy(const std::string& kv_policy) {
-  if (kv_policy.empty() || kv_policy == "full" || kv_policy == "shadowkv") return Status::OK();
-  return Bad("kv_policy must be \"\", \"full\" or \"shadowkv\", got \"" + Excerpt(kv_policy, 32) + "\"");
+  if (kv_policy.empty() || IsKvPolicyPin(kv_policy)) return Status::OK();
+  return Bad("kv_policy must be \"\", " + std::string(KvPolicyPins()) + ", got \"" + Excerpt(kv_policy, 32) + "\"");
 }
 
 Status CheckSampling(const rpc::SamplingOptions& sp) {

@@ -821,6 +821,49 @@ TEST_F(Service, AnAutoWorkerHoldsEachRequestUnderItsPin) {
   EXPECT_NE(wm->body.find("penumbra_worker_document_moves_total 0"), std::string::npos);
 }
 
+// A spindlekv worker serves through the service: a document put pinned to
+// spindlekv is compressed once and its questions attach it and answer as
+// the offline engine does; a pin to another policy finds no worker.
+TEST_F(Service, ASpindleKvWorkerAnswersQuestionsAboutAPutDocument) {
+  ClusterOptions o;
+  o.worker_flags = {"--kv-policy",        "spindlekv", "--spindlekv-ratio",           "0.3",
+                    "--spindlekv-window", "16",        "--spindlekv-key-threshold",   "0.9",
+                    "--prefix-cache-mb",  "64",        "--spindlekv-value-threshold", "0.9"};
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->workers.size(), 1u);
+  EXPECT_EQ(stats->workers[0].kv_policy, "spindlekv");
+  const std::vector<int32_t> doc = LcgTokens(180, 41, true);
+  auto d = c->PutDocument("doc", nullptr, &doc, true, 0ms, {}, "spindlekv");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->kv_policy, "spindlekv");
+  EngineOptions eo;
+  eo.kv_policy = "spindlekv";
+  eo.spindlekv.reserve_ratio = 0.3;
+  eo.spindlekv.window = 16;
+  eo.spindlekv.key_threshold = 0.9;
+  eo.spindlekv.value_threshold = 0.9;
+  Offline offline(eo);
+  for (int i = 0; i < 2; ++i) {
+    const std::vector<int32_t> q = LcgTokens(12 + i, 700 + i, false);
+    auto got = c->Complete(Ask({d->id}, q, 6));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->usage.cached_prompt_tokens, 180);
+    EXPECT_EQ(got->ids, offline.About(doc, q, 6));
+  }
+  rpc::GenerateRequest pinned = Ask({d->id}, {5, 6}, 2);
+  pinned.kv_policy = "shadowkv";
+  ExpectCode(c->Generate(pinned).status(), StatusCode::kUnavailable, "no worker of that policy");
+  auto wm = httplib::Client("127.0.0.1", cluster.worker(0).metrics_port).Get("/metrics");
+  ASSERT_TRUE(wm);
+  EXPECT_NE(wm->body.find("penumbra_worker_documents_by_policy{policy=\"spindlekv\"} 1"), std::string::npos)
+      << wm->body;
+}
+
 // SIGTERM: the worker stops taking requests and lets the running ones finish;
 // the coordinator then drains and both exit 0.
 TEST_F(Service, SigtermDrainsRunningRequests) {

@@ -1,5 +1,5 @@
-// Prefix reuse on the CPU backend (f32, stories260K), for the full and the
-// shadowkv policies: a request whose leading segments (a document) another
+// Prefix reuse on the CPU backend (f32, stories260K), for the full, the
+// shadowkv and the spindlekv policies: a request whose leading segments (a document) another
 // request already prefilled attaches their KV state instead of prefilling
 // them, and returns exactly the tokens of the same request run with no cache;
 // requests sharing a document in one batch return what each returns alone;
@@ -42,6 +42,15 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
   EngineOptions o = policy == "full" ? EngineOptions{} : testing::LossyShadowKvOptions();
   o.backend.device = "cpu";
   o.kv_policy = policy == "full" ? "full" : "shadowkv";
+  if (policy == "spindlekv") {
+    // Lossy: the pyramid keeps 30% of a document's context over the layers,
+    // and keys and values above cos 0.9 share codebook entries.
+    o.kv_policy = "spindlekv";
+    o.spindlekv.reserve_ratio = 0.3;
+    o.spindlekv.window = 16;
+    o.spindlekv.key_threshold = 0.9;
+    o.spindlekv.value_threshold = 0.9;
+  }
   if (policy.rfind("shadowkv-staging", 0) == 0) o.shadowkv.value_fetch = "staging";
   if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
   if (policy.rfind("shadowkv-sparse", 0) == 0) o.shadowkv.continuation = "sparse";
@@ -370,7 +379,7 @@ TEST_P(PrefixReuseTest, DocumentsSurviveARestartAndDamageIsRecomputedNotServed) 
     EXPECT_EQ((*r)[0].cached_prompt_tokens, 151);
     EXPECT_EQ((*r)[0].ids, cold);
     EXPECT_EQ(e->runtime().stats().prefix_store_hits, 1);
-    if (policy != "full" && policy != "shadowkv-dense") {
+    if (policy.rfind("shadowkv", 0) == 0 && policy != "shadowkv-dense") {
       // ShadowKV values are read lazily: a sparse continuation reads the
       // blocks of the chunks it selects before the rest; every block is
       // read in the end.
@@ -522,7 +531,8 @@ INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
                          ::testing::Values("full", "shadowkv", "shadowkv-staging", "shadowkv-dense", "shadowkv-sparse",
                                            "shadowkv-tier0", "shadowkv-paper", "shadowkv-sparse-paper",
                                            "shadowkv-model", "shadowkv-sparse-model", "shadowkv-fp8",
-                                           "shadowkv-staging-fp8", "shadowkv-sparse-fp8", "shadowkv-tier0-fp8"),
+                                           "shadowkv-staging-fp8", "shadowkv-sparse-fp8", "shadowkv-tier0-fp8",
+                                           "spindlekv"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;

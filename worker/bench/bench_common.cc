@@ -11,6 +11,16 @@ namespace penumbra::bench {
 
 void AddPolicy(const EngineOptions& o, nlohmann::json& j) {
   j["kv_policy"] = o.kv_policy;
+  if (o.kv_policy == "spindlekv") {
+    j["reserve_ratio"] = o.spindlekv.reserve_ratio;
+    j["min_ratio"] = o.spindlekv.min_ratio;
+    j["window"] = o.spindlekv.window;
+    j["pool"] = o.spindlekv.pool;
+    j["key_threshold"] = o.spindlekv.key_threshold;
+    j["value_threshold"] = o.spindlekv.value_threshold;
+    j["codebook_block"] = o.spindlekv.codebook_block;
+    return;
+  }
   if (o.kv_policy != "shadowkv") return;
   j["chunk_size"] = o.shadowkv.chunk_size;
   j["landmarks_per_chunk"] = o.shadowkv.landmarks_per_chunk;

@@ -6,6 +6,7 @@
 #include "common/hash.h"
 #include "worker/engine/engine_flags.h"
 #include "worker/engine/per_document_policy.h"
+#include "worker/engine/spindlekv_policy.h"
 
 namespace penumbra {
 
@@ -13,6 +14,8 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   EngineOptionTable().Read(r, o);
   ConfigReader s = r.Child("shadowkv");
   PENUMBRA_RETURN_IF_ERROR(LoadShadowKvOptions(s, &o->shadowkv));
+  ConfigReader sp = r.Child("spindlekv");
+  PENUMBRA_RETURN_IF_ERROR(LoadSpindleKvOptions(sp, &o->spindlekv));
   ConfigReader st = r.Child("storage");
   PENUMBRA_RETURN_IF_ERROR(LoadStorageOptions(st, o));
   PENUMBRA_RETURN_IF_ERROR(r.Finish());
@@ -55,6 +58,8 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
   } else if (options_.kv_policy == "shadowkv") {
     // Validates the options against the model and the device first.
     PENUMBRA_ASSIGN_OR_RETURN(policy, MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
+  } else if (options_.kv_policy == "spindlekv") {
+    PENUMBRA_ASSIGN_OR_RETURN(policy, MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv));
   } else if (options_.kv_policy == "auto") {
     PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> sparse,
                               MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
@@ -62,7 +67,8 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
     policy = MakePerDocumentKvPolicy(lane->policy_ctx->ctx, MakeFullKvPolicy(lane->policy_ctx->ctx), std::move(sparse),
                                      r.auto_exact_bytes > 0 ? r.auto_exact_bytes : r.prefix_cache_bytes / 2);
   } else {
-    return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy + "' (expected full, shadowkv or auto)");
+    return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy +
+                                   "' (expected full, shadowkv, spindlekv or auto)");
   }
   PENUMBRA_ASSIGN_OR_RETURN(
       lane->runtime, Runtime::Create(options_.runtime, lane->policy_ctx->ctx, weights_.get(), std::move(policy)));
@@ -86,7 +92,7 @@ Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {
   } else if (!e->options_.prefix_store.path.empty()) {
     PENUMBRA_ASSIGN_OR_RETURN(e->prefix_store_, storage::SegmentStore::Open(e->options_.prefix_store));
   }
-  if (e->options_.kv_policy != "full" && e->options_.shadowkv.fetch_turns) {
+  if ((e->options_.kv_policy == "shadowkv" || e->options_.kv_policy == "auto") && e->options_.shadowkv.fetch_turns) {
     e->fetch_turns_ = std::make_unique<FetchTurns>();
   }
   PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, e->MakeLane(nullptr, e->backend_.get()));

@@ -45,6 +45,7 @@
 #include "worker/engine/model_weights.h"
 #include "worker/engine/runtime.h"
 #include "worker/engine/shadowkv_options.h"
+#include "worker/engine/spindlekv_options.h"
 #include "worker/model/checkpoint.h"
 
 namespace penumbra {
@@ -52,11 +53,12 @@ namespace penumbra {
 struct EngineOptions {
   BackendOptions backend;
   RuntimeOptions runtime;
-  // "full", "shadowkv" or "auto" (a policy per document: each sequence and
-  // document held under full or shadowkv, worker/engine/per_document_policy.h).
-  // Default: full.
+  // "full", "shadowkv", "spindlekv" (CPU backend only so far) or "auto" (a
+  // policy per document: each sequence and document held under full or
+  // shadowkv, worker/engine/per_document_policy.h). Default: full.
   std::string kv_policy = "full";
   ShadowKvOptions shadowkv;
+  SpindleKvOptions spindlekv;
   // The persistent tier of prefix reuse (storage/segment_store.h): with a
   // path, captured prefixes are also stored on disk, and a prefix missing
   // from a lane's device cache is looked up there, so documents survive a
@@ -69,7 +71,7 @@ struct EngineOptions {
 
 // Reads an engine YAML (keys: device, dtype, cuda_device, cpu_threads,
 // linear, chained_launch, prefill_chunk, max_batch, kv_policy, shadowkv:
-// {...}, storage: {...}); errors name the key.
+// {...}, spindlekv: {...}, storage: {...}); errors name the key.
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o);
 Result<EngineOptions> LoadEngineOptionsFile(const std::string& path);
 // Reads the document cache's tiers (configs/storage.yaml; an engine YAML's

@@ -121,6 +121,12 @@ struct PolicyStats {
   // where the backend can: ShadowkvScoreArgs::one_prefix).
   int64_t scored_sequences = 0;
   int64_t one_prefix_sequences = 0;
+  // Compressing policies without offload (spindlekv): the bytes of the
+  // compressed state each layer of a first prefill became, and of the exact
+  // K/V (f32) of the same tokens; their ratio is the paper's reserve ratio r
+  // as measured (indices, magnitudes and codebooks included).
+  int64_t kv_exact_bytes = 0;
+  int64_t kv_kept_bytes = 0;
   std::map<std::string, double> prefill_op_ms;  // when profiling: per-op prefill milliseconds
   double hit_rate() const { return selected_chunks ? static_cast<double>(hit_chunks) / selected_chunks : 0.0; }
 };

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "common/crypto.h"
+#include "common/kv_policies.h"
 
 namespace penumbra {
 namespace {
@@ -212,8 +213,8 @@ Status ValidateGenerationRequest(const GenerationRequest& q, const ModelConfig& 
     }
   }
   PENUMBRA_RETURN_IF_ERROR(q.sampling.Validate());
-  if (!q.kv_policy.empty() && q.kv_policy != "full" && q.kv_policy != "shadowkv") {
-    return Status::InvalidArgument("kv_policy must be empty, \"full\" or \"shadowkv\", got \"" +
+  if (!q.kv_policy.empty() && !IsKvPolicyPin(q.kv_policy)) {
+    return Status::InvalidArgument("kv_policy must be empty, " + std::string(KvPolicyPins()) + ", got \"" +
                                    q.kv_policy.substr(0, 32) + "\"");
   }
   if (q.document_ends.size() > q.prompt.size()) {

@@ -12,6 +12,7 @@
 // connections) and stops nothing.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -120,7 +121,7 @@ class WorkerMetrics {
                                .Name("penumbra_worker_documents_by_policy_host_bytes")
                                .Help("Host bytes of the cached documents held under each KV policy.")
                                .Register(*registry_);
-    for (const char* p : {"full", "shadowkv"}) {
+    for (const char* p : {"full", "shadowkv", "spindlekv"}) {
       by_policy_.push_back({p, &by_policy.Add({{"policy", p}}), &by_policy_device.Add({{"policy", p}}),
                             &by_policy_host.Add({{"policy", p}})});
     }
@@ -305,12 +306,21 @@ class StoreNodeMetrics {
 // which the coordinator places long documents): full attention's K and V of
 // every layer; ShadowKV's low-rank key factor and landmarks (its values
 // live in host memory). Under auto, ShadowKV's: what a document that does
-// not fit the exact form's budget is held in.
+// not fit the exact form's budget is held in. SpindleKV's at most: the
+// tokens a KV head holds (its query heads' kept tokens, reserve_ratio of the
+// prompt each) with entries of their own (f32), references and magnitudes,
+// and the query heads' lists.
 int64_t DeviceBytesPerToken(Engine& e) {
   const ModelConfig& c = e.config();
   const int64_t es = static_cast<int64_t>(DTypeSize(e.backend().act_dtype()));
   const int64_t kv = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
   if (e.options().kv_policy == "full") return 2 * c.num_layers * kv * es;
+  if (e.options().kv_policy == "spindlekv") {
+    const double r = e.options().spindlekv.reserve_ratio;
+    const double held = std::min(1.0, r * c.num_heads / std::max(1, c.num_kv_heads));
+    const double per_layer = held * (2.0 * kv * sizeof(float) + c.num_kv_heads * 20.0) + r * c.num_heads * 4.0;
+    return static_cast<int64_t>(std::ceil(c.num_layers * per_layer));
+  }
   const ShadowKvOptions& o = e.options().shadowkv;
   const int64_t lm_bytes = o.landmark_fp8() ? 1 : es;
   return c.num_layers * (o.rank * es + kv * lm_bytes * o.landmarks_per_chunk / std::max(1, o.chunk_size));

@@ -1,0 +1,50 @@
+// Options of the SpindleKV KV policy (worker/engine/spindlekv_policy.cc;
+// the paper's Table 3 defaults). Runtime options: YAML under `spindlekv:`
+// and CLI flags.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/args.h"
+#include "common/config.h"
+#include "common/option_table.h"
+#include "common/status.h"
+
+namespace penumbra {
+
+struct SpindleKvOptions {
+  // The reserve ratio r: the share of a prompt's tokens the eviction keeps
+  // per query head, over all layers (the pyramid of eq. 5-6 gives shallow
+  // layers more and deep layers less). Default: 0.3.
+  double reserve_ratio = 0.3;
+  // beta: the least a layer keeps of the context (eq. 5). Default: 0.05.
+  double min_ratio = 0.05;
+  // The observation window: the prompt's last tokens, always kept, whose
+  // queries' attention decides what the rest keeps (SnapKV's). Default: 32.
+  int window = 32;
+  // Average pooling of the window's accumulated attention over this many
+  // neighbouring tokens (odd; 1: none) before the top-k, so that a kept
+  // token keeps its neighbours (SnapKV's clustering). Default: 7.
+  int pool = 7;
+  // Cosine similarity above which a key (pre-RoPE) or a value shares a
+  // codebook entry (theta_K, theta_V). 1 or more: no sharing. Defaults: 0.98
+  // and 0.95.
+  double key_threshold = 0.98;
+  double value_threshold = 0.95;
+  // The codebook is built greedily (highest degree first) inside blocks of
+  // this many tokens, in token order: O(tokens x block) instead of the
+  // paper's O(tokens^2); entries are not shared across blocks at prefill
+  // (new tokens at decode search the whole codebook). Default: 1024.
+  int codebook_block = 1024;
+  // Prompts shorter than this keep every token (the codebook still applies).
+  // Default: 0.
+  int64_t min_prompt_tokens = 0;
+};
+
+const OptionTable<SpindleKvOptions>& SpindleKvOptionTable();
+void AddSpindleKvFlags(Args& a);
+Status ApplySpindleKvFlags(const Args& a, SpindleKvOptions* o);
+Status LoadSpindleKvOptions(ConfigReader& r, SpindleKvOptions* o);
+
+}  // namespace penumbra

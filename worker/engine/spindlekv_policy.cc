@@ -1,0 +1,838 @@
+// SpindleKV ("spindlekv"; Tang et al., the seed 004): a compact KV cache
+// without offload, the eviction balanced with a codebook.
+//
+// A sequence's first prefill (its whole prompt, or its first segment: a
+// document) runs exact attention over one layer's exact keys and values at a
+// time; when a layer's prefill ends, the layer is compressed:
+//   - eviction (deep layers mostly): the observation window's queries (the
+//     prefill's last `window` tokens) score every earlier token by their
+//     accumulated attention (SnapKV's, pooled); each *query* head keeps its
+//     top floor(r_c(layer) * context) tokens of its KV head plus the window.
+//     The per-layer ratio r_c(layer) falls linearly from shallow to deep
+//     layers (the paper's eq. 5-6). A query head choosing its own tokens is
+//     the paper's answer to GQA ("repeat": each query head a KV head of its
+//     own), without the repeat's copies: a KV head holds each token kept by
+//     any of its query heads once, and each query head a list of indices.
+//   - replacement (shallow layers mostly): the tokens a KV head holds are
+//     replaced by references into a codebook of unit vectors, one for
+//     pre-RoPE keys and one for values, with each token's magnitude
+//     (Algorithm 1: greedy, highest degree of the cos > theta graph first;
+//     built in blocks of codebook_block tokens, spindlekv_math.h). RoPE is
+//     applied again to a reconstructed key at its token's position.
+// Tokens after the first prefill (a question after a document, generated
+// tokens) are merged as the paper does at decode: each new key and value
+// references the most similar entry of its KV head's codebook above the
+// threshold, or becomes an entry; every query head of the group keeps it.
+//
+// Attention reconstructs the keys and values a KV head holds (entry x
+// magnitude, keys rotated), once per layer call, and each query head attends
+// to its own list of them. Prefixes (the document cache's unit) are the
+// compressed state of a first prefill; a sequence attached to one adds its
+// own tokens and codebook entries on top without copying it (Part below).
+//
+// The CPU backend runs it (host arrays; the CPU backend's device memory is
+// host memory); on CUDA it is refused with Unimplemented until its kernels
+// exist.
+#include "worker/engine/spindlekv_policy.h"
+
+#include <glog/logging.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+
+#include "kernels/cpu/ops.h"
+#include "worker/engine/spindlekv_math.h"
+
+namespace penumbra {
+namespace {
+
+using spindlekv::Codebook;
+
+// The tokens one KV head holds (kept by at least one of its query heads),
+// each as its position and references into the key and value codebooks.
+struct Tokens {
+  std::vector<int32_t> pos, kref, vref;
+  std::vector<float> kmag, vmag;
+  int64_t size() const { return static_cast<int64_t>(pos.size()); }
+  void Push(int32_t p, int32_t kr, float km, int32_t vr, float vm) {
+    pos.push_back(p);
+    kref.push_back(kr);
+    kmag.push_back(km);
+    vref.push_back(vr);
+    vmag.push_back(vm);
+  }
+  size_t bytes() const { return pos.size() * (3 * sizeof(int32_t) + 2 * sizeof(float)); }
+};
+
+// One layer's compressed state, or what a sequence adds to an attached
+// prefix's layer: its own codebook entries (references past the prefix's
+// entries count into them), its own tokens and its query heads' lists of
+// its own tokens.
+struct Part {
+  std::vector<Codebook> ck, cv;             // [hkv]
+  std::vector<Tokens> tok;                  // [hkv]
+  std::vector<std::vector<int32_t>> lists;  // [hq]: indices into tok of the query head's KV head
+  void Init(int hq, int hkv, int d) {
+    ck.assign(hkv, Codebook{});
+    cv.assign(hkv, Codebook{});
+    for (int g = 0; g < hkv; ++g) ck[g].d = cv[g].d = d;
+    tok.assign(hkv, Tokens{});
+    lists.assign(hq, {});
+  }
+  size_t bytes() const {
+    size_t b = 0;
+    for (const auto& c : ck) b += c.entries.size() * sizeof(float);
+    for (const auto& c : cv) b += c.entries.size() * sizeof(float);
+    for (const auto& t : tok) b += t.bytes();
+    for (const auto& l : lists) b += l.size() * sizeof(int32_t);
+    return b;
+  }
+  int64_t entries() const {
+    int64_t n = 0;
+    for (size_t g = 0; g < ck.size(); ++g) n += ck[g].size() + cv[g].size();
+    return n;
+  }
+};
+
+// A Part's flat binary form (Export/Import): counts, then arrays.
+void PutU64(std::string* out, uint64_t v) { out->append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+template <typename T>
+void PutArray(std::string* out, const std::vector<T>& v) {
+  PutU64(out, v.size());
+  out->append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+class Reader {
+ public:
+  Reader(const std::string& s, std::string what) : s_(s), what_(std::move(what)) {}
+  Status U64(uint64_t* v) {
+    if (s_.size() - at_ < sizeof(*v)) return Truncated();
+    std::memcpy(v, s_.data() + at_, sizeof(*v));
+    at_ += sizeof(*v);
+    return Status::OK();
+  }
+  template <typename T>
+  Status Array(std::vector<T>* v, uint64_t max) {
+    uint64_t n = 0;
+    PENUMBRA_RETURN_IF_ERROR(U64(&n));
+    if (n > max) return Status::Corruption(what_ + ": an array of " + std::to_string(n) + " entries (at most " +
+                                           std::to_string(max) + ")");
+    if ((s_.size() - at_) / sizeof(T) < n) return Truncated();
+    v->resize(n);
+    std::memcpy(v->data(), s_.data() + at_, n * sizeof(T));
+    at_ += n * sizeof(T);
+    return Status::OK();
+  }
+  bool done() const { return at_ == s_.size(); }
+  const std::string& what() const { return what_; }
+
+ private:
+  Status Truncated() const { return Status::Corruption(what_ + ": truncated at byte " + std::to_string(at_)); }
+  const std::string& s_;
+  std::string what_;
+  size_t at_ = 0;
+};
+
+std::string ExportPart(const Part& p) {
+  std::string out;
+  for (size_t g = 0; g < p.tok.size(); ++g) {
+    PutArray(&out, p.ck[g].entries);
+    PutArray(&out, p.cv[g].entries);
+    const Tokens& t = p.tok[g];
+    PutArray(&out, t.pos);
+    PutArray(&out, t.kref);
+    PutArray(&out, t.kmag);
+    PutArray(&out, t.vref);
+    PutArray(&out, t.vmag);
+  }
+  for (const auto& l : p.lists) PutArray(&out, l);
+  return out;
+}
+
+// Reads and checks a Part of a prefix of `tokens` tokens: every reference
+// inside its codebook, every list index inside its KV head's tokens, every
+// position inside the prefix, finite numbers.
+Status ImportPart(Reader& r, int hq, int hkv, int d, int64_t tokens, Part* p) {
+  p->Init(hq, hkv, d);
+  const uint64_t max = static_cast<uint64_t>(tokens) * std::max(1, d) * 2 + 16;
+  auto bad = [&](const std::string& why) { return Status::Corruption(r.what() + ": " + why); };
+  auto finite = [](const std::vector<float>& v) {
+    return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
+  };
+  for (int g = 0; g < hkv; ++g) {
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&p->ck[g].entries, max));
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&p->cv[g].entries, max));
+    if (p->ck[g].entries.size() % d || p->cv[g].entries.size() % d) return bad("a codebook of partial entries");
+    if (!finite(p->ck[g].entries) || !finite(p->cv[g].entries)) return bad("a codebook entry is not finite");
+    Tokens& t = p->tok[g];
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&t.pos, tokens));
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&t.kref, tokens));
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&t.kmag, tokens));
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&t.vref, tokens));
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&t.vmag, tokens));
+    const size_t n = t.pos.size();
+    if (t.kref.size() != n || t.kmag.size() != n || t.vref.size() != n || t.vmag.size() != n) {
+      return bad("KV head " + std::to_string(g) + ": token arrays of different lengths");
+    }
+    const int32_t nk = p->ck[g].size(), nv = p->cv[g].size();
+    for (size_t i = 0; i < n; ++i) {
+      if (t.pos[i] < 0 || t.pos[i] >= tokens) return bad("a token position outside the prefix");
+      if (t.kref[i] < 0 || t.kref[i] >= nk || t.vref[i] < 0 || t.vref[i] >= nv) {
+        return bad("a reference outside its codebook");
+      }
+      if (!std::isfinite(t.kmag[i]) || !std::isfinite(t.vmag[i]) || t.kmag[i] < 0 || t.vmag[i] < 0) {
+        return bad("a magnitude that is negative or not finite");
+      }
+    }
+  }
+  for (int h = 0; h < hq; ++h) {
+    const int g = h / (hq / hkv);
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&p->lists[h], tokens));
+    for (int32_t i : p->lists[h]) {
+      if (i < 0 || i >= p->tok[g].size()) return bad("a query head's list names a token its KV head lacks");
+    }
+  }
+  return Status::OK();
+}
+
+class SpindleKvPrefix final : public KvPrefix {
+ public:
+  SpindleKvPrefix(int64_t tokens, std::vector<Part> layers, std::string meta)
+      : tokens_(tokens), layers_(std::move(layers)), meta_(std::move(meta)) {
+    for (const Part& p : layers_) bytes_ += p.bytes();
+  }
+  std::string policy() const override { return "spindlekv"; }
+  int64_t tokens() const override { return tokens_; }
+  size_t device_bytes() const override { return bytes_; }
+  Result<std::map<std::string, std::string>> Export() const override {
+    std::map<std::string, std::string> out;
+    out["meta"] = meta_;
+    for (size_t l = 0; l < layers_.size(); ++l) out["layer." + std::to_string(l)] = ExportPart(layers_[l]);
+    return out;
+  }
+  const Part& layer(int l) const { return layers_[l]; }
+
+ private:
+  int64_t tokens_;
+  std::vector<Part> layers_;
+  std::string meta_;
+  size_t bytes_ = 0;
+};
+
+// A codebook seen as an attached prefix's entries followed by a sequence's.
+struct Book {
+  const Codebook* base = nullptr;  // may be null
+  Codebook* own = nullptr;
+  int32_t base_size() const { return base ? base->size() : 0; }
+  const float* entry(int32_t ref) const {
+    const int32_t nb = base_size();
+    return ref < nb ? base->entry(ref) : own->entry(ref - nb);
+  }
+};
+
+// The paper's decode-time merge over both parts of a codebook: the entry of
+// highest cosine similarity if above theta, else v/|v| as a new entry.
+int32_t MergeOrAdd(const float* v, float theta, Book book, float* mag) {
+  const int d = book.own->d;
+  double n2 = 0;
+  for (int i = 0; i < d; ++i) n2 += static_cast<double>(v[i]) * v[i];
+  const float norm = static_cast<float>(std::sqrt(n2));
+  *mag = norm;
+  int32_t best = -1;
+  float best_sim = -std::numeric_limits<float>::infinity();
+  auto scan = [&](const Codebook* cb, int32_t offset) {
+    if (cb == nullptr) return;
+    for (int32_t e = 0; e < cb->size(); ++e) {
+      const float* c = cb->entry(e);
+      float dot = 0;
+      for (int i = 0; i < d; ++i) dot += c[i] * v[i];
+      if (dot > best_sim) {
+        best_sim = dot;
+        best = offset + e;
+      }
+    }
+  };
+  scan(book.base, 0);
+  scan(book.own, book.base_size());
+  if (norm == 0.0f) {
+    if (best >= 0) return best;  // any entry: the magnitude is 0
+  } else if (best >= 0 && best_sim / norm > theta) {
+    return best;
+  }
+  const size_t at = book.own->entries.size();
+  book.own->entries.resize(at + d, 0.0f);
+  if (norm == 0.0f) {
+    book.own->entries[at] = 1.0f;
+  } else {
+    for (int i = 0; i < d; ++i) book.own->entries[at + i] = v[i] / norm;
+  }
+  return book.base_size() + book.own->size() - 1;
+}
+
+// RoPE (rotate-half, f32 angles as kernels/cpu/rope_store.cc) of one head.
+void Rope(float* x, int d, int32_t position, const float* inv_freq) {
+  const int half = d / 2;
+  const float pos = static_cast<float>(position);
+  for (int i = 0; i < half; ++i) {
+    const float angle = pos * inv_freq[i];
+    const float c = std::cos(angle), s = std::sin(angle);
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c - b * s;
+    x[i + half] = b * c + a * s;
+  }
+}
+
+class SpindleKvPolicy final : public KvPolicy {
+ public:
+  SpindleKvPolicy(const PolicyContext& ctx, const SpindleKvOptions& o) : ctx_(ctx), o_(o) {}
+
+  std::string name() const override { return "spindlekv"; }
+
+  std::string StateFingerprint() const override {
+    std::ostringstream os;
+    os << "spindlekv r=" << o_.reserve_ratio << " beta=" << o_.min_ratio << " window=" << o_.window
+       << " pool=" << o_.pool << " tk=" << o_.key_threshold << " tv=" << o_.value_threshold
+       << " block=" << o_.codebook_block << " min=" << o_.min_prompt_tokens;
+    return os.str();
+  }
+
+  Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
+    if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
+    if (spec.shard.sharded()) {
+      return Status::Unimplemented("the spindlekv KV policy cannot hold a context-parallel shard");
+    }
+    if (spec.prompt_len < 1) return Status::InvalidArgument("spindlekv: a sequence needs a prompt");
+    Seq s;
+    s.prompt_len = spec.prompt_len;
+    s.capacity = spec.prompt_len + spec.max_new_tokens;
+    if (spec.prefix) {
+      s.base = dynamic_cast<const SpindleKvPrefix*>(spec.prefix.get());
+      if (s.base == nullptr) {
+        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a spindlekv sequence");
+      }
+      if (s.base->tokens() >= spec.prompt_len) {
+        return Status::InvalidArgument("a prefix of " + std::to_string(s.base->tokens()) +
+                                       " tokens leaves nothing of the " + std::to_string(spec.prompt_len) +
+                                       "-token prompt to prefill");
+      }
+      s.prefix = spec.prefix;
+      s.first = s.length = s.base->tokens();
+      s.compressed = ctx_.num_layers;
+    } else {
+      s.first = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
+    }
+    const SequenceBytes need = Estimate(s.first, s.capacity - s.first, s.base != nullptr);
+    const size_t free = ctx_.backend->FreeMemoryBytes();
+    if (need.device > free) {
+      return Status::ResourceExhausted("spindlekv: a sequence of " + std::to_string(s.capacity) + " tokens needs up to " +
+                                       std::to_string(need.device >> 20) + " MiB, " + std::to_string(free >> 20) +
+                                       " MiB are free");
+    }
+    s.own.resize(ctx_.num_layers);
+    for (Part& p : s.own) p.Init(ctx_.hq, ctx_.hkv, ctx_.head_dim);
+    if (s.base == nullptr) {
+      const size_t rows = static_cast<size_t>(s.first) * ctx_.hkv * ctx_.head_dim;
+      s.k.assign(rows, 0.0f);
+      s.pre_k.assign(rows, 0.0f);
+      s.v.assign(rows, 0.0f);
+      s.window = std::min<int64_t>(o_.window, s.first);
+      s.wq.assign(static_cast<size_t>(s.window) * ctx_.hq * ctx_.head_dim, 0.0f);
+      s.wpos.assign(s.window, 0);
+      const bool evict = s.first >= o_.min_prompt_tokens;
+      s.ratios = evict ? spindlekv::RetainRatios(o_.reserve_ratio, s.first, s.window, o_.min_ratio, ctx_.num_layers)
+                       : std::vector<double>(ctx_.num_layers, 1.0);
+    }
+    seqs_.emplace(seq, std::move(s));
+    return Status::OK();
+  }
+
+  void RemoveSequence(int64_t seq) override { seqs_.erase(seq); }
+
+  bool PrefillSplits(int64_t) const override { return false; }
+
+  Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t start, const int32_t* positions,
+                          void* q_scratch, void* out, float* lse) override {
+    Seq& s = Get(seq);
+    if (start + n > s.capacity) return Status::InvalidArgument("spindlekv: prefill past the sequence's capacity");
+    if (start < s.first) {
+      if (start + n > s.first) {
+        return Status::InvalidArgument("spindlekv: a prefill run across the end of the first prefill (" +
+                                       std::to_string(s.first) + ")");
+      }
+      return FirstPrefill(layer, s, qkv, n, start, positions, q_scratch, out, lse);
+    }
+    if (s.compressed < ctx_.num_layers) {
+      return Status::FailedPrecondition("spindlekv: a continuation before the first prefill is complete");
+    }
+    AppendAndAttend(layer, s, qkv, n, positions, static_cast<float*>(q_scratch), static_cast<float*>(out), lse);
+    s.length = std::max(s.length, start + n);
+    return Status::OK();
+  }
+
+  Status FinishPrefillLayer(int layer, int64_t seq, int64_t prompt_len) override {
+    Seq& s = Get(seq);
+    if (prompt_len != s.first || s.base != nullptr || layer != s.compressed) return Status::OK();
+    Compress(layer, s);
+    if (++s.compressed == ctx_.num_layers) {
+      s.length = s.first;
+      ReleaseScratch(s);
+    }
+    return Status::OK();
+  }
+
+  Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) override {
+    step_.clear();
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq& s = Get(seqs[i]);
+      if (s.compressed < ctx_.num_layers) {
+        return Status::FailedPrecondition("spindlekv: sequence " + std::to_string(seqs[i]) + " is not prefilled");
+      }
+      if (positions[i] != s.length || positions[i] >= s.capacity) {
+        return Status::InvalidArgument("spindlekv: sequence " + std::to_string(seqs[i]) + " holds " +
+                                       std::to_string(s.length) + " of " + std::to_string(s.capacity) +
+                                       " tokens; a decode at position " + std::to_string(positions[i]));
+      }
+      step_.push_back(&s);
+    }
+    return Status::OK();
+  }
+
+  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
+                         float* lse) override {
+    const size_t row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;
+    const size_t qrow = static_cast<size_t>(ctx_.hq) * ctx_.head_dim;
+    for (size_t i = 0; i < step_.size(); ++i) {
+      AppendAndAttend(layer, *step_[i], qkv + i * row, 1, positions + i, static_cast<float*>(q_scratch) + i * qrow,
+                      static_cast<float*>(out) + i * qrow, lse ? lse + i * ctx_.hq : nullptr);
+    }
+    return Status::OK();
+  }
+
+  Status FinishDecodeStep() override {
+    for (Seq* s : step_) ++s->length;
+    step_.clear();
+    ++stats_.decode_steps;
+    return Status::OK();
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(seq) + " does not exist");
+    const Seq& s = it->second;
+    if (s.base != nullptr && tokens == s.base->tokens()) return s.prefix;
+    if (s.compressed < ctx_.num_layers || tokens != s.length) {
+      return Status::FailedPrecondition("spindlekv captures all a sequence holds right after a prefill ended (" +
+                                        std::to_string(tokens) + " tokens of " + std::to_string(s.length) + ")");
+    }
+    std::vector<Part> layers(ctx_.num_layers);
+    for (int l = 0; l < ctx_.num_layers; ++l) layers[l] = Flatten(s, l);
+    return MakePrefix(tokens, std::move(layers));
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> TakePrefix(int64_t seq, int64_t tokens) override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(seq) + " does not exist");
+    Seq& s = it->second;
+    if (s.base != nullptr || s.compressed < ctx_.num_layers || tokens != s.length) return CapturePrefix(seq, tokens);
+    std::vector<Part> layers = std::move(s.own);
+    seqs_.erase(it);  // only RemoveSequence may follow
+    return MakePrefix(tokens, std::move(layers));
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
+    auto meta = blobs.find("meta");
+    if (meta == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob 'meta' is missing");
+    const std::string head = "spindlekv-prefix v1 tokens=";
+    if (meta->second.rfind(head, 0) != 0) {
+      return Status::InvalidArgument("spindlekv prefix: unknown format '" + meta->second + "'");
+    }
+    int64_t tokens = 0;
+    {
+      std::istringstream is(meta->second.substr(head.size()));
+      is >> tokens;
+      if (!is || tokens < 1) return Status::InvalidArgument("spindlekv prefix: bad token count in '" + meta->second + "'");
+    }
+    if (meta->second != Meta(tokens)) {
+      return Status::InvalidArgument("spindlekv prefix: made for another geometry or options ('" + meta->second +
+                                     "'; this policy: '" + Meta(tokens) + "')");
+    }
+    std::vector<Part> layers(ctx_.num_layers);
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      const std::string name = "layer." + std::to_string(l);
+      auto b = blobs.find(name);
+      if (b == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob '" + name + "' is missing");
+      Reader r(b->second, "spindlekv prefix blob '" + name + "'");
+      PENUMBRA_RETURN_IF_ERROR(ImportPart(r, ctx_.hq, ctx_.hkv, ctx_.head_dim, tokens, &layers[l]));
+      if (!r.done()) return Status::Corruption("spindlekv prefix blob '" + name + "': bytes past its end");
+    }
+    return MakePrefix(tokens, std::move(layers));
+  }
+
+  Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
+    Seq& s = Get(seq);
+    if (s.base != nullptr || s.compressed > 0 || length != s.first) {
+      return Status::InvalidArgument("spindlekv: a synthesized context fills a new sequence's whole first prefill (" +
+                                     std::to_string(s.first) + " tokens)");
+    }
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const int d = ctx_.head_dim;
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      for (float& x : s.pre_k) x = normal(rng);
+      for (float& x : s.v) x = normal(rng);
+      for (float& x : s.wq) x = normal(rng);
+      for (int64_t t = 0; t < s.first; ++t) {
+        for (int g = 0; g < ctx_.hkv; ++g) {
+          float* k = &s.k[(static_cast<size_t>(g) * s.first + t) * d];
+          std::memcpy(k, &s.pre_k[(static_cast<size_t>(t) * ctx_.hkv + g) * d], sizeof(float) * d);
+          Rope(k, d, static_cast<int32_t>(t), ctx_.inv_freq);
+        }
+      }
+      for (int64_t i = 0; i < s.window; ++i) {
+        s.wpos[i] = static_cast<int32_t>(s.first - s.window + i);
+        for (int h = 0; h < ctx_.hq; ++h) Rope(&s.wq[(i * ctx_.hq + h) * d], d, s.wpos[i], ctx_.inv_freq);
+      }
+      Compress(l, s);
+      ++s.compressed;
+    }
+    s.length = s.first;
+    ReleaseScratch(s);
+    return Status::OK();
+  }
+
+  size_t DeviceBytes(int64_t seq) const override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return 0;
+    const Seq& s = it->second;
+    size_t b = (s.k.size() + s.pre_k.size() + s.v.size() + s.wq.size()) * sizeof(float);
+    for (const Part& p : s.own) b += p.bytes();
+    return b;
+  }
+
+  SequenceBytes EstimateSequenceBytes(const SequenceSpec& spec) const override {
+    const int64_t first = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
+    return Estimate(first, spec.prompt_len + spec.max_new_tokens - first, false);
+  }
+
+ private:
+  struct Seq {
+    int64_t prompt_len = 0, capacity = 0;
+    int64_t first = 0;   // tokens of the first prefill (compressed at its end)
+    int64_t length = 0;  // tokens held
+    int compressed = 0;  // layers compressed
+    std::shared_ptr<const KvPrefix> prefix;
+    const SpindleKvPrefix* base = nullptr;
+    std::vector<Part> own;  // [layers]
+    std::vector<double> ratios;
+    // The first prefill's exact state of the layer being prefilled:
+    // k (RoPE applied) and v [hkv][first][d]; pre_k [first][hkv][d]; the
+    // observation window's queries [window][hq][d] (RoPE applied) at wpos.
+    std::vector<float> k, pre_k, v, wq;
+    std::vector<int32_t> wpos;
+    int64_t window = 0;
+  };
+
+  Seq& Get(int64_t seq) {
+    auto it = seqs_.find(seq);
+    CHECK(it != seqs_.end()) << "spindlekv: no sequence " << seq;
+    return it->second;
+  }
+
+  static void ReleaseScratch(Seq& s) {
+    for (auto* v : {&s.k, &s.pre_k, &s.v, &s.wq}) std::vector<float>().swap(*v);
+    std::vector<int32_t>().swap(s.wpos);
+  }
+
+  std::string Meta(int64_t tokens) const {
+    std::ostringstream os;
+    os << "spindlekv-prefix v1 tokens=" << tokens << " layers=" << ctx_.num_layers << " q_heads=" << ctx_.hq
+       << " kv_heads=" << ctx_.hkv << " head_dim=" << ctx_.head_dim << " state=" << StateFingerprint();
+    return os.str();
+  }
+
+  std::shared_ptr<const KvPrefix> MakePrefix(int64_t tokens, std::vector<Part> layers) const {
+    return std::make_shared<SpindleKvPrefix>(tokens, std::move(layers), Meta(tokens));
+  }
+
+  // Upper bound of a sequence's bytes: the first prefill's one-layer exact
+  // scratch, every token of it kept and every key and value its own entry,
+  // and `more` tokens after it the same.
+  SequenceBytes Estimate(int64_t first, int64_t more, bool attached) const {
+    const size_t d = ctx_.head_dim, hkv = ctx_.hkv, hq = ctx_.hq;
+    const size_t per_token_layer = hkv * (2 * d * sizeof(float) + 3 * sizeof(int32_t) + 2 * sizeof(float)) +
+                                   hq * sizeof(int32_t);
+    SequenceBytes b;
+    const size_t held = static_cast<size_t>(attached ? 0 : first) + static_cast<size_t>(std::max<int64_t>(more, 0));
+    b.device = held * per_token_layer * ctx_.num_layers;
+    if (!attached) b.device += static_cast<size_t>(first) * hkv * d * 3 * sizeof(float);
+    return b;
+  }
+
+  Status FirstPrefill(int layer, Seq& s, const float* qkv, int n, int64_t start, const int32_t* positions,
+                      void* q_scratch, void* out, float* lse) {
+    if (layer != s.compressed) {
+      return Status::FailedPrecondition("spindlekv: layer " + std::to_string(layer) + " prefilled while layer " +
+                                        std::to_string(s.compressed) + " is not finished");
+    }
+    const int d = ctx_.head_dim;
+    std::vector<void*> kd(n), vd(n);
+    std::vector<float*> pd(n);
+    for (int i = 0; i < n; ++i) {
+      kd[i] = &s.k[static_cast<size_t>(start + i) * d];
+      vd[i] = &s.v[static_cast<size_t>(start + i) * d];
+      pd[i] = &s.pre_k[static_cast<size_t>(start + i) * ctx_.hkv * d];
+    }
+    RopeStoreOp r;
+    r.qkv = qkv;
+    r.positions = positions;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = n;
+    r.hq = ctx_.hq;
+    r.hkv = ctx_.hkv;
+    r.d = d;
+    r.q_out = q_scratch;
+    r.k_dst = kd.data();
+    r.v_dst = vd.data();
+    r.head_stride = s.first * d;
+    r.pre_rope_k_dst = pd.data();
+    ctx_.backend->RopeStore(r);
+    PrefillAttentionOp a;
+    a.q = q_scratch;
+    a.k = s.k.data();
+    a.v = s.v.data();
+    a.out = out;
+    a.lse = lse;
+    a.head_stride = s.first * d;
+    a.q_start = static_cast<int>(start);
+    a.nq = n;
+    a.hq = ctx_.hq;
+    a.hkv = ctx_.hkv;
+    a.d = d;
+    a.scale = ctx_.scale;
+    ctx_.backend->PrefillAttention(a);
+    // The observation window's queries.
+    const int64_t w0 = s.first - s.window;
+    const size_t qrow = static_cast<size_t>(ctx_.hq) * d;
+    for (int i = 0; i < n; ++i) {
+      const int64_t t = start + i;
+      if (t < w0) continue;
+      std::memcpy(&s.wq[(t - w0) * qrow], static_cast<const float*>(q_scratch) + i * qrow, sizeof(float) * qrow);
+      s.wpos[t - w0] = positions[i];
+    }
+    return Status::OK();
+  }
+
+  // The eviction and the codebooks of `layer` from the first prefill's exact
+  // state (module comment).
+  void Compress(int layer, Seq& s) {
+    const int d = ctx_.head_dim, hq = ctx_.hq, hkv = ctx_.hkv, group = hq / hkv;
+    const int64_t F = s.first, context = F - s.window;
+    const int64_t keep = spindlekv::KeptTokens(s.ratios[layer], context);
+    Part& p = s.own[layer];
+    p.Init(hq, hkv, d);
+    // Each query head's kept tokens: its top `keep` of the context, then the window.
+    std::vector<std::vector<int32_t>> kept(hq);
+    kernels::cpu::ParallelFor(hq, [&](int64_t h) {
+      std::vector<int32_t>& mine = kept[h];
+      if (keep < context) {
+        std::vector<float> scores(F);
+        std::vector<float> q(static_cast<size_t>(s.window) * d);
+        for (int64_t i = 0; i < s.window; ++i) {
+          std::memcpy(&q[i * d], &s.wq[(i * hq + h) * d], sizeof(float) * d);
+        }
+        const int g = static_cast<int>(h) / group;
+        spindlekv::WindowScores(q.data(), s.wpos.data(), static_cast<int>(s.window),
+                                &s.k[static_cast<size_t>(g) * F * d], F, d, ctx_.scale, o_.pool, scores.data());
+        mine = spindlekv::TopKIndices(scores.data(), context, keep);
+      } else {
+        mine.resize(context);
+        for (int64_t t = 0; t < context; ++t) mine[t] = static_cast<int32_t>(t);
+      }
+      for (int64_t t = context; t < F; ++t) mine.push_back(static_cast<int32_t>(t));
+    });
+    kernels::cpu::ParallelFor(hkv, [&](int64_t g) {
+      // The KV head's tokens: every token one of its query heads keeps.
+      std::vector<int32_t> held;
+      for (int j = 0; j < group; ++j) {
+        const auto& k = kept[g * group + j];
+        std::vector<int32_t> merged;
+        std::set_union(held.begin(), held.end(), k.begin(), k.end(), std::back_inserter(merged));
+        held.swap(merged);
+      }
+      const int64_t n = static_cast<int64_t>(held.size());
+      std::vector<float> keys(n * d), values(n * d);
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(&keys[i * d], &s.pre_k[(static_cast<size_t>(held[i]) * hkv + g) * d], sizeof(float) * d);
+        std::memcpy(&values[i * d], &s.v[(static_cast<size_t>(g) * F + held[i]) * d], sizeof(float) * d);
+      }
+      Tokens& t = p.tok[g];
+      t.pos = held;
+      t.kref.resize(n);
+      t.kmag.resize(n);
+      t.vref.resize(n);
+      t.vmag.resize(n);
+      spindlekv::BuildCodebook(keys.data(), n, d, static_cast<float>(o_.key_threshold), o_.codebook_block, &p.ck[g],
+                               t.kref.data(), t.kmag.data());
+      spindlekv::BuildCodebook(values.data(), n, d, static_cast<float>(o_.value_threshold), o_.codebook_block,
+                               &p.cv[g], t.vref.data(), t.vmag.data());
+      for (int j = 0; j < group; ++j) {
+        const int h = static_cast<int>(g) * group + j;
+        auto& list = p.lists[h];
+        list.reserve(kept[h].size());
+        for (int32_t tok : kept[h]) {
+          list.push_back(static_cast<int32_t>(std::lower_bound(held.begin(), held.end(), tok) - held.begin()));
+        }
+      }
+    });
+    stats_.kv_exact_bytes += static_cast<int64_t>(2 * sizeof(float)) * hkv * F * d;
+    stats_.kv_kept_bytes += static_cast<int64_t>(p.bytes());
+    VLOG(1) << "spindlekv: layer " << layer << " keeps " << keep << " of " << context << " context tokens a query head; "
+            << p.entries() << " codebook entries for " << F << " tokens";
+  }
+
+  // The state of `layer` as one Part (an attached prefix's and the
+  // sequence's own): the prefix's entries and tokens first.
+  Part Flatten(const Seq& s, int layer) const {
+    if (s.base == nullptr) return s.own[layer];
+    const Part& b = s.base->layer(layer);
+    const Part& o = s.own[layer];
+    Part p = b;
+    for (int g = 0; g < ctx_.hkv; ++g) {
+      // Own references already count past the prefix's entries.
+      p.ck[g].entries.insert(p.ck[g].entries.end(), o.ck[g].entries.begin(), o.ck[g].entries.end());
+      p.cv[g].entries.insert(p.cv[g].entries.end(), o.cv[g].entries.begin(), o.cv[g].entries.end());
+      Tokens& t = p.tok[g];
+      const Tokens& ot = o.tok[g];
+      t.pos.insert(t.pos.end(), ot.pos.begin(), ot.pos.end());
+      t.kref.insert(t.kref.end(), ot.kref.begin(), ot.kref.end());
+      t.kmag.insert(t.kmag.end(), ot.kmag.begin(), ot.kmag.end());
+      t.vref.insert(t.vref.end(), ot.vref.begin(), ot.vref.end());
+      t.vmag.insert(t.vmag.end(), ot.vmag.begin(), ot.vmag.end());
+    }
+    const int group = ctx_.hq / ctx_.hkv;
+    for (int h = 0; h < ctx_.hq; ++h) {
+      const int32_t offset = static_cast<int32_t>(b.tok[h / group].size());
+      for (int32_t i : o.lists[h]) p.lists[h].push_back(offset + i);
+    }
+    return p;
+  }
+
+  // Tokens after the first prefill (a continuation's rows or a decode
+  // step's), in order: each row's key and value merge into the codebooks
+  // and join every query head of their KV head, then the row's queries
+  // attend to all its heads hold (itself included).
+  //   qkv: [n, (hq + 2 hkv) d]; q_out, out: [n, hq d] f32; lse: null or [n, hq].
+  void AppendAndAttend(int layer, Seq& s, const float* qkv, int n, const int32_t* positions, float* q_out, float* out,
+                       float* lse) {
+    const int d = ctx_.head_dim, hq = ctx_.hq, hkv = ctx_.hkv, group = hq / hkv;
+    const Part* b = s.base ? &s.base->layer(layer) : nullptr;
+    Part& own = s.own[layer];
+    // Reconstructed keys (RoPE applied) and values of each KV head: the
+    // prefix's tokens, then the sequence's own.
+    std::vector<std::vector<float>> keys(hkv), values(hkv);
+    kernels::cpu::ParallelFor(hkv, [&](int64_t g) {
+      Book kb{b ? &b->ck[g] : nullptr, &own.ck[g]}, vb{b ? &b->cv[g] : nullptr, &own.cv[g]};
+      const int64_t nb = b ? b->tok[g].size() : 0, total = nb + own.tok[g].size();
+      keys[g].reserve(static_cast<size_t>(total + n) * d);
+      values[g].reserve(static_cast<size_t>(total + n) * d);
+      keys[g].resize(static_cast<size_t>(total) * d);
+      values[g].resize(static_cast<size_t>(total) * d);
+      for (int64_t i = 0; i < total; ++i) {
+        const Tokens& t = i < nb ? b->tok[g] : own.tok[g];
+        const int64_t j = i < nb ? i : i - nb;
+        Rebuild(kb, vb, t, j, &keys[g][i * d], &values[g][i * d]);
+      }
+    });
+    const size_t row = static_cast<size_t>(hq + 2 * hkv) * d;
+    for (int r = 0; r < n; ++r) {
+      const float* src = qkv + r * row;
+      float* q = q_out + static_cast<size_t>(r) * hq * d;
+      std::memcpy(q, src, sizeof(float) * hq * d);
+      for (int h = 0; h < hq; ++h) Rope(q + h * d, d, positions[r], ctx_.inv_freq);
+      for (int g = 0; g < hkv; ++g) {
+        Book kb{b ? &b->ck[g] : nullptr, &own.ck[g]}, vb{b ? &b->cv[g] : nullptr, &own.cv[g]};
+        float km = 0, vm = 0;
+        const int32_t kr = MergeOrAdd(src + (hq + g) * d, static_cast<float>(o_.key_threshold), kb, &km);
+        const int32_t vr = MergeOrAdd(src + (hq + hkv + g) * d, static_cast<float>(o_.value_threshold), vb, &vm);
+        Tokens& t = own.tok[g];
+        t.Push(positions[r], kr, km, vr, vm);
+        for (int j = 0; j < group; ++j) own.lists[g * group + j].push_back(static_cast<int32_t>(t.size() - 1));
+        keys[g].resize(keys[g].size() + d);
+        values[g].resize(values[g].size() + d);
+        Rebuild(kb, vb, t, t.size() - 1, &keys[g][keys[g].size() - d], &values[g][values[g].size() - d]);
+      }
+      kernels::cpu::ParallelFor(hq, [&](int64_t h) {
+        const int g = static_cast<int>(h) / group;
+        const int64_t nb = b ? b->tok[g].size() : 0;
+        float m = -std::numeric_limits<float>::infinity();
+        double l = 0;
+        std::vector<double> acc(d, 0.0);
+        const float* qh = q + h * d;
+        auto visit = [&](int64_t i) {
+          const float* k = &keys[g][i * d];
+          float dot = 0;
+          for (int e = 0; e < d; ++e) dot += qh[e] * k[e];
+          const float x = dot * ctx_.scale;
+          if (x > m) {
+            const double c = std::exp(static_cast<double>(m) - x);
+            l *= c;
+            for (double& a : acc) a *= c;
+            m = x;
+          }
+          const double p = std::exp(static_cast<double>(x) - m);
+          l += p;
+          const float* v = &values[g][i * d];
+          for (int e = 0; e < d; ++e) acc[e] += p * v[e];
+        };
+        if (b != nullptr) {
+          for (int32_t i : b->lists[h]) visit(i);
+        }
+        for (int32_t i : own.lists[h]) visit(nb + i);
+        float* o = out + (static_cast<size_t>(r) * hq + h) * d;
+        for (int e = 0; e < d; ++e) o[e] = static_cast<float>(acc[e] / l);
+        if (lse != nullptr) lse[static_cast<size_t>(r) * hq + h] = static_cast<float>(m + std::log(l));
+      });
+    }
+  }
+
+  // Token j of t as its key (RoPE applied at its position) and value.
+  void Rebuild(const Book& kb, const Book& vb, const Tokens& t, int64_t j, float* k, float* v) const {
+    const int d = ctx_.head_dim;
+    const float* ke = kb.entry(t.kref[j]);
+    const float* ve = vb.entry(t.vref[j]);
+    for (int e = 0; e < d; ++e) {
+      k[e] = ke[e] * t.kmag[j];
+      v[e] = ve[e] * t.vmag[j];
+    }
+    Rope(k, d, t.pos[j], ctx_.inv_freq);
+  }
+
+  PolicyContext ctx_;
+  SpindleKvOptions o_;
+  std::map<int64_t, Seq> seqs_;
+  std::vector<Seq*> step_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<KvPolicy>> MakeSpindleKvPolicy(const PolicyContext& ctx, const SpindleKvOptions& options) {
+  PENUMBRA_RETURN_IF_ERROR(SpindleKvOptionTable().Validate(options));
+  if (ctx.backend->device() != Device::kCPU) {
+    return Status::Unimplemented(
+        "the spindlekv KV policy runs on the CPU backend only (its CUDA kernels are not built yet); use --device cpu");
+  }
+  if (ctx.backend->act_dtype() != DType::kF32) {
+    return Status::Unimplemented("the spindlekv KV policy needs f32 activations");
+  }
+  if (ctx.hkv < 1 || ctx.hq % ctx.hkv != 0) {
+    return Status::InvalidArgument("spindlekv: " + std::to_string(ctx.hq) + " query heads over " +
+                                   std::to_string(ctx.hkv) + " KV heads");
+  }
+  return std::unique_ptr<KvPolicy>(std::make_unique<SpindleKvPolicy>(ctx, options));
+}
+
+}  // namespace penumbra
