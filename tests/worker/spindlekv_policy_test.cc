@@ -111,11 +111,11 @@ TEST_F(SpindleKvTest, LossySettingsHoldLessAndStillGenerate) {
   for (size_t i = 0; i < f.ids.size(); ++i) same += f.ids[i] == l.ids[i];
   EXPECT_GT(same, 0) << "no greedy id in common with full attention";
   // The lossless run's bytes: per layer and KV head every token with its
-  // own key and value entries (2 d floats) and its references and
-  // magnitudes, and a list entry per query head.
+  // own key and value entries (2 d floats), its position, references,
+  // magnitudes and query-head mask (24 bytes).
   const ModelConfig& c = lossless->config();
   const size_t d = c.head_dim, T = kPrompt.size();
-  const size_t per_layer = c.num_kv_heads * T * (2 * d * 4 + 3 * 4 + 2 * 4) + c.num_heads * T * 4;
+  const size_t per_layer = c.num_kv_heads * T * (2 * d * 4 + 24);
   EXPECT_EQ(l0.bytes_after_prefill, per_layer * c.num_layers);
   // The policy's measure of the reserve ratio (compressed bytes over the
   // exact cache's for the same tokens): above 1 with nothing dropped (the
@@ -151,8 +151,8 @@ TEST_F(SpindleKvTest, BadOptionsAreRefusedNamingTheKey) {
 }
 
 TEST(SpindleKvOptionTableTest, TheDocsTableIsTheOptionTable) {
-  EXPECT_TRUE(testing::GeneratedDocSectionIs("docs/kv-policies.md", "spindlekv options",
-                                             SpindleKvOptionTable().Markdown()));
+  EXPECT_TRUE(
+      testing::GeneratedDocSectionIs("docs/kv-policies.md", "spindlekv options", SpindleKvOptionTable().Markdown()));
 }
 
 // Shards and other policies' prefixes are refused with typed errors; a
@@ -208,8 +208,8 @@ TEST_F(SpindleKvTest, ADamagedStoredDocumentIsRefusedNamingWhatIsWrong) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(*(*again)->Export() == *blobs);
   // layer.0, KV head 0: [n][key entries] [n][value entries] [n][positions]
-  // [n][key refs] [n][key magnitudes] ...; the last 4 bytes are the last
-  // query head's last list index.
+  // [n][key refs] [n][key magnitudes] ...; the last 4 bytes are the last KV
+  // head's last token's query-head mask.
   const std::string& b = blobs->at("layer.0");
   auto count = [&](size_t at) {
     uint64_t n = 0;
@@ -239,7 +239,12 @@ TEST_F(SpindleKvTest, ADamagedStoredDocumentIsRefusedNamingWhatIsWrong) {
   damaged(krefs + 8, &far, 4, "reference outside its codebook");
   damaged(positions + 8, &negative, 4, "position outside the prefix");
   damaged(kmags + 8, &nan, 4, "magnitude");
-  damaged(b.size() - 4, &far, 4, "names a token its KV head lacks");
+  damaged(b.size() - 4, &far, 4, "query-head mask");
+  const int32_t zero = 0;
+  damaged(b.size() - 4, &zero, 4, "query-head mask");
+  damaged(positions + 8, &far, 4, "position outside the prefix");
+  ASSERT_GT(count(positions), 1u);
+  damaged(positions + 12, &zero, 4, "out of order");  // the second position no later than the first
   damaged(b.size(), &far, 4, "bytes past its end");
   const uint64_t huge = uint64_t{1} << 40;
   damaged(0, &huge, 8, "an array of");
@@ -247,9 +252,10 @@ TEST_F(SpindleKvTest, ADamagedStoredDocumentIsRefusedNamingWhatIsWrong) {
 
 // Each query head keeps its own top tokens of its KV head (the paper's
 // answer to GQA): two query heads of one KV head keep different sets, and
-// the KV head holds their union once. Checked through what the layers hold
-// after a prefill whose window attends unevenly: the lossy run holds fewer
-// tokens in its deepest layer than in its first (the pyramid).
+// the KV head holds their union once. Checked through the bytes the layers
+// hold after a prefill: between one query head's kept tokens and two
+// disjoint sets per KV head, and more than one set (they differ); the
+// pyramid keeps more in the first layer than in the last.
 TEST_F(SpindleKvTest, ThePyramidKeepsMoreInShallowLayers) {
   const std::vector<double> r = spindlekv::RetainRatios(0.3, 200, 16, 0.05, 5);
   ASSERT_EQ(r.size(), 5u);
@@ -264,10 +270,9 @@ TEST_F(SpindleKvTest, ThePyramidKeepsMoreInShallowLayers) {
   size_t lo = 0, hi = 0;
   for (int layer = 0; layer < c.num_layers; ++layer) {
     const size_t kept = static_cast<size_t>(spindlekv::KeptTokens(r[layer], ctx));
-    const size_t lists = c.num_heads * (kept + 16) * 4;
-    const size_t tok = 2 * d * 4 + 5 * 4;
-    lo += lists + c.num_kv_heads * (kept + 16) * tok;
-    hi += lists + c.num_kv_heads * std::min(T, 2 * kept + 16) * tok;
+    const size_t tok = 2 * d * 4 + 24;
+    lo += c.num_kv_heads * (kept + 16) * tok;
+    hi += c.num_kv_heads * std::min(T, 2 * kept + 16) * tok;
   }
   EXPECT_GE(l.bytes_after_prefill, lo);
   EXPECT_LE(l.bytes_after_prefill, hi);

@@ -6,7 +6,8 @@
 // pre-RoPE keys, landmarks, outliers on the device; values in a ValueStore)
 // and "auto" (a policy per document: each sequence held under one of the
 // other two, worker/engine/per_document_policy.h).
-// SpeContext and SpindleKV will plug in here too.
+// "spindlekv" (worker/engine/spindlekv_policy.cc) evicts and shares
+// codebook entries without offload; SpeContext will plug in here too.
 //
 // Call protocol, per sequence: AddSequence; then one or more prefills, each
 // a contiguous run of the prompt (the first from 0, or from an attached

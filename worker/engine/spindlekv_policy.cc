@@ -12,7 +12,8 @@
 //     layers (the paper's eq. 5-6). A query head choosing its own tokens is
 //     the paper's answer to GQA ("repeat": each query head a KV head of its
 //     own), without the repeat's copies: a KV head holds each token kept by
-//     any of its query heads once, and each query head a list of indices.
+//     any of its query heads once, with a mask of the query heads that keep
+//     it (attention reads each token once for its whole group).
 //   - replacement (shallow layers mostly): the tokens a KV head holds are
 //     replaced by references into a codebook of unit vectors, one for
 //     pre-RoPE keys and one for values, with each token's magnitude
@@ -26,7 +27,7 @@
 //
 // Attention reconstructs the keys and values a KV head holds (entry x
 // magnitude, keys rotated), once per layer call, and each query head attends
-// to its own list of them. Prefixes (the document cache's unit) are the
+// to those its bit of the mask marks. Prefixes (the document cache's unit) are the
 // compressed state of a first prefill; a sequence attached to one adds its
 // own tokens and codebook entries on top without copying it (Part below).
 //
@@ -53,42 +54,43 @@ namespace {
 using spindlekv::Codebook;
 
 // The tokens one KV head holds (kept by at least one of its query heads),
-// each as its position and references into the key and value codebooks.
+// in position order, each as its position, references into the key and
+// value codebooks with magnitudes, and the mask of its KV head's query
+// heads that keep it (bit j: the group's j-th query head).
 struct Tokens {
   std::vector<int32_t> pos, kref, vref;
   std::vector<float> kmag, vmag;
+  std::vector<uint32_t> heads;
   int64_t size() const { return static_cast<int64_t>(pos.size()); }
-  void Push(int32_t p, int32_t kr, float km, int32_t vr, float vm) {
+  void Push(int32_t p, int32_t kr, float km, int32_t vr, float vm, uint32_t mask) {
     pos.push_back(p);
     kref.push_back(kr);
     kmag.push_back(km);
     vref.push_back(vr);
     vmag.push_back(vm);
+    heads.push_back(mask);
   }
-  size_t bytes() const { return pos.size() * (3 * sizeof(int32_t) + 2 * sizeof(float)); }
+  static constexpr size_t kBytesPerToken = 4 * sizeof(int32_t) + 2 * sizeof(float);
+  size_t bytes() const { return pos.size() * kBytesPerToken; }
 };
 
 // One layer's compressed state, or what a sequence adds to an attached
 // prefix's layer: its own codebook entries (references past the prefix's
-// entries count into them), its own tokens and its query heads' lists of
-// its own tokens.
+// entries count into them) and its own tokens.
 struct Part {
-  std::vector<Codebook> ck, cv;             // [hkv]
-  std::vector<Tokens> tok;                  // [hkv]
-  std::vector<std::vector<int32_t>> lists;  // [hq]: indices into tok of the query head's KV head
-  void Init(int hq, int hkv, int d) {
+  std::vector<Codebook> ck, cv;  // [hkv]
+  std::vector<Tokens> tok;       // [hkv]
+  void Init(int hkv, int d) {
     ck.assign(hkv, Codebook{});
     cv.assign(hkv, Codebook{});
     for (int g = 0; g < hkv; ++g) ck[g].d = cv[g].d = d;
     tok.assign(hkv, Tokens{});
-    lists.assign(hq, {});
   }
   size_t bytes() const {
     size_t b = 0;
     for (const auto& c : ck) b += c.entries.size() * sizeof(float);
     for (const auto& c : cv) b += c.entries.size() * sizeof(float);
     for (const auto& t : tok) b += t.bytes();
-    for (const auto& l : lists) b += l.size() * sizeof(int32_t);
     return b;
   }
   int64_t entries() const {
@@ -119,8 +121,9 @@ class Reader {
   Status Array(std::vector<T>* v, uint64_t max) {
     uint64_t n = 0;
     PENUMBRA_RETURN_IF_ERROR(U64(&n));
-    if (n > max) return Status::Corruption(what_ + ": an array of " + std::to_string(n) + " entries (at most " +
-                                           std::to_string(max) + ")");
+    if (n > max)
+      return Status::Corruption(what_ + ": an array of " + std::to_string(n) + " entries (at most " +
+                                std::to_string(max) + ")");
     if ((s_.size() - at_) / sizeof(T) < n) return Truncated();
     v->resize(n);
     std::memcpy(v->data(), s_.data() + at_, n * sizeof(T));
@@ -148,16 +151,17 @@ std::string ExportPart(const Part& p) {
     PutArray(&out, t.kmag);
     PutArray(&out, t.vref);
     PutArray(&out, t.vmag);
+    PutArray(&out, t.heads);
   }
-  for (const auto& l : p.lists) PutArray(&out, l);
   return out;
 }
 
 // Reads and checks a Part of a prefix of `tokens` tokens: every reference
-// inside its codebook, every list index inside its KV head's tokens, every
-// position inside the prefix, finite numbers.
-Status ImportPart(Reader& r, int hq, int hkv, int d, int64_t tokens, Part* p) {
-  p->Init(hq, hkv, d);
+// inside its codebook, every position inside the prefix and increasing,
+// every mask naming query heads of the group (`group` of them), finite
+// numbers.
+Status ImportPart(Reader& r, int group, int hkv, int d, int64_t tokens, Part* p) {
+  p->Init(hkv, d);
   const uint64_t max = static_cast<uint64_t>(tokens) * std::max(1, d) * 2 + 16;
   auto bad = [&](const std::string& why) { return Status::Corruption(r.what() + ": " + why); };
   auto finite = [](const std::vector<float>& v) {
@@ -174,26 +178,24 @@ Status ImportPart(Reader& r, int hq, int hkv, int d, int64_t tokens, Part* p) {
     PENUMBRA_RETURN_IF_ERROR(r.Array(&t.kmag, tokens));
     PENUMBRA_RETURN_IF_ERROR(r.Array(&t.vref, tokens));
     PENUMBRA_RETURN_IF_ERROR(r.Array(&t.vmag, tokens));
+    PENUMBRA_RETURN_IF_ERROR(r.Array(&t.heads, tokens));
     const size_t n = t.pos.size();
-    if (t.kref.size() != n || t.kmag.size() != n || t.vref.size() != n || t.vmag.size() != n) {
+    if (t.kref.size() != n || t.kmag.size() != n || t.vref.size() != n || t.vmag.size() != n || t.heads.size() != n) {
       return bad("KV head " + std::to_string(g) + ": token arrays of different lengths");
     }
     const int32_t nk = p->ck[g].size(), nv = p->cv[g].size();
     for (size_t i = 0; i < n; ++i) {
       if (t.pos[i] < 0 || t.pos[i] >= tokens) return bad("a token position outside the prefix");
+      if (i > 0 && t.pos[i] <= t.pos[i - 1]) return bad("token positions out of order");
+      if (t.heads[i] == 0 || (group < 32 && (t.heads[i] >> group) != 0)) {
+        return bad("a token's query-head mask names no head or one outside the group");
+      }
       if (t.kref[i] < 0 || t.kref[i] >= nk || t.vref[i] < 0 || t.vref[i] >= nv) {
         return bad("a reference outside its codebook");
       }
       if (!std::isfinite(t.kmag[i]) || !std::isfinite(t.vmag[i]) || t.kmag[i] < 0 || t.vmag[i] < 0) {
         return bad("a magnitude that is negative or not finite");
       }
-    }
-  }
-  for (int h = 0; h < hq; ++h) {
-    const int g = h / (hq / hkv);
-    PENUMBRA_RETURN_IF_ERROR(r.Array(&p->lists[h], tokens));
-    for (int32_t i : p->lists[h]) {
-      if (i < 0 || i >= p->tok[g].size()) return bad("a query head's list names a token its KV head lacks");
     }
   }
   return Status::OK();
@@ -328,12 +330,12 @@ class SpindleKvPolicy final : public KvPolicy {
     const SequenceBytes need = Estimate(s.first, s.capacity - s.first, s.base != nullptr);
     const size_t free = ctx_.backend->FreeMemoryBytes();
     if (need.device > free) {
-      return Status::ResourceExhausted("spindlekv: a sequence of " + std::to_string(s.capacity) + " tokens needs up to " +
-                                       std::to_string(need.device >> 20) + " MiB, " + std::to_string(free >> 20) +
-                                       " MiB are free");
+      return Status::ResourceExhausted("spindlekv: a sequence of " + std::to_string(s.capacity) +
+                                       " tokens needs up to " + std::to_string(need.device >> 20) + " MiB, " +
+                                       std::to_string(free >> 20) + " MiB are free");
     }
     s.own.resize(ctx_.num_layers);
-    for (Part& p : s.own) p.Init(ctx_.hq, ctx_.hkv, ctx_.head_dim);
+    for (Part& p : s.own) p.Init(ctx_.hkv, ctx_.head_dim);
     if (s.base == nullptr) {
       const size_t rows = static_cast<size_t>(s.first) * ctx_.hkv * ctx_.head_dim;
       s.k.assign(rows, 0.0f);
@@ -454,7 +456,8 @@ class SpindleKvPolicy final : public KvPolicy {
     {
       std::istringstream is(meta->second.substr(head.size()));
       is >> tokens;
-      if (!is || tokens < 1) return Status::InvalidArgument("spindlekv prefix: bad token count in '" + meta->second + "'");
+      if (!is || tokens < 1)
+        return Status::InvalidArgument("spindlekv prefix: bad token count in '" + meta->second + "'");
     }
     if (meta->second != Meta(tokens)) {
       return Status::InvalidArgument("spindlekv prefix: made for another geometry or options ('" + meta->second +
@@ -466,7 +469,7 @@ class SpindleKvPolicy final : public KvPolicy {
       auto b = blobs.find(name);
       if (b == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob '" + name + "' is missing");
       Reader r(b->second, "spindlekv prefix blob '" + name + "'");
-      PENUMBRA_RETURN_IF_ERROR(ImportPart(r, ctx_.hq, ctx_.hkv, ctx_.head_dim, tokens, &layers[l]));
+      PENUMBRA_RETURN_IF_ERROR(ImportPart(r, ctx_.hq / ctx_.hkv, ctx_.hkv, ctx_.head_dim, tokens, &layers[l]));
       if (!r.done()) return Status::Corruption("spindlekv prefix blob '" + name + "': bytes past its end");
     }
     return MakePrefix(tokens, std::move(layers));
@@ -562,9 +565,8 @@ class SpindleKvPolicy final : public KvPolicy {
   // scratch, every token of it kept and every key and value its own entry,
   // and `more` tokens after it the same.
   SequenceBytes Estimate(int64_t first, int64_t more, bool attached) const {
-    const size_t d = ctx_.head_dim, hkv = ctx_.hkv, hq = ctx_.hq;
-    const size_t per_token_layer = hkv * (2 * d * sizeof(float) + 3 * sizeof(int32_t) + 2 * sizeof(float)) +
-                                   hq * sizeof(int32_t);
+    const size_t d = ctx_.head_dim, hkv = ctx_.hkv;
+    const size_t per_token_layer = hkv * (2 * d * sizeof(float) + Tokens::kBytesPerToken);
     SequenceBytes b;
     const size_t held = static_cast<size_t>(attached ? 0 : first) + static_cast<size_t>(std::max<int64_t>(more, 0));
     b.device = held * per_token_layer * ctx_.num_layers;
@@ -633,7 +635,7 @@ class SpindleKvPolicy final : public KvPolicy {
     const int64_t F = s.first, context = F - s.window;
     const int64_t keep = spindlekv::KeptTokens(s.ratios[layer], context);
     Part& p = s.own[layer];
-    p.Init(hq, hkv, d);
+    p.Init(hkv, d);
     // Each query head's kept tokens: its top `keep` of the context, then the window.
     std::vector<std::vector<int32_t>> kept(hq);
     kernels::cpu::ParallelFor(hq, [&](int64_t h) {
@@ -675,23 +677,21 @@ class SpindleKvPolicy final : public KvPolicy {
       t.kmag.resize(n);
       t.vref.resize(n);
       t.vmag.resize(n);
-      spindlekv::BuildCodebook(keys.data(), n, d, static_cast<float>(o_.key_threshold), o_.codebook_block, &p.ck[g],
-                               t.kref.data(), t.kmag.data());
-      spindlekv::BuildCodebook(values.data(), n, d, static_cast<float>(o_.value_threshold), o_.codebook_block,
-                               &p.cv[g], t.vref.data(), t.vmag.data());
+      t.heads.assign(n, 0);
       for (int j = 0; j < group; ++j) {
-        const int h = static_cast<int>(g) * group + j;
-        auto& list = p.lists[h];
-        list.reserve(kept[h].size());
-        for (int32_t tok : kept[h]) {
-          list.push_back(static_cast<int32_t>(std::lower_bound(held.begin(), held.end(), tok) - held.begin()));
+        for (int32_t tok : kept[g * group + j]) {
+          t.heads[std::lower_bound(held.begin(), held.end(), tok) - held.begin()] |= uint32_t{1} << j;
         }
       }
+      spindlekv::BuildCodebook(keys.data(), n, d, static_cast<float>(o_.key_threshold), o_.codebook_block, &p.ck[g],
+                               t.kref.data(), t.kmag.data());
+      spindlekv::BuildCodebook(values.data(), n, d, static_cast<float>(o_.value_threshold), o_.codebook_block, &p.cv[g],
+                               t.vref.data(), t.vmag.data());
     });
     stats_.kv_exact_bytes += static_cast<int64_t>(2 * sizeof(float)) * hkv * F * d;
     stats_.kv_kept_bytes += static_cast<int64_t>(p.bytes());
-    VLOG(1) << "spindlekv: layer " << layer << " keeps " << keep << " of " << context << " context tokens a query head; "
-            << p.entries() << " codebook entries for " << F << " tokens";
+    VLOG(1) << "spindlekv: layer " << layer << " keeps " << keep << " of " << context
+            << " context tokens a query head; " << p.entries() << " codebook entries for " << F << " tokens";
   }
 
   // The state of `layer` as one Part (an attached prefix's and the
@@ -712,11 +712,7 @@ class SpindleKvPolicy final : public KvPolicy {
       t.kmag.insert(t.kmag.end(), ot.kmag.begin(), ot.kmag.end());
       t.vref.insert(t.vref.end(), ot.vref.begin(), ot.vref.end());
       t.vmag.insert(t.vmag.end(), ot.vmag.begin(), ot.vmag.end());
-    }
-    const int group = ctx_.hq / ctx_.hkv;
-    for (int h = 0; h < ctx_.hq; ++h) {
-      const int32_t offset = static_cast<int32_t>(b.tok[h / group].size());
-      for (int32_t i : o.lists[h]) p.lists[h].push_back(offset + i);
+      t.heads.insert(t.heads.end(), ot.heads.begin(), ot.heads.end());
     }
     return p;
   }
@@ -759,14 +755,14 @@ class SpindleKvPolicy final : public KvPolicy {
         const int32_t kr = MergeOrAdd(src + (hq + g) * d, static_cast<float>(o_.key_threshold), kb, &km);
         const int32_t vr = MergeOrAdd(src + (hq + hkv + g) * d, static_cast<float>(o_.value_threshold), vb, &vm);
         Tokens& t = own.tok[g];
-        t.Push(positions[r], kr, km, vr, vm);
-        for (int j = 0; j < group; ++j) own.lists[g * group + j].push_back(static_cast<int32_t>(t.size() - 1));
+        t.Push(positions[r], kr, km, vr, vm, group == 32 ? ~uint32_t{0} : (uint32_t{1} << group) - 1);
         keys[g].resize(keys[g].size() + d);
         values[g].resize(values[g].size() + d);
         Rebuild(kb, vb, t, t.size() - 1, &keys[g][keys[g].size() - d], &values[g][values[g].size() - d]);
       }
       kernels::cpu::ParallelFor(hq, [&](int64_t h) {
         const int g = static_cast<int>(h) / group;
+        const uint32_t bit = uint32_t{1} << (h % group);
         const int64_t nb = b ? b->tok[g].size() : 0;
         float m = -std::numeric_limits<float>::infinity();
         double l = 0;
@@ -788,10 +784,13 @@ class SpindleKvPolicy final : public KvPolicy {
           const float* v = &values[g][i * d];
           for (int e = 0; e < d; ++e) acc[e] += p * v[e];
         };
-        if (b != nullptr) {
-          for (int32_t i : b->lists[h]) visit(i);
+        for (int64_t i = 0; i < nb; ++i) {
+          if (b->tok[g].heads[i] & bit) visit(i);
         }
-        for (int32_t i : own.lists[h]) visit(nb + i);
+        const Tokens& mine = own.tok[g];
+        for (int64_t i = 0; i < mine.size(); ++i) {
+          if (mine.heads[i] & bit) visit(nb + i);
+        }
         float* o = out + (static_cast<size_t>(r) * hq + h) * d;
         for (int e = 0; e < d; ++e) o[e] = static_cast<float>(acc[e] / l);
         if (lse != nullptr) lse[static_cast<size_t>(r) * hq + h] = static_cast<float>(m + std::log(l));
@@ -828,9 +827,9 @@ Result<std::unique_ptr<KvPolicy>> MakeSpindleKvPolicy(const PolicyContext& ctx, 
   if (ctx.backend->act_dtype() != DType::kF32) {
     return Status::Unimplemented("the spindlekv KV policy needs f32 activations");
   }
-  if (ctx.hkv < 1 || ctx.hq % ctx.hkv != 0) {
+  if (ctx.hkv < 1 || ctx.hq % ctx.hkv != 0 || ctx.hq / ctx.hkv > 32) {
     return Status::InvalidArgument("spindlekv: " + std::to_string(ctx.hq) + " query heads over " +
-                                   std::to_string(ctx.hkv) + " KV heads");
+                                   std::to_string(ctx.hkv) + " KV heads (at most 32 query heads per KV head)");
   }
   return std::unique_ptr<KvPolicy>(std::make_unique<SpindleKvPolicy>(ctx, options));
 }
