@@ -2,8 +2,10 @@
 // to (a worker runs one of them, or "auto": full or shadowkv per document).
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace penumbra {
 
@@ -11,10 +13,15 @@ namespace penumbra {
 inline bool IsKvPolicyPin(std::string_view p) { return p == "full" || p == "shadowkv" || p == "spindlekv"; }
 // What a pin may be, for error messages: "\"full\", \"shadowkv\" or \"spindlekv\"".
 inline const char* KvPolicyPins() { return "\"full\", \"shadowkv\" or \"spindlekv\""; }
-// Whether a worker running `worker_policy` holds requests pinned to `pin`
-// ("" pins nothing; an "auto" worker holds full and shadowkv).
-inline bool KvPolicyServes(std::string_view worker_policy, std::string_view pin) {
-  return pin.empty() || worker_policy == pin || (worker_policy == "auto" && (pin == "full" || pin == "shadowkv"));
+// Whether a worker running `worker_policy` with these forms (the policies
+// its pins may name; WorkerHealth.kv_forms) holds requests pinned to `pin`
+// ("" pins nothing). A worker that reports no forms: an "auto" one holds
+// full and shadowkv.
+inline bool KvPolicyServes(std::string_view worker_policy, const std::vector<std::string>& forms,
+                           std::string_view pin) {
+  if (pin.empty() || worker_policy == pin) return true;
+  if (!forms.empty()) return std::find(forms.begin(), forms.end(), pin) != forms.end();
+  return worker_policy == "auto" && (pin == "full" || pin == "shadowkv");
 }
 
 }  // namespace penumbra

@@ -51,7 +51,7 @@ struct PutDocumentRequest {
   5: bool wait = true,
   6: i64 deadline_ms = 0,
   // "full", "shadowkv" or "spindlekv": the document is factored on workers
-  // of that KV policy (or of "auto", for full and shadowkv) and held there under it, and its questions are held
+  // of that KV policy (or of "auto" holding that form) and held there under it, and its questions are held
   // under it unless they pin another (GenerateRequest.kv_policy); "": the
   // workers' choice.
   7: string kv_policy = "",
@@ -93,8 +93,8 @@ struct GenerateRequest {
   8: list<i32> stop_ids,
   9: bool ignore_eos = false,
   // "full", "shadowkv" or "spindlekv" to run only under that policy: on
-  // workers of that policy, or of "auto" (a policy per document: full or
-  // shadowkv) held under it; "": any.
+  // workers of that policy, or of "auto" (a policy per document) holding
+  // that form (WorkerHealth.kv_forms), held under it; "": any.
   10: string kv_policy = "",
   11: i64 deadline_ms = 0,
   // true: max_new_tokens is only an upper bound; the generation may use what

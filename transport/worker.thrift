@@ -81,7 +81,7 @@ struct WorkerHealth {
   1: bool serving,        // false while draining
   2: string model,        // the model directory
   3: string backend,      // e.g. "cpu", "cuda:0 NVIDIA H100 80GB HBM3"
-  4: string kv_policy,    // "full", "shadowkv", "spindlekv" or "auto" (full or shadowkv, per document)
+  4: string kv_policy,    // "full", "shadowkv", "spindlekv" or "auto" (a form per document: kv_forms)
   5: i64 max_context,     // the model's max_position_embeddings
   6: i32 vocab_size,
   7: list<i32> eos_ids,   // the model's end-of-text ids
@@ -91,6 +91,10 @@ struct WorkerHealth {
   // (an estimate: the coordinator places a document on a group when it
   // would not fit one worker's free memory). 0: not known.
   9: i64 device_bytes_per_token = 0,
+  // The policies a request or document pinned to one of them is held under
+  // here: [kv_policy], or auto's forms ("full", "shadowkv", and "spindlekv"
+  // where the backend runs it). Empty from a worker that predates it.
+  10: list<string> kv_forms,
 }
 
 // The coordinator forming a group: every rank is told the group's epoch

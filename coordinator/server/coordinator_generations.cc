@@ -53,8 +53,8 @@ std::vector<int> Coordinator::Route(const std::string& kv_policy, const std::vec
   const bool long_prompt = o_.group_min_tokens > 0 && tokens >= o_.group_min_tokens;
   std::vector<PlacementCandidate> holders, first, then;
   for (int i = 0; i < static_cast<int>(s.size()); ++i) {
-    // An "auto" worker holds a request under full or shadowkv (the pin goes with it).
-    if (!s[i].healthy || !KvPolicyServes(s[i].health.kv_policy, kv_policy)) continue;
+    // An "auto" worker holds a request under any of its forms (the pin goes with it).
+    if (!s[i].healthy || !KvPolicyServes(s[i].health.kv_policy, s[i].health.kv_forms, kv_policy)) continue;
     const bool group = !s[i].endpoint.group.empty();
     if (group && (s[i].endpoint.rank != 0 || !s[i].group_formed)) continue;  // rank 0 of a formed group only
     const int64_t free = group ? group_free[s[i].endpoint.group] : s[i].stats.memory_free_bytes;

@@ -814,6 +814,20 @@ TEST_F(Service, AnAutoWorkerHoldsEachRequestUnderItsPin) {
     EXPECT_EQ(got->usage.cached_prompt_tokens, exact ? 0 : 150) << pin;
     EXPECT_EQ(got->ids, (exact ? full : shadowkv).About(doc2, q, 6)) << pin;
   }
+  // spindlekv, a third form of a CPU auto worker (its WorkerHealth.kv_forms
+  // say so, and the coordinator routes the pin to it), held by pins only: a
+  // question pinned to it about the exact document prefills its own.
+  {
+    const std::vector<int32_t> q = LcgTokens(9, 650, false);
+    rpc::GenerateRequest r = Ask({d.id}, q, 6);
+    r.kv_policy = "spindlekv";
+    auto got = c->Complete(r);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->usage.cached_prompt_tokens, 0);
+    EngineOptions so;
+    so.kv_policy = "spindlekv";
+    EXPECT_EQ(got->ids, Offline(so).About(doc, q, 6));
+  }
   auto wm = httplib::Client("127.0.0.1", cluster.worker(0).metrics_port).Get("/metrics");
   ASSERT_TRUE(wm);
   EXPECT_NE(wm->body.find("penumbra_worker_documents_by_policy{policy=\"full\"} 1"), std::string::npos) << wm->body;

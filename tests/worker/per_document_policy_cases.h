@@ -380,7 +380,7 @@ TEST_P(PerDocumentPolicyTest, APinAWorkerCannotHoldIsRefused) {
   SequenceSpec spec;
   spec.prompt_len = 10;
   spec.max_new_tokens = 1;
-  spec.form = "spindlekv";
+  spec.form = "nonsense";
   EXPECT_EQ(automatic->runtime().policy().AddSequence(0, spec).code(), StatusCode::kInvalidArgument);
   spec.form.clear();
   spec.shard.position_base = 64;

@@ -15,8 +15,9 @@
 namespace penumbra {
 namespace {
 
-constexpr int kExact = 0, kSparse = 1;
-const char* const kFormNames[2] = {"full", "shadowkv"};
+// The forms: sub_[kExact] "full", sub_[kSparse] "shadowkv", and where the
+// backend runs it sub_[kPinned] "spindlekv", held only by a pin.
+constexpr int kExact = 0, kSparse = 1, kPinned = 2;
 
 // A document's exact form factored into ShadowKV, a layer per step, through
 // a sequence of the sparse policy's own (ids the runtime never uses).
@@ -73,19 +74,24 @@ class ExactToSparseMove final : public PrefixMove {
 class PerDocumentKvPolicy final : public KvPolicy {
  public:
   PerDocumentKvPolicy(const PolicyContext& ctx, std::unique_ptr<KvPolicy> exact, std::unique_ptr<KvPolicy> sparse,
-                      size_t exact_bytes)
+                      std::unique_ptr<KvPolicy> pinned, size_t exact_bytes)
       : ctx_(ctx), exact_bytes_(exact_bytes) {
     CHECK(exact && exact->name() == "full") << "auto: the exact policy must be full";
     CHECK(sparse && sparse->name() == "shadowkv") << "auto: the sparse policy must be shadowkv";
-    sub_[kExact] = std::move(exact);
-    sub_[kSparse] = std::move(sparse);
+    CHECK(!pinned || pinned->name() == "spindlekv") << "auto: the pinned-only policy must be spindlekv";
+    sub_.push_back(std::move(exact));
+    sub_.push_back(std::move(sparse));
+    if (pinned) sub_.push_back(std::move(pinned));
+    for (const auto& s : sub_) names_.push_back(s->name());
+    rows_.resize(sub_.size());
+    begun_.assign(sub_.size(), false);
   }
 
   std::string name() const override { return "auto"; }
-  std::vector<std::string> Forms() const override { return {kFormNames[kExact], kFormNames[kSparse]}; }
+  std::vector<std::string> Forms() const override { return names_; }
   std::string FormOf(int64_t seq) const override {
     auto it = where_.find(seq);
-    return it == where_.end() ? std::string() : kFormNames[it->second];
+    return it == where_.end() ? std::string() : names_[it->second];
   }
 
   Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
@@ -130,12 +136,11 @@ class PerDocumentKvPolicy final : public KvPolicy {
     // In place when each form's rows are one run of the batch.
     in_place_ = true;
     order_.clear();
-    for (int w = 0; w < 2; ++w) {
-      const auto& r = rows_[w];
+    for (const auto& r : rows_) {
       if (!r.empty() && r.back() - r.front() + 1 != static_cast<int>(r.size())) in_place_ = false;
       order_.insert(order_.end(), r.begin(), r.end());
     }
-    for (int w = 0; w < 2; ++w) {
+    for (size_t w = 0; w < sub_.size(); ++w) {
       if (rows_[w].empty()) continue;
       std::vector<int64_t> s, p;
       for (int i : rows_[w]) {
@@ -171,7 +176,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
       lse_out = lse ? g_lse_.as<float>() : nullptr;
     }
     int at = 0;
-    for (int w = 0; w < 2; ++w) {
+    for (size_t w = 0; w < sub_.size(); ++w) {
       if (rows_[w].empty()) continue;
       const int a = in_place_ ? rows_[w].front() : at;
       PENUMBRA_RETURN_IF_ERROR(
@@ -188,7 +193,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
 
   Status FinishDecodeStep() override {
     Status first;
-    for (int w = 0; w < 2; ++w) {
+    for (size_t w = 0; w < sub_.size(); ++w) {
       if (!begun_[w]) continue;
       Status s = sub_[w]->FinishDecodeStep();
       if (first.ok() && !s.ok()) first = s;
@@ -196,7 +201,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
     return first;
   }
   void EndDecodeStep() override {
-    for (int w = 0; w < 2; ++w) {
+    for (size_t w = 0; w < sub_.size(); ++w) {
       if (begun_[w]) sub_[w]->EndDecodeStep();
       begun_[w] = false;
     }
@@ -206,7 +211,9 @@ class PerDocumentKvPolicy final : public KvPolicy {
 
   std::string StateFingerprint() const override {
     // A document's key is the same whichever form holds it.
-    return "auto[" + sub_[kExact]->StateFingerprint() + ";" + sub_[kSparse]->StateFingerprint() + "]";
+    std::string f = "auto[" + sub_[kExact]->StateFingerprint() + ";" + sub_[kSparse]->StateFingerprint();
+    if (sub_.size() > kPinned) f += ";" + sub_[kPinned]->StateFingerprint();
+    return f + "]";
   }
   Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) override {
     return Of(seq).CapturePrefix(seq, tokens);
@@ -251,11 +258,16 @@ class PerDocumentKvPolicy final : public KvPolicy {
   }
   PolicyStats stats() const override {
     PolicyStats st = sub_[kSparse]->stats();
-    const PolicyStats e = sub_[kExact]->stats();
+    for (size_t w = 0; w < sub_.size(); ++w) {
+      if (w == kSparse) continue;
+      const PolicyStats e = sub_[w]->stats();
+      st.selected_chunks += e.selected_chunks;
+      st.hit_chunks += e.hit_chunks;
+      st.kv_exact_bytes += e.kv_exact_bytes;
+      st.kv_kept_bytes += e.kv_kept_bytes;
+      for (const auto& [op, ms] : e.prefill_op_ms) st.prefill_op_ms[op] += ms;
+    }
     st.decode_steps = stats_.decode_steps;
-    st.selected_chunks += e.selected_chunks;
-    st.hit_chunks += e.hit_chunks;
-    for (const auto& [op, ms] : e.prefill_op_ms) st.prefill_op_ms[op] += ms;
     return st;
   }
   void SetProfiling(bool on) override {
@@ -269,17 +281,17 @@ class PerDocumentKvPolicy final : public KvPolicy {
  private:
   // The form a new sequence is held in (see the header).
   Result<int> Choose(const SequenceSpec& spec) const {
-    int pinned = -1;
-    if (spec.form == kFormNames[kExact]) pinned = kExact;
-    if (spec.form == kFormNames[kSparse]) pinned = kSparse;
+    const int pinned = spec.form.empty() ? -1 : IndexOf(spec.form);
     if (!spec.form.empty() && pinned < 0) {
-      return Status::InvalidArgument("auto: a sequence's form must be \"full\" or \"shadowkv\", not \"" + spec.form +
-                                     "\"");
+      return Status::InvalidArgument("auto: a sequence's form must be one of this worker's (" + FormList() +
+                                     "), not \"" + spec.form + "\"");
     }
     if (spec.prefix) {
-      const int w = spec.prefix->policy() == kFormNames[kExact] ? kExact : kSparse;
+      const int w = IndexOf(spec.prefix->policy());
+      if (w < 0)
+        return Status::InvalidArgument("auto: no form of this worker holds a " + spec.prefix->policy() + " document");
       if (pinned >= 0 && pinned != w) {
-        return Status::InvalidArgument(std::string("auto: a sequence pinned to ") + kFormNames[pinned] +
+        return Status::InvalidArgument("auto: a sequence pinned to " + names_[pinned] +
                                        " cannot attach a document held as " + spec.prefix->policy());
       }
       return w;
@@ -288,11 +300,26 @@ class PerDocumentKvPolicy final : public KvPolicy {
     const SequenceBytes exact = sub_[kExact]->EstimateSequenceBytes(spec);
     return exact.device > 0 && exact.device <= exact_bytes_ ? kExact : kSparse;
   }
+  int IndexOf(const std::string& form) const {
+    for (size_t w = 0; w < names_.size(); ++w) {
+      if (names_[w] == form) return static_cast<int>(w);
+    }
+    return -1;
+  }
+  std::string FormList() const {
+    std::string s;
+    for (const auto& n : names_) s += (s.empty() ? "" : ", ") + n;
+    return s;
+  }
   // A stored document's form, from its meta blob (the full policy's begins
-  // "full-kv-prefix"); the sparse policy refuses what is neither, by name.
-  static int StoredForm(const std::map<std::string, std::string>& blobs) {
+  // "full-kv-prefix", spindlekv's "spindlekv-prefix"); the sparse policy
+  // refuses what is none of them, by name.
+  int StoredForm(const std::map<std::string, std::string>& blobs) const {
     auto it = blobs.find("meta");
-    return it != blobs.end() && it->second.rfind("full-kv-prefix", 0) == 0 ? kExact : kSparse;
+    if (it == blobs.end()) return kSparse;
+    if (it->second.rfind("full-kv-prefix", 0) == 0) return kExact;
+    if (it->second.rfind("spindlekv-prefix", 0) == 0 && sub_.size() > kPinned) return kPinned;
+    return kSparse;
   }
   KvPolicy& Of(int64_t seq) {
     auto it = where_.find(seq);
@@ -334,12 +361,13 @@ class PerDocumentKvPolicy final : public KvPolicy {
 
   PolicyContext ctx_;
   const size_t exact_bytes_;
-  std::array<std::unique_ptr<KvPolicy>, 2> sub_;
-  std::map<int64_t, int> where_;  // sequence -> its form
+  std::vector<std::unique_ptr<KvPolicy>> sub_;
+  std::vector<std::string> names_;  // sub_[w]->name()
+  std::map<int64_t, int> where_;    // sequence -> its form
   // The decode step: each form's batch rows, whether they were begun, the
   // gathered order (rows of the exact form first) and its scratch.
-  std::array<std::vector<int>, 2> rows_;
-  std::array<bool, 2> begun_{false, false};
+  std::vector<std::vector<int>> rows_;
+  std::vector<bool> begun_;
   std::vector<int> order_;
   bool in_place_ = true;
   int scratch_rows_ = 0;
@@ -352,8 +380,10 @@ class PerDocumentKvPolicy final : public KvPolicy {
 }  // namespace
 
 std::unique_ptr<KvPolicy> MakePerDocumentKvPolicy(const PolicyContext& ctx, std::unique_ptr<KvPolicy> exact,
-                                                  std::unique_ptr<KvPolicy> sparse, size_t exact_bytes) {
-  return std::make_unique<PerDocumentKvPolicy>(ctx, std::move(exact), std::move(sparse), exact_bytes);
+                                                  std::unique_ptr<KvPolicy> sparse, size_t exact_bytes,
+                                                  std::unique_ptr<KvPolicy> pinned) {
+  return std::make_unique<PerDocumentKvPolicy>(ctx, std::move(exact), std::move(sparse), std::move(pinned),
+                                               exact_bytes);
 }
 
 }  // namespace penumbra

@@ -1,5 +1,6 @@
 // PerDocumentKvPolicy ("auto"): a policy per document. One worker holds each
-// sequence, and each cached document, under one of two policies at once:
+// sequence, and each cached document, under one of two policies at once (a
+// third, "spindlekv", where the backend runs it, held only by a pin):
 //   - "full": the exact KV cache in device memory (cascade attention over one
 //     copy of a document for all its questions: the fastest decode, 128 KiB a
 //     token for an 8B model);
@@ -33,8 +34,11 @@ namespace penumbra {
 // `exact` must be a "full" policy and `sparse` a "shadowkv" one, both built
 // with `ctx`. exact_bytes: device bytes of sequences and documents held in
 // the exact form by choice (0: none; pins and attached exact documents
-// still are).
+// still are). `pinned` (null: none): a "spindlekv" policy, a third form held
+// only by a pin (or by attaching a document held so), never chosen by size
+// nor moved to or from.
 std::unique_ptr<KvPolicy> MakePerDocumentKvPolicy(const PolicyContext& ctx, std::unique_ptr<KvPolicy> exact,
-                                                  std::unique_ptr<KvPolicy> sparse, size_t exact_bytes);
+                                                  std::unique_ptr<KvPolicy> sparse, size_t exact_bytes,
+                                                  std::unique_ptr<KvPolicy> pinned = nullptr);
 
 }  // namespace penumbra

@@ -401,6 +401,7 @@ Status Run(int argc, char** argv) {
   id.model = wo.model + (wo.random_weights >= 0 ? " (random weights)" : "");
   id.backend = engine->backend().name();
   id.kv_policy = engine->options().kv_policy;
+  id.kv_forms = engine->runtime().policy().Forms();
   id.max_context = engine->config().max_position_embeddings;
   id.vocab_size = engine->config().vocab_size;
   id.eos_ids = engine->config().eos_token_ids;

@@ -458,6 +458,7 @@ void WorkerHandler::Health(rpc::WorkerHealth& out) {
   out.model = id_.model;
   out.backend = id_.backend;
   out.kv_policy = id_.kv_policy;
+  out.kv_forms = id_.kv_forms;
   out.max_context = id_.max_context;
   out.vocab_size = id_.vocab_size;
   out.eos_ids = id_.eos_ids;

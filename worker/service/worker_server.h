@@ -25,6 +25,7 @@ namespace penumbra::service {
 
 struct WorkerIdentity {
   std::string model, backend, kv_policy;
+  std::vector<std::string> kv_forms;  // the policies pins may name here (KvPolicy::Forms)
   int64_t max_context = 0;
   int32_t vocab_size = 0;
   std::vector<int32_t> eos_ids;
