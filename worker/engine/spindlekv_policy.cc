@@ -727,6 +727,9 @@ class SpindleKvPolicy final : public KvPolicy {
     const int d = ctx_.head_dim, hq = ctx_.hq, hkv = ctx_.hkv, group = hq / hkv;
     const Part* b = s.base ? &s.base->layer(layer) : nullptr;
     Part& own = s.own[layer];
+    int32_t last = 0;
+    for (int r = 0; r < n; ++r) last = std::max(last, positions[r]);
+    EnsureRopeTables(std::max<int64_t>(s.length, last + 1));
     // Reconstructed keys (RoPE applied) and values of each KV head: the
     // prefix's tokens, then the sequence's own.
     std::vector<std::vector<float>> keys(hkv), values(hkv);
@@ -807,13 +810,41 @@ class SpindleKvPolicy final : public KvPolicy {
       k[e] = ke[e] * t.kmag[j];
       v[e] = ve[e] * t.vmag[j];
     }
-    Rope(k, d, t.pos[j], ctx_.inv_freq);
+    // RoPE from the tables (the same f32 cos/sin of pos * inv_freq).
+    const int half = d / 2;
+    const float* c = &rope_cos_[static_cast<size_t>(t.pos[j]) * half];
+    const float* s = &rope_sin_[static_cast<size_t>(t.pos[j]) * half];
+    for (int i = 0; i < half; ++i) {
+      const float a = k[i], b = k[i + half];
+      k[i] = a * c[i] - b * s[i];
+      k[i + half] = b * c[i] + a * s[i];
+    }
+  }
+
+  // cos and sin of pos * inv_freq for every position below `positions`
+  // (rebuilt keys are rotated every step: the tables save the cos/sin).
+  void EnsureRopeTables(int64_t positions) {
+    const int half = ctx_.head_dim / 2;
+    const int64_t have = half ? static_cast<int64_t>(rope_cos_.size()) / half : 0;
+    if (positions <= have) return;
+    const int64_t want = std::max(positions, 2 * have);
+    rope_cos_.resize(static_cast<size_t>(want) * half);
+    rope_sin_.resize(static_cast<size_t>(want) * half);
+    for (int64_t p = have; p < want; ++p) {
+      const float pos = static_cast<float>(p);
+      for (int i = 0; i < half; ++i) {
+        const float angle = pos * ctx_.inv_freq[i];
+        rope_cos_[p * half + i] = std::cos(angle);
+        rope_sin_[p * half + i] = std::sin(angle);
+      }
+    }
   }
 
   PolicyContext ctx_;
   SpindleKvOptions o_;
   std::map<int64_t, Seq> seqs_;
   std::vector<Seq*> step_;
+  std::vector<float> rope_cos_, rope_sin_;  // [positions][head_dim / 2]
 };
 
 }  // namespace
