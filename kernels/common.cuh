@@ -51,6 +51,28 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
+// sin and cos of RoPE's f32 angle x (f32(position) * inv_freq, as HF computes
+// it) for keys rebuilt at decode (ShadowKV's RebuildK, SpindleKV's attention). sincosf reduces an argument past
+// 105615 (the lowest frequency, past ~105K positions) by Payne-Hanek in local
+// memory, one lane at a time; traced at 124928 x 64 that made this kernel
+// bound by RoPE (~1,500 instructions per warp per tile against 80 MMAs).
+// Here x is reduced by 2π in f32 with two FMAs (Cody-Waite): k = rint(x /
+// 2π); r1 = x - k·C1 with C1 = f32(2π) is exact for angles below 2^24 (the
+// FMA forms k·C1 exactly, and the difference, under 4 in magnitude, is a
+// multiple of 2^-21, so it fits a float); r = r1 - k·C2 with C2 = f32(2π - C1) rounds once (<= 2.4e-7)
+// and leaves out k·(2π - C1 - C2) (< 1e-14 a unit of k). r goes to the fast
+// sin/cos (absolute error <= 2^-21.4 on [-π, π]): under 1e-6 in all, far
+// below the bf16 ulp of the rotated key. (A reduction in double did the same
+// with three conversions an angle, which the FP64/conversion pipe serialized.)
+__device__ __forceinline__ void RopeSinCos(float x, float* s, float* c) {
+  constexpr float kInv2Pi = 0.15915494309189535f;
+  constexpr float kC1 = 6.28318548202514648f;      // f32(2π)
+  constexpr float kC2 = -1.74845553146951365e-7f;  // f32(2π - C1)
+  const float k = rintf(x * kInv2Pi);
+  const float r = fmaf(-k, kC2, fmaf(-k, kC1, x));
+  __sincosf(r, s, c);
+}
+
 // ---- chained launches (programmatic dependent launch, sm_90+) -----------------
 // A kernel launched with LaunchChained may be scheduled while the kernel before
 // it in the stream is still running: it calls ChainWait() before touching any

@@ -24,6 +24,7 @@
 #include "kernels/lowrank_args.h"
 #include "kernels/shadowkv_decode_args.h"
 #include "kernels/shadowkv_prefill_args.h"
+#include "kernels/spindlekv_args.h"
 #include "kernels/topk_args.h"
 
 namespace penumbra {
@@ -282,6 +283,12 @@ class Backend {
   // `rows` value rows of chunk_tokens x d act-dtype elements (contiguous,
   // device) -> fp8 rows (kernels/value_format.h) at `dst` (device).
   virtual void EncodeValuesFp8(const void* src, int64_t rows, int chunk_tokens, int d, void* dst) = 0;
+
+  // ---- SpindleKV (kernels/spindlekv_args.h) ----
+  // A step's query heads over the tokens their KV heads hold compressed.
+  // The backend picks splits and its workspace; InvalidArgument for a shape
+  // or dtype it does not take.
+  virtual Status SpindlekvAttention(const kernels::SpindlekvAttentionArgs& args) = 0;
   // Work issued between ForkSide() and JoinSide() by ops marked "side" runs
   // on a second stream that starts after all prior main-stream work; JoinSide
   // makes the main stream wait for it. No-ops on the CPU.

@@ -16,6 +16,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/shadowkv_decode.h"
 #include "kernels/cpu/shadowkv_prefill.h"
+#include "kernels/cpu/spindlekv.h"
 #include "kernels/value_format.h"
 #include "worker/engine/backend.h"
 
@@ -416,6 +417,15 @@ class CpuBackend final : public Backend {
     c.r = a.r;
     c.chunk_size = a.chunk_size;
     kc::ShadowkvRebuildK(c);
+  }
+  Status SpindlekvAttention(const kernels::SpindlekvAttentionArgs& a) override {
+    if (a.dtype != DType::kF32) return Status::InvalidArgument("spindlekv attention on the CPU takes f32");
+    if (a.hkv < 1 || a.hq % a.hkv != 0 || a.hq / a.hkv > 32 || a.d % 2 != 0) {
+      return Status::InvalidArgument("spindlekv attention: hq " + std::to_string(a.hq) + ", hkv " +
+                                     std::to_string(a.hkv) + ", d " + std::to_string(a.d));
+    }
+    kc::SpindlekvAttention(a);
+    return Status::OK();
   }
   void EncodeValuesFp8(const void* src, int64_t rows, int chunk_tokens, int d, void* dst) override {
     const int64_t elems = static_cast<int64_t>(chunk_tokens) * d, rb = kernels::ValueRowBytesFp8(chunk_tokens, d);

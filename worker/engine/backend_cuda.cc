@@ -29,6 +29,7 @@
 #include "kernels/sample.cuh"
 #include "kernels/shadowkv_decode.cuh"
 #include "kernels/shadowkv_prefill.cuh"
+#include "kernels/spindlekv_attention.cuh"
 #include "kernels/swiglu.cuh"
 #include "kernels/topk.cuh"
 #include "kernels/value_fp8.cuh"
@@ -476,6 +477,27 @@ class CudaBackend final : public Backend {
   void EncodeValuesFp8(const void* src, int64_t rows, int chunk_tokens, int d, void* dst) override {
     kn::LaunchEncodeValuesFp8(src, act_, rows, chunk_tokens, d, static_cast<uint8_t*>(dst), stream_);
   }
+  Status SpindlekvAttention(const kn::SpindlekvAttentionArgs& op) override {
+    if (!kn::SpindlekvAttentionSupported(op.hq, op.hkv, op.d)) {
+      return Status::InvalidArgument(
+          "spindlekv attention on CUDA takes head_dim a multiple of 32 up to 256 and at "
+          "most 8 query heads per KV head; got hq " +
+          std::to_string(op.hq) + ", hkv " + std::to_string(op.hkv) + ", d " + std::to_string(op.d));
+    }
+    if (op.dtype != act_) return Status::InvalidArgument("spindlekv attention: entries of another dtype");
+    kn::SpindlekvAttentionArgs a = op;
+    // Enough blocks for the machine (4 a multiprocessor at 132), no split
+    // under 256 tokens.
+    const int64_t rows = std::max(1, a.batch * a.hkv);
+    const int64_t by_tokens = (a.max_tokens + 255) / 256, by_blocks = (528 + rows - 1) / rows;
+    a.splits = static_cast<int>(std::clamp<int64_t>(std::min(by_tokens, by_blocks), 1, 256));
+    if (a.splits > 1) {
+      PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&spindle_ws_, kn::SpindlekvWorkspaceFloats(a) * sizeof(float)));
+      a.workspace = spindle_ws_.as<float>();
+    }
+    kn::LaunchSpindlekvAttention(a, stream_);
+    return Status::OK();
+  }
   Status PrepareFetchTurns(int layers) override {
     while (static_cast<int>(fetch_done_.size()) < layers) {
       cudaEvent_t e = nullptr;
@@ -557,7 +579,7 @@ class CudaBackend final : public Backend {
   }
 
   size_t WorkspaceBytes() const override {
-    size_t n = lowrank_ws_.bytes() + query_ws_.bytes() + decode_ws_.bytes() + prefix_ws_.bytes();
+    size_t n = lowrank_ws_.bytes() + query_ws_.bytes() + decode_ws_.bytes() + prefix_ws_.bytes() + spindle_ws_.bytes();
     for (const DeviceBuffer& ws : score_ws_) n += ws.bytes();
     return n;
   }
@@ -575,6 +597,7 @@ class CudaBackend final : public Backend {
   // at most one per sequence of the batch; the bound only catches a bad part.
   static constexpr int kMaxScoreParts = 1 << 16;
   DeviceBuffer lowrank_ws_;
+  DeviceBuffer spindle_ws_;             // SpindlekvAttention's splits
   std::vector<DeviceBuffer> score_ws_;  // per workspace_part
   DeviceBuffer query_ws_;               // ShadowkvQueryScores (either path)
   cusolverDnHandle_t solver_ = nullptr;

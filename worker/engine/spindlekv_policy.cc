@@ -370,7 +370,8 @@ class SpindleKvPolicy final : public KvPolicy {
     if (s.compressed < ctx_.num_layers) {
       return Status::FailedPrecondition("spindlekv: a continuation before the first prefill is complete");
     }
-    AppendAndAttend(layer, s, qkv, n, positions, static_cast<float*>(q_scratch), static_cast<float*>(out), lse);
+    PENUMBRA_RETURN_IF_ERROR(
+        AppendAndAttend(layer, s, qkv, n, positions, static_cast<float*>(q_scratch), static_cast<float*>(out), lse));
     s.length = std::max(s.length, start + n);
     return Status::OK();
   }
@@ -405,13 +406,14 @@ class SpindleKvPolicy final : public KvPolicy {
 
   Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
                          float* lse) override {
+    // Every sequence's new token first, then one attention for the batch.
     const size_t row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;
     const size_t qrow = static_cast<size_t>(ctx_.hq) * ctx_.head_dim;
     for (size_t i = 0; i < step_.size(); ++i) {
-      AppendAndAttend(layer, *step_[i], qkv + i * row, 1, positions + i, static_cast<float*>(q_scratch) + i * qrow,
-                      static_cast<float*>(out) + i * qrow, lse ? lse + i * ctx_.hq : nullptr);
+      Append(layer, *step_[i], qkv + i * row, positions[i], static_cast<float*>(q_scratch) + i * qrow);
     }
-    return Status::OK();
+    return Attend(layer, step_.data(), static_cast<int>(step_.size()), static_cast<const float*>(q_scratch),
+                  static_cast<float*>(out), lse);
   }
 
   Status FinishDecodeStep() override {
@@ -722,103 +724,94 @@ class SpindleKvPolicy final : public KvPolicy {
   // and join every query head of their KV head, then the row's queries
   // attend to all its heads hold (itself included).
   //   qkv: [n, (hq + 2 hkv) d]; q_out, out: [n, hq d] f32; lse: null or [n, hq].
-  void AppendAndAttend(int layer, Seq& s, const float* qkv, int n, const int32_t* positions, float* q_out, float* out,
-                       float* lse) {
+  Status AppendAndAttend(int layer, Seq& s, const float* qkv, int n, const int32_t* positions, float* q_out, float* out,
+                         float* lse) {
+    const size_t row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;
+    const size_t qrow = static_cast<size_t>(ctx_.hq) * ctx_.head_dim;
+    if (n > 0) EnsureRopeTables(static_cast<int64_t>(*std::max_element(positions, positions + n)) + 1);
+    for (int r = 0; r < n; ++r) {
+      Seq* one[1] = {&s};
+      Append(layer, s, qkv + r * row, positions[r], q_out + r * qrow);
+      PENUMBRA_RETURN_IF_ERROR(Attend(layer, one, 1, q_out + r * qrow, out + r * qrow,
+                                      lse ? lse + static_cast<size_t>(r) * ctx_.hq : nullptr));
+    }
+    return Status::OK();
+  }
+
+  // One new token of `s` at `pos` (src: its qkv row): its queries rotated
+  // into q_out; its key and value merged into the codebooks and held by
+  // every query head of their KV head.
+  void Append(int layer, Seq& s, const float* src, int32_t pos, float* q_out) {
     const int d = ctx_.head_dim, hq = ctx_.hq, hkv = ctx_.hkv, group = hq / hkv;
     const Part* b = s.base ? &s.base->layer(layer) : nullptr;
     Part& own = s.own[layer];
-    int32_t last = 0;
-    for (int r = 0; r < n; ++r) last = std::max(last, positions[r]);
-    EnsureRopeTables(std::max<int64_t>(s.length, last + 1));
-    // Reconstructed keys (RoPE applied) and values of each KV head: the
-    // prefix's tokens, then the sequence's own.
-    std::vector<std::vector<float>> keys(hkv), values(hkv);
-    kernels::cpu::ParallelFor(hkv, [&](int64_t g) {
+    std::memcpy(q_out, src, sizeof(float) * hq * d);
+    for (int h = 0; h < hq; ++h) Rope(q_out + h * d, d, pos, ctx_.inv_freq);
+    for (int g = 0; g < hkv; ++g) {
       Book kb{b ? &b->ck[g] : nullptr, &own.ck[g]}, vb{b ? &b->cv[g] : nullptr, &own.cv[g]};
-      const int64_t nb = b ? b->tok[g].size() : 0, total = nb + own.tok[g].size();
-      keys[g].reserve(static_cast<size_t>(total + n) * d);
-      values[g].reserve(static_cast<size_t>(total + n) * d);
-      keys[g].resize(static_cast<size_t>(total) * d);
-      values[g].resize(static_cast<size_t>(total) * d);
-      for (int64_t i = 0; i < total; ++i) {
-        const Tokens& t = i < nb ? b->tok[g] : own.tok[g];
-        const int64_t j = i < nb ? i : i - nb;
-        Rebuild(kb, vb, t, j, &keys[g][i * d], &values[g][i * d]);
-      }
-    });
-    const size_t row = static_cast<size_t>(hq + 2 * hkv) * d;
-    for (int r = 0; r < n; ++r) {
-      const float* src = qkv + r * row;
-      float* q = q_out + static_cast<size_t>(r) * hq * d;
-      std::memcpy(q, src, sizeof(float) * hq * d);
-      for (int h = 0; h < hq; ++h) Rope(q + h * d, d, positions[r], ctx_.inv_freq);
-      for (int g = 0; g < hkv; ++g) {
-        Book kb{b ? &b->ck[g] : nullptr, &own.ck[g]}, vb{b ? &b->cv[g] : nullptr, &own.cv[g]};
-        float km = 0, vm = 0;
-        const int32_t kr = MergeOrAdd(src + (hq + g) * d, static_cast<float>(o_.key_threshold), kb, &km);
-        const int32_t vr = MergeOrAdd(src + (hq + hkv + g) * d, static_cast<float>(o_.value_threshold), vb, &vm);
-        Tokens& t = own.tok[g];
-        t.Push(positions[r], kr, km, vr, vm, group == 32 ? ~uint32_t{0} : (uint32_t{1} << group) - 1);
-        keys[g].resize(keys[g].size() + d);
-        values[g].resize(values[g].size() + d);
-        Rebuild(kb, vb, t, t.size() - 1, &keys[g][keys[g].size() - d], &values[g][values[g].size() - d]);
-      }
-      kernels::cpu::ParallelFor(hq, [&](int64_t h) {
-        const int g = static_cast<int>(h) / group;
-        const uint32_t bit = uint32_t{1} << (h % group);
-        const int64_t nb = b ? b->tok[g].size() : 0;
-        float m = -std::numeric_limits<float>::infinity();
-        double l = 0;
-        std::vector<double> acc(d, 0.0);
-        const float* qh = q + h * d;
-        auto visit = [&](int64_t i) {
-          const float* k = &keys[g][i * d];
-          float dot = 0;
-          for (int e = 0; e < d; ++e) dot += qh[e] * k[e];
-          const float x = dot * ctx_.scale;
-          if (x > m) {
-            const double c = std::exp(static_cast<double>(m) - x);
-            l *= c;
-            for (double& a : acc) a *= c;
-            m = x;
-          }
-          const double p = std::exp(static_cast<double>(x) - m);
-          l += p;
-          const float* v = &values[g][i * d];
-          for (int e = 0; e < d; ++e) acc[e] += p * v[e];
-        };
-        for (int64_t i = 0; i < nb; ++i) {
-          if (b->tok[g].heads[i] & bit) visit(i);
-        }
-        const Tokens& mine = own.tok[g];
-        for (int64_t i = 0; i < mine.size(); ++i) {
-          if (mine.heads[i] & bit) visit(nb + i);
-        }
-        float* o = out + (static_cast<size_t>(r) * hq + h) * d;
-        for (int e = 0; e < d; ++e) o[e] = static_cast<float>(acc[e] / l);
-        if (lse != nullptr) lse[static_cast<size_t>(r) * hq + h] = static_cast<float>(m + std::log(l));
-      });
+      float km = 0, vm = 0;
+      const int32_t kr = MergeOrAdd(src + (hq + g) * d, static_cast<float>(o_.key_threshold), kb, &km);
+      const int32_t vr = MergeOrAdd(src + (hq + hkv + g) * d, static_cast<float>(o_.value_threshold), vb, &vm);
+      own.tok[g].Push(pos, kr, km, vr, vm, group == 32 ? ~uint32_t{0} : (uint32_t{1} << group) - 1);
     }
   }
 
-  // Token j of t as its key (RoPE applied at its position) and value.
-  void Rebuild(const Book& kb, const Book& vb, const Tokens& t, int64_t j, float* k, float* v) const {
-    const int d = ctx_.head_dim;
-    const float* ke = kb.entry(t.kref[j]);
-    const float* ve = vb.entry(t.vref[j]);
-    for (int e = 0; e < d; ++e) {
-      k[e] = ke[e] * t.kmag[j];
-      v[e] = ve[e] * t.vmag[j];
+  // Attention of `batch` sequences' rotated queries q ([batch, hq d]) over
+  // what their KV heads hold of `layer` (Backend::SpindlekvAttention).
+  Status Attend(int layer, Seq* const* seqs, int batch, const float* q, float* out, float* lse) {
+    const int hkv = ctx_.hkv;
+    heads_.assign(static_cast<size_t>(batch) * hkv, kernels::SpindlekvHead{});
+    int64_t max_tokens = 0, max_pos = 0;
+    for (int i = 0; i < batch; ++i) {
+      const Seq& s = *seqs[i];
+      const Part* b = s.base ? &s.base->layer(layer) : nullptr;
+      const Part& own = s.own[layer];
+      for (int g = 0; g < hkv; ++g) {
+        kernels::SpindlekvHead& v = heads_[static_cast<size_t>(i) * hkv + g];
+        if (b != nullptr) {
+          v.part[0] = View(b->tok[g]);
+          v.key_entries[0] = b->ck[g].entries.data();
+          v.value_entries[0] = b->cv[g].entries.data();
+          v.key_base_entries = b->ck[g].size();
+          v.value_base_entries = b->cv[g].size();
+        }
+        v.part[1] = View(own.tok[g]);
+        v.key_entries[1] = own.ck[g].entries.data();
+        v.value_entries[1] = own.cv[g].entries.data();
+        max_tokens = std::max(max_tokens, v.part[0].n + v.part[1].n);
+      }
+      max_pos = std::max(max_pos, s.length + 1);
     }
-    // RoPE from the tables (the same f32 cos/sin of pos * inv_freq).
-    const int half = d / 2;
-    const float* c = &rope_cos_[static_cast<size_t>(t.pos[j]) * half];
-    const float* s = &rope_sin_[static_cast<size_t>(t.pos[j]) * half];
-    for (int i = 0; i < half; ++i) {
-      const float a = k[i], b = k[i + half];
-      k[i] = a * c[i] - b * s[i];
-      k[i + half] = b * c[i] + a * s[i];
-    }
+    EnsureRopeTables(max_pos);
+    kernels::SpindlekvAttentionArgs a;
+    a.q = q;
+    a.heads = heads_.data();
+    a.inv_freq = ctx_.inv_freq;
+    a.out = out;
+    a.lse = lse;
+    a.dtype = DType::kF32;
+    a.batch = batch;
+    a.hq = ctx_.hq;
+    a.hkv = hkv;
+    a.d = ctx_.head_dim;
+    a.scale = ctx_.scale;
+    a.max_tokens = max_tokens;
+    a.rope_cos = rope_cos_.data();
+    a.rope_sin = rope_sin_.data();
+    a.rope_positions = ctx_.head_dim >= 2 ? static_cast<int64_t>(rope_cos_.size()) / (ctx_.head_dim / 2) : 0;
+    return ctx_.backend->SpindlekvAttention(a);
+  }
+
+  static kernels::SpindlekvTokens View(const Tokens& t) {
+    kernels::SpindlekvTokens v;
+    v.pos = t.pos.data();
+    v.kref = t.kref.data();
+    v.vref = t.vref.data();
+    v.kmag = t.kmag.data();
+    v.vmag = t.vmag.data();
+    v.heads = t.heads.data();
+    v.n = t.size();
+    return v;
   }
 
   // cos and sin of pos * inv_freq for every position below `positions`
@@ -844,7 +837,8 @@ class SpindleKvPolicy final : public KvPolicy {
   SpindleKvOptions o_;
   std::map<int64_t, Seq> seqs_;
   std::vector<Seq*> step_;
-  std::vector<float> rope_cos_, rope_sin_;  // [positions][head_dim / 2]
+  std::vector<float> rope_cos_, rope_sin_;     // [positions][head_dim / 2]
+  std::vector<kernels::SpindlekvHead> heads_;  // Attend's views
 };
 
 }  // namespace
