@@ -58,6 +58,8 @@ _UNIT_RULES = (
      r"|^chunk_size$|^prefill_chunk$", "tokens"),
     (r"^batch|^built_batch$|^max_batch$", "sequences"),
     (r"^(hq|hkv)$", "heads"),
+    (r"^window$|^pool$|^codebook_block$", "tokens"),
+    (r"threshold$", "cosine similarity"),
     (r"^nq$", "tokens"),
     (r"^head_dim$|^in$|^out$", "elements"),
     (r"steps$", "steps"),

@@ -2,17 +2,17 @@
 // random weights generated on the device (no checkpoint), comparable to the
 // developers' full-attention peer (peer_full_attention.py, bundled into
 // .device/ by ops/device/pack.sh). One JSON line per measurement.
-//   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv] [--lanes N]
-//   penumbra-bench prefill --context 124928 [--cp-world 2 --cp-rank R --cp-rendezvous H:P]
-//   penumbra-bench ttft    --context 124928 [--question 64] [--cache off|hbm|disk] [--store-dir DIR]
-//   penumbra-bench shared  --context 124928 [--batch 64] [--question 64] [--steps 20] [--tier0 on|off]
+//   penumbra-bench decode  --context 61440,124928 [--batch N] [--steps 100] [--kv-policy full|shadowkv|spindlekv]
+//   [--lanes N] penumbra-bench prefill --context 124928 [--cp-world 2 --cp-rank R --cp-rendezvous H:P] penumbra-bench
+//   ttft    --context 124928 [--question 64] [--cache off|hbm|disk] [--store-dir DIR] penumbra-bench shared  --context
+//   124928 [--batch 64] [--question 64] [--steps 20] [--tier0 on|off]
 //                          (one shared document)
 //   penumbra-bench cp-decode --context 2097152 --cp-world 2 --cp-rank R --cp-rendezvous H:P [--cuda-device R]
 //                          (one sequence across the ranks of a context-parallel group, one process per
 //                          GPU; --cp-world 1 or absent: the same on one GPU; rank 0 prints the line;
 //                          --tls-ca/--tls-cert/--tls-key: the group's mutual TLS, --cp-secret-file its secret)
 // decode fills each sequence's context with random keys and values (through
-// the policy's real compression path for shadowkv), then times `steps` decode
+// the policy's real compression path for shadowkv and spindlekv), then times `steps` decode
 // steps of the whole model after 2 warm-up steps, greedy sampling included.
 // --lanes N splits the batch over N engine lanes (one weights copy, N streams
 // and policies) driven by N host threads, so lanes overlap on the GPU.
@@ -90,7 +90,7 @@ Status Main(int argc, char** argv) {
   a.Flag("context", "context lengths, comma-separated")
       .Flag("batch", "sequences (default: largest that fits)")
       .Flag("steps", "timed decode steps (default 100)")
-      .Flag("kv-policy", "full or shadowkv")
+      .Flag("kv-policy", "full, shadowkv or spindlekv (CPU only so far)")
       .Flag("force-hit-rate", "shadowkv: keep this fraction of the previous step's chunks")
       .Flag("hit-rates",
             "shadowkv: measure each of these forced hit rates on the same sequences, comma-separated, "
@@ -141,6 +141,7 @@ Status Main(int argc, char** argv) {
               "prefill: time each ShadowKV compression op; decode: time every op of 5 extra steps "
               "(synchronizes after each)");
   AddShadowKvFlags(a);
+  AddSpindleKvFlags(a);
   AddContextGroupFlags(a);
   transport::AddSecurityFlags(a);  // the context group's TLS certificates (role worker), --insecure
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
@@ -190,6 +191,7 @@ Status Main(int argc, char** argv) {
   PENUMBRA_ASSIGN_OR_RETURN(s.force_hit_rate, a.GetDouble("force-hit-rate", -1.0));
   s.min_prompt_tokens = 0;  // the benchmark's contexts always take the sparse path unless --min-prompt says so
   PENUMBRA_RETURN_IF_ERROR(ApplyShadowKvFlags(a, &s));
+  PENUMBRA_RETURN_IF_ERROR(ApplySpindleKvFlags(a, &eo.spindlekv));
   PENUMBRA_ASSIGN_OR_RETURN(s.fetch_turns, a.GetOnOff("fetch-turns", s.fetch_turns));
   PENUMBRA_ASSIGN_OR_RETURN(auto contexts, a.GetIntList("context"));
   if (contexts.empty()) return Status::InvalidArgument("--context is required");
