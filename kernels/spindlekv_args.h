@@ -37,20 +37,20 @@ struct SpindlekvTokens {
 };
 
 struct SpindlekvHead {
-  SpindlekvTokens part[2];             // part[0]: an attached document's (n 0: none); part[1]: the sequence's own
-  const void* key_entries[2] = {};     // [entries][d]: the document's, the sequence's own
+  SpindlekvTokens part[2];          // part[0]: an attached document's (n 0: none); part[1]: the sequence's own
+  const void* key_entries[2] = {};  // [entries][d]: the document's, the sequence's own
   const void* value_entries[2] = {};
   int32_t key_base_entries = 0, value_base_entries = 0;  // entries in key_entries[0], value_entries[0]
 };
 
 // Supported on CUDA: d % 32 == 0, d <= 256, hq % hkv == 0, hq / hkv <= 8.
 struct SpindlekvAttentionArgs {
-  const void* q = nullptr;            // [batch][hq][d] of dtype, RoPE applied
+  const void* q = nullptr;               // [batch][hq][d] of dtype, RoPE applied
   const SpindlekvHead* heads = nullptr;  // [batch * hkv], row b * hkv + h (device memory on CUDA)
-  const float* inv_freq = nullptr;    // [d / 2] (device)
-  void* out = nullptr;                // [batch][hq][d] of dtype
-  float* lse = nullptr;               // optional [batch][hq]: ln sum exp over the attended tokens (-inf: none)
-  DType dtype = DType::kF32;          // q, out and the codebook entries
+  const float* inv_freq = nullptr;       // [d / 2] (device)
+  void* out = nullptr;                   // [batch][hq][d] of dtype
+  float* lse = nullptr;                  // optional [batch][hq]: ln sum exp over the attended tokens (-inf: none)
+  DType dtype = DType::kF32;             // q, out and the codebook entries
   int batch = 0, hq = 0, hkv = 0, d = 0;
   float scale = 1.0f;
   // CUDA: tokens of a (sequence, KV head) are split over `splits` blocks,

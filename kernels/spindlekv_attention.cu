@@ -49,13 +49,13 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
     const uint32_t mask = tk.heads[t];
     if (mask == 0) continue;
     const int32_t kr = tk.kref[t], vr = tk.vref[t];
-    const T* ke = kr < head.key_base_entries
-                      ? static_cast<const T*>(head.key_entries[0]) + static_cast<int64_t>(kr) * d
-                      : static_cast<const T*>(head.key_entries[1]) + static_cast<int64_t>(kr - head.key_base_entries) * d;
-    const T* ve = vr < head.value_base_entries
-                      ? static_cast<const T*>(head.value_entries[0]) + static_cast<int64_t>(vr) * d
-                      : static_cast<const T*>(head.value_entries[1]) +
-                            static_cast<int64_t>(vr - head.value_base_entries) * d;
+    const T* ke = kr < head.key_base_entries ? static_cast<const T*>(head.key_entries[0]) + static_cast<int64_t>(kr) * d
+                                             : static_cast<const T*>(head.key_entries[1]) +
+                                                   static_cast<int64_t>(kr - head.key_base_entries) * d;
+    const T* ve =
+        vr < head.value_base_entries
+            ? static_cast<const T*>(head.value_entries[0]) + static_cast<int64_t>(vr) * d
+            : static_cast<const T*>(head.value_entries[1]) + static_cast<int64_t>(vr - head.value_base_entries) * d;
     const float km = tk.kmag[t], vm = tk.vmag[t], pos = static_cast<float>(tk.pos[t]);
     float k[E], v[E], other[E];
 #pragma unroll
@@ -169,15 +169,32 @@ void Launch(const SpindlekvAttentionArgs& a, cudaStream_t stream) {
 template <typename T>
 void LaunchForDim(const SpindlekvAttentionArgs& a, cudaStream_t stream) {
   switch (a.d / 32) {
-    case 1: Launch<T, 1>(a, stream); break;
-    case 2: Launch<T, 2>(a, stream); break;
-    case 3: Launch<T, 3>(a, stream); break;
-    case 4: Launch<T, 4>(a, stream); break;
-    case 5: Launch<T, 5>(a, stream); break;
-    case 6: Launch<T, 6>(a, stream); break;
-    case 7: Launch<T, 7>(a, stream); break;
-    case 8: Launch<T, 8>(a, stream); break;
-    default: LOG(FATAL) << "spindlekv attention: head_dim " << a.d;
+    case 1:
+      Launch<T, 1>(a, stream);
+      break;
+    case 2:
+      Launch<T, 2>(a, stream);
+      break;
+    case 3:
+      Launch<T, 3>(a, stream);
+      break;
+    case 4:
+      Launch<T, 4>(a, stream);
+      break;
+    case 5:
+      Launch<T, 5>(a, stream);
+      break;
+    case 6:
+      Launch<T, 6>(a, stream);
+      break;
+    case 7:
+      Launch<T, 7>(a, stream);
+      break;
+    case 8:
+      Launch<T, 8>(a, stream);
+      break;
+    default:
+      LOG(FATAL) << "spindlekv attention: head_dim " << a.d;
   }
 }
 
@@ -188,8 +205,8 @@ bool SpindlekvAttentionSupported(int hq, int hkv, int d) {
 }
 
 void LaunchSpindlekvAttention(const SpindlekvAttentionArgs& a, cudaStream_t stream) {
-  CHECK(SpindlekvAttentionSupported(a.hq, a.hkv, a.d)) << "spindlekv attention: hq " << a.hq << " hkv " << a.hkv
-                                                       << " d " << a.d;
+  CHECK(SpindlekvAttentionSupported(a.hq, a.hkv, a.d))
+      << "spindlekv attention: hq " << a.hq << " hkv " << a.hkv << " d " << a.d;
   CHECK_GE(a.splits, 1);
   CHECK(a.splits == 1 || a.workspace != nullptr) << "spindlekv attention: splits without a workspace";
   if (a.batch == 0) return;

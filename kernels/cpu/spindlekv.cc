@@ -26,10 +26,10 @@ void SpindlekvAttention(const SpindlekvAttentionArgs& a) {
         const uint32_t mask = t.heads[i];
         if (mask == 0) continue;
         const int32_t kr = t.kref[i], vr = t.vref[i];
-        const float* ke = kr < head.key_base_entries
-                              ? static_cast<const float*>(head.key_entries[0]) + static_cast<int64_t>(kr) * d
-                              : static_cast<const float*>(head.key_entries[1]) +
-                                    static_cast<int64_t>(kr - head.key_base_entries) * d;
+        const float* ke =
+            kr < head.key_base_entries
+                ? static_cast<const float*>(head.key_entries[0]) + static_cast<int64_t>(kr) * d
+                : static_cast<const float*>(head.key_entries[1]) + static_cast<int64_t>(kr - head.key_base_entries) * d;
         const float* ve = vr < head.value_base_entries
                               ? static_cast<const float*>(head.value_entries[0]) + static_cast<int64_t>(vr) * d
                               : static_cast<const float*>(head.value_entries[1]) +
@@ -76,7 +76,8 @@ void SpindlekvAttention(const SpindlekvAttentionArgs& a) {
     for (int j = 0; j < G; ++j) {
       const int64_t qh = b * a.hq + static_cast<int64_t>(h) * G + j;
       float* o = out + qh * d;
-      for (int e = 0; e < d; ++e) o[e] = l[j] > 0 ? static_cast<float>(acc[static_cast<size_t>(j) * d + e] / l[j]) : 0.0f;
+      for (int e = 0; e < d; ++e)
+        o[e] = l[j] > 0 ? static_cast<float>(acc[static_cast<size_t>(j) * d + e] / l[j]) : 0.0f;
       if (a.lse != nullptr) {
         a.lse[qh] = l[j] > 0 ? static_cast<float>(m[j] + std::log(l[j])) : -std::numeric_limits<float>::infinity();
       }
