@@ -273,6 +273,16 @@ CAPABILITIES = [
          cols=["run", "kv_policy", "continuation", "length", "records", "turns", "accuracy", "partial", "hit_rate",
                "seconds"],
          reproduce="penumbra eval --model models/penumbra-eval --segmented ...  # the row's command"),
+    dict(id="spindlekv-eval-cpu", title="SpindleKV: what it keeps against accuracy (CPU)",
+         what="Accuracy of spindlekv at reserve ratios 0.1-0.4 and pooling 7 and 31, with its codebooks and without "
+              "them (thresholds 2: eviction only, the pyramid with each query head's own tokens), beside full "
+              "attention and ShadowKV, on 40 records of 2048 tokens (the question last, in the observation window; "
+              "segmented: the document compressed at its own end); kv_bytes_ratio is the compressed state's bytes "
+              "over the exact f32 cache's, references and codebooks included.",
+         rows=lambda r: r.get("summary") is True,
+         cols=["run", "kv_policy", "reserve_ratio", "pool", "key_threshold", "value_threshold", "segmented",
+               "kv_bytes_ratio", "budget_fraction", "accuracy", "seconds"],
+         reproduce="penumbra eval --model models/penumbra-eval --device cpu --kv-policy spindlekv ...  # the row's command"),
     dict(id="service-load-cpu", title="Load test on the CPU",
          what="A bounded load test on loopback, `models/penumbra-eval` on 2 CPU cores.",
          rows=lambda r: True,
