@@ -82,16 +82,19 @@ class PerDocumentKvPolicy final : public KvPolicy {
     sub_.push_back(std::move(exact));
     sub_.push_back(std::move(sparse));
     if (pinned) sub_.push_back(std::move(pinned));
-    for (const auto& s : sub_) names_.push_back(s->name());
     rows_.resize(sub_.size());
     begun_.assign(sub_.size(), false);
   }
 
   std::string name() const override { return "auto"; }
-  std::vector<std::string> Forms() const override { return names_; }
+  std::vector<std::string> Forms() const override {
+    std::vector<std::string> out;
+    for (const auto& s : sub_) out.push_back(s->name());
+    return out;
+  }
   std::string FormOf(int64_t seq) const override {
     auto it = where_.find(seq);
-    return it == where_.end() ? std::string() : names_[it->second];
+    return it == where_.end() ? std::string() : sub_[it->second]->name();
   }
 
   Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
@@ -291,7 +294,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
       if (w < 0)
         return Status::InvalidArgument("auto: no form of this worker holds a " + spec.prefix->policy() + " document");
       if (pinned >= 0 && pinned != w) {
-        return Status::InvalidArgument("auto: a sequence pinned to " + names_[pinned] +
+        return Status::InvalidArgument("auto: a sequence pinned to " + sub_[pinned]->name() +
                                        " cannot attach a document held as " + spec.prefix->policy());
       }
       return w;
@@ -301,14 +304,14 @@ class PerDocumentKvPolicy final : public KvPolicy {
     return exact.device > 0 && exact.device <= exact_bytes_ ? kExact : kSparse;
   }
   int IndexOf(const std::string& form) const {
-    for (size_t w = 0; w < names_.size(); ++w) {
-      if (names_[w] == form) return static_cast<int>(w);
+    for (size_t w = 0; w < sub_.size(); ++w) {
+      if (sub_[w]->name() == form) return static_cast<int>(w);
     }
     return -1;
   }
   std::string FormList() const {
     std::string s;
-    for (const auto& n : names_) s += (s.empty() ? "" : ", ") + n;
+    for (const auto& n : Forms()) s += (s.empty() ? "" : ", ") + n;
     return s;
   }
   // A stored document's form, from its meta blob (the full policy's begins
@@ -362,8 +365,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
   PolicyContext ctx_;
   const size_t exact_bytes_;
   std::vector<std::unique_ptr<KvPolicy>> sub_;
-  std::vector<std::string> names_;  // sub_[w]->name()
-  std::map<int64_t, int> where_;    // sequence -> its form
+  std::map<int64_t, int> where_;  // sequence -> its form
   // The decode step: each form's batch rows, whether they were begun, the
   // gathered order (rows of the exact form first) and its scratch.
   std::vector<std::vector<int>> rows_;

@@ -295,23 +295,29 @@ void BuildCodebook(const float* x, int64_t n, int d, float theta, int block, Cod
 }
 
 int32_t MergeOrAdd(const float* v, float theta, Codebook* cb, float* mag) {
-  const int d = cb->d;
+  return MergeOrAdd(v, theta, nullptr, cb, mag);
+}
+
+int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* own, float* mag) {
+  const int d = own->d;
   CHECK_GT(d, 0) << "MergeOrAdd needs the codebook's dimension";
+  CHECK(base == nullptr || base->size() == 0 || base->d == d) << "codebook parts of other dimensions";
+  const int32_t nb = base != nullptr ? base->size() : 0;
   const double norm = Norm(v, d);
   *mag = static_cast<float>(norm);
-  if (!HasDirection(norm)) return cb->size() > 0 ? 0 : AppendE0(cb);
+  if (!HasDirection(norm)) return nb + own->size() > 0 ? 0 : AppendE0(own);
   std::vector<float> u(d);
   for (int c = 0; c < d; ++c) u[c] = static_cast<float>(v[c] / norm);
-  const int32_t size = cb->size();
   int32_t best = -1;
   float best_sim = -std::numeric_limits<float>::infinity();
-  for (int32_t e = 0; e < size; ++e) {
-    const float s = Dot(cb->entry(e), u.data(), d);
+  for (int32_t e = 0; e < nb + own->size(); ++e) {
+    const float s = Dot(e < nb ? base->entry(e) : own->entry(e - nb), u.data(), d);
     if (s > best_sim) best_sim = s, best = e;
   }
   if (best >= 0 && best_sim > theta) return best;
+  const int32_t size = nb + own->size();
   CHECK_LT(size, std::numeric_limits<int32_t>::max()) << "codebook too large for int32 references";
-  cb->entries.insert(cb->entries.end(), u.begin(), u.end());
+  own->entries.insert(own->entries.end(), u.begin(), u.end());
   return size;
 }
 

@@ -90,6 +90,9 @@ void BuildCodebook(const float* x, int64_t n, int d, float theta, int block, Cod
 // reference; *mag = |v|. v has cb->d floats: cb->d must be set (> 0) even while cb is empty. A zero row
 // references entry 0 (e_0 is appended first when cb is empty).
 int32_t MergeOrAdd(const float* v, float theta, Codebook* cb, float* mag);
+// The same over a codebook in two parts: `base` (may be null; an attached document's, read only) followed
+// by `own`, where new entries go. References count base's entries first (own's entry i is base->size() + i).
+int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* own, float* mag);
 
 // The reconstruction of eq. 14: out[d] = cb.entry(ref) * mag.
 void Reconstruct(const Codebook& cb, int32_t ref, float mag, float* out);

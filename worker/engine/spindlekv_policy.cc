@@ -70,6 +70,14 @@ struct Tokens {
     vmag.push_back(vm);
     heads.push_back(mask);
   }
+  void Append(const Tokens& o) {
+    pos.insert(pos.end(), o.pos.begin(), o.pos.end());
+    kref.insert(kref.end(), o.kref.begin(), o.kref.end());
+    kmag.insert(kmag.end(), o.kmag.begin(), o.kmag.end());
+    vref.insert(vref.end(), o.vref.begin(), o.vref.end());
+    vmag.insert(vmag.end(), o.vmag.begin(), o.vmag.end());
+    heads.insert(heads.end(), o.heads.begin(), o.heads.end());
+  }
   static constexpr size_t kBytesPerToken = 4 * sizeof(int32_t) + 2 * sizeof(float);
   size_t bytes() const { return pos.size() * kBytesPerToken; }
 };
@@ -225,69 +233,6 @@ class SpindleKvPrefix final : public KvPrefix {
   size_t bytes_ = 0;
 };
 
-// A codebook seen as an attached prefix's entries followed by a sequence's.
-struct Book {
-  const Codebook* base = nullptr;  // may be null
-  Codebook* own = nullptr;
-  int32_t base_size() const { return base ? base->size() : 0; }
-  const float* entry(int32_t ref) const {
-    const int32_t nb = base_size();
-    return ref < nb ? base->entry(ref) : own->entry(ref - nb);
-  }
-};
-
-// The paper's decode-time merge over both parts of a codebook: the entry of
-// highest cosine similarity if above theta, else v/|v| as a new entry.
-int32_t MergeOrAdd(const float* v, float theta, Book book, float* mag) {
-  const int d = book.own->d;
-  double n2 = 0;
-  for (int i = 0; i < d; ++i) n2 += static_cast<double>(v[i]) * v[i];
-  const float norm = static_cast<float>(std::sqrt(n2));
-  *mag = norm;
-  int32_t best = -1;
-  float best_sim = -std::numeric_limits<float>::infinity();
-  auto scan = [&](const Codebook* cb, int32_t offset) {
-    if (cb == nullptr) return;
-    for (int32_t e = 0; e < cb->size(); ++e) {
-      const float* c = cb->entry(e);
-      float dot = 0;
-      for (int i = 0; i < d; ++i) dot += c[i] * v[i];
-      if (dot > best_sim) {
-        best_sim = dot;
-        best = offset + e;
-      }
-    }
-  };
-  scan(book.base, 0);
-  scan(book.own, book.base_size());
-  if (norm == 0.0f) {
-    if (best >= 0) return best;  // any entry: the magnitude is 0
-  } else if (best >= 0 && best_sim / norm > theta) {
-    return best;
-  }
-  const size_t at = book.own->entries.size();
-  book.own->entries.resize(at + d, 0.0f);
-  if (norm == 0.0f) {
-    book.own->entries[at] = 1.0f;
-  } else {
-    for (int i = 0; i < d; ++i) book.own->entries[at + i] = v[i] / norm;
-  }
-  return book.base_size() + book.own->size() - 1;
-}
-
-// RoPE (rotate-half, f32 angles as kernels/cpu/rope_store.cc) of one head.
-void Rope(float* x, int d, int32_t position, const float* inv_freq) {
-  const int half = d / 2;
-  const float pos = static_cast<float>(position);
-  for (int i = 0; i < half; ++i) {
-    const float angle = pos * inv_freq[i];
-    const float c = std::cos(angle), s = std::sin(angle);
-    const float a = x[i], b = x[i + half];
-    x[i] = a * c - b * s;
-    x[i + half] = b * c + a * s;
-  }
-}
-
 class SpindleKvPolicy final : public KvPolicy {
  public:
   SpindleKvPolicy(const PolicyContext& ctx, const SpindleKvOptions& o) : ctx_(ctx), o_(o) {}
@@ -309,7 +254,6 @@ class SpindleKvPolicy final : public KvPolicy {
     }
     if (spec.prompt_len < 1) return Status::InvalidArgument("spindlekv: a sequence needs a prompt");
     Seq s;
-    s.prompt_len = spec.prompt_len;
     s.capacity = spec.prompt_len + spec.max_new_tokens;
     if (spec.prefix) {
       s.base = dynamic_cast<const SpindleKvPrefix*>(spec.prefix.get());
@@ -494,12 +438,12 @@ class SpindleKvPolicy final : public KvPolicy {
         for (int g = 0; g < ctx_.hkv; ++g) {
           float* k = &s.k[(static_cast<size_t>(g) * s.first + t) * d];
           std::memcpy(k, &s.pre_k[(static_cast<size_t>(t) * ctx_.hkv + g) * d], sizeof(float) * d);
-          Rope(k, d, static_cast<int32_t>(t), ctx_.inv_freq);
+          kernels::cpu::ApplyRope(k, 1, d, static_cast<int32_t>(t), ctx_.inv_freq);
         }
       }
       for (int64_t i = 0; i < s.window; ++i) {
         s.wpos[i] = static_cast<int32_t>(s.first - s.window + i);
-        for (int h = 0; h < ctx_.hq; ++h) Rope(&s.wq[(i * ctx_.hq + h) * d], d, s.wpos[i], ctx_.inv_freq);
+        kernels::cpu::ApplyRope(&s.wq[i * ctx_.hq * d], ctx_.hq, d, s.wpos[i], ctx_.inv_freq);
       }
       Compress(l, s);
       ++s.compressed;
@@ -525,7 +469,7 @@ class SpindleKvPolicy final : public KvPolicy {
 
  private:
   struct Seq {
-    int64_t prompt_len = 0, capacity = 0;
+    int64_t capacity = 0;
     int64_t first = 0;   // tokens of the first prefill (compressed at its end)
     int64_t length = 0;  // tokens held
     int compressed = 0;  // layers compressed
@@ -707,14 +651,7 @@ class SpindleKvPolicy final : public KvPolicy {
       // Own references already count past the prefix's entries.
       p.ck[g].entries.insert(p.ck[g].entries.end(), o.ck[g].entries.begin(), o.ck[g].entries.end());
       p.cv[g].entries.insert(p.cv[g].entries.end(), o.cv[g].entries.begin(), o.cv[g].entries.end());
-      Tokens& t = p.tok[g];
-      const Tokens& ot = o.tok[g];
-      t.pos.insert(t.pos.end(), ot.pos.begin(), ot.pos.end());
-      t.kref.insert(t.kref.end(), ot.kref.begin(), ot.kref.end());
-      t.kmag.insert(t.kmag.end(), ot.kmag.begin(), ot.kmag.end());
-      t.vref.insert(t.vref.end(), ot.vref.begin(), ot.vref.end());
-      t.vmag.insert(t.vmag.end(), ot.vmag.begin(), ot.vmag.end());
-      t.heads.insert(t.heads.end(), ot.heads.begin(), ot.heads.end());
+      p.tok[g].Append(o.tok[g]);
     }
     return p;
   }
@@ -746,12 +683,13 @@ class SpindleKvPolicy final : public KvPolicy {
     const Part* b = s.base ? &s.base->layer(layer) : nullptr;
     Part& own = s.own[layer];
     std::memcpy(q_out, src, sizeof(float) * hq * d);
-    for (int h = 0; h < hq; ++h) Rope(q_out + h * d, d, pos, ctx_.inv_freq);
+    kernels::cpu::ApplyRope(q_out, hq, d, pos, ctx_.inv_freq);
     for (int g = 0; g < hkv; ++g) {
-      Book kb{b ? &b->ck[g] : nullptr, &own.ck[g]}, vb{b ? &b->cv[g] : nullptr, &own.cv[g]};
       float km = 0, vm = 0;
-      const int32_t kr = MergeOrAdd(src + (hq + g) * d, static_cast<float>(o_.key_threshold), kb, &km);
-      const int32_t vr = MergeOrAdd(src + (hq + hkv + g) * d, static_cast<float>(o_.value_threshold), vb, &vm);
+      const int32_t kr = spindlekv::MergeOrAdd(src + (hq + g) * d, static_cast<float>(o_.key_threshold),
+                                               b ? &b->ck[g] : nullptr, &own.ck[g], &km);
+      const int32_t vr = spindlekv::MergeOrAdd(src + (hq + hkv + g) * d, static_cast<float>(o_.value_threshold),
+                                               b ? &b->cv[g] : nullptr, &own.cv[g], &vm);
       own.tok[g].Push(pos, kr, km, vr, vm, group == 32 ? ~uint32_t{0} : (uint32_t{1} << group) - 1);
     }
   }

@@ -308,8 +308,8 @@ class StoreNodeMetrics {
 // live in host memory). Under auto, ShadowKV's: what a document that does
 // not fit the exact form's budget is held in. SpindleKV's at most: the
 // tokens a KV head holds (its query heads' kept tokens, reserve_ratio of the
-// prompt each) with entries of their own (f32), references and magnitudes,
-// and the query heads' lists.
+// prompt each) with key and value entries of their own (f32) and 24 bytes of
+// position, references, magnitudes and query-head mask.
 int64_t DeviceBytesPerToken(Engine& e) {
   const ModelConfig& c = e.config();
   const int64_t es = static_cast<int64_t>(DTypeSize(e.backend().act_dtype()));
@@ -318,7 +318,7 @@ int64_t DeviceBytesPerToken(Engine& e) {
   if (e.options().kv_policy == "spindlekv") {
     const double r = e.options().spindlekv.reserve_ratio;
     const double held = std::min(1.0, r * c.num_heads / std::max(1, c.num_kv_heads));
-    const double per_layer = held * (2.0 * kv * sizeof(float) + c.num_kv_heads * 20.0) + r * c.num_heads * 4.0;
+    const double per_layer = held * (2.0 * kv * sizeof(float) + c.num_kv_heads * 24.0);
     return static_cast<int64_t>(std::ceil(c.num_layers * per_layer));
   }
   const ShadowKvOptions& o = e.options().shadowkv;
