@@ -49,12 +49,25 @@ struct GreedyRun {
   size_t bytes_after_prefill = 0;
 };
 
-GreedyRun Greedy(Engine& e, const std::vector<int32_t>& prompt, int steps) {
+// With first > 0 the prompt's first `first` tokens are its first prefill
+// (as a document's) and the rest a continuation.
+GreedyRun Greedy(Engine& e, const std::vector<int32_t>& prompt, int steps, int64_t first = 0) {
   GreedyRun out;
   Runtime& rt = e.runtime();
-  EXPECT_TRUE(rt.AddSequence(0, static_cast<int64_t>(prompt.size()), steps).ok());
   std::vector<float> logits;
-  Status s = rt.Prefill(0, prompt, &logits);
+  Status s;
+  if (first > 0) {
+    SequenceSpec spec;
+    spec.prompt_len = static_cast<int64_t>(prompt.size());
+    spec.max_new_tokens = steps;
+    spec.first_prefill = first;
+    EXPECT_TRUE(rt.policy().AddSequence(0, spec).ok());
+    s = rt.Prefill(0, prompt, nullptr, 0, first);
+    if (s.ok()) s = rt.Prefill(0, prompt, &logits, first);
+  } else {
+    EXPECT_TRUE(rt.AddSequence(0, static_cast<int64_t>(prompt.size()), steps).ok());
+    s = rt.Prefill(0, prompt, &logits);
+  }
   EXPECT_TRUE(s.ok()) << s;
   if (!s.ok()) return out;
   out.bytes_after_prefill = rt.policy().DeviceBytes(0);
@@ -126,6 +139,49 @@ TEST_F(SpindleKvTest, LossySettingsHoldLessAndStillGenerate) {
   EXPECT_GT(s0.kv_kept_bytes, s0.kv_exact_bytes);
   EXPECT_EQ(s.kv_exact_bytes, s0.kv_exact_bytes);
   EXPECT_LT(s.kv_kept_bytes * 2, s.kv_exact_bytes);
+}
+
+// The policy with its state in device memory (what CUDA runs) on the CPU
+// backend: the same ops over the same f32 math as the host policy, so the
+// same tokens, logits and compressed bytes, lossless and lossy, for a whole
+// prompt and for a first segment and a continuation. It holds no documents
+// yet: capturing and attaching are refused as Unimplemented.
+TEST_F(SpindleKvTest, TheDeviceStatePolicyIsTheHostPolicy) {
+  for (const auto& [ratio, threshold] : {std::pair{1.0, 1.5}, std::pair{0.3, 0.9}}) {
+    for (int64_t first : {int64_t{0}, int64_t{150}}) {
+      SCOPED_TRACE("ratio " + std::to_string(ratio) + ", first prefill " + std::to_string(first));
+      EngineOptions host = Spindle(ratio, threshold, threshold), device = host;
+      device.spindlekv_device_state = true;
+      auto eh = Open(host), ed = Open(device);
+      ASSERT_TRUE(eh && ed);
+      const GreedyRun a = Greedy(*eh, kPrompt, 12, first), b = Greedy(*ed, kPrompt, 12, first);
+      ASSERT_EQ(a.ids.size(), 13u);
+      EXPECT_EQ(a.ids, b.ids);
+      ASSERT_EQ(a.logits.size(), b.logits.size());
+      EXPECT_TRUE(testing::AllClose(b.logits, a.logits, 1e-5f, 1e-5f));
+      const PolicyStats sh = eh->runtime().policy().stats(), sd = ed->runtime().policy().stats();
+      EXPECT_EQ(sd.kv_exact_bytes, sh.kv_exact_bytes);
+      EXPECT_EQ(sd.kv_kept_bytes, sh.kv_kept_bytes);
+    }
+  }
+  EngineOptions device = Spindle(0.3, 0.9, 0.9);
+  device.spindlekv_device_state = true;
+  auto ed = Open(device);
+  ASSERT_NE(ed, nullptr);
+  Runtime& rt = ed->runtime();
+  ASSERT_TRUE(rt.AddSequence(0, static_cast<int64_t>(kPrompt.size()), 4).ok());
+  ASSERT_TRUE(rt.Prefill(0, kPrompt, nullptr).ok());
+  EXPECT_EQ(rt.policy().CapturePrefix(0, static_cast<int64_t>(kPrompt.size())).status().code(),
+            StatusCode::kUnimplemented);
+  // A benchmark's synthesized context goes through the same compression and
+  // decodes.
+  ASSERT_TRUE(rt.AddSequence(1, 300, 4).ok());
+  ASSERT_TRUE(rt.policy().SynthesizeContext(1, 300, 7).ok());
+  EXPECT_GT(rt.policy().DeviceBytes(1), 0u);
+  auto l = rt.DecodeStep({0, 1}, {5, 6}, {static_cast<int64_t>(kPrompt.size()), 300});
+  ASSERT_TRUE(l.ok()) << l.status();
+  const int V = ed->config().vocab_size;
+  for (int i = 0; i < 2 * V; ++i) ASSERT_TRUE(std::isfinite((*l)[i]));
 }
 
 // Options are checked and named; the docs table is the option table.

@@ -25,6 +25,7 @@
 #include "kernels/shadowkv_decode_args.h"
 #include "kernels/shadowkv_prefill_args.h"
 #include "kernels/spindlekv_args.h"
+#include "kernels/spindlekv_compress_args.h"
 #include "kernels/topk_args.h"
 
 namespace penumbra {
@@ -289,6 +290,14 @@ class Backend {
   // The backend picks splits and its workspace; InvalidArgument for a shape
   // or dtype it does not take.
   virtual Status SpindlekvAttention(const kernels::SpindlekvAttentionArgs& args) = 0;
+  // A first prefill's compression and a decode step's merge
+  // (kernels/spindlekv_compress_args.h: the semantics are
+  // worker/engine/spindlekv_math.h's). The backend takes each op's workspace
+  // itself; InvalidArgument for a shape or dtype it does not take.
+  virtual Status SpindlekvWindowScores(const kernels::SpindlekvWindowScoresArgs& args) = 0;
+  virtual Status SpindlekvSelect(const kernels::SpindlekvSelectArgs& args) = 0;
+  virtual Status SpindlekvBuildCodebook(const kernels::SpindlekvCodebookArgs& args) = 0;
+  virtual Status SpindlekvMerge(const kernels::SpindlekvMergeArgs& args) = 0;
   // Work issued between ForkSide() and JoinSide() by ops marked "side" runs
   // on a second stream that starts after all prior main-stream work; JoinSide
   // makes the main stream wait for it. No-ops on the CPU.

@@ -19,6 +19,7 @@
 #include "kernels/cpu/spindlekv.h"
 #include "kernels/value_format.h"
 #include "worker/engine/backend.h"
+#include "worker/engine/spindlekv_math.h"
 
 namespace penumbra {
 namespace {
@@ -425,6 +426,86 @@ class CpuBackend final : public Backend {
                                      std::to_string(a.hkv) + ", d " + std::to_string(a.d));
     }
     kc::SpindlekvAttention(a);
+    return Status::OK();
+  }
+  Status SpindlekvWindowScores(const kernels::SpindlekvWindowScoresArgs& a) override {
+    if (a.dtype != DType::kF32) return Status::InvalidArgument("spindlekv window scores on the CPU take f32");
+    if (a.hkv < 1 || a.hq % a.hkv != 0) return Status::InvalidArgument("spindlekv window scores: bad head counts");
+    const int group = a.hq / a.hkv;
+    const auto* q = static_cast<const float*>(a.q);
+    kc::ParallelFor(a.hq, [&](int64_t h) {
+      std::vector<float> rows(static_cast<size_t>(a.w) * a.d);
+      for (int b = 0; b < a.w; ++b) {
+        std::memcpy(&rows[static_cast<size_t>(b) * a.d], q + (static_cast<size_t>(b) * a.hq + h) * a.d,
+                    sizeof(float) * a.d);
+      }
+      const auto* k = static_cast<const float*>(a.k) + (h / group) * a.head_stride;
+      spindlekv::WindowScores(rows.data(), a.q_pos, a.w, k, a.n, a.d, a.scale, a.pool, a.out + h * a.n);
+    });
+    return Status::OK();
+  }
+  Status SpindlekvSelect(const kernels::SpindlekvSelectArgs& a) override {
+    if (a.hkv < 1 || a.hq % a.hkv != 0 || a.hq / a.hkv > 32) {
+      return Status::InvalidArgument("spindlekv select: bad head counts");
+    }
+    std::vector<std::vector<int32_t>> pos;
+    std::vector<std::vector<uint32_t>> heads;
+    spindlekv::SelectHeld(a.scores, a.n, a.context, a.keep, a.hq, a.hkv, &pos, &heads);
+    for (int g = 0; g < a.hkv; ++g) {
+      a.held[g] = static_cast<int32_t>(pos[g].size());
+      std::copy(pos[g].begin(), pos[g].end(), a.pos + g * a.n);
+      std::copy(heads[g].begin(), heads[g].end(), a.heads + g * a.n);
+    }
+    return Status::OK();
+  }
+  Status SpindlekvBuildCodebook(const kernels::SpindlekvCodebookArgs& a) override {
+    if (a.x_dtype != DType::kF32 || a.entry_dtype != DType::kF32) {
+      return Status::InvalidArgument("spindlekv codebooks on the CPU take f32");
+    }
+    kc::ParallelFor(a.count, [&](int64_t i) {
+      const kernels::SpindlekvCodebookProblem& p = a.problems[i];
+      std::vector<float> x(static_cast<size_t>(p.n) * a.d);
+      for (int32_t r = 0; r < p.n; ++r) {
+        std::memcpy(&x[static_cast<size_t>(r) * a.d], static_cast<const float*>(p.x) + p.rows[r] * p.row_stride,
+                    sizeof(float) * a.d);
+      }
+      spindlekv::Codebook cb;
+      cb.d = a.d;
+      spindlekv::BuildCodebook(x.data(), p.n, a.d, p.theta, a.block, &cb, p.refs, p.mags);
+      std::copy(cb.entries.begin(), cb.entries.end(), static_cast<float*>(p.entries));
+      *p.entry_count = cb.size();
+    });
+    return Status::OK();
+  }
+  Status SpindlekvMerge(const kernels::SpindlekvMergeArgs& a) override {
+    if (a.entry_dtype != DType::kF32) return Status::InvalidArgument("spindlekv merge on the CPU takes f32");
+    const int group = a.hq / a.hkv, d = a.d;
+    const uint32_t all = group == 32 ? ~uint32_t{0} : (uint32_t{1} << group) - 1;
+    const size_t row = static_cast<size_t>(a.hq + 2 * a.hkv) * d;
+    kc::ParallelFor(static_cast<int64_t>(a.batch) * a.hkv, [&](int64_t r) {
+      const int i = static_cast<int>(r / a.hkv), g = static_cast<int>(r % a.hkv);
+      // The views' arrays are the policy's own (writable) memory.
+      kernels::SpindlekvHead& h = a.seq_heads[i][a.layer * a.hkv + g];
+      int32_t* counts = a.seq_entries[i] + (static_cast<size_t>(a.layer) * a.hkv + g) * 2;
+      const float* src = a.qkv + i * row;
+      float km = 0, vm = 0;
+      const int32_t kr = spindlekv::MergeOrAdd(
+          src + (a.hq + g) * d, d, a.key_theta, static_cast<const float*>(h.key_entries[0]), h.key_base_entries,
+          const_cast<float*>(static_cast<const float*>(h.key_entries[1])), &counts[0], &km);
+      const int32_t vr = spindlekv::MergeOrAdd(
+          src + (a.hq + a.hkv + g) * d, d, a.value_theta, static_cast<const float*>(h.value_entries[0]),
+          h.value_base_entries, const_cast<float*>(static_cast<const float*>(h.value_entries[1])), &counts[1], &vm);
+      kernels::SpindlekvTokens& t = h.part[1];
+      const int64_t at = t.n;
+      const_cast<int32_t*>(t.pos)[at] = a.positions[i];
+      const_cast<int32_t*>(t.kref)[at] = kr;
+      const_cast<float*>(t.kmag)[at] = km;
+      const_cast<int32_t*>(t.vref)[at] = vr;
+      const_cast<float*>(t.vmag)[at] = vm;
+      const_cast<uint32_t*>(t.heads)[at] = all;
+      ++t.n;
+      if (a.gathered != nullptr) a.gathered[r] = h;
+    });
     return Status::OK();
   }
   void EncodeValuesFp8(const void* src, int64_t rows, int chunk_tokens, int d, void* dst) override {

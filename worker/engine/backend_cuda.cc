@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -30,6 +31,8 @@
 #include "kernels/shadowkv_decode.cuh"
 #include "kernels/shadowkv_prefill.cuh"
 #include "kernels/spindlekv_attention.cuh"
+#include "kernels/spindlekv_codebook.cuh"
+#include "kernels/spindlekv_compress.cuh"
 #include "kernels/swiglu.cuh"
 #include "kernels/topk.cuh"
 #include "kernels/value_fp8.cuh"
@@ -498,6 +501,52 @@ class CudaBackend final : public Backend {
     kn::LaunchSpindlekvAttention(a, stream_);
     return Status::OK();
   }
+  Status SpindlekvWindowScores(const kn::SpindlekvWindowScoresArgs& op) override {
+    if (!kn::SpindlekvWindowScoresSupported(op.d) || op.hkv < 1 || op.hq % op.hkv != 0) {
+      return Status::InvalidArgument("spindlekv window scores on CUDA: hq " + std::to_string(op.hq) + ", hkv " +
+                                     std::to_string(op.hkv) + ", d " + std::to_string(op.d));
+    }
+    kn::SpindlekvWindowScoresArgs a = op;
+    PENUMBRA_RETURN_IF_ERROR(
+        GrowWorkspace(&spindle_compress_ws_, kn::SpindlekvWindowScoresWorkspaceFloats(a) * sizeof(float)));
+    a.workspace = spindle_compress_ws_.as<float>();
+    kn::LaunchSpindlekvWindowScores(a, stream_);
+    return Status::OK();
+  }
+  Status SpindlekvSelect(const kn::SpindlekvSelectArgs& op) override {
+    if (op.hkv < 1 || op.hq % op.hkv != 0 || op.hq / op.hkv > 32) {
+      return Status::InvalidArgument("spindlekv select: bad head counts");
+    }
+    if (op.n >= std::numeric_limits<int32_t>::max()) {
+      return Status::InvalidArgument("spindlekv select: " + std::to_string(op.n) + " tokens (positions are int32)");
+    }
+    kn::SpindlekvSelectArgs a = op;
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&spindle_compress_ws_, kn::SpindlekvSelectWorkspaceBytes(a)));
+    a.workspace = spindle_compress_ws_.get();
+    kn::LaunchSpindlekvSelect(a, stream_);
+    return Status::OK();
+  }
+  Status SpindlekvBuildCodebook(const kn::SpindlekvCodebookArgs& op) override {
+    if (!kn::SpindlekvCodebookSupported(op.d, op.block)) {
+      return Status::InvalidArgument(
+          "spindlekv codebooks on CUDA take head_dim a multiple of 32 up to 256 and "
+          "blocks of 1 to 1024 rows; got d " +
+          std::to_string(op.d) + ", block " + std::to_string(op.block));
+    }
+    kn::SpindlekvCodebookArgs a = op;
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&spindle_compress_ws_, kn::SpindlekvCodebookWorkspaceBytes(a)));
+    a.workspace = spindle_compress_ws_.get();
+    kn::LaunchSpindlekvBuildCodebook(a, stream_);
+    return Status::OK();
+  }
+  Status SpindlekvMerge(const kn::SpindlekvMergeArgs& op) override {
+    if (!kn::SpindlekvCodebookSupported(op.d, 1) || op.hkv < 1 || op.hq % op.hkv != 0 || op.hq / op.hkv > 32) {
+      return Status::InvalidArgument("spindlekv merge on CUDA: hq " + std::to_string(op.hq) + ", hkv " +
+                                     std::to_string(op.hkv) + ", d " + std::to_string(op.d));
+    }
+    kn::LaunchSpindlekvMerge(op, stream_);
+    return Status::OK();
+  }
   Status PrepareFetchTurns(int layers) override {
     while (static_cast<int>(fetch_done_.size()) < layers) {
       cudaEvent_t e = nullptr;
@@ -598,6 +647,7 @@ class CudaBackend final : public Backend {
   static constexpr int kMaxScoreParts = 1 << 16;
   DeviceBuffer lowrank_ws_;
   DeviceBuffer spindle_ws_;             // SpindlekvAttention's splits
+  DeviceBuffer spindle_compress_ws_;    // SpindleKV's compression ops (one at a time on the stream)
   std::vector<DeviceBuffer> score_ws_;  // per workspace_part
   DeviceBuffer query_ws_;               // ShadowkvQueryScores (either path)
   cusolverDnHandle_t solver_ = nullptr;

@@ -59,14 +59,17 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
     // Validates the options against the model and the device first.
     PENUMBRA_ASSIGN_OR_RETURN(policy, MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
   } else if (options_.kv_policy == "spindlekv") {
-    PENUMBRA_ASSIGN_OR_RETURN(policy, MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv));
+    PENUMBRA_ASSIGN_OR_RETURN(policy, options_.spindlekv_device_state
+                                          ? MakeSpindleKvDevicePolicy(lane->policy_ctx->ctx, options_.spindlekv)
+                                          : MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv));
   } else if (options_.kv_policy == "auto") {
     PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> sparse,
                               MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
-    // spindlekv as a third form, held by pins only, where the backend runs
-    // it (the CPU's; CUDA refuses it with Unimplemented until its kernels
-    // exist: then auto holds full and shadowkv only).
-    Result<std::unique_ptr<KvPolicy>> pinned = MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv);
+    // spindlekv as a third form, held by pins only, where the backend's
+    // spindlekv holds documents (the CPU's; on CUDA it cannot capture them
+    // yet: there auto holds full and shadowkv only).
+    Result<std::unique_ptr<KvPolicy>> pinned = Status::Unimplemented("spindlekv documents on this backend");
+    if (backend->device() == Device::kCPU) pinned = MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv);
     if (!pinned.ok() && pinned.status().code() != StatusCode::kUnimplemented) return pinned.status();
     const RuntimeOptions& r = options_.runtime;
     policy = MakePerDocumentKvPolicy(lane->policy_ctx->ctx, MakeFullKvPolicy(lane->policy_ctx->ctx), std::move(sparse),

@@ -53,12 +53,16 @@ namespace penumbra {
 struct EngineOptions {
   BackendOptions backend;
   RuntimeOptions runtime;
-  // "full", "shadowkv", "spindlekv" (CPU backend only so far) or "auto" (a
-  // policy per document: each sequence and document held under full or
-  // shadowkv, worker/engine/per_document_policy.h). Default: full.
+  // "full", "shadowkv", "spindlekv" or "auto" (a policy per document: each
+  // sequence and document held under full or shadowkv,
+  // worker/engine/per_document_policy.h). Default: full.
   std::string kv_policy = "full";
   ShadowKvOptions shadowkv;
   SpindleKvOptions spindlekv;
+  // Tests: the CPU backend runs spindlekv with its state in device memory,
+  // as CUDA does (MakeSpindleKvDevicePolicy), not the host policy. Not a
+  // configuration key.
+  bool spindlekv_device_state = false;
   // The persistent tier of prefix reuse (storage/segment_store.h): with a
   // path, captured prefixes are also stored on disk, and a prefix missing
   // from a lane's device cache is looked up there, so documents survive a

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <numeric>
 
@@ -303,22 +304,72 @@ int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* 
   CHECK_GT(d, 0) << "MergeOrAdd needs the codebook's dimension";
   CHECK(base == nullptr || base->size() == 0 || base->d == d) << "codebook parts of other dimensions";
   const int32_t nb = base != nullptr ? base->size() : 0;
+  int32_t n = own->size();
+  CHECK_LT(nb + n, std::numeric_limits<int32_t>::max()) << "codebook too large for int32 references";
+  own->entries.resize(static_cast<size_t>(n + 1) * d);  // room for the entry it may add
+  const int32_t ref = MergeOrAdd(v, d, theta, nb ? base->entries.data() : nullptr, nb, own->entries.data(), &n, mag);
+  own->entries.resize(static_cast<size_t>(n) * d);
+  return ref;
+}
+
+int32_t MergeOrAdd(const float* v, int d, float theta, const float* base, int32_t nb, float* own, int32_t* own_n,
+                   float* mag) {
   const double norm = Norm(v, d);
   *mag = static_cast<float>(norm);
-  if (!HasDirection(norm)) return nb + own->size() > 0 ? 0 : AppendE0(own);
+  if (!HasDirection(norm) && nb + *own_n > 0) return 0;
+  float* added = own + static_cast<size_t>(*own_n) * d;
+  if (!HasDirection(norm)) {  // the first entry of an empty codebook: e_0
+    std::fill(added, added + d, 0.0f);
+    added[0] = 1.0f;
+    return nb + (*own_n)++;
+  }
   std::vector<float> u(d);
   for (int c = 0; c < d; ++c) u[c] = static_cast<float>(v[c] / norm);
   int32_t best = -1;
   float best_sim = -std::numeric_limits<float>::infinity();
-  for (int32_t e = 0; e < nb + own->size(); ++e) {
-    const float s = Dot(e < nb ? base->entry(e) : own->entry(e - nb), u.data(), d);
+  for (int32_t e = 0; e < nb + *own_n; ++e) {
+    const float s =
+        Dot(e < nb ? base + static_cast<size_t>(e) * d : own + static_cast<size_t>(e - nb) * d, u.data(), d);
     if (s > best_sim) best_sim = s, best = e;
   }
   if (best >= 0 && best_sim > theta) return best;
-  const int32_t size = nb + own->size();
-  CHECK_LT(size, std::numeric_limits<int32_t>::max()) << "codebook too large for int32 references";
-  own->entries.insert(own->entries.end(), u.begin(), u.end());
-  return size;
+  std::copy(u.begin(), u.end(), added);
+  return nb + (*own_n)++;
+}
+
+void SelectHeld(const float* scores, int64_t n, int64_t context, int64_t keep, int hq, int hkv,
+                std::vector<std::vector<int32_t>>* pos, std::vector<std::vector<uint32_t>>* heads) {
+  const int group = hq / hkv;
+  context = std::clamp<int64_t>(context, 0, n);
+  std::vector<std::vector<int32_t>> kept(hq);
+  for (int h = 0; h < hq; ++h) {
+    std::vector<int32_t>& mine = kept[h];
+    if (keep < context) {
+      mine = TopKIndices(scores + static_cast<size_t>(h) * n, context, keep);
+    } else {
+      mine.resize(context);
+      std::iota(mine.begin(), mine.end(), 0);
+    }
+    for (int64_t t = context; t < n; ++t) mine.push_back(static_cast<int32_t>(t));
+  }
+  pos->assign(hkv, {});
+  heads->assign(hkv, {});
+  for (int g = 0; g < hkv; ++g) {
+    std::vector<int32_t>& held = (*pos)[g];
+    for (int j = 0; j < group; ++j) {
+      const auto& k = kept[g * group + j];
+      std::vector<int32_t> merged;
+      std::set_union(held.begin(), held.end(), k.begin(), k.end(), std::back_inserter(merged));
+      held.swap(merged);
+    }
+    std::vector<uint32_t>& mask = (*heads)[g];
+    mask.assign(held.size(), 0);
+    for (int j = 0; j < group; ++j) {
+      for (int32_t tok : kept[g * group + j]) {
+        mask[std::lower_bound(held.begin(), held.end(), tok) - held.begin()] |= uint32_t{1} << j;
+      }
+    }
+  }
 }
 
 void Reconstruct(const Codebook& cb, int32_t ref, float mag, float* out) {

@@ -94,6 +94,19 @@ int32_t MergeOrAdd(const float* v, float theta, Codebook* cb, float* mag);
 // by `own`, where new entries go. References count base's entries first (own's entry i is base->size() + i).
 int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* own, float* mag);
 
+// The same over entries in the caller's memory: base [nb][d] (read only; may be null when nb is 0) and
+// own [*own_n][d] with room for one more entry, appended there (*own_n grows) when the row adds one.
+int32_t MergeOrAdd(const float* v, int d, float theta, const float* base, int32_t nb, float* own, int32_t* own_n,
+                   float* mag);
+
+// The tokens each KV head holds after eviction: query head h keeps TopKIndices(scores + h * n, context,
+// keep) (every context token when keep >= context; scores may then be null) and every token of
+// [context, n) (the observation window); KV head g (query heads g * G + j, G = hq / hkv) holds the union
+// of its query heads' tokens, ascending, in (*pos)[g], each with the mask of the j that keep it (bit j)
+// in (*heads)[g].
+void SelectHeld(const float* scores, int64_t n, int64_t context, int64_t keep, int hq, int hkv,
+                std::vector<std::vector<int32_t>>* pos, std::vector<std::vector<uint32_t>>* heads);
+
 // The reconstruction of eq. 14: out[d] = cb.entry(ref) * mag.
 void Reconstruct(const Codebook& cb, int32_t ref, float mag, float* out);
 

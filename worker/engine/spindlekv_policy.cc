@@ -32,8 +32,8 @@
 // own tokens and codebook entries on top without copying it (Part below).
 //
 // The CPU backend runs it (host arrays; the CPU backend's device memory is
-// host memory); on CUDA it is refused with Unimplemented until its kernels
-// exist.
+// host memory); other backends run the same algorithm with its state in
+// device memory (spindlekv_device_policy.cc).
 #include "worker/engine/spindlekv_policy.h"
 
 #include <glog/logging.h>
@@ -582,35 +582,25 @@ class SpindleKvPolicy final : public KvPolicy {
     const int64_t keep = spindlekv::KeptTokens(s.ratios[layer], context);
     Part& p = s.own[layer];
     p.Init(hkv, d);
-    // Each query head's kept tokens: its top `keep` of the context, then the window.
-    std::vector<std::vector<int32_t>> kept(hq);
-    kernels::cpu::ParallelFor(hq, [&](int64_t h) {
-      std::vector<int32_t>& mine = kept[h];
-      if (keep < context) {
-        std::vector<float> scores(F);
+    // Each query head's scores, then the tokens each KV head holds.
+    std::vector<float> scores;
+    if (keep < context) {
+      scores.resize(static_cast<size_t>(hq) * F);
+      kernels::cpu::ParallelFor(hq, [&](int64_t h) {
         std::vector<float> q(static_cast<size_t>(s.window) * d);
         for (int64_t i = 0; i < s.window; ++i) {
           std::memcpy(&q[i * d], &s.wq[(i * hq + h) * d], sizeof(float) * d);
         }
         const int g = static_cast<int>(h) / group;
         spindlekv::WindowScores(q.data(), s.wpos.data(), static_cast<int>(s.window),
-                                &s.k[static_cast<size_t>(g) * F * d], F, d, ctx_.scale, o_.pool, scores.data());
-        mine = spindlekv::TopKIndices(scores.data(), context, keep);
-      } else {
-        mine.resize(context);
-        for (int64_t t = 0; t < context; ++t) mine[t] = static_cast<int32_t>(t);
-      }
-      for (int64_t t = context; t < F; ++t) mine.push_back(static_cast<int32_t>(t));
-    });
+                                &s.k[static_cast<size_t>(g) * F * d], F, d, ctx_.scale, o_.pool, &scores[h * F]);
+      });
+    }
+    std::vector<std::vector<int32_t>> held_pos;
+    std::vector<std::vector<uint32_t>> held_heads;
+    spindlekv::SelectHeld(scores.data(), F, context, keep, hq, hkv, &held_pos, &held_heads);
     kernels::cpu::ParallelFor(hkv, [&](int64_t g) {
-      // The KV head's tokens: every token one of its query heads keeps.
-      std::vector<int32_t> held;
-      for (int j = 0; j < group; ++j) {
-        const auto& k = kept[g * group + j];
-        std::vector<int32_t> merged;
-        std::set_union(held.begin(), held.end(), k.begin(), k.end(), std::back_inserter(merged));
-        held.swap(merged);
-      }
+      const std::vector<int32_t>& held = held_pos[g];
       const int64_t n = static_cast<int64_t>(held.size());
       std::vector<float> keys(n * d), values(n * d);
       for (int64_t i = 0; i < n; ++i) {
@@ -623,12 +613,7 @@ class SpindleKvPolicy final : public KvPolicy {
       t.kmag.resize(n);
       t.vref.resize(n);
       t.vmag.resize(n);
-      t.heads.assign(n, 0);
-      for (int j = 0; j < group; ++j) {
-        for (int32_t tok : kept[g * group + j]) {
-          t.heads[std::lower_bound(held.begin(), held.end(), tok) - held.begin()] |= uint32_t{1} << j;
-        }
-      }
+      t.heads = std::move(held_heads[g]);
       spindlekv::BuildCodebook(keys.data(), n, d, static_cast<float>(o_.key_threshold), o_.codebook_block, &p.ck[g],
                                t.kref.data(), t.kmag.data());
       spindlekv::BuildCodebook(values.data(), n, d, static_cast<float>(o_.value_threshold), o_.codebook_block, &p.cv[g],
@@ -783,10 +768,7 @@ class SpindleKvPolicy final : public KvPolicy {
 
 Result<std::unique_ptr<KvPolicy>> MakeSpindleKvPolicy(const PolicyContext& ctx, const SpindleKvOptions& options) {
   PENUMBRA_RETURN_IF_ERROR(SpindleKvOptionTable().Validate(options));
-  if (ctx.backend->device() != Device::kCPU) {
-    return Status::Unimplemented(
-        "the spindlekv KV policy runs on the CPU backend only (its CUDA kernels are not built yet); use --device cpu");
-  }
+  if (ctx.backend->device() != Device::kCPU) return MakeSpindleKvDevicePolicy(ctx, options);
   if (ctx.backend->act_dtype() != DType::kF32) {
     return Status::Unimplemented("the spindlekv KV policy needs f32 activations");
   }

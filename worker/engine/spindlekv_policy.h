@@ -15,4 +15,9 @@ namespace penumbra {
 // (CUDA), naming what is missing.
 Result<std::unique_ptr<KvPolicy>> MakeSpindleKvPolicy(const PolicyContext& ctx, const SpindleKvOptions& options);
 
+// The policy with its state in device memory (worker/engine/spindlekv_device_policy.cc):
+// what MakeSpindleKvPolicy makes on CUDA; on the CPU backend for tests (the
+// host policy there also shares documents).
+Result<std::unique_ptr<KvPolicy>> MakeSpindleKvDevicePolicy(const PolicyContext& ctx, const SpindleKvOptions& options);
+
 }  // namespace penumbra

@@ -1,0 +1,175 @@
+// The spindlekv KV policy on the CUDA backend (its state in device memory,
+// worker/engine/spindlekv_device_policy.cc) on a small model of random
+// weights with the kernels' head size (64): with every token kept and
+// nothing shared it is full attention on the same weights (f32 and bf16);
+// lossy settings hold less and still decode; a synthesized context decodes
+// in a batch beside a prefilled sequence; documents are refused as
+// Unimplemented. The kernels' own parity tests are
+// tests/kernels/spindlekv_*_gpu_test.cc.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/gpu_test_util.h"
+#include "tests/test_util.h"
+#include "worker/engine/engine.h"
+
+namespace penumbra {
+namespace {
+
+class SpindleKvGpuTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+      (void)cudaGetLastError();
+      GTEST_SKIP() << "no CUDA device";
+    }
+  }
+};
+
+ModelConfig SmallModel() {
+  ModelConfig c;
+  c.hidden_size = 256;
+  c.intermediate_size = 512;
+  c.num_layers = 3;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab_size = 512;
+  c.max_position_embeddings = 8192;
+  c.rope_theta = 10000.0;
+  return c;
+}
+
+EngineOptions Options(const std::string& dtype, const std::string& policy) {
+  EngineOptions o;
+  o.backend.device = "cuda";
+  o.backend.dtype = dtype;
+  o.kv_policy = policy;
+  o.spindlekv.window = 16;
+  return o;
+}
+
+std::unique_ptr<Engine> Open(const EngineOptions& o) {
+  auto e = Engine::OpenRandom(SmallModel(), o, 2026);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+struct GreedyRun {
+  std::vector<int32_t> ids;
+  std::vector<float> logits;
+};
+
+// Greedy: the prompt's prefill, then `steps` decode steps.
+GreedyRun Greedy(Engine& e, const std::vector<int32_t>& prompt, int steps) {
+  GreedyRun out;
+  Runtime& rt = e.runtime();
+  EXPECT_TRUE(rt.AddSequence(0, static_cast<int64_t>(prompt.size()), steps).ok());
+  std::vector<float> logits;
+  Status s = rt.Prefill(0, prompt, &logits);
+  EXPECT_TRUE(s.ok()) << s;
+  if (!s.ok()) return out;
+  const int V = e.config().vocab_size;
+  int32_t tok = static_cast<int32_t>(std::max_element(logits.end() - V, logits.end()) - (logits.end() - V));
+  out.ids.push_back(tok);
+  for (int i = 0; i < steps; ++i) {
+    auto l = rt.DecodeStep({0}, {tok}, {static_cast<int64_t>(prompt.size() + i)});
+    EXPECT_TRUE(l.ok()) << l.status();
+    if (!l.ok()) break;
+    std::vector<float> host(V);
+    EXPECT_TRUE(rt.backend().CopyToHost(host.data(), *l, V * sizeof(float)).ok());
+    out.logits.insert(out.logits.end(), host.begin(), host.end());
+    tok = static_cast<int32_t>(std::max_element(host.begin(), host.end()) - host.begin());
+    out.ids.push_back(tok);
+  }
+  rt.RemoveSequence(0);
+  return out;
+}
+
+std::vector<int32_t> Prompt(int n) {
+  std::vector<int32_t> p(n);
+  uint64_t x = 12345;
+  for (int& t : p) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t = static_cast<int32_t>(3 + (x >> 33) % 500);
+  }
+  return p;
+}
+
+// r = 1 and thresholds above 1: every token kept, every key and value an
+// entry of its own (unit vector in the act dtype x an f32 magnitude).
+TEST_P(SpindleKvGpuTest, EverythingKeptAndNothingSharedIsFullAttention) {
+  const std::string dtype = GetParam();
+  EngineOptions spindle = Options(dtype, "spindlekv");
+  spindle.spindlekv.reserve_ratio = 1.0;
+  spindle.spindlekv.key_threshold = spindle.spindlekv.value_threshold = 1.5;
+  auto ef = Open(Options(dtype, "full")), es = Open(spindle);
+  ASSERT_TRUE(ef && es);
+  const std::vector<int32_t> prompt = Prompt(700);
+  const GreedyRun a = Greedy(*ef, prompt, 10), b = Greedy(*es, prompt, 10);
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  ASSERT_FALSE(a.logits.empty());
+  // bf16: the entries are rounded unit vectors times f32 magnitudes, the
+  // exact cache's rounded vectors; the first step's logits agree to bf16's
+  // precision, later ones follow their own tokens.
+  const int V = es->config().vocab_size;
+  const float tol = dtype == "f32" ? 2e-3f : 6e-2f;
+  EXPECT_TRUE(testing::AllClose(std::vector<float>(b.logits.begin(), b.logits.begin() + V),
+                                std::vector<float>(a.logits.begin(), a.logits.begin() + V), tol, tol));
+  if (dtype == "f32") {
+    EXPECT_EQ(a.ids, b.ids);
+    EXPECT_TRUE(testing::AllClose(b.logits, a.logits, tol, tol));
+  }
+}
+
+// Lossy settings: the pyramid keeps 30% of the context, similar keys and
+// values share entries; the policy's measure of what it keeps is below half
+// the exact cache's bytes, and decode goes on with finite logits.
+TEST_P(SpindleKvGpuTest, LossySettingsHoldLessAndStillDecode) {
+  EngineOptions o = Options(GetParam(), "spindlekv");
+  o.spindlekv.reserve_ratio = 0.3;
+  o.spindlekv.key_threshold = o.spindlekv.value_threshold = 0.2;
+  auto e = Open(o);
+  ASSERT_NE(e, nullptr);
+  const GreedyRun r = Greedy(*e, Prompt(2000), 16);
+  ASSERT_EQ(r.ids.size(), 17u);
+  for (float x : r.logits) ASSERT_TRUE(std::isfinite(x));
+  const PolicyStats s = e->runtime().policy().stats();
+  EXPECT_GT(s.kv_exact_bytes, 0);
+  EXPECT_LT(s.kv_kept_bytes * 2, s.kv_exact_bytes);
+}
+
+// A benchmark's synthesized context (random keys and values through the same
+// compression) decodes in one batch with a prefilled sequence; a document
+// cannot be captured.
+TEST_P(SpindleKvGpuTest, ASynthesizedContextDecodesBesideAPrefilledOne) {
+  EngineOptions o = Options(GetParam(), "spindlekv");
+  o.spindlekv.reserve_ratio = 0.2;
+  auto e = Open(o);
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  const std::vector<int32_t> prompt = Prompt(900);
+  ASSERT_TRUE(rt.AddSequence(0, 900, 8).ok());
+  ASSERT_TRUE(rt.Prefill(0, prompt, nullptr).ok());
+  EXPECT_EQ(rt.policy().CapturePrefix(0, 900).status().code(), StatusCode::kUnimplemented);
+  ASSERT_TRUE(rt.AddSequence(1, 5000, 8).ok());
+  ASSERT_TRUE(rt.policy().SynthesizeContext(1, 5000, 11).ok());
+  const int V = e->config().vocab_size;
+  std::vector<float> host(2 * V);
+  for (int i = 0; i < 8; ++i) {
+    auto l = rt.DecodeStep({0, 1}, {5, 6}, {900 + i, 5000 + i});
+    ASSERT_TRUE(l.ok()) << l.status();
+    ASSERT_TRUE(rt.backend().CopyToHost(host.data(), *l, host.size() * sizeof(float)).ok());
+    for (float x : host) ASSERT_TRUE(std::isfinite(x));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, SpindleKvGpuTest, ::testing::Values("f32", "bf16"));
+
+}  // namespace
+}  // namespace penumbra

@@ -1,0 +1,639 @@
+// The SpindleKV KV policy with its state in device memory: what the CUDA
+// backend runs (the CPU backend runs it too, in tests). The algorithm is the
+// host policy's (worker/engine/spindlekv_policy.cc says what it keeps and
+// why); here every step of it is a backend op (kernels/spindlekv_args.h,
+// kernels/spindlekv_compress_args.h), so nothing of a sequence's state
+// crosses the host link after its prompt:
+//   - first prefill, one layer at a time: RopeStore writes the exact keys
+//     (RoPE applied and not) and values into the sequence's scratch, exact
+//     attention over them; the observation window's queries are kept;
+//   - its end (FinishPrefillLayer): SpindlekvWindowScores, SpindlekvSelect
+//     (the tokens each KV head holds and their query-head masks), one
+//     download of the held counts to size the layer's state, then
+//     SpindlekvBuildCodebook for keys (pre-RoPE, f32) and values (act dtype);
+//     the scratch is freed after the last layer;
+//   - tokens after it (a decode step's, or a continuation's one row at a
+//     time): SpindlekvMerge appends each new key and value to the KV head's
+//     codebooks and tokens on the device and gathers the views
+//     SpindlekvAttention reads.
+// Host buffers go to the device with CopyToDevice, which has read them when
+// it returns (a pageable copy is staged), so they may be reused at once.
+//
+// A (sequence, layer) keeps its state in one allocation sized at the end of
+// its first prefill: per KV head its held tokens plus every token the
+// sequence may still add, and as many codebook entries of each kind (a token
+// adds at most one). Codebook entries are in the act dtype (bf16 on CUDA:
+// unit vectors, scaled by an f32 magnitude per token).
+//
+// Not yet on the device: attaching or capturing prefixes (documents; the
+// host policy shares them), context-parallel shards.
+#include <glog/logging.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "kernels/spindlekv_compress_args.h"
+#include "worker/engine/spindlekv_math.h"
+#include "worker/engine/spindlekv_policy.h"
+
+namespace penumbra {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
+
+// Where a KV head's arrays lie in its (sequence, layer)'s allocation, for
+// room for `cap` tokens.
+struct HeadLayout {
+  size_t pos, kref, vref, kmag, vmag, heads, kent, vent, bytes;
+  HeadLayout(int64_t cap, int d, size_t es) {
+    const size_t c = static_cast<size_t>(cap);
+    size_t at = 0;
+    auto take = [&](size_t b) {
+      const size_t here = at;
+      at += AlignUp(b);
+      return here;
+    };
+    pos = take(c * 4);
+    kref = take(c * 4);
+    vref = take(c * 4);
+    kmag = take(c * 4);
+    vmag = take(c * 4);
+    heads = take(c * 4);
+    kent = take(c * d * es);
+    vent = take(c * d * es);
+    bytes = at;
+  }
+};
+
+class SpindleKvDevicePolicy final : public KvPolicy {
+ public:
+  SpindleKvDevicePolicy(const PolicyContext& ctx, const SpindleKvOptions& o)
+      : ctx_(ctx), o_(o), es_(DTypeSize(ctx.backend->act_dtype())) {}
+
+  std::string name() const override { return "spindlekv"; }
+
+  std::string StateFingerprint() const override {
+    // The host policy's: the same options make the same state.
+    std::ostringstream os;
+    os << "spindlekv r=" << o_.reserve_ratio << " beta=" << o_.min_ratio << " window=" << o_.window
+       << " pool=" << o_.pool << " tk=" << o_.key_threshold << " tv=" << o_.value_threshold
+       << " block=" << o_.codebook_block << " min=" << o_.min_prompt_tokens;
+    return os.str();
+  }
+
+  Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
+    if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
+    if (spec.shard.sharded()) {
+      return Status::Unimplemented("the spindlekv KV policy cannot hold a context-parallel shard");
+    }
+    if (spec.prefix) {
+      return Status::Unimplemented("the spindlekv KV policy on " + ctx_.backend->name() +
+                                   " cannot attach documents yet (the CPU backend's can)");
+    }
+    if (spec.prompt_len < 1) return Status::InvalidArgument("spindlekv: a sequence needs a prompt");
+    Seq s;
+    s.capacity = spec.prompt_len + spec.max_new_tokens;
+    s.first = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
+    if (s.capacity > std::numeric_limits<int32_t>::max()) {
+      return Status::InvalidArgument("spindlekv: a sequence of " + std::to_string(s.capacity) + " tokens");
+    }
+    s.window = std::min<int64_t>(o_.window, s.first);
+    const bool evict = s.first >= o_.min_prompt_tokens;
+    s.ratios = evict ? spindlekv::RetainRatios(o_.reserve_ratio, s.first, s.window, o_.min_ratio, ctx_.num_layers)
+                     : std::vector<double>(ctx_.num_layers, 1.0);
+    const SequenceBytes need = Estimate(s.first, s.capacity - s.first);
+    const size_t free = ctx_.backend->FreeMemoryBytes();
+    if (need.device > free) {
+      return Status::ResourceExhausted("spindlekv: a sequence of " + std::to_string(s.capacity) +
+                                       " tokens needs up to " + std::to_string(need.device >> 20) + " MiB, " +
+                                       std::to_string(free >> 20) + " MiB are free");
+    }
+    const int L = ctx_.num_layers, hkv = ctx_.hkv, d = ctx_.head_dim;
+    PENUMBRA_ASSIGN_OR_RETURN(s.k, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * es_));
+    PENUMBRA_ASSIGN_OR_RETURN(s.v, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * es_));
+    PENUMBRA_ASSIGN_OR_RETURN(s.pre_k, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * 4));
+    PENUMBRA_ASSIGN_OR_RETURN(s.wq, ctx_.backend->Allocate(static_cast<size_t>(s.window) * ctx_.hq * d * es_));
+    PENUMBRA_ASSIGN_OR_RETURN(s.wpos, ctx_.backend->Allocate(static_cast<size_t>(s.window) * sizeof(int32_t)));
+    PENUMBRA_ASSIGN_OR_RETURN(s.heads,
+                              ctx_.backend->Allocate(static_cast<size_t>(L) * hkv * sizeof(kernels::SpindlekvHead)));
+    PENUMBRA_ASSIGN_OR_RETURN(s.counts, ctx_.backend->Allocate(static_cast<size_t>(L) * hkv * 2 * sizeof(int32_t)));
+    PENUMBRA_ASSIGN_OR_RETURN(s.self, ctx_.backend->Allocate(2 * sizeof(void*)));
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Memset(s.counts.get(), 0, s.counts.bytes()));
+    // A sequence alone as a merge's batch of one (continuations).
+    void* self[2] = {s.heads.get(), s.counts.get()};
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(s.self.get(), self, sizeof(self)));
+    s.layers.resize(L);
+    seqs_.emplace(seq, std::move(s));
+    return Status::OK();
+  }
+
+  void RemoveSequence(int64_t seq) override {
+    if (seqs_.count(seq) == 0) return;
+    // Kernels of the stream may still read its memory.
+    (void)ctx_.backend->Synchronize();
+    seqs_.erase(seq);
+  }
+
+  bool PrefillSplits(int64_t) const override { return false; }
+
+  Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t start, const int32_t* positions,
+                          void* q_scratch, void* out, float* lse) override {
+    Seq& s = Get(seq);
+    if (start + n > s.capacity) return Status::InvalidArgument("spindlekv: prefill past the sequence's capacity");
+    if (start < s.first) {
+      if (start + n > s.first) {
+        return Status::InvalidArgument("spindlekv: a prefill run across the end of the first prefill (" +
+                                       std::to_string(s.first) + ")");
+      }
+      return FirstPrefill(layer, s, qkv, n, start, positions, q_scratch, out, lse);
+    }
+    if (s.compressed < ctx_.num_layers) {
+      return Status::FailedPrecondition("spindlekv: a continuation before the first prefill is complete");
+    }
+    // One row at a time: each row's key and value join before it attends.
+    const size_t row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;
+    const size_t qrow = static_cast<size_t>(ctx_.hq) * ctx_.head_dim * es_;
+    for (int r = 0; r < n; ++r) {
+      PENUMBRA_RETURN_IF_ERROR(
+          AppendAndAttend(layer, {&s}, qkv + r * row, positions + r, static_cast<char*>(q_scratch) + r * qrow,
+                          static_cast<char*>(out) + r * qrow, lse ? lse + static_cast<size_t>(r) * ctx_.hq : nullptr,
+                          s.self.as<void*>(), start + r - s.first));
+    }
+    if (layer == ctx_.num_layers - 1) s.length = std::max(s.length, start + n);
+    return Status::OK();
+  }
+
+  Status FinishPrefillLayer(int layer, int64_t seq, int64_t prompt_len) override {
+    Seq& s = Get(seq);
+    if (prompt_len != s.first || layer != s.compressed) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(Compress(layer, s));
+    if (++s.compressed == ctx_.num_layers) {
+      s.length = s.first;
+      PENUMBRA_RETURN_IF_ERROR(ReleaseScratch(s));
+    }
+    return Status::OK();
+  }
+
+  Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) override {
+    step_.clear();
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq& s = Get(seqs[i]);
+      if (s.compressed < ctx_.num_layers) {
+        return Status::FailedPrecondition("spindlekv: sequence " + std::to_string(seqs[i]) + " is not prefilled");
+      }
+      if (positions[i] != s.length || positions[i] >= s.capacity) {
+        return Status::InvalidArgument("spindlekv: sequence " + std::to_string(seqs[i]) + " holds " +
+                                       std::to_string(s.length) + " of " + std::to_string(s.capacity) +
+                                       " tokens; a decode at position " + std::to_string(positions[i]));
+      }
+      step_.push_back(&s);
+    }
+    // The step's sequences for every layer's merge: [batch] heads arrays,
+    // then [batch] entry counts.
+    std::vector<void*> ptrs(2 * step_.size());
+    for (size_t i = 0; i < step_.size(); ++i) {
+      ptrs[i] = step_[i]->heads.get();
+      ptrs[step_.size() + i] = step_[i]->counts.get();
+    }
+    PENUMBRA_RETURN_IF_ERROR(Grow(&step_ptrs_, ptrs.size() * sizeof(void*)));
+    return ctx_.backend->CopyToDevice(step_ptrs_.get(), ptrs.data(), ptrs.size() * sizeof(void*));
+  }
+
+  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
+                         float* lse) override {
+    std::vector<Seq*> batch(step_.begin(), step_.end());
+    int64_t at = 0;
+    for (const Seq* s : step_) at = std::max(at, s->length - s->first);
+    return AppendAndAttend(layer, batch, qkv, positions, q_scratch, out, lse, step_ptrs_.as<void*>(), at);
+  }
+
+  Status FinishDecodeStep() override {
+    for (Seq* s : step_) ++s->length;
+    step_.clear();
+    ++stats_.decode_steps;
+    return Status::OK();
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) override {
+    (void)seq;
+    (void)tokens;
+    return Status::Unimplemented("the spindlekv KV policy on " + ctx_.backend->name() +
+                                 " cannot capture documents yet (the CPU backend's can)");
+  }
+
+  Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
+    Seq& s = Get(seq);
+    if (s.compressed > 0 || length != s.first) {
+      return Status::InvalidArgument("spindlekv: a synthesized context fills a new sequence's whole first prefill (" +
+                                     std::to_string(s.first) + " tokens)");
+    }
+    // Random QKV rows through the first prefill's own stores (RopeStore),
+    // without its attention, then the real compression.
+    const int64_t chunk = std::min<int64_t>(s.first, 4096);
+    const size_t row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer qkv, ctx_.backend->Allocate(static_cast<size_t>(chunk) * row * 4));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer q,
+                              ctx_.backend->Allocate(static_cast<size_t>(chunk) * ctx_.hq * ctx_.head_dim * es_));
+    PENUMBRA_ASSIGN_OR_RETURN(DeviceBuffer pos, ctx_.backend->Allocate(static_cast<size_t>(chunk) * 4));
+    std::vector<int32_t> host_pos(chunk);
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      for (int64_t c0 = 0; c0 < s.first; c0 += chunk) {
+        const int n = static_cast<int>(std::min(chunk, s.first - c0));
+        for (int i = 0; i < n; ++i) host_pos[i] = static_cast<int32_t>(c0 + i);
+        PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(pos.get(), host_pos.data(), n * sizeof(int32_t)));
+        ctx_.backend->FillRandomNormal(qkv.get(), DType::kF32, static_cast<int64_t>(n) * row, 1.0f,
+                                       seed * 1000003 + static_cast<uint64_t>(l) * 7919 + c0);
+        PENUMBRA_RETURN_IF_ERROR(StoreFirst(s, qkv.as<float>(), n, c0, pos.as<int32_t>(), q.get()));
+      }
+      PENUMBRA_RETURN_IF_ERROR(Compress(l, s));
+      ++s.compressed;
+    }
+    s.length = s.first;
+    return ReleaseScratch(s);
+  }
+
+  size_t DeviceBytes(int64_t seq) const override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return 0;
+    const Seq& s = it->second;
+    size_t b = s.k.bytes() + s.v.bytes() + s.pre_k.bytes() + s.wq.bytes() + s.wpos.bytes() + s.heads.bytes() +
+               s.counts.bytes();
+    for (const LayerState& l : s.layers) b += l.mem.bytes();
+    return b;
+  }
+
+  SequenceBytes EstimateSequenceBytes(const SequenceSpec& spec) const override {
+    const int64_t first = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
+    return Estimate(first, spec.prompt_len + spec.max_new_tokens - first);
+  }
+
+ private:
+  struct LayerState {
+    DeviceBuffer mem;
+    std::vector<int32_t> held;  // [hkv] tokens held after the first prefill
+    int64_t max_held = 0;
+  };
+
+  struct Seq {
+    int64_t capacity = 0;
+    int64_t first = 0;   // tokens of the first prefill (compressed at its end)
+    int64_t length = 0;  // tokens held
+    int compressed = 0;  // layers compressed
+    int64_t window = 0;
+    std::vector<double> ratios;
+    // The first prefill's exact state of the layer being prefilled: k (RoPE
+    // applied) and v [hkv][first][d] act dtype; pre_k [first][hkv][d] f32;
+    // the observation window's queries [window][hq][d] (RoPE applied) at
+    // wpos [window].
+    DeviceBuffer k, v, pre_k, wq, wpos;
+    std::vector<LayerState> layers;
+    DeviceBuffer heads;   // [layers][hkv] SpindlekvHead: what attention reads
+    DeviceBuffer counts;  // [layers][hkv][2] int32: own key and value entries
+    DeviceBuffer self;    // {heads, counts}: the sequence as a batch of one
+  };
+
+  Seq& Get(int64_t seq) {
+    auto it = seqs_.find(seq);
+    CHECK(it != seqs_.end()) << "spindlekv: no sequence " << seq;
+    return it->second;
+  }
+
+  Status Grow(DeviceBuffer* b, size_t bytes) {
+    if (b->bytes() >= bytes) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());  // in-flight kernels may read the old one
+    PENUMBRA_ASSIGN_OR_RETURN(*b, ctx_.backend->Allocate(std::max(bytes, 2 * b->bytes())));
+    return Status::OK();
+  }
+
+  Status ReleaseScratch(Seq& s) {
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+    for (DeviceBuffer* b : {&s.k, &s.v, &s.pre_k, &s.wq, &s.wpos}) *b = DeviceBuffer();
+    return Status::OK();
+  }
+
+  // Tokens layer `l` holds at most per KV head: every token its query heads
+  // may keep (group x keep of the context, at most all of it) and the window.
+  int64_t HeldBound(const std::vector<double>& ratios, int l, int64_t first, int64_t window) const {
+    const int64_t context = first - window;
+    const int64_t keep = spindlekv::KeptTokens(ratios[l], context);
+    return std::min(context, keep * (ctx_.hq / ctx_.hkv)) + window;
+  }
+
+  // Upper bound of a sequence's bytes: the first prefill's one-layer exact
+  // scratch, and per layer every token a KV head may hold with an entry of
+  // each kind, for its first prefill's tokens and `more` after them.
+  SequenceBytes Estimate(int64_t first, int64_t more) const {
+    const int64_t window = std::min<int64_t>(o_.window, first);
+    const std::vector<double> ratios =
+        first >= o_.min_prompt_tokens
+            ? spindlekv::RetainRatios(o_.reserve_ratio, first, window, o_.min_ratio, ctx_.num_layers)
+            : std::vector<double>(ctx_.num_layers, 1.0);
+    SequenceBytes b;
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      const HeadLayout h(HeldBound(ratios, l, first, window) + std::max<int64_t>(more, 0), ctx_.head_dim, es_);
+      b.device += h.bytes * ctx_.hkv;
+    }
+    const size_t d = ctx_.head_dim, hkv = ctx_.hkv;
+    b.device += static_cast<size_t>(first) * hkv * d * (2 * es_ + 4) + static_cast<size_t>(window) * ctx_.hq * d * es_;
+    return b;
+  }
+
+  // RopeStore of rows [start, start + n) of the first prefill into the
+  // scratch, and the observation window's queries among them.
+  Status StoreFirst(Seq& s, const float* qkv, int n, int64_t start, const int32_t* positions, void* q_scratch) {
+    const int d = ctx_.head_dim, hkv = ctx_.hkv;
+    std::vector<void*> ptrs(2 * static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      ptrs[i] = s.k.as<char>() + static_cast<size_t>(start + i) * d * es_;
+      ptrs[n + i] = s.v.as<char>() + static_cast<size_t>(start + i) * d * es_;
+    }
+    PENUMBRA_RETURN_IF_ERROR(Grow(&store_ptrs_, ptrs.size() * sizeof(void*)));
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(store_ptrs_.get(), ptrs.data(), ptrs.size() * sizeof(void*)));
+    RopeStoreOp r;
+    r.qkv = qkv;
+    r.positions = positions;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = n;
+    r.hq = ctx_.hq;
+    r.hkv = hkv;
+    r.d = d;
+    r.q_out = q_scratch;
+    r.k_dst = store_ptrs_.as<void*>();
+    r.v_dst = store_ptrs_.as<void*>() + n;
+    r.head_stride = s.first * d;
+    r.pre_rope_k_out = s.pre_k.as<float>() + static_cast<size_t>(start) * hkv * d;
+    ctx_.backend->RopeStore(r);
+    // The window's rows: [w0, first) of the prompt.
+    const int64_t w0 = s.first - s.window, lo = std::max(start, w0), hi = start + n;
+    if (lo < hi) {
+      const size_t qrow = static_cast<size_t>(ctx_.hq) * d * es_;
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyDeviceToDevice(
+          s.wq.as<char>() + (lo - w0) * qrow, static_cast<const char*>(q_scratch) + (lo - start) * qrow,
+          (hi - lo) * qrow));
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyDeviceToDevice(s.wpos.as<int32_t>() + (lo - w0),
+                                                                positions + (lo - start), (hi - lo) * sizeof(int32_t)));
+    }
+    return Status::OK();
+  }
+
+  Status FirstPrefill(int layer, Seq& s, const float* qkv, int n, int64_t start, const int32_t* positions,
+                      void* q_scratch, void* out, float* lse) {
+    if (layer != s.compressed) {
+      return Status::FailedPrecondition("spindlekv: layer " + std::to_string(layer) + " prefilled while layer " +
+                                        std::to_string(s.compressed) + " is not finished");
+    }
+    PENUMBRA_RETURN_IF_ERROR(StoreFirst(s, qkv, n, start, positions, q_scratch));
+    PrefillAttentionOp a;
+    a.q = q_scratch;
+    a.k = s.k.get();
+    a.v = s.v.get();
+    a.out = out;
+    a.lse = lse;
+    a.head_stride = s.first * ctx_.head_dim;
+    a.q_start = static_cast<int>(start);
+    a.nq = n;
+    a.hq = ctx_.hq;
+    a.hkv = ctx_.hkv;
+    a.d = ctx_.head_dim;
+    a.scale = ctx_.scale;
+    ctx_.backend->PrefillAttention(a);
+    return Status::OK();
+  }
+
+  // The eviction and the codebooks of `layer` from the first prefill's
+  // exact state (the module comment).
+  Status Compress(int layer, Seq& s) {
+    const int d = ctx_.head_dim, hq = ctx_.hq, hkv = ctx_.hkv;
+    const int64_t F = s.first, context = F - s.window;
+    const int64_t keep = spindlekv::KeptTokens(s.ratios[layer], context);
+    Backend& be = *ctx_.backend;
+    PENUMBRA_RETURN_IF_ERROR(Grow(&sel_, static_cast<size_t>(hkv) * (4 + 8 * static_cast<size_t>(F)) + kAlign));
+    int32_t* held_dev = sel_.as<int32_t>();
+    int32_t* pos_dev = held_dev + AlignUp(hkv * 4) / 4;
+    auto* heads_dev = reinterpret_cast<uint32_t*>(pos_dev + static_cast<size_t>(hkv) * F);
+    kernels::SpindlekvSelectArgs sel;
+    if (keep < context) {
+      PENUMBRA_RETURN_IF_ERROR(Grow(&scores_, static_cast<size_t>(hq) * F * sizeof(float)));
+      kernels::SpindlekvWindowScoresArgs w;
+      w.q = s.wq.get();
+      w.q_pos = s.wpos.as<int32_t>();
+      w.k = s.k.get();
+      w.head_stride = F * d;
+      w.dtype = be.act_dtype();
+      w.w = static_cast<int>(s.window);
+      w.hq = hq;
+      w.hkv = hkv;
+      w.d = d;
+      w.n = F;
+      w.scale = ctx_.scale;
+      w.pool = o_.pool;
+      w.out = scores_.as<float>();
+      PENUMBRA_RETURN_IF_ERROR(be.SpindlekvWindowScores(w));
+      sel.scores = scores_.as<float>();
+    }
+    sel.n = F;
+    sel.context = context;
+    sel.keep = keep;
+    sel.hq = hq;
+    sel.hkv = hkv;
+    sel.held = held_dev;
+    sel.pos = pos_dev;
+    sel.heads = heads_dev;
+    PENUMBRA_RETURN_IF_ERROR(be.SpindlekvSelect(sel));
+    LayerState& st = s.layers[layer];
+    st.held.assign(hkv, 0);
+    PENUMBRA_RETURN_IF_ERROR(be.CopyToHost(st.held.data(), held_dev, hkv * sizeof(int32_t)));
+    // The layer's state: room for what each head holds and every token to come.
+    const int64_t more = s.capacity - s.first;
+    std::vector<HeadLayout> lay;
+    std::vector<size_t> base(hkv);
+    size_t total = 0;
+    st.max_held = 0;
+    for (int g = 0; g < hkv; ++g) {
+      if (st.held[g] < 0 || st.held[g] > F) {
+        return Status::Internal("spindlekv: KV head " + std::to_string(g) + " holds " + std::to_string(st.held[g]) +
+                                " of " + std::to_string(F) + " tokens");
+      }
+      st.max_held = std::max<int64_t>(st.max_held, st.held[g]);
+      lay.emplace_back(st.held[g] + more, d, es_);
+      base[g] = total;
+      total += lay.back().bytes;
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(st.mem, be.Allocate(total));
+    char* mem = st.mem.as<char>();
+    std::vector<kernels::SpindlekvCodebookProblem> problems(2 * static_cast<size_t>(hkv));
+    std::vector<kernels::SpindlekvHead> views(hkv);
+    int32_t* counts = s.counts.as<int32_t>() + static_cast<size_t>(layer) * hkv * 2;
+    for (int g = 0; g < hkv; ++g) {
+      char* h = mem + base[g];
+      const HeadLayout& L = lay[g];
+      const size_t n = static_cast<size_t>(st.held[g]);
+      PENUMBRA_RETURN_IF_ERROR(be.CopyDeviceToDevice(h + L.pos, pos_dev + static_cast<size_t>(g) * F, n * 4));
+      PENUMBRA_RETURN_IF_ERROR(be.CopyDeviceToDevice(h + L.heads, heads_dev + static_cast<size_t>(g) * F, n * 4));
+      kernels::SpindlekvCodebookProblem& pk = problems[g];
+      pk.x = s.pre_k.as<float>() + static_cast<size_t>(g) * d;
+      pk.row_stride = static_cast<int64_t>(hkv) * d;
+      pk.rows = reinterpret_cast<const int32_t*>(h + L.pos);
+      pk.n = st.held[g];
+      pk.theta = static_cast<float>(o_.key_threshold);
+      pk.entries = h + L.kent;
+      pk.refs = reinterpret_cast<int32_t*>(h + L.kref);
+      pk.mags = reinterpret_cast<float*>(h + L.kmag);
+      pk.entry_count = counts + 2 * g;
+      kernels::SpindlekvCodebookProblem& pv = problems[hkv + g];
+      pv.x = s.v.as<char>() + static_cast<size_t>(g) * F * d * es_;
+      pv.row_stride = d;
+      pv.rows = pk.rows;
+      pv.n = pk.n;
+      pv.theta = static_cast<float>(o_.value_threshold);
+      pv.entries = h + L.vent;
+      pv.refs = reinterpret_cast<int32_t*>(h + L.vref);
+      pv.mags = reinterpret_cast<float*>(h + L.vmag);
+      pv.entry_count = counts + 2 * g + 1;
+      kernels::SpindlekvHead& v = views[g];
+      v.part[1].pos = reinterpret_cast<const int32_t*>(h + L.pos);
+      v.part[1].kref = pk.refs;
+      v.part[1].vref = pv.refs;
+      v.part[1].kmag = pk.mags;
+      v.part[1].vmag = pv.mags;
+      v.part[1].heads = reinterpret_cast<const uint32_t*>(h + L.heads);
+      v.part[1].n = st.held[g];
+      v.key_entries[1] = pk.entries;
+      v.value_entries[1] = pv.entries;
+    }
+    // Keys (pre-RoPE, f32) and values (act dtype) in two launches: one
+    // source dtype each.
+    const size_t pbytes = problems.size() * sizeof(problems[0]);
+    PENUMBRA_RETURN_IF_ERROR(Grow(&problems_, pbytes));
+    PENUMBRA_RETURN_IF_ERROR(be.CopyToDevice(problems_.get(), problems.data(), pbytes));
+    for (int kind = 0; kind < 2; ++kind) {
+      kernels::SpindlekvCodebookArgs c;
+      c.problems = problems_.as<kernels::SpindlekvCodebookProblem>() + kind * hkv;
+      c.count = hkv;
+      c.d = d;
+      c.block = o_.codebook_block;
+      c.x_dtype = kind == 0 ? DType::kF32 : be.act_dtype();
+      c.entry_dtype = be.act_dtype();
+      c.max_n = static_cast<int32_t>(st.max_held);
+      PENUMBRA_RETURN_IF_ERROR(be.SpindlekvBuildCodebook(c));
+    }
+    PENUMBRA_RETURN_IF_ERROR(be.CopyToDevice(s.heads.as<kernels::SpindlekvHead>() + static_cast<size_t>(layer) * hkv,
+                                             views.data(), views.size() * sizeof(views[0])));
+    // The compressed bytes (the paper's r as measured): one more download.
+    std::vector<int32_t> made(2 * static_cast<size_t>(hkv));
+    PENUMBRA_RETURN_IF_ERROR(be.CopyToHost(made.data(), counts, made.size() * sizeof(int32_t)));
+    int64_t kept = 0, entries = 0;
+    for (int g = 0; g < hkv; ++g) {
+      kept += st.held[g];
+      entries += made[2 * g] + made[2 * g + 1];
+    }
+    const int64_t kept_bytes = kept * static_cast<int64_t>(6 * sizeof(int32_t)) + entries * d * es_;
+    stats_.kv_exact_bytes += static_cast<int64_t>(2 * es_) * hkv * F * d;
+    stats_.kv_kept_bytes += kept_bytes;
+    VLOG(1) << "spindlekv: layer " << layer << " keeps " << keep << " of " << context
+            << " context tokens a query head; " << entries << " codebook entries for " << F << " tokens";
+    return Status::OK();
+  }
+
+  // One new token per sequence of `batch` at `layer` (qkv rows [batch], the
+  // row of batch[i] at positions[i]): queries rotated into q_out, keys and
+  // values merged into the codebooks (SpindlekvMerge over `seq_ptrs`: the
+  // batch's heads arrays, then its counts), then attention over all each
+  // KV head holds. `after` bounds the tokens any of them holds past its
+  // first prefill before this one.
+  Status AppendAndAttend(int layer, const std::vector<Seq*>& batch, const float* qkv, const int32_t* positions,
+                         void* q_out, void* out, float* lse, void* const* seq_ptrs, int64_t after) {
+    Backend& be = *ctx_.backend;
+    const int n = static_cast<int>(batch.size()), d = ctx_.head_dim, hkv = ctx_.hkv;
+    if (n == 0) return Status::OK();
+    // RoPE on the queries; the rotated keys and values it stores are not
+    // needed (the merge reads the pre-RoPE rows), so they go to a scratch.
+    const size_t kv_row = static_cast<size_t>(hkv) * d * es_;
+    PENUMBRA_RETURN_IF_ERROR(Grow(&dummy_kv_, 2 * static_cast<size_t>(n) * kv_row));
+    if (dummy_rows_ < n) {
+      std::vector<void*> ptrs(2 * static_cast<size_t>(n));
+      for (int i = 0; i < 2 * n; ++i) ptrs[i] = dummy_kv_.as<char>() + i * kv_row;
+      PENUMBRA_RETURN_IF_ERROR(Grow(&dummy_ptrs_, 2 * static_cast<size_t>(n) * sizeof(void*)));
+      PENUMBRA_RETURN_IF_ERROR(be.CopyToDevice(dummy_ptrs_.get(), ptrs.data(), ptrs.size() * sizeof(void*)));
+      dummy_rows_ = n;
+    }
+    RopeStoreOp r;
+    r.qkv = qkv;
+    r.positions = positions;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = n;
+    r.hq = ctx_.hq;
+    r.hkv = hkv;
+    r.d = d;
+    r.q_out = q_out;
+    r.k_dst = dummy_ptrs_.as<void*>();
+    r.v_dst = dummy_ptrs_.as<void*>() + dummy_rows_;
+    r.head_stride = d;
+    be.RopeStore(r);
+    PENUMBRA_RETURN_IF_ERROR(Grow(&gathered_, static_cast<size_t>(n) * hkv * sizeof(kernels::SpindlekvHead)));
+    kernels::SpindlekvMergeArgs m;
+    m.seq_heads = reinterpret_cast<kernels::SpindlekvHead* const*>(seq_ptrs);
+    m.seq_entries = reinterpret_cast<int32_t* const*>(seq_ptrs + n);
+    m.qkv = qkv;
+    m.positions = positions;
+    m.gathered = gathered_.as<kernels::SpindlekvHead>();
+    m.entry_dtype = be.act_dtype();
+    m.layer = layer;
+    m.batch = n;
+    m.hq = ctx_.hq;
+    m.hkv = hkv;
+    m.d = d;
+    m.key_theta = static_cast<float>(o_.key_threshold);
+    m.value_theta = static_cast<float>(o_.value_threshold);
+    PENUMBRA_RETURN_IF_ERROR(be.SpindlekvMerge(m));
+    int64_t max_tokens = 0;
+    for (const Seq* s : batch) max_tokens = std::max(max_tokens, s->layers[layer].max_held);
+    kernels::SpindlekvAttentionArgs a;
+    a.q = q_out;
+    a.heads = gathered_.as<kernels::SpindlekvHead>();
+    a.inv_freq = ctx_.inv_freq;
+    a.out = out;
+    a.lse = lse;
+    a.dtype = be.act_dtype();
+    a.batch = n;
+    a.hq = ctx_.hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.scale = ctx_.scale;
+    a.max_tokens = max_tokens + after + 1;
+    return be.SpindlekvAttention(a);
+  }
+
+  PolicyContext ctx_;
+  SpindleKvOptions o_;
+  size_t es_;  // bytes of an act-dtype element
+  std::map<int64_t, Seq> seqs_;
+  std::vector<Seq*> step_;
+  // Scratch shared by the policy's ops (stream-ordered, one op at a time).
+  DeviceBuffer scores_;                 // [hq][first] window scores
+  DeviceBuffer sel_;                    // Select's held counts, positions and masks
+  DeviceBuffer problems_;               // codebook problems
+  DeviceBuffer store_ptrs_;             // RopeStore's row addresses (first prefill)
+  DeviceBuffer step_ptrs_;              // a decode step's heads arrays and counts
+  DeviceBuffer dummy_kv_, dummy_ptrs_;  // where decode's RopeStore puts the rotated keys nobody reads
+  int dummy_rows_ = 0;
+  DeviceBuffer gathered_;  // [batch * hkv] views for SpindlekvAttention
+};
+
+}  // namespace
+
+Result<std::unique_ptr<KvPolicy>> MakeSpindleKvDevicePolicy(const PolicyContext& ctx, const SpindleKvOptions& options) {
+  PENUMBRA_RETURN_IF_ERROR(SpindleKvOptionTable().Validate(options));
+  if (ctx.hkv < 1 || ctx.hq % ctx.hkv != 0 || ctx.hq / ctx.hkv > 32) {
+    return Status::InvalidArgument("spindlekv: " + std::to_string(ctx.hq) + " query heads over " +
+                                   std::to_string(ctx.hkv) + " KV heads (at most 32 query heads per KV head)");
+  }
+  return std::unique_ptr<KvPolicy>(std::make_unique<SpindleKvDevicePolicy>(ctx, options));
+}
+
+}  // namespace penumbra
