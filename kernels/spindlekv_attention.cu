@@ -6,15 +6,23 @@
 #include <cmath>
 
 #include "kernels/common.cuh"
+#include "kernels/vec.cuh"
 
 namespace penumbra::kernels {
 namespace {
 
 constexpr int kWarps = 4;
 constexpr int kMaxGroup = 8;
+constexpr int kTile = 32;  // tokens a warp takes at a time: one a lane
 
-// One block: row (sequence b, KV head h) = blockIdx.x, split blockIdx.y.
-// E = d / 32 elements per lane.
+// One block: row (sequence b, KV head h) = blockIdx.x, split blockIdx.y; its
+// warps take tiles of 32 tokens in turn. In a tile, lanes go over tokens for
+// the scores (each lane rebuilds its token's key, rotated, from the entry, and
+// dots it with the group's queries from shared memory), one warp max a query
+// head updates the online softmax, then lanes go over the head's E = d / 32
+// elements to add each token's value (entry x magnitude) weighted by its
+// probability. So a warp reduces once a tile, not once a token, and its
+// tokens' metadata and keys are read by 32 loads at once.
 template <typename T, int E>
 __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAttentionArgs a) {
   constexpr int d = E * 32, half = d / 2;
@@ -26,68 +34,126 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
   const int64_t per = (total + splits - 1) / splits;
   const int64_t begin = split * per, end = begin + per < total ? begin + per : total;
 
-  float q[kMaxGroup][E], acc[kMaxGroup][E], m[kMaxGroup], l[kMaxGroup], freq[E];
+  __shared__ float s_q[kMaxGroup][d];  // the group's queries
+  __shared__ float s_freq[half];
+  __shared__ float s_p[kWarps][kTile][kMaxGroup];  // a tile's probabilities
+  __shared__ const T* s_v[kWarps][kTile];          // its value entries (null: no head takes the token)
+  __shared__ float s_vm[kWarps][kTile];
   const T* qb = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.hq + static_cast<int64_t>(h) * G) * d;
+  for (int idx = threadIdx.x; idx < G * d; idx += blockDim.x) s_q[idx / d][idx % d] = ToF32(qb[idx]);
+  for (int idx = threadIdx.x; idx < half; idx += blockDim.x) s_freq[idx] = a.inv_freq[idx];
+  __syncthreads();
+
+  // m: the running max (the same in every lane); l: this lane's share of the
+  // running sum; acc: elements lane * E .. lane * E + E - 1 of the output.
+  float acc[kMaxGroup][E], m[kMaxGroup], l[kMaxGroup];
 #pragma unroll
   for (int j = 0; j < kMaxGroup; ++j) {
     m[j] = -INFINITY;
     l[j] = 0.0f;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      q[j][e] = j < G ? ToF32(qb[static_cast<int64_t>(j) * d + lane * E + e]) : 0.0f;
-      acc[j][e] = 0.0f;
-    }
+    for (int e = 0; e < E; ++e) acc[j][e] = 0.0f;
   }
-#pragma unroll
-  for (int e = 0; e < E; ++e) freq[e] = a.inv_freq[(lane * E + e) % half];
-  const bool first_half = lane < 16;
 
-  for (int64_t i = begin + warp; i < end; i += kWarps) {
-    const int p = i < n0 ? 0 : 1;
-    const int64_t t = p == 0 ? i : i - n0;
-    const SpindlekvTokens& tk = head.part[p];
-    const uint32_t mask = tk.heads[t];
-    if (mask == 0) continue;
-    const int32_t kr = tk.kref[t], vr = tk.vref[t];
-    const T* ke = kr < head.key_base_entries ? static_cast<const T*>(head.key_entries[0]) + static_cast<int64_t>(kr) * d
-                                             : static_cast<const T*>(head.key_entries[1]) +
-                                                   static_cast<int64_t>(kr - head.key_base_entries) * d;
-    const T* ve =
-        vr < head.value_base_entries
-            ? static_cast<const T*>(head.value_entries[0]) + static_cast<int64_t>(vr) * d
-            : static_cast<const T*>(head.value_entries[1]) + static_cast<int64_t>(vr - head.value_base_entries) * d;
-    const float km = tk.kmag[t], vm = tk.vmag[t], pos = static_cast<float>(tk.pos[t]);
-    float k[E], v[E], other[E];
+  for (int64_t i0 = begin + static_cast<int64_t>(warp) * kTile; i0 < end; i0 += kWarps * kTile) {
+    // Scores: lane = token.
+    const int64_t i = i0 + lane;
+    uint32_t mask = 0;
+    const T* ve = nullptr;
+    float vm = 0.0f, sc[kMaxGroup];
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      k[e] = ToF32(ke[lane * E + e]) * km;
-      v[e] = ToF32(ve[lane * E + e]) * vm;
+    for (int j = 0; j < kMaxGroup; ++j) sc[j] = -INFINITY;
+    if (i < end) {
+      const int p = i < n0 ? 0 : 1;
+      const int64_t t = p == 0 ? i : i - n0;
+      const SpindlekvTokens& tk = head.part[p];
+      mask = tk.heads[t];
+      if (mask != 0) {
+        const int32_t kr = tk.kref[t], vr = tk.vref[t];
+        const T* ke =
+            kr < head.key_base_entries
+                ? static_cast<const T*>(head.key_entries[0]) + static_cast<int64_t>(kr) * d
+                : static_cast<const T*>(head.key_entries[1]) + static_cast<int64_t>(kr - head.key_base_entries) * d;
+        ve = vr < head.value_base_entries ? static_cast<const T*>(head.value_entries[0]) + static_cast<int64_t>(vr) * d
+                                          : static_cast<const T*>(head.value_entries[1]) +
+                                                static_cast<int64_t>(vr - head.value_base_entries) * d;
+        vm = tk.vmag[t];
+        const float km = tk.kmag[t], pos = static_cast<float>(tk.pos[t]);
+        float dot[kMaxGroup];
+#pragma unroll
+        for (int j = 0; j < kMaxGroup; ++j) dot[j] = 0.0f;
+          // Element c + u pairs with c + u + half (rotate-half); 8 of each at a time.
+#pragma unroll 2
+        for (int c = 0; c < half; c += 8) {
+          const Pack<T, 8> plo = *reinterpret_cast<const Pack<T, 8>*>(ke + c);
+          const Pack<T, 8> phi = *reinterpret_cast<const Pack<T, 8>*>(ke + c + half);
+          float lo[8], hi[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            lo[u] = ToF32(plo.v[u]) * km;
+            hi[u] = ToF32(phi.v[u]) * km;
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            float sn, cs;
+            RopeSinCos(pos * s_freq[c + u], &sn, &cs);
+            const float rlo = lo[u] * cs - hi[u] * sn, rhi = hi[u] * cs + lo[u] * sn;
+#pragma unroll
+            for (int j = 0; j < kMaxGroup; ++j) {
+              if (j < G) dot[j] = fmaf(s_q[j][c + u], rlo, fmaf(s_q[j][c + half + u], rhi, dot[j]));
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kMaxGroup; ++j) {
+          if (j < G && (mask >> j & 1u)) sc[j] = dot[j] * a.scale;
+        }
+      }
     }
-#pragma unroll
-    for (int e = 0; e < E; ++e) other[e] = __shfl_xor_sync(0xffffffffu, k[e], 16);
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      float s, c;
-      RopeSinCos(pos * freq[e], &s, &c);
-      k[e] = first_half ? k[e] * c - other[e] * s : k[e] * c + other[e] * s;
-    }
+    // The online softmax, a query head at a time over the tile.
 #pragma unroll
     for (int j = 0; j < kMaxGroup; ++j) {
-      if (j >= G || !(mask >> j & 1u)) continue;  // uniform over the warp
-      float dot = 0.0f;
+      if (j >= G) break;
+      const float tm = WarpMax(sc[j]);
+      float pj = 0.0f;
+      if (tm != -INFINITY) {  // the same in every lane
+        const float mn = fmaxf(m[j], tm), cor = __expf(m[j] - mn);
+        pj = __expf(sc[j] - mn);
+        l[j] = l[j] * cor + pj;
 #pragma unroll
-      for (int e = 0; e < E; ++e) dot = fmaf(q[j][e], k[e], dot);
-      const float x = WarpSum(dot) * a.scale;
-      const float mn = fmaxf(m[j], x);
-      const float cor = __expf(m[j] - mn), w = __expf(x - mn);
-      l[j] = l[j] * cor + w;
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[j][e] = fmaf(acc[j][e], cor, w * v[e]);
-      m[j] = mn;
+        for (int e = 0; e < E; ++e) acc[j][e] *= cor;
+        m[j] = mn;
+      }
+      s_p[warp][lane][j] = pj;
     }
+    s_v[warp][lane] = ve;
+    s_vm[warp][lane] = vm;
+    __syncwarp();
+    // Values: lane = elements.
+    const int count = end - i0 < kTile ? static_cast<int>(end - i0) : kTile;
+#pragma unroll 4
+    for (int t = 0; t < count; ++t) {
+      const T* vp = s_v[warp][t];
+      if (vp == nullptr) continue;  // the same in every lane
+      const float w = s_vm[warp][t];
+      float v[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) v[e] = ToF32(vp[lane * E + e]) * w;
+#pragma unroll
+      for (int j = 0; j < kMaxGroup; ++j) {
+        if (j >= G) break;
+        const float pj = s_p[warp][t][j];
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[j][e] = fmaf(pj, v[e], acc[j][e]);
+      }
+    }
+    __syncwarp();  // the tile's shared rows are read before the next tile writes them
   }
+#pragma unroll
+  for (int j = 0; j < kMaxGroup; ++j) l[j] = WarpSum(l[j]);
 
-  // The warps' states, merged.
+  // The warps' states, merged (s_q is free now: its space is not reused, the
+  // merge has its own).
   __shared__ float s_acc[kWarps][kMaxGroup][d];
   __shared__ float s_ml[kWarps][kMaxGroup][2];
 #pragma unroll

@@ -489,10 +489,11 @@ class CudaBackend final : public Backend {
     }
     if (op.dtype != act_) return Status::InvalidArgument("spindlekv attention: entries of another dtype");
     kn::SpindlekvAttentionArgs a = op;
-    // Enough blocks for the machine (4 a multiprocessor at 132), no split
-    // under 256 tokens.
+    // Enough blocks for the machine (8 a multiprocessor at 132: a block's
+    // warps wait on gathered entries), no split under 1024 tokens (8 tiles
+    // of 32 a warp).
     const int64_t rows = std::max(1, a.batch * a.hkv);
-    const int64_t by_tokens = (a.max_tokens + 255) / 256, by_blocks = (528 + rows - 1) / rows;
+    const int64_t by_tokens = (a.max_tokens + 1023) / 1024, by_blocks = (1056 + rows - 1) / rows;
     a.splits = static_cast<int>(std::clamp<int64_t>(std::min(by_tokens, by_blocks), 1, 256));
     if (a.splits > 1) {
       PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&spindle_ws_, kn::SpindlekvWorkspaceFloats(a) * sizeof(float)));

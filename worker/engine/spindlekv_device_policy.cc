@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "kernels/spindlekv_compress_args.h"
+#include "worker/engine/op_profiler.h"
 #include "worker/engine/spindlekv_math.h"
 #include "worker/engine/spindlekv_policy.h"
 
@@ -256,6 +257,8 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     s.length = s.first;
     return ReleaseScratch(s);
   }
+
+  void SetDecodeProfiler(OpProfiler* profiler) override { prof_ = profiler; }
 
   size_t DeviceBytes(int64_t seq) const override {
     auto it = seqs_.find(seq);
@@ -591,6 +594,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     m.key_theta = static_cast<float>(o_.key_threshold);
     m.value_theta = static_cast<float>(o_.value_threshold);
     PENUMBRA_RETURN_IF_ERROR(be.SpindlekvMerge(m));
+    if (prof_ != nullptr) prof_->Lap("spindlekv_rope_merge");
     int64_t max_tokens = 0;
     for (const Seq* s : batch) max_tokens = std::max(max_tokens, s->layers[layer].max_held);
     kernels::SpindlekvAttentionArgs a;
@@ -614,6 +618,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
   size_t es_;  // bytes of an act-dtype element
   std::map<int64_t, Seq> seqs_;
   std::vector<Seq*> step_;
+  OpProfiler* prof_ = nullptr;  // decode laps while non-null
   // Scratch shared by the policy's ops (stream-ordered, one op at a time).
   DeviceBuffer scores_;                 // [hq][first] window scores
   DeviceBuffer sel_;                    // Select's held counts, positions and masks
