@@ -23,7 +23,8 @@ constexpr int kTile = 32;  // tokens a warp takes at a time: one a lane
 // elements to add each token's value (entry x magnitude) weighted by its
 // probability. So a warp reduces once a tile, not once a token, and its
 // tokens' metadata and keys are read by 32 loads at once.
-template <typename T, int E>
+// GM: a power of two >= the group size (registers for GM query heads).
+template <typename T, int E, int GM>
 __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAttentionArgs a) {
   constexpr int d = E * 32, half = d / 2;
   const int row = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
@@ -34,10 +35,10 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
   const int64_t per = (total + splits - 1) / splits;
   const int64_t begin = split * per, end = begin + per < total ? begin + per : total;
 
-  __shared__ float s_q[kMaxGroup][d];  // the group's queries
+  __shared__ float s_q[GM][d];  // the group's queries
   __shared__ float s_freq[half];
-  __shared__ float s_p[kWarps][kTile][kMaxGroup];  // a tile's probabilities
-  __shared__ const T* s_v[kWarps][kTile];          // its value entries (null: no head takes the token)
+  __shared__ float s_p[kWarps][kTile][GM];  // a tile's probabilities
+  __shared__ const T* s_v[kWarps][kTile];   // its value entries (null: no head takes the token)
   __shared__ float s_vm[kWarps][kTile];
   const T* qb = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.hq + static_cast<int64_t>(h) * G) * d;
   for (int idx = threadIdx.x; idx < G * d; idx += blockDim.x) s_q[idx / d][idx % d] = ToF32(qb[idx]);
@@ -46,9 +47,9 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
 
   // m: the running max (the same in every lane); l: this lane's share of the
   // running sum; acc: elements lane * E .. lane * E + E - 1 of the output.
-  float acc[kMaxGroup][E], m[kMaxGroup], l[kMaxGroup];
+  float acc[GM][E], m[GM], l[GM];
 #pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j) {
+  for (int j = 0; j < GM; ++j) {
     m[j] = -INFINITY;
     l[j] = 0.0f;
 #pragma unroll
@@ -60,9 +61,9 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
     const int64_t i = i0 + lane;
     uint32_t mask = 0;
     const T* ve = nullptr;
-    float vm = 0.0f, sc[kMaxGroup];
+    float vm = 0.0f, sc[GM];
 #pragma unroll
-    for (int j = 0; j < kMaxGroup; ++j) sc[j] = -INFINITY;
+    for (int j = 0; j < GM; ++j) sc[j] = -INFINITY;
     if (i < end) {
       const int p = i < n0 ? 0 : 1;
       const int64_t t = p == 0 ? i : i - n0;
@@ -79,9 +80,9 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
                                                 static_cast<int64_t>(vr - head.value_base_entries) * d;
         vm = tk.vmag[t];
         const float km = tk.kmag[t], pos = static_cast<float>(tk.pos[t]);
-        float dot[kMaxGroup];
+        float dot[GM];
 #pragma unroll
-        for (int j = 0; j < kMaxGroup; ++j) dot[j] = 0.0f;
+        for (int j = 0; j < GM; ++j) dot[j] = 0.0f;
           // Element c + u pairs with c + u + half (rotate-half); 8 of each at a time.
 #pragma unroll 2
         for (int c = 0; c < half; c += 8) {
@@ -99,20 +100,20 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
             RopeSinCos(pos * s_freq[c + u], &sn, &cs);
             const float rlo = lo[u] * cs - hi[u] * sn, rhi = hi[u] * cs + lo[u] * sn;
 #pragma unroll
-            for (int j = 0; j < kMaxGroup; ++j) {
+            for (int j = 0; j < GM; ++j) {
               if (j < G) dot[j] = fmaf(s_q[j][c + u], rlo, fmaf(s_q[j][c + half + u], rhi, dot[j]));
             }
           }
         }
 #pragma unroll
-        for (int j = 0; j < kMaxGroup; ++j) {
+        for (int j = 0; j < GM; ++j) {
           if (j < G && (mask >> j & 1u)) sc[j] = dot[j] * a.scale;
         }
       }
     }
     // The online softmax, a query head at a time over the tile.
 #pragma unroll
-    for (int j = 0; j < kMaxGroup; ++j) {
+    for (int j = 0; j < GM; ++j) {
       if (j >= G) break;
       const float tm = WarpMax(sc[j]);
       float pj = 0.0f;
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
 #pragma unroll
       for (int e = 0; e < E; ++e) v[e] = ToF32(vp[lane * E + e]) * w;
 #pragma unroll
-      for (int j = 0; j < kMaxGroup; ++j) {
+      for (int j = 0; j < GM; ++j) {
         if (j >= G) break;
         const float pj = s_p[warp][t][j];
 #pragma unroll
@@ -150,14 +151,14 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
     __syncwarp();  // the tile's shared rows are read before the next tile writes them
   }
 #pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j) l[j] = WarpSum(l[j]);
+  for (int j = 0; j < GM; ++j) l[j] = WarpSum(l[j]);
 
   // The warps' states, merged (s_q is free now: its space is not reused, the
   // merge has its own).
-  __shared__ float s_acc[kWarps][kMaxGroup][d];
-  __shared__ float s_ml[kWarps][kMaxGroup][2];
+  __shared__ float s_acc[kWarps][GM][d];
+  __shared__ float s_ml[kWarps][GM][2];
 #pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j) {
+  for (int j = 0; j < GM; ++j) {
     if (j >= G) break;
 #pragma unroll
     for (int e = 0; e < E; ++e) s_acc[warp][j][lane * E + e] = acc[j][e];
@@ -225,7 +226,16 @@ __global__ void SpindlekvMergeSplitsKernel(SpindlekvAttentionArgs a) {
 template <typename T, int E>
 void Launch(const SpindlekvAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(a.batch * a.hkv, a.splits);
-  SpindlekvAttendKernel<T, E><<<grid, kWarps * 32, 0, stream>>>(a);
+  const int G = a.hq / a.hkv;
+  if (G <= 1) {
+    SpindlekvAttendKernel<T, E, 1><<<grid, kWarps * 32, 0, stream>>>(a);
+  } else if (G <= 2) {
+    SpindlekvAttendKernel<T, E, 2><<<grid, kWarps * 32, 0, stream>>>(a);
+  } else if (G <= 4) {
+    SpindlekvAttendKernel<T, E, 4><<<grid, kWarps * 32, 0, stream>>>(a);
+  } else {
+    SpindlekvAttendKernel<T, E, kMaxGroup><<<grid, kWarps * 32, 0, stream>>>(a);
+  }
   if (a.splits > 1) {
     const int rows = a.batch * a.hq, per_block = 4;
     SpindlekvMergeSplitsKernel<T><<<(rows + per_block - 1) / per_block, per_block * 32, 0, stream>>>(a);

@@ -393,9 +393,8 @@ void LaunchBuildForEntries(const SpindlekvCodebookArgs& a, cudaStream_t stream) 
 
 // ---- Merge ------------------------------------------------------------------
 
-constexpr int kMergeThreads = 1024;
-constexpr int kMergeWarps = kMergeThreads / 32;
-constexpr int kMergeBatch = 8;  // entries a warp reads and reduces together
+constexpr int kMergeThreads = 128;  // the decision: a norm and one entry to write
+constexpr int kMergeBatch = 8;      // entries a warp reads and reduces together
 
 // E consecutive elements at p as f32, in the widest loads their size allows
 // (an entry row starts 16-byte aligned when the codebook does).
@@ -468,7 +467,110 @@ __device__ __forceinline__ void WarpArgmax(float* bv, int* bi) {
   }
 }
 
-// One block per (KV head g, sequence i): grid (hkv, batch). E = d / 32.
+// A search's best: the similarity and the entry (-1: none).
+struct MergeBest {
+  float v;
+  int i;
+};
+
+// The new row's f64 norm, summed in the CPU's order (element c in lane c / E
+// of warp 0), and its unit vector into `unit` (zeros without a direction).
+// Every thread of the block calls it; the caller syncs after.
+template <int E>
+__device__ __forceinline__ void RowUnit(const float* v, float* unit, double* row_norm) {
+  const int lane = threadIdx.x & 31;
+  if ((threadIdx.x >> 5) != 0) return;
+  float xv[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) xv[j] = v[lane * E + j];
+  double ss = 0.0;
+  for (int l = 0; l < 32; ++l) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const double y = __shfl_sync(kFull, xv[j], l);
+      ss += y * y;
+    }
+  }
+  const double nrm = sqrt(ss);
+  const bool dir = isfinite(nrm) && nrm > 0.0;
+#pragma unroll
+  for (int j = 0; j < E; ++j) unit[lane * E + j] = dir ? static_cast<float>(static_cast<double>(xv[j]) / nrm) : 0.0f;
+  if (lane == 0) *row_norm = nrm;
+}
+
+constexpr int kSearchThreads = 256;
+constexpr int kSearchWarps = kSearchThreads / 32;
+
+// The search, split: block (2 g + kind, sequence i, split) finds the best of
+// its share of KV head g's key (kind 0) or value (1) codebook, base entries
+// first, for the new row, into workspace[((i hkv + g) 2 + kind) splits + split].
+template <typename T, int E>
+__global__ void __launch_bounds__(kSearchThreads) SpindlekvMergeSearchKernel(SpindlekvMergeArgs a) {
+  constexpr int d = E * 32;
+  const int g = blockIdx.x >> 1, kind = blockIdx.x & 1, i = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int slot = a.layer * a.hkv + g;
+  const SpindlekvHead* head = a.seq_heads[i] + slot;
+  const float* v = a.qkv + static_cast<int64_t>(i) * (a.hq + 2 * a.hkv) * d +
+                   static_cast<int64_t>((kind == 0 ? a.hq : a.hq + a.hkv) + g) * d;
+  const int32_t nb = kind == 0 ? head->key_base_entries : head->value_base_entries;
+  const T* base = static_cast<const T*>(kind == 0 ? head->key_entries[0] : head->value_entries[0]);
+  const T* own = static_cast<const T*>(kind == 0 ? head->key_entries[1] : head->value_entries[1]);
+  const int32_t total = nb + a.seq_entries[i][2 * slot + kind];
+  MergeBest* out =
+      static_cast<MergeBest*>(a.workspace) + ((static_cast<int64_t>(i) * a.hkv + g) * 2 + kind) * splits + split;
+
+  __shared__ float unit[d];
+  __shared__ double row_norm;
+  __shared__ MergeBest warp_best[kSearchWarps];
+  RowUnit<E>(v, unit, &row_norm);
+  __syncthreads();
+  if (!(isfinite(row_norm) && row_norm > 0.0)) {  // a zero row searches nothing
+    if (t == 0) *out = MergeBest{-INFINITY, -1};
+    return;
+  }
+  float u[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) u[j] = unit[lane * E + j];
+  // This split's entries: whole batches of 8.
+  const int32_t per = ((total + splits - 1) / splits + kMergeBatch - 1) / kMergeBatch * kMergeBatch;
+  const int32_t lo = split * per, hi = min(total, lo + per);
+  float bv = -INFINITY;
+  int bi = -1;
+  for (int32_t e0 = lo + warp * kMergeBatch; e0 < hi; e0 += kSearchWarps * kMergeBatch) {
+    float part[kMergeBatch];
+#pragma unroll
+    for (int k = 0; k < kMergeBatch; ++k) {
+      const int32_t e = e0 + k;
+      part[k] = 0.0f;
+      if (e < hi) {
+        const T* ent = e < nb ? base + static_cast<int64_t>(e) * d : own + static_cast<int64_t>(e - nb) * d;
+        float ev[E];
+        LoadElements<T, E>(ent + lane * E, ev);
+#pragma unroll
+        for (int j = 0; j < E; ++j) part[k] = fmaf(ev[j], u[j], part[k]);
+      }
+    }
+    const float s = ReduceEight(part, lane);
+    const int32_t e = e0 + ((lane >> 2) & 7);
+    if ((lane & 3) == 0 && e < hi && Better(s, e, bv, bi)) {
+      bv = s;
+      bi = e;
+    }
+  }
+  WarpArgmax(&bv, &bi);
+  if (lane == 0) warp_best[warp] = MergeBest{bv, bi};
+  __syncthreads();
+  if (warp == 0) {
+    bv = lane < kSearchWarps ? warp_best[lane].v : -INFINITY;
+    bi = lane < kSearchWarps ? warp_best[lane].i : -1;
+    WarpArgmax(&bv, &bi);
+    if (lane == 0) *out = MergeBest{bv, bi};
+  }
+}
+
+// The decision, after the search: one block per (KV head g, sequence i),
+// grid (hkv, batch). E = d / 32.
 template <typename T, int E>
 __global__ void __launch_bounds__(kMergeThreads) SpindlekvMergeKernel(SpindlekvMergeArgs a) {
   constexpr int d = E * 32;
@@ -481,10 +583,7 @@ __global__ void __launch_bounds__(kMergeThreads) SpindlekvMergeKernel(SpindlekvM
 
   __shared__ float unit[d];
   __shared__ double row_norm;
-  __shared__ float warp_v[kMergeWarps];
-  __shared__ int warp_i[kMergeWarps];
-  __shared__ float best_v;
-  __shared__ int best_i;
+  __shared__ MergeBest best;
   __shared__ int32_t refs[2];
   __shared__ float mags[2];
 
@@ -492,89 +591,36 @@ __global__ void __launch_bounds__(kMergeThreads) SpindlekvMergeKernel(SpindlekvM
     const float* v = row + static_cast<int64_t>((kind == 0 ? a.hq : a.hq + a.hkv) + g) * d;
     const float theta = kind == 0 ? a.key_theta : a.value_theta;
     const int32_t nb = kind == 0 ? head->key_base_entries : head->value_base_entries;
-    const T* base = static_cast<const T*>(kind == 0 ? head->key_entries[0] : head->value_entries[0]);
     // The own entries are const in the view (SpindlekvAttention reads them);
     // the memory is the policy's, writable, with room for every entry to come.
     T* own = static_cast<T*>(const_cast<void*>(kind == 0 ? head->key_entries[1] : head->value_entries[1]));
     const int32_t n_own = counts[kind];  // thread 0 rewrites it only after the barriers below
-
-    // The row's f64 norm summed in order (element c in lane c / E) and its unit vector.
+    RowUnit<E>(v, unit, &row_norm);
     if (warp == 0) {
-      float xv[E];
-#pragma unroll
-      for (int j = 0; j < E; ++j) xv[j] = v[lane * E + j];
-      double ss = 0.0;
-      for (int l = 0; l < 32; ++l) {
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-          const double y = __shfl_sync(kFull, xv[j], l);
-          ss += y * y;
+      const MergeBest* parts =
+          static_cast<const MergeBest*>(a.workspace) + ((static_cast<int64_t>(i) * a.hkv + g) * 2 + kind) * a.splits;
+      float bv = -INFINITY;
+      int bi = -1;
+      for (int s = lane; s < a.splits; s += 32) {
+        if (Better(parts[s].v, parts[s].i, bv, bi)) {
+          bv = parts[s].v;
+          bi = parts[s].i;
         }
       }
-      const double nrm = sqrt(ss);
-      const bool dir = isfinite(nrm) && nrm > 0.0;
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-        unit[lane * E + j] = dir ? static_cast<float>(static_cast<double>(xv[j]) / nrm) : 0.0f;
-      if (lane == 0) row_norm = nrm;
+      WarpArgmax(&bv, &bi);
+      if (lane == 0) best = MergeBest{bv, bi};
     }
     __syncthreads();
     const double nrm = row_norm;
     const bool dir = isfinite(nrm) && nrm > 0.0;
-
     int32_t ref = 0;
     bool add = false;
     if (!dir) {
       add = nb + n_own == 0;  // e_0, the entry of zero rows, when there is none
+    } else if (best.i >= 0 && best.v > theta) {
+      ref = best.i;
     } else {
-      float u[E];
-#pragma unroll
-      for (int j = 0; j < E; ++j) u[j] = unit[lane * E + j];
-      const int total = nb + n_own;
-      float bv = -INFINITY;
-      int bi = -1;
-      for (int e0 = warp * kMergeBatch; e0 < total; e0 += kMergeWarps * kMergeBatch) {
-        float part[kMergeBatch];
-#pragma unroll
-        for (int k = 0; k < kMergeBatch; ++k) {
-          const int e = e0 + k;
-          part[k] = 0.0f;
-          if (e < total) {
-            const T* ent = e < nb ? base + static_cast<int64_t>(e) * d : own + static_cast<int64_t>(e - nb) * d;
-            float ev[E];
-            LoadElements<T, E>(ent + lane * E, ev);
-#pragma unroll
-            for (int j = 0; j < E; ++j) part[k] = fmaf(ev[j], u[j], part[k]);
-          }
-        }
-        const float s = ReduceEight(part, lane);
-        const int e = e0 + ((lane >> 2) & 7);
-        if ((lane & 3) == 0 && e < total && Better(s, e, bv, bi)) {
-          bv = s;
-          bi = e;
-        }
-      }
-      WarpArgmax(&bv, &bi);
-      if (lane == 0) {
-        warp_v[warp] = bv;
-        warp_i[warp] = bi;
-      }
-      __syncthreads();
-      if (warp == 0) {
-        bv = warp_v[lane];
-        bi = warp_i[lane];
-        WarpArgmax(&bv, &bi);
-        if (lane == 0) {
-          best_v = bv;
-          best_i = bi;
-        }
-      }
-      __syncthreads();
-      if (best_i >= 0 && best_v > theta) {
-        ref = best_i;
-      } else {
-        add = true;
-      }
+      add = true;
     }
     if (add) {  // at the own part's count (the same decision in every thread)
       T* dst = own + static_cast<int64_t>(n_own) * d;
@@ -586,7 +632,7 @@ __global__ void __launch_bounds__(kMergeThreads) SpindlekvMergeKernel(SpindlekvM
       refs[kind] = ref;
       mags[kind] = static_cast<float>(nrm);
     }
-    __syncthreads();  // `unit` and `row_norm` are the values' next
+    __syncthreads();  // `unit`, `row_norm` and `best` are the values' next
   }
 
   if (t == 0) {
@@ -606,33 +652,39 @@ __global__ void __launch_bounds__(kMergeThreads) SpindlekvMergeKernel(SpindlekvM
   }
 }
 
+template <typename T, int E>
+void LaunchMerge(const SpindlekvMergeArgs& a, const dim3& grid, cudaStream_t stream) {
+  SpindlekvMergeSearchKernel<T, E><<<dim3(2 * a.hkv, a.batch, a.splits), kSearchThreads, 0, stream>>>(a);
+  SpindlekvMergeKernel<T, E><<<grid, kMergeThreads, 0, stream>>>(a);
+}
+
 template <typename T>
 void LaunchMergeForDim(const SpindlekvMergeArgs& a, cudaStream_t stream) {
   const dim3 grid(a.hkv, a.batch);
   switch (a.d / 32) {
     case 1:
-      SpindlekvMergeKernel<T, 1><<<grid, kMergeThreads, 0, stream>>>(a);
+      LaunchMerge<T, 1>(a, grid, stream);
       break;
     case 2:
-      SpindlekvMergeKernel<T, 2><<<grid, kMergeThreads, 0, stream>>>(a);
+      LaunchMerge<T, 2>(a, grid, stream);
       break;
     case 3:
-      SpindlekvMergeKernel<T, 3><<<grid, kMergeThreads, 0, stream>>>(a);
+      LaunchMerge<T, 3>(a, grid, stream);
       break;
     case 4:
-      SpindlekvMergeKernel<T, 4><<<grid, kMergeThreads, 0, stream>>>(a);
+      LaunchMerge<T, 4>(a, grid, stream);
       break;
     case 5:
-      SpindlekvMergeKernel<T, 5><<<grid, kMergeThreads, 0, stream>>>(a);
+      LaunchMerge<T, 5>(a, grid, stream);
       break;
     case 6:
-      SpindlekvMergeKernel<T, 6><<<grid, kMergeThreads, 0, stream>>>(a);
+      LaunchMerge<T, 6>(a, grid, stream);
       break;
     case 7:
-      SpindlekvMergeKernel<T, 7><<<grid, kMergeThreads, 0, stream>>>(a);
+      LaunchMerge<T, 7>(a, grid, stream);
       break;
     case 8:
-      SpindlekvMergeKernel<T, 8><<<grid, kMergeThreads, 0, stream>>>(a);
+      LaunchMerge<T, 8>(a, grid, stream);
       break;
     default:
       LOG(FATAL) << "spindlekv merge: head_dim " << a.d;
@@ -662,6 +714,7 @@ void LaunchSpindlekvMerge(const SpindlekvMergeArgs& a, cudaStream_t stream) {
   CHECK(FloatDType(a.entry_dtype)) << "spindlekv merge: entry dtype";
   CHECK(a.hkv > 0 && a.hq % a.hkv == 0) << "spindlekv merge: hq " << a.hq << " hkv " << a.hkv;
   CHECK_LE(a.batch, 65535) << "spindlekv merge: batch";
+  CHECK(a.splits >= 1 && a.splits <= 65535 && a.workspace != nullptr) << "spindlekv merge: splits " << a.splits;
   if (a.batch <= 0) return;
   PENUMBRA_DISPATCH_FLOAT(a.entry_dtype, T, LaunchMergeForDim<T>(a, stream));
 }

@@ -24,12 +24,14 @@
 // Per block of B rows: B x d elements read about (B / 128 + 1) times from L2
 // for the Gram tiles, B^2 d / 2 multiply-adds, B^2 bits of shared memory.
 //
-// Merge: one block of 1024 threads per (sequence, KV head), keys then
-// values: the new row's f64 norm and unit vector, then every entry of the
-// two-part codebook read once (a warp eight consecutive entries at a time,
-// a lane d / 32 elements of each, the eight dot products reduced together),
-// a block-wide argmax (ties: the lowest index), then the reference or a new
-// entry, and the token appended to the sequence's own part.
+// Merge, in two kernels. The search: `splits` blocks per (sequence, KV head,
+// keys or values) share the two-part codebook's entries, each reading its
+// share once (a warp eight consecutive entries at a time, a lane d / 32
+// elements of each, the eight dot products reduced together) against the new
+// row's unit vector, and writes its best (ties: the lowest index) to the
+// workspace. The decision: one block per (sequence, KV head) takes the best of
+// the splits' for keys then values, then the reference or a new entry, and
+// appends the token to the sequence's own part.
 #pragma once
 
 #include <cuda_runtime_api.h>

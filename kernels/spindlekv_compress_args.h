@@ -134,6 +134,15 @@ struct SpindlekvMergeArgs {
   DType entry_dtype = DType::kF32;            // the codebooks' entries
   int layer = 0, batch = 0, hq = 0, hkv = 0, d = 0;
   float key_theta = 0.0f, value_theta = 0.0f;
+  // CUDA: each codebook's search is split over `splits` blocks, their bests
+  // met in `workspace` (SpindlekvMergeWorkspaceBytes bytes); null on the CPU.
+  int splits = 1;
+  void* workspace = nullptr;
 };
+
+inline size_t SpindlekvMergeWorkspaceBytes(const SpindlekvMergeArgs& a) {
+  // A (similarity, entry) pair per (sequence, KV head, keys or values, split).
+  return static_cast<size_t>(a.batch) * a.hkv * 2 * a.splits * 8;
+}
 
 }  // namespace penumbra::kernels

@@ -306,7 +306,7 @@ struct HeadState {
 void RunMerge(const MergeCase& c) {
   SCOPED_TRACE(::testing::Message() << "batch " << c.batch << " hq " << c.hq << " hkv " << c.hkv << " d " << c.d
                                     << " entries " << DTypeName(c.entry_dtype));
-  constexpr int kLayers = 2, kLayer = 1, kSteps = 2;
+  constexpr int kLayers = 2, kLayer = 1, kSteps = 3;
   const int d = c.d, hkv = c.hkv, G = c.hq / c.hkv, rows = c.batch * hkv;
   const size_t es = DTypeSize(c.entry_dtype);
   const float theta[2] = {0.98f, 0.95f};
@@ -455,6 +455,10 @@ void RunMerge(const MergeCase& c) {
     m.d = d;
     m.key_theta = theta[0];
     m.value_theta = theta[1];
+    // The search in one block, in a few, and in more blocks than entries.
+    m.splits = step == 0 ? 1 : step == 1 ? 3 : 70;
+    GpuBuffer ws(SpindlekvMergeWorkspaceBytes(m));
+    m.workspace = ws.get();
     LaunchSpindlekvMerge(m, nullptr);
     PENUMBRA_CUDA_OK(cudaGetLastError());
     PENUMBRA_CUDA_OK(cudaDeviceSynchronize());
@@ -634,10 +638,13 @@ TEST(SpindlekvCodebookGpu, Bench) {
     m.hkv = kHeads;
     m.d = d;
     m.key_theta = m.value_theta = 2.0f;  // never merges: every step adds (room for kRoom steps)
+    m.splits = 66;                       // what the CUDA backend picks for one sequence x 8 KV heads
+    GpuBuffer ws(SpindlekvMergeWorkspaceBytes(m));
+    m.workspace = ws.get();
     const float ms = TimeMs([&] { LaunchSpindlekvMerge(m, nullptr); }, 10);
     PENUMBRA_CUDA_OK(cudaGetLastError());
-    std::printf("Merge, 1 sequence x %d KV heads, %d bf16 entries a head, keys and values: %.3f ms\n", kHeads,
-                kBase + kOwn, ms);
+    std::printf("Merge, 1 sequence x %d KV heads, %d bf16 entries a head, keys and values, %d splits: %.3f ms\n",
+                kHeads, kBase + kOwn, m.splits, ms);
   }
 }
 

@@ -545,7 +545,14 @@ class CudaBackend final : public Backend {
       return Status::InvalidArgument("spindlekv merge on CUDA: hq " + std::to_string(op.hq) + ", hkv " +
                                      std::to_string(op.hkv) + ", d " + std::to_string(op.d));
     }
-    kn::LaunchSpindlekvMerge(op, stream_);
+    kn::SpindlekvMergeArgs a = op;
+    // The search's blocks: 8 a multiprocessor at 132 over the (sequence, KV
+    // head, keys or values) codebooks.
+    const int64_t searches = std::max(1, 2 * a.batch * a.hkv);
+    a.splits = static_cast<int>(std::clamp<int64_t>((1056 + searches - 1) / searches, 1, 256));
+    PENUMBRA_RETURN_IF_ERROR(GrowWorkspace(&spindle_merge_ws_, kn::SpindlekvMergeWorkspaceBytes(a)));
+    a.workspace = spindle_merge_ws_.get();
+    kn::LaunchSpindlekvMerge(a, stream_);
     return Status::OK();
   }
   Status PrepareFetchTurns(int layers) override {
@@ -649,6 +656,7 @@ class CudaBackend final : public Backend {
   DeviceBuffer lowrank_ws_;
   DeviceBuffer spindle_ws_;             // SpindlekvAttention's splits
   DeviceBuffer spindle_compress_ws_;    // SpindleKV's compression ops (one at a time on the stream)
+  DeviceBuffer spindle_merge_ws_;       // SpindlekvMerge's split searches
   std::vector<DeviceBuffer> score_ws_;  // per workspace_part
   DeviceBuffer query_ws_;               // ShadowkvQueryScores (either path)
   cusolverDnHandle_t solver_ = nullptr;
