@@ -59,6 +59,7 @@ _UNIT_RULES = (
     (r"^batch|^built_batch$|^max_batch$", "sequences"),
     (r"^(hq|hkv)$", "heads"),
     (r"^window$|^pool$|^codebook_block$", "tokens"),
+    (r"^merge_window$", "codebook entries"),
     (r"threshold$", "cosine similarity"),
     (r"^nq$", "tokens"),
     (r"^head_dim$|^in$|^out$", "elements"),

@@ -533,8 +533,9 @@ __global__ void __launch_bounds__(kSearchThreads) SpindlekvMergeSearchKernel(Spi
 #pragma unroll
   for (int j = 0; j < E; ++j) u[j] = unit[lane * E + j];
   // This split's entries: whole batches of 8.
-  const int32_t per = ((total + splits - 1) / splits + kMergeBatch - 1) / kMergeBatch * kMergeBatch;
-  const int32_t lo = split * per, hi = min(total, lo + per);
+  const int32_t first = a.window > 0 && a.window < total ? total - a.window : 0;
+  const int32_t per = ((total - first + splits - 1) / splits + kMergeBatch - 1) / kMergeBatch * kMergeBatch;
+  const int32_t lo = first + split * per, hi = min(total, lo + per);
   float bv = -INFINITY;
   int bi = -1;
   for (int32_t e0 = lo + warp * kMergeBatch; e0 < hi; e0 += kSearchWarps * kMergeBatch) {

@@ -117,7 +117,8 @@ inline size_t SpindlekvCodebookWorkspaceBytes(const SpindlekvCodebookArgs& a) {
 // (the views SpindlekvAttention reads), and its own codebooks' entry counts
 // in seq_entries[i][(layer * hkv + g) * 2 + {0: keys, 1: values}]. For each
 // (i, g): the new token's pre-RoPE key (qkv row i at (hq + g) * d) and value
-// (at (hq + hkv + g) * d) merge by spindlekv::MergeOrAdd into the KV head's
+// (at (hq + hkv + g) * d) merge by spindlekv::MergeOrAdd (over the last
+// `window` entries) into the KV head's
 // two-part codebooks (part 0's entries, key_base_entries of them, read only;
 // new entries appended to part 1's at its count, which grows), and the token
 // is appended to part 1's tokens at index part[1].n (position positions[i],
@@ -134,6 +135,7 @@ struct SpindlekvMergeArgs {
   DType entry_dtype = DType::kF32;            // the codebooks' entries
   int layer = 0, batch = 0, hq = 0, hkv = 0, d = 0;
   float key_theta = 0.0f, value_theta = 0.0f;
+  int32_t window = 0;  // the search covers the last `window` entries of the two parts (0: all)
   // CUDA: each codebook's search is split over `splits` blocks, their bests
   // met in `workspace` (SpindlekvMergeWorkspaceBytes bytes); null on the CPU.
   int splits = 1;

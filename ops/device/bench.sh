@@ -41,8 +41,9 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   variants  ShadowKV decode at 124928 x 14 (natural, forced 60%) for each flag set of VARIANTS ('|'-separated;
             default: --landmarks-per-chunk 1|2|4), VARIANT_ROUNDS rounds (2) in turn, the peer first and last;
             the lines, with their "variant", also in $OUT/variants.jsonl
-  spindlekv SpindleKV decode at 124928 tokens at the largest batch that fits, for each reserve ratio of
-            SPINDLE_RATIOS (default "0.1 0.3"), 50 steps, the peer (--graph) first and last
+  spindlekv SpindleKV decode at 124928 tokens at the largest batch that fits, for each flag set of
+            SPINDLE_VARIANTS ('|'-separated; default: reserve ratio 0.1, 0.3, and 0.1 with the paper's
+            whole-codebook merge search, --spindlekv-merge-window 0), 50 steps, the peer (--graph) first and last
   sweep     ShadowKV context/batch sweep: 61440, 124928, 249856 with --batch-sweep and --hit-rates natural,0.6
   1m        ShadowKV at 1048576 tokens, batch 1, natural and forced 60%
   trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain);
@@ -206,11 +207,15 @@ for line in sys.stdin:
 }
 
 suite_spindlekv() {
-  local r
+  local IFS_OLD=$IFS v
+  local list=${SPINDLE_VARIANTS:-"--spindlekv-ratio 0.1|--spindlekv-ratio 0.3|--spindlekv-ratio 0.1 --spindlekv-merge-window 0"}
   peer_decode 124928
-  for r in ${SPINDLE_RATIOS:-0.1 0.3}; do
-    run 400 $R penumbra-bench decode --kv-policy spindlekv --spindlekv-ratio "$r" --context 124928 --steps 50
+  IFS='|'
+  for v in $list; do
+    IFS=$IFS_OLD
+    run 400 $R penumbra-bench decode --kv-policy spindlekv --context 124928 --steps 50 $v
   done
+  IFS=$IFS_OLD
   peer_decode 124928
 }
 

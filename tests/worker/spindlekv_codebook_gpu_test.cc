@@ -455,8 +455,11 @@ void RunMerge(const MergeCase& c) {
     m.d = d;
     m.key_theta = theta[0];
     m.value_theta = theta[1];
-    // The search in one block, in a few, and in more blocks than entries.
+    // The search in one block, in a few, and in more blocks than entries;
+    // over all entries, then over the last 3 (a window that starts in the
+    // base part where there is one), then the last 40.
     m.splits = step == 0 ? 1 : step == 1 ? 3 : 70;
+    m.window = step == 0 ? 0 : step == 1 ? 3 : 40;
     GpuBuffer ws(SpindlekvMergeWorkspaceBytes(m));
     m.workspace = ws.get();
     LaunchSpindlekvMerge(m, nullptr);
@@ -481,7 +484,8 @@ void RunMerge(const MergeCase& c) {
           base.entries = s.base[kind];
           own.entries = s.own[kind];
           const int32_t before = own.size();
-          ref[kind] = spindlekv::MergeOrAdd(v, theta[kind], s.nb[kind] > 0 ? &base : nullptr, &own, &mg[kind]);
+          ref[kind] =
+              spindlekv::MergeOrAdd(v, theta[kind], s.nb[kind] > 0 ? &base : nullptr, &own, &mg[kind], m.window);
           ASSERT_EQ(counts[(kLayer * hkv + g) * 2 + kind], own.size()) << "kind " << kind;
           // The entries the device holds: the old ones as they were, the new one as the host's, rounded.
           const size_t n_el = static_cast<size_t>(own.size() + 1) * d;

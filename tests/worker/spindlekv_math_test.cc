@@ -651,6 +651,13 @@ TEST(SpindlekvMath, MergeOrAdd) {
   // Strictly greater: a row at cosine 1 with entry 0 does not merge at theta 1.
   EXPECT_EQ(MergeOrAdd(v0, 1.0f, &cb, &mag), 4);
   EXPECT_EQ(MergeOrAdd(v0, 0.99f, &cb, &mag), 0);  // the lowest index of the tie
+  // A window of the last entries: entries 3 and 4 (v3's, v0's) for v0, which
+  // takes entry 4; of the last one only (4) for v3, which adds entry 5 below
+  // theta; a window past the size is the whole codebook.
+  EXPECT_EQ(MergeOrAdd(v0, 0.99f, &cb, &mag, 2), 4);
+  EXPECT_EQ(MergeOrAdd(v3, 0.9f, &cb, &mag, 1), 5);
+  EXPECT_EQ(MergeOrAdd(v0, 0.99f, &cb, &mag, 100), 0);
+  cb.entries.resize(5 * 3);
   // A zero row references entry 0 and reconstructs to zero.
   const float z[3] = {0, 0, 0};
   EXPECT_EQ(MergeOrAdd(z, 0.5f, &cb, &mag), 0);

@@ -144,13 +144,21 @@ TEST_F(SpindleKvTest, LossySettingsHoldLessAndStillGenerate) {
 // The policy with its state in device memory (what CUDA runs) on the CPU
 // backend: the same ops over the same f32 math as the host policy, so the
 // same tokens, logits and compressed bytes, lossless and lossy, for a whole
-// prompt and for a first segment and a continuation. It holds no documents
-// yet: capturing and attaching are refused as Unimplemented.
+// prompt and for a first segment and a continuation, new tokens searching
+// the whole codebook or its last 8 entries. It holds no documents yet:
+// capturing and attaching are refused as Unimplemented.
 TEST_F(SpindleKvTest, TheDeviceStatePolicyIsTheHostPolicy) {
-  for (const auto& [ratio, threshold] : {std::pair{1.0, 1.5}, std::pair{0.3, 0.9}}) {
+  struct Setting {
+    double ratio, threshold;
+    int64_t merge_window;
+  };
+  for (const Setting& c : {Setting{1.0, 1.5, 0}, Setting{0.3, 0.9, 0}, Setting{0.3, 0.9, 8}}) {
     for (int64_t first : {int64_t{0}, int64_t{150}}) {
-      SCOPED_TRACE("ratio " + std::to_string(ratio) + ", first prefill " + std::to_string(first));
-      EngineOptions host = Spindle(ratio, threshold, threshold), device = host;
+      SCOPED_TRACE("ratio " + std::to_string(c.ratio) + ", merge window " + std::to_string(c.merge_window) +
+                   ", first prefill " + std::to_string(first));
+      EngineOptions host = Spindle(c.ratio, c.threshold, c.threshold);
+      host.spindlekv.merge_window = c.merge_window;
+      EngineOptions device = host;
       device.spindlekv_device_state = true;
       auto eh = Open(host), ed = Open(device);
       ASSERT_TRUE(eh && ed);

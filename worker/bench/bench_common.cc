@@ -19,6 +19,7 @@ void AddPolicy(const EngineOptions& o, nlohmann::json& j) {
     j["key_threshold"] = o.spindlekv.key_threshold;
     j["value_threshold"] = o.spindlekv.value_threshold;
     j["codebook_block"] = o.spindlekv.codebook_block;
+    j["merge_window"] = o.spindlekv.merge_window;
     return;
   }
   if (o.kv_policy != "shadowkv") return;

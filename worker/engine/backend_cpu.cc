@@ -491,10 +491,11 @@ class CpuBackend final : public Backend {
       float km = 0, vm = 0;
       const int32_t kr = spindlekv::MergeOrAdd(
           src + (a.hq + g) * d, d, a.key_theta, static_cast<const float*>(h.key_entries[0]), h.key_base_entries,
-          const_cast<float*>(static_cast<const float*>(h.key_entries[1])), &counts[0], &km);
-      const int32_t vr = spindlekv::MergeOrAdd(
-          src + (a.hq + a.hkv + g) * d, d, a.value_theta, static_cast<const float*>(h.value_entries[0]),
-          h.value_base_entries, const_cast<float*>(static_cast<const float*>(h.value_entries[1])), &counts[1], &vm);
+          const_cast<float*>(static_cast<const float*>(h.key_entries[1])), &counts[0], &km, a.window);
+      const int32_t vr = spindlekv::MergeOrAdd(src + (a.hq + a.hkv + g) * d, d, a.value_theta,
+                                               static_cast<const float*>(h.value_entries[0]), h.value_base_entries,
+                                               const_cast<float*>(static_cast<const float*>(h.value_entries[1])),
+                                               &counts[1], &vm, a.window);
       kernels::SpindlekvTokens& t = h.part[1];
       const int64_t at = t.n;
       const_cast<int32_t*>(t.pos)[at] = a.positions[i];

@@ -83,7 +83,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     std::ostringstream os;
     os << "spindlekv r=" << o_.reserve_ratio << " beta=" << o_.min_ratio << " window=" << o_.window
        << " pool=" << o_.pool << " tk=" << o_.key_threshold << " tv=" << o_.value_threshold
-       << " block=" << o_.codebook_block << " min=" << o_.min_prompt_tokens;
+       << " block=" << o_.codebook_block << " min=" << o_.min_prompt_tokens << " merge=" << o_.merge_window;
     return os.str();
   }
 
@@ -593,6 +593,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     m.d = d;
     m.key_theta = static_cast<float>(o_.key_threshold);
     m.value_theta = static_cast<float>(o_.value_threshold);
+    m.window = static_cast<int32_t>(o_.merge_window);
     PENUMBRA_RETURN_IF_ERROR(be.SpindlekvMerge(m));
     if (prof_ != nullptr) prof_->Lap("spindlekv_rope_merge");
     int64_t max_tokens = 0;

@@ -295,11 +295,11 @@ void BuildCodebook(const float* x, int64_t n, int d, float theta, int block, Cod
   }
 }
 
-int32_t MergeOrAdd(const float* v, float theta, Codebook* cb, float* mag) {
-  return MergeOrAdd(v, theta, nullptr, cb, mag);
+int32_t MergeOrAdd(const float* v, float theta, Codebook* cb, float* mag, int64_t window) {
+  return MergeOrAdd(v, theta, nullptr, cb, mag, window);
 }
 
-int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* own, float* mag) {
+int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* own, float* mag, int64_t window) {
   const int d = own->d;
   CHECK_GT(d, 0) << "MergeOrAdd needs the codebook's dimension";
   CHECK(base == nullptr || base->size() == 0 || base->d == d) << "codebook parts of other dimensions";
@@ -307,13 +307,14 @@ int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* 
   int32_t n = own->size();
   CHECK_LT(nb + n, std::numeric_limits<int32_t>::max()) << "codebook too large for int32 references";
   own->entries.resize(static_cast<size_t>(n + 1) * d);  // room for the entry it may add
-  const int32_t ref = MergeOrAdd(v, d, theta, nb ? base->entries.data() : nullptr, nb, own->entries.data(), &n, mag);
+  const int32_t ref =
+      MergeOrAdd(v, d, theta, nb ? base->entries.data() : nullptr, nb, own->entries.data(), &n, mag, window);
   own->entries.resize(static_cast<size_t>(n) * d);
   return ref;
 }
 
 int32_t MergeOrAdd(const float* v, int d, float theta, const float* base, int32_t nb, float* own, int32_t* own_n,
-                   float* mag) {
+                   float* mag, int64_t window) {
   const double norm = Norm(v, d);
   *mag = static_cast<float>(norm);
   if (!HasDirection(norm) && nb + *own_n > 0) return 0;
@@ -327,7 +328,9 @@ int32_t MergeOrAdd(const float* v, int d, float theta, const float* base, int32_
   for (int c = 0; c < d; ++c) u[c] = static_cast<float>(v[c] / norm);
   int32_t best = -1;
   float best_sim = -std::numeric_limits<float>::infinity();
-  for (int32_t e = 0; e < nb + *own_n; ++e) {
+  const int32_t total = nb + *own_n;
+  const int32_t first = window > 0 && window < total ? total - static_cast<int32_t>(window) : 0;
+  for (int32_t e = first; e < total; ++e) {
     const float s =
         Dot(e < nb ? base + static_cast<size_t>(e) * d : own + static_cast<size_t>(e - nb) * d, u.data(), d);
     if (s > best_sim) best_sim = s, best = e;

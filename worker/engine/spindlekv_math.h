@@ -86,18 +86,20 @@ void BuildCodebook(const float* x, int64_t n, int d, float theta, int block, Cod
 
 // Decode-time merge of one new row v[d] (the paper: "we first search for suitable CodeBook entries ...
 // if found we merge them; otherwise [a new entry]"): the entry of highest cosine similarity (ties: the
-// lowest index); if it is > theta the row references it, else v/|v| is appended as a new entry. Returns the
-// reference; *mag = |v|. v has cb->d floats: cb->d must be set (> 0) even while cb is empty. A zero row
-// references entry 0 (e_0 is appended first when cb is empty).
-int32_t MergeOrAdd(const float* v, float theta, Codebook* cb, float* mag);
+// lowest index) among the last `window` entries (0: all of them); if it is > theta the row references it,
+// else v/|v| is appended as a new entry. Returns the reference; *mag = |v|. v has cb->d floats: cb->d must
+// be set (> 0) even while cb is empty. A zero row references entry 0 (e_0 is appended first when cb is
+// empty).
+int32_t MergeOrAdd(const float* v, float theta, Codebook* cb, float* mag, int64_t window = 0);
 // The same over a codebook in two parts: `base` (may be null; an attached document's, read only) followed
-// by `own`, where new entries go. References count base's entries first (own's entry i is base->size() + i).
-int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* own, float* mag);
+// by `own`, where new entries go. References count base's entries first (own's entry i is base->size() + i);
+// the window is over both (base's entries come first).
+int32_t MergeOrAdd(const float* v, float theta, const Codebook* base, Codebook* own, float* mag, int64_t window = 0);
 
 // The same over entries in the caller's memory: base [nb][d] (read only; may be null when nb is 0) and
 // own [*own_n][d] with room for one more entry, appended there (*own_n grows) when the row adds one.
 int32_t MergeOrAdd(const float* v, int d, float theta, const float* base, int32_t nb, float* own, int32_t* own_n,
-                   float* mag);
+                   float* mag, int64_t window = 0);
 
 // The tokens each KV head holds after eviction: query head h keeps TopKIndices(scores + h * n, context,
 // keep) (every context token when keep >= context; scores may then be null) and every token of

@@ -20,6 +20,8 @@ const OptionTable<SpindleKvOptions>& SpindleKvOptionTable() {
                    "cosine similarity above which values share a codebook entry (1 or more: none)")
            .Int(&O::codebook_block, "spindlekv-block", "codebook_block", 1, 1 << 16,
                 "tokens per block of the prefill's greedy codebook construction")
+           .Int(&O::merge_window, "spindlekv-merge-window", "merge_window", int64_t{0}, (int64_t{1} << 31) - 1,
+                "a new token's key and value search the last this many codebook entries (0: all, the paper's rule)")
            .Int(&O::min_prompt_tokens, "spindlekv-min-prompt", "min_prompt_tokens", int64_t{0}, int64_t{1} << 40,
                 "prompts shorter than this keep every token")
            .Check("pool", [](const O& o) -> std::string {

@@ -34,9 +34,15 @@ struct SpindleKvOptions {
   double value_threshold = 0.95;
   // The codebook is built greedily (highest degree first) inside blocks of
   // this many tokens, in token order: O(tokens x block) instead of the
-  // paper's O(tokens^2); entries are not shared across blocks at prefill
-  // (new tokens at decode search the whole codebook). Default: 1024.
+  // paper's O(tokens^2); entries are not shared across blocks at prefill.
+  // Default: 1024.
   int codebook_block = 1024;
+  // A new token's key and value (decode, continuations) search the last
+  // this many entries of their codebook for one to share, as the prefill's
+  // blocks share only inside a block; 0: the whole codebook (the paper's
+  // rule, which reads every entry once more each step: as many bytes as the
+  // attention). Default: 1024.
+  int64_t merge_window = 1024;
   // Prompts shorter than this keep every token (the codebook still applies).
   // Default: 0.
   int64_t min_prompt_tokens = 0;

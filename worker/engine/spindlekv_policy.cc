@@ -24,6 +24,9 @@
 // tokens) are merged as the paper does at decode: each new key and value
 // references the most similar entry of its KV head's codebook above the
 // threshold, or becomes an entry; every query head of the group keeps it.
+// The search covers the codebook's last merge_window entries (0: all, the
+// paper's rule), so that a step does not read every entry twice (once here,
+// once in attention); the prefill's blocks share only inside a block too.
 //
 // Attention reconstructs the keys and values a KV head holds (entry x
 // magnitude, keys rotated), once per layer call, and each query head attends
@@ -243,7 +246,7 @@ class SpindleKvPolicy final : public KvPolicy {
     std::ostringstream os;
     os << "spindlekv r=" << o_.reserve_ratio << " beta=" << o_.min_ratio << " window=" << o_.window
        << " pool=" << o_.pool << " tk=" << o_.key_threshold << " tv=" << o_.value_threshold
-       << " block=" << o_.codebook_block << " min=" << o_.min_prompt_tokens;
+       << " block=" << o_.codebook_block << " min=" << o_.min_prompt_tokens << " merge=" << o_.merge_window;
     return os.str();
   }
 
@@ -672,9 +675,9 @@ class SpindleKvPolicy final : public KvPolicy {
     for (int g = 0; g < hkv; ++g) {
       float km = 0, vm = 0;
       const int32_t kr = spindlekv::MergeOrAdd(src + (hq + g) * d, static_cast<float>(o_.key_threshold),
-                                               b ? &b->ck[g] : nullptr, &own.ck[g], &km);
+                                               b ? &b->ck[g] : nullptr, &own.ck[g], &km, o_.merge_window);
       const int32_t vr = spindlekv::MergeOrAdd(src + (hq + hkv + g) * d, static_cast<float>(o_.value_threshold),
-                                               b ? &b->cv[g] : nullptr, &own.cv[g], &vm);
+                                               b ? &b->cv[g] : nullptr, &own.cv[g], &vm, o_.merge_window);
       own.tok[g].Push(pos, kr, km, vr, vm, group == 32 ? ~uint32_t{0} : (uint32_t{1} << group) - 1);
     }
   }
