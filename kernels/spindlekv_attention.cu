@@ -13,7 +13,8 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kMaxGroup = 8;
-constexpr int kTile = 32;  // tokens a warp takes at a time: one a lane
+constexpr int kTile = 32;       // tokens a warp takes at a time: one a lane
+constexpr int kValueBatch = 8;  // value rows a warp loads before adding them
 
 // One block: row (sequence b, KV head h) = blockIdx.x, split blockIdx.y; its
 // warps take tiles of 32 tokens in turn. In a tile, lanes go over tokens for
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
 #pragma unroll
         for (int j = 0; j < GM; ++j) dot[j] = 0.0f;
           // Element c + u pairs with c + u + half (rotate-half); 8 of each at a time.
-#pragma unroll 2
+#pragma unroll 4
         for (int c = 0; c < half; c += 8) {
           const Pack<T, 8> plo = *reinterpret_cast<const Pack<T, 8>*>(ke + c);
           const Pack<T, 8> phi = *reinterpret_cast<const Pack<T, 8>*>(ke + c + half);
@@ -130,22 +131,30 @@ __global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAt
     s_v[warp][lane] = ve;
     s_vm[warp][lane] = vm;
     __syncwarp();
-    // Values: lane = elements.
+    // Values: lane = elements; eight tokens' loads issued before their sums
+    // (a warp waits on gathered rows, not on arithmetic).
     const int count = end - i0 < kTile ? static_cast<int>(end - i0) : kTile;
-#pragma unroll 4
-    for (int t = 0; t < count; ++t) {
-      const T* vp = s_v[warp][t];
-      if (vp == nullptr) continue;  // the same in every lane
-      const float w = s_vm[warp][t];
-      float v[E];
+    for (int t0 = 0; t0 < count; t0 += kValueBatch) {
+      float v[kValueBatch][E];
 #pragma unroll
-      for (int e = 0; e < E; ++e) v[e] = ToF32(vp[lane * E + e]) * w;
+      for (int k = 0; k < kValueBatch; ++k) {
+        const int t = t0 + k;
+        const T* vp = t < count ? s_v[warp][t] : nullptr;  // null: no head takes it (the same in every lane)
+        const float w = vp != nullptr ? s_vm[warp][t] : 0.0f;
 #pragma unroll
-      for (int j = 0; j < GM; ++j) {
-        if (j >= G) break;
-        const float pj = s_p[warp][t][j];
+        for (int e = 0; e < E; ++e) v[k][e] = vp != nullptr ? ToF32(vp[lane * E + e]) * w : 0.0f;
+      }
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[j][e] = fmaf(pj, v[e], acc[j][e]);
+      for (int k = 0; k < kValueBatch; ++k) {
+        const int t = t0 + k;
+        if (t >= count) break;
+#pragma unroll
+        for (int j = 0; j < GM; ++j) {
+          if (j >= G) break;
+          const float pj = s_p[warp][t][j];
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[j][e] = fmaf(pj, v[k][e], acc[j][e]);
+        }
       }
     }
     __syncwarp();  // the tile's shared rows are read before the next tile writes them

@@ -664,7 +664,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|variants|sweep|1m|trace|ttft|ttft_disk|shared|shared_trace|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|mixed|eval) ;;
+    parity|check|full|shadowkv|variants|spindlekv|sweep|1m|trace|ttft|ttft_disk|shared|shared_trace|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|mixed|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done
