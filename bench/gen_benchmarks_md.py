@@ -283,6 +283,28 @@ CAPABILITIES = [
          cols=["run", "kv_policy", "reserve_ratio", "pool", "key_threshold", "value_threshold", "segmented",
                "kv_bytes_ratio", "budget_fraction", "accuracy", "seconds"],
          reproduce="penumbra eval --model models/penumbra-eval --device cpu --kv-policy spindlekv ...  # the row's command"),
+    dict(id="spindlekv-decode", title="SpindleKV decode beside the peer",
+         what="SpindleKV (`--kv-policy spindlekv`, its state in device memory) decoding at 124928 tokens at the "
+              "largest batch that fits, beside the peer (`--graph`) first and last in the same call: reserve ratio "
+              "0.1 and 0.3 with new tokens searching the codebook's last 1024 entries (`merge_window`), and 0.1 "
+              "with the paper's search of the whole codebook (`merge_window` 0). Random weights and random keys "
+              "and values through the real compression: random keys share no codebook entry and the 4 query heads "
+              "of a KV head choose nearly disjoint tokens, so a KV head holds about 1 - (1 - r)^4 of the context; "
+              "a trained model's heads agree more and share entries (the eval rows' kv_bytes_ratio).",
+         rows=lambda r: peer_decode(r) or engine(r, "decode", "spindlekv"),
+         cols=["reserve_ratio", "pool", "merge_window", "context", "batch", "batch_limit", "tokens_per_s",
+               "ms_per_step"],
+         reproduce="bash ops/device/bench.sh spindlekv"),
+    dict(id="spindlekv-eval", title="SpindleKV accuracy on the GPU beside full attention and ShadowKV",
+         what="The first evaluation model at 16384 and 32768 tokens (25 records per task, the KJV haystack, seed "
+              "5151), on an H200: full attention, ShadowKV (defaults) and spindlekv at reserve ratios 0.1 and 0.2 "
+              "with pooling 7 (SnapKV's), 31 and 63, and at 0.1 without codebooks (thresholds 1.5: eviction "
+              "only). kv_bytes_ratio: the compressed state's bytes over the exact cache's (bf16) for the same "
+              "tokens, references and codebooks included.",
+         rows=lambda r: r.get("summary") is True,
+         cols=["length", "run", "kv_policy", "reserve_ratio", "pool", "kv_bytes_ratio", "accuracy", "seconds"],
+         reproduce="penumbra eval --model models/penumbra-eval --tasks TASKS --device cuda --json ...  # the row's "
+                   "command; TASKS from the row's tasks_made_by"),
     dict(id="service-load-cpu", title="Load test on the CPU",
          what="A bounded load test on loopback, `models/penumbra-eval` on 2 CPU cores.",
          rows=lambda r: True,

@@ -90,7 +90,7 @@ Status Main(int argc, char** argv) {
   a.Flag("context", "context lengths, comma-separated")
       .Flag("batch", "sequences (default: largest that fits)")
       .Flag("steps", "timed decode steps (default 100)")
-      .Flag("kv-policy", "full, shadowkv or spindlekv (CPU only so far)")
+      .Flag("kv-policy", "full, shadowkv or spindlekv")
       .Flag("force-hit-rate", "shadowkv: keep this fraction of the previous step's chunks")
       .Flag("hit-rates",
             "shadowkv: measure each of these forced hit rates on the same sequences, comma-separated, "
