@@ -51,6 +51,20 @@ class GpuBuffer {
   void* p_ = nullptr;
 };
 
+// A host vector's bytes in a new device buffer, and back.
+template <typename T>
+GpuBuffer Upload(const std::vector<T>& v) {
+  GpuBuffer b(v.size() * sizeof(T));
+  if (!v.empty()) CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+  return b;
+}
+template <typename T>
+std::vector<T> Download(const void* p, size_t n) {
+  std::vector<T> v(n);
+  if (n > 0) CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+  return v;
+}
+
 // Host f32 -> device tensor of `dtype`; `rounded` receives the values the
 // device holds, widened back to f32 (the CPU reference's input).
 inline GpuBuffer UploadAs(const std::vector<float>& x, DType dtype, std::vector<float>* rounded) {

@@ -25,14 +25,8 @@ namespace {
 
 using ::penumbra::testing::DownloadAs;
 using ::penumbra::testing::GpuBuffer;
+using ::penumbra::testing::Upload;
 using ::penumbra::testing::UploadAs;
-
-template <typename T>
-GpuBuffer Upload(const std::vector<T>& v) {
-  GpuBuffer b(v.size() * sizeof(T));
-  CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-  return b;
-}
 
 // One part's tokens on the host.
 struct HostTokens {

@@ -46,25 +46,13 @@
 namespace penumbra::kernels {
 namespace {
 
+using ::penumbra::testing::Download;
 using ::penumbra::testing::DownloadAs;
 using ::penumbra::testing::GpuBuffer;
 using ::penumbra::testing::KernelBenchEnabled;
 using ::penumbra::testing::TimeMs;
+using ::penumbra::testing::Upload;
 using ::penumbra::testing::UploadAs;
-
-template <typename T>
-GpuBuffer Upload(const std::vector<T>& v) {
-  GpuBuffer b(v.size() * sizeof(T));
-  if (!v.empty()) CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-  return b;
-}
-
-template <typename T>
-std::vector<T> Download(const void* p, size_t n) {
-  std::vector<T> v(n);
-  if (n > 0) CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
-  return v;
-}
 
 void Poison(const GpuBuffer& b, size_t bytes) { CHECK(cudaMemset(b.get(), 0xff, bytes) == cudaSuccess); }
 

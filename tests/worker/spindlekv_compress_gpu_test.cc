@@ -40,20 +40,12 @@ using ::penumbra::testing::DownloadAs;
 using ::penumbra::testing::GpuBuffer;
 using ::penumbra::testing::KernelBenchEnabled;
 using ::penumbra::testing::TimeMs;
+using ::penumbra::testing::Upload;
 using ::penumbra::testing::UploadAs;
 
 template <typename T>
-GpuBuffer Upload(const std::vector<T>& v) {
-  GpuBuffer b(v.size() * sizeof(T));
-  CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-  return b;
-}
-
-template <typename T>
 std::vector<T> Download(const GpuBuffer& b, size_t n) {
-  std::vector<T> v(n);
-  CHECK(cudaMemcpy(v.data(), b.get(), n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
-  return v;
+  return ::penumbra::testing::Download<T>(b.get(), n);
 }
 
 // A buffer of `bytes` filled with 0xff (NaN as floats, -1 as ints, every bit as masks).

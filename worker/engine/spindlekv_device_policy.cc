@@ -78,14 +78,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
 
   std::string name() const override { return "spindlekv"; }
 
-  std::string StateFingerprint() const override {
-    // The host policy's: the same options make the same state.
-    std::ostringstream os;
-    os << "spindlekv r=" << o_.reserve_ratio << " beta=" << o_.min_ratio << " window=" << o_.window
-       << " pool=" << o_.pool << " tk=" << o_.key_threshold << " tv=" << o_.value_threshold
-       << " block=" << o_.codebook_block << " min=" << o_.min_prompt_tokens << " merge=" << o_.merge_window;
-    return os.str();
-  }
+  std::string StateFingerprint() const override { return SpindleKvStateFingerprint(o_); }
 
   Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
     if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
@@ -104,9 +97,8 @@ class SpindleKvDevicePolicy final : public KvPolicy {
       return Status::InvalidArgument("spindlekv: a sequence of " + std::to_string(s.capacity) + " tokens");
     }
     s.window = std::min<int64_t>(o_.window, s.first);
-    const bool evict = s.first >= o_.min_prompt_tokens;
-    s.ratios = evict ? spindlekv::RetainRatios(o_.reserve_ratio, s.first, s.window, o_.min_ratio, ctx_.num_layers)
-                     : std::vector<double>(ctx_.num_layers, 1.0);
+    s.ratios = spindlekv::LayerRatios(o_.reserve_ratio, o_.min_ratio, s.first, s.window, o_.min_prompt_tokens,
+                                      ctx_.num_layers);
     const SequenceBytes need = Estimate(s.first, s.capacity - s.first);
     const size_t free = ctx_.backend->FreeMemoryBytes();
     if (need.device > free) {
@@ -333,9 +325,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
   SequenceBytes Estimate(int64_t first, int64_t more) const {
     const int64_t window = std::min<int64_t>(o_.window, first);
     const std::vector<double> ratios =
-        first >= o_.min_prompt_tokens
-            ? spindlekv::RetainRatios(o_.reserve_ratio, first, window, o_.min_ratio, ctx_.num_layers)
-            : std::vector<double>(ctx_.num_layers, 1.0);
+        spindlekv::LayerRatios(o_.reserve_ratio, o_.min_ratio, first, window, o_.min_prompt_tokens, ctx_.num_layers);
     SequenceBytes b;
     for (int l = 0; l < ctx_.num_layers; ++l) {
       const HeadLayout h(HeldBound(ratios, l, first, window) + std::max<int64_t>(more, 0), ctx_.head_dim, es_);
@@ -344,6 +334,27 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     const size_t d = ctx_.head_dim, hkv = ctx_.hkv;
     b.device += static_cast<size_t>(first) * hkv * d * (2 * es_ + 4) + static_cast<size_t>(window) * ctx_.hq * d * es_;
     return b;
+  }
+
+  // RoPE on n rows of qkv: the queries into q_out, the keys and values to
+  // the rows whose addresses dst holds (keys first, values from dst +
+  // v_at; v_at 0: n), the pre-RoPE keys to pre_k_out when it is set.
+  void Rope(const float* qkv, int n, const int32_t* positions, void* q_out, void* const* dst, int64_t head_stride,
+            float* pre_k_out, int v_at = 0) {
+    RopeStoreOp r;
+    r.qkv = qkv;
+    r.positions = positions;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = n;
+    r.hq = ctx_.hq;
+    r.hkv = ctx_.hkv;
+    r.d = ctx_.head_dim;
+    r.q_out = q_out;
+    r.k_dst = dst;
+    r.v_dst = dst + (v_at > 0 ? v_at : n);
+    r.head_stride = head_stride;
+    r.pre_rope_k_out = pre_k_out;
+    ctx_.backend->RopeStore(r);
   }
 
   // RopeStore of rows [start, start + n) of the first prefill into the
@@ -357,20 +368,8 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     }
     PENUMBRA_RETURN_IF_ERROR(Grow(&store_ptrs_, ptrs.size() * sizeof(void*)));
     PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(store_ptrs_.get(), ptrs.data(), ptrs.size() * sizeof(void*)));
-    RopeStoreOp r;
-    r.qkv = qkv;
-    r.positions = positions;
-    r.inv_freq = ctx_.inv_freq;
-    r.n = n;
-    r.hq = ctx_.hq;
-    r.hkv = hkv;
-    r.d = d;
-    r.q_out = q_scratch;
-    r.k_dst = store_ptrs_.as<void*>();
-    r.v_dst = store_ptrs_.as<void*>() + n;
-    r.head_stride = s.first * d;
-    r.pre_rope_k_out = s.pre_k.as<float>() + static_cast<size_t>(start) * hkv * d;
-    ctx_.backend->RopeStore(r);
+    Rope(qkv, n, positions, q_scratch, store_ptrs_.as<void*>(), s.first * d,
+         s.pre_k.as<float>() + static_cast<size_t>(start) * hkv * d);
     // The window's rows: [w0, first) of the prompt.
     const int64_t w0 = s.first - s.window, lo = std::max(start, w0), hi = start + n;
     if (lo < hi) {
@@ -565,19 +564,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(be.CopyToDevice(dummy_ptrs_.get(), ptrs.data(), ptrs.size() * sizeof(void*)));
       dummy_rows_ = n;
     }
-    RopeStoreOp r;
-    r.qkv = qkv;
-    r.positions = positions;
-    r.inv_freq = ctx_.inv_freq;
-    r.n = n;
-    r.hq = ctx_.hq;
-    r.hkv = hkv;
-    r.d = d;
-    r.q_out = q_out;
-    r.k_dst = dummy_ptrs_.as<void*>();
-    r.v_dst = dummy_ptrs_.as<void*>() + dummy_rows_;
-    r.head_stride = d;
-    be.RopeStore(r);
+    Rope(qkv, n, positions, q_out, dummy_ptrs_.as<void*>(), d, nullptr, dummy_rows_);
     PENUMBRA_RETURN_IF_ERROR(Grow(&gathered_, static_cast<size_t>(n) * hkv * sizeof(kernels::SpindlekvHead)));
     kernels::SpindlekvMergeArgs m;
     m.seq_heads = reinterpret_cast<kernels::SpindlekvHead* const*>(seq_ptrs);

@@ -200,6 +200,11 @@ std::vector<double> RetainRatios(double r, int64_t prompt, int64_t window, doubl
   return out;
 }
 
+std::vector<double> LayerRatios(double r, double beta, int64_t first, int64_t window, int64_t min_prompt, int layers) {
+  return first >= min_prompt ? RetainRatios(r, first, window, beta, layers)
+                             : std::vector<double>(std::max(layers, 0), 1.0);
+}
+
 int64_t KeptTokens(double ratio, int64_t context) {
   if (context <= 0 || !(ratio > 0)) return 0;
   const double kept = std::floor(ratio * static_cast<double>(context) + 1e-9);

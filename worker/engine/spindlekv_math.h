@@ -33,6 +33,10 @@ namespace penumbra::spindlekv {
 // The mean over layers is r_c in every case; the ratios never increase with depth. layers <= 0: empty.
 std::vector<double> RetainRatios(double r, int64_t prompt, int64_t window, double beta, int layers);
 
+// The retain ratios of a first prefill of `first` tokens with a window of `window`: RetainRatios when it
+// evicts (first >= min_prompt), else 1 in every layer (everything kept).
+std::vector<double> LayerRatios(double r, double beta, int64_t first, int64_t window, int64_t min_prompt, int layers);
+
 // Tokens of the context a layer keeps per query head: floor(ratio * context), at least 0, at most context.
 // (A product within 1e-9 below an integer counts as that integer, so 0.3 * 200 is 60 whatever the rounding
 // of the interpolated ratio; a NaN ratio keeps nothing.)

@@ -1,5 +1,7 @@
 #include "worker/engine/spindlekv_options.h"
 
+#include <sstream>
+
 namespace penumbra {
 
 const OptionTable<SpindleKvOptions>& SpindleKvOptionTable() {
@@ -28,6 +30,14 @@ const OptionTable<SpindleKvOptions>& SpindleKvOptionTable() {
              return o.pool % 2 == 1 ? "" : "must be odd, got " + std::to_string(o.pool);
            });
   return *table;
+}
+
+std::string SpindleKvStateFingerprint(const SpindleKvOptions& o) {
+  std::ostringstream os;
+  os << "spindlekv r=" << o.reserve_ratio << " beta=" << o.min_ratio << " window=" << o.window << " pool=" << o.pool
+     << " tk=" << o.key_threshold << " tv=" << o.value_threshold << " block=" << o.codebook_block
+     << " min=" << o.min_prompt_tokens << " merge=" << o.merge_window;
+  return os.str();
 }
 
 void AddSpindleKvFlags(Args& a) { SpindleKvOptionTable().AddFlags(a); }

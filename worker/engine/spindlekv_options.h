@@ -52,6 +52,9 @@ struct SpindleKvOptions {
 };
 
 const OptionTable<SpindleKvOptions>& SpindleKvOptionTable();
+// Every option that changes the state the policy makes for given tokens
+// (KvPolicy::StateFingerprint; the same for its host and device forms).
+std::string SpindleKvStateFingerprint(const SpindleKvOptions& o);
 void AddSpindleKvFlags(Args& a);
 Status ApplySpindleKvFlags(const Args& a, SpindleKvOptions* o);
 Status LoadSpindleKvOptions(ConfigReader& r, SpindleKvOptions* o);

@@ -242,13 +242,7 @@ class SpindleKvPolicy final : public KvPolicy {
 
   std::string name() const override { return "spindlekv"; }
 
-  std::string StateFingerprint() const override {
-    std::ostringstream os;
-    os << "spindlekv r=" << o_.reserve_ratio << " beta=" << o_.min_ratio << " window=" << o_.window
-       << " pool=" << o_.pool << " tk=" << o_.key_threshold << " tv=" << o_.value_threshold
-       << " block=" << o_.codebook_block << " min=" << o_.min_prompt_tokens << " merge=" << o_.merge_window;
-    return os.str();
-  }
+  std::string StateFingerprint() const override { return SpindleKvStateFingerprint(o_); }
 
   Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
     if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
@@ -291,9 +285,8 @@ class SpindleKvPolicy final : public KvPolicy {
       s.window = std::min<int64_t>(o_.window, s.first);
       s.wq.assign(static_cast<size_t>(s.window) * ctx_.hq * ctx_.head_dim, 0.0f);
       s.wpos.assign(s.window, 0);
-      const bool evict = s.first >= o_.min_prompt_tokens;
-      s.ratios = evict ? spindlekv::RetainRatios(o_.reserve_ratio, s.first, s.window, o_.min_ratio, ctx_.num_layers)
-                       : std::vector<double>(ctx_.num_layers, 1.0);
+      s.ratios = spindlekv::LayerRatios(o_.reserve_ratio, o_.min_ratio, s.first, s.window, o_.min_prompt_tokens,
+                                        ctx_.num_layers);
     }
     seqs_.emplace(seq, std::move(s));
     return Status::OK();
