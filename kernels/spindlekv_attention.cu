@@ -24,11 +24,9 @@ constexpr int kValueBatch = 8;  // value rows a warp loads before adding them
 // elements to add each token's value (entry x magnitude) weighted by its
 // probability. So a warp reduces once a tile, not once a token, and its
 // tokens' metadata and keys are read by 32 loads at once.
-// GM: a power of two >= the group size (registers for GM query heads). Six
-// blocks a multiprocessor: 80 registers at d 128 and 4 heads a group, no
-// spill (8 would spill), so more warps wait on gathered rows at once.
+// GM: a power of two >= the group size (registers for GM query heads).
 template <typename T, int E, int GM>
-__global__ void __launch_bounds__(kWarps * 32, 6) SpindlekvAttendKernel(SpindlekvAttentionArgs a) {
+__global__ void __launch_bounds__(kWarps * 32) SpindlekvAttendKernel(SpindlekvAttentionArgs a) {
   constexpr int d = E * 32, half = d / 2;
   const int row = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
   const int b = row / a.hkv, h = row % a.hkv, G = a.hq / a.hkv;
