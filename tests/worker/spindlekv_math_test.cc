@@ -243,6 +243,44 @@ TEST(SpindlekvMath, TopKIndices) {
   }
 }
 
+// The held tokens of each KV head: its query heads' top tokens of the
+// context (ties: the lower index) and the window, as a union with the mask
+// of the query heads keeping each one. 4 query heads over 2 KV heads, 8
+// tokens of which the last 2 are the window, keep 2 of the context.
+TEST(SpindlekvMath, SelectHeld) {
+  const std::vector<float> scores = {
+      9, 8, 0, 0, 0, 0, 5, 5,  // head 0 (KV head 0): tokens 0 and 1
+      0, 9, 8, 0, 0, 0, 0, 0,  // head 1 (KV head 0): 1 and 2
+      1, 1, 1, 1, 1, 1, 1, 1,  // head 2 (KV head 1): all tied: 0 and 1
+      0, 0, 0, 0, 0, 7, 0, 0,  // head 3 (KV head 1): 5, then the tie at 0: 0
+  };
+  std::vector<std::vector<int32_t>> pos;
+  std::vector<std::vector<uint32_t>> heads;
+  SelectHeld(scores.data(), 8, 6, 2, 4, 2, &pos, &heads);
+  ASSERT_EQ(pos.size(), 2u);
+  EXPECT_EQ(pos[0], std::vector<int32_t>({0, 1, 2, 6, 7}));
+  EXPECT_EQ(heads[0], std::vector<uint32_t>({0b01, 0b11, 0b10, 0b11, 0b11}));
+  EXPECT_EQ(pos[1], std::vector<int32_t>({0, 1, 5, 6, 7}));
+  EXPECT_EQ(heads[1], std::vector<uint32_t>({0b11, 0b01, 0b10, 0b11, 0b11}));
+  // Keep everything: no scores needed, every head keeps every token.
+  SelectHeld(nullptr, 8, 6, 6, 4, 2, &pos, &heads);
+  for (int g = 0; g < 2; ++g) {
+    EXPECT_EQ(pos[g], std::vector<int32_t>({0, 1, 2, 3, 4, 5, 6, 7}));
+    EXPECT_EQ(heads[g], std::vector<uint32_t>(8, 0b11));
+  }
+  // Keep none of the context: the window alone.
+  SelectHeld(scores.data(), 8, 6, 0, 4, 2, &pos, &heads);
+  EXPECT_EQ(pos[0], std::vector<int32_t>({6, 7}));
+  EXPECT_EQ(heads[1], std::vector<uint32_t>({0b11, 0b11}));
+}
+
+// The layer ratios: the pyramid when the prompt evicts, everything kept
+// below min_prompt.
+TEST(SpindlekvMath, LayerRatios) {
+  EXPECT_EQ(LayerRatios(0.3, 0.05, 200, 16, 100, 5), RetainRatios(0.3, 200, 16, 0.05, 5));
+  EXPECT_EQ(LayerRatios(0.3, 0.05, 99, 16, 100, 5), std::vector<double>(5, 1.0));
+}
+
 // ---- codebooks ----
 
 struct Built {
