@@ -277,6 +277,7 @@ Status Eval(int argc, char** argv) {
     j["key_threshold"] = sopt(sk.key_threshold);
     j["value_threshold"] = sopt(sk.value_threshold);
     j["codebook_block"] = sopt(sk.codebook_block);
+    j["merge_window"] = sopt(sk.merge_window);
     j["kv_bytes_ratio"] =
         ps_stats.kv_exact_bytes > 0
             ? nlohmann::ordered_json(static_cast<double>(ps_stats.kv_kept_bytes) / ps_stats.kv_exact_bytes)
