@@ -145,9 +145,9 @@ TEST_P(SpindleKvGpuTest, LossySettingsHoldLessAndStillDecode) {
 }
 
 // A benchmark's synthesized context (random keys and values through the same
-// compression) decodes in one batch with a prefilled sequence; a document
-// cannot be captured.
-TEST_P(SpindleKvGpuTest, ASynthesizedContextDecodesBesideAPrefilledOne) {
+// compression) decodes in one batch with a prefilled sequence and one
+// attached to the prefilled one's captured document (its question first).
+TEST_P(SpindleKvGpuTest, ASynthesizedContextDecodesBesideAPrefilledOneAndADocumentsQuestion) {
   EngineOptions o = Options(GetParam(), "spindlekv");
   o.spindlekv.reserve_ratio = 0.2;
   auto e = Open(o);
@@ -156,13 +156,24 @@ TEST_P(SpindleKvGpuTest, ASynthesizedContextDecodesBesideAPrefilledOne) {
   const std::vector<int32_t> prompt = Prompt(900);
   ASSERT_TRUE(rt.AddSequence(0, 900, 8).ok());
   ASSERT_TRUE(rt.Prefill(0, prompt, nullptr).ok());
-  EXPECT_EQ(rt.policy().CapturePrefix(0, 900).status().code(), StatusCode::kUnimplemented);
+  auto doc = rt.policy().CapturePrefix(0, 900);
+  ASSERT_TRUE(doc.ok()) << doc.status();
   ASSERT_TRUE(rt.AddSequence(1, 5000, 8).ok());
   ASSERT_TRUE(rt.policy().SynthesizeContext(1, 5000, 11).ok());
+  SequenceSpec attached;
+  attached.prompt_len = 940;
+  attached.max_new_tokens = 8;
+  attached.prefix = *doc;
+  ASSERT_TRUE(rt.policy().AddSequence(2, attached).ok());
+  std::vector<int32_t> asked = prompt;
+  for (int i = 0; i < 40; ++i) asked.push_back(7 + i);
+  std::vector<float> first;
+  ASSERT_TRUE(rt.Prefill(2, asked, &first, 900).ok());
+  for (float x : first) ASSERT_TRUE(std::isfinite(x));
   const int V = e->config().vocab_size;
-  std::vector<float> host(2 * V);
+  std::vector<float> host(3 * V);
   for (int i = 0; i < 8; ++i) {
-    auto l = rt.DecodeStep({0, 1}, {5, 6}, {900 + i, 5000 + i});
+    auto l = rt.DecodeStep({0, 1, 2}, {5, 6, 7}, {900 + i, 5000 + i, 940 + i});
     ASSERT_TRUE(l.ok()) << l.status();
     ASSERT_TRUE(rt.backend().CopyToHost(host.data(), *l, host.size() * sizeof(float)).ok());
     for (float x : host) ASSERT_TRUE(std::isfinite(x));

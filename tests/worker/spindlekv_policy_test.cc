@@ -145,8 +145,8 @@ TEST_F(SpindleKvTest, LossySettingsHoldLessAndStillGenerate) {
 // backend: the same ops over the same f32 math as the host policy, so the
 // same tokens, logits and compressed bytes, lossless and lossy, for a whole
 // prompt and for a first segment and a continuation, new tokens searching
-// the whole codebook or its last 8 entries. It holds no documents yet:
-// capturing and attaching are refused as Unimplemented.
+// the whole codebook or its last 8 entries. Its documents stay in device
+// memory: exporting one is Unimplemented.
 TEST_F(SpindleKvTest, TheDeviceStatePolicyIsTheHostPolicy) {
   struct Setting {
     double ratio, threshold;
@@ -179,8 +179,11 @@ TEST_F(SpindleKvTest, TheDeviceStatePolicyIsTheHostPolicy) {
   Runtime& rt = ed->runtime();
   ASSERT_TRUE(rt.AddSequence(0, static_cast<int64_t>(kPrompt.size()), 4).ok());
   ASSERT_TRUE(rt.Prefill(0, kPrompt, nullptr).ok());
-  EXPECT_EQ(rt.policy().CapturePrefix(0, static_cast<int64_t>(kPrompt.size())).status().code(),
-            StatusCode::kUnimplemented);
+  auto captured = rt.policy().CapturePrefix(0, static_cast<int64_t>(kPrompt.size()));
+  ASSERT_TRUE(captured.ok()) << captured.status();
+  EXPECT_EQ((*captured)->tokens(), static_cast<int64_t>(kPrompt.size()));
+  EXPECT_GT((*captured)->device_bytes(), 0u);
+  EXPECT_EQ((*captured)->Export().status().code(), StatusCode::kUnimplemented);
   // A benchmark's synthesized context goes through the same compression and
   // decodes.
   ASSERT_TRUE(rt.AddSequence(1, 300, 4).ok());
@@ -190,6 +193,42 @@ TEST_F(SpindleKvTest, TheDeviceStatePolicyIsTheHostPolicy) {
   ASSERT_TRUE(l.ok()) << l.status();
   const int V = ed->config().vocab_size;
   for (int i = 0; i < 2 * V; ++i) ASSERT_TRUE(std::isfinite((*l)[i]));
+}
+
+// Documents under the device-state policy: a request's document is
+// captured in device memory, and a second question attaches it (its cached
+// prompt tokens: the document's) and answers as the host policy does with
+// its own cached document; exporting it for the persistent tier is not built
+// yet (Unimplemented: the cache keeps it in memory only).
+TEST_F(SpindleKvTest, TheDeviceStatePolicyHoldsDocumentsAsTheHostPolicyDoes) {
+  const std::vector<int32_t> doc = testing::LcgTokens(151, 7, true);
+  auto request = [&](uint64_t seed, int n) {
+    GenerationRequest r;
+    r.prompt = doc;
+    const std::vector<int32_t> q = testing::LcgTokens(n, seed, false);
+    r.prompt.insert(r.prompt.end(), q.begin(), q.end());
+    r.max_new_tokens = 12;
+    r.document_ends = {static_cast<int64_t>(doc.size())};
+    return r;
+  };
+  EngineOptions host = Spindle(0.3, 0.9, 0.9);
+  host.runtime.prefix_cache_bytes = 16 << 20;
+  EngineOptions device = host;
+  device.spindlekv_device_state = true;
+  auto eh = Open(host), ed = Open(device);
+  ASSERT_TRUE(eh && ed);
+  for (const GenerationRequest& r : {request(11, 20), request(12, 17), request(13, 9)}) {
+    auto a = eh->runtime().Generate({r});
+    auto b = ed->runtime().Generate({r});
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ((*b)[0].ids, (*a)[0].ids);
+    EXPECT_EQ((*b)[0].cached_prompt_tokens, (*a)[0].cached_prompt_tokens);
+  }
+  // The second and third questions attached the cached document.
+  auto again = ed->runtime().Generate({request(14, 5)});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)[0].cached_prompt_tokens, static_cast<int64_t>(doc.size()));
 }
 
 // Options are checked and named; the docs table is the option table.

@@ -66,8 +66,9 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
     PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> sparse,
                               MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
     // spindlekv as a third form, held by pins only, where the backend's
-    // spindlekv holds documents (the CPU's; on CUDA it cannot capture them
-    // yet: there auto holds full and shadowkv only).
+    // spindlekv stores documents as the other forms do (the CPU's; on CUDA
+    // its documents cannot be exported yet: there auto holds full and
+    // shadowkv only).
     Result<std::unique_ptr<KvPolicy>> pinned = Status::Unimplemented("spindlekv documents on this backend");
     if (backend->device() == Device::kCPU) pinned = MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv);
     if (!pinned.ok() && pinned.status().code() != StatusCode::kUnimplemented) return pinned.status();

@@ -25,8 +25,12 @@
 // adds at most one). Codebook entries are in the act dtype (bf16 on CUDA:
 // unit vectors, scaled by an f32 magnitude per token).
 //
-// Not yet on the device: attaching or capturing prefixes (documents; the
-// host policy shares them), context-parallel shards.
+// Documents (prefixes) stay in device memory: a capture is the sequence's
+// per-layer allocations, moved (TakePrefix) or copied, with each head's views
+// and entry counts (SpindleKvDevicePrefix); an attached sequence reads them
+// in place as part[0] and adds its own tokens and entries in part[1]. Not yet
+// on the device: exporting and importing documents (the persistent tier),
+// capturing past an attached document, context-parallel shards.
 #include <glog/logging.h>
 
 #include <algorithm>
@@ -71,6 +75,36 @@ struct HeadLayout {
   }
 };
 
+// A document's compressed state in device memory (what CapturePrefix and
+// TakePrefix make): per layer the allocation of its sequence's state, the
+// views of each KV head's tokens and entries in it (part[1]: the document's)
+// and each head's entry counts. Immutable; sequences attached to it read it
+// in place as their part[0].
+class SpindleKvDevicePrefix final : public KvPrefix {
+ public:
+  struct Layer {
+    DeviceBuffer mem;
+    std::vector<kernels::SpindlekvHead> views;        // [hkv]
+    std::vector<int32_t> key_entries, value_entries;  // [hkv]
+    int64_t max_tokens = 0;                           // the most tokens a KV head holds
+  };
+  SpindleKvDevicePrefix(int64_t tokens, std::vector<Layer> layers) : tokens_(tokens), layers_(std::move(layers)) {
+    for (const Layer& l : layers_) bytes_ += l.mem.bytes();
+  }
+  std::string policy() const override { return "spindlekv"; }
+  int64_t tokens() const override { return tokens_; }
+  size_t device_bytes() const override { return bytes_; }
+  Result<std::map<std::string, std::string>> Export() const override {
+    return Status::Unimplemented("a spindlekv document held in device memory cannot be exported yet");
+  }
+  const Layer& layer(int l) const { return layers_[l]; }
+
+ private:
+  int64_t tokens_;
+  std::vector<Layer> layers_;
+  size_t bytes_ = 0;
+};
+
 class SpindleKvDevicePolicy final : public KvPolicy {
  public:
   SpindleKvDevicePolicy(const PolicyContext& ctx, const SpindleKvOptions& o)
@@ -85,21 +119,32 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     if (spec.shard.sharded()) {
       return Status::Unimplemented("the spindlekv KV policy cannot hold a context-parallel shard");
     }
-    if (spec.prefix) {
-      return Status::Unimplemented("the spindlekv KV policy on " + ctx_.backend->name() +
-                                   " cannot attach documents yet (the CPU backend's can)");
-    }
     if (spec.prompt_len < 1) return Status::InvalidArgument("spindlekv: a sequence needs a prompt");
     Seq s;
     s.capacity = spec.prompt_len + spec.max_new_tokens;
-    s.first = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
     if (s.capacity > std::numeric_limits<int32_t>::max()) {
       return Status::InvalidArgument("spindlekv: a sequence of " + std::to_string(s.capacity) + " tokens");
     }
-    s.window = std::min<int64_t>(o_.window, s.first);
-    s.ratios = spindlekv::LayerRatios(o_.reserve_ratio, o_.min_ratio, s.first, s.window, o_.min_prompt_tokens,
-                                      ctx_.num_layers);
-    const SequenceBytes need = Estimate(s.first, s.capacity - s.first);
+    if (spec.prefix) {
+      s.base = dynamic_cast<const SpindleKvDevicePrefix*>(spec.prefix.get());
+      if (s.base == nullptr) {
+        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a spindlekv sequence");
+      }
+      if (s.base->tokens() >= spec.prompt_len) {
+        return Status::InvalidArgument("a prefix of " + std::to_string(s.base->tokens()) +
+                                       " tokens leaves nothing of the " + std::to_string(spec.prompt_len) +
+                                       "-token prompt to prefill");
+      }
+      s.prefix = spec.prefix;
+      s.first = s.length = s.base->tokens();
+      s.compressed = ctx_.num_layers;
+    } else {
+      s.first = spec.first_prefill > 0 ? std::min(spec.first_prefill, spec.prompt_len) : spec.prompt_len;
+      s.window = std::min<int64_t>(o_.window, s.first);
+      s.ratios = spindlekv::LayerRatios(o_.reserve_ratio, o_.min_ratio, s.first, s.window, o_.min_prompt_tokens,
+                                        ctx_.num_layers);
+    }
+    const SequenceBytes need = Estimate(s.first, s.capacity - s.first, s.base != nullptr);
     const size_t free = ctx_.backend->FreeMemoryBytes();
     if (need.device > free) {
       return Status::ResourceExhausted("spindlekv: a sequence of " + std::to_string(s.capacity) +
@@ -107,11 +152,13 @@ class SpindleKvDevicePolicy final : public KvPolicy {
                                        std::to_string(free >> 20) + " MiB are free");
     }
     const int L = ctx_.num_layers, hkv = ctx_.hkv, d = ctx_.head_dim;
-    PENUMBRA_ASSIGN_OR_RETURN(s.k, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * es_));
-    PENUMBRA_ASSIGN_OR_RETURN(s.v, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * es_));
-    PENUMBRA_ASSIGN_OR_RETURN(s.pre_k, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * 4));
-    PENUMBRA_ASSIGN_OR_RETURN(s.wq, ctx_.backend->Allocate(static_cast<size_t>(s.window) * ctx_.hq * d * es_));
-    PENUMBRA_ASSIGN_OR_RETURN(s.wpos, ctx_.backend->Allocate(static_cast<size_t>(s.window) * sizeof(int32_t)));
+    if (s.base == nullptr) {
+      PENUMBRA_ASSIGN_OR_RETURN(s.k, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * es_));
+      PENUMBRA_ASSIGN_OR_RETURN(s.v, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * es_));
+      PENUMBRA_ASSIGN_OR_RETURN(s.pre_k, ctx_.backend->Allocate(static_cast<size_t>(s.first) * hkv * d * 4));
+      PENUMBRA_ASSIGN_OR_RETURN(s.wq, ctx_.backend->Allocate(static_cast<size_t>(s.window) * ctx_.hq * d * es_));
+      PENUMBRA_ASSIGN_OR_RETURN(s.wpos, ctx_.backend->Allocate(static_cast<size_t>(s.window) * sizeof(int32_t)));
+    }
     PENUMBRA_ASSIGN_OR_RETURN(s.heads,
                               ctx_.backend->Allocate(static_cast<size_t>(L) * hkv * sizeof(kernels::SpindlekvHead)));
     PENUMBRA_ASSIGN_OR_RETURN(s.counts, ctx_.backend->Allocate(static_cast<size_t>(L) * hkv * 2 * sizeof(int32_t)));
@@ -121,6 +168,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     void* self[2] = {s.heads.get(), s.counts.get()};
     PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(s.self.get(), self, sizeof(self)));
     s.layers.resize(L);
+    if (s.base != nullptr) PENUMBRA_RETURN_IF_ERROR(Attach(s));
     seqs_.emplace(seq, std::move(s));
     return Status::OK();
   }
@@ -213,10 +261,29 @@ class SpindleKvDevicePolicy final : public KvPolicy {
   }
 
   Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) override {
-    (void)seq;
-    (void)tokens;
-    return Status::Unimplemented("the spindlekv KV policy on " + ctx_.backend->name() +
-                                 " cannot capture documents yet (the CPU backend's can)");
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(seq) + " does not exist");
+    Seq& s = it->second;
+    if (s.base != nullptr && tokens == s.base->tokens()) return s.prefix;
+    if (s.base != nullptr) {
+      return Status::Unimplemented("the spindlekv KV policy on " + ctx_.backend->name() +
+                                   " cannot capture past an attached document yet");
+    }
+    if (s.compressed < ctx_.num_layers || tokens != s.length) {
+      return Status::FailedPrecondition("spindlekv captures all a sequence holds right after a prefill ended (" +
+                                        std::to_string(tokens) + " tokens of " + std::to_string(s.length) + ")");
+    }
+    return MakePrefix(s, /*take=*/false);
+  }
+
+  Result<std::shared_ptr<const KvPrefix>> TakePrefix(int64_t seq, int64_t tokens) override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return Status::NotFound("sequence " + std::to_string(seq) + " does not exist");
+    Seq& s = it->second;
+    if (s.base != nullptr || s.compressed < ctx_.num_layers || tokens != s.length) return CapturePrefix(seq, tokens);
+    PENUMBRA_ASSIGN_OR_RETURN(std::shared_ptr<const KvPrefix> p, MakePrefix(s, /*take=*/true));
+    seqs_.erase(it);  // only RemoveSequence may follow
+    return p;
   }
 
   Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
@@ -271,7 +338,9 @@ class SpindleKvDevicePolicy final : public KvPolicy {
   struct LayerState {
     DeviceBuffer mem;
     std::vector<int32_t> held;  // [hkv] tokens held after the first prefill
-    int64_t max_held = 0;
+    std::vector<int64_t> cap;   // [hkv] room for tokens (and entries of each kind)
+    std::vector<size_t> base;   // [hkv] where each KV head's arrays start in mem
+    int64_t max_held = 0;       // tokens any KV head holds when the first prefill ends (or an attached document's)
   };
 
   struct Seq {
@@ -287,6 +356,8 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     // wpos [window].
     DeviceBuffer k, v, pre_k, wq, wpos;
     std::vector<LayerState> layers;
+    std::shared_ptr<const KvPrefix> prefix;  // an attached document (held while attached)
+    const SpindleKvDevicePrefix* base = nullptr;
     DeviceBuffer heads;   // [layers][hkv] SpindlekvHead: what attention reads
     DeviceBuffer counts;  // [layers][hkv][2] int32: own key and value entries
     DeviceBuffer self;    // {heads, counts}: the sequence as a batch of one
@@ -311,6 +382,85 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     return Status::OK();
   }
 
+  // A document of all `s` holds (a whole sequence, its first prefill and any
+  // tokens after it): its layers' memory moved (take) or copied, with each
+  // head's entry counts.
+  Result<std::shared_ptr<const KvPrefix>> MakePrefix(Seq& s, bool take) {
+    const int L = ctx_.num_layers, hkv = ctx_.hkv;
+    std::vector<int32_t> counts(static_cast<size_t>(L) * hkv * 2);
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToHost(counts.data(), s.counts.get(), counts.size() * sizeof(int32_t)));
+    const int64_t appended = s.length - s.first;
+    std::vector<SpindleKvDevicePrefix::Layer> layers(L);
+    for (int l = 0; l < L; ++l) {
+      LayerState& st = s.layers[l];
+      SpindleKvDevicePrefix::Layer& pl = layers[l];
+      if (take) {
+        pl.mem = std::move(st.mem);
+      } else {
+        PENUMBRA_ASSIGN_OR_RETURN(pl.mem, ctx_.backend->Allocate(st.mem.bytes()));
+        PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyDeviceToDevice(pl.mem.get(), st.mem.get(), st.mem.bytes()));
+      }
+      pl.views = OwnViews(st, pl.mem.as<char>(), appended);
+      for (int g = 0; g < hkv; ++g) {
+        pl.key_entries.push_back(counts[(static_cast<size_t>(l) * hkv + g) * 2]);
+        pl.value_entries.push_back(counts[(static_cast<size_t>(l) * hkv + g) * 2 + 1]);
+      }
+      pl.max_tokens = st.max_held + appended;
+    }
+    return std::shared_ptr<const KvPrefix>(std::make_shared<SpindleKvDevicePrefix>(s.length, std::move(layers)));
+  }
+
+  // A sequence attached to s.base: per layer its own part (room for every
+  // token it will add) after the document's, which it reads in place.
+  Status Attach(Seq& s) {
+    const int L = ctx_.num_layers, hkv = ctx_.hkv;
+    const int64_t more = s.capacity - s.first;
+    std::vector<kernels::SpindlekvHead> all;
+    for (int l = 0; l < L; ++l) {
+      LayerState& st = s.layers[l];
+      const SpindleKvDevicePrefix::Layer& pl = s.base->layer(l);
+      st.held.assign(hkv, 0);
+      st.cap.assign(hkv, more);
+      st.base.assign(hkv, 0);
+      const size_t head_bytes = HeadLayout(more, ctx_.head_dim, es_).bytes;
+      for (int g = 0; g < hkv; ++g) st.base[g] = g * head_bytes;
+      PENUMBRA_ASSIGN_OR_RETURN(st.mem, ctx_.backend->Allocate(head_bytes * hkv));
+      st.max_held = pl.max_tokens;
+      std::vector<kernels::SpindlekvHead> views = OwnViews(st, st.mem.as<char>(), 0);
+      for (int g = 0; g < hkv; ++g) {
+        kernels::SpindlekvHead& v = views[g];
+        v.part[0] = pl.views[g].part[1];
+        v.key_entries[0] = pl.views[g].key_entries[1];
+        v.value_entries[0] = pl.views[g].value_entries[1];
+        v.key_base_entries = pl.key_entries[g];
+        v.value_base_entries = pl.value_entries[g];
+      }
+      all.insert(all.end(), views.begin(), views.end());
+    }
+    return ctx_.backend->CopyToDevice(s.heads.get(), all.data(), all.size() * sizeof(all[0]));
+  }
+
+  // The views of a layer's own part in `mem` (laid out as `st` says): each
+  // KV head's first-prefill tokens and `appended` more, and its entries.
+  std::vector<kernels::SpindlekvHead> OwnViews(const LayerState& st, char* mem, int64_t appended) const {
+    std::vector<kernels::SpindlekvHead> views(ctx_.hkv);
+    for (int g = 0; g < ctx_.hkv; ++g) {
+      const HeadLayout L(st.cap[g], ctx_.head_dim, es_);
+      char* h = mem + st.base[g];
+      kernels::SpindlekvTokens& t = views[g].part[1];
+      t.pos = reinterpret_cast<const int32_t*>(h + L.pos);
+      t.kref = reinterpret_cast<const int32_t*>(h + L.kref);
+      t.vref = reinterpret_cast<const int32_t*>(h + L.vref);
+      t.kmag = reinterpret_cast<const float*>(h + L.kmag);
+      t.vmag = reinterpret_cast<const float*>(h + L.vmag);
+      t.heads = reinterpret_cast<const uint32_t*>(h + L.heads);
+      t.n = st.held[g] + appended;
+      views[g].key_entries[1] = h + L.kent;
+      views[g].value_entries[1] = h + L.vent;
+    }
+    return views;
+  }
+
   // Tokens layer `l` holds at most per KV head: every token its query heads
   // may keep (group x keep of the context, at most all of it) and the window.
   int64_t HeldBound(const std::vector<double>& ratios, int l, int64_t first, int64_t window) const {
@@ -322,7 +472,12 @@ class SpindleKvDevicePolicy final : public KvPolicy {
   // Upper bound of a sequence's bytes: the first prefill's one-layer exact
   // scratch, and per layer every token a KV head may hold with an entry of
   // each kind, for its first prefill's tokens and `more` after them.
-  SequenceBytes Estimate(int64_t first, int64_t more) const {
+  SequenceBytes Estimate(int64_t first, int64_t more, bool attached = false) const {
+    if (attached) {  // its own tokens only: the document's are the prefix's
+      SequenceBytes b;
+      b.device = HeadLayout(std::max<int64_t>(more, 1), ctx_.head_dim, es_).bytes * ctx_.hkv * ctx_.num_layers;
+      return b;
+    }
     const int64_t window = std::min<int64_t>(o_.window, first);
     const std::vector<double> ratios =
         spindlekv::LayerRatios(o_.reserve_ratio, o_.min_ratio, first, window, o_.min_prompt_tokens, ctx_.num_layers);
@@ -449,6 +604,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     PENUMBRA_RETURN_IF_ERROR(be.SpindlekvSelect(sel));
     LayerState& st = s.layers[layer];
     st.held.assign(hkv, 0);
+    st.cap.clear();
     PENUMBRA_RETURN_IF_ERROR(be.CopyToHost(st.held.data(), held_dev, hkv * sizeof(int32_t)));
     // The layer's state: room for what each head holds and every token to come.
     const int64_t more = s.capacity - s.first;
@@ -465,11 +621,12 @@ class SpindleKvDevicePolicy final : public KvPolicy {
       lay.emplace_back(st.held[g] + more, d, es_);
       base[g] = total;
       total += lay.back().bytes;
+      st.cap.push_back(st.held[g] + more);
     }
     PENUMBRA_ASSIGN_OR_RETURN(st.mem, be.Allocate(total));
+    st.base = base;
     char* mem = st.mem.as<char>();
     std::vector<kernels::SpindlekvCodebookProblem> problems(2 * static_cast<size_t>(hkv));
-    std::vector<kernels::SpindlekvHead> views(hkv);
     int32_t* counts = s.counts.as<int32_t>() + static_cast<size_t>(layer) * hkv * 2;
     for (int g = 0; g < hkv; ++g) {
       char* h = mem + base[g];
@@ -497,17 +654,8 @@ class SpindleKvDevicePolicy final : public KvPolicy {
       pv.refs = reinterpret_cast<int32_t*>(h + L.vref);
       pv.mags = reinterpret_cast<float*>(h + L.vmag);
       pv.entry_count = counts + 2 * g + 1;
-      kernels::SpindlekvHead& v = views[g];
-      v.part[1].pos = reinterpret_cast<const int32_t*>(h + L.pos);
-      v.part[1].kref = pk.refs;
-      v.part[1].vref = pv.refs;
-      v.part[1].kmag = pk.mags;
-      v.part[1].vmag = pv.mags;
-      v.part[1].heads = reinterpret_cast<const uint32_t*>(h + L.heads);
-      v.part[1].n = st.held[g];
-      v.key_entries[1] = pk.entries;
-      v.value_entries[1] = pv.entries;
     }
+    const std::vector<kernels::SpindlekvHead> views = OwnViews(st, mem, 0);
     // Keys (pre-RoPE, f32) and values (act dtype) in two launches: one
     // source dtype each.
     const size_t pbytes = problems.size() * sizeof(problems[0]);
