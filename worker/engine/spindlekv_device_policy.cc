@@ -126,15 +126,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
       return Status::InvalidArgument("spindlekv: a sequence of " + std::to_string(s.capacity) + " tokens");
     }
     if (spec.prefix) {
-      s.base = dynamic_cast<const SpindleKvDevicePrefix*>(spec.prefix.get());
-      if (s.base == nullptr) {
-        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a spindlekv sequence");
-      }
-      if (s.base->tokens() >= spec.prompt_len) {
-        return Status::InvalidArgument("a prefix of " + std::to_string(s.base->tokens()) +
-                                       " tokens leaves nothing of the " + std::to_string(spec.prompt_len) +
-                                       "-token prompt to prefill");
-      }
+      PENUMBRA_ASSIGN_OR_RETURN(s.base, spindlekv::AttachedPrefix<SpindleKvDevicePrefix>(spec));
       s.prefix = spec.prefix;
       s.first = s.length = s.base->tokens();
       s.compressed = ctx_.num_layers;

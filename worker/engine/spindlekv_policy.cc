@@ -253,15 +253,7 @@ class SpindleKvPolicy final : public KvPolicy {
     Seq s;
     s.capacity = spec.prompt_len + spec.max_new_tokens;
     if (spec.prefix) {
-      s.base = dynamic_cast<const SpindleKvPrefix*>(spec.prefix.get());
-      if (s.base == nullptr) {
-        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a spindlekv sequence");
-      }
-      if (s.base->tokens() >= spec.prompt_len) {
-        return Status::InvalidArgument("a prefix of " + std::to_string(s.base->tokens()) +
-                                       " tokens leaves nothing of the " + std::to_string(spec.prompt_len) +
-                                       "-token prompt to prefill");
-      }
+      PENUMBRA_ASSIGN_OR_RETURN(s.base, spindlekv::AttachedPrefix<SpindleKvPrefix>(spec));
       s.prefix = spec.prefix;
       s.first = s.length = s.base->tokens();
       s.compressed = ctx_.num_layers;
