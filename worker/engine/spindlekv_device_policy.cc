@@ -216,14 +216,8 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     step_.clear();
     for (size_t i = 0; i < seqs.size(); ++i) {
       Seq& s = Get(seqs[i]);
-      if (s.compressed < ctx_.num_layers) {
-        return Status::FailedPrecondition("spindlekv: sequence " + std::to_string(seqs[i]) + " is not prefilled");
-      }
-      if (positions[i] != s.length || positions[i] >= s.capacity) {
-        return Status::InvalidArgument("spindlekv: sequence " + std::to_string(seqs[i]) + " holds " +
-                                       std::to_string(s.length) + " of " + std::to_string(s.capacity) +
-                                       " tokens; a decode at position " + std::to_string(positions[i]));
-      }
+      PENUMBRA_RETURN_IF_ERROR(
+          spindlekv::CheckDecodePosition(seqs[i], s.compressed == ctx_.num_layers, s.length, s.capacity, positions[i]));
       step_.push_back(&s);
     }
     // The step's sequences for every layer's merge: [batch] heads arrays,
@@ -239,10 +233,9 @@ class SpindleKvDevicePolicy final : public KvPolicy {
 
   Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
                          float* lse) override {
-    std::vector<Seq*> batch(step_.begin(), step_.end());
     int64_t at = 0;
     for (const Seq* s : step_) at = std::max(at, s->length - s->first);
-    return AppendAndAttend(layer, batch, qkv, positions, q_scratch, out, lse, step_ptrs_.as<void*>(), at);
+    return AppendAndAttend(layer, step_, qkv, positions, q_scratch, out, lse, step_ptrs_.as<void*>(), at);
   }
 
   Status FinishDecodeStep() override {
@@ -262,8 +255,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
                                    " cannot capture past an attached document yet");
     }
     if (s.compressed < ctx_.num_layers || tokens != s.length) {
-      return Status::FailedPrecondition("spindlekv captures all a sequence holds right after a prefill ended (" +
-                                        std::to_string(tokens) + " tokens of " + std::to_string(s.length) + ")");
+      return spindlekv::CaptureNotReady(tokens, s.length);
     }
     return MakePrefix(s, /*take=*/false);
   }

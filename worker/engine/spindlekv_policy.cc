@@ -323,14 +323,8 @@ class SpindleKvPolicy final : public KvPolicy {
     step_.clear();
     for (size_t i = 0; i < seqs.size(); ++i) {
       Seq& s = Get(seqs[i]);
-      if (s.compressed < ctx_.num_layers) {
-        return Status::FailedPrecondition("spindlekv: sequence " + std::to_string(seqs[i]) + " is not prefilled");
-      }
-      if (positions[i] != s.length || positions[i] >= s.capacity) {
-        return Status::InvalidArgument("spindlekv: sequence " + std::to_string(seqs[i]) + " holds " +
-                                       std::to_string(s.length) + " of " + std::to_string(s.capacity) +
-                                       " tokens; a decode at position " + std::to_string(positions[i]));
-      }
+      PENUMBRA_RETURN_IF_ERROR(
+          spindlekv::CheckDecodePosition(seqs[i], s.compressed == ctx_.num_layers, s.length, s.capacity, positions[i]));
       step_.push_back(&s);
     }
     return Status::OK();
@@ -361,8 +355,7 @@ class SpindleKvPolicy final : public KvPolicy {
     const Seq& s = it->second;
     if (s.base != nullptr && tokens == s.base->tokens()) return s.prefix;
     if (s.compressed < ctx_.num_layers || tokens != s.length) {
-      return Status::FailedPrecondition("spindlekv captures all a sequence holds right after a prefill ended (" +
-                                        std::to_string(tokens) + " tokens of " + std::to_string(s.length) + ")");
+      return spindlekv::CaptureNotReady(tokens, s.length);
     }
     std::vector<Part> layers(ctx_.num_layers);
     for (int l = 0; l < ctx_.num_layers; ++l) layers[l] = Flatten(s, l);
