@@ -9,10 +9,12 @@
 
 namespace penumbra {
 
-// "full", "shadowkv" or "spindlekv".
-inline bool IsKvPolicyPin(std::string_view p) { return p == "full" || p == "shadowkv" || p == "spindlekv"; }
-// What a pin may be, for error messages: "\"full\", \"shadowkv\" or \"spindlekv\"".
-inline const char* KvPolicyPins() { return "\"full\", \"shadowkv\" or \"spindlekv\""; }
+// "full", "shadowkv", "spindlekv" or "specontext".
+inline bool IsKvPolicyPin(std::string_view p) {
+  return p == "full" || p == "shadowkv" || p == "spindlekv" || p == "specontext";
+}
+// What a pin may be, for error messages.
+inline const char* KvPolicyPins() { return "\"full\", \"shadowkv\", \"spindlekv\" or \"specontext\""; }
 // Whether a worker running `worker_policy` with these forms (the policies
 // its pins may name; WorkerHealth.kv_forms) holds requests pinned to `pin`
 // ("" pins nothing). A worker that reports no forms: an "auto" one holds

@@ -58,7 +58,7 @@ __device__ void RopeToken(const RopeStoreArgs& a, int t, const float* cs) {
   const int d = a.d, half = d / 2;
   const float* row = a.qkv + static_cast<int64_t>(t) * (a.hq + 2 * a.hkv) * d;
   TKV* k_slot = static_cast<TKV*>(a.k_dst[t]);
-  TKV* v_slot = static_cast<TKV*>(a.v_dst[t]);
+  TKV* v_slot = a.v_dst != nullptr ? static_cast<TKV*>(a.v_dst[t]) : nullptr;
   TQ* q_row = static_cast<TQ*>(a.q_out) + static_cast<int64_t>(t) * a.hq * d;
   const int per_head = half / N;
   const int rot_units = (a.hq + a.hkv) * per_head;
@@ -94,6 +94,7 @@ __device__ void RopeToken(const RopeStoreArgs& a, int t, const float* cs) {
       StoreN<TKV, N>(k + half + j, out_hi);
     }
   }
+  if (v_slot == nullptr) return;
   const int v_per_head = d / N;
   const float* v_row = row + (a.hq + a.hkv) * d;
   for (int u = threadIdx.x; u < a.hkv * v_per_head; u += blockDim.x) {

@@ -21,8 +21,8 @@ struct RopeStoreArgs {
   // Per token, the address of the slot for KV head 0 in the cache; head h is at
   // +h*head_stride elements. Device arrays of n pointers.
   void* const* k_dst = nullptr;
-  void* const* v_dst = nullptr;
-  int64_t head_stride = 0;  // elements between consecutive KV heads of one sequence
+  void* const* v_dst = nullptr;  // null: values not stored (their qkv columns are still read past)
+  int64_t head_stride = 0;       // elements between consecutive KV heads of one sequence
   DType kv_dtype = DType::kBF16;
   // Optional: pre-RoPE keys [n, hkv, d] f32 (for low-rank factorization); may be null.
   float* pre_rope_k_out = nullptr;

@@ -36,7 +36,7 @@ struct DocumentInfo {
   7: optional string error,      // FAILED: why
   8: double factor_seconds = -1, // put -> ready; < 0 until then
   9: i64 factored_tokens,        // FACTORING: tokens prefilled so far (progress)
-  10: string kv_policy = "",     // the put's pin ("full", "shadowkv", "spindlekv"; "": none)
+  10: string kv_policy = "",     // the put's pin ("full", "shadowkv", "spindlekv", "specontext"; "": none)
 }
 
 // A document: text (tokenized by the coordinator with the model's tokenizer)

@@ -81,7 +81,7 @@ struct WorkerHealth {
   1: bool serving,        // false while draining
   2: string model,        // the model directory
   3: string backend,      // e.g. "cpu", "cuda:0 NVIDIA H100 80GB HBM3"
-  4: string kv_policy,    // "full", "shadowkv", "spindlekv" or "auto" (a form per document: kv_forms)
+  4: string kv_policy,    // "full", "shadowkv", "spindlekv", "specontext" or "auto" (a form per document: kv_forms)
   5: i64 max_context,     // the model's max_position_embeddings
   6: i32 vocab_size,
   7: list<i32> eos_ids,   // the model's end-of-text ids

@@ -82,7 +82,8 @@ Status DocPut(int argc, char** argv) {
   Args a;
   a.Flag("name", "the document's name (default: the file's name)")
       .Flag("ids", "the document as comma-separated token ids instead of a file")
-      .Flag("kv-policy", "hold the document (and its questions) under this KV policy: full, shadowkv or spindlekv")
+      .Flag("kv-policy",
+            "hold the document (and its questions) under this KV policy: full, shadowkv, spindlekv or specontext")
       .Switch("no-wait", "return at once (state factoring); see `penumbra doc get`")
       .Switch("json", "print the document as JSON");
   AddClientFlags(a);
@@ -217,7 +218,7 @@ Status AskCommand(int argc, char** argv) {
       .Flag("stop", "a string that ends the answer (\\n for a newline)")
       .Flag("stop-ids", "comma-separated ids that end the answer")
       .Switch("ignore-eos", "do not stop at the model's end-of-text ids")
-      .Flag("kv-policy", "run on workers of this KV policy only: full, shadowkv or spindlekv")
+      .Flag("kv-policy", "run on workers of this KV policy only: full, shadowkv, spindlekv or specontext")
       .Flag("deadline-ms", "give up after this long (default none)")
       .Switch("json", "print one JSON object at the end instead of streaming text");
   AddClientFlags(a);

@@ -26,7 +26,7 @@ struct RopeStoreArgs {
   int n = 0, hq = 0, hkv = 0, d = 0;
   float* q_out = nullptr;
   float* const* k_dst = nullptr;
-  float* const* v_dst = nullptr;
+  float* const* v_dst = nullptr;  // null: values not stored
   int64_t head_stride = 0;
   float* pre_rope_k_out = nullptr;         // optional
   float* const* pre_rope_k_dst = nullptr;  // optional, host array of n row addresses

@@ -43,7 +43,7 @@ void RopeStore(const RopeStoreArgs& a) {
     const float* v = src + (a.hq + a.hkv) * d;
     for (int h = 0; h < a.hkv; ++h) {
       std::memcpy(a.k_dst[t] + h * a.head_stride, k.data() + h * d, sizeof(float) * d);
-      std::memcpy(a.v_dst[t] + h * a.head_stride, v + h * d, sizeof(float) * d);
+      if (a.v_dst != nullptr) std::memcpy(a.v_dst[t] + h * a.head_stride, v + h * d, sizeof(float) * d);
     }
   });
 }

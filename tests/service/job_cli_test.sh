@@ -73,7 +73,7 @@ expect_refused bad1.jsonl "bad1.jsonl:3: \"max_new_tokens\" must be an integer i
 expect_refused bad2.jsonl "bad2.jsonl:1: unknown key \"temprature\""
 expect_refused bad3.jsonl "bad3.jsonl:2: custom_id \"p-1\" is already used on line 1"
 expect_refused bad4.jsonl "bad4.jsonl:1: not JSON"
-expect_refused bad5.jsonl "bad5.jsonl:1: \"kv_policy\" must be \"full\", \"shadowkv\" or \"spindlekv\", got \"fast\""
+expect_refused bad5.jsonl "bad5.jsonl:1: \"kv_policy\" must be \"full\", \"shadowkv\", \"spindlekv\" or \"specontext\", got \"fast\""
 expect_refused bad6.jsonl "bad6.jsonl:1: \"custom_id\" goes with \"question\"; use \"custom_id_prefix\""
 expect_refused bad7.jsonl "bad7.jsonl:1: \"stop\" must be a list of at most 16 strings"
 pen job ls || fail "job ls: $(cat "$RUN/err")"

@@ -878,6 +878,46 @@ TEST_F(Service, ASpindleKvWorkerAnswersQuestionsAboutAPutDocument) {
       << wm->body;
 }
 
+// A specontext worker serves through the service: questions about a put
+// document answer as the offline engine does, each prefilling the document
+// (the policy holds no documents yet: nothing cached, nothing wrong).
+TEST_F(Service, ASpeContextWorkerAnswersQuestions) {
+  ClusterOptions o;
+  o.worker_flags = {"--kv-policy",         "specontext", "--specontext-head",          "random",
+                    "--specontext-budget", "16",         "--specontext-local",         "4",
+                    "--prefix-cache-mb",   "64",         "--specontext-device-layers", "2"};
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  auto stats = c->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->workers.size(), 1u);
+  EXPECT_EQ(stats->workers[0].kv_policy, "specontext");
+  const std::vector<int32_t> doc = LcgTokens(180, 43, true);
+  auto d = c->PutDocument("doc", nullptr, &doc, true, 0ms, {}, "");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EngineOptions eo;
+  eo.kv_policy = "specontext";
+  eo.specontext.head = "random";
+  eo.specontext.budget = 16;
+  eo.specontext.local = 4;
+  eo.specontext.device_layers = 2;
+  Offline offline(eo);
+  for (int i = 0; i < 2; ++i) {
+    const std::vector<int32_t> q = LcgTokens(12 + i, 710 + i, false);
+    auto got = c->Complete(Ask({d->id}, q, 8));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->usage.cached_prompt_tokens, 0);
+    EXPECT_EQ(got->ids, offline.About(doc, q, 8));
+  }
+  rpc::GenerateRequest pinned = Ask({}, {5, 6, 7}, 4);
+  pinned.kv_policy = "specontext";
+  auto got = c->Complete(pinned);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->ids.size(), 4u);
+}
+
 // SIGTERM: the worker stops taking requests and lets the running ones finish;
 // the coordinator then drains and both exit 0.
 TEST_F(Service, SigtermDrainsRunningRequests) {

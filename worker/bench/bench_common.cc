@@ -22,6 +22,14 @@ void AddPolicy(const EngineOptions& o, nlohmann::json& j) {
     j["merge_window"] = o.spindlekv.merge_window;
     return;
   }
+  if (o.kv_policy == "specontext") {
+    j["budget"] = o.specontext.budget;
+    j["local"] = o.specontext.local;
+    j["head"] = o.specontext.head.empty() ? "model" : o.specontext.head;
+    j["device_layers"] = o.specontext.device_layers;
+    j["yarn_factor"] = o.specontext.yarn_factor;
+    return;
+  }
   if (o.kv_policy != "shadowkv") return;
   j["chunk_size"] = o.shadowkv.chunk_size;
   j["landmarks_per_chunk"] = o.shadowkv.landmarks_per_chunk;

@@ -63,8 +63,13 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
   const bool profile = a.Has("profile");
   if (profile && N > 1) return Status::InvalidArgument("--profile times the ops of one lane: use --lanes 1");
   const bool shadowkv = e.options().kv_policy == "shadowkv";
+  // Policies whose selected rows are held in slots (hit rates; a forced one
+  // with --force-hit-rate): ShadowKV's and SpeContext's.
+  const bool slots = shadowkv || e.options().kv_policy == "specontext";
   PENUMBRA_ASSIGN_OR_RETURN(const std::vector<double> rates, HitRates(a, e.options().shadowkv.force_hit_rate));
-  if (a.Has("hit-rates") && !shadowkv) return Status::InvalidArgument("--hit-rates needs --kv-policy shadowkv");
+  if (a.Has("hit-rates") && !slots) {
+    return Status::InvalidArgument("--hit-rates needs --kv-policy shadowkv or specontext");
+  }
   const bool timeline = a.Has("fetch-timeline");
   if (timeline && !shadowkv) return Status::InvalidArgument("--fetch-timeline needs --kv-policy shadowkv");
   PENUMBRA_ASSIGN_OR_RETURN(const std::vector<int64_t> sweep, a.GetIntList("batch-sweep"));
@@ -136,7 +141,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     for (int l = 0; l < N; ++l) {
       for (int64_t s : runs[l].seqs)
         if (s < nb) active[l].push_back(s);
-      if (shadowkv) PENUMBRA_RETURN_IF_ERROR(e.runtime(l).policy().SetForcedHitRate(rate));
+      if (slots) PENUMBRA_RETURN_IF_ERROR(e.runtime(l).policy().SetForcedHitRate(rate));
     }
     std::vector<PolicyStats> before(N), after(N);
     for (LaneRun& r : runs) {
@@ -249,7 +254,7 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
     }
     j["kv_device_bytes_per_token"] = static_cast<double>(dev_bytes) / (static_cast<double>(S) * nb);
     if (profile) AddProfile(runs[0].profile_ms, j);
-    if (!shadowkv) {
+    if (!slots) {
       // Bytes a step must read: all weights once per lane with sequences (each
       // lane's GEMMs stream them) + every sequence's K and V.
       int busy_lanes = 0;
@@ -303,6 +308,8 @@ Status RunDecode(const Args& a, Engine& e, const Common& cm, int64_t S, double c
         j["fetch_timeline"] = t;
       }
       j["force_hit_rate"] = rate;
+    }
+    if (shadowkv) {
       j["value_fetch"] = e.options().shadowkv.value_fetch;
       j["micro_batches"] = e.options().shadowkv.micro_batches;
       j["fetch_blocks"] = e.options().shadowkv.fetch_blocks;

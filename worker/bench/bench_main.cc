@@ -90,7 +90,7 @@ Status Main(int argc, char** argv) {
   a.Flag("context", "context lengths, comma-separated")
       .Flag("batch", "sequences (default: largest that fits)")
       .Flag("steps", "timed decode steps (default 100)")
-      .Flag("kv-policy", "full, shadowkv or spindlekv")
+      .Flag("kv-policy", "full, shadowkv, spindlekv or specontext")
       .Flag("force-hit-rate", "shadowkv: keep this fraction of the previous step's chunks")
       .Flag("hit-rates",
             "shadowkv: measure each of these forced hit rates on the same sequences, comma-separated, "
@@ -142,6 +142,7 @@ Status Main(int argc, char** argv) {
               "(synchronizes after each)");
   AddShadowKvFlags(a);
   AddSpindleKvFlags(a);
+  AddSpeContextFlags(a);
   AddContextGroupFlags(a);
   transport::AddSecurityFlags(a);  // the context group's TLS certificates (role worker), --insecure
   PENUMBRA_RETURN_IF_ERROR(a.Parse(argc, argv, 2));
@@ -192,6 +193,7 @@ Status Main(int argc, char** argv) {
   s.min_prompt_tokens = 0;  // the benchmark's contexts always take the sparse path unless --min-prompt says so
   PENUMBRA_RETURN_IF_ERROR(ApplyShadowKvFlags(a, &s));
   PENUMBRA_RETURN_IF_ERROR(ApplySpindleKvFlags(a, &eo.spindlekv));
+  PENUMBRA_RETURN_IF_ERROR(ApplySpeContextFlags(a, &eo.specontext));
   PENUMBRA_ASSIGN_OR_RETURN(s.fetch_turns, a.GetOnOff("fetch-turns", s.fetch_turns));
   PENUMBRA_ASSIGN_OR_RETURN(auto contexts, a.GetIntList("context"));
   if (contexts.empty()) return Status::InvalidArgument("--context is required");

@@ -82,9 +82,9 @@ struct RopeStoreOp {
   const int32_t* positions = nullptr;  // [n]
   const float* inv_freq = nullptr;     // [d/2]
   int n = 0, hq = 0, hkv = 0, d = 0;
-  void* q_out = nullptr;         // [n, hq, d] of act dtype
-  void* const* k_dst = nullptr;  // [n] slot address of KV head 0, per token
-  void* const* v_dst = nullptr;
+  void* q_out = nullptr;                   // [n, hq, d] of act dtype
+  void* const* k_dst = nullptr;            // [n] slot address of KV head 0, per token
+  void* const* v_dst = nullptr;            // null: values not stored
   int64_t head_stride = 0;                 // elements
   float* pre_rope_k_out = nullptr;         // optional [n, hkv, d] f32
   float* const* pre_rope_k_dst = nullptr;  // optional [n] address of each token's [hkv, d] f32 row

@@ -6,6 +6,7 @@
 #include "common/hash.h"
 #include "worker/engine/engine_flags.h"
 #include "worker/engine/per_document_policy.h"
+#include "worker/engine/specontext_policy.h"
 #include "worker/engine/spindlekv_policy.h"
 
 namespace penumbra {
@@ -16,6 +17,8 @@ Status LoadEngineOptions(ConfigReader& r, EngineOptions* o) {
   PENUMBRA_RETURN_IF_ERROR(LoadShadowKvOptions(s, &o->shadowkv));
   ConfigReader sp = r.Child("spindlekv");
   PENUMBRA_RETURN_IF_ERROR(LoadSpindleKvOptions(sp, &o->spindlekv));
+  ConfigReader sc = r.Child("specontext");
+  PENUMBRA_RETURN_IF_ERROR(LoadSpeContextOptions(sc, &o->specontext));
   ConfigReader st = r.Child("storage");
   PENUMBRA_RETURN_IF_ERROR(LoadStorageOptions(st, o));
   PENUMBRA_RETURN_IF_ERROR(r.Finish());
@@ -62,6 +65,18 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
     PENUMBRA_ASSIGN_OR_RETURN(policy, options_.spindlekv_device_state
                                           ? MakeSpindleKvDevicePolicy(lane->policy_ctx->ctx, options_.spindlekv)
                                           : MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv));
+  } else if (options_.kv_policy == "specontext") {
+    // The retrieval head: a file, a random one, or the model directory's.
+    const SpeContextOptions& so = options_.specontext;
+    const TargetEmbedding embed{weights_->embed(), weights_->dtype()};
+    std::string path = so.head;
+    if (path.empty() && model_dir_.empty()) path = "random";
+    if (path.empty()) path = JoinPath(model_dir_, "specontext-head.safetensors");
+    Result<std::unique_ptr<SpeContextHead>> head =
+        path == "random" ? SpeContextHead::Random(c, embed, backend, /*seed=*/0x5eC0, so.yarn_factor)
+                         : SpeContextHead::Load(path, c, embed, backend, so.yarn_factor);
+    PENUMBRA_RETURN_IF_ERROR(head.status());
+    PENUMBRA_ASSIGN_OR_RETURN(policy, MakeSpeContextPolicy(lane->policy_ctx->ctx, so, std::move(*head)));
   } else if (options_.kv_policy == "auto") {
     PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> sparse,
                               MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
@@ -78,7 +93,7 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
                                      pinned.ok() ? std::move(*pinned) : nullptr);
   } else {
     return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy +
-                                   "' (expected full, shadowkv, spindlekv or auto)");
+                                   "' (expected full, shadowkv, spindlekv, specontext or auto)");
   }
   PENUMBRA_ASSIGN_OR_RETURN(
       lane->runtime, Runtime::Create(options_.runtime, lane->policy_ctx->ctx, weights_.get(), std::move(policy)));
@@ -140,6 +155,7 @@ Backend& Engine::backend(int lane) {
 Result<std::unique_ptr<Engine>> Engine::Open(const std::string& model_dir, const EngineOptions& options) {
   auto e = std::unique_ptr<Engine>(new Engine);
   e->options_ = options;
+  e->model_dir_ = model_dir;
   PENUMBRA_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(model_dir));
   PENUMBRA_RETURN_IF_ERROR(ckpt.Validate());
   PENUMBRA_ASSIGN_OR_RETURN(e->backend_, CreateBackend(options.backend));

@@ -45,6 +45,8 @@
 #include "worker/engine/model_weights.h"
 #include "worker/engine/runtime.h"
 #include "worker/engine/shadowkv_options.h"
+#include "worker/engine/specontext_head.h"
+#include "worker/engine/specontext_options.h"
 #include "worker/engine/spindlekv_options.h"
 #include "worker/model/checkpoint.h"
 
@@ -53,12 +55,13 @@ namespace penumbra {
 struct EngineOptions {
   BackendOptions backend;
   RuntimeOptions runtime;
-  // "full", "shadowkv", "spindlekv" or "auto" (a policy per document: each
-  // sequence and document held under full or shadowkv,
+  // "full", "shadowkv", "spindlekv", "specontext" or "auto" (a policy per
+  // document: each sequence and document held under full or shadowkv,
   // worker/engine/per_document_policy.h). Default: full.
   std::string kv_policy = "full";
   ShadowKvOptions shadowkv;
   SpindleKvOptions spindlekv;
+  SpeContextOptions specontext;
   // Tests: the CPU backend runs spindlekv with its state in device memory,
   // as CUDA does (MakeSpindleKvDevicePolicy), not the host policy. Not a
   // configuration key.
@@ -75,7 +78,8 @@ struct EngineOptions {
 
 // Reads an engine YAML (keys: device, dtype, cuda_device, cpu_threads,
 // linear, chained_launch, prefill_chunk, max_batch, kv_policy, shadowkv:
-// {...}, spindlekv: {...}, storage: {...}); errors name the key.
+// {...}, spindlekv: {...}, specontext: {...}, storage: {...}); errors name
+// the key.
 Status LoadEngineOptions(ConfigReader& r, EngineOptions* o);
 Result<EngineOptions> LoadEngineOptionsFile(const std::string& path);
 // Reads the document cache's tiers (configs/storage.yaml; an engine YAML's
@@ -144,6 +148,7 @@ class Engine {
   std::unique_ptr<FetchTurns> fetch_turns_;               // shadowkv.fetch_turns; outlives the lanes
   std::shared_ptr<storage::DocumentStore> prefix_store_;  // shared by the lanes' runtimes; outlives them
   std::string model_identity_;
+  std::string model_dir_;  // Open's; empty for OpenRandom
   std::vector<std::unique_ptr<Lane>> lanes_;
 };
 

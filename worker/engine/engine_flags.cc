@@ -29,10 +29,9 @@ const OptionTable<EngineOptions>& EngineOptionTable() {
                  "cp_prefill_balance",
                  "context group prefill: the later ranks hand half their rows' attention over the earlier keys to "
                  "the earlier ranks, so that every rank does the same work (every rank of a group must agree)")
-           .Enum(&O::kv_policy, "kv-policy", "kv_policy", {"full", "shadowkv", "spindlekv", "auto"},
+           .Enum(&O::kv_policy, "kv-policy", "kv_policy", {"full", "shadowkv", "spindlekv", "specontext", "auto"},
                  "the KV policy (auto: full or shadowkv per document; spindlekv stores documents on disk from the CPU "
-                 "only so far; "
-                 "docs/kv-policies.md)")
+                 "only so far; specontext holds no documents yet; docs/kv-policies.md)")
            .MiB(T::Field<size_t>([](O* o) { return &o->runtime.auto_exact_bytes; }), "auto-exact-mib", "auto_exact_mib",
                 0, int64_t{1} << 30,
                 "kv_policy auto: device MiB for documents (and sequences) held exact; 0: half of "
@@ -46,6 +45,7 @@ void AddEngineFlags(Args& a) {
   EngineOptionTable().AddFlags(a);
   AddShadowKvFlags(a);
   AddSpindleKvFlags(a);
+  AddSpeContextFlags(a);
 }
 
 Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
@@ -55,7 +55,8 @@ Status ApplyEngineFlags(const Args& a, EngineOptions* o) {
   if (a.Has("storage-config")) PENUMBRA_RETURN_IF_ERROR(LoadStorageOptionsFile(a.Get("storage-config"), o));
   PENUMBRA_RETURN_IF_ERROR(EngineOptionTable().ApplyFlags(a, o));
   PENUMBRA_RETURN_IF_ERROR(ApplyShadowKvFlags(a, &o->shadowkv));
-  return ApplySpindleKvFlags(a, &o->spindlekv);
+  PENUMBRA_RETURN_IF_ERROR(ApplySpindleKvFlags(a, &o->spindlekv));
+  return ApplySpeContextFlags(a, &o->specontext);
 }
 
 }  // namespace penumbra

@@ -7,14 +7,16 @@
 // and "auto" (a policy per document: each sequence held under one of the
 // other two, worker/engine/per_document_policy.h).
 // "spindlekv" (worker/engine/spindlekv_policy.cc) evicts and shares
-// codebook entries without offload; SpeContext will plug in here too.
+// codebook entries without offload; "specontext"
+// (worker/engine/specontext_policy.h) selects from every layer's exact KV
+// by a retrieval head run on the tokens before the layers.
 //
 // Call protocol, per sequence: AddSequence; then one or more prefills, each
 // a contiguous run of the prompt (the first from 0, or from an attached
-// prefix's end): for each layer in order, PrefillAttention over the run's
-// chunks in order, then FinishPrefillLayer;
-// then decode steps: BeginDecodeStep(batch) ; DecodeAttention for each layer ;
-// FinishDecodeStep. RemoveSequence frees everything. Not thread-safe: one
+// prefix's end): PrefillTokens, then for each layer in order,
+// PrefillAttention over the run's chunks in order, then FinishPrefillLayer;
+// then decode steps: BeginDecodeStep(batch) ; DecodeTokens ; DecodeAttention
+// for each layer ; FinishDecodeStep. RemoveSequence frees everything. Not thread-safe: one
 // runtime thread drives a policy.
 #pragma once
 
@@ -244,6 +246,25 @@ class KvPolicy {
   virtual Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
                                  float* lse) = 0;
   virtual Status FinishDecodeStep() = 0;
+  // The tokens themselves, for policies that look at them before the first
+  // layer (specontext's retrieval head); the default ignores them.
+  // Prefill: the ids and positions (device [n]) of the run [start, start + n)
+  // of `seq`, before its first PrefillAttention.
+  virtual Status PrefillTokens(int64_t seq, const int32_t* ids, const int32_t* positions, int n, int64_t start) {
+    (void)seq;
+    (void)ids;
+    (void)positions;
+    (void)n;
+    (void)start;
+    return Status::OK();
+  }
+  // Decode: the step's ids and positions (device [batch], in
+  // BeginDecodeStep's order), after BeginDecodeStep.
+  virtual Status DecodeTokens(const int32_t* ids, const int32_t* positions) {
+    (void)ids;
+    (void)positions;
+    return Status::OK();
+  }
   // Called once after every decode step, successful or not (after
   // FinishDecodeStep, or after the op that failed): ends the step's
   // participation in cross-lane fetch turns (worker/engine/fetch_turns.h).

@@ -639,6 +639,10 @@ Result<std::unique_ptr<Runtime::PartialPrefill>> Runtime::StartPrefill(const std
 Status Runtime::PrefillLayers(int64_t seq, PartialPrefill* p, int layers) {
   const double t0 = NowSeconds();
   const int stop = std::min(config().num_layers, p->layer + layers);
+  if (p->layer == 0 && stop > 0) {
+    PENUMBRA_RETURN_IF_ERROR(policy_->PrefillTokens(seq, p->ids.as<int32_t>(), p->pos.as<int32_t>(),
+                                                    static_cast<int>(p->end - p->start), p->start));
+  }
   for (; p->layer < stop; ++p->layer) {
     const int l = p->layer;
     if (cp_ == nullptr) {
@@ -1058,6 +1062,7 @@ Result<const float*> Runtime::DecodeStepImpl(const std::vector<int64_t>& seqs, c
   PENUMBRA_RETURN_IF_ERROR(backend_->CopyToDevice(pos_.get(), pos32.data(), B * sizeof(int32_t)));
   backend_->Embedding(weights_->embed(), weights_->dtype(), ids_.as<int32_t>(), B, H, x_.as<float>());
   PENUMBRA_RETURN_IF_ERROR(policy_->BeginDecodeStep(seqs, positions));
+  PENUMBRA_RETURN_IF_ERROR(policy_->DecodeTokens(ids_.as<int32_t>(), pos_.as<int32_t>()));
   lap("begin_step");
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& L = weights_->layers()[l];

@@ -1,0 +1,635 @@
+// The SpeContext KV policy: see specontext_policy.h.
+//
+// Per sequence (capacity cap = prompt + new tokens; dtype T = act dtype):
+//   head_k    [hkv][cap][dh] T   the retrieval head's K cache (RoPE applied)
+//   k[l], v[l] [hkv][cap][d] T   layer l's exact keys (RoPE) and values:
+//                                device memory for l < device_layers, pinned
+//                                host memory (mapped) for the rest
+//   att_k, att_v [layers][hkv][R][d] T, R = budget + local: rows [0, budget)
+//                                the selection's slots, rows budget + p % local
+//                                the local window's ring (position p)
+//   slots     [hkv][budget] int32 token per slot (-1: empty), shared by the
+//                                layers (the selection is the same for all)
+// At a decode step with the new token at position p, tokens [0, p + 1 -
+// local) are selectable and [p + 1 - local, p] are in the ring; a token
+// leaves the ring as it becomes selectable, so no row is attended twice.
+#include "worker/engine/specontext_policy.h"
+
+#include <glog/logging.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "kernels/shadowkv_decode_args.h"
+
+namespace penumbra {
+namespace {
+
+namespace kn = kernels;
+
+class SpeContextPolicy final : public KvPolicy {
+ public:
+  SpeContextPolicy(const PolicyContext& ctx, const SpeContextOptions& o, std::shared_ptr<SpeContextHead> head)
+      : ctx_(ctx), o_(o), head_(std::move(head)), es_(DTypeSize(ctx.backend->act_dtype())) {}
+
+  std::string name() const override { return "specontext"; }
+  std::string StateFingerprint() const override { return SpeContextStateFingerprint(o_) + " " + head_->identity(); }
+
+  Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
+    if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
+    if (spec.prefix) {
+      return Status::Unimplemented("the specontext KV policy cannot attach a cached document yet");
+    }
+    if (spec.shard.sharded()) return Status::Unimplemented("the specontext KV policy cannot hold a context shard");
+    if (spec.prompt_len < 1 || spec.max_new_tokens < 0) {
+      return Status::InvalidArgument("specontext: a sequence of " + std::to_string(spec.prompt_len) + " + " +
+                                     std::to_string(spec.max_new_tokens) + " tokens");
+    }
+    auto s = std::make_unique<Seq>();
+    s->capacity = spec.prompt_len + std::max<int64_t>(spec.max_new_tokens, 1);
+    if (s->capacity > MaxTokens()) {
+      return Status::InvalidArgument("specontext: a sequence of " + std::to_string(s->capacity) + " tokens; at most " +
+                                     std::to_string(MaxTokens()) + " with a budget of " + std::to_string(o_.budget) +
+                                     " (the slot update's bitmap of every token)");
+    }
+    Backend& b = *ctx_.backend;
+    const size_t fixed = FixedBytes(s->capacity), layer = LayerBytes(s->capacity);
+    s->device_layers = o_.device_layers >= 0 ? std::min(o_.device_layers, ctx_.num_layers) : MemoryModel(fixed, layer);
+    PENUMBRA_ASSIGN_OR_RETURN(s->head_k, b.Allocate(HeadKBytes(s->capacity)));
+    PENUMBRA_ASSIGN_OR_RETURN(s->att_k, b.Allocate(AttBytes()));
+    PENUMBRA_ASSIGN_OR_RETURN(s->att_v, b.Allocate(AttBytes()));
+    PENUMBRA_ASSIGN_OR_RETURN(s->slots, b.Allocate(SlotBytes()));
+    PENUMBRA_RETURN_IF_ERROR(b.Memset(s->slots.get(), 0xFF, SlotBytes()));
+    s->k.resize(ctx_.num_layers);
+    s->v.resize(ctx_.num_layers);
+    s->k_at.resize(ctx_.num_layers);
+    s->v_at.resize(ctx_.num_layers);
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      const bool device = l < s->device_layers;
+      for (auto [buf, at] : {std::pair{&s->k[l], &s->k_at[l]}, std::pair{&s->v[l], &s->v_at[l]}}) {
+        PENUMBRA_ASSIGN_OR_RETURN(*buf, device ? b.Allocate(layer / 2) : b.AllocateHostLarge(layer / 2));
+        *at = device ? buf->get() : const_cast<void*>(b.DeviceAddressOfHost(buf->get()));
+      }
+    }
+    seqs_.emplace(seq, std::move(s));
+    return Status::OK();
+  }
+
+  void RemoveSequence(int64_t seq) override {
+    if (scratch_seq_ == seq) scratch_seq_ = -1;
+    seqs_.erase(seq);
+  }
+
+  // ---- prefill: exact attention, one layer at a time in a device scratch ----
+
+  Status PrefillTokens(int64_t seq, const int32_t* ids, const int32_t* positions, int n, int64_t start) override {
+    Seq* s = Find(seq);
+    if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
+    if (start != s->length || start + n > s->capacity) {
+      return Status::InvalidArgument("specontext: a prefill of [" + std::to_string(start) + ", " +
+                                     std::to_string(start + n) + ") of a sequence holding " +
+                                     std::to_string(s->length) + " of " + std::to_string(s->capacity));
+    }
+    // The head's keys of the run, kMaxRows tokens a call.
+    for (int off = 0; off < n; off += SpeContextHead::kMaxRows) {
+      const int m = std::min(n - off, SpeContextHead::kMaxRows);
+      std::vector<void*> dst(m);
+      for (int i = 0; i < m; ++i) dst[i] = HeadKRow(*s, start + off + i);
+      PENUMBRA_ASSIGN_OR_RETURN(void* const* table, Upload(&ptr_buf_, &ptr_staging_, dst));
+      PENUMBRA_RETURN_IF_ERROR(head_->Project(ids + off, positions + off, m, head_->Factor(s->capacity), nullptr, table,
+                                              s->capacity * head_->head_dim()));
+    }
+    return Status::OK();
+  }
+
+  Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t start, const int32_t* positions,
+                          void* q_scratch, void* out, float* lse) override {
+    if (lse != nullptr) return Status::Unimplemented("specontext: context-parallel prefill");
+    Seq* s = Find(seq);
+    if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
+    if (start < s->length || start + n > s->capacity) {
+      return Status::InvalidArgument("specontext: prefill rows [" + std::to_string(start) + ", " +
+                                     std::to_string(start + n) + ") of a sequence holding " +
+                                     std::to_string(s->length));
+    }
+    PENUMBRA_RETURN_IF_ERROR(LoadScratch(*s, seq, layer, start));
+    const int d = ctx_.head_dim;
+    std::vector<void*> dst(2 * static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      dst[i] = ScratchRow(scratch_k_, start + i);
+      dst[n + i] = ScratchRow(scratch_v_, start + i);
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(void* const* table, Upload(&ptr_buf_, &ptr_staging_, dst));
+    RopeStoreOp r;
+    r.qkv = qkv;
+    r.positions = positions;
+    r.inv_freq = ctx_.inv_freq;
+    r.n = n;
+    r.hq = ctx_.hq;
+    r.hkv = ctx_.hkv;
+    r.d = d;
+    r.q_out = q_scratch;
+    r.k_dst = table;
+    r.v_dst = table + n;
+    r.head_stride = scratch_rows_ * d;
+    ctx_.backend->RopeStore(r);
+    PrefillAttentionOp a;
+    a.q = q_scratch;
+    a.k = scratch_k_.get();
+    a.v = scratch_v_.get();
+    a.out = out;
+    a.head_stride = scratch_rows_ * d;
+    a.q_start = static_cast<int>(start);
+    a.nq = n;
+    a.hq = ctx_.hq;
+    a.hkv = ctx_.hkv;
+    a.d = d;
+    a.scale = ctx_.scale;
+    ctx_.backend->PrefillAttention(a);
+    scratch_end_ = std::max(scratch_end_, start + n);
+    return Status::OK();
+  }
+
+  Status FinishPrefillLayer(int layer, int64_t seq, int64_t prompt_len) override {
+    Seq* s = Find(seq);
+    if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
+    if (scratch_seq_ != seq || scratch_layer_ != layer || scratch_end_ != prompt_len) {
+      return Status::Internal("specontext: layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
+                              " finished without its prefill");
+    }
+    Backend& b = *ctx_.backend;
+    const size_t row = static_cast<size_t>(ctx_.head_dim) * es_;
+    // The run's rows to the layer's store.
+    const int64_t from = scratch_from_, rows = prompt_len - from;
+    if (rows > 0) {
+      for (auto [dst, src] : {std::pair{&s->k[layer], &scratch_k_}, std::pair{&s->v[layer], &scratch_v_}}) {
+        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(dst->get()) + from * row, s->capacity * row,
+                                          static_cast<const char*>(src->get()) + from * row, scratch_rows_ * row,
+                                          rows * row, ctx_.hkv));
+      }
+    }
+    // The last `local` tokens to the layer's ring.
+    for (int64_t p = std::max<int64_t>(0, prompt_len - o_.local); p < prompt_len;) {
+      const int64_t ring = p % o_.local;
+      const int64_t run = std::min(prompt_len - p, o_.local - ring);
+      for (auto [dst, src] : {std::pair{&s->att_k, &scratch_k_}, std::pair{&s->att_v, &scratch_v_}}) {
+        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(AttRow(*s, *dst, layer, o_.budget + ring), Rows() * row,
+                                          static_cast<const char*>(src->get()) + p * row, scratch_rows_ * row,
+                                          run * row, ctx_.hkv));
+      }
+      p += run;
+    }
+    if (layer == ctx_.num_layers - 1) s->length = prompt_len;
+    return Status::OK();
+  }
+
+  // ---- decode ----
+
+  Status BeginDecodeStep(const std::vector<int64_t>& seqs, const std::vector<int64_t>& positions) override {
+    step_.clear();
+    step_pos_ = positions;
+    if (seqs.size() != positions.size()) return Status::InvalidArgument("specontext: positions of another batch");
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq* s = Find(seqs[i]);
+      if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seqs[i]));
+      if (positions[i] != s->length || positions[i] >= s->capacity) {
+        return Status::InvalidArgument("specontext: sequence " + std::to_string(seqs[i]) + " decodes at " +
+                                       std::to_string(positions[i]) + " holding " + std::to_string(s->length) + " of " +
+                                       std::to_string(s->capacity));
+      }
+      step_.push_back(s);
+    }
+    // Groups: runs of sequences of one capacity (their rows' strides).
+    groups_.clear();
+    const int B = static_cast<int>(step_.size());
+    for (int i = 0; i < B;) {
+      int j = i + 1;
+      while (j < B && step_[j]->capacity == step_[i]->capacity) ++j;
+      groups_.push_back({i, j - i});
+      i = j;
+    }
+    return UploadStepTables();
+  }
+
+  Status DecodeTokens(const int32_t* ids, const int32_t* positions) override {
+    Backend& b = *ctx_.backend;
+    const int B = static_cast<int>(step_.size()), H = ctx_.hkv, K = o_.budget, dh = head_->head_dim();
+    if (B == 0) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(GrowStepBuffers(B));
+    const size_t q_row = static_cast<size_t>(head_->heads()) * dh * es_;
+    for (const Group& g : groups_) {
+      const Seq& s0 = *step_[g.first];
+      // The head: this step's query rows, and its key rows into the head's cache.
+      const double factor = head_->Factor(s0.capacity);  // a group: one capacity
+      PENUMBRA_RETURN_IF_ERROR(head_->Project(ids + g.first, positions + g.first, g.count, factor,
+                                              static_cast<char*>(head_q_.get()) + g.first * q_row,
+                                              Table(kHeadKDst) + g.first, s0.capacity * dh));
+      int max_sel = 0;
+      for (int i = g.first; i < g.first + g.count; ++i) max_sel = std::max<int>(max_sel, Selectable(i));
+      int32_t* selection = selection_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+      if (max_sel == 0) {
+        PENUMBRA_RETURN_IF_ERROR(b.Memset(selection, 0xFF, static_cast<size_t>(g.count) * H * K * sizeof(int32_t)));
+      } else {
+        kn::ShadowkvScoreArgs sc;
+        sc.q = static_cast<char*>(head_q_.get()) + g.first * q_row;
+        sc.q_dtype = b.act_dtype();
+        sc.landmarks = reinterpret_cast<const void* const*>(Table(kHeadK) + g.first);
+        sc.dtype = b.act_dtype();
+        sc.n_chunks = Ints(kSelectable) + g.first;
+        sc.batch = g.count;
+        sc.hq = head_->heads();
+        sc.hkv = H;
+        sc.d = dh;
+        sc.chunk_cap = static_cast<int>(s0.capacity);
+        sc.max_chunks = max_sel;
+        sc.scale = head_->Scale(factor);
+        PENUMBRA_RETURN_IF_ERROR(GrowScores(static_cast<size_t>(B) * H * (max_sel + 1)));
+        sc.scores = scores_.as<float>();
+        sc.score_stride = max_sel + 1;
+        sc.select_k = K;
+        sc.selection = selection;
+        sc.selection_stride = K;
+        PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+      }
+      kn::ShadowkvSlotUpdateArgs su;
+      su.selection = selection;
+      su.selection_stride = K;
+      su.slot_maps = reinterpret_cast<int32_t* const*>(Table(kSlots) + g.first);
+      su.miss_count = miss_count_.as<int32_t>() + static_cast<size_t>(g.first) * H;
+      su.miss_slot = miss_slot_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+      su.miss_chunk = miss_token_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+      su.batch = g.count;
+      su.hkv = H;
+      su.kslots = K;
+      su.chunk_cap = static_cast<int>(s0.capacity);
+      su.force_keep = static_cast<float>(forced_hit_rate_);
+      b.ShadowkvSlotUpdate(su);
+    }
+    // The first layers' copies start now, on the side stream.
+    for (int l = 0; l < std::min(ctx_.num_layers, Backend::kSideMarks); ++l) Prefetch(l);
+    return Status::OK();
+  }
+
+  Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
+                         float* lse) override {
+    if (lse != nullptr) return Status::Unimplemented("specontext: context-parallel decode");
+    Backend& b = *ctx_.backend;
+    const int B = static_cast<int>(step_.size()), d = ctx_.head_dim;
+    const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * d;
+    const size_t q_row = static_cast<size_t>(ctx_.hq) * d * es_;
+    for (const Group& g : groups_) {
+      // The new token's key and value: into the layer's store and its ring row.
+      for (int ring = 0; ring < 2; ++ring) {
+        RopeStoreOp r;
+        r.qkv = qkv + g.first * qkv_row;
+        r.positions = positions + g.first;
+        r.inv_freq = ctx_.inv_freq;
+        r.n = g.count;
+        r.hq = ctx_.hq;
+        r.hkv = ctx_.hkv;
+        r.d = d;
+        r.q_out = static_cast<char*>(q_scratch) + g.first * q_row;
+        r.k_dst = Table(ring ? kRingK : kStoreKDst, layer) + g.first;
+        r.v_dst = Table(ring ? kRingV : kStoreVDst, layer) + g.first;
+        r.head_stride = ring ? Rows() * d : step_[g.first]->capacity * d;
+        b.RopeStore(r);
+      }
+    }
+    // The selected rows of this layer are in place once its copies are; the
+    // copies of the layer kSideMarks ahead start (they take its mark).
+    b.WaitSideMark(layer % Backend::kSideMarks);
+    if (layer + Backend::kSideMarks < ctx_.num_layers) Prefetch(layer + Backend::kSideMarks);
+    for (const Group& g : groups_) {
+      DecodeAttentionOp a;
+      a.q = static_cast<char*>(q_scratch) + g.first * q_row;
+      a.k = reinterpret_cast<const void* const*>(Table(kAttK, layer) + g.first);
+      a.v = reinterpret_cast<const void* const*>(Table(kAttV, layer) + g.first);
+      a.lengths = Ints(kLength) + g.first;
+      a.out = static_cast<char*>(out) + g.first * q_row;
+      a.head_stride = Rows() * d;
+      a.batch = g.count;
+      a.hq = ctx_.hq;
+      a.hkv = ctx_.hkv;
+      a.d = d;
+      a.max_length = static_cast<int>(Rows());
+      a.scale = ctx_.scale;
+      a.slot_maps = reinterpret_cast<const int32_t* const*>(Table(kSlots) + g.first);
+      a.slot_row0 = 0;
+      a.slot_count = o_.budget;
+      a.slot_rows = 1;
+      PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(a));
+    }
+    (void)B;
+    return Status::OK();
+  }
+
+  Status FinishDecodeStep() override {
+    const int B = static_cast<int>(step_.size()), H = ctx_.hkv;
+    std::vector<int32_t> misses(static_cast<size_t>(B) * H);
+    if (B > 0) {
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToHost(misses.data(), miss_count_.get(), misses.size() * 4));
+    }
+    for (int i = 0; i < B; ++i) {
+      const int64_t selected = std::min<int64_t>(Selectable(i), o_.budget);
+      for (int h = 0; h < H; ++h) {
+        stats_.selected_chunks += selected;
+        stats_.hit_chunks += std::max<int64_t>(0, selected - misses[static_cast<size_t>(i) * H + h]);
+      }
+      step_[i]->length = step_pos_[i] + 1;
+    }
+    ++stats_.decode_steps;
+    step_.clear();
+    return Status::OK();
+  }
+
+  Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
+    Seq* s = Find(seq);
+    if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
+    if (s->length != 0 || length < 1 || length >= s->capacity) {
+      return Status::InvalidArgument("specontext: a context of " + std::to_string(length) + " tokens");
+    }
+    Backend& b = *ctx_.backend;
+    const DType t = b.act_dtype();
+    const int64_t layer_elems = static_cast<int64_t>(ctx_.hkv) * s->capacity * ctx_.head_dim;
+    b.FillRandomNormal(s->head_k.get(), t, HeadKBytes(s->capacity) / es_, 1.0f, seed);
+    b.FillRandomNormal(s->att_k.get(), t, AttBytes() / es_, 1.0f, seed + 1);
+    b.FillRandomNormal(s->att_v.get(), t, AttBytes() / es_, 1.0f, seed + 2);
+    // Host layers are copies of one random device layer (a kernel writing
+    // host memory would cross the link at a fraction of a copy's speed).
+    PENUMBRA_RETURN_IF_ERROR(GrowScratch(s->capacity));
+    scratch_seq_ = -1;
+    b.FillRandomNormal(scratch_k_.get(), t, layer_elems, 1.0f, seed + 3);
+    b.FillRandomNormal(scratch_v_.get(), t, layer_elems, 1.0f, seed + 4);
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      if (l < s->device_layers) {
+        b.FillRandomNormal(s->k[l].get(), t, layer_elems, 1.0f, seed + 5 + 2 * l);
+        b.FillRandomNormal(s->v[l].get(), t, layer_elems, 1.0f, seed + 6 + 2 * l);
+      } else {
+        PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+        PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(s->k[l].get(), scratch_k_.get(), layer_elems * es_));
+        PENUMBRA_RETURN_IF_ERROR(b.CopyToHost(s->v[l].get(), scratch_v_.get(), layer_elems * es_));
+      }
+    }
+    s->length = length;
+    return b.Synchronize();
+  }
+
+  size_t DeviceBytes(int64_t seq) const override {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) return 0;
+    const Seq& s = *it->second;
+    return FixedBytes(s.capacity) + static_cast<size_t>(s.device_layers) * LayerBytes(s.capacity);
+  }
+  SequenceBytes EstimateSequenceBytes(const SequenceSpec& spec) const override {
+    const int64_t cap = spec.prompt_len + std::max<int64_t>(spec.max_new_tokens, 1);
+    // The memory model moves layers to the device only where room is left:
+    // the estimate is the offloaded form (or the configured split).
+    const int dl = o_.device_layers >= 0 ? std::min(o_.device_layers, ctx_.num_layers) : 0;
+    SequenceBytes out;
+    out.device = FixedBytes(cap) + static_cast<size_t>(dl) * LayerBytes(cap);
+    out.host = static_cast<size_t>(ctx_.num_layers - dl) * LayerBytes(cap);
+    return out;
+  }
+  Status SetForcedHitRate(double rate) override {
+    forced_hit_rate_ = rate;
+    return Status::OK();
+  }
+
+ private:
+  struct Seq {
+    int64_t capacity = 0, length = 0;
+    int device_layers = 0;
+    DeviceBuffer head_k, att_k, att_v, slots;
+    std::vector<DeviceBuffer> k, v;
+    std::vector<void*> k_at, v_at;  // the stores' device addresses
+  };
+  struct Group {
+    int first = 0, count = 0;
+  };
+  // Step tables: per layer, then per step.
+  enum LayerTable { kRingK, kRingV, kStoreKDst, kStoreVDst, kAttK, kAttV, kStoreK, kStoreV, kLayerTables };
+  enum StepTable { kHeadKDst, kHeadK, kSlots, kStepTables };
+  enum StepInts { kSelectable, kLength, kStepInts };
+
+  Seq* Find(int64_t seq) {
+    auto it = seqs_.find(seq);
+    return it == seqs_.end() ? nullptr : it->second.get();
+  }
+  int64_t Rows() const { return static_cast<int64_t>(o_.budget) + o_.local; }
+  // The longest sequence: the slot update keeps two bits per token and four
+  // ints per slot of a KV head in a block's shared memory (227 KiB on
+  // Hopper; kernels/shadowkv_slot_update.cuh), the CPU as the GPU.
+  int64_t MaxTokens() const {
+    constexpr int64_t kSharedWords = 227 * 1024 / 4;
+    return std::max<int64_t>(0, (kSharedWords - 4 * static_cast<int64_t>(o_.budget)) / 2 * 32);
+  }
+  size_t HeadKBytes(int64_t cap) const {
+    return static_cast<size_t>(head_->kv_heads()) * cap * head_->head_dim() * es_;
+  }
+  size_t AttBytes() const { return static_cast<size_t>(ctx_.num_layers) * ctx_.hkv * Rows() * ctx_.head_dim * es_; }
+  size_t SlotBytes() const { return static_cast<size_t>(ctx_.hkv) * o_.budget * sizeof(int32_t); }
+  size_t FixedBytes(int64_t cap) const { return HeadKBytes(cap) + 2 * AttBytes() + SlotBytes(); }
+  // K and V of one layer.
+  size_t LayerBytes(int64_t cap) const { return 2 * static_cast<size_t>(ctx_.hkv) * cap * ctx_.head_dim * es_; }
+  // The paper's memory model, per sequence: as many layers on the device as
+  // fit beside its fixed buffers while device_reserve_bytes stay free.
+  int MemoryModel(size_t fixed, size_t layer) const {
+    const size_t free = ctx_.backend->FreeMemoryBytes();
+    const size_t keep = fixed + static_cast<size_t>(o_.device_reserve_bytes);
+    if (free <= keep || layer == 0) return 0;
+    return static_cast<int>(std::min<size_t>((free - keep) / layer, ctx_.num_layers));
+  }
+  int Selectable(int i) const { return static_cast<int>(std::max<int64_t>(0, step_pos_[i] + 1 - o_.local)); }
+  void* HeadKRow(const Seq& s, int64_t p) const {
+    return static_cast<char*>(s.head_k.get()) + p * head_->head_dim() * es_;
+  }
+  void* AttRow(const Seq& s, const DeviceBuffer& att, int layer, int64_t row) const {
+    const size_t layer_elems = static_cast<size_t>(ctx_.hkv) * Rows() * ctx_.head_dim;
+    return static_cast<char*>(att.get()) + (layer * layer_elems + row * ctx_.head_dim) * es_;
+  }
+  void* ScratchRow(const DeviceBuffer& buf, int64_t p) const {
+    return static_cast<char*>(buf.get()) + p * ctx_.head_dim * es_;
+  }
+
+  Status GrowScratch(int64_t rows) {
+    if (rows <= scratch_rows_) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+    const size_t bytes = static_cast<size_t>(ctx_.hkv) * rows * ctx_.head_dim * es_;
+    scratch_k_ = DeviceBuffer();
+    scratch_v_ = DeviceBuffer();
+    scratch_rows_ = 0;
+    scratch_seq_ = -1;
+    PENUMBRA_ASSIGN_OR_RETURN(scratch_k_, ctx_.backend->Allocate(bytes));
+    PENUMBRA_ASSIGN_OR_RETURN(scratch_v_, ctx_.backend->Allocate(bytes));
+    scratch_rows_ = rows;
+    return Status::OK();
+  }
+  // Makes the scratch hold layer `layer` of `seq` up to `start` (its rows
+  // before a continuation come from the store).
+  Status LoadScratch(const Seq& s, int64_t seq, int layer, int64_t start) {
+    if (scratch_seq_ == seq && scratch_layer_ == layer && scratch_end_ == start) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(GrowScratch(s.capacity));
+    const size_t row = static_cast<size_t>(ctx_.head_dim) * es_;
+    if (start > 0) {
+      for (auto [dst, src] : {std::pair{&scratch_k_, &s.k[layer]}, std::pair{&scratch_v_, &s.v[layer]}}) {
+        PENUMBRA_RETURN_IF_ERROR(
+            ctx_.backend->Copy2D(dst->get(), scratch_rows_ * row, src->get(), s.capacity * row, start * row, ctx_.hkv));
+      }
+    }
+    scratch_seq_ = seq;
+    scratch_layer_ = layer;
+    scratch_from_ = scratch_end_ = start;
+    return Status::OK();
+  }
+
+  // Host `ptrs` into `buf` (grown; the previous users of the buffer are on
+  // the same stream, before the copy).
+  Result<void* const*> Upload(DeviceBuffer* buf, std::vector<void*>* staging, const std::vector<void*>& ptrs) {
+    const size_t bytes = ptrs.size() * sizeof(void*);
+    if (bytes > buf->bytes()) {
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(*buf, ctx_.backend->Allocate(bytes * 2));
+    }
+    *staging = ptrs;
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(buf->get(), staging->data(), bytes));
+    return static_cast<void* const*>(buf->get());
+  }
+
+  // The step's pointer tables and ints, one upload.
+  Status UploadStepTables() {
+    const int B = static_cast<int>(step_.size()), L = ctx_.num_layers, d = ctx_.head_dim;
+    const size_t row = static_cast<size_t>(d) * es_;
+    std::vector<void*> t(static_cast<size_t>(B) * (kLayerTables * L + kStepTables) +
+                         (static_cast<size_t>(B) * kStepInts * sizeof(int32_t) + sizeof(void*) - 1) / sizeof(void*));
+    for (int i = 0; i < B; ++i) {
+      Seq& s = *step_[i];
+      const int64_t p = step_pos_[i];
+      for (int l = 0; l < L; ++l) {
+        auto at = [&](int table) -> void*& { return t[(static_cast<size_t>(l) * kLayerTables + table) * B + i]; };
+        at(kRingK) = AttRow(s, s.att_k, l, o_.budget + p % o_.local);
+        at(kRingV) = AttRow(s, s.att_v, l, o_.budget + p % o_.local);
+        at(kStoreKDst) = static_cast<char*>(s.k_at[l]) + p * row;
+        at(kStoreVDst) = static_cast<char*>(s.v_at[l]) + p * row;
+        at(kAttK) = AttRow(s, s.att_k, l, 0);
+        at(kAttV) = AttRow(s, s.att_v, l, 0);
+        at(kStoreK) = s.k_at[l];
+        at(kStoreV) = s.v_at[l];
+      }
+      const size_t base = static_cast<size_t>(kLayerTables) * L * B;
+      t[base + kHeadKDst * B + i] = HeadKRow(s, p);
+      t[base + kHeadK * B + i] = s.head_k.get();
+      t[base + kSlots * B + i] = s.slots.get();
+    }
+    auto* ints = reinterpret_cast<int32_t*>(t.data() + static_cast<size_t>(B) * (kLayerTables * L + kStepTables));
+    for (int i = 0; i < B; ++i) {
+      ints[kSelectable * B + i] = Selectable(i);
+      ints[kLength * B + i] = static_cast<int32_t>(o_.budget + std::min<int64_t>(o_.local, step_pos_[i] + 1));
+    }
+    PENUMBRA_ASSIGN_OR_RETURN(step_table_, Upload(&step_buf_, &step_staging_, t));
+    return Status::OK();
+  }
+  void* const* Table(LayerTable table, int layer) const {
+    return step_table_ + (static_cast<size_t>(layer) * kLayerTables + table) * step_.size();
+  }
+  void* const* Table(StepTable table) const {
+    return step_table_ + (static_cast<size_t>(kLayerTables) * ctx_.num_layers + table) * step_.size();
+  }
+  const int32_t* Ints(StepInts which) const {
+    const size_t B = step_.size();
+    return reinterpret_cast<const int32_t*>(step_table_ + B * (kLayerTables * ctx_.num_layers + kStepTables)) +
+           which * B;
+  }
+
+  Status GrowStepBuffers(int B) {
+    if (B <= step_cap_) return Status::OK();
+    Backend& b = *ctx_.backend;
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    const size_t rows = static_cast<size_t>(B) * ctx_.hkv, K = o_.budget;
+    PENUMBRA_ASSIGN_OR_RETURN(head_q_, b.Allocate(static_cast<size_t>(B) * head_->heads() * head_->head_dim() * es_));
+    PENUMBRA_ASSIGN_OR_RETURN(selection_, b.Allocate(rows * K * sizeof(int32_t)));
+    PENUMBRA_ASSIGN_OR_RETURN(miss_count_, b.Allocate(rows * sizeof(int32_t)));
+    PENUMBRA_ASSIGN_OR_RETURN(miss_slot_, b.Allocate(rows * K * sizeof(int32_t)));
+    PENUMBRA_ASSIGN_OR_RETURN(miss_token_, b.Allocate(rows * K * sizeof(int32_t)));
+    step_cap_ = B;
+    return Status::OK();
+  }
+  Status GrowScores(size_t floats) {
+    if (floats * sizeof(float) <= scores_.bytes()) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+    scores_ = DeviceBuffer();
+    PENUMBRA_ASSIGN_OR_RETURN(scores_, ctx_.backend->Allocate(floats * sizeof(float)));
+    return Status::OK();
+  }
+
+  // Layer `layer`'s missing rows (keys and values) from its store into its
+  // slots, on the side stream, marked layer % kSideMarks.
+  void Prefetch(int layer) {
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, K = o_.budget;
+    b.ForkSide();
+    for (const Group& g : groups_) {
+      bool on_device = true;
+      for (int i = g.first; i < g.first + g.count; ++i) on_device = on_device && layer < step_[i]->device_layers;
+      for (int which = 0; which < 2; ++which) {
+        kn::ShadowkvFetchVArgs f;
+        f.value_store = reinterpret_cast<const void* const*>(Table(which ? kStoreV : kStoreK, layer) + g.first);
+        f.chunk_cap = static_cast<int>(step_[g.first]->capacity);
+        f.miss_count = miss_count_.as<int32_t>() + static_cast<size_t>(g.first) * H;
+        f.miss_slot = miss_slot_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+        f.miss_chunk = miss_token_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+        f.miss_stride = K;
+        f.att_v = Table(which ? kAttV : kAttK, layer) + g.first;
+        f.att_head_stride = Rows() * ctx_.head_dim;
+        f.outlier_rows = 0;
+        f.dtype = b.act_dtype();
+        f.batch = g.count;
+        f.hkv = H;
+        f.d = ctx_.head_dim;
+        f.chunk_size = 1;
+        f.max_misses = K;
+        f.values_on_device = on_device;
+        b.ShadowkvFetchV(f, /*staged=*/false);
+      }
+    }
+    b.JoinSideLater(layer % Backend::kSideMarks);
+  }
+
+  PolicyContext ctx_;
+  SpeContextOptions o_;
+  std::shared_ptr<SpeContextHead> head_;
+  size_t es_;
+  std::map<int64_t, std::unique_ptr<Seq>> seqs_;
+  double forced_hit_rate_ = -1;
+  // Prefill: one layer of one sequence's keys and values, [hkv][rows][d].
+  DeviceBuffer scratch_k_, scratch_v_;
+  int64_t scratch_rows_ = 0;
+  int64_t scratch_seq_ = -1, scratch_from_ = 0, scratch_end_ = 0;
+  int scratch_layer_ = -1;
+  DeviceBuffer ptr_buf_;
+  std::vector<void*> ptr_staging_;
+  // The decode step.
+  std::vector<Seq*> step_;
+  std::vector<int64_t> step_pos_;
+  std::vector<Group> groups_;
+  DeviceBuffer step_buf_;
+  std::vector<void*> step_staging_;
+  void* const* step_table_ = nullptr;
+  int step_cap_ = 0;
+  DeviceBuffer head_q_, selection_, miss_count_, miss_slot_, miss_token_, scores_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<KvPolicy>> MakeSpeContextPolicy(const PolicyContext& ctx, const SpeContextOptions& options,
+                                                       std::shared_ptr<SpeContextHead> head) {
+  PENUMBRA_RETURN_IF_ERROR(SpeContextOptionTable().Validate(options));
+  if (head == nullptr) return Status::InvalidArgument("specontext: no retrieval head");
+  if (head->kv_heads() != ctx.hkv) {
+    return Status::InvalidArgument("specontext: the retrieval head has " + std::to_string(head->kv_heads()) +
+                                   " KV heads, the model " + std::to_string(ctx.hkv));
+  }
+  return std::unique_ptr<KvPolicy>(new SpeContextPolicy(ctx, options, std::move(head)));
+}
+
+}  // namespace penumbra

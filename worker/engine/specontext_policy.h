@@ -1,0 +1,44 @@
+// The SpeContext KV policy ("specontext"; the SpeContext paper):
+// speculative context sparsity for long generations.
+//
+// Every layer's exact keys and values are kept, for the first device_layers
+// layers in device memory and for the rest in pinned host memory (the
+// paper's memory model chooses how many per sequence). Before each decode
+// step's first layer, the retrieval head (worker/engine/specontext_head.h)
+// projects the step's token, appends its key to the head's own K cache of
+// the whole sequence and scores that cache: per query head the softmax of
+// its attention weights, the element-wise maximum over the query heads of
+// each GQA group, the top `budget` tokens per KV head (the kernels of
+// ShadowKV's chunk scores, a chunk being one token). Every layer then
+// attends to those tokens and to the `local` last ones.
+//
+// Each layer's selected rows are held on the device in `budget` slots;
+// a step copies only the rows its selection adds to the last one's (elastic
+// loading, ShadowKV's slot update with one-token chunks), on the side stream
+// and ahead of the layers that read them (the selection depends on the
+// token only, so the copies of the layers ahead overlap the layers'
+// computation: the paper's asynchronous prefetch). PolicyStats' hit rate is
+// the share of selected rows already on the device: the overlap between
+// adjacent steps.
+//
+// Prefill is exact attention over the prompt (one layer at a time in a
+// device scratch); generated tokens are stored as the prompt's are and are
+// selectable once they leave the local window (long outputs are the
+// paper's case). Not yet: documents (capturing or attaching a prefix:
+// Unimplemented, so the document cache refuses them cleanly) and
+// context-parallel shards.
+#pragma once
+
+#include <memory>
+
+#include "worker/engine/kv_policy.h"
+#include "worker/engine/specontext_head.h"
+#include "worker/engine/specontext_options.h"
+
+namespace penumbra {
+
+// InvalidArgument when the options do not fit the model (budget, local).
+Result<std::unique_ptr<KvPolicy>> MakeSpeContextPolicy(const PolicyContext& ctx, const SpeContextOptions& options,
+                                                       std::shared_ptr<SpeContextHead> head);
+
+}  // namespace penumbra
