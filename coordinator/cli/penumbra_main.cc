@@ -219,6 +219,9 @@ Status Eval(int argc, char** argv) {
 
   const std::string policy = engine->options().kv_policy;
   const bool sparse = policy == "shadowkv";
+  // Policies whose selected rows stay in slots across steps: their hit rate
+  // (specontext's: the overlap of adjacent steps' selections).
+  const bool slots = sparse || policy == "specontext";
   const ShadowKvOptions& so = engine->options().shadowkv;
   const PolicyStats ps_stats = rt.policy().stats();
   const std::string device = engine->backend().name();
@@ -260,8 +263,8 @@ Status Eval(int argc, char** argv) {
     j["continuation"] = opt(so.continuation);
     j["continuation_budget_tokens"] = opt(so.continuation_budget_tokens);
     j["continuation_auto_max_tokens"] = opt(so.continuation_auto_max_tokens);
-    j["hit_rate"] = sparse && ps_stats.selected_chunks > 0 ? nlohmann::ordered_json(ps_stats.hit_rate())
-                                                           : nlohmann::ordered_json(nullptr);
+    j["hit_rate"] = slots && ps_stats.selected_chunks > 0 ? nlohmann::ordered_json(ps_stats.hit_rate())
+                                                          : nlohmann::ordered_json(nullptr);
     j["selected_chunks"] = ps_stats.selected_chunks;
     j["hit_chunks"] = ps_stats.hit_chunks;
     j["sparse_continuations"] = ps_stats.sparse_continuations;
@@ -278,6 +281,15 @@ Status Eval(int argc, char** argv) {
     j["value_threshold"] = sopt(sk.value_threshold);
     j["codebook_block"] = sopt(sk.codebook_block);
     j["merge_window"] = sopt(sk.merge_window);
+    // SpeContext settings (null under the other policies).
+    const SpeContextOptions& sc = engine->options().specontext;
+    const bool spe = policy == "specontext";
+    auto copt = [&](auto v) { return spe ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); };
+    j["specontext_budget"] = copt(sc.budget);
+    j["specontext_local"] = copt(sc.local);
+    j["specontext_head"] = copt(sc.head.empty() ? std::string("model") : sc.head);
+    j["specontext_device_layers"] = copt(sc.device_layers);
+    j["specontext_yarn_factor"] = copt(sc.yarn_factor);
     j["kv_bytes_ratio"] =
         ps_stats.kv_exact_bytes > 0
             ? nlohmann::ordered_json(static_cast<double>(ps_stats.kv_kept_bytes) / ps_stats.kv_exact_bytes)
@@ -292,8 +304,8 @@ Status Eval(int argc, char** argv) {
     }
     std::printf("%lld records, %lld turns in %.1f s on %s (%s), kv policy %s", static_cast<long long>(sum.records),
                 static_cast<long long>(sum.turns), sum.seconds, device.c_str(), dtype.c_str(), policy.c_str());
-    if (sparse && ps_stats.selected_chunks > 0) {
-      std::printf(", chunk hit rate %.4f (%lld of %lld)", ps_stats.hit_rate(),
+    if (slots && ps_stats.selected_chunks > 0) {
+      std::printf(", %s hit rate %.4f (%lld of %lld)", sparse ? "chunk" : "row", ps_stats.hit_rate(),
                   static_cast<long long>(ps_stats.hit_chunks), static_cast<long long>(ps_stats.selected_chunks));
     }
     std::printf("\n");

@@ -161,6 +161,31 @@ TEST_F(SpeContextTest, ASmallBudgetReusesRowsAndStillGenerates) {
   EXPECT_GE(forced, 0.75 * 7 / 8 - 0.01);
 }
 
+// What the selection is worth: leaving out one of the 193 selectable tokens
+// (those of lowest head weight) moves the first step's logits a little,
+// leaving out more moves them more, and attending to the local window alone
+// (a budget of 1) most: the selected rows are the ones attended.
+TEST_F(SpeContextTest, TheFewerTokensSelectedTheFurtherFromFullAttention) {
+  const GreedyRun full = FullRun(1);
+  const int V = 512;
+  std::vector<float> diffs;
+  for (int budget : {193, 192, 150, 100, 1}) {
+    auto e = Open(SpeContext(budget, 8, 0));
+    ASSERT_TRUE(e);
+    const GreedyRun r = Greedy(*e, kPrompt, 1);
+    ASSERT_EQ(r.logits.size(), full.logits.size());
+    float m = 0;
+    for (int i = V; i < 2 * V; ++i) m = std::max(m, std::fabs(r.logits[i] - full.logits[i]));
+    diffs.push_back(m);
+  }
+  EXPECT_LT(diffs[0], 1e-4f) << "every selectable token selected";
+  EXPECT_GT(diffs[1], diffs[0]);
+  EXPECT_LT(diffs[1], 0.05f) << "one token of 193 left out";
+  EXPECT_LT(diffs[1], diffs[2]);
+  EXPECT_LT(diffs[2], diffs[3]);
+  EXPECT_LT(diffs[1] * 20, diffs[4]) << "the local window alone is far from full attention";
+}
+
 // A head file as ops/evalmodel/train_specontext_head.py writes it.
 struct HeadFile {
   int hidden = 64, heads = 8, kv_heads = 4, head_dim = 8, vocab = 512;
