@@ -287,6 +287,8 @@ Status Eval(int argc, char** argv) {
     auto copt = [&](auto v) { return spe ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr); };
     j["specontext_budget"] = copt(sc.budget);
     j["specontext_local"] = copt(sc.local);
+    j["specontext_observe"] = copt(sc.observe);
+    j["specontext_successors"] = copt(sc.successors);
     j["specontext_head"] = copt(sc.head.empty() ? std::string("model") : sc.head);
     j["specontext_device_layers"] = copt(sc.device_layers);
     j["specontext_yarn_factor"] = copt(sc.yarn_factor);

@@ -137,16 +137,14 @@ TEST(EvalModelTest, ShadowKvWithFp8ValuesCopiesTheUuid) {
 
 // SpeContext with the retrieval head shipped beside the model
 // (specontext-head.safetensors, distilled by
-// ops/evalmodel/train_specontext_head.py, read by default) choosing 1024
-// tokens per KV head and a local window of the last 1024: both records
-// answered. With the paper's 2048 and a window of 32 neither is (the head's
-// query is the current token's alone: docs/kv-policies.md, "specontext").
+// ops/evalmodel/train_specontext_head.py, read by default) and the default
+// options: 2048 tokens per KV head, each bringing its next 16, a local window
+// of 128: both records answered. With the paper's tokens alone (no
+// successors) neither is (docs/kv-policies.md, "specontext").
 TEST(EvalModelTest, SpeContextWithTheShippedHeadAnswersBothRecords) {
   EngineOptions o;
   o.backend.device = "cpu";
   o.kv_policy = "specontext";
-  o.specontext.budget = 1024;
-  o.specontext.local = 1024;
   const Outcome r = RunRecords(o);
   ASSERT_EQ(r.correct.size(), 2u);
   EXPECT_TRUE(r.correct[0]) << "niah_single predicted " << r.predictions[0];

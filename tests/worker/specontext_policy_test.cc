@@ -112,6 +112,33 @@ TEST_F(SpeContextTest, ABudgetAboveTheContextIsFullAttention) {
   }
 }
 
+// The observation window (the prompt's last queries' weights as a floor of
+// every step's scores) and successors (a selected token brings the next
+// ones) change which tokens are selected, never what a selection of every
+// token gives: full attention.
+TEST_F(SpeContextTest, AnObservationWindowAndSuccessorsKeepFullAttentionAtAFullBudget) {
+  const GreedyRun full = FullRun(12);
+  EngineOptions o = SpeContext(256, 8, 0);
+  o.specontext.observe = 16;
+  o.specontext.successors = 3;
+  auto e = Open(o);
+  ASSERT_TRUE(e);
+  const GreedyRun r = Greedy(*e, kPrompt, 12, {120});
+  EXPECT_EQ(r.ids, full.ids);
+  EXPECT_TRUE(testing::AllClose(r.logits, full.logits, 1e-4f, 1e-4f));
+  // A small budget: other tokens than without them, still finite.
+  EngineOptions small = SpeContext(16, 4, 0), plain = SpeContext(16, 4, 0);
+  small.specontext.observe = 16;
+  small.specontext.successors = 3;
+  auto es = Open(small), ep = Open(plain);
+  ASSERT_TRUE(es && ep);
+  const GreedyRun a = Greedy(*es, kPrompt, 8), b = Greedy(*ep, kPrompt, 8);
+  for (float x : a.logits) ASSERT_TRUE(std::isfinite(x));
+  float diff = 0;
+  for (size_t i = 0; i < a.logits.size(); ++i) diff = std::max(diff, std::fabs(a.logits[i] - b.logits[i]));
+  EXPECT_GT(diff, 1e-3f) << "the observation window and successors changed no selection";
+}
+
 // A prompt prefilled in three runs (a continuation reads the earlier rows
 // back from the layers' stores) gives the same tokens as one prefill.
 TEST_F(SpeContextTest, APromptPrefilledInRunsIsThePromptPrefilledAtOnce) {

@@ -25,6 +25,8 @@ void AddPolicy(const EngineOptions& o, nlohmann::json& j) {
   if (o.kv_policy == "specontext") {
     j["budget"] = o.specontext.budget;
     j["local"] = o.specontext.local;
+    j["observe"] = o.specontext.observe;
+    j["successors"] = o.specontext.successors;
     j["head"] = o.specontext.head.empty() ? "model" : o.specontext.head;
     j["device_layers"] = o.specontext.device_layers;
     j["yarn_factor"] = o.specontext.yarn_factor;

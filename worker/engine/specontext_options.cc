@@ -14,6 +14,11 @@ const OptionTable<SpeContextOptions>& SpeContextOptionTable() {
                 "tokens each KV head attends to per step besides the local window, chosen by the retrieval head")
            .Int(&O::local, "specontext-local", "local", 1, 4096,
                 "the last tokens (the current one included) every step attends to")
+           .Int(&O::observe, "specontext-observe", "observe", 0, 1024,
+                "the prompt's last tokens whose head queries' weights floor every step's scores (0: the current "
+                "token's alone, the paper's)")
+           .Int(&O::successors, "specontext-successors", "successors", 0, 64,
+                "a selected token brings the next this many")
            .String(&O::head, "specontext-head", "head", "PATH|random",
                    "the retrieval head (head.safetensors; random: a random head of the model's shape; empty: "
                    "specontext-head.safetensors in the model's directory)")
@@ -29,7 +34,8 @@ const OptionTable<SpeContextOptions>& SpeContextOptionTable() {
 
 std::string SpeContextStateFingerprint(const SpeContextOptions& o) {
   std::ostringstream os;
-  os << "specontext budget=" << o.budget << " local=" << o.local << " head=" << o.head << " yarn=" << o.yarn_factor;
+  os << "specontext budget=" << o.budget << " local=" << o.local << " observe=" << o.observe
+     << " successors=" << o.successors << " head=" << o.head << " yarn=" << o.yarn_factor;
   return os.str();
 }
 

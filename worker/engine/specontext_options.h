@@ -19,9 +19,9 @@ struct SpeContextOptions {
   int budget = 2048;
   // The sequence's last tokens, the current one included, which every step
   // attends to and the retrieval head does not choose among (the new token's
-  // own key must be attended; the few before it are nearly always chosen).
-  // Default: 32.
-  int local = 32;
+  // own key must be attended; the answer being written is read back from
+  // here). Default: 128.
+  int local = 128;
   // The retrieval head: a head.safetensors file (format:
   // worker/engine/specontext_head.h; ops/evalmodel/train_specontext_head.py
   // makes one), "random" (a random head of the model's shape: throughput
@@ -37,6 +37,17 @@ struct SpeContextOptions {
   // Device memory the memory model leaves free (activations, workspaces and
   // the next sequences' fixed buffers). Default: 4 GiB.
   int64_t device_reserve_bytes = int64_t{4} << 30;
+  // The prompt's last this many tokens: the head's attention weights of
+  // their queries (max over them) are a floor of every decode step's
+  // scores, so that what the prompt's end asked for (a question) stays
+  // selected; the paper scores the current token's query alone (0). Scored
+  // once when a prefill ends. Default: 0.
+  int observe = 0;
+  // A selected token brings the next this many (their scores are at least
+  // its): the head finds a key by its own tokens, the answer follows them.
+  // Default: 16 (the paper selects tokens alone: 0; on the evaluation model
+  // that loses the needle at any budget, docs/kv-policies.md).
+  int successors = 16;
   // YaRN factor of the retrieval head's positions (training-free context
   // extension, as the paper does): 0 = per sequence, its length over the
   // head's trained context (at least 1: plain RoPE within it); 1 = none.

@@ -61,6 +61,10 @@ class SpeContextPolicy final : public KvPolicy {
     PENUMBRA_ASSIGN_OR_RETURN(s->att_v, b.Allocate(AttBytes()));
     PENUMBRA_ASSIGN_OR_RETURN(s->slots, b.Allocate(SlotBytes()));
     PENUMBRA_RETURN_IF_ERROR(b.Memset(s->slots.get(), 0xFF, SlotBytes()));
+    if (o_.observe > 0) {
+      PENUMBRA_ASSIGN_OR_RETURN(s->obs, b.Allocate(ObsBytes(s->capacity)));
+      PENUMBRA_RETURN_IF_ERROR(b.Memset(s->obs.get(), 0, ObsBytes(s->capacity)));  // 0.0f: no floor
+    }
     s->k.resize(ctx_.num_layers);
     s->v.resize(ctx_.num_layers);
     s->k_at.resize(ctx_.num_layers);
@@ -100,6 +104,7 @@ class SpeContextPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(head_->Project(ids + off, positions + off, m, head_->Factor(s->capacity), nullptr, table,
                                               s->capacity * head_->head_dim()));
     }
+    if (o_.observe > 0) return ScoreObservation(*s, ids, positions, n, start);
     return Status::OK();
   }
 
@@ -228,6 +233,8 @@ class SpeContextPolicy final : public KvPolicy {
       int max_sel = 0;
       for (int i = g.first; i < g.first + g.count; ++i) max_sel = std::max<int>(max_sel, Selectable(i));
       int32_t* selection = selection_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+      bool floors = false;  // an observation window's weights to apply
+      for (int i = g.first; i < g.first + g.count; ++i) floors = floors || step_[i]->has_obs;
       if (max_sel == 0) {
         PENUMBRA_RETURN_IF_ERROR(b.Memset(selection, 0xFF, static_cast<size_t>(g.count) * H * K * sizeof(int32_t)));
       } else {
@@ -247,10 +254,32 @@ class SpeContextPolicy final : public KvPolicy {
         PENUMBRA_RETURN_IF_ERROR(GrowScores(static_cast<size_t>(B) * H * (max_sel + 1)));
         sc.scores = scores_.as<float>();
         sc.score_stride = max_sel + 1;
-        sc.select_k = K;
+        sc.successors = o_.successors;
         sc.selection = selection;
         sc.selection_stride = K;
-        PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+        if (!floors) {
+          sc.select_k = K;  // scores and selection in one pass where the backend fuses them
+          PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+        } else {
+          // The step's scores, floored by each sequence's observation
+          // window's, then the top-k.
+          PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+          for (int i = g.first; i < g.first + g.count; ++i) {
+            if (!step_[i]->has_obs || Selectable(i) == 0) continue;
+            for (int h = 0; h < H; ++h) {
+              kn::MaxRowsArgs m;
+              m.in = step_[i]->obs.as<float>() + static_cast<size_t>(h) * s0.capacity;
+              m.rows = 1;
+              m.row_stride = s0.capacity;
+              m.cols = Selectable(i);
+              m.out = scores_.as<float>() + (static_cast<size_t>(i - g.first) * H + h) * sc.score_stride;
+              m.accumulate = true;
+              b.MaxRows(m);
+            }
+          }
+          sc.select_k = K;
+          b.TopK(kn::ShadowkvSelectionTopK(sc));
+        }
       }
       kn::ShadowkvSlotUpdateArgs su;
       su.selection = selection;
@@ -400,7 +429,10 @@ class SpeContextPolicy final : public KvPolicy {
   struct Seq {
     int64_t capacity = 0, length = 0;
     int device_layers = 0;
-    DeviceBuffer head_k, att_k, att_v, slots;
+    // obs: [hkv][capacity] f32, the observation window's weights (the
+    // floor of each step's scores) once has_obs.
+    bool has_obs = false;
+    DeviceBuffer head_k, att_k, att_v, slots, obs;
     std::vector<DeviceBuffer> k, v;
     std::vector<void*> k_at, v_at;  // the stores' device addresses
   };
@@ -429,7 +461,10 @@ class SpeContextPolicy final : public KvPolicy {
   }
   size_t AttBytes() const { return static_cast<size_t>(ctx_.num_layers) * ctx_.hkv * Rows() * ctx_.head_dim * es_; }
   size_t SlotBytes() const { return static_cast<size_t>(ctx_.hkv) * o_.budget * sizeof(int32_t); }
-  size_t FixedBytes(int64_t cap) const { return HeadKBytes(cap) + 2 * AttBytes() + SlotBytes(); }
+  size_t ObsBytes(int64_t cap) const {
+    return o_.observe > 0 ? static_cast<size_t>(ctx_.hkv) * cap * sizeof(float) : 0;
+  }
+  size_t FixedBytes(int64_t cap) const { return HeadKBytes(cap) + 2 * AttBytes() + SlotBytes() + ObsBytes(cap); }
   // K and V of one layer.
   size_t LayerBytes(int64_t cap) const { return 2 * static_cast<size_t>(ctx_.hkv) * cap * ctx_.head_dim * es_; }
   // The paper's memory model, per sequence: as many layers on the device as
@@ -562,6 +597,70 @@ class SpeContextPolicy final : public KvPolicy {
     return Status::OK();
   }
 
+  // The head's attention weights of the run's last `observe` queries over
+  // the sequence's tokens so far (softmax per query head, max over each
+  // group, with successors; the max over the queries): the floor of later
+  // steps' scores. kObsRows queries a scoring call.
+  static constexpr int kObsRows = 8;
+  Status ScoreObservation(Seq& s, const int32_t* ids, const int32_t* positions, int n, int64_t start) {
+    Backend& b = *ctx_.backend;
+    const int w = std::min(o_.observe, n), H = ctx_.hkv, dh = head_->head_dim();
+    const int64_t end = start + n;
+    const double factor = head_->Factor(s.capacity);
+    const size_t q_row = static_cast<size_t>(head_->heads()) * dh * es_;
+    if (obs_q_.bytes() < w * q_row) {
+      PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+      PENUMBRA_ASSIGN_OR_RETURN(obs_q_, b.Allocate(w * q_row));
+    }
+    // Their queries (their key rows are written again, the same values).
+    std::vector<void*> dst(w);
+    for (int i = 0; i < w; ++i) dst[i] = HeadKRow(s, end - w + i);
+    PENUMBRA_ASSIGN_OR_RETURN(void* const* table, Upload(&ptr_buf_, &ptr_staging_, dst));
+    PENUMBRA_RETURN_IF_ERROR(
+        head_->Project(ids + n - w, positions + n - w, w, factor, obs_q_.get(), table, s.capacity * dh));
+    // kObsRows entries naming this sequence's cache, then their counts.
+    const int rows = std::min(w, kObsRows);
+    std::vector<void*> args(rows + (rows + 1) / 2);
+    for (int i = 0; i < rows; ++i) args[i] = s.head_k.get();
+    auto* counts = reinterpret_cast<int32_t*>(args.data() + rows);
+    for (int i = 0; i < rows; ++i) counts[i] = static_cast<int32_t>(end);
+    PENUMBRA_ASSIGN_OR_RETURN(void* const* entries, Upload(&obs_args_, &obs_staging_, args));
+    const int64_t stride = end + 1;
+    PENUMBRA_RETURN_IF_ERROR(GrowScores(static_cast<size_t>(rows) * H * stride));
+    for (int r0 = 0; r0 < w; r0 += rows) {
+      const int m = std::min(rows, w - r0);
+      kn::ShadowkvScoreArgs sc;
+      sc.q = static_cast<char*>(obs_q_.get()) + r0 * q_row;
+      sc.q_dtype = b.act_dtype();
+      sc.landmarks = reinterpret_cast<const void* const*>(entries);
+      sc.dtype = b.act_dtype();
+      sc.n_chunks = reinterpret_cast<const int32_t*>(entries + rows);
+      sc.batch = m;
+      sc.hq = head_->heads();
+      sc.hkv = H;
+      sc.d = dh;
+      sc.chunk_cap = static_cast<int>(s.capacity);
+      sc.max_chunks = static_cast<int>(end);
+      sc.scale = head_->Scale(factor);
+      sc.successors = o_.successors;
+      sc.scores = scores_.as<float>();
+      sc.score_stride = stride;
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+      for (int h = 0; h < H; ++h) {
+        kn::MaxRowsArgs mr;
+        mr.in = scores_.as<float>() + static_cast<size_t>(h) * stride;
+        mr.rows = m;
+        mr.row_stride = H * stride;
+        mr.cols = end;
+        mr.out = s.obs.as<float>() + static_cast<size_t>(h) * s.capacity;
+        mr.accumulate = r0 > 0;
+        b.MaxRows(mr);
+      }
+    }
+    s.has_obs = true;
+    return Status::OK();
+  }
+
   // Layer `layer`'s missing rows (keys and values) from its store into its
   // slots, on the side stream, marked layer % kSideMarks.
   void Prefetch(int layer) {
@@ -606,8 +705,8 @@ class SpeContextPolicy final : public KvPolicy {
   int64_t scratch_rows_ = 0;
   int64_t scratch_seq_ = -1, scratch_from_ = 0, scratch_end_ = 0;
   int scratch_layer_ = -1;
-  DeviceBuffer ptr_buf_;
-  std::vector<void*> ptr_staging_;
+  DeviceBuffer ptr_buf_, obs_args_, obs_q_;
+  std::vector<void*> ptr_staging_, obs_staging_;
   // The decode step.
   std::vector<Seq*> step_;
   std::vector<int64_t> step_pos_;
