@@ -878,9 +878,9 @@ TEST_F(Service, ASpindleKvWorkerAnswersQuestionsAboutAPutDocument) {
       << wm->body;
 }
 
-// A specontext worker serves through the service: questions about a put
-// document answer as the offline engine does, each prefilling the document
-// (the policy holds no documents yet: nothing cached, nothing wrong).
+// A specontext worker serves through the service: a put document is held
+// once (every layer's keys and values, the head's keys) and its questions
+// attach it and answer as the offline engine does.
 TEST_F(Service, ASpeContextWorkerAnswersQuestions) {
   ClusterOptions o;
   o.worker_flags = {"--kv-policy",         "specontext", "--specontext-head",          "random",
@@ -908,7 +908,7 @@ TEST_F(Service, ASpeContextWorkerAnswersQuestions) {
     const std::vector<int32_t> q = LcgTokens(12 + i, 710 + i, false);
     auto got = c->Complete(Ask({d->id}, q, 8));
     ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(got->usage.cached_prompt_tokens, 0);
+    EXPECT_EQ(got->usage.cached_prompt_tokens, 180);
     EXPECT_EQ(got->ids, offline.About(doc, q, 8));
   }
   rpc::GenerateRequest pinned = Ask({}, {5, 6, 7}, 4);

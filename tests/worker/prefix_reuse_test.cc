@@ -1,5 +1,5 @@
 // Prefix reuse on the CPU backend (f32, stories260K), for the full, the
-// shadowkv and the spindlekv policies: a request whose leading segments (a document) another
+// shadowkv, the spindlekv and the specontext policies: a request whose leading segments (a document) another
 // request already prefilled attaches their KV state instead of prefilling
 // them, and returns exactly the tokens of the same request run with no cache;
 // requests sharing a document in one batch return what each returns alone;
@@ -50,6 +50,18 @@ std::unique_ptr<Engine> OpenEngine(size_t cache_bytes, const std::string& policy
     o.spindlekv.window = 16;
     o.spindlekv.key_threshold = 0.9;
     o.spindlekv.value_threshold = 0.9;
+  }
+  if (policy == "specontext") {
+    // Lossy: 24 tokens per KV head chosen by a random head, each bringing
+    // the next 2, a window of 8, the prompt's last 8 queries' weights as a
+    // floor; every layer's keys and values in host memory.
+    o.kv_policy = "specontext";
+    o.specontext.head = "random";
+    o.specontext.budget = 24;
+    o.specontext.local = 8;
+    o.specontext.successors = 2;
+    o.specontext.observe = 8;
+    o.specontext.device_layers = 0;
   }
   if (policy.rfind("shadowkv-staging", 0) == 0) o.shadowkv.value_fetch = "staging";
   if (policy == "shadowkv-dense") o.shadowkv.min_prompt_tokens = 1000;
@@ -532,7 +544,7 @@ INSTANTIATE_TEST_SUITE_P(Policies, PrefixReuseTest,
                                            "shadowkv-tier0", "shadowkv-paper", "shadowkv-sparse-paper",
                                            "shadowkv-model", "shadowkv-sparse-model", "shadowkv-fp8",
                                            "shadowkv-staging-fp8", "shadowkv-sparse-fp8", "shadowkv-tier0-fp8",
-                                           "spindlekv"),
+                                           "spindlekv", "specontext"),
                          [](const ::testing::TestParamInfo<std::string>& i) {
                            std::string n = i.param;
                            for (char& c : n) c = c == '-' ? '_' : c;

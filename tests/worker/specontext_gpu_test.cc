@@ -5,7 +5,8 @@
 // tokens it decodes a batch of a prefilled and a synthesized sequence, the
 // host and device placements agreeing; the scores, slot update and row
 // copies are ShadowKV's kernels with one-token chunks (their parity tests:
-// tests/kernels/shadowkv_*_gpu_test.cc).
+// tests/kernels/shadowkv_*_gpu_test.cc); a question attached to a put
+// document answers as the whole prompt does.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -157,6 +158,60 @@ TEST_P(SpeContextGpuTest, ASmallBudgetDecodesAPrefilledAndASynthesizedSequence) 
   }
   // Host and device stores: the same rows copied, the same logits.
   EXPECT_TRUE(testing::AllClose(runs[0], runs[1], 1e-5f, 1e-5f));
+}
+
+// A document put (its sequence's buffers moved into it, the head's keys
+// compacted) and a question attached to it read its rows in place (the
+// scores as ShadowKV's shared landmarks, the copies as its shared values):
+// the same tokens as the whole prompt run at once, exactly in f32 at a
+// budget above the context and with finite logits at a small one.
+TEST_P(SpeContextGpuTest, AQuestionAttachedToADocumentAnswersAsTheWholePrompt) {
+  const std::string dtype = GetParam();
+  for (int budget : {4096, 64}) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    auto e = Open(Options(dtype, "specontext", budget, 1));
+    ASSERT_NE(e, nullptr);
+    Runtime& rt = e->runtime();
+    const std::vector<int32_t> doc = Prompt(1200);
+    ASSERT_TRUE(rt.AddSequence(0, 1200, 0).ok());
+    ASSERT_TRUE(rt.Prefill(0, doc, nullptr).ok());
+    auto put = rt.policy().TakePrefix(0, 1200);
+    ASSERT_TRUE(put.ok()) << put.status();
+    rt.RemoveSequence(0);
+    std::vector<int32_t> prompt = doc;
+    for (int i = 0; i < 30; ++i) prompt.push_back(9 + i);
+    SequenceSpec attached;
+    attached.prompt_len = static_cast<int64_t>(prompt.size());
+    attached.max_new_tokens = 10;
+    attached.prefix = *put;
+    ASSERT_TRUE(rt.policy().AddSequence(1, attached).ok());
+    std::vector<float> first;
+    ASSERT_TRUE(rt.Prefill(1, prompt, &first, 1200).ok());
+    const int V = e->config().vocab_size;
+    std::vector<float> a(first.end() - V, first.end()), host(V);
+    int32_t tok = static_cast<int32_t>(std::max_element(a.begin(), a.end()) - a.begin());
+    std::vector<int32_t> ids = {tok};
+    for (int i = 0; i < 10; ++i) {
+      auto l = rt.DecodeStep({1}, {tok}, {static_cast<int64_t>(prompt.size()) + i});
+      ASSERT_TRUE(l.ok()) << l.status();
+      ASSERT_TRUE(rt.backend().CopyToHost(host.data(), *l, V * sizeof(float)).ok());
+      for (float x : host) ASSERT_TRUE(std::isfinite(x));
+      a.insert(a.end(), host.begin(), host.end());
+      tok = static_cast<int32_t>(std::max_element(host.begin(), host.end()) - host.begin());
+      ids.push_back(tok);
+    }
+    rt.RemoveSequence(1);
+    if (budget < 4096) continue;
+    auto ef = Open(Options(dtype, "full"));
+    ASSERT_NE(ef, nullptr);
+    const GreedyRun b = Greedy(*ef, prompt, 10);
+    const float tol = dtype == "f32" ? 2e-3f : 6e-2f;
+    EXPECT_TRUE(testing::AllClose(std::vector<float>(a.begin() + V, a.begin() + 2 * V),
+                                  std::vector<float>(b.logits.begin(), b.logits.begin() + V), tol, tol));
+    if (dtype == "f32") {
+      EXPECT_EQ(ids, b.ids);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, SpeContextGpuTest, ::testing::Values("f32", "bf16"));

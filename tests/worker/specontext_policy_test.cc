@@ -335,10 +335,10 @@ TEST(SpeContextYarn, FrequenciesAndTemperature) {
   EXPECT_NEAR(YarnMscale(8.0), 0.1 * std::log(8.0) + 1.0, 1e-12);
 }
 
-// Documents and shards are not held yet: refused with Unimplemented, not
-// attached or captured wrongly; bad options and sequences longer than the
-// policy holds are refused by name.
-TEST_F(SpeContextTest, DocumentsShardsAndBadOptionsAreRefused) {
+// Shards are not held yet (Unimplemented); another policy's document, a
+// capture past what a sequence holds, bad options and sequences longer than
+// the policy holds are refused by name.
+TEST_F(SpeContextTest, ShardsForeignDocumentsAndBadOptionsAreRefused) {
   auto e = Open(SpeContext(16, 4, 0));
   ASSERT_TRUE(e);
   KvPolicy& p = e->runtime().policy();
@@ -351,11 +351,36 @@ TEST_F(SpeContextTest, DocumentsShardsAndBadOptionsAreRefused) {
   const Status too_long = p.AddSequence(3, 950000, 4);
   EXPECT_EQ(too_long.code(), StatusCode::kInvalidArgument);
   EXPECT_HAS_SUBSTR(too_long.message(), "at most 928768");
+  // A document is captured, and again from a sequence attached to it;
+  // another policy's document is refused.
   ASSERT_TRUE(p.AddSequence(2, 64, 4).ok());
   std::vector<float> logits;
   ASSERT_TRUE(e->runtime().Prefill(2, testing::LcgTokens(64, 3, true), &logits).ok());
-  EXPECT_EQ(p.CapturePrefix(2, 64).status().code(), StatusCode::kUnimplemented);
+  auto doc = p.CapturePrefix(2, 64);
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  EXPECT_EQ((*doc)->policy(), "specontext");
+  EXPECT_EQ((*doc)->tokens(), 64);
+  SequenceSpec attached;
+  attached.prompt_len = 70;
+  attached.max_new_tokens = 2;
+  attached.prefix = *doc;
+  ASSERT_TRUE(p.AddSequence(4, attached).ok());
+  auto again = p.CapturePrefix(4, 40);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->tokens(), 40);
+  EXPECT_EQ(p.CapturePrefix(4, 65).status().code(), StatusCode::kInvalidArgument);
+  p.RemoveSequence(4);
   p.RemoveSequence(2);
+  EngineOptions fo;
+  fo.backend.device = "cpu";
+  auto full = Open(fo);
+  ASSERT_TRUE(full);
+  ASSERT_TRUE(full->runtime().policy().AddSequence(5, 64, 2).ok());
+  ASSERT_TRUE(full->runtime().Prefill(5, testing::LcgTokens(64, 3, true), &logits).ok());
+  auto foreign = full->runtime().policy().CapturePrefix(5, 64);
+  ASSERT_TRUE(foreign.ok());
+  attached.prefix = *foreign;
+  EXPECT_EQ(p.AddSequence(6, attached).code(), StatusCode::kInvalidArgument);
   for (auto [key, value] : {std::pair<std::string, int>{"budget", 0}, {"local", 0}}) {
     EngineOptions o = SpeContext(16, 4, 0);
     (key == "budget" ? o.specontext.budget : o.specontext.local) = value;

@@ -18,8 +18,12 @@
 #include <glog/logging.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <sstream>
+#include <tuple>
 
 #include "kernels/shadowkv_decode_args.h"
 
@@ -28,18 +32,114 @@ namespace {
 
 namespace kn = kernels;
 
+// A document under specontext: every layer's exact keys and values of its
+// `tokens` tokens, [hkv][stride] rows each (stride >= tokens: a put's
+// sequence's buffers, moved, keep their own), in device memory or pinned
+// host memory (mapped), and the head's keys, [head hkv][tokens] rows on the
+// device (ShadowKV's shared landmarks have no stride of their own). Attached sequences read it in place: the scores as
+// ShadowKV's shared landmarks, the copies as its shared values.
+class SpeContextPrefix final : public KvPrefix {
+ public:
+  struct Geometry {
+    int layers = 0, hkv = 0, d = 0, head_hkv = 0, head_d = 0;
+    DType dtype = DType::kF32;
+    std::string head;  // the head's identity
+  };
+  SpeContextPrefix(Backend* backend, Geometry g, int64_t tokens, int64_t stride, double factor)
+      : backend_(backend), g_(std::move(g)), tokens_(tokens), stride_(stride), factor_(factor) {
+    k_.resize(g_.layers);
+    v_.resize(g_.layers);
+    k_at_.resize(g_.layers);
+    v_at_.resize(g_.layers);
+    on_device_.assign(g_.layers, false);
+  }
+  std::string policy() const override { return "specontext"; }
+  int64_t tokens() const override { return tokens_; }
+  size_t device_bytes() const override {
+    size_t n = head_k_.bytes();
+    for (int l = 0; l < g_.layers; ++l) n += on_device_[l] ? k_[l].bytes() + v_[l].bytes() : 0;
+    return n;
+  }
+  size_t host_bytes() const override {
+    size_t n = 0;
+    for (int l = 0; l < g_.layers; ++l) n += on_device_[l] ? 0 : k_[l].bytes() + v_[l].bytes();
+    return n;
+  }
+  static std::string Meta(const Geometry& g, int64_t tokens, double factor) {
+    std::ostringstream os;
+    os.precision(17);
+    os << "specontext-prefix v1 tokens=" << tokens << " layers=" << g.layers << " kv_heads=" << g.hkv
+       << " head_dim=" << g.d << " head_kv_heads=" << g.head_hkv << " head_head_dim=" << g.head_d
+       << " dtype=" << DTypeName(g.dtype) << " yarn=" << factor << " head=" << g.head;
+    return os.str();
+  }
+  // Rows [0, tokens) of each head of `stride` rows, [hkv][tokens][width]
+  // elements.
+  Result<std::string> Compact(const void* src, bool device, int heads, int width, int64_t stride) const {
+    const size_t es = DTypeSize(g_.dtype), row = static_cast<size_t>(width) * es;
+    std::string out(static_cast<size_t>(heads) * tokens_ * row, '\0');
+    if (device) {
+      PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
+      for (int h = 0; h < heads; ++h) {
+        PENUMBRA_RETURN_IF_ERROR(backend_->CopyToHost(out.data() + h * tokens_ * row,
+                                                      static_cast<const char*>(src) + h * stride * row, tokens_ * row));
+      }
+    } else {
+      for (int h = 0; h < heads; ++h) {
+        std::memcpy(out.data() + h * tokens_ * row, static_cast<const char*>(src) + h * stride * row, tokens_ * row);
+      }
+    }
+    return out;
+  }
+  Result<std::map<std::string, std::string>> Export() const override {
+    std::map<std::string, std::string> out;
+    out["meta"] = Meta(g_, tokens_, factor_);
+    PENUMBRA_ASSIGN_OR_RETURN(out["head_k"], Compact(head_k_.get(), true, g_.head_hkv, g_.head_d, tokens_));
+    for (int l = 0; l < g_.layers; ++l) {
+      PENUMBRA_ASSIGN_OR_RETURN(out["k." + std::to_string(l)],
+                                Compact(k_[l].get(), on_device_[l], g_.hkv, g_.d, stride_));
+      PENUMBRA_ASSIGN_OR_RETURN(out["v." + std::to_string(l)],
+                                Compact(v_[l].get(), on_device_[l], g_.hkv, g_.d, stride_));
+    }
+    return out;
+  }
+
+  Backend* backend_;
+  Geometry g_;
+  int64_t tokens_, stride_;
+  double factor_;
+  std::vector<DeviceBuffer> k_, v_;
+  std::vector<void*> k_at_, v_at_;  // device addresses
+  std::vector<bool> on_device_;
+  DeviceBuffer head_k_;
+};
+
 class SpeContextPolicy final : public KvPolicy {
  public:
   SpeContextPolicy(const PolicyContext& ctx, const SpeContextOptions& o, std::shared_ptr<SpeContextHead> head)
       : ctx_(ctx), o_(o), head_(std::move(head)), es_(DTypeSize(ctx.backend->act_dtype())) {}
 
   std::string name() const override { return "specontext"; }
-  std::string StateFingerprint() const override { return SpeContextStateFingerprint(o_) + " " + head_->identity(); }
+  // A document's state is its exact keys and values and the head's keys:
+  // the head and its position scaling name it, not the selection's options.
+  std::string StateFingerprint() const override {
+    std::ostringstream os;
+    os << "specontext head=" << head_->identity() << " yarn=" << o_.yarn_factor;
+    return os.str();
+  }
 
   Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
     if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
+    const SpeContextPrefix* p = nullptr;
     if (spec.prefix) {
-      return Status::Unimplemented("the specontext KV policy cannot attach a cached document yet");
+      p = dynamic_cast<const SpeContextPrefix*>(spec.prefix.get());
+      if (p == nullptr) {
+        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a specontext sequence");
+      }
+      if (p->tokens() >= spec.prompt_len) {
+        return Status::InvalidArgument("a prefix of " + std::to_string(p->tokens()) + " tokens leaves nothing of the " +
+                                       std::to_string(spec.prompt_len) + "-token prompt to prefill");
+      }
     }
     if (spec.shard.sharded()) return Status::Unimplemented("the specontext KV policy cannot hold a context shard");
     if (spec.prompt_len < 1 || spec.max_new_tokens < 0) {
@@ -54,9 +154,17 @@ class SpeContextPolicy final : public KvPolicy {
                                      " (the slot update's bitmap of every token)");
     }
     Backend& b = *ctx_.backend;
-    const size_t fixed = FixedBytes(s->capacity), layer = LayerBytes(s->capacity);
+    if (p != nullptr) {
+      s->base = s->length = p->tokens();
+      s->prefix = std::static_pointer_cast<const SpeContextPrefix>(spec.prefix);
+      s->factor = p->factor_;  // the document's keys were made at its factor
+    } else {
+      s->factor = head_->Factor(s->capacity);
+    }
+    const int64_t own = s->own();
+    const size_t fixed = FixedBytes(s->capacity, own), layer = LayerBytes(own);
     s->device_layers = o_.device_layers >= 0 ? std::min(o_.device_layers, ctx_.num_layers) : MemoryModel(fixed, layer);
-    PENUMBRA_ASSIGN_OR_RETURN(s->head_k, b.Allocate(HeadKBytes(s->capacity)));
+    PENUMBRA_ASSIGN_OR_RETURN(s->head_k, b.Allocate(HeadKBytes(own)));
     PENUMBRA_ASSIGN_OR_RETURN(s->att_k, b.Allocate(AttBytes()));
     PENUMBRA_ASSIGN_OR_RETURN(s->att_v, b.Allocate(AttBytes()));
     PENUMBRA_ASSIGN_OR_RETURN(s->slots, b.Allocate(SlotBytes()));
@@ -74,6 +182,22 @@ class SpeContextPolicy final : public KvPolicy {
       for (auto [buf, at] : {std::pair{&s->k[l], &s->k_at[l]}, std::pair{&s->v[l], &s->v_at[l]}}) {
         PENUMBRA_ASSIGN_OR_RETURN(*buf, device ? b.Allocate(layer / 2) : b.AllocateHostLarge(layer / 2));
         *at = device ? buf->get() : const_cast<void*>(b.DeviceAddressOfHost(buf->get()));
+      }
+    }
+    // An attached document's last `local` tokens fill the ring.
+    if (p != nullptr) {
+      const size_t row = static_cast<size_t>(ctx_.head_dim) * es_;
+      const int64_t T = p->tokens();
+      for (int l = 0; l < ctx_.num_layers; ++l) {
+        for (int64_t q = std::max<int64_t>(0, T - o_.local); q < T;) {
+          const int64_t ring = q % o_.local, run = std::min(T - q, o_.local - ring);
+          for (auto [dst, src] : {std::pair{&s->att_k, &p->k_[l]}, std::pair{&s->att_v, &p->v_[l]}}) {
+            PENUMBRA_RETURN_IF_ERROR(b.Copy2D(AttRow(*s, *dst, l, o_.budget + ring), Rows() * row,
+                                              static_cast<const char*>(src->get()) + q * row, p->stride_ * row,
+                                              run * row, ctx_.hkv));
+          }
+          q += run;
+        }
       }
     }
     seqs_.emplace(seq, std::move(s));
@@ -101,8 +225,8 @@ class SpeContextPolicy final : public KvPolicy {
       std::vector<void*> dst(m);
       for (int i = 0; i < m; ++i) dst[i] = HeadKRow(*s, start + off + i);
       PENUMBRA_ASSIGN_OR_RETURN(void* const* table, Upload(&ptr_buf_, &ptr_staging_, dst));
-      PENUMBRA_RETURN_IF_ERROR(head_->Project(ids + off, positions + off, m, head_->Factor(s->capacity), nullptr, table,
-                                              s->capacity * head_->head_dim()));
+      PENUMBRA_RETURN_IF_ERROR(
+          head_->Project(ids + off, positions + off, m, s->factor, nullptr, table, s->own() * head_->head_dim()));
     }
     if (o_.observe > 0) return ScoreObservation(*s, ids, positions, n, start);
     return Status::OK();
@@ -167,9 +291,10 @@ class SpeContextPolicy final : public KvPolicy {
     const size_t row = static_cast<size_t>(ctx_.head_dim) * es_;
     // The run's rows to the layer's store.
     const int64_t from = scratch_from_, rows = prompt_len - from;
+    if (from < s->base) return Status::Internal("specontext: a prefill inside the attached document");
     if (rows > 0) {
       for (auto [dst, src] : {std::pair{&s->k[layer], &scratch_k_}, std::pair{&s->v[layer], &scratch_v_}}) {
-        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(dst->get()) + from * row, s->capacity * row,
+        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(dst->get()) + (from - s->base) * row, s->own() * row,
                                           static_cast<const char*>(src->get()) + from * row, scratch_rows_ * row,
                                           rows * row, ctx_.hkv));
       }
@@ -205,12 +330,16 @@ class SpeContextPolicy final : public KvPolicy {
       }
       step_.push_back(s);
     }
-    // Groups: runs of sequences of one capacity (their rows' strides).
+    // Groups: runs of sequences of one capacity and attached document length
+    // and stride (their rows' strides).
     groups_.clear();
     const int B = static_cast<int>(step_.size());
     for (int i = 0; i < B;) {
       int j = i + 1;
-      while (j < B && step_[j]->capacity == step_[i]->capacity) ++j;
+      while (j < B && step_[j]->capacity == step_[i]->capacity && step_[j]->base == step_[i]->base &&
+             step_[j]->shared_stride() == step_[i]->shared_stride()) {
+        ++j;
+      }
       groups_.push_back({i, j - i});
       i = j;
     }
@@ -226,10 +355,10 @@ class SpeContextPolicy final : public KvPolicy {
     for (const Group& g : groups_) {
       const Seq& s0 = *step_[g.first];
       // The head: this step's query rows, and its key rows into the head's cache.
-      const double factor = head_->Factor(s0.capacity);  // a group: one capacity
+      const double factor = s0.factor;  // a group: one capacity, one document length
       PENUMBRA_RETURN_IF_ERROR(head_->Project(ids + g.first, positions + g.first, g.count, factor,
                                               static_cast<char*>(head_q_.get()) + g.first * q_row,
-                                              Table(kHeadKDst) + g.first, s0.capacity * dh));
+                                              Table(kHeadKDst) + g.first, s0.own() * dh));
       int max_sel = 0;
       for (int i = g.first; i < g.first + g.count; ++i) max_sel = std::max<int>(max_sel, Selectable(i));
       int32_t* selection = selection_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
@@ -249,6 +378,9 @@ class SpeContextPolicy final : public KvPolicy {
         sc.hkv = H;
         sc.d = dh;
         sc.chunk_cap = static_cast<int>(s0.capacity);
+        sc.landmark_cap = static_cast<int>(s0.own());
+        sc.shared_landmarks = reinterpret_cast<const void* const*>(Table(kSharedHeadK) + g.first);
+        sc.shared_chunks = static_cast<int>(s0.base);
         sc.max_chunks = max_sel;
         sc.scale = head_->Scale(factor);
         PENUMBRA_RETURN_IF_ERROR(GrowScores(static_cast<size_t>(B) * H * (max_sel + 1)));
@@ -321,7 +453,7 @@ class SpeContextPolicy final : public KvPolicy {
         r.q_out = static_cast<char*>(q_scratch) + g.first * q_row;
         r.k_dst = Table(ring ? kRingK : kStoreKDst, layer) + g.first;
         r.v_dst = Table(ring ? kRingV : kStoreVDst, layer) + g.first;
-        r.head_stride = ring ? Rows() * d : step_[g.first]->capacity * d;
+        r.head_stride = ring ? Rows() * d : step_[g.first]->own() * d;
         b.RopeStore(r);
       }
     }
@@ -375,7 +507,7 @@ class SpeContextPolicy final : public KvPolicy {
   Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
     Seq* s = Find(seq);
     if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
-    if (s->length != 0 || length < 1 || length >= s->capacity) {
+    if (s->length != 0 || s->base != 0 || length < 1 || length >= s->capacity) {
       return Status::InvalidArgument("specontext: a context of " + std::to_string(length) + " tokens");
     }
     Backend& b = *ctx_.backend;
@@ -404,11 +536,134 @@ class SpeContextPolicy final : public KvPolicy {
     return b.Synchronize();
   }
 
+  // ---- documents ----
+
+  // A copy of the first `tokens` tokens (any prefix of what the sequence
+  // holds: its keys and values are exact): layers in pinned host memory, the
+  // head's keys on the device.
+  Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) override {
+    Seq* s = Find(seq);
+    if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
+    if (tokens < 1 || tokens > s->length) {
+      return Status::InvalidArgument("prefix of " + std::to_string(tokens) + " tokens: sequence " +
+                                     std::to_string(seq) + " holds " + std::to_string(s->length));
+    }
+    Backend& b = *ctx_.backend;
+    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, tokens, s->factor);
+    const size_t row = static_cast<size_t>(ctx_.head_dim) * es_, hrow = static_cast<size_t>(head_->head_dim()) * es_;
+    // Rows [0, shared) from the attached document, [shared, tokens) the
+    // sequence's own.
+    const int64_t shared = std::min(tokens, s->base), own = tokens - shared;
+    const SpeContextPrefix* d = s->prefix.get();
+    PENUMBRA_ASSIGN_OR_RETURN(p->head_k_, b.Allocate(HeadKBytes(tokens)));
+    if (shared > 0) {
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(p->head_k_.get(), tokens * hrow, d->head_k_.get(), d->tokens_ * hrow,
+                                        shared * hrow, head_->kv_heads()));
+    }
+    if (own > 0) {
+      PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(p->head_k_.get()) + shared * hrow, tokens * hrow,
+                                        s->head_k.get(), s->own() * hrow, own * hrow, head_->kv_heads()));
+    }
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      for (int which = 0; which < 2; ++which) {
+        DeviceBuffer& dst = which ? p->v_[l] : p->k_[l];
+        PENUMBRA_ASSIGN_OR_RETURN(dst, b.AllocateHostLarge(LayerBytes(tokens) / 2));
+        (which ? p->v_at_[l] : p->k_at_[l]) = const_cast<void*>(b.DeviceAddressOfHost(dst.get()));
+        if (shared > 0) {
+          const DeviceBuffer& src = which ? d->v_[l] : d->k_[l];
+          PENUMBRA_RETURN_IF_ERROR(
+              b.Copy2D(dst.get(), tokens * row, src.get(), d->stride_ * row, shared * row, ctx_.hkv));
+        }
+        if (own > 0) {
+          const DeviceBuffer& src = which ? s->v[l] : s->k[l];
+          PENUMBRA_RETURN_IF_ERROR(b.Copy2D(static_cast<char*>(dst.get()) + shared * row, tokens * row, src.get(),
+                                            s->own() * row, own * row, ctx_.hkv));
+        }
+      }
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    return std::shared_ptr<const KvPrefix>(std::move(p));
+  }
+  // A document's put: the sequence's buffers become the document's (rows
+  // past its tokens unused), which leaves the sequence to be removed.
+  Result<std::shared_ptr<const KvPrefix>> TakePrefix(int64_t seq, int64_t tokens) override {
+    Seq* s = Find(seq);
+    if (s == nullptr || s->base > 0 || tokens != s->length) return CapturePrefix(seq, tokens);
+    Backend& b = *ctx_.backend;
+    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, s->capacity, s->factor);
+    // The head's keys compacted to `tokens` rows a head (a tenth of a layer's
+    // bytes or less), the layers' buffers moved as they are.
+    const size_t hrow = static_cast<size_t>(head_->head_dim()) * es_;
+    PENUMBRA_ASSIGN_OR_RETURN(p->head_k_, b.Allocate(HeadKBytes(tokens)));
+    PENUMBRA_RETURN_IF_ERROR(
+        b.Copy2D(p->head_k_.get(), tokens * hrow, s->head_k.get(), s->own() * hrow, tokens * hrow, head_->kv_heads()));
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      p->k_[l] = std::move(s->k[l]);
+      p->v_[l] = std::move(s->v[l]);
+      p->k_at_[l] = s->k_at[l];
+      p->v_at_[l] = s->v_at[l];
+      p->on_device_[l] = l < s->device_layers;
+    }
+    s->taken = true;
+    if (scratch_seq_ == seq) scratch_seq_ = -1;
+    return std::shared_ptr<const KvPrefix>(std::move(p));
+  }
+  Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
+    auto meta = blobs.find("meta");
+    if (meta == blobs.end()) return Status::InvalidArgument("specontext document: no 'meta' blob");
+    // tokens= and yarn= are the document's own; the rest must be this
+    // policy's geometry and head.
+    auto field = [&](const std::string& key) -> std::string {
+      const std::string& m = meta->second;
+      const size_t at = m.find(" " + key + "=");
+      if (at == std::string::npos) return "";
+      const size_t b = at + key.size() + 2, e = m.find(' ', b);
+      return m.substr(b, e == std::string::npos ? std::string::npos : e - b);
+    };
+    const std::string tok = field("tokens"), yarn = field("yarn");
+    char* end = nullptr;
+    const long long tokens = std::strtoll(tok.c_str(), &end, 10);
+    const bool tokens_ok = !tok.empty() && *end == '\0' && tokens >= 1 && tokens < (int64_t{1} << 31);
+    end = nullptr;
+    const double factor = std::strtod(yarn.c_str(), &end);
+    const bool factor_ok = !yarn.empty() && *end == '\0' && factor >= 1.0 && factor <= 1024.0;
+    if (!tokens_ok || !factor_ok || SpeContextPrefix::Meta(Geometry(), tokens, factor) != meta->second) {
+      return Status::InvalidArgument("specontext document: meta '" + meta->second.substr(0, 300) +
+                                     "' does not fit this policy (" + SpeContextPrefix::Meta(Geometry(), 0, 1) + ")");
+    }
+    Backend& b = *ctx_.backend;
+    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, tokens, factor);
+    auto blob = [&](const std::string& name, size_t bytes) -> Result<const std::string*> {
+      auto it = blobs.find(name);
+      if (it == blobs.end()) return Status::InvalidArgument("specontext document: no '" + name + "' blob");
+      if (it->second.size() != bytes) {
+        return Status::Corruption("specontext document: blob '" + name + "' has " + std::to_string(it->second.size()) +
+                                  " bytes, expected " + std::to_string(bytes));
+      }
+      return &it->second;
+    };
+    PENUMBRA_ASSIGN_OR_RETURN(const std::string* hk, blob("head_k", HeadKBytes(tokens)));
+    PENUMBRA_ASSIGN_OR_RETURN(p->head_k_, b.Allocate(hk->size()));
+    PENUMBRA_RETURN_IF_ERROR(b.CopyToDevice(p->head_k_.get(), hk->data(), hk->size()));
+    for (int l = 0; l < ctx_.num_layers; ++l) {
+      for (auto [name, dst, at] :
+           {std::tuple{"k.", &p->k_[l], &p->k_at_[l]}, std::tuple{"v.", &p->v_[l], &p->v_at_[l]}}) {
+        PENUMBRA_ASSIGN_OR_RETURN(const std::string* x, blob(name + std::to_string(l), LayerBytes(tokens) / 2));
+        PENUMBRA_ASSIGN_OR_RETURN(*dst, b.AllocateHostLarge(x->size()));
+        std::memcpy(dst->get(), x->data(), x->size());
+        *at = const_cast<void*>(b.DeviceAddressOfHost(dst->get()));
+      }
+    }
+    PENUMBRA_RETURN_IF_ERROR(b.Synchronize());  // the head's keys copied before the blobs go
+    return std::shared_ptr<const KvPrefix>(std::move(p));
+  }
+
   size_t DeviceBytes(int64_t seq) const override {
     auto it = seqs_.find(seq);
     if (it == seqs_.end()) return 0;
     const Seq& s = *it->second;
-    return FixedBytes(s.capacity) + static_cast<size_t>(s.device_layers) * LayerBytes(s.capacity);
+    return FixedBytes(s.capacity, s.own()) + static_cast<size_t>(s.device_layers) * LayerBytes(s.own());
   }
   SequenceBytes EstimateSequenceBytes(const SequenceSpec& spec) const override {
     const int64_t cap = spec.prompt_len + std::max<int64_t>(spec.max_new_tokens, 1);
@@ -416,7 +671,7 @@ class SpeContextPolicy final : public KvPolicy {
     // the estimate is the offloaded form (or the configured split).
     const int dl = o_.device_layers >= 0 ? std::min(o_.device_layers, ctx_.num_layers) : 0;
     SequenceBytes out;
-    out.device = FixedBytes(cap) + static_cast<size_t>(dl) * LayerBytes(cap);
+    out.device = FixedBytes(cap, cap) + static_cast<size_t>(dl) * LayerBytes(cap);
     out.host = static_cast<size_t>(ctx_.num_layers - dl) * LayerBytes(cap);
     return out;
   }
@@ -428,6 +683,14 @@ class SpeContextPolicy final : public KvPolicy {
  private:
   struct Seq {
     int64_t capacity = 0, length = 0;
+    // Tokens of the attached document (read in place; own buffers hold the
+    // positions from base on: row p - base).
+    int64_t base = 0;
+    std::shared_ptr<const SpeContextPrefix> prefix;
+    double factor = 1;  // the head's YaRN factor for this sequence
+    int64_t own() const { return capacity - base; }
+    int64_t shared_stride() const { return prefix ? prefix->stride_ : 0; }
+    bool taken = false;  // its buffers became a document's (TakePrefix): only removal is left
     int device_layers = 0;
     // obs: [hkv][capacity] f32, the observation window's weights (the
     // floor of each step's scores) once has_obs.
@@ -440,13 +703,38 @@ class SpeContextPolicy final : public KvPolicy {
     int first = 0, count = 0;
   };
   // Step tables: per layer, then per step.
-  enum LayerTable { kRingK, kRingV, kStoreKDst, kStoreVDst, kAttK, kAttV, kStoreK, kStoreV, kLayerTables };
-  enum StepTable { kHeadKDst, kHeadK, kSlots, kStepTables };
+  enum LayerTable {
+    kRingK,
+    kRingV,
+    kStoreKDst,
+    kStoreVDst,
+    kAttK,
+    kAttV,
+    kStoreK,
+    kStoreV,
+    kSharedK,
+    kSharedV,
+    kLayerTables
+  };
+  enum StepTable { kHeadKDst, kHeadK, kSharedHeadK, kSlots, kStepTables };
   enum StepInts { kSelectable, kLength, kStepInts };
 
+  SpeContextPrefix::Geometry Geometry() const {
+    SpeContextPrefix::Geometry g;
+    g.layers = ctx_.num_layers;
+    g.hkv = ctx_.hkv;
+    g.d = ctx_.head_dim;
+    g.head_hkv = head_->kv_heads();
+    g.head_d = head_->head_dim();
+    g.dtype = ctx_.backend->act_dtype();
+    g.head = head_->identity();
+    return g;
+  }
+  // Null for a sequence that does not exist or was taken (its buffers are
+  // a document's: it is only removed).
   Seq* Find(int64_t seq) {
     auto it = seqs_.find(seq);
-    return it == seqs_.end() ? nullptr : it->second.get();
+    return it == seqs_.end() || it->second->taken ? nullptr : it->second.get();
   }
   int64_t Rows() const { return static_cast<int64_t>(o_.budget) + o_.local; }
   // The longest sequence: the slot update keeps two bits per token and four
@@ -456,17 +744,19 @@ class SpeContextPolicy final : public KvPolicy {
     constexpr int64_t kSharedWords = 227 * 1024 / 4;
     return std::max<int64_t>(0, (kSharedWords - 4 * static_cast<int64_t>(o_.budget)) / 2 * 32);
   }
-  size_t HeadKBytes(int64_t cap) const {
-    return static_cast<size_t>(head_->kv_heads()) * cap * head_->head_dim() * es_;
+  size_t HeadKBytes(int64_t rows) const {
+    return static_cast<size_t>(head_->kv_heads()) * rows * head_->head_dim() * es_;
   }
   size_t AttBytes() const { return static_cast<size_t>(ctx_.num_layers) * ctx_.hkv * Rows() * ctx_.head_dim * es_; }
   size_t SlotBytes() const { return static_cast<size_t>(ctx_.hkv) * o_.budget * sizeof(int32_t); }
   size_t ObsBytes(int64_t cap) const {
     return o_.observe > 0 ? static_cast<size_t>(ctx_.hkv) * cap * sizeof(float) : 0;
   }
-  size_t FixedBytes(int64_t cap) const { return HeadKBytes(cap) + 2 * AttBytes() + SlotBytes() + ObsBytes(cap); }
-  // K and V of one layer.
-  size_t LayerBytes(int64_t cap) const { return 2 * static_cast<size_t>(ctx_.hkv) * cap * ctx_.head_dim * es_; }
+  size_t FixedBytes(int64_t cap, int64_t own) const {
+    return HeadKBytes(own) + 2 * AttBytes() + SlotBytes() + ObsBytes(cap);
+  }
+  // K and V of one layer's `rows` rows.
+  size_t LayerBytes(int64_t rows) const { return 2 * static_cast<size_t>(ctx_.hkv) * rows * ctx_.head_dim * es_; }
   // The paper's memory model, per sequence: as many layers on the device as
   // fit beside its fixed buffers while device_reserve_bytes stay free.
   int MemoryModel(size_t fixed, size_t layer) const {
@@ -477,7 +767,7 @@ class SpeContextPolicy final : public KvPolicy {
   }
   int Selectable(int i) const { return static_cast<int>(std::max<int64_t>(0, step_pos_[i] + 1 - o_.local)); }
   void* HeadKRow(const Seq& s, int64_t p) const {
-    return static_cast<char*>(s.head_k.get()) + p * head_->head_dim() * es_;
+    return static_cast<char*>(s.head_k.get()) + (p - s.base) * head_->head_dim() * es_;
   }
   void* AttRow(const Seq& s, const DeviceBuffer& att, int layer, int64_t row) const {
     const size_t layer_elems = static_cast<size_t>(ctx_.hkv) * Rows() * ctx_.head_dim;
@@ -506,10 +796,19 @@ class SpeContextPolicy final : public KvPolicy {
     if (scratch_seq_ == seq && scratch_layer_ == layer && scratch_end_ == start) return Status::OK();
     PENUMBRA_RETURN_IF_ERROR(GrowScratch(s.capacity));
     const size_t row = static_cast<size_t>(ctx_.head_dim) * es_;
-    if (start > 0) {
+    const int64_t shared = std::min(start, s.base);
+    if (shared > 0) {  // the attached document's rows
+      for (auto [dst, src] :
+           {std::pair{&scratch_k_, &s.prefix->k_[layer]}, std::pair{&scratch_v_, &s.prefix->v_[layer]}}) {
+        PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(dst->get(), scratch_rows_ * row, src->get(),
+                                                      s.prefix->stride_ * row, shared * row, ctx_.hkv));
+      }
+    }
+    if (start > s.base) {  // the sequence's own
       for (auto [dst, src] : {std::pair{&scratch_k_, &s.k[layer]}, std::pair{&scratch_v_, &s.v[layer]}}) {
-        PENUMBRA_RETURN_IF_ERROR(
-            ctx_.backend->Copy2D(dst->get(), scratch_rows_ * row, src->get(), s.capacity * row, start * row, ctx_.hkv));
+        PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(static_cast<char*>(dst->get()) + s.base * row,
+                                                      scratch_rows_ * row, src->get(), s.own() * row,
+                                                      (start - s.base) * row, ctx_.hkv));
       }
     }
     scratch_seq_ = seq;
@@ -544,16 +843,19 @@ class SpeContextPolicy final : public KvPolicy {
         auto at = [&](int table) -> void*& { return t[(static_cast<size_t>(l) * kLayerTables + table) * B + i]; };
         at(kRingK) = AttRow(s, s.att_k, l, o_.budget + p % o_.local);
         at(kRingV) = AttRow(s, s.att_v, l, o_.budget + p % o_.local);
-        at(kStoreKDst) = static_cast<char*>(s.k_at[l]) + p * row;
-        at(kStoreVDst) = static_cast<char*>(s.v_at[l]) + p * row;
+        at(kStoreKDst) = static_cast<char*>(s.k_at[l]) + (p - s.base) * row;
+        at(kStoreVDst) = static_cast<char*>(s.v_at[l]) + (p - s.base) * row;
         at(kAttK) = AttRow(s, s.att_k, l, 0);
         at(kAttV) = AttRow(s, s.att_v, l, 0);
         at(kStoreK) = s.k_at[l];
         at(kStoreV) = s.v_at[l];
+        at(kSharedK) = s.prefix ? s.prefix->k_at_[l] : nullptr;
+        at(kSharedV) = s.prefix ? s.prefix->v_at_[l] : nullptr;
       }
       const size_t base = static_cast<size_t>(kLayerTables) * L * B;
       t[base + kHeadKDst * B + i] = HeadKRow(s, p);
       t[base + kHeadK * B + i] = s.head_k.get();
+      t[base + kSharedHeadK * B + i] = s.prefix ? s.prefix->head_k_.get() : nullptr;
       t[base + kSlots * B + i] = s.slots.get();
     }
     auto* ints = reinterpret_cast<int32_t*>(t.data() + static_cast<size_t>(B) * (kLayerTables * L + kStepTables));
@@ -606,7 +908,7 @@ class SpeContextPolicy final : public KvPolicy {
     Backend& b = *ctx_.backend;
     const int w = std::min(o_.observe, n), H = ctx_.hkv, dh = head_->head_dim();
     const int64_t end = start + n;
-    const double factor = head_->Factor(s.capacity);
+    const double factor = s.factor;
     const size_t q_row = static_cast<size_t>(head_->heads()) * dh * es_;
     if (obs_q_.bytes() < w * q_row) {
       PENUMBRA_RETURN_IF_ERROR(b.Synchronize());
@@ -617,12 +919,16 @@ class SpeContextPolicy final : public KvPolicy {
     for (int i = 0; i < w; ++i) dst[i] = HeadKRow(s, end - w + i);
     PENUMBRA_ASSIGN_OR_RETURN(void* const* table, Upload(&ptr_buf_, &ptr_staging_, dst));
     PENUMBRA_RETURN_IF_ERROR(
-        head_->Project(ids + n - w, positions + n - w, w, factor, obs_q_.get(), table, s.capacity * dh));
-    // kObsRows entries naming this sequence's cache, then their counts.
+        head_->Project(ids + n - w, positions + n - w, w, factor, obs_q_.get(), table, s.own() * dh));
+    // kObsRows entries naming this sequence's cache, as many naming its
+    // document's, then their counts.
     const int rows = std::min(w, kObsRows);
-    std::vector<void*> args(rows + (rows + 1) / 2);
-    for (int i = 0; i < rows; ++i) args[i] = s.head_k.get();
-    auto* counts = reinterpret_cast<int32_t*>(args.data() + rows);
+    std::vector<void*> args(2 * rows + (rows + 1) / 2);
+    for (int i = 0; i < rows; ++i) {
+      args[i] = s.head_k.get();
+      args[rows + i] = s.prefix ? s.prefix->head_k_.get() : nullptr;
+    }
+    auto* counts = reinterpret_cast<int32_t*>(args.data() + 2 * rows);
     for (int i = 0; i < rows; ++i) counts[i] = static_cast<int32_t>(end);
     PENUMBRA_ASSIGN_OR_RETURN(void* const* entries, Upload(&obs_args_, &obs_staging_, args));
     const int64_t stride = end + 1;
@@ -634,7 +940,10 @@ class SpeContextPolicy final : public KvPolicy {
       sc.q_dtype = b.act_dtype();
       sc.landmarks = reinterpret_cast<const void* const*>(entries);
       sc.dtype = b.act_dtype();
-      sc.n_chunks = reinterpret_cast<const int32_t*>(entries + rows);
+      sc.shared_landmarks = reinterpret_cast<const void* const*>(entries + rows);
+      sc.shared_chunks = static_cast<int>(s.base);
+      sc.landmark_cap = static_cast<int>(s.own());
+      sc.n_chunks = reinterpret_cast<const int32_t*>(entries + 2 * rows);
       sc.batch = m;
       sc.hq = head_->heads();
       sc.hkv = H;
@@ -673,7 +982,11 @@ class SpeContextPolicy final : public KvPolicy {
       for (int which = 0; which < 2; ++which) {
         kn::ShadowkvFetchVArgs f;
         f.value_store = reinterpret_cast<const void* const*>(Table(which ? kStoreV : kStoreK, layer) + g.first);
-        f.chunk_cap = static_cast<int>(step_[g.first]->capacity);
+        const Seq& s0 = *step_[g.first];
+        f.chunk_cap = static_cast<int>(s0.own());
+        f.shared_store = reinterpret_cast<const void* const*>(Table(which ? kSharedV : kSharedK, layer) + g.first);
+        f.shared_chunks = static_cast<int>(s0.base);
+        f.shared_stride = static_cast<int>(s0.shared_stride());
         f.miss_count = miss_count_.as<int32_t>() + static_cast<size_t>(g.first) * H;
         f.miss_slot = miss_slot_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
         f.miss_chunk = miss_token_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;

@@ -24,9 +24,16 @@
 // Prefill is exact attention over the prompt (one layer at a time in a
 // device scratch); generated tokens are stored as the prompt's are and are
 // selectable once they leave the local window (long outputs are the
-// paper's case). Not yet: documents (capturing or attaching a prefix:
-// Unimplemented, so the document cache refuses them cleanly) and
-// context-parallel shards.
+// paper's case).
+//
+// Documents (KvPrefix): every layer's exact keys and values of the
+// document's tokens and the head's keys. A put moves its sequence's buffers
+// into the document (the head's keys compacted); other captures copy, the
+// layers into pinned host memory. A question attached to a document reads
+// it in place: its own buffers hold the positions after it, the scores read
+// the document's head keys as ShadowKV's shared landmarks and the row
+// copies its layers as shared values. Exported as the compacted rows
+// (meta, head_k, k.L, v.L). Not yet: context-parallel shards.
 #pragma once
 
 #include <memory>
