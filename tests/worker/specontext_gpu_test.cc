@@ -16,6 +16,7 @@
 
 #include "tests/gpu_test_util.h"
 #include "tests/test_util.h"
+#include "tests/worker/small_gpu_model.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {
@@ -23,28 +24,8 @@ namespace {
 
 class SpeContextGpuTest : public ::testing::TestWithParam<const char*> {
  protected:
-  void SetUp() override {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-      (void)cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device";
-    }
-  }
+  void SetUp() override { PENUMBRA_SKIP_WITHOUT_GPU(); }
 };
-
-ModelConfig SmallModel() {
-  ModelConfig c;
-  c.hidden_size = 256;
-  c.intermediate_size = 512;
-  c.num_layers = 3;
-  c.num_heads = 8;
-  c.num_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 512;
-  c.max_position_embeddings = 8192;
-  c.rope_theta = 10000.0;
-  return c;
-}
 
 EngineOptions Options(const std::string& dtype, const std::string& policy, int budget = 4096, int device_layers = 0) {
   EngineOptions o;
@@ -59,62 +40,22 @@ EngineOptions Options(const std::string& dtype, const std::string& policy, int b
 }
 
 std::unique_ptr<Engine> Open(const EngineOptions& o) {
-  auto e = Engine::OpenRandom(SmallModel(), o, 2026);
+  auto e = Engine::OpenRandom(testing::SmallGpuModel(), o, 2026);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(*e) : nullptr;
-}
-
-struct GreedyRun {
-  std::vector<int32_t> ids;
-  std::vector<float> logits;
-};
-
-GreedyRun Greedy(Engine& e, const std::vector<int32_t>& prompt, int steps) {
-  GreedyRun out;
-  Runtime& rt = e.runtime();
-  EXPECT_TRUE(rt.AddSequence(0, static_cast<int64_t>(prompt.size()), steps).ok());
-  std::vector<float> logits;
-  Status s = rt.Prefill(0, prompt, &logits);
-  EXPECT_TRUE(s.ok()) << s;
-  if (!s.ok()) return out;
-  const int V = e.config().vocab_size;
-  int32_t tok = static_cast<int32_t>(std::max_element(logits.end() - V, logits.end()) - (logits.end() - V));
-  out.ids.push_back(tok);
-  for (int i = 0; i < steps; ++i) {
-    auto l = rt.DecodeStep({0}, {tok}, {static_cast<int64_t>(prompt.size() + i)});
-    EXPECT_TRUE(l.ok()) << l.status();
-    if (!l.ok()) break;
-    std::vector<float> host(V);
-    EXPECT_TRUE(rt.backend().CopyToHost(host.data(), *l, V * sizeof(float)).ok());
-    out.logits.insert(out.logits.end(), host.begin(), host.end());
-    tok = static_cast<int32_t>(std::max_element(host.begin(), host.end()) - host.begin());
-    out.ids.push_back(tok);
-  }
-  rt.RemoveSequence(0);
-  return out;
-}
-
-std::vector<int32_t> Prompt(int n) {
-  std::vector<int32_t> p(n);
-  uint64_t x = 12345;
-  for (int& t : p) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    t = static_cast<int32_t>(3 + (x >> 33) % 500);
-  }
-  return p;
 }
 
 TEST_P(SpeContextGpuTest, ABudgetAboveTheContextIsFullAttention) {
   const std::string dtype = GetParam();
   auto ef = Open(Options(dtype, "full"));
   ASSERT_TRUE(ef);
-  const std::vector<int32_t> prompt = Prompt(1500);
-  const GreedyRun a = Greedy(*ef, prompt, 12);
+  const std::vector<int32_t> prompt = testing::GpuPrompt(1500);
+  const testing::DeviceGreedyRun a = testing::DeviceGreedy(*ef, prompt, 12);
   for (int device_layers : {0, 1, 3}) {
     SCOPED_TRACE("device_layers " + std::to_string(device_layers));
     auto es = Open(Options(dtype, "specontext", 4096, device_layers));
     ASSERT_TRUE(es);
-    const GreedyRun b = Greedy(*es, prompt, 12);
+    const testing::DeviceGreedyRun b = testing::DeviceGreedy(*es, prompt, 12);
     ASSERT_EQ(a.logits.size(), b.logits.size());
     ASSERT_FALSE(a.logits.empty());
     // The same keys and values in another order: sums differ in rounding.
@@ -132,7 +73,7 @@ TEST_P(SpeContextGpuTest, ABudgetAboveTheContextIsFullAttention) {
 }
 
 TEST_P(SpeContextGpuTest, ASmallBudgetDecodesAPrefilledAndASynthesizedSequence) {
-  const std::vector<int32_t> prompt = Prompt(3000);
+  const std::vector<int32_t> prompt = testing::GpuPrompt(3000);
   std::vector<std::vector<float>> runs;
   for (int device_layers : {0, 3}) {
     auto e = Open(Options(GetParam(), "specontext", 64, device_layers));
@@ -172,7 +113,7 @@ TEST_P(SpeContextGpuTest, AQuestionAttachedToADocumentAnswersAsTheWholePrompt) {
     auto e = Open(Options(dtype, "specontext", budget, 1));
     ASSERT_NE(e, nullptr);
     Runtime& rt = e->runtime();
-    const std::vector<int32_t> doc = Prompt(1200);
+    const std::vector<int32_t> doc = testing::GpuPrompt(1200);
     ASSERT_TRUE(rt.AddSequence(0, 1200, 0).ok());
     ASSERT_TRUE(rt.Prefill(0, doc, nullptr).ok());
     auto put = rt.policy().TakePrefix(0, 1200);
@@ -204,7 +145,7 @@ TEST_P(SpeContextGpuTest, AQuestionAttachedToADocumentAnswersAsTheWholePrompt) {
     if (budget < 4096) continue;
     auto ef = Open(Options(dtype, "full"));
     ASSERT_NE(ef, nullptr);
-    const GreedyRun b = Greedy(*ef, prompt, 10);
+    const testing::DeviceGreedyRun b = testing::DeviceGreedy(*ef, prompt, 10);
     const float tol = dtype == "f32" ? 2e-3f : 6e-2f;
     EXPECT_TRUE(testing::AllClose(std::vector<float>(a.begin() + V, a.begin() + 2 * V),
                                   std::vector<float>(b.logits.begin(), b.logits.begin() + V), tol, tol));

@@ -15,6 +15,7 @@
 
 #include "tests/gpu_test_util.h"
 #include "tests/test_util.h"
+#include "tests/worker/small_gpu_model.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra {
@@ -31,20 +32,6 @@ class SpindleKvGpuTest : public ::testing::TestWithParam<const char*> {
   }
 };
 
-ModelConfig SmallModel() {
-  ModelConfig c;
-  c.hidden_size = 256;
-  c.intermediate_size = 512;
-  c.num_layers = 3;
-  c.num_heads = 8;
-  c.num_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 512;
-  c.max_position_embeddings = 8192;
-  c.rope_theta = 10000.0;
-  return c;
-}
-
 EngineOptions Options(const std::string& dtype, const std::string& policy) {
   EngineOptions o;
   o.backend.device = "cuda";
@@ -55,50 +42,9 @@ EngineOptions Options(const std::string& dtype, const std::string& policy) {
 }
 
 std::unique_ptr<Engine> Open(const EngineOptions& o) {
-  auto e = Engine::OpenRandom(SmallModel(), o, 2026);
+  auto e = Engine::OpenRandom(testing::SmallGpuModel(), o, 2026);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(*e) : nullptr;
-}
-
-struct GreedyRun {
-  std::vector<int32_t> ids;
-  std::vector<float> logits;
-};
-
-// Greedy: the prompt's prefill, then `steps` decode steps.
-GreedyRun Greedy(Engine& e, const std::vector<int32_t>& prompt, int steps) {
-  GreedyRun out;
-  Runtime& rt = e.runtime();
-  EXPECT_TRUE(rt.AddSequence(0, static_cast<int64_t>(prompt.size()), steps).ok());
-  std::vector<float> logits;
-  Status s = rt.Prefill(0, prompt, &logits);
-  EXPECT_TRUE(s.ok()) << s;
-  if (!s.ok()) return out;
-  const int V = e.config().vocab_size;
-  int32_t tok = static_cast<int32_t>(std::max_element(logits.end() - V, logits.end()) - (logits.end() - V));
-  out.ids.push_back(tok);
-  for (int i = 0; i < steps; ++i) {
-    auto l = rt.DecodeStep({0}, {tok}, {static_cast<int64_t>(prompt.size() + i)});
-    EXPECT_TRUE(l.ok()) << l.status();
-    if (!l.ok()) break;
-    std::vector<float> host(V);
-    EXPECT_TRUE(rt.backend().CopyToHost(host.data(), *l, V * sizeof(float)).ok());
-    out.logits.insert(out.logits.end(), host.begin(), host.end());
-    tok = static_cast<int32_t>(std::max_element(host.begin(), host.end()) - host.begin());
-    out.ids.push_back(tok);
-  }
-  rt.RemoveSequence(0);
-  return out;
-}
-
-std::vector<int32_t> Prompt(int n) {
-  std::vector<int32_t> p(n);
-  uint64_t x = 12345;
-  for (int& t : p) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    t = static_cast<int32_t>(3 + (x >> 33) % 500);
-  }
-  return p;
 }
 
 // r = 1 and thresholds above 1: every token kept, every key and value an
@@ -110,8 +56,8 @@ TEST_P(SpindleKvGpuTest, EverythingKeptAndNothingSharedIsFullAttention) {
   spindle.spindlekv.key_threshold = spindle.spindlekv.value_threshold = 1.5;
   auto ef = Open(Options(dtype, "full")), es = Open(spindle);
   ASSERT_TRUE(ef && es);
-  const std::vector<int32_t> prompt = Prompt(700);
-  const GreedyRun a = Greedy(*ef, prompt, 10), b = Greedy(*es, prompt, 10);
+  const std::vector<int32_t> prompt = testing::GpuPrompt(700);
+  const testing::DeviceGreedyRun a = testing::DeviceGreedy(*ef, prompt, 10), b = testing::DeviceGreedy(*es, prompt, 10);
   ASSERT_EQ(a.logits.size(), b.logits.size());
   ASSERT_FALSE(a.logits.empty());
   // bf16: the entries are rounded unit vectors times f32 magnitudes, the
@@ -136,7 +82,7 @@ TEST_P(SpindleKvGpuTest, LossySettingsHoldLessAndStillDecode) {
   o.spindlekv.key_threshold = o.spindlekv.value_threshold = 0.2;
   auto e = Open(o);
   ASSERT_NE(e, nullptr);
-  const GreedyRun r = Greedy(*e, Prompt(2000), 16);
+  const testing::DeviceGreedyRun r = testing::DeviceGreedy(*e, testing::GpuPrompt(2000), 16);
   ASSERT_EQ(r.ids.size(), 17u);
   for (float x : r.logits) ASSERT_TRUE(std::isfinite(x));
   const PolicyStats s = e->runtime().policy().stats();
@@ -153,7 +99,7 @@ TEST_P(SpindleKvGpuTest, ASynthesizedContextDecodesBesideAPrefilledOneAndADocume
   auto e = Open(o);
   ASSERT_NE(e, nullptr);
   Runtime& rt = e->runtime();
-  const std::vector<int32_t> prompt = Prompt(900);
+  const std::vector<int32_t> prompt = testing::GpuPrompt(900);
   ASSERT_TRUE(rt.AddSequence(0, 900, 8).ok());
   ASSERT_TRUE(rt.Prefill(0, prompt, nullptr).ok());
   auto doc = rt.policy().CapturePrefix(0, 900);

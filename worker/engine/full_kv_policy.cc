@@ -92,14 +92,7 @@ class FullKvPolicy final : public KvPolicy {
     }
     const FullKvPrefix* p = nullptr;
     if (spec.prefix) {
-      p = dynamic_cast<const FullKvPrefix*>(spec.prefix.get());
-      if (p == nullptr) {
-        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a full KV sequence");
-      }
-      if (p->tokens() >= spec.prompt_len) {
-        return Status::InvalidArgument("a prefix of " + std::to_string(p->tokens()) + " tokens leaves nothing of the " +
-                                       std::to_string(spec.prompt_len) + "-token prompt to prefill");
-      }
+      PENUMBRA_ASSIGN_OR_RETURN(p, AttachedPrefix<FullKvPrefix>(spec, "full KV"));
     }
     if (p != nullptr) {
       s.base = s.length = p->tokens();

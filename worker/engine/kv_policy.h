@@ -375,6 +375,22 @@ class KvPolicy {
   PolicyStats stats_;
 };
 
+// The prefix spec.prefix is, as the attaching policy's own Prefix type
+// (`policy` names it in the error): InvalidArgument when another policy made
+// it or it leaves nothing of the prompt to prefill.
+template <typename Prefix>
+Result<const Prefix*> AttachedPrefix(const SequenceSpec& spec, const std::string& policy) {
+  const auto* p = dynamic_cast<const Prefix*>(spec.prefix.get());
+  if (p == nullptr) {
+    return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a " + policy + " sequence");
+  }
+  if (p->tokens() >= spec.prompt_len) {
+    return Status::InvalidArgument("a prefix of " + std::to_string(p->tokens()) + " tokens leaves nothing of the " +
+                                   std::to_string(spec.prompt_len) + "-token prompt to prefill");
+  }
+  return p;
+}
+
 // Exact KV cache: per sequence K and V as [layers][hkv][capacity][d].
 std::unique_ptr<KvPolicy> MakeFullKvPolicy(const PolicyContext& ctx);
 

@@ -132,14 +132,7 @@ class SpeContextPolicy final : public KvPolicy {
     if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
     const SpeContextPrefix* p = nullptr;
     if (spec.prefix) {
-      p = dynamic_cast<const SpeContextPrefix*>(spec.prefix.get());
-      if (p == nullptr) {
-        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a specontext sequence");
-      }
-      if (p->tokens() >= spec.prompt_len) {
-        return Status::InvalidArgument("a prefix of " + std::to_string(p->tokens()) + " tokens leaves nothing of the " +
-                                       std::to_string(spec.prompt_len) + "-token prompt to prefill");
-      }
+      PENUMBRA_ASSIGN_OR_RETURN(p, AttachedPrefix<SpeContextPrefix>(spec, "specontext"));
     }
     if (spec.shard.sharded()) return Status::Unimplemented("the specontext KV policy cannot hold a context shard");
     if (spec.prompt_len < 1 || spec.max_new_tokens < 0) {

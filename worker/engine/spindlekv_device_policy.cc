@@ -126,7 +126,7 @@ class SpindleKvDevicePolicy final : public KvPolicy {
       return Status::InvalidArgument("spindlekv: a sequence of " + std::to_string(s.capacity) + " tokens");
     }
     if (spec.prefix) {
-      PENUMBRA_ASSIGN_OR_RETURN(s.base, spindlekv::AttachedPrefix<SpindleKvDevicePrefix>(spec));
+      PENUMBRA_ASSIGN_OR_RETURN(s.base, AttachedPrefix<SpindleKvDevicePrefix>(spec, "spindlekv"));
       s.prefix = spec.prefix;
       s.first = s.length = s.base->tokens();
       s.compressed = ctx_.num_layers;

@@ -253,7 +253,7 @@ class SpindleKvPolicy final : public KvPolicy {
     Seq s;
     s.capacity = spec.prompt_len + spec.max_new_tokens;
     if (spec.prefix) {
-      PENUMBRA_ASSIGN_OR_RETURN(s.base, spindlekv::AttachedPrefix<SpindleKvPrefix>(spec));
+      PENUMBRA_ASSIGN_OR_RETURN(s.base, AttachedPrefix<SpindleKvPrefix>(spec, "spindlekv"));
       s.prefix = spec.prefix;
       s.first = s.length = s.base->tokens();
       s.compressed = ctx_.num_layers;

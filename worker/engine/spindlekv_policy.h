@@ -22,21 +22,6 @@ Result<std::unique_ptr<KvPolicy>> MakeSpindleKvPolicy(const PolicyContext& ctx, 
 Result<std::unique_ptr<KvPolicy>> MakeSpindleKvDevicePolicy(const PolicyContext& ctx, const SpindleKvOptions& options);
 
 namespace spindlekv {
-// The prefix spec.prefix is, as the policy's own Prefix type: InvalidArgument
-// when another policy made it or it leaves nothing of the prompt to prefill.
-template <typename Prefix>
-Result<const Prefix*> AttachedPrefix(const SequenceSpec& spec) {
-  const auto* p = dynamic_cast<const Prefix*>(spec.prefix.get());
-  if (p == nullptr) {
-    return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix cannot attach to a spindlekv sequence");
-  }
-  if (p->tokens() >= spec.prompt_len) {
-    return Status::InvalidArgument("a prefix of " + std::to_string(p->tokens()) + " tokens leaves nothing of the " +
-                                   std::to_string(spec.prompt_len) + "-token prompt to prefill");
-  }
-  return p;
-}
-
 // A decode step's check of a sequence: prefilled, and the step at the
 // position after what it holds, inside its capacity.
 inline Status CheckDecodePosition(int64_t seq, bool prefilled, int64_t length, int64_t capacity, int64_t position) {
