@@ -44,6 +44,14 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
   spindlekv SpindleKV decode at 124928 tokens at the largest batch that fits, for each flag set of
             SPINDLE_VARIANTS ('|'-separated; default: reserve ratio 0.1, 0.3, and 0.1 with the paper's
             whole-codebook merge search, --spindlekv-merge-window 0), 50 steps, the peer (--graph) first and last
+  specontext
+            SpeContext decode at 124928 tokens (a random head) at the largest batch that fits, natural and
+            forced 85% (the overlap its evaluation model's head gives at the paper's budget), for each flag set
+            of SPECONTEXT_VARIANTS ('|'-separated; default: the memory model's layer placement, every layer's
+            keys and values in host memory), 50 steps, the peer (--graph) first and last
+  specontext_long
+            long generation: SpeContext and ShadowKV from a 32768-token prompt for SPECONTEXT_LONG_STEPS (4096)
+            steps at batch SPECONTEXT_LONG_BATCH (8), the peer at 32768 first
   sweep     ShadowKV context/batch sweep: 61440, 124928, 249856 with --batch-sweep and --hit-rates natural,0.6
   1m        ShadowKV at 1048576 tokens, batch 1, natural and forced 60%
   trace     a 30-step --kernel-trace of ShadowKV decode at 124928 x 14 and its summary (ops/trace_summary.py --chain);
@@ -217,6 +225,28 @@ suite_spindlekv() {
   done
   IFS=$IFS_OLD
   peer_decode 124928
+}
+
+suite_specontext() {
+  local IFS_OLD=$IFS v
+  local list=${SPECONTEXT_VARIANTS:-"--specontext-device-layers -1|--specontext-device-layers 0"}
+  peer_decode 124928
+  IFS='|'
+  for v in $list; do
+    IFS=$IFS_OLD
+    run 400 $R penumbra-bench decode --kv-policy specontext --specontext-head random --context 124928 --steps 50 \
+      --hit-rates natural,0.85 $v
+  done
+  IFS=$IFS_OLD
+  peer_decode 124928
+}
+
+suite_specontext_long() {
+  local steps=${SPECONTEXT_LONG_STEPS:-4096} batch=${SPECONTEXT_LONG_BATCH:-8}
+  peer_decode 32768 --batch "$batch"
+  run 590 $R penumbra-bench decode --kv-policy specontext --specontext-head random --context 32768 --batch "$batch" \
+    --steps "$steps"
+  run 590 $R $SKV --context 32768 --batch "$batch" --steps "$steps"
 }
 
 suite_sweep() {
@@ -664,7 +694,7 @@ PY
 for s in "$@"; do
   case "$s" in
     help|-h|--help) usage; exit 0 ;;
-    parity|check|full|shadowkv|variants|spindlekv|sweep|1m|trace|ttft|ttft_disk|shared|shared_trace|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|mixed|eval) ;;
+    parity|check|full|shadowkv|variants|spindlekv|specontext|specontext_long|sweep|1m|trace|ttft|ttft_disk|shared|shared_trace|tier0|dp|cp|cp_kill|service|service_cp|store_node|jobs|openai_load|mixed|eval) ;;
     *) echo "unknown suite '$s'" >&2; usage >&2; exit 2 ;;
   esac
 done
