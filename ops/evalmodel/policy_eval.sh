@@ -18,7 +18,10 @@
 #           Each run's summary line, tagged (suite eval-policies, command,
 #           commit, GPU), goes to $OUT/eval.jsonl, its per-group lines and
 #           predictions to $OUT/eval-N.jsonl and $OUT/predictions-N.jsonl;
-#           $OUT/eval.tgz holds them all.
+#           $OUT/eval.tgz holds them all. TASKS (tasks.py's --tasks; default
+#           its default set) picks the tasks: TASKS=kv_many LENGTHS=16384 is
+#           the long-generation set (64 values, about 1.5K tokens, written
+#           in one answer).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -37,9 +40,10 @@ case "${1:-}" in
     VARIANTS=${VARIANTS:-"--kv-policy full|--kv-policy shadowkv|--kv-policy specontext|--kv-policy specontext --specontext-successors 0 --specontext-local 32"}
     tasks=""
     for L in $LENGTHS; do
-      f=build-evalmodel/tasks-$L.jsonl
+      f=build-evalmodel/tasks-${TASKS:-default}-$L.jsonl
       [ -s "$f" ] || timeout 300 python3 ops/evalmodel/tasks.py --corpus tests/data/evaltasks/haystack_kjv.txt \
-        --tokenizer $MODEL/tokenizer.json --lengths "$L" --num 25 --seed 5151 --out "$f" >> "$OUT/tasks.log" 2>&1
+        --tokenizer $MODEL/tokenizer.json --lengths "$L" --num 25 --seed 5151 ${TASKS:+--tasks "$TASKS"} \
+        --out "$f" >> "$OUT/tasks.log" 2>&1
       [ -s "$f" ] || { echo "policy_eval: no task set at $L (see tasks.log)"; exit 1; }
       tasks="$tasks $f"
     done
@@ -50,7 +54,7 @@ case "${1:-}" in
     for v in $VARIANTS; do
       IFS=$IFS_OLD
       n=$((n + 1))
-      cmd="penumbra eval --model $MODEL --tasks tasks(${LENGTHS// /,}).jsonl $v --json"
+      cmd="penumbra eval --model $MODEL --tasks tasks(${TASKS:-default}; ${LENGTHS// /,}; 25 records, seed 5151).jsonl $v --json"
       # shellcheck disable=SC2086
       timeout "${EVAL_TIMEOUT:-900}" bash "$DEV/run" penumbra eval --model $MODEL --tasks build-evalmodel/tasks-all.jsonl \
         $v --json --predictions "$OUT/predictions-$n.jsonl" > "$OUT/eval-$n.jsonl" 2> "$OUT/eval-$n.err"

@@ -30,6 +30,13 @@ Tasks (see docs/evalmodel.md for the scoring rules):
   cwe              common-word extraction over a numbered list of words; the
                    answer is the 5 words that occur most often
 
+Long generation (not in the default set; --tasks kv_many):
+  kv_many          the kv list, and one question naming 64 of its keys; the
+                   answer is their 64 values in question order (about 1.5K
+                   tokens of output: what SpeContext's policy is for, the KV
+                   of the tokens it generates growing as it writes), and the
+                   record's max_new_tokens is sized to it
+
 Length: every record's full sequence (BOS + context + all questions + gold
 answers, i.e. what train.py trains on) has at most `length` tokens, and is as
 long as the haystack granularity allows. Tokens are counted with a pluggable
@@ -67,6 +74,11 @@ TASKS = (
     "kv",
     "cwe",
 )
+
+# Generated-output tasks, asked for by name: every question answered in one
+# long generation.
+LONG_TASKS = ("kv_many",)
+KV_MANY_KEYS = 64
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DOC_OPEN = "<doc>\n"
@@ -429,8 +441,10 @@ def _vt(rng, hay, counter, length, n_chains, n_hops, asked):
     return _needle_sample(rng, hay, counter, length, needles, turns)
 
 
-def _kv(rng, counter, length, n_queries):
-    """UUID key-value pairs; the queried pairs sit at random depths."""
+def _kv(rng, counter, length, n_queries, together=False):
+    """UUID key-value pairs; the queried pairs sit at random depths. With
+    `together`, one question names all the queried keys and the answer lists
+    their values in that order."""
     pair_rng_seed = rng.getrandbits(64)
     q_depths = [rng.random() for _ in range(n_queries)]
     # Upper bound on pairs: each line is ~30+ tokens; 1 token per 4 bytes min.
@@ -448,6 +462,10 @@ def _kv(rng, counter, length, n_queries):
             seen.add(i)
             idx.append(i)
         items = [f"Key {k} has value {v}.\n" for k, v in pairs]
+        if together:
+            keys = [pairs[i][0] for i in idx]
+            q = "What are the values of keys " + ", ".join(keys[:-1]) + f" and {keys[-1]}?"
+            return items, [(q, [pairs[i][1] for i in idx])]
         turns = [(f"What is the value of key {pairs[i][0]}?", pairs[i][1]) for i in idx]
         return items, turns
 
@@ -515,6 +533,8 @@ def generate(task, rng, hay, counter, length):
         return _kv(rng, counter, length, 1)
     if task == "cwe":
         return _cwe(rng, counter, length, 5, 2)
+    if task == "kv_many":
+        return _kv(rng, counter, length, KV_MANY_KEYS, together=True)
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -539,6 +559,9 @@ def make_record(task, length, base_seed, index, hay, counter):
         "tokenizer": counter.name,
         "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
     }
+    if task in LONG_TASKS:
+        # The answer's tokens and room for a longer wrong one.
+        rec["max_new_tokens"] = counter.count(" " + answer_text(a0) + "\n") * 5 // 4 + 16
     if len(s.turns) > 1:
         rec["context"] = s.context
         rec["turns"] = [{"question": f"Q: {q}\nA:", "answer": a} for q, a in s.turns]
@@ -656,8 +679,8 @@ def main(argv=None):
 
     tasks = [t for t in args.tasks.split(",") if t]
     for t in tasks:
-        if t not in TASKS:
-            ap.error(f"unknown task {t}")
+        if t not in TASKS and t not in LONG_TASKS:
+            ap.error(f"unknown task {t} (the default set: {','.join(TASKS)}; long generation: {','.join(LONG_TASKS)})")
     lengths = [int(x) for x in args.lengths.split(",") if x]
     if not 0 <= args.first < args.num:
         ap.error(f"--first {args.first} must be in [0, --num {args.num})")

@@ -135,6 +135,35 @@ class TasksTest(unittest.TestCase):
             key = re.search(r"value of key ([0-9a-f-]{36})\?", r["prompt"]).group(1)
             self.assertIn(f"Key {key} has value {r['answer']}.", r["prompt"])
 
+    def test_kv_many(self):
+        # One question naming 64 keys of the list in some order; the answer is
+        # their values in that order, max_new_tokens sized to it; not part of
+        # the default set (existing sets are unchanged).
+        self.assertNotIn("kv_many", tasks.TASKS)
+        recs = self.gen(lengths=(16384, 32768), num=2, task_list=("kv_many",))
+        self.assertEqual(len(recs), 4)
+        for r in recs:
+            self.assertLessEqual(r["n_tokens"], r["length"])
+            self.assertEqual(len(r["answer"]), tasks.KV_MANY_KEYS)
+            self.assertEqual(len(set(r["answer"])), tasks.KV_MANY_KEYS)
+            q = r["prompt"].rsplit("Q: ", 1)[1]
+            keys = re.findall(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", q)
+            self.assertEqual(len(keys), tasks.KV_MANY_KEYS)
+            for k, v in zip(keys, r["answer"]):
+                self.assertIn(f"Key {k} has value {v}.", r["prompt"])
+            answer_tokens = self.counter.count(" " + tasks.answer_text(r["answer"]) + "\n")
+            self.assertGreaterEqual(r["max_new_tokens"], answer_tokens)
+            self.assertGreater(r["max_new_tokens"], 700)  # bytes / 4 here; the model's tokenizer counts more
+            ok, partial = scoring.score(tasks.answer_text(r["answer"]), r["answer"])
+            self.assertTrue(ok)
+            self.assertEqual(partial, 1.0)
+        # The command line takes it by name.
+        out = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kv_many_test.jsonl")
+        tasks.main(["--corpus", HAYSTACK, "--tasks", "kv_many", "--lengths", "16384", "--num", "1", "--out", out])
+        with open(out) as f:
+            self.assertEqual(json.loads(f.readline())["task"], "kv_many")
+        os.remove(out)
+
     def test_train_samples(self):
         rng = random.Random(5)
         kinds = set()
