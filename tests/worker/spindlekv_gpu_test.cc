@@ -126,6 +126,59 @@ TEST_P(SpindleKvGpuTest, ASynthesizedContextDecodesBesideAPrefilledOneAndADocume
   }
 }
 
+// A document held in device memory exports to the host policy's blobs
+// (entries read back as f32) and imports from them: a question attached to
+// the import decodes the tokens and logits of one attached to the original.
+TEST_P(SpindleKvGpuTest, ADocumentExportsAndImportsThroughTheHostFormat) {
+  EngineOptions o = Options(GetParam(), "spindlekv");
+  o.spindlekv.reserve_ratio = 0.3;
+  o.spindlekv.key_threshold = o.spindlekv.value_threshold = 0.5;
+  auto e = Open(o);
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  const std::vector<int32_t> doc = testing::GpuPrompt(800);
+  ASSERT_TRUE(rt.AddSequence(0, 800, 0).ok());
+  ASSERT_TRUE(rt.Prefill(0, doc, nullptr).ok());
+  auto put = rt.policy().TakePrefix(0, 800);
+  ASSERT_TRUE(put.ok()) << put.status();
+  rt.RemoveSequence(0);
+  auto blobs = (*put)->Export();
+  ASSERT_TRUE(blobs.ok()) << blobs.status();
+  auto imported = rt.policy().ImportPrefix(*blobs);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  auto again = (*imported)->Export();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(*again == *blobs) << "export(import(x)) != x";
+  std::vector<int32_t> prompt = doc;
+  for (int i = 0; i < 20; ++i) prompt.push_back(7 + i);
+  const int V = e->config().vocab_size;
+  auto answer = [&](const std::shared_ptr<const KvPrefix>& p, int64_t seq) {
+    SequenceSpec spec;
+    spec.prompt_len = static_cast<int64_t>(prompt.size());
+    spec.max_new_tokens = 6;
+    spec.prefix = p;
+    EXPECT_TRUE(rt.policy().AddSequence(seq, spec).ok());
+    std::vector<float> first, all;
+    EXPECT_TRUE(rt.Prefill(seq, prompt, &first, 800).ok());
+    all.assign(first.end() - V, first.end());
+    int32_t tok = static_cast<int32_t>(std::max_element(all.begin(), all.end()) - all.begin());
+    std::vector<float> host(V);
+    for (int i = 0; i < 6; ++i) {
+      auto l = rt.DecodeStep({seq}, {tok}, {static_cast<int64_t>(prompt.size()) + i});
+      EXPECT_TRUE(l.ok()) << l.status();
+      if (!l.ok()) break;
+      EXPECT_TRUE(rt.backend().CopyToHost(host.data(), *l, V * sizeof(float)).ok());
+      all.insert(all.end(), host.begin(), host.end());
+      tok = static_cast<int32_t>(std::max_element(host.begin(), host.end()) - host.begin());
+    }
+    rt.RemoveSequence(seq);
+    return all;
+  };
+  const std::vector<float> a = answer(*put, 1), b = answer(*imported, 2);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_TRUE(testing::AllClose(b, a, 1e-5f, 1e-5f));
+}
+
 INSTANTIATE_TEST_SUITE_P(Cuda, SpindleKvGpuTest, ::testing::Values("f32", "bf16"));
 
 }  // namespace

@@ -145,8 +145,7 @@ TEST_F(SpindleKvTest, LossySettingsHoldLessAndStillGenerate) {
 // backend: the same ops over the same f32 math as the host policy, so the
 // same tokens, logits and compressed bytes, lossless and lossy, for a whole
 // prompt and for a first segment and a continuation, new tokens searching
-// the whole codebook or its last 8 entries. Its documents stay in device
-// memory: exporting one is Unimplemented.
+// the whole codebook or its last 8 entries.
 TEST_F(SpindleKvTest, TheDeviceStatePolicyIsTheHostPolicy) {
   struct Setting {
     double ratio, threshold;
@@ -183,7 +182,6 @@ TEST_F(SpindleKvTest, TheDeviceStatePolicyIsTheHostPolicy) {
   ASSERT_TRUE(captured.ok()) << captured.status();
   EXPECT_EQ((*captured)->tokens(), static_cast<int64_t>(kPrompt.size()));
   EXPECT_GT((*captured)->device_bytes(), 0u);
-  EXPECT_EQ((*captured)->Export().status().code(), StatusCode::kUnimplemented);
   // A benchmark's synthesized context goes through the same compression and
   // decodes.
   ASSERT_TRUE(rt.AddSequence(1, 300, 4).ok());
@@ -198,8 +196,9 @@ TEST_F(SpindleKvTest, TheDeviceStatePolicyIsTheHostPolicy) {
 // Documents under the device-state policy: a request's document is
 // captured in device memory, and a second question attaches it (its cached
 // prompt tokens: the document's) and answers as the host policy does with
-// its own cached document; exporting it for the persistent tier is not built
-// yet (Unimplemented: the cache keeps it in memory only).
+// its own cached document. It exports to the host policy's blobs, byte for
+// byte, and either policy imports the other's: a question attached to the
+// import answers as one attached to the original.
 TEST_F(SpindleKvTest, TheDeviceStatePolicyHoldsDocumentsAsTheHostPolicyDoes) {
   const std::vector<int32_t> doc = testing::LcgTokens(151, 7, true);
   auto request = [&](uint64_t seed, int n) {
@@ -229,6 +228,66 @@ TEST_F(SpindleKvTest, TheDeviceStatePolicyHoldsDocumentsAsTheHostPolicyDoes) {
   auto again = ed->runtime().Generate({request(14, 5)});
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ((*again)[0].cached_prompt_tokens, static_cast<int64_t>(doc.size()));
+
+  // Export and import, across the two forms.
+  auto capture = [&](Engine& e) -> std::shared_ptr<const KvPrefix> {
+    Runtime& rt = e.runtime();
+    SequenceSpec spec;
+    spec.prompt_len = static_cast<int64_t>(doc.size());
+    spec.max_new_tokens = 0;
+    EXPECT_TRUE(rt.policy().AddSequence(50, spec).ok());
+    EXPECT_TRUE(rt.Prefill(50, doc, nullptr).ok());
+    auto p = rt.policy().TakePrefix(50, static_cast<int64_t>(doc.size()));
+    EXPECT_TRUE(p.ok()) << p.status();
+    rt.policy().RemoveSequence(50);
+    return p.ok() ? *p : nullptr;
+  };
+  // A question's greedy ids on `e` attached to `p`.
+  auto ask = [&](Engine& e, const std::shared_ptr<const KvPrefix>& p) {
+    GenerationRequest r = request(15, 11);
+    Runtime& rt = e.runtime();
+    SequenceSpec spec;
+    spec.prompt_len = static_cast<int64_t>(r.prompt.size());
+    spec.max_new_tokens = 8;
+    spec.prefix = p;
+    EXPECT_TRUE(rt.policy().AddSequence(60, spec).ok());
+    std::vector<float> logits;
+    EXPECT_TRUE(rt.Prefill(60, r.prompt, &logits, static_cast<int64_t>(doc.size())).ok());
+    const int V = e.config().vocab_size;
+    std::vector<int32_t> ids;
+    int32_t tok = static_cast<int32_t>(std::max_element(logits.end() - V, logits.end()) - (logits.end() - V));
+    ids.push_back(tok);
+    for (int i = 0; i < 8; ++i) {
+      auto l = rt.DecodeStep({60}, {tok}, {static_cast<int64_t>(r.prompt.size()) + i});
+      EXPECT_TRUE(l.ok()) << l.status();
+      if (!l.ok()) break;
+      tok = static_cast<int32_t>(std::max_element(*l, *l + V) - *l);
+      ids.push_back(tok);
+    }
+    rt.policy().RemoveSequence(60);
+    return ids;
+  };
+  auto ph = capture(*eh), pd = capture(*ed);
+  ASSERT_TRUE(ph && pd);
+  auto bh = ph->Export(), bd = pd->Export();
+  ASSERT_TRUE(bh.ok()) << bh.status();
+  ASSERT_TRUE(bd.ok()) << bd.status();
+  EXPECT_TRUE(*bh == *bd) << "the device form's blobs are not the host form's";
+  const std::vector<int32_t> want = ask(*eh, ph);
+  EXPECT_EQ(ask(*ed, pd), want);
+  auto into_device = ed->runtime().policy().ImportPrefix(*bh);
+  ASSERT_TRUE(into_device.ok()) << into_device.status();
+  EXPECT_EQ(ask(*ed, *into_device), want);
+  auto into_host = eh->runtime().policy().ImportPrefix(*bd);
+  ASSERT_TRUE(into_host.ok()) << into_host.status();
+  EXPECT_EQ(ask(*eh, *into_host), want);
+  // A damaged layer is refused by the device form as by the host's.
+  std::map<std::string, std::string> bad = *bd;
+  bad["layer.1"].resize(bad["layer.1"].size() / 2);
+  auto refused = ed->runtime().policy().ImportPrefix(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kCorruption) << refused.status();
+  EXPECT_NE(refused.status().message().find("layer.1"), std::string::npos) << refused.status();
 }
 
 // Options are checked and named; the docs table is the option table.

@@ -80,17 +80,14 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
   } else if (options_.kv_policy == "auto") {
     PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> sparse,
                               MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
-    // spindlekv as a third form, held by pins only, where the backend's
-    // spindlekv stores documents as the other forms do (the CPU's; on CUDA
-    // its documents cannot be exported yet: there auto holds full and
-    // shadowkv only).
-    Result<std::unique_ptr<KvPolicy>> pinned = Status::Unimplemented("spindlekv documents on this backend");
-    if (backend->device() == Device::kCPU) pinned = MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv);
-    if (!pinned.ok() && pinned.status().code() != StatusCode::kUnimplemented) return pinned.status();
+    // spindlekv as a third form, held by pins only (its documents store and
+    // import as the other forms' do, on every backend).
+    PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> pinned,
+                              MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv));
     const RuntimeOptions& r = options_.runtime;
     policy = MakePerDocumentKvPolicy(lane->policy_ctx->ctx, MakeFullKvPolicy(lane->policy_ctx->ctx), std::move(sparse),
                                      r.auto_exact_bytes > 0 ? r.auto_exact_bytes : r.prefix_cache_bytes / 2,
-                                     pinned.ok() ? std::move(*pinned) : nullptr);
+                                     std::move(pinned));
   } else {
     return Status::InvalidArgument("unknown kv policy '" + options_.kv_policy +
                                    "' (expected full, shadowkv, spindlekv, specontext or auto)");

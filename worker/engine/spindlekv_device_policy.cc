@@ -28,9 +28,11 @@
 // Documents (prefixes) stay in device memory: a capture is the sequence's
 // per-layer allocations, moved (TakePrefix) or copied, with each head's views
 // and entry counts (SpindleKvDevicePrefix); an attached sequence reads them
-// in place as part[0] and adds its own tokens and entries in part[1]. Not yet
-// on the device: exporting and importing documents (the persistent tier),
-// capturing past an attached document, context-parallel shards.
+// in place as part[0] and adds its own tokens and entries in part[1]. A
+// document exports to the host policy's format (spindlekv_prefix_format.h:
+// entries as f32) and imports from it, so the persistent tier holds the same
+// blobs for both. Not yet on the device: capturing past an attached
+// document, context-parallel shards.
 #include <glog/logging.h>
 
 #include <algorithm>
@@ -44,6 +46,7 @@
 #include "worker/engine/op_profiler.h"
 #include "worker/engine/spindlekv_math.h"
 #include "worker/engine/spindlekv_policy.h"
+#include "worker/engine/spindlekv_prefix_format.h"
 
 namespace penumbra {
 namespace {
@@ -88,20 +91,62 @@ class SpindleKvDevicePrefix final : public KvPrefix {
     std::vector<int32_t> key_entries, value_entries;  // [hkv]
     int64_t max_tokens = 0;                           // the most tokens a KV head holds
   };
-  SpindleKvDevicePrefix(int64_t tokens, std::vector<Layer> layers) : tokens_(tokens), layers_(std::move(layers)) {
+  SpindleKvDevicePrefix(int64_t tokens, std::vector<Layer> layers, std::string meta, Backend* backend, int d)
+      : tokens_(tokens), layers_(std::move(layers)), meta_(std::move(meta)), backend_(backend), d_(d) {
     for (const Layer& l : layers_) bytes_ += l.mem.bytes();
   }
   std::string policy() const override { return "spindlekv"; }
   int64_t tokens() const override { return tokens_; }
   size_t device_bytes() const override { return bytes_; }
+  // The host policy's blobs: each layer's memory read back, each KV head's
+  // arrays and entries (act dtype -> f32) as a Part.
   Result<std::map<std::string, std::string>> Export() const override {
-    return Status::Unimplemented("a spindlekv document held in device memory cannot be exported yet");
+    std::map<std::string, std::string> out;
+    out["meta"] = meta_;
+    const DType t = backend_->act_dtype();
+    const size_t es = DTypeSize(t);
+    PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      std::vector<char> host(L.mem.bytes());
+      PENUMBRA_RETURN_IF_ERROR(backend_->CopyToHost(host.data(), L.mem.get(), host.size()));
+      const char* base = static_cast<const char*>(L.mem.get());
+      auto at = [&](const void* device) { return host.data() + (static_cast<const char*>(device) - base); };
+      const int hkv = static_cast<int>(L.views.size());
+      spindlekv::Part part;
+      part.Init(hkv, d_);
+      for (int g = 0; g < hkv; ++g) {
+        const kernels::SpindlekvTokens& v = L.views[g].part[1];
+        spindlekv::Tokens& tok = part.tok[g];
+        const size_t n = static_cast<size_t>(v.n);
+        auto take = [&](auto* dst, const auto* src) {
+          dst->resize(n);
+          std::memcpy(dst->data(), at(src), n * sizeof((*dst)[0]));
+        };
+        take(&tok.pos, v.pos);
+        take(&tok.kref, v.kref);
+        take(&tok.vref, v.vref);
+        take(&tok.kmag, v.kmag);
+        take(&tok.vmag, v.vmag);
+        take(&tok.heads, v.heads);
+        part.ck[g].entries.resize(static_cast<size_t>(L.key_entries[g]) * d_);
+        part.cv[g].entries.resize(static_cast<size_t>(L.value_entries[g]) * d_);
+        ConvertToF32(at(L.views[g].key_entries[1]), t, part.ck[g].entries.data(), part.ck[g].entries.size());
+        ConvertToF32(at(L.views[g].value_entries[1]), t, part.cv[g].entries.data(), part.cv[g].entries.size());
+        (void)es;
+      }
+      out["layer." + std::to_string(l)] = spindlekv::ExportPart(part);
+    }
+    return out;
   }
   const Layer& layer(int l) const { return layers_[l]; }
 
  private:
   int64_t tokens_;
   std::vector<Layer> layers_;
+  std::string meta_;
+  Backend* backend_;
+  int d_;
   size_t bytes_ = 0;
 };
 
@@ -113,6 +158,10 @@ class SpindleKvDevicePolicy final : public KvPolicy {
   std::string name() const override { return "spindlekv"; }
 
   std::string StateFingerprint() const override { return SpindleKvStateFingerprint(o_); }
+  // A document's "meta" blob: the host policy's (spindlekv_prefix_format.h).
+  std::string Meta(int64_t tokens) const {
+    return spindlekv::PrefixMeta(tokens, ctx_.num_layers, ctx_.hq, ctx_.hkv, ctx_.head_dim, StateFingerprint());
+  }
 
   Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
     if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
@@ -270,6 +319,74 @@ class SpindleKvDevicePolicy final : public KvPolicy {
     return p;
   }
 
+  // A document in the host policy's format (ImportPart checks every array
+  // and reference), uploaded: per layer one allocation of hkv heads laid
+  // out for the most tokens or entries any head has.
+  Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
+    auto meta = blobs.find("meta");
+    if (meta == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob 'meta' is missing");
+    PENUMBRA_ASSIGN_OR_RETURN(const int64_t tokens, spindlekv::PrefixMetaTokens(meta->second));
+    if (meta->second != Meta(tokens)) {
+      return Status::InvalidArgument("spindlekv prefix: made for another geometry or options ('" + meta->second +
+                                     "'; this policy: '" + Meta(tokens) + "')");
+    }
+    const int L = ctx_.num_layers, hkv = ctx_.hkv, d = ctx_.head_dim;
+    const DType t = ctx_.backend->act_dtype();
+    std::vector<SpindleKvDevicePrefix::Layer> layers(L);
+    for (int l = 0; l < L; ++l) {
+      const std::string name = "layer." + std::to_string(l);
+      auto b = blobs.find(name);
+      if (b == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob '" + name + "' is missing");
+      spindlekv::Reader r(b->second, "spindlekv prefix blob '" + name + "'");
+      spindlekv::Part part;
+      PENUMBRA_RETURN_IF_ERROR(spindlekv::ImportPart(r, ctx_.hq / hkv, hkv, d, tokens, &part));
+      if (!r.done()) return Status::Corruption("spindlekv prefix blob '" + name + "': bytes past its end");
+      int64_t cap = 1;
+      for (int g = 0; g < hkv; ++g) {
+        cap = std::max({cap, part.tok[g].size(), static_cast<int64_t>(part.ck[g].size()),
+                        static_cast<int64_t>(part.cv[g].size())});
+      }
+      const HeadLayout lay(cap, d, es_);
+      std::vector<char> host(lay.bytes * hkv, 0);
+      SpindleKvDevicePrefix::Layer& pl = layers[l];
+      PENUMBRA_ASSIGN_OR_RETURN(pl.mem, ctx_.backend->Allocate(host.size()));
+      char* dev = pl.mem.as<char>();
+      pl.views.resize(hkv);
+      for (int g = 0; g < hkv; ++g) {
+        const spindlekv::Tokens& tok = part.tok[g];
+        const size_t base = static_cast<size_t>(g) * lay.bytes, n = tok.pos.size();
+        auto put = [&](size_t off, const auto& v) {
+          std::memcpy(host.data() + base + off, v.data(), n * sizeof(v[0]));
+        };
+        put(lay.pos, tok.pos);
+        put(lay.kref, tok.kref);
+        put(lay.vref, tok.vref);
+        put(lay.kmag, tok.kmag);
+        put(lay.vmag, tok.vmag);
+        put(lay.heads, tok.heads);
+        ConvertFromF32(part.ck[g].entries.data(), host.data() + base + lay.kent, t, part.ck[g].entries.size());
+        ConvertFromF32(part.cv[g].entries.data(), host.data() + base + lay.vent, t, part.cv[g].entries.size());
+        kernels::SpindlekvTokens& v = pl.views[g].part[1];
+        v.pos = reinterpret_cast<const int32_t*>(dev + base + lay.pos);
+        v.kref = reinterpret_cast<const int32_t*>(dev + base + lay.kref);
+        v.vref = reinterpret_cast<const int32_t*>(dev + base + lay.vref);
+        v.kmag = reinterpret_cast<const float*>(dev + base + lay.kmag);
+        v.vmag = reinterpret_cast<const float*>(dev + base + lay.vmag);
+        v.heads = reinterpret_cast<const uint32_t*>(dev + base + lay.heads);
+        v.n = static_cast<int64_t>(n);
+        pl.views[g].key_entries[1] = dev + base + lay.kent;
+        pl.views[g].value_entries[1] = dev + base + lay.vent;
+        pl.key_entries.push_back(part.ck[g].size());
+        pl.value_entries.push_back(part.cv[g].size());
+        pl.max_tokens = std::max<int64_t>(pl.max_tokens, static_cast<int64_t>(n));
+      }
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(pl.mem.get(), host.data(), host.size()));
+    }
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
+    return std::shared_ptr<const KvPrefix>(
+        std::make_shared<SpindleKvDevicePrefix>(tokens, std::move(layers), Meta(tokens), ctx_.backend, d));
+  }
+
   Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {
     Seq& s = Get(seq);
     if (s.compressed > 0 || length != s.first) {
@@ -391,7 +508,8 @@ class SpindleKvDevicePolicy final : public KvPolicy {
       }
       pl.max_tokens = st.max_held + appended;
     }
-    return std::shared_ptr<const KvPrefix>(std::make_shared<SpindleKvDevicePrefix>(s.length, std::move(layers)));
+    return std::shared_ptr<const KvPrefix>(std::make_shared<SpindleKvDevicePrefix>(
+        s.length, std::move(layers), Meta(s.length), ctx_.backend, ctx_.head_dim));
   }
 
   // A sequence attached to s.base: per layer its own part (room for every
