@@ -65,6 +65,12 @@ class PerDocumentPolicyTest : public testing::StoriesTest, public ::testing::Wit
     }
     o.shadowkv.rank = 4;
     o.shadowkv.budget_tokens = 8;
+    // A retrieval head (random: stories260K has none), so that auto holds
+    // specontext as a pinned form too; lossy on these documents.
+    o.specontext.head = "random";
+    o.specontext.budget = 16;
+    o.specontext.local = 4;
+    o.specontext.successors = 2;
     o.kv_policy = policy;
     o.runtime.prefix_cache_bytes = cache_bytes;
     o.runtime.auto_exact_bytes = exact_bytes;

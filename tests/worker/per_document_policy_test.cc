@@ -1,6 +1,5 @@
 // The per-document KV policy's cases (per_document_policy_cases.h) on the
-// CPU backend (f32), and its third form there, spindlekv (CUDA does not run
-// spindlekv yet).
+// CPU backend (f32), and its pinned forms, spindlekv and specontext.
 #include "tests/worker/per_document_policy_cases.h"
 
 namespace penumbra {
@@ -18,7 +17,7 @@ TEST_P(PerDocumentPolicyTest, OnTheCpuSpindleKvIsAThirdFormHeldByItsPin) {
   auto e = Open("auto");
   ASSERT_NE(e, nullptr);
   Runtime& rt = e->runtime();
-  EXPECT_EQ(rt.policy().Forms(), (std::vector<std::string>{"full", "shadowkv", "spindlekv"}));
+  EXPECT_EQ(rt.policy().Forms(), (std::vector<std::string>{"full", "shadowkv", "spindlekv", "specontext"}));
   GenerationRequest put = Ask(kDocA, {}, "spindlekv");
   put.max_new_tokens = 0;
   auto p = rt.Generate({put});
@@ -46,6 +45,40 @@ TEST_P(PerDocumentPolicyTest, OnTheCpuSpindleKvIsAThirdFormHeldByItsPin) {
     const std::vector<float> alone = DecodeOnce(rt, {reqs[i]}, {tokens[i]});
     EXPECT_LE(MaxDiff(std::vector<float>(together.begin() + i * V, together.begin() + (i + 1) * V), alone), Close())
         << reqs[i].kv_policy;
+  }
+}
+
+// With a retrieval head, specontext is a fourth form, by pin only: a put
+// pinned to it is held so (its layers' keys and values, the head's keys), its
+// unpinned questions attach it and answer as a specontext engine does, and a
+// decode batch whose specontext rows are not one run of the batch (their
+// tokens gathered for the head) gives each row what it gets alone.
+TEST_P(PerDocumentPolicyTest, WithAHeadSpeContextIsAFourthFormHeldByItsPin) {
+  // Its prefill is exact (full attention's logits): its decode steps tell it
+  // apart.
+  ASSERT_NE(Cold(Ask(kDocA, kQ1), "specontext"), Cold(Ask(kDocA, kQ1), "full"));
+  auto e = Open("auto");
+  ASSERT_NE(e, nullptr);
+  Runtime& rt = e->runtime();
+  GenerationRequest put = Ask(kDocA, {}, "specontext");
+  put.max_new_tokens = 0;
+  auto p = rt.Generate({put});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(Documents(rt), (std::map<std::string, int64_t>{{"specontext", 1}}));
+  auto q = rt.Generate({Ask(kDocA, kQ1)});
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ((*q)[0].cached_prompt_tokens, 151);
+  EXPECT_EQ((*q)[0].ids, Cold(Ask(kDocA, kQ1), "specontext"));
+  const std::vector<GenerationRequest> reqs = {Ask(kDocA, kQ2, "specontext"), Ask(kDocB, kQ2, "full"),
+                                               Ask(kDocB, kQ1, "specontext"), Ask(kDocA, kQ2, "shadowkv")};
+  const std::vector<int32_t> tokens = {5, 6, 7, 8};
+  const std::vector<float> together = DecodeOnce(rt, reqs, tokens);
+  const size_t V = static_cast<size_t>(rt.config().vocab_size);
+  ASSERT_EQ(together.size(), reqs.size() * V);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const std::vector<float> alone = DecodeOnce(rt, {reqs[i]}, {tokens[i]});
+    EXPECT_LE(MaxDiff(std::vector<float>(together.begin() + i * V, together.begin() + (i + 1) * V), alone), Close())
+        << i << " " << reqs[i].kv_policy;
   }
 }
 

@@ -66,24 +66,21 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
                                           ? MakeSpindleKvDevicePolicy(lane->policy_ctx->ctx, options_.spindlekv)
                                           : MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv));
   } else if (options_.kv_policy == "specontext") {
-    // The retrieval head: a file, a random one, or the model directory's.
-    const SpeContextOptions& so = options_.specontext;
-    const TargetEmbedding embed{weights_->embed(), weights_->dtype()};
-    std::string path = so.head;
-    if (path.empty() && model_dir_.empty()) path = "random";
-    if (path.empty()) path = JoinPath(model_dir_, "specontext-head.safetensors");
-    Result<std::unique_ptr<SpeContextHead>> head =
-        path == "random" ? SpeContextHead::Random(c, embed, backend, /*seed=*/0x5eC0, so.yarn_factor)
-                         : SpeContextHead::Load(path, c, embed, backend, so.yarn_factor);
-    PENUMBRA_RETURN_IF_ERROR(head.status());
-    PENUMBRA_ASSIGN_OR_RETURN(policy, MakeSpeContextPolicy(lane->policy_ctx->ctx, so, std::move(*head)));
+    PENUMBRA_ASSIGN_OR_RETURN(policy, MakeSpeContext(*lane, backend));
   } else if (options_.kv_policy == "auto") {
     PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> sparse,
                               MakeShadowKvPolicy(lane->policy_ctx->ctx, options_.shadowkv));
-    // spindlekv as a third form, held by pins only (its documents store and
-    // import as the other forms' do, on every backend).
-    PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> pinned,
+    // spindlekv and, where the model has a retrieval head (specontext.head,
+    // or one in its directory), specontext as further forms held by pins
+    // only.
+    std::vector<std::unique_ptr<KvPolicy>> pinned;
+    PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> spindle,
                               MakeSpindleKvPolicy(lane->policy_ctx->ctx, options_.spindlekv));
+    pinned.push_back(std::move(spindle));
+    if (!options_.specontext.head.empty() || model_dir_.empty() || FileExists(DefaultSpeContextHead())) {
+      PENUMBRA_ASSIGN_OR_RETURN(std::unique_ptr<KvPolicy> spe, MakeSpeContext(*lane, backend));
+      pinned.push_back(std::move(spe));
+    }
     const RuntimeOptions& r = options_.runtime;
     policy = MakePerDocumentKvPolicy(lane->policy_ctx->ctx, MakeFullKvPolicy(lane->policy_ctx->ctx), std::move(sparse),
                                      r.auto_exact_bytes > 0 ? r.auto_exact_bytes : r.prefix_cache_bytes / 2,
@@ -96,6 +93,24 @@ Result<std::unique_ptr<Engine::Lane>> Engine::MakeLane(std::unique_ptr<Backend> 
       lane->runtime, Runtime::Create(options_.runtime, lane->policy_ctx->ctx, weights_.get(), std::move(policy)));
   if (prefix_store_) lane->runtime->SetPrefixStore(prefix_store_.get(), model_identity_);
   return lane;
+}
+
+std::string Engine::DefaultSpeContextHead() const { return JoinPath(model_dir_, "specontext-head.safetensors"); }
+
+// The specontext policy of a lane, with its retrieval head: specontext.head
+// (a file or "random"), else the model directory's, else (a random model) a
+// random one.
+Result<std::unique_ptr<KvPolicy>> Engine::MakeSpeContext(Lane& lane, Backend* backend) {
+  const SpeContextOptions& so = options_.specontext;
+  const TargetEmbedding embed{weights_->embed(), weights_->dtype()};
+  std::string path = so.head;
+  if (path.empty()) path = model_dir_.empty() ? "random" : DefaultSpeContextHead();
+  const ModelConfig& c = weights_->config();
+  Result<std::unique_ptr<SpeContextHead>> head =
+      path == "random" ? SpeContextHead::Random(c, embed, backend, /*seed=*/0x5eC0, so.yarn_factor)
+                       : SpeContextHead::Load(path, c, embed, backend, so.yarn_factor);
+  PENUMBRA_RETURN_IF_ERROR(head.status());
+  return MakeSpeContextPolicy(lane.policy_ctx->ctx, so, std::move(*head));
 }
 
 Result<std::unique_ptr<Engine>> Engine::Assemble(std::unique_ptr<Engine> e) {

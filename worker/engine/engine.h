@@ -141,6 +141,10 @@ class Engine {
   static Result<std::unique_ptr<Engine>> Assemble(std::unique_ptr<Engine> e);
   // A lane over `backend` (owned when `owned` is non-null) and the weights.
   Result<std::unique_ptr<Lane>> MakeLane(std::unique_ptr<Backend> owned, Backend* backend);
+  // The specontext policy of `lane`, with its retrieval head.
+  Result<std::unique_ptr<KvPolicy>> MakeSpeContext(Lane& lane, Backend* backend);
+  // specontext-head.safetensors in the model's directory.
+  std::string DefaultSpeContextHead() const;
 
   EngineOptions options_;
   std::unique_ptr<Backend> backend_;  // lane 0's; the weights live in its memory

@@ -15,9 +15,9 @@
 namespace penumbra {
 namespace {
 
-// The forms: sub_[kExact] "full", sub_[kSparse] "shadowkv", and where the
-// backend runs it sub_[kPinned] "spindlekv", held only by a pin.
-constexpr int kExact = 0, kSparse = 1, kPinned = 2;
+// The forms: sub_[kExact] "full", sub_[kSparse] "shadowkv", then the forms
+// held only by a pin ("spindlekv", "specontext").
+constexpr int kExact = 0, kSparse = 1;
 
 // A document's exact form factored into ShadowKV, a layer per step, through
 // a sequence of the sparse policy's own (ids the runtime never uses).
@@ -74,14 +74,18 @@ class ExactToSparseMove final : public PrefixMove {
 class PerDocumentKvPolicy final : public KvPolicy {
  public:
   PerDocumentKvPolicy(const PolicyContext& ctx, std::unique_ptr<KvPolicy> exact, std::unique_ptr<KvPolicy> sparse,
-                      std::unique_ptr<KvPolicy> pinned, size_t exact_bytes)
+                      std::vector<std::unique_ptr<KvPolicy>> pinned, size_t exact_bytes)
       : ctx_(ctx), exact_bytes_(exact_bytes) {
     CHECK(exact && exact->name() == "full") << "auto: the exact policy must be full";
     CHECK(sparse && sparse->name() == "shadowkv") << "auto: the sparse policy must be shadowkv";
-    CHECK(!pinned || pinned->name() == "spindlekv") << "auto: the pinned-only policy must be spindlekv";
     sub_.push_back(std::move(exact));
     sub_.push_back(std::move(sparse));
-    if (pinned) sub_.push_back(std::move(pinned));
+    for (auto& p : pinned) {
+      CHECK(p && (p->name() == "spindlekv" || p->name() == "specontext"))
+          << "auto: a pinned-only form must be spindlekv or specontext";
+      CHECK_LT(IndexOf(p->name()), 0) << "auto: two " << p->name() << " forms";
+      sub_.push_back(std::move(p));
+    }
     rows_.resize(sub_.size());
     begun_.assign(sub_.size(), false);
   }
@@ -122,6 +126,9 @@ class PerDocumentKvPolicy final : public KvPolicy {
   Status FinishPrefillLayer(int layer, int64_t seq, int64_t prompt_len) override {
     return Of(seq).FinishPrefillLayer(layer, seq, prompt_len);
   }
+  Status PrefillTokens(int64_t seq, const int32_t* ids, const int32_t* positions, int n, int64_t start) override {
+    return Of(seq).PrefillTokens(seq, ids, positions, n, start);
+  }
   bool PrefillSplits(int64_t seq) const override {
     auto it = where_.find(seq);
     return it == where_.end() || sub_[it->second]->PrefillSplits(seq);
@@ -154,6 +161,28 @@ class PerDocumentKvPolicy final : public KvPolicy {
       PENUMBRA_RETURN_IF_ERROR(sub_[w]->BeginDecodeStep(s, p));
     }
     ++stats_.decode_steps;
+    return Status::OK();
+  }
+
+  // Each form's rows of the step's tokens (gathered when its rows are not
+  // one run of the batch).
+  Status DecodeTokens(const int32_t* ids, const int32_t* positions) override {
+    const int32_t* id = ids;
+    const int32_t* pos = positions;
+    if (!in_place_) {
+      PENUMBRA_RETURN_IF_ERROR(EnsureTokenScratch());
+      PENUMBRA_RETURN_IF_ERROR(Permute(g_ids_.get(), ids, sizeof(int32_t), /*gather=*/true));
+      PENUMBRA_RETURN_IF_ERROR(Permute(g_tok_pos_.get(), positions, sizeof(int32_t), true));
+      id = g_ids_.as<int32_t>();
+      pos = g_tok_pos_.as<int32_t>();
+    }
+    int at = 0;
+    for (size_t w = 0; w < sub_.size(); ++w) {
+      if (rows_[w].empty()) continue;
+      const int a = in_place_ ? rows_[w].front() : at;
+      PENUMBRA_RETURN_IF_ERROR(sub_[w]->DecodeTokens(id + a, pos + a));
+      at += static_cast<int>(rows_[w].size());
+    }
     return Status::OK();
   }
 
@@ -215,7 +244,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
   std::string StateFingerprint() const override {
     // A document's key is the same whichever form holds it.
     std::string f = "auto[" + sub_[kExact]->StateFingerprint() + ";" + sub_[kSparse]->StateFingerprint();
-    if (sub_.size() > kPinned) f += ";" + sub_[kPinned]->StateFingerprint();
+    for (size_t w = kSparse + 1; w < sub_.size(); ++w) f += ";" + sub_[w]->StateFingerprint();
     return f + "]";
   }
   Result<std::shared_ptr<const KvPrefix>> CapturePrefix(int64_t seq, int64_t tokens) override {
@@ -315,13 +344,17 @@ class PerDocumentKvPolicy final : public KvPolicy {
     return s;
   }
   // A stored document's form, from its meta blob (the full policy's begins
-  // "full-kv-prefix", spindlekv's "spindlekv-prefix"); the sparse policy
-  // refuses what is none of them, by name.
+  // "full-kv-prefix", spindlekv's "spindlekv-prefix", specontext's
+  // "specontext-prefix"); the sparse policy refuses what is none of them, by
+  // name.
   int StoredForm(const std::map<std::string, std::string>& blobs) const {
     auto it = blobs.find("meta");
     if (it == blobs.end()) return kSparse;
     if (it->second.rfind("full-kv-prefix", 0) == 0) return kExact;
-    if (it->second.rfind("spindlekv-prefix", 0) == 0 && sub_.size() > kPinned) return kPinned;
+    for (const char* form : {"spindlekv", "specontext"}) {
+      const int w = IndexOf(form);
+      if (w >= 0 && it->second.rfind(std::string(form) + "-prefix", 0) == 0) return w;
+    }
     return kSparse;
   }
   KvPolicy& Of(int64_t seq) {
@@ -330,6 +363,14 @@ class PerDocumentKvPolicy final : public KvPolicy {
     return *sub_[it->second];
   }
 
+  Status EnsureTokenScratch() {
+    const size_t bytes = order_.size() * sizeof(int32_t);
+    if (g_ids_.bytes() >= bytes) return Status::OK();
+    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());  // the old scratch may still be read
+    PENUMBRA_ASSIGN_OR_RETURN(g_ids_, ctx_.backend->Allocate(bytes));
+    PENUMBRA_ASSIGN_OR_RETURN(g_tok_pos_, ctx_.backend->Allocate(bytes));
+    return Status::OK();
+  }
   Status EnsureScratch(int64_t qkv_row, size_t act_row) {
     const int batch = static_cast<int>(order_.size());
     if (scratch_rows_ >= batch) return Status::OK();
@@ -374,6 +415,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
   bool in_place_ = true;
   int scratch_rows_ = 0;
   DeviceBuffer g_qkv_, g_pos_, g_q_, g_out_, g_lse_;
+  DeviceBuffer g_ids_, g_tok_pos_;  // the step's tokens, gathered (DecodeTokens)
   // Moves factor through sequences of the sparse policy with ids from here
   // down (the runtime's are >= 0).
   int64_t next_move_seq_ = std::numeric_limits<int64_t>::min() / 2;
@@ -383,7 +425,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
 
 std::unique_ptr<KvPolicy> MakePerDocumentKvPolicy(const PolicyContext& ctx, std::unique_ptr<KvPolicy> exact,
                                                   std::unique_ptr<KvPolicy> sparse, size_t exact_bytes,
-                                                  std::unique_ptr<KvPolicy> pinned) {
+                                                  std::vector<std::unique_ptr<KvPolicy>> pinned) {
   return std::make_unique<PerDocumentKvPolicy>(ctx, std::move(exact), std::move(sparse), std::move(pinned),
                                                exact_bytes);
 }

@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "worker/engine/kv_policy.h"
 
@@ -34,11 +35,11 @@ namespace penumbra {
 // `exact` must be a "full" policy and `sparse` a "shadowkv" one, both built
 // with `ctx`. exact_bytes: device bytes of sequences and documents held in
 // the exact form by choice (0: none; pins and attached exact documents
-// still are). `pinned` (null: none): a "spindlekv" policy, a third form held
+// still are). `pinned`: more forms ("spindlekv", "specontext"), each held
 // only by a pin (or by attaching a document held so), never chosen by size
 // nor moved to or from.
 std::unique_ptr<KvPolicy> MakePerDocumentKvPolicy(const PolicyContext& ctx, std::unique_ptr<KvPolicy> exact,
                                                   std::unique_ptr<KvPolicy> sparse, size_t exact_bytes,
-                                                  std::unique_ptr<KvPolicy> pinned = nullptr);
+                                                  std::vector<std::unique_ptr<KvPolicy>> pinned = {});
 
 }  // namespace penumbra

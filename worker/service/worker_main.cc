@@ -121,7 +121,7 @@ class WorkerMetrics {
                                .Name("penumbra_worker_documents_by_policy_host_bytes")
                                .Help("Host bytes of the cached documents held under each KV policy.")
                                .Register(*registry_);
-    for (const char* p : {"full", "shadowkv", "spindlekv"}) {
+    for (const char* p : {"full", "shadowkv", "spindlekv", "specontext"}) {
       by_policy_.push_back({p, &by_policy.Add({{"policy", p}}), &by_policy_device.Add({{"policy", p}}),
                             &by_policy_host.Add({{"policy", p}})});
     }
