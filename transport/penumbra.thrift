@@ -50,7 +50,7 @@ struct PutDocumentRequest {
   // once (FACTORING) and poll GetDocument.
   5: bool wait = true,
   6: i64 deadline_ms = 0,
-  // "full", "shadowkv" or "spindlekv": the document is factored on workers
+  // "full", "shadowkv", "spindlekv" or "specontext": the document is factored on workers
   // of that KV policy (or of "auto" holding that form) and held there under it, and its questions are held
   // under it unless they pin another (GenerateRequest.kv_policy); "": the
   // workers' choice.
@@ -92,7 +92,7 @@ struct GenerateRequest {
   7: list<string> stop,
   8: list<i32> stop_ids,
   9: bool ignore_eos = false,
-  // "full", "shadowkv" or "spindlekv" to run only under that policy: on
+  // "full", "shadowkv", "spindlekv" or "specontext" to run only under that policy: on
   // workers of that policy, or of "auto" (a policy per document) holding
   // that form (WorkerHealth.kv_forms), held under it; "": any.
   10: string kv_policy = "",

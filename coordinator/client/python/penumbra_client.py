@@ -589,7 +589,7 @@ class PenumbraClient(object):
     def put_document(self, name, text=None, token_ids=None, wait=True, deadline_ms=0, kv_policy=""):
         """Adds a document (text, or token ids: exactly one). wait=True returns
         once it is READY (or FAILED); wait=False at once (FACTORING).
-        kv_policy "full", "shadowkv" or "spindlekv" pins the document (and its questions)
+        kv_policy "full", "shadowkv", "spindlekv" or "specontext" pins the document (and its questions)
         to that KV policy; "": the workers' choice."""
         req = api_types.PutDocumentRequest(
             api_key=self.api_key, name=name, text=text,
