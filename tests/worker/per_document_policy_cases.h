@@ -142,6 +142,19 @@ class PerDocumentPolicyTest : public testing::StoriesTest, public ::testing::Wit
     for (int64_t s : seqs) rt.RemoveSequence(s);
     return out;
   }
+  // One decode step of `reqs` together on `rt`, then of each alone: each
+  // row's logits the same up to the linear layers' batch (Close).
+  static void ExpectEachRowAsAlone(Runtime& rt, const std::vector<GenerationRequest>& reqs,
+                                   const std::vector<int32_t>& tokens) {
+    const std::vector<float> together = DecodeOnce(rt, reqs, tokens);
+    const size_t V = static_cast<size_t>(rt.config().vocab_size);
+    ASSERT_EQ(together.size(), reqs.size() * V);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const std::vector<float> alone = DecodeOnce(rt, {reqs[i]}, {tokens[i]});
+      EXPECT_LE(MaxDiff(std::vector<float>(together.begin() + i * V, together.begin() + (i + 1) * V), alone), Close())
+          << i << " " << reqs[i].kv_policy;
+    }
+  }
   static std::vector<float> ColdLogits(GenerationRequest r, const std::string& policy) {
     r.kv_policy.clear();
     auto e = Open(policy, 0, 0);

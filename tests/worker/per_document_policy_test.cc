@@ -35,17 +35,10 @@ TEST_P(PerDocumentPolicyTest, OnTheCpuSpindleKvIsAThirdFormHeldByItsPin) {
   EXPECT_EQ((*f)[0].ids, Cold(Ask(kDocA, kQ2), "full"));
   // One decode step of the three forms together, then each alone (the
   // linear layers' batch of 4 against 1: Close, as the two-form case).
-  const std::vector<GenerationRequest> reqs = {Ask(kDocB, kQ1, "spindlekv"), Ask(kDocB, kQ2, "full"),
-                                               Ask(kDocA, kQ2, "shadowkv"), Ask(kDocA, kQ2, "spindlekv")};
-  const std::vector<int32_t> tokens = {5, 6, 7, 8};
-  const std::vector<float> together = DecodeOnce(rt, reqs, tokens);
-  const size_t V = static_cast<size_t>(rt.config().vocab_size);
-  ASSERT_EQ(together.size(), reqs.size() * V);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    const std::vector<float> alone = DecodeOnce(rt, {reqs[i]}, {tokens[i]});
-    EXPECT_LE(MaxDiff(std::vector<float>(together.begin() + i * V, together.begin() + (i + 1) * V), alone), Close())
-        << reqs[i].kv_policy;
-  }
+  ExpectEachRowAsAlone(rt,
+                       {Ask(kDocB, kQ1, "spindlekv"), Ask(kDocB, kQ2, "full"), Ask(kDocA, kQ2, "shadowkv"),
+                        Ask(kDocA, kQ2, "spindlekv")},
+                       {5, 6, 7, 8});
 }
 
 // With a retrieval head, specontext is a fourth form, by pin only: a put
@@ -69,17 +62,10 @@ TEST_P(PerDocumentPolicyTest, WithAHeadSpeContextIsAFourthFormHeldByItsPin) {
   ASSERT_TRUE(q.ok()) << q.status();
   EXPECT_EQ((*q)[0].cached_prompt_tokens, 151);
   EXPECT_EQ((*q)[0].ids, Cold(Ask(kDocA, kQ1), "specontext"));
-  const std::vector<GenerationRequest> reqs = {Ask(kDocA, kQ2, "specontext"), Ask(kDocB, kQ2, "full"),
-                                               Ask(kDocB, kQ1, "specontext"), Ask(kDocA, kQ2, "shadowkv")};
-  const std::vector<int32_t> tokens = {5, 6, 7, 8};
-  const std::vector<float> together = DecodeOnce(rt, reqs, tokens);
-  const size_t V = static_cast<size_t>(rt.config().vocab_size);
-  ASSERT_EQ(together.size(), reqs.size() * V);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    const std::vector<float> alone = DecodeOnce(rt, {reqs[i]}, {tokens[i]});
-    EXPECT_LE(MaxDiff(std::vector<float>(together.begin() + i * V, together.begin() + (i + 1) * V), alone), Close())
-        << i << " " << reqs[i].kv_policy;
-  }
+  ExpectEachRowAsAlone(rt,
+                       {Ask(kDocA, kQ2, "specontext"), Ask(kDocB, kQ2, "full"), Ask(kDocB, kQ1, "specontext"),
+                        Ask(kDocA, kQ2, "shadowkv")},
+                       {5, 6, 7, 8});
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, PerDocumentPolicyTest, ::testing::Values("cpu"));

@@ -149,7 +149,7 @@ Result<std::unique_ptr<SpeContextHead>> SpeContextHead::Load(const std::string& 
   PENUMBRA_RETURN_IF_ERROR(AppendTensor(f, path, "k_proj.weight", {kv_heads * head_dim, hidden}, &qk));
   Hash128 id = HashBytes128(qk.data(), qk.size() * sizeof(float), HashBytes128(norm.data(), norm.size() * 4).hi);
   h->identity_ = "file:" + id.Hex();
-  PENUMBRA_RETURN_IF_ERROR(h->Finish(target, embed, backend, norm, qk, eps, yarn_factor));
+  PENUMBRA_RETURN_IF_ERROR(h->Finish(embed, backend, norm, qk, eps, yarn_factor));
   return h;
 }
 
@@ -173,14 +173,12 @@ Result<std::unique_ptr<SpeContextHead>> SpeContextHead::Random(const ModelConfig
   std::normal_distribution<float> n(0.0f, 0.02f);
   for (float& x : qk) x = n(rng);
   h->identity_ = "random:" + std::to_string(seed);
-  PENUMBRA_RETURN_IF_ERROR(h->Finish(target, embed, backend, norm, qk, target.rms_norm_eps, yarn_factor));
+  PENUMBRA_RETURN_IF_ERROR(h->Finish(embed, backend, norm, qk, target.rms_norm_eps, yarn_factor));
   return h;
 }
 
-Status SpeContextHead::Finish(const ModelConfig& target, TargetEmbedding embed, Backend* backend,
-                              const std::vector<float>& norm, const std::vector<float>& qk, double rms_eps,
-                              double yarn_factor) {
-  (void)target;
+Status SpeContextHead::Finish(TargetEmbedding embed, Backend* backend, const std::vector<float>& norm,
+                              const std::vector<float>& qk, double rms_eps, double yarn_factor) {
   backend_ = backend;
   embed_ = embed;
   rms_eps_ = rms_eps;

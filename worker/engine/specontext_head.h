@@ -90,8 +90,8 @@ class SpeContextHead {
 
  private:
   SpeContextHead() = default;
-  Status Finish(const ModelConfig& target, TargetEmbedding embed, Backend* backend, const std::vector<float>& norm,
-                const std::vector<float>& qk, double rms_eps, double yarn_factor);
+  Status Finish(TargetEmbedding embed, Backend* backend, const std::vector<float>& norm, const std::vector<float>& qk,
+                double rms_eps, double yarn_factor);
   Result<const float*> InvFreq(double factor);
 
   Backend* backend_ = nullptr;

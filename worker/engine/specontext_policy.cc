@@ -429,7 +429,7 @@ class SpeContextPolicy final : public KvPolicy {
                          float* lse) override {
     if (lse != nullptr) return Status::Unimplemented("specontext: context-parallel decode");
     Backend& b = *ctx_.backend;
-    const int B = static_cast<int>(step_.size()), d = ctx_.head_dim;
+    const int d = ctx_.head_dim;
     const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * d;
     const size_t q_row = static_cast<size_t>(ctx_.hq) * d * es_;
     for (const Group& g : groups_) {
@@ -474,7 +474,6 @@ class SpeContextPolicy final : public KvPolicy {
       a.slot_rows = 1;
       PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(a));
     }
-    (void)B;
     return Status::OK();
   }
 

@@ -104,7 +104,6 @@ class SpindleKvDevicePrefix final : public KvPrefix {
     std::map<std::string, std::string> out;
     out["meta"] = meta_;
     const DType t = backend_->act_dtype();
-    const size_t es = DTypeSize(t);
     PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
@@ -133,7 +132,6 @@ class SpindleKvDevicePrefix final : public KvPrefix {
         part.cv[g].entries.resize(static_cast<size_t>(L.value_entries[g]) * d_);
         ConvertToF32(at(L.views[g].key_entries[1]), t, part.ck[g].entries.data(), part.ck[g].entries.size());
         ConvertToF32(at(L.views[g].value_entries[1]), t, part.cv[g].entries.data(), part.cv[g].entries.size());
-        (void)es;
       }
       out["layer." + std::to_string(l)] = spindlekv::ExportPart(part);
     }
@@ -323,24 +321,15 @@ class SpindleKvDevicePolicy final : public KvPolicy {
   // and reference), uploaded: per layer one allocation of hkv heads laid
   // out for the most tokens or entries any head has.
   Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
-    auto meta = blobs.find("meta");
-    if (meta == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob 'meta' is missing");
-    PENUMBRA_ASSIGN_OR_RETURN(const int64_t tokens, spindlekv::PrefixMetaTokens(meta->second));
-    if (meta->second != Meta(tokens)) {
-      return Status::InvalidArgument("spindlekv prefix: made for another geometry or options ('" + meta->second +
-                                     "'; this policy: '" + Meta(tokens) + "')");
-    }
     const int L = ctx_.num_layers, hkv = ctx_.hkv, d = ctx_.head_dim;
+    PENUMBRA_ASSIGN_OR_RETURN(spindlekv::StoredPrefix stored,
+                              spindlekv::ReadStoredPrefix(
+                                  blobs, [this](int64_t t) { return Meta(t); }, L, ctx_.hq, hkv, d));
+    const int64_t tokens = stored.tokens;
     const DType t = ctx_.backend->act_dtype();
     std::vector<SpindleKvDevicePrefix::Layer> layers(L);
     for (int l = 0; l < L; ++l) {
-      const std::string name = "layer." + std::to_string(l);
-      auto b = blobs.find(name);
-      if (b == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob '" + name + "' is missing");
-      spindlekv::Reader r(b->second, "spindlekv prefix blob '" + name + "'");
-      spindlekv::Part part;
-      PENUMBRA_RETURN_IF_ERROR(spindlekv::ImportPart(r, ctx_.hq / hkv, hkv, d, tokens, &part));
-      if (!r.done()) return Status::Corruption("spindlekv prefix blob '" + name + "': bytes past its end");
+      const spindlekv::Part& part = stored.layers[l];
       int64_t cap = 1;
       for (int g = 0; g < hkv; ++g) {
         cap = std::max({cap, part.tok[g].size(), static_cast<int64_t>(part.ck[g].size()),

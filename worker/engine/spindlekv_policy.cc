@@ -58,9 +58,7 @@ namespace {
 using spindlekv::Codebook;
 
 using spindlekv::ExportPart;
-using spindlekv::ImportPart;
 using spindlekv::Part;
-using spindlekv::Reader;
 using spindlekv::Tokens;
 
 class SpindleKvPrefix final : public KvPrefix {
@@ -224,23 +222,10 @@ class SpindleKvPolicy final : public KvPolicy {
   }
 
   Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
-    auto meta = blobs.find("meta");
-    if (meta == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob 'meta' is missing");
-    PENUMBRA_ASSIGN_OR_RETURN(const int64_t tokens, spindlekv::PrefixMetaTokens(meta->second));
-    if (meta->second != Meta(tokens)) {
-      return Status::InvalidArgument("spindlekv prefix: made for another geometry or options ('" + meta->second +
-                                     "'; this policy: '" + Meta(tokens) + "')");
-    }
-    std::vector<Part> layers(ctx_.num_layers);
-    for (int l = 0; l < ctx_.num_layers; ++l) {
-      const std::string name = "layer." + std::to_string(l);
-      auto b = blobs.find(name);
-      if (b == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob '" + name + "' is missing");
-      Reader r(b->second, "spindlekv prefix blob '" + name + "'");
-      PENUMBRA_RETURN_IF_ERROR(ImportPart(r, ctx_.hq / ctx_.hkv, ctx_.hkv, ctx_.head_dim, tokens, &layers[l]));
-      if (!r.done()) return Status::Corruption("spindlekv prefix blob '" + name + "': bytes past its end");
-    }
-    return MakePrefix(tokens, std::move(layers));
+    PENUMBRA_ASSIGN_OR_RETURN(spindlekv::StoredPrefix p, spindlekv::ReadStoredPrefix(
+                                                             blobs, [this](int64_t t) { return Meta(t); },
+                                                             ctx_.num_layers, ctx_.hq, ctx_.hkv, ctx_.head_dim));
+    return MakePrefix(p.tokens, std::move(p.layers));
   }
 
   Status SynthesizeContext(int64_t seq, int64_t length, uint64_t seed) override {

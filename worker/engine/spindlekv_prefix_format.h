@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -195,6 +197,36 @@ inline Result<int64_t> PrefixMetaTokens(const std::string& meta) {
   is >> tokens;
   if (!is || tokens < 1) return Status::InvalidArgument("spindlekv prefix: bad token count in '" + meta + "'");
   return tokens;
+}
+
+// A stored document read back, every blob checked: its "meta" must be
+// meta_of(its tokens) (this policy's geometry and options), and each of the
+// `layers` "layer.L" blobs a Part of it (ImportPart) with nothing after it.
+struct StoredPrefix {
+  int64_t tokens = 0;
+  std::vector<Part> layers;
+};
+inline Result<StoredPrefix> ReadStoredPrefix(const std::map<std::string, std::string>& blobs,
+                                             const std::function<std::string(int64_t)>& meta_of, int layers, int hq,
+                                             int hkv, int d) {
+  auto meta = blobs.find("meta");
+  if (meta == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob 'meta' is missing");
+  StoredPrefix out;
+  PENUMBRA_ASSIGN_OR_RETURN(out.tokens, PrefixMetaTokens(meta->second));
+  if (meta->second != meta_of(out.tokens)) {
+    return Status::InvalidArgument("spindlekv prefix: made for another geometry or options ('" + meta->second +
+                                   "'; this policy: '" + meta_of(out.tokens) + "')");
+  }
+  out.layers.resize(layers);
+  for (int l = 0; l < layers; ++l) {
+    const std::string name = "layer." + std::to_string(l);
+    auto b = blobs.find(name);
+    if (b == blobs.end()) return Status::InvalidArgument("spindlekv prefix: blob '" + name + "' is missing");
+    Reader r(b->second, "spindlekv prefix blob '" + name + "'");
+    PENUMBRA_RETURN_IF_ERROR(ImportPart(r, hq / hkv, hkv, d, out.tokens, &out.layers[l]));
+    if (!r.done()) return Status::Corruption("spindlekv prefix blob '" + name + "': bytes past its end");
+  }
+  return out;
 }
 
 }  // namespace penumbra::spindlekv
