@@ -55,8 +55,6 @@
 namespace penumbra {
 namespace {
 
-using spindlekv::Codebook;
-
 using spindlekv::ExportPart;
 using spindlekv::Part;
 using spindlekv::Tokens;
