@@ -5,7 +5,8 @@
 // sharded, the question fed to the last rank as decode steps), uncached and
 // then attached from every rank's document cache, and give the greedy tokens
 // of Generate under the same group and of one process without a group, for
-// full attention and exact ShadowKV; a shard dropped on one rank makes every
+// full attention, exact ShadowKV and SpeContext at a budget above the
+// context; a shard dropped on one rank makes every
 // rank prefill (ids not sent: every rank FailedPrecondition); a step failing
 // on one rank fails on every rank, naming it; led mode runs a Scheduler over
 // rank 0 with the other ranks following (a put, questions, a request without
@@ -38,7 +39,14 @@ constexpr int kDocTokens = 300;
 constexpr int kNewTokens = 12;
 
 EngineOptions Options(const std::string& policy, const std::string& store = "") {
-  EngineOptions o = policy == "full" ? EngineOptions{} : testing::ExactShadowKvOptions();
+  EngineOptions o = policy == "shadowkv" ? testing::ExactShadowKvOptions() : EngineOptions{};
+  if (policy == "specontext") {
+    // Exact too: a budget above every sequence here selects all its tokens
+    // (the lossy selection across shards: context_parallel_test.cc).
+    o.specontext.head = "random";
+    o.specontext.budget = 512;
+    o.specontext.local = 16;
+  }
   o.backend.device = "cpu";
   o.backend.cpu_threads = 1;
   o.kv_policy = policy;
@@ -335,9 +343,13 @@ TEST_P(GroupStepsTest, EachRanksPersistentTierGivesAFreshGroupItsShards) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Groups, GroupStepsTest,
-                         ::testing::Values(Case{"full", 2}, Case{"full", 3}, Case{"shadowkv", 2}, Case{"shadowkv", 3}),
+                         ::testing::Values(Case{"full", 2}, Case{"full", 3}, Case{"shadowkv", 2}, Case{"shadowkv", 3},
+                                           Case{"specontext", 2}, Case{"specontext", 3}),
                          [](const ::testing::TestParamInfo<Case>& info) {
-                           return (info.param.policy == "full" ? std::string("Full") : std::string("ShadowKv")) +
+                           const std::string& p = info.param.policy;
+                           return std::string(p == "full"       ? "Full"
+                                              : p == "shadowkv" ? "ShadowKv"
+                                                                : "SpeContext") +
                                   std::to_string(info.param.world);
                          });
 

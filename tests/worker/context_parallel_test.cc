@@ -5,11 +5,10 @@
 // full rank, so that it is exact too); lossy ShadowKV with the global
 // selection over the shards gives the unsharded lossy tokens; with the local
 // selection the shards agree on every token across ranks and start with the
-// unsharded first token (the prefill is exact); what a shard cannot do is
-// refused. A group under the scheduler's steps, with the document cache and
-// led mode: tests/parallel/group_steps_test.cc. The same over real processes
-// and TCP (plaintext and mutual TLS):
-// tests/parallel/context_parallel_integration_test.cc.
+// unsharded first token (the prefill is exact); SpeContext's shards agree on
+// the unsharded top-k of each step; what a shard cannot do is refused. A group under the scheduler's steps, with the
+// document cache and led mode: tests/parallel/group_steps_test.cc. The same over real processes and TCP (plaintext and
+// mutual TLS): tests/parallel/context_parallel_integration_test.cc.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -235,6 +234,50 @@ TEST_F(ContextParallelTest, LossyShadowKvShardsAgreeAndStartWithTheExactToken) {
   EXPECT_EQ(got[0], got[1]);
   ASSERT_EQ(got[0][0].size(), 30u);
   EXPECT_EQ(got[0][0][0], want[0][0]);  // from the prefill, exact under both
+}
+
+// SpeContext with a random retrieval head and a budget of 24 of ~300 tokens
+// (lossy): the shards' global top-k per step is the unsharded selection.
+EngineOptions SpeContextOptions(int successors) {
+  EngineOptions o;
+  o.backend.device = "cpu";
+  o.backend.cpu_threads = 1;
+  o.kv_policy = "specontext";
+  o.specontext.head = "random";
+  o.specontext.budget = 24;
+  o.specontext.local = 16;
+  o.specontext.successors = successors;
+  o.runtime.prefill_chunk = 48;
+  return o;
+}
+
+TEST_F(ContextParallelTest, SpeContextWithGlobalSelectionGivesTheUnshardedTokens) {
+  // Two sequences of different capacities: two groups a step, each scoring
+  // in its own workspace part between the exchanges.
+  const auto reqs = Requests({300, 260}, 24);
+  const EngineOptions o = SpeContextOptions(/*successors=*/0);
+  const auto want = Unsharded(o, reqs);
+  ASSERT_EQ(want.size(), 2u);
+  EXPECT_NE(want, Unsharded(FullOptions(), reqs)) << "the configuration is not lossy";
+  for (int world : {2, 3}) {
+    const auto got = Sharded(o, world, reqs);
+    for (int r = 0; r < world; ++r) EXPECT_EQ(got[r], want) << "rank " << r << " of " << world;
+  }
+}
+
+// With successors, a shard's first tokens are not lifted by the previous
+// shard's last ones: the ranks still agree on every token, and the first
+// (the prefill's, exact) is the unsharded one.
+TEST_F(ContextParallelTest, SpeContextShardsWithSuccessorsAgreeAndStartWithTheExactToken) {
+  const auto reqs = Requests({300}, 24);
+  const EngineOptions o = SpeContextOptions(/*successors=*/4);
+  const auto want = Unsharded(o, reqs);
+  ASSERT_EQ(want.size(), 1u);
+  const auto got = Sharded(o, 2, reqs);
+  ASSERT_EQ(got[0].size(), 1u);
+  EXPECT_EQ(got[0], got[1]);
+  ASSERT_EQ(got[0][0].size(), 24u);
+  EXPECT_EQ(got[0][0][0], want[0][0]);
 }
 
 TEST_F(ContextParallelTest, WhatAShardCannotDoIsRefused) {

@@ -4,7 +4,7 @@
 // memory) and however the prompt is prefilled; with a small one it attends
 // to fewer tokens, reuses most of the last step's rows (elastic loading) and
 // still generates; retrieval heads are read from their file and refused with
-// a message naming what is wrong; documents and shards are refused.
+// a message naming what is wrong; foreign documents and shards it cannot hold are refused.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -342,11 +342,25 @@ TEST_F(SpeContextTest, ShardsForeignDocumentsAndBadOptionsAreRefused) {
   auto e = Open(SpeContext(16, 4, 0));
   ASSERT_TRUE(e);
   KvPolicy& p = e->runtime().policy();
+  // Context-parallel shards (tests/worker/context_parallel_test.cc): the
+  // last one must hold the local window; no observation window.
   SequenceSpec shard;
-  shard.prompt_len = 64;
+  shard.prompt_len = 3;
   shard.max_new_tokens = 4;
   shard.shard.position_base = 64;
-  EXPECT_EQ(p.AddSequence(1, shard).code(), StatusCode::kUnimplemented);
+  const Status short_last = p.AddSequence(1, shard);
+  EXPECT_EQ(short_last.code(), StatusCode::kInvalidArgument);
+  EXPECT_HAS_SUBSTR(short_last.message(), "fewer than the local window");
+  {
+    EngineOptions o = SpeContext(16, 4, 0);
+    o.specontext.observe = 2;
+    auto observing = Open(o);
+    ASSERT_TRUE(observing);
+    shard.prompt_len = 64;
+    const Status refused = observing->runtime().policy().AddSequence(1, shard);
+    EXPECT_EQ(refused.code(), StatusCode::kUnimplemented);
+    EXPECT_HAS_SUBSTR(refused.message(), "specontext.observe");
+  }
   // Longer than the slot update's bitmap holds (with a budget of 16).
   const Status too_long = p.AddSequence(3, 950000, 4);
   EXPECT_EQ(too_long.code(), StatusCode::kInvalidArgument);
@@ -370,6 +384,15 @@ TEST_F(SpeContextTest, ShardsForeignDocumentsAndBadOptionsAreRefused) {
   EXPECT_EQ((*again)->tokens(), 40);
   EXPECT_EQ(p.CapturePrefix(4, 65).status().code(), StatusCode::kInvalidArgument);
   p.RemoveSequence(4);
+  // A whole prompt's document is not a shard's, nor one shard's another's.
+  SequenceSpec as_shard;
+  as_shard.prompt_len = 64;
+  as_shard.shard.position_base = 64;
+  as_shard.shard.closed = true;
+  as_shard.prefix = *doc;
+  const Status moved = p.AddSequence(9, as_shard);
+  EXPECT_EQ(moved.code(), StatusCode::kInvalidArgument);
+  EXPECT_HAS_SUBSTR(moved.message(), "from position 0 attached at position 64");
   p.RemoveSequence(2);
   EngineOptions fo;
   fo.backend.device = "cpu";

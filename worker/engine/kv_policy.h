@@ -156,6 +156,11 @@ struct ShardSpec {
   // makes the same calls for the same steps.
   int64_t sequence_tokens = 0;
   Collective* group = nullptr;
+  // The whole sequence's tokens after its sharded span (the tail fed as
+  // decode steps and the new tokens; 0: none or unknown): with
+  // sequence_tokens, its capacity (specontext scales its retrieval head's
+  // positions by it on every rank alike).
+  int64_t sequence_new_tokens = 0;
   bool sharded() const { return position_base > 0 || closed || share != 1.0; }
 };
 

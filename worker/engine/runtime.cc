@@ -348,6 +348,7 @@ Status Runtime::AddShard(int64_t seq, int64_t span, int64_t tail, int64_t max_ne
   spec.shard.closed = rank < world - 1;
   spec.shard.share = static_cast<double>(sh.end - sh.begin) / static_cast<double>(span);
   spec.shard.sequence_tokens = span;
+  spec.shard.sequence_new_tokens = tail + max_new_tokens;
   spec.shard.group = cp_;
   return policy_->AddSequence(seq, spec);
 }

@@ -11,8 +11,19 @@
 //   slots     [hkv][budget] int32 token per slot (-1: empty), shared by the
 //                                layers (the selection is the same for all)
 // At a decode step with the new token at position p, tokens [0, p + 1 -
-// local) are selectable and [p + 1 - local, p] are in the ring; a token
-// leaves the ring as it becomes selectable, so no row is attended twice.
+// local) are selectable and [p + 1 - local, p] are in the ring (row budget +
+// p % local); a token leaves the ring as it becomes selectable, so no row is
+// attended twice.
+//
+// A context-parallel shard (ShardSpec) holds positions [pos0, pos0 + its
+// tokens): its rows, lengths and selection count from pos0 (token indices
+// are local), RoPE, YaRN and the ring use the whole sequence's positions. A
+// closed shard's tokens are all selectable and it attends to no ring (the
+// last shard holds at least `local` tokens, so the window is its); a decode
+// step writes the new token into a closed shard's spare row (capacity =
+// its tokens + 1), never read. The shards agree on one top-k per step (the
+// retrieval head's scores normalized over the whole sequence: ShadowKV's
+// two exchanges, worker/engine/shadowkv/shard_exchange.h).
 #include "worker/engine/specontext_policy.h"
 
 #include <glog/logging.h>
@@ -26,6 +37,8 @@
 #include <tuple>
 
 #include "kernels/shadowkv_decode_args.h"
+#include "worker/engine/collective.h"
+#include "worker/engine/shadowkv/shard_exchange.h"
 
 namespace penumbra {
 namespace {
@@ -45,8 +58,8 @@ class SpeContextPrefix final : public KvPrefix {
     DType dtype = DType::kF32;
     std::string head;  // the head's identity
   };
-  SpeContextPrefix(Backend* backend, Geometry g, int64_t tokens, int64_t stride, double factor)
-      : backend_(backend), g_(std::move(g)), tokens_(tokens), stride_(stride), factor_(factor) {
+  SpeContextPrefix(Backend* backend, Geometry g, int64_t tokens, int64_t stride, double factor, int64_t pos0)
+      : backend_(backend), g_(std::move(g)), tokens_(tokens), stride_(stride), factor_(factor), pos0_(pos0) {
     k_.resize(g_.layers);
     v_.resize(g_.layers);
     k_at_.resize(g_.layers);
@@ -65,12 +78,13 @@ class SpeContextPrefix final : public KvPrefix {
     for (int l = 0; l < g_.layers; ++l) n += on_device_[l] ? 0 : k_[l].bytes() + v_[l].bytes();
     return n;
   }
-  static std::string Meta(const Geometry& g, int64_t tokens, double factor) {
+  // base: a context-parallel shard's first position (0: a whole prompt).
+  static std::string Meta(const Geometry& g, int64_t tokens, double factor, int64_t base) {
     std::ostringstream os;
     os.precision(17);
-    os << "specontext-prefix v1 tokens=" << tokens << " layers=" << g.layers << " kv_heads=" << g.hkv
-       << " head_dim=" << g.d << " head_kv_heads=" << g.head_hkv << " head_head_dim=" << g.head_d
-       << " dtype=" << DTypeName(g.dtype) << " yarn=" << factor << " head=" << g.head;
+    os << "specontext-prefix v1 tokens=" << tokens << " base=" << base << " layers=" << g.layers
+       << " kv_heads=" << g.hkv << " head_dim=" << g.d << " head_kv_heads=" << g.head_hkv
+       << " head_head_dim=" << g.head_d << " dtype=" << DTypeName(g.dtype) << " yarn=" << factor << " head=" << g.head;
     return os.str();
   }
   // Rows [0, tokens) of each head of `stride` rows, [hkv][tokens][width]
@@ -93,7 +107,7 @@ class SpeContextPrefix final : public KvPrefix {
   }
   Result<std::map<std::string, std::string>> Export() const override {
     std::map<std::string, std::string> out;
-    out["meta"] = Meta(g_, tokens_, factor_);
+    out["meta"] = Meta(g_, tokens_, factor_, pos0_);
     PENUMBRA_ASSIGN_OR_RETURN(out["head_k"], Compact(head_k_.get(), true, g_.head_hkv, g_.head_d, tokens_));
     for (int l = 0; l < g_.layers; ++l) {
       PENUMBRA_ASSIGN_OR_RETURN(out["k." + std::to_string(l)],
@@ -108,6 +122,7 @@ class SpeContextPrefix final : public KvPrefix {
   Geometry g_;
   int64_t tokens_, stride_;
   double factor_;
+  int64_t pos0_;  // a shard's first position (0: a whole prompt's prefix)
   std::vector<DeviceBuffer> k_, v_;
   std::vector<void*> k_at_, v_at_;  // device addresses
   std::vector<bool> on_device_;
@@ -117,7 +132,11 @@ class SpeContextPrefix final : public KvPrefix {
 class SpeContextPolicy final : public KvPolicy {
  public:
   SpeContextPolicy(const PolicyContext& ctx, const SpeContextOptions& o, std::shared_ptr<SpeContextHead> head)
-      : ctx_(ctx), o_(o), head_(std::move(head)), es_(DTypeSize(ctx.backend->act_dtype())) {}
+      : ctx_(ctx),
+        o_(o),
+        head_(std::move(head)),
+        es_(DTypeSize(ctx.backend->act_dtype())),
+        exchange_(ctx_, *ctx_.backend) {}
 
   std::string name() const override { return "specontext"; }
   // A document's state is its exact keys and values and the head's keys:
@@ -130,16 +149,41 @@ class SpeContextPolicy final : public KvPolicy {
 
   Status AddSequence(int64_t seq, const SequenceSpec& spec) override {
     if (seqs_.count(seq)) return Status::InvalidArgument("sequence " + std::to_string(seq) + " already exists");
-    const SpeContextPrefix* p = nullptr;
-    if (spec.prefix) {
-      PENUMBRA_ASSIGN_OR_RETURN(p, AttachedPrefix<SpeContextPrefix>(spec, "specontext"));
-    }
-    if (spec.shard.sharded()) return Status::Unimplemented("the specontext KV policy cannot hold a context shard");
+    const ShardSpec& shard = spec.shard;
     if (spec.prompt_len < 1 || spec.max_new_tokens < 0) {
       return Status::InvalidArgument("specontext: a sequence of " + std::to_string(spec.prompt_len) + " + " +
                                      std::to_string(spec.max_new_tokens) + " tokens");
     }
+    const SpeContextPrefix* p = nullptr;
+    if (spec.prefix && !shard.sharded()) {
+      PENUMBRA_ASSIGN_OR_RETURN(p, AttachedPrefix<SpeContextPrefix>(spec, "specontext"));
+    } else if (spec.prefix) {
+      // A shard attaches a capture of exactly its own tokens.
+      p = dynamic_cast<const SpeContextPrefix*>(spec.prefix.get());
+      if (p == nullptr || p->tokens() != spec.prompt_len) {
+        return Status::InvalidArgument("a " + spec.prefix->policy() + " prefix of " +
+                                       std::to_string(spec.prefix->tokens()) + " tokens cannot attach to a " +
+                                       std::to_string(spec.prompt_len) + "-token specontext shard");
+      }
+    }
+    if (p != nullptr && p->pos0_ != shard.position_base) {
+      return Status::InvalidArgument("specontext: a document shard from position " + std::to_string(p->pos0_) +
+                                     " attached at position " + std::to_string(shard.position_base));
+    }
+    if (shard.sharded()) {
+      if (o_.observe > 0) {
+        return Status::Unimplemented(
+            "specontext.observe > 0 under context parallel (the observation window is the prompt's last queries)");
+      }
+      if (!shard.closed && spec.prompt_len < o_.local) {
+        return Status::InvalidArgument("specontext: the last shard holds " + std::to_string(spec.prompt_len) +
+                                       " tokens, fewer than the local window (" + std::to_string(o_.local) + ")");
+      }
+    }
     auto s = std::make_unique<Seq>();
+    s->pos0 = shard.position_base;
+    s->closed = shard.closed;
+    s->group = shard.group;
     s->capacity = spec.prompt_len + std::max<int64_t>(spec.max_new_tokens, 1);
     if (s->capacity > MaxTokens()) {
       return Status::InvalidArgument("specontext: a sequence of " + std::to_string(s->capacity) + " tokens; at most " +
@@ -151,6 +195,9 @@ class SpeContextPolicy final : public KvPolicy {
       s->base = s->length = p->tokens();
       s->prefix = std::static_pointer_cast<const SpeContextPrefix>(spec.prefix);
       s->factor = p->factor_;  // the document's keys were made at its factor
+    } else if (shard.sharded() && shard.sequence_tokens > 0) {
+      // Every rank scales by the whole sequence's capacity.
+      s->factor = head_->Factor(shard.sequence_tokens + std::max<int64_t>(shard.sequence_new_tokens, 1));
     } else {
       s->factor = head_->Factor(s->capacity);
     }
@@ -183,7 +230,7 @@ class SpeContextPolicy final : public KvPolicy {
       const int64_t T = p->tokens();
       for (int l = 0; l < ctx_.num_layers; ++l) {
         for (int64_t q = std::max<int64_t>(0, T - o_.local); q < T;) {
-          const int64_t ring = q % o_.local, run = std::min(T - q, o_.local - ring);
+          const int64_t ring = (s->pos0 + q) % o_.local, run = std::min(T - q, o_.local - ring);
           for (auto [dst, src] : {std::pair{&s->att_k, &p->k_[l]}, std::pair{&s->att_v, &p->v_[l]}}) {
             PENUMBRA_RETURN_IF_ERROR(b.Copy2D(AttRow(*s, *dst, l, o_.budget + ring), Rows() * row,
                                               static_cast<const char*>(src->get()) + q * row, p->stride_ * row,
@@ -204,9 +251,10 @@ class SpeContextPolicy final : public KvPolicy {
 
   // ---- prefill: exact attention, one layer at a time in a device scratch ----
 
-  Status PrefillTokens(int64_t seq, const int32_t* ids, const int32_t* positions, int n, int64_t start) override {
+  Status PrefillTokens(int64_t seq, const int32_t* ids, const int32_t* positions, int n, int64_t global) override {
     Seq* s = Find(seq);
     if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
+    const int64_t start = global - s->pos0;  // rows count from the shard's first position
     if (start != s->length || start + n > s->capacity) {
       return Status::InvalidArgument("specontext: a prefill of [" + std::to_string(start) + ", " +
                                      std::to_string(start + n) + ") of a sequence holding " +
@@ -225,11 +273,13 @@ class SpeContextPolicy final : public KvPolicy {
     return Status::OK();
   }
 
-  Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t start, const int32_t* positions,
+  // lse: each row's log-sum-exp over the shard's own keys (context
+  // parallel: the runtime merges the earlier shards' keys in).
+  Status PrefillAttention(int layer, int64_t seq, const float* qkv, int n, int64_t global, const int32_t* positions,
                           void* q_scratch, void* out, float* lse) override {
-    if (lse != nullptr) return Status::Unimplemented("specontext: context-parallel prefill");
     Seq* s = Find(seq);
     if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
+    const int64_t start = global - s->pos0;
     if (start < s->length || start + n > s->capacity) {
       return Status::InvalidArgument("specontext: prefill rows [" + std::to_string(start) + ", " +
                                      std::to_string(start + n) + ") of a sequence holding " +
@@ -268,14 +318,16 @@ class SpeContextPolicy final : public KvPolicy {
     a.hkv = ctx_.hkv;
     a.d = d;
     a.scale = ctx_.scale;
+    a.lse = lse;
     ctx_.backend->PrefillAttention(a);
     scratch_end_ = std::max(scratch_end_, start + n);
     return Status::OK();
   }
 
-  Status FinishPrefillLayer(int layer, int64_t seq, int64_t prompt_len) override {
+  Status FinishPrefillLayer(int layer, int64_t seq, int64_t prompt_end) override {
     Seq* s = Find(seq);
     if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seq));
+    const int64_t prompt_len = prompt_end - s->pos0;  // the shard's own tokens
     if (scratch_seq_ != seq || scratch_layer_ != layer || scratch_end_ != prompt_len) {
       return Status::Internal("specontext: layer " + std::to_string(layer) + " of sequence " + std::to_string(seq) +
                               " finished without its prefill");
@@ -294,7 +346,7 @@ class SpeContextPolicy final : public KvPolicy {
     }
     // The last `local` tokens to the layer's ring.
     for (int64_t p = std::max<int64_t>(0, prompt_len - o_.local); p < prompt_len;) {
-      const int64_t ring = p % o_.local;
+      const int64_t ring = (s->pos0 + p) % o_.local;
       const int64_t run = std::min(prompt_len - p, o_.local - ring);
       for (auto [dst, src] : {std::pair{&s->att_k, &scratch_k_}, std::pair{&s->att_v, &scratch_v_}}) {
         PENUMBRA_RETURN_IF_ERROR(b.Copy2D(AttRow(*s, *dst, layer, o_.budget + ring), Rows() * row,
@@ -316,21 +368,32 @@ class SpeContextPolicy final : public KvPolicy {
     for (size_t i = 0; i < seqs.size(); ++i) {
       Seq* s = Find(seqs[i]);
       if (s == nullptr) return Status::NotFound("specontext: no sequence " + std::to_string(seqs[i]));
-      if (positions[i] != s->length || positions[i] >= s->capacity) {
+      // A closed shard's new token is past its end (it stores nothing); the
+      // last shard's (or a whole sequence's) is the next of its own.
+      const int64_t local = positions[i] - s->pos0;
+      const bool fits = s->closed ? local >= s->length : local == s->length && local < s->capacity;
+      if (!fits) {
         return Status::InvalidArgument("specontext: sequence " + std::to_string(seqs[i]) + " decodes at " +
                                        std::to_string(positions[i]) + " holding " + std::to_string(s->length) + " of " +
-                                       std::to_string(s->capacity));
+                                       std::to_string(s->capacity) + " from position " + std::to_string(s->pos0));
       }
       step_.push_back(s);
     }
-    // Groups: runs of sequences of one capacity and attached document length
-    // and stride (their rows' strides).
+    exchange_group_ = step_.empty() ? nullptr : step_[0]->group;
+    for (const Seq* s : step_) {
+      if (s->group != exchange_group_) {
+        return Status::Internal(
+            "specontext: a decode step mixes shards of a context-parallel group with other sequences");
+      }
+    }
+    // Groups: runs of sequences of one capacity, attached document length
+    // and stride (their rows' strides) and shard kind.
     groups_.clear();
     const int B = static_cast<int>(step_.size());
     for (int i = 0; i < B;) {
       int j = i + 1;
       while (j < B && step_[j]->capacity == step_[i]->capacity && step_[j]->base == step_[i]->base &&
-             step_[j]->shared_stride() == step_[i]->shared_stride()) {
+             step_[j]->shared_stride() == step_[i]->shared_stride() && step_[j]->closed == step_[i]->closed) {
         ++j;
       }
       groups_.push_back({i, j - i});
@@ -340,85 +403,22 @@ class SpeContextPolicy final : public KvPolicy {
   }
 
   Status DecodeTokens(const int32_t* ids, const int32_t* positions) override {
-    Backend& b = *ctx_.backend;
-    const int B = static_cast<int>(step_.size()), H = ctx_.hkv, K = o_.budget, dh = head_->head_dim();
+    const int B = static_cast<int>(step_.size()), dh = head_->head_dim();
     if (B == 0) return Status::OK();
     PENUMBRA_RETURN_IF_ERROR(GrowStepBuffers(B));
     const size_t q_row = static_cast<size_t>(head_->heads()) * dh * es_;
+    // The head: this step's query rows, and its key rows into the head's
+    // cache (a closed shard's spare row).
     for (const Group& g : groups_) {
       const Seq& s0 = *step_[g.first];
-      // The head: this step's query rows, and its key rows into the head's cache.
-      const double factor = s0.factor;  // a group: one capacity, one document length
-      PENUMBRA_RETURN_IF_ERROR(head_->Project(ids + g.first, positions + g.first, g.count, factor,
+      PENUMBRA_RETURN_IF_ERROR(head_->Project(ids + g.first, positions + g.first, g.count, s0.factor,
                                               static_cast<char*>(head_q_.get()) + g.first * q_row,
                                               Table(kHeadKDst) + g.first, s0.own() * dh));
-      int max_sel = 0;
-      for (int i = g.first; i < g.first + g.count; ++i) max_sel = std::max<int>(max_sel, Selectable(i));
-      int32_t* selection = selection_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
-      bool floors = false;  // an observation window's weights to apply
-      for (int i = g.first; i < g.first + g.count; ++i) floors = floors || step_[i]->has_obs;
-      if (max_sel == 0) {
-        PENUMBRA_RETURN_IF_ERROR(b.Memset(selection, 0xFF, static_cast<size_t>(g.count) * H * K * sizeof(int32_t)));
-      } else {
-        kn::ShadowkvScoreArgs sc;
-        sc.q = static_cast<char*>(head_q_.get()) + g.first * q_row;
-        sc.q_dtype = b.act_dtype();
-        sc.landmarks = reinterpret_cast<const void* const*>(Table(kHeadK) + g.first);
-        sc.dtype = b.act_dtype();
-        sc.n_chunks = Ints(kSelectable) + g.first;
-        sc.batch = g.count;
-        sc.hq = head_->heads();
-        sc.hkv = H;
-        sc.d = dh;
-        sc.chunk_cap = static_cast<int>(s0.capacity);
-        sc.landmark_cap = static_cast<int>(s0.own());
-        sc.shared_landmarks = reinterpret_cast<const void* const*>(Table(kSharedHeadK) + g.first);
-        sc.shared_chunks = static_cast<int>(s0.base);
-        sc.max_chunks = max_sel;
-        sc.scale = head_->Scale(factor);
-        PENUMBRA_RETURN_IF_ERROR(GrowScores(static_cast<size_t>(B) * H * (max_sel + 1)));
-        sc.scores = scores_.as<float>();
-        sc.score_stride = max_sel + 1;
-        sc.successors = o_.successors;
-        sc.selection = selection;
-        sc.selection_stride = K;
-        if (!floors) {
-          sc.select_k = K;  // scores and selection in one pass where the backend fuses them
-          PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
-        } else {
-          // The step's scores, floored by each sequence's observation
-          // window's, then the top-k.
-          PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
-          for (int i = g.first; i < g.first + g.count; ++i) {
-            if (!step_[i]->has_obs || Selectable(i) == 0) continue;
-            for (int h = 0; h < H; ++h) {
-              kn::MaxRowsArgs m;
-              m.in = step_[i]->obs.as<float>() + static_cast<size_t>(h) * s0.capacity;
-              m.rows = 1;
-              m.row_stride = s0.capacity;
-              m.cols = Selectable(i);
-              m.out = scores_.as<float>() + (static_cast<size_t>(i - g.first) * H + h) * sc.score_stride;
-              m.accumulate = true;
-              b.MaxRows(m);
-            }
-          }
-          sc.select_k = K;
-          b.TopK(kn::ShadowkvSelectionTopK(sc));
-        }
-      }
-      kn::ShadowkvSlotUpdateArgs su;
-      su.selection = selection;
-      su.selection_stride = K;
-      su.slot_maps = reinterpret_cast<int32_t* const*>(Table(kSlots) + g.first);
-      su.miss_count = miss_count_.as<int32_t>() + static_cast<size_t>(g.first) * H;
-      su.miss_slot = miss_slot_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
-      su.miss_chunk = miss_token_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
-      su.batch = g.count;
-      su.hkv = H;
-      su.kslots = K;
-      su.chunk_cap = static_cast<int>(s0.capacity);
-      su.force_keep = static_cast<float>(forced_hit_rate_);
-      b.ShadowkvSlotUpdate(su);
+    }
+    if (exchange_group_ != nullptr) {
+      PENUMBRA_RETURN_IF_ERROR(SelectAcrossShards());
+    } else {
+      for (const Group& g : groups_) PENUMBRA_RETURN_IF_ERROR(SelectGroup(g));
     }
     // The first layers' copies start now, on the side stream.
     for (int l = 0; l < std::min(ctx_.num_layers, Backend::kSideMarks); ++l) Prefetch(l);
@@ -427,7 +427,6 @@ class SpeContextPolicy final : public KvPolicy {
 
   Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
                          float* lse) override {
-    if (lse != nullptr) return Status::Unimplemented("specontext: context-parallel decode");
     Backend& b = *ctx_.backend;
     const int d = ctx_.head_dim;
     const size_t qkv_row = static_cast<size_t>(ctx_.hq + 2 * ctx_.hkv) * d;
@@ -472,24 +471,34 @@ class SpeContextPolicy final : public KvPolicy {
       a.slot_row0 = 0;
       a.slot_count = o_.budget;
       a.slot_rows = 1;
+      // Context parallel: the shard's part, merged by the runtime (-inf for
+      // a shard that won nothing and attends to no ring).
+      a.lse = lse != nullptr ? lse + static_cast<size_t>(g.first) * ctx_.hq : nullptr;
       PENUMBRA_RETURN_IF_ERROR(b.DecodeAttention(a));
     }
     return Status::OK();
   }
 
   Status FinishDecodeStep() override {
-    const int B = static_cast<int>(step_.size()), H = ctx_.hkv;
-    std::vector<int32_t> misses(static_cast<size_t>(B) * H);
+    const int B = static_cast<int>(step_.size()), H = ctx_.hkv, K = o_.budget;
+    std::vector<int32_t> misses(static_cast<size_t>(B) * H), won;
     if (B > 0) {
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToHost(misses.data(), miss_count_.get(), misses.size() * 4));
     }
+    if (B > 0 && exchange_group_ != nullptr) {  // a shard's selection: its winners
+      won.resize(static_cast<size_t>(B) * H * K);
+      PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToHost(won.data(), selection_.get(), won.size() * 4));
+    }
     for (int i = 0; i < B; ++i) {
-      const int64_t selected = std::min<int64_t>(Selectable(i), o_.budget);
       for (int h = 0; h < H; ++h) {
+        const size_t row = static_cast<size_t>(i) * H + h;
+        const int64_t selected = won.empty() ? std::min<int64_t>(Selectable(i), K)
+                                             : std::count_if(won.begin() + row * K, won.begin() + (row + 1) * K,
+                                                             [](int32_t t) { return t >= 0; });
         stats_.selected_chunks += selected;
-        stats_.hit_chunks += std::max<int64_t>(0, selected - misses[static_cast<size_t>(i) * H + h]);
+        stats_.hit_chunks += std::max<int64_t>(0, selected - misses[row]);
       }
-      step_[i]->length = step_pos_[i] + 1;
+      if (!step_[i]->closed) step_[i]->length = Local(i) + 1;
     }
     ++stats_.decode_steps;
     step_.clear();
@@ -541,7 +550,7 @@ class SpeContextPolicy final : public KvPolicy {
                                      std::to_string(seq) + " holds " + std::to_string(s->length));
     }
     Backend& b = *ctx_.backend;
-    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, tokens, s->factor);
+    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, tokens, s->factor, s->pos0);
     const size_t row = static_cast<size_t>(ctx_.head_dim) * es_, hrow = static_cast<size_t>(head_->head_dim()) * es_;
     // Rows [0, shared) from the attached document, [shared, tokens) the
     // sequence's own.
@@ -582,7 +591,7 @@ class SpeContextPolicy final : public KvPolicy {
     Seq* s = Find(seq);
     if (s == nullptr || s->base > 0 || tokens != s->length) return CapturePrefix(seq, tokens);
     Backend& b = *ctx_.backend;
-    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, s->capacity, s->factor);
+    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, s->capacity, s->factor, s->pos0);
     // The head's keys compacted to `tokens` rows a head (a tenth of a layer's
     // bytes or less), the layers' buffers moved as they are.
     const size_t hrow = static_cast<size_t>(head_->head_dim()) * es_;
@@ -604,8 +613,8 @@ class SpeContextPolicy final : public KvPolicy {
   Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
     auto meta = blobs.find("meta");
     if (meta == blobs.end()) return Status::InvalidArgument("specontext document: no 'meta' blob");
-    // tokens= and yarn= are the document's own; the rest must be this
-    // policy's geometry and head.
+    // tokens=, base= and yarn= are the document's own; the rest must be
+    // this policy's geometry and head.
     auto field = [&](const std::string& key) -> std::string {
       const std::string& m = meta->second;
       const size_t at = m.find(" " + key + "=");
@@ -613,19 +622,24 @@ class SpeContextPolicy final : public KvPolicy {
       const size_t b = at + key.size() + 2, e = m.find(' ', b);
       return m.substr(b, e == std::string::npos ? std::string::npos : e - b);
     };
-    const std::string tok = field("tokens"), yarn = field("yarn");
+    const std::string tok = field("tokens"), base_field = field("base"), yarn = field("yarn");
     char* end = nullptr;
     const long long tokens = std::strtoll(tok.c_str(), &end, 10);
     const bool tokens_ok = !tok.empty() && *end == '\0' && tokens >= 1 && tokens < (int64_t{1} << 31);
     end = nullptr;
+    const long long base = std::strtoll(base_field.c_str(), &end, 10);
+    const bool base_ok = !base_field.empty() && *end == '\0' && base >= 0 && base < (int64_t{1} << 40);
+    end = nullptr;
     const double factor = std::strtod(yarn.c_str(), &end);
     const bool factor_ok = !yarn.empty() && *end == '\0' && factor >= 1.0 && factor <= 1024.0;
-    if (!tokens_ok || !factor_ok || SpeContextPrefix::Meta(Geometry(), tokens, factor) != meta->second) {
+    if (!tokens_ok || !base_ok || !factor_ok ||
+        SpeContextPrefix::Meta(Geometry(), tokens, factor, base) != meta->second) {
       return Status::InvalidArgument("specontext document: meta '" + meta->second.substr(0, 300) +
-                                     "' does not fit this policy (" + SpeContextPrefix::Meta(Geometry(), 0, 1) + ")");
+                                     "' does not fit this policy (" + SpeContextPrefix::Meta(Geometry(), 0, 1, 0) +
+                                     ")");
     }
     Backend& b = *ctx_.backend;
-    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, tokens, factor);
+    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, tokens, factor, base);
     auto blob = [&](const std::string& name, size_t bytes) -> Result<const std::string*> {
       auto it = blobs.find(name);
       if (it == blobs.end()) return Status::InvalidArgument("specontext document: no '" + name + "' blob");
@@ -674,7 +688,15 @@ class SpeContextPolicy final : public KvPolicy {
 
  private:
   struct Seq {
+    // Rows [0, capacity) are positions pos0 + row; capacity and length count
+    // rows (a whole sequence: pos0 = 0).
     int64_t capacity = 0, length = 0;
+    // Context parallel (ShardSpec): the shard's first position, whether it is
+    // closed (decode steps store nothing in it), its group (null: none, or
+    // a shard made alone: it selects from its own tokens).
+    int64_t pos0 = 0;
+    bool closed = false;
+    Collective* group = nullptr;
     // Tokens of the attached document (read in place; own buffers hold the
     // positions from base on: row p - base).
     int64_t base = 0;
@@ -757,7 +779,23 @@ class SpeContextPolicy final : public KvPolicy {
     if (free <= keep || layer == 0) return 0;
     return static_cast<int>(std::min<size_t>((free - keep) / layer, ctx_.num_layers));
   }
-  int Selectable(int i) const { return static_cast<int>(std::max<int64_t>(0, step_pos_[i] + 1 - o_.local)); }
+  // Step entry i's new token as a row of its sequence (a shard's rows count
+  // from its first position).
+  int64_t Local(int i) const { return step_pos_[i] - step_[i]->pos0; }
+  // The row its new token is written to: a closed shard's spare row.
+  int64_t WriteRow(int i) const { return step_[i]->closed ? step_[i]->length : Local(i); }
+  // Its selectable tokens: [0, this): a closed shard's every token, else
+  // those before the local window.
+  int Selectable(int i) const {
+    if (step_[i]->closed) return static_cast<int>(step_[i]->length);
+    return static_cast<int>(std::max<int64_t>(0, Local(i) + 1 - o_.local));
+  }
+  // Rows its attention reads: the slots, then (not for a closed shard) the
+  // ring's filled rows.
+  int64_t AttendedRows(int i) const {
+    if (step_[i]->closed) return o_.budget;
+    return o_.budget + std::min<int64_t>(o_.local, Local(i) + 1);
+  }
   void* HeadKRow(const Seq& s, int64_t p) const {
     return static_cast<char*>(s.head_k.get()) + (p - s.base) * head_->head_dim() * es_;
   }
@@ -830,13 +868,13 @@ class SpeContextPolicy final : public KvPolicy {
                          (static_cast<size_t>(B) * kStepInts * sizeof(int32_t) + sizeof(void*) - 1) / sizeof(void*));
     for (int i = 0; i < B; ++i) {
       Seq& s = *step_[i];
-      const int64_t p = step_pos_[i];
+      const int64_t p = step_pos_[i], w = WriteRow(i);  // the ring by position, the stores by row
       for (int l = 0; l < L; ++l) {
         auto at = [&](int table) -> void*& { return t[(static_cast<size_t>(l) * kLayerTables + table) * B + i]; };
         at(kRingK) = AttRow(s, s.att_k, l, o_.budget + p % o_.local);
         at(kRingV) = AttRow(s, s.att_v, l, o_.budget + p % o_.local);
-        at(kStoreKDst) = static_cast<char*>(s.k_at[l]) + (p - s.base) * row;
-        at(kStoreVDst) = static_cast<char*>(s.v_at[l]) + (p - s.base) * row;
+        at(kStoreKDst) = static_cast<char*>(s.k_at[l]) + (w - s.base) * row;
+        at(kStoreVDst) = static_cast<char*>(s.v_at[l]) + (w - s.base) * row;
         at(kAttK) = AttRow(s, s.att_k, l, 0);
         at(kAttV) = AttRow(s, s.att_v, l, 0);
         at(kStoreK) = s.k_at[l];
@@ -845,7 +883,7 @@ class SpeContextPolicy final : public KvPolicy {
         at(kSharedV) = s.prefix ? s.prefix->v_at_[l] : nullptr;
       }
       const size_t base = static_cast<size_t>(kLayerTables) * L * B;
-      t[base + kHeadKDst * B + i] = HeadKRow(s, p);
+      t[base + kHeadKDst * B + i] = HeadKRow(s, w);
       t[base + kHeadK * B + i] = s.head_k.get();
       t[base + kSharedHeadK * B + i] = s.prefix ? s.prefix->head_k_.get() : nullptr;
       t[base + kSlots * B + i] = s.slots.get();
@@ -853,7 +891,7 @@ class SpeContextPolicy final : public KvPolicy {
     auto* ints = reinterpret_cast<int32_t*>(t.data() + static_cast<size_t>(B) * (kLayerTables * L + kStepTables));
     for (int i = 0; i < B; ++i) {
       ints[kSelectable * B + i] = Selectable(i);
-      ints[kLength * B + i] = static_cast<int32_t>(o_.budget + std::min<int64_t>(o_.local, step_pos_[i] + 1));
+      ints[kLength * B + i] = static_cast<int32_t>(AttendedRows(i));
     }
     PENUMBRA_ASSIGN_OR_RETURN(step_table_, Upload(&step_buf_, &step_staging_, t));
     return Status::OK();
@@ -962,6 +1000,182 @@ class SpeContextPolicy final : public KvPolicy {
     return Status::OK();
   }
 
+  int MaxSelectable(const Group& g) const {
+    int m = 0;
+    for (int i = g.first; i < g.first + g.count; ++i) m = std::max(m, Selectable(i));
+    return m;
+  }
+  // A group's scoring of the head's K cache (its selectable tokens), with
+  // `max_sel` = MaxSelectable(g) > 0; the scores land in scores_ (grown).
+  Result<kn::ShadowkvScoreArgs> ScoreArgsOf(const Group& g, int max_sel) {
+    Backend& b = *ctx_.backend;
+    const int B = static_cast<int>(step_.size()), H = ctx_.hkv, dh = head_->head_dim();
+    const Seq& s0 = *step_[g.first];
+    const size_t q_row = static_cast<size_t>(head_->heads()) * dh * es_;
+    PENUMBRA_RETURN_IF_ERROR(GrowScores(static_cast<size_t>(B) * H * (max_sel + 1)));
+    kn::ShadowkvScoreArgs sc;
+    sc.q = static_cast<char*>(head_q_.get()) + g.first * q_row;
+    sc.q_dtype = b.act_dtype();
+    sc.landmarks = reinterpret_cast<const void* const*>(Table(kHeadK) + g.first);
+    sc.dtype = b.act_dtype();
+    sc.n_chunks = Ints(kSelectable) + g.first;
+    sc.batch = g.count;
+    sc.hq = head_->heads();
+    sc.hkv = H;
+    sc.d = dh;
+    sc.chunk_cap = static_cast<int>(s0.capacity);
+    sc.landmark_cap = static_cast<int>(s0.own());
+    sc.shared_landmarks = reinterpret_cast<const void* const*>(Table(kSharedHeadK) + g.first);
+    sc.shared_chunks = static_cast<int>(s0.base);
+    sc.max_chunks = max_sel;
+    sc.scale = head_->Scale(s0.factor);  // a group: one capacity, one document length
+    sc.scores = scores_.as<float>();
+    sc.score_stride = max_sel + 1;
+    sc.successors = o_.successors;
+    return sc;
+  }
+  // The slot update of a group from its selection ([count][hkv][budget]).
+  kn::ShadowkvSlotUpdateArgs SlotUpdateOf(const Group& g, const int32_t* selection) const {
+    const int H = ctx_.hkv, K = o_.budget;
+    kn::ShadowkvSlotUpdateArgs su;
+    su.selection = selection;
+    su.selection_stride = K;
+    su.slot_maps = reinterpret_cast<int32_t* const*>(Table(kSlots) + g.first);
+    su.miss_count = miss_count_.as<int32_t>() + static_cast<size_t>(g.first) * H;
+    su.miss_slot = miss_slot_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+    su.miss_chunk = miss_token_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+    su.batch = g.count;
+    su.hkv = H;
+    su.kslots = K;
+    su.chunk_cap = static_cast<int>(step_[g.first]->capacity);
+    su.force_keep = static_cast<float>(forced_hit_rate_);
+    return su;
+  }
+
+  // A group's top `budget` tokens per KV head (floored by the observation
+  // windows' weights where a sequence has them) and its slot update.
+  Status SelectGroup(const Group& g) {
+    Backend& b = *ctx_.backend;
+    const int H = ctx_.hkv, K = o_.budget;
+    int32_t* selection = selection_.as<int32_t>() + static_cast<size_t>(g.first) * H * K;
+    const int max_sel = MaxSelectable(g);
+    bool floors = false;  // an observation window's weights to apply
+    for (int i = g.first; i < g.first + g.count; ++i) floors = floors || step_[i]->has_obs;
+    if (max_sel == 0) {
+      PENUMBRA_RETURN_IF_ERROR(b.Memset(selection, 0xFF, static_cast<size_t>(g.count) * H * K * sizeof(int32_t)));
+    } else {
+      PENUMBRA_ASSIGN_OR_RETURN(kn::ShadowkvScoreArgs sc, ScoreArgsOf(g, max_sel));
+      sc.selection = selection;
+      sc.selection_stride = K;
+      sc.select_k = K;
+      if (!floors) {
+        PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));  // scores and selection in one pass where fused
+      } else {
+        // The step's scores, floored by each sequence's observation
+        // window's, then the top-k.
+        sc.select_k = 0;
+        PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+        const int64_t cap = step_[g.first]->capacity;
+        for (int i = g.first; i < g.first + g.count; ++i) {
+          if (!step_[i]->has_obs || Selectable(i) == 0) continue;
+          for (int h = 0; h < H; ++h) {
+            kn::MaxRowsArgs m;
+            m.in = step_[i]->obs.as<float>() + static_cast<size_t>(h) * cap;
+            m.rows = 1;
+            m.row_stride = cap;
+            m.cols = Selectable(i);
+            m.out = scores_.as<float>() + (static_cast<size_t>(i - g.first) * H + h) * sc.score_stride;
+            m.accumulate = true;
+            b.MaxRows(m);
+          }
+        }
+        sc.select_k = K;
+        b.TopK(kn::ShadowkvSelectionTopK(sc));
+      }
+    }
+    b.ShadowkvSlotUpdate(SlotUpdateOf(g, selection));
+    return Status::OK();
+  }
+
+  // The shards of a context-parallel group agree on the whole sequence's
+  // top `budget` per KV head (the step's sequences are all shards of it,
+  // every rank runs the same groups of the same sequences):
+  //  1. each group's softmax statistics of the head's logits over its own
+  //     selectable tokens; one all-gather;
+  //  2. each group's top `budget` of its own tokens, scored under the
+  //     whole sequence's normalization (its proposals); one all-gather of
+  //     the proposals' scores;
+  //  3. every rank takes the same top `budget` of all proposals and keeps
+  //     its own winners, then its slot update.
+  // `successors` do not cross a shard's start: the first tokens of a shard
+  // are not lifted by the previous shard's last ones (one place in each
+  // shard boundary's `successors` tokens where the unsharded selection may
+  // differ).
+  Status SelectAcrossShards() {
+    Backend& b = *ctx_.backend;
+    const int B = static_cast<int>(step_.size()), H = ctx_.hkv, K = o_.budget, hq = head_->heads();
+    ShadowKvShardExchange& x = exchange_;
+    PENUMBRA_RETURN_IF_ERROR(x.Prepare(exchange_group_, B, hq, K));
+    std::vector<kn::ShadowkvScoreArgs> args(groups_.size());
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      const Group& g = groups_[gi];
+      const int max_sel = MaxSelectable(g);
+      if (max_sel == 0) continue;  // no statistics, no proposals (the buffers say so)
+      PENUMBRA_ASSIGN_OR_RETURN(args[gi], ScoreArgsOf(g, max_sel));
+      args[gi].workspace_part = static_cast<int>(gi);
+    }
+    // scores_ is the groups' shared scratch: sized for the largest before
+    // any call reads it.
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      if (args[gi].max_chunks == 0) continue;
+      kn::ShadowkvScoreArgs sc = args[gi];
+      sc.scores = scores_.as<float>();
+      sc.stats_out = x.stats_send() + static_cast<size_t>(groups_[gi].first) * hq * 2;
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+    }
+    PENUMBRA_RETURN_IF_ERROR(x.AllGatherStats());
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+      if (args[gi].max_chunks == 0) continue;
+      const size_t off = static_cast<size_t>(groups_[gi].first) * H * K;
+      kn::ShadowkvScoreArgs sc = args[gi];
+      sc.scores = scores_.as<float>();
+      sc.stats_in = x.stats_recv() + static_cast<size_t>(groups_[gi].first) * hq * 2;
+      sc.stats_parts = exchange_group_->world();
+      sc.stats_part_stride = static_cast<int64_t>(x.stats());
+      sc.selection = x.proposals() + off;
+      sc.selection_stride = K;
+      sc.select_k = K;
+      sc.selection_scores = x.cand_send() + off;
+      PENUMBRA_RETURN_IF_ERROR(b.ShadowkvScore(sc));
+    }
+    PENUMBRA_RETURN_IF_ERROR(x.AllGatherCandidates());
+    for (const Group& g : groups_) {
+      const size_t off = static_cast<size_t>(g.first) * H * K;
+      int32_t* selection = selection_.as<int32_t>() + off;
+      if (MaxSelectable(g) == 0) {
+        // Nothing of its own to propose: it wins nothing.
+        PENUMBRA_RETURN_IF_ERROR(b.Memset(selection, 0xFF, static_cast<size_t>(g.count) * H * K * sizeof(int32_t)));
+        b.ShadowkvSlotUpdate(SlotUpdateOf(g, selection));
+        continue;
+      }
+      kn::ShadowkvGlobalSelectArgs gs;
+      gs.candidates = x.cand_recv() + off;
+      gs.parts = exchange_group_->world();
+      gs.rank = exchange_group_->rank();
+      gs.part_stride = static_cast<int64_t>(x.cand());
+      gs.rows = g.count * H;
+      gs.cand_stride = K;
+      gs.k = K;
+      gs.proposals = x.proposals() + off;
+      gs.winners = x.winners() + off;
+      gs.selection = selection;
+      gs.selection_stride = K;
+      gs.selection_len = K;
+      b.ShadowkvGlobalSelectAndSlotUpdate(gs, SlotUpdateOf(g, selection));
+    }
+    return Status::OK();
+  }
+
   // Layer `layer`'s missing rows (keys and values) from its store into its
   // slots, on the side stream, marked layer % kSideMarks.
   void Prefetch(int layer) {
@@ -1021,6 +1235,9 @@ class SpeContextPolicy final : public KvPolicy {
   void* const* step_table_ = nullptr;
   int step_cap_ = 0;
   DeviceBuffer head_q_, selection_, miss_count_, miss_slot_, miss_token_, scores_;
+  // Context parallel: the step's group (null: none) and its exchange.
+  Collective* exchange_group_ = nullptr;
+  ShadowKvShardExchange exchange_;
 };
 
 }  // namespace

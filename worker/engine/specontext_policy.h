@@ -33,7 +33,13 @@
 // it in place: its own buffers hold the positions after it, the scores read
 // the document's head keys as ShadowKV's shared landmarks and the row
 // copies its layers as shared values. Exported as the compacted rows
-// (meta, head_k, k.L, v.L). Not yet: context-parallel shards.
+// (meta, head_k, k.L, v.L).
+//
+// Context-parallel shards (ShardSpec): each rank holds its shard; every
+// decode step the shards agree on the whole sequence's top `budget` (the
+// head's statistics, then its proposals, all-gathered through the group:
+// ShadowKV's global selection, once per step) and each layer's attention
+// over a shard comes back with its log-sum-exp for the runtime's merge.
 #pragma once
 
 #include <memory>

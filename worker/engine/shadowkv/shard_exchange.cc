@@ -12,17 +12,22 @@ Collective* ShadowKvShardExchange::GroupOf(const std::vector<ShadowKvSeq*>& seqs
 }
 
 Status ShadowKvShardExchange::Prepare(Collective* group, const std::vector<ShadowKvSeq*>& seqs) {
-  group_ = group;
-  const int B = static_cast<int>(seqs.size()), H = ctx_.hkv, hq = ctx_.hq, W = group_->world();
-  xk_ = 0;
+  int width = 0;
   for (const ShadowKvSeq* s : seqs) {
     // Beside the group's shards only dense sequences (too short to select
     // from), whose rows propose nothing.
-    if (s->group != group_ && !(s->group == nullptr && !s->sparse)) {
+    if (s->group != group && !(s->group == nullptr && !s->sparse)) {
       return Status::Internal("shadowkv: a decode step mixes shards of a context-parallel group with other sequences");
     }
-    xk_ = std::max(xk_, s->global_k);
+    width = std::max(width, s->global_k);
   }
+  return Prepare(group, static_cast<int>(seqs.size()), ctx_.hq, width);
+}
+
+Status ShadowKvShardExchange::Prepare(Collective* group, int batch, int hq, int width) {
+  group_ = group;
+  xk_ = width;
+  const int B = batch, H = ctx_.hkv, W = group_->world();
   const size_t stats = static_cast<size_t>(B) * hq * 2, cand = static_cast<size_t>(B) * H * xk_;
   const size_t bytes = sizeof(float) * (stats * (1 + W) + cand * (1 + W)) + sizeof(int32_t) * 3 * cand;
   if (buf_.bytes() < bytes) {

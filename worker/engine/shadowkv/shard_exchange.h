@@ -13,7 +13,9 @@
 // selection. Needs the backend (allocation, initialization) and, per step,
 // the group (Collective) and the step's sequences; the policy launches the
 // kernels (ShadowkvScore, ShadowkvGlobalSelectAndSlotUpdate) and calls
-// AllGatherStats / AllGatherCandidates between them.
+// AllGatherStats / AllGatherCandidates between them. SpeContext's global
+// selection (one per step, over the retrieval head's one-token "chunks")
+// uses the same exchange through the shape-only Prepare.
 #pragma once
 
 #include <cstddef>
@@ -38,6 +40,9 @@ class ShadowKvShardExchange {
   // proposal" for the whole step). Internal when the step mixes the
   // group's shards with sequences of their own selection.
   Status Prepare(Collective* group, const std::vector<ShadowKvSeq*>& seqs);
+  // The same for `batch` sequences of `hq` query heads over ctx.hkv KV
+  // heads, each proposing `width` chunks per KV head.
+  Status Prepare(Collective* group, int batch, int hq, int width);
 
   Collective* group() const { return group_; }
   int width() const { return xk_; }        // proposals per KV head row (the largest global_k)
