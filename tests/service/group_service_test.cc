@@ -2,8 +2,8 @@
 // backend, stories260K; labels service and distributed): penumbra-worker
 // ranks started with --group, formed by the coordinator, placed on by
 // length, answering questions about documents put through the public API
-// with the offline engine's tokens (full, and shadowkv in its exact
-// configuration); a rank killed with SIGKILL mid-decode
+// with the offline engine's tokens (full, and shadowkv and specontext in
+// exact configurations); a rank killed with SIGKILL mid-decode
 // (its requests resumed elsewhere with the same tokens, the group formed
 // again once the rank is back); continuous batching with a cancel and a
 // deadline; and a coordinator restart that finds its groups formed and its
@@ -164,6 +164,39 @@ TEST_F(Groups, AShadowKvGroupAnswersAsTheOfflineEngine) {
   Offline offline(ExactShadowKvOptions());
   for (int i = 0; i < 2; ++i) {
     const std::vector<int32_t> q = LcgTokens(8, 52 + i, false);
+    auto r = c->Complete(Ask({a}, q, 12));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->ids, offline.About(doc, q, 12)) << "question " << i;
+    EXPECT_EQ(r->usage.cached_prompt_tokens, static_cast<int64_t>(doc.size())) << "question " << i;
+  }
+}
+
+// A specontext group (its retrieval head random, a budget above the
+// context: exact) answers a put document's questions with the offline
+// engine's tokens, each rank attaching its shard.
+TEST_F(Groups, ASpeContextGroupAnswersAsTheOfflineEngine) {
+  ClusterOptions o;
+  o.workers = 0;
+  o.groups = {2};
+  o.worker_flags = {"--group-timeout-s",   "20",  "--kv-policy",        "specontext", "--specontext-head", "random",
+                    "--specontext-budget", "512", "--specontext-local", "16"};
+  Cluster cluster(o);
+  ASSERT_TRUE(cluster.Start());
+  auto c = cluster.Client();
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(Eventually([&] { return GroupsFormed(*c, 1); }, 60s)) << "the group never formed";
+  const std::vector<int32_t> doc = LcgTokens(290, 53, true);
+  const std::string a = Put(*c, "a", doc).id;
+  ASSERT_FALSE(a.empty());
+  EngineOptions eo;
+  eo.backend.device = "cpu";
+  eo.kv_policy = "specontext";
+  eo.specontext.head = "random";
+  eo.specontext.budget = 512;
+  eo.specontext.local = 16;
+  Offline offline(eo);
+  for (int i = 0; i < 2; ++i) {
+    const std::vector<int32_t> q = LcgTokens(8, 54 + i, false);
     auto r = c->Complete(Ask({a}, q, 12));
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->ids, offline.About(doc, q, 12)) << "question " << i;

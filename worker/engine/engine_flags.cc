@@ -30,7 +30,8 @@ const OptionTable<EngineOptions>& EngineOptionTable() {
                  "context group prefill: the later ranks hand half their rows' attention over the earlier keys to "
                  "the earlier ranks, so that every rank does the same work (every rank of a group must agree)")
            .Enum(&O::kv_policy, "kv-policy", "kv_policy", {"full", "shadowkv", "spindlekv", "specontext", "auto"},
-                 "the KV policy (auto: full or shadowkv per document, spindlekv by pin; docs/kv-policies.md)")
+                 "the KV policy (auto: full or shadowkv per document, spindlekv or specontext by pin; "
+                 "docs/kv-policies.md)")
            .MiB(T::Field<size_t>([](O* o) { return &o->runtime.auto_exact_bytes; }), "auto-exact-mib", "auto_exact_mib",
                 0, int64_t{1} << 30,
                 "kv_policy auto: device MiB for documents (and sequences) held exact; 0: half of "
