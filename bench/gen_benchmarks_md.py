@@ -283,6 +283,16 @@ CAPABILITIES = [
          cols=["run", "kv_policy", "reserve_ratio", "pool", "key_threshold", "value_threshold", "segmented",
                "kv_bytes_ratio", "budget_fraction", "accuracy", "seconds"],
          reproduce="penumbra eval --model models/penumbra-eval --device cpu --kv-policy spindlekv ...  # the row's command"),
+    dict(id="specontext-eval-cpu", title="SpeContext: accuracy against its budget (CPU)",
+         what="Accuracy of specontext with the evaluation model's distilled retrieval head at budgets of 256 to "
+              "1024 of 2048 tokens (the defaults otherwise: local 128, successors 16; the paper's shape: local 32, "
+              "no successors; an observation window of the prompt's last 64 queries), beside full attention in the "
+              "same runs, on the 40 records of 2048 tokens of the SpindleKV rows (ShadowKV at a 12.5% budget: "
+              "74.5% there); hit_rate is the share of a step's selected tokens the step before had selected.",
+         rows=lambda r: r.get("summary") is True,
+         cols=["run", "kv_policy", "specontext_budget", "specontext_local", "specontext_successors",
+               "specontext_observe", "accuracy", "hit_rate", "seconds"],
+         reproduce="penumbra eval --model models/penumbra-eval --device cpu --kv-policy specontext ...  # the row's command"),
     dict(id="spindlekv-decode", title="SpindleKV decode beside the peer",
          what="SpindleKV (`--kv-policy spindlekv`, its state in device memory) decoding at 124928 tokens at the "
               "largest batch that fits, beside the peer (`--graph`) first and last in the same call: reserve ratio "
