@@ -2,8 +2,8 @@
 // threads of this process, each with its own CUDA backend on its own GPU,
 // their data plane NCCL (worker/parallel/process_group.h), give the greedy tokens of
 // the same prompt on one GPU, for full attention and for ShadowKV configured
-// to lose nothing, in f32 and bf16, and for lossy ShadowKV with the shards'
-// global selection (f32).
+// to lose nothing, in f32 and bf16, and for lossy ShadowKV and SpeContext
+// with the shards' global selection (f32).
 #include <gtest/gtest.h>
 
 #include <thread>
@@ -32,6 +32,14 @@ EngineOptions Options(const std::string& policy, const std::string& dtype) {
   EngineOptions o;
   if (policy == "shadowkv") o = testing::ExactShadowKvOptions();
   if (policy == "shadowkv-global") o = testing::GlobalSelectionShadowKvOptions();
+  if (policy == "specontext-global") {
+    // A random retrieval head, a budget of 24 of ~300 tokens: lossy.
+    o.kv_policy = "specontext";
+    o.specontext.head = "random";
+    o.specontext.budget = 24;
+    o.specontext.local = 16;
+    o.specontext.successors = 0;
+  }
   o.backend.device = "cuda";
   o.backend.dtype = dtype;
   o.runtime.prefill_chunk = 48;
@@ -47,12 +55,12 @@ std::vector<GenerationRequest> Requests() {
 
 TEST_F(ContextParallelGpuTest, TwoGpusGiveTheOneGpuTokens) {
   ASSERT_TRUE(NcclCollectiveCompiled());
-  // shadowkv-global: lossy, the shards agreeing on one top-k (f32 only: in
-  // bf16 the two normalizations of a score may round apart and flip a near
-  // tie).
-  for (const std::string policy : {"full", "shadowkv", "shadowkv-global"}) {
+  // shadowkv-global and specontext-global: lossy, the shards agreeing on
+  // one top-k (f32 only: in bf16 the two normalizations of a score may
+  // round apart and flip a near tie).
+  for (const std::string policy : {"full", "shadowkv", "shadowkv-global", "specontext-global"}) {
     for (const std::string dtype : {"f32", "bf16"}) {
-      if (policy == "shadowkv-global" && dtype == "bf16") continue;
+      if (policy.ends_with("-global") && dtype == "bf16") continue;
       SCOPED_TRACE(policy + " " + dtype);
       auto one = Engine::Open(testing::StoriesDir(), Options(policy, dtype));
       ASSERT_TRUE(one.ok()) << one.status();
