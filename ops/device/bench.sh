@@ -79,7 +79,8 @@ usage: bash ops/device/bench.sh SUITE [SUITE...]
             one rank per GPU over NCCL) at 1048576 and 2097152 tokens, beside 1048576 on one GPU and the peer
             (--graph, batch 1, the longest contexts it holds); CP_CONTEXTS overrides the 2-GPU contexts,
             CP_SINGLE the one-GPU ones (empty: none), CP_TEST=0 skips the test, CP_STEPS the timed steps (50),
-            CP_POLICY=full for full attention, CP_PEER=0 skips the peer, CP_PREFILL the prompt lengths
+            CP_POLICY=full for full attention (specontext, with CP_FLAGS=--specontext-head random, for
+            SpeContext's one selection per step across the ranks), CP_PEER=0 skips the peer, CP_PREFILL the prompt lengths
             prefilled (full attention) on one GPU and across the GPUs, balanced and not (default: none),
             CP_FLAGS more penumbra-bench flags (e.g. --shard-selection local), CP_GPUS the ranks (2; 4 on a
             4-GPU kind)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# penumbra-bench cp-decode (both policies) and prefill (full) on the CPU
+# penumbra-bench cp-decode (full, shadowkv, specontext) and prefill (full) on the CPU
 # backend with a tiny model: two ranks (processes) over TCP on loopback, rank
 # 0 on a port the OS picks; rank 0 must print a measurement with gpus 2 and
 # no error, rank 1 must exit 0. Usage: cp_bench_test.sh BIN_DIR
@@ -8,6 +8,7 @@ bin=${1:?usage: cp_bench_test.sh BIN_DIR}
 dir=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$dir"' EXIT
 shape="--device cpu --dtype f32 --layers 2 --hidden 256 --ffn 512 --heads 4 --kv-heads 2 --head-dim 64 --vocab 1000"
 for run in "cp-decode --kv-policy full" "cp-decode --kv-policy shadowkv --rank 32 --budget 256 --outliers 4" \
+           "cp-decode --kv-policy specontext --specontext-head random --specontext-budget 256" \
            "prefill --kv-policy full --prefill-chunk 512"; do
   rm -f "$dir/port.json"
   "$bin/penumbra-bench" $run $shape --context 4096 --steps 4 --cp-world 2 --cp-rank 0 \
