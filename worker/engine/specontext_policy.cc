@@ -39,95 +39,12 @@
 #include "kernels/shadowkv_decode_args.h"
 #include "worker/engine/collective.h"
 #include "worker/engine/shadowkv/shard_exchange.h"
+#include "worker/engine/specontext_prefix.h"
 
 namespace penumbra {
 namespace {
 
 namespace kn = kernels;
-
-// A document under specontext: every layer's exact keys and values of its
-// `tokens` tokens, [hkv][stride] rows each (stride >= tokens: a put's
-// sequence's buffers, moved, keep their own), in device memory or pinned
-// host memory (mapped), and the head's keys, [head hkv][tokens] rows on the
-// device (ShadowKV's shared landmarks have no stride of their own). Attached sequences read it in place: the scores as
-// ShadowKV's shared landmarks, the copies as its shared values.
-class SpeContextPrefix final : public KvPrefix {
- public:
-  struct Geometry {
-    int layers = 0, hkv = 0, d = 0, head_hkv = 0, head_d = 0;
-    DType dtype = DType::kF32;
-    std::string head;  // the head's identity
-  };
-  SpeContextPrefix(Backend* backend, Geometry g, int64_t tokens, int64_t stride, double factor, int64_t pos0)
-      : backend_(backend), g_(std::move(g)), tokens_(tokens), stride_(stride), factor_(factor), pos0_(pos0) {
-    k_.resize(g_.layers);
-    v_.resize(g_.layers);
-    k_at_.resize(g_.layers);
-    v_at_.resize(g_.layers);
-    on_device_.assign(g_.layers, false);
-  }
-  std::string policy() const override { return "specontext"; }
-  int64_t tokens() const override { return tokens_; }
-  size_t device_bytes() const override {
-    size_t n = head_k_.bytes();
-    for (int l = 0; l < g_.layers; ++l) n += on_device_[l] ? k_[l].bytes() + v_[l].bytes() : 0;
-    return n;
-  }
-  size_t host_bytes() const override {
-    size_t n = 0;
-    for (int l = 0; l < g_.layers; ++l) n += on_device_[l] ? 0 : k_[l].bytes() + v_[l].bytes();
-    return n;
-  }
-  // base: a context-parallel shard's first position (0: a whole prompt).
-  static std::string Meta(const Geometry& g, int64_t tokens, double factor, int64_t base) {
-    std::ostringstream os;
-    os.precision(17);
-    os << "specontext-prefix v1 tokens=" << tokens << " base=" << base << " layers=" << g.layers
-       << " kv_heads=" << g.hkv << " head_dim=" << g.d << " head_kv_heads=" << g.head_hkv
-       << " head_head_dim=" << g.head_d << " dtype=" << DTypeName(g.dtype) << " yarn=" << factor << " head=" << g.head;
-    return os.str();
-  }
-  // Rows [0, tokens) of each head of `stride` rows, [hkv][tokens][width]
-  // elements.
-  Result<std::string> Compact(const void* src, bool device, int heads, int width, int64_t stride) const {
-    const size_t es = DTypeSize(g_.dtype), row = static_cast<size_t>(width) * es;
-    std::string out(static_cast<size_t>(heads) * tokens_ * row, '\0');
-    if (device) {
-      PENUMBRA_RETURN_IF_ERROR(backend_->Synchronize());
-      for (int h = 0; h < heads; ++h) {
-        PENUMBRA_RETURN_IF_ERROR(backend_->CopyToHost(out.data() + h * tokens_ * row,
-                                                      static_cast<const char*>(src) + h * stride * row, tokens_ * row));
-      }
-    } else {
-      for (int h = 0; h < heads; ++h) {
-        std::memcpy(out.data() + h * tokens_ * row, static_cast<const char*>(src) + h * stride * row, tokens_ * row);
-      }
-    }
-    return out;
-  }
-  Result<std::map<std::string, std::string>> Export() const override {
-    std::map<std::string, std::string> out;
-    out["meta"] = Meta(g_, tokens_, factor_, pos0_);
-    PENUMBRA_ASSIGN_OR_RETURN(out["head_k"], Compact(head_k_.get(), true, g_.head_hkv, g_.head_d, tokens_));
-    for (int l = 0; l < g_.layers; ++l) {
-      PENUMBRA_ASSIGN_OR_RETURN(out["k." + std::to_string(l)],
-                                Compact(k_[l].get(), on_device_[l], g_.hkv, g_.d, stride_));
-      PENUMBRA_ASSIGN_OR_RETURN(out["v." + std::to_string(l)],
-                                Compact(v_[l].get(), on_device_[l], g_.hkv, g_.d, stride_));
-    }
-    return out;
-  }
-
-  Backend* backend_;
-  Geometry g_;
-  int64_t tokens_, stride_;
-  double factor_;
-  int64_t pos0_;  // a shard's first position (0: a whole prompt's prefix)
-  std::vector<DeviceBuffer> k_, v_;
-  std::vector<void*> k_at_, v_at_;  // device addresses
-  std::vector<bool> on_device_;
-  DeviceBuffer head_k_;
-};
 
 class SpeContextPolicy final : public KvPolicy {
  public:
@@ -613,33 +530,11 @@ class SpeContextPolicy final : public KvPolicy {
   Result<std::shared_ptr<const KvPrefix>> ImportPrefix(const std::map<std::string, std::string>& blobs) override {
     auto meta = blobs.find("meta");
     if (meta == blobs.end()) return Status::InvalidArgument("specontext document: no 'meta' blob");
-    // tokens=, base= and yarn= are the document's own; the rest must be
-    // this policy's geometry and head.
-    auto field = [&](const std::string& key) -> std::string {
-      const std::string& m = meta->second;
-      const size_t at = m.find(" " + key + "=");
-      if (at == std::string::npos) return "";
-      const size_t b = at + key.size() + 2, e = m.find(' ', b);
-      return m.substr(b, e == std::string::npos ? std::string::npos : e - b);
-    };
-    const std::string tok = field("tokens"), base_field = field("base"), yarn = field("yarn");
-    char* end = nullptr;
-    const long long tokens = std::strtoll(tok.c_str(), &end, 10);
-    const bool tokens_ok = !tok.empty() && *end == '\0' && tokens >= 1 && tokens < (int64_t{1} << 31);
-    end = nullptr;
-    const long long base = std::strtoll(base_field.c_str(), &end, 10);
-    const bool base_ok = !base_field.empty() && *end == '\0' && base >= 0 && base < (int64_t{1} << 40);
-    end = nullptr;
-    const double factor = std::strtod(yarn.c_str(), &end);
-    const bool factor_ok = !yarn.empty() && *end == '\0' && factor >= 1.0 && factor <= 1024.0;
-    if (!tokens_ok || !base_ok || !factor_ok ||
-        SpeContextPrefix::Meta(Geometry(), tokens, factor, base) != meta->second) {
-      return Status::InvalidArgument("specontext document: meta '" + meta->second.substr(0, 300) +
-                                     "' does not fit this policy (" + SpeContextPrefix::Meta(Geometry(), 0, 1, 0) +
-                                     ")");
-    }
+    PENUMBRA_ASSIGN_OR_RETURN(const SpeContextPrefix::MetaFields f,
+                              SpeContextPrefix::ParseMeta(Geometry(), meta->second));
     Backend& b = *ctx_.backend;
-    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, tokens, factor, base);
+    const int64_t tokens = f.tokens;
+    auto p = std::make_shared<SpeContextPrefix>(&b, Geometry(), tokens, tokens, f.factor, f.base);
     auto blob = [&](const std::string& name, size_t bytes) -> Result<const std::string*> {
       auto it = blobs.find(name);
       if (it == blobs.end()) return Status::InvalidArgument("specontext document: no '" + name + "' blob");
