@@ -354,6 +354,29 @@ TEST_F(EngineTest, StorageYamlReadsTheTiersAndNamesBadKeys) {
   EXPECT_EQ(shipped.prefix_store.capacity_bytes, defaults.prefix_store.capacity_bytes);
   EXPECT_EQ(shipped.prefix_store.block_bytes, defaults.prefix_store.block_bytes);
   EXPECT_EQ(shipped.prefix_store.read_threads, defaults.prefix_store.read_threads);
+  // configs/engine.yaml's policy sections state the defaults too.
+  EXPECT_EQ(shipped.shadowkv.value_format, defaults.shadowkv.value_format);
+  const SpindleKvOptions& sk = shipped.spindlekv;
+  const SpindleKvOptions& skd = defaults.spindlekv;
+  EXPECT_EQ(sk.reserve_ratio, skd.reserve_ratio);
+  EXPECT_EQ(sk.min_ratio, skd.min_ratio);
+  EXPECT_EQ(sk.window, skd.window);
+  EXPECT_EQ(sk.pool, skd.pool);
+  EXPECT_EQ(sk.key_threshold, skd.key_threshold);
+  EXPECT_EQ(sk.value_threshold, skd.value_threshold);
+  EXPECT_EQ(sk.codebook_block, skd.codebook_block);
+  EXPECT_EQ(sk.merge_window, skd.merge_window);
+  EXPECT_EQ(sk.min_prompt_tokens, skd.min_prompt_tokens);
+  const SpeContextOptions& sc = shipped.specontext;
+  const SpeContextOptions& scd = defaults.specontext;
+  EXPECT_EQ(sc.budget, scd.budget);
+  EXPECT_EQ(sc.local, scd.local);
+  EXPECT_EQ(sc.successors, scd.successors);
+  EXPECT_EQ(sc.observe, scd.observe);
+  EXPECT_EQ(sc.head, scd.head);
+  EXPECT_EQ(sc.device_layers, scd.device_layers);
+  EXPECT_EQ(sc.device_reserve_bytes, scd.device_reserve_bytes);
+  EXPECT_EQ(sc.yarn_factor, scd.yarn_factor);
   Status missing = LoadStorageOptionsFile("/nonexistent/storage.yaml", &shipped);
   EXPECT_FALSE(missing.ok());
 }
