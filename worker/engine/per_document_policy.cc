@@ -170,11 +170,11 @@ class PerDocumentKvPolicy final : public KvPolicy {
     const int32_t* id = ids;
     const int32_t* pos = positions;
     if (!in_place_) {
-      PENUMBRA_RETURN_IF_ERROR(EnsureTokenScratch());
+      PENUMBRA_RETURN_IF_ERROR(EnsureScratch());
       PENUMBRA_RETURN_IF_ERROR(Permute(g_ids_.get(), ids, sizeof(int32_t), /*gather=*/true));
-      PENUMBRA_RETURN_IF_ERROR(Permute(g_tok_pos_.get(), positions, sizeof(int32_t), true));
+      PENUMBRA_RETURN_IF_ERROR(Permute(g_pos_.get(), positions, sizeof(int32_t), true));
       id = g_ids_.as<int32_t>();
-      pos = g_tok_pos_.as<int32_t>();
+      pos = g_pos_.as<int32_t>();
     }
     int at = 0;
     for (size_t w = 0; w < sub_.size(); ++w) {
@@ -188,8 +188,8 @@ class PerDocumentKvPolicy final : public KvPolicy {
 
   Status DecodeAttention(int layer, const float* qkv, const int32_t* positions, void* q_scratch, void* out,
                          float* lse) override {
-    const int64_t qkv_row = static_cast<int64_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim;  // floats
-    const size_t act_row = static_cast<size_t>(ctx_.hq) * ctx_.head_dim * DTypeSize(ctx_.backend->act_dtype());
+    const int64_t qkv_row = QkvRow();
+    const size_t act_row = ActRow();
     // Each form's rows: in place (at their run of the batch), or gathered
     // into the scratch copy (the exact form's first) and scattered back.
     const float* q_in = qkv;
@@ -198,7 +198,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
     char* attn = static_cast<char*>(out);
     float* lse_out = lse;
     if (!in_place_) {
-      PENUMBRA_RETURN_IF_ERROR(EnsureScratch(qkv_row, act_row));
+      PENUMBRA_RETURN_IF_ERROR(EnsureScratch());
       PENUMBRA_RETURN_IF_ERROR(Permute(g_qkv_.get(), qkv, qkv_row * sizeof(float), /*gather=*/true));
       PENUMBRA_RETURN_IF_ERROR(Permute(g_pos_.get(), positions, sizeof(int32_t), true));
       q_in = g_qkv_.as<float>();
@@ -363,21 +363,17 @@ class PerDocumentKvPolicy final : public KvPolicy {
     return *sub_[it->second];
   }
 
-  Status EnsureTokenScratch() {
-    const size_t bytes = order_.size() * sizeof(int32_t);
-    if (g_ids_.bytes() >= bytes) return Status::OK();
-    PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());  // the old scratch may still be read
-    PENUMBRA_ASSIGN_OR_RETURN(g_ids_, ctx_.backend->Allocate(bytes));
-    PENUMBRA_ASSIGN_OR_RETURN(g_tok_pos_, ctx_.backend->Allocate(bytes));
-    return Status::OK();
-  }
-  Status EnsureScratch(int64_t qkv_row, size_t act_row) {
+  int64_t QkvRow() const { return static_cast<int64_t>(ctx_.hq + 2 * ctx_.hkv) * ctx_.head_dim; }  // floats
+  size_t ActRow() const { return static_cast<size_t>(ctx_.hq) * ctx_.head_dim * DTypeSize(ctx_.backend->act_dtype()); }
+  // The step's gathered copies, for a batch of order_.size() rows.
+  Status EnsureScratch() {
     const int batch = static_cast<int>(order_.size());
     if (scratch_rows_ >= batch) return Status::OK();
     Backend& b = *ctx_.backend;
     PENUMBRA_RETURN_IF_ERROR(b.Synchronize());  // the old scratch may still be read
-    const size_t rows = static_cast<size_t>(batch);
-    PENUMBRA_ASSIGN_OR_RETURN(g_qkv_, b.Allocate(rows * qkv_row * sizeof(float)));
+    const size_t rows = static_cast<size_t>(batch), act_row = ActRow();
+    PENUMBRA_ASSIGN_OR_RETURN(g_qkv_, b.Allocate(rows * QkvRow() * sizeof(float)));
+    PENUMBRA_ASSIGN_OR_RETURN(g_ids_, b.Allocate(rows * sizeof(int32_t)));
     PENUMBRA_ASSIGN_OR_RETURN(g_pos_, b.Allocate(rows * sizeof(int32_t)));
     PENUMBRA_ASSIGN_OR_RETURN(g_q_, b.Allocate(rows * act_row));
     PENUMBRA_ASSIGN_OR_RETURN(g_out_, b.Allocate(rows * act_row));
@@ -414,8 +410,7 @@ class PerDocumentKvPolicy final : public KvPolicy {
   std::vector<int> order_;
   bool in_place_ = true;
   int scratch_rows_ = 0;
-  DeviceBuffer g_qkv_, g_pos_, g_q_, g_out_, g_lse_;
-  DeviceBuffer g_ids_, g_tok_pos_;  // the step's tokens, gathered (DecodeTokens)
+  DeviceBuffer g_qkv_, g_ids_, g_pos_, g_q_, g_out_, g_lse_;
   // Moves factor through sequences of the sparse policy with ids from here
   // down (the runtime's are >= 0).
   int64_t next_move_seq_ = std::numeric_limits<int64_t>::min() / 2;

@@ -142,20 +142,8 @@ class SpeContextPolicy final : public KvPolicy {
       }
     }
     // An attached document's last `local` tokens fill the ring.
-    if (p != nullptr) {
-      const size_t row = static_cast<size_t>(ctx_.head_dim) * es_;
-      const int64_t T = p->tokens();
-      for (int l = 0; l < ctx_.num_layers; ++l) {
-        for (int64_t q = std::max<int64_t>(0, T - o_.local); q < T;) {
-          const int64_t ring = (s->pos0 + q) % o_.local, run = std::min(T - q, o_.local - ring);
-          for (auto [dst, src] : {std::pair{&s->att_k, &p->k_[l]}, std::pair{&s->att_v, &p->v_[l]}}) {
-            PENUMBRA_RETURN_IF_ERROR(b.Copy2D(AttRow(*s, *dst, l, o_.budget + ring), Rows() * row,
-                                              static_cast<const char*>(src->get()) + q * row, p->stride_ * row,
-                                              run * row, ctx_.hkv));
-          }
-          q += run;
-        }
-      }
+    for (int l = 0; p != nullptr && l < ctx_.num_layers; ++l) {
+      PENUMBRA_RETURN_IF_ERROR(FillRing(*s, l, p->k_[l].get(), p->v_[l].get(), p->stride_, p->tokens()));
     }
     seqs_.emplace(seq, std::move(s));
     return Status::OK();
@@ -261,17 +249,7 @@ class SpeContextPolicy final : public KvPolicy {
                                           rows * row, ctx_.hkv));
       }
     }
-    // The last `local` tokens to the layer's ring.
-    for (int64_t p = std::max<int64_t>(0, prompt_len - o_.local); p < prompt_len;) {
-      const int64_t ring = (s->pos0 + p) % o_.local;
-      const int64_t run = std::min(prompt_len - p, o_.local - ring);
-      for (auto [dst, src] : {std::pair{&s->att_k, &scratch_k_}, std::pair{&s->att_v, &scratch_v_}}) {
-        PENUMBRA_RETURN_IF_ERROR(b.Copy2D(AttRow(*s, *dst, layer, o_.budget + ring), Rows() * row,
-                                          static_cast<const char*>(src->get()) + p * row, scratch_rows_ * row,
-                                          run * row, ctx_.hkv));
-      }
-      p += run;
-    }
+    PENUMBRA_RETURN_IF_ERROR(FillRing(*s, layer, scratch_k_.get(), scratch_v_.get(), scratch_rows_, prompt_len));
     if (layer == ctx_.num_layers - 1) s->length = prompt_len;
     return Status::OK();
   }
@@ -697,6 +675,22 @@ class SpeContextPolicy final : public KvPolicy {
   void* AttRow(const Seq& s, const DeviceBuffer& att, int layer, int64_t row) const {
     const size_t layer_elems = static_cast<size_t>(ctx_.hkv) * Rows() * ctx_.head_dim;
     return static_cast<char*>(att.get()) + (layer * layer_elems + row * ctx_.head_dim) * es_;
+  }
+  // Layer `layer`'s ring from the last `local` of the first `end` rows of
+  // `k` and `v` ([hkv][stride] rows each): row p at ring row (pos0 + p) %
+  // local, as decode steps write it.
+  Status FillRing(const Seq& s, int layer, const void* k, const void* v, int64_t stride, int64_t end) {
+    const size_t row = static_cast<size_t>(ctx_.head_dim) * es_;
+    for (int64_t p = std::max<int64_t>(0, end - o_.local); p < end;) {
+      const int64_t ring = (s.pos0 + p) % o_.local, run = std::min(end - p, o_.local - ring);
+      for (auto [dst, src] : {std::pair{&s.att_k, k}, std::pair{&s.att_v, v}}) {
+        PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Copy2D(AttRow(s, *dst, layer, o_.budget + ring), Rows() * row,
+                                                      static_cast<const char*>(src) + p * row, stride * row, run * row,
+                                                      ctx_.hkv));
+      }
+      p += run;
+    }
+    return Status::OK();
   }
   void* ScratchRow(const DeviceBuffer& buf, int64_t p) const {
     return static_cast<char*>(buf.get()) + p * ctx_.head_dim * es_;
