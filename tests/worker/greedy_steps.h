@@ -18,8 +18,8 @@ namespace penumbra::testing {
 // to *ids, then `steps` decode steps at positions start, start + 1, ...,
 // each step's logits (read back from the backend's memory) appended to
 // *logits and its pick to *ids. Stops at the first failed step.
-inline void GreedySteps(Runtime& rt, int vocab, const float* last, int64_t start, int steps,
-                        std::vector<int32_t>* ids, std::vector<float>* logits) {
+inline void GreedySteps(Runtime& rt, int vocab, const float* last, int64_t start, int steps, std::vector<int32_t>* ids,
+                        std::vector<float>* logits) {
   int32_t tok = static_cast<int32_t>(std::max_element(last, last + vocab) - last);
   ids->push_back(tok);
   std::vector<float> host(static_cast<size_t>(vocab));

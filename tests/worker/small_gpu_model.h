@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/worker/greedy_steps.h"
 #include "worker/engine/engine.h"
 
 namespace penumbra::testing {
@@ -55,18 +56,7 @@ inline DeviceGreedyRun DeviceGreedy(Engine& e, const std::vector<int32_t>& promp
   EXPECT_TRUE(s.ok()) << s;
   if (!s.ok()) return out;
   const int V = e.config().vocab_size;
-  int32_t tok = static_cast<int32_t>(std::max_element(logits.end() - V, logits.end()) - (logits.end() - V));
-  out.ids.push_back(tok);
-  for (int i = 0; i < steps; ++i) {
-    auto l = rt.DecodeStep({0}, {tok}, {static_cast<int64_t>(prompt.size() + i)});
-    EXPECT_TRUE(l.ok()) << l.status();
-    if (!l.ok()) break;
-    std::vector<float> host(V);
-    EXPECT_TRUE(rt.backend().CopyToHost(host.data(), *l, V * sizeof(float)).ok());
-    out.logits.insert(out.logits.end(), host.begin(), host.end());
-    tok = static_cast<int32_t>(std::max_element(host.begin(), host.end()) - host.begin());
-    out.ids.push_back(tok);
-  }
+  GreedySteps(rt, V, &*(logits.end() - V), static_cast<int64_t>(prompt.size()), steps, &out.ids, &out.logits);
   rt.RemoveSequence(0);
   return out;
 }

@@ -14,6 +14,7 @@
 
 #include "tests/docs_util.h"
 #include "tests/test_util.h"
+#include "tests/worker/greedy_steps.h"
 #include "tests/worker/model_test_util.h"
 #include "tests/worker/stories_shadowkv.h"
 #include "worker/engine/engine.h"
@@ -63,16 +64,7 @@ GreedyRun Greedy(Engine& e, const std::vector<int32_t>& prompt, int steps, std::
     at = cut;
   }
   out.logits.assign(logits.end() - V, logits.end());
-  int32_t tok = static_cast<int32_t>(std::max_element(logits.end() - V, logits.end()) - (logits.end() - V));
-  out.ids.push_back(tok);
-  for (int i = 0; i < steps; ++i) {
-    auto l = rt.DecodeStep({0}, {tok}, {static_cast<int64_t>(prompt.size() + i)});
-    EXPECT_TRUE(l.ok()) << l.status();
-    if (!l.ok()) break;
-    out.logits.insert(out.logits.end(), *l, *l + V);
-    tok = static_cast<int32_t>(std::max_element(*l, *l + V) - *l);
-    out.ids.push_back(tok);
-  }
+  testing::GreedySteps(rt, V, &*(logits.end() - V), static_cast<int64_t>(prompt.size()), steps, &out.ids, &out.logits);
   rt.policy().RemoveSequence(0);
   return out;
 }
