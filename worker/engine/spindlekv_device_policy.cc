@@ -339,8 +339,8 @@ class SpindleKvDevicePolicy final : public KvPolicy {
       std::vector<char> host(lay.bytes * hkv, 0);
       SpindleKvDevicePrefix::Layer& pl = layers[l];
       PENUMBRA_ASSIGN_OR_RETURN(pl.mem, ctx_.backend->Allocate(host.size()));
-      char* dev = pl.mem.as<char>();
-      pl.views.resize(hkv);
+      LayerState st;  // every head laid out for `cap`, one after another
+      st.cap.assign(hkv, cap);
       for (int g = 0; g < hkv; ++g) {
         const spindlekv::Tokens& tok = part.tok[g];
         const size_t base = static_cast<size_t>(g) * lay.bytes, n = tok.pos.size();
@@ -355,20 +355,13 @@ class SpindleKvDevicePolicy final : public KvPolicy {
         put(lay.heads, tok.heads);
         ConvertFromF32(part.ck[g].entries.data(), host.data() + base + lay.kent, t, part.ck[g].entries.size());
         ConvertFromF32(part.cv[g].entries.data(), host.data() + base + lay.vent, t, part.cv[g].entries.size());
-        kernels::SpindlekvTokens& v = pl.views[g].part[1];
-        v.pos = reinterpret_cast<const int32_t*>(dev + base + lay.pos);
-        v.kref = reinterpret_cast<const int32_t*>(dev + base + lay.kref);
-        v.vref = reinterpret_cast<const int32_t*>(dev + base + lay.vref);
-        v.kmag = reinterpret_cast<const float*>(dev + base + lay.kmag);
-        v.vmag = reinterpret_cast<const float*>(dev + base + lay.vmag);
-        v.heads = reinterpret_cast<const uint32_t*>(dev + base + lay.heads);
-        v.n = static_cast<int64_t>(n);
-        pl.views[g].key_entries[1] = dev + base + lay.kent;
-        pl.views[g].value_entries[1] = dev + base + lay.vent;
+        st.base.push_back(base);
+        st.held.push_back(static_cast<int32_t>(n));
         pl.key_entries.push_back(part.ck[g].size());
         pl.value_entries.push_back(part.cv[g].size());
         pl.max_tokens = std::max<int64_t>(pl.max_tokens, static_cast<int64_t>(n));
       }
+      pl.views = OwnViews(st, pl.mem.as<char>(), 0);
       PENUMBRA_RETURN_IF_ERROR(ctx_.backend->CopyToDevice(pl.mem.get(), host.data(), host.size()));
     }
     PENUMBRA_RETURN_IF_ERROR(ctx_.backend->Synchronize());
