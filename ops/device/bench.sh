@@ -215,31 +215,31 @@ for line in sys.stdin:
   peer_decode 124928
 }
 
-suite_spindlekv() {
-  local IFS_OLD=$IFS v
-  local list=${SPINDLE_VARIANTS:-"--spindlekv-ratio 0.1|--spindlekv-ratio 0.3|--spindlekv-ratio 0.1 --spindlekv-merge-window 0"}
+# Decode at 124928 tokens once per variant (LIST: flag sets separated by
+# '|', each appended to CMD), between two runs of the peer.
+decode_variants_beside_peer() {
+  local list=$1 v IFS_OLD=$IFS
+  shift
   peer_decode 124928
   IFS='|'
   for v in $list; do
     IFS=$IFS_OLD
-    run 400 $R penumbra-bench decode --kv-policy spindlekv --context 124928 --steps 50 $v
+    run 400 $R "$@" $v
   done
   IFS=$IFS_OLD
   peer_decode 124928
 }
 
+suite_spindlekv() {
+  decode_variants_beside_peer \
+    "${SPINDLE_VARIANTS:-"--spindlekv-ratio 0.1|--spindlekv-ratio 0.3|--spindlekv-ratio 0.1 --spindlekv-merge-window 0"}" \
+    penumbra-bench decode --kv-policy spindlekv --context 124928 --steps 50
+}
+
 suite_specontext() {
-  local IFS_OLD=$IFS v
-  local list=${SPECONTEXT_VARIANTS:-"--specontext-device-layers -1|--specontext-device-layers 0"}
-  peer_decode 124928
-  IFS='|'
-  for v in $list; do
-    IFS=$IFS_OLD
-    run 400 $R penumbra-bench decode --kv-policy specontext --specontext-head random --context 124928 --steps 50 \
-      --hit-rates natural,0.85 $v
-  done
-  IFS=$IFS_OLD
-  peer_decode 124928
+  decode_variants_beside_peer "${SPECONTEXT_VARIANTS:-"--specontext-device-layers -1|--specontext-device-layers 0"}" \
+    penumbra-bench decode --kv-policy specontext --specontext-head random --context 124928 --steps 50 \
+    --hit-rates natural,0.85
 }
 
 suite_specontext_long() {
